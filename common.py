@@ -1,0 +1,163 @@
+"""Helpers shared by tinyllm's scripts: seeding, atomic writes, hashing, timestamps.
+
+Every file a script promises to another (manifests, checkpoints, status files) is
+written through `atomic_write_*`: a temporary name beside the target, fsync, rename,
+and an fsync of the folder, so a crash leaves either the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad input, bad setting): printed as one line, exit 2."""
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one clear `error: ...` line to stderr and exit non-zero."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a script's main(), turning UserError into a one-line message and exit code 2."""
+    try:
+        result = main()
+    except UserError as error:
+        fail(str(error))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    if isinstance(result, int):
+        raise SystemExit(result)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and (when installed) torch generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.manual_seed(seed)
+
+
+def utc_now() -> str:
+    """An ISO-8601 UTC timestamp with a trailing Z, to the second."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = HASH_CHUNK_BYTES) -> str:
+    """Hex sha256 of a file, read in chunks so size never matters."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_tree(folder: str | os.PathLike) -> str:
+    """One sha256 over every file of a folder (relative names and contents, sorted)."""
+    root = Path(folder)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(sha256_file(path).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename inside `folder` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+    """Open a temporary file beside `path`; on success fsync and rename it over `path`.
+
+    On any exception the temporary file is removed and `path` is untouched.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp_name, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_name)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w") as handle:
+        handle.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON (indented, keys in insertion order, trailing newline) atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read a JSON file, raising UserError that names the file when it is missing or broken."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"{what} {path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    """Append one JSON line and flush it to disk (metrics logs survive a kill)."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def human_count(value: float) -> str:
+    """12345678 -> '12.3M' (for logs and model cards)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.1f}{unit}"
+    return f"{value:.0f}"

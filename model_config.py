@@ -1,0 +1,109 @@
+"""Qwen3 model presets, built with transformers' Qwen3Config / Qwen3ForCausalLM.
+
+The vocabulary always comes from the corpus tokenizer (`len(tokenizer)`); a preset fixes
+the shape of everything else. `think72` has exactly 72,000,000 parameters at vocab 33,069.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from common import UserError
+
+
+@dataclass(frozen=True)
+class Preset:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+
+
+PRESETS: dict[str, Preset] = {
+    # For tests and the CPU demo: well under 1M parameters at a demo-sized vocabulary.
+    "tiny": Preset(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, context=128),
+    "nano": Preset(layers=4, hidden=128, intermediate=384, heads=4, kv_heads=2, head_dim=32, context=256),
+    "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512),
+    "think72": Preset(layers=14, hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=128, context=1024),
+    "small125": Preset(layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=4, head_dim=64, context=1024),
+    "medium350": Preset(
+        layers=24, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, context=1024
+    ),
+}
+
+# Command-line names of the fields a user may override (--layers 8 --hidden 384 ...).
+OVERRIDABLE_FIELDS = [field.name for field in dataclasses.fields(Preset)]
+
+
+def resolve_preset(name: str, **overrides) -> Preset:
+    """The named preset with any non-None overrides applied."""
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    unknown = set(changes) - set(OVERRIDABLE_FIELDS)
+    if unknown:
+        raise UserError(f"unknown preset field(s): {', '.join(sorted(unknown))}")
+    preset = dataclasses.replace(PRESETS[name], **changes)
+    if preset.heads % preset.kv_heads:
+        raise UserError(f"heads ({preset.heads}) must be a multiple of kv_heads ({preset.kv_heads})")
+    return preset
+
+
+def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_token_id: int = 1,
+                 eos_token_id: int = 2):
+    """A transformers Qwen3Config for `preset` (tied embeddings, SDPA attention)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        intermediate_size=preset.intermediate,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        head_dim=preset.head_dim,
+        max_position_embeddings=preset.context,
+        rope_theta=preset.rope_theta,
+        rms_norm_eps=preset.rms_norm_eps,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        use_cache=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(preset: Preset, vocab_size: int, **config_kwargs):
+    """A freshly initialized Qwen3ForCausalLM (uses the caller's torch RNG state)."""
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(preset, vocab_size, **config_kwargs)
+    return Qwen3ForCausalLM(config)
+
+
+def parameter_count(preset: Preset, vocab_size: int) -> int:
+    """Parameters of the model (tied embedding counted once), computed from the shape alone."""
+    attention = preset.hidden * preset.head_dim * (2 * preset.heads + 2 * preset.kv_heads)
+    mlp = 3 * preset.hidden * preset.intermediate
+    norms = 2 * preset.hidden + 2 * preset.head_dim
+    return preset.layers * (attention + mlp + norms) + vocab_size * preset.hidden + preset.hidden
+
+
+def flops_per_token(preset: Preset, vocab_size: int, context: int | None = None) -> int:
+    """Training FLOPs per token: 6N plus the attention term (nanoGPT's estimate_mfu).
+
+    The attention term is 12 * layers * heads * head_dim * context (scores and weighted sum,
+    forward and backward); N excludes the embedding lookup but includes the tied LM head matmul.
+    """
+    context = context or preset.context
+    matmul_params = parameter_count(preset, vocab_size)
+    attention = 12 * preset.layers * preset.heads * preset.head_dim * context
+    return 6 * matmul_params + attention
