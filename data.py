@@ -3,14 +3,54 @@
     python data.py --demo --out corpus/demo
     python data.py --data docs/ chats.jsonl --out corpus/mine --vocab-size 33069
     python data.py --verify corpus/mine
+
+The recipe (`build_corpus`): resolve the inputs, stream their records through schema
+detection, cleaning, scope and de-duplication (`iter_documents`), train a BPE on a sample
+of that stream (or reuse `--tokenizer`), then stream it again through the Rust tokenizer
+into one token stream per split, cut into shards. Everything is written in a temporary
+folder beside `--out` and renamed into place at the end; `corpus_manifest.json` is the
+last file written, so its presence means the corpus is complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import argparse
+import contextlib
+import glob
+import gzip
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import unicodedata
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from common import UserError
+import numpy as np
+
+from common import (
+    UserError,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    human_count,
+    read_json,
+    run_main,
+    sha256_bytes,
+    sha256_file,
+    sha256_tree,
+    utc_now,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE whose pre-tokenizer llama.cpp reproduces exactly ("qwen2").
@@ -115,3 +155,1106 @@ def load_tokenizer(folder: str | Path):
     if not tokenizer.chat_template:
         raise UserError(f"tokenizer {folder} has no chat template")
     return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus format (DESIGN.md, "Corpus folder").
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "validation", "test")
+CORPUS_MANIFEST = "corpus_manifest.json"
+SOURCE_MANIFEST = "source_manifest.json"
+DATA_CARD = "DATA_CARD.md"
+TOKENIZER_DIR = "tokenizer"
+DEMO_EVAL_FILE = "eval/arithmetic.jsonl"
+DEMO_VOCAB_SIZE = 512
+
+
+def token_dtype(vocab_size: int) -> str:
+    """uint16 while every id fits, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+def load_corpus_manifest(corpus_dir: str | Path) -> dict:
+    """corpus_manifest.json of a finished corpus (UserError when it is missing or unreadable).
+
+    Layout: {"format_version", "dtype", "vocab_size", "special_tokens": {name: id},
+    "tokenizer_sha256", "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens"}],
+    "tokens", "documents"}}, "files": {relative path: sha256} for the other files, ...}.
+    """
+    path = Path(corpus_dir) / CORPUS_MANIFEST
+    if not path.is_file():
+        raise UserError(f"{corpus_dir} is not a finished corpus: {CORPUS_MANIFEST} is missing")
+    manifest = read_json(path, what="corpus manifest")
+    if not isinstance(manifest, dict) or "splits" not in manifest or "dtype" not in manifest:
+        raise UserError(f"corpus manifest {path} lacks 'splits' or 'dtype'")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"corpus manifest {path} has format_version {manifest.get('format_version')!r}, "
+                        f"this data.py reads {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_corpus(corpus_dir: str | Path) -> list[str]:
+    """Re-hash every shard, the tokenizer folder and the other listed files against the manifest.
+
+    Returns one human-readable problem per mismatch, naming the file (empty list: all good).
+    Raises UserError when the manifest itself is missing or unreadable.
+    """
+    root = Path(corpus_dir)
+    manifest = load_corpus_manifest(root)
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    problems = []
+    for split, info in manifest["splits"].items():
+        for entry in info["files"]:
+            path = root / entry["name"]
+            if not path.is_file():
+                problems.append(f"{entry['name']}: missing ({split} shard)")
+                continue
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                problems.append(f"{entry['name']}: {size} bytes, manifest says {entry['bytes']}")
+            elif sha256_file(path) != entry["sha256"]:
+                problems.append(f"{entry['name']}: sha256 does not match the manifest (corrupted or edited)")
+            elif size != entry["tokens"] * itemsize:
+                problems.append(f"{entry['name']}: {size} bytes is not {entry['tokens']} {manifest['dtype']} tokens")
+        if sum(entry["tokens"] for entry in info["files"]) != info["tokens"]:
+            problems.append(f"{split}: shard tokens do not add up to the split's {info['tokens']} tokens")
+    tokenizer_dir = root / TOKENIZER_DIR
+    if not tokenizer_dir.is_dir():
+        problems.append(f"{TOKENIZER_DIR}/: missing")
+    elif sha256_tree(tokenizer_dir) != manifest["tokenizer_sha256"]:
+        problems.append(f"{TOKENIZER_DIR}/: sha256 of the folder does not match the manifest")
+    for name, digest in manifest.get("files", {}).items():
+        path = root / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name}: sha256 does not match the manifest")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: files, folders, globs, datasets.save_to_disk folders and hf:NAME[:CONFIG][:SPLIT].
+
+FILE_KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".json": "json", ".txt": "text", ".md": "text",
+              ".parquet": "parquet"}
+MAX_WARNINGS_PER_SOURCE = 5
+
+
+@dataclass
+class Source:
+    """One input: a file, a saved dataset folder, a Hub dataset, or generated records."""
+
+    name: str  # as the user wrote it (or as found in a folder): used in messages and manifests
+    kind: str  # jsonl | json | text | parquet | arrow | hf | generated
+    path: Path | None = None
+    records: list | None = None  # kind == "generated": the records themselves
+
+
+def file_kind(path: Path) -> str | None:
+    name = path.name.lower()
+    for suffix, kind in FILE_KINDS.items():
+        if name.endswith(suffix):
+            return kind
+    return None
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder written by datasets' save_to_disk (a Dataset or a DatasetDict)."""
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    )
+
+
+def folder_sources(folder: Path) -> list[Source]:
+    """Every supported file below `folder` (sorted, hidden names skipped); saved datasets as one source."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        root_path = Path(root)
+        if is_saved_dataset(root_path):
+            found.append(Source(str(root_path), "arrow", root_path))
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            path = root_path / name
+            if not name.startswith(".") and file_kind(path):
+                found.append(Source(str(path), file_kind(path), path))
+    return sorted(found, key=lambda source: source.name)
+
+
+def resolve_inputs(specs: Iterable[str]) -> list[Source]:
+    """Turn --data arguments into sources, failing clearly on anything missing or unsupported."""
+    sources = []
+    for spec in specs:
+        if spec.startswith("hf:"):
+            if not spec[3:]:
+                raise UserError("--data hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
+            sources.append(Source(spec, "hf"))
+            continue
+        if any(char in spec for char in "*?["):
+            matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
+            if not matches:
+                raise UserError(f"--data {spec}: no files match this pattern")
+            paths = [Path(match) for match in matches]
+        else:
+            paths = [Path(os.path.expanduser(spec))]
+        for path in paths:
+            if not path.exists():
+                raise UserError(f"input not found: {path}")
+            if path.is_dir():
+                found = folder_sources(path)
+                if not found:
+                    raise UserError(f"input folder {path} holds no {', '.join(FILE_KINDS)} files "
+                                    "and is not a datasets.save_to_disk folder")
+                sources.extend(found)
+            elif file_kind(path) is None:
+                raise UserError(f"input {path}: unsupported file type; expected one of {', '.join(FILE_KINDS)}")
+            else:
+                sources.append(Source(str(path), file_kind(path), path))
+    unique, seen = [], set()
+    for source in sources:
+        key = source.path.resolve() if source.path else source.name
+        if key not in seen:
+            seen.add(key)
+            unique.append(source)
+    for source in unique:
+        if source.path and source.path.is_file() and source.path.stat().st_size == 0:
+            raise UserError(f"input file {source.path} is empty; remove it from --data")
+    return unique
+
+
+class RecordError(Exception):
+    """A record that cannot be read or understood; `reason` is the counter it is dropped under."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """(file:line, record or RecordError) for each non-blank line; never stops at a bad line."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            location = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield location, RecordError("invalid_utf8", f"{location}: invalid UTF-8 (byte {error.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield location, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield location, RecordError("malformed_json", f"{location}: malformed JSON ({error.msg}, "
+                                                              f"column {error.colno})")
+
+
+def read_utf8(path: Path) -> str | RecordError:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return RecordError("invalid_utf8", f"{path}: invalid UTF-8 at byte {error.start}")
+
+
+def iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    """A .json file: a list of records, a single record, or {"data": [...]} style wrappers."""
+    text = read_utf8(path)
+    if isinstance(text, RecordError):
+        yield str(path), text
+        return
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        yield f"{path}:{error.lineno}", RecordError("malformed_json", f"{path}:{error.lineno}: malformed JSON "
+                                                                       f"({error.msg})")
+        return
+    if isinstance(data, dict):
+        lists = [value for value in data.values() if isinstance(value, list) and value and
+                 all(isinstance(item, dict) for item in value)]
+        data = lists[0] if len(lists) == 1 and not looks_like_record(data) else [data]
+    for index, record in enumerate(data if isinstance(data, list) else [data]):
+        yield f"{path}[{index}]", record
+
+
+def iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises several types for broken files
+        raise UserError(f"input {path} is not a readable parquet file: {error}") from None
+    index = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            yield f"{path} row {index}", record
+            index += 1
+
+
+def iter_dataset_rows(dataset, label: str) -> Iterator[tuple[str, Any]]:
+    for index, record in enumerate(dataset):
+        yield f"{label} row {index}", record
+
+
+def iter_saved_dataset(path: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as error:
+        raise UserError(f"input {path} looks like a saved dataset but does not load: {error}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        for split in sorted(loaded):
+            yield from iter_dataset_rows(loaded[split], f"{path}[{split}]")
+    else:
+        yield from iter_dataset_rows(loaded, str(path))
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
+    """hf:NAME[:CONFIG][:SPLIT] -> (name, config or None, split, default train)."""
+    parts = spec[3:].split(":")
+    if len(parts) > 3:
+        raise UserError(f"--data {spec}: expected hf:NAME[:CONFIG][:SPLIT]")
+    name, config, split = (parts + [None, None])[:3]
+    return name, config or None, split or "train"
+
+
+def iter_hub_dataset(spec: str) -> Iterator[tuple[str, Any]]:
+    """A Hub dataset, streamed (nothing is downloaded up front). A local dataset folder works too."""
+    import datasets
+
+    name, config, split = parse_hf_spec(spec)
+    try:
+        streamed = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as error:  # offline, missing, gated, bad config...
+        raise UserError(f"--data {spec}: could not open the dataset: {type(error).__name__}: {error}") from None
+    yield from iter_dataset_rows(streamed, spec)
+
+
+def iter_source(source: Source) -> Iterator[tuple[str, Any]]:
+    """(location, record) pairs of one source; a record may be a RecordError to count."""
+    if source.kind == "jsonl":
+        return iter_jsonl(source.path)
+    if source.kind == "json":
+        return iter_json(source.path)
+    if source.kind == "text":
+        return iter([(source.name, read_utf8(source.path))])
+    if source.kind == "parquet":
+        return iter_parquet(source.path)
+    if source.kind == "arrow":
+        return iter_saved_dataset(source.path)
+    if source.kind == "hf":
+        return iter_hub_dataset(source.name)
+    return ((f"{source.name}[{index}]", record) for index, record in enumerate(source.records))
+
+
+def source_fingerprint(source: Source) -> str | None:
+    """sha256 of what a source holds (file, folder or generated records); None for the Hub."""
+    if source.kind == "arrow":
+        return sha256_tree(source.path)
+    if source.path is not None:
+        return sha256_file(source.path)
+    if source.records is not None:
+        return sha256_bytes("".join(json.dumps(r, sort_keys=True) + "\n" for r in source.records).encode())
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Record schemas -> documents. A document is ("chat" | "text", text); chats are rendered with
+# the tokenizer's chat template so training text and inference prompts match exactly.
+
+ROLE_ALIASES = {
+    "user": "user", "human": "user", "prompter": "user", "customer": "user",
+    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "model": "assistant",
+    "chatgpt": "assistant", "ai": "assistant", "claude": "assistant", "gemini": "assistant",
+    "system": "system", "developer": "system",
+    "tool": "tool", "function": "tool", "ipython": "tool",
+}
+REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "think")
+PAIR_SCHEMAS = (("prompt", "response"), ("prompt", "completion"), ("question", "answer"),
+                ("instruction", "output"), ("instruction", "response"), ("query", "response"))
+TEXT_KEYS = ("text", "content")
+KNOWN_SHAPES = "text/content, messages, conversations, " + ", ".join(f"{a}/{b}" for a, b in PAIR_SCHEMAS)
+
+
+def looks_like_record(data: dict) -> bool:
+    return ("messages" in data or "conversations" in data or any(key in data for key in TEXT_KEYS)
+            or any(a in data and b in data for a, b in PAIR_SCHEMAS))
+
+
+def content_text(content: Any) -> str:
+    """Message content as text: a string, or OpenAI-style parts [{"type": "text", "text": ...}]."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
+    if content is None:
+        return ""
+    raise RecordError("unknown_schema", f"message content is a {type(content).__name__}, expected text")
+
+
+def reasoning_of(mapping: dict) -> str | None:
+    for key in REASONING_KEYS:
+        if isinstance(mapping.get(key), str) and mapping[key].strip():
+            return mapping[key]
+    return None
+
+
+def chat_turns(turns: Any, role_key: str, content_key: str) -> list[dict]:
+    """[{role, content}] from `messages` or ShareGPT `conversations`, roles relabeled."""
+    if not isinstance(turns, list) or not turns:
+        raise RecordError("unknown_schema", "conversation is not a non-empty list of turns")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or role_key not in turn:
+            keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
+            raise RecordError("unknown_schema", f"a turn lacks '{role_key}' (saw {keys})")
+        role = ROLE_ALIASES.get(str(turn[role_key]).strip().lower())
+        if role is None:
+            raise RecordError("unknown_role", f"unknown role {turn[role_key]!r} "
+                                              f"(known: {', '.join(sorted(ROLE_ALIASES))})")
+        content = content_text(turn.get(content_key))
+        messages.append({"role": role, "content": content, "reasoning": reasoning_of(turn)})
+    return messages
+
+
+def record_messages(record: dict) -> list[dict] | None:
+    """The conversation in a record, or None when it is plain text."""
+    if "messages" in record:
+        return chat_turns(record["messages"], "role", "content")
+    if "conversations" in record:
+        first = record["conversations"][0] if isinstance(record["conversations"], list) and \
+            record["conversations"] else {}
+        role_key = "from" if isinstance(first, dict) and "from" in first else "role"
+        content_key = "value" if isinstance(first, dict) and "value" in first else "content"
+        return chat_turns(record["conversations"], role_key, content_key)
+    for prompt_key, answer_key in PAIR_SCHEMAS:
+        if prompt_key in record and answer_key in record:
+            prompt = content_text(record[prompt_key])
+            if isinstance(record.get("input"), str) and record["input"].strip():
+                prompt = f"{prompt}\n\n{record['input']}"
+            messages = [{"role": "system", "content": record["system"], "reasoning": None}] \
+                if isinstance(record.get("system"), str) and record["system"].strip() else []
+            messages.append({"role": "user", "content": prompt, "reasoning": None})
+            messages.append({"role": "assistant", "content": content_text(record[answer_key]),
+                             "reasoning": reasoning_of(record)})
+            return messages
+    return None
+
+
+def record_text(record: Any) -> str:
+    if isinstance(record, str):
+        return record
+    for key in TEXT_KEYS:
+        if isinstance(record.get(key), str):
+            return record[key]
+    raise RecordError("unknown_schema", f"unknown record shape with keys {sorted(record)}; "
+                                        f"expected one of: {KNOWN_SHAPES}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Cleaning, scopes, de-duplication and split assignment.
+
+UUID_PATTERN = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
+
+# Named document filters (--scope): name -> (what it keeps, predicate on (kind, text)).
+SCOPES: dict[str, tuple[str, Callable[[str, str], bool]]] = {
+    "full": ("every document", lambda kind, text: True),
+    "chat": ("conversation-like records only", lambda kind, text: kind == "chat"),
+    "text": ("plain text only", lambda kind, text: kind == "text"),
+    "reasoning": ("conversations with <think> reasoning", lambda kind, text: kind == "chat" and THINK_OPEN in text),
+}
+
+
+def clean_text(text: str, remove_uuids: bool = True) -> str:
+    """NFC unicode, \\n newlines, UUIDs removed (they are noise to a language model), ends stripped."""
+    if not unicodedata.is_normalized("NFC", text):
+        text = unicodedata.normalize("NFC", text)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if remove_uuids and "-" in text:
+        text = UUID_PATTERN.sub("", text)
+    return text.strip()
+
+
+def render_chat(messages: list[dict], chat_template: str, add_generation_prompt: bool = False) -> str:
+    """The chat template applied exactly as transformers' apply_chat_template(tokenize=False) does."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=chat_template,
+                                        add_generation_prompt=add_generation_prompt)
+    return rendered[0]
+
+
+def document_hash(text: str) -> tuple[int, float]:
+    """(de-duplication key, position in [0, 1) that picks the split), both from the text alone."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2.0**64
+
+
+def split_of(position: float, val_fraction: float, test_fraction: float) -> str:
+    if position < val_fraction:
+        return "validation"
+    if position < val_fraction + test_fraction:
+        return "test"
+    return "train"
+
+
+@dataclass
+class SourceStats:
+    """Per-source counters for source_manifest.json."""
+
+    records_read: int = 0
+    documents_kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    warnings: int = 0
+
+
+@dataclass
+class BuildSettings:
+    """Everything that decides the corpus bytes (recorded in the manifests)."""
+
+    scope: str = "full"
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    tokenizer: str | None = None
+    tokenizer_sample_bytes: int = 200_000_000
+    min_frequency: int = 2
+    val_fraction: float = 0.01
+    test_fraction: float = 0.01
+    shard_tokens: int = 100_000_000
+    min_chars: int = 10
+    remove_uuids: bool = True
+    strict: bool = False
+    skip_unknown: bool = False
+    batch_bytes: int = 4_000_000
+    progress: bool = True
+
+    def recorded(self) -> dict:
+        """The settings that shape the output (not progress bars)."""
+        return {key: value for key, value in asdict(self).items() if key not in ("progress", "batch_bytes")}
+
+
+def check_settings(settings: BuildSettings) -> None:
+    if settings.scope not in SCOPES:
+        raise UserError(f"--scope {settings.scope!r} is unknown; choose one of {', '.join(SCOPES)}")
+    if not 0 <= settings.val_fraction < 1 or not 0 <= settings.test_fraction < 1 or \
+            settings.val_fraction + settings.test_fraction >= 1:
+        raise UserError("--val-fraction and --test-fraction must be >= 0 and leave room for training data")
+    if settings.vocab_size < len(SPECIAL_TOKENS) + 256:
+        raise UserError(f"--vocab-size {settings.vocab_size} is below 263 (256 bytes + {len(SPECIAL_TOKENS)} "
+                        "special tokens)")
+    if settings.shard_tokens < 1 or settings.min_chars < 0 or settings.tokenizer_sample_bytes < 1:
+        raise UserError("--shard-tokens and --tokenizer-sample-bytes must be positive, --min-chars >= 0")
+
+
+def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, int]:
+    """(kind, document text, characters of content) for one record; raises RecordError."""
+    if isinstance(record, RecordError):
+        raise record
+    if not isinstance(record, (dict, str)):
+        raise RecordError("unknown_schema", f"record is a {type(record).__name__}, expected an object or text")
+    messages = record_messages(record) if isinstance(record, dict) else None
+    if messages is None:
+        text = clean_text(record_text(record), remove_uuids)
+        return "text", text, len(text)
+    turns = []
+    for message in messages:
+        content = clean_text(message["content"], remove_uuids)
+        reasoning = message["reasoning"] and clean_text(message["reasoning"], remove_uuids)
+        if message["role"] == "assistant" and reasoning and THINK_OPEN not in content:
+            content = render_assistant(content, reasoning)
+        turns.append({"role": message["role"], "content": content})
+    characters = sum(len(turn["content"]) for turn in turns)
+    return "chat", render_chat(turns, chat_template) if characters else "", characters
+
+
+def iter_documents(sources: list[Source], settings: BuildSettings, chat_template: str,
+                   stats: dict[str, SourceStats] | None = None, warn: bool = True) -> Iterator[tuple[str, str]]:
+    """(split, document text) for every kept document, in input order; counts every drop in `stats`.
+
+    A bad record (malformed JSON, invalid UTF-8) is counted and warned about as file:line, or is fatal
+    with `strict`; an unknown record shape is fatal unless `skip_unknown`.
+    """
+    accept = SCOPES[settings.scope][1]
+    seen: set[int] = set()
+    stats = {} if stats is None else stats
+    for source in sources:
+        counts = stats.setdefault(source.name, SourceStats())
+        for location, record in iter_source(source):
+            counts.records_read += 1
+            try:
+                kind, text, characters = to_document(record, chat_template, settings.remove_uuids)
+            except RecordError as error:
+                schema_error = error.reason in ("unknown_schema", "unknown_role")
+                if settings.strict or (schema_error and not settings.skip_unknown):
+                    hint = " (or pass --skip-unknown to drop such records)" if schema_error else ""
+                    message = str(error) if str(error).startswith(str(source.name)) else f"{location}: {error}"
+                    raise UserError(message + hint) from None
+                counts.dropped[error.reason] += 1
+                counts.warnings += 1
+                if warn and counts.warnings <= MAX_WARNINGS_PER_SOURCE:
+                    message = str(error) if str(error).startswith(str(source.name)) else f"{location}: {error}"
+                    print(f"warning: {message}; skipped", file=sys.stderr)
+                continue
+            if characters == 0:
+                counts.dropped["empty"] += 1
+                continue
+            if characters < settings.min_chars:
+                counts.dropped["too_short"] += 1
+                continue
+            if not accept(kind, text):
+                counts.dropped[f"scope_{settings.scope}"] += 1
+                continue
+            key, position = document_hash(text)
+            if key in seen:
+                counts.dropped["duplicate"] += 1
+                continue
+            seen.add(key)
+            counts.documents_kept += 1
+            yield split_of(position, settings.val_fraction, settings.test_fraction), text
+        if warn and counts.warnings > MAX_WARNINGS_PER_SOURCE:
+            print(f"warning: {source.name}: {counts.warnings - MAX_WARNINGS_PER_SOURCE} more bad records skipped "
+                  "(counted in source_manifest.json)", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer: train on a sample of the document stream, or reuse --tokenizer.
+
+
+def sample_texts(documents: Iterable[tuple[str, str]], max_bytes: int) -> Iterator[str]:
+    """Document texts until about `max_bytes` of UTF-8 have been yielded (the first documents)."""
+    total = 0
+    for _, text in documents:
+        yield text
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            return
+
+
+def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: Path):
+    """Train (or copy) the tokenizer into `out_dir`; returns the loaded transformers tokenizer."""
+    if settings.tokenizer:
+        source_dir = Path(settings.tokenizer)
+        if not source_dir.is_dir():
+            raise UserError(f"--tokenizer {source_dir} is not a folder")
+        load_tokenizer(source_dir)  # fails clearly before anything is copied
+        shutil.copytree(source_dir, out_dir, ignore=shutil.ignore_patterns(".*"))
+        return load_tokenizer(out_dir)
+    documents = iter_documents(sources, settings, CHAT_TEMPLATE, warn=False)
+    texts = sample_texts(documents, settings.tokenizer_sample_bytes)
+    _, reached = train_tokenizer(texts, settings.vocab_size, out_dir, min_frequency=settings.min_frequency)
+    if reached < settings.vocab_size:
+        print(f"note: the text only supports a vocabulary of {reached} (asked for {settings.vocab_size}); "
+              f"keeping {reached}", file=sys.stderr)
+    return load_tokenizer(out_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing: parallel tokenization, streamed into shards.
+
+
+class ShardWriter:
+    """Appends token ids to `{split}-NNNNN.bin` files of at most `shard_tokens` tokens, hashing as it goes."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
+        self.files: list[dict] = []
+        self.documents = 0
+        self.handle = None
+        self.digest = None
+        self.in_shard = 0
+
+    def _open(self) -> None:
+        name = shard_name(self.split, len(self.files))
+        self.handle = open(self.folder / name, "wb")
+        self.digest = hashlib.sha256()
+        self.in_shard = 0
+        self.files.append({"name": name, "bytes": 0, "sha256": "", "tokens": 0})
+
+    def _close_shard(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        self.files[-1].update(bytes=self.in_shard * self.dtype.itemsize, sha256=self.digest.hexdigest(),
+                              tokens=self.in_shard)
+        self.handle = None
+
+    def write(self, ids: np.ndarray, documents: int) -> None:
+        self.documents += documents
+        ids = ids.astype(self.dtype, copy=False)
+        while len(ids):
+            if self.handle is None:
+                self._open()
+            take = min(len(ids), self.shard_tokens - self.in_shard)
+            data = ids[:take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+            self.handle.write(data)
+            self.digest.update(data)
+            self.in_shard += take
+            ids = ids[take:]
+            if self.in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def finish(self) -> dict:
+        if self.handle is not None:
+            self._close_shard()
+        return {"files": self.files, "tokens": sum(entry["tokens"] for entry in self.files),
+                "documents": self.documents}
+
+
+def batches(documents: Iterable[tuple[str, str]], batch_bytes: int) -> Iterator[tuple[list[str], list[str]]]:
+    """Group (split, text) into (splits, texts) lists of about `batch_bytes` characters."""
+    splits, texts, size = [], [], 0
+    for split, text in documents:
+        splits.append(split)
+        texts.append(text)
+        size += len(text)
+        if size >= batch_bytes:
+            yield splits, texts
+            splits, texts, size = [], [], 0
+    if texts:
+        yield splits, texts
+
+
+def encode_batch(backend, eos_id: int, dtype: str, splits: list[str], texts: list[str]) -> dict[str, tuple]:
+    """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents)."""
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    streams: dict[str, list[int]] = {}
+    counts: Counter = Counter()
+    for split, encoding in zip(splits, encodings):
+        stream = streams.setdefault(split, [])
+        stream.extend(encoding.ids)
+        stream.append(eos_id)
+        counts[split] += 1
+    return {split: (np.array(stream, dtype=dtype), counts[split]) for split, stream in streams.items()}
+
+
+def pack_documents(documents: Iterable[tuple[str, str]], tokenizer, folder: Path, settings: BuildSettings,
+                   dtype: str) -> dict[str, dict]:
+    """Tokenize `documents` into shards; returns the per-split manifest entries.
+
+    One worker thread runs the Rust tokenizer on batch k while this thread reads and cleans
+    batch k+1, so parsing and tokenization overlap; results are written in input order.
+    """
+    from tqdm import tqdm
+
+    backend = tokenizer.backend_tokenizer
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    writers = {split: ShardWriter(folder, split, dtype, settings.shard_tokens) for split in SPLITS}
+    bar = tqdm(desc="tokenizing", unit=" docs", disable=not settings.progress, file=sys.stderr, smoothing=0.1)
+    started, tokens = time.perf_counter(), 0
+
+    def write(result: dict[str, tuple]) -> None:
+        nonlocal tokens
+        for split, (ids, count) in result.items():
+            writers[split].write(ids, count)
+            tokens += len(ids)
+            bar.update(count)
+        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s", refresh=False)
+
+    pending: deque = deque()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for splits, texts in batches(documents, settings.batch_bytes):
+            pending.append(pool.submit(encode_batch, backend, eos_id, dtype, splits, texts))
+            if len(pending) > 1:
+                write(pending.popleft().result())
+        while pending:
+            write(pending.popleft().result())
+    bar.close()
+    return {split: writer.finish() for split, writer in writers.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifests and the data card.
+
+
+def source_manifest(sources: list[Source], stats: dict[str, SourceStats], settings: BuildSettings,
+                    generator: dict | None) -> dict:
+    inputs, dropped = [], Counter()
+    for source in sources:
+        counts = stats.get(source.name, SourceStats())
+        dropped.update(counts.dropped)
+        inputs.append({
+            "source": source.name,
+            "kind": source.kind,
+            "bytes": (source.path.stat().st_size if source.path and source.path.is_file() else None),
+            "sha256": source_fingerprint(source),
+            "records_read": counts.records_read,
+            "documents_kept": counts.documents_kept,
+            "dropped": dict(sorted(counts.dropped.items())),
+        })
+    return {
+        "format_version": FORMAT_VERSION,
+        "created_utc": utc_now(),
+        "settings": settings.recorded(),
+        "generator": generator,
+        "inputs": inputs,
+        "totals": {
+            "records_read": sum(entry["records_read"] for entry in inputs),
+            "documents_kept": sum(entry["documents_kept"] for entry in inputs),
+            "dropped": dict(sorted(dropped.items())),
+        },
+    }
+
+
+def data_card(corpus: dict, sources: dict) -> str:
+    """DATA_CARD.md: the manifests, for people."""
+    lines = [
+        "# Data card",
+        "",
+        f"Built {sources['created_utc']} by `data.py` (format {corpus['format_version']}). "
+        "Check it with `python data.py --verify <this folder>`.",
+        "",
+        "## Inputs",
+        "",
+        "| source | kind | sha256 | records read | kept | dropped |",
+        "|---|---|---|---:|---:|---|",
+    ]
+    for entry in sources["inputs"]:
+        drops = ", ".join(f"{reason} {count}" for reason, count in entry["dropped"].items()) or "-"
+        digest = (entry["sha256"] or "n/a (streamed)")[:16]
+        lines.append(f"| `{entry['source']}` | {entry['kind']} | `{digest}` | {entry['records_read']} | "
+                     f"{entry['documents_kept']} | {drops} |")
+    totals = sources["totals"]
+    lines += [
+        "",
+        f"Total: {totals['records_read']} records read, {totals['documents_kept']} documents kept, "
+        f"dropped {sum(totals['dropped'].values())} "
+        f"({', '.join(f'{k} {v}' for k, v in totals['dropped'].items()) or 'none'}).",
+        "",
+        "## Splits",
+        "",
+        "| split | documents | tokens | shards |",
+        "|---|---:|---:|---:|",
+    ]
+    for split, info in corpus["splits"].items():
+        lines.append(f"| {split} | {info['documents']} | {info['tokens']} ({human_count(info['tokens'])}) | "
+                     f"{len(info['files'])} |")
+    settings = sources["settings"]
+    lines += [
+        "",
+        "## Tokenizer and settings",
+        "",
+        f"- vocabulary: {corpus['vocab_size']} ids stored as `{corpus['dtype']}`; "
+        f"{'reused from ' + settings['tokenizer'] if settings['tokenizer'] else 'byte-level BPE trained here'} "
+        "(Qwen2 pre-tokenizer, digits split one by one, ChatML chat template)",
+        f"- special tokens: {', '.join(f'`{name}`={index}' for name, index in corpus['special_tokens'].items())}",
+        f"- scope `{settings['scope']}` ({SCOPES[settings['scope']][0]}); documents shorter than "
+        f"{settings['min_chars']} characters dropped; UUIDs {'removed' if settings['remove_uuids'] else 'kept'}; "
+        "unicode NFC; exact duplicates removed across all inputs",
+        f"- splits by a hash of each document's text: validation {settings['val_fraction']}, "
+        f"test {settings['test_fraction']}; every document ends with `<eos>`",
+    ]
+    if sources.get("generator"):
+        lines += ["", "## Generated data", "", f"`{json.dumps(sources['generator'])}`"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# The build: temporary folder beside --out, renamed into place at the end.
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+    if not (out / CORPUS_MANIFEST).is_file():
+        raise UserError(f"--out {out} is not a corpus folder (no {CORPUS_MANIFEST}); refusing to replace it "
+                        "even with --overwrite")
+
+
+@contextlib.contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A fresh temporary folder beside `out`, removed on any failure (Ctrl-C included)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        yield temp
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def swap_into_place(temp: Path, out: Path) -> None:
+    """Rename the finished folder to `out`, replacing an old corpus (or an empty folder) there."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(temp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSettings, overwrite: bool = False,
+                 extra_files: dict[str, bytes] | None = None, generator: dict | None = None) -> Path:
+    """Build the corpus folder `out_dir` from `sources` (see the module docstring for the recipe)."""
+    out = Path(out_dir)
+    check_settings(settings)
+    check_out_dir(out, overwrite)
+    started = time.perf_counter()
+    with building(out) as temp:
+        tokenizer = prepare_tokenizer(settings, sources, temp / TOKENIZER_DIR)
+        vocab_size = len(tokenizer)
+        dtype = token_dtype(vocab_size)
+        stats: dict[str, SourceStats] = {}
+        documents = iter_documents(sources, settings, tokenizer.chat_template, stats)
+        splits = pack_documents(documents, tokenizer, temp, settings, dtype)
+        kept = sum(info["documents"] for info in splits.values())
+        if kept == 0:
+            raise UserError("no documents left after reading and filtering the inputs "
+                            f"({describe_drops(stats)}); nothing to build")
+        if splits["train"]["tokens"] == 0:
+            raise UserError("no documents landed in the train split; lower --val-fraction/--test-fraction")
+        for name, data in (extra_files or {}).items():
+            atomic_write_bytes(temp / name, data)
+        sources_doc = source_manifest(sources, stats, settings, generator)
+        atomic_write_json(temp / SOURCE_MANIFEST, sources_doc)
+        corpus = {
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype,
+            "vocab_size": vocab_size,
+            "special_tokens": {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS},
+            "tokenizer_sha256": sha256_tree(temp / TOKENIZER_DIR),
+            "splits": splits,
+            "documents": kept,
+            "tokens": sum(info["tokens"] for info in splits.values()),
+            "settings": settings.recorded(),
+            "created_utc": sources_doc["created_utc"],
+        }
+        atomic_write_text(temp / DATA_CARD, data_card(corpus, sources_doc))
+        listed = [SOURCE_MANIFEST, DATA_CARD, *sorted(extra_files or {})]
+        corpus["files"] = {name: sha256_file(temp / name) for name in listed}
+        atomic_write_json(temp / CORPUS_MANIFEST, corpus)
+        swap_into_place(temp, out)
+    print_summary(out, corpus, stats, time.perf_counter() - started)
+    return out
+
+
+def describe_drops(stats: dict[str, SourceStats]) -> str:
+    read = sum(counts.records_read for counts in stats.values())
+    dropped = sum((counts.dropped for counts in stats.values()), Counter())
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items())) or "none dropped"
+    return f"{read} records read; dropped: {reasons}"
+
+
+def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], seconds: float) -> None:
+    print(f"corpus ready: {out}")
+    print(f"  documents: {corpus['documents']} kept ({describe_drops(stats)})")
+    per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs)"
+                          for split, info in corpus["splits"].items())
+    print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")
+    print(f"  {seconds:.1f} s, {corpus['tokens'] / max(seconds, 1e-9):,.0f} tokens/s overall")
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded demo corpus: arithmetic word problems with short mechanical reasoning.
+
+DEMO_SEED = 1234
+ADDITION_PROMPTS = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}.",
+                    "What do you get when you add {a} and {b}?", "Compute {a} + {b}.",
+                    "What is the sum of {a} and {b}?")
+SUBTRACTION_PROMPTS = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.")
+APPLE_PROMPTS = ("If a box has {a} rows of {b} apples, how many apples are there?",
+                 "A tray holds {a} rows with {b} apples in each row. How many apples?",
+                 "There are {a} rows of apples and each row has {b} apples. How many apples in total?")
+SENTENCE_PARTS = {
+    "name": ("Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon", "Kai", "Lea"),
+    "verb": ("likes", "reads", "paints", "finds", "draws", "counts", "keeps", "sees"),
+    "thing": ("red apples", "old books", "small boats", "green leaves", "blue stones", "white clouds",
+              "yellow pears", "tiny shells", "round coins", "bright stars"),
+    "place": ("in the garden", "by the river", "at school", "on the hill", "near the shop", "at home",
+              "under the tree", "in the park"),
+}
+DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 30}
+
+
+def addition_reasoning(a: int, b: int) -> str:
+    """Column addition, units first: '8 + 7 = 15' / '4 + 3 + 1 = 8' / '48 + 37 = 85'."""
+    units = a % 10 + b % 10
+    tens = a // 10 + b // 10 + units // 10
+    return f"{a % 10} + {b % 10} = {units}\n{a // 10} + {b // 10} + {units // 10} = {tens}\n{a} + {b} = {a + b}"
+
+
+def demo_problem(task: str, a: int, b: int, prompt: str) -> dict:
+    """{"prompt", "answer", "task", "reasoning"} for one problem."""
+    if task == "addition":
+        answer, reasoning = a + b, addition_reasoning(a, b)
+    elif task == "subtraction":
+        answer, reasoning = a - b, f"{a} - {b} = {a - b}"
+    else:
+        answer, reasoning = a * b, f"{a} rows of {b} apples is {a} x {b} = {a * b} apples."
+    return {"prompt": prompt.format(a=a, b=b), "answer": str(answer), "task": task, "reasoning": reasoning}
+
+
+def demo_held_out(rng: random.Random) -> dict[str, set]:
+    """The operand pairs kept out of training: two-digit additions (both orders), subtractions, products."""
+    additions = set()
+    while len(additions) < DEMO_EVAL_COUNTS["addition"]:
+        pair = (rng.randint(10, 99), rng.randint(10, 99))
+        if pair not in additions and pair[::-1] not in additions:
+            additions.add(pair)
+    subtractions = set()
+    while len(subtractions) < DEMO_EVAL_COUNTS["subtraction"]:
+        a = rng.randint(10, 99)
+        subtractions.add((a, rng.randint(0, a)))
+    products = set()
+    while len(products) < DEMO_EVAL_COUNTS["multiplication"]:
+        products.add((rng.randint(2, 12), rng.randint(2, 12)))
+    return {"addition": additions, "subtraction": subtractions, "multiplication": products}
+
+
+def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
+    """(training records, held-out eval problems), a pure function of `seed`.
+
+    Every addition a + b with a, b in 0..99 appears twice (the canonical 'What is a plus b?' and
+    one other phrasing) unless the pair is held out in either order; subtraction and apple rows
+    appear once or twice; about a tenth of the records are plain sentences.
+    """
+    rng = random.Random(seed)
+    held = demo_held_out(rng)
+    held_sums = held["addition"] | {pair[::-1] for pair in held["addition"]}
+    eval_problems = []
+    for task, prompts in (("addition", ADDITION_PROMPTS), ("subtraction", SUBTRACTION_PROMPTS),
+                          ("multiplication", APPLE_PROMPTS)):
+        for a, b in sorted(held[task]):
+            problem = demo_problem(task, a, b, prompts[0])
+            eval_problems.append({key: problem[key] for key in ("prompt", "answer", "task")})
+
+    problems = []
+    for a, b in itertools.product(range(100), range(100)):
+        if (a, b) not in held_sums:
+            problems.append(demo_problem("addition", a, b, ADDITION_PROMPTS[0]))
+            problems.append(demo_problem("addition", a, b, rng.choice(ADDITION_PROMPTS[1:])))
+    for a in range(100):
+        for b in range(a + 1):
+            # Skip a - b = c when c + b is a held-out sum: the eval must test generalization.
+            if (a, b) not in held["subtraction"] and (a - b, b) not in held_sums and rng.random() < 0.6:
+                problems.append(demo_problem("subtraction", a, b, rng.choice(SUBTRACTION_PROMPTS)))
+    for a, b in itertools.product(range(1, 13), range(1, 13)):
+        if (a, b) not in held["multiplication"]:
+            for prompt in rng.sample(APPLE_PROMPTS, 2):
+                problems.append(demo_problem("multiplication", a, b, prompt))
+    records = [{"messages": [{"role": "user", "content": p["prompt"]},
+                             {"role": "assistant", "content": p["answer"], "reasoning": p["reasoning"]}]}
+               for p in problems]
+    sentences = {f"{name} {verb} {count} {thing} {place}."
+                 for name, verb, thing, place, count in itertools.product(
+                     *SENTENCE_PARTS.values(), ("two", "three", "many", "some"))}
+    sentences = sorted(sentences)
+    rng.shuffle(sentences)
+    for start in range(0, len(records) // 10 * 2, 2):
+        records.append({"text": f"{sentences[start]} {sentences[start + 1]}"})
+    rng.shuffle(records)
+    return records, eval_problems
+
+
+def build_demo_corpus(out_dir: str | Path, overwrite: bool = False, seed: int = DEMO_SEED, **options) -> Path:
+    """The embedded demo corpus (no input needed): `options` are BuildSettings fields.
+
+    Defaults differ from a real corpus: vocab 512, 5% validation and 5% test documents.
+    Held-out problems go to `DEMO_EVAL_FILE` ({"prompt", "answer", "task"} per line) and
+    never appear in any split.
+    """
+    options = {"vocab_size": DEMO_VOCAB_SIZE, "val_fraction": 0.05, "test_fraction": 0.05, **options}
+    unknown = set(options) - {f.name for f in fields(BuildSettings)}
+    if unknown:
+        raise TypeError(f"unknown demo corpus option(s): {', '.join(sorted(unknown))}")
+    records, eval_problems = demo_data(seed)
+    eval_jsonl = "".join(json.dumps(problem, ensure_ascii=False) + "\n" for problem in eval_problems)
+    source = Source("demo:arithmetic", "generated", records=records)
+    generator = {"name": "demo:arithmetic", "seed": seed, "records": len(records),
+                 "eval_problems": dict(Counter(problem["task"] for problem in eval_problems))}
+    return build_corpus([source], out_dir, BuildSettings(**options), overwrite=overwrite,
+                        extra_files={DEMO_EVAL_FILE: eval_jsonl.encode()}, generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = BuildSettings()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    what = parser.add_argument_group("what to do (one of)")
+    what.add_argument("--data", nargs="+", metavar="PATH",
+                      help="input files, folders, globs (.jsonl .jsonl.gz .json .txt .md .parquet), "
+                           "datasets.save_to_disk folders, hf:NAME[:CONFIG][:SPLIT]")
+    what.add_argument("--demo", action="store_true", help="build the embedded arithmetic chat corpus (no input)")
+    what.add_argument("--verify", metavar="CORPUS", help="re-hash a corpus against its manifest and exit")
+    parser.add_argument("--out", help="corpus folder to create")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --out")
+    parser.add_argument("--scope", default=defaults.scope, choices=list(SCOPES),
+                        help="document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()))
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help=f"BPE vocabulary to train ({DEFAULT_VOCAB_SIZE}; {DEMO_VOCAB_SIZE} with --demo)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None, help="reuse this tokenizer folder")
+    parser.add_argument("--tokenizer-sample-bytes", type=int, default=defaults.tokenizer_sample_bytes,
+                        help="train the BPE on at most this much text (the first documents)")
+    parser.add_argument("--min-frequency", type=int, default=defaults.min_frequency, help="BPE merge min count")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help=f"share of documents in validation ({defaults.val_fraction}; 0.05 with --demo)")
+    parser.add_argument("--test-fraction", type=float, default=None,
+                        help=f"share of documents in test ({defaults.test_fraction}; 0.05 with --demo)")
+    parser.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
+    parser.add_argument("--min-chars", type=int, default=defaults.min_chars,
+                        help="drop documents with fewer characters of content")
+    parser.add_argument("--remove-uuids", action=argparse.BooleanOptionalAction, default=defaults.remove_uuids,
+                        help="strip UUIDs from the text")
+    parser.add_argument("--strict", action="store_true", help="stop at the first malformed record")
+    parser.add_argument("--skip-unknown", action="store_true",
+                        help="drop (and count) records of unknown shape instead of stopping")
+    parser.add_argument("--batch-bytes", type=int, default=defaults.batch_bytes,
+                        help="characters of text per tokenization batch")
+    parser.add_argument("--seed", type=int, default=DEMO_SEED, help="seed of the --demo generator")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if sum(bool(x) for x in (args.data, args.demo, args.verify)) != 1:
+        parser.error("give exactly one of --data, --demo or --verify")
+
+    if args.verify:
+        problems = verify_corpus(args.verify)
+        for problem in problems:
+            print(f"MISMATCH {problem}")
+        print(f"{args.verify}: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'OK'}")
+        return 1 if problems else 0
+
+    if not args.out:
+        parser.error("--out is required to build a corpus")
+    options = {
+        "scope": args.scope, "tokenizer": args.tokenizer, "tokenizer_sample_bytes": args.tokenizer_sample_bytes,
+        "min_frequency": args.min_frequency, "shard_tokens": args.shard_tokens, "min_chars": args.min_chars,
+        "remove_uuids": args.remove_uuids, "strict": args.strict, "skip_unknown": args.skip_unknown,
+        "batch_bytes": args.batch_bytes, "progress": args.progress,
+    }
+    chosen = {"vocab_size": args.vocab_size, "val_fraction": args.val_fraction, "test_fraction": args.test_fraction}
+    options.update({key: value for key, value in chosen.items() if value is not None})
+    if args.demo:
+        build_demo_corpus(args.out, overwrite=args.overwrite, seed=args.seed, **options)
+    else:
+        build_corpus(resolve_inputs(args.data), args.out, BuildSettings(**options), overwrite=args.overwrite)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
