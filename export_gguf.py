@@ -1,0 +1,807 @@
+"""Export a tinyllm model folder (Hugging Face Qwen3) to one GGUF file for llama.cpp and ollama.
+
+    python export_gguf.py RUN/model --out model.gguf --type q8_0
+    python export_gguf.py RUN/model --out model-f32.gguf --type f32 --verify
+    ollama create tinyllm -f model.Modelfile
+
+The GGUF is written with the `gguf` package alone: architecture `qwen3`, every hyperparameter
+llama.cpp reads (including key/value length, since our head_dim is not hidden/heads), norms in
+f32, the tied output embedding stored once, and the byte-level BPE as a `gpt2` tokenizer with the
+`qwen2` pre-tokenizer. A `Modelfile` for `ollama create` is written beside it.
+
+`--verify` checks the file before it is renamed into place: `gguf.GGUFReader` reads every tensor
+back equal to the source (within the quantization error for q8_0), and llama.cpp (through
+llama-cpp-python) tokenizes a varied text set exactly like the Hugging Face tokenizer and matches
+the Hugging Face model's logits (f32: within 1e-3) or greedy continuations (f16, bf16, q8_0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common import UserError, fsync_dir, run_main, sha256_file
+
+GGUF_SUFFIX = ".gguf"
+SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+PROVENANCE_FILE = "training_provenance.json"
+PROVENANCE_KEYS = ("corpus_sha256", "tokenizer_sha256")
+
+# --type -> (ggml type of the matrices, general.file_type). Vectors (norms) always stay f32.
+OUT_TYPES = {
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+}
+
+# Stop generating at either end marker: <eos> ends a document, <|im_end|> ends a chat turn.
+# The GGUF has eos = <eos> and eot = <|im_end|>; llama.cpp treats both as end-of-generation.
+STOP_TOKENS = ("<|im_end|>", "<eos>")
+
+# ChatML in ollama's Go template syntax, rendering exactly what data.CHAT_TEMPLATE renders with
+# add_generation_prompt=True (system messages come through .Messages like any other role).
+OLLAMA_TEMPLATE = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n"
+    "{{ .Content }}<|im_end|>\n"
+    "{{ end }}<|im_start|>assistant\n"
+)
+
+MODELFILE_TEMPLATE = '''# ollama Modelfile written by tinyllm export_gguf.py: `ollama create NAME -f {modelfile}`
+FROM ./{gguf}
+TEMPLATE """{template}"""
+{stops}
+PARAMETER num_ctx {context}
+'''
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the Hugging Face folder
+
+
+@dataclass
+class ModelSource:
+    """What export needs from a Hugging Face Qwen3 folder: hyperparameters and weight files."""
+
+    folder: Path
+    config: dict
+    weight_files: list[Path]
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tied: bool
+
+
+@dataclass
+class Vocab:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    eot_id: int | None
+    chat_template: str
+    special_tokens: list[str] = field(default_factory=list)
+    tokenizer_json_sha256: str = ""
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+
+
+def rope_theta_of(config: dict, config_path: Path) -> float:
+    """rope_theta from transformers 5 (`rope_parameters`) or 4 (`rope_theta`, `rope_scaling`)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UserError(f"{config_path}: rope_type {rope_type!r} is not supported (only plain RoPE)")
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        raise UserError(f"{config_path}: no rope_theta")
+    return float(theta)
+
+
+def read_model_folder(folder: str | Path) -> ModelSource:
+    """Validate that `folder` holds a Qwen3ForCausalLM we can export, and read its shape."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"model folder not found: {folder}")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    config = read_json_file(config_path, "config")
+    architectures = config.get("architectures") or []
+    if config.get("model_type") != "qwen3" or architectures[:1] != ["Qwen3ForCausalLM"]:
+        raise UserError(
+            f"{config_path}: not a Qwen3 model (model_type={config.get('model_type')!r}, "
+            f"architectures={architectures}); export_gguf.py exports Qwen3ForCausalLM only"
+        )
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
+        if config.get(key, expected) != expected:
+            raise UserError(f"{config_path}: {key}={config.get(key)!r} is not supported (expected {expected!r})")
+    missing = [key for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                               "num_key_value_heads", "max_position_embeddings", "vocab_size", "rms_norm_eps")
+               if key not in config]
+    if missing:
+        raise UserError(f"{config_path}: missing {', '.join(missing)}")
+    heads = int(config["num_attention_heads"])
+    return ModelSource(
+        folder=folder,
+        config=config,
+        weight_files=weight_files(folder),
+        layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        intermediate=int(config["intermediate_size"]),
+        heads=heads,
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        context=int(config["max_position_embeddings"]),
+        vocab_size=int(config["vocab_size"]),
+        rope_theta=rope_theta_of(config, config_path),
+        rms_norm_eps=float(config["rms_norm_eps"]),
+        tied=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, or every shard named by model.safetensors.index.json."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(read_json_file(index, "safetensors index").get("weight_map", {}).values()))
+        files = [folder / name for name in shards]
+    else:
+        files = [folder / "model.safetensors"]
+    absent = [str(path) for path in files if not path.is_file()]
+    if absent:
+        hint = " (only safetensors weights are supported)" if (folder / "pytorch_model.bin").exists() else ""
+        raise UserError(f"weights not found: {', '.join(absent)}{hint}")
+    return files
+
+
+def token_text(value) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def read_vocab(source: ModelSource) -> Vocab:
+    """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
+    from tokenizers import Tokenizer
+
+    from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS
+
+    folder = source.folder
+    tokenizer_path = folder / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise UserError(f"{folder} has no tokenizer.json: save the tokenizer into the model folder")
+    spec = read_json_file(tokenizer_path, "tokenizer")
+    check_tokenizer_is_qwen2_bpe(spec, tokenizer_path, QWEN2_SPLIT_PATTERN)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    count = tokenizer.get_vocab_size(with_added_tokens=True)
+    if count != source.vocab_size:
+        raise UserError(
+            f"{tokenizer_path} has {count} tokens but {folder / 'config.json'} has vocab_size "
+            f"{source.vocab_size} (embedding rows): the tokenizer does not belong to this model"
+        )
+    id_to_token = {index: token for token, index in tokenizer.get_vocab(with_added_tokens=True).items()}
+    if len(id_to_token) != count or set(id_to_token) != set(range(count)):
+        raise UserError(f"{tokenizer_path}: token ids are not exactly 0..{count - 1}")
+    added = {entry["id"]: entry for entry in spec.get("added_tokens", [])}
+    for position, token in enumerate(SPECIAL_TOKENS):
+        if id_to_token.get(position) != token or not added.get(position, {}).get("special"):
+            raise UserError(f"{tokenizer_path}: special token {token} must have id {position}")
+
+    from gguf import TokenType
+
+    tokens = [id_to_token[index] for index in range(count)]
+    token_types = []
+    for index in range(count):
+        if index not in added:
+            token_types.append(int(TokenType.NORMAL))
+        elif added[index].get("special"):
+            token_types.append(int(TokenType.CONTROL))
+        else:
+            token_types.append(int(TokenType.USER_DEFINED))
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"].get("merges", [])]
+
+    tokenizer_config = read_json_file(folder / "tokenizer_config.json", "tokenizer_config.json")
+    ids = {}
+    for role, default in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
+        text = token_text(tokenizer_config.get(f"{role}_token")) or default
+        if text not in tokens:
+            raise UserError(f"{folder / 'tokenizer_config.json'}: {role}_token {text!r} is not in the vocabulary")
+        ids[role] = tokens.index(text)
+        declared = source.config.get(f"{role}_token_id")
+        declared = declared if isinstance(declared, list) else [declared]
+        if declared != [None] and ids[role] not in declared:
+            raise UserError(
+                f"{folder / 'config.json'}: {role}_token_id {declared} does not match the tokenizer's "
+                f"{role}_token {text!r} (id {ids[role]}): mismatched tokenizer"
+            )
+    return Vocab(
+        tokens=tokens,
+        token_types=token_types,
+        merges=merges,
+        bos_id=ids["bos"],
+        eos_id=ids["eos"],
+        pad_id=ids["pad"],
+        eot_id=tokens.index(IM_END) if IM_END in tokens else None,
+        chat_template=read_chat_template(folder, tokenizer_config),
+        special_tokens=[tokens[index] for index in sorted(added) if added[index].get("special")],
+        tokenizer_json_sha256=sha256_file(tokenizer_path),
+    )
+
+
+def check_tokenizer_is_qwen2_bpe(spec: dict, path: Path, split_pattern: str) -> None:
+    """llama.cpp reproduces our tokenizer only if it is byte-level BPE with the Qwen2 split."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise UserError(f"{path}: tokenizer model is {model.get('type')!r}, expected byte-level 'BPE'")
+    if spec.get("normalizer") is not None:
+        raise UserError(f"{path}: a normalizer is set; llama.cpp's qwen2 tokenizer has none")
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    patterns = [(step.get("pattern") or {}).get("Regex") for step in steps if step.get("type") == "Split"]
+    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
+    if patterns != [split_pattern] or len(byte_level) != 1 or byte_level[0].get("add_prefix_space"):
+        raise UserError(
+            f"{path}: pre-tokenizer is not the Qwen2 split + ByteLevel that data.py writes; "
+            "llama.cpp would tokenize differently"
+        )
+
+
+def read_chat_template(folder: Path, tokenizer_config: dict) -> str:
+    """transformers 5 saves chat_template.jinja; older versions put it in tokenizer_config.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, str) and template:
+        return template
+    raise UserError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
+
+
+def read_provenance(folder: Path, overrides: dict | None = None) -> tuple[dict, list[str]]:
+    """Corpus and tokenizer sha256, from the first place that has them.
+
+    Order: command line, MODEL/training_provenance.json, the `tinyllm` section of config.json,
+    then RUN/training_settings.json beside the model folder (keys corpus_manifest_sha256 and
+    tokenizer_sha256, as the original trainer wrote them). Returns (values, files read).
+    """
+    found: dict = {key: value for key, value in (overrides or {}).items() if value}
+    sources = ["command line"] if found else []
+    candidates = [
+        (folder / PROVENANCE_FILE, None),
+        (folder / "config.json", "tinyllm"),
+        (folder.parent / "training_settings.json", None),
+    ]
+    aliases = {"corpus_manifest_sha256": "corpus_sha256"}
+    for path, section in candidates:
+        if not path.is_file():
+            continue
+        record = read_json_file(path, path.name)
+        record = (record.get(section) or {}) if section else record
+        if not isinstance(record, dict):
+            continue
+        record = {aliases.get(key, key): value for key, value in record.items()}
+        new = {key: record[key] for key in PROVENANCE_KEYS if record.get(key) and key not in found}
+        if new:
+            found.update(new)
+            sources.append(f"{path}" + (f" [{section}]" if section else ""))
+    for key, value in found.items():
+        if not isinstance(value, str) or not SHA256_PATTERN.match(value):
+            raise UserError(f"provenance {key}={value!r} is not a lowercase hex sha256")
+    return found, sources
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors
+
+
+def iter_source_tensors(source: ModelSource):
+    """Yield (hf_name, float32 numpy array) for every tensor in the safetensors files."""
+    import torch
+    from safetensors import safe_open
+
+    for path in source.weight_files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                yield name, tensor.to(torch.float32).numpy()
+
+
+def gguf_tensor_name(name_map, hf_name: str, source: ModelSource) -> str | None:
+    """The GGUF name of a Hugging Face tensor; None for a tied lm_head (stored once, as token_embd)."""
+    if hf_name == "lm_head.weight" and source.tied:
+        return None
+    mapped = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if mapped is None:
+        raise UserError(f"{source.folder}: tensor {hf_name} has no GGUF name for qwen3")
+    return mapped
+
+
+def expected_tensor_names(source: ModelSource) -> set[str]:
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    names = {"token_embd.weight", "output_norm.weight"}
+    names |= {f"blk.{layer}.{part}.weight" for layer in range(source.layers) for part in per_layer}
+    if not source.tied:
+        names.add("output.weight")
+    return names
+
+
+def convert_tensor(array: np.ndarray, out_type: str):
+    """(data, ggml type) for one float32 tensor: vectors stay f32, matrices take `out_type`.
+
+    q8_0 needs rows that are a multiple of 32; a matrix whose rows are not falls back to f16,
+    as llama.cpp's own converter does.
+    """
+    from gguf import GGMLQuantizationType, quants
+
+    wanted = GGMLQuantizationType[OUT_TYPES[out_type][0]]
+    if array.ndim < 2 or wanted == GGMLQuantizationType.F32:
+        return np.ascontiguousarray(array, dtype=np.float32), GGMLQuantizationType.F32
+    q8_block = quants.GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
+    if wanted == GGMLQuantizationType.F16 or (wanted == GGMLQuantizationType.Q8_0 and array.shape[-1] % q8_block):
+        return array.astype(np.float16), GGMLQuantizationType.F16
+    return quants.quantize(array, wanted), wanted
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def model_name(folder: Path) -> str:
+    folder = folder.resolve()
+    return folder.parent.name if folder.name == "model" else folder.name
+
+
+def write_gguf(path: Path, source: ModelSource, vocab: Vocab, out_type: str, name: str, provenance: dict) -> dict:
+    """Write the GGUF to `path` (the caller renames it into place). Returns tensor counts by type."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3])
+    file_type = gguf.LlamaFileType[OUT_TYPES[out_type][1]]
+
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_description("Qwen3 language model pretrained from scratch with tinyllm")
+    writer.add_file_type(file_type)
+    if file_type == gguf.LlamaFileType.MOSTLY_Q8_0:
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_string("tinyllm.tokenizer_json_sha256", vocab.tokenizer_json_sha256)
+    for key, value in provenance.items():
+        writer.add_string(f"tinyllm.{key}", value)
+
+    writer.add_context_length(source.context)
+    writer.add_embedding_length(source.hidden)
+    writer.add_block_count(source.layers)
+    writer.add_feed_forward_length(source.intermediate)
+    writer.add_head_count(source.heads)
+    writer.add_head_count_kv(source.kv_heads)
+    writer.add_key_length(source.head_dim)
+    writer.add_value_length(source.head_dim)
+    writer.add_rope_freq_base(source.rope_theta)
+    writer.add_layer_norm_rms_eps(source.rms_norm_eps)
+    writer.add_vocab_size(source.vocab_size)
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_eos_token_id(vocab.eos_id)
+    writer.add_pad_token_id(vocab.pad_id)
+    if vocab.eot_id is not None:
+        writer.add_eot_token_id(vocab.eot_id)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(vocab.chat_template)
+
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
+    written: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for hf_name, array in iter_source_tensors(source):
+        gguf_name = gguf_tensor_name(name_map, hf_name, source)
+        if gguf_name is None:
+            continue
+        if gguf_name in written:
+            raise UserError(f"{source.folder}: tensor {gguf_name} appears twice in the weights")
+        if gguf_name == "token_embd.weight" and array.shape != (source.vocab_size, source.hidden):
+            raise UserError(
+                f"{source.folder}: embedding has shape {list(array.shape)}, config.json says "
+                f"[{source.vocab_size}, {source.hidden}]"
+            )
+        data, ggml_type = convert_tensor(array, out_type)
+        writer.add_tensor(gguf_name, data, raw_dtype=ggml_type)
+        written[gguf_name] = array.size
+        counts[ggml_type.name] = counts.get(ggml_type.name, 0) + 1
+    missing = sorted(expected_tensor_names(source) - set(written))
+    if missing:
+        raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    writer.add_size_label(gguf.size_label(sum(written.values()), 0, 0, 0))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return counts
+
+
+def modelfile_text(gguf_path: Path, modelfile_path: Path, context: int) -> str:
+    stops = "\n".join(f'PARAMETER stop "{token}"' for token in STOP_TOKENS)
+    return MODELFILE_TEMPLATE.format(
+        modelfile=modelfile_path.name, gguf=gguf_path.name, template=OLLAMA_TEMPLATE, stops=stops, context=context
+    )
+
+
+def modelfile_path_for(gguf_path: Path) -> Path:
+    return gguf_path.with_suffix(".Modelfile")
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def temporary_beside(target: Path):
+    """A fresh temporary path beside `target`, removed unless the caller renamed it."""
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def export(
+    folder: str | Path,
+    out: str | Path,
+    out_type: str = "f16",
+    *,
+    overwrite: bool = False,
+    name: str | None = None,
+    provenance: dict | None = None,
+    verify: bool = False,
+    modelfile: bool = True,
+    log=print,
+) -> dict:
+    """Export `folder` to the GGUF `out` (and its Modelfile); returns a summary dict.
+
+    With `verify`, the checks run on the temporary file and the output appears only if they pass.
+    """
+    if out_type not in OUT_TYPES:
+        raise UserError(f"unknown --type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
+    out = Path(out)
+    if out.suffix != GGUF_SUFFIX:
+        raise UserError(f"--out {out} must end in {GGUF_SUFFIX}")
+    model_file = modelfile_path_for(out)
+    existing = [path for path in (out, model_file if modelfile else None) if path is not None and path.exists()]
+    if existing and not overwrite:
+        raise UserError(f"{existing[0]} already exists; pass --overwrite to replace it")
+    started = time.perf_counter()
+    source = read_model_folder(folder)
+    vocab = read_vocab(source)
+    values, sources = read_provenance(source.folder, provenance)
+    name = name or model_name(source.folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    with temporary_beside(out) as temp:
+        counts = write_gguf(temp, source, vocab, out_type, name, values)
+        fsync_file(temp)
+        seconds = time.perf_counter() - started
+        checks = {}
+        if verify:
+            checks["reader"] = verify_tensors(source, temp, out_type)
+            log(f"reader: {checks['reader']['tensors']} tensors match the source "
+                f"(max abs error {checks['reader']['max_abs_error']:.3g})")
+            checks["llama_cpp"] = verify_with_llama_cpp(source.folder, temp, out_type, log=log)
+        os.replace(temp, out)
+    if modelfile:
+        from common import atomic_write_text
+
+        atomic_write_text(model_file, modelfile_text(out, model_file, source.context))
+    fsync_dir(out.parent)
+    return {
+        "path": str(out),
+        "modelfile": str(model_file) if modelfile else None,
+        "type": out_type,
+        "bytes": out.stat().st_size,
+        "seconds": seconds,
+        "tensor_types": counts,
+        "vocab_size": len(vocab.tokens),
+        "provenance": values,
+        "provenance_sources": sources,
+        "checks": checks,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification
+
+
+class VerificationFailed(UserError):
+    """The GGUF does not reproduce the source model (the output is not renamed into place)."""
+
+
+def expected_readback(array: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray | float]:
+    """What a tensor should read back as, and the allowed absolute error per element.
+
+    Computed with torch/numpy rounding, independently of the gguf.quants code that wrote it.
+    """
+    import torch
+
+    name = ggml_type.name
+    if name == "F32":
+        return array, 0.0
+    if name == "F16":
+        return array.astype(np.float16).astype(np.float32), 0.0
+    if name == "BF16":
+        return torch.from_numpy(array).to(torch.bfloat16).to(torch.float32).numpy(), 0.0
+    if name == "Q8_0":
+        blocks = array.reshape(-1, 32)
+        scale = np.abs(blocks).max(axis=1, keepdims=True) / 127.0
+        # Half a step of rounding, plus the scale's own f16 rounding times the largest code (127).
+        bound = scale * (0.5 + 127 * 2.0**-11) + 1e-12
+        return array, np.broadcast_to(bound, blocks.shape).reshape(array.shape)
+    raise VerificationFailed(f"unexpected tensor type {name}")
+
+
+def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
+    """Read the GGUF back with gguf.GGUFReader and compare metadata and every tensor with the source."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    fields = {
+        "general.architecture": "qwen3",
+        "qwen3.block_count": source.layers,
+        "qwen3.context_length": source.context,
+        "qwen3.embedding_length": source.hidden,
+        "qwen3.feed_forward_length": source.intermediate,
+        "qwen3.attention.head_count": source.heads,
+        "qwen3.attention.head_count_kv": source.kv_heads,
+        "qwen3.attention.key_length": source.head_dim,
+        "qwen3.attention.value_length": source.head_dim,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    for key, expected in fields.items():
+        entry = reader.get_field(key)
+        value = None if entry is None else entry.contents()
+        if value != expected:
+            raise VerificationFailed(f"{gguf_path}: metadata {key} is {value!r}, expected {expected!r}")
+    for key, expected in (("qwen3.rope.freq_base", source.rope_theta),
+                          ("qwen3.attention.layer_norm_rms_epsilon", source.rms_norm_eps)):
+        entry = reader.get_field(key)
+        if entry is None or not np.isclose(entry.contents(), expected, rtol=1e-6):
+            raise VerificationFailed(f"{gguf_path}: metadata {key} is not {expected}")
+
+    stored = {tensor.name: tensor for tensor in reader.tensors}
+    expected_names = expected_tensor_names(source)
+    if set(stored) != expected_names:
+        extra = sorted(set(stored) - expected_names)
+        lacking = sorted(expected_names - set(stored))
+        raise VerificationFailed(f"{gguf_path}: tensor names differ (extra {extra}, missing {lacking})")
+
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
+    worst = 0.0
+    for hf_name, array in iter_source_tensors(source):
+        gguf_name = gguf_tensor_name(name_map, hf_name, source)
+        if gguf_name is None:
+            continue
+        tensor = stored[gguf_name]
+        if array.ndim == 1 and tensor.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise VerificationFailed(f"{gguf_name} is {tensor.tensor_type.name}; norms must stay F32")
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(array.shape)
+        target, tolerance = expected_readback(array, tensor.tensor_type)
+        error = np.abs(values.astype(np.float32) - target)
+        if not np.all(error <= tolerance):
+            raise VerificationFailed(
+                f"{gguf_path}: tensor {gguf_name} ({tensor.tensor_type.name}) differs from {hf_name} "
+                f"by up to {float(error.max()):.3g}"
+            )
+        worst = max(worst, float(np.abs(values - array).max()))
+    return {"tensors": len(stored), "max_abs_error": worst}
+
+
+VERIFY_TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé: café, naïve, Straße, Ελληνικά, русский, 日本語のテキスト, 中文, 한국어, emoji 🙂🚀👍🏽.",
+    "def add(a, b):\n    return a + b  # sum\n\nprint(add(2, 3))\n",
+    "Numbers: 3.14159, 1,234,567, -42, 2026-11-30, 0x1F, 1e-9, 100%.",
+    "whitespace:   three spaces,\ttab,\t\ttwo tabs,\n\n\nnewlines,  \n  mixed \r\n CRLF     end    ",
+    "Contractions: I'm, you're, we've, they'll, she'd, it's, DON'T, Can't.",
+    " leading space and trailing space ",
+    "",
+]
+DEMO_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
+GREEDY_TOKENS = 16
+
+
+def verify_texts(tokenizer) -> list[str]:
+    """The varied text set: plain texts, every special token alone and inline, and a rendered chat."""
+    from data import render_assistant
+
+    specials = list(tokenizer.all_special_tokens)
+    for token in tokenizer.get_added_vocab():
+        if token not in specials:
+            specials.append(token)
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 12 * 7?"},
+        {"role": "assistant", "content": render_assistant("84", reasoning="12 * 7 = 84.")},
+        {"role": "user", "content": "And 13 * 7?"},
+    ]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    inline = "text" + " mid ".join(specials) + "tail" + "".join(specials)
+    return [*VERIFY_TEXTS, *specials, inline, rendered]
+
+
+def llama_scores(llm, ids: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(ids):].tolist()
+
+
+def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    produced = []
+    for _ in range(steps):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        produced.append(token)
+        llm.eval([token])
+    return produced
+
+
+def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=print,
+                          logit_tolerance: float = 1e-3) -> dict:
+    """Run the GGUF in llama.cpp and compare tokens, logits and greedy text with the HF model."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UserError("--verify needs llama-cpp-python: pip install -r requirements-dev.txt") from None
+    import logging
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from data import load_tokenizer
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
+    tokenizer = load_tokenizer(folder)
+    texts = verify_texts(tokenizer)
+    vocab_llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
+    for text in texts:
+        expected = tokenizer.encode(text, add_special_tokens=False)
+        got = vocab_llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        if got != expected:
+            raise VerificationFailed(f"llama.cpp tokenizes {text[:40]!r} as {got[:12]}..., HF as {expected[:12]}...")
+        back = vocab_llm.detokenize(got, special=True).decode("utf-8")
+        if back != text:
+            raise VerificationFailed(f"llama.cpp detokenizes {text[:40]!r} as {back[:40]!r}")
+    vocab = vocab_llm._model.vocab
+    not_stop = [token for token in STOP_TOKENS
+                if not llama_cpp.llama_vocab_is_eog(vocab, tokenizer.convert_tokens_to_ids(token))]
+    if not_stop:
+        raise VerificationFailed(f"llama.cpp does not stop generating at {not_stop}")
+    if llama_cpp.llama_vocab_get_add_bos(vocab):
+        raise VerificationFailed("llama.cpp would add a BOS token to every prompt")
+    del vocab_llm
+    log(f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF")
+
+    model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    context = model.config.max_position_embeddings
+    llm = llama_cpp.Llama(
+        str(gguf_path), n_ctx=context, n_batch=context, logits_all=True, verbose=False, seed=0,
+        type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False,
+    )
+    worst = largest = 0.0
+    for text in [VERIFY_TEXTS[0], VERIFY_TEXTS[2], texts[-1]]:
+        ids = tokenizer.encode(text, add_special_tokens=False)[:context]
+        with torch.no_grad():
+            expected = model(torch.tensor([ids])).logits[0].numpy()
+        worst = max(worst, float(np.abs(llama_scores(llm, ids) - expected).max()))
+        largest = max(largest, float(np.abs(expected).max()))
+    log(f"llama.cpp logits: max abs difference {worst:.3g} from HF ({out_type}; largest |logit| {largest:.3g})")
+    if out_type == "f32" and worst > logit_tolerance:
+        raise VerificationFailed(f"f32 logits differ from HF by {worst:.3g} (> {logit_tolerance})")
+
+    prompts = [*DEMO_PROMPTS, tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], tokenize=False, add_generation_prompt=True)]
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = hf_greedy(model, ids, GREEDY_TOKENS)
+        got = llama_greedy(llm, ids, GREEDY_TOKENS)
+        if got != expected:
+            raise VerificationFailed(
+                f"greedy continuation of {prompt[:30]!r} differs: llama.cpp {got}, HF {expected}"
+            )
+    log(f"llama.cpp greedy: {len(prompts)} prompts continue exactly as HF for {GREEDY_TOKENS} tokens")
+    return {"texts": len(texts), "max_logit_diff": worst, "max_abs_logit": largest, "greedy_prompts": len(prompts)}
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Export a tinyllm Hugging Face Qwen3 folder to GGUF (llama.cpp, ollama).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("model", type=Path, help="Hugging Face model folder, e.g. RUN/model")
+    parser.add_argument("--out", type=Path, default=None, help="output .gguf (default: RUN/model-TYPE.gguf)")
+    parser.add_argument("--type", default="f16", help=f"tensor type: {', '.join(OUT_TYPES)}")
+    parser.add_argument("--name", default=None, help="general.name (default: the run folder's name)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--verify", action="store_true",
+                        help="check with gguf.GGUFReader and llama.cpp before renaming the output into place")
+    parser.add_argument("--no-modelfile", action="store_true", help="do not write the ollama Modelfile")
+    parser.add_argument("--corpus-sha256", default=None, help="corpus manifest sha256 for the metadata")
+    parser.add_argument("--tokenizer-sha256", default=None, help="corpus tokenizer sha256 for the metadata")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.type not in OUT_TYPES:
+        raise UserError(f"unknown --type {args.type!r}; choose one of {', '.join(OUT_TYPES)}")
+    out = args.out or args.model.parent / f"{args.model.resolve().name}-{args.type}{GGUF_SUFFIX}"
+    provenance = {"corpus_sha256": args.corpus_sha256, "tokenizer_sha256": args.tokenizer_sha256}
+    summary = export(
+        args.model, out, args.type, overwrite=args.overwrite, name=args.name, provenance=provenance,
+        verify=args.verify, modelfile=not args.no_modelfile,
+    )
+    print(f"wrote {summary['path']} ({summary['bytes'] / 1e6:.1f} MB, {args.type}, tensors "
+          f"{summary['tensor_types']}) in {summary['seconds']:.1f}s")
+    if summary["modelfile"]:
+        print(f"ollama: ollama create {model_name(args.model)} -f {summary['modelfile']}")
+    shown = ", ".join(f"{key}={value[:12]}..." for key, value in summary["provenance"].items()) or "none found"
+    print(f"provenance: {shown} (from {', '.join(summary['provenance_sources']) or 'nowhere'})")
+
+
+if __name__ == "__main__":
+    run_main(main)

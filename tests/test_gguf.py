@@ -1,0 +1,350 @@
+"""export_gguf.py: a tiny Qwen3 folder -> GGUF, read back by gguf.GGUFReader and run by llama.cpp."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data
+import export_gguf
+import model_config
+from common import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+try:
+    import llama_cpp  # noqa: F401
+
+    HAVE_LLAMA_CPP = True
+except ImportError:
+    HAVE_LLAMA_CPP = False
+needs_llama_cpp = pytest.mark.skipif(
+    not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install -r requirements-dev.txt)"
+)
+
+# head_dim 32 with 4 heads of a 64-wide model: head_dim != hidden/heads, as in think72.
+PRESET = dataclasses.replace(model_config.PRESETS["tiny"], head_dim=32)
+
+
+def sample_texts(count: int = 300) -> list[str]:
+    rng = random.Random(0)
+    words = ["the", "model", "learns", "tokens", "from", "text", "café", "naïve", "Straße", "日本語", "русский",
+             "🙂", "def", "return", "print(x)", "  ", "\t", "\n", "123", "4.56", "I'm", "don't", "x += 1"]
+    return [" ".join(rng.choice(words) for _ in range(60)) for _ in range(count)]
+
+
+def make_model_folder(folder: Path, vocab_size: int = 700, seed: int = 0) -> Path:
+    """A random Qwen3 folder as train.py writes it; weights scaled so logits are far from zero."""
+    import torch
+
+    tokenizer, _ = data.train_tokenizer(sample_texts(), vocab_size, folder)
+    torch.manual_seed(seed)
+    model = model_config.build_model(PRESET, len(tokenizer))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 1:
+                parameter.copy_(1.0 + 0.2 * torch.randn_like(parameter))
+            else:
+                parameter.normal_(0.0, 0.5 if "embed" in name else 0.12)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_folder(tmp_path_factory.mktemp("hf") / "model")
+
+
+def copy_folder(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if path.name.endswith(".tmp"))
+
+
+def field(reader, key):
+    entry = reader.get_field(key)
+    return None if entry is None else entry.contents()
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing and the independent reader
+
+
+@pytest.mark.parametrize("out_type", ["f32", "f16", "bf16", "q8_0"])
+def test_reader_reads_back_every_tensor(model_dir, tmp_path, out_type):
+    import gguf
+
+    out = tmp_path / f"m-{out_type}.gguf"
+    summary = export_gguf.export(model_dir, out, out_type, log=lambda *_: None)
+    source = export_gguf.read_model_folder(model_dir)
+    check = export_gguf.verify_tensors(source, out, out_type)
+    reader = gguf.GGUFReader(str(out))
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    assert check["tensors"] == len(types) == 2 + 11 * PRESET.layers  # output.weight is not duplicated
+    assert "output.weight" not in types
+    assert {types[name] for name in types if "norm" in name} == {"F32"}
+    assert types["blk.0.attn_q.weight"] == export_gguf.OUT_TYPES[out_type][0]
+    assert types["token_embd.weight"] == export_gguf.OUT_TYPES[out_type][0]
+    if out_type == "q8_0":
+        assert 0 < check["max_abs_error"] < 0.01
+    elif out_type == "f32":
+        assert check["max_abs_error"] == 0
+    matrices = 7 * PRESET.layers + 1
+    assert summary["tensor_types"] == ({"F32": len(types)} if out_type == "f32" else
+                                       {"F32": len(types) - matrices, types["token_embd.weight"]: matrices})
+    assert leftovers(tmp_path) == []
+
+
+def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
+    import gguf
+
+    out = tmp_path / "m.gguf"
+    export_gguf.export(model_dir, out, "f16", name="tiny-test", log=lambda *_: None)
+    reader = gguf.GGUFReader(str(out))
+    tokenizer = data.load_tokenizer(model_dir)
+    expected = {
+        "general.architecture": "qwen3",
+        "general.name": "tiny-test",
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+        "qwen3.context_length": PRESET.context,
+        "qwen3.embedding_length": PRESET.hidden,
+        "qwen3.block_count": PRESET.layers,
+        "qwen3.feed_forward_length": PRESET.intermediate,
+        "qwen3.attention.head_count": PRESET.heads,
+        "qwen3.attention.head_count_kv": PRESET.kv_heads,
+        "qwen3.attention.key_length": 32,
+        "qwen3.attention.value_length": 32,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.eot_token_id": tokenizer.convert_tokens_to_ids(data.IM_END),
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.chat_template": data.CHAT_TEMPLATE,
+    }
+    assert {key: field(reader, key) for key in expected} == expected
+    assert field(reader, "qwen3.rope.freq_base") == pytest.approx(PRESET.rope_theta)
+    assert field(reader, "qwen3.attention.layer_norm_rms_epsilon") == pytest.approx(PRESET.rms_norm_eps)
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    assert tokens == tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    types = field(reader, "tokenizer.ggml.token_type")
+    control = [index for index, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
+    assert control == list(range(len(data.SPECIAL_TOKENS)))
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    assert field(reader, "tokenizer.ggml.merges") == [" ".join(pair) for pair in spec["model"]["merges"]]
+    embedding = next(tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
+    assert list(embedding.shape) == [PRESET.hidden, len(tokens)]  # ggml order: columns first
+
+
+def test_provenance_from_folder_and_command_line(model_dir, tmp_path):
+    import gguf
+
+    folder = copy_folder(model_dir, tmp_path / "run" / "model")
+    corpus, tokenizer_hash, other = "a" * 64, "b" * 64, "c" * 64
+    (folder / "training_provenance.json").write_text(json.dumps({"corpus_sha256": corpus}))
+    (folder.parent / "training_settings.json").write_text(
+        json.dumps({"corpus_manifest_sha256": other, "tokenizer_sha256": tokenizer_hash})
+    )
+    summary = export_gguf.export(folder, tmp_path / "p.gguf", "f16", log=lambda *_: None)
+    assert summary["provenance"] == {"corpus_sha256": corpus, "tokenizer_sha256": tokenizer_hash}
+    reader = gguf.GGUFReader(str(tmp_path / "p.gguf"))
+    assert field(reader, "tinyllm.corpus_sha256") == corpus
+    assert field(reader, "tinyllm.tokenizer_sha256") == tokenizer_hash
+    assert field(reader, "tinyllm.tokenizer_json_sha256") == export_gguf.sha256_file(folder / "tokenizer.json")
+    assert field(reader, "general.name") == "run"
+
+    summary = export_gguf.export(folder, tmp_path / "q.gguf", "f16", provenance={"corpus_sha256": other},
+                                 log=lambda *_: None)
+    assert summary["provenance"]["corpus_sha256"] == other
+    with pytest.raises(UserError, match="not a lowercase hex sha256"):
+        export_gguf.export(folder, tmp_path / "r.gguf", "f16", provenance={"corpus_sha256": "xyz"})
+    assert not (tmp_path / "r.gguf").exists()
+
+
+def test_reader_check_detects_a_corrupted_tensor(model_dir, tmp_path):
+    import gguf
+
+    out = tmp_path / "m.gguf"
+    export_gguf.export(model_dir, out, "f32", log=lambda *_: None)
+    reader = gguf.GGUFReader(str(out))
+    target = next(tensor for tensor in reader.tensors if tensor.name == "blk.1.ffn_down.weight")
+    offset = target.data_offset + 4 * 100
+    del reader
+    with open(out, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(np.float32(123.0).tobytes())
+    source = export_gguf.read_model_folder(model_dir)
+    with pytest.raises(export_gguf.VerificationFailed, match="blk.1.ffn_down.weight"):
+        export_gguf.verify_tensors(source, out, "f32")
+
+
+def test_modelfile_for_ollama(model_dir, tmp_path):
+    out = tmp_path / "chat.gguf"
+    summary = export_gguf.export(model_dir, out, "q8_0", log=lambda *_: None)
+    text = Path(summary["modelfile"]).read_text()
+    assert Path(summary["modelfile"]) == tmp_path / "chat.Modelfile"
+    assert "\nFROM ./chat.gguf\n" in text
+    assert 'PARAMETER stop "<|im_end|>"' in text and 'PARAMETER stop "<eos>"' in text
+    assert f"PARAMETER num_ctx {PRESET.context}" in text
+    assert 'TEMPLATE """{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n' in text
+    assert text.count('"""') == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# llama.cpp
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
+def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type):
+    lines = []
+    out = tmp_path / f"m-{out_type}.gguf"
+    summary = export_gguf.export(model_dir, out, out_type, verify=True, log=lines.append)
+    checks = summary["checks"]["llama_cpp"]
+    assert checks["texts"] >= len(export_gguf.VERIFY_TEXTS) + len(data.SPECIAL_TOKENS) + 2
+    assert checks["greedy_prompts"] == 3
+    if out_type == "f32":
+        assert checks["max_logit_diff"] <= 1e-3
+    else:
+        # Really rounded, and still close: within 3% of the largest logit.
+        assert 1e-4 < checks["max_logit_diff"] < 0.03 * checks["max_abs_logit"]
+    assert checks["max_abs_logit"] > 5
+    assert out.exists() and leftovers(tmp_path) == []
+    assert any("tokenize and detokenize exactly" in line for line in lines)
+
+
+@needs_llama_cpp
+def test_logits_are_far_from_zero(model_dir):
+    """The f32 tolerance means something only if the logits are large (weights were scaled up)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokenizer = data.load_tokenizer(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode(export_gguf.VERIFY_TEXTS[0])])).logits
+    assert float(logits.std()) > 1.0
+
+
+@needs_llama_cpp
+def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
+    out = tmp_path / "m.gguf"
+    export_gguf.export(model_dir, out, "f32", log=lambda *_: None)
+    changed = copy_folder(model_dir, tmp_path / "changed")
+    config = json.loads((changed / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10_000.0
+    (changed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(export_gguf.VerificationFailed, match="logits differ"):
+        export_gguf.verify_with_llama_cpp(changed, out, "f32", log=lambda *_: None)
+
+
+@needs_llama_cpp
+def test_verify_catches_a_tokenizer_that_differs(model_dir, tmp_path, monkeypatch):
+    read_vocab = export_gguf.read_vocab
+
+    def without_late_merges(source):
+        vocab = read_vocab(source)
+        vocab.merges = vocab.merges[: len(vocab.merges) // 2]
+        return vocab
+
+    monkeypatch.setattr(export_gguf, "read_vocab", without_late_merges)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(export_gguf.VerificationFailed, match="llama.cpp tokenizes"):
+        export_gguf.export(model_dir, out, "f32", verify=True, log=lambda *_: None)
+    assert not out.exists() and not out.with_suffix(".Modelfile").exists()
+    assert leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_not_a_qwen3_folder(model_dir, tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        export_gguf.export(tmp_path, tmp_path / "x.gguf")
+    folder = copy_folder(model_dir, tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="not a Qwen3 model"):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+    with pytest.raises(UserError, match="model folder not found"):
+        export_gguf.export(tmp_path / "absent", tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_missing_tokenizer_and_weights(model_dir, tmp_path):
+    folder = copy_folder(model_dir, tmp_path / "m")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match="no tokenizer.json"):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+    folder = copy_folder(model_dir, tmp_path / "w")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="weights not found"):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_mismatched_tokenizer(model_dir, tmp_path):
+    folder = copy_folder(model_dir, tmp_path / "m")
+    data.train_tokenizer(sample_texts(100), 500, tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "tokenizer.json", folder / "tokenizer.json")
+    with pytest.raises(UserError, match="does not belong to this model"):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+
+    folder = copy_folder(model_dir, tmp_path / "eos")
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="eos_token_id"):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+
+    folder = copy_folder(model_dir, tmp_path / "split")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\s+|\S+"
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match="not the Qwen2 split"):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_unknown_type_and_existing_output(model_dir, tmp_path):
+    with pytest.raises(UserError, match="unknown --type 'q4_k'"):
+        export_gguf.main([str(model_dir), "--out", str(tmp_path / "x.gguf"), "--type", "q4_k"])
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"precious")
+    with pytest.raises(UserError, match="already exists; pass --overwrite"):
+        export_gguf.main([str(model_dir), "--out", str(out)])
+    assert out.read_bytes() == b"precious"
+    export_gguf.main([str(model_dir), "--out", str(out), "--overwrite"])
+    assert out.read_bytes()[:4] == b"GGUF"
+    out.with_name("z.Modelfile").write_text("mine")
+    with pytest.raises(UserError, match="z.Modelfile already exists"):
+        export_gguf.main([str(model_dir), "--out", str(out.with_name("z.gguf"))])
+    assert not out.with_name("z.gguf").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_cli_error_is_one_line_and_exit_2(model_dir, tmp_path):
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"precious")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "export_gguf.py"), str(model_dir), "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {out} already exists; pass --overwrite to replace it"]
+    assert out.read_bytes() == b"precious"
