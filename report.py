@@ -1,0 +1,763 @@
+"""What a person sees of a run: progress, the loss curve, samples, task accuracy, the HF export.
+
+train.py calls these functions; everything here runs on rank 0 only (Progress is a no-op
+elsewhere) and nothing runs at import time. The script form redraws a run's pictures or
+evaluates an exported model after the fact:
+
+    python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
+    python report.py evaluate runs/demo/model corpus/demo/eval
+    python report.py samples runs/demo/model --prompt "What is 12 plus 7?"
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from common import (
+    UserError,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    human_count,
+    run_main,
+    sha256_file,
+    utc_now,
+)
+
+IM_END, EOS, THINK_CLOSE = "<|im_end|>", "<eos>", "</think>"  # same strings as data.py's specials
+
+DEFAULT_PROMPTS = [
+    "What is 12 plus 7?",
+    "What is 48 + 35?",
+    "If a box has 3 rows of 4 apples, how many apples are there?",
+    "Say hello in one short sentence.",
+]
+
+# ----------------------------------------------------------------------------------------------
+# Progress: a tqdm bar on a terminal, a plain line every `every` steps in a log.
+
+
+def stderr_is_terminal() -> bool:
+    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
+class Progress:
+    """Progress over optimizer steps, shown by rank 0 only.
+
+    On a terminal: a tqdm bar (on stderr) with loss, tokens/s, MFU and tqdm's ETA. Otherwise
+    (Kaggle log, pytest, `> log.txt`): a plain stdout line at the first update, every `every`
+    steps and at the last step. `enabled=False` (other ranks) makes every method a no-op.
+    `bar=None` picks the bar when stderr is a terminal; True/False forces it.
+    """
+
+    def __init__(self, total_steps: int, initial_step: int = 0, every: int = 10, enabled: bool = True,
+                 bar: bool | None = None):
+        self.total_steps = total_steps
+        self.initial_step = initial_step
+        self.every = max(1, every)
+        self.enabled = enabled
+        self._started = time.monotonic()
+        self._printed_any = False
+        self._bar = None
+        if enabled and (stderr_is_terminal() if bar is None else bar):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", desc="train",
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, step: int, loss: float, tokens_per_second: float | None = None,
+               mfu: float | None = None) -> None:
+        """Report that optimizer step `step` (1-based count of steps done) finished. `mfu` is a fraction."""
+        if not self.enabled:
+            return
+        stats = format_stats(loss, tokens_per_second, mfu)
+        if self._bar is not None:
+            self._bar.set_postfix_str(stats, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        due = step % self.every == 0 or step >= self.total_steps or not self._printed_any
+        if due:
+            self._printed_any = True
+            width = len(str(self.total_steps))
+            percent = 100.0 * step / max(1, self.total_steps)
+            line = f"step {step:>{width}}/{self.total_steps} ({percent:5.1f}%) | {stats} | ETA {self.eta(step)}"
+            print(line, flush=True)
+
+    def eta(self, step: int) -> str:
+        """Time left at the average pace since this Progress was made (tqdm's own format)."""
+        from tqdm import tqdm
+
+        done = step - self.initial_step
+        if done <= 0:
+            return "?"
+        seconds = (time.monotonic() - self._started) / done * max(0, self.total_steps - step)
+        return tqdm.format_interval(seconds)
+
+    def write(self, message: str) -> None:
+        """Print a message (an eval result, a checkpoint) without breaking the bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def format_stats(loss: float, tokens_per_second: float | None, mfu: float | None) -> str:
+    parts = [f"loss {loss:.4f}"]
+    if tokens_per_second is not None:
+        parts.append(f"{human_count(tokens_per_second)} tok/s")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics.jsonl -> loss_curve.png and TensorBoard.
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of metrics.jsonl, sorted by step; a missing file gives [].
+
+    A killed run leaves a truncated last line, and a resumed run appends to it: such a line
+    yields the complete record at its end, if any, and is otherwise skipped. A resumed run also
+    repeats the steps after its last checkpoint; for each (kind, step) the later record wins.
+    """
+    latest: dict[tuple[str, int], dict] = {}
+    try:
+        handle = open(path, encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    with handle:
+        for line in handle:
+            record = _parse_record(line)
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                latest[(str(record.get("kind")), record["step"])] = record
+    return sorted(latest.values(), key=lambda record: record["step"])
+
+
+def _parse_record(line: str):
+    """The JSON object on `line`, or the one a truncated record was glued to; None if neither."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        pass
+    start = line.find("{", 1)
+    while start != -1:
+        try:
+            return json.loads(line[start:])
+        except json.JSONDecodeError:
+            start = line.find("{", start + 1)
+    return None
+
+
+def _series(records: list[dict], kind: str, key: str) -> tuple[list[float], list[float]]:
+    """(tokens, values) of the records of `kind` that have a finite `key`."""
+    xs, ys = [], []
+    for record in records:
+        value = record.get(key)
+        if record.get("kind") == kind and isinstance(value, (int, float)) and math.isfinite(value):
+            xs.append(record.get("tokens", record["step"]))
+            ys.append(value)
+    return xs, ys
+
+
+def smooth(values: list[float], weight: float | None = None) -> list[float]:
+    """TensorBoard-style exponential moving average, debiased so it starts at the first value.
+
+    The default weight averages over about 1/25 of the points, at most 20 (weight 0.95).
+    """
+    if weight is None:
+        weight = min(0.95, max(0.0, 1 - 25 / max(1, len(values))))
+    smoothed, average = [], 0.0
+    for count, value in enumerate(values, start=1):
+        average = weight * average + (1 - weight) * value
+        smoothed.append(average / (1 - weight**count))
+    return smoothed
+
+
+def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike, title: str = "tinyllm") -> bool:
+    """Draw train and validation loss against tokens seen, the learning rate on a second axis.
+
+    Uses matplotlib's Agg canvas directly (no display, no pyplot state) and replaces `out_png`
+    atomically. Returns False, writing nothing, when there is no loss to draw yet.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    records = read_metrics(metrics_path)
+    train_x, train_loss = _series(records, "train", "loss")
+    val_x, val_loss = _series(records, "eval", "val_loss")
+    test_x, test_loss = _series(records, "test", "test_loss")
+    lr_x, lr = _series(records, "train", "lr")
+    if not train_loss and not val_loss:
+        return False
+
+    figure = Figure(figsize=(9, 5), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    if train_loss:
+        axes.plot(train_x, train_loss, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
+        if len(train_loss) >= 50:
+            axes.plot(train_x, smooth(train_loss), color="tab:blue", linewidth=1.8, label="train loss (smoothed)")
+    if val_loss:
+        axes.plot(val_x, val_loss, "o-", color="tab:orange", linewidth=1.8, markersize=4, label="validation loss")
+    if test_loss:
+        axes.plot(test_x, test_loss, "*", color="tab:red", markersize=12, label=f"test loss {test_loss[-1]:.3f}")
+    axes.set_xlabel("tokens seen")
+    axes.set_ylabel("loss (nats per token)")
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: human_count(value)))
+    axes.grid(alpha=0.3)
+    handles, labels = axes.get_legend_handles_labels()
+    if lr:
+        lr_axes = axes.twinx()
+        lr_axes.plot(lr_x, lr, "--", color="tab:gray", linewidth=1, label="learning rate")
+        lr_axes.set_ylabel("learning rate")
+        lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        lr_axes.set_ylim(bottom=0)
+        extra_handles, extra_labels = lr_axes.get_legend_handles_labels()
+        handles, labels = handles + extra_handles, labels + extra_labels
+    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small", frameon=False)
+    last = records[-1]
+    figure.suptitle(f"{title}: step {last['step']:,}, {human_count(last.get('tokens', 0))} tokens")
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    atomic_write_bytes(out_png, buffer.getvalue())
+    return True
+
+
+class TensorBoardLogger:
+    """Writes each metrics.jsonl record's numbers as TensorBoard scalars named `kind/key`.
+
+    Example: {"kind": "train", "step": 10, "loss": 2.3} -> scalar "train/loss" at step 10.
+    With `enabled=False` (no --tensorboard, or not rank 0) every method is a no-op.
+    """
+
+    SKIPPED_KEYS = {"kind", "step", "time"}
+
+    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True):
+        self.writer = None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise UserError(f"--tensorboard needs the tensorboard package (pip install tensorboard): {error}") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=30)
+
+    def log(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        kind, step = record.get("kind", "metrics"), record.get("step")
+        for key, value in record.items():
+            if key in self.SKIPPED_KEYS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            self.writer.add_scalar(f"{kind}/{key}", value, global_step=step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy chat generation, samples and task accuracy.
+
+
+def unwrap_model(model):
+    """The plain Hugging Face model inside DDP / DataParallel and torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and hasattr(model.module, "generate"):
+            model = model.module
+        else:
+            return model
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """[id of <|im_end|>, id of <eos>]: where a chat reply ends."""
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in (IM_END, EOS)]
+    if any(token_id is None or token_id == tokenizer.unk_token_id for token_id in ids):
+        raise UserError(f"tokenizer lacks {IM_END} or {EOS}; build the corpus with data.py")
+    return ids
+
+
+def as_messages(prompt: str | Sequence[dict]) -> list[dict]:
+    """A user prompt string, or an already-built message list."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return list(prompt)
+
+
+def cut_at_stop(token_ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """The tokens before the first stop token, and whether there was one."""
+    stops = set(stop_ids)
+    for position, token_id in enumerate(token_ids):
+        if token_id in stops:
+            return token_ids[:position], True
+    return token_ids, False
+
+
+def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
+                          device=None, batch_size: int = 16) -> list[dict]:
+    """Greedy replies to `prompts` through the chat template, as dicts.
+
+    Each dict: completion (text before <|im_end|> / <eos>, special tokens such as <think> kept),
+    stopped (a stop token was produced), new_tokens. Prompts are batched by length with left
+    padding; the result equals one-at-a-time decoding. New tokens are capped so prompt plus reply
+    fit the model's context.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    model = unwrap_model(model)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    stops = stop_token_ids(tokenizer)
+    context = getattr(model.config, "max_position_embeddings", None)
+    encoded = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
+        encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    order = sorted(range(len(encoded)), key=lambda index: len(encoded[index]))
+    results: list[dict] = [{}] * len(encoded)
+
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            batch = tokenizer.pad({"input_ids": [encoded[index] for index in chunk]}, padding=True,
+                                  padding_side="left", return_tensors="pt").to(device)
+            prompt_length = batch["input_ids"].shape[1]
+            new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - prompt_length)
+            if new_tokens < 1:
+                raise UserError(f"a prompt of {prompt_length} tokens leaves no room in the model's context {context}")
+            config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, num_beams=1,
+                                      eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+            with torch.no_grad():
+                output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        generation_config=config)
+            for index, row in zip(chunk, output[:, prompt_length:].tolist()):
+                reply, stopped = cut_at_stop(row, stops)
+                text = tokenizer.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                results[index] = {"completion": text, "stopped": stopped, "new_tokens": len(reply)}
+    finally:
+        model.train(was_training)
+    return results
+
+
+def generate_chat(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
+                  device=None, batch_size: int = 16) -> list[str]:
+    """Greedy replies (text before <|im_end|> / <eos>) to user prompts, through the chat template."""
+    details = generate_chat_details(model, tokenizer, prompts, max_new_tokens, device, batch_size)
+    return [detail["completion"] for detail in details]
+
+
+def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
+                     max_new_tokens: int = 64, device=None, step: int | None = None) -> dict:
+    """Write sample_generations.json (greedy replies to `prompts`) atomically; never raises.
+
+    Returns what it wrote: {"format_version", "time", "step", "settings", "samples": [{prompt,
+    completion, stopped, new_tokens}], "error"}; a failure (generation or writing) is in "error".
+    """
+    record: dict[str, Any] = {
+        "format_version": 1,
+        "time": utc_now(),
+        "step": step,
+        "settings": {"decoding": "greedy", "chat_template": True, "max_new_tokens": max_new_tokens,
+                     "stop_tokens": [IM_END, EOS]},
+        "samples": [],
+        "error": None,
+    }
+    try:
+        details = generate_chat_details(model, tokenizer, list(prompts), max_new_tokens, device)
+        record["samples"] = [{"prompt": prompt, **detail} for prompt, detail in zip(prompts, details)]
+    except Exception as error:  # samples are a courtesy: a failure must never lose the run
+        record["error"] = f"generation failed: {type(error).__name__}: {error}"
+    try:
+        atomic_write_json(out_path, record)
+    except Exception as error:
+        record["error"] = (record["error"] + "; " if record["error"] else "") + (
+            f"writing {out_path} failed: {type(error).__name__}: {error}"
+        )
+    return record
+
+
+def read_eval_examples(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+    """Task examples from a .jsonl file, or from every *.jsonl in a folder (sorted by name).
+
+    Each line: {"prompt": str, "answer": str|number, "task": str}; `task` defaults to the file's
+    stem. Returns the first `limit` examples (all when None).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise UserError(f"eval set not found: {root}")
+    files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
+    if not files:
+        raise UserError(f"eval folder {root} holds no *.jsonl files")
+    examples = []
+    for file in files:
+        with open(file, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise UserError(f"{file}:{number}: not valid JSON ({error.msg})") from None
+                if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
+                    raise UserError(f'{file}:{number}: expected an object with "prompt" (text) and "answer"')
+                examples.append({"prompt": item["prompt"], "answer": str(item["answer"]).strip(),
+                                 "task": str(item.get("task", file.stem))})
+                if limit is not None and len(examples) >= limit:
+                    return examples
+    if not examples:
+        raise UserError(f"eval set {root} has no examples")
+    return examples
+
+
+def extract_final_answer(completion: str) -> str:
+    """The answer part of a reply: the text after the last </think> when there is one, stripped."""
+    if THINK_CLOSE in completion:
+        completion = completion.rsplit(THINK_CLOSE, 1)[1]
+    return completion.strip()
+
+
+def score_answers(examples: Sequence[dict], completions: Sequence[str], max_wrong_examples: int = 5) -> dict:
+    """Exact-match accuracy of `completions` against the examples' answers, overall and per task."""
+    by_task: dict[str, dict] = {}
+    wrong = []
+    correct_total = 0
+    for example, completion in zip(examples, completions, strict=True):
+        predicted = extract_final_answer(completion)
+        correct = predicted == example["answer"]
+        correct_total += correct
+        task = by_task.setdefault(example["task"], {"correct": 0, "total": 0})
+        task["correct"] += correct
+        task["total"] += 1
+        if not correct and len(wrong) < max_wrong_examples:
+            wrong.append({**example, "predicted": predicted, "completion": completion})
+    for task in by_task.values():
+        task["accuracy"] = task["correct"] / task["total"]
+    total = len(examples)
+    return {"accuracy": correct_total / total if total else 0.0, "correct": correct_total, "total": total,
+            "by_task": dict(sorted(by_task.items())), "wrong_examples": wrong}
+
+
+def task_accuracy(model, tokenizer, eval_jsonl: str | os.PathLike, device=None, limit: int | None = None,
+                  max_new_tokens: int = 64, batch_size: int = 32) -> dict:
+    """Held-out task accuracy: greedy replies through the chat template, exact match on the answer.
+
+    Returns {"accuracy", "correct", "total", "by_task": {task: {accuracy, correct, total}},
+    "wrong_examples": [...up to 5], "eval_path", "settings"}.
+    """
+    examples = read_eval_examples(eval_jsonl, limit)
+    completions = generate_chat(model, tokenizer, [example["prompt"] for example in examples], max_new_tokens,
+                                device, batch_size)
+    result = score_answers(examples, completions)
+    result["eval_path"] = str(eval_jsonl)
+    result["settings"] = {"decoding": "greedy", "max_new_tokens": max_new_tokens, "limit": limit}
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hugging Face export: RUN/model/, built beside and swapped in.
+
+
+def generation_config_for(tokenizer):
+    """Greedy defaults that stop at <|im_end|> or <eos>, pad 0, bos 1."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_token_ids(tokenizer),
+                            pad_token_id=tokenizer.pad_token_id, do_sample=False, num_beams=1, max_new_tokens=256)
+
+
+def architecture_of(model) -> dict:
+    config = model.config
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "intermediate": config.intermediate_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", config.hidden_size // config.num_attention_heads),
+        "context": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "parameters": sum(parameter.numel() for parameter in model.parameters()),
+    }
+
+
+def _number(value, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _accuracy_line(accuracy) -> str | None:
+    """A demo-accuracy sentence from a task_accuracy() dict or a bare fraction."""
+    if accuracy is None:
+        return None
+    if isinstance(accuracy, dict):
+        tasks = ", ".join(f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
+                          for name, task in accuracy.get("by_task", {}).items())
+        line = f"{100 * accuracy['accuracy']:.1f}% exact match ({accuracy['correct']}/{accuracy['total']})"
+        return line + (f"; by task: {tasks}" if tasks else "")
+    return f"{100 * float(accuracy):.1f}% exact match"
+
+
+def model_card(architecture: dict, card_info: dict) -> str:
+    """README.md for RUN/model/: what the model is, how it was made, how to load it, what it cannot do."""
+    name = card_info.get("model_name", "tinyllm")
+    status = card_info.get("status", "UNKNOWN")
+    steps, total_steps = card_info.get("steps"), card_info.get("total_steps")
+    tokens = card_info.get("tokens")
+    finished = status == "COMPLETE"
+    accuracy = _accuracy_line(card_info.get("demo_accuracy"))
+    arch = architecture
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "license: other",
+        "tags: [qwen3, tinyllm, from-scratch]",
+        "---",
+        "",
+        f"# {name}",
+        "",
+        f"A {human_count(arch['parameters'])}-parameter Qwen3-architecture causal language model trained "
+        "from scratch with tinyllm (random initialization, its own byte-level BPE tokenizer; no pretrained "
+        "weights were loaded).",
+        "",
+        "## Status",
+        "",
+        f"- Status: **{status}**" + ("" if finished else " (training did not finish; this is an intermediate "
+                                     "checkpoint)"),
+        f"- Optimizer steps: {_number(steps)}" + (f" of {total_steps:,}" if isinstance(total_steps, int) else ""),
+        f"- Tokens trained on: {f'{tokens:,}' if isinstance(tokens, int) else _number(tokens)}",
+        f"- Preset: {card_info.get('preset', 'n/a')}",
+        f"- Exported: {utc_now()}",
+        "",
+        "## Architecture",
+        "",
+        f"- Parameters: {arch['parameters']:,} (tied input/output embedding counted once)",
+        f"- {arch['layers']} decoder layers, hidden size {arch['hidden']}, MLP (SwiGLU) size {arch['intermediate']}",
+        f"- {arch['heads']} query heads and {arch['kv_heads']} key/value heads of dimension {arch['head_dim']}, "
+        "Q/K RMSNorm, RoPE",
+        f"- Context: {arch['context']} tokens; vocabulary: {arch['vocab_size']:,} tokens",
+        "",
+        "## Data and provenance",
+        "",
+        f"- Corpus manifest sha256: `{card_info.get('corpus_sha256', 'n/a')}`",
+        f"- Tokenizer sha256: `{card_info.get('tokenizer_sha256', 'n/a')}`",
+        "- `training_provenance.json` in this folder holds these and the training settings.",
+        "",
+        "## Evaluation",
+        "",
+        f"- Validation loss: {_number(card_info.get('validation_loss'))} "
+        f"(perplexity {_number(card_info.get('validation_perplexity'), 2)})",
+        f"- Test loss: {_number(card_info.get('test_loss'))} "
+        f"(perplexity {_number(card_info.get('test_perplexity'), 2)})",
+    ]
+    if accuracy:
+        lines.append(f"- Held-out demo task accuracy (greedy, chat template): {accuracy}")
+    lines += [
+        "",
+        "Losses are mean cross-entropy in nats per token on the corpus's held-out splits. A low loss is "
+        "not task accuracy; inspect `sample_generations.json` in the run folder and evaluate on your own tasks.",
+        "",
+        "## How to use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        "",
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/model")',
+        'model = AutoModelForCausalLM.from_pretrained("path/to/model")',
+        'messages = [{"role": "user", "content": "What is 12 plus 7?"}]',
+        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",",
+        "                                       return_dict=True)",
+        "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <|im_end|> or <eos>",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "",
+        'chat = pipeline("text-generation", model="path/to/model")',
+        'print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])',
+        "```",
+        "",
+        "The chat template is ChatML (`<|im_start|>role ... <|im_end|>`); optional reasoning appears "
+        f"inside `<think> ... </think>` before the answer. Keep prompt plus reply within {arch['context']} tokens.",
+        "",
+        "## Limitations",
+        "",
+        f"- A {human_count(arch['parameters'])}-parameter model trained on "
+        f"{human_count(tokens) if isinstance(tokens, (int, float)) else 'an unknown number of'} tokens: expect "
+        "factual errors, repetition and unreliable reasoning outside the narrow data it saw.",
+        "- It knows only its training corpus; it was not instruction-tuned or aligned beyond the chat "
+        "examples in that corpus, and has no safety training.",
+        "- The Qwen3 architecture does not bring any Qwen3 model's abilities: the weights are from scratch.",
+    ]
+    if not finished:
+        lines.append("- Training stopped before its planned end; quality is below what the full run would give.")
+    lines += [
+        "- The license of these weights follows the terms of the training data; set `license` above "
+        "before you publish.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _json_safe(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def write_model_card(folder: Path, architecture: dict, card_info: dict) -> None:
+    (folder / "README.md").write_text(model_card(architecture, card_info), encoding="utf-8")
+
+
+def write_provenance(folder: Path, architecture: dict, card_info: dict) -> None:
+    """training_provenance.json: card_info (corpus_sha256, tokenizer_sha256, steps, tokens, ...) plus the shape."""
+    import torch
+    import transformers
+
+    provenance = {"format_version": 1, "exported_utc": utc_now(), **_json_safe(card_info),
+                  "architecture": architecture, "transformers_version": transformers.__version__,
+                  "torch_version": torch.__version__}
+    (folder / "training_provenance.json").write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _remove_stale(parent: Path, pattern: str) -> None:
+    for stale in parent.glob(pattern):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dict) -> dict[str, str]:
+    """Write `out_dir` as a Hugging Face model folder and return {relative filename: sha256}.
+
+    Files: config.json, model.safetensors, the tokenizer (chat template included),
+    generation_config.json (greedy, eos = [<|im_end|>, <eos>], pad 0, bos 1), README.md (model
+    card from `card_info`, see model_card) and training_provenance.json. The folder is built
+    beside `out_dir` and swapped in only when complete; a failure leaves the old folder as it was.
+    """
+    target = Path(out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target.parent, f".{target.name}.partial-*")
+    temp = target.parent / f".{target.name}.partial-{os.getpid()}"
+    temp.mkdir()
+    model = unwrap_model(model)
+    try:
+        architecture = architecture_of(model)
+        model.save_pretrained(temp, max_shard_size="100GB")  # transformers 5 always writes safetensors
+        tokenizer.save_pretrained(temp)
+        generation_config_for(tokenizer).save_pretrained(temp)
+        write_model_card(temp, architecture, card_info)
+        write_provenance(temp, architecture, card_info)
+        hashes = {}
+        for path in sorted(p for p in temp.rglob("*") if p.is_file()):
+            _fsync_file(path)
+            hashes[path.relative_to(temp).as_posix()] = sha256_file(path)
+        fsync_dir(temp)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(temp, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return hashes
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: redraw a run's curve, evaluate or sample an exported model.
+
+
+def load_exported(model_dir: str, device: str):
+    """An exported RUN/model/ folder as (model, tokenizer), with a clear error when it does not load."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    except (OSError, ValueError) as error:
+        raise UserError(f"{model_dir} is not a loadable model folder: {error}") from None
+    return model, tokenizer
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    plot = commands.add_parser("plot", help="redraw RUN/loss_curve.png from RUN/metrics.jsonl",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    plot.add_argument("run", help="run folder holding metrics.jsonl")
+    plot.add_argument("--out", help="PNG to write (default: RUN/loss_curve.png)")
+    evaluate = commands.add_parser("evaluate", help="task accuracy of an exported model on an eval set",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    evaluate.add_argument("model", help="exported model folder (RUN/model)")
+    evaluate.add_argument("eval", help="eval .jsonl file or folder of them (CORPUS/eval)")
+    evaluate.add_argument("--limit", type=int, help="evaluate only the first N examples")
+    evaluate.add_argument("--max-new-tokens", type=int, default=64)
+    evaluate.add_argument("--device", default="cpu")
+    samples = commands.add_parser("samples", help="greedy chat replies of an exported model",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    samples.add_argument("model", help="exported model folder (RUN/model)")
+    samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
+    samples.add_argument("--max-new-tokens", type=int, default=64)
+    samples.add_argument("--device", default="cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "plot":
+        out = args.out or str(Path(args.run) / "loss_curve.png")
+        if not plot_loss_curve(Path(args.run) / "metrics.jsonl", out, title=Path(args.run).name):
+            raise UserError(f"no loss records in {Path(args.run) / 'metrics.jsonl'}")
+        print(f"wrote {out}")
+    elif args.command == "evaluate":
+        model, tokenizer = load_exported(args.model, args.device)
+        result = task_accuracy(model, tokenizer, args.eval, args.device, args.limit, args.max_new_tokens)
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    else:
+        model, tokenizer = load_exported(args.model, args.device)
+        prompts = args.prompt or DEFAULT_PROMPTS
+        for prompt, reply in zip(prompts, generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device)):
+            print(f"> {prompt}\n{reply}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

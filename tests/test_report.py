@@ -1,0 +1,387 @@
+"""report.py: progress lines, the loss curve, TensorBoard, chat generation, task accuracy, HF export."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import data
+import model_config
+import report
+from common import UserError, sha256_file
+
+# A tiny model memorizes these replies in a few seconds; generation must reproduce them exactly.
+CHATS = [
+    ("What is 2 plus 3?", data.render_assistant("5")),
+    ("What is 10 plus 7?", data.render_assistant("17", "10 + 7 = 17")),
+    ("Say hello.", "Hello there!"),
+    ("Name a color.", "Blue"),
+]
+PROMPTS = [prompt for prompt, _ in CHATS]
+REPLIES = [reply for _, reply in CHATS]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """(model, tokenizer): the tiny preset trained until it answers CHATS and then says <|im_end|>."""
+    conversations = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in CHATS]
+    texts = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n" for q, a in CHATS]
+    tokenizer, _ = data.train_tokenizer(texts * 3, 400, tmp_path_factory.mktemp("tokenizer"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small trains ~10x faster on one thread of a busy machine
+    try:
+        torch.manual_seed(0)
+        model = model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer))
+        rendered = [tokenizer.apply_chat_template(conversation, tokenize=False) for conversation in conversations]
+        batch = tokenizer(rendered, padding=True, add_special_tokens=False, return_tensors="pt")
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.train()
+        for _ in range(200):
+            loss = model(**batch, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        assert loss.item() < 0.2
+        model.eval()
+        yield model, tokenizer
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+
+
+def progress_lines(text):
+    return [int(match) for match in re.findall(r"^step +(\d+)/", text, flags=re.MULTILINE)]
+
+
+def test_progress_prints_plain_lines_every_n_steps_when_not_a_terminal(capsys):
+    progress = report.Progress(total_steps=25, every=10)  # pytest's stderr is not a terminal
+    for step in range(1, 26):
+        progress.update(step, loss=1.234, tokens_per_second=12_345, mfu=0.125)
+        if step == 12:
+            progress.write("eval: val_loss 1.1")
+    progress.close()
+    out = capsys.readouterr()
+    assert progress_lines(out.out) == [1, 10, 20, 25]
+    first = out.out.splitlines()[0]
+    assert "loss 1.2340" in first and "12.3K tok/s" in first and "MFU 12.5%" in first and "ETA" in first
+    assert "eval: val_loss 1.1" in out.out
+    assert out.err == ""
+
+
+def test_progress_after_resume_and_on_other_ranks(capsys):
+    progress = report.Progress(total_steps=130, initial_step=100, every=10)
+    for step in range(101, 131):
+        progress.update(step, loss=2.0)
+    assert progress_lines(capsys.readouterr().out) == [101, 110, 120, 130]
+
+    silent = report.Progress(total_steps=10, every=1, enabled=False, bar=True)
+    for step in range(1, 11):
+        silent.update(step, loss=2.0)
+    silent.write("rank 1 says hi")
+    silent.close()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_bar_keeps_stdout_clean(capsys):
+    with report.Progress(total_steps=5, every=1, bar=True) as progress:
+        for step in range(1, 6):
+            progress.update(step, loss=0.5, tokens_per_second=100.0, mfu=None)
+        progress.write("checkpoint saved")
+    out = capsys.readouterr()
+    assert progress_lines(out.out) == []
+    assert "checkpoint saved" in out.err and "5/5" in out.err and "loss 0.5000" in out.err
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics.jsonl -> loss_curve.png, TensorBoard
+
+
+def write_metrics(path, truncated_tail=True):
+    lines = []
+    for step in range(1, 31):
+        lines.append({"kind": "train", "step": step, "tokens": step * 512, "loss": 5.0 / step**0.5,
+                      "lr": 1e-3 * min(1.0, step / 5), "grad_norm": 1.0, "step_seconds": 0.1,
+                      "tokens_per_second": 5120.0, "mfu": None, "peak_memory_bytes": 0, "time": "t"})
+        if step % 10 == 0:
+            lines.append({"kind": "eval", "step": step, "tokens": step * 512, "val_loss": 5.5 / step**0.5,
+                          "val_perplexity": 9.0, "time": "t"})
+    lines.append({"kind": "test", "step": 30, "tokens": 30 * 512, "test_loss": 1.05, "test_perplexity": 2.9,
+                  "time": "t"})
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    if truncated_tail:
+        text += '{"kind": "train", "step": 31, "tokens": 15872, "lo'
+    path.write_text(text)
+
+
+def test_read_metrics_skips_broken_lines_and_keeps_the_last_repeat(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"kind": "train", "step": 1, "loss": 3.0}\n'
+        '{"kind": "train", "step": 2, "loss": 2.9}\n'
+        '{"kind": "train", "step": 3, "lo'  # killed mid-line, then the run resumed from step 1
+        '{"kind": "train", "step": 2, "loss": 2.5}\n'
+        '{"kind": "eval", "step": 2, "val_loss": 2.7}\n'
+        '{"kind": "train", "step": 3, "loss": 2.4}\n'
+        '{"kind": "train", "step": 4, "lo'
+    )
+    records = report.read_metrics(path)
+    assert [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in records] == [
+        ("train", 1, 3.0), ("train", 2, 2.5), ("eval", 2, 2.7), ("train", 3, 2.4)]
+    assert report.read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
+    from matplotlib.image import imread
+
+    metrics = tmp_path / "metrics.jsonl"
+    write_metrics(metrics)
+    out = tmp_path / "loss_curve.png"
+    assert report.plot_loss_curve(metrics, out, title="demo") is True
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = imread(out).shape
+    assert (width, height) == (990, 550)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss_curve.png", "metrics.jsonl"]
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"kind": "train", "st')
+    assert report.plot_loss_curve(empty, tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
+
+    assert report.main(["plot", str(tmp_path), "--out", str(tmp_path / "cli.png")]) == 0
+    assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tensorboard_logger_writes_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = report.TensorBoardLogger(tmp_path / "tb")
+    logger.log({"kind": "train", "step": 1, "tokens": 512, "loss": 3.5, "lr": 1e-3, "mfu": None, "time": "t"})
+    logger.log({"kind": "train", "step": 2, "tokens": 1024, "loss": 3.0, "lr": 2e-3, "time": "t"})
+    logger.log({"kind": "eval", "step": 2, "tokens": 1024, "val_loss": 3.2, "val_perplexity": 24.5})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"train/tokens", "train/loss", "train/lr", "eval/tokens",
+                                             "eval/val_loss", "eval/val_perplexity"}
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")] == [(1, 3.5), (2, 3.0)]
+    assert [e.step for e in events.Scalars("eval/val_loss")] == [2]
+
+    disabled = report.TensorBoardLogger(tmp_path / "off", enabled=False)
+    disabled.log({"kind": "train", "step": 1, "loss": 1.0})
+    disabled.close()
+    assert not (tmp_path / "off").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation and task accuracy
+
+
+def test_generate_chat_stops_at_im_end_and_batching_changes_nothing(chat_model):
+    model, tokenizer = chat_model
+    one_by_one = report.generate_chat(model, tokenizer, PROMPTS, max_new_tokens=24, device="cpu", batch_size=1)
+    batched = report.generate_chat(model, tokenizer, PROMPTS, max_new_tokens=24, device="cpu", batch_size=4)
+    assert one_by_one == REPLIES
+    assert batched == REPLIES
+
+    # Without the stop tokens the model would go on past <|im_end|>: stopping is what ends the reply.
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    raw = model.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    continued = tokenizer.decode(raw[0, inputs["input_ids"].shape[1]:], skip_special_tokens=False)
+    assert continued.startswith("Hello there!<|im_end|>") and len(continued) > len("Hello there!<|im_end|>")
+
+    details = report.generate_chat_details(model, tokenizer, [[{"role": "user", "content": "Name a color."}]],
+                                           max_new_tokens=24)
+    assert details == [{"completion": "Blue", "stopped": True, "new_tokens": 1}]
+    assert model.training is False
+
+
+def test_generation_restores_train_mode_and_caps_new_tokens(chat_model):
+    model, tokenizer = chat_model
+    model.train()
+    try:
+        details = report.generate_chat_details(model, tokenizer, ["What is 10 plus 7?"], max_new_tokens=3)
+        assert model.training is True
+    finally:
+        model.eval()
+    assert details[0]["stopped"] is False and details[0]["new_tokens"] == 3
+
+
+def test_cut_at_stop_and_unwrap():
+    assert report.cut_at_stop([7, 8, 2, 9, 4], [4, 2]) == ([7, 8], True)
+    assert report.cut_at_stop([7, 8, 4, 2], [4, 2]) == ([7, 8], True)
+    assert report.cut_at_stop([7, 8], [4, 2]) == ([7, 8], False)
+
+    model = model_config.build_model(model_config.PRESETS["tiny"], 64)
+
+    class FakeDDP(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert report.unwrap_model(FakeDDP(torch.compile(model))) is model
+
+
+def test_generate_samples_records_replies_and_never_raises(chat_model, tmp_path, monkeypatch):
+    model, tokenizer = chat_model
+    out = tmp_path / "sample_generations.json"
+    result = report.generate_samples(model, tokenizer, out, prompts=PROMPTS[2:], max_new_tokens=16, step=200)
+    written = json.loads(out.read_text())
+    assert written == result
+    assert result["error"] is None and result["step"] == 200
+    assert [(s["prompt"], s["completion"], s["stopped"]) for s in written["samples"]] == [
+        ("Say hello.", "Hello there!", True), ("Name a color.", "Blue", True)]
+    assert written["settings"]["decoding"] == "greedy" and written["settings"]["max_new_tokens"] == 16
+
+    def out_of_memory(**kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "generate", out_of_memory)
+        failed = report.generate_samples(model, tokenizer, out, prompts=["hi"])
+    assert "RuntimeError: CUDA out of memory" in failed["error"] and failed["samples"] == []
+    assert json.loads(out.read_text())["error"] == failed["error"]
+
+    unwritable = report.generate_samples(model, tokenizer, tmp_path, prompts=["Say hello."], max_new_tokens=8)
+    assert "writing" in unwritable["error"] and unwritable["samples"][0]["completion"] == "Hello there!"
+
+
+def test_extract_final_answer_and_scoring():
+    assert report.extract_final_answer("<think>\n10 + 7 = 17\n</think>\n\n 17 ") == "17"
+    assert report.extract_final_answer("<think>a</think>b</think> 3") == "3"
+    assert report.extract_final_answer(" 42\n") == "42"
+    assert report.extract_final_answer("<think>\nunfinished 17") == "<think>\nunfinished 17"
+    examples = [{"prompt": "a", "answer": "17", "task": "add"}, {"prompt": "b", "answer": "5", "task": "add"},
+                {"prompt": "c", "answer": "9", "task": "mul"}]
+    result = report.score_answers(examples, ["<think>x</think>\n\n17", "5 apples", "9"])
+    assert (result["correct"], result["total"], result["accuracy"]) == (2, 3, 2 / 3)
+    assert result["by_task"] == {"add": {"correct": 1, "total": 2, "accuracy": 0.5},
+                                 "mul": {"correct": 1, "total": 1, "accuracy": 1.0}}
+    assert [(w["prompt"], w["predicted"]) for w in result["wrong_examples"]] == [("b", "5 apples")]
+
+
+def test_task_accuracy_with_a_real_model(chat_model, tmp_path):
+    model, tokenizer = chat_model
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    (folder / "addition.jsonl").write_text(
+        json.dumps({"prompt": "What is 2 plus 3?", "answer": 5, "task": "addition"}) + "\n"
+        + json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n\n")
+    (folder / "words.jsonl").write_text(json.dumps({"prompt": "Name a color.", "answer": "Red"}) + "\n")
+
+    result = report.task_accuracy(model, tokenizer, folder, device="cpu", max_new_tokens=24)
+    assert (result["correct"], result["total"]) == (2, 3)
+    assert result["accuracy"] == pytest.approx(2 / 3)
+    assert result["by_task"]["addition"] == {"correct": 2, "total": 2, "accuracy": 1.0}
+    assert result["by_task"]["words"] == {"correct": 0, "total": 1, "accuracy": 0.0}
+    assert [(w["answer"], w["predicted"]) for w in result["wrong_examples"]] == [("Red", "Blue")]
+
+    limited = report.task_accuracy(model, tokenizer, folder / "addition.jsonl", limit=1, max_new_tokens=24)
+    assert (limited["correct"], limited["total"]) == (1, 1)
+
+    (folder / "words.jsonl").write_text('{"prompt": "Name a color."}\n')
+    with pytest.raises(UserError, match=r"words.jsonl:1: .*answer"):
+        report.task_accuracy(model, tokenizer, folder)
+    with pytest.raises(UserError, match="not found"):
+        report.task_accuracy(model, tokenizer, tmp_path / "nope.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face export
+
+CARD_INFO = {
+    "model_name": "tinyllm-test",
+    "status": "COMPLETE",
+    "preset": "tiny",
+    "steps": 200,
+    "total_steps": 200,
+    "tokens": 25_600,
+    "corpus_sha256": "c" * 64,
+    "tokenizer_sha256": "t" * 64,
+    "validation_loss": 0.1234,
+    "validation_perplexity": 1.13,
+    "test_loss": 0.2345,
+    "test_perplexity": 1.26,
+    "demo_accuracy": {"accuracy": 0.925, "correct": 37, "total": 40,
+                      "by_task": {"addition": {"accuracy": 0.925, "correct": 37, "total": 40}}},
+}
+
+
+def test_export_reloads_with_transformers_and_matches_the_training_model(chat_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    model, tokenizer = chat_model
+    out = tmp_path / "run" / "model"
+    hashes = report.export_hf_model(model, tokenizer, out, CARD_INFO)
+
+    names = {"config.json", "model.safetensors", "generation_config.json", "README.md", "training_provenance.json",
+             "tokenizer.json", "tokenizer_config.json"}
+    assert names <= set(hashes)
+    assert hashes == {p.name: sha256_file(p) for p in out.iterdir()}
+    assert [p.name for p in out.parent.iterdir()] == ["model"]
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(out)
+    assert loaded_tokenizer.chat_template == data.CHAT_TEMPLATE
+    inputs = loaded_tokenizer.apply_chat_template([{"role": "user", "content": "What is 10 plus 7?"}],
+                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+
+    generation = json.loads((out / "generation_config.json").read_text())
+    im_end, eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<eos>"])
+    assert generation["eos_token_id"] == [im_end, eos] and (im_end, eos) == (4, 2)
+    assert (generation["pad_token_id"], generation["bos_token_id"]) == (0, 1)
+    assert generation.get("do_sample", False) is False
+
+    chat = pipeline("text-generation", model=str(out), device="cpu")
+    reply = chat([{"role": "user", "content": "Say hello."}], max_new_tokens=16)[0]["generated_text"][-1]
+    assert reply == {"role": "assistant", "content": "Hello there!"}
+
+    card = (out / "README.md").read_text()
+    parameters = sum(p.numel() for p in model.parameters())
+    for expected in ["Status: **COMPLETE**", "Optimizer steps: 200 of 200", "Tokens trained on: 25,600",
+                     f"Parameters: {parameters:,}", "2 decoder layers", "c" * 64, "t" * 64, "Validation loss: 0.1234",
+                     "Test loss: 0.2345", "92.5% exact match (37/40)", "AutoModelForCausalLM.from_pretrained",
+                     "## Limitations"]:
+        assert expected in card, expected
+    provenance = json.loads((out / "training_provenance.json").read_text())
+    assert (provenance["corpus_sha256"], provenance["tokenizer_sha256"]) == ("c" * 64, "t" * 64)
+    assert (provenance["steps"], provenance["tokens"]) == (200, 25_600)
+    assert provenance["architecture"]["parameters"] == parameters
+
+    assert report.main(["samples", str(out), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0
+
+
+def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_path, monkeypatch):
+    model, tokenizer = chat_model
+    out = tmp_path / "model"
+    first = report.export_hf_model(model, tokenizer, out, {**CARD_INFO, "status": "CHECKPOINTED_NEEDS_RESUME"})
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed mid-export")
+
+    monkeypatch.setattr(report, "write_provenance", crash)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # the new export would differ
+    try:
+        with pytest.raises(RuntimeError, match="killed mid-export"):
+            report.export_hf_model(model, tokenizer, out, CARD_INFO)
+        assert {p.name: sha256_file(p) for p in out.iterdir()} == first
+        assert sorted(os.listdir(tmp_path)) == ["model"]
+        assert "training did not finish" in (out / "README.md").read_text()
+
+        monkeypatch.undo()
+        second = report.export_hf_model(model, tokenizer, out, CARD_INFO)
+        assert second["model.safetensors"] != first["model.safetensors"]
+        assert {p.name: sha256_file(p) for p in out.iterdir()} == second
+        assert sorted(os.listdir(tmp_path)) == ["model"]
+    finally:
+        with torch.no_grad():
+            model.model.norm.weight.sub_(1.0)
