@@ -891,7 +891,6 @@ def source_manifest(sources: list[Source], stats: dict[str, SourceStats], settin
         })
     return {
         "format_version": FORMAT_VERSION,
-        "created_utc": utc_now(),
         "settings": settings.recorded(),
         "generator": generator,
         "inputs": inputs,
@@ -908,7 +907,7 @@ def data_card(corpus: dict, sources: dict) -> str:
     lines = [
         "# Data card",
         "",
-        f"Built {sources['created_utc']} by `data.py` (format {corpus['format_version']}). "
+        f"Built by `data.py` (corpus format {corpus['format_version']}); the build time is in {CORPUS_MANIFEST}. "
         "Check it with `python data.py --verify <this folder>`.",
         "",
         "## Inputs",
@@ -990,6 +989,8 @@ def building(out: Path) -> Iterator[Path]:
 
 def swap_into_place(temp: Path, out: Path) -> None:
     """Rename the finished folder to `out`, replacing an old corpus (or an empty folder) there."""
+    for path in temp.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # temporary files are created private
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -1034,7 +1035,7 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
             "documents": kept,
             "tokens": sum(info["tokens"] for info in splits.values()),
             "settings": settings.recorded(),
-            "created_utc": sources_doc["created_utc"],
+            "created_utc": utc_now(),
         }
         atomic_write_text(temp / DATA_CARD, data_card(corpus, sources_doc))
         listed = [SOURCE_MANIFEST, DATA_CARD, *sorted(extra_files or {})]

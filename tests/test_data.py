@@ -1,0 +1,625 @@
+"""data.py: schemas, cleaning, splits, packing, manifests, the demo corpus and every bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data
+from common import UserError, sha256_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def text_records(prefix: str, count: int) -> list[dict]:
+    return [{"text": f"{prefix} document number {i} talks about rivers, hills and {i * 7} stones."}
+            for i in range(count)]
+
+
+def build(sources, out: Path, *extra: str) -> Path:
+    """Run main() in-process on a small corpus (tiny vocab, no progress bar)."""
+    argv = ["--data", *map(str, sources), "--out", str(out), "--vocab-size", "300", "--no-progress",
+            "--val-fraction", "0.2", "--test-fraction", "0.2", *extra]
+    assert data.main(argv) == 0
+    return out
+
+
+def read_split(corpus: Path, split: str) -> np.ndarray:
+    manifest = json.loads((corpus / data.CORPUS_MANIFEST).read_text())
+    parts = [np.fromfile(corpus / entry["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"))
+             for entry in manifest["splits"][split]["files"]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def split_documents(corpus: Path, split: str) -> list[str]:
+    """Decode a split back into its documents (cut at <eos>)."""
+    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
+    ids = read_split(corpus, split).tolist()
+    documents, current = [], []
+    for token in ids:
+        if token == 2:
+            documents.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(token)
+    assert not current, "every document must end with <eos>"
+    return documents
+
+
+def no_leftovers(out: Path) -> bool:
+    """Neither the corpus folder nor a temporary build folder beside it."""
+    siblings = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+    return not out.exists() and not siblings
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def demo_corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "corpus"
+    data.build_demo_corpus(out, progress=False)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo corpus
+
+
+def test_demo_corpus_folder_matches_the_design(demo_corpus):
+    manifest = json.loads((demo_corpus / "corpus_manifest.json").read_text())
+    assert manifest["format_version"] == 1 and manifest["dtype"] == "uint16"
+    assert manifest["vocab_size"] <= 512
+    assert manifest["special_tokens"] == {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<|im_start|>": 3,
+                                          "<|im_end|>": 4, "<think>": 5, "</think>": 6}
+    assert manifest["tokenizer_sha256"] == sha256_tree(demo_corpus / "tokenizer")
+    for split in data.SPLITS:
+        info = manifest["splits"][split]
+        assert info["documents"] > 100 and info["tokens"] == sum(f["tokens"] for f in info["files"])
+        assert (demo_corpus / f"{split}-00000.bin").stat().st_size == 2 * info["tokens"]
+    assert manifest["splits"]["train"]["tokens"] > 10 * manifest["splits"]["validation"]["tokens"]
+    for name in ("source_manifest.json", "DATA_CARD.md", data.DEMO_EVAL_FILE):
+        assert name in manifest["files"]
+    assert data.verify_corpus(demo_corpus) == []
+    assert sum(f.stat().st_size for f in demo_corpus.rglob("*.bin")) < 5_000_000
+
+
+def test_demo_eval_file_format(demo_corpus):
+    problems = [json.loads(line) for line in (demo_corpus / data.DEMO_EVAL_FILE).read_text().splitlines()]
+    tasks = {p["task"] for p in problems}
+    assert tasks == {"addition", "subtraction", "multiplication"}
+    additions = [p for p in problems if p["task"] == "addition"]
+    assert len(additions) == 200
+    for problem in problems:
+        assert set(problem) == {"prompt", "answer", "task"}
+    for problem in additions:
+        a, b = (int(word.rstrip("?")) for word in problem["prompt"].split() if word.rstrip("?").isdigit())
+        assert 10 <= a <= 99 and 10 <= b <= 99 and problem["answer"] == str(a + b)
+
+
+def test_demo_eval_problems_never_appear_in_any_split(demo_corpus):
+    problems = [json.loads(line) for line in (demo_corpus / data.DEMO_EVAL_FILE).read_text().splitlines()]
+    documents = [doc for split in data.SPLITS for doc in split_documents(demo_corpus, split)]
+    corpus_text = "\n".join(documents)
+    assert len(documents) == json.loads((demo_corpus / "corpus_manifest.json").read_text())["documents"]
+    for problem in problems:
+        assert problem["prompt"] not in corpus_text
+    for problem in (p for p in problems if p["task"] == "addition"):
+        a, b = (int(word.rstrip("?")) for word in problem["prompt"].split() if word.rstrip("?").isdigit())
+        assert f"\n{a} + {b} = " not in corpus_text and f"\n{b} + {a} = " not in corpus_text
+    # ...while the training data does teach the very same skill on other numbers.
+    assert "What is 12 plus 7?" in corpus_text or "What is 12 plus 7?" in [p["prompt"] for p in problems]
+    assert corpus_text.count("plus") > 5000
+
+
+def test_demo_documents_are_chats_whose_answer_follows_think(demo_corpus):
+    documents = split_documents(demo_corpus, "validation")
+    chats = [doc for doc in documents if doc.startswith("<|im_start|>user\n")]
+    assert len(chats) > 0.8 * len(documents)
+    addition = next(doc for doc in chats if " plus " in doc)
+    answer = addition.split("</think>\n\n")[1].removesuffix("<|im_end|>\n")
+    a, b = (int(number) for number in re.findall(r"\d+", addition.split("\n")[1]))
+    assert answer == str(a + b)
+    assert any(not doc.startswith("<|im_start|>") for doc in documents)  # some plain sentences
+
+
+def test_demo_generator_is_deterministic_and_seeded():
+    records, problems = data.demo_data(7)
+    again_records, again_problems = data.demo_data(7)
+    assert records == again_records and problems == again_problems
+    assert data.demo_data(8)[1] != problems
+
+
+def test_addition_reasoning_is_column_arithmetic():
+    assert data.addition_reasoning(48, 37) == "8 + 7 = 15\n4 + 3 + 1 = 8\n48 + 37 = 85"
+    assert data.addition_reasoning(95, 17).endswith("9 + 1 + 1 = 11\n95 + 17 = 112")
+
+
+# ----------------------------------------------------------------------------------------------
+# --verify
+
+
+def test_verify_catches_a_flipped_byte_and_names_the_file(demo_corpus, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_corpus, copy)
+    assert data.main(["--verify", str(copy)]) == 0
+    shard = copy / "validation-00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    problems = data.verify_corpus(copy)
+    assert len(problems) == 1 and "validation-00000.bin" in problems[0]
+    assert data.main(["--verify", str(copy)]) == 1
+    assert "validation-00000.bin" in capsys.readouterr().out
+
+
+def test_verify_catches_tokenizer_and_eval_edits_and_missing_shards(demo_corpus, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_corpus, copy)
+    with open(copy / "tokenizer" / "tokenizer_config.json", "a") as handle:
+        handle.write(" ")
+    with open(copy / data.DEMO_EVAL_FILE, "a") as handle:
+        handle.write("\n")
+    (copy / "test-00000.bin").unlink()
+    problems = "\n".join(data.verify_corpus(copy))
+    assert "tokenizer/" in problems and data.DEMO_EVAL_FILE in problems and "test-00000.bin: missing" in problems
+
+
+def test_verify_without_manifest_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="corpus_manifest.json is missing"):
+        data.verify_corpus(tmp_path)
+    (tmp_path / "corpus_manifest.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        data.verify_corpus(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer and chat template
+
+
+ROUND_TRIP_TEXTS = [
+    "Hello, world! It's 2024-06-01 and π ≈ 3.14159; naïve café, Zürich, Ærøskøbing.",
+    "日本語のテキストと中文混合, 한국어도 있어요. Emoji: 👩‍💻🚀🎉 and flags 🇫🇷.",
+    "def square(x: int) -> int:\n\treturn x ** 2  # tabs\tand  double  spaces\n\n\n",
+    "    leading spaces, trailing spaces    \r\n windows newline, 1234567890 and -0.5e-10",
+    "Special looking text: <b>bold</b> {json: [1, 2]} `code` \\n literal \u00a0nbsp \u200b zwsp",
+    "1 + 1 = 2\n12345 * 6789 = 83810205",
+]
+
+
+def test_tokenizer_round_trips_varied_text(demo_corpus):
+    tokenizer = data.load_tokenizer(demo_corpus / "tokenizer")
+    for text in ROUND_TRIP_TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+    digits = tokenizer.convert_ids_to_tokens(tokenizer.encode("12345", add_special_tokens=False))
+    assert digits == ["1", "2", "3", "4", "5"]
+
+
+def test_trained_tokenizer_round_trips_and_reports_reached_size(tmp_path):
+    _, reached = data.train_tokenizer(ROUND_TRIP_TEXTS * 3, 5000, tmp_path / "tok")
+    assert 263 <= reached < 5000
+    tokenizer = data.load_tokenizer(tmp_path / "tok")
+    for text in ROUND_TRIP_TEXTS:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_chat_template_matches_the_rendered_documents(demo_corpus):
+    tokenizer = data.load_tokenizer(demo_corpus / "tokenizer")
+    messages = [{"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "content": data.render_assistant("5", "2 + 3 = 5")}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == ("<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+                    "<think>\n2 + 3 = 5\n</think>\n\n5<|im_end|>\n")
+    assert data.render_chat(messages, tokenizer.chat_template) == text
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_dict=False)
+    assert ids[0] == 3 and ids.count(4) == 1  # <|im_start|> and <|im_end|> are single tokens
+    kind, document, _ = data.to_document({"messages": messages}, tokenizer.chat_template, True)
+    assert kind == "chat" and document == text
+
+
+# ----------------------------------------------------------------------------------------------
+# Record schemas and relabeling
+
+
+def doc(record, **kwargs):
+    return data.to_document(record, data.CHAT_TEMPLATE, kwargs.get("remove_uuids", True))
+
+
+def chat(*turns: tuple[str, str]) -> str:
+    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+
+
+def test_plain_text_schemas():
+    assert doc({"text": "  Plain text\r\nwith CRLF  ", "id": 3})[:2] == ("text", "Plain text\nwith CRLF")
+    assert doc({"content": "Under content"})[:2] == ("text", "Under content")
+    assert doc("a bare string")[:2] == ("text", "a bare string")
+
+
+def test_messages_schema_with_reasoning_on_the_message():
+    record = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                           {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."}]}
+    assert doc(record)[:2] == ("chat", chat(("system", "Be brief."), ("user", "Hi?"),
+                                            ("assistant", "<think>\nGreet back.\n</think>\n\nHello.")))
+
+
+@pytest.mark.parametrize("user_role, assistant_role", [("human", "gpt"), ("user", "bot"), ("Human", "model"),
+                                                        ("human", "chatgpt"), ("user", "assistant")])
+def test_sharegpt_conversations_are_relabeled(user_role, assistant_role):
+    record = {"conversations": [{"from": "system", "value": "Sys."}, {"from": user_role, "value": "Q?"},
+                                {"from": assistant_role, "value": "A."}]}
+    assert doc(record)[1] == chat(("system", "Sys."), ("user", "Q?"), ("assistant", "A."))
+
+
+@pytest.mark.parametrize("record", [
+    {"prompt": "Q?", "response": "A."},
+    {"prompt": "Q?", "completion": "A."},
+    {"question": "Q?", "answer": "A."},
+    {"instruction": "Q?", "output": "A."},
+    {"instruction": "Q?", "response": "A."},
+])
+def test_pair_schemas(record):
+    assert doc(record)[:2] == ("chat", chat(("user", "Q?"), ("assistant", "A.")))
+
+
+@pytest.mark.parametrize("key", ["reasoning", "thinking", "think"])
+def test_reasoning_fields_go_inside_think(key):
+    record = {"question": "What is 2 plus 2?", "answer": "4", key: "2 + 2 = 4"}
+    assert doc(record)[1] == chat(("user", "What is 2 plus 2?"),
+                                  ("assistant", "<think>\n2 + 2 = 4\n</think>\n\n4"))
+
+
+def test_instruction_input_and_system_and_content_parts():
+    record = {"system": "Sys.", "instruction": "Translate.", "input": "bonjour", "output": "hello"}
+    assert doc(record)[1] == chat(("system", "Sys."), ("user", "Translate.\n\nbonjour"), ("assistant", "hello"))
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Part one. "},
+                                                       {"type": "text", "text": "Part two."}]}]}
+    assert doc(parts)[1] == chat(("user", "Part one. Part two."))
+
+
+def test_unknown_shapes_list_the_keys_they_saw():
+    with pytest.raises(data.RecordError, match=r"unknown record shape with keys \['foo', 'id'\]"):
+        doc({"id": 1, "foo": "bar"})
+    with pytest.raises(data.RecordError, match="unknown role 'narrator'"):
+        doc({"conversations": [{"from": "narrator", "value": "Once."}]})
+    with pytest.raises(data.RecordError, match="record is a list"):
+        doc([1, 2])
+
+
+# ----------------------------------------------------------------------------------------------
+# Cleaning, dedup, scopes, splits
+
+
+def test_uuid_removal_unicode_and_newlines():
+    uuid = "123e4567-e89b-12d3-a456-426614174000"
+    assert data.clean_text(f"id {uuid} done") == "id  done"
+    assert data.clean_text(f"id {uuid.upper()}") == "id"
+    assert data.clean_text(f"id {uuid}", remove_uuids=False) == f"id {uuid}"
+    assert data.clean_text("cafe\u0301\r\nline\rend") == "caf\u00e9\nline\nend"
+
+
+def test_uuids_are_removed_from_chats_and_can_be_kept(tmp_path):
+    uuid = "123e4567-e89b-12d3-a456-426614174000"
+    records = [{"prompt": f"Ticket {uuid} is open?", "response": "Yes, it is open."}] + text_records("u", 20)
+    source = write_jsonl(tmp_path / "in.jsonl", records)
+    out = build([source], tmp_path / "a", "--val-fraction", "0", "--test-fraction", "0")
+    assert not any(uuid in text for text in split_documents(out, "train"))
+    kept = build([source], tmp_path / "b", "--val-fraction", "0", "--test-fraction", "0", "--no-remove-uuids")
+    assert any(uuid in text for text in split_documents(kept, "train"))
+
+
+def test_dedup_across_sources_and_drop_reasons_are_counted(tmp_path):
+    first = write_jsonl(tmp_path / "a.jsonl", text_records("shared", 10) + [{"text": "   "}, {"text": "tiny"}])
+    second = write_jsonl(tmp_path / "b.jsonl", text_records("shared", 10) + text_records("fresh", 5)
+                         + [{"text": "shared document number 3 talks about rivers, hills and 21 stones.\r\n"}])
+    out = build([first, second], tmp_path / "out")
+    inputs = {Path(entry["source"]).name: entry
+              for entry in json.loads((out / "source_manifest.json").read_text())["inputs"]}
+    assert inputs["a.jsonl"]["records_read"] == 12 and inputs["a.jsonl"]["documents_kept"] == 10
+    assert inputs["a.jsonl"]["dropped"] == {"empty": 1, "too_short": 1}
+    assert inputs["b.jsonl"]["dropped"] == {"duplicate": 11} and inputs["b.jsonl"]["documents_kept"] == 5
+    assert json.loads((out / "corpus_manifest.json").read_text())["documents"] == 15
+    assert "duplicate 11" in (out / "DATA_CARD.md").read_text()
+
+
+def test_scopes_filter_by_record_kind(tmp_path):
+    chats = [{"prompt": f"Question {i}?", "response": f"Answer {i}."} for i in range(12)]
+    source = write_jsonl(tmp_path / "mixed.jsonl", chats + text_records("t", 8))
+    kept = {}
+    for scope in ("full", "chat", "text"):
+        out = build([source], tmp_path / scope, "--scope", scope)
+        kept[scope] = json.loads((out / "corpus_manifest.json").read_text())["documents"]
+        dropped = json.loads((out / "source_manifest.json").read_text())["totals"]["dropped"]
+        assert dropped == ({} if scope == "full" else {f"scope_{scope}": 8 if scope == "chat" else 12})
+    assert kept == {"full": 20, "chat": 12, "text": 8}
+    assert set(data.SCOPES) >= {"full", "chat", "text"}
+
+
+def test_adding_a_source_never_moves_a_document_to_another_split(tmp_path):
+    first = write_jsonl(tmp_path / "a.jsonl", text_records("old", 300))
+    second = write_jsonl(tmp_path / "b.jsonl", text_records("new", 300))
+    settings = data.BuildSettings(val_fraction=0.1, test_fraction=0.1)
+    before = {text: split for split, text in data.iter_documents(data.resolve_inputs([str(first)]), settings,
+                                                                 data.CHAT_TEMPLATE)}
+    after = {text: split for split, text in data.iter_documents(data.resolve_inputs([str(second), str(first)]),
+                                                                settings, data.CHAT_TEMPLATE)}
+    assert set(before.values()) == set(data.SPLITS)
+    assert all(after[text] == split for text, split in before.items())
+    # The same holds in built corpora: every old validation document is still in validation.
+    small = build([first], tmp_path / "small")
+    large = build([first, second], tmp_path / "large", "--tokenizer", str(small / "tokenizer"))
+    assert set(split_documents(small, "validation")) <= set(split_documents(large, "validation"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: every format, folders, globs, saved datasets and the hf: path
+
+
+def make_every_format(folder: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(folder / "a.jsonl", text_records("jsonl", 5))
+    with gzip.open(folder / "b.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in text_records("gzip", 4))
+    (folder / "c.json").write_text(json.dumps([{"question": f"Json question {i}?", "answer": "Yes."}
+                                               for i in range(3)]))
+    (folder / "sub").mkdir()
+    (folder / "sub" / "d.txt").write_text("A whole text file is one document.\nSecond line.\n")
+    (folder / "sub" / "e.md").write_text("# Markdown\n\nAlso one document.\n")
+    (folder / "sub" / "ignored.csv").write_text("not,an,input\n")
+    pq.write_table(pa.table({"text": [r["text"] for r in text_records("parquet", 6)]}), folder / "f.parquet")
+    dataset = datasets.Dataset.from_list([{"conversations": [{"from": "human", "value": f"Saved {i}?"},
+                                                             {"from": "gpt", "value": "Saved answer."}]}
+                                          for i in range(4)])
+    dataset.save_to_disk(str(folder / "saved"))
+
+
+def test_every_input_format_through_a_folder(tmp_path):
+    make_every_format(tmp_path / "in")
+    out = build([tmp_path / "in"], tmp_path / "out")
+    inputs = {Path(entry["source"]).name: entry
+              for entry in json.loads((out / "source_manifest.json").read_text())["inputs"]}
+    assert {name: entry["documents_kept"] for name, entry in inputs.items()} == {
+        "a.jsonl": 5, "b.jsonl.gz": 4, "c.json": 3, "d.txt": 1, "e.md": 1, "f.parquet": 6, "saved": 4}
+    assert inputs["saved"]["kind"] == "arrow" and inputs["f.parquet"]["kind"] == "parquet"
+    assert all(len(entry["sha256"]) == 64 for entry in inputs.values())
+    documents = [doc for split in data.SPLITS for doc in split_documents(out, split)]
+    assert "A whole text file is one document.\nSecond line." in documents
+    assert chat(("user", "Saved 2?"), ("assistant", "Saved answer.")) in documents
+
+
+def test_globs_and_hf_path_with_a_local_dataset(tmp_path):
+    write_jsonl(tmp_path / "g1.jsonl", text_records("globbed one", 5))
+    write_jsonl(tmp_path / "g2.jsonl", text_records("globbed two", 5))
+    hub_like = tmp_path / "hub_dataset"
+    write_jsonl(hub_like / "train.jsonl", [{"messages": [{"role": "user", "content": f"Hub {i}?"},
+                                                         {"role": "assistant", "content": "Streamed."}]}
+                                           for i in range(6)])
+    out = build([tmp_path / "g*.jsonl", f"hf:{hub_like}"], tmp_path / "out")
+    inputs = json.loads((out / "source_manifest.json").read_text())["inputs"]
+    assert [entry["documents_kept"] for entry in inputs] == [5, 5, 6]
+    assert inputs[2]["kind"] == "hf" and inputs[2]["sha256"] is None
+    assert data.parse_hf_spec("hf:org/name:cfg:validation") == ("org/name", "cfg", "validation")
+    assert data.parse_hf_spec("hf:org/name") == ("org/name", None, "train")
+
+
+def test_hub_dataset_that_cannot_be_opened_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="hf:.*could not open the dataset"):
+        data.main(["--data", f"hf:{tmp_path}/no_such_dataset_here", "--out", str(tmp_path / "out"),
+                   "--no-progress"])
+    assert no_leftovers(tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing, determinism, atomicity
+
+
+def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
+    make_every_format(tmp_path / "in")
+    one = build([tmp_path / "in"], tmp_path / "one", "--shard-tokens", "150")
+    two = build([tmp_path / "in"], tmp_path / "two", "--shard-tokens", "150")
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file())
+    for name in files:
+        if name.name != "corpus_manifest.json":
+            assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    manifests = [json.loads((corpus / "corpus_manifest.json").read_text()) for corpus in (one, two)]
+    for manifest in manifests:
+        manifest.pop("created_utc")
+    assert manifests[0] == manifests[1]
+    train = manifests[0]["splits"]["train"]
+    assert len(train["files"]) > 2 and all(f["tokens"] == 150 for f in train["files"][:-1])
+    whole = build([tmp_path / "in"], tmp_path / "whole", "--tokenizer", str(one / "tokenizer"))
+    assert np.array_equal(read_split(one, "train"), read_split(whole, "train"))
+    assert data.verify_corpus(one) == []
+
+
+def test_interrupted_build_leaves_nothing_and_keeps_the_old_corpus(tmp_path, monkeypatch):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 20))
+    out = tmp_path / "out"
+    monkeypatch.setattr(data, "pack_documents", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        build([source], out)
+    assert no_leftovers(out)
+    monkeypatch.undo()
+    build([source], out)
+    before = (out / "corpus_manifest.json").read_bytes()
+    monkeypatch.setattr(data, "pack_documents", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        build([source], out, "--overwrite")
+    assert (out / "corpus_manifest.json").read_bytes() == before and data.verify_corpus(out) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
+
+
+def test_vocab_beyond_uint16_switches_to_uint32(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from data import SPECIAL_TOKENS
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(alphabet))}
+    vocab.update({f"unused{i}": len(vocab) + i for i in range(70_000 - len(vocab))})
+    base = data.new_bpe_tokenizer()
+    big = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    big.pre_tokenizer, big.decoder = base.pre_tokenizer, decoders.ByteLevel()
+    big.add_special_tokens(SPECIAL_TOKENS)
+    data.wrap_tokenizer(big).save_pretrained(str(tmp_path / "big"))
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("wide", 10))
+    out = build([source], tmp_path / "out", "--tokenizer", str(tmp_path / "big"))
+    manifest = json.loads((out / "corpus_manifest.json").read_text())
+    assert manifest["dtype"] == "uint32" and manifest["vocab_size"] == 70_000
+    assert (out / "train-00000.bin").stat().st_size == 4 * manifest["splits"]["train"]["tokens"]
+    assert "wide document number" in split_documents(out, "train")[0]
+    assert data.token_dtype(65_536) == "uint16" and data.token_dtype(65_537) == "uint32"
+
+
+def test_overwrite_replaces_a_corpus_but_never_another_folder(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 20))
+    out = build([source], tmp_path / "out")
+    with pytest.raises(UserError, match="exists and is not empty; pass --overwrite"):
+        build([source], out)
+    build([source], out, "--overwrite", "--scope", "text")
+    assert data.verify_corpus(out) == []
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("do not delete")
+    with pytest.raises(UserError, match="not a corpus folder"):
+        build([source], precious, "--overwrite")
+    assert (precious / "thesis.txt").read_text() == "do not delete"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    build([source], empty)
+    assert data.verify_corpus(empty) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one clear message, non-zero exit, no partial corpus
+
+
+def test_malformed_json_line_is_counted_or_fatal_with_strict(tmp_path, capsys):
+    source = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in text_records("ok", 10)]
+    lines.insert(3, '{"text": "unterminated')
+    source.write_text("\n".join(lines) + "\n")
+    out = build([source], tmp_path / "out")
+    assert f"{source}:4: malformed JSON" in capsys.readouterr().err
+    entry = json.loads((out / "source_manifest.json").read_text())["inputs"][0]
+    assert entry["dropped"] == {"malformed_json": 1} and entry["documents_kept"] == 10
+    with pytest.raises(UserError, match=f"{source}:4: malformed JSON"):
+        build([source], tmp_path / "strict", "--strict")
+    assert no_leftovers(tmp_path / "strict")
+
+
+def test_invalid_utf8_is_counted_or_fatal_with_strict(tmp_path):
+    source = tmp_path / "latin1.jsonl"
+    source.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in text_records("ok", 6))
+                       + '{"text": "caf\xe9 au lait, tr\xe8s bien"}\n'.encode("latin-1"))
+    out = build([source], tmp_path / "out")
+    assert json.loads((out / "source_manifest.json").read_text())["inputs"][0]["dropped"] == {"invalid_utf8": 1}
+    with pytest.raises(UserError, match=f"{source}:7: invalid UTF-8"):
+        build([source], tmp_path / "strict", "--strict")
+    text_file = tmp_path / "binary.txt"
+    text_file.write_bytes(b"\xff\xfe\x00 binary")
+    with pytest.raises(UserError, match=f"{text_file}: invalid UTF-8 at byte 0"):
+        build([text_file], tmp_path / "strict_txt", "--strict")
+    assert no_leftovers(tmp_path / "strict") and no_leftovers(tmp_path / "strict_txt")
+
+
+def test_empty_file_missing_path_bad_glob_and_unsupported_type(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = [
+        ([empty], f"input file {empty} is empty"),
+        ([tmp_path / "nope.jsonl"], f"input not found: {tmp_path / 'nope.jsonl'}"),
+        ([tmp_path / "*.parquet"], "no files match this pattern"),
+        ([tmp_path / "x.csv"], "unsupported file type"),
+    ]
+    (tmp_path / "x.csv").write_text("a,b\n")
+    (tmp_path / "emptydir").mkdir()
+    cases.append(([tmp_path / "emptydir"], "holds no .jsonl"))
+    for sources, message in cases:
+        with pytest.raises(UserError, match=message.replace("*", r"\*").replace(".", r"\.")):
+            build(sources, tmp_path / "out")
+        assert no_leftovers(tmp_path / "out")
+
+
+def test_no_documents_left_after_filtering(tmp_path):
+    source = write_jsonl(tmp_path / "short.jsonl", [{"text": "hi"}, {"text": ""}, {"text": "ok"}])
+    with pytest.raises(UserError, match=r"no documents left .*3 records read; dropped: empty 1, too_short 2"):
+        build([source], tmp_path / "out")
+    assert no_leftovers(tmp_path / "out")
+    chats_only = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": "Question here?", "response": "Answer."}])
+    with pytest.raises(UserError, match="scope_text 1"):
+        build([chats_only], tmp_path / "out", "--scope", "text")
+    assert no_leftovers(tmp_path / "out")
+
+
+def test_unknown_schema_is_fatal_or_skipped(tmp_path):
+    source = write_jsonl(tmp_path / "odd.jsonl", text_records("ok", 8) + [{"title": "x", "body": "y"}])
+    with pytest.raises(UserError, match=r"odd\.jsonl:9: unknown record shape with keys \['body', 'title'\]"):
+        build([source], tmp_path / "out")
+    assert no_leftovers(tmp_path / "out")
+    out = build([source], tmp_path / "out", "--skip-unknown")
+    assert json.loads((out / "source_manifest.json").read_text())["inputs"][0]["dropped"] == {"unknown_schema": 1}
+
+
+def test_tokenizer_folder_that_does_not_load(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("ok", 8))
+    broken = tmp_path / "broken_tok"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{ this is not a tokenizer")
+    with pytest.raises(UserError, match="does not load"):
+        build([source], tmp_path / "out", "--tokenizer", str(broken))
+    assert no_leftovers(tmp_path / "out")
+    with pytest.raises(UserError, match="is not a folder"):
+        build([source], tmp_path / "out", "--tokenizer", str(tmp_path / "missing_tok"))
+    assert no_leftovers(tmp_path / "out")
+
+
+def test_bad_settings_are_user_errors(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("ok", 8))
+    for extra, message in ((["--vocab-size", "100"], "below 263"),
+                           (["--val-fraction", "0.6", "--test-fraction", "0.5"], "leave room")):
+        with pytest.raises(UserError, match=message):
+            build([source], tmp_path / "out", *extra)
+        assert no_leftovers(tmp_path / "out")
+
+
+def test_command_line_exit_codes(tmp_path):
+    """The real process: exit 2 with one `error:` line, and nothing written."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    missing = tmp_path / "missing.jsonl"
+    result = subprocess.run([sys.executable, str(ROOT / "data.py"), "--data", str(missing), "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: input not found: {missing}"]
+    assert no_leftovers(tmp_path / "out")
+    help_text = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True,
+                               text=True, env=env, cwd=ROOT).stdout
+    assert "--tokenizer-sample-bytes" in help_text and "(default: 200000000)" in help_text
