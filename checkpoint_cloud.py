@@ -1,0 +1,899 @@
+"""Back checkpoints up to remote storage without slowing training, and restore them anywhere.
+
+    python checkpoint_cloud.py list s3://bucket/runs/tiny
+    python checkpoint_cloud.py push runs/tiny s3://bucket/runs/tiny
+    python checkpoint_cloud.py pull s3://bucket/runs/tiny runs/tiny
+    python checkpoint_cloud.py verify s3://bucket/runs/tiny
+
+A URL is anything fsspec opens: a folder (`/content/drive/MyDrive/runs/tiny`, `file://...`),
+`s3://bucket/prefix` (also S3-compatible stores through AWS_ENDPOINT_URL), `gs://bucket/prefix`,
+`hf://user/repo/prefix`. It stands for a RUN folder and mirrors its checkpoints:
+
+    URL/checkpoints/step-00001000.pt        promoted from a temporary name after its size and
+                                            sha256 were confirmed on the remote
+    URL/checkpoints/step-00001000.pt.json   its record {"path", "step", "sha256", "bytes"}, written
+                                            after the promotion: the proof that it was verified
+    URL/checkpoints/latest.json             the record of the newest verified checkpoint (moved last)
+    URL/checkpoints/.step-...pt.<id>.partial  an upload in flight; never read
+
+A URL may instead hold a corpus folder (DESIGN.md, "Corpus folder"), recognised by its
+corpus_manifest.json; `push`, `pull`, `list` and `verify` then handle the corpus.
+
+How the remote copy is confirmed: the uploaded temporary file is read back and hashed. That is
+the one check that means the same on every store: S3's ETag is an MD5 only for single-part
+uploads, its SHA256 checksums of multipart uploads are checksums of parts, GCS offers MD5/CRC32C.
+The exception is the Hugging Face Hub, whose file info carries the sha256 the Hub computed for
+LFS files; that one is used as is. The read-back costs download bandwidth (egress on clouds
+that bill for it), in the background thread, never in the training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from common import (
+    HASH_CHUNK_BYTES,
+    UserError,
+    atomic_write_json,
+    fsync_dir,
+    read_json,
+    run_main,
+    sha256_file,
+    utc_now,
+)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest.json"
+RECORD_SUFFIX = ".json"
+CORPUS_MANIFEST = "corpus_manifest.json"
+CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+
+# The package behind each URL scheme; only the one a URL names has to be installed.
+BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
+
+LogFn = Callable[[str], None]
+log_line: LogFn = functools.partial(print, flush=True)
+
+
+class VerificationError(Exception):
+    """A remote file does not have the size or sha256 it should have."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Opening a remote and the small operations everything else is made of.
+
+
+def open_remote(url: str):
+    """(fs, root) for `url`: a local folder, file://, s3://, gs://, hf:// or any fsspec protocol.
+
+    Nothing is contacted yet. Credentials come from where each library looks for them (for S3:
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE / ~/.aws, endpoint AWS_ENDPOINT_URL;
+    for GCS: GOOGLE_APPLICATION_CREDENTIALS; for the Hub: HF_TOKEN or `hf auth login`).
+    Error messages name the scheme, never the URL, which may carry secrets.
+    """
+    import fsspec
+
+    if not url or not str(url).strip():
+        raise UserError("the backup URL is empty")
+    url = str(url)
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    package = BACKEND_PACKAGES.get(scheme)
+    if package and importlib.util.find_spec(package) is None:
+        raise UserError(f"{scheme}:// URLs need the {package} package: pip install {package}")
+    try:
+        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+    except ImportError as error:
+        raise UserError(f"{scheme}:// URLs need a package that is not installed ({error.name or error})") from None
+    except ValueError:
+        raise UserError(f"unknown storage protocol {scheme!r} in the backup URL") from None
+    root = root.rstrip("/")
+    if is_local(fs) and not root:
+        root = "/"
+    return fs, root
+
+
+def is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def backup_url_from_env_or_arg(arg: str | None) -> str | None:
+    """`--backup-to` wins; else the original trainer's THINK72_CLOUD_RESUME=1 + THINK72_BACKUP_URL."""
+    if arg:
+        return arg
+    if os.environ.get("THINK72_CLOUD_RESUME") != "1":
+        return None
+    url = os.environ.get("THINK72_BACKUP_URL", "").strip()
+    if not url:
+        raise UserError("THINK72_CLOUD_RESUME=1 needs THINK72_BACKUP_URL (or pass --backup-to URL)")
+    return url
+
+
+def _refresh(fs, path: str) -> None:
+    """Forget listings cached by the file system (s3fs caches them) so we see the store as it is."""
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(path)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _temp_name(path: str) -> str:
+    """A hidden temporary name beside `path`, unique to this upload."""
+    parent, name = _parent(path), path.rsplit("/", 1)[-1]
+    return f"{parent}/.{name}.{secrets.token_hex(4)}.partial"
+
+
+def _make_durable(fs, path: str) -> None:
+    """On a local or mounted folder, fsync the file (object stores are durable once a PUT returns)."""
+    if not is_local(fs):
+        return
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _remove_quietly(fs, path: str) -> None:
+    with contextlib.suppress(Exception):
+        fs.rm_file(path)
+
+
+def _promote(fs, temp: str, final: str) -> None:
+    """Move a verified temporary file to its final name (a rename locally, copy + delete on S3)."""
+    fs.mv(temp, final)
+    if is_local(fs):
+        fsync_dir(_parent(final))
+    _refresh(fs, _parent(final))
+
+
+def put_json(fs, path: str, obj) -> None:
+    """Write a small JSON file on the remote through a temporary name and a promotion."""
+    temp = _temp_name(path)
+    fs.makedirs(_parent(path), exist_ok=True)
+    try:
+        fs.pipe_file(temp, (json.dumps(obj, indent=2) + "\n").encode())
+        _make_durable(fs, temp)
+        _promote(fs, temp, path)
+    except BaseException:
+        _remove_quietly(fs, temp)
+        raise
+
+
+def get_json(fs, path: str):
+    """A remote JSON file, or None when it does not exist. Broken JSON raises VerificationError."""
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise VerificationError(f"{path.rsplit('/', 1)[-1]} is not valid JSON") from None
+
+
+def remote_digest(fs, path: str) -> tuple[int, str]:
+    """(size, sha256) of a remote file: the Hub's own LFS sha256 when it gives one, else read back."""
+    _refresh(fs, path)
+    info = fs.info(path)
+    size = int(info["size"])
+    lfs = info.get("lfs")
+    if isinstance(lfs, dict) and lfs.get("sha256"):
+        return size, str(lfs["sha256"])
+    digest = hashlib.sha256()
+    with fs.open(path, "rb", block_size=HASH_CHUNK_BYTES) as handle:
+        while block := handle.read(HASH_CHUNK_BYTES):
+            digest.update(block)
+    return size, digest.hexdigest()
+
+
+def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256: str | None = None) -> dict:
+    """Upload to a temporary name, confirm size and sha256 there, then promote. Returns {sha256, bytes}.
+
+    On any failure the temporary file is removed (best effort) and `remote_path` is untouched.
+    """
+    local = Path(local_path)
+    size = local.stat().st_size
+    digest = sha256 or sha256_file(local)
+    temp = _temp_name(remote_path)
+    fs.makedirs(_parent(remote_path), exist_ok=True)
+    try:
+        fs.put_file(str(local), temp)
+        _make_durable(fs, temp)
+        remote_size, remote_sha = remote_digest(fs, temp)
+        if (remote_size, remote_sha) != (size, digest):
+            raise VerificationError(f"the uploaded copy of {local.name} differs from the local file")
+        _promote(fs, temp, remote_path)
+    except BaseException:
+        _remove_quietly(fs, temp)
+        raise
+    _refresh(fs, remote_path)
+    if int(fs.info(remote_path)["size"]) != size:
+        raise VerificationError(f"{local.name} changed size while it was promoted")
+    return {"sha256": digest, "bytes": size}
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints on the remote.
+
+
+def step_of(name: str) -> int | None:
+    match = CHECKPOINT_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_folder(root: str) -> str:
+    return f"{root}/{CHECKPOINT_DIR}" if root != "/" else f"/{CHECKPOINT_DIR}"
+
+
+def upload_checkpoint(fs, root: str, local_path: str | os.PathLike, step: int | None = None) -> dict:
+    """Upload one checkpoint by the verified protocol and write its record; latest.json is not moved.
+
+    Returns the record {"path", "step", "sha256", "bytes", "uploaded_utc"}.
+    """
+    local = Path(local_path)
+    step = step_of(local.name) if step is None else int(step)
+    folder = checkpoint_folder(root)
+    checked = upload_verified(fs, local, f"{folder}/{local.name}")
+    record = {"path": local.name, "step": step, **checked, "uploaded_utc": utc_now()}
+    put_json(fs, f"{folder}/{local.name}{RECORD_SUFFIX}", record)
+    return record
+
+
+def write_remote_latest(fs, root: str, record: dict) -> None:
+    put_json(fs, f"{checkpoint_folder(root)}/{LATEST}", record)
+
+
+def remote_listing(fs, root: str) -> dict:
+    """What the remote checkpoints folder holds: {"verified": {step: name}, "unverified": [names],
+    "partials": [names], "latest": record or None, "latest_error": str or None}."""
+    folder = checkpoint_folder(root)
+    _refresh(fs, folder)
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False))
+    except FileNotFoundError:
+        names = []
+    present = set(names)
+    listing = {"verified": {}, "unverified": [], "partials": [], "latest": None, "latest_error": None}
+    for name in names:
+        step = step_of(name)
+        if name.endswith(".partial"):
+            listing["partials"].append(name)
+        elif step is not None and f"{name}{RECORD_SUFFIX}" in present:
+            listing["verified"][step] = name
+        elif step is not None:
+            listing["unverified"].append(name)
+    if LATEST in present:
+        try:
+            listing["latest"] = get_json(fs, f"{folder}/{LATEST}")
+        except VerificationError as error:
+            listing["latest_error"] = str(error)
+    return listing
+
+
+def choose_remote_deletions(steps: Iterable[int], ours: set[int], keep_recent: int, keep_every: int,
+                            save_index: Callable[[int], int | None], protect: Iterable[int] = ()) -> list[int]:
+    """Steps that retention removes: not among the newest `keep_recent`, not an every-`keep_every`-th
+    save (by save index, as the original trainer did), not protected, and uploaded by this run."""
+    steps = sorted(set(steps))
+    keep = set(steps[-keep_recent:]) if keep_recent > 0 else set()
+    keep |= set(protect)
+    if keep_every > 0:
+        for step in steps:
+            index = save_index(step)
+            if index is not None and index % keep_every == 0:
+                keep.add(step)
+    return [step for step in steps if step in ours and step not in keep]
+
+
+def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[dict]:
+    """Records to try, best first: latest.json's checkpoint, then older verified ones, newest first."""
+    listing = remote_listing(fs, root)
+    folder = checkpoint_folder(root)
+    candidates = []
+    latest = listing["latest"]
+    if listing["latest_error"]:
+        log(f"checkpoint restore: WARNING the remote {LATEST} is unreadable ({listing['latest_error']}); "
+            "trying the verified checkpoints instead")
+    elif isinstance(latest, dict) and step_of(str(latest.get("path"))) is not None:
+        candidates.append(latest)
+    newest_allowed = int(latest["step"]) if candidates else None
+    for step in sorted(listing["verified"], reverse=True):
+        name = listing["verified"][step]
+        if candidates and (name == candidates[0]["path"] or step >= newest_allowed):
+            continue
+        try:
+            record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}")
+        except VerificationError:
+            record = None
+        if isinstance(record, dict) and record.get("sha256") and record.get("path") == name:
+            candidates.append(record)
+    return candidates
+
+
+def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> Path:
+    """Download to a temporary name beside `local_path`, check the sha256, then rename into place."""
+    local_path = Path(local_path)
+    if local_path.is_file() and sha256_file(local_path) == sha256:
+        return local_path
+    local_path.parent.mkdir(parents=True, exist_ok=True)
+    temp = local_path.parent / f".{local_path.name}.{secrets.token_hex(4)}.partial"
+    try:
+        fs.get_file(remote_path, str(temp))
+        if (size is not None and temp.stat().st_size != size) or sha256_file(temp) != sha256:
+            raise VerificationError(f"{local_path.name} on the remote does not match its recorded sha256")
+        with open(temp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, local_path)
+        fsync_dir(local_path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+    return local_path
+
+
+@contextlib.contextmanager
+def remote_errors(action: str):
+    """Turn a storage failure into one UserError naming the action and the exception type only."""
+    try:
+        yield
+    except (UserError, VerificationError):
+        raise
+    except Exception as error:
+        raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
+                        "credentials") from None
+
+
+def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line) -> Path | None:
+    """Download the remote's newest verified checkpoint into `local_checkpoint_dir` and point the local
+    latest.json at it, so train.py's `--resume auto` picks it up.
+
+    Falls back to the next older verified checkpoint (with a warning) when one does not match its
+    sha256. Returns None when the remote has no checkpoint yet; raises UserError when it cannot be
+    read or when no checkpoint on it is intact (starting fresh would then overwrite the backup).
+    """
+    fs, root = open_remote(url)
+    local_dir = Path(local_checkpoint_dir)
+    folder = checkpoint_folder(root)
+    with remote_errors("reading the backup remote"):
+        candidates = restore_candidates(fs, root, log)
+    if not candidates:
+        log("checkpoint restore: the remote holds no checkpoint yet")
+        return None
+    for record in candidates:
+        name = record["path"]
+        try:
+            with remote_errors(f"downloading {name}"):
+                path = download_verified(fs, f"{folder}/{name}", local_dir / name, record["sha256"],
+                                         record.get("bytes"))
+        except VerificationError as error:
+            log(f"checkpoint restore: WARNING {error}; trying the next older one")
+            continue
+        local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
+        atomic_write_json(local_dir / LATEST, local_record)
+        log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
+        return path
+    raise UserError(f"no checkpoint on the remote matches its recorded sha256 ({len(candidates)} tried); "
+                    "refusing to start over on top of the backup")
+
+
+# ----------------------------------------------------------------------------------------------
+# The background backup worker.
+
+
+@dataclasses.dataclass
+class _Upload:
+    path: Path
+    step: int
+    ordinal: int  # 1 for this run's first submit
+    state: str = "pending"  # pending -> verified, or dropped (file released for deletion or gone)
+    attempts: int = 0
+    next_try: float = 0.0
+    record: dict | None = None  # set once the file and its record are on the remote
+
+
+class CheckpointBackup:
+    """Uploads checkpoints on a background thread; training never waits for it.
+
+    Per checkpoint: upload to a temporary name, confirm size + sha256 there, promote, write its
+    record, then move the remote latest.json (never backwards within a run). After each success,
+    remote retention keeps the newest `keep_recent` plus every `keep_every`-th save forever, and
+    deletes only verified files this run uploaded. The save index is `step // save_every` when
+    `save_every` is given (stable across resumes, the original trainer's rule), else this run's
+    submit count. The newest pending checkpoint is uploaded first.
+
+    Failures never raise: one log line with the exception type (never the URL or a key), then a
+    retry after retry_seconds, doubling up to max_retry_seconds, and at once at the next submit.
+
+    Local retention asks `deletable(candidates)`; checkpoints without a verified remote copy are
+    kept, but at most `max_unbacked` of them: beyond that the oldest are released with a loud
+    warning (the newest always stay), so a long outage cannot fill the disk.
+    """
+
+    def __init__(self, url: str, keep_recent: int = 3, keep_every: int = 10, save_every: int | None = None,
+                 retry_seconds: float = 5.0, max_retry_seconds: float = 300.0, max_unbacked: int = 3,
+                 log: LogFn = log_line):
+        if keep_recent < 1:
+            raise UserError(f"--remote-keep-recent must be >= 1, got {keep_recent}")
+        if keep_every < 0 or max_unbacked < 0:
+            raise UserError("--remote-keep-every and --backup-max-unbacked must be >= 0")
+        if save_every is not None and save_every < 1:
+            raise UserError(f"save_every must be >= 1, got {save_every}")
+        self.fs, self.root = open_remote(url)
+        self.keep_recent, self.keep_every, self.save_every = keep_recent, keep_every, save_every
+        self.retry_seconds, self.max_retry_seconds = retry_seconds, max_retry_seconds
+        self.max_unbacked = max_unbacked
+        self.log = log
+        self._uploads: dict[str, _Upload] = {}
+        self._submitted = 0
+        self._latest_step: int | None = None  # where this run last pointed the remote latest.json
+        self._urgent = False  # inside wait(): keep retries short
+        self._stopping = False
+        self._busy: _Upload | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-backup", daemon=True)
+        self._thread.start()
+
+    # -- called from the training loop; all return at once --------------------------------------
+
+    def submit(self, local_path: str | os.PathLike, step: int) -> None:
+        """Queue a finished local checkpoint for upload (and retry every failed one now)."""
+        path = Path(local_path).resolve()
+        with self._cond:
+            self._submitted += 1
+            self._uploads[str(path)] = _Upload(path, int(step), self._submitted)
+            for upload in self._uploads.values():
+                upload.next_try = 0.0
+            self._cond.notify_all()
+
+    def is_backed_up(self, local_path: str | os.PathLike) -> bool:
+        """True once this checkpoint has a verified copy on the remote (retention may later remove
+        that copy in favour of newer ones; it was verified all the same)."""
+        with self._cond:
+            upload = self._uploads.get(str(Path(local_path).resolve()))
+            return upload is not None and upload.state == "verified"
+
+    def deletable(self, candidates: Iterable[str | os.PathLike]) -> list[Path]:
+        """Of the checkpoints local retention wants to delete, those that may go now.
+
+        A checkpoint may go when it is backed up; when this run never submitted it (e.g. the one it
+        resumed from) and a newer checkpoint of this run is backed up; or when it is one of the
+        oldest unbacked candidates beyond `max_unbacked`, which is released with a WARNING and no
+        longer uploaded. Everything else stays. The caller deletes what is returned.
+        """
+        released, waiting = [], []
+        with self._cond:
+            backed = [u.step for u in self._uploads.values() if u.state == "verified"]
+            newest_backed = max(backed, default=None)
+            for candidate in candidates:
+                path = Path(candidate).resolve()
+                upload = self._uploads.get(str(path))
+                if upload is None:
+                    step = step_of(path.name)
+                    if step is not None and newest_backed is not None and step < newest_backed:
+                        released.append(path)
+                elif upload.state in ("verified", "dropped"):
+                    released.append(path)
+                else:
+                    waiting.append(upload)
+            waiting.sort(key=lambda u: u.step)
+            overflow = waiting[: max(0, len(waiting) - self.max_unbacked)]
+            for upload in overflow:
+                upload.state = "dropped"
+                released.append(upload.path)
+            self._cond.notify_all()
+        for upload in overflow:
+            self.log(f"checkpoint backup: WARNING deleting local {upload.path.name} (step {upload.step}) although "
+                     f"it never reached the remote: more than {self.max_unbacked} checkpoints are waiting for "
+                     "upload; check the network and the credentials")
+        return released
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the newest submitted checkpoint to reach the remote; say which."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            if not self._uploads:
+                self.log("checkpoint backup: nothing was submitted, nothing to wait for")
+                return True
+            newest = max(self._uploads.values(), key=lambda u: u.ordinal)
+            self._urgent = True
+            for upload in self._uploads.values():
+                upload.next_try = 0.0
+            self._cond.notify_all()
+            while newest.state == "pending" and not self._stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            self._urgent = False
+            ok = newest.state == "verified"
+            on_remote = max((u.step for u in self._uploads.values() if u.state == "verified"), default=None)
+        if ok:
+            self.log(f"checkpoint backup: the newest checkpoint {newest.path.name} (step {newest.step}) "
+                     "is on the remote and verified")
+        else:
+            have = f"step {on_remote}" if on_remote is not None else "none from this run"
+            self.log(f"checkpoint backup: WARNING the newest checkpoint {newest.path.name} (step {newest.step}) "
+                     f"did NOT reach the remote within {timeout_s:g}s (newest verified there: {have}); "
+                     "it stays on the local disk")
+        return ok
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (after the file it is on, up to `timeout_s`). Call wait() first to flush."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    # -- the worker thread ----------------------------------------------------------------------
+
+    def _next_due(self) -> tuple[_Upload | None, float | None]:
+        """The newest pending upload whose retry time has come, else how long until one has."""
+        now = time.monotonic()
+        pending = sorted((u for u in self._uploads.values() if u.state == "pending"), key=lambda u: -u.step)
+        for upload in pending:
+            if upload.next_try <= now:
+                return upload, None
+        return None, (min(u.next_try for u in pending) - now) if pending else None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopping:
+                        return
+                    upload, delay = self._next_due()
+                    if upload is not None:
+                        self._busy = upload
+                        break
+                    self._cond.wait(delay)
+            try:
+                self._process(upload)
+            except Exception as error:  # never let the worker die: log the type, retry later
+                self._failed(upload, error)
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+
+    def _process(self, upload: _Upload) -> None:
+        if upload.record is None:
+            if not upload.path.is_file():
+                with self._cond:
+                    upload.state = "dropped"
+                self.log(f"checkpoint backup: {upload.path.name} was deleted locally before it was uploaded")
+                return
+            upload.record = upload_checkpoint(self.fs, self.root, upload.path, upload.step)
+        with self._cond:
+            move_latest = self._latest_step is None or upload.step >= self._latest_step
+        if move_latest:
+            write_remote_latest(self.fs, self.root, upload.record)
+        with self._cond:
+            if move_latest:
+                self._latest_step = upload.step
+            upload.state = "verified"
+            upload.attempts = 0
+        try:
+            self._apply_retention()
+        except Exception as error:
+            self.log(f"checkpoint backup: remote retention skipped this time ({type(error).__name__})")
+
+    def _failed(self, upload: _Upload, error: Exception) -> None:
+        with self._cond:
+            upload.attempts += 1
+            delay = min(self.retry_seconds * 2 ** (upload.attempts - 1), self.max_retry_seconds)
+            if self._urgent:
+                delay = min(delay, self.retry_seconds)
+            upload.next_try = time.monotonic() + delay
+            dropped = upload.state == "dropped"
+        then = "not retried (released for local deletion)" if dropped else \
+            f"retry in {delay:.0f}s or at the next checkpoint"
+        self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}) not backed up yet: "
+                 f"{type(error).__name__}; {then}")
+
+    def _save_index(self, step: int) -> int | None:
+        if self.save_every:
+            return step // self.save_every
+        with self._cond:
+            ordinals = [u.ordinal for u in self._uploads.values() if u.step == step]
+        return ordinals[-1] if ordinals else None
+
+    def _apply_retention(self) -> None:
+        listing = remote_listing(self.fs, self.root)
+        verified = listing["verified"]
+        with self._cond:
+            ours = {u.step for u in self._uploads.values() if u.state == "verified" and u.record}
+            protect = {self._latest_step} if self._latest_step is not None else set()
+        latest = listing["latest"]
+        if isinstance(latest, dict) and isinstance(latest.get("step"), int):
+            protect.add(latest["step"])
+        victims = choose_remote_deletions(verified, ours, self.keep_recent, self.keep_every,
+                                          self._save_index, protect)
+        folder = checkpoint_folder(self.root)
+        for step in victims:
+            name = verified[step]
+            self.fs.rm_file(f"{folder}/{name}{RECORD_SUFFIX}")  # the record first: a lone file is never trusted
+            self.fs.rm_file(f"{folder}/{name}")
+        if victims:
+            _refresh(self.fs, folder)
+            self.log(f"checkpoint backup: remote retention removed {', '.join(verified[s] for s in victims)}")
+
+
+def add_backup_args(parser: argparse.ArgumentParser) -> None:
+    """The backup options train.py offers (one place, so their names and defaults stay in step)."""
+    group = parser.add_argument_group("checkpoint backup (checkpoint_cloud.py)")
+    group.add_argument("--backup-to", default=None, metavar="URL",
+                       help="mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background "
+                            "(alias: THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)")
+    group.add_argument("--remote-keep-recent", type=int, default=3, help="newest remote checkpoints kept")
+    group.add_argument("--remote-keep-every", type=int, default=10,
+                       help="also keep every Nth save (by save index) on the remote forever; 0 = off")
+    group.add_argument("--backup-wait-seconds", type=float, default=600.0,
+                       help="on stop, wait this long for pending uploads")
+    group.add_argument("--backup-max-unbacked", type=int, default=3,
+                       help="local checkpoints without a remote copy kept beyond local retention; older "
+                            "ones are deleted with a warning")
+
+
+def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
+                     log: LogFn = log_line) -> CheckpointBackup | None:
+    """A CheckpointBackup for the options of add_backup_args, or None when no backup URL is set."""
+    url = backup_url_from_env_or_arg(args.backup_to)
+    if url is None:
+        return None
+    return CheckpointBackup(url, keep_recent=args.remote_keep_recent, keep_every=args.remote_keep_every,
+                            save_every=save_every, max_unbacked=args.backup_max_unbacked, log=log)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpora: pulled the same way, verified against their manifest.
+
+
+def corpus_files(manifest: dict) -> dict[str, tuple[str, int | None]]:
+    """{relative name: (sha256, bytes or None)} of every file a corpus manifest lists."""
+    files = {}
+    for split in (manifest.get("splits") or {}).values():
+        for entry in split.get("files", []):
+            files[entry["name"]] = (entry["sha256"], entry.get("bytes"))
+    for name, sha in (manifest.get("files") or {}).items():
+        files[name] = (sha, None)
+    return files
+
+
+def verify_corpus_folder(folder: Path) -> None:
+    """data.verify_corpus when data.py has it, else every listed file's size and sha256."""
+    data = importlib.import_module("data")
+    verify = getattr(data, "verify_corpus", None)
+    if callable(verify):
+        verify(folder)
+        return
+    manifest = read_json(folder / CORPUS_MANIFEST, what="corpus manifest")
+    for name, (sha, size) in corpus_files(manifest).items():
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"corpus file {name} listed in {CORPUS_MANIFEST} is missing")
+        if (size is not None and path.stat().st_size != size) or sha256_file(path) != sha:
+            raise UserError(f"corpus file {name} does not match the sha256 in {CORPUS_MANIFEST}")
+
+
+def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -> Path:
+    """Download the corpus folder at `url` into `local_dir` and verify it against its manifest.
+
+    The download goes to a temporary folder beside `local_dir` that is renamed only once verified.
+    A `local_dir` already holding a verified corpus is kept as is.
+    """
+    target = Path(local_dir)
+    if (target / CORPUS_MANIFEST).is_file():
+        verify_corpus_folder(target)
+        log(f"corpus pull: {target} already holds a verified corpus")
+        return target
+    if target.exists() and any(target.iterdir()):
+        raise UserError(f"{target} exists and is not a finished corpus; remove it or choose another folder")
+    fs, root = open_remote(url)
+    temp = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
+    try:
+        with remote_errors("downloading the corpus"):
+            _refresh(fs, root)
+            names = [p[len(root) + 1:] for p in fs.find(root) if p.startswith(root + "/")]
+            if CORPUS_MANIFEST not in names:
+                raise UserError(f"the remote corpus has no {CORPUS_MANIFEST}")
+            for name in names:
+                if name.rsplit("/", 1)[-1].endswith(".partial"):
+                    continue
+                (temp / name).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(f"{root}/{name}", str(temp / name))
+        verify_corpus_folder(temp)
+        if target.exists():
+            target.rmdir()
+        os.replace(temp, target)
+        fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    log(f"corpus pull: {len(names)} files verified into {target}")
+    return target
+
+
+def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:
+    """Upload a finished corpus, every file verified, the manifest last (its presence means complete)."""
+    verify_corpus_folder(corpus_dir)
+    files = sorted(p for p in corpus_dir.rglob("*") if p.is_file() and p.name != CORPUS_MANIFEST)
+    for path in [*files, corpus_dir / CORPUS_MANIFEST]:
+        upload_verified(fs, path, f"{root}/{path.relative_to(corpus_dir).as_posix()}")
+    log(f"push: corpus of {len(files) + 1} files uploaded and verified")
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line.
+
+
+def remote_is_corpus(fs, root: str) -> bool:
+    _refresh(fs, root)
+    return fs.exists(f"{root}/{CORPUS_MANIFEST}")
+
+
+def command_list(url: str) -> int:
+    fs, root = open_remote(url)
+    with remote_errors("listing the remote"):
+        if remote_is_corpus(fs, root):
+            manifest = json.loads(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"))
+            for name, (sha, size) in sorted(corpus_files(manifest).items()):
+                print(f"{name:40s} {size if size is not None else '-':>14} {sha[:12]}")
+            return 0
+        listing = remote_listing(fs, root)
+        latest = listing["latest"] or {}
+        folder = checkpoint_folder(root)
+        if not listing["verified"] and not listing["unverified"]:
+            print("no checkpoints on the remote")
+        for step, name in sorted(listing["verified"].items()):
+            record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}") or {}
+            mark = "  <- latest" if latest.get("path") == name else ""
+            print(f"{name:24s} step {step:>9} {record.get('bytes', '?'):>14} bytes  "
+                  f"sha256 {str(record.get('sha256', '?'))[:12]}{mark}")
+        for name in listing["unverified"]:
+            print(f"{name:24s} UNVERIFIED (no record; never used by restore)")
+        for name in listing["partials"]:
+            print(f"{name:24s} partial upload (in flight, or left by an interrupted one)")
+    return 0
+
+
+def command_push(run_dir: str, url: str) -> int:
+    source = Path(run_dir)
+    if not source.is_dir():
+        raise UserError(f"no such folder: {run_dir}")
+    fs, root = open_remote(url)
+    with remote_errors("pushing"):
+        if (source / CORPUS_MANIFEST).is_file():
+            push_corpus(source, fs, root)
+            return 0
+        local = sorted((p for p in (source / CHECKPOINT_DIR).glob("step-*.pt") if step_of(p.name) is not None),
+                       key=lambda p: step_of(p.name))
+        if not local:
+            raise UserError(f"{source / CHECKPOINT_DIR} holds no step-*.pt checkpoints")
+        folder = checkpoint_folder(root)
+        listing = remote_listing(fs, root)
+        newest = None
+        for path in local:
+            known = get_json(fs, f"{folder}/{path.name}{RECORD_SUFFIX}") if path.name in listing["verified"].values() \
+                else None
+            sha = sha256_file(path)
+            if known and known.get("sha256") == sha:
+                print(f"{path.name}: already on the remote")
+                newest = known
+                continue
+            newest = upload_checkpoint(fs, root, path)
+            print(f"{path.name}: uploaded and verified")
+        write_remote_latest(fs, root, newest)
+        print(f"remote latest.json -> {newest['path']} (step {newest['step']})")
+    return 0
+
+
+def command_pull(url: str, run_dir: str) -> int:
+    fs, root = open_remote(url)
+    with remote_errors("reading the remote"):
+        corpus = remote_is_corpus(fs, root)
+    if corpus:
+        pull_corpus(url, run_dir)
+        return 0
+    path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR)
+    if path is None:
+        raise UserError("the remote holds no checkpoint to pull")
+    return 0
+
+
+def command_verify(url: str) -> int:
+    fs, root = open_remote(url)
+    problems = []
+    with remote_errors("verifying the remote"):
+        if remote_is_corpus(fs, root):
+            manifest = json.loads(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"))
+            expected = corpus_files(manifest)
+            for name, (sha, size) in sorted(expected.items()):
+                try:
+                    got_size, got_sha = remote_digest(fs, f"{root}/{name}")
+                except FileNotFoundError:
+                    problems.append(f"{name}: missing")
+                    continue
+                if got_sha != sha or (size is not None and got_size != size):
+                    problems.append(f"{name}: does not match {CORPUS_MANIFEST}")
+            checked = len(expected)
+        else:
+            listing = remote_listing(fs, root)
+            folder = checkpoint_folder(root)
+            for _, name in sorted(listing["verified"].items()):
+                record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}") or {}
+                got_size, got_sha = remote_digest(fs, f"{folder}/{name}")
+                if got_sha != record.get("sha256") or got_size != record.get("bytes"):
+                    problems.append(f"{name}: does not match its recorded sha256 (corrupted)")
+                else:
+                    print(f"{name}: ok")
+            problems += [f"{name}: has no record (unverified upload)" for name in listing["unverified"]]
+            latest = listing["latest"]
+            if listing["latest_error"]:
+                problems.append(f"{LATEST}: {listing['latest_error']}")
+            elif latest is None:
+                problems.append(f"{LATEST}: missing")
+            elif latest.get("path") not in listing["verified"].values():
+                problems.append(f"{LATEST}: points at {latest.get('path')}, which is not a verified checkpoint")
+            checked = len(listing["verified"])
+            if listing["partials"]:
+                print(f"note: {len(listing['partials'])} partial upload(s) present (ignored)")
+    for problem in problems:
+        print(f"PROBLEM {problem}")
+    print(f"verify: {checked} file(s) checked, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=formatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="show the remote's checkpoints (or corpus files)",
+                                  formatter_class=formatter)
+    listing.add_argument("url", help="remote run (or corpus) URL")
+    push = commands.add_parser("push", help="upload a run's checkpoints (or a corpus folder), verified",
+                               formatter_class=formatter)
+    push.add_argument("run", help="local RUN folder (its checkpoints/) or CORPUS folder")
+    push.add_argument("url", help="remote URL")
+    pull = commands.add_parser("pull", help="download the newest intact checkpoint into RUN/checkpoints "
+                                            "(or the corpus into the folder)", formatter_class=formatter)
+    pull.add_argument("url", help="remote URL")
+    pull.add_argument("run", help="local RUN (or CORPUS) folder")
+    verify = commands.add_parser("verify", help="re-hash every remote file against its record; exit 1 on a problem",
+                                 formatter_class=formatter)
+    verify.add_argument("url", help="remote URL")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "list":
+        return command_list(args.url)
+    if args.command == "push":
+        return command_push(args.run, args.url)
+    if args.command == "pull":
+        return command_pull(args.url, args.run)
+    return command_verify(args.url)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,432 @@
+"""checkpoint_cloud.py against a local folder and a real S3 endpoint (moto's server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint_cloud as cc
+from common import UserError, atomic_write_json, sha256_file
+
+ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
+SECRET_KEY = "sEcReT/do-not-print-0123456789abcdef"
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures and helpers.
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MotoServer:
+    """moto's S3 server in a thread; stop() and start() again on the same port keep its data."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        self._cls = ThreadedMotoServer
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server = None
+
+    def start(self):
+        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self):
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto_server():
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_server, monkeypatch, tmp_path):
+    """A fresh bucket; credentials and endpoint only through the usual AWS variables."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast while the server is down
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    bucket = f"bkt-{uuid.uuid4().hex[:10]}"
+    fs, _ = cc.open_remote(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/runs/tiny"
+
+
+class Log(list):
+    """A log function that remembers its lines."""
+
+    def __call__(self, line: str) -> None:
+        self.append(line)
+
+    def text(self) -> str:
+        return "\n".join(self)
+
+
+def fake_checkpoint(folder: Path, step: int) -> Path:
+    """A small checkpoint as train.py writes it (a few hundred KB, loads with weights_only=True)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:08d}.pt"
+    generator = torch.Generator().manual_seed(step)
+    torch.save({"format_version": 1, "step": step, "model": {"w": torch.randn(60_000, generator=generator)},
+                "optimizer": {}, "settings": {}}, path)
+    return path
+
+
+def save_and_point_latest(folder: Path, step: int) -> Path:
+    path = fake_checkpoint(folder, step)
+    atomic_write_json(folder / "latest.json", {"path": path.name, "step": step, "sha256": sha256_file(path),
+                                               "bytes": path.stat().st_size})
+    return path
+
+
+def remote_state(url: str) -> dict:
+    fs, root = cc.open_remote(url)
+    return cc.remote_listing(fs, root)
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def assert_no_secrets(text: str, url: str) -> None:
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    for secret in (SECRET_KEY, ACCESS_KEY, url, bucket, "127.0.0.1:"):
+        assert secret not in text
+
+
+# ----------------------------------------------------------------------------------------------
+# URLs, backends, settings.
+
+
+def test_open_remote_local_paths_and_missing_backends(tmp_path, monkeypatch):
+    fs, root = cc.open_remote(str(tmp_path / "a"))
+    assert cc.is_local(fs) and root == (tmp_path / "a").as_posix()
+    fs, root = cc.open_remote(f"file://{tmp_path}/b")
+    assert cc.is_local(fs) and root == (tmp_path / "b").as_posix()
+    with pytest.raises(UserError, match="unknown storage protocol 'nosuch'"):
+        cc.open_remote("nosuch://bucket/x")
+    real_find_spec = cc.importlib.util.find_spec
+    monkeypatch.setattr(cc.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("s3fs", "gcsfs") else real_find_spec(name, *a))
+    with pytest.raises(UserError, match="need the s3fs package: pip install s3fs"):
+        cc.open_remote("s3://bucket/run")
+    with pytest.raises(UserError, match="need the gcsfs package"):
+        cc.open_remote("gs://bucket/run")
+
+
+def test_backup_url_from_arg_or_the_original_env_alias(monkeypatch):
+    monkeypatch.delenv("THINK72_CLOUD_RESUME", raising=False)
+    monkeypatch.setenv("THINK72_BACKUP_URL", "s3://env/run")
+    assert cc.backup_url_from_env_or_arg(None) is None
+    monkeypatch.setenv("THINK72_CLOUD_RESUME", "1")
+    assert cc.backup_url_from_env_or_arg(None) == "s3://env/run"
+    assert cc.backup_url_from_env_or_arg("gs://arg/run") == "gs://arg/run"
+    monkeypatch.delenv("THINK72_BACKUP_URL")
+    with pytest.raises(UserError, match="THINK72_BACKUP_URL"):
+        cc.backup_url_from_env_or_arg(None)
+
+
+def test_bad_retention_settings_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="keep-recent"):
+        cc.CheckpointBackup(str(tmp_path), keep_recent=0)
+
+
+def test_remote_retention_rule():
+    steps = [5, 10, 20, 30, 40, 50, 60, 70, 80]
+    ours = set(steps) - {5}
+    victims = cc.choose_remote_deletions(steps, ours, keep_recent=2, keep_every=3,
+                                         save_index=lambda s: s // 10, protect={40})
+    # kept: newest two (70, 80), every third save (30, 60), the protected 40, and 5 (not ours)
+    assert victims == [10, 20, 50]
+    assert cc.choose_remote_deletions(steps, ours, 1, 0, lambda s: None) == [10, 20, 30, 40, 50, 60, 70]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backup to a local folder (a mounted drive): protocol, retention, restore.
+
+
+def test_local_folder_backup_retention_and_restore(tmp_path):
+    remote = tmp_path / "drive" / "run"
+    other_run = fake_checkpoint(tmp_path / "other", 5)
+    fs, root = cc.open_remote(str(remote))
+    cc.upload_checkpoint(fs, root, other_run)  # a file this run did not upload: never deleted
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(str(remote), keep_recent=2, keep_every=3, save_every=10, log=log)
+    paths = []
+    for step in range(10, 90, 10):
+        paths.append(save_and_point_latest(local, step))
+        backup.submit(paths[-1], step)
+        assert backup.wait(30)
+    backup.close()
+    state = remote_state(str(remote))
+    assert sorted(state["verified"]) == [5, 30, 60, 70, 80]
+    assert state["unverified"] == [] and state["partials"] == []
+    assert state["latest"]["path"] == "step-00000080.pt"
+    assert state["latest"]["sha256"] == sha256_file(paths[-1])
+    assert all(backup.is_backed_up(p) for p in paths)
+    assert "is on the remote and verified" in log[-1]
+
+    fresh = tmp_path / "fresh" / "checkpoints"
+    restored = cc.restore_latest(f"file://{remote}", fresh, log=log)
+    assert restored == fresh / "step-00000080.pt"
+    assert restored.read_bytes() == paths[-1].read_bytes()
+    assert json.loads((fresh / "latest.json").read_text())["path"] == "step-00000080.pt"
+    assert torch.load(restored, weights_only=True)["step"] == 80
+    assert sorted(p.name for p in fresh.iterdir()) == ["latest.json", "step-00000080.pt"]
+
+
+def test_restore_from_an_empty_remote_returns_none(tmp_path):
+    assert cc.restore_latest(str(tmp_path / "empty"), tmp_path / "run" / "checkpoints", log=Log()) is None
+
+
+def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
+    local = tmp_path / "run" / "checkpoints"
+    resumed_from = fake_checkpoint(local, 0)  # predates this run: never submitted
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote"), max_unbacked=2, retry_seconds=60, log=log)
+    broken = backup.fs.put_file
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("denied for s3://secret-bucket")
+
+    backup.fs.put_file = refuse
+    paths = [fake_checkpoint(local, step) for step in (1, 2, 3, 4, 5)]
+    for step, path in enumerate(paths, start=1):
+        backup.submit(path, step)
+    assert not backup.wait(0.5)
+    assert not any(backup.is_backed_up(p) for p in paths)
+    # local retention would delete all but the newest: the two newest unbacked candidates stay
+    assert backup.deletable([resumed_from, *paths[:4]]) == [paths[0].resolve(), paths[1].resolve()]
+    warnings = [line for line in log if "WARNING deleting local" in line]
+    assert len(warnings) == 2 and "step-00000001.pt" in warnings[0]
+    assert any("not backed up yet: PermissionError" in line for line in log)
+    assert "secret-bucket" not in log.text() and str(tmp_path / "remote") not in log.text()
+
+    backup.fs.put_file = broken
+    backup.submit(fake_checkpoint(local, 6), 6)
+    assert backup.wait(30)
+    # now the checkpoint this run resumed from may go, and the verified ones
+    assert wait_until(lambda: backup.is_backed_up(paths[3]))
+    assert set(backup.deletable([resumed_from, paths[3]])) == {resumed_from.resolve(), paths[3].resolve()}
+    backup.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# A real S3 endpoint: faults.
+
+
+def test_s3_backup_survives_the_server_going_away(s3_url, moto_server, tmp_path, capsys):
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(s3_url, keep_recent=5, retry_seconds=0.2, max_retry_seconds=1, log=log)
+    first = save_and_point_latest(local, 100)
+    backup.submit(first, 100)
+    assert backup.wait(30)
+
+    moto_server.stop()
+    try:
+        during = []
+        for step in (200, 300, 400):
+            during.append(save_and_point_latest(local, step))
+            backup.submit(during[-1], step)  # returns at once although every upload fails
+        assert not backup.wait(1.0)
+        assert "did NOT reach the remote" in log[-1] and "step-00000400.pt" in log[-1]
+        assert not any(backup.is_backed_up(p) for p in during)
+        assert backup.deletable([first, *during[:2]]) == [first.resolve()]  # nothing unbacked released
+        assert any("not backed up yet: EndpointConnectionError" in line for line in log)
+    finally:
+        moto_server.start()
+
+    assert backup.wait(30)
+    assert wait_until(lambda: all(backup.is_backed_up(p) for p in during))
+    backup.close()
+    state = remote_state(s3_url)
+    assert sorted(state["verified"]) == [100, 200, 300, 400]
+    assert state["latest"]["step"] == 400  # never moved backwards by the older backlog
+    captured = capsys.readouterr()
+    assert_no_secrets(log.text() + captured.out + captured.err, s3_url)
+
+
+def test_s3_upload_interrupted_halfway_keeps_the_previous_latest(s3_url, tmp_path, capsys):
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(s3_url, retry_seconds=30, log=log)
+    good = save_and_point_latest(local, 10)
+    backup.submit(good, 10)
+    assert backup.wait(30)
+
+    real_put = backup.fs.put_file
+
+    def half_then_fail(local_path, remote_path, **kwargs):
+        data = Path(local_path).read_bytes()
+        backup.fs.pipe_file(remote_path, data[: len(data) // 2])
+        raise ConnectionResetError(f"connection lost talking to {s3_url} with {SECRET_KEY}")
+
+    backup.fs.put_file = half_then_fail
+    interrupted = save_and_point_latest(local, 20)
+    backup.submit(interrupted, 20)
+    assert not backup.wait(1.0)
+    state = remote_state(s3_url)
+    assert state["latest"]["path"] == good.name
+    assert sorted(state["verified"]) == [10] and state["unverified"] == []
+    assert any("not backed up yet: ConnectionResetError" in line for line in log)
+
+    # an upload that completes but arrives different is never promoted either
+    def corrupt_copy(local_path, remote_path, **kwargs):
+        backup.fs.pipe_file(remote_path, b"x" + Path(local_path).read_bytes()[1:])
+
+    backup.fs.put_file = corrupt_copy
+    backup.submit(interrupted, 20)
+    assert not backup.wait(1.0)
+    assert any("VerificationError" in line for line in log)
+    assert remote_state(s3_url)["latest"]["path"] == good.name
+
+    restored = cc.restore_latest(s3_url, tmp_path / "fresh" / "checkpoints", log=log)
+    assert restored.read_bytes() == good.read_bytes()
+
+    backup.fs.put_file = real_put
+    backup.submit(interrupted, 20)
+    assert backup.wait(30)
+    backup.close()
+    assert remote_state(s3_url)["latest"]["path"] == interrupted.name
+    captured = capsys.readouterr()
+    assert_no_secrets(log.text() + captured.out + captured.err, s3_url)
+
+
+def test_s3_corrupted_remote_checkpoint_is_never_used(s3_url, tmp_path):
+    local = tmp_path / "run" / "checkpoints"
+    backup = cc.CheckpointBackup(s3_url, log=Log())
+    paths = []
+    for step in (1, 2, 3):
+        paths.append(save_and_point_latest(local, step))
+        backup.submit(paths[-1], step)
+        assert backup.wait(30)
+    backup.close()
+    fs, root = cc.open_remote(s3_url)
+    newest = f"{cc.checkpoint_folder(root)}/{paths[2].name}"
+    data = fs.cat_file(newest)
+    fs.pipe_file(newest, data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # same size, one bit flipped
+
+    log = Log()
+    restored = cc.restore_latest(s3_url, tmp_path / "fresh" / "checkpoints", log=log)
+    assert restored.name == paths[1].name and restored.read_bytes() == paths[1].read_bytes()
+    assert any("WARNING" in line and paths[2].name in line for line in log)
+    latest = json.loads((tmp_path / "fresh" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 2 and latest["sha256"] == sha256_file(paths[1])
+    assert not list((tmp_path / "fresh" / "checkpoints").glob("*.partial"))
+    assert cc.main(["verify", s3_url]) == 1
+
+    for path in paths[:2]:
+        fs.pipe_file(f"{cc.checkpoint_folder(root)}/{path.name}", b"garbage")
+    with pytest.raises(UserError, match="no checkpoint on the remote matches"):
+        cc.restore_latest(s3_url, tmp_path / "fresh2" / "checkpoints", log=log)
+
+
+def test_s3_unreachable_remote_on_restore_is_one_clear_error(s3_url, moto_server, tmp_path):
+    moto_server.stop()
+    try:
+        with pytest.raises(UserError, match=r"failed \(EndpointConnectionError\)") as error:
+            cc.restore_latest(s3_url, tmp_path / "checkpoints", log=Log())
+    finally:
+        moto_server.start()
+    assert_no_secrets(str(error.value), s3_url)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line and corpora.
+
+
+def test_cli_push_list_verify_pull_on_s3(s3_url, tmp_path, capsys):
+    run = tmp_path / "run"
+    paths = [save_and_point_latest(run / "checkpoints", step) for step in (50, 100)]
+    assert cc.main(["push", str(run), s3_url]) == 0
+    assert cc.main(["push", str(run), s3_url]) == 0  # idempotent
+    assert cc.main(["list", s3_url]) == 0
+    assert cc.main(["verify", s3_url]) == 0
+    out = capsys.readouterr().out
+    assert "already on the remote" in out and "step-00000100.pt" in out and "<- latest" in out
+    assert "0 problem(s)" in out
+    assert cc.main(["pull", s3_url, str(tmp_path / "elsewhere")]) == 0
+    pulled = tmp_path / "elsewhere" / "checkpoints" / paths[1].name
+    assert pulled.read_bytes() == paths[1].read_bytes()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cc.run_main(lambda: cc.main(["push", str(tmp_path / "missing"), str(tmp_path / "remote")]))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    with pytest.raises(UserError, match="no checkpoint to pull"):
+        cc.main(["pull", str(tmp_path / "empty-remote"), str(tmp_path / "run")])
+
+
+def fake_corpus(folder: Path) -> Path:
+    """A corpus folder with a manifest in data.py's layout (shards + other files)."""
+    folder.mkdir(parents=True)
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / "tokenizer.json").write_text('{"fake": true}')
+    splits = {}
+    for split, count in (("train", 3000), ("validation", 300)):
+        shard = folder / f"{split}-00000.bin"
+        shard.write_bytes(torch.arange(count, dtype=torch.int16).numpy().tobytes())
+        splits[split] = {"files": [{"name": shard.name, "bytes": shard.stat().st_size,
+                                    "sha256": sha256_file(shard), "tokens": count}], "tokens": count}
+    manifest = {"format_version": 1, "dtype": "uint16", "splits": splits,
+                "files": {"tokenizer/tokenizer.json": sha256_file(folder / "tokenizer" / "tokenizer.json")}}
+    atomic_write_json(folder / "corpus_manifest.json", manifest)
+    return folder
+
+
+def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, capsys):
+    import data
+
+    monkeypatch.delattr(data, "verify_corpus", raising=False)  # the fallback check of this module
+    corpus = fake_corpus(tmp_path / "corpus")
+    remote = str(tmp_path / "remote" / "corpus")
+    assert cc.main(["push", str(corpus), remote]) == 0
+    assert cc.main(["verify", remote]) == 0
+    assert cc.main(["list", remote]) == 0
+    assert "train-00000.bin" in capsys.readouterr().out
+    pulled = cc.pull_corpus(remote, tmp_path / "pulled", log=Log())
+    for name in ("train-00000.bin", "validation-00000.bin", "tokenizer/tokenizer.json", "corpus_manifest.json"):
+        assert (pulled / name).read_bytes() == (corpus / name).read_bytes()
+
+    shard = Path(remote) / "train-00000.bin"
+    data = shard.read_bytes()
+    shard.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    assert cc.main(["verify", remote]) == 1
+    with pytest.raises(UserError, match="train-00000.bin does not match"):
+        cc.pull_corpus(remote, tmp_path / "pulled-bad", log=Log())
+    assert not (tmp_path / "pulled-bad").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
