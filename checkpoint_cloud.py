@@ -44,7 +44,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from common import (
     HASH_CHUNK_BYTES,
@@ -54,6 +54,7 @@ from common import (
     read_json,
     run_main,
     sha256_file,
+    sha256_tree,
     utc_now,
 )
 
@@ -670,7 +671,8 @@ def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
 
 
 def corpus_files(manifest: dict) -> dict[str, tuple[str, int | None]]:
-    """{relative name: (sha256, bytes or None)} of every file a corpus manifest lists."""
+    """{relative name: (sha256, bytes or None)} of every single file a corpus manifest lists
+    (the tokenizer folder is covered by one tree hash, see tokenizer_tree_sha256)."""
     files = {}
     for split in (manifest.get("splits") or {}).values():
         for entry in split.get("files", []):
@@ -680,20 +682,43 @@ def corpus_files(manifest: dict) -> dict[str, tuple[str, int | None]]:
     return files
 
 
+def remote_tree_sha256(fs, folder: str) -> str:
+    """common.sha256_tree of a remote folder: sorted relative names and file sha256s."""
+    _refresh(fs, folder)
+    names = sorted((PurePosixPath(p[len(folder) + 1:]) for p in fs.find(folder)), key=lambda p: p.parts)
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.as_posix().encode() + b"\0")
+        digest.update(remote_digest(fs, f"{folder}/{name.as_posix()}")[1].encode() + b"\n")
+    return digest.hexdigest()
+
+
 def verify_corpus_folder(folder: Path) -> None:
-    """data.verify_corpus when data.py has it, else every listed file's size and sha256."""
-    data = importlib.import_module("data")
-    verify = getattr(data, "verify_corpus", None)
+    """data.verify_corpus (a list of problems) when data.py has it, else every listed file's sha256.
+
+    Raises UserError naming the first problem.
+    """
+    try:
+        verify = getattr(importlib.import_module("data"), "verify_corpus", None)
+    except ImportError:
+        verify = None
     if callable(verify):
-        verify(folder)
-        return
-    manifest = read_json(folder / CORPUS_MANIFEST, what="corpus manifest")
-    for name, (sha, size) in corpus_files(manifest).items():
-        path = folder / name
-        if not path.is_file():
-            raise UserError(f"corpus file {name} listed in {CORPUS_MANIFEST} is missing")
-        if (size is not None and path.stat().st_size != size) or sha256_file(path) != sha:
-            raise UserError(f"corpus file {name} does not match the sha256 in {CORPUS_MANIFEST}")
+        problems = list(verify(folder) or [])
+    else:
+        manifest = read_json(folder / CORPUS_MANIFEST, what="corpus manifest")
+        problems = []
+        for name, (sha, size) in corpus_files(manifest).items():
+            path = folder / name
+            if not path.is_file():
+                problems.append(f"{name}: missing")
+            elif (size is not None and path.stat().st_size != size) or sha256_file(path) != sha:
+                problems.append(f"{name}: sha256 does not match the manifest")
+        tokenizer = folder / "tokenizer"
+        if manifest.get("tokenizer_sha256") and sha256_tree(tokenizer) != manifest["tokenizer_sha256"]:
+            problems.append("tokenizer/: sha256 of the folder does not match the manifest")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"corpus check against {CORPUS_MANIFEST} failed: {problems[0]}{more}")
 
 
 def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -> Path:
@@ -836,6 +861,10 @@ def command_verify(url: str) -> int:
                 if got_sha != sha or (size is not None and got_size != size):
                     problems.append(f"{name}: does not match {CORPUS_MANIFEST}")
             checked = len(expected)
+            if manifest.get("tokenizer_sha256"):
+                checked += 1
+                if remote_tree_sha256(fs, f"{root}/tokenizer") != manifest["tokenizer_sha256"]:
+                    problems.append(f"tokenizer/: does not match {CORPUS_MANIFEST}")
         else:
             listing = remote_listing(fs, root)
             folder = checkpoint_folder(root)

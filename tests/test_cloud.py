@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import checkpoint_cloud as cc
-from common import UserError, atomic_write_json, sha256_file
+from common import UserError, atomic_write_json, sha256_file, sha256_tree
 
 ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
 SECRET_KEY = "sEcReT/do-not-print-0123456789abcdef"
@@ -402,8 +402,10 @@ def fake_corpus(folder: Path) -> Path:
         shard.write_bytes(torch.arange(count, dtype=torch.int16).numpy().tobytes())
         splits[split] = {"files": [{"name": shard.name, "bytes": shard.stat().st_size,
                                     "sha256": sha256_file(shard), "tokens": count}], "tokens": count}
+    (folder / "DATA_CARD.md").write_text("# fake corpus\n")
     manifest = {"format_version": 1, "dtype": "uint16", "splits": splits,
-                "files": {"tokenizer/tokenizer.json": sha256_file(folder / "tokenizer" / "tokenizer.json")}}
+                "tokenizer_sha256": sha256_tree(folder / "tokenizer"),
+                "files": {"DATA_CARD.md": sha256_file(folder / "DATA_CARD.md")}}
     atomic_write_json(folder / "corpus_manifest.json", manifest)
     return folder
 
@@ -419,14 +421,42 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, 
     assert cc.main(["list", remote]) == 0
     assert "train-00000.bin" in capsys.readouterr().out
     pulled = cc.pull_corpus(remote, tmp_path / "pulled", log=Log())
-    for name in ("train-00000.bin", "validation-00000.bin", "tokenizer/tokenizer.json", "corpus_manifest.json"):
+    for name in ("train-00000.bin", "validation-00000.bin", "tokenizer/tokenizer.json", "DATA_CARD.md",
+                 "corpus_manifest.json"):
         assert (pulled / name).read_bytes() == (corpus / name).read_bytes()
 
     shard = Path(remote) / "train-00000.bin"
     data = shard.read_bytes()
     shard.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
     assert cc.main(["verify", remote]) == 1
-    with pytest.raises(UserError, match="train-00000.bin does not match"):
+    with pytest.raises(UserError, match="train-00000.bin: sha256 does not match"):
         cc.pull_corpus(remote, tmp_path / "pulled-bad", log=Log())
     assert not (tmp_path / "pulled-bad").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+    (Path(remote) / "tokenizer" / "tokenizer.json").write_text('{"fake": false}')
+    shard.write_bytes(data)
+    assert cc.main(["verify", remote]) == 1
+    assert "tokenizer/: does not match" in capsys.readouterr().out
+
+
+def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
+    data = pytest.importorskip("data")
+    if not hasattr(data, "build_corpus"):
+        pytest.skip("data.py has no build_corpus yet")
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    records = [{"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(25))} for i in range(200)]
+    corpus = data.build_corpus([data.Source("generated", "generated", records=records)], tmp_path / "corpus",
+                               data.BuildSettings(vocab_size=300, val_fraction=0.1, test_fraction=0.1))
+    remote = s3_url.replace("/runs/tiny", "/corpora/small")
+    assert cc.main(["push", str(corpus), remote]) == 0
+    assert cc.main(["verify", remote]) == 0
+    assert cc.main(["pull", remote, str(tmp_path / "pulled")]) == 0
+    assert data.verify_corpus(tmp_path / "pulled") == []
+    assert cc.pull_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
+
+    fs, root = cc.open_remote(remote)
+    fs.pipe_file(f"{root}/train-00000.bin", fs.cat_file(f"{root}/train-00000.bin")[:-2])
+    with pytest.raises(UserError, match="train-00000.bin"):
+        cc.pull_corpus(remote, tmp_path / "pulled-again", log=Log())
+    assert not (tmp_path / "pulled-again").exists()
