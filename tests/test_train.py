@@ -1,0 +1,405 @@
+"""train.py: data order, checkpoint machinery and bit-exact resume (CPU, fp32, the tiny preset).
+
+The corpus is written here in the DESIGN.md format (shards + corpus_manifest.json + tokenizer),
+so these tests do not depend on data.py's builder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import train
+from common import UserError, atomic_write_json, sha256_file, sha256_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
+
+
+def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 4000) -> Path:
+    """A small corpus in the DESIGN.md format: BPE tokenizer, uint16 shards, corpus_manifest.json."""
+    rng = random.Random(0)
+    texts = []
+    for _ in range(documents):
+        a, b = rng.randrange(100), rng.randrange(100)
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(4, 12)))
+        texts.append(f"{a} plus {b} is {a + b}. {sentence}.")
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer, vocab_size = data.train_tokenizer(texts, 300, folder / "tokenizer")
+    splits = {"train": texts[:800], "validation": texts[800:850], "test": texts[850:]}
+    manifest_splits = {}
+    for split, docs in splits.items():
+        stream = []
+        for text in docs:
+            stream.extend(tokenizer.encode(text, add_special_tokens=False) + [2])
+        tokens = np.asarray(stream, dtype="<u2")
+        files = []
+        for index, start in enumerate(range(0, len(tokens), shard_tokens)):
+            path = folder / f"{split}-{index:05d}.bin"
+            path.write_bytes(tokens[start: start + shard_tokens].tobytes())
+            files.append({"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
+                          "tokens": len(tokens[start: start + shard_tokens])})
+        manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs)}
+    atomic_write_json(folder / "corpus_manifest.json", {
+        "format_version": 1, "dtype": "uint16", "vocab_size": len(tokenizer),
+        "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
+        "tokenizer_sha256": sha256_tree(folder / "tokenizer"), "splits": manifest_splits,
+    })
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
+    """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps."""
+    return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32",
+            "--batch-size", "2", "--grad-accum", "2", "--target-tokens", str(steps * 4 * 32),
+            "--warmup-steps", "3", "--lr", "3e-3", "--min-lr", "3e-4", "--eval-every", "4", "--eval-batches", "2",
+            "--save-every", "4", "--log-every", "1", "--threads", "1", "--peak-tflops", "1", "--keep-last", "10",
+            *extra]
+
+
+def run_cli(args: list[str], world: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "train.py"] if world == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "train.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                            **kwargs)
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def final_state(out: Path) -> dict:
+    latest = json.loads((out / "checkpoints" / "latest.json").read_text())
+    return torch.load(out / "checkpoints" / latest["path"], map_location="cpu", weights_only=True)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert train.tensors_equal(a["model"], b["model"], "model") == []
+    assert train.tensors_equal(a["optimizer"], b["optimizer"], "optimizer") == []
+    assert a["sampler"] == b["sampler"] and a["schedule"] == b["schedule"]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def status(out: Path) -> dict:
+    return json.loads((out / "run_status.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# Units: data order, schedule, checkpoint files
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 1000, 4097])
+def test_block_permutation_is_a_bijection(n):
+    perm = train.BlockPermutation(n, seed=5, epoch=0)
+    assert sorted(perm(i) for i in range(n)) == list(range(n))
+
+
+def test_block_permutation_depends_on_seed_and_epoch_and_is_not_affine():
+    n = 1000
+    orders = [[train.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in
+              [(1, 0), (1, 1), (2, 0)]]
+    assert orders[0] != orders[1] and orders[0] != orders[2]
+    assert orders[0] == [train.BlockPermutation(n, 1, 0)(i) for i in range(n)]  # stateless: same again
+    steps = {(orders[0][i + 1] - orders[0][i]) % n for i in range(n - 1)}
+    assert len(steps) > n // 4  # an affine map a*i+b has one constant step
+
+
+def test_sampler_same_samples_per_step_whatever_the_split():
+    """Global batch 8 as world 2 x accum 2 x batch 2, world 1 x accum 4 x batch 2, world 4 x accum 1 x batch 2."""
+    layouts = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (1, 1, 8)]
+    for step in (0, 1, 37, 250):  # 250 crosses into another epoch
+        seen = []
+        for world, accum, batch in layouts:
+            sampler = train.BlockSampler(blocks=60, seed=3, batch_size=batch, grad_accum=accum, world=world)
+            samples = [block for rank in range(world) for micro in sampler.micro_batches(step, rank) for block in micro]
+            assert len(samples) == 8
+            seen.append(sorted(samples))
+            assert sorted(samples) == sorted(sampler.step_blocks(step))
+        assert all(s == seen[0] for s in seen)
+
+
+def test_sampler_visits_every_block_once_per_epoch_and_seeks_in_o1():
+    sampler = train.BlockSampler(blocks=40, seed=9, batch_size=2, grad_accum=2, world=2)  # 5 steps per epoch
+    epoch0 = [block for step in range(5) for block in sampler.step_blocks(step)]
+    epoch1 = [block for step in range(5, 10) for block in sampler.step_blocks(step)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1
+    far = train.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
+    started = time.perf_counter()
+    far.step_blocks(10**8)
+    assert time.perf_counter() - started < 1.0  # no state to replay: one seek
+
+
+def test_sampler_state_round_trip_and_mismatch():
+    sampler = train.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=1, world=1)
+    sampler.step = 17
+    other = train.BlockSampler(blocks=50, seed=1, batch_size=1, grad_accum=2, world=1)
+    other.load_state_dict(sampler.state_dict())
+    assert other.step == 17
+    with pytest.raises(UserError, match="seed"):
+        train.BlockSampler(blocks=50, seed=2, batch_size=2, grad_accum=1, world=1).load_state_dict(
+            sampler.state_dict())
+
+
+def test_warmup_cosine_schedule():
+    schedule = train.WarmupCosine(peak=1.0, min_lr=0.1, warmup=4, total=20)
+    assert [schedule.lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert schedule.lr(4) == pytest.approx(1.0)
+    assert schedule.lr(12) == pytest.approx(0.55)
+    assert schedule.lr(20) == pytest.approx(0.1) and schedule.lr(99) == pytest.approx(0.1)
+    assert all(schedule.lr(s) >= schedule.lr(s + 1) for s in range(4, 25))
+
+
+def test_token_split_blocks_cross_shard_boundaries(corpus):
+    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
+    split = train.TokenSplit(corpus, manifest, "train", context=32)
+    files = manifest["splits"]["train"]["files"]
+    stream = np.concatenate([np.fromfile(corpus / f["name"], dtype="<u2") for f in files])
+    assert len(manifest["splits"]["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
+    for index in (0, 1, 4000 // 32, split.blocks - 1):  # 4000 // 32 spans the first shard boundary
+        assert np.array_equal(split.block(index), stream[index * 32: index * 32 + 33].astype(np.int64))
+    inputs, targets = split.batch([0, 5], torch.device("cpu"))
+    assert inputs.shape == targets.shape == (2, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_corpus_check_names_the_changed_file(corpus, tmp_path):
+    assert train.check_corpus(corpus) == []
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in corpus.iterdir():
+        if item.is_file():
+            (broken / item.name).write_bytes(item.read_bytes())
+    (broken / "tokenizer").symlink_to(corpus / "tokenizer")
+    shard = broken / "train-00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 1
+    shard.write_bytes(bytes(raw))
+    problems = train.check_corpus(broken)
+    assert len(problems) == 1 and "train-00001.bin" in problems[0]
+    result = run_cli(options(broken, tmp_path / "run"), check=False)
+    assert result.returncode == 2 and "train-00001.bin" in result.stderr
+
+
+def test_checkpointer_retention_and_backup_seam(tmp_path):
+    class Backup:
+        def __init__(self):
+            self.submitted, self.confirmed = [], set()
+
+        def submit(self, path, step):
+            self.submitted.append(step)
+
+        def is_backed_up(self, path):
+            return Path(path).name in self.confirmed
+
+        def wait(self, timeout_s):
+            return True
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    foreign = folder / "step-00000001.pt"
+    foreign.write_bytes(b"not ours")  # no record of this run writing it: never deleted
+    backup = Backup()
+    saver = train.Checkpointer(folder, run_id="r1", keep_last=2, keep_every=4, backup=backup)
+    for step in range(2, 9):
+        if step == 7:
+            backup.confirmed = {train.checkpoint_name(s) for s in range(2, 6)}
+        saver.save({"format_version": 1, "step": step, "x": torch.full((3,), step)}, step,
+                   best_val_loss=1.0 / step if step == 5 else None)
+    saver.close()
+    names = sorted(p.name for p in folder.glob("step-*.pt"))
+    # kept: foreign 1; 4 and 8 (keep-every); 7, 8 (keep-last); 6 (not yet backed up when 7 and 8 were saved)
+    assert names == [train.checkpoint_name(s) for s in (1, 4, 6, 7, 8)]
+    assert backup.submitted == list(range(2, 9))
+    latest = json.loads((folder / "latest.json").read_text())
+    assert latest == {"path": "step-00000008.pt", "step": 8, "sha256": sha256_file(folder / latest["path"]),
+                      "bytes": (folder / latest["path"]).stat().st_size}
+    best = json.loads((folder / "best.json").read_text())
+    assert best["step"] == 5 and torch.load(folder / "best.pt", weights_only=True)["step"] == 5
+
+
+def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path):
+    folder = tmp_path / "checkpoints"
+    saver = train.Checkpointer(folder, run_id="r", keep_last=5, keep_every=0)
+    for step in (1, 2, 3):
+        saver.save({"step": step}, step)
+    saver.close()
+    assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000003.pt"
+    newest = folder / "step-00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:-7])
+    second = folder / "step-00000002.pt"
+    raw = bytearray(second.read_bytes())
+    raw[40] ^= 0xFF
+    second.write_bytes(bytes(raw))
+    assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
+    with pytest.raises(UserError, match="already has checkpoints"):
+        train.find_resume_checkpoint(tmp_path, "none")
+
+
+def test_settings_diff_lists_each_change():
+    old = {"lr": 0.001, "seed": 1, "total_steps": 10}
+    new = {"lr": 0.002, "seed": 1, "total_steps": 12}
+    assert train.settings_diff(old, new) == ["lr: 0.001 -> 0.002", "total_steps: 10 -> 12"]
+
+
+def test_resume_command_drops_stop_and_resume_options():
+    info = train.DistInfo(rank=0, local_rank=0, world=2, device=torch.device("cpu"))
+    command = train.resume_command(info, ["--data", "c d", "--stop-after-steps", "5", "--resume=none", "--lr", "1"])
+    assert command == "torchrun --nproc_per_node=2 train.py --data 'c d' --lr 1 --resume auto"
+
+
+def test_bad_options_give_one_clear_line(tmp_path):
+    result = run_cli(["--batch-size", "0", "--out", str(tmp_path)], check=False)
+    assert result.returncode == 2 and result.stderr.strip() == "error: --batch-size must be positive, got 0"
+    result = run_cli(["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "run")], check=False)
+    assert result.returncode == 2 and "corpus folder" in result.stderr and "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactness: interrupted runs end bit for bit where an uninterrupted run ends
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    """12 uninterrupted steps at world size 1, run in-process."""
+    out = tmp_path_factory.mktemp("reference")
+    assert train.main(options(corpus, out)) == 0
+    return out
+
+
+def test_uninterrupted_run_writes_the_run_folder(reference):
+    assert status(reference)["status"] == "COMPLETE"
+    assert sorted(p.name for p in reference.iterdir()) == [
+        "checkpoints", "hardware.json", "metrics.jsonl", "run_status.json", "training_settings.json"]
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    train_keys = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "step_seconds", "tokens_per_second", "mfu",
+                  "peak_memory_bytes", "time"}
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
+    assert all(set(r) == train_keys for r in records if r["kind"] == "train")
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
+    assert all(set(r) == {"kind", "step", "tokens", "val_loss", "val_perplexity", "time"}
+               for r in records if r["kind"] == "eval")
+    tests = [r for r in records if r["kind"] == "test"]
+    assert len(tests) == 1 and set(tests[0]) == {"kind", "step", "tokens", "test_loss", "test_perplexity", "time"}
+    losses = train_losses(reference)
+    assert losses[12] < losses[1]  # it learns
+    state = final_state(reference)
+    assert state["step"] == 12 and {"format_version", "model", "optimizer", "settings", "rng"} <= set(state)
+
+
+def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    run_cli(options(corpus, out, "--stop-after-steps", "5"))
+    assert status(out)["status"] == "CHECKPOINTED_NEEDS_RESUME" and status(out)["step"] == 5
+    result = run_cli(options(corpus, out, "--resume", "auto"))
+    assert "resumed from" in result.stdout and "step 5/12" in result.stdout
+    assert_same_state(final_state(out), final_state(reference))
+    assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
+
+
+def test_truncated_newest_checkpoint_falls_back_and_still_matches(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    run_cli(options(corpus, out, "--stop-after-steps", "9"))  # saves at 4, 8 and 9
+    newest = out / "checkpoints" / "step-00000009.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    result = run_cli(options(corpus, out, "--resume", "auto"))
+    assert "step-00000009.pt" in result.stderr and "falling back to step-00000008.pt" in result.stderr
+    assert_same_state(final_state(out), final_state(reference))
+
+
+def test_kill_9_at_random_moments_then_resume_matches(corpus, reference, tmp_path):
+    """SIGKILL twice at random times (saves happen every 2 steps, so some land mid-save), then finish."""
+    out = tmp_path / "run"
+    rng = random.Random(int(time.time()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _ in range(2):
+        args = options(corpus, out, "--save-every", "2", "--resume", "auto")
+        process = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # wait until training has started, then kill at a random moment
+        for line in process.stdout:
+            if line.startswith("step "):
+                break
+        time.sleep(rng.uniform(0.0, 0.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    run_cli(options(corpus, out, "--save-every", "2", "--resume", "auto"))
+    assert status(out)["status"] == "COMPLETE"
+    assert_same_state(final_state(out), final_state(reference))
+
+
+def test_sigterm_saves_and_exits_0_then_resume_matches(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "train.py", *options(corpus, out, "--save-every", "100")], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in process.stdout:
+        if line.startswith("step 3/"):
+            break
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    record = status(out)
+    assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and "SIGTERM" in record["reason"]
+    assert 3 <= record["step"] < 12 and record["last_checkpoint"] == train.checkpoint_name(record["step"])
+    assert record["resume_command"].endswith("--resume auto")
+    run_cli(options(corpus, out, "--save-every", "100", "--resume", "auto"))
+    assert_same_state(final_state(out), final_state(reference))
+
+
+def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    run_cli(options(corpus, out, "--stop-after-steps", "2"))
+    result = run_cli(options(corpus, out, "--lr", "1e-3", "--seed", "7", "--resume", "auto"), check=False)
+    assert result.returncode == 2
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: settings differ from checkpoint")
+    assert "lr: 0.003 -> 0.001" in message and "seed: 1337 -> 7" in message
+
+
+def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(options(corpus, out, "--lr", "1e30", "--warmup-steps", "0", "--save-every", "1"), check=False)
+    assert result.returncode == 2 and "non-finite loss" in result.stderr
+    record = status(out)
+    assert record["status"] == "FAILED" and "non-finite" in record["reason"]
+    failed_at = int(result.stderr.split(" at step ")[1].split(";")[0])
+    good = train.verified_checkpoints(out / "checkpoints")[0]
+    assert good[0].name == record["last_checkpoint"] == train.checkpoint_name(failed_at - 1)
+    assert torch.load(good[0], weights_only=True)["step"] == failed_at - 1
+
+
+@pytest.mark.slow
+def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpus, tmp_path):
+    full, split, moved = tmp_path / "full", tmp_path / "split", tmp_path / "moved"
+    run_cli(options(corpus, full, "--batch-size", "1"), world=2)
+    run_cli(options(corpus, split, "--batch-size", "1", "--stop-after-steps", "6"), world=2)
+    run_cli(options(corpus, split, "--batch-size", "1", "--resume", "auto"), world=2)
+    assert_same_state(final_state(split), final_state(full))
+    assert len(final_state(full)["rng"]) == 2
+    # the same global batch (1 x 2 accum x 2 ranks = 2 x 2 accum x 1 rank) continues on one process
+    run_cli(options(corpus, moved, "--batch-size", "1", "--stop-after-steps", "6"), world=2)
+    run_cli(options(corpus, moved, "--batch-size", "2", "--resume", "auto"))
+    full_losses, moved_losses = train_losses(full), train_losses(moved)
+    assert full_losses.keys() == moved_losses.keys()
+    for step in full_losses:
+        assert moved_losses[step] == pytest.approx(full_losses[step], rel=1e-4, abs=1e-5)

@@ -1,0 +1,1400 @@
+"""Pretrain a Qwen3 model on a tinyllm corpus, with bit-exact resume after any interruption.
+
+    python train.py --data corpus/demo --out runs/demo                # one device
+    torchrun --nproc_per_node=2 train.py --data CORPUS --out RUN       # DDP: NCCL on CUDA, gloo on CPU
+    python train.py --data CORPUS --out RUN --resume auto             # continue where it stopped
+
+The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. Every piece of
+state that must survive a restart is a small object with state_dict()/load_state_dict(): the
+sampler (data cursor), the LR schedule, the loss scaler, the RNG of every rank and the run
+metrics. The Checkpointer only collects them, and writes them on a background thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import re
+import resource
+import shlex
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import data
+import model_config
+from common import (
+    UserError,
+    append_jsonl,
+    atomic_open,
+    atomic_write_json,
+    read_json,
+    run_main,
+    seed_everything,
+    sha256_file,
+    sha256_tree,
+    utc_now,
+)
+
+FORMAT_VERSION = 1
+DEFAULT_DATA = "corpus/demo"
+DEFAULT_OUT = "runs/demo"
+BETAS = (0.9, 0.95)
+GRAD_CLIP = 1.0
+CHECKPOINT_NAME = re.compile(r"step-(\d{8})\.pt")
+RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
+
+# Dense half-precision peak FLOP/s by GPU name (for MFU); --peak-tflops overrides.
+GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10G": 125, "A10": 125,
+                   "4090": 165, "3090": 71, "V100": 125, "T4": 65, "P100": 19}
+
+
+# ----------------------------------------------------------------------------------------------
+# Options
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    paths = parser.add_argument_group("data and run folder")
+    paths.add_argument("--data", default=DEFAULT_DATA, help="corpus folder built by data.py")
+    paths.add_argument("--out", default=DEFAULT_OUT, help="run folder: checkpoints, metrics, status")
+    paths.add_argument("--resume", default="auto",
+                       help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
+                            "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH")
+
+    shape = parser.add_argument_group("model (a preset, with any field overridden)")
+    shape.add_argument("--preset", default="tiny", choices=list(model_config.PRESETS))
+    shape.add_argument("--context", type=int, default=None, help="tokens per block (default: the preset's)")
+    tiny = model_config.PRESETS["tiny"]
+    for name in model_config.OVERRIDABLE_FIELDS:
+        if name != "context":
+            shape.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(tiny, name)), default=None,
+                               help="override the preset's value")
+
+    budget = parser.add_argument_group("batch, length and schedule")
+    budget.add_argument("--batch-size", type=int, default=8, help="blocks per micro-step per rank")
+    budget.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step")
+    length = budget.add_mutually_exclusive_group()
+    length.add_argument("--target-tokens", type=int, default=None, help="train this many tokens (default: 1 epoch)")
+    length.add_argument("--epochs", type=float, default=None, help="train this many passes over the train split")
+    budget.add_argument("--warmup-steps", type=int, default=100, help="linear warmup, then cosine to --min-lr")
+    budget.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    budget.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the cosine")
+    budget.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (matrices only)")
+    budget.add_argument("--seed", type=int, default=1337, help="model init and data order")
+
+    saving = parser.add_argument_group("checkpoints and evaluation")
+    saving.add_argument("--save-every", type=int, default=250, help="save every N steps (0: never by count)")
+    saving.add_argument("--save-seconds", type=float, default=600, help="also save when this long since the last")
+    saving.add_argument("--keep-last", type=int, default=2, help="retention: keep the newest N step checkpoints")
+    saving.add_argument("--keep-every", type=int, default=0,
+                        help="retention: also keep forever every checkpoint whose step is a multiple of N (0: off)")
+    saving.add_argument("--eval-every", type=int, default=250, help="validation every N steps (0: only at the end)")
+    saving.add_argument("--eval-batches", type=int, default=16, help="micro-batches per rank per evaluation")
+    saving.add_argument("--log-every", type=int, default=10, help="progress line and metrics every N steps")
+
+    stopping = parser.add_argument_group("stopping")
+    stopping.add_argument("--max-hours", type=float, default=0,
+                          help="stop (saved, resumable) early enough to save before this budget (0: no limit)")
+    stopping.add_argument("--stop-after-steps", type=int, default=0,
+                          help="stop (saved, resumable) once the run reaches step N (0: off)")
+    stopping.add_argument("--max-overflow-steps", type=int, default=32,
+                          help="fp16: fail after this many optimizer steps in a row skipped for overflow")
+
+    hardware = parser.add_argument_group("hardware and speed")
+    hardware.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    hardware.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's default)")
+    hardware.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                          help="auto: bf16 on GPUs that support it, else fp16 with GradScaler; fp32 on CPU")
+    hardware.add_argument("--compile", action="store_true", help="torch.compile the model")
+    hardware.add_argument("--grad-checkpoint", action="store_true", help="recompute activations in backward")
+    hardware.add_argument("--8bit-adam", dest="adam8bit", action="store_true", help="bitsandbytes AdamW8bit (CUDA)")
+    hardware.add_argument("--require-gpus", type=int, default=0, help="refuse to start with fewer visible GPUs")
+    hardware.add_argument("--require-gpu-name", default=None, help="refuse to start unless every GPU name has this")
+    hardware.add_argument("--peak-tflops", type=float, default=0,
+                          help="peak FLOP/s per device for MFU (0: GPU table, or an fp32/bf16 matmul measured on CPU)")
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    positive = ["batch_size", "grad_accum", "eval_batches", "log_every", "max_overflow_steps"]
+    not_negative = ["warmup_steps", "save_every", "save_seconds", "keep_every", "eval_every", "max_hours",
+                    "stop_after_steps", "threads", "require_gpus", "peak_tflops", "min_lr", "weight_decay"]
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in not_negative:
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.keep_last < 1:
+        raise UserError(f"--keep-last must be at least 1, got {args.keep_last}")
+    if args.lr <= 0:
+        raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.target_tokens is not None and args.target_tokens <= 0:
+        raise UserError(f"--target-tokens must be positive, got {args.target_tokens}")
+    if args.epochs is not None and args.epochs <= 0:
+        raise UserError(f"--epochs must be positive, got {args.epochs}")
+    if args.context is not None and args.context < 2:
+        raise UserError(f"--context must be at least 2, got {args.context}")
+
+
+def resolve_model_preset(args: argparse.Namespace) -> model_config.Preset:
+    overrides = {name: getattr(args, name) for name in model_config.OVERRIDABLE_FIELDS}
+    return model_config.resolve_preset(args.preset, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_choice: str = "auto") -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but torch sees no CUDA device")
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
+                                device_id=device if use_cuda else None)
+    return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world > 1:
+        dist.barrier()
+
+
+def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's `obj` on every rank (so all ranks take the same decision)."""
+    if info.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main_decides(function, info: DistInfo) -> Any:
+    """Run `function` on rank 0 and give its result to every rank; a UserError there is raised everywhere."""
+    outcome = None
+    if info.is_main:
+        try:
+            outcome = ("ok", function())
+        except UserError as error:
+            outcome = ("error", str(error))
+    kind, value = broadcast_from_main(outcome, info)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus: token streams cut into shards (DESIGN.md, "Corpus folder").
+
+
+def load_manifest(corpus: Path) -> dict:
+    if not corpus.is_dir():
+        raise UserError(f"corpus folder {corpus} not found; build one with: python data.py --demo --out {corpus}")
+    path = corpus / "corpus_manifest.json"
+    if not path.exists():
+        raise UserError(f"{path} is missing: the corpus is incomplete (data.py writes it last)")
+    manifest = read_json(path, "corpus manifest")
+    for key in ("format_version", "dtype", "vocab_size", "splits"):
+        if key not in manifest:
+            raise UserError(f"{path} lacks the key {key!r}")
+    if "train" not in manifest["splits"]:
+        raise UserError(f"{path} has no train split")
+    return manifest
+
+
+def check_corpus(corpus: Path) -> list[str]:
+    """Problems with the corpus files (each naming the file); [] when every size and sha256 matches."""
+    verify = getattr(data, "verify_corpus", None)
+    if verify is not None:
+        return list(verify(corpus))
+    return basic_corpus_problems(corpus)
+
+
+def basic_corpus_problems(corpus: Path) -> list[str]:
+    """Shard sizes and sha256 and the tokenizer's sha256 against corpus_manifest.json."""
+    manifest = load_manifest(corpus)
+    problems = []
+    for split, entry in manifest["splits"].items():
+        for item in entry["files"]:
+            path = corpus / item["name"]
+            if not path.is_file():
+                problems.append(f"{path}: missing ({split} split)")
+            elif path.stat().st_size != item["bytes"]:
+                problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {item['bytes']}")
+            elif sha256_file(path) != item["sha256"]:
+                problems.append(f"{path}: sha256 differs from corpus_manifest.json")
+    tokenizer = corpus / "tokenizer"
+    expected = manifest.get("tokenizer_sha256")
+    if not tokenizer.is_dir():
+        problems.append(f"{tokenizer}: missing")
+    elif expected and sha256_tree(tokenizer) != expected:
+        problems.append(f"{tokenizer}: sha256 differs from corpus_manifest.json")
+    return problems
+
+
+class TokenSplit:
+    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1)."""
+
+    def __init__(self, corpus: Path, manifest: dict, split: str, context: int):
+        entry = manifest["splits"].get(split, {"files": []})
+        self.name, self.context = split, context
+        self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
+                                 mode="r") for item in entry["files"] if item["bytes"] > 0]
+        self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
+        self.tokens = int(self.starts[-1])
+        self.blocks = max(0, (self.tokens - 1) // context)
+
+    def block(self, index: int) -> np.ndarray:
+        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
+        start, end = index * self.context, index * self.context + self.context + 1
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        while start < end:
+            offset = start - self.starts[shard]
+            piece = self.shards[shard][offset: offset + end - start]
+            pieces.append(piece)
+            start += len(piece)
+            shard += 1
+        return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+
+    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) for these blocks, on `device`."""
+        array = torch.from_numpy(np.stack([self.block(index) for index in indices]))
+        if device.type == "cuda":
+            array = array.pin_memory().to(device, non_blocking=True)
+        return array[:, :-1], array[:, 1:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Data order (DESIGN.md): global sample g is block perm(seed, epoch = g // blocks)(g % blocks).
+
+MASK64 = (1 << 64) - 1
+EVAL_EPOCH = 1 << 40  # evaluation blocks follow their own fixed order, never a training epoch's
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finalizer: a fast, well-mixed 64-bit hash."""
+    value = (value + 0x9E3779B97F4A7C15) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+    return value ^ (value >> 31)
+
+
+class BlockPermutation:
+    """A stateless pseudo-random bijection of range(n), keyed by (seed, epoch).
+
+    A 4-round Feistel network over the smallest even-width bit domain holding n (fewer than
+    4n values), with cycle-walking: re-encrypt until the value falls inside range(n). Any
+    position is computed on its own, so seeking is O(1).
+    """
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n <= 0:
+            raise ValueError("a permutation needs at least one element")
+        self.n = n
+        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.mask = (1 << self.half_bits) - 1
+        base = mix64(mix64(seed & MASK64) ^ epoch)
+        self.keys = [mix64(base + round_index) for round_index in range(self.ROUNDS)]
+
+    def _encrypt(self, value: int) -> int:
+        left, right = value >> self.half_bits, value & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (mix64(right ^ key) & self.mask)
+        return (left << self.half_bits) | right
+
+    def __call__(self, position: int) -> int:
+        value = self._encrypt(position)
+        while value >= self.n:
+            value = self._encrypt(value)
+        return value
+
+
+class BlockSampler:
+    """The training data cursor: optimizer step s reads global samples [s*G, (s+1)*G).
+
+    Within a step, sample j goes to micro-step j // (world * batch), rank (j // batch) % world,
+    so the same global batch on any number of ranks reads the same samples per step.
+    """
+
+    def __init__(self, blocks: int, seed: int, batch_size: int, grad_accum: int, world: int):
+        if blocks <= 0:
+            raise UserError("the train split has fewer tokens than one block; use a smaller --context")
+        self.blocks, self.seed = blocks, seed
+        self.batch_size, self.grad_accum, self.world = batch_size, grad_accum, world
+        self.global_batch = batch_size * grad_accum * world
+        self.step = 0
+        self._permutations: dict[int, BlockPermutation] = {}
+
+    def block_of(self, sample: int) -> int:
+        epoch, position = divmod(sample, self.blocks)
+        if epoch not in self._permutations:
+            self._permutations = {epoch: BlockPermutation(self.blocks, self.seed, epoch)}
+        return self._permutations[epoch](position)
+
+    def step_blocks(self, step: int) -> list[int]:
+        """The G blocks of optimizer step `step`, in global order."""
+        start = step * self.global_batch
+        return [self.block_of(sample) for sample in range(start, start + self.global_batch)]
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        """This rank's blocks of `step`, one list per micro-step."""
+        blocks = self.step_blocks(step)
+        per_micro = self.world * self.batch_size
+        starts = [micro * per_micro + rank * self.batch_size for micro in range(self.grad_accum)]
+        return [blocks[start: start + self.batch_size] for start in starts]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "blocks": self.blocks, "global_batch": self.global_batch,
+                "consumed_samples": self.step * self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "blocks", "global_batch"):
+            if state[key] != getattr(self, key):
+                raise UserError(f"checkpoint data cursor has {key} {state[key]}, this run has {getattr(self, key)}")
+        self.step = int(state["step"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimization: AdamW, warmup + cosine, gradient scaling for fp16.
+
+
+class WarmupCosine:
+    """Linear warmup to the peak LR over `warmup` steps, then cosine down to `min_lr` at `total`."""
+
+    def __init__(self, peak: float, min_lr: float, warmup: int, total: int):
+        self.peak, self.min_lr, self.warmup, self.total = peak, min_lr, warmup, total
+        self.step = 0
+
+    def lr(self, step: int | None = None) -> float:
+        step = self.step if step is None else step
+        if step < self.warmup:
+            return self.peak * (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_lr + (self.peak - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "peak": self.peak, "min_lr": self.min_lr, "warmup": self.warmup,
+                "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device,
+                    eight_bit: bool = False) -> torch.optim.Optimizer:
+    """AdamW with decay on matrices (>= 2-D) only; fused on CUDA; bitsandbytes' 8-bit AdamW on request."""
+    params = [param for param in model.parameters() if param.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if eight_bit:
+        if device.type != "cuda":
+            raise UserError("--8bit-adam needs a CUDA device (bitsandbytes); drop it on CPU")
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise UserError("--8bit-adam needs bitsandbytes: pip install bitsandbytes") from None
+        return bitsandbytes.optim.AdamW8bit(groups, lr=lr, betas=BETAS, eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=1e-8, fused=device.type == "cuda")
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        if device.type != "cuda":
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if requested == "fp16" and device.type != "cuda":
+        raise UserError("--precision fp16 needs a CUDA device; use bf16 (or fp32) on CPU")
+    return requested
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """torch.amp.GradScaler (enabled for fp16 only) that counts optimizer steps skipped for overflow."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
+        self.enabled = enabled
+        self.skipped_total = 0
+        self.skipped_in_a_row = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Apply the step; False when fp16 found inf/nan gradients and skipped it."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < scale_before:
+            self.skipped_total += 1
+            self.skipped_in_a_row += 1
+            return False
+        self.skipped_in_a_row = 0
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict(), "skipped_total": self.skipped_total,
+                "skipped_in_a_row": self.skipped_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_total = int(state["skipped_total"])
+        self.skipped_in_a_row = int(state["skipped_in_a_row"])
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG of every rank, stored as plain containers and tensors (loadable with weights_only=True).
+
+
+def rng_state(device: torch.device) -> dict:
+    version, mt_state, gauss = random.getstate()
+    numpy_state = np.random.get_state()
+    state = {
+        "python": [version, list(mt_state), gauss],
+        "numpy": {"key": torch.from_numpy(numpy_state[1].astype(np.int64)), "pos": int(numpy_state[2]),
+                  "has_gauss": int(numpy_state[3]), "cached_gaussian": float(numpy_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state(("MT19937", numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+class RankRNG:
+    """The RNG state of every rank, gathered to rank 0 for the checkpoint (a collective call)."""
+
+    def __init__(self, info: DistInfo):
+        self.info = info
+
+    def state_dict(self) -> list[dict] | None:
+        local = rng_state(self.info.device)
+        if self.info.world == 1:
+            return [local]
+        gathered = [None] * self.info.world if self.info.is_main else None
+        dist.gather_object(local, gathered, dst=0)
+        return gathered
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        """Each rank takes its own state; ranks new since the checkpoint keep their seeded state."""
+        if self.info.rank < len(states):
+            set_rng_state(states[self.info.rank], self.info.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics kept across restarts, and the records in the run folder.
+
+
+class RunMetrics:
+    """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained."""
+
+    def __init__(self):
+        self.best_val_loss = math.inf
+        self.best_step = 0
+        self.last_eval: dict | None = None
+        self.train_seconds = 0.0
+
+    def state_dict(self) -> dict:
+        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step,
+                "last_eval": self.last_eval, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_val_loss = float(state["best_val_loss"])
+        self.best_step = int(state["best_step"])
+        self.last_eval = state["last_eval"]
+        self.train_seconds = float(state["train_seconds"])
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time"."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, kind: str, **fields) -> None:
+        if self.enabled:
+            append_jsonl(self.path, {"kind": kind, **fields, "time": utc_now()})
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after `step` (a resumed run logs those steps again)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        with atomic_open(self.path, "w") as handle:
+            handle.writelines(kept)
+
+
+def write_status(out: Path, status: str, **fields) -> None:
+    atomic_write_json(out / "run_status.json", {"status": status, **fields, "updated": utc_now()})
+
+
+def hardware_record(info: DistInfo, precision: str, sdpa: str) -> dict:
+    import transformers
+
+    record = {
+        "device": info.device.type,
+        "world_size": info.world,
+        "precision": precision,
+        "sdpa_kernels": sdpa,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
+    if info.device.type == "cuda":
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            record["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
+                                   "capability": f"{props.major}.{props.minor}"})
+    return record
+
+
+def check_hardware(args: argparse.Namespace, info: DistInfo) -> None:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
+        else []
+    if args.require_gpus and len(gpus) < args.require_gpus:
+        raise UserError(f"--require-gpus {args.require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
+    if args.require_gpu_name:
+        wrong = [name for name in gpus if args.require_gpu_name.lower() not in name.lower()]
+        if not gpus or wrong:
+            raise UserError(f"--require-gpu-name {args.require_gpu_name}: GPUs here are {gpus or 'none'}")
+    if args.require_gpus and info.device.type != "cuda":
+        raise UserError(f"--require-gpus {args.require_gpus} but training would run on {info.device.type}")
+
+
+def peak_flops(args: argparse.Namespace, info: DistInfo, precision: str) -> float | None:
+    """Peak FLOP/s of one device for MFU: --peak-tflops, the GPU table, or a matmul measured on CPU."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if info.device.type == "cuda":
+        name = torch.cuda.get_device_name(info.device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12 * (0.5 if precision == "fp32" else 1.0)
+        return None
+    return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.25) -> float:
+    """FLOP/s of a square matmul on this CPU with the current thread count (best of several)."""
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.mm(a, b)
+    best, deadline = math.inf, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: snapshot on the training thread, write on a background thread.
+
+
+def to_cpu_copy(obj: Any, memo: dict | None = None) -> Any:
+    """A deep copy of a state dict with every tensor copied to CPU (shared tensors stay shared)."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride(), obj.device)
+        if key not in memo:
+            memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {key: to_cpu_copy(value, memo) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu_copy(value, memo) for value in obj)
+    return obj
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def sidecar_path(path: Path) -> Path:
+    """step-00001000.pt -> step-00001000.json: its step, sha256, bytes and the run that wrote it."""
+    return path.with_suffix(".json")
+
+
+class Checkpointer:
+    """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
+
+    One write is in flight at a time: `save` waits for the previous one, hands over the
+    snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
+    `save` or `wait`. `backup` (optional) has submit(path, step), is_backed_up(path) -> bool
+    and wait(timeout_s) -> bool; retention never deletes a file the backup has not confirmed.
+    """
+
+    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None):
+        self.folder, self.run_id = folder, run_id
+        self.keep_last, self.keep_every, self.backup = keep_last, keep_every, backup
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.last_write_seconds = 0.0
+        self.last_saved_step: int | None = None
+
+    def save(self, snapshot: dict, step: int, best_val_loss: float | None = None) -> None:
+        """Queue `snapshot` for writing as step-{step}.pt (and best.pt when best_val_loss is given)."""
+        self.wait()
+        self.last_saved_step = step
+        self._thread = threading.Thread(target=self._write, args=(snapshot, step, best_val_loss),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self, backup_timeout_s: float = 600) -> bool | None:
+        """Finish the write in flight, then wait for the backup; True/False says if it caught up."""
+        self.wait()
+        if self.backup is None:
+            return None
+        return self.backup.wait(backup_timeout_s)
+
+    def _write(self, snapshot: dict, step: int, best_val_loss: float | None) -> None:
+        try:
+            started = time.perf_counter()
+            path = self.folder / checkpoint_name(step)
+            with atomic_open(path, "wb") as handle:
+                torch.save(snapshot, handle)
+            entry = {"path": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+            atomic_write_json(sidecar_path(path), {**entry, "run_id": self.run_id, "created": utc_now()})
+            atomic_write_json(self.folder / "latest.json", entry)
+            if best_val_loss is not None:
+                with atomic_open(self.folder / "best.pt", "wb") as handle, open(path, "rb") as source:
+                    shutil.copyfileobj(source, handle, 8 << 20)
+                atomic_write_json(self.folder / "best.json", {**entry, "path": "best.pt", "source": path.name,
+                                                              "val_loss": best_val_loss})
+            if self.backup is not None:
+                self.backup.submit(path, step)
+            self.apply_retention()
+            self.last_write_seconds = time.perf_counter() - started
+        except BaseException as error:  # surfaced on the training thread at the next save/wait
+            self._error = error
+
+    def apply_retention(self) -> None:
+        """Keep the newest `keep_last` and every multiple of `keep_every`; delete only this run's files."""
+        checkpoints = sorted(self.folder.glob("step-*.pt"))
+        steps = {path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1))
+                 for path in checkpoints if CHECKPOINT_NAME.fullmatch(path.name)}
+        newest = sorted(steps, key=steps.get)[-self.keep_last:]
+        for path, step in steps.items():
+            if path in newest or (self.keep_every and step % self.keep_every == 0):
+                continue
+            sidecar = sidecar_path(path)
+            try:
+                written_by = read_json(sidecar).get("run_id")
+            except UserError:
+                continue  # no record that this run wrote it: never ours to delete
+            if written_by != self.run_id:
+                continue
+            if self.backup is not None and not self.backup.is_backed_up(path):
+                continue
+            path.unlink(missing_ok=True)
+            sidecar.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Temporary files a killed save left behind (atomic_open's `.NAME.*.tmp`)."""
+    for path in folder.glob(".step-*.tmp"):
+        path.unlink(missing_ok=True)
+    for name in ("latest.json", "best.pt", "best.json"):
+        for path in folder.glob(f".{name}.*.tmp"):
+            path.unlink(missing_ok=True)
+
+
+def verified_checkpoints(folder: Path) -> tuple[list[Path], list[str]]:
+    """Checkpoints newest first whose size and sha256 match their record, and warnings for the others."""
+    good, warnings_ = [], []
+    candidates = sorted((path for path in folder.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(path.name)),
+                        reverse=True)
+    for path in candidates:
+        sidecar = sidecar_path(path)
+        if not sidecar.exists():
+            warnings_.append(f"{path.name} has no {sidecar.name} (killed while saving?): skipped")
+            continue
+        try:
+            record = read_json(sidecar)
+        except UserError as error:
+            warnings_.append(f"{error}: {path.name} skipped")
+            continue
+        size = path.stat().st_size
+        if size != record.get("bytes"):
+            warnings_.append(f"{path.name} is {size} bytes, its record says {record.get('bytes')} (truncated?): "
+                             "skipped")
+        elif sha256_file(path) != record.get("sha256"):
+            warnings_.append(f"{path.name} does not match its sha256 (corrupt): skipped")
+        else:
+            good.append(path)
+    return good, warnings_
+
+
+def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
+    """The checkpoint `--resume` asks for: None for a fresh start."""
+    folder = out / "checkpoints"
+    existing = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
+    if resume == "none":
+        if existing:
+            raise UserError(f"{folder} already has checkpoints ({existing[-1].name}); pass --resume auto to "
+                            "continue, or choose a new --out")
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_file():
+            raise UserError(f"--resume {resume}: no such checkpoint file")
+        return path
+    if not existing:
+        return None
+    good, problems = verified_checkpoints(folder)
+    for index, problem in enumerate(problems):
+        message = f"warning: {problem}"
+        if good and index == len(problems) - 1:
+            message += f"; falling back to {good[0].name}"
+        print(message, file=sys.stderr, flush=True)
+    if not good:
+        raise UserError(f"{folder} has checkpoints but none verifies against its sha256; pass --resume PATH "
+                        "to force one, or choose a new --out")
+    return good[0]
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
+        raise UserError(f"checkpoint {path} does not load: {type(error).__name__}: {error}") from None
+    for key in ("format_version", "step", "model", "optimizer", "settings"):
+        if key not in checkpoint:
+            raise UserError(f"checkpoint {path} lacks {key!r}")
+    if checkpoint["format_version"] != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has format_version {checkpoint['format_version']}, "
+                        f"this train.py reads {FORMAT_VERSION}")
+    return checkpoint
+
+
+def settings_diff(old: dict, new: dict) -> list[str]:
+    """'name: old -> new' for every training setting that differs."""
+    return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
+    """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
+    if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
+        same = (isinstance(live, torch.Tensor) and isinstance(stored, torch.Tensor)
+                and live.dtype == stored.dtype and torch.equal(live.detach().cpu(), stored))
+        return [] if same else [where]
+    if isinstance(live, dict) and isinstance(stored, dict):
+        if set(live) != set(stored):
+            return [f"{where} keys"]
+        return [item for key in live for item in tensors_equal(live[key], stored[key], f"{where}.{key}")]
+    if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
+        if len(live) != len(stored):
+            return [f"{where} length"]
+        return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
+    return [] if live == stored else [where]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: everything a step needs, callable from Python (bench/ times train_step directly).
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
+
+
+class Training:
+    """Model, optimizer, data, schedule and scaler of one run on one rank.
+
+        args = train.parse_args(["--data", CORPUS, "--preset", "micro", "--threads", "2"])
+        info = train.init_distributed(args.device)
+        training = train.build_training(args, info)
+        result = training.train_step()          # one optimizer step (all micro-steps)
+    """
+
+    def __init__(self, args: argparse.Namespace, info: DistInfo, manifest: dict, corpus: Path):
+        self.args, self.info, self.device = args, info, info.device
+        self.preset = resolve_model_preset(args)
+        self.context = self.preset.context
+        self.vocab_size = int(manifest["vocab_size"])
+        self.precision = resolve_precision(args.precision, self.device)
+        self.splits = {name: TokenSplit(corpus, manifest, name, self.context)
+                       for name in ("train", "validation", "test")}
+        self.sampler = BlockSampler(self.splits["train"].blocks, args.seed, args.batch_size, args.grad_accum,
+                                    info.world)
+        self.tokens_per_step = self.sampler.global_batch * self.context
+        self.total_steps = self._total_steps()
+
+        seed_everything(args.seed)
+        specials = manifest.get("special_tokens", {})
+        self.model = model_config.build_model(self.preset, self.vocab_size, pad_token_id=specials.get("<pad>", 0),
+                                              bos_token_id=specials.get("<bos>", 1),
+                                              eos_token_id=specials.get("<eos>", 2)).to(self.device)
+        self.model.config.use_cache = False
+        if args.grad_checkpoint:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, self.device, args.adam8bit)
+        self.schedule = WarmupCosine(args.lr, args.min_lr, args.warmup_steps, self.total_steps)
+        self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
+        self.rng = RankRNG(info)
+        self.metrics = RunMetrics()
+        self.run_id = uuid.uuid4().hex
+        self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
+        self.sdpa_context, self.sdpa = self._fused_sdpa_context()
+        self.forward_model = self._wrap_model()
+        self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
+
+    @property
+    def step(self) -> int:
+        return self.sampler.step
+
+    def _total_steps(self) -> int:
+        args = self.args
+        if args.target_tokens is not None:
+            return max(1, math.ceil(args.target_tokens / self.tokens_per_step))
+        epochs = 1.0 if args.epochs is None else args.epochs
+        return max(1, math.ceil(epochs * self.sampler.blocks / self.sampler.global_batch))
+
+    def _wrap_model(self) -> torch.nn.Module:
+        model = self.model
+        if self.args.compile:
+            model = torch.compile(model)
+        if self.info.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.info.local_rank] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+                                            gradient_as_bucket_view=True)
+        return model
+
+    def _fused_sdpa_context(self):
+        """On CUDA, keep SDPA off its slow math fallback when a fused kernel serves this model."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext, "cpu"
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        probe = torch.zeros(1, self.context, dtype=torch.long, device=self.device)
+        try:
+            with torch.no_grad(), sdpa_kernel(fused), self.autocast():
+                self.model(input_ids=probe)
+        except RuntimeError as error:
+            print(f"warning: no fused SDPA kernel for this model/GPU ({str(error).splitlines()[0]}); "
+                  "attention uses the math fallback", file=sys.stderr, flush=True)
+            return contextlib.nullcontext, "math-fallback"
+        return (lambda: sdpa_kernel(fused)), "fused"
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+    def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        with self.autocast(), self.sdpa_context():
+            logits = (model or self.forward_model)(input_ids=inputs).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
+        started = time.perf_counter()
+        step = self.step
+        lr = self.schedule.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = self.sampler.micro_batches(step, self.info.rank)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for micro, indices in enumerate(micro_batches):
+            inputs, targets = self.splits["train"].batch(indices, self.device)
+            last = micro == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or self.info.world == 1 else self.forward_model.no_sync()
+            with sync:
+                loss = self.loss_of(inputs, targets) / len(micro_batches)
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach().double()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        mean_loss = all_reduce_sum(loss_sum, self.info).item() / self.info.world
+        if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm.item())):
+            raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm.item()}) "
+                                f"at step {step + 1}")
+        applied = self.scaler.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied:
+            self.sampler.step += 1
+            self.schedule.step += 1
+        elif self.scaler.skipped_in_a_row >= self.args.max_overflow_steps:
+            raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
+                                f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
+        seconds = time.perf_counter() - started
+        self.metrics.train_seconds += seconds
+        return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), seconds=seconds,
+                          applied=applied)
+
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict | None:
+        """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks."""
+        data_split = self.splits[split]
+        if data_split.blocks == 0:
+            return None
+        count = min(data_split.blocks, self.args.eval_batches * self.args.batch_size * self.info.world)
+        order = BlockPermutation(data_split.blocks, self.args.seed, EVAL_EPOCH)
+        mine = [order(i) for i in range(self.info.rank, count, self.info.world)]
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.model.eval()
+        for start in range(0, len(mine), self.args.batch_size):
+            inputs, targets = data_split.batch(mine[start: start + self.args.batch_size], self.device)
+            totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
+            totals[1] += targets.numel()
+        self.model.train()
+        all_reduce_sum(totals, self.info)
+        loss = (totals[0] / totals[1]).item()
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
+
+    # -- settings and state ----------------------------------------------------------------
+
+    def settings(self, manifest_sha256: str, manifest: dict) -> dict:
+        """What a resumed run must share with the checkpoint ("training") and what may change ("runtime")."""
+        args = self.args
+        training = {
+            "corpus_manifest_sha256": manifest_sha256,
+            "tokenizer_sha256": manifest.get("tokenizer_sha256"),
+            "vocab_size": self.vocab_size,
+            "preset": args.preset,
+            **{f"model.{name}": getattr(self.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
+            "seed": args.seed,
+            "global_batch_blocks": self.sampler.global_batch,
+            "tokens_per_step": self.tokens_per_step,
+            "total_steps": self.total_steps,
+            "target_tokens": args.target_tokens,
+            "epochs": args.epochs,
+            "warmup_steps": args.warmup_steps,
+            "lr": args.lr,
+            "min_lr": args.min_lr,
+            "weight_decay": args.weight_decay,
+            "betas": list(BETAS),
+            "grad_clip": GRAD_CLIP,
+            "optimizer": "AdamW8bit" if args.adam8bit else "AdamW",
+            "precision": self.precision,
+        }
+        runtime = {key: getattr(args, key) for key in (
+            "data", "out", "batch_size", "grad_accum", "device", "threads", "compile", "grad_checkpoint",
+            "save_every", "save_seconds", "keep_last", "keep_every", "eval_every", "eval_batches", "log_every",
+            "max_hours", "stop_after_steps", "max_overflow_steps")}
+        runtime["world_size"] = self.info.world
+        return {"training": training, "runtime": runtime}
+
+    def snapshot(self, settings: dict) -> dict | None:
+        """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it."""
+        rng = self.rng.state_dict()
+        if not self.info.is_main:
+            return None
+        return to_cpu_copy({
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "run_id": self.run_id,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "metrics": self.metrics.state_dict(),
+            "rng": rng,
+            "settings": settings,
+            "created": utc_now(),
+        })
+
+    def load(self, checkpoint: dict, settings: dict, path: Path) -> None:
+        """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file."""
+        changes = settings_diff(checkpoint["settings"]["training"], settings["training"])
+        if changes:
+            raise UserError(f"settings differ from checkpoint {path} (use the old values or a new --out): "
+                            + "; ".join(changes))
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        self.schedule.load_state_dict(checkpoint["schedule"])
+        self.sampler.load_state_dict(checkpoint["sampler"])
+        self.metrics.load_state_dict(checkpoint["metrics"])
+        self.run_id = checkpoint["run_id"]
+        if checkpoint["step"] != self.sampler.step or self.schedule.step != self.sampler.step:
+            raise UserError(f"checkpoint {path} is inconsistent: step {checkpoint['step']}, data cursor "
+                            f"{self.sampler.step}, schedule {self.schedule.step}")
+        differences = (tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
+                       + tensors_equal(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
+        if differences:
+            raise UserError(f"checkpoint {path}: state after loading differs from the file at "
+                            + ", ".join(differences[:5]))
+        self.rng.load_state_dict(checkpoint["rng"])
+
+
+def build_training(args: argparse.Namespace, info: DistInfo) -> Training:
+    """A ready-to-step Training from parsed options (no files written, no corpus check)."""
+    corpus = Path(args.data)
+    manifest = load_manifest(corpus)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Training(args, info, manifest, corpus)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping: signals and the time budget, agreed by all ranks.
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and stops. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        print(f"{self.signal_name}: finishing this step, saving, then stopping", file=sys.stderr, flush=True)
+
+
+def agree(flags: list[bool], info: DistInfo) -> list[bool]:
+    """Each flag true on any rank -> true on all ranks (one all_reduce)."""
+    tensor = torch.tensor([float(flag) for flag in flags], device=info.device)
+    return [bool(value > 0) for value in all_reduce_sum(tensor, info).tolist()]
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info = init_distributed(args.device)
+    try:
+        return train(args, info)
+    finally:
+        shutdown_distributed()
+
+
+def train(args: argparse.Namespace, info: DistInfo) -> int:
+    process_started = time.monotonic()
+    out, corpus = Path(args.out), Path(args.data)
+    check_hardware(args, info)
+    manifest = load_manifest(corpus)
+    problems = main_decides(lambda: check_corpus(corpus), info)
+    if problems:
+        raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
+
+    training = build_training(args, info)
+    settings = training.settings(sha256_file(corpus / "corpus_manifest.json"), manifest)
+    resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume), info)
+    if resume_path is not None:
+        training.load(load_checkpoint_file(resume_path), settings, resume_path)
+        log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)")
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main)
+    checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
+                                backup=None) if info.is_main else None
+    if info.is_main:
+        remove_stale_temporaries(out / "checkpoints")
+        metrics.truncate_after(training.step)
+        atomic_write_json(out / "training_settings.json", {**settings, "run_id": training.run_id,
+                                                           "parameters": model_config.parameter_count(
+                                                               training.preset, training.vocab_size),
+                                                           "flops_per_token": training.flops_per_token})
+        atomic_write_json(out / "hardware.json", hardware_record(info, training.precision, training.sdpa))
+        write_status(out, RUNNING, step=training.step, total_steps=training.total_steps)
+    peak = peak_flops(args, info, training.precision) if info.is_main else None
+    log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
+              f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
+              f"world size {info.world} on {info.device.type}")
+
+    stop = StopRequest()
+    stop.install()
+    try:
+        status, reason = train_loop(training, settings, checkpointer, metrics, stop, peak, process_started)
+    except NonFiniteLoss as error:
+        fail_run(info, out, checkpointer, training, str(error))
+        raise UserError(f"training failed: {error}; the last good checkpoint is intact "
+                        f"(status {FAILED} in {out / 'run_status.json'})") from None
+    except BaseException as error:
+        fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        stop.restore()
+    finish_run(training, out, checkpointer, metrics, status, reason)
+    return 0
+
+
+def train_loop(training: Training, settings: dict, checkpointer: Checkpointer | None, metrics: MetricsLog,
+               stop: StopRequest, peak: float | None, process_started: float) -> tuple[str, str | None]:
+    """Step until done or asked to stop; returns the final (status, reason)."""
+    args, info = training.args, training.info
+    last_save = time.monotonic()
+    slowest_step = slowest_eval = 0.0
+    while training.step < training.total_steps:
+        result = training.train_step()
+        if not result.applied:
+            log(info, f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")
+            continue
+        step = result.step
+        slowest_step = max(slowest_step, result.seconds)
+        if step % args.log_every == 0 or step == 1 or step == training.total_steps:
+            log_train_step(training, metrics, result, peak)
+
+        best = None
+        if (args.eval_every and step % args.eval_every == 0) or step == training.total_steps:
+            eval_started = time.monotonic()
+            best = run_validation(training, metrics)
+            slowest_eval = max(slowest_eval, time.monotonic() - eval_started)
+
+        elapsed = time.monotonic() - process_started
+        margin = 2 * slowest_step + 2 * slowest_eval + 2 * (checkpointer.last_write_seconds if checkpointer else 0)
+        out_of_time = bool(args.max_hours) and elapsed + margin + 10 >= args.max_hours * 3600
+        stop_now, save_by_time = agree([stop.requested or out_of_time, time.monotonic() - last_save >=
+                                        args.save_seconds], info)
+        stop_now = stop_now or bool(args.stop_after_steps and step >= args.stop_after_steps)
+        due = (args.save_every and step % args.save_every == 0) or step == training.total_steps
+        if stop_now or due or save_by_time or best is not None:
+            save_checkpoint(training, settings, checkpointer, best)
+            last_save = time.monotonic()
+        if stop_now:
+            why = stop.signal_name or ("--max-hours budget" if out_of_time else f"--stop-after-steps {step}")
+            return NEEDS_RESUME, f"stopped by {why}"
+    return COMPLETE, None
+
+
+def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, peak: float | None) -> None:
+    tokens_per_second = training.tokens_per_step / result.seconds
+    mfu = training.flops_per_token * tokens_per_second / (peak * training.info.world) if peak else None
+    metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
+                  lr=result.lr, grad_norm=result.grad_norm, step_seconds=result.seconds,
+                  tokens_per_second=tokens_per_second, mfu=mfu,
+                  peak_memory_bytes=peak_memory_bytes(training.device))
+    if training.info.is_main:
+        remaining = (training.total_steps - result.step) * result.seconds
+        mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
+        log(training.info, f"step {result.step}/{training.total_steps} | loss {result.loss:.4f} | "
+                           f"lr {result.lr:.2e} | {tokens_per_second:,.0f} tok/s{mfu_text} | "
+                           f"eta {timedelta(seconds=round(remaining))}")
+        write_status(Path(training.args.out), RUNNING, step=result.step, total_steps=training.total_steps,
+                     tokens=result.step * training.tokens_per_step, loss=result.loss)
+
+
+def run_validation(training: Training, metrics: MetricsLog) -> float | None:
+    """Validation loss now; returns it when it is the best so far (best.pt is then written)."""
+    result = training.evaluate("validation")
+    if result is None:
+        return None
+    step = training.step
+    training.metrics.last_eval = {"step": step, **result}
+    metrics.write("eval", step=step, tokens=step * training.tokens_per_step, val_loss=result["loss"],
+                  val_perplexity=result["perplexity"])
+    log(training.info, f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
+    if result["loss"] < training.metrics.best_val_loss:
+        training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
+        return result["loss"]
+    return None
+
+
+def save_checkpoint(training: Training, settings: dict, checkpointer: Checkpointer | None,
+                    best_val_loss: float | None) -> None:
+    """Snapshot on every rank (RNG is gathered), write on rank 0 in the background."""
+    if checkpointer is not None and checkpointer.last_saved_step == training.step and best_val_loss is None:
+        return
+    snapshot = training.snapshot(settings)
+    if checkpointer is not None:
+        checkpointer.save(snapshot, training.step, best_val_loss)
+
+
+def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training, reason: str) -> None:
+    """Record FAILED; checkpoints already queued are finished (they hold good state)."""
+    if not info.is_main:
+        return
+    with contextlib.suppress(Exception):
+        checkpointer.close()
+    write_status(out, FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
+                 last_checkpoint=latest_checkpoint_name(out))
+
+
+def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: MetricsLog,
+               status: str, reason: str | None) -> dict | None:
+    """The end of a run: test evaluation when complete, checkpoints flushed, the final status.
+
+    The reporting module (plots, samples, HF export) plugs in here, after the checkpoint is safe.
+    """
+    info = training.info
+    test = training.evaluate("test") if status == COMPLETE else None
+    if test is not None:
+        metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
+                      test_loss=test["loss"], test_perplexity=test["perplexity"])
+        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}")
+    if not info.is_main:
+        return None
+    backed_up = checkpointer.close()
+    record = {
+        "step": training.step,
+        "total_steps": training.total_steps,
+        "tokens": training.step * training.tokens_per_step,
+        "reason": reason,
+        "last_checkpoint": latest_checkpoint_name(out),
+        "best_val_loss": training.metrics.best_val_loss if math.isfinite(training.metrics.best_val_loss) else None,
+        "validation": training.metrics.last_eval,
+        "test": test,
+        "backup_complete": backed_up,
+    }
+    if status == NEEDS_RESUME:
+        record["resume_command"] = resume_command(info)
+    write_status(out, status, **record)
+    log(info, f"{status}: step {training.step}/{training.total_steps}"
+              + (f"; continue with: {record['resume_command']}" if status == NEEDS_RESUME else ""))
+    return record
+
+
+def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
+    """This run's command line with `--resume auto` and without `--stop-after-steps`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        if item in ("--resume", "--stop-after-steps"):
+            skip = True
+            continue
+        if not item.startswith(("--resume=", "--stop-after-steps=")):
+            kept.append(item)
+    launcher = f"torchrun --nproc_per_node={info.world} train.py" if info.world > 1 else "python train.py"
+    return " ".join([launcher, *map(shlex.quote, kept), "--resume", "auto"])
+
+
+def latest_checkpoint_name(out: Path) -> str | None:
+    latest = out / "checkpoints" / "latest.json"
+    return read_json(latest).get("path") if latest.exists() else None
+
+
+def log(info: DistInfo, message: str) -> None:
+    if info.is_main:
+        print(message, flush=True)
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    run_main(main)
