@@ -206,6 +206,13 @@ def verify_corpus(corpus_dir: str | Path) -> list[str]:
     """
     root = Path(corpus_dir)
     manifest = load_corpus_manifest(root)
+    try:
+        return verify_files(root, manifest)
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"corpus manifest in {corpus_dir} is malformed ({type(error).__name__}: {error})") from None
+
+
+def verify_files(root: Path, manifest: dict) -> list[str]:
     itemsize = np.dtype(manifest["dtype"]).itemsize
     problems = []
     for split, info in manifest["splits"].items():
@@ -973,10 +980,25 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
                         "even with --overwrite")
 
 
+def remove_stale_builds(out: Path) -> None:
+    """Delete temporary folders of builds of `out` that were killed (kill -9, power loss)."""
+    for temp in out.parent.glob(f".{glob.escape(out.name)}.building-*"):
+        pid = temp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(temp, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, owned by someone else
+
+
 @contextlib.contextmanager
 def building(out: Path) -> Iterator[Path]:
     """A fresh temporary folder beside `out`, removed on any failure (Ctrl-C included)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(out)
     temp = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()

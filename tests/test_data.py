@@ -193,6 +193,9 @@ def test_verify_without_manifest_is_a_user_error(tmp_path):
     (tmp_path / "corpus_manifest.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         data.verify_corpus(tmp_path)
+    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 1, "dtype": "uint16", "splits": {"x": 1}}')
+    with pytest.raises(UserError, match="malformed"):
+        data.verify_corpus(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,6 +478,16 @@ def test_interrupted_build_leaves_nothing_and_keeps_the_old_corpus(tmp_path, mon
         build([source], out, "--overwrite")
     assert (out / "corpus_manifest.json").read_bytes() == before and data.verify_corpus(out) == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
+
+
+def test_leftovers_of_a_killed_build_are_removed_by_the_next_one(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 20))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.building-{int(dead.stdout)}"
+    stale.mkdir()
+    (stale / "train-00000.bin").write_bytes(b"half written")
+    build([source], tmp_path / "out")
+    assert not stale.exists() and data.verify_corpus(tmp_path / "out") == []
 
 
 def test_vocab_beyond_uint16_switches_to_uint32(tmp_path):
