@@ -50,7 +50,6 @@ from common import (
     run_main,
     seed_everything,
     sha256_file,
-    sha256_tree,
     utc_now,
 )
 
@@ -242,48 +241,18 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 
 def load_manifest(corpus: Path) -> dict:
+    """corpus_manifest.json (data.py checks its layout), with a hint when the corpus is not there."""
     if not corpus.is_dir():
         raise UserError(f"corpus folder {corpus} not found; build one with: python data.py --demo --out {corpus}")
-    path = corpus / "corpus_manifest.json"
-    if not path.exists():
-        raise UserError(f"{path} is missing: the corpus is incomplete (data.py writes it last)")
-    manifest = read_json(path, "corpus manifest")
-    for key in ("format_version", "dtype", "vocab_size", "splits"):
-        if key not in manifest:
-            raise UserError(f"{path} lacks the key {key!r}")
-    if "train" not in manifest["splits"]:
-        raise UserError(f"{path} has no train split")
+    manifest = data.load_corpus_manifest(corpus)
+    if "train" not in manifest["splits"] or "vocab_size" not in manifest:
+        raise UserError(f"{corpus / 'corpus_manifest.json'} has no train split or no vocab_size")
     return manifest
 
 
 def check_corpus(corpus: Path) -> list[str]:
-    """Problems with the corpus files (each naming the file); [] when every size and sha256 matches."""
-    verify = getattr(data, "verify_corpus", None)
-    if verify is not None:
-        return list(verify(corpus))
-    return basic_corpus_problems(corpus)
-
-
-def basic_corpus_problems(corpus: Path) -> list[str]:
-    """Shard sizes and sha256 and the tokenizer's sha256 against corpus_manifest.json."""
-    manifest = load_manifest(corpus)
-    problems = []
-    for split, entry in manifest["splits"].items():
-        for item in entry["files"]:
-            path = corpus / item["name"]
-            if not path.is_file():
-                problems.append(f"{path}: missing ({split} split)")
-            elif path.stat().st_size != item["bytes"]:
-                problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {item['bytes']}")
-            elif sha256_file(path) != item["sha256"]:
-                problems.append(f"{path}: sha256 differs from corpus_manifest.json")
-    tokenizer = corpus / "tokenizer"
-    expected = manifest.get("tokenizer_sha256")
-    if not tokenizer.is_dir():
-        problems.append(f"{tokenizer}: missing")
-    elif expected and sha256_tree(tokenizer) != expected:
-        problems.append(f"{tokenizer}: sha256 differs from corpus_manifest.json")
-    return problems
+    """Problems with the corpus files, each naming the file ([] when every size and sha256 matches)."""
+    return data.verify_corpus(corpus)
 
 
 class TokenSplit:
