@@ -36,9 +36,11 @@ from common import (
 
 IM_END, EOS, THINK_CLOSE = "<|im_end|>", "<eos>", "</think>"  # same strings as data.py's specials
 
+# Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
 DEFAULT_PROMPTS = [
     "What is 12 plus 7?",
     "What is 48 + 35?",
+    "What is 75 minus 28?",
     "If a box has 3 rows of 4 apples, how many apples are there?",
     "Say hello in one short sentence.",
 ]
@@ -382,7 +384,7 @@ def generate_chat(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max
 
 
 def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
-                     max_new_tokens: int = 64, device=None, step: int | None = None) -> dict:
+                     max_new_tokens: int = 96, device=None, step: int | None = None) -> dict:
     """Write sample_generations.json (greedy replies to `prompts`) atomically; never raises.
 
     Returns what it wrote: {"format_version", "time", "step", "settings", "samples": [{prompt,
@@ -473,7 +475,7 @@ def score_answers(examples: Sequence[dict], completions: Sequence[str], max_wron
 
 
 def task_accuracy(model, tokenizer, eval_jsonl: str | os.PathLike, device=None, limit: int | None = None,
-                  max_new_tokens: int = 64, batch_size: int = 32) -> dict:
+                  max_new_tokens: int = 96, batch_size: int = 32) -> dict:
     """Held-out task accuracy: greedy replies through the chat template, exact match on the answer.
 
     Returns {"accuracy", "correct", "total", "by_task": {task: {accuracy, correct, total}},
@@ -729,13 +731,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     evaluate.add_argument("model", help="exported model folder (RUN/model)")
     evaluate.add_argument("eval", help="eval .jsonl file or folder of them (CORPUS/eval)")
     evaluate.add_argument("--limit", type=int, help="evaluate only the first N examples")
-    evaluate.add_argument("--max-new-tokens", type=int, default=64)
+    evaluate.add_argument("--max-new-tokens", type=int, default=96)
     evaluate.add_argument("--device", default="cpu")
     samples = commands.add_parser("samples", help="greedy chat replies of an exported model",
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     samples.add_argument("model", help="exported model folder (RUN/model)")
     samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
-    samples.add_argument("--max-new-tokens", type=int, default=64)
+    samples.add_argument("--max-new-tokens", type=int, default=96)
     samples.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
 
