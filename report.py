@@ -579,7 +579,8 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "",
         f"- Corpus manifest sha256: `{card_info.get('corpus_sha256', 'n/a')}`",
         f"- Tokenizer sha256: `{card_info.get('tokenizer_sha256', 'n/a')}`",
-        "- `training_provenance.json` in this folder holds these and the training settings.",
+        "- `training_provenance.json` in this folder holds these"
+        + (" and the training settings." if "settings" in card_info else "."),
         "",
         "## Evaluation",
         "",
@@ -658,9 +659,15 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _remove_stale(parent: Path, pattern: str) -> None:
-    for stale in parent.glob(pattern):
+def _clean_up_earlier_export(target: Path) -> None:
+    """Remove what a killed export left beside `target`; put back an old folder it had moved away."""
+    for stale in target.parent.glob(f".{target.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for old in sorted(target.parent.glob(f".{target.name}.old-*")):
+        if not target.exists():
+            os.replace(old, target)  # killed between the two renames of the swap
+        else:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dict) -> dict[str, str]:
@@ -673,7 +680,7 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
     """
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(target.parent, f".{target.name}.partial-*")
+    _clean_up_earlier_export(target)
     temp = target.parent / f".{target.name}.partial-{os.getpid()}"
     temp.mkdir()
     model = unwrap_model(model)

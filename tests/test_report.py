@@ -302,8 +302,9 @@ CARD_INFO = {
     "steps": 200,
     "total_steps": 200,
     "tokens": 25_600,
-    "corpus_sha256": "c" * 64,
-    "tokenizer_sha256": "t" * 64,
+    "corpus_sha256": "c0" * 32,
+    "tokenizer_sha256": "70" * 32,
+    "settings": {"training": {"preset": "tiny", "lr": 0.01}},
     "validation_loss": 0.1234,
     "validation_perplexity": 1.13,
     "test_loss": 0.2345,
@@ -347,14 +348,17 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     card = (out / "README.md").read_text()
     parameters = sum(p.numel() for p in model.parameters())
     for expected in ["Status: **COMPLETE**", "Optimizer steps: 200 of 200", "Tokens trained on: 25,600",
-                     f"Parameters: {parameters:,}", "2 decoder layers", "c" * 64, "t" * 64, "Validation loss: 0.1234",
+                     f"Parameters: {parameters:,}", "2 decoder layers", "c0" * 32, "70" * 32, "Validation loss: 0.1234",
                      "Test loss: 0.2345", "92.5% exact match (37/40)", "AutoModelForCausalLM.from_pretrained",
                      "## Limitations"]:
         assert expected in card, expected
     provenance = json.loads((out / "training_provenance.json").read_text())
-    assert (provenance["corpus_sha256"], provenance["tokenizer_sha256"]) == ("c" * 64, "t" * 64)
+    assert (provenance["corpus_sha256"], provenance["tokenizer_sha256"]) == ("c0" * 32, "70" * 32)
     assert (provenance["steps"], provenance["tokens"]) == (200, 25_600)
     assert provenance["architecture"]["parameters"] == parameters
+    assert provenance["settings"] == CARD_INFO["settings"] and "and the training settings" in card
+    export_gguf = pytest.importorskip("export_gguf")  # the GGUF exporter reads the same provenance
+    assert export_gguf.read_provenance(out)[0] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
 
     assert report.main(["samples", str(out), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0
 
@@ -378,6 +382,13 @@ def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_pa
         assert "training did not finish" in (out / "README.md").read_text()
 
         monkeypatch.undo()
+        # A kill between the swap's two renames leaves the old folder aside: the next export restores it first.
+        os.replace(out, tmp_path / ".model.old-999")
+        (tmp_path / ".model.partial-998").mkdir()
+        report._clean_up_earlier_export(out)
+        assert sorted(os.listdir(tmp_path)) == ["model"]
+        assert {p.name: sha256_file(p) for p in out.iterdir()} == first
+
         second = report.export_hf_model(model, tokenizer, out, CARD_INFO)
         assert second["model.safetensors"] != first["model.safetensors"]
         assert {p.name: sha256_file(p) for p in out.iterdir()} == second
