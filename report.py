@@ -1,8 +1,17 @@
 """What a person sees of a run: progress, the loss curve, samples, task accuracy, the HF export.
 
-train.py calls these functions; everything here runs on rank 0 only (Progress is a no-op
-elsewhere) and nothing runs at import time. The script form redraws a run's pictures or
-evaluates an exported model after the fact:
+train.py calls these on rank 0 (Progress and TensorBoardLogger take `enabled=info.is_main`):
+
+    progress = Progress(total_steps, initial_step=step, every=args.log_every, enabled=is_main)
+    progress.update(step, loss, tokens_per_second, mfu)   # every optimizer step; progress.write(msg) for logs
+    tensorboard.log(record)                               # each metrics.jsonl record
+    plot_loss_curve(RUN / "metrics.jsonl", RUN / "loss_curve.png")                 # after each eval, at the end
+    generate_samples(model, tokenizer, RUN / "sample_generations.json", step=step)   # never raises
+    accuracy = task_accuracy(model, tokenizer, CORPUS / "eval", device)
+    model_files = export_hf_model(model, tokenizer, RUN / "model", card_info)      # {file: sha256}
+
+Nothing runs at import time. The script form redraws a run's pictures or evaluates an
+exported model after the fact:
 
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
     python report.py evaluate runs/demo/model corpus/demo/eval
@@ -74,8 +83,10 @@ class Progress:
         if enabled and (stderr_is_terminal() if bar is None else bar):
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", desc="train",
-                             dynamic_ncols=True, file=sys.stderr)
+            # A fixed size: tqdm hides the bar on pseudo-terminals that report 0 rows (dynamic_ncols reads them).
+            size = shutil.get_terminal_size((100, 24))
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", desc="train", file=sys.stderr,
+                             ncols=size.columns, nrows=size.lines)
 
     def update(self, step: int, loss: float, tokens_per_second: float | None = None,
                mfu: float | None = None) -> None:
