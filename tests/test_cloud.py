@@ -196,6 +196,7 @@ def test_local_folder_backup_retention_and_restore(tmp_path):
     assert state["latest"]["sha256"] == sha256_file(paths[-1])
     assert all(backup.is_backed_up(p) for p in paths)
     assert "is on the remote and verified" in log[-1]
+    assert "the remote already holds 1 verified checkpoint(s), latest step 5" in log[0]
 
     fresh = tmp_path / "fresh" / "checkpoints"
     restored = cc.restore_latest(f"file://{remote}", fresh, log=log)
