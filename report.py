@@ -728,11 +728,15 @@ def load_exported(model_dir: str, device: str):
     """An exported RUN/model/ folder as (model, tokenizer), with a clear error when it does not load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    missing = [name for name in ("config.json", "tokenizer.json") if not (Path(model_dir) / name).is_file()]
+    if missing:
+        raise UserError(f"{model_dir} is not an exported model folder (no {', '.join(missing)}); "
+                        "train.py writes one to RUN/model")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device)
     except (OSError, ValueError) as error:
-        raise UserError(f"{model_dir} is not a loadable model folder: {error}") from None
+        raise UserError(f"{model_dir} does not load: {type(error).__name__}: {str(error).splitlines()[0]}") from None
     return model, tokenizer
 
 

@@ -314,7 +314,7 @@ CARD_INFO = {
 }
 
 
-def test_export_reloads_with_transformers_and_matches_the_training_model(chat_model, tmp_path):
+def test_export_reloads_with_transformers_and_matches_the_training_model(chat_model, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     model, tokenizer = chat_model
@@ -361,6 +361,13 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     assert export_gguf.read_provenance(out)[0] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
 
     assert report.main(["samples", str(out), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n")
+    capsys.readouterr()
+    assert report.main(["evaluate", str(out), str(eval_file)]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == 1.0
+    with pytest.raises(UserError, match="not an exported model folder"):
+        report.main(["evaluate", str(tmp_path), str(eval_file)])
 
 
 def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_path, monkeypatch):
