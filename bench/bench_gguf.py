@@ -1,0 +1,116 @@
+"""Speed of export_gguf.py on a think72-sized model against just reading and writing its bytes.
+
+    python bench/bench_gguf.py                 # think72 in f16, target: ratio < 2
+    python bench/bench_gguf.py --type q8_0 --repeats 1
+
+Builds a random-weight think72 folder (saved as train.py saves it: f32 safetensors) with a
+byte-level BPE trained on generated text to (nearly) 33,069 tokens, then times, alternately:
+- baseline: read every byte of model.safetensors, write as many bytes as the GGUF has, fsync;
+- export: export_gguf.export(folder, out, TYPE) in this process (imports already done);
+and prints best-of-N seconds and their ratio. The whole CLI (a fresh interpreter) is timed once too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import data  # noqa: E402
+import export_gguf  # noqa: E402
+import model_config  # noqa: E402
+
+CHUNK = 8 * 1024 * 1024
+
+
+def generated_texts(words: int, seed: int = 0) -> list[str]:
+    """Text over a large invented lexicon (Zipf-like frequencies), so BPE can reach a 33k vocabulary."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lexicon = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 11))) for _ in range(60_000)]
+    weights = [1.0 / (rank + 10) for rank in range(len(lexicon))]
+    stream = rng.choices(lexicon, weights=weights, k=words)
+    return [" ".join(stream[start:start + 200]) for start in range(0, len(stream), 200)]
+
+
+def build_folder(folder: Path, vocab_size: int, words: int) -> int:
+    """A think72-shaped random model with a tokenizer as close to `vocab_size` as the text allows."""
+    import torch
+
+    tokenizer, _ = data.train_tokenizer(generated_texts(words), vocab_size, folder)
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["think72"], len(tokenizer))
+    model.save_pretrained(folder)
+    return len(tokenizer)
+
+
+def read_and_write(source: Path, target: Path, out_bytes: int) -> float:
+    """Seconds to read every byte of `source` and write `out_bytes` bytes to `target` (fsynced)."""
+    started = time.perf_counter()
+    with open(source, "rb") as handle:
+        while handle.read(CHUNK):
+            pass
+    block = b"\0" * CHUNK
+    with open(target, "wb") as handle:
+        left = out_bytes
+        while left > 0:
+            left -= handle.write(block[: min(CHUNK, left)])
+        handle.flush()
+        os.fsync(handle.fileno())
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gguf", help="scratch folder")
+    parser.add_argument("--type", default="f16", choices=list(export_gguf.OUT_TYPES))
+    parser.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--words", type=int, default=1_500_000, help="words of generated tokenizer text")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    folder = args.work / "model"
+    if not (folder / "model.safetensors").is_file():
+        started = time.perf_counter()
+        vocab = build_folder(folder, args.vocab_size, args.words)
+        print(f"built {folder} (vocab {vocab}) in {time.perf_counter() - started:.0f}s")
+    source = export_gguf.read_model_folder(folder)
+    params = model_config.parameter_count(model_config.PRESETS["think72"], source.vocab_size)
+    weights = folder / "model.safetensors"
+    out = args.work / f"think72-{args.type}.gguf"
+    print(f"model: think72 shape, {params:,} parameters, vocab {source.vocab_size} "
+          f"(requested {args.vocab_size}), {weights.stat().st_size / 1e6:.0f} MB of f32 safetensors")
+
+    export_gguf.export(folder, out, args.type, overwrite=True)  # warm-up: page cache, lazy imports
+    out_bytes = out.stat().st_size
+    baseline, exported = [], []
+    for _ in range(args.repeats):
+        baseline.append(read_and_write(weights, args.work / "copy.bin", out_bytes))
+        started = time.perf_counter()
+        export_gguf.export(folder, out, args.type, overwrite=True)
+        exported.append(time.perf_counter() - started)
+    (args.work / "copy.bin").unlink()
+
+    started = time.perf_counter()
+    subprocess.run([sys.executable, str(ROOT / "export_gguf.py"), str(folder), "--out", str(out),
+                    "--type", args.type, "--overwrite"], check=True, capture_output=True)
+    cli = time.perf_counter() - started
+
+    best_base, best_export = min(baseline), min(exported)
+    print(f"baseline read {weights.stat().st_size / 1e6:.0f} MB + write {out_bytes / 1e6:.0f} MB: "
+          f"{best_base:.2f}s (runs {', '.join(f'{t:.2f}' for t in baseline)})")
+    print(f"export {args.type}: {best_export:.2f}s (runs {', '.join(f'{t:.2f}' for t in exported)})")
+    print(f"whole CLI in a fresh interpreter (imports included): {cli:.2f}s")
+    print(f"ratio export / baseline: {best_export / best_base:.2f}x (target < 2x)")
+
+
+if __name__ == "__main__":
+    main()
