@@ -22,11 +22,15 @@ import contextlib
 import json
 import os
 import re
+import struct
 import tempfile
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from common import UserError, fsync_dir, run_main, sha256_file
@@ -35,6 +39,7 @@ GGUF_SUFFIX = ".gguf"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 PROVENANCE_FILE = "training_provenance.json"
 PROVENANCE_KEYS = ("corpus_sha256", "tokenizer_sha256")
+CONVERT_WORKERS = 2
 
 # --type -> (ggml type of the matrices, general.file_type). Vectors (norms) always stay f32.
 OUT_TYPES = {
@@ -189,8 +194,6 @@ def token_text(value) -> str | None:
 
 def read_vocab(source: ModelSource) -> Vocab:
     """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
-    from tokenizers import Tokenizer
-
     from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS
 
     folder = source.folder
@@ -199,32 +202,30 @@ def read_vocab(source: ModelSource) -> Vocab:
         raise UserError(f"{folder} has no tokenizer.json: save the tokenizer into the model folder")
     spec = read_json_file(tokenizer_path, "tokenizer")
     check_tokenizer_is_qwen2_bpe(spec, tokenizer_path, QWEN2_SPLIT_PATTERN)
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    count = tokenizer.get_vocab_size(with_added_tokens=True)
+    id_to_token = {index: token for token, index in spec["model"]["vocab"].items()}
+    id_to_token.update({entry["id"]: entry["content"] for entry in spec.get("added_tokens", [])})
+    count = len(id_to_token)
     if count != source.vocab_size:
         raise UserError(
             f"{tokenizer_path} has {count} tokens but {folder / 'config.json'} has vocab_size "
             f"{source.vocab_size} (embedding rows): the tokenizer does not belong to this model"
         )
-    id_to_token = {index: token for token, index in tokenizer.get_vocab(with_added_tokens=True).items()}
-    if len(id_to_token) != count or set(id_to_token) != set(range(count)):
+    if set(id_to_token) != set(range(count)):
         raise UserError(f"{tokenizer_path}: token ids are not exactly 0..{count - 1}")
     added = {entry["id"]: entry for entry in spec.get("added_tokens", [])}
     for position, token in enumerate(SPECIAL_TOKENS):
         if id_to_token.get(position) != token or not added.get(position, {}).get("special"):
             raise UserError(f"{tokenizer_path}: special token {token} must have id {position}")
 
-    from gguf import TokenType
-
     tokens = [id_to_token[index] for index in range(count)]
     token_types = []
     for index in range(count):
         if index not in added:
-            token_types.append(int(TokenType.NORMAL))
+            token_types.append(int(gguf.TokenType.NORMAL))
         elif added[index].get("special"):
-            token_types.append(int(TokenType.CONTROL))
+            token_types.append(int(gguf.TokenType.CONTROL))
         else:
-            token_types.append(int(TokenType.USER_DEFINED))
+            token_types.append(int(gguf.TokenType.USER_DEFINED))
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"].get("merges", [])]
 
     tokenizer_config = read_json_file(folder / "tokenizer_config.json", "tokenizer_config.json")
@@ -284,36 +285,50 @@ def read_chat_template(folder: Path, tokenizer_config: dict) -> str:
     raise UserError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
 
 
+def provenance_candidates(folder: Path) -> list[tuple[str, dict]]:
+    """(where, {corpus_sha256, tokenizer_sha256}) from every place that may record them, best first."""
+    candidates = []
+    aliases = {"corpus_manifest_sha256": "corpus_sha256"}
+    for path, section in ((folder / PROVENANCE_FILE, None), (folder / "config.json", "tinyllm"),
+                          (folder.parent / "training_settings.json", None)):
+        if path.is_file():
+            record = read_json_file(path, path.name)
+            record = (record.get(section) or {}) if section else record
+            if isinstance(record, dict):
+                label = f"{path} [{section}]" if section else str(path)
+                candidates.append((label, {aliases.get(key, key): value for key, value in record.items()}))
+    manifest = folder.parent / "corpus_manifest.json"
+    if manifest.is_file():  # train.py's copy of the corpus manifest: its hash names the corpus
+        record = read_json_file(manifest, "corpus manifest")
+        candidates.append((str(manifest), {"corpus_sha256": sha256_file(manifest),
+                                           "tokenizer_sha256": record.get("tokenizer_sha256")}))
+    card = folder / "README.md"
+    if card.is_file():  # the model card's "corpus manifest SHA-256: ..." lines
+        text = card.read_text(encoding="utf-8", errors="replace")
+        found = {key: re.search(pattern + r"[^0-9a-f]{0,20}([0-9a-f]{64})", text, re.IGNORECASE)
+                 for key, pattern in (("corpus_sha256", r"corpus manifest sha-?256"),
+                                      ("tokenizer_sha256", r"tokenizer sha-?256"))}
+        candidates.append((str(card), {key: match.group(1).lower() for key, match in found.items() if match}))
+    return candidates
+
+
 def read_provenance(folder: Path, overrides: dict | None = None) -> tuple[dict, list[str]]:
-    """Corpus and tokenizer sha256, from the first place that has them.
+    """Corpus and tokenizer sha256 for the metadata, each from the first place that has it.
 
     Order: command line, MODEL/training_provenance.json, the `tinyllm` section of config.json,
-    then RUN/training_settings.json beside the model folder (keys corpus_manifest_sha256 and
-    tokenizer_sha256, as the original trainer wrote them). Returns (values, files read).
+    RUN/training_settings.json (keys corpus_manifest_sha256, tokenizer_sha256, as the original
+    trainer wrote them), RUN/corpus_manifest.json, the model card. Returns (values, where read).
     """
-    found: dict = {key: value for key, value in (overrides or {}).items() if value}
+    found = {key: value for key, value in (overrides or {}).items() if value}
     sources = ["command line"] if found else []
-    candidates = [
-        (folder / PROVENANCE_FILE, None),
-        (folder / "config.json", "tinyllm"),
-        (folder.parent / "training_settings.json", None),
-    ]
-    aliases = {"corpus_manifest_sha256": "corpus_sha256"}
-    for path, section in candidates:
-        if not path.is_file():
-            continue
-        record = read_json_file(path, path.name)
-        record = (record.get(section) or {}) if section else record
-        if not isinstance(record, dict):
-            continue
-        record = {aliases.get(key, key): value for key, value in record.items()}
+    for label, record in provenance_candidates(folder):
         new = {key: record[key] for key in PROVENANCE_KEYS if record.get(key) and key not in found}
         if new:
             found.update(new)
-            sources.append(f"{path}" + (f" [{section}]" if section else ""))
+            sources.append(label)
     for key, value in found.items():
         if not isinstance(value, str) or not SHA256_PATTERN.match(value):
-            raise UserError(f"provenance {key}={value!r} is not a lowercase hex sha256")
+            raise UserError(f"provenance {key}={value!r} (from {', '.join(sources)}) is not a lowercase hex sha256")
     return found, sources
 
 
@@ -321,16 +336,34 @@ def read_provenance(folder: Path, overrides: dict | None = None) -> tuple[dict, 
 # Tensors
 
 
-def iter_source_tensors(source: ModelSource):
-    """Yield (hf_name, float32 numpy array) for every tensor in the safetensors files."""
-    import torch
-    from safetensors import safe_open
+@dataclass
+class PlannedTensor:
+    """One tensor of the GGUF, known before any weight is read (the header lists them first)."""
 
-    for path in source.weight_files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                tensor = handle.get_tensor(name)
-                yield name, tensor.to(torch.float32).numpy()
+    hf_name: str
+    gguf_name: str
+    file: Path
+    shape: tuple[int, ...]
+    ggml_type: gguf.GGMLQuantizationType
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.ggml_type]
+        return int(np.prod(self.shape)) // block * type_size
+
+
+def ggml_type_for(shape: tuple[int, ...], out_type: str) -> gguf.GGMLQuantizationType:
+    """Vectors (norms) stay f32; matrices take `out_type`.
+
+    q8_0 needs rows that are a multiple of 32; a matrix whose rows are not falls back to f16,
+    as llama.cpp's own converter does.
+    """
+    wanted = gguf.GGMLQuantizationType[OUT_TYPES[out_type][0]]
+    if len(shape) < 2:
+        return gguf.GGMLQuantizationType.F32
+    if wanted == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[wanted][0]:
+        return gguf.GGMLQuantizationType.F16
+    return wanted
 
 
 def gguf_tensor_name(name_map, hf_name: str, source: ModelSource) -> str | None:
@@ -353,21 +386,97 @@ def expected_tensor_names(source: ModelSource) -> set[str]:
     return names
 
 
-def convert_tensor(array: np.ndarray, out_type: str):
-    """(data, ggml type) for one float32 tensor: vectors stay f32, matrices take `out_type`.
+def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
+    """Every tensor to write, from the safetensors headers alone, checked against config.json."""
+    from safetensors import safe_open
 
-    q8_0 needs rows that are a multiple of 32; a matrix whose rows are not falls back to f16,
-    as llama.cpp's own converter does.
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
+    plan: dict[str, PlannedTensor] = {}
+    for path in source.weight_files:
+        with safe_open(str(path), framework="pt") as handle:
+            for hf_name in handle.keys():
+                gguf_name = gguf_tensor_name(name_map, hf_name, source)
+                if gguf_name is None:
+                    continue
+                if gguf_name in plan:
+                    raise UserError(f"{source.folder}: tensor {gguf_name} appears twice in the weights")
+                shape = tuple(handle.get_slice(hf_name).get_shape())
+                plan[gguf_name] = PlannedTensor(hf_name, gguf_name, path, shape, ggml_type_for(shape, out_type))
+    missing = sorted(expected_tensor_names(source) - set(plan))
+    if missing:
+        raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    embedding = plan["token_embd.weight"].shape
+    if embedding != (source.vocab_size, source.hidden):
+        raise UserError(f"{source.folder}: embedding has shape {list(embedding)}, config.json says "
+                        f"[{source.vocab_size}, {source.hidden}]")
+    return list(plan.values())
+
+
+def iter_source_tensors(source: ModelSource):
+    """Yield (hf_name, float32 torch tensor) for every tensor in the safetensors files."""
+    import torch
+    from safetensors import safe_open
+
+    for path in source.weight_files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name).to(torch.float32)
+
+
+def convert_tensor(tensor, ggml_type: gguf.GGMLQuantizationType, buffer=None) -> np.ndarray:
+    """The bytes of one tensor in `ggml_type`, as a numpy array the writer can dump.
+
+    f32 is the source itself (no copy); f16 is cast by torch (the same round-to-nearest-even as
+    numpy, several times faster) into `buffer` when given, since fresh memory costs more than
+    the cast; bf16 and q8_0 go through gguf.quants.
     """
-    from gguf import GGMLQuantizationType, quants
+    import torch
 
-    wanted = GGMLQuantizationType[OUT_TYPES[out_type][0]]
-    if array.ndim < 2 or wanted == GGMLQuantizationType.F32:
-        return np.ascontiguousarray(array, dtype=np.float32), GGMLQuantizationType.F32
-    q8_block = quants.GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]
-    if wanted == GGMLQuantizationType.F16 or (wanted == GGMLQuantizationType.Q8_0 and array.shape[-1] % q8_block):
-        return array.astype(np.float16), GGMLQuantizationType.F16
-    return quants.quantize(array, wanted), wanted
+    if ggml_type == gguf.GGMLQuantizationType.F32:
+        return tensor.to(torch.float32).contiguous().numpy()
+    if ggml_type == gguf.GGMLQuantizationType.F16:
+        if buffer is None:
+            return tensor.to(torch.float16).contiguous().numpy()
+        out = buffer[: tensor.numel()].view(tensor.shape)
+        out.copy_(tensor)
+        return out.numpy()
+    return gguf.quants.quantize(tensor.to(torch.float32).numpy(), ggml_type)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run torch ops with `count` intra-op threads, restoring the caller's setting after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class BulkArrayWriter(gguf.GGUFWriter):
+    """A GGUFWriter that packs long metadata arrays (tokens, token types, merges) in bulk.
+
+    gguf-py packs arrays one item at a time through struct (about 0.7 s for a 33k vocabulary,
+    longer than writing all of think72's f16 weights). The bytes are identical; a test compares.
+    """
+
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None) -> bytes:
+        array, little = gguf.GGUFValueType.ARRAY, gguf.GGUFEndian.LITTLE
+        if vtype != array or self.endianess != little or not isinstance(val, list) or not val:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        item_type = sub_type or gguf.GGUFValueType.get_type(val[0])
+        if item_type == gguf.GGUFValueType.STRING and all(type(item) is str for item in val):
+            pack_length = struct.Struct("<Q").pack
+            body = b"".join([pack_length(len(item)) + item for item in (text.encode("utf-8") for text in val)])
+        elif item_type == gguf.GGUFValueType.INT32 and all(type(item) is int for item in val):
+            body = np.asarray(val, dtype="<i4").tobytes()
+        else:
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        head = struct.pack("<I", vtype) if add_vtype else b""
+        return head + struct.pack("<IQ", item_type, len(val)) + body
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,16 +488,14 @@ def model_name(folder: Path) -> str:
     return folder.parent.name if folder.name == "model" else folder.name
 
 
-def write_gguf(path: Path, source: ModelSource, vocab: Vocab, out_type: str, name: str, provenance: dict) -> dict:
-    """Write the GGUF to `path` (the caller renames it into place). Returns tensor counts by type."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3])
+def add_metadata(writer: gguf.GGUFWriter, source: ModelSource, vocab: Vocab, out_type: str, name: str,
+                 provenance: dict, parameters: int) -> None:
+    """general.*, provenance, every hyperparameter llama.cpp reads for qwen3, and the tokenizer."""
     file_type = gguf.LlamaFileType[OUT_TYPES[out_type][1]]
-
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     writer.add_description("Qwen3 language model pretrained from scratch with tinyllm")
+    writer.add_size_label(gguf.size_label(parameters, 0, 0, 0))
     writer.add_file_type(file_type)
     if file_type == gguf.LlamaFileType.MOSTLY_Q8_0:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -422,33 +529,70 @@ def write_gguf(path: Path, source: ModelSource, vocab: Vocab, out_type: str, nam
     writer.add_add_eos_token(False)
     writer.add_chat_template(vocab.chat_template)
 
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
-    written: dict[str, int] = {}
-    counts: dict[str, int] = {}
-    for hf_name, array in iter_source_tensors(source):
-        gguf_name = gguf_tensor_name(name_map, hf_name, source)
-        if gguf_name is None:
-            continue
-        if gguf_name in written:
-            raise UserError(f"{source.folder}: tensor {gguf_name} appears twice in the weights")
-        if gguf_name == "token_embd.weight" and array.shape != (source.vocab_size, source.hidden):
-            raise UserError(
-                f"{source.folder}: embedding has shape {list(array.shape)}, config.json says "
-                f"[{source.vocab_size}, {source.hidden}]"
-            )
-        data, ggml_type = convert_tensor(array, out_type)
-        writer.add_tensor(gguf_name, data, raw_dtype=ggml_type)
-        written[gguf_name] = array.size
-        counts[ggml_type.name] = counts.get(ggml_type.name, 0) + 1
-    missing = sorted(expected_tensor_names(source) - set(written))
-    if missing:
-        raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
-    writer.add_size_label(gguf.size_label(sum(written.values()), 0, 0, 0))
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+class Conversions:
+    """Convert the planned tensors in worker threads, `ahead` at a time; iterate for them in order.
+
+    Work starts on construction, so the first tensors convert while the metadata is packed.
+    torch runs single-threaded inside each worker (its own thread pool stalls on a busy machine),
+    and f16 tensors are cast into `ahead + 1` recycled buffers: a buffer goes back to the pool
+    when the loop asks for the next tensor, i.e. after the previous one was written.
+    """
+
+    def __init__(self, source: ModelSource, plan: list[PlannedTensor], stack: contextlib.ExitStack,
+                 ahead: int = CONVERT_WORKERS + 1):
+        import torch
+        from safetensors import safe_open
+
+        self.handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in source.weight_files}
+        stack.enter_context(torch_threads(1))
+        self.pool = stack.enter_context(ThreadPoolExecutor(max_workers=CONVERT_WORKERS))
+        f16 = [int(np.prod(t.shape)) for t in plan if t.ggml_type == gguf.GGMLQuantizationType.F16]
+        self.buffers = [torch.empty(max(f16), dtype=torch.float16) for _ in range(ahead + 1)] if f16 else []
+        self.waiting = iter(plan)
+        self.running: deque = deque()
+        for _ in range(ahead):
+            self.submit_next()
+
+    def submit_next(self) -> None:
+        planned = next(self.waiting, None)
+        if planned is None:
+            return
+        tensor = self.handles[planned.file].get_tensor(planned.hf_name)
+        buffer = self.buffers.pop() if planned.ggml_type == gguf.GGMLQuantizationType.F16 else None
+        self.running.append((planned, buffer, self.pool.submit(convert_tensor, tensor, planned.ggml_type, buffer)))
+
+    def __iter__(self):
+        while self.running:
+            planned, buffer, future = self.running.popleft()
+            self.submit_next()
+            data = future.result()
+            if data.nbytes != planned.nbytes:
+                raise RuntimeError(f"{planned.gguf_name}: {data.nbytes} bytes, planned {planned.nbytes}")
+            yield data
+            if buffer is not None:
+                self.buffers.append(buffer)
+
+
+def write_gguf(path: Path, source: ModelSource, vocab: Vocab, out_type: str, name: str, provenance: dict) -> dict:
+    """Write the GGUF to `path`, streaming the tensors as workers convert them. Returns counts by type."""
+    plan = plan_tensors(source, out_type)
+    with contextlib.ExitStack() as stack:
+        conversions = Conversions(source, plan, stack)
+        writer = BulkArrayWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3])
+        add_metadata(writer, source, vocab, out_type, name, provenance, sum(int(np.prod(t.shape)) for t in plan))
+        for planned in plan:
+            dtype = np.float16 if planned.ggml_type == gguf.GGMLQuantizationType.F16 else np.float32
+            writer.add_tensor_info(planned.gguf_name, planned.shape, dtype, planned.nbytes, raw_dtype=planned.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for data in conversions:
+            writer.write_tensor_data(data)
+        writer.close()
+    counts: dict[str, int] = {}
+    for planned in plan:
+        counts[planned.ggml_type.name] = counts.get(planned.ggml_type.name, 0) + 1
     return counts
 
 
@@ -578,8 +722,6 @@ def expected_readback(array: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndar
 
 def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
     """Read the GGUF back with gguf.GGUFReader and compare metadata and every tensor with the source."""
-    import gguf
-
     reader = gguf.GGUFReader(str(gguf_path))
     fields = {
         "general.architecture": "qwen3",
@@ -615,10 +757,11 @@ def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
     worst = 0.0
-    for hf_name, array in iter_source_tensors(source):
+    for hf_name, source_tensor in iter_source_tensors(source):
         gguf_name = gguf_tensor_name(name_map, hf_name, source)
         if gguf_name is None:
             continue
+        array = source_tensor.numpy()
         tensor = stored[gguf_name]
         if array.ndim == 1 and tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             raise VerificationFailed(f"{gguf_name} is {tensor.tensor_type.name}; norms must stay F32")
@@ -644,27 +787,41 @@ VERIFY_TEXTS = [
     " leading space and trailing space ",
     "",
 ]
+VERIFY_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 12 * 7?"},
+    {"role": "assistant", "content": "<think>\n12 * 7 = 84.\n</think>\n\n84"},
+    {"role": "user", "content": "And 13 * 7?"},
+]
 DEMO_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
 GREEDY_TOKENS = 16
 
 
 def verify_texts(tokenizer) -> list[str]:
     """The varied text set: plain texts, every special token alone and inline, and a rendered chat."""
-    from data import render_assistant
-
     specials = list(tokenizer.all_special_tokens)
     for token in tokenizer.get_added_vocab():
         if token not in specials:
             specials.append(token)
-    chat = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 12 * 7?"},
-        {"role": "assistant", "content": render_assistant("84", reasoning="12 * 7 = 84.")},
-        {"role": "user", "content": "And 13 * 7?"},
-    ]
-    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(VERIFY_CHAT, tokenize=False, add_generation_prompt=True)
     inline = "text" + " mid ".join(specials) + "tail" + "".join(specials)
     return [*VERIFY_TEXTS, *specials, inline, rendered]
+
+
+def llama_cpp_chat(llama_cpp, llm, messages: list[dict]) -> str:
+    """The chat as llama.cpp's built-in template support renders the GGUF's template (llama-cli, server)."""
+    import ctypes
+
+    template = llama_cpp.llama_model_chat_template(llm._model.model, None)
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages]
+    )
+    size = 1 << 16
+    buffer = ctypes.create_string_buffer(size)
+    length = llama_cpp.llama_chat_apply_template(template, chat, len(messages), True, buffer, size)
+    if length < 0 or length > size:
+        raise VerificationFailed(f"llama.cpp cannot apply the chat template (returned {length})")
+    return buffer.raw[:length].decode("utf-8")
 
 
 def llama_scores(llm, ids: list[int]) -> np.ndarray:
@@ -723,6 +880,9 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
         back = vocab_llm.detokenize(got, special=True).decode("utf-8")
         if back != text:
             raise VerificationFailed(f"llama.cpp detokenizes {text[:40]!r} as {back[:40]!r}")
+    rendered = llama_cpp_chat(llama_cpp, vocab_llm, VERIFY_CHAT)
+    if rendered != tokenizer.apply_chat_template(VERIFY_CHAT, tokenize=False, add_generation_prompt=True):
+        raise VerificationFailed(f"llama.cpp's built-in chat template renders the chat differently: {rendered!r}")
     vocab = vocab_llm._model.vocab
     not_stop = [token for token in STOP_TOKENS
                 if not llama_cpp.llama_vocab_is_eog(vocab, tokenizer.convert_tokens_to_ids(token))]
@@ -731,7 +891,8 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     if llama_cpp.llama_vocab_get_add_bos(vocab):
         raise VerificationFailed("llama.cpp would add a BOS token to every prompt")
     del vocab_llm
-    log(f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF")
+    log(f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF; "
+        f"its chat template renders as HF's; {', '.join(STOP_TOKENS)} end generation")
 
     model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     context = model.config.max_position_embeddings

@@ -106,6 +106,17 @@ def test_reader_reads_back_every_tensor(model_dir, tmp_path, out_type):
     assert leftovers(tmp_path) == []
 
 
+def test_bulk_array_packing_gives_the_library_bytes():
+    import gguf
+
+    writer = export_gguf.BulkArrayWriter("unused.gguf", "qwen3")
+    array = gguf.GGUFValueType.ARRAY
+    for values in (["<pad>", "Ġthe", "日本", "🙂", ""], [0, 3, -1, 2**31 - 1], [1.5, 2.0], [True, False]):
+        for add_vtype in (True, False):
+            expected = gguf.GGUFWriter._pack_val(writer, values, array, add_vtype)
+            assert writer._pack_val(values, array, add_vtype) == expected
+
+
 def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
     import gguf
 
@@ -172,6 +183,39 @@ def test_provenance_from_folder_and_command_line(model_dir, tmp_path):
     with pytest.raises(UserError, match="not a lowercase hex sha256"):
         export_gguf.export(folder, tmp_path / "r.gguf", "f16", provenance={"corpus_sha256": "xyz"})
     assert not (tmp_path / "r.gguf").exists()
+
+
+def test_provenance_from_corpus_manifest_and_model_card(model_dir, tmp_path):
+    folder = copy_folder(model_dir, tmp_path / "run" / "model")
+    manifest = folder.parent / "corpus_manifest.json"
+    manifest.write_text(json.dumps({"format_version": 1, "tokenizer_sha256": "d" * 64}))
+    values, sources = export_gguf.read_provenance(folder)
+    assert values == {"corpus_sha256": export_gguf.sha256_file(manifest), "tokenizer_sha256": "d" * 64}
+    assert sources == [str(manifest)]
+
+    manifest.unlink()
+    (folder / "README.md").write_text(
+        f"# Card\nExact corpus manifest SHA-256: {'E' * 64}. Exact tokenizer SHA-256: {'f' * 64}.\n"
+    )
+    values, sources = export_gguf.read_provenance(folder)
+    assert values == {"corpus_sha256": "e" * 64, "tokenizer_sha256": "f" * 64}
+    assert export_gguf.read_provenance(model_dir) == ({}, [])
+
+
+def test_sharded_bf16_weights(model_dir, tmp_path):
+    """A folder saved in bf16 and in shards exports too; f32 output holds the bf16 values exactly."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    folder = copy_folder(model_dir, tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    out = tmp_path / "m.gguf"
+    export_gguf.export(folder, out, "f32", log=lambda *_: None)
+    check = export_gguf.verify_tensors(export_gguf.read_model_folder(folder), out, "f32")
+    assert check["tensors"] == 2 + 11 * PRESET.layers and check["max_abs_error"] == 0
 
 
 def test_reader_check_detects_a_corrupted_tensor(model_dir, tmp_path):
