@@ -320,16 +320,20 @@ def read_provenance(folder: Path, overrides: dict | None = None) -> tuple[dict, 
     trainer wrote them), RUN/corpus_manifest.json, the model card. Returns (values, where read).
     """
     found = {key: value for key, value in (overrides or {}).items() if value}
+    for key, value in found.items():
+        if not is_sha256(value):
+            raise UserError(f"--{key.replace('_', '-')} {value!r} is not a lowercase hex sha256")
     sources = ["command line"] if found else []
-    for label, record in provenance_candidates(folder):
-        new = {key: record[key] for key in PROVENANCE_KEYS if record.get(key) and key not in found}
+    for label, record in provenance_candidates(folder):  # values like "n/a" are skipped
+        new = {key: record[key] for key in PROVENANCE_KEYS if is_sha256(record.get(key)) and key not in found}
         if new:
             found.update(new)
             sources.append(label)
-    for key, value in found.items():
-        if not isinstance(value, str) or not SHA256_PATTERN.match(value):
-            raise UserError(f"provenance {key}={value!r} (from {', '.join(sources)}) is not a lowercase hex sha256")
     return found, sources
+
+
+def is_sha256(value) -> bool:
+    return isinstance(value, str) and SHA256_PATTERN.match(value) is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,11 +619,19 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def readable_by_all(path: Path) -> None:
+    """Give a file the permissions a plain open() would (mkstemp makes it private to the owner)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def temporary_beside(target: Path):
     """A fresh temporary path beside `target`, removed unless the caller renamed it."""
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
+    readable_by_all(Path(name))
     try:
         yield Path(name)
     finally:
@@ -674,6 +686,7 @@ def export(
         from common import atomic_write_text
 
         atomic_write_text(model_file, modelfile_text(out, model_file, source.context))
+        readable_by_all(model_file)
     fsync_dir(out.parent)
     return {
         "path": str(out),
@@ -831,14 +844,14 @@ def llama_scores(llm, ids: list[int]) -> np.ndarray:
 
 
 def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """Plain argmax decoding (whole sequence each step: no cache API, no generate() stop rules)."""
     import torch
 
+    sequence = list(ids)
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )
-    return out[0, len(ids):].tolist()
+        for _ in range(steps):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    return sequence[len(ids):]
 
 
 def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:

@@ -180,7 +180,9 @@ def test_provenance_from_folder_and_command_line(model_dir, tmp_path):
     summary = export_gguf.export(folder, tmp_path / "q.gguf", "f16", provenance={"corpus_sha256": other},
                                  log=lambda *_: None)
     assert summary["provenance"]["corpus_sha256"] == other
-    with pytest.raises(UserError, match="not a lowercase hex sha256"):
+    (folder / "training_provenance.json").write_text(json.dumps({"corpus_sha256": "n/a"}))
+    assert export_gguf.read_provenance(folder)[0]["corpus_sha256"] == other  # "n/a" is skipped
+    with pytest.raises(UserError, match="--corpus-sha256 'xyz' is not a lowercase hex sha256"):
         export_gguf.export(folder, tmp_path / "r.gguf", "f16", provenance={"corpus_sha256": "xyz"})
     assert not (tmp_path / "r.gguf").exists()
 
@@ -240,6 +242,7 @@ def test_modelfile_for_ollama(model_dir, tmp_path):
     summary = export_gguf.export(model_dir, out, "q8_0", log=lambda *_: None)
     text = Path(summary["modelfile"]).read_text()
     assert Path(summary["modelfile"]) == tmp_path / "chat.Modelfile"
+    assert out.stat().st_mode & 0o044 == Path(summary["modelfile"]).stat().st_mode & 0o044 == 0o044
     assert "\nFROM ./chat.gguf\n" in text
     assert 'PARAMETER stop "<|im_end|>"' in text and 'PARAMETER stop "<eos>"' in text
     assert f"PARAMETER num_ctx {PRESET.context}" in text
@@ -268,6 +271,25 @@ def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type):
     assert checks["max_abs_logit"] > 5
     assert out.exists() and leftovers(tmp_path) == []
     assert any("tokenize and detokenize exactly" in line for line in lines)
+
+
+@needs_llama_cpp
+def test_folder_written_by_report_export_hf_model(model_dir, tmp_path):
+    """The folder train.py writes (through report.export_hf_model) exports and verifies as is."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    report = pytest.importorskip("report")
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tokenizer = data.load_tokenizer(model_dir)
+    card = {"model_name": "demo", "corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
+    folder = tmp_path / "run" / "model"
+    report.export_hf_model(model, tokenizer, folder, card)
+    summary = export_gguf.export(folder, tmp_path / "run" / "model-f32.gguf", "f32", verify=True,
+                                 log=lambda *_: None)
+    assert summary["provenance"] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
+    assert summary["provenance_sources"] == [str(folder / "training_provenance.json")]
+    assert summary["checks"]["llama_cpp"]["max_logit_diff"] <= 1e-3
 
 
 @needs_llama_cpp
