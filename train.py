@@ -687,9 +687,11 @@ class Checkpointer:
     and wait(timeout_s) -> bool; retention never deletes a file the backup has not confirmed.
     """
 
-    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None):
+    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
+                 backup_wait_s: float = 600):
         self.folder, self.run_id = folder, run_id
-        self.keep_last, self.keep_every, self.backup = keep_last, keep_every, backup
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.backup, self.backup_wait_s = backup, backup_wait_s
         self.folder.mkdir(parents=True, exist_ok=True)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -713,12 +715,12 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def close(self, backup_timeout_s: float = 600) -> bool | None:
+    def close(self) -> bool | None:
         """Finish the write in flight, then wait for the backup; True/False says if it caught up."""
         self.wait()
         if self.backup is None:
             return None
-        return self.backup.wait(backup_timeout_s)
+        return self.backup.wait(self.backup_wait_s)
 
     def _write(self, snapshot: dict, step: int, best_val_loss: float | None) -> None:
         try:
@@ -742,25 +744,33 @@ class Checkpointer:
             self._error = error
 
     def apply_retention(self) -> None:
-        """Keep the newest `keep_last` and every multiple of `keep_every`; delete only this run's files."""
-        checkpoints = sorted(self.folder.glob("step-*.pt"))
-        steps = {path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1))
-                 for path in checkpoints if CHECKPOINT_NAME.fullmatch(path.name)}
-        newest = sorted(steps, key=steps.get)[-self.keep_last:]
-        for path, step in steps.items():
-            if path in newest or (self.keep_every and step % self.keep_every == 0):
-                continue
-            sidecar = sidecar_path(path)
-            try:
-                written_by = read_json(sidecar).get("run_id")
-            except UserError:
-                continue  # no record that this run wrote it: never ours to delete
-            if written_by != self.run_id:
-                continue
-            if self.backup is not None and not self.backup.is_backed_up(path):
-                continue
+        """Keep the newest `keep_last` and every multiple of `keep_every`; delete only this run's files.
+
+        With a backup, a file goes only once the backup lets it: `backup.deletable(paths)` when the
+        backup has it, else `backup.is_backed_up(path)`.
+        """
+        steps = {path: int(match.group(1)) for path in self.folder.glob("step-*.pt")
+                 if (match := CHECKPOINT_NAME.fullmatch(path.name))}
+        newest = set(sorted(steps, key=steps.get)[-self.keep_last:])
+        candidates = [path for path, step in sorted(steps.items(), key=lambda item: item[1])
+                      if path not in newest and not (self.keep_every and step % self.keep_every == 0)
+                      and self._written_by_this_run(path)]
+        if self.backup is not None and candidates:
+            if hasattr(self.backup, "deletable"):
+                allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
+                candidates = [path for path in candidates if path.resolve() in allowed]
+            else:
+                candidates = [path for path in candidates if self.backup.is_backed_up(path)]
+        for path in candidates:
             path.unlink(missing_ok=True)
-            sidecar.unlink(missing_ok=True)
+            sidecar_path(path).unlink(missing_ok=True)
+
+    def _written_by_this_run(self, path: Path) -> bool:
+        """Its record names this run (a file without one, e.g. copied in by hand, is never ours)."""
+        try:
+            return read_json(sidecar_path(path)).get("run_id") == self.run_id
+        except UserError:
+            return False
 
 
 def remove_stale_temporaries(folder: Path) -> None:
@@ -772,20 +782,31 @@ def remove_stale_temporaries(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def verified_checkpoints(folder: Path) -> tuple[list[Path], list[str]]:
-    """Checkpoints newest first whose size and sha256 match their record, and warnings for the others."""
-    good, warnings_ = [], []
+def newest_verified_checkpoint(folder: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint whose size and sha256 match its record, and a warning for each newer one.
+
+    A checkpoint's record is its sidecar step-N.json, or latest.json when that names it (a
+    checkpoint restored from a backup comes with latest.json only).
+    """
+    latest = folder / "latest.json"
+    try:
+        latest_record = read_json(latest) if latest.exists() else {}
+    except UserError:
+        latest_record = {}
+    warnings_ = []
     candidates = sorted((path for path in folder.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(path.name)),
                         reverse=True)
     for path in candidates:
         sidecar = sidecar_path(path)
-        if not sidecar.exists():
-            warnings_.append(f"{path.name} has no {sidecar.name} (killed while saving?): skipped")
-            continue
         try:
-            record = read_json(sidecar)
+            record = read_json(sidecar) if sidecar.exists() else None
         except UserError as error:
-            warnings_.append(f"{error}: {path.name} skipped")
+            record = None
+            warnings_.append(f"{error}")
+        if record is None and latest_record.get("path") == path.name:
+            record = latest_record
+        if record is None:
+            warnings_.append(f"{path.name} has no sha256 record (killed while saving?): skipped")
             continue
         size = path.stat().st_size
         if size != record.get("bytes"):
@@ -794,8 +815,8 @@ def verified_checkpoints(folder: Path) -> tuple[list[Path], list[str]]:
         elif sha256_file(path) != record.get("sha256"):
             warnings_.append(f"{path.name} does not match its sha256 (corrupt): skipped")
         else:
-            good.append(path)
-    return good, warnings_
+            return path, warnings_
+    return None, warnings_
 
 
 def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
@@ -814,16 +835,15 @@ def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
         return path
     if not existing:
         return None
-    good, problems = verified_checkpoints(folder)
-    for index, problem in enumerate(problems):
-        message = f"warning: {problem}"
-        if good and index == len(problems) - 1:
-            message += f"; falling back to {good[0].name}"
-        print(message, file=sys.stderr, flush=True)
-    if not good:
+    good, problems = newest_verified_checkpoint(folder)
+    for problem in problems:
+        print(f"warning: {problem}", file=sys.stderr, flush=True)
+    if good is None:
         raise UserError(f"{folder} has checkpoints but none verifies against its sha256; pass --resume PATH "
                         "to force one, or choose a new --out")
-    return good[0]
+    if problems:
+        print(f"warning: falling back to {good.name}", file=sys.stderr, flush=True)
+    return good
 
 
 def load_checkpoint_file(path: Path) -> dict:
@@ -894,6 +914,8 @@ class Training:
         self.args, self.info, self.device = args, info, info.device
         self.preset = resolve_model_preset(args)
         self.context = self.preset.context
+        self.manifest = manifest
+        self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.vocab_size = int(manifest["vocab_size"])
         self.precision = resolve_precision(args.precision, self.device)
         self.splits = {name: TokenSplit(corpus, manifest, name, self.context)
@@ -1031,12 +1053,12 @@ class Training:
 
     # -- settings and state ----------------------------------------------------------------
 
-    def settings(self, manifest_sha256: str, manifest: dict) -> dict:
+    def settings(self) -> dict:
         """What a resumed run must share with the checkpoint ("training") and what may change ("runtime")."""
         args = self.args
         training = {
-            "corpus_manifest_sha256": manifest_sha256,
-            "tokenizer_sha256": manifest.get("tokenizer_sha256"),
+            "corpus_manifest_sha256": self.manifest_sha256,
+            "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),
             "vocab_size": self.vocab_size,
             "preset": args.preset,
             **{f"model.{name}": getattr(self.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
@@ -1062,7 +1084,7 @@ class Training:
         runtime["world_size"] = self.info.world
         return {"training": training, "runtime": runtime}
 
-    def snapshot(self, settings: dict) -> dict | None:
+    def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it."""
         rng = self.rng.state_dict()
         if not self.info.is_main:
@@ -1078,13 +1100,13 @@ class Training:
             "sampler": self.sampler.state_dict(),
             "metrics": self.metrics.state_dict(),
             "rng": rng,
-            "settings": settings,
+            "settings": self.settings(),
             "created": utc_now(),
         })
 
-    def load(self, checkpoint: dict, settings: dict, path: Path) -> None:
+    def load(self, checkpoint: dict, path: Path) -> None:
         """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file."""
-        changes = settings_diff(checkpoint["settings"]["training"], settings["training"])
+        changes = settings_diff(checkpoint["settings"]["training"], self.settings()["training"])
         if changes:
             raise UserError(f"settings differ from checkpoint {path} (use the old values or a new --out): "
                             + "; ".join(changes))
@@ -1163,24 +1185,25 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_distributed()
 
 
-def train(args: argparse.Namespace, info: DistInfo) -> int:
+def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: float = 600) -> int:
+    """The training run. `backup` (rank 0; e.g. checkpoint_cloud.CheckpointBackup) gets every checkpoint."""
     process_started = time.monotonic()
     out, corpus = Path(args.out), Path(args.data)
     check_hardware(args, info)
-    manifest = load_manifest(corpus)
+    load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
     problems = main_decides(lambda: check_corpus(corpus), info)
     if problems:
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
     training = build_training(args, info)
-    settings = training.settings(sha256_file(corpus / "corpus_manifest.json"), manifest)
+    settings = training.settings()
     resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume), info)
     if resume_path is not None:
-        training.load(load_checkpoint_file(resume_path), settings, resume_path)
+        training.load(load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)")
     metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
-                                backup=None) if info.is_main else None
+                                backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
         remove_stale_temporaries(out / "checkpoints")
         metrics.truncate_after(training.step)
@@ -1198,7 +1221,7 @@ def train(args: argparse.Namespace, info: DistInfo) -> int:
     stop = StopRequest()
     stop.install()
     try:
-        status, reason = train_loop(training, settings, checkpointer, metrics, stop, peak, process_started)
+        status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started)
     except NonFiniteLoss as error:
         fail_run(info, out, checkpointer, training, str(error))
         raise UserError(f"training failed: {error}; the last good checkpoint is intact "
@@ -1212,8 +1235,8 @@ def train(args: argparse.Namespace, info: DistInfo) -> int:
     return 0
 
 
-def train_loop(training: Training, settings: dict, checkpointer: Checkpointer | None, metrics: MetricsLog,
-               stop: StopRequest, peak: float | None, process_started: float) -> tuple[str, str | None]:
+def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: MetricsLog, stop: StopRequest,
+               peak: float | None, process_started: float) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason)."""
     args, info = training.args, training.info
     last_save = time.monotonic()
@@ -1242,7 +1265,7 @@ def train_loop(training: Training, settings: dict, checkpointer: Checkpointer | 
         stop_now = stop_now or bool(args.stop_after_steps and step >= args.stop_after_steps)
         due = (args.save_every and step % args.save_every == 0) or step == training.total_steps
         if stop_now or due or save_by_time or best is not None:
-            save_checkpoint(training, settings, checkpointer, best)
+            save_checkpoint(training, checkpointer, best)
             last_save = time.monotonic()
         if stop_now:
             why = stop.signal_name or ("--max-hours budget" if out_of_time else f"--stop-after-steps {step}")
@@ -1283,12 +1306,11 @@ def run_validation(training: Training, metrics: MetricsLog) -> float | None:
     return None
 
 
-def save_checkpoint(training: Training, settings: dict, checkpointer: Checkpointer | None,
-                    best_val_loss: float | None) -> None:
+def save_checkpoint(training: Training, checkpointer: Checkpointer | None, best_val_loss: float | None) -> None:
     """Snapshot on every rank (RNG is gathered), write on rank 0 in the background."""
     if checkpointer is not None and checkpointer.last_saved_step == training.step and best_val_loss is None:
         return
-    snapshot = training.snapshot(settings)
+    snapshot = training.snapshot()
     if checkpointer is not None:
         checkpointer.save(snapshot, training.step, best_val_loss)
 

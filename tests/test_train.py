@@ -238,6 +238,21 @@ def test_checkpointer_retention_and_backup_seam(tmp_path):
     assert best["step"] == 5 and torch.load(folder / "best.pt", weights_only=True)["step"] == 5
 
 
+def test_retention_asks_a_backup_with_deletable(tmp_path):
+    class Backup:
+        def submit(self, path, step):
+            pass
+
+        def deletable(self, candidates):
+            return [path for path in candidates if path.name != "step-00000002.pt"]
+
+    saver = train.Checkpointer(tmp_path, run_id="r", keep_last=1, keep_every=0, backup=Backup())
+    for step in range(1, 5):
+        saver.save({"step": step}, step)
+    saver.wait()
+    assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-00000002.pt", "step-00000004.pt"]
+
+
 def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path):
     folder = tmp_path / "checkpoints"
     saver = train.Checkpointer(folder, run_id="r", keep_last=5, keep_every=0)
@@ -254,6 +269,16 @@ def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path):
     assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
     with pytest.raises(UserError, match="already has checkpoints"):
         train.find_resume_checkpoint(tmp_path, "none")
+    # a checkpoint restored from a backup comes with latest.json only: that record verifies it
+    restored = folder / "step-00000005.pt"
+    shutil.copyfile(folder / "step-00000001.pt", restored)
+    atomic_write_json(folder / "latest.json", {"path": restored.name, "step": 5, "sha256": sha256_file(restored),
+                                               "bytes": restored.stat().st_size})
+    assert train.find_resume_checkpoint(tmp_path, "auto") == restored
+    for path in folder.glob("step-*.pt"):
+        path.write_bytes(b"broken")
+    with pytest.raises(UserError, match="none verifies"):
+        train.find_resume_checkpoint(tmp_path, "auto")
 
 
 def test_settings_diff_lists_each_change():
@@ -397,9 +422,9 @@ def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
     record = status(out)
     assert record["status"] == "FAILED" and "non-finite" in record["reason"]
     failed_at = int(str(error.value).split(" at step ")[1].split(";")[0])
-    good = train.verified_checkpoints(out / "checkpoints")[0]
-    assert good[0].name == record["last_checkpoint"] == train.checkpoint_name(failed_at - 1)
-    assert torch.load(good[0], weights_only=True)["step"] == failed_at - 1
+    good = train.newest_verified_checkpoint(out / "checkpoints")[0]
+    assert good.name == record["last_checkpoint"] == train.checkpoint_name(failed_at - 1)
+    assert torch.load(good, weights_only=True)["step"] == failed_at - 1
 
 
 @pytest.mark.slow
