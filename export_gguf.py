@@ -806,6 +806,7 @@ VERIFY_CHAT = [
     {"role": "assistant", "content": "<think>\n12 * 7 = 84.\n</think>\n\n84"},
     {"role": "user", "content": "And 13 * 7?"},
 ]
+DEMO_QUESTIONS = ["What is 12 plus 7?", "Say hello in one short sentence."]
 DEMO_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
 GREEDY_TOKENS = 16
 
@@ -863,6 +864,32 @@ def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:
         produced.append(token)
         llm.eval([token])
     return produced
+
+
+def compare_greedy(model, llm, ids: list[int], prompt: str, tie_tolerance: float, log) -> int:
+    """Fail unless llama.cpp continues `ids` greedily as HF does; returns 1 if they part at a tie.
+
+    Rounded weights may flip a near-tie, after which the texts rightly differ. A flip counts as
+    a tie only where HF's own margin between the two tokens is within `tie_tolerance` (twice
+    the largest logit difference measured); anything larger fails.
+    """
+    import torch
+
+    expected = hf_greedy(model, ids, GREEDY_TOKENS)
+    got = llama_greedy(llm, ids, GREEDY_TOKENS)
+    if got == expected:
+        return 0
+    step = next(index for index, (a, b) in enumerate(zip(got, expected)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + expected[:step]])).logits[0, -1]
+    margin = float(logits[expected[step]] - logits[got[step]])
+    if margin > tie_tolerance:
+        raise VerificationFailed(
+            f"greedy continuation of {prompt[:30]!r} differs at token {step} (HF margin {margin:.3g} > "
+            f"{tie_tolerance:.3g}): llama.cpp {got}, HF {expected}"
+        )
+    log(f"greedy continuation of {prompt[:30]!r} parts at token {step}, a tie (HF margin {margin:.3g})")
+    return 1
 
 
 def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=print,
@@ -924,18 +951,18 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     if out_type == "f32" and worst > logit_tolerance:
         raise VerificationFailed(f"f32 logits differ from HF by {worst:.3g} (> {logit_tolerance})")
 
-    prompts = [*DEMO_PROMPTS, tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say hello."}], tokenize=False, add_generation_prompt=True)]
+    prompts = [*DEMO_PROMPTS, *(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                              tokenize=False, add_generation_prompt=True)
+                                for question in DEMO_QUESTIONS)]
+    tie_tolerance = max(logit_tolerance, 2 * worst)
+    ties = 0
     for prompt in prompts:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        expected = hf_greedy(model, ids, GREEDY_TOKENS)
-        got = llama_greedy(llm, ids, GREEDY_TOKENS)
-        if got != expected:
-            raise VerificationFailed(
-                f"greedy continuation of {prompt[:30]!r} differs: llama.cpp {got}, HF {expected}"
-            )
-    log(f"llama.cpp greedy: {len(prompts)} prompts continue exactly as HF for {GREEDY_TOKENS} tokens")
-    return {"texts": len(texts), "max_logit_diff": worst, "max_abs_logit": largest, "greedy_prompts": len(prompts)}
+        ties += compare_greedy(model, llm, ids, prompt, tie_tolerance, log)
+    log(f"llama.cpp greedy: {len(prompts)} prompts continue as HF for {GREEDY_TOKENS} tokens "
+        f"({ties} stopped early at a tie within {tie_tolerance:.3g})")
+    return {"texts": len(texts), "max_logit_diff": worst, "max_abs_logit": largest, "greedy_prompts": len(prompts),
+            "greedy_ties": ties}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -262,7 +262,8 @@ def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type):
     summary = export_gguf.export(model_dir, out, out_type, verify=True, log=lines.append)
     checks = summary["checks"]["llama_cpp"]
     assert checks["texts"] >= len(export_gguf.VERIFY_TEXTS) + len(data.SPECIAL_TOKENS) + 2
-    assert checks["greedy_prompts"] == 3
+    assert checks["greedy_prompts"] == len(export_gguf.DEMO_PROMPTS) + len(export_gguf.DEMO_QUESTIONS)
+    assert checks["greedy_ties"] == 0
     if out_type == "f32":
         assert checks["max_logit_diff"] <= 1e-3
     else:
@@ -315,6 +316,20 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
     (changed / "config.json").write_text(json.dumps(config))
     with pytest.raises(export_gguf.VerificationFailed, match="logits differ"):
         export_gguf.verify_with_llama_cpp(changed, out, "f32", log=lambda *_: None)
+
+    # The greedy check (what q8_0 relies on) fails on a changed model, unless the margin is called a tie.
+    import llama_cpp
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.model.norm.weight.copy_(model.model.norm.weight.flip(0))
+    llm = llama_cpp.Llama(str(out), n_ctx=PRESET.context, logits_all=True, verbose=False)
+    ids = data.load_tokenizer(model_dir).encode(export_gguf.VERIFY_TEXTS[2])
+    with pytest.raises(export_gguf.VerificationFailed, match="differs at token"):
+        export_gguf.compare_greedy(model, llm, ids, "code", 1e-3, log=lambda *_: None)
+    assert export_gguf.compare_greedy(model, llm, ids, "code", 1e9, log=lambda *_: None) == 1
 
 
 @needs_llama_cpp
