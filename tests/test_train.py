@@ -300,6 +300,32 @@ def test_bad_options_give_one_clear_line(tmp_path):
     assert result.returncode == 2 and "corpus folder" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_length_options_and_hardware_refusals(corpus, tmp_path):
+    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    blocks = train.build_training(train.parse_args(options(corpus, tmp_path)), info).sampler.blocks
+    epoch_args = options(corpus, tmp_path)
+    position = epoch_args.index("--target-tokens")
+    del epoch_args[position: position + 2]
+    by_epochs = train.build_training(train.parse_args([*epoch_args, "--epochs", "2"]), info)
+    assert by_epochs.total_steps == -(-2 * blocks // 4)  # ceil(2 epochs x blocks / 4 blocks per step)
+    for extra, message in [(["--precision", "fp16"], "fp16 needs a CUDA device"),
+                           (["--8bit-adam"], "needs a CUDA device"),
+                           (["--require-gpus", "1"], "--require-gpus 1"),
+                           (["--require-gpu-name", "T4"], "--require-gpu-name T4"),
+                           (["--preset", "tiny", "--kv-heads", "3"], "multiple of kv_heads")]:
+        with pytest.raises(UserError, match=message):
+            train.main(options(corpus, tmp_path / "refused", *extra))
+
+
+def test_max_hours_stops_resumably_before_the_budget(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--max-hours", "0.0025")) == 0  # 9 s: within the 10 s save margin
+    record = status(out)
+    assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and "--max-hours" in record["reason"]
+    assert record["step"] == 1
+    assert record["last_checkpoint"] == train.checkpoint_name(record["step"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Exactness: interrupted runs end bit for bit where an uninterrupted run ends
 
