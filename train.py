@@ -908,6 +908,31 @@ def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
 # Training: everything a step needs, callable from Python (bench/ times train_step directly).
 
 
+REPEATED_KV_ATTENTION = "sdpa_repeated_kv"
+
+
+def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                          **kwargs):
+    """SDPA with the K/V heads repeated up to the query heads (no enable_gqa), as transformers' "sdpa"
+    computes it otherwise; registered with transformers' AttentionInterface."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                            scale=scaling, is_causal=causal)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def use_repeated_kv_attention(model) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(REPEATED_KV_ATTENTION, sdpa_with_repeated_kv)
+    model.set_attn_implementation(REPEATED_KV_ATTENTION)
+
+
 class NonFiniteLoss(Exception):
     pass
 
@@ -991,21 +1016,38 @@ class Training:
         return model
 
     def _fused_sdpa_context(self):
-        """On CUDA, keep SDPA off its slow math fallback when a fused kernel serves this model."""
+        """On CUDA, keep SDPA off its slow math fallback: train inside sdpa_kernel(fused backends only).
+
+        A forward and backward probe checks that a fused kernel takes this model. Where the GQA
+        broadcast is what stops it (the memory-efficient kernel, the one a T4 has, rejects
+        enable_gqa), the K/V heads are repeated instead (REPEATED_KV_ATTENTION) and probed again.
+        """
         if self.device.type != "cuda":
             return contextlib.nullcontext, "cpu"
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         probe = torch.zeros(1, self.context, dtype=torch.long, device=self.device)
-        try:
-            with torch.no_grad(), sdpa_kernel(fused), self.autocast():
-                self.model(input_ids=probe)
-        except RuntimeError as error:
-            print(f"warning: no fused SDPA kernel for this model/GPU ({str(error).splitlines()[0]}); "
-                  "attention uses the math fallback", file=sys.stderr, flush=True)
-            return contextlib.nullcontext, "math-fallback"
-        return (lambda: sdpa_kernel(fused)), "fused"
+
+        def fused_kernel_works() -> bool:
+            try:
+                with sdpa_kernel(fused), self.autocast():
+                    self.model(input_ids=probe).logits.float().sum().backward()
+                return True
+            except RuntimeError:
+                return False
+            finally:
+                self.model.zero_grad(set_to_none=True)
+
+        if fused_kernel_works():
+            return (lambda: sdpa_kernel(fused)), "fused"
+        use_repeated_kv_attention(self.model)
+        if fused_kernel_works():
+            return (lambda: sdpa_kernel(fused)), "fused (K/V heads repeated)"
+        self.model.set_attn_implementation("sdpa")
+        print("warning: no fused SDPA kernel takes this model on this GPU; attention uses the slower math kernel",
+              file=sys.stderr, flush=True)
+        return contextlib.nullcontext, "math fallback"
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,

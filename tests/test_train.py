@@ -300,6 +300,19 @@ def test_bad_options_give_one_clear_line(tmp_path):
     assert result.returncode == 2 and "corpus folder" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_repeated_kv_attention_matches_sdpa():
+    """The attention used where a GPU's fused SDPA kernel cannot broadcast GQA heads (T4)."""
+    import model_config
+
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    inputs = torch.randint(0, 300, (2, 32))
+    expected = model(input_ids=inputs).logits
+    train.use_repeated_kv_attention(model)
+    assert model.config._attn_implementation == train.REPEATED_KV_ATTENTION
+    assert torch.allclose(model(input_ids=inputs).logits, expected, atol=1e-6)
+
+
 def test_length_options_and_hardware_refusals(corpus, tmp_path):
     info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     blocks = train.build_training(train.parse_args(options(corpus, tmp_path)), info).sampler.blocks
