@@ -978,7 +978,10 @@ class Training:
                                               eos_token_id=specials.get("<eos>", 2)).to(self.device)
         self.model.config.use_cache = False
         if args.grad_checkpoint:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, self.device, args.adam8bit)
         self.schedule = WarmupCosine(args.lr, args.min_lr, args.warmup_steps, self.total_steps)
@@ -1056,7 +1059,7 @@ class Training:
     def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module | None = None,
                 reduction: str = "mean") -> torch.Tensor:
         with self.autocast(), self.sdpa_context():
-            logits = (model or self.forward_model)(input_ids=inputs).logits
+            logits = (self.forward_model if model is None else model)(input_ids=inputs).logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
     def train_step(self) -> StepResult:

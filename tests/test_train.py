@@ -330,6 +330,15 @@ def test_length_options_and_hardware_refusals(corpus, tmp_path):
             train.main(options(corpus, tmp_path / "refused", *extra))
 
 
+def test_bf16_autocast_and_grad_checkpoint_train_on_cpu(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--precision", "bf16", "--grad-checkpoint", steps=4)) == 0
+    settings = json.loads((out / "training_settings.json").read_text())
+    assert settings["training"]["precision"] == "bf16" and status(out)["status"] == "COMPLETE"
+    losses = train_losses(out)
+    assert all(np.isfinite(loss) for loss in losses.values()) and losses[4] < losses[1]
+
+
 def test_max_hours_stops_resumably_before_the_budget(corpus, tmp_path):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--max-hours", "0.0025")) == 0  # 9 s: within the 10 s save margin
