@@ -83,19 +83,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH")
 
     shape = parser.add_argument_group("model (a preset, with any field overridden)")
-    shape.add_argument("--preset", default="tiny", choices=list(model_config.PRESETS))
-    shape.add_argument("--context", type=int, default=None, help="tokens per block (default: the preset's)")
+    shape.add_argument("--preset", default="tiny", choices=list(model_config.PRESETS), help="model shape")
+    shape.add_argument("--context", type=int, default=None, help="tokens per block (None: the preset's)")
     tiny = model_config.PRESETS["tiny"]
     for name in model_config.OVERRIDABLE_FIELDS:
         if name != "context":
             shape.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(tiny, name)), default=None,
-                               help="override the preset's value")
+                               help="the preset's value when None")
 
     budget = parser.add_argument_group("batch, length and schedule")
     budget.add_argument("--batch-size", type=int, default=8, help="blocks per micro-step per rank")
     budget.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step")
     length = budget.add_mutually_exclusive_group()
-    length.add_argument("--target-tokens", type=int, default=None, help="train this many tokens (default: 1 epoch)")
+    length.add_argument("--target-tokens", type=int, default=None,
+                        help="train this many tokens (None, and no --epochs: 1 epoch)")
     length.add_argument("--epochs", type=float, default=None, help="train this many passes over the train split")
     budget.add_argument("--warmup-steps", type=int, default=100, help="linear warmup, then cosine to --min-lr")
     budget.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
