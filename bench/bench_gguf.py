@@ -2,9 +2,10 @@
 
     python bench/bench_gguf.py                 # think72 in f16, target: ratio < 2
     python bench/bench_gguf.py --type q8_0 --repeats 1
+    python bench/bench_gguf.py --preset small125
 
-Builds a random-weight think72 folder (saved as train.py saves it: f32 safetensors) with a
-byte-level BPE trained on generated text to (nearly) 33,069 tokens, then times, alternately:
+Builds a random-weight folder of the preset (saved as train.py saves it: f32 safetensors) with
+a byte-level BPE trained on generated text to (nearly) 33,069 tokens, then times, alternately:
 - baseline: read every byte of model.safetensors, write as many bytes as the GGUF has, fsync;
 - export: export_gguf.export(folder, out, TYPE) in this process (imports already done);
 and prints best-of-N seconds and their ratio. The whole CLI (a fresh interpreter) is timed once too.
@@ -40,13 +41,13 @@ def generated_texts(words: int, seed: int = 0) -> list[str]:
     return [" ".join(stream[start:start + 200]) for start in range(0, len(stream), 200)]
 
 
-def build_folder(folder: Path, vocab_size: int, words: int) -> int:
-    """A think72-shaped random model with a tokenizer as close to `vocab_size` as the text allows."""
+def build_folder(folder: Path, preset: str, vocab_size: int, words: int) -> int:
+    """A random model of `preset` with a tokenizer as close to `vocab_size` as the text allows."""
     import torch
 
     tokenizer, _ = data.train_tokenizer(generated_texts(words), vocab_size, folder)
     torch.manual_seed(0)
-    model = model_config.build_model(model_config.PRESETS["think72"], len(tokenizer))
+    model = model_config.build_model(model_config.PRESETS[preset], len(tokenizer))
     model.save_pretrained(folder)
     return len(tokenizer)
 
@@ -71,22 +72,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gguf", help="scratch folder")
+    parser.add_argument("--preset", default="think72", choices=list(model_config.PRESETS))
     parser.add_argument("--type", default="f16", choices=list(export_gguf.OUT_TYPES))
     parser.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB_SIZE)
     parser.add_argument("--words", type=int, default=1_500_000, help="words of generated tokenizer text")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    folder = args.work / "model"
+    folder = args.work / f"{args.preset}-model"
     if not (folder / "model.safetensors").is_file():
         started = time.perf_counter()
-        vocab = build_folder(folder, args.vocab_size, args.words)
+        vocab = build_folder(folder, args.preset, args.vocab_size, args.words)
         print(f"built {folder} (vocab {vocab}) in {time.perf_counter() - started:.0f}s")
     source = export_gguf.read_model_folder(folder)
-    params = model_config.parameter_count(model_config.PRESETS["think72"], source.vocab_size)
+    params = model_config.parameter_count(model_config.PRESETS[args.preset], source.vocab_size)
     weights = folder / "model.safetensors"
-    out = args.work / f"think72-{args.type}.gguf"
-    print(f"model: think72 shape, {params:,} parameters, vocab {source.vocab_size} "
+    out = args.work / f"{args.preset}-{args.type}.gguf"
+    print(f"model: {args.preset} shape, {params:,} parameters, vocab {source.vocab_size} "
           f"(requested {args.vocab_size}), {weights.stat().st_size / 1e6:.0f} MB of f32 safetensors")
 
     export_gguf.export(folder, out, args.type, overwrite=True)  # warm-up: page cache, lazy imports
