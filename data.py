@@ -1027,6 +1027,8 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
                  extra_files: dict[str, bytes] | None = None, generator: dict | None = None) -> Path:
     """Build the corpus folder `out_dir` from `sources` (see the module docstring for the recipe)."""
     out = Path(out_dir)
+    if out.name in ("", ".", ".."):
+        out = out.resolve()  # so the temporary folder and the rename have a real name to work with
     check_settings(settings)
     check_out_dir(out, overwrite)
     started = time.perf_counter()
@@ -1220,32 +1222,33 @@ def build_parser() -> argparse.ArgumentParser:
                            "datasets.save_to_disk folders, hf:NAME[:CONFIG][:SPLIT]")
     what.add_argument("--demo", action="store_true", help="build the embedded arithmetic chat corpus (no input)")
     what.add_argument("--verify", metavar="CORPUS", help="re-hash a corpus against its manifest and exit")
-    parser.add_argument("--out", help="corpus folder to create")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --out")
-    parser.add_argument("--scope", default=defaults.scope, choices=list(SCOPES),
+    build = parser.add_argument_group("building a corpus")
+    build.add_argument("--out", help="corpus folder to create")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --out")
+    build.add_argument("--scope", default=defaults.scope, choices=list(SCOPES),
                         help="document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()))
-    parser.add_argument("--vocab-size", type=int, default=None,
+    build.add_argument("--vocab-size", type=int, default=None,
                         help=f"BPE vocabulary to train ({DEFAULT_VOCAB_SIZE}; {DEMO_VOCAB_SIZE} with --demo)")
-    parser.add_argument("--tokenizer", metavar="DIR", default=None, help="reuse this tokenizer folder")
-    parser.add_argument("--tokenizer-sample-bytes", type=int, default=defaults.tokenizer_sample_bytes,
+    build.add_argument("--tokenizer", metavar="DIR", default=None, help="reuse this tokenizer folder")
+    build.add_argument("--tokenizer-sample-bytes", type=int, default=defaults.tokenizer_sample_bytes,
                         help="train the BPE on at most this much text (the first documents)")
-    parser.add_argument("--min-frequency", type=int, default=defaults.min_frequency, help="BPE merge min count")
-    parser.add_argument("--val-fraction", type=float, default=None,
+    build.add_argument("--min-frequency", type=int, default=defaults.min_frequency, help="BPE merge min count")
+    build.add_argument("--val-fraction", type=float, default=None,
                         help=f"share of documents in validation ({defaults.val_fraction}; 0.05 with --demo)")
-    parser.add_argument("--test-fraction", type=float, default=None,
+    build.add_argument("--test-fraction", type=float, default=None,
                         help=f"share of documents in test ({defaults.test_fraction}; 0.05 with --demo)")
-    parser.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
-    parser.add_argument("--min-chars", type=int, default=defaults.min_chars,
+    build.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
+    build.add_argument("--min-chars", type=int, default=defaults.min_chars,
                         help="drop documents with fewer characters of content")
-    parser.add_argument("--remove-uuids", action=argparse.BooleanOptionalAction, default=defaults.remove_uuids,
+    build.add_argument("--remove-uuids", action=argparse.BooleanOptionalAction, default=defaults.remove_uuids,
                         help="strip UUIDs from the text")
-    parser.add_argument("--strict", action="store_true", help="stop at the first malformed record")
-    parser.add_argument("--skip-unknown", action="store_true",
+    build.add_argument("--strict", action="store_true", help="stop at the first malformed record")
+    build.add_argument("--skip-unknown", action="store_true",
                         help="drop (and count) records of unknown shape instead of stopping")
-    parser.add_argument("--batch-bytes", type=int, default=defaults.batch_bytes,
+    build.add_argument("--batch-bytes", type=int, default=defaults.batch_bytes,
                         help="characters of text per tokenization batch")
-    parser.add_argument("--seed", type=int, default=DEMO_SEED, help="seed of the --demo generator")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    build.add_argument("--seed", type=int, default=DEMO_SEED, help="seed of the --demo generator")
+    build.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     return parser
 
 
