@@ -414,21 +414,24 @@ def wait_for_line(process: subprocess.Popen, prefix: str) -> None:
     raise AssertionError(f"train.py ended before printing {prefix!r}: {process.stderr.read()[-2000:]}")
 
 
-def test_kill_9_at_random_moments_and_mid_save_then_resume_matches(corpus, reference, tmp_path):
+def test_kill_9_mid_save_and_at_a_random_moment_then_resume_matches(corpus, reference, tmp_path):
     out = tmp_path / "run"
+    folder = out / "checkpoints"
     args = options(corpus, out, "--save-every", "2", "--resume", "auto")
-    process = start_cli(args)  # 1: killed at a random moment after training started
-    wait_for_line(process, "step 1/")
-    time.sleep(random.Random().uniform(0.0, 0.6))
+    process = start_cli(args)  # 1: killed while the checkpoint of step 4 or later is being written
+    caught = None
+    while process.poll() is None and caught is None:
+        names = os.listdir(folder) if folder.is_dir() else []
+        caught = next((name for name in names if name.startswith(".step-") and name.endswith(".tmp")
+                       and int(name[6:14]) >= 4), None)
     process.kill()
     process.wait()
-    process = start_cli(args)  # 2: killed while a checkpoint is being written
-    folder, seen = out / "checkpoints", []
-    while process.poll() is None and not seen:
-        seen = [name for name in os.listdir(folder) if name.startswith(".step-") and name.endswith(".tmp")]
+    assert caught, "no checkpoint write was caught in flight"
+    process = start_cli(args)  # 2: resumes, then is killed at a random moment
+    wait_for_line(process, "resumed from")
+    time.sleep(random.Random().uniform(0.0, 0.5))
     process.kill()
     process.wait()
-    assert seen, "no checkpoint write was caught in flight"
     assert train.main(args) == 0  # 3: finishes
     assert status(out)["status"] == "COMPLETE"
     assert not [name for name in os.listdir(folder) if name.endswith(".tmp")]
