@@ -641,11 +641,13 @@ class BuildSettings:
     strict: bool = False
     skip_unknown: bool = False
     batch_bytes: int = 4_000_000
+    tokenize_workers: int = 0
     progress: bool = True
 
     def recorded(self) -> dict:
-        """The settings that shape the output (not progress bars)."""
-        return {key: value for key, value in asdict(self).items() if key not in ("progress", "batch_bytes")}
+        """The settings that shape the output (not how fast it is made)."""
+        speed_only = ("progress", "batch_bytes", "tokenize_workers")
+        return {key: value for key, value in asdict(self).items() if key not in speed_only}
 
 
 def check_settings(settings: BuildSettings) -> None:
@@ -657,8 +659,10 @@ def check_settings(settings: BuildSettings) -> None:
     if settings.vocab_size < len(SPECIAL_TOKENS) + 256:
         raise UserError(f"--vocab-size {settings.vocab_size} is below 263 (256 bytes + {len(SPECIAL_TOKENS)} "
                         "special tokens)")
-    if settings.shard_tokens < 1 or settings.min_chars < 0 or settings.tokenizer_sample_bytes < 1:
-        raise UserError("--shard-tokens and --tokenizer-sample-bytes must be positive, --min-chars >= 0")
+    if settings.shard_tokens < 1 or settings.tokenizer_sample_bytes < 1 or settings.batch_bytes < 1:
+        raise UserError("--shard-tokens, --tokenizer-sample-bytes and --batch-bytes must be positive")
+    if settings.min_chars < 0 or settings.tokenize_workers < 0:
+        raise UserError("--min-chars and --tokenize-workers must be >= 0")
 
 
 def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, int]:
@@ -829,8 +833,21 @@ def batches(documents: Iterable[tuple[str, str]], batch_bytes: int) -> Iterator[
         yield splits, texts
 
 
+_WORKER_TOKENIZER = None  # set in each --tokenize-workers process by start_tokenize_worker
+
+
+def start_tokenize_worker(tokenizer_json: str) -> None:
+    """Process-pool initializer: one single-threaded Rust tokenizer per process."""
+    global _WORKER_TOKENIZER
+    from tokenizers import Tokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+
+
 def encode_batch(backend, eos_id: int, dtype: str, splits: list[str], texts: list[str]) -> dict[str, tuple]:
     """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents)."""
+    backend = backend or _WORKER_TOKENIZER
     encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
     streams: dict[str, list[int]] = {}
     counts: Counter = Counter()
@@ -846,8 +863,10 @@ def pack_documents(documents: Iterable[tuple[str, str]], tokenizer, folder: Path
                    dtype: str) -> dict[str, dict]:
     """Tokenize `documents` into shards; returns the per-split manifest entries.
 
-    One worker thread runs the Rust tokenizer on batch k while this thread reads and cleans
-    batch k+1, so parsing and tokenization overlap; results are written in input order.
+    One worker thread runs the Rust tokenizer (threaded across cores) on batch k while this
+    thread reads and cleans batch k+1, so parsing and tokenization overlap. With
+    `settings.tokenize_workers` > 0, a pool of single-threaded tokenizer processes does it
+    instead. Either way results are written in input order, so the bytes are the same.
     """
     from tqdm import tqdm
 
@@ -865,11 +884,20 @@ def pack_documents(documents: Iterable[tuple[str, str]], tokenizer, folder: Path
             bar.update(count)
         bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s", refresh=False)
 
+    if settings.tokenize_workers > 0:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(settings.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=start_tokenize_worker, initargs=(backend.to_str(),))
+        backend, in_flight = None, settings.tokenize_workers + 1
+    else:
+        pool, in_flight = ThreadPoolExecutor(max_workers=1), 2
     pending: deque = deque()
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with pool:
         for splits, texts in batches(documents, settings.batch_bytes):
             pending.append(pool.submit(encode_batch, backend, eos_id, dtype, splits, texts))
-            if len(pending) > 1:
+            if len(pending) >= in_flight:
                 write(pending.popleft().result())
         while pending:
             write(pending.popleft().result())
@@ -1247,6 +1275,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="drop (and count) records of unknown shape instead of stopping")
     build.add_argument("--batch-bytes", type=int, default=defaults.batch_bytes,
                         help="characters of text per tokenization batch")
+    build.add_argument("--tokenize-workers", type=int, default=0,
+                       help="0: the Rust tokenizer threads in this process; N: a pool of N single-threaded "
+                            "tokenizer processes")
     build.add_argument("--seed", type=int, default=DEMO_SEED, help="seed of the --demo generator")
     build.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     return parser
@@ -1271,7 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
         "scope": args.scope, "tokenizer": args.tokenizer, "tokenizer_sample_bytes": args.tokenizer_sample_bytes,
         "min_frequency": args.min_frequency, "shard_tokens": args.shard_tokens, "min_chars": args.min_chars,
         "remove_uuids": args.remove_uuids, "strict": args.strict, "skip_unknown": args.skip_unknown,
-        "batch_bytes": args.batch_bytes, "progress": args.progress,
+        "batch_bytes": args.batch_bytes, "tokenize_workers": args.tokenize_workers, "progress": args.progress,
     }
     chosen = {"vocab_size": args.vocab_size, "val_fraction": args.val_fraction, "test_fraction": args.test_fraction}
     options.update({key: value for key, value in chosen.items() if value is not None})

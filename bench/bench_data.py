@@ -7,8 +7,10 @@ One run generates a synthetic English-like JSONL corpus (no downloads), trains o
 tokenizer on a sample of it, then tokenizes the same text three ways, each in its own
 process so peak RSS is that method's alone:
 
-- `data.py`: the real command line (`--tokenizer` reuse), end to end: read, clean, dedup,
-  split, tokenize, write shards and manifests.
+- `data.py`: the real builder (`--tokenizer` reuse), end to end: read, clean, dedup,
+  split, tokenize, write shards and manifests; `data.py-pool` is the same with
+  `--tokenize-workers N` (a process pool of single-threaded tokenizers instead of the Rust
+  tokenizer's own threads).
 - `datasets`: what a user would otherwise write: Dataset.from_generator ->
   map(tokenize, batched=True, num_proc=N) -> map(group into fixed blocks).
 - `bare`: `Tokenizer.encode_batch_fast` over texts already in memory (the practical limit).
@@ -63,10 +65,12 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     return documents
 
 
-def child_peak_rss_mb() -> float:
+def peak_rss_mb() -> tuple[float, float]:
+    """(peak RSS of this process, of its largest finished child process) in MB."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,7 +80,8 @@ def child_peak_rss_mb() -> float:
 def method_data_py(args) -> dict:
     import data
 
-    settings = data.BuildSettings(tokenizer=args.tokenizer, progress=False)
+    workers = args.num_proc if args.method == "data.py-pool" else 0
+    settings = data.BuildSettings(tokenizer=args.tokenizer, progress=False, tokenize_workers=workers)
     out = Path(args.out)
     data.build_corpus(data.resolve_inputs([args.input]), out, settings, overwrite=True)
     manifest = json.loads((out / data.CORPUS_MANIFEST).read_text())
@@ -136,7 +141,8 @@ def method_bare(args) -> dict:
     return {"tokens": tokens, "encode_seconds": time.perf_counter() - started}
 
 
-METHODS = {"data.py": method_data_py, "datasets": method_datasets, "bare": method_bare}
+METHODS = {"data.py": method_data_py, "data.py-pool": method_data_py, "datasets": method_datasets,
+           "bare": method_bare}
 
 
 def run_method(name: str, input_path: Path, tokenizer: Path, out: Path, num_proc: int) -> dict:
@@ -161,7 +167,9 @@ def main() -> None:
                         help="also run data.py on --mb * SCALE and compare peak RSS (0: skip)")
     parser.add_argument("--vocab-size", type=int, default=33_069)
     parser.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="datasets map workers")
-    parser.add_argument("--methods", default="bare,data.py,datasets")
+    parser.add_argument("--methods", default="bare,data.py,data.py-pool,datasets")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the methods round-robin this many times and keep each one's best")
     parser.add_argument("--workdir", default=None, help="keep files here (default: a temporary folder)")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
@@ -171,7 +179,8 @@ def main() -> None:
 
     if args.method:  # a child process: run one method, print its JSON report
         report = METHODS[args.method](args)
-        report["peak_rss_mb"] = round(child_peak_rss_mb(), 1)
+        own, worker = peak_rss_mb()
+        report.update(peak_rss_mb=round(own, 1), worker_rss_mb=round(worker, 1))
         print(json.dumps(report))
         return
 
@@ -192,13 +201,16 @@ def main() -> None:
         print(f"trained the tokenizer (vocab {reached}, on 20 MB) in {time.perf_counter() - started:.0f} s")
 
     reports = {}
-    for name in args.methods.split(","):
-        out = work / f"out-{name}"
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir()
-        reports[name] = run_method(name, input_path, tokenizer, out, args.num_proc)
-        print(json.dumps(reports[name]))
-        shutil.rmtree(out, ignore_errors=True)
+    for _ in range(args.repeat):
+        for name in args.methods.split(","):
+            out = work / f"out-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            report = run_method(name, input_path, tokenizer, out, args.num_proc)
+            print(json.dumps(report), flush=True)
+            if name not in reports or report["tokens_per_second"] > reports[name]["tokens_per_second"]:
+                reports[name] = report
+            shutil.rmtree(out, ignore_errors=True)
 
     print(f"\ninput {input_path.stat().st_size / 1e6:.0f} MB, {os.cpu_count()} CPUs")
     base = reports.get("bare")
@@ -206,11 +218,13 @@ def main() -> None:
         ratio = f"{report['tokens_per_second'] / base['tokens_per_second']:.2f}x bare" if base else ""
         extra = (f", datasets cache {report['cache_mb']:.0f} MB" if "cache_mb" in report else "") + \
                 (f", corpus folder {report['disk_mb']:.0f} MB" if "disk_mb" in report else "")
-        print(f"{name:9s} {report['tokens_per_second']:>12,.0f} tokens/s  {ratio:>10s}  "
-              f"peak RSS {report['peak_rss_mb']:>6.0f} MB  wall {report['wall_seconds']:.0f} s{extra}")
-    if "data.py" in reports and "datasets" in reports:
-        speedup = reports["data.py"]["tokens_per_second"] / reports["datasets"]["tokens_per_second"]
-        print(f"data.py / datasets pipeline: {speedup:.2f}x")
+        workers = f" + workers {report['worker_rss_mb']:.0f} MB each" if report["worker_rss_mb"] else ""
+        print(f"{name:12s} {report['tokens_per_second']:>12,.0f} tokens/s  {ratio:>10s}  "
+              f"peak RSS {report['peak_rss_mb']:>6.0f} MB{workers}  wall {report['wall_seconds']:.0f} s{extra}")
+    for name in ("data.py", "data.py-pool"):
+        if name in reports and "datasets" in reports:
+            speedup = reports[name]["tokens_per_second"] / reports["datasets"]["tokens_per_second"]
+            print(f"{name} / datasets pipeline: {speedup:.2f}x")
 
     if args.scale:
         big = work / f"input-{args.mb * args.scale:g}mb.jsonl"

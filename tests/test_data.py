@@ -460,6 +460,10 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     assert len(train["files"]) > 2 and all(f["tokens"] == 150 for f in train["files"][:-1])
     whole = build([tmp_path / "in"], tmp_path / "whole", "--tokenizer", str(one / "tokenizer"))
     assert np.array_equal(read_split(one, "train"), read_split(whole, "train"))
+    pooled = build([tmp_path / "in"], tmp_path / "pooled", "--tokenizer", str(one / "tokenizer"),
+                   "--tokenize-workers", "2", "--batch-bytes", "300")
+    for split in data.SPLITS:
+        assert np.array_equal(read_split(whole, split), read_split(pooled, split))
     assert data.verify_corpus(one) == []
 
 
