@@ -1124,7 +1124,11 @@ ADDITION_PROMPTS = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and 
 SUBTRACTION_PROMPTS = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.")
 APPLE_PROMPTS = ("If a box has {a} rows of {b} apples, how many apples are there?",
                  "A tray holds {a} rows with {b} apples in each row. How many apples?",
-                 "There are {a} rows of apples and each row has {b} apples. How many apples in total?")
+                 "There are {a} rows of apples and each row has {b} apples. How many apples in total?",
+                 "A box has {a} rows of {b} apples. How many apples are in the box?",
+                 "How many apples are in {a} rows of {b} apples?",
+                 "If there are {a} rows and every row has {b} apples, how many apples are there?")
+DEMO_ROWS, DEMO_PER_ROW = range(2, 7), range(2, 13)  # at most 5 running-sum lines: fits a 128-token context
 SENTENCE_PARTS = {
     "name": ("Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon", "Kai", "Lea"),
     "verb": ("likes", "reads", "paints", "finds", "draws", "counts", "keeps", "sees"),
@@ -1133,7 +1137,7 @@ SENTENCE_PARTS = {
     "place": ("in the garden", "by the river", "at school", "on the hill", "near the shop", "at home",
               "under the tree", "in the park"),
 }
-DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 30}
+DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 15}
 
 
 def addition_reasoning(a: int, b: int) -> str:
@@ -1143,14 +1147,28 @@ def addition_reasoning(a: int, b: int) -> str:
     return f"{a % 10} + {b % 10} = {units}\n{a // 10} + {b // 10} + {units // 10} = {tens}\n{a} + {b} = {a + b}"
 
 
+def subtraction_reasoning(a: int, b: int) -> str:
+    """Column subtraction, units first, borrowing: '15 - 7 = 8' / '9 - 1 - 1 = 7' / '95 - 17 = 78'."""
+    borrow = int(a % 10 < b % 10)
+    units = a % 10 + 10 * borrow
+    tens = a // 10 - b // 10 - borrow
+    return f"{units} - {b % 10} = {units - b % 10}\n{a // 10} - {b // 10} - {borrow} = {tens}\n{a} - {b} = {a - b}"
+
+
+def apples_reasoning(rows: int, per_row: int) -> str:
+    """Repeated addition, one row at a time: '4 + 4 = 8' / '8 + 4 = 12' / '3 x 4 = 12'."""
+    lines = [f"{per_row * row} + {per_row} = {per_row * (row + 1)}" for row in range(1, rows)]
+    return "\n".join(lines + [f"{rows} x {per_row} = {rows * per_row}"])
+
+
 def demo_problem(task: str, a: int, b: int, prompt: str) -> dict:
     """{"prompt", "answer", "task", "reasoning"} for one problem."""
     if task == "addition":
         answer, reasoning = a + b, addition_reasoning(a, b)
     elif task == "subtraction":
-        answer, reasoning = a - b, f"{a} - {b} = {a - b}"
+        answer, reasoning = a - b, subtraction_reasoning(a, b)
     else:
-        answer, reasoning = a * b, f"{a} rows of {b} apples is {a} x {b} = {a * b} apples."
+        answer, reasoning = a * b, apples_reasoning(a, b)
     return {"prompt": prompt.format(a=a, b=b), "answer": str(answer), "task": task, "reasoning": reasoning}
 
 
@@ -1167,7 +1185,7 @@ def demo_held_out(rng: random.Random) -> dict[str, set]:
         subtractions.add((a, rng.randint(0, a)))
     products = set()
     while len(products) < DEMO_EVAL_COUNTS["multiplication"]:
-        products.add((rng.randint(2, 12), rng.randint(2, 12)))
+        products.add((rng.choice(DEMO_ROWS), rng.choice(DEMO_PER_ROW)))
     return {"addition": additions, "subtraction": subtractions, "multiplication": products}
 
 
@@ -1175,8 +1193,9 @@ def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
     """(training records, held-out eval problems), a pure function of `seed`.
 
     Every addition a + b with a, b in 0..99 appears twice (the canonical 'What is a plus b?' and
-    one other phrasing) unless the pair is held out in either order; subtraction and apple rows
-    appear once or twice; about a tenth of the records are plain sentences.
+    one other phrasing) unless the pair is held out in either order; 60% of the subtractions
+    a - b (0 <= b <= a <= 99) appear once; every apple-rows product (2-6 rows of 2-12) in every
+    phrasing; about a tenth of the records are plain sentences.
     """
     rng = random.Random(seed)
     held = demo_held_out(rng)
@@ -1198,9 +1217,10 @@ def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
             # Skip a - b = c when c + b is a held-out sum: the eval must test generalization.
             if (a, b) not in held["subtraction"] and (a - b, b) not in held_sums and rng.random() < 0.6:
                 problems.append(demo_problem("subtraction", a, b, rng.choice(SUBTRACTION_PROMPTS)))
-    for a, b in itertools.product(range(1, 13), range(1, 13)):
-        if (a, b) not in held["multiplication"]:
-            for prompt in rng.sample(APPLE_PROMPTS, 2):
+    for a, b in itertools.product(DEMO_ROWS, DEMO_PER_ROW):
+        # The running sums b + b, 2b + b, ... must not spell out a held-out addition either.
+        if (a, b) not in held["multiplication"] and not any((b * row, b) in held_sums for row in range(1, a)):
+            for prompt in APPLE_PROMPTS:
                 problems.append(demo_problem("multiplication", a, b, prompt))
     records = [{"messages": [{"role": "user", "content": p["prompt"]},
                              {"role": "assistant", "content": p["answer"], "reasoning": p["reasoning"]}]}

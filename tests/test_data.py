@@ -152,9 +152,19 @@ def test_demo_generator_is_deterministic_and_seeded():
     assert data.demo_data(8)[1] != problems
 
 
-def test_addition_reasoning_is_column_arithmetic():
+def test_reasoning_is_mechanical_arithmetic():
     assert data.addition_reasoning(48, 37) == "8 + 7 = 15\n4 + 3 + 1 = 8\n48 + 37 = 85"
     assert data.addition_reasoning(95, 17).endswith("9 + 1 + 1 = 11\n95 + 17 = 112")
+    assert data.subtraction_reasoning(95, 17) == "15 - 7 = 8\n9 - 1 - 1 = 7\n95 - 17 = 78"
+    assert data.subtraction_reasoning(58, 23) == "8 - 3 = 5\n5 - 2 - 0 = 3\n58 - 23 = 35"
+    assert data.apples_reasoning(3, 4) == "4 + 4 = 8\n8 + 4 = 12\n3 x 4 = 12"
+
+
+def test_every_demo_document_fits_a_128_token_context(demo_corpus):
+    for split in data.SPLITS:
+        stream = read_split(demo_corpus, split)
+        ends = np.flatnonzero(stream == 2)
+        assert np.diff(np.concatenate([[-1], ends])).max() <= 128
 
 
 # ----------------------------------------------------------------------------------------------
