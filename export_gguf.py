@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -95,6 +95,8 @@ class ModelSource:
 
 @dataclass
 class Vocab:
+    """The tokenizer as GGUF stores it (token types are gguf.TokenType values)."""
+
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
@@ -103,8 +105,7 @@ class Vocab:
     pad_id: int
     eot_id: int | None
     chat_template: str
-    special_tokens: list[str] = field(default_factory=list)
-    tokenizer_json_sha256: str = ""
+    tokenizer_json_sha256: str
 
 
 def read_json_file(path: Path, what: str) -> dict:
@@ -166,7 +167,7 @@ def read_model_folder(folder: str | Path) -> ModelSource:
         vocab_size=int(config["vocab_size"]),
         rope_theta=rope_theta_of(config, config_path),
         rms_norm_eps=float(config["rms_norm_eps"]),
-        tied=bool(config.get("tie_word_embeddings", True)),
+        tied=bool(config.get("tie_word_embeddings", False)),  # Qwen3Config's default
     )
 
 
@@ -251,7 +252,6 @@ def read_vocab(source: ModelSource) -> Vocab:
         pad_id=ids["pad"],
         eot_id=tokens.index(IM_END) if IM_END in tokens else None,
         chat_template=read_chat_template(folder, tokenizer_config),
-        special_tokens=[tokens[index] for index in sorted(added) if added[index].get("special")],
         tokenizer_json_sha256=sha256_file(tokenizer_path),
     )
 

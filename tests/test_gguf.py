@@ -220,6 +220,26 @@ def test_sharded_bf16_weights(model_dir, tmp_path):
     assert check["tensors"] == 2 + 11 * PRESET.layers and check["max_abs_error"] == 0
 
 
+@needs_llama_cpp
+def test_untied_output_is_written_and_runs(model_dir, tmp_path):
+    import gguf
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    head = model.model.embed_tokens.weight.detach().clone()
+    model.lm_head.weight = torch.nn.Parameter(head + 0.3 * torch.randn_like(head))
+    folder = copy_folder(model_dir, tmp_path / "untied")
+    model.save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    out = tmp_path / "untied.gguf"
+    summary = export_gguf.export(folder, out, "f32", verify=True, log=lambda *_: None)
+    names = [tensor.name for tensor in gguf.GGUFReader(str(out)).tensors]
+    assert "output.weight" in names and len(names) == 3 + 11 * PRESET.layers
+    assert summary["checks"]["llama_cpp"]["max_logit_diff"] <= 1e-3
+
+
 def test_reader_check_detects_a_corrupted_tensor(model_dir, tmp_path):
     import gguf
 
