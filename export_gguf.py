@@ -40,6 +40,7 @@ SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 PROVENANCE_FILE = "training_provenance.json"
 PROVENANCE_KEYS = ("corpus_sha256", "tokenizer_sha256")
 CONVERT_WORKERS = 2
+CONVERT_AHEAD = 8  # tensors converted ahead of the writer (the first ones while the tokenizer is read)
 
 # --type -> (ggml type of the matrices, general.file_type). Vectors (norms) always stay f32.
 OUT_TYPES = {
@@ -537,20 +538,23 @@ def add_metadata(writer: gguf.GGUFWriter, source: ModelSource, vocab: Vocab, out
 class Conversions:
     """Convert the planned tensors in worker threads, `ahead` at a time; iterate for them in order.
 
-    Work starts on construction, so the first tensors convert while the metadata is packed.
-    torch runs single-threaded inside each worker (its own thread pool stalls on a busy machine),
-    and f16 tensors are cast into `ahead + 1` recycled buffers: a buffer goes back to the pool
-    when the loop asks for the next tensor, i.e. after the previous one was written.
+    Work starts on construction, so the first tensors (the embedding is the largest) convert
+    while the tokenizer is read and the metadata packed. torch runs single-threaded inside each
+    worker (its own thread pool stalls on a busy machine), and f16 tensors are cast into
+    `ahead + 1` recycled buffers, since fresh memory costs more than the cast: a buffer goes
+    back to the pool when the loop asks for the next tensor, i.e. after the previous one was
+    written. Only the part of a buffer a tensor fills is ever touched.
     """
 
     def __init__(self, source: ModelSource, plan: list[PlannedTensor], stack: contextlib.ExitStack,
-                 ahead: int = CONVERT_WORKERS + 1):
+                 ahead: int = CONVERT_AHEAD):
         import torch
         from safetensors import safe_open
 
         self.handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in source.weight_files}
         stack.enter_context(torch_threads(1))
-        self.pool = stack.enter_context(ThreadPoolExecutor(max_workers=CONVERT_WORKERS))
+        self.pool = ThreadPoolExecutor(max_workers=CONVERT_WORKERS)
+        stack.callback(self.pool.shutdown, wait=True, cancel_futures=True)
         f16 = [int(np.prod(t.shape)) for t in plan if t.ggml_type == gguf.GGMLQuantizationType.F16]
         self.buffers = [torch.empty(max(f16), dtype=torch.float16) for _ in range(ahead + 1)] if f16 else []
         self.waiting = iter(plan)
@@ -578,22 +582,20 @@ class Conversions:
                 self.buffers.append(buffer)
 
 
-def write_gguf(path: Path, source: ModelSource, vocab: Vocab, out_type: str, name: str, provenance: dict) -> dict:
-    """Write the GGUF to `path`, streaming the tensors as workers convert them. Returns counts by type."""
-    plan = plan_tensors(source, out_type)
-    with contextlib.ExitStack() as stack:
-        conversions = Conversions(source, plan, stack)
-        writer = BulkArrayWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3])
-        add_metadata(writer, source, vocab, out_type, name, provenance, sum(int(np.prod(t.shape)) for t in plan))
-        for planned in plan:
-            dtype = np.float16 if planned.ggml_type == gguf.GGMLQuantizationType.F16 else np.float32
-            writer.add_tensor_info(planned.gguf_name, planned.shape, dtype, planned.nbytes, raw_dtype=planned.ggml_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for data in conversions:
-            writer.write_tensor_data(data)
-        writer.close()
+def write_gguf(path: Path, source: ModelSource, vocab: Vocab, plan: list[PlannedTensor], tensors: Conversions,
+               out_type: str, name: str, provenance: dict) -> dict:
+    """Write the GGUF to `path`: metadata, tensor infos, then the tensors as they are converted."""
+    writer = BulkArrayWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3])
+    add_metadata(writer, source, vocab, out_type, name, provenance, sum(int(np.prod(t.shape)) for t in plan))
+    for planned in plan:
+        dtype = np.float16 if planned.ggml_type == gguf.GGMLQuantizationType.F16 else np.float32
+        writer.add_tensor_info(planned.gguf_name, planned.shape, dtype, planned.nbytes, raw_dtype=planned.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
     counts: dict[str, int] = {}
     for planned in plan:
         counts[planned.ggml_type.name] = counts.get(planned.ggml_type.name, 0) + 1
@@ -666,13 +668,16 @@ def export(
         raise UserError(f"{existing[0]} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
     source = read_model_folder(folder)
-    vocab = read_vocab(source)
-    values, sources = read_provenance(source.folder, provenance)
-    name = name or model_name(source.folder)
+    plan = plan_tensors(source, out_type)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     with temporary_beside(out) as temp:
-        counts = write_gguf(temp, source, vocab, out_type, name, values)
+        with contextlib.ExitStack() as stack:
+            tensors = Conversions(source, plan, stack)  # converting starts now, in the background
+            vocab = read_vocab(source)
+            values, sources = read_provenance(source.folder, provenance)
+            name = name or model_name(source.folder)
+            counts = write_gguf(temp, source, vocab, plan, tensors, out_type, name, values)
         fsync_file(temp)
         seconds = time.perf_counter() - started
         checks = {}
