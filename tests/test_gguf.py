@@ -396,7 +396,7 @@ def test_missing_tokenizer_and_weights(model_dir, tmp_path):
     (folder / "model.safetensors").unlink()
     with pytest.raises(UserError, match="weights not found"):
         export_gguf.export(folder, tmp_path / "x.gguf")
-    assert not (tmp_path / "x.gguf").exists()
+    assert not (tmp_path / "x.gguf").exists() and leftovers(tmp_path) == []
 
 
 def test_mismatched_tokenizer(model_dir, tmp_path):
@@ -419,7 +419,7 @@ def test_mismatched_tokenizer(model_dir, tmp_path):
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(UserError, match="not the Qwen2 split"):
         export_gguf.export(folder, tmp_path / "x.gguf")
-    assert not (tmp_path / "x.gguf").exists()
+    assert not (tmp_path / "x.gguf").exists() and leftovers(tmp_path) == []
 
 
 def test_unknown_type_and_existing_output(model_dir, tmp_path):
