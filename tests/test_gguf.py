@@ -314,6 +314,24 @@ def test_folder_written_by_report_export_hf_model(model_dir, tmp_path):
 
 
 @needs_llama_cpp
+def test_llama_cpp_tokenizes_random_text_like_hf(model_dir, tmp_path):
+    """Beyond --verify's fixed set: random mixes of scripts, marks, digits, whitespace, contractions."""
+    import llama_cpp
+
+    out = tmp_path / "m.gguf"
+    export_gguf.export(model_dir, out, "f16", log=lambda *_: None)
+    tokenizer = data.load_tokenizer(model_dir)
+    llm = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    pools = ["abcXYZ", "0123456789", " \t\n\r", "!?.,;:'\"()[]{}<>/\\|@#$%^&*-_=+`~", "éüßçñ", "日本語中文한국어",
+             "русскийΕλληνικά", "🙂🚀👍🏽\u200d", "\u0301\u0308\u200b\u00a0\u3000", "٠١٢३४५", "'s 're 'll 'D 'M"]
+    rng = random.Random(1)
+    for _ in range(1000):
+        text = "".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 40)))
+        expected = tokenizer.encode(text, add_special_tokens=False)
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == expected, repr(text)
+
+
+@needs_llama_cpp
 def test_logits_are_far_from_zero(model_dir):
     """The f32 tolerance means something only if the logits are large (weights were scaled up)."""
     import torch
