@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +18,7 @@ import torch
 import checkpoint_cloud as cc
 from common import UserError, atomic_write_json, sha256_file, sha256_tree
 
+ROOT = Path(__file__).resolve().parent.parent
 ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
 SECRET_KEY = "sEcReT/do-not-print-0123456789abcdef"
 
@@ -461,3 +465,64 @@ def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
     with pytest.raises(UserError, match="train-00000.bin"):
         cc.pull_corpus(remote, tmp_path / "pulled-again", log=Log())
     assert not (tmp_path / "pulled-again").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end with train.py (run as a subprocess, unchanged): back up, lose the disk, resume.
+
+
+def run_train(args: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
+    data = pytest.importorskip("data")
+    if not (ROOT / "train.py").is_file():
+        pytest.skip("train.py is not there yet")
+    words = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
+    records = [{"text": " ".join(words[(i * 5 + j * 3) % len(words)] for j in range(8 + i % 9)) + "."}
+               for i in range(600)]
+    corpus = data.build_corpus([data.Source("generated", "generated", records=records)], tmp_path / "corpus",
+                               data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05))
+
+    def options(out: Path, *extra: str) -> list[str]:
+        return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32", "--batch-size", "2",
+                "--grad-accum", "2", "--target-tokens", str(8 * 4 * 32), "--warmup-steps", "2", "--eval-every", "4",
+                "--eval-batches", "1", "--save-every", "3", "--log-every", "1", "--threads", "1", *extra]
+
+    run_train(options(tmp_path / "reference"))
+    first = tmp_path / "first-machine"
+    run_train(options(first, "--stop-after-steps", "5"))  # saves at 3 and 5
+    backup = cc.CheckpointBackup(s3_url, log=Log())
+    for path in sorted((first / "checkpoints").glob("step-*.pt")):
+        backup.submit(path, cc.step_of(path.name))
+    assert backup.wait(60)
+    backup.close()
+
+    second = tmp_path / "second-machine"  # a fresh disk: only the remote survives
+    restored = cc.restore_latest(s3_url, second / "checkpoints", log=Log())
+    assert restored.name == "step-00000005.pt"
+    output = run_train(options(second, "--resume", "auto"))
+    assert "resumed from" in output  # it did not quietly start over
+    steps = [json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == [6, 7, 8]
+
+    def final(out: Path) -> dict:
+        latest = json.loads((out / "checkpoints" / "latest.json").read_text())
+        return torch.load(out / "checkpoints" / latest["path"], map_location="cpu", weights_only=True)
+
+    got, want = final(second), final(tmp_path / "reference")
+    assert got["step"] == want["step"] == 8
+    for key in want["model"]:
+        assert torch.equal(got["model"][key], want["model"][key]), key
+    got_opt, want_opt = got["optimizer"]["state"], want["optimizer"]["state"]
+    assert got_opt.keys() == want_opt.keys()
+    for index in want_opt:
+        for name, value in want_opt[index].items():
+            assert torch.equal(torch.as_tensor(got_opt[index][name]), torch.as_tensor(value)), (index, name)
