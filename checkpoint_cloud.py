@@ -670,8 +670,10 @@ class CheckpointBackup:
                  f"{type(error).__name__}; {then}")
 
     def _save_index(self, step: int) -> int | None:
+        """step // save_every for saves on the save_every grid (others, e.g. a SIGTERM save, have none);
+        without save_every, this run's submit count."""
         if self.save_every:
-            return step // self.save_every
+            return step // self.save_every if step % self.save_every == 0 else None
         with self._cond:
             ordinals = [u.ordinal for u in self._uploads.values() if u.step == step]
         return ordinals[-1] if ordinals else None
@@ -813,6 +815,13 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
         shutil.rmtree(temp, ignore_errors=True)
     log(f"corpus pull: {len(names)} files verified into {target}")
     return target
+
+
+def local_corpus(data: str, cache_dir: str | os.PathLike, log: LogFn = log_line) -> Path:
+    """train.py's --data: a local corpus folder as is, or a corpus URL pulled (once) into `cache_dir`."""
+    if "://" not in data or data.startswith("file://"):
+        return Path(data.removeprefix("file://"))
+    return pull_corpus(data, cache_dir, log)
 
 
 def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:

@@ -188,15 +188,16 @@ def test_local_folder_backup_retention_and_restore(tmp_path):
     log = Log()
     backup = cc.CheckpointBackup(str(remote), keep_recent=2, keep_every=3, save_every=10, log=log)
     paths = []
-    for step in range(10, 90, 10):
+    for step in [*range(10, 100, 10), 95, 100, 110]:  # 95: off the save grid (a SIGTERM save)
         paths.append(save_and_point_latest(local, step))
         backup.submit(paths[-1], step)
         assert backup.wait(30)
     backup.close()
     state = remote_state(str(remote))
-    assert sorted(state["verified"]) == [5, 30, 60, 70, 80]
+    # the newest two, every third save (30, 60, 90; 95 has no save index), and the other run's 5
+    assert sorted(state["verified"]) == [5, 30, 60, 90, 100, 110]
     assert state["unverified"] == [] and state["partials"] == []
-    assert state["latest"]["path"] == "step-00000080.pt"
+    assert state["latest"]["path"] == "step-00000110.pt"
     assert state["latest"]["sha256"] == sha256_file(paths[-1])
     assert all(backup.is_backed_up(p) for p in paths)
     assert "is on the remote and verified" in log[-1]
@@ -204,11 +205,11 @@ def test_local_folder_backup_retention_and_restore(tmp_path):
 
     fresh = tmp_path / "fresh" / "checkpoints"
     restored = cc.restore_latest(f"file://{remote}", fresh, log=log)
-    assert restored == fresh / "step-00000080.pt"
+    assert restored == fresh / "step-00000110.pt"
     assert restored.read_bytes() == paths[-1].read_bytes()
-    assert json.loads((fresh / "latest.json").read_text())["path"] == "step-00000080.pt"
-    assert torch.load(restored, weights_only=True)["step"] == 80
-    assert sorted(p.name for p in fresh.iterdir()) == ["latest.json", "step-00000080.pt"]
+    assert json.loads((fresh / "latest.json").read_text())["path"] == "step-00000110.pt"
+    assert torch.load(restored, weights_only=True)["step"] == 110
+    assert sorted(p.name for p in fresh.iterdir()) == ["latest.json", "step-00000110.pt"]
 
 
 def test_restore_from_an_empty_remote_returns_none(tmp_path):
@@ -458,7 +459,8 @@ def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
     assert cc.main(["verify", remote]) == 0
     assert cc.main(["pull", remote, str(tmp_path / "pulled")]) == 0
     assert data.verify_corpus(tmp_path / "pulled") == []
-    assert cc.pull_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
+    assert cc.local_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
+    assert cc.local_corpus(str(corpus), tmp_path / "unused") == corpus
 
     fs, root = cc.open_remote(remote)
     fs.pipe_file(f"{root}/train-00000.bin", fs.cat_file(f"{root}/train-00000.bin")[:-2])
