@@ -979,15 +979,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("model", type=Path, help="Hugging Face model folder, e.g. RUN/model")
-    parser.add_argument("--out", type=Path, default=None, help="output .gguf (default: RUN/model-TYPE.gguf)")
+    parser.add_argument("--out", type=Path, default=None, help="output .gguf; None: RUN/model-TYPE.gguf")
     parser.add_argument("--type", default="f16", help=f"tensor type: {', '.join(OUT_TYPES)}")
-    parser.add_argument("--name", default=None, help="general.name (default: the run folder's name)")
+    parser.add_argument("--name", default=None, help="general.name; None: the run folder's name")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--verify", action="store_true",
                         help="check with gguf.GGUFReader and llama.cpp before renaming the output into place")
     parser.add_argument("--no-modelfile", action="store_true", help="do not write the ollama Modelfile")
-    parser.add_argument("--corpus-sha256", default=None, help="corpus manifest sha256 for the metadata")
-    parser.add_argument("--tokenizer-sha256", default=None, help="corpus tokenizer sha256 for the metadata")
+    parser.add_argument("--corpus-sha256", default=None, help="corpus manifest sha256; None: read from the run")
+    parser.add_argument("--tokenizer-sha256", default=None, help="corpus tokenizer sha256; None: read from the run")
     return parser.parse_args(argv)
 
 
