@@ -884,18 +884,36 @@ def command_push(run_dir: str, url: str) -> int:
         listing = remote_listing(fs, root)
         newest = None
         for path in local:
+            sha = sha256_file(path)
+            if not matches_local_record(path, sha):
+                print(f"WARNING {path.name}: no local record (step-N.json / latest.json) with this sha256; not pushed")
+                continue
             known = get_json(fs, f"{folder}/{path.name}{RECORD_SUFFIX}") if path.name in listing["verified"].values() \
                 else None
-            sha = sha256_file(path)
             if known and known.get("sha256") == sha:
                 print(f"{path.name}: already on the remote")
                 newest = known
                 continue
             newest = upload_checkpoint(fs, root, path)
             print(f"{path.name}: uploaded and verified")
+        if newest is None:
+            raise UserError(f"no checkpoint in {source / CHECKPOINT_DIR} matches its local record; nothing pushed")
         write_remote_latest(fs, root, newest)
         print(f"remote latest.json -> {newest['path']} (step {newest['step']})")
     return 0
+
+
+def matches_local_record(path: Path, sha256: str) -> bool:
+    """Whether train.py's record of a local checkpoint (its step-N.json, or latest.json naming it)
+    has this sha256: a file that does not match is truncated or corrupt and is not pushed."""
+    for record_path in (path.with_suffix(".json"), path.parent / LATEST):
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("path", path.name) == path.name:
+            return record.get("sha256") == sha256
+    return False
 
 
 def command_pull(url: str, run_dir: str) -> int:

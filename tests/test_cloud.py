@@ -102,9 +102,11 @@ def fake_checkpoint(folder: Path, step: int) -> Path:
 
 
 def save_and_point_latest(folder: Path, step: int) -> Path:
+    """A checkpoint with its records as train.py writes them: step-N.json, then latest.json."""
     path = fake_checkpoint(folder, step)
-    atomic_write_json(folder / "latest.json", {"path": path.name, "step": step, "sha256": sha256_file(path),
-                                               "bytes": path.stat().st_size})
+    record = {"path": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    atomic_write_json(path.with_suffix(".json"), record)
+    atomic_write_json(folder / "latest.json", record)
     return path
 
 
@@ -377,12 +379,16 @@ def test_cli_push_list_verify_pull_on_s3(s3_url, tmp_path, capsys):
     run = tmp_path / "run"
     paths = [save_and_point_latest(run / "checkpoints", step) for step in (50, 100)]
     assert cc.main(["push", str(run), s3_url]) == 0
-    assert cc.main(["push", str(run), s3_url]) == 0  # idempotent
+    truncated = save_and_point_latest(run / "checkpoints", 150)
+    truncated.write_bytes(truncated.read_bytes()[:1000])  # killed mid-copy: never pushed
+    assert cc.main(["push", str(run), s3_url]) == 0  # idempotent for the others
     assert cc.main(["list", s3_url]) == 0
     assert cc.main(["verify", s3_url]) == 0
     out = capsys.readouterr().out
     assert "already on the remote" in out and "step-00000100.pt" in out and "<- latest" in out
-    assert "0 problem(s)" in out
+    assert "WARNING step-00000150.pt" in out and "0 problem(s)" in out
+    assert sorted(remote_state(s3_url)["verified"]) == [50, 100]
+    assert remote_state(s3_url)["latest"]["step"] == 100
     assert cc.main(["pull", s3_url, str(tmp_path / "elsewhere")]) == 0
     pulled = tmp_path / "elsewhere" / "checkpoints" / paths[1].name
     assert pulled.read_bytes() == paths[1].read_bytes()
