@@ -187,6 +187,26 @@ def test_warmup_cosine_schedule():
     assert all(schedule.lr(s) >= schedule.lr(s + 1) for s in range(4, 25))
 
 
+def test_loss_scaler_counts_and_skips_overflow_steps():
+    """The fp16 path's bookkeeping (GradScaler runs on CPU too): an inf gradient skips the step."""
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    scaler = train.LossScaler(torch.device("cpu"), enabled=True)
+    before = layer.weight.detach().clone()
+    scaler.scale(layer(torch.tensor([[1.0, float("inf")]])).sum()).backward()
+    scaler.unscale_(optimizer)
+    assert scaler.step(optimizer) is False and torch.equal(layer.weight, before)
+    assert scaler.skipped_total == scaler.skipped_in_a_row == 1
+    optimizer.zero_grad()
+    scaler.scale(layer(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)
+    assert scaler.step(optimizer) is True and not torch.equal(layer.weight, before)
+    assert scaler.skipped_total == 1 and scaler.skipped_in_a_row == 0
+    restored = train.LossScaler(torch.device("cpu"), enabled=True)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict()
+
+
 def test_token_split_blocks_cross_shard_boundaries(corpus):
     manifest = json.loads((corpus / "corpus_manifest.json").read_text())
     split = train.TokenSplit(corpus, manifest, "train", context=32)
