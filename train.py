@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -201,11 +200,6 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def barrier(info: DistInfo) -> None:
-    if info.world > 1:
-        dist.barrier()
 
 
 def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
@@ -815,7 +809,7 @@ def newest_verified_checkpoint(folder: Path) -> tuple[Path | None, list[str]]:
         latest_record = read_json(latest) if latest.exists() else {}
     except UserError:
         latest_record = {}
-    warnings_ = []
+    problems = []
     candidates = sorted((path for path in folder.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(path.name)),
                         reverse=True)
     for path in candidates:
@@ -824,21 +818,21 @@ def newest_verified_checkpoint(folder: Path) -> tuple[Path | None, list[str]]:
             record = read_json(sidecar) if sidecar.exists() else None
         except UserError as error:
             record = None
-            warnings_.append(f"{error}")
+            problems.append(f"{error}")
         if record is None and latest_record.get("path") == path.name:
             record = latest_record
         if record is None:
-            warnings_.append(f"{path.name} has no sha256 record (killed while saving?): skipped")
+            problems.append(f"{path.name} has no sha256 record (killed while saving?): skipped")
             continue
         size = path.stat().st_size
         if size != record.get("bytes"):
-            warnings_.append(f"{path.name} is {size} bytes, its record says {record.get('bytes')} (truncated?): "
+            problems.append(f"{path.name} is {size} bytes, its record says {record.get('bytes')} (truncated?): "
                              "skipped")
         elif sha256_file(path) != record.get("sha256"):
-            warnings_.append(f"{path.name} does not match its sha256 (corrupt): skipped")
+            problems.append(f"{path.name} does not match its sha256 (corrupt): skipped")
         else:
-            return path, warnings_
-    return None, warnings_
+            return path, problems
+    return None, problems
 
 
 def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
@@ -1334,7 +1328,8 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         out_of_time = bool(args.max_hours) and elapsed + margin + 10 >= args.max_hours * 3600
         stop_now, save_by_time = agree([stop.requested or out_of_time, time.monotonic() - last_save >=
                                         args.save_seconds], info)
-        stop_now = stop_now or bool(args.stop_after_steps and step >= args.stop_after_steps)
+        stop_now = (stop_now or bool(args.stop_after_steps and step >= args.stop_after_steps)) \
+            and step < training.total_steps  # at the last step the run is complete anyway
         due = (args.save_every and step % args.save_every == 0) or step == training.total_steps
         if stop_now or due or save_by_time or best is not None:
             save_checkpoint(training, checkpointer, best)
@@ -1461,5 +1456,4 @@ def log(info: DistInfo, message: str) -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     run_main(main)
