@@ -502,6 +502,13 @@ def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
     assert train.main(options(corpus, out, "--batch-size", "1", "--grad-accum", "4")) == 0
 
 
+def test_resume_from_a_path_into_a_new_run_folder(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--resume", str(reference / "checkpoints" / "step-00000008.pt"))) == 0
+    assert_same_state(final_state(out), final_state(reference))
+    assert train_losses(out) == {step: loss for step, loss in train_losses(reference).items() if step > 8}
+
+
 def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(UserError, match="non-finite loss") as error:
