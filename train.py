@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -685,6 +686,23 @@ class StagingBuffers:
         return obj
 
 
+class HashingWriter:
+    """A write-only file wrapper that hashes what passes through (no second read for the sha256)."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def sha256(self) -> str:
+        return self.digest.hexdigest()
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
@@ -743,8 +761,9 @@ class Checkpointer:
             started = time.perf_counter()
             path = self.folder / checkpoint_name(step)
             with atomic_open(path, "wb") as handle:
-                torch.save(snapshot, handle)
-            entry = {"path": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+                writer = HashingWriter(handle)
+                torch.save(snapshot, writer)
+            entry = {"path": path.name, "step": step, "sha256": writer.sha256(), "bytes": path.stat().st_size}
             atomic_write_json(sidecar_path(path), {**entry, "run_id": self.run_id, "created": utc_now()})
             atomic_write_json(self.folder / "latest.json", entry)
             if best_val_loss is not None:
