@@ -162,6 +162,27 @@ def test_backup_url_from_arg_or_the_original_env_alias(monkeypatch):
         cc.backup_url_from_env_or_arg(None)
 
 
+def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.delenv("THINK72_CLOUD_RESUME", raising=False)
+    parser = argparse.ArgumentParser()
+    cc.add_backup_args(parser)
+    assert cc.backup_from_args(parser.parse_args([])) is None
+    args = parser.parse_args(["--backup-to", str(tmp_path / "remote"), "--remote-keep-recent", "2",
+                              "--remote-keep-every", "0", "--backup-max-unbacked", "5"])
+    assert args.backup_wait_seconds == 600
+    backup = cc.backup_from_args(args, save_every=100, log=Log())
+    assert (backup.keep_recent, backup.keep_every, backup.save_every, backup.max_unbacked) == (2, 0, 100, 5)
+    assert backup.wait(1)  # nothing submitted: nothing to wait for
+    backup.close()
+    monkeypatch.setenv("THINK72_CLOUD_RESUME", "1")
+    monkeypatch.setenv("THINK72_BACKUP_URL", str(tmp_path / "env-remote"))
+    backup = cc.backup_from_args(parser.parse_args([]), log=Log())
+    assert backup.root == (tmp_path / "env-remote").as_posix()
+    backup.close()
+
+
 def test_bad_retention_settings_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="keep-recent"):
         cc.CheckpointBackup(str(tmp_path), keep_recent=0)
