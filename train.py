@@ -1,13 +1,18 @@
 """Pretrain a Qwen3 model on a tinyllm corpus, with bit-exact resume after any interruption.
 
+    python train.py                                                   # the demo: corpus, training, export
     python train.py --data corpus/demo --out runs/demo                # one device
     torchrun --nproc_per_node=2 train.py --data CORPUS --out RUN       # DDP: NCCL on CUDA, gloo on CPU
     python train.py --data CORPUS --out RUN --resume auto             # continue where it stopped
+    python train.py --export-only --resume PATH --out RUN             # RUN/model/ from any checkpoint
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. Every piece of
 state that must survive a restart is a small object with state_dict()/load_state_dict(): the
 sampler (data cursor), the LR schedule, the loss scaler, the RNG of every rank and the run
 metrics. The Checkpointer only collects them, and writes them on a background thread.
+At the end, report.py draws the loss curve, samples the model, measures its held-out task
+accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
+checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import checkpoint_cloud
 import data
 import model_config
+import report
 from common import (
     UserError,
     append_jsonl,
@@ -54,8 +61,14 @@ from common import (
 )
 
 FORMAT_VERSION = 1
-DEFAULT_DATA = "corpus/demo"
+DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
+PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
+# Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
+# defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
+DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1500 * 32 * 128,
+                 "warmup_steps": 100, "lr": 3e-3, "min_lr": 3e-4, "eval_every": 250, "eval_batches": 8,
+                 "save_every": 500, "log_every": 50, "threads": 1}
 BETAS = (0.9, 0.95)
 GRAD_CLIP = 1.0
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})\.pt")
@@ -70,13 +83,20 @@ GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121
 # Options
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    demo = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO_DEFAULTS.items())
     parser = argparse.ArgumentParser(
-        description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP).",
+        description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP). "
+                    "Without --data it runs the demo end to end.",
+        epilog=f"The demo (no --data): builds {DEFAULT_DATA} with `data.py --demo` if it is not there, trains, "
+               f"evaluates the held-out arithmetic problems and exports {DEFAULT_OUT}/model; options not given "
+               f"take the demo defaults instead of those shown above: {demo}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     paths = parser.add_argument_group("data and run folder")
-    paths.add_argument("--data", default=DEFAULT_DATA, help="corpus folder built by data.py")
+    paths.add_argument("--data", default=None,
+                       help=f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
+                            f"{PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
     paths.add_argument("--out", default=DEFAULT_OUT, help="run folder: checkpoints, metrics, status")
     paths.add_argument("--resume", default="auto",
                        help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
@@ -134,7 +154,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hardware.add_argument("--require-gpu-name", default=None, help="refuse to start unless every GPU name has this")
     hardware.add_argument("--peak-tflops", type=float, default=0,
                           help="peak FLOP/s per device for MFU (0: GPU table, or an fp32/bf16 matmul measured on CPU)")
+
+    output = parser.add_argument_group("what a run shows and leaves behind")
+    output.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                        help="loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging Face "
+                             "export RUN/model at the end (--no-report: checkpoints and metrics only)")
+    output.add_argument("--tensorboard", action="store_true", help="also write the metrics to RUN/tensorboard")
+    output.add_argument("--export-only", action="store_true",
+                        help="no training: export the --resume checkpoint (auto: OUT's newest) to OUT/model")
+    checkpoint_cloud.add_backup_args(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options; without --data, the demo defaults replace those of the options not given."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    args.demo = args.data is None
+    if args.demo:
+        parser.set_defaults(**DEMO_DEFAULTS)
+        epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
+        args = parser.parse_args(argv)
+        args.demo, args.data = True, DEFAULT_DATA
+        if epochs_given:
+            args.target_tokens = None
     check_args(args)
     return args
 
@@ -159,6 +202,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--epochs must be positive, got {args.epochs}")
     if args.context is not None and args.context < 2:
         raise UserError(f"--context must be at least 2, got {args.context}")
+    if args.backup_wait_seconds < 0:
+        raise UserError(f"--backup-wait-seconds must not be negative, got {args.backup_wait_seconds}")
 
 
 def resolve_model_preset(args: argparse.Namespace) -> model_config.Preset:
@@ -547,14 +592,20 @@ class RunMetrics:
 
 
 class MetricsLog:
-    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time"."""
+    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time".
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+    `tensorboard` (a report.TensorBoardLogger) gets every record too.
+    """
+
+    def __init__(self, path: Path, enabled: bool, tensorboard: report.TensorBoardLogger | None = None):
+        self.path, self.enabled, self.tensorboard = path, enabled, tensorboard
 
     def write(self, kind: str, **fields) -> None:
         if self.enabled:
-            append_jsonl(self.path, {"kind": kind, **fields, "time": utc_now()})
+            record = {"kind": kind, **fields, "time": utc_now()}
+            append_jsonl(self.path, record)
+            if self.tensorboard is not None:
+                self.tensorboard.log(record)
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a resumed run logs those steps again)."""
@@ -1265,9 +1316,55 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     info = init_distributed(args.device)
     try:
-        return train(args, info)
+        if args.export_only:
+            return export_only(args, info)
+        args.data = str(main_decides(lambda: prepare_corpus(args), info))
+        backup_url = checkpoint_cloud.backup_url_from_env_or_arg(args.backup_to)
+        if backup_url and args.resume == "auto":
+            main_decides(lambda: restore_from_backup(backup_url, Path(args.out)), info)
+        backup = start_backup(args, info)
+        try:
+            return train(args, info, backup=backup, backup_wait_s=args.backup_wait_seconds)
+        finally:
+            if backup is not None:
+                backup.close()
     finally:
         shutdown_distributed()
+
+
+def prepare_corpus(args: argparse.Namespace) -> Path:
+    """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is."""
+    if args.demo:
+        corpus = Path(args.data)
+        if not (corpus / data.CORPUS_MANIFEST).is_file():
+            print(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})", flush=True)
+            data.build_demo_corpus(corpus)
+        return corpus
+    if "://" in args.data and not args.data.startswith("file://"):
+        url = args.data.rstrip("/")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
+        cache = Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+        return checkpoint_cloud.local_corpus(args.data, cache)
+    return Path(args.data.removeprefix("file://"))
+
+
+def restore_from_backup(url: str, out: Path) -> Path | None:
+    """With no checkpoint in OUT that verifies, download the backup's newest verified one (rank 0)."""
+    folder = out / "checkpoints"
+    if folder.is_dir() and newest_verified_checkpoint(folder)[0] is not None:
+        return None
+    return checkpoint_cloud.restore_latest(url, folder)
+
+
+def start_backup(args: argparse.Namespace, info: DistInfo):
+    """The background checkpoint backup on rank 0 (None without --backup-to); an error stops every rank."""
+    started = {}
+
+    def start() -> None:
+        started["backup"] = checkpoint_cloud.backup_from_args(args, args.save_every or None)
+
+    main_decides(start, info)
+    return started.get("backup")
 
 
 def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: float = 600) -> int:
@@ -1286,7 +1383,8 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     if resume_path is not None:
         training.load(load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)")
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main)
+    tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=args.tensorboard and info.is_main)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
@@ -1303,10 +1401,11 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {info.device.type}")
 
+    progress = report.Progress(training.total_steps, training.step, args.log_every, enabled=info.is_main)
     stop = StopRequest()
     stop.install()
     try:
-        status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started)
+        status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
     except NonFiniteLoss as error:
         fail_run(info, out, checkpointer, training, str(error))
         raise UserError(f"training failed: {error}; the last good checkpoint is intact "
@@ -1316,30 +1415,38 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         raise
     finally:
         stop.restore()
+        progress.close()
+        tensorboard.close()
     finish_run(training, out, checkpointer, metrics, status, reason)
     return 0
 
 
 def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: MetricsLog, stop: StopRequest,
-               peak: float | None, process_started: float) -> tuple[str, str | None]:
+               peak: float | None, process_started: float, progress: report.Progress) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason)."""
     args, info = training.args, training.info
+    out = Path(args.out)
     last_save = time.monotonic()
     slowest_step = slowest_eval = 0.0
     while training.step < training.total_steps:
         result = training.train_step()
         if not result.applied:
-            log(info, f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")
+            progress.write(f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")
             continue
         step = result.step
         slowest_step = max(slowest_step, result.seconds)
+        tokens_per_second = training.tokens_per_step / result.seconds
+        mfu = training.flops_per_token * tokens_per_second / (peak * info.world) if peak else None
+        progress.update(step, result.loss, tokens_per_second, mfu)
         if step % args.log_every == 0 or step == 1 or step == training.total_steps:
-            log_train_step(training, metrics, result, peak)
+            log_train_step(training, metrics, result, tokens_per_second, mfu)
 
         best = None
         if (args.eval_every and step % args.eval_every == 0) or step == training.total_steps:
             eval_started = time.monotonic()
-            best = run_validation(training, metrics)
+            best = run_validation(training, metrics, progress)
+            if info.is_main and args.report:
+                draw_loss_curve(out, progress)
             slowest_eval = max(slowest_eval, time.monotonic() - eval_started)
 
         elapsed = time.monotonic() - process_started
@@ -1359,24 +1466,19 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
     return COMPLETE, None
 
 
-def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, peak: float | None) -> None:
-    tokens_per_second = training.tokens_per_step / result.seconds
-    mfu = training.flops_per_token * tokens_per_second / (peak * training.info.world) if peak else None
+def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, tokens_per_second: float,
+                   mfu: float | None) -> None:
+    """A train record in metrics.jsonl and the RUNNING status (the progress bar shows the step)."""
     metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
                   lr=result.lr, grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=peak_memory_bytes(training.device))
     if training.info.is_main:
-        remaining = (training.total_steps - result.step) * result.seconds
-        mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
-        log(training.info, f"step {result.step}/{training.total_steps} | loss {result.loss:.4f} | "
-                           f"lr {result.lr:.2e} | {tokens_per_second:,.0f} tok/s{mfu_text} | "
-                           f"eta {timedelta(seconds=round(remaining))}")
         write_status(Path(training.args.out), RUNNING, step=result.step, total_steps=training.total_steps,
                      tokens=result.step * training.tokens_per_step, loss=result.loss)
 
 
-def run_validation(training: Training, metrics: MetricsLog) -> float | None:
+def run_validation(training: Training, metrics: MetricsLog, progress: report.Progress) -> float | None:
     """Validation loss now; returns it when it is the best so far (best.pt is then written)."""
     result = training.evaluate("validation")
     if result is None:
@@ -1385,7 +1487,7 @@ def run_validation(training: Training, metrics: MetricsLog) -> float | None:
     training.metrics.last_eval = {"step": step, **result}
     metrics.write("eval", step=step, tokens=step * training.tokens_per_step, val_loss=result["loss"],
                   val_perplexity=result["perplexity"])
-    log(training.info, f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
+    progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
     if result["loss"] < training.metrics.best_val_loss:
         training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
         return result["loss"]
@@ -1415,19 +1517,24 @@ def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, train
 
 def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: MetricsLog,
                status: str, reason: str | None) -> dict | None:
-    """The end of a run: test evaluation when complete, checkpoints flushed, the final status.
+    """The end of a run: test evaluation when complete, checkpoints flushed, the final status, then the report.
 
-    The reporting module (plots, samples, HF export) plugs in here, after the checkpoint is safe.
+    The status is written before the report (plots, samples, accuracy, export) and again after it,
+    so nothing the report does can lose the run; its failures are recorded in `report_errors`.
     """
-    info = training.info
+    info, args = training.info, training.args
     test = training.evaluate("test") if status == COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"])
         log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}")
     if not info.is_main:
+        if args.report:
+            dist.barrier()  # rank 0 is writing the report
         return None
     backed_up = checkpointer.close()
+    if checkpointer.backup is not None:
+        checkpointer.backup.close()  # nothing is uploaded after the wait above
     record = {
         "step": training.step,
         "total_steps": training.total_steps,
@@ -1437,14 +1544,168 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         "best_val_loss": training.metrics.best_val_loss if math.isfinite(training.metrics.best_val_loss) else None,
         "validation": training.metrics.last_eval,
         "test": test,
+        "test_loss": test["loss"] if test else None,
         "backup_complete": backed_up,
     }
     if status == NEEDS_RESUME:
         record["resume_command"] = resume_command(info)
     write_status(out, status, **record)
-    log(info, f"{status}: step {training.step}/{training.total_steps}"
-              + (f"; continue with: {record['resume_command']}" if status == NEEDS_RESUME else ""))
+    if args.report:
+        try:
+            record.update(report_run(training, out, status, test))
+            write_status(out, status, **record)
+        finally:
+            if info.world > 1:
+                dist.barrier()
+    log(info, final_line(out, status, record))
     return record
+
+
+def report_run(training: Training, out: Path, status: str, test: dict | None) -> dict:
+    """Loss curve, samples, held-out accuracy and RUN/model (rank 0). Failures are recorded, never raised.
+
+    Samples and accuracy only for a complete run; a resumable stop exports the current weights
+    (the model card says the run is unfinished).
+    """
+    errors: dict[str, str] = {}
+    corpus = Path(training.args.data)
+
+    def attempt(name: str, function):
+        try:
+            return function()
+        except Exception as error:  # the checkpoint is safe; a report failure must not lose the run
+            errors[name] = f"{type(error).__name__}: {error}"
+            print(f"warning: {name} failed ({errors[name]}); the checkpoints are intact", file=sys.stderr,
+                  flush=True)
+            return None
+
+    found = {}
+    tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
+    attempt("loss_curve", lambda: report.plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png",
+                                                         title=out.name))
+    accuracy = None
+    if status == COMPLETE and tokenizer is not None:
+        samples = report.generate_samples(training.model, tokenizer, out / "sample_generations.json",
+                                          step=training.step)
+        if samples["error"]:
+            errors["samples"] = samples["error"]
+        if (corpus / "eval").is_dir():
+            accuracy = attempt("task_accuracy", lambda: report.task_accuracy(training.model, tokenizer,
+                                                                             corpus / "eval", training.device))
+        if accuracy is not None:
+            found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
+            print(accuracy_line(accuracy), flush=True)
+    if tokenizer is not None:
+        info = card_info(out.name, status, training.args.preset, training.step, training.total_steps,
+                         training.step * training.tokens_per_step, training.settings(),
+                         training.metrics.last_eval, test, found.get("task_accuracy"))
+        model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
+        if model_files is not None:
+            found["model_files"] = model_files
+            found["model_dir"] = str(out / "model")
+    found["report_errors"] = errors or None
+    return found
+
+
+def draw_loss_curve(out: Path, progress: report.Progress) -> None:
+    try:
+        report.plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=out.name)
+    except Exception as error:
+        progress.write(f"warning: loss_curve.png not drawn ({type(error).__name__}: {error})")
+
+
+def accuracy_line(accuracy: dict) -> str:
+    tasks = ", ".join(f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
+                      for name, task in accuracy["by_task"].items())
+    return (f"held-out task accuracy: {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['total']})"
+            f" | {tasks}")
+
+
+def card_info(name: str, status: str, preset: str, step: int, total_steps: int, tokens: int, settings: dict,
+              validation: dict | None, test: dict | None, accuracy: dict | None) -> dict:
+    """What report.export_hf_model writes into the model card and training_provenance.json."""
+    training = settings["training"]
+    return {"model_name": name, "status": status, "preset": preset, "steps": step, "total_steps": total_steps,
+            "tokens": tokens, "corpus_sha256": training["corpus_manifest_sha256"],
+            "tokenizer_sha256": training["tokenizer_sha256"],
+            "validation_loss": validation["loss"] if validation else None,
+            "validation_perplexity": validation["perplexity"] if validation else None,
+            "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
+            "demo_accuracy": accuracy, "settings": settings}
+
+
+def export_model(model: torch.nn.Module, tokenizer, folder: Path, info: dict) -> dict[str, str]:
+    """RUN/model/ as transformers loads it anywhere: KV cache on, the standard SDPA attention."""
+    config = model.config
+    use_cache, attention = config.use_cache, config._attn_implementation
+    config.use_cache = True
+    if attention == REPEATED_KV_ATTENTION:
+        model.set_attn_implementation("sdpa")
+    try:
+        return report.export_hf_model(model, tokenizer, folder, info)
+    finally:
+        config.use_cache = use_cache
+        if attention == REPEATED_KV_ATTENTION:
+            model.set_attn_implementation(attention)
+
+
+def final_line(out: Path, status: str, record: dict) -> str:
+    """The last line a person sees: where the run stands and what to do next."""
+    line = f"{status}: step {record['step']}/{record['total_steps']}"
+    if record.get("backup_complete") is not None:
+        line += " | newest checkpoint " + ("backed up" if record["backup_complete"] else "NOT yet backed up")
+    if status == NEEDS_RESUME:
+        return line + f" | continue with: {record['resume_command']}"
+    if record.get("test_loss") is not None:
+        line += f" | test loss {record['test_loss']:.4f}"
+    if record.get("task_accuracy"):
+        line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
+    if record.get("model_files"):
+        line += f" | model: {out / 'model'} (sha256 in {out / 'run_status.json'})"
+    return line
+
+
+def export_only(args: argparse.Namespace, info: DistInfo) -> int:
+    """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only)."""
+    if not info.is_main:
+        return 0
+    out = Path(args.out)
+    path = find_resume_checkpoint(out, args.resume)
+    if path is None:
+        raise UserError(f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
+                        f"(none in {out / 'checkpoints'})")
+    checkpoint = load_checkpoint_file(path)
+    settings = checkpoint["settings"]
+    training = settings["training"]
+    corpus = Path(settings["runtime"]["data"] if args.demo else args.data)
+    manifest = load_manifest(corpus)
+    tokenizer = data.load_tokenizer(corpus / "tokenizer")
+    if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
+        raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
+                        "pass that corpus with --data")
+    preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
+    specials = manifest.get("special_tokens", {})
+    model = model_config.build_model(preset, training["vocab_size"], pad_token_id=specials.get("<pad>", 0),
+                                     bos_token_id=specials.get("<bos>", 1), eos_token_id=specials.get("<eos>", 2))
+    model.load_state_dict(checkpoint["model"])
+    model.to(info.device).eval()
+    step, total = int(checkpoint["step"]), int(training["total_steps"])
+    status = COMPLETE if step >= total else NEEDS_RESUME
+    previous = read_json(out / "run_status.json") if (out / "run_status.json").is_file() else {}
+    test = previous.get("test") if previous.get("step") == step else None
+    accuracy = None
+    if (corpus / "eval").is_dir():
+        result = report.task_accuracy(model, tokenizer, corpus / "eval", info.device)
+        accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
+        print(accuracy_line(result), flush=True)
+    info_card = card_info(out.name, status, training["preset"], step, total,
+                          step * int(training["tokens_per_step"]), settings,
+                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy)
+    model_files = export_model(model, tokenizer, out / "model", info_card)
+    print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
+          + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
+          flush=True)
+    return 0
 
 
 def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
