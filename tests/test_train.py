@@ -75,12 +75,12 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
-    """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps."""
+    """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py)."""
     return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32",
             "--batch-size", "2", "--grad-accum", "2", "--target-tokens", str(steps * 4 * 32),
             "--warmup-steps", "3", "--lr", "3e-3", "--min-lr", "3e-4", "--eval-every", "4", "--eval-batches", "2",
             "--save-every", "4", "--log-every", "1", "--threads", "1", "--peak-tflops", "1", "--keep-last", "10",
-            *extra]
+            "--no-report", *extra]
 
 
 def run_cli(args: list[str], world: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
@@ -524,7 +524,8 @@ def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
 @pytest.mark.slow
 def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpus, reference, tmp_path):
     full, split, moved = tmp_path / "full", tmp_path / "split", tmp_path / "moved"
-    run_cli(options(corpus, full, "--batch-size", "1"), world=2)
+    run_cli(options(corpus, full, "--batch-size", "1", "--report"), world=2)  # rank 1 waits for rank 0's report
+    assert (full / "model" / "model.safetensors").is_file() and status(full)["model_files"]
     run_cli(options(corpus, split, "--batch-size", "1", "--stop-after-steps", "6"), world=2)
     shutil.copytree(split, moved)
     run_cli(options(corpus, split, "--batch-size", "1", "--resume", "auto"), world=2)
@@ -538,3 +539,62 @@ def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpu
         assert moved_losses[step] == pytest.approx(full_losses[step], rel=1e-4, abs=1e-5)
     # and world size 1 reads the same samples as world size 2, so it lands close to the 1-process reference
     assert train_losses(reference)[12] == pytest.approx(full_losses[12], rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cloud backup wired in (checkpoint_cloud.py against a local folder)
+
+
+def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely(corpus, tmp_path, monkeypatch,
+                                                                              capsys):
+    import checkpoint_cloud
+
+    upload = checkpoint_cloud.upload_verified
+
+    def slow_upload(*args, **kwargs):  # uploads lag well behind the saves (one every 2 steps)
+        time.sleep(0.3)
+        return upload(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_cloud, "upload_verified", slow_upload)
+    deleted_unbacked = []
+    checkpointer_retention = train.Checkpointer.apply_retention
+
+    def watched_retention(self):
+        before = set(self.folder.glob("step-*.pt"))
+        checkpointer_retention(self)
+        for path in before - set(self.folder.glob("step-*.pt")):
+            if not self.backup.is_backed_up(path):
+                deleted_unbacked.append(path.name)
+
+    monkeypatch.setattr(train.Checkpointer, "apply_retention", watched_retention)
+    remote, out = tmp_path / "remote", tmp_path / "run"
+    backup = ["--backup-to", str(remote), "--remote-keep-recent", "100", "--backup-max-unbacked", "100"]
+    assert train.main(options(corpus, out, "--save-every", "2", "--keep-last", "1", *backup)) == 0
+    assert deleted_unbacked == []
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*.pt")) == ["step-00000012.pt"]
+    listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
+    assert sorted(listing["verified"]) == [2, 4, 6, 8, 10, 12] and listing["latest"]["step"] == 12
+    for name in listing["verified"].values():
+        record = json.loads((remote / "checkpoints" / f"{name}.json").read_text())
+        assert sha256_file(remote / "checkpoints" / name) == record["sha256"], name
+    assert status(out)["backup_complete"] is True
+    assert "| newest checkpoint backed up" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_resume_auto_restores_from_the_backup_on_a_fresh_disk(corpus, reference, tmp_path, capsys):
+    remote, first, second = tmp_path / "remote", tmp_path / "first", tmp_path / "second"
+    assert train.main(options(corpus, first, "--stop-after-steps", "6", "--backup-to", str(remote))) == 0
+    assert status(first)["backup_complete"] is True
+    capsys.readouterr()
+    assert train.main(options(corpus, second, "--backup-to", str(remote), "--resume", "auto")) == 0
+    output = capsys.readouterr().out
+    assert "restored from the remote and verified" in output and "resumed from" in output
+    assert_same_state(final_state(second), final_state(reference))
+
+
+def test_think72_env_alias_turns_the_backup_on(corpus, tmp_path, monkeypatch):
+    remote = tmp_path / "remote"
+    monkeypatch.setenv("THINK72_CLOUD_RESUME", "1")
+    monkeypatch.setenv("THINK72_BACKUP_URL", str(remote))
+    assert train.main(options(corpus, tmp_path / "run", steps=4)) == 0
+    assert json.loads((remote / "checkpoints" / "latest.json").read_text())["step"] == 4
