@@ -1122,13 +1122,14 @@ ADDITION_PROMPTS = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and 
                     "What do you get when you add {a} and {b}?", "Compute {a} + {b}.",
                     "What is the sum of {a} and {b}?")
 SUBTRACTION_PROMPTS = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.")
-APPLE_PROMPTS = ("If a box has {a} rows of {b} apples, how many apples are there?",
-                 "A tray holds {a} rows with {b} apples in each row. How many apples?",
-                 "There are {a} rows of apples and each row has {b} apples. How many apples in total?",
-                 "A box has {a} rows of {b} apples. How many apples are in the box?",
-                 "How many apples are in {a} rows of {b} apples?",
-                 "If there are {a} rows and every row has {b} apples, how many apples are there?")
-DEMO_ROWS, DEMO_PER_ROW = range(2, 7), range(2, 13)  # at most 5 running-sum lines: fits a 128-token context
+APPLE_PROMPTS = ("If a box has {a} rows of {b} {thing}, how many {thing} are there?",
+                 "A tray holds {a} rows with {b} {thing} in each row. How many {thing}?",
+                 "There are {a} rows of {thing} and each row has {b} {thing}. How many {thing} in total?",
+                 "A box has {a} rows of {b} {thing}. How many {thing} are in the box?",
+                 "How many {thing} are in {a} rows of {b} {thing}?",
+                 "If there are {a} rows and every row has {b} {thing}, how many {thing} are there?")
+APPLE_THINGS = ("apples", "pears", "eggs", "cups", "coins", "books", "stones", "shells")
+DEMO_ROWS, DEMO_PER_ROW = range(2, 5), range(2, 13)  # at most 4 rows: every document fits 128 tokens
 SENTENCE_PARTS = {
     "name": ("Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon", "Kai", "Lea"),
     "verb": ("likes", "reads", "paints", "finds", "draws", "counts", "keeps", "sees"),
@@ -1137,7 +1138,7 @@ SENTENCE_PARTS = {
     "place": ("in the garden", "by the river", "at school", "on the hill", "near the shop", "at home",
               "under the tree", "in the park"),
 }
-DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 15}
+DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 10}
 
 
 def addition_reasoning(a: int, b: int) -> str:
@@ -1156,12 +1157,14 @@ def subtraction_reasoning(a: int, b: int) -> str:
 
 
 def apples_reasoning(rows: int, per_row: int) -> str:
-    """Repeated addition, one row at a time: '4 + 4 = 8' / '8 + 4 = 12' / '3 x 4 = 12'."""
-    lines = [f"{per_row * row} + {per_row} = {per_row * (row + 1)}" for row in range(1, rows)]
+    """Repeated addition, rows counted so the model knows when to stop:
+    '1 row: 4' / '2 rows: 4 + 4 = 8' / '3 rows: 8 + 4 = 12' / '3 x 4 = 12'."""
+    lines = [f"1 row: {per_row}"]
+    lines += [f"{row + 1} rows: {per_row * row} + {per_row} = {per_row * (row + 1)}" for row in range(1, rows)]
     return "\n".join(lines + [f"{rows} x {per_row} = {rows * per_row}"])
 
 
-def demo_problem(task: str, a: int, b: int, prompt: str) -> dict:
+def demo_problem(task: str, a: int, b: int, prompt: str, thing: str = "apples") -> dict:
     """{"prompt", "answer", "task", "reasoning"} for one problem."""
     if task == "addition":
         answer, reasoning = a + b, addition_reasoning(a, b)
@@ -1169,7 +1172,7 @@ def demo_problem(task: str, a: int, b: int, prompt: str) -> dict:
         answer, reasoning = a - b, subtraction_reasoning(a, b)
     else:
         answer, reasoning = a * b, apples_reasoning(a, b)
-    return {"prompt": prompt.format(a=a, b=b), "answer": str(answer), "task": task, "reasoning": reasoning}
+    return {"prompt": prompt.format(a=a, b=b, thing=thing), "answer": str(answer), "task": task, "reasoning": reasoning}
 
 
 def demo_held_out(rng: random.Random) -> dict[str, set]:
@@ -1194,8 +1197,8 @@ def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
 
     Every addition a + b with a, b in 0..99 appears twice (the canonical 'What is a plus b?' and
     one other phrasing) unless the pair is held out in either order; 60% of the subtractions
-    a - b (0 <= b <= a <= 99) appear once; every apple-rows product (2-6 rows of 2-12) in every
-    phrasing; about a tenth of the records are plain sentences.
+    a - b (0 <= b <= a <= 99) appear once; every rows-of-things product (2-4 rows of 2-12) in
+    16 of its phrasings; about a tenth of the records are plain sentences.
     """
     rng = random.Random(seed)
     held = demo_held_out(rng)
@@ -1220,8 +1223,8 @@ def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
     for a, b in itertools.product(DEMO_ROWS, DEMO_PER_ROW):
         # The running sums b + b, 2b + b, ... must not spell out a held-out addition either.
         if (a, b) not in held["multiplication"] and not any((b * row, b) in held_sums for row in range(1, a)):
-            for prompt in APPLE_PROMPTS:
-                problems.append(demo_problem("multiplication", a, b, prompt))
+            for prompt, thing in rng.sample(list(itertools.product(APPLE_PROMPTS, APPLE_THINGS)), 16):
+                problems.append(demo_problem("multiplication", a, b, prompt, thing))
     records = [{"messages": [{"role": "user", "content": p["prompt"]},
                              {"role": "assistant", "content": p["answer"], "reasoning": p["reasoning"]}]}
                for p in problems]
