@@ -805,7 +805,9 @@ class Checkpointer:
         self.wait()
         if self.backup is None:
             return None
-        return self.backup.wait(self.backup_wait_s)
+        caught_up = self.backup.wait(self.backup_wait_s)
+        self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
+        return caught_up
 
     def _write(self, snapshot: dict, step: int, best_val_loss: float | None) -> None:
         try:
