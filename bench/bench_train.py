@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--context", type=int, default=None, help="tokens per block (None: the preset's)")
     speed.add_argument("--batch-size", type=int, default=2, help="blocks per micro-step")
     speed.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    speed.add_argument("--steps", type=int, default=16, help="timed optimizer steps per side (median reported)")
+    speed.add_argument("--steps", type=int, default=12, help="timed optimizer steps per side (median reported)")
     speed.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     speed.add_argument("--precisions", default="fp32,bf16", help="comma list of fp32, bf16")
     speed.add_argument("--compile-precisions", default="fp32",
@@ -123,26 +123,26 @@ def ours(corpus: Path, args: argparse.Namespace, precision: str, compiled: bool)
     return train.build_training(options, train.init_distributed("cpu"))
 
 
-def step_seconds(training: train.Training) -> float:
-    """Wall seconds of one train.py optimizer step (data, all micro-steps, clipping, AdamW)."""
-    started = time.perf_counter()
+def step_seconds(training: train.Training) -> tuple[float, float]:
+    """Wall and process CPU seconds of one train.py optimizer step (data, micro-steps, clipping, AdamW)."""
+    started, cpu_started = time.perf_counter(), time.process_time()
     training.train_step()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu_started
 
 
-def matmul_peak(size: int, tries: int = 3) -> float:
-    """fp32 FLOP/s of the fastest of `tries` square matmuls with the current thread count."""
+def matmul_peak(size: int, tries: int = 3) -> tuple[float, float]:
+    """fp32 FLOP per wall second and per CPU second of the fastest of `tries` square matmuls."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     torch.mm(a, b)
-    best = float("inf")
+    best = (float("inf"), float("inf"))
     for _ in range(tries):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+        best = min(best, (time.perf_counter() - started, time.process_time() - cpu_started))
+    return 2 * size**3 / best[0], 2 * size**3 / best[1]
 
 
 def build_like(reference: train.Training):
@@ -189,14 +189,14 @@ class HFSide:
         warmup, threads = self.args.warmup, self.args.threads
 
         class Interleave(TrainerCallback):
-            resumed = 0.0
+            resumed = (0.0, 0.0)
 
             def on_step_begin(self, args, state, control, **kwargs):
-                if not self.resumed:
-                    self.resumed = time.perf_counter()
+                if not self.resumed[0]:
+                    self.resumed = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args, state, control, **kwargs):
-                seconds = time.perf_counter() - self.resumed
+                seconds = time.perf_counter() - self.resumed[0], time.process_time() - self.resumed[1]
                 if torch.get_num_threads() != threads:
                     raise RuntimeError(f"the Trainer runs with {torch.get_num_threads()} threads, not {threads}")
                 keep = state.global_step > warmup
@@ -208,7 +208,7 @@ class HFSide:
                     value = others[other]()
                     if keep:
                         samples[other].append(value)
-                self.resumed = time.perf_counter()
+                self.resumed = time.perf_counter(), time.process_time()
 
         options = TrainingArguments(
             output_dir=str(self.workdir / "hf"), use_cpu=True, report_to="none", save_strategy="no",
@@ -235,7 +235,7 @@ def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
         if precision in args.compile_precisions:
             compiled = ours(corpus, args, precision, compiled=True)
             print(f"compiling train.py's model ({precision}) ...", flush=True)
-            print(f"  first compiled step: {step_seconds(compiled):.1f} s", flush=True)
+            print(f"  first compiled step: {step_seconds(compiled)[0]:.1f} s", flush=True)
             others[f"train.py {precision} compiled"] = lambda t=compiled: step_seconds(t)
         print(f"{precision}: {args.warmup} + {args.steps} Trainer steps, each followed by one step of "
               f"{', '.join(others)} and a matmul", flush=True)
@@ -252,20 +252,26 @@ def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
     return summarize_speed(samples, flops, tokens_per_step)
 
 
-def summarize_speed(samples: dict[str, list[float]], flops: dict[str, int], tokens_per_step: int) -> dict:
-    """Medians of tokens/s (from seconds per step) and of the matmul peak; paired ratios against the Trainer."""
-    per_second = {name: values if name.startswith("matmul") else [tokens_per_step / value for value in values]
-                  for name, values in samples.items()}
-    medians = {name: statistics.median(values) for name, values in per_second.items()}
-    bests = {name: max(values) for name, values in per_second.items()}
+def summarize_speed(samples: dict[str, list[tuple[float, float]]], flops: dict[str, int],
+                    tokens_per_step: int) -> dict:
+    """Medians of tokens/s and of the matmul peak, per wall second and per CPU second; step-paired ratios.
+
+    Samples are (wall, CPU) seconds per step, or (per wall, per CPU) FLOP/s for the matmul.
+    """
+    def rates(name: str, clock: int) -> list[float]:
+        values = [sample[clock] for sample in samples[name]]
+        return values if name.startswith("matmul") else [tokens_per_step / value for value in values]
+
+    medians = {name: statistics.median(rates(name, 0)) for name in samples}
+    cpu_medians = {name: statistics.median(rates(name, 1)) for name in samples}
+    bests = {name: max(rates(name, 0)) for name in samples}
     paired = {}
     for name, values in samples.items():
         if name.startswith("train.py"):
-            precision = name.split()[1]
-            trainer = samples[f"trainer {precision}"]
-            paired[name] = statistics.median(base / ours for base, ours in zip(trainer, values))
-    return {"samples_seconds": samples, "medians": medians, "bests": bests, "paired_ratio_medians": paired,
-            "flops_per_token": flops, "tokens_per_step": tokens_per_step}
+            trainer = samples[f"trainer {name.split()[1]}"]
+            paired[name] = statistics.median(base[0] / ours[0] for base, ours in zip(trainer, values))
+    return {"samples_wall_cpu": samples, "medians": medians, "cpu_medians": cpu_medians, "bests": bests,
+            "paired_ratio_medians": paired, "flops_per_token": flops, "tokens_per_step": tokens_per_step}
 
 
 def speed_summary(result: dict) -> list[tuple[str, str, str]]:
@@ -275,14 +281,16 @@ def speed_summary(result: dict) -> list[tuple[str, str, str]]:
     of a shared machine) and, for ratios, the median of step-by-step ratios.
     """
     medians, bests, paired, rows = result["medians"], result["bests"], result["paired_ratio_medians"], []
+    cpu = result["cpu_medians"]
     for name, pair in paired.items():
         precision = name.split()[1]
         ratio = medians[name] / medians[f"trainer {precision}"]
         best = bests[name] / bests[f"trainer {precision}"]
+        per_cpu = cpu[name] / cpu[f"trainer {precision}"]
         target = ("target >= 1.1x: " + ("met" if ratio >= TARGET_VS_TRAINER else "NOT met")) \
             if precision == "fp32" else "no target"
         rows.append((f"{name} / trainer {precision} (tokens/s)", f"{ratio:.2f}x",
-                     f"best-of {best:.2f}x, step-paired {pair:.2f}x; {target}"))
+                     f"per CPU-s {per_cpu:.2f}x, best-of {best:.2f}x, step-paired {pair:.2f}x; {target}"))
     if "trainer fp32 compiled" in medians and "train.py fp32 compiled" in medians:
         ratio = medians["train.py fp32 compiled"] / medians["trainer fp32 compiled"]
         best = bests["train.py fp32 compiled"] / bests["trainer fp32 compiled"]
@@ -290,12 +298,14 @@ def speed_summary(result: dict) -> list[tuple[str, str, str]]:
                      f"best-of {best:.2f}x; no target"))
     for name in paired:
         precision = name.split()[1]
-        mfu = result["flops_per_token"][precision] * medians[name] / medians["matmul peak fp32"]
-        best = result["flops_per_token"][precision] * bests[name] / bests["matmul peak fp32"]
+        per_token = result["flops_per_token"][precision]
+        mfu = per_token * medians[name] / medians["matmul peak fp32"]
+        best = per_token * bests[name] / bests["matmul peak fp32"]
+        per_cpu = per_token * cpu[name] / cpu["matmul peak fp32"]
         target = ("target >= 60%: " + ("met" if mfu >= TARGET_MFU else "NOT met")) if precision == "fp32" \
             else "no target (bf16 work against the fp32 peak)"
         rows.append((f"MFU {name} (of the fp32 matmul peak)", f"{100 * mfu:.1f}%",
-                     f"best-of {100 * best:.1f}%; {target}"))
+                     f"per CPU-s {100 * per_cpu:.1f}%, best-of {100 * best:.1f}%; {target}"))
     return rows
 
 # ----------------------------------------------------------------------------------------------
@@ -443,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.preset} context {preset.context}, batch {args.batch_size} x grad-accum {args.grad_accum}, "
           f"{speed['flops_per_token'][args.precisions[0]] / 1e6:.1f} MFLOP/token):")
     for name, value in speed["medians"].items():
-        best = speed["bests"][name]
-        text = f"{value / 1e9:,.1f} GFLOP/s (best {best / 1e9:,.1f})" if name.startswith("matmul") \
-            else f"{value:,.0f} tok/s (best step {best:,.0f})"
+        best, cpu = speed["bests"][name], speed["cpu_medians"][name]
+        text = f"{value / 1e9:,.1f} GFLOP/s (best {best / 1e9:,.1f}; per CPU-s {cpu / 1e9:,.1f})" \
+            if name.startswith("matmul") else f"{value:,.0f} tok/s (best step {best:,.0f}; per CPU-s {cpu:,.0f})"
         print(f"  {name:<28} {text}")
     print_rows("ratios (speed, MFU)", rows)
     if stall:
