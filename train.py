@@ -1679,7 +1679,7 @@ def export_only(args: argparse.Namespace, info: DistInfo) -> int:
     checkpoint = load_checkpoint_file(path)
     settings = checkpoint["settings"]
     training = settings["training"]
-    corpus = Path(settings["runtime"]["data"] if args.demo else args.data)
+    corpus = Path(settings["runtime"]["data"]) if args.demo else prepare_corpus(args)
     manifest = load_manifest(corpus)
     tokenizer = data.load_tokenizer(corpus / "tokenizer")
     if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
