@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import data
 import model_config
 import report
 import train
@@ -84,9 +85,9 @@ def test_demo_completes_with_an_accuracy(demo):
     assert record["status"] == "COMPLETE" and record["step"] == STEPS
     assert record["report_errors"] is None
     accuracy = record["task_accuracy"]
-    assert accuracy["total"] == 265 and 0 <= accuracy["accuracy"] <= 1
-    assert set(accuracy["by_task"]) == {"addition", "subtraction", "multiplication"}
-    assert accuracy["by_task"]["addition"]["total"] == 200
+    problems = (work / "corpus" / "demo" / data.DEMO_EVAL_FILE).read_text().splitlines()
+    assert accuracy["total"] == len(problems) and 0 <= accuracy["accuracy"] <= 1
+    assert {name: task["total"] for name, task in accuracy["by_task"].items()} == data.DEMO_EVAL_COUNTS
     assert "held-out task accuracy:" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("COMPLETE: step 40/40 | test loss ") and "held-out accuracy" in last
