@@ -1,7 +1,9 @@
 """Training speed: train.py against a Hugging Face Trainer loop, MFU, and the checkpoint stall.
 
-    python bench/bench_train.py                  # the issue's benchmark (about 8 minutes on 2 shared cores)
-    python bench/bench_train.py --quick          # a smoke run of every part (a few minutes, mostly compiling)
+    python bench/bench_train.py                  # the issue's benchmark (~2 minutes on 2 quiet cores)
+    python bench/bench_train.py --quick          # a smoke run of every part (~20 s once compiled kernels are cached)
+
+Under load from other processes, 2-thread steps slow down several-fold; compare with --threads 1.
 
 Everything runs in one process with the same torch thread count on every side. The machine
 is shared, so the sides are interleaved and medians reported:
@@ -226,7 +228,7 @@ class HFSide:
 
 
 def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
-    hf, samples, flops = None, {}, {}
+    hf, samples, flops, compiled = None, {}, {}, {}
     peak = {"matmul peak fp32": lambda: matmul_peak(args.matmul_size)}
     for precision in args.precisions:
         eager = ours(corpus, args, precision, compiled=False)
@@ -234,10 +236,10 @@ def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
         hf = hf or HFSide(corpus, eager, args, workdir)
         others = {f"train.py {precision} eager": lambda t=eager: step_seconds(t)}
         if precision in args.compile_precisions:
-            compiled = ours(corpus, args, precision, compiled=True)
+            compiled[precision] = ours(corpus, args, precision, compiled=True)
             print(f"compiling train.py's model ({precision}) ...", flush=True)
-            print(f"  first compiled step: {step_seconds(compiled)[0]:.1f} s", flush=True)
-            others[f"train.py {precision} compiled"] = lambda t=compiled: step_seconds(t)
+            print(f"  first compiled step: {step_seconds(compiled[precision])[0]:.1f} s", flush=True)
+            others[f"train.py {precision} compiled"] = lambda t=compiled[precision]: step_seconds(t)
         print(f"{precision}: {args.warmup} + {args.steps} Trainer steps, each followed by one step of "
               f"{', '.join(others)} and a matmul", flush=True)
         for name, values in hf.run(precision, {**others, **peak}).items():
@@ -245,7 +247,7 @@ def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
     if args.trainer_compile and "fp32" in args.precisions:
         print("fp32: the Trainer with torch_compile=True, each step followed by one of train.py fp32 compiled",
               flush=True)
-        others = {SECOND_COMPILED: lambda t=compiled: step_seconds(t)} if "fp32" in args.compile_precisions else {}
+        others = {SECOND_COMPILED: lambda: step_seconds(compiled["fp32"])} if "fp32" in compiled else {}
         for name, values in hf.run("fp32", others, compiled=True).items():
             samples.setdefault(name, []).extend(values)
     tokens_per_step = hf.args.batch_size * hf.args.grad_accum * eager.context
