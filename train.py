@@ -449,7 +449,7 @@ class WarmupCosine:
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device,
                     eight_bit: bool = False) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices (>= 2-D) only; fused on CUDA; bitsandbytes' 8-bit AdamW on request."""
+    """AdamW with decay on matrices (>= 2-D) only; fused (CUDA and CPU); bitsandbytes' 8-bit AdamW on request."""
     params = [param for param in model.parameters() if param.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -461,7 +461,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, devi
         except ImportError:
             raise UserError("--8bit-adam needs bitsandbytes: pip install bitsandbytes") from None
         return bitsandbytes.optim.AdamW8bit(groups, lr=lr, betas=BETAS, eps=1e-8)
-    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=1e-8, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=1e-8, fused=device.type in ("cuda", "cpu"))
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
