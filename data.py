@@ -1,4 +1,4 @@
-"""Corpus builder: raw documents -> verified, packed token corpus (see shared DESIGN.md).
+"""Corpus builder: raw documents -> verified, packed token corpus (see DESIGN.md).
 
     python data.py --demo --out corpus/demo
     python data.py --data docs/ chats.jsonl --out corpus/mine --vocab-size 33069
