@@ -248,16 +248,39 @@ def checkpoint_folder(root: str) -> str:
     return f"{root}/{CHECKPOINT_DIR}" if root != "/" else f"/{CHECKPOINT_DIR}"
 
 
+def _read_json_quietly(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def local_run_facts(path: str | os.PathLike) -> dict:
+    """{"run_id", "created"} of a local checkpoint, as far as known: its train.py sidecar step-N.json,
+    else the run_id in RUN/training_settings.json (RUN = the checkpoints folder's parent)."""
+    path = Path(path)
+    sidecar = _read_json_quietly(path.with_suffix(".json"))
+    facts = {key: sidecar[key] for key in ("run_id", "created") if sidecar.get(key)}
+    if "run_id" not in facts:
+        settings = _read_json_quietly(path.parent.parent / "training_settings.json")
+        if settings.get("run_id"):
+            facts["run_id"] = settings["run_id"]
+    return facts
+
+
 def upload_checkpoint(fs, root: str, local_path: str | os.PathLike, step: int | None = None) -> dict:
     """Upload one checkpoint by the verified protocol and write its record; latest.json is not moved.
 
-    Returns the record {"path", "step", "sha256", "bytes", "uploaded_utc"}.
+    Returns the record {"path", "step", "sha256", "bytes", "uploaded_utc"} plus "run_id" and
+    "created" when train.py's records name them (local_run_facts): the run_id is what lets a later
+    session of the same run apply retention to these files.
     """
     local = Path(local_path)
     step = step_of(local.name) if step is None else int(step)
     folder = checkpoint_folder(root)
     checked = upload_verified(fs, local, f"{folder}/{local.name}")
-    record = {"path": local.name, "step": step, **checked, "uploaded_utc": utc_now()}
+    record = {"path": local.name, "step": step, **checked, **local_run_facts(local), "uploaded_utc": utc_now()}
     put_json(fs, f"{folder}/{local.name}{RECORD_SUFFIX}", record)
     return record
 
@@ -295,10 +318,11 @@ def remote_listing(fs, root: str) -> dict:
 
 def choose_remote_deletions(steps: Iterable[int], ours: set[int], keep_recent: int, keep_every: int,
                             save_index: Callable[[int], int | None], protect: Iterable[int] = ()) -> list[int]:
-    """Steps that retention removes: not among the newest `keep_recent`, not an every-`keep_every`-th
-    save (by save index, as the original trainer did), not protected, and uploaded by this run."""
+    """Steps that retention removes: of `ours` (this run's), those not among its newest `keep_recent`,
+    not an every-`keep_every`-th save (by save index, as the original trainer did), not protected."""
     steps = sorted(set(steps))
-    keep = set(steps[-keep_recent:]) if keep_recent > 0 else set()
+    own = [step for step in steps if step in ours]
+    keep = set(own[-keep_recent:]) if keep_recent > 0 else set()
     keep |= set(protect)
     if keep_every > 0:
         for step in steps:
@@ -445,7 +469,9 @@ class CheckpointBackup:
     Per checkpoint: upload to a temporary name, confirm size + sha256 there, promote, write its
     record, then move the remote latest.json (never backwards within a run). After each success,
     remote retention keeps the newest `keep_recent` plus every `keep_every`-th save forever, and
-    deletes only verified files this run uploaded. The save index is `step // save_every` when
+    deletes only verified files of this run: uploaded by this process, or whose remote record has
+    the run_id of the checkpoints this process uploads (train.py's run_id survives resumes, so an
+    earlier session's uploads count too; another run's never do). The save index is `step // save_every` when
     `save_every` is given (stable across resumes, the original trainer's rule), else this run's
     submit count. The newest pending checkpoint is uploaded first.
 
@@ -479,6 +505,8 @@ class CheckpointBackup:
         self._uploads: dict[str, _Upload] = {}
         self._submitted = 0
         self._latest_step: int | None = None  # where this run last pointed the remote latest.json
+        self._run_id: str | None = None  # train.py's run_id of the checkpoints uploaded, once known
+        self._remote_run_ids: dict[str, str | None] = {}  # remote record name -> its run_id (records never change)
         self._urgent = False  # inside wait(): keep retries short
         self._stopping = False
         self._busy: _Upload | None = None
@@ -630,7 +658,7 @@ class CheckpointBackup:
         verified, latest = listing["verified"], listing["latest"] or {}
         if verified:
             self.log(f"checkpoint backup: the remote already holds {len(verified)} verified checkpoint(s), "
-                     f"latest step {latest.get('step', max(verified))}; this run deletes only its own uploads")
+                     f"latest step {latest.get('step', max(verified))}; retention deletes only this run's files")
         else:
             self.log("checkpoint backup: the remote is reachable and holds no checkpoints yet")
 
@@ -642,6 +670,9 @@ class CheckpointBackup:
                 self.log(f"checkpoint backup: {upload.path.name} was deleted locally before it was uploaded")
                 return
             upload.record = upload_checkpoint(self.fs, self.root, upload.path, upload.step)
+            if upload.record.get("run_id"):
+                with self._cond:
+                    self._run_id = upload.record["run_id"]
         with self._cond:
             move_latest = self._latest_step is None or upload.step >= self._latest_step
         if move_latest:
@@ -678,12 +709,26 @@ class CheckpointBackup:
             ordinals = [u.ordinal for u in self._uploads.values() if u.step == step]
         return ordinals[-1] if ordinals else None
 
+    def _remote_run_id(self, name: str) -> str | None:
+        """The run_id in the remote record of checkpoint `name` (None: none, or unreadable)."""
+        if name not in self._remote_run_ids:
+            try:
+                record = get_json(self.fs, f"{checkpoint_folder(self.root)}/{name}{RECORD_SUFFIX}")
+            except VerificationError:
+                record = None
+            run_id = record.get("run_id") if isinstance(record, dict) else None
+            self._remote_run_ids[name] = str(run_id) if run_id else None
+        return self._remote_run_ids[name]
+
     def _apply_retention(self) -> None:
         listing = remote_listing(self.fs, self.root)
         verified = listing["verified"]
         with self._cond:
             ours = {u.step for u in self._uploads.values() if u.state == "verified" and u.record}
             protect = {self._latest_step} if self._latest_step is not None else set()
+            run_id = self._run_id
+        if run_id:
+            ours |= {step for step, name in verified.items() if self._remote_run_id(name) == run_id}
         latest = listing["latest"]
         if isinstance(latest, dict) and isinstance(latest.get("step"), int):
             protect.add(latest["step"])
@@ -693,6 +738,7 @@ class CheckpointBackup:
         for step in victims:
             name = verified[step]
             self.fs.rm_file(f"{folder}/{name}{RECORD_SUFFIX}")  # the record first: a lone file is never trusted
+            self._remote_run_ids.pop(name, None)
             self.fs.rm_file(f"{folder}/{name}")
         if victims:
             _refresh(self.fs, folder)

@@ -101,11 +101,12 @@ def fake_checkpoint(folder: Path, step: int) -> Path:
     return path
 
 
-def save_and_point_latest(folder: Path, step: int) -> Path:
-    """A checkpoint with its records as train.py writes them: step-N.json, then latest.json."""
+def save_and_point_latest(folder: Path, step: int, run_id: str | None = None) -> Path:
+    """A checkpoint with its records as train.py writes them: step-N.json (with the run_id), then latest.json."""
     path = fake_checkpoint(folder, step)
     record = {"path": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-    atomic_write_json(path.with_suffix(".json"), record)
+    sidecar = {**record, "run_id": run_id, "created": f"2026-01-01T00:00:{step % 60:02d}Z"} if run_id else record
+    atomic_write_json(path.with_suffix(".json"), sidecar)
     atomic_write_json(folder / "latest.json", record)
     return path
 
@@ -233,6 +234,36 @@ def test_local_folder_backup_retention_and_restore(tmp_path):
     assert json.loads((fresh / "latest.json").read_text())["path"] == "step-00000110.pt"
     assert torch.load(restored, weights_only=True)["step"] == 110
     assert sorted(p.name for p in fresh.iterdir()) == ["latest.json", "step-00000110.pt"]
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_remote_retention_spans_sessions_of_the_same_run(store, tmp_path, request):
+    """Session 1 saves 10..30, the disk is lost, session 2 (same run_id) goes on to 53: retention
+    applies to both sessions' uploads, never to another run's files on the same remote."""
+    url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
+    fs, root = cc.open_remote(url)
+    for step in (5, 25):  # another run's checkpoints on the same remote
+        cc.upload_checkpoint(fs, root, save_and_point_latest(tmp_path / "other" / "checkpoints", step, "other-run"))
+
+    def session(local: Path, steps: list[int]) -> Log:
+        log = Log()
+        backup = cc.CheckpointBackup(url, keep_recent=3, keep_every=10, save_every=10, log=log)
+        for step in steps:
+            backup.submit(save_and_point_latest(local, step, "run-a"), step)
+            assert backup.wait(30)
+        backup.close()
+        return log
+
+    session(tmp_path / "machine-1" / "run" / "checkpoints", [10, 20, 30])
+    assert sorted(remote_state(url)["verified"]) == [5, 10, 20, 25, 30]
+    log = session(tmp_path / "machine-2" / "run" / "checkpoints", [40, 50, 53])
+    state = remote_state(url)
+    assert sorted(state["verified"]) == [5, 25, 40, 50, 53]
+    assert state["latest"]["step"] == 53 and state["latest"]["run_id"] == "run-a"
+    removed = [line.rsplit(" ", 1)[-1] for line in log if "remote retention removed" in line]
+    assert removed == ["step-00000010.pt", "step-00000020.pt", "step-00000030.pt"]  # one per upload
+    record = fs.cat_file(f"{cc.checkpoint_folder(root)}/step-00000053.pt.json")
+    assert json.loads(record)["run_id"] == "run-a"
 
 
 def test_restore_from_an_empty_remote_returns_none(tmp_path):
