@@ -15,6 +15,9 @@ A URL is anything fsspec opens: a folder (`/content/drive/MyDrive/runs/tiny`, `f
                                             after the promotion: the proof that it was verified
     URL/checkpoints/latest.json             the record of the newest verified checkpoint (moved last)
     URL/checkpoints/.step-...pt.<id>.partial  an upload in flight; never read
+    URL/metrics.jsonl, training_settings.json, hardware.json, run_status.json
+                                            the run's history, uploaded (verified, promoted) after
+                                            each checkpoint; restored beside checkpoints/ when missing
 
 A URL may instead hold a corpus folder (DESIGN.md, "Corpus folder"), recognised by its
 corpus_manifest.json; `push`, `pull`, `list` and `verify` then handle the corpus.
@@ -42,6 +45,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -64,6 +68,9 @@ LATEST = "latest.json"
 RECORD_SUFFIX = ".json"
 CORPUS_MANIFEST = "corpus_manifest.json"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
+# The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
+# restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
+RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json")
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
@@ -285,6 +292,60 @@ def upload_checkpoint(fs, root: str, local_path: str | os.PathLike, step: int | 
     return record
 
 
+def run_file_path(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def upload_run_files(fs, root: str, run_dir: Path) -> list[str]:
+    """Upload the RUN_FILES that exist in `run_dir`, each verified and promoted like a checkpoint.
+
+    Each is copied to a local snapshot first: training keeps appending to metrics.jsonl, and the
+    remote copy is checked against the bytes that were sent. Returns the names uploaded.
+    """
+    uploaded = []
+    with tempfile.TemporaryDirectory(prefix="run-files-") as scratch:
+        for name in RUN_FILES:
+            snapshot = Path(scratch) / name
+            try:
+                shutil.copyfile(run_dir / name, snapshot)
+            except FileNotFoundError:
+                continue
+            upload_verified(fs, snapshot, run_file_path(root, name))
+            uploaded.append(name)
+    return uploaded
+
+
+def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line) -> list[str]:
+    """Download the remote RUN_FILES that `run_dir` lacks (through a temporary name), so a restored run
+    keeps its history. Skipped when the remote's training_settings.json names another run_id."""
+    remote_settings = get_json(fs, run_file_path(root, "training_settings.json")) or {}
+    remote_run = remote_settings.get("run_id") if isinstance(remote_settings, dict) else None
+    if run_id and remote_run and remote_run != run_id:
+        log("checkpoint restore: WARNING the remote run files belong to another run (run_id "
+            f"{remote_run}, checkpoint {run_id}); not restored")
+        return []
+    restored = []
+    for name in RUN_FILES:
+        target = run_dir / name
+        if target.exists():
+            continue
+        temp = run_dir / f".{name}.{secrets.token_hex(4)}.partial"
+        try:
+            fs.get_file(run_file_path(root, name), str(temp))
+            with open(temp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(temp, target)
+            restored.append(name)
+        except FileNotFoundError:
+            continue
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+    if restored:
+        fsync_dir(run_dir)
+    return restored
+
+
 def write_remote_latest(fs, root: str, record: dict) -> None:
     put_json(fs, f"{checkpoint_folder(root)}/{LATEST}", record)
 
@@ -418,6 +479,14 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
         local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
         atomic_write_json(local_dir / LATEST, local_record)
         log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
+        try:
+            with remote_errors("downloading the run files"):
+                history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log)
+        except (UserError, VerificationError) as error:
+            log(f"checkpoint restore: WARNING the run files (metrics.jsonl, ...) were not restored: {error}")
+        else:
+            if history:
+                log(f"checkpoint restore: {', '.join(history)} restored into {local_dir.parent}")
         return path
     raise UserError(f"no checkpoint on the remote matches its recorded sha256 ({len(candidates)} tried); "
                     "refusing to start over on top of the backup")
@@ -677,6 +746,7 @@ class CheckpointBackup:
             move_latest = self._latest_step is None or upload.step >= self._latest_step
         if move_latest:
             write_remote_latest(self.fs, self.root, upload.record)
+            self._upload_run_files(upload.path.parent)
         with self._cond:
             if move_latest:
                 self._latest_step = upload.step
@@ -686,6 +756,16 @@ class CheckpointBackup:
             self._apply_retention()
         except Exception as error:
             self.log(f"checkpoint backup: remote retention skipped this time ({type(error).__name__})")
+
+    def _upload_run_files(self, checkpoint_dir: Path) -> None:
+        """The run's history beside the newest checkpoint; a failure is logged, retried next time."""
+        if checkpoint_dir.name != CHECKPOINT_DIR:
+            return  # not train.py's RUN/checkpoints layout: no RUN folder to speak of
+        try:
+            upload_run_files(self.fs, self.root, checkpoint_dir.parent)
+        except Exception as error:
+            self.log(f"checkpoint backup: the run files (metrics.jsonl, ...) not backed up this time "
+                     f"({type(error).__name__}); retried at the next checkpoint")
 
     def _failed(self, upload: _Upload, error: Exception) -> None:
         with self._cond:
@@ -946,6 +1026,9 @@ def command_push(run_dir: str, url: str) -> int:
             raise UserError(f"no checkpoint in {source / CHECKPOINT_DIR} matches its local record; nothing pushed")
         write_remote_latest(fs, root, newest)
         print(f"remote latest.json -> {newest['path']} (step {newest['step']})")
+        history = upload_run_files(fs, root, source)
+        if history:
+            print(f"run files uploaded and verified: {', '.join(history)}")
     return 0
 
 

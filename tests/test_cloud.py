@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import checkpoint_cloud as cc
-from common import UserError, atomic_write_json, sha256_file, sha256_tree
+from common import UserError, append_jsonl, atomic_write_json, sha256_file, sha256_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
@@ -264,6 +264,46 @@ def test_remote_retention_spans_sessions_of_the_same_run(store, tmp_path, reques
     assert removed == ["step-00000010.pt", "step-00000020.pt", "step-00000030.pt"]  # one per upload
     record = fs.cat_file(f"{cc.checkpoint_folder(root)}/step-00000053.pt.json")
     assert json.loads(record)["run_id"] == "run-a"
+
+
+def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
+    """metrics.jsonl and the other small RUN files travel with the checkpoints, so a restored run keeps its history."""
+    run = tmp_path / "machine-1" / "run"
+    remote = str(tmp_path / "remote")
+    backup = cc.CheckpointBackup(remote, save_every=10, log=Log())
+    run.mkdir(parents=True)
+    for step in (10, 20):
+        for line in range(step - 9, step + 1):
+            append_jsonl(run / "metrics.jsonl", {"kind": "train", "step": line, "loss": 1.0 / line})
+        atomic_write_json(run / "training_settings.json", {"run_id": "run-a", "preset": "tiny"})
+        atomic_write_json(run / "hardware.json", {"device": "cpu"})
+        backup.submit(save_and_point_latest(run / "checkpoints", step, "run-a"), step)
+        assert backup.wait(30)
+    sent = (run / "metrics.jsonl").read_bytes()
+    append_jsonl(run / "metrics.jsonl", {"kind": "train", "step": 21})  # after the last checkpoint
+    backup.close()
+    fs, root = cc.open_remote(remote)
+    assert fs.cat_file(f"{root}/metrics.jsonl") == sent
+    assert not [name for name in fs.ls(root, detail=False) if name.endswith(".partial")]
+
+    fresh = tmp_path / "machine-2" / "run"
+    (fresh / "hardware.json").parent.mkdir(parents=True)
+    (fresh / "hardware.json").write_text('{"device": "cuda"}\n')  # present locally: kept as is
+    log = Log()
+    assert cc.restore_latest(remote, fresh / "checkpoints", log=log) == fresh / "checkpoints" / "step-00000020.pt"
+    assert (fresh / "metrics.jsonl").read_bytes() == sent
+    assert json.loads((fresh / "training_settings.json").read_text())["run_id"] == "run-a"
+    assert json.loads((fresh / "hardware.json").read_text()) == {"device": "cuda"}
+    assert "metrics.jsonl, training_settings.json restored" in log.text()
+    assert not list(fresh.glob(".*partial"))
+
+    # run files of another run on the same remote are not mixed into this one
+    atomic_write_json(tmp_path / "settings.json", {"run_id": "run-b"})
+    cc.upload_verified(fs, tmp_path / "settings.json", f"{root}/training_settings.json")
+    other = tmp_path / "machine-3" / "run"
+    log = Log()
+    cc.restore_latest(remote, other / "checkpoints", log=log)
+    assert not (other / "metrics.jsonl").exists() and "belong to another run" in log.text()
 
 
 def test_restore_from_an_empty_remote_returns_none(tmp_path):
@@ -571,7 +611,7 @@ def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
     assert "resumed from" in output  # it did not quietly start over
     steps = [json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
-    assert steps == [6, 7, 8]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # the history came back with the checkpoint
 
     def final(out: Path) -> dict:
         latest = json.loads((out / "checkpoints" / "latest.json").read_text())
