@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -72,6 +74,7 @@ DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_to
 BETAS = (0.9, 0.95)
 GRAD_CLIP = 1.0
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})\.pt")
+RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
 
 # Dense half-precision peak FLOP/s by GPU name (for MFU); --peak-tflops overrides.
@@ -171,13 +174,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.demo = args.data is None
+    args.cap_warmup = False
     if args.demo:
-        parser.set_defaults(**DEMO_DEFAULTS)
+        parser.set_defaults(**{**DEMO_DEFAULTS, "warmup_steps": None})  # None: not given
         epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
         args = parser.parse_args(argv)
         args.demo, args.data = True, DEFAULT_DATA
+        args.cap_warmup = args.warmup_steps is None  # a short demo run keeps a cosine phase
+        if args.cap_warmup:
+            args.warmup_steps = DEMO_DEFAULTS["warmup_steps"]
         if epochs_given:
             args.target_tokens = None
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
     check_args(args)
     return args
 
@@ -204,6 +212,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--context must be at least 2, got {args.context}")
     if args.backup_wait_seconds < 0:
         raise UserError(f"--backup-wait-seconds must not be negative, got {args.backup_wait_seconds}")
+    if args.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", args.resume) \
+            and not Path(args.resume).exists():
+        raise UserError(f"--resume {args.resume}: not a choice and no such file; use auto (the newest verified "
+                        "checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
 
 
 def resolve_model_preset(args: argparse.Namespace) -> model_config.Preset:
@@ -283,12 +295,24 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 def load_manifest(corpus: Path) -> dict:
     """corpus_manifest.json (data.py checks its layout), with a hint when the corpus is not there."""
-    if not corpus.is_dir():
-        raise UserError(f"corpus folder {corpus} not found; build one with: python data.py --demo --out {corpus}")
+    check_corpus_folder(corpus)
     manifest = data.load_corpus_manifest(corpus)
     if "train" not in manifest["splits"] or "vocab_size" not in manifest:
         raise UserError(f"{corpus / 'corpus_manifest.json'} has no train split or no vocab_size")
     return manifest
+
+
+def check_corpus_folder(corpus: Path, demo: bool = False) -> None:
+    """A clear line, and the data.py command that builds one, when `corpus` is not a corpus folder."""
+    if (corpus / data.CORPUS_MANIFEST).is_file():
+        return
+    if demo:
+        raise UserError(f"corpus folder {corpus} not found; build one with: python data.py --demo --out {corpus}")
+    if not corpus.exists():
+        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python data.py --data YOUR_FILES "
+                        f"--out {corpus}")
+    raise UserError(f"--data {corpus} is not a corpus folder (no {data.CORPUS_MANIFEST}); build one with: "
+                    f"python data.py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
 
 
 def check_corpus(corpus: Path) -> list[str]:
@@ -1037,6 +1061,8 @@ class Training:
                                     info.world)
         self.tokens_per_step = self.sampler.global_batch * self.context
         self.total_steps = self._total_steps()
+        if getattr(args, "cap_warmup", False):  # the demo's default warmup, on a run shortened by options
+            args.warmup_steps = min(args.warmup_steps, max(1, self.total_steps // 10))
 
         seed_everything(args.seed)
         specials = manifest.get("special_tokens", {})
@@ -1321,17 +1347,68 @@ def main(argv: list[str] | None = None) -> int:
         if args.export_only:
             return export_only(args, info)
         args.data = str(main_decides(lambda: prepare_corpus(args), info))
-        backup_url = checkpoint_cloud.backup_url_from_env_or_arg(args.backup_to)
-        if backup_url and args.resume == "auto":
-            main_decides(lambda: restore_from_backup(backup_url, Path(args.out)), info)
-        backup = start_backup(args, info)
-        try:
-            return train(args, info, backup=backup, backup_wait_s=args.backup_wait_seconds)
-        finally:
-            if backup is not None:
-                backup.close()
+        with claim_run_folder(Path(args.out), info):
+            backup_url = checkpoint_cloud.backup_url_from_env_or_arg(args.backup_to)
+            if backup_url and args.resume == "auto":
+                main_decides(lambda: restore_from_backup(backup_url, Path(args.out)), info)
+            backup = start_backup(args, info)
+            try:
+                return train(args, info, backup=backup, backup_wait_s=args.backup_wait_seconds)
+            finally:
+                if backup is not None:
+                    backup.close()
     finally:
         shutdown_distributed()
+
+
+
+def check_run_folder(out: Path) -> None:
+    """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
+    if not out.is_dir():
+        return
+    if (out / data.CORPUS_MANIFEST).exists():
+        raise UserError(f"--out {out} is a corpus folder ({data.CORPUS_MANIFEST}), not a run folder; "
+                        "choose a new --out")
+    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
+        raise UserError(f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
+                        "run_status.json or checkpoints/); choose a new or empty --out")
+
+
+def lock_run_folder(out: Path):
+    """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid = handle.read().strip() or "unknown"
+        handle.close()
+        raise UserError(f"run folder {out} is in use by another train.py (pid {pid})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+@contextlib.contextmanager
+def claim_run_folder(out: Path, info: DistInfo):
+    """Rank 0 checks --out and holds its lock for the whole run; every rank learns of a refusal."""
+    held = {}
+
+    def claim() -> None:
+        check_run_folder(out)
+        held["lock"] = lock_run_folder(out)
+
+    main_decides(claim, info)
+    try:
+        yield
+    finally:
+        if "lock" in held:
+            held["lock"].close()
 
 
 def prepare_corpus(args: argparse.Namespace) -> Path:
@@ -1347,7 +1424,9 @@ def prepare_corpus(args: argparse.Namespace) -> Path:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
         cache = Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
         return checkpoint_cloud.local_corpus(args.data, cache)
-    return Path(args.data.removeprefix("file://"))
+    corpus = Path(args.data.removeprefix("file://"))
+    check_corpus_folder(corpus)
+    return corpus
 
 
 def restore_from_backup(url: str, out: Path) -> Path | None:
@@ -1402,6 +1481,9 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {info.device.type}")
+    if args.warmup_steps >= training.total_steps and info.is_main:
+        print(f"warning: --warmup-steps {args.warmup_steps} >= the run's {training.total_steps} steps: the learning "
+              "rate never reaches --lr nor decays; pass fewer --warmup-steps", file=sys.stderr, flush=True)
 
     progress = report.Progress(training.total_steps, training.step, args.log_every, enabled=info.is_main)
     stop = StopRequest()
@@ -1412,6 +1494,13 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         fail_run(info, out, checkpointer, training, str(error))
         raise UserError(f"training failed: {error}; the last good checkpoint is intact "
                         f"(status {FAILED} in {out / 'run_status.json'})") from None
+    except KeyboardInterrupt:  # a second Ctrl-C
+        command = resume_command(info, getattr(args, "argv", None))
+        reason = fail_run(info, out, checkpointer, training,
+                          lambda: interrupted_reason(out, training.step, command))
+        if reason:
+            print(reason, file=sys.stderr, flush=True)
+        raise
     except BaseException as error:
         fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
         raise
@@ -1507,14 +1596,27 @@ def save_checkpoint(training: Training, checkpointer: Checkpointer | None, best_
         checkpointer.save(snapshot, training.step, best_val_loss)
 
 
-def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training, reason: str) -> None:
-    """Record FAILED; checkpoints already queued are finished (they hold good state)."""
+def interrupted_reason(out: Path, step: int, command: str) -> str:
+    """What run_status.json says after a second Ctrl-C: where the run stands and how to continue."""
+    latest = latest_checkpoint_name(out)
+    where = f"the last checkpoint is {out / 'checkpoints' / latest}" if latest else "no checkpoint was saved yet"
+    return f"aborted by the user (second interrupt) at step {step}; {where}; continue with: {command}"
+
+
+def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training,
+             reason: str | Callable[[], str]) -> str | None:
+    """Record FAILED (rank 0); checkpoints already queued are finished first (they hold good state).
+
+    `reason` may be a function, called once they are: it can then name the last checkpoint.
+    """
     if not info.is_main:
-        return
+        return None
     with contextlib.suppress(Exception):
         checkpointer.close()
+    reason = reason() if callable(reason) else reason
     write_status(out, FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
                  last_checkpoint=latest_checkpoint_name(out))
+    return reason
 
 
 def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: MetricsLog,
@@ -1550,7 +1652,7 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         "backup_complete": backed_up,
     }
     if status == NEEDS_RESUME:
-        record["resume_command"] = resume_command(info)
+        record["resume_command"] = resume_command(info, getattr(args, "argv", None))
     write_status(out, status, **record)
     if args.report:
         try:

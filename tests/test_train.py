@@ -398,8 +398,8 @@ def reference(corpus, tmp_path_factory) -> Path:
 
 def test_uninterrupted_run_writes_the_run_folder(reference):
     assert status(reference)["status"] == "COMPLETE"
-    assert sorted(p.name for p in reference.iterdir()) == [
-        "checkpoints", "hardware.json", "metrics.jsonl", "run_status.json", "training_settings.json"]
+    assert sorted(p.name for p in reference.iterdir()) == [  # .lock: the pid of the last train.py to run here
+        ".lock", "checkpoints", "hardware.json", "metrics.jsonl", "run_status.json", "training_settings.json"]
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     train_keys = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "step_seconds", "tokens_per_second", "mfu",
                   "peak_memory_bytes", "time"}
@@ -599,3 +599,90 @@ def test_think72_env_alias_turns_the_backup_on(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("THINK72_BACKUP_URL", str(remote))
     assert train.main(options(corpus, tmp_path / "run", steps=4)) == 0
     assert json.loads((remote / "checkpoints" / "latest.json").read_text())["step"] == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# What a new user runs into: a busy or foreign --out, a wrong --data, --resume typos, interrupts
+
+
+def test_a_second_train_py_on_a_locked_run_folder_is_refused_with_the_holders_pid(corpus, tmp_path):
+    out = tmp_path / "run"
+    lock = train.lock_run_folder(out)  # another train.py holds RUN/.lock
+    try:
+        result = run_cli(options(corpus, out), check=False)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == f"error: run folder {out} is in use by another train.py (pid {os.getpid()})"
+        assert sorted(os.listdir(out)) == [".lock"]  # nothing written, nothing deleted
+    finally:
+        lock.close()
+    assert train.main(options(corpus, out, steps=2)) == 0  # the lock goes with its holder
+    assert status(out)["status"] == "COMPLETE"
+
+
+def test_an_out_that_is_a_corpus_or_holds_other_files_is_refused(corpus, tmp_path):
+    before = sorted(os.listdir(corpus))
+    with pytest.raises(UserError, match=f"--out {corpus} is a corpus folder"):
+        train.main(options(corpus, corpus))
+    assert sorted(os.listdir(corpus)) == before
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(UserError, match=f"--out {foreign} holds files but is not a tinyllm run folder"):
+        train.main(options(corpus, foreign))
+    assert os.listdir(foreign) == ["cat.jpg"]
+    (tmp_path / "empty").mkdir()
+    train.check_run_folder(tmp_path / "empty")  # an empty or missing folder is fine
+    train.check_run_folder(tmp_path / "missing")
+
+
+def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corpus(tmp_path):
+    jsonl = tmp_path / "notes.jsonl"
+    jsonl.write_text('{"text": "hello"}\n')
+    for path in (jsonl, tmp_path):
+        with pytest.raises(UserError) as error:
+            train.main(["--data", str(path), "--out", str(tmp_path / "run"), "--no-report"])
+        assert str(error.value) == (f"--data {path} is not a corpus folder (no corpus_manifest.json); build one "
+                                    f"with: python data.py --data {path} --out corpus/{path.stem}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_typo_lists_the_choices(tmp_path):
+    with pytest.raises(UserError, match=r"--resume Auto: not a choice and no such file; use auto .* none .* PATH"):
+        train.parse_args(["--data", str(tmp_path), "--resume", "Auto"])
+
+
+def test_warmup_longer_than_the_run_warns_and_the_demo_caps_only_its_own_default(corpus, tmp_path, capsys):
+    assert train.main(options(corpus, tmp_path / "run", "--warmup-steps", "20", steps=2)) == 0
+    assert "warning: --warmup-steps 20 >= the run's 2 steps" in capsys.readouterr().err
+    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    short_demo = train.parse_args(["--target-tokens", str(20 * 32 * 128), "--out", str(tmp_path / "demo")])
+    short_demo.data = str(corpus)
+    training = train.build_training(short_demo, info)
+    assert training.total_steps == 20 and training.schedule.warmup == 2 == training.settings()["training"][
+        "warmup_steps"]
+    chosen = train.parse_args(["--target-tokens", str(20 * 32 * 128), "--warmup-steps", "100"])
+    chosen.data = str(corpus)
+    assert train.build_training(chosen, info).schedule.warmup == 100  # a user's choice is kept (and warned about)
+
+
+def test_a_second_ctrl_c_records_an_honest_reason_and_the_continue_command(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    original = train.Training.train_step
+
+    def interrupted_twice(self):
+        result = original(self)
+        if result.step == 3:
+            signal.raise_signal(signal.SIGINT)  # the first: finish the step, save, stop
+            signal.raise_signal(signal.SIGINT)  # the second: abort now
+        return result
+
+    monkeypatch.setattr(train.Training, "train_step", interrupted_twice)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(options(corpus, out, "--save-every", "2"))
+    record = status(out)
+    assert record["status"] == "FAILED" and record["step"] == 3
+    assert record["reason"] == (f"aborted by the user (second interrupt) at step 3; the last checkpoint is "
+                                f"{out / 'checkpoints' / 'step-00000002.pt'}; continue with: "
+                                + train.resume_command(train.DistInfo(0, 0, 1, torch.device("cpu")),
+                                                       options(corpus, out, "--save-every", "2")))
+    assert f"--data {corpus}" in record["reason"]  # from main's argv, not pytest's sys.argv
