@@ -21,6 +21,7 @@ exported model after the fact:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import math
@@ -505,12 +506,31 @@ def task_accuracy(model, tokenizer, eval_jsonl: str | os.PathLike, device=None, 
 # The Hugging Face export: RUN/model/, built beside and swapped in.
 
 
-def generation_config_for(tokenizer):
-    """Greedy defaults that stop at <|im_end|> or <eos>, pad 0, bos 1."""
+def generation_config_for(tokenizer, context: int | None = None):
+    """Greedy defaults that stop at <|im_end|> or <eos>, pad 0, bos 1.
+
+    max_new_tokens leaves a quarter of the model's context for the prompt (96 of 128), at most 256.
+    """
     from transformers import GenerationConfig
 
+    max_new_tokens = 256 if context is None else max(1, min(256, context - context // 4))
     return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_token_ids(tokenizer),
-                            pad_token_id=tokenizer.pad_token_id, do_sample=False, num_beams=1, max_new_tokens=256)
+                            pad_token_id=tokenizer.pad_token_id, do_sample=False, num_beams=1,
+                            max_new_tokens=max_new_tokens)
+
+
+@contextlib.contextmanager
+def quiet_transformers_progress():
+    """No "Writing model shards" / "Loading weights" bars from transformers inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def architecture_of(model) -> dict:
@@ -697,9 +717,10 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
     model = unwrap_model(model)
     try:
         architecture = architecture_of(model)
-        model.save_pretrained(temp, max_shard_size="100GB")  # transformers 5 always writes safetensors
+        with quiet_transformers_progress():
+            model.save_pretrained(temp, max_shard_size="100GB")  # transformers 5 always writes safetensors
         tokenizer.save_pretrained(temp)
-        generation_config_for(tokenizer).save_pretrained(temp)
+        generation_config_for(tokenizer, getattr(model.config, "max_position_embeddings", None)).save_pretrained(temp)
         write_model_card(temp, architecture, card_info)
         write_provenance(temp, architecture, card_info)
         hashes = {}
@@ -734,7 +755,8 @@ def load_exported(model_dir: str, device: str):
                         "train.py writes one to RUN/model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device)
+        with quiet_transformers_progress():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device)
     except (OSError, ValueError) as error:
         raise UserError(f"{model_dir} does not load: {type(error).__name__}: {str(error).splitlines()[0]}") from None
     return model, tokenizer

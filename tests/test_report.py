@@ -340,6 +340,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     assert generation["eos_token_id"] == [im_end, eos] and (im_end, eos) == (4, 2)
     assert (generation["pad_token_id"], generation["bos_token_id"]) == (0, 1)
     assert generation.get("do_sample", False) is False
+    assert generation["max_new_tokens"] == 96  # a quarter of the 128-token context left for the prompt
 
     chat = pipeline("text-generation", model=str(out), device="cpu")
     reply = chat([{"role": "user", "content": "Say hello."}], max_new_tokens=16)[0]["generated_text"][-1]
@@ -403,3 +404,16 @@ def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_pa
     finally:
         with torch.no_grad():
             model.model.norm.weight.sub_(1.0)
+
+
+def test_export_shows_no_transformers_progress_bars_and_restores_the_setting(chat_model, tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    model, tokenizer = chat_model
+    assert hf_logging.is_progress_bar_enabled()
+    report.export_hf_model(model, tokenizer, tmp_path / "model", CARD_INFO)
+    report.load_exported(str(tmp_path / "model"), "cpu")
+    captured = capfd.readouterr()
+    assert "Writing model shards" not in captured.err + captured.out
+    assert "Loading weights" not in captured.err + captured.out
+    assert hf_logging.is_progress_bar_enabled()  # only our export is quiet
