@@ -451,6 +451,21 @@ def remote_errors(action: str):
                         "credentials") from None
 
 
+def write_local_sidecar(fs, root: str, path: Path, local_record: dict, remote_record: dict) -> None:
+    """train.py's sidecar step-N.json beside a restored checkpoint {"path", "step", "sha256", "bytes",
+    "run_id", "created"}, so local retention treats the file as this run's. The run_id comes from the
+    remote record, else from the remote training_settings.json (remotes written before records had
+    it); with neither, no sidecar is written and latest.json alone vouches for the file."""
+    run_id = remote_record.get("run_id")
+    if not run_id:
+        with contextlib.suppress(Exception):
+            settings = get_json(fs, run_file_path(root, "training_settings.json"))
+            run_id = settings.get("run_id") if isinstance(settings, dict) else None
+    if run_id:
+        created = remote_record.get("created") or remote_record.get("uploaded_utc") or utc_now()
+        atomic_write_json(path.with_suffix(".json"), {**local_record, "run_id": run_id, "created": created})
+
+
 def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line) -> Path | None:
     """Download the remote's newest verified checkpoint into `local_checkpoint_dir` and point the local
     latest.json at it, so train.py's `--resume auto` picks it up.
@@ -477,6 +492,7 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
             continue
         local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
+        write_local_sidecar(fs, root, path, local_record, record)
         atomic_write_json(local_dir / LATEST, local_record)
         log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
         try:

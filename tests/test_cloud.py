@@ -296,6 +296,17 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     assert json.loads((fresh / "hardware.json").read_text()) == {"device": "cuda"}
     assert "metrics.jsonl, training_settings.json restored" in log.text()
     assert not list(fresh.glob(".*partial"))
+    # train.py's sidecar beside the restored checkpoint: local retention treats it as this run's file
+    restored = fresh / "checkpoints" / "step-00000020.pt"
+    assert json.loads(restored.with_suffix(".json").read_text()) == {
+        **json.loads((fresh / "checkpoints" / "latest.json").read_text()), "run_id": "run-a",
+        "created": "2026-01-01T00:00:20Z"}
+    train = pytest.importorskip("train")
+    assert train.newest_verified_checkpoint(fresh / "checkpoints")[0] == restored
+    save_and_point_latest(fresh / "checkpoints", 30, "run-a")
+    train.Checkpointer(fresh / "checkpoints", "run-a", keep_last=1, keep_every=0).apply_retention()
+    assert sorted(p.name for p in (fresh / "checkpoints").glob("step-*")) == ["step-00000030.json",
+                                                                               "step-00000030.pt"]
 
     # run files of another run on the same remote are not mixed into this one
     atomic_write_json(tmp_path / "settings.json", {"run_id": "run-b"})
