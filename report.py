@@ -33,6 +33,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from common import (
     UserError,
     atomic_write_bytes,
@@ -197,17 +199,22 @@ def _series(records: list[dict], kind: str, key: str) -> tuple[list[float], list
     return xs, ys
 
 
-def smooth(values: list[float], weight: float | None = None) -> list[float]:
-    """TensorBoard-style exponential moving average, debiased so it starts at the first value.
+SMOOTH_FROM_POINTS = 50  # fewer train points: one plain line (a moving average over so few would only lag)
 
-    The default weight averages over about 1/25 of the points, at most 20 (weight 0.95).
+
+def smooth(values: list[float], window: int | None = None) -> list[float]:
+    """Centred moving average (no lag on a steep early curve), the window shrinking at both ends.
+
+    The default window spans about 1/25 of the points (odd, at least 3).
     """
-    if weight is None:
-        weight = min(0.95, max(0.0, 1 - 25 / max(1, len(values))))
-    smoothed, average = [], 0.0
-    for count, value in enumerate(values, start=1):
-        average = weight * average + (1 - weight) * value
-        smoothed.append(average / (1 - weight**count))
+    if window is None:
+        window = max(3, len(values) // 25)
+    half = window // 2
+    sums = np.concatenate([[0.0], np.cumsum(values, dtype=float)])
+    smoothed = []
+    for index in range(len(values)):
+        width = min(half, index, len(values) - 1 - index)
+        smoothed.append(float(sums[index + width + 1] - sums[index - width]) / (2 * width + 1))
     return smoothed
 
 
@@ -232,14 +239,24 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     figure = Figure(figsize=(9, 5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    if train_loss:
-        axes.plot(train_x, train_loss, color="tab:blue", alpha=0.3, linewidth=1, label="train loss")
-        if len(train_loss) >= 50:
-            axes.plot(train_x, smooth(train_loss), color="tab:blue", linewidth=1.8, label="train loss (smoothed)")
+    # Train on top (zorder), validation as open markers on a thin line, the test star below: where they agree,
+    # all stay visible.
+    if len(train_loss) >= SMOOTH_FROM_POINTS:
+        axes.plot(train_x, train_loss, color="tab:blue", alpha=0.3, linewidth=1, zorder=3, label="train loss")
+        axes.plot(train_x, smooth(train_loss), color="tab:blue", linewidth=2, zorder=4, label="train loss (smoothed)")
+    elif train_loss:
+        axes.plot(train_x, train_loss, color="tab:blue", linewidth=2, zorder=4, label="train loss")
     if val_loss:
-        axes.plot(val_x, val_loss, "o-", color="tab:orange", linewidth=1.8, markersize=4, label="validation loss")
+        axes.plot(val_x, val_loss, "o-", color="tab:orange", linewidth=1, markersize=7, markerfacecolor="none",
+                  markeredgewidth=1.8, zorder=2, label="validation loss")
     if test_loss:
-        axes.plot(test_x, test_loss, "*", color="tab:red", markersize=12, label=f"test loss {test_loss[-1]:.3f}")
+        axes.plot(test_x, test_loss, "*", color="tab:red", markersize=12, zorder=1.5,
+                  label=f"test loss {test_loss[-1]:.3f}")
+    losses = train_loss + val_loss + test_loss
+    if min(losses) > 0 and max(losses) / min(losses) > 4:  # the late, small changes matter most
+        axes.set_yscale("log")
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axes.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axes.set_xlabel("tokens seen")
     axes.set_ylabel("loss (nats per token)")
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: human_count(value)))

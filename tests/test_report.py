@@ -1,9 +1,11 @@
 """report.py: progress lines, the loss curve, TensorBoard, chat generation, task accuracy, HF export."""
 
 import json
+import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -417,3 +419,34 @@ def test_export_shows_no_transformers_progress_bars_and_restores_the_setting(cha
     assert "Writing model shards" not in captured.err + captured.out
     assert "Loading weights" not in captured.err + captured.out
     assert hf_logging.is_progress_bar_enabled()  # only our export is quiet
+
+
+def demo_like_metrics(path, train_points: int) -> None:
+    """Train loss falling from 6 to 0.3 and validation right on it (the demo's curve), as train.py logs them."""
+    records = []
+    for index in range(train_points):
+        step = 1 + index * 1500 // train_points
+        loss = 0.3 + 5.7 * math.exp(-step / 120)
+        records.append({"kind": "train", "step": step, "tokens": step * 4096, "loss": loss, "lr": 3e-3})
+        if index and index % 5 == 0:
+            records.append({"kind": "eval", "step": step, "tokens": step * 4096, "val_loss": loss})
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+@pytest.mark.parametrize("train_points", [3, 31, 300])
+def test_loss_curve_shows_the_train_line_in_full_colour_whatever_the_run_length(tmp_path, train_points):
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+
+    demo_like_metrics(tmp_path / "metrics.jsonl", train_points)
+    assert report.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss_curve.png")
+    pixels = imread(tmp_path / "loss_curve.png")[..., :3]
+    blue = np.abs(pixels - np.array(to_rgb("tab:blue"))).max(axis=-1) < 0.05  # not the pale, see-through line
+    assert blue.sum() > 1500, f"only {blue.sum()} pixels of the train line in full colour"
+
+
+def test_smooth_is_centred_so_a_falling_curve_does_not_lag():
+    falling = [10.0 - index for index in range(10)]
+    assert report.smooth(falling, window=5) == falling  # a moving average that trails would sit above it
+    assert report.smooth([1.0, 5.0, 1.0, 5.0, 1.0], window=3) == [1.0, 7 / 3, 11 / 3, 7 / 3, 1.0]
+    assert report.smooth([]) == [] and report.smooth([2.0]) == [2.0]
