@@ -979,6 +979,25 @@ def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:
 # The command line.
 
 
+BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs")
+
+
+def require_remote(fs, root: str, url: str) -> None:
+    """list / verify / pull: a remote that does not exist (a typo) is an error; an existing empty one
+    is not. A local folder must exist; on S3 / GCS the bucket must (a prefix exists once written)."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    with remote_errors("looking at the remote"):
+        _refresh(fs, root)
+        if is_local(fs):
+            if not fs.isdir(root):
+                raise UserError(f"no such folder: {root}")
+        elif scheme in BUCKET_SCHEMES and not fs.exists(root):
+            bucket = root.split("/", 1)[0]
+            _refresh(fs, bucket)
+            if not fs.exists(bucket):
+                raise UserError(f"the {scheme}:// bucket does not exist (or these credentials cannot see it)")
+
+
 def remote_is_corpus(fs, root: str) -> bool:
     _refresh(fs, root)
     return fs.exists(f"{root}/{CORPUS_MANIFEST}")
@@ -986,6 +1005,7 @@ def remote_is_corpus(fs, root: str) -> bool:
 
 def command_list(url: str) -> int:
     fs, root = open_remote(url)
+    require_remote(fs, root, url)
     with remote_errors("listing the remote"):
         if remote_is_corpus(fs, root):
             manifest = json.loads(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"))
@@ -1063,6 +1083,7 @@ def matches_local_record(path: Path, sha256: str) -> bool:
 
 def command_pull(url: str, run_dir: str) -> int:
     fs, root = open_remote(url)
+    require_remote(fs, root, url)
     with remote_errors("reading the remote"):
         corpus = remote_is_corpus(fs, root)
     if corpus:
@@ -1076,6 +1097,7 @@ def command_pull(url: str, run_dir: str) -> int:
 
 def command_verify(url: str) -> int:
     fs, root = open_remote(url)
+    require_remote(fs, root, url)
     problems = []
     with remote_errors("verifying the remote"):
         if remote_is_corpus(fs, root):
@@ -1096,6 +1118,9 @@ def command_verify(url: str) -> int:
                     problems.append(f"tokenizer/: does not match {CORPUS_MANIFEST}")
         else:
             listing = remote_listing(fs, root)
+            if not (listing["verified"] or listing["unverified"] or listing["latest"] or listing["latest_error"]):
+                print("verify: no checkpoints on the remote, nothing to check")
+                return 0
             folder = checkpoint_folder(root)
             for _, name in sorted(listing["verified"].items()):
                 record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}") or {}

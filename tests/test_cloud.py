@@ -502,8 +502,31 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         cc.run_main(lambda: cc.main(["push", str(tmp_path / "missing"), str(tmp_path / "remote")]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+    (tmp_path / "empty-remote").mkdir()
     with pytest.raises(UserError, match="no checkpoint to pull"):
         cc.main(["pull", str(tmp_path / "empty-remote"), str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_cli_on_a_remote_that_does_not_exist_is_an_error(store, tmp_path, request, capsys):
+    if store == "folder":
+        missing, empty = str(tmp_path / "no" / "such" / "path"), tmp_path / "empty"
+        empty.mkdir()
+        empty = str(empty)
+    else:
+        empty = request.getfixturevalue("s3_url")  # the bucket exists, nothing under the prefix yet
+        missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/runs/tiny"
+    for command in (["list", missing], ["verify", missing], ["pull", missing, str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as exit_info:
+            cc.run_main(lambda command=command: cc.main(command))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.strip().count("\n") == 0, command
+        assert "does not exist" in err or "no such folder" in err, err
+        assert "no-such-bucket" not in err
+    assert not (tmp_path / "run").exists()
+    assert cc.main(["list", empty]) == 0
+    assert cc.main(["verify", empty]) == 0
+    assert "no checkpoints on the remote" in capsys.readouterr().out
 
 
 def fake_corpus(folder: Path) -> Path:
