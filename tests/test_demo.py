@@ -96,6 +96,17 @@ def test_demo_completes_with_an_accuracy(demo):
     assert "Held-out demo task accuracy" in card and "**COMPLETE**" in card
 
 
+def test_a_shortened_demo_keeps_a_cosine_phase_and_a_clean_log(demo):
+    """40 steps are fewer than the demo's 100 warmup steps: the demo's own default is capped at 10%."""
+    work, result = demo
+    settings = json.loads((work / "runs" / "demo" / "training_settings.json").read_text())
+    assert settings["training"]["warmup_steps"] == STEPS // 10 == 4
+    assert "warning: --warmup-steps" not in result.stderr
+    assert "Writing model shards" not in result.stderr and "Loading weights" not in result.stderr
+    full = train.parse_args([])
+    assert full.cap_warmup and full.target_tokens // (32 * 128) == 1500  # the full demo: 100 of 1,500 steps
+
+
 def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):
     work, _ = demo
     run = work / "runs" / "demo"
