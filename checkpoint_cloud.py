@@ -11,8 +11,10 @@ A URL is anything fsspec opens: a folder (`/content/drive/MyDrive/runs/tiny`, `f
 
     URL/checkpoints/step-00001000.pt        promoted from a temporary name after its size and
                                             sha256 were confirmed on the remote
-    URL/checkpoints/step-00001000.pt.json   its record {"path", "step", "sha256", "bytes"}, written
-                                            after the promotion: the proof that it was verified
+    URL/checkpoints/step-00001000.pt.json   its record {"path", "step", "sha256", "bytes", "run_id",
+                                            "created", "uploaded_utc"}, written after the promotion:
+                                            the proof that it was verified; the run_id (train.py's,
+                                            stable across resumes) says which run's retention owns it
     URL/checkpoints/latest.json             the record of the newest verified checkpoint (moved last)
     URL/checkpoints/.step-...pt.<id>.partial  an upload in flight; never read
     URL/metrics.jsonl, training_settings.json, hardware.json, run_status.json
