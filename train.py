@@ -311,6 +311,8 @@ def check_corpus_folder(corpus: Path, demo: bool = False) -> None:
     if not corpus.exists():
         raise UserError(f"--data {corpus}: no such corpus folder; build one with: python data.py --data YOUR_FILES "
                         f"--out {corpus}")
+    if corpus.name == data.CORPUS_MANIFEST:
+        raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
     raise UserError(f"--data {corpus} is not a corpus folder (no {data.CORPUS_MANIFEST}); build one with: "
                     f"python data.py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
 

@@ -635,7 +635,7 @@ def test_an_out_that_is_a_corpus_or_holds_other_files_is_refused(corpus, tmp_pat
     train.check_run_folder(tmp_path / "missing")
 
 
-def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corpus(tmp_path):
+def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corpus(corpus, tmp_path):
     jsonl = tmp_path / "notes.jsonl"
     jsonl.write_text('{"text": "hello"}\n')
     for path in (jsonl, tmp_path):
@@ -643,6 +643,8 @@ def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corp
             train.main(["--data", str(path), "--out", str(tmp_path / "run"), "--no-report"])
         assert str(error.value) == (f"--data {path} is not a corpus folder (no corpus_manifest.json); build one "
                                     f"with: python data.py --data {path} --out corpus/{path.stem}")
+    with pytest.raises(UserError, match=f"is the manifest; pass its corpus folder: --data {corpus}$"):
+        train.main(["--data", str(corpus / "corpus_manifest.json"), "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
 
 
