@@ -16,6 +16,9 @@ Two figures per run, from the train lines of metrics.jsonl (--log-every 1), skip
                time between the two lines appearing in metrics.jsonl (polled here every 20 ms,
                since the file's timestamps are to the second): includes the checkpoint saves and
                everything the backup costs the training process. This is the headline figure.
+  CPU tok/s    the same tokens divided by the training process's CPU seconds (all its threads,
+               from /proc) over the same window: steadier than wall time on a loaded machine; it
+               counts the backup's own CPU work but not the server's, nor waiting for the CPU.
 The ratio is backed-up / plain per pair; the result is the median over pairs against --target.
 """
 
@@ -118,6 +121,7 @@ class Run:
     seconds: float = 0.0  # the whole process
     arrivals: dict[int, float] = field(default_factory=dict)  # step -> monotonic time its line appeared
     step_tps: dict[int, float] = field(default_factory=dict)  # step -> tokens_per_second
+    cpu: dict[int, float] = field(default_factory=dict)  # step -> process CPU seconds when its line appeared
     tokens_per_step: int = 0
 
     def counted_steps(self, skip: int) -> list[int]:
@@ -131,8 +135,13 @@ class Run:
         first, last = steps[0], steps[-1]
         return (last - first) * self.tokens_per_step / (self.arrivals[last] - self.arrivals[first])
 
+    def cpu_tokens_per_second(self, skip: int) -> float:
+        steps = self.counted_steps(skip)
+        first, last = steps[0], steps[-1]
+        return (last - first) * self.tokens_per_step / (self.cpu[last] - self.cpu[first])
 
-def read_new_train_lines(path: Path, offset: int, run: Run) -> int:
+
+def read_new_train_lines(path: Path, offset: int, run: Run, pid: int | None) -> int:
     """Parse complete lines added to metrics.jsonl since offset; returns the new offset."""
     if not path.exists():
         return offset
@@ -140,12 +149,15 @@ def read_new_train_lines(path: Path, offset: int, run: Run) -> int:
         handle.seek(offset)
         chunk = handle.read()
     now = time.monotonic()
+    cpu = process_cpu_seconds(pid) if pid is not None else None
     end = chunk.rfind(b"\n") + 1
     for line in chunk[:end].splitlines():
         record = json.loads(line)
         if record.get("kind") == "train":
             step = int(record["step"])
             run.arrivals[step] = now
+            if cpu is not None:
+                run.cpu[step] = cpu
             run.step_tps[step] = float(record["tokens_per_second"])
             run.tokens_per_step = int(record["tokens"]) // step
     return offset + end
@@ -172,14 +184,18 @@ def run_train(args: argparse.Namespace, label: str, command: list[str], out: Pat
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         while process.poll() is None:
-            offset = read_new_train_lines(metrics_path, offset, run)
+            try:
+                offset = read_new_train_lines(metrics_path, offset, run, process.pid)
+            except FileNotFoundError:  # the process ended between poll() and reading /proc
+                break
             time.sleep(POLL_SECONDS)
     run.seconds = time.monotonic() - started
-    read_new_train_lines(metrics_path, offset, run)
+    process.wait()
+    read_new_train_lines(metrics_path, offset, run, None)
     if process.returncode != 0:
         tail = log_path.read_text(errors="replace")[-2000:]
         raise SystemExit(f"{label}: train.py exited with {process.returncode}; log {log_path}:\n{tail}")
-    if len(run.counted_steps(args.skip_steps)) < 2:
+    if len([step for step in run.counted_steps(args.skip_steps) if step in run.cpu]) < 2:
         raise SystemExit(f"{label}: too few train lines in {metrics_path}")
     return run
 
@@ -227,7 +243,8 @@ def main() -> int:
                 else:
                     extra = ""
                 print(f"{label}: step {run.step_tokens_per_second(args.skip_steps):8.0f} tok/s | wall "
-                      f"{run.wall_tokens_per_second(args.skip_steps):8.0f} tok/s | process {run.seconds:5.1f} s"
+                      f"{run.wall_tokens_per_second(args.skip_steps):8.0f} tok/s | CPU "
+                      f"{run.cpu_tokens_per_second(args.skip_steps):8.0f} tok/s | process {run.seconds:5.1f} s"
                       f"{extra}", flush=True)
                 runs[backed_up] = run
             pairs.append(runs)
@@ -246,14 +263,17 @@ def main() -> int:
                    for p in pairs]
     wall_ratios = [p[True].wall_tokens_per_second(args.skip_steps) / p[False].wall_tokens_per_second(args.skip_steps)
                    for p in pairs]
+    cpu_ratios = [p[True].cpu_tokens_per_second(args.skip_steps) / p[False].cpu_tokens_per_second(args.skip_steps)
+                  for p in pairs]
     process_ratios = [p[False].seconds / p[True].seconds for p in pairs]
-    for pair, (step, wall, whole) in enumerate(zip(step_ratios, wall_ratios, process_ratios), start=1):
-        print(f"pair {pair}: backup / plain  wall tok/s {wall:.3f}x | step tok/s {step:.3f}x | "
-              f"process time (plain / backup) {whole:.3f}x")
+    for pair, (step, wall, cpu, whole) in enumerate(zip(step_ratios, wall_ratios, cpu_ratios, process_ratios), 1):
+        print(f"pair {pair}: backup / plain  wall tok/s {wall:.3f}x | step tok/s {step:.3f}x | CPU tok/s {cpu:.3f}x"
+              f" | process time (plain / backup) {whole:.3f}x")
     median = statistics.median(wall_ratios)
     verdict = "met" if median >= args.target else "NOT met"
     print(f"median wall tok/s ratio {median:.3f}x (target >= {args.target:.2f}x: {verdict}); "
-          f"median step tok/s ratio {statistics.median(step_ratios):.3f}x")
+          f"median step tok/s ratio {statistics.median(step_ratios):.3f}x; "
+          f"median CPU tok/s ratio {statistics.median(cpu_ratios):.3f}x")
     saves = args.pairs * (args.steps // args.save_every)
     print(f"moto server (nice 19): {server_cpu:.1f} CPU-s during the backed-up runs, "
           f"{server_cpu / saves:.2f} CPU-s per checkpoint")
