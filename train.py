@@ -1489,9 +1489,14 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
 
     progress = report.Progress(training.total_steps, training.step, args.log_every, enabled=info.is_main)
     stop = StopRequest()
-    stop.install()
+    stop.install()  # until the final status is written: a second Ctrl-C then still records FAILED
     try:
-        status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
+        try:
+            status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
+        finally:
+            progress.close()
+            tensorboard.close()
+        finish_run(training, out, checkpointer, metrics, status, reason)
     except NonFiniteLoss as error:
         fail_run(info, out, checkpointer, training, str(error))
         raise UserError(f"training failed: {error}; the last good checkpoint is intact "
@@ -1508,9 +1513,6 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         raise
     finally:
         stop.restore()
-        progress.close()
-        tensorboard.close()
-    finish_run(training, out, checkpointer, metrics, status, reason)
     return 0
 
 
@@ -1609,12 +1611,16 @@ def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, train
              reason: str | Callable[[], str]) -> str | None:
     """Record FAILED (rank 0); checkpoints already queued are finished first (they hold good state).
 
-    `reason` may be a function, called once they are: it can then name the last checkpoint.
+    `reason` may be a function, called once they are: it can then name the last checkpoint. A final
+    status already written (COMPLETE, or resumable, before the report) is kept: it is true.
     """
     if not info.is_main:
         return None
     with contextlib.suppress(Exception):
         checkpointer.close()
+    with contextlib.suppress(Exception):
+        if read_json(out / "run_status.json").get("status") in (COMPLETE, NEEDS_RESUME):
+            return None
     reason = reason() if callable(reason) else reason
     write_status(out, FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
                  last_checkpoint=latest_checkpoint_name(out))

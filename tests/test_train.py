@@ -688,3 +688,35 @@ def test_a_second_ctrl_c_records_an_honest_reason_and_the_continue_command(corpu
                                 + train.resume_command(train.DistInfo(0, 0, 1, torch.device("cpu")),
                                                        options(corpus, out, "--save-every", "2")))
     assert f"--data {corpus}" in record["reason"]  # from main's argv, not pytest's sys.argv
+
+
+def interrupt_twice() -> None:
+    signal.raise_signal(signal.SIGINT)  # the first: finish the step, save, stop
+    signal.raise_signal(signal.SIGINT)  # the second: abort now
+
+
+def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_records_failed(corpus, tmp_path,
+                                                                                               monkeypatch):
+    out = tmp_path / "run"
+    original = train.Training.evaluate
+
+    def evaluate(self, split):
+        if split == "test":  # in finish_run, before the status is written
+            interrupt_twice()
+        return original(self, split)
+
+    monkeypatch.setattr(train.Training, "evaluate", evaluate)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(options(corpus, out, steps=4))
+    record = status(out)
+    last = out / "checkpoints" / "step-00000004.pt"
+    assert record["status"] == "FAILED" and record["reason"].startswith(
+        f"aborted by the user (second interrupt) at step 4; the last checkpoint is {last}; continue with: ")
+
+
+def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(train, "report_run", lambda *args: interrupt_twice())
+    with pytest.raises(KeyboardInterrupt):
+        train.main(options(corpus, out, "--report", steps=4))
+    assert status(out)["status"] == "COMPLETE"
