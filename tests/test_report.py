@@ -412,13 +412,18 @@ def test_export_shows_no_transformers_progress_bars_and_restores_the_setting(cha
     from transformers.utils import logging as hf_logging
 
     model, tokenizer = chat_model
-    assert hf_logging.is_progress_bar_enabled()
-    report.export_hf_model(model, tokenizer, tmp_path / "model", CARD_INFO)
-    report.load_exported(str(tmp_path / "model"), "cpu")
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # other tests (datasets, data.py) may have switched the bars off
+    try:
+        report.export_hf_model(model, tokenizer, tmp_path / "model", CARD_INFO)
+        report.load_exported(str(tmp_path / "model"), "cpu")
+        assert hf_logging.is_progress_bar_enabled()  # only our export is quiet
+    finally:
+        if not was_enabled:
+            hf_logging.disable_progress_bar()
     captured = capfd.readouterr()
     assert "Writing model shards" not in captured.err + captured.out
     assert "Loading weights" not in captured.err + captured.out
-    assert hf_logging.is_progress_bar_enabled()  # only our export is quiet
 
 
 def demo_like_metrics(path, train_points: int) -> None:
