@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from s3_server import free_port, start_s3_server  # noqa: E402
 
 import checkpoint_cloud  # noqa: E402
 
@@ -50,35 +51,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_s3_server(pin: bool) -> subprocess.Popen:
-    """moto's S3 server as its own process, with the AWS variables pointing at it."""
+def start_s3_store(pin: bool) -> subprocess.Popen:
+    """moto's S3 server (bench/s3_server.py), with the AWS variables pointing at it."""
     port = free_port()
-
-    def lower_priority():
-        # In real use the store is another machine: the stand-in runs at the lowest CPU priority.
-        os.nice(19)
-        if pin:
-            os.sched_setaffinity(0, set(range(1, os.cpu_count())))
-
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lower_priority)
+    server = start_s3_server(port, pin=pin)
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server
-        except OSError:
-            time.sleep(0.2)
-    server.kill()
-    raise SystemExit("moto server did not start")
+    return server
 
 
 class SyntheticTraining:
@@ -135,7 +114,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.pin:
         os.sched_setaffinity(0, {0})
-    server = start_s3_server(args.pin) if args.target == "s3" else None
+    server = start_s3_store(args.pin) if args.target == "s3" else None
     server_cpu = 0.0
     lines: list[str] = []
     plain, backed, waits = [], [], []

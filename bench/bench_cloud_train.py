@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from s3_server import free_port, start_s3_server  # noqa: E402
 
 import checkpoint_cloud  # noqa: E402  (after the path: the bench runs as a script from anywhere)
 
@@ -70,12 +71,6 @@ def parse_args() -> argparse.Namespace:
 # The stand-in S3 store.
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def s3_environment(endpoint: str, work: Path) -> dict[str, str]:
     """The variables s3fs / botocore read: fake credentials, the local endpoint, no user config."""
     env = {name: value for name, value in os.environ.items()
@@ -84,25 +79,6 @@ def s3_environment(endpoint: str, work: Path) -> dict[str, str]:
                AWS_ENDPOINT_URL=endpoint, AWS_CONFIG_FILE=str(work / "no-aws-config"),
                AWS_SHARED_CREDENTIALS_FILE=str(work / "no-aws-credentials"))
     return env
-
-
-def start_s3_server(port: int, log_path: Path) -> subprocess.Popen:
-    """moto's S3 server in its own process at nice 19; returns once it accepts connections."""
-    log = open(log_path, "wb")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
-    log.close()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"moto server exited with {server.returncode}; see {log_path}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server
-        except OSError:
-            time.sleep(0.2)
-    server.kill()
-    raise SystemExit("moto server did not start within 60 s")
 
 
 def process_cpu_seconds(pid: int) -> float:
