@@ -36,13 +36,6 @@ def run_cli(args: list[str], cwd: Path, check: bool = True) -> subprocess.Comple
     return result
 
 
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`python train.py` with the demo defaults, 40 steps, in an empty folder (it builds corpus/demo)."""

@@ -61,14 +61,6 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
     return folder
 
 
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """In-process runs set --threads 1; the rest of the test session keeps its thread count."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
