@@ -1451,7 +1451,7 @@ def start_backup(args: argparse.Namespace, info: DistInfo):
 
 
 def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: float = 600) -> int:
-    """The training run. `backup` (rank 0; e.g. checkpoint_cloud.CheckpointBackup) gets every checkpoint."""
+    """The training run. `backup` (rank 0; checkpoint_cloud.BackupProcess) gets every checkpoint."""
     process_started = time.monotonic()
     out, corpus = Path(args.out), Path(args.data)
     check_hardware(args, info)

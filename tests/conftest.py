@@ -8,3 +8,23 @@ def keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def patch_python_children(monkeypatch, tmp_path):
+    """Run `code` at the start of every Python process the test starts (a sitecustomize.py on PYTHONPATH).
+
+    For what runs in a child process, e.g. checkpoint_cloud.BackupProcess, where monkeypatch cannot reach.
+    """
+    import os
+    from pathlib import Path
+
+    def patch(code: str) -> None:
+        folder = tmp_path / "sitecustomize"
+        folder.mkdir(exist_ok=True)
+        root = Path(__file__).resolve().parent.parent
+        (folder / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(root)!r})\n{code}\n")
+        paths = [str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+
+    return patch

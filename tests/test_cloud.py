@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -174,13 +175,16 @@ def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
                               "--remote-keep-every", "0", "--backup-max-unbacked", "5"])
     assert args.backup_wait_seconds == 600
     backup = cc.backup_from_args(args, save_every=100, log=Log())
-    assert (backup.keep_recent, backup.keep_every, backup.save_every, backup.max_unbacked) == (2, 0, 100, 5)
+    assert isinstance(backup, cc.BackupProcess)  # train.py's backup runs in its own process
+    options = backup.options
+    assert (options["keep_recent"], options["keep_every"], options["save_every"], options["max_unbacked"]) == \
+        (2, 0, 100, 5)
     assert backup.wait(1)  # nothing submitted: nothing to wait for
     backup.close()
     monkeypatch.setenv("THINK72_CLOUD_RESUME", "1")
     monkeypatch.setenv("THINK72_BACKUP_URL", str(tmp_path / "env-remote"))
     backup = cc.backup_from_args(parser.parse_args([]), log=Log())
-    assert backup.root == (tmp_path / "env-remote").as_posix()
+    assert backup.url == str(tmp_path / "env-remote")
     backup.close()
 
 
@@ -354,13 +358,82 @@ def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# BackupProcess: the same backup in a child process, which is what train.py uses.
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_backup_process_reports_back_and_replaces_a_dead_child(tmp_path):
+    local, remote = tmp_path / "run" / "checkpoints", str(tmp_path / "remote")
+    log = Log()
+    backup = cc.BackupProcess(remote, keep_recent=2, keep_every=0, save_every=10, log=log)
+    first_child = backup.child_pid
+    assert first_child not in (None, os.getpid())
+    paths = []
+    for step in (10, 20, 30):
+        paths.append(save_and_point_latest(local, step, "run-a"))
+        backup.submit(paths[-1], step)
+        assert backup.wait(30)
+    assert wait_until(lambda: all(backup.is_backed_up(p) for p in paths))  # the child reports each upload
+    assert backup.started.is_set()
+    assert "the remote is reachable and holds no checkpoints yet" in log[0]  # the child's lines come back here
+    assert any(line.endswith("remote retention removed step-00000010.pt") for line in log)
+    assert backup.deletable(paths[:2]) == [p.resolve() for p in paths[:2]]
+
+    os.kill(first_child, signal.SIGKILL)
+    assert wait_until(lambda: any("WARNING the backup process exited" in line for line in log))
+    assert backup.child_pid is None
+    assert backup.wait(1)  # the newest checkpoint was verified before the child died
+    pending = save_and_point_latest(local, 40, "run-a")
+    backup.submit(pending, 40)  # starts a new child, which takes over
+    second_child = backup.child_pid
+    assert second_child not in (None, first_child)
+    assert backup.wait(30) and backup.is_backed_up(pending)
+    backup.close()
+    assert backup.child_pid is None and not process_alive(second_child)
+    state = remote_state(remote)
+    assert sorted(state["verified"]) == [30, 40] and state["latest"]["step"] == 40
+
+    with pytest.raises(UserError, match="keep-recent"):  # a bad setting is the same error as in-process
+        cc.BackupProcess(remote, keep_recent=0, log=Log())
+
+
+def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_path):
+    script = "\n".join([
+        "import sys, time",
+        f"sys.path.insert(0, {str(ROOT)!r})",
+        "import checkpoint_cloud",
+        f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=lambda line: None)",
+        "print(backup.child_pid, flush=True)",
+        "time.sleep(600)",
+    ])
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+        os.kill(child, signal.SIGTERM)  # SIGTERM to the whole process group must not cut an upload short
+        time.sleep(0.5)
+        assert process_alive(child)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert wait_until(lambda: not process_alive(child), 30)  # its pipe closed: it leaves on its own
+
+
+# ----------------------------------------------------------------------------------------------
 # A real S3 endpoint: faults.
 
 
-def test_s3_backup_survives_the_server_going_away(s3_url, moto_server, tmp_path, capsys):
+@pytest.mark.parametrize("backup_class", [cc.CheckpointBackup, cc.BackupProcess])
+def test_s3_backup_survives_the_server_going_away(backup_class, s3_url, moto_server, tmp_path, capfd):
     local = tmp_path / "run" / "checkpoints"
     log = Log()
-    backup = cc.CheckpointBackup(s3_url, keep_recent=5, retry_seconds=0.2, max_retry_seconds=1, log=log)
+    backup = backup_class(s3_url, keep_recent=5, retry_seconds=0.2, max_retry_seconds=1, log=log)
     first = save_and_point_latest(local, 100)
     backup.submit(first, 100)
     assert backup.wait(30)
@@ -385,7 +458,7 @@ def test_s3_backup_survives_the_server_going_away(s3_url, moto_server, tmp_path,
     state = remote_state(s3_url)
     assert sorted(state["verified"]) == [100, 200, 300, 400]
     assert state["latest"]["step"] == 400  # never moved backwards by the older backlog
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()  # the child's own output too
     assert_no_secrets(log.text() + captured.out + captured.err, s3_url)
 
 

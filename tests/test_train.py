@@ -538,16 +538,18 @@ def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpu
 
 
 def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely(corpus, tmp_path, monkeypatch,
-                                                                              capsys):
+                                                                              capsys, patch_python_children):
     import checkpoint_cloud
 
-    upload = checkpoint_cloud.upload_verified
-
-    def slow_upload(*args, **kwargs):  # uploads lag well behind the saves (one every 2 steps)
-        time.sleep(1.0)
-        return upload(*args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_cloud, "upload_verified", slow_upload)
+    # uploads lag well behind the saves (one every 2 steps); they run in the backup's child process
+    patch_python_children("\n".join([
+        "import time, checkpoint_cloud",
+        "upload = checkpoint_cloud.upload_verified",
+        "def slow_upload(*args, **kwargs):",
+        "    time.sleep(1.0)",
+        "    return upload(*args, **kwargs)",
+        "checkpoint_cloud.upload_verified = slow_upload",
+    ]))
     deleted_unbacked, kept_waiting = [], set()
     checkpointer_retention = train.Checkpointer.apply_retention
 
