@@ -7,7 +7,8 @@
 A small torch model trains (forward, backward, AdamW) and saves a checkpoint every --save-every
 steps as train.py does (temporary name, rename, keep the newest two). The run is cut into
 checkpoint intervals (save, then --save-every steps) that alternate between the two kinds: without
-backup, and with the checkpoint handed to checkpoint_cloud.CheckpointBackup, which uploads it to
+backup, and with the checkpoint handed to checkpoint_cloud.BackupProcess (train.py's backup: a
+CheckpointBackup in a child process; `--backup thread` runs CheckpointBackup in this process), which uploads it to
 moto's S3 server (a separate process on 127.0.0.1) while the steps run, and with local retention
 asking it what may be deleted. Each backed-up interval is compared with the plain one just before
 it (this machine is shared: slow drifts cancel out) and the median of those ratios is reported,
@@ -46,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
     parser.add_argument("--target", default="s3", choices=["s3", "folder"],
                         help="back up to moto's S3 server, or to a local folder (a mounted drive)")
+    parser.add_argument("--backup", default="process", choices=["process", "thread"],
+                        help="BackupProcess (a child process, as train.py uses) or CheckpointBackup (a thread here)")
     parser.add_argument("--pin", action="store_true",
                         help="pin training to CPU 0 and the S3 server to the others (as if it ran elsewhere)")
     return parser.parse_args()
@@ -84,7 +87,7 @@ class SyntheticTraining:
             self.optimizer.step()
             self.step += 1
 
-    def save(self, backup: checkpoint_cloud.CheckpointBackup | None) -> None:
+    def save(self, backup: checkpoint_cloud.BackupProcess | None) -> None:
         path = self.folder / f"step-{self.step:08d}.pt"
         temp = path.with_suffix(".pt.partial")
         torch.save({"format_version": 1, "step": self.step, "model": self.model.state_dict(),
@@ -101,7 +104,7 @@ class SyntheticTraining:
 
 
 def timed_interval(training: SyntheticTraining, save_every: int,
-                   backup: checkpoint_cloud.CheckpointBackup | None) -> tuple[float, float]:
+                   backup: checkpoint_cloud.BackupProcess | None) -> tuple[float, float]:
     """One checkpoint interval: (wall seconds, process CPU seconds)."""
     wall, cpu = time.perf_counter(), time.process_time()
     training.save(backup)
@@ -123,7 +126,9 @@ def main() -> int:
             url = f"{scratch}/remote" if args.target == "folder" else "s3://bench/run"
             if args.target == "s3":
                 checkpoint_cloud.open_remote("s3://bench")[0].mkdir("bench")
-            backup = checkpoint_cloud.CheckpointBackup(url, save_every=args.save_every, log=lines.append)
+            backup_class = checkpoint_cloud.BackupProcess if args.backup == "process" else \
+                checkpoint_cloud.CheckpointBackup
+            backup = backup_class(url, save_every=args.save_every, log=lines.append)
             backup.started.wait(60)  # its one-time connection set-up is not a per-checkpoint cost
             training = SyntheticTraining(args, Path(scratch) / "run")
             training.train_steps(2)  # warm-up

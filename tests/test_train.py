@@ -335,10 +335,43 @@ def test_repeated_kv_attention_matches_sdpa():
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
     inputs = torch.randint(0, 300, (2, 32))
+    mask = torch.ones_like(inputs)
+    mask[1, :5] = 0  # left padding, as in batched generation
     expected = model(input_ids=inputs).logits
+    expected_padded = model(input_ids=inputs, attention_mask=mask).logits
     train.use_repeated_kv_attention(model)
     assert model.config._attn_implementation == train.REPEATED_KV_ATTENTION
     assert torch.allclose(model(input_ids=inputs).logits, expected, atol=1e-6)
+    padded = model(input_ids=inputs, attention_mask=mask).logits
+    assert torch.allclose(padded[0], expected_padded[0], atol=1e-6)
+    assert torch.allclose(padded[1, 5:], expected_padded[1, 5:], atol=1e-6)  # the padding was masked
+
+
+def test_contiguous_heads_attention_matches_sdpa_with_gradients():
+    """The attention train.py uses on CPU: the same logits and gradients as transformers' "sdpa"."""
+    import model_config
+
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    inputs = torch.randint(0, 300, (2, 32))
+    mask = torch.ones_like(inputs)
+    mask[1, :5] = 0  # a padded row: the masked path (generation) goes through it too
+
+    def logits_and_grads():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=inputs).logits
+        logits.square().mean().backward()
+        padded = model(input_ids=inputs, attention_mask=mask).logits
+        return logits.detach(), padded.detach(), [p.grad.clone() for p in model.parameters()]
+
+    expected = logits_and_grads()
+    train.use_attention(model, train.CONTIGUOUS_ATTENTION)
+    assert model.config._attn_implementation == train.CONTIGUOUS_ATTENTION
+    got = logits_and_grads()
+    assert torch.allclose(got[0], expected[0], atol=1e-6)
+    assert torch.allclose(got[1][0], expected[1][0], atol=1e-6)  # the padding rows' own outputs are meaningless
+    assert torch.allclose(got[1][1, 5:], expected[1][1, 5:], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[2], expected[2]))
 
 
 def test_length_options_and_hardware_refusals(corpus, tmp_path):
