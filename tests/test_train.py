@@ -747,3 +747,48 @@ def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, "--report", steps=4))
     assert status(out)["status"] == "COMPLETE"
+
+
+def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
+    for scale in (1e-3, 0.5, 1.0, 1.0 - 1e-7, 3.0, float("inf")):
+        torch.manual_seed(0)
+        ours, theirs = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
+        for parameter in ours:
+            parameter.grad = torch.randn_like(parameter)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+        for parameter in ours:
+            parameter.grad.mul_(scale / norm)  # total norm ~scale: below, at and above the clip
+            twin = torch.nn.Parameter(parameter.detach().clone())
+            twin.grad = parameter.grad.clone()
+            theirs.append(twin)
+        got = train.clip_gradients(ours, 1.0)
+        want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        assert torch.equal(got, want) or (got.isnan() and want.isnan())
+        for mine, twin in zip(ours, theirs):
+            assert torch.equal(mine.grad, twin.grad) or (mine.grad.isnan().all() and twin.grad.isnan().all())
+
+
+def test_the_compiled_model_trains_like_the_eager_one(corpus, reference, tmp_path):
+    """--compile on CPU: the same losses within float tolerance (a different kernel schedule, not bitwise)."""
+    out = tmp_path / "compiled"
+    assert train.main(options(corpus, out, "--compile", "--stop-after-steps", "4")) == 0
+    compiled, eager = train_losses(out), train_losses(reference)
+    assert sorted(compiled) == [1, 2, 3, 4]
+    for step, loss in compiled.items():
+        assert loss == pytest.approx(eager[step], rel=2e-4), step
+
+
+def test_compiled_plain_causal_blocks_skip_the_full_mask(monkeypatch):
+    """Under torch.compile, blocks without padding go to SDPA's is_causal (its flash kernel skips the
+    masked half); padding or a cache offset still gets transformers' mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    shape = {"batch_size": 2, "q_length": 8, "kv_length": 8, "q_offset": 0, "kv_offset": 0}
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[1, :3] = 0
+    eager = train.causal_sdpa_mask(**shape, attention_mask=padding)
+    assert torch.equal(eager, sdpa_mask(**shape, attention_mask=padding))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert train.causal_sdpa_mask(**shape, attention_mask=None, allow_is_causal_skip=False) is None
+    assert torch.equal(train.causal_sdpa_mask(**shape, attention_mask=padding), eager)
+    assert train.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
