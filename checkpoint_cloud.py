@@ -29,7 +29,10 @@ the one check that means the same on every store: S3's ETag is an MD5 only for s
 uploads, its SHA256 checksums of multipart uploads are checksums of parts, GCS offers MD5/CRC32C.
 The exception is the Hugging Face Hub, whose file info carries the sha256 the Hub computed for
 LFS files; that one is used as is. The read-back costs download bandwidth (egress on clouds
-that bill for it), in the background thread, never in the training loop.
+that bill for it), in the backup's own process, never in the training loop.
+
+train.py's backup is a BackupProcess: a CheckpointBackup (uploads on a background thread) hosted
+in a child process, so that none of the upload work shares the training process's GIL.
 """
 
 from __future__ import annotations
@@ -694,6 +697,16 @@ class CheckpointBackup:
                      "it stays on the local disk")
         return ok
 
+    def push_run_files(self, run_dir: str | os.PathLike) -> bool:
+        """Upload the run's history files (RUN_FILES) now, e.g. the final run_status.json; True if they got there."""
+        try:
+            upload_run_files(self.fs, self.root, Path(run_dir))
+            return True
+        except Exception as error:
+            self.log(f"checkpoint backup: the final run files (run_status.json, ...) not backed up "
+                     f"({type(error).__name__})")
+            return False
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (after the file it is on, up to `timeout_s`). Call wait() first to flush."""
         with self._cond:
@@ -942,6 +955,12 @@ class BackupProcess:
             return False
         return bool(answer)
 
+    def push_run_files(self, run_dir: str | os.PathLike, timeout_s: float = 60.0) -> bool:
+        """CheckpointBackup.push_run_files in the child, waiting up to `timeout_s`."""
+        if not self._ensure_running():
+            return False
+        return bool(self._request("push_run_files", str(Path(run_dir).resolve()), timeout_s=timeout_s))
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child after the file it is on (up to `timeout_s`). Call wait() first to flush."""
         with self._cond:
@@ -1140,6 +1159,8 @@ def serve_backup(fd: int, orphan_seconds: float = 60.0) -> None:
             send("reply", request_id, [str(path) for path in backup.deletable(args[0])])
         elif kind == "wait":
             send("reply", request_id, backup.wait(args[0]))
+        elif kind == "push_run_files":
+            send("reply", request_id, backup.push_run_files(args[0]))
         elif kind == "close":
             close_timeout = args[0]
             break

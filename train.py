@@ -1087,6 +1087,25 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
+def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                        reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of `model` on a batch of blocks (fp32 logits under autocast)."""
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
+
+
+class LanguageModelLoss(torch.nn.Module):
+    """The model and its loss as one module: --compile fuses the cross-entropy into the model's graph
+    (the logits never travel through memory unfused), and DDP wraps both."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets)
+
+
 class NonFiniteLoss(Exception):
     pass
 
@@ -1163,7 +1182,7 @@ class Training:
         return max(1, math.ceil(epochs * self.sampler.blocks / self.sampler.global_batch))
 
     def _wrap_model(self) -> torch.nn.Module:
-        model = self.model
+        model = LanguageModelLoss(self.model)
         if self.args.compile:
             model = torch.compile(model)
         if self.info.world > 1:
@@ -1216,9 +1235,11 @@ class Training:
 
     def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module | None = None,
                 reduction: str = "mean") -> torch.Tensor:
+        """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
-            logits = (self.forward_model if model is None else model)(input_ids=inputs).logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
+            if model is None:
+                return self.forward_model(inputs, targets)
+            return language_model_loss(model, inputs, targets, reduction)
 
     def train_step(self) -> StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
@@ -1708,8 +1729,6 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
             dist.barrier()  # rank 0 is writing the report
         return None
     backed_up = checkpointer.close()
-    if checkpointer.backup is not None:
-        checkpointer.backup.close()  # nothing is uploaded after the wait above
     record = {
         "step": training.step,
         "total_steps": training.total_steps,
@@ -1732,6 +1751,9 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         finally:
             if info.world > 1:
                 dist.barrier()
+    if checkpointer.backup is not None:
+        checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
+        checkpointer.backup.close()
     log(info, final_line(out, status, record))
     return record
 

@@ -626,6 +626,9 @@ def test_think72_env_alias_turns_the_backup_on(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("THINK72_BACKUP_URL", str(remote))
     assert train.main(options(corpus, tmp_path / "run", steps=4)) == 0
     assert json.loads((remote / "checkpoints" / "latest.json").read_text())["step"] == 4
+    # the run's final status reached the remote too, not only the one of the last checkpoint
+    assert (remote / "run_status.json").read_bytes() == (tmp_path / "run" / "run_status.json").read_bytes()
+    assert status(tmp_path / "run")["status"] == "COMPLETE"
 
 
 # ----------------------------------------------------------------------------------------------
