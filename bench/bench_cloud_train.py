@@ -11,7 +11,7 @@ here it competes for the same cores, so the lowest priority is the closest stand
 Two figures per run, from the train lines of metrics.jsonl (--log-every 1), skipping the first
 --skip-steps steps:
   step tok/s   median of `tokens_per_second`: the optimizer step's own time (a save is not in it,
-               so this shows only the backup thread / server competing for the CPU);
+               so this shows only the backup process / server competing for the CPU);
   wall tok/s   tokens trained between the first and the last counted step, divided by the wall
                time between the two lines appearing in metrics.jsonl (polled here every 20 ms,
                since the file's timestamps are to the second): includes the checkpoint saves and
