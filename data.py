@@ -687,8 +687,10 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
 
 
 def iter_documents(sources: list[Source], settings: BuildSettings, chat_template: str,
-                   stats: dict[str, SourceStats] | None = None, warn: bool = True) -> Iterator[tuple[str, str]]:
-    """(split, document text) for every kept document, in input order; counts every drop in `stats`.
+                   stats: dict[str, SourceStats] | None = None, warn: bool = True) -> Iterator[tuple[str, str, str]]:
+    """(split, kind, document text) for every kept document, in input order; counts every drop in `stats`.
+
+    kind is "chat" (rendered with the chat template, whose special tokens are real) or "text".
 
     A bad record (malformed JSON, invalid UTF-8) is counted and warned about as file:line, or is fatal
     with `strict`; an unknown record shape is fatal unless `skip_unknown`.
@@ -729,7 +731,7 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
                 continue
             seen.add(key)
             counts.documents_kept += 1
-            yield split_of(position, settings.val_fraction, settings.test_fraction), text
+            yield split_of(position, settings.val_fraction, settings.test_fraction), kind, text
         if warn and counts.warnings > MAX_WARNINGS_PER_SOURCE:
             print(f"warning: {source.name}: {counts.warnings - MAX_WARNINGS_PER_SOURCE} more bad records skipped "
                   "(counted in source_manifest.json)", file=sys.stderr)
@@ -739,10 +741,10 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
 # Tokenizer: train on a sample of the document stream, or reuse --tokenizer.
 
 
-def sample_texts(documents: Iterable[tuple[str, str]], max_bytes: int) -> Iterator[str]:
+def sample_texts(documents: Iterable[tuple[str, str, str]], max_bytes: int) -> Iterator[str]:
     """Document texts until about `max_bytes` of UTF-8 have been yielded (the first documents)."""
     total = 0
-    for _, text in documents:
+    for _, _, text in documents:
         yield text
         total += len(text.encode("utf-8"))
         if total >= max_bytes:
@@ -819,36 +821,59 @@ class ShardWriter:
                 "documents": self.documents}
 
 
-def batches(documents: Iterable[tuple[str, str]], batch_bytes: int) -> Iterator[tuple[list[str], list[str]]]:
-    """Group (split, text) into (splits, texts) lists of about `batch_bytes` characters."""
-    splits, texts, size = [], [], 0
-    for split, text in documents:
+def batches(documents: Iterable[tuple[str, str, str]],
+            batch_bytes: int) -> Iterator[tuple[list[str], list[str], list[bool]]]:
+    """Group (split, kind, text) into (splits, texts, is_chat) lists of about `batch_bytes` characters."""
+    splits, texts, is_chat, size = [], [], [], 0
+    for split, kind, text in documents:
         splits.append(split)
         texts.append(text)
+        is_chat.append(kind == "chat")
         size += len(text)
         if size >= batch_bytes:
-            yield splits, texts
-            splits, texts, size = [], [], 0
+            yield splits, texts, is_chat
+            splits, texts, is_chat, size = [], [], [], 0
     if texts:
-        yield splits, texts
+        yield splits, texts, is_chat
 
 
-_WORKER_TOKENIZER = None  # set in each --tokenize-workers process by start_tokenize_worker
+_WORKER_TOKENIZERS = None  # set in each --tokenize-workers process by start_tokenize_worker
+
+
+def document_tokenizers(backend) -> tuple:
+    """(for chats, for plain text): the same Rust tokenizer twice, the second reading special-token
+    strings such as a literal `<|im_start|>` or `<think>` in a web page as the text they are, so
+    plain text can never inject a control token; only the chat template's own markup becomes one."""
+    from tokenizers import Tokenizer
+
+    literal = Tokenizer.from_str(backend.to_str())
+    literal.encode_special_tokens = True
+    return backend, literal
 
 
 def start_tokenize_worker(tokenizer_json: str) -> None:
-    """Process-pool initializer: one single-threaded Rust tokenizer per process."""
-    global _WORKER_TOKENIZER
+    """Process-pool initializer: single-threaded Rust tokenizers in each process."""
+    global _WORKER_TOKENIZERS
     from tokenizers import Tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
+    _WORKER_TOKENIZERS = document_tokenizers(Tokenizer.from_str(tokenizer_json))
 
 
-def encode_batch(backend, eos_id: int, dtype: str, splits: list[str], texts: list[str]) -> dict[str, tuple]:
-    """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents)."""
-    backend = backend or _WORKER_TOKENIZER
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+def encode_batch(backends: tuple | None, eos_id: int, dtype: str, splits: list[str], texts: list[str],
+                 is_chat: list[bool]) -> dict[str, tuple]:
+    """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents).
+
+    `backends` is document_tokenizers(...) (None in a worker process: its own).
+    """
+    chat_backend, text_backend = backends or _WORKER_TOKENIZERS
+    encodings = [None] * len(texts)
+    for backend, wanted in ((chat_backend, True), (text_backend, False)):
+        positions = [index for index, chat in enumerate(is_chat) if chat == wanted]
+        if positions:
+            found = backend.encode_batch_fast([texts[index] for index in positions], add_special_tokens=False)
+            for index, encoding in zip(positions, found):
+                encodings[index] = encoding
     streams: dict[str, list[int]] = {}
     counts: Counter = Counter()
     for split, encoding in zip(splits, encodings):
@@ -859,7 +884,7 @@ def encode_batch(backend, eos_id: int, dtype: str, splits: list[str], texts: lis
     return {split: (np.array(stream, dtype=dtype), counts[split]) for split, stream in streams.items()}
 
 
-def pack_documents(documents: Iterable[tuple[str, str]], tokenizer, folder: Path, settings: BuildSettings,
+def pack_documents(documents: Iterable[tuple[str, str, str]], tokenizer, folder: Path, settings: BuildSettings,
                    dtype: str) -> dict[str, dict]:
     """Tokenize `documents` into shards; returns the per-split manifest entries.
 
@@ -870,7 +895,7 @@ def pack_documents(documents: Iterable[tuple[str, str]], tokenizer, folder: Path
     """
     from tqdm import tqdm
 
-    backend = tokenizer.backend_tokenizer
+    backends = document_tokenizers(tokenizer.backend_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     writers = {split: ShardWriter(folder, split, dtype, settings.shard_tokens) for split in SPLITS}
     bar = tqdm(desc="tokenizing", unit=" docs", disable=not settings.progress, file=sys.stderr, smoothing=0.1)
@@ -889,14 +914,14 @@ def pack_documents(documents: Iterable[tuple[str, str]], tokenizer, folder: Path
         from concurrent.futures import ProcessPoolExecutor
 
         pool = ProcessPoolExecutor(settings.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=start_tokenize_worker, initargs=(backend.to_str(),))
-        backend, in_flight = None, settings.tokenize_workers + 1
+                                   initializer=start_tokenize_worker, initargs=(backends[0].to_str(),))
+        backends, in_flight = None, settings.tokenize_workers + 1
     else:
         pool, in_flight = ThreadPoolExecutor(max_workers=1), 2
     pending: deque = deque()
     with pool:
-        for splits, texts in batches(documents, settings.batch_bytes):
-            pending.append(pool.submit(encode_batch, backend, eos_id, dtype, splits, texts))
+        for splits, texts, is_chat in batches(documents, settings.batch_bytes):
+            pending.append(pool.submit(encode_batch, backends, eos_id, dtype, splits, texts, is_chat))
             if len(pending) >= in_flight:
                 write(pending.popleft().result())
         while pending:

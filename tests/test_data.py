@@ -376,9 +376,9 @@ def test_adding_a_source_never_moves_a_document_to_another_split(tmp_path):
     first = write_jsonl(tmp_path / "a.jsonl", text_records("old", 300))
     second = write_jsonl(tmp_path / "b.jsonl", text_records("new", 300))
     settings = data.BuildSettings(val_fraction=0.1, test_fraction=0.1)
-    before = {text: split for split, text in data.iter_documents(data.resolve_inputs([str(first)]), settings,
+    before = {text: split for split, _, text in data.iter_documents(data.resolve_inputs([str(first)]), settings,
                                                                  data.CHAT_TEMPLATE)}
-    after = {text: split for split, text in data.iter_documents(data.resolve_inputs([str(second), str(first)]),
+    after = {text: split for split, _, text in data.iter_documents(data.resolve_inputs([str(second), str(first)]),
                                                                 settings, data.CHAT_TEMPLATE)}
     assert set(before.values()) == set(data.SPLITS)
     assert all(after[text] == split for text, split in before.items())
@@ -650,3 +650,32 @@ def test_command_line_exit_codes(tmp_path):
     help_text = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True,
                                text=True, env=env, cwd=ROOT).stdout
     assert "--tokenizer-sample-bytes" in help_text and "(default: 200000000)" in help_text
+
+
+def test_special_token_strings_in_plain_text_stay_text(tmp_path):
+    """A web page that mentions `<|im_start|>` or `<think>` must not inject control tokens; chats keep theirs."""
+    texts = [{"text": f"Page {i}: the ChatML marker <|im_start|>user ends with <|im_end|>; models <think> too "
+                      f"</think> and stop at <eos> {i}."} for i in range(30)]
+    chats = [{"messages": [{"role": "user", "content": f"what is {i} + 1?"},
+                           {"role": "assistant", "content": f"{i + 1}"}]} for i in range(30)]
+    source = write_jsonl(tmp_path / "in" / "mixed.jsonl", [r for pair in zip(texts, chats) for r in pair])
+    corpus = build([source], tmp_path / "corpus", "--val-fraction", "0", "--test-fraction", "0")
+    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
+    specials = {tokenizer.convert_tokens_to_ids(token) for token in data.SPECIAL_TOKENS}
+    documents, current = [], []
+    for token in read_split(corpus, "train").tolist():
+        if token == tokenizer.convert_tokens_to_ids(data.EOS):
+            documents.append(current)
+            current = []
+        else:
+            current.append(token)
+    plain = [ids for ids in documents if tokenizer.decode(ids).startswith("Page ")]
+    chatty = [ids for ids in documents if not tokenizer.decode(ids).startswith("Page ")]
+    assert len(plain) == 30 and len(chatty) == 30
+    assert all(not specials & set(ids) for ids in plain)
+    assert sorted(tokenizer.decode(ids) for ids in plain) == sorted(record["text"] for record in texts)
+    im_start = tokenizer.convert_tokens_to_ids(data.IM_START)
+    assert all(ids.count(im_start) == 2 for ids in chatty)  # the template's user and assistant turns
+    pooled = build([source], tmp_path / "pooled", "--val-fraction", "0", "--test-fraction", "0",
+                   "--tokenizer", str(corpus / data.TOKENIZER_DIR), "--tokenize-workers", "1")
+    assert np.array_equal(read_split(pooled, "train"), read_split(corpus, "train"))
