@@ -34,6 +34,7 @@ import gguf
 import numpy as np
 
 from common import UserError, fsync_dir, run_main, sha256_file
+from model_config import Preset
 
 GGUF_SUFFIX = ".gguf"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -81,16 +82,8 @@ class ModelSource:
     folder: Path
     config: dict
     weight_files: list[Path]
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    context: int
+    preset: Preset  # the architecture's shape, as model_config describes it
     vocab_size: int
-    rope_theta: float
-    rms_norm_eps: float
     tied: bool
 
 
@@ -158,16 +151,18 @@ def read_model_folder(folder: str | Path) -> ModelSource:
         folder=folder,
         config=config,
         weight_files=weight_files(folder),
-        layers=int(config["num_hidden_layers"]),
-        hidden=int(config["hidden_size"]),
-        intermediate=int(config["intermediate_size"]),
-        heads=heads,
-        kv_heads=int(config["num_key_value_heads"]),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-        context=int(config["max_position_embeddings"]),
+        preset=Preset(
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            intermediate=int(config["intermediate_size"]),
+            heads=heads,
+            kv_heads=int(config["num_key_value_heads"]),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            context=int(config["max_position_embeddings"]),
+            rope_theta=rope_theta_of(config, config_path),
+            rms_norm_eps=float(config["rms_norm_eps"]),
+        ),
         vocab_size=int(config["vocab_size"]),
-        rope_theta=rope_theta_of(config, config_path),
-        rms_norm_eps=float(config["rms_norm_eps"]),
         tied=bool(config.get("tie_word_embeddings", False)),  # Qwen3Config's default
     )
 
@@ -385,7 +380,7 @@ def expected_tensor_names(source: ModelSource) -> set[str]:
     per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
     names = {"token_embd.weight", "output_norm.weight"}
-    names |= {f"blk.{layer}.{part}.weight" for layer in range(source.layers) for part in per_layer}
+    names |= {f"blk.{layer}.{part}.weight" for layer in range(source.preset.layers) for part in per_layer}
     if not source.tied:
         names.add("output.weight")
     return names
@@ -395,7 +390,7 @@ def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
     """Every tensor to write, from the safetensors headers alone, checked against config.json."""
     from safetensors import safe_open
 
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.preset.layers)
     plan: dict[str, PlannedTensor] = {}
     for path in source.weight_files:
         with safe_open(str(path), framework="pt") as handle:
@@ -411,9 +406,9 @@ def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
     if missing:
         raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
     embedding = plan["token_embd.weight"].shape
-    if embedding != (source.vocab_size, source.hidden):
+    if embedding != (source.vocab_size, source.preset.hidden):
         raise UserError(f"{source.folder}: embedding has shape {list(embedding)}, config.json says "
-                        f"[{source.vocab_size}, {source.hidden}]")
+                        f"[{source.vocab_size}, {source.preset.hidden}]")
     return list(plan.values())
 
 
@@ -508,16 +503,16 @@ def add_metadata(writer: gguf.GGUFWriter, source: ModelSource, vocab: Vocab, out
     for key, value in provenance.items():
         writer.add_string(f"tinyllm.{key}", value)
 
-    writer.add_context_length(source.context)
-    writer.add_embedding_length(source.hidden)
-    writer.add_block_count(source.layers)
-    writer.add_feed_forward_length(source.intermediate)
-    writer.add_head_count(source.heads)
-    writer.add_head_count_kv(source.kv_heads)
-    writer.add_key_length(source.head_dim)
-    writer.add_value_length(source.head_dim)
-    writer.add_rope_freq_base(source.rope_theta)
-    writer.add_layer_norm_rms_eps(source.rms_norm_eps)
+    writer.add_context_length(source.preset.context)
+    writer.add_embedding_length(source.preset.hidden)
+    writer.add_block_count(source.preset.layers)
+    writer.add_feed_forward_length(source.preset.intermediate)
+    writer.add_head_count(source.preset.heads)
+    writer.add_head_count_kv(source.preset.kv_heads)
+    writer.add_key_length(source.preset.head_dim)
+    writer.add_value_length(source.preset.head_dim)
+    writer.add_rope_freq_base(source.preset.rope_theta)
+    writer.add_layer_norm_rms_eps(source.preset.rms_norm_eps)
     writer.add_vocab_size(source.vocab_size)
 
     writer.add_tokenizer_model("gpt2")
@@ -690,7 +685,7 @@ def export(
     if modelfile:
         from common import atomic_write_text
 
-        atomic_write_text(model_file, modelfile_text(out, model_file, source.context))
+        atomic_write_text(model_file, modelfile_text(out, model_file, source.preset.context))
         readable_by_all(model_file)
     fsync_dir(out.parent)
     return {
@@ -743,14 +738,14 @@ def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
     reader = gguf.GGUFReader(str(gguf_path))
     fields = {
         "general.architecture": "qwen3",
-        "qwen3.block_count": source.layers,
-        "qwen3.context_length": source.context,
-        "qwen3.embedding_length": source.hidden,
-        "qwen3.feed_forward_length": source.intermediate,
-        "qwen3.attention.head_count": source.heads,
-        "qwen3.attention.head_count_kv": source.kv_heads,
-        "qwen3.attention.key_length": source.head_dim,
-        "qwen3.attention.value_length": source.head_dim,
+        "qwen3.block_count": source.preset.layers,
+        "qwen3.context_length": source.preset.context,
+        "qwen3.embedding_length": source.preset.hidden,
+        "qwen3.feed_forward_length": source.preset.intermediate,
+        "qwen3.attention.head_count": source.preset.heads,
+        "qwen3.attention.head_count_kv": source.preset.kv_heads,
+        "qwen3.attention.key_length": source.preset.head_dim,
+        "qwen3.attention.value_length": source.preset.head_dim,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen2",
         "tokenizer.ggml.add_bos_token": False,
@@ -760,8 +755,8 @@ def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
         value = None if entry is None else entry.contents()
         if value != expected:
             raise VerificationFailed(f"{gguf_path}: metadata {key} is {value!r}, expected {expected!r}")
-    for key, expected in (("qwen3.rope.freq_base", source.rope_theta),
-                          ("qwen3.attention.layer_norm_rms_epsilon", source.rms_norm_eps)):
+    for key, expected in (("qwen3.rope.freq_base", source.preset.rope_theta),
+                          ("qwen3.attention.layer_norm_rms_epsilon", source.preset.rms_norm_eps)):
         entry = reader.get_field(key)
         if entry is None or not np.isclose(entry.contents(), expected, rtol=1e-6):
             raise VerificationFailed(f"{gguf_path}: metadata {key} is not {expected}")
@@ -773,7 +768,7 @@ def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
         lacking = sorted(expected_names - set(stored))
         raise VerificationFailed(f"{gguf_path}: tensor names differ (extra {extra}, missing {lacking})")
 
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.preset.layers)
     worst = 0.0
     for hf_name, source_tensor in iter_source_tensors(source):
         gguf_name = gguf_tensor_name(name_map, hf_name, source)
