@@ -1718,16 +1718,26 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
     The status is written before the report (plots, samples, accuracy, export) and again after it,
     so nothing the report does can lose the run; its failures are recorded in `report_errors`.
     """
-    info, args = training.info, training.args
+    info = training.info
     test = training.evaluate("test") if status == COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"])
         log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}")
     if not info.is_main:
-        if args.report:
-            dist.barrier()  # rank 0 is writing the report
+        dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return None
+    try:
+        return finish_on_main(training, out, checkpointer, status, reason, test)
+    finally:
+        if info.world > 1:
+            dist.barrier()
+
+
+def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, status: str, reason: str | None,
+                   test: dict | None) -> dict:
+    """finish_run's part on rank 0: flush checkpoints and backup, the status, the report, the last line."""
+    info, args = training.info, training.args
     backed_up = checkpointer.close()
     record = {
         "step": training.step,
@@ -1745,12 +1755,8 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         record["resume_command"] = resume_command(info, getattr(args, "argv", None))
     write_status(out, status, **record)
     if args.report:
-        try:
-            record.update(report_run(training, out, status, test))
-            write_status(out, status, **record)
-        finally:
-            if info.world > 1:
-                dist.barrier()
+        record.update(report_run(training, out, status, test))
+        write_status(out, status, **record)
     if checkpointer.backup is not None:
         checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
         checkpointer.backup.close()
