@@ -477,6 +477,21 @@ def write_local_sidecar(fs, root: str, path: Path, local_record: dict, remote_re
         atomic_write_json(path.with_suffix(".json"), {**local_record, "run_id": run_id, "created": created})
 
 
+def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None:
+    """Rename a corrupt checkpoint's record to NAME.json.corrupt (best effort), so that nothing uses it,
+    retention does not count it among the kept ones, and `verify` shows the file as unverified. The
+    file itself stays (for inspection); the run re-uploads that step under the same name later."""
+    record = f"{folder}/{name}{RECORD_SUFFIX}"
+    try:
+        fs.mv(record, f"{record}.corrupt")
+        _refresh(fs, folder)
+    except Exception as error:
+        log(f"checkpoint restore: the record of the corrupt {name} could not be set aside ({type(error).__name__})")
+        return
+    log(f"checkpoint restore: {name} is no longer counted as a verified backup (record renamed to "
+        f"{name}{RECORD_SUFFIX}.corrupt)")
+
+
 def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line) -> Path | None:
     """Download the remote's newest verified checkpoint into `local_checkpoint_dir` and point the local
     latest.json at it, so train.py's `--resume auto` picks it up.
@@ -501,11 +516,16 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
                                          record.get("bytes"))
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
+            quarantine_record(fs, folder, name, log)
             continue
         local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
         write_local_sidecar(fs, root, path, local_record, record)
         atomic_write_json(local_dir / LATEST, local_record)
         log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
+        if record is not candidates[0]:  # the remote latest.json named a corrupt one: point it at this one
+            with contextlib.suppress(Exception):
+                write_remote_latest(fs, root, record)
+                log(f"checkpoint restore: the remote {LATEST} now names {name}")
         try:
             with remote_errors("downloading the run files"):
                 history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log)
@@ -573,6 +593,7 @@ class CheckpointBackup:
 
     Failures never raise: one log line with the exception type (never the URL or a key), then a
     retry after retry_seconds, doubling up to max_retry_seconds, and at once at the next submit.
+    Repeated failures of the same checkpoint are logged at attempts 1, 2, 4, 8, ... only.
 
     Local retention asks `deletable(candidates)`; checkpoints without a verified remote copy are
     kept, but at most `max_unbacked` of them: beyond that the oldest are released with a loud
@@ -778,7 +799,11 @@ class CheckpointBackup:
                 self._changed(upload)
                 self.log(f"checkpoint backup: {upload.path.name} was deleted locally before it was uploaded")
                 return
+            started = time.monotonic()
             upload.record = upload_checkpoint(self.fs, self.root, upload.path, upload.step)
+            self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}, "
+                     f"{upload.record['bytes'] / 1e6:.1f} MB) uploaded and verified in "
+                     f"{time.monotonic() - started:.1f}s")
             if upload.record.get("run_id"):
                 with self._cond:
                     self._run_id = upload.record["run_id"]
@@ -820,9 +845,12 @@ class CheckpointBackup:
                 delay = min(delay, self.retry_seconds)
             upload.next_try = time.monotonic() + delay
             dropped = upload.state == "dropped"
+        if upload.attempts & (upload.attempts - 1):
+            return  # log attempts 1, 2, 4, 8, ... only: a long outage must not flood the log
         then = "not retried (released for local deletion)" if dropped else \
             f"retry in {delay:.0f}s or at the next checkpoint"
-        self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}) not backed up yet: "
+        attempt = f" (attempt {upload.attempts})" if upload.attempts > 1 else ""
+        self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}) not backed up yet{attempt}: "
                  f"{type(error).__name__}; {then}")
 
     def _save_index(self, step: int) -> int | None:

@@ -526,6 +526,11 @@ def test_s3_corrupted_remote_checkpoint_is_never_used(s3_url, tmp_path):
     restored = cc.restore_latest(s3_url, tmp_path / "fresh" / "checkpoints", log=log)
     assert restored.name == paths[1].name and restored.read_bytes() == paths[1].read_bytes()
     assert any("WARNING" in line and paths[2].name in line for line in log)
+    # the corrupt one is set aside: never counted as a backup again, and latest.json names the good one
+    state = remote_state(s3_url)
+    assert sorted(state["verified"]) == [1, 2] and state["unverified"] == [paths[2].name]
+    assert state["latest"]["path"] == paths[1].name
+    assert fs.exists(f"{cc.checkpoint_folder(root)}/{paths[2].name}.json.corrupt")
     latest = json.loads((tmp_path / "fresh" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 2 and latest["sha256"] == sha256_file(paths[1])
     assert not list((tmp_path / "fresh" / "checkpoints").glob("*.partial"))
@@ -733,3 +738,28 @@ def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
     for index in want_opt:
         for name, value in want_opt[index].items():
             assert torch.equal(torch.as_tensor(got_opt[index][name]), torch.as_tensor(value)), (index, name)
+
+
+def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote"), retry_seconds=0.01, max_retry_seconds=0.01, log=log)
+    working = backup.fs.put_file
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("denied")
+
+    backup.fs.put_file = refuse
+    path = save_and_point_latest(local, 1)
+    backup.submit(path, 1)
+    assert not backup.wait(1.0)  # dozens of retries in that second
+    failures = [line for line in log if "not backed up yet" in line]
+    attempts = [int(line.split("(attempt ")[1].split(")")[0]) if "(attempt " in line else 1 for line in failures]
+    assert attempts[:3] == [1, 2, 4] and all(a & (a - 1) == 0 for a in attempts)  # powers of two only
+    assert len(failures) <= 8
+    backup.fs.put_file = working
+    backup.submit(path, 1)
+    assert backup.wait(30)
+    backup.close()
+    assert any(line.startswith("checkpoint backup: step-00000001.pt (step 1,") and "uploaded and verified" in line
+               for line in log)
