@@ -141,10 +141,32 @@ def wrap_tokenizer(tokenizer):
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tokenizer_folder(folder: str | Path) -> Path:
+    """The folder holding the tokenizer files: `folder` itself, or its `tokenizer/` subfolder (a corpus).
+
+    Checked here because transformers answers a folder without them with a long sentencepiece/tiktoken hint.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"tokenizer folder {folder} does not exist")
+    for candidate in (folder, folder / TOKENIZER_DIR):
+        if any((candidate / name).is_file() for name in TOKENIZER_FILES):
+            return candidate
+    raise UserError(f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} "
+                    f"(nor a {TOKENIZER_DIR}/ subfolder with one)")
+
+
 def load_tokenizer(folder: str | Path):
-    """AutoTokenizer.from_pretrained(folder), with a clear error when it does not load or lacks our specials."""
+    """AutoTokenizer.from_pretrained(folder), with a clear error when it does not load or lacks our specials.
+
+    `folder` is a tokenizer folder, or a corpus folder (its `tokenizer/` subfolder is used).
+    """
     from transformers import AutoTokenizer
 
+    folder = tokenizer_folder(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as error:  # transformers raises many types here
@@ -354,13 +376,19 @@ def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             except UnicodeDecodeError as error:
                 yield location, RecordError("invalid_utf8", f"{location}: invalid UTF-8 (byte {error.start})")
                 continue
+            line = line.rstrip("\r\n")  # else an unterminated string is reported as a bad control character
             if not line.strip():
                 continue
             try:
                 yield location, json.loads(line)
             except json.JSONDecodeError as error:
-                yield location, RecordError("malformed_json", f"{location}: malformed JSON ({error.msg}, "
-                                                              f"column {error.colno})")
+                yield location, RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
+
+
+def json_error(error: json.JSONDecodeError) -> str:
+    """'Unterminated string starting at column 10', 'Expecting value at column 1' (one line, no char offset)."""
+    where = "column" if error.msg.endswith(" at") else "at column"
+    return f"{error.msg} {where} {error.colno}"
 
 
 def read_utf8(path: Path) -> str | RecordError:
@@ -757,6 +785,7 @@ def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: P
         source_dir = Path(settings.tokenizer)
         if not source_dir.is_dir():
             raise UserError(f"--tokenizer {source_dir} is not a folder")
+        source_dir = tokenizer_folder(source_dir)  # a corpus folder works too
         load_tokenizer(source_dir)  # fails clearly before anything is copied
         shutil.copytree(source_dir, out_dir, ignore=shutil.ignore_patterns(".*"))
         return load_tokenizer(out_dir)
@@ -898,7 +927,9 @@ def pack_documents(documents: Iterable[tuple[str, str, str]], tokenizer, folder:
     backends = document_tokenizers(tokenizer.backend_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     writers = {split: ShardWriter(folder, split, dtype, settings.shard_tokens) for split in SPLITS}
-    bar = tqdm(desc="tokenizing", unit=" docs", disable=not settings.progress, file=sys.stderr, smoothing=0.1)
+    # no bar unless stderr is a terminal: redrawn `\r` lines only clutter a log file
+    show = settings.progress and sys.stderr.isatty()
+    bar = tqdm(desc="tokenizing", unit=" docs", disable=not show, file=sys.stderr, smoothing=0.1)
     started, tokens = time.perf_counter(), 0
 
     def write(result: dict[str, tuple]) -> None:
@@ -1119,8 +1150,26 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
         corpus["files"] = {name: sha256_file(temp / name) for name in listed}
         atomic_write_json(temp / CORPUS_MANIFEST, corpus)
         swap_into_place(temp, out)
-    print_summary(out, corpus, stats, time.perf_counter() - started)
+    empty = empty_splits(splits, settings)
+    print_summary(out, corpus, stats, time.perf_counter() - started, empty)
+    for message in empty.values():
+        print(f"warning: {message}", file=sys.stderr)
     return out
+
+
+def empty_splits(splits: dict[str, dict], settings: BuildSettings) -> dict[str, str]:
+    """{split: warning} for each held-out split that was asked for (fraction > 0) but got no documents.
+
+    Not fatal: the corpus is still usable for training, only evaluation on that split is not.
+    """
+    kept = sum(info["documents"] for info in splits.values())
+    warnings = {}
+    for split, option, fraction in (("validation", "--val-fraction", settings.val_fraction),
+                                    ("test", "--test-fraction", settings.test_fraction)):
+        if fraction > 0 and splits[split]["documents"] == 0:
+            warnings[split] = (f"the {split} split is empty ({option} {fraction} of {kept} documents picked none); "
+                               f"add more documents or raise {option}")
+    return warnings
 
 
 def describe_drops(stats: dict[str, SourceStats]) -> str:
@@ -1130,10 +1179,11 @@ def describe_drops(stats: dict[str, SourceStats]) -> str:
     return f"{read} records read; dropped: {reasons}"
 
 
-def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], seconds: float) -> None:
+def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], seconds: float,
+                  empty: Iterable[str] = ()) -> None:
     print(f"corpus ready: {out}")
     print(f"  documents: {corpus['documents']} kept ({describe_drops(stats)})")
-    per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs)"
+    per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
                           for split, info in corpus["splits"].items())
     print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")
     print(f"  {seconds:.1f} s, {corpus['tokens'] / max(seconds, 1e-9):,.0f} tokens/s overall")
@@ -1305,7 +1355,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()))
     build.add_argument("--vocab-size", type=int, default=None,
                         help=f"BPE vocabulary to train ({DEFAULT_VOCAB_SIZE}; {DEMO_VOCAB_SIZE} with --demo)")
-    build.add_argument("--tokenizer", metavar="DIR", default=None, help="reuse this tokenizer folder")
+    build.add_argument("--tokenizer", metavar="DIR", default=None,
+                       help="reuse this tokenizer folder (or a corpus folder's tokenizer/)")
     build.add_argument("--tokenizer-sample-bytes", type=int, default=defaults.tokenizer_sample_bytes,
                         help="train the BPE on at most this much text (the first documents)")
     build.add_argument("--min-frequency", type=int, default=defaults.min_frequency, help="BPE merge min count")

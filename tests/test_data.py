@@ -563,6 +563,29 @@ def test_malformed_json_line_is_counted_or_fatal_with_strict(tmp_path, capsys):
     assert no_leftovers(tmp_path / "strict")
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_truncated_json_line_names_the_real_cause(tmp_path, capsys, ending):
+    """The line ending is not part of the record: a cut-off string is 'unterminated', not a control character."""
+    source = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in text_records("ok", 5)] + ['{"text": "broken line']
+    source.write_bytes(ending.join(lines + [""]).encode())
+    expected = f"{source}:6: malformed JSON (Unterminated string starting at column 10)"
+    assert [str(record) for _, record in data.iter_jsonl(source) if isinstance(record, data.RecordError)] == [expected]
+    build([source], tmp_path / "out")
+    assert f"warning: {expected}; skipped" in capsys.readouterr().err.splitlines()
+    with pytest.raises(UserError) as error:
+        build([source], tmp_path / "strict", "--strict")
+    assert str(error.value) == expected
+
+
+def test_json_error_reads_as_one_clause():
+    for text, message in (('{"text": }', "Expecting value at column 10"), ('{"a": 1} x', "Extra data at column 10"),
+                          ('{"text": "a\tb"}', "Invalid control character at column 12")):
+        with pytest.raises(json.JSONDecodeError) as error:
+            json.loads(text)
+        assert data.json_error(error.value) == message
+
+
 def test_invalid_utf8_is_counted_or_fatal_with_strict(tmp_path):
     source = tmp_path / "latin1.jsonl"
     source.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in text_records("ok", 6))
@@ -627,6 +650,54 @@ def test_tokenizer_folder_that_does_not_load(tmp_path):
     with pytest.raises(UserError, match="is not a folder"):
         build([source], tmp_path / "out", "--tokenizer", str(tmp_path / "missing_tok"))
     assert no_leftovers(tmp_path / "out")
+
+
+def test_load_tokenizer_takes_a_corpus_folder_and_names_a_folder_without_files(demo_corpus, tmp_path):
+    from_corpus = data.load_tokenizer(demo_corpus)
+    direct = data.load_tokenizer(demo_corpus / data.TOKENIZER_DIR)
+    assert from_corpus.encode("What is 12 plus 7?") == direct.encode("What is 12 plus 7?")
+    assert from_corpus.name_or_path == str(demo_corpus / data.TOKENIZER_DIR)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "notes.txt").write_text("no tokenizer here")
+    with pytest.raises(UserError) as error:
+        data.load_tokenizer(bare)
+    assert str(error.value) == f"tokenizer folder {bare} has no tokenizer.json or tokenizer_config.json " \
+                               "(nor a tokenizer/ subfolder with one)"
+    with pytest.raises(UserError, match="does not exist"):
+        data.load_tokenizer(tmp_path / "missing")
+
+
+def test_tokenizer_option_accepts_a_corpus_folder(demo_corpus, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("ok", 8))
+    out = build([source], tmp_path / "out", "--tokenizer", str(demo_corpus))
+    assert sorted(p.name for p in (out / data.TOKENIZER_DIR).iterdir()) == \
+        sorted(p.name for p in (demo_corpus / data.TOKENIZER_DIR).iterdir())
+    assert sha256_tree(out / data.TOKENIZER_DIR) == sha256_tree(demo_corpus / data.TOKENIZER_DIR)
+
+
+def test_empty_held_out_splits_warn_but_build(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "few.jsonl", text_records("ok", 3))
+    out = build([source], tmp_path / "out", "--val-fraction", "0.001", "--test-fraction", "0")
+    assert (out / data.CORPUS_MANIFEST).exists()
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: the validation split is empty (--val-fraction 0.001 of 3 documents picked none); "
+                        "add more documents or raise --val-fraction"]  # none for test: it was not asked for
+    assert "validation 0 (0 docs, EMPTY)" in captured.out and "test 0 (0 docs);" in captured.out
+    build([source], tmp_path / "none", "--val-fraction", "0", "--test-fraction", "0")
+    assert "warning:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tty, flag, drawn", [(False, "--progress", False), (True, "--progress", True),
+                                              (True, "--no-progress", False)])
+def test_progress_bar_only_on_a_terminal(tmp_path, capsys, monkeypatch, tty, flag, drawn):
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("ok", 8))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    build([source], tmp_path / "out", flag)
+    err = capsys.readouterr().err
+    assert ("tokenizing" in err and "\r" in err) == drawn
+    assert ("tokenizing" in err or "\r" in err) == drawn
 
 
 def test_bad_settings_are_user_errors(tmp_path):
