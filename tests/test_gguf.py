@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -276,14 +277,45 @@ def test_modelfile_for_ollama(model_dir, tmp_path):
 
 @needs_llama_cpp
 @pytest.mark.parametrize("out_type", ["f32", "f16", "q8_0"])
-def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type):
+def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type, monkeypatch, capfd):
+    import ctypes
+
+    import llama_cpp
+
+    def log_callback() -> int:
+        callback, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+        llama_cpp.llama_log_get(ctypes.byref(callback), ctypes.byref(user_data))
+        return ctypes.cast(callback, ctypes.c_void_p).value
+
+    loads = []
+    real_llama = llama_cpp.Llama
+
+    def recording_llama(*args, **kwargs):
+        loads.append(kwargs)
+        return real_llama(*args, **kwargs)
+
+    monkeypatch.setattr(llama_cpp, "Llama", recording_llama)
+    callback_before = log_callback()
     lines = []
     out = tmp_path / f"m-{out_type}.gguf"
     summary = export_gguf.export(model_dir, out, out_type, verify=True, log=lines.append)
     checks = summary["checks"]["llama_cpp"]
     assert checks["texts"] >= len(export_gguf.VERIFY_TEXTS) + len(data.SPECIAL_TOKENS) + 2
-    assert checks["greedy_prompts"] == len(export_gguf.DEMO_PROMPTS) + len(export_gguf.DEMO_QUESTIONS)
+    prompts = len(export_gguf.DEMO_PROMPTS) + len(export_gguf.DEMO_QUESTIONS)
+    assert checks["greedy_prompts"] == prompts
     assert checks["greedy_ties"] == 0
+    # One full load, no bigger than the model's context (no vocab-only load, which has no context length).
+    assert [(load.get("n_ctx"), load.get("vocab_only", False)) for load in loads] == [(PRESET.context, False)]
+    # llama.cpp's native log (e.g. "n_ctx_seq (256) > n_ctx_train (128)") stays off the terminal ...
+    err = capfd.readouterr().err
+    assert "llama_context" not in err and "n_ctx" not in err, err
+    # ... and only while verifying: the previous log callback is back.
+    assert log_callback() == callback_before
+    assert sum(line.endswith(f": same {export_gguf.GREEDY_TOKENS} tokens") for line in lines) == prompts
+    assert lines[-1].startswith(
+        f"llama.cpp greedy: {prompts} of {prompts} prompts give the same {export_gguf.GREEDY_TOKENS} tokens; "
+        f"near ties are accepted within {checks['greedy_tie_tolerance']:.3g}"
+    )
     if out_type == "f32":
         assert checks["max_logit_diff"] <= 1e-3
     else:
@@ -365,9 +397,25 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
         model.model.norm.weight.copy_(model.model.norm.weight.flip(0))
     llm = llama_cpp.Llama(str(out), n_ctx=PRESET.context, logits_all=True, verbose=False)
     ids = data.load_tokenizer(model_dir).encode(export_gguf.VERIFY_TEXTS[2])
-    with pytest.raises(export_gguf.VerificationFailed, match="differs at token"):
+    with pytest.raises(export_gguf.VerificationFailed, match="diverges at token .* near-tie threshold 0.001"):
         export_gguf.compare_greedy(model, llm, ids, "code", 1e-3, log=lambda *_: None)
-    assert export_gguf.compare_greedy(model, llm, ids, "code", 1e9, log=lambda *_: None) == 1
+    lines = []
+    margin = export_gguf.compare_greedy(model, llm, ids, "code", 1e9, log=lines.append)
+    assert margin > 1e-3
+    assert re.fullmatch(r"greedy 'code': diverges at token \d+, where HF's logit for llama.cpp's token is only "
+                        rf"{margin:.3g} below its top \(a near tie within 1e\+09, accepted\)", lines[-1]), lines
+    llm.close()
+
+
+def test_greedy_summary_counts_matches_and_near_ties():
+    assert export_gguf.greedy_summary(4, [], 0.649) == (
+        "llama.cpp greedy: 4 of 4 prompts give the same 16 tokens; "
+        "near ties are accepted within 0.649 (twice the max logit difference)"
+    )
+    assert export_gguf.greedy_summary(4, [0.05, 0.113], 0.649) == (
+        "llama.cpp greedy: 2 of 4 prompts give the same 16 tokens, 2 diverge at a near tie (largest margin 0.113); "
+        "near ties are accepted within 0.649 (twice the max logit difference)"
+    )
 
 
 @needs_llama_cpp
@@ -455,6 +503,25 @@ def test_unknown_type_and_existing_output(model_dir, tmp_path):
         export_gguf.main([str(model_dir), "--out", str(out.with_name("z.gguf"))])
     assert not out.with_name("z.gguf").exists()
     assert leftovers(tmp_path) == []
+
+
+def test_cli_says_where_both_files_went(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    export_gguf.main([str(model_dir), "--out", "demo.gguf", "--type", "q8_0"])
+    last = capsys.readouterr().out.strip().splitlines()[-2:]
+    gguf_path, modelfile = tmp_path.resolve() / "demo.gguf", tmp_path.resolve() / "demo.Modelfile"
+    assert last[0].startswith(f"wrote {gguf_path} (")
+    assert last[1] == f"wrote {modelfile} (ollama: ollama create {export_gguf.model_name(model_dir)} -f {modelfile})"
+    assert (tmp_path / "demo.gguf").is_file() and (tmp_path / "demo.Modelfile").is_file()
+
+
+def test_gitignore_covers_exported_files():
+    """`--out demo.gguf` in the checkout writes demo.gguf and demo.Modelfile there; git must not list them."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    result = subprocess.run(["git", "check-ignore", "--no-index", "demo.gguf", "demo.Modelfile"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert result.stdout.split() == ["demo.gguf", "demo.Modelfile"]
 
 
 def test_cli_error_is_one_line_and_exit_2(model_dir, tmp_path):
