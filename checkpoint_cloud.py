@@ -64,6 +64,7 @@ from pathlib import Path, PurePosixPath
 
 from common import (
     HASH_CHUNK_BYTES,
+    ArgumentParser,
     UserError,
     atomic_write_json,
     fsync_dir,
@@ -1504,7 +1505,7 @@ def command_verify(url: str) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=formatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=formatter)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="show the remote's checkpoints (or corpus files)",
                                   formatter_class=formatter)

@@ -7,6 +7,7 @@ and an fsync of the folder, so a crash leaves either the old file or the new one
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import hashlib
@@ -161,3 +162,17 @@ def human_count(value: float) -> str:
         if abs(value) >= size:
             return f"{value / size:.1f}{unit}"
     return f"{value:.0f}"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the house rules for every script: a bad option is one `error:` line (exit 2)
+    instead of the whole usage text, and options are spelled out: `--epoch` is refused, not read
+    as `--epochs` (a prefix that means something today can mean something else tomorrow)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from common import (
+    ArgumentParser,
     UserError,
     atomic_write_bytes,
     atomic_write_json,
@@ -1340,7 +1341,7 @@ def build_demo_corpus(out_dir: str | Path, overwrite: bool = False, seed: int = 
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = BuildSettings()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     what = parser.add_argument_group("what to do (one of)")
     what.add_argument("--data", nargs="+", metavar="PATH",

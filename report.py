@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from common import (
+    ArgumentParser,
     UserError,
     atomic_write_bytes,
     atomic_write_json,
@@ -780,7 +781,7 @@ def load_exported(model_dir: str, device: str):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     plot = commands.add_parser("plot", help="redraw RUN/loss_curve.png from RUN/metrics.jsonl",

@@ -51,6 +51,7 @@ import data
 import model_config
 import report
 from common import (
+    ArgumentParser,
     UserError,
     append_jsonl,
     atomic_open,
@@ -88,7 +89,7 @@ GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121
 
 def build_parser() -> argparse.ArgumentParser:
     demo = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO_DEFAULTS.items())
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP). "
                     "Without --data it runs the demo end to end.",
         epilog=f"The demo (no --data): builds {DEFAULT_DATA} with `data.py --demo` if it is not there, trains, "
@@ -100,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     paths.add_argument("--data", default=None,
                        help=f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
                             f"{PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
-    paths.add_argument("--out", default=DEFAULT_OUT, help="run folder: checkpoints, metrics, status")
+    paths.add_argument("--out", default=None,
+                       help=f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})")
     paths.add_argument("--resume", default="auto",
                        help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
                             "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH")
@@ -185,6 +187,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.warmup_steps = DEMO_DEFAULTS["warmup_steps"]
         if epochs_given:
             args.target_tokens = None
+    if args.out is None:
+        if not args.demo:
+            raise UserError("--data needs --out RUN: the run folder for its checkpoints, metrics and status")
+        args.out = DEFAULT_OUT
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
     check_args(args)
     return args

@@ -64,7 +64,7 @@ def test_demo_defaults_apply_only_without_data():
     assert {key: getattr(demo, key) for key in train.DEMO_DEFAULTS} == train.DEMO_DEFAULTS
     assert train.parse_args(["--lr", "1e-3"]).lr == 1e-3  # a given option wins over the demo default
     assert train.parse_args(["--epochs", "2"]).target_tokens is None  # --epochs replaces the demo's length
-    normal = train.parse_args(["--data", "somewhere"])
+    normal = train.parse_args(["--data", "somewhere", "--out", "runs/somewhere"])
     assert not normal.demo and normal.data == "somewhere"
     assert (normal.batch_size, normal.lr, normal.target_tokens) == (8, 6e-4, None)
     assert "demo" in train.build_parser().format_help()

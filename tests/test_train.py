@@ -326,6 +326,14 @@ def test_bad_options_give_one_clear_line(tmp_path):
     assert result.returncode == 2 and result.stderr.strip() == "error: --batch-size must be positive, got 0"
     result = run_cli(["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "run")], check=False)
     assert result.returncode == 2 and "corpus folder" in result.stderr and "Traceback" not in result.stderr
+    # a typo or a prefix of an option is one line too, never the usage text or a silent guess
+    for typo, named in ((["--epohcs", "1"], "--epohcs"), (["--epoch", "1"], "--epoch")):
+        result = run_cli([*typo, "--out", str(tmp_path / "run")], check=False)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("error: unrecognized arguments: ") and named in result.stderr
+    result = run_cli(["--data", str(tmp_path / "nope")], check=False)  # where would the run go?
+    assert result.returncode == 2 and result.stderr.strip() == \
+        "error: --data needs --out RUN: the run folder for its checkpoints, metrics and status"
 
 
 def test_repeated_kv_attention_matches_sdpa():
