@@ -33,7 +33,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from common import UserError, fsync_dir, run_main, sha256_file
+from common import ArgumentParser, UserError, fsync_dir, run_main, sha256_file
 from model_config import Preset
 
 GGUF_SUFFIX = ".gguf"
@@ -900,7 +900,8 @@ def greedy_summary(prompts: int, tie_margins: list[float], tie_tolerance: float)
     """One line: how many prompts matched fully and how many diverged at an accepted near tie."""
     line = f"llama.cpp greedy: {prompts - len(tie_margins)} of {prompts} prompts give the same {GREEDY_TOKENS} tokens"
     if tie_margins:
-        line += f", {len(tie_margins)} diverge at a near tie (largest margin {max(tie_margins):.3g})"
+        verb = "diverges" if len(tie_margins) == 1 else "diverge"
+        line += f", {len(tie_margins)} {verb} at a near tie (largest margin {max(tie_margins):.3g})"
     return line + f"; near ties are accepted within {tie_tolerance:.3g} (twice the max logit difference)"
 
 
@@ -1009,7 +1010,7 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Export a tinyllm Hugging Face Qwen3 folder to GGUF (llama.cpp, ollama).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -416,6 +416,7 @@ def test_greedy_summary_counts_matches_and_near_ties():
         "llama.cpp greedy: 2 of 4 prompts give the same 16 tokens, 2 diverge at a near tie (largest margin 0.113); "
         "near ties are accepted within 0.649 (twice the max logit difference)"
     )
+    assert ", 1 diverges at a near tie (largest margin 0.05)" in export_gguf.greedy_summary(4, [0.05], 0.649)
 
 
 @needs_llama_cpp
