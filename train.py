@@ -1493,6 +1493,7 @@ def claim_run_folder(out: Path, info: DistInfo):
 
     def claim() -> None:
         check_run_folder(out)
+        held["new"] = not out.exists()
         held["lock"] = lock_run_folder(out)
 
     main_decides(claim, info)
@@ -1501,6 +1502,10 @@ def claim_run_folder(out: Path, info: DistInfo):
     finally:
         if "lock" in held:
             held["lock"].close()
+            if held["new"] and [path.name for path in out.iterdir()] == [".lock"]:  # refused before it began
+                with contextlib.suppress(OSError):
+                    (out / ".lock").unlink()
+                    out.rmdir()
 
 
 def prepare_corpus(args: argparse.Namespace) -> Path:
@@ -1573,6 +1578,11 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {info.device.type}")
+    empty = [name for name in ("validation", "test") if training.splits[name].blocks == 0]
+    if empty and info.is_main:
+        print(f"warning: the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "
+              f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus with "
+              "more documents or a larger --val-fraction / --test-fraction)", file=sys.stderr, flush=True)
     if args.warmup_steps >= training.total_steps and info.is_main:
         print(f"warning: --warmup-steps {args.warmup_steps} >= the run's {training.total_steps} steps: the learning "
               "rate never reaches --lr nor decays; pass fewer --warmup-steps", file=sys.stderr, flush=True)
@@ -1597,6 +1607,10 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
                           lambda: interrupted_reason(out, training.step, command))
         if reason:
             print(reason, file=sys.stderr, flush=True)
+        elif info.is_main:  # the stop was already recorded as resumable (or complete): it stays true
+            recorded = read_json(out / "run_status.json").get("status")
+            print(f"interrupted again after the run recorded {recorded}; continue with: {command}",
+                  file=sys.stderr, flush=True)
         raise
     except BaseException as error:
         fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")

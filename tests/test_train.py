@@ -752,12 +752,24 @@ def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_r
         f"aborted by the user (second interrupt) at step 4; the last checkpoint is {last}; continue with: ")
 
 
-def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch):
+def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     monkeypatch.setattr(train, "report_run", lambda *args: interrupt_twice())
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, "--report", steps=4))
     assert status(out)["status"] == "COMPLETE"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("interrupted again after the run recorded COMPLETE; continue with: ")
+
+
+def test_a_run_refused_before_it_began_leaves_no_run_folder(corpus, tmp_path):
+    out = tmp_path / "new-run"
+    result = run_cli(options(corpus, out, "--heads", "3"), check=False)  # 3 query heads, 2 KV heads: refused
+    assert result.returncode == 2 and "kv_heads" in result.stderr
+    assert not out.exists()
+    out.mkdir()  # a folder the user made stays (with its .lock)
+    run_cli(options(corpus, out, "--heads", "3"), check=False)
+    assert out.is_dir() and [p.name for p in out.iterdir()] == [".lock"]
 
 
 def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
@@ -803,3 +815,14 @@ def test_compiled_plain_causal_blocks_skip_the_full_mask(monkeypatch):
     assert train.causal_sdpa_mask(**shape, attention_mask=None, allow_is_causal_skip=False) is None
     assert torch.equal(train.causal_sdpa_mask(**shape, attention_mask=padding), eager)
     assert train.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
+
+
+def test_a_corpus_without_held_out_blocks_is_trained_with_a_warning(tmp_path, capsys):
+    texts = [{"text": f"{i} plus {i + 1} is {2 * i + 1}. the cat sees the dog."} for i in range(300)]
+    corpus = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "corpus",
+                               data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0))
+    assert train.main(options(corpus, tmp_path / "run", steps=2)) == 0
+    err = capsys.readouterr().err
+    assert ("warning: the corpus has no validation or test blocks of 32 tokens: no validation loss and no test "
+            "loss will be measured") in err
+    assert status(tmp_path / "run")["status"] == "COMPLETE"
