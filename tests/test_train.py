@@ -688,7 +688,7 @@ def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corp
 
 def test_resume_typo_lists_the_choices(tmp_path):
     with pytest.raises(UserError, match=r"--resume Auto: not a choice and no such file; use auto .* none .* PATH"):
-        train.parse_args(["--data", str(tmp_path), "--resume", "Auto"])
+        train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), "--resume", "Auto"])
 
 
 def test_warmup_longer_than_the_run_warns_and_the_demo_caps_only_its_own_default(corpus, tmp_path, capsys):
