@@ -126,6 +126,17 @@ def wait_until(predicate, timeout_s: float = 30.0) -> bool:
     return predicate()
 
 
+def refuse_uploads(backup: cc.CheckpointBackup, message: str = "denied"):
+    """Make every upload of `backup` fail with PermissionError(message); returns the function that undoes it."""
+    working = backup.fs.put_file
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(message)
+
+    backup.fs.put_file = refuse
+    return lambda: setattr(backup.fs, "put_file", working)
+
+
 def assert_no_secrets(text: str, url: str) -> None:
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     for secret in (SECRET_KEY, ACCESS_KEY, url, bucket, "127.0.0.1:"):
@@ -330,12 +341,7 @@ def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
     resumed_from = fake_checkpoint(local, 0)  # predates this run: never submitted
     log = Log()
     backup = cc.CheckpointBackup(str(tmp_path / "remote"), max_unbacked=2, retry_seconds=60, log=log)
-    broken = backup.fs.put_file
-
-    def refuse(*args, **kwargs):
-        raise PermissionError("denied for s3://secret-bucket")
-
-    backup.fs.put_file = refuse
+    allow_uploads = refuse_uploads(backup, "denied for s3://secret-bucket")
     paths = [fake_checkpoint(local, step) for step in (1, 2, 3, 4, 5)]
     for step, path in enumerate(paths, start=1):
         backup.submit(path, step)
@@ -348,7 +354,7 @@ def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
     assert any("not backed up yet: PermissionError" in line for line in log)
     assert "secret-bucket" not in log.text() and str(tmp_path / "remote") not in log.text()
 
-    backup.fs.put_file = broken
+    allow_uploads()
     backup.submit(fake_checkpoint(local, 6), 6)
     assert backup.wait(30)
     # now the checkpoint this run resumed from may go, and the verified ones
@@ -744,12 +750,7 @@ def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
     local = tmp_path / "run" / "checkpoints"
     log = Log()
     backup = cc.CheckpointBackup(str(tmp_path / "remote"), retry_seconds=0.01, max_retry_seconds=0.01, log=log)
-    working = backup.fs.put_file
-
-    def refuse(*args, **kwargs):
-        raise PermissionError("denied")
-
-    backup.fs.put_file = refuse
+    allow_uploads = refuse_uploads(backup)
     path = save_and_point_latest(local, 1)
     backup.submit(path, 1)
     assert not backup.wait(1.0)  # dozens of retries in that second
@@ -757,7 +758,7 @@ def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
     attempts = [int(line.split("(attempt ")[1].split(")")[0]) if "(attempt " in line else 1 for line in failures]
     assert attempts[:3] == [1, 2, 4] and all(a & (a - 1) == 0 for a in attempts)  # powers of two only
     assert len(failures) <= 8
-    backup.fs.put_file = working
+    allow_uploads()
     backup.submit(path, 1)
     assert backup.wait(30)
     backup.close()
