@@ -17,6 +17,8 @@ A URL is anything fsspec opens: a folder (`/content/drive/MyDrive/runs/tiny`, `f
                                             stable across resumes) says which run's retention owns it
     URL/checkpoints/latest.json             the record of the newest verified checkpoint (moved last)
     URL/checkpoints/.step-...pt.<id>.partial  an upload in flight; never read
+    URL/checkpoints/step-N.pt.json.corrupt  the record of a checkpoint a restore found corrupt, set
+                                            aside so that nothing counts it as a backup again
     URL/metrics.jsonl, training_settings.json, hardware.json, run_status.json
                                             the run's history, uploaded (verified, promoted) after
                                             each checkpoint; restored beside checkpoints/ when missing
