@@ -727,8 +727,8 @@ class CheckpointBackup:
             upload_run_files(self.fs, self.root, Path(run_dir))
             return True
         except Exception as error:
-            self.log(f"checkpoint backup: the final run files (run_status.json, ...) not backed up "
-                     f"({type(error).__name__})")
+            self.log(f"checkpoint backup: the run files (metrics.jsonl, run_status.json, ...) not backed up "
+                     f"this time ({type(error).__name__})")
             return False
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -832,13 +832,8 @@ class CheckpointBackup:
 
     def _upload_run_files(self, checkpoint_dir: Path) -> None:
         """The run's history beside the newest checkpoint; a failure is logged, retried next time."""
-        if checkpoint_dir.name != CHECKPOINT_DIR:
-            return  # not train.py's RUN/checkpoints layout: no RUN folder to speak of
-        try:
-            upload_run_files(self.fs, self.root, checkpoint_dir.parent)
-        except Exception as error:
-            self.log(f"checkpoint backup: the run files (metrics.jsonl, ...) not backed up this time "
-                     f"({type(error).__name__}); retried at the next checkpoint")
+        if checkpoint_dir.name == CHECKPOINT_DIR:  # else not train.py's RUN/checkpoints layout: no RUN folder
+            self.push_run_files(checkpoint_dir.parent)
 
     def _failed(self, upload: _Upload, error: Exception) -> None:
         with self._cond:
@@ -1082,6 +1077,7 @@ class BackupProcess:
 
     def _read(self, process: subprocess.Popen, connection) -> None:
         """The parent's reader: the child's log lines, state changes and replies."""
+        ready = False  # a child that never started is reported by _start, not here
         while True:
             try:
                 kind, *body = connection.recv()
@@ -1098,7 +1094,8 @@ class BackupProcess:
                 elif kind == "started":
                     self.started.set()
                 elif kind in ("ready", "failed"):
-                    self._replies["start"] = "ready" if kind == "ready" else tuple(body)
+                    ready = kind == "ready"
+                    self._replies["start"] = "ready" if ready else tuple(body)
                 self._cond.notify_all()
         code = process.wait()
         with self._cond:
@@ -1107,7 +1104,7 @@ class BackupProcess:
                 self._process = None
             self._cond.notify_all()
             closing = self._closing
-        if current and not closing and "start" not in self._replies:
+        if current and ready and not closing:
             self.log(f"checkpoint backup: WARNING the backup process exited (code {code}); a new one starts "
                      "at the next checkpoint")
 

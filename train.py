@@ -1025,10 +1025,6 @@ def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0
     return output.transpose(1, 2).contiguous(), None
 
 
-def use_repeated_kv_attention(model) -> None:
-    use_attention(model, REPEATED_KV_ATTENTION)
-
-
 CONTIGUOUS_ATTENTION = "sdpa_contiguous"
 
 
@@ -1227,7 +1223,7 @@ class Training:
 
         if fused_kernel_works():
             return (lambda: sdpa_kernel(fused)), "fused"
-        use_repeated_kv_attention(self.model)
+        use_attention(self.model, REPEATED_KV_ATTENTION)
         if fused_kernel_works():
             return (lambda: sdpa_kernel(fused)), "fused (K/V heads repeated)"
         self.model.set_attn_implementation("sdpa")

@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from s3_server import free_port, start_s3_server  # noqa: E402
 
 import checkpoint_cloud  # noqa: E402
+from common import ArgumentParser  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pairs", type=int, default=16, help="checkpoint intervals of each kind, alternating")
     parser.add_argument("--save-every", type=int, default=5, help="optimizer steps per checkpoint interval")

@@ -42,12 +42,13 @@ sys.path.insert(0, str(ROOT))
 from s3_server import free_port, start_s3_server  # noqa: E402
 
 import checkpoint_cloud  # noqa: E402  (after the path: the bench runs as a script from anywhere)
+from common import ArgumentParser  # noqa: E402
 
 POLL_SECONDS = 0.02
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=None,
                         help="a corpus built by data.py (None: build the demo corpus in the work folder)")

@@ -38,6 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import ArgumentParser  # noqa: E402
+
 SYLLABLES = ["ka", "lo", "mi", "ne", "ra", "to", "su", "vi", "pe", "do", "an", "er", "in", "on", "th", "st",
              "re", "al", "or", "en", "qu", "sh", "ch", "ly", "ing", "ed", "es", "ti", "ma", "co", "bu", "gra",
              "fi", "ze", "hu", "wo", "ple", "tion", "ous", "ment", "ab", "ex", "un", "dis", "pro", "com", "ver",
@@ -174,7 +176,7 @@ def run_method(name: str, input_path: Path, tokenizer: Path, out: Path, num_proc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--mb", type=float, default=200.0, help="size of the generated JSONL input")
     parser.add_argument("--scale", type=float, default=0,

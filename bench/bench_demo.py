@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import UserError, atomic_write_json, run_main  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", default=str(ROOT / "bench" / "out" / "demo"),
                         help="folder the demo runs in (emptied first)")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import export_gguf  # noqa: E402
 import model_config  # noqa: E402
+from common import ArgumentParser  # noqa: E402
 
 CHUNK = 8 * 1024 * 1024
 
@@ -75,7 +76,7 @@ def timed(run) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gguf", help="scratch folder")
     parser.add_argument("--preset", default="think72", choices=list(model_config.PRESETS))

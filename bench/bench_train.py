@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import model_config  # noqa: E402
 import train  # noqa: E402
-from common import UserError, run_main  # noqa: E402
+from common import ArgumentParser, UserError, run_main  # noqa: E402
 
 TARGET_VS_TRAINER = 1.1
 TARGET_MFU = 0.60
@@ -59,7 +59,7 @@ SECOND_COMPILED = "train.py fp32 compiled (beside the compiled Trainer)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--corpus", default=None,
                         help="corpus folder built by data.py (None: build the demo corpus in a temporary folder)")

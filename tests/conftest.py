@@ -28,3 +28,15 @@ def patch_python_children(monkeypatch, tmp_path):
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
 
     return patch
+
+
+@pytest.fixture
+def flip_byte():
+    """flip_byte(path, offset, mask=0x01): corrupt one byte of a file in place, keeping its size."""
+
+    def flip(path, offset: int, mask: int = 0x01) -> None:
+        raw = bytearray(path.read_bytes())
+        raw[offset] ^= mask
+        path.write_bytes(bytes(raw))
+
+    return flip

@@ -171,14 +171,12 @@ def test_every_demo_document_fits_a_128_token_context(demo_corpus):
 # --verify
 
 
-def test_verify_catches_a_flipped_byte_and_names_the_file(demo_corpus, tmp_path, capsys):
+def test_verify_catches_a_flipped_byte_and_names_the_file(demo_corpus, tmp_path, capsys, flip_byte):
     copy = tmp_path / "copy"
     shutil.copytree(demo_corpus, copy)
     assert data.main(["--verify", str(copy)]) == 0
     shard = copy / "validation-00000.bin"
-    raw = bytearray(shard.read_bytes())
-    raw[100] ^= 0x01
-    shard.write_bytes(bytes(raw))
+    flip_byte(shard, 100)
     problems = data.verify_corpus(copy)
     assert len(problems) == 1 and "validation-00000.bin" in problems[0]
     assert data.main(["--verify", str(copy)]) == 1

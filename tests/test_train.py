@@ -211,7 +211,7 @@ def test_token_split_blocks_cross_shard_boundaries(corpus):
     assert inputs.shape == targets.shape == (2, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
 
 
-def test_corpus_check_names_the_changed_file(corpus, tmp_path):
+def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
     assert train.check_corpus(corpus) == []
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -220,9 +220,7 @@ def test_corpus_check_names_the_changed_file(corpus, tmp_path):
             (broken / item.name).write_bytes(item.read_bytes())
     (broken / "tokenizer").symlink_to(corpus / "tokenizer")
     shard = broken / "train-00001.bin"
-    raw = bytearray(shard.read_bytes())
-    raw[10] ^= 1
-    shard.write_bytes(bytes(raw))
+    flip_byte(shard, 10)
     problems = train.check_corpus(broken)
     assert len(problems) == 1 and "train-00001.bin" in problems[0]
     result = run_cli(options(broken, tmp_path / "run"), check=False)
@@ -281,7 +279,7 @@ def test_retention_asks_a_backup_with_deletable(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-00000002.pt", "step-00000004.pt"]
 
 
-def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path):
+def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path, flip_byte):
     folder = tmp_path / "checkpoints"
     saver = train.Checkpointer(folder, run_id="r", keep_last=5, keep_every=0)
     for step in (1, 2, 3):
@@ -291,9 +289,7 @@ def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path):
     newest = folder / "step-00000003.pt"
     newest.write_bytes(newest.read_bytes()[:-7])
     second = folder / "step-00000002.pt"
-    raw = bytearray(second.read_bytes())
-    raw[40] ^= 0xFF
-    second.write_bytes(bytes(raw))
+    flip_byte(second, 40, 0xFF)
     assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
     with pytest.raises(UserError, match="already has checkpoints"):
         train.find_resume_checkpoint(tmp_path, "none")
@@ -347,7 +343,7 @@ def test_repeated_kv_attention_matches_sdpa():
     mask[1, :5] = 0  # left padding, as in batched generation
     expected = model(input_ids=inputs).logits
     expected_padded = model(input_ids=inputs, attention_mask=mask).logits
-    train.use_repeated_kv_attention(model)
+    train.use_attention(model, train.REPEATED_KV_ATTENTION)
     assert model.config._attn_implementation == train.REPEATED_KV_ATTENTION
     assert torch.allclose(model(input_ids=inputs).logits, expected, atol=1e-6)
     padded = model(input_ids=inputs, attention_mask=mask).logits
