@@ -31,7 +31,9 @@ the one check that means the same on every store: S3's ETag is an MD5 only for s
 uploads, its SHA256 checksums of multipart uploads are checksums of parts, GCS offers MD5/CRC32C.
 The exception is the Hugging Face Hub, whose file info carries the sha256 the Hub computed for
 LFS files; that one is used as is. The read-back costs download bandwidth (egress on clouds
-that bill for it), in the backup's own process, never in the training loop.
+that bill for it), in the backup's own process, never in the training loop. The sha256 it must
+match is the one train.py recorded in step-N.json as it wrote the checkpoint: the upload is then
+the only read of the local file, and a checkpoint changed on disk since is never published.
 
 train.py's backup is a BackupProcess: a CheckpointBackup (uploads on a background thread) hosted
 in a child process, so that none of the upload work shares the training process's GIL.
@@ -95,6 +97,10 @@ log_line: LogFn = functools.partial(print, flush=True)
 
 class VerificationError(Exception):
     """A remote file does not have the size or sha256 it should have."""
+
+
+class LocalFileChanged(VerificationError):
+    """A local file no longer matches the size or sha256 recorded when it was written: never uploaded."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,13 +236,21 @@ def remote_digest(fs, path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256: str | None = None) -> dict:
+def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256: str | None = None,
+                    size: int | None = None) -> dict:
     """Upload to a temporary name, confirm size and sha256 there, then promote. Returns {sha256, bytes}.
 
+    `sha256` (and `size`): what the local file held when it was written, e.g. train.py's record. The
+    upload is then the only read of the local file (for a think72 checkpoint, 860 MB less to read), and
+    the remote copy is checked against the record itself: bytes that changed on disk since are never
+    promoted (LocalFileChanged). Without them the local file is hashed first, a read of its own.
     On any failure the temporary file is removed (best effort) and `remote_path` is untouched.
     """
     local = Path(local_path)
-    size = local.stat().st_size
+    local_size = local.stat().st_size
+    if size is not None and local_size != size:
+        raise LocalFileChanged(f"{local.name} has {local_size} bytes, its record says {size}: it changed on disk "
+                               "after it was written")
     digest = sha256 or sha256_file(local)
     temp = _temp_name(remote_path)
     fs.makedirs(_parent(remote_path), exist_ok=True)
@@ -244,16 +258,20 @@ def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256:
         fs.put_file(str(local), temp)
         _make_durable(fs, temp)
         remote_size, remote_sha = remote_digest(fs, temp)
-        if (remote_size, remote_sha) != (size, digest):
+        if (remote_size, remote_sha) != (local_size, digest):
+            # Only now read the local file again, to say which side is wrong.
+            if sha256 is not None and sha256_file(local) != sha256:
+                raise LocalFileChanged(f"{local.name} no longer matches the sha256 recorded when it was written: "
+                                       "it changed on disk since")
             raise VerificationError(f"the uploaded copy of {local.name} differs from the local file")
         _promote(fs, temp, remote_path)
     except BaseException:
         _remove_quietly(fs, temp)
         raise
     _refresh(fs, remote_path)
-    if int(fs.info(remote_path)["size"]) != size:
+    if int(fs.info(remote_path)["size"]) != local_size:
         raise VerificationError(f"{local.name} changed size while it was promoted")
-    return {"sha256": digest, "bytes": size}
+    return {"sha256": digest, "bytes": local_size}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,11 +295,19 @@ def _read_json_quietly(path: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def local_sidecar(path: str | os.PathLike) -> dict:
+    """train.py's record step-N.json of a local checkpoint {"path", "step", "sha256", "bytes", "run_id",
+    "created"}, or {} when there is none or it names another file."""
+    path = Path(path)
+    sidecar = _read_json_quietly(path.with_suffix(".json"))
+    return sidecar if sidecar.get("path", path.name) == path.name else {}
+
+
 def local_run_facts(path: str | os.PathLike) -> dict:
     """{"run_id", "created"} of a local checkpoint, as far as known: its train.py sidecar step-N.json,
     else the run_id in RUN/training_settings.json (RUN = the checkpoints folder's parent)."""
     path = Path(path)
-    sidecar = _read_json_quietly(path.with_suffix(".json"))
+    sidecar = local_sidecar(path)
     facts = {key: sidecar[key] for key in ("run_id", "created") if sidecar.get(key)}
     if "run_id" not in facts:
         settings = _read_json_quietly(path.parent.parent / "training_settings.json")
@@ -293,14 +319,19 @@ def local_run_facts(path: str | os.PathLike) -> dict:
 def upload_checkpoint(fs, root: str, local_path: str | os.PathLike, step: int | None = None) -> dict:
     """Upload one checkpoint by the verified protocol and write its record; latest.json is not moved.
 
-    Returns the record {"path", "step", "sha256", "bytes", "uploaded_utc"} plus "run_id" and
-    "created" when train.py's records name them (local_run_facts): the run_id is what lets a later
-    session of the same run apply retention to these files.
+    The sha256 and size train.py recorded in the sidecar step-N.json are what the remote copy must
+    match, so the file is read once (by the upload) and one that changed since it was written raises
+    LocalFileChanged. Returns the record {"path", "step", "sha256", "bytes", "uploaded_utc"} plus
+    "run_id" and "created" when train.py's records name them (local_run_facts): the run_id is what
+    lets a later session of the same run apply retention to these files.
     """
     local = Path(local_path)
     step = step_of(local.name) if step is None else int(step)
     folder = checkpoint_folder(root)
-    checked = upload_verified(fs, local, f"{folder}/{local.name}")
+    sidecar = local_sidecar(local)
+    recorded_sha = sidecar.get("sha256") if isinstance(sidecar.get("sha256"), str) else None
+    recorded_size = sidecar.get("bytes") if isinstance(sidecar.get("bytes"), int) else None
+    checked = upload_verified(fs, local, f"{folder}/{local.name}", sha256=recorded_sha, size=recorded_size)
     record = {"path": local.name, "step": step, **checked, **local_run_facts(local), "uploaded_utc": utc_now()}
     put_json(fs, f"{folder}/{local.name}{RECORD_SUFFIX}", record)
     return record
@@ -500,8 +531,9 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
     latest.json at it, so train.py's `--resume auto` picks it up.
 
     Falls back to the next older verified checkpoint (with a warning) when one does not match its
-    sha256. Returns None when the remote has no checkpoint yet; raises UserError when it cannot be
-    read or when no checkpoint on it is intact (starting fresh would then overwrite the backup).
+    sha256. Returns None, without a log line, when the remote has no checkpoint yet (train.py's backup
+    says so as it starts; `pull` raises its own error); raises UserError when it cannot be read or
+    when no checkpoint on it is intact (starting fresh would then overwrite the backup).
     """
     fs, root = open_remote(url)
     local_dir = Path(local_checkpoint_dir)
@@ -509,7 +541,6 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
     with remote_errors("reading the backup remote"):
         candidates = restore_candidates(fs, root, log)
     if not candidates:
-        log("checkpoint restore: the remote holds no checkpoint yet")
         return None
     for record in candidates:
         name = record["path"]
@@ -571,12 +602,20 @@ class _IoLoop:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def beyond_unbacked_bound(waiting: Iterable, step: Callable[[object], int], max_unbacked: int) -> list:
+    """The rule of --backup-max-unbacked: of the checkpoints local retention wants to delete that have no
+    remote copy (`waiting`), the oldest beyond the newest `max_unbacked`, which may be deleted after all
+    (so a long outage cannot fill the disk). `step` gives an item's step; the result is oldest first."""
+    waiting = sorted(waiting, key=step)
+    return waiting[: max(0, len(waiting) - max_unbacked)]
+
+
 @dataclasses.dataclass
 class _Upload:
     path: Path
     step: int
     ordinal: int  # 1 for this run's first submit
-    state: str = "pending"  # pending -> verified, or dropped (file released for deletion or gone)
+    state: str = "pending"  # pending -> verified, or dropped (released for deletion, gone, or changed on disk)
     attempts: int = 0
     next_try: float = 0.0
     record: dict | None = None  # set once the file and its record are on the remote
@@ -678,8 +717,7 @@ class CheckpointBackup:
                     released.append(path)
                 else:
                     waiting.append(upload)
-            waiting.sort(key=lambda u: u.step)
-            overflow = waiting[: max(0, len(waiting) - self.max_unbacked)]
+            overflow = beyond_unbacked_bound(waiting, lambda upload: upload.step, self.max_unbacked)
             for upload in overflow:
                 upload.state = "dropped"
                 released.append(upload.path)
@@ -792,7 +830,8 @@ class CheckpointBackup:
             self.log(f"checkpoint backup: the remote already holds {len(verified)} verified checkpoint(s), "
                      f"latest step {latest.get('step', max(verified))}; retention deletes only this run's files")
         else:
-            self.log("checkpoint backup: the remote is reachable and holds no checkpoints yet")
+            self.log("checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to "
+                     "restore); the first one is uploaded after the first save")
 
     def _process(self, upload: _Upload) -> None:
         if upload.record is None:
@@ -803,7 +842,14 @@ class CheckpointBackup:
                 self.log(f"checkpoint backup: {upload.path.name} was deleted locally before it was uploaded")
                 return
             started = time.monotonic()
-            upload.record = upload_checkpoint(self.fs, self.root, upload.path, upload.step)
+            try:
+                upload.record = upload_checkpoint(self.fs, self.root, upload.path, upload.step)
+            except LocalFileChanged as error:  # uploading it again would not help: give up on this file
+                with self._cond:
+                    upload.state = "dropped"
+                self._changed(upload)
+                self.log(f"checkpoint backup: WARNING {error}; not backed up (no record, latest.json not moved)")
+                return
             self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}, "
                      f"{upload.record['bytes'] / 1e6:.1f} MB) uploaded and verified in "
                      f"{time.monotonic() - started:.1f}s")
@@ -1138,9 +1184,9 @@ class BackupProcess:
         """No child to ask: verified or dropped files go, and unbacked ones beyond max_unbacked, oldest first."""
         with self._cond:
             done = [path for path in candidates if path in self._states]
-            waiting = sorted((path for path in candidates if path not in self._states),
-                             key=lambda path: step_of(Path(path).name) or 0)
-        overflow = waiting[: max(0, len(waiting) - self.options["max_unbacked"])]
+            waiting = [path for path in candidates if path not in self._states]
+        overflow = beyond_unbacked_bound(waiting, lambda path: step_of(Path(path).name) or 0,
+                                         self.options["max_unbacked"])
         for path in overflow:
             self.log(f"checkpoint backup: WARNING deleting local {Path(path).name} although it never reached "
                      "the remote: the backup process is not running")
@@ -1412,7 +1458,10 @@ def command_push(run_dir: str, url: str) -> int:
                 print(f"{path.name}: already on the remote")
                 newest = known
                 continue
-            newest = upload_checkpoint(fs, root, path)
+            try:
+                newest = upload_checkpoint(fs, root, path)
+            except VerificationError as error:
+                raise UserError(f"pushing {path.name}: {error}; nothing of it was published") from None
             print(f"{path.name}: uploaded and verified")
         if newest is None:
             raise UserError(f"no checkpoint in {source / CHECKPOINT_DIR} matches its local record; nothing pushed")

@@ -26,7 +26,8 @@ HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 class UserError(Exception):
-    """A mistake the user can fix (bad input, bad setting): printed as one line, exit 2."""
+    """A mistake the user can fix (bad input, bad setting): printed as one `error:` line (plus
+    indented detail lines where a tool's own diagnostics help), exit 2."""
 
 
 def fail(message: str, code: int = 2) -> None:

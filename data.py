@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import gzip
 import hashlib
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,9 +80,14 @@ CHAT_TEMPLATE = (
 
 def render_assistant(answer: str, reasoning: str | None = None) -> str:
     """An assistant turn's content, with the optional reasoning inside <think>...</think>."""
+    return "".join(assistant_parts(answer, reasoning))
+
+
+def assistant_parts(answer: str, reasoning: str | None = None) -> list[str]:
+    """render_assistant as parts [text, marker, text, ...]: the <think> markers at odd positions."""
     if reasoning:
-        return f"{THINK_OPEN}\n{reasoning.strip()}\n{THINK_CLOSE}\n\n{answer}"
-    return answer
+        return ["", THINK_OPEN, f"\n{reasoning.strip()}\n", THINK_CLOSE, f"\n\n{answer}"]
+    return [answer]
 
 
 def new_bpe_tokenizer():
@@ -503,8 +509,9 @@ def source_fingerprint(source: Source) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Record schemas -> documents. A document is ("chat" | "text", text); chats are rendered with
-# the tokenizer's chat template so training text and inference prompts match exactly.
+# Record schemas -> documents, each a chat or plain text; chats are rendered with the tokenizer's
+# chat template so training text and inference prompts match exactly. Only the template's own
+# markers (and <think>...</think> around reasoning) become control tokens: content stays text.
 
 ROLE_ALIASES = {
     "user": "user", "human": "user", "prompter": "user", "customer": "user",
@@ -600,12 +607,13 @@ def record_text(record: Any) -> str:
 
 UUID_PATTERN = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
 
-# Named document filters (--scope): name -> (what it keeps, predicate on (kind, text)).
-SCOPES: dict[str, tuple[str, Callable[[str, str], bool]]] = {
-    "full": ("every document", lambda kind, text: True),
-    "chat": ("conversation-like records only", lambda kind, text: kind == "chat"),
-    "text": ("plain text only", lambda kind, text: kind == "text"),
-    "reasoning": ("conversations with <think> reasoning", lambda kind, text: kind == "chat" and THINK_OPEN in text),
+# Named document filters (--scope): name -> (what it keeps, predicate on (kind, pieces)).
+SCOPES: dict[str, tuple[str, Callable[[str, list[str]], bool]]] = {
+    "full": ("every document", lambda kind, pieces: True),
+    "chat": ("conversation-like records only", lambda kind, pieces: kind == "chat"),
+    "text": ("plain text only", lambda kind, pieces: kind == "text"),
+    "reasoning": ("conversations with <think> reasoning",
+                  lambda kind, pieces: kind == "chat" and THINK_OPEN in pieces[1::2]),
 }
 
 
@@ -627,6 +635,53 @@ def render_chat(messages: list[dict], chat_template: str, add_generation_prompt:
     rendered, _ = render_jinja_template(conversations=[messages], chat_template=chat_template,
                                         add_generation_prompt=add_generation_prompt)
     return rendered[0]
+
+
+# Message-wise tokenization (as torchtune and axolotl do): the template is rendered around numbered
+# placeholders, so every special-token string in that skeleton is the template's own markup; the
+# content that fills the placeholders is tokenized as text, whatever it contains. Private-use code
+# points never occur in a template, and the content is filled in after the skeleton is cut.
+PLACEHOLDER = "\ue000{}\ue001"
+PLACEHOLDER_PATTERN = re.compile("\ue000([0-9]+)\ue001")
+CONTROL_TOKEN_PATTERN = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
+
+
+def think_parts(content: str) -> list[str]:
+    """Assistant content as parts [text, marker, text, ...]: a leading <think>...</think> (reasoning
+    already inside the content) keeps its markers; any other special-token string is text."""
+    close = content.find(THINK_CLOSE, len(THINK_OPEN))
+    if content.startswith(THINK_OPEN) and close >= 0:
+        return ["", THINK_OPEN, content[len(THINK_OPEN):close], THINK_CLOSE, content[close + len(THINK_CLOSE):]]
+    return [content]
+
+
+@functools.lru_cache(maxsize=1024)
+def chat_skeleton(chat_template: str, shape: tuple) -> tuple[str, ...]:
+    """The template rendered around placeholders and cut at its control tokens (odd positions).
+
+    `shape` is ((role, markers inside the content), ...) per turn; there are few, so it is cached.
+    """
+    numbers = itertools.count()
+    messages = []
+    for role, markers in shape:
+        content = PLACEHOLDER.format(next(numbers))
+        for marker in markers:
+            content += marker + PLACEHOLDER.format(next(numbers))
+        messages.append({"role": role, "content": content})
+    return tuple(CONTROL_TOKEN_PATTERN.split(render_chat(messages, chat_template)))
+
+
+def chat_pieces(turns: list[dict], chat_template: str) -> list[str]:
+    """The rendered chat as pieces [text, control token, text, ..., text].
+
+    `turns` are {"role", "parts"}, parts being the content as [text, marker, text, ...].
+    """
+    shape = tuple((turn["role"], tuple(turn["parts"][1::2])) for turn in turns)
+    texts = [text for turn in turns for text in turn["parts"][::2]]
+    pieces = list(chat_skeleton(chat_template, shape))
+    for position in range(0, len(pieces), 2):
+        pieces[position] = PLACEHOLDER_PATTERN.sub(lambda found: texts[int(found[1])], pieces[position])
+    return pieces
 
 
 def document_hash(text: str) -> tuple[int, float]:
@@ -694,8 +749,12 @@ def check_settings(settings: BuildSettings) -> None:
         raise UserError("--min-chars and --tokenize-workers must be >= 0")
 
 
-def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, int]:
-    """(kind, document text, characters of content) for one record; raises RecordError."""
+def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, list[str], int]:
+    """(kind, document text, pieces, characters of content) for one record; raises RecordError.
+
+    `pieces` is the text cut at its control tokens, [text, control token, text, ..., text]: for a
+    chat, the template's markup; plain text is one piece.
+    """
     if isinstance(record, RecordError):
         raise record
     if not isinstance(record, (dict, str)):
@@ -703,23 +762,41 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     messages = record_messages(record) if isinstance(record, dict) else None
     if messages is None:
         text = clean_text(record_text(record), remove_uuids)
-        return "text", text, len(text)
+        return "text", text, [text], len(text)
     turns = []
     for message in messages:
         content = clean_text(message["content"], remove_uuids)
         reasoning = message["reasoning"] and clean_text(message["reasoning"], remove_uuids)
-        if message["role"] == "assistant" and reasoning and THINK_OPEN not in content:
-            content = render_assistant(content, reasoning)
-        turns.append({"role": message["role"], "content": content})
-    characters = sum(len(turn["content"]) for turn in turns)
-    return "chat", render_chat(turns, chat_template) if characters else "", characters
+        if message["role"] != "assistant":
+            parts = [content]
+        elif reasoning and not content.startswith(THINK_OPEN):
+            parts = assistant_parts(content, reasoning)
+        else:
+            parts = think_parts(content)
+        turns.append({"role": message["role"], "parts": parts})
+    characters = sum(len(part) for turn in turns for part in turn["parts"])
+    if not characters:
+        return "chat", "", [""], 0
+    text = render_chat([{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns], chat_template)
+    pieces = chat_pieces(turns, chat_template)
+    if "".join(pieces) != text:
+        raise RecordError("chat_template", "the tokenizer's chat template changes message content, so its markup "
+                                           "cannot be told from the content; use a template that inserts it as is")
+    return "chat", text, pieces, characters
+
+
+class Document(NamedTuple):
+    """A kept document. `pieces` is `text` cut at its control tokens: [text, control token, ..., text]."""
+
+    split: str
+    kind: str  # "chat" (rendered with the chat template) or "text"
+    text: str
+    pieces: list[str]
 
 
 def iter_documents(sources: list[Source], settings: BuildSettings, chat_template: str,
-                   stats: dict[str, SourceStats] | None = None, warn: bool = True) -> Iterator[tuple[str, str, str]]:
-    """(split, kind, document text) for every kept document, in input order; counts every drop in `stats`.
-
-    kind is "chat" (rendered with the chat template, whose special tokens are real) or "text".
+                   stats: dict[str, SourceStats] | None = None, warn: bool = True) -> Iterator[Document]:
+    """Every kept document, in input order; counts every drop in `stats`.
 
     A bad record (malformed JSON, invalid UTF-8) is counted and warned about as file:line, or is fatal
     with `strict`; an unknown record shape is fatal unless `skip_unknown`.
@@ -732,10 +809,10 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
         for location, record in iter_source(source):
             counts.records_read += 1
             try:
-                kind, text, characters = to_document(record, chat_template, settings.remove_uuids)
+                kind, text, pieces, characters = to_document(record, chat_template, settings.remove_uuids)
             except RecordError as error:
                 schema_error = error.reason in ("unknown_schema", "unknown_role")
-                if settings.strict or (schema_error and not settings.skip_unknown):
+                if settings.strict or error.reason == "chat_template" or (schema_error and not settings.skip_unknown):
                     hint = " (or pass --skip-unknown to drop such records)" if schema_error else ""
                     message = str(error) if str(error).startswith(str(source.name)) else f"{location}: {error}"
                     raise UserError(message + hint) from None
@@ -751,7 +828,7 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
             if characters < settings.min_chars:
                 counts.dropped["too_short"] += 1
                 continue
-            if not accept(kind, text):
+            if not accept(kind, pieces):
                 counts.dropped[f"scope_{settings.scope}"] += 1
                 continue
             key, position = document_hash(text)
@@ -760,7 +837,7 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
                 continue
             seen.add(key)
             counts.documents_kept += 1
-            yield split_of(position, settings.val_fraction, settings.test_fraction), kind, text
+            yield Document(split_of(position, settings.val_fraction, settings.test_fraction), kind, text, pieces)
         if warn and counts.warnings > MAX_WARNINGS_PER_SOURCE:
             print(f"warning: {source.name}: {counts.warnings - MAX_WARNINGS_PER_SOURCE} more bad records skipped "
                   "(counted in source_manifest.json)", file=sys.stderr)
@@ -770,12 +847,12 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
 # Tokenizer: train on a sample of the document stream, or reuse --tokenizer.
 
 
-def sample_texts(documents: Iterable[tuple[str, str, str]], max_bytes: int) -> Iterator[str]:
+def sample_texts(documents: Iterable[Document], max_bytes: int) -> Iterator[str]:
     """Document texts until about `max_bytes` of UTF-8 have been yielded (the first documents)."""
     total = 0
-    for _, _, text in documents:
-        yield text
-        total += len(text.encode("utf-8"))
+    for document in documents:
+        yield document.text
+        total += len(document.text.encode("utf-8"))
         if total >= max_bytes:
             return
 
@@ -851,70 +928,70 @@ class ShardWriter:
                 "documents": self.documents}
 
 
-def batches(documents: Iterable[tuple[str, str, str]],
-            batch_bytes: int) -> Iterator[tuple[list[str], list[str], list[bool]]]:
-    """Group (split, kind, text) into (splits, texts, is_chat) lists of about `batch_bytes` characters."""
-    splits, texts, is_chat, size = [], [], [], 0
-    for split, kind, text in documents:
-        splits.append(split)
-        texts.append(text)
-        is_chat.append(kind == "chat")
-        size += len(text)
+def batches(documents: Iterable[Document], batch_bytes: int) -> Iterator[tuple[list[str], list[list[str]]]]:
+    """Group documents into (splits, pieces) lists of about `batch_bytes` characters."""
+    splits, pieces, size = [], [], 0
+    for document in documents:
+        splits.append(document.split)
+        pieces.append(document.pieces)
+        size += len(document.text)
         if size >= batch_bytes:
-            yield splits, texts, is_chat
-            splits, texts, is_chat, size = [], [], [], 0
-    if texts:
-        yield splits, texts, is_chat
+            yield splits, pieces
+            splits, pieces, size = [], [], 0
+    if pieces:
+        yield splits, pieces
 
 
-_WORKER_TOKENIZERS = None  # set in each --tokenize-workers process by start_tokenize_worker
+_WORKER_TOKENIZER = None  # set in each --tokenize-workers process by start_tokenize_worker
 
 
-def document_tokenizers(backend) -> tuple:
-    """(for chats, for plain text): the same Rust tokenizer twice, the second reading special-token
-    strings such as a literal `<|im_start|>` or `<think>` in a web page as the text they are, so
-    plain text can never inject a control token; only the chat template's own markup becomes one."""
+def literal_tokenizer(backend):
+    """The same Rust tokenizer, reading special-token strings such as a literal `<|im_start|>` or
+    `<think>` as the text they are: text never injects a control token (see encode_batch)."""
     from tokenizers import Tokenizer
 
     literal = Tokenizer.from_str(backend.to_str())
     literal.encode_special_tokens = True
-    return backend, literal
+    return literal
 
 
 def start_tokenize_worker(tokenizer_json: str) -> None:
-    """Process-pool initializer: single-threaded Rust tokenizers in each process."""
-    global _WORKER_TOKENIZERS
+    """Process-pool initializer: a single-threaded Rust tokenizer in each process."""
+    global _WORKER_TOKENIZER
     from tokenizers import Tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER_TOKENIZERS = document_tokenizers(Tokenizer.from_str(tokenizer_json))
+    _WORKER_TOKENIZER = literal_tokenizer(Tokenizer.from_str(tokenizer_json))
 
 
-def encode_batch(backends: tuple | None, eos_id: int, dtype: str, splits: list[str], texts: list[str],
-                 is_chat: list[bool]) -> dict[str, tuple]:
+def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
+                 documents: list[list[str]]) -> dict[str, tuple]:
     """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents).
 
-    `backends` is document_tokenizers(...) (None in a worker process: its own).
+    Each document is its pieces [text, control token, ..., text]: the texts are encoded with
+    `backend`, a literal_tokenizer (None in a worker process: its own), and the control tokens are
+    put between them by id. This gives the ids that encoding the whole text with special tokens
+    on would give, as that too encodes the stretches between control tokens one by one; but a
+    special-token string inside a message stays text.
     """
-    chat_backend, text_backend = backends or _WORKER_TOKENIZERS
-    encodings = [None] * len(texts)
-    for backend, wanted in ((chat_backend, True), (text_backend, False)):
-        positions = [index for index, chat in enumerate(is_chat) if chat == wanted]
-        if positions:
-            found = backend.encode_batch_fast([texts[index] for index in positions], add_special_tokens=False)
-            for index, encoding in zip(positions, found):
-                encodings[index] = encoding
+    backend = backend or _WORKER_TOKENIZER
+    control_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    texts = [text for pieces in documents for text in pieces[::2]]
+    encodings = iter(backend.encode_batch_fast(texts, add_special_tokens=False))
     streams: dict[str, list[int]] = {}
     counts: Counter = Counter()
-    for split, encoding in zip(splits, encodings):
+    for split, pieces in zip(splits, documents):
         stream = streams.setdefault(split, [])
-        stream.extend(encoding.ids)
+        stream.extend(next(encodings).ids)
+        for control_token in pieces[1::2]:
+            stream.append(control_ids[control_token])
+            stream.extend(next(encodings).ids)
         stream.append(eos_id)
         counts[split] += 1
     return {split: (np.array(stream, dtype=dtype), counts[split]) for split, stream in streams.items()}
 
 
-def pack_documents(documents: Iterable[tuple[str, str, str]], tokenizer, folder: Path, settings: BuildSettings,
+def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, settings: BuildSettings,
                    dtype: str) -> dict[str, dict]:
     """Tokenize `documents` into shards; returns the per-split manifest entries.
 
@@ -925,7 +1002,7 @@ def pack_documents(documents: Iterable[tuple[str, str, str]], tokenizer, folder:
     """
     from tqdm import tqdm
 
-    backends = document_tokenizers(tokenizer.backend_tokenizer)
+    backend = literal_tokenizer(tokenizer.backend_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     writers = {split: ShardWriter(folder, split, dtype, settings.shard_tokens) for split in SPLITS}
     # no bar unless stderr is a terminal: redrawn `\r` lines only clutter a log file
@@ -946,14 +1023,14 @@ def pack_documents(documents: Iterable[tuple[str, str, str]], tokenizer, folder:
         from concurrent.futures import ProcessPoolExecutor
 
         pool = ProcessPoolExecutor(settings.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=start_tokenize_worker, initargs=(backends[0].to_str(),))
-        backends, in_flight = None, settings.tokenize_workers + 1
+                                   initializer=start_tokenize_worker, initargs=(backend.to_str(),))
+        backend, in_flight = None, settings.tokenize_workers + 1
     else:
         pool, in_flight = ThreadPoolExecutor(max_workers=1), 2
     pending: deque = deque()
     with pool:
-        for splits, texts, is_chat in batches(documents, settings.batch_bytes):
-            pending.append(pool.submit(encode_batch, backends, eos_id, dtype, splits, texts, is_chat))
+        for splits, pieces in batches(documents, settings.batch_bytes):
+            pending.append(pool.submit(encode_batch, backend, eos_id, dtype, splits, pieces))
             if len(pending) >= in_flight:
                 write(pending.popleft().result())
         while pending:

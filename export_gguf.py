@@ -13,6 +13,8 @@ f32, the tied output embedding stored once, and the byte-level BPE as a `gpt2` t
 back equal to the source (within the quantization error for q8_0), and llama.cpp (through
 llama-cpp-python) tokenizes a varied text set exactly like the Hugging Face tokenizer and matches
 the Hugging Face model's logits (f32: within 1e-3) or greedy continuations (f16, bf16, q8_0).
+llama.cpp's log stays off the terminal; if it cannot load the file, the error quotes the log's
+warning and error lines. A failed check leaves no output (an existing --out stays as it was).
 """
 
 from __future__ import annotations
@@ -636,6 +638,19 @@ def temporary_beside(target: Path):
             os.unlink(name)
 
 
+def verify_export(source: ModelSource, temp: Path, out: Path, out_type: str, log) -> dict:
+    """Both checks on the temporary file; a failure says that `out` was left alone."""
+    checks = {}
+    try:
+        checks["reader"] = verify_tensors(source, temp, out_type)
+        log(f"reader: {checks['reader']['tensors']} tensors match the source "
+            f"(max abs error {checks['reader']['max_abs_error']:.3g})")
+        checks["llama_cpp"] = verify_with_llama_cpp(source.folder, temp, out_type, log=log)
+    except VerificationFailed as error:
+        raise VerificationFailed(f"--verify failed, so {out} was not written: {error}") from None
+    return checks
+
+
 def export(
     folder: str | Path,
     out: str | Path,
@@ -675,12 +690,7 @@ def export(
             counts = write_gguf(temp, source, vocab, plan, tensors, out_type, name, values)
         fsync_file(temp)
         seconds = time.perf_counter() - started
-        checks = {}
-        if verify:
-            checks["reader"] = verify_tensors(source, temp, out_type)
-            log(f"reader: {checks['reader']['tensors']} tensors match the source "
-                f"(max abs error {checks['reader']['max_abs_error']:.3g})")
-            checks["llama_cpp"] = verify_with_llama_cpp(source.folder, temp, out_type, log=log)
+        checks = verify_export(source, temp, out, out_type, log) if verify else {}
         os.replace(temp, out)
     if modelfile:
         from common import atomic_write_text
@@ -866,6 +876,11 @@ def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:
     return produced
 
 
+def token_label(llm, token: int) -> str:
+    """A token id with its text, e.g. `305 ' the'`."""
+    return f"{token} {llm.detokenize([token], special=True).decode('utf-8', errors='replace')!r}"
+
+
 def compare_greedy(model, llm, ids: list[int], prompt: str, tie_tolerance: float, log) -> float | None:
     """Fail unless llama.cpp continues `ids` greedily as HF does; returns the margin of an accepted near tie.
 
@@ -887,9 +902,10 @@ def compare_greedy(model, llm, ids: list[int], prompt: str, tie_tolerance: float
     margin = float(logits[expected[step]] - logits[got[step]])
     if margin > tie_tolerance:
         raise VerificationFailed(
-            f"greedy {prompt[:30]!r}: diverges at token {step}, where HF's logit for llama.cpp's token is "
-            f"{margin:.3g} below its top (more than the near-tie threshold {tie_tolerance:.3g}): "
-            f"llama.cpp {got}, HF {expected}"
+            f"greedy {prompt[:30]!r}: diverges at token {step} of the continuation, where llama.cpp gives "
+            f"{token_label(llm, got[step])} and HF {token_label(llm, expected[step])}; HF's logit for "
+            f"llama.cpp's token is {margin:.3g} below its top (more than the near-tie threshold "
+            f"{tie_tolerance:.3g}): llama.cpp {got}, HF {expected}"
         )
     log(f"greedy {prompt[:30]!r}: diverges at token {step}, where HF's logit for llama.cpp's token is only "
         f"{margin:.3g} below its top (a near tie within {tie_tolerance:.3g}, accepted)")
@@ -905,9 +921,52 @@ def greedy_summary(prompts: int, tie_margins: list[float], tie_tolerance: float)
     return line + f"; near ties are accepted within {tie_tolerance:.3g} (twice the max logit difference)"
 
 
+# ggml_log_level in ggml.h (llama-cpp-python's _logger.py still lists the older numbering).
+GGML_LOG_LEVEL_WARN = 3
+GGML_LOG_LEVEL_ERROR = 4
+GGML_LOG_LEVEL_CONT = 5  # the rest of the previous message
+
+
+class LlamaCppLog:
+    """llama.cpp's native log, held in memory instead of printed, to explain a failure.
+
+    llama.cpp sends its log in pieces (a CONT piece continues the previous message), so pieces
+    are joined into lines. Only the warning and error lines and the last few lines are kept:
+    a full load logs a line per tensor.
+    """
+
+    def __init__(self, tail: int = 8):
+        self.serious: deque[str] = deque(maxlen=40)
+        self.tail: deque[str] = deque(maxlen=tail)
+        self.level = 0
+        self.pending = ""
+
+    def write(self, level: int, text: bytes) -> None:
+        if level != GGML_LOG_LEVEL_CONT:
+            self.level = level
+        self.pending += text.decode("utf-8", errors="replace")
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.add_line(line)
+
+    def add_line(self, line: str) -> None:
+        line = line.rstrip()
+        if not line.strip():
+            return
+        self.tail.append(line)
+        if self.level in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR):
+            self.serious.append(line)
+
+    def reason(self) -> list[str]:
+        """The warning and error lines so far, or else the last lines (a failed load ends with its reason)."""
+        self.add_line(self.pending)
+        self.pending = ""
+        return list(self.serious or self.tail)
+
+
 @contextlib.contextmanager
-def llama_cpp_silenced(llama_cpp):
-    """Keep llama.cpp's native log (loading details, context warnings) off the terminal.
+def llama_cpp_log_captured(llama_cpp):
+    """Send llama.cpp's native log (loading details, context warnings) to a LlamaCppLog, not the terminal.
 
     `verbose=False` alone is not enough: llama-cpp-python's own log callback still prints
     warnings. The previous callback is restored on exit.
@@ -917,12 +976,25 @@ def llama_cpp_silenced(llama_cpp):
     previous = llama_cpp.llama_log_callback()
     user_data = ctypes.c_void_p()
     llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(user_data))
-    quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)
-    llama_cpp.llama_log_set(quiet, None)
+    log = LlamaCppLog()
+    capture = llama_cpp.llama_log_callback(lambda level, text, data: log.write(level, text))
+    llama_cpp.llama_log_set(capture, None)
     try:
-        yield
+        yield log
     finally:
         llama_cpp.llama_log_set(previous, user_data)
+
+
+def load_llama(llama_cpp, gguf_path: Path, log: LlamaCppLog, **options):
+    """llama_cpp.Llama(gguf_path), failing with llama.cpp's own reason (from its log), not only the generic one."""
+    try:
+        return llama_cpp.Llama(str(gguf_path), **options)
+    except (ValueError, RuntimeError) as error:  # e.g. "Failed to load model from file: ..."
+        reason = log.reason()
+        if not reason:
+            raise VerificationFailed(f"llama.cpp cannot load the GGUF: {error}") from None
+        details = "\n".join(f"  {line}" for line in reason)
+        raise VerificationFailed(f"llama.cpp cannot load the GGUF; its log says:\n{details}") from None
 
 
 def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=print,
@@ -950,7 +1022,8 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     context = model.config.max_position_embeddings
     options = dict(n_ctx=context, n_batch=context, logits_all=True, verbose=False, seed=0,
                    type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
-    with llama_cpp_silenced(llama_cpp), contextlib.closing(llama_cpp.Llama(str(gguf_path), **options)) as llm:
+    with (llama_cpp_log_captured(llama_cpp) as native_log,
+          contextlib.closing(load_llama(llama_cpp, gguf_path, native_log, **options)) as llm):
         texts = verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer)
         log(f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF; "
             f"its chat template renders as HF's; {', '.join(STOP_TOKENS)} end generation")

@@ -317,20 +317,11 @@ def speed_summary(result: dict) -> list[tuple[str, str, str]]:
 
 
 def stall_training(corpus: Path, args: argparse.Namespace) -> train.Training:
-    """A Training whose model has the stall preset's shape at --stall-vocab, with AdamW state.
-
-    train.build_training takes the vocabulary from the corpus; we pass Training a manifest with
-    the vocab raised instead (the demo corpus' token ids are all valid in a larger vocabulary).
-    """
+    """A Training whose model has the stall preset's shape at --stall-vocab, with AdamW state."""
     argv = ["--data", str(corpus), "--out", "unused", "--device", "cpu", "--preset", args.stall_preset,
             "--context", str(args.stall_context), "--batch-size", "1", "--grad-accum", "1",
             "--threads", str(args.threads), "--precision", "fp32", "--epochs", "1000"]
-    options = train.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    manifest = dict(train.load_manifest(corpus), vocab_size=args.stall_vocab)
-    training = train.Training(options, train.init_distributed("cpu"), manifest, corpus)
+    training = train.build_training(train.parse_args(argv), train.init_distributed("cpu"), args.stall_vocab)
     training.train_step()  # AdamW's moments exist from the first step on
     return training
 

@@ -333,7 +333,68 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
 
 
 def test_restore_from_an_empty_remote_returns_none(tmp_path):
-    assert cc.restore_latest(str(tmp_path / "empty"), tmp_path / "run" / "checkpoints", log=Log()) is None
+    log = Log()
+    assert cc.restore_latest(str(tmp_path / "empty"), tmp_path / "run" / "checkpoints", log=log) is None
+    assert log == []  # the backup's start-up line says it once: "reachable and holds no checkpoint yet"
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_an_upload_reads_a_recorded_checkpoint_once(store, tmp_path, request, monkeypatch):
+    """With train.py's sidecar the recorded sha256 is what the remote copy is checked against: the upload
+    is the only read of the local file. Without one the file is hashed first, then sent."""
+    import builtins
+    import io
+
+    url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
+    fs, root = cc.open_remote(url)
+    recorded = save_and_point_latest(tmp_path / "run" / "checkpoints", 1, "run-a")
+    unrecorded = fake_checkpoint(tmp_path / "old" / "checkpoints", 2)
+    local_files = {str(recorded): recorded.name, str(unrecorded): unrecorded.name}
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if "r" in mode and str(file) in local_files:
+            opened.append(local_files[str(file)])
+        return real_open(file, mode, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "open", counting_open)
+        patch.setattr(io, "open", counting_open)
+        first = cc.upload_checkpoint(fs, root, recorded)
+        assert opened == [recorded.name]
+        second = cc.upload_checkpoint(fs, root, unrecorded)
+        assert opened == [recorded.name, unrecorded.name, unrecorded.name]
+    assert first["sha256"] == sha256_file(recorded) and first["run_id"] == "run-a"
+    assert second["sha256"] == sha256_file(unrecorded)
+    assert sorted(remote_state(url)["verified"]) == [1, 2]
+
+
+@pytest.mark.parametrize("change", ["flip", "truncate"])
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_a_checkpoint_changed_after_its_record_is_never_published(store, change, tmp_path, request, flip_byte):
+    url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(url, retry_seconds=0.05, max_retry_seconds=0.05, log=log)
+    good = save_and_point_latest(local, 10, "run-a")
+    backup.submit(good, 10)
+    assert backup.wait(30)
+    changed = save_and_point_latest(local, 20, "run-a")
+    if change == "flip":
+        flip_byte(changed, changed.stat().st_size // 2)
+    else:
+        changed.write_bytes(changed.read_bytes()[:-1])
+    backup.submit(changed, 20)
+    assert not backup.wait(2)  # given up at once: reading the same bytes again would not help
+    backup.close()
+    warnings = [line for line in log if changed.name in line and "WARNING" in line and "did NOT" not in line]
+    assert len(warnings) == 1 and "changed on disk" in warnings[0], log
+    assert not any("not backed up yet" in line for line in log)  # not retried
+    assert not backup.is_backed_up(changed)
+    state = remote_state(url)
+    assert sorted(state["verified"]) == [10] and state["latest"]["path"] == good.name
+    assert state["unverified"] == [] and state["partials"] == []  # what was sent was removed, never promoted
 
 
 def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
@@ -388,7 +449,7 @@ def test_backup_process_reports_back_and_replaces_a_dead_child(tmp_path):
         assert backup.wait(30)
     assert wait_until(lambda: all(backup.is_backed_up(p) for p in paths))  # the child reports each upload
     assert backup.started.is_set()
-    assert "the remote is reachable and holds no checkpoints yet" in log[0]  # the child's lines come back here
+    assert "the remote is reachable and holds no checkpoint yet (nothing to restore)" in log[0]  # from the child
     assert any(line.endswith("remote retention removed step-00000010.pt") for line in log)
     assert backup.deletable(paths[:2]) == [p.resolve() for p in paths[:2]]
 
@@ -408,6 +469,24 @@ def test_backup_process_reports_back_and_replaces_a_dead_child(tmp_path):
 
     with pytest.raises(UserError, match="keep-recent"):  # a bad setting is the same error as in-process
         cc.BackupProcess(remote, keep_recent=0, log=Log())
+
+
+def test_backup_process_without_a_child_applies_the_same_unbacked_bound(tmp_path):
+    local, log = tmp_path / "run" / "checkpoints", Log()
+    backup = cc.BackupProcess(str(tmp_path / "remote"), max_unbacked=2, log=log)
+    verified = save_and_point_latest(local, 1)
+    backup.submit(verified, 1)
+    assert backup.wait(30) and wait_until(lambda: backup.is_backed_up(verified))
+    backup.close()  # from here on there is no child to ask
+    paths = [save_and_point_latest(local, step) for step in (2, 3, 4, 5)]
+    for step, path in zip((2, 3, 4, 5), paths):
+        backup.submit(path, step)  # only remembered
+    # the verified one goes; of the three unbacked candidates the oldest beyond two goes, with a warning
+    assert sorted(backup.deletable([paths[2], paths[1], paths[0], verified])) == [verified.resolve(),
+                                                                                   paths[0].resolve()]
+    warnings = [line for line in log if "WARNING deleting local" in line]
+    assert len(warnings) == 1 and paths[0].name in warnings[0] and "not running" in warnings[0]
+    assert backup.deletable(paths[1:3]) == []  # within the bound: kept
 
 
 def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_path):
@@ -589,6 +668,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "empty-remote").mkdir()
     with pytest.raises(UserError, match="no checkpoint to pull"):
         cc.main(["pull", str(tmp_path / "empty-remote"), str(tmp_path / "run")])
+
+
+def test_cli_push_of_a_copy_that_fails_verification_is_one_line(tmp_path, monkeypatch, capsys):
+    run, remote = tmp_path / "run", tmp_path / "remote"
+    save_and_point_latest(run / "checkpoints", 10)
+    real_digest = cc.remote_digest
+    monkeypatch.setattr(cc, "remote_digest", lambda fs, path: (real_digest(fs, path)[0], "0" * 64))  # a bad copy
+    with pytest.raises(SystemExit) as exit_info:
+        cc.run_main(lambda: cc.main(["push", str(run), str(remote)]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip().count("\n") == 0, err
+    assert "step-00000010.pt" in err and "differs from the local file" in err
+    assert not list(remote.rglob("step-*.pt*"))  # nothing published, no temporary left
 
 
 @pytest.mark.parametrize("store", ["folder", "s3"])

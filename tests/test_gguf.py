@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import re
 import shutil
@@ -397,8 +398,15 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
         model.model.norm.weight.copy_(model.model.norm.weight.flip(0))
     llm = llama_cpp.Llama(str(out), n_ctx=PRESET.context, logits_all=True, verbose=False)
     ids = data.load_tokenizer(model_dir).encode(export_gguf.VERIFY_TEXTS[2])
-    with pytest.raises(export_gguf.VerificationFailed, match="diverges at token .* near-tie threshold 0.001"):
+    with pytest.raises(export_gguf.VerificationFailed, match="diverges at token .* near-tie threshold 0.001") as error:
         export_gguf.compare_greedy(model, llm, ids, "code", 1e-3, log=lambda *_: None)
+    got = export_gguf.llama_greedy(llm, ids, export_gguf.GREEDY_TOKENS)
+    expected = export_gguf.hf_greedy(model, ids, export_gguf.GREEDY_TOKENS)
+    step = next(index for index, (a, b) in enumerate(zip(got, expected)) if a != b)
+    tokenizer = data.load_tokenizer(model_dir)
+    assert (f"diverges at token {step} of the continuation, where llama.cpp gives {got[step]} "
+            f"{tokenizer.decode([got[step]])!r} and HF {expected[step]} {tokenizer.decode([expected[step]])!r}; "
+            ) in str(error.value)
     lines = []
     margin = export_gguf.compare_greedy(model, llm, ids, "code", 1e9, log=lines.append)
     assert margin > 1e-3
@@ -434,6 +442,82 @@ def test_verify_catches_a_tokenizer_that_differs(model_dir, tmp_path, monkeypatc
         export_gguf.export(model_dir, out, "f32", verify=True, log=lambda *_: None)
     assert not out.exists() and not out.with_suffix(".Modelfile").exists()
     assert leftovers(tmp_path) == []
+
+
+def log_callback_address(llama_cpp) -> int:
+    """The address of llama.cpp's current log callback."""
+    import ctypes
+
+    callback, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(callback), ctypes.byref(user_data))
+    return ctypes.cast(callback, ctypes.c_void_p).value
+
+
+def open_fds() -> list[str]:
+    return sorted(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else []
+
+
+def test_llama_cpp_log_keeps_warnings_and_errors_as_lines():
+    log = export_gguf.LlamaCppLog(tail=2)
+    info, warn, error, cont = 2, export_gguf.GGML_LOG_LEVEL_WARN, export_gguf.GGML_LOG_LEVEL_ERROR, 5
+    log.write(info, b"print_info: n_vocab = 700\nload_tensors: ")
+    log.write(cont, b"loading\n")
+    assert log.reason() == ["print_info: n_vocab = 700", "load_tensors: loading"]  # no warnings: the last lines
+    log.write(warn, b"load: missing pre-tokenizer type\n")
+    log.write(info, b"print_info: n_merges = 115\n")
+    log.write(error, b"llama_model_load: error loading model: ")
+    log.write(cont, b"key not found in model: qwen3.block_count\n\n")
+    log.write(error, b"llama_model_load_from_file_impl: failed to load model")  # no newline yet
+    assert log.reason() == ["load: missing pre-tokenizer type",
+                            "llama_model_load: error loading model: key not found in model: qwen3.block_count",
+                            "llama_model_load_from_file_impl: failed to load model"]
+
+
+@needs_llama_cpp
+def test_verify_reports_why_llama_cpp_cannot_load(model_dir, tmp_path, monkeypatch, capfd):
+    """A GGUF llama.cpp refuses fails --verify with llama.cpp's own reason, not llama-cpp-python's generic one."""
+    import gguf
+    import llama_cpp
+
+    callback_before, fds_before = log_callback_address(llama_cpp), open_fds()
+    # Without merges the GGUFReader check passes, but llama.cpp cannot build the tokenizer.
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda writer, merges: None)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(export_gguf.VerificationFailed) as error:
+        export_gguf.export(model_dir, out, "f32", verify=True, log=lambda *_: None)
+    lines = str(error.value).splitlines()
+    assert lines[0] == f"--verify failed, so {out} was not written: llama.cpp cannot load the GGUF; its log says:"
+    assert any(line.endswith("cannot find tokenizer merges in model file") for line in lines[1:]), lines
+    assert not any("print_info" in line for line in lines), lines  # only the warning and error lines
+    assert not out.exists() and not out.with_suffix(".Modelfile").exists() and leftovers(tmp_path) == []
+    assert log_callback_address(llama_cpp) == callback_before and open_fds() == fds_before
+    captured = capfd.readouterr()
+    assert "llama_model_load" not in captured.err + captured.out
+
+    # A missing hyperparameter (here checked by llama.cpp alone) is named.
+    monkeypatch.undo()
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", lambda writer, count: None)
+    export_gguf.export(model_dir, out, "f32", modelfile=False, log=lambda *_: None)
+    with pytest.raises(export_gguf.VerificationFailed, match="key not found in model: qwen3.block_count"):
+        export_gguf.verify_with_llama_cpp(model_dir, out, "f32", log=lambda *_: None)
+    assert log_callback_address(llama_cpp) == callback_before and open_fds() == fds_before
+
+
+@needs_llama_cpp
+def test_cli_load_failure_exits_2_with_llama_cpp_reason(model_dir, tmp_path, patch_python_children):
+    patch_python_children("import gguf\ngguf.GGUFWriter.add_token_merges = lambda writer, merges: None")
+    out = tmp_path / "x.gguf"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "export_gguf.py"), str(model_dir), "--out", str(out), "--type", "f32", "--verify"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == (f"error: --verify failed, so {out} was not written: "
+                        "llama.cpp cannot load the GGUF; its log says:")
+    assert "cannot find tokenizer merges in model file" in result.stderr
+    assert len(lines) <= 1 + 40 and "print_info" not in result.stderr + result.stdout
+    assert not out.exists() and leftovers(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------
