@@ -101,6 +101,22 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _process_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+PLAIN_FILE_MODE = 0o666 & ~_process_umask()  # what open() gives a new file; read once, at import (no race)
+
+
+def temporary_file_beside(target: Path) -> tuple[int, str]:
+    """mkstemp beside `target`, with the permissions a plain open() would give (mkstemp's are owner-only)."""
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.fchmod(fd, PLAIN_FILE_MODE)
+    return fd, name
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     """Open a temporary file beside `path`; on success fsync and rename it over `path`.
@@ -109,7 +125,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, temp_name = temporary_file_beside(target)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
             yield handle

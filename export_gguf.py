@@ -25,7 +25,6 @@ import json
 import os
 import re
 import struct
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from common import ArgumentParser, UserError, fsync_dir, run_main, sha256_file
+from common import (
+    ArgumentParser,
+    UserError,
+    atomic_write_text,
+    fsync_dir,
+    run_main,
+    sha256_file,
+    temporary_file_beside,
+)
 from model_config import Preset
 
 GGUF_SUFFIX = ".gguf"
@@ -618,19 +625,11 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def readable_by_all(path: Path) -> None:
-    """Give a file the permissions a plain open() would (mkstemp makes it private to the owner)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 @contextlib.contextmanager
 def temporary_beside(target: Path):
     """A fresh temporary path beside `target`, removed unless the caller renamed it."""
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, name = temporary_file_beside(target)
     os.close(fd)
-    readable_by_all(Path(name))
     try:
         yield Path(name)
     finally:
@@ -693,10 +692,7 @@ def export(
         checks = verify_export(source, temp, out, out_type, log) if verify else {}
         os.replace(temp, out)
     if modelfile:
-        from common import atomic_write_text
-
         atomic_write_text(model_file, modelfile_text(out, model_file, source.preset.context))
-        readable_by_all(model_file)
     fsync_dir(out.parent)
     return {
         "path": str(out),

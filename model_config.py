@@ -7,6 +7,7 @@ the shape of everything else. `think72` has exactly 72,000,000 parameters at voc
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from common import UserError
@@ -50,6 +51,12 @@ def resolve_preset(name: str, **overrides) -> Preset:
     if unknown:
         raise UserError(f"unknown preset field(s): {', '.join(sorted(unknown))}")
     preset = dataclasses.replace(PRESETS[name], **changes)
+    for field in dataclasses.fields(Preset):
+        value = getattr(preset, field.name)
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"{field.name} (--{field.name.replace('_', '-')}) must be positive, got {value}")
+    if preset.context < 2:
+        raise UserError(f"context must be at least 2, got {preset.context}")
     if preset.heads % preset.kv_heads:
         raise UserError(f"heads ({preset.heads}) must be a multiple of kv_heads ({preset.kv_heads})")
     return preset

@@ -81,7 +81,7 @@ class Progress:
         self.initial_step = initial_step
         self.every = max(1, every)
         self.enabled = enabled
-        self._started = time.monotonic()
+        self._first_update: tuple[int, float] | None = None  # (step, time): the pace is measured from here
         self._printed_any = False
         self._bar = None
         if enabled and (stderr_is_terminal() if bar is None else bar):
@@ -97,6 +97,8 @@ class Progress:
         """Report that optimizer step `step` (1-based count of steps done) finished. `mfu` is a fraction."""
         if not self.enabled:
             return
+        if self._first_update is None:
+            self._first_update = step, time.monotonic()
         stats = format_stats(loss, tokens_per_second, mfu)
         if self._bar is not None:
             self._bar.set_postfix_str(stats, refresh=False)
@@ -111,13 +113,16 @@ class Progress:
             print(line, flush=True)
 
     def eta(self, step: int) -> str:
-        """Time left at the average pace since this Progress was made (tqdm's own format)."""
+        """Time left at the average pace since the first update (tqdm's own format); "?" until a second one.
+
+        Why from the first update: the first step carries one-off costs (torch.compile, memory, caches)
+        that would otherwise make the early estimates far too long."""
         from tqdm import tqdm
 
-        done = step - self.initial_step
-        if done <= 0:
+        if self._first_update is None or step <= self._first_update[0]:
             return "?"
-        seconds = (time.monotonic() - self._started) / done * max(0, self.total_steps - step)
+        first_step, first_time = self._first_update
+        seconds = (time.monotonic() - first_time) / (step - first_step) * max(0, self.total_steps - step)
         return tqdm.format_interval(seconds)
 
     def write(self, message: str) -> None:

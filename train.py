@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -87,6 +88,17 @@ GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121
 # Options
 
 
+def token_count(text: str) -> int:
+    """An argparse type for token counts: a whole number, also written as 3e8 or 1.5e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     demo = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO_DEFAULTS.items())
     parser = ArgumentParser(
@@ -110,18 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     shape = parser.add_argument_group("model (a preset, with any field overridden)")
     shape.add_argument("--preset", default="tiny", choices=list(model_config.PRESETS), help="model shape")
     shape.add_argument("--context", type=int, default=None, help="tokens per block (None: the preset's)")
-    tiny = model_config.PRESETS["tiny"]
+    tiny, think72 = model_config.PRESETS["tiny"], model_config.PRESETS["think72"]
     for name in model_config.OVERRIDABLE_FIELDS:
         if name != "context":
             shape.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(tiny, name)), default=None,
-                               help="the preset's value when None")
+                               help=f"None: the preset's (tiny {getattr(tiny, name):g}, "
+                                    f"think72 {getattr(think72, name):g})")
 
     budget = parser.add_argument_group("batch, length and schedule")
     budget.add_argument("--batch-size", type=int, default=8, help="blocks per micro-step per rank")
     budget.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step")
     length = budget.add_mutually_exclusive_group()
-    length.add_argument("--target-tokens", type=int, default=None,
-                        help="train this many tokens (None, and no --epochs: 1 epoch)")
+    length.add_argument("--target-tokens", type=token_count, default=None,
+                        help="train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)")
     length.add_argument("--epochs", type=float, default=None, help="train this many passes over the train split")
     budget.add_argument("--warmup-steps", type=int, default=100, help="linear warmup, then cosine to --min-lr")
     budget.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
@@ -131,12 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     saving = parser.add_argument_group("checkpoints and evaluation")
     saving.add_argument("--save-every", type=int, default=250, help="save every N steps (0: never by count)")
-    saving.add_argument("--save-seconds", type=float, default=600, help="also save when this long since the last")
+    saving.add_argument("--save-seconds", type=float, default=600,
+                        help="also save when this many seconds have passed since the last save (0: never by time)")
     saving.add_argument("--keep-last", type=int, default=2, help="retention: keep the newest N step checkpoints")
     saving.add_argument("--keep-every", type=int, default=0,
                         help="retention: also keep forever every checkpoint whose step is a multiple of N (0: off)")
     saving.add_argument("--eval-every", type=int, default=250, help="validation every N steps (0: only at the end)")
-    saving.add_argument("--eval-batches", type=int, default=16, help="micro-batches per rank per evaluation")
+    saving.add_argument("--eval-batches", type=int, default=4,
+                        help="validation over this many global batches of blocks (the same blocks whatever the "
+                             "split between ranks, --batch-size and --grad-accum)")
     saving.add_argument("--log-every", type=int, default=10, help="progress line and metrics every N steps")
 
     stopping = parser.add_argument_group("stopping")
@@ -148,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="fp16: fail after this many optimizer steps in a row skipped for overflow")
 
     hardware = parser.add_argument_group("hardware and speed")
-    hardware.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    hardware.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                          help="auto: CUDA when torch sees a GPU, else CPU")
     hardware.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's default)")
     hardware.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                           help="auto: bf16 on GPUs that support it, else fp16 with GradScaler; fp32 on CPU")
@@ -208,12 +225,17 @@ def check_args(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     if args.keep_last < 1:
         raise UserError(f"--keep-last must be at least 1, got {args.keep_last}")
+    for name in ("lr", "min_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops"):
+        if not math.isfinite(getattr(args, name)):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}")
     if args.lr <= 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.min_lr > args.lr:
+        raise UserError(f"--min-lr ({args.min_lr}) must not be above --lr ({args.lr}): the cosine decays to it")
     if args.target_tokens is not None and args.target_tokens <= 0:
         raise UserError(f"--target-tokens must be positive, got {args.target_tokens}")
-    if args.epochs is not None and args.epochs <= 0:
-        raise UserError(f"--epochs must be positive, got {args.epochs}")
+    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise UserError(f"--epochs must be a positive finite number, got {args.epochs}")
     if args.context is not None and args.context < 2:
         raise UserError(f"--context must be at least 2, got {args.context}")
     if args.backup_wait_seconds < 0:
@@ -1191,8 +1213,13 @@ class Training:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.info.local_rank] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
-                                            gradient_as_bucket_view=True)
+            # The model's only buffers (RoPE frequencies) are the same on every rank: no sync per forward.
+            # torch 2.13 renamed the option (and warns on the old name from every rank).
+            no_buffer_sync = {"forward_sync_buffers": False} \
+                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+                else {"broadcast_buffers": False}
+            model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                            **no_buffer_sync)
         return model
 
     def _fused_sdpa_context(self):
@@ -1281,11 +1308,15 @@ class Training:
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict | None:
-        """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks."""
+        """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
+
+        The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
+        batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
+        and best.pt stay comparable with those before."""
         data_split = self.splits[split]
         if data_split.blocks == 0:
             return None
-        count = min(data_split.blocks, self.args.eval_batches * self.args.batch_size * self.info.world)
+        count = min(data_split.blocks, self.args.eval_batches * self.sampler.global_batch)
         order = BlockPermutation(data_split.blocks, self.args.seed, EVAL_EPOCH)
         mine = [order(i) for i in range(self.info.rank, count, self.info.world)]
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -1576,7 +1607,6 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
                                                                training.preset, training.vocab_size),
                                                            "flops_per_token": training.flops_per_token})
         atomic_write_json(out / "hardware.json", hardware_record(info, training.precision, training.sdpa))
-        write_status(out, RUNNING, step=training.step, total_steps=training.total_steps)
     peak = peak_flops(args, info, training.precision) if info.is_main else None
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
@@ -1586,6 +1616,10 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         print(f"warning: the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "
               f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus with "
               "more documents or a larger --val-fraction / --test-fraction)", file=sys.stderr, flush=True)
+    if training.sampler.global_batch > training.sampler.blocks and info.is_main:
+        print(f"warning: one step reads {training.sampler.global_batch} blocks but the train split has only "
+              f"{training.sampler.blocks} of {training.context} tokens: every step covers more than an epoch "
+              "(use a smaller --batch-size or --grad-accum, or a larger corpus)", file=sys.stderr, flush=True)
     if args.warmup_steps >= training.total_steps and info.is_main:
         print(f"warning: --warmup-steps {args.warmup_steps} >= the run's {training.total_steps} steps: the learning "
               "rate never reaches --lr nor decays; pass fewer --warmup-steps", file=sys.stderr, flush=True)
@@ -1593,6 +1627,8 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     progress = report.Progress(training.total_steps, training.step, args.log_every, enabled=info.is_main)
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records FAILED
+    if info.is_main:  # only now: from here on a SIGTERM or Ctrl-C ends the run with a checkpoint
+        write_status(out, RUNNING, step=training.step, total_steps=training.total_steps)
     try:
         try:
             status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
@@ -1602,8 +1638,9 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         finish_run(training, out, checkpointer, metrics, status, reason)
     except NonFiniteLoss as error:
         fail_run(info, out, checkpointer, training, str(error))
-        raise UserError(f"training failed: {error}; the last good checkpoint is intact "
-                        f"(status {FAILED} in {out / 'run_status.json'})") from None
+        last = latest_checkpoint_name(out)
+        kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
+        raise UserError(f"training failed: {error}; {kept} (status {FAILED} in {out / 'run_status.json'})") from None
     except KeyboardInterrupt:  # a second Ctrl-C
         command = resume_command(info, getattr(args, "argv", None))
         reason = fail_run(info, out, checkpointer, training,
@@ -1630,6 +1667,9 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
     out = Path(args.out)
     last_save = time.monotonic()
     slowest_step = slowest_eval = 0.0
+    if args.stop_after_steps and args.stop_after_steps <= training.step < training.total_steps:
+        return NEEDS_RESUME, (f"the run was already at step {training.step}, at or past --stop-after-steps "
+                              f"{args.stop_after_steps}: no step taken")
     while training.step < training.total_steps:
         result = training.train_step()
         if not result.applied:
@@ -1640,7 +1680,8 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         tokens_per_second = training.tokens_per_step / result.seconds
         mfu = training.flops_per_token * tokens_per_second / (peak * info.world) if peak else None
         progress.update(step, result.loss, tokens_per_second, mfu)
-        if step % args.log_every == 0 or step == 1 or step == training.total_steps:
+        logged = step % args.log_every == 0 or step == 1 or step == training.total_steps
+        if logged:
             log_train_step(training, metrics, result, tokens_per_second, mfu)
 
         best = None
@@ -1654,8 +1695,8 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         elapsed = time.monotonic() - process_started
         margin = 2 * slowest_step + 2 * slowest_eval + 2 * (checkpointer.last_write_seconds if checkpointer else 0)
         out_of_time = bool(args.max_hours) and elapsed + margin + 10 >= args.max_hours * 3600
-        stop_now, save_by_time = agree([stop.requested or out_of_time, time.monotonic() - last_save >=
-                                        args.save_seconds], info)
+        stop_now, save_by_time = agree([stop.requested or out_of_time, bool(args.save_seconds) and
+                                        time.monotonic() - last_save >= args.save_seconds], info)
         stop_now = (stop_now or bool(args.stop_after_steps and step >= args.stop_after_steps)) \
             and step < training.total_steps  # at the last step the run is complete anyway
         due = (args.save_every and step % args.save_every == 0) or step == training.total_steps
@@ -1663,7 +1704,10 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
             save_checkpoint(training, checkpointer, best)
             last_save = time.monotonic()
         if stop_now:
-            why = stop.signal_name or ("--max-hours budget" if out_of_time else f"--stop-after-steps {step}")
+            if not logged:  # metrics.jsonl ends with the step the run stopped at
+                log_train_step(training, metrics, result, tokens_per_second, mfu)
+            why = stop.signal_name or ("--max-hours budget" if out_of_time else
+                                       f"--stop-after-steps {args.stop_after_steps}")
             return NEEDS_RESUME, f"stopped by {why}"
     return COMPLETE, None
 
@@ -1688,7 +1732,7 @@ def run_validation(training: Training, metrics: MetricsLog, progress: report.Pro
     step = training.step
     training.metrics.last_eval = {"step": step, **result}
     metrics.write("eval", step=step, tokens=step * training.tokens_per_step, val_loss=result["loss"],
-                  val_perplexity=result["perplexity"])
+                  val_perplexity=result["perplexity"], val_tokens=result["tokens"])
     progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
     if result["loss"] < training.metrics.best_val_loss:
         training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
@@ -1947,7 +1991,14 @@ def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
             continue
         if not item.startswith(("--resume=", "--stop-after-steps=")):
             kept.append(item)
-    launcher = f"torchrun --nproc_per_node={info.world} train.py" if info.world > 1 else "python train.py"
+    script = shlex.quote(os.path.relpath(Path(__file__).resolve()))  # as run from the current folder
+    if info.world == 1:
+        launcher = f"python {script}"
+    else:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
+        nodes = info.world // per_node
+        launcher = "torchrun " + (f"--nnodes={nodes} (with your rendezvous options) " if nodes > 1 else "") \
+            + f"--nproc_per_node={per_node} {script}"
     return " ".join([launcher, *map(shlex.quote, kept), "--resume", "auto"])
 
 

@@ -1,6 +1,6 @@
 """GPU training speed: think72 tokens/s and MFU in bf16 and in fp16 + GradScaler, eager and --compile.
 
-    python bench/bench_gpu.py --json gpu.json     # on a CUDA machine: ~4 minutes on one H100-class GPU
+    python bench/bench_gpu.py --json gpu.json     # on a CUDA machine (never run on one yet)
     python bench/bench_gpu.py --device cpu --preset tiny --vocab 0 --precisions bf16 --steps 2 --warmup 1
                                                   # a smoke run of the logic on CPU
 

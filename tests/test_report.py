@@ -71,9 +71,22 @@ def test_progress_prints_plain_lines_every_n_steps_when_not_a_terminal(capsys):
     out = capsys.readouterr()
     assert progress_lines(out.out) == [1, 10, 20, 25]
     first = out.out.splitlines()[0]
-    assert "loss 1.2340" in first and "12.3K tok/s" in first and "MFU 12.5%" in first and "ETA" in first
+    assert "loss 1.2340" in first and "12.3K tok/s" in first and "MFU 12.5%" in first and "ETA ?" in first
+    assert "ETA ?" not in out.out.splitlines()[1]  # the pace is known from the second line on
     assert "eval: val_loss 1.1" in out.out
     assert out.err == ""
+
+
+def test_progress_eta_leaves_out_the_slow_first_step(monkeypatch, capsys):
+    clock = iter([0.0, 100.0, 101.0, 102.0])  # the first step took 100 s (compiling), the next 1 s each
+    monkeypatch.setattr(report.time, "monotonic", lambda: next(clock, 102.0))
+    progress = report.Progress(total_steps=12, every=1)
+    next(clock)  # the run starts: time 0
+    progress.update(1, loss=1.0)  # at time 100: ETA ?
+    progress.update(2, loss=1.0)
+    assert capsys.readouterr().out.splitlines()[-1].endswith("ETA 00:10")  # 1 s per step, 10 steps left
+    progress.update(3, loss=1.0)
+    assert capsys.readouterr().out.splitlines()[-1].endswith("ETA 00:09")  # not 102 s / 3 steps x 9
 
 
 def test_progress_after_resume_and_on_other_ranks(capsys):

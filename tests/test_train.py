@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import data
 import train
 from common import UserError, atomic_write_json, sha256_file, sha256_tree
@@ -317,6 +318,17 @@ def test_resume_command_drops_stop_and_resume_options():
     assert command == "torchrun --nproc_per_node=2 train.py --data 'c d' --lr 1 --resume auto"
 
 
+def test_resume_command_names_the_script_as_run_from_here_and_the_nodes(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    script = os.path.relpath(ROOT / "train.py")
+    single = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    assert train.resume_command(single, ["--lr", "1"]) == f"python {script} --lr 1 --resume auto"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 processes
+    four = train.DistInfo(rank=0, local_rank=0, world=4, device=torch.device("cpu"))
+    assert train.resume_command(four, []) == \
+        f"torchrun --nnodes=2 (with your rendezvous options) --nproc_per_node=2 {script} --resume auto"
+
+
 def test_bad_options_give_one_clear_line(tmp_path):
     result = run_cli(["--batch-size", "0", "--out", str(tmp_path)], check=False)
     assert result.returncode == 2 and result.stderr.strip() == "error: --batch-size must be positive, got 0"
@@ -330,6 +342,31 @@ def test_bad_options_give_one_clear_line(tmp_path):
     result = run_cli(["--data", str(tmp_path / "nope")], check=False)  # where would the run go?
     assert result.returncode == 2 and result.stderr.strip() == \
         "error: --data needs --out RUN: the run folder for its checkpoints, metrics and status"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--heads", "0"], "heads (--heads) must be positive, got 0"),
+    (["--hidden", "0"], "hidden (--hidden) must be positive, got 0"),
+    (["--rms-norm-eps", "-1"], "rms_norm_eps (--rms-norm-eps) must be positive, got -1.0"),
+    (["--rope-theta", "nan"], "rope_theta (--rope-theta) must be positive, got nan"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--min-lr", "1"], "--min-lr (1.0) must not be above --lr (0.0006): the cosine decays to it"),
+    (["--epochs", "inf"], "--epochs must be a positive finite number, got inf"),
+    (["--target-tokens", "1.5x"], "argument --target-tokens: not a number: '1.5x'"),
+    (["--target-tokens", "1.5"], "argument --target-tokens: not a whole number of tokens: '1.5'"),
+])
+def test_bad_model_and_schedule_values_are_one_line_errors(corpus, tmp_path, bad, message, capsys):
+    with pytest.raises((UserError, SystemExit)) as error:
+        train.main(["--data", str(corpus), "--out", str(tmp_path / "run"), *bad])
+    text = str(error.value) if error.type is UserError else capsys.readouterr().err
+    assert message in text and "Traceback" not in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_token_counts_may_be_written_in_exponent_form(corpus, tmp_path):
+    args = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run"), "--target-tokens", "1.5e9"])
+    assert args.target_tokens == 1_500_000_000 and isinstance(args.target_tokens, int)
 
 
 def test_repeated_kv_attention_matches_sdpa():
@@ -404,6 +441,37 @@ def test_bf16_autocast_and_grad_checkpoint_train_on_cpu(corpus, tmp_path):
     assert all(np.isfinite(loss) for loss in losses.values()) and losses[4] < losses[1]
 
 
+def test_save_seconds_0_is_off_and_a_stop_is_the_last_metrics_record(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    quiet = ["--save-every", "0", "--save-seconds", "0", "--log-every", "4", "--eval-every", "0"]
+    handlers_when_running = []
+
+    def write_status(folder, state, **fields):
+        if state == train.RUNNING:  # a SIGTERM from now on must end in a checkpoint, not a dead RUNNING status
+            handlers_when_running.append(type(getattr(signal.getsignal(signal.SIGTERM), "__self__", None)))
+        real_write_status(folder, state, **fields)
+
+    real_write_status = train.write_status
+    monkeypatch.setattr(train, "write_status", write_status)
+    assert train.main(options(corpus, out, *quiet, "--stop-after-steps", "6")) == 0
+    assert handlers_when_running and set(handlers_when_running) == {train.StopRequest}
+    checkpoints = sorted(path.name for path in (out / "checkpoints").glob("step-*.pt"))
+    assert checkpoints == [train.checkpoint_name(6)]  # the stop's save only: 0 means never by time
+    assert list(train_losses(out)) == [1, 4, 6]  # every --log-every step, and the step it stopped at
+    record = status(out)
+    assert record["status"] == train.NEEDS_RESUME and record["reason"] == "stopped by --stop-after-steps 6"
+    files = [out / "run_status.json", out / "training_settings.json", out / "checkpoints" / checkpoints[0]]
+    assert {oct(path.stat().st_mode & 0o777) for path in files} == {oct(common.PLAIN_FILE_MODE)}
+
+    # a --stop-after-steps the run is already past: nothing trained, nothing written but the status
+    assert train.main(options(corpus, out, *quiet, "--stop-after-steps", "3")) == 0
+    record = status(out)
+    assert record["status"] == train.NEEDS_RESUME and record["step"] == 6
+    assert "already at step 6, at or past --stop-after-steps 3: no step taken" in record["reason"]
+    assert sorted(path.name for path in (out / "checkpoints").glob("step-*.pt")) == checkpoints
+    assert list(train_losses(out)) == [1, 4, 6]
+
+
 def test_max_hours_stops_resumably_before_the_budget(corpus, tmp_path):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--max-hours", "0.0025")) == 0  # 9 s: within the 10 s save margin
@@ -435,8 +503,9 @@ def test_uninterrupted_run_writes_the_run_folder(reference):
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(set(r) == train_keys for r in records if r["kind"] == "train")
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
-    assert all(set(r) == {"kind", "step", "tokens", "val_loss", "val_perplexity", "time"}
+    assert all(set(r) == {"kind", "step", "tokens", "val_loss", "val_perplexity", "val_tokens", "time"}
                for r in records if r["kind"] == "eval")
+    assert {r["val_tokens"] for r in records if r["kind"] == "eval"} == {2 * 4 * 32}  # 2 global batches of 4 x 32
     tests = [r for r in records if r["kind"] == "test"]
     assert len(tests) == 1 and set(tests[0]) == {"kind", "step", "tokens", "test_loss", "test_perplexity", "time"}
     losses = train_losses(reference)
@@ -548,6 +617,7 @@ def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
     good = train.newest_verified_checkpoint(out / "checkpoints")[0]
     assert good.name == record["last_checkpoint"] == train.checkpoint_name(failed_at - 1)
     assert torch.load(good, weights_only=True)["step"] == failed_at - 1
+    assert f"the last good checkpoint, {good.name}, is intact" in str(error.value)
 
 
 @pytest.mark.slow
@@ -699,6 +769,23 @@ def test_warmup_longer_than_the_run_warns_and_the_demo_caps_only_its_own_default
     chosen = train.parse_args(["--target-tokens", str(20 * 32 * 128), "--warmup-steps", "100"])
     chosen.data = str(corpus)
     assert train.build_training(chosen, info).schedule.warmup == 100  # a user's choice is kept (and warned about)
+
+
+def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
+    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    results = []
+    for split in (["--batch-size", "2", "--grad-accum", "2"], ["--batch-size", "4", "--grad-accum", "1"],
+                  ["--batch-size", "1", "--grad-accum", "4"]):
+        args = train.parse_args(options(corpus, tmp_path / "run", *split))
+        results.append(train.build_training(args, info).evaluate("validation"))
+    assert results[0]["tokens"] == 2 * 4 * 32  # --eval-batches 2 global batches of 4 blocks of 32 tokens
+    assert all(result["tokens"] == results[0]["tokens"] for result in results)
+    assert all(result["loss"] == pytest.approx(results[0]["loss"], rel=1e-6) for result in results)
+
+
+def test_a_step_larger_than_the_train_split_warns(corpus, tmp_path, capsys):
+    assert train.main(options(corpus, tmp_path / "run", "--batch-size", "1000", "--eval-every", "0", steps=1)) == 0
+    assert "warning: one step reads 2000 blocks but the train split has only" in capsys.readouterr().err
 
 
 def test_a_second_ctrl_c_records_an_honest_reason_and_the_continue_command(corpus, tmp_path, monkeypatch):
