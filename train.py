@@ -817,6 +817,26 @@ def sidecar_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
+def checkpoint_steps(folder: Path) -> dict[Path, int]:
+    """The folder's step-N.pt files (this naming scheme only) -> N."""
+    return {path: int(match.group(1)) for path in folder.glob("step-*.pt")
+            if (match := CHECKPOINT_NAME.fullmatch(path.name))}
+
+
+def size_text(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB" if size >= 100_000 else f"{size:,} bytes"
+
+
+def set_aside(path: Path) -> str:
+    """Rename a damaged step-N.pt and its record to *.corrupt: kept for inspection, out of resume and retention."""
+    target = path.with_name(f"{path.name}.corrupt")
+    os.replace(path, target)
+    sidecar = sidecar_path(path)
+    if sidecar.exists():
+        os.replace(sidecar, sidecar.with_name(f"{sidecar.name}.corrupt"))
+    return target.name
+
+
 class Checkpointer:
     """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
 
@@ -870,8 +890,11 @@ class Checkpointer:
             with atomic_open(path, "wb") as handle:
                 writer = HashingWriter(handle)
                 torch.save(snapshot, writer)
-            entry = {"path": path.name, "step": step, "sha256": writer.sha256(), "bytes": path.stat().st_size}
-            atomic_write_json(sidecar_path(path), {**entry, "run_id": self.run_id, "created": utc_now()})
+                handle.flush()
+                entry = {"path": path.name, "step": step, "sha256": writer.sha256(), "bytes": handle.tell()}
+                # the record goes before the rename: a save killed in between leaves a record without
+                # a checkpoint (the next session removes it), never a checkpoint nobody can verify
+                atomic_write_json(sidecar_path(path), {**entry, "run_id": self.run_id, "created": utc_now()})
             atomic_write_json(self.folder / "latest.json", entry)
             if best_val_loss is not None:
                 with atomic_open(self.folder / "best.pt", "wb") as handle, open(path, "rb") as source:
@@ -885,18 +908,66 @@ class Checkpointer:
         except BaseException as error:  # surfaced on the training thread at the next save/wait
             self._error = error
 
-    def apply_retention(self) -> None:
-        """Keep the newest `keep_last` and every multiple of `keep_every`; delete only this run's files.
+    def start_timeline(self, resumed_from: Path | None, step: int) -> None:
+        """Make the checkpoint this session continues from (at `step`) the newest one of the folder.
 
-        With a backup, a file goes only once the backup lets it: `backup.deletable(paths)` when the
-        backup has it, else `backup.is_backed_up(path)`.
+        After `--resume PATH` to an older checkpoint, the newer ones (and best.pt when it is one of
+        them) belong to the abandoned timeline: they move to abandoned-STEP/, so that neither
+        `--resume auto`, retention nor best.pt mixes the two timelines. Moved, never deleted: they may
+        be the only copy of that progress. latest.json then names the checkpoint resumed from.
         """
-        steps = {path: int(match.group(1)) for path in self.folder.glob("step-*.pt")
-                 if (match := CHECKPOINT_NAME.fullmatch(path.name))}
+        remove_stale_temporaries(self.folder)
+        if resumed_from is None:
+            return
+        newer = sorted(path for path, number in checkpoint_steps(self.folder).items() if number > step)
+        if any(sidecar_path(path).exists() for path in newer):  # a rewind: auto leaves no newer recorded one
+            self._abandon(newer, step)
+        latest = self.folder / "latest.json"
+        record = None
+        if resumed_from.parent.resolve() == self.folder.resolve() and CHECKPOINT_NAME.fullmatch(resumed_from.name):
+            with contextlib.suppress(UserError):
+                record = read_json(sidecar_path(resumed_from))
+        if record is not None:
+            atomic_write_json(latest, {key: record.get(key) for key in ("path", "step", "sha256", "bytes")})
+        elif latest.exists():
+            with contextlib.suppress(UserError):
+                if not (self.folder / str(read_json(latest).get("path"))).is_file():
+                    latest.unlink()  # it names a checkpoint set aside or abandoned; the next save writes it
+
+    def _abandon(self, newer: list[Path], step: int) -> None:
+        """Move `newer` (with their records) and a best.pt saved after `step` to abandoned-STEP/; one warning."""
+        target = self.folder / f"abandoned-{step:08d}"
+        copy = 1
+        while target.exists():
+            copy += 1
+            target = self.folder / f"abandoned-{step:08d}-{copy}"
+        target.mkdir()
+        moving = [*newer, *(sidecar_path(path) for path in newer)]
+        names = [path.name for path in newer]
+        with contextlib.suppress(UserError):
+            best_step = read_json(self.folder / "best.json").get("step")
+            if isinstance(best_step, int) and best_step > step and (self.folder / "best.pt").exists():
+                moving += [self.folder / "best.pt", self.folder / "best.json"]
+                names.append(f"best.pt (step {best_step})")
+        size = sum(path.stat().st_size for path in moving if path.exists())
+        for path in moving:
+            if path.exists():
+                os.replace(path, target / path.name)
+        print(f"warning: resuming from step {step} abandons the newer {', '.join(names)} ({size_text(size)}): "
+              f"moved to {target}; delete that folder once you no longer need them", file=sys.stderr, flush=True)
+
+    def apply_retention(self) -> None:
+        """Keep this run's newest `keep_last` and every multiple of `keep_every`; delete only this run's files.
+
+        A checkpoint without a record of this run (copied in by hand, another run's) neither counts
+        among the newest nor is deleted. With a backup, a file goes only once the backup lets it:
+        `backup.deletable(paths)` when the backup has it, else `backup.is_backed_up(path)`.
+        """
+        steps = {path: step for path, step in checkpoint_steps(self.folder).items()
+                 if self._written_by_this_run(path)}
         newest = set(sorted(steps, key=steps.get)[-self.keep_last:])
         candidates = [path for path, step in sorted(steps.items(), key=lambda item: item[1])
-                      if path not in newest and not (self.keep_every and step % self.keep_every == 0)
-                      and self._written_by_this_run(path)]
+                      if path not in newest and not (self.keep_every and step % self.keep_every == 0)]
         if self.backup is not None and candidates:
             if hasattr(self.backup, "deletable"):
                 allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
@@ -915,54 +986,143 @@ class Checkpointer:
             return False
 
 
-def remove_stale_temporaries(folder: Path) -> None:
-    """Temporary files a killed save left behind (atomic_open's `.NAME.*.tmp`)."""
-    for path in folder.glob(".step-*.tmp"):
+def remove_stale_temporaries(folder: Path) -> list[str]:
+    """Delete the temporary files a killed save left behind (atomic_open's `.NAME.*.tmp`); returns their names."""
+    stale = [*folder.glob(".step-*.tmp"), *(path for name in ("latest.json", "best.pt", "best.json")
+                                            for path in folder.glob(f".{name}.*.tmp"))]
+    for path in stale:
         path.unlink(missing_ok=True)
-    for name in ("latest.json", "best.pt", "best.json"):
-        for path in folder.glob(f".{name}.*.tmp"):
-            path.unlink(missing_ok=True)
+    return sorted(path.name for path in stale)
 
 
-def newest_verified_checkpoint(folder: Path) -> tuple[Path | None, list[str]]:
+def read_latest_record(folder: Path) -> dict:
+    try:
+        record = read_json(folder / "latest.json") if (folder / "latest.json").exists() else {}
+    except UserError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run_id stored in a checkpoint file; UserError when it is no loadable checkpoint.
+
+    mmap: only the file's small pickle is read, the tensors stay on disk.
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # truncated zip, not a checkpoint at all ...
+        raise UserError(f"{path.name} does not load ({type(error).__name__})") from None
+    return checkpoint.get("run_id") if isinstance(checkpoint, dict) else None
+
+
+def folder_run_id(out: Path) -> str | None:
+    """The run id in OUT/training_settings.json: the run that last trained in this folder."""
+    try:
+        settings = read_json(out / "training_settings.json")
+    except UserError:
+        return None
+    return settings.get("run_id") if isinstance(settings, dict) else None
+
+
+def remove_interrupted_saves(folder: Path, run_id: str | None, keep: Path | None = None) -> list[str]:
+    """Delete what killed saves of run `run_id` left behind; returns a description of each file removed.
+
+    - temporary files: writes that never finished;
+    - a step-N.json of this run whose step-N.pt is gone (a save killed before its rename, a retention
+      killed between its two deletes): a record of nothing;
+    - a step-N.pt without any record that holds a checkpoint of this run: a save killed between its
+      rename and its record (train.py wrote the record second until it wrote it first). With no
+      recorded sha256 it can never be verified, so nothing would ever resume from it.
+    A record-less step-N.pt that does not load is set aside as damaged (it cannot be told whose it is);
+    one of another run (copied in by hand) and `keep` (the --resume PATH) are left alone.
+    """
+    removed = remove_stale_temporaries(folder)
+    for record in sorted(folder.glob("step-*.json")):
+        checkpoint = record.with_suffix(".pt")
+        if run_id is None or not CHECKPOINT_NAME.fullmatch(checkpoint.name) or checkpoint.exists():
+            continue
+        with contextlib.suppress(UserError, AttributeError):
+            if read_json(record).get("run_id") == run_id:
+                record.unlink()
+                removed.append(f"{record.name} (its checkpoint is gone)")
+    latest_name = read_latest_record(folder).get("path")
+    for path in sorted(checkpoint_steps(folder)):
+        if sidecar_path(path).exists() or path.name == latest_name or (keep and path.resolve() == keep.resolve()):
+            continue
+        size = path.stat().st_size
+        try:
+            owner = checkpoint_run_id(path)
+        except UserError as error:
+            print(f"warning: {error} and has no record: set aside as {set_aside(path)} ({size_text(size)}; "
+                  "delete it once inspected)", file=sys.stderr, flush=True)
+            continue
+        if run_id is not None and owner == run_id:
+            path.unlink()
+            removed.append(f"{path.name} (no record, {size_text(size)})")
+    return removed
+
+
+def newest_verified_checkpoint(folder: Path, set_aside_bad: bool = False) -> tuple[Path | None, list[str]]:
     """The newest checkpoint whose size and sha256 match its record, and a warning for each newer one.
 
     A checkpoint's record is its sidecar step-N.json, or latest.json when that names it (a
-    checkpoint restored from a backup comes with latest.json only).
+    checkpoint restored from a backup comes with latest.json only). With `set_aside_bad`, each newer
+    one that has a record but does not match it is renamed step-N.pt.corrupt (its record too): kept
+    for inspection, never resumed from or counted by retention again.
     """
-    latest = folder / "latest.json"
-    try:
-        latest_record = read_json(latest) if latest.exists() else {}
-    except UserError:
-        latest_record = {}
+    latest_record = read_latest_record(folder)
     problems = []
-    candidates = sorted((path for path in folder.glob("step-*.pt") if CHECKPOINT_NAME.fullmatch(path.name)),
-                        reverse=True)
-    for path in candidates:
-        sidecar = sidecar_path(path)
-        try:
-            record = read_json(sidecar) if sidecar.exists() else None
-        except UserError as error:
-            record = None
-            problems.append(f"{error}")
-        if record is None and latest_record.get("path") == path.name:
-            record = latest_record
-        if record is None:
-            problems.append(f"{path.name} has no sha256 record (killed while saving?): skipped")
+    for path in sorted(checkpoint_steps(folder), reverse=True):
+        if not sidecar_path(path).exists() and latest_record.get("path") != path.name:
+            problems.append(f"{path.name} has no sha256 record (not written by a train.py save): skipped")
             continue
-        size = path.stat().st_size
-        if size != record.get("bytes"):
-            problems.append(f"{path.name} is {size} bytes, its record says {record.get('bytes')} (truncated?): "
-                             "skipped")
-        elif sha256_file(path) != record.get("sha256"):
-            problems.append(f"{path.name} does not match its sha256 (corrupt): skipped")
-        else:
+        problem = record_mismatch(path, latest_record)
+        if problem is None:
             return path, problems
+        if set_aside_bad:
+            size = path.stat().st_size
+            problems.append(f"{problem}: set aside as {set_aside(path)} ({size_text(size)}; delete it once "
+                            "inspected)")
+        else:
+            problems.append(f"{problem}: skipped")
     return None, problems
 
 
-def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
-    """The checkpoint `--resume` asks for: None for a fresh start."""
+def record_mismatch(path: Path, latest_record: dict) -> str | None:
+    """Why `path` does not match its record (its sidecar, else latest.json); None when it does."""
+    record = latest_record if latest_record.get("path") == path.name else {}
+    if sidecar_path(path).exists():
+        try:
+            record = read_json(sidecar_path(path))
+        except UserError as error:
+            if not record:
+                return f"{error}"
+    size = path.stat().st_size
+    if size != record.get("bytes"):
+        return f"{path.name} is {size} bytes, its record says {record.get('bytes')} (truncated?)"
+    if sha256_file(path) != record.get("sha256"):
+        return f"{path.name} does not match its sha256 (corrupt)"
+    return None
+
+
+def verified_best(folder: Path) -> dict | None:
+    """best.json's record when best.pt matches it."""
+    best = folder / "best.pt"
+    try:
+        record = read_json(folder / "best.json")
+    except UserError:
+        return None
+    if not (best.is_file() and best.stat().st_size == record.get("bytes")):
+        return None
+    return record if sha256_file(best) == record.get("sha256") else None
+
+
+def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path | None:
+    """The checkpoint `--resume` asks for: None for a fresh start.
+
+    `tidy` (a training session, which holds the run folder's lock) first removes what killed saves
+    left behind and sets aside the damaged checkpoints `auto` finds; without it nothing changes.
+    """
     folder = out / "checkpoints"
     existing = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
     if resume == "none":
@@ -970,19 +1130,29 @@ def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
             raise UserError(f"{folder} already has checkpoints ({existing[-1].name}); pass --resume auto to "
                             "continue, or choose a new --out")
         return None
-    if resume != "auto":
-        path = Path(resume)
-        if not path.is_file():
-            raise UserError(f"--resume {resume}: no such checkpoint file")
+    path = None if resume == "auto" else Path(resume)
+    if path is not None and not path.is_file():
+        raise UserError(f"--resume {resume}: no such checkpoint file")
+    if tidy and folder.is_dir():
+        removed = remove_interrupted_saves(folder, folder_run_id(out), keep=path)
+        if removed:
+            print(f"removed what interrupted saves left in {folder}: {', '.join(removed)}", file=sys.stderr,
+                  flush=True)
+    if path is not None:
         return path
-    if not existing:
+    if not any(folder.glob("step-*.pt*")) and not (folder / "best.pt").exists():  # *.pt.corrupt count too
         return None
-    good, problems = newest_verified_checkpoint(folder)
+    good, problems = newest_verified_checkpoint(folder, set_aside_bad=tidy)
     for problem in problems:
         print(f"warning: {problem}", file=sys.stderr, flush=True)
     if good is None:
-        raise UserError(f"{folder} has checkpoints but none verifies against its sha256; pass --resume PATH "
-                        "to force one, or choose a new --out")
+        damaged = sorted(path.name for path in folder.glob("step-*.pt.corrupt"))
+        best = verified_best(folder)
+        raise UserError(f"{folder} has checkpoints but none verifies against its sha256"
+                        + (f" (damaged, set aside: {', '.join(damaged)})" if damaged else "")
+                        + (f"; best.pt (step {best.get('step')}) verifies: continue from it with --resume "
+                           f"{shlex.quote(str(folder / 'best.pt'))}" if best else "")
+                        + "; pass --resume PATH to force one, or choose a new --out")
     if problems:
         print(f"warning: falling back to {good.name}", file=sys.stderr, flush=True)
     return good
@@ -1591,7 +1761,7 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
 
     training = build_training(args, info)
     settings = training.settings()
-    resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume), info)
+    resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume, tidy=True), info)
     if resume_path is not None:
         training.load(load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)")
@@ -1600,7 +1770,7 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
-        remove_stale_temporaries(out / "checkpoints")
+        checkpointer.start_timeline(resume_path, training.step)
         metrics.truncate_after(training.step)
         atomic_write_json(out / "training_settings.json", {**settings, "run_id": training.run_id,
                                                            "parameters": model_config.parameter_count(
@@ -1991,7 +2161,9 @@ def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
             continue
         if not item.startswith(("--resume=", "--stop-after-steps=")):
             kept.append(item)
-    script = shlex.quote(os.path.relpath(Path(__file__).resolve()))  # as run from the current folder
+    script_path = Path(__file__).resolve()
+    relative = os.path.relpath(script_path)
+    script = shlex.quote(str(script_path) if relative.startswith("..") else relative)  # run from the current folder
     if info.world == 1:
         launcher = f"python {script}"
     else:

@@ -320,7 +320,7 @@ def test_resume_command_drops_stop_and_resume_options():
 
 def test_resume_command_names_the_script_as_run_from_here_and_the_nodes(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    script = os.path.relpath(ROOT / "train.py")
+    script = str(ROOT / "train.py")  # outside the current folder: its absolute path
     single = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     assert train.resume_command(single, ["--lr", "1"]) == f"python {script} --lr 1 --resume auto"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 processes

@@ -1,0 +1,173 @@
+"""train.py's checkpoint folder over several sessions: damaged checkpoints, rewinds, leftovers of kill -9.
+
+The rules (README "Resume"): a checkpoint found damaged is set aside as step-N.pt.corrupt; resuming
+from an older checkpoint moves the newer ones to checkpoints/abandoned-STEP/; what a killed save
+leaves behind is removed by the next session. Runs are the tiny preset on CPU, in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import assert_same_state, final_state, options, write_tiny_corpus
+
+import train
+from common import UserError, atomic_write_json
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def run_options(corpus: Path, out: Path, *extra: str) -> list[str]:
+    """12 steps, a checkpoint every 2 steps, the newest 2 kept, validation (and best.pt) at 4, 8, 12."""
+    return options(corpus, out, "--save-every", "2", "--keep-last", "2", *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    assert train.main(run_options(corpus, out)) == 0
+    return out
+
+
+def step_files(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.glob("step-*.pt"))
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_never_costs_a_good_one(corpus, reference, tmp_path, capsys,
+                                                                      flip_byte):
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    assert train.main(run_options(corpus, out, "--stop-after-steps", "6")) == 0
+    assert step_files(folder) == ["step-00000004.pt", "step-00000006.pt"]
+    flip_byte(folder / "step-00000006.pt", 3000, 0xFF)
+    # a look without the lock (--export-only) moves nothing
+    assert train.find_resume_checkpoint(out, "auto").name == "step-00000004.pt"
+    assert (folder / "step-00000006.pt").is_file()
+
+    capsys.readouterr()
+    assert train.main(run_options(corpus, out, "--stop-after-steps", "5")) == 0
+    # the damaged 6 no longer counts as one of the newest 2: step 4, resumed from, is still there
+    assert step_files(folder) == ["step-00000004.pt", "step-00000005.pt"]
+    assert "set aside as step-00000006.pt.corrupt" in capsys.readouterr().err
+    assert (folder / "step-00000006.pt.corrupt").is_file() and (folder / "step-00000006.json.corrupt").is_file()
+    assert json.loads((folder / "latest.json").read_text())["path"] == "step-00000005.pt"
+
+    # nothing verifies any more: the error names the intact best.pt (step 4) and the option to use it
+    for path in folder.glob("step-*.pt"):
+        flip_byte(path, 3000, 0xFF)
+    with pytest.raises(UserError) as error:
+        train.main(run_options(corpus, out))
+    message = str(error.value)
+    assert f"best.pt (step 4) verifies: continue from it with --resume {folder / 'best.pt'}" in message
+    assert step_files(folder) == []
+    with pytest.raises(UserError, match="none verifies"):  # a folder of damaged checkpoints never starts over
+        train.main(run_options(corpus, out))
+    assert train.main(run_options(corpus, out, "--resume", str(folder / "best.pt"))) == 0
+    assert_same_state(final_state(out), final_state(reference))
+
+
+def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, tmp_path, capsys):
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    keep = ("--keep-last", "3")
+    assert train.main(run_options(corpus, out, *keep, "--stop-after-steps", "8")) == 0
+    assert step_files(folder) == ["step-00000004.pt", "step-00000006.pt", "step-00000008.pt"]
+    assert json.loads((folder / "best.json").read_text())["step"] == 8
+
+    capsys.readouterr()
+    rewind = ("--resume", str(folder / "step-00000004.pt"), "--stop-after-steps", "5")
+    assert train.main(run_options(corpus, out, *keep, *rewind)) == 0
+    # the checkpoint chosen on purpose stays; auto, latest.json and retention see the new timeline only
+    assert train.find_resume_checkpoint(out, "auto").name == "step-00000005.pt"
+    assert step_files(folder) == ["step-00000004.pt", "step-00000005.pt"]
+    assert json.loads((folder / "latest.json").read_text())["path"] == "step-00000005.pt"
+    assert not (folder / "best.pt").exists()  # best.pt was the abandoned step 8's
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "abandoned-00000004" in line]
+    assert len(warnings) == 1 and "MB" in warnings[0]
+    assert all(name in warnings[0] for name in ("step-00000006.pt", "step-00000008.pt", "best.pt (step 8)"))
+    abandoned = set(os.listdir(folder / "abandoned-00000004"))
+    assert {"step-00000006.pt", "step-00000006.json", "step-00000008.pt", "step-00000008.json", "best.pt",
+            "best.json"} <= abandoned
+
+    capsys.readouterr()
+    assert train.main(run_options(corpus, out, *keep)) == 0  # the printed command: --resume auto
+    assert f"resumed from {folder / 'step-00000005.pt'} at step 5/12" in capsys.readouterr().out
+    assert_same_state(final_state(out), final_state(reference))
+    assert json.loads((folder / "best.json").read_text())["step"] == 12
+
+
+def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    keep = ("--keep-last", "10")
+    assert train.main(run_options(corpus, out, *keep, "--stop-after-steps", "6")) == 0
+    # killed between the rename and the record (train.py before the record came first): a record-less 6
+    (folder / "step-00000006.json").unlink()
+    record = json.loads((folder / "step-00000004.json").read_text())
+    atomic_write_json(folder / "latest.json", {key: record[key] for key in ("path", "step", "sha256", "bytes")})
+    # killed before a rename, or a retention killed between its two deletes: a record without a checkpoint
+    atomic_write_json(folder / "step-00000008.json", {**record, "path": "step-00000008.pt", "step": 8})
+    (folder / ".step-00000010.pt.k9x2.tmp").write_bytes(b"half a checkpoint")
+    # not ours to delete: a record-less checkpoint of another run, a file that is no checkpoint, other names
+    foreign = folder / "step-00000020.pt"
+    torch.save({"run_id": "another-run", "step": 20}, foreign)
+    (folder / "step-00000003.pt").write_bytes(b"not a checkpoint")
+    (folder / "notes.txt").write_text("mine")
+
+    capsys.readouterr()
+    assert train.main(run_options(corpus, out, *keep, "--stop-after-steps", "7")) == 0
+    captured = capsys.readouterr()
+    assert f"resumed from {folder / 'step-00000004.pt'}" in captured.out
+    assert not (folder / "step-00000008.json").exists() and not list(folder.glob(".*.tmp"))
+    removed = [line for line in (captured.out + captured.err).splitlines() if "removed" in line]
+    assert len(removed) == 1
+    assert all(name in removed[0] for name in ("step-00000006.pt", "step-00000008.json", ".step-00000010.pt.k9x2"))
+    assert (folder / "step-00000003.pt.corrupt").read_bytes() == b"not a checkpoint"
+    assert foreign.is_file() and (folder / "notes.txt").is_file()
+    # the run went on from step 4 and wrote its own 6 (with its record) and 7
+    assert step_files(folder) == ["step-00000002.pt", "step-00000004.pt", "step-00000006.pt", "step-00000007.pt",
+                                  "step-00000020.pt"]
+    assert (folder / "step-00000006.json").is_file()
+
+
+def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkeypatch):
+    folder = tmp_path / "checkpoints"
+    saver = train.Checkpointer(folder, run_id="r", keep_last=2, keep_every=0)
+    saver.save({"run_id": "r", "step": 1}, 1)
+    saver.wait()
+    replace = os.replace
+
+    def killed_at_the_rename(source, target):
+        if str(target).endswith("step-00000002.pt"):
+            raise KeyboardInterrupt
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_rename)
+    saver.save({"run_id": "r", "step": 2}, 2)
+    with pytest.raises(KeyboardInterrupt):
+        saver.wait()
+    monkeypatch.setattr(os, "replace", replace)
+    # the record came first, so no checkpoint exists that nobody can verify
+    assert step_files(folder) == ["step-00000001.pt"] and (folder / "step-00000002.json").is_file()
+    atomic_write_json(tmp_path / "training_settings.json", {"run_id": "r"})
+    assert train.find_resume_checkpoint(tmp_path, "auto", tidy=True).name == "step-00000001.pt"
+    assert sorted(path.name for path in folder.iterdir()) == ["latest.json", "step-00000001.json",
+                                                               "step-00000001.pt"]
+
+
+def test_retention_counts_only_this_runs_checkpoints(tmp_path):
+    foreign = tmp_path / "step-00000009.pt"  # no record of this run: neither deleted nor one of the kept
+    shutil.copyfile(__file__, foreign)
+    saver = train.Checkpointer(tmp_path, run_id="r", keep_last=2, keep_every=0)
+    for step in range(1, 5):
+        saver.save({"step": step}, step)
+    saver.wait()
+    assert step_files(tmp_path) == ["step-00000003.pt", "step-00000004.pt", "step-00000009.pt"]
