@@ -423,10 +423,16 @@ def remote_listing(fs, root: str) -> dict:
 
 
 def choose_remote_deletions(steps: Iterable[int], ours: set[int], keep_recent: int, keep_every: int,
-                            save_index: Callable[[int], int | None], protect: Iterable[int] = ()) -> list[int]:
+                            save_index: Callable[[int], int | None], protect: Iterable[int] = (),
+                            latest_step: int | None = None) -> list[int]:
     """Steps that retention removes: of `ours` (this run's), those not among its newest `keep_recent`,
-    not an every-`keep_every`-th save (by save index, as the original trainer did), not protected."""
-    steps = sorted(set(steps))
+    not an every-`keep_every`-th save (by save index, as the original trainer did), not protected.
+
+    Steps after `latest_step` (the remote latest.json) belong to a timeline the run left when it was
+    resumed from an older checkpoint (train.py moved them aside locally): they neither count among
+    the newest nor are removed; restore never picks them, and the new timeline overwrites them as
+    it reaches their steps."""
+    steps = sorted(step for step in set(steps) if latest_step is None or step <= latest_step)
     own = [step for step in steps if step in ours]
     keep = set(own[-keep_recent:]) if keep_recent > 0 else set()
     keep |= set(protect)
@@ -927,10 +933,11 @@ class CheckpointBackup:
         if run_id:
             ours |= {step for step, name in verified.items() if self._remote_run_id(name) == run_id}
         latest = listing["latest"]
-        if isinstance(latest, dict) and isinstance(latest.get("step"), int):
-            protect.add(latest["step"])
+        latest_step = latest["step"] if isinstance(latest, dict) and isinstance(latest.get("step"), int) else None
+        if latest_step is not None:
+            protect.add(latest_step)
         victims = choose_remote_deletions(verified, ours, self.keep_recent, self.keep_every,
-                                          self._save_index, protect)
+                                          self._save_index, protect, latest_step)
         folder = checkpoint_folder(self.root)
         for step in victims:
             name = verified[step]

@@ -212,6 +212,10 @@ def test_remote_retention_rule():
     # kept: newest two (70, 80), every third save (30, 60), the protected 40, and 5 (not ours)
     assert victims == [10, 20, 50]
     assert cc.choose_remote_deletions(steps, ours, 1, 0, lambda s: None) == [10, 20, 30, 40, 50, 60, 70]
+    # resumed from step 40 and saved 45: 50-80 are the abandoned timeline, neither counted nor removed
+    steps_after_rewind = [*steps, 45]
+    assert cc.choose_remote_deletions(steps_after_rewind, ours | {45}, 2, 0, lambda s: None, protect={45},
+                                      latest_step=45) == [10, 20, 30]
 
 
 # ----------------------------------------------------------------------------------------------
