@@ -43,7 +43,7 @@ from common import (
     sha256_file,
     temporary_file_beside,
 )
-from model_config import Preset
+from model_config import Preset, nonpositive_fields
 
 GGUF_SUFFIX = ".gguf"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -156,11 +156,9 @@ def read_model_folder(folder: str | Path) -> ModelSource:
     if missing:
         raise UserError(f"{config_path}: missing {', '.join(missing)}")
     heads = int(config["num_attention_heads"])
-    return ModelSource(
-        folder=folder,
-        config=config,
-        weight_files=weight_files(folder),
-        preset=Preset(
+    if heads <= 0:
+        raise UserError(f"{config_path}: num_attention_heads must be positive, got {heads}")
+    preset = Preset(
             layers=int(config["num_hidden_layers"]),
             hidden=int(config["hidden_size"]),
             intermediate=int(config["intermediate_size"]),
@@ -170,10 +168,12 @@ def read_model_folder(folder: str | Path) -> ModelSource:
             context=int(config["max_position_embeddings"]),
             rope_theta=rope_theta_of(config, config_path),
             rms_norm_eps=float(config["rms_norm_eps"]),
-        ),
-        vocab_size=int(config["vocab_size"]),
-        tied=bool(config.get("tie_word_embeddings", False)),  # Qwen3Config's default
     )
+    for name, value in nonpositive_fields(preset):  # llama.cpp would assert (and abort) on some of these
+        raise UserError(f"{config_path}: {name} must be positive, got {value}")
+    return ModelSource(folder=folder, config=config, weight_files=weight_files(folder), preset=preset,
+                       vocab_size=int(config["vocab_size"]),
+                       tied=bool(config.get("tie_word_embeddings", False)))  # Qwen3Config's default
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -386,13 +386,7 @@ def gguf_tensor_name(name_map, hf_name: str, source: ModelSource) -> str | None:
 
 
 def expected_tensor_names(source: ModelSource) -> set[str]:
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-    names = {"token_embd.weight", "output_norm.weight"}
-    names |= {f"blk.{layer}.{part}.weight" for layer in range(source.preset.layers) for part in per_layer}
-    if not source.tied:
-        names.add("output.weight")
-    return names
+    return set(expected_tensor_shapes(source))
 
 
 def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
@@ -414,11 +408,27 @@ def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
     missing = sorted(expected_tensor_names(source) - set(plan))
     if missing:
         raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
-    embedding = plan["token_embd.weight"].shape
-    if embedding != (source.vocab_size, source.preset.hidden):
-        raise UserError(f"{source.folder}: embedding has shape {list(embedding)}, config.json says "
-                        f"[{source.vocab_size}, {source.preset.hidden}]")
+    for gguf_name, expected in expected_tensor_shapes(source).items():
+        shape = plan[gguf_name].shape
+        if shape != expected:
+            raise UserError(f"{source.folder}: {plan[gguf_name].hf_name} has shape {list(shape)}, config.json "
+                            f"says {list(expected)}")
     return list(plan.values())
+
+
+def expected_tensor_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face shape ([out, in] for a linear layer) config.json implies for each GGUF tensor."""
+    p = source.preset
+    query, key_value = p.heads * p.head_dim, p.kv_heads * p.head_dim
+    per_layer = {"attn_norm": (p.hidden,), "attn_q": (query, p.hidden), "attn_k": (key_value, p.hidden),
+                 "attn_v": (key_value, p.hidden), "attn_output": (p.hidden, query), "attn_q_norm": (p.head_dim,),
+                 "attn_k_norm": (p.head_dim,), "ffn_norm": (p.hidden,), "ffn_gate": (p.intermediate, p.hidden),
+                 "ffn_up": (p.intermediate, p.hidden), "ffn_down": (p.hidden, p.intermediate)}
+    shapes = {"token_embd.weight": (source.vocab_size, p.hidden), "output_norm.weight": (p.hidden,)}
+    shapes |= {f"blk.{layer}.{part}.weight": shape for layer in range(p.layers) for part, shape in per_layer.items()}
+    if not source.tied:
+        shapes["output.weight"] = (source.vocab_size, p.hidden)
+    return shapes
 
 
 def iter_source_tensors(source: ModelSource):
@@ -1002,6 +1012,9 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     context length included, were never read ("n_ctx_train (0)"). llama.cpp still rounds the
     context up to a multiple of 256 and warns about it, so its native log stays off the terminal.
     """
+    # On a failed GGML_ASSERT, ggml prints a backtrace through forked gdb/backtrace helpers, which
+    # can hang forever (seen with two threads asserting at once); without it the process aborts.
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     try:
         import llama_cpp
     except ImportError:
@@ -1014,7 +1027,12 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
 
     transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(folder)
-    model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    try:
+        model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    except Exception as error:  # the reference side of the comparison cannot be built
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise VerificationFailed(f"transformers cannot load {folder} ({type(error).__name__}: {first_line})") \
+            from None
     context = model.config.max_position_embeddings
     options = dict(n_ctx=context, n_batch=context, logits_all=True, verbose=False, seed=0,
                    type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)

@@ -42,6 +42,12 @@ PRESETS: dict[str, Preset] = {
 OVERRIDABLE_FIELDS = [field.name for field in dataclasses.fields(Preset)]
 
 
+def nonpositive_fields(preset: Preset) -> list[tuple[str, float]]:
+    """(name, value) of every field that is not a positive finite number: no model has such a shape."""
+    return [(field.name, getattr(preset, field.name)) for field in dataclasses.fields(Preset)
+            if not (math.isfinite(getattr(preset, field.name)) and getattr(preset, field.name) > 0)]
+
+
 def resolve_preset(name: str, **overrides) -> Preset:
     """The named preset with any non-None overrides applied."""
     if name not in PRESETS:
@@ -51,10 +57,8 @@ def resolve_preset(name: str, **overrides) -> Preset:
     if unknown:
         raise UserError(f"unknown preset field(s): {', '.join(sorted(unknown))}")
     preset = dataclasses.replace(PRESETS[name], **changes)
-    for field in dataclasses.fields(Preset):
-        value = getattr(preset, field.name)
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"{field.name} (--{field.name.replace('_', '-')}) must be positive, got {value}")
+    for field_name, value in nonpositive_fields(preset):
+        raise UserError(f"{field_name} (--{field_name.replace('_', '-')}) must be positive, got {value}")
     if preset.context < 2:
         raise UserError(f"context must be at least 2, got {preset.context}")
     if preset.heads % preset.kv_heads:

@@ -920,7 +920,8 @@ class Checkpointer:
         if resumed_from is None:
             return
         newer = sorted(path for path, number in checkpoint_steps(self.folder).items() if number > step)
-        if any(sidecar_path(path).exists() for path in newer):  # a rewind: auto leaves no newer recorded one
+        rewound = any(sidecar_path(path).exists() for path in newer)  # auto leaves no newer recorded one
+        if rewound:
             self._abandon(newer, step)
         latest = self.folder / "latest.json"
         record = None
@@ -929,6 +930,10 @@ class Checkpointer:
                 record = read_json(sidecar_path(resumed_from))
         if record is not None:
             atomic_write_json(latest, {key: record.get(key) for key in ("path", "step", "sha256", "bytes")})
+            if rewound and self.backup is not None:
+                # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
+                # again now, which points it back here (a fresh disk must not restore the timeline left)
+                self.backup.submit(resumed_from, step)
         elif latest.exists():
             with contextlib.suppress(UserError):
                 if not (self.folder / str(read_json(latest).get("path"))).is_file():
@@ -1105,6 +1110,25 @@ def record_mismatch(path: Path, latest_record: dict) -> str | None:
     return None
 
 
+def chosen_checkpoint_mismatch(path: Path) -> str | None:
+    """Why a --resume PATH does not match the record train.py wrote for it (step-N.json, or best.json
+    for best.pt); None when it matches or has no record."""
+    record_path = path.with_name("best.json") if path.name == "best.pt" else sidecar_path(path)
+    if not record_path.is_file():
+        return None
+    try:
+        record = read_json(record_path)
+    except UserError as error:
+        return str(error)
+    if not isinstance(record, dict):
+        return f"{record_path.name} is not a record"
+    if path.stat().st_size != record.get("bytes"):
+        return f"it is {path.stat().st_size} bytes, {record_path.name} says {record.get('bytes')} (truncated?)"
+    if sha256_file(path) != record.get("sha256"):
+        return f"it does not match the sha256 in {record_path.name} (corrupt)"
+    return None
+
+
 def verified_best(folder: Path) -> dict | None:
     """best.json's record when best.pt matches it."""
     best = folder / "best.pt"
@@ -1139,6 +1163,10 @@ def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path |
             print(f"removed what interrupted saves left in {folder}: {', '.join(removed)}", file=sys.stderr,
                   flush=True)
     if path is not None:
+        problem = chosen_checkpoint_mismatch(path)
+        if problem:
+            print(f"warning: --resume {path}: {problem}; loading it anyway, as asked (the state is checked "
+                  "against this file, not against the record)", file=sys.stderr, flush=True)
         return path
     if not any(folder.glob("step-*.pt*")) and not (folder / "best.pt").exists():  # *.pt.corrupt count too
         return None
@@ -1838,8 +1866,10 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
     last_save = time.monotonic()
     slowest_step = slowest_eval = 0.0
     if args.stop_after_steps and args.stop_after_steps <= training.step < training.total_steps:
-        return NEEDS_RESUME, (f"the run was already at step {training.step}, at or past --stop-after-steps "
-                              f"{args.stop_after_steps}: no step taken")
+        reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
+                  f"{args.stop_after_steps}: no step taken")
+        progress.write(reason)
+        return NEEDS_RESUME, reason
     while training.step < training.total_steps:
         result = training.train_step()
         if not result.applied:
@@ -2148,6 +2178,15 @@ def export_only(args: argparse.Namespace, info: DistInfo) -> int:
     return 0
 
 
+def python_command() -> str:
+    """`python` when that is this interpreter on PATH, else this interpreter's path (a venv's python
+    started by its path: the `python` on PATH may have no torch)."""
+    on_path = shutil.which("python")
+    if on_path and os.path.realpath(on_path) == os.path.realpath(sys.executable):
+        return "python"
+    return shlex.quote(sys.executable)
+
+
 def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
     """This run's command line with `--resume auto` and without `--stop-after-steps`."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -2165,7 +2204,7 @@ def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
     relative = os.path.relpath(script_path)
     script = shlex.quote(str(script_path) if relative.startswith("..") else relative)  # run from the current folder
     if info.world == 1:
-        launcher = f"python {script}"
+        launcher = f"{python_command()} {script}"
     else:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
         nodes = info.world // per_node

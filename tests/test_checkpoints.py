@@ -104,6 +104,37 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
     assert json.loads((folder / "best.json").read_text())["step"] == 12
 
 
+def test_a_rewind_points_the_backups_latest_at_the_resumed_checkpoint(corpus, tmp_path, capsys):
+    import checkpoint_cloud
+
+    out, remote = tmp_path / "run", tmp_path / "remote"
+    backup = ("--keep-last", "3", "--backup-to", str(remote))
+    assert train.main(run_options(corpus, out, *backup, "--stop-after-steps", "8")) == 0
+    listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
+    assert listing["latest"]["step"] == 8
+    # a rewind that stops before its first save: the remote must not keep naming the abandoned step 8
+    rewind = ("--resume", str(out / "checkpoints" / "step-00000004.pt"), "--stop-after-steps", "4")
+    assert train.main(run_options(corpus, out, *backup, *rewind)) == 0
+    listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
+    assert listing["latest"]["step"] == 4 and listing["latest"]["path"] == "step-00000004.pt"
+    fresh = tmp_path / "fresh-disk"
+    restored = checkpoint_cloud.restore_latest(str(remote), fresh / "checkpoints", log=lambda line: None)
+    assert restored.name == "step-00000004.pt"
+
+
+def test_resume_path_that_fails_its_record_is_loaded_with_a_warning(corpus, tmp_path, capsys, flip_byte):
+    out = tmp_path / "run"
+    assert train.main(run_options(corpus, out, "--stop-after-steps", "8")) == 0
+    best = out / "checkpoints" / "best.pt"
+    flip_byte(best, best.stat().st_size // 2, 0xFF)  # in the tensor data: it still loads
+    capsys.readouterr()
+    assert train.main(run_options(corpus, out, "--resume", str(best), "--stop-after-steps", "8")) == 0
+    captured = capsys.readouterr()
+    assert f"warning: --resume {best}: it does not match the sha256 in best.json (corrupt)" in captured.err
+    # already at step 8: said on the terminal, not only in run_status.json
+    assert "the run was already at step 8, at or past --stop-after-steps 8: no step taken" in captured.out
+
+
 def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     folder = out / "checkpoints"

@@ -159,7 +159,7 @@ def test_a_resumable_stop_exports_and_prints_the_continue_command(demo):
     run = work / "runs" / "stopped"
     record = status(run)
     assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and record["step"] == 10
-    expected = f"python {ROOT / 'train.py'} " + " ".join(SHORT) + " --out runs/stopped --resume auto"
+    expected = f"{train.python_command()} {ROOT / 'train.py'} " + " ".join(SHORT) + " --out runs/stopped --resume auto"
     assert record["resume_command"] == expected
     assert result.stdout.strip().splitlines()[-1] == \
         f"CHECKPOINTED_NEEDS_RESUME: step 10/{STEPS} | continue with: {expected}"

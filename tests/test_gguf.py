@@ -538,6 +538,25 @@ def test_not_a_qwen3_folder(model_dir, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"head_dim": 8}, r"model.layers.0.self_attn.q_proj.weight has shape \[\d+, \d+\], config.json says"),
+    ({"num_key_value_heads": 1}, r"k_proj.weight has shape .*, config.json says"),
+    ({"intermediate_size": 7}, r"mlp.(gate|up)_proj.weight has shape .*, config.json says \[7, "),
+    ({"rms_norm_eps": -1e-6}, r"config.json: rms_norm_eps must be positive, got -1e-06"),
+    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     r"config.json: rope_theta must be positive, got 0"),
+])
+def test_a_config_that_disagrees_with_the_weights_or_cannot_run_writes_nothing(model_dir, tmp_path, change,
+                                                                               message):
+    folder = copy_folder(model_dir, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=message):
+        export_gguf.export(folder, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists() and leftovers(tmp_path) == []
+
+
 def test_missing_tokenizer_and_weights(model_dir, tmp_path):
     folder = copy_folder(model_dir, tmp_path / "m")
     (folder / "tokenizer.json").unlink()

@@ -318,11 +318,14 @@ def test_resume_command_drops_stop_and_resume_options():
     assert command == "torchrun --nproc_per_node=2 train.py --data 'c d' --lr 1 --resume auto"
 
 
-def test_resume_command_names_the_script_as_run_from_here_and_the_nodes(monkeypatch, tmp_path):
+def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_the_nodes(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     script = str(ROOT / "train.py")  # outside the current folder: its absolute path
     single = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    monkeypatch.setattr(train.shutil, "which", lambda name: sys.executable)
     assert train.resume_command(single, ["--lr", "1"]) == f"python {script} --lr 1 --resume auto"
+    monkeypatch.setattr(train.shutil, "which", lambda name: "/usr/bin/python-without-torch")
+    assert train.resume_command(single, []) == f"{sys.executable} {script} --resume auto"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 processes
     four = train.DistInfo(rank=0, local_rank=0, world=4, device=torch.device("cpu"))
     assert train.resume_command(four, []) == \
