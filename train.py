@@ -919,10 +919,15 @@ class Checkpointer:
         remove_stale_temporaries(self.folder)
         if resumed_from is None:
             return
-        newer = sorted(path for path, number in checkpoint_steps(self.folder).items() if number > step)
+        steps = checkpoint_steps(self.folder)
+        newer = sorted(path for path, number in steps.items() if number > step)
         rewound = any(sidecar_path(path).exists() for path in newer)  # auto leaves no newer recorded one
-        if rewound:
-            self._abandon(newer, step)
+        # a checkpoint of another run (PATH came from another folder): no ancestor of this timeline, and
+        # `--resume auto` must not fall back to it
+        other_runs = sorted(path for path, number in steps.items()
+                            if number <= step and self._recorded_run_id(path) not in (None, self.run_id))
+        if rewound or other_runs:
+            self._abandon(sorted([*newer, *other_runs]), step)
         latest = self.folder / "latest.json"
         record = None
         if resumed_from.parent.resolve() == self.folder.resolve() and CHECKPOINT_NAME.fullmatch(resumed_from.name):
@@ -940,7 +945,8 @@ class Checkpointer:
                     latest.unlink()  # it names a checkpoint set aside or abandoned; the next save writes it
 
     def _abandon(self, newer: list[Path], step: int) -> None:
-        """Move `newer` (with their records) and a best.pt saved after `step` to abandoned-STEP/; one warning."""
+        """Move `newer` (checkpoints after `step`, or another run's; with their records) and a best.pt
+        saved after `step` to abandoned-STEP/; one warning."""
         target = self.folder / f"abandoned-{step:08d}"
         copy = 1
         while target.exists():
@@ -958,7 +964,8 @@ class Checkpointer:
         for path in moving:
             if path.exists():
                 os.replace(path, target / path.name)
-        print(f"warning: resuming from step {step} abandons the newer {', '.join(names)} ({size_text(size)}): "
+        print(f"warning: resuming from step {step} abandons {', '.join(names)} ({size_text(size)}; newer "
+              f"checkpoints, or another run's): "
               f"moved to {target}; delete that folder once you no longer need them", file=sys.stderr, flush=True)
 
     def apply_retention(self) -> None:
@@ -985,10 +992,16 @@ class Checkpointer:
 
     def _written_by_this_run(self, path: Path) -> bool:
         """Its record names this run (a file without one, e.g. copied in by hand, is never ours)."""
+        return self._recorded_run_id(path) == self.run_id
+
+    @staticmethod
+    def _recorded_run_id(path: Path) -> str | None:
+        """The run_id in a checkpoint's record step-N.json (None: no record, or none in it)."""
         try:
-            return read_json(sidecar_path(path)).get("run_id") == self.run_id
+            record = read_json(sidecar_path(path)) if sidecar_path(path).exists() else {}
         except UserError:
-            return False
+            return None
+        return record.get("run_id") if isinstance(record, dict) else None
 
 
 def remove_stale_temporaries(folder: Path) -> list[str]:

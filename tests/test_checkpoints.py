@@ -135,6 +135,22 @@ def test_resume_path_that_fails_its_record_is_loaded_with_a_warning(corpus, tmp_
     assert "the run was already at step 8, at or past --stop-after-steps 8: no step taken" in captured.out
 
 
+def test_resuming_another_runs_checkpoint_sets_this_folders_other_run_aside(corpus, tmp_path, capsys):
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    keep = ("--keep-last", "3")
+    assert train.main(run_options(corpus, run_a, *keep, "--stop-after-steps", "8")) == 0
+    assert train.main(run_options(corpus, run_b, *keep, "--stop-after-steps", "8", "--seed", "7")) == 0
+    capsys.readouterr()
+    borrowed = ("--resume", str(run_a / "checkpoints" / "step-00000004.pt"), "--stop-after-steps", "5")
+    assert train.main(run_options(corpus, run_b, *keep, *borrowed)) == 0
+    # run b's own 4, 6 and 8 are no ancestors of this timeline: auto must never fall back to them
+    assert step_files(run_b / "checkpoints") == ["step-00000005.pt"]
+    assert {"step-00000004.pt", "step-00000006.pt", "step-00000008.pt"} <= set(
+        os.listdir(run_b / "checkpoints" / "abandoned-00000004"))
+    assert "abandoned-00000004" in capsys.readouterr().err
+    assert train.find_resume_checkpoint(run_b, "auto").name == "step-00000005.pt"
+
+
 def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     folder = out / "checkpoints"
