@@ -85,8 +85,10 @@ def run_cli(args: list[str], world: int = 1, check: bool = True, **kwargs) -> su
     if world > 1 and check and result.returncode != 0 and "error: " not in result.stderr:
         # A launch that failed outside train.py (gloo/rendezvous on a busy machine) gets one more try;
         # a real failure of train.py repeats. What went wrong is kept in the test report either way.
-        warnings.warn(f"torchrun failed once, retrying:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}",
-                      stacklevel=2)
+        clues = [line for line in result.stderr.splitlines()
+                 if any(word in line for word in ("terminate", "what()", "Error", "error", "Abort"))][:12]
+        warnings.warn(f"torchrun failed once, retrying:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}\n"
+                      "clues from the whole stderr:\n" + "\n".join(clues), stacklevel=2)
         result = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                                 **kwargs)
     if check and result.returncode != 0:
