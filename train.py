@@ -944,6 +944,24 @@ class Checkpointer:
                 if not (self.folder / str(read_json(latest).get("path"))).is_file():
                     latest.unlink()  # it names a checkpoint set aside or abandoned; the next save writes it
 
+    def restore_best(self, resumed_from: Path, best_val_loss: float) -> None:
+        """best.pt again after a rewind moved the abandoned timeline's aside, when the checkpoint resumed
+        from is itself this timeline's best (its step had the best validation loss so far)."""
+        if (self.folder / "best.pt").exists() or not math.isfinite(best_val_loss):
+            return
+        record_path = sidecar_path(resumed_from)
+        try:
+            record = read_json(record_path) if record_path.is_file() else None
+        except UserError:
+            record = None
+        if not isinstance(record, dict) or chosen_checkpoint_mismatch(resumed_from):
+            return
+        with atomic_open(self.folder / "best.pt", "wb") as handle, open(resumed_from, "rb") as source:
+            shutil.copyfileobj(source, handle, 8 << 20)
+        entry = {key: record.get(key) for key in ("step", "sha256", "bytes")}
+        atomic_write_json(self.folder / "best.json", {**entry, "path": "best.pt", "source": resumed_from.name,
+                                                      "val_loss": best_val_loss})
+
     def _abandon(self, newer: list[Path], step: int) -> None:
         """Move `newer` (checkpoints after `step`, or another run's; with their records) and a best.pt
         saved after `step` to abandoned-STEP/; one warning."""
@@ -1812,6 +1830,8 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
         checkpointer.start_timeline(resume_path, training.step)
+        if resume_path is not None and training.metrics.best_step == training.step:
+            checkpointer.restore_best(resume_path, training.metrics.best_val_loss)
         metrics.truncate_after(training.step)
         atomic_write_json(out / "training_settings.json", {**settings, "run_id": training.run_id,
                                                            "parameters": model_config.parameter_count(

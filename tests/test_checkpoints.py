@@ -89,7 +89,10 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
     assert train.find_resume_checkpoint(out, "auto").name == "step-00000005.pt"
     assert step_files(folder) == ["step-00000004.pt", "step-00000005.pt"]
     assert json.loads((folder / "latest.json").read_text())["path"] == "step-00000005.pt"
-    assert not (folder / "best.pt").exists()  # best.pt was the abandoned step 8's
+    # best.pt was the abandoned step 8's; step 4, resumed from, was this timeline's best: best.pt again
+    best = json.loads((folder / "best.json").read_text())
+    assert best["step"] == 4 and best["source"] == "step-00000004.pt"
+    assert train.sha256_file(folder / "best.pt") == best["sha256"] == train.sha256_file(folder / "step-00000004.pt")
     warnings = [line for line in capsys.readouterr().err.splitlines() if "abandoned-00000004" in line]
     assert len(warnings) == 1 and "MB" in warnings[0]
     assert all(name in warnings[0] for name in ("step-00000006.pt", "step-00000008.pt", "best.pt (step 8)"))
