@@ -43,7 +43,7 @@ from common import (
     sha256_file,
     temporary_file_beside,
 )
-from model_config import Preset, nonpositive_fields
+from model_config import Preset, nonpositive_field
 
 GGUF_SUFFIX = ".gguf"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -159,18 +159,19 @@ def read_model_folder(folder: str | Path) -> ModelSource:
     if heads <= 0:
         raise UserError(f"{config_path}: num_attention_heads must be positive, got {heads}")
     preset = Preset(
-            layers=int(config["num_hidden_layers"]),
-            hidden=int(config["hidden_size"]),
-            intermediate=int(config["intermediate_size"]),
-            heads=heads,
-            kv_heads=int(config["num_key_value_heads"]),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            context=int(config["max_position_embeddings"]),
-            rope_theta=rope_theta_of(config, config_path),
-            rms_norm_eps=float(config["rms_norm_eps"]),
+        layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        intermediate=int(config["intermediate_size"]),
+        heads=heads,
+        kv_heads=int(config["num_key_value_heads"]),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        context=int(config["max_position_embeddings"]),
+        rope_theta=rope_theta_of(config, config_path),
+        rms_norm_eps=float(config["rms_norm_eps"]),
     )
-    for name, value in nonpositive_fields(preset):  # llama.cpp would assert (and abort) on some of these
-        raise UserError(f"{config_path}: {name} must be positive, got {value}")
+    bad = nonpositive_field(preset)
+    if bad:  # llama.cpp would assert (and abort) on some of these
+        raise UserError(f"{config_path}: {bad[0]} must be positive, got {bad[1]}")
     return ModelSource(folder=folder, config=config, weight_files=weight_files(folder), preset=preset,
                        vocab_size=int(config["vocab_size"]),
                        tied=bool(config.get("tie_word_embeddings", False)))  # Qwen3Config's default
@@ -385,10 +386,6 @@ def gguf_tensor_name(name_map, hf_name: str, source: ModelSource) -> str | None:
     return mapped
 
 
-def expected_tensor_names(source: ModelSource) -> set[str]:
-    return set(expected_tensor_shapes(source))
-
-
 def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
     """Every tensor to write, from the safetensors headers alone, checked against config.json."""
     from safetensors import safe_open
@@ -405,14 +402,14 @@ def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
                     raise UserError(f"{source.folder}: tensor {gguf_name} appears twice in the weights")
                 shape = tuple(handle.get_slice(hf_name).get_shape())
                 plan[gguf_name] = PlannedTensor(hf_name, gguf_name, path, shape, ggml_type_for(shape, out_type))
-    missing = sorted(expected_tensor_names(source) - set(plan))
+    expected = expected_tensor_shapes(source)
+    missing = sorted(set(expected) - set(plan))
     if missing:
         raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
-    for gguf_name, expected in expected_tensor_shapes(source).items():
-        shape = plan[gguf_name].shape
-        if shape != expected:
-            raise UserError(f"{source.folder}: {plan[gguf_name].hf_name} has shape {list(shape)}, config.json "
-                            f"says {list(expected)}")
+    for gguf_name, shape in expected.items():
+        if plan[gguf_name].shape != shape:
+            raise UserError(f"{source.folder}: {plan[gguf_name].hf_name} has shape {list(plan[gguf_name].shape)}, "
+                            f"config.json says {list(shape)}")
     return list(plan.values())
 
 
@@ -778,7 +775,7 @@ def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
             raise VerificationFailed(f"{gguf_path}: metadata {key} is not {expected}")
 
     stored = {tensor.name: tensor for tensor in reader.tensors}
-    expected_names = expected_tensor_names(source)
+    expected_names = set(expected_tensor_shapes(source))
     if set(stored) != expected_names:
         extra = sorted(set(stored) - expected_names)
         lacking = sorted(expected_names - set(stored))

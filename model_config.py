@@ -42,10 +42,13 @@ PRESETS: dict[str, Preset] = {
 OVERRIDABLE_FIELDS = [field.name for field in dataclasses.fields(Preset)]
 
 
-def nonpositive_fields(preset: Preset) -> list[tuple[str, float]]:
-    """(name, value) of every field that is not a positive finite number: no model has such a shape."""
-    return [(field.name, getattr(preset, field.name)) for field in dataclasses.fields(Preset)
-            if not (math.isfinite(getattr(preset, field.name)) and getattr(preset, field.name) > 0)]
+def nonpositive_field(preset: Preset) -> tuple[str, float] | None:
+    """(name, value) of the first field that is not a positive finite number (no model has such a shape)."""
+    for field in dataclasses.fields(Preset):
+        value = getattr(preset, field.name)
+        if not (math.isfinite(value) and value > 0):
+            return field.name, value
+    return None
 
 
 def resolve_preset(name: str, **overrides) -> Preset:
@@ -57,8 +60,9 @@ def resolve_preset(name: str, **overrides) -> Preset:
     if unknown:
         raise UserError(f"unknown preset field(s): {', '.join(sorted(unknown))}")
     preset = dataclasses.replace(PRESETS[name], **changes)
-    for field_name, value in nonpositive_fields(preset):
-        raise UserError(f"{field_name} (--{field_name.replace('_', '-')}) must be positive, got {value}")
+    bad = nonpositive_field(preset)
+    if bad:
+        raise UserError(f"{bad[0]} (--{bad[0].replace('_', '-')}) must be positive, got {bad[1]}")
     if preset.context < 2:
         raise UserError(f"context must be at least 2, got {preset.context}")
     if preset.heads % preset.kv_heads:

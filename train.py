@@ -897,10 +897,7 @@ class Checkpointer:
                 atomic_write_json(sidecar_path(path), {**entry, "run_id": self.run_id, "created": utc_now()})
             atomic_write_json(self.folder / "latest.json", entry)
             if best_val_loss is not None:
-                with atomic_open(self.folder / "best.pt", "wb") as handle, open(path, "rb") as source:
-                    shutil.copyfileobj(source, handle, 8 << 20)
-                atomic_write_json(self.folder / "best.json", {**entry, "path": "best.pt", "source": path.name,
-                                                              "val_loss": best_val_loss})
+                self._write_best(path, entry, best_val_loss)
             if self.backup is not None:
                 self.backup.submit(path, step)
             self.apply_retention()
@@ -925,7 +922,7 @@ class Checkpointer:
         # a checkpoint of another run (PATH came from another folder): no ancestor of this timeline, and
         # `--resume auto` must not fall back to it
         other_runs = sorted(path for path, number in steps.items()
-                            if number <= step and self._recorded_run_id(path) not in (None, self.run_id))
+                            if number <= step and recorded_run_id(path) not in (None, self.run_id))
         if rewound or other_runs:
             self._abandon(sorted([*newer, *other_runs]), step)
         latest = self.folder / "latest.json"
@@ -939,31 +936,29 @@ class Checkpointer:
                 # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
                 # again now, which points it back here (a fresh disk must not restore the timeline left)
                 self.backup.submit(resumed_from, step)
-        elif latest.exists():
-            with contextlib.suppress(UserError):
-                if not (self.folder / str(read_json(latest).get("path"))).is_file():
-                    latest.unlink()  # it names a checkpoint set aside or abandoned; the next save writes it
+        elif latest.exists() and not (self.folder / str(read_latest_record(self.folder).get("path"))).is_file():
+            latest.unlink()  # it names a checkpoint set aside or abandoned; the next save writes it
 
-    def restore_best(self, resumed_from: Path, best_val_loss: float) -> None:
+    def restore_best(self, resumed_from: Path, step: int, best_val_loss: float) -> None:
         """best.pt again after a rewind moved the abandoned timeline's aside, when the checkpoint resumed
         from is itself this timeline's best (its step had the best validation loss so far)."""
-        if (self.folder / "best.pt").exists() or not math.isfinite(best_val_loss):
-            return
-        record_path = sidecar_path(resumed_from)
-        try:
-            record = read_json(record_path) if record_path.is_file() else None
-        except UserError:
-            record = None
-        if not isinstance(record, dict) or chosen_checkpoint_mismatch(resumed_from):
-            return
-        with atomic_open(self.folder / "best.pt", "wb") as handle, open(resumed_from, "rb") as source:
-            shutil.copyfileobj(source, handle, 8 << 20)
-        entry = {key: record.get(key) for key in ("step", "sha256", "bytes")}
-        atomic_write_json(self.folder / "best.json", {**entry, "path": "best.pt", "source": resumed_from.name,
-                                                      "val_loss": best_val_loss})
+        if not (self.folder / "best.pt").exists() and math.isfinite(best_val_loss):
+            self._write_best(resumed_from, None, best_val_loss, step)
 
-    def _abandon(self, newer: list[Path], step: int) -> None:
-        """Move `newer` (checkpoints after `step`, or another run's; with their records) and a best.pt
+    def _write_best(self, source: Path, entry: dict | None, val_loss: float, step: int | None = None) -> None:
+        """best.pt as a copy of checkpoint `source`, then best.json. `entry` is the source's record
+        {"path", "step", "sha256", "bytes"} when just written; None: the copy is hashed as it is made."""
+        with atomic_open(self.folder / "best.pt", "wb") as handle, open(source, "rb") as original:
+            writer = HashingWriter(handle) if entry is None else handle
+            shutil.copyfileobj(original, writer, 8 << 20)
+            handle.flush()
+            if entry is None:
+                entry = {"step": step, "sha256": writer.sha256(), "bytes": handle.tell()}
+        atomic_write_json(self.folder / "best.json", {**entry, "path": "best.pt", "source": source.name,
+                                                      "val_loss": val_loss})
+
+    def _abandon(self, checkpoints: list[Path], step: int) -> None:
+        """Move `checkpoints` (those after `step`, or another run's; with their records) and a best.pt
         saved after `step` to abandoned-STEP/; one warning."""
         target = self.folder / f"abandoned-{step:08d}"
         copy = 1
@@ -971,8 +966,8 @@ class Checkpointer:
             copy += 1
             target = self.folder / f"abandoned-{step:08d}-{copy}"
         target.mkdir()
-        moving = [*newer, *(sidecar_path(path) for path in newer)]
-        names = [path.name for path in newer]
+        moving = [*checkpoints, *(sidecar_path(path) for path in checkpoints)]
+        names = [path.name for path in checkpoints]
         with contextlib.suppress(UserError):
             best_step = read_json(self.folder / "best.json").get("step")
             if isinstance(best_step, int) and best_step > step and (self.folder / "best.pt").exists():
@@ -1010,16 +1005,16 @@ class Checkpointer:
 
     def _written_by_this_run(self, path: Path) -> bool:
         """Its record names this run (a file without one, e.g. copied in by hand, is never ours)."""
-        return self._recorded_run_id(path) == self.run_id
+        return recorded_run_id(path) == self.run_id
 
-    @staticmethod
-    def _recorded_run_id(path: Path) -> str | None:
-        """The run_id in a checkpoint's record step-N.json (None: no record, or none in it)."""
-        try:
-            record = read_json(sidecar_path(path)) if sidecar_path(path).exists() else {}
-        except UserError:
-            return None
-        return record.get("run_id") if isinstance(record, dict) else None
+
+def recorded_run_id(path: Path) -> str | None:
+    """The run_id in a checkpoint's record step-N.json (None: no record, or none in it)."""
+    try:
+        record = read_json(sidecar_path(path)) if sidecar_path(path).exists() else {}
+    except UserError:
+        return None
+    return record.get("run_id") if isinstance(record, dict) else None
 
 
 def remove_stale_temporaries(folder: Path) -> list[str]:
@@ -1077,10 +1072,9 @@ def remove_interrupted_saves(folder: Path, run_id: str | None, keep: Path | None
         checkpoint = record.with_suffix(".pt")
         if run_id is None or not CHECKPOINT_NAME.fullmatch(checkpoint.name) or checkpoint.exists():
             continue
-        with contextlib.suppress(UserError, AttributeError):
-            if read_json(record).get("run_id") == run_id:
-                record.unlink()
-                removed.append(f"{record.name} (its checkpoint is gone)")
+        if recorded_run_id(checkpoint) == run_id:
+            record.unlink()
+            removed.append(f"{record.name} (its checkpoint is gone)")
     latest_name = read_latest_record(folder).get("path")
     for path in sorted(checkpoint_steps(folder)):
         if sidecar_path(path).exists() or path.name == latest_name or (keep and path.resolve() == keep.resolve()):
@@ -1112,7 +1106,7 @@ def newest_verified_checkpoint(folder: Path, set_aside_bad: bool = False) -> tup
         if not sidecar_path(path).exists() and latest_record.get("path") != path.name:
             problems.append(f"{path.name} has no sha256 record (not written by a train.py save): skipped")
             continue
-        problem = record_mismatch(path, latest_record)
+        problem = checkpoint_mismatch(path, latest_record)
         if problem is None:
             return path, problems
         if set_aside_bad:
@@ -1124,52 +1118,52 @@ def newest_verified_checkpoint(folder: Path, set_aside_bad: bool = False) -> tup
     return None, problems
 
 
-def record_mismatch(path: Path, latest_record: dict) -> str | None:
-    """Why `path` does not match its record (its sidecar, else latest.json); None when it does."""
-    record = latest_record if latest_record.get("path") == path.name else {}
-    if sidecar_path(path).exists():
+def record_mismatch(path: Path, record_path: Path, record: dict | None = None) -> str | None:
+    """Why `path` does not match the size and sha256 of its record; None when it does.
+
+    `record` is what `record_path` holds (read here when not given)."""
+    if record is None:
         try:
-            record = read_json(sidecar_path(path))
+            record = read_json(record_path)
         except UserError as error:
-            if not record:
-                return f"{error}"
+            return str(error)
+    if not isinstance(record, dict):
+        return f"{record_path.name} is not a record"
     size = path.stat().st_size
     if size != record.get("bytes"):
-        return f"{path.name} is {size} bytes, its record says {record.get('bytes')} (truncated?)"
+        return f"it is {size} bytes, {record_path.name} says {record.get('bytes')} (truncated?)"
     if sha256_file(path) != record.get("sha256"):
-        return f"{path.name} does not match its sha256 (corrupt)"
+        return f"it does not match the sha256 in {record_path.name} (corrupt)"
     return None
+
+
+def checkpoint_mismatch(path: Path, latest_record: dict) -> str | None:
+    """Why a step-N.pt does not match its record (its sidecar, else latest.json when that names it);
+    None when it does."""
+    record_path, record = path.with_name("latest.json"), latest_record
+    if sidecar_path(path).exists():
+        try:
+            record_path, record = sidecar_path(path), read_json(sidecar_path(path))
+        except UserError as error:
+            if latest_record.get("path") != path.name:
+                return str(error)
+    problem = record_mismatch(path, record_path, record)
+    return f"{path.name}: {problem}" if problem else None
 
 
 def chosen_checkpoint_mismatch(path: Path) -> str | None:
     """Why a --resume PATH does not match the record train.py wrote for it (step-N.json, or best.json
     for best.pt); None when it matches or has no record."""
     record_path = path.with_name("best.json") if path.name == "best.pt" else sidecar_path(path)
-    if not record_path.is_file():
-        return None
-    try:
-        record = read_json(record_path)
-    except UserError as error:
-        return str(error)
-    if not isinstance(record, dict):
-        return f"{record_path.name} is not a record"
-    if path.stat().st_size != record.get("bytes"):
-        return f"it is {path.stat().st_size} bytes, {record_path.name} says {record.get('bytes')} (truncated?)"
-    if sha256_file(path) != record.get("sha256"):
-        return f"it does not match the sha256 in {record_path.name} (corrupt)"
-    return None
+    return record_mismatch(path, record_path) if record_path.is_file() else None
 
 
 def verified_best(folder: Path) -> dict | None:
     """best.json's record when best.pt matches it."""
-    best = folder / "best.pt"
-    try:
-        record = read_json(folder / "best.json")
-    except UserError:
+    best, record_path = folder / "best.pt", folder / "best.json"
+    if not (best.is_file() and record_path.is_file()) or record_mismatch(best, record_path):
         return None
-    if not (best.is_file() and best.stat().st_size == record.get("bytes")):
-        return None
-    return record if sha256_file(best) == record.get("sha256") else None
+    return read_json(record_path)
 
 
 def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path | None:
@@ -1831,7 +1825,7 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     if info.is_main:
         checkpointer.start_timeline(resume_path, training.step)
         if resume_path is not None and training.metrics.best_step == training.step:
-            checkpointer.restore_best(resume_path, training.metrics.best_val_loss)
+            checkpointer.restore_best(resume_path, training.step, training.metrics.best_val_loss)
         metrics.truncate_after(training.step)
         atomic_write_json(out / "training_settings.json", {**settings, "run_id": training.run_id,
                                                            "parameters": model_config.parameter_count(
