@@ -8,7 +8,7 @@
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. Every piece of
 state that must survive a restart is a small object with state_dict()/load_state_dict(): the
-sampler (data cursor), the LR schedule, the loss scaler, the RNG of every rank and the run
+sampler (data cursor), the optimizers, the loss scaler, the RNG of every rank and the run
 metrics. The Checkpointer only collects them, and writes them on a background thread.
 At the end, report.py draws the loss curve, samples the model, measures its held-out task
 accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import inspect
@@ -64,17 +65,14 @@ from common import (
     utc_now,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the optimizer state is {"adamw": ..., "muon": ...}; the schedule has no counter
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1500 * 32 * 128,
-                 "warmup_steps": 100, "lr": 3e-3, "min_lr": 3e-4, "eval_every": 250, "eval_batches": 8,
-                 "save_every": 500, "log_every": 50, "threads": 1}
-BETAS = (0.9, 0.95)
-GRAD_CLIP = 1.0
+                 "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})\.pt")
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
@@ -129,18 +127,38 @@ def build_parser() -> argparse.ArgumentParser:
                                help=f"None: the preset's (tiny {getattr(tiny, name):g}, "
                                     f"think72 {getattr(think72, name):g})")
 
-    budget = parser.add_argument_group("batch, length and schedule")
+    budget = parser.add_argument_group("batch, length and seed")
     budget.add_argument("--batch-size", type=int, default=8, help="blocks per micro-step per rank")
     budget.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step")
     length = budget.add_mutually_exclusive_group()
     length.add_argument("--target-tokens", type=token_count, default=None,
                         help="train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)")
     length.add_argument("--epochs", type=float, default=None, help="train this many passes over the train split")
-    budget.add_argument("--warmup-steps", type=int, default=100, help="linear warmup, then cosine to --min-lr")
-    budget.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
-    budget.add_argument("--min-lr", type=float, default=6e-5, help="learning rate at the end of the cosine")
-    budget.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (matrices only)")
     budget.add_argument("--seed", type=int, default=1337, help="model init and data order")
+
+    recipe = parser.add_argument_group(
+        "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)")
+    recipe.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                        help=f"muon: torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms; "
+                             f"adamw: AdamW for everything (None: {DEFAULT_OPTIMIZER})")
+    recipe.add_argument("--lr", type=float, default=None,
+                        help="AdamW's peak learning rate (under muon: of the embeddings and norms)")
+    recipe.add_argument("--muon-lr", type=float, default=None, help="Muon's peak learning rate (hidden matrices)")
+    recipe.add_argument("--schedule", default=None, choices=SCHEDULES,
+                        help="cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay "
+                             f"over the last --decay-fraction of the run (None: {DEFAULT_SCHEDULE})")
+    recipe.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear warmup steps (None: a fraction of the run, see docs/recipe.md)")
+    recipe.add_argument("--decay-fraction", type=float, default=None,
+                        help=f"wsd: share of the run spent decaying (None: {DEFAULT_DECAY_FRACTION})")
+    recipe.add_argument("--final-lr-fraction", type=float, default=None,
+                        help=f"learning rate at the end, as a fraction of the peak (None: {DEFAULT_FINAL_LR_FRACTION})")
+    recipe.add_argument("--weight-decay", type=float, default=0.1,
+                        help="decoupled weight decay of the matrices (AdamW's and Muon's; not embeddings or norms)")
+    recipe.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    recipe.add_argument("--beta2", type=float, default=None, help=f"AdamW beta2 (None: {DEFAULT_BETA2})")
+    recipe.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
+    recipe.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
 
     saving = parser.add_argument_group("checkpoints and evaluation")
     saving.add_argument("--save-every", type=int, default=250, help="save every N steps (0: never by count)")
@@ -193,15 +211,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.demo = args.data is None
-    args.cap_warmup = False
     if args.demo:
-        parser.set_defaults(**{**DEMO_DEFAULTS, "warmup_steps": None})  # None: not given
+        parser.set_defaults(**DEMO_DEFAULTS)
         epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
         args = parser.parse_args(argv)
         args.demo, args.data = True, DEFAULT_DATA
-        args.cap_warmup = args.warmup_steps is None  # a short demo run keeps a cosine phase
-        if args.cap_warmup:
-            args.warmup_steps = DEMO_DEFAULTS["warmup_steps"]
         if epochs_given:
             args.target_tokens = None
     if args.out is None:
@@ -216,22 +230,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     positive = ["batch_size", "grad_accum", "eval_batches", "log_every", "max_overflow_steps"]
     not_negative = ["warmup_steps", "save_every", "save_seconds", "keep_every", "eval_every", "max_hours",
-                    "stop_after_steps", "threads", "require_gpus", "peak_tflops", "min_lr", "weight_decay"]
+                    "stop_after_steps", "threads", "require_gpus", "peak_tflops", "weight_decay", "grad_clip"]
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in not_negative:
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {value}")
     if args.keep_last < 1:
         raise UserError(f"--keep-last must be at least 1, got {args.keep_last}")
-    for name in ("lr", "min_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops"):
-        if not math.isfinite(getattr(args, name)):
-            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}")
-    if args.lr <= 0:
-        raise UserError(f"--lr must be positive, got {args.lr}")
-    if args.min_lr > args.lr:
-        raise UserError(f"--min-lr ({args.min_lr}) must not be above --lr ({args.lr}): the cosine decays to it")
+    for name in ("lr", "muon_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops", "grad_clip",
+                 "beta1", "beta2", "muon_momentum", "decay_fraction", "final_lr_fraction"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    for name in ("lr", "muon_lr"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("beta1", "beta2", "muon_momentum"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    for name in ("decay_fraction", "final_lr_fraction"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.muon_lr is not None and args.optimizer == "adamw":
+        raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
+    if args.decay_fraction is not None and args.schedule == "cosine":
+        raise UserError("--decay-fraction belongs to --schedule wsd (the cosine decays over the whole run)")
+    if args.adam8bit and (args.optimizer or DEFAULT_OPTIMIZER) == "muon":
+        raise UserError("--8bit-adam needs --optimizer adamw: under muon, AdamW only trains the embeddings and "
+                        "norms, and Muon keeps one buffer per matrix (half of AdamW's state) already")
     if args.target_tokens is not None and args.target_tokens <= 0:
         raise UserError(f"--target-tokens must be positive, got {args.target_tokens}")
     if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
@@ -476,37 +505,172 @@ class BlockSampler:
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimization: AdamW, warmup + cosine, gradient scaling for fp16.
+# The recipe: optimizer, learning rates and schedule, chosen from the model's width and the run's
+# length by the rules below (measured in bench/bench_recipe.py; the evidence is in docs/recipe.md).
+
+OPTIMIZERS = ("muon", "adamw")
+SCHEDULES = ("wsd", "cosine")
+DEFAULT_OPTIMIZER = "muon"
+DEFAULT_SCHEDULE = "wsd"
+DEFAULT_DECAY_FRACTION = 0.4
+DEFAULT_FINAL_LR_FRACTION = 0.0
+DEFAULT_BETA2 = 0.95
+MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm): one lr fits every width measured
+ADAMW_LR_WIDTH = 256  # AdamW's lr rule: ADAMW_LR at this hidden size, scaled by (ADAMW_LR_WIDTH / hidden)
+ADAMW_LR = 2e-3
+ADAMW_LR_MAX = 6e-3
+WARMUP_FRACTION = {"adamw": 0.05, "muon": 0.02}
+MAX_WARMUP_STEPS = 1000
 
 
-class WarmupCosine:
-    """Linear warmup to the peak LR over `warmup` steps, then cosine down to `min_lr` at `total`."""
+def adamw_lr_for_width(hidden: int) -> float:
+    """AdamW's peak lr for a model of `hidden` width: ~1/width (as muP and the GPT-3 table suggest), capped."""
+    return min(ADAMW_LR_MAX, ADAMW_LR * ADAMW_LR_WIDTH / hidden)
 
-    def __init__(self, peak: float, min_lr: float, warmup: int, total: int):
-        self.peak, self.min_lr, self.warmup, self.total = peak, min_lr, warmup, total
-        self.step = 0
 
-    def lr(self, step: int | None = None) -> float:
-        step = self.step if step is None else step
-        if step < self.warmup:
-            return self.peak * (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_lr + (self.peak - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def default_warmup_steps(optimizer: str, total_steps: int) -> int:
+    """A fixed fraction of the run, at least one step and at most MAX_WARMUP_STEPS."""
+    return min(MAX_WARMUP_STEPS, max(1, round(WARMUP_FRACTION[optimizer] * total_steps)))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that shapes the optimization, resolved: recorded in training_settings.json and checked on resume."""
+
+    optimizer: str
+    lr: float  # AdamW's peak lr (under muon: embeddings and norms)
+    muon_lr: float | None  # Muon's peak lr for the hidden matrices; None under adamw
+    schedule: str
+    warmup_steps: int
+    decay_steps: int  # the steps of the final decay (cosine: all steps after warmup)
+    final_lr_fraction: float
+    total_steps: int
+    weight_decay: float
+    betas: tuple[float, float]
+    muon_momentum: float | None
+    grad_clip: float
+
+    def lr_multiplier(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based) as a fraction of the peak."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_start = self.total_steps - self.decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, self.decay_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
+        return self.final_lr_fraction + (1.0 - self.final_lr_fraction) * shape
+
+    def describe(self) -> str:
+        rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
+            f"Muon lr {self.muon_lr:.3g} (hidden matrices), AdamW lr {self.lr:.3g} (embeddings, norms)"
+        decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
+            f"constant, then linear decay over the last {self.decay_steps} steps"
+        return (f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
+                f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
+                f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}")
+
+
+def choose_recipe(args: argparse.Namespace, hidden: int, total_steps: int) -> tuple[Recipe, list[str]]:
+    """The recipe for a model of width `hidden` and a run of `total_steps`: the options given, the rules for
+    the rest. Also returns why each chosen value was chosen (printed at start)."""
+    optimizer = args.optimizer or DEFAULT_OPTIMIZER
+    schedule = args.schedule or DEFAULT_SCHEDULE
+    why = []
+    lr = args.lr
+    if lr is None:
+        lr = adamw_lr_for_width(hidden)
+        why.append(f"AdamW lr {lr:.3g} = min({ADAMW_LR_MAX:g}, {ADAMW_LR:g} x {ADAMW_LR_WIDTH} / hidden {hidden})")
+    muon_lr = None
+    if optimizer == "muon":
+        muon_lr = MUON_LR if args.muon_lr is None else args.muon_lr
+        if args.muon_lr is None:
+            why.append(f"Muon lr {MUON_LR:g} at every width")
+    warmup = args.warmup_steps
+    if warmup is None:
+        warmup = default_warmup_steps(optimizer, total_steps)
+        why.append(f"{warmup} warmup steps = {WARMUP_FRACTION[optimizer]:g} of {total_steps} steps "
+                   f"(at least 1, at most {MAX_WARMUP_STEPS})")
+    if schedule == "cosine":
+        decay = max(0, total_steps - warmup)
+    else:
+        fraction = DEFAULT_DECAY_FRACTION if args.decay_fraction is None else args.decay_fraction
+        decay = min(max(0, total_steps - warmup), round(fraction * total_steps))
+    final = DEFAULT_FINAL_LR_FRACTION if args.final_lr_fraction is None else args.final_lr_fraction
+    beta2 = DEFAULT_BETA2 if args.beta2 is None else args.beta2
+    recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
+                    decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
+                    weight_decay=args.weight_decay, betas=(args.beta1, beta2),
+                    muon_momentum=args.muon_momentum if optimizer == "muon" else None, grad_clip=args.grad_clip)
+    return recipe, why
+
+
+def recipe_warnings(recipe: Recipe) -> list[str]:
+    """Schedules that cannot train well: warmup that is most of the run, a run of a handful of steps."""
+    warnings = []
+    if recipe.warmup_steps >= recipe.total_steps:
+        warnings.append(f"--warmup-steps {recipe.warmup_steps} >= the run's {recipe.total_steps} steps: the learning "
+                        "rate never reaches its peak nor decays; pass fewer --warmup-steps")
+    elif recipe.warmup_steps > recipe.total_steps // 2:
+        warnings.append(f"{recipe.warmup_steps} of the run's {recipe.total_steps} steps are warmup: most of the run "
+                        "trains below the peak learning rate; pass fewer --warmup-steps or train longer")
+    if recipe.total_steps < 20:
+        warnings.append(f"the run is only {recipe.total_steps} optimizer steps: too few to learn much; train more "
+                        "tokens (--target-tokens, --epochs) or use a smaller --batch-size / --grad-accum")
+    return warnings
+
+
+def hidden_matrices(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(the 2-D weights inside the decoder layers: attention and MLP projections, the rest: embeddings, norms)."""
+    hidden, rest = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (hidden if param.ndim == 2 and ".layers." in name else rest).append(param)
+    return hidden, rest
+
+
+class Optimizers:
+    """The run's optimizers as one: AdamW alone, or Muon for the hidden matrices beside AdamW for the rest.
+
+    Every param group keeps its peak lr in "peak_lr"; set_lr_multiplier(m) sets lr = peak_lr * m.
+    """
+
+    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
+        self.parts = parts
+
+    def set_lr_multiplier(self, multiplier: float) -> None:
+        for optimizer in self.parts.values():
+            for group in optimizer.param_groups:
+                group["lr"] = group["peak_lr"] * multiplier
+
+    def zero_grad(self) -> None:
+        for optimizer in self.parts.values():
+            optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "peak": self.peak, "min_lr": self.min_lr, "warmup": self.warmup,
-                "total": self.total}
+        return {name: optimizer.state_dict() for name, optimizer in self.parts.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        if set(state) != set(self.parts):
+            raise UserError(f"the checkpoint's optimizer holds {', '.join(sorted(state))}, this run uses "
+                            f"{', '.join(sorted(self.parts))}")
+        for name, optimizer in self.parts.items():
+            optimizer.load_state_dict(state[name])
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device,
-                    eight_bit: bool = False) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices (>= 2-D) only; fused (CUDA and CPU); bitsandbytes' 8-bit AdamW on request."""
-    params = [param for param in model.parameters() if param.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.device,
+                     eight_bit: bool = False) -> Optimizers:
+    """AdamW (fused on CUDA and CPU; bitsandbytes' 8-bit on request) with decay on matrices only, and under
+    muon torch.optim.Muon for the hidden matrices. Embeddings and norms are never decayed."""
+    hidden, rest = hidden_matrices(model)
+    parts = {}
+    if recipe.optimizer == "muon":
+        parts["muon"] = torch.optim.Muon(hidden, lr=recipe.muon_lr, weight_decay=recipe.weight_decay,
+                                         momentum=recipe.muon_momentum, nesterov=True)
+        adamw_groups = [{"params": rest, "weight_decay": 0.0}]
+    else:
+        adamw_groups = [{"params": hidden, "weight_decay": recipe.weight_decay},
+                        {"params": rest, "weight_decay": 0.0}]
     if eight_bit:
         if device.type != "cuda":
             raise UserError("--8bit-adam needs a CUDA device (bitsandbytes); drop it on CPU")
@@ -514,8 +678,18 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, devi
             import bitsandbytes
         except ImportError:
             raise UserError("--8bit-adam needs bitsandbytes: pip install bitsandbytes") from None
-        return bitsandbytes.optim.AdamW8bit(groups, lr=lr, betas=BETAS, eps=1e-8)
-    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=1e-8, fused=device.type in ("cuda", "cpu"))
+        parts["adamw"] = bitsandbytes.optim.AdamW8bit(adamw_groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8)
+    else:
+        parts["adamw"] = torch.optim.AdamW(adamw_groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8,
+                                           fused=device.type in ("cuda", "cpu"))
+    for optimizer in parts.values():
+        for group in optimizer.param_groups:
+            group["peak_lr"] = group["lr"]
+    return Optimizers(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Precision: autocast, and gradient scaling for fp16.
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -532,7 +706,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LossScaler:
-    """torch.amp.GradScaler (enabled for fp16 only) that counts optimizer steps skipped for overflow."""
+    """torch.amp.GradScaler (enabled for fp16 only) over the run's optimizers, counting steps skipped for overflow."""
 
     def __init__(self, device: torch.device, enabled: bool):
         self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
@@ -543,16 +717,19 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
+    def unscale_(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Apply the step; False when fp16 found inf/nan gradients and skipped it."""
+    def step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        """Apply the step; False when fp16 found inf/nan gradients and skipped it (for every optimizer)."""
         if not self.enabled:
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
             return True
         scale_before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
+        for optimizer in optimizers:
+            self.scaler.step(optimizer)
         self.scaler.update()
         if self.scaler.get_scale() < scale_before:
             self.skipped_total += 1
@@ -1390,8 +1567,7 @@ class Training:
                                     info.world)
         self.tokens_per_step = self.sampler.global_batch * self.context
         self.total_steps = self._total_steps()
-        if getattr(args, "cap_warmup", False):  # the demo's default warmup, on a run shortened by options
-            args.warmup_steps = min(args.warmup_steps, max(1, self.total_steps // 10))
+        self.recipe, self.recipe_reasons = choose_recipe(args, self.preset.hidden, self.total_steps)
 
         seed_everything(args.seed)
         specials = manifest.get("special_tokens", {})
@@ -1405,8 +1581,7 @@ class Training:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, self.device, args.adam8bit)
-        self.schedule = WarmupCosine(args.lr, args.min_lr, args.warmup_steps, self.total_steps)
+        self.optimizer = build_optimizers(self.model, self.recipe, self.device, args.adam8bit)
         self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = RankRNG(info)
         self.metrics = RunMetrics()
@@ -1497,9 +1672,8 @@ class Training:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
         started = time.perf_counter()
         step = self.step
-        lr = self.schedule.lr(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr_multiplier = self.recipe.lr_multiplier(step)
+        self.optimizer.set_lr_multiplier(lr_multiplier)
         micro_batches = self.sampler.micro_batches(step, self.info.rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro, indices in enumerate(micro_batches):
@@ -1510,22 +1684,23 @@ class Training:
                 loss = self.loss_of(inputs, targets) / len(micro_batches)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach().double()
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_gradients(self.model.parameters(), GRAD_CLIP)
+        optimizers = list(self.optimizer.parts.values())
+        self.scaler.unscale_(optimizers)
+        grad_norm = clip_gradients(self.model.parameters(), self.recipe.grad_clip)
         mean_loss = all_reduce_sum(loss_sum, self.info).item() / self.info.world
         if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm.item())):
             raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm.item()}) "
                                 f"at step {step + 1}")
-        applied = self.scaler.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        applied = self.scaler.step(optimizers)
+        self.optimizer.zero_grad()
         if applied:
             self.sampler.step += 1
-            self.schedule.step += 1
         elif self.scaler.skipped_in_a_row >= self.args.max_overflow_steps:
             raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
         self.metrics.train_seconds += seconds
+        lr = self.recipe.lr * lr_multiplier if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
         return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), seconds=seconds,
                           applied=applied)
 
@@ -1570,13 +1745,9 @@ class Training:
             "total_steps": self.total_steps,
             "target_tokens": args.target_tokens,
             "epochs": args.epochs,
-            "warmup_steps": args.warmup_steps,
-            "lr": args.lr,
-            "min_lr": args.min_lr,
-            "weight_decay": args.weight_decay,
-            "betas": list(BETAS),
-            "grad_clip": GRAD_CLIP,
-            "optimizer": "AdamW8bit" if args.adam8bit else "AdamW",
+            **{f"recipe.{key}": value for key, value in dataclasses.asdict(self.recipe).items()},
+            "recipe.betas": list(self.recipe.betas),  # as JSON and the checkpoint store it
+            "adamw_8bit": args.adam8bit,
             "precision": self.precision,
         }
         runtime = {key: getattr(args, key) for key in (
@@ -1602,7 +1773,6 @@ class Training:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "schedule": self.schedule.state_dict(),
             "sampler": self.sampler.state_dict(),
             "metrics": self.metrics.state_dict(),
             "rng": rng,
@@ -1619,13 +1789,12 @@ class Training:
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
-        self.schedule.load_state_dict(checkpoint["schedule"])
         self.sampler.load_state_dict(checkpoint["sampler"])
         self.metrics.load_state_dict(checkpoint["metrics"])
         self.run_id = checkpoint["run_id"]
-        if checkpoint["step"] != self.sampler.step or self.schedule.step != self.sampler.step:
+        if checkpoint["step"] != self.sampler.step:
             raise UserError(f"checkpoint {path} is inconsistent: step {checkpoint['step']}, data cursor "
-                            f"{self.sampler.step}, schedule {self.schedule.step}")
+                            f"{self.sampler.step}")
         differences = (tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
                        + tensors_equal(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
         if differences:
@@ -1845,9 +2014,12 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         print(f"warning: one step reads {training.sampler.global_batch} blocks but the train split has only "
               f"{training.sampler.blocks} of {training.context} tokens: every step covers more than an epoch "
               "(use a smaller --batch-size or --grad-accum, or a larger corpus)", file=sys.stderr, flush=True)
-    if args.warmup_steps >= training.total_steps and info.is_main:
-        print(f"warning: --warmup-steps {args.warmup_steps} >= the run's {training.total_steps} steps: the learning "
-              "rate never reaches --lr nor decays; pass fewer --warmup-steps", file=sys.stderr, flush=True)
+    log(info, training.recipe.describe())
+    if training.recipe_reasons:
+        log(info, "  chosen by the rules (docs/recipe.md): " + "; ".join(training.recipe_reasons))
+    if info.is_main:
+        for warning in recipe_warnings(training.recipe):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
     progress = report.Progress(training.total_steps, training.step, args.log_every, enabled=info.is_main)
     stop = StopRequest()

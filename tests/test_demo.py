@@ -66,7 +66,7 @@ def test_demo_defaults_apply_only_without_data():
     assert train.parse_args(["--epochs", "2"]).target_tokens is None  # --epochs replaces the demo's length
     normal = train.parse_args(["--data", "somewhere", "--out", "runs/somewhere"])
     assert not normal.demo and normal.data == "somewhere"
-    assert (normal.batch_size, normal.lr, normal.target_tokens) == (8, 6e-4, None)
+    assert (normal.batch_size, normal.lr, normal.optimizer, normal.target_tokens) == (8, None, None, None)
     assert "demo" in train.build_parser().format_help()
 
 
@@ -89,15 +89,16 @@ def test_demo_completes_with_an_accuracy(demo):
     assert "Held-out demo task accuracy" in card and "**COMPLETE**" in card
 
 
-def test_a_shortened_demo_keeps_a_cosine_phase_and_a_clean_log(demo):
-    """40 steps are fewer than the demo's 100 warmup steps: the demo's own default is capped at 10%."""
+def test_the_demo_trains_with_the_default_recipe_and_a_clean_log(demo):
+    """No recipe option given: the rules pick Muon, the width's AdamW lr and a warmup that fits 40 steps."""
     work, result = demo
-    settings = json.loads((work / "runs" / "demo" / "training_settings.json").read_text())
-    assert settings["training"]["warmup_steps"] == STEPS // 10 == 4
-    assert "warning: --warmup-steps" not in result.stderr
+    settings = json.loads((work / "runs" / "demo" / "training_settings.json").read_text())["training"]
+    assert settings["recipe.optimizer"] == train.DEFAULT_OPTIMIZER
+    assert settings["recipe.lr"] == train.adamw_lr_for_width(model_config.PRESETS["tiny"].hidden)
+    assert settings["recipe.warmup_steps"] == train.default_warmup_steps(train.DEFAULT_OPTIMIZER, STEPS) < STEPS // 2
+    assert "recipe: " in result.stdout and "chosen by the rules" in result.stdout
+    assert "warning:" not in result.stderr
     assert "Writing model shards" not in result.stderr and "Loading weights" not in result.stderr
-    full = train.parse_args([])
-    assert full.cap_warmup and full.target_tokens // (32 * 128) == 1500  # the full demo: 100 of 1,500 steps
 
 
 def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):

@@ -71,9 +71,9 @@ def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
     """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py)."""
     return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32",
             "--batch-size", "2", "--grad-accum", "2", "--target-tokens", str(steps * 4 * 32),
-            "--warmup-steps", "3", "--lr", "3e-3", "--min-lr", "3e-4", "--eval-every", "4", "--eval-batches", "2",
-            "--save-every", "4", "--log-every", "1", "--threads", "1", "--peak-tflops", "1", "--keep-last", "10",
-            "--no-report", *extra]
+            "--warmup-steps", "3", "--lr", "3e-3", "--final-lr-fraction", "0.1", "--eval-every", "4",
+            "--eval-batches", "2", "--save-every", "4", "--log-every", "1", "--threads", "1", "--peak-tflops", "1",
+            "--keep-last", "10",            "--no-report", *extra]
 
 
 def run_cli(args: list[str], world: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
@@ -105,7 +105,7 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
     assert train.tensors_equal(a["model"], b["model"], "model") == []
     assert train.tensors_equal(a["optimizer"], b["optimizer"], "optimizer") == []
-    assert a["sampler"] == b["sampler"] and a["schedule"] == b["schedule"]
+    assert a["sampler"] == b["sampler"] and a["settings"]["training"] == b["settings"]["training"]
 
 
 def train_losses(out: Path) -> dict[int, float]:
@@ -173,13 +173,82 @@ def test_sampler_state_round_trip_and_mismatch():
             sampler.state_dict())
 
 
-def test_warmup_cosine_schedule():
-    schedule = train.WarmupCosine(peak=1.0, min_lr=0.1, warmup=4, total=20)
-    assert [schedule.lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert schedule.lr(4) == pytest.approx(1.0)
-    assert schedule.lr(12) == pytest.approx(0.55)
-    assert schedule.lr(20) == pytest.approx(0.1) and schedule.lr(99) == pytest.approx(0.1)
-    assert all(schedule.lr(s) >= schedule.lr(s + 1) for s in range(4, 25))
+def recipe(**fields) -> train.Recipe:
+    base = dict(optimizer="muon", lr=1.0, muon_lr=0.02, schedule="wsd", warmup_steps=4, decay_steps=8,
+                final_lr_fraction=0.0, total_steps=20, weight_decay=0.1, betas=(0.9, 0.95), muon_momentum=0.95,
+                grad_clip=1.0)
+    return train.Recipe(**{**base, **fields})
+
+
+@pytest.mark.parametrize("schedule, final, expected", [
+    # warmup 4 steps (0-based step s trains at (s+1)/4), then wsd: flat until step 12, linear to `final` at 20
+    ("wsd", 0.0, {0: 0.25, 3: 1.0, 4: 1.0, 11: 1.0, 12: 1.0, 14: 0.75, 16: 0.5, 19: 0.125, 20: 0.0, 99: 0.0}),
+    ("wsd", 0.1, {0: 0.25, 11: 1.0, 16: 0.55, 20: 0.1}),
+    # cosine over all 16 steps after warmup: half way (step 12) at the mean of 1 and the final fraction
+    ("cosine", 0.1, {0: 0.25, 3: 1.0, 4: 1.0, 12: 0.55, 20: 0.1, 99: 0.1}),
+])
+def test_schedule_table(schedule, final, expected):
+    chosen = recipe(schedule=schedule, decay_steps=16 if schedule == "cosine" else 8, final_lr_fraction=final)
+    assert {step: pytest.approx(chosen.lr_multiplier(step)) for step in expected} == expected
+    assert all(chosen.lr_multiplier(s) >= chosen.lr_multiplier(s + 1) for s in range(4, 25))
+
+
+@pytest.mark.parametrize("hidden, lr", [
+    (64, 6e-3), (128, 4e-3), (256, 2e-3), (384, 2e-3 * 256 / 384), (512, 1e-3), (768, 2e-3 / 3), (1024, 5e-4)])
+def test_adamw_lr_rule_scales_with_one_over_width_under_a_cap(hidden, lr):
+    assert train.adamw_lr_for_width(hidden) == pytest.approx(lr)
+
+
+@pytest.mark.parametrize("given, hidden, steps, expected", [
+    # nothing given: Muon at 0.02, AdamW by width, warmup 2% (muon) / 5% (adamw) of the run, wsd decaying 40%
+    ([], 128, 1500, dict(optimizer="muon", muon_lr=0.02, lr=4e-3, warmup_steps=30, decay_steps=600)),
+    (["--optimizer", "adamw"], 512, 1500, dict(optimizer="adamw", muon_lr=None, lr=1e-3, warmup_steps=75)),
+    ([], 64, 10, dict(warmup_steps=1, decay_steps=4)),  # at least one warmup step
+    ([], 768, 1_000_000, dict(warmup_steps=1000)),  # at most 1,000
+    (["--schedule", "cosine"], 128, 100, dict(schedule="cosine", warmup_steps=2, decay_steps=98)),
+    (["--lr", "1e-3", "--muon-lr", "0.05", "--warmup-steps", "7", "--decay-fraction", "0.5",
+      "--final-lr-fraction", "0.1", "--beta2", "0.99"], 128, 100,
+     dict(lr=1e-3, muon_lr=0.05, warmup_steps=7, decay_steps=50, final_lr_fraction=0.1)),
+])
+def test_recipe_rule_table(given, hidden, steps, expected, tmp_path):
+    args = train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
+    chosen, reasons = train.choose_recipe(args, hidden, steps)
+    assert {key: getattr(chosen, key) for key in expected} == pytest.approx(expected)
+    assert chosen.total_steps == steps
+    assert chosen.betas == ((0.9, 0.99) if "--beta2" in given else (0.9, train.DEFAULT_BETA2))
+    assert len(reasons) == sum(option not in given for option in ("--lr", "--muon-lr", "--warmup-steps")) - (
+        chosen.optimizer == "adamw")  # a reason for each value the rules chose
+
+
+def test_a_warmup_of_zero_steps_starts_at_the_peak():
+    assert recipe(warmup_steps=0).lr_multiplier(0) == 1.0
+
+
+def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
+    model = train.model_config.build_model(train.model_config.PRESETS["tiny"], vocab_size=300)
+    names = {id(param): name for name, param in model.named_parameters()}
+    hidden, rest = train.hidden_matrices(model)
+    projections = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert sorted(names[id(p)] for p in hidden) == sorted(
+        f"model.layers.{layer}.{projection}.weight" for layer in range(2) for projection in projections)
+    assert sorted(names[id(p)] for p in rest) == sorted(  # the tied embedding is the LM head too
+        ["model.embed_tokens.weight", "model.norm.weight"] + [
+            f"model.layers.{layer}.{norm}.weight" for layer in range(2)
+            for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")])
+    muon = train.build_optimizers(model, recipe(lr=0.004, muon_lr=0.03), torch.device("cpu"))
+    assert isinstance(muon.parts["muon"], torch.optim.Muon) and set(muon.parts) == {"muon", "adamw"}
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in muon.parts["muon"].param_groups] == [
+        (0.03, 0.1, 14)]
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in muon.parts["adamw"].param_groups] == [
+        (0.004, 0.0, 10)]
+    muon.set_lr_multiplier(0.5)
+    assert [g["lr"] for part in muon.parts.values() for g in part.param_groups] == [0.015, 0.002]
+    adamw = train.build_optimizers(model, recipe(optimizer="adamw", lr=0.004, muon_lr=None), torch.device("cpu"))
+    assert list(adamw.parts) == ["adamw"] and [(g["weight_decay"], len(g["params"]))
+                                                for g in adamw.parts["adamw"].param_groups] == [(0.1, 14), (0.0, 10)]
+    with pytest.raises(UserError, match="the checkpoint's optimizer holds adamw, this run uses adamw, muon"):
+        muon.load_state_dict(adamw.state_dict())
 
 
 def test_loss_scaler_counts_and_skips_overflow_steps():
@@ -189,13 +258,13 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
     scaler = train.LossScaler(torch.device("cpu"), enabled=True)
     before = layer.weight.detach().clone()
     scaler.scale(layer(torch.tensor([[1.0, float("inf")]])).sum()).backward()
-    scaler.unscale_(optimizer)
-    assert scaler.step(optimizer) is False and torch.equal(layer.weight, before)
+    scaler.unscale_([optimizer])
+    assert scaler.step([optimizer]) is False and torch.equal(layer.weight, before)
     assert scaler.skipped_total == scaler.skipped_in_a_row == 1
     optimizer.zero_grad()
     scaler.scale(layer(torch.ones(1, 2)).sum()).backward()
-    scaler.unscale_(optimizer)
-    assert scaler.step(optimizer) is True and not torch.equal(layer.weight, before)
+    scaler.unscale_([optimizer])
+    assert scaler.step([optimizer]) is True and not torch.equal(layer.weight, before)
     assert scaler.skipped_total == 1 and scaler.skipped_in_a_row == 0
     restored = train.LossScaler(torch.device("cpu"), enabled=True)
     restored.load_state_dict(scaler.state_dict())
@@ -356,7 +425,11 @@ def test_bad_options_give_one_clear_line(tmp_path):
     (["--rope-theta", "nan"], "rope_theta (--rope-theta) must be positive, got nan"),
     (["--lr", "nan"], "--lr must be a finite number, got nan"),
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
-    (["--min-lr", "1"], "--min-lr (1.0) must not be above --lr (0.0006): the cosine decays to it"),
+    (["--final-lr-fraction", "1.5"], "--final-lr-fraction must be in [0, 1], got 1.5"),
+    (["--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
+    (["--muon-lr", "0"], "--muon-lr must be positive, got 0.0"),
+    (["--optimizer", "adamw", "--muon-lr", "0.02"], "--muon-lr needs --optimizer muon"),
+    (["--schedule", "cosine", "--decay-fraction", "0.2"], "--decay-fraction belongs to --schedule wsd"),
     (["--epochs", "inf"], "--epochs must be a positive finite number, got inf"),
     (["--target-tokens", "1.5x"], "argument --target-tokens: not a number: '1.5x'"),
     (["--target-tokens", "1.5"], "argument --target-tokens: not a whole number of tokens: '1.5'"),
@@ -429,7 +502,8 @@ def test_length_options_and_hardware_refusals(corpus, tmp_path):
     by_epochs = train.build_training(train.parse_args([*epoch_args, "--epochs", "2"]), info)
     assert by_epochs.total_steps == -(-2 * blocks // 4)  # ceil(2 epochs x blocks / 4 blocks per step)
     for extra, message in [(["--precision", "fp16"], "fp16 needs a CUDA device"),
-                           (["--8bit-adam"], "needs a CUDA device"),
+                           (["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
+                           (["--8bit-adam", "--optimizer", "adamw"], "needs a CUDA device"),
                            (["--require-gpus", "1"], "--require-gpus 1"),
                            (["--require-gpu-name", "T4"], "--require-gpu-name T4"),
                            (["--preset", "tiny", "--kv-heads", "3"], "multiple of kv_heads")]:
@@ -442,6 +516,7 @@ def test_bf16_autocast_and_grad_checkpoint_train_on_cpu(corpus, tmp_path):
     assert train.main(options(corpus, out, "--precision", "bf16", "--grad-checkpoint", steps=4)) == 0
     settings = json.loads((out / "training_settings.json").read_text())
     assert settings["training"]["precision"] == "bf16" and status(out)["status"] == "COMPLETE"
+    assert settings["training"]["recipe.optimizer"] == "muon"  # Muon's Newton-Schulz under bf16 autocast
     losses = train_losses(out)
     assert all(np.isfinite(loss) for loss in losses.values()) and losses[4] < losses[1]
 
@@ -525,6 +600,8 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
     assert status(out)["status"] == "CHECKPOINTED_NEEDS_RESUME" and status(out)["step"] == 5
     result = run_cli(options(corpus, out, "--resume", "auto"))  # a new process
     assert "resumed from" in result.stdout and "step 5/12" in result.stdout
+    assert "recipe: muon: Muon lr 0.02 (hidden matrices), AdamW lr 0.003 (embeddings, norms); 3 warmup steps" \
+        in result.stdout
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
 
@@ -593,6 +670,35 @@ def test_sigterm_saves_and_exits_0_then_resume_matches(corpus, reference, tmp_pa
     assert_same_state(final_state(out), final_state(reference))
 
 
+def test_muon_state_is_in_the_checkpoint_and_the_recipe_in_the_settings(reference):
+    state = final_state(reference)
+    assert set(state["optimizer"]) == {"muon", "adamw"}
+    buffers = [entry["momentum_buffer"] for entry in state["optimizer"]["muon"]["state"].values()]
+    assert len(buffers) == 14 and all(buffer.abs().sum() > 0 for buffer in buffers)
+    settings = json.loads((reference / "training_settings.json").read_text())["training"]
+    assert settings["recipe.optimizer"] == "muon" and settings["recipe.muon_lr"] == train.MUON_LR
+    assert settings["recipe.lr"] == 3e-3 and settings["recipe.warmup_steps"] == 3
+    assert settings["recipe.schedule"] == train.DEFAULT_SCHEDULE and settings["recipe.total_steps"] == 12
+
+
+def test_adamw_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train.main(options(corpus, full, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0")) == 0
+    assert train.main(options(corpus, split, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0",
+                              "--stop-after-steps", "5")) == 0
+    assert train.main(options(corpus, split, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0")) == 0
+    assert set(final_state(full)["optimizer"]) == {"adamw"}
+    assert_same_state(final_state(split), final_state(full))
+    assert train_losses(split) == train_losses(full)
+
+
+def test_resuming_with_another_optimizer_is_refused(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    with pytest.raises(UserError, match="recipe.optimizer: muon -> adamw"):
+        train.main(options(corpus, out, "--optimizer", "adamw", "--resume", "auto"))
+
+
 def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", out / "checkpoints")
@@ -600,7 +706,7 @@ def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
         train.main(options(corpus, out, "--lr", "1e-3", "--seed", "7", "--resume", "auto"))
     message = str(error.value)
     assert message.startswith("settings differ from checkpoint")
-    assert "lr: 0.003 -> 0.001" in message and "seed: 1337 -> 7" in message
+    assert "recipe.lr: 0.003 -> 0.001" in message and "seed: 1337 -> 7" in message
     # another world-size split of the same global batch is not a change
     assert train.main(options(corpus, out, "--batch-size", "1", "--grad-accum", "4")) == 0
 
@@ -634,7 +740,7 @@ def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpu
     shutil.copytree(split, moved)
     run_cli(options(corpus, split, "--batch-size", "1", "--resume", "auto"), world=2)
     assert_same_state(final_state(split), final_state(full))
-    assert len(final_state(full)["rng"]) == 2
+    assert len(final_state(full)["rng"]) == 2 and set(final_state(full)["optimizer"]) == {"muon", "adamw"}
     # the same global batch (1 x 2 accum x 2 ranks = 2 x 2 accum x 1 rank) continues in one process
     assert train.main(options(corpus, moved, "--batch-size", "2", "--resume", "auto")) == 0
     full_losses, moved_losses = train_losses(full), train_losses(moved)
@@ -762,18 +868,15 @@ def test_resume_typo_lists_the_choices(tmp_path):
         train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), "--resume", "Auto"])
 
 
-def test_warmup_longer_than_the_run_warns_and_the_demo_caps_only_its_own_default(corpus, tmp_path, capsys):
+def test_warmup_longer_than_the_run_and_a_run_of_few_steps_warn(corpus, tmp_path, capsys):
     assert train.main(options(corpus, tmp_path / "run", "--warmup-steps", "20", steps=2)) == 0
-    assert "warning: --warmup-steps 20 >= the run's 2 steps" in capsys.readouterr().err
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    short_demo = train.parse_args(["--target-tokens", str(20 * 32 * 128), "--out", str(tmp_path / "demo")])
-    short_demo.data = str(corpus)
-    training = train.build_training(short_demo, info)
-    assert training.total_steps == 20 and training.schedule.warmup == 2 == training.settings()["training"][
-        "warmup_steps"]
-    chosen = train.parse_args(["--target-tokens", str(20 * 32 * 128), "--warmup-steps", "100"])
-    chosen.data = str(corpus)
-    assert train.build_training(chosen, info).schedule.warmup == 100  # a user's choice is kept (and warned about)
+    err = capsys.readouterr().err
+    assert "warning: --warmup-steps 20 >= the run's 2 steps" in err
+    assert "warning: the run is only 2 optimizer steps" in err
+    assert [text for text in train.recipe_warnings(recipe(warmup_steps=12, total_steps=20))] == [
+        "12 of the run's 20 steps are warmup: most of the run trains below the peak learning rate; pass fewer "
+        "--warmup-steps or train longer"]
+    assert train.recipe_warnings(recipe(warmup_steps=10, total_steps=20)) == []
 
 
 def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):

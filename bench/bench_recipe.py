@@ -1,0 +1,342 @@
+"""Training recipes on real English text: held-out bits per byte at equal tokens, and against wall-clock time.
+
+    python bench/bench_recipe.py                      # the issue's comparison: baseline vs default, nano and micro
+    python bench/bench_recipe.py --presets nano --seeds 1 --steps 150 \\
+        --recipe "muon-0.04=--optimizer muon --muon-lr 0.04"          # a sweep point beside the built-in two
+    python bench/bench_recipe.py --report-only bench/out/recipe/results.json   # tables and plot again
+
+The text is the King James Bible from Debian's `bible-kjv` package (public domain, ~4.2 MB of English
+prose; installed with apt-get when missing and run as root, or pass --text FILE.jsonl with one
+{"text": ...} document per line). One document per chapter; data.py builds the corpus with a 4,096-token
+BPE and holds out 5% of the documents (the test split) by its own hash rule.
+
+Every recipe of a (preset, seed) group trains the same model shape from the same seed (same initial
+weights and data order) on the same tokens, in one process with the same torch thread count; the
+recipes take turns every --chunk steps, so load from other processes hits them alike. Held-out bits
+per byte = summed next-token cross-entropy over every test block / (ln 2 x the UTF-8 bytes those
+targets decode to); it is measured every --eval-every steps (not counted in the training seconds).
+
+Recipes are train.py options: `baseline` is the classic small-GPT recipe (AdamW 1e-3 -> 1e-4, beta2 0.99,
+100 warmup steps, cosine) and `default` is train.py with no recipe options. Targets (issue 11): default
+bpb <= 0.95x baseline at equal tokens, and the default reaches the baseline's final bpb in <= 0.75x of
+the baseline's training seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import model_config  # noqa: E402
+import train  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+
+BUILT_IN = {
+    "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 "
+                "--schedule cosine",
+    "default": "",
+}
+TARGET_BPB_RATIO = 0.95
+TARGET_TIME_RATIO = 0.75
+WORK = ROOT / "bench" / "out" / "recipe"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--text", default=None, help="JSONL of {'text': ...} documents (None: the KJV Bible)")
+    parser.add_argument("--work", default=str(WORK), help="folder for the corpus, results and plot")
+    parser.add_argument("--presets", default="nano,micro", help="comma list of model presets")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per preset (1337, 1338, ...)")
+    parser.add_argument("--context", type=int, default=256, help="tokens per block")
+    parser.add_argument("--batch-size", type=int, default=32, help="blocks per optimizer step")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (equal tokens for all)")
+    parser.add_argument("--micro-steps", type=int, default=None,
+                        help="steps for the micro preset (None: --steps); every recipe still gets the same tokens")
+    parser.add_argument("--eval-every", type=int, default=25, help="held-out bpb every N steps (and at the end)")
+    parser.add_argument("--chunk", type=int, default=5, help="steps a recipe runs before the next one takes its turn")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for every recipe)")
+    parser.add_argument("--recipe", action="append", default=[],
+                        help="NAME=train.py options (repeatable), run beside the built-in ones")
+    parser.add_argument("--only", default=None, help="comma list: run only these recipes (built-in or --recipe)")
+    parser.add_argument("--results", default=None, help="results JSON (None: WORK/results.json); runs are merged in")
+    parser.add_argument("--report-only", default=None, metavar="RESULTS", help="print the tables and plot, no training")
+    return parser.parse_args(argv)
+
+
+def kjv_documents() -> list[str]:
+    """The KJV Bible, one document per chapter, from Debian's bible-kjv (installed when missing, as root)."""
+    if shutil.which("bible") is None:
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            print("installing Debian's bible-kjv (the benchmark's real English text) with apt-get", flush=True)
+            subprocess.run(["apt-get", "install", "-y", "-q", "bible-kjv"], check=False,
+                           stdout=subprocess.DEVNULL)
+        if shutil.which("bible") is None:
+            raise UserError("the benchmark text needs Debian's bible-kjv package: sudo apt-get install bible-kjv "
+                            "(or pass --text FILE.jsonl of real English documents)")
+    dump = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, check=True).stdout
+    chapters: dict[tuple[str, str], list[str]] = {}
+    for line in dump.splitlines():
+        verse = re.match(r"([1-3]?[A-Za-z]+)(\d+):\d+ (.*)", line)
+        if verse:
+            chapters.setdefault((verse[1], verse[2]), []).append(verse[3])
+    if len(chapters) != 1189:
+        raise UserError(f"bible -f printed {len(chapters)} chapters, expected 1189")
+    return ["\n".join(verses) for verses in chapters.values()]
+
+
+def build_corpus(args: argparse.Namespace, work: Path) -> Path:
+    """The real-text corpus (built once per text and reused): 4,096-token BPE, 5% test, 2% validation."""
+    import data
+
+    source = Path(args.text) if args.text else work / "kjv.jsonl"
+    corpus = work / f"corpus-{source.stem}"
+    if (corpus / "corpus_manifest.json").exists():
+        return corpus
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.text:
+        with open(source, "w", encoding="utf-8") as handle:
+            for text in kjv_documents():
+                handle.write(json.dumps({"text": text}) + "\n")
+    code = data.main(["--data", str(source), "--out", str(corpus), "--vocab-size", "4096", "--val-fraction",
+                      "0.02", "--test-fraction", "0.05", "--no-progress"])
+    if code:
+        raise UserError(f"data.py could not build {corpus}")
+    return corpus
+
+
+def heldout_bytes(training: train.Training) -> int:
+    """UTF-8 bytes of the text the test blocks' targets decode to (special tokens are 0 bytes)."""
+    from transformers import AutoTokenizer
+
+    split = training.splits["test"]
+    tokenizer = AutoTokenizer.from_pretrained(Path(training.args.data) / "tokenizer")
+    ids = [int(token) for index in range(split.blocks) for token in split.block(index)[1:]]
+    return len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
+
+
+@torch.no_grad()
+def heldout_nats(training: train.Training, batch: int = 16) -> float:
+    """Summed next-token cross-entropy (nats) over every block of the test split."""
+    split = training.splits["test"]
+    total = 0.0
+    training.model.eval()
+    for start in range(0, split.blocks, batch):
+        inputs, targets = split.batch(list(range(start, min(split.blocks, start + batch))), training.device)
+        total += training.loss_of(inputs, targets, model=training.model, reduction="sum").item()
+    training.model.train()
+    return total
+
+
+def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
+    """FLOPs of torch.optim.Muon's quintic Newton-Schulz on one matrix: X X^T, A @ A and B @ X per step."""
+    m, n = sorted((rows, columns))
+    return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
+
+
+def muon_extra_flops(training: train.Training) -> int:
+    """Muon's Newton-Schulz FLOPs per optimizer step of this run (0 under adamw)."""
+    if training.recipe.optimizer != "muon":
+        return 0
+    return sum(newton_schulz_flops(*param.shape) for param in train.hidden_matrices(training.model)[0])
+
+
+def muon_share_on_gpus(preset: model_config.Preset, vocab: int, tokens_per_step: int, world: int) -> float:
+    """Muon's extra FLOPs over a GPU's training FLOPs per step: every rank orthogonalizes every matrix."""
+    attention = [(preset.heads * preset.head_dim, preset.hidden), (preset.kv_heads * preset.head_dim, preset.hidden),
+                 (preset.kv_heads * preset.head_dim, preset.hidden), (preset.hidden, preset.heads * preset.head_dim)]
+    mlp = [(preset.intermediate, preset.hidden)] * 2 + [(preset.hidden, preset.intermediate)]
+    extra = preset.layers * sum(newton_schulz_flops(*shape) for shape in attention + mlp)
+    return extra / (model_config.flops_per_token(preset, vocab) * tokens_per_step / world)
+
+
+def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpus: Path,
+              args: argparse.Namespace) -> dict:
+    """Train every recipe for `steps` steps from the same seed, taking turns; their curves and timings."""
+    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    tokens = steps * args.batch_size * args.context
+    runs, bytes_ = {}, None
+    for name, options in recipes.items():
+        argv = ["--data", str(corpus), "--out", str(Path(args.work) / "unused"), "--preset", preset,
+                "--context", str(args.context), "--batch-size", str(args.batch_size), "--grad-accum", "1",
+                "--target-tokens", str(tokens), "--seed", str(seed), "--threads", str(args.threads),
+                *shlex.split(options)]
+        training = train.build_training(train.parse_args(argv), info)
+        bytes_ = bytes_ or heldout_bytes(training)
+        runs[name] = {"training": training, "seconds": 0.0, "curve": [], "options": options}
+        print(f"  {name}: {training.recipe.describe()}", flush=True)
+
+    def evaluate(run: dict) -> None:
+        bpb = heldout_nats(run["training"]) / (math.log(2) * bytes_)
+        step = run["training"].step
+        run["curve"].append({"step": step, "tokens": step * args.batch_size * args.context,
+                             "seconds": run["seconds"], "bpb": bpb})
+
+    for run in runs.values():
+        evaluate(run)
+    while any(run["training"].step < steps for run in runs.values()):
+        for name, run in runs.items():
+            training = run["training"]
+            for _ in range(min(args.chunk, steps - training.step)):
+                started = time.perf_counter()
+                result = training.train_step()
+                run["seconds"] += time.perf_counter() - started
+                if training.step % args.eval_every == 0 or training.step == steps:
+                    evaluate(run)
+            if training.step == steps and "done" not in run:
+                run["done"] = True
+                print(f"  {preset} seed {seed} {name}: step {steps}, held-out bpb {run['curve'][-1]['bpb']:.4f}, "
+                      f"{run['seconds']:.0f} s training, last loss {result.loss:.3f}", flush=True)
+    first = next(iter(runs.values()))["training"]
+    return {name: {"options": run["options"], "recipe": train.dataclasses.asdict(run["training"].recipe),
+                   "curve": run["curve"], "seconds": run["seconds"], "tokens": tokens,
+                   "muon_flops_per_step": muon_extra_flops(run["training"]),
+                   "train_flops_per_step": first.flops_per_token * first.tokens_per_step,
+                   "heldout_bytes": bytes_} for name, run in runs.items()}
+
+
+def time_to_reach(curve: list[dict], bpb: float) -> float | None:
+    """Training seconds at which `curve` first reaches `bpb` (linear between evaluations), None if never."""
+    for before, after in zip(curve, curve[1:]):
+        if after["bpb"] <= bpb:
+            if before["bpb"] <= bpb:
+                return before["seconds"]
+            share = (before["bpb"] - bpb) / (before["bpb"] - after["bpb"])
+            return before["seconds"] + share * (after["seconds"] - before["seconds"])
+    return None
+
+
+def summarize(results: dict) -> list[str]:
+    """Per preset: each recipe's final bpb per seed, its ratio to the baseline, and the time-to-baseline ratio."""
+    lines = []
+    for preset, seeds in results["groups"].items():
+        names = list(next(iter(seeds.values())))
+        lines.append(f"\n{preset} ({len(seeds)} seed(s), {next(iter(next(iter(seeds.values())).values()))['tokens']:,} "
+                     "tokens per run)")
+        lines.append("| recipe | held-out bpb per seed | mean | vs baseline | training s | "
+                     "time to baseline's final bpb | Muon NS FLOPs / step FLOPs |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|")
+        base = statistics.mean(group["baseline"]["curve"][-1]["bpb"] for group in seeds.values()) \
+            if "baseline" in names else None
+        for name in names:
+            finals = [group[name]["curve"][-1]["bpb"] for group in seeds.values()]
+            seconds = statistics.mean(group[name]["seconds"] for group in seeds.values())
+            ratio = f"{statistics.mean(finals) / base:.3f}x" if base else "-"
+            reach = []
+            for group in seeds.values():
+                if "baseline" in group:
+                    reached = time_to_reach(group[name]["curve"], group["baseline"]["curve"][-1]["bpb"])
+                    reach.append(None if reached is None else reached / group["baseline"]["seconds"])
+            reach_text = "-" if not reach else ("never" if None in reach else
+                                                f"{statistics.mean(reach):.2f}x")
+            extra = statistics.mean(group[name]["muon_flops_per_step"] / group[name]["train_flops_per_step"]
+                                    for group in seeds.values())
+            lines.append(f"| {name} | {', '.join(f'{value:.4f}' for value in finals)} | "
+                         f"{statistics.mean(finals):.4f} | {ratio} | {seconds:.0f} | {reach_text} | {extra:.4f} |")
+        if base and "default" in names:
+            default = statistics.mean(group["default"]["curve"][-1]["bpb"] for group in seeds.values())
+            reach = [time_to_reach(group["default"]["curve"], group["baseline"]["curve"][-1]["bpb"])
+                     for group in seeds.values()]
+            time_ratio = None if None in reach else statistics.mean(
+                value / group["baseline"]["seconds"] for value, group in zip(reach, seeds.values()))
+            bpb_ok = default / base <= TARGET_BPB_RATIO
+            time_ok = time_ratio is not None and time_ratio <= TARGET_TIME_RATIO
+            lines.append(f"target bpb: default/baseline {default / base:.3f} <= {TARGET_BPB_RATIO}: "
+                         f"{'MET' if bpb_ok else 'NOT MET'}; target time: "
+                         f"{'never' if time_ratio is None else f'{time_ratio:.2f}'} <= {TARGET_TIME_RATIO}: "
+                         f"{'MET' if time_ok else 'NOT MET'}")
+    lines.append("\nMuon's Newton-Schulz work on GPUs by FLOP accounting (every rank orthogonalizes every matrix), "
+                 "as a share of a GPU's training FLOPs per step, vocab 33,069, 65,536 tokens/step on 2 GPUs "
+                 "(the Kaggle recipe's global batch); at equal MFU this is the step time it adds:")
+    for name, preset in model_config.PRESETS.items():
+        lines.append(f"  {name}: {muon_share_on_gpus(preset, 33_069, 65_536, 2):.2%}")
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    """Held-out bpb against tokens and against training seconds, every recipe, one row per preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(results["groups"])
+    figure, axes = plt.subplots(len(presets), 2, figsize=(12, 4.2 * len(presets)), squeeze=False)
+    colors = {}
+    for row, preset in enumerate(presets):
+        for seed, group in results["groups"][preset].items():
+            for name, run in group.items():
+                color = colors.setdefault(name, f"C{len(colors)}")
+                label = name if seed == next(iter(results["groups"][preset])) else None
+                for column, key in enumerate(("tokens", "seconds")):
+                    axes[row][column].plot([point[key] for point in run["curve"][1:]],
+                                           [point["bpb"] for point in run["curve"][1:]], color=color, label=label,
+                                           linewidth=1.5, alpha=0.85)
+        for column, key in enumerate(("training tokens", "training seconds (CPU)")):
+            axis = axes[row][column]
+            axis.set_xlabel(key)
+            axis.set_ylabel("held-out bits per byte")
+            axis.set_title(f"{preset}: held-out bpb vs {key.split()[1]}")
+            axis.grid(alpha=0.3)
+            axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work)
+    results_path = Path(args.report_only or args.results or work / "results.json")
+    if args.report_only:
+        results = json.loads(Path(args.report_only).read_text())
+    else:
+        recipes = dict(BUILT_IN)
+        for spec in args.recipe:
+            name, _, options = spec.partition("=")
+            recipes[name.strip()] = options
+        if args.only:
+            wanted = [name.strip() for name in args.only.split(",")]
+            missing = [name for name in wanted if name not in recipes]
+            if missing:
+                raise UserError(f"--only names unknown recipes: {', '.join(missing)}")
+            recipes = {name: recipes[name] for name in wanted}
+        corpus = build_corpus(args, work)
+        results = json.loads(results_path.read_text()) if results_path.exists() else {"groups": {}}
+        results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                              "torch": torch.__version__, "corpus": str(corpus)}
+        for preset in args.presets.split(","):
+            steps = args.micro_steps if preset == "micro" and args.micro_steps else args.steps
+            for seed in range(1337, 1337 + args.seeds):
+                print(f"{preset}, seed {seed}: {len(recipes)} recipes x {steps} steps "
+                      f"({model_config.PRESETS[preset].hidden} wide)", flush=True)
+                group = run_group(preset, seed, steps, recipes, corpus, args)
+                stored = results["groups"].setdefault(preset, {}).setdefault(str(seed), {})
+                stored.update(group)
+                atomic_write_json(results_path, results)
+    for line in summarize(results):
+        print(line)
+    picture = results_path.with_suffix(".png")
+    plot(results, picture)
+    print(f"\nresults: {results_path}\nplot: {picture}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
