@@ -196,10 +196,17 @@ def _promote(fs, temp: str, final: str) -> None:
     _refresh(fs, _parent(final))
 
 
+def _make_parent(fs, path: str) -> None:
+    """Create the folder a remote file goes into, on a local or mounted folder only: object stores have
+    no folders, and s3fs's makedirs would create a missing bucket (a typo must never make one)."""
+    if is_local(fs):
+        fs.makedirs(_parent(path), exist_ok=True)
+
+
 def put_json(fs, path: str, obj) -> None:
     """Write a small JSON file on the remote through a temporary name and a promotion."""
     temp = _temp_name(path)
-    fs.makedirs(_parent(path), exist_ok=True)
+    _make_parent(fs, path)
     try:
         fs.pipe_file(temp, (json.dumps(obj, indent=2) + "\n").encode())
         _make_durable(fs, temp)
@@ -253,7 +260,7 @@ def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256:
                                "after it was written")
     digest = sha256 or sha256_file(local)
     temp = _temp_name(remote_path)
-    fs.makedirs(_parent(remote_path), exist_ok=True)
+    _make_parent(fs, remote_path)
     try:
         fs.put_file(str(local), temp)
         _make_durable(fs, temp)
@@ -1266,6 +1273,13 @@ def add_backup_args(parser: argparse.ArgumentParser) -> None:
                             "ones are deleted with a warning")
 
 
+def check_backup_target(url: str) -> None:
+    """train.py's --backup-to before anything is restored or trained: a missing bucket or parent
+    folder (a typo) is one error, not a new bucket and a run silently restarted from step 0."""
+    fs, root = open_remote(url)
+    require_remote(fs, root, url, writing=True)
+
+
 def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
                      log: LogFn = log_line) -> BackupProcess | None:
     """A BackupProcess for the options of add_backup_args, or None when no backup URL is set."""
@@ -1391,14 +1405,22 @@ def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:
 BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs")
 
 
-def require_remote(fs, root: str, url: str) -> None:
-    """list / verify / pull: a remote that does not exist (a typo) is an error; an existing empty one
-    is not. A local folder must exist; on S3 / GCS the bucket must (a prefix exists once written)."""
+def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
+    """A remote that does not exist (a typo) is an error; an existing empty one is not, and nothing
+    is ever created to make it exist. list / verify / pull: a local folder must exist; push and
+    train.py's backup (`writing`) may create the folder itself, inside an existing parent folder.
+    On S3 / GCS the bucket must exist (a prefix inside it exists once written)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
     with remote_errors("looking at the remote"):
         _refresh(fs, root)
         if is_local(fs):
-            if not fs.isdir(root):
+            if fs.exists(root) and not fs.isdir(root):
+                raise UserError(f"{root} is a file, not a folder")
+            parent = _parent(root) or "/"
+            if writing and not fs.isdir(root) and not fs.isdir(parent):
+                raise UserError(f"no such folder: {parent} (the backup folder is created only inside an "
+                                "existing one)")
+            if not writing and not fs.isdir(root):
                 raise UserError(f"no such folder: {root}")
         elif scheme in BUCKET_SCHEMES and not fs.exists(root):
             bucket = root.split("/", 1)[0]
@@ -1443,6 +1465,7 @@ def command_push(run_dir: str, url: str) -> int:
     if not source.is_dir():
         raise UserError(f"no such folder: {run_dir}")
     fs, root = open_remote(url)
+    require_remote(fs, root, url, writing=True)
     with remote_errors("pushing"):
         if (source / CORPUS_MANIFEST).is_file():
             push_corpus(source, fs, root)

@@ -36,14 +36,34 @@ def fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+def os_error_cause(error: OSError) -> str:
+    """'no space left on device', 'read-only file system': what an OSError means, without the path."""
+    return os.strerror(error.errno).lower() if error.errno else (str(error) or type(error).__name__)
+
+
+def os_error_text(error: OSError, path: str | os.PathLike | None = None) -> str:
+    """'PATH: no space left on device': the file (`path`, else the error's) and the cause, in one line."""
+    where = path if path is not None else error.filename
+    return f"{where}: {os_error_cause(error)}" if where else os_error_cause(error)
+
+
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a script's main(), turning UserError into a one-line message and exit code 2."""
+    """Run a script's main(), turning UserError into a one-line message and exit code 2.
+
+    An OSError that reaches here (a full disk, a read-only or vanished folder: the machine, not the
+    code) is one line too, naming the file and the cause; the scripts catch the ones they can
+    explain better (which checkpoint is the last good one, ...) before it gets here.
+    """
     try:
         result = main()
     except UserError as error:
         fail(str(error))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
+    except OSError as error:
+        if not error.errno:
+            raise
+        fail(os_error_text(error))
     if isinstance(result, int):
         raise SystemExit(result)
 

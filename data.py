@@ -46,6 +46,7 @@ from common import (
     atomic_write_text,
     fsync_dir,
     human_count,
+    os_error_text,
     read_json,
     run_main,
     sha256_bytes,
@@ -1129,6 +1130,16 @@ def data_card(corpus: dict, sources: dict) -> str:
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that cannot become the corpus, before any work: the corpus is built in a
+    folder beside it (which must be writable) and renamed into place (which a mount point cannot be)."""
+    if out.exists() and os.path.ismount(out):
+        raise UserError(f"--out {out} is a mount point: the corpus is built beside it and renamed into place, "
+                        f"which a mount point cannot be; use a folder inside it, e.g. --out {out / 'corpus'}")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):  # false on a read-only mount, for root too
+        raise UserError(f"--out {out}: {parent} cannot be written (a read-only file system, or no permission)")
     if not out.exists():
         return
     if not out.is_dir():
@@ -1194,6 +1205,23 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
     check_settings(settings)
     check_out_dir(out, overwrite)
     started = time.perf_counter()
+    try:
+        corpus, stats, splits = build_in_place(sources, out, settings, extra_files, generator)
+    except OSError as error:
+        if not error.errno:
+            raise
+        raise UserError(f"building {out} failed: {os_error_text(error)}; nothing was written to --out "
+                        "(the partial build was removed)") from None
+    empty = empty_splits(splits, settings)
+    print_summary(out, corpus, stats, time.perf_counter() - started, empty)
+    for message in empty.values():
+        print(f"warning: {message}", file=sys.stderr)
+    return out
+
+
+def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, extra_files: dict[str, bytes] | None,
+                   generator: dict | None) -> tuple[dict, dict, dict]:
+    """build_corpus's work: everything in a temporary folder beside `out`, renamed into place at the end."""
     with building(out) as temp:
         tokenizer = prepare_tokenizer(settings, sources, temp / TOKENIZER_DIR)
         vocab_size = len(tokenizer)
@@ -1228,11 +1256,7 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
         corpus["files"] = {name: sha256_file(temp / name) for name in listed}
         atomic_write_json(temp / CORPUS_MANIFEST, corpus)
         swap_into_place(temp, out)
-    empty = empty_splits(splits, settings)
-    print_summary(out, corpus, stats, time.perf_counter() - started, empty)
-    for message in empty.values():
-        print(f"warning: {message}", file=sys.stderr)
-    return out
+    return corpus, stats, splits
 
 
 def empty_splits(splits: dict[str, dict], settings: BuildSettings) -> dict[str, str]:

@@ -57,6 +57,8 @@ from common import (
     append_jsonl,
     atomic_open,
     atomic_write_json,
+    os_error_cause,
+    os_error_text,
     read_json,
     run_main,
     seed_everything,
@@ -796,10 +798,15 @@ class HashingWriter:
 
     def __init__(self, handle):
         self.handle, self.digest = handle, hashlib.sha256()
+        self.os_error: OSError | None = None  # torch.save reports a failed write as a RuntimeError: keep the cause
 
     def write(self, data) -> int:
         self.digest.update(data)
-        return self.handle.write(data)
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.os_error = error
+            raise
 
     def flush(self) -> None:
         self.handle.flush()
@@ -837,6 +844,10 @@ def set_aside(path: Path) -> str:
     return target.name
 
 
+class CheckpointWriteFailed(UserError):
+    """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
+
+
 class Checkpointer:
     """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
 
@@ -865,6 +876,12 @@ class Checkpointer:
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
 
+    def check(self) -> None:
+        """Re-raise the error of a write that has already ended (returns at once): a failed save is
+        noticed at the next step, not one save later."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; re-raise its error."""
         if self._thread is not None:
@@ -884,9 +901,9 @@ class Checkpointer:
         return caught_up
 
     def _write(self, snapshot: dict, step: int, best_val_loss: float | None) -> None:
+        path, writer = self.folder / checkpoint_name(step), None
         try:
             started = time.perf_counter()
-            path = self.folder / checkpoint_name(step)
             with atomic_open(path, "wb") as handle:
                 writer = HashingWriter(handle)
                 torch.save(snapshot, writer)
@@ -902,7 +919,10 @@ class Checkpointer:
                 self.backup.submit(path, step)
             self.apply_retention()
             self.last_write_seconds = time.perf_counter() - started
-        except BaseException as error:  # surfaced on the training thread at the next save/wait
+        except BaseException as error:  # surfaced on the training thread at the next step (check) or save
+            cause = writer.os_error if writer is not None and writer.os_error is not None else error
+            if isinstance(cause, OSError) and cause.errno:
+                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, cause.filename or path)}")
             self._error = error
 
     def start_timeline(self, resumed_from: Path | None, step: int) -> None:
@@ -1698,6 +1718,8 @@ def main(argv: list[str] | None = None) -> int:
         args.data = str(main_decides(lambda: prepare_corpus(args), info))
         with claim_run_folder(Path(args.out), info):
             backup_url = checkpoint_cloud.backup_url_from_env_or_arg(args.backup_to)
+            if backup_url:
+                main_decides(lambda: checkpoint_cloud.check_backup_target(backup_url), info)
             if backup_url and args.resume == "auto":
                 main_decides(lambda: restore_from_backup(backup_url, Path(args.out)), info)
             backup = start_backup(args, info)
@@ -1727,8 +1749,11 @@ def check_run_folder(out: Path) -> None:
 
 def lock_run_folder(out: Path):
     """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a+", encoding="utf-8")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / ".lock", "a+", encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--out {out} cannot be written: {os_error_cause(error)}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1861,7 +1886,11 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
             progress.close()
             tensorboard.close()
         finish_run(training, out, checkpointer, metrics, status, reason)
-    except NonFiniteLoss as error:
+    except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
+        if isinstance(error, OSError) and not error.errno:
+            fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
+            raise
+        error = os_error_text(error) if isinstance(error, OSError) else error
         fail_run(info, out, checkpointer, training, str(error))
         last = latest_checkpoint_name(out)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
@@ -1898,6 +1927,8 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         progress.write(reason)
         return NEEDS_RESUME, reason
     while training.step < training.total_steps:
+        if checkpointer is not None:
+            checkpointer.check()
         result = training.train_step()
         if not result.applied:
             progress.write(f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")

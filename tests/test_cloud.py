@@ -860,3 +860,53 @@ def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
     backup.close()
     assert any(line.startswith("checkpoint backup: step-00000001.pt (step 1,") and "uploaded and verified" in line
                for line in log)
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_path, request, capsys):
+    """Issue 14.1: a typo in the bucket (or the folder above the backup folder) is an error for push and
+    for train.py's --backup-to, before anything is restored or trained; nothing is created."""
+    run = tmp_path / "run"
+    save_and_point_latest(run / "checkpoints", 4, run_id="r1")
+    if store == "folder":
+        missing = str(tmp_path / "no-such" / "runs" / "tiny")
+        fresh = str(tmp_path / "backups")  # its parent exists: the folder itself may be created
+    else:
+        fresh = request.getfixturevalue("s3_url")
+        missing = f"s3://typobucket-{uuid.uuid4().hex[:8]}/runs/x"
+    with pytest.raises(SystemExit) as exit_info:
+        cc.run_main(lambda: cc.main(["push", str(run), missing]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "does not exist" in err or "no such folder" in err
+    with pytest.raises(UserError):
+        cc.check_backup_target(missing)
+    if store == "folder":
+        assert not (tmp_path / "no-such").exists()
+    else:
+        bucket = missing.split("://", 1)[1].split("/", 1)[0]
+        fs, _ = cc.open_remote(missing)
+        with pytest.raises(OSError):  # an upload below the missing bucket fails instead of creating it
+            cc.upload_checkpoint(fs, missing.split("://", 1)[1], run / "checkpoints" / "step-00000004.pt")
+        cc._refresh(fs, bucket)
+        assert not fs.exists(bucket)
+    cc.check_backup_target(fresh)
+    assert cc.main(["push", str(run), fresh]) == 0
+    assert sorted(remote_state(fresh)["verified"]) == [4]
+
+
+def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_training(s3_url, tmp_path):
+    """Issue 14.1, through train.py: no bucket made, no 'holds no checkpoint yet', no step 0."""
+    from test_train import options, write_tiny_corpus
+
+    import train
+
+    corpus = write_tiny_corpus(tmp_path / "corpus", documents=200)
+    missing = f"s3://typobucket-{uuid.uuid4().hex[:8]}/runs/x"
+    with pytest.raises(UserError, match="bucket does not exist"):
+        train.main(options(corpus, tmp_path / "run", "--backup-to", missing))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    fs, _ = cc.open_remote(missing)
+    bucket = missing.split("://", 1)[1].split("/", 1)[0]
+    cc._refresh(fs, bucket)
+    assert not fs.exists(bucket)

@@ -1,0 +1,132 @@
+"""Issue 14: every fault ends in one clear `error:` line (exit 2) or a correct warning, nothing lost.
+
+The faults come from tests/faults.py: a real small tmpfs or read-only mount where the machine
+allows `mount`, simulated at the OS boundary (open/os.open failing) where it does not.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+from faults import fail_os_writes, mount_point, read_only_folder, small_disk
+from test_train import options, write_tiny_corpus
+
+import common
+import data
+import train
+
+CHECKPOINT_BYTES = 1_458_173  # a checkpoint of options()'s tiny run
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"), documents=200)
+
+
+@pytest.fixture
+def text_folder(tmp_path) -> Path:
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for index in range(6):
+        (folder / f"book{index}.txt").write_text(" ".join(f"word{(index * 7 + i) % 97} and more" for i in range(4000)))
+    return folder
+
+
+def run_main_exit(capsys, function) -> tuple[int, str]:
+    """(exit code, stderr) of run_main(function); the stderr must be exactly one `error:` line."""
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_main(function)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return exit_info.value.code, lines[0]
+
+
+def status(out: Path) -> dict:
+    return json.loads((out / "run_status.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. A full disk.
+
+
+def test_train_py_on_a_full_disk_stops_at_the_failed_save_and_names_the_last_good_checkpoint(corpus, tmp_path,
+                                                                                              capsys):
+    """A real tmpfs with room for one checkpoint: the second save fails inside torch.save (which
+    reports it as `enforce fail at inline_container.cc`); the run stops at once with the cause."""
+    with small_disk(tmp_path / "disk", free_bytes=int(CHECKPOINT_BYTES * 1.6)) as disk:
+        out = disk / "run"
+        code, line = run_main_exit(capsys, lambda: train.main(options(corpus, out, "--eval-every", "0")))
+        assert code == 2
+        assert "step-00000008.pt: no space left on device" in line, line
+        assert "the last good checkpoint, step-00000004.pt, is intact" in line and "inline_container" not in line
+        recorded = status(out)
+        assert recorded["status"] == train.FAILED and "no space left on device" in recorded["reason"]
+        assert recorded["last_checkpoint"] == "step-00000004.pt"
+        assert recorded["step"] < 12  # noticed before the next save (the old code trained on to step 12)
+        assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["step-00000004.pt"]
+        assert not list((out / "checkpoints").glob(".*.tmp"))  # no half-written file left
+        assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 4
+
+
+def test_a_checkpoint_that_cannot_be_created_fails_the_run_at_once(corpus, tmp_path, monkeypatch, capsys):
+    """The same fault simulated at the OS boundary (no mount needed): every file opened for writing in
+    RUN/checkpoints fails with ENOSPC."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    fail_os_writes(monkeypatch, out / "checkpoints")
+    code, line = run_main_exit(capsys, lambda: train.main(options(corpus, out, "--eval-every", "0")))
+    assert code == 2 and "no space left on device" in line and str(out / "checkpoints") in line
+    assert "no checkpoint had been written yet" in line
+    monkeypatch.undo()
+    assert status(out)["status"] == train.FAILED and status(out)["step"] < 8
+
+
+def test_data_py_on_a_full_disk_is_one_line_and_leaves_nothing(text_folder, tmp_path, capsys):
+    with small_disk(tmp_path / "disk", free_bytes=48 * 1024) as disk:
+        out = disk / "corpus"
+        code, line = run_main_exit(capsys, lambda: data.main(["--data", str(text_folder), "--out", str(out),
+                                                              "--vocab-size", "300", "--tokenize-workers", "1"]))
+        assert code == 2 and "no space left on device" in line and f"building {out} failed" in line, line
+        assert sorted(p.name for p in disk.iterdir()) == [".filler"]  # no corpus, no temporary build folder
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. A read-only or unusable --out.
+
+
+def test_read_only_out_is_refused_before_the_work(corpus, text_folder, tmp_path, capsys, monkeypatch):
+    with read_only_folder(tmp_path / "ro") as folder:
+        built = []
+        monkeypatch.setattr(data, "build_in_place", lambda *args: built.append(args))
+        code, line = run_main_exit(capsys, lambda: data.main(["--data", str(text_folder), "--out",
+                                                              str(folder / "corpus")]))
+        assert code == 2 and str(folder) in line and "cannot be written" in line and not built, line
+        code, line = run_main_exit(capsys, lambda: train.main(options(corpus, folder / "run")))
+        assert code == 2 and f"--out {folder / 'run'} cannot be written" in line, line
+
+
+def test_train_py_out_on_a_simulated_read_only_folder_is_one_line(corpus, tmp_path, monkeypatch, capsys):
+    fail_os_writes(monkeypatch, tmp_path / "ro", code=errno.EROFS)
+    code, line = run_main_exit(capsys, lambda: train.main(options(corpus, tmp_path / "ro" / "run")))
+    assert code == 2 and "read-only file system" in line and str(tmp_path / "ro" / "run") in line, line
+
+
+def test_an_empty_mount_point_as_data_py_out_is_refused_before_the_work(text_folder, tmp_path, capsys,
+                                                                        monkeypatch):
+    with mount_point(tmp_path / "drive") as drive:
+        built = []
+        monkeypatch.setattr(data, "build_in_place", lambda *args: built.append(args))
+        code, line = run_main_exit(capsys, lambda: data.main(["--data", str(text_folder), "--out", str(drive)]))
+        assert code == 2 and "is a mount point" in line and str(drive / "corpus") in line and not built, line
+
+
+def test_run_main_turns_any_os_error_into_one_line(capsys):
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/x.bin")
+
+    code, line = run_main_exit(capsys, full)
+    assert code == 2 and line == "error: /data/x.bin: no space left on device"
