@@ -87,6 +87,7 @@ CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
 RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json")
+NEEDS_RESUME = "CHECKPOINTED_NEEDS_RESUME"  # train.py's status of a run to continue with --resume auto
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
@@ -367,9 +368,14 @@ def upload_run_files(fs, root: str, run_dir: Path) -> list[str]:
     return uploaded
 
 
-def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line) -> list[str]:
+def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line,
+                      step: int | None = None) -> list[str]:
     """Download the remote RUN_FILES that `run_dir` lacks (through a temporary name), so a restored run
-    keeps its history. Skipped when the remote's training_settings.json names another run_id."""
+    keeps its history. Skipped when the remote's training_settings.json names another run_id.
+
+    `step`: the step of the checkpoint restored. The remote run_status.json describes the run as it
+    last uploaded (COMPLETE at a later step, say, with a model/ that is not backed up); unless it
+    says the run is to be resumed at exactly this step, it is rewritten to say so."""
     remote_settings = get_json(fs, run_file_path(root, "training_settings.json")) or {}
     remote_run = remote_settings.get("run_id") if isinstance(remote_settings, dict) else None
     if run_id and remote_run and remote_run != run_id:
@@ -395,6 +401,16 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
                 temp.unlink()
     if restored:
         fsync_dir(run_dir)
+    if "run_status.json" in restored and step is not None:
+        remote_status = _read_json_quietly(run_dir / "run_status.json")
+        if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
+            was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
+            atomic_write_json(run_dir / "run_status.json", {
+                "status": NEEDS_RESUME, "step": step, "total_steps": remote_status.get("total_steps"),
+                "reason": f"restored from the backup at step {step} (the backup's run_status.json said {was}); "
+                          "continue with train.py --resume auto", "updated": utc_now()})
+            log(f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
+                f"(the backup's said {was})")
     return restored
 
 
@@ -539,7 +555,8 @@ def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None
         f"{name}{RECORD_SUFFIX}.corrupt)")
 
 
-def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line) -> Path | None:
+def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line,
+                   read_only: bool = False) -> Path | None:
     """Download the remote's newest verified checkpoint into `local_checkpoint_dir` and point the local
     latest.json at it, so train.py's `--resume auto` picks it up.
 
@@ -547,6 +564,10 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
     sha256. Returns None, without a log line, when the remote has no checkpoint yet (train.py's backup
     says so as it starts; `pull` raises its own error); raises UserError when it cannot be read or
     when no checkpoint on it is intact (starting fresh would then overwrite the backup).
+
+    A corrupt checkpoint's record is set aside on the remote and latest.json pointed at the one
+    restored (each said in a log line), so that the run's backup never counts it again; with
+    `read_only` (`pull`: the user asked only to download) the remote is left exactly as it is.
     """
     fs, root = open_remote(url)
     local_dir = Path(local_checkpoint_dir)
@@ -563,19 +584,24 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
                                          record.get("bytes"))
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
-            quarantine_record(fs, folder, name, log)
+            if read_only:
+                log(f"checkpoint restore: the remote is left as it is (pull only reads); "
+                    f"`checkpoint_cloud.py verify` lists {name} as corrupt")
+            else:
+                quarantine_record(fs, folder, name, log)
             continue
         local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
         write_local_sidecar(fs, root, path, local_record, record)
         atomic_write_json(local_dir / LATEST, local_record)
         log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
-        if record is not candidates[0]:  # the remote latest.json named a corrupt one: point it at this one
+        if record is not candidates[0] and not read_only:  # the remote latest.json named a corrupt one
             with contextlib.suppress(Exception):
                 write_remote_latest(fs, root, record)
                 log(f"checkpoint restore: the remote {LATEST} now names {name}")
         try:
             with remote_errors("downloading the run files"):
-                history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log)
+                history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log,
+                                            step=record.get("step"))
         except (UserError, VerificationError) as error:
             log(f"checkpoint restore: WARNING the run files (metrics.jsonl, ...) were not restored: {error}")
         else:
@@ -1524,7 +1550,7 @@ def command_pull(url: str, run_dir: str) -> int:
     if corpus:
         pull_corpus(url, run_dir)
         return 0
-    path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR)
+    path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     if path is None:
         raise UserError("the remote holds no checkpoint to pull")
     return 0

@@ -910,3 +910,36 @@ def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_trainin
     bucket = missing.split("://", 1)[1].split("/", 1)[0]
     cc._refresh(fs, bucket)
     assert not fs.exists(bucket)
+
+
+def test_pull_is_read_only_on_the_remote_and_restores_an_honest_run_status(tmp_path, flip_byte, capsys):
+    """Issue 14.8: the remote says COMPLETE at step 30 but its step-30 copy is corrupt: pull restores
+    step 20 with a run_status.json saying resume at step 20, and leaves every remote file as it was."""
+    run = tmp_path / "run"
+    remote = tmp_path / "remote"
+    backup = cc.CheckpointBackup(str(remote), save_every=10, log=Log())
+    atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
+    for step in (10, 20, 30):
+        atomic_write_json(run / "run_status.json", {"status": "RUNNING", "step": step, "total_steps": 30})
+        if step == 30:
+            atomic_write_json(run / "run_status.json", {"status": "COMPLETE", "step": 30, "total_steps": 30})
+        backup.submit(save_and_point_latest(run / "checkpoints", step, "run-a"), step)
+        assert backup.wait(30)
+    backup.close()
+    flip_byte(remote / "checkpoints" / "step-00000030.pt", 1000)
+    before = {path.relative_to(remote): path.read_bytes() for path in remote.rglob("*") if path.is_file()}
+
+    assert cc.main(["pull", str(remote), str(tmp_path / "pulled")]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000020.pt (step 20) restored" in out and "left as it is" in out
+    after = {path.relative_to(remote): path.read_bytes() for path in remote.rglob("*") if path.is_file()}
+    assert after == before  # no record renamed, latest.json not moved
+    restored = json.loads((tmp_path / "pulled" / "run_status.json").read_text())
+    assert restored["status"] == cc.NEEDS_RESUME and restored["step"] == 20
+    assert "COMPLETE at step 30" in restored["reason"]
+
+    # train.py's own restore (it writes the remote anyway) sets the corrupt record aside and says so
+    log = Log()
+    cc.restore_latest(str(remote), tmp_path / "trained" / "checkpoints", log=log)
+    assert (remote / "checkpoints" / "step-00000030.pt.json.corrupt").exists()
+    assert "record renamed" in log.text() and "now names step-00000020.pt" in log.text()
