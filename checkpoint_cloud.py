@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import importlib
@@ -71,7 +72,9 @@ from common import (
     ArgumentParser,
     UserError,
     atomic_write_json,
+    check_writable_folder,
     fsync_dir,
+    os_error_text,
     read_json,
     run_main,
     sha256_file,
@@ -91,6 +94,9 @@ NEEDS_RESUME = "CHECKPOINTED_NEEDS_RESUME"  # train.py's status of a run to cont
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
+
+# OSErrors that only a local disk raises (a store's errors arrive as other types or errnos)
+LOCAL_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
 LogFn = Callable[[str], None]
 log_line: LogFn = functools.partial(print, flush=True)
@@ -520,6 +526,11 @@ def remote_errors(action: str):
         yield
     except (UserError, VerificationError):
         raise
+    except OSError as error:
+        if error.errno in LOCAL_ERRNOS:  # the local disk, not the remote: say which file and why
+            raise UserError(f"{action} failed: {os_error_text(error)}") from None
+        raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
+                        "credentials") from None
     except Exception as error:
         raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
                         "credentials") from None
@@ -709,6 +720,8 @@ class CheckpointBackup:
         self._urgent = False  # inside wait(): keep retries short
         self._stopping = False
         self._busy: _Upload | None = None
+        self._failures = 0  # failed attempts since the last success, to announce the recovery
+        self._last_error: str | None = None  # the exception type of the last failed attempt
         self._cond = threading.Condition()
         self.started = threading.Event()  # set once the start-up look at the remote is done
         self._thread = threading.Thread(target=self._run, name="checkpoint-backup", daemon=True)
@@ -754,18 +767,22 @@ class CheckpointBackup:
                         released.append(path)
                 elif upload.state in ("verified", "dropped"):
                     released.append(path)
-                else:
+                elif upload is not self._busy:  # the one uploading now is never released mid-upload
                     waiting.append(upload)
             overflow = beyond_unbacked_bound(waiting, lambda upload: upload.step, self.max_unbacked)
             for upload in overflow:
                 upload.state = "dropped"
                 released.append(upload.path)
             self._cond.notify_all()
+            why = (f"uploads are failing ({self._last_error}); check the network and the credentials"
+                   if self._failures else "checkpoints are saved faster than they upload; save less often "
+                   "(--save-every) or allow more (--backup-max-unbacked)")
         for upload in overflow:
             self._changed(upload)
+            where = ("its copy is on the remote and verified, but the remote latest.json does not name it yet"
+                     if upload.record is not None else "it never reached the remote")
             self.log(f"checkpoint backup: WARNING deleting local {upload.path.name} (step {upload.step}) although "
-                     f"it never reached the remote: more than {self.max_unbacked} checkpoints are waiting for "
-                     "upload; check the network and the credentials")
+                     f"{where}: more than {self.max_unbacked} checkpoints are waiting for upload; {why}")
         return released
 
     def wait(self, timeout_s: float) -> bool:
@@ -905,7 +922,11 @@ class CheckpointBackup:
                 self._latest_step = upload.step
             upload.state = "verified"
             upload.attempts = 0
+            failures, self._failures = self._failures, 0
         self._changed(upload)
+        if failures:
+            self.log(f"checkpoint backup: the remote works again: {upload.path.name} (step {upload.step}) is "
+                     f"backed up after {failures} failed attempt(s)")
         try:
             self._apply_retention()
         except Exception as error:
@@ -928,6 +949,8 @@ class CheckpointBackup:
                 delay = min(delay, self.retry_seconds)
             upload.next_try = time.monotonic() + delay
             dropped = upload.state == "dropped"
+            self._failures += 1
+            self._last_error = type(error).__name__
         if upload.attempts & (upload.attempts - 1):
             return  # log attempts 1, 2, 4, 8, ... only: a long outage must not flood the log
         then = "not retried (released for local deletion)" if dropped else \
@@ -1545,6 +1568,9 @@ def matches_local_record(path: Path, sha256: str) -> bool:
 def command_pull(url: str, run_dir: str) -> int:
     fs, root = open_remote(url)
     require_remote(fs, root, url)
+    target = Path(run_dir).resolve()
+    for folder in (target, target.parent) if target.is_dir() else (target.parent,):
+        check_writable_folder(folder, "the local folder")  # before the download, not a network error after it
     with remote_errors("reading the remote"):
         corpus = remote_is_corpus(fs, root)
     if corpus:

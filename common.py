@@ -121,6 +121,22 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
+    """Create `folder` if needed and write (then remove) a small file there, before any work: a
+    read-only mount or a full disk is then one error naming the folder, not a traceback at the end."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as error:
+        raise UserError(f"{what} {folder} cannot be written: {os_error_cause(error)}") from None
+
+
 def _process_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)

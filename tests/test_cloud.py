@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -943,3 +944,88 @@ def test_pull_is_read_only_on_the_remote_and_restores_an_honest_run_status(tmp_p
     cc.restore_latest(str(remote), tmp_path / "trained" / "checkpoints", log=log)
     assert (remote / "checkpoints" / "step-00000030.pt.json.corrupt").exists()
     assert "record renamed" in log.text() and "now names step-00000020.pt" in log.text()
+
+
+def test_backup_warnings_say_what_happened_and_announce_the_recovery(tmp_path):
+    """Issue 14.10: the overflow warning names the real cause (uploads failing vs saving faster than
+    uploads finish; a copy on the remote whose latest.json could not move), never releases the file
+    being uploaded, and the end of an outage is announced."""
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote"), max_unbacked=1, retry_seconds=60, log=log)
+    allow_uploads = refuse_uploads(backup)
+    paths = [save_and_point_latest(local, step) for step in (1, 2, 3)]
+    for step, path in enumerate(paths, start=1):
+        backup.submit(path, step)
+    assert not backup.wait(0.5)
+    assert backup.deletable(paths[:2]) == [paths[0].resolve()]
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "never reached the remote" in warning and "uploads are failing (PermissionError)" in warning
+    allow_uploads()
+    backup.submit(paths[2], 3)
+    assert backup.wait(30)
+    assert any("the remote works again" in line and "failed attempt" in line for line in log)
+    backup.close()
+
+    # no failure at all: the cause is saving faster than uploads finish, not the credentials
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote-2"), max_unbacked=1, log=log)
+    started, release = threading.Event(), threading.Event()
+    working = backup.fs.put_file
+
+    def slow_put(*args, **kwargs):
+        started.set()
+        release.wait(30)
+        return working(*args, **kwargs)
+
+    backup.fs.put_file = slow_put
+    paths = [save_and_point_latest(tmp_path / "run-2" / "checkpoints", step) for step in (1, 2, 3, 4)]
+    backup.submit(paths[0], 1)
+    assert started.wait(30)  # step 1 is being uploaded now
+    for step, path in enumerate(paths[1:], start=2):
+        backup.submit(path, step)
+    released = backup.deletable(paths[:3])
+    assert paths[0].resolve() not in released  # never released mid-upload
+    assert released == [paths[1].resolve()]
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "saved faster than they upload" in warning and "credentials" not in warning
+    release.set()
+    assert backup.wait(30)
+    assert not any("the remote works again" in line for line in log)
+    backup.close()
+
+    # a copy that reached the remote, but latest.json could not be moved: not "never reached"
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote-3"), max_unbacked=0, retry_seconds=60, log=log)
+    original = cc.write_remote_latest
+
+    def refuse_latest(*args):
+        raise PermissionError("denied")
+
+    try:
+        cc.write_remote_latest = refuse_latest
+        path = save_and_point_latest(tmp_path / "run-3" / "checkpoints", 1)
+        backup.submit(path, 1)
+        assert wait_until(lambda: any("not backed up yet" in line for line in log))
+        assert backup.deletable([path]) == [path.resolve()]
+    finally:
+        cc.write_remote_latest = original
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "its copy is on the remote and verified" in warning and "never reached" not in warning
+    backup.close()
+
+
+def test_pull_into_a_read_only_folder_names_it_not_the_network(tmp_path, capsys):
+    from faults import read_only_folder
+
+    remote = tmp_path / "remote"
+    run = tmp_path / "run"
+    save_and_point_latest(run / "checkpoints", 4, run_id="r1")
+    assert cc.main(["push", str(run), str(remote)]) == 0
+    capsys.readouterr()
+    with read_only_folder(tmp_path / "ro") as folder:
+        with pytest.raises(SystemExit) as exit_info:
+            cc.run_main(lambda: cc.main(["pull", str(remote), str(folder / "run")]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert f"{folder} cannot be written" in err and "credentials" not in err and "network" not in err
