@@ -386,14 +386,25 @@ def gguf_tensor_name(name_map, hf_name: str, source: ModelSource) -> str | None:
     return mapped
 
 
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """safetensors.safe_open, with a truncated or garbage file (SafetensorError) one UserError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as error:
+        raise UserError(f"{path} is not a readable safetensors file, truncated or corrupt ({error}); export "
+                        "the model again (train.py --export-only --out RUN)") from None
+
+
 def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
     """Every tensor to write, from the safetensors headers alone, checked against config.json."""
-    from safetensors import safe_open
-
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.preset.layers)
     plan: dict[str, PlannedTensor] = {}
     for path in source.weight_files:
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for hf_name in handle.keys():
                 gguf_name = gguf_tensor_name(name_map, hf_name, source)
                 if gguf_name is None:
@@ -431,10 +442,9 @@ def expected_tensor_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
 def iter_source_tensors(source: ModelSource):
     """Yield (hf_name, float32 torch tensor) for every tensor in the safetensors files."""
     import torch
-    from safetensors import safe_open
 
     for path in source.weight_files:
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name).to(torch.float32)
 
@@ -560,9 +570,8 @@ class Conversions:
     def __init__(self, source: ModelSource, plan: list[PlannedTensor], stack: contextlib.ExitStack,
                  ahead: int = CONVERT_AHEAD):
         import torch
-        from safetensors import safe_open
 
-        self.handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in source.weight_files}
+        self.handles = {path: stack.enter_context(open_safetensors(path)) for path in source.weight_files}
         stack.enter_context(torch_threads(1))
         self.pool = ThreadPoolExecutor(max_workers=CONVERT_WORKERS)
         stack.callback(self.pool.shutdown, wait=True, cancel_futures=True)

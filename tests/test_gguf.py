@@ -638,3 +638,17 @@ def test_cli_error_is_one_line_and_exit_2(model_dir, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {out} already exists; pass --overwrite to replace it"]
     assert out.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "truncated_data"])
+def test_a_truncated_or_garbage_safetensors_is_one_line_and_writes_nothing(model_dir, tmp_path, damage):
+    """Issue 14.6: no SafetensorError traceback, with or without --verify."""
+    folder = copy_folder(model_dir, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes({"truncated": raw[:100], "garbage": os.urandom(len(raw)),
+                         "truncated_data": raw[: len(raw) // 2]}[damage])
+    for verify in (False, True):
+        with pytest.raises(UserError, match="model.safetensors is not a readable safetensors file"):
+            export_gguf.export(folder, tmp_path / "x.gguf", verify=verify)
+    assert not (tmp_path / "x.gguf").exists() and leftovers(tmp_path) == []
