@@ -2197,9 +2197,25 @@ def final_line(out: Path, status: str, record: dict) -> str:
 
 
 def export_only(args: argparse.Namespace, info: DistInfo) -> int:
-    """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only)."""
+    """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only), holding
+    the run folder's lock: a training run that owns the folder writes its model/ itself."""
     if not info.is_main:
         return 0
+    out = Path(args.out)
+    new = not out.exists()
+    lock = lock_run_folder(out)
+    try:
+        return export_checkpoint(args, info)
+    finally:
+        lock.close()
+        if new and [path.name for path in out.iterdir()] == [".lock"]:  # refused: leave no folder behind
+            with contextlib.suppress(OSError):
+                (out / ".lock").unlink()
+                out.rmdir()
+
+
+def export_checkpoint(args: argparse.Namespace, info: DistInfo) -> int:
+    """export_only's work, under the lock."""
     out = Path(args.out)
     path = find_resume_checkpoint(out, args.resume)
     if path is None:

@@ -130,3 +130,21 @@ def test_run_main_turns_any_os_error_into_one_line(capsys):
 
     code, line = run_main_exit(capsys, full)
     assert code == 2 and line == "error: /data/x.bin: no space left on device"
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. --export-only and the run lock.
+
+
+def test_export_only_is_refused_while_a_training_run_holds_the_folder(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, steps=4)) == 0
+    lock = train.lock_run_folder(out)  # as a training run holds it
+    try:
+        code, line = run_main_exit(capsys, lambda: train.main([*options(corpus, out), "--export-only"]))
+    finally:
+        lock.close()
+    assert code == 2 and f"run folder {out} is in use by another train.py" in line
+    assert not (out / "model").exists()
+    assert train.main([*options(corpus, out), "--export-only"]) == 0  # once the run is gone
+    assert (out / "model" / "model.safetensors").is_file()
