@@ -388,9 +388,12 @@ def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield location, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as error:
-                yield location, RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
+                record = RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
+            except RecursionError:
+                record = RecordError("malformed_json", f"{location}: malformed JSON (nested too deeply)")
+            yield location, record
 
 
 def json_error(error: json.JSONDecodeError) -> str:
@@ -418,6 +421,9 @@ def iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     except json.JSONDecodeError as error:
         yield f"{path}:{error.lineno}", RecordError("malformed_json", f"{path}:{error.lineno}: malformed JSON "
                                                                        f"({error.msg})")
+        return
+    except RecursionError:
+        yield str(path), RecordError("malformed_json", f"{path}: malformed JSON (nested too deeply)")
         return
     if isinstance(data, dict):
         lists = [value for value in data.values() if isinstance(value, list) and value and

@@ -860,3 +860,20 @@ def test_a_chat_template_that_changes_content_is_a_user_error(tmp_path):
     upper = data.CHAT_TEMPLATE.replace("message['content']", "message['content'] | upper")
     with pytest.raises(UserError, match=r"chats\.jsonl:1: the tokenizer's chat template changes message content"):
         list(data.iter_documents(data.resolve_inputs([str(source)]), data.BuildSettings(), upper))
+
+
+@pytest.mark.parametrize("extra", [(), ("--skip-unknown",)])
+def test_a_deeply_nested_json_line_is_a_malformed_line_not_a_crash(tmp_path, capsys, extra):
+    """Issue 14.4: one line nested 100,000 deep (RecursionError in the parser) is warned and counted."""
+    source = tmp_path / "deep.jsonl"
+    lines = [json.dumps(r) for r in text_records("ok", 10)]
+    lines.insert(2, "[" * 100_000 + "]" * 100_000)
+    source.write_text("\n".join(lines) + "\n")
+    whole = tmp_path / "deep.json"
+    whole.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    out = build([source, whole], tmp_path / "out", *extra)
+    err = capsys.readouterr().err
+    assert f"{source}:3: malformed JSON (nested too deeply)" in err and f"{whole}: malformed JSON" in err
+    entries = {Path(e["source"]).name: e for e in json.loads((out / "source_manifest.json").read_text())["inputs"]}
+    assert entries["deep.jsonl"]["dropped"] == {"malformed_json": 1} and entries["deep.jsonl"]["documents_kept"] == 10
+    assert entries["deep.json"]["dropped"] == {"malformed_json": 1}
