@@ -784,6 +784,10 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     characters = sum(len(part) for turn in turns for part in turn["parts"])
     if not characters:
         return "chat", "", [""], 0
+    answers = [message for message in messages if message["role"] == "assistant"]
+    if answers and not clean_text(answers[-1]["content"], remove_uuids).strip():
+        # "content": null (a tool call), or only an image part: training on it teaches answering nothing
+        raise RecordError("empty_answer", "the last assistant turn has no text")
     text = render_chat([{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns], chat_template)
     pieces = chat_pieces(turns, chat_template)
     if "".join(pieces) != text:
@@ -818,6 +822,9 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
             try:
                 kind, text, pieces, characters = to_document(record, chat_template, settings.remove_uuids)
             except RecordError as error:
+                if error.reason == "empty_answer":  # common in tool-call logs: counted, not warned one by one
+                    counts.dropped["empty_answer"] += 1
+                    continue
                 schema_error = error.reason in ("unknown_schema", "unknown_role")
                 if settings.strict or error.reason == "chat_template" or (schema_error and not settings.skip_unknown):
                     hint = " (or pass --skip-unknown to drop such records)" if schema_error else ""
@@ -1291,6 +1298,10 @@ def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], second
                   empty: Iterable[str] = ()) -> None:
     print(f"corpus ready: {out}")
     print(f"  documents: {corpus['documents']} kept ({describe_drops(stats)})")
+    empty_answers = sum(counts.dropped["empty_answer"] for counts in stats.values())
+    if empty_answers:
+        print(f"  {empty_answers} chat(s) dropped whose last assistant turn has no text (a tool call, an image "
+              "only): trained on, they would teach the model to answer nothing")
     per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
                           for split, info in corpus["splits"].items())
     print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")

@@ -877,3 +877,30 @@ def test_a_deeply_nested_json_line_is_a_malformed_line_not_a_crash(tmp_path, cap
     entries = {Path(e["source"]).name: e for e in json.loads((out / "source_manifest.json").read_text())["inputs"]}
     assert entries["deep.jsonl"]["dropped"] == {"malformed_json": 1} and entries["deep.jsonl"]["documents_kept"] == 10
     assert entries["deep.json"]["dropped"] == {"malformed_json": 1}
+
+
+def test_chats_whose_last_assistant_turn_is_empty_are_dropped_and_counted(tmp_path, capsys):
+    """Issue 14.5: a tool-call log ("content": null) or an image-only answer is not an empty answer to learn."""
+    good = [{"messages": [{"role": "user", "content": f"Question {i} about rivers?"},
+                          {"role": "assistant", "content": f"Answer {i}: rivers flow to the sea."}]} for i in range(12)]
+    empty = [
+        {"messages": [{"role": "user", "content": "Call the weather tool"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "weather"}}]}]},
+        {"messages": [{"role": "user", "content": "Draw a cat"},
+                      {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+        {"prompt": "Say something", "response": "   "},
+    ]
+    # an empty turn in the middle (a tool call answered later) is fine: the last answer has text
+    middle = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                           {"role": "assistant", "content": None}, {"role": "tool", "content": "sunny"},
+                           {"role": "assistant", "content": "It is sunny in Paris."}]}
+    for record in empty:
+        with pytest.raises(data.RecordError, match="last assistant turn has no text"):
+            doc(record)
+    assert doc(middle)[0] == "chat"
+    source = write_jsonl(tmp_path / "chats.jsonl", good + empty + [middle])
+    out = build([source], tmp_path / "out")
+    entry = json.loads((out / "source_manifest.json").read_text())["inputs"][0]
+    assert entry["dropped"] == {"empty_answer": 3} and entry["documents_kept"] == 13
+    printed = capsys.readouterr().out
+    assert "empty_answer 3" in printed and "3 chat(s) dropped whose last assistant turn has no text" in printed
