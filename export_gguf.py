@@ -201,7 +201,7 @@ def token_text(value) -> str | None:
 
 def read_vocab(source: ModelSource) -> Vocab:
     """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
-    from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS
+    from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN
 
     folder = source.folder
     tokenizer_path = folder / "tokenizer.json"
@@ -229,6 +229,10 @@ def read_vocab(source: ModelSource) -> Vocab:
     for index in range(count):
         if index not in added:
             token_types.append(int(gguf.TokenType.NORMAL))
+        elif tokens[index] in (THINK_OPEN, THINK_CLOSE):
+            # printed text in llama.cpp's output (a control token is hidden), as in Qwen3's own GGUFs:
+            # clients that split the reasoning from the answer look for <think> in the text
+            token_types.append(int(gguf.TokenType.USER_DEFINED))
         elif added[index].get("special"):
             token_types.append(int(gguf.TokenType.CONTROL))
         else:
@@ -1096,6 +1100,12 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
         raise VerificationFailed(f"llama.cpp does not stop generating at {not_stop}")
     if llama_cpp.llama_vocab_get_add_bos(vocab):
         raise VerificationFailed("llama.cpp would add a BOS token to every prompt")
+    from data import IM_START, THINK_CLOSE, THINK_OPEN
+
+    for token, shown in ((THINK_OPEN, THINK_OPEN), (THINK_CLOSE, THINK_CLOSE), (IM_START, "")):
+        printed = llm.detokenize([tokenizer.convert_tokens_to_ids(token)], special=False).decode("utf-8")
+        if printed != shown:
+            raise VerificationFailed(f"llama.cpp prints {token} as {printed!r} in generated text, not {shown!r}")
     return texts
 
 

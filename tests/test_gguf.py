@@ -155,7 +155,10 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
     assert tokens == tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     types = field(reader, "tokenizer.ggml.token_type")
     control = [index for index, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
-    assert control == list(range(len(data.SPECIAL_TOKENS)))
+    # <think> and </think> are printed text (as in Qwen3's GGUFs); the chat-turn markers stay control tokens
+    thinking = [data.SPECIAL_TOKENS.index(token) for token in (data.THINK_OPEN, data.THINK_CLOSE)]
+    assert control == [index for index in range(len(data.SPECIAL_TOKENS)) if index not in thinking]
+    assert [types[index] for index in thinking] == [gguf.TokenType.USER_DEFINED] * 2
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     assert field(reader, "tokenizer.ggml.merges") == [" ".join(pair) for pair in spec["model"]["merges"]]
     embedding = next(tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
