@@ -2111,6 +2111,7 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         "validation": training.metrics.last_eval,
         "test": test,
         "test_loss": test["loss"] if test else None,
+        "train_loss": last_train_loss(out),
         "backup_complete": backed_up,
     }
     if status == NEEDS_RESUME:
@@ -2124,6 +2125,17 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         checkpointer.backup.close()
     log(info, final_line(out, status, record))
     return record
+
+
+def last_train_loss(out: Path) -> float | None:
+    """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
+    with contextlib.suppress(OSError):
+        for line in reversed((out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()):
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("kind") == "train" and isinstance(record.get("loss"), float):
+                    return record["loss"]
+    return None
 
 
 def report_run(training: Training, out: Path, status: str, test: dict | None) -> dict:
@@ -2150,8 +2162,12 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
                                                          title=out.name))
     accuracy = None
     if status == COMPLETE and tokenizer is not None:
+        # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
+        # chats' first questions, or the openings of its held-out texts to continue
+        kind, prompts = ("chat", report.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
+            attempt("sample_prompts", lambda: report.held_out_prompts(corpus, tokenizer)) or ("chat", [])
         samples = report.generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                          step=training.step)
+                                          prompts=prompts, step=training.step, text=kind == "text")
         if samples["error"]:
             errors["samples"] = samples["error"]
         if (corpus / "eval").is_dir():
@@ -2223,6 +2239,10 @@ def final_line(out: Path, status: str, record: dict) -> str:
         return line + f" | continue with: {record['resume_command']}"
     if record.get("test_loss") is not None:
         line += f" | test loss {record['test_loss']:.4f}"
+    elif (record.get("validation") or {}).get("loss") is not None:
+        line += f" | validation loss {record['validation']['loss']:.4f} (no test split)"
+    elif record.get("train_loss") is not None:
+        line += f" | train loss {record['train_loss']:.4f} (no held-out split)"
     if record.get("task_accuracy"):
         line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
     if record.get("model_files"):

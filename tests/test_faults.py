@@ -10,6 +10,7 @@ import errno
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from faults import fail_os_writes, mount_point, read_only_folder, small_disk
 from test_train import options, write_tiny_corpus
@@ -180,3 +181,53 @@ def test_mfu_is_never_above_100_percent_and_the_peak_is_recorded(corpus, tmp_pat
     assert [r["mfu"] for r in records if r["kind"] == "train"] == [None, None]
     hardware = json.loads((out / "hardware.json").read_text())
     assert hardware["peak_flops"] == pytest.approx(1e3) and hardware["peak_flops_source"] == "--peak-tflops"
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. Samples and the final line fit the corpus.
+
+
+def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(corpus, tmp_path, capsys):
+    text_corpus = write_tiny_corpus(tmp_path / "texts")  # plain text with held-out splits
+    out = tmp_path / "run"
+    assert train.main([*options(text_corpus, out, steps=4), "--report"]) == 0
+    samples = json.loads((out / "sample_generations.json").read_text())
+    assert samples["settings"]["chat_template"] is False and samples["samples"] and samples["error"] is None
+    tokenizer = data.load_tokenizer(text_corpus / "tokenizer")
+    manifest = json.loads((text_corpus / "corpus_manifest.json").read_text())
+    first_test = np.fromfile(text_corpus / manifest["splits"]["test"]["files"][0]["name"], dtype="<u2").tolist()
+    first_document = first_test[: first_test.index(2)]  # up to its <eos>
+    assert samples["samples"][0]["prompt"] == tokenizer.decode(first_document[:24])  # a held-out opening
+    assert not any("plus 7" in sample["prompt"] or "apples" in sample["prompt"] for sample in samples["samples"])
+    assert "| test loss " in capsys.readouterr().out
+    import report  # report.py samples continues plain text too
+
+    assert report.main(["samples", str(out / "model"), "--text", "--prompt", "99 plus", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("> 99 plus")
+    with pytest.raises(common.UserError, match="--text continues the text you give"):
+        report.main(["samples", str(out / "model"), "--text"])
+
+    # no held-out split at all: the last line still shows a loss, the train loss
+    out = tmp_path / "no-held-out"
+    assert train.main(options(corpus, out, steps=2)) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("COMPLETE: step 2/2") and "| train loss " in last and "(no held-out split)" in last
+
+
+def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
+    import report
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Which river flows through town number {i}?"},
+        {"role": "assistant", "content": f"The river of town {i} is the Blue River."}]}) + "\n" for i in range(60)))
+    built = tmp_path / "corpus"
+    assert data.main(["--data", str(chats), "--out", str(built), "--vocab-size", "300", "--no-progress",
+                      "--val-fraction", "0.2", "--test-fraction", "0.2"]) == 0
+    tokenizer = data.load_tokenizer(built / "tokenizer")
+    kind, prompts = report.held_out_prompts(built, tokenizer)
+    manifest = json.loads((built / "corpus_manifest.json").read_text())
+    test_text = tokenizer.decode(np.concatenate([np.fromfile(built / entry["name"], dtype="<u2")
+                                                 for entry in manifest["splits"]["test"]["files"]]).tolist())
+    assert kind == "chat" and prompts and all(p.startswith("Which river flows through town number") for p in prompts)
+    assert all(f"user\n{prompt}<|im_end|>" in test_text for prompt in prompts)  # held-out questions
