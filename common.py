@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -28,6 +29,20 @@ HASH_CHUNK_BYTES = 8 * 1024 * 1024
 class UserError(Exception):
     """A mistake the user can fix (bad input, bad setting): printed as one `error:` line (plus
     indented detail lines where a tool's own diagnostics help), exit 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread (see stop_on_sigterm): cleaned up like a Ctrl-C."""
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM raise Terminated, so `finally` blocks remove what is half-built and run_main says
+    `error: terminated` (exit 143) instead of a silent death that leaves temporary folders."""
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -58,6 +73,8 @@ def run_main(main: Callable[[], Any]) -> None:
         result = main()
     except UserError as error:
         fail(str(error))
+    except Terminated:
+        fail("terminated (SIGTERM); nothing half-written was kept", code=143)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     except OSError as error:

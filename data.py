@@ -52,6 +52,7 @@ from common import (
     sha256_bytes,
     sha256_file,
     sha256_tree,
+    stop_on_sigterm,
     utc_now,
 )
 
@@ -175,6 +176,9 @@ def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
     folder = tokenizer_folder(folder)
+    if not (folder / "tokenizer.json").is_file():  # else transformers' hint about sentencepiece, 5 lines long
+        raise UserError(f"tokenizer folder {folder} has no tokenizer.json (a fast tokenizer's file, which tinyllm's "
+                        "tokenizers are saved as; data.py writes one into CORPUS/tokenizer)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as error:  # transformers raises many types here
@@ -605,6 +609,9 @@ def record_text(record: Any) -> str:
     for key in TEXT_KEYS:
         if isinstance(record.get(key), str):
             return record[key]
+    for key in TEXT_KEYS:
+        if key in record:
+            raise RecordError("unknown_schema", f"'{key}' is a {type(record[key]).__name__}, expected text")
     raise RecordError("unknown_schema", f"unknown record shape with keys {sorted(record)}; "
                                         f"expected one of: {KNOWN_SHAPES}")
 
@@ -1298,6 +1305,10 @@ def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], second
                   empty: Iterable[str] = ()) -> None:
     print(f"corpus ready: {out}")
     print(f"  documents: {corpus['documents']} kept ({describe_drops(stats)})")
+    invalid = sum(counts.dropped["invalid_utf8"] for counts in stats.values())
+    if invalid:
+        print(f"  {invalid} record(s) dropped for invalid UTF-8; a .txt or .json file is one record, so whole files "
+              "were dropped: convert them to UTF-8 first (e.g. iconv -f latin1 -t utf-8)")
     empty_answers = sum(counts.dropped["empty_answer"] for counts in stats.values())
     if empty_answers:
         print(f"  {empty_answers} chat(s) dropped whose last assistant turn has no text (a tool call, an image "
@@ -1516,6 +1527,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.out:
         parser.error("--out is required to build a corpus")
+    if args.tokenizer and args.vocab_size is not None:
+        parser.error("--vocab-size does not apply with --tokenizer (the tokenizer sets the vocabulary); pass one")
     options = {
         "scope": args.scope, "tokenizer": args.tokenizer, "tokenizer_sample_bytes": args.tokenizer_sample_bytes,
         "min_frequency": args.min_frequency, "shard_tokens": args.shard_tokens, "min_chars": args.min_chars,
@@ -1532,4 +1545,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()  # the command line only: a kill leaves no .NAME.building-PID/ behind
     run_main(main)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from common import (
+    PLAIN_FILE_MODE,
     ArgumentParser,
     UserError,
     atomic_write_bytes,
@@ -820,6 +821,7 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
         write_provenance(temp, architecture, card_info)
         hashes = {}
         for path in sorted(p for p in temp.rglob("*") if p.is_file()):
+            path.chmod(PLAIN_FILE_MODE)  # safetensors writes model.safetensors owner-only; the rest is 0644
             _fsync_file(path)
             hashes[path.relative_to(temp).as_posix()] = sha256_file(path)
         fsync_dir(temp)

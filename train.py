@@ -90,6 +90,9 @@ GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121
 # Options
 
 
+MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
+
+
 def token_count(text: str) -> int:
     """An argparse type for token counts: a whole number, also written as 3e8 or 1.5e9."""
     try:
@@ -98,6 +101,8 @@ def token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text} tokens is more than any run can train (at most {MAX_TOKENS:.0e})")
     return int(value)
 
 
@@ -2236,7 +2241,8 @@ def final_line(out: Path, status: str, record: dict) -> str:
     if record.get("backup_complete") is not None:
         line += " | newest checkpoint " + ("backed up" if record["backup_complete"] else "NOT yet backed up")
     if status == NEEDS_RESUME:
-        return line + f" | continue with: {record['resume_command']}"
+        why = f" | {record['reason']}" if record.get("reason") else ""  # e.g. stopped by --max-hours budget
+        return line + f"{why} | continue with: {record['resume_command']}"
     if record.get("test_loss") is not None:
         line += f" | test loss {record['test_loss']:.4f}"
     elif (record.get("validation") or {}).get("loss") is not None:
@@ -2319,13 +2325,22 @@ def python_command() -> str:
 
 
 def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
-    """This run's command line with `--resume auto` and without `--stop-after-steps`."""
+    """This run's command line with `--resume auto` and without `--stop-after-steps`; a --backup-to URL
+    (which may carry secrets, and is never printed) is shown as URL."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    kept, skip = [], False
+    kept, skip, hide = [], False, False
     for item in argv:
         if skip:
             skip = False
             continue
+        if hide:
+            kept.append("URL")
+            hide = False
+            continue
+        if item == "--backup-to":
+            hide = True
+        elif item.startswith("--backup-to="):
+            item = "--backup-to=URL"
         if item in ("--resume", "--stop-after-steps"):
             skip = True
             continue

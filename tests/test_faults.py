@@ -200,6 +200,8 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
     assert samples["samples"][0]["prompt"] == tokenizer.decode(first_document[:24])  # a held-out opening
     assert not any("plus 7" in sample["prompt"] or "apples" in sample["prompt"] for sample in samples["samples"])
     assert "| test loss " in capsys.readouterr().out
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (out / "model").iterdir()}
+    assert set(modes.values()) == {common.PLAIN_FILE_MODE}, modes  # model.safetensors too, not 0600
     import report  # report.py samples continues plain text too
 
     assert report.main(["samples", str(out / "model"), "--text", "--prompt", "99 plus", "--max-new-tokens", "4"]) == 0
@@ -231,3 +233,75 @@ def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
                                                  for entry in manifest["splits"]["test"]["files"]]).tolist())
     assert kind == "chat" and prompts and all(p.startswith("Which river flows through town number") for p in prompts)
     assert all(f"user\n{prompt}<|im_end|>" in test_text for prompt in prompts)  # held-out questions
+
+
+# ----------------------------------------------------------------------------------------------
+# 13. The smaller ones.
+
+
+def test_sigterm_during_data_py_says_so_and_leaves_no_build_folder(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for index in range(40):
+        (texts / f"book{index}.txt").write_text(" ".join(f"w{(index * 31 + i) % 5003}" for i in range(20_000)))
+    out = tmp_path / "corpus"
+    process = subprocess.Popen([sys.executable, str(Path(data.__file__)), "--data", str(texts), "--out", str(out),
+                                "--vocab-size", "2000", "--no-progress"], stderr=subprocess.PIPE, text=True)
+    while not list(tmp_path.glob(".corpus.building-*")) and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    err = process.communicate(timeout=120)[1]
+    assert process.returncode == 143, err
+    assert err.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)") and "Traceback" not in err
+    assert not list(tmp_path.glob(".corpus.*")) and not out.exists()
+
+
+def test_data_py_small_faults_are_clear(tmp_path, capsys):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for index in range(8):
+        (texts / f"book{index}.txt").write_text(f"Book {index} tells of rivers and hills, page after page. " * 40)
+    (texts / "latin1.txt").write_bytes("Caf\xe9 au lait, a book in Latin-1. ".encode("latin-1") * 40)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("A file outside the folder, linked into it, is read like the others. " * 20)
+    (texts / "link.txt").symlink_to(outside)
+    out = tmp_path / "corpus"
+    assert data.main(["--data", str(texts), "--out", str(out), "--vocab-size", "300", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 record(s) dropped for invalid UTF-8" in printed and "whole files" in printed
+    inputs = {Path(entry["source"]).name: entry
+              for entry in json.loads((out / "source_manifest.json").read_text())["inputs"]}
+    assert inputs["link.txt"]["documents_kept"] == 1  # a symlinked file is read (documented in the README)
+
+    with pytest.raises(SystemExit) as exit_info:  # --vocab-size with --tokenizer is not ignored silently
+        data.main(["--data", str(texts), "--out", str(tmp_path / "b"), "--tokenizer", str(out), "--vocab-size", "500"])
+    assert exit_info.value.code == 2 and "--vocab-size does not apply with --tokenizer" in capsys.readouterr().err
+
+    config_only = tmp_path / "tok"
+    config_only.mkdir()
+    (config_only / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(common.UserError, match="has no tokenizer.json") as error:
+        data.load_tokenizer(config_only)
+    assert "\n" not in str(error.value) and "sentencepiece" not in str(error.value)
+
+    with pytest.raises(data.RecordError, match="'text' is a int, expected text"):
+        data.to_document({"text": 12345}, data.CHAT_TEMPLATE, True)
+
+
+def test_train_py_small_faults_are_clear(tmp_path):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--target-tokens", "1e30"])
+    assert train.parse_args(["--target-tokens", "3e9"]).target_tokens == 3_000_000_000
+    info = train.DistInfo(rank=0, local_rank=0, world=1, device=train.torch.device("cpu"))
+    command = train.resume_command(info, ["--backup-to", "s3://secret-bucket/runs/x?key=abc", "--lr", "1",
+                                          "--backup-to=gs://other-secret/x"])
+    assert "secret" not in command and "--backup-to URL" in command and "--backup-to=URL" in command
+    line = train.final_line(tmp_path, train.NEEDS_RESUME, {"step": 5, "total_steps": 12,
+                                                           "reason": "stopped by --max-hours budget",
+                                                           "resume_command": "python train.py --resume auto"})
+    assert "stopped by --max-hours budget" in line and line.endswith("continue with: python train.py --resume auto")
