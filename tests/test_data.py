@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -904,3 +905,38 @@ def test_chats_whose_last_assistant_turn_is_empty_are_dropped_and_counted(tmp_pa
     assert entry["dropped"] == {"empty_answer": 3} and entry["documents_kept"] == 13
     printed = capsys.readouterr().out
     assert "empty_answer 3" in printed and "3 chat(s) dropped whose last assistant turn has no text" in printed
+
+
+def test_a_huge_one_line_text_is_encoded_in_chunks_to_the_same_ids(tmp_path, monkeypatch):
+    """Issue 14.13: a 50 MB single-line file peaked at 5.3 GB (the Rust tokenizer holds ~100 bytes per
+    character of a text it encodes). Long texts are encoded in word-aligned chunks, to the same ids."""
+    rng = random.Random(0)
+    words = ["river", "hill", "stone", "Ünïcödé", "42", "x", "don't", "  ", ",", "日本語", "\t"]
+    text = " ".join(rng.choice(words) for _ in range(20_000))
+    tokenizer, _ = data.train_tokenizer([text[:20_000]], 300, tmp_path / "tok")
+    backend = data.literal_tokenizer(tokenizer.backend_tokenizer)
+    whole = backend.encode(text, add_special_tokens=False).ids
+    chunks = data.split_for_encoding(text, limit=997)
+    assert "".join(chunks) == text and len(chunks) > 50 and max(map(len, chunks)) < 2000
+    assert [token for chunk in chunks for token in backend.encode(chunk, add_special_tokens=False).ids] == whole
+    monkeypatch.setattr(data, "ENCODE_CHUNK_CHARS", 997)
+
+    class Watched:
+        """The backend, remembering the longest text it was asked to encode."""
+
+        longest = 0
+
+        def encode(self, chunk, **kwargs):
+            Watched.longest = max(Watched.longest, len(chunk))
+            return backend.encode(chunk, **kwargs)
+
+        def encode_batch_fast(self, texts, **kwargs):
+            Watched.longest = max([Watched.longest, *map(len, texts)])
+            return backend.encode_batch_fast(texts, **kwargs)
+
+        def token_to_id(self, token):
+            return backend.token_to_id(token)
+
+    result = data.encode_batch(Watched(), 2, "uint16", ["train", "train"], [[text], ["short text"]])
+    assert result["train"][0].tolist() == [*whole, 2, *backend.encode("short text").ids, 2]
+    assert Watched.longest < 2000
