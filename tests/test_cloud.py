@@ -734,6 +734,7 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, 
 
     monkeypatch.delattr(data, "verify_corpus", raising=False)  # the fallback check of this module
     corpus = fake_corpus(tmp_path / "corpus")
+    (tmp_path / "remote").mkdir()  # push creates the last folder only (a typo above it is an error)
     remote = str(tmp_path / "remote" / "corpus")
     assert cc.main(["push", str(corpus), remote]) == 0
     assert cc.main(["verify", remote]) == 0
