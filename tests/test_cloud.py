@@ -1030,3 +1030,43 @@ def test_pull_into_a_read_only_folder_names_it_not_the_network(tmp_path, capsys)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert f"{folder} cannot be written" in err and "credentials" not in err and "network" not in err
+
+
+def test_an_s3_outage_is_reported_after_a_few_connection_attempts(monkeypatch, tmp_path):
+    """Issue 14.10: an outage was logged ~40 steps late, after ~25 silent attempts inside s3fs and
+    botocore. The backup's client gives up after a few; the backup's own retry loop does the rest."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    connections = []
+
+    def refuse_every_request():  # a store that accepts each connection and closes it at once
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(1)
+            connection.close()
+
+    threading.Thread(target=refuse_every_request, daemon=True).start()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    log = Log()
+    backup = cc.CheckpointBackup("s3://some-bucket/runs/x", retry_seconds=60, log=log)
+    try:
+        assert backup.started.wait(60)
+        before = len(connections)
+        backup.submit(save_and_point_latest(tmp_path / "checkpoints", 1), 1)
+        assert wait_until(lambda: any("not backed up yet" in line for line in log), timeout_s=60)
+        # the failed upload attempt is a few requests, each given up after FAIL_FAST_ATTEMPTS**2 connections
+        # (s3fs's retries x botocore's); with the libraries' defaults, 25 each: no failure logged within a minute
+        assert 0 < len(connections) - before <= 8 * cc.FAIL_FAST_ATTEMPTS**2, len(connections) - before
+    finally:
+        backup.close()
+        listener.close()
