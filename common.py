@@ -68,7 +68,13 @@ def run_main(main: Callable[[], Any]) -> None:
     An OSError that reaches here (a full disk, a read-only or vanished folder: the machine, not the
     code) is one line too, naming the file and the cause; the scripts catch the ones they can
     explain better (which checkpoint is the last good one, ...) before it gets here.
+
+    A Ctrl-C is `error: interrupted` (exit 130) also when a library re-raised the KeyboardInterrupt
+    as an exception of its own. Run as a script's entry point (`main` defined in
+    __main__), a Ctrl-C after main() has ended is ignored: the outcome is decided and recorded, and
+    a traceback from the interpreter's teardown (or a death by the signal) would only hide it.
     """
+    script = getattr(main, "__module__", None) == "__main__"
     try:
         result = main()
     except UserError as error:
@@ -81,8 +87,27 @@ def run_main(main: Callable[[], Any]) -> None:
         if not error.errno:
             raise
         fail(os_error_text(error))
+    except Exception as error:
+        if caused_by_interrupt(error):
+            fail("interrupted", code=130)
+        raise
+    finally:
+        if script:
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
     if isinstance(result, int):
         raise SystemExit(result)
+
+
+def caused_by_interrupt(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in `error`'s chain of causes (a library re-raised it as its own)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def seed_everything(seed: int) -> None:

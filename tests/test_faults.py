@@ -306,3 +306,33 @@ def test_train_py_small_faults_are_clear(tmp_path):
                                                            "reason": "stopped by --max-hours budget",
                                                            "resume_command": "python train.py --resume auto"})
     assert "stopped by --max-hours budget" in line and line.endswith("continue with: python train.py --resume auto")
+
+
+def test_a_late_or_wrapped_ctrl_c_is_exit_130_or_ignored_never_a_traceback(tmp_path, capsys):
+    """Issue 14.13: a second Ctrl-C right after the end died by the signal or printed a traceback."""
+
+    def wrapped():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as interrupt:
+            raise RuntimeError("compilation interrupted") from interrupt
+
+    code, line = run_main_exit(capsys, wrapped)
+    assert code == 130 and line == "error: interrupted"
+
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import atexit, os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(Path(common.__file__).parent)!r})\n"
+        "from common import run_main\n"
+        "def main():\n"
+        "    print('done', flush=True)\n"
+        "    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))  # Ctrl-C at exit\n"
+        "    return 0\n"
+        "if __name__ == '__main__':\n"
+        "    run_main(main)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
