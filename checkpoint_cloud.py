@@ -538,12 +538,9 @@ def remote_errors(action: str):
         yield
     except (UserError, VerificationError):
         raise
-    except OSError as error:
-        if error.errno in LOCAL_ERRNOS:  # the local disk, not the remote: say which file and why
-            raise UserError(f"{action} failed: {os_error_text(error)}") from None
-        raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
-                        "credentials") from None
     except Exception as error:
+        if isinstance(error, OSError) and error.errno in LOCAL_ERRNOS:  # the local disk: say which file, why
+            raise UserError(f"{action} failed: {os_error_text(error)}") from None
         raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
                         "credentials") from None
 

@@ -986,6 +986,7 @@ def start_tokenize_worker(tokenizer_json: str) -> None:
 
 
 ENCODE_CHUNK_CHARS = 1 << 18  # the Rust tokenizer needs ~100 bytes per character of one text it encodes
+WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")  # a space after a non-space, before a letter
 
 
 def split_for_encoding(text: str, limit: int = ENCODE_CHUNK_CHARS) -> list[str]:
@@ -995,14 +996,11 @@ def split_for_encoding(text: str, limit: int = ENCODE_CHUNK_CHARS) -> list[str]:
     peak encoded whole, 0.5 GB in chunks (both for training the tokenizer and for packing)."""
     pieces, start = [], 0
     while len(text) - start > limit:
-        cut = start + limit
-        while cut < len(text) and not (text[cut] == " " and not text[cut - 1].isspace()
-                                        and cut + 1 < len(text) and text[cut + 1].isalpha()):
-            cut += 1
-        if cut >= len(text):
+        cut = WORD_START.search(text, start + limit)
+        if cut is None:
             break
-        pieces.append(text[start:cut])
-        start = cut
+        pieces.append(text[start:cut.start()])
+        start = cut.start()
     pieces.append(text[start:])
     return pieces
 
