@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import importlib
@@ -71,7 +72,9 @@ from common import (
     ArgumentParser,
     UserError,
     atomic_write_json,
+    check_writable_folder,
     fsync_dir,
+    os_error_text,
     read_json,
     run_main,
     sha256_file,
@@ -87,9 +90,13 @@ CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
 RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json")
+NEEDS_RESUME = "CHECKPOINTED_NEEDS_RESUME"  # train.py's status of a run to continue with --resume auto
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
+
+# OSErrors that only a local disk raises (a store's errors arrive as other types or errnos)
+LOCAL_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
 LogFn = Callable[[str], None]
 log_line: LogFn = functools.partial(print, flush=True)
@@ -107,7 +114,14 @@ class LocalFileChanged(VerificationError):
 # Opening a remote and the small operations everything else is made of.
 
 
-def open_remote(url: str, loop=None):
+# The background backup's S3 client gives up on a request after FAIL_FAST_ATTEMPTS tries (botocore's, and
+# s3fs's own retry loop): CheckpointBackup retries the whole upload itself, so an outage is logged within
+# seconds instead of after ~25 silent connection attempts (tens of training steps later).
+FAIL_FAST_ATTEMPTS = 2
+FAIL_FAST_S3_CONFIG = {"connect_timeout": 10, "retries": {"max_attempts": FAIL_FAST_ATTEMPTS, "mode": "standard"}}
+
+
+def open_remote(url: str, loop=None, fail_fast: bool = False):
     """(fs, root) for `url`: a local folder, file://, s3://, gs://, hf:// or any fsspec protocol.
 
     Nothing is contacted yet. Credentials come from where each library looks for them (for S3:
@@ -115,7 +129,7 @@ def open_remote(url: str, loop=None):
     for GCS: GOOGLE_APPLICATION_CREDENTIALS; for the Hub: HF_TOKEN or `hf auth login`).
     Error messages name the scheme, never the URL, which may carry secrets. `loop`: an asyncio
     loop (running in its own thread) for async file systems such as s3fs and gcsfs to use instead
-    of fsspec's shared one.
+    of fsspec's shared one. `fail_fast`: few retries inside the S3 client (see FAIL_FAST_ATTEMPTS).
     """
     import fsspec
     import fsspec.asyn
@@ -131,7 +145,12 @@ def open_remote(url: str, loop=None):
         options = {"skip_instance_cache": True}
         if loop is not None and issubclass(fsspec.get_filesystem_class(scheme), fsspec.asyn.AsyncFileSystem):
             options["loop"] = loop
+        if fail_fast and package == "s3fs":  # botocore's retry settings from the environment win
+            options["config_kwargs"] = {key: value for key, value in FAIL_FAST_S3_CONFIG.items()
+                                        if key != "retries" or "AWS_MAX_ATTEMPTS" not in os.environ}
         fs, root = fsspec.core.url_to_fs(url, **options)
+        if fail_fast and package == "s3fs":
+            fs.retries = FAIL_FAST_ATTEMPTS
     except ImportError as error:
         raise UserError(f"{scheme}:// URLs need a package that is not installed ({error.name or error})") from None
     except ValueError:
@@ -196,10 +215,17 @@ def _promote(fs, temp: str, final: str) -> None:
     _refresh(fs, _parent(final))
 
 
+def _make_parent(fs, path: str) -> None:
+    """Create the folder a remote file goes into, on a local or mounted folder only: object stores have
+    no folders, and s3fs's makedirs would create a missing bucket (a typo must never make one)."""
+    if is_local(fs):
+        fs.makedirs(_parent(path), exist_ok=True)
+
+
 def put_json(fs, path: str, obj) -> None:
     """Write a small JSON file on the remote through a temporary name and a promotion."""
     temp = _temp_name(path)
-    fs.makedirs(_parent(path), exist_ok=True)
+    _make_parent(fs, path)
     try:
         fs.pipe_file(temp, (json.dumps(obj, indent=2) + "\n").encode())
         _make_durable(fs, temp)
@@ -253,7 +279,7 @@ def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256:
                                "after it was written")
     digest = sha256 or sha256_file(local)
     temp = _temp_name(remote_path)
-    fs.makedirs(_parent(remote_path), exist_ok=True)
+    _make_parent(fs, remote_path)
     try:
         fs.put_file(str(local), temp)
         _make_durable(fs, temp)
@@ -360,9 +386,14 @@ def upload_run_files(fs, root: str, run_dir: Path) -> list[str]:
     return uploaded
 
 
-def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line) -> list[str]:
+def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line,
+                      step: int | None = None) -> list[str]:
     """Download the remote RUN_FILES that `run_dir` lacks (through a temporary name), so a restored run
-    keeps its history. Skipped when the remote's training_settings.json names another run_id."""
+    keeps its history. Skipped when the remote's training_settings.json names another run_id.
+
+    `step`: the step of the checkpoint restored. The remote run_status.json describes the run as it
+    last uploaded (COMPLETE at a later step, say, with a model/ that is not backed up); unless it
+    says the run is to be resumed at exactly this step, it is rewritten to say so."""
     remote_settings = get_json(fs, run_file_path(root, "training_settings.json")) or {}
     remote_run = remote_settings.get("run_id") if isinstance(remote_settings, dict) else None
     if run_id and remote_run and remote_run != run_id:
@@ -388,6 +419,16 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
                 temp.unlink()
     if restored:
         fsync_dir(run_dir)
+    if "run_status.json" in restored and step is not None:
+        remote_status = _read_json_quietly(run_dir / "run_status.json")
+        if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
+            was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
+            atomic_write_json(run_dir / "run_status.json", {
+                "status": NEEDS_RESUME, "step": step, "total_steps": remote_status.get("total_steps"),
+                "reason": f"restored from the backup at step {step} (the backup's run_status.json said {was}); "
+                          "continue with train.py --resume auto", "updated": utc_now()})
+            log(f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
+                f"(the backup's said {was})")
     return restored
 
 
@@ -498,6 +539,8 @@ def remote_errors(action: str):
     except (UserError, VerificationError):
         raise
     except Exception as error:
+        if isinstance(error, OSError) and error.errno in LOCAL_ERRNOS:  # the local disk: say which file, why
+            raise UserError(f"{action} failed: {os_error_text(error)}") from None
         raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
                         "credentials") from None
 
@@ -532,7 +575,8 @@ def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None
         f"{name}{RECORD_SUFFIX}.corrupt)")
 
 
-def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line) -> Path | None:
+def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line,
+                   read_only: bool = False) -> Path | None:
     """Download the remote's newest verified checkpoint into `local_checkpoint_dir` and point the local
     latest.json at it, so train.py's `--resume auto` picks it up.
 
@@ -540,6 +584,10 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
     sha256. Returns None, without a log line, when the remote has no checkpoint yet (train.py's backup
     says so as it starts; `pull` raises its own error); raises UserError when it cannot be read or
     when no checkpoint on it is intact (starting fresh would then overwrite the backup).
+
+    A corrupt checkpoint's record is set aside on the remote and latest.json pointed at the one
+    restored (each said in a log line), so that the run's backup never counts it again; with
+    `read_only` (`pull`: the user asked only to download) the remote is left exactly as it is.
     """
     fs, root = open_remote(url)
     local_dir = Path(local_checkpoint_dir)
@@ -556,19 +604,24 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
                                          record.get("bytes"))
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
-            quarantine_record(fs, folder, name, log)
+            if read_only:
+                log(f"checkpoint restore: the remote is left as it is (pull only reads); "
+                    f"`checkpoint_cloud.py verify` lists {name} as corrupt")
+            else:
+                quarantine_record(fs, folder, name, log)
             continue
         local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
         write_local_sidecar(fs, root, path, local_record, record)
         atomic_write_json(local_dir / LATEST, local_record)
         log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
-        if record is not candidates[0]:  # the remote latest.json named a corrupt one: point it at this one
+        if record is not candidates[0] and not read_only:  # the remote latest.json named a corrupt one
             with contextlib.suppress(Exception):
                 write_remote_latest(fs, root, record)
                 log(f"checkpoint restore: the remote {LATEST} now names {name}")
         try:
             with remote_errors("downloading the run files"):
-                history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log)
+                history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log,
+                                            step=record.get("step"))
         except (UserError, VerificationError) as error:
             log(f"checkpoint restore: WARNING the run files (metrics.jsonl, ...) were not restored: {error}")
         else:
@@ -659,7 +712,7 @@ class CheckpointBackup:
             raise UserError(f"save_every must be >= 1, got {save_every}")
         self._io = _IoLoop()
         try:
-            self.fs, self.root = open_remote(url, loop=self._io.loop)
+            self.fs, self.root = open_remote(url, loop=self._io.loop, fail_fast=True)
         except BaseException:
             self._io.stop()
             raise
@@ -676,6 +729,8 @@ class CheckpointBackup:
         self._urgent = False  # inside wait(): keep retries short
         self._stopping = False
         self._busy: _Upload | None = None
+        self._failures = 0  # failed attempts since the last success, to announce the recovery
+        self._last_error: str | None = None  # the exception type of the last failed attempt
         self._cond = threading.Condition()
         self.started = threading.Event()  # set once the start-up look at the remote is done
         self._thread = threading.Thread(target=self._run, name="checkpoint-backup", daemon=True)
@@ -721,18 +776,22 @@ class CheckpointBackup:
                         released.append(path)
                 elif upload.state in ("verified", "dropped"):
                     released.append(path)
-                else:
+                elif upload is not self._busy:  # the one uploading now is never released mid-upload
                     waiting.append(upload)
             overflow = beyond_unbacked_bound(waiting, lambda upload: upload.step, self.max_unbacked)
             for upload in overflow:
                 upload.state = "dropped"
                 released.append(upload.path)
             self._cond.notify_all()
+            why = (f"uploads are failing ({self._last_error}); check the network and the credentials"
+                   if self._failures else "checkpoints are saved faster than they upload; save less often "
+                   "(--save-every) or allow more (--backup-max-unbacked)")
         for upload in overflow:
             self._changed(upload)
+            where = ("its copy is on the remote and verified, but the remote latest.json does not name it yet"
+                     if upload.record is not None else "it never reached the remote")
             self.log(f"checkpoint backup: WARNING deleting local {upload.path.name} (step {upload.step}) although "
-                     f"it never reached the remote: more than {self.max_unbacked} checkpoints are waiting for "
-                     "upload; check the network and the credentials")
+                     f"{where}: more than {self.max_unbacked} checkpoints are waiting for upload; {why}")
         return released
 
     def wait(self, timeout_s: float) -> bool:
@@ -872,7 +931,11 @@ class CheckpointBackup:
                 self._latest_step = upload.step
             upload.state = "verified"
             upload.attempts = 0
+            failures, self._failures = self._failures, 0
         self._changed(upload)
+        if failures:
+            self.log(f"checkpoint backup: the remote works again: {upload.path.name} (step {upload.step}) is "
+                     f"backed up after {failures} failed attempt(s)")
         try:
             self._apply_retention()
         except Exception as error:
@@ -895,6 +958,8 @@ class CheckpointBackup:
                 delay = min(delay, self.retry_seconds)
             upload.next_try = time.monotonic() + delay
             dropped = upload.state == "dropped"
+            self._failures += 1
+            self._last_error = type(error).__name__
         if upload.attempts & (upload.attempts - 1):
             return  # log attempts 1, 2, 4, 8, ... only: a long outage must not flood the log
         then = "not retried (released for local deletion)" if dropped else \
@@ -1266,6 +1331,13 @@ def add_backup_args(parser: argparse.ArgumentParser) -> None:
                             "ones are deleted with a warning")
 
 
+def check_backup_target(url: str) -> None:
+    """train.py's --backup-to before anything is restored or trained: a missing bucket or parent
+    folder (a typo) is one error, not a new bucket and a run silently restarted from step 0."""
+    fs, root = open_remote(url)
+    require_remote(fs, root, url, writing=True)
+
+
 def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
                      log: LogFn = log_line) -> BackupProcess | None:
     """A BackupProcess for the options of add_backup_args, or None when no backup URL is set."""
@@ -1391,14 +1463,22 @@ def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:
 BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs")
 
 
-def require_remote(fs, root: str, url: str) -> None:
-    """list / verify / pull: a remote that does not exist (a typo) is an error; an existing empty one
-    is not. A local folder must exist; on S3 / GCS the bucket must (a prefix exists once written)."""
+def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
+    """A remote that does not exist (a typo) is an error; an existing empty one is not, and nothing
+    is ever created to make it exist. list / verify / pull: a local folder must exist; push and
+    train.py's backup (`writing`) may create the folder itself, inside an existing parent folder.
+    On S3 / GCS the bucket must exist (a prefix inside it exists once written)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
     with remote_errors("looking at the remote"):
         _refresh(fs, root)
         if is_local(fs):
-            if not fs.isdir(root):
+            if fs.exists(root) and not fs.isdir(root):
+                raise UserError(f"{root} is a file, not a folder")
+            parent = _parent(root) or "/"
+            if writing and not fs.isdir(root) and not fs.isdir(parent):
+                raise UserError(f"no such folder: {parent} (the backup folder is created only inside an "
+                                "existing one)")
+            if not writing and not fs.isdir(root):
                 raise UserError(f"no such folder: {root}")
         elif scheme in BUCKET_SCHEMES and not fs.exists(root):
             bucket = root.split("/", 1)[0]
@@ -1443,6 +1523,7 @@ def command_push(run_dir: str, url: str) -> int:
     if not source.is_dir():
         raise UserError(f"no such folder: {run_dir}")
     fs, root = open_remote(url)
+    require_remote(fs, root, url, writing=True)
     with remote_errors("pushing"):
         if (source / CORPUS_MANIFEST).is_file():
             push_corpus(source, fs, root)
@@ -1496,12 +1577,15 @@ def matches_local_record(path: Path, sha256: str) -> bool:
 def command_pull(url: str, run_dir: str) -> int:
     fs, root = open_remote(url)
     require_remote(fs, root, url)
+    target = Path(run_dir).resolve()
+    for folder in (target, target.parent) if target.is_dir() else (target.parent,):
+        check_writable_folder(folder, "the local folder")  # before the download, not a network error after it
     with remote_errors("reading the remote"):
         corpus = remote_is_corpus(fs, root)
     if corpus:
         pull_corpus(url, run_dir)
         return 0
-    path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR)
+    path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     if path is None:
         raise UserError("the remote holds no checkpoint to pull")
     return 0

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -30,22 +31,83 @@ class UserError(Exception):
     indented detail lines where a tool's own diagnostics help), exit 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread (see stop_on_sigterm): cleaned up like a Ctrl-C."""
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM raise Terminated, so `finally` blocks remove what is half-built and run_main says
+    `error: terminated` (exit 143) instead of a silent death that leaves temporary folders."""
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def fail(message: str, code: int = 2) -> None:
     """Print one clear `error: ...` line to stderr and exit non-zero."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
+def os_error_cause(error: OSError) -> str:
+    """'no space left on device', 'read-only file system': what an OSError means, without the path."""
+    return os.strerror(error.errno).lower() if error.errno else (str(error) or type(error).__name__)
+
+
+def os_error_text(error: OSError, path: str | os.PathLike | None = None) -> str:
+    """'PATH: no space left on device': the file (`path`, else the error's) and the cause, in one line."""
+    where = path if path is not None else error.filename
+    return f"{where}: {os_error_cause(error)}" if where else os_error_cause(error)
+
+
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a script's main(), turning UserError into a one-line message and exit code 2."""
+    """Run a script's main(), turning UserError into a one-line message and exit code 2.
+
+    An OSError that reaches here (a full disk, a read-only or vanished folder: the machine, not the
+    code) is one line too, naming the file and the cause; the scripts catch the ones they can
+    explain better (which checkpoint is the last good one, ...) before it gets here.
+
+    A Ctrl-C is `error: interrupted` (exit 130) also when a library re-raised the KeyboardInterrupt
+    as an exception of its own. Run as a script's entry point (`main` defined in
+    __main__), a Ctrl-C after main() has ended is ignored: the outcome is decided and recorded, and
+    a traceback from the interpreter's teardown (or a death by the signal) would only hide it.
+    """
+    script = getattr(main, "__module__", None) == "__main__"
     try:
         result = main()
     except UserError as error:
         fail(str(error))
+    except Terminated:
+        fail("terminated (SIGTERM); nothing half-written was kept", code=143)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
+    except OSError as error:
+        if not error.errno:
+            raise
+        fail(os_error_text(error))
+    except Exception as error:
+        if caused_by_interrupt(error):
+            fail("interrupted", code=130)
+        raise
+    finally:
+        if script:
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
     if isinstance(result, int):
         raise SystemExit(result)
+
+
+def caused_by_interrupt(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in `error`'s chain of causes (a library re-raised it as its own)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def seed_everything(seed: int) -> None:
@@ -99,6 +161,22 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
+    """Create `folder` if needed and write (then remove) a small file there, before any work: a
+    read-only mount or a full disk is then one error naming the folder, not a traceback at the end."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as error:
+        raise UserError(f"{what} {folder} cannot be written: {os_error_cause(error)}") from None
 
 
 def _process_umask() -> int:

@@ -46,11 +46,13 @@ from common import (
     atomic_write_text,
     fsync_dir,
     human_count,
+    os_error_text,
     read_json,
     run_main,
     sha256_bytes,
     sha256_file,
     sha256_tree,
+    stop_on_sigterm,
     utc_now,
 )
 
@@ -174,6 +176,9 @@ def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
     folder = tokenizer_folder(folder)
+    if not (folder / "tokenizer.json").is_file():  # else transformers' hint about sentencepiece, 5 lines long
+        raise UserError(f"tokenizer folder {folder} has no tokenizer.json (a fast tokenizer's file, which tinyllm's "
+                        "tokenizers are saved as; data.py writes one into CORPUS/tokenizer)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as error:  # transformers raises many types here
@@ -387,9 +392,12 @@ def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield location, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as error:
-                yield location, RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
+                record = RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
+            except RecursionError:
+                record = RecordError("malformed_json", f"{location}: malformed JSON (nested too deeply)")
+            yield location, record
 
 
 def json_error(error: json.JSONDecodeError) -> str:
@@ -417,6 +425,9 @@ def iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     except json.JSONDecodeError as error:
         yield f"{path}:{error.lineno}", RecordError("malformed_json", f"{path}:{error.lineno}: malformed JSON "
                                                                        f"({error.msg})")
+        return
+    except RecursionError:
+        yield str(path), RecordError("malformed_json", f"{path}: malformed JSON (nested too deeply)")
         return
     if isinstance(data, dict):
         lists = [value for value in data.values() if isinstance(value, list) and value and
@@ -598,6 +609,9 @@ def record_text(record: Any) -> str:
     for key in TEXT_KEYS:
         if isinstance(record.get(key), str):
             return record[key]
+    for key in TEXT_KEYS:
+        if key in record:
+            raise RecordError("unknown_schema", f"'{key}' is a {type(record[key]).__name__}, expected text")
     raise RecordError("unknown_schema", f"unknown record shape with keys {sorted(record)}; "
                                         f"expected one of: {KNOWN_SHAPES}")
 
@@ -777,6 +791,10 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     characters = sum(len(part) for turn in turns for part in turn["parts"])
     if not characters:
         return "chat", "", [""], 0
+    answers = [message for message in messages if message["role"] == "assistant"]
+    if answers and not clean_text(answers[-1]["content"], remove_uuids).strip():
+        # "content": null (a tool call), or only an image part: training on it teaches answering nothing
+        raise RecordError("empty_answer", "the last assistant turn has no text")
     text = render_chat([{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns], chat_template)
     pieces = chat_pieces(turns, chat_template)
     if "".join(pieces) != text:
@@ -811,6 +829,9 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
             try:
                 kind, text, pieces, characters = to_document(record, chat_template, settings.remove_uuids)
             except RecordError as error:
+                if error.reason == "empty_answer":  # common in tool-call logs: counted, not warned one by one
+                    counts.dropped["empty_answer"] += 1
+                    continue
                 schema_error = error.reason in ("unknown_schema", "unknown_role")
                 if settings.strict or error.reason == "chat_template" or (schema_error and not settings.skip_unknown):
                     hint = " (or pass --skip-unknown to drop such records)" if schema_error else ""
@@ -851,7 +872,7 @@ def sample_texts(documents: Iterable[Document], max_bytes: int) -> Iterator[str]
     """Document texts until about `max_bytes` of UTF-8 have been yielded (the first documents)."""
     total = 0
     for document in documents:
-        yield document.text
+        yield from split_for_encoding(document.text, ENCODE_CHUNK_CHARS)  # the same words, bounded memory
         total += len(document.text.encode("utf-8"))
         if total >= max_bytes:
             return
@@ -964,6 +985,26 @@ def start_tokenize_worker(tokenizer_json: str) -> None:
     _WORKER_TOKENIZER = literal_tokenizer(Tokenizer.from_str(tokenizer_json))
 
 
+ENCODE_CHUNK_CHARS = 1 << 18  # the Rust tokenizer needs ~100 bytes per character of one text it encodes
+WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")  # a space after a non-space, before a letter
+
+
+def split_for_encoding(text: str, limit: int = ENCODE_CHUNK_CHARS) -> list[str]:
+    """`text` cut into pieces of about `limit` characters that encode to exactly the ids of the whole:
+    each cut is before a space that follows a non-space and precedes a letter, where the Qwen2
+    pre-tokenizer starts a new word (" word") anyway. Measured on a 10 MB one-line file: a 2.1 GB
+    peak encoded whole, 0.5 GB in chunks (both for training the tokenizer and for packing)."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        cut = WORD_START.search(text, start + limit)
+        if cut is None:
+            break
+        pieces.append(text[start:cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
+
+
 def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
                  documents: list[list[str]]) -> dict[str, tuple]:
     """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents).
@@ -977,15 +1018,24 @@ def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
     backend = backend or _WORKER_TOKENIZER
     control_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
     texts = [text for pieces in documents for text in pieces[::2]]
-    encodings = iter(backend.encode_batch_fast(texts, add_special_tokens=False))
+    short = iter(backend.encode_batch_fast([text for text in texts if len(text) <= ENCODE_CHUNK_CHARS],
+                                           add_special_tokens=False))
+
+    def ids_of(text: str) -> list[int]:
+        if len(text) <= ENCODE_CHUNK_CHARS:
+            return next(short).ids
+        return [token for chunk in split_for_encoding(text, ENCODE_CHUNK_CHARS)  # one at a time: bounded memory
+                for token in backend.encode(chunk, add_special_tokens=False).ids]
+
+    encodings = (ids_of(text) for text in texts)
     streams: dict[str, list[int]] = {}
     counts: Counter = Counter()
     for split, pieces in zip(splits, documents):
         stream = streams.setdefault(split, [])
-        stream.extend(next(encodings).ids)
+        stream.extend(next(encodings))
         for control_token in pieces[1::2]:
             stream.append(control_ids[control_token])
-            stream.extend(next(encodings).ids)
+            stream.extend(next(encodings))
         stream.append(eos_id)
         counts[split] += 1
     return {split: (np.array(stream, dtype=dtype), counts[split]) for split, stream in streams.items()}
@@ -1129,6 +1179,16 @@ def data_card(corpus: dict, sources: dict) -> str:
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that cannot become the corpus, before any work: the corpus is built in a
+    folder beside it (which must be writable) and renamed into place (which a mount point cannot be)."""
+    if out.exists() and os.path.ismount(out):
+        raise UserError(f"--out {out} is a mount point: the corpus is built beside it and renamed into place, "
+                        f"which a mount point cannot be; use a folder inside it, e.g. --out {out / 'corpus'}")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):  # false on a read-only mount, for root too
+        raise UserError(f"--out {out}: {parent} cannot be written (a read-only file system, or no permission)")
     if not out.exists():
         return
     if not out.is_dir():
@@ -1194,6 +1254,23 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
     check_settings(settings)
     check_out_dir(out, overwrite)
     started = time.perf_counter()
+    try:
+        corpus, stats, splits = build_in_place(sources, out, settings, extra_files, generator)
+    except OSError as error:
+        if not error.errno:
+            raise
+        raise UserError(f"building {out} failed: {os_error_text(error)}; nothing was written to --out "
+                        "(the partial build was removed)") from None
+    empty = empty_splits(splits, settings)
+    print_summary(out, corpus, stats, time.perf_counter() - started, empty)
+    for message in empty.values():
+        print(f"warning: {message}", file=sys.stderr)
+    return out
+
+
+def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, extra_files: dict[str, bytes] | None,
+                   generator: dict | None) -> tuple[dict, dict, dict]:
+    """build_corpus's work: everything in a temporary folder beside `out`, renamed into place at the end."""
     with building(out) as temp:
         tokenizer = prepare_tokenizer(settings, sources, temp / TOKENIZER_DIR)
         vocab_size = len(tokenizer)
@@ -1228,11 +1305,7 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
         corpus["files"] = {name: sha256_file(temp / name) for name in listed}
         atomic_write_json(temp / CORPUS_MANIFEST, corpus)
         swap_into_place(temp, out)
-    empty = empty_splits(splits, settings)
-    print_summary(out, corpus, stats, time.perf_counter() - started, empty)
-    for message in empty.values():
-        print(f"warning: {message}", file=sys.stderr)
-    return out
+    return corpus, stats, splits
 
 
 def empty_splits(splits: dict[str, dict], settings: BuildSettings) -> dict[str, str]:
@@ -1261,6 +1334,14 @@ def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], second
                   empty: Iterable[str] = ()) -> None:
     print(f"corpus ready: {out}")
     print(f"  documents: {corpus['documents']} kept ({describe_drops(stats)})")
+    invalid = sum(counts.dropped["invalid_utf8"] for counts in stats.values())
+    if invalid:
+        print(f"  {invalid} record(s) dropped for invalid UTF-8; a .txt or .json file is one record, so whole files "
+              "were dropped: convert them to UTF-8 first (e.g. iconv -f latin1 -t utf-8)")
+    empty_answers = sum(counts.dropped["empty_answer"] for counts in stats.values())
+    if empty_answers:
+        print(f"  {empty_answers} chat(s) dropped whose last assistant turn has no text (a tool call, an image "
+              "only): trained on, they would teach the model to answer nothing")
     per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
                           for split, info in corpus["splits"].items())
     print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")
@@ -1460,6 +1541,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
+    """--vocab-size with --tokenizer: the tokenizer's vocabulary is used; say so when they differ."""
+    try:
+        size = len(load_tokenizer(tokenizer))
+    except UserError:
+        return  # the build says what is wrong with the tokenizer
+    if size != vocab_size:
+        print(f"warning: --vocab-size {vocab_size} is not used: --tokenizer {tokenizer} has {size} tokens, and the "
+              "corpus uses them", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1475,6 +1567,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.out:
         parser.error("--out is required to build a corpus")
+    if args.tokenizer and args.vocab_size is not None:
+        warn_unused_vocab_size(args.tokenizer, args.vocab_size)
     options = {
         "scope": args.scope, "tokenizer": args.tokenizer, "tokenizer_sample_bytes": args.tokenizer_sample_bytes,
         "min_frequency": args.min_frequency, "shard_tokens": args.shard_tokens, "min_chars": args.min_chars,
@@ -1491,4 +1585,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()  # the command line only: a kill leaves no .NAME.building-PID/ behind
     run_main(main)

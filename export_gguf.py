@@ -201,7 +201,7 @@ def token_text(value) -> str | None:
 
 def read_vocab(source: ModelSource) -> Vocab:
     """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
-    from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS
+    from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN
 
     folder = source.folder
     tokenizer_path = folder / "tokenizer.json"
@@ -229,6 +229,10 @@ def read_vocab(source: ModelSource) -> Vocab:
     for index in range(count):
         if index not in added:
             token_types.append(int(gguf.TokenType.NORMAL))
+        elif tokens[index] in (THINK_OPEN, THINK_CLOSE):
+            # printed text in llama.cpp's output (a control token is hidden), as in Qwen3's own GGUFs:
+            # clients that split the reasoning from the answer look for <think> in the text
+            token_types.append(int(gguf.TokenType.USER_DEFINED))
         elif added[index].get("special"):
             token_types.append(int(gguf.TokenType.CONTROL))
         else:
@@ -386,14 +390,25 @@ def gguf_tensor_name(name_map, hf_name: str, source: ModelSource) -> str | None:
     return mapped
 
 
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """safetensors.safe_open, with a truncated or garbage file (SafetensorError) one UserError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as error:
+        raise UserError(f"{path} is not a readable safetensors file, truncated or corrupt ({error}); export "
+                        "the model again (train.py --export-only --out RUN)") from None
+
+
 def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
     """Every tensor to write, from the safetensors headers alone, checked against config.json."""
-    from safetensors import safe_open
-
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, source.preset.layers)
     plan: dict[str, PlannedTensor] = {}
     for path in source.weight_files:
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for hf_name in handle.keys():
                 gguf_name = gguf_tensor_name(name_map, hf_name, source)
                 if gguf_name is None:
@@ -431,10 +446,9 @@ def expected_tensor_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
 def iter_source_tensors(source: ModelSource):
     """Yield (hf_name, float32 torch tensor) for every tensor in the safetensors files."""
     import torch
-    from safetensors import safe_open
 
     for path in source.weight_files:
-        with safe_open(str(path), framework="pt") as handle:
+        with open_safetensors(path) as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name).to(torch.float32)
 
@@ -560,9 +574,8 @@ class Conversions:
     def __init__(self, source: ModelSource, plan: list[PlannedTensor], stack: contextlib.ExitStack,
                  ahead: int = CONVERT_AHEAD):
         import torch
-        from safetensors import safe_open
 
-        self.handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in source.weight_files}
+        self.handles = {path: stack.enter_context(open_safetensors(path)) for path in source.weight_files}
         stack.enter_context(torch_threads(1))
         self.pool = ThreadPoolExecutor(max_workers=CONVERT_WORKERS)
         stack.callback(self.pool.shutdown, wait=True, cancel_futures=True)
@@ -1087,6 +1100,12 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
         raise VerificationFailed(f"llama.cpp does not stop generating at {not_stop}")
     if llama_cpp.llama_vocab_get_add_bos(vocab):
         raise VerificationFailed("llama.cpp would add a BOS token to every prompt")
+    from data import IM_START, THINK_CLOSE, THINK_OPEN
+
+    for token, shown in ((THINK_OPEN, THINK_OPEN), (THINK_CLOSE, THINK_CLOSE), (IM_START, "")):
+        printed = llm.detokenize([tokenizer.convert_tokens_to_ids(token)], special=False).decode("utf-8")
+        if printed != shown:
+            raise VerificationFailed(f"llama.cpp prints {token} as {printed!r} in generated text, not {shown!r}")
     return texts
 
 

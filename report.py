@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from common import (
+    PLAIN_FILE_MODE,
     ArgumentParser,
     UserError,
     atomic_write_bytes,
@@ -47,7 +49,7 @@ from common import (
     utc_now,
 )
 
-IM_END, EOS, THINK_CLOSE = "<|im_end|>", "<eos>", "</think>"  # same strings as data.py's specials
+IM_START, IM_END, EOS, THINK_CLOSE = "<|im_start|>", "<|im_end|>", "<eos>", "</think>"  # as data.py's specials
 
 # Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
 DEFAULT_PROMPTS = [
@@ -418,9 +420,79 @@ def generate_chat(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max
     return [detail["completion"] for detail in details]
 
 
+def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 64,
+                          device=None) -> list[dict]:
+    """Greedy plain-text continuations of `prompts` (no chat template), one prompt at a time: dicts
+    {completion, stopped (at <eos>), new_tokens}, like generate_chat_details."""
+    import torch
+    from transformers import GenerationConfig
+
+    model = unwrap_model(model)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    context = getattr(model.config, "max_position_embeddings", None)
+    results = []
+    was_training = model.training
+    model.eval()
+    try:
+        for prompt in prompts:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if context is not None:
+                ids = ids[-(context - 1):]
+            new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(ids))
+            config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, num_beams=1, eos_token_id=[eos],
+                                      pad_token_id=tokenizer.pad_token_id, use_cache=True)
+            with torch.no_grad():
+                output = model.generate(input_ids=torch.tensor([ids], device=device),
+                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                                        generation_config=config)
+            reply, stopped = cut_at_stop(output[0, len(ids):].tolist(), [eos])
+            text = tokenizer.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            results.append({"completion": text, "stopped": stopped, "new_tokens": len(reply)})
+    finally:
+        model.train(was_training)
+    return results
+
+
+def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, opening_tokens: int = 24,
+                     documents_read: int = 200) -> tuple[str, list[str]]:
+    """("chat" or "text", prompts) that fit a corpus: the first user turns of its held-out chats, or
+    the openings of its held-out texts (its first `opening_tokens` tokens) to be continued. The test
+    split is read first, then validation, then train (a corpus without held-out documents)."""
+    corpus = Path(corpus)
+    manifest = json.loads((corpus / "corpus_manifest.json").read_text(encoding="utf-8"))
+    eos, im_start = (tokenizer.convert_tokens_to_ids(token) for token in (EOS, IM_START))
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    documents: list[list[int]] = []
+    for split in ("test", "validation", "train"):
+        current: list[int] = []
+        for entry in manifest["splits"].get(split, {}).get("files", []):
+            for token in np.fromfile(corpus / entry["name"], dtype=dtype).tolist():
+                if token != eos:
+                    current.append(token)
+                    continue
+                documents.append(current)
+                current = []
+                if len(documents) >= documents_read:
+                    break
+            if len(documents) >= documents_read:
+                break
+        if documents:
+            break
+    chats = [doc for doc in documents if doc[:1] == [im_start]]
+    if len(chats) * 2 > len(documents):
+        user_turn = re.compile(re.escape(IM_START) + r"user\n(.*?)" + re.escape(IM_END), re.S)
+        found = (user_turn.search(tokenizer.decode(doc, skip_special_tokens=False)) for doc in chats)
+        prompts = [match.group(1).strip() for match in found if match and match.group(1).strip()]
+        return "chat", list(dict.fromkeys(prompts))[:count] or list(DEFAULT_PROMPTS)
+    openings = [tokenizer.decode(doc[:opening_tokens]) for doc in documents if doc and doc[:1] != [im_start]]
+    return "text", list(dict.fromkeys(opening for opening in openings if opening.strip()))[:count]
+
+
 def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
-                     max_new_tokens: int = 96, device=None, step: int | None = None) -> dict:
-    """Write sample_generations.json (greedy replies to `prompts`) atomically; never raises.
+                     max_new_tokens: int = 96, device=None, step: int | None = None, text: bool = False) -> dict:
+    """Write sample_generations.json (greedy replies to `prompts`, or with `text` their plain-text
+    continuations) atomically; never raises.
 
     Returns what it wrote: {"format_version", "time", "step", "settings", "samples": [{prompt,
     completion, stopped, new_tokens}], "error"}; a failure (generation or writing) is in "error".
@@ -429,13 +501,14 @@ def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Seq
         "format_version": 1,
         "time": utc_now(),
         "step": step,
-        "settings": {"decoding": "greedy", "chat_template": True, "max_new_tokens": max_new_tokens,
-                     "stop_tokens": [IM_END, EOS]},
+        "settings": {"decoding": "greedy", "chat_template": not text, "max_new_tokens": max_new_tokens,
+                     "stop_tokens": [EOS] if text else [IM_END, EOS]},
         "samples": [],
         "error": None,
     }
     try:
-        details = generate_chat_details(model, tokenizer, list(prompts), max_new_tokens, device)
+        generate = generate_text_details if text else generate_chat_details
+        details = generate(model, tokenizer, list(prompts), max_new_tokens, device)
         record["samples"] = [{"prompt": prompt, **detail} for prompt, detail in zip(prompts, details)]
     except Exception as error:  # samples are a courtesy: a failure must never lose the run
         record["error"] = f"generation failed: {type(error).__name__}: {error}"
@@ -748,6 +821,7 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
         write_provenance(temp, architecture, card_info)
         hashes = {}
         for path in sorted(p for p in temp.rglob("*") if p.is_file()):
+            path.chmod(PLAIN_FILE_MODE)  # safetensors writes model.safetensors owner-only; the rest is 0644
             _fsync_file(path)
             hashes[path.relative_to(temp).as_posix()] = sha256_file(path)
         fsync_dir(temp)
@@ -804,6 +878,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     samples.add_argument("model", help="exported model folder (RUN/model)")
     samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
+    samples.add_argument("--text", action="store_true",
+                         help="continue each --prompt as plain text (a model trained on plain text, e.g. books)")
     samples.add_argument("--max-new-tokens", type=int, default=96)
     samples.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
@@ -821,10 +897,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = task_accuracy(model, tokenizer, args.eval, args.device, args.limit, args.max_new_tokens)
         print(json.dumps(result, indent=2, ensure_ascii=False))
     else:
+        if args.text and not args.prompt:
+            raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
         model, tokenizer = load_exported(args.model, args.device)
         prompts = args.prompt or DEFAULT_PROMPTS
-        for prompt, reply in zip(prompts, generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device)):
-            print(f"> {prompt}\n{reply}\n")
+        if args.text:
+            for prompt, detail in zip(prompts, generate_text_details(model, tokenizer, prompts, args.max_new_tokens,
+                                                                     args.device)):
+                print(f"> {prompt}{detail['completion']}\n")
+        else:
+            replies = generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device)
+            for prompt, reply in zip(prompts, replies):
+                print(f"> {prompt}\n{reply}\n")
     return 0
 
 

@@ -58,6 +58,8 @@ from common import (
     append_jsonl,
     atomic_open,
     atomic_write_json,
+    os_error_cause,
+    os_error_text,
     read_json,
     run_main,
     seed_everything,
@@ -86,6 +88,9 @@ GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121
 # Options
 
 
+MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
+
+
 def token_count(text: str) -> int:
     """An argparse type for token counts: a whole number, also written as 3e8 or 1.5e9."""
     try:
@@ -94,6 +99,8 @@ def token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text} tokens is more than any run can train (at most {MAX_TOKENS:.0e})")
     return int(value)
 
 
@@ -698,7 +705,10 @@ def resolve_precision(requested: str, device: torch.device) -> str:
             return "fp32"
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     if requested == "fp16" and device.type != "cuda":
-        raise UserError("--precision fp16 needs a CUDA device; use bf16 (or fp32) on CPU")
+        # CPU autocast supports float16: the whole T4 path (autocast + GradScaler, overflow skips, the
+        # scaler's state in checkpoints) then runs anywhere, for tests and for who asks for it explicitly
+        print("warning: --precision fp16 on CPU is slow and meant for testing the fp16 + loss scaling path; "
+              "bf16 (or fp32) is the CPU choice", file=sys.stderr, flush=True)
     return requested
 
 
@@ -909,17 +919,46 @@ def peak_flops(args: argparse.Namespace, info: DistInfo, precision: str) -> floa
     return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
 
 
-def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.25) -> float:
-    """FLOP/s of a square matmul on this CPU with the current thread count (best of several)."""
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5, tries: int = 5) -> float:
+    """FLOP/s of a square matmul on this CPU with the current thread count: the fastest of at least
+    `tries` runs spread over `seconds` (the fastest is the one least slowed by other load)."""
     a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
     b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
     torch.mm(a, b)
-    best, deadline = math.inf, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    best, deadline, runs = math.inf, time.perf_counter() + seconds, 0
+    while runs < tries or time.perf_counter() < deadline:
         started = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - started)
+        runs += 1
     return 2 * size**3 / best
+
+
+def peak_source(args: argparse.Namespace, info: DistInfo, precision: str) -> str:
+    """Where peak_flops' figure comes from, for hardware.json."""
+    if args.peak_tflops:
+        return "--peak-tflops"
+    if info.device.type == "cuda":
+        return f"the GPU table ({torch.cuda.get_device_name(info.device)})"
+    return f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run"
+
+
+def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, float | None]:
+    """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
+    under other load at the start): the peak is measured again and the higher one kept (and recorded
+    in hardware.json); an MFU that is still impossible (a wrong --peak-tflops, say) is not shown."""
+    args, info = training.args, training.info
+    if info.device.type == "cpu" and not args.peak_tflops:
+        measured = measure_cpu_matmul_flops(torch.bfloat16 if training.precision == "bf16" else torch.float32)
+        if measured > peak:
+            mfu, peak = mfu * peak / measured, measured
+            if info.is_main:
+                path = Path(args.out) / "hardware.json"
+                with contextlib.suppress(UserError, OSError):
+                    atomic_write_json(path, {**read_json(path), "peak_flops": peak,
+                                             "peak_flops_source": "a CPU matmul measured again during the run "
+                                                                  "(the first measurement was slowed by other load)"})
+    return peak, (mfu if mfu <= 1 else None)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -973,10 +1012,15 @@ class HashingWriter:
 
     def __init__(self, handle):
         self.handle, self.digest = handle, hashlib.sha256()
+        self.os_error: OSError | None = None  # torch.save reports a failed write as a RuntimeError: keep the cause
 
     def write(self, data) -> int:
         self.digest.update(data)
-        return self.handle.write(data)
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.os_error = error
+            raise
 
     def flush(self) -> None:
         self.handle.flush()
@@ -1014,6 +1058,10 @@ def set_aside(path: Path) -> str:
     return target.name
 
 
+class CheckpointWriteFailed(UserError):
+    """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
+
+
 class Checkpointer:
     """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
 
@@ -1042,6 +1090,12 @@ class Checkpointer:
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
 
+    def check(self) -> None:
+        """Re-raise the error of a write that has already ended (returns at once): a failed save is
+        noticed at the next step, not one save later."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; re-raise its error."""
         if self._thread is not None:
@@ -1061,9 +1115,9 @@ class Checkpointer:
         return caught_up
 
     def _write(self, snapshot: dict, step: int, best_val_loss: float | None) -> None:
+        path, writer = self.folder / checkpoint_name(step), None
         try:
             started = time.perf_counter()
-            path = self.folder / checkpoint_name(step)
             with atomic_open(path, "wb") as handle:
                 writer = HashingWriter(handle)
                 torch.save(snapshot, writer)
@@ -1079,7 +1133,10 @@ class Checkpointer:
                 self.backup.submit(path, step)
             self.apply_retention()
             self.last_write_seconds = time.perf_counter() - started
-        except BaseException as error:  # surfaced on the training thread at the next save/wait
+        except BaseException as error:  # surfaced on the training thread at the next step (check) or save
+            cause = writer.os_error if writer is not None and writer.os_error is not None else error
+            if isinstance(cause, OSError) and cause.errno:
+                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, cause.filename or path)}")
             self._error = error
 
     def start_timeline(self, resumed_from: Path | None, step: int) -> None:
@@ -1867,6 +1924,8 @@ def main(argv: list[str] | None = None) -> int:
         args.data = str(main_decides(lambda: prepare_corpus(args), info))
         with claim_run_folder(Path(args.out), info):
             backup_url = checkpoint_cloud.backup_url_from_env_or_arg(args.backup_to)
+            if backup_url:
+                main_decides(lambda: checkpoint_cloud.check_backup_target(backup_url), info)
             if backup_url and args.resume == "auto":
                 main_decides(lambda: restore_from_backup(backup_url, Path(args.out)), info)
             backup = start_backup(args, info)
@@ -1896,8 +1955,11 @@ def check_run_folder(out: Path) -> None:
 
 def lock_run_folder(out: Path):
     """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a+", encoding="utf-8")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / ".lock", "a+", encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--out {out} cannot be written: {os_error_cause(error)}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2000,8 +2062,11 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
                                                            "parameters": model_config.parameter_count(
                                                                training.preset, training.vocab_size),
                                                            "flops_per_token": training.flops_per_token})
-        atomic_write_json(out / "hardware.json", hardware_record(info, training.precision, training.sdpa))
     peak = peak_flops(args, info, training.precision) if info.is_main else None
+    if info.is_main:
+        atomic_write_json(out / "hardware.json", {**hardware_record(info, training.precision, training.sdpa),
+                                                  "peak_flops": peak,
+                                                  "peak_flops_source": peak_source(args, info, training.precision)})
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {info.device.type}")
@@ -2033,7 +2098,11 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
             progress.close()
             tensorboard.close()
         finish_run(training, out, checkpointer, metrics, status, reason)
-    except NonFiniteLoss as error:
+    except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
+        if isinstance(error, OSError) and not error.errno:
+            fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
+            raise
+        error = os_error_text(error) if isinstance(error, OSError) else error
         fail_run(info, out, checkpointer, training, str(error))
         last = latest_checkpoint_name(out)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
@@ -2070,6 +2139,8 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         progress.write(reason)
         return NEEDS_RESUME, reason
     while training.step < training.total_steps:
+        if checkpointer is not None:
+            checkpointer.check()
         result = training.train_step()
         if not result.applied:
             progress.write(f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")
@@ -2078,6 +2149,8 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         slowest_step = max(slowest_step, result.seconds)
         tokens_per_second = training.tokens_per_step / result.seconds
         mfu = training.flops_per_token * tokens_per_second / (peak * info.world) if peak else None
+        if mfu is not None and mfu > 1:
+            peak, mfu = plausible_mfu(training, peak, mfu)
         progress.update(step, result.loss, tokens_per_second, mfu)
         logged = step % args.log_every == 0 or step == 1 or step == training.total_steps
         if logged:
@@ -2215,6 +2288,7 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         "validation": training.metrics.last_eval,
         "test": test,
         "test_loss": test["loss"] if test else None,
+        "train_loss": last_train_loss(out),
         "backup_complete": backed_up,
     }
     if status == NEEDS_RESUME:
@@ -2228,6 +2302,17 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         checkpointer.backup.close()
     log(info, final_line(out, status, record))
     return record
+
+
+def last_train_loss(out: Path) -> float | None:
+    """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
+    with contextlib.suppress(OSError):
+        for line in reversed((out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()):
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("kind") == "train" and isinstance(record.get("loss"), float):
+                    return record["loss"]
+    return None
 
 
 def report_run(training: Training, out: Path, status: str, test: dict | None) -> dict:
@@ -2254,8 +2339,12 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
                                                          title=out.name))
     accuracy = None
     if status == COMPLETE and tokenizer is not None:
+        # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
+        # chats' first questions, or the openings of its held-out texts to continue
+        kind, prompts = ("chat", report.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
+            attempt("sample_prompts", lambda: report.held_out_prompts(corpus, tokenizer)) or ("chat", [])
         samples = report.generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                          step=training.step)
+                                          prompts=prompts, step=training.step, text=kind == "text")
         if samples["error"]:
             errors["samples"] = samples["error"]
         if (corpus / "eval").is_dir():
@@ -2324,9 +2413,14 @@ def final_line(out: Path, status: str, record: dict) -> str:
     if record.get("backup_complete") is not None:
         line += " | newest checkpoint " + ("backed up" if record["backup_complete"] else "NOT yet backed up")
     if status == NEEDS_RESUME:
-        return line + f" | continue with: {record['resume_command']}"
+        why = f" | {record['reason']}" if record.get("reason") else ""  # e.g. stopped by --max-hours budget
+        return line + f"{why} | continue with: {record['resume_command']}"
     if record.get("test_loss") is not None:
         line += f" | test loss {record['test_loss']:.4f}"
+    elif (record.get("validation") or {}).get("loss") is not None:
+        line += f" | validation loss {record['validation']['loss']:.4f} (no test split)"
+    elif record.get("train_loss") is not None:
+        line += f" | train loss {record['train_loss']:.4f} (no held-out split)"
     if record.get("task_accuracy"):
         line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
     if record.get("model_files"):
@@ -2335,9 +2429,25 @@ def final_line(out: Path, status: str, record: dict) -> str:
 
 
 def export_only(args: argparse.Namespace, info: DistInfo) -> int:
-    """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only)."""
+    """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only), holding
+    the run folder's lock: a training run that owns the folder writes its model/ itself."""
     if not info.is_main:
         return 0
+    out = Path(args.out)
+    new = not out.exists()
+    lock = lock_run_folder(out)
+    try:
+        return export_checkpoint(args, info)
+    finally:
+        lock.close()
+        if new and [path.name for path in out.iterdir()] == [".lock"]:  # refused: leave no folder behind
+            with contextlib.suppress(OSError):
+                (out / ".lock").unlink()
+                out.rmdir()
+
+
+def export_checkpoint(args: argparse.Namespace, info: DistInfo) -> int:
+    """export_only's work, under the lock."""
     out = Path(args.out)
     path = find_resume_checkpoint(out, args.resume)
     if path is None:
@@ -2387,13 +2497,22 @@ def python_command() -> str:
 
 
 def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
-    """This run's command line with `--resume auto` and without `--stop-after-steps`."""
+    """This run's command line with `--resume auto` and without `--stop-after-steps`; a --backup-to URL
+    (which may carry secrets, and is never printed) is shown as URL."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    kept, skip = [], False
+    kept, skip, hide = [], False, False
     for item in argv:
         if skip:
             skip = False
             continue
+        if hide:
+            kept.append("URL")
+            hide = False
+            continue
+        if item == "--backup-to":
+            hide = True
+        elif item.startswith("--backup-to="):
+            item = "--backup-to=URL"
         if item in ("--resume", "--stop-after-steps"):
             skip = True
             continue

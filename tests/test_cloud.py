@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -733,6 +734,7 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, 
 
     monkeypatch.delattr(data, "verify_corpus", raising=False)  # the fallback check of this module
     corpus = fake_corpus(tmp_path / "corpus")
+    (tmp_path / "remote").mkdir()  # push creates the last folder only (a typo above it is an error)
     remote = str(tmp_path / "remote" / "corpus")
     assert cc.main(["push", str(corpus), remote]) == 0
     assert cc.main(["verify", remote]) == 0
@@ -860,3 +862,211 @@ def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
     backup.close()
     assert any(line.startswith("checkpoint backup: step-00000001.pt (step 1,") and "uploaded and verified" in line
                for line in log)
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_path, request, capsys):
+    """Issue 14.1: a typo in the bucket (or the folder above the backup folder) is an error for push and
+    for train.py's --backup-to, before anything is restored or trained; nothing is created."""
+    run = tmp_path / "run"
+    save_and_point_latest(run / "checkpoints", 4, run_id="r1")
+    if store == "folder":
+        missing = str(tmp_path / "no-such" / "runs" / "tiny")
+        fresh = str(tmp_path / "backups")  # its parent exists: the folder itself may be created
+    else:
+        fresh = request.getfixturevalue("s3_url")
+        missing = f"s3://typobucket-{uuid.uuid4().hex[:8]}/runs/x"
+    with pytest.raises(SystemExit) as exit_info:
+        cc.run_main(lambda: cc.main(["push", str(run), missing]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "does not exist" in err or "no such folder" in err
+    with pytest.raises(UserError):
+        cc.check_backup_target(missing)
+    if store == "folder":
+        assert not (tmp_path / "no-such").exists()
+    else:
+        bucket = missing.split("://", 1)[1].split("/", 1)[0]
+        fs, _ = cc.open_remote(missing)
+        with pytest.raises(OSError):  # an upload below the missing bucket fails instead of creating it
+            cc.upload_checkpoint(fs, missing.split("://", 1)[1], run / "checkpoints" / "step-00000004.pt")
+        cc._refresh(fs, bucket)
+        assert not fs.exists(bucket)
+    cc.check_backup_target(fresh)
+    assert cc.main(["push", str(run), fresh]) == 0
+    assert sorted(remote_state(fresh)["verified"]) == [4]
+
+
+def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_training(s3_url, tmp_path):
+    """Issue 14.1, through train.py: no bucket made, no 'holds no checkpoint yet', no step 0."""
+    from test_train import options, write_tiny_corpus
+
+    import train
+
+    corpus = write_tiny_corpus(tmp_path / "corpus", documents=200)
+    missing = f"s3://typobucket-{uuid.uuid4().hex[:8]}/runs/x"
+    with pytest.raises(UserError, match="bucket does not exist"):
+        train.main(options(corpus, tmp_path / "run", "--backup-to", missing))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    fs, _ = cc.open_remote(missing)
+    bucket = missing.split("://", 1)[1].split("/", 1)[0]
+    cc._refresh(fs, bucket)
+    assert not fs.exists(bucket)
+
+
+def test_pull_is_read_only_on_the_remote_and_restores_an_honest_run_status(tmp_path, flip_byte, capsys):
+    """Issue 14.8: the remote says COMPLETE at step 30 but its step-30 copy is corrupt: pull restores
+    step 20 with a run_status.json saying resume at step 20, and leaves every remote file as it was."""
+    run = tmp_path / "run"
+    remote = tmp_path / "remote"
+    backup = cc.CheckpointBackup(str(remote), save_every=10, log=Log())
+    atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
+    for step in (10, 20, 30):
+        atomic_write_json(run / "run_status.json", {"status": "RUNNING", "step": step, "total_steps": 30})
+        if step == 30:
+            atomic_write_json(run / "run_status.json", {"status": "COMPLETE", "step": 30, "total_steps": 30})
+        backup.submit(save_and_point_latest(run / "checkpoints", step, "run-a"), step)
+        assert backup.wait(30)
+    backup.close()
+    flip_byte(remote / "checkpoints" / "step-00000030.pt", 1000)
+    before = {path.relative_to(remote): path.read_bytes() for path in remote.rglob("*") if path.is_file()}
+
+    assert cc.main(["pull", str(remote), str(tmp_path / "pulled")]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000020.pt (step 20) restored" in out and "left as it is" in out
+    after = {path.relative_to(remote): path.read_bytes() for path in remote.rglob("*") if path.is_file()}
+    assert after == before  # no record renamed, latest.json not moved
+    restored = json.loads((tmp_path / "pulled" / "run_status.json").read_text())
+    assert restored["status"] == cc.NEEDS_RESUME and restored["step"] == 20
+    assert "COMPLETE at step 30" in restored["reason"]
+
+    # train.py's own restore (it writes the remote anyway) sets the corrupt record aside and says so
+    log = Log()
+    cc.restore_latest(str(remote), tmp_path / "trained" / "checkpoints", log=log)
+    assert (remote / "checkpoints" / "step-00000030.pt.json.corrupt").exists()
+    assert "record renamed" in log.text() and "now names step-00000020.pt" in log.text()
+
+
+def test_backup_warnings_say_what_happened_and_announce_the_recovery(tmp_path):
+    """Issue 14.10: the overflow warning names the real cause (uploads failing vs saving faster than
+    uploads finish; a copy on the remote whose latest.json could not move), never releases the file
+    being uploaded, and the end of an outage is announced."""
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote"), max_unbacked=1, retry_seconds=60, log=log)
+    allow_uploads = refuse_uploads(backup)
+    paths = [save_and_point_latest(local, step) for step in (1, 2, 3)]
+    for step, path in enumerate(paths, start=1):
+        backup.submit(path, step)
+    assert not backup.wait(0.5)
+    assert backup.deletable(paths[:2]) == [paths[0].resolve()]
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "never reached the remote" in warning and "uploads are failing (PermissionError)" in warning
+    allow_uploads()
+    backup.submit(paths[2], 3)
+    assert backup.wait(30)
+    assert any("the remote works again" in line and "failed attempt" in line for line in log)
+    backup.close()
+
+    # no failure at all: the cause is saving faster than uploads finish, not the credentials
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote-2"), max_unbacked=1, log=log)
+    started, release = threading.Event(), threading.Event()
+    working = backup.fs.put_file
+
+    def slow_put(*args, **kwargs):
+        started.set()
+        release.wait(30)
+        return working(*args, **kwargs)
+
+    backup.fs.put_file = slow_put
+    paths = [save_and_point_latest(tmp_path / "run-2" / "checkpoints", step) for step in (1, 2, 3, 4)]
+    backup.submit(paths[0], 1)
+    assert started.wait(30)  # step 1 is being uploaded now
+    for step, path in enumerate(paths[1:], start=2):
+        backup.submit(path, step)
+    released = backup.deletable(paths[:3])
+    assert paths[0].resolve() not in released  # never released mid-upload
+    assert released == [paths[1].resolve()]
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "saved faster than they upload" in warning and "credentials" not in warning
+    release.set()
+    assert backup.wait(30)
+    assert not any("the remote works again" in line for line in log)
+    backup.close()
+
+    # a copy that reached the remote, but latest.json could not be moved: not "never reached"
+    log = Log()
+    backup = cc.CheckpointBackup(str(tmp_path / "remote-3"), max_unbacked=0, retry_seconds=60, log=log)
+    original = cc.write_remote_latest
+
+    def refuse_latest(*args):
+        raise PermissionError("denied")
+
+    try:
+        cc.write_remote_latest = refuse_latest
+        path = save_and_point_latest(tmp_path / "run-3" / "checkpoints", 1)
+        backup.submit(path, 1)
+        assert wait_until(lambda: any("not backed up yet" in line for line in log))
+        assert backup.deletable([path]) == [path.resolve()]
+    finally:
+        cc.write_remote_latest = original
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "its copy is on the remote and verified" in warning and "never reached" not in warning
+    backup.close()
+
+
+def test_pull_into_a_read_only_folder_names_it_not_the_network(tmp_path, capsys):
+    from faults import read_only_folder
+
+    remote = tmp_path / "remote"
+    run = tmp_path / "run"
+    save_and_point_latest(run / "checkpoints", 4, run_id="r1")
+    assert cc.main(["push", str(run), str(remote)]) == 0
+    capsys.readouterr()
+    with read_only_folder(tmp_path / "ro") as folder:
+        with pytest.raises(SystemExit) as exit_info:
+            cc.run_main(lambda: cc.main(["pull", str(remote), str(folder / "run")]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert f"{folder} cannot be written" in err and "credentials" not in err and "network" not in err
+
+
+def test_an_s3_outage_is_reported_after_a_few_connection_attempts(monkeypatch, tmp_path):
+    """Issue 14.10: an outage was logged ~40 steps late, after ~25 silent attempts inside s3fs and
+    botocore. The backup's client gives up after a few; the backup's own retry loop does the rest."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    connections = []
+
+    def refuse_every_request():  # a store that accepts each connection and closes it at once
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(1)
+            connection.close()
+
+    threading.Thread(target=refuse_every_request, daemon=True).start()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{listener.getsockname()[1]}")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    log = Log()
+    backup = cc.CheckpointBackup("s3://some-bucket/runs/x", retry_seconds=60, log=log)
+    try:
+        assert backup.started.wait(60)
+        before = len(connections)
+        backup.submit(save_and_point_latest(tmp_path / "checkpoints", 1), 1)
+        assert wait_until(lambda: any("not backed up yet" in line for line in log), timeout_s=60)
+        # the failed upload attempt is a few requests, each given up after FAIL_FAST_ATTEMPTS**2 connections
+        # (s3fs's retries x botocore's); with the libraries' defaults, 25 each: no failure logged within a minute
+        assert 0 < len(connections) - before <= 8 * cc.FAIL_FAST_ATTEMPTS**2, len(connections) - before
+    finally:
+        backup.close()
+        listener.close()

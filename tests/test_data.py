@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -860,3 +861,82 @@ def test_a_chat_template_that_changes_content_is_a_user_error(tmp_path):
     upper = data.CHAT_TEMPLATE.replace("message['content']", "message['content'] | upper")
     with pytest.raises(UserError, match=r"chats\.jsonl:1: the tokenizer's chat template changes message content"):
         list(data.iter_documents(data.resolve_inputs([str(source)]), data.BuildSettings(), upper))
+
+
+@pytest.mark.parametrize("extra", [(), ("--skip-unknown",)])
+def test_a_deeply_nested_json_line_is_a_malformed_line_not_a_crash(tmp_path, capsys, extra):
+    """Issue 14.4: one line nested 100,000 deep (RecursionError in the parser) is warned and counted."""
+    source = tmp_path / "deep.jsonl"
+    lines = [json.dumps(r) for r in text_records("ok", 10)]
+    lines.insert(2, "[" * 100_000 + "]" * 100_000)
+    source.write_text("\n".join(lines) + "\n")
+    whole = tmp_path / "deep.json"
+    whole.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    out = build([source, whole], tmp_path / "out", *extra)
+    err = capsys.readouterr().err
+    assert f"{source}:3: malformed JSON (nested too deeply)" in err and f"{whole}: malformed JSON" in err
+    entries = {Path(e["source"]).name: e for e in json.loads((out / "source_manifest.json").read_text())["inputs"]}
+    assert entries["deep.jsonl"]["dropped"] == {"malformed_json": 1} and entries["deep.jsonl"]["documents_kept"] == 10
+    assert entries["deep.json"]["dropped"] == {"malformed_json": 1}
+
+
+def test_chats_whose_last_assistant_turn_is_empty_are_dropped_and_counted(tmp_path, capsys):
+    """Issue 14.5: a tool-call log ("content": null) or an image-only answer is not an empty answer to learn."""
+    good = [{"messages": [{"role": "user", "content": f"Question {i} about rivers?"},
+                          {"role": "assistant", "content": f"Answer {i}: rivers flow to the sea."}]} for i in range(12)]
+    empty = [
+        {"messages": [{"role": "user", "content": "Call the weather tool"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "weather"}}]}]},
+        {"messages": [{"role": "user", "content": "Draw a cat"},
+                      {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+        {"prompt": "Say something", "response": "   "},
+    ]
+    # an empty turn in the middle (a tool call answered later) is fine: the last answer has text
+    middle = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                           {"role": "assistant", "content": None}, {"role": "tool", "content": "sunny"},
+                           {"role": "assistant", "content": "It is sunny in Paris."}]}
+    for record in empty:
+        with pytest.raises(data.RecordError, match="last assistant turn has no text"):
+            doc(record)
+    assert doc(middle)[0] == "chat"
+    source = write_jsonl(tmp_path / "chats.jsonl", good + empty + [middle])
+    out = build([source], tmp_path / "out")
+    entry = json.loads((out / "source_manifest.json").read_text())["inputs"][0]
+    assert entry["dropped"] == {"empty_answer": 3} and entry["documents_kept"] == 13
+    printed = capsys.readouterr().out
+    assert "empty_answer 3" in printed and "3 chat(s) dropped whose last assistant turn has no text" in printed
+
+
+def test_a_huge_one_line_text_is_encoded_in_chunks_to_the_same_ids(tmp_path, monkeypatch):
+    """Issue 14.13: a 50 MB single-line file peaked at 5.3 GB (the Rust tokenizer holds ~100 bytes per
+    character of a text it encodes). Long texts are encoded in word-aligned chunks, to the same ids."""
+    rng = random.Random(0)
+    words = ["river", "hill", "stone", "Ünïcödé", "42", "x", "don't", "  ", ",", "日本語", "\t"]
+    text = " ".join(rng.choice(words) for _ in range(20_000))
+    tokenizer, _ = data.train_tokenizer([text[:20_000]], 300, tmp_path / "tok")
+    backend = data.literal_tokenizer(tokenizer.backend_tokenizer)
+    whole = backend.encode(text, add_special_tokens=False).ids
+    chunks = data.split_for_encoding(text, limit=997)
+    assert "".join(chunks) == text and len(chunks) > 50 and max(map(len, chunks)) < 2000
+    assert [token for chunk in chunks for token in backend.encode(chunk, add_special_tokens=False).ids] == whole
+    monkeypatch.setattr(data, "ENCODE_CHUNK_CHARS", 997)
+
+    class Watched:
+        """The backend, remembering the longest text it was asked to encode."""
+
+        longest = 0
+
+        def encode(self, chunk, **kwargs):
+            Watched.longest = max(Watched.longest, len(chunk))
+            return backend.encode(chunk, **kwargs)
+
+        def encode_batch_fast(self, texts, **kwargs):
+            Watched.longest = max([Watched.longest, *map(len, texts)])
+            return backend.encode_batch_fast(texts, **kwargs)
+
+        def token_to_id(self, token):
+            return backend.token_to_id(token)
+
+    result = data.encode_batch(Watched(), 2, "uint16", ["train", "train"], [[text], ["short text"]])
+    assert result["train"][0].tolist() == [*whole, 2, *backend.encode("short text").ids, 2]
+    assert Watched.longest < 2000

@@ -163,7 +163,7 @@ def test_a_resumable_stop_exports_and_prints_the_continue_command(demo):
     expected = f"{train.python_command()} {ROOT / 'train.py'} " + " ".join(SHORT) + " --out runs/stopped --resume auto"
     assert record["resume_command"] == expected
     assert result.stdout.strip().splitlines()[-1] == \
-        f"CHECKPOINTED_NEEDS_RESUME: step 10/{STEPS} | continue with: {expected}"
+        f"CHECKPOINTED_NEEDS_RESUME: step 10/{STEPS} | stopped by --stop-after-steps 10 | continue with: {expected}"
     assert "CHECKPOINTED_NEEDS_RESUME" in (run / "model" / "README.md").read_text()
     assert not (run / "sample_generations.json").exists()  # samples and accuracy only for a finished run
 

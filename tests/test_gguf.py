@@ -155,7 +155,10 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
     assert tokens == tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     types = field(reader, "tokenizer.ggml.token_type")
     control = [index for index, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
-    assert control == list(range(len(data.SPECIAL_TOKENS)))
+    # <think> and </think> are printed text (as in Qwen3's GGUFs); the chat-turn markers stay control tokens
+    thinking = [data.SPECIAL_TOKENS.index(token) for token in (data.THINK_OPEN, data.THINK_CLOSE)]
+    assert control == [index for index in range(len(data.SPECIAL_TOKENS)) if index not in thinking]
+    assert [types[index] for index in thinking] == [gguf.TokenType.USER_DEFINED] * 2
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     assert field(reader, "tokenizer.ggml.merges") == [" ".join(pair) for pair in spec["model"]["merges"]]
     embedding = next(tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
@@ -638,3 +641,17 @@ def test_cli_error_is_one_line_and_exit_2(model_dir, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {out} already exists; pass --overwrite to replace it"]
     assert out.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "truncated_data"])
+def test_a_truncated_or_garbage_safetensors_is_one_line_and_writes_nothing(model_dir, tmp_path, damage):
+    """Issue 14.6: no SafetensorError traceback, with or without --verify."""
+    folder = copy_folder(model_dir, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes({"truncated": raw[:100], "garbage": os.urandom(len(raw)),
+                         "truncated_data": raw[: len(raw) // 2]}[damage])
+    for verify in (False, True):
+        with pytest.raises(UserError, match="model.safetensors is not a readable safetensors file"):
+            export_gguf.export(folder, tmp_path / "x.gguf", verify=verify)
+    assert not (tmp_path / "x.gguf").exists() and leftovers(tmp_path) == []

@@ -501,8 +501,7 @@ def test_length_options_and_hardware_refusals(corpus, tmp_path):
     del epoch_args[position: position + 2]
     by_epochs = train.build_training(train.parse_args([*epoch_args, "--epochs", "2"]), info)
     assert by_epochs.total_steps == -(-2 * blocks // 4)  # ceil(2 epochs x blocks / 4 blocks per step)
-    for extra, message in [(["--precision", "fp16"], "fp16 needs a CUDA device"),
-                           (["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
+    for extra, message in [(["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
                            (["--8bit-adam", "--optimizer", "adamw"], "needs a CUDA device"),
                            (["--require-gpus", "1"], "--require-gpus 1"),
                            (["--require-gpu-name", "T4"], "--require-gpu-name T4"),
@@ -1017,3 +1016,29 @@ def test_a_corpus_without_held_out_blocks_is_trained_with_a_warning(tmp_path, ca
     assert ("warning: the corpus has no validation or test blocks of 32 tokens: no validation loss and no test "
             "loss will be measured") in err
     assert status(tmp_path / "run")["status"] == "COMPLETE"
+
+
+def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise(corpus, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Issue 14.14: the T4 path (fp16 autocast + GradScaler) on CPU: overflow steps are skipped and
+    retried, the scaler's state is in the checkpoint, and a stop + resume matches an uninterrupted run."""
+    import functools
+
+    # a first scale far too large: the first steps overflow in fp16, as on a GPU at the start of a run
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**40))
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert train.main(options(corpus, whole, "--precision", "fp16", steps=8)) == 0
+    out = capsys.readouterr()
+    assert "fp16 overflow: step 1 skipped" in out.out + out.err and "--precision fp16 on CPU" in out.err
+    state = final_state(whole)
+    assert status(whole)["status"] == "COMPLETE" and state["scaler"]["skipped_total"] > 0
+    assert state["scaler"]["scaler"]["scale"] < 2.0**40
+    assert all(np.isfinite(loss) for loss in train_losses(whole).values())
+
+    assert train.main(options(corpus, halves, "--precision", "fp16", "--stop-after-steps", "3", steps=8)) == 0
+    assert status(halves)["step"] == 3
+    assert train.main(options(corpus, halves, "--precision", "fp16", "--resume", "auto", steps=8)) == 0
+    resumed = final_state(halves)
+    assert_same_state(resumed, state)
+    assert resumed["scaler"] == state["scaler"]
+    assert train_losses(halves) == train_losses(whole)
