@@ -522,17 +522,18 @@ DEFAULT_SCHEDULE = "wsd"
 DEFAULT_DECAY_FRACTION = 0.4
 DEFAULT_FINAL_LR_FRACTION = 0.0
 DEFAULT_BETA2 = 0.95
-MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm): one lr fits every width measured
-ADAMW_LR_WIDTH = 256  # AdamW's lr rule: ADAMW_LR at this hidden size, scaled by (ADAMW_LR_WIDTH / hidden)
-ADAMW_LR = 2e-3
-ADAMW_LR_MAX = 6e-3
+MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm), so one lr fits every width
+# AdamW's peak lr = LR x (WIDTH / hidden) ** EXPONENT, at most CAP: for every parameter under adamw (~1/width, as
+# muP and the GPT-3 table suggest), for the embeddings and norms only under muon (~1/sqrt(width), as nanochat).
+ADAMW_LR_RULE = {"adamw": (1e-3, 256, 1.0, 1e-2), "muon": (0.05, 128, 0.5, 0.1)}  # LR, WIDTH, EXPONENT, CAP
 WARMUP_FRACTION = {"adamw": 0.05, "muon": 0.02}
 MAX_WARMUP_STEPS = 1000
 
 
-def adamw_lr_for_width(hidden: int) -> float:
-    """AdamW's peak lr for a model of `hidden` width: ~1/width (as muP and the GPT-3 table suggest), capped."""
-    return min(ADAMW_LR_MAX, ADAMW_LR * ADAMW_LR_WIDTH / hidden)
+def adamw_lr_for_width(hidden: int, optimizer: str) -> float:
+    """AdamW's peak lr for a model `hidden` wide (under muon AdamW trains only the embeddings and norms)."""
+    lr, width, exponent, cap = ADAMW_LR_RULE[optimizer]
+    return min(cap, lr * (width / hidden) ** exponent)
 
 
 def default_warmup_steps(optimizer: str, total_steps: int) -> int:
@@ -586,8 +587,9 @@ def choose_recipe(args: argparse.Namespace, hidden: int, total_steps: int) -> tu
     why = []
     lr = args.lr
     if lr is None:
-        lr = adamw_lr_for_width(hidden)
-        why.append(f"AdamW lr {lr:.3g} = min({ADAMW_LR_MAX:g}, {ADAMW_LR:g} x {ADAMW_LR_WIDTH} / hidden {hidden})")
+        lr = adamw_lr_for_width(hidden, optimizer)
+        base, width, exponent, cap = ADAMW_LR_RULE[optimizer]
+        why.append(f"AdamW lr {lr:.3g} = {base:g} x ({width} / hidden {hidden})^{exponent:g}, at most {cap:g}")
     muon_lr = None
     if optimizer == "muon":
         muon_lr = MUON_LR if args.muon_lr is None else args.muon_lr

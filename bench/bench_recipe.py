@@ -3,7 +3,7 @@
     python bench/bench_recipe.py                      # the comparison: baseline vs default, nano and micro
     python bench/bench_recipe.py --presets nano --seeds 1 --steps 150 \\
         --recipe "muon-0.04=--optimizer muon --muon-lr 0.04"          # a sweep point beside the built-in two
-    python bench/bench_recipe.py --report-only bench/out/recipe/results.json   # tables and plot again
+    python bench/bench_recipe.py --report-only A.json B.json --results all.json  # merged tables and plot
 
 The text is the King James Bible from Debian's `bible-kjv` package (public domain, ~4.2 MB of English
 prose; installed with apt-get when missing and run as root, or pass --text FILE.jsonl with one
@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="NAME=train.py options (repeatable), run beside the built-in ones")
     parser.add_argument("--only", default=None, help="comma list: run only these recipes (built-in or --recipe)")
     parser.add_argument("--results", default=None, help="results JSON (None: WORK/results.json); runs are merged in")
-    parser.add_argument("--report-only", default=None, metavar="RESULTS", help="print the tables and plot, no training")
+    parser.add_argument("--report-only", nargs="+", default=None, metavar="RESULTS",
+                        help="print the tables and plot of these results files (merged), no training")
     return parser.parse_args(argv)
 
 
@@ -303,9 +304,13 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
-    results_path = Path(args.report_only or args.results or work / "results.json")
+    results_path = Path(args.results or (args.report_only or [work / "results.json"])[0])
     if args.report_only:
-        results = json.loads(Path(args.report_only).read_text())
+        results = {"groups": {}}
+        for path in args.report_only:
+            for preset, seeds in json.loads(Path(path).read_text())["groups"].items():
+                for seed, group in seeds.items():
+                    results["groups"].setdefault(preset, {}).setdefault(seed, {}).update(group)
     else:
         recipes = dict(BUILT_IN)
         for spec in args.recipe:

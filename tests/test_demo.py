@@ -94,7 +94,8 @@ def test_the_demo_trains_with_the_default_recipe_and_a_clean_log(demo):
     work, result = demo
     settings = json.loads((work / "runs" / "demo" / "training_settings.json").read_text())["training"]
     assert settings["recipe.optimizer"] == train.DEFAULT_OPTIMIZER
-    assert settings["recipe.lr"] == train.adamw_lr_for_width(model_config.PRESETS["tiny"].hidden)
+    assert settings["recipe.lr"] == train.adamw_lr_for_width(model_config.PRESETS["tiny"].hidden,
+                                                                train.DEFAULT_OPTIMIZER)
     assert settings["recipe.warmup_steps"] == train.default_warmup_steps(train.DEFAULT_OPTIMIZER, STEPS) < STEPS // 2
     assert "recipe: " in result.stdout and "chosen by the rules" in result.stdout
     assert "warning:" not in result.stderr

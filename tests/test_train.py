@@ -193,16 +193,21 @@ def test_schedule_table(schedule, final, expected):
     assert all(chosen.lr_multiplier(s) >= chosen.lr_multiplier(s + 1) for s in range(4, 25))
 
 
-@pytest.mark.parametrize("hidden, lr", [
-    (64, 6e-3), (128, 4e-3), (256, 2e-3), (384, 2e-3 * 256 / 384), (512, 1e-3), (768, 2e-3 / 3), (1024, 5e-4)])
-def test_adamw_lr_rule_scales_with_one_over_width_under_a_cap(hidden, lr):
-    assert train.adamw_lr_for_width(hidden) == pytest.approx(lr)
+@pytest.mark.parametrize("optimizer, hidden, lr", [
+    # adamw, every parameter: 1e-3 at width 256, ~1/width, at most 1e-2
+    ("adamw", 64, 4e-3), ("adamw", 128, 2e-3), ("adamw", 256, 1e-3), ("adamw", 512, 5e-4), ("adamw", 768, 1e-3 / 3),
+    ("adamw", 1024, 2.5e-4), ("adamw", 384, 1e-3 * 256 / 384), ("adamw", 16, 1e-2),
+    # muon's AdamW, embeddings and norms: 0.05 at width 128, ~1/sqrt(width), at most 0.1
+    ("muon", 128, 0.05), ("muon", 512, 0.025), ("muon", 64, 0.05 * 2 ** 0.5), ("muon", 32, 0.1), ("muon", 8, 0.1),
+])
+def test_adamw_lr_rule_by_width(optimizer, hidden, lr):
+    assert train.adamw_lr_for_width(hidden, optimizer) == pytest.approx(lr)
 
 
 @pytest.mark.parametrize("given, hidden, steps, expected", [
     # nothing given: Muon at 0.02, AdamW by width, warmup 2% (muon) / 5% (adamw) of the run, wsd decaying 40%
-    ([], 128, 1500, dict(optimizer="muon", muon_lr=0.02, lr=4e-3, warmup_steps=30, decay_steps=600)),
-    (["--optimizer", "adamw"], 512, 1500, dict(optimizer="adamw", muon_lr=None, lr=1e-3, warmup_steps=75)),
+    ([], 128, 1500, dict(optimizer="muon", muon_lr=0.02, lr=0.05, warmup_steps=30, decay_steps=600)),
+    (["--optimizer", "adamw"], 512, 1500, dict(optimizer="adamw", muon_lr=None, lr=5e-4, warmup_steps=75)),
     ([], 64, 10, dict(warmup_steps=1, decay_steps=4)),  # at least one warmup step
     ([], 768, 1_000_000, dict(warmup_steps=1000)),  # at most 1,000
     (["--schedule", "cosine"], 128, 100, dict(schedule="cosine", warmup_steps=2, decay_steps=98)),
