@@ -1,0 +1,583 @@
+"""The core rules as pure functions, tested by value: data order, splits, shard hashing, the loss,
+record verification, retention, answer scoring.
+
+These are the fast unit tests that mutation testing runs for every mutant (bench/mutation.sh):
+each assertion checks a value that a wrong implementation gets wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint_cloud as cc
+import data
+import report
+import train
+from common import UserError, atomic_write_json, sha256_file
+
+# each test here takes well under a second: a loop that never ends (a permutation that is not a
+# bijection cycle-walks forever) fails by name within seconds
+pytestmark = pytest.mark.timeout(20)
+
+# ----------------------------------------------------------------------------------------------
+# Splits and document hashing (data.py)
+
+
+@pytest.mark.parametrize("position, expected", [
+    (0.0, "validation"), (0.0499, "validation"),  # [0, val)
+    (0.05, "test"), (0.0599, "test"),  # [val, val + test)
+    (0.0601, "train"), (0.5, "train"), (0.999999, "train"),
+])
+def test_split_of_unequal_fractions(position, expected):
+    """--val-fraction 0.05 --test-fraction 0.01: 5% validation, 1% test (unequal, so a swap shows)."""
+    assert data.split_of(position, 0.05, 0.01) == expected
+
+
+@pytest.mark.parametrize("val, test, position, expected", [
+    (0.0, 0.0, 0.0, "train"),  # no held-out splits: everything trains
+    (0.0, 0.1, 0.0, "test"), (0.0, 0.1, 0.1, "train"),
+    (0.1, 0.0, 0.0999, "validation"), (0.1, 0.0, 0.1, "train"),
+])
+def test_split_of_empty_splits(val, test, position, expected):
+    assert data.split_of(position, val, test) == expected
+
+
+def test_split_fractions_hold_over_many_documents():
+    counts = {"train": 0, "validation": 0, "test": 0}
+    for index in range(20_000):
+        _, position = data.document_hash(f"document number {index}")
+        counts[data.split_of(position, 0.05, 0.01)] += 1
+    assert 900 <= counts["validation"] <= 1100  # 5% of 20,000 = 1,000
+    assert 150 <= counts["test"] <= 250  # 1% = 200
+
+
+def test_document_hash_is_blake2b_key_and_position():
+    """DESIGN.md: the de-duplication key and the split position come from the text alone."""
+    digest = hashlib.blake2b(b"hello", digest_size=16).digest()
+    key, position = data.document_hash("hello")
+    assert key == int.from_bytes(digest[:8], "little")
+    assert position == int.from_bytes(digest[8:], "little") / 2.0**64
+    positions = [data.document_hash(str(index))[1] for index in range(2000)]
+    assert all(0 <= value < 1 for value in positions)
+    assert 0.45 < sum(positions) / len(positions) < 0.55  # uniform: a mean near 1/2
+    assert data.document_hash("hello") != data.document_hash("hello ")
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing: shards and their sha256 (data.py)
+
+
+def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
+    return np.concatenate([np.fromfile(folder / entry["name"], dtype="<u2") for entry in files])
+
+
+@pytest.mark.parametrize("shard_tokens, batch_sizes", [
+    (10, [3, 4, 5, 6, 2]),  # several tokenizer batches per shard, one batch across a boundary
+    (5, [5, 5, 5]),  # each batch fills one shard exactly
+    (7, [20]),  # one batch over three shards
+    (100, [1, 1, 1]),  # one shard, three batches
+])
+def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_sizes):
+    writer = data.ShardWriter(tmp_path, "train", "uint16", shard_tokens)
+    stream, start = [], 1000
+    for number, size in enumerate(batch_sizes):
+        ids = np.arange(start, start + size, dtype=np.int64)  # int64 in, uint16 out
+        writer.write(ids, documents=number + 1)
+        stream.extend(ids.tolist())
+        start += size
+    result = writer.finish()
+    total = len(stream)
+    expected_sizes = [shard_tokens] * (total // shard_tokens) + ([total % shard_tokens] if total % shard_tokens else [])
+    assert [entry["tokens"] for entry in result["files"]] == expected_sizes
+    assert [entry["name"] for entry in result["files"]] == [data.shard_name("train", i)
+                                                           for i in range(len(expected_sizes))]
+    for entry in result["files"]:
+        path = tmp_path / entry["name"]
+        assert entry["sha256"] == sha256_file(path), entry["name"]
+        assert entry["bytes"] == path.stat().st_size == 2 * entry["tokens"]
+    assert read_shards(tmp_path, result["files"]).tolist() == stream
+    assert result["tokens"] == total
+    assert result["documents"] == sum(range(1, len(batch_sizes) + 1))
+
+
+def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
+    assert data.ShardWriter(tmp_path, "test", "uint16", 10).finish() == {"files": [], "tokens": 0, "documents": 0}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_writer_writes_little_endian_uint32(tmp_path):
+    writer = data.ShardWriter(tmp_path, "validation", "uint32", 4)
+    writer.write(np.array([1, 70_000, 2**32 - 1], dtype=np.int64), 1)
+    entry = writer.finish()["files"][0]
+    raw = (tmp_path / entry["name"]).read_bytes()
+    assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
+    assert entry == {"name": "validation-00000.bin", "bytes": 12, "sha256": hashlib.sha256(raw).hexdigest(),
+                     "tokens": 3}
+
+
+def test_batches_group_documents_by_characters():
+    documents = [data.Document(split=f"s{index}", kind="text", text="x" * size, pieces=[f"p{index}"])
+                 for index, size in enumerate([3, 3, 4, 10, 1])]
+    groups = list(data.batches(documents, batch_bytes=6))
+    # 3 + 3 reaches 6: a batch; 4 + 10 passes it: a batch; the last 1 is the remainder
+    assert groups == [(["s0", "s1"], [["p0"], ["p1"]]), (["s2", "s3"], [["p2"], ["p3"]]), (["s4"], [["p4"]])]
+    assert list(data.batches([], batch_bytes=6)) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus record verification (data.py)
+
+
+def tiny_corpus_files(root: Path) -> dict:
+    """Two shards and a tokenizer folder with a manifest that matches them."""
+    (root / data.TOKENIZER_DIR).mkdir(parents=True)
+    (root / data.TOKENIZER_DIR / "tokenizer.json").write_text("{}")
+    files = []
+    for index, ids in enumerate([[1, 2, 3], [4, 5]]):
+        raw = np.array(ids, dtype="<u2").tobytes()
+        name = data.shard_name("train", index)
+        (root / name).write_bytes(raw)
+        files.append({"name": name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(ids)})
+    (root / "eval.jsonl").write_text("{}\n")
+    from common import sha256_tree
+
+    return {"dtype": "uint16", "splits": {"train": {"files": files, "tokens": 5, "documents": 2}},
+            "tokenizer_sha256": sha256_tree(root / data.TOKENIZER_DIR),
+            "files": {"eval.jsonl": sha256_file(root / "eval.jsonl")}}
+
+
+def test_verify_files_accepts_a_matching_corpus_and_names_each_fault(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    assert data.verify_files(tmp_path, manifest) == []
+    first, second = tmp_path / data.shard_name("train", 0), tmp_path / data.shard_name("train", 1)
+
+    raw = bytearray(first.read_bytes())
+    raw[0] ^= 1
+    first.write_bytes(bytes(raw))  # same size, other bytes
+    assert data.verify_files(tmp_path, manifest) == [
+        "train-00000.bin: sha256 does not match the manifest (corrupted or edited)"]
+    raw[0] ^= 1
+    first.write_bytes(bytes(raw))
+
+    second.write_bytes(second.read_bytes()[:-2])
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 2 bytes, manifest says 4"]
+    second.unlink()
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: missing (train shard)"]
+
+
+def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    manifest["splits"]["train"]["files"][1]["tokens"] = 3  # bytes and sha256 fine, the count is not
+    manifest["splits"]["train"]["tokens"] = 6
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 4 bytes is not 3 uint16 tokens"]
+    manifest["splits"]["train"]["tokens"] = 7
+    assert data.verify_files(tmp_path, manifest)[-1] == \
+        "train: shard tokens do not add up to the split's 7 tokens"
+    manifest = tiny_corpus_files(tmp_path / "again")
+    (tmp_path / "again" / data.TOKENIZER_DIR / "tokenizer.json").write_text('{"edited": 1}')
+    (tmp_path / "again" / "eval.jsonl").write_text("{}\n{}\n")
+    assert data.verify_files(tmp_path / "again", manifest) == [
+        f"{data.TOKENIZER_DIR}/: sha256 of the folder does not match the manifest",
+        "eval.jsonl: sha256 does not match the manifest"]
+    (tmp_path / "again" / "eval.jsonl").unlink()
+    assert data.verify_files(tmp_path / "again", manifest)[-1] == "eval.jsonl: missing"
+
+
+# ----------------------------------------------------------------------------------------------
+# Data order (train.py)
+
+
+def test_mix64_is_splitmix64():
+    """The first outputs of splitmix64 seeded with 0 (Vigna's reference: state += golden gamma, then mix)."""
+    gamma = 0x9E3779B97F4A7C15
+    assert [train.mix64(index * gamma & train.MASK64) for index in range(3)] == [
+        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert all(0 <= train.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025])
+def test_block_permutation_is_a_bijection_around_every_domain_size(n):
+    for seed, epoch in [(0, 0), (7, 3), (2**70 + 5, 1)]:  # a seed beyond 64 bits is masked, not an error
+        perm = train.BlockPermutation(n, seed, epoch)
+        assert sorted(perm(i) for i in range(n)) == list(range(n)), (n, seed, epoch)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 17, 100, 1000])
+def test_block_permutation_walks_a_domain_of_fewer_than_4n_values(n):
+    """The Feistel domain is the smallest even bit width holding n: cycle-walking stays short."""
+    perm = train.BlockPermutation(n, 1, 0)
+    domain = 1 << (2 * perm.half_bits)
+    assert n <= domain < 4 * n
+    assert perm.mask == (1 << perm.half_bits) - 1
+
+
+def test_block_permutation_encrypt_is_a_bijection_of_its_domain():
+    perm = train.BlockPermutation(1000, 3, 0)  # domain 1024: values 1000..1023 are walked past
+    domain = 1 << (2 * perm.half_bits)
+    assert sorted(perm._encrypt(value) for value in range(domain)) == list(range(domain))
+
+
+def test_block_permutation_is_keyed_and_mixes():
+    n = 4096
+    base = [train.BlockPermutation(n, 1, 0)(i) for i in range(n)]
+    for seed, epoch in [(2, 0), (1, 1), (1 << 32, 0), (0, 0)]:
+        other = [train.BlockPermutation(n, seed, epoch)(i) for i in range(n)]
+        same = sum(a == b for a, b in zip(base, other))
+        assert same < 20, (seed, epoch, same)  # ~1 expected by chance
+    assert sum(base[i] == i for i in range(n)) < 20  # not near the identity
+    # the first half of positions is not sent to the first half (a weak mix would keep halves apart)
+    assert 900 < sum(value < n // 2 for value in base[: n // 2]) < 1150  # ~1024 of 2048
+    assert train.BlockPermutation(n, 1, 0).keys == train.BlockPermutation(n, 1, 0).keys
+    assert len(set(train.BlockPermutation(n, 1, 0).keys)) == train.BlockPermutation.ROUNDS
+
+
+def test_block_permutation_rejects_an_empty_range():
+    with pytest.raises(ValueError, match="at least one element"):
+        train.BlockPermutation(0, 1, 0)
+
+
+@pytest.mark.parametrize("world, accum, batch", [(1, 1, 6), (1, 3, 2), (2, 3, 1), (3, 1, 2), (2, 1, 3)])
+def test_sampler_layout_of_a_step(world, accum, batch):
+    """Sample j of a step goes to micro-step j // (world * batch), rank (j // batch) % world."""
+    sampler = train.BlockSampler(blocks=50, seed=4, batch_size=batch, grad_accum=accum, world=world)
+    assert sampler.global_batch == world * accum * batch == 6
+    for step in (0, 3, 9):  # step 9 reads samples 54..59: into epoch 1
+        blocks = sampler.step_blocks(step)
+        order0, order1 = train.BlockPermutation(50, 4, 0), train.BlockPermutation(50, 4, 1)
+        assert blocks == [order0(g) if g < 50 else order1(g - 50) for g in range(step * 6, step * 6 + 6)]
+        for rank in range(world):
+            expected = [[blocks[j] for j in range(6) if j // (world * batch) == micro and (j // batch) % world == rank]
+                        for micro in range(accum)]
+            assert sampler.micro_batches(step, rank) == expected
+
+
+def test_sampler_state_dict_and_each_mismatch():
+    sampler = train.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=3, world=1)
+    sampler.step = 7
+    assert sampler.state_dict() == {"step": 7, "seed": 1, "blocks": 50, "global_batch": 6, "consumed_samples": 42}
+    for key, value in [("seed", 2), ("blocks", 49), ("global_batch", 8)]:
+        with pytest.raises(UserError, match=f"checkpoint data cursor has {key} {value}"):
+            sampler.load_state_dict({**sampler.state_dict(), key: value})
+    other = train.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
+    other.load_state_dict({**sampler.state_dict(), "step": "7"})
+    assert other.step == 7 and isinstance(other.step, int)
+    with pytest.raises(UserError, match="fewer tokens than one block"):
+        train.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss and gradient clipping (train.py)
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose logits are a table indexed by the input token."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids):
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_language_model_loss_is_hand_computed_cross_entropy():
+    # vocab 2: after token 0 the model says logits (0, ln 3), i.e. p = (1/4, 3/4); after token 1 uniform
+    model = FixedLogits(torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], dtype=torch.float64))
+    inputs = torch.tensor([[0, 0], [1, 0]])
+    targets = torch.tensor([[1, 0], [1, 1]])
+    nats = [-math.log(3 / 4), -math.log(1 / 4), -math.log(1 / 2), -math.log(3 / 4)]
+    assert train.language_model_loss(model, inputs, targets).item() == pytest.approx(sum(nats) / 4)
+    assert train.language_model_loss(model, inputs, targets, reduction="sum").item() == pytest.approx(sum(nats))
+    assert train.LanguageModelLoss(model)(inputs, targets).item() == pytest.approx(sum(nats) / 4)
+
+
+def test_language_model_loss_computes_in_fp32_under_low_precision_logits():
+    logits = torch.tensor([[0.0, 8.0, 8.0625]], dtype=torch.bfloat16)  # bf16 logits, a fp32 loss
+    loss = train.language_model_loss(FixedLogits(logits), torch.tensor([[0]]), torch.tensor([[2]]))
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-8.0625) + math.exp(8 - 8.0625)), rel=1e-6)
+
+
+def gradients(*values: list[float]) -> list[torch.nn.Parameter]:
+    parameters = []
+    for value in values:
+        parameter = torch.nn.Parameter(torch.zeros(len(value)))
+        parameter.grad = torch.tensor(value)
+        parameters.append(parameter)
+    return parameters
+
+
+@pytest.mark.parametrize("grads, max_norm, norm, scaled", [
+    ([[3.0], [4.0]], 1.0, 5.0, True),  # norm 5 > 1: scaled to norm 1
+    ([[0.3], [0.4]], 1.0, 0.5, False),  # below: untouched
+    ([[0.6], [0.8]], 1.0, 1.0, False),  # at the limit (coefficient 1/(1 + 1e-6) < 1): torch scales by ~1
+])
+def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
+    parameters = gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
+    total = train.clip_gradients(parameters, max_norm)
+    assert total.item() == pytest.approx(norm)
+    after = [p.grad for p in parameters[:-1]]
+    if scaled:
+        assert [g.item() for g in after] == pytest.approx([g[0] * max_norm / (norm + 1e-6) for g in grads])
+    elif norm < max_norm:
+        assert [g.item() for g in after] == [torch.tensor(g[0]).item() for g in grads]  # bitwise untouched
+    else:
+        assert [g.item() for g in after] == pytest.approx([g[0] for g in grads])
+
+
+def test_clip_gradients_sets_non_finite_gradients_to_nan():
+    parameters = gradients([float("nan"), 1.0])
+    assert math.isnan(train.clip_gradients(parameters, 1.0).item())
+    assert torch.isnan(parameters[0].grad).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint records, resume choice and retention (train.py)
+
+
+def write_checkpoint(folder: Path, step: int, run_id: str | None = "r", payload: bytes | None = None,
+                     record: bool = True) -> Path:
+    """A step-N.pt and (unless record=False) its sidecar record as Checkpointer writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / train.checkpoint_name(step)
+    path.write_bytes(payload if payload is not None else f"checkpoint {step}".encode())
+    if record:
+        atomic_write_json(train.sidecar_path(path), {"path": path.name, "step": step, "sha256": sha256_file(path),
+                                                     "bytes": path.stat().st_size, "run_id": run_id})
+    return path
+
+
+def test_checkpoint_names_and_steps(tmp_path):
+    assert train.checkpoint_name(42) == "step-00000042.pt"
+    assert train.sidecar_path(tmp_path / "step-00000042.pt") == tmp_path / "step-00000042.json"
+    for name in ("step-00000003.pt", "step-00000010.pt", "step-3.pt", "step-00000003.pt.corrupt", "best.pt",
+                 "step-000000031.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert train.checkpoint_steps(tmp_path) == {tmp_path / "step-00000003.pt": 3, tmp_path / "step-00000010.pt": 10}
+
+
+def test_record_mismatch_names_size_hash_and_unreadable_records(tmp_path):
+    path = write_checkpoint(tmp_path, 1)
+    record = train.sidecar_path(path)
+    assert train.record_mismatch(path, record) is None
+    path.write_bytes(b"checkpoint 2")  # same size, other bytes
+    assert train.record_mismatch(path, record) == "it does not match the sha256 in step-00000001.json (corrupt)"
+    path.write_bytes(b"checkpoint")
+    assert train.record_mismatch(path, record) == "it is 10 bytes, step-00000001.json says 12 (truncated?)"
+    assert train.record_mismatch(path, record, record=["not", "a", "dict"]) == "step-00000001.json is not a record"
+    record.write_text("{broken")
+    assert "step-00000001.json" in train.record_mismatch(path, record)
+    good = write_checkpoint(tmp_path, 5)
+    assert train.record_mismatch(good, record, {"bytes": good.stat().st_size, "sha256": sha256_file(good)}) is None
+
+
+def test_checkpoint_mismatch_uses_the_sidecar_else_latest_json(tmp_path):
+    path = write_checkpoint(tmp_path, 3)
+    latest = {"path": path.name, "sha256": "0" * 64, "bytes": path.stat().st_size}
+    assert train.checkpoint_mismatch(path, latest) is None  # the sidecar rules when there is one
+    train.sidecar_path(path).unlink()
+    assert train.checkpoint_mismatch(path, latest) == \
+        "step-00000003.pt: it does not match the sha256 in latest.json (corrupt)"
+    latest["sha256"] = sha256_file(path)
+    assert train.checkpoint_mismatch(path, latest) is None
+    train.sidecar_path(path).write_text("{broken")
+    assert train.checkpoint_mismatch(path, latest) is None  # an unreadable sidecar, latest.json names it
+    assert "step-00000003.json" in train.checkpoint_mismatch(path, {})
+
+
+def test_newest_verified_checkpoint_skips_unrecorded_and_damaged_ones(tmp_path):
+    oldest = write_checkpoint(tmp_path, 1)
+    write_checkpoint(tmp_path, 2, payload=b"good")
+    (tmp_path / "step-00000002.pt").write_bytes(b"evil")  # same size: the hash tells
+    write_checkpoint(tmp_path, 3, record=False)  # a file without any record: never trusted
+    good, problems = train.newest_verified_checkpoint(tmp_path)
+    assert good == oldest
+    assert problems == ["step-00000003.pt has no sha256 record (not written by a train.py save): skipped",
+                        "step-00000002.pt: it does not match the sha256 in step-00000002.json (corrupt): skipped"]
+    assert (tmp_path / "step-00000002.pt").exists()  # only reported without set_aside_bad
+
+    good, problems = train.newest_verified_checkpoint(tmp_path, set_aside_bad=True)
+    assert good == oldest and "set aside as step-00000002.pt.corrupt (4 bytes" in problems[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000001.json", "step-00000001.pt", "step-00000002.json.corrupt", "step-00000002.pt.corrupt",
+        "step-00000003.pt"]
+    oldest.write_bytes(b"broken")
+    assert train.newest_verified_checkpoint(tmp_path)[0] is None
+
+
+def test_newest_verified_checkpoint_trusts_latest_json_for_a_restored_file(tmp_path):
+    restored = write_checkpoint(tmp_path, 4, record=False)
+    atomic_write_json(tmp_path / "latest.json", {"path": restored.name, "step": 4, "sha256": sha256_file(restored),
+                                                 "bytes": restored.stat().st_size})
+    assert train.newest_verified_checkpoint(tmp_path) == (restored, [])
+
+
+RETENTION = [
+    # steps saved, keep_last, keep_every -> steps kept
+    ([1, 2, 3, 4, 5], 2, 0, [4, 5]),
+    ([1, 2, 3, 4, 5], 1, 0, [5]),
+    ([2, 4, 6, 8, 10, 12], 2, 4, [4, 8, 10, 12]),  # every multiple of 4 stays
+    ([3, 6, 9, 12], 1, 6, [6, 12]),
+    ([5, 10, 15], 5, 0, [5, 10, 15]),  # fewer than keep_last: all stay
+    ([10, 9, 8, 100], 2, 0, [10, 100]),  # the newest by step, not by name or order of saving
+]
+
+
+@pytest.mark.parametrize("steps, keep_last, keep_every, kept", RETENTION)
+def test_retention_rule(tmp_path, steps, keep_last, keep_every, kept):
+    for step in steps:
+        write_checkpoint(tmp_path, step)
+    write_checkpoint(tmp_path, 7, run_id="another run")  # never ours: neither counted nor deleted
+    write_checkpoint(tmp_path, 11, record=False)
+    train.Checkpointer(tmp_path, "r", keep_last=keep_last, keep_every=keep_every).apply_retention()
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == sorted({*kept, 7, 11})
+    assert sorted(int(p.stem[5:]) for p in tmp_path.glob("step-*.json")) == sorted({*kept, 7})  # records go too
+
+
+def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step)
+
+    class Backup:
+        def is_backed_up(self, path):
+            return path.name != train.checkpoint_name(2)
+
+    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup()).apply_retention()
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == [2, 5]
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ({"a": 1}, {"a": 1}, []),
+    ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
+    ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
+    ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
+])
+def test_settings_diff(old, new, expected):
+    assert train.settings_diff(old, new) == expected
+
+
+def test_tensors_equal_names_each_difference():
+    stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
+    assert train.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
+                                "list": [torch.ones(1)]}, stored, "m") == []
+    live = {"w": torch.tensor([1.0, 1.0 + 2**-20]), "nested": {"b": torch.zeros(1, dtype=torch.float64), "n": 4},
+            "list": [torch.ones(1)]}
+    assert train.tensors_equal(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
+    assert train.tensors_equal({**live, "extra": 1}, stored, "m") == ["m keys"]
+    assert train.tensors_equal({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
+    assert train.tensors_equal([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
+    assert train.tensors_equal(torch.ones(1), 1.0, "t") == ["t"]
+    assert train.tensors_equal(1.0, torch.ones(1), "t") == ["t"]
+
+
+class Hostile:
+    """Unpickling this runs code: Path.touch(marker)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_a_hostile_checkpoint_is_refused_without_running_its_code(tmp_path):
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "step-00000001.pt"
+    torch.save({"format_version": train.FORMAT_VERSION, "step": 1, "model": {}, "optimizer": {}, "settings": {},
+                "payload": Hostile(marker)}, path)
+    with pytest.raises(UserError, match="does not load: UnpicklingError"):
+        train.load_checkpoint_file(path)
+    assert not marker.exists()
+    with open(path, "rb") as handle:  # the file does carry the payload: a plain unpickler would run it
+        assert b"touch" in handle.read()
+
+
+def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
+    good = {"format_version": train.FORMAT_VERSION, "step": 3, "model": {"w": torch.ones(1)}, "optimizer": {},
+            "settings": {}}
+    torch.save(good, tmp_path / "good.pt")
+    assert train.load_checkpoint_file(tmp_path / "good.pt")["step"] == 3
+    for key in ("format_version", "step", "model", "optimizer", "settings"):
+        torch.save({k: v for k, v in good.items() if k != key}, tmp_path / "bad.pt")
+        with pytest.raises(UserError, match=f"lacks '{key}'"):
+            train.load_checkpoint_file(tmp_path / "bad.pt")
+    torch.save({**good, "format_version": train.FORMAT_VERSION + 1}, tmp_path / "new.pt")
+    with pytest.raises(UserError, match=f"has format_version {train.FORMAT_VERSION + 1}"):
+        train.load_checkpoint_file(tmp_path / "new.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:50])
+    with pytest.raises(UserError, match="does not load"):
+        train.load_checkpoint_file(tmp_path / "cut.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Remote retention (checkpoint_cloud.py)
+
+
+@pytest.mark.parametrize("keep_recent, keep_every, protect, latest, removed", [
+    (2, 0, (), None, [1, 2, 3]),
+    (1, 0, (), None, [1, 2, 3, 4]),
+    (0, 0, (), None, [1, 2, 3, 4, 5]),
+    (2, 2, (), None, [1, 3]),  # save index = step: 2 and 4 are every second save
+    (2, 0, (1,), None, [2, 3]),
+    (2, 0, (), 3, [1]),  # 4 and 5 are after the remote latest.json: left alone and not counted
+])
+def test_remote_retention_table(keep_recent, keep_every, protect, latest, removed):
+    steps = [1, 2, 3, 4, 5, 6]
+    ours = {1, 2, 3, 4, 5}  # 6 is another run's: never removed, never counted among the newest
+    assert cc.choose_remote_deletions(steps, ours, keep_recent, keep_every, lambda step: step, protect=protect,
+                                      latest_step=latest) == removed
+
+
+@pytest.mark.parametrize("waiting, bound, allowed", [
+    ([5, 1, 3], 1, [1, 3]), ([5, 1, 3], 3, []), ([5, 1, 3], 0, [1, 3, 5]), ([], 2, []), ([2, 1], 5, []),
+])
+def test_beyond_unbacked_bound(waiting, bound, allowed):
+    assert cc.beyond_unbacked_bound(waiting, lambda step: step, bound) == allowed
+
+
+# ----------------------------------------------------------------------------------------------
+# Answer scoring (report.py)
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("42", "42"),
+    ("  42\n", "42"),
+    ("<think>7 + 5 = 12</think>12", "12"),
+    ("<think>a</think> x <think>b</think>\n 9 ", "9"),  # the text after the last </think>
+    ("no think close 5", "no think close 5"),
+    ("<think>unfinished", "<think>unfinished"),
+])
+def test_extract_final_answer(completion, answer):
+    assert report.extract_final_answer(completion) == answer
+
+
+def test_score_answers_known_accuracy():
+    examples = [{"task": "add", "prompt": "p1", "answer": "3"}, {"task": "add", "prompt": "p2", "answer": "5"},
+                {"task": "sub", "prompt": "p3", "answer": "1"}, {"task": "add", "prompt": "p4", "answer": "8"}]
+    completions = ["<think>1+2</think>3", "<think>2+3</think>6", " 1 ", "8 apples"]
+    result = report.score_answers(examples, completions, max_wrong_examples=1)
+    assert (result["accuracy"], result["correct"], result["total"]) == (0.5, 2, 4)
+    assert result["by_task"] == {"add": {"correct": 1, "total": 3, "accuracy": pytest.approx(1 / 3)},
+                                 "sub": {"correct": 1, "total": 1, "accuracy": 1.0}}
+    assert list(result["by_task"]) == ["add", "sub"]
+    assert result["wrong_examples"] == [{**examples[1], "predicted": "6", "completion": "<think>2+3</think>6"}]
+    assert len(report.score_answers(examples, completions)["wrong_examples"]) == 2
+    assert report.score_answers([], []) == {"accuracy": 0.0, "correct": 0, "total": 0, "by_task": {},
+                                            "wrong_examples": []}
+    with pytest.raises(ValueError):
+        report.score_answers(examples, completions[:3])  # a missing completion is an error, not a skip
+
+
+def test_pickle_is_what_the_hostile_test_relies_on(tmp_path):
+    """Guard for the hostile-checkpoint test: plain pickle does run the payload."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Hostile(marker)))
+    assert marker.exists()
