@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,6 +72,45 @@ def test_document_hash_is_blake2b_key_and_position():
     assert data.document_hash("hello") != data.document_hash("hello ")
 
 
+@pytest.mark.parametrize("vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"),
+                                               (200_000, "uint32")])
+def test_token_dtype_holds_every_id(vocab_size, dtype):
+    assert data.token_dtype(vocab_size) == dtype
+    assert np.iinfo(dtype).max >= vocab_size - 1  # the largest id fits
+
+
+FRACTIONS = "--val-fraction and --test-fraction must be >= 0 and leave room for training data"
+SIZES = "--shard-tokens, --tokenizer-sample-bytes and --batch-bytes must be positive"
+COUNTS = "--min-chars and --tokenize-workers must be >= 0"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"scope": "everything"}, "--scope 'everything' is unknown; choose one of full, chat, text, reasoning"),
+    ({"val_fraction": -0.01}, FRACTIONS),
+    ({"test_fraction": -0.01}, FRACTIONS),
+    ({"val_fraction": 1.0}, FRACTIONS),
+    ({"test_fraction": 1.0}, FRACTIONS),
+    ({"val_fraction": 0.5, "test_fraction": 0.5}, FRACTIONS),
+    ({"vocab_size": 262}, f"--vocab-size 262 is below 263 (256 bytes + {len(data.SPECIAL_TOKENS)} special tokens)"),
+    ({"shard_tokens": 0}, SIZES),
+    ({"tokenizer_sample_bytes": 0}, SIZES),
+    ({"batch_bytes": 0}, SIZES),
+    ({"min_chars": -1}, COUNTS),
+    ({"tokenize_workers": -1}, COUNTS),
+])
+def test_check_settings_refuses_each_bad_value(change, message):
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        data.check_settings(data.BuildSettings(**change))
+
+
+@pytest.mark.parametrize("change", [{}, {"val_fraction": 0.0, "test_fraction": 0.0}, {"val_fraction": 0.49,
+                                    "test_fraction": 0.5}, {"vocab_size": 263, "shard_tokens": 1, "min_chars": 0,
+                                    "tokenizer_sample_bytes": 1, "batch_bytes": 1, "tokenize_workers": 0},
+                                    {"scope": "chat"}])
+def test_check_settings_accepts_the_edges(change):
+    data.check_settings(data.BuildSettings(**change))
+
+
 # ----------------------------------------------------------------------------------------------
 # Packing: shards and their sha256 (data.py)
 
@@ -130,6 +170,8 @@ def test_batches_group_documents_by_characters():
     # 3 + 3 reaches 6: a batch; 4 + 10 passes it: a batch; the last 1 is the remainder
     assert groups == [(["s0", "s1"], [["p0"], ["p1"]]), (["s2", "s3"], [["p2"], ["p3"]]), (["s4"], [["p4"]])]
     assert list(data.batches([], batch_bytes=6)) == []
+    five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)]) for size in (5, 1, 2)]
+    assert [pieces for _, pieces in data.batches(five_one, batch_bytes=6)] == [[["5"], ["1"]], [["2"]]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +213,18 @@ def test_verify_files_accepts_a_matching_corpus_and_names_each_fault(tmp_path):
     assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 2 bytes, manifest says 4"]
     second.unlink()
     assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: missing (train shard)"]
+
+
+def test_verify_files_reports_every_missing_shard_and_a_missing_tokenizer(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    for index in (0, 1):
+        (tmp_path / data.shard_name("train", index)).unlink()
+    (tmp_path / data.TOKENIZER_DIR / "tokenizer.json").unlink()
+    (tmp_path / data.TOKENIZER_DIR).rmdir()
+    del manifest["files"]  # a manifest without extra files is fine
+    assert data.verify_files(tmp_path, manifest) == ["train-00000.bin: missing (train shard)",
+                                                     "train-00001.bin: missing (train shard)",
+                                                     f"{data.TOKENIZER_DIR}/: missing"]
 
 
 def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
@@ -240,7 +294,7 @@ def test_block_permutation_is_keyed_and_mixes():
 
 
 def test_block_permutation_rejects_an_empty_range():
-    with pytest.raises(ValueError, match="at least one element"):
+    with pytest.raises(ValueError, match="^a permutation needs at least one element$"):
         train.BlockPermutation(0, 1, 0)
 
 
@@ -269,8 +323,10 @@ def test_sampler_state_dict_and_each_mismatch():
     other = train.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
     other.load_state_dict({**sampler.state_dict(), "step": "7"})
     assert other.step == 7 and isinstance(other.step, int)
-    with pytest.raises(UserError, match="fewer tokens than one block"):
+    with pytest.raises(UserError, match="^the train split has fewer tokens than one block; use a smaller --context$"):
         train.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
+    single = train.BlockSampler(blocks=1, seed=1, batch_size=2, grad_accum=1, world=1)  # one block is enough
+    assert single.step == 0 and single.step_blocks(0) == [0, 0] and single.state_dict()["consumed_samples"] == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +374,7 @@ def gradients(*values: list[float]) -> list[torch.nn.Parameter]:
 @pytest.mark.parametrize("grads, max_norm, norm, scaled", [
     ([[3.0], [4.0]], 1.0, 5.0, True),  # norm 5 > 1: scaled to norm 1
     ([[0.3], [0.4]], 1.0, 0.5, False),  # below: untouched
-    ([[0.6], [0.8]], 1.0, 1.0, False),  # at the limit (coefficient 1/(1 + 1e-6) < 1): torch scales by ~1
+    ([[0.6], [0.8]], 1.0, 1.0, True),  # at the limit the coefficient 1/(1 + 1e-6) is < 1: scaled, as torch does
 ])
 def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
     parameters = gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
@@ -327,10 +383,28 @@ def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
     after = [p.grad for p in parameters[:-1]]
     if scaled:
         assert [g.item() for g in after] == pytest.approx([g[0] * max_norm / (norm + 1e-6) for g in grads])
-    elif norm < max_norm:
-        assert [g.item() for g in after] == [torch.tensor(g[0]).item() for g in grads]  # bitwise untouched
-    else:
-        assert [g.item() for g in after] == pytest.approx([g[0] for g in grads])
+    else:  # untouched: not even multiplied by 1.0 (the work clip_gradients exists to skip)
+        assert [g.item() for g in after] == [torch.tensor(g[0]).item() for g in grads]
+        assert [g._version for g in after] == [0] * len(after)
+
+
+def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
+    for scale in (1e-3, 0.5, 1.0, 1.0 - 1e-7, 3.0, float("inf")):
+        torch.manual_seed(0)
+        ours, theirs = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
+        for parameter in ours:
+            parameter.grad = torch.randn_like(parameter)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+        for parameter in ours:
+            parameter.grad.mul_(scale / norm)  # total norm ~scale: below, at and above the clip
+            twin = torch.nn.Parameter(parameter.detach().clone())
+            twin.grad = parameter.grad.clone()
+            theirs.append(twin)
+        got = train.clip_gradients(ours, 1.0)
+        want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        assert torch.equal(got, want) or (got.isnan() and want.isnan())
+        for mine, twin in zip(ours, theirs):
+            assert torch.equal(mine.grad, twin.grad) or (mine.grad.isnan().all() and twin.grad.isnan().all())
 
 
 def test_clip_gradients_sets_non_finite_gradients_to_nan():
@@ -405,7 +479,9 @@ def test_newest_verified_checkpoint_skips_unrecorded_and_damaged_ones(tmp_path):
     assert (tmp_path / "step-00000002.pt").exists()  # only reported without set_aside_bad
 
     good, problems = train.newest_verified_checkpoint(tmp_path, set_aside_bad=True)
-    assert good == oldest and "set aside as step-00000002.pt.corrupt (4 bytes" in problems[1]
+    assert good == oldest and problems[1] == (
+        "step-00000002.pt: it does not match the sha256 in step-00000002.json (corrupt): set aside as "
+        "step-00000002.pt.corrupt (4 bytes; delete it once inspected)")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step-00000001.json", "step-00000001.pt", "step-00000002.json.corrupt", "step-00000002.pt.corrupt",
         "step-00000003.pt"]
@@ -454,6 +530,32 @@ def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
     assert sorted(train.checkpoint_steps(tmp_path).values()) == [2, 5]
 
 
+def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step)
+    asked = []
+
+    class Backup:  # no is_backed_up: deletable(paths) is the whole protocol
+        def deletable(self, candidates):
+            asked.append([path.name for path in candidates])
+            return [str(path) for path in candidates if path.name != train.checkpoint_name(3)]
+
+    train.Checkpointer(tmp_path, "r", keep_last=2, keep_every=0, backup=Backup()).apply_retention()
+    assert asked == [[train.checkpoint_name(step) for step in (1, 2, 3)]]  # oldest first
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == [3, 4, 5]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"step-0000000{step}.json" for step in (3, 4, 5)]
+
+
+@pytest.mark.parametrize("record, run_id", [
+    ('{"run_id": "r7", "step": 1}', "r7"), ('{"step": 1}', None), ('["r7"]', None), ("{broken", None), (None, None),
+])
+def test_recorded_run_id(tmp_path, record, run_id):
+    path = write_checkpoint(tmp_path, 1, record=False)
+    if record is not None:
+        train.sidecar_path(path).write_text(record)
+    assert train.recorded_run_id(path) == run_id
+
+
 @pytest.mark.parametrize("old, new, expected", [
     ({"a": 1}, {"a": 1}, []),
     ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
@@ -476,6 +578,9 @@ def test_tensors_equal_names_each_difference():
     assert train.tensors_equal([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
     assert train.tensors_equal(torch.ones(1), 1.0, "t") == ["t"]
     assert train.tensors_equal(1.0, torch.ones(1), "t") == ["t"]
+    assert train.tensors_equal({"a": 1}, 5, "d") == ["d"] and train.tensors_equal(5, {"a": 1}, "d") == ["d"]
+    assert train.tensors_equal([1], 5, "l") == ["l"] and train.tensors_equal(5, (1,), "l") == ["l"]
+    assert train.tensors_equal((1, 2), [1, 2], "l") == []  # a tuple stored as a list (torch.load) is equal
 
 
 class Hostile:
@@ -526,6 +631,7 @@ def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
     (1, 0, (), None, [1, 2, 3, 4]),
     (0, 0, (), None, [1, 2, 3, 4, 5]),
     (2, 2, (), None, [1, 3]),  # save index = step: 2 and 4 are every second save
+    (2, 1, (), None, []),  # every save is kept
     (2, 0, (1,), None, [2, 3]),
     (2, 0, (), 3, [1]),  # 4 and 5 are after the remote latest.json: left alone and not counted
 ])
@@ -538,9 +644,13 @@ def test_remote_retention_table(keep_recent, keep_every, protect, latest, remove
 
 @pytest.mark.parametrize("waiting, bound, allowed", [
     ([5, 1, 3], 1, [1, 3]), ([5, 1, 3], 3, []), ([5, 1, 3], 0, [1, 3, 5]), ([], 2, []), ([2, 1], 5, []),
+    ([10, 9, 100], 1, [9, 10]),
 ])
 def test_beyond_unbacked_bound(waiting, bound, allowed):
     assert cc.beyond_unbacked_bound(waiting, lambda step: step, bound) == allowed
+    # ordered by the step, not by the items themselves
+    names = [f"step-{step}" for step in waiting]
+    assert cc.beyond_unbacked_bound(names, lambda name: int(name[5:]), bound) == [f"step-{step}" for step in allowed]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,6 +680,8 @@ def test_score_answers_known_accuracy():
     assert list(result["by_task"]) == ["add", "sub"]
     assert result["wrong_examples"] == [{**examples[1], "predicted": "6", "completion": "<think>2+3</think>6"}]
     assert len(report.score_answers(examples, completions)["wrong_examples"]) == 2
+    many = report.score_answers(examples * 3, ["wrong"] * 12)
+    assert many["accuracy"] == 0.0 and len(many["wrong_examples"]) == 5  # at most 5 by default
     assert report.score_answers([], []) == {"accuracy": 0.0, "correct": 0, "total": 0, "by_task": {},
                                             "wrong_examples": []}
     with pytest.raises(ValueError):
@@ -581,3 +693,107 @@ def test_pickle_is_what_the_hostile_test_relies_on(tmp_path):
     marker = tmp_path / "ran"
     pickle.loads(pickle.dumps(Hostile(marker)))
     assert marker.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF metadata (export_gguf.py)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("0123456789abcdef" * 4, True), ("0123456789ABCDEF" * 4, False), ("a" * 63, False), ("a" * 65, False),
+    ("g" * 64, False), (None, False), (1, False),
+])
+def test_is_sha256(value, expected):
+    import export_gguf
+
+    assert export_gguf.is_sha256(value) is expected
+
+
+@pytest.mark.parametrize("shape, out_type, expected", [
+    ((64,), "f16", "F32"), ((64,), "q8_0", "F32"),  # vectors (norms) stay f32
+    ((64, 64), "f32", "F32"), ((64, 64), "f16", "F16"), ((64, 64), "bf16", "BF16"), ((64, 64), "q8_0", "Q8_0"),
+    ((64, 48), "q8_0", "F16"),  # rows of 48 are no multiple of q8_0's 32: f16, as llama.cpp's converter does
+    ((48, 64), "q8_0", "Q8_0"),  # only the row length matters
+    ((64, 48), "f16", "F16"), ((64, 48), "bf16", "BF16"),
+    ((2, 64, 48), "q8_0", "F16"),
+])
+def test_ggml_type_for(shape, out_type, expected):
+    import export_gguf
+
+    assert export_gguf.ggml_type_for(shape, out_type).name == expected
+
+
+def test_model_name_is_the_run_folder_for_a_model_subfolder(tmp_path, monkeypatch):
+    import export_gguf
+
+    assert export_gguf.model_name(tmp_path / "my-run" / "model") == "my-run"
+    assert export_gguf.model_name(tmp_path / "exported") == "exported"
+    (tmp_path / "my-run").mkdir()
+    monkeypatch.chdir(tmp_path / "my-run")
+    assert export_gguf.model_name(Path(".")) == "my-run"  # a relative folder is resolved first
+
+
+def gguf_metadata(tmp_path: Path, out_type: str, provenance: dict, eot_id: int | None = 5) -> dict:
+    """add_metadata written to a GGUF without tensors, read back by gguf's own reader."""
+    import gguf
+
+    import export_gguf
+    import model_config
+
+    preset = model_config.PRESETS["tiny"]
+    source = export_gguf.ModelSource(folder=tmp_path, config={}, weight_files=[], preset=preset, vocab_size=6,
+                                     tied=True)
+    vocab = export_gguf.Vocab(tokens=["<pad>", "<bos>", "<eos>", "a", "b", "ab"], token_types=[3, 3, 3, 1, 1, 1],
+                              merges=["a b"], bos_id=1, eos_id=2, pad_id=0, eot_id=eot_id, chat_template="{{ x }}",
+                              tokenizer_json_sha256="e" * 64)
+    path = tmp_path / f"{out_type}.gguf"
+    writer = export_gguf.BulkArrayWriter(str(path), "qwen3")
+    export_gguf.add_metadata(writer, source, vocab, out_type, "tiny-run", provenance, parameters=72_000_000)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def test_gguf_metadata_holds_every_field_llama_cpp_reads(tmp_path):
+    import gguf
+
+    import model_config
+
+    preset = model_config.PRESETS["tiny"]
+    fields = gguf_metadata(tmp_path, "f16", {"corpus_sha256": "c" * 64, "tokenizer_sha256": "d" * 64})
+    expected = {
+        "general.architecture": "qwen3", "general.type": "model", "general.name": "tiny-run",
+        "general.description": "Qwen3 language model pretrained from scratch with tinyllm",
+        "general.size_label": "72M", "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+        "tinyllm.tokenizer_json_sha256": "e" * 64, "tinyllm.corpus_sha256": "c" * 64,
+        "tinyllm.tokenizer_sha256": "d" * 64,
+        "qwen3.context_length": preset.context, "qwen3.embedding_length": preset.hidden,
+        "qwen3.block_count": preset.layers, "qwen3.feed_forward_length": preset.intermediate,
+        "qwen3.attention.head_count": preset.heads, "qwen3.attention.head_count_kv": preset.kv_heads,
+        "qwen3.attention.key_length": preset.head_dim, "qwen3.attention.value_length": preset.head_dim,
+        "qwen3.rope.freq_base": pytest.approx(preset.rope_theta),
+        "qwen3.attention.layer_norm_rms_epsilon": pytest.approx(preset.rms_norm_eps),
+        "qwen3.vocab_size": 6,
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": ["<pad>", "<bos>", "<eos>", "a", "b", "ab"],
+        "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.eot_token_id": 5,
+        "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.chat_template": "{{ x }}",
+    }
+    assert fields == expected
+    assert "general.quantization_version" not in fields  # only a quantized file has one
+
+
+def test_gguf_metadata_of_a_q8_0_file_and_without_an_end_of_turn_token(tmp_path):
+    import gguf
+
+    fields = gguf_metadata(tmp_path, "q8_0", {}, eot_id=None)
+    assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert fields["general.quantization_version"] == gguf.GGML_QUANT_VERSION
+    assert "tokenizer.ggml.eot_token_id" not in fields
+    assert [name for name in fields if name.startswith("tinyllm.")] == ["tinyllm.tokenizer_json_sha256"]
