@@ -546,6 +546,30 @@ def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"step-0000000{step}.json" for step in (3, 4, 5)]
 
 
+def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tmp_path):
+    for step in (1, 2, 3):
+        write_checkpoint(tmp_path, step)
+    waits = []
+
+    class Backup:
+        confirmed = False
+
+        def wait(self, timeout_s):
+            waits.append(timeout_s)
+            self.confirmed = True  # the uploads finish while close waits
+            return False
+
+        def is_backed_up(self, path):
+            return self.confirmed
+
+    saver = train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup(), backup_wait_s=2.5)
+    assert saver.close() is False and waits == [2.5]
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == [3]  # confirmed during the wait: deleted now
+    assert train.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
+    with pytest.raises(UserError, match="--backup-wait-seconds must not be negative, got -1.0"):
+        train.parse_args(["--data", "corpus", "--out", str(tmp_path / "run"), "--backup-wait-seconds", "-1"])
+
+
 @pytest.mark.parametrize("record, run_id", [
     ('{"run_id": "r7", "step": 1}', "r7"), ('{"step": 1}', None), ('["r7"]', None), ("{broken", None), (None, None),
 ])
