@@ -172,6 +172,9 @@ def test_batches_group_documents_by_characters():
     assert list(data.batches([], batch_bytes=6)) == []
     five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)]) for size in (5, 1, 2)]
     assert [pieces for _, pieces in data.batches(five_one, batch_bytes=6)] == [[["5"], ["1"]], [["2"]]]
+    six_five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)])
+                    for size in (6, 5, 1)]
+    assert [pieces for _, pieces in data.batches(six_five_one, batch_bytes=6)] == [[["6"]], [["5"], ["1"]]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,6 +378,7 @@ def gradients(*values: list[float]) -> list[torch.nn.Parameter]:
     ([[3.0], [4.0]], 1.0, 5.0, True),  # norm 5 > 1: scaled to norm 1
     ([[0.3], [0.4]], 1.0, 0.5, False),  # below: untouched
     ([[0.6], [0.8]], 1.0, 1.0, True),  # at the limit the coefficient 1/(1 + 1e-6) is < 1: scaled, as torch does
+    ([[0.999999]], 1.0, 0.999999, False),  # norm + 1e-6 rounds to 1.0 in float32: coefficient exactly 1, no clip
 ])
 def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
     parameters = gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
