@@ -35,7 +35,7 @@ CORE=(
 if [ $# -gt 0 ]; then CORE=("$@"); fi
 
 rm -rf mutants  # a fresh run: no verdict cached from other sources or tests
-nice -n 10 "$PYTHON" -m mutmut run --max-children "${JOBS:-1}" "${CORE[@]}" > mutants-run.log 2>&1 || {
+OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 "$PYTHON" -m mutmut run --max-children "${JOBS:-1}" "${CORE[@]}" > mutants-run.log 2>&1 || {
   tail -40 mutants-run.log; exit 1; }
 mv mutants-run.log mutants/run.log
 "$PYTHON" -m mutmut results --all true > mutants/results.txt

@@ -493,6 +493,16 @@ def test_newest_verified_checkpoint_skips_unrecorded_and_damaged_ones(tmp_path):
     assert train.newest_verified_checkpoint(tmp_path)[0] is None
 
 
+def test_newest_verified_checkpoint_skips_one_whose_record_does_not_read(tmp_path):
+    oldest = write_checkpoint(tmp_path, 1)
+    newest = write_checkpoint(tmp_path, 2)
+    train.sidecar_path(newest).write_text("{broken")
+    good, problems = train.newest_verified_checkpoint(tmp_path)
+    assert good == oldest and len(problems) == 1
+    assert problems[0].startswith(f"file {train.sidecar_path(newest)} is not valid JSON")
+    assert problems[0].endswith(": skipped")
+
+
 def test_newest_verified_checkpoint_trusts_latest_json_for_a_restored_file(tmp_path):
     restored = write_checkpoint(tmp_path, 4, record=False)
     atomic_write_json(tmp_path / "latest.json", {"path": restored.name, "step": 4, "sha256": sha256_file(restored),
