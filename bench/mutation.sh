@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Mutation testing of tinyllm's core rules with mutmut 3 (configured in pyproject.toml, [tool.mutmut]).
 #
-#   bash bench/mutation.sh            # the whole core, one worker: about 5 minutes on 2 cores
-#   bash bench/mutation.sh "train.x_mix64__*"   # only the mutants named (fnmatch globs)
+#   bash bench/mutation.sh                        # the whole core, one worker: ~6 min on 2 busy cores
+#   bash bench/mutation.sh "train.x_mix64__*"     # only the mutants named (fnmatch patterns)
+#   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
 #
-# mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml and
-# runs, for each mutant of the functions below, only the unit tests that call that function (fast:
-# tests/test_core.py and the GGUF metadata test; mutants are forked from one warm process). It prints
-# the score over these functions and every surviving mutant; `mutmut show NAME` shows a mutant's diff.
+# mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
+# (~2 min) and runs, for each mutant of the functions below, only the tests of tests/test_core.py
+# that call that function, each mutant forked from one warm process (torch is imported once).
+# OpenMP runs single-threaded: torch's thread pool does not survive a fork while in use (mutants
+# that make a test fail inside torch would hang until their timeout). It prints the score over
+# these functions and every surviving mutant; `mutmut show NAME` shows a mutant's diff.
 # bench/RESULTS.md ("Mutation testing") records the score and why each survivor is accepted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +26,8 @@ CORE=(
   "train.x_checkpoint_name__*" "train.x_sidecar_path__*" "train.x_checkpoint_steps__*" "train.x_set_aside__*"
   "train.x_recorded_run_id__*" "train.x_record_mismatch__*" "train.x_checkpoint_mismatch__*"
   "train.x_newest_verified_checkpoint__*" "train.x_load_checkpoint_file__*" "train.x_settings_diff__*"
+  "train.x_read_latest_record__*" "train.x_folder_run_id__*" "train.x_checkpoint_run_id__*"
+  "train.x_chosen_checkpoint_mismatch__*" "train.x_verified_best__*"
   "train.x_tensors_equal__*" "train.xǁCheckpointerǁapply_retention__*" "train.xǁCheckpointerǁ_written_by_this_run__*"
   # checkpoint_cloud.py: the remote retention rules
   "checkpoint_cloud.x_choose_remote_deletions__*" "checkpoint_cloud.x_beyond_unbacked_bound__*"

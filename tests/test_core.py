@@ -510,6 +510,50 @@ def test_newest_verified_checkpoint_trusts_latest_json_for_a_restored_file(tmp_p
     assert train.newest_verified_checkpoint(tmp_path) == (restored, [])
 
 
+@pytest.mark.parametrize("text, record", [
+    ('{"path": "step-00000002.pt", "step": 2}', {"path": "step-00000002.pt", "step": 2}),
+    ('["step-00000002.pt"]', {}), ("{broken", {}), (None, {}),
+])
+def test_read_latest_record_and_folder_run_id(tmp_path, text, record):
+    if text is not None:
+        (tmp_path / "latest.json").write_text(text)
+        (tmp_path / "training_settings.json").write_text(text.replace('"path"', '"run_id"'))
+    assert train.read_latest_record(tmp_path) == record
+    assert train.folder_run_id(tmp_path) == record.get("path")
+
+
+def test_checkpoint_run_id_reads_the_file(tmp_path):
+    torch.save({"run_id": "r9", "model": {"w": torch.ones(3)}}, tmp_path / "a.pt")
+    torch.save({"model": {}}, tmp_path / "b.pt")
+    torch.save([1, 2], tmp_path / "c.pt")
+    (tmp_path / "d.pt").write_bytes(b"not a checkpoint")
+    assert [train.checkpoint_run_id(tmp_path / name) for name in ("a.pt", "b.pt", "c.pt")] == ["r9", None, None]
+    with pytest.raises(UserError, match="^d.pt does not load \\((UnpicklingError|RuntimeError)\\)$"):
+        train.checkpoint_run_id(tmp_path / "d.pt")
+
+
+def test_chosen_checkpoint_and_best_are_checked_against_their_own_records(tmp_path):
+    path = write_checkpoint(tmp_path, 4)
+    assert train.chosen_checkpoint_mismatch(path) is None
+    path.write_bytes(b"checkpoint 5")
+    assert train.chosen_checkpoint_mismatch(path) == "it does not match the sha256 in step-00000004.json (corrupt)"
+    train.sidecar_path(path).unlink()
+    assert train.chosen_checkpoint_mismatch(path) is None  # no record: nothing to check against
+    best = tmp_path / "best.pt"
+    best.write_bytes(b"the best")
+    assert train.chosen_checkpoint_mismatch(best) is None and train.verified_best(tmp_path) is None
+    record = {"path": "best.pt", "step": 3, "sha256": sha256_file(best), "bytes": 8, "val_loss": 1.5}
+    atomic_write_json(tmp_path / "best.json", record)
+    assert train.chosen_checkpoint_mismatch(best) is None
+    assert train.verified_best(tmp_path) == record
+    best.write_bytes(b"the wors")
+    assert train.chosen_checkpoint_mismatch(best) == "it does not match the sha256 in best.json (corrupt)"
+    assert train.verified_best(tmp_path) is None
+    (tmp_path / "best.json").unlink()
+    best.write_bytes(b"the best")
+    assert train.verified_best(tmp_path) is None  # best.pt without best.json is not verified
+
+
 RETENTION = [
     # steps saved, keep_last, keep_every -> steps kept
     ([1, 2, 3, 4, 5], 2, 0, [4, 5]),
