@@ -528,6 +528,11 @@ def test_checkpoint_run_id_reads_the_file(tmp_path):
     torch.save([1, 2], tmp_path / "c.pt")
     (tmp_path / "d.pt").write_bytes(b"not a checkpoint")
     assert [train.checkpoint_run_id(tmp_path / name) for name in ("a.pt", "b.pt", "c.pt")] == ["r9", None, None]
+    marker = tmp_path / "code-ran"
+    torch.save({"run_id": "r9", "payload": Hostile(marker)}, tmp_path / "hostile.pt")
+    with pytest.raises(UserError, match="^hostile.pt does not load \\(UnpicklingError\\)$"):
+        train.checkpoint_run_id(tmp_path / "hostile.pt")
+    assert not marker.exists()
     with pytest.raises(UserError, match="^d.pt does not load \\((UnpicklingError|RuntimeError)\\)$"):
         train.checkpoint_run_id(tmp_path / "d.pt")
 
@@ -552,6 +557,9 @@ def test_chosen_checkpoint_and_best_are_checked_against_their_own_records(tmp_pa
     (tmp_path / "best.json").unlink()
     best.write_bytes(b"the best")
     assert train.verified_best(tmp_path) is None  # best.pt without best.json is not verified
+    atomic_write_json(tmp_path / "best.json", record)
+    best.unlink()
+    assert train.verified_best(tmp_path) is None  # nor best.json without best.pt
 
 
 RETENTION = [
