@@ -185,7 +185,6 @@ def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
     assert cc.backup_from_args(parser.parse_args([])) is None
     args = parser.parse_args(["--backup-to", str(tmp_path / "remote"), "--remote-keep-recent", "2",
                               "--remote-keep-every", "0", "--backup-max-unbacked", "5"])
-    assert args.backup_wait_seconds == 600
     backup = cc.backup_from_args(args, save_every=100, log=Log())
     assert isinstance(backup, cc.BackupProcess)  # train.py's backup runs in its own process
     options = backup.options

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,21 +71,57 @@ def test_demo_defaults_apply_only_without_data():
     assert "demo" in train.build_parser().format_help()
 
 
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def split_loss(model, corpus: Path, split: str, context: int, settings: dict) -> float:
+    """Mean next-token cross-entropy over a split's evaluation blocks (DESIGN.md: block i is tokens
+    [i*C, i*C + C + 1); --eval-batches global batches of them in the fixed evaluation order), read from the shards."""
+    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
+    tokens = np.concatenate([np.fromfile(corpus / entry["name"], dtype="<u2")
+                             for entry in manifest["splits"][split]["files"]]).astype(np.int64)
+    count = (len(tokens) - 1) // context
+    used = min(count, settings["runtime"]["eval_batches"] * settings["training"]["global_batch_blocks"])
+    order = train.BlockPermutation(count, settings["training"]["seed"], train.EVAL_EPOCH)
+    blocks = torch.from_numpy(np.stack([tokens[i * context: i * context + context + 1]
+                                        for i in sorted(order(position) for position in range(used))]))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in blocks.split(32):
+            logits = model(input_ids=batch[:, :-1]).logits
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
+                                                       reduction="sum").item()
+            count += batch[:, 1:].numel()
+    return total / count
+
+
 def test_demo_completes_with_an_accuracy(demo):
     work, result = demo
     run = work / "runs" / "demo"
-    assert (work / "corpus" / "demo" / "corpus_manifest.json").is_file()  # built by train.py itself
+    assert data.verify_corpus(work / "corpus" / "demo") == []  # built by train.py itself, and whole
     record = status(run)
     assert record["status"] == "COMPLETE" and record["step"] == STEPS
     assert record["report_errors"] is None
     accuracy = record["task_accuracy"]
     problems = (work / "corpus" / "demo" / data.DEMO_EVAL_FILE).read_text().splitlines()
-    assert accuracy["total"] == len(problems) and 0 <= accuracy["accuracy"] <= 1
+    assert accuracy["total"] == len(problems)
     assert {name: task["total"] for name, task in accuracy["by_task"].items()} == data.DEMO_EVAL_COUNTS
+    # the overall figure is what the per-task counts add up to (the scoring itself: tests/test_core.py)
+    assert accuracy["correct"] == sum(task["correct"] for task in accuracy["by_task"].values())
+    assert accuracy["accuracy"] == accuracy["correct"] / accuracy["total"]
+    for task in accuracy["by_task"].values():
+        assert task["accuracy"] == task["correct"] / task["total"]
     assert "held-out task accuracy:" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("COMPLETE: step 40/40 | test loss ") and "held-out accuracy" in last
-    assert isinstance(record["test_loss"], float)
+    assert last.startswith(f"COMPLETE: step 40/40 | test loss {record['test_loss']:.4f} | held-out accuracy "
+                           f"{100 * accuracy['accuracy']:.1f}% | ")
+    # the test loss: the final model's mean cross-entropy over the whole test split, computed here from the shards
+    final = checkpoint_model(run / "checkpoints" / "step-00000040.pt")
+    settings = json.loads((run / "training_settings.json").read_text())
+    expected = split_loss(final, work / "corpus" / "demo", "test", 128, settings)
+    assert record["test_loss"] == pytest.approx(expected, rel=1e-4)
+    assert [r["test_loss"] for r in metrics(run) if r["kind"] == "test"] == [record["test_loss"]]
     card = (run / "model" / "README.md").read_text()
     assert "Held-out demo task accuracy" in card and "**COMPLETE**" in card
 
@@ -105,11 +142,24 @@ def test_the_demo_trains_with_the_default_recipe_and_a_clean_log(demo):
 def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):
     work, _ = demo
     run = work / "runs" / "demo"
-    assert (run / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    picture = imread(run / "loss_curve.png")
+    assert picture.shape[:2] == (550, 990) and picture[..., :3].std() > 0.05  # a drawn picture, not a blank one
     samples = json.loads((run / "sample_generations.json").read_text())
     assert samples["error"] is None and samples["step"] == STEPS
     assert [s["prompt"] for s in samples["samples"]] == report.DEFAULT_PROMPTS
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    records = metrics(run)
+    for tag, kind, key in [("train/loss", "train", "loss"), ("train/lr", "train", "lr"),
+                           ("eval/val_loss", "eval", "val_loss")]:
+        logged = [(event.step, event.value) for event in events.Scalars(tag)]
+        expected = [(r["step"], r[key]) for r in records if r["kind"] == kind]
+        assert [step for step, _ in logged] == [step for step, _ in expected] and len(logged) >= 2, tag
+        assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6), tag
     files = status(run)["model_files"]
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"} <= set(files)
     for name, sha in files.items():
@@ -148,7 +198,7 @@ def test_export_only_writes_the_model_of_any_checkpoint(demo):
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
     card = (exported / "README.md").read_text()
-    assert "CHECKPOINTED_NEEDS_RESUME" in card and "step" in card.lower()
+    assert "CHECKPOINTED_NEEDS_RESUME" in card and f"- Optimizer steps: 20 of {STEPS}" in card
     assert not (work / "runs" / "exported" / "run_status.json").exists()  # no run was touched
     missing = run_cli(["--export-only", "--out", "runs/nothing-here"], cwd=work, check=False)
     assert missing.returncode == 2 and "--export-only needs a checkpoint" in missing.stderr

@@ -31,8 +31,23 @@ def test_overrides_and_bad_presets():
         model_config.resolve_preset("tiny", kv_heads=3)
 
 
-def test_flops_per_token_is_6n_plus_attention():
-    preset = model_config.PRESETS["micro"]
-    n = model_config.parameter_count(preset, 1000)
-    attention = 12 * preset.layers * preset.heads * preset.head_dim * preset.context
-    assert model_config.flops_per_token(preset, 1000) == 6 * n + attention
+@pytest.mark.parametrize("name, context", [("tiny", 64), ("micro", 48)])
+def test_flops_per_token_counts_the_models_matmuls(name, context):
+    """flops_per_token against FLOPs counted while the model really runs forward and backward (torch's
+    FlopCounterMode counts every matmul; eager attention, so that the score and weighted-sum matmuls are
+    counted too). The estimate's 6N also counts the norm weights, 6 FLOPs each, which are no matmul."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    preset = model_config.PRESETS[name]
+    vocab_size, batch = 500, 2
+    torch.manual_seed(0)
+    model = model_config.build_model(preset, vocab_size)
+    model.config._attn_implementation = "eager"  # CPU SDPA kernels are not counted by FlopCounterMode
+    ids = torch.randint(0, vocab_size, (batch, context))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted_per_token = counter.get_total_flops() / (batch * context)
+    norm_weights = sum(parameter.numel() for parameter in model.parameters() if parameter.ndim == 1)
+    assert model_config.flops_per_token(preset, vocab_size, context) == counted_per_token + 6 * norm_weights

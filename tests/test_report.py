@@ -172,6 +172,42 @@ def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch):
+    """What is drawn, line by line: the train loss and its smoothing, validation, the test star and the learning
+    rate, each against tokens seen and equal to metrics.jsonl's values."""
+    from matplotlib.axes import Axes
+
+    drawn = {}
+    plot = Axes.plot
+
+    def recording_plot(self, x, y, *args, label=None, **kwargs):
+        drawn[label] = (list(x), list(y))
+        return plot(self, x, y, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = []
+    for step in range(1, 61):  # 60 train points: the raw series and a smoothed one
+        lines.append({"kind": "train", "step": step, "tokens": step * 512, "loss": 6.0 - step / 20 + (step % 2) / 5,
+                      "lr": 1e-3 * min(1.0, step / 5)})
+        if step % 20 == 0:
+            lines.append({"kind": "eval", "step": step, "tokens": step * 512, "val_loss": 5.5 - step / 30})
+    lines.append({"kind": "train", "step": 61, "tokens": 61 * 512, "loss": float("nan"), "lr": 1e-3})  # skipped
+    lines.append({"kind": "test", "step": 61, "tokens": 61 * 512, "test_loss": 3.25})
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert report.plot_loss_curve(metrics, tmp_path / "curve.png") is True
+    train = [line for line in lines if line["kind"] == "train" and line["step"] <= 60]
+    tokens = [line["tokens"] for line in train]
+    losses = [line["loss"] for line in train]
+    assert drawn["train loss"] == (tokens, losses)
+    smoothed_tokens, smoothed = drawn["train loss (smoothed)"]
+    assert smoothed_tokens == tokens and smoothed[0] == losses[0]
+    assert smoothed[30] == pytest.approx(sum(losses[29:32]) / 3)  # a centred moving average of 3 (60 points // 25)
+    assert drawn["validation loss"] == ([20 * 512, 40 * 512, 60 * 512], [5.5 - 20 / 30, 5.5 - 40 / 30, 5.5 - 2.0])
+    assert drawn["test loss 3.250"] == ([61 * 512], [3.25])
+    assert drawn["learning rate"] == (tokens + [61 * 512], [line["lr"] for line in train] + [1e-3])
+
+
 def test_tensorboard_logger_writes_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -276,6 +276,46 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
     assert restored.state_dict() == scaler.state_dict()
 
 
+def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
+    args = train.parse_args(options(corpus, out, *extra))
+    return train.build_training(args, train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+
+
+def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
+    """Batch 4 x accumulation 1 and batch 1 x accumulation 4 read the same 4 blocks: the same loss and gradient
+    norm. The loss is the mean over the step's blocks, computed here by hand from the model before the step."""
+    whole = in_process_training(corpus, tmp_path / "a", "--batch-size", "4", "--grad-accum", "1")
+    split = in_process_training(corpus, tmp_path / "b", "--batch-size", "1", "--grad-accum", "4")
+    assert train.tensors_equal(whole.model.state_dict(), split.model.state_dict(), "model") == []
+    blocks = whole.sampler.step_blocks(0)
+    assert blocks == split.sampler.step_blocks(0) and len(blocks) == 4
+    with torch.no_grad():
+        inputs, targets = whole.splits["train"].batch(blocks, torch.device("cpu"))
+        logits = whole.model(input_ids=inputs).logits
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    first, second = whole.train_step(), split.train_step()
+    assert first.loss == pytest.approx(expected.item(), rel=1e-5)
+    assert second.loss == pytest.approx(expected.item(), rel=1e-5)
+    # the gradient too is the mean's: not the sum over micro-steps, nor divided by the batch size
+    assert second.grad_norm == pytest.approx(first.grad_norm, rel=1e-4)
+
+
+def test_resume_restores_the_random_number_generators(corpus, tmp_path):
+    """After loading a checkpoint, Python's, NumPy's and torch's generators continue where the saved run was."""
+    first = in_process_training(corpus, tmp_path / "a")
+    first.train_step()
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    path = tmp_path / "step.pt"
+    torch.save(first.snapshot(), path)
+    expected = (random.random(), float(np.random.random()), torch.rand(3))
+    second = in_process_training(corpus, tmp_path / "b")
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)  # what a fresh process would have drawn
+    second.load(train.load_checkpoint_file(path), path)
+    assert second.step == 1
+    got = (random.random(), float(np.random.random()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
 def test_token_split_blocks_cross_shard_boundaries(corpus):
     manifest = json.loads((corpus / "corpus_manifest.json").read_text())
     split = train.TokenSplit(corpus, manifest, "train", context=32)
@@ -965,25 +1005,6 @@ def test_a_run_refused_before_it_began_leaves_no_run_folder(corpus, tmp_path):
     out.mkdir()  # a folder the user made stays (with its .lock)
     run_cli(options(corpus, out, "--heads", "3"), check=False)
     assert out.is_dir() and [p.name for p in out.iterdir()] == [".lock"]
-
-
-def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
-    for scale in (1e-3, 0.5, 1.0, 1.0 - 1e-7, 3.0, float("inf")):
-        torch.manual_seed(0)
-        ours, theirs = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
-        for parameter in ours:
-            parameter.grad = torch.randn_like(parameter)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
-        for parameter in ours:
-            parameter.grad.mul_(scale / norm)  # total norm ~scale: below, at and above the clip
-            twin = torch.nn.Parameter(parameter.detach().clone())
-            twin.grad = parameter.grad.clone()
-            theirs.append(twin)
-        got = train.clip_gradients(ours, 1.0)
-        want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
-        assert torch.equal(got, want) or (got.isnan() and want.isnan())
-        for mine, twin in zip(ours, theirs):
-            assert torch.equal(mine.grad, twin.grad) or (mine.grad.isnan().all() and twin.grad.isnan().all())
 
 
 def test_the_compiled_model_trains_like_the_eager_one(corpus, reference, tmp_path):

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Mutation testing of tinyllm's core rules with mutmut 3 (configured in pyproject.toml, [tool.mutmut]).
+#
+#   bash bench/mutation.sh                        # the whole core, one worker: ~6 min on 2 busy cores
+#   bash bench/mutation.sh "train.x_mix64__*"     # only the mutants named (fnmatch patterns)
+#   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
+#
+# mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
+# (~2 min) and runs, for each mutant of the functions below, only the tests of tests/test_core.py
+# that call that function, each mutant forked from one warm process (torch is imported once).
+# OpenMP runs single-threaded: torch's thread pool does not survive a fork while in use (mutants
+# that make a test fail inside torch would hang until their timeout). It prints the score over
+# these functions and every surviving mutant; `mutmut show NAME` shows a mutant's diff.
+# bench/RESULTS.md ("Mutation testing") records the score and why each survivor is accepted.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+
+CORE=(
+  # data.py: splits, document hashing, packing into hashed shards, corpus record verification
+  "data.x_split_of__*" "data.x_document_hash__*" "data.x_token_dtype__*" "data.x_shard_name__*"
+  "data.xǁShardWriterǁ*" "data.x_batches__*" "data.x_verify_files__*" "data.x_check_settings__*"
+  # train.py: the data order, the loss, gradient clipping, checkpoint records, resume choice, retention
+  "train.x_mix64__*" "train.xǁBlockPermutationǁ*" "train.xǁBlockSamplerǁ*"
+  "train.x_language_model_loss__*" "train.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
+  "train.x_checkpoint_name__*" "train.x_sidecar_path__*" "train.x_checkpoint_steps__*" "train.x_set_aside__*"
+  "train.x_recorded_run_id__*" "train.x_record_mismatch__*" "train.x_checkpoint_mismatch__*"
+  "train.x_newest_verified_checkpoint__*" "train.x_load_checkpoint_file__*" "train.x_settings_diff__*"
+  "train.x_read_latest_record__*" "train.x_folder_run_id__*" "train.x_checkpoint_run_id__*"
+  "train.x_chosen_checkpoint_mismatch__*" "train.x_verified_best__*"
+  "train.x_tensors_equal__*" "train.xǁCheckpointerǁapply_retention__*" "train.xǁCheckpointerǁ_written_by_this_run__*"
+  # checkpoint_cloud.py: the remote retention rules
+  "checkpoint_cloud.x_choose_remote_deletions__*" "checkpoint_cloud.x_beyond_unbacked_bound__*"
+  # report.py: answer scoring
+  "report.x_extract_final_answer__*" "report.x_score_answers__*"
+  # export_gguf.py: GGUF metadata
+  "export_gguf.x_add_metadata__*" "export_gguf.x_model_name__*" "export_gguf.x_is_sha256__*"
+  "export_gguf.x_ggml_type_for__*"
+)
+if [ $# -gt 0 ]; then CORE=("$@"); fi
+
+rm -rf mutants  # a fresh run: no verdict cached from other sources or tests
+OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 "$PYTHON" -m mutmut run --max-children "${JOBS:-1}" "${CORE[@]}" > mutants-run.log 2>&1 || {
+  tail -40 mutants-run.log; exit 1; }
+mv mutants-run.log mutants/run.log
+"$PYTHON" -m mutmut results --all true > mutants/results.txt
+"$PYTHON" - "${CORE[@]}" <<'PY'
+import fnmatch
+import sys
+from collections import Counter
+
+patterns = sys.argv[1:]
+verdicts = {}
+for line in open("mutants/results.txt", encoding="utf-8"):
+    name, _, verdict = line.strip().rpartition(": ")
+    if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+        verdicts[name] = verdict
+counts = Counter(verdicts.values())
+tested = sum(count for verdict, count in counts.items() if verdict not in ("skipped", "not checked"))
+caught = counts["killed"] + counts["timeout"]
+print(f"mutants: {len(verdicts)}  " + "  ".join(f"{verdict}: {count}" for verdict, count in sorted(counts.items())))
+print(f"mutation score: {caught}/{tested} = {100 * caught / max(tested, 1):.1f}%")
+for name, verdict in sorted(verdicts.items()):
+    if verdict not in ("killed", "timeout"):
+        print(f"  {verdict}: {name}")
+PY

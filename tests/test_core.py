@@ -1,0 +1,889 @@
+"""The core rules as pure functions, tested by value: data order, splits, shard hashing, the loss,
+record verification, retention, answer scoring.
+
+These are the fast unit tests that mutation testing runs for every mutant (bench/mutation.sh):
+each assertion checks a value that a wrong implementation gets wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint_cloud as cc
+import data
+import report
+import train
+from common import UserError, atomic_write_json, sha256_file
+
+# each test here takes well under a second: a loop that never ends (a permutation that is not a
+# bijection cycle-walks forever) fails by name within seconds
+pytestmark = pytest.mark.timeout(20)
+
+# ----------------------------------------------------------------------------------------------
+# Splits and document hashing (data.py)
+
+
+@pytest.mark.parametrize("position, expected", [
+    (0.0, "validation"), (0.0499, "validation"),  # [0, val)
+    (0.05, "test"), (0.0599, "test"),  # [val, val + test)
+    (0.0601, "train"), (0.5, "train"), (0.999999, "train"),
+])
+def test_split_of_unequal_fractions(position, expected):
+    """--val-fraction 0.05 --test-fraction 0.01: 5% validation, 1% test (unequal, so a swap shows)."""
+    assert data.split_of(position, 0.05, 0.01) == expected
+
+
+@pytest.mark.parametrize("val, test, position, expected", [
+    (0.0, 0.0, 0.0, "train"),  # no held-out splits: everything trains
+    (0.0, 0.1, 0.0, "test"), (0.0, 0.1, 0.1, "train"),
+    (0.1, 0.0, 0.0999, "validation"), (0.1, 0.0, 0.1, "train"),
+])
+def test_split_of_empty_splits(val, test, position, expected):
+    assert data.split_of(position, val, test) == expected
+
+
+def test_split_fractions_hold_over_many_documents():
+    counts = {"train": 0, "validation": 0, "test": 0}
+    for index in range(20_000):
+        _, position = data.document_hash(f"document number {index}")
+        counts[data.split_of(position, 0.05, 0.01)] += 1
+    assert 900 <= counts["validation"] <= 1100  # 5% of 20,000 = 1,000
+    assert 150 <= counts["test"] <= 250  # 1% = 200
+
+
+def test_document_hash_is_blake2b_key_and_position():
+    """DESIGN.md: the de-duplication key and the split position come from the text alone."""
+    digest = hashlib.blake2b(b"hello", digest_size=16).digest()
+    key, position = data.document_hash("hello")
+    assert key == int.from_bytes(digest[:8], "little")
+    assert position == int.from_bytes(digest[8:], "little") / 2.0**64
+    positions = [data.document_hash(str(index))[1] for index in range(2000)]
+    assert all(0 <= value < 1 for value in positions)
+    assert 0.45 < sum(positions) / len(positions) < 0.55  # uniform: a mean near 1/2
+    assert data.document_hash("hello") != data.document_hash("hello ")
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"),
+                                               (200_000, "uint32")])
+def test_token_dtype_holds_every_id(vocab_size, dtype):
+    assert data.token_dtype(vocab_size) == dtype
+    assert np.iinfo(dtype).max >= vocab_size - 1  # the largest id fits
+
+
+FRACTIONS = "--val-fraction and --test-fraction must be >= 0 and leave room for training data"
+SIZES = "--shard-tokens, --tokenizer-sample-bytes and --batch-bytes must be positive"
+COUNTS = "--min-chars and --tokenize-workers must be >= 0"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"scope": "everything"}, "--scope 'everything' is unknown; choose one of full, chat, text, reasoning"),
+    ({"val_fraction": -0.01}, FRACTIONS),
+    ({"test_fraction": -0.01}, FRACTIONS),
+    ({"val_fraction": 1.0}, FRACTIONS),
+    ({"test_fraction": 1.0}, FRACTIONS),
+    ({"val_fraction": 0.5, "test_fraction": 0.5}, FRACTIONS),
+    ({"vocab_size": 262}, f"--vocab-size 262 is below 263 (256 bytes + {len(data.SPECIAL_TOKENS)} special tokens)"),
+    ({"shard_tokens": 0}, SIZES),
+    ({"tokenizer_sample_bytes": 0}, SIZES),
+    ({"batch_bytes": 0}, SIZES),
+    ({"min_chars": -1}, COUNTS),
+    ({"tokenize_workers": -1}, COUNTS),
+])
+def test_check_settings_refuses_each_bad_value(change, message):
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        data.check_settings(data.BuildSettings(**change))
+
+
+@pytest.mark.parametrize("change", [{}, {"val_fraction": 0.0, "test_fraction": 0.0}, {"val_fraction": 0.49,
+                                    "test_fraction": 0.5}, {"vocab_size": 263, "shard_tokens": 1, "min_chars": 0,
+                                    "tokenizer_sample_bytes": 1, "batch_bytes": 1, "tokenize_workers": 0},
+                                    {"scope": "chat"}])
+def test_check_settings_accepts_the_edges(change):
+    data.check_settings(data.BuildSettings(**change))
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing: shards and their sha256 (data.py)
+
+
+def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
+    return np.concatenate([np.fromfile(folder / entry["name"], dtype="<u2") for entry in files])
+
+
+@pytest.mark.parametrize("shard_tokens, batch_sizes", [
+    (10, [3, 4, 5, 6, 2]),  # several tokenizer batches per shard, one batch across a boundary
+    (5, [5, 5, 5]),  # each batch fills one shard exactly
+    (7, [20]),  # one batch over three shards
+    (100, [1, 1, 1]),  # one shard, three batches
+])
+def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_sizes):
+    writer = data.ShardWriter(tmp_path, "train", "uint16", shard_tokens)
+    stream, start = [], 1000
+    for number, size in enumerate(batch_sizes):
+        ids = np.arange(start, start + size, dtype=np.int64)  # int64 in, uint16 out
+        writer.write(ids, documents=number + 1)
+        stream.extend(ids.tolist())
+        start += size
+    result = writer.finish()
+    total = len(stream)
+    expected_sizes = [shard_tokens] * (total // shard_tokens) + ([total % shard_tokens] if total % shard_tokens else [])
+    assert [entry["tokens"] for entry in result["files"]] == expected_sizes
+    assert [entry["name"] for entry in result["files"]] == [data.shard_name("train", i)
+                                                           for i in range(len(expected_sizes))]
+    for entry in result["files"]:
+        path = tmp_path / entry["name"]
+        assert entry["sha256"] == sha256_file(path), entry["name"]
+        assert entry["bytes"] == path.stat().st_size == 2 * entry["tokens"]
+    assert read_shards(tmp_path, result["files"]).tolist() == stream
+    assert result["tokens"] == total
+    assert result["documents"] == sum(range(1, len(batch_sizes) + 1))
+
+
+def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
+    assert data.ShardWriter(tmp_path, "test", "uint16", 10).finish() == {"files": [], "tokens": 0, "documents": 0}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_writer_writes_little_endian_uint32(tmp_path):
+    writer = data.ShardWriter(tmp_path, "validation", "uint32", 4)
+    writer.write(np.array([1, 70_000, 2**32 - 1], dtype=np.int64), 1)
+    entry = writer.finish()["files"][0]
+    raw = (tmp_path / entry["name"]).read_bytes()
+    assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
+    assert entry == {"name": "validation-00000.bin", "bytes": 12, "sha256": hashlib.sha256(raw).hexdigest(),
+                     "tokens": 3}
+
+
+def test_batches_group_documents_by_characters():
+    documents = [data.Document(split=f"s{index}", kind="text", text="x" * size, pieces=[f"p{index}"])
+                 for index, size in enumerate([3, 3, 4, 10, 1])]
+    groups = list(data.batches(documents, batch_bytes=6))
+    # 3 + 3 reaches 6: a batch; 4 + 10 passes it: a batch; the last 1 is the remainder
+    assert groups == [(["s0", "s1"], [["p0"], ["p1"]]), (["s2", "s3"], [["p2"], ["p3"]]), (["s4"], [["p4"]])]
+    assert list(data.batches([], batch_bytes=6)) == []
+    five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)]) for size in (5, 1, 2)]
+    assert [pieces for _, pieces in data.batches(five_one, batch_bytes=6)] == [[["5"], ["1"]], [["2"]]]
+    six_five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)])
+                    for size in (6, 5, 1)]
+    assert [pieces for _, pieces in data.batches(six_five_one, batch_bytes=6)] == [[["6"]], [["5"], ["1"]]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus record verification (data.py)
+
+
+def tiny_corpus_files(root: Path) -> dict:
+    """Two shards and a tokenizer folder with a manifest that matches them."""
+    (root / data.TOKENIZER_DIR).mkdir(parents=True)
+    (root / data.TOKENIZER_DIR / "tokenizer.json").write_text("{}")
+    files = []
+    for index, ids in enumerate([[1, 2, 3], [4, 5]]):
+        raw = np.array(ids, dtype="<u2").tobytes()
+        name = data.shard_name("train", index)
+        (root / name).write_bytes(raw)
+        files.append({"name": name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(ids)})
+    (root / "eval.jsonl").write_text("{}\n")
+    from common import sha256_tree
+
+    return {"dtype": "uint16", "splits": {"train": {"files": files, "tokens": 5, "documents": 2}},
+            "tokenizer_sha256": sha256_tree(root / data.TOKENIZER_DIR),
+            "files": {"eval.jsonl": sha256_file(root / "eval.jsonl")}}
+
+
+def test_verify_files_accepts_a_matching_corpus_and_names_each_fault(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    assert data.verify_files(tmp_path, manifest) == []
+    first, second = tmp_path / data.shard_name("train", 0), tmp_path / data.shard_name("train", 1)
+
+    raw = bytearray(first.read_bytes())
+    raw[0] ^= 1
+    first.write_bytes(bytes(raw))  # same size, other bytes
+    assert data.verify_files(tmp_path, manifest) == [
+        "train-00000.bin: sha256 does not match the manifest (corrupted or edited)"]
+    raw[0] ^= 1
+    first.write_bytes(bytes(raw))
+
+    second.write_bytes(second.read_bytes()[:-2])
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 2 bytes, manifest says 4"]
+    second.unlink()
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: missing (train shard)"]
+
+
+def test_verify_files_reports_every_missing_shard_and_a_missing_tokenizer(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    for index in (0, 1):
+        (tmp_path / data.shard_name("train", index)).unlink()
+    (tmp_path / data.TOKENIZER_DIR / "tokenizer.json").unlink()
+    (tmp_path / data.TOKENIZER_DIR).rmdir()
+    del manifest["files"]  # a manifest without extra files is fine
+    assert data.verify_files(tmp_path, manifest) == ["train-00000.bin: missing (train shard)",
+                                                     "train-00001.bin: missing (train shard)",
+                                                     f"{data.TOKENIZER_DIR}/: missing"]
+
+
+def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    manifest["splits"]["train"]["files"][1]["tokens"] = 3  # bytes and sha256 fine, the count is not
+    manifest["splits"]["train"]["tokens"] = 6
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 4 bytes is not 3 uint16 tokens"]
+    manifest["splits"]["train"]["tokens"] = 7
+    assert data.verify_files(tmp_path, manifest)[-1] == \
+        "train: shard tokens do not add up to the split's 7 tokens"
+    manifest = tiny_corpus_files(tmp_path / "again")
+    (tmp_path / "again" / data.TOKENIZER_DIR / "tokenizer.json").write_text('{"edited": 1}')
+    (tmp_path / "again" / "eval.jsonl").write_text("{}\n{}\n")
+    assert data.verify_files(tmp_path / "again", manifest) == [
+        f"{data.TOKENIZER_DIR}/: sha256 of the folder does not match the manifest",
+        "eval.jsonl: sha256 does not match the manifest"]
+    (tmp_path / "again" / "eval.jsonl").unlink()
+    assert data.verify_files(tmp_path / "again", manifest)[-1] == "eval.jsonl: missing"
+
+
+# ----------------------------------------------------------------------------------------------
+# Data order (train.py)
+
+
+def test_mix64_is_splitmix64():
+    """The first outputs of splitmix64 seeded with 0 (Vigna's reference: state += golden gamma, then mix)."""
+    gamma = 0x9E3779B97F4A7C15
+    assert [train.mix64(index * gamma & train.MASK64) for index in range(3)] == [
+        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert all(0 <= train.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025])
+def test_block_permutation_is_a_bijection_around_every_domain_size(n):
+    for seed, epoch in [(0, 0), (7, 3), (2**70 + 5, 1)]:  # a seed beyond 64 bits is masked, not an error
+        perm = train.BlockPermutation(n, seed, epoch)
+        assert sorted(perm(i) for i in range(n)) == list(range(n)), (n, seed, epoch)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 17, 100, 1000])
+def test_block_permutation_walks_a_domain_of_fewer_than_4n_values(n):
+    """The Feistel domain is the smallest even bit width holding n: cycle-walking stays short."""
+    perm = train.BlockPermutation(n, 1, 0)
+    domain = 1 << (2 * perm.half_bits)
+    assert n <= domain < 4 * n
+    assert perm.mask == (1 << perm.half_bits) - 1
+
+
+def test_block_permutation_encrypt_is_a_bijection_of_its_domain():
+    perm = train.BlockPermutation(1000, 3, 0)  # domain 1024: values 1000..1023 are walked past
+    domain = 1 << (2 * perm.half_bits)
+    assert sorted(perm._encrypt(value) for value in range(domain)) == list(range(domain))
+
+
+def test_block_permutation_is_keyed_and_mixes():
+    n = 4096
+    base = [train.BlockPermutation(n, 1, 0)(i) for i in range(n)]
+    for seed, epoch in [(2, 0), (1, 1), (1 << 32, 0), (0, 0)]:
+        other = [train.BlockPermutation(n, seed, epoch)(i) for i in range(n)]
+        same = sum(a == b for a, b in zip(base, other))
+        assert same < 20, (seed, epoch, same)  # ~1 expected by chance
+    assert sum(base[i] == i for i in range(n)) < 20  # not near the identity
+    # the first half of positions is not sent to the first half (a weak mix would keep halves apart)
+    assert 900 < sum(value < n // 2 for value in base[: n // 2]) < 1150  # ~1024 of 2048
+    assert train.BlockPermutation(n, 1, 0).keys == train.BlockPermutation(n, 1, 0).keys
+    assert len(set(train.BlockPermutation(n, 1, 0).keys)) == train.BlockPermutation.ROUNDS
+
+
+def test_block_permutation_rejects_an_empty_range():
+    with pytest.raises(ValueError, match="^a permutation needs at least one element$"):
+        train.BlockPermutation(0, 1, 0)
+
+
+@pytest.mark.parametrize("world, accum, batch", [(1, 1, 6), (1, 3, 2), (2, 3, 1), (3, 1, 2), (2, 1, 3)])
+def test_sampler_layout_of_a_step(world, accum, batch):
+    """Sample j of a step goes to micro-step j // (world * batch), rank (j // batch) % world."""
+    sampler = train.BlockSampler(blocks=50, seed=4, batch_size=batch, grad_accum=accum, world=world)
+    assert sampler.global_batch == world * accum * batch == 6
+    for step in (0, 3, 9):  # step 9 reads samples 54..59: into epoch 1
+        blocks = sampler.step_blocks(step)
+        order0, order1 = train.BlockPermutation(50, 4, 0), train.BlockPermutation(50, 4, 1)
+        assert blocks == [order0(g) if g < 50 else order1(g - 50) for g in range(step * 6, step * 6 + 6)]
+        for rank in range(world):
+            expected = [[blocks[j] for j in range(6) if j // (world * batch) == micro and (j // batch) % world == rank]
+                        for micro in range(accum)]
+            assert sampler.micro_batches(step, rank) == expected
+
+
+def test_sampler_state_dict_and_each_mismatch():
+    sampler = train.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=3, world=1)
+    sampler.step = 7
+    assert sampler.state_dict() == {"step": 7, "seed": 1, "blocks": 50, "global_batch": 6, "consumed_samples": 42}
+    for key, value in [("seed", 2), ("blocks", 49), ("global_batch", 8)]:
+        with pytest.raises(UserError, match=f"checkpoint data cursor has {key} {value}"):
+            sampler.load_state_dict({**sampler.state_dict(), key: value})
+    other = train.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
+    other.load_state_dict({**sampler.state_dict(), "step": "7"})
+    assert other.step == 7 and isinstance(other.step, int)
+    with pytest.raises(UserError, match="^the train split has fewer tokens than one block; use a smaller --context$"):
+        train.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
+    single = train.BlockSampler(blocks=1, seed=1, batch_size=2, grad_accum=1, world=1)  # one block is enough
+    assert single.step == 0 and single.step_blocks(0) == [0, 0] and single.state_dict()["consumed_samples"] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss and gradient clipping (train.py)
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose logits are a table indexed by the input token."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids):
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_language_model_loss_is_hand_computed_cross_entropy():
+    # vocab 2: after token 0 the model says logits (0, ln 3), i.e. p = (1/4, 3/4); after token 1 uniform
+    model = FixedLogits(torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], dtype=torch.float64))
+    inputs = torch.tensor([[0, 0], [1, 0]])
+    targets = torch.tensor([[1, 0], [1, 1]])
+    nats = [-math.log(3 / 4), -math.log(1 / 4), -math.log(1 / 2), -math.log(3 / 4)]
+    assert train.language_model_loss(model, inputs, targets).item() == pytest.approx(sum(nats) / 4)
+    assert train.language_model_loss(model, inputs, targets, reduction="sum").item() == pytest.approx(sum(nats))
+    assert train.LanguageModelLoss(model)(inputs, targets).item() == pytest.approx(sum(nats) / 4)
+
+
+def test_language_model_loss_computes_in_fp32_under_low_precision_logits():
+    logits = torch.tensor([[0.0, 8.0, 8.0625]], dtype=torch.bfloat16)  # bf16 logits, a fp32 loss
+    loss = train.language_model_loss(FixedLogits(logits), torch.tensor([[0]]), torch.tensor([[2]]))
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-8.0625) + math.exp(8 - 8.0625)), rel=1e-6)
+
+
+def gradients(*values: list[float]) -> list[torch.nn.Parameter]:
+    parameters = []
+    for value in values:
+        parameter = torch.nn.Parameter(torch.zeros(len(value)))
+        parameter.grad = torch.tensor(value)
+        parameters.append(parameter)
+    return parameters
+
+
+@pytest.mark.parametrize("grads, max_norm, norm, scaled", [
+    ([[3.0], [4.0]], 1.0, 5.0, True),  # norm 5 > 1: scaled to norm 1
+    ([[0.3], [0.4]], 1.0, 0.5, False),  # below: untouched
+    ([[0.6], [0.8]], 1.0, 1.0, True),  # at the limit the coefficient 1/(1 + 1e-6) is < 1: scaled, as torch does
+    ([[0.999999]], 1.0, 0.999999, False),  # norm + 1e-6 rounds to 1.0 in float32: coefficient exactly 1, no clip
+])
+def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
+    parameters = gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
+    total = train.clip_gradients(parameters, max_norm)
+    assert total.item() == pytest.approx(norm)
+    after = [p.grad for p in parameters[:-1]]
+    if scaled:
+        assert [g.item() for g in after] == pytest.approx([g[0] * max_norm / (norm + 1e-6) for g in grads])
+    else:  # untouched: not even multiplied by 1.0 (the work clip_gradients exists to skip)
+        assert [g.item() for g in after] == [torch.tensor(g[0]).item() for g in grads]
+        assert [g._version for g in after] == [0] * len(after)
+
+
+def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
+    for scale in (1e-3, 0.5, 1.0, 1.0 - 1e-7, 3.0, float("inf")):
+        torch.manual_seed(0)
+        ours, theirs = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
+        for parameter in ours:
+            parameter.grad = torch.randn_like(parameter)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ours])
+        for parameter in ours:
+            parameter.grad.mul_(scale / norm)  # total norm ~scale: below, at and above the clip
+            twin = torch.nn.Parameter(parameter.detach().clone())
+            twin.grad = parameter.grad.clone()
+            theirs.append(twin)
+        got = train.clip_gradients(ours, 1.0)
+        want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        assert torch.equal(got, want) or (got.isnan() and want.isnan())
+        for mine, twin in zip(ours, theirs):
+            assert torch.equal(mine.grad, twin.grad) or (mine.grad.isnan().all() and twin.grad.isnan().all())
+
+
+def test_clip_gradients_sets_non_finite_gradients_to_nan():
+    parameters = gradients([float("nan"), 1.0])
+    assert math.isnan(train.clip_gradients(parameters, 1.0).item())
+    assert torch.isnan(parameters[0].grad).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint records, resume choice and retention (train.py)
+
+
+def write_checkpoint(folder: Path, step: int, run_id: str | None = "r", payload: bytes | None = None,
+                     record: bool = True) -> Path:
+    """A step-N.pt and (unless record=False) its sidecar record as Checkpointer writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / train.checkpoint_name(step)
+    path.write_bytes(payload if payload is not None else f"checkpoint {step}".encode())
+    if record:
+        atomic_write_json(train.sidecar_path(path), {"path": path.name, "step": step, "sha256": sha256_file(path),
+                                                     "bytes": path.stat().st_size, "run_id": run_id})
+    return path
+
+
+def test_checkpoint_names_and_steps(tmp_path):
+    assert train.checkpoint_name(42) == "step-00000042.pt"
+    assert train.sidecar_path(tmp_path / "step-00000042.pt") == tmp_path / "step-00000042.json"
+    for name in ("step-00000003.pt", "step-00000010.pt", "step-3.pt", "step-00000003.pt.corrupt", "best.pt",
+                 "step-000000031.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert train.checkpoint_steps(tmp_path) == {tmp_path / "step-00000003.pt": 3, tmp_path / "step-00000010.pt": 10}
+
+
+def test_record_mismatch_names_size_hash_and_unreadable_records(tmp_path):
+    path = write_checkpoint(tmp_path, 1)
+    record = train.sidecar_path(path)
+    assert train.record_mismatch(path, record) is None
+    path.write_bytes(b"checkpoint 2")  # same size, other bytes
+    assert train.record_mismatch(path, record) == "it does not match the sha256 in step-00000001.json (corrupt)"
+    path.write_bytes(b"checkpoint")
+    assert train.record_mismatch(path, record) == "it is 10 bytes, step-00000001.json says 12 (truncated?)"
+    assert train.record_mismatch(path, record, record=["not", "a", "dict"]) == "step-00000001.json is not a record"
+    record.write_text("{broken")
+    assert "step-00000001.json" in train.record_mismatch(path, record)
+    good = write_checkpoint(tmp_path, 5)
+    assert train.record_mismatch(good, record, {"bytes": good.stat().st_size, "sha256": sha256_file(good)}) is None
+
+
+def test_checkpoint_mismatch_uses_the_sidecar_else_latest_json(tmp_path):
+    path = write_checkpoint(tmp_path, 3)
+    latest = {"path": path.name, "sha256": "0" * 64, "bytes": path.stat().st_size}
+    assert train.checkpoint_mismatch(path, latest) is None  # the sidecar rules when there is one
+    train.sidecar_path(path).unlink()
+    assert train.checkpoint_mismatch(path, latest) == \
+        "step-00000003.pt: it does not match the sha256 in latest.json (corrupt)"
+    latest["sha256"] = sha256_file(path)
+    assert train.checkpoint_mismatch(path, latest) is None
+    train.sidecar_path(path).write_text("{broken")
+    assert train.checkpoint_mismatch(path, latest) is None  # an unreadable sidecar, latest.json names it
+    assert "step-00000003.json" in train.checkpoint_mismatch(path, {})
+
+
+def test_newest_verified_checkpoint_skips_unrecorded_and_damaged_ones(tmp_path):
+    oldest = write_checkpoint(tmp_path, 1)
+    write_checkpoint(tmp_path, 2, payload=b"good")
+    (tmp_path / "step-00000002.pt").write_bytes(b"evil")  # same size: the hash tells
+    write_checkpoint(tmp_path, 3, record=False)  # a file without any record: never trusted
+    good, problems = train.newest_verified_checkpoint(tmp_path)
+    assert good == oldest
+    assert problems == ["step-00000003.pt has no sha256 record (not written by a train.py save): skipped",
+                        "step-00000002.pt: it does not match the sha256 in step-00000002.json (corrupt): skipped"]
+    assert (tmp_path / "step-00000002.pt").exists()  # only reported without set_aside_bad
+
+    good, problems = train.newest_verified_checkpoint(tmp_path, set_aside_bad=True)
+    assert good == oldest and problems[1] == (
+        "step-00000002.pt: it does not match the sha256 in step-00000002.json (corrupt): set aside as "
+        "step-00000002.pt.corrupt (4 bytes; delete it once inspected)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000001.json", "step-00000001.pt", "step-00000002.json.corrupt", "step-00000002.pt.corrupt",
+        "step-00000003.pt"]
+    oldest.write_bytes(b"broken")
+    assert train.newest_verified_checkpoint(tmp_path)[0] is None
+
+
+def test_newest_verified_checkpoint_skips_one_whose_record_does_not_read(tmp_path):
+    oldest = write_checkpoint(tmp_path, 1)
+    newest = write_checkpoint(tmp_path, 2)
+    train.sidecar_path(newest).write_text("{broken")
+    good, problems = train.newest_verified_checkpoint(tmp_path)
+    assert good == oldest and len(problems) == 1
+    assert problems[0].startswith(f"file {train.sidecar_path(newest)} is not valid JSON")
+    assert problems[0].endswith(": skipped")
+
+
+def test_newest_verified_checkpoint_trusts_latest_json_for_a_restored_file(tmp_path):
+    restored = write_checkpoint(tmp_path, 4, record=False)
+    atomic_write_json(tmp_path / "latest.json", {"path": restored.name, "step": 4, "sha256": sha256_file(restored),
+                                                 "bytes": restored.stat().st_size})
+    assert train.newest_verified_checkpoint(tmp_path) == (restored, [])
+
+
+@pytest.mark.parametrize("text, record", [
+    ('{"path": "step-00000002.pt", "step": 2}', {"path": "step-00000002.pt", "step": 2}),
+    ('["step-00000002.pt"]', {}), ("{broken", {}), (None, {}),
+])
+def test_read_latest_record_and_folder_run_id(tmp_path, text, record):
+    if text is not None:
+        (tmp_path / "latest.json").write_text(text)
+        (tmp_path / "training_settings.json").write_text(text.replace('"path"', '"run_id"'))
+    assert train.read_latest_record(tmp_path) == record
+    assert train.folder_run_id(tmp_path) == record.get("path")
+
+
+def test_checkpoint_run_id_reads_the_file(tmp_path):
+    torch.save({"run_id": "r9", "model": {"w": torch.ones(3)}}, tmp_path / "a.pt")
+    torch.save({"model": {}}, tmp_path / "b.pt")
+    torch.save([1, 2], tmp_path / "c.pt")
+    (tmp_path / "d.pt").write_bytes(b"not a checkpoint")
+    assert [train.checkpoint_run_id(tmp_path / name) for name in ("a.pt", "b.pt", "c.pt")] == ["r9", None, None]
+    marker = tmp_path / "code-ran"
+    torch.save({"run_id": "r9", "payload": Hostile(marker)}, tmp_path / "hostile.pt")
+    with pytest.raises(UserError, match="^hostile.pt does not load \\(UnpicklingError\\)$"):
+        train.checkpoint_run_id(tmp_path / "hostile.pt")
+    assert not marker.exists()
+    with pytest.raises(UserError, match="^d.pt does not load \\((UnpicklingError|RuntimeError)\\)$"):
+        train.checkpoint_run_id(tmp_path / "d.pt")
+
+
+def test_chosen_checkpoint_and_best_are_checked_against_their_own_records(tmp_path):
+    path = write_checkpoint(tmp_path, 4)
+    assert train.chosen_checkpoint_mismatch(path) is None
+    path.write_bytes(b"checkpoint 5")
+    assert train.chosen_checkpoint_mismatch(path) == "it does not match the sha256 in step-00000004.json (corrupt)"
+    train.sidecar_path(path).unlink()
+    assert train.chosen_checkpoint_mismatch(path) is None  # no record: nothing to check against
+    best = tmp_path / "best.pt"
+    best.write_bytes(b"the best")
+    assert train.chosen_checkpoint_mismatch(best) is None and train.verified_best(tmp_path) is None
+    record = {"path": "best.pt", "step": 3, "sha256": sha256_file(best), "bytes": 8, "val_loss": 1.5}
+    atomic_write_json(tmp_path / "best.json", record)
+    assert train.chosen_checkpoint_mismatch(best) is None
+    assert train.verified_best(tmp_path) == record
+    best.write_bytes(b"the wors")
+    assert train.chosen_checkpoint_mismatch(best) == "it does not match the sha256 in best.json (corrupt)"
+    assert train.verified_best(tmp_path) is None
+    (tmp_path / "best.json").unlink()
+    best.write_bytes(b"the best")
+    assert train.verified_best(tmp_path) is None  # best.pt without best.json is not verified
+    atomic_write_json(tmp_path / "best.json", record)
+    best.unlink()
+    assert train.verified_best(tmp_path) is None  # nor best.json without best.pt
+
+
+RETENTION = [
+    # steps saved, keep_last, keep_every -> steps kept
+    ([1, 2, 3, 4, 5], 2, 0, [4, 5]),
+    ([1, 2, 3, 4, 5], 1, 0, [5]),
+    ([2, 4, 6, 8, 10, 12], 2, 4, [4, 8, 10, 12]),  # every multiple of 4 stays
+    ([3, 6, 9, 12], 1, 6, [6, 12]),
+    ([5, 10, 15], 5, 0, [5, 10, 15]),  # fewer than keep_last: all stay
+    ([10, 9, 8, 100], 2, 0, [10, 100]),  # the newest by step, not by name or order of saving
+]
+
+
+@pytest.mark.parametrize("steps, keep_last, keep_every, kept", RETENTION)
+def test_retention_rule(tmp_path, steps, keep_last, keep_every, kept):
+    for step in steps:
+        write_checkpoint(tmp_path, step)
+    write_checkpoint(tmp_path, 7, run_id="another run")  # never ours: neither counted nor deleted
+    write_checkpoint(tmp_path, 11, record=False)
+    train.Checkpointer(tmp_path, "r", keep_last=keep_last, keep_every=keep_every).apply_retention()
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == sorted({*kept, 7, 11})
+    assert sorted(int(p.stem[5:]) for p in tmp_path.glob("step-*.json")) == sorted({*kept, 7})  # records go too
+
+
+def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step)
+
+    class Backup:
+        def is_backed_up(self, path):
+            return path.name != train.checkpoint_name(2)
+
+    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup()).apply_retention()
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == [2, 5]
+
+
+def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step)
+    asked = []
+
+    class Backup:  # no is_backed_up: deletable(paths) is the whole protocol
+        def deletable(self, candidates):
+            asked.append([path.name for path in candidates])
+            return [str(path) for path in candidates if path.name != train.checkpoint_name(3)]
+
+    train.Checkpointer(tmp_path, "r", keep_last=2, keep_every=0, backup=Backup()).apply_retention()
+    assert asked == [[train.checkpoint_name(step) for step in (1, 2, 3)]]  # oldest first
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == [3, 4, 5]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"step-0000000{step}.json" for step in (3, 4, 5)]
+
+
+def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tmp_path):
+    for step in (1, 2, 3):
+        write_checkpoint(tmp_path, step)
+    waits = []
+
+    class Backup:
+        confirmed = False
+
+        def wait(self, timeout_s):
+            waits.append(timeout_s)
+            self.confirmed = True  # the uploads finish while close waits
+            return False
+
+        def is_backed_up(self, path):
+            return self.confirmed
+
+    saver = train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup(), backup_wait_s=2.5)
+    assert saver.close() is False and waits == [2.5]
+    assert sorted(train.checkpoint_steps(tmp_path).values()) == [3]  # confirmed during the wait: deleted now
+    assert train.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
+    with pytest.raises(UserError, match="--backup-wait-seconds must not be negative, got -1.0"):
+        train.parse_args(["--data", "corpus", "--out", str(tmp_path / "run"), "--backup-wait-seconds", "-1"])
+
+
+@pytest.mark.parametrize("record, run_id", [
+    ('{"run_id": "r7", "step": 1}', "r7"), ('{"step": 1}', None), ('["r7"]', None), ("{broken", None), (None, None),
+])
+def test_recorded_run_id(tmp_path, record, run_id):
+    path = write_checkpoint(tmp_path, 1, record=False)
+    if record is not None:
+        train.sidecar_path(path).write_text(record)
+    assert train.recorded_run_id(path) == run_id
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ({"a": 1}, {"a": 1}, []),
+    ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
+    ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
+    ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
+])
+def test_settings_diff(old, new, expected):
+    assert train.settings_diff(old, new) == expected
+
+
+def test_tensors_equal_names_each_difference():
+    stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
+    assert train.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
+                                "list": [torch.ones(1)]}, stored, "m") == []
+    live = {"w": torch.tensor([1.0, 1.0 + 2**-20]), "nested": {"b": torch.zeros(1, dtype=torch.float64), "n": 4},
+            "list": [torch.ones(1)]}
+    assert train.tensors_equal(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
+    assert train.tensors_equal({**live, "extra": 1}, stored, "m") == ["m keys"]
+    assert train.tensors_equal({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
+    assert train.tensors_equal([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
+    assert train.tensors_equal(torch.ones(1), 1.0, "t") == ["t"]
+    assert train.tensors_equal(1.0, torch.ones(1), "t") == ["t"]
+    assert train.tensors_equal({"a": 1}, 5, "d") == ["d"] and train.tensors_equal(5, {"a": 1}, "d") == ["d"]
+    assert train.tensors_equal([1], 5, "l") == ["l"] and train.tensors_equal(5, (1,), "l") == ["l"]
+    assert train.tensors_equal((1, 2), [1, 2], "l") == []  # a tuple stored as a list (torch.load) is equal
+
+
+class Hostile:
+    """Unpickling this runs code: Path.touch(marker)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_a_hostile_checkpoint_is_refused_without_running_its_code(tmp_path):
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "step-00000001.pt"
+    torch.save({"format_version": train.FORMAT_VERSION, "step": 1, "model": {}, "optimizer": {}, "settings": {},
+                "payload": Hostile(marker)}, path)
+    with pytest.raises(UserError, match="does not load: UnpicklingError"):
+        train.load_checkpoint_file(path)
+    assert not marker.exists()
+    with open(path, "rb") as handle:  # the file does carry the payload: a plain unpickler would run it
+        assert b"touch" in handle.read()
+
+
+def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
+    good = {"format_version": train.FORMAT_VERSION, "step": 3, "model": {"w": torch.ones(1)}, "optimizer": {},
+            "settings": {}}
+    torch.save(good, tmp_path / "good.pt")
+    assert train.load_checkpoint_file(tmp_path / "good.pt")["step"] == 3
+    for key in ("format_version", "step", "model", "optimizer", "settings"):
+        torch.save({k: v for k, v in good.items() if k != key}, tmp_path / "bad.pt")
+        with pytest.raises(UserError, match=f"lacks '{key}'"):
+            train.load_checkpoint_file(tmp_path / "bad.pt")
+    torch.save({**good, "format_version": train.FORMAT_VERSION + 1}, tmp_path / "new.pt")
+    with pytest.raises(UserError, match=f"has format_version {train.FORMAT_VERSION + 1}"):
+        train.load_checkpoint_file(tmp_path / "new.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:50])
+    with pytest.raises(UserError, match="does not load"):
+        train.load_checkpoint_file(tmp_path / "cut.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Remote retention (checkpoint_cloud.py)
+
+
+@pytest.mark.parametrize("keep_recent, keep_every, protect, latest, removed", [
+    (2, 0, (), None, [1, 2, 3]),
+    (1, 0, (), None, [1, 2, 3, 4]),
+    (0, 0, (), None, [1, 2, 3, 4, 5]),
+    (2, 2, (), None, [1, 3]),  # save index = step: 2 and 4 are every second save
+    (2, 1, (), None, []),  # every save is kept
+    (2, 0, (1,), None, [2, 3]),
+    (2, 0, (), 3, [1]),  # 4 and 5 are after the remote latest.json: left alone and not counted
+])
+def test_remote_retention_table(keep_recent, keep_every, protect, latest, removed):
+    steps = [1, 2, 3, 4, 5, 6]
+    ours = {1, 2, 3, 4, 5}  # 6 is another run's: never removed, never counted among the newest
+    assert cc.choose_remote_deletions(steps, ours, keep_recent, keep_every, lambda step: step, protect=protect,
+                                      latest_step=latest) == removed
+
+
+@pytest.mark.parametrize("waiting, bound, allowed", [
+    ([5, 1, 3], 1, [1, 3]), ([5, 1, 3], 3, []), ([5, 1, 3], 0, [1, 3, 5]), ([], 2, []), ([2, 1], 5, []),
+    ([10, 9, 100], 1, [9, 10]),
+])
+def test_beyond_unbacked_bound(waiting, bound, allowed):
+    assert cc.beyond_unbacked_bound(waiting, lambda step: step, bound) == allowed
+    # ordered by the step, not by the items themselves
+    names = [f"step-{step}" for step in waiting]
+    assert cc.beyond_unbacked_bound(names, lambda name: int(name[5:]), bound) == [f"step-{step}" for step in allowed]
+
+
+# ----------------------------------------------------------------------------------------------
+# Answer scoring (report.py)
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("42", "42"),
+    ("  42\n", "42"),
+    ("<think>7 + 5 = 12</think>12", "12"),
+    ("<think>a</think> x <think>b</think>\n 9 ", "9"),  # the text after the last </think>
+    ("no think close 5", "no think close 5"),
+    ("<think>unfinished", "<think>unfinished"),
+])
+def test_extract_final_answer(completion, answer):
+    assert report.extract_final_answer(completion) == answer
+
+
+def test_score_answers_known_accuracy():
+    examples = [{"task": "add", "prompt": "p1", "answer": "3"}, {"task": "add", "prompt": "p2", "answer": "5"},
+                {"task": "sub", "prompt": "p3", "answer": "1"}, {"task": "add", "prompt": "p4", "answer": "8"}]
+    completions = ["<think>1+2</think>3", "<think>2+3</think>6", " 1 ", "8 apples"]
+    result = report.score_answers(examples, completions, max_wrong_examples=1)
+    assert (result["accuracy"], result["correct"], result["total"]) == (0.5, 2, 4)
+    assert result["by_task"] == {"add": {"correct": 1, "total": 3, "accuracy": pytest.approx(1 / 3)},
+                                 "sub": {"correct": 1, "total": 1, "accuracy": 1.0}}
+    assert list(result["by_task"]) == ["add", "sub"]
+    assert result["wrong_examples"] == [{**examples[1], "predicted": "6", "completion": "<think>2+3</think>6"}]
+    assert len(report.score_answers(examples, completions)["wrong_examples"]) == 2
+    many = report.score_answers(examples * 3, ["wrong"] * 12)
+    assert many["accuracy"] == 0.0 and len(many["wrong_examples"]) == 5  # at most 5 by default
+    assert report.score_answers([], []) == {"accuracy": 0.0, "correct": 0, "total": 0, "by_task": {},
+                                            "wrong_examples": []}
+    with pytest.raises(ValueError):
+        report.score_answers(examples, completions[:3])  # a missing completion is an error, not a skip
+
+
+def test_pickle_is_what_the_hostile_test_relies_on(tmp_path):
+    """Guard for the hostile-checkpoint test: plain pickle does run the payload."""
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Hostile(marker)))
+    assert marker.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF metadata (export_gguf.py)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("0123456789abcdef" * 4, True), ("0123456789ABCDEF" * 4, False), ("a" * 63, False), ("a" * 65, False),
+    ("g" * 64, False), (None, False), (1, False),
+])
+def test_is_sha256(value, expected):
+    import export_gguf
+
+    assert export_gguf.is_sha256(value) is expected
+
+
+@pytest.mark.parametrize("shape, out_type, expected", [
+    ((64,), "f16", "F32"), ((64,), "q8_0", "F32"),  # vectors (norms) stay f32
+    ((64, 64), "f32", "F32"), ((64, 64), "f16", "F16"), ((64, 64), "bf16", "BF16"), ((64, 64), "q8_0", "Q8_0"),
+    ((64, 48), "q8_0", "F16"),  # rows of 48 are no multiple of q8_0's 32: f16, as llama.cpp's converter does
+    ((48, 64), "q8_0", "Q8_0"),  # only the row length matters
+    ((64, 48), "f16", "F16"), ((64, 48), "bf16", "BF16"),
+    ((2, 64, 48), "q8_0", "F16"),
+])
+def test_ggml_type_for(shape, out_type, expected):
+    import export_gguf
+
+    assert export_gguf.ggml_type_for(shape, out_type).name == expected
+
+
+def test_model_name_is_the_run_folder_for_a_model_subfolder(tmp_path, monkeypatch):
+    import export_gguf
+
+    assert export_gguf.model_name(tmp_path / "my-run" / "model") == "my-run"
+    assert export_gguf.model_name(tmp_path / "exported") == "exported"
+    (tmp_path / "my-run").mkdir()
+    monkeypatch.chdir(tmp_path / "my-run")
+    assert export_gguf.model_name(Path(".")) == "my-run"  # a relative folder is resolved first
+
+
+def gguf_metadata(tmp_path: Path, out_type: str, provenance: dict, eot_id: int | None = 5) -> dict:
+    """add_metadata written to a GGUF without tensors, read back by gguf's own reader."""
+    import gguf
+
+    import export_gguf
+    import model_config
+
+    preset = model_config.PRESETS["tiny"]
+    source = export_gguf.ModelSource(folder=tmp_path, config={}, weight_files=[], preset=preset, vocab_size=6,
+                                     tied=True)
+    vocab = export_gguf.Vocab(tokens=["<pad>", "<bos>", "<eos>", "a", "b", "ab"], token_types=[3, 3, 3, 1, 1, 1],
+                              merges=["a b"], bos_id=1, eos_id=2, pad_id=0, eot_id=eot_id, chat_template="{{ x }}",
+                              tokenizer_json_sha256="e" * 64)
+    path = tmp_path / f"{out_type}.gguf"
+    writer = export_gguf.BulkArrayWriter(str(path), "qwen3")
+    export_gguf.add_metadata(writer, source, vocab, out_type, "tiny-run", provenance, parameters=72_000_000)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def test_gguf_metadata_holds_every_field_llama_cpp_reads(tmp_path):
+    import gguf
+
+    import model_config
+
+    preset = model_config.PRESETS["tiny"]
+    fields = gguf_metadata(tmp_path, "f16", {"corpus_sha256": "c" * 64, "tokenizer_sha256": "d" * 64})
+    expected = {
+        "general.architecture": "qwen3", "general.type": "model", "general.name": "tiny-run",
+        "general.description": "Qwen3 language model pretrained from scratch with tinyllm",
+        "general.size_label": "72M", "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+        "tinyllm.tokenizer_json_sha256": "e" * 64, "tinyllm.corpus_sha256": "c" * 64,
+        "tinyllm.tokenizer_sha256": "d" * 64,
+        "qwen3.context_length": preset.context, "qwen3.embedding_length": preset.hidden,
+        "qwen3.block_count": preset.layers, "qwen3.feed_forward_length": preset.intermediate,
+        "qwen3.attention.head_count": preset.heads, "qwen3.attention.head_count_kv": preset.kv_heads,
+        "qwen3.attention.key_length": preset.head_dim, "qwen3.attention.value_length": preset.head_dim,
+        "qwen3.rope.freq_base": pytest.approx(preset.rope_theta),
+        "qwen3.attention.layer_norm_rms_epsilon": pytest.approx(preset.rms_norm_eps),
+        "qwen3.vocab_size": 6,
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": ["<pad>", "<bos>", "<eos>", "a", "b", "ab"],
+        "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.eot_token_id": 5,
+        "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.chat_template": "{{ x }}",
+    }
+    assert fields == expected
+    assert "general.quantization_version" not in fields  # only a quantized file has one
+
+
+def test_gguf_metadata_of_a_q8_0_file_and_without_an_end_of_turn_token(tmp_path):
+    import gguf
+
+    fields = gguf_metadata(tmp_path, "q8_0", {}, eot_id=None)
+    assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert fields["general.quantization_version"] == gguf.GGML_QUANT_VERSION
+    assert "tokenizer.ggml.eot_token_id" not in fields
+    assert [name for name in fields if name.startswith("tinyllm.")] == ["tinyllm.tokenizer_json_sha256"]
