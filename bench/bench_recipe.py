@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             for preset, seeds in json.loads(Path(path).read_text())["groups"].items():
                 for seed, group in seeds.items():
                     results["groups"].setdefault(preset, {}).setdefault(seed, {}).update(group)
+        if args.results:
+            atomic_write_json(results_path, results)
     else:
         recipes = dict(BUILT_IN)
         for spec in args.recipe:
