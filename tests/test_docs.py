@@ -1,0 +1,77 @@
+"""The documentation holds together: every relative link in README.md, DESIGN.md and docs/*.md points to an existing
+file (and, into a markdown file, to an existing heading), and the README gives the test command that CI runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = sorted([ROOT / "README.md", ROOT / "DESIGN.md", *(ROOT / "docs").glob("*.md")])
+TEST_COMMAND = "python -m pytest -q"
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks and inline code, where a [x](y) is not a link."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading ids: lowercase, punctuation dropped (except - and _), spaces to hyphens, -1, -2 ... for
+    repeats."""
+    seen: dict[str, int] = {}
+    ids = set()
+    for heading in HEADING.findall(FENCE.sub("", text)):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        ids.add(slug if count == 0 else f"{slug}-{count}")
+    return ids
+
+
+def relative_links(document: Path) -> list[str]:
+    return [target for target in LINK.findall(prose(document.read_text(encoding="utf-8")))
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)]  # http:, https:, mailto: ...
+
+
+def test_the_documents_are_found():
+    names = {path.relative_to(ROOT).as_posix() for path in DOCUMENTS}
+    assert {"README.md", "DESIGN.md", "docs/TROUBLESHOOTING.md"} <= names
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves(document: Path):
+    broken = []
+    for target in relative_links(document):
+        path_part, _, fragment = target.partition("#")
+        linked = (document.parent / path_part).resolve() if path_part else document
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and linked.suffix == ".md" and fragment not in anchors(linked.read_text(encoding="utf-8")):
+            broken.append(f"{target}: no heading with id #{fragment} in {linked.relative_to(ROOT)}")
+    assert not broken, f"{document.relative_to(ROOT)}: broken links: {broken}"
+
+
+def test_the_readme_gives_the_test_command_that_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code_lines = {line.strip() for match in FENCE.finditer(readme) for line in match.group(0).splitlines()}
+    assert TEST_COMMAND in code_lines, f"README.md must give `{TEST_COMMAND}` on its own line in a code block"
+    ci = ROOT / ".ci" / "run"
+    if ci.exists():
+        assert TEST_COMMAND in ci.read_text(encoding="utf-8").splitlines(), ".ci/run must run the README's test command"
+
+
+def test_the_link_checker_finds_what_it_should(tmp_path: Path):
+    """The checker itself: code is not a link, URLs are not relative, GitHub's ids for headings with code."""
+    text = ("# Building a corpus (`data.py`)\n## Backups (`--backup-to`, `checkpoint_cloud.py`)\n## A\n## A\n"
+            "[x](a.md) `[y](b.md)` [z](https://example.com/c.md)\n```\n[w](d.md)\n# not a heading\n```\n")
+    (tmp_path / "doc.md").write_text(text)
+    assert relative_links(tmp_path / "doc.md") == ["a.md"]
+    assert anchors(text) == {"building-a-corpus-datapy", "backups---backup-to-checkpoint_cloudpy", "a", "a-1"}
