@@ -1011,6 +1011,7 @@ def test_the_compiled_model_trains_like_the_eager_one(corpus, reference, tmp_pat
     """--compile on CPU: the same losses within float tolerance (a different kernel schedule, not bitwise)."""
     out = tmp_path / "compiled"
     assert train.main(options(corpus, out, "--compile", "--stop-after-steps", "4")) == 0
+    assert set(final_state(out)["optimizer"]) == {"muon", "adamw"}  # Muon steps the compiled model's matrices
     compiled, eager = train_losses(out), train_losses(reference)
     assert sorted(compiled) == [1, 2, 3, 4]
     for step, loss in compiled.items():
