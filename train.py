@@ -733,17 +733,21 @@ class LossScaler:
         for optimizer in optimizers:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
-        """Apply the step; False when fp16 found inf/nan gradients and skipped it (for every optimizer)."""
+    def step(self, optimizers: list[torch.optim.Optimizer], finite: bool = True) -> bool:
+        """Step every optimizer; False when fp16 gradients overflowed (`finite` False) and none stepped.
+
+        GradScaler decides per optimizer; an overflow in one optimizer's gradients (say the embeddings')
+        must skip the others' step too, or the retried step would apply their update twice.
+        """
         if not self.enabled:
             for optimizer in optimizers:
                 optimizer.step()
             return True
-        scale_before = self.scaler.get_scale()
-        for optimizer in optimizers:
-            self.scaler.step(optimizer)
-        self.scaler.update()
-        if self.scaler.get_scale() < scale_before:
+        if finite:
+            for optimizer in optimizers:
+                self.scaler.step(optimizer)
+        self.scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
+        if not finite:
             self.skipped_total += 1
             self.skipped_in_a_row += 1
             return False
@@ -1750,7 +1754,7 @@ class Training:
         if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm.item())):
             raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm.item()}) "
                                 f"at step {step + 1}")
-        applied = self.scaler.step(optimizers)
+        applied = self.scaler.step(optimizers, finite=math.isfinite(grad_norm.item()))
         self.optimizer.zero_grad()
         if applied:
             self.sampler.step += 1

@@ -257,19 +257,27 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
 
 
 def test_loss_scaler_counts_and_skips_overflow_steps():
-    """The fp16 path's bookkeeping (GradScaler runs on CPU too): an inf gradient skips the step."""
-    layer = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    """The fp16 path's bookkeeping (GradScaler runs on CPU too): an inf gradient skips the step of every
+    optimizer, also of one whose own gradients are finite (Muon's beside AdamW's)."""
+    first, second = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+    optimizers = [torch.optim.AdamW(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
     scaler = train.LossScaler(torch.device("cpu"), enabled=True)
-    before = layer.weight.detach().clone()
-    scaler.scale(layer(torch.tensor([[1.0, float("inf")]])).sum()).backward()
-    scaler.unscale_([optimizer])
-    assert scaler.step([optimizer]) is False and torch.equal(layer.weight, before)
-    assert scaler.skipped_total == scaler.skipped_in_a_row == 1
-    optimizer.zero_grad()
-    scaler.scale(layer(torch.ones(1, 2)).sum()).backward()
-    scaler.unscale_([optimizer])
-    assert scaler.step([optimizer]) is True and not torch.equal(layer.weight, before)
+    before = [first.weight.detach().clone(), second.weight.detach().clone()]
+
+    def backward(inputs: torch.Tensor) -> bool:
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        scaler.scale(second(torch.ones(1, 1)).sum() + first(inputs).sum()).backward()
+        scaler.unscale_(optimizers)
+        return all(torch.isfinite(p.grad).all() for p in [*first.parameters(), *second.parameters()])
+
+    finite = backward(torch.tensor([[1.0, float("inf")]]))  # only the first layer's gradients overflow
+    assert not finite and scaler.step(optimizers, finite) is False
+    assert torch.equal(first.weight, before[0]) and torch.equal(second.weight, before[1])
+    assert scaler.skipped_total == scaler.skipped_in_a_row == 1 and scaler.scaler.get_scale() == 2.0**15
+    finite = backward(torch.ones(1, 2))
+    assert finite and scaler.step(optimizers, finite) is True
+    assert not torch.equal(first.weight, before[0]) and not torch.equal(second.weight, before[1])
     assert scaler.skipped_total == 1 and scaler.skipped_in_a_row == 0
     restored = train.LossScaler(torch.device("cpu"), enabled=True)
     restored.load_state_dict(scaler.state_dict())
@@ -1058,6 +1066,7 @@ def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise
     out = capsys.readouterr()
     assert "fp16 overflow: step 1 skipped" in out.out + out.err and "--precision fp16 on CPU" in out.err
     state = final_state(whole)
+    assert set(state["optimizer"]) == {"muon", "adamw"}  # GradScaler over both of Muon's optimizers
     assert status(whole)["status"] == "COMPLETE" and state["scaler"]["skipped_total"] > 0
     assert state["scaler"]["scaler"]["scale"] < 2.0**40
     assert all(np.isfinite(loss) for loss in train_losses(whole).values())
