@@ -73,7 +73,7 @@ DEFAULT_OUT = "runs/demo"
 PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
-DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1500 * 32 * 128,
+DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
                  "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})\.pt")
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
