@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
     recipe.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
 
+    loss = parser.add_argument_group("which tokens the loss counts (the corpus' mask, see data.py)")
+    loss.add_argument("--loss-on", default="all", choices=LOSS_ON,
+                      help="all: every token; assistant: only the assistants' answers (reasoning included) of "
+                           "chat documents, and plain-text documents as --text-loss says")
+    loss.add_argument("--text-loss", default=None, choices=TEXT_LOSS,
+                      help="with --loss-on assistant, plain-text documents count fully or not at all (needed "
+                           "when the corpus has any)")
+
     saving = parser.add_argument_group("checkpoints and evaluation")
     saving.add_argument("--save-every", type=int, default=250, help="save every N steps (0: never by count)")
     saving.add_argument("--save-seconds", type=float, default=600,
@@ -276,6 +284,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--context must be at least 2, got {args.context}")
     if args.backup_wait_seconds < 0:
         raise UserError(f"--backup-wait-seconds must not be negative, got {args.backup_wait_seconds}")
+    if args.text_loss is not None and args.loss_on != "assistant":
+        raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if args.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", args.resume) \
             and not Path(args.resume).exists():
         raise UserError(f"--resume {args.resume}: not a choice and no such file; use auto (the newest verified "
@@ -386,37 +396,86 @@ def check_corpus(corpus: Path) -> list[str]:
     return data.verify_corpus(corpus)
 
 
-class TokenSplit:
-    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1)."""
+LOSS_ON = ("all", "assistant")
+TEXT_LOSS = ("full", "none")
+IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
 
-    def __init__(self, corpus: Path, manifest: dict, split: str, context: int):
+
+def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
+    """Which mask classes (data.MASK_*) the loss counts, as a lookup table; None: every token."""
+    if loss_on == "all":
+        return None
+    table = np.zeros(len(data.MASK_CLASSES), dtype=bool)
+    table[data.MASK_ASSISTANT] = True
+    table[data.MASK_TEXT] = text_loss == "full"
+    return table
+
+
+def check_loss_on(args: argparse.Namespace, manifest: dict, corpus: Path) -> str | None:
+    """The --text-loss this run records (None with --loss-on all); UserError when the corpus cannot serve it."""
+    if args.loss_on == "all":
+        return None
+    counts = manifest["splits"]["train"].get("mask_tokens", {})
+    if not counts.get("assistant"):
+        raise UserError(f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
+                        "documents with an assistant turn); use --loss-on all")
+    if counts.get("text") and args.text_loss is None:
+        raise UserError(f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
+                        "documents; say whether they count with --text-loss full or --text-loss none")
+    return args.text_loss or "none"
+
+
+class TokenSplit:
+    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1).
+
+    With `counted` (counted_classes), the mask files beside the shards turn every target the loss
+    does not count into IGNORE_INDEX.
+    """
+
+    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None):
         entry = manifest["splits"].get(split, {"files": []})
-        self.name, self.context = split, context
+        self.name, self.context, self.counted = split, context, counted
+        items = [item for item in entry["files"] if item["bytes"] > 0]
         self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
-                                 mode="r") for item in entry["files"] if item["bytes"] > 0]
+                                 mode="r") for item in items]
+        self.masks = [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items] \
+            if counted is not None else []
         self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
         self.tokens = int(self.starts[-1])
         self.blocks = max(0, (self.tokens - 1) // context)
 
-    def block(self, index: int) -> np.ndarray:
-        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
+    def _span(self, streams: list[np.ndarray], index: int) -> np.ndarray:
         start, end = index * self.context, index * self.context + self.context + 1
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         pieces = []
         while start < end:
             offset = start - self.starts[shard]
-            piece = self.shards[shard][offset: offset + end - start]
+            piece = streams[shard][offset: offset + end - start]
             pieces.append(piece)
             start += len(piece)
             shard += 1
-        return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def block(self, index: int) -> np.ndarray:
+        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
+        return self._span(self.shards, index).astype(np.int64)
+
+    def block_mask(self, index: int) -> np.ndarray:
+        """The mask classes of block `index`'s C + 1 tokens (needs `counted`)."""
+        return np.asarray(self._span(self.masks, index))
 
     def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) for these blocks, on `device`."""
-        array = torch.from_numpy(np.stack([self.block(index) for index in indices]))
+        """(inputs, targets) for these blocks, on `device`; targets not counted are IGNORE_INDEX."""
+        array = np.stack([self.block(index) for index in indices])
+        targets = array[:, 1:].copy()
+        if self.counted is not None:
+            skipped = ~self.counted[np.stack([self.block_mask(index)[1:] for index in indices])]
+            targets[skipped] = IGNORE_INDEX
+        inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
         if device.type == "cuda":
-            array = array.pin_memory().to(device, non_blocking=True)
-        return array[:, :-1], array[:, 1:]
+            inputs = inputs.pin_memory().to(device, non_blocking=True)
+            targets = targets.pin_memory().to(device, non_blocking=True)
+        return inputs, targets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1461,6 +1520,9 @@ def load_checkpoint_file(path: Path) -> dict:
     return checkpoint
 
 
+SETTINGS_BEFORE_LOSS_ON = {"loss_on": "all", "text_loss": None}  # what a checkpoint without these settings did
+
+
 def settings_diff(old: dict, new: dict) -> list[str]:
     """'name: old -> new' for every training setting that differs."""
     return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
@@ -1572,7 +1634,9 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                         reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy of `model` on a batch of blocks (fp32 logits under autocast)."""
+    """Next-token cross-entropy of `model` on a batch of blocks (fp32 logits under autocast).
+
+    Targets equal to IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
@@ -1585,8 +1649,8 @@ class LanguageModelLoss(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets, reduction)
 
 
 class NonFiniteLoss(Exception):
@@ -1620,7 +1684,9 @@ class Training:
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.vocab_size = int(manifest["vocab_size"])
         self.precision = resolve_precision(args.precision, self.device)
-        self.splits = {name: TokenSplit(corpus, manifest, name, self.context)
+        self.text_loss = check_loss_on(args, manifest, corpus)
+        self.counted = counted_classes(args.loss_on, self.text_loss)
+        self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
         self.sampler = BlockSampler(self.splits["train"].blocks, args.seed, args.batch_size, args.grad_accum,
                                     info.world)
@@ -1724,7 +1790,7 @@ class Training:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
             if model is None:
-                return self.forward_model(inputs, targets)
+                return self.forward_model(inputs, targets, reduction)
             return language_model_loss(model, inputs, targets, reduction)
 
     def train_step(self) -> StepResult:
@@ -1735,12 +1801,19 @@ class Training:
         self.optimizer.set_lr_multiplier(lr_multiplier)
         micro_batches = self.sampler.micro_batches(step, self.info.rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for micro, indices in enumerate(micro_batches):
-            inputs, targets = self.splits["train"].batch(indices, self.device)
+        batches = [self.splits["train"].batch(indices, self.device) for indices in micro_batches]
+        if self.counted is not None:
+            # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
+            counted = sum((targets != IGNORE_INDEX).sum() for _, targets in batches).double()
+            per_rank = all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
+        for micro, (inputs, targets) in enumerate(batches):
             last = micro == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.info.world == 1 else self.forward_model.no_sync()
             with sync:
-                loss = self.loss_of(inputs, targets) / len(micro_batches)
+                if self.counted is None:
+                    loss = self.loss_of(inputs, targets) / len(micro_batches)
+                else:
+                    loss = self.loss_of(inputs, targets, reduction="sum") / per_rank.to(torch.float32)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach().double()
         optimizers = list(self.optimizer.parts.values())
@@ -1781,9 +1854,11 @@ class Training:
         for start in range(0, len(mine), self.args.batch_size):
             inputs, targets = data_split.batch(mine[start: start + self.args.batch_size], self.device)
             totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
-            totals[1] += targets.numel()
+            totals[1] += (targets != IGNORE_INDEX).sum()
         self.model.train()
         all_reduce_sum(totals, self.info)
+        if totals[1] == 0:
+            return None  # --loss-on assistant and no counted token in the evaluation blocks
         loss = (totals[0] / totals[1]).item()
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
 
@@ -1808,6 +1883,8 @@ class Training:
             "recipe.betas": list(self.recipe.betas),  # as JSON and the checkpoint store it
             "adamw_8bit": args.adam8bit,
             "precision": self.precision,
+            "loss_on": args.loss_on,
+            "text_loss": self.text_loss,
         }
         runtime = {key: getattr(args, key) for key in (
             "data", "out", "batch_size", "grad_accum", "device", "threads", "compile", "grad_checkpoint",
@@ -1841,7 +1918,8 @@ class Training:
 
     def load(self, checkpoint: dict, path: Path) -> None:
         """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file."""
-        changes = settings_diff(checkpoint["settings"]["training"], self.settings()["training"])
+        changes = settings_diff({**SETTINGS_BEFORE_LOSS_ON, **checkpoint["settings"]["training"]},
+                                self.settings()["training"])
         if changes:
             raise UserError(f"settings differ from checkpoint {path} (use the old values or a new --out): "
                             + "; ".join(changes))

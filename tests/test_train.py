@@ -51,11 +51,15 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
         for index, start in enumerate(range(0, len(tokens), shard_tokens)):
             path = folder / f"{split}-{index:05d}.bin"
             path.write_bytes(tokens[start: start + shard_tokens].tobytes())
+            mask = path.with_suffix(".mask")  # plain text: every token is data.MASK_TEXT
+            mask.write_bytes(bytes([data.MASK_TEXT]) * len(tokens[start: start + shard_tokens]))
             files.append({"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-                          "tokens": len(tokens[start: start + shard_tokens])})
-        manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs)}
+                          "tokens": len(tokens[start: start + shard_tokens]),
+                          "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)}})
+        manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs),
+                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)}}
     atomic_write_json(folder / "corpus_manifest.json", {
-        "format_version": 1, "dtype": "uint16", "vocab_size": len(tokenizer),
+        "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
         "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
         "tokenizer_sha256": sha256_tree(folder / "tokenizer"), "splits": manifest_splits,
     })
