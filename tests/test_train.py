@@ -7,6 +7,7 @@ so these tests do not depend on data.py's builder.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -1072,3 +1073,123 @@ def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise
     assert_same_state(resumed, state)
     assert resumed["scaler"] == state["scaler"]
     assert train_losses(halves) == train_losses(whole)
+
+
+# ----------------------------------------------------------------------------------------------
+# --loss-on assistant: the corpus' mask (data.py) turns the targets the loss skips into IGNORE_INDEX
+
+
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory) -> Path:
+    """A mixed chat + plain-text corpus built by data.py, its shards cut every 997 tokens."""
+    records = data.demo_data()[0][:1500]
+    settings = data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05, shard_tokens=997,
+                                  progress=False)
+    return data.build_corpus([data.Source("chats", "generated", records=records)],
+                             tmp_path_factory.mktemp("chats") / "corpus", settings)
+
+
+def whole_stream(corpus: Path, split: str, mask: bool) -> np.ndarray:
+    files = json.loads((corpus / "corpus_manifest.json").read_text())["splits"][split]["files"]
+    return np.concatenate([np.fromfile(corpus / (f["mask"]["name"] if mask else f["name"]),
+                                       dtype="u1" if mask else "<u2") for f in files])
+
+
+@pytest.mark.parametrize("text_loss, counted", [("none", {1}), ("full", {1, 2})])
+def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_boundaries(chat_corpus, text_loss,
+                                                                                         counted):
+    manifest = json.loads((chat_corpus / "corpus_manifest.json").read_text())
+    table = train.counted_classes("assistant", text_loss)
+    split = train.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
+    tokens, mask = whole_stream(chat_corpus, "train", False), whole_stream(chat_corpus, "train", True)
+    assert len(split.masks) == len(split.shards) > 20 and len(mask) == len(tokens) == split.tokens
+    crossing = [index for index in range(split.blocks) if (index * 64) // 997 != (index * 64 + 64) // 997]
+    assert len(crossing) > 10  # blocks that span a shard boundary
+    for index in [0, 1, split.blocks - 1, *crossing]:
+        window = slice(index * 64, index * 64 + 65)
+        assert np.array_equal(split.block(index), tokens[window].astype(np.int64))
+        assert np.array_equal(split.block_mask(index), mask[window])
+    blocks = crossing[:3] + [split.blocks - 1]
+    inputs, targets = split.batch(blocks, torch.device("cpu"))
+    for row, index in enumerate(blocks):
+        window = slice(index * 64 + 1, index * 64 + 65)
+        keep = np.isin(mask[window], list(counted))
+        expected = torch.from_numpy(tokens[window][keep].astype(np.int64))
+        assert torch.equal(targets[row][torch.from_numpy(keep)], expected)
+        assert (targets[row][torch.from_numpy(~keep)] == train.IGNORE_INDEX).all()
+        assert torch.equal(inputs[row], torch.from_numpy(tokens[index * 64: index * 64 + 64].astype(np.int64)))
+    # an <|im_end|> (id 4) that closes an answer is counted; the <eos> (id 2) after a chat is not
+    all_targets = torch.cat([split.batch(list(range(start, start + 8)), torch.device("cpu"))[1]
+                             for start in range(0, 64, 8)])
+    assert (all_targets == 4).any() and (all_targets == 2).any() == (text_loss == "full")
+
+
+def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
+    class Fixed(torch.nn.Module):  # a "model" whose logits are given
+        def forward(self, input_ids):
+            logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.5, 0.5, -1.0]],
+                                   [[3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.0]]])
+            return type("Out", (), {"logits": logits})
+
+    targets = torch.tensor([[2, train.IGNORE_INDEX, 0], [train.IGNORE_INDEX, train.IGNORE_INDEX, 1]])
+
+    def nll(row: list[float], target: int) -> float:
+        return math.log(sum(math.exp(value) for value in row)) - row[target]
+
+    hand = [nll([0.0, 1.0, 2.0], 2), nll([0.5, 0.5, -1.0], 0), nll([-2.0, 1.0, 0.0], 1)]
+    inputs = torch.zeros(2, 3, dtype=torch.long)
+    assert train.language_model_loss(Fixed(), inputs, targets).item() == pytest.approx(sum(hand) / 3, rel=1e-6)
+    assert train.language_model_loss(Fixed(), inputs, targets, "sum").item() == pytest.approx(sum(hand), rel=1e-6)
+
+
+def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpus, tmp_path):
+    """With accumulation, the step's loss is the mean over all its counted targets (not a mean of the
+    micro-steps' means, whose counts differ); computed here by hand from the model before the step."""
+    training = in_process_training(chat_corpus, tmp_path / "a", "--loss-on", "assistant", "--text-loss", "none",
+                                   "--batch-size", "1", "--grad-accum", "4")
+    whole = in_process_training(chat_corpus, tmp_path / "b", "--loss-on", "assistant", "--text-loss", "none",
+                                "--batch-size", "4", "--grad-accum", "1")
+    blocks = training.sampler.step_blocks(0)
+    with torch.no_grad():
+        inputs, targets = training.splits["train"].batch(blocks, torch.device("cpu"))
+        logits = training.model(input_ids=inputs).logits
+        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                                      reduction="none", ignore_index=-100)
+    kept = targets.reshape(-1) != train.IGNORE_INDEX
+    counts = (targets != train.IGNORE_INDEX).sum(dim=1)
+    assert len(set(counts.tolist())) > 1 and 0 < kept.sum() < targets.numel()  # uneven micro-steps, some skipped
+    expected = per_token[kept].sum() / kept.sum()
+    first, second = training.train_step(), whole.train_step()
+    assert first.loss == pytest.approx(expected.item(), rel=1e-5)
+    assert second.loss == pytest.approx(expected.item(), rel=1e-5)
+    assert first.grad_norm == pytest.approx(second.grad_norm, rel=1e-4)
+
+
+def test_loss_on_assistant_refusals_are_one_clear_line(corpus, chat_corpus, tmp_path):
+    with pytest.raises(UserError, match="--text-loss needs --loss-on assistant"):
+        train.parse_args(options(chat_corpus, tmp_path / "a", "--text-loss", "full"))
+    with pytest.raises(UserError, match=r"--loss-on assistant: .* also has [\d,]+ tokens of plain-text documents; "
+                                        "say whether they count with --text-loss full or --text-loss none"):
+        train.main(options(chat_corpus, tmp_path / "b", "--loss-on", "assistant"))
+    with pytest.raises(UserError, match="--loss-on assistant: the train split of .* has no assistant tokens"):
+        train.main(options(corpus, tmp_path / "c", "--loss-on", "assistant"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_assistant_loss_run_resumes_bitwise_and_refuses_another_loss_on(chat_corpus, tmp_path):
+    assistant = ("--loss-on", "assistant", "--text-loss", "none")
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert train.main(options(chat_corpus, reference, *assistant, steps=8)) == 0
+    settings = json.loads((reference / "training_settings.json").read_text())
+    assert settings["training"]["loss_on"] == "assistant" and settings["training"]["text_loss"] == "none"
+    assert train.main(options(chat_corpus, out, *assistant, "--stop-after-steps", "5", steps=8)) == 0
+    with pytest.raises(UserError, match="loss_on: assistant -> all"):
+        train.main(options(chat_corpus, out, steps=8))
+    with pytest.raises(UserError, match="text_loss: none -> full"):
+        train.main(options(chat_corpus, out, "--loss-on", "assistant", "--text-loss", "full", steps=8))
+    assert train.main(options(chat_corpus, out, *assistant, steps=8)) == 0
+    assert_same_state(final_state(out), final_state(reference))
+    assert train_losses(out) == train_losses(reference)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counted = [r["val_tokens"] for r in evals if r["kind"] == "eval"]
+    assert counted and all(0 < tokens < 2 * 4 * 32 for tokens in counted)  # only the answers' targets count
