@@ -191,6 +191,17 @@ def load_tokenizer(folder: str | Path):
     return tokenizer
 
 
+def vocabulary_sha256(tokenizer) -> str:
+    """sha256 of what decides the token ids: the vocabulary (token -> id) and the special tokens.
+
+    Two tokenizers with the same value read and write the same ids whatever their other files say
+    (a corpus' tokenizer/ and the copy an export writes into RUN/model compare equal)."""
+    specials = sorted((index, token.content) for index, token in tokenizer.added_tokens_decoder.items()
+                      if token.special)
+    payload = {"vocabulary": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), "special": specials}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------
 # Corpus format (DESIGN.md, "Corpus folder").
 
@@ -230,7 +241,8 @@ def load_corpus_manifest(corpus_dir: str | Path) -> dict:
     """corpus_manifest.json of a finished corpus (UserError when it is missing or unreadable).
 
     Layout: {"format_version", "dtype", "vocab_size", "special_tokens": {name: id},
-    "tokenizer_sha256", "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens",
+    "tokenizer_sha256", "vocabulary_sha256" (see vocabulary_sha256),
+    "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens",
     "mask": {"name", "bytes", "sha256"}}], "tokens", "documents", "mask_tokens": {class: count}}},
     "files": {relative path: sha256} for the other files, ...}.
     """
@@ -1384,6 +1396,7 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
             "vocab_size": vocab_size,
             "special_tokens": {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS},
             "tokenizer_sha256": sha256_tree(temp / TOKENIZER_DIR),
+            "vocabulary_sha256": vocabulary_sha256(tokenizer),
             "splits": splits,
             "documents": kept,
             "tokens": sum(info["tokens"] for info in splits.values()),

@@ -64,6 +64,7 @@ from common import (
     run_main,
     seed_everything,
     sha256_file,
+    sha256_tree,
     utc_now,
 )
 
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
     paths.add_argument("--out", default=None,
                        help=f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})")
+    paths.add_argument("--init-from", default=None, metavar="SOURCE",
+                       help="start a new run from these weights: a checkpoint file, a run folder (its newest "
+                            "verified checkpoint, else its best.pt) or a Hugging Face Qwen3 folder (e.g. RUN/model); "
+                            "fresh optimizer, schedule and data order; the tokenizer must be the corpus'")
     paths.add_argument("--resume", default="auto",
                        help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
                             "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH")
@@ -284,6 +289,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--context must be at least 2, got {args.context}")
     if args.backup_wait_seconds < 0:
         raise UserError(f"--backup-wait-seconds must not be negative, got {args.backup_wait_seconds}")
+    if args.init_from is not None and args.resume not in ("auto", "none"):
+        raise UserError("--init-from starts a new run and --resume PATH continues one: give one of them")
     if args.text_loss is not None and args.loss_on != "assistant":
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if args.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", args.resume) \
@@ -1520,6 +1527,113 @@ def load_checkpoint_file(path: Path) -> dict:
     return checkpoint
 
 
+# ----------------------------------------------------------------------------------------------
+# --init-from: a new run's weights from a checkpoint, a run folder or a Hugging Face Qwen3 folder.
+
+
+@dataclass
+class InitSource:
+    """Weights to start from and where they came from (`lineage`, recorded with the run)."""
+
+    state: dict
+    lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
+    tokenizer_sha256: str | None = None  # a checkpoint's tokenizer folder hash (older checkpoints: the only clue)
+    model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
+
+
+def read_init_source(spec: str) -> InitSource:
+    """The weights --init-from names (UserError, naming SOURCE, when it is none of the three kinds)."""
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(f"--init-from {spec}: no such file or folder")
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_hf_source(spec, path)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if not any(folder.glob("step-*.pt")) and not (folder / "best.pt").is_file():
+            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
+                            "Face model folder (no config.json)")
+        newest, _ = newest_verified_checkpoint(folder)
+        if newest is None and verified_best(folder) is None:
+            raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
+        return read_checkpoint_source(spec, newest or folder / "best.pt", "run")
+    problem = chosen_checkpoint_mismatch(path)
+    if problem:
+        raise UserError(f"--init-from {spec}: {problem}")
+    return read_checkpoint_source(spec, path, "checkpoint")
+
+
+def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
+        raise UserError(f"--init-from {spec}: {path} does not load: {type(error).__name__}: {error}") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) \
+            or "training" not in checkpoint.get("settings", {}):
+        raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
+    training = checkpoint["settings"]["training"]
+    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
+               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
+               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
+    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
+                      key == "vocab_size"}
+    return InitSource(checkpoint["model"], lineage, training.get("tokenizer_sha256"), model_settings)
+
+
+def read_hf_source(spec: str, folder: Path) -> InitSource:
+    """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: config.json does not load: {type(error).__name__}: {error}") from None
+    if config.model_type != "qwen3":
+        raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
+    try:
+        tokenizer = data.load_tokenizer(folder)
+    except UserError as error:
+        raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
+    weights = folder / "model.safetensors"
+    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
+        else {}
+    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
+               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
+               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
+               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
+    return InitSource(model.state_dict(), lineage)
+
+
+def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) -> str | None:
+    """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
+    spec, training = source.lineage["source"], settings["training"]
+    ours = settings["vocabulary_sha256"]
+    same_folder = source.tokenizer_sha256 is not None and source.tokenizer_sha256 == training["tokenizer_sha256"]
+    if not same_folder and source.lineage["vocabulary_sha256"] != ours:
+        theirs = source.lineage["vocabulary_sha256"]
+        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
+                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
+                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
+    live = model.state_dict()
+    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
+                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
+    problems += [f"{key}: missing there" for key in live if key not in source.state]
+    problems += [f"{key}: not in this model" for key in source.state if key not in live]
+    if not problems:
+        return None
+    if source.model_settings:
+        changes = settings_diff(source.model_settings,
+                                {key: value for key, value in training.items() if key in source.model_settings})
+        if changes:
+            problems = [change.replace(" -> ", " there, ") + " here" for change in changes]
+    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
+            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
 SETTINGS_BEFORE_LOSS_ON = {"loss_on": "all", "text_loss": None}  # what a checkpoint without these settings did
 
 
@@ -1712,6 +1826,7 @@ class Training:
         self.metrics = RunMetrics()
         self.staging = StagingBuffers()
         self.run_id = uuid.uuid4().hex
+        self.lineage: dict | None = None  # where --init-from took the first weights from
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.sdpa_context, self.sdpa = self._fused_sdpa_context()
         self.forward_model = self._wrap_model()
@@ -1891,7 +2006,8 @@ class Training:
             "save_every", "save_seconds", "keep_last", "keep_every", "eval_every", "eval_batches", "log_every",
             "max_hours", "stop_after_steps", "max_overflow_steps")}
         runtime["world_size"] = self.info.world
-        return {"training": training, "runtime": runtime}
+        return {"training": training, "runtime": runtime, "init_from": self.lineage,
+                "vocabulary_sha256": self.manifest.get("vocabulary_sha256")}
 
     def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
@@ -1929,6 +2045,7 @@ class Training:
         self.sampler.load_state_dict(checkpoint["sampler"])
         self.metrics.load_state_dict(checkpoint["metrics"])
         self.run_id = checkpoint["run_id"]
+        self.lineage = checkpoint["settings"].get("init_from")
         if checkpoint["step"] != self.sampler.step:
             raise UserError(f"checkpoint {path} is inconsistent: step {checkpoint['step']}, data cursor "
                             f"{self.sampler.step}")
@@ -1938,6 +2055,15 @@ class Training:
             raise UserError(f"checkpoint {path}: state after loading differs from the file at "
                             + ", ".join(differences[:5]))
         self.rng.load_state_dict(checkpoint["rng"])
+
+    def init_from(self, source: InitSource) -> None:
+        """This new run's weights from `source` (before the first step); the rest stays fresh."""
+        problem = init_mismatch(source, self.model, self.settings())
+        if problem:
+            raise UserError(problem)
+        with torch.no_grad():
+            self.model.load_state_dict(source.state)
+        self.lineage = source.lineage
 
 
 def build_training(args: argparse.Namespace, info: DistInfo, vocab_size: int | None = None) -> Training:
@@ -2124,11 +2250,17 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
     training = build_training(args, info)
-    settings = training.settings()
     resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume, tidy=True), info)
     if resume_path is not None:
         training.load(load_checkpoint_file(resume_path), resume_path)
-        log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)")
+        log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
+                  + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
+    elif args.init_from is not None:
+        training.init_from(read_init_source(args.init_from))  # every rank reads the same file
+        lineage = training.lineage
+        log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
+                  f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
+    settings = training.settings()
     tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=args.tensorboard and info.is_main)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
@@ -2469,7 +2601,7 @@ def card_info(name: str, status: str, preset: str, step: int, total_steps: int, 
             "validation_loss": validation["loss"] if validation else None,
             "validation_perplexity": validation["perplexity"] if validation else None,
             "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
-            "demo_accuracy": accuracy, "settings": settings}
+            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings}
 
 
 def export_model(model: torch.nn.Module, tokenizer, folder: Path, info: dict) -> dict[str, str]:

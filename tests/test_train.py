@@ -63,6 +63,7 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
         "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
         "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
         "tokenizer_sha256": sha256_tree(folder / "tokenizer"), "splits": manifest_splits,
+        "vocabulary_sha256": data.vocabulary_sha256(data.load_tokenizer(folder / "tokenizer")),
     })
     return folder
 
@@ -1193,3 +1194,86 @@ def test_an_assistant_loss_run_resumes_bitwise_and_refuses_another_loss_on(chat_
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     counted = [r["val_tokens"] for r in evals if r["kind"] == "eval"]
     assert counted and all(0 < tokens < 2 * 4 * 32 for tokens in counted)  # only the answers' targets count
+
+
+# ----------------------------------------------------------------------------------------------
+# --init-from: a new run from a checkpoint, a run folder or a Hugging Face folder
+
+
+def exported_model(run: Path) -> Path:
+    """RUN/model of a finished run, exported from its last checkpoint (--export-only)."""
+    if not (run / "model").is_dir():
+        assert train.main(["--data", json.loads((run / "training_settings.json").read_text())["runtime"]["data"],
+                           "--out", str(run), "--export-only", "--threads", "1"]) == 0
+    return run / "model"
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "run", "huggingface"])
+def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus, reference, tmp_path, kind):
+    source = {"checkpoint": reference / "checkpoints" / "step-00000008.pt", "run": reference,
+              "huggingface": exported_model(reference)}[kind]
+    training = in_process_training(corpus, tmp_path / "new", "--init-from", str(source), "--seed", "5")
+    fresh = training.model.state_dict()["model.embed_tokens.weight"].clone()
+    training.init_from(train.read_init_source(str(source)))
+    step = 8 if kind == "checkpoint" else 12  # a run folder: its newest verified checkpoint
+    expected = torch.load(reference / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)["model"]
+    assert train.tensors_equal(training.model.state_dict(), expected, "model") == []  # the export is fp32
+    assert not torch.equal(fresh, expected["model.embed_tokens.weight"])
+    assert training.step == 0 and all(not part.state for part in training.optimizer.parts.values())
+    lineage = training.lineage
+    assert lineage["kind"] == kind and lineage["source"] == str(source) and lineage["step"] == step
+    assert lineage["corpus_manifest_sha256"] == sha256_file(corpus / "corpus_manifest.json")
+    file = source / "model.safetensors" if kind == "huggingface" else \
+        reference / "checkpoints" / f"step-{step:08d}.pt"
+    assert lineage["sha256"] == sha256_file(file)
+
+
+def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, reference, tmp_path):
+    source = reference / "checkpoints" / "step-00000012.pt"
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert train.main(options(corpus, whole, "--init-from", str(source), "--seed", "3", steps=8)) == 0
+    settings = json.loads((whole / "training_settings.json").read_text())
+    assert settings["init_from"]["path"] == str(source) and settings["init_from"]["step"] == 12
+    assert settings["init_from"]["sha256"] == sha256_file(source)
+    assert train_losses(whole)[1] < train_losses(reference)[1] - 0.5  # it starts from trained weights
+    assert train.main(options(corpus, out, "--init-from", str(source), "--seed", "3", "--stop-after-steps", "5",
+                              steps=8)) == 0
+    result = run_cli(options(corpus, out, "--init-from", str(source), "--seed", "3", steps=8))  # the same command
+    assert "resumed from" in result.stdout and f"its weights first came from {source}" in result.stdout
+    assert_same_state(final_state(out), final_state(whole))
+    assert train_losses(out) == train_losses(whole)
+    assert final_state(out)["settings"]["init_from"] == settings["init_from"]
+    model = exported_model(out)  # the model card and training_provenance.json name the source
+    card = (model / "README.md").read_text()
+    assert f"Initialized from: `{source}` (checkpoint, step 12, sha256 `{sha256_file(source)}`)" in card
+    assert "starting from the weights" in card and "from scratch" not in card
+    provenance = json.loads((model / "training_provenance.json").read_text())
+    assert provenance["init_from"] == settings["init_from"]
+
+
+def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpus, chat_corpus, reference,
+                                                                           tmp_path):
+    checkpoint = reference / "checkpoints" / "step-00000008.pt"
+    for source in (checkpoint, exported_model(reference)):
+        with pytest.raises(UserError, match=rf"--init-from {source}: its tokenizer is not the corpus' "
+                                            r"\(vocabulary and special tokens sha256 \w+, the corpus' \w+\)"):
+            train.main(options(chat_corpus, tmp_path / "a", "--init-from", str(source)))
+    with pytest.raises(UserError, match=rf"--init-from {checkpoint}: its shapes do not fit this run's model .*"
+                                        "model.hidden: 64 there, 32 here"):
+        train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--hidden", "32"))
+    with pytest.raises(UserError, match=r"its shapes do not fit .*model.layers.2.self_attn.q_proj.weight: missing "
+                                        "there"):
+        train.main(options(corpus, tmp_path / "c", "--init-from", str(exported_model(reference)),
+                           "--layers", str(train.model_config.PRESETS["tiny"].layers + 1)))
+    with pytest.raises(UserError, match="no such file or folder"):
+        train.main(options(corpus, tmp_path / "d", "--init-from", str(tmp_path / "nothing")))
+    with pytest.raises(UserError, match="not a checkpoint, a run folder with checkpoints/ or a Hugging Face"):
+        train.main(options(corpus, tmp_path / "e", "--init-from", str(corpus)))
+    with pytest.raises(UserError, match="give one of them"):
+        train.main(options(corpus, tmp_path / "f", "--init-from", str(checkpoint), "--resume", str(checkpoint)))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UserError, match="a 'gpt2' model; tinyllm trains Qwen3 models only"):
+        train.main(options(corpus, tmp_path / "g", "--init-from", str(gpt2)))
+    assert not any((tmp_path / name).exists() for name in "abcdefg")
