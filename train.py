@@ -680,6 +680,30 @@ def choose_recipe(args: argparse.Namespace, hidden: int, total_steps: int) -> tu
     return recipe, why
 
 
+# Extending a run (more or fewer tokens on resume): sound only when every step already taken keeps
+# its learning rate, so the run is the one it would have been had it been planned this long.
+LENGTH_SETTINGS = ("total_steps", "target_tokens", "epochs", "recipe.total_steps", "recipe.decay_steps")
+
+
+def extension_problem(old: Recipe, new: Recipe, step: int) -> str | None:
+    """Why a run at `step` (steps taken) under recipe `old` cannot go on under `new`, a recipe of another
+    length (None: it can). A pure function of the two recipes and the step."""
+    if old.schedule == "cosine":
+        return ("its schedule is cosine, whose decay spans the whole run: the learning rate of every step "
+                "taken depends on the length, so a longer run is not the same run (start runs you may extend "
+                "with --schedule wsd)")
+    if old.warmup_steps != new.warmup_steps:
+        return f"the warmup would change from {old.warmup_steps} to {new.warmup_steps} steps"
+    old_start, new_start = old.total_steps - old.decay_steps, new.total_steps - new.decay_steps
+    if step > old_start:
+        return (f"its decay began at step {old_start} and it is at step {step}: only a checkpoint of the stable "
+                f"phase (step <= {old_start}) can be extended")
+    if step > new_start:
+        return (f"the new length's decay would start at step {new_start}, before the checkpoint's step {step} "
+                "(ask for more tokens)")
+    return None
+
+
 def recipe_warnings(recipe: Recipe) -> list[str]:
     """Schedules that cannot train well: warmup that is most of the run, a run of a handful of steps."""
     warnings = []
@@ -1827,6 +1851,7 @@ class Training:
         self.staging = StagingBuffers()
         self.run_id = uuid.uuid4().hex
         self.lineage: dict | None = None  # where --init-from took the first weights from
+        self.extensions: list[dict] = []  # each resume that changed the run's length (extend_to)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.sdpa_context, self.sdpa = self._fused_sdpa_context()
         self.forward_model = self._wrap_model()
@@ -2006,7 +2031,7 @@ class Training:
             "save_every", "save_seconds", "keep_last", "keep_every", "eval_every", "eval_batches", "log_every",
             "max_hours", "stop_after_steps", "max_overflow_steps")}
         runtime["world_size"] = self.info.world
-        return {"training": training, "runtime": runtime, "init_from": self.lineage,
+        return {"training": training, "runtime": runtime, "init_from": self.lineage, "extended": self.extensions,
                 "vocabulary_sha256": self.manifest.get("vocabulary_sha256")}
 
     def snapshot(self) -> dict | None:
@@ -2033,12 +2058,24 @@ class Training:
         })
 
     def load(self, checkpoint: dict, path: Path) -> None:
-        """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file."""
-        changes = settings_diff({**SETTINGS_BEFORE_LOSS_ON, **checkpoint["settings"]["training"]},
-                                self.settings()["training"])
+        """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file.
+
+        Only the run's length may differ (an extension, see extend_to)."""
+        old = {**SETTINGS_BEFORE_LOSS_ON, **checkpoint["settings"]["training"]}
+        self.extensions = list(checkpoint["settings"].get("extended") or [])
+        changes = settings_diff(old, self.settings()["training"])
+        if old["total_steps"] != self.total_steps and \
+                all(change.split(":")[0] in (*LENGTH_SETTINGS, "recipe.warmup_steps") for change in changes):
+            self.extend_to(old, int(checkpoint["step"]), path)
+            changes = [change for change in settings_diff(old, self.settings()["training"])
+                       if change.split(":")[0] not in LENGTH_SETTINGS]
         if changes:
-            raise UserError(f"settings differ from checkpoint {path} (use the old values or a new --out): "
-                            + "; ".join(changes))
+            length = [change for change in changes if change.split(":")[0] in LENGTH_SETTINGS]
+            raise UserError(f"settings differ from checkpoint {path}: " + "; ".join(changes)
+                            + ". A resume keeps every training setting; only the length (--target-tokens or "
+                            "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
+                            + (" (here the length changed along with other settings)" if length else "")
+                            + f"; for a new run from these weights use a new --out with --init-from {path}")
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
@@ -2055,6 +2092,33 @@ class Training:
             raise UserError(f"checkpoint {path}: state after loading differs from the file at "
                             + ", ".join(differences[:5]))
         self.rng.load_state_dict(checkpoint["rng"])
+
+    def extend_to(self, old: dict, step: int, path: Path) -> None:
+        """Continue the run recorded in `old` (its training settings) at `step` with this run's length.
+
+        The warmup stays the checkpoint's unless --warmup-steps asks otherwise; the decay is re-derived
+        for the new length. Refused (one line saying why) unless every step taken keeps its rate."""
+        recipe = self.recipe
+        if self.args.warmup_steps is None and recipe.schedule == "wsd" and old.get("recipe.warmup_steps") is not None:
+            warmup = int(old["recipe.warmup_steps"])  # the rule would pick another for the new length
+            fraction = DEFAULT_DECAY_FRACTION if self.args.decay_fraction is None else self.args.decay_fraction
+            decay = min(max(0, recipe.total_steps - warmup), round(fraction * recipe.total_steps))
+            recipe = dataclasses.replace(recipe, warmup_steps=warmup, decay_steps=decay)
+        recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
+        try:
+            before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
+        except (TypeError, KeyError):
+            raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
+        problem = extension_problem(before, recipe, step)
+        if problem:
+            length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
+                f"--epochs {old.get('epochs') or 1}"
+            raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
+                            f"{self.total_steps}: it cannot be extended: {problem}. Resume it with its length "
+                            f"({length}), or start a new run from its weights with --init-from {path}")
+        self.recipe = recipe
+        self.extensions.append({"at_step": step, "from_total_steps": int(old["total_steps"]),
+                                "to_total_steps": self.total_steps})
 
     def init_from(self, source: InitSource) -> None:
         """This new run's weights from `source` (before the first step); the rest stays fresh."""

@@ -1277,3 +1277,71 @@ def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpu
     with pytest.raises(UserError, match="a 'gpt2' model; tinyllm trains Qwen3 models only"):
         train.main(options(corpus, tmp_path / "g", "--init-from", str(gpt2)))
     assert not any((tmp_path / name).exists() for name in "abcdefg")
+
+
+# ----------------------------------------------------------------------------------------------
+# Extending a run on resume: wsd from the stable phase only; cosine never
+
+
+@pytest.mark.parametrize("old, new, step, problem", [
+    # recipe(): 20 steps, warmup 4, decay over the last 8 (from step 12)
+    (recipe(), recipe(total_steps=40, decay_steps=16), 12, None),  # at the decay's start: nothing decayed yet
+    (recipe(), recipe(total_steps=40, decay_steps=16), 0, None),
+    (recipe(), recipe(total_steps=16, decay_steps=4), 12, None),  # shorter, the decay still ahead
+    (recipe(), recipe(total_steps=40, decay_steps=16), 13, "its decay began at step 12 and it is at step 13"),
+    (recipe(), recipe(total_steps=14, decay_steps=6), 10, "the new length's decay would start at step 8, before"),
+    (recipe(), recipe(total_steps=40, decay_steps=16, warmup_steps=8), 10, "the warmup would change from 4 to 8"),
+    (recipe(schedule="cosine", decay_steps=16), recipe(schedule="cosine", total_steps=40, decay_steps=36), 2,
+     "its schedule is cosine, whose decay spans the whole run"),
+])
+def test_extension_rule_table(old, new, step, problem):
+    got = train.extension_problem(old, new, step)
+    assert got == problem if problem is None else got.startswith(problem)
+    if problem is None:  # sound: every step taken keeps its rate
+        assert [old.lr_multiplier(s) for s in range(step)] == [new.lr_multiplier(s) for s in range(step)]
+
+
+def test_a_wsd_run_extended_in_its_stable_phase_is_the_longer_run_bit_for_bit(corpus, tmp_path):
+    """12 steps (decay from step 7), stopped at 5, extended to 20 and stopped at 15 (inside the extended run),
+    then resumed: bit for bit the run planned for 20 steps from the start."""
+    planned, out = tmp_path / "planned", tmp_path / "run"
+    assert train.main(options(corpus, planned, steps=20)) == 0
+    assert train.main(options(corpus, out, "--stop-after-steps", "5", steps=12)) == 0
+    assert train.main(options(corpus, out, "--stop-after-steps", "15", steps=20)) == 0
+    extended = json.loads((out / "training_settings.json").read_text())
+    assert extended["extended"] == [{"at_step": 5, "from_total_steps": 12, "to_total_steps": 20}]
+    assert extended["training"]["total_steps"] == 20 and extended["training"]["recipe.decay_steps"] == 8
+    result = run_cli(options(corpus, out, steps=20))  # a plain resume inside the extended run
+    assert "resumed from" in result.stdout and "step 15/20" in result.stdout
+    assert_same_state(final_state(out), final_state(planned))
+    assert train_losses(out) == train_losses(planned)
+    assert final_state(out)["settings"]["extended"] == extended["extended"]
+
+
+def test_extension_is_refused_after_the_decay_began_and_with_cosine(corpus, tmp_path):
+    wsd, cosine = tmp_path / "wsd", tmp_path / "cosine"
+    assert train.main(options(corpus, wsd, "--stop-after-steps", "9", steps=12)) == 0
+    with pytest.raises(UserError, match=r"is a run of 12 steps and this one asks for 20: it cannot be extended: its "
+                                        r"decay began at step 7 and it is at step 9: .* Resume it with its length "
+                                        r"\(--target-tokens 1536\), or start a new run from its weights with "
+                                        "--init-from"):
+        train.main(options(corpus, wsd, steps=20))
+    assert train.main(options(corpus, cosine, "--schedule", "cosine", "--stop-after-steps", "5", steps=12)) == 0
+    with pytest.raises(UserError, match="it cannot be extended: its schedule is cosine, whose decay spans the whole"):
+        train.main(options(corpus, cosine, "--schedule", "cosine", steps=20))
+    with pytest.raises(UserError, match=r"settings differ from checkpoint .*seed: 1337 -> 4.*only the length"):
+        train.main(options(corpus, wsd, "--seed", "4", steps=20))  # the length with another setting: no extension
+    assert train.main(options(corpus, cosine, "--schedule", "cosine", steps=12)) == 0  # its own length resumes
+
+
+def test_an_extension_keeps_the_warmup_the_rule_chose_for_the_first_length(corpus, tmp_path):
+    out = tmp_path / "run"
+    first = [arg for arg in options(corpus, out, "--optimizer", "adamw", steps=20) if arg not in ("--warmup-steps",
+                                                                                                  "3")]
+    assert train.main([*first, "--stop-after-steps", "5"]) == 0  # the rule: 0.05 x 20 = 1 warmup step
+    assert json.loads((out / "training_settings.json").read_text())["training"]["recipe.warmup_steps"] == 1
+    longer = [arg if arg != str(20 * 4 * 32) else str(60 * 4 * 32) for arg in first]  # the rule would say 3
+    assert train.main([*longer, "--stop-after-steps", "6"]) == 0
+    settings = json.loads((out / "training_settings.json").read_text())["training"]
+    assert settings["recipe.warmup_steps"] == 1 and settings["total_steps"] == 60
+    assert settings["recipe.decay_steps"] == 24  # re-derived for the new length: 0.4 x 60
