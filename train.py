@@ -2319,6 +2319,9 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         training.load(load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
                   + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
+        if args.init_from is not None and (training.lineage or {}).get("source") != args.init_from and info.is_main:
+            print(f"warning: --init-from {args.init_from} is not used: {out} already holds a run, resumed from "
+                  f"{resume_path} (use a new --out to start a run from {args.init_from})", file=sys.stderr, flush=True)
     elif args.init_from is not None:
         training.init_from(read_init_source(args.init_from))  # every rank reads the same file
         lineage = training.lineage

@@ -1228,7 +1228,7 @@ def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus
     assert lineage["sha256"] == sha256_file(file)
 
 
-def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, reference, tmp_path):
+def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, reference, tmp_path, capsys):
     source = reference / "checkpoints" / "step-00000012.pt"
     whole, out = tmp_path / "whole", tmp_path / "run"
     assert train.main(options(corpus, whole, "--init-from", str(source), "--seed", "3", steps=8)) == 0
@@ -1249,6 +1249,11 @@ def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, re
     assert "starting from the weights" in card and "from scratch" not in card
     provenance = json.loads((model / "training_provenance.json").read_text())
     assert provenance["init_from"] == settings["init_from"]
+    other = reference / "checkpoints" / "step-00000008.pt"  # another source for a folder that holds a run
+    capsys.readouterr()
+    assert train.main(options(corpus, out, "--init-from", str(other), "--seed", "3", steps=8)) == 0
+    assert f"warning: --init-from {other} is not used: {out} already holds a run" in capsys.readouterr().err
+    assert final_state(out)["settings"]["init_from"] == settings["init_from"]
 
 
 def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpus, chat_corpus, reference,
