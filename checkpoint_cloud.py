@@ -1359,6 +1359,8 @@ def corpus_files(manifest: dict) -> dict[str, tuple[str, int | None]]:
     for split in (manifest.get("splits") or {}).values():
         for entry in split.get("files", []):
             files[entry["name"]] = (entry["sha256"], entry.get("bytes"))
+            if "mask" in entry:  # corpus format 2: the assistant mask beside each shard
+                files[entry["mask"]["name"]] = (entry["mask"]["sha256"], entry["mask"].get("bytes"))
     for name, sha in (manifest.get("files") or {}).items():
         files[name] = (sha, None)
     return files

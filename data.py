@@ -191,10 +191,21 @@ def load_tokenizer(folder: str | Path):
     return tokenizer
 
 
+def vocabulary_sha256(tokenizer) -> str:
+    """sha256 of what decides the token ids: the vocabulary (token -> id) and the special tokens.
+
+    Two tokenizers with the same value read and write the same ids whatever their other files say
+    (a corpus' tokenizer/ and the copy an export writes into RUN/model compare equal)."""
+    specials = sorted((index, token.content) for index, token in tokenizer.added_tokens_decoder.items()
+                      if token.special)
+    payload = {"vocabulary": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), "special": specials}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------
 # Corpus format (DESIGN.md, "Corpus folder").
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each shard has a .mask beside it (which tokens are an assistant's answer)
 SPLITS = ("train", "validation", "test")
 CORPUS_MANIFEST = "corpus_manifest.json"
 SOURCE_MANIFEST = "source_manifest.json"
@@ -213,12 +224,27 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
 
 
+# The mask stream: one uint8 per token, in files `{split}-NNNNN.mask` cut exactly like the token
+# shards. It says what each token is, so train.py --loss-on assistant can count only the answers.
+MASK_PROMPT = 0  # a chat's markup, system and user turns, the role header and the document's EOS
+MASK_ASSISTANT = 1  # an assistant's answer: its content (reasoning and <think> markers included) and <|im_end|>
+MASK_TEXT = 2  # a plain-text document (its EOS included)
+MASK_CLASSES = {"prompt": MASK_PROMPT, "assistant": MASK_ASSISTANT, "text": MASK_TEXT}
+
+
+def mask_name(shard: str) -> str:
+    """The mask file beside token shard `shard` (train-00000.bin -> train-00000.mask)."""
+    return shard[:-len(".bin")] + ".mask"
+
+
 def load_corpus_manifest(corpus_dir: str | Path) -> dict:
     """corpus_manifest.json of a finished corpus (UserError when it is missing or unreadable).
 
     Layout: {"format_version", "dtype", "vocab_size", "special_tokens": {name: id},
-    "tokenizer_sha256", "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens"}],
-    "tokens", "documents"}}, "files": {relative path: sha256} for the other files, ...}.
+    "tokenizer_sha256", "vocabulary_sha256" (see vocabulary_sha256),
+    "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens",
+    "mask": {"name", "bytes", "sha256"}}], "tokens", "documents", "mask_tokens": {class: count}}},
+    "files": {relative path: sha256} for the other files, ...}.
     """
     path = Path(corpus_dir) / CORPUS_MANIFEST
     if not path.is_file():
@@ -226,8 +252,13 @@ def load_corpus_manifest(corpus_dir: str | Path) -> dict:
     manifest = read_json(path, what="corpus manifest")
     if not isinstance(manifest, dict) or "splits" not in manifest or "dtype" not in manifest:
         raise UserError(f"corpus manifest {path} lacks 'splits' or 'dtype'")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"corpus manifest {path} has format_version {manifest.get('format_version')!r}, "
+    version = manifest.get("format_version")
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise UserError(f"corpus {corpus_dir} was built by an older data.py (format_version {version}; this one "
+                        f"reads {FORMAT_VERSION}, which adds the assistant mask beside the shards); rebuild it with "
+                        "the same data.py command (see its source_manifest.json)")
+    if version != FORMAT_VERSION:
+        raise UserError(f"corpus manifest {path} has format_version {version!r}, "
                         f"this data.py reads {FORMAT_VERSION}")
     return manifest
 
@@ -262,6 +293,10 @@ def verify_files(root: Path, manifest: dict) -> list[str]:
                 problems.append(f"{entry['name']}: sha256 does not match the manifest (corrupted or edited)")
             elif size != entry["tokens"] * itemsize:
                 problems.append(f"{entry['name']}: {size} bytes is not {entry['tokens']} {manifest['dtype']} tokens")
+            if "mask" in entry:
+                problems.extend(verify_mask(root, entry))
+            elif manifest.get("format_version", 0) >= 2:
+                problems.append(f"{entry['name']}: the manifest lists no mask file for it")
         if sum(entry["tokens"] for entry in info["files"]) != info["tokens"]:
             problems.append(f"{split}: shard tokens do not add up to the split's {info['tokens']} tokens")
     tokenizer_dir = root / TOKENIZER_DIR
@@ -276,6 +311,22 @@ def verify_files(root: Path, manifest: dict) -> list[str]:
         elif sha256_file(path) != digest:
             problems.append(f"{name}: sha256 does not match the manifest")
     return problems
+
+
+def verify_mask(root: Path, entry: dict) -> list[str]:
+    """Problems with the mask file of shard `entry`: one byte per token, hashed, only known classes."""
+    mask = entry["mask"]
+    path = root / mask["name"]
+    if not path.is_file():
+        return [f"{mask['name']}: missing (mask of {entry['name']})"]
+    size = path.stat().st_size
+    if size != mask["bytes"]:
+        return [f"{mask['name']}: {size} bytes, manifest says {mask['bytes']}"]
+    if sha256_file(path) != mask["sha256"]:
+        return [f"{mask['name']}: sha256 does not match the manifest (corrupted or edited)"]
+    if size != entry["tokens"]:
+        return [f"{mask['name']}: {size} bytes for {entry['tokens']} tokens (one per token)"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -902,51 +953,63 @@ def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: P
 
 
 class ShardWriter:
-    """Appends token ids to `{split}-NNNNN.bin` files of at most `shard_tokens` tokens, hashing as it goes."""
+    """Appends token ids to `{split}-NNNNN.bin` files of at most `shard_tokens` tokens, and their mask
+    classes (one uint8 per token) to `{split}-NNNNN.mask` cut at the same places, hashing as it goes."""
 
     def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
         self.files: list[dict] = []
         self.documents = 0
-        self.handle = None
-        self.digest = None
+        self.handles = None
+        self.digests = None
         self.in_shard = 0
+        self.mask_tokens: Counter = Counter()
 
     def _open(self) -> None:
         name = shard_name(self.split, len(self.files))
-        self.handle = open(self.folder / name, "wb")
-        self.digest = hashlib.sha256()
+        self.handles = (open(self.folder / name, "wb"), open(self.folder / mask_name(name), "wb"))
+        self.digests = (hashlib.sha256(), hashlib.sha256())
         self.in_shard = 0
-        self.files.append({"name": name, "bytes": 0, "sha256": "", "tokens": 0})
+        self.files.append({"name": name, "bytes": 0, "sha256": "", "tokens": 0,
+                           "mask": {"name": mask_name(name), "bytes": 0, "sha256": ""}})
 
     def _close_shard(self) -> None:
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
-        self.handle.close()
-        self.files[-1].update(bytes=self.in_shard * self.dtype.itemsize, sha256=self.digest.hexdigest(),
+        for handle in self.handles:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        self.files[-1].update(bytes=self.in_shard * self.dtype.itemsize, sha256=self.digests[0].hexdigest(),
                               tokens=self.in_shard)
-        self.handle = None
+        self.files[-1]["mask"].update(bytes=self.in_shard, sha256=self.digests[1].hexdigest())
+        self.handles = None
 
-    def write(self, ids: np.ndarray, documents: int) -> None:
+    def write(self, ids: np.ndarray, documents: int, mask: np.ndarray | None = None) -> None:
+        """Append `ids` and their mask classes (None: all MASK_TEXT, plain text)."""
         self.documents += documents
         ids = ids.astype(self.dtype, copy=False)
+        mask = np.full(len(ids), MASK_TEXT, dtype=np.uint8) if mask is None else mask.astype(np.uint8, copy=False)
+        if len(mask) != len(ids):
+            raise ValueError(f"{len(mask)} mask values for {len(ids)} tokens")
+        self.mask_tokens.update({name: int(np.count_nonzero(mask == value)) for name, value in MASK_CLASSES.items()})
         while len(ids):
-            if self.handle is None:
+            if self.handles is None:
                 self._open()
             take = min(len(ids), self.shard_tokens - self.in_shard)
-            data = ids[:take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
-            self.handle.write(data)
-            self.digest.update(data)
+            for handle, digest, data in zip(self.handles, self.digests, (
+                    ids[:take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes(), mask[:take].tobytes())):
+                handle.write(data)
+                digest.update(data)
             self.in_shard += take
-            ids = ids[take:]
+            ids, mask = ids[take:], mask[take:]
             if self.in_shard == self.shard_tokens:
                 self._close_shard()
 
     def finish(self) -> dict:
-        if self.handle is not None:
+        if self.handles is not None:
             self._close_shard()
         return {"files": self.files, "tokens": sum(entry["tokens"] for entry in self.files),
-                "documents": self.documents}
+                "documents": self.documents,
+                "mask_tokens": {name: self.mask_tokens[name] for name in MASK_CLASSES}}
 
 
 def batches(documents: Iterable[Document], batch_bytes: int) -> Iterator[tuple[list[str], list[list[str]]]]:
@@ -1028,17 +1091,56 @@ def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
                 for token in backend.encode(chunk, add_special_tokens=False).ids]
 
     encodings = (ids_of(text) for text in texts)
-    streams: dict[str, list[int]] = {}
+    header = backend.encode(ASSISTANT_HEADER, add_special_tokens=False).ids
+    streams: dict[str, tuple[list[int], list[int]]] = {}
     counts: Counter = Counter()
     for split, pieces in zip(splits, documents):
-        stream = streams.setdefault(split, [])
-        stream.extend(next(encodings))
+        stream, mask = streams.setdefault(split, ([], []))
+        document_ids = [next(encodings)]
         for control_token in pieces[1::2]:
-            stream.append(control_ids[control_token])
-            stream.extend(next(encodings))
+            document_ids += [[control_ids[control_token]], next(encodings)]
+        stream.extend(token for ids in document_ids for token in ids)
+        mask.extend(document_mask(pieces, document_ids, header))
         stream.append(eos_id)
+        mask.append(MASK_TEXT if len(pieces) == 1 else MASK_PROMPT)
         counts[split] += 1
-    return {split: (np.array(stream, dtype=dtype), counts[split]) for split, stream in streams.items()}
+    return {split: (np.array(stream, dtype=dtype), counts[split], np.array(mask, dtype=np.uint8))
+            for split, (stream, mask) in streams.items()}
+
+
+ASSISTANT_HEADER = "assistant\n"  # what the chat template puts after <|im_start|> for an assistant turn
+
+
+def document_mask(pieces: list[str], piece_ids: list[list[int]], header: list[int]) -> list[int]:
+    """The mask classes of one document's tokens (its EOS not included), from its pieces
+    [text, control token, ..., text] and each piece's ids.
+
+    Plain text (one piece) is all MASK_TEXT. In a chat, an assistant turn is the text after
+    <|im_start|> that starts with the role header "assistant\n": every token after the header's
+    up to and including the turn's <|im_end|> is MASK_ASSISTANT (its <think> block too); the rest
+    is MASK_PROMPT. The header encodes to its own tokens (the content is stripped, and the Qwen2
+    split starts a new word after a newline), so its ids are a prefix of the piece's; where they
+    are not, the tokens after the common prefix count as the answer.
+    """
+    if len(pieces) == 1:
+        return [MASK_TEXT] * len(piece_ids[0])
+    mask: list[int] = []
+    answering = False
+    for index, (piece, ids) in enumerate(zip(pieces, piece_ids)):
+        if index % 2 == 1:  # a control token
+            mask.append(MASK_ASSISTANT if answering else MASK_PROMPT)
+            if piece == IM_END:
+                answering = False
+            continue
+        if index > 0 and pieces[index - 1] == IM_START and piece.startswith(ASSISTANT_HEADER):
+            prefix = 0
+            while prefix < min(len(header), len(ids)) and ids[prefix] == header[prefix]:
+                prefix += 1
+            mask.extend([MASK_PROMPT] * prefix + [MASK_ASSISTANT] * (len(ids) - prefix))
+            answering = True
+            continue
+        mask.extend([MASK_ASSISTANT if answering else MASK_PROMPT] * len(ids))
+    return mask
 
 
 def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, settings: BuildSettings,
@@ -1062,8 +1164,8 @@ def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, setti
 
     def write(result: dict[str, tuple]) -> None:
         nonlocal tokens
-        for split, (ids, count) in result.items():
-            writers[split].write(ids, count)
+        for split, (ids, count, mask) in result.items():
+            writers[split].write(ids, count, mask)
             tokens += len(ids)
             bar.update(count)
         bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s", refresh=False)
@@ -1294,6 +1396,7 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
             "vocab_size": vocab_size,
             "special_tokens": {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS},
             "tokenizer_sha256": sha256_tree(temp / TOKENIZER_DIR),
+            "vocabulary_sha256": vocabulary_sha256(tokenizer),
             "splits": splits,
             "documents": kept,
             "tokens": sum(info["tokens"] for info in splits.values()),

@@ -662,6 +662,15 @@ def _accuracy_line(accuracy) -> str | None:
     return f"{100 * float(accuracy):.1f}% exact match"
 
 
+def _lineage_lines(lineage: dict | None) -> list[str]:
+    """The model card's lines on the weights a run started from (train.py --init-from)."""
+    if not lineage:
+        return []
+    return [f"- Initialized from: `{lineage.get('source')}` ({lineage.get('kind')}, step {lineage.get('step')}, "
+            f"sha256 `{lineage.get('sha256')}`), itself trained on corpus manifest sha256 "
+            f"`{lineage.get('corpus_manifest_sha256') or 'n/a'}`"]
+
+
 def model_card(architecture: dict, card_info: dict) -> str:
     """README.md for RUN/model/: what the model is, how it was made, how to load it, what it cannot do."""
     name = card_info.get("model_name", "tinyllm")
@@ -676,14 +685,16 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "library_name: transformers",
         "pipeline_tag: text-generation",
         "license: other",
-        "tags: [qwen3, tinyllm, from-scratch]",
+        "tags: [qwen3, tinyllm, " + ("continued]" if card_info.get("init_from") else "from-scratch]"),
         "---",
         "",
         f"# {name}",
         "",
         f"A {human_count(arch['parameters'])}-parameter Qwen3-architecture causal language model trained "
-        "from scratch with tinyllm (random initialization, its own byte-level BPE tokenizer; no pretrained "
-        "weights were loaded).",
+        + ("with tinyllm, starting from the weights named under Data and provenance (its own byte-level BPE "
+           "tokenizer)." if card_info.get("init_from") else
+           "from scratch with tinyllm (random initialization, its own byte-level BPE tokenizer; no pretrained "
+           "weights were loaded)."),
         "",
         "## Status",
         "",
@@ -706,6 +717,7 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "",
         f"- Corpus manifest sha256: `{card_info.get('corpus_sha256', 'n/a')}`",
         f"- Tokenizer sha256: `{card_info.get('tokenizer_sha256', 'n/a')}`",
+        *_lineage_lines(card_info.get("init_from")),
         "- `training_provenance.json` in this folder holds these"
         + (" and the training settings." if "settings" in card_info else "."),
         "",
@@ -750,7 +762,8 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "factual errors, repetition and unreliable reasoning outside the narrow data it saw.",
         "- It knows only its training corpus; it was not instruction-tuned or aligned beyond the chat "
         "examples in that corpus, and has no safety training.",
-        "- The Qwen3 architecture does not bring any Qwen3 model's abilities: the weights are from scratch.",
+        "- The Qwen3 architecture does not bring any Qwen3 model's abilities: the weights are "
+        + ("tinyllm's own (see Initialized from)." if card_info.get("init_from") else "from scratch."),
     ]
     if not finished:
         lines.append("- Training stopped before its planned end; quality is below what the full run would give.")

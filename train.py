@@ -64,6 +64,7 @@ from common import (
     run_main,
     seed_everything,
     sha256_file,
+    sha256_tree,
     utc_now,
 )
 
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
     paths.add_argument("--out", default=None,
                        help=f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})")
+    paths.add_argument("--init-from", default=None, metavar="SOURCE",
+                       help="start a new run from these weights: a checkpoint file, a run folder (its newest "
+                            "verified checkpoint, else its best.pt) or a Hugging Face Qwen3 folder (e.g. RUN/model); "
+                            "fresh optimizer, schedule and data order; the tokenizer must be the corpus'")
     paths.add_argument("--resume", default="auto",
                        help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
                             "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH")
@@ -166,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--beta2", type=float, default=None, help=f"AdamW beta2 (None: {DEFAULT_BETA2})")
     recipe.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
     recipe.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+
+    loss = parser.add_argument_group("which tokens the loss counts (the corpus' mask, see data.py)")
+    loss.add_argument("--loss-on", default="all", choices=LOSS_ON,
+                      help="all: every token; assistant: only the assistants' answers (reasoning included) of "
+                           "chat documents, and plain-text documents as --text-loss says")
+    loss.add_argument("--text-loss", default=None, choices=TEXT_LOSS,
+                      help="with --loss-on assistant, plain-text documents count fully or not at all (needed "
+                           "when the corpus has any)")
 
     saving = parser.add_argument_group("checkpoints and evaluation")
     saving.add_argument("--save-every", type=int, default=250, help="save every N steps (0: never by count)")
@@ -276,6 +289,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--context must be at least 2, got {args.context}")
     if args.backup_wait_seconds < 0:
         raise UserError(f"--backup-wait-seconds must not be negative, got {args.backup_wait_seconds}")
+    if args.init_from is not None and args.resume not in ("auto", "none"):
+        raise UserError("--init-from starts a new run and --resume PATH continues one: give one of them")
+    if args.text_loss is not None and args.loss_on != "assistant":
+        raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if args.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", args.resume) \
             and not Path(args.resume).exists():
         raise UserError(f"--resume {args.resume}: not a choice and no such file; use auto (the newest verified "
@@ -386,37 +403,86 @@ def check_corpus(corpus: Path) -> list[str]:
     return data.verify_corpus(corpus)
 
 
-class TokenSplit:
-    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1)."""
+LOSS_ON = ("all", "assistant")
+TEXT_LOSS = ("full", "none")
+IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
 
-    def __init__(self, corpus: Path, manifest: dict, split: str, context: int):
+
+def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
+    """Which mask classes (data.MASK_*) the loss counts, as a lookup table; None: every token."""
+    if loss_on == "all":
+        return None
+    table = np.zeros(len(data.MASK_CLASSES), dtype=bool)
+    table[data.MASK_ASSISTANT] = True
+    table[data.MASK_TEXT] = text_loss == "full"
+    return table
+
+
+def check_loss_on(args: argparse.Namespace, manifest: dict, corpus: Path) -> str | None:
+    """The --text-loss this run records (None with --loss-on all); UserError when the corpus cannot serve it."""
+    if args.loss_on == "all":
+        return None
+    counts = manifest["splits"]["train"].get("mask_tokens", {})
+    if not counts.get("assistant"):
+        raise UserError(f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
+                        "documents with an assistant turn); use --loss-on all")
+    if counts.get("text") and args.text_loss is None:
+        raise UserError(f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
+                        "documents; say whether they count with --text-loss full or --text-loss none")
+    return args.text_loss or "none"
+
+
+class TokenSplit:
+    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1).
+
+    With `counted` (counted_classes), the mask files beside the shards turn every target the loss
+    does not count into IGNORE_INDEX.
+    """
+
+    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None):
         entry = manifest["splits"].get(split, {"files": []})
-        self.name, self.context = split, context
+        self.name, self.context, self.counted = split, context, counted
+        items = [item for item in entry["files"] if item["bytes"] > 0]
         self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
-                                 mode="r") for item in entry["files"] if item["bytes"] > 0]
+                                 mode="r") for item in items]
+        self.masks = [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items] \
+            if counted is not None else []
         self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
         self.tokens = int(self.starts[-1])
         self.blocks = max(0, (self.tokens - 1) // context)
 
-    def block(self, index: int) -> np.ndarray:
-        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
+    def _span(self, streams: list[np.ndarray], index: int) -> np.ndarray:
         start, end = index * self.context, index * self.context + self.context + 1
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         pieces = []
         while start < end:
             offset = start - self.starts[shard]
-            piece = self.shards[shard][offset: offset + end - start]
+            piece = streams[shard][offset: offset + end - start]
             pieces.append(piece)
             start += len(piece)
             shard += 1
-        return np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def block(self, index: int) -> np.ndarray:
+        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
+        return self._span(self.shards, index).astype(np.int64)
+
+    def block_mask(self, index: int) -> np.ndarray:
+        """The mask classes of block `index`'s C + 1 tokens (needs `counted`)."""
+        return np.asarray(self._span(self.masks, index))
 
     def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) for these blocks, on `device`."""
-        array = torch.from_numpy(np.stack([self.block(index) for index in indices]))
+        """(inputs, targets) for these blocks, on `device`; targets not counted are IGNORE_INDEX."""
+        array = np.stack([self.block(index) for index in indices])
+        targets = array[:, 1:].copy()
+        if self.counted is not None:
+            skipped = ~self.counted[np.stack([self.block_mask(index)[1:] for index in indices])]
+            targets[skipped] = IGNORE_INDEX
+        inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
         if device.type == "cuda":
-            array = array.pin_memory().to(device, non_blocking=True)
-        return array[:, :-1], array[:, 1:]
+            inputs = inputs.pin_memory().to(device, non_blocking=True)
+            targets = targets.pin_memory().to(device, non_blocking=True)
+        return inputs, targets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,6 +678,30 @@ def choose_recipe(args: argparse.Namespace, hidden: int, total_steps: int) -> tu
                     weight_decay=args.weight_decay, betas=(args.beta1, beta2),
                     muon_momentum=args.muon_momentum if optimizer == "muon" else None, grad_clip=args.grad_clip)
     return recipe, why
+
+
+# Extending a run (more or fewer tokens on resume): sound only when every step already taken keeps
+# its learning rate, so the run is the one it would have been had it been planned this long.
+LENGTH_SETTINGS = ("total_steps", "target_tokens", "epochs", "recipe.total_steps", "recipe.decay_steps")
+
+
+def extension_problem(old: Recipe, new: Recipe, step: int) -> str | None:
+    """Why a run at `step` (steps taken) under recipe `old` cannot go on under `new`, a recipe of another
+    length (None: it can). A pure function of the two recipes and the step."""
+    if old.schedule == "cosine":
+        return ("its schedule is cosine, whose decay spans the whole run: the learning rate of every step "
+                "taken depends on the length, so a longer run is not the same run (start runs you may extend "
+                "with --schedule wsd)")
+    if old.warmup_steps != new.warmup_steps:
+        return f"the warmup would change from {old.warmup_steps} to {new.warmup_steps} steps"
+    old_start, new_start = old.total_steps - old.decay_steps, new.total_steps - new.decay_steps
+    if step > old_start:
+        return (f"its decay began at step {old_start} and it is at step {step}: only a checkpoint of the stable "
+                f"phase (step <= {old_start}) can be extended")
+    if step > new_start:
+        return (f"the new length's decay would start at step {new_start}, before the checkpoint's step {step} "
+                "(ask for more tokens)")
+    return None
 
 
 def recipe_warnings(recipe: Recipe) -> list[str]:
@@ -1465,6 +1555,116 @@ def load_checkpoint_file(path: Path) -> dict:
     return checkpoint
 
 
+# ----------------------------------------------------------------------------------------------
+# --init-from: a new run's weights from a checkpoint, a run folder or a Hugging Face Qwen3 folder.
+
+
+@dataclass
+class InitSource:
+    """Weights to start from and where they came from (`lineage`, recorded with the run)."""
+
+    state: dict
+    lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
+    tokenizer_sha256: str | None = None  # a checkpoint's tokenizer folder hash (older checkpoints: the only clue)
+    model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
+
+
+def read_init_source(spec: str) -> InitSource:
+    """The weights --init-from names (UserError, naming SOURCE, when it is none of the three kinds)."""
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(f"--init-from {spec}: no such file or folder")
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_hf_source(spec, path)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if not any(folder.glob("step-*.pt")) and not (folder / "best.pt").is_file():
+            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
+                            "Face model folder (no config.json)")
+        newest, _ = newest_verified_checkpoint(folder)
+        if newest is None and verified_best(folder) is None:
+            raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
+        return read_checkpoint_source(spec, newest or folder / "best.pt", "run")
+    problem = chosen_checkpoint_mismatch(path)
+    if problem:
+        raise UserError(f"--init-from {spec}: {problem}")
+    return read_checkpoint_source(spec, path, "checkpoint")
+
+
+def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
+        raise UserError(f"--init-from {spec}: {path} does not load: {type(error).__name__}: {error}") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) \
+            or "training" not in checkpoint.get("settings", {}):
+        raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
+    training = checkpoint["settings"]["training"]
+    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
+               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
+               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
+    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
+                      key == "vocab_size"}
+    return InitSource(checkpoint["model"], lineage, training.get("tokenizer_sha256"), model_settings)
+
+
+def read_hf_source(spec: str, folder: Path) -> InitSource:
+    """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: config.json does not load: {type(error).__name__}: {error}") from None
+    if config.model_type != "qwen3":
+        raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
+    try:
+        tokenizer = data.load_tokenizer(folder)
+    except UserError as error:
+        raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
+    weights = folder / "model.safetensors"
+    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
+        else {}
+    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
+               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
+               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
+               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
+    return InitSource(model.state_dict(), lineage)
+
+
+def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) -> str | None:
+    """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
+    spec, training = source.lineage["source"], settings["training"]
+    ours = settings["vocabulary_sha256"]
+    same_folder = source.tokenizer_sha256 is not None and source.tokenizer_sha256 == training["tokenizer_sha256"]
+    if not same_folder and source.lineage["vocabulary_sha256"] != ours:
+        theirs = source.lineage["vocabulary_sha256"]
+        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
+                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
+                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
+    live = model.state_dict()
+    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
+                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
+    problems += [f"{key}: missing there" for key in live if key not in source.state]
+    problems += [f"{key}: not in this model" for key in source.state if key not in live]
+    if not problems:
+        return None
+    if source.model_settings:
+        changes = settings_diff(source.model_settings,
+                                {key: value for key, value in training.items() if key in source.model_settings})
+        if changes:
+            problems = [change.replace(" -> ", " there, ") + " here" for change in changes]
+    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
+            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+SETTINGS_BEFORE_LOSS_ON = {"loss_on": "all", "text_loss": None}  # what a checkpoint without these settings did
+
+
 def settings_diff(old: dict, new: dict) -> list[str]:
     """'name: old -> new' for every training setting that differs."""
     return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
@@ -1576,7 +1776,9 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                         reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy of `model` on a batch of blocks (fp32 logits under autocast)."""
+    """Next-token cross-entropy of `model` on a batch of blocks (fp32 logits under autocast).
+
+    Targets equal to IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
@@ -1589,8 +1791,8 @@ class LanguageModelLoss(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets, reduction)
 
 
 class NonFiniteLoss(Exception):
@@ -1624,7 +1826,9 @@ class Training:
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.vocab_size = int(manifest["vocab_size"])
         self.precision = resolve_precision(args.precision, self.device)
-        self.splits = {name: TokenSplit(corpus, manifest, name, self.context)
+        self.text_loss = check_loss_on(args, manifest, corpus)
+        self.counted = counted_classes(args.loss_on, self.text_loss)
+        self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
         self.sampler = BlockSampler(self.splits["train"].blocks, args.seed, args.batch_size, args.grad_accum,
                                     info.world)
@@ -1650,6 +1854,8 @@ class Training:
         self.metrics = RunMetrics()
         self.staging = StagingBuffers()
         self.run_id = uuid.uuid4().hex
+        self.lineage: dict | None = None  # where --init-from took the first weights from
+        self.extensions: list[dict] = []  # each resume that changed the run's length (extend_to)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.sdpa_context, self.sdpa = self._fused_sdpa_context()
         self.forward_model = self._wrap_model()
@@ -1728,7 +1934,7 @@ class Training:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
             if model is None:
-                return self.forward_model(inputs, targets)
+                return self.forward_model(inputs, targets, reduction)
             return language_model_loss(model, inputs, targets, reduction)
 
     def train_step(self) -> StepResult:
@@ -1739,12 +1945,19 @@ class Training:
         self.optimizer.set_lr_multiplier(lr_multiplier)
         micro_batches = self.sampler.micro_batches(step, self.info.rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for micro, indices in enumerate(micro_batches):
-            inputs, targets = self.splits["train"].batch(indices, self.device)
+        batches = [self.splits["train"].batch(indices, self.device) for indices in micro_batches]
+        if self.counted is not None:
+            # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
+            counted = sum((targets != IGNORE_INDEX).sum() for _, targets in batches).double()
+            per_rank = all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
+        for micro, (inputs, targets) in enumerate(batches):
             last = micro == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.info.world == 1 else self.forward_model.no_sync()
             with sync:
-                loss = self.loss_of(inputs, targets) / len(micro_batches)
+                if self.counted is None:
+                    loss = self.loss_of(inputs, targets) / len(micro_batches)
+                else:
+                    loss = self.loss_of(inputs, targets, reduction="sum") / per_rank.to(torch.float32)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach().double()
         optimizers = list(self.optimizer.parts.values())
@@ -1785,9 +1998,11 @@ class Training:
         for start in range(0, len(mine), self.args.batch_size):
             inputs, targets = data_split.batch(mine[start: start + self.args.batch_size], self.device)
             totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
-            totals[1] += targets.numel()
+            totals[1] += (targets != IGNORE_INDEX).sum()
         self.model.train()
         all_reduce_sum(totals, self.info)
+        if totals[1] == 0:
+            return None  # --loss-on assistant and no counted token in the evaluation blocks
         loss = (totals[0] / totals[1]).item()
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
 
@@ -1812,13 +2027,16 @@ class Training:
             "recipe.betas": list(self.recipe.betas),  # as JSON and the checkpoint store it
             "adamw_8bit": args.adam8bit,
             "precision": self.precision,
+            "loss_on": args.loss_on,
+            "text_loss": self.text_loss,
         }
         runtime = {key: getattr(args, key) for key in (
             "data", "out", "batch_size", "grad_accum", "device", "threads", "compile", "grad_checkpoint",
             "save_every", "save_seconds", "keep_last", "keep_every", "eval_every", "eval_batches", "log_every",
             "max_hours", "stop_after_steps", "max_overflow_steps")}
         runtime["world_size"] = self.info.world
-        return {"training": training, "runtime": runtime}
+        return {"training": training, "runtime": runtime, "init_from": self.lineage, "extended": self.extensions,
+                "vocabulary_sha256": self.manifest.get("vocabulary_sha256")}
 
     def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
@@ -1844,17 +2062,31 @@ class Training:
         })
 
     def load(self, checkpoint: dict, path: Path) -> None:
-        """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file."""
-        changes = settings_diff(checkpoint["settings"]["training"], self.settings()["training"])
+        """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file.
+
+        Only the run's length may differ (an extension, see extend_to)."""
+        old = {**SETTINGS_BEFORE_LOSS_ON, **checkpoint["settings"]["training"]}
+        self.extensions = list(checkpoint["settings"].get("extended") or [])
+        changes = settings_diff(old, self.settings()["training"])
+        if old["total_steps"] != self.total_steps and \
+                all(change.split(":")[0] in (*LENGTH_SETTINGS, "recipe.warmup_steps") for change in changes):
+            self.extend_to(old, int(checkpoint["step"]), path)
+            changes = [change for change in settings_diff(old, self.settings()["training"])
+                       if change.split(":")[0] not in LENGTH_SETTINGS]
         if changes:
-            raise UserError(f"settings differ from checkpoint {path} (use the old values or a new --out): "
-                            + "; ".join(changes))
+            length = [change for change in changes if change.split(":")[0] in LENGTH_SETTINGS]
+            raise UserError(f"settings differ from checkpoint {path}: " + "; ".join(changes)
+                            + ". A resume keeps every training setting; only the length (--target-tokens or "
+                            "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
+                            + (" (here the length changed along with other settings)" if length else "")
+                            + f"; for a new run from these weights use a new --out with --init-from {path}")
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.sampler.load_state_dict(checkpoint["sampler"])
         self.metrics.load_state_dict(checkpoint["metrics"])
         self.run_id = checkpoint["run_id"]
+        self.lineage = checkpoint["settings"].get("init_from")
         if checkpoint["step"] != self.sampler.step:
             raise UserError(f"checkpoint {path} is inconsistent: step {checkpoint['step']}, data cursor "
                             f"{self.sampler.step}")
@@ -1864,6 +2096,42 @@ class Training:
             raise UserError(f"checkpoint {path}: state after loading differs from the file at "
                             + ", ".join(differences[:5]))
         self.rng.load_state_dict(checkpoint["rng"])
+
+    def extend_to(self, old: dict, step: int, path: Path) -> None:
+        """Continue the run recorded in `old` (its training settings) at `step` with this run's length.
+
+        The warmup stays the checkpoint's unless --warmup-steps asks otherwise; the decay is re-derived
+        for the new length. Refused (one line saying why) unless every step taken keeps its rate."""
+        recipe = self.recipe
+        if self.args.warmup_steps is None and recipe.schedule == "wsd" and old.get("recipe.warmup_steps") is not None:
+            warmup = int(old["recipe.warmup_steps"])  # the rule would pick another for the new length
+            fraction = DEFAULT_DECAY_FRACTION if self.args.decay_fraction is None else self.args.decay_fraction
+            decay = min(max(0, recipe.total_steps - warmup), round(fraction * recipe.total_steps))
+            recipe = dataclasses.replace(recipe, warmup_steps=warmup, decay_steps=decay)
+        recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
+        try:
+            before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
+        except (TypeError, KeyError):
+            raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
+        problem = extension_problem(before, recipe, step)
+        if problem:
+            length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
+                f"--epochs {old.get('epochs') or 1}"
+            raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
+                            f"{self.total_steps}: it cannot be extended: {problem}. Resume it with its length "
+                            f"({length}), or start a new run from its weights with --init-from {path}")
+        self.recipe = recipe
+        self.extensions.append({"at_step": step, "from_total_steps": int(old["total_steps"]),
+                                "to_total_steps": self.total_steps})
+
+    def init_from(self, source: InitSource) -> None:
+        """This new run's weights from `source` (before the first step); the rest stays fresh."""
+        problem = init_mismatch(source, self.model, self.settings())
+        if problem:
+            raise UserError(problem)
+        with torch.no_grad():
+            self.model.load_state_dict(source.state)
+        self.lineage = source.lineage
 
 
 def build_training(args: argparse.Namespace, info: DistInfo, vocab_size: int | None = None) -> Training:
@@ -2050,11 +2318,20 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
     training = build_training(args, info)
-    settings = training.settings()
     resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume, tidy=True), info)
     if resume_path is not None:
         training.load(load_checkpoint_file(resume_path), resume_path)
-        log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)")
+        log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
+                  + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
+        if args.init_from is not None and (training.lineage or {}).get("source") != args.init_from and info.is_main:
+            print(f"warning: --init-from {args.init_from} is not used: {out} already holds a run, resumed from "
+                  f"{resume_path} (use a new --out to start a run from {args.init_from})", file=sys.stderr, flush=True)
+    elif args.init_from is not None:
+        training.init_from(read_init_source(args.init_from))  # every rank reads the same file
+        lineage = training.lineage
+        log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
+                  f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
+    settings = training.settings()
     tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=args.tensorboard and info.is_main)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
@@ -2395,7 +2672,7 @@ def card_info(name: str, status: str, preset: str, step: int, total_steps: int, 
             "validation_loss": validation["loss"] if validation else None,
             "validation_perplexity": validation["perplexity"] if validation else None,
             "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
-            "demo_accuracy": accuracy, "settings": settings}
+            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings}
 
 
 def export_model(model: torch.nn.Module, tokenizer, folder: Path, info: dict) -> dict[str, str]:

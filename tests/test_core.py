@@ -149,7 +149,8 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
 
 
 def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
-    assert data.ShardWriter(tmp_path, "test", "uint16", 10).finish() == {"files": [], "tokens": 0, "documents": 0}
+    assert data.ShardWriter(tmp_path, "test", "uint16", 10).finish() == {
+        "files": [], "tokens": 0, "documents": 0, "mask_tokens": {"prompt": 0, "assistant": 0, "text": 0}}
     assert list(tmp_path.iterdir()) == []
 
 
@@ -159,8 +160,11 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
     entry = writer.finish()["files"][0]
     raw = (tmp_path / entry["name"]).read_bytes()
     assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
+    mask = bytes([data.MASK_TEXT]) * 3  # no mask given: plain text
+    assert (tmp_path / "validation-00000.mask").read_bytes() == mask
     assert entry == {"name": "validation-00000.bin", "bytes": 12, "sha256": hashlib.sha256(raw).hexdigest(),
-                     "tokens": 3}
+                     "tokens": 3, "mask": {"name": "validation-00000.mask", "bytes": 3,
+                                           "sha256": hashlib.sha256(mask).hexdigest()}}
 
 
 def test_batches_group_documents_by_characters():

@@ -91,7 +91,7 @@ def demo_corpus(tmp_path_factory) -> Path:
 
 def test_demo_corpus_folder_matches_the_design(demo_corpus):
     manifest = json.loads((demo_corpus / "corpus_manifest.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["dtype"] == "uint16"
+    assert manifest["format_version"] == data.FORMAT_VERSION == 2 and manifest["dtype"] == "uint16"
     assert manifest["vocab_size"] <= 512
     assert manifest["special_tokens"] == {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<|im_start|>": 3,
                                           "<|im_end|>": 4, "<think>": 5, "</think>": 6}
@@ -196,14 +196,102 @@ def test_verify_catches_tokenizer_and_eval_edits_and_missing_shards(demo_corpus,
     assert "tokenizer/" in problems and data.DEMO_EVAL_FILE in problems and "test-00000.bin: missing" in problems
 
 
+MASKED_CHATS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, who are you?"},
+                  {"role": "assistant", "content": "Hello! A small model.", "reasoning": "greet them back"},
+                  {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]},
+    {"messages": [{"role": "user", "content": "Name a colour."},
+                  {"role": "assistant", "content": "<think>any will do</think>Blue, like the sea."}]},
+    {"text": "A plain sentence about rivers and stones, with no chat at all."},
+    {"prompt": "Say <|im_end|> literally", "response": "Here: <|im_end|> and assistant\nthat."},
+]
+
+
+def expected_answers(record: dict) -> str:
+    """The text of the tokens the mask must mark as an assistant's answer: every assistant turn's
+    rendered content and its <|im_end|>."""
+    if "text" in record:
+        return ""
+    if "prompt" in record:
+        return record["response"] + data.IM_END
+    answers = []
+    for message in record["messages"]:
+        if message["role"] == "assistant":
+            answers.append(data.render_assistant(message["content"], message.get("reasoning")) + data.IM_END)
+    return "".join(answers)
+
+
+def read_stream(corpus: Path, split: str, suffix: str, dtype: str) -> np.ndarray:
+    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
+    entries = manifest["splits"][split]["files"]
+    names = [entry["name"] if suffix == ".bin" else entry["mask"]["name"] for entry in entries]
+    return np.concatenate([np.fromfile(corpus / name, dtype=dtype) for name in names])
+
+
+@pytest.mark.parametrize("shard_tokens", [5, 7, 1000])
+def test_mask_marks_exactly_the_assistant_answers_across_shard_boundaries(tmp_path, shard_tokens):
+    records = MASKED_CHATS * 3 + [{"text": f"Sentence number {n} is here."} for n in range(3)]
+    for number, record in enumerate(records):  # distinct documents (duplicates are dropped)
+        if "messages" in record:
+            records[number] = {"messages": [dict(record["messages"][0], content=f"{number}: "
+                                                 + record["messages"][0]["content"])] + record["messages"][1:]}
+        elif "prompt" in record:
+            records[number] = dict(record, prompt=f"{number} {record['prompt']}")
+        elif "text" in record:
+            records[number] = {"text": f"{record['text']} ({number})"}
+    source = data.Source("chats", "generated", records=records)
+    settings = data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0, shard_tokens=shard_tokens,
+                                  min_chars=1, progress=False)
+    corpus = data.build_corpus([source], tmp_path / "corpus", settings)
+    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
+    for entry in manifest["splits"]["train"]["files"]:  # each mask file is cut exactly like its shard
+        assert (corpus / entry["mask"]["name"]).stat().st_size == entry["tokens"] <= shard_tokens
+    ids, mask = read_stream(corpus, "train", ".bin", "<u2"), read_stream(corpus, "train", ".mask", "u1")
+    assert len(ids) == len(mask) and set(mask.tolist()) == {0, 1, 2}
+    counts = manifest["splits"]["train"]["mask_tokens"]
+    assert counts == {name: int((mask == value).sum()) for name, value in data.MASK_CLASSES.items()}
+    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
+    ends = [0] + [int(i) + 1 for i in np.flatnonzero(ids == 2)]
+    assert ends[-1] == len(ids) and len(ends) - 1 == len(records)
+    by_text = {}
+    for start, end in zip(ends, ends[1:]):
+        document, classes = ids[start:end], mask[start:end]
+        answer = tokenizer.decode(document[classes == data.MASK_ASSISTANT].tolist())
+        by_text[tokenizer.decode(document[:-1].tolist())] = (answer, classes)
+    for record in records:
+        kind, text, _, _ = data.to_document(record, data.CHAT_TEMPLATE, True)
+        answer, classes = by_text[text]
+        assert answer == expected_answers(record), text
+        if kind == "text":
+            assert set(classes.tolist()) == {data.MASK_TEXT}
+        else:
+            assert data.MASK_TEXT not in classes and classes[-1] == data.MASK_PROMPT  # the <eos>
+    assert data.verify_corpus(corpus) == []
+
+
+def test_verify_catches_an_edited_or_missing_mask(demo_corpus, tmp_path, flip_byte):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_corpus, copy)
+    flip_byte(copy / "train-00000.mask", 10)
+    assert data.verify_corpus(copy) == ["train-00000.mask: sha256 does not match the manifest (corrupted or edited)"]
+    (copy / "train-00000.mask").unlink()
+    assert data.verify_corpus(copy) == ["train-00000.mask: missing (mask of train-00000.bin)"]
+    manifest = json.loads((copy / "corpus_manifest.json").read_text())
+    del manifest["splits"]["test"]["files"][0]["mask"]
+    assert data.verify_files(copy, manifest)[-1] == "test-00000.bin: the manifest lists no mask file for it"
+
+
 def test_verify_without_manifest_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="corpus_manifest.json is missing"):
         data.verify_corpus(tmp_path)
     (tmp_path / "corpus_manifest.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         data.verify_corpus(tmp_path)
-    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 1, "dtype": "uint16", "splits": {"x": 1}}')
+    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 2, "dtype": "uint16", "splits": {"x": 1}}')
     with pytest.raises(UserError, match="malformed"):
+        data.verify_corpus(tmp_path)
+    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 1, "dtype": "uint16", "splits": {}}')
+    with pytest.raises(UserError, match=r"built by an older data.py \(format_version 1; .*assistant mask.*rebuild"):
         data.verify_corpus(tmp_path)
 
 

@@ -7,6 +7,7 @@ so these tests do not depend on data.py's builder.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -51,13 +52,18 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
         for index, start in enumerate(range(0, len(tokens), shard_tokens)):
             path = folder / f"{split}-{index:05d}.bin"
             path.write_bytes(tokens[start: start + shard_tokens].tobytes())
+            mask = path.with_suffix(".mask")  # plain text: every token is data.MASK_TEXT
+            mask.write_bytes(bytes([data.MASK_TEXT]) * len(tokens[start: start + shard_tokens]))
             files.append({"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-                          "tokens": len(tokens[start: start + shard_tokens])})
-        manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs)}
+                          "tokens": len(tokens[start: start + shard_tokens]),
+                          "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)}})
+        manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs),
+                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)}}
     atomic_write_json(folder / "corpus_manifest.json", {
-        "format_version": 1, "dtype": "uint16", "vocab_size": len(tokenizer),
+        "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
         "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
         "tokenizer_sha256": sha256_tree(folder / "tokenizer"), "splits": manifest_splits,
+        "vocabulary_sha256": data.vocabulary_sha256(data.load_tokenizer(folder / "tokenizer")),
     })
     return folder
 
@@ -1078,3 +1084,279 @@ def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise
     assert_same_state(resumed, state)
     assert resumed["scaler"] == state["scaler"]
     assert train_losses(halves) == train_losses(whole)
+
+
+# ----------------------------------------------------------------------------------------------
+# --loss-on assistant: the corpus' mask (data.py) turns the targets the loss skips into IGNORE_INDEX
+
+
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory) -> Path:
+    """A mixed chat + plain-text corpus built by data.py, its shards cut every 997 tokens."""
+    records = data.demo_data()[0][:1500]
+    settings = data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05, shard_tokens=997,
+                                  progress=False)
+    return data.build_corpus([data.Source("chats", "generated", records=records)],
+                             tmp_path_factory.mktemp("chats") / "corpus", settings)
+
+
+def whole_stream(corpus: Path, split: str, mask: bool) -> np.ndarray:
+    files = json.loads((corpus / "corpus_manifest.json").read_text())["splits"][split]["files"]
+    return np.concatenate([np.fromfile(corpus / (f["mask"]["name"] if mask else f["name"]),
+                                       dtype="u1" if mask else "<u2") for f in files])
+
+
+@pytest.mark.parametrize("text_loss, counted", [("none", {1}), ("full", {1, 2})])
+def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_boundaries(chat_corpus, text_loss,
+                                                                                         counted):
+    manifest = json.loads((chat_corpus / "corpus_manifest.json").read_text())
+    table = train.counted_classes("assistant", text_loss)
+    split = train.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
+    tokens, mask = whole_stream(chat_corpus, "train", False), whole_stream(chat_corpus, "train", True)
+    assert len(split.masks) == len(split.shards) > 20 and len(mask) == len(tokens) == split.tokens
+    crossing = [index for index in range(split.blocks) if (index * 64) // 997 != (index * 64 + 64) // 997]
+    assert len(crossing) > 10  # blocks that span a shard boundary
+    for index in [0, 1, split.blocks - 1, *crossing]:
+        window = slice(index * 64, index * 64 + 65)
+        assert np.array_equal(split.block(index), tokens[window].astype(np.int64))
+        assert np.array_equal(split.block_mask(index), mask[window])
+    blocks = crossing[:3] + [split.blocks - 1]
+    inputs, targets = split.batch(blocks, torch.device("cpu"))
+    for row, index in enumerate(blocks):
+        window = slice(index * 64 + 1, index * 64 + 65)
+        keep = np.isin(mask[window], list(counted))
+        expected = torch.from_numpy(tokens[window][keep].astype(np.int64))
+        assert torch.equal(targets[row][torch.from_numpy(keep)], expected)
+        assert (targets[row][torch.from_numpy(~keep)] == train.IGNORE_INDEX).all()
+        assert torch.equal(inputs[row], torch.from_numpy(tokens[index * 64: index * 64 + 64].astype(np.int64)))
+    # an <|im_end|> (id 4) that closes an answer is counted; the <eos> (id 2) after a chat is not
+    all_targets = torch.cat([split.batch(list(range(start, start + 8)), torch.device("cpu"))[1]
+                             for start in range(0, 64, 8)])
+    assert (all_targets == 4).any() and (all_targets == 2).any() == (text_loss == "full")
+
+
+def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
+    class Fixed(torch.nn.Module):  # a "model" whose logits are given
+        def forward(self, input_ids):
+            logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.5, 0.5, -1.0]],
+                                   [[3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.0]]])
+            return type("Out", (), {"logits": logits})
+
+    targets = torch.tensor([[2, train.IGNORE_INDEX, 0], [train.IGNORE_INDEX, train.IGNORE_INDEX, 1]])
+
+    def nll(row: list[float], target: int) -> float:
+        return math.log(sum(math.exp(value) for value in row)) - row[target]
+
+    hand = [nll([0.0, 1.0, 2.0], 2), nll([0.5, 0.5, -1.0], 0), nll([-2.0, 1.0, 0.0], 1)]
+    inputs = torch.zeros(2, 3, dtype=torch.long)
+    assert train.language_model_loss(Fixed(), inputs, targets).item() == pytest.approx(sum(hand) / 3, rel=1e-6)
+    assert train.language_model_loss(Fixed(), inputs, targets, "sum").item() == pytest.approx(sum(hand), rel=1e-6)
+
+
+def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpus, tmp_path):
+    """With accumulation, the step's loss is the mean over all its counted targets (not a mean of the
+    micro-steps' means, whose counts differ); computed here by hand from the model before the step."""
+    training = in_process_training(chat_corpus, tmp_path / "a", "--loss-on", "assistant", "--text-loss", "none",
+                                   "--batch-size", "1", "--grad-accum", "4")
+    whole = in_process_training(chat_corpus, tmp_path / "b", "--loss-on", "assistant", "--text-loss", "none",
+                                "--batch-size", "4", "--grad-accum", "1")
+    blocks = training.sampler.step_blocks(0)
+    with torch.no_grad():
+        inputs, targets = training.splits["train"].batch(blocks, torch.device("cpu"))
+        logits = training.model(input_ids=inputs).logits
+        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                                      reduction="none", ignore_index=-100)
+    kept = targets.reshape(-1) != train.IGNORE_INDEX
+    counts = (targets != train.IGNORE_INDEX).sum(dim=1)
+    assert len(set(counts.tolist())) > 1 and 0 < kept.sum() < targets.numel()  # uneven micro-steps, some skipped
+    expected = per_token[kept].sum() / kept.sum()
+    first, second = training.train_step(), whole.train_step()
+    assert first.loss == pytest.approx(expected.item(), rel=1e-5)
+    assert second.loss == pytest.approx(expected.item(), rel=1e-5)
+    assert first.grad_norm == pytest.approx(second.grad_norm, rel=1e-4)
+
+
+def test_loss_on_assistant_refusals_are_one_clear_line(corpus, chat_corpus, tmp_path):
+    with pytest.raises(UserError, match="--text-loss needs --loss-on assistant"):
+        train.parse_args(options(chat_corpus, tmp_path / "a", "--text-loss", "full"))
+    with pytest.raises(UserError, match=r"--loss-on assistant: .* also has [\d,]+ tokens of plain-text documents; "
+                                        "say whether they count with --text-loss full or --text-loss none"):
+        train.main(options(chat_corpus, tmp_path / "b", "--loss-on", "assistant"))
+    with pytest.raises(UserError, match="--loss-on assistant: the train split of .* has no assistant tokens"):
+        train.main(options(corpus, tmp_path / "c", "--loss-on", "assistant"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_assistant_loss_run_resumes_bitwise_and_refuses_another_loss_on(chat_corpus, tmp_path):
+    assistant = ("--loss-on", "assistant", "--text-loss", "none")
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    assert train.main(options(chat_corpus, reference, *assistant, steps=8)) == 0
+    settings = json.loads((reference / "training_settings.json").read_text())
+    assert settings["training"]["loss_on"] == "assistant" and settings["training"]["text_loss"] == "none"
+    assert train.main(options(chat_corpus, out, *assistant, "--stop-after-steps", "5", steps=8)) == 0
+    with pytest.raises(UserError, match="loss_on: assistant -> all"):
+        train.main(options(chat_corpus, out, steps=8))
+    with pytest.raises(UserError, match="text_loss: none -> full"):
+        train.main(options(chat_corpus, out, "--loss-on", "assistant", "--text-loss", "full", steps=8))
+    assert train.main(options(chat_corpus, out, *assistant, steps=8)) == 0
+    assert_same_state(final_state(out), final_state(reference))
+    assert train_losses(out) == train_losses(reference)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counted = [r["val_tokens"] for r in evals if r["kind"] == "eval"]
+    assert counted and all(0 < tokens < 2 * 4 * 32 for tokens in counted)  # only the answers' targets count
+
+
+# ----------------------------------------------------------------------------------------------
+# --init-from: a new run from a checkpoint, a run folder or a Hugging Face folder
+
+
+def exported_model(run: Path) -> Path:
+    """RUN/model of a finished run, exported from its last checkpoint (--export-only)."""
+    if not (run / "model").is_dir():
+        assert train.main(["--data", json.loads((run / "training_settings.json").read_text())["runtime"]["data"],
+                           "--out", str(run), "--export-only", "--threads", "1"]) == 0
+    return run / "model"
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "run", "huggingface"])
+def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus, reference, tmp_path, kind):
+    source = {"checkpoint": reference / "checkpoints" / "step-00000008.pt", "run": reference,
+              "huggingface": exported_model(reference)}[kind]
+    training = in_process_training(corpus, tmp_path / "new", "--init-from", str(source), "--seed", "5")
+    fresh = training.model.state_dict()["model.embed_tokens.weight"].clone()
+    training.init_from(train.read_init_source(str(source)))
+    step = 8 if kind == "checkpoint" else 12  # a run folder: its newest verified checkpoint
+    expected = torch.load(reference / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)["model"]
+    assert train.tensors_equal(training.model.state_dict(), expected, "model") == []  # the export is fp32
+    assert not torch.equal(fresh, expected["model.embed_tokens.weight"])
+    assert training.step == 0 and all(not part.state for part in training.optimizer.parts.values())
+    lineage = training.lineage
+    assert lineage["kind"] == kind and lineage["source"] == str(source) and lineage["step"] == step
+    assert lineage["corpus_manifest_sha256"] == sha256_file(corpus / "corpus_manifest.json")
+    file = source / "model.safetensors" if kind == "huggingface" else \
+        reference / "checkpoints" / f"step-{step:08d}.pt"
+    assert lineage["sha256"] == sha256_file(file)
+
+
+def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, reference, tmp_path, capsys):
+    source = reference / "checkpoints" / "step-00000012.pt"
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert train.main(options(corpus, whole, "--init-from", str(source), "--seed", "3", steps=8)) == 0
+    settings = json.loads((whole / "training_settings.json").read_text())
+    assert settings["init_from"]["path"] == str(source) and settings["init_from"]["step"] == 12
+    assert settings["init_from"]["sha256"] == sha256_file(source)
+    assert train_losses(whole)[1] < train_losses(reference)[1] - 0.5  # it starts from trained weights
+    assert train.main(options(corpus, out, "--init-from", str(source), "--seed", "3", "--stop-after-steps", "5",
+                              steps=8)) == 0
+    result = run_cli(options(corpus, out, "--init-from", str(source), "--seed", "3", steps=8))  # the same command
+    assert "resumed from" in result.stdout and f"its weights first came from {source}" in result.stdout
+    assert_same_state(final_state(out), final_state(whole))
+    assert train_losses(out) == train_losses(whole)
+    assert final_state(out)["settings"]["init_from"] == settings["init_from"]
+    model = exported_model(out)  # the model card and training_provenance.json name the source
+    card = (model / "README.md").read_text()
+    assert f"Initialized from: `{source}` (checkpoint, step 12, sha256 `{sha256_file(source)}`)" in card
+    assert "starting from the weights" in card and "from scratch" not in card
+    provenance = json.loads((model / "training_provenance.json").read_text())
+    assert provenance["init_from"] == settings["init_from"]
+    other = reference / "checkpoints" / "step-00000008.pt"  # another source for a folder that holds a run
+    capsys.readouterr()
+    assert train.main(options(corpus, out, "--init-from", str(other), "--seed", "3", steps=8)) == 0
+    assert f"warning: --init-from {other} is not used: {out} already holds a run" in capsys.readouterr().err
+    assert final_state(out)["settings"]["init_from"] == settings["init_from"]
+
+
+def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpus, chat_corpus, reference,
+                                                                           tmp_path):
+    checkpoint = reference / "checkpoints" / "step-00000008.pt"
+    for source in (checkpoint, exported_model(reference)):
+        with pytest.raises(UserError, match=rf"--init-from {source}: its tokenizer is not the corpus' "
+                                            r"\(vocabulary and special tokens sha256 \w+, the corpus' \w+\)"):
+            train.main(options(chat_corpus, tmp_path / "a", "--init-from", str(source)))
+    with pytest.raises(UserError, match=rf"--init-from {checkpoint}: its shapes do not fit this run's model .*"
+                                        "model.hidden: 64 there, 32 here"):
+        train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--hidden", "32"))
+    with pytest.raises(UserError, match=r"its shapes do not fit .*model.layers.2.self_attn.q_proj.weight: missing "
+                                        "there"):
+        train.main(options(corpus, tmp_path / "c", "--init-from", str(exported_model(reference)),
+                           "--layers", str(train.model_config.PRESETS["tiny"].layers + 1)))
+    with pytest.raises(UserError, match="no such file or folder"):
+        train.main(options(corpus, tmp_path / "d", "--init-from", str(tmp_path / "nothing")))
+    with pytest.raises(UserError, match="not a checkpoint, a run folder with checkpoints/ or a Hugging Face"):
+        train.main(options(corpus, tmp_path / "e", "--init-from", str(corpus)))
+    with pytest.raises(UserError, match="give one of them"):
+        train.main(options(corpus, tmp_path / "f", "--init-from", str(checkpoint), "--resume", str(checkpoint)))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UserError, match="a 'gpt2' model; tinyllm trains Qwen3 models only"):
+        train.main(options(corpus, tmp_path / "g", "--init-from", str(gpt2)))
+    assert not any((tmp_path / name).exists() for name in "abcdefg")
+
+
+# ----------------------------------------------------------------------------------------------
+# Extending a run on resume: wsd from the stable phase only; cosine never
+
+
+@pytest.mark.parametrize("old, new, step, problem", [
+    # recipe(): 20 steps, warmup 4, decay over the last 8 (from step 12)
+    (recipe(), recipe(total_steps=40, decay_steps=16), 12, None),  # at the decay's start: nothing decayed yet
+    (recipe(), recipe(total_steps=40, decay_steps=16), 0, None),
+    (recipe(), recipe(total_steps=16, decay_steps=4), 12, None),  # shorter, the decay still ahead
+    (recipe(), recipe(total_steps=40, decay_steps=16), 13, "its decay began at step 12 and it is at step 13"),
+    (recipe(), recipe(total_steps=14, decay_steps=6), 10, "the new length's decay would start at step 8, before"),
+    (recipe(), recipe(total_steps=40, decay_steps=16, warmup_steps=8), 10, "the warmup would change from 4 to 8"),
+    (recipe(schedule="cosine", decay_steps=16), recipe(schedule="cosine", total_steps=40, decay_steps=36), 2,
+     "its schedule is cosine, whose decay spans the whole run"),
+])
+def test_extension_rule_table(old, new, step, problem):
+    got = train.extension_problem(old, new, step)
+    assert got == problem if problem is None else got.startswith(problem)
+    if problem is None:  # sound: every step taken keeps its rate
+        assert [old.lr_multiplier(s) for s in range(step)] == [new.lr_multiplier(s) for s in range(step)]
+
+
+def test_a_wsd_run_extended_in_its_stable_phase_is_the_longer_run_bit_for_bit(corpus, tmp_path):
+    """12 steps (decay from step 7), stopped at 5, extended to 20 and stopped at 15 (inside the extended run),
+    then resumed: bit for bit the run planned for 20 steps from the start."""
+    planned, out = tmp_path / "planned", tmp_path / "run"
+    assert train.main(options(corpus, planned, steps=20)) == 0
+    assert train.main(options(corpus, out, "--stop-after-steps", "5", steps=12)) == 0
+    assert train.main(options(corpus, out, "--stop-after-steps", "15", steps=20)) == 0
+    extended = json.loads((out / "training_settings.json").read_text())
+    assert extended["extended"] == [{"at_step": 5, "from_total_steps": 12, "to_total_steps": 20}]
+    assert extended["training"]["total_steps"] == 20 and extended["training"]["recipe.decay_steps"] == 8
+    result = run_cli(options(corpus, out, steps=20))  # a plain resume inside the extended run
+    assert "resumed from" in result.stdout and "step 15/20" in result.stdout
+    assert_same_state(final_state(out), final_state(planned))
+    assert train_losses(out) == train_losses(planned)
+    assert final_state(out)["settings"]["extended"] == extended["extended"]
+
+
+def test_extension_is_refused_after_the_decay_began_and_with_cosine(corpus, tmp_path):
+    wsd, cosine = tmp_path / "wsd", tmp_path / "cosine"
+    assert train.main(options(corpus, wsd, "--stop-after-steps", "9", steps=12)) == 0
+    with pytest.raises(UserError, match=r"is a run of 12 steps and this one asks for 20: it cannot be extended: its "
+                                        r"decay began at step 7 and it is at step 9: .* Resume it with its length "
+                                        r"\(--target-tokens 1536\), or start a new run from its weights with "
+                                        "--init-from"):
+        train.main(options(corpus, wsd, steps=20))
+    assert train.main(options(corpus, cosine, "--schedule", "cosine", "--stop-after-steps", "5", steps=12)) == 0
+    with pytest.raises(UserError, match="it cannot be extended: its schedule is cosine, whose decay spans the whole"):
+        train.main(options(corpus, cosine, "--schedule", "cosine", steps=20))
+    with pytest.raises(UserError, match=r"settings differ from checkpoint .*seed: 1337 -> 4.*only the length"):
+        train.main(options(corpus, wsd, "--seed", "4", steps=20))  # the length with another setting: no extension
+    assert train.main(options(corpus, cosine, "--schedule", "cosine", steps=12)) == 0  # its own length resumes
+
+
+def test_an_extension_keeps_the_warmup_the_rule_chose_for_the_first_length(corpus, tmp_path):
+    out = tmp_path / "run"
+    first = [arg for arg in options(corpus, out, "--optimizer", "adamw", steps=20) if arg not in ("--warmup-steps",
+                                                                                                  "3")]
+    assert train.main([*first, "--stop-after-steps", "5"]) == 0  # the rule: 0.05 x 20 = 1 warmup step
+    assert json.loads((out / "training_settings.json").read_text())["training"]["recipe.warmup_steps"] == 1
+    longer = [arg if arg != str(20 * 4 * 32) else str(60 * 4 * 32) for arg in first]  # the rule would say 3
+    assert train.main([*longer, "--stop-after-steps", "6"]) == 0
+    settings = json.loads((out / "training_settings.json").read_text())["training"]
+    assert settings["recipe.warmup_steps"] == 1 and settings["total_steps"] == 60
+    assert settings["recipe.decay_steps"] == 24  # re-derived for the new length: 0.4 x 60
