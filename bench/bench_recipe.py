@@ -108,8 +108,11 @@ def build_corpus(args: argparse.Namespace, work: Path) -> Path:
 
     source = Path(args.text) if args.text else work / "kjv.jsonl"
     corpus = work / f"corpus-{source.stem}"
-    if (corpus / "corpus_manifest.json").exists():
+    manifest = corpus / "corpus_manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()).get("format_version") == data.FORMAT_VERSION:
         return corpus
+    if corpus.exists():
+        shutil.rmtree(corpus)  # built by an older data.py: the bench's own folder, rebuilt
     work.mkdir(parents=True, exist_ok=True)
     if not args.text:
         with open(source, "w", encoding="utf-8") as handle:
