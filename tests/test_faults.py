@@ -19,8 +19,6 @@ import common
 import data
 import train
 
-CHECKPOINT_BYTES = 1_458_173  # a checkpoint of options()'s tiny run
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
@@ -54,11 +52,19 @@ def status(out: Path) -> dict:
 # 2. A full disk.
 
 
+@pytest.fixture(scope="module")
+def checkpoint_bytes(corpus, tmp_path_factory) -> int:
+    """The size of one checkpoint of options()'s tiny run (it depends on the optimizer's state)."""
+    out = tmp_path_factory.mktemp("sized")
+    assert train.main(options(corpus, out, "--eval-every", "0", "--stop-after-steps", "4")) == 0
+    return (out / "checkpoints" / "step-00000004.pt").stat().st_size
+
+
 def test_train_py_on_a_full_disk_stops_at_the_failed_save_and_names_the_last_good_checkpoint(corpus, tmp_path,
-                                                                                              capsys):
+                                                                                              capsys, checkpoint_bytes):
     """A real tmpfs with room for one checkpoint: the second save fails inside torch.save (which
     reports it as `enforce fail at inline_container.cc`); the run stops at once with the cause."""
-    with small_disk(tmp_path / "disk", free_bytes=int(CHECKPOINT_BYTES * 1.6)) as disk:
+    with small_disk(tmp_path / "disk", free_bytes=int(checkpoint_bytes * 1.6)) as disk:
         out = disk / "run"
         code, line = run_main_exit(capsys, lambda: train.main(options(corpus, out, "--eval-every", "0")))
         assert code == 2
