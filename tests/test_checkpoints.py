@@ -1,6 +1,6 @@
 """train.py's checkpoint folder over several sessions: damaged checkpoints, rewinds, leftovers of kill -9.
 
-The rules (README "Resume"): a checkpoint found damaged is set aside as step-N.pt.corrupt; resuming
+The rules (docs/training.md and DESIGN.md): a checkpoint found damaged is set aside as step-N.pt.corrupt; resuming
 from an older checkpoint moves the newer ones to checkpoints/abandoned-STEP/; what a killed save
 leaves behind is removed by the next session. Runs are the tiny preset on CPU, in-process.
 """

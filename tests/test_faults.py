@@ -282,7 +282,7 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
     assert "1 record(s) dropped for invalid UTF-8" in printed and "whole files" in printed
     inputs = {Path(entry["source"]).name: entry
               for entry in json.loads((out / "source_manifest.json").read_text())["inputs"]}
-    assert inputs["link.txt"]["documents_kept"] == 1  # a symlinked file is read (documented in the README)
+    assert inputs["link.txt"]["documents_kept"] == 1  # a symlinked file is read (documented in docs/TROUBLESHOOTING.md)
 
     # --vocab-size with --tokenizer is not ignored silently
     assert data.main(["--data", str(texts), "--out", str(tmp_path / "b"), "--tokenizer", str(out), "--vocab-size",
