@@ -1962,12 +1962,12 @@ class Training:
             loss_sum += loss.detach().double()
         optimizers = list(self.optimizer.parts.values())
         self.scaler.unscale_(optimizers)
-        grad_norm = clip_gradients(self.model.parameters(), self.recipe.grad_clip)
+        # --grad-clip 0 is off: an infinite bound never clips (a bound of 0 would zero every gradient)
+        grad_norm = clip_gradients(self.model.parameters(), self.recipe.grad_clip or math.inf).item()
         mean_loss = all_reduce_sum(loss_sum, self.info).item() / self.info.world
-        if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm.item())):
-            raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm.item()}) "
-                                f"at step {step + 1}")
-        applied = self.scaler.step(optimizers, finite=math.isfinite(grad_norm.item()))
+        if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
+            raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm}) at step {step + 1}")
+        applied = self.scaler.step(optimizers, finite=math.isfinite(grad_norm))
         self.optimizer.zero_grad()
         if applied:
             self.sampler.step += 1
@@ -1977,7 +1977,7 @@ class Training:
         seconds = time.perf_counter() - started
         self.metrics.train_seconds += seconds
         lr = self.recipe.lr * lr_multiplier if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
-        return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=float(grad_norm), seconds=seconds,
+        return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                           applied=applied)
 
     @torch.no_grad()

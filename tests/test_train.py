@@ -739,6 +739,14 @@ def test_muon_state_is_in_the_checkpoint_and_the_recipe_in_the_settings(referenc
     assert settings["recipe.schedule"] == train.DEFAULT_SCHEDULE and settings["recipe.total_steps"] == 12
 
 
+def test_grad_clip_0_is_off_not_a_zero_bound(corpus, tmp_path):
+    """The embedding (AdamW, no decay) moves only if its gradient survives the clipping."""
+    training = in_process_training(corpus, tmp_path / "run", "--grad-clip", "0")
+    before = training.model.get_input_embeddings().weight.detach().clone()
+    result = training.train_step()
+    assert result.grad_norm > 0 and not torch.equal(training.model.get_input_embeddings().weight, before)
+
+
 def test_adamw_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     assert train.main(options(corpus, full, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0")) == 0
