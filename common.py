@@ -14,6 +14,9 @@ import hashlib
 import json
 import os
 import random
+import re
+import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -149,20 +152,6 @@ def sha256_tree(folder: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """Make a rename inside `folder` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
     """Create `folder` if needed and write (then remove) a small file there, before any work: a
     read-only mount or a full disk is then one error naming the folder, not a traceback at the end."""
@@ -188,11 +177,91 @@ def _process_umask() -> int:
 PLAIN_FILE_MODE = 0o666 & ~_process_umask()  # what open() gives a new file; read once, at import (no race)
 
 
-def temporary_file_beside(target: Path) -> tuple[int, str]:
-    """mkstemp beside `target`, with the permissions a plain open() would give (mkstemp's are owner-only)."""
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.fchmod(fd, PLAIN_FILE_MODE)
-    return fd, name
+# One scheme for everything written beside its final name, here and on a backup remote:
+# `.NAME.<8 hex>.tmp` while it is written (a file or a folder), `.NAME.<8 hex>.old` for the folder an
+# atomic swap moved away. A killed process leaves only such names, so `remove_temporaries` knows them all.
+TEMPORARY = re.compile(r"\.(?P<target>.+)\.[0-9a-f]{8}\.(?P<kind>tmp|old)")
+
+
+def temporary_name(name: str, kind: str = "tmp") -> str:
+    """`.NAME.<random>.tmp`: hidden, unique, and recognised by remove_temporaries."""
+    return f".{name}.{secrets.token_hex(4)}.{kind}"
+
+
+def temporary_target(name: str) -> str | None:
+    """The final name a temporary name was made for (None: not a temporary)."""
+    match = TEMPORARY.fullmatch(name)
+    return match.group("target") if match else None
+
+
+def remove_temporaries(folder: str | os.PathLike, target: str | None = None) -> list[str]:
+    """Delete what killed writes left in `folder` (of `target` only, when given); returns the names.
+
+    A `.NAME.*.old` folder is put back as NAME when NAME is missing (a swap killed between its two
+    renames), else deleted."""
+    folder = Path(folder)
+    removed = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        match = TEMPORARY.fullmatch(path.name)
+        if match is None or (target is not None and match.group("target") != target):
+            continue
+        final = folder / match.group("target")
+        if match.group("kind") == "old" and not final.exists():
+            os.replace(path, final)
+            continue
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file's bytes to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename inside `folder` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _process_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+PLAIN_FILE_MODE = 0o666 & ~_process_umask()  # what open() gives a new file; read once, at import (no race)
+PLAIN_FOLDER_MODE = 0o777 & ~_process_umask()
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary path beside `path` for a writer that wants a name (torch.save, a GGUF writer);
+    on success it is fsynced and renamed over `path`; on any exception removed, `path` untouched."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.parent / temporary_name(target.name)
+    try:
+        yield temp
+        fsync_file(temp)
+        os.replace(temp, target)
+        fsync_dir(target.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 @contextlib.contextmanager
@@ -201,20 +270,40 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
 
     On any exception the temporary file is removed and `path` is untouched.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = temporary_file_beside(target)
-    try:
+    with atomic_path(path) as temp:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PLAIN_FILE_MODE)
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
             yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp_name, target)
-        fsync_dir(target.parent)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a folder beside `path` and swap it in whole when the block ends without an exception.
+
+    Stale siblings of earlier killed builds are swept first; on failure the temporary folder is
+    removed and `path` is as it was. Every file is fsynced and made plainly readable before the swap.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_temporaries(target.parent, target.name)
+    temp = target.parent / temporary_name(target.name)
+    temp.mkdir()
+    try:
+        yield temp
+        for item in sorted(temp.rglob("*"), reverse=True):  # files before the folders that hold them
+            item.chmod(PLAIN_FOLDER_MODE if item.is_dir() else PLAIN_FILE_MODE)
+            (fsync_dir if item.is_dir() else fsync_file)(item)
+        temp.chmod(PLAIN_FOLDER_MODE)
+        fsync_dir(temp)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
+        shutil.rmtree(temp, ignore_errors=True)
         raise
+    old = target.parent / temporary_name(target.name, "old")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(temp, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -37,11 +37,10 @@ import numpy as np
 from common import (
     ArgumentParser,
     UserError,
+    atomic_path,
     atomic_write_text,
-    fsync_dir,
     run_main,
     sha256_file,
-    temporary_file_beside,
 )
 from model_config import Preset, nonpositive_field
 
@@ -637,26 +636,6 @@ def modelfile_path_for(gguf_path: Path) -> Path:
     return gguf_path.with_suffix(".Modelfile")
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def temporary_beside(target: Path):
-    """A fresh temporary path beside `target`, removed unless the caller renamed it."""
-    fd, name = temporary_file_beside(target)
-    os.close(fd)
-    try:
-        yield Path(name)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
-
-
 def verify_export(source: ModelSource, temp: Path, out: Path, out_type: str, log) -> dict:
     """Both checks on the temporary file; a failure says that `out` was left alone."""
     checks = {}
@@ -700,20 +679,17 @@ def export(
     plan = plan_tensors(source, out_type)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    with temporary_beside(out) as temp:
+    with atomic_path(out) as temp:
         with contextlib.ExitStack() as stack:
             tensors = Conversions(source, plan, stack)  # converting starts now, in the background
             vocab = read_vocab(source)
             values, sources = read_provenance(source.folder, provenance)
             name = name or model_name(source.folder)
             counts = write_gguf(temp, source, vocab, plan, tensors, out_type, name, values)
-        fsync_file(temp)
         seconds = time.perf_counter() - started
         checks = verify_export(source, temp, out, out_type, log) if verify else {}
-        os.replace(temp, out)
     if modelfile:
         atomic_write_text(model_file, modelfile_text(out, model_file, source.preset.context))
-    fsync_dir(out.parent)
     return {
         "path": str(out),
         "modelfile": str(model_file) if modelfile else None,
