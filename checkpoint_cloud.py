@@ -55,8 +55,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -67,6 +65,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
+import checkpoint_store as store
 from common import (
     HASH_CHUNK_BYTES,
     ArgumentParser,
@@ -76,17 +75,17 @@ from common import (
     fsync_dir,
     os_error_text,
     read_json,
+    read_json_or,
     run_main,
     sha256_file,
     sha256_tree,
+    temporary_name,
+    temporary_target,
     utc_now,
 )
 
 CHECKPOINT_DIR = "checkpoints"
-LATEST = "latest.json"
-RECORD_SUFFIX = ".json"
 CORPUS_MANIFEST = "corpus_manifest.json"
-CHECKPOINT_NAME = re.compile(r"step-(\d+)\.pt")
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
 RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json")
@@ -189,9 +188,8 @@ def _parent(path: str) -> str:
 
 
 def _temp_name(path: str) -> str:
-    """A hidden temporary name beside `path`, unique to this upload."""
-    parent, name = _parent(path), path.rsplit("/", 1)[-1]
-    return f"{parent}/.{name}.{secrets.token_hex(4)}.partial"
+    """A hidden temporary name beside `path`, unique to this upload (common.temporary_name's scheme)."""
+    return f"{_parent(path)}/{temporary_name(path.rsplit('/', 1)[-1])}"
 
 
 def _make_durable(fs, path: str) -> None:
@@ -304,62 +302,33 @@ def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256:
 # Checkpoints on the remote.
 
 
-def step_of(name: str) -> int | None:
-    match = CHECKPOINT_NAME.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
 def checkpoint_folder(root: str) -> str:
     return f"{root}/{CHECKPOINT_DIR}" if root != "/" else f"/{CHECKPOINT_DIR}"
 
 
-def _read_json_quietly(path: Path) -> dict:
+def local_record(path: Path) -> store.Record | None:
+    """train.py's record of a local checkpoint (NAME.pt.json beside it); None when it has none that reads."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+        return store.read_record(path.parent / store.record_name(path.name))
+    except UserError:
+        return None
 
 
-def local_sidecar(path: str | os.PathLike) -> dict:
-    """train.py's record step-N.json of a local checkpoint {"path", "step", "sha256", "bytes", "run_id",
-    "created"}, or {} when there is none or it names another file."""
-    path = Path(path)
-    sidecar = _read_json_quietly(path.with_suffix(".json"))
-    return sidecar if sidecar.get("path", path.name) == path.name else {}
+def upload_checkpoint(fs, root: str, local_path: str | os.PathLike) -> store.Record:
+    """Upload one checkpoint by the verified protocol, then its record; latest.json is not moved.
 
-
-def local_run_facts(path: str | os.PathLike) -> dict:
-    """{"run_id", "created"} of a local checkpoint, as far as known: its train.py sidecar step-N.json,
-    else the run_id in RUN/training_settings.json (RUN = the checkpoints folder's parent)."""
-    path = Path(path)
-    sidecar = local_sidecar(path)
-    facts = {key: sidecar[key] for key in ("run_id", "created") if sidecar.get(key)}
-    if "run_id" not in facts:
-        settings = _read_json_quietly(path.parent.parent / "training_settings.json")
-        if settings.get("run_id"):
-            facts["run_id"] = settings["run_id"]
-    return facts
-
-
-def upload_checkpoint(fs, root: str, local_path: str | os.PathLike, step: int | None = None) -> dict:
-    """Upload one checkpoint by the verified protocol and write its record; latest.json is not moved.
-
-    The sha256 and size train.py recorded in the sidecar step-N.json are what the remote copy must
-    match, so the file is read once (by the upload) and one that changed since it was written raises
-    LocalFileChanged. Returns the record {"path", "step", "sha256", "bytes", "uploaded_utc"} plus
-    "run_id" and "created" when train.py's records name them (local_run_facts): the run_id is what
-    lets a later session of the same run apply retention to these files.
+    The sha256 and size train.py recorded as it wrote the checkpoint are what the remote copy must
+    match, so the file is read once (by the upload), and one that changed since it was written (or
+    never had a record) raises LocalFileChanged. The remote record is the local one, unchanged: its
+    run_id is what lets a later session of the same run apply retention to these files.
     """
     local = Path(local_path)
-    step = step_of(local.name) if step is None else int(step)
-    folder = checkpoint_folder(root)
-    sidecar = local_sidecar(local)
-    recorded_sha = sidecar.get("sha256") if isinstance(sidecar.get("sha256"), str) else None
-    recorded_size = sidecar.get("bytes") if isinstance(sidecar.get("bytes"), int) else None
-    checked = upload_verified(fs, local, f"{folder}/{local.name}", sha256=recorded_sha, size=recorded_size)
-    record = {"path": local.name, "step": step, **checked, **local_run_facts(local), "uploaded_utc": utc_now()}
-    put_json(fs, f"{folder}/{local.name}{RECORD_SUFFIX}", record)
+    record = local_record(local)
+    if record is None or record.path != local.name:
+        raise LocalFileChanged(f"{local.name} has no record of train.py's ({store.record_name(local.name)}): "
+                               "it cannot be verified")
+    upload_verified(fs, local, f"{checkpoint_folder(root)}/{local.name}", sha256=record.sha256, size=record.bytes)
+    put_json(fs, f"{checkpoint_folder(root)}/{store.record_name(local.name)}", record.to_json())
     return record
 
 
@@ -405,7 +374,7 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
         target = run_dir / name
         if target.exists():
             continue
-        temp = run_dir / f".{name}.{secrets.token_hex(4)}.partial"
+        temp = run_dir / temporary_name(name)
         try:
             fs.get_file(run_file_path(root, name), str(temp))
             with open(temp, "rb+") as handle:
@@ -420,7 +389,7 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
     if restored:
         fsync_dir(run_dir)
     if "run_status.json" in restored and step is not None:
-        remote_status = _read_json_quietly(run_dir / "run_status.json")
+        remote_status = read_json_or(run_dir / "run_status.json", {})
         if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
             was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
             atomic_write_json(run_dir / "run_status.json", {
@@ -432,8 +401,8 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
     return restored
 
 
-def write_remote_latest(fs, root: str, record: dict) -> None:
-    put_json(fs, f"{checkpoint_folder(root)}/{LATEST}", record)
+def write_remote_latest(fs, root: str, record: store.Record) -> None:
+    put_json(fs, f"{checkpoint_folder(root)}/{store.LATEST}", record.to_json())
 
 
 def remote_listing(fs, root: str) -> dict:
@@ -448,16 +417,16 @@ def remote_listing(fs, root: str) -> dict:
     present = set(names)
     listing = {"verified": {}, "unverified": [], "partials": [], "latest": None, "latest_error": None}
     for name in names:
-        step = step_of(name)
-        if name.endswith(".partial"):
+        step = store.step_of(name)
+        if temporary_target(name):
             listing["partials"].append(name)
-        elif step is not None and f"{name}{RECORD_SUFFIX}" in present:
+        elif step is not None and store.record_name(name) in present:
             listing["verified"][step] = name
         elif step is not None:
             listing["unverified"].append(name)
-    if LATEST in present:
+    if store.LATEST in present:
         try:
-            listing["latest"] = get_json(fs, f"{folder}/{LATEST}")
+            listing["latest"] = get_json(fs, f"{folder}/{store.LATEST}")
         except VerificationError as error:
             listing["latest_error"] = str(error)
     return listing
@@ -485,29 +454,35 @@ def choose_remote_deletions(steps: Iterable[int], ours: set[int], keep_recent: i
     return [step for step in steps if step in ours and step not in keep]
 
 
-def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[dict]:
-    """Records to try, best first: latest.json's checkpoint, then older verified ones, newest first."""
+def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Record]:
+    """Records to try, best first: latest.json's checkpoint, then older verified ones, newest first
+    (steps after latest.json's belong to a timeline the run left: never restored)."""
     listing = remote_listing(fs, root)
     folder = checkpoint_folder(root)
-    candidates = []
-    latest = listing["latest"]
     if listing["latest_error"]:
-        log(f"checkpoint restore: WARNING the remote {LATEST} is unreadable ({listing['latest_error']}); "
+        log(f"checkpoint restore: WARNING the remote {store.LATEST} is unreadable ({listing['latest_error']}); "
             "trying the verified checkpoints instead")
-    elif isinstance(latest, dict) and step_of(str(latest.get("path"))) is not None:
-        candidates.append(latest)
-    newest_allowed = int(latest["step"]) if candidates else None
+    latest = remote_record(listing["latest"])
+    candidates = [latest] if latest is not None else []
     for step in sorted(listing["verified"], reverse=True):
         name = listing["verified"][step]
-        if candidates and (name == candidates[0]["path"] or step >= newest_allowed):
+        if latest is not None and step >= latest.step:
             continue
         try:
-            record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}")
+            record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
         except VerificationError:
             record = None
-        if isinstance(record, dict) and record.get("sha256") and record.get("path") == name:
+        if record is not None and record.path == name:
             candidates.append(record)
     return candidates
+
+
+def remote_record(obj) -> store.Record | None:
+    """A remote record as a store.Record; None when it is not one."""
+    try:
+        return store.Record.from_json(obj)
+    except (ValueError, TypeError):
+        return None
 
 
 def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> Path:
@@ -516,7 +491,7 @@ def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size:
     if local_path.is_file() and sha256_file(local_path) == sha256:
         return local_path
     local_path.parent.mkdir(parents=True, exist_ok=True)
-    temp = local_path.parent / f".{local_path.name}.{secrets.token_hex(4)}.partial"
+    temp = local_path.parent / temporary_name(local_path.name)
     try:
         fs.get_file(remote_path, str(temp))
         if (size is not None and temp.stat().st_size != size) or sha256_file(temp) != sha256:
@@ -545,26 +520,11 @@ def remote_errors(action: str):
                         "credentials") from None
 
 
-def write_local_sidecar(fs, root: str, path: Path, local_record: dict, remote_record: dict) -> None:
-    """train.py's sidecar step-N.json beside a restored checkpoint {"path", "step", "sha256", "bytes",
-    "run_id", "created"}, so local retention treats the file as this run's. The run_id comes from the
-    remote record, else from the remote training_settings.json (remotes written before records had
-    it); with neither, no sidecar is written and latest.json alone vouches for the file."""
-    run_id = remote_record.get("run_id")
-    if not run_id:
-        with contextlib.suppress(Exception):
-            settings = get_json(fs, run_file_path(root, "training_settings.json"))
-            run_id = settings.get("run_id") if isinstance(settings, dict) else None
-    if run_id:
-        created = remote_record.get("created") or remote_record.get("uploaded_utc") or utc_now()
-        atomic_write_json(path.with_suffix(".json"), {**local_record, "run_id": run_id, "created": created})
-
-
 def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None:
     """Rename a corrupt checkpoint's record to NAME.json.corrupt (best effort), so that nothing uses it,
     retention does not count it among the kept ones, and `verify` shows the file as unverified. The
     file itself stays (for inspection); the run re-uploads that step under the same name later."""
-    record = f"{folder}/{name}{RECORD_SUFFIX}"
+    record = f"{folder}/{store.record_name(name)}"
     try:
         fs.mv(record, f"{record}.corrupt")
         _refresh(fs, folder)
@@ -572,7 +532,7 @@ def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None
         log(f"checkpoint restore: the record of the corrupt {name} could not be set aside ({type(error).__name__})")
         return
     log(f"checkpoint restore: {name} is no longer counted as a verified backup (record renamed to "
-        f"{name}{RECORD_SUFFIX}.corrupt)")
+        f"{store.record_name(name)}.corrupt)")
 
 
 def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line,
@@ -597,11 +557,10 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
     if not candidates:
         return None
     for record in candidates:
-        name = record["path"]
+        name = record.path
         try:
             with remote_errors(f"downloading {name}"):
-                path = download_verified(fs, f"{folder}/{name}", local_dir / name, record["sha256"],
-                                         record.get("bytes"))
+                path = download_verified(fs, f"{folder}/{name}", local_dir / name, record.sha256, record.bytes)
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
             if read_only:
@@ -610,18 +569,16 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
             else:
                 quarantine_record(fs, folder, name, log)
             continue
-        local_record = {key: record[key] for key in ("path", "step", "sha256", "bytes") if key in record}
-        write_local_sidecar(fs, root, path, local_record, record)
-        atomic_write_json(local_dir / LATEST, local_record)
-        log(f"checkpoint restore: {name} (step {record['step']}) restored from the remote and verified")
+        store.write_record(local_dir, record)
+        store.write_record(local_dir, record, store.LATEST)
+        log(f"checkpoint restore: {name} (step {record.step}) restored from the remote and verified")
         if record is not candidates[0] and not read_only:  # the remote latest.json named a corrupt one
             with contextlib.suppress(Exception):
                 write_remote_latest(fs, root, record)
-                log(f"checkpoint restore: the remote {LATEST} now names {name}")
+                log(f"checkpoint restore: the remote {store.LATEST} now names {name}")
         try:
             with remote_errors("downloading the run files"):
-                history = restore_run_files(fs, root, local_dir.parent, record.get("run_id"), log,
-                                            step=record.get("step"))
+                history = restore_run_files(fs, root, local_dir.parent, record.run_id, log, step=record.step)
         except (UserError, VerificationError) as error:
             log(f"checkpoint restore: WARNING the run files (metrics.jsonl, ...) were not restored: {error}")
         else:
@@ -771,7 +728,7 @@ class CheckpointBackup:
                 path = Path(candidate).resolve()
                 upload = self._uploads.get(str(path))
                 if upload is None:
-                    step = step_of(path.name)
+                    step = store.step_of(path.name)
                     if step is not None and newest_backed is not None and step < newest_backed:
                         released.append(path)
                 elif upload.state in ("verified", "dropped"):
@@ -908,7 +865,7 @@ class CheckpointBackup:
                 return
             started = time.monotonic()
             try:
-                upload.record = upload_checkpoint(self.fs, self.root, upload.path, upload.step)
+                upload.record = upload_checkpoint(self.fs, self.root, upload.path)
             except LocalFileChanged as error:  # uploading it again would not help: give up on this file
                 with self._cond:
                     upload.state = "dropped"
@@ -916,11 +873,10 @@ class CheckpointBackup:
                 self.log(f"checkpoint backup: WARNING {error}; not backed up (no record, latest.json not moved)")
                 return
             self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}, "
-                     f"{upload.record['bytes'] / 1e6:.1f} MB) uploaded and verified in "
+                     f"{upload.record.bytes / 1e6:.1f} MB) uploaded and verified in "
                      f"{time.monotonic() - started:.1f}s")
-            if upload.record.get("run_id"):
-                with self._cond:
-                    self._run_id = upload.record["run_id"]
+            with self._cond:
+                self._run_id = upload.record.run_id
         with self._cond:
             move_latest = self._latest_step is None or upload.step >= self._latest_step
         if move_latest:
@@ -981,7 +937,7 @@ class CheckpointBackup:
         """The run_id in the remote record of checkpoint `name` (None: none, or unreadable)."""
         if name not in self._remote_run_ids:
             try:
-                record = get_json(self.fs, f"{checkpoint_folder(self.root)}/{name}{RECORD_SUFFIX}")
+                record = get_json(self.fs, f"{checkpoint_folder(self.root)}/{store.record_name(name)}")
             except VerificationError:
                 record = None
             run_id = record.get("run_id") if isinstance(record, dict) else None
@@ -1006,7 +962,7 @@ class CheckpointBackup:
         folder = checkpoint_folder(self.root)
         for step in victims:
             name = verified[step]
-            self.fs.rm_file(f"{folder}/{name}{RECORD_SUFFIX}")  # the record first: a lone file is never trusted
+            self.fs.rm_file(f"{folder}/{store.record_name(name)}")  # the record first: a lone file is never trusted
             self._remote_run_ids.pop(name, None)
             self.fs.rm_file(f"{folder}/{name}")
         if victims:
@@ -1257,7 +1213,7 @@ class BackupProcess:
         with self._cond:
             done = [path for path in candidates if path in self._states]
             waiting = [path for path in candidates if path not in self._states]
-        overflow = beyond_unbacked_bound(waiting, lambda path: step_of(Path(path).name) or 0,
+        overflow = beyond_unbacked_bound(waiting, lambda path: store.step_of(Path(path).name) or 0,
                                          self.options["max_unbacked"])
         for path in overflow:
             self.log(f"checkpoint backup: WARNING deleting local {Path(path).name} although it never reached "
@@ -1419,7 +1375,7 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
     if target.exists() and any(target.iterdir()):
         raise UserError(f"{target} exists and is not a finished corpus; remove it or choose another folder")
     fs, root = open_remote(url)
-    temp = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
+    temp = target.parent / temporary_name(target.name)
     try:
         with remote_errors("downloading the corpus"):
             _refresh(fs, root)
@@ -1427,7 +1383,7 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
             if CORPUS_MANIFEST not in names:
                 raise UserError(f"the remote corpus has no {CORPUS_MANIFEST}")
             for name in names:
-                if name.rsplit("/", 1)[-1].endswith(".partial"):
+                if temporary_target(name.rsplit("/", 1)[-1]):
                     continue
                 (temp / name).parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(f"{root}/{name}", str(temp / name))
@@ -1509,7 +1465,7 @@ def command_list(url: str) -> int:
         if not listing["verified"] and not listing["unverified"]:
             print("no checkpoints on the remote")
         for step, name in sorted(listing["verified"].items()):
-            record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}") or {}
+            record = get_json(fs, f"{folder}/{store.record_name(name)}") or {}
             mark = "  <- latest" if latest.get("path") == name else ""
             print(f"{name:24s} step {step:>9} {record.get('bytes', '?'):>14} bytes  "
                   f"sha256 {str(record.get('sha256', '?'))[:12]}{mark}")
@@ -1530,50 +1486,37 @@ def command_push(run_dir: str, url: str) -> int:
         if (source / CORPUS_MANIFEST).is_file():
             push_corpus(source, fs, root)
             return 0
-        local = sorted((p for p in (source / CHECKPOINT_DIR).glob("step-*.pt") if step_of(p.name) is not None),
-                       key=lambda p: step_of(p.name))
-        if not local:
+        local = store.list_folder(source / CHECKPOINT_DIR)
+        if not local.files:
             raise UserError(f"{source / CHECKPOINT_DIR} holds no step-*.pt checkpoints")
         folder = checkpoint_folder(root)
         listing = remote_listing(fs, root)
         newest = None
-        for path in local:
-            sha = sha256_file(path)
-            if not matches_local_record(path, sha):
-                print(f"WARNING {path.name}: no local record (step-N.json / latest.json) with this sha256; not pushed")
+        for name in local.steps(local.files):
+            problem = local.mismatch(name)
+            if problem:
+                print(f"WARNING {problem}; not pushed")
                 continue
-            known = get_json(fs, f"{folder}/{path.name}{RECORD_SUFFIX}") if path.name in listing["verified"].values() \
-                else None
-            if known and known.get("sha256") == sha:
-                print(f"{path.name}: already on the remote")
+            record = local.records[name]
+            known = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}")) \
+                if name in listing["verified"].values() else None
+            if known and known.sha256 == record.sha256:
+                print(f"{name}: already on the remote")
                 newest = known
                 continue
             try:
-                newest = upload_checkpoint(fs, root, path)
+                newest = upload_checkpoint(fs, root, source / CHECKPOINT_DIR / name)
             except VerificationError as error:
-                raise UserError(f"pushing {path.name}: {error}; nothing of it was published") from None
-            print(f"{path.name}: uploaded and verified")
+                raise UserError(f"pushing {name}: {error}; nothing of it was published") from None
+            print(f"{name}: uploaded and verified")
         if newest is None:
             raise UserError(f"no checkpoint in {source / CHECKPOINT_DIR} matches its local record; nothing pushed")
         write_remote_latest(fs, root, newest)
-        print(f"remote latest.json -> {newest['path']} (step {newest['step']})")
+        print(f"remote latest.json -> {newest.path} (step {newest.step})")
         history = upload_run_files(fs, root, source)
         if history:
             print(f"run files uploaded and verified: {', '.join(history)}")
     return 0
-
-
-def matches_local_record(path: Path, sha256: str) -> bool:
-    """Whether train.py's record of a local checkpoint (its step-N.json, or latest.json naming it)
-    has this sha256: a file that does not match is truncated or corrupt and is not pushed."""
-    for record_path in (path.with_suffix(".json"), path.parent / LATEST):
-        try:
-            record = json.loads(record_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("path", path.name) == path.name:
-            return record.get("sha256") == sha256
-    return False
 
 
 def command_pull(url: str, run_dir: str) -> int:
@@ -1621,7 +1564,7 @@ def command_verify(url: str) -> int:
                 return 0
             folder = checkpoint_folder(root)
             for _, name in sorted(listing["verified"].items()):
-                record = get_json(fs, f"{folder}/{name}{RECORD_SUFFIX}") or {}
+                record = get_json(fs, f"{folder}/{store.record_name(name)}") or {}
                 got_size, got_sha = remote_digest(fs, f"{folder}/{name}")
                 if got_sha != record.get("sha256") or got_size != record.get("bytes"):
                     problems.append(f"{name}: does not match its recorded sha256 (corrupted)")
@@ -1630,11 +1573,11 @@ def command_verify(url: str) -> int:
             problems += [f"{name}: has no record (unverified upload)" for name in listing["unverified"]]
             latest = listing["latest"]
             if listing["latest_error"]:
-                problems.append(f"{LATEST}: {listing['latest_error']}")
+                problems.append(f"{store.LATEST}: {listing['latest_error']}")
             elif latest is None:
-                problems.append(f"{LATEST}: missing")
+                problems.append(f"{store.LATEST}: missing")
             elif latest.get("path") not in listing["verified"].values():
-                problems.append(f"{LATEST}: points at {latest.get('path')}, which is not a verified checkpoint")
+                problems.append(f"{store.LATEST}: points at {latest.get('path')}, which is not a verified checkpoint")
             checked = len(listing["verified"])
             if listing["partials"]:
                 print(f"note: {len(listing['partials'])} partial upload(s) present (ignored)")

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint_cloud
+import checkpoint_store as store
 import data
 import model_config
 import report
@@ -76,7 +77,6 @@ PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of th
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
                  "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
-CHECKPOINT_NAME = re.compile(r"step-(\d{8})\.pt")
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
 
@@ -1125,37 +1125,12 @@ class HashingWriter:
         return self.digest.hexdigest()
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
-
-
-def sidecar_path(path: Path) -> Path:
-    """step-00001000.pt -> step-00001000.json: its step, sha256, bytes and the run that wrote it."""
-    return path.with_suffix(".json")
-
-
-def checkpoint_steps(folder: Path) -> dict[Path, int]:
-    """The folder's step-N.pt files (this naming scheme only) -> N."""
-    return {path: int(match.group(1)) for path in folder.glob("step-*.pt")
-            if (match := CHECKPOINT_NAME.fullmatch(path.name))}
-
-
-def size_text(size: int) -> str:
-    return f"{size / 1e6:,.1f} MB" if size >= 100_000 else f"{size:,} bytes"
-
-
-def set_aside(path: Path) -> str:
-    """Rename a damaged step-N.pt and its record to *.corrupt: kept for inspection, out of resume and retention."""
-    target = path.with_name(f"{path.name}.corrupt")
-    os.replace(path, target)
-    sidecar = sidecar_path(path)
-    if sidecar.exists():
-        os.replace(sidecar, sidecar.with_name(f"{sidecar.name}.corrupt"))
-    return target.name
-
-
 class CheckpointWriteFailed(UserError):
     """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class Checkpointer:
@@ -1165,6 +1140,7 @@ class Checkpointer:
     snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
     `save` or `wait`. `backup` (optional) has submit(path, step), is_backed_up(path) -> bool
     and wait(timeout_s) -> bool; retention never deletes a file the backup has not confirmed.
+    The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
     """
 
     def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
@@ -1178,11 +1154,11 @@ class Checkpointer:
         self.last_write_seconds = 0.0
         self.last_saved_step: int | None = None
 
-    def save(self, snapshot: dict, step: int, best_val_loss: float | None = None) -> None:
-        """Queue `snapshot` for writing as step-{step}.pt (and best.pt when best_val_loss is given)."""
+    def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
+        """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
         self.wait()
         self.last_saved_step = step
-        self._thread = threading.Thread(target=self._write, args=(snapshot, step, best_val_loss),
+        self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
 
@@ -1210,335 +1186,88 @@ class Checkpointer:
         self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
         return caught_up
 
-    def _write(self, snapshot: dict, step: int, best_val_loss: float | None) -> None:
-        path, writer = self.folder / checkpoint_name(step), None
+    def _write(self, snapshot: dict, step: int, val_loss: float | None) -> None:
+        name, writer = store.checkpoint_name(step), None
         try:
             started = time.perf_counter()
-            with atomic_open(path, "wb") as handle:
+            with atomic_open(self.folder / name, "wb") as handle:
                 writer = HashingWriter(handle)
                 torch.save(snapshot, writer)
                 handle.flush()
-                entry = {"path": path.name, "step": step, "sha256": writer.sha256(), "bytes": handle.tell()}
+                record = store.Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
+                                      run_id=self.run_id, created=utc_now(), val_loss=val_loss)
                 # the record goes before the rename: a save killed in between leaves a record without
                 # a checkpoint (the next session removes it), never a checkpoint nobody can verify
-                atomic_write_json(sidecar_path(path), {**entry, "run_id": self.run_id, "created": utc_now()})
-            atomic_write_json(self.folder / "latest.json", entry)
-            if best_val_loss is not None:
-                self._write_best(path, entry, best_val_loss)
+                store.write_record(self.folder, record)
+            store.write_record(self.folder, record, store.LATEST)
             if self.backup is not None:
-                self.backup.submit(path, step)
+                self.backup.submit(self.folder / name, step)
             self.apply_retention()
             self.last_write_seconds = time.perf_counter() - started
         except BaseException as error:  # surfaced on the training thread at the next step (check) or save
             cause = writer.os_error if writer is not None and writer.os_error is not None else error
             if isinstance(cause, OSError) and cause.errno:
-                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, cause.filename or path)}")
+                where = cause.filename or self.folder / name
+                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, where)}")
             self._error = error
 
-    def start_timeline(self, resumed_from: Path | None, step: int) -> None:
-        """Make the checkpoint this session continues from (at `step`) the newest one of the folder.
-
-        After `--resume PATH` to an older checkpoint, the newer ones (and best.pt when it is one of
-        them) belong to the abandoned timeline: they move to abandoned-STEP/, so that neither
-        `--resume auto`, retention nor best.pt mixes the two timelines. Moved, never deleted: they may
-        be the only copy of that progress. latest.json then names the checkpoint resumed from.
-        """
-        remove_stale_temporaries(self.folder)
-        if resumed_from is None:
-            return
-        steps = checkpoint_steps(self.folder)
-        newer = sorted(path for path, number in steps.items() if number > step)
-        rewound = any(sidecar_path(path).exists() for path in newer)  # auto leaves no newer recorded one
-        # a checkpoint of another run (PATH came from another folder): no ancestor of this timeline, and
-        # `--resume auto` must not fall back to it
-        other_runs = sorted(path for path, number in steps.items()
-                            if number <= step and recorded_run_id(path) not in (None, self.run_id))
-        if rewound or other_runs:
-            self._abandon(sorted([*newer, *other_runs]), step)
-        latest = self.folder / "latest.json"
-        record = None
-        if resumed_from.parent.resolve() == self.folder.resolve() and CHECKPOINT_NAME.fullmatch(resumed_from.name):
-            with contextlib.suppress(UserError):
-                record = read_json(sidecar_path(resumed_from))
-        if record is not None:
-            atomic_write_json(latest, {key: record.get(key) for key in ("path", "step", "sha256", "bytes")})
-            if rewound and self.backup is not None:
-                # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
-                # again now, which points it back here (a fresh disk must not restore the timeline left)
-                self.backup.submit(resumed_from, step)
-        elif latest.exists() and not (self.folder / str(read_latest_record(self.folder).get("path"))).is_file():
-            latest.unlink()  # it names a checkpoint set aside or abandoned; the next save writes it
-
-    def restore_best(self, resumed_from: Path, step: int, best_val_loss: float) -> None:
-        """best.pt again after a rewind moved the abandoned timeline's aside, when the checkpoint resumed
-        from is itself this timeline's best (its step had the best validation loss so far)."""
-        if not (self.folder / "best.pt").exists() and math.isfinite(best_val_loss):
-            self._write_best(resumed_from, None, best_val_loss, step)
-
-    def _write_best(self, source: Path, entry: dict | None, val_loss: float, step: int | None = None) -> None:
-        """best.pt as a copy of checkpoint `source`, then best.json. `entry` is the source's record
-        {"path", "step", "sha256", "bytes"} when just written; None: the copy is hashed as it is made."""
-        with atomic_open(self.folder / "best.pt", "wb") as handle, open(source, "rb") as original:
-            writer = HashingWriter(handle) if entry is None else handle
-            shutil.copyfileobj(original, writer, 8 << 20)
-            handle.flush()
-            if entry is None:
-                entry = {"step": step, "sha256": writer.sha256(), "bytes": handle.tell()}
-        atomic_write_json(self.folder / "best.json", {**entry, "path": "best.pt", "source": source.name,
-                                                      "val_loss": val_loss})
-
-    def _abandon(self, checkpoints: list[Path], step: int) -> None:
-        """Move `checkpoints` (those after `step`, or another run's; with their records) and a best.pt
-        saved after `step` to abandoned-STEP/; one warning."""
-        target = self.folder / f"abandoned-{step:08d}"
-        copy = 1
-        while target.exists():
-            copy += 1
-            target = self.folder / f"abandoned-{step:08d}-{copy}"
-        target.mkdir()
-        moving = [*checkpoints, *(sidecar_path(path) for path in checkpoints)]
-        names = [path.name for path in checkpoints]
-        with contextlib.suppress(UserError):
-            best_step = read_json(self.folder / "best.json").get("step")
-            if isinstance(best_step, int) and best_step > step and (self.folder / "best.pt").exists():
-                moving += [self.folder / "best.pt", self.folder / "best.json"]
-                names.append(f"best.pt (step {best_step})")
-        size = sum(path.stat().st_size for path in moving if path.exists())
-        for path in moving:
-            if path.exists():
-                os.replace(path, target / path.name)
-        print(f"warning: resuming from step {step} abandons {', '.join(names)} ({size_text(size)}; newer "
-              f"checkpoints, or another run's): "
-              f"moved to {target}; delete that folder once you no longer need them", file=sys.stderr, flush=True)
+    def start_timeline(self, resumed_from: Path, step: int) -> None:
+        """Make the checkpoint this session continues from (at `step`) the newest one of the folder
+        (store.plan_timeline: a rewind moves the newer ones, and other runs', to abandoned-STEP/)."""
+        here = resumed_from.parent.resolve() == self.folder.resolve()
+        plan = store.plan_timeline(store.list_folder(self.folder), resumed_from.name if here else None, step,
+                                   self.run_id)
+        for message in plan.warnings:
+            warn(message)
+        store.apply_timeline(self.folder, plan)
+        if plan.rewound and plan.latest is not None and self.backup is not None:
+            # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
+            # again now, which points it back here (a fresh disk must not restore the timeline left)
+            self.backup.submit(resumed_from, step)
 
     def apply_retention(self) -> None:
-        """Keep this run's newest `keep_last` and every multiple of `keep_every`; delete only this run's files.
-
-        A checkpoint without a record of this run (copied in by hand, another run's) neither counts
-        among the newest nor is deleted. With a backup, a file goes only once the backup lets it:
-        `backup.deletable(paths)` when the backup has it, else `backup.is_backed_up(path)`.
-        """
-        steps = {path: step for path, step in checkpoint_steps(self.folder).items()
-                 if self._written_by_this_run(path)}
-        newest = set(sorted(steps, key=steps.get)[-self.keep_last:])
-        candidates = [path for path, step in sorted(steps.items(), key=lambda item: item[1])
-                      if path not in newest and not (self.keep_every and step % self.keep_every == 0)]
+        """Delete what store.retention_deletions names, once the backup (if any) lets each go:
+        `backup.deletable(paths)` when the backup has it, else `backup.is_backed_up(path)`."""
+        listing = store.list_folder(self.folder)
+        candidates = [self.folder / name for name in
+                      store.retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
         if self.backup is not None and candidates:
             if hasattr(self.backup, "deletable"):
                 allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
                 candidates = [path for path in candidates if path.resolve() in allowed]
             else:
                 candidates = [path for path in candidates if self.backup.is_backed_up(path)]
-        for path in candidates:
-            path.unlink(missing_ok=True)
-            sidecar_path(path).unlink(missing_ok=True)
-
-    def _written_by_this_run(self, path: Path) -> bool:
-        """Its record names this run (a file without one, e.g. copied in by hand, is never ours)."""
-        return recorded_run_id(path) == self.run_id
-
-
-def recorded_run_id(path: Path) -> str | None:
-    """The run_id in a checkpoint's record step-N.json (None: no record, or none in it)."""
-    try:
-        record = read_json(sidecar_path(path)) if sidecar_path(path).exists() else {}
-    except UserError:
-        return None
-    return record.get("run_id") if isinstance(record, dict) else None
-
-
-def remove_stale_temporaries(folder: Path) -> list[str]:
-    """Delete the temporary files a killed save left behind (atomic_open's `.NAME.*.tmp`); returns their names."""
-    stale = [*folder.glob(".step-*.tmp"), *(path for name in ("latest.json", "best.pt", "best.json")
-                                            for path in folder.glob(f".{name}.*.tmp"))]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return sorted(path.name for path in stale)
-
-
-def read_latest_record(folder: Path) -> dict:
-    try:
-        record = read_json(folder / "latest.json") if (folder / "latest.json").exists() else {}
-    except UserError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def checkpoint_run_id(path: Path) -> str | None:
-    """The run_id stored in a checkpoint file; UserError when it is no loadable checkpoint.
-
-    mmap: only the file's small pickle is read, the tensors stay on disk.
-    """
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # truncated zip, not a checkpoint at all ...
-        raise UserError(f"{path.name} does not load ({type(error).__name__})") from None
-    return checkpoint.get("run_id") if isinstance(checkpoint, dict) else None
-
-
-def folder_run_id(out: Path) -> str | None:
-    """The run id in OUT/training_settings.json: the run that last trained in this folder."""
-    try:
-        settings = read_json(out / "training_settings.json")
-    except UserError:
-        return None
-    return settings.get("run_id") if isinstance(settings, dict) else None
-
-
-def remove_interrupted_saves(folder: Path, run_id: str | None, keep: Path | None = None) -> list[str]:
-    """Delete what killed saves of run `run_id` left behind; returns a description of each file removed.
-
-    - temporary files: writes that never finished;
-    - a step-N.json of this run whose step-N.pt is gone (a save killed before its rename, a retention
-      killed between its two deletes): a record of nothing;
-    - a step-N.pt without any record that holds a checkpoint of this run: a save killed between its
-      rename and its record (train.py wrote the record second until it wrote it first). With no
-      recorded sha256 it can never be verified, so nothing would ever resume from it.
-    A record-less step-N.pt that does not load is set aside as damaged (it cannot be told whose it is);
-    one of another run (copied in by hand) and `keep` (the --resume PATH) are left alone.
-    """
-    removed = remove_stale_temporaries(folder)
-    for record in sorted(folder.glob("step-*.json")):
-        checkpoint = record.with_suffix(".pt")
-        if run_id is None or not CHECKPOINT_NAME.fullmatch(checkpoint.name) or checkpoint.exists():
-            continue
-        if recorded_run_id(checkpoint) == run_id:
-            record.unlink()
-            removed.append(f"{record.name} (its checkpoint is gone)")
-    latest_name = read_latest_record(folder).get("path")
-    for path in sorted(checkpoint_steps(folder)):
-        if sidecar_path(path).exists() or path.name == latest_name or (keep and path.resolve() == keep.resolve()):
-            continue
-        size = path.stat().st_size
-        try:
-            owner = checkpoint_run_id(path)
-        except UserError as error:
-            print(f"warning: {error} and has no record: set aside as {set_aside(path)} ({size_text(size)}; "
-                  "delete it once inspected)", file=sys.stderr, flush=True)
-            continue
-        if run_id is not None and owner == run_id:
-            path.unlink()
-            removed.append(f"{path.name} (no record, {size_text(size)})")
-    return removed
-
-
-def newest_verified_checkpoint(folder: Path, set_aside_bad: bool = False) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint whose size and sha256 match its record, and a warning for each newer one.
-
-    A checkpoint's record is its sidecar step-N.json, or latest.json when that names it (a
-    checkpoint restored from a backup comes with latest.json only). With `set_aside_bad`, each newer
-    one that has a record but does not match it is renamed step-N.pt.corrupt (its record too): kept
-    for inspection, never resumed from or counted by retention again.
-    """
-    latest_record = read_latest_record(folder)
-    problems = []
-    for path in sorted(checkpoint_steps(folder), reverse=True):
-        if not sidecar_path(path).exists() and latest_record.get("path") != path.name:
-            problems.append(f"{path.name} has no sha256 record (not written by a train.py save): skipped")
-            continue
-        problem = checkpoint_mismatch(path, latest_record)
-        if problem is None:
-            return path, problems
-        if set_aside_bad:
-            size = path.stat().st_size
-            problems.append(f"{problem}: set aside as {set_aside(path)} ({size_text(size)}; delete it once "
-                            "inspected)")
-        else:
-            problems.append(f"{problem}: skipped")
-    return None, problems
-
-
-def record_mismatch(path: Path, record_path: Path, record: dict | None = None) -> str | None:
-    """Why `path` does not match the size and sha256 of its record; None when it does.
-
-    `record` is what `record_path` holds (read here when not given)."""
-    if record is None:
-        try:
-            record = read_json(record_path)
-        except UserError as error:
-            return str(error)
-    if not isinstance(record, dict):
-        return f"{record_path.name} is not a record"
-    size = path.stat().st_size
-    if size != record.get("bytes"):
-        return f"it is {size} bytes, {record_path.name} says {record.get('bytes')} (truncated?)"
-    if sha256_file(path) != record.get("sha256"):
-        return f"it does not match the sha256 in {record_path.name} (corrupt)"
-    return None
-
-
-def checkpoint_mismatch(path: Path, latest_record: dict) -> str | None:
-    """Why a step-N.pt does not match its record (its sidecar, else latest.json when that names it);
-    None when it does."""
-    record_path, record = path.with_name("latest.json"), latest_record
-    if sidecar_path(path).exists():
-        try:
-            record_path, record = sidecar_path(path), read_json(sidecar_path(path))
-        except UserError as error:
-            if latest_record.get("path") != path.name:
-                return str(error)
-    problem = record_mismatch(path, record_path, record)
-    return f"{path.name}: {problem}" if problem else None
-
-
-def chosen_checkpoint_mismatch(path: Path) -> str | None:
-    """Why a --resume PATH does not match the record train.py wrote for it (step-N.json, or best.json
-    for best.pt); None when it matches or has no record."""
-    record_path = path.with_name("best.json") if path.name == "best.pt" else sidecar_path(path)
-    return record_mismatch(path, record_path) if record_path.is_file() else None
-
-
-def verified_best(folder: Path) -> dict | None:
-    """best.json's record when best.pt matches it."""
-    best, record_path = folder / "best.pt", folder / "best.json"
-    if not (best.is_file() and record_path.is_file()) or record_mismatch(best, record_path):
-        return None
-    return read_json(record_path)
+        store.delete(self.folder, [path.name for path in candidates])
 
 
 def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path | None:
-    """The checkpoint `--resume` asks for: None for a fresh start.
+    """The checkpoint `--resume` asks for (store.plan_resume): None for a fresh start.
 
-    `tidy` (a training session, which holds the run folder's lock) first removes what killed saves
-    left behind and sets aside the damaged checkpoints `auto` finds; without it nothing changes.
+    `tidy` (a training session, which holds the run folder's lock) first carries out the plan:
+    removes what killed saves left behind and sets aside the damaged checkpoints; without it
+    nothing changes.
     """
     folder = out / "checkpoints"
-    existing = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
-    if resume == "none":
-        if existing:
-            raise UserError(f"{folder} already has checkpoints ({existing[-1].name}); pass --resume auto to "
-                            "continue, or choose a new --out")
-        return None
-    path = None if resume == "auto" else Path(resume)
-    if path is not None and not path.is_file():
+    if resume not in ("auto", "none") and not Path(resume).is_file():
         raise UserError(f"--resume {resume}: no such checkpoint file")
-    if tidy and folder.is_dir():
-        removed = remove_interrupted_saves(folder, folder_run_id(out), keep=path)
-        if removed:
-            print(f"removed what interrupted saves left in {folder}: {', '.join(removed)}", file=sys.stderr,
+    plan = store.plan_resume(store.list_folder(folder), resume)
+    if tidy:
+        if plan.delete:
+            print(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}", file=sys.stderr,
                   flush=True)
-    if path is not None:
-        problem = chosen_checkpoint_mismatch(path)
+        store.apply_plan(folder, plan)
+    for message in plan.warnings:
+        warn(message)
+    if plan.error:
+        raise UserError(f"{folder} {plan.error}")
+    if resume not in ("auto", "none"):
+        path = Path(resume)
+        problem = store.file_mismatch(path)
         if problem:
-            print(f"warning: --resume {path}: {problem}; loading it anyway, as asked (the state is checked "
-                  "against this file, not against the record)", file=sys.stderr, flush=True)
+            warn(f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
+                 "file, not against the record)")
         return path
-    if not any(folder.glob("step-*.pt*")) and not (folder / "best.pt").exists():  # *.pt.corrupt count too
-        return None
-    good, problems = newest_verified_checkpoint(folder, set_aside_bad=tidy)
-    for problem in problems:
-        print(f"warning: {problem}", file=sys.stderr, flush=True)
-    if good is None:
-        damaged = sorted(path.name for path in folder.glob("step-*.pt.corrupt"))
-        best = verified_best(folder)
-        raise UserError(f"{folder} has checkpoints but none verifies against its sha256"
-                        + (f" (damaged, set aside: {', '.join(damaged)})" if damaged else "")
-                        + (f"; best.pt (step {best.get('step')}) verifies: continue from it with --resume "
-                           f"{shlex.quote(str(folder / 'best.pt'))}" if best else "")
-                        + "; pass --resume PATH to force one, or choose a new --out")
-    if problems:
-        print(f"warning: falling back to {good.name}", file=sys.stderr, flush=True)
-    return good
+    return folder / plan.load if plan.load else None
 
 
 def load_checkpoint_file(path: Path) -> dict:
@@ -1578,14 +1307,15 @@ def read_init_source(spec: str) -> InitSource:
         return read_hf_source(spec, path)
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        if not any(folder.glob("step-*.pt")) and not (folder / "best.pt").is_file():
+        listing = store.list_folder(folder)
+        if not listing.files:
             raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
                             "Face model folder (no config.json)")
-        newest, _ = newest_verified_checkpoint(folder)
-        if newest is None and verified_best(folder) is None:
+        newest = store.newest_verified(listing)
+        if newest is None:
             raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
-        return read_checkpoint_source(spec, newest or folder / "best.pt", "run")
-    problem = chosen_checkpoint_mismatch(path)
+        return read_checkpoint_source(spec, folder / newest, "run")
+    problem = store.file_mismatch(path)
     if problem:
         raise UserError(f"--init-from {spec}: {problem}")
     return read_checkpoint_source(spec, path, "checkpoint")
@@ -2291,7 +2021,7 @@ def prepare_corpus(args: argparse.Namespace) -> Path:
 def restore_from_backup(url: str, out: Path) -> Path | None:
     """With no checkpoint in OUT that verifies, download the backup's newest verified one (rank 0)."""
     folder = out / "checkpoints"
-    if folder.is_dir() and newest_verified_checkpoint(folder)[0] is not None:
+    if store.newest_verified(store.list_folder(folder)) is not None:
         return None
     return checkpoint_cloud.restore_latest(url, folder)
 
@@ -2337,9 +2067,8 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
-        checkpointer.start_timeline(resume_path, training.step)
-        if resume_path is not None and training.metrics.best_step == training.step:
-            checkpointer.restore_best(resume_path, training.step, training.metrics.best_val_loss)
+        if resume_path is not None:
+            checkpointer.start_timeline(resume_path, training.step)
         metrics.truncate_after(training.step)
         atomic_write_json(out / "training_settings.json", {**settings, "run_id": training.run_id,
                                                            "parameters": model_config.parameter_count(
@@ -2815,7 +2544,7 @@ def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
 
 
 def latest_checkpoint_name(out: Path) -> str | None:
-    latest = out / "checkpoints" / "latest.json"
+    latest = out / "checkpoints" / store.LATEST
     return read_json(latest).get("path") if latest.exists() else None
 
 

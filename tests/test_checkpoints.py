@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_train import assert_same_state, final_state, options, write_tiny_corpus
 
+import checkpoint_store as store
 import train
 from common import UserError, atomic_write_json
 
@@ -26,7 +27,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def run_options(corpus: Path, out: Path, *extra: str) -> list[str]:
-    """12 steps, a checkpoint every 2 steps, the newest 2 kept, validation (and best.pt) at 4, 8, 12."""
+    """12 steps, a checkpoint every 2 steps, the newest 2 kept, validation (and a best) at 4, 8, 12."""
     return options(corpus, out, "--save-every", "2", "--keep-last", "2", *extra)
 
 
@@ -57,21 +58,20 @@ def test_a_damaged_checkpoint_is_set_aside_and_never_costs_a_good_one(corpus, re
     # the damaged 6 no longer counts as one of the newest 2: step 4, resumed from, is still there
     assert step_files(folder) == ["step-00000004.pt", "step-00000005.pt"]
     assert "set aside as step-00000006.pt.corrupt" in capsys.readouterr().err
-    assert (folder / "step-00000006.pt.corrupt").is_file() and (folder / "step-00000006.json.corrupt").is_file()
+    assert (folder / "step-00000006.pt.corrupt").is_file() and (folder / "step-00000006.pt.json.corrupt").is_file()
     assert json.loads((folder / "latest.json").read_text())["path"] == "step-00000005.pt"
+    # falling back cost nothing: the run goes on from 5 and ends as the uninterrupted one
+    assert train.main(run_options(corpus, out)) == 0
+    assert_same_state(final_state(out), final_state(reference))
 
-    # nothing verifies any more: the error names the intact best.pt (step 4) and the option to use it
+    # nothing verifies any more: one error, and never a start over on top of the damaged ones
     for path in folder.glob("step-*.pt"):
         flip_byte(path, 3000, 0xFF)
-    with pytest.raises(UserError) as error:
+    with pytest.raises(UserError, match="none verifies against its sha256 \\(damaged, set aside: step-00000012"):
         train.main(run_options(corpus, out))
-    message = str(error.value)
-    assert f"best.pt (step 4) verifies: continue from it with --resume {folder / 'best.pt'}" in message
     assert step_files(folder) == []
-    with pytest.raises(UserError, match="none verifies"):  # a folder of damaged checkpoints never starts over
+    with pytest.raises(UserError, match="none verifies"):
         train.main(run_options(corpus, out))
-    assert train.main(run_options(corpus, out, "--resume", str(folder / "best.pt"))) == 0
-    assert_same_state(final_state(out), final_state(reference))
 
 
 def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, tmp_path, capsys):
@@ -80,7 +80,7 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
     keep = ("--keep-last", "3")
     assert train.main(run_options(corpus, out, *keep, "--stop-after-steps", "8")) == 0
     assert step_files(folder) == ["step-00000004.pt", "step-00000006.pt", "step-00000008.pt"]
-    assert json.loads((folder / "best.json").read_text())["step"] == 8
+    assert store.list_folder(folder).best().step == 8  # the best is a record's val_loss, not a copy
 
     capsys.readouterr()
     rewind = ("--resume", str(folder / "step-00000004.pt"), "--stop-after-steps", "5")
@@ -89,22 +89,19 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
     assert train.find_resume_checkpoint(out, "auto").name == "step-00000005.pt"
     assert step_files(folder) == ["step-00000004.pt", "step-00000005.pt"]
     assert json.loads((folder / "latest.json").read_text())["path"] == "step-00000005.pt"
-    # best.pt was the abandoned step 8's; step 4, resumed from, was this timeline's best: best.pt again
-    best = json.loads((folder / "best.json").read_text())
-    assert best["step"] == 4 and best["source"] == "step-00000004.pt"
-    assert train.sha256_file(folder / "best.pt") == best["sha256"] == train.sha256_file(folder / "step-00000004.pt")
+    # the best was the abandoned step 8; step 4, resumed from, is this timeline's best (and kept by retention)
+    assert store.list_folder(folder).best().step == 4
     warnings = [line for line in capsys.readouterr().err.splitlines() if "abandoned-00000004" in line]
     assert len(warnings) == 1 and "MB" in warnings[0]
-    assert all(name in warnings[0] for name in ("step-00000006.pt", "step-00000008.pt", "best.pt (step 8)"))
-    abandoned = set(os.listdir(folder / "abandoned-00000004"))
-    assert {"step-00000006.pt", "step-00000006.json", "step-00000008.pt", "step-00000008.json", "best.pt",
-            "best.json"} <= abandoned
+    assert all(name in warnings[0] for name in ("step-00000006.pt", "step-00000008.pt"))
+    assert set(os.listdir(folder / "abandoned-00000004")) == {
+        "step-00000006.pt", "step-00000006.pt.json", "step-00000008.pt", "step-00000008.pt.json"}
 
     capsys.readouterr()
     assert train.main(run_options(corpus, out, *keep)) == 0  # the printed command: --resume auto
     assert f"resumed from {folder / 'step-00000005.pt'} at step 5/12" in capsys.readouterr().out
     assert_same_state(final_state(out), final_state(reference))
-    assert json.loads((folder / "best.json").read_text())["step"] == 12
+    assert store.list_folder(folder).best().step == 12
 
 
 def test_a_rewind_points_the_backups_latest_at_the_resumed_checkpoint(corpus, tmp_path, capsys):
@@ -128,12 +125,13 @@ def test_a_rewind_points_the_backups_latest_at_the_resumed_checkpoint(corpus, tm
 def test_resume_path_that_fails_its_record_is_loaded_with_a_warning(corpus, tmp_path, capsys, flip_byte):
     out = tmp_path / "run"
     assert train.main(run_options(corpus, out, "--stop-after-steps", "8")) == 0
-    best = out / "checkpoints" / "best.pt"
-    flip_byte(best, best.stat().st_size // 2, 0xFF)  # in the tensor data: it still loads
+    chosen = out / "checkpoints" / "step-00000008.pt"
+    flip_byte(chosen, chosen.stat().st_size // 2, 0xFF)  # in the tensor data: it still loads
     capsys.readouterr()
-    assert train.main(run_options(corpus, out, "--resume", str(best), "--stop-after-steps", "8")) == 0
+    assert train.main(run_options(corpus, out, "--resume", str(chosen), "--stop-after-steps", "8")) == 0
     captured = capsys.readouterr()
-    assert f"warning: --resume {best}: it does not match the sha256 in best.json (corrupt)" in captured.err
+    assert f"warning: --resume {chosen}: step-00000008.pt: it does not match the sha256 in its record (corrupt)" \
+        in captured.err
     # already at step 8: said on the terminal, not only in run_status.json
     assert "the run was already at step 8, at or past --stop-after-steps 8: no step taken" in captured.out
 
@@ -159,33 +157,30 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_p
     folder = out / "checkpoints"
     keep = ("--keep-last", "10")
     assert train.main(run_options(corpus, out, *keep, "--stop-after-steps", "6")) == 0
-    # killed between the rename and the record (train.py before the record came first): a record-less 6
-    (folder / "step-00000006.json").unlink()
-    record = json.loads((folder / "step-00000004.json").read_text())
-    atomic_write_json(folder / "latest.json", {key: record[key] for key in ("path", "step", "sha256", "bytes")})
+    # a checkpoint without a record (copied in by hand): never trusted, never deleted
+    (folder / "step-00000006.pt.json").unlink()
     # killed before a rename, or a retention killed between its two deletes: a record without a checkpoint
-    atomic_write_json(folder / "step-00000008.json", {**record, "path": "step-00000008.pt", "step": 8})
-    (folder / ".step-00000010.pt.k9x2.tmp").write_bytes(b"half a checkpoint")
-    # not ours to delete: a record-less checkpoint of another run, a file that is no checkpoint, other names
+    record = json.loads((folder / "step-00000004.pt.json").read_text())
+    atomic_write_json(folder / "step-00000008.pt.json", {**record, "path": "step-00000008.pt", "step": 8})
+    (folder / ".step-00000010.pt.0a1b2c3d.tmp").write_bytes(b"half a checkpoint")  # a save or restore killed
     foreign = folder / "step-00000020.pt"
     torch.save({"run_id": "another-run", "step": 20}, foreign)
-    (folder / "step-00000003.pt").write_bytes(b"not a checkpoint")
     (folder / "notes.txt").write_text("mine")
 
     capsys.readouterr()
     assert train.main(run_options(corpus, out, *keep, "--stop-after-steps", "7")) == 0
     captured = capsys.readouterr()
     assert f"resumed from {folder / 'step-00000004.pt'}" in captured.out
-    assert not (folder / "step-00000008.json").exists() and not list(folder.glob(".*.tmp"))
+    assert not (folder / "step-00000008.pt.json").exists() and not list(folder.glob(".*.tmp"))
     removed = [line for line in (captured.out + captured.err).splitlines() if "removed" in line]
     assert len(removed) == 1
-    assert all(name in removed[0] for name in ("step-00000006.pt", "step-00000008.json", ".step-00000010.pt.k9x2"))
-    assert (folder / "step-00000003.pt.corrupt").read_bytes() == b"not a checkpoint"
+    assert all(name in removed[0] for name in ("step-00000008.pt.json", ".step-00000010.pt.0a1b2c3d.tmp"))
+    assert "step-00000020.pt has no sha256 record (not written by a train.py save): skipped" in captured.err
     assert foreign.is_file() and (folder / "notes.txt").is_file()
     # the run went on from step 4 and wrote its own 6 (with its record) and 7
     assert step_files(folder) == ["step-00000002.pt", "step-00000004.pt", "step-00000006.pt", "step-00000007.pt",
                                   "step-00000020.pt"]
-    assert (folder / "step-00000006.json").is_file()
+    assert (folder / "step-00000006.pt.json").is_file()
 
 
 def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkeypatch):
@@ -206,11 +201,10 @@ def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkey
         saver.wait()
     monkeypatch.setattr(os, "replace", replace)
     # the record came first, so no checkpoint exists that nobody can verify
-    assert step_files(folder) == ["step-00000001.pt"] and (folder / "step-00000002.json").is_file()
-    atomic_write_json(tmp_path / "training_settings.json", {"run_id": "r"})
+    assert step_files(folder) == ["step-00000001.pt"] and (folder / "step-00000002.pt.json").is_file()
     assert train.find_resume_checkpoint(tmp_path, "auto", tidy=True).name == "step-00000001.pt"
-    assert sorted(path.name for path in folder.iterdir()) == ["latest.json", "step-00000001.json",
-                                                               "step-00000001.pt"]
+    assert sorted(path.name for path in folder.iterdir()) == ["latest.json", "step-00000001.pt",
+                                                               "step-00000001.pt.json"]
 
 
 def test_retention_counts_only_this_runs_checkpoints(tmp_path):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import checkpoint_cloud as cc
-from common import UserError, append_jsonl, atomic_write_json, sha256_file, sha256_tree
+import checkpoint_store as store
+from common import UserError, append_jsonl, atomic_write_json, sha256_file, sha256_tree, temporary_target
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
@@ -103,13 +104,13 @@ def fake_checkpoint(folder: Path, step: int) -> Path:
     return path
 
 
-def save_and_point_latest(folder: Path, step: int, run_id: str | None = None) -> Path:
-    """A checkpoint with its records as train.py writes them: step-N.json (with the run_id), then latest.json."""
+def save_and_point_latest(folder: Path, step: int, run_id: str = "run-test") -> Path:
+    """A checkpoint with its records as train.py writes them: step-N.pt.json, then latest.json."""
     path = fake_checkpoint(folder, step)
-    record = {"path": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-    sidecar = {**record, "run_id": run_id, "created": f"2026-01-01T00:00:{step % 60:02d}Z"} if run_id else record
-    atomic_write_json(path.with_suffix(".json"), sidecar)
-    atomic_write_json(folder / "latest.json", record)
+    record = store.Record(path=path.name, step=step, sha256=sha256_file(path), bytes=path.stat().st_size,
+                          run_id=run_id, created=f"2026-01-01T00:00:{step % 60:02d}Z")
+    store.write_record(folder, record)
+    store.write_record(folder, record, store.LATEST)
     return path
 
 
@@ -224,7 +225,7 @@ def test_remote_retention_rule():
 
 def test_local_folder_backup_retention_and_restore(tmp_path):
     remote = tmp_path / "drive" / "run"
-    other_run = fake_checkpoint(tmp_path / "other", 5)
+    other_run = save_and_point_latest(tmp_path / "other", 5, "other-run")
     fs, root = cc.open_remote(str(remote))
     cc.upload_checkpoint(fs, root, other_run)  # a file this run did not upload: never deleted
     local = tmp_path / "run" / "checkpoints"
@@ -252,7 +253,7 @@ def test_local_folder_backup_retention_and_restore(tmp_path):
     assert restored.read_bytes() == paths[-1].read_bytes()
     assert json.loads((fresh / "latest.json").read_text())["path"] == "step-00000110.pt"
     assert torch.load(restored, weights_only=True)["step"] == 110
-    assert sorted(p.name for p in fresh.iterdir()) == ["latest.json", "step-00000110.pt"]
+    assert sorted(p.name for p in fresh.iterdir()) == ["latest.json", "step-00000110.pt", "step-00000110.pt.json"]
 
 
 @pytest.mark.parametrize("store", ["folder", "s3"])
@@ -303,7 +304,7 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     backup.close()
     fs, root = cc.open_remote(remote)
     assert fs.cat_file(f"{root}/metrics.jsonl") == sent
-    assert not [name for name in fs.ls(root, detail=False) if name.endswith(".partial")]
+    assert not [name for name in fs.ls(root, detail=False) if temporary_target(name.rsplit("/", 1)[-1])]
 
     fresh = tmp_path / "machine-2" / "run"
     (fresh / "hardware.json").parent.mkdir(parents=True)
@@ -314,18 +315,18 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     assert json.loads((fresh / "training_settings.json").read_text())["run_id"] == "run-a"
     assert json.loads((fresh / "hardware.json").read_text()) == {"device": "cuda"}
     assert "metrics.jsonl, training_settings.json restored" in log.text()
-    assert not list(fresh.glob(".*partial"))
-    # train.py's sidecar beside the restored checkpoint: local retention treats it as this run's file
+    assert not [path for path in fresh.rglob(".*") if temporary_target(path.name)]
+    # the record beside the restored checkpoint is the one written with it: local retention treats it as this run's
     restored = fresh / "checkpoints" / "step-00000020.pt"
-    assert json.loads(restored.with_suffix(".json").read_text()) == {
-        **json.loads((fresh / "checkpoints" / "latest.json").read_text()), "run_id": "run-a",
-        "created": "2026-01-01T00:00:20Z"}
+    assert json.loads((fresh / "checkpoints" / "step-00000020.pt.json").read_text()) == \
+        json.loads((fresh / "checkpoints" / "latest.json").read_text()) == \
+        json.loads((run / "checkpoints" / "step-00000020.pt.json").read_text())
     train = pytest.importorskip("train")
-    assert train.newest_verified_checkpoint(fresh / "checkpoints")[0] == restored
+    assert store.newest_verified(store.list_folder(fresh / "checkpoints")) == restored.name
     save_and_point_latest(fresh / "checkpoints", 30, "run-a")
     train.Checkpointer(fresh / "checkpoints", "run-a", keep_last=1, keep_every=0).apply_retention()
-    assert sorted(p.name for p in (fresh / "checkpoints").glob("step-*")) == ["step-00000030.json",
-                                                                               "step-00000030.pt"]
+    assert sorted(p.name for p in (fresh / "checkpoints").glob("step-*")) == ["step-00000030.pt",
+                                                                               "step-00000030.pt.json"]
 
     # run files of another run on the same remote are not mixed into this one
     atomic_write_json(tmp_path / "settings.json", {"run_id": "run-b"})
@@ -344,8 +345,8 @@ def test_restore_from_an_empty_remote_returns_none(tmp_path):
 
 @pytest.mark.parametrize("store", ["folder", "s3"])
 def test_an_upload_reads_a_recorded_checkpoint_once(store, tmp_path, request, monkeypatch):
-    """With train.py's sidecar the recorded sha256 is what the remote copy is checked against: the upload
-    is the only read of the local file. Without one the file is hashed first, then sent."""
+    """train.py's record's sha256 is what the remote copy is checked against: the upload is the only read
+    of the local file. A file without a record is never sent (nothing could verify it)."""
     import builtins
     import io
 
@@ -367,11 +368,11 @@ def test_an_upload_reads_a_recorded_checkpoint_once(store, tmp_path, request, mo
         patch.setattr(io, "open", counting_open)
         first = cc.upload_checkpoint(fs, root, recorded)
         assert opened == [recorded.name]
-        second = cc.upload_checkpoint(fs, root, unrecorded)
-        assert opened == [recorded.name, unrecorded.name, unrecorded.name]
-    assert first["sha256"] == sha256_file(recorded) and first["run_id"] == "run-a"
-    assert second["sha256"] == sha256_file(unrecorded)
-    assert sorted(remote_state(url)["verified"]) == [1, 2]
+        with pytest.raises(cc.LocalFileChanged, match="step-00000002.pt has no record"):
+            cc.upload_checkpoint(fs, root, unrecorded)
+        assert opened == [recorded.name]
+    assert first.sha256 == sha256_file(recorded) and first.run_id == "run-a"
+    assert sorted(remote_state(url)["verified"]) == [1]
 
 
 @pytest.mark.parametrize("change", ["flip", "truncate"])
@@ -622,7 +623,7 @@ def test_s3_corrupted_remote_checkpoint_is_never_used(s3_url, tmp_path):
     assert fs.exists(f"{cc.checkpoint_folder(root)}/{paths[2].name}.json.corrupt")
     latest = json.loads((tmp_path / "fresh" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 2 and latest["sha256"] == sha256_file(paths[1])
-    assert not list((tmp_path / "fresh" / "checkpoints").glob("*.partial"))
+    assert not [path for path in (tmp_path / "fresh" / "checkpoints").iterdir() if temporary_target(path.name)]
     assert cc.main(["verify", s3_url]) == 1
 
     for path in paths[:2]:
@@ -751,7 +752,7 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, 
     with pytest.raises(UserError, match="train-00000.bin: sha256 does not match"):
         cc.pull_corpus(remote, tmp_path / "pulled-bad", log=Log())
     assert not (tmp_path / "pulled-bad").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert not [p for p in tmp_path.iterdir() if temporary_target(p.name)]
 
     (Path(remote) / "tokenizer" / "tokenizer.json").write_text('{"fake": false}')
     shard.write_bytes(data)

@@ -1,0 +1,323 @@
+"""The checkpoint store: names, records, listing and the resume plan, for a run's checkpoints/
+folder and its copy on a backup remote alike. Torch-free: it never opens a checkpoint.
+
+    checkpoints/step-00001000.pt        the checkpoint (train.py writes it; torch.save)
+    checkpoints/step-00001000.pt.json   its record: {"path", "step", "sha256", "bytes", "run_id",
+                                        "created", "val_loss"}; written before the checkpoint is
+                                        renamed into place, so every checkpoint can be verified
+    checkpoints/latest.json             the record of the newest checkpoint of the timeline
+    checkpoints/.NAME.<hex>.tmp         a write or download in flight (common.temporary_name)
+    checkpoints/step-N.pt.corrupt       a damaged checkpoint set aside (its record too)
+    checkpoints/abandoned-STEP/         checkpoints of a timeline left by `--resume PATH`
+
+The best checkpoint is not a copy: it is the step whose record has the lowest `val_loss` (written
+only when a save set a new best), and retention keeps it.
+
+Resume is a plan: `plan_resume` (which checkpoint to load, what to delete and set aside) and
+`plan_timeline` (what a rewind abandons) are pure functions of a `Listing`; `apply_plan` does it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import UserError, atomic_write_json, read_json, sha256_file, temporary_target
+
+CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
+RECORD_SUFFIX = ".json"
+LATEST = "latest.json"
+CORRUPT_SUFFIX = ".corrupt"
+ABANDONED = "abandoned-{step:08d}"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint's file name; None for any other name."""
+    match = CHECKPOINT.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def record_name(name: str) -> str:
+    """step-00001000.pt -> step-00001000.pt.json (the same beside a local file and on a remote)."""
+    return f"{name}{RECORD_SUFFIX}"
+
+
+def size_text(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB" if size >= 100_000 else f"{size:,} bytes"
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a checkpoint file must be (size and sha256), who wrote it and when."""
+
+    path: str
+    step: int
+    sha256: str
+    bytes: int
+    run_id: str
+    created: str
+    val_loss: float | None = None  # set when this save was the run's best validation loss so far
+
+    @classmethod
+    def from_json(cls, obj) -> Record:
+        """A Record from its JSON form; ValueError saying what is wrong."""
+        if not isinstance(obj, dict):
+            raise ValueError("not a record")
+        fields = {item.name: item for item in dataclasses.fields(cls)}
+        missing = [name for name, item in fields.items()
+                   if name not in obj and item.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"lacks {', '.join(missing)}")
+        record = cls(**{name: obj[name] for name in fields if name in obj})
+        if step_of(str(record.path)) != record.step or not isinstance(record.bytes, int) \
+                or not isinstance(record.sha256, str) or not isinstance(record.run_id, str):
+            raise ValueError("has fields of the wrong kind")
+        return record
+
+    def to_json(self) -> dict:
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+def read_record(path: Path) -> Record:
+    """The record at `path`; UserError naming the file when it is missing, broken or not a record."""
+    try:
+        return Record.from_json(read_json(path, "checkpoint record"))
+    except ValueError as error:
+        raise UserError(f"checkpoint record {path} {error}") from None
+
+
+def write_record(folder: Path, record: Record, name: str | None = None) -> None:
+    """Write `record` as NAME.pt.json (or as `name`, e.g. latest.json) in `folder`, atomically."""
+    atomic_write_json(folder / (name or record_name(record.path)), record.to_json())
+
+
+# ----------------------------------------------------------------------------------------------
+# What a store holds, and the plan.
+
+
+@dataclass
+class Listing:
+    """What a checkpoints folder holds: the facts the plans decide on.
+
+    `sha256` hashes a checkpoint on demand (the one expensive question; a test passes a dict's get).
+    """
+
+    files: dict[str, int]  # step-N.pt -> its size
+    records: dict[str, Record | str]  # step-N.pt -> its record, or why that does not read
+    temporaries: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)  # checkpoints set aside earlier (step-N.pt.corrupt)
+    folders: set[str] = field(default_factory=set)
+    sha256: Callable[[str], str] = lambda name: ""
+
+    def steps(self, names: Iterable[str]) -> list[str]:
+        """`names` ordered by step."""
+        return sorted(names, key=step_of)
+
+    def run_id(self, name: str) -> str | None:
+        record = self.records.get(name)
+        return record.run_id if isinstance(record, Record) else None
+
+    def mismatch(self, name: str) -> str | None:
+        """Why checkpoint `name` does not match its record; None when it does."""
+        record = self.records.get(name)
+        if record is None:
+            return f"{name} has no sha256 record (not written by a train.py save)"
+        if isinstance(record, str):
+            return f"{name}: {record}"
+        if self.files[name] != record.bytes:
+            return f"{name}: it is {self.files[name]} bytes, its record says {record.bytes} (truncated?)"
+        if self.sha256(name) != record.sha256:
+            return f"{name}: it does not match the sha256 in its record (corrupt)"
+        return None
+
+    def best(self, run_id: str | None = None) -> Record | None:
+        """The record with the lowest val_loss (of run `run_id` only, when given)."""
+        scored = [record for record in self.records.values() if isinstance(record, Record)
+                  and record.val_loss is not None and math.isfinite(record.val_loss)
+                  and record.path in self.files and run_id in (None, record.run_id)]
+        return min(scored, key=lambda record: (record.val_loss, record.step), default=None)
+
+
+def list_folder(folder: Path) -> Listing:
+    """The Listing of a local checkpoints folder (an absent folder is empty)."""
+    names = {path.name: path for path in folder.iterdir()} if folder.is_dir() else {}
+    files = {name: path.stat().st_size for name, path in names.items() if step_of(name) is not None}
+    records = {}
+    for name in files:
+        if record_name(name) in names:
+            try:
+                records[name] = read_record(names[record_name(name)])
+            except UserError as error:
+                records[name] = str(error)
+    for name in names:  # records of files that are gone: listed so that the plan removes them
+        if name.endswith(RECORD_SUFFIX) and step_of(name[:-len(RECORD_SUFFIX)]) is not None \
+                and name[:-len(RECORD_SUFFIX)] not in files:
+            records[name[:-len(RECORD_SUFFIX)]] = "its checkpoint is gone"
+    return Listing(files=files, records=records,
+                   temporaries=sorted(name for name in names if temporary_target(name)),
+                   corrupt=sorted(name[:-len(CORRUPT_SUFFIX)] for name in names
+                                  if step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None),
+                   folders={name for name, path in names.items() if path.is_dir()},
+                   sha256=lambda name: sha256_file(folder / name))
+
+
+@dataclass
+class ResumePlan:
+    load: str | None = None  # the checkpoint to resume from (auto); None: the caller's --resume PATH, or fresh
+    delete: list[str] = field(default_factory=list)  # what killed saves left: temporaries, records of nothing
+    set_aside: list[str] = field(default_factory=list)  # damaged checkpoints: renamed NAME.corrupt
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def plan_resume(listing: Listing, resume: str) -> ResumePlan:
+    """Which checkpoint `--resume auto|none|PATH` starts from, and what to tidy first.
+
+    - Temporaries are writes that never finished, and a record whose checkpoint is gone vouches for
+      nothing: both are deleted.
+    - `none` refuses a folder that has checkpoints. A PATH is the caller's to load (load=None).
+    - `auto` takes the newest checkpoint that matches its record; each newer one that does not is set
+      aside (kept for inspection, out of resume and retention), one without a record is skipped.
+    """
+    plan = ResumePlan(delete=[*listing.temporaries, *(record_name(name) for name in listing.steps(listing.records)
+                                                      if name not in listing.files)])
+    if resume == "none":
+        if listing.files:
+            plan.error = (f"already has checkpoints ({listing.steps(listing.files)[-1]}); pass --resume auto to "
+                          "continue, or choose a new --out")
+        return plan
+    if resume != "auto" or not (listing.files or listing.corrupt):
+        return plan
+    for name in reversed(listing.steps(listing.files)):
+        problem = listing.mismatch(name)
+        if problem is None:
+            plan.load = name
+            break
+        if name in listing.records:
+            plan.set_aside.append(name)
+            plan.warnings.append(f"{problem}: set aside as {name}{CORRUPT_SUFFIX} ({size_text(listing.files[name])}; "
+                                 "delete it once inspected)")
+        else:
+            plan.warnings.append(f"{problem}: skipped")
+    if plan.load is None:
+        damaged = [*plan.set_aside, *listing.corrupt]
+        plan.error = ("has checkpoints but none verifies against its sha256"
+                      + (f" (damaged, set aside: {', '.join(damaged)})" if damaged else "")
+                      + "; pass --resume PATH to force one, or choose a new --out")
+    elif plan.warnings:
+        plan.warnings.append(f"falling back to {plan.load}")
+    return plan
+
+
+@dataclass
+class TimelinePlan:
+    abandon: list[str] = field(default_factory=list)  # moved (with their records) into `folder`
+    folder: str | None = None
+    latest: Record | None = None  # what latest.json names from now on (None: nothing yet)
+    rewound: bool = False  # checkpoints after the one resumed from were left behind
+    warnings: list[str] = field(default_factory=list)
+
+
+def plan_timeline(listing: Listing, resumed: str | None, step: int, run_id: str) -> TimelinePlan:
+    """What a session that continues at `step` (from checkpoint `resumed` of this folder, or from a
+    file elsewhere when None) of run `run_id` leaves behind.
+
+    Recorded checkpoints after `step` belong to a timeline abandoned by `--resume PATH`, and a
+    checkpoint of another run is no ancestor of this one: both move to abandoned-STEP/ (moved, never
+    deleted: they may be the only copy of that progress), so that neither `--resume auto`,
+    retention nor the best checkpoint mixes timelines.
+    """
+    plan = TimelinePlan()
+    record = listing.records.get(resumed) if resumed else None
+    plan.latest = record if isinstance(record, Record) else None
+    newer = [name for name in listing.files if step_of(name) > step]
+    plan.rewound = any(name in listing.records for name in newer)
+    other_runs = [name for name in listing.files
+                  if step_of(name) <= step and listing.run_id(name) not in (None, run_id)]
+    if not (plan.rewound or other_runs):
+        return plan
+    plan.abandon = listing.steps([*newer, *other_runs])
+    plan.folder = ABANDONED.format(step=step)
+    copy = 1
+    while plan.folder in listing.folders:
+        copy += 1
+        plan.folder = f"{ABANDONED.format(step=step)}-{copy}"
+    size = sum(listing.files[name] for name in plan.abandon)
+    plan.warnings.append(f"resuming from step {step} abandons {', '.join(plan.abandon)} ({size_text(size)}; newer "
+                         f"checkpoints, or another run's): moved to {plan.folder}; delete that folder once you no "
+                         "longer need them")
+    return plan
+
+
+def newest_verified(listing: Listing) -> str | None:
+    """The newest checkpoint that matches its record (nothing is changed, nothing is warned)."""
+    return next((name for name in reversed(listing.steps(listing.files)) if listing.mismatch(name) is None), None)
+
+
+def file_mismatch(path: Path) -> str | None:
+    """Why a checkpoint file named by hand does not match the record beside it; None when it does or
+    has none (a file copied by hand may come without one)."""
+    listing = list_folder(path.parent)
+    return listing.mismatch(path.name) if path.name in listing.records else None
+
+
+def retention_deletions(listing: Listing, run_id: str, keep_last: int, keep_every: int) -> list[str]:
+    """The checkpoints retention deletes: this run's, except its newest `keep_last`, every multiple of
+    `keep_every` and its best. Another run's (or one without a record) are never counted or deleted."""
+    ours = listing.steps(name for name in listing.files if listing.run_id(name) == run_id)
+    best = listing.best(run_id)
+    keep = set(ours[-keep_last:]) | ({best.path} if best else set())
+    return [name for name in ours if name not in keep and not (keep_every and step_of(name) % keep_every == 0)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Applying a plan to a local folder (the only part here that changes files).
+
+
+def set_aside(folder: Path, name: str) -> None:
+    """Rename a damaged checkpoint and its record to *.corrupt."""
+    for item in (name, record_name(name)):
+        if (folder / item).exists():
+            os.replace(folder / item, folder / f"{item}{CORRUPT_SUFFIX}")
+
+
+def delete(folder: Path, names: Iterable[str]) -> None:
+    """Delete checkpoints with their records: the record first, so a file is never left vouched for."""
+    for name in names:
+        (folder / record_name(name)).unlink(missing_ok=True)
+        (folder / name).unlink(missing_ok=True)
+
+
+def apply_plan(folder: Path, plan: ResumePlan) -> None:
+    for name in plan.delete:
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    for name in plan.set_aside:
+        set_aside(folder, name)
+
+
+def apply_timeline(folder: Path, plan: TimelinePlan) -> None:
+    if plan.abandon:
+        target = folder / plan.folder
+        target.mkdir()
+        for name in plan.abandon:
+            for item in (name, record_name(name)):
+                if (folder / item).exists():
+                    os.replace(folder / item, target / item)
+    if plan.latest is not None:
+        write_record(folder, plan.latest, LATEST)
+    else:  # resumed from a file elsewhere: the next save writes it
+        (folder / LATEST).unlink(missing_ok=True)

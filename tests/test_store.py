@@ -1,0 +1,319 @@
+"""checkpoint_store: names, records, the resume plan and retention as table tests (milliseconds, no torch),
+plus the few functions that touch a folder and train.py's Checkpointer around them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import checkpoint_store as store
+import train
+from common import UserError, sha256_file
+
+
+def record(step: int, run_id: str = "r", size: int = 10, val_loss: float | None = None) -> store.Record:
+    return store.Record(path=store.checkpoint_name(step), step=step, sha256=f"sha-{step}", bytes=size,
+                        run_id=run_id, created="2026-11-30T00:00:00Z", val_loss=val_loss)
+
+
+def listing(*entries, temporaries=(), folders=(), damaged=()) -> store.Listing:
+    """A Listing from entries: a step (a file with this run's record), (step, run_id), (step, None) for a file
+    without a record, (step, "broken") for one whose record does not read; `damaged` steps fail their sha256."""
+    files, records = {}, {}
+    for entry in entries:
+        step, run_id = entry if isinstance(entry, tuple) else (entry, "r")
+        name = store.checkpoint_name(step)
+        files[name] = 10
+        if run_id == "broken":
+            records[name] = "is not valid JSON"
+        elif run_id is not None:
+            records[name] = record(step, run_id)
+    digests = {name: "bad" if store.step_of(name) in damaged else f"sha-{store.step_of(name)}" for name in files}
+    return store.Listing(files=files, records=records, temporaries=list(temporaries), folders=set(folders),
+                         sha256=digests.__getitem__)
+
+
+def test_names():
+    assert store.checkpoint_name(42) == "step-00000042.pt"
+    assert store.record_name("step-00000042.pt") == "step-00000042.pt.json"
+    for name, step in [("step-00000003.pt", 3), ("step-3.pt", None), ("step-00000003.pt.corrupt", None),
+                       ("step-000000031.pt", None), ("latest.json", None), ("step-00000003.pt.json", None)]:
+        assert store.step_of(name) == step, name
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({}, None),
+    ({"step": 4}, "has fields of the wrong kind"),  # the step is the file name's
+    ({"bytes": "10"}, "has fields of the wrong kind"),
+    ({"run_id": None}, "has fields of the wrong kind"),
+    ({"sha256": None}, "lacks sha256"),
+    ({"created": None}, "lacks created"),
+])
+def test_record_from_json(change, problem):
+    obj = {**record(3).to_json(), **change}
+    obj = {key: value for key, value in obj.items() if not (value is None and key in ("sha256", "created"))}
+    if problem is None:
+        assert store.Record.from_json(obj) == record(3)
+    else:
+        with pytest.raises(ValueError, match=problem):
+            store.Record.from_json(obj)
+    with pytest.raises(ValueError, match="not a record"):
+        store.Record.from_json(["step-00000003.pt"])
+
+
+def test_record_json_round_trip_keeps_val_loss_only_when_set():
+    assert "val_loss" not in record(3).to_json()
+    assert store.Record.from_json(record(3, val_loss=1.5).to_json()).val_loss == 1.5
+
+
+# (listing, resume) -> (load, set_aside, deleted, warnings, error)
+RESUME = [
+    ("fresh folder, auto", listing(), "auto", None, [], [], [], None),
+    ("fresh folder, none", listing(), "none", None, [], [], [], None),
+    ("none with checkpoints", listing(2, 4), "none", None, [], [], [], "already has checkpoints (step-00000004.pt)"),
+    ("the newest verifies", listing(2, 4), "auto", "step-00000004.pt", [], [], [], None),
+    ("a damaged newest is set aside", listing(2, 4, damaged=[4]), "auto", "step-00000002.pt", ["step-00000004.pt"],
+     [], ["step-00000004.pt: it does not match the sha256 in its record (corrupt): set aside as "
+          "step-00000004.pt.corrupt (10 bytes; delete it once inspected)", "falling back to step-00000002.pt"], None),
+    ("a file without a record is skipped, not touched", listing(2, (4, None)), "auto", "step-00000002.pt", [], [],
+     ["step-00000004.pt has no sha256 record (not written by a train.py save): skipped",
+      "falling back to step-00000002.pt"], None),
+    ("an unreadable record is a damaged checkpoint", listing(2, (4, "broken")), "auto", "step-00000002.pt",
+     ["step-00000004.pt"], [], ["step-00000004.pt: is not valid JSON: set aside as step-00000004.pt.corrupt "
+                                "(10 bytes; delete it once inspected)", "falling back to step-00000002.pt"], None),
+    ("nothing verifies", listing(2, 4, damaged=[2, 4]), "auto", None, ["step-00000004.pt", "step-00000002.pt"], [],
+     None, "has checkpoints but none verifies against its sha256 (damaged, set aside: step-00000004.pt, "
+           "step-00000002.pt); pass --resume PATH to force one, or choose a new --out"),
+    ("only record-less files", listing((3, None)), "auto", None, [], [], None, "none verifies"),
+    ("only damaged ones set aside earlier: never a fresh start on top",
+     store.Listing({}, {}, corrupt=["step-00000003.pt"]),
+     "auto", None, [], [], [], "none verifies against its sha256 (damaged, set aside: step-00000003.pt)"),
+    ("another run's newest is still the newest", listing(2, (4, "other")), "auto", "step-00000004.pt", [], [], [],
+     None),
+    ("a save killed mid-write: its temporary and a record of nothing go",
+     listing(2, temporaries=[".step-00000004.pt.0a1b2c3d.tmp"]), "auto", "step-00000002.pt", [],
+     [".step-00000004.pt.0a1b2c3d.tmp"], [], None),
+    ("a restore killed mid-download leaves a temporary too",
+     listing(temporaries=[".step-00000009.pt.deadbeef.tmp"]), "auto", None, [], [".step-00000009.pt.deadbeef.tmp"],
+     [], None),
+    ("a PATH is the caller's; the tidying still happens", listing(2, temporaries=[".latest.json.0a1b2c3d.tmp"]),
+     "/elsewhere/step-00000001.pt", None, [], [".latest.json.0a1b2c3d.tmp"], [], None),
+]
+
+
+@pytest.mark.parametrize("case, folder, resume, load, set_aside, deleted, warnings, error", RESUME,
+                         ids=[case[0] for case in RESUME])
+def test_plan_resume(case, folder, resume, load, set_aside, deleted, warnings, error):
+    plan = store.plan_resume(folder, resume)
+    assert plan.load == load
+    assert plan.set_aside == set_aside
+    assert plan.delete == deleted
+    if warnings is not None:
+        assert plan.warnings == warnings
+    if error is None:
+        assert plan.error is None
+    else:
+        assert error in plan.error
+
+
+def test_plan_resume_deletes_records_of_checkpoints_that_are_gone():
+    folder = listing(2)
+    folder.records["step-00000004.pt"] = "its checkpoint is gone"  # a save killed before its rename
+    plan = store.plan_resume(folder, "auto")
+    assert plan.load == "step-00000002.pt" and plan.delete == ["step-00000004.pt.json"] and plan.warnings == []
+
+
+# (listing, resumed, step, run_id) -> (abandoned, folder, latest step, rewound)
+TIMELINE = [
+    ("continuing from the newest", listing(2, 4), "step-00000004.pt", 4, "r", [], None, 4, False),
+    ("a rewind abandons the newer ones", listing(2, 4, 6), "step-00000002.pt", 2, "r",
+     ["step-00000004.pt", "step-00000006.pt"], "abandoned-00000002", 2, True),
+    ("a second rewind to the same step gets its own folder", listing(2, 4), "step-00000002.pt", 2, "r",
+     ["step-00000004.pt"], "abandoned-00000002-2", 2, True),
+    ("newer files without records are no timeline", listing(2, (4, None)), "step-00000002.pt", 2, "r", [], None, 2,
+     False),
+    ("another run's checkpoints are no ancestors", listing((2, "other"), 4, (6, "other")), "step-00000004.pt", 4,
+     "r", ["step-00000002.pt", "step-00000006.pt"], "abandoned-00000004", 4, True),
+    ("from a file elsewhere: the folder's other run moves, latest.json waits for the next save",
+     listing((2, "other")), None, 3, "r", ["step-00000002.pt"], "abandoned-00000003", None, False),
+    ("from a file elsewhere of this run", listing(2), None, 3, "r", [], None, None, False),
+]
+
+
+@pytest.mark.parametrize("case, folder, resumed, step, run_id, abandoned, into, latest, rewound", TIMELINE,
+                         ids=[case[0] for case in TIMELINE])
+def test_plan_timeline(case, folder, resumed, step, run_id, abandoned, into, latest, rewound):
+    if into == "abandoned-00000002-2":
+        folder.folders.add("abandoned-00000002")
+    plan = store.plan_timeline(folder, resumed, step, run_id)
+    assert plan.abandon == abandoned
+    assert plan.folder == into
+    assert (plan.latest.step if plan.latest else None) == latest
+    assert plan.rewound == rewound
+    assert len(plan.warnings) == (1 if abandoned else 0)
+    if abandoned:
+        assert plan.warnings[0].startswith(f"resuming from step {step} abandons {', '.join(abandoned)} (")
+        assert f"moved to {into};" in plan.warnings[0]
+
+
+RETENTION = [
+    # steps saved, keep_last, keep_every, best step -> steps deleted
+    ([1, 2, 3, 4, 5], 2, 0, None, [1, 2, 3]),
+    ([1, 2, 3, 4, 5], 1, 0, None, [1, 2, 3, 4]),
+    ([2, 4, 6, 8, 10, 12], 2, 4, None, [2, 6]),  # every multiple of 4 stays
+    ([3, 6, 9, 12], 1, 6, None, [3, 9]),
+    ([5, 10, 15], 5, 0, None, []),  # fewer than keep_last: all stay
+    ([10, 9, 8, 100], 2, 0, None, [8, 9]),  # the newest by step, not by order of saving
+    ([1, 2, 3, 4, 5], 1, 0, 2, [1, 3, 4]),  # the best stays
+]
+
+
+@pytest.mark.parametrize("steps, keep_last, keep_every, best, deleted", RETENTION)
+def test_retention_deletions(steps, keep_last, keep_every, best, deleted):
+    folder = listing(*steps, (7, "another run"), (11, None))  # never ours: neither counted nor deleted
+    for step in steps:
+        folder.records[store.checkpoint_name(step)] = record(step, val_loss=1.0 if step == best else
+                                                             (2.0 + step if best else None))
+    assert store.retention_deletions(folder, "r", keep_last, keep_every) == \
+        [store.checkpoint_name(step) for step in deleted]
+
+
+def test_best_is_the_lowest_val_loss_of_a_present_checkpoint():
+    folder = listing(1, 2, 3)
+    folder.records["step-00000001.pt"] = record(1, val_loss=2.0)
+    folder.records["step-00000002.pt"] = record(2, val_loss=1.0)
+    folder.records["step-00000003.pt"] = record(3, run_id="other", val_loss=0.5)
+    assert folder.best().step == 3 and folder.best("r").step == 2
+    del folder.files["step-00000002.pt"]
+    assert folder.best("r").step == 1
+    assert listing(1).best() is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The folder edge: list_folder, apply_plan, apply_timeline; and train.py's Checkpointer on top.
+
+
+def write_checkpoint(folder: Path, step: int, run_id: str = "r", payload: bytes | None = None,
+                     with_record: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / store.checkpoint_name(step)
+    path.write_bytes(payload if payload is not None else f"checkpoint {step}".encode())
+    if with_record:
+        store.write_record(folder, store.Record(path=path.name, step=step, sha256=sha256_file(path),
+                                                bytes=path.stat().st_size, run_id=run_id, created="now"))
+    return path
+
+
+def test_list_folder_reads_what_a_folder_holds(tmp_path):
+    write_checkpoint(tmp_path, 1)
+    write_checkpoint(tmp_path, 2, with_record=False)
+    write_checkpoint(tmp_path, 3)
+    (tmp_path / "step-00000003.pt.json").write_text("{broken")
+    write_checkpoint(tmp_path, 4).unlink()  # its record stays
+    (tmp_path / ".step-00000005.pt.0a1b2c3d.tmp").write_bytes(b"half")
+    (tmp_path / "abandoned-00000001").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    found = store.list_folder(tmp_path)
+    assert found.files == {"step-00000001.pt": 12, "step-00000002.pt": 12, "step-00000003.pt": 12}
+    assert found.records["step-00000001.pt"].sha256 == sha256_file(tmp_path / "step-00000001.pt")
+    assert "not valid JSON" in found.records["step-00000003.pt"]
+    assert found.records["step-00000004.pt"] == "its checkpoint is gone"
+    assert found.temporaries == [".step-00000005.pt.0a1b2c3d.tmp"] and "abandoned-00000001" in found.folders
+    assert found.mismatch("step-00000001.pt") is None
+    (tmp_path / "step-00000001.pt").write_bytes(b"checkpoint 9")  # same size, other bytes: the hash tells
+    assert found.mismatch("step-00000001.pt") == "step-00000001.pt: it does not match the sha256 in its record " \
+                                                 "(corrupt)"
+    assert store.list_folder(tmp_path / "missing").files == {}
+
+
+def test_applying_a_resume_plan(tmp_path):
+    write_checkpoint(tmp_path, 1)
+    write_checkpoint(tmp_path, 2, payload=b"good")
+    (tmp_path / "step-00000002.pt").write_bytes(b"evil")
+    write_checkpoint(tmp_path, 4).unlink()
+    (tmp_path / ".step-00000005.pt.0a1b2c3d.tmp").write_bytes(b"half")
+    plan = store.plan_resume(store.list_folder(tmp_path), "auto")
+    store.apply_plan(tmp_path, plan)
+    assert plan.load == "step-00000001.pt"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "step-00000001.pt", "step-00000001.pt.json", "step-00000002.pt.corrupt", "step-00000002.pt.json.corrupt"]
+
+
+def test_applying_a_timeline_moves_files_with_their_records(tmp_path):
+    for step in (2, 4, 6):
+        write_checkpoint(tmp_path, step)
+    plan = store.plan_timeline(store.list_folder(tmp_path), "step-00000002.pt", 2, "r")
+    store.apply_timeline(tmp_path, plan)
+    assert sorted(path.name for path in (tmp_path / "abandoned-00000002").iterdir()) == [
+        "step-00000004.pt", "step-00000004.pt.json", "step-00000006.pt", "step-00000006.pt.json"]
+    assert json.loads((tmp_path / "latest.json").read_text())["path"] == "step-00000002.pt"
+
+
+def test_file_mismatch_checks_a_hand_picked_file_against_its_record_if_any(tmp_path):
+    path = write_checkpoint(tmp_path, 4)
+    assert store.file_mismatch(path) is None
+    path.write_bytes(b"checkpoint 5")
+    assert store.file_mismatch(path) == "step-00000004.pt: it does not match the sha256 in its record (corrupt)"
+    (tmp_path / "step-00000004.pt.json").unlink()
+    assert store.file_mismatch(path) is None  # no record: nothing to check against
+    other = tmp_path / "mine.pt"
+    other.write_bytes(b"x")
+    assert store.file_mismatch(other) is None
+
+
+def test_read_record_names_the_file(tmp_path):
+    (tmp_path / "step-00000001.pt.json").write_text('{"path": "step-00000001.pt"}')
+    with pytest.raises(UserError, match="step-00000001.pt.json lacks step, sha256, bytes, run_id, created"):
+        store.read_record(tmp_path / "step-00000001.pt.json")
+
+
+def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step)
+
+    class Backup:
+        def is_backed_up(self, path):
+            return path.name != store.checkpoint_name(2)
+
+    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup()).apply_retention()
+    assert sorted(store.list_folder(tmp_path).files) == ["step-00000002.pt", "step-00000005.pt"]
+
+
+def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step)
+    asked = []
+
+    class Backup:  # no is_backed_up: deletable(paths) is the whole protocol
+        def deletable(self, candidates):
+            asked.append([path.name for path in candidates])
+            return [str(path) for path in candidates if path.name != store.checkpoint_name(3)]
+
+    train.Checkpointer(tmp_path, "r", keep_last=2, keep_every=0, backup=Backup()).apply_retention()
+    assert asked == [[store.checkpoint_name(step) for step in (1, 2, 3)]]  # oldest first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"step-0000000{step}.pt{suffix}" for step in (3, 4, 5) for suffix in ("", ".json")]
+
+
+def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tmp_path):
+    for step in (1, 2, 3):
+        write_checkpoint(tmp_path, step)
+    waits = []
+
+    class Backup:
+        confirmed = False
+
+        def wait(self, timeout_s):
+            waits.append(timeout_s)
+            self.confirmed = True  # the uploads finish while close waits
+            return False
+
+        def is_backed_up(self, path):
+            return self.confirmed
+
+    saver = train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup(), backup_wait_s=2.5)
+    assert saver.close() is False and waits == [2.5]
+    assert sorted(store.list_folder(tmp_path).files) == ["step-00000003.pt"]  # confirmed during the wait
+    assert train.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
