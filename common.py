@@ -19,7 +19,6 @@ import secrets
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -158,12 +157,13 @@ def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        probe = folder / temporary_name("write-test")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PLAIN_FILE_MODE)
         try:
             os.write(fd, b"x")
         finally:
             os.close(fd)
-            os.unlink(name)
+            os.unlink(probe)
     except OSError as error:
         raise UserError(f"{what} {folder} cannot be written: {os_error_cause(error)}") from None
 

@@ -308,3 +308,18 @@ def test_read_json_names_the_file(tmp_path, content, message):
     with pytest.raises(UserError) as caught:
         read_json(path, "settings")
     assert str(caught.value) == message.format(path=path)
+
+
+def test_check_writable_folder_leaves_nothing_and_names_the_folder(tmp_path):
+    common.check_writable_folder(tmp_path / "new", "the run folder")
+    assert listing(tmp_path / "new") == []
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: permissions do not stop writes")
+        with pytest.raises(UserError, match=f"the run folder {locked} cannot be written: permission denied"):
+            common.check_writable_folder(locked, "the run folder")
+    finally:
+        locked.chmod(0o700)
