@@ -19,7 +19,6 @@ import secrets
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -158,23 +157,15 @@ def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        probe = folder / temporary_name("write-test")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PLAIN_FILE_MODE)
         try:
             os.write(fd, b"x")
         finally:
             os.close(fd)
-            os.unlink(name)
+            os.unlink(probe)
     except OSError as error:
         raise UserError(f"{what} {folder} cannot be written: {os_error_cause(error)}") from None
-
-
-def _process_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-PLAIN_FILE_MODE = 0o666 & ~_process_umask()  # what open() gives a new file; read once, at import (no race)
 
 
 # One scheme for everything written beside its final name, here and on a backup remote:
@@ -288,20 +279,24 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     remove_temporaries(target.parent, target.name)
     temp = target.parent / temporary_name(target.name)
     temp.mkdir()
+    old = target.parent / temporary_name(target.name, "old")
     try:
         yield temp
         for item in sorted(temp.rglob("*"), reverse=True):  # files before the folders that hold them
+            if item.is_symlink():
+                continue  # chmod and fsync would reach through it, to a file outside the folder
             item.chmod(PLAIN_FOLDER_MODE if item.is_dir() else PLAIN_FILE_MODE)
             (fsync_dir if item.is_dir() else fsync_file)(item)
         temp.chmod(PLAIN_FOLDER_MODE)
         fsync_dir(temp)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(temp, target)
     except BaseException:
+        if old.exists() and not target.exists():
+            os.replace(old, target)  # the swap failed halfway: the old folder goes back
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    old = target.parent / temporary_name(target.name, "old")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(temp, target)
     fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
 
@@ -330,6 +325,20 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         raise UserError(f"{what} not found: {path}") from None
     except json.JSONDecodeError as error:
         raise UserError(f"{what} {path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"{what} {path} is not valid JSON (not UTF-8 at byte {error.start})") from None
+
+
+def read_json_or(path: str | os.PathLike, default: Any = None) -> Any:
+    """The JSON in `path`, or `default` when it is missing, unreadable, broken or not of `default`'s type
+    (a dict default: only a dict). For records that are a hint, not a promise: a broken one is no reason
+    to stop."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle)
+    except (OSError, ValueError, RecursionError):  # ValueError: broken JSON or not UTF-8
+        return default
+    return value if default is None or isinstance(value, type(default)) else default
 
 
 def read_json_or(path: str | os.PathLike, default: Any) -> Any:

@@ -15,7 +15,6 @@ last file written, so its presence means the corpus is complete.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import glob
 import gzip
@@ -41,10 +40,10 @@ import numpy as np
 from common import (
     ArgumentParser,
     UserError,
+    atomic_folder,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
-    fsync_dir,
     human_count,
     os_error_text,
     read_json,
@@ -975,9 +974,7 @@ class ShardWriter:
 
     def _close_shard(self) -> None:
         for handle in self.handles:
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
+            handle.close()  # build_in_place's atomic_folder fsyncs every file before the swap
         self.files[-1].update(bytes=self.in_shard * self.dtype.itemsize, sha256=self.digests[0].hexdigest(),
                               tokens=self.in_shard)
         self.files[-1]["mask"].update(bytes=self.in_shard, sha256=self.digests[1].hexdigest())
@@ -1304,49 +1301,6 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
                         "even with --overwrite")
 
 
-def remove_stale_builds(out: Path) -> None:
-    """Delete temporary folders of builds of `out` that were killed (kill -9, power loss)."""
-    for temp in out.parent.glob(f".{glob.escape(out.name)}.building-*"):
-        pid = temp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(temp, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, owned by someone else
-
-
-@contextlib.contextmanager
-def building(out: Path) -> Iterator[Path]:
-    """A fresh temporary folder beside `out`, removed on any failure (Ctrl-C included)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(out)
-    temp = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir()
-    try:
-        yield temp
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-
-
-def swap_into_place(temp: Path, out: Path) -> None:
-    """Rename the finished folder to `out`, replacing an old corpus (or an empty folder) there."""
-    for path in temp.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)  # temporary files are created private
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(temp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSettings, overwrite: bool = False,
                  extra_files: dict[str, bytes] | None = None, generator: dict | None = None) -> Path:
     """Build the corpus folder `out_dir` from `sources` (see the module docstring for the recipe)."""
@@ -1372,8 +1326,9 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
 
 def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, extra_files: dict[str, bytes] | None,
                    generator: dict | None) -> tuple[dict, dict, dict]:
-    """build_corpus's work: everything in a temporary folder beside `out`, renamed into place at the end."""
-    with building(out) as temp:
+    """build_corpus's work: everything in a temporary folder beside `out`, swapped into place at the end
+    (a failure, Ctrl-C or SIGTERM removes it; a build killed outright leaves it to the next build's sweep)."""
+    with atomic_folder(out) as temp:
         tokenizer = prepare_tokenizer(settings, sources, temp / TOKENIZER_DIR)
         vocab_size = len(tokenizer)
         dtype = token_dtype(vocab_size)
@@ -1407,7 +1362,6 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
         listed = [SOURCE_MANIFEST, DATA_CARD, *sorted(extra_files or {})]
         corpus["files"] = {name: sha256_file(temp / name) for name in listed}
         atomic_write_json(temp / CORPUS_MANIFEST, corpus)
-        swap_into_place(temp, out)
     return corpus, stats, splits
 
 
@@ -1688,5 +1642,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    stop_on_sigterm()  # the command line only: a kill leaves no .NAME.building-PID/ behind
+    stop_on_sigterm()  # the command line only: a kill leaves no .NAME.<hex>.tmp/ behind
     run_main(main)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import struct
@@ -39,6 +38,7 @@ from common import (
     UserError,
     atomic_path,
     atomic_write_text,
+    read_json,
     run_main,
     sha256_file,
 )
@@ -110,15 +110,6 @@ class Vocab:
     tokenizer_json_sha256: str
 
 
-def read_json_file(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise UserError(f"{what} not found: {path}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise UserError(f"{path} is not valid JSON (line {error.lineno}: {error.msg})") from None
-
-
 def rope_theta_of(config: dict, config_path: Path) -> float:
     """rope_theta from transformers 5 (`rope_parameters`) or 4 (`rope_theta`, `rope_scaling`)."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -139,7 +130,7 @@ def read_model_folder(folder: str | Path) -> ModelSource:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise UserError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    config = read_json_file(config_path, "config")
+    config = read_json(config_path, "config")
     architectures = config.get("architectures") or []
     if config.get("model_type") != "qwen3" or architectures[:1] != ["Qwen3ForCausalLM"]:
         raise UserError(
@@ -180,7 +171,7 @@ def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or every shard named by model.safetensors.index.json."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(read_json_file(index, "safetensors index").get("weight_map", {}).values()))
+        shards = sorted(set(read_json(index, "safetensors index").get("weight_map", {}).values()))
         files = [folder / name for name in shards]
     else:
         files = [folder / "model.safetensors"]
@@ -206,7 +197,7 @@ def read_vocab(source: ModelSource) -> Vocab:
     tokenizer_path = folder / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise UserError(f"{folder} has no tokenizer.json: save the tokenizer into the model folder")
-    spec = read_json_file(tokenizer_path, "tokenizer")
+    spec = read_json(tokenizer_path, "tokenizer")
     check_tokenizer_is_qwen2_bpe(spec, tokenizer_path, QWEN2_SPLIT_PATTERN)
     id_to_token = {index: token for token, index in spec["model"]["vocab"].items()}
     id_to_token.update({entry["id"]: entry["content"] for entry in spec.get("added_tokens", [])})
@@ -238,7 +229,7 @@ def read_vocab(source: ModelSource) -> Vocab:
             token_types.append(int(gguf.TokenType.USER_DEFINED))
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"].get("merges", [])]
 
-    tokenizer_config = read_json_file(folder / "tokenizer_config.json", "tokenizer_config.json")
+    tokenizer_config = read_json(folder / "tokenizer_config.json", "tokenizer config")
     ids = {}
     for role, default in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
         text = token_text(tokenizer_config.get(f"{role}_token")) or default
@@ -301,14 +292,14 @@ def provenance_candidates(folder: Path) -> list[tuple[str, dict]]:
     for path, section in ((folder / PROVENANCE_FILE, None), (folder / "config.json", "tinyllm"),
                           (folder.parent / "training_settings.json", None)):
         if path.is_file():
-            record = read_json_file(path, path.name)
+            record = read_json(path)
             record = (record.get(section) or {}) if section else record
             if isinstance(record, dict):
                 label = f"{path} [{section}]" if section else str(path)
                 candidates.append((label, {aliases.get(key, key): value for key, value in record.items()}))
     manifest = folder.parent / "corpus_manifest.json"
     if manifest.is_file():  # train.py's copy of the corpus manifest: its hash names the corpus
-        record = read_json_file(manifest, "corpus manifest")
+        record = read_json(manifest, "corpus manifest")
         candidates.append((str(manifest), {"corpus_sha256": sha256_file(manifest),
                                            "tokenizer_sha256": record.get("tokenizer_sha256")}))
     card = folder / "README.md"

@@ -37,13 +37,13 @@ from typing import Any
 import numpy as np
 
 from common import (
-    PLAIN_FILE_MODE,
     ArgumentParser,
     UserError,
+    atomic_folder,
     atomic_write_bytes,
     atomic_write_json,
-    fsync_dir,
     human_count,
+    read_json,
     run_main,
     sha256_file,
     utc_now,
@@ -460,7 +460,7 @@ def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, openi
     the openings of its held-out texts (its first `opening_tokens` tokens) to be continued. The test
     split is read first, then validation, then train (a corpus without held-out documents)."""
     corpus = Path(corpus)
-    manifest = json.loads((corpus / "corpus_manifest.json").read_text(encoding="utf-8"))
+    manifest = read_json(corpus / "corpus_manifest.json", what="corpus manifest")
     eos, im_start = (tokenizer.convert_tokens_to_ids(token) for token in (EOS, IM_START))
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     documents: list[list[int]] = []
@@ -794,22 +794,6 @@ def write_provenance(folder: Path, architecture: dict, card_info: dict) -> None:
     (folder / "training_provenance.json").write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _clean_up_earlier_export(target: Path) -> None:
-    """Remove what a killed export left beside `target`; put back an old folder it had moved away."""
-    for stale in target.parent.glob(f".{target.name}.partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    for old in sorted(target.parent.glob(f".{target.name}.old-*")):
-        if not target.exists():
-            os.replace(old, target)  # killed between the two renames of the swap
-        else:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dict) -> dict[str, str]:
     """Write `out_dir` as a Hugging Face model folder and return {relative filename: sha256}.
 
@@ -818,13 +802,8 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
     card from `card_info`, see model_card) and training_provenance.json. The folder is built
     beside `out_dir` and swapped in only when complete; a failure leaves the old folder as it was.
     """
-    target = Path(out_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _clean_up_earlier_export(target)
-    temp = target.parent / f".{target.name}.partial-{os.getpid()}"
-    temp.mkdir()
     model = unwrap_model(model)
-    try:
+    with atomic_folder(out_dir) as temp:  # safetensors writes owner-only files: atomic_folder makes them plain
         architecture = architecture_of(model)
         with quiet_transformers_progress():
             model.save_pretrained(temp, max_shard_size="100GB")  # transformers 5 always writes safetensors
@@ -832,22 +811,8 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
         generation_config_for(tokenizer, getattr(model.config, "max_position_embeddings", None)).save_pretrained(temp)
         write_model_card(temp, architecture, card_info)
         write_provenance(temp, architecture, card_info)
-        hashes = {}
-        for path in sorted(p for p in temp.rglob("*") if p.is_file()):
-            path.chmod(PLAIN_FILE_MODE)  # safetensors writes model.safetensors owner-only; the rest is 0644
-            _fsync_file(path)
-            hashes[path.relative_to(temp).as_posix()] = sha256_file(path)
-        fsync_dir(temp)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-    os.replace(temp, target)
-    fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+        hashes = {path.relative_to(temp).as_posix(): sha256_file(path)
+                  for path in sorted(p for p in temp.rglob("*") if p.is_file())}
     return hashes
 
 

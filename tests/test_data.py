@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import data
-from common import UserError, sha256_tree
+from common import UserError, sha256_tree, temporary_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -584,12 +584,14 @@ def test_interrupted_build_leaves_nothing_and_keeps_the_old_corpus(tmp_path, mon
 
 def test_leftovers_of_a_killed_build_are_removed_by_the_next_one(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 20))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".out.building-{int(dead.stdout)}"
+    stale = tmp_path / temporary_name("out")  # what a build killed by kill -9 leaves
     stale.mkdir()
     (stale / "train-00000.bin").write_bytes(b"half written")
+    other = tmp_path / temporary_name("other")  # another folder's build is not touched
+    other.mkdir()
     build([source], tmp_path / "out")
-    assert not stale.exists() and data.verify_corpus(tmp_path / "out") == []
+    assert not stale.exists() and other.is_dir() and data.verify_corpus(tmp_path / "out") == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []
 
 
 def test_vocab_beyond_uint16_switches_to_uint32(tmp_path):

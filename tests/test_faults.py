@@ -256,9 +256,13 @@ def test_sigterm_during_data_py_says_so_and_leaves_no_build_folder(tmp_path):
     for index in range(40):
         (texts / f"book{index}.txt").write_text(" ".join(f"w{(index * 31 + i) % 5003}" for i in range(20_000)))
     out = tmp_path / "corpus"
+
+    def building() -> bool:  # the build's temporary folder .corpus.<hex>.tmp is there
+        return any(common.temporary_target(path.name) == "corpus" for path in tmp_path.iterdir())
+
     process = subprocess.Popen([sys.executable, str(Path(data.__file__)), "--data", str(texts), "--out", str(out),
                                 "--vocab-size", "2000", "--no-progress"], stderr=subprocess.PIPE, text=True)
-    while not list(tmp_path.glob(".corpus.building-*")) and process.poll() is None:
+    while not building() and process.poll() is None:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     err = process.communicate(timeout=120)[1]

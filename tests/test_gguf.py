@@ -18,7 +18,7 @@ import pytest
 import data
 import export_gguf
 import model_config
-from common import UserError
+from common import UserError, temporary_target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,8 @@ def copy_folder(source: Path, target: Path) -> Path:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return sorted(path.name for path in folder.iterdir() if path.name.endswith(".tmp"))
+    """The temporary files and folders (.NAME.<hex>.tmp/.old) left in `folder`."""
+    return sorted(path.name for path in folder.iterdir() if temporary_target(path.name) is not None)
 
 
 def field(reader, key):

@@ -12,7 +12,7 @@ import torch
 import data
 import model_config
 import report
-from common import UserError, sha256_file
+from common import UserError, remove_temporaries, sha256_file, temporary_name
 
 # A tiny model memorizes these replies in a few seconds; generation must reproduce them exactly.
 CHATS = [
@@ -441,12 +441,14 @@ def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_pa
         assert "training did not finish" in (out / "README.md").read_text()
 
         monkeypatch.undo()
-        # A kill between the swap's two renames leaves the old folder aside: the next export restores it first.
-        os.replace(out, tmp_path / ".model.old-999")
-        (tmp_path / ".model.partial-998").mkdir()
-        report._clean_up_earlier_export(out)
+        # A kill between the swap's two renames leaves the old folder aside, and a kill mid-export its
+        # temporary folder: the next export sweeps both, putting the old folder back first.
+        os.replace(out, tmp_path / temporary_name("model", "old"))
+        (tmp_path / temporary_name("model")).mkdir()
+        remove_temporaries(tmp_path, "model")
         assert sorted(os.listdir(tmp_path)) == ["model"]
         assert {p.name: sha256_file(p) for p in out.iterdir()} == first
+        (tmp_path / temporary_name("model")).mkdir()
 
         second = report.export_hf_model(model, tokenizer, out, CARD_INFO)
         assert second["model.safetensors"] != first["model.safetensors"]

@@ -1,0 +1,325 @@
+"""common.py's one scheme for what is written beside its final name, and its JSON readers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import common
+from common import (
+    PLAIN_FILE_MODE,
+    PLAIN_FOLDER_MODE,
+    UserError,
+    atomic_folder,
+    atomic_open,
+    atomic_path,
+    read_json,
+    read_json_or,
+    remove_temporaries,
+    temporary_name,
+    temporary_target,
+)
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+# ----------------------------------------------------------------------------------------------
+# Names
+
+
+@pytest.mark.parametrize("name, target", [
+    (".out.1a2b3c4d.tmp", "out"),
+    (".model.0123abcd.old", "model"),
+    (".step-00000010.pt.deadbeef.tmp", "step-00000010.pt"),
+    (".a.b.json.00000000.tmp", "a.b.json"),
+    (".corpus.12345678.tmp", "corpus"),
+    ("out", None),
+    (".out", None),
+    (".out.tmp", None),
+    ("out.1a2b3c4d.tmp", None),  # not hidden
+    (".out.1a2b3c4.tmp", None),  # 7 hex digits
+    (".out.1A2B3C4D.tmp", None),  # upper case is not what temporary_name writes
+    (".out.1a2b3c4d.bak", None),
+    (".out.1a2b3c4d.tmp.gz", None),
+    (".out.k9x2abcd.tmp", None),  # mkstemp-style random part
+    ("..1a2b3c4d.tmp", None),  # no final name
+    (".out.building-1234", None),  # the old schemes are not swept
+    (".model.partial-998", None),
+    (".model.old-999", None),
+])
+def test_temporary_target(name, target):
+    assert temporary_target(name) == target
+
+
+@pytest.mark.parametrize("name", ["out", "model.safetensors", "step-00000010.pt", "a.b", ".hidden"])
+@pytest.mark.parametrize("kind", ["tmp", "old"])
+def test_temporary_name_round_trips_and_is_unique(name, kind):
+    made = temporary_name(name, kind)
+    assert made.startswith(f".{name}.") and made.endswith(f".{kind}") and temporary_target(made) == name
+    assert len({temporary_name(name, kind) for _ in range(50)}) == 50
+
+
+# ----------------------------------------------------------------------------------------------
+# remove_temporaries
+
+
+def populate(folder: Path, entries: dict[str, str]) -> None:
+    """{name: "file" | "folder" | "link"} made in `folder` (a folder holds one file, a link points outside)."""
+    for name, kind in entries.items():
+        path = folder / name
+        if kind == "file":
+            path.write_text(name)
+        elif kind == "folder":
+            path.mkdir()
+            (path / "inside.txt").write_text(name)
+        else:
+            path.symlink_to(folder.parent / "outside")
+
+
+@pytest.mark.parametrize("entries, target, removed, left", [
+    # files and folders of every target; others' hidden files and the old schemes stay
+    ({"a": "file", ".a.00000001.tmp": "file", ".b.00000002.tmp": "folder", "b": "folder", ".keep": "file",
+      ".a.building-1": "folder"}, None,
+     [".a.00000001.tmp", ".b.00000002.tmp"], [".a.building-1", ".keep", "a", "b"]),
+    # only the target's
+    ({"a": "file", ".a.00000001.tmp": "file", ".b.00000002.tmp": "folder"}, "a",
+     [".a.00000001.tmp"], [".b.00000002.tmp", "a"]),
+    # a target name that is a prefix of another's is not confused with it
+    ({".a.00000001.tmp": "file", ".ab.00000002.tmp": "file", ".b.a.00000003.tmp": "file"}, "a",
+     [".a.00000001.tmp"], [".ab.00000002.tmp", ".b.a.00000003.tmp"]),
+    # a swap killed between its renames: the old folder is put back when the final name is missing ...
+    ({".model.0000000a.old": "folder", ".model.0000000b.tmp": "folder"}, "model",
+     [".model.0000000b.tmp"], ["model"]),
+    # ... and deleted when the new one is in place
+    ({"model": "folder", ".model.0000000a.old": "folder"}, "model", [".model.0000000a.old"], ["model"]),
+    # a link is removed, never what it points to
+    ({".x.0000000c.tmp": "link"}, None, [".x.0000000c.tmp"], []),
+])
+def test_remove_temporaries(tmp_path, entries, target, removed, left):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not ours")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    populate(folder, entries)
+    assert remove_temporaries(folder, target) == removed
+    assert listing(folder) == left
+    assert (outside / "keep.txt").read_text() == "not ours"
+
+
+def test_remove_temporaries_puts_back_the_old_folder_whole(tmp_path):
+    old = tmp_path / temporary_name("model", "old")
+    old.mkdir()
+    (old / "weights.bin").write_bytes(b"the last good export")
+    assert remove_temporaries(tmp_path) == []
+    assert listing(tmp_path) == ["model"]
+    assert (tmp_path / "model" / "weights.bin").read_bytes() == b"the last good export"
+
+
+def test_remove_temporaries_of_a_missing_folder(tmp_path):
+    assert remove_temporaries(tmp_path / "nope") == []
+
+
+# ----------------------------------------------------------------------------------------------
+# atomic_folder
+
+
+def write_tree(folder: Path, text: str) -> None:
+    (folder / "sub").mkdir()
+    (folder / "a.txt").write_text(text)
+    (folder / "sub" / "b.txt").write_text(text)
+
+
+def read_tree(folder: Path) -> dict[str, str]:
+    return {path.relative_to(folder).as_posix(): path.read_text() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("existing", [None, "empty", "old"])
+def test_atomic_folder_swaps_in_and_leaves_no_sibling(tmp_path, existing):
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    if existing == "old":
+        (out / "stale.txt").write_text("from the old folder")
+    with atomic_folder(out) as temp:
+        assert temp.parent == tmp_path and temporary_target(temp.name) == "out" and temp.is_dir()
+        write_tree(temp, "new")
+    assert read_tree(out) == {"a.txt": "new", "sub/b.txt": "new"}
+    assert listing(tmp_path) == ["out"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_atomic_folder_failure_keeps_the_old_folder_and_no_temporary(tmp_path, error):
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tree(out, "old")
+    with pytest.raises(type(error)):
+        with atomic_folder(out) as temp:
+            write_tree(temp, "new")
+            raise error
+    assert read_tree(out) == {"a.txt": "old", "sub/b.txt": "old"}
+    assert listing(tmp_path) == ["out"]
+
+
+def test_atomic_folder_failed_swap_puts_the_old_folder_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    write_tree(out, "old")
+    real_replace = os.replace
+
+    def replace(source, target):
+        if Path(source).name.endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        real_replace(source, target)
+
+    monkeypatch.setattr(common.os, "replace", replace)
+    with pytest.raises(OSError):
+        with atomic_folder(out) as temp:
+            write_tree(temp, "new")
+    assert read_tree(out) == {"a.txt": "old", "sub/b.txt": "old"}
+    assert listing(tmp_path) == ["out"]
+
+
+def test_atomic_folder_sweeps_what_a_killed_build_left(tmp_path):
+    stale = tmp_path / temporary_name("out")
+    stale.mkdir()
+    (stale / "half.bin").write_bytes(b"half written")
+    other = tmp_path / temporary_name("other")
+    other.mkdir()
+    with atomic_folder(tmp_path / "out") as temp:
+        assert not stale.exists()
+        write_tree(temp, "new")
+    assert listing(tmp_path) == [other.name, "out"]
+
+
+def test_atomic_folder_makes_everything_plainly_readable(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("private")
+    outside.chmod(0o600)
+    with atomic_folder(tmp_path / "out") as temp:
+        write_tree(temp, "new")
+        (temp / "a.txt").chmod(0o600)  # as safetensors and mkstemp write them
+        (temp / "sub").chmod(0o700)
+        (temp / "link").symlink_to(outside)
+    out = tmp_path / "out"
+    assert {mode(path) for path in [out / "a.txt", out / "sub" / "b.txt"]} == {PLAIN_FILE_MODE}
+    assert mode(out) == mode(out / "sub") == PLAIN_FOLDER_MODE
+    assert mode(outside) == 0o600  # not reached through the link
+
+
+# ----------------------------------------------------------------------------------------------
+# atomic_open and atomic_path
+
+
+def write_with_open_binary(path: Path, data: str) -> None:
+    with atomic_open(path, "wb") as handle:
+        handle.write(data.encode())
+        if data == "boom":
+            raise RuntimeError("boom")
+
+
+def write_with_open_text(path: Path, data: str) -> None:
+    with atomic_open(path, "w") as handle:
+        handle.write(data)
+        if data == "boom":
+            raise RuntimeError("boom")
+
+
+def write_with_path(path: Path, data: str) -> None:
+    with atomic_path(path) as temp:
+        assert temp.parent == path.parent and temporary_target(temp.name) == path.name
+        temp.write_text(data)
+        if data == "boom":
+            raise RuntimeError("boom")
+
+
+WRITERS = [write_with_open_binary, write_with_open_text, write_with_path]
+
+
+@pytest.mark.parametrize("write", WRITERS)
+def test_atomic_file_writes_replace_the_target_with_plain_permissions(tmp_path, write):
+    target = tmp_path / "sub" / "record.json"
+    write(target, "first")
+    write(target, "second")
+    assert target.read_text() == "second" and mode(target) == PLAIN_FILE_MODE
+    assert listing(target.parent) == ["record.json"]
+
+
+@pytest.mark.parametrize("write", WRITERS)
+def test_atomic_file_write_failure_leaves_the_target_and_no_temporary(tmp_path, write):
+    target = tmp_path / "record.json"
+    write(target, "good")
+    with pytest.raises(RuntimeError, match="boom"):
+        write(target, "boom")
+    assert target.read_text() == "good" and listing(tmp_path) == ["record.json"]
+
+
+def test_atomic_path_when_the_writer_wrote_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "x.bin"):
+            raise RuntimeError("failed before writing")
+    assert listing(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON readers
+
+
+@pytest.mark.parametrize("content, default, expected", [
+    (None, {}, {}),  # missing
+    (b'{"step": 4}', {}, {"step": 4}),
+    (b'{"step": 4', {}, {}),  # cut short by a kill
+    (b"", {}, {}),
+    (b"\xff\xfe{}", {}, {}),  # not UTF-8
+    (b"[1, 2]", {}, {}),  # not the default's type
+    (b"[1, 2]", [], [1, 2]),
+    (b"[1, 2]", None, [1, 2]),  # no default: any JSON
+    (b"null", {}, {}),
+    (b"3", None, 3),
+    ("folder", {"x": 1}, {"x": 1}),  # a folder where the file should be
+    (b"[" * 100_000, {}, {}),  # nested too deeply
+])
+def test_read_json_or(tmp_path, content, default, expected):
+    path = tmp_path / "record.json"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    assert read_json_or(path, default) == expected
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "settings not found: {path}"),
+    (b'{"a": ', "settings {path} is not valid JSON (line 1: Expecting value)"),
+    (b"\xff{}", "settings {path} is not valid JSON (not UTF-8 at byte 0)"),
+])
+def test_read_json_names_the_file(tmp_path, content, message):
+    path = tmp_path / "settings.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(UserError) as caught:
+        read_json(path, "settings")
+    assert str(caught.value) == message.format(path=path)
+
+
+def test_check_writable_folder_leaves_nothing_and_names_the_folder(tmp_path):
+    common.check_writable_folder(tmp_path / "new", "the run folder")
+    assert listing(tmp_path / "new") == []
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: permissions do not stop writes")
+        with pytest.raises(UserError, match=f"the run folder {locked} cannot be written: permission denied"):
+            common.check_writable_folder(locked, "the run folder")
+    finally:
+        locked.chmod(0o700)
