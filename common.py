@@ -341,16 +341,6 @@ def read_json_or(path: str | os.PathLike, default: Any = None) -> Any:
     return value if default is None or isinstance(value, type(default)) else default
 
 
-def read_json_or(path: str | os.PathLike, default: Any) -> Any:
-    """A JSON file's content, or `default` when it is missing, unreadable or broken (for files that are
-    hints, not promises: a status file, a record another program may be replacing)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
-        return default
-
-
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """Append one JSON line and flush it to disk (metrics logs survive a kill)."""
     with open(path, "a", encoding="utf-8") as handle:
