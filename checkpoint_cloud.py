@@ -1465,10 +1465,10 @@ def command_list(url: str) -> int:
         if not listing["verified"] and not listing["unverified"]:
             print("no checkpoints on the remote")
         for step, name in sorted(listing["verified"].items()):
-            record = get_json(fs, f"{folder}/{store.record_name(name)}") or {}
+            record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
             mark = "  <- latest" if latest.get("path") == name else ""
-            print(f"{name:24s} step {step:>9} {record.get('bytes', '?'):>14} bytes  "
-                  f"sha256 {str(record.get('sha256', '?'))[:12]}{mark}")
+            size, sha = (record.bytes, record.sha256[:12]) if record else ("?", "? (record unreadable)")
+            print(f"{name:24s} step {step:>9} {size:>14} bytes  sha256 {sha}{mark}")
         for name in listing["unverified"]:
             print(f"{name:24s} UNVERIFIED (no record; never used by restore)")
         for name in listing["partials"]:
@@ -1564,9 +1564,9 @@ def command_verify(url: str) -> int:
                 return 0
             folder = checkpoint_folder(root)
             for _, name in sorted(listing["verified"].items()):
-                record = get_json(fs, f"{folder}/{store.record_name(name)}") or {}
+                record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
                 got_size, got_sha = remote_digest(fs, f"{folder}/{name}")
-                if got_sha != record.get("sha256") or got_size != record.get("bytes"):
+                if record is None or (got_sha, got_size) != (record.sha256, record.bytes):
                     problems.append(f"{name}: does not match its recorded sha256 (corrupted)")
                 else:
                     print(f"{name}: ok")

@@ -302,13 +302,6 @@ def provenance_candidates(folder: Path) -> list[tuple[str, dict]]:
         record = read_json(manifest, "corpus manifest")
         candidates.append((str(manifest), {"corpus_sha256": sha256_file(manifest),
                                            "tokenizer_sha256": record.get("tokenizer_sha256")}))
-    card = folder / "README.md"
-    if card.is_file():  # the model card's "corpus manifest SHA-256: ..." lines
-        text = card.read_text(encoding="utf-8", errors="replace")
-        found = {key: re.search(pattern + r"[^0-9a-f]{0,20}([0-9a-f]{64})", text, re.IGNORECASE)
-                 for key, pattern in (("corpus_sha256", r"corpus manifest sha-?256"),
-                                      ("tokenizer_sha256", r"tokenizer sha-?256"))}
-        candidates.append((str(card), {key: match.group(1).lower() for key, match in found.items() if match}))
     return candidates
 
 
@@ -317,7 +310,7 @@ def read_provenance(folder: Path, overrides: dict | None = None) -> tuple[dict, 
 
     Order: command line, MODEL/training_provenance.json, the `tinyllm` section of config.json,
     RUN/training_settings.json (keys corpus_manifest_sha256, tokenizer_sha256, as the original
-    trainer wrote them), RUN/corpus_manifest.json, the model card. Returns (values, where read).
+    trainer wrote them), RUN/corpus_manifest.json. Returns (values, where read).
     """
     found = {key: value for key, value in (overrides or {}).items() if value}
     for key, value in found.items():

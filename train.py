@@ -62,6 +62,7 @@ from common import (
     os_error_cause,
     os_error_text,
     read_json,
+    remove_temporaries,
     run_main,
     seed_everything,
     sha256_file,
@@ -69,7 +70,7 @@ from common import (
     utc_now,
 )
 
-FORMAT_VERSION = 2  # 2: the optimizer state is {"adamw": ..., "muon": ...}; the schedule has no counter
+FORMAT_VERSION = 3  # 3: checkpoint_store records (step-N.pt.json), the best is a record, not best.pt
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
@@ -1987,6 +1988,7 @@ def claim_run_folder(out: Path, info: DistInfo):
         check_run_folder(out)
         held["new"] = not out.exists()
         held["lock"] = lock_run_folder(out)
+        remove_temporaries(out)  # of a restore, a report or an export killed half-way (checkpoints/: the plan's)
 
     main_decides(claim, info)
     try:

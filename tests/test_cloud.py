@@ -408,7 +408,7 @@ def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
     log = Log()
     backup = cc.CheckpointBackup(str(tmp_path / "remote"), max_unbacked=2, retry_seconds=60, log=log)
     allow_uploads = refuse_uploads(backup, "denied for s3://secret-bucket")
-    paths = [fake_checkpoint(local, step) for step in (1, 2, 3, 4, 5)]
+    paths = [save_and_point_latest(local, step) for step in (1, 2, 3, 4, 5)]
     for step, path in enumerate(paths, start=1):
         backup.submit(path, step)
     assert not backup.wait(0.5)
@@ -421,7 +421,7 @@ def test_unbacked_checkpoints_are_kept_up_to_the_bound(tmp_path):
     assert "secret-bucket" not in log.text() and str(tmp_path / "remote") not in log.text()
 
     allow_uploads()
-    backup.submit(fake_checkpoint(local, 6), 6)
+    backup.submit(save_and_point_latest(local, 6), 6)
     assert backup.wait(30)
     # now the checkpoint this run resumed from may go, and the verified ones
     assert wait_until(lambda: backup.is_backed_up(paths[3]))
@@ -816,7 +816,7 @@ def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
     run_train(options(first, "--stop-after-steps", "5"))  # saves at 3 and 5
     backup = cc.CheckpointBackup(s3_url, log=Log())
     for path in sorted((first / "checkpoints").glob("step-*.pt")):
-        backup.submit(path, cc.step_of(path.name))
+        backup.submit(path, store.step_of(path.name))
     assert backup.wait(60)
     backup.close()
 

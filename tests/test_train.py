@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint_store as store
 import common
 import data
 import train
@@ -380,19 +381,21 @@ def test_checkpointer_retention_and_backup_seam(tmp_path):
     saver = train.Checkpointer(folder, run_id="r1", keep_last=2, keep_every=4, backup=backup)
     for step in range(2, 9):
         if step == 7:
-            backup.confirmed = {train.checkpoint_name(s) for s in range(2, 6)}
+            backup.confirmed = {store.checkpoint_name(s) for s in range(2, 6)}
         saver.save({"format_version": 1, "step": step, "x": torch.full((3,), step)}, step,
-                   best_val_loss=1.0 / step if step == 5 else None)
+                   val_loss=1.0 / step if step == 5 else None)
     saver.close()
     names = sorted(p.name for p in folder.glob("step-*.pt"))
-    # kept: foreign 1; 4 and 8 (keep-every); 7, 8 (keep-last); 6 (not yet backed up when 7 and 8 were saved)
-    assert names == [train.checkpoint_name(s) for s in (1, 4, 6, 7, 8)]
+    # kept: foreign 1; 4 and 8 (keep-every); 5 (the best); 7, 8 (keep-last); 6 (not yet backed up when 7, 8 were saved)
+    assert names == [store.checkpoint_name(s) for s in (1, 4, 5, 6, 7, 8)]
     assert backup.submitted == list(range(2, 9))
     latest = json.loads((folder / "latest.json").read_text())
-    assert latest == {"path": "step-00000008.pt", "step": 8, "sha256": sha256_file(folder / latest["path"]),
-                      "bytes": (folder / latest["path"]).stat().st_size}
-    best = json.loads((folder / "best.json").read_text())
-    assert best["step"] == 5 and torch.load(folder / "best.pt", weights_only=True)["step"] == 5
+    assert latest == json.loads((folder / "step-00000008.pt.json").read_text())
+    assert {key: latest[key] for key in ("path", "step", "sha256", "bytes", "run_id")} == {
+        "path": "step-00000008.pt", "step": 8, "sha256": sha256_file(folder / latest["path"]),
+        "bytes": (folder / latest["path"]).stat().st_size, "run_id": "r1"}
+    assert json.loads((folder / "step-00000005.pt.json").read_text())["val_loss"] == 0.2
+    assert store.list_folder(folder).best().step == 5
 
 
 def test_retention_asks_a_backup_with_deletable(tmp_path):
@@ -424,12 +427,6 @@ def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path, flip_byte):
     assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
     with pytest.raises(UserError, match="already has checkpoints"):
         train.find_resume_checkpoint(tmp_path, "none")
-    # a checkpoint restored from a backup comes with latest.json only: that record verifies it
-    restored = folder / "step-00000005.pt"
-    shutil.copyfile(folder / "step-00000001.pt", restored)
-    atomic_write_json(folder / "latest.json", {"path": restored.name, "step": 5, "sha256": sha256_file(restored),
-                                               "bytes": restored.stat().st_size})
-    assert train.find_resume_checkpoint(tmp_path, "auto") == restored
     for path in folder.glob("step-*.pt"):
         path.write_bytes(b"broken")
     with pytest.raises(UserError, match="none verifies"):
@@ -594,7 +591,7 @@ def test_save_seconds_0_is_off_and_a_stop_is_the_last_metrics_record(corpus, tmp
     assert train.main(options(corpus, out, *quiet, "--stop-after-steps", "6")) == 0
     assert handlers_when_running and set(handlers_when_running) == {train.StopRequest}
     checkpoints = sorted(path.name for path in (out / "checkpoints").glob("step-*.pt"))
-    assert checkpoints == [train.checkpoint_name(6)]  # the stop's save only: 0 means never by time
+    assert checkpoints == [store.checkpoint_name(6)]  # the stop's save only: 0 means never by time
     assert list(train_losses(out)) == [1, 4, 6]  # every --log-every step, and the step it stopped at
     record = status(out)
     assert record["status"] == train.NEEDS_RESUME and record["reason"] == "stopped by --stop-after-steps 6"
@@ -616,7 +613,7 @@ def test_max_hours_stops_resumably_before_the_budget(corpus, tmp_path):
     record = status(out)
     assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and "--max-hours" in record["reason"]
     assert record["step"] == 1
-    assert record["last_checkpoint"] == train.checkpoint_name(record["step"])
+    assert record["last_checkpoint"] == store.checkpoint_name(record["step"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,7 +719,7 @@ def test_sigterm_saves_and_exits_0_then_resume_matches(corpus, reference, tmp_pa
     assert "SIGTERM" in stderr and "CHECKPOINTED_NEEDS_RESUME" in stdout.splitlines()[-1]
     record = status(out)
     assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and "SIGTERM" in record["reason"]
-    assert 3 <= record["step"] < 12 and record["last_checkpoint"] == train.checkpoint_name(record["step"])
+    assert 3 <= record["step"] < 12 and record["last_checkpoint"] == store.checkpoint_name(record["step"])
     assert record["resume_command"].endswith("--resume auto")
     assert train.main(options(corpus, out, "--save-every", "100", "--resume", "auto")) == 0
     assert_same_state(final_state(out), final_state(reference))
@@ -791,8 +788,8 @@ def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
     record = status(out)
     assert record["status"] == "FAILED" and "non-finite" in record["reason"]
     failed_at = int(str(error.value).split(" at step ")[1].split(";")[0])
-    good = train.newest_verified_checkpoint(out / "checkpoints")[0]
-    assert good.name == record["last_checkpoint"] == train.checkpoint_name(failed_at - 1)
+    good = out / "checkpoints" / store.newest_verified(store.list_folder(out / "checkpoints"))
+    assert good.name == record["last_checkpoint"] == store.checkpoint_name(failed_at - 1)
     assert torch.load(good, weights_only=True)["step"] == failed_at - 1
     assert f"the last good checkpoint, {good.name}, is intact" in str(error.value)
 
