@@ -320,6 +320,8 @@ class Invocation:
 
 @dataclass(frozen=True)
 class Settings:
+    """One command line's settings: parse_args builds them once; nothing changes them afterwards."""
+
     run: RunSettings
     session: SessionSettings
     invocation: Invocation
@@ -2166,10 +2168,16 @@ class Training:
 
         Only the run's length may differ (an extension, see extend_to)."""
         old = checkpoint["settings"]["training"]
+        warmup = old.get("recipe.warmup_steps")
+        if self.run.warmup_steps is None and warmup is not None and warmup != self.recipe.warmup_steps:
+            # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
+            kept = dataclasses.replace(self.run, warmup_steps=int(warmup))
+            self.recipe, self.recipe_reasons = choose_recipe(kept, self.preset.hidden, self.total_steps)
+            self.recipe_reasons.append(f"{warmup} warmup steps: the run's, chosen for its first length")
         self.extensions = list(checkpoint["settings"].get("extended") or [])
         changes = settings_diff(old, self.settings()["training"])
         if old["total_steps"] != self.total_steps and \
-                all(change.split(":")[0] in (*LENGTH_SETTINGS, "recipe.warmup_steps") for change in changes):
+                all(change.split(":")[0] in LENGTH_SETTINGS for change in changes):
             self.extend_to(old, int(checkpoint["step"]), path)
             changes = [change for change in settings_diff(old, self.settings()["training"])
                        if change.split(":")[0] not in LENGTH_SETTINGS]
@@ -2200,25 +2208,21 @@ class Training:
     def extend_to(self, old: dict, step: int, path: Path) -> None:
         """Continue the run recorded in `old` (its training settings) at `step` with this run's length.
 
-        The warmup stays the checkpoint's unless --warmup-steps asks otherwise; the decay is re-derived
-        for the new length. Refused (one line saying why) unless every step taken keeps its rate."""
-        recipe = self.recipe
-        if self.run.warmup_steps is None and recipe.schedule == "wsd" and old.get("recipe.warmup_steps") is not None:
-            kept = dataclasses.replace(self.run, warmup_steps=int(old["recipe.warmup_steps"]))  # not the rule's
-            recipe, _ = choose_recipe(kept, self.preset.hidden, self.total_steps)
+        The recipe is this run's: the warmup the checkpoint's (unless --warmup-steps asks otherwise, see
+        load), the decay derived for the new length. Refused (one line saying why) unless every step
+        taken keeps its rate."""
         recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
         try:
             before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
         except (TypeError, KeyError):
             raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
-        problem = extension_problem(before, recipe, step)
+        problem = extension_problem(before, self.recipe, step)
         if problem:
             length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
                 f"--epochs {old.get('epochs') or 1}"
             raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
                             f"{self.total_steps}: it cannot be extended: {problem}. Resume it with its length "
                             f"({length}), or start a new run from its weights with --init-from {path}")
-        self.recipe = recipe
         self.extensions.append({"at_step": step, "from_total_steps": int(old["total_steps"]),
                                 "to_total_steps": self.total_steps})
 

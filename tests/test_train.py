@@ -1387,3 +1387,5 @@ def test_an_extension_keeps_the_warmup_the_rule_chose_for_the_first_length(corpu
     settings = json.loads((out / "training_settings.json").read_text())["training"]
     assert settings["recipe.warmup_steps"] == 1 and settings["total_steps"] == 60
     assert settings["recipe.decay_steps"] == 24  # re-derived for the new length: 0.4 x 60
+    assert train.main([*longer, "--stop-after-steps", "7"]) == 0  # a plain resume inside the extended run
+    assert json.loads((out / "training_settings.json").read_text())["training"] == settings
