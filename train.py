@@ -70,7 +70,9 @@ from common import (
     utc_now,
 )
 
-FORMAT_VERSION = 3  # 3: checkpoint_store records (step-N.pt.json), the best is a record, not best.pt
+# 3: checkpoint_store records (step-N.pt.json; the best is a record, not best.pt), settings["training"] is
+# RunSettings as a dict beside what it resolves to
+FORMAT_VERSION = 3
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
@@ -227,82 +229,192 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options; without --data, the demo defaults replace those of the options not given."""
+# The settings: every option lands in exactly one of three frozen dataclasses (tests/test_settings.py
+# checks it), built once from the command line by parse_args and checked there (check_settings).
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What makes the run this run: a resume must give the same (Training.load compares them with the
+    checkpoint's), except the length (target_tokens, epochs), which may change under extend_to's rule.
+
+    None: the preset's shape, the recipe rule's value; what they resolve to is recorded beside these
+    as model.* and recipe.* (and precision, text_loss as resolved for the device and corpus)."""
+
+    preset: str
+    layers: int | None
+    hidden: int | None
+    intermediate: int | None
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    context: int | None
+    rope_theta: float | None
+    rms_norm_eps: float | None
+    seed: int
+    target_tokens: int | None
+    epochs: float | None
+    optimizer: str | None
+    lr: float | None
+    muon_lr: float | None
+    schedule: str | None
+    warmup_steps: int | None
+    decay_fraction: float | None
+    final_lr_fraction: float | None
+    weight_decay: float
+    beta1: float
+    beta2: float | None
+    muon_momentum: float
+    grad_clip: float
+    adam8bit: bool
+    precision: str
+    loss_on: str
+    text_loss: str | None
+    eval_batches: int  # which validation blocks best_val_loss is measured on
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """What may change from one session of a run to the next (recorded as "runtime", never compared).
+
+    batch_size and grad_accum only split the global batch, which must match (global_batch_blocks);
+    data may move: the corpus itself is identified by its manifest's sha256."""
+
+    data: str
+    out: str
+    batch_size: int
+    grad_accum: int
+    device: str
+    threads: int
+    compile: bool
+    grad_checkpoint: bool
+    require_gpus: int
+    require_gpu_name: str | None
+    peak_tflops: float
+    save_every: int
+    save_seconds: float
+    keep_last: int
+    keep_every: int
+    eval_every: int
+    log_every: int
+    max_hours: float
+    stop_after_steps: int
+    max_overflow_steps: int
+    report: bool
+    tensorboard: bool
+    backup_to: str | None  # a URL may carry credentials: never recorded nor printed
+    remote_keep_recent: int
+    remote_keep_every: int
+    backup_wait_seconds: float
+    backup_max_unbacked: int
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What this command does, once: not part of the run (an --init-from source is recorded as its lineage)."""
+
+    resume: str
+    init_from: str | None
+    export_only: bool
+    demo: bool  # derived: no --data, so the demo and its defaults
+    argv: tuple[str, ...]  # derived: the command line, for the resume command
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One command line's settings: parse_args builds them once; nothing changes them afterwards."""
+
+    run: RunSettings
+    session: SessionSettings
+    invocation: Invocation
+
+
+def option_values(settings: Settings) -> dict:
+    """Every setting by its option's name (argparse dest), the three groups together."""
+    return {**dataclasses.asdict(settings.run), **dataclasses.asdict(settings.session),
+            **dataclasses.asdict(settings.invocation)}
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    """The settings of this command line (UserError when one is wrong); without --data, the demo
+    defaults replace those of the options not given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.demo = args.data is None
-    if args.demo:
-        parser.set_defaults(**DEMO_DEFAULTS)
+    demo = args.data is None
+    if demo:
+        parser.set_defaults(data=DEFAULT_DATA, out=DEFAULT_OUT, **DEMO_DEFAULTS)
         epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
         args = parser.parse_args(argv)
-        args.demo, args.data = True, DEFAULT_DATA
         if epochs_given:
             args.target_tokens = None
     if args.out is None:
-        if not args.demo:
-            raise UserError("--data needs --out RUN: the run folder for its checkpoints, metrics and status")
-        args.out = DEFAULT_OUT
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command
-    check_args(args)
-    return args
+        raise UserError("--data needs --out RUN: the run folder for its checkpoints, metrics and status")
+    values = {**vars(args), "demo": demo, "argv": tuple(argv)}
+
+    def group(kind):
+        return kind(**{field.name: values[field.name] for field in dataclasses.fields(kind)})
+
+    settings = Settings(run=group(RunSettings), session=group(SessionSettings), invocation=group(Invocation))
+    check_settings(settings)
+    return settings
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_settings(settings: Settings) -> None:
+    """Every rule on the options' values, each broken one a UserError naming its option."""
+    values, run, invocation = option_values(settings), settings.run, settings.invocation
     positive = ["batch_size", "grad_accum", "eval_batches", "log_every", "max_overflow_steps"]
     not_negative = ["warmup_steps", "save_every", "save_seconds", "keep_every", "eval_every", "max_hours",
-                    "stop_after_steps", "threads", "require_gpus", "peak_tflops", "weight_decay", "grad_clip"]
+                    "stop_after_steps", "threads", "require_gpus", "peak_tflops", "weight_decay", "grad_clip",
+                    "backup_wait_seconds"]
     for name in positive:
-        if getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if values[name] <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {values[name]}")
     for name in not_negative:
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {value}")
-    if args.keep_last < 1:
-        raise UserError(f"--keep-last must be at least 1, got {args.keep_last}")
+        if values[name] is not None and values[name] < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {values[name]}")
+    if settings.session.keep_last < 1:
+        raise UserError(f"--keep-last must be at least 1, got {settings.session.keep_last}")
     for name in ("lr", "muon_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops", "grad_clip",
                  "beta1", "beta2", "muon_momentum", "decay_fraction", "final_lr_fraction"):
-        value = getattr(args, name)
-        if value is not None and not math.isfinite(value):
-            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+        if values[name] is not None and not math.isfinite(values[name]):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {values[name]}")
     for name in ("lr", "muon_lr"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if values[name] is not None and values[name] <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {values[name]}")
     for name in ("beta1", "beta2", "muon_momentum"):
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+        if values[name] is not None and not 0 <= values[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {values[name]}")
     for name in ("decay_fraction", "final_lr_fraction"):
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.muon_lr is not None and args.optimizer == "adamw":
+        if values[name] is not None and not 0 <= values[name] <= 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {values[name]}")
+    if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
-    if args.decay_fraction is not None and args.schedule == "cosine":
+    if run.decay_fraction is not None and run.schedule == "cosine":
         raise UserError("--decay-fraction belongs to --schedule wsd (the cosine decays over the whole run)")
-    if args.adam8bit and (args.optimizer or DEFAULT_OPTIMIZER) == "muon":
+    if run.adam8bit and (run.optimizer or DEFAULT_OPTIMIZER) == "muon":
         raise UserError("--8bit-adam needs --optimizer adamw: under muon, AdamW only trains the embeddings and "
                         "norms, and Muon keeps one buffer per matrix (half of AdamW's state) already")
-    if args.target_tokens is not None and args.target_tokens <= 0:
-        raise UserError(f"--target-tokens must be positive, got {args.target_tokens}")
-    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
-        raise UserError(f"--epochs must be a positive finite number, got {args.epochs}")
-    if args.context is not None and args.context < 2:
-        raise UserError(f"--context must be at least 2, got {args.context}")
-    if args.backup_wait_seconds < 0:
-        raise UserError(f"--backup-wait-seconds must not be negative, got {args.backup_wait_seconds}")
-    if args.init_from is not None and args.resume not in ("auto", "none"):
-        raise UserError("--init-from starts a new run and --resume PATH continues one: give one of them")
-    if args.text_loss is not None and args.loss_on != "assistant":
+    if run.target_tokens is not None and run.target_tokens <= 0:
+        raise UserError(f"--target-tokens must be positive, got {run.target_tokens}")
+    if run.epochs is not None and not (math.isfinite(run.epochs) and run.epochs > 0):
+        raise UserError(f"--epochs must be a positive finite number, got {run.epochs}")
+    if run.context is not None and run.context < 2:
+        raise UserError(f"--context must be at least 2, got {run.context}")
+    resolve_model_preset(run)  # the shape's own rules (positive fields, heads a multiple of kv_heads)
+    if run.text_loss is not None and run.loss_on != "assistant":
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
-    if args.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", args.resume) \
-            and not Path(args.resume).exists():
-        raise UserError(f"--resume {args.resume}: not a choice and no such file; use auto (the newest verified "
-                        "checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
+    if invocation.init_from is not None and invocation.resume not in ("auto", "none"):
+        raise UserError("--init-from starts a new run and --resume PATH continues one: give one of them")
+    if invocation.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", invocation.resume) \
+            and not Path(invocation.resume).exists():
+        raise UserError(f"--resume {invocation.resume}: not a choice and no such file; use auto (the newest "
+                        "verified checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
 
 
-def resolve_model_preset(args: argparse.Namespace) -> model_config.Preset:
-    overrides = {name: getattr(args, name) for name in model_config.OVERRIDABLE_FIELDS}
-    return model_config.resolve_preset(args.preset, **overrides)
+def resolve_model_preset(run: RunSettings) -> model_config.Preset:
+    overrides = {name: getattr(run, name) for name in model_config.OVERRIDABLE_FIELDS}
+    return model_config.resolve_preset(run.preset, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,18 +531,18 @@ def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
     return table
 
 
-def check_loss_on(args: argparse.Namespace, manifest: dict, corpus: Path) -> str | None:
+def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
     """The --text-loss this run records (None with --loss-on all); UserError when the corpus cannot serve it."""
-    if args.loss_on == "all":
+    if run.loss_on == "all":
         return None
     counts = manifest["splits"]["train"].get("mask_tokens", {})
     if not counts.get("assistant"):
         raise UserError(f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
                         "documents with an assistant turn); use --loss-on all")
-    if counts.get("text") and args.text_loss is None:
+    if counts.get("text") and run.text_loss is None:
         raise UserError(f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
                         "documents; say whether they count with --text-loss full or --text-loss none")
-    return args.text_loss or "none"
+    return run.text_loss or "none"
 
 
 class TokenSplit:
@@ -646,23 +758,23 @@ class Recipe:
                 f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}")
 
 
-def choose_recipe(args: argparse.Namespace, hidden: int, total_steps: int) -> tuple[Recipe, list[str]]:
+def choose_recipe(run: RunSettings, hidden: int, total_steps: int) -> tuple[Recipe, list[str]]:
     """The recipe for a model of width `hidden` and a run of `total_steps`: the options given, the rules for
     the rest. Also returns why each chosen value was chosen (printed at start)."""
-    optimizer = args.optimizer or DEFAULT_OPTIMIZER
-    schedule = args.schedule or DEFAULT_SCHEDULE
+    optimizer = run.optimizer or DEFAULT_OPTIMIZER
+    schedule = run.schedule or DEFAULT_SCHEDULE
     why = []
-    lr = args.lr
+    lr = run.lr
     if lr is None:
         lr = adamw_lr_for_width(hidden, optimizer)
         base, width, exponent, cap = ADAMW_LR_RULE[optimizer]
         why.append(f"AdamW lr {lr:.3g} = {base:g} x ({width} / hidden {hidden})^{exponent:g}, at most {cap:g}")
     muon_lr = None
     if optimizer == "muon":
-        muon_lr = MUON_LR if args.muon_lr is None else args.muon_lr
-        if args.muon_lr is None:
+        muon_lr = MUON_LR if run.muon_lr is None else run.muon_lr
+        if run.muon_lr is None:
             why.append(f"Muon lr {MUON_LR:g} at every width")
-    warmup = args.warmup_steps
+    warmup = run.warmup_steps
     if warmup is None:
         warmup = default_warmup_steps(optimizer, total_steps)
         why.append(f"{warmup} warmup steps = {WARMUP_FRACTION[optimizer]:g} of {total_steps} steps "
@@ -670,14 +782,14 @@ def choose_recipe(args: argparse.Namespace, hidden: int, total_steps: int) -> tu
     if schedule == "cosine":
         decay = max(0, total_steps - warmup)
     else:
-        fraction = DEFAULT_DECAY_FRACTION if args.decay_fraction is None else args.decay_fraction
+        fraction = DEFAULT_DECAY_FRACTION if run.decay_fraction is None else run.decay_fraction
         decay = min(max(0, total_steps - warmup), round(fraction * total_steps))
-    final = DEFAULT_FINAL_LR_FRACTION if args.final_lr_fraction is None else args.final_lr_fraction
-    beta2 = DEFAULT_BETA2 if args.beta2 is None else args.beta2
+    final = DEFAULT_FINAL_LR_FRACTION if run.final_lr_fraction is None else run.final_lr_fraction
+    beta2 = DEFAULT_BETA2 if run.beta2 is None else run.beta2
     recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
                     decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
-                    weight_decay=args.weight_decay, betas=(args.beta1, beta2),
-                    muon_momentum=args.muon_momentum if optimizer == "muon" else None, grad_clip=args.grad_clip)
+                    weight_decay=run.weight_decay, betas=(run.beta1, beta2),
+                    muon_momentum=run.muon_momentum if optimizer == "muon" else None, grad_clip=run.grad_clip)
     return recipe, why
 
 
@@ -990,23 +1102,23 @@ def hardware_record(info: DistInfo, precision: str, sdpa: str) -> dict:
     return record
 
 
-def check_hardware(args: argparse.Namespace, info: DistInfo) -> None:
+def check_hardware(session: SessionSettings, info: DistInfo) -> None:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
         else []
-    if args.require_gpus and len(gpus) < args.require_gpus:
-        raise UserError(f"--require-gpus {args.require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
-    if args.require_gpu_name:
-        wrong = [name for name in gpus if args.require_gpu_name.lower() not in name.lower()]
+    if session.require_gpus and len(gpus) < session.require_gpus:
+        raise UserError(f"--require-gpus {session.require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
+    if session.require_gpu_name:
+        wrong = [name for name in gpus if session.require_gpu_name.lower() not in name.lower()]
         if not gpus or wrong:
-            raise UserError(f"--require-gpu-name {args.require_gpu_name}: GPUs here are {gpus or 'none'}")
-    if args.require_gpus and info.device.type != "cuda":
-        raise UserError(f"--require-gpus {args.require_gpus} but training would run on {info.device.type}")
+            raise UserError(f"--require-gpu-name {session.require_gpu_name}: GPUs here are {gpus or 'none'}")
+    if session.require_gpus and info.device.type != "cuda":
+        raise UserError(f"--require-gpus {session.require_gpus} but training would run on {info.device.type}")
 
 
-def peak_flops(args: argparse.Namespace, info: DistInfo, precision: str) -> float | None:
+def peak_flops(session: SessionSettings, info: DistInfo, precision: str) -> float | None:
     """Peak FLOP/s of one device for MFU: --peak-tflops, the GPU table, or a matmul measured on CPU."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
+    if session.peak_tflops:
+        return session.peak_tflops * 1e12
     if info.device.type == "cuda":
         name = torch.cuda.get_device_name(info.device)
         for key, tflops in GPU_PEAK_TFLOPS.items():
@@ -1031,9 +1143,9 @@ def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: floa
     return 2 * size**3 / best
 
 
-def peak_source(args: argparse.Namespace, info: DistInfo, precision: str) -> str:
+def peak_source(session: SessionSettings, info: DistInfo, precision: str) -> str:
     """Where peak_flops' figure comes from, for hardware.json."""
-    if args.peak_tflops:
+    if session.peak_tflops:
         return "--peak-tflops"
     if info.device.type == "cuda":
         return f"the GPU table ({torch.cuda.get_device_name(info.device)})"
@@ -1044,13 +1156,13 @@ def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, f
     """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
     under other load at the start): the peak is measured again and the higher one kept (and recorded
     in hardware.json); an MFU that is still impossible (a wrong --peak-tflops, say) is not shown."""
-    args, info = training.args, training.info
-    if info.device.type == "cpu" and not args.peak_tflops:
+    session, info = training.session, training.info
+    if info.device.type == "cpu" and not session.peak_tflops:
         measured = measure_cpu_matmul_flops(torch.bfloat16 if training.precision == "bf16" else torch.float32)
         if measured > peak:
             mfu, peak = mfu * peak / measured, measured
             if info.is_main:
-                path = Path(args.out) / "hardware.json"
+                path = Path(session.out) / "hardware.json"
                 with contextlib.suppress(UserError, OSError):
                     atomic_write_json(path, {**read_json(path), "peak_flops": peak,
                                              "peak_flops_source": "a CPU matmul measured again during the run "
@@ -1393,9 +1505,6 @@ def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) ->
             "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
 
 
-SETTINGS_BEFORE_LOSS_ON = {"loss_on": "all", "text_loss": None}  # what a checkpoint without these settings did
-
-
 def settings_diff(old: dict, new: dict) -> list[str]:
     """'name: old -> new' for every training setting that differs."""
     return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
@@ -1543,43 +1652,45 @@ class StepResult:
 class Training:
     """Model, optimizer, data, schedule and scaler of one run on one rank.
 
-        args = train.parse_args(["--data", CORPUS, "--preset", "micro", "--threads", "2"])
-        info = train.init_distributed(args.device)
-        training = train.build_training(args, info)
+        settings = train.parse_args(["--data", CORPUS, "--out", RUN, "--preset", "micro", "--threads", "2"])
+        info = train.init_distributed(settings.session.device)
+        training = train.build_training(settings, info)
         result = training.train_step()          # one optimizer step (all micro-steps)
     """
 
-    def __init__(self, args: argparse.Namespace, info: DistInfo, manifest: dict, corpus: Path):
-        self.args, self.info, self.device = args, info, info.device
-        self.preset = resolve_model_preset(args)
+    def __init__(self, settings: Settings, info: DistInfo, manifest: dict, corpus: Path):
+        run, session = settings.run, settings.session
+        self.run, self.session, self.invocation = run, session, settings.invocation
+        self.info, self.device, self.corpus = info, info.device, corpus
+        self.preset = resolve_model_preset(run)
         self.context = self.preset.context
         self.manifest = manifest
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.vocab_size = int(manifest["vocab_size"])
-        self.precision = resolve_precision(args.precision, self.device)
-        self.text_loss = check_loss_on(args, manifest, corpus)
-        self.counted = counted_classes(args.loss_on, self.text_loss)
+        self.precision = resolve_precision(run.precision, self.device)
+        self.text_loss = check_loss_on(run, manifest, corpus)
+        self.counted = counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
-        self.sampler = BlockSampler(self.splits["train"].blocks, args.seed, args.batch_size, args.grad_accum,
+        self.sampler = BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size, session.grad_accum,
                                     info.world)
         self.tokens_per_step = self.sampler.global_batch * self.context
         self.total_steps = self._total_steps()
-        self.recipe, self.recipe_reasons = choose_recipe(args, self.preset.hidden, self.total_steps)
+        self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
 
-        seed_everything(args.seed)
+        seed_everything(run.seed)
         specials = manifest.get("special_tokens", {})
         self.model = model_config.build_model(self.preset, self.vocab_size, pad_token_id=specials.get("<pad>", 0),
                                               bos_token_id=specials.get("<bos>", 1),
                                               eos_token_id=specials.get("<eos>", 2)).to(self.device)
         self.model.config.use_cache = False
-        if args.grad_checkpoint:
+        if session.grad_checkpoint:
             if hasattr(self.model, "activation_checkpointing_enable"):  # the name since transformers 5.x
                 self.model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = build_optimizers(self.model, self.recipe, self.device, args.adam8bit)
+        self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit)
         self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = RankRNG(info)
         self.metrics = RunMetrics()
@@ -1597,15 +1708,15 @@ class Training:
         return self.sampler.step
 
     def _total_steps(self) -> int:
-        args = self.args
-        if args.target_tokens is not None:
-            return max(1, math.ceil(args.target_tokens / self.tokens_per_step))
-        epochs = 1.0 if args.epochs is None else args.epochs
+        run = self.run
+        if run.target_tokens is not None:
+            return max(1, math.ceil(run.target_tokens / self.tokens_per_step))
+        epochs = 1.0 if run.epochs is None else run.epochs
         return max(1, math.ceil(epochs * self.sampler.blocks / self.sampler.global_batch))
 
     def _wrap_model(self) -> torch.nn.Module:
         model = LanguageModelLoss(self.model)
-        if self.args.compile:
+        if self.session.compile:
             model = torch.compile(model)
         if self.info.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -1702,7 +1813,7 @@ class Training:
         self.optimizer.zero_grad()
         if applied:
             self.sampler.step += 1
-        elif self.scaler.skipped_in_a_row >= self.args.max_overflow_steps:
+        elif self.scaler.skipped_in_a_row >= self.session.max_overflow_steps:
             raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
@@ -1721,13 +1832,13 @@ class Training:
         data_split = self.splits[split]
         if data_split.blocks == 0:
             return None
-        count = min(data_split.blocks, self.args.eval_batches * self.sampler.global_batch)
-        order = BlockPermutation(data_split.blocks, self.args.seed, EVAL_EPOCH)
+        count = min(data_split.blocks, self.run.eval_batches * self.sampler.global_batch)
+        order = BlockPermutation(data_split.blocks, self.run.seed, EVAL_EPOCH)
         mine = [order(i) for i in range(self.info.rank, count, self.info.world)]
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.model.eval()
-        for start in range(0, len(mine), self.args.batch_size):
-            inputs, targets = data_split.batch(mine[start: start + self.args.batch_size], self.device)
+        for start in range(0, len(mine), self.session.batch_size):
+            inputs, targets = data_split.batch(mine[start: start + self.session.batch_size], self.device)
             totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
             totals[1] += (targets != IGNORE_INDEX).sum()
         self.model.train()
@@ -1740,32 +1851,24 @@ class Training:
     # -- settings and state ----------------------------------------------------------------
 
     def settings(self) -> dict:
-        """What a resumed run must share with the checkpoint ("training") and what may change ("runtime")."""
-        args = self.args
+        """What a resumed run must share with the checkpoint ("training": the RunSettings, precision and
+        text_loss as resolved, and what they make of this corpus) and what may change ("runtime")."""
         training = {
+            **dataclasses.asdict(self.run),
+            "precision": self.precision,  # auto: this device's
+            "text_loss": self.text_loss,  # None with --loss-on all
             "corpus_manifest_sha256": self.manifest_sha256,
             "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),
             "vocab_size": self.vocab_size,
-            "preset": args.preset,
             **{f"model.{name}": getattr(self.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
-            "seed": args.seed,
             "global_batch_blocks": self.sampler.global_batch,
             "tokens_per_step": self.tokens_per_step,
             "total_steps": self.total_steps,
-            "target_tokens": args.target_tokens,
-            "epochs": args.epochs,
             **{f"recipe.{key}": value for key, value in dataclasses.asdict(self.recipe).items()},
             "recipe.betas": list(self.recipe.betas),  # as JSON and the checkpoint store it
-            "adamw_8bit": args.adam8bit,
-            "precision": self.precision,
-            "loss_on": args.loss_on,
-            "text_loss": self.text_loss,
         }
-        runtime = {key: getattr(args, key) for key in (
-            "data", "out", "batch_size", "grad_accum", "device", "threads", "compile", "grad_checkpoint",
-            "save_every", "save_seconds", "keep_last", "keep_every", "eval_every", "eval_batches", "log_every",
-            "max_hours", "stop_after_steps", "max_overflow_steps")}
-        runtime["world_size"] = self.info.world
+        runtime = {**dataclasses.asdict(self.session), "data": str(self.corpus), "world_size": self.info.world}
+        del runtime["backup_to"]  # a URL may carry credentials
         return {"training": training, "runtime": runtime, "init_from": self.lineage, "extended": self.extensions,
                 "vocabulary_sha256": self.manifest.get("vocabulary_sha256")}
 
@@ -1796,11 +1899,17 @@ class Training:
         """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file.
 
         Only the run's length may differ (an extension, see extend_to)."""
-        old = {**SETTINGS_BEFORE_LOSS_ON, **checkpoint["settings"]["training"]}
+        old = checkpoint["settings"]["training"]
+        warmup = old.get("recipe.warmup_steps")
+        if self.run.warmup_steps is None and warmup is not None and warmup != self.recipe.warmup_steps:
+            # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
+            kept = dataclasses.replace(self.run, warmup_steps=int(warmup))
+            self.recipe, self.recipe_reasons = choose_recipe(kept, self.preset.hidden, self.total_steps)
+            self.recipe_reasons.append(f"{warmup} warmup steps: the run's, chosen for its first length")
         self.extensions = list(checkpoint["settings"].get("extended") or [])
         changes = settings_diff(old, self.settings()["training"])
         if old["total_steps"] != self.total_steps and \
-                all(change.split(":")[0] in (*LENGTH_SETTINGS, "recipe.warmup_steps") for change in changes):
+                all(change.split(":")[0] in LENGTH_SETTINGS for change in changes):
             self.extend_to(old, int(checkpoint["step"]), path)
             changes = [change for change in settings_diff(old, self.settings()["training"])
                        if change.split(":")[0] not in LENGTH_SETTINGS]
@@ -1831,27 +1940,21 @@ class Training:
     def extend_to(self, old: dict, step: int, path: Path) -> None:
         """Continue the run recorded in `old` (its training settings) at `step` with this run's length.
 
-        The warmup stays the checkpoint's unless --warmup-steps asks otherwise; the decay is re-derived
-        for the new length. Refused (one line saying why) unless every step taken keeps its rate."""
-        recipe = self.recipe
-        if self.args.warmup_steps is None and recipe.schedule == "wsd" and old.get("recipe.warmup_steps") is not None:
-            warmup = int(old["recipe.warmup_steps"])  # the rule would pick another for the new length
-            fraction = DEFAULT_DECAY_FRACTION if self.args.decay_fraction is None else self.args.decay_fraction
-            decay = min(max(0, recipe.total_steps - warmup), round(fraction * recipe.total_steps))
-            recipe = dataclasses.replace(recipe, warmup_steps=warmup, decay_steps=decay)
+        The recipe is this run's: the warmup the checkpoint's (unless --warmup-steps asks otherwise, see
+        load), the decay derived for the new length. Refused (one line saying why) unless every step
+        taken keeps its rate."""
         recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
         try:
             before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
         except (TypeError, KeyError):
             raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
-        problem = extension_problem(before, recipe, step)
+        problem = extension_problem(before, self.recipe, step)
         if problem:
             length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
                 f"--epochs {old.get('epochs') or 1}"
             raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
                             f"{self.total_steps}: it cannot be extended: {problem}. Resume it with its length "
                             f"({length}), or start a new run from its weights with --init-from {path}")
-        self.recipe = recipe
         self.extensions.append({"at_step": step, "from_total_steps": int(old["total_steps"]),
                                 "to_total_steps": self.total_steps})
 
@@ -1865,20 +1968,22 @@ class Training:
         self.lineage = source.lineage
 
 
-def build_training(args: argparse.Namespace, info: DistInfo, vocab_size: int | None = None) -> Training:
+def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = None,
+                   corpus: Path | None = None) -> Training:
     """A ready-to-step Training from parsed options (no files written, no corpus check).
 
-    `vocab_size` (benchmarks only) builds the model with a larger vocabulary than the corpus
-    tokenizer's, e.g. think72's 33,069 over the small demo corpus, whose ids all stay valid."""
-    corpus = Path(args.data)
+    `corpus`: the local corpus folder (prepare_corpus'; None: --data as given). `vocab_size` (benchmarks
+    only) builds the model with a larger vocabulary than the corpus tokenizer's, e.g. think72's 33,069
+    over the small demo corpus, whose ids all stay valid."""
+    corpus = Path(settings.session.data) if corpus is None else corpus
     manifest = load_manifest(corpus)
     if vocab_size is not None:
         if vocab_size < manifest["vocab_size"]:
             raise UserError(f"vocab_size {vocab_size} is below the corpus' {manifest['vocab_size']}")
         manifest = dict(manifest, vocab_size=vocab_size)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return Training(args, info, manifest, corpus)
+    if settings.session.threads:
+        torch.set_num_threads(settings.session.threads)
+    return Training(settings, info, manifest, corpus)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1921,21 +2026,22 @@ def agree(flags: list[bool], info: DistInfo) -> list[bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    info = init_distributed(args.device)
+    settings = parse_args(argv)
+    session, invocation = settings.session, settings.invocation
+    info = init_distributed(session.device)
     try:
-        if args.export_only:
-            return export_only(args, info)
-        args.data = str(main_decides(lambda: prepare_corpus(args), info))
-        with claim_run_folder(Path(args.out), info):
-            backup_url = checkpoint_cloud.backup_url_from_env_or_arg(args.backup_to)
+        if invocation.export_only:
+            return export_only(settings, info)
+        corpus = main_decides(lambda: prepare_corpus(settings), info)
+        with claim_run_folder(Path(session.out), info):
+            backup_url = checkpoint_cloud.backup_url_from_env_or_arg(session.backup_to)
             if backup_url:
                 main_decides(lambda: checkpoint_cloud.check_backup_target(backup_url), info)
-            if backup_url and args.resume == "auto":
-                main_decides(lambda: restore_from_backup(backup_url, Path(args.out)), info)
-            backup = start_backup(args, info)
+            if backup_url and invocation.resume == "auto":
+                main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
+            backup = start_backup(session, info)
             try:
-                return train(args, info, backup=backup, backup_wait_s=args.backup_wait_seconds)
+                return train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
             finally:
                 if backup is not None:
                     backup.close()
@@ -2002,20 +2108,21 @@ def claim_run_folder(out: Path, info: DistInfo):
                     out.rmdir()
 
 
-def prepare_corpus(args: argparse.Namespace) -> Path:
+def prepare_corpus(settings: Settings) -> Path:
     """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is."""
-    if args.demo:
-        corpus = Path(args.data)
+    data_option = settings.session.data
+    if settings.invocation.demo:
+        corpus = Path(data_option)
         if not (corpus / data.CORPUS_MANIFEST).is_file():
             print(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})", flush=True)
             data.build_demo_corpus(corpus)
         return corpus
-    if "://" in args.data and not args.data.startswith("file://"):
-        url = args.data.rstrip("/")
+    if "://" in data_option and not data_option.startswith("file://"):
+        url = data_option.rstrip("/")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
         cache = Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
-        return checkpoint_cloud.local_corpus(args.data, cache)
-    corpus = Path(args.data.removeprefix("file://"))
+        return checkpoint_cloud.local_corpus(data_option, cache)
+    corpus = Path(data_option.removeprefix("file://"))
     check_corpus_folder(corpus)
     return corpus
 
@@ -2028,45 +2135,48 @@ def restore_from_backup(url: str, out: Path) -> Path | None:
     return checkpoint_cloud.restore_latest(url, folder)
 
 
-def start_backup(args: argparse.Namespace, info: DistInfo):
+def start_backup(session: SessionSettings, info: DistInfo):
     """The background checkpoint backup on rank 0 (None without --backup-to); an error stops every rank."""
     started = {}
 
     def start() -> None:
-        started["backup"] = checkpoint_cloud.backup_from_args(args, args.save_every or None)
+        started["backup"] = checkpoint_cloud.backup_from_args(session, session.save_every or None)
 
     main_decides(start, info)
     return started.get("backup")
 
 
-def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: float = 600) -> int:
-    """The training run. `backup` (rank 0; checkpoint_cloud.BackupProcess) gets every checkpoint."""
+def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> int:
+    """The training run on the local `corpus` folder. `backup` (rank 0; checkpoint_cloud.BackupProcess) gets
+    every checkpoint."""
     process_started = time.monotonic()
-    out, corpus = Path(args.out), Path(args.data)
-    check_hardware(args, info)
+    session, invocation = settings.session, settings.invocation
+    out = Path(session.out)
+    check_hardware(session, info)
     load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
     problems = main_decides(lambda: check_corpus(corpus), info)
     if problems:
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
-    training = build_training(args, info)
-    resume_path = main_decides(lambda: find_resume_checkpoint(out, args.resume, tidy=True), info)
+    training = build_training(settings, info, corpus=corpus)
+    resume_path = main_decides(lambda: find_resume_checkpoint(out, invocation.resume, tidy=True), info)
     if resume_path is not None:
         training.load(load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
                   + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
-        if args.init_from is not None and (training.lineage or {}).get("source") != args.init_from and info.is_main:
-            print(f"warning: --init-from {args.init_from} is not used: {out} already holds a run, resumed from "
-                  f"{resume_path} (use a new --out to start a run from {args.init_from})", file=sys.stderr, flush=True)
-    elif args.init_from is not None:
-        training.init_from(read_init_source(args.init_from))  # every rank reads the same file
+        init_from = invocation.init_from
+        if init_from is not None and (training.lineage or {}).get("source") != init_from and info.is_main:
+            print(f"warning: --init-from {init_from} is not used: {out} already holds a run, resumed from "
+                  f"{resume_path} (use a new --out to start a run from {init_from})", file=sys.stderr, flush=True)
+    elif invocation.init_from is not None:
+        training.init_from(read_init_source(invocation.init_from))  # every rank reads the same file
         lineage = training.lineage
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
     settings = training.settings()
-    tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=args.tensorboard and info.is_main)
+    tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=session.tensorboard and info.is_main)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
-    checkpointer = Checkpointer(out / "checkpoints", training.run_id, args.keep_last, args.keep_every,
+    checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
         if resume_path is not None:
@@ -2076,11 +2186,11 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
                                                            "parameters": model_config.parameter_count(
                                                                training.preset, training.vocab_size),
                                                            "flops_per_token": training.flops_per_token})
-    peak = peak_flops(args, info, training.precision) if info.is_main else None
+    peak = peak_flops(session, info, training.precision) if info.is_main else None
     if info.is_main:
         atomic_write_json(out / "hardware.json", {**hardware_record(info, training.precision, training.sdpa),
                                                   "peak_flops": peak,
-                                                  "peak_flops_source": peak_source(args, info, training.precision)})
+                                                  "peak_flops_source": peak_source(session, info, training.precision)})
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {info.device.type}")
@@ -2100,7 +2210,7 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         for warning in recipe_warnings(training.recipe):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
-    progress = report.Progress(training.total_steps, training.step, args.log_every, enabled=info.is_main)
+    progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main)
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records FAILED
     if info.is_main:  # only now: from here on a SIGTERM or Ctrl-C ends the run with a checkpoint
@@ -2122,7 +2232,7 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
         raise UserError(f"training failed: {error}; {kept} (status {FAILED} in {out / 'run_status.json'})") from None
     except KeyboardInterrupt:  # a second Ctrl-C
-        command = resume_command(info, getattr(args, "argv", None))
+        command = resume_command(info, invocation.argv)
         reason = fail_run(info, out, checkpointer, training,
                           lambda: interrupted_reason(out, training.step, command))
         if reason:
@@ -2143,13 +2253,13 @@ def train(args: argparse.Namespace, info: DistInfo, backup=None, backup_wait_s: 
 def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: MetricsLog, stop: StopRequest,
                peak: float | None, process_started: float, progress: report.Progress) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason)."""
-    args, info = training.args, training.info
-    out = Path(args.out)
+    session, info = training.session, training.info
+    out = Path(session.out)
     last_save = time.monotonic()
     slowest_step = slowest_eval = 0.0
-    if args.stop_after_steps and args.stop_after_steps <= training.step < training.total_steps:
+    if session.stop_after_steps and session.stop_after_steps <= training.step < training.total_steps:
         reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
-                  f"{args.stop_after_steps}: no step taken")
+                  f"{session.stop_after_steps}: no step taken")
         progress.write(reason)
         return NEEDS_RESUME, reason
     while training.step < training.total_steps:
@@ -2166,26 +2276,26 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         if mfu is not None and mfu > 1:
             peak, mfu = plausible_mfu(training, peak, mfu)
         progress.update(step, result.loss, tokens_per_second, mfu)
-        logged = step % args.log_every == 0 or step == 1 or step == training.total_steps
+        logged = step % session.log_every == 0 or step == 1 or step == training.total_steps
         if logged:
             log_train_step(training, metrics, result, tokens_per_second, mfu)
 
         best = None
-        if (args.eval_every and step % args.eval_every == 0) or step == training.total_steps:
+        if (session.eval_every and step % session.eval_every == 0) or step == training.total_steps:
             eval_started = time.monotonic()
             best = run_validation(training, metrics, progress)
-            if info.is_main and args.report:
+            if info.is_main and session.report:
                 draw_loss_curve(out, progress)
             slowest_eval = max(slowest_eval, time.monotonic() - eval_started)
 
         elapsed = time.monotonic() - process_started
         margin = 2 * slowest_step + 2 * slowest_eval + 2 * (checkpointer.last_write_seconds if checkpointer else 0)
-        out_of_time = bool(args.max_hours) and elapsed + margin + 10 >= args.max_hours * 3600
-        stop_now, save_by_time = agree([stop.requested or out_of_time, bool(args.save_seconds) and
-                                        time.monotonic() - last_save >= args.save_seconds], info)
-        stop_now = (stop_now or bool(args.stop_after_steps and step >= args.stop_after_steps)) \
+        out_of_time = bool(session.max_hours) and elapsed + margin + 10 >= session.max_hours * 3600
+        stop_now, save_by_time = agree([stop.requested or out_of_time, bool(session.save_seconds) and
+                                        time.monotonic() - last_save >= session.save_seconds], info)
+        stop_now = (stop_now or bool(session.stop_after_steps and step >= session.stop_after_steps)) \
             and step < training.total_steps  # at the last step the run is complete anyway
-        due = (args.save_every and step % args.save_every == 0) or step == training.total_steps
+        due = (session.save_every and step % session.save_every == 0) or step == training.total_steps
         if stop_now or due or save_by_time or best is not None:
             save_checkpoint(training, checkpointer, best)
             last_save = time.monotonic()
@@ -2193,7 +2303,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
             if not logged:  # metrics.jsonl ends with the step the run stopped at
                 log_train_step(training, metrics, result, tokens_per_second, mfu)
             why = stop.signal_name or ("--max-hours budget" if out_of_time else
-                                       f"--stop-after-steps {args.stop_after_steps}")
+                                       f"--stop-after-steps {session.stop_after_steps}")
             return NEEDS_RESUME, f"stopped by {why}"
     return COMPLETE, None
 
@@ -2206,7 +2316,7 @@ def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, 
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=peak_memory_bytes(training.device))
     if training.info.is_main:
-        write_status(Path(training.args.out), RUNNING, step=result.step, total_steps=training.total_steps,
+        write_status(Path(training.session.out), RUNNING, step=result.step, total_steps=training.total_steps,
                      tokens=result.step * training.tokens_per_step, loss=result.loss)
 
 
@@ -2290,7 +2400,7 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
 def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, status: str, reason: str | None,
                    test: dict | None) -> dict:
     """finish_run's part on rank 0: flush checkpoints and backup, the status, the report, the last line."""
-    info, args = training.info, training.args
+    info, session = training.info, training.session
     backed_up = checkpointer.close()
     record = {
         "step": training.step,
@@ -2306,9 +2416,9 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         "backup_complete": backed_up,
     }
     if status == NEEDS_RESUME:
-        record["resume_command"] = resume_command(info, getattr(args, "argv", None))
+        record["resume_command"] = resume_command(info, training.invocation.argv)
     write_status(out, status, **record)
-    if args.report:
+    if session.report:
         record.update(report_run(training, out, status, test))
         write_status(out, status, **record)
     if checkpointer.backup is not None:
@@ -2336,7 +2446,7 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
     (the model card says the run is unfinished).
     """
     errors: dict[str, str] = {}
-    corpus = Path(training.args.data)
+    corpus = training.corpus
 
     def attempt(name: str, function):
         try:
@@ -2368,7 +2478,7 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
             found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
             print(accuracy_line(accuracy), flush=True)
     if tokenizer is not None:
-        info = card_info(out.name, status, training.args.preset, training.step, training.total_steps,
+        info = card_info(out.name, status, training.run.preset, training.step, training.total_steps,
                          training.step * training.tokens_per_step, training.settings(),
                          training.metrics.last_eval, test, found.get("task_accuracy"))
         model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
@@ -2442,16 +2552,16 @@ def final_line(out: Path, status: str, record: dict) -> str:
     return line
 
 
-def export_only(args: argparse.Namespace, info: DistInfo) -> int:
+def export_only(settings: Settings, info: DistInfo) -> int:
     """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only), holding
     the run folder's lock: a training run that owns the folder writes its model/ itself."""
     if not info.is_main:
         return 0
-    out = Path(args.out)
+    out = Path(settings.session.out)
     new = not out.exists()
     lock = lock_run_folder(out)
     try:
-        return export_checkpoint(args, info)
+        return export_checkpoint(settings, info)
     finally:
         lock.close()
         if new and [path.name for path in out.iterdir()] == [".lock"]:  # refused: leave no folder behind
@@ -2460,17 +2570,17 @@ def export_only(args: argparse.Namespace, info: DistInfo) -> int:
                 out.rmdir()
 
 
-def export_checkpoint(args: argparse.Namespace, info: DistInfo) -> int:
+def export_checkpoint(settings: Settings, info: DistInfo) -> int:
     """export_only's work, under the lock."""
-    out = Path(args.out)
-    path = find_resume_checkpoint(out, args.resume)
+    out = Path(settings.session.out)
+    path = find_resume_checkpoint(out, settings.invocation.resume)
     if path is None:
         raise UserError(f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
                         f"(none in {out / 'checkpoints'})")
     checkpoint = load_checkpoint_file(path)
-    settings = checkpoint["settings"]
-    training = settings["training"]
-    corpus = Path(settings["runtime"]["data"]) if args.demo else prepare_corpus(args)
+    recorded = checkpoint["settings"]
+    training = recorded["training"]
+    corpus = Path(recorded["runtime"]["data"]) if settings.invocation.demo else prepare_corpus(settings)
     manifest = load_manifest(corpus)
     tokenizer = data.load_tokenizer(corpus / "tokenizer")
     if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
@@ -2492,7 +2602,7 @@ def export_checkpoint(args: argparse.Namespace, info: DistInfo) -> int:
         accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
         print(accuracy_line(result), flush=True)
     info_card = card_info(out.name, status, training["preset"], step, total,
-                          step * int(training["tokens_per_step"]), settings,
+                          step * int(training["tokens_per_step"]), recorded,
                           checkpoint.get("metrics", {}).get("last_eval"), test, accuracy)
     model_files = export_model(model, tokenizer, out / "model", info_card)
     print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "

@@ -139,7 +139,7 @@ def run_side(corpus: Path, args: argparse.Namespace, info, precision: str, compi
         seconds.append(training.train_step().seconds)
     tokens_per_step = args.batch_size * args.grad_accum * training.context
     tokens_per_second = tokens_per_step / statistics.median(seconds)
-    peak = train.peak_flops(options, info, precision)
+    peak = train.peak_flops(options.session, info, precision)
     result = {
         "precision": precision, "compiled": compiled, "tokens_per_step": tokens_per_step,
         "first_step_seconds": first_step, "step_seconds": seconds, "tokens_per_second": tokens_per_second,

@@ -130,7 +130,7 @@ def heldout_bytes(training: train.Training) -> int:
     from transformers import AutoTokenizer
 
     split = training.splits["test"]
-    tokenizer = AutoTokenizer.from_pretrained(Path(training.args.data) / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(training.corpus / "tokenizer")
     ids = [int(token) for index in range(split.blocks) for token in split.block(index)[1:]]
     return len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
 

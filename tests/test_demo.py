@@ -60,14 +60,14 @@ def checkpoint_model(path: Path):
 
 
 def test_demo_defaults_apply_only_without_data():
-    demo = train.parse_args([])
-    assert demo.demo and demo.data == train.DEFAULT_DATA and demo.out == train.DEFAULT_OUT
-    assert {key: getattr(demo, key) for key in train.DEMO_DEFAULTS} == train.DEMO_DEFAULTS
-    assert train.parse_args(["--lr", "1e-3"]).lr == 1e-3  # a given option wins over the demo default
-    assert train.parse_args(["--epochs", "2"]).target_tokens is None  # --epochs replaces the demo's length
-    normal = train.parse_args(["--data", "somewhere", "--out", "runs/somewhere"])
-    assert not normal.demo and normal.data == "somewhere"
-    assert (normal.batch_size, normal.lr, normal.optimizer, normal.target_tokens) == (8, None, None, None)
+    demo = train.option_values(train.parse_args([]))
+    assert demo["demo"] and demo["data"] == train.DEFAULT_DATA and demo["out"] == train.DEFAULT_OUT
+    assert {key: demo[key] for key in train.DEMO_DEFAULTS} == train.DEMO_DEFAULTS
+    assert train.parse_args(["--lr", "1e-3"]).run.lr == 1e-3  # a given option wins over the demo default
+    assert train.parse_args(["--epochs", "2"]).run.target_tokens is None  # --epochs replaces the demo's length
+    normal = train.option_values(train.parse_args(["--data", "somewhere", "--out", "runs/somewhere"]))
+    assert not normal["demo"] and normal["data"] == "somewhere"
+    assert [normal[key] for key in ("batch_size", "lr", "optimizer", "target_tokens")] == [8, None, None, None]
     assert "demo" in train.build_parser().format_help()
 
 
@@ -82,7 +82,7 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
     tokens = np.concatenate([np.fromfile(corpus / entry["name"], dtype="<u2")
                              for entry in manifest["splits"][split]["files"]]).astype(np.int64)
     count = (len(tokens) - 1) // context
-    used = min(count, settings["runtime"]["eval_batches"] * settings["training"]["global_batch_blocks"])
+    used = min(count, settings["training"]["eval_batches"] * settings["training"]["global_batch_blocks"])
     order = train.BlockPermutation(count, settings["training"]["seed"], train.EVAL_EPOCH)
     blocks = torch.from_numpy(np.stack([tokens[i * context: i * context + context + 1]
                                         for i in sorted(order(position) for position in range(used))]))

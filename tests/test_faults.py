@@ -307,7 +307,7 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
 def test_train_py_small_faults_are_clear(tmp_path):
     with pytest.raises(SystemExit):
         train.parse_args(["--target-tokens", "1e30"])
-    assert train.parse_args(["--target-tokens", "3e9"]).target_tokens == 3_000_000_000
+    assert train.parse_args(["--target-tokens", "3e9"]).run.target_tokens == 3_000_000_000
     info = train.DistInfo(rank=0, local_rank=0, world=1, device=train.torch.device("cpu"))
     command = train.resume_command(info, ["--backup-to", "s3://secret-bucket/runs/x?key=abc", "--lr", "1",
                                           "--backup-to=gs://other-secret/x"])

@@ -6,6 +6,7 @@ so these tests do not depend on data.py's builder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -223,8 +224,8 @@ def test_adamw_lr_rule_by_width(optimizer, hidden, lr):
      dict(lr=1e-3, muon_lr=0.05, warmup_steps=7, decay_steps=50, final_lr_fraction=0.1)),
 ])
 def test_recipe_rule_table(given, hidden, steps, expected, tmp_path):
-    args = train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
-    chosen, reasons = train.choose_recipe(args, hidden, steps)
+    settings = train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
+    chosen, reasons = train.choose_recipe(settings.run, hidden, steps)
     assert {key: getattr(chosen, key) for key in expected} == pytest.approx(expected)
     assert chosen.total_steps == steps
     assert chosen.betas == ((0.9, 0.99) if "--beta2" in given else (0.9, train.DEFAULT_BETA2))
@@ -292,8 +293,8 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
 
 
 def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
-    args = train.parse_args(options(corpus, out, *extra))
-    return train.build_training(args, train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    settings = train.parse_args(options(corpus, out, *extra))
+    return train.build_training(settings, train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
 
 
 def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
@@ -499,8 +500,8 @@ def test_bad_model_and_schedule_values_are_one_line_errors(corpus, tmp_path, bad
 
 
 def test_token_counts_may_be_written_in_exponent_form(corpus, tmp_path):
-    args = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run"), "--target-tokens", "1.5e9"])
-    assert args.target_tokens == 1_500_000_000 and isinstance(args.target_tokens, int)
+    run = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run"), "--target-tokens", "1.5e9"]).run
+    assert run.target_tokens == 1_500_000_000 and isinstance(run.target_tokens, int)
 
 
 def test_repeated_kv_attention_matches_sdpa():
@@ -766,12 +767,29 @@ def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", out / "checkpoints")
     with pytest.raises(UserError) as error:
-        train.main(options(corpus, out, "--lr", "1e-3", "--seed", "7", "--resume", "auto"))
+        train.main(options(corpus, out, "--lr", "1e-3", "--seed", "7", "--eval-batches", "3", "--resume", "auto"))
     message = str(error.value)
     assert message.startswith("settings differ from checkpoint")
     assert "recipe.lr: 0.003 -> 0.001" in message and "seed: 1337 -> 7" in message
+    assert "eval_batches: 2 -> 3" in message  # the blocks best_val_loss is measured on
     # another world-size split of the same global batch is not a change
     assert train.main(options(corpus, out, "--batch-size", "1", "--grad-accum", "4")) == 0
+
+
+def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path):
+    """training: RunSettings (precision and text_loss resolved) and what they resolve to; runtime: SessionSettings
+    without the backup URL (it may carry credentials)."""
+    training = in_process_training(corpus, tmp_path / "run")
+    recorded = training.settings()
+    run = dataclasses.asdict(training.run)
+    assert {key: recorded["training"][key] for key in run} == {**run, "precision": "fp32", "text_loss": None}
+    derived = set(recorded["training"]) - set(run)
+    assert {key for key in derived if not key.startswith(("model.", "recipe."))} == {
+        "corpus_manifest_sha256", "tokenizer_sha256", "vocab_size", "global_batch_blocks", "tokens_per_step",
+        "total_steps"}
+    session = dataclasses.asdict(training.session)
+    assert set(recorded["runtime"]) == set(session) - {"backup_to"} | {"world_size"}
+    assert recorded["runtime"]["data"] == str(corpus) and recorded["runtime"]["batch_size"] == 2
 
 
 def test_resume_from_a_path_into_a_new_run_folder(corpus, reference, tmp_path):
@@ -947,8 +965,8 @@ def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
     results = []
     for split in (["--batch-size", "2", "--grad-accum", "2"], ["--batch-size", "4", "--grad-accum", "1"],
                   ["--batch-size", "1", "--grad-accum", "4"]):
-        args = train.parse_args(options(corpus, tmp_path / "run", *split))
-        results.append(train.build_training(args, info).evaluate("validation"))
+        settings = train.parse_args(options(corpus, tmp_path / "run", *split))
+        results.append(train.build_training(settings, info).evaluate("validation"))
     assert results[0]["tokens"] == 2 * 4 * 32  # --eval-batches 2 global batches of 4 blocks of 32 tokens
     assert all(result["tokens"] == results[0]["tokens"] for result in results)
     assert all(result["loss"] == pytest.approx(results[0]["loss"], rel=1e-6) for result in results)
@@ -1021,8 +1039,9 @@ def test_a_run_refused_before_it_began_leaves_no_run_folder(corpus, tmp_path):
     result = run_cli(options(corpus, out, "--heads", "3"), check=False)  # 3 query heads, 2 KV heads: refused
     assert result.returncode == 2 and "kv_heads" in result.stderr
     assert not out.exists()
-    out.mkdir()  # a folder the user made stays (with its .lock)
-    run_cli(options(corpus, out, "--heads", "3"), check=False)
+    out.mkdir()  # a folder the user made stays (with its .lock), refused once claimed: no assistant tokens
+    result = run_cli(options(corpus, out, "--loss-on", "assistant"), check=False)
+    assert result.returncode == 2 and "no assistant tokens" in result.stderr
     assert out.is_dir() and [p.name for p in out.iterdir()] == [".lock"]
 
 
@@ -1365,3 +1384,5 @@ def test_an_extension_keeps_the_warmup_the_rule_chose_for_the_first_length(corpu
     settings = json.loads((out / "training_settings.json").read_text())["training"]
     assert settings["recipe.warmup_steps"] == 1 and settings["total_steps"] == 60
     assert settings["recipe.decay_steps"] == 24  # re-derived for the new length: 0.4 x 60
+    assert train.main([*longer, "--stop-after-steps", "7"]) == 0  # a plain resume inside the extended run
+    assert json.loads((out / "training_settings.json").read_text())["training"] == settings

@@ -1,0 +1,101 @@
+"""train.py's settings: every option in exactly one frozen group, and each bad value one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import train
+from common import UserError
+
+GROUPS = (train.RunSettings, train.SessionSettings, train.Invocation)
+DERIVED = {"demo", "argv"}  # Invocation's fields that no option sets (parse_args derives them)
+
+
+def option_names() -> list[str]:
+    return [action.dest for action in train.build_parser()._actions if action.dest != "help"]
+
+
+def test_every_option_lands_in_exactly_one_group():
+    names = option_names()
+    for name in names:
+        owners = [group.__name__ for group in GROUPS if name in {field.name for field in dataclasses.fields(group)}]
+        assert len(owners) == 1, f"--{name.replace('_', '-')} is a field of {owners or 'no group'}"
+    fields = [field.name for group in GROUPS for field in dataclasses.fields(group)]
+    assert sorted(set(fields) - set(names)) == sorted(DERIVED)
+    assert DERIVED <= {field.name for field in dataclasses.fields(train.Invocation)}
+
+
+def test_settings_are_built_once_and_never_change(tmp_path):
+    settings = train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), "--lr", "1e-3"])
+    assert settings.run.lr == 1e-3 and settings.session.out == str(tmp_path / "run")
+    assert settings.invocation.argv == ("--data", str(tmp_path), "--out", str(tmp_path / "run"), "--lr", "1e-3")
+    for group in (settings, settings.run, settings.session, settings.invocation):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            group.seed = 1
+
+
+@pytest.mark.parametrize("given, message", [
+    (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+    (["--grad-accum", "-1"], "--grad-accum must be positive, got -1"),
+    (["--eval-batches", "0"], "--eval-batches must be positive, got 0"),
+    (["--log-every", "0"], "--log-every must be positive, got 0"),
+    (["--max-overflow-steps", "0"], "--max-overflow-steps must be positive, got 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must not be negative, got -1"),
+    (["--save-every", "-1"], "--save-every must not be negative, got -1"),
+    (["--save-seconds", "-5"], "--save-seconds must not be negative, got -5.0"),
+    (["--keep-every", "-1"], "--keep-every must not be negative, got -1"),
+    (["--eval-every", "-1"], "--eval-every must not be negative, got -1"),
+    (["--max-hours", "-1"], "--max-hours must not be negative, got -1.0"),
+    (["--stop-after-steps", "-1"], "--stop-after-steps must not be negative, got -1"),
+    (["--threads", "-1"], "--threads must not be negative, got -1"),
+    (["--require-gpus", "-1"], "--require-gpus must not be negative, got -1"),
+    (["--peak-tflops", "-1"], "--peak-tflops must not be negative, got -1.0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must not be negative, got -0.1"),
+    (["--grad-clip", "-1"], "--grad-clip must not be negative, got -1.0"),
+    (["--backup-wait-seconds", "-1"], "--backup-wait-seconds must not be negative, got -1.0"),
+    (["--keep-last", "0"], "--keep-last must be at least 1, got 0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--max-hours", "inf"], "--max-hours must be a finite number, got inf"),
+    (["--final-lr-fraction", "inf"], "--final-lr-fraction must be a finite number, got inf"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--muon-lr", "-0.01"], "--muon-lr must be positive, got -0.01"),
+    (["--beta1", "1"], "--beta1 must be in [0, 1), got 1.0"),
+    (["--beta2", "-0.1"], "--beta2 must be in [0, 1), got -0.1"),
+    (["--muon-momentum", "1.5"], "--muon-momentum must be in [0, 1), got 1.5"),
+    (["--decay-fraction", "1.5"], "--decay-fraction must be in [0, 1], got 1.5"),
+    (["--final-lr-fraction", "-0.5"], "--final-lr-fraction must be in [0, 1], got -0.5"),
+    (["--optimizer", "adamw", "--muon-lr", "0.01"], "--muon-lr needs --optimizer muon"),
+    (["--schedule", "cosine", "--decay-fraction", "0.2"], "--decay-fraction belongs to --schedule wsd"),
+    (["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
+    (["--target-tokens", "0"], "--target-tokens must be positive, got 0"),
+    (["--epochs", "0"], "--epochs must be a positive finite number, got 0.0"),
+    (["--epochs", "inf"], "--epochs must be a positive finite number, got inf"),
+    (["--context", "1"], "--context must be at least 2, got 1"),
+    (["--hidden", "0"], "hidden (--hidden) must be positive, got 0"),
+    (["--kv-heads", "3"], "heads (4) must be a multiple of kv_heads (3)"),
+    (["--text-loss", "full"], "--text-loss needs --loss-on assistant"),
+    (["--init-from", "x", "--resume", "runs/a/step-00000004.pt"], "--init-from starts a new run and --resume PATH"),
+    (["--resume", "Auto"], "--resume Auto: not a choice and no such file"),
+])
+def test_each_bad_value_is_one_error_naming_its_option(tmp_path, given, message):
+    with pytest.raises(UserError, match=f"^{re.escape(message)}") as error:
+        train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("given", [
+    ["--warmup-steps", "0"], ["--save-every", "0"], ["--keep-last", "1"], ["--grad-clip", "0"], ["--beta1", "0"],
+    ["--decay-fraction", "1"], ["--final-lr-fraction", "0"], ["--weight-decay", "0"], ["--context", "2"],
+    ["--optimizer", "adamw", "--8bit-adam"], ["--loss-on", "assistant", "--text-loss", "none"],
+    ["--init-from", "x", "--resume", "none"],
+])
+def test_the_edges_are_accepted(tmp_path, given):
+    train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
+
+
+def test_data_needs_out():
+    with pytest.raises(UserError, match=r"^--data needs --out RUN"):
+        train.parse_args(["--data", "corpus/x"])
