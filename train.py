@@ -658,7 +658,6 @@ class BlockSampler:
         self.blocks, self.seed = blocks, seed
         self.batch_size, self.grad_accum, self.world = batch_size, grad_accum, world
         self.global_batch = batch_size * grad_accum * world
-        self.step = 0
         self._permutations: dict[int, BlockPermutation] = {}
 
     def block_of(self, sample: int) -> int:
@@ -680,14 +679,13 @@ class BlockSampler:
         return [blocks[start: start + self.batch_size] for start in starts]
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "blocks": self.blocks, "global_batch": self.global_batch,
-                "consumed_samples": self.step * self.global_batch}
+        """What the data order depends on besides the step (which the checkpoint holds once, for all)."""
+        return {"seed": self.seed, "blocks": self.blocks, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "blocks", "global_batch"):
             if state[key] != getattr(self, key):
                 raise UserError(f"checkpoint data cursor has {key} {state[key]}, this run has {getattr(self, key)}")
-        self.step = int(state["step"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1674,6 +1672,7 @@ class Training:
                        for name in ("train", "validation", "test")}
         self.sampler = BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size, session.grad_accum,
                                     info.world)
+        self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
         self.tokens_per_step = self.sampler.global_batch * self.context
         self.total_steps = self._total_steps()
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
@@ -1702,10 +1701,6 @@ class Training:
         self.sdpa_context, self.sdpa = self._fused_sdpa_context()
         self.forward_model = self._wrap_model()
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
-
-    @property
-    def step(self) -> int:
-        return self.sampler.step
 
     def _total_steps(self) -> int:
         run = self.run
@@ -1812,7 +1807,7 @@ class Training:
         applied = self.scaler.step(optimizers, finite=math.isfinite(grad_norm))
         self.optimizer.zero_grad()
         if applied:
-            self.sampler.step += 1
+            self.step += 1
         elif self.scaler.skipped_in_a_row >= self.session.max_overflow_steps:
             raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
@@ -1924,12 +1919,10 @@ class Training:
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
         self.sampler.load_state_dict(checkpoint["sampler"])
+        self.step = int(checkpoint["step"])  # the one counter: the data order and the lr are functions of it
         self.metrics.load_state_dict(checkpoint["metrics"])
         self.run_id = checkpoint["run_id"]
         self.lineage = checkpoint["settings"].get("init_from")
-        if checkpoint["step"] != self.sampler.step:
-            raise UserError(f"checkpoint {path} is inconsistent: step {checkpoint['step']}, data cursor "
-                            f"{self.sampler.step}")
         differences = (tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
                        + tensors_equal(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
         if differences:

@@ -165,20 +165,9 @@ def test_sampler_visits_every_block_once_per_epoch_and_seeks_in_o1():
     epoch1 = [block for step in range(5, 10) for block in sampler.step_blocks(step)]
     assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1
     far = train.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
-    started = time.perf_counter()
-    far.step_blocks(10**8)
-    assert time.perf_counter() - started < 1.0  # no state to replay: one seek
-
-
-def test_sampler_state_round_trip_and_mismatch():
-    sampler = train.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=1, world=1)
-    sampler.step = 17
-    other = train.BlockSampler(blocks=50, seed=1, batch_size=1, grad_accum=2, world=1)
-    other.load_state_dict(sampler.state_dict())
-    assert other.step == 17
-    with pytest.raises(UserError, match="seed"):
-        train.BlockSampler(blocks=50, seed=2, batch_size=2, grad_accum=1, world=1).load_state_dict(
-            sampler.state_dict())
+    # no state to replay: a step far away is computed from its index alone, the same from any sampler
+    assert far.step_blocks(10**8) == train.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
+                                                        world=1).step_blocks(10**8)
 
 
 def recipe(**fields) -> train.Recipe:
