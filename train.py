@@ -6,10 +6,12 @@
     python train.py --data CORPUS --out RUN --resume auto             # continue where it stopped
     python train.py --export-only --resume PATH --out RUN             # RUN/model/ from any checkpoint
 
-The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. Every piece of
-state that must survive a restart is a small object with state_dict()/load_state_dict(): the
-sampler (data cursor), the optimizers, the loss scaler, the RNG of every rank and the run
-metrics. The Checkpointer only collects them, and writes them on a background thread.
+The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
+top-down: options, data order, the recipe, Training (one step counter), the run (main, the loop),
+its lifecycle, the glue to checkpoint_store.py (which holds the checkpoint rules), and last the
+distributed set-up and kernel workarounds. Every piece of state that must survive a restart is a
+small object with state_dict()/load_state_dict(): the data order, the optimizers, the loss scaler,
+the RNG of every rank and the run metrics; the Checkpointer writes them on a background thread.
 At the end, report.py draws the loss curve, samples the model, measures its held-out task
 accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
 checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
@@ -86,13 +88,12 @@ RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME"
 # Dense half-precision peak FLOP/s by GPU name (for MFU); --peak-tflops overrides.
 GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10G": 125, "A10": 125,
                    "4090": 165, "3090": 71, "V100": 125, "T4": 65, "P100": 19}
+MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 
 
 # ----------------------------------------------------------------------------------------------
-# Options
-
-
-MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
+# Options. Every option lands in exactly one of three frozen dataclasses (tests/test_settings.py
+# checks it), built once from the command line by parse_args and checked there (check_settings).
 
 
 def token_count(text: str) -> int:
@@ -227,10 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no training: export the --resume checkpoint (auto: OUT's newest) to OUT/model")
     checkpoint_cloud.add_backup_args(parser)
     return parser
-
-
-# The settings: every option lands in exactly one of three frozen dataclasses (tests/test_settings.py
-# checks it), built once from the command line by parse_args and checked there (check_settings).
 
 
 @dataclass(frozen=True)
@@ -418,72 +415,6 @@ def resolve_model_preset(run: RunSettings) -> model_config.Preset:
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
-
-
-@dataclass
-class DistInfo:
-    rank: int
-    local_rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device_choice: str = "auto") -> DistInfo:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but torch sees no CUDA device")
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
-                                device_id=device if use_cuda else None)
-    return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
-
-
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
-    """Rank 0's `obj` on every rank (so all ranks take the same decision)."""
-    if info.world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def main_decides(function, info: DistInfo) -> Any:
-    """Run `function` on rank 0 and give its result to every rank; a UserError there is raised everywhere."""
-    outcome = None
-    if info.is_main:
-        try:
-            outcome = ("ok", function())
-        except UserError as error:
-            outcome = ("error", str(error))
-    kind, value = broadcast_from_main(outcome, info)
-    if kind == "error":
-        raise UserError(value)
-    return value
-
-
-def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    if info.world > 1:
-        dist.all_reduce(tensor)
-    return tensor
-
-
-# ----------------------------------------------------------------------------------------------
 # Corpus: token streams cut into shards (DESIGN.md, "Corpus folder").
 
 
@@ -517,7 +448,11 @@ def check_corpus(corpus: Path) -> list[str]:
 
 
 LOSS_ON = ("all", "assistant")
+
+
 TEXT_LOSS = ("full", "none")
+
+
 IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
 
 
@@ -601,7 +536,10 @@ class TokenSplit:
 # ----------------------------------------------------------------------------------------------
 # Data order (DESIGN.md): global sample g is block perm(seed, epoch = g // blocks)(g % blocks).
 
+
 MASK64 = (1 << 64) - 1
+
+
 EVAL_EPOCH = 1 << 40  # evaluation blocks follow their own fixed order, never a training epoch's
 
 
@@ -690,20 +628,44 @@ class BlockSampler:
 
 # ----------------------------------------------------------------------------------------------
 # The recipe: optimizer, learning rates and schedule, chosen from the model's width and the run's
+
+
+# ----------------------------------------------------------------------------------------------
 # length by the rules below (measured in bench/bench_recipe.py; the evidence is in docs/recipe.md).
 
+
 OPTIMIZERS = ("muon", "adamw")
+
+
 SCHEDULES = ("wsd", "cosine")
+
+
 DEFAULT_OPTIMIZER = "muon"
+
+
 DEFAULT_SCHEDULE = "wsd"
+
+
 DEFAULT_DECAY_FRACTION = 0.4
+
+
 DEFAULT_FINAL_LR_FRACTION = 0.0
+
+
 DEFAULT_BETA2 = 0.95
+
+
 MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm), so one lr fits every width
+
+
 # AdamW's peak lr = LR x (WIDTH / hidden) ** EXPONENT, at most CAP: for every parameter under adamw (~1/width, as
 # muP and the GPT-3 table suggest), for the embeddings and norms only under muon (~1/sqrt(width), as nanochat).
 ADAMW_LR_RULE = {"adamw": (1e-3, 256, 1.0, 1e-2), "muon": (0.05, 128, 0.5, 0.1)}  # LR, WIDTH, EXPONENT, CAP
+
+
 WARMUP_FRACTION = {"adamw": 0.05, "muon": 0.02}
+
+
 MAX_WARMUP_STEPS = 1000
 
 
@@ -967,7 +929,11 @@ class LossScaler:
 
 
 # ----------------------------------------------------------------------------------------------
-# RNG of every rank, stored as plain containers and tensors (loadable with weights_only=True).
+# State that survives a restart besides the model and optimizers: the RNG of every rank (plain
+
+
+# ----------------------------------------------------------------------------------------------
+# containers and tensors, loadable with weights_only=True) and the run's metrics.
 
 
 def rng_state(device: torch.device) -> dict:
@@ -1015,10 +981,6 @@ class RankRNG:
             set_rng_state(states[self.info.rank], self.info.device)
 
 
-# ----------------------------------------------------------------------------------------------
-# Metrics kept across restarts, and the records in the run folder.
-
-
 class RunMetrics:
     """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained."""
 
@@ -1039,562 +1001,8 @@ class RunMetrics:
         self.train_seconds = float(state["train_seconds"])
 
 
-class MetricsLog:
-    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time".
-
-    `tensorboard` (a report.TensorBoardLogger) gets every record too.
-    """
-
-    def __init__(self, path: Path, enabled: bool, tensorboard: report.TensorBoardLogger | None = None):
-        self.path, self.enabled, self.tensorboard = path, enabled, tensorboard
-
-    def write(self, kind: str, **fields) -> None:
-        if self.enabled:
-            record = {"kind": kind, **fields, "time": utc_now()}
-            append_jsonl(self.path, record)
-            if self.tensorboard is not None:
-                self.tensorboard.log(record)
-
-    def truncate_after(self, step: int) -> None:
-        """Drop lines logged after `step` (a resumed run logs those steps again)."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            if record.get("step", 0) <= step:
-                kept.append(line + "\n")
-        with atomic_open(self.path, "w") as handle:
-            handle.writelines(kept)
-
-
-def write_status(out: Path, status: str, **fields) -> None:
-    atomic_write_json(out / "run_status.json", {"status": status, **fields, "updated": utc_now()})
-
-
-def hardware_record(info: DistInfo, precision: str, sdpa: str) -> dict:
-    import transformers
-
-    record = {
-        "device": info.device.type,
-        "world_size": info.world,
-        "precision": precision,
-        "sdpa_kernels": sdpa,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "gpus": [],
-    }
-    if info.device.type == "cuda":
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            record["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
-                                   "capability": f"{props.major}.{props.minor}"})
-    return record
-
-
-def check_hardware(session: SessionSettings, info: DistInfo) -> None:
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
-        else []
-    if session.require_gpus and len(gpus) < session.require_gpus:
-        raise UserError(f"--require-gpus {session.require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
-    if session.require_gpu_name:
-        wrong = [name for name in gpus if session.require_gpu_name.lower() not in name.lower()]
-        if not gpus or wrong:
-            raise UserError(f"--require-gpu-name {session.require_gpu_name}: GPUs here are {gpus or 'none'}")
-    if session.require_gpus and info.device.type != "cuda":
-        raise UserError(f"--require-gpus {session.require_gpus} but training would run on {info.device.type}")
-
-
-def peak_flops(session: SessionSettings, info: DistInfo, precision: str) -> float | None:
-    """Peak FLOP/s of one device for MFU: --peak-tflops, the GPU table, or a matmul measured on CPU."""
-    if session.peak_tflops:
-        return session.peak_tflops * 1e12
-    if info.device.type == "cuda":
-        name = torch.cuda.get_device_name(info.device)
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12 * (0.5 if precision == "fp32" else 1.0)
-        return None
-    return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
-
-
-def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5, tries: int = 5) -> float:
-    """FLOP/s of a square matmul on this CPU with the current thread count: the fastest of at least
-    `tries` runs spread over `seconds` (the fastest is the one least slowed by other load)."""
-    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
-    b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
-    torch.mm(a, b)
-    best, deadline, runs = math.inf, time.perf_counter() + seconds, 0
-    while runs < tries or time.perf_counter() < deadline:
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-        runs += 1
-    return 2 * size**3 / best
-
-
-def peak_source(session: SessionSettings, info: DistInfo, precision: str) -> str:
-    """Where peak_flops' figure comes from, for hardware.json."""
-    if session.peak_tflops:
-        return "--peak-tflops"
-    if info.device.type == "cuda":
-        return f"the GPU table ({torch.cuda.get_device_name(info.device)})"
-    return f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run"
-
-
-def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, float | None]:
-    """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
-    under other load at the start): the peak is measured again and the higher one kept (and recorded
-    in hardware.json); an MFU that is still impossible (a wrong --peak-tflops, say) is not shown."""
-    session, info = training.session, training.info
-    if info.device.type == "cpu" and not session.peak_tflops:
-        measured = measure_cpu_matmul_flops(torch.bfloat16 if training.precision == "bf16" else torch.float32)
-        if measured > peak:
-            mfu, peak = mfu * peak / measured, measured
-            if info.is_main:
-                path = Path(session.out) / "hardware.json"
-                with contextlib.suppress(UserError, OSError):
-                    atomic_write_json(path, {**read_json(path), "peak_flops": peak,
-                                             "peak_flops_source": "a CPU matmul measured again during the run "
-                                                                  "(the first measurement was slowed by other load)"})
-    return peak, (mfu if mfu <= 1 else None)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: snapshot on the training thread, write on a background thread.
-
-
-class StagingBuffers:
-    """CPU copies of a state dict, in buffers reused from one snapshot to the next.
-
-    Copying into memory that is already mapped is several times faster than allocating it
-    afresh (no page faults), and that copy is all the training loop waits for. Pinned on CUDA,
-    so the device-to-host copies run asynchronously. The caller must not refill the buffers
-    while a checkpoint made from them is still being written (Checkpointer.wait first).
-    """
-
-    def __init__(self):
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def copy(self, obj: Any) -> Any:
-        result = self._copy(obj, "", memo={})
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the asynchronous device-to-host copies are complete
-        return result
-
-    def _copy(self, obj: Any, where: str, memo: dict) -> Any:
-        if isinstance(obj, torch.Tensor):
-            key = (obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride(), obj.device)
-            if key not in memo:  # tensors shared in the model (tied embeddings) stay shared
-                buffer = self.buffers.get(where)
-                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
-                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
-                    self.buffers[where] = buffer
-                buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
-                memo[key] = buffer
-            return memo[key]
-        if isinstance(obj, dict):
-            return {key: self._copy(value, f"{where}/{key}", memo) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, f"{where}/{index}", memo) for index, value in enumerate(obj))
-        return obj
-
-
-class HashingWriter:
-    """A write-only file wrapper that hashes what passes through (no second read for the sha256)."""
-
-    def __init__(self, handle):
-        self.handle, self.digest = handle, hashlib.sha256()
-        self.os_error: OSError | None = None  # torch.save reports a failed write as a RuntimeError: keep the cause
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        try:
-            return self.handle.write(data)
-        except OSError as error:
-            self.os_error = error
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-    def sha256(self) -> str:
-        return self.digest.hexdigest()
-
-
-class CheckpointWriteFailed(UserError):
-    """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-class Checkpointer:
-    """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
-
-    One write is in flight at a time: `save` waits for the previous one, hands over the
-    snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
-    `save` or `wait`. `backup` (optional) has submit(path, step), is_backed_up(path) -> bool
-    and wait(timeout_s) -> bool; retention never deletes a file the backup has not confirmed.
-    The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
-    """
-
-    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
-                 backup_wait_s: float = 600):
-        self.folder, self.run_id = folder, run_id
-        self.keep_last, self.keep_every = keep_last, keep_every
-        self.backup, self.backup_wait_s = backup, backup_wait_s
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self.last_write_seconds = 0.0
-        self.last_saved_step: int | None = None
-
-    def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
-        """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
-        self.wait()
-        self.last_saved_step = step
-        self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
-                                        name=f"checkpoint-{step}", daemon=True)
-        self._thread.start()
-
-    def check(self) -> None:
-        """Re-raise the error of a write that has already ended (returns at once): a failed save is
-        noticed at the next step, not one save later."""
-        if self._thread is not None and not self._thread.is_alive():
-            self.wait()
-
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def close(self) -> bool | None:
-        """Finish the write in flight, then wait for the backup; True/False says if it caught up."""
-        self.wait()
-        if self.backup is None:
-            return None
-        caught_up = self.backup.wait(self.backup_wait_s)
-        self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
-        return caught_up
-
-    def _write(self, snapshot: dict, step: int, val_loss: float | None) -> None:
-        name, writer = store.checkpoint_name(step), None
-        try:
-            started = time.perf_counter()
-            with atomic_open(self.folder / name, "wb") as handle:
-                writer = HashingWriter(handle)
-                torch.save(snapshot, writer)
-                handle.flush()
-                record = store.Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
-                                      run_id=self.run_id, created=utc_now(), val_loss=val_loss)
-                # the record goes before the rename: a save killed in between leaves a record without
-                # a checkpoint (the next session removes it), never a checkpoint nobody can verify
-                store.write_record(self.folder, record)
-            store.write_record(self.folder, record, store.LATEST)
-            if self.backup is not None:
-                self.backup.submit(self.folder / name, step)
-            self.apply_retention()
-            self.last_write_seconds = time.perf_counter() - started
-        except BaseException as error:  # surfaced on the training thread at the next step (check) or save
-            cause = writer.os_error if writer is not None and writer.os_error is not None else error
-            if isinstance(cause, OSError) and cause.errno:
-                where = cause.filename or self.folder / name
-                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, where)}")
-            self._error = error
-
-    def start_timeline(self, resumed_from: Path, step: int) -> None:
-        """Make the checkpoint this session continues from (at `step`) the newest one of the folder
-        (store.plan_timeline: a rewind moves the newer ones, and other runs', to abandoned-STEP/)."""
-        here = resumed_from.parent.resolve() == self.folder.resolve()
-        plan = store.plan_timeline(store.list_folder(self.folder), resumed_from.name if here else None, step,
-                                   self.run_id)
-        for message in plan.warnings:
-            warn(message)
-        store.apply_timeline(self.folder, plan)
-        if plan.rewound and plan.latest is not None and self.backup is not None:
-            # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
-            # again now, which points it back here (a fresh disk must not restore the timeline left)
-            self.backup.submit(resumed_from, step)
-
-    def apply_retention(self) -> None:
-        """Delete what store.retention_deletions names, once the backup (if any) lets each go:
-        `backup.deletable(paths)` when the backup has it, else `backup.is_backed_up(path)`."""
-        listing = store.list_folder(self.folder)
-        candidates = [self.folder / name for name in
-                      store.retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
-        if self.backup is not None and candidates:
-            if hasattr(self.backup, "deletable"):
-                allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
-                candidates = [path for path in candidates if path.resolve() in allowed]
-            else:
-                candidates = [path for path in candidates if self.backup.is_backed_up(path)]
-        store.delete(self.folder, [path.name for path in candidates])
-
-
-def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path | None:
-    """The checkpoint `--resume` asks for (store.plan_resume): None for a fresh start.
-
-    `tidy` (a training session, which holds the run folder's lock) first carries out the plan:
-    removes what killed saves left behind and sets aside the damaged checkpoints; without it
-    nothing changes.
-    """
-    folder = out / "checkpoints"
-    if resume not in ("auto", "none") and not Path(resume).is_file():
-        raise UserError(f"--resume {resume}: no such checkpoint file")
-    plan = store.plan_resume(store.list_folder(folder), resume)
-    if tidy:
-        if plan.delete:
-            print(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}", file=sys.stderr,
-                  flush=True)
-        store.apply_plan(folder, plan)
-    for message in plan.warnings:
-        warn(message)
-    if plan.error:
-        raise UserError(f"{folder} {plan.error}")
-    if resume not in ("auto", "none"):
-        path = Path(resume)
-        problem = store.file_mismatch(path)
-        if problem:
-            warn(f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
-                 "file, not against the record)")
-        return path
-    return folder / plan.load if plan.load else None
-
-
-def load_checkpoint_file(path: Path) -> dict:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
-        raise UserError(f"checkpoint {path} does not load: {type(error).__name__}: {error}") from None
-    for key in ("format_version", "step", "model", "optimizer", "settings"):
-        if key not in checkpoint:
-            raise UserError(f"checkpoint {path} lacks {key!r}")
-    if checkpoint["format_version"] != FORMAT_VERSION:
-        raise UserError(f"checkpoint {path} has format_version {checkpoint['format_version']}, "
-                        f"this train.py reads {FORMAT_VERSION}")
-    return checkpoint
-
-
-# ----------------------------------------------------------------------------------------------
-# --init-from: a new run's weights from a checkpoint, a run folder or a Hugging Face Qwen3 folder.
-
-
-@dataclass
-class InitSource:
-    """Weights to start from and where they came from (`lineage`, recorded with the run)."""
-
-    state: dict
-    lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
-    tokenizer_sha256: str | None = None  # a checkpoint's tokenizer folder hash (older checkpoints: the only clue)
-    model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
-
-
-def read_init_source(spec: str) -> InitSource:
-    """The weights --init-from names (UserError, naming SOURCE, when it is none of the three kinds)."""
-    path = Path(spec)
-    if not path.exists():
-        raise UserError(f"--init-from {spec}: no such file or folder")
-    if path.is_dir() and (path / "config.json").is_file():
-        return read_hf_source(spec, path)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        listing = store.list_folder(folder)
-        if not listing.files:
-            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
-                            "Face model folder (no config.json)")
-        newest = store.newest_verified(listing)
-        if newest is None:
-            raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
-        return read_checkpoint_source(spec, folder / newest, "run")
-    problem = store.file_mismatch(path)
-    if problem:
-        raise UserError(f"--init-from {spec}: {problem}")
-    return read_checkpoint_source(spec, path, "checkpoint")
-
-
-def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
-        raise UserError(f"--init-from {spec}: {path} does not load: {type(error).__name__}: {error}") from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) \
-            or "training" not in checkpoint.get("settings", {}):
-        raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
-    training = checkpoint["settings"]["training"]
-    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
-               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
-               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
-    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
-                      key == "vocab_size"}
-    return InitSource(checkpoint["model"], lineage, training.get("tokenizer_sha256"), model_settings)
-
-
-def read_hf_source(spec: str, folder: Path) -> InitSource:
-    """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder)
-    except Exception as error:
-        raise UserError(f"--init-from {spec}: config.json does not load: {type(error).__name__}: {error}") from None
-    if config.model_type != "qwen3":
-        raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
-    try:
-        tokenizer = data.load_tokenizer(folder)
-    except UserError as error:
-        raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except Exception as error:
-        raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
-    weights = folder / "model.safetensors"
-    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
-        else {}
-    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
-               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
-               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
-               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
-    return InitSource(model.state_dict(), lineage)
-
-
-def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) -> str | None:
-    """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
-    spec, training = source.lineage["source"], settings["training"]
-    ours = settings["vocabulary_sha256"]
-    same_folder = source.tokenizer_sha256 is not None and source.tokenizer_sha256 == training["tokenizer_sha256"]
-    if not same_folder and source.lineage["vocabulary_sha256"] != ours:
-        theirs = source.lineage["vocabulary_sha256"]
-        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
-                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
-                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
-    live = model.state_dict()
-    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
-                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
-    problems += [f"{key}: missing there" for key in live if key not in source.state]
-    problems += [f"{key}: not in this model" for key in source.state if key not in live]
-    if not problems:
-        return None
-    if source.model_settings:
-        changes = settings_diff(source.model_settings,
-                                {key: value for key, value in training.items() if key in source.model_settings})
-        if changes:
-            problems = [change.replace(" -> ", " there, ") + " here" for change in changes]
-    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
-            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
-
-
-def settings_diff(old: dict, new: dict) -> list[str]:
-    """'name: old -> new' for every training setting that differs."""
-    return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
-            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
-
-
-def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
-    """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
-    if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
-        same = (isinstance(live, torch.Tensor) and isinstance(stored, torch.Tensor)
-                and live.dtype == stored.dtype and torch.equal(live.detach().cpu(), stored))
-        return [] if same else [where]
-    if isinstance(live, dict) and isinstance(stored, dict):
-        if set(live) != set(stored):
-            return [f"{where} keys"]
-        return [item for key in live for item in tensors_equal(live[key], stored[key], f"{where}.{key}")]
-    if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
-        if len(live) != len(stored):
-            return [f"{where} length"]
-        return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
-    return [] if live == stored else [where]
-
-
 # ----------------------------------------------------------------------------------------------
 # Training: everything a step needs, callable from Python (bench/ times train_step directly).
-
-
-REPEATED_KV_ATTENTION = "sdpa_repeated_kv"
-
-
-def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                          **kwargs):
-    """SDPA with the K/V heads repeated up to the query heads (no enable_gqa), as transformers' "sdpa"
-    computes it otherwise; registered with transformers' AttentionInterface."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                            scale=scaling, is_causal=causal)
-    return output.transpose(1, 2).contiguous(), None
-
-
-CONTIGUOUS_ATTENTION = "sdpa_contiguous"
-
-
-def sdpa_with_contiguous_heads(module, query, key, value, *args, **kwargs):
-    """transformers' "sdpa" with query, key and value laid out (batch, heads, tokens, dim) in memory first.
-
-    Why: the projections give head-transposed views, and PyTorch's CPU flash-attention kernel runs
-    slower on those (forward + backward of one `micro` layer: ~20 ms on views, ~17 ms contiguous).
-    Eagerly it costs a small copy of V (Q and K come out of RoPE contiguous already); under
-    torch.compile the layout is fused into the kernels before it. The result is the same attention.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
-
-
-# train.py's own attention functions (names registered with transformers' AttentionInterface); an
-# exported model is switched back to the standard "sdpa", which computes the same thing.
-OWN_ATTENTIONS = {REPEATED_KV_ATTENTION: sdpa_with_repeated_kv, CONTIGUOUS_ATTENTION: sdpa_with_contiguous_heads}
-
-
-def causal_sdpa_mask(**kwargs):
-    """transformers' sdpa_mask, except that under torch.compile a causal mask without padding or cache
-    offset is left to SDPA's is_causal, as it is eagerly.
-
-    Why: while tracing, transformers cannot tell whether the position ids restart (packed sequences)
-    and builds the full mask; SDPA then repeats the K/V heads and its flash kernel computes the whole
-    masked upper triangle (compiled `micro` attention: ~120 ms per step against ~95 ms eagerly).
-    train.py's compiled model only ever sees whole blocks: no padding, no position ids of its own.
-    """
-    from transformers.masking_utils import sdpa_mask
-
-    plain_causal = (torch.compiler.is_compiling() and kwargs.get("attention_mask") is None
-                    and kwargs.get("local_size") is None and not kwargs.get("q_offset")
-                    and not kwargs.get("kv_offset") and kwargs["q_length"] == kwargs["kv_length"])
-    return None if plain_causal else sdpa_mask(**kwargs)
-
-
-def use_attention(model, name: str) -> None:
-    """Switch `model` to one of OWN_ATTENTIONS, with the masks "sdpa" gets (without a registered mask
-    function, transformers passes custom attentions no padding mask at all)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, OWN_ATTENTIONS[name])
-    AttentionMaskInterface.register(name, causal_sdpa_mask)
-    model.set_attn_implementation(name)
 
 
 def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
@@ -1980,42 +1388,7 @@ def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = 
 
 
 # ----------------------------------------------------------------------------------------------
-# Stopping: signals and the time budget, agreed by all ranks.
-
-
-class StopRequest:
-    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and stops. A second SIGINT aborts."""
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-        print(f"{self.signal_name}: finishing this step, saving, then stopping", file=sys.stderr, flush=True)
-
-
-def agree(flags: list[bool], info: DistInfo) -> list[bool]:
-    """Each flag true on any rank -> true on all ranks (one all_reduce)."""
-    tensor = torch.tensor([float(flag) for flag in flags], device=info.device)
-    return [bool(value > 0) for value in all_reduce_sum(tensor, info).tolist()]
-
-
-# ----------------------------------------------------------------------------------------------
-# The recipe
+# The run: main() reads top-down; the loop; stopping on signals and the time budget.
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2040,103 +1413,6 @@ def main(argv: list[str] | None = None) -> int:
                     backup.close()
     finally:
         shutdown_distributed()
-
-
-
-def check_run_folder(out: Path) -> None:
-    """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
-    if not out.is_dir():
-        return
-    if (out / data.CORPUS_MANIFEST).exists():
-        raise UserError(f"--out {out} is a corpus folder ({data.CORPUS_MANIFEST}), not a run folder; "
-                        "choose a new --out")
-    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
-        raise UserError(f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
-                        "run_status.json or checkpoints/); choose a new or empty --out")
-
-
-def lock_run_folder(out: Path):
-    """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        handle = open(out / ".lock", "a+", encoding="utf-8")
-    except OSError as error:
-        raise UserError(f"--out {out} cannot be written: {os_error_cause(error)}") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        pid = handle.read().strip() or "unknown"
-        handle.close()
-        raise UserError(f"run folder {out} is in use by another train.py (pid {pid})") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
-
-
-@contextlib.contextmanager
-def claim_run_folder(out: Path, info: DistInfo):
-    """Rank 0 checks --out and holds its lock for the whole run; every rank learns of a refusal."""
-    held = {}
-
-    def claim() -> None:
-        check_run_folder(out)
-        held["new"] = not out.exists()
-        held["lock"] = lock_run_folder(out)
-        remove_temporaries(out)  # of a restore, a report or an export killed half-way (checkpoints/: the plan's)
-
-    main_decides(claim, info)
-    try:
-        yield
-    finally:
-        if "lock" in held:
-            held["lock"].close()
-            if held["new"] and [path.name for path in out.iterdir()] == [".lock"]:  # refused before it began
-                with contextlib.suppress(OSError):
-                    (out / ".lock").unlink()
-                    out.rmdir()
-
-
-def prepare_corpus(settings: Settings) -> Path:
-    """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is."""
-    data_option = settings.session.data
-    if settings.invocation.demo:
-        corpus = Path(data_option)
-        if not (corpus / data.CORPUS_MANIFEST).is_file():
-            print(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})", flush=True)
-            data.build_demo_corpus(corpus)
-        return corpus
-    if "://" in data_option and not data_option.startswith("file://"):
-        url = data_option.rstrip("/")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
-        cache = Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
-        return checkpoint_cloud.local_corpus(data_option, cache)
-    corpus = Path(data_option.removeprefix("file://"))
-    check_corpus_folder(corpus)
-    return corpus
-
-
-def restore_from_backup(url: str, out: Path) -> Path | None:
-    """With no checkpoint in OUT that verifies, download the backup's newest verified one (rank 0)."""
-    folder = out / "checkpoints"
-    if store.newest_verified(store.list_folder(folder)) is not None:
-        return None
-    return checkpoint_cloud.restore_latest(url, folder)
-
-
-def start_backup(session: SessionSettings, info: DistInfo):
-    """The background checkpoint backup on rank 0 (None without --backup-to); an error stops every rank."""
-    started = {}
-
-    def start() -> None:
-        started["backup"] = checkpoint_cloud.backup_from_args(session, session.save_every or None)
-
-    main_decides(start, info)
-    return started.get("backup")
 
 
 def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> int:
@@ -2338,6 +1614,154 @@ def save_checkpoint(training: Training, checkpointer: Checkpointer | None, best_
     snapshot = training.snapshot()
     if checkpointer is not None:
         checkpointer.save(snapshot, training.step, best_val_loss)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and stops. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        print(f"{self.signal_name}: finishing this step, saving, then stopping", file=sys.stderr, flush=True)
+
+
+def agree(flags: list[bool], info: DistInfo) -> list[bool]:
+    """Each flag true on any rank -> true on all ranks (one all_reduce)."""
+    tensor = torch.tensor([float(flag) for flag in flags], device=info.device)
+    return [bool(value > 0) for value in all_reduce_sum(tensor, info).tolist()]
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's lifecycle: its folder, status and metrics files, the end of a run, the report and export.
+
+
+def check_run_folder(out: Path) -> None:
+    """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
+    if not out.is_dir():
+        return
+    if (out / data.CORPUS_MANIFEST).exists():
+        raise UserError(f"--out {out} is a corpus folder ({data.CORPUS_MANIFEST}), not a run folder; "
+                        "choose a new --out")
+    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
+        raise UserError(f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
+                        "run_status.json or checkpoints/); choose a new or empty --out")
+
+
+def lock_run_folder(out: Path):
+    """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / ".lock", "a+", encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--out {out} cannot be written: {os_error_cause(error)}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid = handle.read().strip() or "unknown"
+        handle.close()
+        raise UserError(f"run folder {out} is in use by another train.py (pid {pid})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+@contextlib.contextmanager
+def claim_run_folder(out: Path, info: DistInfo):
+    """Rank 0 checks --out and holds its lock for the whole run; every rank learns of a refusal."""
+    held = {}
+
+    def claim() -> None:
+        check_run_folder(out)
+        held["new"] = not out.exists()
+        held["lock"] = lock_run_folder(out)
+        remove_temporaries(out)  # of a restore, a report or an export killed half-way (checkpoints/: the plan's)
+
+    main_decides(claim, info)
+    try:
+        yield
+    finally:
+        if "lock" in held:
+            held["lock"].close()
+            if held["new"] and [path.name for path in out.iterdir()] == [".lock"]:  # refused before it began
+                with contextlib.suppress(OSError):
+                    (out / ".lock").unlink()
+                    out.rmdir()
+
+
+def prepare_corpus(settings: Settings) -> Path:
+    """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is."""
+    data_option = settings.session.data
+    if settings.invocation.demo:
+        corpus = Path(data_option)
+        if not (corpus / data.CORPUS_MANIFEST).is_file():
+            print(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})", flush=True)
+            data.build_demo_corpus(corpus)
+        return corpus
+    if "://" in data_option and not data_option.startswith("file://"):
+        url = data_option.rstrip("/")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
+        cache = Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+        return checkpoint_cloud.local_corpus(data_option, cache)
+    corpus = Path(data_option.removeprefix("file://"))
+    check_corpus_folder(corpus)
+    return corpus
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time".
+
+    `tensorboard` (a report.TensorBoardLogger) gets every record too.
+    """
+
+    def __init__(self, path: Path, enabled: bool, tensorboard: report.TensorBoardLogger | None = None):
+        self.path, self.enabled, self.tensorboard = path, enabled, tensorboard
+
+    def write(self, kind: str, **fields) -> None:
+        if self.enabled:
+            record = {"kind": kind, **fields, "time": utc_now()}
+            append_jsonl(self.path, record)
+            if self.tensorboard is not None:
+                self.tensorboard.log(record)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after `step` (a resumed run logs those steps again)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        with atomic_open(self.path, "w") as handle:
+            handle.writelines(kept)
+
+
+def write_status(out: Path, status: str, **fields) -> None:
+    atomic_write_json(out / "run_status.json", {"status": status, **fields, "updated": utc_now()})
 
 
 def interrupted_reason(out: Path, step: int, command: str) -> str:
@@ -2648,14 +2072,617 @@ def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
     return " ".join([launcher, *map(shlex.quote, kept), "--resume", "auto"])
 
 
+def log(info: DistInfo, message: str) -> None:
+    if info.is_main:
+        print(message, flush=True)
+
+
+def hardware_record(info: DistInfo, precision: str, sdpa: str) -> dict:
+    import transformers
+
+    record = {
+        "device": info.device.type,
+        "world_size": info.world,
+        "precision": precision,
+        "sdpa_kernels": sdpa,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
+    if info.device.type == "cuda":
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            record["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
+                                   "capability": f"{props.major}.{props.minor}"})
+    return record
+
+
+def check_hardware(session: SessionSettings, info: DistInfo) -> None:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
+        else []
+    if session.require_gpus and len(gpus) < session.require_gpus:
+        raise UserError(f"--require-gpus {session.require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
+    if session.require_gpu_name:
+        wrong = [name for name in gpus if session.require_gpu_name.lower() not in name.lower()]
+        if not gpus or wrong:
+            raise UserError(f"--require-gpu-name {session.require_gpu_name}: GPUs here are {gpus or 'none'}")
+    if session.require_gpus and info.device.type != "cuda":
+        raise UserError(f"--require-gpus {session.require_gpus} but training would run on {info.device.type}")
+
+
+def peak_flops(session: SessionSettings, info: DistInfo, precision: str) -> float | None:
+    """Peak FLOP/s of one device for MFU: --peak-tflops, the GPU table, or a matmul measured on CPU."""
+    if session.peak_tflops:
+        return session.peak_tflops * 1e12
+    if info.device.type == "cuda":
+        name = torch.cuda.get_device_name(info.device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12 * (0.5 if precision == "fp32" else 1.0)
+        return None
+    return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5, tries: int = 5) -> float:
+    """FLOP/s of a square matmul on this CPU with the current thread count: the fastest of at least
+    `tries` runs spread over `seconds` (the fastest is the one least slowed by other load)."""
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.mm(a, b)
+    best, deadline, runs = math.inf, time.perf_counter() + seconds, 0
+    while runs < tries or time.perf_counter() < deadline:
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+        runs += 1
+    return 2 * size**3 / best
+
+
+def peak_source(session: SessionSettings, info: DistInfo, precision: str) -> str:
+    """Where peak_flops' figure comes from, for hardware.json."""
+    if session.peak_tflops:
+        return "--peak-tflops"
+    if info.device.type == "cuda":
+        return f"the GPU table ({torch.cuda.get_device_name(info.device)})"
+    return f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run"
+
+
+def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, float | None]:
+    """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
+    under other load at the start): the peak is measured again and the higher one kept (and recorded
+    in hardware.json); an MFU that is still impossible (a wrong --peak-tflops, say) is not shown."""
+    session, info = training.session, training.info
+    if info.device.type == "cpu" and not session.peak_tflops:
+        measured = measure_cpu_matmul_flops(torch.bfloat16 if training.precision == "bf16" else torch.float32)
+        if measured > peak:
+            mfu, peak = mfu * peak / measured, measured
+            if info.is_main:
+                path = Path(session.out) / "hardware.json"
+                with contextlib.suppress(UserError, OSError):
+                    atomic_write_json(path, {**read_json(path), "peak_flops": peak,
+                                             "peak_flops_source": "a CPU matmul measured again during the run "
+                                                                  "(the first measurement was slowed by other load)"})
+    return peak, (mfu if mfu <= 1 else None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# Store glue: torch.save on a background thread around checkpoint_store's rules; backups; --init-from.
+
+
+class StagingBuffers:
+    """CPU copies of a state dict, in buffers reused from one snapshot to the next.
+
+    Copying into memory that is already mapped is several times faster than allocating it
+    afresh (no page faults), and that copy is all the training loop waits for. Pinned on CUDA,
+    so the device-to-host copies run asynchronously. The caller must not refill the buffers
+    while a checkpoint made from them is still being written (Checkpointer.wait first).
+    """
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, obj: Any) -> Any:
+        result = self._copy(obj, "", memo={})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the asynchronous device-to-host copies are complete
+        return result
+
+    def _copy(self, obj: Any, where: str, memo: dict) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = (obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride(), obj.device)
+            if key not in memo:  # tensors shared in the model (tied embeddings) stay shared
+                buffer = self.buffers.get(where)
+                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                    self.buffers[where] = buffer
+                buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+                memo[key] = buffer
+            return memo[key]
+        if isinstance(obj, dict):
+            return {key: self._copy(value, f"{where}/{key}", memo) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(value, f"{where}/{index}", memo) for index, value in enumerate(obj))
+        return obj
+
+
+class HashingWriter:
+    """A write-only file wrapper that hashes what passes through (no second read for the sha256)."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+        self.os_error: OSError | None = None  # torch.save reports a failed write as a RuntimeError: keep the cause
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.os_error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def sha256(self) -> str:
+        return self.digest.hexdigest()
+
+
+class CheckpointWriteFailed(UserError):
+    """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class Checkpointer:
+    """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
+
+    One write is in flight at a time: `save` waits for the previous one, hands over the
+    snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
+    `save` or `wait`. `backup` (optional) has submit(path, step), is_backed_up(path) -> bool
+    and wait(timeout_s) -> bool; retention never deletes a file the backup has not confirmed.
+    The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
+    """
+
+    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
+                 backup_wait_s: float = 600):
+        self.folder, self.run_id = folder, run_id
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.backup, self.backup_wait_s = backup, backup_wait_s
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.last_write_seconds = 0.0
+        self.last_saved_step: int | None = None
+
+    def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
+        """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
+        self.wait()
+        self.last_saved_step = step
+        self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Re-raise the error of a write that has already ended (returns at once): a failed save is
+        noticed at the next step, not one save later."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> bool | None:
+        """Finish the write in flight, then wait for the backup; True/False says if it caught up."""
+        self.wait()
+        if self.backup is None:
+            return None
+        caught_up = self.backup.wait(self.backup_wait_s)
+        self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
+        return caught_up
+
+    def _write(self, snapshot: dict, step: int, val_loss: float | None) -> None:
+        name, writer = store.checkpoint_name(step), None
+        try:
+            started = time.perf_counter()
+            with atomic_open(self.folder / name, "wb") as handle:
+                writer = HashingWriter(handle)
+                torch.save(snapshot, writer)
+                handle.flush()
+                record = store.Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
+                                      run_id=self.run_id, created=utc_now(), val_loss=val_loss)
+                # the record goes before the rename: a save killed in between leaves a record without
+                # a checkpoint (the next session removes it), never a checkpoint nobody can verify
+                store.write_record(self.folder, record)
+            store.write_record(self.folder, record, store.LATEST)
+            if self.backup is not None:
+                self.backup.submit(self.folder / name, step)
+            self.apply_retention()
+            self.last_write_seconds = time.perf_counter() - started
+        except BaseException as error:  # surfaced on the training thread at the next step (check) or save
+            cause = writer.os_error if writer is not None and writer.os_error is not None else error
+            if isinstance(cause, OSError) and cause.errno:
+                where = cause.filename or self.folder / name
+                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, where)}")
+            self._error = error
+
+    def start_timeline(self, resumed_from: Path, step: int) -> None:
+        """Make the checkpoint this session continues from (at `step`) the newest one of the folder
+        (store.plan_timeline: a rewind moves the newer ones, and other runs', to abandoned-STEP/)."""
+        here = resumed_from.parent.resolve() == self.folder.resolve()
+        plan = store.plan_timeline(store.list_folder(self.folder), resumed_from.name if here else None, step,
+                                   self.run_id)
+        for message in plan.warnings:
+            warn(message)
+        store.apply_timeline(self.folder, plan)
+        if plan.rewound and plan.latest is not None and self.backup is not None:
+            # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
+            # again now, which points it back here (a fresh disk must not restore the timeline left)
+            self.backup.submit(resumed_from, step)
+
+    def apply_retention(self) -> None:
+        """Delete what store.retention_deletions names, once the backup (if any) lets each go:
+        `backup.deletable(paths)` when the backup has it, else `backup.is_backed_up(path)`."""
+        listing = store.list_folder(self.folder)
+        candidates = [self.folder / name for name in
+                      store.retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
+        if self.backup is not None and candidates:
+            if hasattr(self.backup, "deletable"):
+                allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
+                candidates = [path for path in candidates if path.resolve() in allowed]
+            else:
+                candidates = [path for path in candidates if self.backup.is_backed_up(path)]
+        store.delete(self.folder, [path.name for path in candidates])
+
+
+def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path | None:
+    """The checkpoint `--resume` asks for (store.plan_resume): None for a fresh start.
+
+    `tidy` (a training session, which holds the run folder's lock) first carries out the plan:
+    removes what killed saves left behind and sets aside the damaged checkpoints; without it
+    nothing changes.
+    """
+    folder = out / "checkpoints"
+    if resume not in ("auto", "none") and not Path(resume).is_file():
+        raise UserError(f"--resume {resume}: no such checkpoint file")
+    plan = store.plan_resume(store.list_folder(folder), resume)
+    if tidy:
+        if plan.delete:
+            print(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}", file=sys.stderr,
+                  flush=True)
+        store.apply_plan(folder, plan)
+    for message in plan.warnings:
+        warn(message)
+    if plan.error:
+        raise UserError(f"{folder} {plan.error}")
+    if resume not in ("auto", "none"):
+        path = Path(resume)
+        problem = store.file_mismatch(path)
+        if problem:
+            warn(f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
+                 "file, not against the record)")
+        return path
+    return folder / plan.load if plan.load else None
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
+        raise UserError(f"checkpoint {path} does not load: {type(error).__name__}: {error}") from None
+    for key in ("format_version", "step", "model", "optimizer", "settings"):
+        if key not in checkpoint:
+            raise UserError(f"checkpoint {path} lacks {key!r}")
+    if checkpoint["format_version"] != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has format_version {checkpoint['format_version']}, "
+                        f"this train.py reads {FORMAT_VERSION}")
+    return checkpoint
+
+
+def settings_diff(old: dict, new: dict) -> list[str]:
+    """'name: old -> new' for every training setting that differs."""
+    return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
+    """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
+    if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
+        same = (isinstance(live, torch.Tensor) and isinstance(stored, torch.Tensor)
+                and live.dtype == stored.dtype and torch.equal(live.detach().cpu(), stored))
+        return [] if same else [where]
+    if isinstance(live, dict) and isinstance(stored, dict):
+        if set(live) != set(stored):
+            return [f"{where} keys"]
+        return [item for key in live for item in tensors_equal(live[key], stored[key], f"{where}.{key}")]
+    if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
+        if len(live) != len(stored):
+            return [f"{where} length"]
+        return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
+    return [] if live == stored else [where]
+
+
 def latest_checkpoint_name(out: Path) -> str | None:
     latest = out / "checkpoints" / store.LATEST
     return read_json(latest).get("path") if latest.exists() else None
 
 
-def log(info: DistInfo, message: str) -> None:
+def restore_from_backup(url: str, out: Path) -> Path | None:
+    """With no checkpoint in OUT that verifies, download the backup's newest verified one (rank 0)."""
+    folder = out / "checkpoints"
+    if store.newest_verified(store.list_folder(folder)) is not None:
+        return None
+    return checkpoint_cloud.restore_latest(url, folder)
+
+
+def start_backup(session: SessionSettings, info: DistInfo):
+    """The background checkpoint backup on rank 0 (None without --backup-to); an error stops every rank."""
+    started = {}
+
+    def start() -> None:
+        started["backup"] = checkpoint_cloud.backup_from_args(session, session.save_every or None)
+
+    main_decides(start, info)
+    return started.get("backup")
+
+
+@dataclass
+class InitSource:
+    """Weights to start from and where they came from (`lineage`, recorded with the run)."""
+
+    state: dict
+    lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
+    tokenizer_sha256: str | None = None  # a checkpoint's tokenizer folder hash (older checkpoints: the only clue)
+    model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
+
+
+def read_init_source(spec: str) -> InitSource:
+    """The weights --init-from names (UserError, naming SOURCE, when it is none of the three kinds)."""
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(f"--init-from {spec}: no such file or folder")
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_hf_source(spec, path)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        listing = store.list_folder(folder)
+        if not listing.files:
+            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
+                            "Face model folder (no config.json)")
+        newest = store.newest_verified(listing)
+        if newest is None:
+            raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
+        return read_checkpoint_source(spec, folder / newest, "run")
+    problem = store.file_mismatch(path)
+    if problem:
+        raise UserError(f"--init-from {spec}: {problem}")
+    return read_checkpoint_source(spec, path, "checkpoint")
+
+
+def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
+        raise UserError(f"--init-from {spec}: {path} does not load: {type(error).__name__}: {error}") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) \
+            or "training" not in checkpoint.get("settings", {}):
+        raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
+    training = checkpoint["settings"]["training"]
+    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
+               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
+               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
+    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
+                      key == "vocab_size"}
+    return InitSource(checkpoint["model"], lineage, training.get("tokenizer_sha256"), model_settings)
+
+
+def read_hf_source(spec: str, folder: Path) -> InitSource:
+    """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: config.json does not load: {type(error).__name__}: {error}") from None
+    if config.model_type != "qwen3":
+        raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
+    try:
+        tokenizer = data.load_tokenizer(folder)
+    except UserError as error:
+        raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
+    weights = folder / "model.safetensors"
+    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
+        else {}
+    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
+               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
+               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
+               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
+    return InitSource(model.state_dict(), lineage)
+
+
+def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) -> str | None:
+    """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
+    spec, training = source.lineage["source"], settings["training"]
+    ours = settings["vocabulary_sha256"]
+    same_folder = source.tokenizer_sha256 is not None and source.tokenizer_sha256 == training["tokenizer_sha256"]
+    if not same_folder and source.lineage["vocabulary_sha256"] != ours:
+        theirs = source.lineage["vocabulary_sha256"]
+        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
+                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
+                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
+    live = model.state_dict()
+    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
+                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
+    problems += [f"{key}: missing there" for key in live if key not in source.state]
+    problems += [f"{key}: not in this model" for key in source.state if key not in live]
+    if not problems:
+        return None
+    if source.model_settings:
+        changes = settings_diff(source.model_settings,
+                                {key: value for key, value in training.items() if key in source.model_settings})
+        if changes:
+            problems = [change.replace(" -> ", " there, ") + " here" for change in changes]
+    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
+            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_choice: str = "auto") -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but torch sees no CUDA device")
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
+                                device_id=device if use_cuda else None)
+    return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's `obj` on every rank (so all ranks take the same decision)."""
+    if info.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main_decides(function, info: DistInfo) -> Any:
+    """Run `function` on rank 0 and give its result to every rank; a UserError there is raised everywhere."""
+    outcome = None
     if info.is_main:
-        print(message, flush=True)
+        try:
+            outcome = ("ok", function())
+        except UserError as error:
+            outcome = ("error", str(error))
+    kind, value = broadcast_from_main(outcome, info)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel workarounds: attention implementations for shapes and devices where the stock ones fail.
+
+
+REPEATED_KV_ATTENTION = "sdpa_repeated_kv"
+
+
+def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                          **kwargs):
+    """SDPA with the K/V heads repeated up to the query heads (no enable_gqa), as transformers' "sdpa"
+    computes it otherwise; registered with transformers' AttentionInterface."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                            scale=scaling, is_causal=causal)
+    return output.transpose(1, 2).contiguous(), None
+
+
+CONTIGUOUS_ATTENTION = "sdpa_contiguous"
+
+
+def sdpa_with_contiguous_heads(module, query, key, value, *args, **kwargs):
+    """transformers' "sdpa" with query, key and value laid out (batch, heads, tokens, dim) in memory first.
+
+    Why: the projections give head-transposed views, and PyTorch's CPU flash-attention kernel runs
+    slower on those (forward + backward of one `micro` layer: ~20 ms on views, ~17 ms contiguous).
+    Eagerly it costs a small copy of V (Q and K come out of RoPE contiguous already); under
+    torch.compile the layout is fused into the kernels before it. The result is the same attention.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
+
+
+# train.py's own attention functions (names registered with transformers' AttentionInterface); an
+# exported model is switched back to the standard "sdpa", which computes the same thing.
+OWN_ATTENTIONS = {REPEATED_KV_ATTENTION: sdpa_with_repeated_kv, CONTIGUOUS_ATTENTION: sdpa_with_contiguous_heads}
+
+
+def causal_sdpa_mask(**kwargs):
+    """transformers' sdpa_mask, except that under torch.compile a causal mask without padding or cache
+    offset is left to SDPA's is_causal, as it is eagerly.
+
+    Why: while tracing, transformers cannot tell whether the position ids restart (packed sequences)
+    and builds the full mask; SDPA then repeats the K/V heads and its flash kernel computes the whole
+    masked upper triangle (compiled `micro` attention: ~120 ms per step against ~95 ms eagerly).
+    train.py's compiled model only ever sees whole blocks: no padding, no position ids of its own.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    plain_causal = (torch.compiler.is_compiling() and kwargs.get("attention_mask") is None
+                    and kwargs.get("local_size") is None and not kwargs.get("q_offset")
+                    and not kwargs.get("kv_offset") and kwargs["q_length"] == kwargs["kv_length"])
+    return None if plain_causal else sdpa_mask(**kwargs)
+
+
+def use_attention(model, name: str) -> None:
+    """Switch `model` to one of OWN_ATTENTIONS, with the masks "sdpa" gets (without a registered mask
+    function, transformers passes custom attentions no padding mask at all)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, OWN_ATTENTIONS[name])
+    AttentionMaskInterface.register(name, causal_sdpa_mask)
+    model.set_attn_implementation(name)
 
 
 if __name__ == "__main__":
