@@ -432,28 +432,6 @@ def remote_listing(fs, root: str) -> dict:
     return listing
 
 
-def choose_remote_deletions(steps: Iterable[int], ours: set[int], keep_recent: int, keep_every: int,
-                            save_index: Callable[[int], int | None], protect: Iterable[int] = (),
-                            latest_step: int | None = None) -> list[int]:
-    """Steps that retention removes: of `ours` (this run's), those not among its newest `keep_recent`,
-    not an every-`keep_every`-th save (by save index, as the original trainer did), not protected.
-
-    Steps after `latest_step` (the remote latest.json) belong to a timeline the run left when it was
-    resumed from an older checkpoint (train.py moved them aside locally): they neither count among
-    the newest nor are removed; restore never picks them, and the new timeline overwrites them as
-    it reaches their steps."""
-    steps = sorted(step for step in set(steps) if latest_step is None or step <= latest_step)
-    own = [step for step in steps if step in ours]
-    keep = set(own[-keep_recent:]) if keep_recent > 0 else set()
-    keep |= set(protect)
-    if keep_every > 0:
-        for step in steps:
-            index = save_index(step)
-            if index is not None and index % keep_every == 0:
-                keep.add(step)
-    return [step for step in steps if step in ours and step not in keep]
-
-
 def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Record]:
     """Records to try, best first: latest.json's checkpoint, then older verified ones, newest first
     (steps after latest.json's belong to a timeline the run left: never restored)."""
@@ -464,10 +442,8 @@ def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Recor
             "trying the verified checkpoints instead")
     latest = remote_record(listing["latest"])
     candidates = [latest] if latest is not None else []
-    for step in sorted(listing["verified"], reverse=True):
+    for step in store.restore_order(listing["verified"], latest.step if latest else None):
         name = listing["verified"][step]
-        if latest is not None and step >= latest.step:
-            continue
         try:
             record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
         except VerificationError:
@@ -957,7 +933,7 @@ class CheckpointBackup:
         latest_step = latest["step"] if isinstance(latest, dict) and isinstance(latest.get("step"), int) else None
         if latest_step is not None:
             protect.add(latest_step)
-        victims = choose_remote_deletions(verified, ours, self.keep_recent, self.keep_every,
+        victims = store.remote_retention_deletions(verified, ours, self.keep_recent, self.keep_every,
                                           self._save_index, protect, latest_step)
         folder = checkpoint_folder(self.root)
         for step in victims:

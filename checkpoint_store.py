@@ -280,6 +280,34 @@ def retention_deletions(listing: Listing, run_id: str, keep_last: int, keep_ever
     return [name for name in ours if name not in keep and not (keep_every and step_of(name) % keep_every == 0)]
 
 
+def remote_retention_deletions(steps: Iterable[int], ours: set[int], keep_recent: int, keep_every: int,
+                            save_index: Callable[[int], int | None], protect: Iterable[int] = (),
+                            latest_step: int | None = None) -> list[int]:
+    """Steps that retention removes: of `ours` (this run's), those not among its newest `keep_recent`,
+    not an every-`keep_every`-th save (by save index, as the original trainer did), not protected.
+
+    Steps after `latest_step` (the remote latest.json) belong to a timeline the run left when it was
+    resumed from an older checkpoint (train.py moved them aside locally): they neither count among
+    the newest nor are removed; restore never picks them, and the new timeline overwrites them as
+    it reaches their steps."""
+    steps = sorted(step for step in set(steps) if latest_step is None or step <= latest_step)
+    own = [step for step in steps if step in ours]
+    keep = set(own[-keep_recent:]) if keep_recent > 0 else set()
+    keep |= set(protect)
+    if keep_every > 0:
+        for step in steps:
+            index = save_index(step)
+            if index is not None and index % keep_every == 0:
+                keep.add(step)
+    return [step for step in steps if step in ours and step not in keep]
+
+
+def restore_order(recorded_steps, latest_step: int | None) -> list[int]:
+    """The remote's recorded checkpoints to restore from after latest.json's own, newest first: only
+    those before it (the ones past it belong to a timeline the run left when it was rewound)."""
+    return sorted((step for step in recorded_steps if latest_step is None or step < latest_step), reverse=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Applying a plan to a local folder (the only part here that changes files).
 

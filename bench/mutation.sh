@@ -7,6 +7,7 @@
 #
 # mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
 # (~2 min) and runs, for each mutant of the functions below, only the tests of tests/test_core.py
+# and tests/test_store.py
 # that call that function, each mutant forked from one warm process (torch is imported once).
 # OpenMP runs single-threaded: torch's thread pool does not survive a fork while in use (mutants
 # that make a test fail inside torch would hang until their timeout). It prints the score over
@@ -20,17 +21,15 @@ CORE=(
   # data.py: splits, document hashing, packing into hashed shards, corpus record verification
   "data.x_split_of__*" "data.x_document_hash__*" "data.x_token_dtype__*" "data.x_shard_name__*"
   "data.xǁShardWriterǁ*" "data.x_batches__*" "data.x_verify_files__*" "data.x_check_settings__*"
-  # train.py: the data order, the loss, gradient clipping, checkpoint records, resume choice, retention
+  # train.py: the data order, the loss, gradient clipping, loading a checkpoint, the settings check
   "train.x_mix64__*" "train.xǁBlockPermutationǁ*" "train.xǁBlockSamplerǁ*"
   "train.x_language_model_loss__*" "train.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
-  "train.x_checkpoint_name__*" "train.x_sidecar_path__*" "train.x_checkpoint_steps__*" "train.x_set_aside__*"
-  "train.x_recorded_run_id__*" "train.x_record_mismatch__*" "train.x_checkpoint_mismatch__*"
-  "train.x_newest_verified_checkpoint__*" "train.x_load_checkpoint_file__*" "train.x_settings_diff__*"
-  "train.x_read_latest_record__*" "train.x_folder_run_id__*" "train.x_checkpoint_run_id__*"
-  "train.x_chosen_checkpoint_mismatch__*" "train.x_verified_best__*"
-  "train.x_tensors_equal__*" "train.xǁCheckpointerǁapply_retention__*" "train.xǁCheckpointerǁ_written_by_this_run__*"
-  # checkpoint_cloud.py: the remote retention rules
-  "checkpoint_cloud.x_choose_remote_deletions__*" "checkpoint_cloud.x_beyond_unbacked_bound__*"
+  "train.x_load_checkpoint_file__*" "train.x_settings_diff__*" "train.x_tensors_equal__*"
+  "train.xǁCheckpointerǁapply_retention__*"
+  # checkpoint_store.py: names, records, the resume plan, timelines, retention (local and remote)
+  "checkpoint_store.*"
+  # checkpoint_cloud.py: the bound on checkpoints waiting for their upload
+  "checkpoint_cloud.x_beyond_unbacked_bound__*"
   # report.py: answer scoring
   "report.x_extract_final_answer__*" "report.x_score_answers__*"
   # export_gguf.py: GGUF metadata

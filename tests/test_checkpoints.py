@@ -163,6 +163,7 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_p
     record = json.loads((folder / "step-00000004.pt.json").read_text())
     atomic_write_json(folder / "step-00000008.pt.json", {**record, "path": "step-00000008.pt", "step": 8})
     (folder / ".step-00000010.pt.0a1b2c3d.tmp").write_bytes(b"half a checkpoint")  # a save or restore killed
+    (out / ".metrics.jsonl.0a1b2c3d.tmp").write_bytes(b"half a download")  # a restore of the run files killed
     foreign = folder / "step-00000020.pt"
     torch.save({"run_id": "another-run", "step": 20}, foreign)
     (folder / "notes.txt").write_text("mine")
@@ -172,6 +173,7 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_p
     captured = capsys.readouterr()
     assert f"resumed from {folder / 'step-00000004.pt'}" in captured.out
     assert not (folder / "step-00000008.pt.json").exists() and not list(folder.glob(".*.tmp"))
+    assert not list(out.glob(".*.tmp"))
     removed = [line for line in (captured.out + captured.err).splitlines() if "removed" in line]
     assert len(removed) == 1
     assert all(name in removed[0] for name in ("step-00000008.pt.json", ".step-00000010.pt.0a1b2c3d.tmp"))

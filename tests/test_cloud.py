@@ -208,14 +208,14 @@ def test_bad_retention_settings_are_user_errors(tmp_path):
 def test_remote_retention_rule():
     steps = [5, 10, 20, 30, 40, 50, 60, 70, 80]
     ours = set(steps) - {5}
-    victims = cc.choose_remote_deletions(steps, ours, keep_recent=2, keep_every=3,
+    victims = store.remote_retention_deletions(steps, ours, keep_recent=2, keep_every=3,
                                          save_index=lambda s: s // 10, protect={40})
     # kept: newest two (70, 80), every third save (30, 60), the protected 40, and 5 (not ours)
     assert victims == [10, 20, 50]
-    assert cc.choose_remote_deletions(steps, ours, 1, 0, lambda s: None) == [10, 20, 30, 40, 50, 60, 70]
+    assert store.remote_retention_deletions(steps, ours, 1, 0, lambda s: None) == [10, 20, 30, 40, 50, 60, 70]
     # resumed from step 40 and saved 45: 50-80 are the abandoned timeline, neither counted nor removed
     steps_after_rewind = [*steps, 45]
-    assert cc.choose_remote_deletions(steps_after_rewind, ours | {45}, 2, 0, lambda s: None, protect={45},
+    assert store.remote_retention_deletions(steps_after_rewind, ours | {45}, 2, 0, lambda s: None, protect={45},
                                       latest_step=45) == [10, 20, 30]
 
 

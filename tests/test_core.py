@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import checkpoint_cloud as cc
+import checkpoint_store as store
 import data
 import report
 import train
@@ -501,7 +502,7 @@ def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
 def test_remote_retention_table(keep_recent, keep_every, protect, latest, removed):
     steps = [1, 2, 3, 4, 5, 6]
     ours = {1, 2, 3, 4, 5}  # 6 is another run's: never removed, never counted among the newest
-    assert cc.choose_remote_deletions(steps, ours, keep_recent, keep_every, lambda step: step, protect=protect,
+    assert store.remote_retention_deletions(steps, ours, keep_recent, keep_every, lambda step: step, protect=protect,
                                       latest_step=latest) == removed
 
 

@@ -317,3 +317,13 @@ def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tm
     assert saver.close() is False and waits == [2.5]
     assert sorted(store.list_folder(tmp_path).files) == ["step-00000003.pt"]  # confirmed during the wait
     assert train.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
+
+
+@pytest.mark.parametrize("recorded, latest, order", [
+    ([10, 20, 30], 30, [20, 10]),  # latest.json's own is tried first, by the caller
+    ([10, 20, 30, 40], 20, [10]),  # 30, 40: past latest.json, an abandoned timeline: never restored
+    ([10, 20], None, [20, 10]),  # no readable latest.json: the newest recorded first
+    ([], 5, []),
+])
+def test_restore_order(recorded, latest, order):
+    assert store.restore_order(recorded, latest) == order
