@@ -7,21 +7,14 @@
 
 A URL is anything fsspec opens: a folder (`/content/drive/MyDrive/runs/tiny`, `file://...`),
 `s3://bucket/prefix` (also S3-compatible stores through AWS_ENDPOINT_URL), `gs://bucket/prefix`,
-`hf://user/repo/prefix`. It stands for a RUN folder and mirrors its checkpoints:
-
-    URL/checkpoints/step-00001000.pt        promoted from a temporary name after its size and
-                                            sha256 were confirmed on the remote
-    URL/checkpoints/step-00001000.pt.json   its record {"path", "step", "sha256", "bytes", "run_id",
-                                            "created", "uploaded_utc"}, written after the promotion:
-                                            the proof that it was verified; the run_id (train.py's,
-                                            stable across resumes) says which run's retention owns it
-    URL/checkpoints/latest.json             the record of the newest verified checkpoint (moved last)
-    URL/checkpoints/.step-...pt.<id>.partial  an upload in flight; never read
-    URL/checkpoints/step-N.pt.json.corrupt  the record of a checkpoint a restore found corrupt, set
-                                            aside so that nothing counts it as a backup again
-    URL/metrics.jsonl, training_settings.json, hardware.json, run_status.json
-                                            the run's history, uploaded (verified, promoted) after
-                                            each checkpoint; restored beside checkpoints/ when missing
+`hf://user/repo/prefix`. It stands for a RUN folder and mirrors its checkpoints/ folder with the
+names and records of checkpoint_store.py (docs/checkpoints.md): each step-N.pt is uploaded under a
+temporary name, confirmed there (size and sha256), promoted, and only then is its record
+step-N.pt.json (the local one, unchanged) written: a remote file without a record is never
+trusted. latest.json moves last. A checkpoint a restore finds corrupt has its record renamed
+*.json.corrupt, so nothing counts it as a backup again. The run's history (metrics.jsonl,
+training_settings.json, hardware.json, run_status.json) is uploaded the same way after each
+checkpoint, and restored beside checkpoints/ when missing.
 
 A URL may instead hold a corpus folder (DESIGN.md, "Corpus folder"), recognised by its
 corpus_manifest.json; `push`, `pull`, `list` and `verify` then handle the corpus.
@@ -32,7 +25,7 @@ uploads, its SHA256 checksums of multipart uploads are checksums of parts, GCS o
 The exception is the Hugging Face Hub, whose file info carries the sha256 the Hub computed for
 LFS files; that one is used as is. The read-back costs download bandwidth (egress on clouds
 that bill for it), in the backup's own process, never in the training loop. The sha256 it must
-match is the one train.py recorded in step-N.json as it wrote the checkpoint: the upload is then
+match is the one train.py recorded in step-N.pt.json as it wrote the checkpoint: the upload is then
 the only read of the local file, and a checkpoint changed on disk since is never published.
 
 train.py's backup is a BackupProcess: a CheckpointBackup (uploads on a background thread) hosted
