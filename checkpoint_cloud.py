@@ -63,9 +63,12 @@ from common import (
     HASH_CHUNK_BYTES,
     ArgumentParser,
     UserError,
+    atomic_folder,
+    atomic_path,
     atomic_write_json,
     check_writable_folder,
     fsync_dir,
+    fsync_file,
     os_error_text,
     read_json,
     read_json_or,
@@ -189,8 +192,7 @@ def _make_durable(fs, path: str) -> None:
     """On a local or mounted folder, fsync the file (object stores are durable once a PUT returns)."""
     if not is_local(fs):
         return
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
+    fsync_file(path)
 
 
 def _remove_quietly(fs, path: str) -> None:
@@ -367,20 +369,12 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
         target = run_dir / name
         if target.exists():
             continue
-        temp = run_dir / temporary_name(name)
         try:
-            fs.get_file(run_file_path(root, name), str(temp))
-            with open(temp, "rb+") as handle:
-                os.fsync(handle.fileno())
-            os.replace(temp, target)
+            with atomic_path(target) as temp:
+                fs.get_file(run_file_path(root, name), str(temp))
             restored.append(name)
         except FileNotFoundError:
             continue
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
-    if restored:
-        fsync_dir(run_dir)
     if "run_status.json" in restored and step is not None:
         remote_status = read_json_or(run_dir / "run_status.json", {})
         if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
@@ -459,19 +453,10 @@ def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size:
     local_path = Path(local_path)
     if local_path.is_file() and sha256_file(local_path) == sha256:
         return local_path
-    local_path.parent.mkdir(parents=True, exist_ok=True)
-    temp = local_path.parent / temporary_name(local_path.name)
-    try:
+    with atomic_path(local_path) as temp:
         fs.get_file(remote_path, str(temp))
         if (size is not None and temp.stat().st_size != size) or sha256_file(temp) != sha256:
             raise VerificationError(f"{local_path.name} on the remote does not match its recorded sha256")
-        with open(temp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temp, local_path)
-        fsync_dir(local_path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
     return local_path
 
 
@@ -1344,8 +1329,7 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
     if target.exists() and any(target.iterdir()):
         raise UserError(f"{target} exists and is not a finished corpus; remove it or choose another folder")
     fs, root = open_remote(url)
-    temp = target.parent / temporary_name(target.name)
-    try:
+    with atomic_folder(target) as temp:
         with remote_errors("downloading the corpus"):
             _refresh(fs, root)
             names = [p[len(root) + 1:] for p in fs.find(root) if p.startswith(root + "/")]
@@ -1357,12 +1341,6 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
                 (temp / name).parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(f"{root}/{name}", str(temp / name))
         verify_corpus_folder(temp)
-        if target.exists():
-            target.rmdir()
-        os.replace(temp, target)
-        fsync_dir(target.parent)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     log(f"corpus pull: {len(names)} files verified into {target}")
     return target
 
