@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from s3_server import free_port, start_s3_server  # noqa: E402
 
 import checkpoint_cloud  # noqa: E402
-from common import ArgumentParser  # noqa: E402
+import checkpoint_store  # noqa: E402
+from common import ArgumentParser, atomic_path, sha256_file, utc_now  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -89,19 +90,21 @@ class SyntheticTraining:
             self.step += 1
 
     def save(self, backup: checkpoint_cloud.BackupProcess | None) -> None:
-        path = self.folder / f"step-{self.step:08d}.pt"
-        temp = path.with_suffix(".pt.partial")
-        torch.save({"format_version": 1, "step": self.step, "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(), "settings": {}}, temp)
-        temp.replace(path)
+        path = self.folder / checkpoint_store.checkpoint_name(self.step)
+        with atomic_path(path) as temp:  # the record before the rename, as train.py writes them
+            torch.save({"format_version": 1, "step": self.step, "model": self.model.state_dict(),
+                        "optimizer": self.optimizer.state_dict(), "settings": {}}, temp)
+            checkpoint_store.write_record(self.folder, checkpoint_store.Record(
+                path=path.name, step=self.step, sha256=sha256_file(temp), bytes=temp.stat().st_size,
+                run_id="bench", created=utc_now()))
         self.saved.append(path)
         old = self.saved[:-2]
         if backup is not None:
             backup.submit(path, self.step)
             old = backup.deletable(old)
-        for victim in old:
-            victim.unlink()
-            self.saved.remove(victim)
+        gone = {Path(victim).name for victim in old}
+        checkpoint_store.delete(self.folder, sorted(gone))
+        self.saved = [path for path in self.saved if path.name not in gone]
 
 
 def timed_interval(training: SyntheticTraining, save_every: int,
