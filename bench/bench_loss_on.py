@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -69,6 +70,8 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
                *mode_options(mode, args.text_loss)]
     training = train.build_training(train.parse_args(options),
                                     train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    if args.init_from:  # what train.train does for a new run (build_training leaves it out)
+        training.init_from(train.read_init_source(args.init_from))
     tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
     curve, started = [], time.perf_counter()
     while training.step < training.total_steps:
@@ -100,6 +103,40 @@ def tokens_cell(curves: list[list[dict]], threshold: float) -> str:
     return cell
 
 
+def mean_curve(curves: list[list[dict]]) -> list[dict]:
+    """The seeds' mean accuracy at each measurement (every curve measured at the same tokens)."""
+    return [{"tokens": points[0]["tokens"], "accuracy": statistics.fmean(point["accuracy"] for point in points)}
+            for points in zip(*curves)]
+
+
+def paired(all_curves: list[list[dict]], assistant_curves: list[list[dict]], threshold: float) -> dict:
+    """Per seed, whether `assistant` reached the threshold in fewer, the same or more tokens than `all`
+    (a run that never reached it counts as the longest)."""
+    counts = {"fewer": 0, "same": 0, "more": 0}
+    for all_curve, assistant_curve in zip(all_curves, assistant_curves, strict=True):
+        first, second = (tokens_to(curve, threshold) for curve in (all_curve, assistant_curve))
+        first, second = (math.inf if tokens is None else tokens for tokens in (first, second))
+        counts["fewer" if second < first else "same" if second == first else "more"] += 1
+    return counts
+
+
+def print_tables(curves: dict[str, list[list[dict]]], thresholds: list[float]) -> None:
+    """Markdown tables: tokens to each threshold per seed, their pairing, and the mean accuracy curves."""
+    means = {mode: mean_curve(curves[mode]) for mode in MODES}
+    print("| accuracy | --loss-on all | --loss-on assistant | assistant fewer / same / more tokens | mean curves |")
+    print("|---|---|---|---|---|")
+    for threshold in thresholds:
+        pairs = paired(curves["all"], curves["assistant"], threshold)
+        on_means = " / ".join("not reached" if tokens is None else f"{tokens:,}"
+                              for tokens in (tokens_to(means[mode], threshold) for mode in MODES))
+        print(f"| {threshold:.0%} | {tokens_cell(curves['all'], threshold)} | "
+              f"{tokens_cell(curves['assistant'], threshold)} | {pairs['fewer']} / {pairs['same']} / {pairs['more']} "
+              f"| {on_means} |")
+    print("\n| tokens | mean accuracy, --loss-on all | mean accuracy, --loss-on assistant |\n|---|---|---|")
+    for first, second in zip(means["all"], means["assistant"]):
+        print(f"| {first['tokens']:,} | {first['accuracy']:.1%} | {second['accuracy']:.1%} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
@@ -111,11 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     curves = {mode: [run_mode(corpus, mode, seed, args) for seed in seeds] for mode in MODES}
     thresholds = [float(value) for value in args.thresholds.split(",")]
     print(f"\ntokens to held-out accuracy (first {args.limit} eval problems, measured every {args.eval_every} steps"
-          f" of {args.steps}; seeds {', '.join(map(str, seeds))}):")
-    print(f"| accuracy | --loss-on all | --loss-on assistant --text-loss {args.text_loss} |")
-    print("|---|" + "---|" * len(MODES))
-    for threshold in thresholds:
-        print(f"| {threshold:.0%} | " + " | ".join(tokens_cell(curves[mode], threshold) for mode in MODES) + " |")
+          f" of {args.steps}; seeds {', '.join(map(str, seeds))}; assistant: --text-loss {args.text_loss}):")
+    print_tables(curves, thresholds)
     if args.json:
         atomic_write_json(Path(args.json), {"settings": vars(args), "curves": curves})
     print(json.dumps({f"{mode} {seed}": [(p["tokens"], round(p["accuracy"], 3)) for p in curve]

@@ -38,3 +38,20 @@ def test_the_modes_differ_only_in_the_tokens_the_loss_counts():
     assert bench_loss_on.mode_options("assistant", "full") == ["--loss-on", "assistant", "--text-loss", "full"]
     options = bench_loss_on.parse_args([])
     assert options.text_loss == "none" and options.init_from is None and options.train_args == ""
+
+
+def test_the_mean_curve_averages_the_seeds_at_each_measurement():
+    other = [{"tokens": 100, "accuracy": 0.2}, {"tokens": 200, "accuracy": 0.2}, {"tokens": 300, "accuracy": 0.5},
+             {"tokens": 400, "accuracy": 1.0}]
+    mean = bench_loss_on.mean_curve([CURVE, other])
+    assert [point["tokens"] for point in mean] == [100, 200, 300, 400]
+    assert [point["accuracy"] for point in mean] == pytest.approx([0.1, 0.4, 0.5, 0.95])
+
+
+def test_paired_counts_the_seeds_where_assistant_reached_it_first_and_never_is_the_longest():
+    never = [{"tokens": 100, "accuracy": 0.0}, {"tokens": 200, "accuracy": 0.1}]
+    early = [{"tokens": 100, "accuracy": 0.8}]
+    # seed by seed: all = CURVE, never, early, never; assistant = early, CURVE, early, never
+    counts = bench_loss_on.paired([CURVE, never, early, never], [early, CURVE, early, never], 0.7)
+    assert counts == {"fewer": 2, "same": 2, "more": 0}
+    assert bench_loss_on.paired([early], [never], 0.5) == {"fewer": 0, "same": 0, "more": 1}
