@@ -350,6 +350,14 @@ def test_read_record_names_the_file(tmp_path):
     assert str(error.value) == f"checkpoint record not found: {path}"
 
 
+def test_retention_without_a_backup_deletes_what_the_rules_name(tmp_path):
+    for step in range(1, 7):
+        write_checkpoint(tmp_path, step)
+    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=2).apply_retention()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"step-0000000{step}.pt{suffix}" for step in (2, 4, 6) for suffix in ("", ".json")]
+
+
 def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
     for step in range(1, 6):
         write_checkpoint(tmp_path, step)
