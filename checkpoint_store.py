@@ -120,8 +120,8 @@ class Listing:
     sha256: Callable[[str], str] = lambda name: ""
 
     def steps(self, names: Iterable[str]) -> list[str]:
-        """`names` ordered by step."""
-        return sorted(names, key=step_of)
+        """`names` ordered by step: their text order, as a step name has eight digits (step-%08d.pt)."""
+        return sorted(names)
 
     def run_id(self, name: str) -> str | None:
         record = self.records.get(name)
@@ -238,7 +238,7 @@ def plan_timeline(listing: Listing, resumed: str | None, step: int, run_id: str)
     retention nor the best checkpoint mixes timelines.
     """
     plan = TimelinePlan()
-    record = listing.records.get(resumed) if resumed else None
+    record = listing.records.get(resumed)  # None when resumed from a file elsewhere (resumed=None)
     plan.latest = record if isinstance(record, Record) else None
     newer = [name for name in listing.files if step_of(name) > step]
     plan.rewound = any(name in listing.records for name in newer)

@@ -168,6 +168,23 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
                                            "sha256": hashlib.sha256(mask).hexdigest()}}
 
 
+def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
+    writer = data.ShardWriter(tmp_path, "train", "uint16", 3)
+    classes = [data.MASK_PROMPT, data.MASK_ASSISTANT, data.MASK_ASSISTANT, data.MASK_TEXT, data.MASK_PROMPT]
+    writer.write(np.arange(10, 15, dtype=np.int64), 2, mask=np.array(classes, dtype=np.int64))  # int64 in, uint8 out
+    writer.write(np.array([15], dtype=np.int64), 1)  # no mask: plain text
+    with pytest.raises(ValueError, match="^2 mask values for 3 tokens$"):
+        writer.write(np.array([1, 2, 3]), 1, mask=np.array([data.MASK_TEXT] * 2))
+    result = writer.finish()
+    assert (tmp_path / "train-00000.mask").read_bytes() == bytes(classes[:3])
+    assert (tmp_path / "train-00001.mask").read_bytes() == bytes(classes[3:] + [data.MASK_TEXT])
+    assert [entry["mask"] for entry in result["files"]] == [
+        {"name": f"train-0000{index}.mask", "bytes": 3,
+         "sha256": sha256_file(tmp_path / f"train-0000{index}.mask")} for index in (0, 1)]
+    assert result["mask_tokens"] == {"prompt": 2, "assistant": 2, "text": 2}
+    assert read_shards(tmp_path, result["files"]).tolist() == list(range(10, 16))
+
+
 def test_batches_group_documents_by_characters():
     documents = [data.Document(split=f"s{index}", kind="text", text="x" * size, pieces=[f"p{index}"])
                  for index, size in enumerate([3, 3, 4, 10, 1])]
@@ -251,6 +268,23 @@ def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
         "eval.jsonl: sha256 does not match the manifest"]
     (tmp_path / "again" / "eval.jsonl").unlink()
     assert data.verify_files(tmp_path / "again", manifest)[-1] == "eval.jsonl: missing"
+
+
+def test_verify_files_checks_the_mask_files(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    manifest["format_version"] = 2  # a mask file for every shard
+    for entry, classes in zip(manifest["splits"]["train"]["files"], [[0, 1, 1], [2, 2]]):
+        path = tmp_path / data.mask_name(entry["name"])
+        path.write_bytes(bytes(classes))
+        entry["mask"] = {"name": path.name, "bytes": len(classes), "sha256": sha256_file(path)}
+    assert data.verify_files(tmp_path, manifest) == []
+    (tmp_path / "train-00001.mask").write_bytes(bytes([2, 1]))
+    assert data.verify_files(tmp_path, manifest) == [
+        "train-00001.mask: sha256 does not match the manifest (corrupted or edited)"]
+    del manifest["splits"]["train"]["files"][1]["mask"]
+    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: the manifest lists no mask file for it"]
+    del manifest["format_version"]  # a corpus from before masks: none expected
+    assert data.verify_files(tmp_path, manifest) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,6 +393,7 @@ def test_language_model_loss_is_hand_computed_cross_entropy():
     assert train.language_model_loss(model, inputs, targets).item() == pytest.approx(sum(nats) / 4)
     assert train.language_model_loss(model, inputs, targets, reduction="sum").item() == pytest.approx(sum(nats))
     assert train.LanguageModelLoss(model)(inputs, targets).item() == pytest.approx(sum(nats) / 4)
+    assert train.LanguageModelLoss(model)(inputs, targets, "sum").item() == pytest.approx(sum(nats))
 
 
 def test_language_model_loss_computes_in_fp32_under_low_precision_logits():

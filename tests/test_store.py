@@ -43,13 +43,21 @@ def test_names():
         assert store.step_of(name) == step, name
 
 
+@pytest.mark.parametrize("size, text", [
+    (0, "0 bytes"), (99_999, "99,999 bytes"), (100_000, "0.1 MB"), (1_050_000, "1.1 MB"),
+    (10**12, "1,000,000.0 MB"),
+])
+def test_size_text(size, text):
+    assert store.size_text(size) == text
+
+
 @pytest.mark.parametrize("change, problem", [
     ({}, None),
-    ({"step": 4}, "has fields of the wrong kind"),  # the step is the file name's
-    ({"bytes": "10"}, "has fields of the wrong kind"),
-    ({"run_id": None}, "has fields of the wrong kind"),
-    ({"sha256": None}, "lacks sha256"),
-    ({"created": None}, "lacks created"),
+    ({"step": 4}, "^has fields of the wrong kind$"),  # the step is the file name's
+    ({"bytes": "10"}, "^has fields of the wrong kind$"),
+    ({"run_id": None}, "^has fields of the wrong kind$"),
+    ({"sha256": None}, "^lacks sha256$"),
+    ({"created": None}, "^lacks created$"),
 ])
 def test_record_from_json(change, problem):
     obj = {**record(3).to_json(), **change}
@@ -59,7 +67,7 @@ def test_record_from_json(change, problem):
     else:
         with pytest.raises(ValueError, match=problem):
             store.Record.from_json(obj)
-    with pytest.raises(ValueError, match="not a record"):
+    with pytest.raises(ValueError, match="^not a record$"):
         store.Record.from_json(["step-00000003.pt"])
 
 
@@ -72,7 +80,8 @@ def test_record_json_round_trip_keeps_val_loss_only_when_set():
 RESUME = [
     ("fresh folder, auto", listing(), "auto", None, [], [], [], None),
     ("fresh folder, none", listing(), "none", None, [], [], [], None),
-    ("none with checkpoints", listing(2, 4), "none", None, [], [], [], "already has checkpoints (step-00000004.pt)"),
+    ("none with checkpoints", listing(2, 6, 4), "none", None, [], [], [],
+     "already has checkpoints (step-00000006.pt); pass --resume auto to continue, or choose a new --out"),
     ("the newest verifies", listing(2, 4), "auto", "step-00000004.pt", [], [], [], None),
     ("a damaged newest is set aside", listing(2, 4, damaged=[4]), "auto", "step-00000002.pt", ["step-00000004.pt"],
      [], ["step-00000004.pt: it does not match the sha256 in its record (corrupt): set aside as "
@@ -86,7 +95,8 @@ RESUME = [
     ("nothing verifies", listing(2, 4, damaged=[2, 4]), "auto", None, ["step-00000004.pt", "step-00000002.pt"], [],
      None, "has checkpoints but none verifies against its sha256 (damaged, set aside: step-00000004.pt, "
            "step-00000002.pt); pass --resume PATH to force one, or choose a new --out"),
-    ("only record-less files", listing((3, None)), "auto", None, [], [], None, "none verifies"),
+    ("only record-less files", listing((3, None)), "auto", None, [], [], None,
+     "has checkpoints but none verifies against its sha256; pass --resume PATH to force one, or choose a new --out"),
     ("only damaged ones set aside earlier: never a fresh start on top",
      store.Listing({}, {}, corrupt=["step-00000003.pt"]),
      "auto", None, [], [], [], "none verifies against its sha256 (damaged, set aside: step-00000003.pt)"),
@@ -116,6 +126,8 @@ def test_plan_resume(case, folder, resume, load, set_aside, deleted, warnings, e
         assert plan.error is None
     else:
         assert error in plan.error
+        if error.startswith(("already", "has checkpoints")):
+            assert plan.error == error
 
 
 def test_plan_resume_deletes_records_of_checkpoints_that_are_gone():
@@ -139,6 +151,11 @@ TIMELINE = [
     ("from a file elsewhere: the folder's other run moves, latest.json waits for the next save",
      listing((2, "other")), None, 3, "r", ["step-00000002.pt"], "abandoned-00000003", None, False),
     ("from a file elsewhere of this run", listing(2), None, 3, "r", [], None, None, False),
+    ("from a file elsewhere at the step of another run's checkpoint here", listing(2, (3, "other")), None, 3, "r",
+     ["step-00000003.pt"], "abandoned-00000003", None, False),
+    ("a file here whose record does not read: latest.json waits for the next save", listing(2, (4, "broken")),
+     "step-00000004.pt", 4, "r", [], None, None, False),
+    ("a file here without a record", listing(2, (4, None)), "step-00000004.pt", 4, "r", [], None, None, False),
 ]
 
 
@@ -155,7 +172,18 @@ def test_plan_timeline(case, folder, resumed, step, run_id, abandoned, into, lat
     assert len(plan.warnings) == (1 if abandoned else 0)
     if abandoned:
         assert plan.warnings[0].startswith(f"resuming from step {step} abandons {', '.join(abandoned)} (")
-        assert f"moved to {into};" in plan.warnings[0]
+        assert plan.warnings[0].endswith(f"moved to {into}; delete that folder once you no longer need them")
+
+
+@pytest.mark.parametrize("folder, newest", [
+    (listing(), None),
+    (listing(2, 6, 4), "step-00000006.pt"),
+    (listing(2, 4, (6, None), (8, "broken"), damaged=[4]), "step-00000002.pt"),  # never the newest unverified
+    (listing(2, damaged=[2]), None),
+    (listing(2, (4, "other")), "step-00000004.pt"),  # any run's: the caller asks whether anything resumes
+])
+def test_newest_verified(folder, newest):
+    assert store.newest_verified(folder) == newest
 
 
 RETENTION = [
@@ -173,6 +201,7 @@ RETENTION = [
 @pytest.mark.parametrize("steps, keep_last, keep_every, best, deleted", RETENTION)
 def test_retention_deletions(steps, keep_last, keep_every, best, deleted):
     folder = listing(*steps, (7, "another run"), (11, None))  # never ours: neither counted nor deleted
+    folder.records["step-00000007.pt"] = record(7, "another run", val_loss=0.5)  # nor its best ours
     for step in steps:
         folder.records[store.checkpoint_name(step)] = record(step, val_loss=1.0 if step == best else
                                                              (2.0 + step if best else None))
@@ -228,6 +257,17 @@ def test_list_folder_reads_what_a_folder_holds(tmp_path):
     assert store.list_folder(tmp_path / "missing").files == {}
 
 
+def test_list_folder_lists_checkpoints_set_aside(tmp_path):
+    write_checkpoint(tmp_path, 3)
+    store.set_aside(tmp_path, "step-00000003.pt")
+    (tmp_path / "step-3.pt.corrupt").write_bytes(b"not a checkpoint name")
+    found = store.list_folder(tmp_path)
+    assert (found.files, found.records, found.corrupt) == ({}, {}, ["step-00000003.pt"])
+    plan = store.plan_resume(found, "auto")
+    assert plan.error == ("has checkpoints but none verifies against its sha256 (damaged, set aside: "
+                          "step-00000003.pt); pass --resume PATH to force one, or choose a new --out")
+
+
 def test_applying_a_resume_plan(tmp_path):
     write_checkpoint(tmp_path, 1)
     write_checkpoint(tmp_path, 2, payload=b"good")
@@ -239,6 +279,36 @@ def test_applying_a_resume_plan(tmp_path):
     assert plan.load == "step-00000001.pt"
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "step-00000001.pt", "step-00000001.pt.json", "step-00000002.pt.corrupt", "step-00000002.pt.json.corrupt"]
+
+
+def test_applying_a_resume_plan_removes_folders_and_tolerates_what_is_gone(tmp_path):
+    (tmp_path / ".run.0a1b2c3d.tmp").mkdir()  # a folder write killed midway (common.atomic_folder)
+    (tmp_path / ".run.0a1b2c3d.tmp" / "config.json").write_text("{}")
+    (tmp_path / ".latest.json.0a1b2c3d.tmp").write_text("{}")
+    write_checkpoint(tmp_path, 2)
+    plan = store.ResumePlan(delete=[".run.0a1b2c3d.tmp", ".latest.json.0a1b2c3d.tmp", "step-00000004.pt.json"])
+    store.apply_plan(tmp_path, plan)  # step-00000004.pt.json: already gone (another process tidied first)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002.pt", "step-00000002.pt.json"]
+
+
+def test_delete_removes_checkpoints_with_their_records_whatever_is_left_of_them(tmp_path):
+    for step in (1, 2, 3, 4):
+        write_checkpoint(tmp_path, step)
+    (tmp_path / "step-00000002.pt.json").unlink()  # a file without its record
+    (tmp_path / "step-00000003.pt").unlink()  # a record without its file
+    store.delete(tmp_path, ["step-00000001.pt", "step-00000002.pt", "step-00000003.pt", "step-00000009.pt"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000004.pt", "step-00000004.pt.json"]
+
+
+def test_applying_a_timeline_from_a_file_elsewhere_removes_latest_json(tmp_path):
+    write_checkpoint(tmp_path, 2)
+    store.write_record(tmp_path, store.read_record(tmp_path / "step-00000002.pt.json"), store.LATEST)
+    plan = store.plan_timeline(store.list_folder(tmp_path), None, 5, "r")
+    assert plan == store.TimelinePlan()
+    store.apply_timeline(tmp_path, plan)
+    assert not (tmp_path / "latest.json").exists()  # the next save writes it
+    store.apply_timeline(tmp_path, plan)  # none to remove: no error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002.pt", "step-00000002.pt.json"]
 
 
 def test_applying_a_timeline_moves_files_with_their_records(tmp_path):
@@ -264,9 +334,28 @@ def test_file_mismatch_checks_a_hand_picked_file_against_its_record_if_any(tmp_p
 
 
 def test_read_record_names_the_file(tmp_path):
-    (tmp_path / "step-00000001.pt.json").write_text('{"path": "step-00000001.pt"}')
-    with pytest.raises(UserError, match="step-00000001.pt.json lacks step, sha256, bytes, run_id, created"):
-        store.read_record(tmp_path / "step-00000001.pt.json")
+    path = tmp_path / "step-00000001.pt.json"
+    path.write_text('{"path": "step-00000001.pt"}')
+    with pytest.raises(UserError) as error:
+        store.read_record(path)
+    assert str(error.value) == f"checkpoint record {path} lacks step, sha256, bytes, run_id, created"
+    path.write_text("{broken")
+    with pytest.raises(UserError) as error:
+        store.read_record(path)
+    assert str(error.value) == f"checkpoint record {path} is not valid JSON (line 1: Expecting property name " \
+                               "enclosed in double quotes)"
+    path.unlink()
+    with pytest.raises(UserError) as error:
+        store.read_record(path)
+    assert str(error.value) == f"checkpoint record not found: {path}"
+
+
+def test_retention_without_a_backup_deletes_what_the_rules_name(tmp_path):
+    for step in range(1, 7):
+        write_checkpoint(tmp_path, step)
+    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=2).apply_retention()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"step-0000000{step}.pt{suffix}" for step in (2, 4, 6) for suffix in ("", ".json")]
 
 
 def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
