@@ -165,8 +165,8 @@ def list_folder(folder: Path) -> Listing:
             records[name[:-len(RECORD_SUFFIX)]] = "its checkpoint is gone"
     return Listing(files=files, records=records,
                    temporaries=sorted(name for name in names if temporary_target(name)),
-                   corrupt=sorted(name[:-len(CORRUPT_SUFFIX)] for name in names
-                                  if step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None),
+                   corrupt=sorted(name.removesuffix(CORRUPT_SUFFIX) for name in names if name.endswith(CORRUPT_SUFFIX)
+                                  and step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None),
                    folders={name for name, path in names.items() if path.is_dir()},
                    sha256=lambda name: sha256_file(folder / name))
 

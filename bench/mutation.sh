@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of tinyllm's core rules with mutmut 3 (configured in pyproject.toml, [tool.mutmut]).
 #
-#   bash bench/mutation.sh                        # the whole core, one worker: ~6 min on 2 busy cores
+#   bash bench/mutation.sh                        # the whole core, one worker: 5-10 min on 2 busy cores
 #   bash bench/mutation.sh "train.x_mix64__*"     # only the mutants named (fnmatch patterns)
 #   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
 #

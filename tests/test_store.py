@@ -250,6 +250,10 @@ def test_list_folder_reads_what_a_folder_holds(tmp_path):
     assert "not valid JSON" in found.records["step-00000003.pt"]
     assert found.records["step-00000004.pt"] == "its checkpoint is gone"
     assert found.temporaries == [".step-00000005.pt.0a1b2c3d.tmp"] and "abandoned-00000001" in found.folders
+    assert found.corrupt == []  # plain checkpoints are not set-aside ones
+    (tmp_path / "step-00000000.pt.corrupt").write_bytes(b"x")
+    (tmp_path / "step-00000000.pt.json.corrupt").write_bytes(b"x")
+    assert store.list_folder(tmp_path).corrupt == ["step-00000000.pt"]
     assert found.mismatch("step-00000001.pt") is None
     (tmp_path / "step-00000001.pt").write_bytes(b"checkpoint 9")  # same size, other bytes: the hash tells
     assert found.mismatch("step-00000001.pt") == "step-00000001.pt: it does not match the sha256 in its record " \
