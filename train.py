@@ -1490,6 +1490,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
         finally:
             progress.close()
             tensorboard.close()
+        stop.loop_ended = True
         finish_run(training, out, checkpointer, metrics, status, reason)
     except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
         if isinstance(error, OSError) and not error.errno:
@@ -1621,6 +1622,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.loop_ended = False  # set once no step is left to take: a signal then only ends the report sooner
         self.signal_name = ""
         self._previous: dict[int, Any] = {}
 
@@ -1638,7 +1640,9 @@ class StopRequest:
             raise KeyboardInterrupt
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-        print(f"{self.signal_name}: finishing this step, saving, then stopping", file=sys.stderr, flush=True)
+        what = ("training has already ended; finishing the run's status and report, then exiting" if self.loop_ended
+                else "finishing this step, saving, then stopping")
+        print(f"{self.signal_name}: {what}", file=sys.stderr, flush=True)
 
 
 def agree(flags: list[bool], info: DistInfo) -> list[bool]:

@@ -1375,3 +1375,13 @@ def test_an_extension_keeps_the_warmup_the_rule_chose_for_the_first_length(corpu
     assert settings["recipe.decay_steps"] == 24  # re-derived for the new length: 0.4 x 60
     assert train.main([*longer, "--stop-after-steps", "7"]) == 0  # a plain resume inside the extended run
     assert json.loads((out / "training_settings.json").read_text())["training"] == settings
+
+
+def test_a_signal_after_the_loop_says_training_has_ended(capsys):
+    stop = train.StopRequest()
+    stop._handle(signal.SIGTERM, None)
+    assert capsys.readouterr().err == "SIGTERM: finishing this step, saving, then stopping\n"
+    stop.loop_ended = True  # no step left: the report is what remains
+    stop._handle(signal.SIGTERM, None)
+    assert capsys.readouterr().err.startswith("SIGTERM: training has already ended; finishing the run's status")
+    assert stop.requested
