@@ -1532,6 +1532,10 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
                   f"{session.stop_after_steps}: no step taken")
         progress.write(reason)
         return NEEDS_RESUME, reason
+    if training.step >= training.total_steps:  # e.g. the same command again after the run completed
+        progress.write(f"the run was already complete at step {training.step}/{training.total_steps}: no step "
+                       "taken; the test evaluation and the report are made again (a longer run: a larger "
+                       "--target-tokens or --epochs, docs/stages.md)")
     while training.step < training.total_steps:
         if checkpointer is not None:
             checkpointer.check()

@@ -217,3 +217,14 @@ def test_retention_counts_only_this_runs_checkpoints(tmp_path):
         saver.save({"step": step}, step)
     saver.wait()
     assert step_files(tmp_path) == ["step-00000003.pt", "step-00000004.pt", "step-00000009.pt"]
+
+
+def test_the_same_command_after_the_run_completed_says_so(corpus, reference, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = step_files(out / "checkpoints")
+    capsys.readouterr()
+    assert train.main(run_options(corpus, out)) == 0
+    printed = "".join(capsys.readouterr())
+    assert "the run was already complete at step 12/12: no step taken" in printed
+    assert "COMPLETE: step 12/12" in printed and step_files(out / "checkpoints") == before
