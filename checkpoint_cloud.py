@@ -401,17 +401,11 @@ def remote_listing(fs, root: str) -> dict:
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False))
     except FileNotFoundError:
         names = []
-    present = set(names)
-    listing = {"verified": {}, "unverified": [], "partials": [], "latest": None, "latest_error": None}
-    for name in names:
-        step = store.step_of(name)
-        if temporary_target(name):
-            listing["partials"].append(name)
-        elif step is not None and store.record_name(name) in present:
-            listing["verified"][step] = name
-        elif step is not None:
-            listing["unverified"].append(name)
-    if store.LATEST in present:
+    sorted_names = store.sort_names(names)
+    listing = {"verified": {store.step_of(name): name for name in sorted_names.recorded},
+               "unverified": [name for name in sorted_names.checkpoints if name not in sorted_names.recorded],
+               "partials": sorted_names.temporaries, "latest": None, "latest_error": None}
+    if store.LATEST in names:
         try:
             listing["latest"] = get_json(fs, f"{folder}/{store.LATEST}")
         except VerificationError as error:

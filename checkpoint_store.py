@@ -148,26 +148,42 @@ class Listing:
         return min(scored, key=lambda record: (record.val_loss, record.step), default=None)
 
 
+@dataclass(frozen=True)
+class Names:
+    """A checkpoints folder's names sorted by what they are (the same rule for a local folder and a remote)."""
+
+    checkpoints: list[str]  # step-N.pt
+    recorded: list[str]  # the checkpoints whose record step-N.pt.json is there
+    orphaned: list[str]  # checkpoints whose record is there but not the file (a killed save or retention)
+    temporaries: list[str]  # .NAME.<hex>.tmp: writes, uploads or downloads in flight or killed
+    corrupt: list[str]  # checkpoints set aside as step-N.pt.corrupt
+
+
+def sort_names(names: Iterable[str]) -> Names:
+    names = set(names)
+    checkpoints = sorted(name for name in names if step_of(name) is not None)
+    with_records = {name.removesuffix(RECORD_SUFFIX) for name in names if name.endswith(RECORD_SUFFIX)}
+    return Names(checkpoints=checkpoints,
+                 recorded=[name for name in checkpoints if name in with_records],
+                 orphaned=sorted(name for name in with_records if step_of(name) is not None and name not in names),
+                 temporaries=sorted(name for name in names if temporary_target(name)),
+                 corrupt=sorted(name.removesuffix(CORRUPT_SUFFIX) for name in names if name.endswith(CORRUPT_SUFFIX)
+                                and step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None))
+
+
 def list_folder(folder: Path) -> Listing:
     """The Listing of a local checkpoints folder (an absent folder is empty)."""
-    names = {path.name: path for path in folder.iterdir()} if folder.is_dir() else {}
-    files = {name: path.stat().st_size for name, path in names.items() if step_of(name) is not None}
-    records = {}
-    for name in files:
-        if record_name(name) in names:
-            try:
-                records[name] = read_record(names[record_name(name)])
-            except UserError as error:
-                records[name] = str(error)
-    for name in names:  # records of files that are gone: listed so that the plan removes them
-        if name.endswith(RECORD_SUFFIX) and step_of(name[:-len(RECORD_SUFFIX)]) is not None \
-                and name[:-len(RECORD_SUFFIX)] not in files:
-            records[name[:-len(RECORD_SUFFIX)]] = "its checkpoint is gone"
-    return Listing(files=files, records=records,
-                   temporaries=sorted(name for name in names if temporary_target(name)),
-                   corrupt=sorted(name.removesuffix(CORRUPT_SUFFIX) for name in names if name.endswith(CORRUPT_SUFFIX)
-                                  and step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None),
-                   folders={name for name, path in names.items() if path.is_dir()},
+    paths = {path.name: path for path in folder.iterdir()} if folder.is_dir() else {}
+    names = sort_names(paths)
+    records: dict[str, Record | str] = {name: "its checkpoint is gone" for name in names.orphaned}
+    for name in names.recorded:
+        try:
+            records[name] = read_record(paths[record_name(name)])
+        except UserError as error:
+            records[name] = str(error)
+    return Listing(files={name: paths[name].stat().st_size for name in names.checkpoints}, records=records,
+                   temporaries=names.temporaries, corrupt=names.corrupt,
+                   folders={name for name, path in paths.items() if path.is_dir()},
                    sha256=lambda name: sha256_file(folder / name))
 
 

@@ -420,3 +420,14 @@ def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tm
 ])
 def test_restore_order(recorded, latest, order):
     assert store.restore_order(recorded, latest) == order
+
+
+def test_sort_names_is_the_one_naming_rule_for_folders_and_remotes():
+    names = store.sort_names(["step-00000001.pt", "step-00000001.pt.json", "step-00000002.pt", "step-00000003.pt.json",
+                              ".step-00000004.pt.0a1b2c3d.tmp", "step-00000005.pt.corrupt",
+                              "step-00000005.pt.json.corrupt", "latest.json", "notes.txt", "step-6.pt",
+                              "abandoned-00000001"])
+    assert names == store.Names(checkpoints=["step-00000001.pt", "step-00000002.pt"], recorded=["step-00000001.pt"],
+                                orphaned=["step-00000003.pt"], temporaries=[".step-00000004.pt.0a1b2c3d.tmp"],
+                                corrupt=["step-00000005.pt"])
+    assert store.sort_names([]) == store.Names([], [], [], [], [])
