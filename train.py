@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})")
     paths.add_argument("--init-from", default=None, metavar="SOURCE",
                        help="start a new run from these weights: a checkpoint file, a run folder (its newest "
-                            "verified checkpoint, else its best.pt) or a Hugging Face Qwen3 folder (e.g. RUN/model); "
+                            "verified checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); "
                             "fresh optimizer, schedule and data order; the tokenizer must be the corpus'")
     paths.add_argument("--resume", default="auto",
                        help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
@@ -1231,7 +1231,7 @@ class Training:
 
         The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
         batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
-        and best.pt stay comparable with those before."""
+        and the best checkpoint stay comparable with those before."""
         data_split = self.splits[split]
         if data_split.blocks == 0:
             return None
@@ -1595,7 +1595,7 @@ def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, 
 
 
 def run_validation(training: Training, metrics: MetricsLog, progress: report.Progress) -> float | None:
-    """Validation loss now; returns it when it is the best so far (best.pt is then written)."""
+    """Validation loss now; returns it when it is the best so far (the save then records it)."""
     result = training.evaluate("validation")
     if result is None:
         return None
