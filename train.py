@@ -64,6 +64,7 @@ from common import (
     os_error_cause,
     os_error_text,
     read_json,
+    read_json_or,
     remove_temporaries,
     run_main,
     seed_everything,
@@ -2429,8 +2430,7 @@ def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
 
 
 def latest_checkpoint_name(out: Path) -> str | None:
-    latest = out / "checkpoints" / store.LATEST
-    return read_json(latest).get("path") if latest.exists() else None
+    return read_json_or(out / "checkpoints" / store.LATEST, {}).get("path")  # named in fault messages: never raises
 
 
 def restore_from_backup(url: str, out: Path) -> Path | None:
