@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import checkpoint_cloud
 import checkpoint_store as store
 import data
+import hardware
 import model_config
 import report
 from common import (
@@ -73,9 +74,9 @@ from common import (
     utc_now,
 )
 
-# 3: checkpoint_store records (step-N.pt.json; the best is a record, not best.pt), settings["training"] is
-# RunSettings as a dict beside what it resolves to
-FORMAT_VERSION = 3
+# 4: precision is a session setting (settings["runtime"]["precision"], as resolved on the device that saved):
+# a run may move between cards with and without bf16
+FORMAT_VERSION = 4
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
@@ -86,9 +87,6 @@ DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_to
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
 
-# Dense half-precision peak FLOP/s by GPU name (for MFU); --peak-tflops overrides.
-GPU_PEAK_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L4": 121, "A10G": 125, "A10": 125,
-                   "4090": 165, "3090": 71, "V100": 125, "T4": 65, "P100": 19}
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 
 
@@ -211,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="auto: CUDA when torch sees a GPU, else CPU")
     hardware.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's default)")
     hardware.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                          help="auto: bf16 on GPUs that support it, else fp16 with GradScaler; fp32 on CPU")
+                          help="auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below "
+                               "(T4, V100, P100), fp32 on CPU. May change on resume (a run can move between cards)")
     hardware.add_argument("--compile", action="store_true", help="torch.compile the model")
     hardware.add_argument("--grad-checkpoint", action="store_true", help="recompute activations in backward")
     hardware.add_argument("--8bit-adam", dest="adam8bit", action="store_true", help="bitsandbytes AdamW8bit (CUDA)")
@@ -237,7 +236,7 @@ class RunSettings:
     checkpoint's), except the length (target_tokens, epochs), which may change under extend_to's rule.
 
     None: the preset's shape, the recipe rule's value; what they resolve to is recorded beside these
-    as model.* and recipe.* (and precision, text_loss as resolved for the device and corpus)."""
+    as model.* and recipe.* (and text_loss as resolved for the corpus)."""
 
     preset: str
     layers: int | None
@@ -265,7 +264,6 @@ class RunSettings:
     muon_momentum: float
     grad_clip: float
     adam8bit: bool
-    precision: str
     loss_on: str
     text_loss: str | None
     eval_batches: int  # which validation blocks best_val_loss is measured on
@@ -284,6 +282,7 @@ class SessionSettings:
     grad_accum: int
     device: str
     threads: int
+    precision: str  # as asked (auto); what it resolves to on this device is recorded as runtime.precision
     compile: bool
     grad_checkpoint: bool
     require_gpus: int
@@ -865,17 +864,13 @@ def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.devic
 # Precision: autocast, and gradient scaling for fp16.
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
-    if requested == "auto":
-        if device.type != "cuda":
-            return "fp32"
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if requested == "fp16" and device.type != "cuda":
-        # CPU autocast supports float16: the whole T4 path (autocast + GradScaler, overflow skips, the
-        # scaler's state in checkpoints) then runs anywhere, for tests and for who asks for it explicitly
-        print("warning: --precision fp16 on CPU is slow and meant for testing the fp16 + loss scaling path; "
-              "bf16 (or fp32) is the CPU choice", file=sys.stderr, flush=True)
-    return requested
+def resolve_precision(requested: str, device: hardware.Device) -> str:
+    """hardware.choose_precision, its warning printed. CPU autocast takes float16 too: the whole T4 path
+    (autocast + GradScaler, overflow skips, the scaler's state in checkpoints) runs anywhere for tests."""
+    choice = hardware.choose_precision(requested, device)
+    if choice.warning:
+        warn(choice.warning)
+    return choice.value
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1074,7 +1069,8 @@ class Training:
         self.manifest = manifest
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.vocab_size = int(manifest["vocab_size"])
-        self.precision = resolve_precision(run.precision, self.device)
+        self.hardware = hardware.describe(self.device)
+        self.precision = resolve_precision(session.precision, self.hardware)
         self.text_loss = check_loss_on(run, manifest, corpus)
         self.counted = counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
@@ -1136,40 +1132,34 @@ class Training:
         return model
 
     def _fused_sdpa_context(self):
-        """On CUDA, keep SDPA off its slow math fallback: train inside sdpa_kernel(fused backends only).
+        """The attention hardware.choose_attention plans for this card and dtype, made so.
 
-        A forward and backward probe checks that a fused kernel takes this model. Where the GQA
-        broadcast is what stops it (the memory-efficient kernel, the one a T4 has, rejects
-        enable_gqa), the K/V heads are repeated instead (REPEATED_KV_ATTENTION) and probed again.
-        On CPU, the flash kernel is what SDPA picks; it gets its heads contiguous (CONTIGUOUS_ATTENTION).
+        Every plan goes through one of train.py's attention functions, so that under torch.compile the
+        causal mask stays SDPA's is_causal (causal_sdpa_mask) instead of a dense mask tensor. On CUDA a
+        fused plan trains inside sdpa_kernel(fused backends only): a forward and backward probe checks
+        that the kernel takes this model, and the math fallback is taken only, with a warning, if not.
         """
-        if self.device.type != "cuda":
-            use_attention(self.model, CONTIGUOUS_ATTENTION)
-            return contextlib.nullcontext, "cpu flash (contiguous heads)"
+        plan = hardware.choose_attention(self.hardware, self.precision, self.preset.head_dim)
+        use_attention(self.model, plan.implementation)
+        if not plan.fused_only:
+            if self.hardware.is_cuda:
+                warn(f"{plan.reason}; attention uses the slower math kernel")
+            return contextlib.nullcontext, plan.reason
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         probe = torch.zeros(1, self.context, dtype=torch.long, device=self.device)
-
-        def fused_kernel_works() -> bool:
-            try:
-                with sdpa_kernel(fused), self.autocast():
-                    self.model(input_ids=probe).logits.float().sum().backward()
-                return True
-            except RuntimeError:
-                return False
-            finally:
-                self.model.zero_grad(set_to_none=True)
-
-        if fused_kernel_works():
-            return (lambda: sdpa_kernel(fused)), "fused"
-        use_attention(self.model, REPEATED_KV_ATTENTION)
-        if fused_kernel_works():
-            return (lambda: sdpa_kernel(fused)), "fused (K/V heads repeated)"
-        self.model.set_attn_implementation("sdpa")
-        print("warning: no fused SDPA kernel takes this model on this GPU; attention uses the slower math kernel",
-              file=sys.stderr, flush=True)
-        return contextlib.nullcontext, "math fallback"
+        try:
+            with sdpa_kernel(fused), self.autocast():
+                self.model(input_ids=probe).logits.float().sum().backward()
+        except RuntimeError as error:
+            warn(f"the planned {plan.reason} does not take this model ({str(error).splitlines()[0][:200]}); "
+                 "attention uses the slower math kernel")
+            use_attention(self.model, hardware.SDPA_CAUSAL)
+            return contextlib.nullcontext, f"math fallback (planned: {plan.reason})"
+        finally:
+            self.model.zero_grad(set_to_none=True)
+        return (lambda: sdpa_kernel(fused)), plan.reason
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
@@ -1259,7 +1249,6 @@ class Training:
         text_loss as resolved, and what they make of this corpus) and what may change ("runtime")."""
         training = {
             **dataclasses.asdict(self.run),
-            "precision": self.precision,  # auto: this device's
             "text_loss": self.text_loss,  # None with --loss-on all
             "corpus_manifest_sha256": self.manifest_sha256,
             "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),
@@ -1271,7 +1260,8 @@ class Training:
             **{f"recipe.{key}": value for key, value in dataclasses.asdict(self.recipe).items()},
             "recipe.betas": list(self.recipe.betas),  # as JSON and the checkpoint store it
         }
-        runtime = {**dataclasses.asdict(self.session), "data": str(self.corpus), "world_size": self.info.world}
+        runtime = {**dataclasses.asdict(self.session), "data": str(self.corpus), "world_size": self.info.world,
+                   "precision": self.precision, "device": self.hardware.label()}  # as resolved here
         del runtime["backup_to"]  # a URL may carry credentials
         return {"training": training, "runtime": runtime, "init_from": self.lineage, "extended": self.extensions,
                 "vocabulary_sha256": self.manifest.get("vocabulary_sha256")}
@@ -1311,6 +1301,10 @@ class Training:
             self.recipe, self.recipe_reasons = choose_recipe(kept, self.preset.hidden, self.total_steps)
             self.recipe_reasons.append(f"{warmup} warmup steps: the run's, chosen for its first length")
         self.extensions = list(checkpoint["settings"].get("extended") or [])
+        runtime = checkpoint["settings"].get("runtime") or {}
+        moved = hardware.precision_change(runtime.get("precision", self.precision), self.precision, self.hardware)
+        if moved and self.info.is_main:
+            print(f"note: {moved}", flush=True)
         changes = settings_diff(old, self.settings()["training"])
         if old["total_steps"] != self.total_steps and \
                 all(change.split(":")[0] in LENGTH_SETTINGS for change in changes):
@@ -1393,6 +1387,7 @@ def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    hardware.check_torch()
     settings = parse_args(argv)
     session, invocation = settings.session, settings.invocation
     info = init_distributed(session.device)
@@ -2129,11 +2124,8 @@ def peak_flops(session: SessionSettings, info: DistInfo, precision: str) -> floa
     if session.peak_tflops:
         return session.peak_tflops * 1e12
     if info.device.type == "cuda":
-        name = torch.cuda.get_device_name(info.device)
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12 * (0.5 if precision == "fp32" else 1.0)
-        return None
+        tflops = hardware.peak_tflops(hardware.describe(info.device), precision)
+        return tflops * 1e12 if tflops else None
     return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
 
 
@@ -2157,7 +2149,7 @@ def peak_source(session: SessionSettings, info: DistInfo, precision: str) -> str
     if session.peak_tflops:
         return "--peak-tflops"
     if info.device.type == "cuda":
-        return f"the GPU table ({torch.cuda.get_device_name(info.device)})"
+        return f"hardware.CARDS ({torch.cuda.get_device_name(info.device)}, {precision})"
     return f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run"
 
 
@@ -2626,9 +2618,6 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
 # Kernel workarounds: attention implementations for shapes and devices where the stock ones fail.
 
 
-REPEATED_KV_ATTENTION = "sdpa_repeated_kv"
-
-
 def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                           **kwargs):
     """SDPA with the K/V heads repeated up to the query heads (no enable_gqa), as transformers' "sdpa"
@@ -2642,9 +2631,6 @@ def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                             scale=scaling, is_causal=causal)
     return output.transpose(1, 2).contiguous(), None
-
-
-CONTIGUOUS_ATTENTION = "sdpa_contiguous"
 
 
 def sdpa_with_contiguous_heads(module, query, key, value, *args, **kwargs):
@@ -2662,7 +2648,15 @@ def sdpa_with_contiguous_heads(module, query, key, value, *args, **kwargs):
 
 # train.py's own attention functions (names registered with transformers' AttentionInterface); an
 # exported model is switched back to the standard "sdpa", which computes the same thing.
-OWN_ATTENTIONS = {REPEATED_KV_ATTENTION: sdpa_with_repeated_kv, CONTIGUOUS_ATTENTION: sdpa_with_contiguous_heads}
+def sdpa_as_transformers(module, query, key, value, *args, **kwargs):
+    """transformers' own "sdpa" attention, registered under train.py's name so that it gets causal_sdpa_mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+OWN_ATTENTIONS = {hardware.REPEATED_KV: sdpa_with_repeated_kv, hardware.CONTIGUOUS: sdpa_with_contiguous_heads,
+                  hardware.SDPA_CAUSAL: sdpa_as_transformers}
 
 
 def causal_sdpa_mask(**kwargs):

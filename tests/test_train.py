@@ -26,6 +26,7 @@ import torch
 import checkpoint_store as store
 import common
 import data
+import hardware
 import train
 from common import UserError, atomic_write_json, sha256_file, sha256_tree
 
@@ -504,8 +505,8 @@ def test_repeated_kv_attention_matches_sdpa():
     mask[1, :5] = 0  # left padding, as in batched generation
     expected = model(input_ids=inputs).logits
     expected_padded = model(input_ids=inputs, attention_mask=mask).logits
-    train.use_attention(model, train.REPEATED_KV_ATTENTION)
-    assert model.config._attn_implementation == train.REPEATED_KV_ATTENTION
+    train.use_attention(model, hardware.REPEATED_KV)
+    assert model.config._attn_implementation == hardware.REPEATED_KV
     assert torch.allclose(model(input_ids=inputs).logits, expected, atol=1e-6)
     padded = model(input_ids=inputs, attention_mask=mask).logits
     assert torch.allclose(padded[0], expected_padded[0], atol=1e-6)
@@ -530,8 +531,8 @@ def test_contiguous_heads_attention_matches_sdpa_with_gradients():
         return logits.detach(), padded.detach(), [p.grad.clone() for p in model.parameters()]
 
     expected = logits_and_grads()
-    train.use_attention(model, train.CONTIGUOUS_ATTENTION)
-    assert model.config._attn_implementation == train.CONTIGUOUS_ATTENTION
+    train.use_attention(model, hardware.CONTIGUOUS)
+    assert model.config._attn_implementation == hardware.CONTIGUOUS
     got = logits_and_grads()
     assert torch.allclose(got[0], expected[0], atol=1e-6)
     assert torch.allclose(got[1][0], expected[1][0], atol=1e-6)  # the padding rows' own outputs are meaningless

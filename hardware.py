@@ -1,0 +1,255 @@
+"""Every per-device decision of a run, as pure functions of what the device is.
+
+A `Device` is what torch says of a card (kind, name, compute capability, memory, how many):
+`describe()` reads it (the only CUDA call here), every rule below takes it as data, so a table
+test fakes a T4, an A100 or a CPU without one. The rules:
+
+- precision: fp16 + GradScaler below sm_80 (P100, V100, T4 have fp16 tensor cores and no bf16
+  ones: `torch.cuda.is_bf16_supported()` says True there because it counts emulation), bf16 from
+  sm_80 (A100, A10, L4, H100), fp32 on CPU;
+- attention: the SDPA kernel the card runs for the run's dtype, whether its K/V heads must be
+  repeated (the memory-efficient kernel), and the causal mask under torch.compile;
+- Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
+- the wrapping order (DDP around the compiled model or the compiled DDP model);
+- peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md.
+
+Nothing here imports torch at module level: the rules are table-tested on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common import UserError
+
+MIN_TORCH = (2, 9)  # torch.optim.Muon (2.9), torch.nn.utils.get_total_norm (2.6)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a training device is, as the rules need it. kind: "cuda" or "cpu"."""
+
+    kind: str
+    name: str = ""
+    capability: tuple[int, int] = (0, 0)
+    memory_bytes: int = 0
+    count: int = 1
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 tensor cores (sm_80 and later). Below that, bf16 runs emulated: slower than fp32."""
+        return self.is_cuda and self.capability >= (8, 0)
+
+    def label(self) -> str:
+        if not self.is_cuda:
+            return "CPU"
+        return f"{self.name} (sm_{self.capability[0]}{self.capability[1]})"
+
+
+CPU = Device("cpu")
+
+
+def describe(device) -> Device:
+    """The Device of a torch.device (the one CUDA query of this module)."""
+    if device.type != "cuda":
+        return CPU
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return Device("cuda", props.name, (props.major, props.minor), int(props.total_memory), torch.cuda.device_count())
+
+
+@dataclass(frozen=True)
+class Card:
+    """Published figures of one GPU model: dense tensor-core TFLOP/s per dtype (0: none), fp32
+    TFLOP/s (CUDA cores), memory bandwidth in GB/s. From NVIDIA's datasheets (SXM where both exist)."""
+
+    key: str  # matched against torch's device name
+    capability: tuple[int, int]
+    fp16_tflops: float
+    bf16_tflops: float
+    fp32_tflops: float
+    bandwidth_gbs: float
+    memory_gib: float
+
+
+# Longest key first: "A10G" before "A10", "H100" before "H10".
+CARDS = [
+    Card("P100", (6, 0), 18.7, 0, 9.3, 732, 16),  # fp16 on CUDA cores at twice fp32 (no tensor cores)
+    Card("V100", (7, 0), 125, 0, 15.7, 900, 16),
+    Card("T4", (7, 5), 65, 0, 8.1, 320, 15),
+    Card("A10G", (8, 6), 125, 125, 31.2, 600, 24),
+    Card("A10", (8, 6), 125, 125, 31.2, 600, 24),
+    Card("3090", (8, 6), 71, 71, 35.6, 936, 24),
+    Card("A100", (8, 0), 312, 312, 19.5, 2039, 80),
+    Card("L40S", (8, 9), 362, 362, 91.6, 864, 48),
+    Card("L4", (8, 9), 121, 121, 30.3, 300, 24),
+    Card("4090", (8, 9), 165, 165, 82.6, 1008, 24),
+    Card("H100", (9, 0), 989, 989, 67, 3350, 80),
+    Card("H200", (9, 0), 989, 989, 67, 4800, 141),
+]
+
+
+def card_of(device: Device) -> Card | None:
+    if not device.is_cuda:
+        return None
+    for card in sorted(CARDS, key=lambda card: -len(card.key)):
+        if card.key in device.name:
+            return card
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Precision.
+
+
+@dataclass(frozen=True)
+class Precision:
+    value: str  # "fp32", "fp16" (with a GradScaler), "bf16"
+    reason: str
+    warning: str | None = None
+
+
+def choose_precision(requested: str, device: Device) -> Precision:
+    """--precision auto|fp32|fp16|bf16 on `device`. Explicit choices are kept; a slow one is warned about."""
+    where = device.label()
+    if requested == "auto":
+        if not device.is_cuda:
+            return Precision("fp32", "auto: fp32 on CPU")
+        if device.native_bf16:
+            return Precision("bf16", f"auto: bf16 on {where} (bf16 tensor cores, no loss scaling)")
+        return Precision("fp16", f"auto: fp16 + loss scaling on {where} (no bf16 tensor cores below sm_80)")
+    reason = f"--precision {requested}"
+    if requested == "bf16" and device.is_cuda and not device.native_bf16:
+        return Precision("bf16", reason, f"--precision bf16 on {where} runs emulated (no bf16 tensor cores "
+                                         "below sm_80: slower than fp32, and attention falls back to the math "
+                                         "kernel); --precision auto picks fp16 with loss scaling here")
+    if requested == "fp16" and not device.is_cuda:
+        return Precision("fp16", reason, "--precision fp16 on CPU is slow and meant for testing the fp16 + loss "
+                                         "scaling path; bf16 (or fp32) is the CPU choice")
+    return Precision(requested, reason)
+
+
+def precision_change(old: str, new: str, device: Device) -> str | None:
+    """What a resume says when the checkpoint's precision differs from this device's (None: the same).
+
+    Sound in every direction: weights and optimizer states are fp32 in every precision, autocast only
+    changes how the matmuls are computed; fp16's loss scale starts afresh (or is dropped under bf16)."""
+    if old == new:
+        return None
+    scaler = {("fp16", "bf16"): "the loss scaler is dropped", ("fp16", "fp32"): "the loss scaler is dropped",
+              ("bf16", "fp16"): "a fresh loss scaler starts", ("fp32", "fp16"): "a fresh loss scaler starts"}
+    note = scaler.get((old, new))
+    return (f"precision changes from {old} (the checkpoint's) to {new} on {device.label()}: the run continues "
+            "(weights and optimizer states are fp32 in both)" + (f"; {note}" if note else "")
+            + "; the continuation is not bit-identical to one on the first card")
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention: which SDPA kernel runs, and how the model must call it.
+
+SDPA_CAUSAL = "sdpa_causal"  # transformers' own SDPA attention under train.py's causal mask function
+REPEATED_KV = "sdpa_repeated_kv"  # K/V heads repeated to the query heads (no enable_gqa)
+CONTIGUOUS = "sdpa_contiguous"  # heads laid out contiguously first (CPU flash kernel)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    kernel: str  # "flash", "efficient" (memory-efficient), "math", "cpu flash"
+    implementation: str  # one of SDPA_CAUSAL, REPEATED_KV, CONTIGUOUS
+    fused_only: bool  # train inside sdpa_kernel(fused backends): a fallback to math is an error, not silent
+    reason: str
+
+
+def choose_attention(device: Device, precision: str, head_dim: int) -> AttentionPlan:
+    """The SDPA kernel for this device and autocast dtype, read off torch's dispatch rules (sdp_utils.cpp):
+
+    - flash: sm_80+, fp16/bf16, head_dim <= 256, takes grouped K/V heads, no mask;
+    - memory-efficient: any CUDA card, fp16/fp32 (bf16 from sm_80), takes an additive mask; K/V heads
+      repeated, since the grouped heads it would need are not in every torch's dispatch;
+    - math: anything else (full scores in memory).
+    Under torch.compile the causal mask stays is_causal (train.causal_sdpa_mask) whatever the kernel.
+    The training start probes the plan with a forward and backward (train.py); a kernel that still
+    refuses the model falls back to math with a warning.
+    """
+    if not device.is_cuda:
+        return AttentionPlan("cpu flash", CONTIGUOUS, False, "CPU: SDPA's flash kernel, heads made contiguous")
+    where = device.label()
+    half = precision in ("fp16", "bf16")
+    if half and device.capability >= (8, 0) and head_dim <= 256:
+        return AttentionPlan("flash", SDPA_CAUSAL, True, f"flash attention ({precision} on {where})")
+    if precision in ("fp16", "fp32") or device.native_bf16:
+        return AttentionPlan("efficient", REPEATED_KV, True,
+                             f"memory-efficient attention ({precision} on {where}), K/V heads repeated")
+    return AttentionPlan("math", SDPA_CAUSAL, False,
+                         f"math attention (emulated bf16 on {where}: no fused kernel takes it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Muon's Newton-Schulz iteration, and the order of torch.compile and DDP.
+
+
+def newton_schulz_dtype(device: Device) -> str:
+    """The dtype Muon orthogonalizes in: the card's fast half type; fp32 on CPU (cheap there, and
+    world size 1 and 2 then stay equal to fp32 rounding)."""
+    if not device.is_cuda:
+        return "fp32"
+    return "bf16" if device.native_bf16 else "fp16"
+
+
+def wrap_order(compile: bool, world: int) -> list[str]:
+    """How the loss module is wrapped, innermost first. DDP goes inside torch.compile: compiling the
+    DDP module lets Dynamo split the graph at DDP's buckets (DDPOptimizer), so each bucket's
+    all-reduce overlaps the rest of the backward; DDP around a compiled module waits for the whole
+    compiled backward before reducing."""
+    order = ["loss"]
+    if world > 1:
+        order.append("ddp")
+    if compile:
+        order.append("compile")
+    return order
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak throughput (for MFU).
+
+
+def peak_tflops(device: Device, precision: str) -> float | None:
+    """Dense peak TFLOP/s of one card in `precision` (None: a card not in CARDS, or CPU)."""
+    card = card_of(device)
+    if card is None:
+        return None
+    if precision == "fp16":
+        return card.fp16_tflops
+    if precision == "bf16":
+        return card.bf16_tflops or card.fp32_tflops  # emulated bf16 is no faster than fp32
+    return card.fp32_tflops
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch this code needs.
+
+
+def torch_problem(version: str) -> str | None:
+    """An `error:` text when `version` (torch.__version__) is older than MIN_TORCH, else None."""
+    try:
+        found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None  # a development build: let it run
+    if found >= MIN_TORCH:
+        return None
+    need = ".".join(map(str, MIN_TORCH))
+    return (f"torch {version} is too old: tinyllm needs torch>={need} (torch.optim.Muon). Install a newer one, "
+            f"e.g. pip install 'torch>={need}' (on Kaggle/Colab: pip install -U torch, then restart the session)")
+
+
+def check_torch() -> None:
+    import torch
+
+    problem = torch_problem(torch.__version__)
+    if problem:
+        raise UserError(problem)

@@ -1,0 +1,128 @@
+"""hardware.py's per-device rules, each card faked as data (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hardware
+from common import UserError
+
+GIB = 1024**3
+# name, compute capability, memory, as torch.cuda.get_device_properties reports them
+P100 = hardware.Device("cuda", "Tesla P100-PCIE-16GB", (6, 0), 16 * GIB)
+V100 = hardware.Device("cuda", "Tesla V100-SXM2-16GB", (7, 0), 16 * GIB)
+T4 = hardware.Device("cuda", "Tesla T4", (7, 5), 15 * GIB, count=2)
+A10 = hardware.Device("cuda", "NVIDIA A10G", (8, 6), 22 * GIB)
+L4 = hardware.Device("cuda", "NVIDIA L4", (8, 9), 22 * GIB)
+A100 = hardware.Device("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB)
+H100 = hardware.Device("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB)
+H200 = hardware.Device("cuda", "NVIDIA H200", (9, 0), 140 * GIB)
+CPU = hardware.CPU
+
+# device, auto precision, Newton-Schulz dtype, attention kernel under auto, K/V heads repeated
+TABLE = [
+    (P100, "fp16", "fp16", "efficient", True),
+    (V100, "fp16", "fp16", "efficient", True),
+    (T4, "fp16", "fp16", "efficient", True),
+    (A10, "bf16", "bf16", "flash", False),
+    (L4, "bf16", "bf16", "flash", False),
+    (A100, "bf16", "bf16", "flash", False),
+    (H100, "bf16", "bf16", "flash", False),
+    (H200, "bf16", "bf16", "flash", False),
+    (CPU, "fp32", "fp32", "cpu flash", False),
+]
+
+
+@pytest.mark.parametrize("device, precision, newton_schulz, kernel, repeated", TABLE,
+                         ids=[row[0].name or "cpu" for row in TABLE])
+def test_every_card(device, precision, newton_schulz, kernel, repeated):
+    choice = hardware.choose_precision("auto", device)
+    assert choice.value == precision and choice.warning is None
+    assert hardware.newton_schulz_dtype(device) == newton_schulz
+    plan = hardware.choose_attention(device, precision, head_dim=128)
+    assert plan.kernel == kernel
+    assert (plan.implementation == hardware.REPEATED_KV) == repeated
+    assert plan.fused_only == device.is_cuda  # a fused kernel on every card under auto: no math fallback
+    # the emulation trap: every card "supports" bf16 in torch's default sense; only sm_80+ has it natively
+    assert device.native_bf16 == (precision == "bf16")
+
+
+def test_explicit_bf16_below_sm80_is_kept_with_a_warning_and_takes_the_math_kernel():
+    choice = hardware.choose_precision("bf16", T4)
+    assert choice.value == "bf16" and "emulated" in choice.warning and "fp16" in choice.warning
+    plan = hardware.choose_attention(T4, "bf16", head_dim=128)
+    assert plan.kernel == "math" and not plan.fused_only and "emulated bf16" in plan.reason
+    assert hardware.choose_precision("bf16", A100).warning is None
+    assert hardware.choose_precision("bf16", CPU).warning is None
+
+
+def test_explicit_choices():
+    assert hardware.choose_precision("fp32", T4) == hardware.Precision("fp32", "--precision fp32")
+    assert hardware.choose_precision("fp16", A100).value == "fp16"
+    assert "testing" in hardware.choose_precision("fp16", CPU).warning
+    # fp32 on a GPU: the memory-efficient kernel takes fp32 on every card, flash does not
+    assert hardware.choose_attention(A100, "fp32", 128).kernel == "efficient"
+    assert hardware.choose_attention(T4, "fp32", 128).kernel == "efficient"
+    # flash's head_dim limit
+    assert hardware.choose_attention(H100, "bf16", 512).kernel == "efficient"
+
+
+@pytest.mark.parametrize("old, new, says", [
+    ("fp16", "fp16", None),
+    ("fp16", "bf16", "loss scaler is dropped"),
+    ("bf16", "fp16", "fresh loss scaler"),
+    ("fp32", "bf16", "continues"),
+])
+def test_precision_change_on_another_card(old, new, says):
+    text = hardware.precision_change(old, new, A100)
+    assert text is None if says is None else says in text
+
+
+@pytest.mark.parametrize("device, precision, peak", [
+    (T4, "fp16", 65), (T4, "bf16", 8.1), (T4, "fp32", 8.1), (A100, "bf16", 312), (A10, "bf16", 125),
+    (H200, "bf16", 989), (CPU, "bf16", None), (hardware.Device("cuda", "Some Future GPU", (12, 0)), "bf16", None),
+])
+def test_peak_tflops(device, precision, peak):
+    assert hardware.peak_tflops(device, precision) == peak
+
+
+def test_card_names_match_the_longest_key():
+    assert hardware.card_of(A10).key == "A10G"
+    assert hardware.card_of(hardware.Device("cuda", "NVIDIA A10", (8, 6))).key == "A10"
+    assert hardware.card_of(L4).key == "L4"
+    assert hardware.card_of(hardware.Device("cuda", "NVIDIA L40S", (8, 9))).key == "L40S"
+    assert hardware.card_of(CPU) is None
+
+
+def test_card_capabilities_agree_with_the_rules():
+    """Each table card's capability gives the precision its dtype columns say it has natively."""
+    for card in hardware.CARDS:
+        device = hardware.Device("cuda", card.key, card.capability)
+        assert device.native_bf16 == (card.bf16_tflops > 0), card.key
+
+
+@pytest.mark.parametrize("compile, world, order", [
+    (False, 1, ["loss"]), (True, 1, ["loss", "compile"]), (False, 2, ["loss", "ddp"]),
+    (True, 2, ["loss", "ddp", "compile"]),
+])
+def test_wrap_order(compile, world, order):
+    assert hardware.wrap_order(compile, world) == order
+
+
+@pytest.mark.parametrize("version, ok", [
+    ("2.13.0+cpu", True), ("2.9.0", True), ("3.0.1", True), ("2.8.1+cu126", False), ("2.4.0", False),
+    ("1.13.1", False), ("2.10.0a0+git1234", True),
+])
+def test_torch_version(version, ok):
+    problem = hardware.torch_problem(version)
+    assert (problem is None) == ok
+    if not ok:
+        assert "torch>=2.9" in problem and version in problem
+
+
+def test_check_torch_raises_a_user_error(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    with pytest.raises(UserError, match="torch 2.5.1 is too old"):
+        hardware.check_torch()
