@@ -864,13 +864,13 @@ def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.devic
 # Precision: autocast, and gradient scaling for fp16.
 
 
-def resolve_precision(requested: str, device: hardware.Device) -> str:
+def resolve_precision(requested: str, device: hardware.Device) -> hardware.Precision:
     """hardware.choose_precision, its warning printed. CPU autocast takes float16 too: the whole T4 path
     (autocast + GradScaler, overflow skips, the scaler's state in checkpoints) runs anywhere for tests."""
     choice = hardware.choose_precision(requested, device)
     if choice.warning:
         warn(choice.warning)
-    return choice.value
+    return choice
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1070,7 +1070,8 @@ class Training:
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.vocab_size = int(manifest["vocab_size"])
         self.hardware = hardware.describe(self.device)
-        self.precision = resolve_precision(session.precision, self.hardware)
+        self.precision_choice = resolve_precision(session.precision, self.hardware)
+        self.precision = self.precision_choice.value
         self.text_loss = check_loss_on(run, manifest, corpus)
         self.counted = counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
@@ -1458,7 +1459,8 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
                                                   "peak_flops_source": peak_source(session, info, training.precision)})
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
-              f"world size {info.world} on {info.device.type}")
+              f"world size {info.world} on {training.hardware.label()}")
+    log(info, f"  {training.precision_choice.reason}; attention: {training.sdpa}")
     empty = [name for name in ("validation", "test") if training.splits[name].blocks == 0]
     if empty and info.is_main:
         print(f"warning: the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "

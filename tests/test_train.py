@@ -561,7 +561,7 @@ def test_bf16_autocast_and_grad_checkpoint_train_on_cpu(corpus, tmp_path):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--precision", "bf16", "--grad-checkpoint", steps=4)) == 0
     settings = json.loads((out / "training_settings.json").read_text())
-    assert settings["training"]["precision"] == "bf16" and status(out)["status"] == "COMPLETE"
+    assert settings["runtime"]["precision"] == "bf16" and status(out)["status"] == "COMPLETE"
     assert settings["training"]["recipe.optimizer"] == "muon"  # Muon's Newton-Schulz under bf16 autocast
     losses = train_losses(out)
     assert all(np.isfinite(loss) for loss in losses.values()) and losses[4] < losses[1]
@@ -767,19 +767,20 @@ def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
 
 
 def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path):
-    """training: RunSettings (precision and text_loss resolved) and what they resolve to; runtime: SessionSettings
-    without the backup URL (it may carry credentials)."""
+    """training: RunSettings (text_loss resolved) and what they resolve to; runtime: SessionSettings without the
+    backup URL (it may carry credentials), precision as resolved on this device."""
     training = in_process_training(corpus, tmp_path / "run")
     recorded = training.settings()
     run = dataclasses.asdict(training.run)
-    assert {key: recorded["training"][key] for key in run} == {**run, "precision": "fp32", "text_loss": None}
+    assert {key: recorded["training"][key] for key in run} == {**run, "text_loss": None}
     derived = set(recorded["training"]) - set(run)
     assert {key for key in derived if not key.startswith(("model.", "recipe."))} == {
         "corpus_manifest_sha256", "tokenizer_sha256", "vocab_size", "global_batch_blocks", "tokens_per_step",
         "total_steps"}
     session = dataclasses.asdict(training.session)
-    assert set(recorded["runtime"]) == set(session) - {"backup_to"} | {"world_size"}
+    assert set(recorded["runtime"]) == set(session) - {"backup_to"} | {"world_size", "device"}
     assert recorded["runtime"]["data"] == str(corpus) and recorded["runtime"]["batch_size"] == 2
+    assert recorded["runtime"]["precision"] == "fp32" and recorded["runtime"]["device"] == "CPU"
 
 
 def test_resume_from_a_path_into_a_new_run_folder(corpus, reference, tmp_path):
@@ -1062,6 +1063,53 @@ def test_compiled_plain_causal_blocks_skip_the_full_mask(monkeypatch):
     assert train.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
 
 
+def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
+    """The keyword arguments of every scaled_dot_product_attention call in the graph torch.compile
+    traces for a tiny model under `implementation` (None: transformers' stock "sdpa")."""
+    import model_config
+
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    model.config.use_cache = False  # as Training builds it
+    if implementation is not None:
+        train.use_attention(model, implementation)
+    calls = []
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                calls.append({"attn_mask": node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3
+                                                           else None),
+                              "is_causal": node.kwargs.get("is_causal", False)})
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=False)(input_ids=torch.randint(0, 300, (2, 32)))
+    torch._dynamo.reset()
+    return calls
+
+
+@pytest.mark.parametrize("implementation", [hardware.SDPA_CAUSAL, hardware.REPEATED_KV, hardware.CONTIGUOUS])
+def test_every_planned_attention_keeps_is_causal_under_compile(implementation):
+    """The attention of every hardware plan (flash on sm_80+, memory-efficient on a T4, CPU) reaches SDPA
+    as is_causal with no mask tensor when compiled: flash takes no mask, and a dense one doubles its work."""
+    calls = sdpa_calls_when_compiled(implementation)
+    assert len(calls) == model_config_tiny_layers()
+    assert all(call["attn_mask"] is None and call["is_causal"] is True for call in calls), calls
+
+
+def test_stock_sdpa_gets_a_dense_mask_under_compile():
+    """Why the plans above never use transformers' "sdpa" as it is: traced, it builds the full mask."""
+    calls = sdpa_calls_when_compiled(None)
+    assert calls and all(call["attn_mask"] is not None and not call["is_causal"] for call in calls)
+
+
+def model_config_tiny_layers() -> int:
+    import model_config
+
+    return model_config.PRESETS["tiny"].layers
+
+
 def test_a_corpus_without_held_out_blocks_is_trained_with_a_warning(tmp_path, capsys):
     texts = [{"text": f"{i} plus {i + 1} is {2 * i + 1}. the cat sees the dog."} for i in range(300)]
     corpus = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "corpus",
@@ -1098,6 +1146,26 @@ def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise
     assert_same_state(resumed, state)
     assert resumed["scaler"] == state["scaler"]
     assert train_losses(halves) == train_losses(whole)
+
+
+@pytest.mark.parametrize("first, then", [("fp16", "bf16"), ("bf16", "fp16")])
+def test_a_run_moves_between_cards_of_another_precision(corpus, tmp_path, capsys, first, then):
+    """A T4 session (fp16 + loss scaling) continued on an A100 (bf16), and back: the precision is the
+    device's, the resume says so and continues from the same fp32 weights and optimizer states."""
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--precision", first, "--stop-after-steps", "3", steps=6)) == 0
+    saved = final_state(out)
+    capsys.readouterr()
+    settings = train.parse_args(options(corpus, out, "--precision", then, steps=6))
+    training = train.build_training(settings, train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    training.load(saved, out / "checkpoints" / "step-00000003.pt")
+    assert f"precision changes from {first} (the checkpoint's) to {then}" in capsys.readouterr().out
+    assert training.step == 3 and training.scaler.enabled == (then == "fp16")
+    if then == "fp16":
+        assert training.scaler.scaler.get_scale() == 2.0**16  # a fresh scaler, not the checkpoint's none
+    assert train.main(options(corpus, out, "--precision", then, "--resume", "auto", steps=6)) == 0
+    assert status(out)["status"] == "COMPLETE" and status(out)["step"] == 6
+    assert json.loads((out / "training_settings.json").read_text())["runtime"]["precision"] == then
 
 
 # ----------------------------------------------------------------------------------------------
