@@ -1306,19 +1306,15 @@ class Training:
         moved = hardware.precision_change(runtime.get("precision", self.precision), self.precision, self.hardware)
         if moved and self.info.is_main:
             print(f"note: {moved}", flush=True)
-        changes = settings_diff(old, self.settings()["training"])
-        if old["total_steps"] != self.total_steps and \
-                all(change.split(":")[0] in LENGTH_SETTINGS for change in changes):
-            self.extend_to(old, int(checkpoint["step"]), path)
-            changes = [change for change in settings_diff(old, self.settings()["training"])
-                       if change.split(":")[0] not in LENGTH_SETTINGS]
-        if changes:
-            length = [change for change in changes if change.split(":")[0] in LENGTH_SETTINGS]
-            raise UserError(f"settings differ from checkpoint {path}: " + "; ".join(changes)
+        verdict = resume_verdict(old, self.settings()["training"])
+        if verdict.others:
+            raise UserError(f"settings differ from checkpoint {path}: " + describe_changes(verdict.others)
                             + ". A resume keeps every training setting; only the length (--target-tokens or "
                             "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
-                            + (" (here the length changed along with other settings)" if length else "")
+                            + (" (here the length changed along with other settings)" if verdict.extend else "")
                             + f"; for a new run from these weights use a new --out with --init-from {path}")
+        if verdict.extend:
+            self.extend_to(old, int(checkpoint["step"]), path)
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scaler.load_state_dict(checkpoint["scaler"])
@@ -2400,10 +2396,37 @@ def load_checkpoint_file(path: Path) -> dict:
     return checkpoint
 
 
+UNSET = "(unset)"
+
+
+def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """{name: (old value, new value)} for every setting that differs (UNSET where one side lacks it)."""
+    return {key: (old.get(key, UNSET), new.get(key, UNSET))
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    return "; ".join(f"{key}: {before} -> {after}" for key, (before, after) in changes.items())
+
+
 def settings_diff(old: dict, new: dict) -> list[str]:
-    """'name: old -> new' for every training setting that differs."""
-    return [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
-            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    """'name: old -> new' for every setting that differs."""
+    return [f"{key}: {before} -> {after}" for key, (before, after) in settings_changes(old, new).items()]
+
+
+@dataclass(frozen=True)
+class ResumeVerdict:
+    extend: bool  # the run's length (total_steps) changed: Training.extend_to decides whether it may
+    others: dict  # the changes other than the length: any refuses the resume
+
+
+def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
+    """What a resume does with the checkpoint's training settings `old` under this run's `new`.
+
+    The same length said another way (a default of one epoch resumed with --epochs 1) is no change."""
+    changes = settings_changes(old, new)
+    others = {key: change for key, change in changes.items() if key not in LENGTH_SETTINGS}
+    return ResumeVerdict(extend=old.get("total_steps") != new.get("total_steps"), others=others)
 
 
 def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:

@@ -465,6 +465,21 @@ def test_settings_diff(old, new, expected):
     assert train.settings_diff(old, new) == expected
 
 
+@pytest.mark.parametrize("old, new, extend, others", [
+    ({"lr": 1, "total_steps": 10}, {"lr": 1, "total_steps": 10}, False, {}),
+    # a default of one epoch resumed with an explicit --epochs 1: the same length said another way
+    ({"epochs": None, "total_steps": 10}, {"epochs": 1.0, "total_steps": 10}, False, {}),
+    ({"target_tokens": 100, "total_steps": 10, "recipe.total_steps": 10},
+     {"target_tokens": 200, "total_steps": 20, "recipe.total_steps": 20}, True, {}),
+    ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 10}, False, {"lr": (1, 2)}),
+    ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 20}, True, {"lr": (1, 2)}),
+    ({"seed": 1}, {}, False, {"seed": (1, train.UNSET)}),
+])
+def test_resume_verdict(old, new, extend, others):
+    verdict = train.resume_verdict(old, new)
+    assert verdict.extend == extend and verdict.others == others
+
+
 def test_tensors_equal_names_each_difference():
     stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
     assert train.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},

@@ -783,6 +783,17 @@ def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path
     assert recorded["runtime"]["precision"] == "fp32" and recorded["runtime"]["device"] == "CPU"
 
 
+def test_a_default_length_run_resumes_with_the_same_length_given_as_epochs_1(corpus, tmp_path):
+    """No --target-tokens / --epochs is one epoch; resuming with --epochs 1 changes nothing and is accepted."""
+    out = tmp_path / "run"
+    default_length = options(corpus, out)
+    at = default_length.index("--target-tokens")
+    del default_length[at:at + 2]
+    assert train.main([*default_length, "--stop-after-steps", "2"]) == 0
+    assert train.main([*default_length, "--epochs", "1", "--stop-after-steps", "3"]) == 0
+    assert status(out)["step"] == 3
+
+
 def test_resume_from_a_path_into_a_new_run_folder(corpus, reference, tmp_path):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--resume", str(reference / "checkpoints" / "step-00000008.pt"))) == 0
