@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import gc
-import json
 import math
 import os
 import platform
@@ -71,10 +70,10 @@ THINK72_VOCAB = 33_069
 MATMUL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CHECK_PARTS = ["newton_schulz", "overflow", "snapshot", "resume"]
 # Substrings of the profiler's op and kernel names that belong to attention (lower case), by kernel.
-ATTENTION_KINDS = [
+ATTENTION_KINDS = [  # cuDNN's kernel names say "flash" too: it is looked for first
+    ("cudnn", ("cudnn_attention", "cudnn_generated_fort_native_sdpa")),
     ("flash", ("flash",)),
     ("efficient", ("efficient_attention", "fmha", "mem_efficient")),
-    ("cudnn", ("cudnn_attention", "sdpa_sm", "fprop_sdpa", "cudnn_generated_fort_native_sdpa")),
     ("math", ("attention_math",)),
 ]
 
@@ -129,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            ("small125,medium350" if args.device == "cuda" else ""))
     unknown = [name for name in args.also if name not in model_config.PRESETS]
     if unknown:
-        raise UserError(f"--also: unknown preset(s) {', '.join(unknown)}; choose from {', '.join(model_config.PRESETS)}")
+        raise UserError(f"--also: unknown preset(s) {', '.join(unknown)}; "
+                        f"choose from {', '.join(model_config.PRESETS)}")
     return args
 
 
@@ -411,7 +411,8 @@ class Bench:
                   "train_dtype": hardware.newton_schulz_dtype(self.device)}
         for name in dict.fromkeys(["bf16", hardware.newton_schulz_dtype(self.device)]):
             dtype = getattr(torch, MATMUL_DTYPES[name])
-            seconds = time_on_device(lambda: [orthogonalize(grad, dtype) for grad in grads], self.info.device)
+            seconds = time_on_device(lambda dtype=dtype: [orthogonalize(grad, dtype) for grad in grads],
+                                     self.info.device)
             result[f"{name}_ms"] = 1000 * seconds
             result[f"{name}_tflops"] = flops / seconds / 1e12
         return result
@@ -695,8 +696,8 @@ def markdown_lines(record: dict) -> list[str]:
     facts, parts = record["machine"], record["parts"]
     lines = [f"### GPU: {facts['device']} x{facts['world']} ({facts['date']}, torch {facts['torch']}, "
              f"CUDA {facts['cuda']})", "", f"`{record['command']}`", ""]
-    lines += ["| side | tokens/s (all GPUs) | per GPU | MFU | peak memory | attention launched | Muon step | 1st step |",
-              "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    lines += ["| side | tokens/s (all GPUs) | per GPU | MFU | peak memory | attention launched | Muon step "
+              "| 1st step |", "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for name, part in parts.items():
         if not name.startswith("side:"):
             continue
@@ -815,11 +816,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in parts:
                 if name.startswith("side:"):
                     _, preset, precision, mode = name.split(":")
-                    function = (lambda preset=preset, precision=precision, mode=mode:
-                                bench.side(preset, precision, mode == "compile"))
+                    recorder.run(name, lambda preset=preset, precision=precision, mode=mode:
+                                 bench.side(preset, precision, mode == "compile"))
                 else:
-                    function = getattr(bench, name)
-                recorder.run(name, function)
+                    recorder.run(name, getattr(bench, name))
         if info.is_main:
             print("\nfor bench/RESULTS.md:\n")
             print("\n".join(markdown_lines(record)))
