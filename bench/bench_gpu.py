@@ -426,7 +426,7 @@ class Bench:
                                            grad_accum=1))
         training.train_step()  # optimizer states exist (AdamW's moments, Muon's momentum)
         model_before = clone(training.model.state_dict())
-        optimizer_before = clone(training.optimizer.state_dict())
+        optimizer_before = clone(optimizer_states(training))
         scale_before = training.scaler.scaler.get_scale()
         step_before, skipped_before = training.step, training.scaler.skipped_total
         scale = training.scaler.scale
@@ -439,7 +439,7 @@ class Bench:
             "step_not_applied": not forced.applied and training.step == step_before,
             "weights_unchanged": train.tensors_equal(training.model.state_dict(), model_before, "model") == [],
             "optimizer_states_unchanged":
-                train.tensors_equal(training.optimizer.state_dict(), optimizer_before, "optimizer") == [],
+                train.tensors_equal(optimizer_states(training), optimizer_before, "optimizer") == [],
             "scale_lowered": training.scaler.scaler.get_scale() < scale_before,
             "skip_counted": training.scaler.skipped_total == skipped_before + 1,
         }
@@ -530,6 +530,12 @@ def clone(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone(value) for value in obj)
     return obj
+
+
+def optimizer_states(training) -> dict:
+    """Each optimizer's per-parameter state (moments, momentum, step counts), without the param groups
+    (their lr follows the step the schedule is at)."""
+    return {name: state["state"] for name, state in training.optimizer.state_dict().items()}
 
 
 def orthogonalize(grad, dtype):
@@ -737,7 +743,9 @@ def check_text(name: str, part: dict) -> str:
         return (f"resumed at step {part['resumed_at_step']}, --deterministic "
                 f"{'used' if part['deterministic_option'] else 'absent'}: bitwise {part['bitwise']}, losses equal "
                 f"{part['losses_equal']}, max relative weight difference {part['max_relative_weight_difference']:.2e}")
-    checks = [key for key, value in part.items() if isinstance(value, bool)]
+    if name.startswith("matmul:"):
+        return f"{part['size']}^3: {part['tflops']:.1f} TFLOP/s"
+    checks = [key for key, value in part.items() if isinstance(value, bool) and key != "passed"]
     return ", ".join(f"{key} {part[key]}" for key in checks)
 
 
@@ -802,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = plan_parts(args.preset, args.also, precisions, args.compile_modes)
         if info.is_main:
             print_plan(facts, notes, parts)
-        command = " ".join(["torchrun" if info.world > 1 else "python", "bench/bench_gpu.py", *sys.argv[1:]])
+        command = " ".join(["torchrun" if info.world > 1 else "python", "bench/bench_gpu.py",
+                            *(sys.argv[1:] if argv is None else argv)])
         record = {"machine": facts, "command": command, "notes": notes, "plan": parts, "parts": {}}
         recorder = Recorder(args, info, record)
         with tempfile.TemporaryDirectory(prefix="bench_gpu-") as temp:

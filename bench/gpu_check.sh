@@ -17,7 +17,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 { nvidia-smi; "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'devices', torch.cuda.device_count())"; } > "$out/machine.txt" 2>&1
 echo "GPUs: $gpus; CPU smoke ..."
-"$python" bench/bench_gpu.py --device cpu --preset tiny --vocab 0 --context 32 --precisions fp32 \
+OMP_NUM_THREADS=1 "$python" bench/bench_gpu.py --device cpu --preset tiny --vocab 0 --context 32 --precisions fp32 \
     --compile-modes eager --also '' --steps 2 --warmup 1 --batch-size 2 --grad-accum 2 --matmul-size 64 \
     --json "$out/cpu_smoke.json" > "$out/cpu_smoke.log" 2>&1 \
     && echo "CPU smoke done" || echo "CPU smoke failed (see $out/cpu_smoke.log); the GPU bench runs anyway"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -18,6 +19,7 @@ from test_hardware import CPU, H200, T4  # noqa: E402
 from test_train import write_tiny_corpus  # noqa: E402
 
 import hardware  # noqa: E402
+import train  # noqa: E402
 
 # requested, device, the precisions run, a note about bf16
 PRECISIONS = [
@@ -83,6 +85,12 @@ def test_the_prediction_table_in_the_docs_is_the_model_s():
         assert line in docs, line
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices on a shared 2-core machine: a second thread only waits (conftest restores the count)."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
@@ -96,7 +104,7 @@ def smoke_argv(corpus: Path, out: Path, *extra: str) -> list[str]:
 
 def test_every_part_on_cpu_and_a_failing_part_does_not_stop_the_others(corpus, tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    assert bench_gpu.main(smoke_argv(corpus, out, "--inject-failure", "snapshot")) == 0
+    assert bench_gpu.main(smoke_argv(corpus, out, "--inject-failure", "newton_schulz")) == 0
     record = json.loads(out.read_text())
     parts = record["parts"]
     assert list(parts) == ["matmul:fp32", "side:tiny:fp32:eager", "newton_schulz", "overflow", "snapshot", "resume"]
@@ -104,33 +112,41 @@ def test_every_part_on_cpu_and_a_failing_part_does_not_stop_the_others(corpus, t
     assert side["status"] == "ok" and side["tokens_per_second"] > 0 and len(side["step_seconds"]) == 2
     assert side["attention_kinds"] == ["flash"]  # the CPU flash kernel, seen by the profiler
     assert side["muon_step_ms"] > 0 and side["tokens_per_step"] == 2 * 2 * 32
-    assert parts["newton_schulz"]["status"] == "ok" and parts["newton_schulz"]["fp32_ms"] > 0
+    assert parts["newton_schulz"] == {**parts["newton_schulz"], "status": "error",
+                                      "error": "RuntimeError: injected failure (--inject-failure newton_schulz)"}
     overflow = parts["overflow"]
     assert overflow["status"] == "ok" and overflow["optimizers"] == ["adamw", "muon"]
     assert overflow["weights_unchanged"] and overflow["optimizer_states_unchanged"] and overflow["scale_lowered"]
     assert overflow["next_step_applied"] and overflow["scale_after"] == overflow["scale_before"] / 2
-    assert parts["snapshot"] == {**parts["snapshot"], "status": "error",
-                                 "error": "RuntimeError: injected failure (--inject-failure snapshot)"}
+    snapshot = parts["snapshot"]
+    assert snapshot["status"] == "ok" and snapshot["snapshot_1_equal"] and snapshot["snapshot_2_equal"]
     resume = parts["resume"]
     assert resume["status"] == "ok" and resume["bitwise"] and resume["losses_equal"], resume
     assert resume["resumed_at_step"] == 2
     events = [json.loads(line) for line in (tmp_path / "gpu.events.jsonl").read_text().splitlines()]
     assert [event["part"] for event in events if event["status"] != "started"] == list(parts)
-    assert "Traceback" in next(event for event in events if event["part"] == "snapshot" and "traceback" in event)[
-        "traceback"]
+    failed = next(event for event in events if event["part"] == "newton_schulz" and "traceback" in event)
+    assert "Traceback" in failed["traceback"] and "injected failure" in failed["traceback"]
     printed = capsys.readouterr().out
     assert "--precision auto -> fp32" in printed and "| tiny fp32 eager |" in printed
 
 
-def test_the_snapshot_part_passes_and_the_budget_skips_what_would_start_late(corpus, tmp_path):
+def test_the_budget_skips_the_parts_that_would_start_late(corpus, tmp_path):
     out = tmp_path / "gpu.json"
     assert bench_gpu.main(smoke_argv(corpus, out, "--max-seconds", "1e-9")) == 0
-    parts = json.loads(out.read_text())["parts"]
-    assert parts and {part["status"] for part in parts.values()} == {"skipped"}
-    bench = bench_gpu.Bench(bench_gpu.parse_args(smoke_argv(corpus, out)), __import__("train").init_distributed("cpu"),
-                            corpus, tmp_path)
-    snapshot = bench.snapshot()
-    assert snapshot["passed"] and snapshot["snapshot_1_equal"] and snapshot["snapshot_2_equal"]
+    record = json.loads(out.read_text())
+    assert list(record["parts"]) == ["matmul:fp32", *record["plan"]]
+    assert {part["status"] for part in record["parts"].values()} == {"skipped"}
+
+
+def test_the_newton_schulz_part_times_each_dtype(corpus, tmp_path):
+    args = bench_gpu.parse_args(smoke_argv(corpus, tmp_path / "gpu.json"))
+    figures = bench_gpu.Bench(args, train.init_distributed("cpu"), corpus, tmp_path).newton_schulz()
+    assert figures["matrices"] == 14 and figures["train_dtype"] == "fp32"
+    assert figures["bf16_ms"] > 0 and figures["fp32_ms"] > 0
+    assert figures["flops_per_step"] == 2 * sum(hardware.newton_schulz_flops(*shape) for shape in
+                                                [(64, 64), (32, 64), (32, 64), (64, 64), (192, 64), (192, 64),
+                                                 (64, 192)])
 
 
 def test_two_ranks_under_torchrun_on_gloo(corpus, tmp_path):
