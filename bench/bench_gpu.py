@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a rank waits in a collective before the process ends (torchrun)")
     parser.add_argument("--json", default=None, help="write every figure here after each part (and events to "
                                                      "NAME.events.jsonl beside it)")
+    parser.add_argument("--only", default=None, metavar="PARTS",
+                        help="comma list: run only the parts whose names start with one of these (e.g. side:think72,"
+                             "resume; matmul included)")
     parser.add_argument("--inject-failure", default=None, metavar="PART",
                         help="raise in this part (side name or check), to test that the others still run")
     parser.add_argument("--predict-only", action="store_true",
@@ -120,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UserError("--vocab must be 0 (the corpus') or a vocabulary size")
     args.precisions = split_list(args.precisions)
     args.compile_modes = split_list(args.compile_modes)
+    args.only = split_list(args.only) if args.only is not None else None
     if args.precisions != ["auto"] and (not args.precisions or set(args.precisions) - set(MATMUL_DTYPES)):
         raise UserError(f"--precisions takes auto or a comma list of bf16, fp16, fp32, got {','.join(args.precisions)}")
     if not args.compile_modes or set(args.compile_modes) - {"eager", "compile"}:
@@ -159,13 +163,15 @@ def side_precisions(requested: list[str], device: hardware.Device) -> tuple[list
     return wanted, notes
 
 
-def plan_parts(preset: str, also: list[str], precisions: list[str], modes: list[str]) -> list[str]:
+def plan_parts(preset: str, also: list[str], precisions: list[str], modes: list[str],
+               only: list[str] | None = None) -> list[str]:
     """Part names in running order: the first side (preset, first precision, first mode), the checks,
-    the preset's other sides, then each further preset's sides."""
+    the preset's other sides, then each further preset's sides; `only`: the names starting with one of these."""
     sides = [f"side:{preset}:{precision}:{mode}" for precision in precisions for mode in modes]
     later = [f"side:{name}:{precision}:{mode}" for name in also if name != preset
              for precision in precisions for mode in modes]
-    return sides[:1] + CHECK_PARTS + sides[1:] + later
+    parts = sides[:1] + CHECK_PARTS + sides[1:] + later
+    return parts if only is None else [name for name in parts if any(name.startswith(prefix) for prefix in only)]
 
 
 def attention_kernels(names: list[str]) -> dict:
@@ -307,7 +313,8 @@ def free_memory() -> None:
     import torch
 
     gc.collect()
-    torch._dynamo.reset()
+    if "torch._dynamo" in sys.modules:  # compiled sides leave their graphs (importing it costs seconds)
+        torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -807,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = machine_facts(info, args)
         device = hardware.describe(info.device)
         precisions, notes = side_precisions(args.precisions, device)
-        parts = plan_parts(args.preset, args.also, precisions, args.compile_modes)
+        parts = plan_parts(args.preset, args.also, precisions, args.compile_modes, args.only)
         if info.is_main:
             print_plan(facts, notes, parts)
         command = " ".join(["torchrun" if info.world > 1 else "python", "bench/bench_gpu.py",

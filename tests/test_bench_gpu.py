@@ -43,6 +43,8 @@ def test_the_checks_come_after_the_first_side_and_before_the_long_ones():
     assert parts[:5] == ["side:think72:bf16:eager", "newton_schulz", "overflow", "snapshot", "resume"]
     assert parts[5:8] == ["side:think72:bf16:compile", "side:think72:fp16:eager", "side:think72:fp16:compile"]
     assert parts[8:] == [f"side:small125:{p}:{m}" for p in ("bf16", "fp16") for m in ("eager", "compile")]
+    assert bench_gpu.plan_parts("think72", ["small125"], ["fp16"], ["eager", "compile"], only=["side:small", "res"]) \
+        == ["resume", "side:small125:fp16:eager", "side:small125:fp16:compile"]
 
 
 @pytest.mark.parametrize("names, kinds, matched", [
@@ -153,13 +155,15 @@ def test_two_ranks_under_torchrun_on_gloo(corpus, tmp_path):
     out = tmp_path / "gpu.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "bench/bench_gpu.py", *smoke_argv(corpus, out, "--collective-timeout", "120")],
+                             "bench/bench_gpu.py",
+                             *smoke_argv(corpus, out, "--collective-timeout", "120", "--only", "side,resume")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     parts = json.loads(out.read_text())["parts"]
     assert {name: part["status"] for name, part in parts.items()} == {name: "ok" for name in parts}, parts
     assert parts["side:tiny:fp32:eager"]["world"] == 2 and parts["side:tiny:fp32:eager"]["tokens_per_step"] == 256
-    assert parts["resume"]["bitwise"] and parts["overflow"]["weights_unchanged"]
+    assert list(parts) == ["matmul:fp32", "side:tiny:fp32:eager", "resume"]
+    assert parts["resume"]["bitwise"] and parts["resume"]["losses_equal"]
 
 
 def test_predict_only_prints_the_table():
