@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side (compilation included)")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per side (median reported)")
     parser.add_argument("--check-batch-size", type=int, default=2, help="blocks per step of the checks")
-    parser.add_argument("--matmul-size", type=int, default=8192, help="side of the square matmul measured per dtype")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="side of the square matmul measured per dtype (None: 8192 on cuda, 256 on cpu)")
     parser.add_argument("--peak-tflops", type=float, default=0,
                         help="the card's dense peak for MFU (0: hardware.CARDS by GPU name)")
     parser.add_argument("--max-seconds", type=float, default=0,
@@ -116,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--predict-only", action="store_true",
                         help="print the throughput prediction table (docs/training.md) and exit")
     args = parser.parse_args(argv)
+    if args.matmul_size is None:
+        args.matmul_size = 8192 if args.device == "cuda" else 256
     for name in ("batch_size", "grad_accum", "steps", "warmup", "matmul_size", "check_batch_size"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")

@@ -156,7 +156,8 @@ def test_two_ranks_under_torchrun_on_gloo(corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              "bench/bench_gpu.py",
-                             *smoke_argv(corpus, out, "--collective-timeout", "120", "--only", "side,resume")],
+                             *smoke_argv(corpus, out, "--collective-timeout", "120", "--only", "side,resume",
+                                         "--steps", "1")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     parts = json.loads(out.read_text())["parts"]
@@ -169,3 +170,20 @@ def test_two_ranks_under_torchrun_on_gloo(corpus, tmp_path):
 def test_predict_only_prints_the_table():
     assert bench_gpu.main(["--predict-only"]) == 0
     assert hardware.ASSUMED_MFU["T4"] == 0.22
+
+
+def test_an_out_of_memory_part_is_recorded_and_the_next_runs(tmp_path):
+    args = bench_gpu.parse_args(["--device", "cpu", "--json", str(tmp_path / "gpu.json")])
+    recorder = bench_gpu.Recorder(args, train.init_distributed("cpu"), {"parts": {}})
+
+    def too_big():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert recorder.run("side:medium350:fp16:eager", too_big)["status"] == "oom"
+    assert recorder.run("overflow", lambda: {"passed": False, "weights_unchanged": False})["status"] == "failed"
+    assert recorder.run("snapshot", lambda: {"passed": True})["status"] == "ok"
+    parts = json.loads((tmp_path / "gpu.json").read_text())["parts"]
+    oom = parts["side:medium350:fp16:eager"]
+    assert oom["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert oom["where"].startswith("test_bench_gpu.py:")
+    assert [parts[name]["status"] for name in parts] == ["oom", "failed", "ok"]
