@@ -746,7 +746,7 @@ def markdown_lines(record: dict) -> list[str]:
 
 def check_text(name: str, part: dict) -> str:
     if name == "newton_schulz":
-        figures = [f"{key[:-3]} {part[key]:.2f} ms ({part[key[:-3] + '_tflops']:.1f} TFLOP/s)"
+        figures = [f"{key[:-3]} {part[key]:.2f} ms ({part[key[:-3] + '_tflops']:.3g} TFLOP/s)"
                    for key in part if key.endswith("_ms")]
         return f"{part['matrices']} matrices of {part['preset']}: " + ", ".join(figures)
     if name == "resume":
@@ -754,7 +754,7 @@ def check_text(name: str, part: dict) -> str:
                 f"{'used' if part['deterministic_option'] else 'absent'}: bitwise {part['bitwise']}, losses equal "
                 f"{part['losses_equal']}, max relative weight difference {part['max_relative_weight_difference']:.2e}")
     if name.startswith("matmul:"):
-        return f"{part['size']}^3: {part['tflops']:.1f} TFLOP/s"
+        return f"{part['size']}^3: {part['tflops']:.3g} TFLOP/s"
     checks = [key for key, value in part.items() if isinstance(value, bool) and key != "passed"]
     return ", ".join(f"{key} {part[key]}" for key in checks)
 
@@ -820,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = plan_parts(args.preset, args.also, precisions, args.compile_modes, args.only)
         if info.is_main:
             print_plan(facts, notes, parts)
-        command = " ".join(["torchrun" if info.world > 1 else "python", "bench/bench_gpu.py",
+        command = " ".join([f"torchrun --nproc_per_node={info.world}" if info.world > 1 else "python",
+                            "bench/bench_gpu.py",
                             *(sys.argv[1:] if argv is None else argv)])
         record = {"machine": facts, "command": command, "notes": notes, "plan": parts, "parts": {}}
         recorder = Recorder(args, info, record)
