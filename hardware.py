@@ -253,3 +253,107 @@ def check_torch() -> None:
     problem = torch_problem(torch.__version__)
     if problem:
         raise UserError(problem)
+
+
+# ----------------------------------------------------------------------------------------------
+# Throughput model: what a training step should take on a card before any GPU has run it
+# (docs/training.md, "Throughput on GPUs"; bench/bench_gpu.py prints it beside what it measures).
+
+# Effective NCCL bus bandwidth between two PCIe cards without NVLink, in GB/s (Kaggle's 2x T4: PCIe 3.0
+# x16 is 15.8 GB/s each way on paper; without peer-to-peer NCCL goes through host memory, and
+# nccl-tests on such pairs typically show 4-6 GB/s). An assumption: the first 2-GPU run measures it.
+PCIE_ALL_REDUCE_GBS = 5.0
+# Bytes the optimizer part of a step moves per parameter (fp32 everywhere): the gradient unscale (read +
+# write 8) and norm (read 4), AdamW or Muon (weight read + write 8, gradient read 4, one or two state
+# buffers read + write 8-16) and zero_grad: ~44. Each micro-step after the first adds its gradient into
+# .grad (read + write 8).
+OPTIMIZER_BYTES_PER_PARAMETER = 44
+ACCUMULATE_BYTES_PER_PARAMETER = 8
+
+# The fraction of the dense peak a think72 step is assumed to reach, per card: an input of the model,
+# not a measurement (bench/bench_gpu.py measures it). Reasons in docs/training.md.
+ASSUMED_MFU = {"T4": 0.22, "P100": 0.35, "V100": 0.30, "A10G": 0.30, "A10": 0.30, "L4": 0.22, "A100": 0.35,
+               "H100": 0.25, "H200": 0.25}
+
+
+def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
+    """FLOPs of torch.optim.Muon's quintic Newton-Schulz on one rows x columns matrix (m <= n after the
+    transpose): per step X X^T (2 m^2 n), the polynomial's A @ A (2 m^3) and B @ X (2 m^2 n)."""
+    m, n = sorted((rows, columns))
+    return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
+
+
+def muon_matrix_shapes(preset) -> list[tuple[int, int]]:
+    """The (out, in) shapes of the hidden matrices Muon trains (train.hidden_matrices), for a
+    model_config.Preset: per layer q, k, v, o and the MLP's gate, up, down."""
+    q, kv = preset.heads * preset.head_dim, preset.kv_heads * preset.head_dim
+    per_layer = [(q, preset.hidden), (kv, preset.hidden), (kv, preset.hidden), (preset.hidden, q),
+                 (preset.intermediate, preset.hidden), (preset.intermediate, preset.hidden),
+                 (preset.hidden, preset.intermediate)]
+    return per_layer * preset.layers
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by part, and the tokens it trains (all ranks)."""
+
+    compute_s: float  # forward + backward: FLOPs per token x the rank's tokens at peak x MFU
+    newton_schulz_s: float  # Muon's orthogonalization: every rank does every matrix
+    optimizer_s: float  # unscale, clip, optimizer updates, gradient accumulation: memory traffic
+    all_reduce_s: float  # DDP's gradient all-reduce, counted as not overlapped with the backward
+    tokens_per_step: int
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.newton_schulz_s + self.optimizer_s + self.all_reduce_s
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.total_s
+
+    def hours_for(self, tokens: float) -> float:
+        return tokens / self.tokens_per_second / 3600
+
+
+def predict_step_seconds(*, flops_per_token: float, tokens_per_step: int, peak_tflops: float, mfu: float,
+                         parameters: int, bandwidth_gbs: float, newton_schulz_flops: float = 0,
+                         newton_schulz_tflops: float | None = None, grad_accum: int = 1, world: int = 1,
+                         all_reduce_gbs: float | None = None) -> StepTime:
+    """A step's time from the card's figures and an assumed MFU (the fraction of `peak_tflops` reached).
+
+    tokens_per_step is the global batch (all ranks); each rank computes its share. Newton-Schulz runs at
+    the same fraction of `newton_schulz_tflops` (the peak of its dtype; None: `peak_tflops`). The ring
+    all-reduce moves 2 (world - 1) / world x the fp32 gradients at `all_reduce_gbs` (needed when world > 1).
+    """
+    if not (peak_tflops > 0 and 0 < mfu <= 1 and bandwidth_gbs > 0 and world >= 1 and grad_accum >= 1):
+        raise ValueError("predict_step_seconds needs a positive peak, bandwidth, world and grad_accum and 0 < mfu <= 1")
+    achieved = peak_tflops * 1e12 * mfu
+    compute = flops_per_token * tokens_per_step / world / achieved
+    newton_schulz = newton_schulz_flops / ((newton_schulz_tflops or peak_tflops) * 1e12 * mfu)
+    traffic = parameters * (OPTIMIZER_BYTES_PER_PARAMETER + ACCUMULATE_BYTES_PER_PARAMETER * (grad_accum - 1))
+    all_reduce = 0.0
+    if world > 1:
+        if not all_reduce_gbs:
+            raise ValueError("predict_step_seconds: world > 1 needs all_reduce_gbs")
+        all_reduce = 2 * (world - 1) / world * parameters * 4 / (all_reduce_gbs * 1e9)
+    return StepTime(compute, newton_schulz, traffic / (bandwidth_gbs * 1e9), all_reduce, tokens_per_step)
+
+
+def predict_card(card: Card, preset, vocab_size: int, *, world: int = 1, tokens_per_step: int = 65_536,
+                 micro_batch_tokens: int = 8192, mfu: float | None = None, muon: bool = True,
+                 all_reduce_gbs: float = PCIE_ALL_REDUCE_GBS) -> StepTime:
+    """predict_step_seconds for `preset` (a model_config.Preset) on `card` in its --precision auto dtype,
+    at ASSUMED_MFU unless `mfu` is given; Newton-Schulz in newton_schulz_dtype's half type."""
+    import model_config
+
+    device = Device("cuda", card.key, card.capability)
+    precision = choose_precision("auto", device).value
+    ns_dtype = newton_schulz_dtype(device)
+    grad_accum = max(1, tokens_per_step // (micro_batch_tokens * world))
+    return predict_step_seconds(
+        flops_per_token=model_config.flops_per_token(preset, vocab_size), tokens_per_step=tokens_per_step,
+        peak_tflops=peak_tflops(device, precision), mfu=mfu if mfu is not None else ASSUMED_MFU[card.key],
+        parameters=model_config.parameter_count(preset, vocab_size), bandwidth_gbs=card.bandwidth_gbs,
+        newton_schulz_flops=sum(newton_schulz_flops(*shape) for shape in muon_matrix_shapes(preset)) if muon else 0,
+        newton_schulz_tflops=peak_tflops(device, ns_dtype), grad_accum=grad_accum, world=world,
+        all_reduce_gbs=all_reduce_gbs if world > 1 else None)

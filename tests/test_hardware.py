@@ -126,3 +126,70 @@ def test_check_torch_raises_a_user_error(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     with pytest.raises(UserError, match="torch 2.5.1 is too old"):
         hardware.check_torch()
+
+
+# -- the throughput model ------------------------------------------------------------------------
+
+# flops/token, tokens/step, peak, mfu, parameters, GB/s, NS FLOPs, NS peak, accum, world, link GB/s
+# -> compute, Newton-Schulz, optimizer, all-reduce seconds (worked by hand)
+STEPS = [
+    ((1e9, 1000, 100, 0.5, 10**6, 1000, 0, None, 1, 1, None), (0.02, 0.0, 44e-6, 0.0)),
+    ((1e9, 1000, 100, 0.5, 10**6, 1000, 5e10, 50, 1, 1, None), (0.02, 0.002, 44e-6, 0.0)),
+    ((1e9, 1000, 100, 0.5, 10**6, 1000, 5e10, None, 4, 1, None), (0.02, 0.001, 68e-6, 0.0)),
+    # two ranks: each computes half the tokens; the ring moves 2 x 1/2 x 4 MB of fp32 gradients at 5 GB/s
+    ((1e9, 1000, 100, 0.5, 10**6, 1000, 0, None, 1, 2, 5), (0.01, 0.0, 44e-6, 0.0008)),
+    ((1e9, 1000, 100, 0.5, 10**6, 1000, 0, None, 1, 4, 5), (0.005, 0.0, 44e-6, 0.0012)),
+]
+
+
+@pytest.mark.parametrize("inputs, seconds", STEPS)
+def test_predict_step_seconds(inputs, seconds):
+    flops, tokens, peak, mfu, params, bandwidth, ns, ns_peak, accum, world, link = inputs
+    step = hardware.predict_step_seconds(flops_per_token=flops, tokens_per_step=tokens, peak_tflops=peak, mfu=mfu,
+                                         parameters=params, bandwidth_gbs=bandwidth, newton_schulz_flops=ns,
+                                         newton_schulz_tflops=ns_peak, grad_accum=accum, world=world,
+                                         all_reduce_gbs=link)
+    parts = (step.compute_s, step.newton_schulz_s, step.optimizer_s, step.all_reduce_s)
+    assert parts == pytest.approx(seconds)
+    assert step.total_s == pytest.approx(sum(seconds))
+    assert step.tokens_per_second == pytest.approx(tokens / sum(seconds))
+    assert step.hours_for(3.6e6 * tokens) == pytest.approx(1000 * sum(seconds))
+
+
+@pytest.mark.parametrize("change", [{"mfu": 0}, {"mfu": 1.5}, {"peak_tflops": 0}, {"world": 2}])
+def test_predict_step_seconds_refuses_impossible_inputs(change):
+    inputs = {"flops_per_token": 1e9, "tokens_per_step": 1000, "peak_tflops": 100, "mfu": 0.5, "parameters": 10**6,
+              "bandwidth_gbs": 1000, **change}
+    with pytest.raises(ValueError):
+        hardware.predict_step_seconds(**inputs)
+
+
+def test_muon_matrices_are_train_hidden_matrices():
+    import model_config
+    import train
+
+    preset = model_config.PRESETS["tiny"]
+    model = model_config.build_model(preset, 512)
+    shapes = [tuple(param.shape) for param in train.hidden_matrices(model)[0]]
+    assert sorted(hardware.muon_matrix_shapes(preset)) == sorted(shapes)
+    assert hardware.newton_schulz_flops(64, 192) == hardware.newton_schulz_flops(192, 64) == 5 * (4 * 64**2 * 192
+                                                                                                  + 2 * 64**3)
+
+
+def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
+    """think72 on 2x T4 at 65,536 tokens/step: fp16 peak, 4 micro-steps per rank, Newton-Schulz at the fp16 peak
+    (not the fp32 rate emulated bf16 would run at), the all-reduce over PCIe."""
+    import model_config
+
+    t4 = hardware.card_of(T4)
+    preset = model_config.PRESETS["think72"]
+    step = hardware.predict_card(t4, preset, 33_069, world=2)
+    flops = model_config.flops_per_token(preset, 33_069)
+    assert step.compute_s == pytest.approx(flops * 32_768 / (65e12 * 0.22))
+    ns = sum(hardware.newton_schulz_flops(*shape) for shape in hardware.muon_matrix_shapes(preset))
+    assert step.newton_schulz_s == pytest.approx(ns / (65e12 * 0.22))
+    params = model_config.parameter_count(preset, 33_069)
+    assert step.optimizer_s == pytest.approx(params * (44 + 8 * 3) / 320e9)
+    assert step.all_reduce_s == pytest.approx(params * 4 / 5e9)
+    assert hardware.predict_card(t4, preset, 33_069, world=2, mfu=0.11).compute_s == pytest.approx(2 * step.compute_s)
+    assert hardware.predict_card(t4, preset, 33_069, world=1).all_reduce_s == 0
