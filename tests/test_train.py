@@ -822,6 +822,41 @@ def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpu
     assert train_losses(reference)[12] == pytest.approx(full_losses[12], rel=1e-4)
 
 
+def torchrun_worker(launcher_pid: int, local_rank: int) -> int:
+    """The pid of torchrun's worker `local_rank` (Linux: the launcher's children and their environment)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return next(int(pid) for pid in children
+                if f"LOCAL_RANK={local_rank}\0".encode() in Path(f"/proc/{pid}/environ").read_bytes())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
+def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(corpus, tmp_path):
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "--log-dir", str(logs), "--redirects", "3", "train.py"]  # each rank's output in its own file
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    args = options(corpus, out, "--batch-size", "1", "--save-every", "2", steps=5000)  # far longer than the test
+    process = subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        while process.poll() is None and not (out / "checkpoints" / store.checkpoint_name(2)).is_file():
+            time.sleep(0.1)
+        os.kill(torchrun_worker(process.pid, local_rank=1), signal.SIGKILL)
+        process.communicate(timeout=60)  # rank 0 exits by itself: blocked in a collective, it would not
+    finally:
+        process.kill()
+    rank0 = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
+    errors = [line for line in rank0.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in rank0, rank0
+    assert errors[0].startswith("error: rank 1 stopped (") and "peer" in errors[0]  # gloo: connection closed
+    assert "; this rank exits too; resume with: torchrun --nproc_per_node=2 train.py " in errors[0]
+    record = status(out)
+    assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and record["reason"].startswith("rank 1 stopped (")
+    assert (out / "checkpoints" / record["last_checkpoint"]).is_file() and record["step"] >= 2
+    assert record["resume_command"] == errors[0].split("resume with: ")[1]
+
+
 # ----------------------------------------------------------------------------------------------
 # The cloud backup wired in (checkpoint_cloud.py against a local folder)
 
