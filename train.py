@@ -1716,7 +1716,9 @@ def stop_for_lost_rank(training: Training, out: Path, checkpointer: Checkpointer
     who = f"rank {1 - info.rank}" if info.world == 2 else "another rank"
     reason = f"{who} stopped ({cause}); this rank exits too"
     command = resume_command(info, training.invocation.argv)
-    if info.is_main:
+    # a final status already written (the peer went in the last barrier, after the report) stays: it is true
+    final = info.is_main and read_json_or(out / "run_status.json", {}).get("status") in (COMPLETE, NEEDS_RESUME)
+    if info.is_main and not final:
         with contextlib.suppress(Exception):
             checkpointer.wait()  # a write in flight holds good state: finish it
         last = latest_checkpoint_name(out)
