@@ -1525,10 +1525,14 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
         raise
     except RuntimeError as error:
         cause = lost_rank_cause(error, info.world)
-        if cause is None:
-            fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
-            raise
-        raise stop_for_lost_rank(training, out, checkpointer, cause, stop) from None
+        if cause is not None:
+            raise stop_for_lost_rank(training, out, checkpointer, cause, stop) from None
+        fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
+        if session.deterministic and "does not have a deterministic implementation" in str(error):
+            raise UserError(f"--deterministic: {str(error).splitlines()[0].split(', but you set')[0]}; this "
+                            "run cannot be deterministic on this device: resume without --deterministic "
+                            "(a session setting)") from None
+        raise
     except BaseException as error:
         fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
         raise

@@ -749,6 +749,20 @@ def test_deterministic_is_a_session_setting_and_cpu_stays_bit_for_bit(corpus, re
     assert_same_state(final_state(out), final_state(reference))
 
 
+def test_an_op_without_a_deterministic_kernel_is_one_line_naming_deterministic(corpus, tmp_path, monkeypatch):
+    def strict_step(self):  # what torch raises for such an op under use_deterministic_algorithms(True)
+        raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
+                           "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this "
+                           "operation, or you can use the 'warn_only=True' option, if that's acceptable")
+
+    monkeypatch.setattr(train.Training, "train_step", strict_step)
+    with pytest.raises(UserError) as error:
+        train.main(options(corpus, tmp_path / "run", "--deterministic"))
+    assert str(error.value).startswith("--deterministic: index_add_cuda_ does not have a deterministic "
+                                       "implementation; this run cannot be deterministic on this device")
+    assert status(tmp_path / "run")["status"] == "FAILED"
+
+
 def test_muon_state_is_in_the_checkpoint_and_the_recipe_in_the_settings(reference):
     state = final_state(reference)
     assert set(state["optimizer"]) == {"muon", "adamw"}
