@@ -8,7 +8,8 @@ test fakes a T4, an A100 or a CPU without one. The rules:
   ones: `torch.cuda.is_bf16_supported()` says True there because it counts emulation), bf16 from
   sm_80 (A100, A10, L4, H100), fp32 on CPU;
 - attention: the SDPA kernel the card runs for the run's dtype, whether its K/V heads must be
-  repeated (the memory-efficient kernel), and the causal mask under torch.compile;
+  repeated (the memory-efficient kernel), the causal mask under torch.compile, and which fused
+  kernels keep their backward deterministic (--deterministic);
 - Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
 - peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md.
@@ -157,15 +158,20 @@ REPEATED_KV = "sdpa_repeated_kv"  # K/V heads repeated to the query heads (no en
 CONTIGUOUS = "sdpa_contiguous"  # heads laid out contiguously first (CPU flash kernel)
 
 
+FUSED_BACKENDS = ("flash", "efficient", "cudnn")  # torch.nn.attention.SDPBackend, by their kernel names
+DETERMINISTIC_BACKENDS = ("flash", "efficient")
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     kernel: str  # "flash", "efficient" (memory-efficient), "math", "cpu flash"
     implementation: str  # one of SDPA_CAUSAL, REPEATED_KV, CONTIGUOUS
-    fused_only: bool  # train inside sdpa_kernel(fused backends): a fallback to math is an error, not silent
+    fused_only: bool  # train inside sdpa_kernel(backends): a fallback to math is an error, not silent
     reason: str
+    backends: tuple[str, ...] = ()  # the SDPA backends a fused plan allows (FUSED_BACKENDS' names)
 
 
-def choose_attention(device: Device, precision: str, head_dim: int) -> AttentionPlan:
+def choose_attention(device: Device, precision: str, head_dim: int, deterministic: bool = False) -> AttentionPlan:
     """The SDPA kernel for this device and autocast dtype, read off torch's dispatch rules (sdp_utils.cpp):
 
     - flash: sm_80+, fp16/bf16, head_dim <= 256, takes grouped K/V heads, no mask;
@@ -175,16 +181,25 @@ def choose_attention(device: Device, precision: str, head_dim: int) -> Attention
     Under torch.compile the causal mask stays is_causal (train.causal_sdpa_mask) whatever the kernel.
     The training start probes the plan with a forward and backward (train.py); a kernel that still
     refuses the model falls back to math with a warning.
+
+    deterministic (--deterministic, under torch.use_deterministic_algorithms(True) with warn_only=False):
+    flash and memory-efficient stay, since torch then runs their deterministic backwards (flash's
+    `deterministic` mode; memory-efficient with num_splits_key = 1, no atomic adds across key blocks;
+    attention_backward.cu); cuDNN's is not deterministic and is left out (torch's
+    check_cudnn_deterministic refuses it too). The CPU kernels are deterministic anyway.
     """
     if not device.is_cuda:
         return AttentionPlan("cpu flash", CONTIGUOUS, False, "CPU: SDPA's flash kernel, heads made contiguous")
     where = device.label()
+    backends = DETERMINISTIC_BACKENDS if deterministic else FUSED_BACKENDS
+    note = ", deterministic backward" if deterministic else ""
     half = precision in ("fp16", "bf16")
     if half and device.capability >= (8, 0) and head_dim <= 256:
-        return AttentionPlan("flash", SDPA_CAUSAL, True, f"flash attention ({precision} on {where})")
+        return AttentionPlan("flash", SDPA_CAUSAL, True, f"flash attention ({precision} on {where}{note})", backends)
     if precision in ("fp16", "fp32") or device.native_bf16:
         return AttentionPlan("efficient", REPEATED_KV, True,
-                             f"memory-efficient attention ({precision} on {where}), K/V heads repeated")
+                             f"memory-efficient attention ({precision} on {where}{note}), K/V heads repeated",
+                             backends)
     return AttentionPlan("math", SDPA_CAUSAL, False,
                          f"math attention (emulated bf16 on {where}: no fused kernel takes it)")
 

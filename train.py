@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "(T4, V100, P100), fp32 on CPU. May change on resume (a run can move between cards)")
     hardware.add_argument("--compile", action="store_true", help="torch.compile the model")
     hardware.add_argument("--grad-checkpoint", action="store_true", help="recompute activations in backward")
+    hardware.add_argument("--deterministic", action="store_true",
+                          help="CUDA: deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS "
+                               "workspace config, no cuDNN attention), so a resumed run is bit for bit the "
+                               "uninterrupted one (slower; CPU runs are deterministic without it). May change "
+                               "on resume")
     hardware.add_argument("--8bit-adam", dest="adam8bit", action="store_true", help="bitsandbytes AdamW8bit (CUDA)")
     hardware.add_argument("--require-gpus", type=int, default=0, help="refuse to start with fewer visible GPUs")
     hardware.add_argument("--require-gpu-name", default=None, help="refuse to start unless every GPU name has this")
@@ -285,6 +290,7 @@ class SessionSettings:
     precision: str  # as asked (auto); what it resolves to on this device is recorded as runtime.precision
     compile: bool
     grad_checkpoint: bool
+    deterministic: bool
     require_gpus: int
     require_gpu_name: str | None
     peak_tflops: float
@@ -815,9 +821,12 @@ class Optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["peak_lr"] * multiplier
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """set_to_none=False zeroes in place: under DDP the gradients are views of its all-reduce buckets
+        (gradient_as_bucket_view), and None would make the next backward allocate a second copy. The
+        same result either way, since every parameter gets a gradient in every step (tested)."""
         for optimizer in self.parts.values():
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
         return {name: optimizer.state_dict() for name, optimizer in self.parts.items()}
@@ -1116,21 +1125,22 @@ class Training:
         return max(1, math.ceil(epochs * self.sampler.blocks / self.sampler.global_batch))
 
     def _wrap_model(self) -> torch.nn.Module:
+        """The loss module wrapped in DDP and torch.compile, in hardware.wrap_order's order."""
         model = LanguageModelLoss(self.model)
-        if self.session.compile:
-            model = torch.compile(model)
-        if self.info.world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            device_ids = [self.info.local_rank] if self.device.type == "cuda" else None
-            # The model's only buffers (RoPE frequencies) are the same on every rank: no sync per forward.
-            # torch 2.13 renamed the option (and warns on the old name from every rank).
-            no_buffer_sync = {"forward_sync_buffers": False} \
-                if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
-                else {"broadcast_buffers": False}
-            model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                            **no_buffer_sync)
+        for wrapper in hardware.wrap_order(self.session.compile, self.info.world)[1:]:
+            model = torch.compile(model) if wrapper == "compile" else self._ddp(model)
         return model
+
+    def _ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.info.local_rank] if self.device.type == "cuda" else None
+        # The model's only buffers (RoPE frequencies) are the same on every rank: no sync per forward.
+        # torch 2.13 renamed the option (and warns on the old name from every rank).
+        no_buffer_sync = {"forward_sync_buffers": False} \
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+            else {"broadcast_buffers": False}
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
 
     def _fused_sdpa_context(self):
         """The attention hardware.choose_attention plans for this card and dtype, made so.
@@ -1140,7 +1150,8 @@ class Training:
         fused plan trains inside sdpa_kernel(fused backends only): a forward and backward probe checks
         that the kernel takes this model, and the math fallback is taken only, with a warning, if not.
         """
-        plan = hardware.choose_attention(self.hardware, self.precision, self.preset.head_dim)
+        plan = hardware.choose_attention(self.hardware, self.precision, self.preset.head_dim,
+                                         self.session.deterministic)
         use_attention(self.model, plan.implementation)
         if not plan.fused_only:
             if self.hardware.is_cuda:
@@ -1148,7 +1159,9 @@ class Training:
             return contextlib.nullcontext, plan.reason
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                    "cudnn": SDPBackend.CUDNN_ATTENTION}
+        fused = [backends[name] for name in plan.backends]
         probe = torch.zeros(1, self.context, dtype=torch.long, device=self.device)
         try:
             with sdpa_kernel(fused), self.autocast():
@@ -1205,7 +1218,7 @@ class Training:
         if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm}) at step {step + 1}")
         applied = self.scaler.step(optimizers, finite=math.isfinite(grad_norm))
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self.info.world == 1)
         if applied:
             self.step += 1
         elif self.scaler.skipped_in_a_row >= self.session.max_overflow_steps:
@@ -1376,6 +1389,7 @@ def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = 
         manifest = dict(manifest, vocab_size=vocab_size)
     if settings.session.threads:
         torch.set_num_threads(settings.session.threads)
+    use_deterministic_kernels(settings.session.deterministic)  # main() did it already; this is for Python callers
     return Training(settings, info, manifest, corpus)
 
 
@@ -1387,6 +1401,7 @@ def main(argv: list[str] | None = None) -> int:
     hardware.check_torch()
     settings = parse_args(argv)
     session, invocation = settings.session, settings.invocation
+    use_deterministic_kernels(session.deterministic)  # before CUDA starts (the cuBLAS workspace)
     info = init_distributed(session.device)
     try:
         if invocation.export_only:
@@ -1485,7 +1500,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
             progress.close()
             tensorboard.close()
         stop.loop_ended = True
-        finish_run(training, out, checkpointer, metrics, status, reason)
+        finish_run(training, out, checkpointer, metrics, status, reason, stop)
     except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
         if isinstance(error, OSError) and not error.errno:
             fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
@@ -1505,6 +1520,16 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
             recorded = read_json(out / "run_status.json").get("status")
             print(f"interrupted again after the run recorded {recorded}; continue with: {command}",
                   file=sys.stderr, flush=True)
+        raise
+    except RuntimeError as error:
+        cause = lost_rank_cause(error, info.world)
+        if cause is not None:
+            raise stop_for_lost_rank(training, out, checkpointer, cause, stop) from None
+        fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
+        if session.deterministic and "does not have a deterministic implementation" in str(error):
+            raise UserError(f"--deterministic: {str(error).splitlines()[0].split(', but you set')[0]}; this "
+                            "run cannot be deterministic on this device: resume without --deterministic "
+                            "(a session setting)") from None
         raise
     except BaseException as error:
         fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
@@ -1622,6 +1647,7 @@ class StopRequest:
         self.requested = False
         self.loop_ended = False  # set once no step is left to take: a signal then only ends the report sooner
         self.signal_name = ""
+        self.signalled_at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -1638,9 +1664,86 @@ class StopRequest:
             raise KeyboardInterrupt
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
         what = ("training has already ended; finishing the run's status and report, then exiting" if self.loop_ended
                 else "finishing this step, saving, then stopping")
         print(f"{self.signal_name}: {what}", file=sys.stderr, flush=True)
+
+
+TORCHRUN_GRACE_SECONDS = 30  # torchrun's default --shutdown-timeout: SIGTERM, then SIGKILL this much later
+STOP_MARGIN_SECONDS = 5  # of the grace period, kept for the last status write and the exit
+
+
+def torchrun_grace_seconds(environ) -> float:
+    """torchrun's grace period, as far as a worker can see it: TORCH_ELASTIC_SHUTDOWN_TIMEOUT (or
+    PET_SHUTDOWN_TIMEOUT) when set in the environment, else torchrun's default. A --shutdown-timeout
+    given on torchrun's command line is not passed on to the workers."""
+    for name in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT"):
+        with contextlib.suppress(KeyError, ValueError):
+            return float(environ[name])
+    return TORCHRUN_GRACE_SECONDS
+
+
+def stop_wait_seconds(backup_wait_seconds: float, signalled: bool, under_torchrun: bool, elapsed: float,
+                      grace: float = TORCHRUN_GRACE_SECONDS) -> float:
+    """How long the end of a run waits for the last checkpoint's upload (the status naming the
+    checkpoint is written before the wait). Under torchrun a signal is followed by SIGKILL `grace`
+    seconds later: after one, the wait is what is left of the grace period since the signal (`elapsed`
+    ago), less a margin, and at most --backup-wait-seconds."""
+    if not (signalled and under_torchrun):
+        return backup_wait_seconds
+    return max(0.0, min(backup_wait_seconds, grace - elapsed - STOP_MARGIN_SECONDS))
+
+
+# Signs in a collective's error that the other side is gone (gloo says so in a plain RuntimeError).
+LOST_RANK_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting")
+
+
+def lost_rank_cause(error: BaseException, world: int) -> str | None:
+    """The short cause when `error` is a collective failing because another rank died or hangs, else None."""
+    text = str(error).strip()
+    if world == 1 or not (isinstance(error, dist.DistError) or any(sign in text for sign in LOST_RANK_SIGNS)):
+        return None
+    first = re.sub(r"^\[[^\]]*\] ", "", text.splitlines()[0] if text else type(error).__name__)  # gloo's file:line
+    return first.split(". This is typically")[0][:200]
+
+
+def stop_for_lost_rank(training: Training, out: Path, checkpointer: Checkpointer | None, cause: str,
+                       stop: StopRequest) -> UserError:
+    """The end of a rank whose peer is gone: rank 0 records where the run stands (resumable from the last
+    good checkpoint) at once, before torchrun's SIGKILL; the error to raise says what happened."""
+    info = training.info
+    failed_at = stop.signalled_at or time.monotonic()
+    who = f"rank {1 - info.rank}" if info.world == 2 else "another rank"
+    reason = f"{who} stopped ({cause}); this rank exits too"
+    command = resume_command(info, training.invocation.argv)
+    # a final status already written (the peer went in the last barrier, after the report) stays: it is true
+    final = info.is_main and read_json_or(out / "run_status.json", {}).get("status") in (COMPLETE, NEEDS_RESUME)
+    if info.is_main and not final:
+        with contextlib.suppress(Exception):
+            checkpointer.wait()  # a write in flight holds good state: finish it
+        last = latest_checkpoint_name(out)
+        record = {"reason": reason, "step": training.step, "total_steps": training.total_steps,
+                  "last_checkpoint": last, "resume_command": command, "backup_complete": None}
+        status = NEEDS_RESUME if last else FAILED
+        write_status(out, status, **record)
+        with contextlib.suppress(Exception):
+            wait_for_backup(checkpointer, out, status, record, since=failed_at)
+    return UserError(f"{reason}; resume with: {command}")
+
+
+def wait_for_backup(checkpointer: Checkpointer, out: Path, status: str, record: dict,
+                    since: float | None) -> None:
+    """Wait for the last checkpoint's upload (capped by stop_wait_seconds after a signal `since` then),
+    then record in the status whether it reached the remote."""
+    if checkpointer.backup is None:
+        return
+    elapsed = 0.0 if since is None else time.monotonic() - since
+    wait = stop_wait_seconds(checkpointer.backup_wait_s, since is not None, "TORCHELASTIC_RUN_ID" in os.environ,
+                             elapsed, torchrun_grace_seconds(os.environ))
+    record["backup_complete"] = checkpointer.close(wait)
+    write_status(out, status, **record)
 
 
 def agree(flags: list[bool], info: DistInfo) -> list[bool]:
@@ -1794,7 +1897,7 @@ def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, train
 
 
 def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: MetricsLog,
-               status: str, reason: str | None) -> dict | None:
+               status: str, reason: str | None, stop: StopRequest | None = None) -> dict | None:
     """The end of a run: test evaluation when complete, checkpoints flushed, the final status, then the report.
 
     The status is written before the report (plots, samples, accuracy, export) and again after it,
@@ -1810,17 +1913,21 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return None
     try:
-        return finish_on_main(training, out, checkpointer, status, reason, test)
+        return finish_on_main(training, out, checkpointer, status, reason, test, stop)
     finally:
         if info.world > 1:
             dist.barrier()
 
 
 def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, status: str, reason: str | None,
-                   test: dict | None) -> dict:
-    """finish_run's part on rank 0: flush checkpoints and backup, the status, the report, the last line."""
+                   test: dict | None, stop: StopRequest | None = None) -> dict:
+    """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk, then the backup
+    (the status again), the report, the last line.
+
+    After a signal under torchrun, SIGKILL follows within its grace period: the status naming the
+    checkpoint is written first, and the wait for the upload fits what is left (stop_wait_seconds)."""
     info, session = training.info, training.session
-    backed_up = checkpointer.close()
+    checkpointer.wait()
     record = {
         "step": training.step,
         "total_steps": training.total_steps,
@@ -1832,11 +1939,12 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         "test": test,
         "test_loss": test["loss"] if test else None,
         "train_loss": last_train_loss(out),
-        "backup_complete": backed_up,
+        "backup_complete": None,  # null until the upload wait below ends (or with no backup)
     }
     if status == NEEDS_RESUME:
         record["resume_command"] = resume_command(info, training.invocation.argv)
     write_status(out, status, **record)
+    wait_for_backup(checkpointer, out, status, record, since=stop.signalled_at if stop else None)
     if session.report:
         record.update(report_run(training, out, status, test))
         write_status(out, status, **record)
@@ -2289,12 +2397,13 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def close(self) -> bool | None:
-        """Finish the write in flight, then wait for the backup; True/False says if it caught up."""
+    def close(self, backup_wait_s: float | None = None) -> bool | None:
+        """Finish the write in flight, then wait for the backup (up to `backup_wait_s`, None: the
+        --backup-wait-seconds given); True/False says if it caught up."""
         self.wait()
         if self.backup is None:
             return None
-        caught_up = self.backup.wait(self.backup_wait_s)
+        caught_up = self.backup.wait(self.backup_wait_s if backup_wait_s is None else backup_wait_s)
         self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
         return caught_up
 
@@ -2603,6 +2712,18 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
                                 device_id=device if use_cuda else None)
     return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
+
+
+def use_deterministic_kernels(on: bool) -> None:
+    """--deterministic: torch's deterministic algorithms, with an op that has none an error (warn_only
+    would leave flash and memory-efficient attention their nondeterministic backwards), cuBLAS's fixed
+    workspace (read when CUDA makes its first cuBLAS handle) and cuDNN without autotuning. Off: torch's
+    defaults again, so one process may train both ways (the tests)."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
 
 
 def shutdown_distributed() -> None:

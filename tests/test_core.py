@@ -480,6 +480,43 @@ def test_resume_verdict(old, new, extend, others):
     assert verdict.extend == extend and verdict.others == others
 
 
+# backup wait, signalled, under torchrun, seconds since the signal -> how long the end waits for the upload
+@pytest.mark.parametrize("wait, signalled, torchrun, elapsed, expected", [
+    (600, False, False, 0, 600), (600, False, True, 100, 600),  # no signal: --backup-wait-seconds
+    (600, True, False, 3, 600),  # a signal without torchrun: no SIGKILL to fit under
+    (600, True, True, 0, 25), (600, True, True, 10, 15),  # torchrun: 30 s grace, 5 s margin
+    (8, True, True, 10, 8),  # --backup-wait-seconds is still the upper bound
+    (600, True, True, 25, 0), (600, True, True, 40, 0),  # the save took the whole grace: no wait
+])
+def test_stop_wait_seconds(wait, signalled, torchrun, elapsed, expected):
+    assert train.stop_wait_seconds(wait, signalled, torchrun, elapsed) == expected
+
+
+def test_stop_wait_seconds_follows_a_longer_grace_period_from_the_environment():
+    assert train.torchrun_grace_seconds({}) == 30
+    assert train.torchrun_grace_seconds({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}) == 120
+    assert train.torchrun_grace_seconds({"PET_SHUTDOWN_TIMEOUT": "60"}) == 60
+    assert train.torchrun_grace_seconds({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}) == 30
+    assert train.stop_wait_seconds(600, True, True, 10, grace=120) == 105
+
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:15748: Connection reset by peer. This is typically caused by a remote worker hanging "
+              "or bugs in the application. Check the logs of the remote worker before reporting an error.")
+
+
+@pytest.mark.parametrize("error, world, cause", [
+    (RuntimeError(GLOO_RESET), 2, "Read error [127.0.0.1]:15748: Connection reset by peer"),  # as gloo raises it
+    (RuntimeError(GLOO_RESET), 1, None),  # no peer to lose
+    (torch.distributed.DistBackendError("NCCL error: remote process exited\nmore"), 4,
+     "NCCL error: remote process exited"),
+    (RuntimeError("CUDA out of memory"), 2, None),  # an error of this rank, not of a peer
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 2, None),
+])
+def test_lost_rank_cause(error, world, cause):
+    assert train.lost_rank_cause(error, world) == cause
+
+
 def test_tensors_equal_names_each_difference():
     stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
     assert train.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},

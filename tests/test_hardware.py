@@ -47,6 +47,27 @@ def test_every_card(device, precision, newton_schulz, kernel, repeated):
     assert device.native_bf16 == (precision == "bf16")
 
 
+@pytest.mark.parametrize("device, precision, kernel", [
+    (T4, "fp16", "efficient"), (V100, "fp32", "efficient"), (A100, "bf16", "flash"), (H200, "bf16", "flash"),
+    (H100, "bf16", "efficient"),  # head_dim 512 below: past flash's limit
+])
+def test_deterministic_keeps_the_kernel_and_leaves_cudnn_out(device, precision, kernel):
+    head_dim = 512 if device is H100 else 128
+    plain = hardware.choose_attention(device, precision, head_dim)
+    strict = hardware.choose_attention(device, precision, head_dim, deterministic=True)
+    assert plain.kernel == strict.kernel == kernel and plain.implementation == strict.implementation
+    assert plain.backends == ("flash", "efficient", "cudnn")  # cuDNN's backward is not deterministic
+    assert strict.backends == ("flash", "efficient") and "deterministic backward" in strict.reason
+    assert strict.fused_only
+
+
+def test_deterministic_on_cpu_and_on_the_math_kernel_changes_nothing():
+    cpu = hardware.choose_attention(CPU, "fp32", 128, deterministic=True)
+    assert cpu == hardware.choose_attention(CPU, "fp32", 128) and not cpu.fused_only
+    math = hardware.choose_attention(T4, "bf16", 128, deterministic=True)
+    assert math.kernel == "math" and not math.fused_only and math.backends == ()
+
+
 def test_explicit_bf16_below_sm80_is_kept_with_a_warning_and_takes_the_math_kernel():
     choice = hardware.choose_precision("bf16", T4)
     assert choice.value == "bf16" and "emulated" in choice.warning and "fp16" in choice.warning

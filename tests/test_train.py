@@ -716,6 +716,53 @@ def test_sigterm_saves_and_exits_0_then_resume_matches(corpus, reference, tmp_pa
     assert_same_state(final_state(out), final_state(reference))
 
 
+def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same(corpus, reference, tmp_path,
+                                                                                  monkeypatch):
+    """Under DDP the gradients are zeroed in place (set_to_none=False keeps DDP's bucket views); AdamW and
+    Muon treat a zero gradient unlike a missing one, so every parameter must get one in every step."""
+    training = train.build_training(train.parse_args(options(corpus, tmp_path / "unit")), train.init_distributed("cpu"))
+    model = training.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
+    inputs, targets = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)
+    training.loss_of(inputs, targets).backward()
+    held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
+            for param in group["params"]]
+    assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
+    assert all(param.grad is not None and bool(param.grad.abs().sum() > 0) for param in held)
+    zero_grad = train.Optimizers.zero_grad
+    monkeypatch.setattr(train.Optimizers, "zero_grad", lambda self, set_to_none=True: zero_grad(self, False))
+    out = tmp_path / "in-place"
+    assert train.main(options(corpus, out, "--stop-after-steps", "4")) == 0
+    assert train_losses(out) == {step: loss for step, loss in train_losses(reference).items() if step <= 4}
+    assert_same_state(final_state(out), torch.load(reference / "checkpoints" / store.checkpoint_name(4),
+                                                   weights_only=True))
+
+
+def test_deterministic_is_a_session_setting_and_cpu_stays_bit_for_bit(corpus, reference, tmp_path):
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--deterministic", "--stop-after-steps", "5")) == 0
+    assert torch.are_deterministic_algorithms_enabled()  # main() turned them on (warn_only=False)
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert final_state(out)["settings"]["runtime"]["deterministic"] is True
+    assert train.main(options(corpus, out, "--resume", "auto")) == 0  # may be dropped on resume
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert_same_state(final_state(out), final_state(reference))
+
+
+def test_an_op_without_a_deterministic_kernel_is_one_line_naming_deterministic(corpus, tmp_path, monkeypatch):
+    def strict_step(self):  # what torch raises for such an op under use_deterministic_algorithms(True)
+        raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
+                           "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this "
+                           "operation, or you can use the 'warn_only=True' option, if that's acceptable")
+
+    monkeypatch.setattr(train.Training, "train_step", strict_step)
+    with pytest.raises(UserError) as error:
+        train.main(options(corpus, tmp_path / "run", "--deterministic"))
+    assert str(error.value).startswith("--deterministic: index_add_cuda_ does not have a deterministic "
+                                       "implementation; this run cannot be deterministic on this device")
+    assert status(tmp_path / "run")["status"] == "FAILED"
+
+
 def test_muon_state_is_in_the_checkpoint_and_the_recipe_in_the_settings(reference):
     state = final_state(reference)
     assert set(state["optimizer"]) == {"muon", "adamw"}
@@ -834,6 +881,41 @@ def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpu
     assert train_losses(reference)[12] == pytest.approx(full_losses[12], rel=1e-4)
 
 
+def torchrun_worker(launcher_pid: int, local_rank: int) -> int:
+    """The pid of torchrun's worker `local_rank` (Linux: the launcher's children and their environment)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return next(int(pid) for pid in children
+                if f"LOCAL_RANK={local_rank}\0".encode() in Path(f"/proc/{pid}/environ").read_bytes())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
+def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(corpus, tmp_path):
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "--log-dir", str(logs), "--redirects", "3", "train.py"]  # each rank's output in its own file
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    args = options(corpus, out, "--batch-size", "1", "--save-every", "2", steps=5000)  # far longer than the test
+    process = subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        while process.poll() is None and not (out / "checkpoints" / store.checkpoint_name(2)).is_file():
+            time.sleep(0.1)
+        os.kill(torchrun_worker(process.pid, local_rank=1), signal.SIGKILL)
+        process.communicate(timeout=60)  # rank 0 exits by itself: blocked in a collective, it would not
+    finally:
+        process.kill()
+    rank0 = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
+    errors = [line for line in rank0.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in rank0, rank0
+    assert errors[0].startswith("error: rank 1 stopped (") and "peer" in errors[0]  # gloo: connection closed
+    assert "; this rank exits too; resume with: torchrun --nproc_per_node=2 train.py " in errors[0]
+    record = status(out)
+    assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and record["reason"].startswith("rank 1 stopped (")
+    assert (out / "checkpoints" / record["last_checkpoint"]).is_file() and record["step"] >= 2
+    assert record["resume_command"] == errors[0].split("resume with: ")[1]
+
+
 # ----------------------------------------------------------------------------------------------
 # The cloud backup wired in (checkpoint_cloud.py against a local folder)
 
@@ -886,6 +968,35 @@ def test_resume_auto_restores_from_the_backup_on_a_fresh_disk(corpus, reference,
     output = capsys.readouterr().out
     assert "restored from the remote and verified" in output and "resumed from" in output
     assert_same_state(final_state(second), final_state(reference))
+
+
+def test_a_signal_under_torchrun_records_the_resumable_status_before_a_wait_that_fits_the_grace(corpus, tmp_path,
+                                                                                                monkeypatch):
+    out, remote = tmp_path / "run", tmp_path / "remote"
+    waits = []
+    close = train.Checkpointer.close
+
+    def watched_close(self, backup_wait_s=None):
+        waits.append((status(out), backup_wait_s))  # what run_status.json says while the upload is awaited
+        return close(self, backup_wait_s)
+
+    step = train.Training.train_step
+
+    def signalled_step(self):
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as torchrun forwards it
+        return step(self)
+
+    monkeypatch.setattr(train.Checkpointer, "close", watched_close)
+    monkeypatch.setattr(train.Training, "train_step", signalled_step)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as under torchrun: SIGKILL 30 s after the signal
+    assert train.main(options(corpus, out, "--backup-to", str(remote))) == 0
+    (before, wait), = waits
+    assert before["status"] == "CHECKPOINTED_NEEDS_RESUME" and before["last_checkpoint"] == store.checkpoint_name(3)
+    assert before["backup_complete"] is None and before["resume_command"].endswith("--resume auto")
+    assert 0 <= wait <= train.TORCHRUN_GRACE_SECONDS - train.STOP_MARGIN_SECONDS  # not --backup-wait-seconds 600
+    after = status(out)
+    assert after["status"] == "CHECKPOINTED_NEEDS_RESUME" and after["backup_complete"] is True
 
 
 def test_think72_env_alias_turns_the_backup_on(corpus, tmp_path, monkeypatch):
