@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import muon
-import train
 
 SHAPES = [(48, 32), (32, 48), (40, 40), (64, 16), (16, 16)]  # wide, tall, square: both branches of the transpose
 COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
@@ -57,6 +56,8 @@ def test_bf16_is_bitwise_torch_muon(options):
     take_steps(muon.Muon(fp32, ns_dtype="fp32", **settings), fp32)
     assert all(torch.equal(a, b) for a, b in zip(stock, ours))
     assert not all(torch.equal(a, b) for a, b in zip(stock, fp32))
+    import train
+
     reference = torch.optim.Muon(parameters(), **settings)
     take_steps(reference, reference.param_groups[0]["params"])
     assert train.tensors_equal(optimizer.state_dict(), reference.state_dict(), "muon") == []
@@ -81,6 +82,8 @@ def test_newton_schulz_against_a_float64_reference(dtype, bound):
 
 
 def test_the_optimizer_iterates_in_the_devices_dtype():
+    import train
+
     model = train.model_config.build_model(train.model_config.PRESETS["tiny"], vocab_size=300)
     recipe = train.Recipe(optimizer="muon", lr=1e-3, muon_lr=0.02, schedule="wsd", warmup_steps=1, decay_steps=1,
                           final_lr_fraction=0.0, total_steps=10, weight_decay=0.1, betas=(0.9, 0.95),
@@ -122,36 +125,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def sharded_steps(rank: int, world: int, port: int, ns_dtype: str, folder: str) -> None:
-    """One rank of a gloo group: 3 steps on the shared gradients; saves its parameters, state and NS calls."""
+SPLIT_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a gloo group: 3 steps on the shared gradients per dtype; saves its parameters, state and the
+    shapes it orthogonalized. (A spawned child imports this module: it must not import train, which is slow.)"""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        params = parameters()
-        optimizer = muon.Muon(params, ns_dtype=ns_dtype, rank=rank, world=world, lr=0.02, weight_decay=0.1)
-        calls = []
-        original = optimizer.newton_schulz
-        optimizer.newton_schulz = lambda update, group: calls.append(tuple(update.shape)) or original(update, group)
-        take_steps(optimizer, params)
-        torch.save({"params": [p.detach() for p in params], "state": optimizer.state_dict(), "calls": calls},
-                   os.path.join(folder, f"rank{rank}.pt"))
+        for ns_dtype in SPLIT_DTYPES:
+            params = parameters()
+            optimizer = muon.Muon(params, ns_dtype=ns_dtype, rank=rank, world=world, lr=0.02, weight_decay=0.1)
+            calls = []
+            original = optimizer.newton_schulz
+            optimizer.newton_schulz = lambda update, group: calls.append(tuple(update.shape)) or original(update,
+                                                                                                           group)
+            take_steps(optimizer, params)
+            torch.save({"params": [p.detach() for p in params], "state": optimizer.state_dict(), "calls": calls},
+                       os.path.join(folder, f"{ns_dtype}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
-def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(ns_dtype, tmp_path):
-    """Given the same (all-reduced) gradients, 2 ranks each orthogonalize about half the matrices and end with
-    the parameters and optimizer state of 1 rank, bit for bit, on both ranks."""
-    mp.spawn(sharded_steps, args=(2, free_port(), ns_dtype, str(tmp_path)), nprocs=2)
-    single = parameters()
-    optimizer = muon.Muon(single, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1)
-    take_steps(optimizer, single)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
-    for saved in ranks:
-        assert all(torch.equal(a, b) for a, b in zip(saved["params"], single))
-        assert train.tensors_equal(saved["state"], optimizer.state_dict(), "muon") == []
-    per_step = [len(saved["calls"]) // 3 for saved in ranks]
-    assert sum(per_step) == len(SHAPES) and min(per_step) >= 1
-    assert sorted(ranks[0]["calls"][:per_step[0]] + ranks[1]["calls"][:per_step[1]]) == sorted(SHAPES)
+def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path):
+    """Given the same (all-reduced) gradients, 2 ranks each orthogonalize about half the matrices, none twice,
+    and end with the parameters and optimizer state of 1 rank, bit for bit, on both ranks, in every dtype."""
+    import train
+
+    mp.spawn(sharded_steps, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for ns_dtype in SPLIT_DTYPES:
+        single = parameters()
+        optimizer = muon.Muon(single, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1)
+        take_steps(optimizer, single)
+        ranks = [torch.load(tmp_path / f"{ns_dtype}-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+        for saved in ranks:
+            assert all(torch.equal(a, b) for a, b in zip(saved["params"], single)), ns_dtype
+            assert train.tensors_equal(saved["state"], optimizer.state_dict(), "muon") == [], ns_dtype
+        per_step = [len(saved["calls"]) // 3 for saved in ranks]
+        assert sum(per_step) == len(SHAPES) and min(per_step) >= 1
+        assert sorted(ranks[0]["calls"][:per_step[0]] + ranks[1]["calls"][:per_step[1]]) == sorted(SHAPES)
