@@ -27,14 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import bench_recipe  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS  # noqa: E402
 
-import bench_recipe  # noqa: E402
 import muon  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, run_main  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0],

@@ -128,6 +128,18 @@ def free_port() -> int:
 SPLIT_DTYPES = ("fp32", "fp16", "bf16")
 
 
+def record_shapes(optimizer: muon.Muon) -> list[tuple[int, int]]:
+    """The shapes of the matrices `optimizer` orthogonalizes from now on, in order (a list it appends to)."""
+    shapes, original = [], optimizer.newton_schulz
+
+    def recording(update: torch.Tensor, group: dict) -> torch.Tensor:
+        shapes.append(tuple(update.shape))
+        return original(update, group)
+
+    optimizer.newton_schulz = recording
+    return shapes
+
+
 def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
     """One rank of a gloo group: 3 steps on the shared gradients per dtype; saves its parameters, state and the
     shapes it orthogonalized. (A spawned child imports this module: it must not import train, which is slow.)"""
@@ -138,10 +150,7 @@ def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
         for ns_dtype in SPLIT_DTYPES:
             params = parameters()
             optimizer = muon.Muon(params, ns_dtype=ns_dtype, rank=rank, world=world, lr=0.02, weight_decay=0.1)
-            calls = []
-            original = optimizer.newton_schulz
-            optimizer.newton_schulz = lambda update, group: calls.append(tuple(update.shape)) or original(update,
-                                                                                                           group)
+            calls = record_shapes(optimizer)
             take_steps(optimizer, params)
             torch.save({"params": [p.detach() for p in params], "state": optimizer.state_dict(), "calls": calls},
                        os.path.join(folder, f"{ns_dtype}-rank{rank}.pt"))
