@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: benches
 
 
 def newton_schulz(grad: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float, float, float], steps: int,

@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-steps", type=int, default=10, help="steps of the world size 1 vs 2 runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--skip-worlds", action="store_true", help="only the orthogonalization error")
+    parser.add_argument("--skip-errors", action="store_true", help="only the world size 1 vs 2 runs")
+    parser.add_argument("--world-runs", default="fp32,fp16,bf16,adamw",
+                        help="world size 1 vs 2 runs: Muon in these dtypes (fp64 too), and adamw")
     return parser.parse_args(argv)
 
 
@@ -78,10 +81,10 @@ def real_muon_inputs(corpus: Path, args: argparse.Namespace) -> list[tuple[int, 
 def orthogonalization_errors(inputs: list[tuple[int, str, torch.Tensor]]) -> dict[str, dict]:
     """Per dtype: the relative error against float64 of every matrix, and the singular values' range."""
     coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # torch.optim.Muon's defaults, which train.py keeps
-    results = {name: {"errors": [], "low": [], "high": []} for name in ("fp64", *muon.DTYPES)}
+    results = {name: {"errors": [], "low": [], "high": []} for name in muon.DTYPES}
     for _, _, grad in inputs:
         reference = muon.newton_schulz(grad, torch.float64, coefficients, DEFAULT_NS_STEPS, EPS)
-        for name, dtype in (("fp64", torch.float64), *muon.DTYPES.items()):
+        for name, dtype in muon.DTYPES.items():
             got = reference if dtype == torch.float64 else \
                 muon.newton_schulz(grad, dtype, coefficients, DEFAULT_NS_STEPS, EPS)
             singular = torch.linalg.svdvals(got.double())
@@ -125,12 +128,13 @@ def relative_difference(a: dict, b: dict) -> float:
     return (difference / sum(a[name].double().square().sum() for name in a)).sqrt().item()
 
 
-def world_differences(corpus: Path, steps: int) -> dict[str, float]:
+def world_differences(corpus: Path, steps: int, runs: list[str]) -> dict[str, float]:
     """||W_ws1 - W_ws2|| / ||W_ws1|| after `steps` steps of the same global batch, per optimizer and dtype."""
     differences = {}
     with tempfile.TemporaryDirectory() as folder:
-        for label, optimizer, dtype in [("muon fp32", "muon", "fp32"), ("muon fp16", "muon", "fp16"),
-                                        ("muon bf16 (stock)", "muon", "bf16"), ("adamw", "adamw", None)]:
+        for run in runs:
+            optimizer, dtype = ("adamw", None) if run == "adamw" else ("muon", run)
+            label = "adamw" if dtype is None else f"muon {dtype}" + (" (stock)" if dtype == "bf16" else "")
             weights = []
             for world in (1, 2):
                 path = os.path.join(folder, f"{world}.pt")
@@ -146,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     corpus = bench_recipe.build_corpus(argparse.Namespace(text=None), Path(args.work))
+    if not args.skip_errors:
+        print_errors(corpus, args)
+    if not args.skip_worlds:
+        print(f"world size 1 vs 2 (tiny, same global batch, {args.world_steps} steps), relative weight difference:")
+        differences = world_differences(corpus, args.world_steps, args.world_runs.split(","))
+        baseline = differences.get("muon bf16 (stock)")
+        for label, difference in differences.items():
+            print(f"| {label} | {difference:.2e} |" + (f" {difference / baseline:.2g}x stock |" if baseline else ""))
+    return 0
+
+
+def print_errors(corpus: Path, args: argparse.Namespace) -> None:
     inputs = real_muon_inputs(corpus, args)
     print(f"{len(inputs)} matrices from {args.preset} at steps {sorted({step for step, _, _ in inputs})} "
           f"(shapes {sorted({tuple(grad.shape) for _, _, grad in inputs})})")
@@ -156,14 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, result in results.items():
         mean = statistics.mean(result["errors"])
         print(f"| {name}{' (stock)' if name == 'bf16' else ''} | {mean:.2e} | {max(result['errors']):.2e} | "
-              f"{mean / stock:.3f}x | {min(result['low']):.3f}..{max(result['high']):.3f} |")
-    if not args.skip_worlds:
-        print(f"world size 1 vs 2 (tiny, same global batch, {args.world_steps} steps), relative weight difference:")
-        differences = world_differences(corpus, args.world_steps)
-        stock_difference = differences["muon bf16 (stock)"]
-        for label, difference in differences.items():
-            print(f"| {label} | {difference:.2e} | {difference / stock_difference:.2e}x stock |")
-    return 0
+              f"{mean / stock:.2g}x | {min(result['low']):.3f}..{max(result['high']):.3f} |")
 
 
 if __name__ == "__main__":
