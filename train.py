@@ -839,15 +839,19 @@ class Optimizers:
             optimizer.load_state_dict(state[name])
 
 
-def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.device,
-                     eight_bit: bool = False) -> Optimizers:
+def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.device, eight_bit: bool = False,
+                     rank: int = 0, world: int = 1) -> Optimizers:
     """AdamW (fused on CUDA and CPU; bitsandbytes' 8-bit on request) with decay on matrices only, and under
-    muon torch.optim.Muon for the hidden matrices. Embeddings and norms are never decayed."""
+    muon torch.optim.Muon's rule for the hidden matrices (muon.Muon: Newton-Schulz in the device's dtype,
+    split across the `world` ranks). Embeddings and norms are never decayed."""
     hidden, rest = hidden_matrices(model)
     parts = {}
     if recipe.optimizer == "muon":
-        parts["muon"] = torch.optim.Muon(hidden, lr=recipe.muon_lr, weight_decay=recipe.weight_decay,
-                                         momentum=recipe.muon_momentum, nesterov=True)
+        from muon import Muon  # here, not at import: a torch without Muon gets check_torch's message
+
+        parts["muon"] = Muon(hidden, ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)), rank=rank,
+                             world=world, lr=recipe.muon_lr, weight_decay=recipe.weight_decay,
+                             momentum=recipe.muon_momentum, nesterov=True)
         adamw_groups = [{"params": rest, "weight_decay": 0.0}]
     else:
         adamw_groups = [{"params": hidden, "weight_decay": recipe.weight_decay},
@@ -1104,7 +1108,7 @@ class Training:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit)
+        self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
         self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = RankRNG(info)
         self.metrics = RunMetrics()
@@ -2195,6 +2199,7 @@ def hardware_record(info: DistInfo, precision: str, sdpa: str) -> dict:
         "world_size": info.world,
         "precision": precision,
         "sdpa_kernels": sdpa,
+        "newton_schulz_dtype": hardware.newton_schulz_dtype(hardware.describe(info.device)),  # Muon's iteration
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

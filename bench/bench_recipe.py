@@ -3,6 +3,8 @@
     python bench/bench_recipe.py                      # the issue's comparison: baseline vs default, nano and micro
     python bench/bench_recipe.py --presets nano --seeds 1 --steps 150 \\
         --recipe "muon-0.04=--optimizer muon --muon-lr 0.04"          # a sweep point beside the built-in two
+    python bench/bench_recipe.py --presets nano --only stock,fp16 --recipe stock= --recipe fp16= \\
+        --newton-schulz stock=bf16 --newton-schulz fp16=fp16   # Muon's Newton-Schulz dtype (issue 19)
     python bench/bench_recipe.py --report-only A.json B.json --results all.json  # merged tables and plot
 
 The text is the King James Bible from Debian's `bible-kjv` package (public domain, ~4.2 MB of English
@@ -43,8 +45,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import model_config  # noqa: E402
+import muon  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from muon import newton_schulz_flops  # noqa: E402
 
 BUILT_IN = {
     "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 "
@@ -53,6 +57,7 @@ BUILT_IN = {
 }
 TARGET_BPB_RATIO = 0.95
 TARGET_TIME_RATIO = 0.75
+TARGET_NEWTON_SCHULZ = 0.005  # issue 19: fp16 Newton-Schulz held-out bpb within 0.5% of stock bf16
 WORK = ROOT / "bench" / "out" / "recipe"
 
 
@@ -73,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for every recipe)")
     parser.add_argument("--recipe", action="append", default=[],
                         help="NAME=train.py options (repeatable), run beside the built-in ones")
+    parser.add_argument("--newton-schulz", action="append", default=[], metavar="NAME=DTYPE",
+                        help="Muon's Newton-Schulz dtype for recipe NAME (repeatable): fp32, fp16 or bf16 (bf16 is "
+                             "stock torch.optim.Muon); recipes not named get hardware.newton_schulz_dtype's")
     parser.add_argument("--only", default=None, help="comma list: run only these recipes (built-in or --recipe)")
     parser.add_argument("--results", default=None, help="results JSON (None: WORK/results.json); runs are merged in")
     parser.add_argument("--report-only", nargs="+", default=None, metavar="RESULTS",
@@ -148,12 +156,6 @@ def heldout_nats(training: train.Training, batch: int = 16) -> float:
     return total
 
 
-def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
-    """FLOPs of torch.optim.Muon's quintic Newton-Schulz on one matrix: X X^T, A @ A and B @ X per step."""
-    m, n = sorted((rows, columns))
-    return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
-
-
 def muon_extra_flops(training: train.Training) -> int:
     """Muon's Newton-Schulz FLOPs per optimizer step of this run (0 under adamw)."""
     if training.recipe.optimizer != "muon":
@@ -162,12 +164,35 @@ def muon_extra_flops(training: train.Training) -> int:
 
 
 def muon_share_on_gpus(preset: model_config.Preset, vocab: int, tokens_per_step: int, world: int) -> float:
-    """Muon's extra FLOPs over a GPU's training FLOPs per step: every rank orthogonalizes every matrix."""
+    """Muon's extra FLOPs over a GPU's training FLOPs per step: each rank orthogonalizes 1/world of the matrices
+    (muon.newton_schulz_owners balances them to within one matrix)."""
     attention = [(preset.heads * preset.head_dim, preset.hidden), (preset.kv_heads * preset.head_dim, preset.hidden),
                  (preset.kv_heads * preset.head_dim, preset.hidden), (preset.hidden, preset.heads * preset.head_dim)]
     mlp = [(preset.intermediate, preset.hidden)] * 2 + [(preset.hidden, preset.intermediate)]
     extra = preset.layers * sum(newton_schulz_flops(*shape) for shape in attention + mlp)
-    return extra / (model_config.flops_per_token(preset, vocab) * tokens_per_step / world)
+    return extra / world / (model_config.flops_per_token(preset, vocab) * tokens_per_step / world)
+
+
+def newton_schulz_dtypes(specs: list[str]) -> dict[str, str]:
+    """--newton-schulz NAME=DTYPE options as {recipe name: dtype}."""
+    dtypes = {}
+    for spec in specs:
+        name, _, dtype = spec.partition("=")
+        if dtype not in muon.DTYPES:
+            raise UserError(f"--newton-schulz {spec}: give NAME=DTYPE with DTYPE one of {', '.join(muon.DTYPES)}")
+        dtypes[name.strip()] = dtype
+    return dtypes
+
+
+def set_newton_schulz_dtype(training: train.Training, dtype: str | None) -> str | None:
+    """Muon's Newton-Schulz dtype in this recipe's training (None: the recipe has no Muon)."""
+    optimizer = training.optimizer.parts.get("muon")
+    if optimizer is None:
+        if dtype:
+            raise UserError(f"--newton-schulz {dtype} names a recipe without Muon")
+        return None
+    optimizer.ns_dtype = dtype or optimizer.ns_dtype
+    return optimizer.ns_dtype
 
 
 def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpus: Path,
@@ -182,9 +207,11 @@ def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpu
                 "--target-tokens", str(tokens), "--seed", str(seed), "--threads", str(args.threads),
                 *shlex.split(options)]
         training = train.build_training(train.parse_args(argv), info)
+        dtype = set_newton_schulz_dtype(training, newton_schulz_dtypes(args.newton_schulz).get(name))
         bytes_ = bytes_ or heldout_bytes(training)
-        runs[name] = {"training": training, "seconds": 0.0, "curve": [], "options": options}
-        print(f"  {name}: {training.recipe.describe()}", flush=True)
+        runs[name] = {"training": training, "seconds": 0.0, "curve": [], "options": options, "newton_schulz": dtype}
+        print(f"  {name}: {training.recipe.describe()}" + (f"; Newton-Schulz in {dtype}" if dtype else ""),
+              flush=True)
 
     def evaluate(run: dict) -> None:
         bpb = heldout_nats(run["training"]) / (math.log(2) * bytes_)
@@ -209,6 +236,7 @@ def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpu
                       f"{run['seconds']:.0f} s training, last loss {result.loss:.3f}", flush=True)
     first = next(iter(runs.values()))["training"]
     return {name: {"options": run["options"], "recipe": train.dataclasses.asdict(run["training"].recipe),
+                   "newton_schulz": run["newton_schulz"],
                    "curve": run["curve"], "seconds": run["seconds"], "tokens": tokens,
                    "muon_flops_per_step": muon_extra_flops(run["training"]),
                    "train_flops_per_step": first.flops_per_token * first.tokens_per_step,
@@ -265,11 +293,32 @@ def summarize(results: dict) -> list[str]:
                          f"{'MET' if bpb_ok else 'NOT MET'}; target time: "
                          f"{'never' if time_ratio is None else f'{time_ratio:.2f}'} <= {TARGET_TIME_RATIO}: "
                          f"{'MET' if time_ok else 'NOT MET'}")
-    lines.append("\nMuon's Newton-Schulz work on GPUs by FLOP accounting (every rank orthogonalizes every matrix), "
+        lines.extend(newton_schulz_lines(seeds))
+    lines.append("\nMuon's Newton-Schulz work on GPUs by FLOP accounting (each rank orthogonalizes its share), "
                  "as a share of a GPU's training FLOPs per step, vocab 33,069, 65,536 tokens/step on 2 GPUs "
                  "(the Kaggle recipe's global batch); at equal MFU this is the step time it adds:")
     for name, preset in model_config.PRESETS.items():
         lines.append(f"  {name}: {muon_share_on_gpus(preset, 33_069, 65_536, 2):.2%}")
+    return lines
+
+
+def newton_schulz_lines(seeds: dict) -> list[str]:
+    """Each recipe with a --newton-schulz dtype against the one in bf16 (stock torch.optim.Muon): mean bpb ratio."""
+    first = next(iter(seeds.values()))
+    stock = next((name for name, run in first.items() if run.get("newton_schulz") == "bf16"), None)
+    if stock is None:
+        return []
+
+    def mean_bpb(name: str) -> float:
+        return statistics.mean(group[name]["curve"][-1]["bpb"] for group in seeds.values())
+
+    lines = []
+    for name, run in first.items():
+        if name != stock and run.get("newton_schulz"):
+            ratio = mean_bpb(name) / mean_bpb(stock)
+            met = "MET" if abs(ratio - 1) <= TARGET_NEWTON_SCHULZ else "NOT MET"
+            lines.append(f"Newton-Schulz {run['newton_schulz']} ({name}) / stock bf16 ({stock}): bpb {ratio:.4f}x, "
+                         f"target within {TARGET_NEWTON_SCHULZ:.1%}: {met}")
     return lines
 
 
@@ -327,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             if missing:
                 raise UserError(f"--only names unknown recipes: {', '.join(missing)}")
             recipes = {name: recipes[name] for name in wanted}
+        unknown = set(newton_schulz_dtypes(args.newton_schulz)) - set(recipes)
+        if unknown:
+            raise UserError(f"--newton-schulz names recipes not run: {', '.join(sorted(unknown))}")
         corpus = build_corpus(args, work)
         results = json.loads(results_path.read_text()) if results_path.exists() else {"groups": {}}
         results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,

@@ -1,0 +1,179 @@
+"""muon.py: torch.optim.Muon's rule with the Newton-Schulz iteration in the device's dtype, split across ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import muon
+
+SHAPES = [(48, 32), (32, 48), (40, 40), (64, 16), (16, 16)]  # wide, tall, square: both branches of the transpose
+COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
+
+
+def parameters(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+
+
+def take_steps(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int = 3) -> None:
+    """`steps` optimizer steps on gradients drawn from a fixed seed (the same on every rank)."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+
+
+def reference_newton_schulz(grad: torch.Tensor) -> torch.Tensor:
+    """The quintic iteration X <- aX + (bA + cA^2)X, A = X X^T, in float64, written out independently."""
+    a, b, c = COEFFICIENTS
+    x = grad.double()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm()
+    for _ in range(STEPS):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("options", [{}, {"nesterov": False}, {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.9}],
+                         ids=["default", "no-nesterov", "rms-adjusted"])
+def test_bf16_is_bitwise_torch_muon(options):
+    """With the iteration in bf16 the update is torch's, bit for bit: momentum, Nesterov, weight decay, lr
+    adjustment. The fp32 iteration on the same steps is not (so the comparison can tell them apart)."""
+    stock, ours, fp32 = parameters(), parameters(), parameters()
+    settings = {"lr": 0.02, "weight_decay": 0.1, **options}
+    take_steps(torch.optim.Muon(stock, **settings), stock)
+    optimizer = muon.Muon(ours, ns_dtype="bf16", **settings)
+    take_steps(optimizer, ours)
+    take_steps(muon.Muon(fp32, ns_dtype="fp32", **settings), fp32)
+    assert all(torch.equal(a, b) for a, b in zip(stock, ours))
+    assert not all(torch.equal(a, b) for a, b in zip(stock, fp32))
+    import train
+
+    reference = torch.optim.Muon(parameters(), **settings)
+    take_steps(reference, reference.param_groups[0]["params"])
+    assert train.tensors_equal(optimizer.state_dict(), reference.state_dict(), "muon") == []
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 5e-3), (torch.bfloat16, 5e-2)])
+def test_newton_schulz_against_a_float64_reference(dtype, bound):
+    """Each dtype's iteration lands near the float64 one (fp32 to its rounding, fp16 with 3 more mantissa bits
+    than bf16 closer than bf16), in the input's shape and dtype, even from a gradient of small entries (fp16
+    is normalized in fp32 first). The result is near orthogonal: its singular values mostly in torch's
+    documented band 0.5 to 1.5 (the iteration leaves a random square matrix's smallest ones below it)."""
+    generator = torch.Generator().manual_seed(2)
+    for shape in SHAPES:
+        grad = torch.randn(shape, generator=generator) * 1e-3
+        expected = reference_newton_schulz(grad)
+        got = muon.newton_schulz(grad, dtype, COEFFICIENTS, STEPS, EPS)
+        assert got.shape == grad.shape and got.dtype == dtype
+        error = ((got.double() - expected).norm() / expected.norm()).item()
+        assert error < bound, (shape, error)
+        singular = torch.linalg.svdvals(got.double())
+        assert singular.max() < 1.5 and ((singular > 0.5).double().mean() > 0.9)
+
+
+def test_the_optimizer_iterates_in_the_devices_dtype():
+    import train
+
+    model = train.model_config.build_model(train.model_config.PRESETS["tiny"], vocab_size=300)
+    recipe = train.Recipe(optimizer="muon", lr=1e-3, muon_lr=0.02, schedule="wsd", warmup_steps=1, decay_steps=1,
+                          final_lr_fraction=0.0, total_steps=10, weight_decay=0.1, betas=(0.9, 0.95),
+                          muon_momentum=0.95, grad_clip=1.0)
+    optimizer = train.build_optimizers(model, recipe, torch.device("cpu"), rank=1, world=2).parts["muon"]
+    assert isinstance(optimizer, torch.optim.Muon)
+    assert (optimizer.ns_dtype, optimizer.rank, optimizer.world) == ("fp32", 1, 2)
+    assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.95
+    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    assert train.hardware_record(info, "fp32", "cpu flash")["newton_schulz_dtype"] == "fp32"
+
+
+TINY_LAYER = [(64, 64), (32, 64), (32, 64), (64, 64), (192, 64), (192, 64), (64, 192)]  # q k v o gate up down
+
+
+@pytest.mark.parametrize("shapes, world, owners", [
+    ([(64, 64)] * 3, 1, [0, 0, 0]),
+    ([(64, 64)] * 4, 2, [0, 1, 0, 1]),  # equal matrices alternate
+    ([(64, 64), (256, 64), (64, 64), (64, 256)], 2, [0, 0, 1, 1]),  # the two big ones first, one per rank
+    ([(512, 512), (64, 64), (64, 64), (64, 64)], 2, [0, 1, 1, 1]),  # one big matrix outweighs the rest
+    ([(64, 64)] * 2, 3, [0, 1]),  # more ranks than matrices: rank 2 has none
+    (TINY_LAYER, 2, [1, 1, 1, 1, 0, 1, 0]),  # gate, down on rank 0; up and the attention on rank 1
+    (TINY_LAYER, 3, [0, 2, 2, 1, 0, 1, 2]),
+])
+def test_newton_schulz_owners_table(shapes, world, owners):
+    assert muon.newton_schulz_owners(shapes, world) == owners
+
+
+def test_newton_schulz_owners_balance_a_model():
+    """Two layers of the tiny preset on 2 ranks: each rank gets half the work, to within the largest matrix."""
+    shapes = TINY_LAYER * 2
+    owners = muon.newton_schulz_owners(shapes, 2)
+    load = [sum(muon.newton_schulz_flops(*s) for s, owner in zip(shapes, owners) if owner == rank) for rank in (0, 1)]
+    assert abs(load[0] - load[1]) <= max(muon.newton_schulz_flops(*s) for s in shapes)
+    assert load[0] == load[1]  # two identical layers split evenly
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+SPLIT_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def record_shapes(optimizer: muon.Muon) -> list[tuple[int, int]]:
+    """The shapes of the matrices `optimizer` orthogonalizes from now on, in order (a list it appends to)."""
+    shapes, original = [], optimizer.newton_schulz
+
+    def recording(update: torch.Tensor, group: dict) -> torch.Tensor:
+        shapes.append(tuple(update.shape))
+        return original(update, group)
+
+    optimizer.newton_schulz = recording
+    return shapes
+
+
+def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a gloo group: 3 steps on the shared gradients per dtype; saves its parameters, state and the
+    shapes it orthogonalized. (A spawned child imports this module: it must not import train, which is slow.)"""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for ns_dtype in SPLIT_DTYPES:
+            params = parameters()
+            optimizer = muon.Muon(params, ns_dtype=ns_dtype, rank=rank, world=world, lr=0.02, weight_decay=0.1)
+            calls = record_shapes(optimizer)
+            take_steps(optimizer, params)
+            torch.save({"params": [p.detach() for p in params], "state": optimizer.state_dict(), "calls": calls},
+                       os.path.join(folder, f"{ns_dtype}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path):
+    """Given the same (all-reduced) gradients, 2 ranks each orthogonalize about half the matrices, none twice,
+    and end with the parameters and optimizer state of 1 rank, bit for bit, on both ranks, in every dtype."""
+    import train
+
+    mp.spawn(sharded_steps, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for ns_dtype in SPLIT_DTYPES:
+        single = parameters()
+        optimizer = muon.Muon(single, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1)
+        take_steps(optimizer, single)
+        ranks = [torch.load(tmp_path / f"{ns_dtype}-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+        for saved in ranks:
+            assert all(torch.equal(a, b) for a, b in zip(saved["params"], single)), ns_dtype
+            assert train.tensors_equal(saved["state"], optimizer.state_dict(), "muon") == [], ns_dtype
+        per_step = [len(saved["calls"]) // 3 for saved in ranks]
+        assert sum(per_step) == len(SHAPES) and min(per_step) >= 1
+        assert sorted(ranks[0]["calls"][:per_step[0]] + ranks[1]["calls"][:per_step[1]]) == sorted(SHAPES)
