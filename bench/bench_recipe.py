@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--text", default=None, help="JSONL of {'text': ...} documents (None: the KJV Bible)")
     parser.add_argument("--work", default=str(WORK), help="folder for the corpus, results and plot")
     parser.add_argument("--presets", default="nano,micro", help="comma list of model presets")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds per preset (1337, 1338, ...)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per preset (--first-seed, the next, ...)")
+    parser.add_argument("--first-seed", type=int, default=1337, help="the first seed (another to add seeds to results)")
     parser.add_argument("--context", type=int, default=256, help="tokens per block")
     parser.add_argument("--batch-size", type=int, default=32, help="blocks per optimizer step")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (equal tokens for all)")
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                               "torch": torch.__version__, "corpus": str(corpus)}
         for preset in args.presets.split(","):
             steps = args.micro_steps if preset == "micro" and args.micro_steps else args.steps
-            for seed in range(1337, 1337 + args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 print(f"{preset}, seed {seed}: {len(recipes)} recipes x {steps} steps "
                       f"({model_config.PRESETS[preset].hidden} wide)", flush=True)
                 group = run_group(preset, seed, steps, recipes, corpus, args)
