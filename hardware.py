@@ -332,8 +332,8 @@ def fitting_split(preset: Preset, vocab: int, batch_size: int, grad_accum: int, 
     return next((candidate for candidate in candidates if candidate.memory.total <= usable), None)
 
 
-def gib(size: int) -> str:
-    return f"{size / GIB:.1f} GiB"
+def memory_text(size: int) -> str:
+    return f"{size / GIB:.1f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
 
 
 def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_size: int, grad_accum: int,
@@ -341,19 +341,19 @@ def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_siz
                          device: Device) -> str:
     """What a CUDA out-of-memory error in a step says: the micro-batch, the estimate, a split that fits."""
     now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint)
-    flags = f"--batch-size {batch_size} --grad-accum {grad_accum}" + (" --grad-checkpoint" if grad_checkpoint else "")
-    text = (f"CUDA out of memory on {device.label()} ({gib(device.memory_bytes)}): {preset_name} at micro-batch "
-            f"{batch_size} x {context} tokens ({flags}, {precision}) needs about {gib(now.total)} by "
-            f"hardware.step_memory")
+    flags = Split(batch_size, grad_accum, grad_checkpoint, now).options()
+    text = (f"CUDA out of memory on {device.label()} ({memory_text(device.memory_bytes)}): {preset_name} at "
+            f"micro-batch {batch_size} x {context} tokens ({flags}, {precision}) needs about "
+            f"{memory_text(now.total)} by hardware.step_memory")
     split = fitting_split(preset, vocab, batch_size, grad_accum, context, precision, optimizer, grad_checkpoint,
                           device)
     if now.total <= usable_memory_bytes(device):
         text += " (it should fit: is another process using the card? nvidia-smi shows)"
     if split is None:
-        return (text + f"; no split of this batch fits {gib(usable_memory_bytes(device))} (even micro-batch 1 "
+        return (text + f"; no split of this batch fits {memory_text(usable_memory_bytes(device))} (even micro-batch 1 "
                 "with --grad-checkpoint): use a smaller --preset or --context, or a larger card")
     return (text + f"; {split.options()} keeps the global batch (the same samples every step) and needs about "
-            f"{gib(split.memory.total)}")
+            f"{memory_text(split.memory.total)}")
 
 
 # ----------------------------------------------------------------------------------------------
