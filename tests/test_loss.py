@@ -94,3 +94,17 @@ def test_the_backward_keeps_no_full_logits():
     assert largest_saved_tensor(full_logits_loss, model, inputs, targets) >= logits  # what the test would catch
     chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
     assert largest_saved_tensor(chunked, model, inputs, targets) <= VOCAB * model.config.hidden_size < logits
+
+
+def test_under_grad_checkpoint_too():
+    """--grad-checkpoint recomputes the decoder's layers in the backward; the chunked head sits after them."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    expected_loss, expected = loss_and_gradients(full_logits_loss, model, inputs, targets, "sum", "fp32")
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    assert model.model.gradient_checkpointing
+    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    loss, gradients = loss_and_gradients(chunked, model, inputs, targets, "sum", "fp32")
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    for name, gradient in gradients.items():
+        assert torch.allclose(gradient, expected[name], rtol=1e-4, atol=1e-5 * expected[name].abs().max()), name
