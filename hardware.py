@@ -11,7 +11,9 @@ test fakes a T4, an A100 or a CPU without one. The rules:
   repeated (the memory-efficient kernel), and the causal mask under torch.compile;
 - Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
-- peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md.
+- peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md;
+- memory: what one step holds (step_memory, checked against a measured step in bench/bench_memory.py),
+  and the split of the batch a CUDA out-of-memory error suggests (fitting_split, out_of_memory_advice).
 
 Nothing here imports torch at module level: the rules are table-tested on any machine.
 """
@@ -236,7 +238,7 @@ def peak_tflops(device: Device, precision: str) -> float | None:
 
 GIB = 1024**3
 LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss: 128 MiB of fp32 logits
-USABLE_FRACTION = 0.9  # of a card's memory: the rest is the CUDA context, cuBLAS workspaces, fragmentation
+USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA context, cuBLAS, fragmentation
 
 
 def logits_chunk_tokens(vocab: int) -> int:
@@ -261,19 +263,19 @@ class StepMemory:
 
 def layer_activation_bytes(preset: Preset, precision: str) -> int:
     """Bytes a Qwen3 decoder layer saves for the backward per token, counted from transformers' code
-    (SDPA's fused kernels keep no attention scores). `half`: the linears' inputs and outputs under autocast
-    (2 bytes) or fp32 (4); the residual stream, the RMSNorms and RoPE are fp32 in every precision:
+    (SDPA's fused kernels keep no attention scores). `element`: the linears' inputs and outputs under
+    autocast (2 bytes) or fp32 (4); the residual stream, the RMSNorms and RoPE are fp32 in every precision:
     - the two RMSNorms: each its fp32 input and normalized output, plus the linears' casts of its output
       (q, k, v; gate, up) under autocast: 16h + 5 * 2h (fp32: 24h, the linears share the norm's output);
     - attention: the q and k norms and RoPE in fp32 (4 tensors of 4 bytes each), SDPA's q, k, v and output,
       o_proj's input;
-    - the MLP: gate, up, silu(gate), their product (4 tensors of `half` bytes)."""
+    - the MLP: gate, up, silu(gate), their product (4 tensors of `element` bytes)."""
     h, i = preset.hidden, preset.intermediate
     q, kv = preset.heads * preset.head_dim, preset.kv_heads * preset.head_dim
-    half = 2 if precision in ("fp16", "bf16") else 4
-    norms = 16 * h + (5 * 2 * h if half == 2 else 8 * h)
-    attention = 16 * q + 16 * kv + half * (3 * q + 2 * kv)
-    return norms + attention + 4 * half * i
+    element = 2 if precision in ("fp16", "bf16") else 4
+    norms = 16 * h + (5 * 2 * h if element == 2 else 8 * h)
+    attention = 16 * q + 16 * kv + element * (3 * q + 2 * kv)
+    return norms + attention + 4 * element * i
 
 
 def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str, optimizer: str,
