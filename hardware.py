@@ -12,7 +12,9 @@ test fakes a T4, an A100 or a CPU without one. The rules:
   kernels keep their backward deterministic (--deterministic);
 - Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
-- peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md.
+- peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md;
+- memory: what one step holds (step_memory, checked against a measured step in bench/bench_memory.py),
+  and the split of the batch a CUDA out-of-memory error suggests (fitting_split, out_of_memory_advice).
 
 Nothing here imports torch at module level: the rules are table-tested on any machine.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common import UserError
+from model_config import Preset, parameter_count
 
 MIN_TORCH = (2, 9)  # torch.optim.Muon (2.9), torch.nn.utils.get_total_norm (2.6)
 
@@ -243,6 +246,131 @@ def peak_tflops(device: Device, precision: str) -> float | None:
     if precision == "bf16":
         return card.bf16_tflops or card.fp32_tflops  # emulated bf16 is no faster than fp32
     return card.fp32_tflops
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: what one training step holds on a card, and a split of the batch that fits.
+
+GIB = 1024**3
+LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss: 128 MiB of fp32 logits
+USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA context, cuBLAS, fragmentation
+
+
+def logits_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of train.language_model_loss (1,014 at think72's vocabulary of 33,069)."""
+    return max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes one rank holds at the peak of a training step, by kind."""
+
+    weights: int  # fp32 parameters, and their autocast copies under fp16/bf16
+    gradients: int  # fp32 (DDP's buckets are these same tensors: gradient_as_bucket_view)
+    optimizer: int  # AdamW: two fp32 moments; Muon: one fp32 momentum (the hidden matrices)
+    activations: int  # what the decoder keeps for the backward
+    logits: int  # one chunk of the loss at a time
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+
+def layer_activation_bytes(preset: Preset, precision: str) -> int:
+    """Bytes a Qwen3 decoder layer saves for the backward per token, counted from transformers' code
+    (SDPA's fused kernels keep no attention scores). `element`: the linears' inputs and outputs under
+    autocast (2 bytes) or fp32 (4); the residual stream, the RMSNorms and RoPE are fp32 in every precision:
+    - the two RMSNorms: each its fp32 input and normalized output, plus the linears' casts of its output
+      (q, k, v; gate, up) under autocast: 16h + 5 * 2h (fp32: 24h, the linears share the norm's output);
+    - attention: the q and k norms and RoPE in fp32 (4 tensors of 4 bytes each), SDPA's q, k, v and output,
+      o_proj's input;
+    - the MLP: gate, up, silu(gate), their product (4 tensors of `element` bytes)."""
+    h, i = preset.hidden, preset.intermediate
+    q, kv = preset.heads * preset.head_dim, preset.kv_heads * preset.head_dim
+    element = 2 if precision in ("fp16", "bf16") else 4
+    norms = 16 * h + (5 * 2 * h if element == 2 else 8 * h)
+    attention = 16 * q + 16 * kv + element * (3 * q + 2 * kv)
+    return norms + attention + 4 * element * i
+
+
+def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str, optimizer: str,
+                grad_checkpoint: bool, chunk_tokens: int | None = None) -> StepMemory:
+    """The memory model of one step at micro-batch batch_size x context. An estimate for choosing a split,
+    checked against a measured CPU step in bench/bench_memory.py. `chunk_tokens`: the loss's chunk
+    (default: logits_chunk_tokens; batch_size * context is the whole batch's logits at once, the loss before
+    chunking). Under --grad-checkpoint a layer keeps only its fp32 input, and the backward recomputes one
+    layer at a time."""
+    parameters = parameter_count(preset, vocab)
+    matrices = preset.layers * (preset.hidden * preset.head_dim * 2 * (preset.heads + preset.kv_heads)
+                                + 3 * preset.hidden * preset.intermediate)
+    half = precision in ("fp16", "bf16")
+    weights = 4 * parameters + (2 * parameters if half else 0)
+    optimizer_bytes = 8 * parameters if optimizer == "adamw" else 4 * matrices + 8 * (parameters - matrices)
+    tokens = batch_size * context
+    per_layer = layer_activation_bytes(preset, precision)
+    kept = 4 * preset.hidden * preset.layers + per_layer if grad_checkpoint else per_layer * preset.layers
+    activations = tokens * (kept + 16 * preset.hidden)  # + the embedding, the final norm, the loss's gradient
+    chunk = min(tokens, chunk_tokens or logits_chunk_tokens(vocab))
+    logits = chunk * vocab * (12 if half else 8) + vocab * preset.hidden * 4  # + the head's fp32 gradient
+    return StepMemory(weights, 4 * parameters, optimizer_bytes, activations, logits)
+
+
+@dataclass(frozen=True)
+class Split:
+    batch_size: int
+    grad_accum: int
+    grad_checkpoint: bool
+    memory: StepMemory
+
+    def options(self) -> str:
+        return f"--batch-size {self.batch_size} --grad-accum {self.grad_accum}" + \
+            (" --grad-checkpoint" if self.grad_checkpoint else "")
+
+
+def usable_memory_bytes(device: Device) -> int:
+    return int(device.memory_bytes * USABLE_FRACTION)
+
+
+def fitting_split(preset: Preset, vocab: int, batch_size: int, grad_accum: int, context: int, precision: str,
+                  optimizer: str, grad_checkpoint: bool, device: Device) -> Split | None:
+    """The first split smaller than batch_size x grad_accum (the same global batch: every step reads the
+    same samples) whose step_memory fits `device`, or None. Smaller micro-batches come first (each a
+    divisor of batch_size, the largest first), then --grad-checkpoint (a third more compute) from the
+    whole micro-batch down."""
+    def split(micro: int, checkpoint: bool) -> Split:
+        memory = step_memory(preset, vocab, micro, context, precision, optimizer, checkpoint)
+        return Split(micro, grad_accum * batch_size // micro, checkpoint, memory)
+
+    smaller = [micro for micro in range(batch_size - 1, 0, -1) if batch_size % micro == 0]
+    candidates = [split(micro, grad_checkpoint) for micro in smaller]
+    if not grad_checkpoint:
+        candidates += [split(micro, True) for micro in [batch_size, *smaller]]
+    usable = usable_memory_bytes(device)
+    return next((candidate for candidate in candidates if candidate.memory.total <= usable), None)
+
+
+def memory_text(size: int) -> str:
+    return f"{size / GIB:.1f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
+
+
+def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_size: int, grad_accum: int,
+                         context: int, precision: str, optimizer: str, grad_checkpoint: bool,
+                         device: Device) -> str:
+    """What a CUDA out-of-memory error in a step says: the micro-batch, the estimate, a split that fits."""
+    now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint)
+    flags = Split(batch_size, grad_accum, grad_checkpoint, now).options()
+    text = (f"CUDA out of memory on {device.label()} ({memory_text(device.memory_bytes)}): {preset_name} at "
+            f"micro-batch {batch_size} x {context} tokens ({flags}, {precision}) needs about "
+            f"{memory_text(now.total)} by hardware.step_memory")
+    split = fitting_split(preset, vocab, batch_size, grad_accum, context, precision, optimizer, grad_checkpoint,
+                          device)
+    if now.total <= usable_memory_bytes(device):
+        text += " (it should fit: is another process using the card? nvidia-smi shows)"
+    if split is None:
+        return (text + f"; no split of this batch fits {memory_text(usable_memory_bytes(device))} (even micro-batch 1 "
+                "with --grad-checkpoint): use a smaller --preset or --context, or a larger card")
+    return (text + f"; {split.options()} keeps the global batch (the same samples every step) and needs about "
+            f"{memory_text(split.memory.total)}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -374,14 +374,15 @@ def test_sampler_state_dict_and_each_mismatch():
 
 
 class FixedLogits(torch.nn.Module):
-    """A 'model' whose logits are a table indexed by the input token."""
+    """A 'model' whose logits are a table indexed by the input token: its decoder gives one-hot hidden
+    states, its LM head's weight is the table transposed (language_model_loss takes the two apart)."""
 
     def __init__(self, table: torch.Tensor):
         super().__init__()
-        self.table = table
-
-    def forward(self, input_ids):
-        return SimpleNamespace(logits=self.table[input_ids])
+        self.lm_head = torch.nn.Linear(*table.shape, bias=False, dtype=table.dtype)
+        self.lm_head.weight.data = table.t().contiguous()
+        self.model = lambda input_ids: SimpleNamespace(
+            last_hidden_state=torch.nn.functional.one_hot(input_ids, len(table)).to(table.dtype))
 
 
 def test_language_model_loss_is_hand_computed_cross_entropy():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hardware
+import model_config
 from common import UserError
 
 GIB = 1024**3
@@ -214,3 +215,88 @@ def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
     assert step.all_reduce_s == pytest.approx(params * 4 / 5e9)
     assert hardware.predict_card(t4, preset, 33_069, world=2, mfu=0.11).compute_s == pytest.approx(2 * step.compute_s)
     assert hardware.predict_card(t4, preset, 33_069, world=1).all_reduce_s == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory model and the split an out-of-memory error suggests (think72's vocabulary, muon).
+
+VOCAB = 33_069
+MEDIUM_T4_ADVICE = "--batch-size 4 --grad-accum 8 keeps the global batch"
+
+# preset, card, precision, micro-batch 8 x 1024 fits (chunked loss), fitted before the chunked loss,
+# what fitting_split offers after an out-of-memory error at --batch-size 8 --grad-accum 4
+MEMORY_TABLE = [
+    ("think72", T4, "fp16", True, True, "--batch-size 4 --grad-accum 8"),
+    ("think72", L4, "bf16", True, True, "--batch-size 4 --grad-accum 8"),
+    ("think72", A100, "bf16", True, True, "--batch-size 4 --grad-accum 8"),
+    ("small125", T4, "fp16", True, True, "--batch-size 4 --grad-accum 8"),
+    ("small125", L4, "bf16", True, True, "--batch-size 4 --grad-accum 8"),
+    ("small125", A100, "bf16", True, True, "--batch-size 4 --grad-accum 8"),
+    ("medium350", T4, "fp16", False, False, "--batch-size 4 --grad-accum 8"),  # the issue's ~21.5 GiB case
+    ("medium350", L4, "bf16", False, False, "--batch-size 4 --grad-accum 8"),
+    ("medium350", A100, "bf16", True, True, "--batch-size 4 --grad-accum 8"),
+]
+
+
+def estimate(preset: str, precision: str = "fp16", batch_size: int = 8, context: int = 1024,
+             grad_checkpoint: bool = False, **kwargs) -> hardware.StepMemory:
+    return hardware.step_memory(model_config.PRESETS[preset], VOCAB, batch_size, context, precision, "muon",
+                                grad_checkpoint, **kwargs)
+
+
+@pytest.mark.parametrize("preset, device, precision, fits, fitted_before, offered", MEMORY_TABLE,
+                         ids=[f"{row[0]}-{row[1].name}" for row in MEMORY_TABLE])
+def test_memory_on_every_card(preset, device, precision, fits, fitted_before, offered):
+    usable = hardware.usable_memory_bytes(device)
+    assert (estimate(preset, precision).total <= usable) == fits
+    assert (estimate(preset, precision, chunk_tokens=8 * 1024).total <= usable) == fitted_before
+    split = hardware.fitting_split(model_config.PRESETS[preset], VOCAB, 8, 4, 1024, precision, "muon", False, device)
+    assert split.options() == offered and split.memory.total <= usable
+    assert split.batch_size * split.grad_accum == 8 * 4  # the same global batch
+
+
+def test_the_chunked_loss_takes_the_full_logits_out_of_the_estimate():
+    before, after = estimate("medium350", chunk_tokens=8 * 1024), estimate("medium350")
+    assert hardware.logits_chunk_tokens(VOCAB) == 1014
+    assert before.logits - after.logits == (8 * 1024 - 1014) * VOCAB * 12  # bf16 + fp32 logits, softmax, gradient
+    assert 21 * GIB < before.total < 24 * GIB and after.total < 21 * GIB  # the issue estimated ~21.5 GiB before
+    assert before.activations == after.activations and before.weights == after.weights
+
+
+def test_memory_model_parts():
+    fp16, fp32 = estimate("think72"), estimate("think72", "fp32")
+    parameters = 72_000_000
+    assert fp32.weights == 4 * parameters and fp16.weights == 6 * parameters  # + the autocast copies
+    assert fp16.gradients == fp32.gradients == 4 * parameters
+    adamw = hardware.step_memory(model_config.PRESETS["think72"], VOCAB, 8, 1024, "fp16", "adamw", False)
+    assert adamw.optimizer == 8 * parameters and parameters * 4 < fp16.optimizer < adamw.optimizer
+    assert fp16.activations < fp32.activations
+    assert estimate("think72", batch_size=4).activations * 2 == fp16.activations
+    assert estimate("think72", grad_checkpoint=True).activations < fp16.activations / 5
+
+
+@pytest.mark.parametrize("preset, batch_size, grad_accum, context, grad_checkpoint, device, offered", [
+    ("medium350", 8, 4, 2048, False, T4, "--batch-size 2 --grad-accum 16"),
+    ("medium350", 6, 4, 1024, False, L4, "--batch-size 3 --grad-accum 8"),  # divisors, not only halves
+    ("medium350", 1, 8, 1024, False, T4, "--batch-size 1 --grad-accum 8 --grad-checkpoint"),
+    ("medium350", 1, 32, 8192, False, T4, "--batch-size 1 --grad-accum 32 --grad-checkpoint"),
+    ("medium350", 1, 8, 1024, True, T4, None),  # nothing smaller is left
+])
+def test_fitting_split(preset, batch_size, grad_accum, context, grad_checkpoint, device, offered):
+    split = hardware.fitting_split(model_config.PRESETS[preset], VOCAB, batch_size, grad_accum, context, "fp16",
+                                   "muon", grad_checkpoint, device)
+    assert (split and split.options()) == offered
+
+
+def test_out_of_memory_advice():
+    medium = model_config.PRESETS["medium350"]
+    text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "fp16", "muon", False, T4)
+    assert text.startswith("CUDA out of memory on Tesla T4 (sm_75) (15.0 GiB): medium350 at micro-batch 8 x 1024 "
+                           "tokens (--batch-size 8 --grad-accum 4, fp16) needs about 20.5 GiB")
+    assert text.endswith(MEDIUM_T4_ADVICE + " (the same samples every step) and needs about 12.8 GiB")
+    assert "should fit" not in text
+    roomy = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", "muon", False, A100)
+    assert "should fit: is another process using the card" in roomy and MEDIUM_T4_ADVICE in roomy
+    small_card = hardware.Device("cuda", "Tiny GPU", (7, 5), 2 * GIB)
+    stuck = hardware.out_of_memory_advice("medium350", medium, VOCAB, 1, 32, 1024, "fp16", "muon", True, small_card)
+    assert "no split of this batch fits 1.8 GiB" in stuck and "smaller --preset or --context" in stuck

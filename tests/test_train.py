@@ -1155,6 +1155,33 @@ def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp
     assert last.startswith("interrupted again after the run recorded COMPLETE; continue with: ")
 
 
+def test_cuda_out_of_memory_in_a_step_is_one_line_with_a_split_that_fits(corpus, tmp_path, monkeypatch, capsys):
+    """The step raises torch.OutOfMemoryError as on a T4: one error line naming the preset, the micro-batch
+    and a split of the same global batch that hardware.fitting_split fits; the run is FAILED."""
+    out = tmp_path / "run"
+    original = train.Training.train_step
+    small_card = hardware.Device("cuda", "Tesla T4", (7, 5), 2_800_000)  # the tiny model fits at 1 x 32, not 2 x 32
+
+    def out_of_memory(self):
+        if self.step == 4:
+            self.hardware = small_card
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return original(self)
+
+    monkeypatch.setattr(train.Training, "train_step", out_of_memory)
+    with pytest.raises(SystemExit) as exit_status:
+        common.run_main(lambda: train.main(options(corpus, out, "--grad-accum", "3")))
+    assert exit_status.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: CUDA out of memory on Tesla T4 (sm_75) (2.7 MiB): tiny at micro-batch 2 x 32 "
+                                "tokens (--batch-size 2 --grad-accum 3, fp32) needs about ")
+    assert "MiB by hardware.step_memory; --batch-size 1 --grad-accum 6 keeps the global batch" in lines[-1]
+    assert "the last good checkpoint, step-00000004.pt, is intact" in lines[-1]
+    assert not any("Traceback" in line for line in lines)
+    record = status(out)
+    assert record["status"] == "FAILED" and record["step"] == 4 and "--batch-size 1 --grad-accum 6" in record["reason"]
+
+
 def test_a_run_refused_before_it_began_leaves_no_run_folder(corpus, tmp_path):
     out = tmp_path / "new-run"
     result = run_cli(options(corpus, out, "--heads", "3"), check=False)  # 3 query heads, 2 KV heads: refused
@@ -1348,11 +1375,14 @@ def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_bo
 
 
 def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
-    class Fixed(torch.nn.Module):  # a "model" whose logits are given
-        def forward(self, input_ids):
-            logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.5, 0.5, -1.0]],
-                                   [[3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.0]]])
-            return type("Out", (), {"logits": logits})
+    class Fixed(torch.nn.Module):  # a "model" whose logits are given: one-hot hidden states of the position
+        def __init__(self):
+            super().__init__()
+            logits = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.5, 0.5, -1.0],
+                                   [3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.0]])
+            self.lm_head = torch.nn.Linear(6, 3, bias=False)
+            self.lm_head.weight.data = logits.t().contiguous()
+            self.model = lambda input_ids: type("Out", (), {"last_hidden_state": torch.eye(6).reshape(2, 3, 6)})
 
     targets = torch.tensor([[2, train.IGNORE_INDEX, 0], [train.IGNORE_INDEX, train.IGNORE_INDEX, 1]])
 

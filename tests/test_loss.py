@@ -1,0 +1,110 @@
+"""train.language_model_loss, chunked: the same loss and gradients as the full logits' cross-entropy
+(a tiny Qwen3 on CPU, every precision), without ever keeping the full logits for the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model_config
+import train
+
+VOCAB, BATCH, CONTEXT, CHUNK = 500, 4, 32, 37  # 128 tokens: 4 chunks, the last one short
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (loss, gradient) tolerance relative to the largest gradient: fp32 rounding, or one rounding of the
+# logits' gradient to the half type (the reference rounds the whole batch's, the chunks each their own)
+TOLERANCE = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2), "fp16": (1e-5, 5e-3)}
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["tiny"], VOCAB)
+    train.use_attention(model, "sdpa_contiguous")
+    return model
+
+
+def batch(ignored: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=generator)
+    targets = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=generator)
+    if ignored:  # --loss-on assistant: whole spans not counted, one chunk wholly ignored
+        targets[:, :10] = train.IGNORE_INDEX
+        targets[1, 5:] = train.IGNORE_INDEX
+    return inputs, targets
+
+
+def full_logits_loss(model, inputs, targets, reduction):
+    """The loss before chunking: the whole batch's logits, in fp32."""
+    logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction=reduction)
+
+
+def loss_and_gradients(loss_function, model, inputs, targets, reduction, precision):
+    model.zero_grad(set_to_none=True)
+    dtype = DTYPES[precision]
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = loss_function(model, inputs, targets, reduction)
+    loss.backward()
+    return loss.item(), {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("reduction, ignored", [("mean", False), ("sum", False), ("sum", True), ("mean", True)])
+def test_the_chunked_loss_equals_the_full_logits_one(precision, reduction, ignored):
+    model, (inputs, targets) = tiny_model(), batch(ignored)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the head's gradient adds to the table's
+    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    expected_loss, expected = loss_and_gradients(full_logits_loss, model, inputs, targets, reduction, precision)
+    loss, gradients = loss_and_gradients(chunked, model, inputs, targets, reduction, precision)
+    loss_tolerance, gradient_tolerance = TOLERANCE[precision]
+    assert loss == pytest.approx(expected_loss, rel=loss_tolerance)
+    assert gradients.keys() == expected.keys()
+    for name, gradient in gradients.items():
+        scale = expected[name].abs().max().item()
+        assert scale > 0, name
+        assert (gradient - expected[name]).abs().max().item() <= gradient_tolerance * scale, name
+
+
+def test_evaluation_without_gradients_gives_the_same_loss():
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    with torch.no_grad():
+        expected = full_logits_loss(model, inputs, targets, "sum").item()
+        assert train.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item() == \
+            pytest.approx(expected, rel=1e-6)
+        assert train.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(expected, rel=1e-6)
+
+
+def largest_saved_tensor(loss_function, model, inputs, targets) -> int:
+    """Elements of the largest tensor autograd keeps for the backward of loss_function."""
+    sizes = [0]
+
+    def pack(tensor):
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_function(model, inputs, targets, "mean").backward()
+    return max(sizes)
+
+
+def test_the_backward_keeps_no_full_logits():
+    model, (inputs, targets) = tiny_model(), batch(ignored=False)
+    logits = BATCH * CONTEXT * VOCAB
+    assert largest_saved_tensor(full_logits_loss, model, inputs, targets) >= logits  # what the test would catch
+    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    assert largest_saved_tensor(chunked, model, inputs, targets) <= VOCAB * model.config.hidden_size < logits
+
+
+def test_under_grad_checkpoint_too():
+    """--grad-checkpoint recomputes the decoder's layers in the backward; the chunked head sits after them."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    expected_loss, expected = loss_and_gradients(full_logits_loss, model, inputs, targets, "sum", "fp32")
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    assert model.model.gradient_checkpointing
+    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    loss, gradients = loss_and_gradients(chunked, model, inputs, targets, "sum", "fp32")
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    for name, gradient in gradients.items():
+        assert torch.allclose(gradient, expected[name], rtol=1e-4, atol=1e-5 * expected[name].abs().max()), name
