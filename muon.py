@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
+import hardware
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: benches
 
 
@@ -48,22 +50,16 @@ def newton_schulz(grad: torch.Tensor, dtype: torch.dtype, coefficients: tuple[fl
     return ortho
 
 
-def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
-    """FLOPs of the quintic Newton-Schulz on one matrix: X X^T, A @ A and B @ X per step."""
-    m, n = sorted((rows, columns))
-    return steps * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)
-
-
 def newton_schulz_owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
     """The rank that orthogonalizes each matrix: the costliest first, each onto the rank with the least
     work so far (ties: the lower rank; equal matrices in their order). A pure function of the shapes, so
     every rank computes the same assignment."""
     owners = [0] * len(shapes)
     load = [0] * world
-    for index in sorted(range(len(shapes)), key=lambda i: -newton_schulz_flops(*shapes[i])):
+    for index in sorted(range(len(shapes)), key=lambda i: -hardware.newton_schulz_flops(*shapes[i])):
         rank = min(range(world), key=lambda r: load[r])
         owners[index] = rank
-        load[rank] += newton_schulz_flops(*shapes[index])
+        load[rank] += hardware.newton_schulz_flops(*shapes[index])
     return owners
 
 

@@ -48,7 +48,7 @@ import model_config  # noqa: E402
 import muon  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
-from muon import newton_schulz_flops  # noqa: E402
+from hardware import newton_schulz_flops  # noqa: E402
 
 BUILT_IN = {
     "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 "

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import hardware
 import muon
 
 SHAPES = [(48, 32), (32, 48), (40, 40), (64, 16), (16, 16)]  # wide, tall, square: both branches of the transpose
@@ -116,8 +117,9 @@ def test_newton_schulz_owners_balance_a_model():
     """Two layers of the tiny preset on 2 ranks: each rank gets half the work, to within the largest matrix."""
     shapes = TINY_LAYER * 2
     owners = muon.newton_schulz_owners(shapes, 2)
-    load = [sum(muon.newton_schulz_flops(*s) for s, owner in zip(shapes, owners) if owner == rank) for rank in (0, 1)]
-    assert abs(load[0] - load[1]) <= max(muon.newton_schulz_flops(*s) for s in shapes)
+    flops = hardware.newton_schulz_flops
+    load = [sum(flops(*s) for s, owner in zip(shapes, owners) if owner == rank) for rank in (0, 1)]
+    assert abs(load[0] - load[1]) <= max(hardware.newton_schulz_flops(*s) for s in shapes)
     assert load[0] == load[1]  # two identical layers split evenly
 
 
