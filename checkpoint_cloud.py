@@ -48,6 +48,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
@@ -163,6 +165,7 @@ def is_local(fs) -> bool:
 
 def backup_url_from_env_or_arg(arg: str | None) -> str | None:
     """`--backup-to` wins; else the original trainer's THINK72_CLOUD_RESUME=1 + THINK72_BACKUP_URL."""
+    refuse_placeholder(arg)
     if arg:
         return arg
     if os.environ.get("THINK72_CLOUD_RESUME") != "1":
@@ -171,6 +174,17 @@ def backup_url_from_env_or_arg(arg: str | None) -> str | None:
     if not url:
         raise UserError("THINK72_CLOUD_RESUME=1 needs THINK72_BACKUP_URL (or pass --backup-to URL)")
     return url
+
+
+# What a printed command shows in place of a --backup-to URL that carries credentials (train.resume_command).
+BACKUP_URL_PLACEHOLDER = "URL"
+
+
+def refuse_placeholder(arg: str | None) -> None:
+    """A pasted command's `--backup-to URL` must not back up into a local folder named URL."""
+    if arg == BACKUP_URL_PLACEHOLDER:
+        raise UserError(f"--backup-to {BACKUP_URL_PLACEHOLDER} is a placeholder: give the real URL, or leave "
+                        "--backup-to out and set THINK72_CLOUD_RESUME=1 and THINK72_BACKUP_URL")
 
 
 def _refresh(fs, path: str) -> None:
@@ -1237,9 +1251,75 @@ def add_backup_args(parser: argparse.ArgumentParser) -> None:
 
 def check_backup_target(url: str) -> None:
     """train.py's --backup-to before anything is restored or trained: a missing bucket or parent
-    folder (a typo) is one error, not a new bucket and a run silently restarted from step 0."""
+    folder (a typo) is one error, not a new bucket and a run silently restarted from step 0; a
+    remote that cannot be written, read back or deleted from is one error, not hours of failed uploads."""
     fs, root = open_remote(url)
     require_remote(fs, root, url, writing=True)
+    probe_writable(fs, root, url)
+
+
+# The start-up probe's name under the backup root: no checkpoint, record or temporary name looks like
+# it, and nothing lists the root (only checkpoints/ is listed), so a stale one left by a killed run is inert.
+PROBE_PREFIX = ".tinyllm-probe-"
+
+
+def is_probe_name(name: str) -> bool:
+    return name.startswith(PROBE_PREFIX)
+
+
+def probe_writable(fs, root: str, url: str) -> None:
+    """Write a small object under `root`, read it back, compare, delete it: each step an upload needs."""
+    path = run_file_path(root, PROBE_PREFIX + secrets.token_hex(8))
+    payload = f"tinyllm write probe {secrets.token_hex(8)}\n".encode()
+    step = "written"
+    try:
+        if is_local(fs):
+            fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(path, payload)
+        step = "read back"
+        _refresh(fs, path)
+        same = fs.cat_file(path) == payload
+        step = "deleted from"
+        fs.rm_file(path)
+    except Exception as error:
+        _remove_quietly(fs, path)
+        raise UserError(f"--backup-to: the remote cannot be {step} ({probe_error_text(error, url)}); "
+                        "no checkpoint would reach it") from None
+    if not same:
+        raise UserError("--backup-to: the remote returned other bytes than were written to it; "
+                        "no checkpoint could be verified there")
+
+
+def probe_error_text(error: Exception, url: str) -> str:
+    """'Read-only file system' / 'PermissionError: Access Denied.': the cause of a failed probe, without
+    the URL (it may carry credentials) nor any credential from the environment."""
+    if isinstance(error, OSError) and error.errno and not is_remote_url(url):
+        return os_error_text(error)
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc if "@" in parts.netloc else ""
+    secrets_seen = [url, netloc, parts.password, parts.query, *(os.environ.get(name) for name in SECRET_VARIABLES)]
+    for secret in sorted(filter(None, secrets_seen), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
+
+
+def is_remote_url(url: str) -> bool:
+    return "://" in url and url.split("://", 1)[0].lower() not in ("file", "local")
+
+
+def printable_backup_url(url: str) -> str | None:
+    """`url` when it may be printed as it is (a local folder, a plain s3:// gs:// hf:// URL); None when
+    it carries credentials (user:password@, a ?query such as a token, a #fragment)."""
+    if "://" not in url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc or parts.query or parts.fragment or "?" in url or "#" in url:
+        return None
+    return url
 
 
 def backup_from_args(args: argparse.Namespace, save_every: int | None = None,

@@ -376,6 +376,7 @@ def check_settings(settings: Settings) -> None:
     for name in not_negative:
         if values[name] is not None and values[name] < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {values[name]}")
+    checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
     if settings.session.keep_last < 1:
         raise UserError(f"--keep-last must be at least 1, got {settings.session.keep_last}")
     for name in ("lr", "muon_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops", "grad_clip",
@@ -2244,21 +2245,21 @@ def python_command() -> str:
 
 def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
     """This run's command line with `--resume auto` and without `--stop-after-steps`; a --backup-to URL
-    (which may carry secrets, and is never printed) is shown as URL."""
+    is shown as it is, unless it carries credentials: then as URL (which parse_args refuses)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    kept, skip, hide = [], False, False
+    kept, skip, backup_url_next = [], False, False
     for item in argv:
         if skip:
             skip = False
             continue
-        if hide:
-            kept.append("URL")
-            hide = False
+        if backup_url_next:
+            kept.append(shown_backup_url(item))
+            backup_url_next = False
             continue
         if item == "--backup-to":
-            hide = True
+            backup_url_next = True
         elif item.startswith("--backup-to="):
-            item = "--backup-to=URL"
+            item = "--backup-to=" + shown_backup_url(item.split("=", 1)[1])
         if item in ("--resume", "--stop-after-steps"):
             skip = True
             continue
@@ -2275,6 +2276,11 @@ def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
         launcher = "torchrun " + (f"--nnodes={nodes} (with your rendezvous options) " if nodes > 1 else "") \
             + f"--nproc_per_node={per_node} {script}"
     return " ".join([launcher, *map(shlex.quote, kept), "--resume", "auto"])
+
+
+def shown_backup_url(url: str) -> str:
+    printable = checkpoint_cloud.printable_backup_url(url)
+    return checkpoint_cloud.BACKUP_URL_PLACEHOLDER if printable is None else printable
 
 
 def log(info: DistInfo, message: str) -> None:

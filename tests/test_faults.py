@@ -309,9 +309,13 @@ def test_train_py_small_faults_are_clear(tmp_path):
         train.parse_args(["--target-tokens", "1e30"])
     assert train.parse_args(["--target-tokens", "3e9"]).run.target_tokens == 3_000_000_000
     info = train.DistInfo(rank=0, local_rank=0, world=1, device=train.torch.device("cpu"))
-    command = train.resume_command(info, ["--backup-to", "s3://secret-bucket/runs/x?key=abc", "--lr", "1",
-                                          "--backup-to=gs://other-secret/x"])
+    command = train.resume_command(info, ["--backup-to", "s3://bucket/runs/x?key=secret", "--lr", "1",
+                                          "--backup-to=gs://user:secret@other/x"])
     assert "secret" not in command and "--backup-to URL" in command and "--backup-to=URL" in command
+    command = train.resume_command(info, ["--backup-to", "s3://bucket/runs/x", "--backup-to=/tmp/my backups"])
+    assert "--backup-to s3://bucket/runs/x" in command and "'--backup-to=/tmp/my backups'" in command
+    with pytest.raises(common.UserError, match="--backup-to URL is a placeholder: give the real URL"):
+        train.parse_args(["--backup-to", "URL"])
     line = train.final_line(tmp_path, train.NEEDS_RESUME, {"step": 5, "total_steps": 12,
                                                            "reason": "stopped by --max-hours budget",
                                                            "resume_command": "python train.py --resume auto"})
@@ -346,3 +350,23 @@ def test_a_late_or_wrapped_ctrl_c_is_exit_130_or_ignored_never_a_traceback(tmp_p
         "    run_main(main)\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 20.9: a --backup-to that cannot be written is refused at start-up, not after hours of failed uploads.
+
+
+def test_a_read_only_backup_folder_is_refused_before_training(corpus, tmp_path, monkeypatch, capsys):
+    import checkpoint_cloud
+    with read_only_folder(tmp_path / "ro-backup") as folder:  # a real read-only mount (skips without one)
+        with pytest.raises(common.UserError, match="cannot be written .*read-only file system"):
+            checkpoint_cloud.check_backup_target(str(folder / "run"))
+    fail_os_writes(monkeypatch, tmp_path / "sim-ro", code=errno.EROFS)
+    (tmp_path / "sim-ro").mkdir()
+    trained = []
+    monkeypatch.setattr(train, "train", lambda *args, **kwargs: trained.append(args))
+    code, line = run_main_exit(capsys, lambda: train.main(options(corpus, tmp_path / "run") +
+                                                          ["--backup-to", str(tmp_path / "sim-ro" / "b")]))
+    assert code == 2 and not trained, line
+    assert line.startswith("error: --backup-to: the remote cannot be written") and "read-only file system" in line
+    assert list((tmp_path / "sim-ro").rglob("*")) in ([], [tmp_path / "sim-ro" / "b"]), "the probe left a file"
