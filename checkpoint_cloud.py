@@ -1298,7 +1298,9 @@ def probe_error_text(error: Exception, url: str) -> str:
     text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc if "@" in parts.netloc else ""
-    secrets_seen = [url, netloc, parts.password, parts.query, *(os.environ.get(name) for name in SECRET_VARIABLES)]
+    query_values = [value for _, value in urllib.parse.parse_qsl(parts.query)]
+    secrets_seen = [url, netloc, parts.password, parts.query, *query_values,
+                    *(os.environ.get(name) for name in SECRET_VARIABLES)]
     for secret in sorted(filter(None, secrets_seen), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text.splitlines()[0] if text else type(error).__name__

@@ -1072,3 +1072,69 @@ def test_an_s3_outage_is_reported_after_a_few_connection_attempts(monkeypatch, t
     finally:
         backup.close()
         listener.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 20.9: the start-up probe, and which --backup-to URLs a printed command may show.
+
+
+def remote_files(url: str) -> list[str]:
+    fs, root = cc.open_remote(url)
+    cc._refresh(fs, root)
+    return fs.find(root) if fs.exists(root) else []
+
+
+@pytest.mark.parametrize("store", ["folder", "s3"])
+def test_the_write_probe_leaves_nothing_and_a_stale_one_is_ignored(store, tmp_path, request, capsys):
+    url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
+    cc.check_backup_target(url)
+    assert remote_files(url) == []
+    fs, root = cc.open_remote(url)
+    fs.pipe_file(cc.run_file_path(root, cc.PROBE_PREFIX + "0123abcd"), b"left by a killed run")
+    run = tmp_path / "run"
+    save_and_point_latest(run / "checkpoints", 4, run_id="r1")
+    assert cc.main(["push", str(run), url]) == 0
+    listing = remote_state(url)
+    assert sorted(listing["verified"]) == [4] and not listing["unverified"] and not listing["partials"]
+    capsys.readouterr()
+    assert cc.main(["list", url]) == 0 and cc.main(["verify", url]) == 0
+    assert "probe" not in capsys.readouterr().out
+    restored = cc.restore_latest(url, tmp_path / "fresh" / "checkpoints", log=Log())
+    assert restored == tmp_path / "fresh" / "checkpoints" / "step-00000004.pt"
+    cc.check_backup_target(url)  # a stale probe does not stop the next start either
+
+
+def test_an_s3_remote_that_refuses_writes_is_one_error_without_secrets(s3_url, monkeypatch, capsys):
+    import s3fs
+
+    async def denied(self, path, data, **kwargs):
+        raise PermissionError(f"Access Denied. (key {SECRET_KEY})")
+
+    with monkeypatch.context() as patch, pytest.raises(UserError) as error:
+        patch.setattr(s3fs.S3FileSystem, "_pipe_file", denied)
+        cc.check_backup_target(s3_url)
+    message = str(error.value)
+    assert message.startswith("--backup-to: the remote cannot be written (PermissionError: Access Denied.")
+    assert SECRET_KEY not in message and "\n" not in message
+    assert remote_files(s3_url) == []
+    url = "s3://user:pa55word@bucket/x?token=tok3n"  # credentials inside the URL are hidden too
+    text = cc.probe_error_text(OSError(f"no route to {url} (token tok3n, password pa55word, {SECRET_KEY})"), url)
+    assert text == "OSError: no route to *** (token ***, password ***, ***)"
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("s3://bucket/runs/x", "s3://bucket/runs/x"),
+    ("gs://bucket/runs", "gs://bucket/runs"),
+    ("hf://user/repo", "hf://user/repo"),
+    ("hf://datasets/user/repo@main/runs", "hf://datasets/user/repo@main/runs"),
+    ("/kaggle/working/backups", "/kaggle/working/backups"),
+    ("my backups?/v1", "my backups?/v1"),  # a local folder: every character is a path's
+    ("file:///tmp/b", "file:///tmp/b"),
+    ("s3://KEY:SECRET@bucket/x", None),
+    ("s3://token@bucket/x", None),
+    ("https://host/x?token=abc", None),
+    ("s3://bucket/x?", None),
+    ("gs://bucket/x#secret", None),
+])
+def test_printable_backup_url(url, shown):
+    assert cc.printable_backup_url(url) == shown
