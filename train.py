@@ -1553,7 +1553,8 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {training.hardware.label()}")
-    log(info, f"  {training.precision_choice.reason}; attention: {training.sdpa}")
+    log(info, f"  {training.precision_choice.reason}; attention: {training.sdpa}; Muon's Newton-Schulz in "
+              f"{hardware.newton_schulz_dtype(training.hardware)}")
     empty = [name for name in ("validation", "test") if training.splits[name].blocks == 0]
     if empty and info.is_main:
         print(f"warning: the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "
