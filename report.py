@@ -726,13 +726,16 @@ def model_card(architecture: dict, card_info: dict) -> str:
         f"- Validation loss: {_number(card_info.get('validation_loss'))} "
         f"(perplexity {_number(card_info.get('validation_perplexity'), 2)})",
         f"- Test loss: {_number(card_info.get('test_loss'))} "
-        f"(perplexity {_number(card_info.get('test_perplexity'), 2)})",
+        f"(perplexity {_number(card_info.get('test_perplexity'), 2)}, "
+        f"{_number(card_info.get('test_bits_per_byte'))} bits per byte)",
     ]
     if accuracy:
         lines.append(f"- Held-out demo task accuracy (greedy, chat template): {accuracy}")
     lines += [
         "",
-        "Losses are mean cross-entropy in nats per token on the corpus's held-out splits. A low loss is "
+        "Losses are mean cross-entropy in nats per token on the corpus's held-out splits; bits per byte "
+        "divide the summed loss by ln 2 and the UTF-8 bytes of the scored text, comparable across tokenizers. "
+        "A low loss is "
         "not task accuracy; inspect `sample_generations.json` in the run folder and evaluate on your own tasks.",
         "",
         "## How to use",

@@ -473,6 +473,21 @@ def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
     return table
 
 
+def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
+    """Each token id's UTF-8 bytes as the byte-level BPE decodes it (int64, `size` ids): one byte per
+    character of a vocabulary token (ByteLevel's alphabet), an added token's text in UTF-8, 0 for a
+    special token and for an id past the tokenizer's vocabulary. Bits per byte divide by their sum."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    lengths = torch.zeros(size, dtype=torch.int64)
+    for token, index in tokenizer.get_vocab(with_added_tokens=False).items():
+        lengths[index] = len(token)
+    for index, added in tokenizer.get_added_tokens_decoder().items():
+        lengths[index] = 0 if added.special else len(added.content.encode("utf-8"))
+    return lengths
+
+
 def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
     """The --text-loss this run records (None with --loss-on all); UserError when the corpus cannot serve it."""
     if run.loss_on == "all":
@@ -1167,6 +1182,7 @@ class Training:
         self.counted = counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
+        self.token_bytes = token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", self.vocab_size).to(self.device)
         self.sampler = BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size, session.grad_accum,
                                     info.world)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
@@ -1325,18 +1341,23 @@ class Training:
         count = min(data_split.blocks, self.run.eval_batches * self.sampler.global_batch)
         order = BlockPermutation(data_split.blocks, self.run.seed, EVAL_EPOCH)
         mine = [order(i) for i in range(self.info.rank, count, self.info.world)]
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, counted targets, their bytes
         self.model.eval()
         for start in range(0, len(mine), self.session.batch_size):
             inputs, targets = data_split.batch(mine[start: start + self.session.batch_size], self.device)
+            counted = targets != IGNORE_INDEX
             totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
-            totals[1] += (targets != IGNORE_INDEX).sum()
+            totals[1] += counted.sum()
+            totals[2] += self.token_bytes[targets[counted]].sum()
         self.model.train()
         all_reduce_sum(totals, self.info)
         if totals[1] == 0:
             return None  # --loss-on assistant and no counted token in the evaluation blocks
-        loss = (totals[0] / totals[1]).item()
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
+        nats, tokens, text_bytes = totals.tolist()
+        loss = nats / tokens
+        bits_per_byte = nats / math.log(2) / text_bytes if text_bytes else None  # None: only special tokens
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens),
+                "bits_per_byte": bits_per_byte, "bytes": int(text_bytes)}
 
     # -- settings and state ----------------------------------------------------------------
 
@@ -1702,6 +1723,12 @@ def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, 
                      tokens=result.step * training.tokens_per_step, loss=result.loss)
 
 
+def bits_per_byte_text(result: dict) -> str:
+    """", 1.2345 bits/byte" for an evaluation that has them (older records and status files may not)."""
+    value = result.get("bits_per_byte")
+    return "" if value is None else f", {value:.4f} bits/byte"
+
+
 def run_validation(training: Training, metrics: MetricsLog, progress: report.Progress) -> float | None:
     """Validation loss now; returns it when it is the best so far (the save then records it)."""
     result = training.evaluate("validation")
@@ -1710,8 +1737,10 @@ def run_validation(training: Training, metrics: MetricsLog, progress: report.Pro
     step = training.step
     training.metrics.last_eval = {"step": step, **result}
     metrics.write("eval", step=step, tokens=step * training.tokens_per_step, val_loss=result["loss"],
-                  val_perplexity=result["perplexity"], val_tokens=result["tokens"])
-    progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
+                  val_perplexity=result["perplexity"], val_tokens=result["tokens"],
+                  val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"])
+    progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
+                   f"{bits_per_byte_text(result)}")
     if result["loss"] < training.metrics.best_val_loss:
         training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
         return result["loss"]
@@ -2004,8 +2033,9 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
     test = training.evaluate("test") if status == COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
-                      test_loss=test["loss"], test_perplexity=test["perplexity"])
-        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}")
+                      test_loss=test["loss"], test_perplexity=test["perplexity"],
+                      test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"])
+        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return None
@@ -2137,6 +2167,7 @@ def card_info(name: str, status: str, preset: str, step: int, total_steps: int, 
             "validation_loss": validation["loss"] if validation else None,
             "validation_perplexity": validation["perplexity"] if validation else None,
             "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
+            "test_bits_per_byte": (test or {}).get("bits_per_byte"),
             "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings}
 
 
@@ -2164,7 +2195,7 @@ def final_line(out: Path, status: str, record: dict) -> str:
         why = f" | {record['reason']}" if record.get("reason") else ""  # e.g. stopped by --max-hours budget
         return line + f"{why} | continue with: {record['resume_command']}"
     if record.get("test_loss") is not None:
-        line += f" | test loss {record['test_loss']:.4f}"
+        line += f" | test loss {record['test_loss']:.4f}{bits_per_byte_text(record.get('test') or {})}"
     elif (record.get("validation") or {}).get("loss") is not None:
         line += f" | validation loss {record['validation']['loss']:.4f} (no test split)"
     elif record.get("train_loss") is not None:

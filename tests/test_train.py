@@ -635,11 +635,17 @@ def test_uninterrupted_run_writes_the_run_folder(reference):
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(set(r) == train_keys for r in records if r["kind"] == "train")
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
-    assert all(set(r) == {"kind", "step", "tokens", "val_loss", "val_perplexity", "val_tokens", "time"}
-               for r in records if r["kind"] == "eval")
+    assert all(set(r) == {"kind", "step", "tokens", "val_loss", "val_perplexity", "val_tokens", "val_bits_per_byte",
+                          "val_bytes", "time"} for r in records if r["kind"] == "eval")
+    assert all(r["val_bits_per_byte"] > 0 and r["val_bytes"] > r["val_tokens"] for r in records if r["kind"] == "eval")
     assert {r["val_tokens"] for r in records if r["kind"] == "eval"} == {2 * 4 * 32}  # 2 global batches of 4 x 32
     tests = [r for r in records if r["kind"] == "test"]
-    assert len(tests) == 1 and set(tests[0]) == {"kind", "step", "tokens", "test_loss", "test_perplexity", "time"}
+    assert len(tests) == 1 and set(tests[0]) == {"kind", "step", "tokens", "test_loss", "test_perplexity",
+                                                 "test_bits_per_byte", "test_bytes", "time"}
+    test = status(reference)["test"]
+    assert test["bits_per_byte"] == tests[0]["test_bits_per_byte"]
+    assert test["bits_per_byte"] == pytest.approx(test["loss"] * test["tokens"] / math.log(2) / test["bytes"])
+    assert f"{test['bits_per_byte']:.4f} bits/byte" in train.final_line(reference, "COMPLETE", status(reference))
     losses = train_losses(reference)
     assert losses[12] < losses[1]  # it learns
     state = final_state(reference)
@@ -1079,6 +1085,30 @@ def test_warmup_longer_than_the_run_and_a_run_of_few_steps_warn(corpus, tmp_path
         "12 of the run's 20 steps are warmup: most of the run trains below the peak learning rate; pass fewer "
         "--warmup-steps or train longer"]
     assert train.recipe_warnings(recipe(warmup_steps=10, total_steps=20)) == []
+
+
+def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
+    tokenizer = data.load_tokenizer(corpus)
+    lengths = train.token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", len(tokenizer) + 5)
+    text = "the cat sees 12 birds, café naïve 日本語 — 🙂 and a river."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) < len(text.encode("utf-8"))  # merges made some tokens longer than a byte
+    assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
+    specials = [tokenizer.convert_tokens_to_ids(token) for token in ("<pad>", "<bos>", "<eos>")]
+    assert lengths[specials].tolist() == [0, 0, 0] and lengths[-5:].tolist() == [0] * 5
+
+
+def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
+    training = in_process_training(corpus, tmp_path / "run")
+    result = training.evaluate("test")
+    split = training.splits["test"]
+    count = min(split.blocks, training.run.eval_batches * training.sampler.global_batch)
+    order = train.BlockPermutation(split.blocks, training.run.seed, train.EVAL_EPOCH)
+    _, targets = split.batch([order(i) for i in range(count)], torch.device("cpu"))
+    scored = targets[targets != train.IGNORE_INDEX].tolist()
+    text = data.load_tokenizer(corpus).decode(scored, skip_special_tokens=True)
+    assert result["tokens"] == len(scored) and result["bytes"] == len(text.encode("utf-8"))
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
 
 
 def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
