@@ -480,12 +480,12 @@ def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    lengths = torch.zeros(size, dtype=torch.int64)
+    lengths = [0] * size
     for token, index in tokenizer.get_vocab(with_added_tokens=False).items():
         lengths[index] = len(token)
     for index, added in tokenizer.get_added_tokens_decoder().items():
         lengths[index] = 0 if added.special else len(added.content.encode("utf-8"))
-    return lengths
+    return torch.tensor(lengths, dtype=torch.int64)
 
 
 def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
