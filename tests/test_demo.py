@@ -114,7 +114,8 @@ def test_demo_completes_with_an_accuracy(demo):
         assert task["accuracy"] == task["correct"] / task["total"]
     assert "held-out task accuracy:" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"COMPLETE: step 40/40 | test loss {record['test_loss']:.4f} | held-out accuracy "
+    assert last.startswith(f"COMPLETE: step 40/40 | test loss {record['test_loss']:.4f}, "
+                           f"{record['test']['bits_per_byte']:.4f} bits/byte | held-out accuracy "
                            f"{100 * accuracy['accuracy']:.1f}% | ")
     # the test loss: the final model's mean cross-entropy over the whole test split, computed here from the shards
     final = checkpoint_model(run / "checkpoints" / "step-00000040.pt")

@@ -402,7 +402,8 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     parameters = sum(p.numel() for p in model.parameters())
     for expected in ["Status: **COMPLETE**", "Optimizer steps: 200 of 200", "Tokens trained on: 25,600",
                      f"Parameters: {parameters:,}", "2 decoder layers", "c0" * 32, "70" * 32, "Validation loss: 0.1234",
-                     "Test loss: 0.2345 (perplexity 1.26, 0.0812 bits per byte)", "92.5% exact match (37/40)", "AutoModelForCausalLM.from_pretrained",
+                     "Test loss: 0.2345 (perplexity 1.26, 0.0812 bits per byte)", "92.5% exact match (37/40)",
+                     "AutoModelForCausalLM.from_pretrained",
                      "## Limitations"]:
         assert expected in card, expected
     provenance = json.loads((out / "training_provenance.json").read_text())
