@@ -1177,7 +1177,6 @@ class Training:
         self.vocab_size = int(manifest["vocab_size"])
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
-        self.precision = self.precision_choice.value
         self.text_loss = check_loss_on(run, manifest, corpus)
         self.counted = counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
@@ -1272,6 +1271,10 @@ class Training:
         finally:
             self.model.zero_grad(set_to_none=True)
         return (lambda: sdpa_kernel(fused)), plan.reason
+
+    @property
+    def precision(self) -> str:
+        return self.precision_choice.value  # "fp32", "fp16" or "bf16", as resolved on this device
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
