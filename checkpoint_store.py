@@ -37,6 +37,10 @@ CORRUPT_SUFFIX = ".corrupt"
 ABANDONED = "abandoned-{step:08d}"
 
 
+# run_status.json's status: running, stopped with a checkpoint to continue from, complete, failed
+RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 

@@ -33,9 +33,12 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported only where a corpus is read for training: data.py builds without it
+    import torch
 
 from common import (
     ArgumentParser,
@@ -1644,3 +1647,219 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     stop_on_sigterm()  # the command line only: a kill leaves no .NAME.<hex>.tmp/ behind
     run_main(main)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a corpus (train.py): the token streams, the loss mask and the data order (DESIGN.md).
+
+
+PULLED_CORPORA = "corpus"  # train.py --data URL is pulled into corpus/<name>-<hash of the URL>
+
+
+def load_manifest(corpus: Path) -> dict:
+    """corpus_manifest.json (py checks its layout), with a hint when the corpus is not there."""
+    check_corpus_folder(corpus)
+    manifest = load_corpus_manifest(corpus)
+    if "train" not in manifest["splits"] or "vocab_size" not in manifest:
+        raise UserError(f"{corpus / 'corpus_manifest.json'} has no train split or no vocab_size")
+    return manifest
+
+
+
+def check_corpus_folder(corpus: Path, demo: bool = False) -> None:
+    """A clear line, and the py command that builds one, when `corpus` is not a corpus folder."""
+    if (corpus / CORPUS_MANIFEST).is_file():
+        return
+    if demo:
+        raise UserError(f"corpus folder {corpus} not found; build one with: python py --demo --out {corpus}")
+    if not corpus.exists():
+        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python py --data YOUR_FILES "
+                        f"--out {corpus}")
+    if corpus.name == CORPUS_MANIFEST:
+        raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
+    raise UserError(f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
+                    f"python py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
+
+
+
+
+
+IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
+
+
+
+def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
+    """Which mask classes (MASK_*) the loss counts, as a lookup table; None: every token."""
+    if loss_on == "all":
+        return None
+    table = np.zeros(len(MASK_CLASSES), dtype=bool)
+    table[MASK_ASSISTANT] = True
+    table[MASK_TEXT] = text_loss == "full"
+    return table
+
+
+
+def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
+    """Each token id's UTF-8 bytes as the byte-level BPE decodes it (int64, `size` ids): one byte per
+    character of a vocabulary token (ByteLevel's alphabet), an added token's text in UTF-8, 0 for a
+    special token and for an id past the tokenizer's vocabulary. Bits per byte divide by their sum."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    lengths = [0] * size
+    for token, index in tokenizer.get_vocab(with_added_tokens=False).items():
+        lengths[index] = len(token)
+    for index, added in tokenizer.get_added_tokens_decoder().items():
+        lengths[index] = 0 if added.special else len(added.content.encode("utf-8"))
+    return torch.tensor(lengths, dtype=torch.int64)
+
+
+
+class TokenSplit:
+    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1).
+
+    With `counted` (counted_classes), the mask files beside the shards turn every target the loss
+    does not count into IGNORE_INDEX.
+    """
+
+    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None):
+        entry = manifest["splits"].get(split, {"files": []})
+        self.name, self.context, self.counted = split, context, counted
+        items = [item for item in entry["files"] if item["bytes"] > 0]
+        self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
+                                 mode="r") for item in items]
+        self.masks = [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items] \
+            if counted is not None else []
+        self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
+        self.tokens = int(self.starts[-1])
+        self.blocks = max(0, (self.tokens - 1) // context)
+
+    def _span(self, streams: list[np.ndarray], index: int) -> np.ndarray:
+        start, end = index * self.context, index * self.context + self.context + 1
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        while start < end:
+            offset = start - self.starts[shard]
+            piece = streams[shard][offset: offset + end - start]
+            pieces.append(piece)
+            start += len(piece)
+            shard += 1
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def block(self, index: int) -> np.ndarray:
+        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
+        return self._span(self.shards, index).astype(np.int64)
+
+    def block_mask(self, index: int) -> np.ndarray:
+        """The mask classes of block `index`'s C + 1 tokens (needs `counted`)."""
+        return np.asarray(self._span(self.masks, index))
+
+    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) for these blocks, on `device`; targets not counted are IGNORE_INDEX."""
+        import torch
+
+        array = np.stack([self.block(index) for index in indices])
+        targets = array[:, 1:].copy()
+        if self.counted is not None:
+            skipped = ~self.counted[np.stack([self.block_mask(index)[1:] for index in indices])]
+            targets[skipped] = IGNORE_INDEX
+        inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
+        if device.type == "cuda":
+            inputs = inputs.pin_memory().to(device, non_blocking=True)
+            targets = targets.pin_memory().to(device, non_blocking=True)
+        return inputs, targets
+
+
+
+MASK64 = (1 << 64) - 1
+
+
+
+EVAL_EPOCH = 1 << 40  # evaluation blocks follow their own fixed order, never a training epoch's
+
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finalizer: a fast, well-mixed 64-bit hash."""
+    value = (value + 0x9E3779B97F4A7C15) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+    return value ^ (value >> 31)
+
+
+
+class BlockPermutation:
+    """A stateless pseudo-random bijection of range(n), keyed by (seed, epoch).
+
+    A 4-round Feistel network over the smallest even-width bit domain holding n (fewer than
+    4n values), with cycle-walking: re-encrypt until the value falls inside range(n). Any
+    position is computed on its own, so seeking is O(1).
+    """
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n <= 0:
+            raise ValueError("a permutation needs at least one element")
+        self.n = n
+        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.mask = (1 << self.half_bits) - 1
+        base = mix64(mix64(seed & MASK64) ^ epoch)
+        self.keys = [mix64(base + round_index) for round_index in range(self.ROUNDS)]
+
+    def _encrypt(self, value: int) -> int:
+        left, right = value >> self.half_bits, value & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (mix64(right ^ key) & self.mask)
+        return (left << self.half_bits) | right
+
+    def __call__(self, position: int) -> int:
+        value = self._encrypt(position)
+        while value >= self.n:
+            value = self._encrypt(value)
+        return value
+
+
+
+class BlockSampler:
+    """The training data cursor: optimizer step s reads global samples [s*G, (s+1)*G).
+
+    Within a step, sample j goes to micro-step j // (world * batch), rank (j // batch) % world,
+    so the same global batch on any number of ranks reads the same samples per step.
+    """
+
+    def __init__(self, blocks: int, seed: int, batch_size: int, grad_accum: int, world: int):
+        if blocks <= 0:
+            raise UserError("the train split has fewer tokens than one block; use a smaller --context")
+        self.blocks, self.seed = blocks, seed
+        self.batch_size, self.grad_accum, self.world = batch_size, grad_accum, world
+        self.global_batch = batch_size * grad_accum * world
+        self._permutations: dict[int, BlockPermutation] = {}
+
+    def block_of(self, sample: int) -> int:
+        epoch, position = divmod(sample, self.blocks)
+        if epoch not in self._permutations:
+            self._permutations = {epoch: BlockPermutation(self.blocks, self.seed, epoch)}
+        return self._permutations[epoch](position)
+
+    def step_blocks(self, step: int) -> list[int]:
+        """The G blocks of optimizer step `step`, in global order."""
+        start = step * self.global_batch
+        return [self.block_of(sample) for sample in range(start, start + self.global_batch)]
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        """This rank's blocks of `step`, one list per micro-step."""
+        blocks = self.step_blocks(step)
+        per_micro = self.world * self.batch_size
+        starts = [micro * per_micro + rank * self.batch_size for micro in range(self.grad_accum)]
+        return [blocks[start: start + self.batch_size] for start in starts]
+
+    def state_dict(self) -> dict:
+        """What the data order depends on besides the step (which the checkpoint holds once, for all)."""
+        return {"seed": self.seed, "blocks": self.blocks, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "blocks", "global_batch"):
+            if state[key] != getattr(self, key):
+                raise UserError(f"checkpoint data cursor has {key} {state[key]}, this run has {getattr(self, key)}")

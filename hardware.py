@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common import UserError
-from model_config import Preset, parameter_count
+from model_config import CONTIGUOUS, REPEATED_KV, SDPA_CAUSAL, Preset, parameter_count
 
 MIN_TORCH = (2, 9)  # torch.optim.Muon (2.9), torch.nn.utils.get_total_norm (2.6)
 
@@ -156,9 +156,6 @@ def precision_change(old: str, new: str, device: Device) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # Attention: which SDPA kernel runs, and how the model must call it.
 
-SDPA_CAUSAL = "sdpa_causal"  # transformers' own SDPA attention under train.py's causal mask function
-REPEATED_KV = "sdpa_repeated_kv"  # K/V heads repeated to the query heads (no enable_gqa)
-CONTIGUOUS = "sdpa_contiguous"  # heads laid out contiguously first (CPU flash kernel)
 
 
 FUSED_BACKENDS = ("flash", "efficient", "cudnn")  # torch.nn.attention.SDPBackend, by their kernel names

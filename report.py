@@ -36,10 +36,13 @@ from typing import Any
 
 import numpy as np
 
+import checkpoint_store as store
 from common import (
     ArgumentParser,
     UserError,
+    append_jsonl,
     atomic_folder,
+    atomic_open,
     atomic_write_bytes,
     atomic_write_json,
     human_count,
@@ -324,6 +327,110 @@ class TensorBoardLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def bits_per_byte_text(result: dict) -> str:
+    """", 1.2345 bits/byte" for an evaluation that has them (older records and status files may not)."""
+    value = result.get("bits_per_byte")
+    return "" if value is None else f", {value:.4f} bits/byte"
+
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time".
+
+    `tensorboard` (a TensorBoardLogger) gets every record too.
+    """
+
+    def __init__(self, path: Path, enabled: bool, tensorboard: TensorBoardLogger | None = None):
+        self.path, self.enabled, self.tensorboard = path, enabled, tensorboard
+
+    def write(self, kind: str, **fields) -> None:
+        if self.enabled:
+            record = {"kind": kind, **fields, "time": utc_now()}
+            append_jsonl(self.path, record)
+            if self.tensorboard is not None:
+                self.tensorboard.log(record)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after `step` (a resumed run logs those steps again)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        with atomic_open(self.path, "w") as handle:
+            handle.writelines(kept)
+
+
+
+def last_train_loss(out: Path) -> float | None:
+    """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
+    with contextlib.suppress(OSError):
+        for line in reversed((out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()):
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("kind") == "train" and isinstance(record.get("loss"), float):
+                    return record["loss"]
+    return None
+
+
+
+def draw_loss_curve(out: Path, progress: Progress) -> None:
+    try:
+        plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=out.name)
+    except Exception as error:
+        progress.write(f"warning: loss_curve.png not drawn ({type(error).__name__}: {error})")
+
+
+
+def accuracy_line(accuracy: dict) -> str:
+    tasks = ", ".join(f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
+                      for name, task in accuracy["by_task"].items())
+    return (f"held-out task accuracy: {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['total']})"
+            f" | {tasks}")
+
+
+
+def card_info(name: str, status: str, preset: str, step: int, total_steps: int, tokens: int, settings: dict,
+              validation: dict | None, test: dict | None, accuracy: dict | None) -> dict:
+    """What export_hf_model writes into the model card and training_provenance.json."""
+    training = settings["training"]
+    return {"model_name": name, "status": status, "preset": preset, "steps": step, "total_steps": total_steps,
+            "tokens": tokens, "corpus_sha256": training["corpus_manifest_sha256"],
+            "tokenizer_sha256": training["tokenizer_sha256"],
+            "validation_loss": validation["loss"] if validation else None,
+            "validation_perplexity": validation["perplexity"] if validation else None,
+            "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
+            "test_bits_per_byte": (test or {}).get("bits_per_byte"),
+            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings}
+
+
+
+def final_line(out: Path, status: str, record: dict) -> str:
+    """The last line a person sees: where the run stands and what to do next."""
+    line = f"{status}: step {record['step']}/{record['total_steps']}"
+    if record.get("backup_complete") is not None:
+        line += " | newest checkpoint " + ("backed up" if record["backup_complete"] else "NOT yet backed up")
+    if status == store.NEEDS_RESUME:
+        why = f" | {record['reason']}" if record.get("reason") else ""  # e.g. stopped by --max-hours budget
+        return line + f"{why} | continue with: {record['resume_command']}"
+    if record.get("test_loss") is not None:
+        line += f" | test loss {record['test_loss']:.4f}{bits_per_byte_text(record.get('test') or {})}"
+    elif (record.get("validation") or {}).get("loss") is not None:
+        line += f" | validation loss {record['validation']['loss']:.4f} (no test split)"
+    elif record.get("train_loss") is not None:
+        line += f" | train loss {record['train_loss']:.4f} (no held-out split)"
+    if record.get("task_accuracy"):
+        line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
+    if record.get("model_files"):
+        line += f" | model: {out / 'model'} (sha256 in {out / 'run_status.json'})"
+    return line
 
 
 # ----------------------------------------------------------------------------------------------

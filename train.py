@@ -25,7 +25,6 @@ import dataclasses
 import fcntl
 import hashlib
 import inspect
-import json
 import math
 import os
 import platform
@@ -48,7 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import checkpoint_cloud
 import checkpoint_store as store
@@ -59,7 +57,6 @@ import report
 from common import (
     ArgumentParser,
     UserError,
-    append_jsonl,
     atomic_open,
     atomic_write_json,
     os_error_cause,
@@ -79,13 +76,11 @@ from common import (
 FORMAT_VERSION = 4
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
-PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of the URL>
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
                  "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
-RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
 
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 
@@ -121,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     paths = parser.add_argument_group("data and run folder")
     paths.add_argument("--data", default=None,
                        help=f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
-                            f"{PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
+                            f"{data.PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
     paths.add_argument("--out", default=None,
                        help=f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})")
     paths.add_argument("--init-from", default=None, metavar="SOURCE",
@@ -425,67 +420,10 @@ def resolve_model_preset(run: RunSettings) -> model_config.Preset:
 # Corpus: token streams cut into shards (DESIGN.md, "Corpus folder").
 
 
-def load_manifest(corpus: Path) -> dict:
-    """corpus_manifest.json (data.py checks its layout), with a hint when the corpus is not there."""
-    check_corpus_folder(corpus)
-    manifest = data.load_corpus_manifest(corpus)
-    if "train" not in manifest["splits"] or "vocab_size" not in manifest:
-        raise UserError(f"{corpus / 'corpus_manifest.json'} has no train split or no vocab_size")
-    return manifest
-
-
-def check_corpus_folder(corpus: Path, demo: bool = False) -> None:
-    """A clear line, and the data.py command that builds one, when `corpus` is not a corpus folder."""
-    if (corpus / data.CORPUS_MANIFEST).is_file():
-        return
-    if demo:
-        raise UserError(f"corpus folder {corpus} not found; build one with: python data.py --demo --out {corpus}")
-    if not corpus.exists():
-        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python data.py --data YOUR_FILES "
-                        f"--out {corpus}")
-    if corpus.name == data.CORPUS_MANIFEST:
-        raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
-    raise UserError(f"--data {corpus} is not a corpus folder (no {data.CORPUS_MANIFEST}); build one with: "
-                    f"python data.py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
-
-
-def check_corpus(corpus: Path) -> list[str]:
-    """Problems with the corpus files, each naming the file ([] when every size and sha256 matches)."""
-    return data.verify_corpus(corpus)
-
-
 LOSS_ON = ("all", "assistant")
 
 
 TEXT_LOSS = ("full", "none")
-
-
-IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
-
-
-def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
-    """Which mask classes (data.MASK_*) the loss counts, as a lookup table; None: every token."""
-    if loss_on == "all":
-        return None
-    table = np.zeros(len(data.MASK_CLASSES), dtype=bool)
-    table[data.MASK_ASSISTANT] = True
-    table[data.MASK_TEXT] = text_loss == "full"
-    return table
-
-
-def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
-    """Each token id's UTF-8 bytes as the byte-level BPE decodes it (int64, `size` ids): one byte per
-    character of a vocabulary token (ByteLevel's alphabet), an added token's text in UTF-8, 0 for a
-    special token and for an id past the tokenizer's vocabulary. Bits per byte divide by their sum."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    lengths = [0] * size
-    for token, index in tokenizer.get_vocab(with_added_tokens=False).items():
-        lengths[index] = len(token)
-    for index, added in tokenizer.get_added_tokens_decoder().items():
-        lengths[index] = 0 if added.special else len(added.content.encode("utf-8"))
-    return torch.tensor(lengths, dtype=torch.int64)
 
 
 def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
@@ -502,150 +440,8 @@ def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
     return run.text_loss or "none"
 
 
-class TokenSplit:
-    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1).
-
-    With `counted` (counted_classes), the mask files beside the shards turn every target the loss
-    does not count into IGNORE_INDEX.
-    """
-
-    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None):
-        entry = manifest["splits"].get(split, {"files": []})
-        self.name, self.context, self.counted = split, context, counted
-        items = [item for item in entry["files"] if item["bytes"] > 0]
-        self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
-                                 mode="r") for item in items]
-        self.masks = [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items] \
-            if counted is not None else []
-        self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
-        self.tokens = int(self.starts[-1])
-        self.blocks = max(0, (self.tokens - 1) // context)
-
-    def _span(self, streams: list[np.ndarray], index: int) -> np.ndarray:
-        start, end = index * self.context, index * self.context + self.context + 1
-        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pieces = []
-        while start < end:
-            offset = start - self.starts[shard]
-            piece = streams[shard][offset: offset + end - start]
-            pieces.append(piece)
-            start += len(piece)
-            shard += 1
-        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-
-    def block(self, index: int) -> np.ndarray:
-        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
-        return self._span(self.shards, index).astype(np.int64)
-
-    def block_mask(self, index: int) -> np.ndarray:
-        """The mask classes of block `index`'s C + 1 tokens (needs `counted`)."""
-        return np.asarray(self._span(self.masks, index))
-
-    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) for these blocks, on `device`; targets not counted are IGNORE_INDEX."""
-        array = np.stack([self.block(index) for index in indices])
-        targets = array[:, 1:].copy()
-        if self.counted is not None:
-            skipped = ~self.counted[np.stack([self.block_mask(index)[1:] for index in indices])]
-            targets[skipped] = IGNORE_INDEX
-        inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
-        if device.type == "cuda":
-            inputs = inputs.pin_memory().to(device, non_blocking=True)
-            targets = targets.pin_memory().to(device, non_blocking=True)
-        return inputs, targets
-
-
 # ----------------------------------------------------------------------------------------------
 # Data order (DESIGN.md): global sample g is block perm(seed, epoch = g // blocks)(g % blocks).
-
-
-MASK64 = (1 << 64) - 1
-
-
-EVAL_EPOCH = 1 << 40  # evaluation blocks follow their own fixed order, never a training epoch's
-
-
-def mix64(value: int) -> int:
-    """splitmix64's finalizer: a fast, well-mixed 64-bit hash."""
-    value = (value + 0x9E3779B97F4A7C15) & MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
-    return value ^ (value >> 31)
-
-
-class BlockPermutation:
-    """A stateless pseudo-random bijection of range(n), keyed by (seed, epoch).
-
-    A 4-round Feistel network over the smallest even-width bit domain holding n (fewer than
-    4n values), with cycle-walking: re-encrypt until the value falls inside range(n). Any
-    position is computed on its own, so seeking is O(1).
-    """
-
-    ROUNDS = 4
-
-    def __init__(self, n: int, seed: int, epoch: int):
-        if n <= 0:
-            raise ValueError("a permutation needs at least one element")
-        self.n = n
-        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
-        self.mask = (1 << self.half_bits) - 1
-        base = mix64(mix64(seed & MASK64) ^ epoch)
-        self.keys = [mix64(base + round_index) for round_index in range(self.ROUNDS)]
-
-    def _encrypt(self, value: int) -> int:
-        left, right = value >> self.half_bits, value & self.mask
-        for key in self.keys:
-            left, right = right, left ^ (mix64(right ^ key) & self.mask)
-        return (left << self.half_bits) | right
-
-    def __call__(self, position: int) -> int:
-        value = self._encrypt(position)
-        while value >= self.n:
-            value = self._encrypt(value)
-        return value
-
-
-class BlockSampler:
-    """The training data cursor: optimizer step s reads global samples [s*G, (s+1)*G).
-
-    Within a step, sample j goes to micro-step j // (world * batch), rank (j // batch) % world,
-    so the same global batch on any number of ranks reads the same samples per step.
-    """
-
-    def __init__(self, blocks: int, seed: int, batch_size: int, grad_accum: int, world: int):
-        if blocks <= 0:
-            raise UserError("the train split has fewer tokens than one block; use a smaller --context")
-        self.blocks, self.seed = blocks, seed
-        self.batch_size, self.grad_accum, self.world = batch_size, grad_accum, world
-        self.global_batch = batch_size * grad_accum * world
-        self._permutations: dict[int, BlockPermutation] = {}
-
-    def block_of(self, sample: int) -> int:
-        epoch, position = divmod(sample, self.blocks)
-        if epoch not in self._permutations:
-            self._permutations = {epoch: BlockPermutation(self.blocks, self.seed, epoch)}
-        return self._permutations[epoch](position)
-
-    def step_blocks(self, step: int) -> list[int]:
-        """The G blocks of optimizer step `step`, in global order."""
-        start = step * self.global_batch
-        return [self.block_of(sample) for sample in range(start, start + self.global_batch)]
-
-    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
-        """This rank's blocks of `step`, one list per micro-step."""
-        blocks = self.step_blocks(step)
-        per_micro = self.world * self.batch_size
-        starts = [micro * per_micro + rank * self.batch_size for micro in range(self.grad_accum)]
-        return [blocks[start: start + self.batch_size] for start in starts]
-
-    def state_dict(self) -> dict:
-        """What the data order depends on besides the step (which the checkpoint holds once, for all)."""
-        return {"seed": self.seed, "blocks": self.blocks, "global_batch": self.global_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "blocks", "global_batch"):
-            if state[key] != getattr(self, key):
-                raise UserError(f"checkpoint data cursor has {key} {state[key]}, this run has {getattr(self, key)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1052,7 +848,7 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
-    to IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
+    to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
     hidden = model.model(input_ids=inputs).last_hidden_state
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     weight = model.lm_head.weight
@@ -1066,12 +862,12 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
             total = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, dtype)
     if reduction == "sum":
         return total
-    return total / (targets != IGNORE_INDEX).sum()
+    return total / (targets != data.IGNORE_INDEX).sum()
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """F.cross_entropy(logits, targets, reduction="sum") over the counted targets, and each row's logsumexp."""
-    counted = targets != IGNORE_INDEX
+    counted = targets != data.IGNORE_INDEX
     logsumexp = torch.logsumexp(logits, dim=-1)
     target_logits = logits.gather(1, torch.where(counted, targets, 0)[:, None]).squeeze(1)
     return torch.where(counted, logsumexp - target_logits, 0.0).sum(), logsumexp
@@ -1079,7 +875,7 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torc
 
 def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
     """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted."""
-    counted = targets != IGNORE_INDEX
+    counted = targets != data.IGNORE_INDEX
     gradient = logits.sub_(logsumexp[:, None]).exp_()
     gradient.scatter_add_(1, torch.where(counted, targets, 0)[:, None], torch.full_like(logsumexp[:, None], -1.0))
     return gradient.mul_(counted[:, None])
@@ -1178,12 +974,13 @@ class Training:
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
         self.text_loss = check_loss_on(run, manifest, corpus)
-        self.counted = counted_classes(run.loss_on, self.text_loss)
-        self.splits = {name: TokenSplit(corpus, manifest, name, self.context, self.counted)
+        self.counted = data.counted_classes(run.loss_on, self.text_loss)
+        self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
-        self.token_bytes = token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", self.vocab_size).to(self.device)
-        self.sampler = BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size, session.grad_accum,
-                                    info.world)
+        tokenizer_file = corpus / "tokenizer" / "tokenizer.json"
+        self.token_bytes = data.token_byte_lengths(tokenizer_file, self.vocab_size).to(self.device)
+        self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
+                                         session.grad_accum, info.world)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
         self.tokens_per_step = self.sampler.global_batch * self.context
         self.total_steps = self._total_steps()
@@ -1243,13 +1040,13 @@ class Training:
         """The attention hardware.choose_attention plans for this card and dtype, made so.
 
         Every plan goes through one of train.py's attention functions, so that under torch.compile the
-        causal mask stays SDPA's is_causal (causal_sdpa_mask) instead of a dense mask tensor. On CUDA a
+        causal mask stays SDPA's is_causal (model_config.causal_sdpa_mask) instead of a dense mask tensor. On CUDA a
         fused plan trains inside sdpa_kernel(fused backends only): a forward and backward probe checks
         that the kernel takes this model, and the math fallback is taken only, with a warning, if not.
         """
         plan = hardware.choose_attention(self.hardware, self.precision, self.preset.head_dim,
                                          self.session.deterministic)
-        use_attention(self.model, plan.implementation)
+        model_config.use_attention(self.model, plan.implementation)
         if not plan.fused_only:
             if self.hardware.is_cuda:
                 warn(f"{plan.reason}; attention uses the slower math kernel")
@@ -1266,7 +1063,7 @@ class Training:
         except RuntimeError as error:
             warn(f"the planned {plan.reason} does not take this model ({str(error).splitlines()[0][:200]}); "
                  "attention uses the slower math kernel")
-            use_attention(self.model, hardware.SDPA_CAUSAL)
+            model_config.use_attention(self.model, model_config.SDPA_CAUSAL)
             return contextlib.nullcontext, f"math fallback (planned: {plan.reason})"
         finally:
             self.model.zero_grad(set_to_none=True)
@@ -1299,7 +1096,7 @@ class Training:
         batches = [self.splits["train"].batch(indices, self.device) for indices in micro_batches]
         if self.counted is not None:
             # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
-            counted = sum((targets != IGNORE_INDEX).sum() for _, targets in batches).double()
+            counted = sum((targets != data.IGNORE_INDEX).sum() for _, targets in batches).double()
             per_rank = all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
         for micro, (inputs, targets) in enumerate(batches):
             last = micro == len(micro_batches) - 1
@@ -1342,13 +1139,13 @@ class Training:
         if data_split.blocks == 0:
             return None
         count = min(data_split.blocks, self.run.eval_batches * self.sampler.global_batch)
-        order = BlockPermutation(data_split.blocks, self.run.seed, EVAL_EPOCH)
+        order = data.BlockPermutation(data_split.blocks, self.run.seed, data.EVAL_EPOCH)
         mine = [order(i) for i in range(self.info.rank, count, self.info.world)]
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, counted targets, their bytes
         self.model.eval()
         for start in range(0, len(mine), self.session.batch_size):
             inputs, targets = data_split.batch(mine[start: start + self.session.batch_size], self.device)
-            counted = targets != IGNORE_INDEX
+            counted = targets != data.IGNORE_INDEX
             totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
             totals[1] += counted.sum()
             totals[2] += self.token_bytes[targets[counted]].sum()
@@ -1488,7 +1285,7 @@ def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = 
     only) builds the model with a larger vocabulary than the corpus tokenizer's, e.g. think72's 33,069
     over the small demo corpus, whose ids all stay valid."""
     corpus = Path(settings.session.data) if corpus is None else corpus
-    manifest = load_manifest(corpus)
+    manifest = data.load_manifest(corpus)
     if vocab_size is not None:
         if vocab_size < manifest["vocab_size"]:
             raise UserError(f"vocab_size {vocab_size} is below the corpus' {manifest['vocab_size']}")
@@ -1536,8 +1333,8 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     session, invocation = settings.session, settings.invocation
     out = Path(session.out)
     check_hardware(session, info)
-    load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
-    problems = main_decides(lambda: check_corpus(corpus), info)
+    data.load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
+    problems = main_decides(lambda: data.verify_corpus(corpus), info)
     if problems:
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
@@ -1558,7 +1355,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
     settings = training.settings()
     tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=session.tensorboard and info.is_main)
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
+    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
@@ -1597,9 +1394,9 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
 
     progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main)
     stop = StopRequest()
-    stop.install()  # until the final status is written: a second Ctrl-C then still records FAILED
+    stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     if info.is_main:  # only now: from here on a SIGTERM or Ctrl-C ends the run with a checkpoint
-        write_status(out, RUNNING, step=training.step, total_steps=training.total_steps)
+        write_status(out, store.RUNNING, step=training.step, total_steps=training.total_steps)
     try:
         try:
             status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
@@ -1616,13 +1413,14 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
         fail_run(info, out, checkpointer, training, str(error))
         last = latest_checkpoint_name(out)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
-        raise UserError(f"training failed: {error}; {kept} (status {FAILED} in {out / 'run_status.json'})") from None
+        raise UserError(f"training failed: {error}; {kept} "
+                        f"(status {store.FAILED} in {out / 'run_status.json'})") from None
     except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError too
         advice = out_of_memory_advice(training)
         fail_run(info, out, checkpointer, training, advice)
         last = latest_checkpoint_name(out)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
-        raise UserError(f"{advice}; {kept} (status {FAILED} in {out / 'run_status.json'})") from None
+        raise UserError(f"{advice}; {kept} (status {store.FAILED} in {out / 'run_status.json'})") from None
     except KeyboardInterrupt:  # a second Ctrl-C
         command = resume_command(info, invocation.argv)
         reason = fail_run(info, out, checkpointer, training,
@@ -1652,7 +1450,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     return 0
 
 
-def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: MetricsLog, stop: StopRequest,
+def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: report.MetricsLog, stop: StopRequest,
                peak: float | None, process_started: float, progress: report.Progress) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason)."""
     session, info = training.session, training.info
@@ -1663,7 +1461,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
         reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
                   f"{session.stop_after_steps}: no step taken")
         progress.write(reason)
-        return NEEDS_RESUME, reason
+        return store.NEEDS_RESUME, reason
     if training.step >= training.total_steps:  # e.g. the same command again after the run completed
         progress.write(f"the run was already complete at step {training.step}/{training.total_steps}: no step "
                        "taken; the test evaluation and the report are made again (a longer run: a larger "
@@ -1691,7 +1489,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
             eval_started = time.monotonic()
             best = run_validation(training, metrics, progress)
             if info.is_main and session.report:
-                draw_loss_curve(out, progress)
+                report.draw_loss_curve(out, progress)
             slowest_eval = max(slowest_eval, time.monotonic() - eval_started)
 
         elapsed = time.monotonic() - process_started
@@ -1710,29 +1508,23 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
                 log_train_step(training, metrics, result, tokens_per_second, mfu)
             why = stop.signal_name or ("--max-hours budget" if out_of_time else
                                        f"--stop-after-steps {session.stop_after_steps}")
-            return NEEDS_RESUME, f"stopped by {why}"
-    return COMPLETE, None
+            return store.NEEDS_RESUME, f"stopped by {why}"
+    return store.COMPLETE, None
 
 
-def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, tokens_per_second: float,
+def log_train_step(training: Training, metrics: report.MetricsLog, result: StepResult, tokens_per_second: float,
                    mfu: float | None) -> None:
-    """A train record in metrics.jsonl and the RUNNING status (the progress bar shows the step)."""
+    """A train record in metrics.jsonl and the store.RUNNING status (the progress bar shows the step)."""
     metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
                   lr=result.lr, grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=peak_memory_bytes(training.device))
     if training.info.is_main:
-        write_status(Path(training.session.out), RUNNING, step=result.step, total_steps=training.total_steps,
+        write_status(Path(training.session.out), store.RUNNING, step=result.step, total_steps=training.total_steps,
                      tokens=result.step * training.tokens_per_step, loss=result.loss)
 
 
-def bits_per_byte_text(result: dict) -> str:
-    """", 1.2345 bits/byte" for an evaluation that has them (older records and status files may not)."""
-    value = result.get("bits_per_byte")
-    return "" if value is None else f", {value:.4f} bits/byte"
-
-
-def run_validation(training: Training, metrics: MetricsLog, progress: report.Progress) -> float | None:
+def run_validation(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> float | None:
     """Validation loss now; returns it when it is the best so far (the save then records it)."""
     result = training.evaluate("validation")
     if result is None:
@@ -1743,7 +1535,7 @@ def run_validation(training: Training, metrics: MetricsLog, progress: report.Pro
                   val_perplexity=result["perplexity"], val_tokens=result["tokens"],
                   val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"])
     progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-                   f"{bits_per_byte_text(result)}")
+                   f"{report.bits_per_byte_text(result)}")
     if result["loss"] < training.metrics.best_val_loss:
         training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
         return result["loss"]
@@ -1840,14 +1632,15 @@ def stop_for_lost_rank(training: Training, out: Path, checkpointer: Checkpointer
     reason = f"{who} stopped ({cause}); this rank exits too"
     command = resume_command(info, training.invocation.argv)
     # a final status already written (the peer went in the last barrier, after the report) stays: it is true
-    final = info.is_main and read_json_or(out / "run_status.json", {}).get("status") in (COMPLETE, NEEDS_RESUME)
+    final = info.is_main and read_json_or(out / "run_status.json", {}).get("status") in (store.COMPLETE,
+                                                                                        store.NEEDS_RESUME)
     if info.is_main and not final:
         with contextlib.suppress(Exception):
             checkpointer.wait()  # a write in flight holds good state: finish it
         last = latest_checkpoint_name(out)
         record = {"reason": reason, "step": training.step, "total_steps": training.total_steps,
                   "last_checkpoint": last, "resume_command": command, "backup_complete": None}
-        status = NEEDS_RESUME if last else FAILED
+        status = store.NEEDS_RESUME if last else store.FAILED
         write_status(out, status, **record)
         with contextlib.suppress(Exception):
             wait_for_backup(checkpointer, out, status, record, since=failed_at)
@@ -1947,43 +1740,11 @@ def prepare_corpus(settings: Settings) -> Path:
     if "://" in data_option and not data_option.startswith("file://"):
         url = data_option.rstrip("/")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
-        cache = Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+        cache = Path(data.PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
         return checkpoint_cloud.local_corpus(data_option, cache)
     corpus = Path(data_option.removeprefix("file://"))
-    check_corpus_folder(corpus)
+    data.check_corpus_folder(corpus)
     return corpus
-
-
-class MetricsLog:
-    """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time".
-
-    `tensorboard` (a report.TensorBoardLogger) gets every record too.
-    """
-
-    def __init__(self, path: Path, enabled: bool, tensorboard: report.TensorBoardLogger | None = None):
-        self.path, self.enabled, self.tensorboard = path, enabled, tensorboard
-
-    def write(self, kind: str, **fields) -> None:
-        if self.enabled:
-            record = {"kind": kind, **fields, "time": utc_now()}
-            append_jsonl(self.path, record)
-            if self.tensorboard is not None:
-                self.tensorboard.log(record)
-
-    def truncate_after(self, step: int) -> None:
-        """Drop lines logged after `step` (a resumed run logs those steps again)."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            if record.get("step", 0) <= step:
-                kept.append(line + "\n")
-        with atomic_open(self.path, "w") as handle:
-            handle.writelines(kept)
 
 
 def write_status(out: Path, status: str, **fields) -> None:
@@ -1999,20 +1760,20 @@ def interrupted_reason(out: Path, step: int, command: str) -> str:
 
 def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training,
              reason: str | Callable[[], str]) -> str | None:
-    """Record FAILED (rank 0); checkpoints already queued are finished first (they hold good state).
+    """Record store.FAILED (rank 0); checkpoints already queued are finished first (they hold good state).
 
     `reason` may be a function, called once they are: it can then name the last checkpoint. A final
-    status already written (COMPLETE, or resumable, before the report) is kept: it is true.
+    status already written (store.COMPLETE, or resumable, before the report) is kept: it is true.
     """
     if not info.is_main:
         return None
     with contextlib.suppress(Exception):
         checkpointer.close()
     with contextlib.suppress(Exception):
-        if read_json(out / "run_status.json").get("status") in (COMPLETE, NEEDS_RESUME):
+        if read_json(out / "run_status.json").get("status") in (store.COMPLETE, store.NEEDS_RESUME):
             return None
     reason = reason() if callable(reason) else reason
-    write_status(out, FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
+    write_status(out, store.FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
                  last_checkpoint=latest_checkpoint_name(out))
     return reason
 
@@ -2025,7 +1786,7 @@ def out_of_memory_advice(training: Training) -> str:
                                          training.recipe.optimizer, session.grad_checkpoint, training.hardware)
 
 
-def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: MetricsLog,
+def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: report.MetricsLog,
                status: str, reason: str | None, stop: StopRequest | None = None) -> dict | None:
     """The end of a run: test evaluation when complete, checkpoints flushed, the final status, then the report.
 
@@ -2033,12 +1794,12 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
     so nothing the report does can lose the run; its failures are recorded in `report_errors`.
     """
     info = training.info
-    test = training.evaluate("test") if status == COMPLETE else None
+    test = training.evaluate("test") if status == store.COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
                       test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"])
-        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{bits_per_byte_text(test)}")
+        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return None
@@ -2068,10 +1829,10 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         "validation": training.metrics.last_eval,
         "test": test,
         "test_loss": test["loss"] if test else None,
-        "train_loss": last_train_loss(out),
+        "train_loss": report.last_train_loss(out),
         "backup_complete": None,  # null until the upload wait below ends (or with no backup)
     }
-    if status == NEEDS_RESUME:
+    if status == store.NEEDS_RESUME:
         record["resume_command"] = resume_command(info, training.invocation.argv)
     write_status(out, status, **record)
     wait_for_backup(checkpointer, out, status, record, since=stop.signalled_at if stop else None)
@@ -2081,19 +1842,8 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
     if checkpointer.backup is not None:
         checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
         checkpointer.backup.close()
-    log(info, final_line(out, status, record))
+    log(info, report.final_line(out, status, record))
     return record
-
-
-def last_train_loss(out: Path) -> float | None:
-    """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
-    with contextlib.suppress(OSError):
-        for line in reversed((out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()):
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if record.get("kind") == "train" and isinstance(record.get("loss"), float):
-                    return record["loss"]
-    return None
 
 
 def report_run(training: Training, out: Path, status: str, test: dict | None) -> dict:
@@ -2119,7 +1869,7 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
     attempt("loss_curve", lambda: report.plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png",
                                                          title=out.name))
     accuracy = None
-    if status == COMPLETE and tokenizer is not None:
+    if status == store.COMPLETE and tokenizer is not None:
         # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
         # chats' first questions, or the openings of its held-out texts to continue
         kind, prompts = ("chat", report.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
@@ -2133,9 +1883,9 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
                                                                              corpus / "eval", training.device))
         if accuracy is not None:
             found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
-            print(accuracy_line(accuracy), flush=True)
+            print(report.accuracy_line(accuracy), flush=True)
     if tokenizer is not None:
-        info = card_info(out.name, status, training.run.preset, training.step, training.total_steps,
+        info = report.card_info(out.name, status, training.run.preset, training.step, training.total_steps,
                          training.step * training.tokens_per_step, training.settings(),
                          training.metrics.last_eval, test, found.get("task_accuracy"))
         model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
@@ -2146,68 +1896,19 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
     return found
 
 
-def draw_loss_curve(out: Path, progress: report.Progress) -> None:
-    try:
-        report.plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=out.name)
-    except Exception as error:
-        progress.write(f"warning: loss_curve.png not drawn ({type(error).__name__}: {error})")
-
-
-def accuracy_line(accuracy: dict) -> str:
-    tasks = ", ".join(f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
-                      for name, task in accuracy["by_task"].items())
-    return (f"held-out task accuracy: {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['total']})"
-            f" | {tasks}")
-
-
-def card_info(name: str, status: str, preset: str, step: int, total_steps: int, tokens: int, settings: dict,
-              validation: dict | None, test: dict | None, accuracy: dict | None) -> dict:
-    """What report.export_hf_model writes into the model card and training_provenance.json."""
-    training = settings["training"]
-    return {"model_name": name, "status": status, "preset": preset, "steps": step, "total_steps": total_steps,
-            "tokens": tokens, "corpus_sha256": training["corpus_manifest_sha256"],
-            "tokenizer_sha256": training["tokenizer_sha256"],
-            "validation_loss": validation["loss"] if validation else None,
-            "validation_perplexity": validation["perplexity"] if validation else None,
-            "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
-            "test_bits_per_byte": (test or {}).get("bits_per_byte"),
-            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings}
-
-
 def export_model(model: torch.nn.Module, tokenizer, folder: Path, info: dict) -> dict[str, str]:
     """RUN/model/ as transformers loads it anywhere: KV cache on, the standard SDPA attention."""
     config = model.config
     use_cache, attention = config.use_cache, config._attn_implementation
     config.use_cache = True
-    if attention in OWN_ATTENTIONS:
+    if attention in model_config.OWN_ATTENTIONS:
         model.set_attn_implementation("sdpa")
     try:
         return report.export_hf_model(model, tokenizer, folder, info)
     finally:
         config.use_cache = use_cache
-        if attention in OWN_ATTENTIONS:
+        if attention in model_config.OWN_ATTENTIONS:
             model.set_attn_implementation(attention)
-
-
-def final_line(out: Path, status: str, record: dict) -> str:
-    """The last line a person sees: where the run stands and what to do next."""
-    line = f"{status}: step {record['step']}/{record['total_steps']}"
-    if record.get("backup_complete") is not None:
-        line += " | newest checkpoint " + ("backed up" if record["backup_complete"] else "NOT yet backed up")
-    if status == NEEDS_RESUME:
-        why = f" | {record['reason']}" if record.get("reason") else ""  # e.g. stopped by --max-hours budget
-        return line + f"{why} | continue with: {record['resume_command']}"
-    if record.get("test_loss") is not None:
-        line += f" | test loss {record['test_loss']:.4f}{bits_per_byte_text(record.get('test') or {})}"
-    elif (record.get("validation") or {}).get("loss") is not None:
-        line += f" | validation loss {record['validation']['loss']:.4f} (no test split)"
-    elif record.get("train_loss") is not None:
-        line += f" | train loss {record['train_loss']:.4f} (no held-out split)"
-    if record.get("task_accuracy"):
-        line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
-    if record.get("model_files"):
-        line += f" | model: {out / 'model'} (sha256 in {out / 'run_status.json'})"
-    return line
 
 
 def export_only(settings: Settings, info: DistInfo) -> int:
@@ -2239,7 +1940,7 @@ def export_checkpoint(settings: Settings, info: DistInfo) -> int:
     recorded = checkpoint["settings"]
     training = recorded["training"]
     corpus = Path(recorded["runtime"]["data"]) if settings.invocation.demo else prepare_corpus(settings)
-    manifest = load_manifest(corpus)
+    manifest = data.load_manifest(corpus)
     tokenizer = data.load_tokenizer(corpus / "tokenizer")
     if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
         raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
@@ -2251,15 +1952,15 @@ def export_checkpoint(settings: Settings, info: DistInfo) -> int:
     model.load_state_dict(checkpoint["model"])
     model.to(info.device).eval()
     step, total = int(checkpoint["step"]), int(training["total_steps"])
-    status = COMPLETE if step >= total else NEEDS_RESUME
+    status = store.COMPLETE if step >= total else store.NEEDS_RESUME
     previous = read_json(out / "run_status.json") if (out / "run_status.json").is_file() else {}
     test = previous.get("test") if previous.get("step") == step else None
     accuracy = None
     if (corpus / "eval").is_dir():
         result = report.task_accuracy(model, tokenizer, corpus / "eval", info.device)
         accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
-        print(accuracy_line(result), flush=True)
-    info_card = card_info(out.name, status, training["preset"], step, total,
+        print(report.accuracy_line(result), flush=True)
+    info_card = report.card_info(out.name, status, training["preset"], step, total,
                           step * int(training["tokens_per_step"]), recorded,
                           checkpoint.get("metrics", {}).get("last_eval"), test, accuracy)
     model_files = export_model(model, tokenizer, out / "model", info_card)
@@ -2899,75 +2600,6 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # Kernel workarounds: attention implementations for shapes and devices where the stock ones fail.
-
-
-def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                          **kwargs):
-    """SDPA with the K/V heads repeated up to the query heads (no enable_gqa), as transformers' "sdpa"
-    computes it otherwise; registered with transformers' AttentionInterface."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                            scale=scaling, is_causal=causal)
-    return output.transpose(1, 2).contiguous(), None
-
-
-def sdpa_with_contiguous_heads(module, query, key, value, *args, **kwargs):
-    """transformers' "sdpa" with query, key and value laid out (batch, heads, tokens, dim) in memory first.
-
-    Why: the projections give head-transposed views, and PyTorch's CPU flash-attention kernel runs
-    slower on those (forward + backward of one `micro` layer: ~20 ms on views, ~17 ms contiguous).
-    Eagerly it costs a small copy of V (Q and K come out of RoPE contiguous already); under
-    torch.compile the layout is fused into the kernels before it. The result is the same attention.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
-
-
-# train.py's own attention functions (names registered with transformers' AttentionInterface); an
-# exported model is switched back to the standard "sdpa", which computes the same thing.
-def sdpa_as_transformers(module, query, key, value, *args, **kwargs):
-    """transformers' own "sdpa" attention, registered under train.py's name so that it gets causal_sdpa_mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-
-
-OWN_ATTENTIONS = {hardware.REPEATED_KV: sdpa_with_repeated_kv, hardware.CONTIGUOUS: sdpa_with_contiguous_heads,
-                  hardware.SDPA_CAUSAL: sdpa_as_transformers}
-
-
-def causal_sdpa_mask(**kwargs):
-    """transformers' sdpa_mask, except that under torch.compile a causal mask without padding or cache
-    offset is left to SDPA's is_causal, as it is eagerly.
-
-    Why: while tracing, transformers cannot tell whether the position ids restart (packed sequences)
-    and builds the full mask; SDPA then repeats the K/V heads and its flash kernel computes the whole
-    masked upper triangle (compiled `micro` attention: ~120 ms per step against ~95 ms eagerly).
-    train.py's compiled model only ever sees whole blocks: no padding, no position ids of its own.
-    """
-    from transformers.masking_utils import sdpa_mask
-
-    plain_causal = (torch.compiler.is_compiling() and kwargs.get("attention_mask") is None
-                    and kwargs.get("local_size") is None and not kwargs.get("q_offset")
-                    and not kwargs.get("kv_offset") and kwargs["q_length"] == kwargs["kv_length"])
-    return None if plain_causal else sdpa_mask(**kwargs)
-
-
-def use_attention(model, name: str) -> None:
-    """Switch `model` to one of OWN_ATTENTIONS, with the masks "sdpa" gets (without a registered mask
-    function, transformers passes custom attentions no padding mask at all)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, OWN_ATTENTIONS[name])
-    AttentionMaskInterface.register(name, causal_sdpa_mask)
-    model.set_attn_implementation(name)
 
 
 if __name__ == "__main__":

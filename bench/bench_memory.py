@@ -22,11 +22,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import model_config
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
-import model_config  # noqa: E402
 from common import ArgumentParser, UserError, run_main  # noqa: E402
 
 THINK72_VOCAB = 33_069
@@ -75,7 +76,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     preset = model_config.resolve_preset(args.preset, context=args.context)
     model = model_config.build_model(preset, args.vocab)
     model.config.use_cache = False
-    train.use_attention(model, hardware.CONTIGUOUS)  # as train.py runs on CPU
+    model_config.use_attention(model, model_config.CONTIGUOUS)  # as train.py runs on CPU
     model.train()
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=generator)

@@ -294,60 +294,60 @@ def test_verify_files_checks_the_mask_files(tmp_path):
 def test_mix64_is_splitmix64():
     """The first outputs of splitmix64 seeded with 0 (Vigna's reference: state += golden gamma, then mix)."""
     gamma = 0x9E3779B97F4A7C15
-    assert [train.mix64(index * gamma & train.MASK64) for index in range(3)] == [
+    assert [data.mix64(index * gamma & data.MASK64) for index in range(3)] == [
         0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
-    assert all(0 <= train.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
+    assert all(0 <= data.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025])
 def test_block_permutation_is_a_bijection_around_every_domain_size(n):
     for seed, epoch in [(0, 0), (7, 3), (2**70 + 5, 1)]:  # a seed beyond 64 bits is masked, not an error
-        perm = train.BlockPermutation(n, seed, epoch)
+        perm = data.BlockPermutation(n, seed, epoch)
         assert sorted(perm(i) for i in range(n)) == list(range(n)), (n, seed, epoch)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 17, 100, 1000])
 def test_block_permutation_walks_a_domain_of_fewer_than_4n_values(n):
     """The Feistel domain is the smallest even bit width holding n: cycle-walking stays short."""
-    perm = train.BlockPermutation(n, 1, 0)
+    perm = data.BlockPermutation(n, 1, 0)
     domain = 1 << (2 * perm.half_bits)
     assert n <= domain < 4 * n
     assert perm.mask == (1 << perm.half_bits) - 1
 
 
 def test_block_permutation_encrypt_is_a_bijection_of_its_domain():
-    perm = train.BlockPermutation(1000, 3, 0)  # domain 1024: values 1000..1023 are walked past
+    perm = data.BlockPermutation(1000, 3, 0)  # domain 1024: values 1000..1023 are walked past
     domain = 1 << (2 * perm.half_bits)
     assert sorted(perm._encrypt(value) for value in range(domain)) == list(range(domain))
 
 
 def test_block_permutation_is_keyed_and_mixes():
     n = 4096
-    base = [train.BlockPermutation(n, 1, 0)(i) for i in range(n)]
+    base = [data.BlockPermutation(n, 1, 0)(i) for i in range(n)]
     for seed, epoch in [(2, 0), (1, 1), (1 << 32, 0), (0, 0)]:
-        other = [train.BlockPermutation(n, seed, epoch)(i) for i in range(n)]
+        other = [data.BlockPermutation(n, seed, epoch)(i) for i in range(n)]
         same = sum(a == b for a, b in zip(base, other))
         assert same < 20, (seed, epoch, same)  # ~1 expected by chance
     assert sum(base[i] == i for i in range(n)) < 20  # not near the identity
     # the first half of positions is not sent to the first half (a weak mix would keep halves apart)
     assert 900 < sum(value < n // 2 for value in base[: n // 2]) < 1150  # ~1024 of 2048
-    assert train.BlockPermutation(n, 1, 0).keys == train.BlockPermutation(n, 1, 0).keys
-    assert len(set(train.BlockPermutation(n, 1, 0).keys)) == train.BlockPermutation.ROUNDS
+    assert data.BlockPermutation(n, 1, 0).keys == data.BlockPermutation(n, 1, 0).keys
+    assert len(set(data.BlockPermutation(n, 1, 0).keys)) == data.BlockPermutation.ROUNDS
 
 
 def test_block_permutation_rejects_an_empty_range():
     with pytest.raises(ValueError, match="^a permutation needs at least one element$"):
-        train.BlockPermutation(0, 1, 0)
+        data.BlockPermutation(0, 1, 0)
 
 
 @pytest.mark.parametrize("world, accum, batch", [(1, 1, 6), (1, 3, 2), (2, 3, 1), (3, 1, 2), (2, 1, 3)])
 def test_sampler_layout_of_a_step(world, accum, batch):
     """Sample j of a step goes to micro-step j // (world * batch), rank (j // batch) % world."""
-    sampler = train.BlockSampler(blocks=50, seed=4, batch_size=batch, grad_accum=accum, world=world)
+    sampler = data.BlockSampler(blocks=50, seed=4, batch_size=batch, grad_accum=accum, world=world)
     assert sampler.global_batch == world * accum * batch == 6
     for step in (0, 3, 9):  # step 9 reads samples 54..59: into epoch 1
         blocks = sampler.step_blocks(step)
-        order0, order1 = train.BlockPermutation(50, 4, 0), train.BlockPermutation(50, 4, 1)
+        order0, order1 = data.BlockPermutation(50, 4, 0), data.BlockPermutation(50, 4, 1)
         assert blocks == [order0(g) if g < 50 else order1(g - 50) for g in range(step * 6, step * 6 + 6)]
         for rank in range(world):
             expected = [[blocks[j] for j in range(6) if j // (world * batch) == micro and (j // batch) % world == rank]
@@ -356,16 +356,16 @@ def test_sampler_layout_of_a_step(world, accum, batch):
 
 
 def test_sampler_state_dict_and_each_mismatch():
-    sampler = train.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=3, world=1)
+    sampler = data.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=3, world=1)
     assert sampler.state_dict() == {"seed": 1, "blocks": 50, "global_batch": 6}  # the step is the checkpoint's
     for key, value in [("seed", 2), ("blocks", 49), ("global_batch", 8)]:
         with pytest.raises(UserError, match=f"checkpoint data cursor has {key} {value}"):
             sampler.load_state_dict({**sampler.state_dict(), key: value})
-    other = train.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
+    other = data.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
     other.load_state_dict(sampler.state_dict())  # another split of the same global batch
     with pytest.raises(UserError, match="^the train split has fewer tokens than one block; use a smaller --context$"):
-        train.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
-    single = train.BlockSampler(blocks=1, seed=1, batch_size=2, grad_accum=1, world=1)  # one block is enough
+        data.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
+    single = data.BlockSampler(blocks=1, seed=1, batch_size=2, grad_accum=1, world=1)  # one block is enough
     assert single.step_blocks(0) == [0, 0]
 
 

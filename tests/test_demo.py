@@ -83,7 +83,7 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
                              for entry in manifest["splits"][split]["files"]]).astype(np.int64)
     count = (len(tokens) - 1) // context
     used = min(count, settings["training"]["eval_batches"] * settings["training"]["global_batch_blocks"])
-    order = train.BlockPermutation(count, settings["training"]["seed"], train.EVAL_EPOCH)
+    order = data.BlockPermutation(count, settings["training"]["seed"], data.EVAL_EPOCH)
     blocks = torch.from_numpy(np.stack([tokens[i * context: i * context + context + 1]
                                         for i in sorted(order(position) for position in range(used))]))
     total, count = 0.0, 0

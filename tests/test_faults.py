@@ -15,8 +15,10 @@ import pytest
 from faults import fail_os_writes, mount_point, read_only_folder, small_disk
 from test_train import options, write_tiny_corpus
 
+import checkpoint_store as store
 import common
 import data
+import report
 import train
 
 
@@ -71,7 +73,7 @@ def test_train_py_on_a_full_disk_stops_at_the_failed_save_and_names_the_last_goo
         assert "step-00000008.pt: no space left on device" in line, line
         assert "the last good checkpoint, step-00000004.pt, is intact" in line and "inline_container" not in line
         recorded = status(out)
-        assert recorded["status"] == train.FAILED and "no space left on device" in recorded["reason"]
+        assert recorded["status"] == store.FAILED and "no space left on device" in recorded["reason"]
         assert recorded["last_checkpoint"] == "step-00000004.pt"
         assert recorded["step"] < 12  # noticed before the next save (the old code trained on to step 12)
         assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["step-00000004.pt"]
@@ -89,7 +91,7 @@ def test_a_checkpoint_that_cannot_be_created_fails_the_run_at_once(corpus, tmp_p
     assert code == 2 and "no space left on device" in line and str(out / "checkpoints") in line
     assert "no checkpoint had been written yet" in line
     monkeypatch.undo()
-    assert status(out)["status"] == train.FAILED and status(out)["step"] < 8
+    assert status(out)["status"] == store.FAILED and status(out)["step"] < 8
 
 
 def test_data_py_on_a_full_disk_is_one_line_and_leaves_nothing(text_folder, tmp_path, capsys):
@@ -316,7 +318,7 @@ def test_train_py_small_faults_are_clear(tmp_path):
     assert "--backup-to s3://bucket/runs/x" in command and "'--backup-to=/tmp/my backups'" in command
     with pytest.raises(common.UserError, match="--backup-to URL is a placeholder: give the real URL"):
         train.parse_args(["--backup-to", "URL"])
-    line = train.final_line(tmp_path, train.NEEDS_RESUME, {"step": 5, "total_steps": 12,
+    line = report.final_line(tmp_path, store.NEEDS_RESUME, {"step": 5, "total_steps": 12,
                                                            "reason": "stopped by --max-hours budget",
                                                            "resume_command": "python train.py --resume auto"})
     assert "stopped by --max-hours budget" in line and line.endswith("continue with: python train.py --resume auto")

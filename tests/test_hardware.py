@@ -42,7 +42,7 @@ def test_every_card(device, precision, newton_schulz, kernel, repeated):
     assert hardware.newton_schulz_dtype(device) == newton_schulz
     plan = hardware.choose_attention(device, precision, head_dim=128)
     assert plan.kernel == kernel
-    assert (plan.implementation == hardware.REPEATED_KV) == repeated
+    assert (plan.implementation == model_config.REPEATED_KV) == repeated
     assert plan.fused_only == device.is_cuda  # a fused kernel on every card under auto: no math fallback
     # the emulation trap: every card "supports" bf16 in torch's default sense; only sm_80+ has it natively
     assert device.native_bf16 == (precision == "bf16")

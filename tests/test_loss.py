@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import data
 import model_config
 import train
 
@@ -20,7 +21,7 @@ TOLERANCE = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1e-2), "fp16": (1e-5, 5e-3)}
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], VOCAB)
-    train.use_attention(model, "sdpa_contiguous")
+    model_config.use_attention(model, "sdpa_contiguous")
     return model
 
 
@@ -29,8 +30,8 @@ def batch(ignored: bool) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=generator)
     targets = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=generator)
     if ignored:  # --loss-on assistant: whole spans not counted, one chunk wholly ignored
-        targets[:, :10] = train.IGNORE_INDEX
-        targets[1, 5:] = train.IGNORE_INDEX
+        targets[:, :10] = data.IGNORE_INDEX
+        targets[1, 5:] = data.IGNORE_INDEX
     return inputs, targets
 
 

@@ -27,6 +27,8 @@ import checkpoint_store as store
 import common
 import data
 import hardware
+import model_config
+import report
 import train
 from common import UserError, atomic_write_json, sha256_file, sha256_tree
 
@@ -138,16 +140,16 @@ def status(out: Path) -> dict:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 1000, 4097])
 def test_block_permutation_is_a_bijection(n):
-    perm = train.BlockPermutation(n, seed=5, epoch=0)
+    perm = data.BlockPermutation(n, seed=5, epoch=0)
     assert sorted(perm(i) for i in range(n)) == list(range(n))
 
 
 def test_block_permutation_depends_on_seed_and_epoch_and_is_not_affine():
     n = 1000
-    orders = [[train.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in
+    orders = [[data.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in
               [(1, 0), (1, 1), (2, 0)]]
     assert orders[0] != orders[1] and orders[0] != orders[2]
-    assert orders[0] == [train.BlockPermutation(n, 1, 0)(i) for i in range(n)]  # stateless: same again
+    assert orders[0] == [data.BlockPermutation(n, 1, 0)(i) for i in range(n)]  # stateless: same again
     steps = {(orders[0][i + 1] - orders[0][i]) % n for i in range(n - 1)}
     assert len(steps) > n // 4  # an affine map a*i+b has one constant step
 
@@ -158,7 +160,7 @@ def test_sampler_same_samples_per_step_whatever_the_split():
     for step in (0, 1, 37, 250):  # 250 crosses into another epoch
         seen = []
         for world, accum, batch in layouts:
-            sampler = train.BlockSampler(blocks=60, seed=3, batch_size=batch, grad_accum=accum, world=world)
+            sampler = data.BlockSampler(blocks=60, seed=3, batch_size=batch, grad_accum=accum, world=world)
             samples = [block for rank in range(world) for micro in sampler.micro_batches(step, rank) for block in micro]
             assert len(samples) == 8
             seen.append(sorted(samples))
@@ -167,13 +169,13 @@ def test_sampler_same_samples_per_step_whatever_the_split():
 
 
 def test_sampler_visits_every_block_once_per_epoch_and_seeks_in_o1():
-    sampler = train.BlockSampler(blocks=40, seed=9, batch_size=2, grad_accum=2, world=2)  # 5 steps per epoch
+    sampler = data.BlockSampler(blocks=40, seed=9, batch_size=2, grad_accum=2, world=2)  # 5 steps per epoch
     epoch0 = [block for step in range(5) for block in sampler.step_blocks(step)]
     epoch1 = [block for step in range(5, 10) for block in sampler.step_blocks(step)]
     assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1
-    far = train.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
+    far = data.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
     # no state to replay: a step far away is computed from its index alone, the same from any sampler
-    assert far.step_blocks(10**8) == train.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
+    assert far.step_blocks(10**8) == data.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
                                                         world=1).step_blocks(10**8)
 
 
@@ -330,7 +332,7 @@ def test_resume_restores_the_random_number_generators(corpus, tmp_path):
 
 def test_token_split_blocks_cross_shard_boundaries(corpus):
     manifest = json.loads((corpus / "corpus_manifest.json").read_text())
-    split = train.TokenSplit(corpus, manifest, "train", context=32)
+    split = data.TokenSplit(corpus, manifest, "train", context=32)
     files = manifest["splits"]["train"]["files"]
     stream = np.concatenate([np.fromfile(corpus / f["name"], dtype="<u2") for f in files])
     assert len(manifest["splits"]["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
@@ -341,7 +343,7 @@ def test_token_split_blocks_cross_shard_boundaries(corpus):
 
 
 def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
-    assert train.check_corpus(corpus) == []
+    assert data.verify_corpus(corpus) == []
     broken = tmp_path / "broken"
     broken.mkdir()
     for item in corpus.iterdir():
@@ -350,7 +352,7 @@ def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
     (broken / "tokenizer").symlink_to(corpus / "tokenizer")
     shard = broken / "train-00001.bin"
     flip_byte(shard, 10)
-    problems = train.check_corpus(broken)
+    problems = data.verify_corpus(broken)
     assert len(problems) == 1 and "train-00001.bin" in problems[0]
     result = run_cli(options(broken, tmp_path / "run"), check=False)
     assert result.returncode == 2 and "train-00001.bin" in result.stderr
@@ -511,8 +513,8 @@ def test_repeated_kv_attention_matches_sdpa():
     mask[1, :5] = 0  # left padding, as in batched generation
     expected = model(input_ids=inputs).logits
     expected_padded = model(input_ids=inputs, attention_mask=mask).logits
-    train.use_attention(model, hardware.REPEATED_KV)
-    assert model.config._attn_implementation == hardware.REPEATED_KV
+    model_config.use_attention(model, model_config.REPEATED_KV)
+    assert model.config._attn_implementation == model_config.REPEATED_KV
     assert torch.allclose(model(input_ids=inputs).logits, expected, atol=1e-6)
     padded = model(input_ids=inputs, attention_mask=mask).logits
     assert torch.allclose(padded[0], expected_padded[0], atol=1e-6)
@@ -537,8 +539,8 @@ def test_contiguous_heads_attention_matches_sdpa_with_gradients():
         return logits.detach(), padded.detach(), [p.grad.clone() for p in model.parameters()]
 
     expected = logits_and_grads()
-    train.use_attention(model, hardware.CONTIGUOUS)
-    assert model.config._attn_implementation == hardware.CONTIGUOUS
+    model_config.use_attention(model, model_config.CONTIGUOUS)
+    assert model.config._attn_implementation == model_config.CONTIGUOUS
     got = logits_and_grads()
     assert torch.allclose(got[0], expected[0], atol=1e-6)
     assert torch.allclose(got[1][0], expected[1][0], atol=1e-6)  # the padding rows' own outputs are meaningless
@@ -579,7 +581,7 @@ def test_save_seconds_0_is_off_and_a_stop_is_the_last_metrics_record(corpus, tmp
     handlers_when_running = []
 
     def write_status(folder, state, **fields):
-        if state == train.RUNNING:  # a SIGTERM from now on must end in a checkpoint, not a dead RUNNING status
+        if state == store.RUNNING:  # a SIGTERM from now on must end in a checkpoint, not a dead RUNNING status
             handlers_when_running.append(type(getattr(signal.getsignal(signal.SIGTERM), "__self__", None)))
         real_write_status(folder, state, **fields)
 
@@ -591,14 +593,14 @@ def test_save_seconds_0_is_off_and_a_stop_is_the_last_metrics_record(corpus, tmp
     assert checkpoints == [store.checkpoint_name(6)]  # the stop's save only: 0 means never by time
     assert list(train_losses(out)) == [1, 4, 6]  # every --log-every step, and the step it stopped at
     record = status(out)
-    assert record["status"] == train.NEEDS_RESUME and record["reason"] == "stopped by --stop-after-steps 6"
+    assert record["status"] == store.NEEDS_RESUME and record["reason"] == "stopped by --stop-after-steps 6"
     files = [out / "run_status.json", out / "training_settings.json", out / "checkpoints" / checkpoints[0]]
     assert {oct(path.stat().st_mode & 0o777) for path in files} == {oct(common.PLAIN_FILE_MODE)}
 
     # a --stop-after-steps the run is already past: nothing trained, nothing written but the status
     assert train.main(options(corpus, out, *quiet, "--stop-after-steps", "3")) == 0
     record = status(out)
-    assert record["status"] == train.NEEDS_RESUME and record["step"] == 6
+    assert record["status"] == store.NEEDS_RESUME and record["step"] == 6
     assert "already at step 6, at or past --stop-after-steps 3: no step taken" in record["reason"]
     assert sorted(path.name for path in (out / "checkpoints").glob("step-*.pt")) == checkpoints
     assert list(train_losses(out)) == [1, 4, 6]
@@ -645,7 +647,7 @@ def test_uninterrupted_run_writes_the_run_folder(reference):
     test = status(reference)["test"]
     assert test["bits_per_byte"] == tests[0]["test_bits_per_byte"]
     assert test["bits_per_byte"] == pytest.approx(test["loss"] * test["tokens"] / math.log(2) / test["bytes"])
-    assert f"{test['bits_per_byte']:.4f} bits/byte" in train.final_line(reference, "COMPLETE", status(reference))
+    assert f"{test['bits_per_byte']:.4f} bits/byte" in report.final_line(reference, "COMPLETE", status(reference))
     losses = train_losses(reference)
     assert losses[12] < losses[1]  # it learns
     state = final_state(reference)
@@ -1089,7 +1091,7 @@ def test_warmup_longer_than_the_run_and_a_run_of_few_steps_warn(corpus, tmp_path
 
 def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
     tokenizer = data.load_tokenizer(corpus)
-    lengths = train.token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", len(tokenizer) + 5)
+    lengths = data.token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", len(tokenizer) + 5)
     text = "the cat sees 12 birds, café naïve 日本語 — 🙂 and a river."
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) < len(text.encode("utf-8"))  # merges made some tokens longer than a byte
@@ -1103,9 +1105,9 @@ def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     result = training.evaluate("test")
     split = training.splits["test"]
     count = min(split.blocks, training.run.eval_batches * training.sampler.global_batch)
-    order = train.BlockPermutation(split.blocks, training.run.seed, train.EVAL_EPOCH)
+    order = data.BlockPermutation(split.blocks, training.run.seed, data.EVAL_EPOCH)
     _, targets = split.batch([order(i) for i in range(count)], torch.device("cpu"))
-    scored = targets[targets != train.IGNORE_INDEX].tolist()
+    scored = targets[targets != data.IGNORE_INDEX].tolist()
     text = data.load_tokenizer(corpus).decode(scored, skip_special_tokens=True)
     assert result["tokens"] == len(scored) and result["bytes"] == len(text.encode("utf-8"))
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
@@ -1242,12 +1244,12 @@ def test_compiled_plain_causal_blocks_skip_the_full_mask(monkeypatch):
     shape = {"batch_size": 2, "q_length": 8, "kv_length": 8, "q_offset": 0, "kv_offset": 0}
     padding = torch.ones(2, 8, dtype=torch.long)
     padding[1, :3] = 0
-    eager = train.causal_sdpa_mask(**shape, attention_mask=padding)
+    eager = model_config.causal_sdpa_mask(**shape, attention_mask=padding)
     assert torch.equal(eager, sdpa_mask(**shape, attention_mask=padding))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert train.causal_sdpa_mask(**shape, attention_mask=None, allow_is_causal_skip=False) is None
-    assert torch.equal(train.causal_sdpa_mask(**shape, attention_mask=padding), eager)
-    assert train.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
+    assert model_config.causal_sdpa_mask(**shape, attention_mask=None, allow_is_causal_skip=False) is None
+    assert torch.equal(model_config.causal_sdpa_mask(**shape, attention_mask=padding), eager)
+    assert model_config.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
 
 
 def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
@@ -1259,7 +1261,7 @@ def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
     model.config.use_cache = False  # as Training builds it
     if implementation is not None:
-        train.use_attention(model, implementation)
+        model_config.use_attention(model, implementation)
     calls = []
 
     def backend(graph_module, example_inputs):
@@ -1276,7 +1278,8 @@ def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("implementation", [hardware.SDPA_CAUSAL, hardware.REPEATED_KV, hardware.CONTIGUOUS])
+@pytest.mark.parametrize("implementation",
+                         [model_config.SDPA_CAUSAL, model_config.REPEATED_KV, model_config.CONTIGUOUS])
 def test_every_planned_attention_keeps_is_causal_under_compile(implementation):
     """The attention of every hardware plan (flash on sm_80+, memory-efficient on a T4, CPU) reaches SDPA
     as is_causal with no mask tensor when compiled: flash takes no mask, and a dense one doubles its work."""
@@ -1379,8 +1382,8 @@ def whole_stream(corpus: Path, split: str, mask: bool) -> np.ndarray:
 def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_boundaries(chat_corpus, text_loss,
                                                                                          counted):
     manifest = json.loads((chat_corpus / "corpus_manifest.json").read_text())
-    table = train.counted_classes("assistant", text_loss)
-    split = train.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
+    table = data.counted_classes("assistant", text_loss)
+    split = data.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
     tokens, mask = whole_stream(chat_corpus, "train", False), whole_stream(chat_corpus, "train", True)
     assert len(split.masks) == len(split.shards) > 20 and len(mask) == len(tokens) == split.tokens
     crossing = [index for index in range(split.blocks) if (index * 64) // 997 != (index * 64 + 64) // 997]
@@ -1396,7 +1399,7 @@ def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_bo
         keep = np.isin(mask[window], list(counted))
         expected = torch.from_numpy(tokens[window][keep].astype(np.int64))
         assert torch.equal(targets[row][torch.from_numpy(keep)], expected)
-        assert (targets[row][torch.from_numpy(~keep)] == train.IGNORE_INDEX).all()
+        assert (targets[row][torch.from_numpy(~keep)] == data.IGNORE_INDEX).all()
         assert torch.equal(inputs[row], torch.from_numpy(tokens[index * 64: index * 64 + 64].astype(np.int64)))
     # an <|im_end|> (id 4) that closes an answer is counted; the <eos> (id 2) after a chat is not
     all_targets = torch.cat([split.batch(list(range(start, start + 8)), torch.device("cpu"))[1]
@@ -1414,7 +1417,7 @@ def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
             self.lm_head.weight.data = logits.t().contiguous()
             self.model = lambda input_ids: type("Out", (), {"last_hidden_state": torch.eye(6).reshape(2, 3, 6)})
 
-    targets = torch.tensor([[2, train.IGNORE_INDEX, 0], [train.IGNORE_INDEX, train.IGNORE_INDEX, 1]])
+    targets = torch.tensor([[2, data.IGNORE_INDEX, 0], [data.IGNORE_INDEX, data.IGNORE_INDEX, 1]])
 
     def nll(row: list[float], target: int) -> float:
         return math.log(sum(math.exp(value) for value in row)) - row[target]
@@ -1438,8 +1441,8 @@ def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpu
         logits = training.model(input_ids=inputs).logits
         per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                                       reduction="none", ignore_index=-100)
-    kept = targets.reshape(-1) != train.IGNORE_INDEX
-    counts = (targets != train.IGNORE_INDEX).sum(dim=1)
+    kept = targets.reshape(-1) != data.IGNORE_INDEX
+    counts = (targets != data.IGNORE_INDEX).sum(dim=1)
     assert len(set(counts.tolist())) > 1 and 0 < kept.sum() < targets.numel()  # uneven micro-steps, some skipped
     expected = per_token[kept].sum() / kept.sum()
     first, second = training.train_step(), whole.train_step()
