@@ -20,6 +20,7 @@ Resume is a plan: `plan_resume` (which checkpoint to load, what to delete and se
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -27,8 +28,9 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from common import UserError, atomic_write_json, read_json, sha256_file, temporary_target
+from common import UserError, atomic_write_json, read_json, read_json_or, sha256_file, temporary_target, utc_now
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
@@ -369,3 +371,74 @@ def apply_timeline(folder: Path, plan: TimelinePlan) -> None:
         write_record(folder, plan.latest, LATEST)
     else:  # resumed from a file elsewhere: the next save writes it
         (folder / LATEST).unlink(missing_ok=True)
+
+
+# Extending a run (more or fewer tokens on resume): sound only when every step already taken keeps
+# its learning rate, so the run is the one it would have been had it been planned this long.
+LENGTH_SETTINGS = ("total_steps", "target_tokens", "epochs", "recipe.total_steps", "recipe.decay_steps")
+
+
+
+def write_status(out: Path, status: str, **fields) -> None:
+    atomic_write_json(out / "run_status.json", {"status": status, **fields, "updated": utc_now()})
+
+
+
+class HashingWriter:
+    """A write-only file wrapper that hashes what passes through (no second read for the sha256)."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+        self.os_error: OSError | None = None  # torch.save reports a failed write as a RuntimeError: keep the cause
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.os_error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def sha256(self) -> str:
+        return self.digest.hexdigest()
+
+
+
+UNSET = "(unset)"
+
+
+
+def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """{name: (old value, new value)} for every setting that differs (UNSET where one side lacks it)."""
+    return {key: (old.get(key, UNSET), new.get(key, UNSET))
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    return "; ".join(f"{key}: {before} -> {after}" for key, (before, after) in changes.items())
+
+
+
+@dataclass(frozen=True)
+class ResumeVerdict:
+    extend: bool  # the run's length (total_steps) changed: Training.extend_to decides whether it may
+    others: dict  # the changes other than the length: any refuses the resume
+
+
+
+def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
+    """What a resume does with the checkpoint's training settings `old` under this run's `new`.
+
+    The same length said another way (a default of one epoch resumed with --epochs 1) is no change."""
+    changes = settings_changes(old, new)
+    others = {key: change for key, change in changes.items() if key not in LENGTH_SETTINGS}
+    return ResumeVerdict(extend=old.get("total_steps") != new.get("total_steps"), others=others)
+
+
+
+def latest_checkpoint_name(out: Path) -> str | None:
+    return read_json_or(out / "checkpoints" / LATEST, {}).get("path")  # named in fault messages: never raises

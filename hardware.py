@@ -21,6 +21,7 @@ Nothing here imports torch at module level: the rules are table-tested on any ma
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from common import UserError
@@ -497,3 +498,88 @@ def predict_card(card: Card, preset, vocab_size: int, *, world: int = 1, tokens_
         newton_schulz_flops=sum(newton_schulz_flops(*shape) for shape in muon_matrix_shapes(preset)) if muon else 0,
         newton_schulz_tflops=peak_tflops(device, ns_dtype), grad_accum=grad_accum, world=world,
         all_reduce_gbs=all_reduce_gbs if world > 1 else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring this machine (the glue around the rules above; torch imported where it is used).
+
+
+def machine_record(device, world: int, precision: str, sdpa: str) -> dict:
+    """hardware.json: the software, the cards and the choices made for them."""
+    import platform
+
+    import torch
+    import transformers
+
+    record = {"device": device.type, "world_size": world, "precision": precision, "sdpa_kernels": sdpa,
+              "newton_schulz_dtype": newton_schulz_dtype(describe(device)),  # Muon's iteration
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+              "torch_threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpus": []}
+    if device.type == "cuda":
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            record["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
+                                   "capability": f"{props.major}.{props.minor}"})
+    return record
+
+
+def check_required_gpus(require_gpus: int | None, require_gpu_name: str | None, device_type: str) -> None:
+    """--require-gpus / --require-gpu-name: a UserError naming the GPUs here when they are not met."""
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    if require_gpus and len(gpus) < require_gpus:
+        raise UserError(f"--require-gpus {require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
+    if require_gpu_name:
+        wrong = [name for name in gpus if require_gpu_name.lower() not in name.lower()]
+        if not gpus or wrong:
+            raise UserError(f"--require-gpu-name {require_gpu_name}: GPUs here are {gpus or 'none'}")
+    if require_gpus and device_type != "cuda":
+        raise UserError(f"--require-gpus {require_gpus} but training would run on {device_type}")
+
+
+def peak_flops(device, precision: str, given_tflops: float | None) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device for MFU, where the figure comes from): --peak-tflops, the card
+    table, or a matmul measured on this CPU."""
+    if given_tflops:
+        return given_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        card = describe(device)
+        tflops = peak_tflops(card, precision)
+        return (tflops * 1e12 if tflops else None), f"hardware.CARDS ({card.name}, {precision})"
+    return (measure_cpu_matmul_flops(precision),
+            f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run")
+
+
+def measure_cpu_matmul_flops(precision: str, size: int = 1024, seconds: float = 0.5, tries: int = 5) -> float:
+    """FLOP/s of a square matmul on this CPU (bf16 for "bf16", else fp32) with the current thread count:
+    the fastest of at least `tries` runs spread over `seconds` (the one least slowed by other load)."""
+    import math
+    import time
+
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.mm(a, b)
+    best, deadline, runs = math.inf, time.perf_counter() + seconds, 0
+    while runs < tries or time.perf_counter() < deadline:
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+        runs += 1
+    return 2 * size**3 / best
+
+
+def peak_memory_bytes(device) -> int:
+    """The most memory this process has held: CUDA's allocator peak, or the CPU's resident set."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

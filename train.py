@@ -27,10 +27,8 @@ import hashlib
 import inspect
 import math
 import os
-import platform
 import random
 import re
-import resource
 import shlex
 import shutil
 import signal
@@ -569,11 +567,6 @@ def choose_recipe(run: RunSettings, hidden: int, total_steps: int) -> tuple[Reci
                     weight_decay=run.weight_decay, betas=(run.beta1, beta2),
                     muon_momentum=run.muon_momentum if optimizer == "muon" else None, grad_clip=run.grad_clip)
     return recipe, why
-
-
-# Extending a run (more or fewer tokens on resume): sound only when every step already taken keeps
-# its learning rate, so the run is the one it would have been had it been planned this long.
-LENGTH_SETTINGS = ("total_steps", "target_tokens", "epochs", "recipe.total_steps", "recipe.decay_steps")
 
 
 def extension_problem(old: Recipe, new: Recipe, step: int) -> str | None:
@@ -1222,9 +1215,9 @@ class Training:
         moved = hardware.precision_change(runtime.get("precision", self.precision), self.precision, self.hardware)
         if moved and self.info.is_main:
             print(f"note: {moved}", flush=True)
-        verdict = resume_verdict(old, self.settings()["training"])
+        verdict = store.resume_verdict(old, self.settings()["training"])
         if verdict.others:
-            raise UserError(f"settings differ from checkpoint {path}: " + describe_changes(verdict.others)
+            raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                             + ". A resume keeps every training setting; only the length (--target-tokens or "
                             "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
                             + (" (here the length changed along with other settings)" if verdict.extend else "")
@@ -1332,7 +1325,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     process_started = time.monotonic()
     session, invocation = settings.session, settings.invocation
     out = Path(session.out)
-    check_hardware(session, info)
+    hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
     data.load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
     problems = main_decides(lambda: data.verify_corpus(corpus), info)
     if problems:
@@ -1366,11 +1359,12 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
                                                            "parameters": model_config.parameter_count(
                                                                training.preset, training.vocab_size),
                                                            "flops_per_token": training.flops_per_token})
-    peak = peak_flops(session, info, training.precision) if info.is_main else None
+    peak = None
     if info.is_main:
-        atomic_write_json(out / "hardware.json", {**hardware_record(info, training.precision, training.sdpa),
-                                                  "peak_flops": peak,
-                                                  "peak_flops_source": peak_source(session, info, training.precision)})
+        peak, source = hardware.peak_flops(info.device, training.precision, session.peak_tflops)
+        atomic_write_json(out / "hardware.json", {**hardware.machine_record(info.device, info.world,
+                                                                            training.precision, training.sdpa),
+                                                  "peak_flops": peak, "peak_flops_source": source})
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {training.hardware.label()}")
@@ -1396,7 +1390,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     if info.is_main:  # only now: from here on a SIGTERM or Ctrl-C ends the run with a checkpoint
-        write_status(out, store.RUNNING, step=training.step, total_steps=training.total_steps)
+        store.write_status(out, store.RUNNING, step=training.step, total_steps=training.total_steps)
     try:
         try:
             status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
@@ -1411,14 +1405,14 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
             raise
         error = os_error_text(error) if isinstance(error, OSError) else error
         fail_run(info, out, checkpointer, training, str(error))
-        last = latest_checkpoint_name(out)
+        last = store.latest_checkpoint_name(out)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
         raise UserError(f"training failed: {error}; {kept} "
                         f"(status {store.FAILED} in {out / 'run_status.json'})") from None
     except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError too
         advice = out_of_memory_advice(training)
         fail_run(info, out, checkpointer, training, advice)
-        last = latest_checkpoint_name(out)
+        last = store.latest_checkpoint_name(out)
         kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
         raise UserError(f"{advice}; {kept} (status {store.FAILED} in {out / 'run_status.json'})") from None
     except KeyboardInterrupt:  # a second Ctrl-C
@@ -1518,10 +1512,11 @@ def log_train_step(training: Training, metrics: report.MetricsLog, result: StepR
     metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
                   lr=result.lr, grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
-                  peak_memory_bytes=peak_memory_bytes(training.device))
+                  peak_memory_bytes=hardware.peak_memory_bytes(training.device))
     if training.info.is_main:
-        write_status(Path(training.session.out), store.RUNNING, step=result.step, total_steps=training.total_steps,
-                     tokens=result.step * training.tokens_per_step, loss=result.loss)
+        store.write_status(Path(training.session.out), store.RUNNING, step=result.step,
+                           total_steps=training.total_steps, tokens=result.step * training.tokens_per_step,
+                           loss=result.loss)
 
 
 def run_validation(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> float | None:
@@ -1637,11 +1632,11 @@ def stop_for_lost_rank(training: Training, out: Path, checkpointer: Checkpointer
     if info.is_main and not final:
         with contextlib.suppress(Exception):
             checkpointer.wait()  # a write in flight holds good state: finish it
-        last = latest_checkpoint_name(out)
+        last = store.latest_checkpoint_name(out)
         record = {"reason": reason, "step": training.step, "total_steps": training.total_steps,
                   "last_checkpoint": last, "resume_command": command, "backup_complete": None}
         status = store.NEEDS_RESUME if last else store.FAILED
-        write_status(out, status, **record)
+        store.write_status(out, status, **record)
         with contextlib.suppress(Exception):
             wait_for_backup(checkpointer, out, status, record, since=failed_at)
     return UserError(f"{reason}; resume with: {command}")
@@ -1657,7 +1652,7 @@ def wait_for_backup(checkpointer: Checkpointer, out: Path, status: str, record: 
     wait = stop_wait_seconds(checkpointer.backup_wait_s, since is not None, "TORCHELASTIC_RUN_ID" in os.environ,
                              elapsed, torchrun_grace_seconds(os.environ))
     record["backup_complete"] = checkpointer.close(wait)
-    write_status(out, status, **record)
+    store.write_status(out, status, **record)
 
 
 def agree(flags: list[bool], info: DistInfo) -> list[bool]:
@@ -1747,13 +1742,9 @@ def prepare_corpus(settings: Settings) -> Path:
     return corpus
 
 
-def write_status(out: Path, status: str, **fields) -> None:
-    atomic_write_json(out / "run_status.json", {"status": status, **fields, "updated": utc_now()})
-
-
 def interrupted_reason(out: Path, step: int, command: str) -> str:
     """What run_status.json says after a second Ctrl-C: where the run stands and how to continue."""
-    latest = latest_checkpoint_name(out)
+    latest = store.latest_checkpoint_name(out)
     where = f"the last checkpoint is {out / 'checkpoints' / latest}" if latest else "no checkpoint was saved yet"
     return f"aborted by the user (second interrupt) at step {step}; {where}; continue with: {command}"
 
@@ -1773,8 +1764,8 @@ def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, train
         if read_json(out / "run_status.json").get("status") in (store.COMPLETE, store.NEEDS_RESUME):
             return None
     reason = reason() if callable(reason) else reason
-    write_status(out, store.FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
-                 last_checkpoint=latest_checkpoint_name(out))
+    store.write_status(out, store.FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
+                 last_checkpoint=store.latest_checkpoint_name(out))
     return reason
 
 
@@ -1824,7 +1815,7 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
         "total_steps": training.total_steps,
         "tokens": training.step * training.tokens_per_step,
         "reason": reason,
-        "last_checkpoint": latest_checkpoint_name(out),
+        "last_checkpoint": store.latest_checkpoint_name(out),
         "best_val_loss": training.metrics.best_val_loss if math.isfinite(training.metrics.best_val_loss) else None,
         "validation": training.metrics.last_eval,
         "test": test,
@@ -1834,11 +1825,11 @@ def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, st
     }
     if status == store.NEEDS_RESUME:
         record["resume_command"] = resume_command(info, training.invocation.argv)
-    write_status(out, status, **record)
+    store.write_status(out, status, **record)
     wait_for_backup(checkpointer, out, status, record, since=stop.signalled_at if stop else None)
     if session.report:
         record.update(report_run(training, out, status, test))
-        write_status(out, status, **record)
+        store.write_status(out, status, **record)
     if checkpointer.backup is not None:
         checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
         checkpointer.backup.close()
@@ -2024,86 +2015,13 @@ def log(info: DistInfo, message: str) -> None:
         print(message, flush=True)
 
 
-def hardware_record(info: DistInfo, precision: str, sdpa: str) -> dict:
-    import transformers
-
-    record = {
-        "device": info.device.type,
-        "world_size": info.world,
-        "precision": precision,
-        "sdpa_kernels": sdpa,
-        "newton_schulz_dtype": hardware.newton_schulz_dtype(hardware.describe(info.device)),  # Muon's iteration
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "gpus": [],
-    }
-    if info.device.type == "cuda":
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            record["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
-                                   "capability": f"{props.major}.{props.minor}"})
-    return record
-
-
-def check_hardware(session: SessionSettings, info: DistInfo) -> None:
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
-        else []
-    if session.require_gpus and len(gpus) < session.require_gpus:
-        raise UserError(f"--require-gpus {session.require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
-    if session.require_gpu_name:
-        wrong = [name for name in gpus if session.require_gpu_name.lower() not in name.lower()]
-        if not gpus or wrong:
-            raise UserError(f"--require-gpu-name {session.require_gpu_name}: GPUs here are {gpus or 'none'}")
-    if session.require_gpus and info.device.type != "cuda":
-        raise UserError(f"--require-gpus {session.require_gpus} but training would run on {info.device.type}")
-
-
-def peak_flops(session: SessionSettings, info: DistInfo, precision: str) -> float | None:
-    """Peak FLOP/s of one device for MFU: --peak-tflops, the GPU table, or a matmul measured on CPU."""
-    if session.peak_tflops:
-        return session.peak_tflops * 1e12
-    if info.device.type == "cuda":
-        tflops = hardware.peak_tflops(hardware.describe(info.device), precision)
-        return tflops * 1e12 if tflops else None
-    return measure_cpu_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
-
-
-def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5, tries: int = 5) -> float:
-    """FLOP/s of a square matmul on this CPU with the current thread count: the fastest of at least
-    `tries` runs spread over `seconds` (the fastest is the one least slowed by other load)."""
-    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype)
-    b = torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
-    torch.mm(a, b)
-    best, deadline, runs = math.inf, time.perf_counter() + seconds, 0
-    while runs < tries or time.perf_counter() < deadline:
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-        runs += 1
-    return 2 * size**3 / best
-
-
-def peak_source(session: SessionSettings, info: DistInfo, precision: str) -> str:
-    """Where peak_flops' figure comes from, for hardware.json."""
-    if session.peak_tflops:
-        return "--peak-tflops"
-    if info.device.type == "cuda":
-        return f"hardware.CARDS ({torch.cuda.get_device_name(info.device)}, {precision})"
-    return f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run"
-
-
 def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, float | None]:
     """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
     under other load at the start): the peak is measured again and the higher one kept (and recorded
     in hardware.json); an MFU that is still impossible (a wrong --peak-tflops, say) is not shown."""
     session, info = training.session, training.info
     if info.device.type == "cpu" and not session.peak_tflops:
-        measured = measure_cpu_matmul_flops(torch.bfloat16 if training.precision == "bf16" else torch.float32)
+        measured = hardware.measure_cpu_matmul_flops(training.precision)
         if measured > peak:
             mfu, peak = mfu * peak / measured, measured
             if info.is_main:
@@ -2113,12 +2031,6 @@ def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, f
                                              "peak_flops_source": "a CPU matmul measured again during the run "
                                                                   "(the first measurement was slowed by other load)"})
     return peak, (mfu if mfu <= 1 else None)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2159,28 +2071,6 @@ class StagingBuffers:
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._copy(value, f"{where}/{index}", memo) for index, value in enumerate(obj))
         return obj
-
-
-class HashingWriter:
-    """A write-only file wrapper that hashes what passes through (no second read for the sha256)."""
-
-    def __init__(self, handle):
-        self.handle, self.digest = handle, hashlib.sha256()
-        self.os_error: OSError | None = None  # torch.save reports a failed write as a RuntimeError: keep the cause
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        try:
-            return self.handle.write(data)
-        except OSError as error:
-            self.os_error = error
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-    def sha256(self) -> str:
-        return self.digest.hexdigest()
 
 
 class CheckpointWriteFailed(UserError):
@@ -2250,7 +2140,7 @@ class Checkpointer:
         try:
             started = time.perf_counter()
             with atomic_open(self.folder / name, "wb") as handle:
-                writer = HashingWriter(handle)
+                writer = store.HashingWriter(handle)
                 torch.save(snapshot, writer)
                 handle.flush()
                 record = store.Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
@@ -2343,39 +2233,6 @@ def load_checkpoint_file(path: Path) -> dict:
     return checkpoint
 
 
-UNSET = "(unset)"
-
-
-def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
-    """{name: (old value, new value)} for every setting that differs (UNSET where one side lacks it)."""
-    return {key: (old.get(key, UNSET), new.get(key, UNSET))
-            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
-
-
-def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
-    return "; ".join(f"{key}: {before} -> {after}" for key, (before, after) in changes.items())
-
-
-def settings_diff(old: dict, new: dict) -> list[str]:
-    """'name: old -> new' for every setting that differs."""
-    return [f"{key}: {before} -> {after}" for key, (before, after) in settings_changes(old, new).items()]
-
-
-@dataclass(frozen=True)
-class ResumeVerdict:
-    extend: bool  # the run's length (total_steps) changed: Training.extend_to decides whether it may
-    others: dict  # the changes other than the length: any refuses the resume
-
-
-def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
-    """What a resume does with the checkpoint's training settings `old` under this run's `new`.
-
-    The same length said another way (a default of one epoch resumed with --epochs 1) is no change."""
-    changes = settings_changes(old, new)
-    others = {key: change for key, change in changes.items() if key not in LENGTH_SETTINGS}
-    return ResumeVerdict(extend=old.get("total_steps") != new.get("total_steps"), others=others)
-
-
 def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
     """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
     if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
@@ -2391,10 +2248,6 @@ def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
             return [f"{where} length"]
         return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
     return [] if live == stored else [where]
-
-
-def latest_checkpoint_name(out: Path) -> str | None:
-    return read_json_or(out / "checkpoints" / store.LATEST, {}).get("path")  # named in fault messages: never raises
 
 
 def restore_from_backup(url: str, out: Path) -> Path | None:
@@ -2512,10 +2365,10 @@ def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) ->
     if not problems:
         return None
     if source.model_settings:
-        changes = settings_diff(source.model_settings,
-                                {key: value for key, value in training.items() if key in source.model_settings})
+        changes = store.settings_changes(source.model_settings,
+                                   {key: value for key, value in training.items() if key in source.model_settings})
         if changes:
-            problems = [change.replace(" -> ", " there, ") + " here" for change in changes]
+            problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
     return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
             "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
 

@@ -2,7 +2,7 @@
 # Mutation testing of tinyllm's core rules with mutmut 3 (configured in pyproject.toml, [tool.mutmut]).
 #
 #   bash bench/mutation.sh                        # the whole core, one worker: 5-10 min on 2 busy cores
-#   bash bench/mutation.sh "train.x_mix64__*"     # only the mutants named (fnmatch patterns)
+#   bash bench/mutation.sh "data.x_mix64__*"     # only the mutants named (fnmatch patterns)
 #   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
 #
 # mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
@@ -21,10 +21,10 @@ CORE=(
   # data.py: splits, document hashing, packing into hashed shards, corpus record verification
   "data.x_split_of__*" "data.x_document_hash__*" "data.x_token_dtype__*" "data.x_shard_name__*"
   "data.xǁShardWriterǁ*" "data.x_batches__*" "data.x_verify_files__*" "data.x_check_settings__*"
-  # train.py: the data order, the loss, gradient clipping, loading a checkpoint, the settings check
-  "train.x_mix64__*" "train.xǁBlockPermutationǁ*" "train.xǁBlockSamplerǁ*"
+  # data.py: the data order; train.py: the loss, gradient clipping, loading a checkpoint, the settings check
+  "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
   "train.x_language_model_loss__*" "train.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
-  "train.x_load_checkpoint_file__*" "train.x_settings_diff__*" "train.x_tensors_equal__*"
+  "train.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*" "train.x_tensors_equal__*"
   "train.xǁCheckpointerǁapply_retention__*"
   # checkpoint_store.py: names, records, the resume plan, timelines, retention (local and remote)
   "checkpoint_store.*"

@@ -462,8 +462,8 @@ def test_clip_gradients_sets_non_finite_gradients_to_nan():
     ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
     ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
 ])
-def test_settings_diff(old, new, expected):
-    assert train.settings_diff(old, new) == expected
+def test_settings_changes_are_described_one_by_one(old, new, expected):
+    assert store.describe_changes(store.settings_changes(old, new)) == "; ".join(expected)
 
 
 @pytest.mark.parametrize("old, new, extend, others", [
@@ -474,10 +474,10 @@ def test_settings_diff(old, new, expected):
      {"target_tokens": 200, "total_steps": 20, "recipe.total_steps": 20}, True, {}),
     ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 10}, False, {"lr": (1, 2)}),
     ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 20}, True, {"lr": (1, 2)}),
-    ({"seed": 1}, {}, False, {"seed": (1, train.UNSET)}),
+    ({"seed": 1}, {}, False, {"seed": (1, store.UNSET)}),
 ])
 def test_resume_verdict(old, new, extend, others):
-    verdict = train.resume_verdict(old, new)
+    verdict = store.resume_verdict(old, new)
     assert verdict.extend == extend and verdict.others == others
 
 

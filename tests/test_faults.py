@@ -18,6 +18,7 @@ from test_train import options, write_tiny_corpus
 import checkpoint_store as store
 import common
 import data
+import hardware
 import report
 import train
 
@@ -166,29 +167,29 @@ def test_export_only_is_refused_while_a_training_run_holds_the_folder(corpus, tm
 def test_mfu_is_never_above_100_percent_and_the_peak_is_recorded(corpus, tmp_path, monkeypatch):
     """A CPU peak measured under load (here: the first measurement far too low) gives MFU > 100%:
     it is measured again, the new peak recorded in hardware.json, and no impossible MFU is logged."""
-    real = train.measure_cpu_matmul_flops
+    real = hardware.measure_cpu_matmul_flops
     calls = []
 
-    def first_one_slowed(dtype, *args, **kwargs):
-        calls.append(dtype)
-        return 1e6 if len(calls) == 1 else real(dtype, *args, **kwargs)
+    def first_one_slowed(precision, *args, **kwargs):
+        calls.append(precision)
+        return 1e6 if len(calls) == 1 else real(precision, *args, **kwargs)
 
-    monkeypatch.setattr(train, "measure_cpu_matmul_flops", first_one_slowed)
+    monkeypatch.setattr(hardware, "measure_cpu_matmul_flops", first_one_slowed)
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--peak-tflops", "0", steps=4)) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     mfus = [r["mfu"] for r in records if r["kind"] == "train"]
     assert len(calls) >= 2 and all(mfu is None or 0 < mfu <= 1 for mfu in mfus) and any(mfus)
-    hardware = json.loads((out / "hardware.json").read_text())
-    assert hardware["peak_flops"] > 1e6 and "measured again" in hardware["peak_flops_source"]
+    recorded = json.loads((out / "hardware.json").read_text())
+    assert recorded["peak_flops"] > 1e6 and "measured again" in recorded["peak_flops_source"]
 
     # a --peak-tflops far below what the run achieves: no MFU rather than an impossible one
     out = tmp_path / "wrong-peak"
     assert train.main(options(corpus, out, "--peak-tflops", "1e-9", steps=2)) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["mfu"] for r in records if r["kind"] == "train"] == [None, None]
-    hardware = json.loads((out / "hardware.json").read_text())
-    assert hardware["peak_flops"] == pytest.approx(1e3) and hardware["peak_flops_source"] == "--peak-tflops"
+    recorded = json.loads((out / "hardware.json").read_text())
+    assert recorded["peak_flops"] == pytest.approx(1e3) and recorded["peak_flops_source"] == "--peak-tflops"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -93,8 +93,7 @@ def test_the_optimizer_iterates_in_the_devices_dtype():
     assert isinstance(optimizer, torch.optim.Muon)
     assert (optimizer.ns_dtype, optimizer.rank, optimizer.world) == ("fp32", 1, 2)
     assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.95
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    assert train.hardware_record(info, "fp32", "cpu flash")["newton_schulz_dtype"] == "fp32"
+    assert hardware.machine_record(torch.device("cpu"), 1, "fp32", "cpu flash")["newton_schulz_dtype"] == "fp32"
 
 
 TINY_LAYER = [(64, 64), (32, 64), (32, 64), (64, 64), (192, 64), (192, 64), (64, 192)]  # q k v o gate up down

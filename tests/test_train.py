@@ -432,10 +432,10 @@ def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path, flip_byte):
         train.find_resume_checkpoint(tmp_path, "auto")
 
 
-def test_settings_diff_lists_each_change():
+def test_settings_changes_list_each_change():
     old = {"lr": 0.001, "seed": 1, "total_steps": 10}
     new = {"lr": 0.002, "seed": 1, "total_steps": 12}
-    assert train.settings_diff(old, new) == ["lr: 0.001 -> 0.002", "total_steps: 10 -> 12"]
+    assert store.settings_changes(old, new) == {"lr": (0.001, 0.002), "total_steps": (10, 12)}
 
 
 def test_resume_command_drops_stop_and_resume_options():
@@ -585,8 +585,8 @@ def test_save_seconds_0_is_off_and_a_stop_is_the_last_metrics_record(corpus, tmp
             handlers_when_running.append(type(getattr(signal.getsignal(signal.SIGTERM), "__self__", None)))
         real_write_status(folder, state, **fields)
 
-    real_write_status = train.write_status
-    monkeypatch.setattr(train, "write_status", write_status)
+    real_write_status = store.write_status
+    monkeypatch.setattr(store, "write_status", write_status)
     assert train.main(options(corpus, out, *quiet, "--stop-after-steps", "6")) == 0
     assert handlers_when_running and set(handlers_when_running) == {train.StopRequest}
     checkpoints = sorted(path.name for path in (out / "checkpoints").glob("step-*.pt"))
