@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -19,7 +21,7 @@ import secrets
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +371,178 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Options declared once: a settings dataclass field carries its default, help, group and checks
+# (`option`); `add_options` builds the argparse options from the fields, `check_options` applies
+# the checks, and `read_config` turns a --config file into the same options.
+
+
+def option(default: Any, help: str, group: str, *, checks: tuple = (), choices: Any = None,
+           type: Callable | None = None, flag: str | None = None, metavar: str | None = None,
+           exclusive: str | None = None) -> Any:
+    """A settings field that is a command-line option (`--field-name`, or `flag`) in help `group`.
+
+    `checks`: functions value -> problem text (None: fine), applied in order by check_options.
+    `type`: what argparse converts the text with (default: the field's annotated type; a bool is a
+    switch). `exclusive`: options with the same name are mutually exclusive."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "group": group, "checks": checks, "choices": choices, "type": type, "flag": flag,
+        "metavar": metavar, "exclusive": exclusive})
+
+
+def option_fields(*kinds) -> list[dataclasses.Field]:
+    """The fields of these settings dataclasses that are options, in declaration order."""
+    return [field for kind in kinds for field in dataclasses.fields(kind) if "help" in field.metadata]
+
+
+def option_flag(field: dataclasses.Field) -> str:
+    return field.metadata["flag"] or "--" + field.name.replace("_", "-")
+
+
+def _value_type(field: dataclasses.Field) -> Callable:
+    """int, float or str from a field's annotation ("int | None" -> int)."""
+    annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "str")
+    names = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
+    return {"int": int, "float": float, "bool": bool}.get(names[0] if names else "str", str)
+
+
+def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], *kinds) -> None:
+    """One argparse option per option field of `kinds`, under its group (`groups` gives their order)."""
+    sections = {title: parser.add_argument_group(title) for title in groups}
+    order = list(sections)
+    exclusive: dict[str, Any] = {}
+    for field in sorted(option_fields(*kinds), key=lambda field: order.index(field.metadata["group"])):
+        meta = field.metadata
+        target = sections[meta["group"]]
+        if meta["exclusive"]:
+            if meta["exclusive"] not in exclusive:
+                exclusive[meta["exclusive"]] = target.add_mutually_exclusive_group()
+            target = exclusive[meta["exclusive"]]
+        kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": meta["help"]}
+        value_type = meta["type"] or _value_type(field)
+        if value_type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+        else:
+            kwargs.update(type=value_type, choices=meta["choices"], metavar=meta["metavar"])
+        target.add_argument(option_flag(field), **kwargs)
+
+
+def check_options(settings: Any) -> None:
+    """Each option field's checks on its value: the first broken one is a UserError naming the option."""
+    for field in option_fields(type(settings)):
+        value = getattr(settings, field.name)
+        if value is None:
+            continue
+        for check in field.metadata["checks"]:
+            problem = check(value)
+            if problem:
+                raise UserError(f"{option_flag(field)} must {problem}, got {value}")
+
+
+def positive(value) -> str | None:
+    return None if value > 0 else "be positive"
+
+
+def not_negative(value) -> str | None:
+    return None if value >= 0 else "not be negative"
+
+
+def finite(value) -> str | None:
+    return None if math.isfinite(value) else "be a finite number"
+
+
+def below_one(value) -> str | None:
+    return None if 0 <= value < 1 else "be in [0, 1)"
+
+
+def fraction(value) -> str | None:
+    return None if 0 <= value <= 1 else "be in [0, 1]"
+
+
+def at_least(lowest: int) -> Callable:
+    def check(value) -> str | None:
+        return None if value >= lowest else f"be at least {lowest}"
+    return check
+
+
+def config_file_in(argv: list[str]) -> str | None:
+    """The FILE of `--config FILE` (or `--config=FILE`) in a command line, None without one."""
+    for index, token in enumerate(argv):
+        if token == "--config":
+            if index + 1 >= len(argv):
+                raise UserError("--config needs a FILE (TOML or YAML)")
+            return argv[index + 1]
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def read_config(path: str) -> dict:
+    """A --config file's options: a TOML (.toml) or YAML (.yaml, .yml) mapping of option names to values."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--config {os_error_text(error, path)}") from None
+    try:
+        if Path(path).suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            import tomllib
+
+            values = tomllib.loads(text)
+    except Exception as error:  # tomllib.TOMLDecodeError, yaml.YAMLError
+        raise UserError(f"--config {path}: not valid {'YAML' if Path(path).suffix != '.toml' else 'TOML'}: "
+                        f"{str(error).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise UserError(f"--config {path}: expected a mapping of option names to values")
+    return values
+
+
+def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The options of the --config file named in `argv` as command-line tokens, to go before `argv` (so
+    the command line wins). A key is an option's long name (dashes or underscores); an unknown key is one
+    UserError naming it and the closest option; a key whose option (or a mutually exclusive one) the
+    command line gives is left out."""
+    path = config_file_in(argv)
+    if path is None:
+        return []
+    by_name = {flag[2:].replace("-", "_"): action for action in parser._actions
+               for flag in action.option_strings if flag.startswith("--")}
+    given = {by_name[token[2:].split("=", 1)[0].replace("-", "_")] for token in argv
+             if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") in by_name}
+    given |= {other for group in parser._mutually_exclusive_groups if given & set(group._group_actions)
+              for other in group._group_actions}
+    tokens: list[str] = []
+    for key, value in read_config(path).items():
+        action = by_name.get(str(key).replace("-", "_"))
+        if action is None or action.dest in ("config", "help"):
+            import difflib
+
+            close = difflib.get_close_matches(str(key).replace("-", "_"), list(by_name), n=1)
+            hint = f"; did you mean {close[0].replace('_', '-')}?" if close else ""
+            raise UserError(f"--config {path}: unknown option {key!r}{hint}")
+        if action not in given:
+            tokens += config_tokens(action, value, path, key)
+    return tokens
+
+
+def config_tokens(action: argparse.Action, value: Any, path: str, key: str) -> list[str]:
+    """One config value as the command-line tokens of its option."""
+    flag = next(flag for flag in action.option_strings if flag.startswith("--") and not flag.startswith("--no-"))
+    if value is None:
+        return []
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if not isinstance(value, bool):
+            raise UserError(f"--config {path}: {key} is a switch: true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    if isinstance(value, list) and action.nargs in ("+", "*") and value:
+        return [flag, *map(str, value)]
+    if isinstance(value, (dict, list)):
+        raise UserError(f"--config {path}: {key} takes one value, got {value!r}")
+    return [flag, str(value).lower() if isinstance(value, bool) else str(value)]

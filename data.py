@@ -47,6 +47,7 @@ from common import (
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    config_argv,
     human_count,
     os_error_text,
     read_json,
@@ -1567,6 +1568,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "datasets.save_to_disk folders, hf:NAME[:CONFIG][:SPLIT]")
     what.add_argument("--demo", action="store_true", help="build the embedded arithmetic chat corpus (no input)")
     what.add_argument("--verify", metavar="CORPUS", help="re-hash a corpus against its manifest and exit")
+    what.add_argument("--config", metavar="FILE",
+                      help="read options from this TOML or YAML file (long names as keys, e.g. data = [\"a.jsonl\"], "
+                           "vocab-size = 8000); options given on the command line win")
     build = parser.add_argument_group("building a corpus")
     build.add_argument("--out", help="corpus folder to create")
     build.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --out")
@@ -1614,7 +1618,8 @@ def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(config_argv(parser, argv) + argv)
     if sum(bool(x) for x in (args.data, args.demo, args.verify)) != 1:
         parser.error("give exactly one of --data, --demo or --verify")
 

@@ -55,10 +55,23 @@ import report
 from common import (
     ArgumentParser,
     UserError,
+    add_options,
+    at_least,
     atomic_open,
     atomic_write_json,
+    atomic_write_text,
+    below_one,
+    check_options,
+    config_argv,
+    finite,
+    fraction,
+    not_negative,
+    option,
+    option_fields,
+    option_flag,
     os_error_cause,
     os_error_text,
+    positive,
     read_json,
     read_json_or,
     remove_temporaries,
@@ -84,8 +97,38 @@ MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is
 
 
 # ----------------------------------------------------------------------------------------------
-# Options. Every option lands in exactly one of three frozen dataclasses (tests/test_settings.py
-# checks it), built once from the command line by parse_args and checked there (check_settings).
+# Options. Each one is declared once, as a field of one of three frozen dataclasses (its default,
+# help, help group and checks together: common.option); build_parser makes the command line from
+# them, parse_args builds the settings once and checks them (check_options, then check_settings for
+# the rules between options). tests/test_settings.py checks every option lands in exactly one group.
+
+LOSS_ON = ("all", "assistant")
+TEXT_LOSS = ("full", "none")
+OPTIMIZERS = ("muon", "adamw")
+SCHEDULES = ("wsd", "cosine")
+DEFAULT_OPTIMIZER = "muon"
+DEFAULT_SCHEDULE = "wsd"
+DEFAULT_DECAY_FRACTION = 0.4
+DEFAULT_FINAL_LR_FRACTION = 0.0
+DEFAULT_BETA2 = 0.95
+
+PATHS, MODEL, BUDGET = "data and run folder", "model (a preset, with any field overridden)", "batch, length and seed"
+RECIPE = "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)"
+LOSS = "which tokens the loss counts (the corpus' mask, see data.py)"
+SAVING, STOPPING, SPEED = "checkpoints and evaluation", "stopping", "hardware and speed"
+OUTPUT, BACKUP = "what a run shows and leaves behind", "checkpoint backup (checkpoint_cloud.py)"
+OPTION_GROUPS = (PATHS, MODEL, BUDGET, RECIPE, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
+
+
+DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
+             f"{data.PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
+
+
+def shape_option(name: str) -> Any:
+    """A model field's override (None: the preset's; model_config.resolve_preset checks the shape)."""
+    tiny, think72 = model_config.PRESETS["tiny"], model_config.PRESETS["think72"]
+    return option(None, f"None: the preset's (tiny {getattr(tiny, name):g}, think72 {getattr(think72, name):g})",
+                  MODEL)
 
 
 def token_count(text: str) -> int:
@@ -101,134 +144,7 @@ def token_count(text: str) -> int:
     return int(value)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    demo = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO_DEFAULTS.items())
-    parser = ArgumentParser(
-        description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP). "
-                    "Without --data it runs the demo end to end.",
-        epilog=f"The demo (no --data): builds {DEFAULT_DATA} with `data.py --demo` if it is not there, trains, "
-               f"evaluates the held-out arithmetic problems and exports {DEFAULT_OUT}/model; options not given "
-               f"take the demo defaults instead of those shown above: {demo}.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    paths = parser.add_argument_group("data and run folder")
-    paths.add_argument("--data", default=None,
-                       help=f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
-                            f"{data.PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
-    paths.add_argument("--out", default=None,
-                       help=f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})")
-    paths.add_argument("--init-from", default=None, metavar="SOURCE",
-                       help="start a new run from these weights: a checkpoint file, a run folder (its newest "
-                            "verified checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); "
-                            "fresh optimizer, schedule and data order; the tokenizer must be the corpus'")
-    paths.add_argument("--resume", default="auto",
-                       help="'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
-                            "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH")
-
-    shape = parser.add_argument_group("model (a preset, with any field overridden)")
-    shape.add_argument("--preset", default="tiny", choices=list(model_config.PRESETS), help="model shape")
-    shape.add_argument("--context", type=int, default=None, help="tokens per block (None: the preset's)")
-    tiny, think72 = model_config.PRESETS["tiny"], model_config.PRESETS["think72"]
-    for name in model_config.OVERRIDABLE_FIELDS:
-        if name != "context":
-            shape.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(tiny, name)), default=None,
-                               help=f"None: the preset's (tiny {getattr(tiny, name):g}, "
-                                    f"think72 {getattr(think72, name):g})")
-
-    budget = parser.add_argument_group("batch, length and seed")
-    budget.add_argument("--batch-size", type=int, default=8, help="blocks per micro-step per rank")
-    budget.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step")
-    length = budget.add_mutually_exclusive_group()
-    length.add_argument("--target-tokens", type=token_count, default=None,
-                        help="train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)")
-    length.add_argument("--epochs", type=float, default=None, help="train this many passes over the train split")
-    budget.add_argument("--seed", type=int, default=1337, help="model init and data order")
-
-    recipe = parser.add_argument_group(
-        "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)")
-    recipe.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
-                        help=f"muon: torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms; "
-                             f"adamw: AdamW for everything (None: {DEFAULT_OPTIMIZER})")
-    recipe.add_argument("--lr", type=float, default=None,
-                        help="AdamW's peak learning rate (under muon: of the embeddings and norms)")
-    recipe.add_argument("--muon-lr", type=float, default=None, help="Muon's peak learning rate (hidden matrices)")
-    recipe.add_argument("--schedule", default=None, choices=SCHEDULES,
-                        help="cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay "
-                             f"over the last --decay-fraction of the run (None: {DEFAULT_SCHEDULE})")
-    recipe.add_argument("--warmup-steps", type=int, default=None,
-                        help="linear warmup steps (None: a fraction of the run, see docs/recipe.md)")
-    recipe.add_argument("--decay-fraction", type=float, default=None,
-                        help=f"wsd: share of the run spent decaying (None: {DEFAULT_DECAY_FRACTION})")
-    recipe.add_argument("--final-lr-fraction", type=float, default=None,
-                        help=f"learning rate at the end, as a fraction of the peak (None: {DEFAULT_FINAL_LR_FRACTION})")
-    recipe.add_argument("--weight-decay", type=float, default=0.1,
-                        help="decoupled weight decay of the matrices (AdamW's and Muon's; not embeddings or norms)")
-    recipe.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
-    recipe.add_argument("--beta2", type=float, default=None, help=f"AdamW beta2 (None: {DEFAULT_BETA2})")
-    recipe.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's (Nesterov) momentum")
-    recipe.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-
-    loss = parser.add_argument_group("which tokens the loss counts (the corpus' mask, see data.py)")
-    loss.add_argument("--loss-on", default="all", choices=LOSS_ON,
-                      help="all: every token; assistant: only the assistants' answers (reasoning included) of "
-                           "chat documents, and plain-text documents as --text-loss says")
-    loss.add_argument("--text-loss", default=None, choices=TEXT_LOSS,
-                      help="with --loss-on assistant, plain-text documents count fully or not at all (needed "
-                           "when the corpus has any)")
-
-    saving = parser.add_argument_group("checkpoints and evaluation")
-    saving.add_argument("--save-every", type=int, default=250, help="save every N steps (0: never by count)")
-    saving.add_argument("--save-seconds", type=float, default=600,
-                        help="also save when this many seconds have passed since the last save (0: never by time)")
-    saving.add_argument("--keep-last", type=int, default=2, help="retention: keep the newest N step checkpoints")
-    saving.add_argument("--keep-every", type=int, default=0,
-                        help="retention: also keep forever every checkpoint whose step is a multiple of N (0: off)")
-    saving.add_argument("--eval-every", type=int, default=250, help="validation every N steps (0: only at the end)")
-    saving.add_argument("--eval-batches", type=int, default=4,
-                        help="validation over this many global batches of blocks (the same blocks whatever the "
-                             "split between ranks, --batch-size and --grad-accum)")
-    saving.add_argument("--log-every", type=int, default=10, help="progress line and metrics every N steps")
-
-    stopping = parser.add_argument_group("stopping")
-    stopping.add_argument("--max-hours", type=float, default=0,
-                          help="stop (saved, resumable) early enough to save before this budget (0: no limit)")
-    stopping.add_argument("--stop-after-steps", type=int, default=0,
-                          help="stop (saved, resumable) once the run reaches step N (0: off)")
-    stopping.add_argument("--max-overflow-steps", type=int, default=32,
-                          help="fp16: fail after this many optimizer steps in a row skipped for overflow")
-
-    hardware = parser.add_argument_group("hardware and speed")
-    hardware.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                          help="auto: CUDA when torch sees a GPU, else CPU")
-    hardware.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: torch's default)")
-    hardware.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                          help="auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below "
-                               "(T4, V100, P100), fp32 on CPU. May change on resume (a run can move between cards)")
-    hardware.add_argument("--compile", action="store_true", help="torch.compile the model")
-    hardware.add_argument("--grad-checkpoint", action="store_true", help="recompute activations in backward")
-    hardware.add_argument("--deterministic", action="store_true",
-                          help="CUDA: deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS "
-                               "workspace config, no cuDNN attention), so a resumed run is bit for bit the "
-                               "uninterrupted one (slower; CPU runs are deterministic without it). May change "
-                               "on resume")
-    hardware.add_argument("--8bit-adam", dest="adam8bit", action="store_true", help="bitsandbytes AdamW8bit (CUDA)")
-    hardware.add_argument("--require-gpus", type=int, default=0, help="refuse to start with fewer visible GPUs")
-    hardware.add_argument("--require-gpu-name", default=None, help="refuse to start unless every GPU name has this")
-    hardware.add_argument("--peak-tflops", type=float, default=0,
-                          help="peak FLOP/s per device for MFU (0: GPU table, or an fp32/bf16 matmul measured on CPU)")
-
-    output = parser.add_argument_group("what a run shows and leaves behind")
-    output.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
-                        help="loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging Face "
-                             "export RUN/model at the end (--no-report: checkpoints and metrics only)")
-    output.add_argument("--tensorboard", action="store_true", help="also write the metrics to RUN/tensorboard")
-    output.add_argument("--export-only", action="store_true",
-                        help="no training: export the --resume checkpoint (auto: OUT's newest) to OUT/model")
-    checkpoint_cloud.add_backup_args(parser)
-    return parser
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """What makes the run this run: a resume must give the same (Training.load compares them with the
     checkpoint's), except the length (target_tokens, epochs), which may change under extend_to's rule.
@@ -236,82 +152,130 @@ class RunSettings:
     None: the preset's shape, the recipe rule's value; what they resolve to is recorded beside these
     as model.* and recipe.* (and text_loss as resolved for the corpus)."""
 
-    preset: str
-    layers: int | None
-    hidden: int | None
-    intermediate: int | None
-    heads: int | None
-    kv_heads: int | None
-    head_dim: int | None
-    context: int | None
-    rope_theta: float | None
-    rms_norm_eps: float | None
-    seed: int
-    target_tokens: int | None
-    epochs: float | None
-    optimizer: str | None
-    lr: float | None
-    muon_lr: float | None
-    schedule: str | None
-    warmup_steps: int | None
-    decay_fraction: float | None
-    final_lr_fraction: float | None
-    weight_decay: float
-    beta1: float
-    beta2: float | None
-    muon_momentum: float
-    grad_clip: float
-    adam8bit: bool
-    loss_on: str
-    text_loss: str | None
-    eval_batches: int  # which validation blocks best_val_loss is measured on
+    preset: str = option("tiny", "model shape", MODEL, choices=list(model_config.PRESETS))
+    context: int | None = option(None, "tokens per block (None: the preset's)", MODEL, checks=(at_least(2),))
+    layers: int | None = shape_option("layers")
+    hidden: int | None = shape_option("hidden")
+    intermediate: int | None = shape_option("intermediate")
+    heads: int | None = shape_option("heads")
+    kv_heads: int | None = shape_option("kv_heads")
+    head_dim: int | None = shape_option("head_dim")
+    rope_theta: float | None = shape_option("rope_theta")
+    rms_norm_eps: float | None = shape_option("rms_norm_eps")
+    target_tokens: int | None = option(
+        None, "train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)", BUDGET,
+        type=token_count, checks=(positive,), exclusive="length")
+    epochs: float | None = option(None, "train this many passes over the train split", BUDGET,
+                                  checks=(lambda value: None if math.isfinite(value) and value > 0
+                                          else "be a positive finite number",), exclusive="length")
+    seed: int = option(1337, "model init and data order", BUDGET)
+    optimizer: str | None = option(
+        None, f"muon: torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms; adamw: AdamW "
+              f"for everything (None: {DEFAULT_OPTIMIZER})", RECIPE, choices=OPTIMIZERS)
+    lr: float | None = option(None, "AdamW's peak learning rate (under muon: of the embeddings and norms)",
+                              RECIPE, checks=(finite, positive))
+    muon_lr: float | None = option(None, "Muon's peak learning rate (hidden matrices)", RECIPE,
+                                   checks=(finite, positive))
+    schedule: str | None = option(
+        None, "cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay over the last "
+              f"--decay-fraction of the run (None: {DEFAULT_SCHEDULE})", RECIPE, choices=SCHEDULES)
+    warmup_steps: int | None = option(None, "linear warmup steps (None: a fraction of the run, see docs/recipe.md)",
+                                      RECIPE, checks=(not_negative,))
+    decay_fraction: float | None = option(None, f"wsd: share of the run spent decaying (None: "
+                                                f"{DEFAULT_DECAY_FRACTION})", RECIPE, checks=(finite, fraction))
+    final_lr_fraction: float | None = option(
+        None, f"learning rate at the end, as a fraction of the peak (None: {DEFAULT_FINAL_LR_FRACTION})", RECIPE,
+        checks=(finite, fraction))
+    weight_decay: float = option(0.1, "decoupled weight decay of the matrices (AdamW's and Muon's; not "
+                                      "embeddings or norms)", RECIPE, checks=(finite, not_negative))
+    beta1: float = option(0.9, "AdamW beta1", RECIPE, checks=(finite, below_one))
+    beta2: float | None = option(None, f"AdamW beta2 (None: {DEFAULT_BETA2})", RECIPE, checks=(finite, below_one))
+    muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum", RECIPE, checks=(finite, below_one))
+    grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", RECIPE, checks=(finite, not_negative))
+    adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", SPEED, flag="--8bit-adam")
+    loss_on: str = option("all", "all: every token; assistant: only the assistants' answers (reasoning included) "
+                                 "of chat documents, and plain-text documents as --text-loss says", LOSS,
+                          choices=LOSS_ON)
+    text_loss: str | None = option(None, "with --loss-on assistant, plain-text documents count fully or not at "
+                                         "all (needed when the corpus has any)", LOSS, choices=TEXT_LOSS)
+    eval_batches: int = option(  # which validation blocks best_val_loss is measured on
+        4, "validation over this many global batches of blocks (the same blocks whatever the split between "
+           "ranks, --batch-size and --grad-accum)", SAVING, checks=(positive,))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SessionSettings:
     """What may change from one session of a run to the next (recorded as "runtime", never compared).
 
     batch_size and grad_accum only split the global batch, which must match (global_batch_blocks);
     data may move: the corpus itself is identified by its manifest's sha256."""
 
-    data: str
-    out: str
-    batch_size: int
-    grad_accum: int
-    device: str
-    threads: int
-    precision: str  # as asked (auto); what it resolves to on this device is recorded as runtime.precision
-    compile: bool
-    grad_checkpoint: bool
-    deterministic: bool
-    require_gpus: int
-    require_gpu_name: str | None
-    peak_tflops: float
-    save_every: int
-    save_seconds: float
-    keep_last: int
-    keep_every: int
-    eval_every: int
-    log_every: int
-    max_hours: float
-    stop_after_steps: int
-    max_overflow_steps: int
-    report: bool
-    tensorboard: bool
-    backup_to: str | None  # a URL may carry credentials: never recorded nor printed
-    remote_keep_recent: int
-    remote_keep_every: int
-    backup_wait_seconds: float
-    backup_max_unbacked: int
+    data: str = option(None, DATA_HELP, PATHS)
+    out: str = option(None, f"run folder: checkpoints, metrics, status (needed with --data; the demo: "
+                            f"{DEFAULT_OUT})", PATHS)
+    batch_size: int = option(8, "blocks per micro-step per rank", BUDGET, checks=(positive,))
+    grad_accum: int = option(4, "micro-steps per optimizer step", BUDGET, checks=(positive,))
+    save_every: int = option(250, "save every N steps (0: never by count)", SAVING, checks=(not_negative,))
+    save_seconds: float = option(600, "also save when this many seconds have passed since the last save (0: never "
+                                      "by time)", SAVING, checks=(finite, not_negative))
+    keep_last: int = option(2, "retention: keep the newest N step checkpoints", SAVING, checks=(at_least(1),))
+    keep_every: int = option(0, "retention: also keep forever every checkpoint whose step is a multiple of N "
+                                "(0: off)", SAVING, checks=(not_negative,))
+    eval_every: int = option(250, "validation every N steps (0: only at the end)", SAVING, checks=(not_negative,))
+    log_every: int = option(10, "progress line and metrics every N steps", SAVING, checks=(positive,))
+    max_hours: float = option(0, "stop (saved, resumable) early enough to save before this budget (0: no limit)",
+                              STOPPING, checks=(finite, not_negative))
+    stop_after_steps: int = option(0, "stop (saved, resumable) once the run reaches step N (0: off)", STOPPING,
+                                   checks=(not_negative,))
+    max_overflow_steps: int = option(32, "fp16: fail after this many optimizer steps in a row skipped for "
+                                         "overflow", STOPPING, checks=(positive,))
+    device: str = option("auto", "auto: CUDA when torch sees a GPU, else CPU", SPEED, choices=["auto", "cpu", "cuda"])
+    threads: int = option(0, "torch CPU threads per rank (0: torch's default)", SPEED, checks=(not_negative,))
+    precision: str = option(  # as asked; what it resolves to on this device is recorded as runtime.precision
+        "auto", "auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below (T4, V100, P100), "
+                "fp32 on CPU. May change on resume (a run can move between cards)", SPEED,
+        choices=["auto", "fp32", "fp16", "bf16"])
+    compile: bool = option(False, "torch.compile the model", SPEED)
+    grad_checkpoint: bool = option(False, "recompute activations in backward", SPEED)
+    deterministic: bool = option(
+        False, "CUDA: deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS workspace config, no "
+               "cuDNN attention), so a resumed run is bit for bit the uninterrupted one (slower; CPU runs are "
+               "deterministic without it). May change on resume", SPEED)
+    require_gpus: int = option(0, "refuse to start with fewer visible GPUs", SPEED, checks=(not_negative,))
+    require_gpu_name: str | None = option(None, "refuse to start unless every GPU name has this", SPEED)
+    peak_tflops: float = option(0, "peak FLOP/s per device for MFU (0: GPU table, or an fp32/bf16 matmul measured "
+                                   "on CPU)", SPEED, checks=(finite, not_negative))
+    report: bool = option(True, "loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging "
+                                "Face export RUN/model at the end (--no-report: checkpoints and metrics only)", OUTPUT)
+    tensorboard: bool = option(False, "also write the metrics to RUN/tensorboard", OUTPUT)
+    backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
+        None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
+              "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
+    remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
+    remote_keep_every: int = option(10, "also keep every Nth save (by save index) on the remote forever; 0 = off",
+                                    BACKUP)
+    backup_wait_seconds: float = option(600.0, "on stop, wait this long for pending uploads", BACKUP,
+                                        checks=(not_negative,))
+    backup_max_unbacked: int = option(3, "local checkpoints without a remote copy kept beyond local retention; "
+                                         "older ones are deleted with a warning", BACKUP)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Invocation:
     """What this command does, once: not part of the run (an --init-from source is recorded as its lineage)."""
 
-    resume: str
-    init_from: str | None
-    export_only: bool
+    init_from: str | None = option(
+        None, "start a new run from these weights: a checkpoint file, a run folder (its newest verified "
+              "checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); fresh optimizer, schedule and data "
+              "order; the tokenizer must be the corpus'", PATHS, metavar="SOURCE")
+    resume: str = option("auto", "'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
+                                 "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH",
+                         PATHS)
+    export_only: bool = option(False, "no training: export the --resume checkpoint (auto: OUT's newest) to "
+                                      "OUT/model", OUTPUT)
+    config: str | None = option(None, "read options from this TOML or YAML file (long names as keys; options "
+                                      "given on the command line win); a run writes RUN/config.toml", PATHS,
+                                metavar="FILE")
     demo: bool  # derived: no --data, so the demo and its defaults
     argv: tuple[str, ...]  # derived: the command line, for the resume command
 
@@ -325,6 +289,21 @@ class Settings:
     invocation: Invocation
 
 
+SETTINGS_GROUPS = (RunSettings, SessionSettings, Invocation)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    demo = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO_DEFAULTS.items())
+    parser = ArgumentParser(
+        description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP). "
+                    "Without --data it runs the demo end to end.",
+        epilog=f"The demo (no --data): builds {DEFAULT_DATA} with `data.py --demo` if it is not there, trains, "
+               f"evaluates the held-out arithmetic problems and exports {DEFAULT_OUT}/model; options not given "
+               f"take the demo defaults instead of those shown above: {demo}.")
+    add_options(parser, OPTION_GROUPS, *SETTINGS_GROUPS)
+    return parser
+
+
 def option_values(settings: Settings) -> dict:
     """Every setting by its option's name (argparse dest), the three groups together."""
     return {**dataclasses.asdict(settings.run), **dataclasses.asdict(settings.session),
@@ -332,16 +311,16 @@ def option_values(settings: Settings) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
-    """The settings of this command line (UserError when one is wrong); without --data, the demo
-    defaults replace those of the options not given."""
+    """The settings of this command line (UserError when one is wrong): a --config file's options first,
+    then the command line's; without --data, the demo defaults replace those of the options not given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(config_argv(parser, argv) + argv)
     demo = args.data is None
     if demo:
         parser.set_defaults(data=DEFAULT_DATA, out=DEFAULT_OUT, **DEMO_DEFAULTS)
         epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
-        args = parser.parse_args(argv)
+        args = parser.parse_args(config_argv(parser, argv) + argv)
         if epochs_given:
             args.target_tokens = None
     if args.out is None:
@@ -352,39 +331,32 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         return kind(**{field.name: values[field.name] for field in dataclasses.fields(kind)})
 
     settings = Settings(run=group(RunSettings), session=group(SessionSettings), invocation=group(Invocation))
+    for part in (settings.run, settings.session, settings.invocation):
+        check_options(part)
     check_settings(settings)
     return settings
 
 
+NOT_IN_CONFIG = {"resume", "export_only", "config", "backup_to"}  # what this command does; a URL may hold a secret
+
+
+def config_text(settings: Settings) -> str:
+    """RUN/config.toml: every option of this run by its long name (those at None left out), so that
+    `train.py --config RUN/config.toml` starts the same run again (--out, --backup-to given anew)."""
+    import tomli_w
+
+    values = {option_flag(field)[2:]: getattr(part, field.name)
+              for part in (settings.run, settings.session, settings.invocation)
+              for field in option_fields(type(part)) if field.name not in NOT_IN_CONFIG}
+    return ("# written by train.py: `python train.py --config THIS_FILE --out NEW_RUN` starts this run again\n"
+            + tomli_w.dumps({key: value for key, value in values.items() if value is not None}))
+
+
 def check_settings(settings: Settings) -> None:
-    """Every rule on the options' values, each broken one a UserError naming its option."""
-    values, run, invocation = option_values(settings), settings.run, settings.invocation
-    positive = ["batch_size", "grad_accum", "eval_batches", "log_every", "max_overflow_steps"]
-    not_negative = ["warmup_steps", "save_every", "save_seconds", "keep_every", "eval_every", "max_hours",
-                    "stop_after_steps", "threads", "require_gpus", "peak_tflops", "weight_decay", "grad_clip",
-                    "backup_wait_seconds"]
-    for name in positive:
-        if values[name] <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {values[name]}")
-    for name in not_negative:
-        if values[name] is not None and values[name] < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {values[name]}")
+    """The rules between options (each option's own checks are in its declaration), each broken one a
+    UserError naming its option."""
+    run, invocation = settings.run, settings.invocation
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
-    if settings.session.keep_last < 1:
-        raise UserError(f"--keep-last must be at least 1, got {settings.session.keep_last}")
-    for name in ("lr", "muon_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops", "grad_clip",
-                 "beta1", "beta2", "muon_momentum", "decay_fraction", "final_lr_fraction"):
-        if values[name] is not None and not math.isfinite(values[name]):
-            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {values[name]}")
-    for name in ("lr", "muon_lr"):
-        if values[name] is not None and values[name] <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {values[name]}")
-    for name in ("beta1", "beta2", "muon_momentum"):
-        if values[name] is not None and not 0 <= values[name] < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {values[name]}")
-    for name in ("decay_fraction", "final_lr_fraction"):
-        if values[name] is not None and not 0 <= values[name] <= 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {values[name]}")
     if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
     if run.decay_fraction is not None and run.schedule == "cosine":
@@ -392,13 +364,7 @@ def check_settings(settings: Settings) -> None:
     if run.adam8bit and (run.optimizer or DEFAULT_OPTIMIZER) == "muon":
         raise UserError("--8bit-adam needs --optimizer adamw: under muon, AdamW only trains the embeddings and "
                         "norms, and Muon keeps one buffer per matrix (half of AdamW's state) already")
-    if run.target_tokens is not None and run.target_tokens <= 0:
-        raise UserError(f"--target-tokens must be positive, got {run.target_tokens}")
-    if run.epochs is not None and not (math.isfinite(run.epochs) and run.epochs > 0):
-        raise UserError(f"--epochs must be a positive finite number, got {run.epochs}")
-    if run.context is not None and run.context < 2:
-        raise UserError(f"--context must be at least 2, got {run.context}")
-    resolve_model_preset(run)  # the shape's own rules (positive fields, heads a multiple of kv_heads)
+    resolve_model_preset(run)  # the shape's own rules (heads a multiple of kv_heads)
     if run.text_loss is not None and run.loss_on != "assistant":
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if invocation.init_from is not None and invocation.resume not in ("auto", "none"):
@@ -418,10 +384,8 @@ def resolve_model_preset(run: RunSettings) -> model_config.Preset:
 # Corpus: token streams cut into shards (DESIGN.md, "Corpus folder").
 
 
-LOSS_ON = ("all", "assistant")
 
 
-TEXT_LOSS = ("full", "none")
 
 
 def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
@@ -450,25 +414,18 @@ def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
 # length by the rules below (measured in bench/bench_recipe.py; the evidence is in docs/recipe.md).
 
 
-OPTIMIZERS = ("muon", "adamw")
 
 
-SCHEDULES = ("wsd", "cosine")
 
 
-DEFAULT_OPTIMIZER = "muon"
 
 
-DEFAULT_SCHEDULE = "wsd"
 
 
-DEFAULT_DECAY_FRACTION = 0.4
 
 
-DEFAULT_FINAL_LR_FRACTION = 0.0
 
 
-DEFAULT_BETA2 = 0.95
 
 
 MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm), so one lr fits every width
@@ -1346,7 +1303,7 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
         lineage = training.lineage
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
-    settings = training.settings()
+    recorded = training.settings()
     tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=session.tensorboard and info.is_main)
     metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
@@ -1355,7 +1312,8 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
         if resume_path is not None:
             checkpointer.start_timeline(resume_path, training.step)
         metrics.truncate_after(training.step)
-        atomic_write_json(out / "training_settings.json", {**settings, "run_id": training.run_id,
+        atomic_write_text(out / "config.toml", config_text(settings))
+        atomic_write_json(out / "training_settings.json", {**recorded, "run_id": training.run_id,
                                                            "parameters": model_config.parameter_count(
                                                                training.preset, training.vocab_size),
                                                            "flops_per_token": training.flops_per_token})

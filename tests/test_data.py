@@ -1030,3 +1030,18 @@ def test_a_huge_one_line_text_is_encoded_in_chunks_to_the_same_ids(tmp_path, mon
     result = data.encode_batch(Watched(), 2, "uint16", ["train", "train"], [[text], ["short text"]])
     assert result["train"][0].tolist() == [*whole, 2, *backend.encode("short text").ids, 2]
     assert Watched.longest < 2000
+
+
+def test_data_py_reads_its_options_from_a_config_file(tmp_path):
+    """data.py --config: the same options by their long names (a list for --data); the command line wins."""
+    source = tmp_path / "notes.txt"
+    source.write_text("\n\n".join(f"Note {i}: the quick brown fox jumps over the lazy dog {i} times." for i in range(60)))
+    config = tmp_path / "corpus.toml"
+    config.write_text(f'data = ["{source}"]\nvocab-size = 300\nmin-chars = 5\nprogress = false\n'
+                      f'val-fraction = 0.1\nout = "{tmp_path / "ignored"}"\n')
+    assert data.main(["--config", str(config), "--out", str(tmp_path / "corpus"), "--test-fraction", "0.1"]) == 0
+    manifest = json.loads((tmp_path / "corpus" / "corpus_manifest.json").read_text())
+    assert manifest["vocab_size"] <= 300 and not (tmp_path / "ignored").exists()
+    config.write_text("vocab_sise = 300\n")
+    with pytest.raises(UserError, match=r"unknown option 'vocab_sise'; did you mean vocab-size\?"):
+        data.main(["--config", str(config), "--demo", "--out", str(tmp_path / "x")])

@@ -99,3 +99,59 @@ def test_the_edges_are_accepted(tmp_path, given):
 def test_data_needs_out():
     with pytest.raises(UserError, match=r"^--data needs --out RUN"):
         train.parse_args(["--data", "corpus/x"])
+
+
+def write(path, text: str):
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_file_gives_options_and_the_command_line_wins(tmp_path):
+    config = write(tmp_path / "run.toml", 'preset = "nano"\nlr = 0.002\nbatch-size = 4\ncompile = true\n'
+                                          'report = false\ntarget_tokens = 3e5\n')
+    settings = train.parse_args(["--config", config, "--data", str(tmp_path), "--out", "o", "--lr", "0.005"])
+    assert (settings.run.preset, settings.run.lr, settings.session.batch_size) == ("nano", 0.005, 4)
+    assert settings.session.compile and not settings.session.report and settings.run.target_tokens == 300_000
+    # --epochs on the command line replaces the file's --target-tokens (the two exclude each other)
+    settings = train.parse_args(["--config", config, "--data", str(tmp_path), "--out", "o", "--epochs", "2"])
+    assert settings.run.epochs == 2 and settings.run.target_tokens is None
+
+
+def test_a_yaml_config_reads_the_same(tmp_path):
+    config = write(tmp_path / "run.yaml", "preset: nano\nlr: 0.002\n8bit-adam: false\n")
+    settings = train.parse_args(["--config", config, "--data", str(tmp_path), "--out", "o"])
+    assert (settings.run.preset, settings.run.lr, settings.run.adam8bit) == ("nano", 0.002, False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lerning_rate = 1\n", "unknown option 'lerning_rate'"),
+    ("bach-size = 4\n", "unknown option 'bach-size'; did you mean batch-size?"),
+    ("compile = 1\n", "compile is a switch: true or false, got 1"),
+    ("preset = [1, 2]\n", "preset takes one value"),
+    ("preset = \n", "not valid TOML"),
+    ("config = 'other.toml'\n", "unknown option 'config'"),
+    ("batch_size = 0\n", "--batch-size must be positive, got 0"),
+])
+def test_each_bad_config_is_one_error_naming_the_file_and_key(tmp_path, text, message):
+    config = write(tmp_path / "bad.toml", text)
+    with pytest.raises(UserError, match=re.escape(message)) as error:
+        train.parse_args(["--config", config, "--data", str(tmp_path), "--out", "o"])
+    assert "\n" not in str(error.value)
+    if "must be positive" not in message:
+        assert str(error.value).startswith(f"--config {config}: ")
+
+
+def test_a_missing_config_file_is_one_error(tmp_path):
+    with pytest.raises(UserError, match=r"^--config .*missing\.toml: no such file"):
+        train.parse_args(["--config", str(tmp_path / "missing.toml"), "--data", str(tmp_path), "--out", "o"])
+
+
+def test_the_written_config_reads_back_as_the_same_settings(tmp_path):
+    given = ["--data", str(tmp_path), "--out", "o", "--preset", "nano", "--epochs", "1.5", "--no-report",
+             "--8bit-adam", "--optimizer", "adamw", "--backup-to", str(tmp_path / "store"), "--resume", "none"]
+    settings = train.parse_args(given)
+    config = write(tmp_path / "config.toml", train.config_text(settings))
+    again = train.parse_args(["--config", config])
+    assert again.run == settings.run
+    assert dataclasses.replace(again.session, backup_to=settings.session.backup_to) == settings.session
+    assert again.session.backup_to is None and again.invocation.resume == "auto"  # neither is in the file

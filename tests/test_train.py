@@ -630,7 +630,8 @@ def reference(corpus, tmp_path_factory) -> Path:
 def test_uninterrupted_run_writes_the_run_folder(reference):
     assert status(reference)["status"] == "COMPLETE"
     assert sorted(p.name for p in reference.iterdir()) == [  # .lock: the pid of the last train.py to run here
-        ".lock", "checkpoints", "hardware.json", "metrics.jsonl", "run_status.json", "training_settings.json"]
+        ".lock", "checkpoints", "config.toml", "hardware.json", "metrics.jsonl", "run_status.json",
+        "training_settings.json"]
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     train_keys = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "step_seconds", "tokens_per_second", "mfu",
                   "peak_memory_bytes", "time"}
@@ -664,6 +665,17 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
         in result.stdout
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
+
+
+def test_the_config_a_run_writes_starts_the_same_run_again(corpus, reference, tmp_path):
+    """RUN/config.toml holds every option of the run: `--config` with it (and only a new --out) trains
+    the same steps bit for bit."""
+    config = (reference / "config.toml").read_text()
+    assert 'preset = "tiny"' in config and "context = 32" in config and "resume" not in config
+    out = tmp_path / "again"
+    assert train.main(["--config", str(reference / "config.toml"), "--out", str(out)]) == 0
+    assert_same_state(final_state(out), final_state(reference))
+    assert train_losses(out) == train_losses(reference)
 
 
 def test_truncated_newest_checkpoint_falls_back_and_still_matches(corpus, reference, tmp_path, capsys):
