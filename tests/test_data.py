@@ -1035,7 +1035,8 @@ def test_a_huge_one_line_text_is_encoded_in_chunks_to_the_same_ids(tmp_path, mon
 def test_data_py_reads_its_options_from_a_config_file(tmp_path):
     """data.py --config: the same options by their long names (a list for --data); the command line wins."""
     source = tmp_path / "notes.txt"
-    source.write_text("\n\n".join(f"Note {i}: the quick brown fox jumps over the lazy dog {i} times." for i in range(60)))
+    source.write_text("\n\n".join(f"Note {i}: the quick brown fox jumps over the lazy dog {i} times."
+                                   for i in range(60)))
     config = tmp_path / "corpus.toml"
     config.write_text(f'data = ["{source}"]\nvocab-size = 300\nmin-chars = 5\nprogress = false\n'
                       f'val-fraction = 0.1\nout = "{tmp_path / "ignored"}"\n')

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
+import model_config
 import train
 from common import UserError
 
@@ -155,3 +157,13 @@ def test_the_written_config_reads_back_as_the_same_settings(tmp_path):
     assert again.run == settings.run
     assert dataclasses.replace(again.session, backup_to=settings.session.backup_to) == settings.session
     assert again.session.backup_to is None and again.invocation.resume == "auto"  # neither is in the file
+
+
+CONFIGS = sorted((Path(__file__).parent.parent / "docs" / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
+def test_every_example_config_in_docs_parses_with_its_preset(tmp_path, config):
+    settings = train.parse_args(["--config", str(config), "--data", str(tmp_path), "--out", str(tmp_path / "run")])
+    assert config.stem.startswith(settings.run.preset + "-")
+    assert len(CONFIGS) == len(model_config.PRESETS)  # one per preset
