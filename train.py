@@ -7,11 +7,14 @@
     python train.py --export-only --resume PATH --out RUN             # RUN/model/ from any checkpoint
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
-top-down: options, data order, the recipe, Training (one step counter), the run (main, the loop),
-its lifecycle, the glue to checkpoint_store.py (which holds the checkpoint rules), and last the
-distributed set-up and kernel workarounds. Every piece of state that must survive a restart is a
-small object with state_dict()/load_state_dict(): the data order, the optimizers, the loss scaler,
-the RNG of every rank and the run metrics; the Checkpointer writes them on a background thread.
+top-down: options (each declared once), the recipe, Training (one step counter), the run (main,
+the loop), its lifecycle, and the glue to checkpoint_store.py (which holds the checkpoint rules).
+Its siblings hold the rest: the corpus reader and data order (data.py), the attention
+implementations (model_config.py), per-device rules and measurements (hardware.py), the ranks
+(distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
+restart is a small object with state_dict()/load_state_dict(): the data order, the optimizers, the
+loss scaler, the RNG of every rank and the run metrics; the Checkpointer writes them on a
+background thread.
 At the end, report.py draws the loss curve, samples the model, measures its held-out task
 accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
 checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
@@ -27,7 +30,6 @@ import hashlib
 import inspect
 import math
 import os
-import random
 import re
 import shlex
 import shutil
@@ -38,17 +40,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import checkpoint_cloud
 import checkpoint_store as store
 import data
+import distributed
 import hardware
 import model_config
 import report
@@ -381,11 +382,7 @@ def resolve_model_preset(run: RunSettings) -> model_config.Preset:
 
 
 # ----------------------------------------------------------------------------------------------
-# Corpus: token streams cut into shards (DESIGN.md, "Corpus folder").
-
-
-
-
+# The corpus' loss mask (data.py reads the corpus: data.TokenSplit, data.BlockSampler).
 
 
 def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
@@ -403,29 +400,8 @@ def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Data order (DESIGN.md): global sample g is block perm(seed, epoch = g // blocks)(g % blocks).
-
-
-# ----------------------------------------------------------------------------------------------
 # The recipe: optimizer, learning rates and schedule, chosen from the model's width and the run's
-
-
-# ----------------------------------------------------------------------------------------------
 # length by the rules below (measured in bench/bench_recipe.py; the evidence is in docs/recipe.md).
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm), so one lr fits every width
@@ -700,56 +676,8 @@ class LossScaler:
 
 
 # ----------------------------------------------------------------------------------------------
-# State that survives a restart besides the model and optimizers: the RNG of every rank (plain
-
-
-# ----------------------------------------------------------------------------------------------
-# containers and tensors, loadable with weights_only=True) and the run's metrics.
-
-
-def rng_state(device: torch.device) -> dict:
-    version, mt_state, gauss = random.getstate()
-    numpy_state = np.random.get_state()
-    state = {
-        "python": [version, list(mt_state), gauss],
-        "numpy": {"key": torch.from_numpy(numpy_state[1].astype(np.int64)), "pos": int(numpy_state[2]),
-                  "has_gauss": int(numpy_state[3]), "cached_gaussian": float(numpy_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    version, mt_state, gauss = state["python"]
-    random.setstate((version, tuple(mt_state), gauss))
-    numpy_state = state["numpy"]
-    np.random.set_state(("MT19937", numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
-                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
-    torch.set_rng_state(state["torch"].cpu())
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
-class RankRNG:
-    """The RNG state of every rank, gathered to rank 0 for the checkpoint (a collective call)."""
-
-    def __init__(self, info: DistInfo):
-        self.info = info
-
-    def state_dict(self) -> list[dict] | None:
-        local = rng_state(self.info.device)
-        if self.info.world == 1:
-            return [local]
-        gathered = [None] * self.info.world if self.info.is_main else None
-        dist.gather_object(local, gathered, dst=0)
-        return gathered
-
-    def load_state_dict(self, states: list[dict]) -> None:
-        """Each rank takes its own state; ranks new since the checkpoint keep their seeded state."""
-        if self.info.rank < len(states):
-            set_rng_state(states[self.info.rank], self.info.device)
+# State that survives a restart besides the model, the optimizers and the RNG of every rank
+# (distributed.RankRNG): the run's metrics.
 
 
 class RunMetrics:
@@ -912,7 +840,7 @@ class Training:
         result = training.train_step()          # one optimizer step (all micro-steps)
     """
 
-    def __init__(self, settings: Settings, info: DistInfo, manifest: dict, corpus: Path):
+    def __init__(self, settings: Settings, info: distributed.DistInfo, manifest: dict, corpus: Path):
         run, session = settings.run, settings.session
         self.run, self.session, self.invocation = run, session, settings.invocation
         self.info, self.device, self.corpus = info, info.device, corpus
@@ -950,7 +878,7 @@ class Training:
         self.model.train()
         self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
         self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
-        self.rng = RankRNG(info)
+        self.rng = distributed.RankRNG(info)
         self.metrics = RunMetrics()
         self.staging = StagingBuffers()
         self.run_id = uuid.uuid4().hex
@@ -1047,7 +975,7 @@ class Training:
         if self.counted is not None:
             # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
             counted = sum((targets != data.IGNORE_INDEX).sum() for _, targets in batches).double()
-            per_rank = all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
+            per_rank = distributed.all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
         for micro, (inputs, targets) in enumerate(batches):
             last = micro == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.info.world == 1 else self.forward_model.no_sync()
@@ -1062,7 +990,7 @@ class Training:
         self.scaler.unscale_(optimizers)
         # --grad-clip 0 is off: an infinite bound never clips (a bound of 0 would zero every gradient)
         grad_norm = clip_gradients(self.model.parameters(), self.recipe.grad_clip or math.inf).item()
-        mean_loss = all_reduce_sum(loss_sum, self.info).item() / self.info.world
+        mean_loss = distributed.all_reduce_sum(loss_sum, self.info).item() / self.info.world
         if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm}) at step {step + 1}")
         applied = self.scaler.step(optimizers, finite=math.isfinite(grad_norm))
@@ -1100,7 +1028,7 @@ class Training:
             totals[1] += counted.sum()
             totals[2] += self.token_bytes[targets[counted]].sum()
         self.model.train()
-        all_reduce_sum(totals, self.info)
+        distributed.all_reduce_sum(totals, self.info)
         if totals[1] == 0:
             return None  # --loss-on assistant and no counted token in the evaluation blocks
         nats, tokens, text_bytes = totals.tolist()
@@ -1227,7 +1155,7 @@ class Training:
         self.lineage = source.lineage
 
 
-def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = None,
+def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: int | None = None,
                    corpus: Path | None = None) -> Training:
     """A ready-to-step Training from parsed options (no files written, no corpus check).
 
@@ -1242,7 +1170,7 @@ def build_training(settings: Settings, info: DistInfo, vocab_size: int | None = 
         manifest = dict(manifest, vocab_size=vocab_size)
     if settings.session.threads:
         torch.set_num_threads(settings.session.threads)
-    use_deterministic_kernels(settings.session.deterministic)  # main() did it already; this is for Python callers
+    distributed.use_deterministic_kernels(settings.session.deterministic)  # main() did it; for Python callers
     return Training(settings, info, manifest, corpus)
 
 
@@ -1254,18 +1182,18 @@ def main(argv: list[str] | None = None) -> int:
     hardware.check_torch()
     settings = parse_args(argv)
     session, invocation = settings.session, settings.invocation
-    use_deterministic_kernels(session.deterministic)  # before CUDA starts (the cuBLAS workspace)
-    info = init_distributed(session.device)
+    distributed.use_deterministic_kernels(session.deterministic)  # before CUDA starts (the cuBLAS workspace)
+    info = distributed.init_distributed(session.device)
     try:
         if invocation.export_only:
             return export_only(settings, info)
-        corpus = main_decides(lambda: prepare_corpus(settings), info)
+        corpus = distributed.main_decides(lambda: prepare_corpus(settings), info)
         with claim_run_folder(Path(session.out), info):
             backup_url = checkpoint_cloud.backup_url_from_env_or_arg(session.backup_to)
             if backup_url:
-                main_decides(lambda: checkpoint_cloud.check_backup_target(backup_url), info)
+                distributed.main_decides(lambda: checkpoint_cloud.check_backup_target(backup_url), info)
             if backup_url and invocation.resume == "auto":
-                main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
+                distributed.main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
             backup = start_backup(session, info)
             try:
                 return train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
@@ -1273,10 +1201,10 @@ def main(argv: list[str] | None = None) -> int:
                 if backup is not None:
                     backup.close()
     finally:
-        shutdown_distributed()
+        distributed.shutdown_distributed()
 
 
-def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> int:
+def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> int:
     """The training run on the local `corpus` folder. `backup` (rank 0; checkpoint_cloud.BackupProcess) gets
     every checkpoint."""
     process_started = time.monotonic()
@@ -1284,12 +1212,12 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     out = Path(session.out)
     hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
     data.load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
-    problems = main_decides(lambda: data.verify_corpus(corpus), info)
+    problems = distributed.main_decides(lambda: data.verify_corpus(corpus), info)
     if problems:
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
     training = build_training(settings, info, corpus=corpus)
-    resume_path = main_decides(lambda: find_resume_checkpoint(out, invocation.resume, tidy=True), info)
+    resume_path = distributed.main_decides(lambda: find_resume_checkpoint(out, invocation.resume, tidy=True), info)
     if resume_path is not None:
         training.load(load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
@@ -1447,7 +1375,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: r
         elapsed = time.monotonic() - process_started
         margin = 2 * slowest_step + 2 * slowest_eval + 2 * (checkpointer.last_write_seconds if checkpointer else 0)
         out_of_time = bool(session.max_hours) and elapsed + margin + 10 >= session.max_hours * 3600
-        stop_now, save_by_time = agree([stop.requested or out_of_time, bool(session.save_seconds) and
+        stop_now, save_by_time = distributed.agree([stop.requested or out_of_time, bool(session.save_seconds) and
                                         time.monotonic() - last_save >= session.save_seconds], info)
         stop_now = (stop_now or bool(session.stop_after_steps and step >= session.stop_after_steps)) \
             and step < training.total_steps  # at the last step the run is complete anyway
@@ -1613,12 +1541,6 @@ def wait_for_backup(checkpointer: Checkpointer, out: Path, status: str, record: 
     store.write_status(out, status, **record)
 
 
-def agree(flags: list[bool], info: DistInfo) -> list[bool]:
-    """Each flag true on any rank -> true on all ranks (one all_reduce)."""
-    tensor = torch.tensor([float(flag) for flag in flags], device=info.device)
-    return [bool(value > 0) for value in all_reduce_sum(tensor, info).tolist()]
-
-
 # ----------------------------------------------------------------------------------------------
 # The run's lifecycle: its folder, status and metrics files, the end of a run, the report and export.
 
@@ -1659,7 +1581,7 @@ def lock_run_folder(out: Path):
 
 
 @contextlib.contextmanager
-def claim_run_folder(out: Path, info: DistInfo):
+def claim_run_folder(out: Path, info: distributed.DistInfo):
     """Rank 0 checks --out and holds its lock for the whole run; every rank learns of a refusal."""
     held = {}
 
@@ -1669,7 +1591,7 @@ def claim_run_folder(out: Path, info: DistInfo):
         held["lock"] = lock_run_folder(out)
         remove_temporaries(out)  # of a restore, a report or an export killed half-way (checkpoints/: the plan's)
 
-    main_decides(claim, info)
+    distributed.main_decides(claim, info)
     try:
         yield
     finally:
@@ -1707,7 +1629,7 @@ def interrupted_reason(out: Path, step: int, command: str) -> str:
     return f"aborted by the user (second interrupt) at step {step}; {where}; continue with: {command}"
 
 
-def fail_run(info: DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training,
+def fail_run(info: distributed.DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training,
              reason: str | Callable[[], str]) -> str | None:
     """Record store.FAILED (rank 0); checkpoints already queued are finished first (they hold good state).
 
@@ -1860,7 +1782,7 @@ def export_model(model: torch.nn.Module, tokenizer, folder: Path, info: dict) ->
             model.set_attn_implementation(attention)
 
 
-def export_only(settings: Settings, info: DistInfo) -> int:
+def export_only(settings: Settings, info: distributed.DistInfo) -> int:
     """--export-only: OUT/model/ from the --resume checkpoint, without training (rank 0 only), holding
     the run folder's lock: a training run that owns the folder writes its model/ itself."""
     if not info.is_main:
@@ -1878,7 +1800,7 @@ def export_only(settings: Settings, info: DistInfo) -> int:
                 out.rmdir()
 
 
-def export_checkpoint(settings: Settings, info: DistInfo) -> int:
+def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
     """export_only's work, under the lock."""
     out = Path(settings.session.out)
     path = find_resume_checkpoint(out, settings.invocation.resume)
@@ -1928,7 +1850,7 @@ def python_command() -> str:
     return shlex.quote(sys.executable)
 
 
-def resume_command(info: DistInfo, argv: list[str] | None = None) -> str:
+def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) -> str:
     """This run's command line with `--resume auto` and without `--stop-after-steps`; a --backup-to URL
     is shown as it is, unless it carries credentials: then as URL (which parse_args refuses)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1968,7 +1890,7 @@ def shown_backup_url(url: str) -> str:
     return checkpoint_cloud.BACKUP_URL_PLACEHOLDER if printable is None else printable
 
 
-def log(info: DistInfo, message: str) -> None:
+def log(info: distributed.DistInfo, message: str) -> None:
     if info.is_main:
         print(message, flush=True)
 
@@ -2216,14 +2138,14 @@ def restore_from_backup(url: str, out: Path) -> Path | None:
     return checkpoint_cloud.restore_latest(url, folder)
 
 
-def start_backup(session: SessionSettings, info: DistInfo):
+def start_backup(session: SessionSettings, info: distributed.DistInfo):
     """The background checkpoint backup on rank 0 (None without --backup-to); an error stops every rank."""
     started = {}
 
     def start() -> None:
         started["backup"] = checkpoint_cloud.backup_from_args(session, session.save_every or None)
 
-    main_decides(start, info)
+    distributed.main_decides(start, info)
     return started.get("backup")
 
 
@@ -2329,88 +2251,6 @@ def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) ->
             problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
     return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
             "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
-
-
-# ----------------------------------------------------------------------------------------------
-# Distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE.
-
-
-@dataclass
-class DistInfo:
-    rank: int
-    local_rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device_choice: str = "auto") -> DistInfo:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but torch sees no CUDA device")
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
-                                device_id=device if use_cuda else None)
-    return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
-
-
-def use_deterministic_kernels(on: bool) -> None:
-    """--deterministic: torch's deterministic algorithms, with an op that has none an error (warn_only
-    would leave flash and memory-efficient attention their nondeterministic backwards), cuBLAS's fixed
-    workspace (read when CUDA makes its first cuBLAS handle) and cuDNN without autotuning. Off: torch's
-    defaults again, so one process may train both ways (the tests)."""
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on)
-    torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = False
-
-
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
-    """Rank 0's `obj` on every rank (so all ranks take the same decision)."""
-    if info.world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def main_decides(function, info: DistInfo) -> Any:
-    """Run `function` on rank 0 and give its result to every rank; a UserError there is raised everywhere."""
-    outcome = None
-    if info.is_main:
-        try:
-            outcome = ("ok", function())
-        except UserError as error:
-            outcome = ("error", str(error))
-    kind, value = broadcast_from_main(outcome, info)
-    if kind == "error":
-        raise UserError(value)
-    return value
-
-
-def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    if info.world > 1:
-        dist.all_reduce(tensor)
-    return tensor
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernel workarounds: attention implementations for shapes and devices where the stock ones fail.
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+import distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -241,10 +243,9 @@ class Recorder:
             print(message, flush=True)
 
     def over_budget(self) -> bool:
-        import train
 
         over = bool(self.args.max_seconds) and self.elapsed() >= self.args.max_seconds
-        return train.broadcast_from_main(over, self.info)  # every rank takes rank 0's decision
+        return distributed.broadcast_from_main(over, self.info)  # every rank takes rank 0's decision
 
     def run(self, name: str, function) -> dict:
         parts = self.record["parts"]
@@ -497,7 +498,7 @@ class Bench:
         import train
 
         deterministic = "--deterministic" in train.build_parser()._option_string_actions
-        out = Path(train.broadcast_from_main(tempfile.mkdtemp(prefix="resume-", dir=self.work), self.info))
+        out = Path(distributed.broadcast_from_main(tempfile.mkdtemp(prefix="resume-", dir=self.work), self.info))
         options = self.options(self.args.preset, "auto", batch_size=self.args.check_batch_size, grad_accum=2,
                                out=out, extra=["--deterministic"] if deterministic else [])
         before, after = 2, 2
@@ -509,13 +510,13 @@ class Bench:
             checkpointer = train.Checkpointer(out / "checkpoints", first.run_id, keep_last=2, keep_every=0)
             checkpointer.save(staged, first.step)
             checkpointer.close()
-        train.broadcast_from_main(None, self.info)  # the checkpoint is on disk before any rank reads it
+        distributed.broadcast_from_main(None, self.info)  # the checkpoint is on disk before any rank reads it
         uninterrupted = [first.train_step().loss for _ in range(after)]
         expected = clone(first.model.state_dict())
         del first, staged
         free_memory()
         second = self.build(options)
-        path = train.main_decides(lambda: train.find_resume_checkpoint(out, "auto"), self.info)
+        path = distributed.main_decides(lambda: train.find_resume_checkpoint(out, "auto"), self.info)
         second.load(train.load_checkpoint_file(path), path)
         resumed_at = second.step
         resumed = [second.train_step().loss for _ in range(after)]
@@ -783,13 +784,12 @@ def prediction_table(vocab: int = THINK72_VOCAB, tokens: float = 1.5e9) -> list[
 
 
 def init_ranks(args: argparse.Namespace):
-    """train.init_distributed, with the process group's timeout set to --collective-timeout first."""
+    """distributed.init_distributed, with the process group's timeout set to --collective-timeout first."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    import train
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         use_cuda = args.device == "cuda" and torch.cuda.is_available()
@@ -799,7 +799,7 @@ def init_ranks(args: argparse.Namespace):
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=args.collective_timeout),
                                 device_id=torch.device("cuda", local_rank) if use_cuda else None)
-    return train.init_distributed(args.device)
+    return distributed.init_distributed(args.device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -809,7 +809,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     warnings.filterwarnings("ignore")
     import data
-    import train
 
     hardware.check_torch()
     info = init_ranks(args)
@@ -826,8 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {"machine": facts, "command": command, "notes": notes, "plan": parts, "parts": {}}
         recorder = Recorder(args, info, record)
         with tempfile.TemporaryDirectory(prefix="bench_gpu-") as temp:
-            work = Path(train.broadcast_from_main(temp, info))
-            corpus = Path(args.corpus) if args.corpus else Path(train.main_decides(
+            work = Path(distributed.broadcast_from_main(temp, info))
+            corpus = Path(args.corpus) if args.corpus else Path(distributed.main_decides(
                 lambda: str(data.build_demo_corpus(work / "corpus", progress=False)), info))
             bench = Bench(args, info, corpus, work)
             for precision in precisions:
@@ -847,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\nwritten: {args.json} (and {recorder.events})")
         return 0
     finally:
-        train.shutdown_distributed()
+        distributed.shutdown_distributed()
 
 
 if __name__ == "__main__":

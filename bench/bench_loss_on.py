@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -72,7 +74,7 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
                *(["--init-from", args.init_from] if args.init_from else []), *shlex.split(args.train_args),
                *mode_options(mode, args.text_loss)]
     training = train.build_training(train.parse_args(options),
-                                    train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+                                    distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
     if args.init_from:  # what train.train does for a new run (build_training leaves it out)
         training.init_from(train.read_init_source(args.init_from))
     tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)

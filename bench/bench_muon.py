@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -58,7 +60,7 @@ def real_muon_inputs(corpus: Path, args: argparse.Namespace) -> list[tuple[int, 
     argv = ["--data", str(corpus), "--out", str(Path(args.work) / "unused"), "--preset", args.preset,
             "--context", "256", "--batch-size", "32", "--grad-accum", "1", "--target-tokens", str(300 * 32 * 256),
             "--threads", str(args.threads)]
-    training = train.build_training(train.parse_args(argv), train.DistInfo(0, 0, 1, torch.device("cpu")))
+    training = train.build_training(train.parse_args(argv), distributed.DistInfo(0, 0, 1, torch.device("cpu")))
     optimizer = training.optimizer.parts["muon"]
     names = {id(param): name for name, param in training.model.named_parameters()}
     matrix_names = [names[id(param)] for param in optimizer.param_groups[0]["params"]]
@@ -104,7 +106,7 @@ def train_rank(rank: int, world: int, port: int, argv: list[str], dtype: str | N
     """One rank of a gloo run of `steps` steps (Muon's iteration in `dtype`); rank 0 saves the weights."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    info = train.init_distributed("cpu")
+    info = distributed.init_distributed("cpu")
     try:
         training = train.build_training(train.parse_args(argv), info)
         if dtype:
@@ -114,7 +116,7 @@ def train_rank(rank: int, world: int, port: int, argv: list[str], dtype: str | N
         if rank == 0:
             torch.save({name: tensor.detach().clone() for name, tensor in training.model.state_dict().items()}, path)
     finally:
-        train.shutdown_distributed()
+        distributed.shutdown_distributed()
 
 
 def free_port() -> int:

@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+import distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -199,7 +201,7 @@ def set_newton_schulz_dtype(training: train.Training, dtype: str | None) -> str 
 def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpus: Path,
               args: argparse.Namespace) -> dict:
     """Train every recipe for `steps` steps from the same seed, taking turns; their curves and timings."""
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     tokens = steps * args.batch_size * args.context
     runs, bytes_ = {}, None
     for name, options in recipes.items():

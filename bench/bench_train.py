@@ -43,6 +43,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -123,7 +125,7 @@ def ours(corpus: Path, args: argparse.Namespace, precision: str, compiled: bool)
     if compiled:
         argv.append("--compile")
     options = train.parse_args(argv)
-    return train.build_training(options, train.init_distributed("cpu"))
+    return train.build_training(options, distributed.init_distributed("cpu"))
 
 
 def step_seconds(training: train.Training) -> tuple[float, float]:
@@ -321,7 +323,7 @@ def stall_training(corpus: Path, args: argparse.Namespace) -> train.Training:
     argv = ["--data", str(corpus), "--out", "unused", "--device", "cpu", "--preset", args.stall_preset,
             "--context", str(args.stall_context), "--batch-size", "1", "--grad-accum", "1",
             "--threads", str(args.threads), "--precision", "fp32", "--epochs", "1000"]
-    training = train.build_training(train.parse_args(argv), train.init_distributed("cpu"), args.stall_vocab)
+    training = train.build_training(train.parse_args(argv), distributed.init_distributed("cpu"), args.stall_vocab)
     training.train_step()  # AdamW's moments exist from the first step on
     return training
 

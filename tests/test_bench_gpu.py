@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -19,7 +21,6 @@ from test_hardware import CPU, H200, T4  # noqa: E402
 from test_train import write_tiny_corpus  # noqa: E402
 
 import hardware  # noqa: E402
-import train  # noqa: E402
 
 # requested, device, the precisions run, a note about bf16
 PRECISIONS = [
@@ -143,7 +144,7 @@ def test_the_budget_skips_the_parts_that_would_start_late(corpus, tmp_path):
 
 def test_the_newton_schulz_part_times_each_dtype(corpus, tmp_path):
     args = bench_gpu.parse_args(smoke_argv(corpus, tmp_path / "gpu.json"))
-    figures = bench_gpu.Bench(args, train.init_distributed("cpu"), corpus, tmp_path).newton_schulz()
+    figures = bench_gpu.Bench(args, distributed.init_distributed("cpu"), corpus, tmp_path).newton_schulz()
     assert figures["matrices"] == 14 and figures["train_dtype"] == "fp32"
     assert figures["bf16_ms"] > 0 and figures["fp32_ms"] > 0
     assert figures["flops_per_step"] == 2 * sum(hardware.newton_schulz_flops(*shape) for shape in
@@ -174,7 +175,7 @@ def test_predict_only_prints_the_table():
 
 def test_an_out_of_memory_part_is_recorded_and_the_next_runs(tmp_path):
     args = bench_gpu.parse_args(["--device", "cpu", "--json", str(tmp_path / "gpu.json")])
-    recorder = bench_gpu.Recorder(args, train.init_distributed("cpu"), {"parts": {}})
+    recorder = bench_gpu.Recorder(args, distributed.init_distributed("cpu"), {"parts": {}})
 
     def too_big():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -18,6 +18,7 @@ from test_train import options, write_tiny_corpus
 import checkpoint_store as store
 import common
 import data
+import distributed
 import hardware
 import report
 import train
@@ -311,7 +312,7 @@ def test_train_py_small_faults_are_clear(tmp_path):
     with pytest.raises(SystemExit):
         train.parse_args(["--target-tokens", "1e30"])
     assert train.parse_args(["--target-tokens", "3e9"]).run.target_tokens == 3_000_000_000
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=train.torch.device("cpu"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=train.torch.device("cpu"))
     command = train.resume_command(info, ["--backup-to", "s3://bucket/runs/x?key=secret", "--lr", "1",
                                           "--backup-to=gs://user:secret@other/x"])
     assert "secret" not in command and "--backup-to URL" in command and "--backup-to=URL" in command

@@ -26,6 +26,7 @@ import torch
 import checkpoint_store as store
 import common
 import data
+import distributed
 import hardware
 import model_config
 import report
@@ -292,7 +293,8 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
 
 def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
     settings = train.parse_args(options(corpus, out, *extra))
-    return train.build_training(settings, train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    return train.build_training(settings, distributed.DistInfo(rank=0, local_rank=0, world=1,
+                                                               device=torch.device("cpu")))
 
 
 def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
@@ -439,7 +441,7 @@ def test_settings_changes_list_each_change():
 
 
 def test_resume_command_drops_stop_and_resume_options():
-    info = train.DistInfo(rank=0, local_rank=0, world=2, device=torch.device("cpu"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=2, device=torch.device("cpu"))
     command = train.resume_command(info, ["--data", "c d", "--stop-after-steps", "5", "--resume=none", "--lr", "1"])
     assert command == "torchrun --nproc_per_node=2 train.py --data 'c d' --lr 1 --resume auto"
 
@@ -447,13 +449,13 @@ def test_resume_command_drops_stop_and_resume_options():
 def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_the_nodes(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     script = str(ROOT / "train.py")  # outside the current folder: its absolute path
-    single = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    single = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     monkeypatch.setattr(train.shutil, "which", lambda name: sys.executable)
     assert train.resume_command(single, ["--lr", "1"]) == f"python {script} --lr 1 --resume auto"
     monkeypatch.setattr(train.shutil, "which", lambda name: "/usr/bin/python-without-torch")
     assert train.resume_command(single, []) == f"{sys.executable} {script} --resume auto"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 processes
-    four = train.DistInfo(rank=0, local_rank=0, world=4, device=torch.device("cpu"))
+    four = distributed.DistInfo(rank=0, local_rank=0, world=4, device=torch.device("cpu"))
     assert train.resume_command(four, []) == \
         f"torchrun --nnodes=2 (with your rendezvous options) --nproc_per_node=2 {script} --resume auto"
 
@@ -549,7 +551,7 @@ def test_contiguous_heads_attention_matches_sdpa_with_gradients():
 
 
 def test_length_options_and_hardware_refusals(corpus, tmp_path):
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     blocks = train.build_training(train.parse_args(options(corpus, tmp_path)), info).sampler.blocks
     epoch_args = options(corpus, tmp_path)
     position = epoch_args.index("--target-tokens")
@@ -746,7 +748,8 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
                                                                                   monkeypatch):
     """Under DDP the gradients are zeroed in place (set_to_none=False keeps DDP's bucket views); AdamW and
     Muon treat a zero gradient unlike a missing one, so every parameter must get one in every step."""
-    training = train.build_training(train.parse_args(options(corpus, tmp_path / "unit")), train.init_distributed("cpu"))
+    training = train.build_training(train.parse_args(options(corpus, tmp_path / "unit")),
+                                    distributed.init_distributed("cpu"))
     model = training.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
     inputs, targets = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)
@@ -1126,7 +1129,7 @@ def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
 
 
 def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     results = []
     for split in (["--batch-size", "2", "--grad-accum", "2"], ["--batch-size", "4", "--grad-accum", "1"],
                   ["--batch-size", "1", "--grad-accum", "4"]):
@@ -1160,7 +1163,7 @@ def test_a_second_ctrl_c_records_an_honest_reason_and_the_continue_command(corpu
     assert record["status"] == "FAILED" and record["step"] == 3
     assert record["reason"] == (f"aborted by the user (second interrupt) at step 3; the last checkpoint is "
                                 f"{out / 'checkpoints' / 'step-00000002.pt'}; continue with: "
-                                + train.resume_command(train.DistInfo(0, 0, 1, torch.device("cpu")),
+                                + train.resume_command(distributed.DistInfo(0, 0, 1, torch.device("cpu")),
                                                        options(corpus, out, "--save-every", "2")))
     assert f"--data {corpus}" in record["reason"]  # from main's argv, not pytest's sys.argv
 
@@ -1359,7 +1362,8 @@ def test_a_run_moves_between_cards_of_another_precision(corpus, tmp_path, capsys
     saved = final_state(out)
     capsys.readouterr()
     settings = train.parse_args(options(corpus, out, "--precision", then, steps=6))
-    training = train.build_training(settings, train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    training = train.build_training(settings, distributed.DistInfo(rank=0, local_rank=0, world=1,
+                                                                   device=torch.device("cpu")))
     training.load(saved, out / "checkpoints" / "step-00000003.pt")
     assert f"precision changes from {first} (the checkpoint's) to {then}" in capsys.readouterr().out
     assert training.step == 3 and training.scaler.enabled == (then == "fp16")

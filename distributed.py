@@ -1,0 +1,155 @@
+"""The ranks of a run: torchrun's processes, their devices, the decisions they share and their RNGs.
+
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without it a run is one rank. NCCL on CUDA, gloo on
+CPU. Every rank takes the same decisions (main_decides: rank 0 decides, the others follow) and
+keeps its own RNG, gathered into every checkpoint (RankRNG) so a resume continues each rank's stream.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common import UserError
+
+
+def rng_state(device: torch.device) -> dict:
+    version, mt_state, gauss = random.getstate()
+    numpy_state = np.random.get_state()
+    state = {
+        "python": [version, list(mt_state), gauss],
+        "numpy": {"key": torch.from_numpy(numpy_state[1].astype(np.int64)), "pos": int(numpy_state[2]),
+                  "has_gauss": int(numpy_state[3]), "cached_gaussian": float(numpy_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state(("MT19937", numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+
+class RankRNG:
+    """The RNG state of every rank, gathered to rank 0 for the checkpoint (a collective call)."""
+
+    def __init__(self, info: DistInfo):
+        self.info = info
+
+    def state_dict(self) -> list[dict] | None:
+        local = rng_state(self.info.device)
+        if self.info.world == 1:
+            return [local]
+        gathered = [None] * self.info.world if self.info.is_main else None
+        dist.gather_object(local, gathered, dst=0)
+        return gathered
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        """Each rank takes its own state; ranks new since the checkpoint keep their seeded state."""
+        if self.info.rank < len(states):
+            set_rng_state(states[self.info.rank], self.info.device)
+
+
+
+def agree(flags: list[bool], info: DistInfo) -> list[bool]:
+    """Each flag true on any rank -> true on all ranks (one all_reduce)."""
+    tensor = torch.tensor([float(flag) for flag in flags], device=info.device)
+    return [bool(value > 0) for value in all_reduce_sum(tensor, info).tolist()]
+
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+
+def init_distributed(device_choice: str = "auto") -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but torch sees no CUDA device")
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
+                                device_id=device if use_cuda else None)
+    return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
+
+
+
+def use_deterministic_kernels(on: bool) -> None:
+    """--deterministic: torch's deterministic algorithms, with an op that has none an error (warn_only
+    would leave flash and memory-efficient attention their nondeterministic backwards), cuBLAS's fixed
+    workspace (read when CUDA makes its first cuBLAS handle) and cuDNN without autotuning. Off: torch's
+    defaults again, so one process may train both ways (the tests)."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
+
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+
+def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's `obj` on every rank (so all ranks take the same decision)."""
+    if info.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+
+def main_decides(function, info: DistInfo) -> Any:
+    """Run `function` on rank 0 and give its result to every rank; a UserError there is raised everywhere."""
+    outcome = None
+    if info.is_main:
+        try:
+            outcome = ("ok", function())
+        except UserError as error:
+            outcome = ("error", str(error))
+    kind, value = broadcast_from_main(outcome, info)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world > 1:
+        dist.all_reduce(tensor)
+    return tensor
