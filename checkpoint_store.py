@@ -1,5 +1,6 @@
 """The checkpoint store: names, records, listing and the resume plan, for a run's checkpoints/
-folder and its copy on a backup remote alike. Torch-free: it never opens a checkpoint.
+folder and its copy on a backup remote alike, the run's status names, and reading a checkpoint
+back (the only part that imports torch, where it is used: the rules and the backup never open one).
 
     checkpoints/step-00001000.pt        the checkpoint (train.py writes it; torch.save)
     checkpoints/step-00001000.pt.json   its record: {"path", "step", "sha256", "bytes", "run_id",
@@ -15,6 +16,8 @@ only when a save set a new best), and retention keeps it.
 
 Resume is a plan: `plan_resume` (which checkpoint to load, what to delete and set aside) and
 `plan_timeline` (what a rewind abandons) are pure functions of a `Listing`; `apply_plan` does it.
+A resume compares settings as data (`settings_changes`, `resume_verdict`); strings are built only
+for the message that refuses one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import UserError, atomic_write_json, read_json, read_json_or, sha256_file, temporary_target, utc_now
+from common import (
+    UserError,
+    atomic_write_json,
+    read_json,
+    read_json_or,
+    sha256_file,
+    sha256_tree,
+    temporary_target,
+    utc_now,
+)
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
@@ -41,6 +53,11 @@ ABANDONED = "abandoned-{step:08d}"
 
 # run_status.json's status: running, stopped with a checkpoint to continue from, complete, failed
 RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
+
+
+# 4: precision is a session setting (settings["runtime"]["precision"], as resolved on the device that saved):
+# a run may move between cards with and without bf16
+FORMAT_VERSION = 4
 
 
 def checkpoint_name(step: int) -> str:
@@ -442,3 +459,135 @@ def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
 
 def latest_checkpoint_name(out: Path) -> str | None:
     return read_json_or(out / "checkpoints" / LATEST, {}).get("path")  # named in fault messages: never raises
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading checkpoints (torch imported here only: the rules above and the backup run without it):
+# a checkpoint to resume, the weights --init-from names, and the bitwise check after a load.
+
+
+
+def load_checkpoint_file(path: Path, what: str = "checkpoint") -> dict:
+    """A train.py checkpoint of this format_version (UserError naming `what` and the file otherwise)."""
+    checkpoint = load_torch_file(path, what)
+    for key in ("format_version", "step", "model", "optimizer", "settings"):
+        if key not in checkpoint:
+            raise UserError(f"{what} {path} lacks {key!r}")
+    if checkpoint["format_version"] != FORMAT_VERSION:
+        raise UserError(f"{what} {path} has format_version {checkpoint['format_version']}, "
+                        f"this train.py reads {FORMAT_VERSION}")
+    return checkpoint
+
+
+
+def load_torch_file(path: Path, what: str) -> dict:
+    """torch.load with weights_only (no code from a file), a failure one UserError naming the file."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
+        raise UserError(f"{what} {path} does not load: {type(error).__name__}: {error}") from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{what} {path} is not a train.py checkpoint")
+    return checkpoint
+
+
+
+def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
+    """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
+    import torch
+
+    if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
+        same = (isinstance(live, torch.Tensor) and isinstance(stored, torch.Tensor)
+                and live.dtype == stored.dtype and torch.equal(live.detach().cpu(), stored))
+        return [] if same else [where]
+    if isinstance(live, dict) and isinstance(stored, dict):
+        if set(live) != set(stored):
+            return [f"{where} keys"]
+        return [item for key in live for item in tensors_equal(live[key], stored[key], f"{where}.{key}")]
+    if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
+        if len(live) != len(stored):
+            return [f"{where} length"]
+        return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
+    return [] if live == stored else [where]
+
+
+
+@dataclass
+class InitSource:
+    """Weights to start from and where they came from (`lineage`, recorded with the run)."""
+
+    state: dict
+    lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
+    model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
+
+
+
+def read_init_source(spec: str) -> InitSource:
+    """The weights --init-from names (UserError, naming SOURCE, when it is none of the three kinds)."""
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(f"--init-from {spec}: no such file or folder")
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_hf_source(spec, path)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        listing = list_folder(folder)
+        if not listing.files:
+            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
+                            "Face model folder (no config.json)")
+        newest = newest_verified(listing)
+        if newest is None:
+            raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
+        return read_checkpoint_source(spec, folder / newest, "run")
+    problem = file_mismatch(path)
+    if problem:
+        raise UserError(f"--init-from {spec}: {problem}")
+    return read_checkpoint_source(spec, path, "checkpoint")
+
+
+
+def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
+    checkpoint = load_torch_file(path, f"--init-from {spec}:")
+    if not isinstance(checkpoint.get("model"), dict) or "training" not in checkpoint.get("settings", {}):
+        raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
+    training = checkpoint["settings"]["training"]
+    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
+               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
+               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
+    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
+                      key == "vocab_size"}
+    return InitSource(checkpoint["model"], lineage, model_settings)
+
+
+
+def read_hf_source(spec: str, folder: Path) -> InitSource:
+    """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
+    import torch
+    import transformers
+
+    import data
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: config.json does not load: {type(error).__name__}: {error}") from None
+    if config.model_type != "qwen3":
+        raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
+    try:
+        tokenizer = data.load_tokenizer(folder)
+    except UserError as error:
+        raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except Exception as error:
+        raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
+    weights = folder / "model.safetensors"
+    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
+        else {}
+    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
+               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
+               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
+               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
+    return InitSource(model.state_dict(), lineage)

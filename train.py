@@ -79,13 +79,9 @@ from common import (
     run_main,
     seed_everything,
     sha256_file,
-    sha256_tree,
     utc_now,
 )
 
-# 4: precision is a session setting (settings["runtime"]["precision"], as resolved on the device that saved):
-# a run may move between cards with and without bf16
-FORMAT_VERSION = 4
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
@@ -1071,7 +1067,7 @@ class Training:
         if not self.info.is_main:
             return None
         return self.staging.copy({
-            "format_version": FORMAT_VERSION,
+            "format_version": store.FORMAT_VERSION,
             "step": self.step,
             "run_id": self.run_id,
             "model": self.model.state_dict(),
@@ -1117,8 +1113,8 @@ class Training:
         self.metrics.load_state_dict(checkpoint["metrics"])
         self.run_id = checkpoint["run_id"]
         self.lineage = checkpoint["settings"].get("init_from")
-        differences = (tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
-                       + tensors_equal(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
+        differences = (store.tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
+                       + store.tensors_equal(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
         if differences:
             raise UserError(f"checkpoint {path}: state after loading differs from the file at "
                             + ", ".join(differences[:5]))
@@ -1145,7 +1141,7 @@ class Training:
         self.extensions.append({"at_step": step, "from_total_steps": int(old["total_steps"]),
                                 "to_total_steps": self.total_steps})
 
-    def init_from(self, source: InitSource) -> None:
+    def init_from(self, source: store.InitSource) -> None:
         """This new run's weights from `source` (before the first step); the rest stays fresh."""
         problem = init_mismatch(source, self.model, self.settings())
         if problem:
@@ -1219,7 +1215,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     training = build_training(settings, info, corpus=corpus)
     resume_path = distributed.main_decides(lambda: find_resume_checkpoint(out, invocation.resume, tidy=True), info)
     if resume_path is not None:
-        training.load(load_checkpoint_file(resume_path), resume_path)
+        training.load(store.load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
                   + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
         init_from = invocation.init_from
@@ -1227,7 +1223,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
             print(f"warning: --init-from {init_from} is not used: {out} already holds a run, resumed from "
                   f"{resume_path} (use a new --out to start a run from {init_from})", file=sys.stderr, flush=True)
     elif invocation.init_from is not None:
-        training.init_from(read_init_source(invocation.init_from))  # every rank reads the same file
+        training.init_from(store.read_init_source(invocation.init_from))  # every rank reads the same file
         lineage = training.lineage
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
@@ -1807,7 +1803,7 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
     if path is None:
         raise UserError(f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
                         f"(none in {out / 'checkpoints'})")
-    checkpoint = load_checkpoint_file(path)
+    checkpoint = store.load_checkpoint_file(path)
     recorded = checkpoint["settings"]
     training = recorded["training"]
     corpus = Path(recorded["runtime"]["data"]) if settings.invocation.demo else prepare_corpus(settings)
@@ -2099,37 +2095,6 @@ def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path |
     return folder / plan.load if plan.load else None
 
 
-def load_checkpoint_file(path: Path) -> dict:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
-        raise UserError(f"checkpoint {path} does not load: {type(error).__name__}: {error}") from None
-    for key in ("format_version", "step", "model", "optimizer", "settings"):
-        if key not in checkpoint:
-            raise UserError(f"checkpoint {path} lacks {key!r}")
-    if checkpoint["format_version"] != FORMAT_VERSION:
-        raise UserError(f"checkpoint {path} has format_version {checkpoint['format_version']}, "
-                        f"this train.py reads {FORMAT_VERSION}")
-    return checkpoint
-
-
-def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
-    """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
-    if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
-        same = (isinstance(live, torch.Tensor) and isinstance(stored, torch.Tensor)
-                and live.dtype == stored.dtype and torch.equal(live.detach().cpu(), stored))
-        return [] if same else [where]
-    if isinstance(live, dict) and isinstance(stored, dict):
-        if set(live) != set(stored):
-            return [f"{where} keys"]
-        return [item for key in live for item in tensors_equal(live[key], stored[key], f"{where}.{key}")]
-    if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
-        if len(live) != len(stored):
-            return [f"{where} length"]
-        return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
-    return [] if live == stored else [where]
-
-
 def restore_from_backup(url: str, out: Path) -> Path | None:
     """With no checkpoint in OUT that verifies, download the backup's newest verified one (rank 0)."""
     folder = out / "checkpoints"
@@ -2149,90 +2114,11 @@ def start_backup(session: SessionSettings, info: distributed.DistInfo):
     return started.get("backup")
 
 
-@dataclass
-class InitSource:
-    """Weights to start from and where they came from (`lineage`, recorded with the run)."""
-
-    state: dict
-    lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
-    tokenizer_sha256: str | None = None  # a checkpoint's tokenizer folder hash (older checkpoints: the only clue)
-    model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
-
-
-def read_init_source(spec: str) -> InitSource:
-    """The weights --init-from names (UserError, naming SOURCE, when it is none of the three kinds)."""
-    path = Path(spec)
-    if not path.exists():
-        raise UserError(f"--init-from {spec}: no such file or folder")
-    if path.is_dir() and (path / "config.json").is_file():
-        return read_hf_source(spec, path)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        listing = store.list_folder(folder)
-        if not listing.files:
-            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
-                            "Face model folder (no config.json)")
-        newest = store.newest_verified(listing)
-        if newest is None:
-            raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
-        return read_checkpoint_source(spec, folder / newest, "run")
-    problem = store.file_mismatch(path)
-    if problem:
-        raise UserError(f"--init-from {spec}: {problem}")
-    return read_checkpoint_source(spec, path, "checkpoint")
-
-
-def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated zip, wrong format, unsafe pickle ...
-        raise UserError(f"--init-from {spec}: {path} does not load: {type(error).__name__}: {error}") from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) \
-            or "training" not in checkpoint.get("settings", {}):
-        raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
-    training = checkpoint["settings"]["training"]
-    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
-               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
-               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
-    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
-                      key == "vocab_size"}
-    return InitSource(checkpoint["model"], lineage, training.get("tokenizer_sha256"), model_settings)
-
-
-def read_hf_source(spec: str, folder: Path) -> InitSource:
-    """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder)
-    except Exception as error:
-        raise UserError(f"--init-from {spec}: config.json does not load: {type(error).__name__}: {error}") from None
-    if config.model_type != "qwen3":
-        raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
-    try:
-        tokenizer = data.load_tokenizer(folder)
-    except UserError as error:
-        raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except Exception as error:
-        raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
-    weights = folder / "model.safetensors"
-    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
-        else {}
-    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
-               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
-               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
-               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
-    return InitSource(model.state_dict(), lineage)
-
-
-def init_mismatch(source: InitSource, model: torch.nn.Module, settings: dict) -> str | None:
+def init_mismatch(source: store.InitSource, model: torch.nn.Module, settings: dict) -> str | None:
     """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
     spec, training = source.lineage["source"], settings["training"]
     ours = settings["vocabulary_sha256"]
-    same_folder = source.tokenizer_sha256 is not None and source.tokenizer_sha256 == training["tokenizer_sha256"]
-    if not same_folder and source.lineage["vocabulary_sha256"] != ours:
+    if source.lineage["vocabulary_sha256"] != ours:
         theirs = source.lineage["vocabulary_sha256"]
         return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
                 f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "

@@ -59,6 +59,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import checkpoint_store as store
 import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -431,7 +432,6 @@ class Bench:
     # -- the fp16 overflow skips both optimizers ---------------------------------------------
 
     def overflow(self) -> dict:
-        import train
 
         training = self.build(self.options(self.args.preset, "fp16", batch_size=self.args.check_batch_size,
                                            grad_accum=1))
@@ -448,22 +448,21 @@ class Bench:
             del training.scaler.scale
         checks = {
             "step_not_applied": not forced.applied and training.step == step_before,
-            "weights_unchanged": train.tensors_equal(training.model.state_dict(), model_before, "model") == [],
+            "weights_unchanged": store.tensors_equal(training.model.state_dict(), model_before, "model") == [],
             "optimizer_states_unchanged":
-                train.tensors_equal(optimizer_states(training), optimizer_before, "optimizer") == [],
+                store.tensors_equal(optimizer_states(training), optimizer_before, "optimizer") == [],
             "scale_lowered": training.scaler.scaler.get_scale() < scale_before,
             "skip_counted": training.scaler.skipped_total == skipped_before + 1,
         }
         after = training.train_step()
         checks["next_step_applied"] = after.applied and training.step == step_before + 1 and \
-            train.tensors_equal(training.model.state_dict(), model_before, "model") != []
+            store.tensors_equal(training.model.state_dict(), model_before, "model") != []
         return {"passed": all(checks.values()), "optimizers": sorted(training.optimizer.parts), **checks,
                 "scale_before": scale_before, "scale_after": training.scaler.scaler.get_scale()}
 
     # -- the staged snapshot equals the state ---------------------------------------------------
 
     def snapshot(self) -> dict:
-        import train
 
         training = self.build(self.options(self.args.preset, "auto", batch_size=self.args.check_batch_size,
                                            grad_accum=1))
@@ -478,8 +477,8 @@ class Bench:
             seconds.append(time.perf_counter() - started)
             if staged is None:
                 continue  # not rank 0
-            differences = train.tensors_equal(staged["model"], expected["model"], "model") + \
-                train.tensors_equal(staged["optimizer"], expected["optimizer"], "optimizer")
+            differences = store.tensors_equal(staged["model"], expected["model"], "model") + \
+                store.tensors_equal(staged["optimizer"], expected["optimizer"], "optimizer")
             checks[f"snapshot_{round_}_equal"] = not differences and staged["step"] == training.step \
                 and staged["scaler"]["skipped_total"] == expected["scaler"]["skipped_total"]
             if differences:
@@ -517,11 +516,11 @@ class Bench:
         free_memory()
         second = self.build(options)
         path = distributed.main_decides(lambda: train.find_resume_checkpoint(out, "auto"), self.info)
-        second.load(train.load_checkpoint_file(path), path)
+        second.load(store.load_checkpoint_file(path), path)
         resumed_at = second.step
         resumed = [second.train_step().loss for _ in range(after)]
         state = second.model.state_dict()
-        bitwise = train.tensors_equal(state, expected, "model") == []
+        bitwise = store.tensors_equal(state, expected, "model") == []
         worst = max(relative_difference(expected[name], state[name].detach().cpu()) for name in expected
                     if expected[name].is_floating_point())
         return {"passed": bitwise if deterministic else worst < 1e-2, "deterministic_option": deterministic,

@@ -24,7 +24,7 @@ CORE=(
   # data.py: the data order; train.py: the loss, gradient clipping, loading a checkpoint, the settings check
   "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
   "train.x_language_model_loss__*" "train.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
-  "train.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*" "train.x_tensors_equal__*"
+  "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
   "train.xǁCheckpointerǁapply_retention__*"
   # checkpoint_store.py: names, records, the resume plan, timelines, retention (local and remote)
   "checkpoint_store.*"

@@ -520,19 +520,19 @@ def test_lost_rank_cause(error, world, cause):
 
 def test_tensors_equal_names_each_difference():
     stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
-    assert train.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
+    assert store.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
                                 "list": [torch.ones(1)]}, stored, "m") == []
     live = {"w": torch.tensor([1.0, 1.0 + 2**-20]), "nested": {"b": torch.zeros(1, dtype=torch.float64), "n": 4},
             "list": [torch.ones(1)]}
-    assert train.tensors_equal(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
-    assert train.tensors_equal({**live, "extra": 1}, stored, "m") == ["m keys"]
-    assert train.tensors_equal({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
-    assert train.tensors_equal([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
-    assert train.tensors_equal(torch.ones(1), 1.0, "t") == ["t"]
-    assert train.tensors_equal(1.0, torch.ones(1), "t") == ["t"]
-    assert train.tensors_equal({"a": 1}, 5, "d") == ["d"] and train.tensors_equal(5, {"a": 1}, "d") == ["d"]
-    assert train.tensors_equal([1], 5, "l") == ["l"] and train.tensors_equal(5, (1,), "l") == ["l"]
-    assert train.tensors_equal((1, 2), [1, 2], "l") == []  # a tuple stored as a list (torch.load) is equal
+    assert store.tensors_equal(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
+    assert store.tensors_equal({**live, "extra": 1}, stored, "m") == ["m keys"]
+    assert store.tensors_equal({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
+    assert store.tensors_equal([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
+    assert store.tensors_equal(torch.ones(1), 1.0, "t") == ["t"]
+    assert store.tensors_equal(1.0, torch.ones(1), "t") == ["t"]
+    assert store.tensors_equal({"a": 1}, 5, "d") == ["d"] and store.tensors_equal(5, {"a": 1}, "d") == ["d"]
+    assert store.tensors_equal([1], 5, "l") == ["l"] and store.tensors_equal(5, (1,), "l") == ["l"]
+    assert store.tensors_equal((1, 2), [1, 2], "l") == []  # a tuple stored as a list (torch.load) is equal
 
 
 class Hostile:
@@ -548,30 +548,30 @@ class Hostile:
 def test_a_hostile_checkpoint_is_refused_without_running_its_code(tmp_path):
     marker = tmp_path / "code-ran"
     path = tmp_path / "step-00000001.pt"
-    torch.save({"format_version": train.FORMAT_VERSION, "step": 1, "model": {}, "optimizer": {}, "settings": {},
+    torch.save({"format_version": store.FORMAT_VERSION, "step": 1, "model": {}, "optimizer": {}, "settings": {},
                 "payload": Hostile(marker)}, path)
     with pytest.raises(UserError, match="does not load: UnpicklingError"):
-        train.load_checkpoint_file(path)
+        store.load_checkpoint_file(path)
     assert not marker.exists()
     with open(path, "rb") as handle:  # the file does carry the payload: a plain unpickler would run it
         assert b"touch" in handle.read()
 
 
 def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
-    good = {"format_version": train.FORMAT_VERSION, "step": 3, "model": {"w": torch.ones(1)}, "optimizer": {},
+    good = {"format_version": store.FORMAT_VERSION, "step": 3, "model": {"w": torch.ones(1)}, "optimizer": {},
             "settings": {}}
     torch.save(good, tmp_path / "good.pt")
-    assert train.load_checkpoint_file(tmp_path / "good.pt")["step"] == 3
+    assert store.load_checkpoint_file(tmp_path / "good.pt")["step"] == 3
     for key in ("format_version", "step", "model", "optimizer", "settings"):
         torch.save({k: v for k, v in good.items() if k != key}, tmp_path / "bad.pt")
         with pytest.raises(UserError, match=f"lacks '{key}'"):
-            train.load_checkpoint_file(tmp_path / "bad.pt")
-    torch.save({**good, "format_version": train.FORMAT_VERSION + 1}, tmp_path / "new.pt")
-    with pytest.raises(UserError, match=f"has format_version {train.FORMAT_VERSION + 1}"):
-        train.load_checkpoint_file(tmp_path / "new.pt")
+            store.load_checkpoint_file(tmp_path / "bad.pt")
+    torch.save({**good, "format_version": store.FORMAT_VERSION + 1}, tmp_path / "new.pt")
+    with pytest.raises(UserError, match=f"has format_version {store.FORMAT_VERSION + 1}"):
+        store.load_checkpoint_file(tmp_path / "new.pt")
     (tmp_path / "cut.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:50])
     with pytest.raises(UserError, match="does not load"):
-        train.load_checkpoint_file(tmp_path / "cut.pt")
+        store.load_checkpoint_file(tmp_path / "cut.pt")
 
 
 # ----------------------------------------------------------------------------------------------

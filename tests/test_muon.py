@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoint_store as store
 import hardware
 import muon
 
@@ -57,11 +58,10 @@ def test_bf16_is_bitwise_torch_muon(options):
     take_steps(muon.Muon(fp32, ns_dtype="fp32", **settings), fp32)
     assert all(torch.equal(a, b) for a, b in zip(stock, ours))
     assert not all(torch.equal(a, b) for a, b in zip(stock, fp32))
-    import train
 
     reference = torch.optim.Muon(parameters(), **settings)
     take_steps(reference, reference.param_groups[0]["params"])
-    assert train.tensors_equal(optimizer.state_dict(), reference.state_dict(), "muon") == []
+    assert store.tensors_equal(optimizer.state_dict(), reference.state_dict(), "muon") == []
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 5e-3), (torch.bfloat16, 5e-2)])
@@ -164,7 +164,6 @@ def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
 def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path):
     """Given the same (all-reduced) gradients, 2 ranks each orthogonalize about half the matrices, none twice,
     and end with the parameters and optimizer state of 1 rank, bit for bit, on both ranks, in every dtype."""
-    import train
 
     mp.spawn(sharded_steps, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for ns_dtype in SPLIT_DTYPES:
@@ -174,7 +173,7 @@ def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path)
         ranks = [torch.load(tmp_path / f"{ns_dtype}-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
         for saved in ranks:
             assert all(torch.equal(a, b) for a, b in zip(saved["params"], single)), ns_dtype
-            assert train.tensors_equal(saved["state"], optimizer.state_dict(), "muon") == [], ns_dtype
+            assert store.tensors_equal(saved["state"], optimizer.state_dict(), "muon") == [], ns_dtype
         per_step = [len(saved["calls"]) // 3 for saved in ranks]
         assert sum(per_step) == len(SHAPES) and min(per_step) >= 1
         assert sorted(ranks[0]["calls"][:per_step[0]] + ranks[1]["calls"][:per_step[1]]) == sorted(SHAPES)
