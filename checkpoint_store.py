@@ -442,7 +442,7 @@ def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
 
 @dataclass(frozen=True)
 class ResumeVerdict:
-    extend: bool  # the run's length (total_steps) changed: Training.extend_to decides whether it may
+    extend: bool  # the run's length (total_steps) changed: train.extension decides whether it may
     others: dict  # the changes other than the length: any refuses the resume
 
 

@@ -153,3 +153,25 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.world > 1:
         dist.all_reduce(tensor)
     return tensor
+
+
+def wrap_for_training(module: torch.nn.Module, info: DistInfo, order: list[str]) -> torch.nn.Module:
+    """`module` wrapped in DDP and torch.compile in hardware.wrap_order's `order` (its first entry is
+    the module itself)."""
+    for wrapper in order[1:]:
+        module = torch.compile(module) if wrapper == "compile" else data_parallel(module, info)
+    return module
+
+
+def data_parallel(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    # The model's only buffers (RoPE frequencies) are the same on every rank: no sync per forward.
+    # torch 2.13 renamed the option (and warns on the old name from every rank).
+    no_buffer_sync = {"forward_sync_buffers": False} \
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+        else {"broadcast_buffers": False}
+    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)

@@ -96,12 +96,24 @@ def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_tok
     )
 
 
-def build_model(preset: Preset, vocab_size: int, **config_kwargs):
-    """A freshly initialized Qwen3ForCausalLM (uses the caller's torch RNG state)."""
+def build_model(preset: Preset, vocab_size: int, special_tokens: dict | None = None, **config_kwargs):
+    """A freshly initialized Qwen3ForCausalLM (uses the caller's torch RNG state). `special_tokens`:
+    a corpus manifest's name -> id map, for the config's pad/bos/eos ids."""
     from transformers import Qwen3ForCausalLM
 
+    if special_tokens is not None:
+        config_kwargs = {"pad_token_id": special_tokens.get("<pad>", 0), "bos_token_id": special_tokens.get("<bos>", 1),
+                         "eos_token_id": special_tokens.get("<eos>", 2), **config_kwargs}
     config = qwen3_config(preset, vocab_size, **config_kwargs)
     return Qwen3ForCausalLM(config)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """--grad-checkpoint: recompute each layer's activations in the backward (non-reentrant)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def parameter_count(preset: Preset, vocab_size: int) -> int:
@@ -207,3 +219,33 @@ def use_attention(model, name: str) -> None:
     AttentionInterface.register(name, OWN_ATTENTIONS[name])
     AttentionMaskInterface.register(name, causal_sdpa_mask)
     model.set_attn_implementation(name)
+
+
+def apply_attention_plan(model, plan, probe_step) -> tuple:
+    """Make `plan` (hardware.choose_attention's) so on `model`: (a context manager factory every forward
+    runs in, what the run uses, a warning or None).
+
+    Every plan goes through one of OWN_ATTENTIONS, so that under torch.compile the causal mask stays
+    SDPA's is_causal (causal_sdpa_mask) instead of a dense mask tensor. A fused plan runs inside
+    sdpa_kernel(its backends only): `probe_step(context)` (a forward and backward) checks that the
+    kernel takes this model, and the math fallback is taken, with the warning, only if not."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    use_attention(model, plan.implementation)
+    if not plan.fused_only:
+        return contextlib.nullcontext, plan.reason, None
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}
+    fused = [backends[name] for name in plan.backends]
+    try:
+        probe_step(lambda: sdpa_kernel(fused))
+    except RuntimeError as error:
+        use_attention(model, SDPA_CAUSAL)
+        return (contextlib.nullcontext, f"math fallback (planned: {plan.reason})",
+                f"the planned {plan.reason} does not take this model ({str(error).splitlines()[0][:200]}); "
+                "attention uses the slower math kernel")
+    finally:
+        model.zero_grad(set_to_none=True)
+    return (lambda: sdpa_kernel(fused)), plan.reason, None

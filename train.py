@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import inspect
 import math
 import os
 import re
@@ -144,7 +143,7 @@ def token_count(text: str) -> int:
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """What makes the run this run: a resume must give the same (Training.load compares them with the
-    checkpoint's), except the length (target_tokens, epochs), which may change under extend_to's rule.
+    checkpoint's), except the length (target_tokens, epochs), which may change under extension()'s rule.
 
     None: the preset's shape, the recipe rule's value; what they resolve to is recorded beside these
     as model.* and recipe.* (and text_loss as resolved for the corpus)."""
@@ -839,12 +838,10 @@ class Training:
     def __init__(self, settings: Settings, info: distributed.DistInfo, manifest: dict, corpus: Path):
         run, session = settings.run, settings.session
         self.run, self.session, self.invocation = run, session, settings.invocation
-        self.info, self.device, self.corpus = info, info.device, corpus
+        self.info, self.corpus = info, corpus
         self.preset = resolve_model_preset(run)
-        self.context = self.preset.context
         self.manifest = manifest
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
-        self.vocab_size = int(manifest["vocab_size"])
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
         self.text_loss = check_loss_on(run, manifest, corpus)
@@ -856,21 +853,15 @@ class Training:
         self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
                                          session.grad_accum, info.world)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
-        self.tokens_per_step = self.sampler.global_batch * self.context
         self.total_steps = self._total_steps()
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
 
         seed_everything(run.seed)
-        specials = manifest.get("special_tokens", {})
-        self.model = model_config.build_model(self.preset, self.vocab_size, pad_token_id=specials.get("<pad>", 0),
-                                              bos_token_id=specials.get("<bos>", 1),
-                                              eos_token_id=specials.get("<eos>", 2)).to(self.device)
-        self.model.config.use_cache = False
+        self.model = model_config.build_model(self.preset, self.vocab_size,
+                                              manifest.get("special_tokens", {})).to(self.device)
+        self.model.config.use_cache = False  # training never generates
         if session.grad_checkpoint:
-            if hasattr(self.model, "activation_checkpointing_enable"):  # the name since transformers 5.x
-                self.model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model_config.enable_activation_checkpointing(self.model)
         self.model.train()
         self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
         self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
@@ -879,11 +870,34 @@ class Training:
         self.staging = StagingBuffers()
         self.run_id = uuid.uuid4().hex
         self.lineage: dict | None = None  # where --init-from took the first weights from
-        self.extensions: list[dict] = []  # each resume that changed the run's length (extend_to)
+        self.extensions: list[dict] = []  # each resume that changed the run's length (extension)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
-        self.sdpa_context, self.sdpa = self._fused_sdpa_context()
-        self.forward_model = self._wrap_model()
+        self.sdpa_context, self.sdpa = self._choose_attention()
+        self.forward_model = distributed.wrap_for_training(LanguageModelLoss(self.model), info,
+                                                           hardware.wrap_order(session.compile, info.world))
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def context(self) -> int:
+        return self.preset.context
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["vocab_size"])
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sampler.global_batch * self.context
+
+    def state_parts(self) -> dict:
+        """The pieces of state a checkpoint holds by name, each with state_dict()/load_state_dict()
+        (besides these: the step, the run id, the RNG of every rank, the settings)."""
+        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
+                "metrics": self.metrics}
 
     def _total_steps(self) -> int:
         run = self.run
@@ -892,56 +906,20 @@ class Training:
         epochs = 1.0 if run.epochs is None else run.epochs
         return max(1, math.ceil(epochs * self.sampler.blocks / self.sampler.global_batch))
 
-    def _wrap_model(self) -> torch.nn.Module:
-        """The loss module wrapped in DDP and torch.compile, in hardware.wrap_order's order."""
-        model = LanguageModelLoss(self.model)
-        for wrapper in hardware.wrap_order(self.session.compile, self.info.world)[1:]:
-            model = torch.compile(model) if wrapper == "compile" else self._ddp(model)
-        return model
-
-    def _ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [self.info.local_rank] if self.device.type == "cuda" else None
-        # The model's only buffers (RoPE frequencies) are the same on every rank: no sync per forward.
-        # torch 2.13 renamed the option (and warns on the old name from every rank).
-        no_buffer_sync = {"forward_sync_buffers": False} \
-            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
-            else {"broadcast_buffers": False}
-        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
-
-    def _fused_sdpa_context(self):
-        """The attention hardware.choose_attention plans for this card and dtype, made so.
-
-        Every plan goes through one of train.py's attention functions, so that under torch.compile the
-        causal mask stays SDPA's is_causal (model_config.causal_sdpa_mask) instead of a dense mask tensor. On CUDA a
-        fused plan trains inside sdpa_kernel(fused backends only): a forward and backward probe checks
-        that the kernel takes this model, and the math fallback is taken only, with a warning, if not.
-        """
+    def _choose_attention(self):
+        """hardware.choose_attention's plan for this card and dtype, applied (model_config.apply_attention_plan)."""
         plan = hardware.choose_attention(self.hardware, self.precision, self.preset.head_dim,
                                          self.session.deterministic)
-        model_config.use_attention(self.model, plan.implementation)
-        if not plan.fused_only:
-            if self.hardware.is_cuda:
-                warn(f"{plan.reason}; attention uses the slower math kernel")
-            return contextlib.nullcontext, plan.reason
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                    "cudnn": SDPBackend.CUDNN_ATTENTION}
-        fused = [backends[name] for name in plan.backends]
         probe = torch.zeros(1, self.context, dtype=torch.long, device=self.device)
-        try:
-            with sdpa_kernel(fused), self.autocast():
+
+        def probe_step(kernels):
+            with kernels(), self.autocast():
                 self.model(input_ids=probe).logits.float().sum().backward()
-        except RuntimeError as error:
-            warn(f"the planned {plan.reason} does not take this model ({str(error).splitlines()[0][:200]}); "
-                 "attention uses the slower math kernel")
-            model_config.use_attention(self.model, model_config.SDPA_CAUSAL)
-            return contextlib.nullcontext, f"math fallback (planned: {plan.reason})"
-        finally:
-            self.model.zero_grad(set_to_none=True)
-        return (lambda: sdpa_kernel(fused)), plan.reason
+
+        context, reason, warning = model_config.apply_attention_plan(self.model, plan, probe_step)
+        if warning or (not plan.fused_only and self.hardware.is_cuda):
+            warn(warning or f"{plan.reason}; attention uses the slower math kernel")
+        return context, reason
 
     @property
     def precision(self) -> str:
@@ -1067,50 +1045,17 @@ class Training:
         if not self.info.is_main:
             return None
         return self.staging.copy({
-            "format_version": store.FORMAT_VERSION,
-            "step": self.step,
-            "run_id": self.run_id,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "metrics": self.metrics.state_dict(),
-            "rng": rng,
-            "settings": self.settings(),
-            "created": utc_now(),
-        })
+            "format_version": store.FORMAT_VERSION, "step": self.step, "run_id": self.run_id,
+            **{name: part.state_dict() for name, part in self.state_parts().items()},
+            "rng": rng, "settings": self.settings(), "created": utc_now()})
 
     def load(self, checkpoint: dict, path: Path) -> None:
-        """Restore every piece of state from `checkpoint`, then prove model and optimizer equal the file.
-
-        Only the run's length may differ (an extension, see extend_to)."""
-        old = checkpoint["settings"]["training"]
-        warmup = old.get("recipe.warmup_steps")
-        if self.run.warmup_steps is None and warmup is not None and warmup != self.recipe.warmup_steps:
-            # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
-            kept = dataclasses.replace(self.run, warmup_steps=int(warmup))
-            self.recipe, self.recipe_reasons = choose_recipe(kept, self.preset.hidden, self.total_steps)
-            self.recipe_reasons.append(f"{warmup} warmup steps: the run's, chosen for its first length")
-        self.extensions = list(checkpoint["settings"].get("extended") or [])
-        runtime = checkpoint["settings"].get("runtime") or {}
-        moved = hardware.precision_change(runtime.get("precision", self.precision), self.precision, self.hardware)
-        if moved and self.info.is_main:
-            print(f"note: {moved}", flush=True)
-        verdict = store.resume_verdict(old, self.settings()["training"])
-        if verdict.others:
-            raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
-                            + ". A resume keeps every training setting; only the length (--target-tokens or "
-                            "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
-                            + (" (here the length changed along with other settings)" if verdict.extend else "")
-                            + f"; for a new run from these weights use a new --out with --init-from {path}")
-        if verdict.extend:
-            self.extend_to(old, int(checkpoint["step"]), path)
-        self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.scaler.load_state_dict(checkpoint["scaler"])
-        self.sampler.load_state_dict(checkpoint["sampler"])
+        """Restore every piece of state from `checkpoint` (check_resume first: only the run's length may
+        differ), then prove model and optimizer equal the file."""
+        check_resume(self, checkpoint, path)
+        for name, part in self.state_parts().items():
+            part.load_state_dict(checkpoint[name])
         self.step = int(checkpoint["step"])  # the one counter: the data order and the lr are functions of it
-        self.metrics.load_state_dict(checkpoint["metrics"])
         self.run_id = checkpoint["run_id"]
         self.lineage = checkpoint["settings"].get("init_from")
         differences = (store.tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
@@ -1120,27 +1065,6 @@ class Training:
                             + ", ".join(differences[:5]))
         self.rng.load_state_dict(checkpoint["rng"])
 
-    def extend_to(self, old: dict, step: int, path: Path) -> None:
-        """Continue the run recorded in `old` (its training settings) at `step` with this run's length.
-
-        The recipe is this run's: the warmup the checkpoint's (unless --warmup-steps asks otherwise, see
-        load), the decay derived for the new length. Refused (one line saying why) unless every step
-        taken keeps its rate."""
-        recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
-        try:
-            before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
-        except (TypeError, KeyError):
-            raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
-        problem = extension_problem(before, self.recipe, step)
-        if problem:
-            length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
-                f"--epochs {old.get('epochs') or 1}"
-            raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
-                            f"{self.total_steps}: it cannot be extended: {problem}. Resume it with its length "
-                            f"({length}), or start a new run from its weights with --init-from {path}")
-        self.extensions.append({"at_step": step, "from_total_steps": int(old["total_steps"]),
-                                "to_total_steps": self.total_steps})
-
     def init_from(self, source: store.InitSource) -> None:
         """This new run's weights from `source` (before the first step); the rest stays fresh."""
         problem = init_mismatch(source, self.model, self.settings())
@@ -1149,6 +1073,55 @@ class Training:
         with torch.no_grad():
             self.model.load_state_dict(source.state)
         self.lineage = source.lineage
+
+
+def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
+    """What a resume from `checkpoint` may change, decided before any state is restored: the warmup the rule
+    chose for the run's first length is kept, a precision change is noted, any setting but the length
+    refuses the resume (store.resume_verdict), and a new length must be a sound extension."""
+    old = checkpoint["settings"]["training"]
+    warmup = old.get("recipe.warmup_steps")
+    if training.run.warmup_steps is None and warmup is not None and warmup != training.recipe.warmup_steps:
+        # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
+        kept = dataclasses.replace(training.run, warmup_steps=int(warmup))
+        recipe, reasons = choose_recipe(kept, training.preset.hidden, training.total_steps)
+        training.recipe = recipe
+        training.recipe_reasons = [*reasons, f"{warmup} warmup steps: the run's, chosen for its first length"]
+    runtime = checkpoint["settings"].get("runtime") or {}
+    moved = hardware.precision_change(runtime.get("precision", training.precision), training.precision,
+                                      training.hardware)
+    if moved and training.info.is_main:
+        print(f"note: {moved}", flush=True)
+    verdict = store.resume_verdict(old, training.settings()["training"])
+    if verdict.others:
+        raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
+                        + ". A resume keeps every training setting; only the length (--target-tokens or "
+                        "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
+                        + (" (here the length changed along with other settings)" if verdict.extend else "")
+                        + f"; for a new run from these weights use a new --out with --init-from {path}")
+    extensions = list(checkpoint["settings"].get("extended") or [])
+    if verdict.extend:
+        extensions.append(extension(old, training.recipe, training.total_steps, int(checkpoint["step"]), path))
+    training.extensions = extensions
+
+
+def extension(old: dict, recipe: Recipe, total_steps: int, step: int, path: Path) -> dict:
+    """The record of continuing the run recorded in `old` (its training settings) at `step` as a run of
+    `total_steps` under `recipe` (the warmup the checkpoint's unless --warmup-steps asks otherwise, the
+    decay derived for the new length). Refused (one line saying why) unless every step taken keeps its rate."""
+    recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
+    try:
+        before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
+    except (TypeError, KeyError):
+        raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
+    problem = extension_problem(before, recipe, step)
+    if problem:
+        length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
+            f"--epochs {old.get('epochs') or 1}"
+        raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
+                        f"{total_steps}: it cannot be extended: {problem}. Resume it with its length "
+                        f"({length}), or start a new run from its weights with --init-from {path}")
+    return {"at_step": step, "from_total_steps": int(old["total_steps"]), "to_total_steps": total_steps}
 
 
 def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: int | None = None,
@@ -1813,9 +1786,7 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
         raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
                         "pass that corpus with --data")
     preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
-    specials = manifest.get("special_tokens", {})
-    model = model_config.build_model(preset, training["vocab_size"], pad_token_id=specials.get("<pad>", 0),
-                                     bos_token_id=specials.get("<bos>", 1), eos_token_id=specials.get("<eos>", 2))
+    model = model_config.build_model(preset, training["vocab_size"], manifest.get("special_tokens", {}))
     model.load_state_dict(checkpoint["model"])
     model.to(info.device).eval()
     step, total = int(checkpoint["step"]), int(training["total_steps"])
