@@ -494,7 +494,7 @@ def load_torch_file(path: Path, what: str) -> dict:
 
 
 
-def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
+def tensor_differences(live: Any, stored: Any, where: str) -> list[str]:
     """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
     import torch
 
@@ -505,11 +505,12 @@ def tensors_equal(live: Any, stored: Any, where: str) -> list[str]:
     if isinstance(live, dict) and isinstance(stored, dict):
         if set(live) != set(stored):
             return [f"{where} keys"]
-        return [item for key in live for item in tensors_equal(live[key], stored[key], f"{where}.{key}")]
+        return [item for key in live for item in tensor_differences(live[key], stored[key], f"{where}.{key}")]
     if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
         if len(live) != len(stored):
             return [f"{where} length"]
-        return [item for i, (a, b) in enumerate(zip(live, stored)) for item in tensors_equal(a, b, f"{where}[{i}]")]
+        return [item for i, (a, b) in enumerate(zip(live, stored))
+                for item in tensor_differences(a, b, f"{where}[{i}]")]
     return [] if live == stored else [where]
 
 

@@ -371,13 +371,9 @@ class MetricsLog:
 
 def last_train_loss(out: Path) -> float | None:
     """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
-    with contextlib.suppress(OSError):
-        for line in reversed((out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()):
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if record.get("kind") == "train" and isinstance(record.get("loss"), float):
-                    return record["loss"]
-    return None
+    losses = [record["loss"] for record in read_metrics(out / "metrics.jsonl")
+              if record.get("kind") == "train" and isinstance(record.get("loss"), float)]
+    return losses[-1] if losses else None
 
 
 

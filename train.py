@@ -1058,8 +1058,8 @@ class Training:
         self.step = int(checkpoint["step"])  # the one counter: the data order and the lr are functions of it
         self.run_id = checkpoint["run_id"]
         self.lineage = checkpoint["settings"].get("init_from")
-        differences = (store.tensors_equal(self.model.state_dict(), checkpoint["model"], "model")
-                       + store.tensors_equal(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
+        differences = (store.tensor_differences(self.model.state_dict(), checkpoint["model"], "model")
+                       + store.tensor_differences(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
         if differences:
             raise UserError(f"checkpoint {path}: state after loading differs from the file at "
                             + ", ".join(differences[:5]))
@@ -1565,11 +1565,16 @@ def claim_run_folder(out: Path, info: distributed.DistInfo):
         yield
     finally:
         if "lock" in held:
-            held["lock"].close()
-            if held["new"] and [path.name for path in out.iterdir()] == [".lock"]:  # refused before it began
-                with contextlib.suppress(OSError):
-                    (out / ".lock").unlink()
-                    out.rmdir()
+            release_run_folder(out, held["lock"], held["new"])  # a new folder refused before it began goes
+
+
+def release_run_folder(out: Path, lock, new: bool) -> None:
+    """Close the run folder's lock; a folder this command made that holds only the lock is removed."""
+    lock.close()
+    if new and [path.name for path in out.iterdir()] == [".lock"]:
+        with contextlib.suppress(OSError):
+            (out / ".lock").unlink()
+            out.rmdir()
 
 
 def prepare_corpus(settings: Settings) -> Path:
@@ -1762,11 +1767,7 @@ def export_only(settings: Settings, info: distributed.DistInfo) -> int:
     try:
         return export_checkpoint(settings, info)
     finally:
-        lock.close()
-        if new and [path.name for path in out.iterdir()] == [".lock"]:  # refused: leave no folder behind
-            with contextlib.suppress(OSError):
-                (out / ".lock").unlink()
-                out.rmdir()
+        release_run_folder(out, lock, new)  # refused: leave no folder behind
 
 
 def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:

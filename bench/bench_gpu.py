@@ -448,15 +448,15 @@ class Bench:
             del training.scaler.scale
         checks = {
             "step_not_applied": not forced.applied and training.step == step_before,
-            "weights_unchanged": store.tensors_equal(training.model.state_dict(), model_before, "model") == [],
+            "weights_unchanged": store.tensor_differences(training.model.state_dict(), model_before, "model") == [],
             "optimizer_states_unchanged":
-                store.tensors_equal(optimizer_states(training), optimizer_before, "optimizer") == [],
+                store.tensor_differences(optimizer_states(training), optimizer_before, "optimizer") == [],
             "scale_lowered": training.scaler.scaler.get_scale() < scale_before,
             "skip_counted": training.scaler.skipped_total == skipped_before + 1,
         }
         after = training.train_step()
         checks["next_step_applied"] = after.applied and training.step == step_before + 1 and \
-            store.tensors_equal(training.model.state_dict(), model_before, "model") != []
+            store.tensor_differences(training.model.state_dict(), model_before, "model") != []
         return {"passed": all(checks.values()), "optimizers": sorted(training.optimizer.parts), **checks,
                 "scale_before": scale_before, "scale_after": training.scaler.scaler.get_scale()}
 
@@ -477,8 +477,8 @@ class Bench:
             seconds.append(time.perf_counter() - started)
             if staged is None:
                 continue  # not rank 0
-            differences = store.tensors_equal(staged["model"], expected["model"], "model") + \
-                store.tensors_equal(staged["optimizer"], expected["optimizer"], "optimizer")
+            differences = store.tensor_differences(staged["model"], expected["model"], "model") + \
+                store.tensor_differences(staged["optimizer"], expected["optimizer"], "optimizer")
             checks[f"snapshot_{round_}_equal"] = not differences and staged["step"] == training.step \
                 and staged["scaler"]["skipped_total"] == expected["scaler"]["skipped_total"]
             if differences:
@@ -520,7 +520,7 @@ class Bench:
         resumed_at = second.step
         resumed = [second.train_step().loss for _ in range(after)]
         state = second.model.state_dict()
-        bitwise = store.tensors_equal(state, expected, "model") == []
+        bitwise = store.tensor_differences(state, expected, "model") == []
         worst = max(relative_difference(expected[name], state[name].detach().cpu()) for name in expected
                     if expected[name].is_floating_point())
         return {"passed": bitwise if deterministic else worst < 1e-2, "deterministic_option": deterministic,

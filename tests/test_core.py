@@ -518,21 +518,21 @@ def test_lost_rank_cause(error, world, cause):
     assert train.lost_rank_cause(error, world) == cause
 
 
-def test_tensors_equal_names_each_difference():
+def test_tensor_differences_names_each_difference():
     stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
-    assert store.tensors_equal({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
+    assert store.tensor_differences({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
                                 "list": [torch.ones(1)]}, stored, "m") == []
     live = {"w": torch.tensor([1.0, 1.0 + 2**-20]), "nested": {"b": torch.zeros(1, dtype=torch.float64), "n": 4},
             "list": [torch.ones(1)]}
-    assert store.tensors_equal(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
-    assert store.tensors_equal({**live, "extra": 1}, stored, "m") == ["m keys"]
-    assert store.tensors_equal({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
-    assert store.tensors_equal([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
-    assert store.tensors_equal(torch.ones(1), 1.0, "t") == ["t"]
-    assert store.tensors_equal(1.0, torch.ones(1), "t") == ["t"]
-    assert store.tensors_equal({"a": 1}, 5, "d") == ["d"] and store.tensors_equal(5, {"a": 1}, "d") == ["d"]
-    assert store.tensors_equal([1], 5, "l") == ["l"] and store.tensors_equal(5, (1,), "l") == ["l"]
-    assert store.tensors_equal((1, 2), [1, 2], "l") == []  # a tuple stored as a list (torch.load) is equal
+    assert store.tensor_differences(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
+    assert store.tensor_differences({**live, "extra": 1}, stored, "m") == ["m keys"]
+    assert store.tensor_differences({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
+    assert store.tensor_differences([torch.ones(1), 5], [torch.zeros(1), 5], "o") == ["o[0]"]
+    assert store.tensor_differences(torch.ones(1), 1.0, "t") == ["t"]
+    assert store.tensor_differences(1.0, torch.ones(1), "t") == ["t"]
+    assert store.tensor_differences({"a": 1}, 5, "d") == ["d"] and store.tensor_differences(5, {"a": 1}, "d") == ["d"]
+    assert store.tensor_differences([1], 5, "l") == ["l"] and store.tensor_differences(5, (1,), "l") == ["l"]
+    assert store.tensor_differences((1, 2), [1, 2], "l") == []  # a tuple stored as a list (torch.load) is equal
 
 
 class Hostile:
