@@ -108,6 +108,17 @@ def build_model(preset: Preset, vocab_size: int, special_tokens: dict | None = N
     return Qwen3ForCausalLM(config)
 
 
+def build_training_model(preset: Preset, vocab_size: int, special_tokens: dict | None, device,
+                         activation_checkpointing: bool):
+    """build_model on `device`, in training mode: no KV cache (training never generates), and each
+    layer's activations recomputed in the backward with `activation_checkpointing` (--grad-checkpoint)."""
+    model = build_model(preset, vocab_size, special_tokens or {}).to(device)
+    model.config.use_cache = False
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    return model.train()
+
+
 def enable_activation_checkpointing(model) -> None:
     """--grad-checkpoint: recompute each layer's activations in the backward (non-reentrant)."""
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x

@@ -853,16 +853,12 @@ class Training:
         self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
                                          session.grad_accum, info.world)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
-        self.total_steps = self._total_steps()
+        self.total_steps = total_steps(run, self.sampler.blocks, self.sampler.global_batch, self.tokens_per_step)
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
 
         seed_everything(run.seed)
-        self.model = model_config.build_model(self.preset, self.vocab_size,
-                                              manifest.get("special_tokens", {})).to(self.device)
-        self.model.config.use_cache = False  # training never generates
-        if session.grad_checkpoint:
-            model_config.enable_activation_checkpointing(self.model)
-        self.model.train()
+        self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
+                                                       self.device, session.grad_checkpoint)
         self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
         self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
@@ -872,7 +868,7 @@ class Training:
         self.lineage: dict | None = None  # where --init-from took the first weights from
         self.extensions: list[dict] = []  # each resume that changed the run's length (extension)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
-        self.sdpa_context, self.sdpa = self._choose_attention()
+        self.sdpa_context, self.sdpa = choose_attention(self)
         self.forward_model = distributed.wrap_for_training(LanguageModelLoss(self.model), info,
                                                            hardware.wrap_order(session.compile, info.world))
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
@@ -899,28 +895,6 @@ class Training:
         return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
                 "metrics": self.metrics}
 
-    def _total_steps(self) -> int:
-        run = self.run
-        if run.target_tokens is not None:
-            return max(1, math.ceil(run.target_tokens / self.tokens_per_step))
-        epochs = 1.0 if run.epochs is None else run.epochs
-        return max(1, math.ceil(epochs * self.sampler.blocks / self.sampler.global_batch))
-
-    def _choose_attention(self):
-        """hardware.choose_attention's plan for this card and dtype, applied (model_config.apply_attention_plan)."""
-        plan = hardware.choose_attention(self.hardware, self.precision, self.preset.head_dim,
-                                         self.session.deterministic)
-        probe = torch.zeros(1, self.context, dtype=torch.long, device=self.device)
-
-        def probe_step(kernels):
-            with kernels(), self.autocast():
-                self.model(input_ids=probe).logits.float().sum().backward()
-
-        context, reason, warning = model_config.apply_attention_plan(self.model, plan, probe_step)
-        if warning or (not plan.fused_only and self.hardware.is_cuda):
-            warn(warning or f"{plan.reason}; attention uses the slower math kernel")
-        return context, reason
-
     @property
     def precision(self) -> str:
         return self.precision_choice.value  # "fp32", "fp16" or "bf16", as resolved on this device
@@ -943,23 +917,9 @@ class Training:
         step = self.step
         lr_multiplier = self.recipe.lr_multiplier(step)
         self.optimizer.set_lr_multiplier(lr_multiplier)
-        micro_batches = self.sampler.micro_batches(step, self.info.rank)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        batches = [self.splits["train"].batch(indices, self.device) for indices in micro_batches]
-        if self.counted is not None:
-            # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
-            counted = sum((targets != data.IGNORE_INDEX).sum() for _, targets in batches).double()
-            per_rank = distributed.all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
-        for micro, (inputs, targets) in enumerate(batches):
-            last = micro == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or self.info.world == 1 else self.forward_model.no_sync()
-            with sync:
-                if self.counted is None:
-                    loss = self.loss_of(inputs, targets) / len(micro_batches)
-                else:
-                    loss = self.loss_of(inputs, targets, reduction="sum") / per_rank.to(torch.float32)
-                self.scaler.scale(loss).backward()
-            loss_sum += loss.detach().double()
+        batches = [self.splits["train"].batch(indices, self.device)
+                   for indices in self.sampler.micro_batches(step, self.info.rank)]
+        loss_sum = backward_micro_steps(self, batches)
         optimizers = list(self.optimizer.parts.values())
         self.scaler.unscale_(optimizers)
         # --grad-clip 0 is off: an infinite bound never clips (a bound of 0 would zero every gradient)
@@ -980,60 +940,7 @@ class Training:
         return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
                           applied=applied)
 
-    @torch.no_grad()
-    def evaluate(self, split: str) -> dict | None:
-        """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
-
-        The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
-        batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
-        and the best checkpoint stay comparable with those before."""
-        data_split = self.splits[split]
-        if data_split.blocks == 0:
-            return None
-        count = min(data_split.blocks, self.run.eval_batches * self.sampler.global_batch)
-        order = data.BlockPermutation(data_split.blocks, self.run.seed, data.EVAL_EPOCH)
-        mine = [order(i) for i in range(self.info.rank, count, self.info.world)]
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, counted targets, their bytes
-        self.model.eval()
-        for start in range(0, len(mine), self.session.batch_size):
-            inputs, targets = data_split.batch(mine[start: start + self.session.batch_size], self.device)
-            counted = targets != data.IGNORE_INDEX
-            totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
-            totals[1] += counted.sum()
-            totals[2] += self.token_bytes[targets[counted]].sum()
-        self.model.train()
-        distributed.all_reduce_sum(totals, self.info)
-        if totals[1] == 0:
-            return None  # --loss-on assistant and no counted token in the evaluation blocks
-        nats, tokens, text_bytes = totals.tolist()
-        loss = nats / tokens
-        bits_per_byte = nats / math.log(2) / text_bytes if text_bytes else None  # None: only special tokens
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens),
-                "bits_per_byte": bits_per_byte, "bytes": int(text_bytes)}
-
     # -- settings and state ----------------------------------------------------------------
-
-    def settings(self) -> dict:
-        """What a resumed run must share with the checkpoint ("training": the RunSettings, precision and
-        text_loss as resolved, and what they make of this corpus) and what may change ("runtime")."""
-        training = {
-            **dataclasses.asdict(self.run),
-            "text_loss": self.text_loss,  # None with --loss-on all
-            "corpus_manifest_sha256": self.manifest_sha256,
-            "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),
-            "vocab_size": self.vocab_size,
-            **{f"model.{name}": getattr(self.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
-            "global_batch_blocks": self.sampler.global_batch,
-            "tokens_per_step": self.tokens_per_step,
-            "total_steps": self.total_steps,
-            **{f"recipe.{key}": value for key, value in dataclasses.asdict(self.recipe).items()},
-            "recipe.betas": list(self.recipe.betas),  # as JSON and the checkpoint store it
-        }
-        runtime = {**dataclasses.asdict(self.session), "data": str(self.corpus), "world_size": self.info.world,
-                   "precision": self.precision, "device": self.hardware.label()}  # as resolved here
-        del runtime["backup_to"]  # a URL may carry credentials
-        return {"training": training, "runtime": runtime, "init_from": self.lineage, "extended": self.extensions,
-                "vocabulary_sha256": self.manifest.get("vocabulary_sha256")}
 
     def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
@@ -1047,7 +954,7 @@ class Training:
         return self.staging.copy({
             "format_version": store.FORMAT_VERSION, "step": self.step, "run_id": self.run_id,
             **{name: part.state_dict() for name, part in self.state_parts().items()},
-            "rng": rng, "settings": self.settings(), "created": utc_now()})
+            "rng": rng, "settings": recorded_settings(self), "created": utc_now()})
 
     def load(self, checkpoint: dict, path: Path) -> None:
         """Restore every piece of state from `checkpoint` (check_resume first: only the run's length may
@@ -1065,14 +972,117 @@ class Training:
                             + ", ".join(differences[:5]))
         self.rng.load_state_dict(checkpoint["rng"])
 
-    def init_from(self, source: store.InitSource) -> None:
-        """This new run's weights from `source` (before the first step); the rest stays fresh."""
-        problem = init_mismatch(source, self.model, self.settings())
-        if problem:
-            raise UserError(problem)
-        with torch.no_grad():
-            self.model.load_state_dict(source.state)
-        self.lineage = source.lineage
+
+
+def choose_attention(training: Training):
+    """hardware.choose_attention's plan for this card and dtype, applied (model_config.apply_attention_plan)."""
+    plan = hardware.choose_attention(training.hardware, training.precision, training.preset.head_dim,
+                                     training.session.deterministic)
+    probe = torch.zeros(1, training.context, dtype=torch.long, device=training.device)
+
+    def probe_step(kernels):
+        with kernels(), training.autocast():
+            training.model(input_ids=probe).logits.float().sum().backward()
+
+    context, reason, warning = model_config.apply_attention_plan(training.model, plan, probe_step)
+    if warning or (not plan.fused_only and training.hardware.is_cuda):
+        warn(warning or f"{plan.reason}; attention uses the slower math kernel")
+    return context, reason
+
+
+@torch.no_grad()
+def evaluate(training: Training, split: str) -> dict | None:
+    """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
+
+    The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
+    batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
+    and the best checkpoint stay comparable with those before."""
+    data_split = training.splits[split]
+    if data_split.blocks == 0:
+        return None
+    count = min(data_split.blocks, training.run.eval_batches * training.sampler.global_batch)
+    order = data.BlockPermutation(data_split.blocks, training.run.seed, data.EVAL_EPOCH)
+    mine = [order(i) for i in range(training.info.rank, count, training.info.world)]
+    totals = torch.zeros(3, dtype=torch.float64, device=training.device)  # nats, counted targets, their bytes
+    training.model.eval()
+    for start in range(0, len(mine), training.session.batch_size):
+        inputs, targets = data_split.batch(mine[start: start + training.session.batch_size], training.device)
+        counted = targets != data.IGNORE_INDEX
+        totals[0] += training.loss_of(inputs, targets, model=training.model, reduction="sum").double()
+        totals[1] += counted.sum()
+        totals[2] += training.token_bytes[targets[counted]].sum()
+    training.model.train()
+    distributed.all_reduce_sum(totals, training.info)
+    if totals[1] == 0:
+        return None  # --loss-on assistant and no counted token in the evaluation blocks
+    nats, tokens, text_bytes = totals.tolist()
+    loss = nats / tokens
+    bits_per_byte = nats / math.log(2) / text_bytes if text_bytes else None  # None: only special tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens),
+            "bits_per_byte": bits_per_byte, "bytes": int(text_bytes)}
+
+
+def recorded_settings(training: Training) -> dict:
+    """What a resumed run must share with the checkpoint ("training": the RunSettings, precision and
+    text_loss as resolved, and what they make of this corpus) and what may change ("runtime")."""
+    compared = {
+        **dataclasses.asdict(training.run),
+        "text_loss": training.text_loss,  # None with --loss-on all
+        "corpus_manifest_sha256": training.manifest_sha256,
+        "tokenizer_sha256": training.manifest.get("tokenizer_sha256"),
+        "vocab_size": training.vocab_size,
+        **{f"model.{name}": getattr(training.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
+        "global_batch_blocks": training.sampler.global_batch,
+        "tokens_per_step": training.tokens_per_step,
+        "total_steps": training.total_steps,
+        **{f"recipe.{key}": value for key, value in dataclasses.asdict(training.recipe).items()},
+        "recipe.betas": list(training.recipe.betas),  # as JSON and the checkpoint store it
+    }
+    runtime = {**dataclasses.asdict(training.session), "data": str(training.corpus), "world_size": training.info.world,
+               "precision": training.precision, "device": training.hardware.label()}  # as resolved here
+    del runtime["backup_to"]  # a URL may carry credentials
+    return {"training": compared, "runtime": runtime, "init_from": training.lineage, "extended": training.extensions,
+            "vocabulary_sha256": training.manifest.get("vocabulary_sha256")}
+
+
+def backward_micro_steps(training: Training, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches of one step (DDP syncs the gradients in the last);
+    returns the sum of their losses, each a share of the step's loss (fp64)."""
+    info = training.info
+    loss_sum = torch.zeros((), dtype=torch.float64, device=training.device)
+    if training.counted is not None:
+        # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
+        counted = sum((targets != data.IGNORE_INDEX).sum() for _, targets in batches).double()
+        per_rank = distributed.all_reduce_sum(counted, info).clamp(min=1) / info.world
+    for micro, (inputs, targets) in enumerate(batches):
+        last = micro == len(batches) - 1
+        sync = contextlib.nullcontext() if last or info.world == 1 else training.forward_model.no_sync()
+        with sync:
+            if training.counted is None:
+                loss = training.loss_of(inputs, targets) / len(batches)
+            else:
+                loss = training.loss_of(inputs, targets, reduction="sum") / per_rank.to(torch.float32)
+            training.scaler.scale(loss).backward()
+        loss_sum += loss.detach().double()
+    return loss_sum
+
+
+def total_steps(run: RunSettings, blocks: int, global_batch: int, tokens_per_step: int) -> int:
+    """Optimizer steps of the run: --target-tokens' worth, else --epochs (default one) over the train blocks."""
+    if run.target_tokens is not None:
+        return max(1, math.ceil(run.target_tokens / tokens_per_step))
+    epochs = 1.0 if run.epochs is None else run.epochs
+    return max(1, math.ceil(epochs * blocks / global_batch))
+
+
+def start_from(training: Training, source: store.InitSource) -> None:
+    """A new run's weights from `source` (--init-from, before the first step); the rest stays fresh."""
+    problem = init_mismatch(source, training.model, recorded_settings(training))
+    if problem:
+        raise UserError(problem)
+    with torch.no_grad():
+        training.model.load_state_dict(source.state)
+    training.lineage = source.lineage
 
 
 def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
@@ -1092,7 +1102,7 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
                                       training.hardware)
     if moved and training.info.is_main:
         print(f"note: {moved}", flush=True)
-    verdict = store.resume_verdict(old, training.settings()["training"])
+    verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                         + ". A resume keeps every training setting; only the length (--target-tokens or "
@@ -1196,11 +1206,11 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
             print(f"warning: --init-from {init_from} is not used: {out} already holds a run, resumed from "
                   f"{resume_path} (use a new --out to start a run from {init_from})", file=sys.stderr, flush=True)
     elif invocation.init_from is not None:
-        training.init_from(store.read_init_source(invocation.init_from))  # every rank reads the same file
+        start_from(training, store.read_init_source(invocation.init_from))  # every rank reads the same file
         lineage = training.lineage
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
-    recorded = training.settings()
+    recorded = recorded_settings(training)
     tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=session.tensorboard and info.is_main)
     metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
@@ -1376,7 +1386,7 @@ def log_train_step(training: Training, metrics: report.MetricsLog, result: StepR
 
 def run_validation(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> float | None:
     """Validation loss now; returns it when it is the best so far (the save then records it)."""
-    result = training.evaluate("validation")
+    result = evaluate(training, "validation")
     if result is None:
         return None
     step = training.step
@@ -1639,7 +1649,7 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
     so nothing the report does can lose the run; its failures are recorded in `report_errors`.
     """
     info = training.info
-    test = training.evaluate("test") if status == store.COMPLETE else None
+    test = evaluate(training, "test") if status == store.COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
@@ -1731,7 +1741,7 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
             print(report.accuracy_line(accuracy), flush=True)
     if tokenizer is not None:
         info = report.card_info(out.name, status, training.run.preset, training.step, training.total_steps,
-                         training.step * training.tokens_per_step, training.settings(),
+                         training.step * training.tokens_per_step, recorded_settings(training),
                          training.metrics.last_eval, test, found.get("task_accuracy"))
         model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
         if model_files is not None:

@@ -77,7 +77,7 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
     training = train.build_training(train.parse_args(options),
                                     distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
     if args.init_from:  # what train.train does for a new run (build_training leaves it out)
-        training.init_from(store.read_init_source(args.init_from))
+        train.start_from(training, store.read_init_source(args.init_from))
     tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
     curve, started = [], time.perf_counter()
     while training.step < training.total_steps:

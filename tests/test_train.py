@@ -846,7 +846,7 @@ def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path
     """training: RunSettings (text_loss resolved) and what they resolve to; runtime: SessionSettings without the
     backup URL (it may carry credentials), precision as resolved on this device."""
     training = in_process_training(corpus, tmp_path / "run")
-    recorded = training.settings()
+    recorded = train.recorded_settings(training)
     run = dataclasses.asdict(training.run)
     assert {key: recorded["training"][key] for key in run} == {**run, "text_loss": None}
     derived = set(recorded["training"]) - set(run)
@@ -1117,7 +1117,7 @@ def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
 
 def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     training = in_process_training(corpus, tmp_path / "run")
-    result = training.evaluate("test")
+    result = train.evaluate(training, "test")
     split = training.splits["test"]
     count = min(split.blocks, training.run.eval_batches * training.sampler.global_batch)
     order = data.BlockPermutation(split.blocks, training.run.seed, data.EVAL_EPOCH)
@@ -1134,7 +1134,7 @@ def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
     for split in (["--batch-size", "2", "--grad-accum", "2"], ["--batch-size", "4", "--grad-accum", "1"],
                   ["--batch-size", "1", "--grad-accum", "4"]):
         settings = train.parse_args(options(corpus, tmp_path / "run", *split))
-        results.append(train.build_training(settings, info).evaluate("validation"))
+        results.append(train.evaluate(train.build_training(settings, info), "validation"))
     assert results[0]["tokens"] == 2 * 4 * 32  # --eval-batches 2 global batches of 4 blocks of 32 tokens
     assert all(result["tokens"] == results[0]["tokens"] for result in results)
     assert all(result["loss"] == pytest.approx(results[0]["loss"], rel=1e-6) for result in results)
@@ -1515,7 +1515,7 @@ def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus
               "huggingface": exported_model(reference)}[kind]
     training = in_process_training(corpus, tmp_path / "new", "--init-from", str(source), "--seed", "5")
     fresh = training.model.state_dict()["model.embed_tokens.weight"].clone()
-    training.init_from(store.read_init_source(str(source)))
+    train.start_from(training, store.read_init_source(str(source)))
     step = 8 if kind == "checkpoint" else 12  # a run folder: its newest verified checkpoint
     expected = torch.load(reference / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)["model"]
     assert store.tensor_differences(training.model.state_dict(), expected, "model") == []  # the export is fp32
