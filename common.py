@@ -30,6 +30,24 @@ import numpy as np
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
+# While a progress bar is shown, what the scripts say goes through it (report.Progress registers its
+# writer here), so a message never breaks the bar.
+PROGRESS_WRITERS: list[Callable[[str, bool], None]] = []
+
+
+def say(message: str, *, warning: bool = False, main: bool | None = None) -> None:
+    """The one way tinyllm's scripts tell the user something. Rank-aware: under torchrun only rank 0
+    speaks (`main`: whether this process speaks; default: RANK is 0 or unset). A warning goes to stderr
+    as `warning: ...`, the rest to stdout; through the progress bar while one is shown."""
+    if not (os.environ.get("RANK", "0") == "0" if main is None else main):
+        return
+    text = f"warning: {message}" if warning else message
+    if PROGRESS_WRITERS:
+        PROGRESS_WRITERS[-1](text, warning)
+    else:
+        print(text, file=sys.stderr if warning else sys.stdout, flush=True)
+
+
 class UserError(Exception):
     """A mistake the user can fix (bad input, bad setting): printed as one `error:` line (plus
     indented detail lines where a tool's own diagnostics help), exit 2."""

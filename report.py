@@ -38,6 +38,7 @@ import numpy as np
 
 import checkpoint_store as store
 from common import (
+    PROGRESS_WRITERS,
     ArgumentParser,
     UserError,
     append_jsonl,
@@ -48,6 +49,7 @@ from common import (
     human_count,
     read_json,
     run_main,
+    say,
     sha256_file,
     utc_now,
 )
@@ -96,6 +98,7 @@ class Progress:
             size = shutil.get_terminal_size((100, 24))
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", desc="train", file=sys.stderr,
                              ncols=size.columns, nrows=size.lines)
+            PROGRESS_WRITERS.append(self._write_above_bar)
 
     def update(self, step: int, loss: float, tokens_per_second: float | None = None,
                mfu: float | None = None) -> None:
@@ -131,16 +134,15 @@ class Progress:
         return tqdm.format_interval(seconds)
 
     def write(self, message: str) -> None:
-        """Print a message (an eval result, a checkpoint) without breaking the bar."""
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.write(message, file=sys.stderr)
-        else:
-            print(message, flush=True)
+        """Print a message (an eval result, a checkpoint) without breaking the bar (common.say)."""
+        say(message, main=self.enabled)
+
+    def _write_above_bar(self, text: str, warning: bool) -> None:
+        self._bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
         if self._bar is not None:
+            PROGRESS_WRITERS.remove(self._write_above_bar)
             self._bar.close()
             self._bar = None
 

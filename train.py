@@ -76,6 +76,7 @@ from common import (
     read_json_or,
     remove_temporaries,
     run_main,
+    say,
     seed_everything,
     sha256_file,
     utc_now,
@@ -1100,8 +1101,8 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     runtime = checkpoint["settings"].get("runtime") or {}
     moved = hardware.precision_change(runtime.get("precision", training.precision), training.precision,
                                       training.hardware)
-    if moved and training.info.is_main:
-        print(f"note: {moved}", flush=True)
+    if moved:
+        say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
@@ -1202,9 +1203,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
                   + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
         init_from = invocation.init_from
-        if init_from is not None and (training.lineage or {}).get("source") != init_from and info.is_main:
-            print(f"warning: --init-from {init_from} is not used: {out} already holds a run, resumed from "
-                  f"{resume_path} (use a new --out to start a run from {init_from})", file=sys.stderr, flush=True)
+        if init_from is not None and (training.lineage or {}).get("source") != init_from:
+            say(f"--init-from {init_from} is not used: {out} already holds a run, resumed from {resume_path} "
+                f"(use a new --out to start a run from {init_from})", warning=True, main=info.is_main)
     elif invocation.init_from is not None:
         start_from(training, store.read_init_source(invocation.init_from))  # every rank reads the same file
         lineage = training.lineage
@@ -1236,20 +1237,20 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     log(info, f"  {training.precision_choice.reason}; attention: {training.sdpa}; Muon's Newton-Schulz in "
               f"{hardware.newton_schulz_dtype(training.hardware)}")
     empty = [name for name in ("validation", "test") if training.splits[name].blocks == 0]
-    if empty and info.is_main:
-        print(f"warning: the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "
-              f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus with "
-              "more documents or a larger --val-fraction / --test-fraction)", file=sys.stderr, flush=True)
-    if training.sampler.global_batch > training.sampler.blocks and info.is_main:
-        print(f"warning: one step reads {training.sampler.global_batch} blocks but the train split has only "
-              f"{training.sampler.blocks} of {training.context} tokens: every step covers more than an epoch "
-              "(use a smaller --batch-size or --grad-accum, or a larger corpus)", file=sys.stderr, flush=True)
+    if empty:
+        say(f"the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "
+            f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus with "
+            "more documents or a larger --val-fraction / --test-fraction)", warning=True, main=info.is_main)
+    if training.sampler.global_batch > training.sampler.blocks:
+        say(f"one step reads {training.sampler.global_batch} blocks but the train split has only "
+            f"{training.sampler.blocks} of {training.context} tokens: every step covers more than an epoch "
+            "(use a smaller --batch-size or --grad-accum, or a larger corpus)", warning=True, main=info.is_main)
     log(info, training.recipe.describe())
     if training.recipe_reasons:
         log(info, "  chosen by the rules (docs/recipe.md): " + "; ".join(training.recipe_reasons))
     if info.is_main:
         for warning in recipe_warnings(training.recipe):
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            say(warning, warning=True)
 
     progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main)
     stop = StopRequest()
@@ -1593,7 +1594,7 @@ def prepare_corpus(settings: Settings) -> Path:
     if settings.invocation.demo:
         corpus = Path(data_option)
         if not (corpus / data.CORPUS_MANIFEST).is_file():
-            print(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})", flush=True)
+            say(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})")
             data.build_demo_corpus(corpus)
         return corpus
     if "://" in data_option and not data_option.startswith("file://"):
@@ -1738,7 +1739,7 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
                                                                              corpus / "eval", training.device))
         if accuracy is not None:
             found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
-            print(report.accuracy_line(accuracy), flush=True)
+            say(report.accuracy_line(accuracy))
     if tokenizer is not None:
         info = report.card_info(out.name, status, training.run.preset, training.step, training.total_steps,
                          training.step * training.tokens_per_step, recorded_settings(training),
@@ -1808,7 +1809,7 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
     if (corpus / "eval").is_dir():
         result = report.task_accuracy(model, tokenizer, corpus / "eval", info.device)
         accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
-        print(report.accuracy_line(result), flush=True)
+        say(report.accuracy_line(result))
     info_card = report.card_info(out.name, status, training["preset"], step, total,
                           step * int(training["tokens_per_step"]), recorded,
                           checkpoint.get("metrics", {}).get("last_eval"), test, accuracy)
@@ -1869,8 +1870,7 @@ def shown_backup_url(url: str) -> str:
 
 
 def log(info: distributed.DistInfo, message: str) -> None:
-    if info.is_main:
-        print(message, flush=True)
+    say(message, main=info.is_main)
 
 
 def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, float | None]:
@@ -1936,7 +1936,7 @@ class CheckpointWriteFailed(UserError):
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    say(message, warning=True)
 
 
 class Checkpointer:
@@ -2060,8 +2060,7 @@ def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path |
     plan = store.plan_resume(store.list_folder(folder), resume)
     if tidy:
         if plan.delete:
-            print(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}", file=sys.stderr,
-                  flush=True)
+            say(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}")
         store.apply_plan(folder, plan)
     for message in plan.warnings:
         warn(message)
