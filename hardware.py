@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from common import UserError
 from model_config import CONTIGUOUS, REPEATED_KV, SDPA_CAUSAL, Preset, parameter_count
@@ -583,3 +584,57 @@ def peak_memory_bytes(device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# fp16: the gradient scaler (choose_precision's fp16 needs one; bf16 and fp32 run it disabled).
+
+
+class LossScaler:
+    """torch.amp.GradScaler (enabled for fp16 only) over the run's optimizers, counting steps skipped for overflow."""
+
+    def __init__(self, device, enabled: bool):
+        import torch
+
+        self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
+        self.enabled = enabled
+        self.skipped_total = 0
+        self.skipped_in_a_row = 0
+
+    def scale(self, loss: Any) -> Any:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizers: list[Any]) -> None:
+        for optimizer in optimizers:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizers: list[Any], finite: bool = True) -> bool:
+        """Step every optimizer; False when fp16 gradients overflowed (`finite` False) and none stepped.
+
+        GradScaler decides per optimizer; an overflow in one optimizer's gradients (say the embeddings')
+        must skip the others' step too, or the retried step would apply their update twice.
+        """
+        if not self.enabled:
+            for optimizer in optimizers:
+                optimizer.step()
+            return True
+        if finite:
+            for optimizer in optimizers:
+                self.scaler.step(optimizer)
+        self.scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
+        if not finite:
+            self.skipped_total += 1
+            self.skipped_in_a_row += 1
+            return False
+        self.skipped_in_a_row = 0
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict(), "skipped_total": self.skipped_total,
+                "skipped_in_a_row": self.skipped_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_total = int(state["skipped_total"])
+        self.skipped_in_a_row = int(state["skipped_in_a_row"])

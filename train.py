@@ -50,6 +50,7 @@ import checkpoint_store as store
 import data
 import distributed
 import hardware
+import losses
 import model_config
 import report
 from common import (
@@ -623,54 +624,6 @@ def resolve_precision(requested: str, device: hardware.Device) -> hardware.Preci
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class LossScaler:
-    """torch.amp.GradScaler (enabled for fp16 only) over the run's optimizers, counting steps skipped for overflow."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
-        self.enabled = enabled
-        self.skipped_total = 0
-        self.skipped_in_a_row = 0
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss)
-
-    def unscale_(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        for optimizer in optimizers:
-            self.scaler.unscale_(optimizer)
-
-    def step(self, optimizers: list[torch.optim.Optimizer], finite: bool = True) -> bool:
-        """Step every optimizer; False when fp16 gradients overflowed (`finite` False) and none stepped.
-
-        GradScaler decides per optimizer; an overflow in one optimizer's gradients (say the embeddings')
-        must skip the others' step too, or the retried step would apply their update twice.
-        """
-        if not self.enabled:
-            for optimizer in optimizers:
-                optimizer.step()
-            return True
-        if finite:
-            for optimizer in optimizers:
-                self.scaler.step(optimizer)
-        self.scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        if not finite:
-            self.skipped_total += 1
-            self.skipped_in_a_row += 1
-            return False
-        self.skipped_in_a_row = 0
-        return True
-
-    def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict(), "skipped_total": self.skipped_total,
-                "skipped_in_a_row": self.skipped_in_a_row}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.skipped_total = int(state["skipped_total"])
-        self.skipped_in_a_row = int(state["skipped_in_a_row"])
-
-
 # ----------------------------------------------------------------------------------------------
 # State that survives a restart besides the model, the optimizers and the RNG of every rank
 # (distributed.RankRNG): the run's metrics.
@@ -713,104 +666,6 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
     if not bool(clip_coefficient >= 1.0):  # NaN clips too (to NaN), as torch does
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
     return total_norm
-
-
-def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                        reduction: str = "mean", chunk_tokens: int | None = None) -> torch.Tensor:
-    """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits.
-
-    The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
-    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
-    dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
-    to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
-    hidden = model.model(input_ids=inputs).last_hidden_state
-    hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
-    weight = model.lm_head.weight
-    chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0))
-    device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    with torch.autocast(device_type, enabled=False):  # the chunks cast for themselves
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            total = ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, dtype)
-        else:
-            total = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, dtype)
-    if reduction == "sum":
-        return total
-    return total / (targets != data.IGNORE_INDEX).sum()
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """F.cross_entropy(logits, targets, reduction="sum") over the counted targets, and each row's logsumexp."""
-    counted = targets != data.IGNORE_INDEX
-    logsumexp = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(1, torch.where(counted, targets, 0)[:, None]).squeeze(1)
-    return torch.where(counted, logsumexp - target_logits, 0.0).sum(), logsumexp
-
-
-def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
-    """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted."""
-    counted = targets != data.IGNORE_INDEX
-    gradient = logits.sub_(logsumexp[:, None]).exp_()
-    gradient.scatter_add_(1, torch.where(counted, targets, 0)[:, None], torch.full_like(logsumexp[:, None], -1.0))
-    return gradient.mul_(counted[:, None])
-
-
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                             dtype: torch.dtype) -> torch.Tensor:
-    """cross_entropy_sum(hidden @ weight.T, targets), chunk by chunk (evaluation: no gradients)."""
-    weight = weight.to(dtype)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.size(0), chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        total += cross_entropy_sum((hidden[rows].to(dtype) @ weight.t()).float(), targets[rows])[0]
-    return total
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """linear_cross_entropy_sum with its gradients. They are computed in the forward, chunk by chunk, as
-    Liger-Kernel's fused linear cross-entropy does: neither pass ever holds more than one chunk's logits,
-    and no chunk is computed twice. What is kept for the backward is two fp32 gradients the size of the
-    hidden states and of the LM head; the backward only scales them by the loss's gradient (1/count under
-    "mean", times the loss scale under fp16). Each chunk's gradient goes to the matmuls in the autocast
-    dtype unscaled (|softmax - one-hot| <= 1, well inside fp16), and is summed over the chunks in fp32."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, dtype):
-        weight_cast = weight.to(dtype)
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.size(0), chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            chunk, chunk_targets = hidden[rows].to(dtype), targets[rows]
-            logits = (chunk @ weight_cast.t()).float()
-            loss, logsumexp = cross_entropy_sum(logits, chunk_targets)
-            total += loss
-            grad_logits = cross_entropy_gradient_(logits, chunk_targets, logsumexp).to(dtype)
-            grad_hidden[rows] = grad_logits @ weight_cast
-            grad_weight += grad_logits.t() @ chunk
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = hidden.dtype, weight.dtype
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
-        return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),
-                None, None, None)
-
-
-class LanguageModelLoss(torch.nn.Module):
-    """The model and its loss as one module: --compile compiles the chunked cross-entropy with the model,
-    and DDP wraps both."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets, reduction)
 
 
 class NonFiniteLoss(Exception):
@@ -861,7 +716,7 @@ class Training:
         self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
                                                        self.device, session.grad_checkpoint)
         self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
-        self.scaler = LossScaler(self.device, enabled=self.precision == "fp16")
+        self.scaler = hardware.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
         self.metrics = RunMetrics()
         self.staging = store.StagingBuffers()
@@ -870,7 +725,7 @@ class Training:
         self.extensions: list[dict] = []  # each resume that changed the run's length (extension)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.sdpa_context, self.sdpa = choose_attention(self)
-        self.forward_model = distributed.wrap_for_training(LanguageModelLoss(self.model), info,
+        self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
                                                            hardware.wrap_order(session.compile, info.world))
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
 
@@ -910,7 +765,7 @@ class Training:
         with self.autocast(), self.sdpa_context():
             if model is None:
                 return self.forward_model(inputs, targets, reduction)
-            return language_model_loss(model, inputs, targets, reduction)
+            return losses.language_model_loss(model, inputs, targets, reduction)
 
     def train_step(self) -> StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""

@@ -59,12 +59,11 @@ import traceback
 import warnings
 from pathlib import Path
 
-import checkpoint_store as store
-import distributed
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import checkpoint_store as store  # noqa: E402
+import distributed  # noqa: E402
 import hardware  # noqa: E402
 import model_config  # noqa: E402
 from common import ArgumentParser, UserError, append_jsonl, atomic_write_json, run_main  # noqa: E402

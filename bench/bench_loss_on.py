@@ -27,15 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-import checkpoint_store as store
-import distributed
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import checkpoint_store as store  # noqa: E402
 import data  # noqa: E402
+import distributed  # noqa: E402
 import report  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, atomic_write_json, run_main  # noqa: E402

@@ -7,7 +7,7 @@ then one forward and backward of the loss; the subprocess reports its resident m
 step and its peak (ru_maxrss) after, and the loss and gradient norm. Variants:
 
 - full: the loss before issue 19, `F.cross_entropy(model(input_ids).logits.float(), targets)`;
-- chunked: `train.language_model_loss` (the LM head and cross-entropy over chunks of tokens).
+- chunked: `losses.language_model_loss` (the LM head and cross-entropy over chunks of tokens).
 
 Beside the measured peaks it prints hardware.step_memory's estimate of the same step's gradients,
 activations and logits (no optimizer in this step), to check the memory model on a real step.
@@ -22,12 +22,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import model_config
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
+import losses  # noqa: E402
+import model_config  # noqa: E402
 from common import ArgumentParser, UserError, run_main  # noqa: E402
 
 THINK72_VOCAB = 33_069
@@ -58,7 +58,7 @@ def resident_bytes() -> int:
 
 
 def full_logits_loss(model, inputs, targets):
-    """train.language_model_loss before the chunked loss: the whole batch's logits, in fp32."""
+    """losses.language_model_loss before the chunked loss: the whole batch's logits, in fp32."""
     import torch.nn.functional as F
 
     logits = model(input_ids=inputs).logits
@@ -69,7 +69,6 @@ def run_variant(args: argparse.Namespace) -> dict:
     """One forward and backward in this process; what it held."""
     import torch
 
-    import train
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -81,7 +80,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=generator)
     targets = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=generator)
-    loss_function = full_logits_loss if args.variant == "full" else train.language_model_loss
+    loss_function = full_logits_loss if args.variant == "full" else losses.language_model_loss
     before = resident_bytes()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
         loss = loss_function(model, inputs, targets)

@@ -23,8 +23,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import distributed
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -34,6 +32,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS  # noqa: E402
 
+import distributed  # noqa: E402
 import muon  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, run_main  # noqa: E402

@@ -39,13 +39,12 @@ import sys
 import time
 from pathlib import Path
 
-import distributed
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import distributed  # noqa: E402
 import model_config  # noqa: E402
 import muon  # noqa: E402
 import train  # noqa: E402

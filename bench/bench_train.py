@@ -43,12 +43,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import distributed
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
+import distributed  # noqa: E402
 import model_config  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, UserError, run_main  # noqa: E402

@@ -23,7 +23,7 @@ CORE=(
   "data.xǁShardWriterǁ*" "data.x_batches__*" "data.x_verify_files__*" "data.x_check_settings__*"
   # data.py: the data order; train.py: the loss, gradient clipping, loading a checkpoint, the settings check
   "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
-  "train.x_language_model_loss__*" "train.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
+  "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
   "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
   "train.xǁCheckpointerǁapply_retention__*"
   # checkpoint_store.py: names, records, the resume plan, timelines, retention (local and remote)

@@ -21,6 +21,7 @@ import torch
 import checkpoint_cloud as cc
 import checkpoint_store as store
 import data
+import losses
 import report
 import train
 from common import UserError, sha256_file
@@ -391,15 +392,15 @@ def test_language_model_loss_is_hand_computed_cross_entropy():
     inputs = torch.tensor([[0, 0], [1, 0]])
     targets = torch.tensor([[1, 0], [1, 1]])
     nats = [-math.log(3 / 4), -math.log(1 / 4), -math.log(1 / 2), -math.log(3 / 4)]
-    assert train.language_model_loss(model, inputs, targets).item() == pytest.approx(sum(nats) / 4)
-    assert train.language_model_loss(model, inputs, targets, reduction="sum").item() == pytest.approx(sum(nats))
-    assert train.LanguageModelLoss(model)(inputs, targets).item() == pytest.approx(sum(nats) / 4)
-    assert train.LanguageModelLoss(model)(inputs, targets, "sum").item() == pytest.approx(sum(nats))
+    assert losses.language_model_loss(model, inputs, targets).item() == pytest.approx(sum(nats) / 4)
+    assert losses.language_model_loss(model, inputs, targets, reduction="sum").item() == pytest.approx(sum(nats))
+    assert losses.LanguageModelLoss(model)(inputs, targets).item() == pytest.approx(sum(nats) / 4)
+    assert losses.LanguageModelLoss(model)(inputs, targets, "sum").item() == pytest.approx(sum(nats))
 
 
 def test_language_model_loss_computes_in_fp32_under_low_precision_logits():
     logits = torch.tensor([[0.0, 8.0, 8.0625]], dtype=torch.bfloat16)  # bf16 logits, a fp32 loss
-    loss = train.language_model_loss(FixedLogits(logits), torch.tensor([[0]]), torch.tensor([[2]]))
+    loss = losses.language_model_loss(FixedLogits(logits), torch.tensor([[0]]), torch.tensor([[2]]))
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-8.0625) + math.exp(8 - 8.0625)), rel=1e-6)
 

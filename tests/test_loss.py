@@ -1,4 +1,4 @@
-"""train.language_model_loss, chunked: the same loss and gradients as the full logits' cross-entropy
+"""losses.language_model_loss, chunked: the same loss and gradients as the full logits' cross-entropy
 (a tiny Qwen3 on CPU, every precision), without ever keeping the full logits for the backward."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import data
+import losses
 import model_config
-import train
 
 VOCAB, BATCH, CONTEXT, CHUNK = 500, 4, 32, 37  # 128 tokens: 4 chunks, the last one short
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,7 +55,7 @@ def loss_and_gradients(loss_function, model, inputs, targets, reduction, precisi
 def test_the_chunked_loss_equals_the_full_logits_one(precision, reduction, ignored):
     model, (inputs, targets) = tiny_model(), batch(ignored)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the head's gradient adds to the table's
-    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
     expected_loss, expected = loss_and_gradients(full_logits_loss, model, inputs, targets, reduction, precision)
     loss, gradients = loss_and_gradients(chunked, model, inputs, targets, reduction, precision)
     loss_tolerance, gradient_tolerance = TOLERANCE[precision]
@@ -71,9 +71,9 @@ def test_evaluation_without_gradients_gives_the_same_loss():
     model, (inputs, targets) = tiny_model(), batch(ignored=True)
     with torch.no_grad():
         expected = full_logits_loss(model, inputs, targets, "sum").item()
-        assert train.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item() == \
+        assert losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item() == \
             pytest.approx(expected, rel=1e-6)
-        assert train.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(expected, rel=1e-6)
+        assert losses.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(expected, rel=1e-6)
 
 
 def largest_saved_tensor(loss_function, model, inputs, targets) -> int:
@@ -93,7 +93,7 @@ def test_the_backward_keeps_no_full_logits():
     model, (inputs, targets) = tiny_model(), batch(ignored=False)
     logits = BATCH * CONTEXT * VOCAB
     assert largest_saved_tensor(full_logits_loss, model, inputs, targets) >= logits  # what the test would catch
-    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
     assert largest_saved_tensor(chunked, model, inputs, targets) <= VOCAB * model.config.hidden_size < logits
 
 
@@ -104,7 +104,7 @@ def test_under_grad_checkpoint_too():
     model.activation_checkpointing_enable({"use_reentrant": False})
     model.train()
     assert model.model.gradient_checkpointing
-    chunked = lambda *args: train.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
     loss, gradients = loss_and_gradients(chunked, model, inputs, targets, "sum", "fp32")
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     for name, gradient in gradients.items():

@@ -28,6 +28,7 @@ import common
 import data
 import distributed
 import hardware
+import losses
 import model_config
 import report
 import train
@@ -268,7 +269,7 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
     optimizer, also of one whose own gradients are finite (Muon's beside AdamW's)."""
     first, second = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
     optimizers = [torch.optim.AdamW(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
-    scaler = train.LossScaler(torch.device("cpu"), enabled=True)
+    scaler = hardware.LossScaler(torch.device("cpu"), enabled=True)
     before = [first.weight.detach().clone(), second.weight.detach().clone()]
 
     def backward(inputs: torch.Tensor) -> bool:
@@ -286,7 +287,7 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
     assert finite and scaler.step(optimizers, finite) is True
     assert not torch.equal(first.weight, before[0]) and not torch.equal(second.weight, before[1])
     assert scaler.skipped_total == 1 and scaler.skipped_in_a_row == 0
-    restored = train.LossScaler(torch.device("cpu"), enabled=True)
+    restored = hardware.LossScaler(torch.device("cpu"), enabled=True)
     restored.load_state_dict(scaler.state_dict())
     assert restored.state_dict() == scaler.state_dict()
 
@@ -1440,8 +1441,8 @@ def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
 
     hand = [nll([0.0, 1.0, 2.0], 2), nll([0.5, 0.5, -1.0], 0), nll([-2.0, 1.0, 0.0], 1)]
     inputs = torch.zeros(2, 3, dtype=torch.long)
-    assert train.language_model_loss(Fixed(), inputs, targets).item() == pytest.approx(sum(hand) / 3, rel=1e-6)
-    assert train.language_model_loss(Fixed(), inputs, targets, "sum").item() == pytest.approx(sum(hand), rel=1e-6)
+    assert losses.language_model_loss(Fixed(), inputs, targets).item() == pytest.approx(sum(hand) / 3, rel=1e-6)
+    assert losses.language_model_loss(Fixed(), inputs, targets, "sum").item() == pytest.approx(sum(hand), rel=1e-6)
 
 
 def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpus, tmp_path):

@@ -1,0 +1,118 @@
+"""The training loss: next-token cross-entropy that never holds a batch's full logits.
+
+The LM head and the cross-entropy run a chunk of tokens at a time (hardware.logits_chunk_tokens), in a
+custom autograd Function that computes each chunk's gradient in its forward (as Liger's fused linear
+cross-entropy does), so the backward needs no logits either. Targets equal to data.IGNORE_INDEX (a
+token the corpus' mask does not count) are skipped. Training, evaluation, the compiled and the DDP
+model all go through `language_model_loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import data
+import hardware
+
+
+def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                        reduction: str = "mean", chunk_tokens: int | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits.
+
+    The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
+    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
+    dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
+    to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
+    hidden = model.model(input_ids=inputs).last_hidden_state
+    hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    weight = model.lm_head.weight
+    chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0))
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    with torch.autocast(device_type, enabled=False):  # the chunks cast for themselves
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            total = ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, dtype)
+        else:
+            total = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, dtype)
+    if reduction == "sum":
+        return total
+    return total / (targets != data.IGNORE_INDEX).sum()
+
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """F.cross_entropy(logits, targets, reduction="sum") over the counted targets, and each row's logsumexp."""
+    counted = targets != data.IGNORE_INDEX
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    target_logits = logits.gather(1, torch.where(counted, targets, 0)[:, None]).squeeze(1)
+    return torch.where(counted, logsumexp - target_logits, 0.0).sum(), logsumexp
+
+
+
+def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
+    """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted."""
+    counted = targets != data.IGNORE_INDEX
+    gradient = logits.sub_(logsumexp[:, None]).exp_()
+    gradient.scatter_add_(1, torch.where(counted, targets, 0)[:, None], torch.full_like(logsumexp[:, None], -1.0))
+    return gradient.mul_(counted[:, None])
+
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """cross_entropy_sum(hidden @ weight.T, targets), chunk by chunk (evaluation: no gradients)."""
+    weight = weight.to(dtype)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.size(0), chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        total += cross_entropy_sum((hidden[rows].to(dtype) @ weight.t()).float(), targets[rows])[0]
+    return total
+
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """linear_cross_entropy_sum with its gradients. They are computed in the forward, chunk by chunk, as
+    Liger-Kernel's fused linear cross-entropy does: neither pass ever holds more than one chunk's logits,
+    and no chunk is computed twice. What is kept for the backward is two fp32 gradients the size of the
+    hidden states and of the LM head; the backward only scales them by the loss's gradient (1/count under
+    "mean", times the loss scale under fp16). Each chunk's gradient goes to the matmuls in the autocast
+    dtype unscaled (|softmax - one-hot| <= 1, well inside fp16), and is summed over the chunks in fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, dtype):
+        weight_cast = weight.to(dtype)
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk, chunk_targets = hidden[rows].to(dtype), targets[rows]
+            logits = (chunk @ weight_cast.t()).float()
+            loss, logsumexp = cross_entropy_sum(logits, chunk_targets)
+            total += loss
+            grad_logits = cross_entropy_gradient_(logits, chunk_targets, logsumexp).to(dtype)
+            grad_hidden[rows] = grad_logits @ weight_cast
+            grad_weight += grad_logits.t() @ chunk
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),
+                None, None, None)
+
+
+
+class LanguageModelLoss(torch.nn.Module):
+    """The model and its loss as one module: --compile compiles the chunked cross-entropy with the model,
+    and DDP wraps both."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets, reduction)
