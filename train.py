@@ -709,6 +709,7 @@ class Training:
         self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
                                          session.grad_accum, info.world)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
+        self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, self.sampler.blocks, self.sampler.global_batch, self.tokens_per_step)
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
 
@@ -1258,14 +1259,17 @@ def run_validation(training: Training, metrics: report.MetricsLog, progress: rep
 
 
 def save_checkpoint(training: Training, checkpointer: Checkpointer | None, best_val_loss: float | None) -> None:
-    """Snapshot on every rank (RNG is gathered), write on rank 0 in the background."""
-    if checkpointer is not None and checkpointer.last_saved_step == training.step and best_val_loss is None:
+    """Snapshot on every rank (RNG is gathered), write on rank 0 in the background. A step already saved
+    is not saved again unless it set a new best; every rank decides alike (saved_step is on every rank),
+    since the snapshot is a collective call."""
+    if training.saved_step == training.step and best_val_loss is None:
         return
     if checkpointer is not None:
         checkpointer.wait()  # the staging buffers still feed the previous write until it is done
     snapshot = training.snapshot()
     if checkpointer is not None:
         checkpointer.save(snapshot, training.step, best_val_loss)
+    training.saved_step = training.step
 
 
 class StopRequest:
@@ -1776,12 +1780,10 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.last_write_seconds = 0.0
-        self.last_saved_step: int | None = None
 
     def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
         """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
         self.wait()
-        self.last_saved_step = step
         self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
