@@ -1052,7 +1052,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
 
     training = build_training(settings, info, corpus=corpus)
-    resume_path = distributed.main_decides(lambda: find_resume_checkpoint(out, invocation.resume, tidy=True), info)
+    resume_path = distributed.main_decides(lambda: tidy_and_find_resume_checkpoint(out, invocation.resume), info)
     if resume_path is not None:
         training.load(store.load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
@@ -1867,13 +1867,18 @@ class Checkpointer:
         store.delete(self.folder, [path.name for path in candidates])
 
 
-def find_resume_checkpoint(out: Path, resume: str, tidy: bool = False) -> Path | None:
-    """The checkpoint `--resume` asks for (store.plan_resume): None for a fresh start.
+def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
+    """The checkpoint `--resume` asks for (store.plan_resume), changing nothing: None for a fresh start."""
+    return resume_checkpoint(out, resume, tidy=False)
 
-    `tidy` (a training session, which holds the run folder's lock) first carries out the plan:
-    removes what killed saves left behind and sets aside the damaged checkpoints; without it
-    nothing changes.
-    """
+
+def tidy_and_find_resume_checkpoint(out: Path, resume: str) -> Path | None:
+    """find_resume_checkpoint for a training session, which holds the run folder's lock: the plan is
+    carried out first (what killed saves left is removed, damaged checkpoints are set aside)."""
+    return resume_checkpoint(out, resume, tidy=True)
+
+
+def resume_checkpoint(out: Path, resume: str, tidy: bool) -> Path | None:
     folder = out / "checkpoints"
     if resume not in ("auto", "none") and not Path(resume).is_file():
         raise UserError(f"--resume {resume}: no such checkpoint file")

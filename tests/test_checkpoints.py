@@ -204,7 +204,7 @@ def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkey
     monkeypatch.setattr(os, "replace", replace)
     # the record came first, so no checkpoint exists that nobody can verify
     assert step_files(folder) == ["step-00000001.pt"] and (folder / "step-00000002.pt.json").is_file()
-    assert train.find_resume_checkpoint(tmp_path, "auto", tidy=True).name == "step-00000001.pt"
+    assert train.tidy_and_find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
     assert sorted(path.name for path in folder.iterdir()) == ["latest.json", "step-00000001.pt",
                                                                "step-00000001.pt.json"]
 
