@@ -1662,7 +1662,7 @@ PULLED_CORPORA = "corpus"  # train.py --data URL is pulled into corpus/<name>-<h
 
 
 def load_manifest(corpus: Path) -> dict:
-    """corpus_manifest.json (py checks its layout), with a hint when the corpus is not there."""
+    """corpus_manifest.json (load_corpus_manifest checks its layout), with a hint when the corpus is not there."""
     check_corpus_folder(corpus)
     manifest = load_corpus_manifest(corpus)
     if "train" not in manifest["splits"] or "vocab_size" not in manifest:
@@ -1671,19 +1671,17 @@ def load_manifest(corpus: Path) -> dict:
 
 
 
-def check_corpus_folder(corpus: Path, demo: bool = False) -> None:
-    """A clear line, and the py command that builds one, when `corpus` is not a corpus folder."""
+def check_corpus_folder(corpus: Path) -> None:
+    """A clear line, and the data.py command that builds one, when `corpus` is not a corpus folder."""
     if (corpus / CORPUS_MANIFEST).is_file():
         return
-    if demo:
-        raise UserError(f"corpus folder {corpus} not found; build one with: python py --demo --out {corpus}")
     if not corpus.exists():
-        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python py --data YOUR_FILES "
+        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python data.py --data YOUR_FILES "
                         f"--out {corpus}")
     if corpus.name == CORPUS_MANIFEST:
         raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
     raise UserError(f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
-                    f"python py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
+                    f"python data.py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
 
 
 
