@@ -14,7 +14,7 @@ Nothing runs at import time. The script form redraws a run's pictures or evaluat
 exported model after the fact:
 
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
-    python report.py evaluate runs/demo/model corpus/demo/eval
+    python report.py evaluate runs/demo --tasks corpus/demo/eval arc_easy --limit 200   # evaluation.py
     python report.py samples runs/demo/model --prompt "What is 12 plus 7?"
 """
 
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+import evaluation
 from common import (
     ArgumentParser,
     UserError,
@@ -848,13 +849,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     plot.add_argument("run", help="run folder holding metrics.jsonl")
     plot.add_argument("--out", help="PNG to write (default: RUN/loss_curve.png)")
-    evaluate = commands.add_parser("evaluate", help="task accuracy of an exported model on an eval set",
+    evaluate = commands.add_parser("evaluate", help="benchmark scores of an exported model (lm-eval tasks, "
+                                   "local multiple-choice and exact-match task files)",
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    evaluate.add_argument("model", help="exported model folder (RUN/model)")
-    evaluate.add_argument("eval", help="eval .jsonl file or folder of them (CORPUS/eval)")
-    evaluate.add_argument("--limit", type=int, help="evaluate only the first N examples")
-    evaluate.add_argument("--max-new-tokens", type=int, default=96)
+    evaluate.add_argument("model", help="run folder (RUN, scores go to RUN/eval/ and the model card) or RUN/model")
+    evaluate.add_argument("--tasks", nargs="+", required=True,
+                          help="lm-eval task names (hellaswag, arc_easy, ...), task .jsonl files or folders of them")
+    evaluate.add_argument("--limit", type=int, help="score a seeded subsample of N items per task")
+    evaluate.add_argument("--seed", type=int, default=evaluation.DEFAULT_SEED, help="seed of the --limit subsample")
+    evaluate.add_argument("--batch-size", type=int, default=32)
+    evaluate.add_argument("--max-new-tokens", type=int, default=96, help="reply length of exact-match tasks")
     evaluate.add_argument("--device", default="cpu")
+    evaluate.add_argument("--json", help="also write the scores to this JSON file")
     samples = commands.add_parser("samples", help="greedy chat replies of an exported model",
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     samples.add_argument("model", help="exported model folder (RUN/model)")
@@ -874,9 +880,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"no loss records in {Path(args.run) / 'metrics.jsonl'}")
         print(f"wrote {out}")
     elif args.command == "evaluate":
-        model, tokenizer = load_exported(args.model, args.device)
-        result = task_accuracy(model, tokenizer, args.eval, args.device, args.limit, args.max_new_tokens)
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        result = evaluation.evaluate(args.model, args.tasks, args.limit, args.batch_size, args.device, args.seed,
+                                     args.max_new_tokens)
+        written = evaluation.write_outputs(result, args.json)
+        print(evaluation.score_table(result))
+        print(f"settings: {evaluation.settings_line(result['harness'])}")
+        print("wrote " + ", ".join(str(path) for path in written))
     else:
         if args.text and not args.prompt:
             raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,54 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch):
     assert record["report_errors"]["export"] == "OSError: disk full"
     assert "task_accuracy" in record and (out / "loss_curve.png").is_file()
     assert not (out / "model").exists()
+
+
+LONGER_STEPS = 150  # 40 steps score at chance on the items below; 150 are well above it
+
+
+def choice_items(tokenizer, seed: int = 0) -> list[dict]:
+    """The held-out demo problems as multiple-choice items: the chat prompt and the worked reply up to its
+    last ' = ' as the context; the right result (and answer) among three wrong ones near it."""
+    rng = random.Random(seed)
+    held = data.demo_held_out(random.Random(data.DEMO_SEED))
+    prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
+               "multiplication": data.APPLE_PROMPTS}
+    items = []
+    for task, pairs in held.items():
+        for a, b in sorted(pairs):
+            problem = data.demo_problem(task, a, b, prompts[task][0])
+            reply = data.render_assistant(problem["answer"], problem["reasoning"])
+            cut = reply.rindex(" = ")
+            right = int(problem["answer"])
+            wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)
+            choices = [reply[cut + 3:].replace(problem["answer"], str(value)) for value in wrong]
+            answer = rng.randint(0, 3)
+            choices.insert(answer, reply[cut + 3:])
+            context = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], tokenize=False,
+                                                    add_generation_prompt=True) + reply[:cut + 2]
+            items.append({"context": context, "choices": choices, "answer": answer})
+    return items
+
+
+@pytest.mark.slow
+def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chance_untrained(demo, tmp_path):
+    work, _ = demo
+    run_cli(["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report",
+             "--out", "runs/longer"], cwd=work)
+    tokenizer = data.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
+    items = choice_items(tokenizer)
+    assert len(items) == sum(data.DEMO_EVAL_COUNTS.values())
+    task = tmp_path / "demo_results.jsonl"
+    task.write_text("".join(json.dumps(item) + "\n" for item in items))
+    trained = checkpoint_model(work / "runs" / "longer" / "checkpoints" / f"step-{LONGER_STEPS:08d}.pt")
+    torch.manual_seed(0)
+    untrained = model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer)).eval()
+    scores = {}
+    for name, model in (("trained", trained), ("untrained", untrained)):
+        report.export_hf_model(model, tokenizer, tmp_path / name / "model", {"status": "COMPLETE"})
+        assert report.main(["evaluate", str(tmp_path / name / "model"), "--tasks", str(task),
+                            "--json", str(tmp_path / f"{name}.json")]) == 0
+        scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["tasks"]["local_demo_results"]
+        assert scores[name]["n"] == len(items)
+    assert scores["trained"]["acc"] > 0.45, scores  # chance is 0.25; 260 items give it a 0.027 standard error
+    assert abs(scores["untrained"]["acc"] - 0.25) < 0.1, scores
