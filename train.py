@@ -83,7 +83,7 @@ PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of th
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
-                 "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
+                 "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
 
@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     saving.add_argument("--keep-last", type=int, default=2, help="retention: keep the newest N step checkpoints")
     saving.add_argument("--keep-every", type=int, default=0,
                         help="retention: also keep forever every checkpoint whose step is a multiple of N (0: off)")
-    saving.add_argument("--eval-every", type=int, default=250, help="validation every N steps (0: only at the end)")
+    saving.add_argument("--eval-every", type=int, help="validation every N steps (0: only at the end; default: "
+                        "a fifth of the run, at most 250 steps, so a short run shows a validation curve too)")
     saving.add_argument("--eval-batches", type=int, default=4,
                         help="validation over this many global batches of blocks (the same blocks whatever the "
                              "split between ranks, --batch-size and --grad-accum)")
@@ -229,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging Face "
                              "export RUN/model at the end (--no-report: checkpoints and metrics only)")
     output.add_argument("--tensorboard", action="store_true", help="also write the metrics to RUN/tensorboard")
+    report.add_sampling_args(output, prefix="sample-")  # sample_generations.json's decoding
     output.add_argument("--export-only", action="store_true",
                         help="no training: export the --resume checkpoint (auto: OUT's newest) to OUT/model")
     checkpoint_cloud.add_backup_args(parser)
@@ -298,13 +300,17 @@ class SessionSettings:
     save_seconds: float
     keep_last: int
     keep_every: int
-    eval_every: int
+    eval_every: int | None  # None: default_eval_every(total steps)
     log_every: int
     max_hours: float
     stop_after_steps: int
     max_overflow_steps: int
     report: bool
     tensorboard: bool
+    sample_temperature: float  # sample_generations.json: report.Sampling's fields
+    sample_top_p: float
+    sample_top_k: int
+    sample_seed: int
     backup_to: str | None  # a URL may carry credentials: never recorded nor printed
     remote_keep_recent: int
     remote_keep_every: int
@@ -377,6 +383,7 @@ def check_settings(settings: Settings) -> None:
         if values[name] is not None and values[name] < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {values[name]}")
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
+    report.sampling_from(values, "sample_")  # a UserError naming the sampling option that is wrong
     if settings.session.keep_last < 1:
         raise UserError(f"--keep-last must be at least 1, got {settings.session.keep_last}")
     for name in ("lr", "muon_lr", "weight_decay", "max_hours", "save_seconds", "peak_tflops", "grad_clip",
@@ -1151,7 +1158,8 @@ class NonFiniteLoss(Exception):
 class StepResult:
     step: int
     loss: float
-    lr: float
+    adamw_lr: float  # AdamW's lr this step (embeddings and norms under Muon; everything under adamw)
+    muon_lr: float | None  # Muon's lr this step (the hidden matrices); None under adamw
     grad_norm: float
     seconds: float
     applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
@@ -1327,9 +1335,9 @@ class Training:
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
         self.metrics.train_seconds += seconds
-        lr = self.recipe.lr * lr_multiplier if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
-        return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
-                          applied=applied)
+        muon_lr = None if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
+        return StepResult(step=self.step, loss=mean_loss, adamw_lr=self.recipe.lr * lr_multiplier, muon_lr=muon_lr,
+                          grad_norm=grad_norm, seconds=seconds, applied=applied)
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict | None:
@@ -1652,6 +1660,11 @@ def train(settings: Settings, info: DistInfo, corpus: Path, backup=None, backup_
     return 0
 
 
+def default_eval_every(total_steps: int) -> int:
+    """--eval-every's default: five validations in a run (the last at its end), at most 250 steps apart."""
+    return max(1, min(250, total_steps // 5))
+
+
 def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: MetricsLog, stop: StopRequest,
                peak: float | None, process_started: float, progress: report.Progress) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason)."""
@@ -1659,6 +1672,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
     out = Path(session.out)
     last_save = time.monotonic()
     slowest_step = slowest_eval = 0.0
+    eval_every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
     if session.stop_after_steps and session.stop_after_steps <= training.step < training.total_steps:
         reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
                   f"{session.stop_after_steps}: no step taken")
@@ -1687,7 +1701,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: M
             log_train_step(training, metrics, result, tokens_per_second, mfu)
 
         best = None
-        if (session.eval_every and step % session.eval_every == 0) or step == training.total_steps:
+        if (eval_every and step % eval_every == 0) or step == training.total_steps:
             eval_started = time.monotonic()
             best = run_validation(training, metrics, progress)
             if info.is_main and session.report:
@@ -1718,7 +1732,8 @@ def log_train_step(training: Training, metrics: MetricsLog, result: StepResult, 
                    mfu: float | None) -> None:
     """A train record in metrics.jsonl and the RUNNING status (the progress bar shows the step)."""
     metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
-                  lr=result.lr, grad_norm=result.grad_norm, step_seconds=result.seconds,
+                  adamw_lr=result.adamw_lr, **({} if result.muon_lr is None else {"muon_lr": result.muon_lr}),
+                  grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=peak_memory_bytes(training.device))
     if training.info.is_main:
@@ -2125,7 +2140,8 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
         kind, prompts = ("chat", report.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
             attempt("sample_prompts", lambda: report.held_out_prompts(corpus, tokenizer)) or ("chat", [])
         samples = report.generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                          prompts=prompts, step=training.step, text=kind == "text")
+                                          prompts=prompts, step=training.step, text=kind == "text",
+                                          sampling=report.sampling_from(vars(training.session), "sample_"))
         if samples["error"]:
             errors["samples"] = samples["error"]
         if (corpus / "eval").is_dir():

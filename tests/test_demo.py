@@ -156,7 +156,8 @@ def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     records = metrics(run)
-    for tag, kind, key in [("train/loss", "train", "loss"), ("train/lr", "train", "lr"),
+    for tag, kind, key in [("train/loss", "train", "loss"), ("train/adamw_lr", "train", "adamw_lr"),
+                           ("train/muon_lr", "train", "muon_lr"),
                            ("eval/val_loss", "eval", "val_loss")]:
         logged = [(event.step, event.value) for event in events.Scalars(tag)]
         expected = [(r["step"], r[key]) for r in records if r["kind"] == kind]

@@ -136,7 +136,8 @@ def test_evaluate_gives_lm_evals_own_numbers_and_the_hand_computed_ones(exported
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
         "  - metric: acc_norm\n")
-    direct = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir)}, tasks=["direct"], device="cpu",
+    direct = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir)}, tasks=["direct"],
+                                     device="cpu",
                                      task_manager=TaskManager(include_path=str(tmp_path / "tasks"),
                                                               include_defaults=False))["results"]["direct"]
     expected = hand_scores(model_dir, items)
