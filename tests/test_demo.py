@@ -240,7 +240,7 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch):
     assert not (out / "model").exists()
 
 
-LONGER_STEPS = 150  # 40 steps score at chance on the items below; 150 are well above it
+LONGER_STEPS = 120  # 40 steps score at chance on the items below (measured: 0.20 of 100 additions)
 
 
 def choice_items(tokenizer, seed: int = 0) -> list[dict]:
@@ -268,6 +268,7 @@ def choice_items(tokenizer, seed: int = 0) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a second, longer training run
 def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chance_untrained(demo, tmp_path):
     work, _ = demo
     run_cli(["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report",
