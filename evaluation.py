@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common import UserError, atomic_write_json, atomic_write_text, read_json, sha256_file, utc_now
 
-LM_EVAL_REQUIREMENT = "lm-eval>=0.4.13,<0.5"
+LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' 'accelerate>=1.1'"  # accelerate: lm-eval's HF model class
 CHOICE_METRICS = ("acc", "acc_norm", "acc_bytes")
 CARD_START, CARD_END = "<!-- tinyllm:benchmarks -->", "<!-- /tinyllm:benchmarks -->"
 DEFAULT_SEED = 1234
@@ -33,10 +33,11 @@ DEFAULT_SEED = 1234
 def require_lm_eval():
     """lm_eval, or one error line saying how to install it."""
     try:
+        import accelerate  # noqa: F401
         import lm_eval
-    except ImportError:
-        raise UserError(f"multiple-choice tasks need lm-evaluation-harness, which is not installed: "
-                        f"pip install '{LM_EVAL_REQUIREMENT}'") from None
+    except ImportError as error:
+        raise UserError(f"multiple-choice and lm-eval tasks need lm-evaluation-harness ({error.name} is not "
+                        f"installed): {LM_EVAL_INSTALL}") from None
     return lm_eval
 
 
@@ -302,3 +303,33 @@ def record_card_hash(run: str | None, card: Path) -> None:
     if isinstance(status.get("model_files"), dict) and "README.md" in status["model_files"]:
         status["model_files"]["README.md"] = sha256_file(card)
         atomic_write_json(status_path, status)
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo's held-out problems as a multiple-choice task (tests/test_demo.py, bench/bench_evaluate.py).
+
+
+def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
+    """The demo's held-out problems (data.demo_held_out) as {"context", "choices", "answer"} items: the chat
+    prompt and the worked reply up to its last ' = ' as the context; the right result (and answer) among
+    three wrong ones near it, at a seeded position. Chance is 0.25."""
+    import data
+
+    rng = random.Random(seed)
+    prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
+               "multiplication": data.APPLE_PROMPTS}
+    items = []
+    for task, pairs in data.demo_held_out(random.Random(data.DEMO_SEED)).items():
+        for a, b in sorted(pairs):
+            problem = data.demo_problem(task, a, b, prompts[task][0])
+            reply = data.render_assistant(problem["answer"], problem["reasoning"])
+            cut = reply.rindex(" = ")
+            right = int(problem["answer"])
+            wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)
+            choices = [reply[cut + 3:].replace(problem["answer"], str(value)) for value in wrong]
+            answer = rng.randint(0, 3)
+            choices.insert(answer, reply[cut + 3:])
+            context = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], tokenize=False,
+                                                    add_generation_prompt=True) + reply[:cut + 2]
+            items.append({"context": context, "choices": choices, "answer": answer})
+    return items

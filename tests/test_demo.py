@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import data
+import evaluation
 import model_config
 import report
 import train
@@ -243,30 +243,6 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch):
 LONGER_STEPS = 120  # 40 steps score at chance on the items below (measured: 0.20 of 100 additions)
 
 
-def choice_items(tokenizer, seed: int = 0) -> list[dict]:
-    """The held-out demo problems as multiple-choice items: the chat prompt and the worked reply up to its
-    last ' = ' as the context; the right result (and answer) among three wrong ones near it."""
-    rng = random.Random(seed)
-    held = data.demo_held_out(random.Random(data.DEMO_SEED))
-    prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
-               "multiplication": data.APPLE_PROMPTS}
-    items = []
-    for task, pairs in held.items():
-        for a, b in sorted(pairs):
-            problem = data.demo_problem(task, a, b, prompts[task][0])
-            reply = data.render_assistant(problem["answer"], problem["reasoning"])
-            cut = reply.rindex(" = ")
-            right = int(problem["answer"])
-            wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)
-            choices = [reply[cut + 3:].replace(problem["answer"], str(value)) for value in wrong]
-            answer = rng.randint(0, 3)
-            choices.insert(answer, reply[cut + 3:])
-            context = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], tokenize=False,
-                                                    add_generation_prompt=True) + reply[:cut + 2]
-            items.append({"context": context, "choices": choices, "answer": answer})
-    return items
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a second, longer training run
 def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chance_untrained(demo, tmp_path):
@@ -274,7 +250,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
     run_cli(["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report",
              "--out", "runs/longer"], cwd=work)
     tokenizer = data.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
-    items = choice_items(tokenizer)
+    items = evaluation.demo_choice_items(tokenizer)
     assert len(items) == sum(data.DEMO_EVAL_COUNTS.values())
     task = tmp_path / "demo_results.jsonl"
     task.write_text("".join(json.dumps(item) + "\n" for item in items))

@@ -97,7 +97,7 @@ def test_bad_choice_items_name_the_line(tmp_path, line):
 
 def test_a_missing_lm_eval_is_one_error_line_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    with pytest.raises(UserError, match=r"pip install 'lm-eval>=0\.4\.13,<0\.5'"):
+    with pytest.raises(UserError, match=r"\(lm_eval is not installed\): pip install 'lm-eval>=0\.4\.13,<0\.5'"):
         evaluation.require_lm_eval()
 
 
