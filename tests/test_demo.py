@@ -240,11 +240,11 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch):
     assert not (out / "model").exists()
 
 
-LONGER_STEPS = 120  # 40 steps score at chance on the items below (measured: 0.20 of 100 additions)
+LONGER_STEPS = 120  # measured: 0.60 on the items below (40 steps: 0.20 on 100 of them, chance)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a second, longer training run
+@pytest.mark.timeout(900)  # a second, longer training run and two lm-eval runs (~9 min on a 2-core machine at load 9)
 def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chance_untrained(demo, tmp_path):
     work, _ = demo
     run_cli(["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report",
@@ -264,5 +264,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
                             "--json", str(tmp_path / f"{name}.json")]) == 0
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["tasks"]["local_demo_results"]
         assert scores[name]["n"] == len(items)
-    assert scores["trained"]["acc"] > 0.45, scores  # chance is 0.25; 260 items give it a 0.027 standard error
-    assert abs(scores["untrained"]["acc"] - 0.25) < 0.1, scores
+    # chance is 0.25, with a 0.027 standard error on 260 items; the untrained model (measured: 0.165) leans
+    # below it, towards results of fewer tokens (every token about equally unlikely)
+    assert scores["trained"]["acc"] > 0.45, scores
+    assert 0.1 < scores["untrained"]["acc"] < 0.35, scores
