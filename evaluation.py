@@ -160,7 +160,8 @@ def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_s
                             "(`lm_eval ls tasks` lists them)")
         if limit is not None and named:
             loaded = get_task_dict(named, manager)
-            sizes.update({name: len(loaded[name].eval_docs) for name in named if hasattr(loaded[name], "eval_docs")})
+            sizes.update({name: len(task.eval_docs) for name, task in loaded.items()  # a group (mmlu) is scored
+                          if isinstance(name, str) and hasattr(task, "eval_docs")})  # whole: no size of its own
         picks = {name: seeded_subsample(size, limit, seed) for name, size in sizes.items()}
         samples = {name: pick for name, pick in picks.items() if pick is not None}
         model = HFLM(pretrained=model_dir, device=device, batch_size=batch_size)
