@@ -14,7 +14,7 @@ Nothing runs at import time. The script form redraws a run's pictures or evaluat
 exported model after the fact:
 
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
-    python report.py evaluate runs/demo/model corpus/demo/eval
+    python report.py evaluate runs/demo --tasks corpus/demo/eval arc_easy --limit 200   # evaluation.py
     python report.py samples runs/demo/model --prompt "What is 12 plus 7?"
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -31,12 +32,14 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import checkpoint_store as store
+import evaluation
 from common import (
     PROGRESS_WRITERS,
     ArgumentParser,
@@ -231,6 +234,10 @@ def smooth(values: list[float], window: int | None = None) -> list[float]:
     return smoothed
 
 
+# metrics.jsonl's learning rates (train records) and their legend labels
+LR_SERIES = {"muon_lr": "Muon lr (hidden matrices)", "adamw_lr": "AdamW lr (embeddings, norms; all under adamw)"}
+
+
 def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike, title: str = "tinyllm") -> bool:
     """Draw train and validation loss against tokens seen, the learning rate on a second axis.
 
@@ -245,7 +252,8 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     train_x, train_loss = _series(records, "train", "loss")
     val_x, val_loss = _series(records, "eval", "val_loss")
     test_x, test_loss = _series(records, "test", "test_loss")
-    lr_x, lr = _series(records, "train", "lr")
+    learning_rates = {label: _series(records, "train", key) for key, label in LR_SERIES.items()}
+    learning_rates = {label: series for label, series in learning_rates.items() if series[1]}
     if not train_loss and not val_loss:
         return False
 
@@ -275,9 +283,10 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: human_count(value)))
     axes.grid(alpha=0.3)
     handles, labels = axes.get_legend_handles_labels()
-    if lr:
+    if learning_rates:
         lr_axes = axes.twinx()
-        lr_axes.plot(lr_x, lr, "--", color="tab:gray", linewidth=1, label="learning rate")
+        for (label, (lr_x, lr)), style in zip(learning_rates.items(), ("--", ":")):
+            lr_axes.plot(lr_x, lr, style, color="tab:gray", linewidth=1, label=label)
         lr_axes.set_ylabel("learning rate")
         lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
         lr_axes.set_ylim(bottom=0)
@@ -470,9 +479,55 @@ def cut_at_stop(token_ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int
     return token_ids, False
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How replies are decoded: temperature 0 is greedy; above 0, sampled with top-p / top-k (0: off),
+    reproducibly: the same seed, prompts and batch size give the same replies."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"--temperature must be 0 (greedy) or positive, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"--top-k must not be negative (0: off), got {self.top_k}")
+
+    def generation_options(self) -> dict:
+        """GenerationConfig options: do_sample and, when sampling, temperature / top_p / top_k."""
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or None}
+
+    def describe(self) -> dict:
+        """What sample_generations.json records as its decoding."""
+        if self.temperature == 0:
+            return {"decoding": "greedy"}
+        return {"decoding": "sampled", **dataclasses.asdict(self)}
+
+
+GREEDY = Sampling()
+
+
+@contextlib.contextmanager
+def seeded_sampling(sampling: Sampling, batch: int, device):
+    """Torch's RNG seeded from (seed, batch) inside the block, the caller's RNG state restored after."""
+    import torch
+
+    devices = [device] if getattr(device, "type", None) == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=sampling.temperature > 0):
+        if sampling.temperature > 0:
+            torch.manual_seed(sampling.seed * 1_000_003 + batch)
+        yield
+
+
 def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
-                          device=None, batch_size: int = 16) -> list[dict]:
-    """Greedy replies to `prompts` through the chat template, as dicts.
+                          device=None, batch_size: int = 16, sampling: Sampling = GREEDY) -> list[dict]:
+    """Replies to `prompts` through the chat template (greedy unless `sampling` says otherwise), as dicts.
 
     Each dict: completion (text before <|im_end|> / <eos>, special tokens such as <think> kept),
     stopped (a stop token was produced), new_tokens. Prompts are batched by length with left
@@ -504,9 +559,10 @@ def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dic
             new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - prompt_length)
             if new_tokens < 1:
                 raise UserError(f"a prompt of {prompt_length} tokens leaves no room in the model's context {context}")
-            config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                                      eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-            with torch.no_grad():
+            config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=stops,
+                                      pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                                      **sampling.generation_options())
+            with torch.no_grad(), seeded_sampling(sampling, start, device):
                 output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                         generation_config=config)
             for index, row in zip(chunk, output[:, prompt_length:].tolist()):
@@ -519,16 +575,16 @@ def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dic
 
 
 def generate_chat(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
-                  device=None, batch_size: int = 16) -> list[str]:
-    """Greedy replies (text before <|im_end|> / <eos>) to user prompts, through the chat template."""
-    details = generate_chat_details(model, tokenizer, prompts, max_new_tokens, device, batch_size)
+                  device=None, batch_size: int = 16, sampling: Sampling = GREEDY) -> list[str]:
+    """Replies (text before <|im_end|> / <eos>) to user prompts, through the chat template; greedy by default."""
+    details = generate_chat_details(model, tokenizer, prompts, max_new_tokens, device, batch_size, sampling)
     return [detail["completion"] for detail in details]
 
 
 def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 64,
-                          device=None) -> list[dict]:
-    """Greedy plain-text continuations of `prompts` (no chat template), one prompt at a time: dicts
-    {completion, stopped (at <eos>), new_tokens}, like generate_chat_details."""
+                          device=None, sampling: Sampling = GREEDY) -> list[dict]:
+    """Plain-text continuations of `prompts` (no chat template; greedy unless `sampling` says otherwise),
+    one prompt at a time: dicts {completion, stopped (at <eos>), new_tokens}, like generate_chat_details."""
     import torch
     from transformers import GenerationConfig
 
@@ -540,14 +596,15 @@ def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_toke
     was_training = model.training
     model.eval()
     try:
-        for prompt in prompts:
+        for number, prompt in enumerate(prompts):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             if context is not None:
                 ids = ids[-(context - 1):]
             new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(ids))
-            config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, num_beams=1, eos_token_id=[eos],
-                                      pad_token_id=tokenizer.pad_token_id, use_cache=True)
-            with torch.no_grad():
+            config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=[eos],
+                                      pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                                      **sampling.generation_options())
+            with torch.no_grad(), seeded_sampling(sampling, number, device):
                 output = model.generate(input_ids=torch.tensor([ids], device=device),
                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                                         generation_config=config)
@@ -595,9 +652,10 @@ def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, openi
 
 
 def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
-                     max_new_tokens: int = 96, device=None, step: int | None = None, text: bool = False) -> dict:
-    """Write sample_generations.json (greedy replies to `prompts`, or with `text` their plain-text
-    continuations) atomically; never raises.
+                     max_new_tokens: int = 96, device=None, step: int | None = None, text: bool = False,
+                     sampling: Sampling = GREEDY) -> dict:
+    """Write sample_generations.json (replies to `prompts`, or with `text` their plain-text
+    continuations; greedy unless `sampling` says otherwise) atomically; never raises.
 
     Returns what it wrote: {"format_version", "time", "step", "settings", "samples": [{prompt,
     completion, stopped, new_tokens}], "error"}; a failure (generation or writing) is in "error".
@@ -606,14 +664,14 @@ def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Seq
         "format_version": 1,
         "time": utc_now(),
         "step": step,
-        "settings": {"decoding": "greedy", "chat_template": not text, "max_new_tokens": max_new_tokens,
+        "settings": {**sampling.describe(), "chat_template": not text, "max_new_tokens": max_new_tokens,
                      "stop_tokens": [EOS] if text else [IM_END, EOS]},
         "samples": [],
         "error": None,
     }
     try:
         generate = generate_text_details if text else generate_chat_details
-        details = generate(model, tokenizer, list(prompts), max_new_tokens, device)
+        details = generate(model, tokenizer, list(prompts), max_new_tokens, device, sampling=sampling)
         record["samples"] = [{"prompt": prompt, **detail} for prompt, detail in zip(prompts, details)]
     except Exception as error:  # samples are a courtesy: a failure must never lose the run
         record["error"] = f"generation failed: {type(error).__name__}: {error}"
@@ -945,6 +1003,23 @@ def load_exported(model_dir: str, device: str):
     return model, tokenizer
 
 
+def add_sampling_args(parser, prefix: str = "") -> None:
+    """--temperature / --top-p / --top-k / --seed (train.py: --sample-temperature ...), read by sampling_from."""
+    parser.add_argument(f"--{prefix}temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
+    parser.add_argument(f"--{prefix}top-p", type=float, default=1.0, help="nucleus sampling: keep this much "
+                        "probability mass (1: all)")
+    parser.add_argument(f"--{prefix}top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    parser.add_argument(f"--{prefix}seed", type=int, default=0, help="seed of the sampling (reproducible replies)")
+
+
+def sampling_from(values: dict, prefix: str = "") -> Sampling:
+    """The Sampling of add_sampling_args's options in `values` (vars(args) or a settings dict)."""
+    try:
+        return Sampling(*(values[f"{prefix}{name}"] for name in ("temperature", "top_p", "top_k", "seed")))
+    except UserError as error:
+        raise UserError(str(error).replace("--", "--" + prefix.replace("_", "-"), 1)) from None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -953,20 +1028,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     plot.add_argument("run", help="run folder holding metrics.jsonl")
     plot.add_argument("--out", help="PNG to write (default: RUN/loss_curve.png)")
-    evaluate = commands.add_parser("evaluate", help="task accuracy of an exported model on an eval set",
+    evaluate = commands.add_parser("evaluate", help="benchmark scores of an exported model (lm-eval tasks, "
+                                   "local multiple-choice and exact-match task files)",
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    evaluate.add_argument("model", help="exported model folder (RUN/model)")
-    evaluate.add_argument("eval", help="eval .jsonl file or folder of them (CORPUS/eval)")
-    evaluate.add_argument("--limit", type=int, help="evaluate only the first N examples")
-    evaluate.add_argument("--max-new-tokens", type=int, default=96)
+    evaluate.add_argument("model", help="run folder (RUN, scores go to RUN/eval/ and the model card) or RUN/model")
+    evaluate.add_argument("--tasks", nargs="+", required=True,
+                          help="lm-eval task names (hellaswag, arc_easy, ...), task .jsonl files or folders of them")
+    evaluate.add_argument("--limit", type=int, help="score a seeded subsample of N items per task")
+    evaluate.add_argument("--seed", type=int, default=evaluation.DEFAULT_SEED, help="seed of the --limit subsample")
+    evaluate.add_argument("--batch-size", type=int, default=32)
+    evaluate.add_argument("--max-new-tokens", type=int, default=96, help="reply length of exact-match tasks")
     evaluate.add_argument("--device", default="cpu")
-    samples = commands.add_parser("samples", help="greedy chat replies of an exported model",
+    evaluate.add_argument("--json", help="also write the scores to this JSON file")
+    samples = commands.add_parser("samples", help="chat replies (or --text continuations) of an exported model",
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     samples.add_argument("model", help="exported model folder (RUN/model)")
     samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
     samples.add_argument("--text", action="store_true",
                          help="continue each --prompt as plain text (a model trained on plain text, e.g. books)")
     samples.add_argument("--max-new-tokens", type=int, default=96)
+    add_sampling_args(samples)
     samples.add_argument("--device", default="cpu")
     return parser.parse_args(argv)
 
@@ -979,20 +1060,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"no loss records in {Path(args.run) / 'metrics.jsonl'}")
         print(f"wrote {out}")
     elif args.command == "evaluate":
-        model, tokenizer = load_exported(args.model, args.device)
-        result = task_accuracy(model, tokenizer, args.eval, args.device, args.limit, args.max_new_tokens)
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        result = evaluation.evaluate(args.model, args.tasks, args.limit, args.batch_size, args.device, args.seed,
+                                     args.max_new_tokens)
+        written = evaluation.write_outputs(result, args.json)
+        print(evaluation.score_table(result))
+        print(f"settings: {evaluation.settings_line(result['harness'])}")
+        print("wrote " + ", ".join(str(path) for path in written))
     else:
         if args.text and not args.prompt:
             raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
+        sampling = sampling_from(vars(args))
         model, tokenizer = load_exported(args.model, args.device)
         prompts = args.prompt or DEFAULT_PROMPTS
         if args.text:
             for prompt, detail in zip(prompts, generate_text_details(model, tokenizer, prompts, args.max_new_tokens,
-                                                                     args.device)):
+                                                                     args.device, sampling)):
                 print(f"> {prompt}{detail['completion']}\n")
         else:
-            replies = generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device)
+            replies = generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device, sampling=sampling)
             for prompt, reply in zip(prompts, replies):
                 print(f"> {prompt}\n{reply}\n")
     return 0

@@ -88,7 +88,7 @@ DEFAULT_OUT = "runs/demo"
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
-                 "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
+                 "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
@@ -219,7 +219,9 @@ class SessionSettings:
     keep_last: int = option(2, "retention: keep the newest N step checkpoints", SAVING, checks=(at_least(1),))
     keep_every: int = option(0, "retention: also keep forever every checkpoint whose step is a multiple of N "
                                 "(0: off)", SAVING, checks=(not_negative,))
-    eval_every: int = option(250, "validation every N steps (0: only at the end)", SAVING, checks=(not_negative,))
+    eval_every: int | None = option(None, "validation every N steps (0: only at the end; None: a fifth of the run, "
+                                          "at most 250 steps, so a short run shows a validation curve too)", SAVING,
+                                    checks=(not_negative,))
     log_every: int = option(10, "progress line and metrics every N steps", SAVING, checks=(positive,))
     max_hours: float = option(0, "stop (saved, resumable) early enough to save before this budget (0: no limit)",
                               STOPPING, checks=(finite, not_negative))
@@ -246,6 +248,13 @@ class SessionSettings:
     report: bool = option(True, "loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging "
                                 "Face export RUN/model at the end (--no-report: checkpoints and metrics only)", OUTPUT)
     tensorboard: bool = option(False, "also write the metrics to RUN/tensorboard", OUTPUT)
+    sample_temperature: float = option(0.0, "sample_generations.json: 0 greedy; above 0 sampled", OUTPUT,
+                                       checks=(finite, not_negative))
+    sample_top_p: float = option(1.0, "sample_generations.json: nucleus sampling, keep this much probability mass "
+                                      "(1: all)", OUTPUT)
+    sample_top_k: int = option(0, "sample_generations.json: keep the k likeliest tokens (0: all)", OUTPUT,
+                               checks=(not_negative,))
+    sample_seed: int = option(0, "sample_generations.json: seed of the sampling (reproducible replies)", OUTPUT)
     backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
         None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
@@ -355,6 +364,7 @@ def check_settings(settings: Settings) -> None:
     UserError naming its option."""
     run, invocation = settings.run, settings.invocation
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
+    report.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
     if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
     if run.decay_fraction is not None and run.schedule == "cosine":
@@ -676,7 +686,8 @@ class NonFiniteLoss(Exception):
 class StepResult:
     step: int
     loss: float
-    lr: float
+    adamw_lr: float  # AdamW's lr this step (embeddings and norms under Muon; everything under adamw)
+    muon_lr: float | None  # Muon's lr this step (the hidden matrices); None under adamw
     grad_norm: float
     seconds: float
     applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
@@ -793,9 +804,9 @@ class Training:
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
         self.metrics.train_seconds += seconds
-        lr = self.recipe.lr * lr_multiplier if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
-        return StepResult(step=self.step, loss=mean_loss, lr=lr, grad_norm=grad_norm, seconds=seconds,
-                          applied=applied)
+        muon_lr = None if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
+        return StepResult(step=self.step, loss=mean_loss, adamw_lr=self.recipe.lr * lr_multiplier, muon_lr=muon_lr,
+                          grad_norm=grad_norm, seconds=seconds, applied=applied)
 
     # -- settings and state ----------------------------------------------------------------
 
@@ -1165,6 +1176,11 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     return 0
 
 
+def default_eval_every(total_steps: int) -> int:
+    """--eval-every's default: five validations in a run (the last at its end), at most 250 steps apart."""
+    return max(1, min(250, total_steps // 5))
+
+
 def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: report.MetricsLog, stop: StopRequest,
                peak: float | None, process_started: float, progress: report.Progress) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason)."""
@@ -1172,6 +1188,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: r
     out = Path(session.out)
     last_save = time.monotonic()
     slowest_step = slowest_eval = 0.0
+    eval_every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
     if session.stop_after_steps and session.stop_after_steps <= training.step < training.total_steps:
         reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
                   f"{session.stop_after_steps}: no step taken")
@@ -1200,7 +1217,7 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: r
             log_train_step(training, metrics, result, tokens_per_second, mfu)
 
         best = None
-        if (session.eval_every and step % session.eval_every == 0) or step == training.total_steps:
+        if (eval_every and step % eval_every == 0) or step == training.total_steps:
             eval_started = time.monotonic()
             best = run_validation(training, metrics, progress)
             if info.is_main and session.report:
@@ -1231,7 +1248,8 @@ def log_train_step(training: Training, metrics: report.MetricsLog, result: StepR
                    mfu: float | None) -> None:
     """A train record in metrics.jsonl and the store.RUNNING status (the progress bar shows the step)."""
     metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
-                  lr=result.lr, grad_norm=result.grad_norm, step_seconds=result.seconds,
+                  adamw_lr=result.adamw_lr, **({} if result.muon_lr is None else {"muon_lr": result.muon_lr}),
+                  grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=hardware.peak_memory_bytes(training.device))
     if training.info.is_main:
@@ -1589,7 +1607,8 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
         kind, prompts = ("chat", report.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
             attempt("sample_prompts", lambda: report.held_out_prompts(corpus, tokenizer)) or ("chat", [])
         samples = report.generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                          prompts=prompts, step=training.step, text=kind == "text")
+                                          prompts=prompts, step=training.step, text=kind == "text",
+                                          sampling=report.sampling_from(vars(training.session), "sample_"))
         if samples["error"]:
             errors["samples"] = samples["error"]
         if (corpus / "eval").is_dir():

@@ -121,7 +121,7 @@ def write_metrics(path, truncated_tail=True):
     lines = []
     for step in range(1, 31):
         lines.append({"kind": "train", "step": step, "tokens": step * 512, "loss": 5.0 / step**0.5,
-                      "lr": 1e-3 * min(1.0, step / 5), "grad_norm": 1.0, "step_seconds": 0.1,
+                      "adamw_lr": 1e-3 * min(1.0, step / 5), "grad_norm": 1.0, "step_seconds": 0.1,
                       "tokens_per_second": 5120.0, "mfu": None, "peak_memory_bytes": 0, "time": "t"})
         if step % 10 == 0:
             lines.append({"kind": "eval", "step": step, "tokens": step * 512, "val_loss": 5.5 / step**0.5,
@@ -189,10 +189,11 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
     lines = []
     for step in range(1, 61):  # 60 train points: the raw series and a smoothed one
         lines.append({"kind": "train", "step": step, "tokens": step * 512, "loss": 6.0 - step / 20 + (step % 2) / 5,
-                      "lr": 1e-3 * min(1.0, step / 5)})
+                      "adamw_lr": 1e-3 * min(1.0, step / 5), "muon_lr": 2e-2 * min(1.0, step / 5)})
         if step % 20 == 0:
             lines.append({"kind": "eval", "step": step, "tokens": step * 512, "val_loss": 5.5 - step / 30})
-    lines.append({"kind": "train", "step": 61, "tokens": 61 * 512, "loss": float("nan"), "lr": 1e-3})  # skipped
+    lines.append({"kind": "train", "step": 61, "tokens": 61 * 512, "loss": float("nan"), "adamw_lr": 1e-3,
+                  "muon_lr": 2e-2})  # skipped
     lines.append({"kind": "test", "step": 61, "tokens": 61 * 512, "test_loss": 3.25})
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert report.plot_loss_curve(metrics, tmp_path / "curve.png") is True
@@ -205,7 +206,10 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
     assert smoothed[30] == pytest.approx(sum(losses[29:32]) / 3)  # a centred moving average of 3 (60 points // 25)
     assert drawn["validation loss"] == ([20 * 512, 40 * 512, 60 * 512], [5.5 - 20 / 30, 5.5 - 40 / 30, 5.5 - 2.0])
     assert drawn["test loss 3.250"] == ([61 * 512], [3.25])
-    assert drawn["learning rate"] == (tokens + [61 * 512], [line["lr"] for line in train] + [1e-3])
+    # both optimizers' learning rates, each named
+    assert drawn["AdamW lr (embeddings, norms; all under adamw)"] == (
+        tokens + [61 * 512], [line["adamw_lr"] for line in train] + [1e-3])
+    assert drawn["Muon lr (hidden matrices)"] == (tokens + [61 * 512], [line["muon_lr"] for line in train] + [2e-2])
 
 
 def test_tensorboard_logger_writes_the_scalars(tmp_path):
@@ -418,10 +422,13 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text(json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n")
     capsys.readouterr()
-    assert report.main(["evaluate", str(out), str(eval_file)]) == 0
-    assert json.loads(capsys.readouterr().out)["accuracy"] == 1.0
-    with pytest.raises(UserError, match="not an exported model folder"):
-        report.main(["evaluate", str(tmp_path), str(eval_file)])
+    assert report.main(["evaluate", str(out), "--tasks", str(eval_file), "--json", str(tmp_path / "scores.json")]) == 0
+    assert "| eval | exact | 1 | - | - | 1.0000 |" in capsys.readouterr().out
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    assert scores["tasks"]["eval"]["exact_match"] == 1.0 and scores["harness"]["exact_match"]["decoding"] == "greedy"
+    assert "## Benchmark scores" in (out / "README.md").read_text()
+    with pytest.raises(UserError, match="neither a run folder"):
+        report.main(["evaluate", str(tmp_path), "--tasks", str(eval_file)])
 
 
 def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_path, monkeypatch):
@@ -508,3 +515,35 @@ def test_smooth_is_centred_so_a_falling_curve_does_not_lag():
     assert report.smooth(falling, window=5) == falling  # a moving average that trails would sit above it
     assert report.smooth([1.0, 5.0, 1.0, 5.0, 1.0], window=3) == [1.0, 7 / 3, 11 / 3, 7 / 3, 1.0]
     assert report.smooth([]) == [] and report.smooth([2.0]) == [2.0]
+
+
+def test_sampling_is_seeded_reproducible_and_leaves_the_callers_rng_alone(chat_model):
+    model, tokenizer = chat_model
+    greedy = report.generate_chat(model, tokenizer, PROMPTS, max_new_tokens=24)
+    # top-k 1 keeps only the likeliest token: sampling it is greedy decoding
+    assert report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=report.Sampling(1.0, top_k=1)) == greedy
+    hot = report.Sampling(temperature=3.0, top_p=0.95, seed=7)
+    state = torch.random.get_rng_state()
+    first = report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=hot)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=hot) == first != greedy
+    other = report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=report.Sampling(3.0, 0.95, seed=8))
+    assert other != first
+    text = report.generate_text_details(model, tokenizer, ["What is"], 8, sampling=hot)
+    assert report.generate_text_details(model, tokenizer, ["What is"], 8, sampling=hot) == text
+    assert report.Sampling().describe() == {"decoding": "greedy"}
+    assert hot.describe() == {"decoding": "sampled", "temperature": 3.0, "top_p": 0.95, "top_k": 0, "seed": 7}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"temperature": -1.0}, r"--temperature must be 0 \(greedy\) or positive"),
+    ({"top_p": 0.0}, r"--top-p must be in \(0, 1\]"),
+    ({"top_k": -2}, "--top-k must not be negative"),
+])
+def test_bad_sampling_options_name_the_option(values, message):
+    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    with pytest.raises(UserError, match=message):
+        report.sampling_from({**defaults, **values})
+    prefixed = {f"sample_{key}": value for key, value in {**defaults, **values}.items()}
+    with pytest.raises(UserError, match=message.replace("--", "--sample-")):
+        report.sampling_from(prefixed, "sample_")

@@ -1664,3 +1664,9 @@ def test_a_signal_after_the_loop_says_training_has_ended(capsys):
     stop._handle(signal.SIGTERM, None)
     assert capsys.readouterr().err.startswith("SIGTERM: training has already ended; finishing the run's status")
     assert stop.requested
+
+
+@pytest.mark.parametrize("total_steps, every", [(1, 1), (4, 1), (40, 8), (100, 20), (1250, 250), (1400, 250),
+                                                (100_000, 250)])
+def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps, every):
+    assert train.default_eval_every(total_steps) == every

@@ -1,0 +1,336 @@
+"""Benchmark scores of an exported model: `python report.py evaluate MODEL_OR_RUN --tasks ...`.
+
+Multiple-choice tasks are scored by lm-evaluation-harness (`lm-eval`, an optional dependency),
+so the numbers are lm-eval's own: standard tasks by name (hellaswag, arc_easy, piqa, ...) when
+the datasets can be reached, and local JSONL files, one item a line,
+
+    {"context": str, "choices": [str, ...], "answer": int}
+
+turned into a local task YAML (the choice follows the context after one space; zero-shot).
+`acc` picks the choice with the highest summed token log-probability, `acc_norm` divides it by
+the choice's length in characters and `acc_bytes` by its UTF-8 bytes (lm-eval's definitions).
+Exact-match task files ({"prompt", "answer", "task"} a line, e.g. the demo's CORPUS/eval/) are
+the other kind of task: greedy chat replies scored by report.task_accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from common import UserError, atomic_write_json, atomic_write_text, read_json, sha256_file, utc_now
+
+LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' 'accelerate>=1.1'"  # accelerate: lm-eval's HF model class
+CHOICE_METRICS = ("acc", "acc_norm", "acc_bytes")
+CARD_START, CARD_END = "<!-- tinyllm:benchmarks -->", "<!-- /tinyllm:benchmarks -->"
+DEFAULT_SEED = 1234
+
+
+def require_lm_eval():
+    """lm_eval, or one error line saying how to install it."""
+    try:
+        import accelerate  # noqa: F401
+        import lm_eval
+    except ImportError as error:
+        raise UserError(f"multiple-choice and lm-eval tasks need lm-evaluation-harness ({error.name} is not "
+                        f"installed): {LM_EVAL_INSTALL}") from None
+    return lm_eval
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks: names, local files, and the YAML that makes a JSONL file an lm-eval task.
+
+
+def local_task_name(path: Path) -> str:
+    """An lm-eval task name for a local file: its stem, with anything but [A-Za-z0-9_] as '_'."""
+    return "local_" + re.sub(r"\W", "_", path.stem)
+
+
+def read_choice_items(path: Path) -> list[dict]:
+    """The items of a multiple-choice JSONL file, each checked, or one error naming the line."""
+    items = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            choices = item.get("choices") if isinstance(item, dict) else None
+            if not (isinstance(item, dict) and isinstance(item.get("context"), str) and isinstance(choices, list)
+                    and len(choices) >= 2 and all(isinstance(choice, str) and choice for choice in choices)
+                    and isinstance(item.get("answer"), int) and 0 <= item["answer"] < len(choices)):
+                raise UserError(f'{path}:{number}: expected {{"context": text, "choices": [two or more texts], '
+                                f'"answer": index of the right choice}}')
+            items.append(item)
+    if not items:
+        raise UserError(f"{path} holds no items")
+    return items
+
+
+def task_kind(path: Path) -> str:
+    """'choice' for a {"context", "choices", "answer"} file, 'exact' for {"prompt", "answer"}."""
+    with open(path, encoding="utf-8") as handle:
+        first = next((line for line in handle if line.strip()), None)
+    try:
+        item = json.loads(first) if first else None
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}: not valid JSON ({error.msg})") from None
+    if isinstance(item, dict) and "choices" in item:
+        return "choice"
+    if isinstance(item, dict) and "prompt" in item:
+        return "exact"
+    raise UserError(f'{path}: neither a multiple-choice file ({{"context", "choices", "answer"}} a line) '
+                    'nor an exact-match one ({"prompt", "answer"} a line)')
+
+
+def resolve_tasks(specs: Sequence[str]) -> list[dict]:
+    """--tasks values as [{"name", "kind": "lm_eval" | "choice" | "exact", "path"}]: a file, a folder of
+    *.jsonl files (each a task), or an lm-eval task name. Comma-separated values are split."""
+    tasks = []
+    for spec in (part for value in specs for part in value.split(",") if part):
+        path = Path(spec)
+        if path.is_dir():
+            files = sorted(path.glob("*.jsonl"))
+            if not files:
+                raise UserError(f"--tasks {spec}: the folder holds no *.jsonl task files")
+        elif path.suffix == ".jsonl" or path.exists():
+            if not path.is_file():
+                raise UserError(f"--tasks {spec}: no such task file")
+            files = [path]
+        else:
+            tasks.append({"name": spec, "kind": "lm_eval", "path": None})
+            continue
+        for file in files:
+            kind = task_kind(file)
+            name = local_task_name(file) if kind == "choice" else file.stem
+            tasks.append({"name": name, "kind": kind, "path": str(file.resolve())})
+    if not tasks:
+        raise UserError("--tasks: give at least one task name, task file or folder")
+    return tasks
+
+
+def task_yaml(name: str, jsonl: str) -> str:
+    """An lm-eval task config scoring a {"context", "choices", "answer"} JSONL file, zero-shot."""
+    metrics = "".join(f"  - metric: {metric}\n    aggregation: mean\n    higher_is_better: true\n"
+                      for metric in CHOICE_METRICS)
+    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(jsonl)}\n"
+            "test_split: test\noutput_type: multiple_choice\ntarget_delimiter: \" \"\n"
+            'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+            f"metric_list:\n{metrics}")
+
+
+def seeded_subsample(size: int, limit: int | None, seed: int = DEFAULT_SEED) -> list[int] | None:
+    """`limit` item indices out of `size`, the same for the same seed, in order; None means all."""
+    if limit is None or limit >= size:
+        return None
+    if limit < 1:
+        raise UserError(f"--limit {limit}: give a positive number of items")
+    return sorted(random.Random(seed).sample(range(size), limit))
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring.
+
+
+def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_size: int, device: str,
+                   seed: int) -> tuple[dict, dict]:
+    """lm-eval's scores of the 'lm_eval' and 'choice' tasks: ({name: {acc, acc_norm, ..., n}}, harness info)."""
+    lm_eval = require_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    local = [task for task in tasks if task["kind"] == "choice"]
+    named = [task["name"] for task in tasks if task["kind"] == "lm_eval"]
+    with tempfile.TemporaryDirectory(prefix="tinyllm-tasks-") as folder:
+        sizes = {}
+        for task in local:
+            sizes[task["name"]] = len(read_choice_items(Path(task["path"])))
+            Path(folder, f"{task['name']}.yaml").write_text(task_yaml(task["name"], task["path"]), encoding="utf-8")
+        manager = TaskManager(include_path=folder if local else None, include_defaults=bool(named),
+                              verbosity="ERROR")
+        unknown = [name for name in named if name not in manager.all_tasks]
+        if unknown:
+            raise UserError(f"--tasks: {', '.join(unknown)}: neither a task file nor an lm-eval task name "
+                            "(`lm_eval ls tasks` lists them)")
+        if limit is not None and named:
+            loaded = get_task_dict(named, manager)
+            sizes.update({name: len(task.eval_docs) for name, task in loaded.items()  # a group (mmlu) is scored
+                          if isinstance(name, str) and hasattr(task, "eval_docs")})  # whole: no size of its own
+        picks = {name: seeded_subsample(size, limit, seed) for name, size in sizes.items()}
+        samples = {name: pick for name, pick in picks.items() if pick is not None}
+        model = HFLM(pretrained=model_dir, device=device, batch_size=batch_size)
+        output = lm_eval.simple_evaluate(model=model, tasks=[task["name"] for task in local] + named,
+                                         task_manager=manager, samples=samples or None, num_fewshot=0,
+                                         log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                                         torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+    scores = {}
+    for name, values in output["results"].items():
+        scores[name] = {metric: values[f"{metric},none"] for metric in CHOICE_METRICS if f"{metric},none" in values}
+        scores[name].update({f"{metric}_stderr": values[f"{metric}_stderr,none"] for metric in CHOICE_METRICS
+                             if isinstance(values.get(f"{metric}_stderr,none"), float)})
+        scores[name]["n"] = output["n-samples"].get(name, {}).get("effective")
+    harness = {"name": "lm-evaluation-harness", "lm_eval_version": lm_eval.__version__,
+               "transformers_version": output.get("transformers_version"), "num_fewshot": 0,
+               "target_delimiter": " ", "acc_norm": "log-probability per character of the choice",
+               "acc_bytes": "log-probability per UTF-8 byte of the choice", "limit": limit, "seed": seed,
+               "batch_size": batch_size, "device": device}
+    return scores, harness
+
+
+def exact_match_scores(model_dir: str, tasks: list[dict], limit: int | None, device: str, seed: int,
+                       max_new_tokens: int) -> dict:
+    """Greedy chat replies against the answers of exact-match task files (report.task_accuracy)."""
+    import report
+
+    scores = {}
+    if not tasks:
+        return scores
+    model, tokenizer = report.load_exported(model_dir, device)
+    for task in tasks:
+        examples = report.read_eval_examples(task["path"])
+        pick = seeded_subsample(len(examples), limit, seed)
+        chosen = examples if pick is None else [examples[index] for index in pick]
+        completions = report.generate_chat(model, tokenizer, [example["prompt"] for example in chosen],
+                                           max_new_tokens, device)
+        result = report.score_answers(chosen, completions)
+        scores[task["name"]] = {"exact_match": result["accuracy"], "n": result["total"],
+                                "correct": result["correct"], "by_task": result["by_task"]}
+    return scores
+
+
+def model_and_run(model_or_run: str) -> tuple[Path, Path | None]:
+    """(the exported model folder, the run folder or None) from RUN or RUN/model."""
+    path = Path(model_or_run)
+    if (path / "model" / "config.json").is_file():
+        return path / "model", path
+    if (path / "config.json").is_file():
+        return path, path.parent if (path.parent / "run_status.json").is_file() else None
+    raise UserError(f"{path} is neither a run folder (with model/) nor an exported model folder (no config.json)")
+
+
+def evaluate(model_or_run: str, task_specs: Sequence[str], limit: int | None = None, batch_size: int = 32,
+             device: str = "cpu", seed: int = DEFAULT_SEED, max_new_tokens: int = 96) -> dict:
+    """{"tasks": {name: {...scores, "n", "kind"}}, "model", "run", "harness", "time"}: every task, one record."""
+    model_dir, run = model_and_run(model_or_run)
+    tasks = resolve_tasks(task_specs)
+    by_kind = {kind: [task for task in tasks if task["kind"] in kinds]
+               for kind, kinds in (("lm_eval", ("lm_eval", "choice")), ("exact", ("exact",)))}
+    scores, harness = {}, {"limit": limit, "seed": seed, "device": device}
+    if by_kind["lm_eval"]:
+        scores, harness = lm_eval_scores(str(model_dir), by_kind["lm_eval"], limit, batch_size, device, seed)
+    scores.update(exact_match_scores(str(model_dir), by_kind["exact"], limit, device, seed, max_new_tokens))
+    if by_kind["exact"]:
+        harness["exact_match"] = {"decoding": "greedy", "chat_template": True, "max_new_tokens": max_new_tokens}
+    for task in tasks:
+        scores[task["name"]].update(kind=task["kind"], source=task["path"] or "lm-eval")
+    return {"format_version": 1, "time": utc_now(), "model": str(model_dir), "run": str(run) if run else None,
+            "model_sha256": sha256_file(model_dir / "model.safetensors")
+            if (model_dir / "model.safetensors").is_file() else None,
+            "tasks": {task["name"]: scores[task["name"]] for task in tasks}, "harness": harness}
+
+
+# ----------------------------------------------------------------------------------------------
+# What a person sees: one table, RUN/eval/*.json, the model card's benchmark section.
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def score_table(result: dict) -> str:
+    """A Markdown table: task, kind, n, acc, acc_norm, exact_match."""
+    columns = ("acc", "acc_norm", "exact_match")
+    lines = ["| task | kind | n | " + " | ".join(columns) + " |", "|---|---|---:|" + "---:|" * len(columns)]
+    for name, scores in result["tasks"].items():
+        lines.append(f"| {name} | {scores['kind']} | {scores['n']} | "
+                     + " | ".join(_cell(scores.get(column)) for column in columns) + " |")
+    return "\n".join(lines)
+
+
+def settings_line(harness: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in harness.items() if not isinstance(value, dict))
+
+
+def card_section(result: dict) -> str:
+    return "\n".join([CARD_START, "## Benchmark scores", "", score_table(result), "",
+                      f"Zero-shot, `python report.py evaluate` ({result['time']}); settings: "
+                      f"{settings_line(result['harness'])}. Scores from other harnesses or normalisations "
+                      "do not compare with these.", CARD_END, ""])
+
+
+def add_to_card(card: str, result: dict) -> str:
+    """The model card with its benchmark section replaced (or added before 'How to use')."""
+    section = card_section(result)
+    if CARD_START in card and CARD_END in card:
+        head, rest = card.split(CARD_START, 1)
+        return head + section + rest.split(CARD_END, 1)[1].lstrip("\n")
+    marker = "## How to use"
+    return card.replace(marker, section + "\n" + marker, 1) if marker in card else card + "\n" + section
+
+
+def write_outputs(result: dict, json_out: str | None = None) -> list[Path]:
+    """--json OUT, RUN/eval/<task>.json and the model card's scores; returns the files written."""
+    written = []
+    if json_out:
+        atomic_write_json(json_out, result)
+        written.append(Path(json_out))
+    if result["run"]:
+        for name, scores in result["tasks"].items():
+            path = Path(result["run"]) / "eval" / f"{name}.json"
+            path.parent.mkdir(exist_ok=True)
+            atomic_write_json(path, {**{key: result[key] for key in result if key != "tasks"},
+                                     "task": name, "scores": scores})
+            written.append(path)
+    card = Path(result["model"]) / "README.md"
+    if card.is_file():
+        atomic_write_text(card, add_to_card(card.read_text(encoding="utf-8"), result))
+        written.append(card)
+        record_card_hash(result["run"], card)
+    return written
+
+
+def record_card_hash(run: str | None, card: Path) -> None:
+    """Keep run_status.json's sha256 of model/README.md true after the card gained its scores."""
+    status_path = Path(run, "run_status.json") if run else None
+    if status_path is None or not status_path.is_file():
+        return
+    status = read_json(status_path, "run status")
+    if isinstance(status.get("model_files"), dict) and "README.md" in status["model_files"]:
+        status["model_files"]["README.md"] = sha256_file(card)
+        atomic_write_json(status_path, status)
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo's held-out problems as a multiple-choice task (tests/test_demo.py, bench/bench_evaluate.py).
+
+
+def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
+    """The demo's held-out problems (data.demo_held_out) as {"context", "choices", "answer"} items: the chat
+    prompt and the worked reply up to its last ' = ' as the context; the right result (and answer) among
+    three wrong ones near it, at a seeded position. Chance is 0.25."""
+    import data
+
+    rng = random.Random(seed)
+    prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
+               "multiplication": data.APPLE_PROMPTS}
+    items = []
+    for task, pairs in data.demo_held_out(random.Random(data.DEMO_SEED)).items():
+        for a, b in sorted(pairs):
+            problem = data.demo_problem(task, a, b, prompts[task][0])
+            reply = data.render_assistant(problem["answer"], problem["reasoning"])
+            cut = reply.rindex(" = ")
+            right = int(problem["answer"])
+            wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)
+            choices = [reply[cut + 3:].replace(problem["answer"], str(value)) for value in wrong]
+            answer = rng.randint(0, 3)
+            choices.insert(answer, reply[cut + 3:])
+            context = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], tokenize=False,
+                                                    add_generation_prompt=True) + reply[:cut + 2]
+            items.append({"context": context, "choices": choices, "answer": answer})
+    return items
