@@ -536,13 +536,6 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
 # The backup: a reconcile loop (Mirror) in a child process (serve_backup), woken by BackupProcess.
 
 
-def policy_errors(policy: store.MirrorPolicy) -> None:
-    if policy.remote_keep_last < 1:
-        raise UserError(f"--remote-keep-recent must be >= 1, got {policy.remote_keep_last}")
-    if min(policy.remote_keep_every, policy.max_unbacked, policy.keep_every) < 0 or policy.keep_last < 1:
-        raise UserError("--remote-keep-every and --backup-max-unbacked must be >= 0")
-
-
 class Mirror:
     """The backup's work: list the local checkpoints folder and the remote, plan (store.plan_mirror),
     apply one step of the plan, and again. It remembers no checkpoint: a new one plans the same.
@@ -555,7 +548,6 @@ class Mirror:
 
     def __init__(self, url: str, policy: store.MirrorPolicy, retry_seconds: float = 5.0,
                  max_retry_seconds: float = 300.0, log: LogFn = log_line):
-        policy_errors(policy)
         self.fs, self.root = open_remote(url, fail_fast=True)
         self.policy, self.log = policy, log
         self.retry_seconds, self.max_retry_seconds = retry_seconds, max_retry_seconds
@@ -564,19 +556,15 @@ class Mirror:
     def look(self) -> None:
         """Connect once at start (so credential problems show early) and say what the remote holds."""
         try:
-            listing = remote_listing(self.fs, self.root)
+            held = [record for record in remote_listing(self.fs, self.root).records.values()
+                    if isinstance(record, store.Record)]
         except Exception as error:
-            self.log(f"checkpoint backup: the remote is not reachable yet ({type(error).__name__}); "
-                     "uploads will be retried")
-            return
-        recorded = [record for record in listing.records.values() if isinstance(record, store.Record)]
-        if recorded:
-            latest = listing.latest.step if listing.latest else max(record.step for record in recorded)
-            self.log(f"checkpoint backup: the remote already holds {len(recorded)} verified checkpoint(s), "
-                     f"latest step {latest}; retention deletes only this run's files")
-        else:
-            self.log("checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to "
-                     "restore); the first one is uploaded after the first save")
+            return self.log(f"checkpoint backup: the remote is not reachable yet ({type(error).__name__}); "
+                            "uploads will be retried")
+        self.log(f"checkpoint backup: the remote already holds {len(held)} verified checkpoint(s), latest step "
+                 f"{max(record.step for record in held)}; retention deletes only this run's files" if held else
+                 "checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to restore); "
+                 "the first one is uploaded after the first save")
 
     def step(self, local_dir: Path) -> store.MirrorPlan | None:
         """Plan and apply one step; the plan (empty: nothing was left to do), None when it failed."""
@@ -656,39 +644,36 @@ def serve_backup(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.nice(10)
     connection = multiprocessing.connection.Connection(fd)
-
-    def send(*message) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            connection.send(message)
-
     url, options = connection.recv()
     try:
-        mirror = Mirror(url, **options, log=lambda line: send("log", line))
+        mirror = Mirror(url, **options)
     except Exception as error:
-        send("failed", type(error).__name__, str(error) if isinstance(error, UserError) else "")
+        connection.send(("failed", type(error).__name__, str(error) if isinstance(error, UserError) else ""))
         return
-    send("ready")
+    connection.send(("ready",))
     mirror.look()
-    send("started")
+    with contextlib.suppress(EOFError, OSError):
+        serve_requests(connection, mirror)
+
+
+def serve_requests(connection, mirror: Mirror) -> None:
+    """The child's loop: messages from BackupProcess, and Mirror steps while there is work and it is due."""
     local_dir, due, waiting, deadline = None, None, None, 0.0
     while True:
         moments = [moment for moment in (due, deadline if waiting is not None else None) if moment is not None]
         if connection.poll(max(0.0, min(moments) - time.monotonic()) if moments else None):
-            try:
-                kind, request_id, *args = connection.recv()
-            except (EOFError, OSError):
-                return
+            kind, request_id, *args = connection.recv()
             if kind == "wake":
                 local_dir, due = Path(args[0]), time.monotonic()
             elif kind == "wait":
                 waiting, deadline, due = request_id, time.monotonic() + args[0], time.monotonic()
             elif kind == "push_run_files":
-                send("reply", request_id, mirror.push_run_files(args[0]))
+                connection.send(("reply", request_id, mirror.push_run_files(args[0])))
             elif kind == "close":
-                send("reply", request_id, None)
+                connection.send(("reply", request_id, None))
                 return
         if waiting is not None and (local_dir is None or time.monotonic() >= deadline):
-            send("reply", waiting, local_dir is None)
+            connection.send(("reply", waiting, local_dir is None))
             waiting = None
         if local_dir is None or due is None or time.monotonic() < due:
             continue
@@ -696,42 +681,34 @@ def serve_backup(fd: int) -> None:
         due = time.monotonic() + mirror.retry_delay(waiting is not None) if plan is None else \
             (None if plan.empty() else time.monotonic())
         if waiting is not None and plan is not None and plan.empty():
-            send("reply", waiting, plan.caught_up)
+            connection.send(("reply", waiting, plan.caught_up))
             waiting = None
 
 
-CHILD_MAIN = "\n".join([
-    "import sys",
-    "sys.path.insert(0, sys.argv[2])",
-    "import checkpoint_cloud",
-    "checkpoint_cloud.serve_backup(int(sys.argv[1]))",
-])
+CHILD_MAIN = ("import sys; sys.path.insert(0, sys.argv[2]); import checkpoint_cloud; "
+              "checkpoint_cloud.serve_backup(int(sys.argv[1]))")
 
 
 class BackupProcess:
-    """train.py's backup: wakes a Mirror in a child process after each save, and waits for it on stop.
+    """train.py's backup: a Mirror in a child process (serve_backup), woken after each save.
 
-    Why a process and not a thread: a thread shares the training process's GIL, and the training
-    thread takes the GIL back after every torch op, so the upload's Python work (HTTP, JSON,
-    retries) delays each step. bench/bench_cloud_train.py measured 0.93x training tokens/s with the
-    backup as a thread in train.py and 1.00x with the same uploads in another process.
-
-    The child runs at a lower priority and ignores SIGINT/SIGTERM: train.py decides when to stop and
-    then waits with wait(). It exits when its pipe closes. If it dies, the next submit() starts a new
-    one, which plans again from both listings. Its log lines come back through `log`.
+    A process, not a thread: a thread shares the training process's GIL, and the upload's Python work
+    (HTTP, JSON, retries) delays each step (bench/bench_cloud_train.py: 0.93x training tokens/s as a
+    thread, 1.00x as a process). The child runs at a lower priority, ignores SIGINT/SIGTERM (train.py
+    decides when to stop, then waits with wait()), prints its own log lines and exits when its pipe
+    closes. If it dies, the next submit() starts a new one, which plans again from both listings.
     """
 
     def __init__(self, url: str, policy: store.MirrorPolicy = store.MirrorPolicy(), retry_seconds: float = 5.0,
                  max_retry_seconds: float = 300.0, log: LogFn = log_line, start_timeout_s: float = 120.0):
         self.url, self.policy, self.log, self.start_timeout_s = url, policy, log, start_timeout_s
         self.options = {"policy": policy, "retry_seconds": retry_seconds, "max_retry_seconds": max_retry_seconds}
-        self.started = threading.Event()  # set once the child's start-up look at the remote is done
-        self._cond = threading.Condition()
-        self._replies: dict = {}
-        self._request_ids = itertools.count()
-        self._closing, self._folder = False, None  # _folder: the local checkpoints folder, once a save named it
+        self._folder: str | None = None  # the local checkpoints folder, once a save named it
+        self._closing = False
         self._process: subprocess.Popen | None = None
         self._connection = None
+        self._request_ids = itertools.count()
+        self._lock = threading.RLock()  # the checkpoint writer's thread submits, the training thread waits
         self._start()
 
     def submit(self, local_path: str | os.PathLike, step: int | None = None) -> None:
@@ -742,8 +719,8 @@ class BackupProcess:
 
     def deletable(self, candidates: Iterable[str | os.PathLike]) -> list[Path]:
         """Local retention's question. With a child running: none, as the loop deletes what the plan lets
-        go (held by the remote); without one, what store.plan_mirror releases with no remote known (the
-        bound on unbacked checkpoints), with a warning."""
+        go (what the remote holds); without one, what store.plan_mirror releases with no remote known
+        (the oldest unbacked beyond --backup-max-unbacked), with a warning."""
         candidates = [Path(path).resolve() for path in candidates]
         if not candidates or self._ensure_running():
             return []
@@ -776,28 +753,23 @@ class BackupProcess:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child after the step it is on (up to `timeout_s`). Call wait() first to flush."""
-        with self._cond:
+        with self._lock:
+            if self._process is None or self._closing:
+                return
             self._closing = True
-            process = self._process
-        self._request("close", timeout_s=timeout_s)
-        if process is not None:
+            self._request("close", timeout_s=timeout_s)
             try:
-                process.wait(timeout=timeout_s + 5)
+                self._process.wait(timeout=timeout_s + 5)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
+                self._process.kill()
+                self._process.wait()
+            self._connection.close()
 
     @property
     def child_pid(self) -> int | None:
         """The process id of the child doing the uploads (None while there is none)."""
-        with self._cond:
-            return self._process.pid if self._process is not None else None
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
 
     def _start(self) -> None:
         """Start a child and hand it the settings; a bad setting raises its UserError here."""
@@ -808,87 +780,58 @@ class BackupProcess:
                                        pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child_end.close()
-        with self._cond:
-            self._process, self._connection = process, parent_end
         parent_end.send((self.url, self.options))
-        threading.Thread(target=self._read, args=(process, parent_end), name="checkpoint-backup-pipe",
-                         daemon=True).start()
-        outcome = self._reply("start", process, self.start_timeout_s)
-        if outcome == "ready":
+        with self._lock:
+            self._process, self._connection = process, parent_end
+            outcome = self._reply("start", self.start_timeout_s)
+        if outcome == ("ready",):
             return
         with contextlib.suppress(OSError):
             process.kill()
         process.wait()
-        kind, message = outcome if isinstance(outcome, tuple) else ("", "")
+        kind, message = outcome[1:] if outcome else ("no answer", "")
         raise UserError(message) if kind == "UserError" else RuntimeError(
-            f"the checkpoint backup process could not start ({kind or 'no answer'})")
+            f"the checkpoint backup process could not start ({kind})")
 
     def _ensure_running(self) -> bool:
         """True when a child is there to talk to; starts a new one (and wakes it) if the last one died."""
-        with self._cond:
-            if self._process is not None or self._closing:
-                return self._process is not None
-        try:
-            self._start()
-        except Exception as error:
-            self.log(f"checkpoint backup: WARNING a new backup process could not start ({type(error).__name__})")
-            return False
-        self.log("checkpoint backup: a new backup process started; it plans again from both listings")
-        if self._folder is not None:
-            self._send("wake", None, self._folder)
-        return True
-
-    def _read(self, process: subprocess.Popen, connection) -> None:
-        """The parent's reader: the child's log lines and replies."""
-        ready = False  # a child that never started is reported by _start, not here
-        while True:
+        with self._lock:
+            if self._closing or (self._process is not None and self._process.poll() is None):
+                return not self._closing
+            self.log(f"checkpoint backup: WARNING the backup process exited (code {self._process.returncode})")
             try:
-                kind, *body = connection.recv()
-            except (EOFError, OSError):
-                break
-            if kind == "log":
-                self.log(body[0])
-            with self._cond:
-                if kind == "reply":
-                    self._replies[body[0]] = body[1]
-                elif kind == "started":
-                    self.started.set()
-                elif kind in ("ready", "failed"):
-                    ready = kind == "ready"
-                    self._replies["start"] = kind if kind == "ready" else tuple(body)
-                self._cond.notify_all()
-        code = process.wait()
-        with self._cond:
-            current, self._process = self._process is process, None if self._process is process else self._process
-            connection.close()
-            self._cond.notify_all()
-            if current and ready and not self._closing:
-                self.log(f"checkpoint backup: WARNING the backup process exited (code {code}); a new one starts "
-                         "at the next checkpoint")
+                self._start()
+            except Exception as error:
+                self.log(f"checkpoint backup: WARNING a new backup process could not start ({type(error).__name__})")
+                return False
+            self.log("checkpoint backup: a new backup process started; it plans again from both listings")
+            if self._folder is not None:
+                self._send("wake", None, self._folder)
+            return True
 
     def _send(self, kind: str, request_id, *args) -> bool:
-        with self._cond:
-            try:
-                self._connection.send((kind, request_id, *args))
-                return True
-            except (AttributeError, OSError, ValueError):
-                return False
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._connection.send((kind, request_id, *args))
+            return True
+        return False
 
-    def _reply(self, request_id, process, timeout_s: float):
-        """The reply to `request_id` (None: none within `timeout_s`, or the child is gone)."""
+    def _reply(self, request_id, timeout_s: float):
+        """The child's answer to `request_id` ("start": its first message); None: none in time, or it is gone."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while request_id not in self._replies and self._process is process and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-            return self._replies.pop(request_id, None)
+        with self._lock:
+            while True:
+                try:
+                    if not self._connection.poll(max(0.0, deadline - time.monotonic())):
+                        return None
+                    message = self._connection.recv()
+                except (EOFError, OSError):
+                    return None
+                if request_id == "start" or message[:2] == ("reply", request_id):
+                    return message if request_id == "start" else message[2]
 
     def _request(self, kind: str, *args, timeout_s: float):
         request_id = next(self._request_ids)
-        with self._cond:
-            process = self._process
-        if process is None or not self._send(kind, request_id, *args):
-            return None
-        return self._reply(request_id, process, timeout_s)
+        return self._reply(request_id, timeout_s) if self._send(kind, request_id, *args) else None
 
 
 def add_backup_args(parser: argparse.ArgumentParser) -> None:

@@ -328,6 +328,13 @@ class MirrorPolicy:
     remote_keep_every: int = 0
     max_unbacked: int = 3
 
+    def __post_init__(self):
+        if self.remote_keep_last < 1 or self.keep_last < 1:
+            raise UserError(f"--remote-keep-recent and --keep-last must be >= 1, got {self.remote_keep_last} "
+                            f"and {self.keep_last}")
+        if min(self.remote_keep_every, self.keep_every, self.max_unbacked) < 0:
+            raise UserError("--remote-keep-every, --keep-every and --backup-max-unbacked must be >= 0")
+
 
 @dataclass
 class MirrorPlan:
