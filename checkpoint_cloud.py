@@ -542,9 +542,9 @@ class Mirror:
 
     A step moves the remote latest.json (then uploads the run files), deletes what remote retention
     drops (the record first: a lone file is never trusted), deletes the local checkpoints the plan
-    lets go, and uploads the newest missing checkpoint. A failure raises; `failed` says when to retry:
-    after retry_seconds, doubling up to max_retry_seconds (short while a stop waits), logged at
-    attempts 1, 2, 4, 8, ... only, with the exception type (never the URL or a key)."""
+    lets go, and uploads the newest missing checkpoint. A failed step is retried after retry_seconds,
+    doubling up to max_retry_seconds (short while a stop waits), and logged at attempts 1, 2, 4, 8,
+    ... only, with the exception type (never the URL or a key)."""
 
     def __init__(self, url: str, policy: store.MirrorPolicy, retry_seconds: float = 5.0,
                  max_retry_seconds: float = 300.0, log: LogFn = log_line):
@@ -552,6 +552,7 @@ class Mirror:
         self.policy, self.log = policy, log
         self.retry_seconds, self.max_retry_seconds = retry_seconds, max_retry_seconds
         self.failures, self.last_error, self.doing = 0, None, "the newest checkpoint"
+        self.retry_after = retry_seconds
 
     def look(self) -> None:
         """Connect once at start (so credential problems show early) and say what the remote holds."""
@@ -566,28 +567,24 @@ class Mirror:
                  "checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to restore); "
                  "the first one is uploaded after the first save")
 
-    def step(self, local_dir: Path) -> store.MirrorPlan | None:
-        """Plan and apply one step; the plan (empty: nothing was left to do), None when it failed."""
+    def step(self, local_dir: Path, urgent: bool = False) -> store.MirrorPlan | None:
+        """Plan and apply one step; the plan (empty: nothing was left to do), or None when it failed
+        (logged; `retry_after` says when to try again, short when `urgent`: a stop is waiting)."""
         try:
             plan = store.plan_mirror(store.list_folder(local_dir), remote_listing(self.fs, self.root), self.policy)
             self.apply(local_dir, plan)
             return plan
         except Exception as error:
             self.failures, self.last_error = self.failures + 1, type(error).__name__
-            return None
+        self.retry_after = min(self.retry_seconds * 2 ** (self.failures - 1), self.max_retry_seconds)
+        self.retry_after = min(self.retry_after, self.retry_seconds) if urgent else self.retry_after
+        if not self.failures & (self.failures - 1):  # attempts 1, 2, 4, 8, ...: an outage must not flood the log
+            attempt = f" (attempt {self.failures})" if self.failures > 1 else ""
+            self.log(f"checkpoint backup: {self.doing} not backed up yet{attempt}: {self.last_error}; "
+                     f"retry in {self.retry_after:.0f}s or at the next checkpoint")
+        return None
 
     def apply(self, local_dir: Path, plan: store.MirrorPlan) -> None:
-        folder = checkpoint_folder(self.root)
-        if plan.latest is not None:
-            write_remote_latest(self.fs, self.root, plan.latest)
-            if local_dir.name == CHECKPOINT_DIR:  # train.py's RUN/checkpoints layout: its history beside
-                self.push_run_files(local_dir.parent)
-        for name in plan.delete_remote:
-            self.fs.rm_file(f"{folder}/{store.record_name(name)}")
-            self.fs.rm_file(f"{folder}/{name}")
-        if plan.delete_remote:
-            _refresh(self.fs, folder)
-            self.log(f"checkpoint backup: remote retention removed {', '.join(plan.delete_remote)}")
         why = (f"uploads are failing ({self.last_error}); check the network and the credentials" if self.failures
                else "checkpoints are saved faster than they upload; save less often (--save-every) or allow "
                "more (--backup-max-unbacked)")
@@ -595,7 +592,18 @@ class Mirror:
             self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although it "
                      f"never reached the remote: more than {self.policy.max_unbacked} checkpoints are waiting "
                      f"for upload; {why}")
-        store.delete(local_dir, plan.delete_local)
+        store.delete(local_dir, plan.delete_local)  # first: a remote that fails below must not fill the disk
+        if plan.latest is not None:
+            write_remote_latest(self.fs, self.root, plan.latest)
+            if local_dir.name == CHECKPOINT_DIR:  # train.py's RUN/checkpoints layout: its history beside
+                self.push_run_files(local_dir.parent)
+        folder = checkpoint_folder(self.root)
+        for name in plan.delete_remote:
+            self.fs.rm_file(f"{folder}/{store.record_name(name)}")
+            self.fs.rm_file(f"{folder}/{name}")
+        if plan.delete_remote:
+            _refresh(self.fs, folder)
+            self.log(f"checkpoint backup: remote retention removed {', '.join(plan.delete_remote)}")
         if plan.upload:
             self.upload(local_dir / plan.upload[0])
 
@@ -614,16 +622,6 @@ class Mirror:
             self.log(f"checkpoint backup: the remote works again: {self.doing} is backed up after "
                      f"{self.failures} failed attempt(s)")
         self.failures, self.doing = 0, "the newest checkpoint"
-
-    def retry_delay(self, urgent: bool) -> float:
-        """After a failed step: log it (sparingly) and say how long until the next try."""
-        delay = min(self.retry_seconds * 2 ** (self.failures - 1), self.max_retry_seconds)
-        delay = min(delay, self.retry_seconds) if urgent else delay
-        if not self.failures & (self.failures - 1):  # attempts 1, 2, 4, 8, ...: an outage must not flood the log
-            attempt = f" (attempt {self.failures})" if self.failures > 1 else ""
-            self.log(f"checkpoint backup: {self.doing} not backed up yet{attempt}: {self.last_error}; "
-                     f"retry in {delay:.0f}s or at the next checkpoint")
-        return delay
 
     def push_run_files(self, run_dir: str | os.PathLike) -> bool:
         """Upload the run's history files (RUN_FILES) now, e.g. the final run_status.json; True if they got there."""
@@ -677,9 +675,8 @@ def serve_requests(connection, mirror: Mirror) -> None:
             waiting = None
         if local_dir is None or due is None or time.monotonic() < due:
             continue
-        plan = mirror.step(local_dir)
-        due = time.monotonic() + mirror.retry_delay(waiting is not None) if plan is None else \
-            (None if plan.empty() else time.monotonic())
+        plan = mirror.step(local_dir, urgent=waiting is not None)
+        due = time.monotonic() + mirror.retry_after if plan is None else (None if plan.empty() else time.monotonic())
         if waiting is not None and plan is not None and plan.empty():
             connection.send(("reply", waiting, plan.caught_up))
             waiting = None
