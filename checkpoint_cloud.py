@@ -571,7 +571,13 @@ class Mirror:
         """Plan and apply one step; the plan (empty: nothing was left to do), or None when it failed
         (logged; `retry_after` says when to try again, short when `urgent`: a stop is waiting)."""
         try:
-            plan = store.plan_mirror(store.list_folder(local_dir), remote_listing(self.fs, self.root), self.policy)
+            local = store.list_folder(local_dir)
+            try:
+                remote = remote_listing(self.fs, self.root)
+            except Exception:  # nothing known of the remote: only the bound on unbacked checkpoints applies
+                self.apply(local_dir, store.plan_mirror(local, store.Listing({}, {}), self.policy), only_local=True)
+                raise
+            plan = store.plan_mirror(local, remote, self.policy)
             self.apply(local_dir, plan)
             return plan
         except Exception as error:
@@ -584,15 +590,17 @@ class Mirror:
                      f"retry in {self.retry_after:.0f}s or at the next checkpoint")
         return None
 
-    def apply(self, local_dir: Path, plan: store.MirrorPlan) -> None:
+    def apply(self, local_dir: Path, plan: store.MirrorPlan, only_local: bool = False) -> None:
         why = (f"uploads are failing ({self.last_error}); check the network and the credentials" if self.failures
                else "checkpoints are saved faster than they upload; save less often (--save-every) or allow "
                "more (--backup-max-unbacked)")
+        where = "the remote cannot be listed to confirm a copy" if only_local else "it never reached the remote"
         for name in plan.unbacked:
-            self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although it "
-                     f"never reached the remote: more than {self.policy.max_unbacked} checkpoints are waiting "
-                     f"for upload; {why}")
-        store.delete(local_dir, plan.delete_local)  # first: a remote that fails below must not fill the disk
+            self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although "
+                     f"{where}: more than {self.policy.max_unbacked} checkpoints are waiting for upload; {why}")
+        store.delete(local_dir, plan.unbacked if only_local else plan.delete_local)  # first: a failing remote
+        if only_local:  # must not fill the disk
+            return
         if plan.latest is not None:
             write_remote_latest(self.fs, self.root, plan.latest)
             if local_dir.name == CHECKPOINT_DIR:  # train.py's RUN/checkpoints layout: its history beside
