@@ -28,8 +28,9 @@ that bill for it), in the backup's own process, never in the training loop. The 
 match is the one train.py recorded in step-N.pt.json as it wrote the checkpoint: the upload is then
 the only read of the local file, and a checkpoint changed on disk since is never published.
 
-train.py's backup is a BackupProcess: a CheckpointBackup (uploads on a background thread) hosted
-in a child process, so that none of the upload work shares the training process's GIL.
+train.py's backup is a BackupProcess: a reconcile loop (Mirror: list both sides, plan with
+checkpoint_store.plan_mirror, apply a step) in a child process, so that none of the upload work
+shares the training process's GIL.
 """
 
 from __future__ import annotations
@@ -540,9 +541,9 @@ class Mirror:
     """The backup's work: list the local checkpoints folder and the remote, plan (store.plan_mirror),
     apply one step of the plan, and again. It remembers no checkpoint: a new one plans the same.
 
-    A step moves the remote latest.json (then uploads the run files), deletes what remote retention
-    drops (the record first: a lone file is never trusted), deletes the local checkpoints the plan
-    lets go, and uploads the newest missing checkpoint. A failed step is retried after retry_seconds,
+    A step deletes the local checkpoints the plan lets go, moves the remote latest.json (then uploads
+    the run files), deletes what remote retention drops (the record first: a lone file is never
+    trusted), and uploads the newest missing checkpoint. A failed step is retried after retry_seconds,
     doubling up to max_retry_seconds (short while a stop waits), and logged at attempts 1, 2, 4, 8,
     ... only, with the exception type (never the URL or a key)."""
 
@@ -847,7 +848,8 @@ def add_backup_args(parser: argparse.ArgumentParser) -> None:
                             "(alias: THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)")
     group.add_argument("--remote-keep-recent", type=int, default=3, help="newest remote checkpoints kept")
     group.add_argument("--remote-keep-every", type=int, default=10,
-                       help="also keep every Nth save (by save index) on the remote forever; 0 = off")
+                       help="also keep every Nth save on the remote forever: every multiple of N x "
+                            "--save-every steps (none without --save-every); 0 = off")
     group.add_argument("--backup-wait-seconds", type=float, default=600.0,
                        help="on stop, wait this long for pending uploads")
     group.add_argument("--backup-max-unbacked", type=int, default=3,
