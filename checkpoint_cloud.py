@@ -538,14 +538,12 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
 
 
 class Mirror:
-    """The backup's work: list the local checkpoints folder and the remote, plan (store.plan_mirror),
-    apply one step of the plan, and again. It remembers no checkpoint: a new one plans the same.
-
-    A step deletes the local checkpoints the plan lets go, moves the remote latest.json (then uploads
-    the run files), deletes what remote retention drops (the record first: a lone file is never
-    trusted), and uploads the newest missing checkpoint. A failed step is retried after retry_seconds,
-    doubling up to max_retry_seconds (short while a stop waits), and logged at attempts 1, 2, 4, 8,
-    ... only, with the exception type (never the URL or a key)."""
+    """The backup's work, one step at a time: list the local checkpoints folder and the remote, plan
+    (store.plan_mirror) and apply: delete the local checkpoints the plan lets go, move the remote
+    latest.json (then upload the run files), delete what remote retention drops (the record first),
+    upload the newest missing checkpoint. It remembers no checkpoint: a new one plans the same. A
+    failed step is retried after retry_seconds, doubling up to max_retry_seconds (short while a stop
+    waits), logged at attempts 1, 2, 4, 8, ... only, with the exception type (never the URL or a key)."""
 
     def __init__(self, url: str, policy: store.MirrorPolicy, retry_seconds: float = 5.0,
                  max_retry_seconds: float = 300.0, log: LogFn = log_line):
@@ -576,7 +574,8 @@ class Mirror:
             try:
                 remote = remote_listing(self.fs, self.root)
             except Exception:  # nothing known of the remote: only the bound on unbacked checkpoints applies
-                self.apply(local_dir, store.plan_mirror(local, store.Listing({}, {}), self.policy), only_local=True)
+                blind = store.plan_mirror(local, store.Listing({}, {}), self.policy)
+                self.release(local_dir, blind.unbacked, "the remote cannot be listed to confirm a copy")
                 raise
             plan = store.plan_mirror(local, remote, self.policy)
             self.apply(local_dir, plan)
@@ -591,17 +590,19 @@ class Mirror:
                      f"retry in {self.retry_after:.0f}s or at the next checkpoint")
         return None
 
-    def apply(self, local_dir: Path, plan: store.MirrorPlan, only_local: bool = False) -> None:
+    def release(self, local_dir: Path, unbacked: list[str], where: str) -> None:
+        """Delete local checkpoints beyond the bound that have no confirmed remote copy, each with a WARNING."""
         why = (f"uploads are failing ({self.last_error}); check the network and the credentials" if self.failures
                else "checkpoints are saved faster than they upload; save less often (--save-every) or allow "
                "more (--backup-max-unbacked)")
-        where = "the remote cannot be listed to confirm a copy" if only_local else "it never reached the remote"
-        for name in plan.unbacked:
+        for name in unbacked:
             self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although "
                      f"{where}: more than {self.policy.max_unbacked} checkpoints are waiting for upload; {why}")
-        store.delete(local_dir, plan.unbacked if only_local else plan.delete_local)  # first: a failing remote
-        if only_local:  # must not fill the disk
-            return
+        store.delete(local_dir, unbacked)
+
+    def apply(self, local_dir: Path, plan: store.MirrorPlan) -> None:
+        self.release(local_dir, plan.unbacked, "it never reached the remote")  # first: a failing remote
+        store.delete(local_dir, plan.delete_local)  # below must not fill the disk
         if plan.latest is not None:
             write_remote_latest(self.fs, self.root, plan.latest)
             if local_dir.name == CHECKPOINT_DIR:  # train.py's RUN/checkpoints layout: its history beside
@@ -696,14 +697,11 @@ CHILD_MAIN = ("import sys; sys.path.insert(0, sys.argv[2]); import checkpoint_cl
 
 
 class BackupProcess:
-    """train.py's backup: a Mirror in a child process (serve_backup), woken after each save.
-
-    A process, not a thread: a thread shares the training process's GIL, and the upload's Python work
-    (HTTP, JSON, retries) delays each step (bench/bench_cloud_train.py: 0.93x training tokens/s as a
+    """train.py's backup: a Mirror in a child process (serve_backup), woken after each save. Not a thread:
+    it would share the training process's GIL (bench/bench_cloud_train.py: 0.93x training tokens/s as a
     thread, 1.00x as a process). The child runs at a lower priority, ignores SIGINT/SIGTERM (train.py
     decides when to stop, then waits with wait()), prints its own log lines and exits when its pipe
-    closes. If it dies, the next submit() starts a new one, which plans again from both listings.
-    """
+    closes. If it dies, the next call starts a new one, which plans again from both listings."""
 
     def __init__(self, url: str, policy: store.MirrorPolicy = store.MirrorPolicy(), retry_seconds: float = 5.0,
                  max_retry_seconds: float = 300.0, log: LogFn = log_line, start_timeout_s: float = 120.0):
@@ -724,9 +722,8 @@ class BackupProcess:
             self._send("wake", None, self._folder)
 
     def deletable(self, candidates: Iterable[str | os.PathLike]) -> list[Path]:
-        """Local retention's question. With a child running: none, as the loop deletes what the plan lets
-        go (what the remote holds); without one, what store.plan_mirror releases with no remote known
-        (the oldest unbacked beyond --backup-max-unbacked), with a warning."""
+        """Local retention's question: none while the child runs (the loop deletes what the remote holds);
+        without one, what store.plan_mirror releases knowing no remote (the unbacked bound), with a warning."""
         candidates = [Path(path).resolve() for path in candidates]
         if not candidates or self._ensure_running():
             return []
@@ -745,11 +742,9 @@ class BackupProcess:
             return True
         head = read_json_or(Path(self._folder) / store.LATEST, {}).get("path", "?")
         ok = bool(self._ensure_running() and self._request("wait", timeout_s, timeout_s=timeout_s + 2))
-        if ok:
-            self.log(f"checkpoint backup: the newest checkpoint {head} is on the remote and verified")
-        else:
-            self.log(f"checkpoint backup: WARNING the newest checkpoint {head} did NOT reach the remote within "
-                     f"{timeout_s:g}s; it stays on the local disk")
+        self.log(f"checkpoint backup: the newest checkpoint {head} is on the remote and verified" if ok else
+                 f"checkpoint backup: WARNING the newest checkpoint {head} did NOT reach the remote within "
+                 f"{timeout_s:g}s; it stays on the local disk")
         return ok
 
     def push_run_files(self, run_dir: str | os.PathLike, timeout_s: float = 60.0) -> bool:
