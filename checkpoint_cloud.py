@@ -573,9 +573,9 @@ class Mirror:
             local = store.list_folder(local_dir)
             try:
                 remote = remote_listing(self.fs, self.root)
-            except Exception:  # nothing known of the remote: only the bound on unbacked checkpoints applies
+            except Exception as error:  # nothing known of the remote: only the bound on unbacked ones applies
                 blind = store.plan_mirror(local, store.Listing({}, {}), self.policy)
-                self.release(local_dir, blind.unbacked, "the remote cannot be listed to confirm a copy")
+                self.release(local_dir, blind.unbacked, unlisted=type(error).__name__)
                 raise
             plan = store.plan_mirror(local, remote, self.policy)
             self.apply(local_dir, plan)
@@ -590,18 +590,20 @@ class Mirror:
                      f"retry in {self.retry_after:.0f}s or at the next checkpoint")
         return None
 
-    def release(self, local_dir: Path, unbacked: list[str], where: str) -> None:
-        """Delete local checkpoints beyond the bound that have no confirmed remote copy, each with a WARNING."""
-        why = (f"uploads are failing ({self.last_error}); check the network and the credentials" if self.failures
-               else "checkpoints are saved faster than they upload; save less often (--save-every) or allow "
-               "more (--backup-max-unbacked)")
+    def release(self, local_dir: Path, unbacked: list[str], unlisted: str | None = None) -> None:
+        """Delete local checkpoints beyond the bound that have no confirmed remote copy, each with a WARNING
+        (`unlisted`: the error that kept the remote from being listed)."""
+        where = "the remote cannot be listed to confirm a copy" if unlisted else "it never reached the remote"
+        why = (f"uploads are failing ({unlisted or self.last_error}); check the network and the credentials"
+               if self.failures or unlisted else "checkpoints are saved faster than they upload; save less often "
+               "(--save-every) or allow more (--backup-max-unbacked)")
         for name in unbacked:
             self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although "
                      f"{where}: more than {self.policy.max_unbacked} checkpoints are waiting for upload; {why}")
         store.delete(local_dir, unbacked)
 
     def apply(self, local_dir: Path, plan: store.MirrorPlan) -> None:
-        self.release(local_dir, plan.unbacked, "it never reached the remote")  # first: a failing remote
+        self.release(local_dir, plan.unbacked)  # first: a failing remote
         store.delete(local_dir, plan.delete_local)  # below must not fill the disk
         if plan.latest is not None:
             write_remote_latest(self.fs, self.root, plan.latest)

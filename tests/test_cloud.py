@@ -847,6 +847,24 @@ def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
     assert "the remote works again: step-00000001.pt (step 1) is backed up after 40 failed attempt(s)" in log[-1]
 
 
+def test_the_unbacked_bound_holds_while_the_remote_cannot_even_be_listed(tmp_path):
+    local = tmp_path / "run" / "checkpoints"
+    log = Log()
+    worker = mirror(str(tmp_path / "remote"), log, keep_last=1, max_unbacked=1)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no route")
+
+    worker.fs.ls = unreachable
+    for step in (1, 2, 3):
+        save_and_point_latest(local, step)
+    assert reconcile(worker, local) is None
+    assert sorted(store.list_folder(local).files) == [store.checkpoint_name(step) for step in (2, 3)]
+    warning = next(line for line in log if "WARNING deleting local" in line)
+    assert "step-00000001.pt" in warning and "the remote cannot be listed to confirm a copy" in warning
+    assert "uploads are failing (ConnectionError)" in warning
+
+
 @pytest.mark.parametrize("store", ["folder", "s3"])
 def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_path, request, capsys):
     """Issue 14.1: a typo in the bucket (or the folder above the backup folder) is an error for push and
