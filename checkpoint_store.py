@@ -369,8 +369,10 @@ def plan_mirror(local: Listing, remote: Listing, policy: MirrorPolicy) -> Mirror
     plan, head = MirrorPlan(), local.latest
     if head is None or head.path not in local.files:
         return plan
-    def on_timeline(listing: Listing, name: str) -> bool:  # noqa: E306
+
+    def on_timeline(listing: Listing, name: str) -> bool:
         return step_of(name) <= head.step and listing.run_id(name) == head.run_id
+
     ours = [name for name in local.files if on_timeline(local, name)]
     verified = [name for name in remote.files if on_timeline(remote, name) and remote.files[name] ==
                 remote.records[name].bytes and (name not in local.records or backed_up(local, remote, name))]

@@ -85,7 +85,7 @@ PULLED_CORPORA = "corpus"  # --data URL is pulled into corpus/<name>-<hash of th
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
                  "eval_every": 250, "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
-RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME", "COMPLETE", "FAILED"
+RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", store.NEEDS_RESUME, "COMPLETE", "FAILED"  # a restore writes one
 
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 
