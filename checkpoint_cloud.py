@@ -655,8 +655,8 @@ def serve_backup(fd: int) -> None:
         os.nice(10)
     connection = multiprocessing.connection.Connection(fd)
     url, options = connection.recv()
-    try:
-        mirror = Mirror(url, **options)
+    try:  # one write per log line: they share train.py's stdout, even unbuffered (python -u)
+        mirror = Mirror(url, **options, log=lambda line: print(f"{line}\n", end="", flush=True))
     except Exception as error:
         connection.send(("failed", type(error).__name__, str(error) if isinstance(error, UserError) else ""))
         return

@@ -487,17 +487,20 @@ def test_backup_process_without_a_child_applies_the_unbacked_bound(tmp_path):
 
 
 def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_path):
+    pid_file = tmp_path / "child.pid"  # not on stdout: the child prints its own lines there
     script = "\n".join([
-        "import sys, time",
+        "import pathlib, sys, time",
         f"sys.path.insert(0, {str(ROOT)!r})",
         "import checkpoint_cloud",
         f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=lambda line: None)",
-        "print(backup.child_pid, flush=True)",
+        f"pathlib.Path({str(pid_file)!r} + '.tmp').write_text(str(backup.child_pid))",
+        f"pathlib.Path({str(pid_file)!r} + '.tmp').rename({str(pid_file)!r})",
         "time.sleep(600)",
     ])
-    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL)
     try:
-        child = int(next(line for line in trainer.stdout if line.strip().isdigit()))  # the child prints too
+        assert wait_until(pid_file.exists, 60)
+        child = int(pid_file.read_text())
         os.kill(child, signal.SIGTERM)  # SIGTERM to the whole process group must not cut an upload short
         time.sleep(0.5)
         assert process_alive(child)
