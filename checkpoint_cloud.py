@@ -28,16 +28,15 @@ that bill for it), in the backup's own process, never in the training loop. The 
 match is the one train.py recorded in step-N.pt.json as it wrote the checkpoint: the upload is then
 the only read of the local file, and a checkpoint changed on disk since is never published.
 
-train.py's backup is a BackupProcess: a CheckpointBackup (uploads on a background thread) hosted
-in a child process, so that none of the upload work shares the training process's GIL.
+train.py's backup is a BackupProcess: a reconcile loop (Mirror: list both sides, plan with
+checkpoint_store.plan_mirror, apply a step) in a child process, so that none of the upload work
+shares the training process's GIL.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import dataclasses
 import errno
 import functools
 import hashlib
@@ -61,6 +60,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
 import checkpoint_store as store
+from checkpoint_store import CHECKPOINT_DIR, NEEDS_RESUME, RUN_FILES
 from common import (
     HASH_CHUNK_BYTES,
     ArgumentParser,
@@ -81,13 +81,7 @@ from common import (
     temporary_target,
     utc_now,
 )
-
-CHECKPOINT_DIR = "checkpoints"
-CORPUS_MANIFEST = "corpus_manifest.json"
-# The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
-# restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
-RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json")
-NEEDS_RESUME = "CHECKPOINTED_NEEDS_RESUME"  # train.py's status of a run to continue with --resume auto
+from data import CORPUS_MANIFEST
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
@@ -112,24 +106,22 @@ class LocalFileChanged(VerificationError):
 
 
 # The background backup's S3 client gives up on a request after FAIL_FAST_ATTEMPTS tries (botocore's, and
-# s3fs's own retry loop): CheckpointBackup retries the whole upload itself, so an outage is logged within
+# s3fs's own retry loop): the backup's Mirror retries the whole upload itself, so an outage is logged within
 # seconds instead of after ~25 silent connection attempts (tens of training steps later).
 FAIL_FAST_ATTEMPTS = 2
 FAIL_FAST_S3_CONFIG = {"connect_timeout": 10, "retries": {"max_attempts": FAIL_FAST_ATTEMPTS, "mode": "standard"}}
 
 
-def open_remote(url: str, loop=None, fail_fast: bool = False):
+def open_remote(url: str, fail_fast: bool = False):
     """(fs, root) for `url`: a local folder, file://, s3://, gs://, hf:// or any fsspec protocol.
 
     Nothing is contacted yet. Credentials come from where each library looks for them (for S3:
     AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE / ~/.aws, endpoint AWS_ENDPOINT_URL;
     for GCS: GOOGLE_APPLICATION_CREDENTIALS; for the Hub: HF_TOKEN or `hf auth login`).
-    Error messages name the scheme, never the URL, which may carry secrets. `loop`: an asyncio
-    loop (running in its own thread) for async file systems such as s3fs and gcsfs to use instead
-    of fsspec's shared one. `fail_fast`: few retries inside the S3 client (see FAIL_FAST_ATTEMPTS).
+    Error messages name the scheme, never the URL, which may carry secrets. `fail_fast`: few retries
+    inside the S3 client (see FAIL_FAST_ATTEMPTS).
     """
     import fsspec
-    import fsspec.asyn
 
     if not url or not str(url).strip():
         raise UserError("the backup URL is empty")
@@ -140,8 +132,6 @@ def open_remote(url: str, loop=None, fail_fast: bool = False):
         raise UserError(f"{scheme}:// URLs need the {package} package: pip install {package}")
     try:
         options = {"skip_instance_cache": True}
-        if loop is not None and issubclass(fsspec.get_filesystem_class(scheme), fsspec.asyn.AsyncFileSystem):
-            options["loop"] = loop
         if fail_fast and package == "s3fs":  # botocore's retry settings from the environment win
             options["config_kwargs"] = {key: value for key, value in FAIL_FAST_S3_CONFIG.items()
                                         if key != "retries" or "AWS_MAX_ATTEMPTS" not in os.environ}
@@ -406,54 +396,46 @@ def write_remote_latest(fs, root: str, record: store.Record) -> None:
     put_json(fs, f"{checkpoint_folder(root)}/{store.LATEST}", record.to_json())
 
 
-def remote_listing(fs, root: str) -> dict:
-    """What the remote checkpoints folder holds: {"verified": {step: name}, "unverified": [names],
-    "partials": [names], "latest": record or None, "latest_error": str or None}."""
+def remote_listing(fs, root: str) -> store.Listing:
+    """What the remote checkpoints folder holds, as the store.Listing a local folder gives (its
+    records read; `sha256` is not known there: a remote file is trusted by its record and size)."""
     folder = checkpoint_folder(root)
     _refresh(fs, folder)
     try:
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False))
+        entries = fs.ls(folder, detail=True)
     except FileNotFoundError:
-        names = []
-    sorted_names = store.sort_names(names)
-    listing = {"verified": {store.step_of(name): name for name in sorted_names.recorded},
-               "unverified": [name for name in sorted_names.checkpoints if name not in sorted_names.recorded],
-               "partials": sorted_names.temporaries, "latest": None, "latest_error": None}
-    if store.LATEST in names:
+        entries = []
+    sizes = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0) for entry in entries}
+    names = store.sort_names(sizes)
+    records: dict[str, store.Record | str] = {}
+    for name in names.recorded:
         try:
-            listing["latest"] = get_json(fs, f"{folder}/{store.LATEST}")
-        except VerificationError as error:
-            listing["latest_error"] = str(error)
-    return listing
+            records[name] = store.Record.from_json(get_json(fs, f"{folder}/{store.record_name(name)}"))
+        except (VerificationError, ValueError, TypeError) as error:
+            records[name] = f"its record does not read ({error})"
+    latest, latest_error = None, None
+    if store.LATEST in sizes:
+        try:
+            latest = store.Record.from_json(get_json(fs, f"{folder}/{store.LATEST}"))
+        except (VerificationError, ValueError, TypeError) as error:
+            latest_error = str(error)
+    return store.Listing(files={name: sizes[name] for name in names.checkpoints}, records=records,
+                         temporaries=names.temporaries, corrupt=names.corrupt, latest=latest,
+                         latest_error=latest_error)
 
 
 def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Record]:
     """Records to try, best first: latest.json's checkpoint, then older verified ones, newest first
     (steps after latest.json's belong to a timeline the run left: never restored)."""
     listing = remote_listing(fs, root)
-    folder = checkpoint_folder(root)
-    if listing["latest_error"]:
-        log(f"checkpoint restore: WARNING the remote {store.LATEST} is unreadable ({listing['latest_error']}); "
+    if listing.latest_error:
+        log(f"checkpoint restore: WARNING the remote {store.LATEST} is unreadable ({listing.latest_error}); "
             "trying the verified checkpoints instead")
-    latest = remote_record(listing["latest"])
-    candidates = [latest] if latest is not None else []
-    for step in store.restore_order(listing["verified"], latest.step if latest else None):
-        name = listing["verified"][step]
-        try:
-            record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
-        except VerificationError:
-            record = None
-        if record is not None and record.path == name:
-            candidates.append(record)
-    return candidates
-
-
-def remote_record(obj) -> store.Record | None:
-    """A remote record as a store.Record; None when it is not one."""
-    try:
-        return store.Record.from_json(obj)
-    except (ValueError, TypeError):
-        return None
+    recorded = {record.step: record for name, record in listing.records.items()
+                if isinstance(record, store.Record) and record.path == name}
+    latest = listing.latest
+    return ([latest] if latest else []) + [recorded[step] for step in
+                                           store.restore_order(recorded, latest.step if latest else None)]
 
 
 def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> Path:
@@ -552,196 +534,106 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
 
 
 # ----------------------------------------------------------------------------------------------
-# The background backup worker.
+# The backup: a reconcile loop (Mirror) in a child process (serve_backup), woken by BackupProcess.
 
 
-def lower_thread_priority(amount: int = 10) -> None:
-    """Raise the calling thread's nice value so training gets the CPU first (Linux; else a no-op)."""
-    with contextlib.suppress(AttributeError, OSError):
-        thread_id = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + amount))
+class Mirror:
+    """The backup's work, one step at a time: list the local checkpoints folder and the remote, plan
+    (store.plan_mirror) and apply: delete the local checkpoints the plan lets go, move the remote
+    latest.json (then upload the run files), delete what remote retention drops (the record first),
+    upload the newest missing checkpoint. It remembers no checkpoint: a new one plans the same. A
+    failed step is retried after retry_seconds, doubling up to max_retry_seconds (short while a stop
+    waits), logged at attempts 1, 2, 4, 8, ... only, with the exception type (never the URL or a key)."""
 
-
-class _IoLoop:
-    """An asyncio loop on its own low-priority thread, for the backup's network I/O only."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="checkpoint-backup-io", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        lower_thread_priority()
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def stop(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def beyond_unbacked_bound(waiting: Iterable, step: Callable[[object], int], max_unbacked: int) -> list:
-    """The rule of --backup-max-unbacked: of the checkpoints local retention wants to delete that have no
-    remote copy (`waiting`), the oldest beyond the newest `max_unbacked`, which may be deleted after all
-    (so a long outage cannot fill the disk). `step` gives an item's step; the result is oldest first."""
-    waiting = sorted(waiting, key=step)
-    return waiting[: max(0, len(waiting) - max_unbacked)]
-
-
-@dataclasses.dataclass
-class _Upload:
-    path: Path
-    step: int
-    ordinal: int  # 1 for this run's first submit
-    state: str = "pending"  # pending -> verified, or dropped (released for deletion, gone, or changed on disk)
-    attempts: int = 0
-    next_try: float = 0.0
-    record: dict | None = None  # set once the file and its record are on the remote
-
-
-class CheckpointBackup:
-    """Uploads checkpoints on a background thread; training never waits for it.
-
-    Per checkpoint: upload to a temporary name, confirm size + sha256 there, promote, write its
-    record, then move the remote latest.json (never backwards within a run). After each success,
-    remote retention keeps the newest `keep_recent` plus every `keep_every`-th save forever, and
-    deletes only verified files of this run: uploaded by this process, or whose remote record has
-    the run_id of the checkpoints this process uploads (train.py's run_id survives resumes, so an
-    earlier session's uploads count too; another run's never do). The save index is `step // save_every` when
-    `save_every` is given (stable across resumes, the original trainer's rule), else this run's
-    submit count. The newest pending checkpoint is uploaded first.
-
-    Failures never raise: one log line with the exception type (never the URL or a key), then a
-    retry after retry_seconds, doubling up to max_retry_seconds, and at once at the next submit.
-    Repeated failures of the same checkpoint are logged at attempts 1, 2, 4, 8, ... only.
-
-    Local retention asks `deletable(candidates)`; checkpoints without a verified remote copy are
-    kept, but at most `max_unbacked` of them: beyond that the oldest are released with a loud
-    warning (the newest always stay), so a long outage cannot fill the disk.
-    """
-
-    def __init__(self, url: str, keep_recent: int = 3, keep_every: int = 10, save_every: int | None = None,
-                 retry_seconds: float = 5.0, max_retry_seconds: float = 300.0, max_unbacked: int = 3,
-                 log: LogFn = log_line, on_change: Callable[[Path, str], None] | None = None):
-        if keep_recent < 1:
-            raise UserError(f"--remote-keep-recent must be >= 1, got {keep_recent}")
-        if keep_every < 0 or max_unbacked < 0:
-            raise UserError("--remote-keep-every and --backup-max-unbacked must be >= 0")
-        if save_every is not None and save_every < 1:
-            raise UserError(f"save_every must be >= 1, got {save_every}")
-        self._io = _IoLoop()
-        try:
-            self.fs, self.root = open_remote(url, loop=self._io.loop, fail_fast=True)
-        except BaseException:
-            self._io.stop()
-            raise
-        self.keep_recent, self.keep_every, self.save_every = keep_recent, keep_every, save_every
+    def __init__(self, url: str, policy: store.MirrorPolicy, retry_seconds: float = 5.0,
+                 max_retry_seconds: float = 300.0, log: LogFn = log_line):
+        self.fs, self.root = open_remote(url, fail_fast=True)
+        self.policy, self.log = policy, log
         self.retry_seconds, self.max_retry_seconds = retry_seconds, max_retry_seconds
-        self.max_unbacked = max_unbacked
-        self.log = log
-        self.on_change = on_change  # called with (path, "verified" or "dropped") as an upload ends
-        self._uploads: dict[str, _Upload] = {}
-        self._submitted = 0
-        self._latest_step: int | None = None  # where this run last pointed the remote latest.json
-        self._run_id: str | None = None  # train.py's run_id of the checkpoints uploaded, once known
-        self._remote_run_ids: dict[str, str | None] = {}  # remote record name -> its run_id (records never change)
-        self._urgent = False  # inside wait(): keep retries short
-        self._stopping = False
-        self._busy: _Upload | None = None
-        self._failures = 0  # failed attempts since the last success, to announce the recovery
-        self._last_error: str | None = None  # the exception type of the last failed attempt
-        self._cond = threading.Condition()
-        self.started = threading.Event()  # set once the start-up look at the remote is done
-        self._thread = threading.Thread(target=self._run, name="checkpoint-backup", daemon=True)
-        self._thread.start()
+        self.failures, self.last_error, self.doing = 0, None, "the newest checkpoint"
+        self.retry_after = retry_seconds
 
-    # -- called from the training loop; all return at once --------------------------------------
+    def look(self) -> None:
+        """Connect once at start (so credential problems show early) and say what the remote holds."""
+        try:
+            held = [record for record in remote_listing(self.fs, self.root).records.values()
+                    if isinstance(record, store.Record)]
+        except Exception as error:
+            return self.log(f"checkpoint backup: the remote is not reachable yet ({type(error).__name__}); "
+                            "uploads will be retried")
+        self.log(f"checkpoint backup: the remote already holds {len(held)} verified checkpoint(s), latest step "
+                 f"{max(record.step for record in held)}; retention deletes only this run's files" if held else
+                 "checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to restore); "
+                 "the first one is uploaded after the first save")
 
-    def submit(self, local_path: str | os.PathLike, step: int) -> None:
-        """Queue a finished local checkpoint for upload (and retry every failed one now)."""
-        path = Path(local_path).resolve()
-        with self._cond:
-            self._submitted += 1
-            self._uploads[str(path)] = _Upload(path, int(step), self._submitted)
-            for upload in self._uploads.values():
-                upload.next_try = 0.0
-            self._cond.notify_all()
+    def step(self, local_dir: Path, urgent: bool = False) -> store.MirrorPlan | None:
+        """Plan and apply one step; the plan (empty: nothing was left to do), or None when it failed
+        (logged; `retry_after` says when to try again, short when `urgent`: a stop is waiting)."""
+        try:
+            local = store.list_folder(local_dir)
+            try:
+                remote = remote_listing(self.fs, self.root)
+            except Exception as error:  # nothing known of the remote: only the bound on unbacked ones applies
+                blind = store.plan_mirror(local, store.Listing({}, {}), self.policy)
+                self.release(local_dir, blind.unbacked, unlisted=type(error).__name__)
+                raise
+            plan = store.plan_mirror(local, remote, self.policy)
+            self.apply(local_dir, plan)
+            return plan
+        except Exception as error:
+            self.failures, self.last_error = self.failures + 1, type(error).__name__
+        self.retry_after = min(self.retry_seconds * 2 ** (self.failures - 1), self.max_retry_seconds)
+        self.retry_after = min(self.retry_after, self.retry_seconds) if urgent else self.retry_after
+        if not self.failures & (self.failures - 1):  # attempts 1, 2, 4, 8, ...: an outage must not flood the log
+            attempt = f" (attempt {self.failures})" if self.failures > 1 else ""
+            self.log(f"checkpoint backup: {self.doing} not backed up yet{attempt}: {self.last_error}; "
+                     f"retry in {self.retry_after:.0f}s or at the next checkpoint")
+        return None
 
-    def is_backed_up(self, local_path: str | os.PathLike) -> bool:
-        """True once this checkpoint has a verified copy on the remote (retention may later remove
-        that copy in favour of newer ones; it was verified all the same)."""
-        with self._cond:
-            upload = self._uploads.get(str(Path(local_path).resolve()))
-            return upload is not None and upload.state == "verified"
+    def release(self, local_dir: Path, unbacked: list[str], unlisted: str | None = None) -> None:
+        """Delete local checkpoints beyond the bound that have no confirmed remote copy, each with a WARNING
+        (`unlisted`: the error that kept the remote from being listed)."""
+        where = "the remote cannot be listed to confirm a copy" if unlisted else "it never reached the remote"
+        why = (f"uploads are failing ({unlisted or self.last_error}); check the network and the credentials"
+               if self.failures or unlisted else "checkpoints are saved faster than they upload; save less often "
+               "(--save-every) or allow more (--backup-max-unbacked)")
+        for name in unbacked:
+            self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although "
+                     f"{where}: more than {self.policy.max_unbacked} checkpoints are waiting for upload; {why}")
+        store.delete(local_dir, unbacked)
 
-    def deletable(self, candidates: Iterable[str | os.PathLike]) -> list[Path]:
-        """Of the checkpoints local retention wants to delete, those that may go now.
+    def apply(self, local_dir: Path, plan: store.MirrorPlan) -> None:
+        self.release(local_dir, plan.unbacked)  # first: a failing remote
+        store.delete(local_dir, plan.delete_local)  # below must not fill the disk
+        if plan.latest is not None:
+            write_remote_latest(self.fs, self.root, plan.latest)
+            if local_dir.name == CHECKPOINT_DIR:  # train.py's RUN/checkpoints layout: its history beside
+                self.push_run_files(local_dir.parent)
+        folder = checkpoint_folder(self.root)
+        for name in plan.delete_remote:
+            self.fs.rm_file(f"{folder}/{store.record_name(name)}")
+            self.fs.rm_file(f"{folder}/{name}")
+        if plan.delete_remote:
+            _refresh(self.fs, folder)
+            self.log(f"checkpoint backup: remote retention removed {', '.join(plan.delete_remote)}")
+        if plan.upload:
+            self.upload(local_dir / plan.upload[0])
 
-        A checkpoint may go when it is backed up; when this run never submitted it (e.g. the one it
-        resumed from) and a newer checkpoint of this run is backed up; or when it is one of the
-        oldest unbacked candidates beyond `max_unbacked`, which is released with a WARNING and no
-        longer uploaded. Everything else stays. The caller deletes what is returned.
-        """
-        released, waiting = [], []
-        with self._cond:
-            backed = [u.step for u in self._uploads.values() if u.state == "verified"]
-            newest_backed = max(backed, default=None)
-            for candidate in candidates:
-                path = Path(candidate).resolve()
-                upload = self._uploads.get(str(path))
-                if upload is None:
-                    step = store.step_of(path.name)
-                    if step is not None and newest_backed is not None and step < newest_backed:
-                        released.append(path)
-                elif upload.state in ("verified", "dropped"):
-                    released.append(path)
-                elif upload is not self._busy:  # the one uploading now is never released mid-upload
-                    waiting.append(upload)
-            overflow = beyond_unbacked_bound(waiting, lambda upload: upload.step, self.max_unbacked)
-            for upload in overflow:
-                upload.state = "dropped"
-                released.append(upload.path)
-            self._cond.notify_all()
-            why = (f"uploads are failing ({self._last_error}); check the network and the credentials"
-                   if self._failures else "checkpoints are saved faster than they upload; save less often "
-                   "(--save-every) or allow more (--backup-max-unbacked)")
-        for upload in overflow:
-            self._changed(upload)
-            where = ("its copy is on the remote and verified, but the remote latest.json does not name it yet"
-                     if upload.record is not None else "it never reached the remote")
-            self.log(f"checkpoint backup: WARNING deleting local {upload.path.name} (step {upload.step}) although "
-                     f"{where}: more than {self.max_unbacked} checkpoints are waiting for upload; {why}")
-        return released
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the newest submitted checkpoint to reach the remote; say which."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._cond:
-            if not self._uploads:
-                self.log("checkpoint backup: nothing was submitted, nothing to wait for")
-                return True
-            newest = max(self._uploads.values(), key=lambda u: u.ordinal)
-            self._urgent = True
-            for upload in self._uploads.values():
-                upload.next_try = 0.0
-            self._cond.notify_all()
-            while newest.state == "pending" and not self._stopping:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            self._urgent = False
-            ok = newest.state == "verified"
-            on_remote = max((u.step for u in self._uploads.values() if u.state == "verified"), default=None)
-        if ok:
-            self.log(f"checkpoint backup: the newest checkpoint {newest.path.name} (step {newest.step}) "
-                     "is on the remote and verified")
-        else:
-            have = f"step {on_remote}" if on_remote is not None else "none from this run"
-            self.log(f"checkpoint backup: WARNING the newest checkpoint {newest.path.name} (step {newest.step}) "
-                     f"did NOT reach the remote within {timeout_s:g}s (newest verified there: {have}); "
-                     "it stays on the local disk")
-        return ok
+    def upload(self, path: Path) -> None:
+        self.doing, started = f"{path.name} (step {store.step_of(path.name)})", time.monotonic()
+        try:
+            record = upload_checkpoint(self.fs, self.root, path)
+        except LocalFileChanged as error:  # uploading it again would not help: out of the plan for good
+            store.set_aside(path.parent, path.name)
+            self.log(f"checkpoint backup: WARNING {error}; not backed up (set aside as {path.name}"
+                     f"{store.CORRUPT_SUFFIX}, latest.json not moved)")
+            return
+        self.log(f"checkpoint backup: {path.name} (step {record.step}, {record.bytes / 1e6:.1f} MB) uploaded and "
+                 f"verified in {time.monotonic() - started:.1f}s")
+        if self.failures:
+            self.log(f"checkpoint backup: the remote works again: {self.doing} is backed up after "
+                     f"{self.failures} failed attempt(s)")
+        self.failures, self.doing = 0, "the newest checkpoint"
 
     def push_run_files(self, run_dir: str | os.PathLike) -> bool:
         """Upload the run's history files (RUN_FILES) now, e.g. the final run_status.json; True if they got there."""
@@ -753,309 +645,137 @@ class CheckpointBackup:
                      f"this time ({type(error).__name__})")
             return False
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker (after the file it is on, up to `timeout_s`). Call wait() first to flush."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
-        # The I/O loop stays up (idle) so the file system can still close its sessions at exit.
 
-    def __enter__(self):
-        return self
+def serve_backup(fd: int) -> None:
+    """The child: a Mirror stepped on a wake-up (a save), on its retry timer and while a stop waits, until
+    the plan is empty; it exits when its pipe closes (a killed trainer), after the step it is on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when the backup stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        os.nice(10)
+    connection = multiprocessing.connection.Connection(fd)
+    url, options = connection.recv()
+    try:  # one write per log line: they share train.py's stdout, even unbuffered (python -u)
+        mirror = Mirror(url, **options, log=lambda line: print(f"{line}\n", end="", flush=True))
+    except Exception as error:
+        connection.send(("failed", type(error).__name__, str(error) if isinstance(error, UserError) else ""))
+        return
+    connection.send(("ready",))
+    mirror.look()
+    with contextlib.suppress(EOFError, OSError):
+        serve_requests(connection, mirror)
 
-    def __exit__(self, *exc_info):
-        self.close()
 
-    # -- the worker thread ----------------------------------------------------------------------
-
-    def _next_due(self) -> tuple[_Upload | None, float | None]:
-        """The newest pending upload whose retry time has come, else how long until one has."""
-        now = time.monotonic()
-        pending = sorted((u for u in self._uploads.values() if u.state == "pending"), key=lambda u: -u.step)
-        for upload in pending:
-            if upload.next_try <= now:
-                return upload, None
-        return None, (min(u.next_try for u in pending) - now) if pending else None
-
-    def _run(self) -> None:
-        lower_thread_priority()
-        self._look_at_remote()
-        self.started.set()
-        while True:
-            with self._cond:
-                while True:
-                    if self._stopping:
-                        return
-                    upload, delay = self._next_due()
-                    if upload is not None:
-                        self._busy = upload
-                        break
-                    self._cond.wait(delay)
-            try:
-                self._process(upload)
-            except Exception as error:  # never let the worker die: log the type, retry later
-                self._failed(upload, error)
-            finally:
-                with self._cond:
-                    self._busy = None
-                    self._cond.notify_all()
-
-    def _look_at_remote(self) -> None:
-        """Connect once at start (so credentials problems show early) and say what the remote holds."""
-        try:
-            listing = remote_listing(self.fs, self.root)
-        except Exception as error:
-            self.log(f"checkpoint backup: the remote is not reachable yet ({type(error).__name__}); "
-                     "uploads will be retried")
-            return
-        verified, latest = listing["verified"], listing["latest"] or {}
-        if verified:
-            self.log(f"checkpoint backup: the remote already holds {len(verified)} verified checkpoint(s), "
-                     f"latest step {latest.get('step', max(verified))}; retention deletes only this run's files")
-        else:
-            self.log("checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to "
-                     "restore); the first one is uploaded after the first save")
-
-    def _process(self, upload: _Upload) -> None:
-        if upload.record is None:
-            if not upload.path.is_file():
-                with self._cond:
-                    upload.state = "dropped"
-                self._changed(upload)
-                self.log(f"checkpoint backup: {upload.path.name} was deleted locally before it was uploaded")
+def serve_requests(connection, mirror: Mirror) -> None:
+    """The child's loop: messages from BackupProcess, and Mirror steps while there is work and it is due."""
+    local_dir, due, waiting, deadline = None, None, None, 0.0
+    while True:
+        moments = [moment for moment in (due, deadline if waiting is not None else None) if moment is not None]
+        if connection.poll(max(0.0, min(moments) - time.monotonic()) if moments else None):
+            kind, request_id, *args = connection.recv()
+            if kind == "wake":
+                local_dir, due = Path(args[0]), time.monotonic()
+            elif kind == "wait":
+                waiting, deadline, due = request_id, time.monotonic() + args[0], time.monotonic()
+            elif kind == "push_run_files":
+                connection.send(("reply", request_id, mirror.push_run_files(args[0])))
+            elif kind == "close":
+                connection.send(("reply", request_id, None))
                 return
-            started = time.monotonic()
-            try:
-                upload.record = upload_checkpoint(self.fs, self.root, upload.path)
-            except LocalFileChanged as error:  # uploading it again would not help: give up on this file
-                with self._cond:
-                    upload.state = "dropped"
-                self._changed(upload)
-                self.log(f"checkpoint backup: WARNING {error}; not backed up (no record, latest.json not moved)")
-                return
-            self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}, "
-                     f"{upload.record.bytes / 1e6:.1f} MB) uploaded and verified in "
-                     f"{time.monotonic() - started:.1f}s")
-            with self._cond:
-                self._run_id = upload.record.run_id
-        with self._cond:
-            move_latest = self._latest_step is None or upload.step >= self._latest_step
-        if move_latest:
-            write_remote_latest(self.fs, self.root, upload.record)
-            self._upload_run_files(upload.path.parent)
-        with self._cond:
-            if move_latest:
-                self._latest_step = upload.step
-            upload.state = "verified"
-            upload.attempts = 0
-            failures, self._failures = self._failures, 0
-        self._changed(upload)
-        if failures:
-            self.log(f"checkpoint backup: the remote works again: {upload.path.name} (step {upload.step}) is "
-                     f"backed up after {failures} failed attempt(s)")
-        try:
-            self._apply_retention()
-        except Exception as error:
-            self.log(f"checkpoint backup: remote retention skipped this time ({type(error).__name__})")
-
-    def _changed(self, upload: _Upload) -> None:
-        if self.on_change is not None:
-            self.on_change(upload.path, upload.state)
-
-    def _upload_run_files(self, checkpoint_dir: Path) -> None:
-        """The run's history beside the newest checkpoint; a failure is logged, retried next time."""
-        if checkpoint_dir.name == CHECKPOINT_DIR:  # else not train.py's RUN/checkpoints layout: no RUN folder
-            self.push_run_files(checkpoint_dir.parent)
-
-    def _failed(self, upload: _Upload, error: Exception) -> None:
-        with self._cond:
-            upload.attempts += 1
-            delay = min(self.retry_seconds * 2 ** (upload.attempts - 1), self.max_retry_seconds)
-            if self._urgent:
-                delay = min(delay, self.retry_seconds)
-            upload.next_try = time.monotonic() + delay
-            dropped = upload.state == "dropped"
-            self._failures += 1
-            self._last_error = type(error).__name__
-        if upload.attempts & (upload.attempts - 1):
-            return  # log attempts 1, 2, 4, 8, ... only: a long outage must not flood the log
-        then = "not retried (released for local deletion)" if dropped else \
-            f"retry in {delay:.0f}s or at the next checkpoint"
-        attempt = f" (attempt {upload.attempts})" if upload.attempts > 1 else ""
-        self.log(f"checkpoint backup: {upload.path.name} (step {upload.step}) not backed up yet{attempt}: "
-                 f"{type(error).__name__}; {then}")
-
-    def _save_index(self, step: int) -> int | None:
-        """step // save_every for saves on the save_every grid (others, e.g. a SIGTERM save, have none);
-        without save_every, this run's submit count."""
-        if self.save_every:
-            return step // self.save_every if step % self.save_every == 0 else None
-        with self._cond:
-            ordinals = [u.ordinal for u in self._uploads.values() if u.step == step]
-        return ordinals[-1] if ordinals else None
-
-    def _remote_run_id(self, name: str) -> str | None:
-        """The run_id in the remote record of checkpoint `name` (None: none, or unreadable)."""
-        if name not in self._remote_run_ids:
-            try:
-                record = get_json(self.fs, f"{checkpoint_folder(self.root)}/{store.record_name(name)}")
-            except VerificationError:
-                record = None
-            run_id = record.get("run_id") if isinstance(record, dict) else None
-            self._remote_run_ids[name] = str(run_id) if run_id else None
-        return self._remote_run_ids[name]
-
-    def _apply_retention(self) -> None:
-        listing = remote_listing(self.fs, self.root)
-        verified = listing["verified"]
-        with self._cond:
-            ours = {u.step for u in self._uploads.values() if u.state == "verified" and u.record}
-            protect = {self._latest_step} if self._latest_step is not None else set()
-            run_id = self._run_id
-        if run_id:
-            ours |= {step for step, name in verified.items() if self._remote_run_id(name) == run_id}
-        latest = listing["latest"]
-        latest_step = latest["step"] if isinstance(latest, dict) and isinstance(latest.get("step"), int) else None
-        if latest_step is not None:
-            protect.add(latest_step)
-        victims = store.remote_retention_deletions(verified, ours, self.keep_recent, self.keep_every,
-                                          self._save_index, protect, latest_step)
-        folder = checkpoint_folder(self.root)
-        for step in victims:
-            name = verified[step]
-            self.fs.rm_file(f"{folder}/{store.record_name(name)}")  # the record first: a lone file is never trusted
-            self._remote_run_ids.pop(name, None)
-            self.fs.rm_file(f"{folder}/{name}")
-        if victims:
-            _refresh(self.fs, folder)
-            self.log(f"checkpoint backup: remote retention removed {', '.join(verified[s] for s in victims)}")
+        if waiting is not None and (local_dir is None or time.monotonic() >= deadline):
+            connection.send(("reply", waiting, local_dir is None))
+            waiting = None
+        if local_dir is None or due is None or time.monotonic() < due:
+            continue
+        plan = mirror.step(local_dir, urgent=waiting is not None)
+        due = time.monotonic() + mirror.retry_after if plan is None else (None if plan.empty() else time.monotonic())
+        if waiting is not None and plan is not None and plan.empty():
+            connection.send(("reply", waiting, plan.caught_up))
+            waiting = None
 
 
-# ----------------------------------------------------------------------------------------------
-# The same backup in a child process: what train.py uses.
-
-CHILD_MAIN = "\n".join([
-    "import sys",
-    "sys.path.insert(0, sys.argv[2])",
-    "import checkpoint_cloud",
-    "checkpoint_cloud.serve_backup(int(sys.argv[1]))",
-])
+CHILD_MAIN = ("import sys; sys.path.insert(0, sys.argv[2]); import checkpoint_cloud; "
+              "checkpoint_cloud.serve_backup(int(sys.argv[1]))")
 
 
 class BackupProcess:
-    """A CheckpointBackup in a child process, with the same methods; train.py uses this one.
+    """train.py's backup: a Mirror in a child process (serve_backup), woken after each save. Not a thread:
+    it would share the training process's GIL (bench/bench_cloud_train.py: 0.93x training tokens/s as a
+    thread, 1.00x as a process). The child runs at a lower priority, ignores SIGINT/SIGTERM (train.py
+    decides when to stop, then waits with wait()), prints its own log lines and exits when its pipe
+    closes. If it dies, the next call starts a new one, which plans again from both listings."""
 
-    Why a process and not a thread: a thread shares the training process's GIL, and the training
-    thread takes the GIL back after every torch op, so the upload's Python work (HTTP, JSON,
-    retries) delays each step. bench/bench_cloud_train.py measured 0.93x training tokens/s with the
-    backup as a thread in train.py and 1.00x with the same uploads in another process.
-
-    The child runs at a lower priority and ignores SIGINT/SIGTERM: train.py decides when to stop
-    and then waits for pending uploads with wait(). It exits when its pipe closes, so a killed
-    trainer leaves it only for the upload in flight (at most `orphan_seconds`). Its log lines come
-    back through `log`. If it dies, the next submit() or deletable() starts a new one, which
-    uploads the checkpoints still pending.
-    """
-
-    def __init__(self, url: str, keep_recent: int = 3, keep_every: int = 10, save_every: int | None = None,
-                 retry_seconds: float = 5.0, max_retry_seconds: float = 300.0, max_unbacked: int = 3,
-                 log: LogFn = log_line, start_timeout_s: float = 120.0):
-        self.url = url
-        self.options = {"keep_recent": keep_recent, "keep_every": keep_every, "save_every": save_every,
-                        "retry_seconds": retry_seconds, "max_retry_seconds": max_retry_seconds,
-                        "max_unbacked": max_unbacked}
-        self.log = log
-        self.start_timeout_s = start_timeout_s
-        self.started = threading.Event()  # set once the child's start-up look at the remote is done
-        self._cond = threading.Condition()
-        self._submitted: dict[str, int] = {}  # path -> step, in submit order
-        self._states: dict[str, str] = {}  # path -> "verified" / "dropped", as the child reports them
-        self._replies: dict[int, object] = {}
-        self._request_ids = itertools.count()
+    def __init__(self, url: str, policy: store.MirrorPolicy = store.MirrorPolicy(), retry_seconds: float = 5.0,
+                 max_retry_seconds: float = 300.0, log: LogFn = log_line, start_timeout_s: float = 120.0):
+        self.url, self.policy, self.log, self.start_timeout_s = url, policy, log, start_timeout_s
+        self.options = {"policy": policy, "retry_seconds": retry_seconds, "max_retry_seconds": max_retry_seconds}
+        self._folder: str | None = None  # the local checkpoints folder, once a save named it
         self._closing = False
         self._process: subprocess.Popen | None = None
         self._connection = None
+        self._request_ids = itertools.count()
+        self._lock = threading.RLock()  # the checkpoint writer's thread submits, the training thread waits
         self._start()
 
-    # -- the same methods as CheckpointBackup -----------------------------------------------------
-
-    def submit(self, local_path: str | os.PathLike, step: int) -> None:
-        """Queue a finished local checkpoint for upload; returns at once."""
-        path = str(Path(local_path).resolve())
-        running = self._ensure_running()
-        with self._cond:
-            self._submitted.pop(path, None)
-            self._submitted[path] = int(step)
-            self._states.pop(path, None)
-        if running:
-            self._send("submit", None, path, int(step))
-
-    def is_backed_up(self, local_path: str | os.PathLike) -> bool:
-        with self._cond:
-            return self._states.get(str(Path(local_path).resolve())) == "verified"
+    def submit(self, local_path: str | os.PathLike, step: int | None = None) -> None:
+        """A checkpoint was saved in its folder (or a rewind moved the local latest.json): wake the loop."""
+        self._folder = str(Path(local_path).resolve().parent)
+        if self._ensure_running():
+            self._send("wake", None, self._folder)
 
     def deletable(self, candidates: Iterable[str | os.PathLike]) -> list[Path]:
-        """CheckpointBackup.deletable, answered by the child (its bound on unbacked files included)."""
-        candidates = [str(Path(path).resolve()) for path in candidates]
-        if self._ensure_running():
-            answer = self._request("deletable", candidates, timeout_s=self.start_timeout_s)
-            if answer is not None:
-                return [Path(path) for path in answer]
-        return self._deletable_without_child(candidates)
+        """Local retention's question: none while the child runs (the loop deletes what the remote holds);
+        without one, what store.plan_mirror releases knowing no remote (the unbacked bound), with a warning."""
+        candidates = [Path(path).resolve() for path in candidates]
+        if not candidates or self._ensure_running():
+            return []
+        folder = candidates[0].parent
+        plan = store.plan_mirror(store.list_folder(folder), store.Listing({}, {}), self.policy)
+        released = [folder / name for name in plan.unbacked if folder / name in candidates]
+        for path in released:
+            self.log(f"checkpoint backup: WARNING deleting local {path.name} although it never reached the "
+                     "remote: the backup process is not running")
+        return released
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the newest submitted checkpoint to reach the remote; say which."""
-        answer = self._request("wait", timeout_s, timeout_s=timeout_s + self.start_timeout_s)
-        if answer is None:
-            with self._cond:
-                newest = next(reversed(self._submitted), None)
-                if newest is None or self._states.get(newest) == "verified":
-                    return True
-            self.log("checkpoint backup: WARNING the backup process is not running; the newest checkpoint "
-                     "did NOT reach the remote and stays on the local disk")
-            return False
-        return bool(answer)
+        """Wait up to `timeout_s` for the newest saved checkpoint to reach the remote; say which."""
+        if self._folder is None:
+            self.log("checkpoint backup: nothing was submitted, nothing to wait for")
+            return True
+        head = read_json_or(Path(self._folder) / store.LATEST, {}).get("path", "?")
+        ok = bool(self._ensure_running() and self._request("wait", timeout_s, timeout_s=timeout_s + 2))
+        self.log(f"checkpoint backup: the newest checkpoint {head} is on the remote and verified" if ok else
+                 f"checkpoint backup: WARNING the newest checkpoint {head} did NOT reach the remote within "
+                 f"{timeout_s:g}s; it stays on the local disk")
+        return ok
 
     def push_run_files(self, run_dir: str | os.PathLike, timeout_s: float = 60.0) -> bool:
-        """CheckpointBackup.push_run_files in the child, waiting up to `timeout_s`."""
-        if not self._ensure_running():
-            return False
-        return bool(self._request("push_run_files", str(Path(run_dir).resolve()), timeout_s=timeout_s))
+        """Upload the run's history files (RUN_FILES) now, waiting up to `timeout_s`."""
+        return bool(self._ensure_running() and self._request("push_run_files", str(Path(run_dir).resolve()),
+                                                             timeout_s=timeout_s))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the child after the file it is on (up to `timeout_s`). Call wait() first to flush."""
-        with self._cond:
+        """Stop the child after the step it is on (up to `timeout_s`). Call wait() first to flush."""
+        with self._lock:
+            if self._process is None or self._closing:
+                return
             self._closing = True
-            process = self._process
-        self._request("close", timeout_s, timeout_s=timeout_s + 5)
-        if process is not None:
+            self._request("close", timeout_s=timeout_s)
             try:
-                process.wait(timeout=timeout_s + 5)
+                self._process.wait(timeout=timeout_s + 5)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        with self._cond:
-            if self._connection is not None:
-                self._connection.close()
-                self._connection = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
+                self._process.kill()
+                self._process.wait()
+            self._connection.close()
 
     @property
     def child_pid(self) -> int | None:
         """The process id of the child doing the uploads (None while there is none)."""
-        with self._cond:
-            return self._process.pid if self._process is not None else None
-
-    # -- the child ------------------------------------------------------------------------------
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
 
     def _start(self) -> None:
-        """Start a child and hand it the settings; a bad setting raises UserError here, as in-process."""
+        """Start a child and hand it the settings; a bad setting raises its UserError here."""
         parent_end, child_end = multiprocessing.Pipe()
         try:
             process = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(child_end.fileno()),
@@ -1063,174 +783,58 @@ class BackupProcess:
                                        pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child_end.close()
-        with self._cond:
-            self._process, self._connection = process, parent_end
         parent_end.send((self.url, self.options))
-        reader = threading.Thread(target=self._read, args=(process, parent_end), name="checkpoint-backup-pipe",
-                                  daemon=True)
-        reader.start()
-        deadline = time.monotonic() + self.start_timeout_s
-        with self._cond:
-            while "start" not in self._replies and self._process is process and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-            outcome = self._replies.pop("start", None)
-        if outcome == "ready":
+        with self._lock:
+            self._process, self._connection = process, parent_end
+            outcome = self._reply("start", self.start_timeout_s)
+        if outcome == ("ready",):
             return
-        self._stop_child(process)
-        if isinstance(outcome, tuple):
-            kind, message = outcome
-            raise UserError(message) if kind == "UserError" else RuntimeError(
-                f"the checkpoint backup process could not start ({kind})")
-        raise RuntimeError("the checkpoint backup process did not start")
-
-    def _stop_child(self, process: subprocess.Popen) -> None:
-        with self._cond:
-            if self._process is process:
-                self._process = None
-                if self._connection is not None:
-                    self._connection.close()
-                    self._connection = None
         with contextlib.suppress(OSError):
             process.kill()
         process.wait()
+        kind, message = outcome[1:] if outcome else ("no answer", "")
+        raise UserError(message) if kind == "UserError" else RuntimeError(
+            f"the checkpoint backup process could not start ({kind})")
 
     def _ensure_running(self) -> bool:
-        """True when a child is there to talk to; starts a new one (re-submitting what is pending) if it died."""
-        with self._cond:
-            if self._process is not None or self._closing:
-                return self._process is not None
-            pending = [(path, step) for path, step in self._submitted.items()
-                       if path not in self._states and Path(path).is_file()]
-        try:
-            self._start()
-        except Exception as error:
-            self.log(f"checkpoint backup: WARNING a new backup process could not start ({type(error).__name__})")
-            return False
-        self.log(f"checkpoint backup: a new backup process started; {len(pending)} checkpoint(s) pending")
-        for path, step in pending:
-            self._send("submit", None, path, step)
-        return True
-
-    def _read(self, process: subprocess.Popen, connection) -> None:
-        """The parent's reader: the child's log lines, state changes and replies."""
-        ready = False  # a child that never started is reported by _start, not here
-        while True:
+        """True when a child is there to talk to; starts a new one (and wakes it) if the last one died."""
+        with self._lock:
+            if self._closing or (self._process is not None and self._process.poll() is None):
+                return not self._closing
+            self.log(f"checkpoint backup: WARNING the backup process exited (code {self._process.returncode})")
             try:
-                kind, *body = connection.recv()
-            except (EOFError, OSError):
-                break
-            if kind == "log":
-                self.log(body[0])
-                continue
-            with self._cond:
-                if kind == "state":
-                    self._states[body[0]] = body[1]
-                elif kind == "reply":
-                    self._replies[body[0]] = body[1]
-                elif kind == "started":
-                    self.started.set()
-                elif kind in ("ready", "failed"):
-                    ready = kind == "ready"
-                    self._replies["start"] = "ready" if ready else tuple(body)
-                self._cond.notify_all()
-        code = process.wait()
-        with self._cond:
-            current = self._process is process
-            if current:
-                self._process = None
-            self._cond.notify_all()
-            closing = self._closing
-        if current and ready and not closing:
-            self.log(f"checkpoint backup: WARNING the backup process exited (code {code}); a new one starts "
-                     "at the next checkpoint")
+                self._start()
+            except Exception as error:
+                self.log(f"checkpoint backup: WARNING a new backup process could not start ({type(error).__name__})")
+                return False
+            self.log("checkpoint backup: a new backup process started; it plans again from both listings")
+            if self._folder is not None:
+                self._send("wake", None, self._folder)
+            return True
 
     def _send(self, kind: str, request_id, *args) -> bool:
-        with self._cond:
-            if self._connection is None:
-                return False
-            try:
-                self._connection.send((kind, request_id, *args))
-                return True
-            except (OSError, ValueError):
-                return False
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._connection.send((kind, request_id, *args))
+            return True
+        return False
+
+    def _reply(self, request_id, timeout_s: float):
+        """The child's answer to `request_id` ("start": its first message); None: none in time, or it is gone."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                try:
+                    if not self._connection.poll(max(0.0, deadline - time.monotonic())):
+                        return None
+                    message = self._connection.recv()
+                except (EOFError, OSError):
+                    return None
+                if request_id == "start" or message[:2] == ("reply", request_id):
+                    return message if request_id == "start" else message[2]
 
     def _request(self, kind: str, *args, timeout_s: float):
-        """Send a request and wait for its reply (None: no child, it died, or no reply in time)."""
         request_id = next(self._request_ids)
-        with self._cond:
-            process = self._process
-        if process is None or not self._send(kind, request_id, *args):
-            return None
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while request_id not in self._replies and self._process is process:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            return self._replies.pop(request_id, None)
-
-    def _deletable_without_child(self, candidates: list[str]) -> list[Path]:
-        """No child to ask: verified or dropped files go, and unbacked ones beyond max_unbacked, oldest first."""
-        with self._cond:
-            done = [path for path in candidates if path in self._states]
-            waiting = [path for path in candidates if path not in self._states]
-        overflow = beyond_unbacked_bound(waiting, lambda path: store.step_of(Path(path).name) or 0,
-                                         self.options["max_unbacked"])
-        for path in overflow:
-            self.log(f"checkpoint backup: WARNING deleting local {Path(path).name} although it never reached "
-                     "the remote: the backup process is not running")
-        return [Path(path) for path in done + overflow]
-
-
-def serve_backup(fd: int, orphan_seconds: float = 60.0) -> None:
-    """The child side of BackupProcess: a CheckpointBackup driven by messages on the connection `fd`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when the backup stops
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError):
-        os.nice(10)
-    connection = multiprocessing.connection.Connection(fd)
-    send_lock = threading.Lock()
-
-    def send(*message) -> None:
-        with send_lock, contextlib.suppress(OSError, ValueError):
-            connection.send(message)
-
-    url, options = connection.recv()
-    try:
-        backup = CheckpointBackup(url, **options, log=lambda line: send("log", line),
-                                  on_change=lambda path, state: send("state", str(path), state))
-    except Exception as error:
-        send("failed", type(error).__name__, str(error) if isinstance(error, UserError) else "")
-        return
-    send("ready")
-
-    def report_started() -> None:
-        backup.started.wait()
-        send("started")
-
-    threading.Thread(target=report_started, daemon=True).start()
-    close_timeout = orphan_seconds  # the trainer vanished: finish the upload in flight, then go
-    kind, request_id = None, None
-    while True:
-        try:
-            kind, request_id, *args = connection.recv()
-        except (EOFError, OSError):
-            break
-        if kind == "submit":
-            backup.submit(*args)
-        elif kind == "deletable":
-            send("reply", request_id, [str(path) for path in backup.deletable(args[0])])
-        elif kind == "wait":
-            send("reply", request_id, backup.wait(args[0]))
-        elif kind == "push_run_files":
-            send("reply", request_id, backup.push_run_files(args[0]))
-        elif kind == "close":
-            close_timeout = args[0]
-            break
-    backup.close(close_timeout)
-    if kind == "close":
-        send("reply", request_id, None)
+        return self._reply(request_id, timeout_s) if self._send(kind, request_id, *args) else None
 
 
 def add_backup_args(parser: argparse.ArgumentParser) -> None:
@@ -1241,7 +845,8 @@ def add_backup_args(parser: argparse.ArgumentParser) -> None:
                             "(alias: THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)")
     group.add_argument("--remote-keep-recent", type=int, default=3, help="newest remote checkpoints kept")
     group.add_argument("--remote-keep-every", type=int, default=10,
-                       help="also keep every Nth save (by save index) on the remote forever; 0 = off")
+                       help="also keep every Nth save on the remote forever: every multiple of N x "
+                            "--save-every steps (none without --save-every); 0 = off")
     group.add_argument("--backup-wait-seconds", type=float, default=600.0,
                        help="on stop, wait this long for pending uploads")
     group.add_argument("--backup-max-unbacked", type=int, default=3,
@@ -1326,12 +931,17 @@ def printable_backup_url(url: str) -> str | None:
 
 def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
                      log: LogFn = log_line) -> BackupProcess | None:
-    """A BackupProcess for the options of add_backup_args, or None when no backup URL is set."""
+    """A BackupProcess for train.py's options (add_backup_args and its --keep-last/--keep-every), or None
+    when no backup URL is set. --remote-keep-every N keeps every Nth save: every multiple of N x
+    save_every steps, the local rule's form (without --save-every, none)."""
     url = backup_url_from_env_or_arg(args.backup_to)
     if url is None:
         return None
-    return BackupProcess(url, keep_recent=args.remote_keep_recent, keep_every=args.remote_keep_every,
-                            save_every=save_every, max_unbacked=args.backup_max_unbacked, log=log)
+    policy = store.MirrorPolicy(keep_last=args.keep_last, keep_every=args.keep_every,
+                                remote_keep_last=args.remote_keep_recent,
+                                remote_keep_every=args.remote_keep_every * (save_every or 0),
+                                max_unbacked=args.backup_max_unbacked)
+    return BackupProcess(url, policy, log=log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1483,18 +1093,19 @@ def command_list(url: str) -> int:
                 print(f"{name:40s} {size if size is not None else '-':>14} {sha[:12]}")
             return 0
         listing = remote_listing(fs, root)
-        latest = listing["latest"] or {}
-        folder = checkpoint_folder(root)
-        if not listing["verified"] and not listing["unverified"]:
+        latest = listing.latest.path if listing.latest else None
+        if not listing.files:
             print("no checkpoints on the remote")
-        for step, name in sorted(listing["verified"].items()):
-            record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
-            mark = "  <- latest" if latest.get("path") == name else ""
-            size, sha = (record.bytes, record.sha256[:12]) if record else ("?", "? (record unreadable)")
-            print(f"{name:24s} step {step:>9} {size:>14} bytes  sha256 {sha}{mark}")
-        for name in listing["unverified"]:
-            print(f"{name:24s} UNVERIFIED (no record; never used by restore)")
-        for name in listing["partials"]:
+        for name in listing.steps(listing.files):
+            record = listing.records.get(name)
+            mark = "  <- latest" if latest == name else ""
+            if isinstance(record, store.Record):
+                print(f"{name:24s} step {record.step:>9} {record.bytes:>14} bytes  sha256 {record.sha256[:12]}{mark}")
+            elif record is not None:
+                print(f"{name:24s} step {store.step_of(name):>9} {'?':>14} bytes  sha256 ? (record unreadable){mark}")
+            else:
+                print(f"{name:24s} UNVERIFIED (no record; never used by restore)")
+        for name in listing.temporaries:
             print(f"{name:24s} partial upload (in flight, or left by an interrupted one)")
     return 0
 
@@ -1512,7 +1123,6 @@ def command_push(run_dir: str, url: str) -> int:
         local = store.list_folder(source / CHECKPOINT_DIR)
         if not local.files:
             raise UserError(f"{source / CHECKPOINT_DIR} holds no step-*.pt checkpoints")
-        folder = checkpoint_folder(root)
         listing = remote_listing(fs, root)
         newest = None
         for name in local.steps(local.files):
@@ -1520,12 +1130,9 @@ def command_push(run_dir: str, url: str) -> int:
             if problem:
                 print(f"WARNING {problem}; not pushed")
                 continue
-            record = local.records[name]
-            known = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}")) \
-                if name in listing["verified"].values() else None
-            if known and known.sha256 == record.sha256:
+            if store.backed_up(local, listing, name):
                 print(f"{name}: already on the remote")
-                newest = known
+                newest = listing.records[name]
                 continue
             try:
                 newest = upload_checkpoint(fs, root, source / CHECKPOINT_DIR / name)
@@ -1582,28 +1189,29 @@ def command_verify(url: str) -> int:
                     problems.append(f"tokenizer/: does not match {CORPUS_MANIFEST}")
         else:
             listing = remote_listing(fs, root)
-            if not (listing["verified"] or listing["unverified"] or listing["latest"] or listing["latest_error"]):
+            if not (listing.files or listing.latest or listing.latest_error):
                 print("verify: no checkpoints on the remote, nothing to check")
                 return 0
             folder = checkpoint_folder(root)
-            for _, name in sorted(listing["verified"].items()):
-                record = remote_record(get_json(fs, f"{folder}/{store.record_name(name)}"))
+            recorded = [name for name in listing.steps(listing.files) if name in listing.records]
+            for name in recorded:
+                record = listing.records[name]
                 got_size, got_sha = remote_digest(fs, f"{folder}/{name}")
-                if record is None or (got_sha, got_size) != (record.sha256, record.bytes):
+                if not isinstance(record, store.Record) or (got_sha, got_size) != (record.sha256, record.bytes):
                     problems.append(f"{name}: does not match its recorded sha256 (corrupted)")
                 else:
                     print(f"{name}: ok")
-            problems += [f"{name}: has no record (unverified upload)" for name in listing["unverified"]]
-            latest = listing["latest"]
-            if listing["latest_error"]:
-                problems.append(f"{store.LATEST}: {listing['latest_error']}")
-            elif latest is None:
+            problems += [f"{name}: has no record (unverified upload)" for name in listing.files
+                         if name not in listing.records]
+            if listing.latest_error:
+                problems.append(f"{store.LATEST}: {listing.latest_error}")
+            elif listing.latest is None:
                 problems.append(f"{store.LATEST}: missing")
-            elif latest.get("path") not in listing["verified"].values():
-                problems.append(f"{store.LATEST}: points at {latest.get('path')}, which is not a verified checkpoint")
-            checked = len(listing["verified"])
-            if listing["partials"]:
-                print(f"note: {len(listing['partials'])} partial upload(s) present (ignored)")
+            elif listing.latest.path not in recorded:
+                problems.append(f"{store.LATEST}: points at {listing.latest.path}, which is not a verified checkpoint")
+            checked = len(recorded)
+            if listing.temporaries:
+                print(f"note: {len(listing.temporaries)} partial upload(s) present (ignored)")
     for problem in problems:
         print(f"PROBLEM {problem}")
     print(f"verify: {checked} file(s) checked, {len(problems)} problem(s)")

@@ -49,6 +49,10 @@ RECORD_SUFFIX = ".json"
 LATEST = "latest.json"
 CORRUPT_SUFFIX = ".corrupt"
 ABANDONED = "abandoned-{step:08d}"
+CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
+# The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
+# restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
+RUN_FILES = ("metrics.jsonl", "training_settings.json", "config.toml", "hardware.json", "run_status.json")
 
 
 # run_status.json's status: running, stopped with a checkpoint to continue from, complete, failed
@@ -141,6 +145,8 @@ class Listing:
     corrupt: list[str] = field(default_factory=list)  # checkpoints set aside earlier (step-N.pt.corrupt)
     folders: set[str] = field(default_factory=set)
     sha256: Callable[[str], str] = lambda name: ""
+    latest: Record | None = None  # what latest.json names (None: none, or it does not read)
+    latest_error: str | None = None  # why latest.json does not read
 
     def steps(self, names: Iterable[str]) -> list[str]:
         """`names` ordered by step: their text order, as a step name has eight digits (step-%08d.pt)."""
@@ -204,10 +210,16 @@ def list_folder(folder: Path) -> Listing:
             records[name] = read_record(paths[record_name(name)])
         except UserError as error:
             records[name] = str(error)
+    latest, latest_error = None, None
+    if LATEST in paths:
+        try:
+            latest = read_record(paths[LATEST])
+        except UserError as error:
+            latest_error = str(error)
     return Listing(files={name: paths[name].stat().st_size for name in names.checkpoints}, records=records,
                    temporaries=names.temporaries, corrupt=names.corrupt,
                    folders={name for name, path in paths.items() if path.is_dir()},
-                   sha256=lambda name: sha256_file(folder / name))
+                   sha256=lambda name: sha256_file(folder / name), latest=latest, latest_error=latest_error)
 
 
 @dataclass
@@ -319,26 +331,99 @@ def retention_deletions(listing: Listing, run_id: str, keep_last: int, keep_ever
     return [name for name in ours if name not in keep and not (keep_every and step_of(name) % keep_every == 0)]
 
 
-def remote_retention_deletions(steps: Iterable[int], ours: set[int], keep_recent: int, keep_every: int,
-                            save_index: Callable[[int], int | None], protect: Iterable[int] = (),
-                            latest_step: int | None = None) -> list[int]:
-    """Steps that retention removes: of `ours` (this run's), those not among its newest `keep_recent`,
-    not an every-`keep_every`-th save (by save index, as the original trainer did), not protected.
+def beyond_unbacked_bound(waiting: Iterable, step: Callable[[object], int], max_unbacked: int) -> list:
+    """The rule of --backup-max-unbacked: of the checkpoints local retention wants to delete that have no
+    remote copy (`waiting`), the oldest beyond the newest `max_unbacked`, which may be deleted after all
+    (so a long outage cannot fill the disk). `step` gives an item's step; the result is oldest first."""
+    waiting = sorted(waiting, key=step)
+    return waiting[: max(0, len(waiting) - max_unbacked)]
 
-    Steps after `latest_step` (the remote latest.json) belong to a timeline the run left when it was
-    resumed from an older checkpoint (train.py moved them aside locally): they neither count among
-    the newest nor are removed; restore never picks them, and the new timeline overwrites them as
-    it reaches their steps."""
-    steps = sorted(step for step in set(steps) if latest_step is None or step <= latest_step)
-    own = [step for step in steps if step in ours]
-    keep = set(own[-keep_recent:]) if keep_recent > 0 else set()
-    keep |= set(protect)
-    if keep_every > 0:
-        for step in steps:
-            index = save_index(step)
-            if index is not None and index % keep_every == 0:
-                keep.add(step)
-    return [step for step in steps if step in ours and step not in keep]
+
+@dataclass(frozen=True)
+class MirrorPolicy:
+    """The retention of each side, by the one rule of retention_deletions (the newest N, every multiple
+    of a step, the best), and how many unbacked checkpoints local retention may hold back."""
+
+    keep_last: int = 2
+    keep_every: int = 0  # a step: every multiple of it is kept
+    remote_keep_last: int = 3
+    remote_keep_every: int = 0
+    max_unbacked: int = 3
+
+    def __post_init__(self):
+        if self.remote_keep_last < 1 or self.keep_last < 1:
+            raise UserError(f"--remote-keep-recent and --keep-last must be >= 1, got {self.remote_keep_last} "
+                            f"and {self.keep_last}")
+        if min(self.remote_keep_every, self.keep_every, self.max_unbacked) < 0:
+            raise UserError("--remote-keep-every, --keep-every and --backup-max-unbacked must be >= 0")
+
+
+@dataclass
+class MirrorPlan:
+    upload: list[str] = field(default_factory=list)  # local checkpoints the remote lacks, newest first
+    delete_remote: list[str] = field(default_factory=list)
+    latest: Record | None = None  # what the remote latest.json is to name; None: it does already, or nothing
+    delete_local: list[str] = field(default_factory=list)
+    unbacked: list[str] = field(default_factory=list)  # of delete_local, those with no remote copy
+    caught_up: bool = False  # the local latest.json's checkpoint is on the remote and its latest.json names it
+
+    def empty(self) -> bool:
+        return not (self.upload or self.delete_remote or self.latest or self.delete_local)
+
+
+def backed_up(local: Listing, remote: Listing, name: str) -> bool:
+    """The remote holds local checkpoint `name` in full, under a record with the same sha256."""
+    mine, theirs = local.records.get(name), remote.records.get(name)
+    return isinstance(mine, Record) and isinstance(theirs, Record) and theirs.sha256 == mine.sha256 \
+        and remote.files.get(name) == theirs.bytes == mine.bytes
+
+
+def plan_mirror(local: Listing, remote: Listing, policy: MirrorPolicy) -> MirrorPlan:
+    """What the backup does next so that the remote mirrors the local timeline (pure: the loop applies it).
+
+    The timeline is the run of the local latest.json up to its step; a remote checkpoint after it
+    belongs to a timeline the run left (a rewind) and one whose sha256 differs from the local file of
+    that name is stale: neither counts, neither is deleted (an upload overwrites it). The remote keeps
+    by retention_deletions with the remote's numbers, counting only what is verified there, so nothing
+    goes before its successor arrived; what retention of the remote would not keep is never uploaded.
+    A local checkpoint retention wants gone may go once the remote holds it, or once it is not wanted
+    there and a newer one is; beyond `max_unbacked` waiting, the oldest go anyway (`unbacked`)."""
+    plan, head = MirrorPlan(), local.latest
+    if head is None or head.path not in local.files:
+        return plan
+
+    def on_timeline(listing: Listing, name: str) -> bool:
+        return step_of(name) <= head.step and listing.run_id(name) == head.run_id
+
+    ours = [name for name in local.files if on_timeline(local, name)]
+    verified = [name for name in remote.files if on_timeline(remote, name) and remote.files[name] ==
+                remote.records[name].bytes and (name not in local.records or backed_up(local, remote, name))]
+    records = {**{name: remote.records[name] for name in verified}, **{name: local.records[name] for name in ours}}
+
+    def kept(names: Iterable[str]) -> set[str]:
+        names = set(names)
+        union = Listing(files=dict.fromkeys(names, 0), records={name: records[name] for name in names})
+        return names - set(retention_deletions(union, head.run_id, policy.remote_keep_last,
+                                               policy.remote_keep_every))
+
+    wanted = kept([*verified, *ours])
+    plan.upload = sorted((name for name in ours if name in wanted and name not in verified), reverse=True)
+    newest = max(verified, default=None)
+    if newest is not None and (remote.latest is None or remote.latest != remote.records[newest]):
+        plan.latest = remote.records[newest]
+    protected = {newest, remote.latest.path if remote.latest else None}
+    plan.delete_remote = sorted(set(verified) - kept(verified) - protected)
+    waiting = []
+    for name in retention_deletions(local, head.run_id, policy.keep_last, policy.keep_every):
+        if name in verified or (name not in wanted and newest is not None and name < newest):
+            plan.delete_local.append(name)
+        else:
+            waiting.append(name)
+    plan.unbacked = beyond_unbacked_bound(waiting, step_of, policy.max_unbacked)
+    plan.delete_local += plan.unbacked
+    plan.upload = [name for name in plan.upload if name not in plan.unbacked]
+    plan.caught_up = newest == head.path and plan.latest is None
+    return plan
 
 
 def restore_order(recorded_steps, latest_step: int | None) -> list[int]:

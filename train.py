@@ -1785,8 +1785,8 @@ class Checkpointer:
 
     One write is in flight at a time: `save` waits for the previous one, hands over the
     snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
-    `save` or `wait`. `backup` (optional) has submit(path, step), is_backed_up(path) -> bool
-    and wait(timeout_s) -> bool; retention never deletes a file the backup has not confirmed.
+    `save` or `wait`. `backup` (optional) has submit(path, step), deletable(paths) -> paths
+    and wait(timeout_s) -> bool; retention never deletes a file the backup has not let go.
     The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
     """
 
@@ -1872,17 +1872,14 @@ class Checkpointer:
             self.backup.submit(resumed_from, step)
 
     def apply_retention(self) -> None:
-        """Delete what store.retention_deletions names, once the backup (if any) lets each go:
-        `backup.deletable(paths)` when the backup has it, else `backup.is_backed_up(path)`."""
+        """Delete what store.retention_deletions names, once the backup (if any) lets each go
+        (`backup.deletable(paths)`; checkpoint_cloud's loop deletes those the remote holds itself)."""
         listing = store.list_folder(self.folder)
         candidates = [self.folder / name for name in
                       store.retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
         if self.backup is not None and candidates:
-            if hasattr(self.backup, "deletable"):
-                allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
-                candidates = [path for path in candidates if path.resolve() in allowed]
-            else:
-                candidates = [path for path in candidates if self.backup.is_backed_up(path)]
+            allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
+            candidates = [path for path in candidates if path.resolve() in allowed]
         store.delete(self.folder, [path.name for path in candidates])
 
 

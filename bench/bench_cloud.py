@@ -8,9 +8,9 @@ A small torch model trains (forward, backward, AdamW) and saves a checkpoint eve
 steps as train.py does (temporary name, rename, keep the newest two). The run is cut into
 checkpoint intervals (save, then --save-every steps) that alternate between the two kinds: without
 backup, and with the checkpoint handed to checkpoint_cloud.BackupProcess (train.py's backup: a
-CheckpointBackup in a child process; `--backup thread` runs CheckpointBackup in this process), which uploads it to
-moto's S3 server (a separate process on 127.0.0.1) while the steps run, and with local retention
-asking it what may be deleted. Each backed-up interval is compared with the plain one just before
+reconcile loop in a child process), which uploads it to moto's S3 server (a separate process on
+127.0.0.1) while the steps run, and deletes the local ones retention lets go once the remote holds
+them. Each backed-up interval is compared with the plain one just before
 it (this machine is shared: slow drifts cancel out) and the median of those ratios is reported,
 with the process CPU time per step of each kind (less noisy than wall time).
 """
@@ -49,8 +49,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
     parser.add_argument("--target", default="s3", choices=["s3", "folder"],
                         help="back up to moto's S3 server, or to a local folder (a mounted drive)")
-    parser.add_argument("--backup", default="process", choices=["process", "thread"],
-                        help="BackupProcess (a child process, as train.py uses) or CheckpointBackup (a thread here)")
     parser.add_argument("--pin", action="store_true",
                         help="pin training to CPU 0 and the S3 server to the others (as if it ran elsewhere)")
     return parser.parse_args()
@@ -94,9 +92,10 @@ class SyntheticTraining:
         with atomic_path(path) as temp:  # the record before the rename, as train.py writes them
             torch.save({"format_version": 1, "step": self.step, "model": self.model.state_dict(),
                         "optimizer": self.optimizer.state_dict(), "settings": {}}, temp)
-            checkpoint_store.write_record(self.folder, checkpoint_store.Record(
-                path=path.name, step=self.step, sha256=sha256_file(temp), bytes=temp.stat().st_size,
-                run_id="bench", created=utc_now()))
+            record = checkpoint_store.Record(path=path.name, step=self.step, sha256=sha256_file(temp),
+                                             bytes=temp.stat().st_size, run_id="bench", created=utc_now())
+            checkpoint_store.write_record(self.folder, record)
+        checkpoint_store.write_record(self.folder, record, checkpoint_store.LATEST)
         self.saved.append(path)
         old = self.saved[:-2]
         if backup is not None:
@@ -130,12 +129,12 @@ def main() -> int:
             url = f"{scratch}/remote" if args.target == "folder" else "s3://bench/run"
             if args.target == "s3":
                 checkpoint_cloud.open_remote("s3://bench")[0].mkdir("bench")
-            backup_class = checkpoint_cloud.BackupProcess if args.backup == "process" else \
-                checkpoint_cloud.CheckpointBackup
-            backup = backup_class(url, save_every=args.save_every, log=lines.append)
-            backup.started.wait(60)  # its one-time connection set-up is not a per-checkpoint cost
+            backup = checkpoint_cloud.BackupProcess(url, checkpoint_store.MirrorPolicy(keep_last=2),
+                                                    log=lines.append)
             training = SyntheticTraining(args, Path(scratch) / "run")
-            training.train_steps(2)  # warm-up
+            training.train_steps(2)  # warm-up, and one backed-up save: the connection set-up is not measured
+            training.save(backup)
+            backup.wait(120)
             for _ in range(args.pairs):
                 plain.append(timed_interval(training, args.save_every, None))
                 backed.append(timed_interval(training, args.save_every, backup))

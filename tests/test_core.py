@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint_cloud as cc
 import checkpoint_store as store
 import data
 import losses
@@ -576,23 +575,7 @@ def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Remote retention (checkpoint_cloud.py)
-
-
-@pytest.mark.parametrize("keep_recent, keep_every, protect, latest, removed", [
-    (2, 0, (), None, [1, 2, 3]),
-    (1, 0, (), None, [1, 2, 3, 4]),
-    (0, 0, (), None, [1, 2, 3, 4, 5]),
-    (2, 2, (), None, [1, 3]),  # save index = step: 2 and 4 are every second save
-    (2, 1, (), None, []),  # every save is kept
-    (2, 0, (1,), None, [2, 3]),
-    (2, 0, (), 3, [1]),  # 4 and 5 are after the remote latest.json: left alone and not counted
-])
-def test_remote_retention_table(keep_recent, keep_every, protect, latest, removed):
-    steps = [1, 2, 3, 4, 5, 6]
-    ours = {1, 2, 3, 4, 5}  # 6 is another run's: never removed, never counted among the newest
-    assert store.remote_retention_deletions(steps, ours, keep_recent, keep_every, lambda step: step, protect=protect,
-                                      latest_step=latest) == removed
+# The bound on unbacked checkpoints (checkpoint_store.py; the backup's plan is tested in test_store.py)
 
 
 @pytest.mark.parametrize("waiting, bound, allowed", [
@@ -600,10 +583,10 @@ def test_remote_retention_table(keep_recent, keep_every, protect, latest, remove
     ([10, 9, 100], 1, [9, 10]),
 ])
 def test_beyond_unbacked_bound(waiting, bound, allowed):
-    assert cc.beyond_unbacked_bound(waiting, lambda step: step, bound) == allowed
+    assert store.beyond_unbacked_bound(waiting, lambda step: step, bound) == allowed
     # ordered by the step, not by the items themselves
     names = [f"step-{step}" for step in waiting]
-    assert cc.beyond_unbacked_bound(names, lambda name: int(name[5:]), bound) == [f"step-{step}" for step in allowed]
+    assert store.beyond_unbacked_bound(names, lambda name: int(name[5:]), bound) == [f"step-{step}" for step in allowed]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ plus the few functions that touch a folder and train.py's Checkpointer around th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -367,8 +368,8 @@ def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
         write_checkpoint(tmp_path, step)
 
     class Backup:
-        def is_backed_up(self, path):
-            return path.name != store.checkpoint_name(2)
+        def deletable(self, candidates):
+            return [path for path in candidates if path.name != store.checkpoint_name(2)]
 
     train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup()).apply_retention()
     assert sorted(store.list_folder(tmp_path).files) == ["step-00000002.pt", "step-00000005.pt"]
@@ -379,7 +380,7 @@ def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
         write_checkpoint(tmp_path, step)
     asked = []
 
-    class Backup:  # no is_backed_up: deletable(paths) is the whole protocol
+    class Backup:  # deletable(paths) is the whole protocol of retention
         def deletable(self, candidates):
             asked.append([path.name for path in candidates])
             return [str(path) for path in candidates if path.name != store.checkpoint_name(3)]
@@ -403,8 +404,8 @@ def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tm
             self.confirmed = True  # the uploads finish while close waits
             return False
 
-        def is_backed_up(self, path):
-            return self.confirmed
+        def deletable(self, candidates):
+            return candidates if self.confirmed else []
 
     saver = train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup(), backup_wait_s=2.5)
     assert saver.close() is False and waits == [2.5]
@@ -431,3 +432,89 @@ def test_sort_names_is_the_one_naming_rule_for_folders_and_remotes():
                                 orphaned=["step-00000003.pt"], temporaries=[".step-00000004.pt.0a1b2c3d.tmp"],
                                 corrupt=["step-00000005.pt"])
     assert store.sort_names([]) == store.Names([], [], [], [], [])
+
+
+# ----------------------------------------------------------------------------------------------
+# The backup's plan: what the reconcile loop does next, from the local and the remote Listing.
+
+
+def mirror_listing(entries, latest=None, changed=()) -> store.Listing:
+    """`entries` as in listing(); `latest`: the step latest.json names; `changed`: steps whose file has
+    another sha256 than the other side's (a stale remote copy of a timeline left)."""
+    side = listing(*entries)
+    for step in changed:
+        name = store.checkpoint_name(step)
+        side.records[name] = dataclasses.replace(side.records[name], sha256="other")
+    if latest is not None:
+        side.latest = side.records[store.checkpoint_name(latest)]
+    return side
+
+
+def names(*steps) -> list[str]:
+    return [store.checkpoint_name(step) for step in steps]
+
+
+POLICY = store.MirrorPolicy(keep_last=1, keep_every=0, remote_keep_last=2, remote_keep_every=0, max_unbacked=2)
+
+MIRROR = [  # case, local (entries, latest), remote (entries, latest, changed), policy, upload, delete remote,
+    #        latest moves to, local deletes, of which unbacked, caught up
+    ("nothing saved yet", ([], None), ([5], 5, ()), POLICY, [], [], None, [], [], False),
+    ("the first save", ([10], 10), ([], None, ()), POLICY, names(10), [], None, [], [], False),
+    ("uploaded: latest moves", ([10], 10), ([10], None, ()), POLICY, [], [], 10, [], [], False),
+    ("in step", ([10], 10), ([10], 10, ()), POLICY, [], [], None, [], [], True),
+    ("newest first; nothing deleted before it is there", ([10, 20, 30], 30), ([10], 10, ()), POLICY,
+     names(30, 20), [], None, names(10), [], False),
+    ("retention counts what the remote verified", ([30], 30), ([10, 20, 30], 20, ()), POLICY,
+     [], names(10), 30, [], [], False),
+    ("local goes once the remote holds it", ([10, 20], 20), ([10, 20], 20, ()), POLICY,
+     [], [], None, names(10), [], True),
+    ("one the remote would not keep, once a newer one is there", ([10, 20, 30, 40], 40), ([40], 40, ()),
+     POLICY, names(30), [], None, names(10, 20), [], True),
+    ("an outage: the oldest beyond max_unbacked go", ([10, 20, 30, 40, 50], 50), ([], None, ()), POLICY,
+     names(50, 40), [], None, names(10, 20), names(10, 20), False),
+    ("every multiple of the step, on both sides", ([20, 30, 40], 40), ([10, 20, 30, 40], 40, ()),
+     dataclasses.replace(POLICY, keep_every=20, remote_keep_every=20), [], names(10), None, names(30), [], True),
+    ("another run's files are never counted nor deleted", ([30, 40], 40), ([(10, "x"), (20, "x"), 30, 40], 40, ()),
+     POLICY, [], [], None, names(30), [], True),
+    ("a rewind: latest goes back; the timeline left is neither counted nor deleted", ([10, 20], 20),
+     ([10, 20, 30, 40], 40, ()), POLICY, [], [], 20, names(10), [], False),
+    ("a stale copy of a timeline left is overwritten", ([10, 20], 20), ([10, 20, 30], 30, (20,)), POLICY,
+     names(20), [], 10, names(10), [], False),
+]
+
+
+@pytest.mark.parametrize("case, local, remote, policy, upload, delete_remote, latest, delete_local, unbacked, "
+                         "caught_up", MIRROR, ids=[row[0] for row in MIRROR])
+def test_plan_mirror(case, local, remote, policy, upload, delete_remote, latest, delete_local, unbacked, caught_up):
+    plan = store.plan_mirror(mirror_listing(*local), mirror_listing(*remote), policy)
+    assert plan.upload == upload
+    assert plan.delete_remote == delete_remote
+    assert (plan.latest.step if plan.latest else None) == latest
+    assert plan.delete_local == delete_local and plan.unbacked == unbacked
+    assert plan.caught_up is caught_up
+    assert plan.empty() is not (upload or delete_remote or latest or delete_local)
+
+
+def test_plan_mirror_keeps_the_best_on_the_remote_as_retention_does_locally():
+    local = mirror_listing([30, 40], 40)
+    remote = mirror_listing([10, 20, 30, 40], 40)
+    remote.records[store.checkpoint_name(10)] = record(10, val_loss=1.5)
+    plan = store.plan_mirror(local, remote, POLICY)
+    assert plan.delete_remote == names(20)  # 10 is the best, 30 and 40 the newest two
+
+
+def test_a_remote_file_that_is_not_whole_is_not_a_backup():
+    remote = mirror_listing([10], None)
+    remote.files[store.checkpoint_name(10)] = 3  # its record says 10 bytes: an upload cut short
+    plan = store.plan_mirror(mirror_listing([10], 10), remote, POLICY)
+    assert plan.upload == names(10) and plan.latest is None
+    assert not store.backed_up(mirror_listing([10], 10), remote, store.checkpoint_name(10))
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"remote_keep_last": 0}, "--remote-keep-recent"), ({"keep_last": 0}, "--keep-last"),
+    ({"remote_keep_every": -1}, "--remote-keep-every"), ({"max_unbacked": -1}, "--backup-max-unbacked"),
+])
+def test_a_bad_mirror_policy_is_a_user_error(settings, problem):
+    with pytest.raises(UserError, match=problem):
+        store.MirrorPolicy(**settings)

@@ -369,8 +369,8 @@ def test_checkpointer_retention_and_backup_seam(tmp_path):
         def submit(self, path, step):
             self.submitted.append(step)
 
-        def is_backed_up(self, path):
-            return Path(path).name in self.confirmed
+        def deletable(self, candidates):
+            return [path for path in candidates if Path(path).name in self.confirmed]
 
         def wait(self, timeout_s):
             return True
@@ -956,35 +956,35 @@ def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely
                                                                               capsys, patch_python_children):
     import checkpoint_cloud
 
-    # uploads lag well behind the saves (one every 2 steps); they run in the backup's child process
+    # uploads lag well behind the saves (one every 2 steps); they run in the backup's child process, which
+    # also deletes the local checkpoints retention lets go: each deletion is noted with what the remote held
+    remote, out, deleted = tmp_path / "remote", tmp_path / "run", tmp_path / "deleted.jsonl"
     patch_python_children("\n".join([
-        "import time, checkpoint_cloud",
-        "upload = checkpoint_cloud.upload_verified",
+        "import json, os, time, checkpoint_cloud, checkpoint_store",
+        "upload, delete = checkpoint_cloud.upload_verified, checkpoint_store.delete",
         "def slow_upload(*args, **kwargs):",
         "    time.sleep(1.0)",
         "    return upload(*args, **kwargs)",
-        "checkpoint_cloud.upload_verified = slow_upload",
+        "def noted_delete(folder, names):",
+        "    held = [n for n in os.listdir(folder) if n.endswith('.pt')]",
+        f"    with open({str(deleted)!r}, 'a') as notes:",
+        "        for name in names:",
+        f"            there = os.path.exists(os.path.join({str(remote / 'checkpoints')!r}, name + '.json'))",
+        "            notes.write(json.dumps([name, there, len(held)]) + '\\n')",
+        "    return delete(folder, names)",
+        "checkpoint_cloud.upload_verified, checkpoint_store.delete = slow_upload, noted_delete",
     ]))
-    deleted_unbacked, kept_waiting = [], set()
-    checkpointer_retention = train.Checkpointer.apply_retention
-
-    def watched_retention(self):
-        before = set(self.folder.glob("step-*.pt"))
-        checkpointer_retention(self)
-        after = set(self.folder.glob("step-*.pt"))
-        deleted_unbacked.extend(path.name for path in before - after if not self.backup.is_backed_up(path))
-        kept_waiting.update(path.name for path in sorted(after)[:-1] if not self.backup.is_backed_up(path))
-
-    monkeypatch.setattr(train.Checkpointer, "apply_retention", watched_retention)
-    remote, out = tmp_path / "remote", tmp_path / "run"
     backup = ["--backup-to", str(remote), "--remote-keep-recent", "100", "--backup-max-unbacked", "100"]
     assert train.main(options(corpus, out, "--save-every", "2", "--keep-last", "1", *backup)) == 0
-    assert deleted_unbacked == [] and kept_waiting  # retention did meet files still waiting for their upload
+    notes = [json.loads(line) for line in deleted.read_text().splitlines()]
+    assert notes and all(there for _, there, _ in notes)  # nothing deleted before its copy was on the remote
+    assert max(held for _, _, held in notes) > 2  # retention did meet files still waiting for their upload
     listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
-    assert listing["latest"]["step"] == 12 and 12 in listing["verified"]
+    assert listing.latest.step == 12 and "step-00000012.pt" in listing.records
     local = {int(p.stem.split("-")[1]) for p in (out / "checkpoints").glob("step-*.pt")}
-    assert set(listing["verified"]) | local == {2, 4, 6, 8, 10, 12}  # each save is on the remote or still here
-    for name in listing["verified"].values():
+    remote_steps = {record.step for record in listing.records.values()}
+    assert remote_steps | local == {2, 4, 6, 8, 10, 12}  # each save is on the remote or still here
+    for name in listing.records:
         record = json.loads((remote / "checkpoints" / f"{name}.json").read_text())
         assert sha256_file(remote / "checkpoints" / name) == record["sha256"], name
     assert status(out)["backup_complete"] is True
