@@ -86,7 +86,8 @@ CHECKPOINT_DIR = "checkpoints"
 CORPUS_MANIFEST = "corpus_manifest.json"
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
-RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json")
+RUN_FILES = ("metrics.jsonl", "training_settings.json", "hardware.json", "run_status.json", "trackers.json",
+             "events.out.tfevents.tinyllm")  # the last two: report.TRACKERS_FILE, report.TENSORBOARD_EVENTS
 NEEDS_RESUME = "CHECKPOINTED_NEEDS_RESUME"  # train.py's status of a run to continue with --resume auto
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
@@ -1640,6 +1641,11 @@ def main(argv=None) -> int:
     if args.command == "pull":
         return command_pull(args.url, args.run)
     return command_verify(args.url)
+
+
+def command() -> None:
+    """The `tinyllm-cloud` console script (pyproject.toml): `python checkpoint_cloud.py` from anywhere."""
+    run_main(main, script=True)
 
 
 if __name__ == "__main__":

@@ -245,7 +245,9 @@ class SessionSettings:
                                    "on CPU)", SPEED, checks=(finite, not_negative))
     report: bool = option(True, "loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging "
                                 "Face export RUN/model at the end (--no-report: checkpoints and metrics only)", OUTPUT)
-    tensorboard: bool = option(False, "also write the metrics to RUN/tensorboard", OUTPUT)
+    log_to: str = option("", "also send the metrics to these experiment trackers, comma-separated, any mix of "
+                             "tensorboard (a file in RUN), wandb, trackio (docs/training.md#trackers)", OUTPUT,
+                         metavar="TRACKERS")
     backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
         None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
@@ -355,6 +357,7 @@ def check_settings(settings: Settings) -> None:
     UserError naming its option."""
     run, invocation = settings.run, settings.invocation
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
+    report.check_trackers(report.tracker_names(settings.session.log_to))
     if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
     if run.decay_fraction is not None and run.schedule == "cosine":
@@ -1067,8 +1070,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
     recorded = recorded_settings(training)
-    tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=session.tensorboard and info.is_main)
-    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
+    trackers = report.open_trackers(report.tracker_names(session.log_to), out, training.run_id, recorded) \
+        if info.is_main else []
+    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=trackers)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
@@ -1117,7 +1121,6 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
             status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
         finally:
             progress.close()
-            tensorboard.close()
         stop.loop_ended = True
         finish_run(training, out, checkpointer, metrics, status, reason, stop)
     except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
@@ -1161,6 +1164,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
         raise
     finally:
+        metrics.close()
         stop.restore()
     return 0
 
@@ -1518,7 +1522,9 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return None
     try:
-        return finish_on_main(training, out, checkpointer, status, reason, test, stop)
+        record = finish_on_main(training, out, checkpointer, status, reason, test, stop)
+        metrics.write_samples(out / "sample_generations.json")
+        return record
     finally:
         if info.world > 1:
             dist.barrier()
@@ -1601,7 +1607,8 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
     if tokenizer is not None:
         info = report.card_info(out.name, status, training.run.preset, training.step, training.total_steps,
                          training.step * training.tokens_per_step, recorded_settings(training),
-                         training.metrics.last_eval, test, found.get("task_accuracy"))
+                         training.metrics.last_eval, test, found.get("task_accuracy"),
+                         report.usage_example_from(corpus, tokenizer))
         model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
         if model_files is not None:
             found["model_files"] = model_files
@@ -1670,7 +1677,8 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
         say(report.accuracy_line(result))
     info_card = report.card_info(out.name, status, training["preset"], step, total,
                           step * int(training["tokens_per_step"]), recorded,
-                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy)
+                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
+                          report.usage_example_from(corpus, tokenizer))
     model_files = export_model(model, tokenizer, out / "model", info_card)
     print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
           + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
@@ -1943,6 +1951,11 @@ def init_mismatch(source: store.InitSource, model: torch.nn.Module, settings: di
             problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
     return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
             "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+def command() -> None:
+    """The `tinyllm-train` console script (pyproject.toml): `python train.py` from anywhere."""
+    run_main(main, script=True)
 
 
 if __name__ == "__main__":
