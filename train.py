@@ -689,7 +689,7 @@ class Training:
     """Model, optimizer, data, schedule and scaler of one run on one rank.
 
         settings = train.parse_args(["--data", CORPUS, "--out", RUN, "--preset", "micro", "--threads", "2"])
-        info = train.init_distributed(settings.session.device)
+        info = distributed.init_distributed(settings.session.device)
         training = train.build_training(settings, info)
         result = training.train_step()          # one optimizer step (all micro-steps)
     """
