@@ -1250,5 +1250,10 @@ def main(argv=None) -> int:
     return command_verify(args.url)
 
 
+def command() -> None:
+    """The `tinyllm-cloud` console script (pyproject.toml): `python checkpoint_cloud.py` from anywhere."""
+    run_main(main, script=True)
+
+
 if __name__ == "__main__":
     run_main(main)

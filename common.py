@@ -84,7 +84,7 @@ def os_error_text(error: OSError, path: str | os.PathLike | None = None) -> str:
     return f"{where}: {os_error_cause(error)}" if where else os_error_cause(error)
 
 
-def run_main(main: Callable[[], Any]) -> None:
+def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
     """Run a script's main(), turning UserError into a one-line message and exit code 2.
 
     An OSError that reaches here (a full disk, a read-only or vanished folder: the machine, not the
@@ -92,11 +92,13 @@ def run_main(main: Callable[[], Any]) -> None:
     explain better (which checkpoint is the last good one, ...) before it gets here.
 
     A Ctrl-C is `error: interrupted` (exit 130) also when a library re-raised the KeyboardInterrupt
-    as an exception of its own. Run as a script's entry point (`main` defined in
-    __main__), a Ctrl-C after main() has ended is ignored: the outcome is decided and recorded, and
+    as an exception of its own. Run as a script's entry point (`main` defined in __main__, or
+    `script=True` from a console script), a Ctrl-C after main() has ended is ignored: the outcome is
+    decided and recorded, and
     a traceback from the interpreter's teardown (or a death by the signal) would only hide it.
     """
-    script = getattr(main, "__module__", None) == "__main__"
+    if script is None:  # a console script (pyproject.toml) says so itself
+        script = getattr(main, "__module__", None) == "__main__"
     try:
         result = main()
     except UserError as error:

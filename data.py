@@ -1649,9 +1649,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """`python data.py` and the `tinyllm-data` console script (pyproject.toml)."""
     stop_on_sigterm()  # the command line only: a kill leaves no .NAME.<hex>.tmp/ behind
-    run_main(main)
+    run_main(main, script=True)
+
+
+if __name__ == "__main__":
+    command()
 
 
 # ----------------------------------------------------------------------------------------------

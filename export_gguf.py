@@ -1108,5 +1108,10 @@ def main(argv=None) -> None:
         modelfile = Path(summary["modelfile"]).resolve()
         print(f"wrote {modelfile} (ollama: ollama create {model_name(args.model)} -f {modelfile})")
 
+def command() -> None:
+    """The `tinyllm-gguf` console script (pyproject.toml): `python export_gguf.py` from anywhere."""
+    run_main(main, script=True)
+
+
 if __name__ == "__main__":
     run_main(main)

@@ -1,10 +1,11 @@
 """What a person sees of a run: progress, the loss curve, samples, task accuracy, the HF export.
 
-train.py calls these on rank 0 (Progress and TensorBoardLogger take `enabled=info.is_main`):
+train.py calls these on rank 0 (Progress and MetricsLog take `enabled=info.is_main`):
 
     progress = Progress(total_steps, initial_step=step, every=args.log_every, enabled=is_main)
     progress.update(step, loss, tokens_per_second, mfu)   # every optimizer step; progress.write(msg) for logs
-    tensorboard.log(record)                               # each metrics.jsonl record
+    metrics = MetricsLog(RUN / "metrics.jsonl", is_main, open_trackers(["wandb"], RUN, run_id, settings))
+    metrics.write("train", step=step, loss=loss)          # metrics.jsonl and each --log-to tracker
     plot_loss_curve(RUN / "metrics.jsonl", RUN / "loss_curve.png")                 # after each eval, at the end
     generate_samples(model, tokenizer, RUN / "sample_generations.json", step=step)   # never raises
     accuracy = task_accuracy(model, tokenizer, CORPUS / "eval", device)
@@ -16,6 +17,7 @@ exported model after the fact:
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
     python report.py evaluate runs/demo --tasks corpus/demo/eval arc_easy --limit 200   # evaluation.py
     python report.py samples runs/demo/model --prompt "What is 12 plus 7?"
+    python report.py publish runs/demo hf://USER/REPO       # or a folder, s3://, gs://: verified
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -38,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+import checkpoint_cloud
 import checkpoint_store as store
 import evaluation
 from common import (
@@ -51,6 +55,7 @@ from common import (
     atomic_write_json,
     human_count,
     read_json,
+    read_json_or,
     run_main,
     say,
     sha256_file,
@@ -302,42 +307,228 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     return True
 
 
-class TensorBoardLogger:
-    """Writes each metrics.jsonl record's numbers as TensorBoard scalars named `kind/key`.
+# ----------------------------------------------------------------------------------------------
+# Experiment trackers (--log-to): sinks that MetricsLog.write feeds with every metrics.jsonl record.
 
-    Example: {"kind": "train", "step": 10, "loss": 2.3} -> scalar "train/loss" at step 10.
-    With `enabled=False` (no --tensorboard, or not rank 0) every method is a no-op.
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+TRACKERS_FILE = "trackers.json"  # per tracker: its run id and the last step it was given (a run file)
+TENSORBOARD_EVENTS = "events.out.tfevents.tinyllm"  # one file per run (`tensorboard --logdir runs/`), rebuilt on resume
+SKIPPED_KEYS = {"kind", "step", "time"}
+
+
+def tracker_names(text: str) -> tuple[str, ...]:
+    """--log-to's value: "wandb, tensorboard" -> ("wandb", "tensorboard") (check_trackers checks them)."""
+    return tuple(dict.fromkeys(name.strip().lower() for name in (text or "").split(",") if name.strip()))
+
+
+def check_trackers(names: Sequence[str]) -> None:
+    """One error line naming the pip command for a --log-to tracker whose package is missing."""
+    import importlib.util
+
+    for name in names:
+        if name not in TRACKER_PACKAGES:
+            raise UserError(f"--log-to: unknown tracker {name!r}; choose from {', '.join(TRACKER_PACKAGES)}")
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise UserError(f"--log-to {name} needs the {TRACKER_PACKAGES[name]} package: "
+                            f"pip install {TRACKER_PACKAGES[name]}")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numbers as `kind/key` (e.g. train/loss); booleans, strings and lists are not scalars."""
+    kind = record.get("kind", "metrics")
+    return {f"{kind}/{key}": value for key, value in record.items()
+            if key not in SKIPPED_KEYS and isinstance(value, int | float) and not isinstance(value, bool)}
+
+
+def table_rows(record: dict) -> dict[str, list[dict]]:
+    """A record's lists of dicts (the samples record's "samples") as `kind/key` -> rows of a table."""
+    kind = record.get("kind", "metrics")
+    return {f"{kind}/{key}": value for key, value in record.items()
+            if isinstance(value, list) and value and all(isinstance(row, dict) for row in value)}
+
+
+def tracker_skips(step: int | None, logged_through: int) -> bool:
+    """Whether a tracker that was given every step up to `logged_through` in earlier sessions skips a
+    record of `step`: a resumed run (after a rewind) logs those steps again, a tracker never does."""
+    return step is not None and step <= logged_through
+
+
+def wandb_run_id(run_id: str) -> str:
+    """The W&B run id of a tinyllm run (W&B refuses / \\ # ? % : and more than 64 characters)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", f"tinyllm-{run_id}")[:64]
+
+
+class TrackerState:
+    """RUN/trackers.json: {tracker: {"id": ..., "logged_through": step}}; a run file the backup carries,
+    so a session restored on an empty folder appends to the same tracker run and never repeats a step."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.state = read_json_or(path, {})
+
+    def get(self, tracker: str) -> dict:
+        value = self.state.get(tracker)
+        return value if isinstance(value, dict) else {}
+
+    def update(self, tracker: str, **fields) -> None:
+        self.state[tracker] = {**self.get(tracker), **fields}
+        atomic_write_json(self.path, self.state)
+
+
+class TensorBoardLogger:
+    """RUN/events.out.tfevents.tinyllm: each record's numbers as scalars `kind/key`.
+
+    One file per run, so the backup carries it as a run file: `rewind` rewrites it from the records
+    metrics.jsonl kept (a resumed run, a restore), then records are appended as they come. A curve
+    that was stopped, rewound and resumed reads as one, without TensorBoard's purge rules.
     """
 
-    SKIPPED_KEYS = {"kind", "step", "time"}
-
-    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True):
-        self.writer = None
-        if not enabled:
-            return
+    def __init__(self, out: Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError as error:
-            raise UserError(f"--tensorboard needs the tensorboard package (pip install tensorboard): {error}") from None
-        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=30)
+            raise UserError(f"--log-to tensorboard needs the tensorboard package (pip install tensorboard): "
+                            f"{error}") from None
+        self.path = out / TENSORBOARD_EVENTS
+        self._event, self._summary, self._record_writer = event_pb2.Event, summary_pb2.Summary, RecordWriter
+        self.handle = None
+
+    def _events(self, record: dict):
+        wall_time = _epoch_seconds(record.get("time"))
+        values = [self._summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars(record).items()]
+        if values:
+            yield self._event(wall_time=wall_time, step=record.get("step") or 0, summary=self._summary(value=values))
+
+    def rewind(self, records: Sequence[dict]) -> None:
+        self.close()
+        with atomic_open(self.path, "wb") as handle:
+            writer = self._record_writer(handle)
+            writer.write(self._event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+            for record in records:
+                for event in self._events(record):
+                    writer.write(event.SerializeToString())
+        self.handle = open(self.path, "ab")  # noqa: SIM115 - held open until close()
 
     def log(self, record: dict) -> None:
-        if self.writer is None:
-            return
-        kind, step = record.get("kind", "metrics"), record.get("step")
-        for key, value in record.items():
-            if key in self.SKIPPED_KEYS or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self.writer.add_scalar(f"{kind}/{key}", value, global_step=step)
-
-    def flush(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
+        if self.handle is None:
+            self.rewind([])
+        writer = self._record_writer(self.handle)
+        for event in self._events(record):
+            writer.write(event.SerializeToString())
+        self.handle.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _epoch_seconds(stamp) -> float:
+    import datetime
+
+    with contextlib.suppress(TypeError, ValueError):
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    return time.time()
+
+
+class StepTracker:
+    """A tracker run (W&B, trackio) that resumes with the run: its id and the last step it was given
+    are in TrackerState; steps up to that one are never logged again (tracker_skips)."""
+
+    name = "tracker"
+
+    def __init__(self, state: TrackerState):
+        self.state = state
+        self.logged_through = self.state.get(self.name).get("logged_through", -1)  # fixed for the session
+        self.newest = self.logged_through
+
+    def rewind(self, records: Sequence[dict]) -> None:
+        """A tracker added to a run mid-way is given what metrics.jsonl kept beyond its last step."""
+        for record in records:
+            self.log(record)
+
+    def log(self, record: dict) -> None:
+        step = record.get("step")
+        if tracker_skips(step, self.logged_through):
+            return
+        data = {**scalars(record), **{key: self.table(rows) for key, rows in table_rows(record).items()}}
+        if data:
+            self.send(data, step)
+        if step is not None and step > self.newest:
+            self.newest = step
+            self.state.update(self.name, logged_through=step)
+
+    def table(self, rows: list[dict]):
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        return self.module.Table(columns=columns, data=[[_json_safe(row.get(column)) for column in columns]
+                                                         for row in rows])
+
+    def send(self, data: dict, step: int | None) -> None:
+        self.run.log(data, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class WandbLogger(StepTracker):
+    """A Weights & Biases run, resumed (`resume="allow"`) under the id stored in trackers.json.
+    WANDB_MODE=offline writes local run files (`wandb sync` uploads them), WANDB_PROJECT names the project."""
+
+    name = "wandb"
+
+    def __init__(self, state: TrackerState, out: Path, run_id: str, config: dict):
+        super().__init__(state)
+        import wandb
+
+        self.module = wandb
+        run_id = self.state.get("wandb").get("id") or wandb_run_id(run_id)
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tinyllm"), name=out.name, id=run_id,
+                                  resume="allow", config=_json_safe(config))
+        except Exception as error:  # no API key, no network in online mode, a bad WANDB_* setting
+            raise UserError(f"--log-to wandb: {type(error).__name__}: {error} (WANDB_MODE=offline logs "
+                            "without an account; `wandb sync` uploads later)") from None
+        self.state.update("wandb", id=run_id)
+
+
+class TrackioLogger(StepTracker):
+    """A trackio run (local-first: TRACKIO_DIR, default ~/.cache/huggingface/trackio), resumed by name."""
+
+    name = "trackio"
+
+    def __init__(self, state: TrackerState, out: Path, run_id: str, config: dict):
+        super().__init__(state)
+        import trackio
+
+        self.module = trackio
+        name = self.state.get("trackio").get("id") or f"{out.name}-{run_id[:8]}"
+        try:
+            self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "tinyllm"), name=name,
+                                    config=_json_safe(config), resume="allow", embed=False,
+                                    auto_log_cpu=False, auto_log_gpu=False)
+        except Exception as error:
+            raise UserError(f"--log-to trackio: {type(error).__name__}: {error}") from None
+        self.state.update("trackio", id=name)
+
+
+def open_trackers(names: Sequence[str], out: Path, run_id: str, config: dict) -> list:
+    """The --log-to sinks for MetricsLog, in the order given."""
+    check_trackers(names)
+    state = TrackerState(out / TRACKERS_FILE)
+    kinds = {"tensorboard": lambda: TensorBoardLogger(out), "wandb": lambda: WandbLogger(state, out, run_id, config),
+             "trackio": lambda: TrackioLogger(state, out, run_id, config)}
+    sinks = []
+    try:
+        for name in names:
+            sinks.append(kinds[name]())
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
 
 
 def bits_per_byte_text(result: dict) -> str:
@@ -350,34 +541,51 @@ def bits_per_byte_text(result: dict) -> str:
 class MetricsLog:
     """metrics.jsonl on rank 0: one JSON object per line with a "kind" and a "time".
 
-    `tensorboard` (a TensorBoardLogger) gets every record too.
+    `sinks` (open_trackers: TensorBoard, W&B, trackio) get every record too, and on a resume
+    (truncate_after) the records kept, so the trackers show what metrics.jsonl holds.
     """
 
-    def __init__(self, path: Path, enabled: bool, tensorboard: TensorBoardLogger | None = None):
-        self.path, self.enabled, self.tensorboard = path, enabled, tensorboard
+    def __init__(self, path: Path, enabled: bool, sinks: Sequence = ()):
+        self.path, self.enabled, self.sinks = path, enabled, list(sinks)
 
     def write(self, kind: str, **fields) -> None:
         if self.enabled:
             record = {"kind": kind, **fields, "time": utc_now()}
             append_jsonl(self.path, record)
-            if self.tensorboard is not None:
-                self.tensorboard.log(record)
+            for sink in self.sinks:
+                sink.log(record)
+
+    def write_samples(self, samples_path: Path) -> None:
+        """sample_generations.json's samples as a "samples" record (a table in the trackers)."""
+        written = read_json_or(samples_path, {})
+        rows = [{"prompt": str(sample.get("prompt")), "completion": sample.get("completion")}
+                for sample in written.get("samples") or []]
+        if rows:
+            self.write("samples", step=written.get("step"), samples=rows)
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines logged after `step` (a resumed run logs those steps again)."""
-        if not self.enabled or not self.path.exists():
+        """Drop lines logged after `step` (a resumed run logs those steps again); the sinks rewind to the rest."""
+        if not self.enabled:
             return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        kept_lines, kept = [], []
+        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else []
+        for line in lines:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
-            if record.get("step", 0) <= step:
-                kept.append(line + "\n")
-        with atomic_open(self.path, "w") as handle:
-            handle.writelines(kept)
+            if (record.get("step") or 0) <= step:
+                kept_lines.append(line + "\n")
+                kept.append(record)
+        if self.path.exists():
+            with atomic_open(self.path, "w") as handle:
+                handle.writelines(kept_lines)
+        for sink in self.sinks:
+            sink.rewind(kept)
 
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def last_train_loss(out: Path) -> float | None:
@@ -405,8 +613,10 @@ def accuracy_line(accuracy: dict) -> str:
 
 
 def card_info(name: str, status: str, preset: str, step: int, total_steps: int, tokens: int, settings: dict,
-              validation: dict | None, test: dict | None, accuracy: dict | None) -> dict:
-    """What export_hf_model writes into the model card and training_provenance.json."""
+              validation: dict | None, test: dict | None, accuracy: dict | None,
+              usage_example: dict | None = None) -> dict:
+    """What export_hf_model writes into the model card and training_provenance.json. `usage_example`:
+    {"kind": "chat" or "text", "prompt": ...} from the corpus (usage_example_from), the card's example."""
     training = settings["training"]
     return {"model_name": name, "status": status, "preset": preset, "steps": step, "total_steps": total_steps,
             "tokens": tokens, "corpus_sha256": training["corpus_manifest_sha256"],
@@ -415,7 +625,18 @@ def card_info(name: str, status: str, preset: str, step: int, total_steps: int, 
             "validation_perplexity": validation["perplexity"] if validation else None,
             "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
             "test_bits_per_byte": (test or {}).get("bits_per_byte"),
-            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings}
+            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings,
+            "usage_example": usage_example}
+
+
+def usage_example_from(corpus: Path, tokenizer) -> dict:
+    """The model card's usage example from the corpus it was trained on: a held-out chat's first
+    question, or the opening of a held-out text (held_out_prompts); a greeting when none reads."""
+    try:
+        kind, prompts = held_out_prompts(corpus, tokenizer, count=1)
+    except (UserError, OSError, ValueError, KeyError):
+        kind, prompts = "chat", []
+    return {"kind": kind, "prompt": prompts[0] if prompts else "Hello!"}
 
 
 
@@ -903,20 +1124,7 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "",
         "## How to use",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
-        "",
-        'tokenizer = AutoTokenizer.from_pretrained("path/to/model")',
-        'model = AutoModelForCausalLM.from_pretrained("path/to/model")',
-        'messages = [{"role": "user", "content": "What is 12 plus 7?"}]',
-        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",",
-        "                                       return_dict=True)",
-        "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <|im_end|> or <eos>",
-        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
-        "",
-        'chat = pipeline("text-generation", model="path/to/model")',
-        'print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])',
-        "```",
+        *usage_lines(card_info.get("usage_example") or {"kind": "chat", "prompt": "Hello!"}),
         "",
         "The chat template is ChatML (`<|im_start|>role ... <|im_end|>`); optional reasoning appears "
         f"inside `<think> ... </think>` before the answer. Keep prompt plus reply within {arch['context']} tokens.",
@@ -939,6 +1147,31 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+USAGE_PROMPT_CHARACTERS = 300  # a longer corpus prompt is cut in the card's example
+
+
+def usage_lines(example: dict) -> list[str]:
+    """The card's "How to use" code: the chat template for a chat corpus, plain continuation for text."""
+    prompt = str(example.get("prompt", ""))[:USAGE_PROMPT_CHARACTERS]
+    literal = json.dumps(prompt, ensure_ascii=False)  # a JSON string is a Python string literal
+    load = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline", "",
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/model")',
+            'model = AutoModelForCausalLM.from_pretrained("path/to/model")']
+    if example.get("kind") == "text":
+        return [*load, f"inputs = tokenizer({literal}, return_tensors=\"pt\")  # an opening from the corpus",
+                "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <eos>",
+                "print(tokenizer.decode(output[0], skip_special_tokens=True))", "",
+                'generate = pipeline("text-generation", model="path/to/model")',
+                f'print(generate({literal}, max_new_tokens=64)[0]["generated_text"])', "```"]
+    return [*load, f'messages = [{{"role": "user", "content": {literal}}}]  # a question from the corpus',
+            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",",
+            "                                       return_dict=True)",
+            "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <|im_end|> or <eos>",
+            'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))', "",
+            'chat = pipeline("text-generation", model="path/to/model")',
+            'print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])', "```"]
 
 
 def _json_safe(value):
@@ -980,6 +1213,104 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
         hashes = {path.relative_to(temp).as_posix(): sha256_file(path)
                   for path in sorted(p for p in temp.rglob("*") if p.is_file())}
     return hashes
+
+
+# ----------------------------------------------------------------------------------------------
+# Publishing a finished run: the Hub, or any backup URL, with the same flat layout.
+
+PUBLISHED_RUN_FILES = ("training_settings.json", "loss_curve.png")  # beside the model's files and the GGUFs
+
+
+def publish_layout(run: Path) -> dict[str, Path]:
+    """{name in the repository: local file}: RUN/model/'s files at the root (so from_pretrained("USER/REPO")
+    and the Hub's model card work), the GGUF files export_gguf.py wrote beside model/, the run's settings
+    and loss curve."""
+    model = run / "model"
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model} has no exported model (config.json): train.py exports it at the end of a run, "
+                        f"or `python train.py --data CORPUS --out {run} --export-only`")
+    files = {path.relative_to(model).as_posix(): path for path in sorted(model.rglob("*")) if path.is_file()}
+    files.update({path.name: path for path in sorted(run.glob("*.gguf"))})
+    files.update({name: run / name for name in PUBLISHED_RUN_FILES if (run / name).is_file()})
+    return files
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The id git (and so the Hub) gives a file stored without LFS."""
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hub_mismatches(api, repo_id: str, files: dict[str, Path], prefix: str) -> list[str]:
+    """The files whose copy on the Hub is not the local one: the LFS sha256 the Hub computed, or the git
+    blob id of a file stored without LFS."""
+    remote = {info.path: info for info in api.get_paths_info(repo_id, [f"{prefix}{name}" for name in files],
+                                                              repo_type="model")}
+    wrong = []
+    for name, path in files.items():
+        info = remote.get(f"{prefix}{name}")
+        lfs = getattr(info, "lfs", None)
+        if info is None or getattr(info, "size", None) != path.stat().st_size:
+            wrong.append(name)
+        elif (lfs.sha256 if lfs is not None else info.blob_id) != (sha256_file(path) if lfs is not None
+                                                                    else git_blob_sha1(path)):
+            wrong.append(name)
+    return wrong
+
+
+def publish_to_hub(files: dict[str, Path], url: str, public: bool, api=None) -> str:
+    """hf://USER/REPO[/FOLDER]: a model repository (private unless `public`), all files in one commit, then
+    verified. The token comes from HF_TOKEN or `hf auth login` and is never printed."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    parts = url.split("://", 1)[1].strip("/").split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise UserError(f"publish: {url} is not hf://USER/REPO")
+    repo_id, prefix = "/".join(parts[:2]), "".join(f"{part}/" for part in parts[2:] if part)
+    api = api or HfApi()
+    try:
+        api.create_repo(repo_id, repo_type="model", private=not public, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo=f"{prefix}{name}", path_or_fileobj=str(path))
+                      for name, path in files.items()]
+        api.create_commit(repo_id, operations, commit_message="tinyllm: publish the model", repo_type="model")
+        wrong = hub_mismatches(api, repo_id, files, prefix)
+    except Exception as error:  # huggingface_hub's errors name the repo and the HTTP status, not the token
+        raise UserError(f"publishing to hf://{repo_id} failed: {type(error).__name__}: {error}") from None
+    if wrong:
+        raise UserError(f"publish: the copy on hf://{repo_id} of {', '.join(wrong)} differs from the local file")
+    return f"https://huggingface.co/{repo_id}"
+
+
+def publish_to_store(files: dict[str, Path], url: str) -> str:
+    """A folder, s3:// or gs:// URL: each file uploaded and verified as backups are (checkpoint_cloud)."""
+    fs, root = checkpoint_cloud.open_remote(url)
+    shown = checkpoint_cloud.printable_backup_url(url) or "the publish URL"
+    try:
+        for name, path in files.items():
+            checkpoint_cloud.upload_verified(fs, path, f"{root.rstrip('/')}/{name}")
+    except checkpoint_cloud.VerificationError as error:
+        raise UserError(f"publish to {shown}: {error}") from None
+    except OSError as error:
+        raise UserError(f"publish to {shown} failed: {type(error).__name__}: {error}") from None
+    return shown
+
+
+def publish(run: str | os.PathLike, url: str, public: bool = False, api=None) -> str:
+    """Upload a run's model (see publish_layout) to `url`; returns where it went (printable)."""
+    run = Path(run)
+    files = publish_layout(run)
+    status = read_json_or(run / "run_status.json", {}).get("status")
+    if status != store.COMPLETE:
+        print(f"warning: {run} is {status or 'without a run_status.json'}, not COMPLETE: its model card says so",
+              file=sys.stderr, flush=True)
+    if url.lower().startswith("hf://"):
+        return publish_to_hub(files, url, public, api)
+    if public:
+        raise UserError("publish --public is for hf:// repositories (a store's access is its own setting)")
+    return publish_to_store(files, url)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1049,6 +1380,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     samples.add_argument("--max-new-tokens", type=int, default=96)
     add_sampling_args(samples)
     samples.add_argument("--device", default="cpu")
+    publishing = commands.add_parser("publish", help="upload RUN's model, GGUF files, card, settings and loss "
+                                     "curve to hf://USER/REPO or a folder, s3:// or gs:// URL, verified",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    publishing.add_argument("run", help="run folder holding model/ (and any GGUF files export_gguf.py wrote)")
+    publishing.add_argument("url", help="hf://USER/REPO (a model repository, created private), a folder, s3://, gs://")
+    publishing.add_argument("--public", action="store_true", help="hf://: create the repository public")
     return parser.parse_args(argv)
 
 
@@ -1066,6 +1403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(evaluation.score_table(result))
         print(f"settings: {evaluation.settings_line(result['harness'])}")
         print("wrote " + ", ".join(str(path) for path in written))
+    elif args.command == "publish":
+        where = publish(args.run, args.url, args.public)
+        print(f"published {len(publish_layout(Path(args.run)))} files of {args.run} to {where} (verified)")
     else:
         if args.text and not args.prompt:
             raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
@@ -1081,6 +1421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for prompt, reply in zip(prompts, replies):
                 print(f"> {prompt}\n{reply}\n")
     return 0
+
+
+def command() -> None:
+    """The `tinyllm-report` console script (pyproject.toml): `python report.py` from anywhere."""
+    run_main(main, script=True)
 
 
 if __name__ == "__main__":

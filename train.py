@@ -247,7 +247,9 @@ class SessionSettings:
                                    "on CPU)", SPEED, checks=(finite, not_negative))
     report: bool = option(True, "loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging "
                                 "Face export RUN/model at the end (--no-report: checkpoints and metrics only)", OUTPUT)
-    tensorboard: bool = option(False, "also write the metrics to RUN/tensorboard", OUTPUT)
+    log_to: str = option("", "also send the metrics to these experiment trackers, comma-separated, any mix of "
+                             "tensorboard (a file in RUN), wandb, trackio (docs/training.md#trackers)", OUTPUT,
+                         metavar="TRACKERS")
     sample_temperature: float = option(0.0, "sample_generations.json: 0 greedy; above 0 sampled", OUTPUT,
                                        checks=(finite, not_negative))
     sample_top_p: float = option(1.0, "sample_generations.json: nucleus sampling, keep this much probability mass "
@@ -365,6 +367,7 @@ def check_settings(settings: Settings) -> None:
     run, invocation = settings.run, settings.invocation
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
     report.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
+    report.check_trackers(report.tracker_names(settings.session.log_to))
     if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
     if run.decay_fraction is not None and run.schedule == "cosine":
@@ -697,7 +700,7 @@ class Training:
     """Model, optimizer, data, schedule and scaler of one run on one rank.
 
         settings = train.parse_args(["--data", CORPUS, "--out", RUN, "--preset", "micro", "--threads", "2"])
-        info = train.init_distributed(settings.session.device)
+        info = distributed.init_distributed(settings.session.device)
         training = train.build_training(settings, info)
         result = training.train_step()          # one optimizer step (all micro-steps)
     """
@@ -1078,8 +1081,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
     recorded = recorded_settings(training)
-    tensorboard = report.TensorBoardLogger(out / "tensorboard", enabled=session.tensorboard and info.is_main)
-    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, tensorboard=tensorboard)
+    trackers = report.open_trackers(report.tracker_names(session.log_to), out, training.run_id, recorded) \
+        if info.is_main else []
+    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=trackers)
     checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     if info.is_main:
@@ -1128,7 +1132,6 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
             status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
         finally:
             progress.close()
-            tensorboard.close()
         stop.loop_ended = True
         finish_run(training, out, checkpointer, metrics, status, reason, stop)
     except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
@@ -1172,6 +1175,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
         raise
     finally:
+        metrics.close()
         stop.restore()
     return 0
 
@@ -1536,7 +1540,9 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return None
     try:
-        return finish_on_main(training, out, checkpointer, status, reason, test, stop)
+        record = finish_on_main(training, out, checkpointer, status, reason, test, stop)
+        metrics.write_samples(out / "sample_generations.json")
+        return record
     finally:
         if info.world > 1:
             dist.barrier()
@@ -1620,7 +1626,8 @@ def report_run(training: Training, out: Path, status: str, test: dict | None) ->
     if tokenizer is not None:
         info = report.card_info(out.name, status, training.run.preset, training.step, training.total_steps,
                          training.step * training.tokens_per_step, recorded_settings(training),
-                         training.metrics.last_eval, test, found.get("task_accuracy"))
+                         training.metrics.last_eval, test, found.get("task_accuracy"),
+                         report.usage_example_from(corpus, tokenizer))
         model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
         if model_files is not None:
             found["model_files"] = model_files
@@ -1689,7 +1696,8 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
         say(report.accuracy_line(result))
     info_card = report.card_info(out.name, status, training["preset"], step, total,
                           step * int(training["tokens_per_step"]), recorded,
-                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy)
+                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
+                          report.usage_example_from(corpus, tokenizer))
     model_files = export_model(model, tokenizer, out / "model", info_card)
     print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
           + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
@@ -1959,6 +1967,11 @@ def init_mismatch(source: store.InitSource, model: torch.nn.Module, settings: di
             problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
     return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
             "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+def command() -> None:
+    """The `tinyllm-train` console script (pyproject.toml): `python train.py` from anywhere."""
+    run_main(main, script=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def run_cli(args: list[str], cwd: Path, check: bool = True) -> subprocess.Comple
 def demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`python train.py` with the demo defaults, 40 steps, in an empty folder (it builds corpus/demo)."""
     work = tmp_path_factory.mktemp("demo")
-    result = run_cli([*SHORT, "--tensorboard"], cwd=work)
+    result = run_cli([*SHORT, "--log-to", "tensorboard"], cwd=work)
     return work, result
 
 
@@ -153,7 +153,7 @@ def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):
     assert [s["prompt"] for s in samples["samples"]] == report.DEFAULT_PROMPTS
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run / "tensorboard"))
+    events = EventAccumulator(str(run))
     events.Reload()
     records = metrics(run)
     for tag, kind, key in [("train/loss", "train", "loss"), ("train/adamw_lr", "train", "adamw_lr"),

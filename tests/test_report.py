@@ -215,22 +215,17 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
 def test_tensorboard_logger_writes_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = report.TensorBoardLogger(tmp_path / "tb")
+    logger = report.TensorBoardLogger(tmp_path)
     logger.log({"kind": "train", "step": 1, "tokens": 512, "loss": 3.5, "lr": 1e-3, "mfu": None, "time": "t"})
     logger.log({"kind": "train", "step": 2, "tokens": 1024, "loss": 3.0, "lr": 2e-3, "time": "t"})
     logger.log({"kind": "eval", "step": 2, "tokens": 1024, "val_loss": 3.2, "val_perplexity": 24.5})
     logger.close()
-    events = EventAccumulator(str(tmp_path / "tb"))
+    events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert set(events.Tags()["scalars"]) == {"train/tokens", "train/loss", "train/lr", "eval/tokens",
                                              "eval/val_loss", "eval/val_perplexity"}
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")] == [(1, 3.5), (2, 3.0)]
     assert [e.step for e in events.Scalars("eval/val_loss")] == [2]
-
-    disabled = report.TensorBoardLogger(tmp_path / "off", enabled=False)
-    disabled.log({"kind": "train", "step": 1, "loss": 1.0})
-    disabled.close()
-    assert not (tmp_path / "off").exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -547,3 +542,38 @@ def test_bad_sampling_options_name_the_option(values, message):
     prefixed = {f"sample_{key}": value for key, value in {**defaults, **values}.items()}
     with pytest.raises(UserError, match=message.replace("--", "--sample-")):
         report.sampling_from(prefixed, "sample_")
+
+
+# ----------------------------------------------------------------------------------------------
+# The model card's usage example comes from the corpus
+
+
+def card_code(card: str) -> str:
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("example, expected", [
+    ({"kind": "chat", "prompt": 'What does "tiny" mean?\nSay it.'},
+     'messages = [{"role": "user", "content": "What does \\"tiny\\" mean?\\nSay it."}]'),
+    ({"kind": "text", "prompt": "Once upon a time, a small"}, 'inputs = tokenizer("Once upon a time, a small"'),
+])
+def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expected):
+    architecture = {"parameters": 1000, "layers": 1, "hidden": 8, "intermediate": 16, "heads": 2, "kv_heads": 1,
+                    "head_dim": 4, "context": 64, "vocab_size": 300}
+    card = report.model_card(architecture, {"usage_example": example, "status": "COMPLETE"})
+    code = card_code(card)
+    compile(code, "card", "exec")  # a prompt with quotes and newlines still makes valid Python
+    assert expected in code and "12 plus 7" not in card
+    assert ("apply_chat_template" in code) is (example["kind"] == "chat")
+
+
+def test_usage_example_from_a_text_corpus_is_a_held_out_opening(tmp_path):
+    from test_train import write_tiny_corpus
+
+    corpus = write_tiny_corpus(tmp_path / "corpus", documents=300)
+    tokenizer = data.load_tokenizer(corpus / "tokenizer")
+    example = report.usage_example_from(corpus, tokenizer)
+    kind, openings = report.held_out_prompts(corpus, tokenizer, count=1)
+    assert example == {"kind": "text", "prompt": openings[0]} and kind == "text"
+    assert " plus " in example["prompt"]  # the corpus's sentences ("12 plus 30 is 42. the cat ..."), not a demo's
+    assert report.usage_example_from(tmp_path / "missing", tokenizer) == {"kind": "chat", "prompt": "Hello!"}

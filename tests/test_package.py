@@ -1,0 +1,64 @@
+"""pyproject.toml: the flat scripts install as modules and as commands on PATH that are the scripts."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_script_is_a_module_and_every_command_runs_a_scripts_main():
+    modules = PROJECT["tool"]["setuptools"]["py-modules"]
+    assert sorted(modules) == sorted(path.stem for path in ROOT.glob("*.py"))  # a new script is not forgotten
+    commands = PROJECT["project"]["scripts"]
+    for command, target in commands.items():
+        module_name, attribute = target.split(":")
+        module = importlib.import_module(module_name)
+        assert getattr(module, attribute).__module__ == module_name and callable(module.main), command
+        assert "run_main(main, script=True)" in (ROOT / f"{module_name}.py").read_text()
+    assert set(commands) == {"tinyllm-train", "tinyllm-data", "tinyllm-report", "tinyllm-cloud", "tinyllm-gguf"}
+
+
+def test_the_dependencies_are_requirements_txt():
+    assert "dependencies" in PROJECT["project"]["dynamic"]
+    assert PROJECT["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
+
+
+def readme_api_snippet() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_installed_the_commands_and_the_readme_api_work_from_any_folder(tmp_path):
+    source = tmp_path / "source"  # a copy: the build leaves build/ behind
+    source.mkdir()
+    for path in [*ROOT.glob("*.py"), ROOT / "pyproject.toml", ROOT / "requirements.txt", ROOT / "README.md"]:
+        shutil.copy(path, source / path.name)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([str(target / "bin" / "tinyllm-train"), "--preset", "nope"], cwd=elsewhere, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: argument --preset")
+    snippet = readme_api_snippet()
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=elsewhere, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = subprocess.run([sys.executable, "-c", "import train; print(train.__file__)"], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert Path(imported.stdout.strip()).parent == target  # the installed module, not a checkout's
