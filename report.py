@@ -783,7 +783,8 @@ def _mixture_lines(mixture: dict | None) -> list[str]:
     sources = ", ".join(f"`{source['name']}`" + (f" (label `{source['label']}`)" if source.get("label") else "")
                         + f" corpus manifest sha256 `{source['corpus_manifest_sha256'][:16]}`"
                         for source in mixture["sources"])
-    phases = "; ".join(("from the start" if phase["start"] == "0" else f"from step {phase['start']}")
+    starts = {"0": "from the start", "decay": "from the decay"}
+    phases = "; ".join(starts.get(phase["start"], f"from step {phase['start']}")
                        + ": " + ", ".join(f"{name} {weight:g}" for name, weight in phase["weights"].items())
                        for phase in mixture["phases"])
     return [f"- Mixture of sources: {sources}", f"- Mixture weights: {phases}"]

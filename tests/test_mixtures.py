@@ -12,6 +12,7 @@ from test_train import final_state, options, run_cli, train_losses, write_tiny_c
 import checkpoint_store as store
 import data
 import distributed
+import report
 import train
 from common import UserError
 
@@ -310,3 +311,11 @@ def test_a_mixture_reads_the_labelled_sources_of_one_corpus(labelled, tmp_path):
     args[at + 2] = f"support={labelled}#chat:0.7"
     with pytest.raises(UserError, match="has no source labelled chat"):
         train.build_training(train.parse_args(args), CPU)
+
+
+def test_the_model_card_names_the_mixture(mixed_reference):
+    settings = json.loads((mixed_reference / "training_settings.json").read_text())
+    lines = report._mixture_lines(settings["training"]["mixture"])
+    assert lines[0].startswith("- Mixture of sources: `big` corpus manifest sha256 ")
+    assert lines[1] == "- Mixture weights: from the start: big 0.5, small 0.5; from the decay: big 0.2, small 0.8"
+    assert report._mixture_lines(None) == []
