@@ -720,10 +720,8 @@ class Training:
         self.counted = data.counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
-        self.source_splits: dict[str, list[data.TokenSplit]] = {}  # a mixture's, per split, in --data order
-        self.source_manifests: list[str] = []  # each mixture source's corpus_manifest.json sha256
-        if self.mixture is not None:
-            read_mixture(self, manifest)
+        self.source_splits, self.source_manifests = read_mixture(self, manifest)  # ({}, []) without a mixture
+        self.splits.update({name: data.MixtureSplit(parts) for name, parts in self.source_splits.items()})
         tokenizer_file = corpus / "tokenizer" / "tokenizer.json"
         self.token_bytes = data.token_byte_lengths(tokenizer_file, self.vocab_size).to(self.device)
         self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
@@ -732,8 +730,7 @@ class Training:
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, self.sampler.blocks, self.sampler.global_batch, self.tokens_per_step)
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
-        if self.mixture is not None:  # after the recipe: a phase may start at its decay
-            self.sampler = mixture_sampler(self)
+        self.sampler = mixture_sampler(self)  # after the recipe: a mixture's phase may start at its decay
 
         seed_everything(run.seed)
         self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
@@ -868,10 +865,11 @@ def choose_attention(training: Training):
     return context, reason
 
 
-def read_mixture(training: Training, manifest: dict) -> None:
-    """Each mixture source's splits (its corpus, or its label inside it), every corpus with the run's tokenizer."""
-    mixture = training.mixture
-    for source in mixture.sources:
+def read_mixture(training: Training, manifest: dict) -> tuple[dict[str, list[data.TokenSplit]], list[str]]:
+    """Each mixture source's splits (its corpus, or its label inside it), per split in --data order, and
+    each source's corpus_manifest.json sha256; every corpus must have the run's tokenizer."""
+    mixture, source_splits, manifests = training.mixture, {}, []
+    for source in (mixture.sources if mixture else ()):
         folder = local_corpus_folder(source.corpus)
         theirs = data.load_manifest(folder)
         if theirs.get("tokenizer_sha256") != manifest.get("tokenizer_sha256"):
@@ -886,15 +884,18 @@ def read_mixture(training: Training, manifest: dict) -> None:
                             "--source-label)")
         if check_loss_on(training.run, theirs, folder) != training.text_loss:
             raise UserError(f"--data {source.name}: --loss-on resolves another --text-loss for {folder}")
-        training.source_manifests.append(sha256_file(folder / data.CORPUS_MANIFEST))
+        manifests.append(sha256_file(folder / data.CORPUS_MANIFEST))
         for name in ("train", "validation", "test"):
-            training.source_splits.setdefault(name, []).append(
+            source_splits.setdefault(name, []).append(
                 data.TokenSplit(folder, theirs, name, training.context, training.counted, source.label))
-    training.splits = {name: data.MixtureSplit(parts) for name, parts in training.source_splits.items()}
+    return source_splits, manifests
 
 
-def mixture_sampler(training: Training) -> data.MixtureSampler:
-    """The mixture's data cursor; its phases start at steps (decay: the recipe's decay start)."""
+def mixture_sampler(training: Training) -> data.BlockSampler:
+    """The mixture's data cursor, its phases starting at steps (decay: the recipe's decay start); without a
+    mixture, the plain one as it is."""
+    if training.mixture is None:
+        return training.sampler
     recipe, session = training.recipe, training.session
     decay_start = recipe.total_steps - recipe.decay_steps if recipe.schedule == "wsd" else None
     return data.MixtureSampler(training.mixture.names, [part.blocks for part in training.source_splits["train"]],
