@@ -401,15 +401,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def option(default: Any, help: str, group: str, *, checks: tuple = (), choices: Any = None,
            type: Callable | None = None, flag: str | None = None, metavar: str | None = None,
-           exclusive: str | None = None) -> Any:
+           exclusive: str | None = None, nargs: str | None = None) -> Any:
     """A settings field that is a command-line option (`--field-name`, or `flag`) in help `group`.
 
     `checks`: functions value -> problem text (None: fine), applied in order by check_options.
     `type`: what argparse converts the text with (default: the field's annotated type; a bool is a
-    switch). `exclusive`: options with the same name are mutually exclusive."""
+    switch). `exclusive`: options with the same name are mutually exclusive. `nargs`: argparse's ("+":
+    one or more values, a list)."""
     return dataclasses.field(default=default, metadata={
         "help": help, "group": group, "checks": checks, "choices": choices, "type": type, "flag": flag,
-        "metavar": metavar, "exclusive": exclusive})
+        "metavar": metavar, "exclusive": exclusive, "nargs": nargs})
 
 
 def option_fields(*kinds) -> list[dataclasses.Field]:
@@ -446,6 +447,8 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], *kinds) 
             kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
         else:
             kwargs.update(type=value_type, choices=meta["choices"], metavar=meta["metavar"])
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
         target.add_argument(option_flag(field), **kwargs)
 
 

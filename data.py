@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -32,6 +33,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
+from dataclasses import replace as dataclass_replace
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -338,6 +341,7 @@ def verify_mask(root: Path, entry: dict) -> list[str]:
 FILE_KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".json": "json", ".txt": "text", ".md": "text",
               ".parquet": "parquet"}
 MAX_WARNINGS_PER_SOURCE = 5
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source label (data.py) and a mixture source's name (train.py)
 
 
 @dataclass
@@ -348,6 +352,7 @@ class Source:
     kind: str  # jsonl | json | text | parquet | arrow | hf | generated
     path: Path | None = None
     records: list | None = None  # kind == "generated": the records themselves
+    label: str | None = None  # its source label (--data NAME=PATH, --source-label stem): a stream of its own
 
 
 def file_kind(path: Path) -> str | None:
@@ -382,35 +387,28 @@ def folder_sources(folder: Path) -> list[Source]:
     return sorted(found, key=lambda source: source.name)
 
 
-def resolve_inputs(specs: Iterable[str]) -> list[Source]:
+def input_label(spec: str, label_by_stem: bool) -> tuple[str | None, str]:
+    """(source label, the input) of a --data value: `NAME=PATH` names it; with --source-label stem an
+    input without a name gets its file or folder name without suffixes (`docs/kjv.jsonl` -> kjv)."""
+    name, equals, rest = spec.partition("=")
+    if equals and SOURCE_NAME.fullmatch(name) and not Path(os.path.expanduser(spec)).exists():
+        return name, rest
+    if not label_by_stem:
+        return None, spec
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(spec.removeprefix("hf:").rstrip("/")).name.split(".")[0])
+    return stem or "input", spec
+
+
+def resolve_inputs(specs: Iterable[str], label_by_stem: bool = False) -> list[Source]:
     """Turn --data arguments into sources, failing clearly on anything missing or unsupported."""
     sources = []
-    for spec in specs:
-        if spec.startswith("hf:"):
-            if not spec[3:]:
-                raise UserError("--data hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
-            sources.append(Source(spec, "hf"))
-            continue
-        if any(char in spec for char in "*?["):
-            matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
-            if not matches:
-                raise UserError(f"--data {spec}: no files match this pattern")
-            paths = [Path(match) for match in matches]
-        else:
-            paths = [Path(os.path.expanduser(spec))]
-        for path in paths:
-            if not path.exists():
-                raise UserError(f"input not found: {path}")
-            if path.is_dir():
-                found = folder_sources(path)
-                if not found:
-                    raise UserError(f"input folder {path} holds no {', '.join(FILE_KINDS)} files "
-                                    "and is not a datasets.save_to_disk folder")
-                sources.extend(found)
-            elif file_kind(path) is None:
-                raise UserError(f"input {path}: unsupported file type; expected one of {', '.join(FILE_KINDS)}")
-            else:
-                sources.append(Source(str(path), file_kind(path), path))
+    for labelled in specs:
+        label, spec = input_label(labelled, label_by_stem)
+        sources.extend(dataclass_replace(source, label=label) for source in resolve_input(spec))
+    if len({source.label is None for source in sources}) > 1:
+        unnamed = next(source.name for source in sources if source.label is None)
+        raise UserError(f"--data {unnamed}: with source labels every input needs one (NAME={unnamed}, or "
+                        "--source-label stem)")
     unique, seen = [], set()
     for source in sources:
         key = source.path.resolve() if source.path else source.name
@@ -421,6 +419,36 @@ def resolve_inputs(specs: Iterable[str]) -> list[Source]:
         if source.path and source.path.is_file() and source.path.stat().st_size == 0:
             raise UserError(f"input file {source.path} is empty; remove it from --data")
     return unique
+
+
+def resolve_input(spec: str) -> list[Source]:
+    """The sources of one --data value (a folder: every supported file below it)."""
+    sources = []
+    if spec.startswith("hf:"):
+        if not spec[3:]:
+            raise UserError("--data hf: needs a dataset name, e.g. hf:roneneldan/TinyStories")
+        return [Source(spec, "hf")]
+    if any(char in spec for char in "*?["):
+        matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
+        if not matches:
+            raise UserError(f"--data {spec}: no files match this pattern")
+        paths = [Path(match) for match in matches]
+    else:
+        paths = [Path(os.path.expanduser(spec))]
+    for path in paths:
+        if not path.exists():
+            raise UserError(f"input not found: {path}")
+        if path.is_dir():
+            found = folder_sources(path)
+            if not found:
+                raise UserError(f"input folder {path} holds no {', '.join(FILE_KINDS)} files "
+                                "and is not a datasets.save_to_disk folder")
+            sources.extend(found)
+        elif file_kind(path) is None:
+            raise UserError(f"input {path}: unsupported file type; expected one of {', '.join(FILE_KINDS)}")
+        else:
+            sources.append(Source(str(path), file_kind(path), path))
+    return sources
 
 
 class RecordError(Exception):
@@ -774,6 +802,7 @@ class SourceStats:
     documents_kept: int = 0
     dropped: Counter = field(default_factory=Counter)
     warnings: int = 0
+    also_in: Counter = field(default_factory=Counter)  # kept documents an earlier source label has too, by label
 
 
 @dataclass
@@ -864,6 +893,7 @@ class Document(NamedTuple):
     kind: str  # "chat" (rendered with the chat template) or "text"
     text: str
     pieces: list[str]
+    source: str | None = None  # its input's source label (None: the corpus has none)
 
 
 def iter_documents(sources: list[Source], settings: BuildSettings, chat_template: str,
@@ -874,7 +904,7 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
     with `strict`; an unknown record shape is fatal unless `skip_unknown`.
     """
     accept = SCOPES[settings.scope][1]
-    seen: set[int] = set()
+    seen: dict[int, list[str | None]] = {}  # text key -> the source labels that kept it
     stats = {} if stats is None else stats
     for source in sources:
         counts = stats.setdefault(source.name, SourceStats())
@@ -907,12 +937,15 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
                 counts.dropped[f"scope_{settings.scope}"] += 1
                 continue
             key, position = document_hash(text)
-            if key in seen:
+            if source.label in seen.get(key, ()):
                 counts.dropped["duplicate"] += 1
                 continue
-            seen.add(key)
+            for label in seen.get(key, ()):  # kept in each source (an upweighted one keeps it), and reported
+                counts.also_in[label] += 1
+            seen.setdefault(key, []).append(source.label)
             counts.documents_kept += 1
-            yield Document(split_of(position, settings.val_fraction, settings.test_fraction), kind, text, pieces)
+            yield Document(split_of(position, settings.val_fraction, settings.test_fraction), kind, text, pieces,
+                           source.label)
         if warn and counts.warnings > MAX_WARNINGS_PER_SOURCE:
             print(f"warning: {source.name}: {counts.warnings - MAX_WARNINGS_PER_SOURCE} more bad records skipped "
                   "(counted in source_manifest.json)", file=sys.stderr)
@@ -1013,11 +1046,17 @@ class ShardWriter:
                 "mask_tokens": {name: self.mask_tokens[name] for name in MASK_CLASSES}}
 
 
+def stream_key(split: str, label: str | None) -> str:
+    """Which token stream a document goes to: its split, or with source labels `{split}-{label}`
+    (whose shards are then `{split}-{label}-NNNNN.bin`)."""
+    return split if label is None else f"{split}-{label}"
+
+
 def batches(documents: Iterable[Document], batch_bytes: int) -> Iterator[tuple[list[str], list[list[str]]]]:
     """Group documents into (splits, pieces) lists of about `batch_bytes` characters."""
     splits, pieces, size = [], [], 0
     for document in documents:
-        splits.append(document.split)
+        splits.append(stream_key(document.split, document.source))
         pieces.append(document.pieces)
         size += len(document.text)
         if size >= batch_bytes:
@@ -1145,8 +1184,9 @@ def document_mask(pieces: list[str], piece_ids: list[list[int]], header: list[in
 
 
 def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, settings: BuildSettings,
-                   dtype: str) -> dict[str, dict]:
-    """Tokenize `documents` into shards; returns the per-split manifest entries.
+                   dtype: str, labels: list[str | None] | None = None) -> dict[str, dict]:
+    """Tokenize `documents` into shards; returns the per-split manifest entries. With source `labels`,
+    each source of a split is a stream of its own (labelled_split).
 
     One worker thread runs the Rust tokenizer (threaded across cores) on batch k while this
     thread reads and cleans batch k+1, so parsing and tokenization overlap. With
@@ -1157,7 +1197,9 @@ def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, setti
 
     backend = literal_tokenizer(tokenizer.backend_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    writers = {split: ShardWriter(folder, split, dtype, settings.shard_tokens) for split in SPLITS}
+    labels = labels or [None]
+    writers = {stream_key(split, label): ShardWriter(folder, stream_key(split, label), dtype, settings.shard_tokens)
+               for split in SPLITS for label in labels}
     # no bar unless stderr is a terminal: redrawn `\r` lines only clutter a log file
     show = settings.progress and sys.stderr.isatty()
     bar = tqdm(desc="tokenizing", unit=" docs", disable=not show, file=sys.stderr, smoothing=0.1)
@@ -1189,7 +1231,21 @@ def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, setti
         while pending:
             write(pending.popleft().result())
     bar.close()
-    return {split: writer.finish() for split, writer in writers.items()}
+    finished = {key: writer.finish() for key, writer in writers.items()}
+    if labels == [None]:
+        return finished
+    return {split: labelled_split({label: finished[stream_key(split, label)] for label in labels}) for split in SPLITS}
+
+
+def labelled_split(parts: dict[str, dict]) -> dict:
+    """A split's manifest entry from its sources' streams: the files of all (the split as one stream),
+    the sums, and each source's own entry under "sources"."""
+    entries = list(parts.values())
+    return {"files": [item for entry in entries for item in entry["files"]],
+            "tokens": sum(entry["tokens"] for entry in entries),
+            "documents": sum(entry["documents"] for entry in entries),
+            "mask_tokens": {name: sum(entry["mask_tokens"][name] for entry in entries) for name in MASK_CLASSES},
+            "sources": parts}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1210,7 +1266,11 @@ def source_manifest(sources: list[Source], stats: dict[str, SourceStats], settin
             "records_read": counts.records_read,
             "documents_kept": counts.documents_kept,
             "dropped": dict(sorted(counts.dropped.items())),
+            **({"label": source.label, "also_in": dict(sorted(counts.also_in.items()))} if source.label else {}),
         })
+    duplicates = Counter()  # "first~second" source labels -> documents both kept
+    for entry in inputs:
+        duplicates.update({f"{other}~{entry['label']}": count for other, count in entry.get("also_in", {}).items()})
     return {
         "format_version": FORMAT_VERSION,
         "settings": settings.recorded(),
@@ -1220,6 +1280,7 @@ def source_manifest(sources: list[Source], stats: dict[str, SourceStats], settin
             "records_read": sum(entry["records_read"] for entry in inputs),
             "documents_kept": sum(entry["documents_kept"] for entry in inputs),
             "dropped": dict(sorted(dropped.items())),
+            **({"cross_source_duplicates": dict(sorted(duplicates.items()))} if any(s.label for s in sources) else {}),
         },
     }
 
@@ -1257,6 +1318,7 @@ def data_card(corpus: dict, sources: dict) -> str:
     for split, info in corpus["splits"].items():
         lines.append(f"| {split} | {info['documents']} | {info['tokens']} ({human_count(info['tokens'])}) | "
                      f"{len(info['files'])} |")
+    lines += source_label_lines(corpus, sources)
     settings = sources["settings"]
     lines += [
         "",
@@ -1268,13 +1330,32 @@ def data_card(corpus: dict, sources: dict) -> str:
         f"- special tokens: {', '.join(f'`{name}`={index}' for name, index in corpus['special_tokens'].items())}",
         f"- scope `{settings['scope']}` ({SCOPES[settings['scope']][0]}); documents shorter than "
         f"{settings['min_chars']} characters dropped; UUIDs {'removed' if settings['remove_uuids'] else 'kept'}; "
-        "unicode NFC; exact duplicates removed across all inputs",
+        "unicode NFC; exact duplicates removed " + ("within each source label" if any(
+            entry.get("label") for entry in sources["inputs"]) else "across all inputs"),
         f"- splits by a hash of each document's text: validation {settings['val_fraction']}, "
         f"test {settings['test_fraction']}; every document ends with `<eos>`",
     ]
     if sources.get("generator"):
         lines += ["", "## Generated data", "", f"`{json.dumps(sources['generator'])}`"]
     return "\n".join(lines) + "\n"
+
+
+def source_label_lines(corpus: dict, sources: dict) -> list[str]:
+    """DATA_CARD.md's table of the labelled sources (train.py mixes them: NAME=CORPUS#LABEL:WEIGHT)."""
+    labels = list(corpus["splits"]["train"].get("sources", {}))
+    if not labels:
+        return []
+    lines = ["", "## Sources (labels)", "", "| label | " + " | ".join(f"{split} tokens (docs)" for split in SPLITS)
+             + " |", "|---|" + "---:|" * len(SPLITS)]
+    for label in labels:
+        parts = [corpus["splits"][split]["sources"][label] for split in SPLITS]
+        lines.append(f"| `{label}` | " + " | ".join(f"{part['tokens']:,} ({part['documents']})" for part in parts)
+                     + " |")
+    duplicates = sources["totals"].get("cross_source_duplicates", {})
+    lines += ["", "Exact duplicates across sources are kept in each source (one source's weight does not take "
+              "them from another) and counted here: " + (", ".join(
+                  f"{pair.replace('~', ' and ')}: {count}" for pair, count in duplicates.items()) or "none") + "."]
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1338,7 +1419,8 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
         dtype = token_dtype(vocab_size)
         stats: dict[str, SourceStats] = {}
         documents = iter_documents(sources, settings, tokenizer.chat_template, stats)
-        splits = pack_documents(documents, tokenizer, temp, settings, dtype)
+        labels = list(dict.fromkeys(source.label for source in sources))
+        splits = pack_documents(documents, tokenizer, temp, settings, dtype, labels)
         kept = sum(info["documents"] for info in splits.values())
         if kept == 0:
             raise UserError("no documents left after reading and filtering the inputs "
@@ -1406,6 +1488,11 @@ def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], second
     per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
                           for split, info in corpus["splits"].items())
     print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")
+    labelled = corpus["splits"]["train"].get("sources")
+    if labelled:
+        also = sum(count for counts in stats.values() for count in counts.also_in.values())
+        print("  sources: " + ", ".join(f"{label} {part['tokens']:,} train tokens" for label, part in labelled.items())
+              + f"; {also} exact duplicate(s) across sources, kept in each (source_manifest.json)")
     print(f"  {seconds:.1f} s, {corpus['tokens'] / max(seconds, 1e-9):,.0f} tokens/s overall")
 
 
@@ -1565,7 +1652,8 @@ def build_parser() -> argparse.ArgumentParser:
     what = parser.add_argument_group("what to do (one of)")
     what.add_argument("--data", nargs="+", metavar="PATH",
                       help="input files, folders, globs (.jsonl .jsonl.gz .json .txt .md .parquet), "
-                           "datasets.save_to_disk folders, hf:NAME[:CONFIG][:SPLIT]")
+                           "datasets.save_to_disk folders, hf:NAME[:CONFIG][:SPLIT]; LABEL=PATH gives the input "
+                           "a source label (kept apart, for train.py mixtures)")
     what.add_argument("--demo", action="store_true", help="build the embedded arithmetic chat corpus (no input)")
     what.add_argument("--verify", metavar="CORPUS", help="re-hash a corpus against its manifest and exit")
     what.add_argument("--config", metavar="FILE",
@@ -1600,6 +1688,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tokenize-workers", type=int, default=0,
                        help="0: the Rust tokenizer threads in this process; N: a pool of N single-threaded "
                             "tokenizer processes")
+    build.add_argument("--source-label", default="none", choices=("none", "stem"),
+                       help="stem: label each --data input without a LABEL= by its file or folder name (kjv.jsonl "
+                            "-> kjv), each label a stream of its own")
     build.add_argument("--seed", type=int, default=DEMO_SEED, help="seed of the --demo generator")
     build.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     return parser
@@ -1645,7 +1736,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo:
         build_demo_corpus(args.out, overwrite=args.overwrite, seed=args.seed, **options)
     else:
-        build_corpus(resolve_inputs(args.data), args.out, BuildSettings(**options), overwrite=args.overwrite)
+        build_corpus(resolve_inputs(args.data, label_by_stem=args.source_label == "stem"), args.out,
+                     BuildSettings(**options), overwrite=args.overwrite)
     return 0
 
 
@@ -1731,8 +1823,11 @@ class TokenSplit:
     does not count into IGNORE_INDEX.
     """
 
-    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None):
+    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None,
+                 source: str | None = None):
         entry = manifest["splits"].get(split, {"files": []})
+        if source is not None:  # one labelled source's own stream (data.py --source-label)
+            entry = entry.get("sources", {}).get(source, {"files": []})
         self.name, self.context, self.counted = split, context, counted
         items = [item for item in entry["files"] if item["bytes"] > 0]
         self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
@@ -1765,18 +1860,26 @@ class TokenSplit:
 
     def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) for these blocks, on `device`; targets not counted are IGNORE_INDEX."""
-        import torch
+        masks = [self.block_mask(index) for index in indices] if self.counted is not None else None
+        return to_batch([self.block(index) for index in indices], masks, self.counted, device)
 
-        array = np.stack([self.block(index) for index in indices])
-        targets = array[:, 1:].copy()
-        if self.counted is not None:
-            skipped = ~self.counted[np.stack([self.block_mask(index)[1:] for index in indices])]
-            targets[skipped] = IGNORE_INDEX
-        inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
-        if device.type == "cuda":
-            inputs = inputs.pin_memory().to(device, non_blocking=True)
-            targets = targets.pin_memory().to(device, non_blocking=True)
-        return inputs, targets
+
+
+def to_batch(blocks: list[np.ndarray], masks: list[np.ndarray] | None, counted: np.ndarray | None,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of these C + 1-token blocks on `device`; with `counted`, the targets whose mask
+    class the loss skips are IGNORE_INDEX."""
+    import torch
+
+    array = np.stack(blocks)
+    targets = array[:, 1:].copy()
+    if counted is not None:
+        targets[~counted[np.stack([mask[1:] for mask in masks])]] = IGNORE_INDEX
+    inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
+    if device.type == "cuda":
+        inputs = inputs.pin_memory().to(device, non_blocking=True)
+        targets = targets.pin_memory().to(device, non_blocking=True)
+    return inputs, targets
 
 
 
@@ -1871,3 +1974,250 @@ class BlockSampler:
         for key in ("seed", "blocks", "global_batch"):
             if state[key] != getattr(self, key):
                 raise UserError(f"checkpoint data cursor has {key} {state[key]}, this run has {getattr(self, key)}")
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixtures (train.py --data NAME=CORPUS[#LABEL]:WEIGHT ... and --mixture-schedule): which source each
+# global sample reads, a pure function of the sample index (DESIGN.md, "Data order").
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    name: str
+    corpus: str  # a corpus folder or URL, as given
+    label: str | None  # a labelled source inside that corpus (data.py --source-label); None: all of it
+
+
+@dataclass(frozen=True)
+class MixturePhase:
+    start: str  # "0", a step number, or "decay" (the first step of --schedule wsd's decay)
+    weights: tuple[float, ...]  # one per source, in --data order (0: not read in this phase)
+
+
+@dataclass(frozen=True)
+class Mixture:
+    sources: tuple[MixtureSource, ...]
+    phases: tuple[MixturePhase, ...]  # the first starts at step 0
+
+    @property
+    def names(self) -> list[str]:
+        return [source.name for source in self.sources]
+
+    def recorded(self) -> dict:
+        """What the data order depends on (training_settings.json; a resume must match it)."""
+        return {"sources": [{"name": source.name, "label": source.label} for source in self.sources],
+                "phases": [{"start": phase.start, "weights": dict(zip(self.names, phase.weights))}
+                           for phase in self.phases]}
+
+
+def is_mixture_spec(value: str) -> bool:
+    """`NAME=CORPUS...` (a mixture source) rather than a plain corpus folder or URL."""
+    name, equals, _ = value.partition("=")
+    return bool(equals) and SOURCE_NAME.fullmatch(name) is not None
+
+
+def parse_weight(text: str, where: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if not (math.isfinite(weight) and weight >= 0):
+        raise UserError(f"{where}: the weight {text!r} is not a number >= 0")
+    return weight
+
+
+def parse_mixture_source(spec: str) -> tuple[MixtureSource, float]:
+    """`NAME=CORPUS[#LABEL]:WEIGHT` -> (the source, its weight)."""
+    name, _, rest = spec.partition("=")
+    corpus, colon, weight = rest.rpartition(":")
+    if not colon or not corpus or "/" in weight:
+        raise UserError(f"--data {spec}: a mixture source is NAME=CORPUS:WEIGHT (e.g. web=corpus/web:0.8)")
+    corpus, _, label = corpus.partition("#")
+    return MixtureSource(name, corpus, label or None), parse_weight(weight, f"--data {spec}")
+
+
+def parse_schedule_phase(text: str, names: list[str]) -> MixturePhase:
+    """`START:NAME=WEIGHT,...` (a source not named has weight 0 in this phase)."""
+    start, colon, pairs = text.strip().partition(":")
+    start = start.strip()
+    if not colon or not (start == "decay" or (start.isdigit() and int(start) > 0)):
+        raise UserError(f"--mixture-schedule {text!r}: a phase is START:NAME=WEIGHT,... with START a step "
+                        "number > 0 or 'decay' (e.g. decay:web=0.3,chat=0.7)")
+    weights = dict.fromkeys(names, 0.0)
+    for pair in pairs.split(","):
+        name, _, weight = pair.strip().partition("=")
+        if name not in weights:
+            raise UserError(f"--mixture-schedule {text!r}: {name!r} is not a source of --data "
+                            f"(they are {', '.join(names)})")
+        weights[name] = parse_weight(weight, f"--mixture-schedule {text!r}")
+    return MixturePhase(str(int(start)) if start != "decay" else start, tuple(weights.values()))
+
+
+def parse_mixture(specs: list[str], schedule: str | None = None) -> Mixture | None:
+    """The mixture of `--data` values (None: one plain corpus, read as a whole) and --mixture-schedule."""
+    if len(specs) == 1 and not is_mixture_spec(specs[0]):
+        if schedule:
+            raise UserError("--mixture-schedule needs a mixture: --data NAME=CORPUS:WEIGHT ...")
+        return None
+    if not all(is_mixture_spec(spec) for spec in specs):
+        plain = next(spec for spec in specs if not is_mixture_spec(spec))
+        raise UserError(f"--data {plain}: with several values each is a mixture source NAME=CORPUS:WEIGHT")
+    parsed = [parse_mixture_source(spec) for spec in specs]
+    sources = tuple(source for source, _ in parsed)
+    names = [source.name for source in sources]
+    if len(set(names)) < len(names):
+        raise UserError(f"--data: source names must differ, got {', '.join(names)}")
+    phases = [MixturePhase("0", tuple(weight for _, weight in parsed))]
+    phases += [parse_schedule_phase(text, names) for text in (schedule or "").split(";") if text.strip()]
+    for phase in phases:
+        if sum(phase.weights) <= 0:
+            where = "--data" if phase.start == "0" else f"--mixture-schedule phase {phase.start}"
+            raise UserError(f"{where}: the weights sum to 0; give at least one source a positive weight")
+    return Mixture(sources, tuple(phases))
+
+
+def phase_steps(mixture: Mixture, decay_start: int | None) -> list[int]:
+    """The first step of each phase; UserError when they are not increasing ('decay' needs wsd)."""
+    steps = []
+    for phase in mixture.phases:
+        if phase.start == "decay" and decay_start is None:
+            raise UserError("--mixture-schedule decay:... needs --schedule wsd (a cosine has no decay phase "
+                            "start); give a step number instead")
+        steps.append(decay_start if phase.start == "decay" else int(phase.start))
+    if any(later <= earlier for earlier, later in zip(steps, steps[1:])):
+        starts = ", ".join(f"{phase.start} (step {step})" for phase, step in zip(mixture.phases, steps))
+        raise UserError(f"--mixture-schedule: the phases must start at increasing steps, got {starts}")
+    return steps
+
+
+def integer_weights(weights: tuple[float, ...]) -> tuple[int, ...]:
+    """The weights as integers in the same exact ratio (from their decimal text: 0.8 and 0.2 -> 4 and 1)."""
+    fractions = [Fraction(repr(weight)) for weight in weights]
+    denominator = math.lcm(*(fraction.denominator for fraction in fractions))
+    integers = [int(fraction * denominator) for fraction in fractions]
+    divisor = math.gcd(*integers)
+    return tuple(value // divisor for value in integers)
+
+
+def apportion(weights: tuple[int, ...], count: int) -> list[int]:
+    """How many of a phase's first `count` samples each source reads (Sainte-Lague's divisor method).
+
+    Item j of source i sits at (2j + 1) / weight_i, ties to the lower i; the samples are those items
+    in order. So every prefix's counts are within one sample of count * weight_i / total (two sources),
+    and each count follows in closed form: round(count * share), then at most n/2 items moved."""
+    total = sum(weights)
+    counts = [(2 * count * weight + total) // (2 * total) for weight in weights]
+    while sum(counts) > count:  # drop the last item: the largest position
+        last = max((i for i, c in enumerate(counts) if c), key=lambda i: (Fraction(2 * counts[i] - 1, weights[i]), i))
+        counts[last] -= 1
+    while sum(counts) < count:
+        counts[next_source(weights, counts)] += 1
+    return counts
+
+
+def next_source(weights: tuple[int, ...], counts: list[int]) -> int:
+    """The source of the sample after these counts: its next item has the smallest position."""
+    return min((i for i, weight in enumerate(weights) if weight),
+               key=lambda i: (Fraction(2 * counts[i] + 1, weights[i]), i))
+
+
+def source_seed(seed: int, name: str) -> int:
+    """Each source's block order has its own key, so adding a source changes no other's order."""
+    return (seed ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")) & MASK64
+
+
+class MixtureSampler(BlockSampler):
+    """The data cursor of a mixture: global sample g -> (source, block), a pure function of g.
+
+    Phase p (from step S_p, weights w_p) apportions its samples among the sources in closed form
+    (apportion); source i's m-th sample overall is block perm(source_seed, epoch = m // blocks_i) of
+    its own blocks, so a small source repeats (its epoch counter grows) and a large one is
+    subsampled. Seeking to any step costs O(phases * sources)."""
+
+    def __init__(self, names: list[str], source_blocks: list[int], phases: list[tuple[int, ...]],
+                 starts: list[int], seed: int, batch_size: int, grad_accum: int, world: int):
+        super().__init__(max(1, sum(source_blocks)), seed, batch_size, grad_accum, world)
+        for name, blocks, weights in zip(names, source_blocks, zip(*phases)):
+            if blocks <= 0 and any(weights):
+                raise UserError(f"mixture source {name} has fewer train tokens than one block; use a smaller "
+                                "--context or give it weight 0")
+        self.names, self.source_blocks = list(names), list(source_blocks)
+        self.phases = [integer_weights(weights) for weights in phases]
+        self.starts = list(starts)
+        self._source_permutations: dict[tuple[int, int], BlockPermutation] = {}
+
+    def _phase_of(self, step: int) -> int:
+        return max(index for index, start in enumerate(self.starts) if start <= step)
+
+    def source_counts(self, sample: int) -> list[int]:
+        """How many samples each source has given before global sample `sample` (its epochs: / blocks)."""
+        counts = [0] * len(self.names)
+        for index, weights in enumerate(self.phases):
+            begin = self.starts[index] * self.global_batch
+            end = self.starts[index + 1] * self.global_batch if index + 1 < len(self.starts) else sample
+            if sample <= begin:
+                break
+            taken = apportion(weights, min(sample, end) - begin)
+            counts = [total + part for total, part in zip(counts, taken)]
+        return counts
+
+    def progress(self, step: int, context: int) -> dict[str, float]:
+        """Tokens and epochs each source has given by optimizer step `step` (metrics.jsonl's fields)."""
+        counts = self.source_counts(step * self.global_batch)
+        fields = {}
+        for name, count, blocks in zip(self.names, counts, self.source_blocks):
+            fields[f"tokens/{name}"] = count * context
+            fields[f"epochs/{name}"] = count / blocks if blocks else 0.0
+        return fields
+
+    def source_block(self, source: int, index: int) -> int:
+        """Block of source `source`'s `index`-th sample (its own permutation per source epoch)."""
+        epoch, position = divmod(index, self.source_blocks[source])
+        if (source, epoch) not in self._source_permutations:
+            if len(self._source_permutations) > 4 * len(self.names):
+                self._source_permutations.clear()
+            self._source_permutations[source, epoch] = BlockPermutation(
+                self.source_blocks[source], source_seed(self.seed, self.names[source]), epoch)
+        return self._source_permutations[source, epoch](position)
+
+    def step_blocks(self, step: int) -> list[tuple[int, int]]:
+        """The G (source, block) pairs of optimizer step `step`, in global order."""
+        start = step * self.global_batch
+        phase = self._phase_of(step)
+        weights = self.phases[phase]
+        counts = self.source_counts(start)
+        within = apportion(weights, start - self.starts[phase] * self.global_batch)
+        pairs = []
+        for _ in range(self.global_batch):
+            source = next_source(weights, within)
+            pairs.append((source, self.source_block(source, counts[source])))
+            counts[source] += 1
+            within[source] += 1
+        return pairs
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "sources": dict(zip(self.names, self.source_blocks))}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        theirs = state.get("sources")
+        if theirs != dict(zip(self.names, self.source_blocks)):
+            raise UserError(f"checkpoint data cursor has mixture sources (train blocks) {theirs}, this run has "
+                            f"{dict(zip(self.names, self.source_blocks))}")
+
+
+class MixtureSplit:
+    """One split of every source of a mixture (TokenSplit each); a batch takes (source, block) pairs."""
+
+    def __init__(self, parts: list[TokenSplit]):
+        self.parts = parts
+        self.counted = parts[0].counted
+        self.blocks = sum(part.blocks for part in parts)
+        self.tokens = sum(part.tokens for part in parts)
+
+    def batch(self, pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = [self.parts[source].block(index) for source, index in pairs]
+        masks = [self.parts[source].block_mask(index) for source, index in pairs] \
+            if self.counted is not None else None
+        return to_batch(blocks, masks, self.counted, device)

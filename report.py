@@ -1055,6 +1055,20 @@ def _lineage_lines(lineage: dict | None) -> list[str]:
             f"`{lineage.get('corpus_manifest_sha256') or 'n/a'}`"]
 
 
+def _mixture_lines(mixture: dict | None) -> list[str]:
+    """The model card's lines on a train.py --data mixture: its sources and each phase's weights."""
+    if not mixture:
+        return []
+    sources = ", ".join(f"`{source['name']}`" + (f" (label `{source['label']}`)" if source.get("label") else "")
+                        + f" corpus manifest sha256 `{source['corpus_manifest_sha256'][:16]}`"
+                        for source in mixture["sources"])
+    starts = {"0": "from the start", "decay": "from the decay"}
+    phases = "; ".join(starts.get(phase["start"], f"from step {phase['start']}")
+                       + ": " + ", ".join(f"{name} {weight:g}" for name, weight in phase["weights"].items())
+                       for phase in mixture["phases"])
+    return [f"- Mixture of sources: {sources}", f"- Mixture weights: {phases}"]
+
+
 def model_card(architecture: dict, card_info: dict) -> str:
     """README.md for RUN/model/: what the model is, how it was made, how to load it, what it cannot do."""
     name = card_info.get("model_name", "tinyllm")
@@ -1102,6 +1116,7 @@ def model_card(architecture: dict, card_info: dict) -> str:
         f"- Corpus manifest sha256: `{card_info.get('corpus_sha256', 'n/a')}`",
         f"- Tokenizer sha256: `{card_info.get('tokenizer_sha256', 'n/a')}`",
         *_lineage_lines(card_info.get("init_from")),
+        *_mixture_lines((card_info.get("settings") or {}).get("training", {}).get("mixture")),
         "- `training_provenance.json` in this folder holds these"
         + (" and the training settings." if "settings" in card_info else "."),
         "",

@@ -119,7 +119,8 @@ OPTION_GROUPS = (PATHS, MODEL, BUDGET, RECIPE, LOSS, SAVING, STOPPING, SPEED, OU
 
 
 DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
-             f"{data.PULLED_CORPORA}/ and verified); None: the demo in {DEFAULT_DATA}")
+             f"{data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
+             f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
 
 
 def shape_option(name: str) -> Any:
@@ -199,6 +200,9 @@ class RunSettings:
     eval_batches: int = option(  # which validation blocks best_val_loss is measured on
         4, "validation over this many global batches of blocks (the same blocks whatever the split between "
            "ranks, --batch-size and --grad-accum)", SAVING, checks=(positive,))
+    mixture_schedule: str | None = option(
+        None, "later phases of a --data mixture, 'START:NAME=WEIGHT,...;...' with START a step or 'decay' (wsd's "
+              "decay), e.g. 'decay:web=0.3,chat=0.7'; the --data weights hold from step 0", PATHS, metavar="PHASES")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +212,8 @@ class SessionSettings:
     batch_size and grad_accum only split the global batch, which must match (global_batch_blocks);
     data may move: the corpus itself is identified by its manifest's sha256."""
 
-    data: str = option(None, DATA_HELP, PATHS)
+    data: str | tuple[str, ...] = option(None, DATA_HELP, PATHS, type=str, nargs="+", metavar="CORPUS")
+    # one corpus folder or URL; a mixture: its NAME=CORPUS:WEIGHT values (its weights: recorded_settings)
     out: str = option(None, f"run folder: checkpoints, metrics, status (needed with --data; the demo: "
                             f"{DEFAULT_OUT})", PATHS)
     batch_size: int = option(8, "blocks per micro-step per rank", BUDGET, checks=(positive,))
@@ -326,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     parser = build_parser()
     args = parser.parse_args(config_argv(parser, argv) + argv)
     demo = args.data is None
+    if not demo:  # one plain corpus stays a string; a mixture is its values
+        args.data = args.data[0] if len(args.data) == 1 and not data.is_mixture_spec(args.data[0]) \
+            else tuple(args.data)
     if demo:
         parser.set_defaults(data=DEFAULT_DATA, out=DEFAULT_OUT, **DEMO_DEFAULTS)
         epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
@@ -376,6 +384,7 @@ def check_settings(settings: Settings) -> None:
         raise UserError("--8bit-adam needs --optimizer adamw: under muon, AdamW only trains the embeddings and "
                         "norms, and Muon keeps one buffer per matrix (half of AdamW's state) already")
     resolve_model_preset(run)  # the shape's own rules (heads a multiple of kv_heads)
+    mixture_of(settings)  # the --data mixture's and --mixture-schedule's own rules
     if run.text_loss is not None and run.loss_on != "assistant":
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if invocation.init_from is not None and invocation.resume not in ("auto", "none"):
@@ -384,6 +393,12 @@ def check_settings(settings: Settings) -> None:
             and not Path(invocation.resume).exists():
         raise UserError(f"--resume {invocation.resume}: not a choice and no such file; use auto (the newest "
                         "verified checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
+
+
+def mixture_of(settings: Settings) -> data.Mixture | None:
+    """The --data mixture (None: one plain corpus, as a whole)."""
+    specs = settings.session.data
+    return data.parse_mixture([specs] if isinstance(specs, str) else list(specs), settings.run.mixture_schedule)
 
 
 def resolve_model_preset(run: RunSettings) -> model_config.Preset:
@@ -714,10 +729,13 @@ class Training:
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
+        self.mixture = mixture_of(settings)
         self.text_loss = check_loss_on(run, manifest, corpus)
         self.counted = data.counted_classes(run.loss_on, self.text_loss)
         self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted)
                        for name in ("train", "validation", "test")}
+        self.source_splits, self.source_manifests = read_mixture(self, manifest)  # ({}, []) without a mixture
+        self.splits.update({name: data.MixtureSplit(parts) for name, parts in self.source_splits.items()})
         tokenizer_file = corpus / "tokenizer" / "tokenizer.json"
         self.token_bytes = data.token_byte_lengths(tokenizer_file, self.vocab_size).to(self.device)
         self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
@@ -726,6 +744,7 @@ class Training:
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, self.sampler.blocks, self.sampler.global_batch, self.tokens_per_step)
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
+        self.sampler = mixture_sampler(self)  # after the recipe: a mixture's phase may start at its decay
 
         seed_everything(run.seed)
         self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
@@ -860,20 +879,78 @@ def choose_attention(training: Training):
     return context, reason
 
 
+def read_mixture(training: Training, manifest: dict) -> tuple[dict[str, list[data.TokenSplit]], list[str]]:
+    """Each mixture source's splits (its corpus, or its label inside it), per split in --data order, and
+    each source's corpus_manifest.json sha256; every corpus must have the run's tokenizer."""
+    mixture, source_splits, manifests = training.mixture, {}, []
+    for source in (mixture.sources if mixture else ()):
+        folder = local_corpus_folder(source.corpus)
+        theirs = data.load_manifest(folder)
+        if theirs.get("tokenizer_sha256") != manifest.get("tokenizer_sha256"):
+            raise UserError(f"--data {source.name}={source.corpus}: its tokenizer (sha256 "
+                            f"{str(theirs.get('tokenizer_sha256'))[:12]}) is not that of the first source "
+                            f"{mixture.sources[0].name} ({str(manifest.get('tokenizer_sha256'))[:12]}): a mixture "
+                            "needs one tokenizer; build the corpora with data.py --tokenizer FIRST_CORPUS")
+        labels = theirs["splits"]["train"].get("sources", {})
+        if source.label is not None and source.label not in labels:
+            raise UserError(f"--data {source.name}={source.corpus}#{source.label}: the corpus has no source "
+                            f"labelled {source.label} (it has: {', '.join(labels) or 'no labels'}; data.py "
+                            "--source-label)")
+        if check_loss_on(training.run, theirs, folder) != training.text_loss:
+            raise UserError(f"--data {source.name}: --loss-on resolves another --text-loss for {folder}")
+        manifests.append(sha256_file(folder / data.CORPUS_MANIFEST))
+        for name in ("train", "validation", "test"):
+            source_splits.setdefault(name, []).append(
+                data.TokenSplit(folder, theirs, name, training.context, training.counted, source.label))
+    return source_splits, manifests
+
+
+def mixture_sampler(training: Training) -> data.BlockSampler:
+    """The mixture's data cursor, its phases starting at steps (decay: the recipe's decay start); without a
+    mixture, the plain one as it is."""
+    if training.mixture is None:
+        return training.sampler
+    recipe, session = training.recipe, training.session
+    decay_start = recipe.total_steps - recipe.decay_steps if recipe.schedule == "wsd" else None
+    return data.MixtureSampler(training.mixture.names, [part.blocks for part in training.source_splits["train"]],
+                               [phase.weights for phase in training.mixture.phases],
+                               data.phase_steps(training.mixture, decay_start), training.run.seed,
+                               session.batch_size, session.grad_accum, training.info.world)
+
+
+def source_progress(training: Training, step: int) -> dict[str, float]:
+    """Tokens and epochs each mixture source has given by `step` (empty without a mixture)."""
+    if training.mixture is None:
+        return {}
+    return training.sampler.progress(step, training.context)
+
+
 @torch.no_grad()
 def evaluate(training: Training, split: str) -> dict | None:
     """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
 
     The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
     batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
-    and the best checkpoint stay comparable with those before."""
-    data_split = training.splits[split]
+    and the best checkpoint stay comparable with those before. A mixture evaluates that many blocks
+    of each source: "sources" holds each one's result, the rest is over all of them together."""
+    if training.mixture is None:
+        return eval_result(eval_totals(training, training.splits[split]))
+    totals = {name: eval_totals(training, part)
+              for name, part in zip(training.mixture.names, training.source_splits[split])}
+    result = eval_result(sum(totals.values()))
+    if result is not None:
+        result["sources"] = {name: eval_result(part) for name, part in totals.items()}
+    return result
+
+
+def eval_totals(training: Training, data_split: data.TokenSplit) -> torch.Tensor:
+    """(nats, counted targets, their bytes) over `data_split`'s evaluation blocks, summed over the ranks."""
+    totals = torch.zeros(3, dtype=torch.float64, device=training.device)
     if data_split.blocks == 0:
-        return None
+        return totals
     count = min(data_split.blocks, training.run.eval_batches * training.sampler.global_batch)
     order = data.BlockPermutation(data_split.blocks, training.run.seed, data.EVAL_EPOCH)
     mine = [order(i) for i in range(training.info.rank, count, training.info.world)]
-    totals = torch.zeros(3, dtype=torch.float64, device=training.device)  # nats, counted targets, their bytes
     training.model.eval()
     for start in range(0, len(mine), training.session.batch_size):
         inputs, targets = data_split.batch(mine[start: start + training.session.batch_size], training.device)
@@ -882,10 +959,14 @@ def evaluate(training: Training, split: str) -> dict | None:
         totals[1] += counted.sum()
         totals[2] += training.token_bytes[targets[counted]].sum()
     training.model.train()
-    distributed.all_reduce_sum(totals, training.info)
-    if totals[1] == 0:
-        return None  # --loss-on assistant and no counted token in the evaluation blocks
+    return distributed.all_reduce_sum(totals, training.info)
+
+
+def eval_result(totals: torch.Tensor) -> dict | None:
+    """Loss, perplexity and bits per byte from summed (nats, counted targets, their bytes); None: none counted."""
     nats, tokens, text_bytes = totals.tolist()
+    if tokens == 0:
+        return None  # no blocks, or --loss-on assistant and no counted token in the evaluation blocks
     loss = nats / tokens
     bits_per_byte = nats / math.log(2) / text_bytes if text_bytes else None  # None: only special tokens
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens),
@@ -908,9 +989,16 @@ def recorded_settings(training: Training) -> dict:
         **{f"recipe.{key}": value for key, value in dataclasses.asdict(training.recipe).items()},
         "recipe.betas": list(training.recipe.betas),  # as JSON and the checkpoint store it
     }
+    if training.mixture is not None:  # its sources (each corpus by its manifest) and weights per phase
+        compared["mixture"] = training.mixture.recorded()
+        for source, sha256, part in zip(compared["mixture"]["sources"], training.source_manifests,
+                                        training.source_splits["train"]):
+            source.update(corpus_manifest_sha256=sha256, train_blocks=part.blocks)
     runtime = {**dataclasses.asdict(training.session), "data": str(training.corpus), "world_size": training.info.world,
                "precision": training.precision, "device": training.hardware.label()}  # as resolved here
     del runtime["backup_to"]  # a URL may carry credentials
+    if training.mixture is not None:  # where its phases start in this session's length (an extension moves decay)
+        runtime.update(data=list(training.session.data), mixture_phase_steps=list(training.sampler.starts))
     return {"training": compared, "runtime": runtime, "init_from": training.lineage, "extended": training.extensions,
             "vocabulary_sha256": training.manifest.get("vocabulary_sha256")}
 
@@ -1011,7 +1099,9 @@ def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: i
     `corpus`: the local corpus folder (prepare_corpus'; None: --data as given). `vocab_size` (benchmarks
     only) builds the model with a larger vocabulary than the corpus tokenizer's, e.g. think72's 33,069
     over the small demo corpus, whose ids all stay valid."""
-    corpus = Path(settings.session.data) if corpus is None else corpus
+    if corpus is None:  # a mixture's first source gives the tokenizer
+        mixture = mixture_of(settings)
+        corpus = Path(settings.session.data) if mixture is None else local_corpus_folder(mixture.sources[0].corpus)
     manifest = data.load_manifest(corpus)
     if vocab_size is not None:
         if vocab_size < manifest["vocab_size"]:
@@ -1060,10 +1150,12 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     session, invocation = settings.session, settings.invocation
     out = Path(session.out)
     hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
-    data.load_manifest(corpus)  # a clear message when the corpus is missing, on every rank
-    problems = distributed.main_decides(lambda: data.verify_corpus(corpus), info)
-    if problems:
-        raise UserError(f"corpus {corpus} does not match its manifest: " + "; ".join(problems))
+    mixture = mixture_of(settings)
+    for folder in [corpus] if mixture is None else [local_corpus_folder(s.corpus) for s in mixture.sources]:
+        data.load_manifest(folder)  # a clear message when the corpus is missing, on every rank
+        problems = distributed.main_decides(lambda: data.verify_corpus(folder), info)  # noqa: B023 (called at once)
+        if problems:
+            raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
 
     training = build_training(settings, info, corpus=corpus)
     resume_path = distributed.main_decides(lambda: tidy_and_find_resume_checkpoint(out, invocation.resume), info)
@@ -1116,6 +1208,8 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
             f"{training.sampler.blocks} of {training.context} tokens: every step covers more than an epoch "
             "(use a smaller --batch-size or --grad-accum, or a larger corpus)", warning=True, main=info.is_main)
     log(info, training.recipe.describe())
+    for line in mixture_summary(training):
+        log(info, line)
     if training.recipe_reasons:
         log(info, "  chosen by the rules (docs/recipe.md): " + "; ".join(training.recipe_reasons))
     if info.is_main:
@@ -1255,7 +1349,8 @@ def log_train_step(training: Training, metrics: report.MetricsLog, result: StepR
                   adamw_lr=result.adamw_lr, **({} if result.muon_lr is None else {"muon_lr": result.muon_lr}),
                   grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
-                  peak_memory_bytes=hardware.peak_memory_bytes(training.device))
+                  peak_memory_bytes=hardware.peak_memory_bytes(training.device),
+                  **source_progress(training, result.step))
     if training.info.is_main:
         store.write_status(Path(training.session.out), store.RUNNING, step=result.step,
                            total_steps=training.total_steps, tokens=result.step * training.tokens_per_step,
@@ -1271,13 +1366,43 @@ def run_validation(training: Training, metrics: report.MetricsLog, progress: rep
     training.metrics.last_eval = {"step": step, **result}
     metrics.write("eval", step=step, tokens=step * training.tokens_per_step, val_loss=result["loss"],
                   val_perplexity=result["perplexity"], val_tokens=result["tokens"],
-                  val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"])
+                  val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"],
+                  **source_results("val", result))
     progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-                   f"{report.bits_per_byte_text(result)}")
+                   f"{report.bits_per_byte_text(result)}"
+                   + "".join(f"; {name} {part['loss']:.4f}" for name, part in result.get("sources", {}).items()
+                             if part))
     if result["loss"] < training.metrics.best_val_loss:
         training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
         return result["loss"]
     return None
+
+
+def source_results(prefix: str, result: dict) -> dict:
+    """A mixture's loss and bits per byte of each source, as metrics.jsonl fields (`val_loss/web`)."""
+    fields = {}
+    for name, part in (result.get("sources") or {}).items():
+        if part is not None:
+            fields[f"{prefix}_loss/{name}"] = part["loss"]
+            fields[f"{prefix}_bits_per_byte/{name}"] = part["bits_per_byte"]
+    return fields
+
+
+def mixture_summary(training: Training) -> list[str]:
+    """The start-up lines of a mixture: each source's size, each phase's weights, tokens and epochs planned."""
+    if training.mixture is None:
+        return []
+    sampler, context = training.sampler, training.context
+    lines = ["mixture: " + ", ".join(f"{name} {blocks:,} train blocks ({blocks * context:,} tokens)"
+                                     for name, blocks in zip(sampler.names, sampler.source_blocks))]
+    for phase, start in zip(training.mixture.phases, sampler.starts):
+        weights = ", ".join(f"{name} {weight:g}" for name, weight in zip(sampler.names, phase.weights))
+        lines.append(f"  from step {start}" + (" (decay)" if phase.start == "decay" else "") + f": {weights}")
+    planned = source_progress(training, training.total_steps)
+    lines.append("  over the run: " + ", ".join(
+        f"{name} {planned[f'tokens/{name}']:,} tokens ({planned[f'epochs/{name}']:.2f} epochs)"
+        for name in sampler.names))
+    return lines
 
 
 def save_checkpoint(training: Training, checkpointer: Checkpointer | None, best_val_loss: float | None) -> None:
@@ -1469,20 +1594,32 @@ def release_run_folder(out: Path, lock, new: bool) -> None:
 
 
 def prepare_corpus(settings: Settings) -> Path:
-    """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is."""
-    data_option = settings.session.data
-    if settings.invocation.demo:
-        corpus = Path(data_option)
+    """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is.
+    A mixture: every source's corpus so, and the first one's folder (its tokenizer is the run's)."""
+    mixture = mixture_of(settings)
+    if mixture is not None:
+        return [prepare_one_corpus(source.corpus, demo=False) for source in mixture.sources][0]
+    return prepare_one_corpus(settings.session.data, settings.invocation.demo)
+
+
+def local_corpus_folder(data_option: str) -> Path:
+    """Where the corpus of a --data value is read: a URL's pulled copy, else the folder itself."""
+    if "://" in data_option and not data_option.startswith("file://"):
+        url = data_option.rstrip("/")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
+        return Path(data.PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+    return Path(data_option.removeprefix("file://"))
+
+
+def prepare_one_corpus(data_option: str, demo: bool) -> Path:
+    corpus = local_corpus_folder(data_option)
+    if demo:
         if not (corpus / data.CORPUS_MANIFEST).is_file():
             say(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})")
             data.build_demo_corpus(corpus)
         return corpus
     if "://" in data_option and not data_option.startswith("file://"):
-        url = data_option.rstrip("/")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
-        cache = Path(data.PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
-        return checkpoint_cloud.local_corpus(data_option, cache)
-    corpus = Path(data_option.removeprefix("file://"))
+        return checkpoint_cloud.local_corpus(data_option, corpus)
     data.check_corpus_folder(corpus)
     return corpus
 
@@ -1534,7 +1671,8 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
-                      test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"])
+                      test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"],
+                      **source_results("test", test))
         log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together

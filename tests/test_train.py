@@ -38,17 +38,25 @@ ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
 
 
-def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 4000) -> Path:
-    """A small corpus in the DESIGN.md format: BPE tokenizer, uint16 shards, corpus_manifest.json."""
-    rng = random.Random(0)
+def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 4000, words: list[str] = WORDS,
+                      tokenizer_from: Path | None = None) -> Path:
+    """A small corpus in the DESIGN.md format: BPE tokenizer, uint16 shards, corpus_manifest.json.
+
+    `tokenizer_from`: a corpus whose tokenizer this one reuses (a mixture's sources share one)."""
+    rng = random.Random(0 if words is WORDS else len(words))
     texts = []
     for _ in range(documents):
         a, b = rng.randrange(100), rng.randrange(100)
-        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(4, 12)))
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randrange(4, 12)))
         texts.append(f"{a} plus {b} is {a + b}. {sentence}.")
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab_size = data.train_tokenizer(texts, 300, folder / "tokenizer")
-    splits = {"train": texts[:800], "validation": texts[800:850], "test": texts[850:]}
+    if tokenizer_from is None:
+        tokenizer, vocab_size = data.train_tokenizer(texts, 300, folder / "tokenizer")
+    else:
+        shutil.copytree(tokenizer_from / "tokenizer", folder / "tokenizer")
+        tokenizer = data.load_tokenizer(folder / "tokenizer")
+    train_end, validation_end = 800 * documents // 900, 850 * documents // 900
+    splits = {"train": texts[:train_end], "validation": texts[train_end:validation_end], "test": texts[validation_end:]}
     manifest_splits = {}
     for split, docs in splits.items():
         stream = []
