@@ -458,8 +458,8 @@ def previous_session_note(previous: dict, resumed_step: int) -> str | None:
         died = max(step, resumed_step)  # the status is written at logged steps: the session got at least this far
         where = f"resuming from step {resumed_step}" if resumed_step else "no checkpoint is left: starting at step 0"
         return (f"note: the previous session died without a word after step {died} ({STATUS_FILE} still said "
-                f"{RUNNING}: killed, out of memory, or its machine went away); {where}, so at least "
-                f"{died - resumed_step} steps are done again")
+                f"{RUNNING}: killed, out of memory, or its machine went away); {where}; steps done again: "
+                f"{died - resumed_step} or more")
     if status in FINAL and (previous.get("outputs") or {}).get("report") == "pending":
         return (f"note: the previous session ended before its report was made ({STATUS_FILE}: {status}, report "
                 "pending); this session makes it at its end")
