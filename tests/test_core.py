@@ -7,6 +7,7 @@ each assertion checks a value that a wrong implementation gets wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import pickle
@@ -832,21 +833,22 @@ def test_failure_reason(error, last, status, reason, message):
 
 
 def test_failure_reason_after_a_final_status_and_under_deterministic():
-    context = train.FailureContext(**{**vars(CONTEXT), "recorded": "COMPLETE"})
+    context = dataclasses.replace(CONTEXT, recorded="COMPLETE")
     second = train.failure_reason(KeyboardInterrupt(), "step-00000007.pt", context)
-    assert second.say == "interrupted again after the run recorded COMPLETE; continue with: python train.py --resume auto"
+    assert second.say == ("interrupted again after the run recorded COMPLETE; continue with: "
+                          "python train.py --resume auto")
     full = train.failure_reason(train.NonFiniteLoss("x"), "step-00000007.pt", context)
     assert full.message.endswith("is intact (status COMPLETE in run/run_status.json)")  # the recorded status stays
     error = RuntimeError("cumsum_cuda_kernel does not have a deterministic implementation, but you set "
                          "'torch.use_deterministic_algorithms(True)'. You can ...")
     assert train.failure_reason(error, None, CONTEXT).message is None  # without --deterministic: as it is
-    failure = train.failure_reason(error, None, train.FailureContext(**{**vars(CONTEXT), "deterministic": True}))
+    failure = train.failure_reason(error, None, dataclasses.replace(CONTEXT, deterministic=True))
     assert failure.message == ("--deterministic: cumsum_cuda_kernel does not have a deterministic implementation; "
                                "this run cannot be deterministic on this device: resume without --deterministic "
                                "(a session setting)")
     assert failure.reason == f"RuntimeError: {error}"
-    assert train.failure_reason(RuntimeError(GLOO_RESET), "s", train.FailureContext(
-        **{**vars(CONTEXT), "world": 4})).reason.startswith("another rank stopped (")
+    four = dataclasses.replace(CONTEXT, world=4)
+    assert train.failure_reason(RuntimeError(GLOO_RESET), "s", four).reason.startswith("another rank stopped (")
 
 
 def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
