@@ -1029,17 +1029,20 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
             backup = start_backup(session, info)
             try:
-                return train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
+                last_line = train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
             finally:
                 if backup is not None:
-                    backup.close()
+                    backup.close()  # the one close: its last messages come before the run's last line
+            log(info, last_line)
+            return 0
     finally:
         distributed.shutdown_distributed()
 
 
-def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> int:
-    """The training run on the local `corpus` folder. `backup` (rank 0; checkpoint_cloud.BackupProcess) gets
-    every checkpoint. Every way it ends goes through one place: finish_run, or end_failed_run."""
+def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> str:
+    """The training run on the local `corpus` folder; returns its last line (report.final_line; rank 0).
+    `backup` (rank 0; checkpoint_cloud.BackupProcess) gets every checkpoint. Every way it ends goes
+    through one place: finish_run, or end_failed_run."""
     process_started = time.monotonic()
     session = settings.session
     out = Path(session.out)
@@ -1073,7 +1076,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
             progress.close()
             tensorboard.close()
         stop.loop_ended = True
-        finish_run(training, status, checkpointer, metrics, state, reason, stop)
+        return finish_run(training, status, checkpointer, metrics, state, reason, stop)
     except BaseException as error:
         failure = end_failed_run(training, status, checkpointer, stop, error)
         if failure.message is None:
@@ -1081,7 +1084,6 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         raise UserError(failure.message) from None
     finally:
         stop.restore()
-    return 0
 
 
 def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path) -> tuple[Training, Path | None]:
@@ -1619,9 +1621,10 @@ def out_of_memory_advice(training: Training) -> str:
 
 
 def finish_run(training: Training, status: store.RunStatus, checkpointer: Checkpointer | None,
-               metrics: report.MetricsLog, state: str, reason: str | None, stop: StopRequest) -> None:
+               metrics: report.MetricsLog, state: str, reason: str | None, stop: StopRequest) -> str:
     """The end of a run that stopped resumably or completed: the test evaluation when complete, then
-    (rank 0) the status, the backup, the report and the last line; the other ranks wait for it."""
+    (rank 0) the status, the backup, the report; returns the last line ("" on the other ranks, which
+    wait for rank 0)."""
     info = training.info
     test = evaluate(training, "test") if state == store.COMPLETE else None
     if test is not None:
@@ -1631,19 +1634,19 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: Checkp
         log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
-        return
+        return ""
     try:
-        finish_on_main(training, status, checkpointer, state, reason, test, stop)
+        return finish_on_main(training, status, checkpointer, state, reason, test, stop)
     finally:
         if info.world > 1:
             dist.barrier()
 
 
 def finish_on_main(training: Training, status: store.RunStatus, checkpointer: Checkpointer, state: str,
-                   reason: str | None, test: dict | None, stop: StopRequest) -> None:
+                   reason: str | None, test: dict | None, stop: StopRequest) -> str:
     """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
     and model/ `pending`, with the command that makes them), then the backup, the report (the status
-    again each time), the last line.
+    again each time); returns the last line.
 
     After a signal under torchrun, SIGKILL follows within its grace period: the status naming the
     checkpoint is written first, and the wait for the upload fits what is left (stop_wait_seconds)."""
@@ -1663,7 +1666,7 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: Ch
         status.update(**found, outputs=outputs, report_command=command if "failed" in outputs.values() else None)
     if checkpointer.backup is not None:
         checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
-    log(info, report.final_line(out, state, status.record))
+    return report.final_line(out, state, status.record)
 
 
 def final_record(training: Training, out: Path, reason: str | None, test: dict | None) -> dict:
