@@ -1181,14 +1181,14 @@ def interrupt_twice() -> None:
 def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_records_failed(corpus, tmp_path,
                                                                                                monkeypatch):
     out = tmp_path / "run"
-    original = train.Training.evaluate
+    original = train.evaluate
 
-    def evaluate(self, split):
+    def evaluate(training, split):
         if split == "test":  # in finish_run, before the status is written
             interrupt_twice()
-        return original(self, split)
+        return original(training, split)
 
-    monkeypatch.setattr(train.Training, "evaluate", evaluate)
+    monkeypatch.setattr(train, "evaluate", evaluate)
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, steps=4))
     record = status(out)
