@@ -67,7 +67,6 @@ from common import (
     UserError,
     atomic_folder,
     atomic_path,
-    atomic_write_json,
     check_writable_folder,
     fsync_dir,
     fsync_file,
@@ -79,7 +78,6 @@ from common import (
     sha256_tree,
     temporary_name,
     temporary_target,
-    utc_now,
 )
 from data import CORPUS_MANIFEST
 
@@ -383,10 +381,9 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
         remote_status = read_json_or(run_dir / "run_status.json", {})
         if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
             was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
-            atomic_write_json(run_dir / "run_status.json", {
-                "status": NEEDS_RESUME, "step": step, "total_steps": remote_status.get("total_steps"),
-                "reason": f"restored from the backup at step {step} (the backup's run_status.json said {was}); "
-                          "continue with train.py --resume auto", "updated": utc_now()})
+            store.write_status(run_dir, NEEDS_RESUME, step=step, total_steps=remote_status.get("total_steps"),
+                               reason=f"restored from the backup at step {step} (the backup's run_status.json "
+                                      f"said {was}); continue with train.py --resume auto")
             log(f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
                 f"(the backup's said {was})")
     return restored

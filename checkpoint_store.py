@@ -482,9 +482,75 @@ def apply_timeline(folder: Path, plan: TimelinePlan) -> None:
 LENGTH_SETTINGS = ("total_steps", "target_tokens", "epochs", "recipe.total_steps", "recipe.decay_steps")
 
 
+# ----------------------------------------------------------------------------------------------
+# RUN/run_status.json: where the run stands (DESIGN.md, "Run folder").
+
+STATUS_FILE = "run_status.json"
+FINAL = (NEEDS_RESUME, COMPLETE)  # a session's last word: a failure after it (in the report, say) keeps it
+
 
 def write_status(out: Path, status: str, **fields) -> None:
-    atomic_write_json(out / "run_status.json", {"status": status, **fields, "updated": utc_now()})
+    """RUN/run_status.json, atomically: RunStatus during a session; a restore from the backup before one."""
+    atomic_write_json(out / STATUS_FILE, {"status": status, **fields, "updated": utc_now()})
+
+
+class RunStatus:
+    """The one owner of run_status.json during a session: RUNNING, then stopped resumably
+    (NEEDS_RESUME), COMPLETE or FAILED, and which outputs of a finished run are done
+    (`outputs`: the report and model/ "pending" until made). Only rank 0 (`enabled`) reads and writes."""
+
+    def __init__(self, out: Path, enabled: bool = True):
+        self.out, self.enabled = out, enabled
+        self.previous = read_json_or(out / STATUS_FILE, {}) if enabled else {}  # what the last session left
+        self.record: dict = {}
+
+    @property
+    def final(self) -> str | None:
+        """The final status this session recorded (stopped or complete), which a later failure keeps."""
+        status = self.record.get("status")
+        return status if status in FINAL else None
+
+    def running(self, step: int, total_steps: int, **progress) -> None:
+        self._write({"status": RUNNING, "step": step, "total_steps": total_steps, **progress})
+
+    def finished(self, status: str, **record) -> None:
+        """NEEDS_RESUME or COMPLETE, as soon as the last checkpoint is on disk (update adds the rest)."""
+        self._write({"status": status, **record})
+
+    def failed(self, status: str, **record) -> bool:
+        """FAILED (or NEEDS_RESUME: a lost rank after a checkpoint); False, and nothing written,
+        when this session already recorded its final status: that stays, it is true."""
+        if self.final:
+            return False
+        self._write({"status": status, **record})
+        return True
+
+    def update(self, **fields) -> None:
+        """The recorded status with `fields` added or changed (the backup caught up, the report made)."""
+        if self.record:
+            self._write({**self.record, **fields})
+
+    def _write(self, record: dict) -> None:
+        self.record = record
+        if self.enabled:
+            write_status(self.out, record["status"], **{k: v for k, v in record.items() if k != "status"})
+
+
+def previous_session_note(previous: dict, resumed_step: int) -> str | None:
+    """The `note:` a session starts with when the last one left run_status.json unfinished: RUNNING
+    (it died without a word: killed, out of host memory, its machine gone) or a final status whose
+    report is still pending. `resumed_step`: the step this session continues from (0: a fresh start)."""
+    status, step = previous.get("status"), previous.get("step")
+    if status == RUNNING and isinstance(step, int):
+        died = max(step, resumed_step)  # the status is written at logged steps: the session got at least this far
+        where = f"resuming from step {resumed_step}" if resumed_step else "no checkpoint is left: starting at step 0"
+        return (f"note: the previous session died without a word after step {died} ({STATUS_FILE} still said "
+                f"{RUNNING}: killed, out of memory, or its machine went away); {where}; steps done again: "
+                f"{died - resumed_step} or more")
+    if status in FINAL and (previous.get("outputs") or {}).get("report") == "pending":
+        return (f"note: the previous session ended before its report was made ({STATUS_FILE}: {status}, report "
+                "pending); this session makes it at its end")
+    return None
 
 
 

@@ -68,10 +68,14 @@ class RankRNG:
 
 
 
-def agree(flags: list[bool], info: DistInfo) -> list[bool]:
-    """Each flag true on any rank -> true on all ranks (one all_reduce)."""
-    tensor = torch.tensor([float(flag) for flag in flags], device=info.device)
-    return [bool(value > 0) for value in all_reduce_sum(tensor, info).tolist()]
+def agree_max(values: list[float], info: DistInfo) -> list[float]:
+    """Each value's largest over the ranks (one all_reduce, in float64): a clock or a flag that says
+    stop on any rank says so on all, and every rank decides alike."""
+    if info.world == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 

@@ -897,6 +897,15 @@ def greedy_summary(prompts: int, tie_margins: list[float], tie_tolerance: float)
     return line + f"; near ties are accepted within {tie_tolerance:.3g} (twice the max logit difference)"
 
 
+def verify_passed_line(checks: dict, out_type: str) -> str:
+    """--verify's last line: what passed, from export's `checks` (verify_tensors, verify_with_llama_cpp)."""
+    reader, llama = checks["reader"], checks["llama_cpp"]
+    ties = f", {llama['greedy_ties']} at an accepted near tie" if llama["greedy_ties"] else ""
+    return (f"verify: passed: {reader['tensors']} tensors read back as written; {llama['texts']} texts tokenize "
+            f"identically in llama.cpp and transformers; logits agree to {llama['max_logit_diff']:.3g} ({out_type}); "
+            f"{llama['greedy_prompts']} prompts give the same {GREEDY_TOKENS} greedy tokens{ties}")
+
+
 # ggml_log_level in ggml.h (llama-cpp-python's _logger.py still lists the older numbering).
 GGML_LOG_LEVEL_WARN = 3
 GGML_LOG_LEVEL_ERROR = 4
@@ -1107,6 +1116,8 @@ def main(argv=None) -> None:
     if summary["modelfile"]:
         modelfile = Path(summary["modelfile"]).resolve()
         print(f"wrote {modelfile} (ollama: ollama create {model_name(args.model)} -f {modelfile})")
+    if args.verify:
+        print(verify_passed_line(summary["checks"], args.type))
 
 def command() -> None:
     """The `tinyllm-gguf` console script (pyproject.toml): `python export_gguf.py` from anywhere."""

@@ -658,6 +658,12 @@ def final_line(out: Path, status: str, record: dict) -> str:
         line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
     if record.get("model_files"):
         line += f" | model: {out / 'model'} (sha256 in {out / 'run_status.json'})"
+    missing = [name for name, state in (record.get("outputs") or {}).items() if state in ("pending", "failed")]
+    if missing and record.get("report_command"):
+        made = "model/ not made" if "model" in missing else "report incomplete"
+        failed = ", ".join(record.get("report_errors") or {}) or "not made yet"
+        line += (f" | {made} ({failed}: report_errors in {out / 'run_status.json'}) | make it again with: "
+                 f"{record['report_command']}")
     return line
 
 

@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,6 @@ from common import (
     os_error_text,
     positive,
     read_json,
-    read_json_or,
     remove_temporaries,
     run_main,
     say,
@@ -1135,19 +1133,22 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
             backup = start_backup(session, info)
             try:
-                return train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
+                last_line = train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
             finally:
                 if backup is not None:
-                    backup.close()
+                    backup.close()  # the one close: its last messages come before the run's last line
+            log(info, last_line)
+            return 0
     finally:
         distributed.shutdown_distributed()
 
 
-def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> int:
-    """The training run on the local `corpus` folder. `backup` (rank 0; checkpoint_cloud.BackupProcess) gets
-    every checkpoint."""
+def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> str:
+    """The training run on the local `corpus` folder; returns its last line (report.final_line; rank 0).
+    `backup` (rank 0; checkpoint_cloud.BackupProcess) gets every checkpoint. Every way it ends goes
+    through one place: finish_run, or end_failed_run."""
     process_started = time.monotonic()
-    session, invocation = settings.session, settings.invocation
+    session = settings.session
     out = Path(session.out)
     hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
     mixture = mixture_of(settings)
@@ -1157,6 +1158,44 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
 
+    status = store.RunStatus(out, enabled=info.is_main)  # read before this session writes anything
+    training, resume_path = start_training(settings, info, corpus)
+    note = store.previous_session_note(status.previous, training.step)
+    if note:
+        log(info, note)
+    trackers = report.open_trackers(report.tracker_names(session.log_to), out, training.run_id,
+                                    recorded_settings(training)) if info.is_main else []
+    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=trackers)
+    checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
+                                backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
+    peak = write_run_files(training, settings, checkpointer, metrics, resume_path)
+    describe_run(training)
+
+    progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main)
+    stop = StopRequest()
+    stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
+    try:
+        status.running(training.step, training.total_steps)  # from here on a signal ends with a checkpoint
+        try:
+            state, reason = train_loop(training, checkpointer, metrics, status, stop, peak, process_started,
+                                       progress)
+        finally:
+            progress.close()
+        stop.loop_ended = True
+        return finish_run(training, status, checkpointer, metrics, state, reason, stop)
+    except BaseException as error:
+        failure = end_failed_run(training, status, checkpointer, stop, error)
+        if failure.message is None:
+            raise
+        raise UserError(failure.message) from None
+    finally:
+        metrics.close()
+        stop.restore()
+
+
+def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path) -> tuple[Training, Path | None]:
+    """The Training, resumed from the checkpoint --resume names or initialized from --init-from."""
+    invocation, out = settings.invocation, Path(settings.session.out)
     training = build_training(settings, info, corpus=corpus)
     resume_path = distributed.main_decides(lambda: tidy_and_find_resume_checkpoint(out, invocation.resume), info)
     if resume_path is not None:
@@ -1172,27 +1211,36 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         lineage = training.lineage
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
-    recorded = recorded_settings(training)
-    trackers = report.open_trackers(report.tracker_names(session.log_to), out, training.run_id, recorded) \
-        if info.is_main else []
-    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=trackers)
-    checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
-                                backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
-    if info.is_main:
-        if resume_path is not None:
-            checkpointer.start_timeline(resume_path, training.step)
-        metrics.truncate_after(training.step)
-        atomic_write_text(out / "config.toml", config_text(settings))
-        atomic_write_json(out / "training_settings.json", {**recorded, "run_id": training.run_id,
-                                                           "parameters": model_config.parameter_count(
-                                                               training.preset, training.vocab_size),
-                                                           "flops_per_token": training.flops_per_token})
-    peak = None
-    if info.is_main:
-        peak, source = hardware.peak_flops(info.device, training.precision, session.peak_tflops)
-        atomic_write_json(out / "hardware.json", {**hardware.machine_record(info.device, info.world,
-                                                                            training.precision, training.sdpa),
-                                                  "peak_flops": peak, "peak_flops_source": source})
+    return training, resume_path
+
+
+def write_run_files(training: Training, settings: Settings, checkpointer: Checkpointer | None,
+                    metrics: report.MetricsLog, resume_path: Path | None) -> float | None:
+    """Rank 0: the checkpoint timeline, metrics.jsonl cut at the resumed step, config.toml,
+    training_settings.json and hardware.json; returns the peak FLOP/s the MFU divides by (None on
+    the other ranks)."""
+    info, session = training.info, training.session
+    if not info.is_main:
+        return None
+    out = Path(session.out)
+    if resume_path is not None:
+        checkpointer.start_timeline(resume_path, training.step)
+    metrics.truncate_after(training.step)
+    atomic_write_text(out / "config.toml", config_text(settings))
+    atomic_write_json(out / "training_settings.json", {**recorded_settings(training), "run_id": training.run_id,
+                                                       "parameters": model_config.parameter_count(
+                                                           training.preset, training.vocab_size),
+                                                       "flops_per_token": training.flops_per_token})
+    peak, source = hardware.peak_flops(info.device, training.precision, session.peak_tflops)
+    atomic_write_json(out / "hardware.json", {**hardware.machine_record(info.device, info.world,
+                                                                        training.precision, training.sdpa),
+                                              "peak_flops": peak, "peak_flops_source": source})
+    return peak
+
+
+def describe_run(training: Training) -> None:
+    """The run's shape, precision and recipe, and warnings about its corpus (rank 0 prints)."""
+    info = training.info
     log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
               f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
               f"world size {info.world} on {training.hardware.label()}")
@@ -1216,77 +1264,53 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         for warning in recipe_warnings(training.recipe):
             say(warning, warning=True)
 
-    progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main)
-    stop = StopRequest()
-    stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
-    if info.is_main:  # only now: from here on a SIGTERM or Ctrl-C ends the run with a checkpoint
-        store.write_status(out, store.RUNNING, step=training.step, total_steps=training.total_steps)
-    try:
-        try:
-            status, reason = train_loop(training, checkpointer, metrics, stop, peak, process_started, progress)
-        finally:
-            progress.close()
-        stop.loop_ended = True
-        finish_run(training, out, checkpointer, metrics, status, reason, stop)
-    except (NonFiniteLoss, CheckpointWriteFailed, OSError) as error:
-        if isinstance(error, OSError) and not error.errno:
-            fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
-            raise
-        error = os_error_text(error) if isinstance(error, OSError) else error
-        fail_run(info, out, checkpointer, training, str(error))
-        last = store.latest_checkpoint_name(out)
-        kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
-        raise UserError(f"training failed: {error}; {kept} "
-                        f"(status {store.FAILED} in {out / 'run_status.json'})") from None
-    except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError too
-        advice = out_of_memory_advice(training)
-        fail_run(info, out, checkpointer, training, advice)
-        last = store.latest_checkpoint_name(out)
-        kept = f"the last good checkpoint, {last}, is intact" if last else "no checkpoint had been written yet"
-        raise UserError(f"{advice}; {kept} (status {store.FAILED} in {out / 'run_status.json'})") from None
-    except KeyboardInterrupt:  # a second Ctrl-C
-        command = resume_command(info, invocation.argv)
-        reason = fail_run(info, out, checkpointer, training,
-                          lambda: interrupted_reason(out, training.step, command))
-        if reason:
-            print(reason, file=sys.stderr, flush=True)
-        elif info.is_main:  # the stop was already recorded as resumable (or complete): it stays true
-            recorded = read_json(out / "run_status.json").get("status")
-            print(f"interrupted again after the run recorded {recorded}; continue with: {command}",
-                  file=sys.stderr, flush=True)
-        raise
-    except RuntimeError as error:
-        cause = lost_rank_cause(error, info.world)
-        if cause is not None:
-            raise stop_for_lost_rank(training, out, checkpointer, cause, stop) from None
-        fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
-        if session.deterministic and "does not have a deterministic implementation" in str(error):
-            raise UserError(f"--deterministic: {str(error).splitlines()[0].split(', but you set')[0]}; this "
-                            "run cannot be deterministic on this device: resume without --deterministic "
-                            "(a session setting)") from None
-        raise
-    except BaseException as error:
-        fail_run(info, out, checkpointer, training, f"{type(error).__name__}: {error}")
-        raise
-    finally:
-        metrics.close()
-        stop.restore()
-    return 0
-
-
 def default_eval_every(total_steps: int) -> int:
     """--eval-every's default: five validations in a run (the last at its end), at most 250 steps apart."""
     return max(1, min(250, total_steps // 5))
 
 
-def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: report.MetricsLog, stop: StopRequest,
-               peak: float | None, process_started: float, progress: report.Progress) -> tuple[str, str | None]:
-    """Step until done or asked to stop; returns the final (status, reason)."""
-    session, info = training.session, training.info
-    out = Path(session.out)
-    last_save = time.monotonic()
-    slowest_step = slowest_eval = 0.0
-    eval_every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
+def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: report.MetricsLog,
+               status: store.RunStatus, stop: StopRequest, peak: float | None, process_started: float,
+               progress: report.Progress) -> tuple[str, str | None]:
+    """Step until done or asked to stop; returns the final (status, reason). Each step: train, log,
+    validate when due, then plan_step_end says whether to save and whether to stop."""
+    session = training.session
+    no_step = no_step_to_take(training, progress)
+    if no_step is not None:
+        return no_step
+    clocks = SessionClocks(process_started)
+    flags = StepFlags(training.total_steps, session.save_every, session.save_seconds, session.max_hours,
+                      session.stop_after_steps)
+    while training.step < training.total_steps:
+        if checkpointer is not None:
+            checkpointer.check()
+        result = training.train_step()
+        if not result.applied:
+            progress.write(f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")
+            continue
+        clocks.stepped(result.seconds)
+        peak, tokens_per_second, mfu = step_throughput(training, result, peak)
+        progress.update(result.step, result.loss, tokens_per_second, mfu)
+        logged = result.step % session.log_every == 0 or result.step in (1, training.total_steps)
+        if logged:
+            log_train_step(training, metrics, status, result, tokens_per_second, mfu)
+        best = validate_if_due(training, metrics, progress, clocks)
+        clock = agree_clock(clocks.read(stop, checkpointer), training.info)
+        end = plan_step_end(result.step, clock, dataclasses.replace(flags, new_best=best is not None))
+        if end.save:
+            save_checkpoint(training, checkpointer, best)
+            clocks.saved()
+        if end.stop:
+            if not logged:  # metrics.jsonl ends with the step the run stopped at
+                log_train_step(training, metrics, status, result, tokens_per_second, mfu)
+            return store.NEEDS_RESUME, end.why
+    return store.COMPLETE, None
+
+
+def no_step_to_take(training: Training, progress: report.Progress) -> tuple[str, str] | None:
+    """(status, reason) of a session that stops before its first step (already at --stop-after-steps);
+    a run already complete says so and goes on to its test evaluation and report."""
+    session = training.session
     if session.stop_after_steps and session.stop_after_steps <= training.step < training.total_steps:
         reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
                   f"{session.stop_after_steps}: no step taken")
@@ -1296,65 +1320,45 @@ def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: r
         progress.write(f"the run was already complete at step {training.step}/{training.total_steps}: no step "
                        "taken; the test evaluation and the report are made again (a longer run: a larger "
                        "--target-tokens or --epochs, docs/stages.md)")
-    while training.step < training.total_steps:
-        if checkpointer is not None:
-            checkpointer.check()
-        result = training.train_step()
-        if not result.applied:
-            progress.write(f"fp16 overflow: step {result.step + 1} skipped (scale lowered), retrying")
-            continue
-        step = result.step
-        slowest_step = max(slowest_step, result.seconds)
-        tokens_per_second = training.tokens_per_step / result.seconds
-        mfu = training.flops_per_token * tokens_per_second / (peak * info.world) if peak else None
-        if mfu is not None and mfu > 1:
-            peak, mfu = plausible_mfu(training, peak, mfu)
-        progress.update(step, result.loss, tokens_per_second, mfu)
-        logged = step % session.log_every == 0 or step == 1 or step == training.total_steps
-        if logged:
-            log_train_step(training, metrics, result, tokens_per_second, mfu)
-
-        best = None
-        if (eval_every and step % eval_every == 0) or step == training.total_steps:
-            eval_started = time.monotonic()
-            best = run_validation(training, metrics, progress)
-            if info.is_main and session.report:
-                report.draw_loss_curve(out, progress)
-            slowest_eval = max(slowest_eval, time.monotonic() - eval_started)
-
-        elapsed = time.monotonic() - process_started
-        margin = 2 * slowest_step + 2 * slowest_eval + 2 * (checkpointer.last_write_seconds if checkpointer else 0)
-        out_of_time = bool(session.max_hours) and elapsed + margin + 10 >= session.max_hours * 3600
-        stop_now, save_by_time = distributed.agree([stop.requested or out_of_time, bool(session.save_seconds) and
-                                        time.monotonic() - last_save >= session.save_seconds], info)
-        stop_now = (stop_now or bool(session.stop_after_steps and step >= session.stop_after_steps)) \
-            and step < training.total_steps  # at the last step the run is complete anyway
-        due = (session.save_every and step % session.save_every == 0) or step == training.total_steps
-        if stop_now or due or save_by_time or best is not None:
-            save_checkpoint(training, checkpointer, best)
-            last_save = time.monotonic()
-        if stop_now:
-            if not logged:  # metrics.jsonl ends with the step the run stopped at
-                log_train_step(training, metrics, result, tokens_per_second, mfu)
-            why = stop.signal_name or ("--max-hours budget" if out_of_time else
-                                       f"--stop-after-steps {session.stop_after_steps}")
-            return store.NEEDS_RESUME, f"stopped by {why}"
-    return store.COMPLETE, None
+    return None
 
 
-def log_train_step(training: Training, metrics: report.MetricsLog, result: StepResult, tokens_per_second: float,
-                   mfu: float | None) -> None:
+def step_throughput(training: Training, result: StepResult, peak: float | None) -> tuple[float | None, float,
+                                                                                          float | None]:
+    """(peak, tokens/s, MFU) of a step; an MFU above 100% measures the peak again (plausible_mfu)."""
+    tokens_per_second = training.tokens_per_step / result.seconds
+    mfu = training.flops_per_token * tokens_per_second / (peak * training.info.world) if peak else None
+    if mfu is not None and mfu > 1:
+        peak, mfu = plausible_mfu(training, peak, mfu)
+    return peak, tokens_per_second, mfu
+
+
+def validate_if_due(training: Training, metrics: report.MetricsLog, progress: report.Progress,
+                    clocks: SessionClocks) -> float | None:
+    """Validation every --eval-every steps and at the last; returns the loss when it is a new best."""
+    session, step = training.session, training.step
+    every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
+    if not ((every and step % every == 0) or step == training.total_steps):
+        return None
+    started = time.monotonic()
+    best = run_validation(training, metrics, progress)
+    if training.info.is_main and session.report:
+        report.draw_loss_curve(Path(session.out), progress)
+    clocks.evaluated(time.monotonic() - started)
+    return best
+
+
+def log_train_step(training: Training, metrics: report.MetricsLog, status: store.RunStatus, result: StepResult,
+                   tokens_per_second: float, mfu: float | None) -> None:
     """A train record in metrics.jsonl and the store.RUNNING status (the progress bar shows the step)."""
-    metrics.write("train", step=result.step, tokens=result.step * training.tokens_per_step, loss=result.loss,
+    tokens = result.step * training.tokens_per_step
+    metrics.write("train", step=result.step, tokens=tokens, loss=result.loss,
                   adamw_lr=result.adamw_lr, **({} if result.muon_lr is None else {"muon_lr": result.muon_lr}),
                   grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=hardware.peak_memory_bytes(training.device),
                   **source_progress(training, result.step))
-    if training.info.is_main:
-        store.write_status(Path(training.session.out), store.RUNNING, step=result.step,
-                           total_steps=training.total_steps, tokens=result.step * training.tokens_per_step,
-                           loss=result.loss)
+    status.running(result.step, training.total_steps, tokens=tokens, loss=result.loss)
 
 
 def run_validation(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> float | None:
@@ -1425,7 +1429,7 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self.loop_ended = False  # set once no step is left to take: a signal then only ends the report sooner
-        self.signal_name = ""
+        self.signum = 0  # the first signal's number (0: none yet)
         self.signalled_at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
 
@@ -1442,12 +1446,97 @@ class StopRequest:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
         if self.signalled_at is None:
-            self.signalled_at = time.monotonic()
+            self.signum, self.signalled_at = int(signum), time.monotonic()
         what = ("training has already ended; finishing the run's status and report, then exiting" if self.loop_ended
                 else "finishing this step, saving, then stopping")
-        print(f"{self.signal_name}: {what}", file=sys.stderr, flush=True)
+        print(f"{signal.Signals(signum).name}: {what}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The end of a step: save? stop? why? (a pure plan of the clocks and the settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepClock:
+    """What the end of a step reads of the clocks, in seconds; agree_clock makes it the same on every rank."""
+    elapsed: float = 0.0  # since this session started
+    since_save: float = 0.0  # since the last save (or the loop's start)
+    slowest_step: float = 0.0
+    slowest_eval: float = 0.0
+    last_write: float = 0.0  # the last checkpoint write
+    signal: int = 0  # the signal that asked to stop (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlags:
+    """The rest the end of a step decides on: the run's length, the save and stop settings, a new best."""
+    total_steps: int
+    save_every: int = 0
+    save_seconds: float = 0.0
+    max_hours: float = 0.0
+    stop_after_steps: int = 0
+    new_best: bool = False  # this step's validation set a new best: its record must say so
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    save: bool
+    stop: bool
+    why: str | None = None  # the stop's reason, for run_status.json and the last line
+
+
+LAST_SAVE_SECONDS = 10  # besides twice the slowest step, evaluation and write: the save and exit under --max-hours
+
+
+def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
+    """Whether step `step` ends with a save and whether the session stops there, and why. The last
+    step saves and completes, whatever asked to stop. --max-hours stops when another step, evaluation
+    and save (twice the slowest of each, and LAST_SAVE_SECONDS) might not fit the budget."""
+    needed = 2 * (clock.slowest_step + clock.slowest_eval + clock.last_write) + LAST_SAVE_SECONDS
+    why = None
+    if step >= flags.total_steps:
+        pass
+    elif clock.signal:
+        why = f"stopped by {signal.Signals(clock.signal).name}"
+    elif flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600:
+        why = "stopped by --max-hours budget"
+    elif flags.stop_after_steps and step >= flags.stop_after_steps:
+        why = f"stopped by --stop-after-steps {flags.stop_after_steps}"
+    save = (why is not None or step >= flags.total_steps or flags.new_best
+            or bool(flags.save_every and step % flags.save_every == 0)
+            or bool(flags.save_seconds and clock.since_save >= flags.save_seconds))
+    return StepEnd(save=save, stop=why is not None, why=why)
+
+
+class SessionClocks:
+    """The loop's clocks: since the session started and the last save, the slowest step and evaluation."""
+
+    def __init__(self, started: float):
+        self.started, self.last_save = started, time.monotonic()
+        self.slowest_step = self.slowest_eval = 0.0
+
+    def stepped(self, seconds: float) -> None:
+        self.slowest_step = max(self.slowest_step, seconds)
+
+    def evaluated(self, seconds: float) -> None:
+        self.slowest_eval = max(self.slowest_eval, seconds)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def read(self, stop: StopRequest, checkpointer: Checkpointer | None) -> StepClock:
+        now = time.monotonic()
+        return StepClock(elapsed=now - self.started, since_save=now - self.last_save,
+                         slowest_step=self.slowest_step, slowest_eval=self.slowest_eval,
+                         last_write=checkpointer.last_write_seconds if checkpointer else 0.0, signal=stop.signum)
+
+
+def agree_clock(clock: StepClock, info: distributed.DistInfo) -> StepClock:
+    """The clock every rank plans the end of the step with: each field's largest over the ranks."""
+    values = distributed.agree_max(list(dataclasses.astuple(clock)), info)
+    fields = dict(zip((field.name for field in dataclasses.fields(StepClock)), values))
+    return StepClock(**{**fields, "signal": int(fields["signal"])})
 
 
 TORCHRUN_GRACE_SECONDS = 30  # torchrun's default --shutdown-timeout: SIGTERM, then SIGKILL this much later
@@ -1475,6 +1564,21 @@ def stop_wait_seconds(backup_wait_seconds: float, signalled: bool, under_torchru
     return max(0.0, min(backup_wait_seconds, grace - elapsed - STOP_MARGIN_SECONDS))
 
 
+def wait_for_backup(checkpointer: Checkpointer | None, since: float | None) -> bool | None:
+    """Wait for the last checkpoint's upload (capped by stop_wait_seconds after a signal `since` then);
+    whether it reached the remote (None: no backup)."""
+    if checkpointer is None or checkpointer.backup is None:
+        return None
+    elapsed = 0.0 if since is None else time.monotonic() - since
+    wait = stop_wait_seconds(checkpointer.backup_wait_s, since is not None, "TORCHELASTIC_RUN_ID" in os.environ,
+                             elapsed, torchrun_grace_seconds(os.environ))
+    return checkpointer.close(wait)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run that ends on an error: what it records and says (a pure rule of the error), then the I/O.
+
+
 # Signs in a collective's error that the other side is gone (gloo says so in a plain RuntimeError).
 LOST_RANK_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting")
 
@@ -1488,42 +1592,84 @@ def lost_rank_cause(error: BaseException, world: int) -> str | None:
     return first.split(". This is typically")[0][:200]
 
 
-def stop_for_lost_rank(training: Training, out: Path, checkpointer: Checkpointer | None, cause: str,
-                       stop: StopRequest) -> UserError:
-    """The end of a rank whose peer is gone: rank 0 records where the run stands (resumable from the last
-    good checkpoint) at once, before torchrun's SIGKILL; the error to raise says what happened."""
-    info = training.info
-    failed_at = stop.signalled_at or time.monotonic()
-    who = f"rank {1 - info.rank}" if info.world == 2 else "another rank"
-    reason = f"{who} stopped ({cause}); this rank exits too"
+@dataclasses.dataclass(frozen=True)
+class FailureContext:
+    """What a failure's words name besides the error: where the run stands and how to go on."""
+    step: int
+    checkpoints: Path  # RUN/checkpoints
+    status_file: Path
+    resume_command: str
+    rank: int = 0
+    world: int = 1
+    deterministic: bool = False
+    out_of_memory_advice: str = ""  # out_of_memory_advice(training), for a CUDA out-of-memory error
+    recorded: str | None = None  # the final status this session already recorded (RunStatus.final): it stays
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    status: str  # what run_status.json says (unless a final status was recorded): FAILED, or resumable
+    reason: str  # its reason
+    message: str | None  # the one `error:` line (a UserError); None: the error goes on as it is
+    say: str | None = None  # a line for stderr first (a second Ctrl-C: where the run stands)
+    urgent: bool = False  # torchrun tears the job down: the upload wait fits its grace period
+
+
+def failure_reason(error: BaseException, last_checkpoint: str | None, context: FailureContext) -> Failure:
+    """How a session that raised `error` ends, `last_checkpoint` (a name, or None) being the newest
+    good one: table-tested in tests/test_core.py; end_failed_run records and says it."""
+    kept = (f"the last good checkpoint, {last_checkpoint}, is intact" if last_checkpoint
+            else "no checkpoint had been written yet")
+    tail = f"; {kept} (status {context.recorded or store.FAILED} in {context.status_file})"
+    if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C
+        where = (f"the last checkpoint is {context.checkpoints / last_checkpoint}" if last_checkpoint
+                 else "no checkpoint was saved yet")
+        reason = (f"aborted by the user (second interrupt) at step {context.step}; {where}; continue with: "
+                  f"{context.resume_command}")
+        again = f"interrupted again after the run recorded {context.recorded}; continue with: {context.resume_command}"
+        return Failure(store.FAILED, reason, None, say=again if context.recorded else reason)
+    if isinstance(error, torch.OutOfMemoryError):  # torch.cuda.OutOfMemoryError too
+        return Failure(store.FAILED, context.out_of_memory_advice, context.out_of_memory_advice + tail)
+    if isinstance(error, (NonFiniteLoss, CheckpointWriteFailed)) or (isinstance(error, OSError) and error.errno):
+        text = os_error_text(error) if isinstance(error, OSError) else str(error)
+        return Failure(store.FAILED, text, f"training failed: {text}{tail}")
+    described = f"{type(error).__name__}: {error}"
+    cause = lost_rank_cause(error, context.world) if isinstance(error, RuntimeError) else None
+    if cause is not None:
+        who = f"rank {1 - context.rank}" if context.world == 2 else "another rank"
+        reason = f"{who} stopped ({cause}); this rank exits too"
+        return Failure(store.NEEDS_RESUME if last_checkpoint else store.FAILED, reason,
+                       f"{reason}; resume with: {context.resume_command}", urgent=True)
+    if context.deterministic and "does not have a deterministic implementation" in str(error):
+        op = str(error).splitlines()[0].split(", but you set")[0]
+        return Failure(store.FAILED, described, f"--deterministic: {op}; this run cannot be deterministic on this "
+                       "device: resume without --deterministic (a session setting)")
+    return Failure(store.FAILED, described, None)
+
+
+def end_failed_run(training: Training, status: store.RunStatus, checkpointer: Checkpointer | None,
+                   stop: StopRequest, error: BaseException) -> Failure:
+    """Rank 0 finishes a checkpoint write in flight (it holds good state), records failure_reason's
+    status at once (before torchrun's SIGKILL, after a lost rank), then waits for the backup."""
+    info, session = training.info, training.session
+    out = Path(session.out)
+    if checkpointer is not None:
+        with contextlib.suppress(Exception):
+            checkpointer.wait()
+    last = store.latest_checkpoint_name(out)
     command = resume_command(info, training.invocation.argv)
-    # a final status already written (the peer went in the last barrier, after the report) stays: it is true
-    final = info.is_main and read_json_or(out / "run_status.json", {}).get("status") in (store.COMPLETE,
-                                                                                        store.NEEDS_RESUME)
-    if info.is_main and not final:
+    advice = out_of_memory_advice(training) if isinstance(error, torch.OutOfMemoryError) else ""
+    context = FailureContext(training.step, out / "checkpoints", out / store.STATUS_FILE, command, info.rank,
+                             info.world, session.deterministic, advice, status.final)
+    failure = failure_reason(error, last, context)
+    if status.failed(failure.status, reason=failure.reason, step=training.step, total_steps=training.total_steps,
+                     last_checkpoint=last, resume_command=command, backup_complete=None):
+        since = stop.signalled_at or (time.monotonic() if failure.urgent else None)
         with contextlib.suppress(Exception):
-            checkpointer.wait()  # a write in flight holds good state: finish it
-        last = store.latest_checkpoint_name(out)
-        record = {"reason": reason, "step": training.step, "total_steps": training.total_steps,
-                  "last_checkpoint": last, "resume_command": command, "backup_complete": None}
-        status = store.NEEDS_RESUME if last else store.FAILED
-        store.write_status(out, status, **record)
-        with contextlib.suppress(Exception):
-            wait_for_backup(checkpointer, out, status, record, since=failed_at)
-    return UserError(f"{reason}; resume with: {command}")
-
-
-def wait_for_backup(checkpointer: Checkpointer, out: Path, status: str, record: dict,
-                    since: float | None) -> None:
-    """Wait for the last checkpoint's upload (capped by stop_wait_seconds after a signal `since` then),
-    then record in the status whether it reached the remote."""
-    if checkpointer.backup is None:
-        return
-    elapsed = 0.0 if since is None else time.monotonic() - since
-    wait = stop_wait_seconds(checkpointer.backup_wait_s, since is not None, "TORCHELASTIC_RUN_ID" in os.environ,
-                             elapsed, torchrun_grace_seconds(os.environ))
-    record["backup_complete"] = checkpointer.close(wait)
-    store.write_status(out, status, **record)
+            status.update(backup_complete=wait_for_backup(checkpointer, since))
+    if failure.say and info.is_main:
+        print(failure.say, file=sys.stderr, flush=True)
+    return failure
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1624,33 +1770,6 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
     return corpus
 
 
-def interrupted_reason(out: Path, step: int, command: str) -> str:
-    """What run_status.json says after a second Ctrl-C: where the run stands and how to continue."""
-    latest = store.latest_checkpoint_name(out)
-    where = f"the last checkpoint is {out / 'checkpoints' / latest}" if latest else "no checkpoint was saved yet"
-    return f"aborted by the user (second interrupt) at step {step}; {where}; continue with: {command}"
-
-
-def fail_run(info: distributed.DistInfo, out: Path, checkpointer: Checkpointer | None, training: Training,
-             reason: str | Callable[[], str]) -> str | None:
-    """Record store.FAILED (rank 0); checkpoints already queued are finished first (they hold good state).
-
-    `reason` may be a function, called once they are: it can then name the last checkpoint. A final
-    status already written (store.COMPLETE, or resumable, before the report) is kept: it is true.
-    """
-    if not info.is_main:
-        return None
-    with contextlib.suppress(Exception):
-        checkpointer.close()
-    with contextlib.suppress(Exception):
-        if read_json(out / "run_status.json").get("status") in (store.COMPLETE, store.NEEDS_RESUME):
-            return None
-    reason = reason() if callable(reason) else reason
-    store.write_status(out, store.FAILED, reason=reason, step=training.step, total_steps=training.total_steps,
-                 last_checkpoint=store.latest_checkpoint_name(out))
-    return reason
-
-
 def out_of_memory_advice(training: Training) -> str:
     """hardware.out_of_memory_advice for this run: its model, micro-batch, precision and card."""
     run, session = training.run, training.session
@@ -1659,15 +1778,13 @@ def out_of_memory_advice(training: Training) -> str:
                                          training.recipe.optimizer, session.grad_checkpoint, training.hardware)
 
 
-def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None, metrics: report.MetricsLog,
-               status: str, reason: str | None, stop: StopRequest | None = None) -> dict | None:
-    """The end of a run: test evaluation when complete, checkpoints flushed, the final status, then the report.
-
-    The status is written before the report (plots, samples, accuracy, export) and again after it,
-    so nothing the report does can lose the run; its failures are recorded in `report_errors`.
-    """
+def finish_run(training: Training, status: store.RunStatus, checkpointer: Checkpointer | None,
+               metrics: report.MetricsLog, state: str, reason: str | None, stop: StopRequest) -> str:
+    """The end of a run that stopped resumably or completed: the test evaluation when complete, then
+    (rank 0) the status, the backup, the report; returns the last line ("" on the other ranks, which
+    wait for rank 0)."""
     info = training.info
-    test = evaluate(training, "test") if status == store.COMPLETE else None
+    test = evaluate(training, "test") if state == store.COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
@@ -1676,50 +1793,70 @@ def finish_run(training: Training, out: Path, checkpointer: Checkpointer | None,
         log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
-        return None
+        return ""
     try:
-        record = finish_on_main(training, out, checkpointer, status, reason, test, stop)
-        metrics.write_samples(out / "sample_generations.json")
-        return record
+        line = finish_on_main(training, status, checkpointer, state, reason, test, stop)
+        metrics.write_samples(Path(training.session.out) / "sample_generations.json")
+        return line
     finally:
         if info.world > 1:
             dist.barrier()
 
 
-def finish_on_main(training: Training, out: Path, checkpointer: Checkpointer, status: str, reason: str | None,
-                   test: dict | None, stop: StopRequest | None = None) -> dict:
-    """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk, then the backup
-    (the status again), the report, the last line.
+def finish_on_main(training: Training, status: store.RunStatus, checkpointer: Checkpointer, state: str,
+                   reason: str | None, test: dict | None, stop: StopRequest) -> str:
+    """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
+    and model/ `pending`, with the command that makes them), then the backup, the report (the status
+    again each time); returns the last line.
 
     After a signal under torchrun, SIGKILL follows within its grace period: the status naming the
     checkpoint is written first, and the wait for the upload fits what is left (stop_wait_seconds)."""
     info, session = training.info, training.session
+    out = Path(session.out)
     checkpointer.wait()
-    record = {
+    command = resume_command(info, training.invocation.argv)
+    record = final_record(training, out, reason, test)
+    if state == store.NEEDS_RESUME:
+        record["resume_command"] = command
+    status.finished(state, **record, outputs=report_outputs(session.report, None),
+                    report_command=command if session.report else None)
+    status.update(backup_complete=wait_for_backup(checkpointer, stop.signalled_at))
+    if session.report:
+        found = report_run(training, out, state, test)
+        outputs = report_outputs(True, found)
+        status.update(**found, outputs=outputs, report_command=command if "failed" in outputs.values() else None)
+    if checkpointer.backup is not None:
+        checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
+    return report.final_line(out, state, status.record)
+
+
+def final_record(training: Training, out: Path, reason: str | None, test: dict | None) -> dict:
+    """What a finished session's status says of the run: where it stands, its losses, its last checkpoint."""
+    best = training.metrics.best_val_loss
+    return {
         "step": training.step,
         "total_steps": training.total_steps,
         "tokens": training.step * training.tokens_per_step,
         "reason": reason,
         "last_checkpoint": store.latest_checkpoint_name(out),
-        "best_val_loss": training.metrics.best_val_loss if math.isfinite(training.metrics.best_val_loss) else None,
+        "best_val_loss": best if math.isfinite(best) else None,
         "validation": training.metrics.last_eval,
         "test": test,
         "test_loss": test["loss"] if test else None,
         "train_loss": report.last_train_loss(out),
-        "backup_complete": None,  # null until the upload wait below ends (or with no backup)
+        "backup_complete": None,  # null until the upload wait ends (or with no backup)
     }
-    if status == store.NEEDS_RESUME:
-        record["resume_command"] = resume_command(info, training.invocation.argv)
-    store.write_status(out, status, **record)
-    wait_for_backup(checkpointer, out, status, record, since=stop.signalled_at if stop else None)
-    if session.report:
-        record.update(report_run(training, out, status, test))
-        store.write_status(out, status, **record)
-    if checkpointer.backup is not None:
-        checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
-        checkpointer.backup.close()
-    log(info, report.final_line(out, status, record))
-    return record
+
+
+def report_outputs(asked: bool, found: dict | None) -> dict[str, str]:
+    """run_status.json's `outputs`: the report and model/ "off" (--no-report), "pending" (not made
+    yet: `found` None), "done" or "failed" (report_run's `report_errors` say why)."""
+    if not asked:
+        return {"report": "off", "model": "off"}
+    if found is None:
+        return {"report": "pending", "model": "pending"}
+    return {"report": "failed" if found.get("report_errors") else "done",
+            "model": "done" if found.get("model_files") else "failed"}
 
 
 def report_run(training: Training, out: Path, status: str, test: dict | None) -> dict:

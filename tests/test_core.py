@@ -7,6 +7,7 @@ each assertion checks a value that a wrong implementation gets wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import pickle
@@ -733,3 +734,164 @@ def test_gguf_metadata_of_a_q8_0_file_and_without_an_end_of_turn_token(tmp_path)
     assert fields["general.quantization_version"] == gguf.GGML_QUANT_VERSION
     assert "tokenizer.ggml.eot_token_id" not in fields
     assert [name for name in fields if name.startswith("tinyllm.")] == ["tinyllm.tokenizer_json_sha256"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The end of a step (train.plan_step_end) and of a run (train.failure_reason, store.RunStatus)
+
+FLAGS = train.StepFlags(total_steps=100, save_every=10, save_seconds=60, max_hours=1, stop_after_steps=0)
+CLOCK = train.StepClock(elapsed=100, since_save=5, slowest_step=1, slowest_eval=2, last_write=3)
+
+
+# step, clock, flags -> save, stop, why
+@pytest.mark.parametrize("step, clock, flags, save, stop, why", [
+    (7, CLOCK, FLAGS, False, False, None),  # nothing due
+    (20, CLOCK, FLAGS, True, False, None),  # --save-every
+    (7, train.StepClock(since_save=60), FLAGS, True, False, None),  # --save-seconds
+    (7, train.StepClock(since_save=600), train.StepFlags(100), False, False, None),  # 0: never by time
+    (7, CLOCK, train.StepFlags(100, new_best=True), True, False, None),  # a new best is recorded in a save
+    (7, train.StepClock(signal=15), FLAGS, True, True, "stopped by SIGTERM"),
+    (7, train.StepClock(signal=2, elapsed=3600), FLAGS, True, True, "stopped by SIGINT"),  # the signal is named first
+    # --max-hours 1: 3600 s less twice the slowest step, evaluation and write, less 10 s
+    (7, train.StepClock(elapsed=3600 - 22, slowest_step=1, slowest_eval=2, last_write=3), FLAGS, True, True,
+     "stopped by --max-hours budget"),
+    (7, train.StepClock(elapsed=3600 - 22.5, slowest_step=1, slowest_eval=2, last_write=3), FLAGS, False, False,
+     None),
+    (7, train.StepClock(elapsed=10 ** 6), train.StepFlags(100), False, False, None),  # no --max-hours
+    (30, CLOCK, train.StepFlags(100, stop_after_steps=30), True, True, "stopped by --stop-after-steps 30"),
+    (31, CLOCK, train.StepFlags(100, stop_after_steps=30), True, True, "stopped by --stop-after-steps 30"),
+    (29, CLOCK, train.StepFlags(100, stop_after_steps=30), False, False, None),
+    (100, train.StepClock(signal=15, elapsed=10 ** 6), train.StepFlags(100, stop_after_steps=50), True, False,
+     None),  # the last step completes the run, whatever asked to stop
+])
+def test_plan_step_end(step, clock, flags, save, stop, why):
+    assert train.plan_step_end(step, clock, flags) == train.StepEnd(save=save, stop=stop, why=why)
+
+
+class FakeOSError(OSError):
+    pass
+
+
+CONTEXT = train.FailureContext(step=7, checkpoints=Path("run/checkpoints"), status_file=Path("run/run_status.json"),
+                               resume_command="python train.py --resume auto", rank=0, world=2,
+                               out_of_memory_advice="CUDA out of memory on T4: try --batch-size 1 --grad-accum 6")
+KEPT = "; the last good checkpoint, step-00000006.pt, is intact (status FAILED in run/run_status.json)"
+NONE_KEPT = "; no checkpoint had been written yet (status FAILED in run/run_status.json)"
+
+
+# error, last checkpoint -> status, reason, the error line (None: the error goes on as it is)
+@pytest.mark.parametrize("error, last, status, reason, message", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"), "step-00000006.pt", "FAILED",
+     CONTEXT.out_of_memory_advice, CONTEXT.out_of_memory_advice + KEPT),
+    (train.CheckpointWriteFailed("writing checkpoint run/checkpoints/step-00000007.pt: no space left on device"),
+     "step-00000006.pt", "FAILED", "writing checkpoint run/checkpoints/step-00000007.pt: no space left on device",
+     "training failed: writing checkpoint run/checkpoints/step-00000007.pt: no space left on device" + KEPT),
+    (train.NonFiniteLoss("non-finite loss nan at step 7"), None, "FAILED", "non-finite loss nan at step 7",
+     "training failed: non-finite loss nan at step 7" + NONE_KEPT),
+    (FakeOSError(28, "No space left on device", "run/metrics.jsonl"), "step-00000006.pt", "FAILED",
+     "run/metrics.jsonl: no space left on device",
+     "training failed: run/metrics.jsonl: no space left on device" + KEPT),
+    (OSError("a library's own OSError"), None, "FAILED", "OSError: a library's own OSError", None),  # no errno
+    (RuntimeError(GLOO_RESET), "step-00000006.pt", "CHECKPOINTED_NEEDS_RESUME",
+     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too",
+     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too; resume with: "
+     "python train.py --resume auto"),
+    (RuntimeError(GLOO_RESET), None, "FAILED",  # a lost rank before any checkpoint: nothing to resume from
+     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too",
+     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too; resume with: "
+     "python train.py --resume auto"),
+    (KeyboardInterrupt(), "step-00000006.pt", "FAILED",
+     "aborted by the user (second interrupt) at step 7; the last checkpoint is "
+     f"{Path('run/checkpoints/step-00000006.pt')}; continue with: python train.py --resume auto", None),
+    (KeyboardInterrupt(), None, "FAILED", "aborted by the user (second interrupt) at step 7; no checkpoint was "
+     "saved yet; continue with: python train.py --resume auto", None),
+    (ValueError("a bug"), "step-00000006.pt", "FAILED", "ValueError: a bug", None),  # the traceback stays
+    (RuntimeError("index out of range"), "step-00000006.pt", "FAILED", "RuntimeError: index out of range", None),
+])
+def test_failure_reason(error, last, status, reason, message):
+    failure = train.failure_reason(error, last, CONTEXT)
+    assert (failure.status, failure.reason, failure.message) == (status, reason, message)
+    assert failure.urgent == (status == "CHECKPOINTED_NEEDS_RESUME" or "rank 1 stopped" in reason)
+    assert failure.say == (reason if isinstance(error, KeyboardInterrupt) else None)
+
+
+def test_failure_reason_after_a_final_status_and_under_deterministic():
+    context = dataclasses.replace(CONTEXT, recorded="COMPLETE")
+    second = train.failure_reason(KeyboardInterrupt(), "step-00000007.pt", context)
+    assert second.say == ("interrupted again after the run recorded COMPLETE; continue with: "
+                          "python train.py --resume auto")
+    full = train.failure_reason(train.NonFiniteLoss("x"), "step-00000007.pt", context)
+    assert full.message.endswith("is intact (status COMPLETE in run/run_status.json)")  # the recorded status stays
+    error = RuntimeError("cumsum_cuda_kernel does not have a deterministic implementation, but you set "
+                         "'torch.use_deterministic_algorithms(True)'. You can ...")
+    assert train.failure_reason(error, None, CONTEXT).message is None  # without --deterministic: as it is
+    failure = train.failure_reason(error, None, dataclasses.replace(CONTEXT, deterministic=True))
+    assert failure.message == ("--deterministic: cumsum_cuda_kernel does not have a deterministic implementation; "
+                               "this run cannot be deterministic on this device: resume without --deterministic "
+                               "(a session setting)")
+    assert failure.reason == f"RuntimeError: {error}"
+    four = dataclasses.replace(CONTEXT, world=4)
+    assert train.failure_reason(RuntimeError(GLOO_RESET), "s", four).reason.startswith("another rank stopped (")
+
+
+def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
+    status = store.RunStatus(tmp_path)
+    assert status.previous == {} and status.final is None
+    status.running(3, 10, loss=2.5)
+    assert store.read_json(tmp_path / "run_status.json")["status"] == "RUNNING" and status.final is None
+    assert status.failed("FAILED", reason="x", step=3)  # no final status yet: recorded
+    status.finished("COMPLETE", step=10, outputs={"report": "pending"})
+    status.update(backup_complete=True)
+    assert not status.failed("FAILED", reason="a second Ctrl-C during the report")  # COMPLETE is true: it stays
+    written = store.read_json(tmp_path / "run_status.json")
+    assert (written["status"], written["step"], written["backup_complete"]) == ("COMPLETE", 10, True)
+    assert written["outputs"] == {"report": "pending"} and "updated" in written
+    assert store.RunStatus(tmp_path).previous["status"] == "COMPLETE"
+    other = tmp_path / "rank1"
+    other.mkdir()
+    store.RunStatus(other, enabled=False).running(1, 10)
+    assert list(other.iterdir()) == []
+
+
+# what the last session left, the step this one resumes from -> the note (None: nothing to say)
+@pytest.mark.parametrize("previous, resumed, note", [
+    ({}, 0, None),  # a new run
+    ({"status": "CHECKPOINTED_NEEDS_RESUME", "step": 6}, 6, None),
+    ({"status": "COMPLETE", "step": 12, "outputs": {"report": "done", "model": "done"}}, 12, None),
+    ({"status": "FAILED", "step": 7}, 6, None),  # it said why itself
+    ({"status": "RUNNING", "step": 9}, 8, "note: the previous session died without a word after step 9 "
+     "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); resuming from step 8; "
+     "steps done again: 1 or more"),
+    ({"status": "RUNNING", "step": 5}, 8, "note: the previous session died without a word after step 8 "
+     "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); resuming from step 8; "
+     "steps done again: 0 or more"),  # saved after its last logged step
+    ({"status": "RUNNING", "step": 4}, 0, "note: the previous session died without a word after step 4 "
+     "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); no checkpoint is left: "
+     "starting at step 0; steps done again: 4 or more"),
+    ({"status": "COMPLETE", "step": 12, "outputs": {"report": "pending", "model": "pending"}}, 12,
+     "note: the previous session ended before its report was made (run_status.json: COMPLETE, report pending); "
+     "this session makes it at its end"),
+])
+def test_previous_session_note(previous, resumed, note):
+    assert store.previous_session_note(previous, resumed) == note
+
+
+@pytest.mark.parametrize("asked, found, outputs", [
+    (False, None, {"report": "off", "model": "off"}),
+    (True, None, {"report": "pending", "model": "pending"}),
+    (True, {"report_errors": None, "model_files": {"model.safetensors": "ab"}}, {"report": "done", "model": "done"}),
+    (True, {"report_errors": {"export": "OSError: disk full"}}, {"report": "failed", "model": "failed"}),
+    (True, {"report_errors": {"samples": "x"}, "model_files": {"a": "b"}}, {"report": "failed", "model": "done"}),
+])
+def test_report_outputs(asked, found, outputs):
+    assert train.report_outputs(asked, found) == outputs
+
+
+def test_the_final_line_says_what_makes_a_missing_model():
+    record = {"step": 12, "total_steps": 12, "test_loss": 1.5, "test": {}, "report_errors": {"export": "OSError: x"},
+              "outputs": {"report": "failed", "model": "failed"}, "report_command": "python train.py --resume auto"}
+    assert report.final_line(Path("run"), "COMPLETE", record) == (
+        f"COMPLETE: step 12/12 | test loss 1.5000 | model/ not made (export: report_errors in "
+        f"{Path('run/run_status.json')}) | make it again with: python train.py --resume auto")
+    record.update(outputs={"report": "done", "model": "done"}, report_command=None, report_errors=None)
+    assert report.final_line(Path("run"), "COMPLETE", record) == "COMPLETE: step 12/12 | test loss 1.5000"

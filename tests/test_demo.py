@@ -222,7 +222,7 @@ def test_a_resumable_stop_exports_and_prints_the_continue_command(demo):
     assert not (run / "sample_generations.json").exists()  # samples and accuracy only for a finished run
 
 
-def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch):
+def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch, capsys):
     work, _ = demo
 
     def broken_export(*args, **kwargs):
@@ -238,6 +238,10 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch):
     assert record["report_errors"]["export"] == "OSError: disk full"
     assert "task_accuracy" in record and (out / "loss_curve.png").is_file()
     assert not (out / "model").exists()
+    assert record["outputs"] == {"report": "failed", "model": "failed"}
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f" | model/ not made (export: report_errors in {out / 'run_status.json'}) | make it again with: " in last
+    assert last.endswith(record["report_command"]) and record["report_command"].endswith("--resume auto")
 
 
 LONGER_STEPS = 120  # measured: 0.60 on the items below (40 steps: 0.20 on 100 of them, chance)

@@ -429,6 +429,26 @@ def test_greedy_summary_counts_matches_and_near_ties():
     assert ", 1 diverges at a near tie (largest margin 0.05)" in export_gguf.greedy_summary(4, [0.05], 0.649)
 
 
+def test_verify_passed_line_says_what_passed():
+    checks = {"reader": {"tensors": 30, "max_abs_error": 0.0},
+              "llama_cpp": {"texts": 40, "max_logit_diff": 2.5e-5, "greedy_prompts": 6, "greedy_ties": 0}}
+    assert export_gguf.verify_passed_line(checks, "f32") == (
+        "verify: passed: 30 tensors read back as written; 40 texts tokenize identically in llama.cpp and "
+        "transformers; logits agree to 2.5e-05 (f32); 6 prompts give the same 16 greedy tokens")
+    checks["llama_cpp"]["greedy_ties"] = 1
+    assert export_gguf.verify_passed_line(checks, "q8_0").endswith(
+        "(q8_0); 6 prompts give the same 16 greedy tokens, 1 at an accepted near tie")
+
+
+@needs_llama_cpp
+def test_cli_verify_ends_with_the_line_that_says_it_passed(model_dir, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    export_gguf.main([str(model_dir), "--out", str(out), "--type", "f32", "--verify", "--no-modelfile"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("verify: passed: ") and "tokenize identically in llama.cpp and transformers" in last
+    assert out.is_file()
+
+
 @needs_llama_cpp
 def test_verify_catches_a_tokenizer_that_differs(model_dir, tmp_path, monkeypatch):
     read_vocab = export_gguf.read_vocab

@@ -726,8 +726,12 @@ def test_kill_9_mid_save_and_at_a_random_moment_then_resume_matches(corpus, refe
     process.kill()
     process.wait()
     assert caught, "no checkpoint write was caught in flight"
-    process = start_cli(args)  # 2: resumes, then is killed at a random moment
+    process = start_cli(args)  # 2: resumes, says that the first died, then is killed at a random moment
     wait_for_line(process, "resumed from")
+    note = process.stdout.readline()
+    assert note.startswith("note: the previous session died without a word after step "), note
+    died, resumed = (int(note.split(marker)[1].split()[0].strip(";,")) for marker in ("after step", "from step"))
+    assert died >= resumed >= 2 and note.rstrip().endswith(f"steps done again: {died - resumed} or more")
     time.sleep(random.Random().uniform(0.0, 0.5))
     process.kill()
     process.wait()
@@ -1203,12 +1207,39 @@ def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_r
 
 def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
+    report_run = train.report_run
     monkeypatch.setattr(train, "report_run", lambda *args: interrupt_twice())
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, "--report", steps=4))
-    assert status(out)["status"] == "COMPLETE"
+    record = status(out)
+    assert record["status"] == "COMPLETE" and record["outputs"] == {"report": "pending", "model": "pending"}
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("interrupted again after the run recorded COMPLETE; continue with: ")
+    assert record["report_command"] == last.split("continue with: ")[1]  # what makes the report and model/
+    assert not (out / "model").exists()
+
+    monkeypatch.setattr(train, "report_run", report_run)  # the same command again: no step, the report made
+    assert train.main(options(corpus, out, "--report", steps=4)) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "note: the previous session ended before its report was made (run_status.json: COMPLETE, report " \
+           "pending); this session makes it at its end" in lines
+    record = status(out)
+    assert record["outputs"] == {"report": "done", "model": "done"} and record["report_command"] is None
+    assert (out / "model" / "model.safetensors").is_file() and lines[-1].startswith("COMPLETE: step 4/4 | ")
+
+
+def test_a_start_after_a_silent_death_says_so_and_how_many_steps_are_done_again(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0  # saves at 4 and 5
+    store.write_status(out, store.RUNNING, step=7, total_steps=12)  # what a session killed after step 7 leaves
+    capsys.readouterr()
+    assert train.main(options(corpus, out, "--stop-after-steps", "8")) == 0
+    assert ("note: the previous session died without a word after step 7 (run_status.json still said RUNNING: "
+            "killed, out of memory, or its machine went away); resuming from step 5; steps done again: 2 or more"
+            ) in capsys.readouterr().out.splitlines()
+    assert status(out)["status"] == store.NEEDS_RESUME and status(out)["step"] == 8
+    assert train.main(options(corpus, out, "--stop-after-steps", "9")) == 0
+    assert "note:" not in capsys.readouterr().out  # a stop that said so: nothing to note
 
 
 def test_cuda_out_of_memory_in_a_step_is_one_line_with_a_split_that_fits(corpus, tmp_path, monkeypatch, capsys):
