@@ -22,12 +22,16 @@ for the message that refuses one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import math
 import os
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,14 +39,19 @@ from typing import Any
 
 from common import (
     UserError,
+    atomic_open,
     atomic_write_json,
+    os_error_cause,
+    os_error_text,
     read_json,
     read_json_or,
+    say,
     sha256_file,
     sha256_tree,
     temporary_target,
     utc_now,
 )
+from data import CORPUS_MANIFEST
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
@@ -785,3 +794,196 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
                "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
                "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
     return InitSource(model.state_dict(), lineage)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run folder and the checkpoint writer: --out's checks and lock, and torch.save on a background
+# thread around the rules above (the record before the rename; then latest.json, backup, retention).
+
+
+
+RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
+
+
+
+def check_run_folder(out: Path) -> None:
+    """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
+    if not out.is_dir():
+        return
+    if (out / CORPUS_MANIFEST).exists():
+        raise UserError(f"--out {out} is a corpus folder ({CORPUS_MANIFEST}), not a run folder; "
+                        "choose a new --out")
+    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
+        raise UserError(f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
+                        "run_status.json or checkpoints/); choose a new or empty --out")
+
+
+
+def lock_run_folder(out: Path):
+    """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / ".lock", "a+", encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--out {out} cannot be written: {os_error_cause(error)}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid = handle.read().strip() or "unknown"
+        handle.close()
+        raise UserError(f"run folder {out} is in use by another train.py (pid {pid})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+
+def release_run_folder(out: Path, lock, new: bool) -> None:
+    """Close the run folder's lock; a folder this command made that holds only the lock is removed."""
+    lock.close()
+    if new and [path.name for path in out.iterdir()] == [".lock"]:
+        with contextlib.suppress(OSError):
+            (out / ".lock").unlink()
+            out.rmdir()
+
+
+
+class CheckpointWriteFailed(UserError):
+    """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
+
+
+
+class Checkpointer:
+    """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
+
+    One write is in flight at a time: `save` waits for the previous one, hands over the
+    snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
+    `save` or `wait`. `backup` (optional) has submit(path, step), deletable(paths) -> paths
+    and wait(timeout_s) -> bool; retention never deletes a file the backup has not let go.
+    The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
+    """
+
+    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
+                 backup_wait_s: float = 600):
+        self.folder, self.run_id = folder, run_id
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.backup, self.backup_wait_s = backup, backup_wait_s
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.last_write_seconds = 0.0
+
+    def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
+        """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Re-raise the error of a write that has already ended (returns at once): a failed save is
+        noticed at the next step, not one save later."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self, backup_wait_s: float | None = None) -> bool | None:
+        """Finish the write in flight, then wait for the backup (up to `backup_wait_s`, None: the
+        --backup-wait-seconds given); True/False says if it caught up."""
+        self.wait()
+        if self.backup is None:
+            return None
+        caught_up = self.backup.wait(self.backup_wait_s if backup_wait_s is None else backup_wait_s)
+        self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
+        return caught_up
+
+    def _write(self, snapshot: dict, step: int, val_loss: float | None) -> None:
+        import torch
+
+        name, writer = checkpoint_name(step), None
+        try:
+            started = time.perf_counter()
+            with atomic_open(self.folder / name, "wb") as handle:
+                writer = HashingWriter(handle)
+                torch.save(snapshot, writer)
+                handle.flush()
+                record = Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
+                                      run_id=self.run_id, created=utc_now(), val_loss=val_loss)
+                # the record goes before the rename: a save killed in between leaves a record without
+                # a checkpoint (the next session removes it), never a checkpoint nobody can verify
+                write_record(self.folder, record)
+            write_record(self.folder, record, LATEST)
+            if self.backup is not None:
+                self.backup.submit(self.folder / name, step)
+            self.apply_retention()
+            self.last_write_seconds = time.perf_counter() - started
+        except BaseException as error:  # surfaced on the training thread at the next step (check) or save
+            cause = writer.os_error if writer is not None and writer.os_error is not None else error
+            if isinstance(cause, OSError) and cause.errno:
+                where = cause.filename or self.folder / name
+                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, where)}")
+            self._error = error
+
+    def start_timeline(self, resumed_from: Path, step: int) -> None:
+        """Make the checkpoint this session continues from (at `step`) the newest one of the folder
+        (plan_timeline: a rewind moves the newer ones, and other runs', to abandoned-STEP/)."""
+        here = resumed_from.parent.resolve() == self.folder.resolve()
+        plan = plan_timeline(list_folder(self.folder), resumed_from.name if here else None, step,
+                                   self.run_id)
+        for message in plan.warnings:
+            say(message, warning=True)
+        apply_timeline(self.folder, plan)
+        if plan.rewound and plan.latest is not None and self.backup is not None:
+            # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
+            # again now, which points it back here (a fresh disk must not restore the timeline left)
+            self.backup.submit(resumed_from, step)
+
+    def apply_retention(self) -> None:
+        """Delete what retention_deletions names, once the backup (if any) lets each go
+        (`backup.deletable(paths)`; checkpoint_cloud's loop deletes those the remote holds itself)."""
+        listing = list_folder(self.folder)
+        candidates = [self.folder / name for name in
+                      retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
+        if self.backup is not None and candidates:
+            allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
+            candidates = [path for path in candidates if path.resolve() in allowed]
+        delete(self.folder, [path.name for path in candidates])
+
+
+
+def init_mismatch(source: InitSource, model, settings: dict) -> str | None:
+    """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
+    spec, training = source.lineage["source"], settings["training"]
+    ours = settings["vocabulary_sha256"]
+    if source.lineage["vocabulary_sha256"] != ours:
+        theirs = source.lineage["vocabulary_sha256"]
+        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
+                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
+                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
+    live = model.state_dict()
+    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
+                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
+    problems += [f"{key}: missing there" for key in live if key not in source.state]
+    problems += [f"{key}: not in this model" for key in source.state if key not in live]
+    if not problems:
+        return None
+    if source.model_settings:
+        changes = settings_changes(source.model_settings,
+                                   {key: value for key, value in training.items() if key in source.model_settings})
+        if changes:
+            problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
+    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
+            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))

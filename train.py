@@ -13,7 +13,7 @@ Its siblings hold the rest: the corpus reader and data order (data.py), the atte
 implementations (model_config.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
 restart is a small object with state_dict()/load_state_dict(): the data order, the optimizers, the
-loss scaler, the RNG of every rank and the run metrics; the Checkpointer writes them on a
+loss scaler, the RNG of every rank and the run metrics; the store.Checkpointer writes them on a
 background thread.
 At the end, report.py draws the loss curve, samples the model, measures its held-out task
 accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import math
 import os
@@ -34,7 +33,6 @@ import shlex
 import shutil
 import signal
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,7 +55,6 @@ from common import (
     UserError,
     add_options,
     at_least,
-    atomic_open,
     atomic_write_json,
     atomic_write_text,
     below_one,
@@ -69,7 +66,6 @@ from common import (
     option,
     option_fields,
     option_flag,
-    os_error_cause,
     os_error_text,
     positive,
     read_json,
@@ -87,7 +83,6 @@ DEFAULT_OUT = "runs/demo"
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
 DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
                  "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
-RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 
@@ -833,8 +828,8 @@ class Training:
     def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
 
-        The copy lives in reused staging buffers: write it out (Checkpointer.save) and wait for
-        that write (Checkpointer.wait) before the next snapshot.
+        The copy lives in reused staging buffers: write it out (store.Checkpointer.save) and wait for
+        that write (store.Checkpointer.wait) before the next snapshot.
         """
         rng = self.rng.state_dict()
         if not self.info.is_main:
@@ -1033,7 +1028,7 @@ def total_steps(run: RunSettings, blocks: int, global_batch: int, tokens_per_ste
 
 def start_from(training: Training, source: store.InitSource) -> None:
     """A new run's weights from `source` (--init-from, before the first step); the rest stays fresh."""
-    problem = init_mismatch(source, training.model, recorded_settings(training))
+    problem = store.init_mismatch(source, training.model, recorded_settings(training))
     if problem:
         raise UserError(problem)
     with torch.no_grad():
@@ -1166,7 +1161,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     trackers = report.open_trackers(report.tracker_names(session.log_to), out, training.run_id,
                                     recorded_settings(training)) if info.is_main else []
     metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=trackers)
-    checkpointer = Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
+    checkpointer = store.Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     peak = write_run_files(training, settings, checkpointer, metrics, resume_path)
     describe_run(training)
@@ -1214,7 +1209,7 @@ def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path)
     return training, resume_path
 
 
-def write_run_files(training: Training, settings: Settings, checkpointer: Checkpointer | None,
+def write_run_files(training: Training, settings: Settings, checkpointer: store.Checkpointer | None,
                     metrics: report.MetricsLog, resume_path: Path | None) -> float | None:
     """Rank 0: the checkpoint timeline, metrics.jsonl cut at the resumed step, config.toml,
     training_settings.json and hardware.json; returns the peak FLOP/s the MFU divides by (None on
@@ -1269,7 +1264,7 @@ def default_eval_every(total_steps: int) -> int:
     return max(1, min(250, total_steps // 5))
 
 
-def train_loop(training: Training, checkpointer: Checkpointer | None, metrics: report.MetricsLog,
+def train_loop(training: Training, checkpointer: store.Checkpointer | None, metrics: report.MetricsLog,
                status: store.RunStatus, stop: StopRequest, peak: float | None, process_started: float,
                progress: report.Progress) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason). Each step: train, log,
@@ -1409,7 +1404,7 @@ def mixture_summary(training: Training) -> list[str]:
     return lines
 
 
-def save_checkpoint(training: Training, checkpointer: Checkpointer | None, best_val_loss: float | None) -> None:
+def save_checkpoint(training: Training, checkpointer: store.Checkpointer | None, best_val_loss: float | None) -> None:
     """Snapshot on every rank (RNG is gathered), write on rank 0 in the background. A step already saved
     is not saved again unless it set a new best; every rank decides alike (saved_step is on every rank),
     since the snapshot is a collective call."""
@@ -1525,7 +1520,7 @@ class SessionClocks:
     def saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def read(self, stop: StopRequest, checkpointer: Checkpointer | None) -> StepClock:
+    def read(self, stop: StopRequest, checkpointer: store.Checkpointer | None) -> StepClock:
         now = time.monotonic()
         return StepClock(elapsed=now - self.started, since_save=now - self.last_save,
                          slowest_step=self.slowest_step, slowest_eval=self.slowest_eval,
@@ -1564,7 +1559,7 @@ def stop_wait_seconds(backup_wait_seconds: float, signalled: bool, under_torchru
     return max(0.0, min(backup_wait_seconds, grace - elapsed - STOP_MARGIN_SECONDS))
 
 
-def wait_for_backup(checkpointer: Checkpointer | None, since: float | None) -> bool | None:
+def wait_for_backup(checkpointer: store.Checkpointer | None, since: float | None) -> bool | None:
     """Wait for the last checkpoint's upload (capped by stop_wait_seconds after a signal `since` then);
     whether it reached the remote (None: no backup)."""
     if checkpointer is None or checkpointer.backup is None:
@@ -1630,7 +1625,7 @@ def failure_reason(error: BaseException, last_checkpoint: str | None, context: F
         return Failure(store.FAILED, reason, None, say=again if context.recorded else reason)
     if isinstance(error, torch.OutOfMemoryError):  # torch.cuda.OutOfMemoryError too
         return Failure(store.FAILED, context.out_of_memory_advice, context.out_of_memory_advice + tail)
-    if isinstance(error, (NonFiniteLoss, CheckpointWriteFailed)) or (isinstance(error, OSError) and error.errno):
+    if isinstance(error, (NonFiniteLoss, store.CheckpointWriteFailed)) or (isinstance(error, OSError) and error.errno):
         text = os_error_text(error) if isinstance(error, OSError) else str(error)
         return Failure(store.FAILED, text, f"training failed: {text}{tail}")
     described = f"{type(error).__name__}: {error}"
@@ -1647,7 +1642,7 @@ def failure_reason(error: BaseException, last_checkpoint: str | None, context: F
     return Failure(store.FAILED, described, None)
 
 
-def end_failed_run(training: Training, status: store.RunStatus, checkpointer: Checkpointer | None,
+def end_failed_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
                    stop: StopRequest, error: BaseException) -> Failure:
     """Rank 0 finishes a checkpoint write in flight (it holds good state), records failure_reason's
     status at once (before torchrun's SIGKILL, after a lost rank), then waits for the backup."""
@@ -1676,50 +1671,15 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: Ch
 # The run's lifecycle: its folder, status and metrics files, the end of a run, the report and export.
 
 
-def check_run_folder(out: Path) -> None:
-    """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
-    if not out.is_dir():
-        return
-    if (out / data.CORPUS_MANIFEST).exists():
-        raise UserError(f"--out {out} is a corpus folder ({data.CORPUS_MANIFEST}), not a run folder; "
-                        "choose a new --out")
-    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
-        raise UserError(f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
-                        "run_status.json or checkpoints/); choose a new or empty --out")
-
-
-def lock_run_folder(out: Path):
-    """An exclusive lock on RUN/.lock (the open file; the kernel drops it when the process dies)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        handle = open(out / ".lock", "a+", encoding="utf-8")
-    except OSError as error:
-        raise UserError(f"--out {out} cannot be written: {os_error_cause(error)}") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        pid = handle.read().strip() or "unknown"
-        handle.close()
-        raise UserError(f"run folder {out} is in use by another train.py (pid {pid})") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
-
-
 @contextlib.contextmanager
 def claim_run_folder(out: Path, info: distributed.DistInfo):
     """Rank 0 checks --out and holds its lock for the whole run; every rank learns of a refusal."""
     held = {}
 
     def claim() -> None:
-        check_run_folder(out)
+        store.check_run_folder(out)
         held["new"] = not out.exists()
-        held["lock"] = lock_run_folder(out)
+        held["lock"] = store.lock_run_folder(out)
         remove_temporaries(out)  # of a restore, a report or an export killed half-way (checkpoints/: the plan's)
 
     distributed.main_decides(claim, info)
@@ -1727,16 +1687,7 @@ def claim_run_folder(out: Path, info: distributed.DistInfo):
         yield
     finally:
         if "lock" in held:
-            release_run_folder(out, held["lock"], held["new"])  # a new folder refused before it began goes
-
-
-def release_run_folder(out: Path, lock, new: bool) -> None:
-    """Close the run folder's lock; a folder this command made that holds only the lock is removed."""
-    lock.close()
-    if new and [path.name for path in out.iterdir()] == [".lock"]:
-        with contextlib.suppress(OSError):
-            (out / ".lock").unlink()
-            out.rmdir()
+            store.release_run_folder(out, held["lock"], held["new"])  # a new folder refused before it began goes
 
 
 def prepare_corpus(settings: Settings) -> Path:
@@ -1778,7 +1729,7 @@ def out_of_memory_advice(training: Training) -> str:
                                          training.recipe.optimizer, session.grad_checkpoint, training.hardware)
 
 
-def finish_run(training: Training, status: store.RunStatus, checkpointer: Checkpointer | None,
+def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
                metrics: report.MetricsLog, state: str, reason: str | None, stop: StopRequest) -> str:
     """The end of a run that stopped resumably or completed: the test evaluation when complete, then
     (rank 0) the status, the backup, the report; returns the last line ("" on the other ranks, which
@@ -1803,7 +1754,7 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: Checkp
             dist.barrier()
 
 
-def finish_on_main(training: Training, status: store.RunStatus, checkpointer: Checkpointer, state: str,
+def finish_on_main(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer, state: str,
                    reason: str | None, test: dict | None, stop: StopRequest) -> str:
     """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
     and model/ `pending`, with the command that makes them), then the backup, the report (the status
@@ -1933,11 +1884,11 @@ def export_only(settings: Settings, info: distributed.DistInfo) -> int:
         return 0
     out = Path(settings.session.out)
     new = not out.exists()
-    lock = lock_run_folder(out)
+    lock = store.lock_run_folder(out)
     try:
         return export_checkpoint(settings, info)
     finally:
-        release_run_folder(out, lock, new)  # refused: leave no folder behind
+        store.release_run_folder(out, lock, new)  # refused: leave no folder behind
 
 
 def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
@@ -2055,115 +2006,8 @@ def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, f
 # Store glue: torch.save on a background thread around checkpoint_store's rules; backups; --init-from.
 
 
-class CheckpointWriteFailed(UserError):
-    """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
-
-
 def warn(message: str) -> None:
     say(message, warning=True)
-
-
-class Checkpointer:
-    """Writes checkpoints atomically on a background thread, then latest.json, backup and retention.
-
-    One write is in flight at a time: `save` waits for the previous one, hands over the
-    snapshot (already copied to CPU) and returns. Errors from the writer surface at the next
-    `save` or `wait`. `backup` (optional) has submit(path, step), deletable(paths) -> paths
-    and wait(timeout_s) -> bool; retention never deletes a file the backup has not let go.
-    The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
-    """
-
-    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
-                 backup_wait_s: float = 600):
-        self.folder, self.run_id = folder, run_id
-        self.keep_last, self.keep_every = keep_last, keep_every
-        self.backup, self.backup_wait_s = backup, backup_wait_s
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self.last_write_seconds = 0.0
-
-    def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
-        """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
-        self.wait()
-        self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
-                                        name=f"checkpoint-{step}", daemon=True)
-        self._thread.start()
-
-    def check(self) -> None:
-        """Re-raise the error of a write that has already ended (returns at once): a failed save is
-        noticed at the next step, not one save later."""
-        if self._thread is not None and not self._thread.is_alive():
-            self.wait()
-
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def close(self, backup_wait_s: float | None = None) -> bool | None:
-        """Finish the write in flight, then wait for the backup (up to `backup_wait_s`, None: the
-        --backup-wait-seconds given); True/False says if it caught up."""
-        self.wait()
-        if self.backup is None:
-            return None
-        caught_up = self.backup.wait(self.backup_wait_s if backup_wait_s is None else backup_wait_s)
-        self.apply_retention()  # checkpoints kept only while they waited for their upload may go now
-        return caught_up
-
-    def _write(self, snapshot: dict, step: int, val_loss: float | None) -> None:
-        name, writer = store.checkpoint_name(step), None
-        try:
-            started = time.perf_counter()
-            with atomic_open(self.folder / name, "wb") as handle:
-                writer = store.HashingWriter(handle)
-                torch.save(snapshot, writer)
-                handle.flush()
-                record = store.Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
-                                      run_id=self.run_id, created=utc_now(), val_loss=val_loss)
-                # the record goes before the rename: a save killed in between leaves a record without
-                # a checkpoint (the next session removes it), never a checkpoint nobody can verify
-                store.write_record(self.folder, record)
-            store.write_record(self.folder, record, store.LATEST)
-            if self.backup is not None:
-                self.backup.submit(self.folder / name, step)
-            self.apply_retention()
-            self.last_write_seconds = time.perf_counter() - started
-        except BaseException as error:  # surfaced on the training thread at the next step (check) or save
-            cause = writer.os_error if writer is not None and writer.os_error is not None else error
-            if isinstance(cause, OSError) and cause.errno:
-                where = cause.filename or self.folder / name
-                error = CheckpointWriteFailed(f"writing checkpoint {os_error_text(cause, where)}")
-            self._error = error
-
-    def start_timeline(self, resumed_from: Path, step: int) -> None:
-        """Make the checkpoint this session continues from (at `step`) the newest one of the folder
-        (store.plan_timeline: a rewind moves the newer ones, and other runs', to abandoned-STEP/)."""
-        here = resumed_from.parent.resolve() == self.folder.resolve()
-        plan = store.plan_timeline(store.list_folder(self.folder), resumed_from.name if here else None, step,
-                                   self.run_id)
-        for message in plan.warnings:
-            warn(message)
-        store.apply_timeline(self.folder, plan)
-        if plan.rewound and plan.latest is not None and self.backup is not None:
-            # the remote latest.json still names the abandoned timeline: upload the resumed checkpoint
-            # again now, which points it back here (a fresh disk must not restore the timeline left)
-            self.backup.submit(resumed_from, step)
-
-    def apply_retention(self) -> None:
-        """Delete what store.retention_deletions names, once the backup (if any) lets each go
-        (`backup.deletable(paths)`; checkpoint_cloud's loop deletes those the remote holds itself)."""
-        listing = store.list_folder(self.folder)
-        candidates = [self.folder / name for name in
-                      store.retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
-        if self.backup is not None and candidates:
-            allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
-            candidates = [path for path in candidates if path.resolve() in allowed]
-        store.delete(self.folder, [path.name for path in candidates])
 
 
 def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
@@ -2217,31 +2061,6 @@ def start_backup(session: SessionSettings, info: distributed.DistInfo):
 
     distributed.main_decides(start, info)
     return started.get("backup")
-
-
-def init_mismatch(source: store.InitSource, model: torch.nn.Module, settings: dict) -> str | None:
-    """Why `source` cannot initialize `model` (this run's `settings`): the tokenizer, else the shapes."""
-    spec, training = source.lineage["source"], settings["training"]
-    ours = settings["vocabulary_sha256"]
-    if source.lineage["vocabulary_sha256"] != ours:
-        theirs = source.lineage["vocabulary_sha256"]
-        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
-                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
-                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
-    live = model.state_dict()
-    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
-                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
-    problems += [f"{key}: missing there" for key in live if key not in source.state]
-    problems += [f"{key}: not in this model" for key in source.state if key not in live]
-    if not problems:
-        return None
-    if source.model_settings:
-        changes = store.settings_changes(source.model_settings,
-                                   {key: value for key, value in training.items() if key in source.model_settings})
-        if changes:
-            problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
-    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
-            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
 
 
 def command() -> None:

@@ -24,7 +24,7 @@ hardware.CARDS and the predicted think72 step (hardware.predict_card). Then the 
 - overflow: an fp16 step whose loss is scaled by inf must skip BOTH optimizers (weights and optimizer
   states bitwise unchanged, the loss scale lowered), and the next step must apply;
 - snapshot: Training.snapshot() (the staging buffers) equals the state before it, twice in a row;
-- resume: a checkpoint saved through train.Checkpointer and loaded by Training.load continues like the
+- resume: a checkpoint saved through store.Checkpointer and loaded by Training.load continues like the
   uninterrupted run: bitwise when train.py has --deterministic (then used), else the largest relative
   weight difference is reported;
 - the other sides of think72, then small125 and medium350 (--also) as memory allows.
@@ -59,10 +59,11 @@ import traceback
 import warnings
 from pathlib import Path
 
+import checkpoint_store as store
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import checkpoint_store as store  # noqa: E402
 import distributed  # noqa: E402
 import hardware  # noqa: E402
 import model_config  # noqa: E402
@@ -505,7 +506,7 @@ class Bench:
             first.train_step()
         staged = first.snapshot()
         if self.info.is_main:
-            checkpointer = train.Checkpointer(out / "checkpoints", first.run_id, keep_last=2, keep_every=0)
+            checkpointer = store.Checkpointer(out / "checkpoints", first.run_id, keep_last=2, keep_every=0)
             checkpointer.save(staged, first.step)
             checkpointer.close()
         distributed.broadcast_from_main(None, self.info)  # the checkpoint is on disk before any rank reads it

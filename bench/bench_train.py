@@ -43,6 +43,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import checkpoint_store as store
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -351,7 +353,7 @@ def synchronous_save(state: dict, path: Path) -> dict:
 
 def background_save(training: train.Training, folder: Path) -> dict:
     """Seconds one train.save_checkpoint blocks the caller, then (untimed) the background write's own seconds."""
-    checkpointer = train.Checkpointer(folder, training.run_id, keep_last=1, keep_every=0)
+    checkpointer = store.Checkpointer(folder, training.run_id, keep_last=1, keep_every=0)
     started = time.perf_counter()
     train.save_checkpoint(training, checkpointer, None)
     blocked = time.perf_counter() - started

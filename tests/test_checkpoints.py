@@ -187,7 +187,7 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_p
 
 def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkeypatch):
     folder = tmp_path / "checkpoints"
-    saver = train.Checkpointer(folder, run_id="r", keep_last=2, keep_every=0)
+    saver = store.Checkpointer(folder, run_id="r", keep_last=2, keep_every=0)
     saver.save({"run_id": "r", "step": 1}, 1)
     saver.wait()
     replace = os.replace
@@ -212,7 +212,7 @@ def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkey
 def test_retention_counts_only_this_runs_checkpoints(tmp_path):
     foreign = tmp_path / "step-00000009.pt"  # no record of this run: neither deleted nor one of the kept
     shutil.copyfile(__file__, foreign)
-    saver = train.Checkpointer(tmp_path, run_id="r", keep_last=2, keep_every=0)
+    saver = store.Checkpointer(tmp_path, run_id="r", keep_last=2, keep_every=0)
     for step in range(1, 5):
         saver.save({"step": step}, step)
     saver.wait()

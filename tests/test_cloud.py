@@ -321,10 +321,9 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     assert json.loads((fresh / "checkpoints" / "step-00000020.pt.json").read_text()) == \
         json.loads((fresh / "checkpoints" / "latest.json").read_text()) == \
         json.loads((run / "checkpoints" / "step-00000020.pt.json").read_text())
-    train = pytest.importorskip("train")
     assert store.newest_verified(store.list_folder(fresh / "checkpoints")) == restored.name
     save_and_point_latest(fresh / "checkpoints", 30, "run-a")
-    train.Checkpointer(fresh / "checkpoints", "run-a", keep_last=1, keep_every=0).apply_retention()
+    store.Checkpointer(fresh / "checkpoints", "run-a", keep_last=1, keep_every=0).apply_retention()
     assert sorted(p.name for p in (fresh / "checkpoints").glob("step-*")) == ["step-00000030.pt",
                                                                                "step-00000030.pt.json"]
 

@@ -783,7 +783,7 @@ NONE_KEPT = "; no checkpoint had been written yet (status FAILED in run/run_stat
 @pytest.mark.parametrize("error, last, status, reason, message", [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"), "step-00000006.pt", "FAILED",
      CONTEXT.out_of_memory_advice, CONTEXT.out_of_memory_advice + KEPT),
-    (train.CheckpointWriteFailed("writing checkpoint run/checkpoints/step-00000007.pt: no space left on device"),
+    (store.CheckpointWriteFailed("writing checkpoint run/checkpoints/step-00000007.pt: no space left on device"),
      "step-00000006.pt", "FAILED", "writing checkpoint run/checkpoints/step-00000007.pt: no space left on device",
      "training failed: writing checkpoint run/checkpoints/step-00000007.pt: no space left on device" + KEPT),
     (train.NonFiniteLoss("non-finite loss nan at step 7"), None, "FAILED", "non-finite loss nan at step 7",

@@ -150,7 +150,7 @@ def test_run_main_turns_any_os_error_into_one_line(capsys):
 def test_export_only_is_refused_while_a_training_run_holds_the_folder(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, steps=4)) == 0
-    lock = train.lock_run_folder(out)  # as a training run holds it
+    lock = store.lock_run_folder(out)  # as a training run holds it
     try:
         code, line = run_main_exit(capsys, lambda: train.main([*options(corpus, out), "--export-only"]))
     finally:

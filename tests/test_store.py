@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 import checkpoint_store as store
-import train
 from common import UserError, sha256_file
 
 
@@ -358,7 +357,7 @@ def test_read_record_names_the_file(tmp_path):
 def test_retention_without_a_backup_deletes_what_the_rules_name(tmp_path):
     for step in range(1, 7):
         write_checkpoint(tmp_path, step)
-    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=2).apply_retention()
+    store.Checkpointer(tmp_path, "r", keep_last=1, keep_every=2).apply_retention()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"step-0000000{step}.pt{suffix}" for step in (2, 4, 6) for suffix in ("", ".json")]
 
@@ -371,7 +370,7 @@ def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
         def deletable(self, candidates):
             return [path for path in candidates if path.name != store.checkpoint_name(2)]
 
-    train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup()).apply_retention()
+    store.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup()).apply_retention()
     assert sorted(store.list_folder(tmp_path).files) == ["step-00000002.pt", "step-00000005.pt"]
 
 
@@ -385,7 +384,7 @@ def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
             asked.append([path.name for path in candidates])
             return [str(path) for path in candidates if path.name != store.checkpoint_name(3)]
 
-    train.Checkpointer(tmp_path, "r", keep_last=2, keep_every=0, backup=Backup()).apply_retention()
+    store.Checkpointer(tmp_path, "r", keep_last=2, keep_every=0, backup=Backup()).apply_retention()
     assert asked == [[store.checkpoint_name(step) for step in (1, 2, 3)]]  # oldest first
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"step-0000000{step}.pt{suffix}" for step in (3, 4, 5) for suffix in ("", ".json")]
@@ -407,10 +406,10 @@ def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tm
         def deletable(self, candidates):
             return candidates if self.confirmed else []
 
-    saver = train.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup(), backup_wait_s=2.5)
+    saver = store.Checkpointer(tmp_path, "r", keep_last=1, keep_every=0, backup=Backup(), backup_wait_s=2.5)
     assert saver.close() is False and waits == [2.5]
     assert sorted(store.list_folder(tmp_path).files) == ["step-00000003.pt"]  # confirmed during the wait
-    assert train.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
+    assert store.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
 
 
 @pytest.mark.parametrize("recorded, latest, order", [

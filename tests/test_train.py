@@ -388,7 +388,7 @@ def test_checkpointer_retention_and_backup_seam(tmp_path):
     foreign = folder / "step-00000001.pt"
     foreign.write_bytes(b"not ours")  # no record of this run writing it: never deleted
     backup = Backup()
-    saver = train.Checkpointer(folder, run_id="r1", keep_last=2, keep_every=4, backup=backup)
+    saver = store.Checkpointer(folder, run_id="r1", keep_last=2, keep_every=4, backup=backup)
     for step in range(2, 9):
         if step == 7:
             backup.confirmed = {store.checkpoint_name(s) for s in range(2, 6)}
@@ -416,7 +416,7 @@ def test_retention_asks_a_backup_with_deletable(tmp_path):
         def deletable(self, candidates):
             return [path for path in candidates if path.name != "step-00000002.pt"]
 
-    saver = train.Checkpointer(tmp_path, run_id="r", keep_last=1, keep_every=0, backup=Backup())
+    saver = store.Checkpointer(tmp_path, run_id="r", keep_last=1, keep_every=0, backup=Backup())
     for step in range(1, 5):
         saver.save({"step": step}, step)
     saver.wait()
@@ -425,7 +425,7 @@ def test_retention_asks_a_backup_with_deletable(tmp_path):
 
 def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path, flip_byte):
     folder = tmp_path / "checkpoints"
-    saver = train.Checkpointer(folder, run_id="r", keep_last=5, keep_every=0)
+    saver = store.Checkpointer(folder, run_id="r", keep_last=5, keep_every=0)
     for step in (1, 2, 3):
         saver.save({"step": step}, step)
     saver.close()
@@ -1018,7 +1018,7 @@ def test_a_signal_under_torchrun_records_the_resumable_status_before_a_wait_that
                                                                                                 monkeypatch):
     out, remote = tmp_path / "run", tmp_path / "remote"
     waits = []
-    close = train.Checkpointer.close
+    close = store.Checkpointer.close
 
     def watched_close(self, backup_wait_s=None):
         waits.append((status(out), backup_wait_s))  # what run_status.json says while the upload is awaited
@@ -1031,7 +1031,7 @@ def test_a_signal_under_torchrun_records_the_resumable_status_before_a_wait_that
             os.kill(os.getpid(), signal.SIGTERM)  # as torchrun forwards it
         return step(self)
 
-    monkeypatch.setattr(train.Checkpointer, "close", watched_close)
+    monkeypatch.setattr(store.Checkpointer, "close", watched_close)
     monkeypatch.setattr(train.Training, "train_step", signalled_step)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as under torchrun: SIGKILL 30 s after the signal
     assert train.main(options(corpus, out, "--backup-to", str(remote))) == 0
@@ -1060,7 +1060,7 @@ def test_think72_env_alias_turns_the_backup_on(corpus, tmp_path, monkeypatch):
 
 def test_a_second_train_py_on_a_locked_run_folder_is_refused_with_the_holders_pid(corpus, tmp_path):
     out = tmp_path / "run"
-    lock = train.lock_run_folder(out)  # another train.py holds RUN/.lock
+    lock = store.lock_run_folder(out)  # another train.py holds RUN/.lock
     try:
         result = run_cli(options(corpus, out), check=False)
         assert result.returncode == 2, result.stderr
@@ -1084,8 +1084,8 @@ def test_an_out_that_is_a_corpus_or_holds_other_files_is_refused(corpus, tmp_pat
         train.main(options(corpus, foreign))
     assert os.listdir(foreign) == ["cat.jpg"]
     (tmp_path / "empty").mkdir()
-    train.check_run_folder(tmp_path / "empty")  # an empty or missing folder is fine
-    train.check_run_folder(tmp_path / "missing")
+    store.check_run_folder(tmp_path / "empty")  # an empty or missing folder is fine
+    store.check_run_folder(tmp_path / "missing")
 
 
 def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corpus(corpus, tmp_path):
