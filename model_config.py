@@ -6,6 +6,7 @@ the shape of everything else. `think72` has exactly 72,000,000 parameters at voc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -260,3 +261,20 @@ def apply_attention_plan(model, plan, probe_step) -> tuple:
     finally:
         model.zero_grad(set_to_none=True)
     return (lambda: sdpa_kernel(fused)), plan.reason, None
+
+
+@contextlib.contextmanager
+def exportable(model):
+    """The model as transformers loads it anywhere, for the length of an export: KV cache on, the
+    standard "sdpa" attention (which computes what OWN_ATTENTIONS do); as it was again afterwards."""
+    config = model.config
+    use_cache, attention = config.use_cache, config._attn_implementation
+    config.use_cache = True
+    if attention in OWN_ATTENTIONS:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        config.use_cache = use_cache
+        if attention in OWN_ATTENTIONS:
+            model.set_attn_implementation(attention)

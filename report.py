@@ -588,6 +588,26 @@ class MetricsLog:
             sink.close()
 
 
+class RunMetrics:
+    """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained."""
+
+    def __init__(self):
+        self.best_val_loss = math.inf
+        self.best_step = 0
+        self.last_eval: dict | None = None
+        self.train_seconds = 0.0
+
+    def state_dict(self) -> dict:
+        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step,
+                "last_eval": self.last_eval, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_val_loss = float(state["best_val_loss"])
+        self.best_step = int(state["best_step"])
+        self.last_eval = state["last_eval"]
+        self.train_seconds = float(state["train_seconds"])
+
+
 def last_train_loss(out: Path) -> float | None:
     """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
     losses = [record["loss"] for record in read_metrics(out / "metrics.jsonl")
@@ -1336,6 +1356,62 @@ def publish(run: str | os.PathLike, url: str, public: bool = False, api=None) ->
 
 # ----------------------------------------------------------------------------------------------
 # Command line: redraw a run's curve, evaluate or sample an exported model.
+
+
+def report_run(training, out: Path, status: str, test: dict | None, settings: dict) -> dict:
+    """Loss curve, samples, held-out accuracy and RUN/model (rank 0). Failures are recorded, never raised.
+
+    Samples and accuracy only for a complete run; a resumable stop exports the current weights
+    (the model card says the run is unfinished). `training`: train.Training; `settings`: its recorded ones.
+    """
+    import data
+    import model_config
+
+    errors: dict[str, str] = {}
+    corpus = training.corpus
+
+    def attempt(name: str, function):
+        try:
+            return function()
+        except Exception as error:  # the checkpoint is safe; a report failure must not lose the run
+            errors[name] = f"{type(error).__name__}: {error}"
+            say(f"{name} failed ({errors[name]}); the checkpoints are intact", warning=True)
+            return None
+
+    found = {}
+    tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
+    attempt("loss_curve", lambda: plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png",
+                                                         title=out.name))
+    accuracy = None
+    if status == store.COMPLETE and tokenizer is not None:
+        # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
+        # chats' first questions, or the openings of its held-out texts to continue
+        kind, prompts = ("chat", DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
+            attempt("sample_prompts", lambda: held_out_prompts(corpus, tokenizer)) or ("chat", [])
+        samples = generate_samples(training.model, tokenizer, out / "sample_generations.json",
+                                          prompts=prompts, step=training.step, text=kind == "text",
+                                          sampling=sampling_from(vars(training.session), "sample_"))
+        if samples["error"]:
+            errors["samples"] = samples["error"]
+        if (corpus / "eval").is_dir():
+            accuracy = attempt("task_accuracy", lambda: task_accuracy(training.model, tokenizer,
+                                                                             corpus / "eval", training.device))
+        if accuracy is not None:
+            found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
+            say(accuracy_line(accuracy))
+    if tokenizer is not None:
+        info = card_info(out.name, status, training.run.preset, training.step, training.total_steps,
+                         training.step * training.tokens_per_step, settings,
+                         training.metrics.last_eval, test, found.get("task_accuracy"),
+                         usage_example_from(corpus, tokenizer))
+        with model_config.exportable(training.model):
+            model_files = attempt("export", lambda: export_hf_model(training.model, tokenizer, out / "model", info))
+        if model_files is not None:
+            found["model_files"] = model_files
+            found["model_dir"] = str(out / "model")
+    found["report_errors"] = errors or None
+    return found
+
 
 
 def load_exported(model_dir: str, device: str):

@@ -650,26 +650,6 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (distributed.RankRNG): the run's metrics.
 
 
-class RunMetrics:
-    """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained."""
-
-    def __init__(self):
-        self.best_val_loss = math.inf
-        self.best_step = 0
-        self.last_eval: dict | None = None
-        self.train_seconds = 0.0
-
-    def state_dict(self) -> dict:
-        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step,
-                "last_eval": self.last_eval, "train_seconds": self.train_seconds}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.best_val_loss = float(state["best_val_loss"])
-        self.best_step = int(state["best_step"])
-        self.last_eval = state["last_eval"]
-        self.train_seconds = float(state["train_seconds"])
-
-
 # ----------------------------------------------------------------------------------------------
 # Training: everything a step needs, callable from Python (bench/ times train_step directly).
 
@@ -745,7 +725,7 @@ class Training:
         self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
         self.scaler = hardware.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
-        self.metrics = RunMetrics()
+        self.metrics = report.RunMetrics()
         self.staging = store.StagingBuffers()
         self.run_id = uuid.uuid4().hex
         self.lineage: dict | None = None  # where --init-from took the first weights from
@@ -1320,11 +1300,13 @@ def no_step_to_take(training: Training, progress: report.Progress) -> tuple[str,
 
 def step_throughput(training: Training, result: StepResult, peak: float | None) -> tuple[float | None, float,
                                                                                           float | None]:
-    """(peak, tokens/s, MFU) of a step; an MFU above 100% measures the peak again (plausible_mfu)."""
+    """(peak, tokens/s, MFU) of a step; an MFU above 100% measures the peak again (hardware.plausible_mfu)."""
     tokens_per_second = training.tokens_per_step / result.seconds
     mfu = training.flops_per_token * tokens_per_second / (peak * training.info.world) if peak else None
     if mfu is not None and mfu > 1:
-        peak, mfu = plausible_mfu(training, peak, mfu)
+        record = Path(training.session.out) / "hardware.json" if training.info.is_main else None
+        peak, mfu = hardware.plausible_mfu(peak, mfu, training.device, training.precision,
+                                           training.session.peak_tflops, record)
     return peak, tokens_per_second, mfu
 
 
@@ -1773,7 +1755,7 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
                     report_command=command if session.report else None)
     status.update(backup_complete=wait_for_backup(checkpointer, stop.signalled_at))
     if session.report:
-        found = report_run(training, out, state, test)
+        found = report.report_run(training, out, state, test, recorded_settings(training))
         outputs = report_outputs(True, found)
         status.update(**found, outputs=outputs, report_command=command if "failed" in outputs.values() else None)
     if checkpointer.backup is not None:
@@ -1808,73 +1790,6 @@ def report_outputs(asked: bool, found: dict | None) -> dict[str, str]:
         return {"report": "pending", "model": "pending"}
     return {"report": "failed" if found.get("report_errors") else "done",
             "model": "done" if found.get("model_files") else "failed"}
-
-
-def report_run(training: Training, out: Path, status: str, test: dict | None) -> dict:
-    """Loss curve, samples, held-out accuracy and RUN/model (rank 0). Failures are recorded, never raised.
-
-    Samples and accuracy only for a complete run; a resumable stop exports the current weights
-    (the model card says the run is unfinished).
-    """
-    errors: dict[str, str] = {}
-    corpus = training.corpus
-
-    def attempt(name: str, function):
-        try:
-            return function()
-        except Exception as error:  # the checkpoint is safe; a report failure must not lose the run
-            errors[name] = f"{type(error).__name__}: {error}"
-            print(f"warning: {name} failed ({errors[name]}); the checkpoints are intact", file=sys.stderr,
-                  flush=True)
-            return None
-
-    found = {}
-    tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
-    attempt("loss_curve", lambda: report.plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png",
-                                                         title=out.name))
-    accuracy = None
-    if status == store.COMPLETE and tokenizer is not None:
-        # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
-        # chats' first questions, or the openings of its held-out texts to continue
-        kind, prompts = ("chat", report.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
-            attempt("sample_prompts", lambda: report.held_out_prompts(corpus, tokenizer)) or ("chat", [])
-        samples = report.generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                          prompts=prompts, step=training.step, text=kind == "text",
-                                          sampling=report.sampling_from(vars(training.session), "sample_"))
-        if samples["error"]:
-            errors["samples"] = samples["error"]
-        if (corpus / "eval").is_dir():
-            accuracy = attempt("task_accuracy", lambda: report.task_accuracy(training.model, tokenizer,
-                                                                             corpus / "eval", training.device))
-        if accuracy is not None:
-            found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
-            say(report.accuracy_line(accuracy))
-    if tokenizer is not None:
-        info = report.card_info(out.name, status, training.run.preset, training.step, training.total_steps,
-                         training.step * training.tokens_per_step, recorded_settings(training),
-                         training.metrics.last_eval, test, found.get("task_accuracy"),
-                         report.usage_example_from(corpus, tokenizer))
-        model_files = attempt("export", lambda: export_model(training.model, tokenizer, out / "model", info))
-        if model_files is not None:
-            found["model_files"] = model_files
-            found["model_dir"] = str(out / "model")
-    found["report_errors"] = errors or None
-    return found
-
-
-def export_model(model: torch.nn.Module, tokenizer, folder: Path, info: dict) -> dict[str, str]:
-    """RUN/model/ as transformers loads it anywhere: KV cache on, the standard SDPA attention."""
-    config = model.config
-    use_cache, attention = config.use_cache, config._attn_implementation
-    config.use_cache = True
-    if attention in model_config.OWN_ATTENTIONS:
-        model.set_attn_implementation("sdpa")
-    try:
-        return report.export_hf_model(model, tokenizer, folder, info)
-    finally:
-        config.use_cache = use_cache
-        if attention in model_config.OWN_ATTENTIONS:
-            model.set_attn_implementation(attention)
 
 
 def export_only(settings: Settings, info: distributed.DistInfo) -> int:
@@ -1924,7 +1839,8 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
                           step * int(training["tokens_per_step"]), recorded,
                           checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
                           report.usage_example_from(corpus, tokenizer))
-    model_files = export_model(model, tokenizer, out / "model", info_card)
+    with model_config.exportable(model):
+        model_files = report.export_hf_model(model, tokenizer, out / "model", info_card)
     print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
           + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
           flush=True)
@@ -1982,24 +1898,6 @@ def shown_backup_url(url: str) -> str:
 
 def log(info: distributed.DistInfo, message: str) -> None:
     say(message, main=info.is_main)
-
-
-def plausible_mfu(training: Training, peak: float, mfu: float) -> tuple[float, float | None]:
-    """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
-    under other load at the start): the peak is measured again and the higher one kept (and recorded
-    in hardware.json); an MFU that is still impossible (a wrong --peak-tflops, say) is not shown."""
-    session, info = training.session, training.info
-    if info.device.type == "cpu" and not session.peak_tflops:
-        measured = hardware.measure_cpu_matmul_flops(training.precision)
-        if measured > peak:
-            mfu, peak = mfu * peak / measured, measured
-            if info.is_main:
-                path = Path(session.out) / "hardware.json"
-                with contextlib.suppress(UserError, OSError):
-                    atomic_write_json(path, {**read_json(path), "peak_flops": peak,
-                                             "peak_flops_source": "a CPU matmul measured again during the run "
-                                                                  "(the first measurement was slowed by other load)"})
-    return peak, (mfu if mfu <= 1 else None)
 
 
 # ----------------------------------------------------------------------------------------------

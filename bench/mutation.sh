@@ -25,7 +25,6 @@ CORE=(
   "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
   "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
   "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
-  "train.xǁCheckpointerǁapply_retention__*"
   # checkpoint_store.py: names, records, the resume plan, timelines, retention (local and remote)
   "checkpoint_store.*"
   # checkpoint_cloud.py: the bound on checkpoints waiting for their upload

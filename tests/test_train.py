@@ -1207,8 +1207,8 @@ def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_r
 
 def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    report_run = train.report_run
-    monkeypatch.setattr(train, "report_run", lambda *args: interrupt_twice())
+    report_run = report.report_run
+    monkeypatch.setattr(report, "report_run", lambda *args: interrupt_twice())
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, "--report", steps=4))
     record = status(out)
@@ -1218,7 +1218,7 @@ def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp
     assert record["report_command"] == last.split("continue with: ")[1]  # what makes the report and model/
     assert not (out / "model").exists()
 
-    monkeypatch.setattr(train, "report_run", report_run)  # the same command again: no step, the report made
+    monkeypatch.setattr(report, "report_run", report_run)  # the same command again: no step, the report made
     assert train.main(options(corpus, out, "--report", steps=4)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "note: the previous session ended before its report was made (run_status.json: COMPLETE, report " \
