@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)")
     length.add_argument("--epochs", type=float, default=None, help="train this many passes over the train split")
     budget.add_argument("--seed", type=int, default=1337, help="model init and data order")
+    budget.add_argument("--packing", default=data.PACKINGS[0], choices=data.PACKINGS,
+                        help="masked: blocks of the token stream, attention and RoPE positions kept inside each "
+                             "document; bestfit: rows that start at a document, filled by best fit, no mask; "
+                             "stream: blocks of the stream, attention across documents (docs/training.md)")
 
     recipe = parser.add_argument_group(
         "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)")
@@ -264,6 +268,7 @@ class RunSettings:
     adam8bit: bool
     loss_on: str
     text_loss: str | None
+    packing: str  # how documents become rows (data.TokenSplit)
     eval_batches: int  # which validation blocks best_val_loss is measured on
 
 
@@ -835,14 +840,20 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
 
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                        reduction: str = "mean", chunk_tokens: int | None = None) -> torch.Tensor:
-    """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits.
+                        reduction: str = "mean", chunk_tokens: int | None = None,
+                        segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits;
+    with `segments` (data.Batch), attention and positions stay inside each document (document_attention).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
     to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
-    hidden = model.model(input_ids=inputs).last_hidden_state
+    if segments is None:
+        hidden = model.model(input_ids=inputs).last_hidden_state
+    else:
+        positions, mask = model_config.document_attention(segments)
+        hidden = model.model(input_ids=inputs, position_ids=positions, attention_mask=mask).last_hidden_state
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     weight = model.lm_head.weight
     chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0))
@@ -928,8 +939,9 @@ class LanguageModelLoss(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets, reduction)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets, reduction, segments=segments)
 
 
 class NonFiniteLoss(Exception):
@@ -968,7 +980,7 @@ class Training:
         self.precision_choice = resolve_precision(session.precision, self.hardware)
         self.text_loss = check_loss_on(run, manifest, corpus)
         self.counted = data.counted_classes(run.loss_on, self.text_loss)
-        self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted)
+        self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted, run.packing)
                        for name in ("train", "validation", "test")}
         tokenizer_file = corpus / "tokenizer" / "tokenizer.json"
         self.token_bytes = data.token_byte_lengths(tokenizer_file, self.vocab_size).to(self.device)
@@ -1070,13 +1082,14 @@ class Training:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 
-    def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module | None = None,
+    def loss_of(self, batch: data.Batch, model: torch.nn.Module | None = None,
                 reduction: str = "mean") -> torch.Tensor:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
+        inputs, targets, segments = batch
         with self.autocast(), self.sdpa_context():
             if model is None:
-                return self.forward_model(inputs, targets, reduction)
-            return language_model_loss(model, inputs, targets, reduction)
+                return self.forward_model(inputs, targets, reduction, segments)
+            return language_model_loss(model, inputs, targets, reduction, segments=segments)
 
     def train_step(self) -> StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
@@ -1089,16 +1102,16 @@ class Training:
         batches = [self.splits["train"].batch(indices, self.device) for indices in micro_batches]
         if self.counted is not None:
             # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
-            counted = sum((targets != data.IGNORE_INDEX).sum() for _, targets in batches).double()
+            counted = sum((batch.targets != data.IGNORE_INDEX).sum() for batch in batches).double()
             per_rank = all_reduce_sum(counted, self.info).clamp(min=1) / self.info.world
-        for micro, (inputs, targets) in enumerate(batches):
+        for micro, batch in enumerate(batches):
             last = micro == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or self.info.world == 1 else self.forward_model.no_sync()
             with sync:
                 if self.counted is None:
-                    loss = self.loss_of(inputs, targets) / len(micro_batches)
+                    loss = self.loss_of(batch) / len(micro_batches)
                 else:
-                    loss = self.loss_of(inputs, targets, reduction="sum") / per_rank.to(torch.float32)
+                    loss = self.loss_of(batch, reduction="sum") / per_rank.to(torch.float32)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach().double()
         optimizers = list(self.optimizer.parts.values())
@@ -1137,9 +1150,10 @@ class Training:
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, counted targets, their bytes
         self.model.eval()
         for start in range(0, len(mine), self.session.batch_size):
-            inputs, targets = data_split.batch(mine[start: start + self.session.batch_size], self.device)
+            batch = data_split.batch(mine[start: start + self.session.batch_size], self.device)
+            targets = batch.targets
             counted = targets != data.IGNORE_INDEX
-            totals[0] += self.loss_of(inputs, targets, model=self.model, reduction="sum").double()
+            totals[0] += self.loss_of(batch, model=self.model, reduction="sum").double()
             totals[1] += counted.sum()
             totals[2] += self.token_bytes[targets[counted]].sum()
         self.model.train()

@@ -131,7 +131,7 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
     stream, start = [], 1000
     for number, size in enumerate(batch_sizes):
         ids = np.arange(start, start + size, dtype=np.int64)  # int64 in, uint16 out
-        writer.write(ids, documents=number + 1)
+        writer.write(ids, [size])
         stream.extend(ids.tolist())
         start += size
     result = writer.finish()
@@ -146,7 +146,11 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
         assert entry["bytes"] == path.stat().st_size == 2 * entry["tokens"]
     assert read_shards(tmp_path, result["files"]).tolist() == stream
     assert result["tokens"] == total
-    assert result["documents"] == sum(range(1, len(batch_sizes) + 1))
+    assert result["documents"] == len(batch_sizes)
+    ends = np.fromfile(tmp_path / "train.docs", dtype="<u8").tolist()
+    assert ends == np.cumsum(batch_sizes).tolist()
+    assert result["document_index"] == {"name": "train.docs", "bytes": 8 * len(batch_sizes),
+                                        "sha256": sha256_file(tmp_path / "train.docs")}
 
 
 def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
@@ -157,7 +161,7 @@ def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
 
 def test_shard_writer_writes_little_endian_uint32(tmp_path):
     writer = data.ShardWriter(tmp_path, "validation", "uint32", 4)
-    writer.write(np.array([1, 70_000, 2**32 - 1], dtype=np.int64), 1)
+    writer.write(np.array([1, 70_000, 2**32 - 1], dtype=np.int64), [3])
     entry = writer.finish()["files"][0]
     raw = (tmp_path / entry["name"]).read_bytes()
     assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
@@ -171,10 +175,12 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
 def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
     writer = data.ShardWriter(tmp_path, "train", "uint16", 3)
     classes = [data.MASK_PROMPT, data.MASK_ASSISTANT, data.MASK_ASSISTANT, data.MASK_TEXT, data.MASK_PROMPT]
-    writer.write(np.arange(10, 15, dtype=np.int64), 2, mask=np.array(classes, dtype=np.int64))  # int64 in, uint8 out
-    writer.write(np.array([15], dtype=np.int64), 1)  # no mask: plain text
-    with pytest.raises(ValueError, match="^2 mask values for 3 tokens$"):
-        writer.write(np.array([1, 2, 3]), 1, mask=np.array([data.MASK_TEXT] * 2))
+    writer.write(np.arange(10, 15, dtype=np.int64), [2, 3], mask=np.array(classes, dtype=np.int64))  # uint8 out
+    writer.write(np.array([15], dtype=np.int64), [1])  # no mask: plain text
+    with pytest.raises(ValueError, match="^2 mask values and 3 document tokens for 3 tokens$"):
+        writer.write(np.array([1, 2, 3]), [3], mask=np.array([data.MASK_TEXT] * 2))
+    with pytest.raises(ValueError, match="^3 mask values and 2 document tokens for 3 tokens$"):
+        writer.write(np.array([1, 2, 3]), [2])
     result = writer.finish()
     assert (tmp_path / "train-00000.mask").read_bytes() == bytes(classes[:3])
     assert (tmp_path / "train-00001.mask").read_bytes() == bytes(classes[3:] + [data.MASK_TEXT])
@@ -182,6 +188,7 @@ def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
         {"name": f"train-0000{index}.mask", "bytes": 3,
          "sha256": sha256_file(tmp_path / f"train-0000{index}.mask")} for index in (0, 1)]
     assert result["mask_tokens"] == {"prompt": 2, "assistant": 2, "text": 2}
+    assert np.fromfile(tmp_path / "train.docs", dtype="<u8").tolist() == [2, 5, 6] and result["documents"] == 3
     assert read_shards(tmp_path, result["files"]).tolist() == list(range(10, 16))
 
 

@@ -49,10 +49,13 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
     splits = {"train": texts[:800], "validation": texts[800:850], "test": texts[850:]}
     manifest_splits = {}
     for split, docs in splits.items():
-        stream = []
+        stream, ends = [], []
         for text in docs:
             stream.extend(tokenizer.encode(text, add_special_tokens=False) + [2])
+            ends.append(len(stream))
         tokens = np.asarray(stream, dtype="<u2")
+        document_index = folder / f"{split}.docs"
+        document_index.write_bytes(np.asarray(ends, dtype="<u8").tobytes())
         files = []
         for index, start in enumerate(range(0, len(tokens), shard_tokens)):
             path = folder / f"{split}-{index:05d}.bin"
@@ -63,7 +66,10 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
                           "tokens": len(tokens[start: start + shard_tokens]),
                           "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)}})
         manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs),
-                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)}}
+                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)},
+                                  "document_index": {"name": document_index.name,
+                                                     "bytes": document_index.stat().st_size,
+                                                     "sha256": sha256_file(document_index)}}
     atomic_write_json(folder / "corpus_manifest.json", {
         "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
         "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
