@@ -342,6 +342,33 @@ def test_block_permutation_is_keyed_and_mixes():
     assert len(set(data.BlockPermutation(n, 1, 0).keys)) == data.BlockPermutation.ROUNDS
 
 
+@pytest.mark.parametrize("ends, row_tokens, pieces", [
+    ([3, 5, 6], 4, [(0, 3), (3, 2), (5, 1)]),  # documents that fit are one piece each
+    ([10], 4, [(0, 4), (3, 4), (6, 4)]),  # a long one: pieces of 4, each starting on the last token before
+    ([11], 4, [(0, 4), (3, 4), (6, 4), (9, 2)]),  # ... and its remainder
+    ([4, 6, 13], 4, [(0, 4), (4, 2), (6, 4), (9, 4)]),  # exactly a row; short; 7 tokens = 4 + 4 sharing one
+])
+def test_document_pieces(ends, row_tokens, pieces):
+    starts, lengths = data.document_pieces(np.array(ends, dtype=np.uint64), row_tokens)
+    assert list(zip(starts.tolist(), lengths.tolist())) == pieces
+
+
+@pytest.mark.parametrize("lengths, window, rows", [
+    ([5, 3, 2], 8, [[0, 1], [2]]),  # the longest first (5), then the longest that fits (3); 2 waits
+    ([2, 3, 5], 8, [[2, 1], [0]]),  # the same pieces in another stream order, the same rows
+    ([8, 1, 7], 8, [[0], [2, 1]]),  # a full row; 7 + 1 fill the next exactly
+    ([4, 4, 4], 8, [[2, 1], [0]]),  # ties: the later piece first (deterministic)
+    ([6, 6, 2, 2], 2, [[1], [0, 2], [3]]),  # a window of 2: piece 3 is not yet seen when row 2 closes
+    ([], 8, []),
+])
+def test_best_fit_rows(lengths, window, rows):
+    order, row_ends = data.best_fit_rows(np.array(lengths, dtype=np.int64), 8, window)
+    got = [order[start:end].tolist() for start, end in zip([0, *row_ends[:-1].tolist()], row_ends.tolist())]
+    assert got == rows
+    assert sorted(order.tolist()) == list(range(len(lengths)))  # every piece once
+    assert all(sum(lengths[piece] for piece in row) <= 8 for row in got)
+
+
 def test_block_permutation_rejects_an_empty_range():
     with pytest.raises(ValueError, match="^a permutation needs at least one element$"):
         data.BlockPermutation(0, 1, 0)
