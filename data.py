@@ -268,8 +268,8 @@ def load_corpus_manifest(corpus_dir: str | Path) -> dict:
     version = manifest.get("format_version")
     if isinstance(version, int) and version < FORMAT_VERSION:
         raise UserError(f"corpus {corpus_dir} was built by an older data.py (format_version {version}; this one "
-                        f"reads {FORMAT_VERSION}, which adds the document index train.py --packing needs); rebuild it with "
-                        "the same data.py command (see its source_manifest.json)")
+                        f"reads {FORMAT_VERSION}, which adds the document index train.py --packing needs); rebuild "
+                        "it with the same data.py command (see its source_manifest.json)")
     if version != FORMAT_VERSION:
         raise UserError(f"corpus manifest {path} has format_version {version!r}, "
                         f"this data.py reads {FORMAT_VERSION}")

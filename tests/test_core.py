@@ -129,7 +129,7 @@ def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
 def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_sizes):
     writer = data.ShardWriter(tmp_path, "train", "uint16", shard_tokens)
     stream, start = [], 1000
-    for number, size in enumerate(batch_sizes):
+    for size in batch_sizes:
         ids = np.arange(start, start + size, dtype=np.int64)  # int64 in, uint16 out
         writer.write(ids, [size])
         stream.extend(ids.tolist())

@@ -291,7 +291,8 @@ def test_verify_without_manifest_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="malformed"):
         data.verify_corpus(tmp_path)
     for old in (1, 2):
-        (tmp_path / "corpus_manifest.json").write_text(f'{{"format_version": {old}, "dtype": "uint16", "splits": {{}}}}')
+        manifest = {"format_version": old, "dtype": "uint16", "splits": {}}
+        (tmp_path / "corpus_manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(UserError, match=rf"built by an older data.py \(format_version {old}; .*document index.*"
                                             "rebuild it"):
             data.verify_corpus(tmp_path)

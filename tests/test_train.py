@@ -744,7 +744,8 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
     training = train.build_training(train.parse_args(options(corpus, tmp_path / "unit")), train.init_distributed("cpu"))
     model = training.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
-    training.loss_of(training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)).backward()
+    batch = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)
+    training.loss_of(batch).backward()
     held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
             for param in group["params"]]
     assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
