@@ -211,7 +211,7 @@ def vocabulary_sha256(tokenizer) -> str:
 # ----------------------------------------------------------------------------------------------
 # Corpus format (DESIGN.md, "Corpus folder").
 
-FORMAT_VERSION = 2  # 2: each shard has a .mask beside it (which tokens are an assistant's answer)
+FORMAT_VERSION = 3  # 2: each shard has a .mask beside it; 3: each split has a .docs (where its documents end)
 SPLITS = ("train", "validation", "test")
 CORPUS_MANIFEST = "corpus_manifest.json"
 SOURCE_MANIFEST = "source_manifest.json"
@@ -243,13 +243,24 @@ def mask_name(shard: str) -> str:
     return shard[:-len(".bin")] + ".mask"
 
 
+# The document index: `{split}.docs`, one little-endian uint64 per document, the offset in the split's
+# stream just past its <eos> (increasing; the last is the split's token count). train.py --packing reads
+# it to start rows at documents and to keep attention inside one (DESIGN.md, "Data order").
+DOCUMENT_INDEX_DTYPE = "<u8"
+
+
+def document_index_name(split: str) -> str:
+    return f"{split}.docs"
+
+
 def load_corpus_manifest(corpus_dir: str | Path) -> dict:
     """corpus_manifest.json of a finished corpus (UserError when it is missing or unreadable).
 
     Layout: {"format_version", "dtype", "vocab_size", "special_tokens": {name: id},
     "tokenizer_sha256", "vocabulary_sha256" (see vocabulary_sha256),
     "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens",
-    "mask": {"name", "bytes", "sha256"}}], "tokens", "documents", "mask_tokens": {class: count}}},
+    "mask": {"name", "bytes", "sha256"}}], "tokens", "documents", "mask_tokens": {class: count},
+    "document_index": {"name", "bytes", "sha256"} (absent when the split has no document)}},
     "files": {relative path: sha256} for the other files, ...}.
     """
     path = Path(corpus_dir) / CORPUS_MANIFEST
@@ -261,8 +272,8 @@ def load_corpus_manifest(corpus_dir: str | Path) -> dict:
     version = manifest.get("format_version")
     if isinstance(version, int) and version < FORMAT_VERSION:
         raise UserError(f"corpus {corpus_dir} was built by an older data.py (format_version {version}; this one "
-                        f"reads {FORMAT_VERSION}, which adds the assistant mask beside the shards); rebuild it with "
-                        "the same data.py command (see its source_manifest.json)")
+                        f"reads {FORMAT_VERSION}, which adds the document index train.py --packing needs); rebuild "
+                        "it with the same data.py command (see its source_manifest.json)")
     if version != FORMAT_VERSION:
         raise UserError(f"corpus manifest {path} has format_version {version!r}, "
                         f"this data.py reads {FORMAT_VERSION}")
@@ -305,6 +316,11 @@ def verify_files(root: Path, manifest: dict) -> list[str]:
                 problems.append(f"{entry['name']}: the manifest lists no mask file for it")
         if sum(entry["tokens"] for entry in info["files"]) != info["tokens"]:
             problems.append(f"{split}: shard tokens do not add up to the split's {info['tokens']} tokens")
+        for part in [info] if "sources" not in info else info["sources"].values():
+            if "document_index" in part:
+                problems.extend(verify_document_index(root, part))
+            elif manifest.get("format_version", 0) >= 3 and part.get("documents"):
+                problems.append(f"{split}: the manifest lists no document index ({document_index_name(split)})")
     tokenizer_dir = root / TOKENIZER_DIR
     if not tokenizer_dir.is_dir():
         problems.append(f"{TOKENIZER_DIR}/: missing")
@@ -332,6 +348,25 @@ def verify_mask(root: Path, entry: dict) -> list[str]:
         return [f"{mask['name']}: sha256 does not match the manifest (corrupted or edited)"]
     if size != entry["tokens"]:
         return [f"{mask['name']}: {size} bytes for {entry['tokens']} tokens (one per token)"]
+    return []
+
+
+def verify_document_index(root: Path, info: dict) -> list[str]:
+    """Problems with a split's document index: hashed, one uint64 per document, increasing to the split's end."""
+    index = info["document_index"]
+    path = root / index["name"]
+    if not path.is_file():
+        return [f"{index['name']}: missing (document index)"]
+    size = path.stat().st_size
+    if size != index["bytes"]:
+        return [f"{index['name']}: {size} bytes, manifest says {index['bytes']}"]
+    if sha256_file(path) != index["sha256"]:
+        return [f"{index['name']}: sha256 does not match the manifest (corrupted or edited)"]
+    if size != 8 * info["documents"]:
+        return [f"{index['name']}: {size} bytes for {info['documents']} documents (8 per document)"]
+    ends = np.fromfile(path, dtype=DOCUMENT_INDEX_DTYPE)
+    if len(ends) and (ends[-1] != info["tokens"] or (len(ends) > 1 and np.any(ends[1:] <= ends[:-1]))):
+        return [f"{index['name']}: the document ends do not increase to the split's {info['tokens']} tokens"]
     return []
 
 
@@ -990,16 +1025,19 @@ def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: P
 
 class ShardWriter:
     """Appends token ids to `{split}-NNNNN.bin` files of at most `shard_tokens` tokens, and their mask
-    classes (one uint8 per token) to `{split}-NNNNN.mask` cut at the same places, hashing as it goes."""
+    classes (one uint8 per token) to `{split}-NNNNN.mask` cut at the same places, hashing as it goes;
+    where each document ends goes to `{split}.docs` (the document index)."""
 
     def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
         self.files: list[dict] = []
         self.documents = 0
+        self.tokens = 0
         self.handles = None
         self.digests = None
         self.in_shard = 0
         self.mask_tokens: Counter = Counter()
+        self.index_handle, self.index_digest = None, hashlib.sha256()
 
     def _open(self) -> None:
         name = shard_name(self.split, len(self.files))
@@ -1017,13 +1055,25 @@ class ShardWriter:
         self.files[-1]["mask"].update(bytes=self.in_shard, sha256=self.digests[1].hexdigest())
         self.handles = None
 
-    def write(self, ids: np.ndarray, documents: int, mask: np.ndarray | None = None) -> None:
-        """Append `ids` and their mask classes (None: all MASK_TEXT, plain text)."""
-        self.documents += documents
+    def _index(self, lengths: np.ndarray) -> None:
+        """Append the end offsets of documents of `lengths` tokens to the document index."""
+        if self.index_handle is None:
+            self.index_handle = open(self.folder / document_index_name(self.split), "wb")
+        raw = (self.tokens + np.cumsum(lengths, dtype=np.int64)).astype(DOCUMENT_INDEX_DTYPE).tobytes()
+        self.index_handle.write(raw)
+        self.index_digest.update(raw)
+
+    def write(self, ids: np.ndarray, lengths: Iterable[int], mask: np.ndarray | None = None) -> None:
+        """Append `ids`, the documents of `lengths` tokens each (their <eos> included), and their mask
+        classes (None: all MASK_TEXT, plain text)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
         ids = ids.astype(self.dtype, copy=False)
         mask = np.full(len(ids), MASK_TEXT, dtype=np.uint8) if mask is None else mask.astype(np.uint8, copy=False)
-        if len(mask) != len(ids):
-            raise ValueError(f"{len(mask)} mask values for {len(ids)} tokens")
+        if len(mask) != len(ids) or int(lengths.sum()) != len(ids):
+            raise ValueError(f"{len(mask)} mask values and {int(lengths.sum())} document tokens for {len(ids)} tokens")
+        self._index(lengths)
+        self.documents += len(lengths)
+        self.tokens += len(ids)
         self.mask_tokens.update({name: int(np.count_nonzero(mask == value)) for name, value in MASK_CLASSES.items()})
         while len(ids):
             if self.handles is None:
@@ -1041,9 +1091,14 @@ class ShardWriter:
     def finish(self) -> dict:
         if self.handles is not None:
             self._close_shard()
-        return {"files": self.files, "tokens": sum(entry["tokens"] for entry in self.files),
-                "documents": self.documents,
-                "mask_tokens": {name: self.mask_tokens[name] for name in MASK_CLASSES}}
+        result = {"files": self.files, "tokens": sum(entry["tokens"] for entry in self.files),
+                  "documents": self.documents,
+                  "mask_tokens": {name: self.mask_tokens[name] for name in MASK_CLASSES}}
+        if self.index_handle is not None:
+            self.index_handle.close()
+            result["document_index"] = {"name": document_index_name(self.split), "bytes": 8 * self.documents,
+                                        "sha256": self.index_digest.hexdigest()}
+        return result
 
 
 def stream_key(split: str, label: str | None) -> str:
@@ -1132,20 +1187,20 @@ def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
 
     encodings = (ids_of(text) for text in texts)
     header = backend.encode(ASSISTANT_HEADER, add_special_tokens=False).ids
-    streams: dict[str, tuple[list[int], list[int]]] = {}
-    counts: Counter = Counter()
+    streams: dict[str, tuple[list[int], list[int], list[int]]] = {}
     for split, pieces in zip(splits, documents):
-        stream, mask = streams.setdefault(split, ([], []))
+        stream, mask, lengths = streams.setdefault(split, ([], [], []))
         document_ids = [next(encodings)]
         for control_token in pieces[1::2]:
             document_ids += [[control_ids[control_token]], next(encodings)]
+        before = len(stream)
         stream.extend(token for ids in document_ids for token in ids)
         mask.extend(document_mask(pieces, document_ids, header))
         stream.append(eos_id)
         mask.append(MASK_TEXT if len(pieces) == 1 else MASK_PROMPT)
-        counts[split] += 1
-    return {split: (np.array(stream, dtype=dtype), counts[split], np.array(mask, dtype=np.uint8))
-            for split, (stream, mask) in streams.items()}
+        lengths.append(len(stream) - before)
+    return {split: (np.array(stream, dtype=dtype), lengths, np.array(mask, dtype=np.uint8))
+            for split, (stream, mask, lengths) in streams.items()}
 
 
 ASSISTANT_HEADER = "assistant\n"  # what the chat template puts after <|im_start|> for an assistant turn
@@ -1207,10 +1262,10 @@ def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, setti
 
     def write(result: dict[str, tuple]) -> None:
         nonlocal tokens
-        for split, (ids, count, mask) in result.items():
-            writers[split].write(ids, count, mask)
+        for split, (ids, lengths, mask) in result.items():
+            writers[split].write(ids, lengths, mask)
             tokens += len(ids)
-            bar.update(count)
+            bar.update(len(lengths))
         bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s", refresh=False)
 
     if settings.tokenize_workers > 0:
@@ -1816,19 +1871,85 @@ def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
 
 
 
-class TokenSplit:
-    """One split's token stream (memory-mapped shards); block i is tokens [i*C, i*C + C + 1).
+PACKINGS = ("masked", "bestfit", "stream")  # train.py --packing; the first is the default (bench/bench_packing.py)
+BEST_FIT_WINDOW = 1024  # pieces best-fit packing chooses among (nanochat's buffer of documents)
 
-    With `counted` (counted_classes), the mask files beside the shards turn every target the loss
-    does not count into IGNORE_INDEX.
+
+class Batch(NamedTuple):
+    """One micro-batch: inputs and targets (B, C); segments (B, C), the document each input token belongs
+    to, numbered from 0 in each row, when attention is to stay inside documents (None: plain causal)."""
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    segments: torch.Tensor | None = None
+
+
+def document_pieces(ends: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of the pieces documents ending at `ends` are cut into: a document of up to
+    `row_tokens` tokens is one piece; a longer one is cut into pieces of `row_tokens`, each starting on
+    the last token of the one before (as stream blocks do), so that every token after its first is a target once."""
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    lengths = ends.astype(np.int64) - starts
+    stride = row_tokens - 1
+    counts = np.maximum(1, -(-(lengths - 1) // stride))  # pieces per document
+    document = np.repeat(np.arange(len(ends)), counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    piece_starts = starts[document] + within * stride
+    return piece_starts, np.minimum(row_tokens, ends[document].astype(np.int64) - piece_starts)
+
+
+def best_fit_rows(lengths: np.ndarray, row_tokens: int, window: int = BEST_FIT_WINDOW) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces (of `lengths` tokens, in stream order) packed into rows of `row_tokens` tokens by best fit:
+    each row starts with the longest of the next `window` pieces and is filled with the longest ones that
+    still fit; what none fills is padding. Returns (the pieces in row order, each row's end in that order).
+    A pure function of its inputs (nanochat's BOS-aligned best fit, with padding instead of cropping)."""
+    import bisect
+
+    pending: list[tuple[int, int]] = []  # (length, piece), sorted
+    order, row_ends, following = [], [], 0
+    while pending or following < len(lengths):
+        while len(pending) < window and following < len(lengths):
+            bisect.insort(pending, (int(lengths[following]), following))
+            following += 1
+        room = row_tokens
+        while pending:
+            fits = bisect.bisect_right(pending, (room, len(lengths))) - 1
+            if fits < 0:
+                break
+            length, piece = pending.pop(fits)
+            order.append(piece)
+            room -= length
+        row_ends.append(len(order))
+    return np.array(order, dtype=np.int64), np.array(row_ends, dtype=np.int64)
+
+
+def document_ends(corpus: Path, entry: dict, split: str, packing: str) -> np.ndarray:
+    """The stream offset just past each document of a split's manifest `entry`: its document index, or for
+    a split of labelled sources (one stream each, in the order of its files) theirs, offset to follow on."""
+    parts = [entry] if "document_index" in entry or "sources" not in entry else list(entry["sources"].values())
+    ends, offset = [], 0
+    for part in parts:
+        if "document_index" not in part:
+            raise UserError(f"{corpus / CORPUS_MANIFEST}: split {split} lists no document index, which "
+                            f"--packing {packing} needs; rebuild the corpus with this data.py")
+        ends.append(np.fromfile(corpus / part["document_index"]["name"], dtype=DOCUMENT_INDEX_DTYPE) + offset)
+        offset += part["tokens"]
+    return np.concatenate(ends).astype(DOCUMENT_INDEX_DTYPE)
+
+
+class TokenSplit:
+    """One split's token stream (memory-mapped shards) cut into rows of C + 1 tokens (inputs and shifted
+    targets), as `packing` says: "stream" and "masked" take block i = tokens [i*C, i*C + C + 1), "masked"
+    with each token's document (Batch.segments); "bestfit" packs whole documents into rows that start at
+    a document (best_fit_rows), padded with IGNORE_INDEX targets. Row i is `spans(i)`: (start, length)
+    pieces of the stream. With `counted` (counted_classes), targets the loss does not count are IGNORE_INDEX.
     """
 
     def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None,
-                 source: str | None = None):
+                 packing: str = "stream", source: str | None = None):
         entry = manifest["splits"].get(split, {"files": []})
         if source is not None:  # one labelled source's own stream (data.py --source-label)
             entry = entry.get("sources", {}).get(source, {"files": []})
-        self.name, self.context, self.counted = split, context, counted
+        self.name, self.context, self.counted, self.packing = split, context, counted, packing
         items = [item for item in entry["files"] if item["bytes"] > 0]
         self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
                                  mode="r") for item in items]
@@ -1836,10 +1957,27 @@ class TokenSplit:
             if counted is not None else []
         self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
         self.tokens = int(self.starts[-1])
+        self.pad_id = int(manifest.get("special_tokens", {}).get(PAD, 0))
+        self.ends = np.array([self.tokens], dtype=np.uint64)  # "stream": one document, as far as rows go
+        if packing != "stream" and self.tokens:
+            self.ends = document_ends(corpus, entry, split, packing)
         self.blocks = max(0, (self.tokens - 1) // context)
+        if packing == "bestfit" and self.tokens:
+            starts, lengths = document_pieces(self.ends, context + 1)
+            order, self.row_ends = best_fit_rows(lengths, context + 1)
+            self.piece_starts, self.piece_lengths = starts[order], lengths[order]
+            self.blocks = len(self.row_ends)
 
-    def _span(self, streams: list[np.ndarray], index: int) -> np.ndarray:
-        start, end = index * self.context, index * self.context + self.context + 1
+    def spans(self, index: int) -> list[tuple[int, int]]:
+        """Row `index` as (stream offset, tokens) pieces, C + 1 tokens in all or fewer (then padded)."""
+        if self.packing != "bestfit":
+            return [(index * self.context, self.context + 1)]
+        first = int(self.row_ends[index - 1]) if index else 0
+        return list(zip(self.piece_starts[first: self.row_ends[index]].tolist(),
+                        self.piece_lengths[first: self.row_ends[index]].tolist()))
+
+    def _read(self, streams: list[np.ndarray], start: int, length: int) -> np.ndarray:
+        end = start + length
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         pieces = []
         while start < end:
@@ -1850,36 +1988,56 @@ class TokenSplit:
             shard += 1
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
+    def _row(self, streams: list[np.ndarray], index: int, fill: int) -> np.ndarray:
+        pieces = [np.asarray(self._read(streams, start, length)) for start, length in self.spans(index)]
+        row = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        return np.pad(row, (0, self.context + 1 - len(row)), constant_values=fill)
+
     def block(self, index: int) -> np.ndarray:
-        """Tokens of block `index` (C + 1 of them, possibly spanning shards) as int64."""
-        return self._span(self.shards, index).astype(np.int64)
+        """Tokens of row `index` (C + 1 of them, possibly spanning shards, padding <pad>) as int64."""
+        return self._row(self.shards, index, self.pad_id).astype(np.int64)
 
     def block_mask(self, index: int) -> np.ndarray:
-        """The mask classes of block `index`'s C + 1 tokens (needs `counted`)."""
-        return np.asarray(self._span(self.masks, index))
+        """The mask classes of row `index`'s C + 1 tokens (needs `counted`), len(MASK_CLASSES) for padding."""
+        return self._row(self.masks, index, len(MASK_CLASSES))
 
-    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) for these blocks, on `device`; targets not counted are IGNORE_INDEX."""
-        masks = [self.block_mask(index) for index in indices] if self.counted is not None else None
-        return to_batch([self.block(index) for index in indices], masks, self.counted, device)
+    def block_segments(self, index: int) -> np.ndarray:
+        """The document of each of row `index`'s C input tokens, numbered from 0 ("masked" packing)."""
+        start = index * self.context
+        documents = np.searchsorted(self.ends, np.arange(start, start + self.context, dtype=np.uint64), side="right")
+        return (documents - documents[0]).astype(np.int32)
+
+    def row_tokens(self, index: int) -> int:
+        """Tokens of row `index` before its padding (C + 1 but for "bestfit")."""
+        return sum(length for _, length in self.spans(index))
+
+    def batch(self, indices: list[int], device: torch.device) -> Batch:
+        """The Batch of these rows, on `device`; targets not counted (padding too) are IGNORE_INDEX."""
+        return to_batch([(self, index) for index in indices], device)
 
 
-
-def to_batch(blocks: list[np.ndarray], masks: list[np.ndarray] | None, counted: np.ndarray | None,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of these C + 1-token blocks on `device`; with `counted`, the targets whose mask
-    class the loss skips are IGNORE_INDEX."""
+def to_batch(rows: list[tuple[TokenSplit, int]], device: torch.device) -> Batch:
+    """The Batch of these (split, row) pairs on `device` (the splits alike in context, packing and counted
+    classes: one corpus' split, or the sources of a mixture): targets the loss does not count, and a
+    "bestfit" row's padding, are IGNORE_INDEX; "masked" adds each token's document (segments)."""
     import torch
 
-    array = np.stack(blocks)
+    first = rows[0][0]
+    array = np.stack([split.block(index) for split, index in rows])
     targets = array[:, 1:].copy()
-    if counted is not None:
-        targets[~counted[np.stack([mask[1:] for mask in masks])]] = IGNORE_INDEX
-    inputs, targets = torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)
+    if first.counted is not None:
+        counted = np.append(first.counted, False)  # padding is never counted
+        targets[~counted[np.stack([split.block_mask(index)[1:] for split, index in rows])]] = IGNORE_INDEX
+    elif first.packing == "bestfit":
+        lengths = np.array([split.row_tokens(index) for split, index in rows])
+        targets[np.arange(first.context)[None, :] >= lengths[:, None] - 1] = IGNORE_INDEX
+    tensors = [np.ascontiguousarray(array[:, :-1]), targets]
+    if first.packing == "masked":
+        tensors.append(np.stack([split.block_segments(index) for split, index in rows]))
+    tensors = [torch.from_numpy(tensor) for tensor in tensors]
     if device.type == "cuda":
-        inputs = inputs.pin_memory().to(device, non_blocking=True)
-        targets = targets.pin_memory().to(device, non_blocking=True)
-    return inputs, targets
+        tensors = [tensor.pin_memory().to(device, non_blocking=True) for tensor in tensors]
+    return Batch(*tensors)
 
 
 
@@ -2216,8 +2374,5 @@ class MixtureSplit:
         self.blocks = sum(part.blocks for part in parts)
         self.tokens = sum(part.tokens for part in parts)
 
-    def batch(self, pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = [self.parts[source].block(index) for source, index in pairs]
-        masks = [self.parts[source].block_mask(index) for source, index in pairs] \
-            if self.counted is not None else None
-        return to_batch(blocks, masks, self.counted, device)
+    def batch(self, pairs: list[tuple[int, int]], device: torch.device) -> Batch:
+        return to_batch([(self.parts[source], index) for source, index in pairs], device)

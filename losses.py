@@ -13,17 +13,24 @@ import torch
 
 import data
 import hardware
+import model_config
 
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                        reduction: str = "mean", chunk_tokens: int | None = None) -> torch.Tensor:
-    """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits.
+                        reduction: str = "mean", chunk_tokens: int | None = None,
+                        segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits;
+    with `segments` (data.Batch), attention and positions stay inside each document (document_attention).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
     to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
-    hidden = model.model(input_ids=inputs).last_hidden_state
+    if segments is None:
+        hidden = model.model(input_ids=inputs).last_hidden_state
+    else:
+        positions, mask = model_config.document_attention(segments)
+        hidden = model.model(input_ids=inputs, position_ids=positions, attention_mask=mask).last_hidden_state
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     weight = model.lm_head.weight
     chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0))
@@ -114,5 +121,6 @@ class LanguageModelLoss(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets, reduction)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets, reduction, segments=segments)

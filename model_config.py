@@ -222,6 +222,23 @@ def causal_sdpa_mask(**kwargs):
 
 
 
+def document_attention(segments):
+    """(position_ids, attention mask) that keep each token inside its document: RoPE positions restart
+    at 0 where a document starts, and a boolean (B, 1, C, C) mask lets a token see only the earlier tokens
+    of its own document (block-diagonal and causal). `segments` (B, C): each token's document, increasing
+    along a row. transformers passes a 4-D mask to the attention as it is, eagerly and under torch.compile;
+    SDPA's CPU flash and CUDA memory-efficient kernels take it (flash attention on CUDA does not)."""
+    import torch
+
+    index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    positions = index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    same = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(segments.size(1), segments.size(1), dtype=torch.bool, device=segments.device).tril()
+    return positions, (same & causal)[:, None]
+
+
 def use_attention(model, name: str) -> None:
     """Switch `model` to one of OWN_ATTENTIONS, with the masks "sdpa" gets (without a registered mask
     function, transformers passes custom attentions no padding mask at all)."""

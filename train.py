@@ -161,6 +161,10 @@ class RunSettings:
                                   checks=(lambda value: None if math.isfinite(value) and value > 0
                                           else "be a positive finite number",), exclusive="length")
     seed: int = option(1337, "model init and data order", BUDGET)
+    packing: str = option(data.PACKINGS[0], "masked: blocks of the token stream, attention and RoPE positions kept "
+                                            "inside each document; bestfit: rows that start at a document, filled "
+                                            "by best fit, no mask; stream: blocks of the stream, attention across "
+                                            "documents (docs/training.md)", BUDGET, choices=data.PACKINGS)
     optimizer: str | None = option(
         None, f"muon: torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms; adamw: AdamW "
               f"for everything (None: {DEFAULT_OPTIMIZER})", RECIPE, choices=OPTIMIZERS)
@@ -705,7 +709,7 @@ class Training:
         self.mixture = mixture_of(settings)
         self.text_loss = check_loss_on(run, manifest, corpus)
         self.counted = data.counted_classes(run.loss_on, self.text_loss)
-        self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted)
+        self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted, run.packing)
                        for name in ("train", "validation", "test")}
         self.source_splits, self.source_manifests = read_mixture(self, manifest)  # ({}, []) without a mixture
         self.splits.update({name: data.MixtureSplit(parts) for name, parts in self.source_splits.items()})
@@ -766,13 +770,14 @@ class Training:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 
-    def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module | None = None,
+    def loss_of(self, batch: data.Batch, model: torch.nn.Module | None = None,
                 reduction: str = "mean") -> torch.Tensor:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
             if model is None:
-                return self.forward_model(inputs, targets, reduction)
-            return losses.language_model_loss(model, inputs, targets, reduction)
+                return self.forward_model(batch.inputs, batch.targets, reduction, batch.segments)
+            return losses.language_model_loss(model, batch.inputs, batch.targets, reduction,
+                                              segments=batch.segments)
 
     def train_step(self) -> StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
@@ -874,7 +879,8 @@ def read_mixture(training: Training, manifest: dict) -> tuple[dict[str, list[dat
         manifests.append(sha256_file(folder / data.CORPUS_MANIFEST))
         for name in ("train", "validation", "test"):
             source_splits.setdefault(name, []).append(
-                data.TokenSplit(folder, theirs, name, training.context, training.counted, source.label))
+                data.TokenSplit(folder, theirs, name, training.context, training.counted, training.run.packing,
+                                source.label))
     return source_splits, manifests
 
 
@@ -926,9 +932,10 @@ def eval_totals(training: Training, data_split: data.TokenSplit) -> torch.Tensor
     mine = [order(i) for i in range(training.info.rank, count, training.info.world)]
     training.model.eval()
     for start in range(0, len(mine), training.session.batch_size):
-        inputs, targets = data_split.batch(mine[start: start + training.session.batch_size], training.device)
+        batch = data_split.batch(mine[start: start + training.session.batch_size], training.device)
+        targets = batch.targets
         counted = targets != data.IGNORE_INDEX
-        totals[0] += training.loss_of(inputs, targets, model=training.model, reduction="sum").double()
+        totals[0] += training.loss_of(batch, model=training.model, reduction="sum").double()
         totals[1] += counted.sum()
         totals[2] += training.token_bytes[targets[counted]].sum()
     training.model.train()
@@ -976,23 +983,23 @@ def recorded_settings(training: Training) -> dict:
             "vocabulary_sha256": training.manifest.get("vocabulary_sha256")}
 
 
-def backward_micro_steps(training: Training, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def backward_micro_steps(training: Training, batches: list[data.Batch]) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches of one step (DDP syncs the gradients in the last);
     returns the sum of their losses, each a share of the step's loss (fp64)."""
     info = training.info
     loss_sum = torch.zeros((), dtype=torch.float64, device=training.device)
     if training.counted is not None:
         # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
-        counted = sum((targets != data.IGNORE_INDEX).sum() for _, targets in batches).double()
+        counted = sum((batch.targets != data.IGNORE_INDEX).sum() for batch in batches).double()
         per_rank = distributed.all_reduce_sum(counted, info).clamp(min=1) / info.world
-    for micro, (inputs, targets) in enumerate(batches):
+    for micro, batch in enumerate(batches):
         last = micro == len(batches) - 1
         sync = contextlib.nullcontext() if last or info.world == 1 else training.forward_model.no_sync()
         with sync:
             if training.counted is None:
-                loss = training.loss_of(inputs, targets) / len(batches)
+                loss = training.loss_of(batch) / len(batches)
             else:
-                loss = training.loss_of(inputs, targets, reduction="sum") / per_rank.to(torch.float32)
+                loss = training.loss_of(batch, reduction="sum") / per_rank.to(torch.float32)
             training.scaler.scale(loss).backward()
         loss_sum += loss.detach().double()
     return loss_sum

@@ -152,8 +152,8 @@ def heldout_nats(training: train.Training, batch: int = 16) -> float:
     total = 0.0
     training.model.eval()
     for start in range(0, split.blocks, batch):
-        inputs, targets = split.batch(list(range(start, min(split.blocks, start + batch))), training.device)
-        total += training.loss_of(inputs, targets, model=training.model, reduction="sum").item()
+        rows = split.batch(list(range(start, min(split.blocks, start + batch))), training.device)
+        total += training.loss_of(rows, model=training.model, reduction="sum").item()
     training.model.train()
     return total
 

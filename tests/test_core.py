@@ -130,9 +130,9 @@ def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
 def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_sizes):
     writer = data.ShardWriter(tmp_path, "train", "uint16", shard_tokens)
     stream, start = [], 1000
-    for number, size in enumerate(batch_sizes):
+    for size in batch_sizes:
         ids = np.arange(start, start + size, dtype=np.int64)  # int64 in, uint16 out
-        writer.write(ids, documents=number + 1)
+        writer.write(ids, [size])
         stream.extend(ids.tolist())
         start += size
     result = writer.finish()
@@ -147,7 +147,11 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
         assert entry["bytes"] == path.stat().st_size == 2 * entry["tokens"]
     assert read_shards(tmp_path, result["files"]).tolist() == stream
     assert result["tokens"] == total
-    assert result["documents"] == sum(range(1, len(batch_sizes) + 1))
+    assert result["documents"] == len(batch_sizes)
+    ends = np.fromfile(tmp_path / "train.docs", dtype="<u8").tolist()
+    assert ends == np.cumsum(batch_sizes).tolist()
+    assert result["document_index"] == {"name": "train.docs", "bytes": 8 * len(batch_sizes),
+                                        "sha256": sha256_file(tmp_path / "train.docs")}
 
 
 def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
@@ -158,7 +162,7 @@ def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
 
 def test_shard_writer_writes_little_endian_uint32(tmp_path):
     writer = data.ShardWriter(tmp_path, "validation", "uint32", 4)
-    writer.write(np.array([1, 70_000, 2**32 - 1], dtype=np.int64), 1)
+    writer.write(np.array([1, 70_000, 2**32 - 1], dtype=np.int64), [3])
     entry = writer.finish()["files"][0]
     raw = (tmp_path / entry["name"]).read_bytes()
     assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
@@ -172,10 +176,12 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
 def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
     writer = data.ShardWriter(tmp_path, "train", "uint16", 3)
     classes = [data.MASK_PROMPT, data.MASK_ASSISTANT, data.MASK_ASSISTANT, data.MASK_TEXT, data.MASK_PROMPT]
-    writer.write(np.arange(10, 15, dtype=np.int64), 2, mask=np.array(classes, dtype=np.int64))  # int64 in, uint8 out
-    writer.write(np.array([15], dtype=np.int64), 1)  # no mask: plain text
-    with pytest.raises(ValueError, match="^2 mask values for 3 tokens$"):
-        writer.write(np.array([1, 2, 3]), 1, mask=np.array([data.MASK_TEXT] * 2))
+    writer.write(np.arange(10, 15, dtype=np.int64), [2, 3], mask=np.array(classes, dtype=np.int64))  # uint8 out
+    writer.write(np.array([15], dtype=np.int64), [1])  # no mask: plain text
+    with pytest.raises(ValueError, match="^2 mask values and 3 document tokens for 3 tokens$"):
+        writer.write(np.array([1, 2, 3]), [3], mask=np.array([data.MASK_TEXT] * 2))
+    with pytest.raises(ValueError, match="^3 mask values and 2 document tokens for 3 tokens$"):
+        writer.write(np.array([1, 2, 3]), [2])
     result = writer.finish()
     assert (tmp_path / "train-00000.mask").read_bytes() == bytes(classes[:3])
     assert (tmp_path / "train-00001.mask").read_bytes() == bytes(classes[3:] + [data.MASK_TEXT])
@@ -183,6 +189,7 @@ def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
         {"name": f"train-0000{index}.mask", "bytes": 3,
          "sha256": sha256_file(tmp_path / f"train-0000{index}.mask")} for index in (0, 1)]
     assert result["mask_tokens"] == {"prompt": 2, "assistant": 2, "text": 2}
+    assert np.fromfile(tmp_path / "train.docs", dtype="<u8").tolist() == [2, 5, 6] and result["documents"] == 3
     assert read_shards(tmp_path, result["files"]).tolist() == list(range(10, 16))
 
 
@@ -334,6 +341,33 @@ def test_block_permutation_is_keyed_and_mixes():
     assert 900 < sum(value < n // 2 for value in base[: n // 2]) < 1150  # ~1024 of 2048
     assert data.BlockPermutation(n, 1, 0).keys == data.BlockPermutation(n, 1, 0).keys
     assert len(set(data.BlockPermutation(n, 1, 0).keys)) == data.BlockPermutation.ROUNDS
+
+
+@pytest.mark.parametrize("ends, row_tokens, pieces", [
+    ([3, 5, 6], 4, [(0, 3), (3, 2), (5, 1)]),  # documents that fit are one piece each
+    ([10], 4, [(0, 4), (3, 4), (6, 4)]),  # a long one: pieces of 4, each starting on the last token before
+    ([11], 4, [(0, 4), (3, 4), (6, 4), (9, 2)]),  # ... and its remainder
+    ([4, 6, 13], 4, [(0, 4), (4, 2), (6, 4), (9, 4)]),  # exactly a row; short; 7 tokens = 4 + 4 sharing one
+])
+def test_document_pieces(ends, row_tokens, pieces):
+    starts, lengths = data.document_pieces(np.array(ends, dtype=np.uint64), row_tokens)
+    assert list(zip(starts.tolist(), lengths.tolist())) == pieces
+
+
+@pytest.mark.parametrize("lengths, window, rows", [
+    ([5, 3, 2], 8, [[0, 1], [2]]),  # the longest first (5), then the longest that fits (3); 2 waits
+    ([2, 3, 5], 8, [[2, 1], [0]]),  # the same pieces in another stream order, the same rows
+    ([8, 1, 7], 8, [[0], [2, 1]]),  # a full row; 7 + 1 fill the next exactly
+    ([4, 4, 4], 8, [[2, 1], [0]]),  # ties: the later piece first (deterministic)
+    ([6, 6, 2, 2], 2, [[1], [0, 2], [3]]),  # a window of 2: piece 3 is not yet seen when row 2 closes
+    ([], 8, []),
+])
+def test_best_fit_rows(lengths, window, rows):
+    order, row_ends = data.best_fit_rows(np.array(lengths, dtype=np.int64), 8, window)
+    got = [order[start:end].tolist() for start, end in zip([0, *row_ends[:-1].tolist()], row_ends.tolist())]
+    assert got == rows
+    assert sorted(order.tolist()) == list(range(len(lengths)))  # every piece once
+    assert all(sum(lengths[piece] for piece in row) <= 8 for row in got)
 
 
 def test_block_permutation_rejects_an_empty_range():

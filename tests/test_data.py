@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import data
-from common import UserError, sha256_tree, temporary_name
+from common import UserError, sha256_file, sha256_tree, temporary_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def demo_corpus(tmp_path_factory) -> Path:
 
 def test_demo_corpus_folder_matches_the_design(demo_corpus):
     manifest = json.loads((demo_corpus / "corpus_manifest.json").read_text())
-    assert manifest["format_version"] == data.FORMAT_VERSION == 2 and manifest["dtype"] == "uint16"
+    assert manifest["format_version"] == data.FORMAT_VERSION == 3 and manifest["dtype"] == "uint16"
     assert manifest["vocab_size"] <= 512
     assert manifest["special_tokens"] == {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<|im_start|>": 3,
                                           "<|im_end|>": 4, "<think>": 5, "</think>": 6}
@@ -287,12 +287,39 @@ def test_verify_without_manifest_is_a_user_error(tmp_path):
     (tmp_path / "corpus_manifest.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         data.verify_corpus(tmp_path)
-    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 2, "dtype": "uint16", "splits": {"x": 1}}')
+    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 3, "dtype": "uint16", "splits": {"x": 1}}')
     with pytest.raises(UserError, match="malformed"):
         data.verify_corpus(tmp_path)
-    (tmp_path / "corpus_manifest.json").write_text('{"format_version": 1, "dtype": "uint16", "splits": {}}')
-    with pytest.raises(UserError, match=r"built by an older data.py \(format_version 1; .*assistant mask.*rebuild"):
-        data.verify_corpus(tmp_path)
+    for old in (1, 2):
+        manifest = {"format_version": old, "dtype": "uint16", "splits": {}}
+        (tmp_path / "corpus_manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(UserError, match=rf"built by an older data.py \(format_version {old}; .*document index.*"
+                                            "rebuild it"):
+            data.verify_corpus(tmp_path)
+
+
+def test_the_document_index_holds_where_each_document_ends_and_verify_checks_it(demo_corpus, tmp_path, flip_byte):
+    manifest = json.loads((demo_corpus / "corpus_manifest.json").read_text())
+    eos = manifest["special_tokens"]["<eos>"]
+    for split, info in manifest["splits"].items():
+        stream = np.concatenate([np.fromfile(demo_corpus / f["name"], dtype="<u2") for f in info["files"]])
+        ends = np.fromfile(demo_corpus / info["document_index"]["name"], dtype="<u8")
+        assert len(ends) == info["documents"] and ends[-1] == len(stream)
+        assert np.array_equal(ends, np.flatnonzero(stream == eos) + 1), split  # <eos> only ever ends a document
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_corpus, copy)
+    flip_byte(copy / "train.docs", 9)
+    assert data.verify_corpus(copy) == ["train.docs: sha256 does not match the manifest (corrupted or edited)"]
+    ends = np.fromfile(demo_corpus / "train.docs", dtype="<u8")
+    ends[[3, 4]] = ends[[4, 3]]  # hashed to match, but not increasing
+    (copy / "train.docs").write_bytes(ends.astype("<u8").tobytes())
+    manifest["splits"]["train"]["document_index"]["sha256"] = sha256_file(copy / "train.docs")
+    assert data.verify_files(copy, manifest) == [
+        f"train.docs: the document ends do not increase to the split's {manifest['splits']['train']['tokens']} tokens"]
+    (copy / "train.docs").unlink()
+    assert data.verify_files(copy, manifest) == ["train.docs: missing (document index)"]
+    del manifest["splits"]["train"]["document_index"]
+    assert data.verify_files(copy, manifest) == ["train: the manifest lists no document index (train.docs)"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ def test_a_mixture_reads_the_labelled_sources_of_one_corpus(labelled, tmp_path):
     manifest = data.load_corpus_manifest(labelled)
     assert training.sampler.source_blocks == [
         data.TokenSplit(labelled, manifest, "train", 32, source=label).blocks for label in ("web", "support")]
-    inputs, _ = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], CPU.device)
+    inputs = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], CPU.device).inputs
     assert inputs.shape == (2, 32)
     args[at + 2] = f"support={labelled}#chat:0.7"
     with pytest.raises(UserError, match="has no source labelled chat"):

@@ -59,10 +59,13 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
     splits = {"train": texts[:train_end], "validation": texts[train_end:validation_end], "test": texts[validation_end:]}
     manifest_splits = {}
     for split, docs in splits.items():
-        stream = []
+        stream, ends = [], []
         for text in docs:
             stream.extend(tokenizer.encode(text, add_special_tokens=False) + [2])
+            ends.append(len(stream))
         tokens = np.asarray(stream, dtype="<u2")
+        document_index = folder / f"{split}.docs"
+        document_index.write_bytes(np.asarray(ends, dtype="<u8").tobytes())
         files = []
         for index, start in enumerate(range(0, len(tokens), shard_tokens)):
             path = folder / f"{split}-{index:05d}.bin"
@@ -73,7 +76,10 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
                           "tokens": len(tokens[start: start + shard_tokens]),
                           "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)}})
         manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs),
-                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)}}
+                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)},
+                                  "document_index": {"name": document_index.name,
+                                                     "bytes": document_index.stat().st_size,
+                                                     "sha256": sha256_file(document_index)}}
     atomic_write_json(folder / "corpus_manifest.json", {
         "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
         "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
@@ -309,13 +315,15 @@ def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
 def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
     """Batch 4 x accumulation 1 and batch 1 x accumulation 4 read the same 4 blocks: the same loss and gradient
     norm. The loss is the mean over the step's blocks, computed here by hand from the model before the step."""
-    whole = in_process_training(corpus, tmp_path / "a", "--batch-size", "4", "--grad-accum", "1")
-    split = in_process_training(corpus, tmp_path / "b", "--batch-size", "1", "--grad-accum", "4")
+    whole = in_process_training(corpus, tmp_path / "a", "--batch-size", "4", "--grad-accum", "1",
+                                "--packing", "stream")
+    split = in_process_training(corpus, tmp_path / "b", "--batch-size", "1", "--grad-accum", "4",
+                                "--packing", "stream")
     assert store.tensor_differences(whole.model.state_dict(), split.model.state_dict(), "model") == []
     blocks = whole.sampler.step_blocks(0)
     assert blocks == split.sampler.step_blocks(0) and len(blocks) == 4
     with torch.no_grad():
-        inputs, targets = whole.splits["train"].batch(blocks, torch.device("cpu"))
+        inputs, targets, _ = whole.splits["train"].batch(blocks, torch.device("cpu"))
         logits = whole.model(input_ids=inputs).logits
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     first, second = whole.train_step(), split.train_step()
@@ -349,8 +357,9 @@ def test_token_split_blocks_cross_shard_boundaries(corpus):
     assert len(manifest["splits"]["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
     for index in (0, 1, 4000 // 32, split.blocks - 1):  # 4000 // 32 spans the first shard boundary
         assert np.array_equal(split.block(index), stream[index * 32: index * 32 + 33].astype(np.int64))
-    inputs, targets = split.batch([0, 5], torch.device("cpu"))
+    inputs, targets, segments = split.batch([0, 5], torch.device("cpu"))
     assert inputs.shape == targets.shape == (2, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert segments is None  # "stream": attention across documents
 
 
 def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
@@ -765,8 +774,8 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
                                     distributed.init_distributed("cpu"))
     model = training.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
-    inputs, targets = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)
-    training.loss_of(inputs, targets).backward()
+    batch = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)
+    training.loss_of(batch).backward()
     held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
             for param in group["params"]]
     assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
@@ -1134,7 +1143,7 @@ def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     split = training.splits["test"]
     count = min(split.blocks, training.run.eval_batches * training.sampler.global_batch)
     order = data.BlockPermutation(split.blocks, training.run.seed, data.EVAL_EPOCH)
-    _, targets = split.batch([order(i) for i in range(count)], torch.device("cpu"))
+    targets = split.batch([order(i) for i in range(count)], torch.device("cpu")).targets
     scored = targets[targets != data.IGNORE_INDEX].tolist()
     text = data.load_tokenizer(corpus).decode(scored, skip_special_tokens=True)
     assert result["tokens"] == len(scored) and result["bytes"] == len(text.encode("utf-8"))
@@ -1449,7 +1458,7 @@ def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_bo
         assert np.array_equal(split.block(index), tokens[window].astype(np.int64))
         assert np.array_equal(split.block_mask(index), mask[window])
     blocks = crossing[:3] + [split.blocks - 1]
-    inputs, targets = split.batch(blocks, torch.device("cpu"))
+    inputs, targets, _ = split.batch(blocks, torch.device("cpu"))
     for row, index in enumerate(blocks):
         window = slice(index * 64 + 1, index * 64 + 65)
         keep = np.isin(mask[window], list(counted))
@@ -1493,8 +1502,9 @@ def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpu
                                 "--batch-size", "4", "--grad-accum", "1")
     blocks = training.sampler.step_blocks(0)
     with torch.no_grad():
-        inputs, targets = training.splits["train"].batch(blocks, torch.device("cpu"))
-        logits = training.model(input_ids=inputs).logits
+        inputs, targets, segments = training.splits["train"].batch(blocks, torch.device("cpu"))
+        positions, mask = model_config.document_attention(segments)  # the default --packing masked
+        logits = training.model(input_ids=inputs, position_ids=positions, attention_mask=mask).logits
         per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                                       reduction="none", ignore_index=-100)
     kept = targets.reshape(-1) != data.IGNORE_INDEX
@@ -1709,3 +1719,118 @@ def test_a_signal_after_the_loop_says_training_has_ended(capsys):
                                                 (100_000, 250)])
 def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps, every):
     assert train.default_eval_every(total_steps) == every
+
+
+# ----------------------------------------------------------------------------------------------
+# Document-aware packing (--packing)
+
+
+def corpus_split(corpus: Path, packing: str, context: int = 32) -> tuple[data.TokenSplit, np.ndarray, np.ndarray]:
+    """The train split under `packing`, its whole token stream and its document ends."""
+    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
+    split = data.TokenSplit(corpus, manifest, "train", context, None, packing)
+    return split, whole_stream(corpus, "train", False), np.fromfile(corpus / "train.docs", dtype="<u8")
+
+
+def test_masked_rows_are_stream_blocks_with_each_tokens_document(corpus):
+    split, stream, ends = corpus_split(corpus, "masked")
+    stream_split = corpus_split(corpus, "stream")[0]
+    assert split.blocks == stream_split.blocks == (len(stream) - 1) // 32
+    rows = [0, 7, split.blocks - 1]
+    batch, plain = split.batch(rows, torch.device("cpu")), stream_split.batch(rows, torch.device("cpu"))
+    assert torch.equal(batch.inputs, plain.inputs) and torch.equal(batch.targets, plain.targets)
+    for row, index in enumerate(rows):
+        documents = np.searchsorted(ends, np.arange(index * 32, index * 32 + 32), side="right")
+        assert batch.segments[row].tolist() == (documents - documents[0]).tolist()
+    assert batch.segments.max() > 0  # rows with more than one document
+
+
+def test_bestfit_rows_start_at_documents_and_hold_every_document_once(corpus):
+    split, stream, ends = corpus_split(corpus, "bestfit")
+    starts = set([0, *ends[:-1].tolist()])
+    pieces = [span for index in range(split.blocks) for span in split.spans(index)]
+    assert sorted(pieces) == sorted(zip(*[array.tolist() for array in data.document_pieces(ends, 33)]))
+    firsts = [split.spans(index)[0][0] for index in range(split.blocks)]
+    later_pieces = set(data.document_pieces(ends, 33)[0].tolist()) - starts  # of documents longer than a row
+    assert later_pieces and all(first in starts or first in later_pieces for first in firsts)
+    assert sum(first in starts for first in firsts) > 0.9 * len(firsts)
+    assert all(sum(length for _, length in split.spans(index)) <= 33 for index in range(split.blocks))
+    rows = list(range(0, split.blocks, 97))
+    batch = split.batch(rows, torch.device("cpu"))
+    assert batch.segments is None
+    for row, index in enumerate(rows):
+        expected = np.concatenate([stream[start: start + length] for start, length in split.spans(index)])
+        assert batch.inputs[row, : len(expected) - 1].tolist() == expected[:-1].tolist()
+        assert batch.targets[row, : len(expected) - 1].tolist() == expected[1:].tolist()
+        assert (batch.targets[row, len(expected) - 1:] == data.IGNORE_INDEX).all()  # padding is never counted
+        assert (batch.inputs[row, len(expected):] == 0).all()  # <pad>
+    padded = sum(33 - sum(length for _, length in split.spans(index)) for index in range(split.blocks))
+    assert padded < 0.15 * split.blocks * 33  # best fit leaves little room
+
+
+@pytest.mark.parametrize("packing", data.PACKINGS)
+def test_rows_are_a_pure_function_so_a_resume_seeks_to_the_same_samples(corpus, tmp_path, packing):
+    """A second Training (as a resumed run builds) reads at step 5 exactly what the first reads there."""
+    first = in_process_training(corpus, tmp_path / "a", "--packing", packing)
+    second = in_process_training(corpus, tmp_path / "b", "--packing", packing)
+    blocks = first.sampler.micro_batches(5, 0)
+    assert blocks == second.sampler.micro_batches(5, 0)
+    for a, b in zip(first.splits["train"].batch(blocks[0], first.device),
+                    second.splits["train"].batch(blocks[0], second.device)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_the_masked_loss_equals_running_each_document_alone(corpus):
+    split = corpus_split(corpus, "masked")[0]
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["tiny"], 300).eval()
+    batch = split.batch([3, 11], torch.device("cpu"))
+    with torch.no_grad():
+        masked = losses.language_model_loss(model, *batch[:2], reduction="sum", segments=batch.segments)
+        alone = torch.zeros(())
+        for row in range(2):
+            for document in batch.segments[row].unique():
+                tokens = (batch.segments[row] == document).nonzero().flatten()
+                alone += losses.language_model_loss(model, batch.inputs[row: row + 1, tokens],
+                                                   batch.targets[row: row + 1, tokens], reduction="sum")
+        across = losses.language_model_loss(model, *batch[:2], reduction="sum")
+    assert masked.item() == pytest.approx(alone.item(), rel=1e-5)
+    assert abs(across.item() - alone.item()) > 1e-3 * alone.item()  # without the mask they see each other
+
+
+def test_the_document_mask_reaches_sdpa_under_compile():
+    """Compiled, each attention gets the block-diagonal mask (not is_causal), and the same loss as eagerly."""
+    torch.manual_seed(0)
+    model = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    model.config.use_cache = False
+    model_config.use_attention(model, model_config.CONTIGUOUS)
+    inputs, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    segments = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
+    masks = []
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                masks.append((node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None),
+                              node.kwargs.get("is_causal", False)))
+        return graph_module.forward
+
+    def loss(inputs, targets, segments):
+        return losses.language_model_loss(model, inputs, targets, reduction="sum", segments=segments)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend=backend)(inputs, targets, segments)
+    torch._dynamo.reset()
+    assert len(masks) == model_config.PRESETS["tiny"].layers
+    assert all(mask is not None and not causal for mask, causal in masks)
+    assert compiled.item() == pytest.approx(loss(inputs, targets, segments).item(), rel=1e-6)
+
+
+def test_bestfit_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert train.main(options(corpus, whole, "--packing", "bestfit", steps=8)) == 0
+    assert train.main(options(corpus, out, "--packing", "bestfit", "--stop-after-steps", "3", steps=8)) == 0
+    with pytest.raises(UserError, match="packing: bestfit -> stream"):  # another packing is another run
+        train.main(options(corpus, out, "--packing", "stream", "--resume", "auto", steps=8))
+    assert train.main(options(corpus, out, "--packing", "bestfit", "--resume", "auto", steps=8)) == 0
+    assert_same_state(final_state(out), final_state(whole))
