@@ -700,9 +700,8 @@ class Training:
     def __init__(self, settings: Settings, info: distributed.DistInfo, manifest: dict, corpus: Path):
         run, session = settings.run, settings.session
         self.run, self.session, self.invocation = run, session, settings.invocation
-        self.info, self.corpus = info, corpus
+        self.info, self.corpus, self.manifest = info, corpus, manifest
         self.preset = resolve_model_preset(run)
-        self.manifest = manifest
         self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
@@ -713,8 +712,8 @@ class Training:
                        for name in ("train", "validation", "test")}
         self.source_splits, self.source_manifests = read_mixture(self, manifest)  # ({}, []) without a mixture
         self.splits.update({name: data.MixtureSplit(parts) for name, parts in self.source_splits.items()})
-        tokenizer_file = corpus / "tokenizer" / "tokenizer.json"
-        self.token_bytes = data.token_byte_lengths(tokenizer_file, self.vocab_size).to(self.device)
+        self.token_bytes = data.token_byte_lengths(corpus / data.TOKENIZER_DIR / "tokenizer.json",
+                                                   self.vocab_size).to(self.device)
         self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
                                          session.grad_accum, info.world)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
