@@ -1097,14 +1097,18 @@ def _mixture_lines(mixture: dict | None) -> list[str]:
 
 def model_card(architecture: dict, card_info: dict) -> str:
     """README.md for RUN/model/: what the model is, how it was made, how to load it, what it cannot do."""
+    return "\n".join([*_card_header(architecture, card_info), *_card_provenance(card_info),
+                      *_card_evaluation(architecture, card_info), *_card_limitations(architecture, card_info)])
+
+
+def _card_header(arch: dict, card_info: dict) -> list[str]:
+    """The card's front matter, title, status and architecture."""
     name = card_info.get("model_name", "tinyllm")
     status = card_info.get("status", "UNKNOWN")
     steps, total_steps = card_info.get("steps"), card_info.get("total_steps")
     tokens = card_info.get("tokens")
     finished = status == "COMPLETE"
-    accuracy = _accuracy_line(card_info.get("demo_accuracy"))
-    arch = architecture
-    lines = [
+    return [
         "---",
         "library_name: transformers",
         "pipeline_tag: text-generation",
@@ -1137,6 +1141,11 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "Q/K RMSNorm, RoPE",
         f"- Context: {arch['context']} tokens; vocabulary: {arch['vocab_size']:,} tokens",
         "",
+    ]
+
+
+def _card_provenance(card_info: dict) -> list[str]:
+    return [
         "## Data and provenance",
         "",
         f"- Corpus manifest sha256: `{card_info.get('corpus_sha256', 'n/a')}`",
@@ -1146,6 +1155,13 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "- `training_provenance.json` in this folder holds these"
         + (" and the training settings." if "settings" in card_info else "."),
         "",
+    ]
+
+
+def _card_evaluation(arch: dict, card_info: dict) -> list[str]:
+    """The held-out losses (and the demo's accuracy), then how to use the model."""
+    accuracy = _accuracy_line(card_info.get("demo_accuracy"))
+    lines = [
         "## Evaluation",
         "",
         f"- Validation loss: {_number(card_info.get('validation_loss'))} "
@@ -1156,7 +1172,7 @@ def model_card(architecture: dict, card_info: dict) -> str:
     ]
     if accuracy:
         lines.append(f"- Held-out demo task accuracy (greedy, chat template): {accuracy}")
-    lines += [
+    return lines + [
         "",
         "Losses are mean cross-entropy in nats per token on the corpus's held-out splits; bits per byte "
         "divide the summed loss by ln 2 and the UTF-8 bytes of the scored text, comparable across tokenizers. "
@@ -1170,6 +1186,12 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "The chat template is ChatML (`<|im_start|>role ... <|im_end|>`); optional reasoning appears "
         f"inside `<think> ... </think>` before the answer. Keep prompt plus reply within {arch['context']} tokens.",
         "",
+    ]
+
+
+def _card_limitations(arch: dict, card_info: dict) -> list[str]:
+    tokens = card_info.get("tokens")
+    lines = [
         "## Limitations",
         "",
         f"- A {human_count(arch['parameters'])}-parameter model trained on "
@@ -1180,14 +1202,13 @@ def model_card(architecture: dict, card_info: dict) -> str:
         "- The Qwen3 architecture does not bring any Qwen3 model's abilities: the weights are "
         + ("tinyllm's own (see Initialized from)." if card_info.get("init_from") else "from scratch."),
     ]
-    if not finished:
+    if card_info.get("status", "UNKNOWN") != "COMPLETE":
         lines.append("- Training stopped before its planned end; quality is below what the full run would give.")
-    lines += [
+    return lines + [
         "- The license of these weights follows the terms of the training data; set `license` above "
         "before you publish.",
         "",
     ]
-    return "\n".join(lines)
 
 
 USAGE_PROMPT_CHARACTERS = 300  # a longer corpus prompt is cut in the card's example
