@@ -191,7 +191,7 @@ def token_text(value) -> str | None:
 
 def read_vocab(source: ModelSource) -> Vocab:
     """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
-    from data import BOS, EOS, IM_END, PAD, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN
+    from data import IM_END, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS
 
     folder = source.folder
     tokenizer_path = folder / "tokenizer.json"
@@ -215,22 +215,41 @@ def read_vocab(source: ModelSource) -> Vocab:
             raise UserError(f"{tokenizer_path}: special token {token} must have id {position}")
 
     tokens = [id_to_token[index] for index in range(count)]
-    token_types = []
-    for index in range(count):
-        if index not in added:
-            token_types.append(int(gguf.TokenType.NORMAL))
-        elif tokens[index] in (THINK_OPEN, THINK_CLOSE):
-            # printed text in llama.cpp's output (a control token is hidden), as in Qwen3's own GGUFs:
-            # clients that split the reasoning from the answer look for <think> in the text
-            token_types.append(int(gguf.TokenType.USER_DEFINED))
-        elif added[index].get("special"):
-            token_types.append(int(gguf.TokenType.CONTROL))
-        else:
-            token_types.append(int(gguf.TokenType.USER_DEFINED))
+    token_types = [token_type(tokens[index], added.get(index)) for index in range(count)]
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in spec["model"].get("merges", [])]
-
     tokenizer_config = read_json(folder / "tokenizer_config.json", "tokenizer config")
-    ids = {}
+    ids = role_token_ids(source, tokens, tokenizer_config)
+    return Vocab(
+        tokens=tokens,
+        token_types=token_types,
+        merges=merges,
+        bos_id=ids["bos"],
+        eos_id=ids["eos"],
+        pad_id=ids["pad"],
+        eot_id=tokens.index(IM_END) if IM_END in tokens else None,
+        chat_template=read_chat_template(folder, tokenizer_config),
+        tokenizer_json_sha256=sha256_file(tokenizer_path),
+    )
+
+
+def token_type(token: str, added: dict | None) -> int:
+    """GGUF's type of a token: normal, or for an added one control (special) or user-defined."""
+    from data import THINK_CLOSE, THINK_OPEN
+
+    if added is None:
+        return int(gguf.TokenType.NORMAL)
+    if token in (THINK_OPEN, THINK_CLOSE):
+        # printed text in llama.cpp's output (a control token is hidden), as in Qwen3's own GGUFs:
+        # clients that split the reasoning from the answer look for <think> in the text
+        return int(gguf.TokenType.USER_DEFINED)
+    return int(gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED)
+
+
+def role_token_ids(source: ModelSource, tokens: list[str], tokenizer_config: dict) -> dict[str, int]:
+    """The bos, eos and pad ids the tokenizer config names, checked against the model's config.json."""
+    from data import BOS, EOS, PAD
+
+    folder, ids = source.folder, {}
     for role, default in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
         text = token_text(tokenizer_config.get(f"{role}_token")) or default
         if text not in tokens:
@@ -243,17 +262,7 @@ def read_vocab(source: ModelSource) -> Vocab:
                 f"{folder / 'config.json'}: {role}_token_id {declared} does not match the tokenizer's "
                 f"{role}_token {text!r} (id {ids[role]}): mismatched tokenizer"
             )
-    return Vocab(
-        tokens=tokens,
-        token_types=token_types,
-        merges=merges,
-        bos_id=ids["bos"],
-        eos_id=ids["eos"],
-        pad_id=ids["pad"],
-        eot_id=tokens.index(IM_END) if IM_END in tokens else None,
-        chat_template=read_chat_template(folder, tokenizer_config),
-        tokenizer_json_sha256=sha256_file(tokenizer_path),
-    )
+    return ids
 
 
 def check_tokenizer_is_qwen2_bpe(spec: dict, path: Path, split_pattern: str) -> None:
@@ -1021,13 +1030,8 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
         log(f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF; "
             f"its chat template renders as HF's; {', '.join(STOP_TOKENS)} end generation")
 
-        worst = largest = 0.0
-        for text in [VERIFY_TEXTS[0], VERIFY_TEXTS[2], texts[-1]]:
-            ids = tokenizer.encode(text, add_special_tokens=False)[:context]
-            with torch.no_grad():
-                expected = model(torch.tensor([ids])).logits[0].numpy()
-            worst = max(worst, float(np.abs(llama_scores(llm, ids) - expected).max()))
-            largest = max(largest, float(np.abs(expected).max()))
+        worst, largest = logit_differences(model, llm, tokenizer, [VERIFY_TEXTS[0], VERIFY_TEXTS[2], texts[-1]],
+                                           context)
         log(f"llama.cpp logits: max abs difference {worst:.3g} from HF ({out_type}; largest |logit| {largest:.3g})")
         if out_type == "f32" and worst > logit_tolerance:
             raise VerificationFailed(f"f32 logits differ from HF by {worst:.3g} (> {logit_tolerance})")
@@ -1046,6 +1050,20 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     return {"texts": len(texts), "max_logit_diff": worst, "max_abs_logit": largest, "greedy_prompts": len(prompts),
             "greedy_ties": len(tie_margins), "greedy_tie_tolerance": tie_tolerance,
             "greedy_max_tie_margin": max(tie_margins, default=0.0)}
+
+
+def logit_differences(model, llm, tokenizer, texts: list[str], context: int) -> tuple[float, float]:
+    """(largest |llama.cpp logit - HF logit|, largest |HF logit|) over these texts."""
+    import torch
+
+    worst = largest = 0.0
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)[:context]
+        with torch.no_grad():
+            expected = model(torch.tensor([ids])).logits[0].numpy()
+        worst = max(worst, float(np.abs(llama_scores(llm, ids) - expected).max()))
+        largest = max(largest, float(np.abs(expected).max()))
+    return worst, largest
 
 
 def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:

@@ -251,7 +251,6 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
 
     records = read_metrics(metrics_path)
     train_x, train_loss = _series(records, "train", "loss")
@@ -265,8 +264,26 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     figure = Figure(figsize=(9, 5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    # Train on top (zorder), validation as open markers on a thin line, the test star below: where they agree,
-    # all stay visible.
+    _plot_losses(axes, (train_x, train_loss), (val_x, val_loss), (test_x, test_loss))
+    handles, labels = axes.get_legend_handles_labels()
+    if learning_rates:
+        extra_handles, extra_labels = _plot_learning_rates(axes, learning_rates)
+        handles, labels = handles + extra_handles, labels + extra_labels
+    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small", frameon=False)
+    last = records[-1]
+    figure.suptitle(f"{title}: step {last['step']:,}, {human_count(last.get('tokens', 0))} tokens")
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    atomic_write_bytes(out_png, buffer.getvalue())
+    return True
+
+def _plot_losses(axes, train: tuple, validation: tuple, test: tuple) -> None:
+    """Train on top (zorder), validation as open markers on a thin line, the test star below: where they
+    agree, all stay visible. A log scale when the losses span more than 4x (the late, small changes matter most)."""
+    from matplotlib.ticker import FuncFormatter
+
+    (train_x, train_loss), (val_x, val_loss), (test_x, test_loss) = train, validation, test
     if len(train_loss) >= SMOOTH_FROM_POINTS:
         axes.plot(train_x, train_loss, color="tab:blue", alpha=0.3, linewidth=1, zorder=3, label="train loss")
         axes.plot(train_x, smooth(train_loss), color="tab:blue", linewidth=2, zorder=4, label="train loss (smoothed)")
@@ -279,7 +296,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
         axes.plot(test_x, test_loss, "*", color="tab:red", markersize=12, zorder=1.5,
                   label=f"test loss {test_loss[-1]:.3f}")
     losses = train_loss + val_loss + test_loss
-    if min(losses) > 0 and max(losses) / min(losses) > 4:  # the late, small changes matter most
+    if min(losses) > 0 and max(losses) / min(losses) > 4:
         axes.set_yscale("log")
         axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         axes.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
@@ -287,24 +304,18 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     axes.set_ylabel("loss (nats per token)")
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: human_count(value)))
     axes.grid(alpha=0.3)
-    handles, labels = axes.get_legend_handles_labels()
-    if learning_rates:
-        lr_axes = axes.twinx()
-        for (label, (lr_x, lr)), style in zip(learning_rates.items(), ("--", ":")):
-            lr_axes.plot(lr_x, lr, style, color="tab:gray", linewidth=1, label=label)
-        lr_axes.set_ylabel("learning rate")
-        lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-        lr_axes.set_ylim(bottom=0)
-        extra_handles, extra_labels = lr_axes.get_legend_handles_labels()
-        handles, labels = handles + extra_handles, labels + extra_labels
-    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small", frameon=False)
-    last = records[-1]
-    figure.suptitle(f"{title}: step {last['step']:,}, {human_count(last.get('tokens', 0))} tokens")
 
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    atomic_write_bytes(out_png, buffer.getvalue())
-    return True
+
+def _plot_learning_rates(axes, learning_rates: dict) -> tuple[list, list]:
+    """Each optimizer's learning rate (AdamW's, Muon's) on a second axis; its legend handles and labels."""
+    lr_axes = axes.twinx()
+    for (label, (lr_x, lr)), style in zip(learning_rates.items(), ("--", ":")):
+        lr_axes.plot(lr_x, lr, style, color="tab:gray", linewidth=1, label=label)
+    lr_axes.set_ylabel("learning rate")
+    lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    lr_axes.set_ylim(bottom=0)
+    return lr_axes.get_legend_handles_labels()
+
 
 
 # ----------------------------------------------------------------------------------------------
