@@ -569,3 +569,16 @@ def config_tokens(action: argparse.Action, value: Any, path: str, key: str) -> l
     if isinstance(value, (dict, list)):
         raise UserError(f"--config {path}: {key} takes one value, got {value!r}")
     return [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+
+
+def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of each non-blank line of a JSONL file; a line that is not JSON is one
+    UserError naming the file and the line."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None

@@ -335,17 +335,26 @@ def verify_files(root: Path, manifest: dict) -> list[str]:
     return problems
 
 
+def recorded_file_problem(root: Path, record: dict, what: str) -> str | None:
+    """Whether the file a manifest records ({name, bytes, sha256}) is there with its size and sha256."""
+    path = root / record["name"]
+    if not path.is_file():
+        return f"{record['name']}: missing ({what})"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{record['name']}: {size} bytes, manifest says {record['bytes']}"
+    if sha256_file(path) != record["sha256"]:
+        return f"{record['name']}: sha256 does not match the manifest (corrupted or edited)"
+    return None
+
+
 def verify_mask(root: Path, entry: dict) -> list[str]:
     """Problems with the mask file of shard `entry`: one byte per token, hashed, only known classes."""
     mask = entry["mask"]
-    path = root / mask["name"]
-    if not path.is_file():
-        return [f"{mask['name']}: missing (mask of {entry['name']})"]
-    size = path.stat().st_size
-    if size != mask["bytes"]:
-        return [f"{mask['name']}: {size} bytes, manifest says {mask['bytes']}"]
-    if sha256_file(path) != mask["sha256"]:
-        return [f"{mask['name']}: sha256 does not match the manifest (corrupted or edited)"]
+    problem = recorded_file_problem(root, mask, f"mask of {entry['name']}")
+    if problem:
+        return [problem]
+    size = (root / mask["name"]).stat().st_size
     if size != entry["tokens"]:
         return [f"{mask['name']}: {size} bytes for {entry['tokens']} tokens (one per token)"]
     return []
@@ -354,14 +363,11 @@ def verify_mask(root: Path, entry: dict) -> list[str]:
 def verify_document_index(root: Path, info: dict) -> list[str]:
     """Problems with a split's document index: hashed, one uint64 per document, increasing to the split's end."""
     index = info["document_index"]
+    problem = recorded_file_problem(root, index, "document index")
+    if problem:
+        return [problem]
     path = root / index["name"]
-    if not path.is_file():
-        return [f"{index['name']}: missing (document index)"]
     size = path.stat().st_size
-    if size != index["bytes"]:
-        return [f"{index['name']}: {size} bytes, manifest says {index['bytes']}"]
-    if sha256_file(path) != index["sha256"]:
-        return [f"{index['name']}: sha256 does not match the manifest (corrupted or edited)"]
     if size != 8 * info["documents"]:
         return [f"{index['name']}: {size} bytes for {info['documents']} documents (8 per document)"]
     ends = np.fromfile(path, dtype=DOCUMENT_INDEX_DTYPE)

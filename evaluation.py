@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from common import UserError, atomic_write_json, atomic_write_text, read_json, sha256_file, utc_now
+from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, read_json, sha256_file, utc_now
 
 LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' 'accelerate>=1.1'"  # accelerate: lm-eval's HF model class
 CHOICE_METRICS = ("acc", "acc_norm", "acc_bytes")
@@ -53,21 +53,14 @@ def local_task_name(path: Path) -> str:
 def read_choice_items(path: Path) -> list[dict]:
     """The items of a multiple-choice JSONL file, each checked, or one error naming the line."""
     items = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            choices = item.get("choices") if isinstance(item, dict) else None
-            if not (isinstance(item, dict) and isinstance(item.get("context"), str) and isinstance(choices, list)
-                    and len(choices) >= 2 and all(isinstance(choice, str) and choice for choice in choices)
-                    and isinstance(item.get("answer"), int) and 0 <= item["answer"] < len(choices)):
-                raise UserError(f'{path}:{number}: expected {{"context": text, "choices": [two or more texts], '
-                                f'"answer": index of the right choice}}')
-            items.append(item)
+    for number, item in jsonl_records(path):
+        choices = item.get("choices") if isinstance(item, dict) else None
+        if not (isinstance(item, dict) and isinstance(item.get("context"), str) and isinstance(choices, list)
+                and len(choices) >= 2 and all(isinstance(choice, str) and choice for choice in choices)
+                and isinstance(item.get("answer"), int) and 0 <= item["answer"] < len(choices)):
+            raise UserError(f'{path}:{number}: expected {{"context": text, "choices": [two or more texts], '
+                            f'"answer": index of the right choice}}')
+        items.append(item)
     if not items:
         raise UserError(f"{path} holds no items")
     return items

@@ -54,6 +54,7 @@ from common import (
     atomic_write_bytes,
     atomic_write_json,
     human_count,
+    jsonl_records,
     read_json,
     read_json_or,
     run_main,
@@ -956,20 +957,13 @@ def read_eval_examples(path: str | os.PathLike, limit: int | None = None) -> lis
         raise UserError(f"eval folder {root} holds no *.jsonl files")
     examples = []
     for file in files:
-        with open(file, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise UserError(f"{file}:{number}: not valid JSON ({error.msg})") from None
-                if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
-                    raise UserError(f'{file}:{number}: expected an object with "prompt" (text) and "answer"')
-                examples.append({"prompt": item["prompt"], "answer": str(item["answer"]).strip(),
-                                 "task": str(item.get("task", file.stem))})
-                if limit is not None and len(examples) >= limit:
-                    return examples
+        for number, item in jsonl_records(file):
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
+                raise UserError(f'{file}:{number}: expected an object with "prompt" (text) and "answer"')
+            examples.append({"prompt": item["prompt"], "answer": str(item["answer"]).strip(),
+                             "task": str(item.get("task", file.stem))})
+            if limit is not None and len(examples) >= limit:
+                return examples
     if not examples:
         raise UserError(f"eval set {root} has no examples")
     return examples
