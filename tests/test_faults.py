@@ -220,8 +220,11 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
         report.main(["samples", str(out / "model"), "--text"])
 
     # no held-out split at all: the last line still shows a loss, the train loss
+    texts = [{"text": f"{i} plus {i + 1} is {2 * i + 1}. the cat sees the dog."} for i in range(300)]
+    no_held_out = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "bare",
+                                    data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0))
     out = tmp_path / "no-held-out"
-    assert train.main(options(corpus, out, steps=2)) == 0
+    assert train.main(options(no_held_out, out, steps=2)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("COMPLETE: step 2/2") and "| train loss " in last and "(no held-out split)" in last
 

@@ -653,8 +653,8 @@ def test_uninterrupted_run_writes_the_run_folder(reference):
         ".lock", "checkpoints", "config.toml", "hardware.json", "metrics.jsonl", "run_status.json",
         "training_settings.json"]
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    train_keys = {"kind", "step", "tokens", "loss", "lr", "grad_norm", "step_seconds", "tokens_per_second", "mfu",
-                  "peak_memory_bytes", "time"}
+    train_keys = {"kind", "step", "tokens", "loss", "adamw_lr", "muon_lr", "grad_norm", "step_seconds",
+                  "tokens_per_second", "mfu", "peak_memory_bytes", "time"}
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(set(r) == train_keys for r in records if r["kind"] == "train")
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
