@@ -25,8 +25,24 @@ CORE=(
   "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
   "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
   "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
-  # checkpoint_store.py: names, records, the resume plan, timelines, retention (local and remote)
-  "checkpoint_store.*"
+  # checkpoint_store.py: names, records, listings, the resume, timeline, retention and mirror plans, the run
+  # status (not its I/O glue moved in from train.py, the writer thread, the lock and the checkpoint readers:
+  # tests/test_train.py and tests/test_checkpoints.py cover those, too slow to run per mutant)
+  "checkpoint_store.x_checkpoint_name__*" "checkpoint_store.x_step_of__*" "checkpoint_store.x_record_name__*"
+  "checkpoint_store.x_size_text__*" "checkpoint_store.xǁRecordǁ*" "checkpoint_store.x_read_record__*"
+  "checkpoint_store.x_write_record__*" "checkpoint_store.xǁListingǁ*" "checkpoint_store.xǁNamesǁ*"
+  "checkpoint_store.x_sort_names__*" "checkpoint_store.x_list_folder__*" "checkpoint_store.xǁResumePlanǁ*"
+  "checkpoint_store.x_plan_resume__*" "checkpoint_store.xǁTimelinePlanǁ*" "checkpoint_store.x_plan_timeline__*"
+  "checkpoint_store.x_newest_verified__*" "checkpoint_store.x_file_mismatch__*"
+  "checkpoint_store.x_retention_deletions__*" "checkpoint_store.x_beyond_unbacked_bound__*"
+  "checkpoint_store.xǁMirrorPolicyǁ*" "checkpoint_store.xǁMirrorPlanǁ*" "checkpoint_store.x_backed_up__*"
+  "checkpoint_store.x_plan_mirror__*" "checkpoint_store.x_restore_order__*" "checkpoint_store.x_set_aside__*"
+  "checkpoint_store.x_delete__*" "checkpoint_store.x_apply_plan__*" "checkpoint_store.x_apply_timeline__*"
+  "checkpoint_store.x_write_status__*" "checkpoint_store.xǁRunStatusǁ*" "checkpoint_store.x_previous_session_note__*"
+  "checkpoint_store.x_settings_changes__*" "checkpoint_store.x_describe_changes__*"
+  "checkpoint_store.xǁResumeVerdictǁ*" "checkpoint_store.x_resume_verdict__*"
+  "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_tensor_differences__*"
+  "checkpoint_store.xǁCheckpointWriteFailedǁ*" "checkpoint_store.xǁCheckpointerǁapply_retention__*"
   # checkpoint_cloud.py: the bound on checkpoints waiting for their upload
   "checkpoint_cloud.x_beyond_unbacked_bound__*"
   # report.py: answer scoring

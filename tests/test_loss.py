@@ -109,3 +109,23 @@ def test_under_grad_checkpoint_too():
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     for name, gradient in gradients.items():
         assert torch.allclose(gradient, expected[name], rtol=1e-4, atol=1e-5 * expected[name].abs().max()), name
+
+
+def test_segments_keep_attention_and_positions_inside_each_document():
+    """With segments (--packing masked) a row's loss is the sum of its documents' losses, each run alone
+    from position 0; LanguageModelLoss passes them through, and its default reduction is the mean."""
+    model = tiny_model().eval()
+    inputs, targets = batch(ignored=False)
+    segments = torch.tensor([[0] * 12 + [1] * 20, [0] * 32, [0] * 5 + [1] * 5 + [2] * 22, [0] * 31 + [1]])
+    module = losses.LanguageModelLoss(model)
+    with torch.no_grad():
+        masked = losses.language_model_loss(model, inputs, targets, "sum", segments=segments)
+        alone = sum(losses.language_model_loss(model, inputs[row: row + 1, segments[row] == document],
+                                               targets[row: row + 1, segments[row] == document], "sum")
+                    for row in range(BATCH) for document in segments[row].unique())
+        across = losses.language_model_loss(model, inputs, targets, "sum")
+        assert module(inputs, targets, segments=segments).item() == pytest.approx(masked.item() / targets.numel(),
+                                                                                rel=1e-5)
+        assert module(inputs, targets).item() == pytest.approx(across.item() / targets.numel(), rel=1e-6)
+    assert masked.item() == pytest.approx(alone.item(), rel=1e-5)
+    assert abs(masked.item() - across.item()) > 1e-5 * across.item()  # without them the documents see each other
