@@ -59,11 +59,10 @@ import traceback
 import warnings
 from pathlib import Path
 
-import checkpoint_store as store
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import checkpoint_store as store  # noqa: E402
 import distributed  # noqa: E402
 import hardware  # noqa: E402
 import model_config  # noqa: E402

@@ -43,11 +43,10 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import checkpoint_store as store
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import checkpoint_store as store  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import model_config  # noqa: E402

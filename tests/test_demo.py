@@ -78,23 +78,28 @@ def metrics(run: Path) -> list[dict]:
 
 def split_loss(model, corpus: Path, split: str, context: int, settings: dict) -> float:
     """Mean next-token cross-entropy over a split's evaluation blocks (DESIGN.md: block i is tokens
-    [i*C, i*C + C + 1); --eval-batches global batches of them in the fixed evaluation order), read from the shards."""
+    [i*C, i*C + C + 1); --eval-batches global batches of them in the fixed evaluation order), read from the
+    shards, each document of a block run alone from position 0 (--packing masked, the default)."""
     manifest = json.loads((corpus / "corpus_manifest.json").read_text())
-    tokens = np.concatenate([np.fromfile(corpus / entry["name"], dtype="<u2")
-                             for entry in manifest["splits"][split]["files"]]).astype(np.int64)
+    entry = manifest["splits"][split]
+    tokens = np.concatenate([np.fromfile(corpus / item["name"], dtype="<u2")
+                             for item in entry["files"]]).astype(np.int64)
+    ends = np.fromfile(corpus / entry["document_index"]["name"], dtype="<u8")
     count = (len(tokens) - 1) // context
     used = min(count, settings["training"]["eval_batches"] * settings["training"]["global_batch_blocks"])
     order = data.BlockPermutation(count, settings["training"]["seed"], data.EVAL_EPOCH)
-    blocks = torch.from_numpy(np.stack([tokens[i * context: i * context + context + 1]
-                                        for i in sorted(order(position) for position in range(used))]))
-    total, count = 0.0, 0
+    total, counted = 0.0, 0
     with torch.no_grad():
-        for batch in blocks.split(32):
-            logits = model(input_ids=batch[:, :-1]).logits
-            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
-                                                       reduction="sum").item()
-            count += batch[:, 1:].numel()
-    return total / count
+        for start in sorted(order(position) * context for position in range(used)):
+            documents = np.searchsorted(ends, np.arange(start, start + context), side="right")
+            for document in np.unique(documents):
+                piece = start + np.flatnonzero(documents == document)
+                inputs = torch.from_numpy(tokens[piece])[None]
+                logits = model(input_ids=inputs).logits[0]
+                total += torch.nn.functional.cross_entropy(logits, torch.from_numpy(tokens[piece + 1]),
+                                                           reduction="sum").item()
+                counted += len(piece)
+    return total / counted
 
 
 def test_demo_completes_with_an_accuracy(demo):
