@@ -71,8 +71,8 @@ RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME"
 
 
 # 4: precision is a session setting (settings["runtime"]["precision"], as resolved on the device that saved):
-# a run may move between cards with and without bf16
-FORMAT_VERSION = 4
+# a run may move between cards with and without bf16; 5: metrics.task_history (--eval-tasks records)
+FORMAT_VERSION = 5
 
 
 def checkpoint_name(step: int) -> str:

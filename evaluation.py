@@ -20,6 +20,7 @@ import random
 import re
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, read_json, sha256_file, utc_now
@@ -88,6 +89,10 @@ def resolve_tasks(specs: Sequence[str]) -> list[dict]:
     tasks = []
     for spec in (part for value in specs for part in value.split(",") if part):
         path = Path(spec)
+        if path.suffix in (".yaml", ".yml") and path.is_file():  # an lm-eval task config of one's own
+            tasks.append({"name": yaml_task_name(path), "kind": "lm_eval", "path": str(path.resolve()),
+                          "include": str(path.resolve().parent)})
+            continue
         if path.is_dir():
             files = sorted(path.glob("*.jsonl"))
             if not files:
@@ -106,6 +111,19 @@ def resolve_tasks(specs: Sequence[str]) -> list[dict]:
     if not tasks:
         raise UserError("--tasks: give at least one task name, task file or folder")
     return tasks
+
+
+def yaml_task_name(path: Path) -> str:
+    """The `task:` name of an lm-eval task YAML file."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(f"{path}: not a readable lm-eval task YAML ({error})") from None
+    if not (isinstance(config, dict) and isinstance(config.get("task"), str)):
+        raise UserError(f"{path}: an lm-eval task YAML needs a `task: NAME` line")
+    return config["task"]
 
 
 def task_yaml(name: str, jsonl: str) -> str:
@@ -145,8 +163,10 @@ def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_s
         for task in local:
             sizes[task["name"]] = len(read_choice_items(Path(task["path"])))
             Path(folder, f"{task['name']}.yaml").write_text(task_yaml(task["name"], task["path"]), encoding="utf-8")
-        manager = TaskManager(include_path=folder if local else None, include_defaults=bool(named),
-                              verbosity="ERROR")
+        includes = ([folder] if local else []) + sorted({task["include"] for task in tasks if task.get("include")})
+        manager = TaskManager(include_path=includes or None, verbosity="ERROR",
+                              include_defaults=any(task["kind"] == "lm_eval" and not task.get("include")
+                                                   for task in tasks))
         unknown = [name for name in named if name not in manager.all_tasks]
         if unknown:
             raise UserError(f"--tasks: {', '.join(unknown)}: neither a task file nor an lm-eval task name "
@@ -327,3 +347,134 @@ def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
                                                     add_generation_prompt=True) + reply[:cut + 2]
             items.append({"context": context, "choices": choices, "answer": answer})
     return items
+
+
+# ----------------------------------------------------------------------------------------------
+# In the loop: train.py --eval-tasks scores multiple-choice tasks on the model being trained, with
+# lm-eval's conventions (the same items give lm_eval's acc and acc_norm), each rank a share of the items.
+
+DEFAULT_LOOP_LIMIT = 200  # items per task in the loop (seeded, the same every time): see bench/bench_evaluate.py
+LOOP_TASKS_DIR = "eval_tasks"  # RUN/eval_tasks/NAME.jsonl: the items of an lm-eval task, kept for the resumes
+
+
+@dataclass(frozen=True)
+class LoopTask:
+    """A multiple-choice task scored during training: its name, where it came from, the items scored."""
+
+    name: str
+    source: str
+    items: tuple[dict, ...]
+
+    @property
+    def chance(self) -> float:
+        return sum(1 / len(item["choices"]) for item in self.items) / len(self.items)
+
+
+def lm_eval_items(name: str, include: str | None = None) -> list[dict]:
+    """A zero-shot lm-eval multiple-choice task's items as {"context", "choices", "answer"}: the context,
+    choices and target lm-eval itself builds (its fewshot_context with no shots)."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=include, include_defaults=include is None, verbosity="ERROR")
+    if name not in manager.all_tasks:
+        raise UserError(f"--eval-tasks {name}: neither a task file nor an lm-eval task name "
+                        "(`lm_eval ls tasks` lists them)")
+    try:
+        task = get_task_dict([name], manager)[name]
+        docs = list(task.eval_docs) if hasattr(task, "eval_docs") else None
+    except Exception as error:  # noqa: BLE001 - datasets fails many ways: offline, gated, missing, a bad config
+        raise UserError(f"--eval-tasks {name}: its dataset did not load ({type(error).__name__}: {error})") from None
+    if docs is None or task.OUTPUT_TYPE != "multiple_choice" or task.config.target_delimiter != " ":
+        raise UserError(f"--eval-tasks {name}: not one multiple-choice task whose choice follows the context "
+                        "after a space (a group, another output type or delimiter); the loop scores those, "
+                        "`report.py evaluate` scores the rest")
+    items = []
+    for doc in docs:
+        context, choices, target = task.fewshot_context(doc, 0), task.doc_to_choice(doc), task.doc_to_target(doc)
+        if not isinstance(context, str) or isinstance(target, list):
+            raise UserError(f"--eval-tasks {name}: items with several contexts or answers are not scored in the "
+                            "loop (`report.py evaluate` scores them)")
+        answer = choices.index(target) if isinstance(target, str) else int(target)
+        items.append({"context": context, "choices": list(choices), "answer": answer})
+    return items
+
+
+def load_loop_tasks(value: str, limit: int, kept: Path | None) -> list[LoopTask]:
+    """--eval-tasks: its multiple-choice files, folders, lm-eval task YAML files and names, each cut to `limit`
+    items (0: all) by seeded_subsample. An lm-eval task's items are read once and kept in `kept`/NAME.jsonl
+    (RUN/eval_tasks), so a resumed run scores the same items without reaching the dataset again."""
+    tasks = []
+    for task in resolve_tasks([value]):
+        if task["kind"] == "exact":
+            raise UserError(f"--eval-tasks {task['path']}: an exact-match task (greedy replies) is scored by "
+                            "`report.py evaluate`; the loop scores multiple-choice tasks")
+        if task["kind"] == "choice":
+            items = read_choice_items(Path(task["path"]))
+        else:
+            items = kept_lm_eval_items(task, kept)
+        pick = seeded_subsample(len(items), limit or None)
+        chosen = items if pick is None else [items[index] for index in pick]
+        tasks.append(LoopTask(task["name"], task["path"] or "lm-eval", tuple(chosen)))
+    return tasks
+
+
+def kept_lm_eval_items(task: dict, kept: Path | None) -> list[dict]:
+    """An lm-eval task's items, from `kept`/NAME.jsonl when an earlier session read them."""
+    path = None if kept is None else kept / f"{task['name']}.jsonl"
+    if path is not None and path.is_file():
+        return read_choice_items(path)
+    items = lm_eval_items(task["name"], task.get("include"))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
+    return items
+
+
+def encode_pair(context: str, continuation: str, encode, prefix_id: int) -> tuple[list[int], list[int]]:
+    """(context tokens, continuation tokens) as lm-eval's HFLM makes them: the context's trailing spaces
+    move to the continuation, the two are encoded together and split where the context alone ends;
+    an empty context is the prefix token (BOS)."""
+    if not context:
+        tokens = encode(continuation)
+        return ([prefix_id], tokens) if tokens[:1] != [prefix_id] else (tokens[:1], tokens[1:])
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, context_tokens = encode(context + continuation), encode(context)
+    return context_tokens, whole[len(context_tokens):]
+
+
+def choice_rows(items: Sequence[dict], encode, prefix_id: int, max_length: int) -> list[tuple[list[int], int]]:
+    """One (input tokens, continuation length) per choice of each item, in order: the context and the
+    choice after one space, cut from the left to max_length + 1 tokens, the last one only a target (HFLM)."""
+    rows = []
+    for item in items:
+        for choice in item["choices"]:
+            context, continuation = encode_pair(item["context"], " " + choice, encode, prefix_id)
+            rows.append(((context + continuation)[-(max_length + 1):], len(continuation)))
+    return rows
+
+
+def choice_counts(items: Sequence[dict], log_likelihoods: Sequence[float]) -> list[float]:
+    """[acc, acc_norm, acc_bytes right answers, items] of `items` given each choice's summed log-likelihood
+    (in choice_rows' order): the highest sum, per character and per UTF-8 byte of the choice (lm-eval's
+    definitions; ties go to the first choice, as numpy's argmax does)."""
+    counts, at = [0.0, 0.0, 0.0, float(len(items))], 0
+    for item in items:
+        choices = item["choices"]
+        sums = log_likelihoods[at:at + len(choices)]
+        at += len(choices)
+        for slot, length in enumerate((lambda choice: 1, len, lambda choice: len(choice.encode("utf-8")))):
+            scores = [value / length(choice) for value, choice in zip(sums, choices)]
+            counts[slot] += scores.index(max(scores)) == item["answer"]
+    return counts
+
+
+def loop_scores(tasks: Sequence[LoopTask], counts: Sequence[Sequence[float]]) -> dict[str, dict]:
+    """{name: {acc, acc_norm, acc_bytes, n, chance}} from each task's choice_counts summed over the ranks."""
+    scores = {}
+    for task, (acc, acc_norm, acc_bytes, n) in zip(tasks, counts):
+        scores[task.name] = {"acc": acc / n, "acc_norm": acc_norm / n, "acc_bytes": acc_bytes / n, "n": int(n),
+                             "chance": task.chance}
+    return scores

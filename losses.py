@@ -124,3 +124,41 @@ class LanguageModelLoss(torch.nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         return language_model_loss(self.model, inputs, targets, reduction, segments=segments)
+
+
+@torch.no_grad()
+def continuation_log_likelihoods(model: torch.nn.Module, rows: list[tuple[list[int], int]], device: torch.device,
+                                 token_budget: int) -> list[float]:
+    """Each row's summed log-probability of its last `n` tokens given the tokens before them, for rows
+    (tokens, n) as evaluation.choice_rows makes them: the longest first, in batches of at most
+    `token_budget` tokens, padded on the right (causal attention: no real position sees the padding).
+    The LM head runs in the autocast dtype and the log-softmax in fp32, as language_model_loss does."""
+    order = sorted(range(len(rows)), key=lambda index: -len(rows[index][0]))
+    weight = model.lm_head.weight
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+    sums = [0.0] * len(rows)
+    start = 0
+    while start < len(order):
+        width = max(1, len(rows[order[start]][0]) - 1)
+        batch = order[start:start + max(1, token_budget // width)]
+        start += len(batch)
+        inputs = torch.zeros(len(batch), width, dtype=torch.long)
+        picked, targets, owners = [], [], []
+        for row, index in enumerate(batch):
+            tokens, count = rows[index]
+            length = len(tokens) - 1
+            count = min(count, length)
+            inputs[row, :length] = torch.tensor(tokens[:-1])
+            picked.extend(row * width + position for position in range(length - count, length))
+            targets.extend(tokens[-count:])
+            owners.extend([row] * count)
+        hidden = model.model(input_ids=inputs.to(device)).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.size(-1))[torch.tensor(picked, device=device)]
+        with torch.autocast(device.type, enabled=False):
+            logits = (hidden.to(dtype) @ weight.to(dtype).t()).float()
+        chosen = logits.log_softmax(-1).gather(1, torch.tensor(targets, device=device)[:, None]).squeeze(1)
+        totals = torch.zeros(len(batch), dtype=torch.float64, device=device)
+        totals.index_add_(0, torch.tensor(owners, device=device), chosen.double())
+        for row, index in enumerate(batch):
+            sums[index] = float(totals[row])
+    return sums

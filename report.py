@@ -245,7 +245,8 @@ LR_SERIES = {"muon_lr": "Muon lr (hidden matrices)", "adamw_lr": "AdamW lr (embe
 
 
 def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike, title: str = "tinyllm") -> bool:
-    """Draw train and validation loss against tokens seen, the learning rate on a second axis.
+    """Draw train and validation loss against tokens seen, the learning rate on a second axis; below
+    them, a panel with the --eval-tasks accuracies when the run scores any.
 
     Uses matplotlib's Agg canvas directly (no display, no pyplot state) and replaces `out_png`
     atomically. Returns False, writing nothing, when there is no loss to draw yet.
@@ -262,15 +263,21 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     if not train_loss and not val_loss:
         return False
 
-    figure = Figure(figsize=(9, 5), dpi=110, layout="constrained")
+    tasks = [record for record in records if record.get("kind") == "tasks"]
+    figure = Figure(figsize=(9, 7.5 if tasks else 5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
+    axes, task_axes = figure.subplots(2, 1, sharex=True, height_ratios=(2, 1)) if tasks else (figure.add_subplot(),
+                                                                                            None)
     _plot_losses(axes, (train_x, train_loss), (val_x, val_loss), (test_x, test_loss))
     handles, labels = axes.get_legend_handles_labels()
     if learning_rates:
         extra_handles, extra_labels = _plot_learning_rates(axes, learning_rates)
         handles, labels = handles + extra_handles, labels + extra_labels
-    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize="small", frameon=False)
+    if task_axes is not None:
+        _plot_task_scores(task_axes, tasks)
+        axes.set_xlabel("")
+    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels) if len(labels) <= 4 else 3,
+                  fontsize="small", frameon=False)
     last = records[-1]
     figure.suptitle(f"{title}: step {last['step']:,}, {human_count(last.get('tokens', 0))} tokens")
 
@@ -305,6 +312,26 @@ def _plot_losses(axes, train: tuple, validation: tuple, test: tuple) -> None:
     axes.set_ylabel("loss (nats per token)")
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: human_count(value)))
     axes.grid(alpha=0.3)
+
+
+def _plot_task_scores(axes, records: list[dict]) -> None:
+    """Each --eval-tasks task's acc (solid) and acc_norm (dotted) against tokens seen, its chance dashed."""
+    from matplotlib.ticker import FuncFormatter
+
+    names = list(dict.fromkeys(name for record in records for name in task_scores(record)))
+    for name, color in zip(names, [f"C{index}" for index in range(10)] * (len(names) // 10 + 1)):
+        for metric, style in (("acc", "o-"), ("acc_norm", "s:")):
+            xs, ys = _series(records, "tasks", f"{name}/{metric}")
+            axes.plot(xs, ys, style, color=color, markersize=4, linewidth=1.5, label=f"{name} {metric}")
+        chance = _series(records, "tasks", f"{name}/chance")[1]
+        if chance:
+            axes.axhline(chance[-1], color=color, linestyle="--", linewidth=0.8, alpha=0.6)
+    axes.set_ylabel("accuracy (dashed: chance)")
+    axes.set_xlabel("tokens seen")
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: human_count(value)))
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="x-small", ncols=min(4, 2 * len(names)), loc="lower right")
 
 
 def _plot_learning_rates(axes, learning_rates: dict) -> tuple[list, list]:
@@ -575,6 +602,16 @@ class MetricsLog:
         if rows:
             self.write("samples", step=written.get("step"), samples=rows)
 
+    def restore(self, records: Sequence[dict], kind: str) -> None:
+        """Write back the `kind` records (a checkpoint's history) that metrics.jsonl lost, e.g. a run whose
+        files were not restored with its checkpoint, so its curves go on from where they were."""
+        if not self.enabled:
+            return
+        present = {record["step"] for record in read_metrics(self.path) if record.get("kind") == kind}
+        for record in records:
+            if record["step"] not in present:
+                self.write(kind, **record)
+
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (a resumed run logs those steps again); the sinks rewind to the rest."""
         if not self.enabled:
@@ -601,23 +638,44 @@ class MetricsLog:
 
 
 class RunMetrics:
-    """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained."""
+    """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained,
+    and every --eval-tasks record (metrics.jsonl's "tasks" records: a resumed run's curve goes on)."""
 
     def __init__(self):
         self.best_val_loss = math.inf
         self.best_step = 0
         self.last_eval: dict | None = None
         self.train_seconds = 0.0
+        self.task_history: list[dict] = []
 
     def state_dict(self) -> dict:
-        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step,
-                "last_eval": self.last_eval, "train_seconds": self.train_seconds}
+        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step, "last_eval": self.last_eval,
+                "train_seconds": self.train_seconds, "task_history": self.task_history}
 
     def load_state_dict(self, state: dict) -> None:
         self.best_val_loss = float(state["best_val_loss"])
         self.best_step = int(state["best_step"])
         self.last_eval = state["last_eval"]
         self.train_seconds = float(state["train_seconds"])
+        self.task_history = list(state["task_history"])
+
+
+TASK_METRICS = ("acc", "acc_norm", "acc_bytes", "n", "chance")  # a "tasks" record's fields: NAME/acc, ...
+
+
+def task_fields(scores: dict[str, dict]) -> dict[str, float]:
+    """evaluation.loop_scores as "tasks" record fields: `NAME/acc`, `NAME/acc_norm`, ... (trackers: tasks/NAME/acc)."""
+    return {f"{name}/{metric}": values[metric] for name, values in scores.items() for metric in TASK_METRICS}
+
+
+def task_scores(record: dict) -> dict[str, dict]:
+    """A "tasks" record's fields back as {NAME: {acc, acc_norm, acc_bytes, n, chance}}."""
+    scores: dict[str, dict] = {}
+    for key, value in record.items():
+        name, _, metric = key.rpartition("/")
+        if name and metric in TASK_METRICS:
+            scores.setdefault(name, {})[metric] = value
+    return scores
 
 
 def last_train_loss(out: Path) -> float | None:
@@ -686,6 +744,8 @@ def final_line(out: Path, status: str, record: dict) -> str:
         line += f" | validation loss {record['validation']['loss']:.4f} (no test split)"
     elif record.get("train_loss") is not None:
         line += f" | train loss {record['train_loss']:.4f} (no held-out split)"
+    for name, scores in (record.get("tasks") or {}).items():
+        line += f" | {name} acc {scores['acc']:.3f} (chance {scores['chance']:.3f})"
     if record.get("task_accuracy"):
         line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
     if record.get("model_files"):

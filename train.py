@@ -46,6 +46,7 @@ import checkpoint_cloud
 import checkpoint_store as store
 import data
 import distributed
+import evaluation
 import hardware
 import losses
 import model_config
@@ -224,6 +225,14 @@ class SessionSettings:
     eval_every: int | None = option(None, "validation every N steps (0: only at the end; None: a fifth of the run, "
                                           "at most 250 steps, so a short run shows a validation curve too)", SAVING,
                                     checks=(not_negative,))
+    eval_tasks: str = option("", "also score these multiple-choice tasks during training, comma-separated: "
+                                 "{context, choices, answer} JSONL files or folders, lm-eval task YAML files or "
+                                 "lm-eval task names (docs/evaluation.md#in-the-loop)", SAVING, metavar="TASKS")
+    eval_tasks_every: int | None = option(None, "score --eval-tasks every N steps (0: only at the end; None: with "
+                                                "each validation)", SAVING, checks=(not_negative,))
+    eval_tasks_limit: int = option(evaluation.DEFAULT_LOOP_LIMIT, "items per --eval-tasks task (a seeded, fixed "
+                                                                 "subsample; 0: all)", SAVING,
+                                   checks=(not_negative,))
     log_every: int = option(10, "progress line and metrics every N steps", SAVING, checks=(positive,))
     max_hours: float = option(0, "stop (saved, resumable) early enough to save before this budget (0: no limit)",
                               STOPPING, checks=(finite, not_negative))
@@ -738,6 +747,7 @@ class Training:
         self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
                                                            hardware.wrap_order(session.compile, info.world))
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
+        self.eval_tasks: list[TaskShare] = []  # --eval-tasks, read by start_training
 
     @property
     def device(self) -> torch.device:
@@ -950,6 +960,50 @@ def eval_result(totals: torch.Tensor) -> dict | None:
     bits_per_byte = nats / math.log(2) / text_bytes if text_bytes else None  # None: only special tokens
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens),
             "bits_per_byte": bits_per_byte, "bytes": int(text_bytes)}
+
+
+@dataclass(frozen=True)
+class TaskShare:
+    """This rank's share of an --eval-tasks task: its items and their token rows (evaluation.choice_rows)."""
+
+    task: evaluation.LoopTask
+    items: tuple[dict, ...]
+    rows: list[tuple[list[int], int]]
+
+
+def eval_task_shares(training: Training) -> list[TaskShare]:
+    """--eval-tasks read once (rank 0 reads and keeps lm-eval's items in RUN/eval_tasks), every rank
+    taking every world-th item of each task, encoded as lm-eval's HFLM encodes them."""
+    session, info = training.session, training.info
+    if not session.eval_tasks:
+        return []
+    kept = Path(session.out) / evaluation.LOOP_TASKS_DIR
+    tasks = distributed.main_decides(lambda: evaluation.load_loop_tasks(session.eval_tasks, session.eval_tasks_limit,
+                                                                       kept), info)
+    tokenizer = data.load_tokenizer(training.corpus)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    shares = []
+    for task in tasks:
+        items = task.items[info.rank::info.world]
+        shares.append(TaskShare(task, items, evaluation.choice_rows(items, encode, tokenizer.bos_token_id,
+                                                                    training.context)))
+    return shares
+
+
+def score_eval_tasks(training: Training) -> dict[str, dict]:
+    """Every --eval-tasks task scored on the model as it is now, each rank its share, summed over the
+    ranks. Reads no data and no random numbers: the training goes on exactly as without it."""
+    training.model.eval()
+    counts = []
+    with training.autocast(), training.sdpa_context():
+        for share in training.eval_tasks:
+            log_likelihoods = losses.continuation_log_likelihoods(
+                training.model, share.rows, training.device, training.session.batch_size * training.context)
+            counts.append(evaluation.choice_counts(share.items, log_likelihoods))
+    training.model.train()
+    totals = distributed.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=training.device),
+                                        training.info)
+    return evaluation.loop_scores([share.task for share in training.eval_tasks], totals.tolist())
 
 
 def recorded_settings(training: Training) -> dict:
@@ -1178,6 +1232,7 @@ def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path)
     """The Training, resumed from the checkpoint --resume names or initialized from --init-from."""
     invocation, out = settings.invocation, Path(settings.session.out)
     training = build_training(settings, info, corpus=corpus)
+    training.eval_tasks = eval_task_shares(training)
     resume_path = distributed.main_decides(lambda: tidy_and_find_resume_checkpoint(out, invocation.resume), info)
     if resume_path is not None:
         training.load(store.load_checkpoint_file(resume_path), resume_path)
@@ -1207,6 +1262,7 @@ def write_run_files(training: Training, settings: Settings, checkpointer: store.
     if resume_path is not None:
         checkpointer.start_timeline(resume_path, training.step)
     metrics.truncate_after(training.step)
+    metrics.restore(training.metrics.task_history, "tasks")
     atomic_write_text(out / "config.toml", config_text(settings))
     atomic_write_json(out / "training_settings.json", {**recorded_settings(training), "run_id": training.run_id,
                                                        "parameters": model_config.parameter_count(
@@ -1250,6 +1306,42 @@ def default_eval_every(total_steps: int) -> int:
     return max(1, min(250, total_steps // 5))
 
 
+TASKS_COST_SHARE = 0.05  # --eval-tasks-every's default keeps the scoring to about this share of the training
+
+
+def default_tasks_every(validation_every: int, total_steps: int, task_tokens: int, step_tokens: int) -> int:
+    """--eval-tasks-every's default: the validation's cadence, or the smallest multiple of it at which
+    scoring the tasks costs at most TASKS_COST_SHARE of the training in between, counting a scored
+    token (a forward) as a third of a trained one (forward and backward); 0, only at the end, when no
+    multiple within the run fits. `task_tokens` and `step_tokens` are one rank's."""
+    if validation_every == 0:
+        return 0
+    needed = task_tokens / (3 * TASKS_COST_SHARE * step_tokens)
+    every = validation_every * max(1, math.ceil(needed / validation_every))
+    return every if every < total_steps else 0
+
+
+def evaluation_cadence(training: Training) -> tuple[int, int | None]:
+    """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
+    session = training.session
+    validation_every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
+    if not training.eval_tasks:
+        return validation_every, None
+    if session.eval_tasks_every is not None:
+        return validation_every, session.eval_tasks_every
+    task_tokens = sum(len(tokens) for share in training.eval_tasks for tokens, _ in share.rows)
+    return validation_every, default_tasks_every(validation_every, training.total_steps, task_tokens,
+                                                 training.tokens_per_step // training.info.world)
+
+
+def evaluations_due(step: int, total_steps: int, validation_every: int, tasks_every: int | None) -> tuple[bool, bool]:
+    """(validate, score the --eval-tasks) after `step`: each every N steps (0: only at the end), both at the
+    last step; tasks_every None: there are none."""
+    validate, score = ((every is not None and ((every > 0 and step % every == 0) or step == total_steps))
+                       for every in (validation_every, tasks_every))
+    return validate, score
+
+
 def train_loop(training: Training, checkpointer: store.Checkpointer | None, metrics: report.MetricsLog,
                status: store.RunStatus, stop: StopRequest, peak: float | None, process_started: float,
                progress: report.Progress) -> tuple[str, str | None]:
@@ -1260,6 +1352,7 @@ def train_loop(training: Training, checkpointer: store.Checkpointer | None, metr
     if no_step is not None:
         return no_step
     clocks = SessionClocks(process_started)
+    cadence = evaluation_cadence(training)
     flags = StepFlags(training.total_steps, session.save_every, session.save_seconds, session.max_hours,
                       session.stop_after_steps)
     while training.step < training.total_steps:
@@ -1275,7 +1368,7 @@ def train_loop(training: Training, checkpointer: store.Checkpointer | None, metr
         logged = result.step % session.log_every == 0 or result.step in (1, training.total_steps)
         if logged:
             log_train_step(training, metrics, status, result, tokens_per_second, mfu)
-        best = validate_if_due(training, metrics, progress, clocks)
+        best = evaluate_if_due(training, metrics, progress, clocks, cadence)
         clock = agree_clock(clocks.read(stop, checkpointer), training.info)
         end = plan_step_end(result.step, clock, dataclasses.replace(flags, new_best=best is not None))
         if end.save:
@@ -1316,15 +1409,18 @@ def step_throughput(training: Training, result: StepResult, peak: float | None) 
     return peak, tokens_per_second, mfu
 
 
-def validate_if_due(training: Training, metrics: report.MetricsLog, progress: report.Progress,
-                    clocks: SessionClocks) -> float | None:
-    """Validation every --eval-every steps and at the last; returns the loss when it is a new best."""
-    session, step = training.session, training.step
-    every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
-    if not ((every and step % every == 0) or step == training.total_steps):
+def evaluate_if_due(training: Training, metrics: report.MetricsLog, progress: report.Progress,
+                    clocks: SessionClocks, cadence: tuple[int, int | None]) -> float | None:
+    """Validation and the --eval-tasks when due (evaluations_due at evaluation_cadence); returns the
+    validation loss when it is a new best."""
+    session = training.session
+    validate, score = evaluations_due(training.step, training.total_steps, *cadence)
+    if not (validate or score):
         return None
     started = time.monotonic()
-    best = run_validation(training, metrics, progress)
+    best = run_validation(training, metrics, progress) if validate else None
+    if score:
+        run_eval_tasks(training, metrics, progress)
     if training.info.is_main and session.report:
         report.draw_loss_curve(Path(session.out), progress)
     clocks.evaluated(time.monotonic() - started)
@@ -1363,6 +1459,19 @@ def run_validation(training: Training, metrics: report.MetricsLog, progress: rep
         training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
         return result["loss"]
     return None
+
+
+def run_eval_tasks(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> None:
+    """The --eval-tasks scores now: a "tasks" record in metrics.jsonl (and the checkpoints' history), one line."""
+    started = time.monotonic()
+    scores = score_eval_tasks(training)
+    record = {"step": training.step, "tokens": training.step * training.tokens_per_step,
+              **report.task_fields(scores), "seconds": time.monotonic() - started}
+    training.metrics.task_history.append(record)
+    metrics.write("tasks", **record)
+    progress.write(f"step {training.step}: " + "; ".join(
+        f"{name} acc {value['acc']:.3f}, acc_norm {value['acc_norm']:.3f} (n {value['n']}, chance "
+        f"{value['chance']:.3f})" for name, value in scores.items()))
 
 
 def source_results(prefix: str, result: dict) -> dict:
@@ -1783,6 +1892,7 @@ def final_record(training: Training, out: Path, reason: str | None, test: dict |
         "test": test,
         "test_loss": test["loss"] if test else None,
         "train_loss": report.last_train_loss(out),
+        "tasks": report.task_scores(training.metrics.task_history[-1]) if training.metrics.task_history else None,
         "backup_complete": None,  # null until the upload wait ends (or with no backup)
     }
 

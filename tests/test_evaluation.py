@@ -9,6 +9,7 @@ import torch
 
 import data
 import evaluation
+import losses
 import model_config
 import report
 from common import UserError
@@ -162,3 +163,94 @@ def test_evaluate_gives_lm_evals_own_numbers_and_the_hand_computed_ones(exported
     assert limited["acc"] == pytest.approx(hand_scores(model_dir, [items[i] for i in pick])["acc"], abs=1e-4)
     with pytest.raises(UserError, match="no_such_task"):
         report.main(["evaluate", str(model_dir), "--tasks", "no_such_task"])
+
+
+# ----------------------------------------------------------------------------------------------
+# In the loop (train.py --eval-tasks): the same conventions scored on the model itself.
+
+
+def loop_log_likelihoods(model_dir, items, token_budget: int) -> list[float]:
+    """evaluation.choice_rows + losses.continuation_log_likelihoods on an exported model, as train.py scores."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = evaluation.choice_rows(items, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                  tokenizer.bos_token_id, model.config.max_position_embeddings)
+    return losses.continuation_log_likelihoods(model, rows, torch.device("cpu"), token_budget)
+
+
+def test_encode_pair_moves_trailing_spaces_and_prefixes_an_empty_context():
+    encode = lambda text: [ord(character) for character in text]  # noqa: E731 (one token per character)
+    assert evaluation.encode_pair("ab ", "c", encode, 1) == ([97, 98], [32, 99])
+    assert evaluation.encode_pair("ab", " c", encode, 1) == ([97, 98], [32, 99])
+    assert evaluation.encode_pair("", " c", encode, 1) == ([1], [32, 99])
+    assert evaluation.encode_pair("", "\x01c", encode, 1) == ([1], [99])  # starts with the prefix already
+    rows = evaluation.choice_rows([{"context": "abcdef", "choices": ["x", "yz"], "answer": 0}], encode, 1, 4)
+    assert rows == [([100, 101, 102, 32, 120], 2), ([101, 102, 32, 121, 122], 3)]  # cut to max_length + 1
+
+
+def test_choice_counts_score_by_sum_by_character_and_by_byte():
+    items = [{"choices": ["a", "bbbb"], "answer": 1}, {"choices": ["é", "ab"], "answer": 0},
+             {"choices": ["x", "y", "z"], "answer": 2}]
+    # item 1: sums pick a, per character bbbb; item 2: per character "é" (-1.5 over 1) loses to "ab"
+    # (-2 over 2), per byte it wins (-1.5 over 2 bytes); item 3: a tie goes to the first choice
+    counts = evaluation.choice_counts(items, [-1.0, -2.0, -1.5, -2.0, -1.0, -1.0, -1.0])
+    assert counts == [1.0, 1.0, 2.0, 3.0]
+    tasks = [evaluation.LoopTask("t", "file", tuple(items))]
+    assert evaluation.loop_scores(tasks, [counts]) == {"t": {"acc": 1 / 3, "acc_norm": 1 / 3, "acc_bytes": 2 / 3,
+                                                              "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}}
+
+
+@pytest.mark.slow
+def test_the_loops_log_likelihoods_and_scores_are_lm_evals(exported):
+    """The scorer train.py runs in the loop gives lm-eval's HFLM log-likelihoods (to 1e-4), also for an
+    empty context, a context ending in a space and one longer than the model's context (cut from the
+    left), in batches padded on the right; and so lm-eval's acc and acc_norm."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model_dir, items_file, items = exported
+    edge = [{"context": "", "choices": ["the cat", "blue sky"], "answer": 0},
+            {"context": "the cat sat on ", "choices": ["the mat", "a dog"], "answer": 0},
+            {"context": " ".join(WORDS * 30), "choices": ["one two", "ran far in the park"], "answer": 1}]
+    requests = [(item["context"], " " + choice) for item in items + edge for choice in item["choices"]]
+    hflm = HFLM(pretrained=str(model_dir), device="cpu", batch_size=5)
+    expected = [value for value, _ in hflm.loglikelihood(
+        [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(requests)], disable_tqdm=True)]
+    ours = loop_log_likelihoods(model_dir, items + edge, token_budget=300)
+    assert len(ours) == len(expected) and max(abs(a - b) for a, b in zip(ours, expected)) < 1e-4
+    assert len({round(value, 3) for value in ours}) > len(ours) // 2  # the model tells the choices apart
+
+    lm_eval_scores, _ = evaluation.lm_eval_scores(str(model_dir), evaluation.resolve_tasks([str(items_file)]),
+                                                  None, 8, "cpu", evaluation.DEFAULT_SEED)
+    counts = evaluation.choice_counts(items, loop_log_likelihoods(model_dir, items, token_budget=10_000))
+    loop = evaluation.loop_scores([evaluation.LoopTask("local_words", str(items_file), tuple(items))], [counts])
+    for metric in ("acc", "acc_norm", "acc_bytes"):
+        assert loop["local_words"][metric] == pytest.approx(lm_eval_scores["local_words"][metric], abs=1e-4)
+
+
+def test_loop_tasks_from_files_and_lm_eval_yaml_are_cut_and_kept(exported, tmp_path):
+    """--eval-tasks: a JSONL file as it is; an lm-eval task YAML read through lm-eval once and kept in
+    RUN/eval_tasks (a resume reads it there, even without the dataset); --eval-tasks-limit subsamples."""
+    _, items_file, items = exported
+    yaml_file = tmp_path / "mine.yaml"
+    yaml_file.write_text(evaluation.task_yaml("mine", str(items_file)))
+    kept = tmp_path / "run" / evaluation.LOOP_TASKS_DIR
+    tasks = evaluation.load_loop_tasks(f"{items_file},{yaml_file}", 0, kept)
+    assert [(task.name, len(task.items)) for task in tasks] == [("local_words", 24), ("mine", 24)]
+    assert list(tasks[0].items) == items and list(tasks[1].items) == items  # lm-eval's view of the same items
+    assert evaluation.read_choice_items(kept / "mine.jsonl") == items
+    items_file.rename(tmp_path / "gone.jsonl")  # the dataset is gone: the kept items are scored
+    try:
+        again = evaluation.load_loop_tasks(str(yaml_file), 10, kept)
+    finally:
+        (tmp_path / "gone.jsonl").rename(items_file)
+    pick = evaluation.seeded_subsample(24, 10)
+    assert list(again[0].items) == [items[index] for index in pick]
+    (tmp_path / "sums.jsonl").write_text('{"prompt": "What is 1 plus 2?", "answer": "3"}\n')
+    with pytest.raises(UserError, match="exact-match task .* scored by `report.py evaluate`"):
+        evaluation.load_loop_tasks(str(tmp_path / "sums.jsonl"), 0, kept)
+    (tmp_path / "bad.yaml").write_text("dataset_path: json\n")
+    with pytest.raises(UserError, match=r"bad.yaml: an lm-eval task YAML needs a `task: NAME` line"):
+        evaluation.load_loop_tasks(str(tmp_path / "bad.yaml"), 0, kept)

@@ -210,6 +210,36 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
     assert drawn["AdamW lr (embeddings, norms; all under adamw)"] == (
         tokens + [61 * 512], [line["adamw_lr"] for line in train] + [1e-3])
     assert drawn["Muon lr (hidden matrices)"] == (tokens + [61 * 512], [line["muon_lr"] for line in train] + [2e-2])
+    assert not any(label and " acc" in label for label in drawn)  # no --eval-tasks: no second panel
+
+
+def test_eval_task_scores_get_a_second_panel(tmp_path, monkeypatch):
+    """A run with --eval-tasks: below the losses, each task's acc and acc_norm against tokens seen, its
+    chance as a dashed line; the figure grows to hold the panel."""
+    from matplotlib.axes import Axes
+    from matplotlib.image import imread
+
+    drawn, lines_at = {}, []
+    plot, axhline = Axes.plot, Axes.axhline
+    monkeypatch.setattr(Axes, "plot", lambda self, x, y, *args, label=None, **kwargs: (
+        drawn.__setitem__(label, (list(x), list(y))), plot(self, x, y, *args, label=label, **kwargs))[1])
+    monkeypatch.setattr(Axes, "axhline", lambda self, y, *args, **kwargs: (
+        lines_at.append(y), axhline(self, y, *args, **kwargs))[1])
+    records = [{"kind": "train", "step": step, "tokens": 100 * step, "loss": 5.0 - step / 10} for step in range(1, 9)]
+    scores = {4: {"sums": (0.3, 0.35), "words": (0.5, 0.45)}, 8: {"sums": (0.6, 0.55), "words": (0.7, 0.75)}}
+    for step, by_task in scores.items():
+        fields = {f"{name}/{metric}": value for name, (acc, norm) in by_task.items()
+                  for metric, value in (("acc", acc), ("acc_norm", norm), ("acc_bytes", norm), ("n", 20))}
+        records.append({"kind": "tasks", "step": step, "tokens": 100 * step, **fields, "sums/chance": 0.25,
+                        "words/chance": 0.5})
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert report.plot_loss_curve(metrics, tmp_path / "curve.png") is True
+    assert drawn["sums acc"] == ([400, 800], [0.3, 0.6]) and drawn["sums acc_norm"] == ([400, 800], [0.35, 0.55])
+    assert drawn["words acc"] == ([400, 800], [0.5, 0.7]) and drawn["words acc_norm"] == ([400, 800], [0.45, 0.75])
+    assert lines_at == [0.25, 0.5]
+    height, width, _ = imread(tmp_path / "curve.png").shape
+    assert (width, height) == (990, 825)
 
 
 def test_tensorboard_logger_writes_the_scalars(tmp_path):

@@ -640,6 +640,25 @@ def test_max_hours_stops_resumably_before_the_budget(corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
+def sums_task(tmp_path_factory) -> Path:
+    """A multiple-choice task on the tiny corpus' sentences: 'a plus b is' and the right sum among 3 wrong."""
+    rng, lines = random.Random(7), []
+    for _ in range(30):
+        a, b = rng.randrange(100), rng.randrange(100)
+        choices = [f"{a + b + offset}." for offset in (0, *rng.sample([-10, -1, 1, 10, 11], 3))]
+        rng.shuffle(choices)
+        lines.append(json.dumps({"context": f"{a} plus {b} is", "choices": choices,
+                                 "answer": choices.index(f"{a + b}.")}) + "\n")
+    path = tmp_path_factory.mktemp("tasks") / "sums.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
+def task_records(out: Path) -> list[dict]:
+    return [record for record in report.read_metrics(out / "metrics.jsonl") if record["kind"] == "tasks"]
+
+
+@pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     """12 uninterrupted steps at world size 1, run in-process."""
     out = tmp_path_factory.mktemp("reference")
@@ -685,6 +704,55 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
         in result.stdout
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
+
+
+@pytest.mark.parametrize("step, total, validation_every, tasks_every, expected", [
+    (4, 12, 4, 4, (True, True)),
+    (5, 12, 4, 4, (False, False)),
+    (6, 12, 4, 3, (False, True)),       # each its own cadence
+    (8, 12, 4, 3, (True, False)),
+    (12, 12, 5, 0, (True, True)),       # both at the last step, even when off (0) by count
+    (5, 12, 0, 0, (False, False)),
+    (4, 12, 4, None, (True, False)),    # no tasks
+    (12, 12, 4, None, (True, False)),
+])
+def test_evaluations_due_table(step, total, validation_every, tasks_every, expected):
+    assert train.evaluations_due(step, total, validation_every, tasks_every) == expected
+
+
+@pytest.mark.parametrize("validation_every, total, task_tokens, step_tokens, expected", [
+    (250, 1400, 4096 * 15, 4096, 250),  # 15 steps' tokens scored cost 5 steps: 2% of 250 steps
+    (250, 1400, 4096 * 45, 4096, 500),  # cost 15 steps: 5% of 300 steps, so every second validation
+    (30, 150, 88_000, 4096, 0),         # a short run: only at its end
+    (4, 12, 960, 128, 0),
+    (4, 100, 960, 128, 52),             # 960 / (0.15 * 128) = 50 steps: the next multiple of 4
+    (0, 100, 10, 128, 0),               # validation only at the end: the tasks too
+])
+def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
+                                                              expected):
+    assert train.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
+
+
+def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, reference, sums_task, tmp_path):
+    """--eval-tasks on, stopped and resumed, ends bit for bit where the run without them ends; the scores
+    are in metrics.jsonl and the checkpoints, which give back the records metrics.jsonl lost."""
+    out = tmp_path / "run"
+    tasks = ("--eval-tasks", str(sums_task), "--eval-tasks-every", "4")
+    assert train.main(options(corpus, out, *tasks, "--stop-after-steps", "5")) == 0
+    assert [record["step"] for record in task_records(out)] == [4]
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(line for line in lines if '"tasks"' not in line))  # lost
+    assert train.main(options(corpus, out, *tasks, "--eval-tasks-limit", "20")) == 0
+    assert_same_state(final_state(out), final_state(reference))
+    assert train_losses(out) == train_losses(reference)
+    records = task_records(out)
+    assert [(record["step"], record["local_sums/n"]) for record in records] == [(4, 30), (8, 20), (12, 20)]
+    assert all(0 <= record["local_sums/acc"] <= 1 and record["local_sums/chance"] == 0.25 for record in records)
+    history = final_state(out)["metrics"]["task_history"]
+    assert [entry["step"] for entry in history] == [4, 8, 12] and history[-1]["local_sums/acc"] == \
+        records[-1]["local_sums/acc"]
+    assert f"local_sums acc {records[-1]['local_sums/acc']:.3f} (chance 0.250)" in \
+        report.final_line(out, "COMPLETE", status(out))
 
 
 def test_the_config_a_run_writes_starts_the_same_run_again(corpus, reference, tmp_path):
@@ -913,14 +981,16 @@ def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpus, reference, tmp_path):
+def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpus, reference, sums_task, tmp_path):
     full, split, moved = tmp_path / "full", tmp_path / "split", tmp_path / "moved"
     run_cli(options(corpus, full, "--batch-size", "1", "--report"), world=2)  # rank 1 waits for rank 0's report
     assert (full / "model" / "model.safetensors").is_file() and status(full)["model_files"]
-    run_cli(options(corpus, split, "--batch-size", "1", "--stop-after-steps", "6"), world=2)
+    tasks = ("--eval-tasks", str(sums_task), "--eval-tasks-every", "4")  # in the split run only: scored in shares
+    run_cli(options(corpus, split, "--batch-size", "1", "--stop-after-steps", "6", *tasks), world=2)
     shutil.copytree(split, moved)
-    run_cli(options(corpus, split, "--batch-size", "1", "--resume", "auto"), world=2)
+    run_cli(options(corpus, split, "--batch-size", "1", "--resume", "auto", *tasks), world=2)
     assert_same_state(final_state(split), final_state(full))
+    assert [(record["step"], record["local_sums/n"]) for record in task_records(split)] == [(4, 30), (8, 30), (12, 30)]
     assert len(final_state(full)["rng"]) == 2 and set(final_state(full)["optimizer"]) == {"muon", "adamw"}
     # the same global batch (1 x 2 accum x 2 ranks = 2 x 2 accum x 1 rank) continues in one process
     assert train.main(options(corpus, moved, "--batch-size", "2", "--resume", "auto")) == 0
