@@ -486,6 +486,41 @@ def apply_timeline(folder: Path, plan: TimelinePlan) -> None:
         (folder / LATEST).unlink(missing_ok=True)
 
 
+def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
+    """The checkpoint `--resume` asks for (store.plan_resume), changing nothing: None for a fresh start."""
+    return resume_checkpoint(out, resume, tidy=False)
+
+
+def tidy_and_find_resume_checkpoint(out: Path, resume: str) -> Path | None:
+    """find_resume_checkpoint for a training session, which holds the run folder's lock: the plan is
+    carried out first (what killed saves left is removed, damaged checkpoints are set aside)."""
+    return resume_checkpoint(out, resume, tidy=True)
+
+
+def resume_checkpoint(out: Path, resume: str, tidy: bool) -> Path | None:
+    """--resume's checkpoint in the run folder `out` by plan_resume; with `tidy` the plan is carried out."""
+    folder = out / CHECKPOINT_DIR
+    if resume not in ("auto", "none") and not Path(resume).is_file():
+        raise UserError(f"--resume {resume}: no such checkpoint file")
+    plan = plan_resume(list_folder(folder), resume)
+    if tidy:
+        if plan.delete:
+            say(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}")
+        apply_plan(folder, plan)
+    for message in plan.warnings:
+        say(message, warning=True)
+    if plan.error:
+        raise UserError(f"{folder} {plan.error}")
+    if resume not in ("auto", "none"):
+        path = Path(resume)
+        problem = file_mismatch(path)
+        if problem:
+            say(f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
+                "file, not against the record)", warning=True)
+        return path
+    return folder / plan.load if plan.load else None
+
+
 # Extending a run (more or fewer tokens on resume): sound only when every step already taken keeps
 # its learning rate, so the run is the one it would have been had it been planned this long.
 LENGTH_SETTINGS = ("total_steps", "target_tokens", "epochs", "recipe.total_steps", "recipe.decay_steps")

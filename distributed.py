@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
+import shutil
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -179,3 +183,28 @@ def data_parallel(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
         else {"broadcast_buffers": False}
     return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
+
+
+def python_command() -> str:
+    """`python` when that is this interpreter on PATH, else this interpreter's path (a venv's python
+    started by its path: the `python` on PATH may have no torch)."""
+    on_path = shutil.which("python")
+    if on_path and os.path.realpath(on_path) == os.path.realpath(sys.executable):
+        return "python"
+    return shlex.quote(sys.executable)
+
+
+def launch_command(info: DistInfo, script: Path, args: list[str]) -> str:
+    """The command that starts `script` with `args` on this layout again: python, or torchrun with the
+    nodes and processes per node of this run; the script as run from the current folder."""
+    script_path = script.resolve()
+    relative = os.path.relpath(script_path)
+    shown = shlex.quote(str(script_path) if relative.startswith("..") else relative)
+    if info.world == 1:
+        launcher = f"{python_command()} {shown}"
+    else:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
+        nodes = info.world // per_node
+        launcher = "torchrun " + (f"--nnodes={nodes} (with your rendezvous options) " if nodes > 1 else "") \
+            + f"--nproc_per_node={per_node} {shown}"
+    return " ".join([launcher, *map(shlex.quote, args)])

@@ -456,6 +456,31 @@ def choice_rows(items: Sequence[dict], encode, prefix_id: int, max_length: int) 
     return rows
 
 
+class LoopScorer:
+    """--eval-tasks on one rank: every world-th item of each task, encoded once as lm-eval's HFLM encodes
+    them (choice_rows), scored on demand on the model as it is (losses.continuation_log_likelihoods)."""
+
+    def __init__(self, tasks: Sequence[LoopTask], tokenizer, rank: int, world: int, max_length: int):
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        self.tasks = list(tasks)
+        self.shares = [task.items[rank::world] for task in self.tasks]
+        self.rows = [choice_rows(items, encode, tokenizer.bos_token_id, max_length) for items in self.shares]
+
+    @property
+    def tokens(self) -> int:
+        """The tokens this rank feeds the model per scoring."""
+        return sum(len(tokens) for rows in self.rows for tokens, _ in rows)
+
+    def counts(self, model, device, token_budget: int) -> list[list[float]]:
+        """choice_counts of this rank's share of each task (sum them over the ranks, then loop_scores)."""
+        import losses
+
+        return [choice_counts(items, losses.continuation_log_likelihoods(model, rows, device, token_budget))
+                for items, rows in zip(self.shares, self.rows)]
+
+
 def choice_counts(items: Sequence[dict], log_likelihoods: Sequence[float]) -> list[float]:
     """[acc, acc_norm, acc_bytes right answers, items] of `items` given each choice's summed log-likelihood
     (in choice_rows' order): the highest sum, per character and per UTF-8 byte of the choice (lm-eval's

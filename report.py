@@ -1342,6 +1342,43 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
     return hashes
 
 
+def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, device) -> None:
+    """`train.py --export-only`: OUT/model/ from `checkpoint` (read from `path`), trained on `corpus`; the card
+    takes the test loss run_status.json has for the same step, and the held-out accuracy is measured."""
+    import data
+    import model_config
+
+    recorded = checkpoint["settings"]
+    training = recorded["training"]
+    manifest = data.load_manifest(corpus)
+    tokenizer = data.load_tokenizer(corpus / "tokenizer")
+    if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
+        raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
+                        "pass that corpus with --data")
+    preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
+    model = model_config.build_model(preset, training["vocab_size"], manifest.get("special_tokens", {}))
+    model.load_state_dict(checkpoint["model"])
+    model.to(device).eval()
+    step, total = int(checkpoint["step"]), int(training["total_steps"])
+    status = store.COMPLETE if step >= total else store.NEEDS_RESUME
+    previous = read_json(out / "run_status.json") if (out / "run_status.json").is_file() else {}
+    test = previous.get("test") if previous.get("step") == step else None
+    accuracy = None
+    if (corpus / "eval").is_dir():
+        result = task_accuracy(model, tokenizer, corpus / "eval", device)
+        accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
+        say(accuracy_line(result))
+    info_card = card_info(out.name, status, training["preset"], step, total,
+                          step * int(training["tokens_per_step"]), recorded,
+                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
+                          usage_example_from(corpus, tokenizer))
+    with model_config.exportable(model):
+        model_files = export_hf_model(model, tokenizer, out / "model", info_card)
+    print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
+          + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
+          flush=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Publishing a finished run: the Hub, or any backup URL, with the same flat layout.
 

@@ -29,8 +29,6 @@ import hashlib
 import math
 import os
 import re
-import shlex
-import shutil
 import signal
 import sys
 import time
@@ -69,7 +67,6 @@ from common import (
     option_flag,
     os_error_text,
     positive,
-    read_json,
     remove_temporaries,
     run_main,
     say,
@@ -747,7 +744,7 @@ class Training:
         self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
                                                            hardware.wrap_order(session.compile, info.world))
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
-        self.eval_tasks: list[TaskShare] = []  # --eval-tasks, read by start_training
+        self.task_scorer: evaluation.LoopScorer | None = None  # --eval-tasks, read by start_training
 
     @property
     def device(self) -> torch.device:
@@ -962,48 +959,29 @@ def eval_result(totals: torch.Tensor) -> dict | None:
             "bits_per_byte": bits_per_byte, "bytes": int(text_bytes)}
 
 
-@dataclass(frozen=True)
-class TaskShare:
-    """This rank's share of an --eval-tasks task: its items and their token rows (evaluation.choice_rows)."""
-
-    task: evaluation.LoopTask
-    items: tuple[dict, ...]
-    rows: list[tuple[list[int], int]]
-
-
-def eval_task_shares(training: Training) -> list[TaskShare]:
-    """--eval-tasks read once (rank 0 reads and keeps lm-eval's items in RUN/eval_tasks), every rank
-    taking every world-th item of each task, encoded as lm-eval's HFLM encodes them."""
+def eval_task_scorer(training: Training) -> evaluation.LoopScorer | None:
+    """--eval-tasks, read once (rank 0 reads them and keeps lm-eval's items in RUN/eval_tasks), with this
+    rank's share of the items encoded; None without them."""
     session, info = training.session, training.info
     if not session.eval_tasks:
-        return []
+        return None
     kept = Path(session.out) / evaluation.LOOP_TASKS_DIR
     tasks = distributed.main_decides(lambda: evaluation.load_loop_tasks(session.eval_tasks, session.eval_tasks_limit,
                                                                        kept), info)
-    tokenizer = data.load_tokenizer(training.corpus)
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    shares = []
-    for task in tasks:
-        items = task.items[info.rank::info.world]
-        shares.append(TaskShare(task, items, evaluation.choice_rows(items, encode, tokenizer.bos_token_id,
-                                                                    training.context)))
-    return shares
+    return evaluation.LoopScorer(tasks, data.load_tokenizer(training.corpus), info.rank, info.world, training.context)
 
 
 def score_eval_tasks(training: Training) -> dict[str, dict]:
     """Every --eval-tasks task scored on the model as it is now, each rank its share, summed over the
     ranks. Reads no data and no random numbers: the training goes on exactly as without it."""
     training.model.eval()
-    counts = []
     with training.autocast(), training.sdpa_context():
-        for share in training.eval_tasks:
-            log_likelihoods = losses.continuation_log_likelihoods(
-                training.model, share.rows, training.device, training.session.batch_size * training.context)
-            counts.append(evaluation.choice_counts(share.items, log_likelihoods))
+        counts = training.task_scorer.counts(training.model, training.device,
+                                            training.session.batch_size * training.context)
     training.model.train()
     totals = distributed.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=training.device),
                                         training.info)
-    return evaluation.loop_scores([share.task for share in training.eval_tasks], totals.tolist())
+    return evaluation.loop_scores(training.task_scorer.tasks, totals.tolist())
 
 
 def recorded_settings(training: Training) -> dict:
@@ -1232,8 +1210,8 @@ def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path)
     """The Training, resumed from the checkpoint --resume names or initialized from --init-from."""
     invocation, out = settings.invocation, Path(settings.session.out)
     training = build_training(settings, info, corpus=corpus)
-    training.eval_tasks = eval_task_shares(training)
-    resume_path = distributed.main_decides(lambda: tidy_and_find_resume_checkpoint(out, invocation.resume), info)
+    training.task_scorer = eval_task_scorer(training)
+    resume_path = distributed.main_decides(lambda: store.tidy_and_find_resume_checkpoint(out, invocation.resume), info)
     if resume_path is not None:
         training.load(store.load_checkpoint_file(resume_path), resume_path)
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
@@ -1325,12 +1303,11 @@ def evaluation_cadence(training: Training) -> tuple[int, int | None]:
     """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
     session = training.session
     validation_every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
-    if not training.eval_tasks:
+    if training.task_scorer is None:
         return validation_every, None
     if session.eval_tasks_every is not None:
         return validation_every, session.eval_tasks_every
-    task_tokens = sum(len(tokens) for share in training.eval_tasks for tokens, _ in share.rows)
-    return validation_every, default_tasks_every(validation_every, training.total_steps, task_tokens,
+    return validation_every, default_tasks_every(validation_every, training.total_steps, training.task_scorer.tokens,
                                                  training.tokens_per_step // training.info.world)
 
 
@@ -1925,51 +1902,14 @@ def export_only(settings: Settings, info: distributed.DistInfo) -> int:
 def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
     """export_only's work, under the lock."""
     out = Path(settings.session.out)
-    path = find_resume_checkpoint(out, settings.invocation.resume)
+    path = store.find_resume_checkpoint(out, settings.invocation.resume)
     if path is None:
         raise UserError(f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
                         f"(none in {out / 'checkpoints'})")
     checkpoint = store.load_checkpoint_file(path)
-    recorded = checkpoint["settings"]
-    training = recorded["training"]
-    corpus = Path(recorded["runtime"]["data"]) if settings.invocation.demo else prepare_corpus(settings)
-    manifest = data.load_manifest(corpus)
-    tokenizer = data.load_tokenizer(corpus / "tokenizer")
-    if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
-        raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
-                        "pass that corpus with --data")
-    preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
-    model = model_config.build_model(preset, training["vocab_size"], manifest.get("special_tokens", {}))
-    model.load_state_dict(checkpoint["model"])
-    model.to(info.device).eval()
-    step, total = int(checkpoint["step"]), int(training["total_steps"])
-    status = store.COMPLETE if step >= total else store.NEEDS_RESUME
-    previous = read_json(out / "run_status.json") if (out / "run_status.json").is_file() else {}
-    test = previous.get("test") if previous.get("step") == step else None
-    accuracy = None
-    if (corpus / "eval").is_dir():
-        result = report.task_accuracy(model, tokenizer, corpus / "eval", info.device)
-        accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
-        say(report.accuracy_line(result))
-    info_card = report.card_info(out.name, status, training["preset"], step, total,
-                          step * int(training["tokens_per_step"]), recorded,
-                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
-                          report.usage_example_from(corpus, tokenizer))
-    with model_config.exportable(model):
-        model_files = report.export_hf_model(model, tokenizer, out / "model", info_card)
-    print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
-          + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
-          flush=True)
+    corpus = Path(checkpoint["settings"]["runtime"]["data"]) if settings.invocation.demo else prepare_corpus(settings)
+    report.export_checkpoint(checkpoint, path, out, corpus, info.device)
     return 0
-
-
-def python_command() -> str:
-    """`python` when that is this interpreter on PATH, else this interpreter's path (a venv's python
-    started by its path: the `python` on PATH may have no torch)."""
-    on_path = shutil.which("python")
-    if on_path and os.path.realpath(on_path) == os.path.realpath(sys.executable):
-        return "python"
-    return shlex.quote(sys.executable)
 
 
 def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) -> str:
@@ -1994,17 +1934,7 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
             continue
         if not item.startswith(("--resume=", "--stop-after-steps=")):
             kept.append(item)
-    script_path = Path(__file__).resolve()
-    relative = os.path.relpath(script_path)
-    script = shlex.quote(str(script_path) if relative.startswith("..") else relative)  # run from the current folder
-    if info.world == 1:
-        launcher = f"{python_command()} {script}"
-    else:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
-        nodes = info.world // per_node
-        launcher = "torchrun " + (f"--nnodes={nodes} (with your rendezvous options) " if nodes > 1 else "") \
-            + f"--nproc_per_node={per_node} {script}"
-    return " ".join([launcher, *map(shlex.quote, kept), "--resume", "auto"])
+    return distributed.launch_command(info, Path(__file__), [*kept, "--resume", "auto"])
 
 
 def shown_backup_url(url: str) -> str:
@@ -2022,40 +1952,6 @@ def log(info: distributed.DistInfo, message: str) -> None:
 
 def warn(message: str) -> None:
     say(message, warning=True)
-
-
-def find_resume_checkpoint(out: Path, resume: str) -> Path | None:
-    """The checkpoint `--resume` asks for (store.plan_resume), changing nothing: None for a fresh start."""
-    return resume_checkpoint(out, resume, tidy=False)
-
-
-def tidy_and_find_resume_checkpoint(out: Path, resume: str) -> Path | None:
-    """find_resume_checkpoint for a training session, which holds the run folder's lock: the plan is
-    carried out first (what killed saves left is removed, damaged checkpoints are set aside)."""
-    return resume_checkpoint(out, resume, tidy=True)
-
-
-def resume_checkpoint(out: Path, resume: str, tidy: bool) -> Path | None:
-    folder = out / "checkpoints"
-    if resume not in ("auto", "none") and not Path(resume).is_file():
-        raise UserError(f"--resume {resume}: no such checkpoint file")
-    plan = store.plan_resume(store.list_folder(folder), resume)
-    if tidy:
-        if plan.delete:
-            say(f"removed what interrupted saves left in {folder}: {', '.join(plan.delete)}")
-        store.apply_plan(folder, plan)
-    for message in plan.warnings:
-        warn(message)
-    if plan.error:
-        raise UserError(f"{folder} {plan.error}")
-    if resume not in ("auto", "none"):
-        path = Path(resume)
-        problem = store.file_mismatch(path)
-        if problem:
-            warn(f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
-                 "file, not against the record)")
-        return path
-    return folder / plan.load if plan.load else None
 
 
 def restore_from_backup(url: str, out: Path) -> Path | None:

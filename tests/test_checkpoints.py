@@ -50,7 +50,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_never_costs_a_good_one(corpus, re
     assert step_files(folder) == ["step-00000004.pt", "step-00000006.pt"]
     flip_byte(folder / "step-00000006.pt", 3000, 0xFF)
     # a look without the lock (--export-only) moves nothing
-    assert train.find_resume_checkpoint(out, "auto").name == "step-00000004.pt"
+    assert store.find_resume_checkpoint(out, "auto").name == "step-00000004.pt"
     assert (folder / "step-00000006.pt").is_file()
 
     capsys.readouterr()
@@ -86,7 +86,7 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
     rewind = ("--resume", str(folder / "step-00000004.pt"), "--stop-after-steps", "5")
     assert train.main(run_options(corpus, out, *keep, *rewind)) == 0
     # the checkpoint chosen on purpose stays; auto, latest.json and retention see the new timeline only
-    assert train.find_resume_checkpoint(out, "auto").name == "step-00000005.pt"
+    assert store.find_resume_checkpoint(out, "auto").name == "step-00000005.pt"
     assert step_files(folder) == ["step-00000004.pt", "step-00000005.pt"]
     assert json.loads((folder / "latest.json").read_text())["path"] == "step-00000005.pt"
     # the best was the abandoned step 8; step 4, resumed from, is this timeline's best (and kept by retention)
@@ -149,7 +149,7 @@ def test_resuming_another_runs_checkpoint_sets_this_folders_other_run_aside(corp
     assert {"step-00000004.pt", "step-00000006.pt", "step-00000008.pt"} <= set(
         os.listdir(run_b / "checkpoints" / "abandoned-00000004"))
     assert "abandoned-00000004" in capsys.readouterr().err
-    assert train.find_resume_checkpoint(run_b, "auto").name == "step-00000005.pt"
+    assert store.find_resume_checkpoint(run_b, "auto").name == "step-00000005.pt"
 
 
 def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_path, capsys):
@@ -204,7 +204,7 @@ def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkey
     monkeypatch.setattr(os, "replace", replace)
     # the record came first, so no checkpoint exists that nobody can verify
     assert step_files(folder) == ["step-00000001.pt"] and (folder / "step-00000002.pt.json").is_file()
-    assert train.tidy_and_find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
+    assert store.tidy_and_find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
     assert sorted(path.name for path in folder.iterdir()) == ["latest.json", "step-00000001.pt",
                                                                "step-00000001.pt.json"]
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import data
+import distributed
 import evaluation
 import model_config
 import report
@@ -219,7 +220,8 @@ def test_a_resumable_stop_exports_and_prints_the_continue_command(demo):
     run = work / "runs" / "stopped"
     record = status(run)
     assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and record["step"] == 10
-    expected = f"{train.python_command()} {ROOT / 'train.py'} " + " ".join(SHORT) + " --out runs/stopped --resume auto"
+    expected = (f"{distributed.python_command()} {ROOT / 'train.py'} " + " ".join(SHORT)
+                + " --out runs/stopped --resume auto")
     assert record["resume_command"] == expected
     assert result.stdout.strip().splitlines()[-1] == \
         f"CHECKPOINTED_NEEDS_RESUME: step 10/{STEPS} | stopped by --stop-after-steps 10 | continue with: {expected}"

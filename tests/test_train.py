@@ -438,18 +438,18 @@ def test_resume_auto_falls_back_past_a_corrupt_newest(tmp_path, flip_byte):
     for step in (1, 2, 3):
         saver.save({"step": step}, step)
     saver.close()
-    assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000003.pt"
+    assert store.find_resume_checkpoint(tmp_path, "auto").name == "step-00000003.pt"
     newest = folder / "step-00000003.pt"
     newest.write_bytes(newest.read_bytes()[:-7])
     second = folder / "step-00000002.pt"
     flip_byte(second, 40, 0xFF)
-    assert train.find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
+    assert store.find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
     with pytest.raises(UserError, match="already has checkpoints"):
-        train.find_resume_checkpoint(tmp_path, "none")
+        store.find_resume_checkpoint(tmp_path, "none")
     for path in folder.glob("step-*.pt"):
         path.write_bytes(b"broken")
     with pytest.raises(UserError, match="none verifies"):
-        train.find_resume_checkpoint(tmp_path, "auto")
+        store.find_resume_checkpoint(tmp_path, "auto")
 
 
 def test_settings_changes_list_each_change():
@@ -468,9 +468,9 @@ def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_th
     monkeypatch.chdir(tmp_path)
     script = str(ROOT / "train.py")  # outside the current folder: its absolute path
     single = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    monkeypatch.setattr(train.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(distributed.shutil, "which", lambda name: sys.executable)
     assert train.resume_command(single, ["--lr", "1"]) == f"python {script} --lr 1 --resume auto"
-    monkeypatch.setattr(train.shutil, "which", lambda name: "/usr/bin/python-without-torch")
+    monkeypatch.setattr(distributed.shutil, "which", lambda name: "/usr/bin/python-without-torch")
     assert train.resume_command(single, []) == f"{sys.executable} {script} --resume auto"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 processes
     four = distributed.DistInfo(rank=0, local_rank=0, world=4, device=torch.device("cpu"))
