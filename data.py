@@ -316,11 +316,12 @@ def verify_files(root: Path, manifest: dict) -> list[str]:
                 problems.append(f"{entry['name']}: the manifest lists no mask file for it")
         if sum(entry["tokens"] for entry in info["files"]) != info["tokens"]:
             problems.append(f"{split}: shard tokens do not add up to the split's {info['tokens']} tokens")
-        for part in [info] if "sources" not in info else info["sources"].values():
+        for label, part in ({None: info} if "sources" not in info else info["sources"]).items():
             if "document_index" in part:
                 problems.extend(verify_document_index(root, part))
             elif manifest.get("format_version", 0) >= 3 and part.get("documents"):
-                problems.append(f"{split}: the manifest lists no document index ({document_index_name(split)})")
+                stream = stream_key(split, label)  # a labelled source's index is {split}-{label}.docs
+                problems.append(f"{stream}: the manifest lists no document index ({document_index_name(stream)})")
     tokenizer_dir = root / TOKENIZER_DIR
     if not tokenizer_dir.is_dir():
         problems.append(f"{TOKENIZER_DIR}/: missing")

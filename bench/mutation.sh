@@ -6,8 +6,8 @@
 #   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
 #
 # mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
-# (~2 min) and runs, for each mutant of the functions below, only the tests of tests/test_core.py
-# and tests/test_store.py
+# (~2 min) and runs, for each mutant of the functions below, only the tests of tests/test_core.py,
+# tests/test_store.py and tests/test_loss.py
 # that call that function, each mutant forked from one warm process (torch is imported once).
 # OpenMP runs single-threaded: torch's thread pool does not survive a fork while in use (mutants
 # that make a test fail inside torch would hang until their timeout). It prints the score over

@@ -207,6 +207,12 @@ def test_batches_group_documents_by_characters():
     assert [pieces for _, pieces in data.batches(six_five_one, batch_bytes=6)] == [[["6"]], [["5"], ["1"]]]
 
 
+def test_batches_send_a_labelled_document_to_its_sources_stream():
+    documents = [data.Document(split="train", kind="text", text="x", pieces=["a"], source="web"),
+                 data.Document(split="test", kind="text", text="x", pieces=["b"])]
+    assert list(data.batches(documents, batch_bytes=100)) == [(["train-web", "test"], [["a"], ["b"]])]
+
+
 # ----------------------------------------------------------------------------------------------
 # Corpus record verification (data.py)
 
@@ -293,6 +299,59 @@ def test_verify_files_checks_the_mask_files(tmp_path):
     assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: the manifest lists no mask file for it"]
     del manifest["format_version"]  # a corpus from before masks: none expected
     assert data.verify_files(tmp_path, manifest) == []
+
+
+def add_masks(root: Path, manifest: dict) -> None:
+    """A plain-text mask file for each shard of tiny_corpus_files, as format 2 and later have."""
+    for entry in manifest["splits"]["train"]["files"]:
+        path = root / data.mask_name(entry["name"])
+        path.write_bytes(bytes([data.MASK_TEXT]) * entry["tokens"])
+        entry["mask"] = {"name": path.name, "bytes": entry["tokens"], "sha256": sha256_file(path)}
+
+
+def write_document_index(root: Path, name: str, ends: list[int]) -> dict:
+    path = root / name
+    path.write_bytes(np.array(ends, dtype="<u8").tobytes())
+    return {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def test_verify_files_checks_the_document_index(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    add_masks(tmp_path, manifest)
+    train = manifest["splits"]["train"]
+    train["document_index"] = write_document_index(tmp_path, "train.docs", [3, 5])
+    manifest["splits"]["test"] = {"files": [], "tokens": 0, "documents": 0}  # no document: no index needed
+    manifest["format_version"] = 3
+    assert data.verify_files(tmp_path, manifest) == []
+    (tmp_path / "train.docs").write_bytes(np.array([3, 4], dtype="<u8").tobytes())  # same size, other ends
+    assert data.verify_files(tmp_path, manifest) == [
+        "train.docs: sha256 does not match the manifest (corrupted or edited)"]
+    del train["document_index"]
+    assert data.verify_files(tmp_path, manifest) == ["train: the manifest lists no document index (train.docs)"]
+    manifest["format_version"] = 2  # a corpus from before the index: none expected
+    assert data.verify_files(tmp_path, manifest) == []
+    del manifest["format_version"]
+    assert data.verify_files(tmp_path, manifest) == []
+
+
+def test_verify_files_checks_each_labelled_sources_document_index(tmp_path):
+    manifest = tiny_corpus_files(tmp_path)
+    add_masks(tmp_path, manifest)
+    manifest["format_version"] = 3
+    train = manifest["splits"]["train"]  # one stream per source: web's shard holds 3 tokens, code's 2
+    train["sources"] = {
+        "web": {"files": train["files"][:1], "tokens": 3, "documents": 2,
+                "document_index": write_document_index(tmp_path, "train-web.docs", [1, 3])},
+        "code": {"files": train["files"][1:], "tokens": 2, "documents": 1,
+                 "document_index": write_document_index(tmp_path, "train-code.docs", [2])}}
+    train["documents"] = 3
+    assert data.verify_files(tmp_path, manifest) == []  # the split itself has no index: its sources do
+    (tmp_path / "train-code.docs").write_bytes(np.array([1], dtype="<u8").tobytes())
+    assert data.verify_files(tmp_path, manifest) == [
+        "train-code.docs: sha256 does not match the manifest (corrupted or edited)"]
+    del train["sources"]["code"]["document_index"]
+    assert data.verify_files(tmp_path, manifest) == [
+        "train-code: the manifest lists no document index (train-code.docs)"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -599,14 +658,17 @@ def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
     assert store.load_checkpoint_file(tmp_path / "good.pt")["step"] == 3
     for key in ("format_version", "step", "model", "optimizer", "settings"):
         torch.save({k: v for k, v in good.items() if k != key}, tmp_path / "bad.pt")
-        with pytest.raises(UserError, match=f"lacks '{key}'"):
+        with pytest.raises(UserError, match=f"^checkpoint {re.escape(str(tmp_path / 'bad.pt'))} lacks '{key}'$"):
             store.load_checkpoint_file(tmp_path / "bad.pt")
     torch.save({**good, "format_version": store.FORMAT_VERSION + 1}, tmp_path / "new.pt")
-    with pytest.raises(UserError, match=f"has format_version {store.FORMAT_VERSION + 1}"):
+    with pytest.raises(UserError, match=f"^checkpoint {re.escape(str(tmp_path / 'new.pt'))} has format_version "
+                                        f"{store.FORMAT_VERSION + 1}, "):
         store.load_checkpoint_file(tmp_path / "new.pt")
     (tmp_path / "cut.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:50])
-    with pytest.raises(UserError, match="does not load"):
+    with pytest.raises(UserError, match=f"^checkpoint {re.escape(str(tmp_path / 'cut.pt'))} does not load: "):
         store.load_checkpoint_file(tmp_path / "cut.pt")
+    with pytest.raises(UserError, match=f"^weights {re.escape(str(tmp_path / 'cut.pt'))} does not load: "):
+        store.load_checkpoint_file(tmp_path / "cut.pt", what="weights")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -872,7 +934,9 @@ def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
     status = store.RunStatus(tmp_path)
     assert status.previous == {} and status.final is None
     status.running(3, 10, loss=2.5)
-    assert store.read_json(tmp_path / "run_status.json")["status"] == "RUNNING" and status.final is None
+    running = store.read_json(tmp_path / "run_status.json")
+    assert running == {"status": "RUNNING", "step": 3, "total_steps": 10, "loss": 2.5, "updated": running["updated"]}
+    assert status.final is None
     assert status.failed("FAILED", reason="x", step=3)  # no final status yet: recorded
     status.finished("COMPLETE", step=10, outputs={"report": "pending"})
     status.update(backup_complete=True)
@@ -885,6 +949,7 @@ def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
     other.mkdir()
     store.RunStatus(other, enabled=False).running(1, 10)
     assert list(other.iterdir()) == []
+    assert store.RunStatus(tmp_path, enabled=False).previous == {}  # only rank 0 reads what the last session left
 
 
 # what the last session left, the step this one resumes from -> the note (None: nothing to say)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import hardware
 import losses
 import model_config
 
@@ -129,3 +130,80 @@ def test_segments_keep_attention_and_positions_inside_each_document():
         assert module(inputs, targets).item() == pytest.approx(across.item() / targets.numel(), rel=1e-6)
     assert masked.item() == pytest.approx(alone.item(), rel=1e-5)
     assert abs(masked.item() - across.item()) > 1e-5 * across.item()  # without them the documents see each other
+
+
+def count_chunks(monkeypatch) -> tuple[list[int], list[int]]:
+    """Record the rows of each chunk's cross-entropy and of each chunk's gradient (computed only for training)."""
+    rows, gradient_rows = [], []
+    cross_entropy_sum, gradient = losses.cross_entropy_sum, losses.cross_entropy_gradient_
+    monkeypatch.setattr(losses, "cross_entropy_sum", lambda logits, *rest: rows.append(logits.size(0)) or
+                        cross_entropy_sum(logits, *rest))
+    monkeypatch.setattr(losses, "cross_entropy_gradient_", lambda logits, *rest: gradient_rows.append(logits.size(0))
+                        or gradient(logits, *rest))
+    return rows, gradient_rows
+
+
+def test_the_default_chunk_is_the_logits_budget_over_the_vocabulary_and_evaluation_computes_no_gradient(
+        monkeypatch):
+    monkeypatch.setattr(hardware, "LOGITS_CHUNK_ELEMENTS", CHUNK * VOCAB)  # 37 tokens of 500 logits
+    assert model_config.PRESETS["tiny"].hidden != VOCAB  # the head's other dimension would give other chunks
+    rows, gradient_rows = count_chunks(monkeypatch)
+    model, (inputs, targets) = tiny_model(), batch(ignored=False)
+    loss = losses.language_model_loss(model, inputs, targets, "sum")
+    assert rows == gradient_rows == [37, 37, 37, 17]  # training: each chunk's gradient in the forward
+    rows.clear(), gradient_rows.clear()
+    with torch.no_grad():
+        assert losses.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(loss.item(), rel=1e-6)
+    assert (rows, gradient_rows) == ([37, 37, 37, 17], [])  # evaluation: the same chunks, no gradient
+
+
+def test_a_frozen_head_still_trains_the_decoder_through_the_chunked_function(monkeypatch):
+    """A head (here tied to the embedding table) that does not require grad: the hidden states still do,
+    so the loss still goes through ChunkedLinearCrossEntropy, and the decoder's gradients are the full logits'."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    model.lm_head.weight.requires_grad_(False)
+    trained = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    assert trained  # the decoder's layers
+    expected_loss = full_logits_loss(model, inputs, targets, "sum")
+    expected_loss.backward()
+    expected = {name: parameter.grad.clone() for name, parameter in trained}
+    model.zero_grad(set_to_none=True)
+    _, gradient_rows = count_chunks(monkeypatch)
+    loss = losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK)
+    assert type(loss.grad_fn).__name__ == "ChunkedLinearCrossEntropyBackward" and gradient_rows == [37, 37, 37, 17]
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6) and model.lm_head.weight.grad is None
+    for name, parameter in trained:
+        assert torch.allclose(parameter.grad, expected[name], rtol=1e-4, atol=1e-5 * expected[name].abs().max()), name
+
+
+def test_evaluation_under_autocast_computes_in_the_autocast_dtype():
+    """Evaluation (no gradients) rounds each chunk's matmul to bf16 as training and F.cross_entropy on bf16
+    logits do; in fp32 the loss would differ by more than the tolerance."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    with torch.no_grad():
+        fp32 = losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            evaluated = losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item()
+            expected = full_logits_loss(model, inputs, targets, "sum").item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained = losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item()
+    assert evaluated == pytest.approx(expected, rel=2e-6) and evaluated == pytest.approx(trained, rel=2e-6)
+    assert fp32 != pytest.approx(expected, rel=2e-6)  # what the test would catch
+
+
+def test_segments_give_the_decoder_positions_restarting_at_each_document():
+    """RoPE scores depend only on the distance between positions, so a document run at an offset scores
+    almost the same: the positions the decoder is given are checked directly."""
+    model = tiny_model().eval()
+    inputs, targets = batch(ignored=False)
+    segments = torch.tensor([[0] * 12 + [1] * 20, [0] * 32, [0] * 5 + [1] * 5 + [2] * 22, [0] * 31 + [1]])
+    seen = []
+    forward = model.model.forward
+    model.model.forward = lambda *args, **kwargs: seen.append(kwargs) or forward(*args, **kwargs)
+    with torch.no_grad():
+        losses.language_model_loss(model, inputs, targets, "sum", segments=segments)
+    (kwargs,) = seen
+    expected = [[*range(12), *range(20)], [*range(32)], [*range(5), *range(5), *range(22)], [*range(31), 0]]
+    assert kwargs["position_ids"].tolist() == expected
+    assert torch.equal(kwargs["attention_mask"], model_config.document_attention(segments)[1])

@@ -261,6 +261,20 @@ def test_list_folder_reads_what_a_folder_holds(tmp_path):
     assert store.list_folder(tmp_path / "missing").files == {}
 
 
+def test_list_folder_reads_latest_json_or_says_why_it_does_not_read(tmp_path):
+    write_checkpoint(tmp_path, 1)
+    assert (store.list_folder(tmp_path).latest, store.list_folder(tmp_path).latest_error) == (None, None)
+    written = store.read_record(tmp_path / "step-00000001.pt.json")
+    store.write_record(tmp_path, written, name=store.LATEST)
+    found = store.list_folder(tmp_path)
+    assert (found.latest, found.latest_error) == (written, None)
+    (tmp_path / store.LATEST).write_text('{"path": "step-00000001.pt"}')
+    found = store.list_folder(tmp_path)
+    assert found.latest is None
+    assert found.latest_error == f"checkpoint record {tmp_path / store.LATEST} lacks step, sha256, bytes, run_id, " \
+                                 "created"
+
+
 def test_list_folder_lists_checkpoints_set_aside(tmp_path):
     write_checkpoint(tmp_path, 3)
     store.set_aside(tmp_path, "step-00000003.pt")
@@ -479,6 +493,8 @@ MIRROR = [  # case, local (entries, latest), remote (entries, latest, changed), 
      ([10, 20, 30, 40], 40, ()), POLICY, [], [], 20, names(10), [], False),
     ("a stale copy of a timeline left is overwritten", ([10, 20], 20), ([10, 20, 30], 30, (20,)), POLICY,
      names(20), [], 10, names(10), [], False),
+    ("what the remote latest.json names stays until it has moved", ([10, 20, 30], 30), ([10, 20, 30], 10, ()),
+     POLICY, [], [], 30, names(10, 20), [], False),
 ]
 
 
@@ -491,7 +507,15 @@ def test_plan_mirror(case, local, remote, policy, upload, delete_remote, latest,
     assert (plan.latest.step if plan.latest else None) == latest
     assert plan.delete_local == delete_local and plan.unbacked == unbacked
     assert plan.caught_up is caught_up
-    assert plan.empty() is not (upload or delete_remote or latest or delete_local)
+    assert plan.empty() is (not (upload or delete_remote or latest or delete_local))
+
+
+@pytest.mark.parametrize("field", ["upload", "delete_remote", "latest", "delete_local"])
+def test_a_mirror_plan_is_empty_only_when_it_has_nothing_to_do(field):
+    assert store.MirrorPlan().empty() is True
+    value = record(10) if field == "latest" else names(10)
+    assert store.MirrorPlan(**{field: value}).empty() is False
+    assert store.MirrorPlan(unbacked=names(10), caught_up=True).empty() is True  # facts about the plan, no work
 
 
 def test_plan_mirror_keeps_the_best_on_the_remote_as_retention_does_locally():
@@ -510,10 +534,21 @@ def test_a_remote_file_that_is_not_whole_is_not_a_backup():
     assert not store.backed_up(mirror_listing([10], 10), remote, store.checkpoint_name(10))
 
 
+KEEP_LAST = "--remote-keep-recent and --keep-last must be >= 1, got {} and {}"
+NOT_NEGATIVE = "--remote-keep-every, --keep-every and --backup-max-unbacked must be >= 0"
+
+
 @pytest.mark.parametrize("settings, problem", [
-    ({"remote_keep_last": 0}, "--remote-keep-recent"), ({"keep_last": 0}, "--keep-last"),
-    ({"remote_keep_every": -1}, "--remote-keep-every"), ({"max_unbacked": -1}, "--backup-max-unbacked"),
+    ({"remote_keep_last": 0}, KEEP_LAST.format(0, 2)), ({"keep_last": 0}, KEEP_LAST.format(3, 0)),
+    ({"remote_keep_every": -1}, NOT_NEGATIVE), ({"keep_every": -1}, NOT_NEGATIVE),
+    ({"max_unbacked": -1}, NOT_NEGATIVE),
 ])
 def test_a_bad_mirror_policy_is_a_user_error(settings, problem):
-    with pytest.raises(UserError, match=problem):
+    with pytest.raises(UserError) as error:
         store.MirrorPolicy(**settings)
+    assert str(error.value) == problem
+
+
+def test_a_mirror_policy_at_its_edges_is_accepted():
+    edges = store.MirrorPolicy(keep_last=1, keep_every=0, remote_keep_last=1, remote_keep_every=0, max_unbacked=0)
+    assert (edges.keep_last, edges.remote_keep_last, edges.max_unbacked) == (1, 1, 0)
