@@ -26,6 +26,8 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
     to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction {reduction!r}: 'mean' or 'sum'")
     if segments is None:
         hidden = model.model(input_ids=inputs).last_hidden_state
     else:

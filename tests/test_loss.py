@@ -77,6 +77,18 @@ def test_evaluation_without_gradients_gives_the_same_loss():
         assert losses.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_the_default_reduction_is_the_mean_and_another_name_is_refused():
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    with torch.no_grad():
+        mean = losses.language_model_loss(model, inputs, targets)
+        module_mean = losses.LanguageModelLoss(model)(inputs, targets)
+        total = losses.language_model_loss(model, inputs, targets, "sum")
+    counted = (targets != data.IGNORE_INDEX).sum()
+    assert mean.item() == pytest.approx((total / counted).item(), rel=1e-6) and module_mean.item() == mean.item()
+    with pytest.raises(ValueError, match="reduction 'none': 'mean' or 'sum'"):
+        losses.language_model_loss(model, inputs, targets, "none")
+
+
 def largest_saved_tensor(loss_function, model, inputs, targets) -> int:
     """Elements of the largest tensor autograd keeps for the backward of loss_function."""
     sizes = [0]
