@@ -1121,7 +1121,20 @@ def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: i
     if settings.session.threads:
         torch.set_num_threads(settings.session.threads)
     distributed.use_deterministic_kernels(settings.session.deterministic)  # main() did it; for Python callers
-    return Training(settings, info, manifest, corpus)
+    try:
+        return Training(settings, info, manifest, corpus)
+    except torch.OutOfMemoryError:  # the weights, or the attention probe's one block, do not fit
+        raise UserError(start_out_of_memory(settings.run, int(manifest["vocab_size"]), info.device)) from None
+
+
+def start_out_of_memory(run: RunSettings, vocab_size: int, device: torch.device) -> str:
+    """The error of a card that cannot hold the model and one block's forward and backward at start-up."""
+    preset = resolve_model_preset(run)
+    card = hardware.describe(device)
+    return (f"CUDA out of memory on {card.label()} ({hardware.memory_text(card.memory_bytes)}) while building "
+            f"--preset {run.preset} ({model_config.parameter_count(preset, vocab_size):,} parameters) and probing "
+            f"attention on one block of {preset.context} tokens: no batch size fits; use a smaller --preset or "
+            "--context, or a larger card (is another process using it? nvidia-smi shows)")
 
 
 # ----------------------------------------------------------------------------------------------

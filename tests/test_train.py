@@ -585,6 +585,17 @@ def test_length_options_and_hardware_refusals(corpus, tmp_path):
             train.main(options(corpus, tmp_path / "refused", *extra))
 
 
+def test_out_of_memory_while_building_is_one_line_naming_the_preset_and_the_card(corpus, tmp_path, monkeypatch):
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model_config, "build_training_model", no_room)
+    with pytest.raises(UserError, match=r"CUDA out of memory on .* while building --preset tiny \([\d,]+ parameters\) "
+                                        r"and probing attention on one block of 32 tokens: .*smaller --preset"):
+        train.main(options(corpus, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # nothing left behind
+
+
 def test_bf16_autocast_and_grad_checkpoint_train_on_cpu(corpus, tmp_path):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--precision", "bf16", "--grad-checkpoint", steps=4)) == 0
