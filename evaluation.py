@@ -416,6 +416,11 @@ def load_loop_tasks(value: str, limit: int, kept: Path | None) -> list[LoopTask]
         pick = seeded_subsample(len(items), limit or None)
         chosen = items if pick is None else [items[index] for index in pick]
         tasks.append(LoopTask(task["name"], task["path"] or "lm-eval", tuple(chosen)))
+    names = [task.name for task in tasks]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(f"--eval-tasks: more than one task named {', '.join(twice)} (a file's task is named "
+                        "after its stem: rename one)")
     return tasks
 
 
@@ -425,10 +430,11 @@ def kept_lm_eval_items(task: dict, kept: Path | None) -> list[dict]:
     if path is not None and path.is_file():
         return read_choice_items(path)
     items = lm_eval_items(task["name"], task.get("include"))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
-    return items
+    if path is None:
+        return items
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
+    return read_choice_items(path)  # checked as a file of one's own is, so a resume reads it back
 
 
 def encode_pair(context: str, continuation: str, encode, prefix_id: int) -> tuple[list[int], list[int]]:

@@ -251,6 +251,10 @@ def test_loop_tasks_from_files_and_lm_eval_yaml_are_cut_and_kept(exported, tmp_p
     (tmp_path / "sums.jsonl").write_text('{"prompt": "What is 1 plus 2?", "answer": "3"}\n')
     with pytest.raises(UserError, match="exact-match task .* scored by `report.py evaluate`"):
         evaluation.load_loop_tasks(str(tmp_path / "sums.jsonl"), 0, kept)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "words.jsonl").write_text(items_file.read_text())
+    with pytest.raises(UserError, match="more than one task named local_words"):
+        evaluation.load_loop_tasks(f"{items_file},{tmp_path / 'other' / 'words.jsonl'}", 0, kept)
     (tmp_path / "bad.yaml").write_text("dataset_path: json\n")
     with pytest.raises(UserError, match=r"bad.yaml: an lm-eval task YAML needs a `task: NAME` line"):
         evaluation.load_loop_tasks(str(tmp_path / "bad.yaml"), 0, kept)
