@@ -814,8 +814,6 @@ class Training:
         return StepResult(step=self.step, loss=mean_loss, adamw_lr=self.recipe.lr * lr_multiplier, muon_lr=muon_lr,
                           grad_norm=grad_norm, seconds=seconds, applied=applied)
 
-    # -- settings and state ----------------------------------------------------------------
-
     def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
 
