@@ -1,5 +1,5 @@
 """The core rules as pure functions, tested by value: data order, splits, shard hashing, the loss,
-record verification, retention, answer scoring.
+record verification, retention, answer scoring, the in-loop task scoring.
 
 These are the fast unit tests that mutation testing runs for every mutant (bench/mutation.sh):
 each assertion checks a value that a wrong implementation gets wrong.
@@ -21,6 +21,7 @@ import torch
 
 import checkpoint_store as store
 import data
+import evaluation
 import losses
 import report
 import train
@@ -994,3 +995,56 @@ def test_the_final_line_says_what_makes_a_missing_model():
         f"{Path('run/run_status.json')}) | make it again with: python train.py --resume auto")
     record.update(outputs={"report": "done", "model": "done"}, report_command=None, report_errors=None)
     assert report.final_line(Path("run"), "COMPLETE", record) == "COMPLETE: step 12/12 | test loss 1.5000"
+
+
+# ----------------------------------------------------------------------------------------------
+# In-loop --eval-tasks: lm-eval's encoding and scoring rules, and when the tasks are scored.
+
+
+def test_encode_pair_moves_trailing_spaces_and_prefixes_an_empty_context():
+    encode = lambda text: [ord(character) for character in text]  # noqa: E731 (one token per character)
+    assert evaluation.encode_pair("ab ", "c", encode, 1) == ([97, 98], [32, 99])
+    assert evaluation.encode_pair("ab", " c", encode, 1) == ([97, 98], [32, 99])
+    assert evaluation.encode_pair("", " c", encode, 1) == ([1], [32, 99])
+    assert evaluation.encode_pair("", "\x01c", encode, 1) == ([1], [99])  # starts with the prefix already
+    rows = evaluation.choice_rows([{"context": "abcdef", "choices": ["x", "yz"], "answer": 0}], encode, 1, 4)
+    assert rows == [([100, 101, 102, 32, 120], 2), ([101, 102, 32, 121, 122], 3)]  # cut to max_length + 1
+
+
+def test_choice_counts_score_by_sum_by_character_and_by_byte():
+    items = [{"choices": ["a", "bbbb"], "answer": 1}, {"choices": ["é", "ab"], "answer": 0},
+             {"choices": ["x", "y", "z"], "answer": 2}]
+    # item 1: sums pick a, per character bbbb; item 2: per character "é" (-1.5 over 1) loses to "ab"
+    # (-2 over 2), per byte it wins (-1.5 over 2 bytes); item 3: a tie goes to the first choice
+    counts = evaluation.choice_counts(items, [-1.0, -2.0, -1.5, -2.0, -1.0, -1.0, -1.0])
+    assert counts == [1.0, 1.0, 2.0, 3.0]
+    tasks = [evaluation.LoopTask("t", "file", tuple(items))]
+    assert evaluation.loop_scores(tasks, [counts]) == {"t": {"acc": 1 / 3, "acc_norm": 1 / 3, "acc_bytes": 2 / 3,
+                                                              "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}}
+
+
+@pytest.mark.parametrize("step, total, validation_every, tasks_every, expected", [
+    (4, 12, 4, 4, (True, True)),
+    (5, 12, 4, 4, (False, False)),
+    (6, 12, 4, 3, (False, True)),       # each its own cadence
+    (8, 12, 4, 3, (True, False)),
+    (12, 12, 5, 0, (True, True)),       # both at the last step, even when off (0) by count
+    (5, 12, 0, 0, (False, False)),
+    (4, 12, 4, None, (True, False)),    # no tasks
+    (12, 12, 4, None, (True, False)),
+])
+def test_evaluations_due_table(step, total, validation_every, tasks_every, expected):
+    assert train.evaluations_due(step, total, validation_every, tasks_every) == expected
+
+
+@pytest.mark.parametrize("validation_every, total, task_tokens, step_tokens, expected", [
+    (250, 1400, 4096 * 15, 4096, 250),  # 15 steps' tokens scored cost 5 steps: 2% of 250 steps
+    (250, 1400, 4096 * 45, 4096, 500),  # cost 15 steps: 5% of 300 steps, so every second validation
+    (30, 150, 88_000, 4096, 0),         # a short run: only at its end
+    (4, 12, 960, 128, 0),
+    (4, 100, 960, 128, 52),             # 960 / (0.15 * 128) = 50 steps: the next multiple of 4
+    (0, 100, 10, 128, 0),               # validation only at the end: the tasks too
+])
+def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
+                                                              expected):
+    assert train.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected

@@ -180,28 +180,6 @@ def loop_log_likelihoods(model_dir, items, token_budget: int) -> list[float]:
     return losses.continuation_log_likelihoods(model, rows, torch.device("cpu"), token_budget)
 
 
-def test_encode_pair_moves_trailing_spaces_and_prefixes_an_empty_context():
-    encode = lambda text: [ord(character) for character in text]  # noqa: E731 (one token per character)
-    assert evaluation.encode_pair("ab ", "c", encode, 1) == ([97, 98], [32, 99])
-    assert evaluation.encode_pair("ab", " c", encode, 1) == ([97, 98], [32, 99])
-    assert evaluation.encode_pair("", " c", encode, 1) == ([1], [32, 99])
-    assert evaluation.encode_pair("", "\x01c", encode, 1) == ([1], [99])  # starts with the prefix already
-    rows = evaluation.choice_rows([{"context": "abcdef", "choices": ["x", "yz"], "answer": 0}], encode, 1, 4)
-    assert rows == [([100, 101, 102, 32, 120], 2), ([101, 102, 32, 121, 122], 3)]  # cut to max_length + 1
-
-
-def test_choice_counts_score_by_sum_by_character_and_by_byte():
-    items = [{"choices": ["a", "bbbb"], "answer": 1}, {"choices": ["é", "ab"], "answer": 0},
-             {"choices": ["x", "y", "z"], "answer": 2}]
-    # item 1: sums pick a, per character bbbb; item 2: per character "é" (-1.5 over 1) loses to "ab"
-    # (-2 over 2), per byte it wins (-1.5 over 2 bytes); item 3: a tie goes to the first choice
-    counts = evaluation.choice_counts(items, [-1.0, -2.0, -1.5, -2.0, -1.0, -1.0, -1.0])
-    assert counts == [1.0, 1.0, 2.0, 3.0]
-    tasks = [evaluation.LoopTask("t", "file", tuple(items))]
-    assert evaluation.loop_scores(tasks, [counts]) == {"t": {"acc": 1 / 3, "acc_norm": 1 / 3, "acc_bytes": 2 / 3,
-                                                              "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}}
-
-
 @pytest.mark.slow
 def test_the_loops_log_likelihoods_and_scores_are_lm_evals(exported):
     """The scorer train.py runs in the loop gives lm-eval's HFLM log-likelihoods (to 1e-4), also for an

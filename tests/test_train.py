@@ -717,33 +717,6 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
 
 
-@pytest.mark.parametrize("step, total, validation_every, tasks_every, expected", [
-    (4, 12, 4, 4, (True, True)),
-    (5, 12, 4, 4, (False, False)),
-    (6, 12, 4, 3, (False, True)),       # each its own cadence
-    (8, 12, 4, 3, (True, False)),
-    (12, 12, 5, 0, (True, True)),       # both at the last step, even when off (0) by count
-    (5, 12, 0, 0, (False, False)),
-    (4, 12, 4, None, (True, False)),    # no tasks
-    (12, 12, 4, None, (True, False)),
-])
-def test_evaluations_due_table(step, total, validation_every, tasks_every, expected):
-    assert train.evaluations_due(step, total, validation_every, tasks_every) == expected
-
-
-@pytest.mark.parametrize("validation_every, total, task_tokens, step_tokens, expected", [
-    (250, 1400, 4096 * 15, 4096, 250),  # 15 steps' tokens scored cost 5 steps: 2% of 250 steps
-    (250, 1400, 4096 * 45, 4096, 500),  # cost 15 steps: 5% of 300 steps, so every second validation
-    (30, 150, 88_000, 4096, 0),         # a short run: only at its end
-    (4, 12, 960, 128, 0),
-    (4, 100, 960, 128, 52),             # 960 / (0.15 * 128) = 50 steps: the next multiple of 4
-    (0, 100, 10, 128, 0),               # validation only at the end: the tasks too
-])
-def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
-                                                              expected):
-    assert train.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
-
-
 def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, reference, sums_task, tmp_path):
     """--eval-tasks on, stopped and resumed, ends bit for bit where the run without them ends; the scores
     are in metrics.jsonl and the checkpoints, which give back the records metrics.jsonl lost."""
