@@ -514,7 +514,7 @@ class Bench:
         del first, staged
         free_memory()
         second = self.build(options)
-        path = distributed.main_decides(lambda: train.find_resume_checkpoint(out, "auto"), self.info)
+        path = distributed.main_decides(lambda: store.find_resume_checkpoint(out, "auto"), self.info)
         second.load(store.load_checkpoint_file(path), path)
         resumed_at = second.step
         resumed = [second.train_step().loss for _ in range(after)]
