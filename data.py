@@ -46,13 +46,18 @@ if TYPE_CHECKING:  # torch is imported only where a corpus is read for training:
 from common import (
     ArgumentParser,
     UserError,
+    add_options,
     atomic_folder,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    check_options,
     config_argv,
     human_count,
+    not_negative,
+    option,
     os_error_text,
+    positive,
     read_json,
     run_main,
     sha256_bytes,
@@ -219,6 +224,7 @@ DATA_CARD = "DATA_CARD.md"
 TOKENIZER_DIR = "tokenizer"
 DEMO_EVAL_FILE = "eval/arithmetic.jsonl"
 DEMO_VOCAB_SIZE = 512
+DEMO_SEED = 1234  # the demo corpus' generator (data.py --seed)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -847,25 +853,35 @@ class SourceStats:
     also_in: Counter = field(default_factory=Counter)  # kept documents an earlier source label has too, by label
 
 
+WHAT, BUILD = "what to do (one of)", "building a corpus"  # data.py's option groups
+DEMO_BUILD_DEFAULTS = {"vocab_size": DEMO_VOCAB_SIZE, "val_fraction": 0.05, "test_fraction": 0.05}
+
+
 @dataclass
 class BuildSettings:
-    """Everything that decides the corpus bytes (recorded in the manifests)."""
+    """Everything that decides the corpus bytes (recorded in the manifests), each a data.py option
+    declared once (common.option: default, help and checks together; check_settings: the rules
+    between them). --demo's defaults differ: DEMO_BUILD_DEFAULTS."""
 
-    scope: str = "full"
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    tokenizer: str | None = None
-    tokenizer_sample_bytes: int = 200_000_000
-    min_frequency: int = 2
-    val_fraction: float = 0.01
-    test_fraction: float = 0.01
-    shard_tokens: int = 100_000_000
-    min_chars: int = 10
-    remove_uuids: bool = True
-    strict: bool = False
-    skip_unknown: bool = False
-    batch_bytes: int = 4_000_000
-    tokenize_workers: int = 0
-    progress: bool = True
+    scope: str = option("full", "document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()), BUILD,
+                        choices=list(SCOPES))
+    vocab_size: int = option(DEFAULT_VOCAB_SIZE, f"BPE vocabulary to train ({DEMO_VOCAB_SIZE} with --demo)", BUILD)
+    tokenizer: str | None = option(None, "reuse this tokenizer folder (or a corpus folder's tokenizer/)", BUILD,
+                                   metavar="DIR")
+    tokenizer_sample_bytes: int = option(200_000_000, "train the BPE on at most this much text (the first "
+                                                      "documents)", BUILD, checks=(positive,))
+    min_frequency: int = option(2, "BPE merge min count", BUILD)
+    val_fraction: float = option(0.01, "share of documents in validation (0.05 with --demo)", BUILD)
+    test_fraction: float = option(0.01, "share of documents in test (0.05 with --demo)", BUILD)
+    shard_tokens: int = option(100_000_000, "tokens per shard file", BUILD, checks=(positive,))
+    min_chars: int = option(10, "drop documents with fewer characters of content", BUILD, checks=(not_negative,))
+    remove_uuids: bool = option(True, "strip UUIDs from the text", BUILD)
+    strict: bool = option(False, "stop at the first malformed record", BUILD)
+    skip_unknown: bool = option(False, "drop (and count) records of unknown shape instead of stopping", BUILD)
+    batch_bytes: int = option(4_000_000, "characters of text per tokenization batch", BUILD, checks=(positive,))
+    tokenize_workers: int = option(0, "0: the Rust tokenizer threads in this process; N: a pool of N "
+                                      "single-threaded tokenizer processes", BUILD, checks=(not_negative,))
+    progress: bool = option(True, "progress bar", BUILD)
 
     def recorded(self) -> dict:
         """The settings that shape the output (not how fast it is made)."""
@@ -873,7 +889,30 @@ class BuildSettings:
         return {key: value for key, value in asdict(self).items() if key not in speed_only}
 
 
+@dataclass(frozen=True, kw_only=True)
+class DataCommand:
+    """What this data.py command does, besides the BuildSettings of the corpus it builds."""
+
+    data: tuple[str, ...] | None = option(
+        None, "input files, folders, globs (.jsonl .jsonl.gz .json .txt .md .parquet), datasets.save_to_disk "
+              "folders, hf:NAME[:CONFIG][:SPLIT]; LABEL=PATH gives the input a source label (kept apart, for "
+              "train.py mixtures)", WHAT, type=str, nargs="+", metavar="PATH")
+    demo: bool = option(False, "build the embedded arithmetic chat corpus (no input)", WHAT)
+    verify: str | None = option(None, "re-hash a corpus against its manifest and exit", WHAT, metavar="CORPUS")
+    config: str | None = option(None, 'read options from this TOML or YAML file (long names as keys, e.g. data = '
+                                      '["a.jsonl"], vocab-size = 8000); options given on the command line win', WHAT,
+                                metavar="FILE")
+    out: str | None = option(None, "corpus folder to create", BUILD)
+    overwrite: bool = option(False, "replace an existing corpus at --out", BUILD)
+    source_label: str = option("none", "stem: label each --data input without a LABEL= by its file or folder name "
+                                       "(kjv.jsonl -> kjv), each label a stream of its own", BUILD,
+                               choices=("none", "stem"))
+    seed: int = option(DEMO_SEED, "seed of the --demo generator", BUILD)
+
+
 def check_settings(settings: BuildSettings) -> None:
+    """Each option's own checks (check_options), then the rules between them: one UserError line."""
+    check_options(settings)
     if settings.scope not in SCOPES:
         raise UserError(f"--scope {settings.scope!r} is unknown; choose one of {', '.join(SCOPES)}")
     if not 0 <= settings.val_fraction < 1 or not 0 <= settings.test_fraction < 1 or \
@@ -882,10 +921,6 @@ def check_settings(settings: BuildSettings) -> None:
     if settings.vocab_size < len(SPECIAL_TOKENS) + 256:
         raise UserError(f"--vocab-size {settings.vocab_size} is below 263 (256 bytes + {len(SPECIAL_TOKENS)} "
                         "special tokens)")
-    if settings.shard_tokens < 1 or settings.tokenizer_sample_bytes < 1 or settings.batch_bytes < 1:
-        raise UserError("--shard-tokens, --tokenizer-sample-bytes and --batch-bytes must be positive")
-    if settings.min_chars < 0 or settings.tokenize_workers < 0:
-        raise UserError("--min-chars and --tokenize-workers must be >= 0")
 
 
 def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, list[str], int]:
@@ -1520,11 +1555,11 @@ def empty_splits(splits: dict[str, dict], settings: BuildSettings) -> dict[str, 
     """
     kept = sum(info["documents"] for info in splits.values())
     warnings = {}
-    for split, option, fraction in (("validation", "--val-fraction", settings.val_fraction),
-                                    ("test", "--test-fraction", settings.test_fraction)):
+    for split, flag, fraction in (("validation", "--val-fraction", settings.val_fraction),
+                                  ("test", "--test-fraction", settings.test_fraction)):
         if fraction > 0 and splits[split]["documents"] == 0:
-            warnings[split] = (f"the {split} split is empty ({option} {fraction} of {kept} documents picked none); "
-                               f"add more documents or raise {option}")
+            warnings[split] = (f"the {split} split is empty ({flag} {fraction} of {kept} documents picked none); "
+                               f"add more documents or raise {flag}")
     return warnings
 
 
@@ -1559,9 +1594,8 @@ def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], second
 
 
 # ----------------------------------------------------------------------------------------------
-# The embedded demo corpus: arithmetic word problems with short mechanical reasoning.
+# The embedded demo corpus: arithmetic word problems with short mechanical reasoning (DEMO_SEED: above).
 
-DEMO_SEED = 1234
 ADDITION_PROMPTS = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}.",
                     "What do you get when you add {a} and {b}?", "Compute {a} + {b}.",
                     "What is the sum of {a} and {b}?")
@@ -1690,7 +1724,7 @@ def build_demo_corpus(out_dir: str | Path, overwrite: bool = False, seed: int = 
     Held-out problems go to `DEMO_EVAL_FILE` ({"prompt", "answer", "task"} per line) and
     never appear in any split.
     """
-    options = {"vocab_size": DEMO_VOCAB_SIZE, "val_fraction": 0.05, "test_fraction": 0.05, **options}
+    options = {**DEMO_BUILD_DEFAULTS, **options}
     unknown = set(options) - {f.name for f in fields(BuildSettings)}
     if unknown:
         raise TypeError(f"unknown demo corpus option(s): {', '.join(sorted(unknown))}")
@@ -1708,54 +1742,23 @@ def build_demo_corpus(out_dir: str | Path, overwrite: bool = False, seed: int = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = BuildSettings()
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    what = parser.add_argument_group("what to do (one of)")
-    what.add_argument("--data", nargs="+", metavar="PATH",
-                      help="input files, folders, globs (.jsonl .jsonl.gz .json .txt .md .parquet), "
-                           "datasets.save_to_disk folders, hf:NAME[:CONFIG][:SPLIT]; LABEL=PATH gives the input "
-                           "a source label (kept apart, for train.py mixtures)")
-    what.add_argument("--demo", action="store_true", help="build the embedded arithmetic chat corpus (no input)")
-    what.add_argument("--verify", metavar="CORPUS", help="re-hash a corpus against its manifest and exit")
-    what.add_argument("--config", metavar="FILE",
-                      help="read options from this TOML or YAML file (long names as keys, e.g. data = [\"a.jsonl\"], "
-                           "vocab-size = 8000); options given on the command line win")
-    build = parser.add_argument_group("building a corpus")
-    build.add_argument("--out", help="corpus folder to create")
-    build.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --out")
-    build.add_argument("--scope", default=defaults.scope, choices=list(SCOPES),
-                        help="document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()))
-    build.add_argument("--vocab-size", type=int, default=None,
-                        help=f"BPE vocabulary to train ({DEFAULT_VOCAB_SIZE}; {DEMO_VOCAB_SIZE} with --demo)")
-    build.add_argument("--tokenizer", metavar="DIR", default=None,
-                       help="reuse this tokenizer folder (or a corpus folder's tokenizer/)")
-    build.add_argument("--tokenizer-sample-bytes", type=int, default=defaults.tokenizer_sample_bytes,
-                        help="train the BPE on at most this much text (the first documents)")
-    build.add_argument("--min-frequency", type=int, default=defaults.min_frequency, help="BPE merge min count")
-    build.add_argument("--val-fraction", type=float, default=None,
-                        help=f"share of documents in validation ({defaults.val_fraction}; 0.05 with --demo)")
-    build.add_argument("--test-fraction", type=float, default=None,
-                        help=f"share of documents in test ({defaults.test_fraction}; 0.05 with --demo)")
-    build.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens, help="tokens per shard file")
-    build.add_argument("--min-chars", type=int, default=defaults.min_chars,
-                        help="drop documents with fewer characters of content")
-    build.add_argument("--remove-uuids", action=argparse.BooleanOptionalAction, default=defaults.remove_uuids,
-                        help="strip UUIDs from the text")
-    build.add_argument("--strict", action="store_true", help="stop at the first malformed record")
-    build.add_argument("--skip-unknown", action="store_true",
-                        help="drop (and count) records of unknown shape instead of stopping")
-    build.add_argument("--batch-bytes", type=int, default=defaults.batch_bytes,
-                        help="characters of text per tokenization batch")
-    build.add_argument("--tokenize-workers", type=int, default=0,
-                       help="0: the Rust tokenizer threads in this process; N: a pool of N single-threaded "
-                            "tokenizer processes")
-    build.add_argument("--source-label", default="none", choices=("none", "stem"),
-                       help="stem: label each --data input without a LABEL= by its file or folder name (kjv.jsonl "
-                            "-> kjv), each label a stream of its own")
-    build.add_argument("--seed", type=int, default=DEMO_SEED, help="seed of the --demo generator")
-    build.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_options(parser, (WHAT, BUILD), DataCommand, BuildSettings)
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[DataCommand, BuildSettings, argparse.ArgumentParser]:
+    """(what to do, the corpus' settings, the parser) of this command line: a --config file's options
+    first, then the command line's; with --demo, DEMO_BUILD_DEFAULTS replace those of the options not given."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(config_argv(parser, argv) + argv)
+    if args.demo:
+        parser.set_defaults(**DEMO_BUILD_DEFAULTS)
+        args = parser.parse_args(config_argv(parser, argv) + argv)
+    values = vars(args)
+    command = DataCommand(**{field.name: values[field.name] for field in fields(DataCommand)})
+    return command, BuildSettings(**{field.name: values[field.name] for field in fields(BuildSettings)}), parser
 
 
 def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
@@ -1770,36 +1773,26 @@ def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(config_argv(parser, argv) + argv)
-    if sum(bool(x) for x in (args.data, args.demo, args.verify)) != 1:
+    command, settings, parser = parse_args(argv)
+    if sum(bool(x) for x in (command.data, command.demo, command.verify)) != 1:
         parser.error("give exactly one of --data, --demo or --verify")
 
-    if args.verify:
-        problems = verify_corpus(args.verify)
+    if command.verify:
+        problems = verify_corpus(command.verify)
         for problem in problems:
             print(f"MISMATCH {problem}")
-        print(f"{args.verify}: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'OK'}")
+        print(f"{command.verify}: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'OK'}")
         return 1 if problems else 0
 
-    if not args.out:
+    if not command.out:
         parser.error("--out is required to build a corpus")
-    if args.tokenizer and args.vocab_size is not None:
-        warn_unused_vocab_size(args.tokenizer, args.vocab_size)
-    options = {
-        "scope": args.scope, "tokenizer": args.tokenizer, "tokenizer_sample_bytes": args.tokenizer_sample_bytes,
-        "min_frequency": args.min_frequency, "shard_tokens": args.shard_tokens, "min_chars": args.min_chars,
-        "remove_uuids": args.remove_uuids, "strict": args.strict, "skip_unknown": args.skip_unknown,
-        "batch_bytes": args.batch_bytes, "tokenize_workers": args.tokenize_workers, "progress": args.progress,
-    }
-    chosen = {"vocab_size": args.vocab_size, "val_fraction": args.val_fraction, "test_fraction": args.test_fraction}
-    options.update({key: value for key, value in chosen.items() if value is not None})
-    if args.demo:
-        build_demo_corpus(args.out, overwrite=args.overwrite, seed=args.seed, **options)
+    if settings.tokenizer and settings.vocab_size != parser.get_default("vocab_size"):
+        warn_unused_vocab_size(settings.tokenizer, settings.vocab_size)
+    if command.demo:
+        build_demo_corpus(command.out, overwrite=command.overwrite, seed=command.seed, **asdict(settings))
     else:
-        build_corpus(resolve_inputs(args.data, label_by_stem=args.source_label == "stem"), args.out,
-                     BuildSettings(**options), overwrite=args.overwrite)
+        build_corpus(resolve_inputs(command.data, label_by_stem=command.source_label == "stem"), command.out,
+                     settings, overwrite=command.overwrite)
     return 0
 
 

@@ -83,8 +83,6 @@ def test_token_dtype_holds_every_id(vocab_size, dtype):
 
 
 FRACTIONS = "--val-fraction and --test-fraction must be >= 0 and leave room for training data"
-SIZES = "--shard-tokens, --tokenizer-sample-bytes and --batch-bytes must be positive"
-COUNTS = "--min-chars and --tokenize-workers must be >= 0"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -95,11 +93,11 @@ COUNTS = "--min-chars and --tokenize-workers must be >= 0"
     ({"test_fraction": 1.0}, FRACTIONS),
     ({"val_fraction": 0.5, "test_fraction": 0.5}, FRACTIONS),
     ({"vocab_size": 262}, f"--vocab-size 262 is below 263 (256 bytes + {len(data.SPECIAL_TOKENS)} special tokens)"),
-    ({"shard_tokens": 0}, SIZES),
-    ({"tokenizer_sample_bytes": 0}, SIZES),
-    ({"batch_bytes": 0}, SIZES),
-    ({"min_chars": -1}, COUNTS),
-    ({"tokenize_workers": -1}, COUNTS),
+    ({"shard_tokens": 0}, "--shard-tokens must be positive, got 0"),  # each option's own check (common.option)
+    ({"tokenizer_sample_bytes": 0}, "--tokenizer-sample-bytes must be positive, got 0"),
+    ({"batch_bytes": 0}, "--batch-bytes must be positive, got 0"),
+    ({"min_chars": -1}, "--min-chars must not be negative, got -1"),
+    ({"tokenize_workers": -1}, "--tokenize-workers must not be negative, got -1"),
 ])
 def test_check_settings_refuses_each_bad_value(change, message):
     with pytest.raises(UserError, match=f"^{re.escape(message)}$"):

@@ -1073,3 +1073,19 @@ def test_data_py_reads_its_options_from_a_config_file(tmp_path):
     config.write_text("vocab_sise = 300\n")
     with pytest.raises(UserError, match=r"unknown option 'vocab_sise'; did you mean vocab-size\?"):
         data.main(["--config", str(config), "--demo", "--out", str(tmp_path / "x")])
+
+
+def test_each_data_option_is_declared_once_and_demo_defaults_fill_the_options_not_given():
+    """Every data.py option is a field of DataCommand or of BuildSettings (common.option), not both; --demo
+    replaces the defaults of the options not given (DEMO_BUILD_DEFAULTS), a given one wins."""
+    from dataclasses import fields
+
+    dests = [action.dest for action in data.build_parser()._actions if action.dest != "help"]
+    command = {field.name for field in fields(data.DataCommand)}
+    build = {field.name for field in fields(data.BuildSettings)}
+    assert sorted(dests) == sorted(command | build) and not command & build
+    _, settings, _ = data.parse_args(["--data", "a.jsonl", "--out", "corpus"])
+    assert settings == data.BuildSettings()
+    command_given, settings, _ = data.parse_args(["--demo", "--out", "corpus", "--val-fraction", "0.1", "--seed", "3"])
+    assert (settings.vocab_size, settings.val_fraction, settings.test_fraction) == (512, 0.1, 0.05)
+    assert command_given.demo and command_given.seed == 3 and command_given.out == "corpus"
