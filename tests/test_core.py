@@ -1005,8 +1005,10 @@ def test_encode_pair_moves_trailing_spaces_and_prefixes_an_empty_context():
     assert evaluation.encode_pair("ab", " c", encode, 1) == ([97, 98], [32, 99])
     assert evaluation.encode_pair("", " c", encode, 1) == ([1], [32, 99])
     assert evaluation.encode_pair("", "\x01c", encode, 1) == ([1], [99])  # starts with the prefix already
-    rows = evaluation.choice_rows([{"context": "abcdef", "choices": ["x", "yz"], "answer": 0}], encode, 1, 4)
-    assert rows == [([100, 101, 102, 32, 120], 2), ([101, 102, 32, 121, 122], 3)]  # cut to max_length + 1
+    rows = evaluation.choice_rows([{"context": "abcdef", "choices": ["x", "yz"], "answer": 0},
+                                   {"context": "", "choices": ["q"], "answer": 0}], encode, 1, 4)
+    assert rows == [([100, 101, 102, 32, 120], 2), ([101, 102, 32, 121, 122], 3),  # cut to max_length + 1
+                    ([1, 32, 113], 2)]  # an empty context: the prefix token
 
 
 def test_choice_counts_score_by_sum_by_character_and_by_byte():
@@ -1028,6 +1030,7 @@ def test_choice_counts_score_by_sum_by_character_and_by_byte():
     (8, 12, 4, 3, (True, False)),
     (12, 12, 5, 0, (True, True)),       # both at the last step, even when off (0) by count
     (5, 12, 0, 0, (False, False)),
+    (3, 12, 1, 1, (True, True)),        # every step
     (4, 12, 4, None, (True, False)),    # no tasks
     (12, 12, 4, None, (True, False)),
 ])
