@@ -745,7 +745,8 @@ def final_line(out: Path, status: str, record: dict) -> str:
     elif record.get("train_loss") is not None:
         line += f" | train loss {record['train_loss']:.4f} (no held-out split)"
     for name, scores in (record.get("tasks") or {}).items():
-        line += f" | {name} acc {scores['acc']:.3f} (chance {scores['chance']:.3f})"
+        at = f" at step {record['tasks_step']}" if record.get("tasks_step") not in (None, record["step"]) else ""
+        line += f" | {name} acc {scores['acc']:.3f}{at} (chance {scores['chance']:.3f})"
     if record.get("task_accuracy"):
         line += f" | held-out accuracy {100 * record['task_accuracy']['accuracy']:.1f}%"
     if record.get("model_files"):

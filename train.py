@@ -1881,6 +1881,7 @@ def final_record(training: Training, out: Path, reason: str | None, test: dict |
         "test_loss": test["loss"] if test else None,
         "train_loss": report.last_train_loss(out),
         "tasks": report.task_scores(training.metrics.task_history[-1]) if training.metrics.task_history else None,
+        "tasks_step": training.metrics.task_history[-1]["step"] if training.metrics.task_history else None,
         "backup_complete": None,  # null until the upload wait ends (or with no backup)
     }
 

@@ -995,6 +995,15 @@ def test_the_final_line_says_what_makes_a_missing_model():
     assert report.final_line(Path("run"), "COMPLETE", record) == "COMPLETE: step 12/12 | test loss 1.5000"
 
 
+def test_the_final_line_gives_the_last_task_scores_and_their_step_when_older():
+    record = {"step": 12, "total_steps": 12, "test_loss": 1.5, "test": {}, "tasks_step": 12,
+              "tasks": {"arc": {"acc": 0.31234, "chance": 0.25}, "mine": {"acc": 0.5, "chance": 0.5}}}
+    assert report.final_line(Path("run"), "COMPLETE", record) == (
+        "COMPLETE: step 12/12 | test loss 1.5000 | arc acc 0.312 (chance 0.250) | mine acc 0.500 (chance 0.500)")
+    record["tasks_step"] = 8  # a resume without --eval-tasks: the scores are the last ones taken
+    assert "| arc acc 0.312 at step 8 (chance 0.250) |" in report.final_line(Path("run"), "COMPLETE", record)
+
+
 # ----------------------------------------------------------------------------------------------
 # In-loop --eval-tasks: lm-eval's encoding and scoring rules, and when the tasks are scored.
 
