@@ -61,7 +61,7 @@ ABANDONED = "abandoned-{step:08d}"
 CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
-# trackers.json and the TensorBoard events file: report.TRACKERS_FILE, report.TENSORBOARD_EVENTS.
+# trackers.json and the TensorBoard events file: trackers.TRACKERS_FILE, trackers.TENSORBOARD_EVENTS.
 RUN_FILES = ("metrics.jsonl", "training_settings.json", "config.toml", "hardware.json", "run_status.json",
              "trackers.json", "events.out.tfevents.tinyllm")
 

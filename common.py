@@ -351,6 +351,11 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         raise UserError(f"{what} {path} is not valid JSON (not UTF-8 at byte {error.start})") from None
 
 
+def json_safe(value: Any) -> Any:
+    """`value` as JSON holds it: anything JSON has no type for (a Path, a tuple's kind) as its str or list."""
+    return json.loads(json.dumps(value, default=str))
+
+
 def read_json_or(path: str | os.PathLike, default: Any = None) -> Any:
     """The JSON in `path`, or `default` when it is missing, unreadable, broken or not of `default`'s type
     (a dict default: only a dict). For records that are a hint, not a promise: a broken one is no reason

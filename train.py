@@ -49,6 +49,7 @@ import hardware
 import losses
 import model_config
 import report
+import trackers
 from common import (
     ArgumentParser,
     UserError,
@@ -378,7 +379,7 @@ def check_settings(settings: Settings) -> None:
     run, invocation = settings.run, settings.invocation
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
     report.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
-    report.check_trackers(report.tracker_names(settings.session.log_to))
+    trackers.check_trackers(trackers.tracker_names(settings.session.log_to))
     if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
     if run.decay_fraction is not None and run.schedule == "cosine":
@@ -1187,9 +1188,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     note = store.previous_session_note(status.previous, training.step)
     if note:
         log(info, note)
-    trackers = report.open_trackers(report.tracker_names(session.log_to), out, training.run_id,
-                                    recorded_settings(training)) if info.is_main else []
-    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=trackers)
+    sinks = trackers.open_trackers(trackers.tracker_names(session.log_to), out, training.run_id,
+                                   recorded_settings(training)) if info.is_main else []
+    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
     checkpointer = store.Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     peak = write_run_files(training, settings, checkpointer, metrics, resume_path)

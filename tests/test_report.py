@@ -12,6 +12,7 @@ import torch
 import data
 import model_config
 import report
+import trackers
 from common import UserError, remove_temporaries, sha256_file, temporary_name
 
 # A tiny model memorizes these replies in a few seconds; generation must reproduce them exactly.
@@ -245,7 +246,7 @@ def test_eval_task_scores_get_a_second_panel(tmp_path, monkeypatch):
 def test_tensorboard_logger_writes_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = report.TensorBoardLogger(tmp_path)
+    logger = trackers.TensorBoardLogger(tmp_path)
     logger.log({"kind": "train", "step": 1, "tokens": 512, "loss": 3.5, "lr": 1e-3, "mfu": None, "time": "t"})
     logger.log({"kind": "train", "step": 2, "tokens": 1024, "loss": 3.0, "lr": 2e-3, "time": "t"})
     logger.log({"kind": "eval", "step": 2, "tokens": 1024, "val_loss": 3.2, "val_perplexity": 24.5})

@@ -19,6 +19,7 @@ from test_train import ROOT, options, write_tiny_corpus
 
 import checkpoint_cloud
 import report
+import trackers
 from common import UserError
 
 
@@ -29,12 +30,12 @@ from common import UserError
     ("", ()),
 ])
 def test_tracker_names(text, names):
-    assert report.tracker_names(text) == names
+    assert trackers.tracker_names(text) == names
 
 
 def test_an_unknown_tracker_is_one_error_line():
     with pytest.raises(UserError, match="--log-to: unknown tracker 'mlflow'; choose from tensorboard, wandb, trackio"):
-        report.check_trackers(report.tracker_names("wandb,mlflow"))
+        trackers.check_trackers(trackers.tracker_names("wandb,mlflow"))
 
 
 @pytest.mark.parametrize("step, logged_through, skipped", [
@@ -46,19 +47,19 @@ def test_an_unknown_tracker_is_one_error_line():
     (None, 6, False),  # a record without a step (none today) is not dropped
 ])
 def test_tracker_skips(step, logged_through, skipped):
-    assert report.tracker_skips(step, logged_through) is skipped
+    assert trackers.tracker_skips(step, logged_through) is skipped
 
 
 def test_scalars_and_tables_of_a_record():
     record = {"kind": "train", "step": 3, "time": "t", "loss": 2.5, "mfu": None, "ok": True, "note": "x",
               "samples": [{"prompt": "a", "completion": "b"}]}
-    assert report.scalars(record) == {"train/loss": 2.5}
-    assert report.table_rows(record) == {"train/samples": [{"prompt": "a", "completion": "b"}]}
+    assert trackers.scalars(record) == {"train/loss": 2.5}
+    assert trackers.table_rows(record) == {"train/samples": [{"prompt": "a", "completion": "b"}]}
 
 
 def test_wandb_run_id_is_accepted_by_wandb():
-    assert report.wandb_run_id("0123abcd") == "tinyllm-0123abcd"
-    assert report.wandb_run_id("a/b:c?" + "x" * 80) == ("tinyllm-a-b-c-" + "x" * 80)[:64]
+    assert trackers.wandb_run_id("0123abcd") == "tinyllm-0123abcd"
+    assert trackers.wandb_run_id("a/b:c?" + "x" * 80) == ("tinyllm-a-b-c-" + "x" * 80)[:64]
 
 
 def test_a_missing_tracker_package_is_one_error_line(monkeypatch):
@@ -67,7 +68,7 @@ def test_a_missing_tracker_package_is_one_error_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(UserError, match=r"--log-to wandb needs the wandb package: pip install wandb"):
-        report.check_trackers(["tensorboard", "wandb"])
+        trackers.check_trackers(["tensorboard", "wandb"])
 
 
 def tensorboard_scalars(run: Path, tag: str) -> list[tuple[int, float]]:
@@ -79,7 +80,7 @@ def tensorboard_scalars(run: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_tensorboard_rewind_rewrites_the_one_events_file(tmp_path):
-    metrics = report.MetricsLog(tmp_path / "metrics.jsonl", True, [report.TensorBoardLogger(tmp_path)])
+    metrics = report.MetricsLog(tmp_path / "metrics.jsonl", True, [trackers.TensorBoardLogger(tmp_path)])
     metrics.truncate_after(0)  # a fresh run
     for step in range(1, 7):
         metrics.write("train", step=step, loss=10.0 - step, mfu=None)
@@ -87,12 +88,12 @@ def test_tensorboard_rewind_rewrites_the_one_events_file(tmp_path):
     metrics.close()
     assert tensorboard_scalars(tmp_path, "train/loss")[-1] == (6, 4.0)
 
-    resumed = report.MetricsLog(tmp_path / "metrics.jsonl", True, [report.TensorBoardLogger(tmp_path)])
+    resumed = report.MetricsLog(tmp_path / "metrics.jsonl", True, [trackers.TensorBoardLogger(tmp_path)])
     resumed.truncate_after(4)  # the checkpoint of step 4: steps 5 and 6 are done again, differently
     for step in range(5, 9):
         resumed.write("train", step=step, loss=20.0 - step)
     resumed.close()
-    assert sorted(tmp_path.glob("*tfevents*")) == [tmp_path / report.TENSORBOARD_EVENTS]
+    assert sorted(tmp_path.glob("*tfevents*")) == [tmp_path / trackers.TENSORBOARD_EVENTS]
     assert tensorboard_scalars(tmp_path, "train/loss") == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0),
                                                            (6, 14.0), (7, 13.0), (8, 12.0)]
     assert tensorboard_scalars(tmp_path, "eval/val_loss") == [(4, 3.0)]
@@ -109,28 +110,28 @@ class FakeRun:
         self.finished = True
 
 
-def fake_tracker(state: report.TrackerState) -> report.StepTracker:
-    tracker = report.StepTracker(state)
+def fake_tracker(state: trackers.TrackerState) -> trackers.StepTracker:
+    tracker = trackers.StepTracker(state)
     tracker.run, tracker.module = FakeRun(), None
     return tracker
 
 
 def test_a_step_tracker_never_logs_a_step_twice_across_a_rewind(tmp_path):
-    state = report.TrackerState(tmp_path / "trackers.json")
+    state = trackers.TrackerState(tmp_path / "trackers.json")
     first = fake_tracker(state)
     for step in range(1, 7):
         first.log({"kind": "train", "step": step, "loss": 1.0})
     first.close()
     assert json.loads((tmp_path / "trackers.json").read_text()) == {"tracker": {"logged_through": 6}}
 
-    second = fake_tracker(report.TrackerState(tmp_path / "trackers.json"))  # resumed from step 4
+    second = fake_tracker(trackers.TrackerState(tmp_path / "trackers.json"))  # resumed from step 4
     second.rewind([{"kind": "train", "step": step, "loss": 1.0} for step in range(1, 5)])
     for step in range(5, 9):
         second.log({"kind": "train", "step": step, "loss": 2.0})
         second.log({"kind": "eval", "step": step, "val_loss": 3.0})  # the same step twice in one session: kept
     assert [step for step, _ in second.run.logged] == [7, 7, 8, 8]
 
-    late = fake_tracker(report.TrackerState(tmp_path / "other.json"))  # added to the run at its resume
+    late = fake_tracker(trackers.TrackerState(tmp_path / "other.json"))  # added to the run at its resume
     late.rewind([{"kind": "train", "step": step, "loss": 1.0} for step in range(1, 5)])
     assert [step for step, _ in late.run.logged] == [1, 2, 3, 4]
 
@@ -203,7 +204,7 @@ def test_three_resumes_are_one_curve_in_every_tracker(tmp_path, monkeypatch):
     output = train_cli([*args, "--backup-to", str(backup)], env).stdout
     assert "resumed from" in output
     restored = next(line for line in output.splitlines() if "restored into" in line)
-    assert "trackers.json" in restored and report.TENSORBOARD_EVENTS in restored  # the backup carried them
+    assert "trackers.json" in restored and trackers.TENSORBOARD_EVENTS in restored  # the backup carried them
 
     steps = list(range(1, 15))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
