@@ -400,12 +400,12 @@ def lm_eval_items(name: str, include: str | None = None) -> list[dict]:
     return items
 
 
-def load_loop_tasks(value: str, limit: int, kept: Path | None) -> list[LoopTask]:
+def load_loop_tasks(specs: Sequence[str], limit: int, kept: Path | None) -> list[LoopTask]:
     """--eval-tasks: its multiple-choice files, folders, lm-eval task YAML files and names, each cut to `limit`
     items (0: all) by seeded_subsample. An lm-eval task's items are read once and kept in `kept`/NAME.jsonl
     (RUN/eval_tasks), so a resumed run scores the same items without reaching the dataset again."""
     tasks = []
-    for task in resolve_tasks([value]):
+    for task in resolve_tasks(specs):
         if task["kind"] == "exact":
             raise UserError(f"--eval-tasks {task['path']}: an exact-match task (greedy replies) is scored by "
                             "`report.py evaluate`; the loop scores multiple-choice tasks")

@@ -223,9 +223,10 @@ class SessionSettings:
     eval_every: int | None = option(None, "validation every N steps (0: only at the end; None: a fifth of the run, "
                                           "at most 250 steps, so a short run shows a validation curve too)", SAVING,
                                     checks=(not_negative,))
-    eval_tasks: str = option("", "also score these multiple-choice tasks during training, comma-separated: "
-                                 "{context, choices, answer} JSONL files or folders, lm-eval task YAML files or "
-                                 "lm-eval task names (docs/evaluation.md#in-the-loop)", SAVING, metavar="TASKS")
+    eval_tasks: tuple[str, ...] | None = option(
+        None, "also score these multiple-choice tasks during training (also comma-separated): {context, choices, "
+              "answer} JSONL files or folders, lm-eval task YAML files or lm-eval task names "
+              "(docs/evaluation.md#in-the-loop)", SAVING, type=str, nargs="+", metavar="TASK")
     eval_tasks_every: int | None = option(None, "score --eval-tasks every N steps (0: only at the end; None: with "
                                                 "each validation)", SAVING, checks=(not_negative,))
     eval_tasks_limit: int = option(evaluation.DEFAULT_LOOP_LIMIT, "items per --eval-tasks task (a seeded, fixed "
@@ -346,7 +347,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
             args.target_tokens = None
     if args.out is None:
         raise UserError("--data needs --out RUN: the run folder for its checkpoints, metrics and status")
-    values = {**vars(args), "demo": demo, "argv": tuple(argv)}
+    values = {**vars(args), "demo": demo, "argv": tuple(argv),
+              "eval_tasks": tuple(args.eval_tasks) if args.eval_tasks else None}
 
     def group(kind):
         return kind(**{field.name: values[field.name] for field in dataclasses.fields(kind)})

@@ -215,24 +215,24 @@ def test_loop_tasks_from_files_and_lm_eval_yaml_are_cut_and_kept(exported, tmp_p
     yaml_file = tmp_path / "mine.yaml"
     yaml_file.write_text(evaluation.task_yaml("mine", str(items_file)))
     kept = tmp_path / "run" / evaluation.LOOP_TASKS_DIR
-    tasks = evaluation.load_loop_tasks(f"{items_file},{yaml_file}", 0, kept)
+    tasks = evaluation.load_loop_tasks([f"{items_file},{yaml_file}"], 0, kept)
     assert [(task.name, len(task.items)) for task in tasks] == [("local_words", 24), ("mine", 24)]
     assert list(tasks[0].items) == items and list(tasks[1].items) == items  # lm-eval's view of the same items
     assert evaluation.read_choice_items(kept / "mine.jsonl") == items
     items_file.rename(tmp_path / "gone.jsonl")  # the dataset is gone: the kept items are scored
     try:
-        again = evaluation.load_loop_tasks(str(yaml_file), 10, kept)
+        again = evaluation.load_loop_tasks([str(yaml_file)], 10, kept)
     finally:
         (tmp_path / "gone.jsonl").rename(items_file)
     pick = evaluation.seeded_subsample(24, 10)
     assert list(again[0].items) == [items[index] for index in pick]
     (tmp_path / "sums.jsonl").write_text('{"prompt": "What is 1 plus 2?", "answer": "3"}\n')
     with pytest.raises(UserError, match="exact-match task .* scored by `report.py evaluate`"):
-        evaluation.load_loop_tasks(str(tmp_path / "sums.jsonl"), 0, kept)
+        evaluation.load_loop_tasks([str(tmp_path / "sums.jsonl")], 0, kept)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "words.jsonl").write_text(items_file.read_text())
     with pytest.raises(UserError, match="more than one task named local_words"):
-        evaluation.load_loop_tasks(f"{items_file},{tmp_path / 'other' / 'words.jsonl'}", 0, kept)
+        evaluation.load_loop_tasks([str(items_file), str(tmp_path / "other" / "words.jsonl")], 0, kept)
     (tmp_path / "bad.yaml").write_text("dataset_path: json\n")
     with pytest.raises(UserError, match=r"bad.yaml: an lm-eval task YAML needs a `task: NAME` line"):
-        evaluation.load_loop_tasks(str(tmp_path / "bad.yaml"), 0, kept)
+        evaluation.load_loop_tasks([str(tmp_path / "bad.yaml")], 0, kept)

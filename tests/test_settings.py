@@ -150,8 +150,10 @@ def test_a_missing_config_file_is_one_error(tmp_path):
 
 def test_the_written_config_reads_back_as_the_same_settings(tmp_path):
     given = ["--data", str(tmp_path), "--out", "o", "--preset", "nano", "--epochs", "1.5", "--no-report",
-             "--8bit-adam", "--optimizer", "adamw", "--backup-to", str(tmp_path / "store"), "--resume", "none"]
+             "--8bit-adam", "--optimizer", "adamw", "--backup-to", str(tmp_path / "store"), "--resume", "none",
+             "--eval-tasks", "arc_easy", "mine.jsonl,piqa"]
     settings = train.parse_args(given)
+    assert settings.session.eval_tasks == ("arc_easy", "mine.jsonl,piqa")  # as report.py evaluate --tasks
     config = write(tmp_path / "config.toml", train.config_text(settings))
     again = train.parse_args(["--config", config])
     assert again.run == settings.run
