@@ -138,6 +138,7 @@ def continuation_log_likelihoods(model: torch.nn.Module, rows: list[tuple[list[i
     order = sorted(range(len(rows)), key=lambda index: -len(rows[index][0]))
     weight = model.lm_head.weight
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+    head = weight.to(dtype).t()  # cast once, not per batch
     sums = [0.0] * len(rows)
     start = 0
     while start < len(order):
@@ -157,10 +158,10 @@ def continuation_log_likelihoods(model: torch.nn.Module, rows: list[tuple[list[i
         hidden = model.model(input_ids=inputs.to(device)).last_hidden_state
         hidden = hidden.reshape(-1, hidden.size(-1))[torch.tensor(picked, device=device)]
         with torch.autocast(device.type, enabled=False):
-            logits = (hidden.to(dtype) @ weight.to(dtype).t()).float()
+            logits = (hidden.to(dtype) @ head).float()
         chosen = logits.log_softmax(-1).gather(1, torch.tensor(targets, device=device)[:, None]).squeeze(1)
         totals = torch.zeros(len(batch), dtype=torch.float64, device=device)
         totals.index_add_(0, torch.tensor(owners, device=device), chosen.double())
-        for row, index in enumerate(batch):
-            sums[index] = float(totals[row])
+        for index, total in zip(batch, totals.tolist()):  # one copy to the host per batch, not one per row
+            sums[index] = total
     return sums
