@@ -359,10 +359,9 @@ LOOP_TASKS_DIR = "eval_tasks"  # RUN/eval_tasks/NAME.jsonl: the items of an lm-e
 
 @dataclass(frozen=True)
 class LoopTask:
-    """A multiple-choice task scored during training: its name, where it came from, the items scored."""
+    """A multiple-choice task scored during training: its name and the items scored."""
 
     name: str
-    source: str
     items: tuple[dict, ...]
 
     @property
@@ -415,7 +414,7 @@ def load_loop_tasks(specs: Sequence[str], limit: int, kept: Path | None) -> list
             items = kept_lm_eval_items(task, kept)
         pick = seeded_subsample(len(items), limit or None)
         chosen = items if pick is None else [items[index] for index in pick]
-        tasks.append(LoopTask(task["name"], task["path"] or "lm-eval", tuple(chosen)))
+        tasks.append(LoopTask(task["name"], tuple(chosen)))
     names = [task.name for task in tasks]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:

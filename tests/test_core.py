@@ -1027,7 +1027,7 @@ def test_choice_counts_score_by_sum_by_character_and_by_byte():
     # (-2 over 2), per byte it wins (-1.5 over 2 bytes); item 3: a tie goes to the first choice
     counts = evaluation.choice_counts(items, [-1.0, -2.0, -1.5, -2.0, -1.0, -1.0, -1.0])
     assert counts == [1.0, 1.0, 2.0, 3.0]
-    tasks = [evaluation.LoopTask("t", "file", tuple(items))]
+    tasks = [evaluation.LoopTask("t", tuple(items))]
     assert evaluation.loop_scores(tasks, [counts]) == {"t": {"acc": 1 / 3, "acc_norm": 1 / 3, "acc_bytes": 2 / 3,
                                                               "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}}
 

@@ -203,7 +203,7 @@ def test_the_loops_log_likelihoods_and_scores_are_lm_evals(exported):
     lm_eval_scores, _ = evaluation.lm_eval_scores(str(model_dir), evaluation.resolve_tasks([str(items_file)]),
                                                   None, 8, "cpu", evaluation.DEFAULT_SEED)
     counts = evaluation.choice_counts(items, loop_log_likelihoods(model_dir, items, token_budget=10_000))
-    loop = evaluation.loop_scores([evaluation.LoopTask("local_words", str(items_file), tuple(items))], [counts])
+    loop = evaluation.loop_scores([evaluation.LoopTask("local_words", tuple(items))], [counts])
     for metric in ("acc", "acc_norm", "acc_bytes"):
         assert loop["local_words"][metric] == pytest.approx(lm_eval_scores["local_words"][metric], abs=1e-4)
 
