@@ -320,7 +320,8 @@ def _plot_task_scores(axes, records: list[dict]) -> None:
     from matplotlib.ticker import FuncFormatter
 
     names = list(dict.fromkeys(name for record in records for name in task_scores(record)))
-    for name, color in zip(names, [f"C{index}" for index in range(10)] * (len(names) // 10 + 1)):
+    for index, name in enumerate(names):
+        color = f"C{index % 10}"  # matplotlib's default cycle of ten colours
         for metric, style in (("acc", "o-"), ("acc_norm", "s:")):
             xs, ys = _series(records, "tasks", f"{name}/{metric}")
             axes.plot(xs, ys, style, color=color, markersize=4, linewidth=1.5, label=f"{name} {metric}")
