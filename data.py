@@ -1756,7 +1756,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataCommand, BuildSetting
     if args.demo:
         parser.set_defaults(**DEMO_BUILD_DEFAULTS)
         args = parser.parse_args(config_argv(parser, argv) + argv)
-    values = vars(args)
+    values = {**vars(args), "data": tuple(args.data) if args.data else None}
     command = DataCommand(**{field.name: values[field.name] for field in fields(DataCommand)})
     return command, BuildSettings(**{field.name: values[field.name] for field in fields(BuildSettings)}), parser
 
