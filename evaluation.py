@@ -83,9 +83,10 @@ def task_kind(path: Path) -> str:
                     'nor an exact-match one ({"prompt", "answer"} a line)')
 
 
-def resolve_tasks(specs: Sequence[str]) -> list[dict]:
+def resolve_tasks(specs: Sequence[str], flag: str = "--tasks") -> list[dict]:
     """--tasks values as [{"name", "kind": "lm_eval" | "choice" | "exact", "path"}]: a file, a folder of
-    *.jsonl files (each a task), or an lm-eval task name. Comma-separated values are split."""
+    *.jsonl files (each a task), or an lm-eval task name. Comma-separated values are split; errors name
+    `flag`, the option the specs came from."""
     tasks = []
     for spec in (part for value in specs for part in value.split(",") if part):
         path = Path(spec)
@@ -96,10 +97,10 @@ def resolve_tasks(specs: Sequence[str]) -> list[dict]:
         if path.is_dir():
             files = sorted(path.glob("*.jsonl"))
             if not files:
-                raise UserError(f"--tasks {spec}: the folder holds no *.jsonl task files")
+                raise UserError(f"{flag} {spec}: the folder holds no *.jsonl task files")
         elif path.suffix == ".jsonl" or path.exists():
             if not path.is_file():
-                raise UserError(f"--tasks {spec}: no such task file")
+                raise UserError(f"{flag} {spec}: no such task file")
             files = [path]
         else:
             tasks.append({"name": spec, "kind": "lm_eval", "path": None})
@@ -109,7 +110,7 @@ def resolve_tasks(specs: Sequence[str]) -> list[dict]:
             name = local_task_name(file) if kind == "choice" else file.stem
             tasks.append({"name": name, "kind": kind, "path": str(file.resolve())})
     if not tasks:
-        raise UserError("--tasks: give at least one task name, task file or folder")
+        raise UserError(f"{flag}: give at least one task name, task file or folder")
     return tasks
 
 
@@ -404,7 +405,7 @@ def load_loop_tasks(specs: Sequence[str], limit: int, kept: Path | None) -> list
     items (0: all) by seeded_subsample. An lm-eval task's items are read once and kept in `kept`/NAME.jsonl
     (RUN/eval_tasks), so a resumed run scores the same items without reaching the dataset again."""
     tasks = []
-    for task in resolve_tasks(specs):
+    for task in resolve_tasks(specs, "--eval-tasks"):
         if task["kind"] == "exact":
             raise UserError(f"--eval-tasks {task['path']}: an exact-match task (greedy replies) is scored by "
                             "`report.py evaluate`; the loop scores multiple-choice tasks")

@@ -233,6 +233,8 @@ def test_loop_tasks_from_files_and_lm_eval_yaml_are_cut_and_kept(exported, tmp_p
     (tmp_path / "other" / "words.jsonl").write_text(items_file.read_text())
     with pytest.raises(UserError, match="more than one task named local_words"):
         evaluation.load_loop_tasks([str(items_file), str(tmp_path / "other" / "words.jsonl")], 0, kept)
+    with pytest.raises(UserError, match="^--eval-tasks missing.jsonl: no such task file$"):  # its own option
+        evaluation.load_loop_tasks(["missing.jsonl"], 0, kept)
     (tmp_path / "bad.yaml").write_text("dataset_path: json\n")
     with pytest.raises(UserError, match=r"bad.yaml: an lm-eval task YAML needs a `task: NAME` line"):
         evaluation.load_loop_tasks([str(tmp_path / "bad.yaml")], 0, kept)
