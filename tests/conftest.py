@@ -40,3 +40,20 @@ def flip_byte():
         path.write_bytes(bytes(raw))
 
     return flip
+
+
+def pytest_report_header(config):
+    """Which CPU kernels this run's half-precision results come from (they differ between CPUs)."""
+    from pathlib import Path
+
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    present = [flag for flag in wanted if flag in flags] or ["none of " + ", ".join(wanted)]
+    return (f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"CPU features: {' '.join(present)}")
