@@ -43,6 +43,7 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported only where a corpus is read for training: data.py builds without it
     import torch
 
+import attention
 from common import (
     ArgumentParser,
     UserError,
@@ -1876,11 +1877,11 @@ BEST_FIT_WINDOW = 1024  # pieces best-fit packing chooses among (nanochat's buff
 
 
 class Batch(NamedTuple):
-    """One micro-batch: inputs and targets (B, C); segments (B, C), the document each input token belongs
-    to, numbered from 0 in each row, when attention is to stay inside documents (None: plain causal)."""
+    """One micro-batch: inputs and targets (B, C); documents (attention.Documents: each token's document and
+    position, the documents' starts) when attention is to stay inside documents (None: plain causal)."""
     inputs: torch.Tensor
     targets: torch.Tensor
-    segments: torch.Tensor | None = None
+    documents: attention.Documents | None = None
 
 
 def document_pieces(ends: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -2019,7 +2020,8 @@ class TokenSplit:
 def to_batch(rows: list[tuple[TokenSplit, int]], device: torch.device) -> Batch:
     """The Batch of these (split, row) pairs on `device` (the splits alike in context, packing and counted
     classes: one corpus' split, or the sources of a mixture): targets the loss does not count, and a
-    "bestfit" row's padding, are IGNORE_INDEX; "masked" adds each token's document (segments)."""
+    "bestfit" row's padding, are IGNORE_INDEX; "masked" adds the documents (attention.documents_of, on the
+    host: the device never waits to learn where they start)."""
     import torch
 
     first = rows[0][0]
@@ -2031,10 +2033,9 @@ def to_batch(rows: list[tuple[TokenSplit, int]], device: torch.device) -> Batch:
     elif first.packing == "bestfit":
         lengths = np.array([split.row_tokens(index) for split, index in rows])
         targets[np.arange(first.context)[None, :] >= lengths[:, None] - 1] = IGNORE_INDEX
-    tensors = [np.ascontiguousarray(array[:, :-1]), targets]
+    tensors = [torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)]
     if first.packing == "masked":
-        tensors.append(np.stack([split.block_segments(index) for split, index in rows]))
-    tensors = [torch.from_numpy(tensor) for tensor in tensors]
+        tensors.append(attention.documents_of(np.stack([split.block_segments(index) for split, index in rows])))
     if device.type == "cuda":
         tensors = [tensor.pin_memory().to(device, non_blocking=True) for tensor in tensors]
     return Batch(*tensors)

@@ -7,9 +7,7 @@ test fakes a T4, an A100 or a CPU without one. The rules:
 - precision: fp16 + GradScaler below sm_80 (P100, V100, T4 have fp16 tensor cores and no bf16
   ones: `torch.cuda.is_bf16_supported()` says True there because it counts emulation), bf16 from
   sm_80 (A100, A10, L4, H100), fp32 on CPU;
-- attention: the SDPA kernel the card runs for the run's dtype, whether its K/V heads must be
-  repeated (the memory-efficient kernel), the causal mask under torch.compile, and which fused
-  kernels keep their backward deterministic (--deterministic);
+- attention: attention.choose_attention takes a Device from here (the kernels live in attention.py);
 - Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
 - peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md;
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import UserError
-from model_config import CONTIGUOUS, REPEATED_KV, SDPA_CAUSAL, Preset, parameter_count
+from model_config import Preset, parameter_count
 
 MIN_TORCH = (2, 9)  # torch.optim.Muon (2.9), torch.nn.utils.get_total_norm (2.6)
 
@@ -157,57 +155,6 @@ def precision_change(old: str, new: str, device: Device) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention: which SDPA kernel runs, and how the model must call it.
-
-
-
-FUSED_BACKENDS = ("flash", "efficient", "cudnn")  # torch.nn.attention.SDPBackend, by their kernel names
-DETERMINISTIC_BACKENDS = ("flash", "efficient")
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    kernel: str  # "flash", "efficient" (memory-efficient), "math", "cpu flash"
-    implementation: str  # one of SDPA_CAUSAL, REPEATED_KV, CONTIGUOUS
-    fused_only: bool  # train inside sdpa_kernel(backends): a fallback to math is an error, not silent
-    reason: str
-    backends: tuple[str, ...] = ()  # the SDPA backends a fused plan allows (FUSED_BACKENDS' names)
-
-
-def choose_attention(device: Device, precision: str, head_dim: int, deterministic: bool = False) -> AttentionPlan:
-    """The SDPA kernel for this device and autocast dtype, read off torch's dispatch rules (sdp_utils.cpp):
-
-    - flash: sm_80+, fp16/bf16, head_dim <= 256, takes grouped K/V heads, no mask;
-    - memory-efficient: any CUDA card, fp16/fp32 (bf16 from sm_80), takes an additive mask; K/V heads
-      repeated, since the grouped heads it would need are not in every torch's dispatch;
-    - math: anything else (full scores in memory).
-    Under torch.compile the causal mask stays is_causal (train.causal_sdpa_mask) whatever the kernel.
-    The training start probes the plan with a forward and backward (train.py); a kernel that still
-    refuses the model falls back to math with a warning.
-
-    deterministic (--deterministic, under torch.use_deterministic_algorithms(True) with warn_only=False):
-    flash and memory-efficient stay, since torch then runs their deterministic backwards (flash's
-    `deterministic` mode; memory-efficient with num_splits_key = 1, no atomic adds across key blocks;
-    attention_backward.cu); cuDNN's is not deterministic and is left out (torch's
-    check_cudnn_deterministic refuses it too). The CPU kernels are deterministic anyway.
-    """
-    if not device.is_cuda:
-        return AttentionPlan("cpu flash", CONTIGUOUS, False, "CPU: SDPA's flash kernel, heads made contiguous")
-    where = device.label()
-    backends = DETERMINISTIC_BACKENDS if deterministic else FUSED_BACKENDS
-    note = ", deterministic backward" if deterministic else ""
-    half = precision in ("fp16", "bf16")
-    if half and device.capability >= (8, 0) and head_dim <= 256:
-        return AttentionPlan("flash", SDPA_CAUSAL, True, f"flash attention ({precision} on {where}{note})", backends)
-    if precision in ("fp16", "fp32") or device.native_bf16:
-        return AttentionPlan("efficient", REPEATED_KV, True,
-                             f"memory-efficient attention ({precision} on {where}{note}), K/V heads repeated",
-                             backends)
-    return AttentionPlan("math", SDPA_CAUSAL, False,
-                         f"math attention (emulated bf16 on {where}: no fused kernel takes it)")
-
-
-# ----------------------------------------------------------------------------------------------
 # Muon's Newton-Schulz iteration, and the order of torch.compile and DDP.
 
 
@@ -270,10 +217,11 @@ class StepMemory:
     optimizer: int  # AdamW: two fp32 moments; Muon: one fp32 momentum (the hidden matrices)
     activations: int  # what the decoder keeps for the backward
     logits: int  # one chunk of the loss at a time
+    attention: int = 0  # the attention path's own: document masks, or the varlen kernels' logsumexp
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.attention
 
 
 def layer_activation_bytes(preset: Preset, precision: str) -> int:
@@ -293,13 +241,37 @@ def layer_activation_bytes(preset: Preset, precision: str) -> int:
     return norms + attention + 4 * element * i
 
 
+def attention_bytes(kernel: str, preset: Preset, batch_size: int, context: int, precision: str,
+                    grad_checkpoint: bool) -> int:
+    """What one step's attention holds beyond layer_activation_bytes, by kernel (attention.AttentionPlan's
+    names), for micro-batches with document boundaries:
+    - the masked kernels: the (B, 1, C, C) boolean mask, and per layer the additive mask SDPA makes of it
+      and keeps for the backward (B C^2 in the compute dtype: 16 MiB at 8 x 1024 in half, measured on CPU);
+      "masked math" also the scores and their softmax (B H C^2, fp32 and the compute dtype);
+    - the varlen kernels: per layer the fp32 logsumexp (H per token), the efficient kernel also its K/V
+      heads repeated to the query heads (kept as its inputs); cu_seqlens is a few bytes.
+    Under --grad-checkpoint only one layer's is held at a time."""
+    element = 2 if precision in ("fp16", "bf16") else 4
+    layers = 1 if grad_checkpoint else preset.layers
+    tokens = batch_size * context
+    if kernel.startswith("masked"):
+        square = batch_size * context * context
+        per_layer = square * element + (preset.heads * square * (4 + element) if kernel == "masked math" else 0)
+        return square + layers * per_layer
+    if kernel.endswith("varlen"):
+        repeated = 2 * (preset.heads - preset.kv_heads) * preset.head_dim * element if kernel.startswith(
+            "efficient") else 0
+        return layers * tokens * (4 * preset.heads + repeated)
+    return 0
+
+
 def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str, optimizer: str,
-                grad_checkpoint: bool, chunk_tokens: int | None = None) -> StepMemory:
+                grad_checkpoint: bool, chunk_tokens: int | None = None, attention: str = "flash") -> StepMemory:
     """The memory model of one step at micro-batch batch_size x context. An estimate for choosing a split,
     checked against a measured CPU step in bench/bench_memory.py. `chunk_tokens`: the loss's chunk
     (default: logits_chunk_tokens; batch_size * context is the whole batch's logits at once, the loss before
     chunking). Under --grad-checkpoint a layer keeps only its fp32 input, and the backward recomputes one
-    layer at a time."""
+    layer at a time. `attention`: the kernel of a micro-batch with document boundaries (attention_bytes)."""
     parameters = parameter_count(preset, vocab)
     matrices = preset.layers * (preset.hidden * preset.head_dim * 2 * (preset.heads + preset.kv_heads)
                                 + 3 * preset.hidden * preset.intermediate)
@@ -312,7 +284,8 @@ def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, preci
     activations = tokens * (kept + 16 * preset.hidden)  # + the embedding, the final norm, the loss's gradient
     chunk = min(tokens, chunk_tokens or logits_chunk_tokens(vocab))
     logits = chunk * vocab * (12 if half else 8) + vocab * preset.hidden * 4  # + the head's fp32 gradient
-    return StepMemory(weights, 4 * parameters, optimizer_bytes, activations, logits)
+    attention_held = attention_bytes(attention, preset, batch_size, context, precision, grad_checkpoint)
+    return StepMemory(weights, 4 * parameters, optimizer_bytes, activations, logits, attention_held)
 
 
 @dataclass(frozen=True)
@@ -332,13 +305,13 @@ def usable_memory_bytes(device: Device) -> int:
 
 
 def fitting_split(preset: Preset, vocab: int, batch_size: int, grad_accum: int, context: int, precision: str,
-                  optimizer: str, grad_checkpoint: bool, device: Device) -> Split | None:
+                  optimizer: str, grad_checkpoint: bool, device: Device, attention: str = "flash") -> Split | None:
     """The first split smaller than batch_size x grad_accum (the same global batch: every step reads the
     same samples) whose step_memory fits `device`, or None. Smaller micro-batches come first (each a
     divisor of batch_size, the largest first), then --grad-checkpoint (a third more compute) from the
     whole micro-batch down."""
     def split(micro: int, checkpoint: bool) -> Split:
-        memory = step_memory(preset, vocab, micro, context, precision, optimizer, checkpoint)
+        memory = step_memory(preset, vocab, micro, context, precision, optimizer, checkpoint, attention=attention)
         return Split(micro, grad_accum * batch_size // micro, checkpoint, memory)
 
     smaller = [micro for micro in range(batch_size - 1, 0, -1) if batch_size % micro == 0]
@@ -355,15 +328,16 @@ def memory_text(size: int) -> str:
 
 def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_size: int, grad_accum: int,
                          context: int, precision: str, optimizer: str, grad_checkpoint: bool,
-                         device: Device) -> str:
+                         device: Device, attention: str = "flash") -> str:
     """What a CUDA out-of-memory error in a step says: the micro-batch, the estimate, a split that fits."""
-    now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint)
+    now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint,
+                      attention=attention)
     flags = Split(batch_size, grad_accum, grad_checkpoint, now).options()
     text = (f"CUDA out of memory on {device.label()} ({memory_text(device.memory_bytes)}): {preset_name} at "
             f"micro-batch {batch_size} x {context} tokens ({flags}, {precision}) needs about "
             f"{memory_text(now.total)} by hardware.step_memory")
     split = fitting_split(preset, vocab, batch_size, grad_accum, context, precision, optimizer, grad_checkpoint,
-                          device)
+                          device, attention)
     if now.total <= usable_memory_bytes(device):
         text += " (it should fit: is another process using the card? nvidia-smi shows)"
     if split is None:

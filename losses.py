@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import torch
 
+import attention
 import data
 import hardware
-import model_config
 
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                         reduction: str = "mean", chunk_tokens: int | None = None,
-                        segments: torch.Tensor | None = None) -> torch.Tensor:
+                        documents: attention.Documents | None = None) -> torch.Tensor:
     """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits;
-    with `segments` (data.Batch), attention and positions stay inside each document (document_attention).
+    with `documents` (data.Batch's), attention and positions stay inside each document (attention.py).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
@@ -28,11 +28,7 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
     to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction {reduction!r}: 'mean' or 'sum'")
-    if segments is None:
-        hidden = model.model(input_ids=inputs).last_hidden_state
-    else:
-        positions, mask = model_config.document_attention(segments)
-        hidden = model.model(input_ids=inputs, position_ids=positions, attention_mask=mask).last_hidden_state
+    hidden = model.model(input_ids=inputs, **attention.decoder_inputs(model, documents)).last_hidden_state
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     weight = model.lm_head.weight
     chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0))
@@ -124,8 +120,8 @@ class LanguageModelLoss(torch.nn.Module):
         self.model = model
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
-                segments: torch.Tensor | None = None) -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets, reduction, segments=segments)
+                documents: attention.Documents | None = None) -> torch.Tensor:
+        return language_model_loss(self.model, inputs, targets, reduction, documents=documents)
 
 
 @torch.no_grad()

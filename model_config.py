@@ -6,7 +6,6 @@ the shape of everything else. `think72` has exactly 72,000,000 parameters at voc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -111,10 +110,12 @@ def build_model(preset: Preset, vocab_size: int, special_tokens: dict | None = N
 
 def build_training_model(preset: Preset, vocab_size: int, special_tokens: dict | None, device,
                          activation_checkpointing: bool):
-    """build_model on `device`, in training mode: no KV cache (training never generates), and each
-    layer's activations recomputed in the backward with `activation_checkpointing` (--grad-checkpoint)."""
+    """build_model on `device`, in training mode: no KV cache (training never generates), norms and RoPE
+    in the autocast dtype (autocast_elementwise), and each layer's activations recomputed in the backward
+    with `activation_checkpointing` (--grad-checkpoint)."""
     model = build_model(preset, vocab_size, special_tokens or {}).to(device)
     model.config.use_cache = False
+    autocast_elementwise(model)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     return model.train()
@@ -149,149 +150,56 @@ def flops_per_token(preset: Preset, vocab_size: int, context: int | None = None)
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention: train.py's own implementations (names registered with transformers' AttentionInterface),
-# for shapes and devices where the stock ones fail or are slow; hardware.choose_attention picks one.
-# An exported model is switched back to the standard "sdpa", which computes the same thing.
+# The elementwise work of a training step in the autocast dtype. transformers' Qwen3 computes its RMSNorms
+# and RoPE in fp32 whatever the autocast (the norm weights and the RoPE tables are fp32), so under fp16/bf16
+# every norm writes fp32 that each of the linears after it casts again, and RoPE runs in fp32: memory
+# traffic a card waits on (bench/bench_roofline.py counts it). The weights, the export and the GGUF are
+# the same; without autocast (fp32, and the CPU) the stock forwards run unchanged.
 
 
-SDPA_CAUSAL = "sdpa_causal"  # transformers' own SDPA attention under train.py's causal mask function
-REPEATED_KV = "sdpa_repeated_kv"  # K/V heads repeated to the query heads (no enable_gqa)
-CONTIGUOUS = "sdpa_contiguous"  # heads laid out contiguously first (CPU flash kernel)
+def _autocast_dtype(tensor):
+    import torch
+
+    device_type = tensor.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def sdpa_with_repeated_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                          **kwargs):
-    """SDPA with the K/V heads repeated up to the query heads (no enable_gqa), as transformers' "sdpa"
-    computes it otherwise; registered with transformers' AttentionInterface."""
+def _autocast_rms_norm_forward(self, hidden_states):
+    """RMSNorm in one fused op (F.rms_norm, fp32 arithmetic inside) whose output is in the autocast dtype:
+    an fp32 input (the residual stream) is normalized in fp32 and rounded once, as the linears after it
+    would round it; a half input (q/k norm) stays half."""
+    import torch
     import torch.nn.functional as F
-    from transformers.integrations.sdpa_attention import repeat_kv
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                            scale=scaling, is_causal=causal)
-    return output.transpose(1, 2).contiguous(), None
+    dtype = _autocast_dtype(hidden_states)
+    if dtype is None:
+        return type(self).stock_forward(self, hidden_states)
+    with torch.autocast(hidden_states.device.type, enabled=False):  # CUDA autocast runs rms_norm in fp32
+        weight = self.weight if hidden_states.dtype == torch.float32 else self.weight.to(hidden_states.dtype)
+        return F.rms_norm(hidden_states, (hidden_states.size(-1),), weight, self.variance_epsilon).to(dtype)
 
 
-
-def sdpa_with_contiguous_heads(module, query, key, value, *args, **kwargs):
-    """transformers' "sdpa" with query, key and value laid out (batch, heads, tokens, dim) in memory first.
-
-    Why: the projections give head-transposed views, and PyTorch's CPU flash-attention kernel runs
-    slower on those (forward + backward of one `micro` layer: ~20 ms on views, ~17 ms contiguous).
-    Eagerly it costs a small copy of V (Q and K come out of RoPE contiguous already); under
-    torch.compile the layout is fused into the kernels before it. The result is the same attention.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
+def _autocast_rotary_forward(self, x, position_ids):
+    """RoPE's cos and sin tables in the autocast dtype (computed in fp32, rounded once), so the rotation of
+    the half-precision q and k runs in half precision (as nanochat and modded-nanogpt do)."""
+    cos, sin = type(self).stock_forward(self, x, position_ids)
+    dtype = _autocast_dtype(x)
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
-
-def sdpa_as_transformers(module, query, key, value, *args, **kwargs):
-    """transformers' own "sdpa" attention, registered under train.py's name so that it gets causal_sdpa_mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+_AUTOCAST_CLASSES: dict[type, type] = {}
 
 
-
-OWN_ATTENTIONS = {REPEATED_KV: sdpa_with_repeated_kv, CONTIGUOUS: sdpa_with_contiguous_heads,
-                  SDPA_CAUSAL: sdpa_as_transformers}
-
-
-
-def causal_sdpa_mask(**kwargs):
-    """transformers' sdpa_mask, except that under torch.compile a causal mask without padding or cache
-    offset is left to SDPA's is_causal, as it is eagerly.
-
-    Why: while tracing, transformers cannot tell whether the position ids restart (packed sequences)
-    and builds the full mask; SDPA then repeats the K/V heads and its flash kernel computes the whole
-    masked upper triangle (compiled `micro` attention: ~120 ms per step against ~95 ms eagerly).
-    train.py's compiled model only ever sees whole blocks: no padding, no position ids of its own.
-    """
-    import torch
-    from transformers.masking_utils import sdpa_mask
-
-    plain_causal = (torch.compiler.is_compiling() and kwargs.get("attention_mask") is None
-                    and kwargs.get("local_size") is None and not kwargs.get("q_offset")
-                    and not kwargs.get("kv_offset") and kwargs["q_length"] == kwargs["kv_length"])
-    return None if plain_causal else sdpa_mask(**kwargs)
-
-
-
-def document_attention(segments):
-    """(position_ids, attention mask) that keep each token inside its document: RoPE positions restart
-    at 0 where a document starts, and a boolean (B, 1, C, C) mask lets a token see only the earlier tokens
-    of its own document (block-diagonal and causal). `segments` (B, C): each token's document, increasing
-    along a row. transformers passes a 4-D mask to the attention as it is, eagerly and under torch.compile;
-    SDPA's CPU flash and CUDA memory-efficient kernels take it (flash attention on CUDA does not)."""
-    import torch
-
-    index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    positions = index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    same = segments[:, :, None] == segments[:, None, :]
-    causal = torch.ones(segments.size(1), segments.size(1), dtype=torch.bool, device=segments.device).tril()
-    return positions, (same & causal)[:, None]
-
-
-def use_attention(model, name: str) -> None:
-    """Switch `model` to one of OWN_ATTENTIONS, with the masks "sdpa" gets (without a registered mask
-    function, transformers passes custom attentions no padding mask at all)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, OWN_ATTENTIONS[name])
-    AttentionMaskInterface.register(name, causal_sdpa_mask)
-    model.set_attn_implementation(name)
-
-
-def apply_attention_plan(model, plan, probe_step) -> tuple:
-    """Make `plan` (hardware.choose_attention's) so on `model`: (a context manager factory every forward
-    runs in, what the run uses, a warning or None).
-
-    Every plan goes through one of OWN_ATTENTIONS, so that under torch.compile the causal mask stays
-    SDPA's is_causal (causal_sdpa_mask) instead of a dense mask tensor. A fused plan runs inside
-    sdpa_kernel(its backends only): `probe_step(context)` (a forward and backward) checks that the
-    kernel takes this model, and the math fallback is taken, with the warning, only if not."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    use_attention(model, plan.implementation)
-    if not plan.fused_only:
-        return contextlib.nullcontext, plan.reason, None
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "cudnn": SDPBackend.CUDNN_ATTENTION}
-    fused = [backends[name] for name in plan.backends]
-    try:
-        probe_step(lambda: sdpa_kernel(fused))
-    except RuntimeError as error:
-        use_attention(model, SDPA_CAUSAL)
-        return (contextlib.nullcontext, f"math fallback (planned: {plan.reason})",
-                f"the planned {plan.reason} does not take this model ({str(error).splitlines()[0][:200]}); "
-                "attention uses the slower math kernel")
-    finally:
-        model.zero_grad(set_to_none=True)
-    return (lambda: sdpa_kernel(fused)), plan.reason, None
-
-
-@contextlib.contextmanager
-def exportable(model):
-    """The model as transformers loads it anywhere, for the length of an export: KV cache on, the
-    standard "sdpa" attention (which computes what OWN_ATTENTIONS do); as it was again afterwards."""
-    config = model.config
-    use_cache, attention = config.use_cache, config._attn_implementation
-    config.use_cache = True
-    if attention in OWN_ATTENTIONS:
-        model.set_attn_implementation("sdpa")
-    try:
-        yield model
-    finally:
-        config.use_cache = use_cache
-        if attention in OWN_ATTENTIONS:
-            model.set_attn_implementation(attention)
+def autocast_elementwise(model) -> None:
+    """Give `model`'s RMSNorms and rotary embedding the forwards above (a subclass of each stock class, so
+    the modules, parameters and state_dict stay the stock ones)."""
+    forwards = {"RMSNorm": _autocast_rms_norm_forward, "RotaryEmbedding": _autocast_rotary_forward}
+    for module in model.modules():
+        stock = type(module)
+        kind = next((kind for kind in forwards if stock.__name__.endswith(kind)), None)
+        if kind is None or hasattr(stock, "stock_forward"):
+            continue
+        if stock not in _AUTOCAST_CLASSES:
+            _AUTOCAST_CLASSES[stock] = type(f"Autocast{stock.__name__}", (stock,),
+                                            {"stock_forward": stock.forward, "forward": forwards[kind]})
+        module.__class__ = _AUTOCAST_CLASSES[stock]

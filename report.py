@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+import attention
 import checkpoint_cloud
 import checkpoint_store as store
 import evaluation
@@ -660,7 +661,8 @@ def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dic
             config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=stops,
                                       pad_token_id=tokenizer.pad_token_id, use_cache=True,
                                       **sampling.generation_options())
-            with torch.no_grad(), seeded_sampling(sampling, start, device):
+            # the stock "sdpa" attention: the training kernels take no padding mask (attention.exportable)
+            with torch.no_grad(), seeded_sampling(sampling, start, device), attention.exportable(model):
                 output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                         generation_config=config)
             for index, row in zip(chunk, output[:, prompt_length:].tolist()):
@@ -702,7 +704,7 @@ def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_toke
             config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=[eos],
                                       pad_token_id=tokenizer.pad_token_id, use_cache=True,
                                       **sampling.generation_options())
-            with torch.no_grad(), seeded_sampling(sampling, number, device):
+            with torch.no_grad(), seeded_sampling(sampling, number, device), attention.exportable(model):
                 output = model.generate(input_ids=torch.tensor([ids], device=device),
                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                                         generation_config=config)
@@ -1147,7 +1149,7 @@ def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, dev
                           step * int(training["tokens_per_step"]), recorded,
                           checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
                           usage_example_from(corpus, tokenizer))
-    with model_config.exportable(model):
+    with attention.exportable(model):
         model_files = export_hf_model(model, tokenizer, out / "model", info_card)
     print(f"exported {path} (step {step}/{total}, {status}) to {out / 'model'}: "
           + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
@@ -1263,7 +1265,6 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
     (the model card says the run is unfinished). `training`: train.Training; `settings`: its recorded ones.
     """
     import data
-    import model_config
 
     errors: dict[str, str] = {}
     corpus = training.corpus
@@ -1302,7 +1303,7 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
                          training.step * training.tokens_per_step, settings,
                          training.metrics.last_eval, test, found.get("task_accuracy"),
                          usage_example_from(corpus, tokenizer))
-        with model_config.exportable(training.model):
+        with attention.exportable(training.model):
             model_files = attempt("export", lambda: export_hf_model(training.model, tokenizer, out / "model", info))
         if model_files is not None:
             found["model_files"] = model_files

@@ -9,8 +9,8 @@
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
 top-down: options (each declared once), the recipe, Training (one step counter), the run (main,
 the loop), its lifecycle, and the glue to checkpoint_store.py (which holds the checkpoint rules).
-Its siblings hold the rest: the corpus reader and data order (data.py), the attention
-implementations (model_config.py), per-device rules and measurements (hardware.py), the ranks
+Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
+attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
 restart is a small object with state_dict()/load_state_dict(): the data order, the optimizers, the
 loss scaler, the RNG of every rank and the run metrics; the store.Checkpointer writes them on a
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import attention
 import checkpoint_cloud
 import checkpoint_store as store
 import data
@@ -743,7 +744,7 @@ class Training:
         self.lineage: dict | None = None  # where --init-from took the first weights from
         self.extensions: list[dict] = []  # each resume that changed the run's length (extension)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
-        self.sdpa_context, self.sdpa = choose_attention(self)
+        self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
         self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
                                                            hardware.wrap_order(session.compile, info.world))
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
@@ -784,9 +785,9 @@ class Training:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
             if model is None:
-                return self.forward_model(batch.inputs, batch.targets, reduction, batch.segments)
+                return self.forward_model(batch.inputs, batch.targets, reduction, batch.documents)
             return losses.language_model_loss(model, batch.inputs, batch.targets, reduction,
-                                              segments=batch.segments)
+                                              documents=batch.documents)
 
     def train_step(self) -> StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
@@ -849,19 +850,26 @@ class Training:
 
 
 def choose_attention(training: Training):
-    """hardware.choose_attention's plan for this card and dtype, applied (model_config.apply_attention_plan)."""
-    plan = hardware.choose_attention(training.hardware, training.precision, training.preset.head_dim,
-                                     training.session.deterministic)
-    probe = torch.zeros(1, training.context, dtype=torch.long, device=training.device)
+    """attention.choose_attention's plan for this card and dtype, applied (attention.apply_attention_plan),
+    probed on the real paths: a micro-batch with a document boundary and one without."""
+    plan = attention.choose_attention(training.hardware, training.precision, training.preset.head_dim)
+    problem = attention.check_plan(plan, training.context)
+    if problem:
+        raise UserError(problem)
+    probe = torch.zeros(2, training.context, dtype=torch.long, device=training.device)
+    documents = attention.probe_documents(2, training.context).to(training.device)
 
     def probe_step(kernels):
-        with kernels(), training.autocast():
-            training.model(input_ids=probe).logits.float().sum().backward()
+        for batch_documents in (documents, None):
+            with kernels(), training.autocast():
+                hidden = training.model.model(input_ids=probe, **attention.decoder_inputs(training.model,
+                                                                                          batch_documents))
+                hidden.last_hidden_state.float().sum().backward()
 
-    context, reason, warning = model_config.apply_attention_plan(training.model, plan, probe_step)
-    if warning or (not plan.fused_only and training.hardware.is_cuda):
+    context, label, warning = attention.apply_attention_plan(training.model, plan, probe_step)
+    if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
-    return context, reason
+    return plan, context, label
 
 
 def read_mixture(training: Training, manifest: dict) -> tuple[dict[str, list[data.TokenSplit]], list[str]]:
@@ -1814,7 +1822,8 @@ def out_of_memory_advice(training: Training) -> str:
     run, session = training.run, training.session
     return hardware.out_of_memory_advice(run.preset, training.preset, training.vocab_size, session.batch_size,
                                          session.grad_accum, training.context, training.precision,
-                                         training.recipe.optimizer, session.grad_checkpoint, training.hardware)
+                                         training.recipe.optimizer, session.grad_checkpoint, training.hardware,
+                                         training.attention_plan.documents if run.packing == "masked" else "flash")
 
 
 def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,

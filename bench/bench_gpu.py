@@ -8,7 +8,7 @@
     python bench/bench_gpu.py --predict-only            # the throughput prediction table of docs/training.md
 
 It needs nothing beyond requirements.txt. It first prints what `--precision auto` resolves to on this
-card and why (hardware.choose_precision, choose_attention, newton_schulz_dtype), the card's row of
+card and why (hardware.choose_precision, attention.choose_attention, newton_schulz_dtype), the card's row of
 hardware.CARDS and the predicted think72 step (hardware.predict_card). Then the parts, in this order
 (cheap correctness checks before the long compiles, so that a short budget still covers them):
 
@@ -650,12 +650,13 @@ def machine_facts(info, args: argparse.Namespace) -> dict:
     import torch
     import transformers
 
+    import attention
     import train
 
     device = hardware.describe(info.device)
     preset = model_config.resolve_preset(args.preset, context=args.context)
     precision = hardware.choose_precision("auto", device)
-    attention = hardware.choose_attention(device, precision.value, preset.head_dim)
+    plan = attention.choose_attention(device, precision.value, preset.head_dim)
     card = hardware.card_of(device)
     facts = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device.label(),
@@ -663,7 +664,7 @@ def machine_facts(info, args: argparse.Namespace) -> dict:
         "transformers": transformers.__version__, "python": platform.python_version(),
         "memory_gib": round(device.memory_bytes / 2**30, 1), "gpus": device.count if device.is_cuda else 0,
         "precision_auto": precision.value, "precision_reason": precision.reason,
-        "attention_kernel": attention.kernel, "attention_reason": attention.reason,
+        "attention_kernel": plan.label(), "attention_reason": plan.reason,
         "newton_schulz_dtype": hardware.newton_schulz_dtype(device),
         "wrap_order": hardware.wrap_order(True, info.world),
         "card": dataclasses.asdict(card) if card else None,

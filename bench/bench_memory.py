@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import attention  # noqa: E402
 import hardware  # noqa: E402
 import losses  # noqa: E402
 import model_config  # noqa: E402
@@ -75,7 +76,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     preset = model_config.resolve_preset(args.preset, context=args.context)
     model = model_config.build_model(preset, args.vocab)
     model.config.use_cache = False
-    model_config.use_attention(model, model_config.CONTIGUOUS)  # as train.py runs on CPU
+    attention.use_attention(model, attention.MASKED)  # as train.py runs on CPU
     model.train()
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randint(0, args.vocab, (args.batch_size, args.context), generator=generator)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attention
 import data
 import hardware
 import losses
@@ -25,7 +26,7 @@ HALF_ERROR_FACTOR = 2.0
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], VOCAB)
-    model_config.use_attention(model, "sdpa_contiguous")
+    attention.use_attention(model, attention.MASKED)
     return model
 
 
@@ -151,14 +152,15 @@ def test_segments_keep_attention_and_positions_inside_each_document():
     model = tiny_model().eval()
     inputs, targets = batch(ignored=False)
     segments = torch.tensor([[0] * 12 + [1] * 20, [0] * 32, [0] * 5 + [1] * 5 + [2] * 22, [0] * 31 + [1]])
+    documents = attention.documents_of(segments.numpy())
     module = losses.LanguageModelLoss(model)
     with torch.no_grad():
-        masked = losses.language_model_loss(model, inputs, targets, "sum", segments=segments)
+        masked = losses.language_model_loss(model, inputs, targets, "sum", documents=documents)
         alone = sum(losses.language_model_loss(model, inputs[row: row + 1, segments[row] == document],
                                                targets[row: row + 1, segments[row] == document], "sum")
                     for row in range(BATCH) for document in segments[row].unique())
         across = losses.language_model_loss(model, inputs, targets, "sum")
-        assert module(inputs, targets, segments=segments).item() == pytest.approx(masked.item() / targets.numel(),
+        assert module(inputs, targets, documents=documents).item() == pytest.approx(masked.item() / targets.numel(),
                                                                                 rel=1e-5)
         assert module(inputs, targets).item() == pytest.approx(across.item() / targets.numel(), rel=1e-6)
     assert masked.item() == pytest.approx(alone.item(), rel=1e-5)
@@ -235,8 +237,8 @@ def test_segments_give_the_decoder_positions_restarting_at_each_document():
     forward = model.model.forward
     model.model.forward = lambda *args, **kwargs: seen.append(kwargs) or forward(*args, **kwargs)
     with torch.no_grad():
-        losses.language_model_loss(model, inputs, targets, "sum", segments=segments)
+        losses.language_model_loss(model, inputs, targets, "sum", documents=attention.documents_of(segments.numpy()))
     (kwargs,) = seen
     expected = [[*range(12), *range(20)], [*range(32)], [*range(5), *range(5), *range(22)], [*range(31), 0]]
     assert kwargs["position_ids"].tolist() == expected
-    assert torch.equal(kwargs["attention_mask"], model_config.document_attention(segments)[1])
+    assert torch.equal(kwargs["attention_mask"], attention.document_mask(segments))

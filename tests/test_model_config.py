@@ -51,28 +51,3 @@ def test_flops_per_token_counts_the_models_matmuls(name, context):
     counted_per_token = counter.get_total_flops() / (batch * context)
     norm_weights = sum(parameter.numel() for parameter in model.parameters() if parameter.ndim == 1)
     assert model_config.flops_per_token(preset, vocab_size, context) == counted_per_token + 6 * norm_weights
-
-
-def test_document_attention_is_the_hand_built_block_diagonal_causal_mask():
-    import torch
-
-    segments = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
-    positions, mask = model_config.document_attention(segments)
-    assert positions.tolist() == [[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]]
-    first = [[1, 0, 0, 0, 0, 0],
-             [1, 1, 0, 0, 0, 0],
-             [1, 1, 1, 0, 0, 0],
-             [0, 0, 0, 1, 0, 0],
-             [0, 0, 0, 1, 1, 0],
-             [0, 0, 0, 0, 0, 1]]
-    second = [[1, 0, 0, 0, 0, 0],
-              [0, 1, 0, 0, 0, 0],
-              [0, 1, 1, 0, 0, 0],
-              [0, 1, 1, 1, 0, 0],
-              [0, 1, 1, 1, 1, 0],
-              [0, 1, 1, 1, 1, 1]]
-    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
-    assert mask[:, 0].int().tolist() == [first, second]
-    one = torch.zeros(1, 4, dtype=torch.long)  # one document: the plain causal mask and positions 0..3
-    positions, mask = model_config.document_attention(one)
-    assert positions.tolist() == [[0, 1, 2, 3]] and torch.equal(mask[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())

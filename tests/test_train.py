@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import attention
 import checkpoint_store as store
 import common
 import data
@@ -357,9 +358,9 @@ def test_token_split_blocks_cross_shard_boundaries(corpus):
     assert len(manifest["splits"]["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
     for index in (0, 1, 4000 // 32, split.blocks - 1):  # 4000 // 32 spans the first shard boundary
         assert np.array_equal(split.block(index), stream[index * 32: index * 32 + 33].astype(np.int64))
-    inputs, targets, segments = split.batch([0, 5], torch.device("cpu"))
+    inputs, targets, documents = split.batch([0, 5], torch.device("cpu"))
     assert inputs.shape == targets.shape == (2, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
-    assert segments is None  # "stream": attention across documents
+    assert documents is None  # "stream": attention across documents
 
 
 def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
@@ -522,50 +523,53 @@ def test_token_counts_may_be_written_in_exponent_form(corpus, tmp_path):
     assert run.target_tokens == 1_500_000_000 and isinstance(run.target_tokens, int)
 
 
-def test_repeated_kv_attention_matches_sdpa():
-    """The attention used where a GPU's fused SDPA kernel cannot broadcast GQA heads (T4)."""
+def test_the_training_attentions_match_sdpa_with_gradients(monkeypatch):
+    """Every attention train.py plans, on whole blocks (no documents): transformers' "sdpa" logits and
+    gradients. The masked one (CPU) also takes a padding mask, as generation passes one."""
+    import attention
     import model_config
 
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
     inputs = torch.randint(0, 300, (2, 32))
-    mask = torch.ones_like(inputs)
-    mask[1, :5] = 0  # left padding, as in batched generation
-    expected = model(input_ids=inputs).logits
-    expected_padded = model(input_ids=inputs, attention_mask=mask).logits
-    model_config.use_attention(model, model_config.REPEATED_KV)
-    assert model.config._attn_implementation == model_config.REPEATED_KV
-    assert torch.allclose(model(input_ids=inputs).logits, expected, atol=1e-6)
-    padded = model(input_ids=inputs, attention_mask=mask).logits
-    assert torch.allclose(padded[0], expected_padded[0], atol=1e-6)
-    assert torch.allclose(padded[1, 5:], expected_padded[1, 5:], atol=1e-6)  # the padding was masked
-
-
-def test_contiguous_heads_attention_matches_sdpa_with_gradients():
-    """The attention train.py uses on CPU: the same logits and gradients as transformers' "sdpa"."""
-    import model_config
-
-    torch.manual_seed(0)
-    model = model_config.build_model(model_config.PRESETS["tiny"], 300)
-    inputs = torch.randint(0, 300, (2, 32))
-    mask = torch.ones_like(inputs)
-    mask[1, :5] = 0  # a padded row: the masked path (generation) goes through it too
 
     def logits_and_grads():
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=inputs).logits
         logits.square().mean().backward()
-        padded = model(input_ids=inputs, attention_mask=mask).logits
-        return logits.detach(), padded.detach(), [p.grad.clone() for p in model.parameters()]
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
     expected = logits_and_grads()
-    model_config.use_attention(model, model_config.CONTIGUOUS)
-    assert model.config._attn_implementation == model_config.CONTIGUOUS
-    got = logits_and_grads()
-    assert torch.allclose(got[0], expected[0], atol=1e-6)
-    assert torch.allclose(got[1][0], expected[1][0], atol=1e-6)  # the padding rows' own outputs are meaningless
-    assert torch.allclose(got[1][1, 5:], expected[1][1, 5:], atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[2], expected[2]))
+    for implementation in attention.ATTENTION_FUNCTIONS:
+        attention.use_attention(model, implementation)
+        assert model.config._attn_implementation == implementation
+        got = logits_and_grads()
+        assert torch.allclose(got[0], expected[0], atol=1e-6), implementation
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[1], expected[1])), implementation
+    mask = torch.ones_like(inputs)
+    mask[1, :5] = 0  # left padding, as in batched generation
+    model.set_attn_implementation("sdpa")
+    padded_expected = model(input_ids=inputs, attention_mask=mask).logits
+    attention.use_attention(model, attention.MASKED)
+    padded = model(input_ids=inputs, attention_mask=mask).logits
+    assert torch.allclose(padded[0], padded_expected[0], atol=1e-6)
+    assert torch.allclose(padded[1, 5:], padded_expected[1, 5:], atol=1e-6)
+
+
+def test_generation_runs_the_stock_attention_whatever_the_training_one():
+    """The varlen attentions take no padding mask; generation switches to "sdpa" (attention.exportable)."""
+    import attention
+    import model_config
+
+    model = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    attention.use_attention(model, attention.FLASH)
+    seen = []
+    with attention.exportable(model):
+        seen.append(model.config._attn_implementation)
+        with attention.exportable(model):  # nested: nothing changes, nothing is restored early
+            seen.append(model.config._attn_implementation)
+        seen.append(model.config._attn_implementation)
+    assert seen == ["sdpa"] * 3 and model.config._attn_implementation == attention.FLASH
 
 
 def test_length_options_and_hardware_refusals(corpus, tmp_path):
@@ -1362,12 +1366,12 @@ def test_compiled_plain_causal_blocks_skip_the_full_mask(monkeypatch):
     shape = {"batch_size": 2, "q_length": 8, "kv_length": 8, "q_offset": 0, "kv_offset": 0}
     padding = torch.ones(2, 8, dtype=torch.long)
     padding[1, :3] = 0
-    eager = model_config.causal_sdpa_mask(**shape, attention_mask=padding)
+    eager = attention.causal_sdpa_mask(**shape, attention_mask=padding)
     assert torch.equal(eager, sdpa_mask(**shape, attention_mask=padding))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert model_config.causal_sdpa_mask(**shape, attention_mask=None, allow_is_causal_skip=False) is None
-    assert torch.equal(model_config.causal_sdpa_mask(**shape, attention_mask=padding), eager)
-    assert model_config.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
+    assert attention.causal_sdpa_mask(**shape, attention_mask=None, allow_is_causal_skip=False) is None
+    assert torch.equal(attention.causal_sdpa_mask(**shape, attention_mask=padding), eager)
+    assert attention.causal_sdpa_mask(**{**shape, "kv_length": 12, "q_offset": 4}, attention_mask=None) is not None
 
 
 def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
@@ -1379,7 +1383,7 @@ def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
     model.config.use_cache = False  # as Training builds it
     if implementation is not None:
-        model_config.use_attention(model, implementation)
+        attention.use_attention(model, implementation)
     calls = []
 
     def backend(graph_module, example_inputs):
@@ -1396,11 +1400,11 @@ def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("implementation",
-                         [model_config.SDPA_CAUSAL, model_config.REPEATED_KV, model_config.CONTIGUOUS])
+@pytest.mark.parametrize("implementation", list(attention.ATTENTION_FUNCTIONS))
 def test_every_planned_attention_keeps_is_causal_under_compile(implementation):
-    """The attention of every hardware plan (flash on sm_80+, memory-efficient on a T4, CPU) reaches SDPA
-    as is_causal with no mask tensor when compiled: flash takes no mask, and a dense one doubles its work."""
+    """The attention of every plan (flash on sm_80+, memory-efficient on a T4, CPU) reaches SDPA as
+    is_causal with no mask tensor when compiled on whole blocks: flash takes no mask, and a dense one
+    doubles its work."""
     calls = sdpa_calls_when_compiled(implementation)
     assert len(calls) == model_config_tiny_layers()
     assert all(call["attn_mask"] is None and call["is_causal"] is True for call in calls), calls
@@ -1556,9 +1560,9 @@ def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpu
                                 "--batch-size", "4", "--grad-accum", "1")
     blocks = training.sampler.step_blocks(0)
     with torch.no_grad():
-        inputs, targets, segments = training.splits["train"].batch(blocks, torch.device("cpu"))
-        positions, mask = model_config.document_attention(segments)  # the default --packing masked
-        logits = training.model(input_ids=inputs, position_ids=positions, attention_mask=mask).logits
+        inputs, targets, documents = training.splits["train"].batch(blocks, torch.device("cpu"))
+        # the default --packing masked
+        logits = training.model(input_ids=inputs, **attention.decoder_inputs(training.model, documents)).logits
         per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                                       reduction="none", ignore_index=-100)
     kept = targets.reshape(-1) != data.IGNORE_INDEX
@@ -1795,8 +1799,11 @@ def test_masked_rows_are_stream_blocks_with_each_tokens_document(corpus):
     assert torch.equal(batch.inputs, plain.inputs) and torch.equal(batch.targets, plain.targets)
     for row, index in enumerate(rows):
         documents = np.searchsorted(ends, np.arange(index * 32, index * 32 + 32), side="right")
-        assert batch.segments[row].tolist() == (documents - documents[0]).tolist()
-    assert batch.segments.max() > 0  # rows with more than one document
+        assert batch.documents.segments[row].tolist() == (documents - documents[0]).tolist()
+    assert batch.documents.segments.max() > 0 and batch.documents.has_boundary  # rows with several documents
+    rebuilt = attention.documents_of(batch.documents.segments.numpy())
+    assert all(torch.equal(a, b) for a, b in zip(batch.documents[:3], rebuilt[:3]))
+    assert batch.documents.longest == rebuilt.longest
 
 
 def test_bestfit_rows_start_at_documents_and_hold_every_document_once(corpus):
@@ -1811,7 +1818,7 @@ def test_bestfit_rows_start_at_documents_and_hold_every_document_once(corpus):
     assert all(sum(length for _, length in split.spans(index)) <= 33 for index in range(split.blocks))
     rows = list(range(0, split.blocks, 97))
     batch = split.batch(rows, torch.device("cpu"))
-    assert batch.segments is None
+    assert batch.documents is None
     for row, index in enumerate(rows):
         expected = np.concatenate([stream[start: start + length] for start, length in split.spans(index)])
         assert batch.inputs[row, : len(expected) - 1].tolist() == expected[:-1].tolist()
@@ -1829,9 +1836,11 @@ def test_rows_are_a_pure_function_so_a_resume_seeks_to_the_same_samples(corpus, 
     second = in_process_training(corpus, tmp_path / "b", "--packing", packing)
     blocks = first.sampler.micro_batches(5, 0)
     assert blocks == second.sampler.micro_batches(5, 0)
-    for a, b in zip(first.splits["train"].batch(blocks[0], first.device),
-                    second.splits["train"].batch(blocks[0], second.device)):
-        assert (a is None and b is None) or torch.equal(a, b)
+    one, other = (training.splits["train"].batch(blocks[0], training.device) for training in (first, second))
+    assert torch.equal(one.inputs, other.inputs) and torch.equal(one.targets, other.targets)
+    assert (one.documents is None) == (other.documents is None) == (packing != "masked")
+    if one.documents is not None:
+        assert all(torch.equal(a, b) for a, b in zip(one.documents[:3], other.documents[:3]))
 
 
 def test_the_masked_loss_equals_running_each_document_alone(corpus):
@@ -1840,11 +1849,12 @@ def test_the_masked_loss_equals_running_each_document_alone(corpus):
     model = model_config.build_model(model_config.PRESETS["tiny"], 300).eval()
     batch = split.batch([3, 11], torch.device("cpu"))
     with torch.no_grad():
-        masked = losses.language_model_loss(model, *batch[:2], reduction="sum", segments=batch.segments)
+        masked = losses.language_model_loss(model, *batch[:2], reduction="sum", documents=batch.documents)
         alone = torch.zeros(())
+        segments = batch.documents.segments
         for row in range(2):
-            for document in batch.segments[row].unique():
-                tokens = (batch.segments[row] == document).nonzero().flatten()
+            for document in segments[row].unique():
+                tokens = (segments[row] == document).nonzero().flatten()
                 alone += losses.language_model_loss(model, batch.inputs[row: row + 1, tokens],
                                                    batch.targets[row: row + 1, tokens], reduction="sum")
         across = losses.language_model_loss(model, *batch[:2], reduction="sum")
@@ -1857,9 +1867,9 @@ def test_the_document_mask_reaches_sdpa_under_compile():
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
     model.config.use_cache = False
-    model_config.use_attention(model, model_config.CONTIGUOUS)
+    attention.use_attention(model, attention.MASKED)
     inputs, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
-    segments = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
+    documents = attention.documents_of(np.array([[0] * 5 + [1] * 11, [0] * 16]))
     masks = []
 
     def backend(graph_module, example_inputs):
@@ -1869,15 +1879,15 @@ def test_the_document_mask_reaches_sdpa_under_compile():
                               node.kwargs.get("is_causal", False)))
         return graph_module.forward
 
-    def loss(inputs, targets, segments):
-        return losses.language_model_loss(model, inputs, targets, reduction="sum", segments=segments)
+    def loss(inputs, targets, documents):
+        return losses.language_model_loss(model, inputs, targets, reduction="sum", documents=documents)
 
     torch._dynamo.reset()
-    compiled = torch.compile(loss, backend=backend)(inputs, targets, segments)
+    compiled = torch.compile(loss, backend=backend)(inputs, targets, documents)
     torch._dynamo.reset()
     assert len(masks) == model_config.PRESETS["tiny"].layers
     assert all(mask is not None and not causal for mask, causal in masks)
-    assert compiled.item() == pytest.approx(loss(inputs, targets, segments).item(), rel=1e-6)
+    assert compiled.item() == pytest.approx(loss(inputs, targets, documents).item(), rel=1e-6)
 
 
 def test_bestfit_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
