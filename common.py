@@ -449,7 +449,8 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], *kinds) 
         kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": meta["help"]}
         value_type = meta["type"] or _value_type(field)
         if value_type is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+            # a switch on by default, or decided later when None, can be turned off: --no-NAME
+            kwargs["action"] = argparse.BooleanOptionalAction if field.default is not False else "store_true"
         else:
             kwargs.update(type=value_type, choices=meta["choices"], metavar=meta["metavar"])
             if meta.get("nargs"):

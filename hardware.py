@@ -166,6 +166,13 @@ def newton_schulz_dtype(device: Device) -> str:
     return "bf16" if device.native_bf16 else "fp16"
 
 
+def use_compile(requested: bool | None, device: Device) -> bool:
+    """--compile / --no-compile as given; by default on CUDA (Inductor fuses the norms, RoPE, casts and
+    the loss's elementwise work the card would otherwise wait on), off on CPU (its compile time outweighs
+    what a CPU run gains, and the tests' runs stay eager)."""
+    return device.is_cuda if requested is None else requested
+
+
 def wrap_order(compile: bool, world: int) -> list[str]:
     """How the loss module is wrapped, innermost first. DDP goes inside torch.compile: compiling the
     DDP module lets Dynamo split the graph at DDP's buckets (DDPOptimizer), so each bucket's

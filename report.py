@@ -90,12 +90,14 @@ class Progress:
     On a terminal: a tqdm bar (on stderr) with loss, tokens/s, MFU and tqdm's ETA. Otherwise
     (Kaggle log, pytest, `> log.txt`): a plain stdout line at the first update, every `every`
     steps and at the last step. `enabled=False` (other ranks) makes every method a no-op.
-    `bar=None` picks the bar when stderr is a terminal; True/False forces it.
+    `bar=None` picks the bar when stderr is a terminal; True/False forces it. `first_note` (e.g. the
+    start-up compile time) goes with the first update.
     """
 
     def __init__(self, total_steps: int, initial_step: int = 0, every: int = 10, enabled: bool = True,
-                 bar: bool | None = None):
+                 bar: bool | None = None, first_note: str | None = None):
         self.total_steps = total_steps
+        self.first_note = first_note
         self.initial_step = initial_step
         self.every = max(1, every)
         self.enabled = enabled
@@ -119,6 +121,8 @@ class Progress:
         if self._first_update is None:
             self._first_update = step, time.monotonic()
         stats = format_stats(loss, tokens_per_second, mfu)
+        if self.first_note:
+            stats, self.first_note = f"{stats} | {self.first_note}", None
         if self._bar is not None:
             self._bar.set_postfix_str(stats, refresh=False)
             self._bar.update(step - self._bar.n)

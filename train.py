@@ -246,7 +246,9 @@ class SessionSettings:
         "auto", "auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below (T4, V100, P100), "
                 "fp32 on CPU. May change on resume (a run can move between cards)", SPEED,
         choices=["auto", "fp32", "fp16", "bf16"])
-    compile: bool = option(False, "torch.compile the model", SPEED)
+    compile: bool | None = option(None, "torch.compile the model and its loss (default: on CUDA, off on CPU); "
+                                        "compiled at start, where a failure falls back to eager with a warning",
+                                  SPEED)
     grad_checkpoint: bool = option(False, "recompute activations in backward", SPEED)
     deterministic: bool = option(
         False, "CUDA: deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS workspace config, no "
@@ -745,8 +747,10 @@ class Training:
         self.extensions: list[dict] = []  # each resume that changed the run's length (extension)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
+        self.compile = hardware.use_compile(session.compile, self.hardware)
         self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
-                                                           hardware.wrap_order(session.compile, info.world))
+                                                           hardware.wrap_order(self.compile, info.world))
+        self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
         self.task_scorer: evaluation.LoopScorer | None = None  # --eval-tasks, read by start_training
 
@@ -870,6 +874,33 @@ def choose_attention(training: Training):
     if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
     return plan, context, label
+
+
+def compile_at_start(training: Training) -> float | None:
+    """Compile the loss module now, on a probe micro-batch of the run's shape (with a document boundary
+    under --packing masked): the seconds it took, or None after a failure, when the run goes on eagerly
+    with one warning line (Triton has failed on sm_75 cards before, nanoGPT #525). All ranks run it."""
+    started = time.perf_counter()
+    rows, context = training.session.batch_size, training.context
+    probe = torch.zeros(rows, context, dtype=torch.long, device=training.device)
+    documents = (attention.probe_documents(rows, context).to(training.device)
+                 if training.run.packing == "masked" else None)
+    try:
+        training.loss_of(data.Batch(probe, probe, documents)).backward()
+    except Exception as error:  # Dynamo's and Inductor's errors have no common base but Exception
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        training.compile = False
+        training.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(training.model),
+                                                               training.info, hardware.wrap_order(False,
+                                                                                                  training.info.world))
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warn(f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
+             "goes on eagerly (slower); --no-compile skips the attempt")
+        return None
+    finally:
+        training.model.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
 
 
 def read_mixture(training: Training, manifest: dict) -> tuple[dict[str, list[data.TokenSplit]], list[str]]:
@@ -1206,7 +1237,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     peak = write_run_files(training, settings, checkpointer, metrics, resume_path)
     describe_run(training)
 
-    progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main)
+    compiled = None if training.compile_seconds is None else f"compiled in {training.compile_seconds:.0f} s"
+    progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main,
+                               first_note=compiled)
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     try:
@@ -1283,6 +1316,9 @@ def describe_run(training: Training) -> None:
               f"world size {info.world} on {training.hardware.label()}")
     log(info, f"  {training.precision_choice.reason}; attention: {training.sdpa}; Muon's Newton-Schulz in "
               f"{hardware.newton_schulz_dtype(training.hardware)}")
+    if training.compile_seconds is not None:
+        log(info, f"  torch.compile: the model and its loss compiled in {training.compile_seconds:.1f} s at start "
+                  "(--no-compile: eager)")
     empty = [name for name in ("validation", "test") if training.splits[name].blocks == 0]
     if empty:
         say(f"the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "

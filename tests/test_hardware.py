@@ -291,3 +291,11 @@ def test_the_attention_paths_own_memory_is_counted():
     text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", "muon", False, L4,
                                          attention="masked math")
     assert "needs about" in text and "no split" not in text
+
+
+@pytest.mark.parametrize("requested, device, compiled", [
+    (None, T4, True), (None, H200, True), (None, CPU, False),  # the default: on CUDA only
+    (False, T4, False), (True, CPU, True), (True, A100, True),  # --no-compile / --compile win
+])
+def test_compile_is_on_by_default_on_cuda(requested, device, compiled):
+    assert hardware.use_compile(requested, device) is compiled

@@ -78,6 +78,14 @@ def test_progress_prints_plain_lines_every_n_steps_when_not_a_terminal(capsys):
     assert out.err == ""
 
 
+def test_the_first_progress_line_carries_the_start_up_compile_time(capsys):
+    progress = report.Progress(total_steps=20, every=10, first_note="compiled in 41 s")
+    for step in range(1, 21):
+        progress.update(step, loss=1.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "| compiled in 41 s |" in lines[0] and not any("compiled" in line for line in lines[1:])
+
+
 def test_progress_eta_leaves_out_the_slow_first_step(monkeypatch, capsys):
     clock = iter([0.0, 100.0, 101.0, 102.0])  # the first step took 100 s (compiling), the next 1 s each
     monkeypatch.setattr(report.time, "monotonic", lambda: next(clock, 102.0))

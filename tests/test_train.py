@@ -313,6 +313,37 @@ def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
                                                                device=torch.device("cpu")))
 
 
+def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(corpus, tmp_path, monkeypatch, capsys):
+    """Triton has failed on sm_75 cards before: the run goes on eagerly, saying so once, instead of dying."""
+    calls = []
+
+    class Broken(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            calls.append(len(args))
+            raise RuntimeError("backend='inductor' raised:\nTritonMissing: no Triton for sm_75")
+
+    monkeypatch.setattr(torch, "compile", Broken)
+    training = in_process_training(corpus, tmp_path, "--compile")
+    assert calls == [4] and training.compile is False and training.compile_seconds is None
+    assert not isinstance(training.forward_model, Broken)
+    warning = [line for line in capsys.readouterr().err.splitlines() if "torch.compile failed" in line]
+    assert len(warning) == 1 and "TritonMissing" not in warning[0] and "--no-compile" in warning[0]
+    assert all(parameter.grad is None for parameter in training.model.parameters())  # the probe left nothing
+    assert math.isfinite(training.train_step().loss)
+
+
+def test_compile_at_start_keeps_the_first_step(corpus, tmp_path):
+    """The start-up compile (a probe forward and backward) leaves the run as it was: step 1 the eager one's."""
+    eager = in_process_training(corpus, tmp_path / "eager", "--no-compile")
+    compiled = in_process_training(corpus, tmp_path / "compiled", "--compile")
+    assert eager.compile_seconds is None and compiled.compile and compiled.compile_seconds > 0
+    assert compiled.train_step().loss == pytest.approx(eager.train_step().loss, rel=1e-5)
+
+
 def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
     """Batch 4 x accumulation 1 and batch 1 x accumulation 4 read the same 4 blocks: the same loss and gradient
     norm. The loss is the mean over the step's blocks, computed here by hand from the model before the step."""
