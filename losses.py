@@ -78,15 +78,18 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """linear_cross_entropy_sum with its gradients. They are computed in the forward, chunk by chunk, as
     Liger-Kernel's fused linear cross-entropy does: neither pass ever holds more than one chunk's logits,
-    and no chunk is computed twice. What is kept for the backward is two fp32 gradients the size of the
-    hidden states and of the LM head; the backward only scales them by the loss's gradient (1/count under
+    and no chunk is computed twice. What is kept for the backward is two gradients the size of the
+    hidden states (in their dtype when it is the autocast one, else fp32) and of the LM head (fp32); the backward only scales them by the loss's gradient (1/count under
     "mean", times the loss scale under fp16). Each chunk's gradient goes to the matmuls in the autocast
     dtype unscaled (|softmax - one-hot| <= 1, well inside fp16), and is summed over the chunks in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, dtype):
         weight_cast = weight.to(dtype)
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        # each chunk's hidden gradient is a matmul output in `dtype` already: kept in it when the hidden
+        # states come in it (the final norm's output under autocast_elementwise), else in fp32
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype if hidden.dtype == dtype else torch.float32,
+                                  device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk_tokens):

@@ -23,10 +23,12 @@ FP32_TOLERANCE = 1e-5  # relative to the largest gradient: fp32 rounding of sums
 HALF_ERROR_FACTOR = 2.0
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model(autocast_elementwise: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], VOCAB)
     attention.use_attention(model, attention.MASKED)
+    if autocast_elementwise:  # as train.py builds it: the hidden states then come in the half type
+        model_config.autocast_elementwise(model)
     return model
 
 
@@ -59,10 +61,11 @@ def largest_difference(gradients: dict, reference: dict) -> dict[str, float]:
     return {name: (gradient - reference[name]).abs().max().item() for name, gradient in gradients.items()}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision, elementwise", [("fp32", False), ("bf16", False), ("fp16", False),
+                                                    ("bf16", True), ("fp16", True)])
 @pytest.mark.parametrize("reduction, ignored", [("mean", False), ("sum", False), ("sum", True), ("mean", True)])
-def test_the_chunked_loss_equals_the_full_logits_one(precision, reduction, ignored):
-    model, (inputs, targets) = tiny_model(), batch(ignored)
+def test_the_chunked_loss_equals_the_full_logits_one(precision, elementwise, reduction, ignored):
+    model, (inputs, targets) = tiny_model(elementwise), batch(ignored)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the head's gradient adds to the table's
     chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
     exact_loss, exact = loss_and_gradients(full_logits_loss, model, inputs, targets, reduction, "fp32")

@@ -51,3 +51,61 @@ def test_flops_per_token_counts_the_models_matmuls(name, context):
     counted_per_token = counter.get_total_flops() / (batch * context)
     norm_weights = sum(parameter.numel() for parameter in model.parameters() if parameter.ndim == 1)
     assert model_config.flops_per_token(preset, vocab_size, context) == counted_per_token + 6 * norm_weights
+
+
+def _tiny_pair():
+    import torch
+
+    torch.manual_seed(0)
+    stock = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    fast = model_config.build_model(model_config.PRESETS["tiny"], 300)
+    fast.load_state_dict(stock.state_dict())
+    model_config.autocast_elementwise(fast)
+    return stock, fast
+
+
+def test_autocast_elementwise_keeps_the_stock_model_without_autocast():
+    """fp32 (and every CPU run without --precision) runs the stock forwards: bit for bit the same logits;
+    the modules, parameters and state_dict are the stock ones (the export and the GGUF see no change)."""
+    import torch
+
+    stock, fast = _tiny_pair()
+    norms = [module for module in fast.modules() if type(module).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 2 + 2 * 2 + 1 and all(type(module).__name__.startswith("Autocast") for module in norms)
+    assert all(isinstance(module, type(stock.model.norm)) for module in norms)
+    assert fast.state_dict().keys() == stock.state_dict().keys()
+    inputs = torch.randint(0, 300, (2, 16))
+    assert torch.equal(fast(input_ids=inputs).logits, stock(input_ids=inputs).logits)
+    model_config.autocast_elementwise(fast)  # twice: nothing more
+    assert type(fast.model.norm).__mro__[1] is type(stock.model.norm)
+
+
+def test_under_autocast_norms_and_rope_run_in_the_half_type_as_accurately_as_the_stock_ones():
+    """Under bf16 autocast the norms and the RoPE tables come out in bf16 (not fp32), and the loss and
+    gradients stay as close to the fp32 ones as the stock model's bf16 ones are (this CPU's own error)."""
+    import torch
+
+    stock, fast = _tiny_pair()
+    outputs = {}
+    fast.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, i, o: outputs.setdefault("q_norm", o))
+    fast.model.layers[0].input_layernorm.register_forward_hook(lambda m, i, o: outputs.setdefault("norm", o))
+    fast.model.rotary_emb.register_forward_hook(lambda m, i, o: outputs.setdefault("rope", o))
+    inputs = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_gradients(model, dtype):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = model(input_ids=inputs, labels=inputs).loss
+        loss.backward()
+        return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    exact_loss, exact = loss_and_gradients(stock, None)
+    stock_loss, stock_half = loss_and_gradients(stock, torch.bfloat16)
+    fast_loss, fast_half = loss_and_gradients(fast, torch.bfloat16)
+    assert outputs["q_norm"].dtype == outputs["norm"].dtype == torch.bfloat16
+    assert outputs["rope"][0].dtype == outputs["rope"][1].dtype == torch.bfloat16
+    assert abs(fast_loss - exact_loss) <= 2 * abs(stock_loss - exact_loss) + 1e-3 * abs(exact_loss)
+    for name, gradient in exact.items():
+        scale = gradient.abs().max().item()
+        stock_error = (stock_half[name] - gradient).abs().max().item()
+        assert (fast_half[name] - gradient).abs().max().item() <= 2 * stock_error + 1e-2 * scale, name
