@@ -79,9 +79,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """linear_cross_entropy_sum with its gradients. They are computed in the forward, chunk by chunk, as
     Liger-Kernel's fused linear cross-entropy does: neither pass ever holds more than one chunk's logits,
     and no chunk is computed twice. What is kept for the backward is two gradients the size of the
-    hidden states (in their dtype when it is the autocast one, else fp32) and of the LM head (fp32); the backward only scales them by the loss's gradient (1/count under
-    "mean", times the loss scale under fp16). Each chunk's gradient goes to the matmuls in the autocast
-    dtype unscaled (|softmax - one-hot| <= 1, well inside fp16), and is summed over the chunks in fp32."""
+    hidden states (in their dtype when it is the autocast one, else fp32) and of the LM head (fp32);
+    the backward only scales them by the loss's gradient (1/count under "mean", times the loss scale
+    under fp16). Each chunk's gradient goes to the matmuls in the autocast dtype unscaled
+    (|softmax - one-hot| <= 1, well inside fp16), and is summed over the chunks in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, dtype):
