@@ -315,3 +315,14 @@ def test_a_batch_without_documents_calls_sdpa_is_causal_without_a_mask(implement
     assert key.shape[1] == (8 if repeated else 4) and query.shape[1] == 8
     assert kwargs.get("is_causal") is True and kwargs.get("attn_mask") is None
     assert kwargs.get("enable_gqa", False) is not repeated
+
+
+def test_ddp_moves_a_batchs_documents_whole():
+    """DDP moves a forward's inputs with _recursive_to (device_ids set, as on CUDA): a Documents comes out a
+    Documents, its host int kept."""
+    from torch.distributed.utils import _recursive_to
+
+    documents = attention.documents_of(SEGMENTS)
+    [(inputs, reduction, moved)] = _recursive_to((torch.zeros(2), "mean", documents), torch.device("cpu"), False)
+    assert isinstance(moved, attention.Documents) and moved.longest == documents.longest == 32
+    assert torch.equal(moved.cu_seqlens, documents.cu_seqlens) and reduction == "mean"
