@@ -541,10 +541,13 @@ def write_status(out: Path, status: str, **fields) -> None:
 class RunStatus:
     """The one owner of run_status.json during a session: RUNNING, then stopped resumably
     (NEEDS_RESUME), COMPLETE or FAILED, and which outputs of a finished run are done
-    (`outputs`: the report and model/ "pending" until made). Only rank 0 (`enabled`) reads and writes."""
+    (`outputs`: the report and model/ "pending" until made). Only rank 0 (`enabled`) reads and writes.
 
-    def __init__(self, out: Path, enabled: bool = True):
-        self.out, self.enabled = out, enabled
+    Every record it writes, RUNNING included, carries `resume_command` (the command that continues
+    the run, train.resume_command), so a session killed at any moment leaves it on disk."""
+
+    def __init__(self, out: Path, enabled: bool = True, resume_command: str | None = None):
+        self.out, self.enabled, self.resume_command = out, enabled, resume_command
         self.previous = read_json_or(out / STATUS_FILE, {}) if enabled else {}  # what the last session left
         self.record: dict = {}
 
@@ -575,6 +578,8 @@ class RunStatus:
             self._write({**self.record, **fields})
 
     def _write(self, record: dict) -> None:
+        if self.resume_command is not None:
+            record = {**record, "resume_command": self.resume_command}
         self.record = record
         if self.enabled:
             write_status(self.out, record["status"], **{k: v for k, v in record.items() if k != "status"})

@@ -1224,7 +1224,8 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
 
-    status = store.RunStatus(out, enabled=info.is_main)  # read before this session writes anything
+    status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
+                             resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path = start_training(settings, info, corpus)
     note = store.previous_session_note(status.previous, training.step)
     if note:
@@ -1790,7 +1791,7 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
                              info.world, session.deterministic, advice, status.final)
     failure = failure_reason(error, last, context)
     if status.failed(failure.status, reason=failure.reason, step=training.step, total_steps=training.total_steps,
-                     last_checkpoint=last, resume_command=command, backup_complete=None):
+                     last_checkpoint=last, backup_complete=None):
         since = stop.signalled_at or (time.monotonic() if failure.urgent else None)
         with contextlib.suppress(Exception):
             status.update(backup_complete=wait_for_backup(checkpointer, since))
@@ -1900,8 +1901,6 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
     checkpointer.wait()
     command = resume_command(info, training.invocation.argv)
     record = final_record(training, out, reason, test)
-    if state == store.NEEDS_RESUME:
-        record["resume_command"] = command
     status.finished(state, **record, outputs=report_outputs(session.report, None),
                     report_command=command if session.report else None)
     status.update(backup_complete=wait_for_backup(checkpointer, stop.signalled_at))

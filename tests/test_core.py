@@ -951,6 +951,16 @@ def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
     assert store.RunStatus(tmp_path, enabled=False).previous == {}  # only rank 0 reads what the last session left
 
 
+def test_every_run_status_record_carries_the_resume_command(tmp_path):
+    status = store.RunStatus(tmp_path, resume_command="python train.py --out run --resume auto")
+    for write in (lambda: status.running(0, 10), lambda: status.running(3, 10, loss=2.5),
+                  lambda: status.failed("FAILED", reason="x", step=3), lambda: status.finished("COMPLETE", step=10),
+                  lambda: status.update(backup_complete=True)):
+        write()
+        assert store.read_json(tmp_path / "run_status.json")["resume_command"] == \
+            "python train.py --out run --resume auto"
+
+
 # what the last session left, the step this one resumes from -> the note (None: nothing to say)
 @pytest.mark.parametrize("previous, resumed, note", [
     ({}, 0, None),  # a new run
