@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import json
 import math
 import os
 import re
@@ -638,7 +639,29 @@ def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
-    return "; ".join(f"{key}: {before} -> {after}" for key, (before, after) in changes.items())
+    """'lr: 0.001 -> 0.002; mixture.phases[0].weights.web: 0.8 -> 0.7': each changed leaf of a nested
+    setting (a mixture's sources and weights) on its own, never a whole dict."""
+    return "; ".join(f"{name}: {shown_setting(before)} -> {shown_setting(after)}"
+                     for key, (before, after) in changes.items() for name, before, after in leaf_changes(key, before,
+                                                                                                     after))
+
+
+def leaf_changes(name: str, before: Any, after: Any) -> list[tuple[str, Any, Any]]:
+    """(path, before, after) of each differing leaf of two values: dicts by key, lists of one length by index."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [change for key in sorted(set(before) | set(after), key=str)
+                if before.get(key, UNSET) != after.get(key, UNSET)
+                for change in leaf_changes(f"{name}.{key}", before.get(key, UNSET), after.get(key, UNSET))]
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [change for index, (old, new) in enumerate(zip(before, after)) if old != new
+                for change in leaf_changes(f"{name}[{index}]", old, new)]
+    return [(name, before, after)]
+
+
+def shown_setting(value: Any, limit: int = 80) -> str:
+    """A setting's value as a person reads it: a number or text as it is, anything else as compact JSON, cut."""
+    text = value if isinstance(value, str) else json.dumps(value, separators=(", ", ": "), default=str)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 

@@ -571,10 +571,39 @@ def config_tokens(action: argparse.Action, value: Any, path: str, key: str) -> l
             return [flag if value else "--no-" + flag[2:]]
         return [flag] if value else []
     if isinstance(value, list) and action.nargs in ("+", "*") and value:
+        for item in value:
+            check_config_value(action, item, path, key)
         return [flag, *map(str, value)]
     if isinstance(value, (dict, list)):
         raise UserError(f"--config {path}: {key} takes one value, got {value!r}")
+    check_config_value(action, value, path, key)
     return [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+
+
+TYPE_NAMES = {int: "an int", float: "a number", str: "a text"}
+
+
+def config_value_problem(action: argparse.Action, text: str) -> str | None:
+    """Why argparse would refuse `text` as `action`'s value ('is not an int', 'is not one of a, b'), else None."""
+    convert = action.type or str
+    try:
+        value = convert(text)
+    except argparse.ArgumentTypeError as error:
+        return str(error)
+    except (TypeError, ValueError):
+        return f"is not {TYPE_NAMES.get(convert, 'a valid value')}"
+    if action.choices is not None and value not in action.choices:
+        return "is not one of " + ", ".join(map(str, action.choices))
+    return None
+
+
+def check_config_value(action: argparse.Action, value: Any, path: str, key: str) -> None:
+    """A config value argparse would refuse is one UserError naming the file, the key and the value (the
+    command line's own error would name only the option)."""
+    problem = config_value_problem(action, str(value).lower() if isinstance(value, bool) else str(value))
+    if problem is not None:
+        raise UserError(f"--config {path}: {key} = {value!r} {problem}" if problem.startswith("is ")
+                        else f"--config {path}: {key} = {value!r}: {problem}")
 
 
 def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

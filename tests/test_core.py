@@ -549,11 +549,23 @@ def test_clip_gradients_sets_non_finite_gradients_to_nan():
     assert torch.isnan(parameters[0].grad).all()
 
 
+MIXTURE = {"sources": [{"name": "web", "label": None}, {"name": "chat", "label": "chat"}],
+           "phases": [{"start": 0, "weights": {"web": 0.8, "chat": 0.2}}]}
+
+
 @pytest.mark.parametrize("old, new, expected", [
     ({"a": 1}, {"a": 1}, []),
     ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
     ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
     ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
+    ({"x": True}, {"x": None}, ["x: true -> null"]),  # JSON's words, not Python's
+    ({"betas": [0.9, 0.95]}, {"betas": [0.9, 0.99]}, ["betas[1]: 0.95 -> 0.99"]),
+    ({"mixture": MIXTURE}, {"mixture": {**MIXTURE, "phases": [{"start": 0, "weights": {"web": 0.7, "chat": 0.3}}]}},
+     ["mixture.phases[0].weights.chat: 0.2 -> 0.3", "mixture.phases[0].weights.web: 0.8 -> 0.7"]),
+    ({"mixture": MIXTURE}, {"mixture": {**MIXTURE, "sources": [{"name": "web", "label": None}]}},
+     ['mixture.sources: [{"name": "web", "label": null}, {"name": "chat", "label": "chat"}] -> '
+      '[{"name": "web", "label": null}]']),
+    ({"s": "x" * 100}, {"s": "y"}, ["s: " + "x" * 77 + "... -> y"]),
 ])
 def test_settings_changes_are_described_one_by_one(old, new, expected):
     assert store.describe_changes(store.settings_changes(old, new)) == "; ".join(expected)
