@@ -75,6 +75,23 @@ def test_document_hash_is_blake2b_key_and_position():
     assert data.document_hash("hello") != data.document_hash("hello ")
 
 
+# bytes of input -> data.py's defaults for the options not given (the notebook shows the same)
+@pytest.mark.parametrize("size, vocab_size, fraction", [
+    (None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
+    (0, 512, 0.05),
+    (999_999, 512, 0.05),
+    (1_000_000, 2_048, 0.05),
+    (9_999_999, 2_048, 0.05),
+    (10_000_000, 8_192, 0.02),
+    (999_999_999, 16_384, 0.01),
+    (1_000_000_000, 33_069, 0.01),
+    (10**12, 33_069, 0.01),
+])
+def test_build_defaults_are_sized_to_the_input(size, vocab_size, fraction):
+    assert data.sized_build_defaults(size) == {"vocab_size": vocab_size, "val_fraction": fraction,
+                                               "test_fraction": fraction}
+
+
 @pytest.mark.parametrize("vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"),
                                                (200_000, "uint32")])
 def test_token_dtype_holds_every_id(vocab_size, dtype):
