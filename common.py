@@ -99,6 +99,7 @@ def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
     """
     if script is None:  # a console script (pyproject.toml) says so itself
         script = getattr(main, "__module__", None) == "__main__"
+    os.environ.update(progress_bars_env(hasattr(sys.stderr, "isatty") and sys.stderr.isatty(), os.environ))
     try:
         result = main()
     except UserError as error:
@@ -121,6 +122,20 @@ def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
     if isinstance(result, int):
         raise SystemExit(result)
+
+
+# What turns the libraries' progress bars off (lm-eval's and datasets' tqdm bars, the Hub's downloads)
+LIBRARY_PROGRESS_OFF = {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                        "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def progress_bars_env(is_terminal: bool, environ: dict[str, str]) -> dict[str, str]:
+    """The variables run_main sets when stderr is not a terminal (a notebook, a log file): there a tqdm bar
+    is one carriage-return line that grows with every update. A value the user set stays; tinyllm's own
+    progress (report.Progress, data.py's bar) already prints plain lines there."""
+    if is_terminal:
+        return {}
+    return {name: value for name, value in LIBRARY_PROGRESS_OFF.items() if name not in environ}
 
 
 def caused_by_interrupt(error: BaseException) -> bool:
