@@ -229,7 +229,9 @@ class SessionSettings:
               "answer} JSONL files or folders, lm-eval task YAML files or lm-eval task names "
               "(docs/evaluation.md#in-the-loop)", SAVING, type=str, nargs="+", metavar="TASK")
     eval_tasks_every: int | None = option(None, "score --eval-tasks every N steps (0: only at the end; None: with "
-                                                "each validation)", SAVING, checks=(not_negative,))
+                                                "each validation, or every k-th one, or only at the end, whichever "
+                                                "keeps the scoring near 5%% of the training: said at the start)",
+                                          SAVING, checks=(not_negative,))
     eval_tasks_limit: int = option(evaluation.DEFAULT_LOOP_LIMIT, "items per --eval-tasks task (a seeded, fixed "
                                                                  "subsample; 0: all)", SAVING,
                                    checks=(not_negative,))
@@ -1358,6 +1360,19 @@ def default_tasks_every(validation_every: int, total_steps: int, task_tokens: in
     return every if every < total_steps else 0
 
 
+def tasks_cadence_note(validation_every: int, tasks_every: int, task_tokens: int, step_tokens: int) -> str | None:
+    """What the run says at its start when default_tasks_every scores the --eval-tasks later than the validation
+    (every k-th one, or only at the end), and why; None when they go together."""
+    if tasks_every == validation_every or validation_every == 0:
+        return None
+    cost = task_tokens / (3 * validation_every * step_tokens)  # a scored token a third of a trained one
+    when = (f"every {tasks_every} steps (with one validation in {tasks_every // validation_every})" if tasks_every
+            else "only at the end")
+    return (f"note: --eval-tasks are scored {when}, not with each validation (every {validation_every} steps): one "
+            f"scoring reads {task_tokens:,} tokens, about {100 * cost:.0f}% of the training between two validations, "
+            f"and the default keeps it near {100 * TASKS_COST_SHARE:.0f}%; --eval-tasks-every N chooses")
+
+
 def evaluation_cadence(training: Training) -> tuple[int, int | None]:
     """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
     session = training.session
@@ -1366,8 +1381,12 @@ def evaluation_cadence(training: Training) -> tuple[int, int | None]:
         return validation_every, None
     if session.eval_tasks_every is not None:
         return validation_every, session.eval_tasks_every
-    return validation_every, default_tasks_every(validation_every, training.total_steps, training.task_scorer.tokens,
-                                                 training.tokens_per_step // training.info.world)
+    step_tokens = training.tokens_per_step // training.info.world
+    tasks_every = default_tasks_every(validation_every, training.total_steps, training.task_scorer.tokens, step_tokens)
+    note = tasks_cadence_note(validation_every, tasks_every, training.task_scorer.tokens, step_tokens)
+    if note:
+        log(training.info, note)
+    return validation_every, tasks_every
 
 
 def evaluations_due(step: int, total_steps: int, validation_every: int, tasks_every: int | None) -> tuple[bool, bool]:

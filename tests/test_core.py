@@ -1097,3 +1097,18 @@ def test_evaluations_due_table(step, total, validation_every, tasks_every, expec
 def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
                                                               expected):
     assert train.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
+
+
+# validation every, tasks every (default_tasks_every's), tokens scored, tokens per step -> the note at the start
+@pytest.mark.parametrize("validation_every, tasks_every, task_tokens, step_tokens, note", [
+    (250, 250, 4096 * 15, 4096, None),  # together: nothing to explain
+    (0, 0, 10, 128, None),  # both only at the end
+    (250, 500, 4096 * 45, 4096, "note: --eval-tasks are scored every 500 steps (with one validation in 2), not "
+     "with each validation (every 250 steps): one scoring reads 184,320 tokens, about 6% of the training between "
+     "two validations, and the default keeps it near 5%; --eval-tasks-every N chooses"),
+    (30, 0, 88_000, 4096, "note: --eval-tasks are scored only at the end, not with each validation (every 30 "
+     "steps): one scoring reads 88,000 tokens, about 24% of the training between two validations, and the default "
+     "keeps it near 5%; --eval-tasks-every N chooses"),
+])
+def test_the_tasks_cadence_note_says_when_and_why(validation_every, tasks_every, task_tokens, step_tokens, note):
+    assert train.tasks_cadence_note(validation_every, tasks_every, task_tokens, step_tokens) == note
