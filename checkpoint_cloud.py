@@ -1029,6 +1029,14 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
     return target
 
 
+def corpus_stored(url: str) -> bool:
+    """Whether a complete corpus (its manifest, uploaded last) is at `url` (the notebook's CORPUS_URL); a store
+    that cannot be looked at (no credentials, no network, no such bucket) is one UserError, not a traceback."""
+    fs, root = open_remote(url)
+    with remote_errors(f"looking for a corpus at {printable_backup_url(url) or 'CORPUS_URL'}"):
+        return fs.exists(f"{root}/{CORPUS_MANIFEST}")
+
+
 def local_corpus(data: str, cache_dir: str | os.PathLike, log: LogFn = log_line) -> Path:
     """train.py's --data: a local corpus folder as is, or a corpus URL pulled (once) into `cache_dir`."""
     if "://" not in data or data.startswith("file://"):
