@@ -138,6 +138,26 @@ def progress_bars_env(is_terminal: bool, environ: dict[str, str]) -> dict[str, s
     return {name: value for name, value in LIBRARY_PROGRESS_OFF.items() if name not in environ}
 
 
+# pyproject.toml's [project.scripts]: the command each script is on PATH as after `pip install -e .`
+CONSOLE_SCRIPTS = {"train": "tinyllm-train", "data": "tinyllm-data", "report": "tinyllm-report",
+                   "checkpoint_cloud": "tinyllm-cloud", "export_gguf": "tinyllm-gguf"}
+
+
+def console_script(script: str, argv0: str) -> str | None:
+    """`tinyllm-train` when this process was started as script `script`'s ("train") console script
+    (`argv0`, sys.argv[0], is then that command's path), else None."""
+    name = CONSOLE_SCRIPTS.get(script)
+    return name if name is not None and Path(argv0).name == name else None
+
+
+def script_command(script: str) -> str:
+    """How a printed command starts `script` ("data"): `tinyllm-data` when this process was started through a
+    console script (the user has them on PATH), else `python data.py`."""
+    argv0 = Path(sys.argv[0]).name if sys.argv else ""
+    started_so = argv0 in CONSOLE_SCRIPTS.values()
+    return CONSOLE_SCRIPTS[script] if started_so else f"python {script}.py"
+
+
 def caused_by_interrupt(error: BaseException) -> bool:
     """Whether a KeyboardInterrupt is in `error`'s chain of causes (a library re-raised it as its own)."""
     seen = set()

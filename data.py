@@ -61,6 +61,7 @@ from common import (
     positive,
     read_json,
     run_main,
+    script_command,
     sha256_bytes,
     sha256_file,
     sha256_tree,
@@ -1863,12 +1864,12 @@ def check_corpus_folder(corpus: Path) -> None:
     if (corpus / CORPUS_MANIFEST).is_file():
         return
     if not corpus.exists():
-        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python data.py --data YOUR_FILES "
-                        f"--out {corpus}")
+        raise UserError(f"--data {corpus}: no such corpus folder; build one with: {script_command('data')} --data "
+                        f"YOUR_FILES --out {corpus}")
     if corpus.name == CORPUS_MANIFEST:
         raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
     raise UserError(f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
-                    f"python data.py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
+                    f"{script_command('data')} --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
 
 
 

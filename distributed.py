@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import UserError
+from common import UserError, console_script
 
 
 def rng_state(device: torch.device) -> dict:
@@ -194,18 +194,6 @@ def python_command() -> str:
     return shlex.quote(sys.executable)
 
 
-# pyproject.toml's [project.scripts]: the command each script is on PATH as after `pip install -e .`
-CONSOLE_SCRIPTS = {"train": "tinyllm-train", "data": "tinyllm-data", "report": "tinyllm-report",
-                   "checkpoint_cloud": "tinyllm-cloud", "export_gguf": "tinyllm-gguf"}
-
-
-def console_script(script: Path, argv0: str) -> str | None:
-    """`tinyllm-train` when this process was started as `script`'s console script (`argv0`, sys.argv[0],
-    is then that command's path), else None."""
-    name = CONSOLE_SCRIPTS.get(script.stem)
-    return name if name is not None and Path(argv0).name == name else None
-
-
 def launch_command(info: DistInfo, script: Path, args: list[str]) -> str:
     """The command that starts `script` with `args` on this layout again, in the form the user ran it:
     its console script (`tinyllm-train`) when started so, python, or torchrun with the nodes and
@@ -213,7 +201,7 @@ def launch_command(info: DistInfo, script: Path, args: list[str]) -> str:
     script_path = script.resolve()
     relative = os.path.relpath(script_path)
     shown = shlex.quote(str(script_path) if relative.startswith("..") else relative)
-    console = console_script(script, sys.argv[0] if sys.argv else "")
+    console = console_script(script.stem, sys.argv[0] if sys.argv else "")
     if info.world == 1 and console:
         launcher = console
     elif info.world == 1:

@@ -72,6 +72,7 @@ from common import (
     remove_temporaries,
     run_main,
     say,
+    script_command,
     seed_everything,
     sha256_file,
     utc_now,
@@ -1864,7 +1865,7 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
     corpus = local_corpus_folder(data_option)
     if demo:
         if not (corpus / data.CORPUS_MANIFEST).is_file():
-            say(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})")
+            say(f"demo: building the demo corpus in {corpus} ({script_command('data')} --demo --out {corpus})")
             data.build_demo_corpus(corpus)
         return corpus
     if "://" in data_option and not data_option.startswith("file://"):

@@ -521,13 +521,18 @@ def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_th
     ("", None),  # python -c
 ])
 def test_console_script_is_read_off_argv0(argv0, shown):
-    assert distributed.console_script(ROOT / "train.py", argv0) == shown
+    assert common.console_script("train", argv0) == shown
 
 
 def test_the_resume_command_is_tinyllm_train_when_started_so(monkeypatch):
     single = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     monkeypatch.setattr(sys, "argv", ["/venv/bin/tinyllm-train", "--lr", "1"])
     assert train.resume_command(single) == "tinyllm-train --lr 1 --resume auto"
+    assert common.script_command("data") == "tinyllm-data"  # the commands it suggests too
+    with pytest.raises(UserError, match="no such corpus folder; build one with: tinyllm-data --data YOUR_FILES"):
+        data.check_corpus_folder(Path("no-such-corpus"))
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert common.script_command("data") == "python data.py"
 
 
 def test_bad_options_give_one_clear_line(tmp_path):
