@@ -641,9 +641,8 @@ def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
     """'lr: 0.001 -> 0.002; mixture.phases[0].weights.web: 0.8 -> 0.7': each changed leaf of a nested
     setting (a mixture's sources and weights) on its own, never a whole dict."""
-    return "; ".join(f"{name}: {shown_setting(before)} -> {shown_setting(after)}"
-                     for key, (before, after) in changes.items() for name, before, after in leaf_changes(key, before,
-                                                                                                     after))
+    leaves = [leaf for key, (before, after) in changes.items() for leaf in leaf_changes(key, before, after)]
+    return "; ".join(f"{name}: {shown_setting(before)} -> {shown_setting(after)}" for name, before, after in leaves)
 
 
 def leaf_changes(name: str, before: Any, after: Any) -> list[tuple[str, Any, Any]]:
