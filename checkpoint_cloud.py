@@ -381,9 +381,10 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
         remote_status = read_json_or(run_dir / "run_status.json", {})
         if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
             was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
+            kept = {"resume_command": remote_status["resume_command"]} if remote_status.get("resume_command") else {}
             store.write_status(run_dir, NEEDS_RESUME, step=step, total_steps=remote_status.get("total_steps"),
                                reason=f"restored from the backup at step {step} (the backup's run_status.json "
-                                      f"said {was}); continue with train.py --resume auto")
+                                      f"said {was}); continue with train.py --resume auto", **kept)
             log(f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
                 f"(the backup's said {was})")
     return restored
@@ -1026,6 +1027,14 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
         verify_corpus_folder(temp)
     log(f"corpus pull: {len(names)} files verified into {target}")
     return target
+
+
+def corpus_stored(url: str) -> bool:
+    """Whether a complete corpus (its manifest, uploaded last) is at `url` (the notebook's CORPUS_URL); a store
+    that cannot be looked at (no credentials, no network, no such bucket) is one UserError, not a traceback."""
+    fs, root = open_remote(url)
+    with remote_errors(f"looking for a corpus at {printable_backup_url(url) or 'CORPUS_URL'}"):
+        return fs.exists(f"{root}/{CORPUS_MANIFEST}")
 
 
 def local_corpus(data: str, cache_dir: str | os.PathLike, log: LogFn = log_line) -> Path:

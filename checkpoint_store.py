@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import json
 import math
 import os
 import re
@@ -541,10 +542,13 @@ def write_status(out: Path, status: str, **fields) -> None:
 class RunStatus:
     """The one owner of run_status.json during a session: RUNNING, then stopped resumably
     (NEEDS_RESUME), COMPLETE or FAILED, and which outputs of a finished run are done
-    (`outputs`: the report and model/ "pending" until made). Only rank 0 (`enabled`) reads and writes."""
+    (`outputs`: the report and model/ "pending" until made). Only rank 0 (`enabled`) reads and writes.
 
-    def __init__(self, out: Path, enabled: bool = True):
-        self.out, self.enabled = out, enabled
+    Every record it writes, RUNNING included, carries `resume_command` (the command that continues
+    the run, train.resume_command), so a session killed at any moment leaves it on disk."""
+
+    def __init__(self, out: Path, enabled: bool = True, resume_command: str | None = None):
+        self.out, self.enabled, self.resume_command = out, enabled, resume_command
         self.previous = read_json_or(out / STATUS_FILE, {}) if enabled else {}  # what the last session left
         self.record: dict = {}
 
@@ -575,6 +579,8 @@ class RunStatus:
             self._write({**self.record, **fields})
 
     def _write(self, record: dict) -> None:
+        if self.resume_command is not None:
+            record = {**record, "resume_command": self.resume_command}
         self.record = record
         if self.enabled:
             write_status(self.out, record["status"], **{k: v for k, v in record.items() if k != "status"})
@@ -633,7 +639,28 @@ def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
-    return "; ".join(f"{key}: {before} -> {after}" for key, (before, after) in changes.items())
+    """'lr: 0.001 -> 0.002; mixture.phases[0].weights.web: 0.8 -> 0.7': each changed leaf of a nested
+    setting (a mixture's sources and weights) on its own, never a whole dict."""
+    leaves = [leaf for key, (before, after) in changes.items() for leaf in leaf_changes(key, before, after)]
+    return "; ".join(f"{name}: {shown_setting(before)} -> {shown_setting(after)}" for name, before, after in leaves)
+
+
+def leaf_changes(name: str, before: Any, after: Any) -> list[tuple[str, Any, Any]]:
+    """(path, before, after) of each differing leaf of two values: dicts by key, lists of one length by index."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [change for key in sorted(set(before) | set(after), key=str)
+                if before.get(key, UNSET) != after.get(key, UNSET)
+                for change in leaf_changes(f"{name}.{key}", before.get(key, UNSET), after.get(key, UNSET))]
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [change for index, (old, new) in enumerate(zip(before, after)) if old != new
+                for change in leaf_changes(f"{name}[{index}]", old, new)]
+    return [(name, before, after)]
+
+
+def shown_setting(value: Any, limit: int = 80) -> str:
+    """A setting's value as a person reads it: a number or text as it is, anything else as compact JSON, cut."""
+    text = value if isinstance(value, str) else json.dumps(value, separators=(", ", ": "), default=str)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 

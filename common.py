@@ -99,6 +99,7 @@ def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
     """
     if script is None:  # a console script (pyproject.toml) says so itself
         script = getattr(main, "__module__", None) == "__main__"
+    os.environ.update(progress_bars_env(hasattr(sys.stderr, "isatty") and sys.stderr.isatty(), os.environ))
     try:
         result = main()
     except UserError as error:
@@ -121,6 +122,40 @@ def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
     if isinstance(result, int):
         raise SystemExit(result)
+
+
+# What turns the libraries' progress bars off (lm-eval's and datasets' tqdm bars, the Hub's downloads)
+LIBRARY_PROGRESS_OFF = {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                        "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def progress_bars_env(is_terminal: bool, environ: dict[str, str]) -> dict[str, str]:
+    """The variables run_main sets when stderr is not a terminal (a notebook, a log file): there a tqdm bar
+    is one carriage-return line that grows with every update. A value the user set stays; tinyllm's own
+    progress (report.Progress, data.py's bar) already prints plain lines there."""
+    if is_terminal:
+        return {}
+    return {name: value for name, value in LIBRARY_PROGRESS_OFF.items() if name not in environ}
+
+
+# pyproject.toml's [project.scripts]: the command each script is on PATH as after `pip install -e .`
+CONSOLE_SCRIPTS = {"train": "tinyllm-train", "data": "tinyllm-data", "report": "tinyllm-report",
+                   "checkpoint_cloud": "tinyllm-cloud", "export_gguf": "tinyllm-gguf"}
+
+
+def console_script(script: str, argv0: str) -> str | None:
+    """`tinyllm-train` when this process was started as script `script`'s ("train") console script
+    (`argv0`, sys.argv[0], is then that command's path), else None."""
+    name = CONSOLE_SCRIPTS.get(script)
+    return name if name is not None and Path(argv0).name == name else None
+
+
+def script_command(script: str) -> str:
+    """How a printed command starts `script` ("data"): `tinyllm-data` when this process was started through a
+    console script (the user has them on PATH), else `python data.py`."""
+    argv0 = Path(sys.argv[0]).name if sys.argv else ""
+    started_so = argv0 in CONSOLE_SCRIPTS.values()
+    return CONSOLE_SCRIPTS[script] if started_so else f"python {script}.py"
 
 
 def caused_by_interrupt(error: BaseException) -> bool:
@@ -571,10 +606,39 @@ def config_tokens(action: argparse.Action, value: Any, path: str, key: str) -> l
             return [flag if value else "--no-" + flag[2:]]
         return [flag] if value else []
     if isinstance(value, list) and action.nargs in ("+", "*") and value:
+        for item in value:
+            check_config_value(action, item, path, key)
         return [flag, *map(str, value)]
     if isinstance(value, (dict, list)):
         raise UserError(f"--config {path}: {key} takes one value, got {value!r}")
+    check_config_value(action, value, path, key)
     return [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+
+
+TYPE_NAMES = {int: "an int", float: "a number", str: "a text"}
+
+
+def config_value_problem(action: argparse.Action, text: str) -> str | None:
+    """Why argparse would refuse `text` as `action`'s value ('is not an int', 'is not one of a, b'), else None."""
+    convert = action.type or str
+    try:
+        value = convert(text)
+    except argparse.ArgumentTypeError as error:
+        return str(error)
+    except (TypeError, ValueError):
+        return f"is not {TYPE_NAMES.get(convert, 'a valid value')}"
+    if action.choices is not None and value not in action.choices:
+        return "is not one of " + ", ".join(map(str, action.choices))
+    return None
+
+
+def check_config_value(action: argparse.Action, value: Any, path: str, key: str) -> None:
+    """A config value argparse would refuse is one UserError naming the file, the key and the value (the
+    command line's own error would name only the option)."""
+    problem = config_value_problem(action, str(value).lower() if isinstance(value, bool) else str(value))
+    if problem is not None:
+        raise UserError(f"--config {path}: {key} = {value!r} {problem}" if problem.startswith("is ")
+                        else f"--config {path}: {key} = {value!r}: {problem}")
 
 
 def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

@@ -61,6 +61,7 @@ from common import (
     positive,
     read_json,
     run_main,
+    script_command,
     sha256_bytes,
     sha256_file,
     sha256_tree,
@@ -857,6 +858,32 @@ class SourceStats:
 WHAT, BUILD = "what to do (one of)", "building a corpus"  # data.py's option groups
 DEMO_BUILD_DEFAULTS = {"vocab_size": DEMO_VOCAB_SIZE, "val_fraction": 0.05, "test_fraction": 0.05}
 
+# Defaults sized to the input (sized_build_defaults), a rule of thumb: a small corpus gets a small vocabulary
+# (a tiny model's embeddings stay a modest share of it, and each token is seen often enough to learn) and a larger
+# share held out (enough documents to validate on). (input bytes below, vocab_size, val_fraction = test_fraction)
+SIZED_DEFAULTS = ((1_000_000, 512, 0.05), (10_000_000, 2_048, 0.05), (100_000_000, 8_192, 0.02),
+                  (1_000_000_000, 16_384, 0.01))
+
+
+def sized_build_defaults(input_bytes: int | None) -> dict:
+    """--vocab-size, --val-fraction and --test-fraction for about `input_bytes` of input (None: unknown, e.g. a Hub
+    dataset: the defaults of a large corpus). data.py uses them for the options not given; so does the notebook."""
+    for below, vocab_size, fraction in SIZED_DEFAULTS if input_bytes is not None else ():
+        if input_bytes < below:
+            return {"vocab_size": vocab_size, "val_fraction": fraction, "test_fraction": fraction}
+    return {"vocab_size": DEFAULT_VOCAB_SIZE, "val_fraction": 0.01, "test_fraction": 0.01}
+
+
+def input_bytes(sources: Iterable[Source]) -> int | None:
+    """The bytes on disk of the inputs (compressed files as stored); None when one is a Hub dataset."""
+    total = 0
+    for source in sources:
+        if source.path is None:
+            return None
+        files = [source.path] if source.path.is_file() else [path for path in source.path.rglob("*") if path.is_file()]
+        total += sum(path.stat().st_size for path in files)
+    return total
+
 
 @dataclass
 class BuildSettings:
@@ -866,14 +893,17 @@ class BuildSettings:
 
     scope: str = option("full", "document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()), BUILD,
                         choices=list(SCOPES))
-    vocab_size: int = option(DEFAULT_VOCAB_SIZE, f"BPE vocabulary to train ({DEMO_VOCAB_SIZE} with --demo)", BUILD)
+    vocab_size: int = option(DEFAULT_VOCAB_SIZE, "BPE vocabulary to train; not given, sized to the input (512 under "
+                                                 "1 MB ... 16384 under 1 GB, this above: SIZED_DEFAULTS; "
+                                                 f"{DEMO_VOCAB_SIZE} with --demo)", BUILD)
     tokenizer: str | None = option(None, "reuse this tokenizer folder (or a corpus folder's tokenizer/)", BUILD,
                                    metavar="DIR")
     tokenizer_sample_bytes: int = option(200_000_000, "train the BPE on at most this much text (the first "
                                                       "documents)", BUILD, checks=(positive,))
     min_frequency: int = option(2, "BPE merge min count", BUILD)
-    val_fraction: float = option(0.01, "share of documents in validation (0.05 with --demo)", BUILD)
-    test_fraction: float = option(0.01, "share of documents in test (0.05 with --demo)", BUILD)
+    val_fraction: float = option(0.01, "share of documents in validation; sized to the input when not given (0.05 "
+                                       "under 10 MB and with --demo, 0.02 under 100 MB, this above)", BUILD)
+    test_fraction: float = option(0.01, "share of documents in test; sized as --val-fraction", BUILD)
     shard_tokens: int = option(100_000_000, "tokens per shard file", BUILD, checks=(positive,))
     min_chars: int = option(10, "drop documents with fewer characters of content", BUILD, checks=(not_negative,))
     remove_uuids: bool = option(True, "strip UUIDs from the text", BUILD)
@@ -1044,7 +1074,8 @@ def sample_texts(documents: Iterable[Document], max_bytes: int) -> Iterator[str]
 
 
 def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: Path):
-    """Train (or copy) the tokenizer into `out_dir`; returns the loaded transformers tokenizer."""
+    """Train (or copy) the tokenizer into `out_dir`; returns (the loaded transformers tokenizer, a note on its
+    vocabulary or None), the note said once the build is known to go on (not before an error)."""
     if settings.tokenizer:
         source_dir = Path(settings.tokenizer)
         if not source_dir.is_dir():
@@ -1052,14 +1083,13 @@ def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: P
         source_dir = tokenizer_folder(source_dir)  # a corpus folder works too
         load_tokenizer(source_dir)  # fails clearly before anything is copied
         shutil.copytree(source_dir, out_dir, ignore=shutil.ignore_patterns(".*"))
-        return load_tokenizer(out_dir)
+        return load_tokenizer(out_dir), None
     documents = iter_documents(sources, settings, CHAT_TEMPLATE, warn=False)
     texts = sample_texts(documents, settings.tokenizer_sample_bytes)
     _, reached = train_tokenizer(texts, settings.vocab_size, out_dir, min_frequency=settings.min_frequency)
-    if reached < settings.vocab_size:
-        print(f"note: the text only supports a vocabulary of {reached} (asked for {settings.vocab_size}); "
-              f"keeping {reached}", file=sys.stderr)
-    return load_tokenizer(out_dir)
+    note = (f"note: the text only supports a vocabulary of {reached} (asked for {settings.vocab_size}); keeping "
+            f"{reached}") if reached < settings.vocab_size else None
+    return load_tokenizer(out_dir), note
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1512,7 +1542,7 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
     """build_corpus's work: everything in a temporary folder beside `out`, swapped into place at the end
     (a failure, Ctrl-C or SIGTERM removes it; a build killed outright leaves it to the next build's sweep)."""
     with atomic_folder(out) as temp:
-        tokenizer = prepare_tokenizer(settings, sources, temp / TOKENIZER_DIR)
+        tokenizer, note = prepare_tokenizer(settings, sources, temp / TOKENIZER_DIR)
         vocab_size = len(tokenizer)
         dtype = token_dtype(vocab_size)
         stats: dict[str, SourceStats] = {}
@@ -1525,6 +1555,8 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
                             f"({describe_drops(stats)}); nothing to build")
         if splits["train"]["tokens"] == 0:
             raise UserError("no documents landed in the train split; lower --val-fraction/--test-fraction")
+        if note:
+            print(note, file=sys.stderr)
         for name, data in (extra_files or {}).items():
             atomic_write_bytes(temp / name, data)
         sources_doc = source_manifest(sources, stats, settings, generator)
@@ -1750,12 +1782,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> tuple[DataCommand, BuildSettings, argparse.ArgumentParser]:
     """(what to do, the corpus' settings, the parser) of this command line: a --config file's options
-    first, then the command line's; with --demo, DEMO_BUILD_DEFAULTS replace those of the options not given."""
+    first, then the command line's; the options not given get defaults sized to the --data inputs
+    (sized_build_defaults), or DEMO_BUILD_DEFAULTS with --demo."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(config_argv(parser, argv) + argv)
-    if args.demo:
-        parser.set_defaults(**DEMO_BUILD_DEFAULTS)
+    if args.demo or (args.data and not args.verify):
+        sized = DEMO_BUILD_DEFAULTS if args.demo else \
+            sized_build_defaults(input_bytes(resolve_inputs(args.data, label_by_stem=args.source_label == "stem")))
+        parser.set_defaults(**sized)
         args = parser.parse_args(config_argv(parser, argv) + argv)
     values = {**vars(args), "data": tuple(args.data) if args.data else None}
     command = DataCommand(**{field.name: values[field.name] for field in fields(DataCommand)})
@@ -1829,12 +1864,12 @@ def check_corpus_folder(corpus: Path) -> None:
     if (corpus / CORPUS_MANIFEST).is_file():
         return
     if not corpus.exists():
-        raise UserError(f"--data {corpus}: no such corpus folder; build one with: python data.py --data YOUR_FILES "
-                        f"--out {corpus}")
+        raise UserError(f"--data {corpus}: no such corpus folder; build one with: {script_command('data')} --data "
+                        f"YOUR_FILES --out {corpus}")
     if corpus.name == CORPUS_MANIFEST:
         raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
     raise UserError(f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
-                    f"python data.py --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
+                    f"{script_command('data')} --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
 
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import UserError
+from common import UserError, console_script
 
 
 def rng_state(device: torch.device) -> dict:
@@ -195,12 +195,16 @@ def python_command() -> str:
 
 
 def launch_command(info: DistInfo, script: Path, args: list[str]) -> str:
-    """The command that starts `script` with `args` on this layout again: python, or torchrun with the
-    nodes and processes per node of this run; the script as run from the current folder."""
+    """The command that starts `script` with `args` on this layout again, in the form the user ran it:
+    its console script (`tinyllm-train`) when started so, python, or torchrun with the nodes and
+    processes per node of this run; the script as run from the current folder."""
     script_path = script.resolve()
     relative = os.path.relpath(script_path)
     shown = shlex.quote(str(script_path) if relative.startswith("..") else relative)
-    if info.world == 1:
+    console = console_script(script.stem, sys.argv[0] if sys.argv else "")
+    if info.world == 1 and console:
+        launcher = console
+    elif info.world == 1:
         launcher = f"{python_command()} {shown}"
     else:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))

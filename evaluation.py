@@ -15,7 +15,9 @@ the other kind of task: greedy chat replies scored by report.task_accuracy.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import random
 import re
 import tempfile
@@ -40,6 +42,53 @@ def require_lm_eval():
         raise UserError(f"multiple-choice and lm-eval tasks need lm-evaluation-harness ({error.name} is not "
                         f"installed): {LM_EVAL_INSTALL}") from None
     return lm_eval
+
+
+# ----------------------------------------------------------------------------------------------
+# lm-eval's tasks loaded, their faults as one line: the same words under report.py evaluate --tasks and
+# train.py --eval-tasks (`flag` names the option).
+
+
+def unknown_tasks_text(flag: str, names: Sequence[str]) -> str:
+    return (f"{flag} {', '.join(names)}: neither a task file nor an lm-eval task name (`lm_eval ls tasks` lists "
+            "them)")
+
+
+def dataset_failure_text(flag: str, name: str, error: BaseException) -> str:
+    """One line for a task whose dataset did not load: offline (a Kaggle session with internet off), gated,
+    missing, a bad config."""
+    detail = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{flag} {name}: its dataset did not load ({type(error).__name__}: {detail})"
+
+
+@contextlib.contextmanager
+def quiet_hub():
+    """huggingface_hub's retry warnings off (five 'Retrying in 1s' lines before an offline failure, said once by
+    dataset_failure_text instead)."""
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
+
+
+def load_lm_eval_tasks(names: Sequence[str], manager, flag: str) -> dict:
+    """lm-eval's {name: task or group} of `names` (their datasets loaded), each fault one UserError naming `flag`."""
+    from lm_eval.tasks import get_task_dict
+
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise UserError(unknown_tasks_text(flag, unknown))
+    loaded = {}
+    for name in names:
+        try:
+            with quiet_hub():
+                loaded.update(get_task_dict([name], manager))
+        except Exception as error:  # noqa: BLE001 - datasets fails many ways: offline, gated, missing, a bad config
+            raise UserError(dataset_failure_text(flag, name, error)) from None
+    return loaded
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +204,7 @@ def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_s
     """lm-eval's scores of the 'lm_eval' and 'choice' tasks: ({name: {acc, acc_norm, ..., n}}, harness info)."""
     lm_eval = require_lm_eval()
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     local = [task for task in tasks if task["kind"] == "choice"]
     named = [task["name"] for task in tasks if task["kind"] == "lm_eval"]
@@ -168,17 +217,13 @@ def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_s
         manager = TaskManager(include_path=includes or None, verbosity="ERROR",
                               include_defaults=any(task["kind"] == "lm_eval" and not task.get("include")
                                                    for task in tasks))
-        unknown = [name for name in named if name not in manager.all_tasks]
-        if unknown:
-            raise UserError(f"--tasks: {', '.join(unknown)}: neither a task file nor an lm-eval task name "
-                            "(`lm_eval ls tasks` lists them)")
-        if limit is not None and named:
-            loaded = get_task_dict(named, manager)
+        loaded = load_lm_eval_tasks(named, manager, "--tasks")  # a fault is one line before the model loads
+        if limit is not None:
             sizes.update({name: len(task.eval_docs) for name, task in loaded.items()  # a group (mmlu) is scored
                           if isinstance(name, str) and hasattr(task, "eval_docs")})  # whole: no size of its own
         picks = {name: seeded_subsample(size, limit, seed) for name, size in sizes.items()}
         samples = {name: pick for name, pick in picks.items() if pick is not None}
-        model = HFLM(pretrained=model_dir, device=device, batch_size=batch_size)
+        model = load_hf_model(HFLM, model_dir, device, batch_size)
         output = lm_eval.simple_evaluate(model=model, tasks=[task["name"] for task in local] + named,
                                          task_manager=manager, samples=samples or None, num_fewshot=0,
                                          log_samples=False, random_seed=seed, numpy_random_seed=seed,
@@ -195,6 +240,15 @@ def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_s
                "acc_bytes": "log-probability per UTF-8 byte of the choice", "limit": limit, "seed": seed,
                "batch_size": batch_size, "device": device}
     return scores, harness
+
+
+def load_hf_model(hflm, model_dir: str, device: str, batch_size: int):
+    """lm-eval's HFLM of `model_dir`, or one UserError when the folder does not load (weights missing, broken)."""
+    try:
+        return hflm(pretrained=model_dir, device=device, batch_size=batch_size)
+    except (OSError, ValueError, RuntimeError) as error:
+        detail = (str(error).strip().splitlines() or [""])[0][:300]
+        raise UserError(f"{model_dir}: the model did not load ({type(error).__name__}: {detail})") from None
 
 
 def exact_match_scores(model_dir: str, tasks: list[dict], limit: int | None, device: str, seed: int,
@@ -221,6 +275,8 @@ def exact_match_scores(model_dir: str, tasks: list[dict], limit: int | None, dev
 def model_and_run(model_or_run: str) -> tuple[Path, Path | None]:
     """(the exported model folder, the run folder or None) from RUN or RUN/model."""
     path = Path(model_or_run)
+    if not path.exists():
+        raise UserError(f"{path}: no such run or model folder")
     if (path / "model" / "config.json").is_file():
         return path / "model", path
     if (path / "config.json").is_file():
@@ -374,17 +430,14 @@ def lm_eval_items(name: str, include: str | None = None) -> list[dict]:
     """A zero-shot lm-eval multiple-choice task's items as {"context", "choices", "answer"}: the context,
     choices and target lm-eval itself builds (its fewshot_context with no shots)."""
     require_lm_eval()
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include, include_defaults=include is None, verbosity="ERROR")
-    if name not in manager.all_tasks:
-        raise UserError(f"--eval-tasks {name}: neither a task file nor an lm-eval task name "
-                        "(`lm_eval ls tasks` lists them)")
+    task = load_lm_eval_tasks([name], manager, "--eval-tasks")[name]
     try:
-        task = get_task_dict([name], manager)[name]
         docs = list(task.eval_docs) if hasattr(task, "eval_docs") else None
     except Exception as error:  # noqa: BLE001 - datasets fails many ways: offline, gated, missing, a bad config
-        raise UserError(f"--eval-tasks {name}: its dataset did not load ({type(error).__name__}: {error})") from None
+        raise UserError(dataset_failure_text("--eval-tasks", name, error)) from None
     if docs is None or task.OUTPUT_TYPE != "multiple_choice" or task.config.target_delimiter != " ":
         raise UserError(f"--eval-tasks {name}: not one multiple-choice task whose choice follows the context "
                         "after a space (a group, another output type or delimiter); the loop scores those, "

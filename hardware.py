@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -358,17 +360,68 @@ def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_siz
 # The torch this code needs.
 
 
-def torch_problem(version: str) -> str | None:
-    """An `error:` text when `version` (torch.__version__) is older than MIN_TORCH, else None."""
+# The CUDA builds torch publishes from MIN_TORCH on (download.pytorch.org/whl/cuXYZ), newest first: a driver
+# runs a build of its own CUDA version or older. requirements.txt leaves torch out, so pip never swaps the torch an
+# image has (Kaggle's, Colab's) for a multi-GB wheel the driver may not run; these say which one to install.
+TORCH_CUDA_BUILDS = ((13, 0), (12, 8), (12, 6))
+TORCH_INDEX = "https://download.pytorch.org/whl/"
+
+
+def torch_too_old(version: str) -> bool:
+    """Whether `version` (torch.__version__, or its distribution's) is older than MIN_TORCH; a development
+    build that does not parse is let run."""
     try:
-        found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+        return tuple(int(part) for part in version.split("+")[0].split(".")[:2]) < MIN_TORCH
     except ValueError:
-        return None  # a development build: let it run
-    if found >= MIN_TORCH:
+        return False
+
+
+def driver_cuda_version(nvidia_smi: str) -> tuple[int, int] | None:
+    """The CUDA version the NVIDIA driver supports, from `nvidia-smi`'s header ('CUDA Version: 12.4'); None: none."""
+    match = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", nvidia_smi)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def read_driver_cuda() -> tuple[int, int] | None:
+    """driver_cuda_version of this machine's nvidia-smi; None without one (no NVIDIA card or driver)."""
+    try:
+        text = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return driver_cuda_version(text)
+
+
+def torch_install_command(driver_cuda: tuple[int, int] | None) -> str | None:
+    """The pip command that installs a torch this code runs on this machine: the CPU build without an NVIDIA
+    driver, else the newest CUDA build the driver runs; None when the driver is older than every build."""
+    need = ".".join(map(str, MIN_TORCH))
+    if driver_cuda is None:
+        return f"pip install 'torch>={need}' --index-url {TORCH_INDEX}cpu"
+    build = next((build for build in TORCH_CUDA_BUILDS if driver_cuda >= build), None)
+    return None if build is None else f"pip install 'torch>={need}' --index-url {TORCH_INDEX}cu{build[0]}{build[1]}"
+
+
+def torch_install_problem(version: str | None, driver_cuda: tuple[int, int] | None) -> str | None:
+    """None when the installed torch (`version`; None: not installed) is new enough: install nothing
+    torch-related. Else one line: what is wrong and the exact command for this machine's card."""
+    if version is not None and not torch_too_old(version):
         return None
     need = ".".join(map(str, MIN_TORCH))
-    return (f"torch {version} is too old: tinyllm needs torch>={need} (torch.optim.Muon). Install a newer one, "
-            f"e.g. pip install 'torch>={need}' (on Kaggle/Colab: pip install -U torch, then restart the session)")
+    found = "torch is not installed" if version is None else f"torch {version} is too old"
+    machine = "no NVIDIA driver: the CPU build" if driver_cuda is None else \
+        f"the NVIDIA driver runs CUDA {driver_cuda[0]}.{driver_cuda[1]}"
+    command = torch_install_command(driver_cuda)
+    if command is None:
+        oldest = ".".join(map(str, TORCH_CUDA_BUILDS[-1]))
+        return (f"{found}: tinyllm needs torch>={need} (torch.optim.Muon), and {machine}, older than every build "
+                f"of it (CUDA {oldest} and up): update the driver, or use an image with torch>={need}")
+    return (f"{found}: tinyllm needs torch>={need} (torch.optim.Muon); for this machine ({machine}): {command} "
+            "(in a notebook, then restart its session)")
+
+
+def torch_problem(version: str) -> str | None:
+    """An `error:` text when `version` (torch.__version__) is older than MIN_TORCH, else None."""
+    return torch_install_problem(version, read_driver_cuda()) if torch_too_old(version) else None
 
 
 def check_torch() -> None:

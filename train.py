@@ -72,6 +72,7 @@ from common import (
     remove_temporaries,
     run_main,
     say,
+    script_command,
     seed_everything,
     sha256_file,
     utc_now,
@@ -229,7 +230,9 @@ class SessionSettings:
               "answer} JSONL files or folders, lm-eval task YAML files or lm-eval task names "
               "(docs/evaluation.md#in-the-loop)", SAVING, type=str, nargs="+", metavar="TASK")
     eval_tasks_every: int | None = option(None, "score --eval-tasks every N steps (0: only at the end; None: with "
-                                                "each validation)", SAVING, checks=(not_negative,))
+                                                "each validation, or every k-th one, or only at the end, whichever "
+                                                "keeps the scoring near 5%% of the training: said at the start)",
+                                          SAVING, checks=(not_negative,))
     eval_tasks_limit: int = option(evaluation.DEFAULT_LOOP_LIMIT, "items per --eval-tasks task (a seeded, fixed "
                                                                  "subsample; 0: all)", SAVING,
                                    checks=(not_negative,))
@@ -1224,7 +1227,8 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
 
-    status = store.RunStatus(out, enabled=info.is_main)  # read before this session writes anything
+    status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
+                             resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path = start_training(settings, info, corpus)
     note = store.previous_session_note(status.previous, training.step)
     if note:
@@ -1357,6 +1361,19 @@ def default_tasks_every(validation_every: int, total_steps: int, task_tokens: in
     return every if every < total_steps else 0
 
 
+def tasks_cadence_note(validation_every: int, tasks_every: int, task_tokens: int, step_tokens: int) -> str | None:
+    """What the run says at its start when default_tasks_every scores the --eval-tasks later than the validation
+    (every k-th one, or only at the end), and why; None when they go together."""
+    if tasks_every == validation_every or validation_every == 0:
+        return None
+    cost = task_tokens / (3 * validation_every * step_tokens)  # a scored token a third of a trained one
+    when = (f"every {tasks_every} steps (with one validation in {tasks_every // validation_every})" if tasks_every
+            else "only at the end")
+    return (f"note: --eval-tasks are scored {when}, not with each validation (every {validation_every} steps): one "
+            f"scoring reads {task_tokens:,} tokens, about {100 * cost:.0f}% of the training between two validations, "
+            f"and the default keeps it near {100 * TASKS_COST_SHARE:.0f}%; --eval-tasks-every N chooses")
+
+
 def evaluation_cadence(training: Training) -> tuple[int, int | None]:
     """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
     session = training.session
@@ -1365,8 +1382,12 @@ def evaluation_cadence(training: Training) -> tuple[int, int | None]:
         return validation_every, None
     if session.eval_tasks_every is not None:
         return validation_every, session.eval_tasks_every
-    return validation_every, default_tasks_every(validation_every, training.total_steps, training.task_scorer.tokens,
-                                                 training.tokens_per_step // training.info.world)
+    step_tokens = training.tokens_per_step // training.info.world
+    tasks_every = default_tasks_every(validation_every, training.total_steps, training.task_scorer.tokens, step_tokens)
+    note = tasks_cadence_note(validation_every, tasks_every, training.task_scorer.tokens, step_tokens)
+    if note:
+        log(training.info, note)
+    return validation_every, tasks_every
 
 
 def evaluations_due(step: int, total_steps: int, validation_every: int, tasks_every: int | None) -> tuple[bool, bool]:
@@ -1790,7 +1811,7 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
                              info.world, session.deterministic, advice, status.final)
     failure = failure_reason(error, last, context)
     if status.failed(failure.status, reason=failure.reason, step=training.step, total_steps=training.total_steps,
-                     last_checkpoint=last, resume_command=command, backup_complete=None):
+                     last_checkpoint=last, backup_complete=None):
         since = stop.signalled_at or (time.monotonic() if failure.urgent else None)
         with contextlib.suppress(Exception):
             status.update(backup_complete=wait_for_backup(checkpointer, since))
@@ -1844,7 +1865,7 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
     corpus = local_corpus_folder(data_option)
     if demo:
         if not (corpus / data.CORPUS_MANIFEST).is_file():
-            say(f"demo: building the demo corpus in {corpus} (python data.py --demo --out {corpus})")
+            say(f"demo: building the demo corpus in {corpus} ({script_command('data')} --demo --out {corpus})")
             data.build_demo_corpus(corpus)
         return corpus
     if "://" in data_option and not data_option.startswith("file://"):
@@ -1900,8 +1921,6 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
     checkpointer.wait()
     command = resume_command(info, training.invocation.argv)
     record = final_record(training, out, reason, test)
-    if state == store.NEEDS_RESUME:
-        record["resume_command"] = command
     status.finished(state, **record, outputs=report_outputs(session.report, None),
                     report_command=command if session.report else None)
     status.update(backup_complete=wait_for_backup(checkpointer, stop.signalled_at))

@@ -927,7 +927,8 @@ def test_pull_is_read_only_on_the_remote_and_restores_an_honest_run_status(tmp_p
     for step in (10, 20, 30):
         atomic_write_json(run / "run_status.json", {"status": "RUNNING", "step": step, "total_steps": 30})
         if step == 30:
-            atomic_write_json(run / "run_status.json", {"status": "COMPLETE", "step": 30, "total_steps": 30})
+            atomic_write_json(run / "run_status.json", {"status": "COMPLETE", "step": 30, "total_steps": 30,
+                                                        "resume_command": "python train.py --resume auto"})
         save_and_point_latest(run / "checkpoints", step, "run-a")
         assert reconcile(worker, run / "checkpoints").caught_up
     flip_byte(remote / "checkpoints" / "step-00000030.pt", 1000)
@@ -941,6 +942,7 @@ def test_pull_is_read_only_on_the_remote_and_restores_an_honest_run_status(tmp_p
     restored = json.loads((tmp_path / "pulled" / "run_status.json").read_text())
     assert restored["status"] == store.NEEDS_RESUME and restored["step"] == 20
     assert "COMPLETE at step 30" in restored["reason"]
+    assert restored["resume_command"] == "python train.py --resume auto"  # still says how to go on
 
     # train.py's own restore (it writes the remote anyway) sets the corrupt record aside and says so
     log = Log()

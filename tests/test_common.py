@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -323,3 +325,28 @@ def test_check_writable_folder_leaves_nothing_and_names_the_folder(tmp_path):
             common.check_writable_folder(locked, "the run folder")
     finally:
         locked.chmod(0o700)
+
+
+# stderr a terminal?, the environment -> what run_main adds to it
+@pytest.mark.parametrize("terminal, environ, added", [
+    (True, {}, {}),  # a terminal: the bars draw in place
+    (False, {}, common.LIBRARY_PROGRESS_OFF),  # a notebook or a log: off
+    (False, {"TQDM_DISABLE": "0"}, {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}),
+])
+def test_library_progress_bars_are_off_when_stderr_is_not_a_terminal(terminal, environ, added):
+    assert common.progress_bars_env(terminal, environ) == added
+
+
+def test_run_main_turns_the_bars_off_in_a_log(monkeypatch):
+    for name in common.LIBRARY_PROGRESS_OFF:
+        monkeypatch.setenv(name, "unset below")
+        monkeypatch.delenv(name)
+    seen = {}
+    common.run_main(lambda: seen.update(os.environ), script=False)  # stderr is pytest's capture, not a terminal
+    assert {name: seen.get(name) for name in common.LIBRARY_PROGRESS_OFF} == common.LIBRARY_PROGRESS_OFF
+    # a tqdm imported after run_main began (lm-eval's, under report.py evaluate) draws nothing into a log
+    code = "import common; common.run_main(lambda: print(__import__('tqdm').tqdm(total=3).disable))"
+    environ = {name: value for name, value in os.environ.items() if name not in common.LIBRARY_PROGRESS_OFF}
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(common.__file__).parent, capture_output=True,
+                            text=True, env=environ)
+    assert result.stdout.strip() == "True", result.stderr

@@ -75,6 +75,23 @@ def test_document_hash_is_blake2b_key_and_position():
     assert data.document_hash("hello") != data.document_hash("hello ")
 
 
+# bytes of input -> data.py's defaults for the options not given (the notebook shows the same)
+@pytest.mark.parametrize("size, vocab_size, fraction", [
+    (None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
+    (0, 512, 0.05),
+    (999_999, 512, 0.05),
+    (1_000_000, 2_048, 0.05),
+    (9_999_999, 2_048, 0.05),
+    (10_000_000, 8_192, 0.02),
+    (999_999_999, 16_384, 0.01),
+    (1_000_000_000, 33_069, 0.01),
+    (10**12, 33_069, 0.01),
+])
+def test_build_defaults_are_sized_to_the_input(size, vocab_size, fraction):
+    assert data.sized_build_defaults(size) == {"vocab_size": vocab_size, "val_fraction": fraction,
+                                               "test_fraction": fraction}
+
+
 @pytest.mark.parametrize("vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"),
                                                (200_000, "uint32")])
 def test_token_dtype_holds_every_id(vocab_size, dtype):
@@ -549,11 +566,23 @@ def test_clip_gradients_sets_non_finite_gradients_to_nan():
     assert torch.isnan(parameters[0].grad).all()
 
 
+MIXTURE = {"sources": [{"name": "web", "label": None}, {"name": "chat", "label": "chat"}],
+           "phases": [{"start": 0, "weights": {"web": 0.8, "chat": 0.2}}]}
+
+
 @pytest.mark.parametrize("old, new, expected", [
     ({"a": 1}, {"a": 1}, []),
     ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
     ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
     ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
+    ({"x": True}, {"x": None}, ["x: true -> null"]),  # JSON's words, not Python's
+    ({"betas": [0.9, 0.95]}, {"betas": [0.9, 0.99]}, ["betas[1]: 0.95 -> 0.99"]),
+    ({"mixture": MIXTURE}, {"mixture": {**MIXTURE, "phases": [{"start": 0, "weights": {"web": 0.7, "chat": 0.3}}]}},
+     ["mixture.phases[0].weights.chat: 0.2 -> 0.3", "mixture.phases[0].weights.web: 0.8 -> 0.7"]),
+    ({"mixture": MIXTURE}, {"mixture": {**MIXTURE, "sources": [{"name": "web", "label": None}]}},
+     ['mixture.sources: [{"name": "web", "label": null}, {"name": "chat", "label": "chat"}] -> '
+      '[{"name": "web", "label": null}]']),
+    ({"s": "x" * 100}, {"s": "y"}, ["s: " + "x" * 77 + "... -> y"]),
 ])
 def test_settings_changes_are_described_one_by_one(old, new, expected):
     assert store.describe_changes(store.settings_changes(old, new)) == "; ".join(expected)
@@ -951,6 +980,16 @@ def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
     assert store.RunStatus(tmp_path, enabled=False).previous == {}  # only rank 0 reads what the last session left
 
 
+def test_every_run_status_record_carries_the_resume_command(tmp_path):
+    status = store.RunStatus(tmp_path, resume_command="python train.py --out run --resume auto")
+    for write in (lambda: status.running(0, 10), lambda: status.running(3, 10, loss=2.5),
+                  lambda: status.failed("FAILED", reason="x", step=3), lambda: status.finished("COMPLETE", step=10),
+                  lambda: status.update(backup_complete=True)):
+        write()
+        assert store.read_json(tmp_path / "run_status.json")["resume_command"] == \
+            "python train.py --out run --resume auto"
+
+
 # what the last session left, the step this one resumes from -> the note (None: nothing to say)
 @pytest.mark.parametrize("previous, resumed, note", [
     ({}, 0, None),  # a new run
@@ -1058,3 +1097,18 @@ def test_evaluations_due_table(step, total, validation_every, tasks_every, expec
 def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
                                                               expected):
     assert train.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
+
+
+# validation every, tasks every (default_tasks_every's), tokens scored, tokens per step -> the note at the start
+@pytest.mark.parametrize("validation_every, tasks_every, task_tokens, step_tokens, note", [
+    (250, 250, 4096 * 15, 4096, None),  # together: nothing to explain
+    (0, 0, 10, 128, None),  # both only at the end
+    (250, 500, 4096 * 45, 4096, "note: --eval-tasks are scored every 500 steps (with one validation in 2), not "
+     "with each validation (every 250 steps): one scoring reads 184,320 tokens, about 6% of the training between "
+     "two validations, and the default keeps it near 5%; --eval-tasks-every N chooses"),
+    (30, 0, 88_000, 4096, "note: --eval-tasks are scored only at the end, not with each validation (every 30 "
+     "steps): one scoring reads 88,000 tokens, about 24% of the training between two validations, and the default "
+     "keeps it near 5%; --eval-tasks-every N chooses"),
+])
+def test_the_tasks_cadence_note_says_when_and_why(validation_every, tasks_every, task_tokens, step_tokens, note):
+    assert train.tasks_cadence_note(validation_every, tasks_every, task_tokens, step_tokens) == note

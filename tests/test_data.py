@@ -1075,16 +1075,23 @@ def test_data_py_reads_its_options_from_a_config_file(tmp_path):
         data.main(["--config", str(config), "--demo", "--out", str(tmp_path / "x")])
 
 
-def test_each_data_option_is_declared_once_and_demo_defaults_fill_the_options_not_given():
+def test_each_data_option_is_declared_once_and_demo_defaults_fill_the_options_not_given(tmp_path):
     """Every data.py option is a field of DataCommand or of BuildSettings (common.option), not both; --demo
-    replaces the defaults of the options not given (DEMO_BUILD_DEFAULTS), a given one wins."""
+    replaces the defaults of the options not given (DEMO_BUILD_DEFAULTS), --data those sized to its inputs
+    (sized_build_defaults), a given one wins."""
     from dataclasses import fields
 
     dests = [action.dest for action in data.build_parser()._actions if action.dest != "help"]
     command = {field.name for field in fields(data.DataCommand)}
     build = {field.name for field in fields(data.BuildSettings)}
     assert sorted(dests) == sorted(command | build) and not command & build
-    _, settings, _ = data.parse_args(["--data", "a.jsonl", "--out", "corpus"])
+    _, settings, _ = data.parse_args(["--data", "hf:user/big", "--out", "corpus"])  # a size not known: large
+    assert settings == data.BuildSettings()
+    small = tmp_path / "small.txt"
+    small.write_text("A small corpus of a few thousand bytes. " * 100)
+    _, settings, _ = data.parse_args(["--data", str(small), "--out", "corpus", "--test-fraction", "0"])
+    assert (settings.vocab_size, settings.val_fraction, settings.test_fraction) == (512, 0.05, 0.0)
+    _, settings, _ = data.parse_args(["--data", "hf:user/big", str(small), "--out", "corpus"])
     assert settings == data.BuildSettings()
     command_given, settings, _ = data.parse_args(["--demo", "--out", "corpus", "--val-fraction", "0.1", "--seed", "3"])
     assert (settings.vocab_size, settings.val_fraction, settings.test_fraction) == (512, 0.1, 0.05)

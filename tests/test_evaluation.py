@@ -3,6 +3,7 @@
 import json
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +239,39 @@ def test_loop_tasks_from_files_and_lm_eval_yaml_are_cut_and_kept(exported, tmp_p
     (tmp_path / "bad.yaml").write_text("dataset_path: json\n")
     with pytest.raises(UserError, match=r"bad.yaml: an lm-eval task YAML needs a `task: NAME` line"):
         evaluation.load_loop_tasks([str(tmp_path / "bad.yaml")], 0, kept)
+
+
+def test_report_evaluate_faults_are_one_line_worded_as_eval_tasks(exported, tmp_path):
+    """report.py evaluate and train.py --eval-tasks say each fault (a dataset that does not load, as offline; an
+    unknown task; a missing or broken model) in one line, in the same words but for the option's name."""
+    import subprocess
+
+    model_dir, items_file, _ = exported
+    gone = tmp_path / "gone.yaml"  # its dataset cannot be read: what an offline Kaggle session meets
+    gone.write_text(evaluation.task_yaml("gone", str(tmp_path / "no-such-items.jsonl")))
+    said = {}
+    for flag, call in (("--tasks", lambda spec: report.main(["evaluate", str(model_dir), "--tasks", spec])),
+                       ("--eval-tasks", lambda spec: evaluation.load_loop_tasks([spec], 0, None))):
+        with pytest.raises(UserError) as error:
+            call(str(gone))
+        said[flag, "dataset"] = str(error.value)
+        with pytest.raises(UserError) as error:
+            call("no_such_task_anywhere")
+        said[flag, "unknown"] = str(error.value)
+    assert said["--tasks", "dataset"].startswith("--tasks gone: its dataset did not load (")
+    for kind in ("dataset", "unknown"):
+        assert said["--tasks", kind].replace("--tasks", "--eval-tasks", 1) == said["--eval-tasks", kind]
+        assert "\n" not in said["--tasks", kind]
+    assert said["--tasks", "unknown"] == ("--tasks no_such_task_anywhere: neither a task file nor an lm-eval task "
+                                         "name (`lm_eval ls tasks` lists them)")
+    with pytest.raises(UserError, match=r"^\S*nowhere: no such run or model folder$"):
+        report.main(["evaluate", str(tmp_path / "nowhere"), "--tasks", "arc_easy"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((model_dir / "config.json").read_text())  # no weights, no tokenizer
+    with pytest.raises(UserError, match=r"^\S*broken: the model did not load \(\w+: .*\)$"):
+        report.main(["evaluate", str(broken), "--tasks", str(items_file)])
+    result = subprocess.run([sys.executable, "report.py", "evaluate", str(model_dir), "--tasks", str(gone)],
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {said['--tasks', 'dataset']}"]

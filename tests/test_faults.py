@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -306,6 +307,12 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
     with pytest.raises(common.UserError, match="has no tokenizer.json") as error:
         data.load_tokenizer(config_only)
     assert "\n" not in str(error.value) and "sentencepiece" not in str(error.value)
+
+    noise = tmp_path / "noise.txt"  # random bytes: the error alone, no note on the vocabulary before it
+    noise.write_bytes(random.Random(0).randbytes(20_000))
+    with pytest.raises(common.UserError, match="^no documents left after reading and filtering"):
+        data.main(["--data", str(noise), "--out", str(tmp_path / "noise"), "--no-progress"])
+    assert "note:" not in capsys.readouterr().err
 
     with pytest.raises(data.RecordError, match="'text' is a int, expected text"):
         data.to_document({"text": 12345}, data.CHAT_TEMPLATE, True)

@@ -109,6 +109,39 @@ def test_torch_version(version, ok):
         assert "torch>=2.9" in problem and version in problem
 
 
+CPU_INDEX, CUDA_INDEX = "--index-url https://download.pytorch.org/whl/cpu", "--index-url https://download.pytorch.org/whl/cu"
+
+
+# the torch installed (None: none), the driver's CUDA (None: no NVIDIA driver) -> the one line, or None: install nothing
+@pytest.mark.parametrize("version, driver, problem", [
+    ("2.13.0+cpu", None, None),
+    ("2.9.1+cu126", (12, 4), None),  # a working torch is kept, whatever the driver
+    ("2.10.0a0+git1234", (12, 8), None),
+    (None, None, "torch is not installed: tinyllm needs torch>=2.9 (torch.optim.Muon); for this machine (no NVIDIA "
+     f"driver: the CPU build): pip install 'torch>=2.9' {CPU_INDEX} (in a notebook, then restart its session)"),
+    ("2.6.0+cu124", (12, 9), "torch 2.6.0+cu124 is too old: tinyllm needs torch>=2.9 (torch.optim.Muon); for this "
+     f"machine (the NVIDIA driver runs CUDA 12.9): pip install 'torch>=2.9' {CUDA_INDEX}128 (in a notebook, then "
+     "restart its session)"),
+    ("2.8.0", (13, 1), f"pip install 'torch>=2.9' {CUDA_INDEX}130"),
+    ("2.8.0", (12, 6), f"pip install 'torch>=2.9' {CUDA_INDEX}126"),
+    (None, (12, 2), "torch is not installed: tinyllm needs torch>=2.9 (torch.optim.Muon), and the NVIDIA driver runs "
+     "CUDA 12.2, older than every build of it (CUDA 12.6 and up): update the driver, or use an image with torch>=2.9"),
+])
+def test_the_torch_install_check(version, driver, problem):
+    found = hardware.torch_install_problem(version, driver)
+    assert found == problem if problem is None or problem.startswith("torch") else problem in found
+
+
+@pytest.mark.parametrize("text, cuda", [
+    ("| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |", (12, 4)),
+    ("NVIDIA-SMI 580.65   Driver Version: 580.65   CUDA Version: 13.0", (13, 0)),
+    ("", None),
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", None),
+])
+def test_the_drivers_cuda_version_is_read_off_nvidia_smi(text, cuda):
+    assert hardware.driver_cuda_version(text) == cuda
+
+
 def test_check_torch_raises_a_user_error(monkeypatch):
     import torch
 

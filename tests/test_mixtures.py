@@ -211,6 +211,8 @@ def test_resuming_with_other_weights_is_refused(corpora, mixed_reference, tmp_pa
     shutil.copytree(mixed_reference, out)
     result = run_cli(mixture_options(corpora, out, "--resume", "auto", weights=(0.7, 0.3)), check=False)
     assert result.returncode != 0 and "settings differ" in result.stderr and "mixture" in result.stderr
+    error = result.stderr.strip().splitlines()[-1]  # each changed weight by name, not the mixture's raw dict
+    assert "mixture.phases[0].weights.big: " in error and "{" not in error and "'" not in error, error
 
 
 def test_sources_with_other_tokenizers_are_refused(corpora, tmp_path):

@@ -9,6 +9,7 @@ README's Kaggle flow breaking fails this test.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,42 @@ def test_the_parameters_are_one_tagged_cell():
     assert all(not cell.outputs for cell in cells if cell.cell_type == "code")  # committed without outputs
     papermill = pytest.importorskip("papermill")
     assert list(papermill.inspect_notebook(str(NOTEBOOK))) == [  # each one parses, so `-p NAME VALUE` reaches it
-        "WORK", "TINYLLM", "INSTALL", "DATA", "CORPUS_URL", "BACKUP_TO", "RUN", "PRESET", "GPUS", "MAX_HOURS",
-        "TRAIN_ARGS", "LOG_TO", "SECRETS", "GGUF_TYPE", "PUBLISH_TO"]
+        "WORK", "TINYLLM", "INSTALL", "DATA", "VOCAB_SIZE", "VAL_FRACTION", "SOURCE_LABEL", "CORPUS_URL", "BACKUP_TO",
+        "RUN", "PRESET", "GPUS", "MAX_HOURS", "TRAIN_ARGS", "LOG_TO", "SECRETS", "GGUF_TYPE", "PUBLISH_TO"]
+
+
+def test_a_store_without_credentials_stops_run_all_with_one_error_line(tmp_path, monkeypatch):
+    """The notebook's own check of CORPUS_URL, with a placeholder bucket and no credentials (a first try on
+    Kaggle before the secrets are attached): one `error:` line, not botocore's NoCredentialsError traceback.
+    Its install cell found the torch present new enough and kept it; its data options are sized to the data."""
+    papermill = pytest.importorskip("papermill")
+    pytest.importorskip("s3fs")
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no credentials from an instance either
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing would be reached
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("A few words of a very small corpus. " * 100)
+    parameters = {"WORK": str(tmp_path / "work"), "TINYLLM": str(ROOT), "INSTALL": False, "DATA": str(texts),
+                  "CORPUS_URL": "s3://my-bucket/corpora/mine", "SECRETS": []}
+    with pytest.raises(papermill.PapermillExecutionError) as error:
+        papermill.execute_notebook(str(NOTEBOOK), str(tmp_path / "out.ipynb"), parameters=parameters,
+                                   kernel_name="python3", progress_bar=False, cwd=str(ROOT))
+    assert [line for line in error.value.traceback if line.strip()] == [
+        "error: looking for a corpus at s3://my-bucket/corpora/mine failed (NoCredentialsError); check the URL, "
+        "the network and the credentials"]
+    import nbformat
+
+    printed = "\n".join(out.get("text", "") for cell in nbformat.read(tmp_path / "out.ipynb", as_version=4).cells
+                        if cell.cell_type == "code" for out in cell.outputs)
+    import torch
+
+    assert f"torch {torch.__version__} is kept" in printed
+    assert "data options: --vocab-size 512 --val-fraction 0.05 --test-fraction 0.05 --source-label none (sized to " \
+           "3,600 bytes of input)" in printed
 
 
 @pytest.mark.slow
@@ -57,6 +92,7 @@ def test_two_sessions_of_run_all_train_resume_from_the_backup_and_publish(tmp_pa
     run = tmp_path / "session1" / "runs" / "demo"
     assert json.loads((run / "run_status.json").read_text())["status"] == "CHECKPOINTED_NEEDS_RESUME"
     assert "run this notebook again" in first and "corpus ready" in first
+    assert "data options: --vocab-size 512 --val-fraction 0.05 --test-fraction 0.05 (the demo's)" in first
     assert (store / "corpus" / "corpus_manifest.json").is_file() and (store / "run" / "checkpoints").is_dir()
     assert not (run / "model-q8_0.gguf").exists()  # the end's cells wait for the run to complete
 

@@ -34,6 +34,22 @@ def test_the_dependencies_are_requirements_txt():
     assert PROJECT["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
 
 
+def requirement_names(path: Path) -> set[str]:
+    from packaging.requirements import Requirement
+
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return {Requirement(line).name.lower() for line in lines if line and not line.startswith("-")}
+
+
+def test_pip_install_never_pulls_torch():
+    """requirements.txt (pip install -r, and pyproject's dependencies) names neither torch nor a package that
+    requires it: the image's torch is kept; an old or missing one is hardware.torch_install_problem's line."""
+    names = requirement_names(ROOT / "requirements.txt") | {
+        name for extra in PROJECT["project"]["optional-dependencies"].values() for name in
+        (re.split(r"[<>=!~\[ ]", spec, maxsplit=1)[0].lower() for spec in extra)}
+    assert names and not names & {"torch", "torchvision", "torchaudio", "accelerate", "lm-eval", "lm_eval"}, names
+
+
 def readme_api_snippet() -> str:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Python API", 1)[1]

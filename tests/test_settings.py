@@ -133,6 +133,10 @@ def test_a_yaml_config_reads_the_same(tmp_path):
     ("preset = \n", "not valid TOML"),
     ("config = 'other.toml'\n", "unknown option 'config'"),
     ("batch_size = 0\n", "--batch-size must be positive, got 0"),
+    ("batch_size = 'eight'\n", "batch_size = 'eight' is not an int"),  # not argparse's words without the file
+    ("lr = 'fast'\n", "lr = 'fast' is not a number"),
+    ("target_tokens = 'lots'\n", "target_tokens = 'lots': not a number: 'lots'"),
+    ("precision = 'fp8'\n", "precision = 'fp8' is not one of "),
 ])
 def test_each_bad_config_is_one_error_naming_the_file_and_key(tmp_path, text, message):
     config = write(tmp_path / "bad.toml", text)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -510,6 +511,30 @@ def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_th
         f"torchrun --nnodes=2 (with your rendezvous options) --nproc_per_node=2 {script} --resume auto"
 
 
+# sys.argv[0] -> the console script a command is printed as (None: python SCRIPT)
+@pytest.mark.parametrize("argv0, shown", [
+    ("/venv/bin/tinyllm-train", "tinyllm-train"),  # started through pyproject.toml's [project.scripts]
+    ("tinyllm-train", "tinyllm-train"),
+    ("train.py", None),
+    ("/work/tinyllm/train.py", None),
+    ("/venv/bin/tinyllm-data", None),  # another script's command
+    ("", None),  # python -c
+])
+def test_console_script_is_read_off_argv0(argv0, shown):
+    assert common.console_script("train", argv0) == shown
+
+
+def test_the_resume_command_is_tinyllm_train_when_started_so(monkeypatch):
+    single = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/tinyllm-train", "--lr", "1"])
+    assert train.resume_command(single) == "tinyllm-train --lr 1 --resume auto"
+    assert common.script_command("data") == "tinyllm-data"  # the commands it suggests too
+    with pytest.raises(UserError, match="no such corpus folder; build one with: tinyllm-data --data YOUR_FILES"):
+        data.check_corpus_folder(Path("no-such-corpus"))
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert common.script_command("data") == "python data.py"
+
+
 def test_bad_options_give_one_clear_line(tmp_path):
     result = run_cli(["--batch-size", "0", "--out", str(tmp_path)], check=False)
     assert result.returncode == 2 and result.stderr.strip() == "error: --batch-size must be positive, got 0"
@@ -822,6 +847,7 @@ def test_kill_9_mid_save_and_at_a_random_moment_then_resume_matches(corpus, refe
     process.kill()
     process.wait()
     assert caught, "no checkpoint write was caught in flight"
+    assert status(out)["status"] == "RUNNING" and status(out)["resume_command"].endswith("--resume auto")
     process = start_cli(args)  # 2: resumes, says that the first died, then is killed at a random moment
     wait_for_line(process, "resumed from")
     note = process.stdout.readline()
@@ -831,7 +857,10 @@ def test_kill_9_mid_save_and_at_a_random_moment_then_resume_matches(corpus, refe
     time.sleep(random.Random().uniform(0.0, 0.5))
     process.kill()
     process.wait()
-    assert train.main(args) == 0  # 3: finishes
+    command = shlex.split(status(out)["resume_command"])  # what a user reads after the crash, run as it says
+    assert os.path.realpath(shutil.which(command[0]) or command[0]) == os.path.realpath(sys.executable)
+    assert command[1] == "train.py" and command[-2:] == ["--resume", "auto"]
+    assert train.main(command[2:]) == 0  # 3: finishes
     assert status(out)["status"] == "COMPLETE"
     assert not [name for name in os.listdir(folder) if name.endswith(".tmp")]
     assert_same_state(final_state(out), final_state(reference))
