@@ -37,7 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as missing:  # no torch at all: one line with this machine's install command
+    if missing.name != "torch":
+        raise
+    import hardware
+
+    sys.exit(f"error: {hardware.torch_install_problem(None, hardware.read_driver_cuda())}")
 import torch.distributed as dist
 
 import attention

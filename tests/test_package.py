@@ -78,3 +78,18 @@ def test_installed_the_commands_and_the_readme_api_work_from_any_folder(tmp_path
     imported = subprocess.run([sys.executable, "-c", "import train; print(train.__file__)"], cwd=elsewhere, env=env,
                               capture_output=True, text=True, timeout=120)
     assert Path(imported.stdout.strip()).parent == target  # the installed module, not a checkout's
+
+
+def test_train_without_torch_is_one_error_line_with_the_install_command(tmp_path):
+    """A fresh environment with the requirements but no torch (they no longer pull it): one line, exit 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['train.py']; "
+            f"sys.path.insert(0, {str(root)!r}); runpy.run_path({str(root / 'train.py')!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: torch is not installed: tinyllm needs torch>=2.9") and "pip install" in lines[0]
