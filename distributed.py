@@ -1,7 +1,10 @@
 """The ranks of a run: torchrun's processes, their devices, the decisions they share and their RNGs.
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without it a run is one rank. NCCL on CUDA, gloo on
-CPU. Every rank takes the same decisions (main_decides: rank 0 decides, the others follow) and
+CPU. A start-up all-reduce with a short limit (`check_first_collective`) proves the ranks can talk
+before any work: a hung NCCL peer-to-peer path (PCIe cloud pairs such as Kaggle's 2x T4) ends the run
+in 90 s with one `error:` line naming NCCL_P2P_DISABLE=1, not after the process group's 30 minutes.
+Every rank takes the same decisions (main_decides: rank 0 decides, the others follow) and
 keeps its own RNG, gathered into every checkpoint (RankRNG) so a resume continues each rank's stream.
 """
 
@@ -12,6 +15,8 @@ import random
 import shlex
 import shutil
 import sys
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -106,10 +111,82 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    info = DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
                                 device_id=device if use_cuda else None)
-    return DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
+        check_first_collective(info)
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
+# The first collective, with a short limit.
+
+FIRST_COLLECTIVE_SECONDS = 90.0  # NCCL's communicator setup and one 16 MiB all-reduce take seconds
+FIRST_COLLECTIVE_ELEMENTS = 1 << 22  # fp32: 16 MiB, so NCCL's ring sends over its real transport, in chunks
+LATE_RANK_GRACE_SECONDS = 10.0  # the other ranks' watchdogs wait this much longer: rank 0 says it
+
+
+def first_collective_error(backend: str, world: int, limit_seconds: float, failure: str | None,
+                           environ: Mapping[str, str]) -> str:
+    """The `error:` text (without the prefix) of a start-up all-reduce that did not work: `failure` None
+    when it hung past `limit_seconds`, else what went wrong (an exception's first line, a wrong sum).
+
+    NCCL: on PCIe cloud machines (Kaggle's 2x T4, many rented pairs) the GPUs' peer-to-peer path is
+    offered but does not work, and NCCL's first collective hangs (or returns garbage);
+    NCCL_P2P_DISABLE=1 sends the traffic through host memory instead. Already set: NCCL_DEBUG=INFO
+    shows the transport NCCL chose and where it stops. gloo: the ranks' network."""
+    what = f"did not finish in {limit_seconds:g} s" if failure is None else f"failed ({failure})"
+    if backend != "nccl":
+        return (f"the first all-reduce between the {world} ranks {what} ({backend}): check that the ranks reach "
+                "each other (MASTER_ADDR / MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank "
+                "shares)")
+    head = f"the first all-reduce between the {world} GPUs {what} (NCCL)"
+    if environ.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0"):
+        return (f"{head}, with NCCL_P2P_DISABLE={environ['NCCL_P2P_DISABLE']} already set: run again with "
+                "NCCL_DEBUG=INFO to see the transport NCCL picks and where it stops (NCCL_SHM_DISABLE=1 "
+                "is the next thing to try)")
+    return (f"{head}: the GPUs' peer-to-peer path does not work on this machine, as on PCIe cloud pairs "
+            "(Kaggle's 2x T4); run again with NCCL_P2P_DISABLE=1 before the command (e.g. "
+            "NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 train.py ...), which sends the traffic through "
+            "host memory")
+
+
+def check_first_collective(info: DistInfo, limit_seconds: float = FIRST_COLLECTIVE_SECONDS,
+                           elements: int = FIRST_COLLECTIVE_ELEMENTS, environ: Mapping[str, str] | None = None,
+                           all_reduce=None) -> None:
+    """One all-reduce of `elements` values (rank r sends r + 1) that must give every rank the sum
+    within `limit_seconds`. A watchdog thread ends the process (exit 2, rank 0 printing the one
+    `error:` line of first_collective_error) when it hangs: the process group's own timeout is 30
+    minutes, and a rank stuck in a CUDA wait runs no Python. An error or a wrong sum is a UserError
+    with the same line. `all_reduce`: dist.all_reduce (the tests stand in a hanging one)."""
+    environ = os.environ if environ is None else environ
+    backend = dist.get_backend()
+    finished = threading.Event()
+
+    def watchdog() -> None:
+        grace = 0.0 if info.is_main else LATE_RANK_GRACE_SECONDS
+        if finished.wait(limit_seconds + grace):
+            return
+        print(f"error: {first_collective_error(backend, info.world, limit_seconds, None, environ)}",
+              file=sys.stderr, flush=True)
+        os._exit(2)  # the main thread is blocked in the collective: nothing else can end it
+
+    threading.Thread(target=watchdog, name="first-collective-watchdog", daemon=True).start()
+    expected = info.world * (info.world + 1) / 2
+    try:
+        tensor = torch.full((elements,), float(info.rank + 1), device=info.device)
+        (all_reduce or dist.all_reduce)(tensor)
+        low, high = tensor.min().item(), tensor.max().item()  # a CUDA sync: a hang shows here
+    except RuntimeError as error:  # torch.distributed.DistError is one
+        lines = str(error).strip().splitlines()
+        failure = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+        raise UserError(first_collective_error(backend, info.world, limit_seconds, failure, environ)) from None
+    finally:
+        finished.set()
+    if low != expected or high != expected:
+        failure = f"the sum of {elements:,} values came back between {low:g} and {high:g}, not {expected:g}"
+        raise UserError(first_collective_error(backend, info.world, limit_seconds, failure, environ))
 
 
 

@@ -1,0 +1,120 @@
+"""distributed.py's start-up all-reduce: the rule that words its error, and the check itself on gloo at
+world size 2 (passing, hanging, and returning a wrong sum)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# backend, environment, failure (None: hung), what the line says, what it must not say
+ERRORS = [
+    ("nccl", {}, None, ["2 GPUs did not finish in 90 s (NCCL)", "Kaggle's 2x T4",
+                        "NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 train.py"], ["NCCL_DEBUG"]),
+    ("nccl", {"NCCL_P2P_DISABLE": "0"}, None, ["run again with NCCL_P2P_DISABLE=1"], ["already set"]),
+    ("nccl", {"NCCL_P2P_DISABLE": " "}, None, ["run again with NCCL_P2P_DISABLE=1"], ["already set"]),
+    ("nccl", {}, "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error",
+     ["failed (DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error) (NCCL)",
+      "NCCL_P2P_DISABLE=1"], ["did not finish"]),
+    ("nccl", {"NCCL_P2P_DISABLE": "1"}, None,
+     ["did not finish in 90 s (NCCL), with NCCL_P2P_DISABLE=1 already set", "NCCL_DEBUG=INFO", "NCCL_SHM_DISABLE=1"],
+     ["run again with NCCL_P2P_DISABLE=1"]),
+    ("gloo", {}, None, ["2 ranks did not finish in 90 s (gloo)", "GLOO_SOCKET_IFNAME"], ["NCCL"]),
+]
+
+
+@pytest.mark.parametrize("backend, environ, failure, says, never", ERRORS)
+def test_the_first_collective_s_error_names_the_likely_fix(backend, environ, failure, says, never):
+    text = distributed.first_collective_error(backend, 2, 90, failure, environ)
+    assert "\n" not in text and not text.startswith("error:")  # one line; the printer adds the prefix
+    for words in says:
+        assert words in text, (words, text)
+    for words in never:
+        assert words not in text, (words, text)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Each rank of a 2-rank gloo group (the ranks started by hand, as torchrun would).
+RANK_SCRIPT = """
+import sys, time
+import torch
+import distributed
+mode, rank = sys.argv[1], int(sys.argv[2])
+if mode == "ok":
+    info = distributed.init_distributed("cpu")  # init_process_group, then check_first_collective
+    print("ready", flush=True)
+else:
+    import torch.distributed as dist
+    from datetime import timedelta
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    info = distributed.DistInfo(rank, rank, 2, torch.device("cpu"))
+    if mode == "hang" and rank == 1:
+        time.sleep(60)  # never joins the all-reduce
+    wrong = (lambda tensor: (dist.all_reduce(tensor), tensor.add_(1))) if mode == "wrong" and rank == 0 else None
+    distributed.check_first_collective(info, limit_seconds=3, elements=1000, all_reduce=wrong)
+    print("ready", flush=True)
+"""
+
+
+def start_ranks(mode: str) -> list[subprocess.Popen]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    code = "from common import run_main\n" \
+           "def main():\n" + "".join(f"    {line}\n" for line in RANK_SCRIPT.strip().splitlines()) + "run_main(main)\n"
+    return [subprocess.Popen([sys.executable, "-c", code, mode, str(rank)], cwd=ROOT, text=True,
+                             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return process.returncode, out, err
+
+
+def test_the_first_collective_passes_on_two_gloo_ranks():
+    ranks = start_ranks("ok")
+    for process in ranks:
+        code, out, err = finish(process, 120)
+        assert code == 0 and out.strip() == "ready", err[-2000:]
+
+
+def test_a_hung_first_collective_ends_the_rank_in_its_limit_with_one_line():
+    ranks = start_ranks("hang")
+    started = time.monotonic()
+    code, out, err = finish(ranks[0], 120)
+    waited = time.monotonic() - started
+    ranks[1].kill()  # it sleeps
+    ranks[1].communicate()
+    assert code == 2 and "ready" not in out
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {distributed.first_collective_error('gloo', 2, 3, None, {})}"], err[-2000:]
+    assert waited < 60  # its 3 s limit (and the start-up), not the process group's 5 minutes
+
+
+def test_a_wrong_sum_is_one_error_line():
+    ranks = start_ranks("wrong")
+    code, out, err = finish(ranks[0], 120)
+    finish(ranks[1], 120)
+    assert code == 2 and "ready" not in out
+    assert err.strip().splitlines()[-1] == "error: the first all-reduce between the 2 ranks failed (the sum of 1,000 " \
+        "values came back between 4 and 4, not 3) (gloo): check that the ranks reach each other (MASTER_ADDR / " \
+        "MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank shares)", err[-2000:]
