@@ -75,6 +75,7 @@ import hardware  # noqa: E402
 import model_config  # noqa: E402
 from common import ArgumentParser, UserError, append_jsonl, atomic_write_json, run_main  # noqa: E402
 
+PROCESS_STARTED = time.monotonic()  # the budget counts from here: gpu_check.sh's hard stop counts from the start
 THINK72_VOCAB = 33_069
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 # Seconds each part is expected to take at most (a T4's pace; an H200 is faster): a part starts only when
@@ -90,10 +91,11 @@ NAN_LENGTHS = (1088, 1024)  # 64 mod 128 (cuDNN's NaN case, pytorch #196678) and
 CATEGORIES = ("matmul", "attention", "elementwise", "optimizer", "communication")
 # Lower-case patterns of profiler kernel and op names, tried in this order (kernel_category). cuDNN's
 # and the memory-efficient kernel's names carry "flash" / "cutlass": attention is tried before matmul.
+# cuBLAS names its GEMMs "...gemm..." (cutlass, xmma, sm90_xmma) or, from 12.8 on Hopper, "nvjet_...".
 CATEGORY_PATTERNS = [
     ("communication", re.compile(r"nccl|all_?reduce|allgather|all_gather|broadcast|c10d|gloo")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|_sdp_|mha_")),
-    ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|xmma|wgmma|hmma|s1688|s16816|s884|splitk|"
+    ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|nvjet|xmma|wgmma|hmma|s1688|s16816|s884|splitk|"
                           r"triton_tem_fused_(?:addmm|mm|bmm)|^aten::(?:mm|addmm|bmm|baddbmm|matmul|linear|"
                           r"_addmm_activation)$")),
 ]
@@ -311,10 +313,12 @@ def gemm_shapes(preset: model_config.Preset, vocab: int, tokens: int) -> list[tu
         shapes += [(f"{name} forward", tokens, k, n, per_step), (f"{name} input grad", tokens, n, k, per_step),
                    (f"{name} weight grad", n, tokens, k, per_step)]
     chunk = min(tokens, hardware.logits_chunk_tokens(vocab))
-    chunks = -(-tokens // chunk)
-    shapes += [("lm head forward", chunk, preset.hidden, vocab, chunks),
-               ("lm head input grad", chunk, vocab, preset.hidden, chunks),
-               ("lm head weight grad", vocab, chunk, preset.hidden, chunks)]
+    pieces = [(chunk, tokens // chunk)] + ([(tokens % chunk, 1)] if tokens % chunk else [])
+    for rows, count in pieces:
+        last = " (last chunk)" if rows != chunk else ""
+        shapes += [(f"lm head forward{last}", rows, preset.hidden, vocab, count),
+                   (f"lm head input grad{last}", rows, vocab, preset.hidden, count),
+                   (f"lm head weight grad{last}", vocab, rows, preset.hidden, count)]
     return shapes
 
 
@@ -374,9 +378,9 @@ class NotHere(Exception):
 class Recorder:
     """Runs the parts on every rank, records their outcomes on rank 0 (JSON after each, JSONL events)."""
 
-    def __init__(self, args: argparse.Namespace, info, record: dict):
+    def __init__(self, args: argparse.Namespace, info, record: dict, started: float | None = None):
         self.args, self.info, self.record = args, info, record
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.current: str | None = None
         self.json = Path(args.json) if args.json and info.is_main else None
         self.events = self.json.with_name(self.json.stem + ".events.jsonl") if self.json else None
@@ -898,7 +902,8 @@ class Bench:
                 result["paths"][path] = {"status": "ok", **attention_kernels(names), "attention_names": kernels[:8]}
             except Exception as error:  # noqa: BLE001 - one path's failure is its finding
                 result["paths"][path] = {"status": "error", "error": first_line(error)}
-            torch.cuda.empty_cache() if self.device.is_cuda else None
+            if self.device.is_cuda:
+                torch.cuda.empty_cache()
             self.recorder.partial(result)
         return result
 
@@ -906,6 +911,8 @@ class Bench:
         """cuDNN attention with a boolean mask at 1088 (64 mod 128) and 1024 tokens: NaN in the gradients?"""
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        import attention
 
         self.needs_cuda("cuDNN attention")
         preset, result = self.preset, {"precision": self.precision, "lengths": {}}
@@ -915,8 +922,6 @@ class Bench:
                                    generator=generator).to(self.dtype()).requires_grad_() for _ in range(3))
             segments = torch.zeros(2, length, dtype=torch.int32, device=self.info.device)
             segments[:, length // 3:] = 1
-            import attention
-
             mask = attention.document_mask(segments)
             try:
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -1075,9 +1080,9 @@ class Bench:
         result = {"precision": self.precision, "tokens": tokens, "shapes": []}
         total_flops = total_seconds = 0.0
         for name, m, k, n, count in gemm_shapes(self.preset, vocab, tokens):
-            if name.endswith("forward"):  # x @ W^T, W stored (out, in)
+            if "forward" in name:  # x @ W^T, W stored (out, in)
                 a, b = rand(m, k), rand(n, k).t()
-            elif name.endswith("weight grad"):  # grad^T @ x, grad stored (tokens, out)
+            elif "weight grad" in name:  # grad^T @ x, grad stored (tokens, out)
                 a, b = rand(k, m).t(), rand(k, n)
             else:  # grad @ W
                 a, b = rand(m, k), rand(k, n)
@@ -1607,7 +1612,7 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join([f"torchrun --nproc_per_node={info.world}" if info.world > 1 else "python",
                             "bench/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)])
         record = {"machine": facts, "command": command, "plan": parts, "parts": {}}
-        recorder = Recorder(args, info, record)
+        recorder = Recorder(args, info, record, PROCESS_STARTED if argv is None else None)
         with tempfile.TemporaryDirectory(prefix="bench_gpu-") as temp:
             work = Path(distributed.broadcast_from_main(temp, info))
             corpus = Corpus(args, info, work)
