@@ -399,3 +399,40 @@ def test_an_out_of_memory_part_is_recorded_and_the_next_runs(tmp_path):
     assert oom["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert oom["where"].startswith("test_bench_gpu.py:")
     assert [parts[name]["status"] for name in parts] == ["oom", "failed", "ok"]
+
+
+@pytest.mark.parametrize("path", [path for path in bench_gpu.ATTENTION_PATHS if path != "masked sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_each_attention_path_of_the_bench_traces_on_fake_cuda(path, dtype, monkeypatch):
+    """Bench.attention_call on fake "cuda" tensors of think72's heads (no GPU): the layout and dtype each
+    CUDA-only path hands its kernel and returns. SDPA is recorded at its Python entry (tests/test_attention.py's
+    rule). (The masked path copies its inputs, which a CPU build cannot do on fake "cuda"; it runs on CPU.)"""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    bench = object.__new__(bench_gpu.Bench)  # no device to describe: only the preset is read
+    bench.preset = THINK72
+    sdpa_calls = []
+
+    def sdpa(*args, **kwargs):
+        sdpa_calls.append((args, kwargs))
+        return torch.empty_like(args[0])
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    layout = attention.documents_of(bench_gpu.sample_segments(2, 1024, seed=0))
+    with FakeTensorMode():
+        inputs = {name: torch.empty(2, 1024, heads, 128, device="cuda", dtype=dtype)
+                  for name, heads in (("q", 8), ("k", 4), ("v", 4))}
+        inputs["documents"] = attention.Documents(
+            torch.empty(2, 1024, dtype=torch.int32, device="cuda"),
+            torch.empty(2, 1024, dtype=torch.long, device="cuda"),
+            torch.tensor(layout.cu_seqlens.tolist(), dtype=torch.int32, device="cuda"), layout.longest)
+        inputs["mask"] = torch.empty(2, 1, 1024, 1024, dtype=torch.bool, device="cuda")
+        output = bench.attention_call(path, inputs)
+        assert output.shape == (2, 1024, 8, 128) and output.dtype == dtype and output.device.type == "cuda"
+    if path.startswith("causal"):
+        [(args, kwargs)] = sdpa_calls
+        assert kwargs["is_causal"] and kwargs["enable_gqa"] == (path == "causal flash")
+        assert args[1].shape[1] == (4 if path == "causal flash" else 8)
+    else:
+        assert sdpa_calls == []
