@@ -916,10 +916,11 @@ class Bench:
 
         self.needs_cuda("cuDNN attention")
         preset, result = self.preset, {"precision": self.precision, "lengths": {}}
-        for length in NAN_LENGTHS:
+        for length, precision in [(length, precision) for precision in dict.fromkeys([self.precision, "fp16"])
+                                  for length in NAN_LENGTHS]:
             generator = torch.Generator(device=self.info.device).manual_seed(0)
             q, k, v = (torch.randn(2, preset.heads, length, preset.head_dim, device=self.info.device,
-                                   generator=generator).to(self.dtype()).requires_grad_() for _ in range(3))
+                                   generator=generator).to(self.dtype(precision)).requires_grad_() for _ in range(3))
             segments = torch.zeros(2, length, dtype=torch.int32, device=self.info.device)
             segments[:, length // 3:] = 1
             mask = attention.document_mask(segments)
@@ -928,11 +929,11 @@ class Bench:
                     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                 out.backward(torch.randn_like(out))
                 self.synchronize()
-                result["lengths"][str(length)] = {
+                result["lengths"][f"{length} {precision}"] = {
                     "nan_output": bool(out.isnan().any()), "nan_grad_q": bool(q.grad.isnan().any()),
                     "nan_grad_k": bool(k.grad.isnan().any()), "nan_grad_v": bool(v.grad.isnan().any())}
             except Exception as error:  # noqa: BLE001 - a card without cuDNN attention says so here
-                result["lengths"][str(length)] = {"error": first_line(error)}
+                result["lengths"][f"{length} {precision}"] = {"error": first_line(error)}
         return result
 
     def attention_bench(self) -> dict:
@@ -1455,7 +1456,7 @@ def nan_lines(name: str, part: dict) -> list[str]:
         found.append(f"{length}: {outcome['error']}" if "error" in outcome else
                      f"{length}: NaN in grad_q {outcome['nan_grad_q']} (output {outcome['nan_output']}, grad_k "
                      f"{outcome['nan_grad_k']}, grad_v {outcome['nan_grad_v']})")
-    return [f"- cuDNN attention with a mask ({part['precision']}): " + "; ".join(found)]
+    return ["- cuDNN attention with a mask (seq_len dtype): " + "; ".join(found)]
 
 
 def attention_lines(name: str, part: dict) -> list[str]:

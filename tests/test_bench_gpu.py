@@ -204,8 +204,8 @@ def a_record() -> dict:
                     "flash varlen": {"status": "ok", "kinds": ["flash"], "attention_names": ["flash_fwd_kernel"]},
                     "causal efficient": {"status": "error", "error": "RuntimeError: No available kernel"}}},
                 "attention:nan": {"status": "ok", "precision": "bf16", "lengths": {
-                    "1088": {"nan_output": False, "nan_grad_q": True, "nan_grad_k": False, "nan_grad_v": False},
-                    "1024": {"error": "RuntimeError: no cuDNN"}}},
+                    "1088 bf16": {"nan_output": False, "nan_grad_q": True, "nan_grad_k": False, "nan_grad_v": False},
+                    "1024 bf16": {"error": "RuntimeError: no cuDNN"}}},
                 "attention:bench": {"status": "ok", "precision": "bf16", "document_median": 400, "document_sigma": 1.0,
                                     "shapes": {"8x1024": {"documents_per_row": 3.5, "paths": {
                                         "flash varlen": path, "masked sdpa": {**path, "computed_over_useful": 3.2},
@@ -235,7 +235,7 @@ def test_markdown_lines_show_every_part():
     assert "masked, heads repeated: cudnn_attention" in text
     assert "  - flash varlen: flash: flash_fwd_kernel" in text
     assert "  - causal efficient: error: RuntimeError: No available kernel" in text
-    assert "1088: NaN in grad_q True" in text and "1024: RuntimeError: no cuDNN" in text
+    assert "1088 bf16: NaN in grad_q True" in text and "1024 bf16: RuntimeError: no cuDNN" in text
     assert "| 8x1024 (3.5 documents/row) | flash varlen | 1.500 ms | 21.10 ms | 0.100 ms | 64 MiB | 2.0e-03 | 150.0 " \
            "| 1.00 |" in text
     assert "| masked sdpa |" in text and "| 3.20 |" in text and "| efficient varlen | oom: OutOfMemoryError" in text
