@@ -765,6 +765,8 @@ class Bench:
             argv += ["--context", str(self.args.context)]
         if compiled:
             argv.append("--compile")
+        elif "--no-compile" in train.build_parser()._option_string_actions:  # should compile become the default
+            argv.append("--no-compile")
         return train.parse_args(argv)
 
     def build(self, options):
