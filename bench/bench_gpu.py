@@ -1161,6 +1161,8 @@ class Bench:
             "batch_size": batch_size, "grad_accum": grad_accum, "context": context,
             "attention_plan": training.sdpa, "tokens_per_step": tokens_per_step,
             "tokens_per_second": tokens_per_second, "tokens_per_second_per_gpu": tokens_per_second / world,
+            "compile_seconds": getattr(training, "compile_seconds", None),
+            "compiled_in_the_end": getattr(training, "compile", compiled),  # False: the compile failed, eager
             "step_ms": step_ms, "step_seconds": seconds, "first_step_seconds": first_step,
             "first_step_loss": first.loss, "flops_per_token": training.flops_per_token,
             "mfu": training.flops_per_token * tokens_per_second / world / peak if peak else None,
@@ -1516,12 +1518,17 @@ def step_table(parts: dict) -> list[str]:
     steps = {name: part for name, part in parts.items() if name.startswith("step:") and part["status"] == "ok"}
     if not steps:
         return []
-    lines = ["", "| step | tokens/s (all GPUs) | MFU | peak memory | step_memory | first loss | graph breaks / "
-                 "recompiles | per micro-step: matmul / attention / elementwise / optimizer / communication (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = ["", "| step | tokens/s (all GPUs) | MFU | peak memory | step_memory | first loss | compile: seconds, "
+                 "graph breaks / recompiles | per micro-step: matmul / attention / elementwise / optimizer / "
+                 "communication (ms) |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for name, part in steps.items():
         mfu = f"{100 * part['mfu']:.1f}%" if part.get("mfu") else "n/a"
-        compiled = f"{part.get('graph_breaks', 0)} / {part.get('recompiles', 0)}" if part["compiled"] else "eager"
+        compiled = "eager"
+        if part["compiled"]:
+            seconds = part.get("compile_seconds")
+            compiled = ("failed: eager" if part.get("compiled_in_the_end") is False else
+                        f"{seconds:.0f} s" if seconds is not None else "?") + \
+                f", {part.get('graph_breaks', 0)} / {part.get('recompiles', 0)}"
         split = " / ".join(f"{part['profiled_step_ms_per_micro_step'][category]:.2f}" for category in CATEGORIES)
         lines.append(f"| {name[5:]} (x{part['grad_accum']}) | {part['tokens_per_second']:,.0f} | {mfu} | "
                      f"{gib(part['peak_memory_bytes'])} | {gib(part['step_memory_bytes'])} | "

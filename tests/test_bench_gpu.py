@@ -222,7 +222,7 @@ def a_record() -> dict:
                                  "max_running_mean_difference": 0.05, "close": True,
                                  "runs": {"bf16": {}, "fp16": {"newton_schulz_dtype": "fp16", "skipped_steps": 4}}},
                 "step:compile:8": {**step, "compiled": True, "first_step_loss": 10.4001, "tokens_per_second": 600_000.0,
-                                   "graph_breaks": 1, "recompiles": 2},
+                                   "graph_breaks": 1, "recompiles": 2, "compile_seconds": 41.2},
                 "step:compile:32": {"status": "skipped", "reason": "--max-seconds 480: 100 s left, 150 s estimated"},
                 "overflow": {"status": "ok", "weights_unchanged": True, "scale_lowered": True},
                 "resume": {"status": "error", "error": "RuntimeError: boom"}}}
@@ -244,7 +244,7 @@ def test_markdown_lines_show_every_part():
     assert "4 overflow skips) vs bf16 over 150 steps" in text and ": close" in text
     assert "| eager:8 (x8) | 400,000 | 20.0% | 6.00 GiB | 5.00 GiB | 10.4000 | eager | 5.00 / 1.00 / 4.00 / 0.50 " \
            "/ 0.00 |" in text
-    assert "| compile:8 (x8) | 600,000 |" in text and "| 1 / 2 |" in text
+    assert "| compile:8 (x8) | 600,000 |" in text and "| 41 s, 1 / 2 |" in text
     assert "first-step loss eager 10.400000, compiled 10.400100 (difference 1.00e-04); compiled 1.50x eager" in text
     assert "- step:compile:32: skipped: --max-seconds 480: 100 s left, 150 s estimated" in text
     assert "- overflow: ok; weights_unchanged True, scale_lowered True" in text
