@@ -1520,7 +1520,8 @@ def step_table(parts: dict) -> list[str]:
         return []
     lines = ["", "| step | tokens/s (all GPUs) | MFU | peak memory | step_memory | first loss | compile: seconds, "
                  "graph breaks / recompiles | per micro-step: matmul / attention / elementwise / optimizer / "
-                 "communication (ms) |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+                 "communication (+ kernels no op claimed) (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for name, part in steps.items():
         mfu = f"{100 * part['mfu']:.1f}%" if part.get("mfu") else "n/a"
         compiled = "eager"
@@ -1529,7 +1530,8 @@ def step_table(parts: dict) -> list[str]:
             compiled = ("failed: eager" if part.get("compiled_in_the_end") is False else
                         f"{seconds:.0f} s" if seconds is not None else "?") + \
                 f", {part.get('graph_breaks', 0)} / {part.get('recompiles', 0)}"
-        split = " / ".join(f"{part['profiled_step_ms_per_micro_step'][category]:.2f}" for category in CATEGORIES)
+        split = " / ".join(f"{part['profiled_step_ms_per_micro_step'][category]:.2f}" for category in CATEGORIES) \
+            + f" (+ {part.get('unattributed_ms', 0) / part['grad_accum']:.2f})"
         lines.append(f"| {name[5:]} (x{part['grad_accum']}) | {part['tokens_per_second']:,.0f} | {mfu} | "
                      f"{gib(part['peak_memory_bytes'])} | {gib(part['step_memory_bytes'])} | "
                      f"{part['first_step_loss']:.4f} | {compiled} | {split} |")

@@ -243,7 +243,7 @@ def test_markdown_lines_show_every_part():
     assert "weighted 500" in text and "copy 4000 GB/s" in text
     assert "4 overflow skips) vs bf16 over 150 steps" in text and ": close" in text
     assert "| eager:8 (x8) | 400,000 | 20.0% | 6.00 GiB | 5.00 GiB | 10.4000 | eager | 5.00 / 1.00 / 4.00 / 0.50 " \
-           "/ 0.00 |" in text
+           "/ 0.00 (+ 0.00) |" in text
     assert "| compile:8 (x8) | 600,000 |" in text and "| 41 s, 1 / 2 |" in text
     assert "first-step loss eager 10.400000, compiled 10.400100 (difference 1.00e-04); compiled 1.50x eager" in text
     assert "- step:compile:32: skipped: --max-seconds 480: 100 s left, 150 s estimated" in text
@@ -436,3 +436,19 @@ def test_each_attention_path_of_the_bench_traces_on_fake_cuda(path, dtype, monke
         assert args[1].shape[1] == (4 if path == "causal flash" else 8)
     else:
         assert sdpa_calls == []
+
+
+@pytest.mark.slow
+def test_a_compiled_step_part_on_cpu_counts_its_compiles(corpus, tmp_path):
+    """step:compile on CPU (about a minute): train.py's compile at start, Dynamo's counts, the same first loss."""
+    out = tmp_path / "gpu.json"
+    argv = smoke_argv(corpus, out, "--only", "step", "--compile-modes", "eager,compile", "--step-batch-sizes", "2",
+                      "--step-tokens", "128")
+    assert bench_gpu.main(argv) == 0
+    parts = json.loads(out.read_text())["parts"]
+    eager, compiled = parts["step:eager:2"], parts["step:compile:2"]
+    assert compiled["status"] == "ok" and compiled["compiled"] and compiled["compiled_in_the_end"], compiled
+    assert compiled["compile_seconds"] > 0 and compiled["frames_compiled"] >= 1 and compiled["graph_breaks"] == 0
+    assert compiled["recompiles"] >= 0 and compiled["unique_graphs"] >= 1
+    assert eager["compile_seconds"] is None and "frames_compiled" not in eager
+    assert compiled["first_step_loss"] == pytest.approx(eager["first_step_loss"], rel=1e-4)
