@@ -1390,8 +1390,11 @@ def machine_facts(info, args: argparse.Namespace) -> dict:
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
     }
     if card:
-        facts["prediction"] = predicted_step(card, preset, args.vocab or THINK72_VOCAB, max(1, info.world),
-                                             args.step_tokens, 8 * preset.context)
+        try:  # the throughput model is being replaced: its absence must not stop the measurements
+            facts["prediction"] = predicted_step(card, preset, args.vocab or THINK72_VOCAB, max(1, info.world),
+                                                 args.step_tokens, 8 * preset.context)
+        except Exception as error:  # noqa: BLE001
+            facts["prediction_error"] = first_line(error)
     return facts
 
 
@@ -1430,8 +1433,14 @@ def markdown_lines(record: dict) -> list[str]:
             lines.append(not_ok(name, part))
             continue
         writer = PART_LINES.get(name.split(":")[0] if name.startswith("step:") else name)
-        lines += writer(name, part) if writer else [f"- {name}: {part['status']}; " + check_text(name, part)]
-    lines += step_table(parts)
+        try:
+            lines += writer(name, part) if writer else [f"- {name}: {part['status']}; " + check_text(name, part)]
+        except (KeyError, TypeError, ValueError) as error:  # a figure missing: the JSON has the rest
+            lines.append(f"- {name}: {part['status']} (not shown: {first_line(error)}; see gpu.json)")
+    try:
+        lines += step_table(parts)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        lines.append(f"- steps: not shown ({first_line(error)}; see gpu.json)")
     return lines
 
 

@@ -251,6 +251,14 @@ def test_markdown_lines_show_every_part():
     assert "- resume: error: RuntimeError: boom" in text
 
 
+def test_a_part_with_a_figure_missing_is_one_line_not_a_crash():
+    record = a_record()
+    del record["parts"]["roofline:copy"]["copy_gbs"]
+    text = "\n".join(bench_gpu.markdown_lines(record))
+    assert "- roofline:copy: ok (not shown: KeyError: 'copy_gbs'; see gpu.json)" in text
+    assert "| compile:8 (x8) | 600,000 |" in text
+
+
 def test_the_markdown_is_printed_again_from_a_saved_json(tmp_path, capsys):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(a_record()))
