@@ -1003,14 +1003,14 @@ class Bench:
         errors = {"output": relative_difference(reference["output"], output[:checked])}
         for name in ("q", "k", "v"):
             errors[f"grad_{name}"] = relative_difference(reference[name], inputs[name].grad[:checked])
-        if path == "masked sdpa":
-            prepare = time_on_device(lambda: attention.document_mask(inputs["documents"].segments), self.info.device,
-                                     self.args.repeats)
-            prepared = "document_mask on the device"
-        elif path.endswith("varlen"):
-            segments = inputs["segments"]
+        segments = inputs["segments"]
+        if path == "masked sdpa" or path.endswith("varlen"):  # the data reader's Documents (positions, cu_seqlens)
             prepare = host_seconds(lambda: attention.documents_of(segments).to(self.info.device), self.args.repeats)
             prepared = "documents_of on the host + copy"
+            if path == "masked sdpa":  # and the mask, built on the device in every forward
+                prepare += time_on_device(lambda: attention.document_mask(inputs["documents"].segments),
+                                          self.info.device, self.args.repeats)
+                prepared += ", document_mask on the device"
         else:
             prepare, prepared = 0.0, "none (plain causal: no mask, no documents)"
         computed = sum(attention.attention_flops(path, row, tokens, preset.heads, preset.head_dim) for row in lengths)
