@@ -659,13 +659,17 @@ class CompileWatch:
         counters.clear()
         self.ids: list[str] = []
         self.handler = callback_handler
-        self.callback = lambda args: self.ids.append(str(args.compile_id))
         callback_handler.register_start_callback(self.callback)
+
+    def callback(self, *args) -> None:
+        """A compile started (torch passes CallbackArgs with its compile id; an older torch nothing)."""
+        self.ids.append(str(getattr(args[0], "compile_id", "?")) if args else "?")
 
     def counts(self) -> dict:
         from torch._dynamo.utils import counters
 
-        return compile_counts(self.ids, {key: dict(value) for key, value in counters.items()})
+        return {**compile_counts(self.ids, {key: dict(value) for key, value in counters.items()}),
+                "compile_starts": len(self.ids)}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

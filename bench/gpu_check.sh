@@ -13,7 +13,7 @@
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUTDIR [SECONDS]}
 budget=${2:-480}
-python=${PYTHON:-python}
+python=${PYTHON:-$(command -v python || command -v python3)}  # the device machine has python3 only
 mkdir -p "$out"
 cd "$(dirname "$0")/.." || exit 2
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
