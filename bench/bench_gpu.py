@@ -831,7 +831,10 @@ class Bench:
             k = torch.randn(2, kv_heads, length, preset.head_dim, device=self.info.device, dtype=dtype)
             mask = torch.ones(2, 1, length, length, dtype=torch.bool, device=self.info.device).tril() \
                 if masked else None
-            choice[case] = sdpa_choice(q, k, k, mask, causal=not masked, gqa=not masked)
+            try:
+                choice[case] = sdpa_choice(q, k, k, mask, causal=not masked, gqa=not masked)
+            except Exception as error:  # noqa: BLE001 - one case's failure is its finding
+                choice[case] = {"ran": first_line(error)}
         found["sdpa_choice"] = choice
         return found
 
@@ -1340,9 +1343,11 @@ def sdpa_priority() -> list[str]:
 
 
 def sdpa_choice(q, k, v, mask, causal: bool, gqa: bool) -> dict:
-    """Which backends SDPA's own checks (torch.backends.cuda.can_use_*) accept for this call, and the first
-    of them in SDPA's priority order: the kernel it runs."""
+    """Which backends SDPA's own checks (torch.backends.cuda.can_use_*) accept for this call, the first of
+    them in torch's global priority order, and the kernel that ran (a forward under the profiler: the
+    effective choice, which on sm_90 may put cuDNN first whatever the global order says)."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     checks = {"flash_attention": torch.backends.cuda.can_use_flash_attention,
               "efficient_attention": torch.backends.cuda.can_use_efficient_attention,
@@ -1355,8 +1360,17 @@ def sdpa_choice(q, k, v, mask, causal: bool, gqa: bool) -> dict:
         except (RuntimeError, TypeError) as error:
             accepted[name] = first_line(error)
     order = [name for name in sdpa_priority() if name != "overrideable"]
-    chosen = next((name for name in order if name == "math" or accepted.get(name) is True), None)
-    return {"accepted": accepted, "chosen": chosen}
+    first = next((name for name in order if name == "math" or accepted.get(name) is True), None)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                             enable_gqa=gqa)
+            torch.cuda.synchronize()
+        found = attention_kernels([event.key for event in profiler.key_averages()])
+        ran = ", ".join(found["kinds"]) or "none seen"
+    except Exception as error:  # noqa: BLE001 - what failed is the finding
+        ran = first_line(error)
+    return {"accepted": accepted, "first_in_global_order": first, "ran": ran}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1450,10 +1464,10 @@ def markdown_lines(record: dict) -> list[str]:
 
 def versions_lines(name: str, part: dict) -> list[str]:
     choice = part.get("sdpa_choice")
-    chosen = ", ".join(f"{case}: {found['chosen']}" for case, found in choice.items()) \
+    chosen = ", ".join(f"{case}: {found['ran']}" for case, found in choice.items()) \
         if isinstance(choice, dict) else choice
     return [f"- versions: cuDNN {part.get('cudnn')}, NCCL {part.get('nccl')}, Triton {part.get('triton')}; "
-            f"SDPA priority {' > '.join(part['sdpa_priority']) or 'n/a'}; SDPA would take: {chosen}"]
+            f"SDPA's global priority {' > '.join(part['sdpa_priority']) or 'n/a'}; SDPA ran (profiler): {chosen}"]
 
 
 def kernels_lines(name: str, part: dict) -> list[str]:

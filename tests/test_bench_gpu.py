@@ -198,8 +198,8 @@ def a_record() -> dict:
             "parts": {
                 "versions": {"status": "ok", "cudnn": 91500, "nccl": "2.27.5", "triton": "3.6.0",
                              "sdpa_priority": ["flash_attention", "cudnn_attention", "efficient_attention", "math"],
-                             "sdpa_choice": {"causal, grouped heads": {"chosen": "flash_attention"},
-                                             "masked, heads repeated": {"chosen": "cudnn_attention"}}},
+                             "sdpa_choice": {"causal, grouped heads": {"ran": "flash"},
+                                             "masked, heads repeated": {"ran": "cudnn"}}},
                 "attention:kernels": {"status": "ok", "shape": "8x1024", "precision": "bf16", "paths": {
                     "flash varlen": {"status": "ok", "kinds": ["flash"], "attention_names": ["flash_fwd_kernel"]},
                     "causal efficient": {"status": "error", "error": "RuntimeError: No available kernel"}}},
@@ -231,8 +231,8 @@ def a_record() -> dict:
 def test_markdown_lines_show_every_part():
     text = "\n".join(bench_gpu.markdown_lines(a_record()))
     assert "### GPU: NVIDIA H200 (sm_90) x1" in text and "(470.0 s)" in text
-    assert "SDPA priority flash_attention > cudnn_attention > efficient_attention > math" in text
-    assert "masked, heads repeated: cudnn_attention" in text
+    assert "SDPA's global priority flash_attention > cudnn_attention > efficient_attention > math" in text
+    assert "SDPA ran (profiler): causal, grouped heads: flash, masked, heads repeated: cudnn" in text
     assert "  - flash varlen: flash: flash_fwd_kernel" in text
     assert "  - causal efficient: error: RuntimeError: No available kernel" in text
     assert "1088 bf16: NaN in grad_q True" in text and "1024 bf16: RuntimeError: no cuDNN" in text
