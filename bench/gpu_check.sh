@@ -9,7 +9,8 @@
 # starts only when its estimate fits in what is left of SECONDS (bench_gpu.PART_SECONDS, most important
 # first); a hard stop at SECONDS + 60 ends a hung run, and the lines for bench/RESULTS.md are then printed
 # from what gpu.json kept. 480 s: the whole command stays under 10 minutes (a device machine's limit per
-# command is 600 s).
+# command is 600 s). BENCH_GPU_ARGS: more options for bench_gpu.py (tests/test_bench_gpu.py runs the
+# script on CPU with them).
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUTDIR [SECONDS]}
 budget=${2:-480}
@@ -26,8 +27,9 @@ if [ "$gpus" -gt 1 ]; then
 else
     launcher=("$python")
 fi
+# shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
 timeout -k 10 $((budget + 60)) "${launcher[@]}" bench/bench_gpu.py --json "$out/gpu.json" \
-    --max-seconds "$budget" 2>&1 | tee "$out/gpu.log"
+    --max-seconds "$budget" ${BENCH_GPU_ARGS:-} 2>&1 | tee "$out/gpu.log"
 status=${PIPESTATUS[0]}
 echo "bench_gpu.py exited $status; results in $out/gpu.json"
 if [ "$status" -ne 0 ] && [ -f "$out/gpu.json" ]; then

@@ -56,6 +56,21 @@ def test_the_default_budget_fits_one_device_command():
     assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")]).returncode == 0
 
 
+def test_gpu_check_sh_writes_the_machine_the_json_and_the_log(corpus, tmp_path):
+    """The one-line command itself, on CPU (BENCH_GPU_ARGS makes it a CPU smoke of one part)."""
+    out = tmp_path / "gpu"
+    extra = " ".join([*smoke_argv(corpus, tmp_path / "unused.json")[:-2], "--only", "versions"])  # its own --json
+    env = {**os.environ, "PYTHON": sys.executable, "BENCH_GPU_ARGS": extra, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", "bench/gpu_check.sh", str(out), "60"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "torch " in (out / "machine.txt").read_text()
+    parts = json.loads((out / "gpu.json").read_text())["parts"]
+    assert parts["versions"]["status"] == "ok" and "--max-seconds 60" in json.loads((out / "gpu.json").read_text())[
+        "command"]
+    assert "for bench/RESULTS.md:" in (out / "gpu.log").read_text() and "- versions: cuDNN" in result.stdout
+
+
 @pytest.mark.parametrize("elapsed, estimate, budget, starts", [
     (0, 150, 0, True),  # no budget
     (300, 150, 480, True),
