@@ -433,24 +433,157 @@ def check_torch() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Throughput model: what a training step should take on a card before any GPU has run it
-# (docs/training.md, "Throughput on GPUs"; bench/bench_gpu.py prints it beside what it measures).
+# Throughput model: what a training step should take on a card before any GPU has run it, a roofline over
+# what bench/bench_roofline.py counts (docs/training.md, "Throughput on GPUs"; bench/bench_gpu.py prints
+# it beside what it measures).
 
 # Effective NCCL bus bandwidth between two PCIe cards without NVLink, in GB/s (Kaggle's 2x T4: PCIe 3.0
 # x16 is 15.8 GB/s each way on paper; without peer-to-peer NCCL goes through host memory, and
 # nccl-tests on such pairs typically show 4-6 GB/s). An assumption: the first 2-GPU run measures it.
 PCIE_ALL_REDUCE_GBS = 5.0
-# Bytes the optimizer part of a step moves per parameter (fp32 everywhere): the gradient unscale (read +
-# write 8) and norm (read 4), AdamW or Muon (weight read + write 8, gradient read 4, one or two state
-# buffers read + write 8-16) and zero_grad: ~44. Each micro-step after the first adds its gradient into
-# .grad (read + write 8).
-OPTIMIZER_BYTES_PER_PARAMETER = 44
-ACCUMULATE_BYTES_PER_PARAMETER = 8
+# Each micro-step after the first adds its fp32 gradient into .grad: read both, write one.
+ACCUMULATE_BYTES_PER_PARAMETER = 12
 
-# The fraction of the dense peak a think72 step is assumed to reach, per card: an input of the model,
-# not a measurement (bench/bench_gpu.py measures it). Reasons in docs/training.md.
-ASSUMED_MFU = {"T4": 0.22, "P100": 0.35, "V100": 0.30, "A10G": 0.30, "A10": 0.30, "L4": 0.22, "A100": 0.35,
-               "H100": 0.25, "H200": 0.25}
+
+@dataclass(frozen=True)
+class CardRates:
+    """What one card sustains on a training step's work, the inputs of the roofline: dense matmuls of the
+    model's shapes in the --precision auto dtype, the attention kernel of its plan (useful FLOPs: each
+    document's causal triangle), memory bandwidth on elementwise kernels, the host's time per launched
+    kernel (eager PyTorch), and the link of the gradient all-reduce. `source`: where each comes from."""
+
+    matmul_tflops: float
+    attention_tflops: float
+    bandwidth_gbs: float
+    launch_us: float
+    link_gbs: float
+    newton_schulz_tflops: float  # Muon's iteration in hardware.newton_schulz_dtype (small square matmuls)
+    source: str
+
+
+# Assumptions, each with its reason, until bench/bench_gpu.py measures them on the card (its think72 GEMM
+# shapes' TFLOP/s and copy bandwidth): a sustained figure, never the datasheet's (hardware.CARDS).
+ROOFLINE_RATES = {
+    "T4": CardRates(20, 10, 240, 10, PCIE_ALL_REDUCE_GBS, 12,
+                    "matmul: ~24 TFLOP/s on a 4096^3 fp16 cuBLAS matmul under the 70 W cap (NVIDIA forum, "
+                    "'About GPU peak performance'), less at think72's K=512 shapes; attention: assumed ~0.4 "
+                    "of that for the memory-efficient kernel on ~400-token documents; 75% of 320 GB/s; "
+                    "10 us a launch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe all-reduce"),
+    "L4": CardRates(60, 25, 240, 5, 0, 30,
+                    "assumed: bf16 121 TFLOP/s dense on paper, the same 72 W cap as the T4 (about half "
+                    "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s"),
+    "A100": CardRates(180, 110, 1700, 5, 0, 90,
+                      "assumed: ~270 of 312 TFLOP/s on long bf16 GEMMs, ~2/3 of that on think72's "
+                      "8192x512x1536-sized products (few waves); FlashAttention-2 ~0.6 of the matmul rate "
+                      "on short documents; ~83% of 2,039 GB/s (A100 80GB)"),
+    "H100": CardRates(350, 180, 3000, 5, 0, 150,
+                      "assumed: ~700 of 989 TFLOP/s on long bf16 GEMMs, half of that on think72's small "
+                      "shapes; flash (FA2-class) ~0.5 of the matmul rate; ~3,000 of 3,350 GB/s (a measured "
+                      "D2D copy reaches ~3,020)"),
+    "H200": CardRates(350, 180, 4300, 5, 0, 150,
+                      "as the H100 (the same compute); ~90% of 4,800 GB/s"),
+}
+
+
+@dataclass(frozen=True)
+class CountedStep:
+    """What bench/bench_roofline.py counts for one model, micro-batch and card path. Per token of a
+    micro-step (forward + backward): FLOPs and bytes by part; per micro-step: kernels launched; per
+    optimizer step of one rank: the optimizer's bytes, kernels and Newton-Schulz FLOPs (its share of the
+    matrices under DDP), the fp32 gradients the all-reduce moves and Muon's broadcast of the others'
+    orthogonalized shares."""
+
+    micro_batch_tokens: int
+    matmul_flops: float
+    matmul_bytes: float
+    attention_flops: float
+    attention_bytes: float
+    other_bytes: float  # outside matmuls and the attention kernel: norms, RoPE, casts, the loss, the embedding
+    launches: float
+    optimizer_bytes: float
+    optimizer_launches: float
+    newton_schulz_flops: float
+    gradient_bytes: float
+    broadcast_bytes: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by part, and the tokens it trains (all ranks)."""
+
+    matmul_s: float  # the rank's micro-steps: matmul FLOPs at the sustained rate (or bytes, if longer)
+    attention_s: float  # the attention kernel's FLOPs at its rate (or bytes, if longer)
+    memory_s: float  # every other byte at the bandwidth
+    launch_s: float  # the host's launch time beyond the device's (eager PyTorch's per-op cost)
+    newton_schulz_s: float  # Muon's orthogonalization of this rank's share
+    optimizer_s: float  # unscale, norm, clip, optimizer updates, zero_grad, gradient accumulation: bytes
+    all_reduce_s: float  # DDP's gradient all-reduce and Muon's broadcast, counted as not overlapped
+    tokens_per_step: int
+
+    @property
+    def compute_s(self) -> float:
+        """Forward and backward of the rank's micro-steps."""
+        return self.matmul_s + self.attention_s + self.memory_s + self.launch_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.newton_schulz_s + self.optimizer_s + self.all_reduce_s
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.total_s
+
+    def hours_for(self, tokens: float) -> float:
+        return tokens / self.tokens_per_second / 3600
+
+
+def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int, world: int = 1) -> StepTime:
+    """A step's time from counted work and a card's rates (a roofline, each part at its own limit).
+
+    tokens_per_step is the global batch (all ranks); each rank runs tokens_per_step / world of it in
+    micro-steps of counts.micro_batch_tokens. Device time of the micro-steps: matmuls max(FLOPs / rate,
+    bytes / bandwidth), attention likewise at its kernel's rate, the other bytes at the bandwidth; the host
+    launches every kernel at launch_us each while the device runs, so only the excess counts. The ring
+    all-reduce moves 2 (world - 1) / world of the gradients at link_gbs (needed when world > 1).
+    """
+    if not (rates.matmul_tflops > 0 and rates.attention_tflops > 0 and rates.bandwidth_gbs > 0 and world >= 1
+            and rates.newton_schulz_tflops > 0 and tokens_per_step >= counts.micro_batch_tokens * world > 0):
+        raise ValueError("predict_step needs positive rates and at least one micro-batch per rank")
+    if world > 1 and not rates.link_gbs > 0:
+        raise ValueError("predict_step: world > 1 needs the card's link_gbs")
+    tokens = tokens_per_step / world
+    micro_steps = tokens / counts.micro_batch_tokens
+    bandwidth = rates.bandwidth_gbs * 1e9
+    matmul = tokens * max(counts.matmul_flops / (rates.matmul_tflops * 1e12), counts.matmul_bytes / bandwidth)
+    attention = tokens * max(counts.attention_flops / (rates.attention_tflops * 1e12),
+                             counts.attention_bytes / bandwidth)
+    memory = tokens * counts.other_bytes / bandwidth
+    host = counts.launches * micro_steps * rates.launch_us * 1e-6
+    launch = max(0.0, host - (matmul + attention + memory))
+    newton_schulz = counts.newton_schulz_flops / (rates.newton_schulz_tflops * 1e12)
+    accumulate = ACCUMULATE_BYTES_PER_PARAMETER * counts.gradient_bytes / 4 * (micro_steps - 1)
+    optimizer = max((counts.optimizer_bytes + accumulate) / bandwidth,
+                    counts.optimizer_launches * rates.launch_us * 1e-6)
+    all_reduce = 0.0
+    if world > 1:
+        all_reduce = (2 * (world - 1) / world * counts.gradient_bytes + counts.broadcast_bytes) / (rates.link_gbs * 1e9)
+    return StepTime(matmul, attention, memory, launch, newton_schulz, optimizer, all_reduce, tokens_per_step)
+
+
+# think72 (vocab 33,069) at micro-batch 8 x 1024, per --precision auto dtype and mode, as
+# `python bench/bench_roofline.py` counts them (the training model on the card's attention plan; the
+# compiled figures are its fusion model, not Inductor's). bench_roofline.py checks that these are its counts.
+ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {}
+
+
+def predict_card(card: Card, counts: CountedStep | None = None, *, world: int = 1, tokens_per_step: int = 65_536,
+                 mode: str = "eager", rates: CardRates | None = None) -> StepTime:
+    """predict_step for `card` in its --precision auto dtype: `counts` (default: the recorded think72 counts
+    of that dtype and `mode`, ROOFLINE_COUNTS), at ROOFLINE_RATES unless `rates` is given."""
+    device = Device("cuda", card.key, card.capability)
+    precision = choose_precision("auto", device).value
+    counts = counts or ROOFLINE_COUNTS[(precision, mode)]
+    return predict_step(counts, rates or ROOFLINE_RATES[card.key], tokens_per_step=tokens_per_step, world=world)
 
 
 def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
@@ -468,72 +601,6 @@ def muon_matrix_shapes(preset) -> list[tuple[int, int]]:
                  (preset.intermediate, preset.hidden), (preset.intermediate, preset.hidden),
                  (preset.hidden, preset.intermediate)]
     return per_layer * preset.layers
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """Predicted seconds of one optimizer step, by part, and the tokens it trains (all ranks)."""
-
-    compute_s: float  # forward + backward: FLOPs per token x the rank's tokens at peak x MFU
-    newton_schulz_s: float  # Muon's orthogonalization: every rank does every matrix
-    optimizer_s: float  # unscale, clip, optimizer updates, gradient accumulation: memory traffic
-    all_reduce_s: float  # DDP's gradient all-reduce, counted as not overlapped with the backward
-    tokens_per_step: int
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.newton_schulz_s + self.optimizer_s + self.all_reduce_s
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens_per_step / self.total_s
-
-    def hours_for(self, tokens: float) -> float:
-        return tokens / self.tokens_per_second / 3600
-
-
-def predict_step_seconds(*, flops_per_token: float, tokens_per_step: int, peak_tflops: float, mfu: float,
-                         parameters: int, bandwidth_gbs: float, newton_schulz_flops: float = 0,
-                         newton_schulz_tflops: float | None = None, grad_accum: int = 1, world: int = 1,
-                         all_reduce_gbs: float | None = None) -> StepTime:
-    """A step's time from the card's figures and an assumed MFU (the fraction of `peak_tflops` reached).
-
-    tokens_per_step is the global batch (all ranks); each rank computes its share. Newton-Schulz runs at
-    the same fraction of `newton_schulz_tflops` (the peak of its dtype; None: `peak_tflops`). The ring
-    all-reduce moves 2 (world - 1) / world x the fp32 gradients at `all_reduce_gbs` (needed when world > 1).
-    """
-    if not (peak_tflops > 0 and 0 < mfu <= 1 and bandwidth_gbs > 0 and world >= 1 and grad_accum >= 1):
-        raise ValueError("predict_step_seconds needs a positive peak, bandwidth, world and grad_accum and 0 < mfu <= 1")
-    achieved = peak_tflops * 1e12 * mfu
-    compute = flops_per_token * tokens_per_step / world / achieved
-    newton_schulz = newton_schulz_flops / ((newton_schulz_tflops or peak_tflops) * 1e12 * mfu)
-    traffic = parameters * (OPTIMIZER_BYTES_PER_PARAMETER + ACCUMULATE_BYTES_PER_PARAMETER * (grad_accum - 1))
-    all_reduce = 0.0
-    if world > 1:
-        if not all_reduce_gbs:
-            raise ValueError("predict_step_seconds: world > 1 needs all_reduce_gbs")
-        all_reduce = 2 * (world - 1) / world * parameters * 4 / (all_reduce_gbs * 1e9)
-    return StepTime(compute, newton_schulz, traffic / (bandwidth_gbs * 1e9), all_reduce, tokens_per_step)
-
-
-def predict_card(card: Card, preset, vocab_size: int, *, world: int = 1, tokens_per_step: int = 65_536,
-                 micro_batch_tokens: int = 8192, mfu: float | None = None, muon: bool = True,
-                 all_reduce_gbs: float = PCIE_ALL_REDUCE_GBS) -> StepTime:
-    """predict_step_seconds for `preset` (a model_config.Preset) on `card` in its --precision auto dtype,
-    at ASSUMED_MFU unless `mfu` is given; Newton-Schulz in newton_schulz_dtype's half type."""
-    import model_config
-
-    device = Device("cuda", card.key, card.capability)
-    precision = choose_precision("auto", device).value
-    ns_dtype = newton_schulz_dtype(device)
-    grad_accum = max(1, tokens_per_step // (micro_batch_tokens * world))
-    return predict_step_seconds(
-        flops_per_token=model_config.flops_per_token(preset, vocab_size), tokens_per_step=tokens_per_step,
-        peak_tflops=peak_tflops(device, precision), mfu=mfu if mfu is not None else ASSUMED_MFU[card.key],
-        parameters=model_config.parameter_count(preset, vocab_size), bandwidth_gbs=card.bandwidth_gbs,
-        newton_schulz_flops=sum(newton_schulz_flops(*shape) for shape in muon_matrix_shapes(preset)) if muon else 0,
-        newton_schulz_tflops=peak_tflops(device, ns_dtype), grad_accum=grad_accum, world=world,
-        all_reduce_gbs=all_reduce_gbs if world > 1 else None)
 
 
 # ----------------------------------------------------------------------------------------------

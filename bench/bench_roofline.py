@@ -1,0 +1,740 @@
+"""The roofline of a training step: FLOPs and bytes counted per op, turned into a step time per card.
+
+    python bench/bench_roofline.py                  # think72, micro-batch 8 x 1024, fp16 and bf16 (a few minutes)
+    python bench/bench_roofline.py --smoke          # `nano` at 2 x 256, seconds (tests/test_bench_roofline.py)
+    python bench/bench_roofline.py --json out.json  # the counts as well
+
+What it counts: one forward and backward of the model through the training loss
+(losses.language_model_loss, chunked) under fp16 and under bf16 autocast on CPU, op by op at the
+dispatcher (a TorchDispatchMode; FLOPs from torch.utils.flop_counter's registry, the formulas FlopCounterMode
+uses). The tensors are fake (torch._subclasses.FakeTensorMode): every op of the real model, loss, autocast
+and autograd runs with its real shapes and dtypes, nothing computes, so think72 at 8 x 1024 takes seconds.
+Bytes of an op: the sizes of its tensor inputs (read) and outputs (written); views and allocations are
+free; an in-place op reads and writes its tensor (copy_ only writes it).
+
+Where the CPU and the card dispatch differently, the count follows the card:
+- the attention kernel: the op the CPU runs is counted as the card plan's kernel
+  (attention.choose_attention): its FLOPs are attention.attention_flops of that kernel over each row's
+  documents, its bytes a fused kernel's (q, k, v, o, the logsumexp; backward also dO, dQ, dK, dV and the
+  row sums; K/V heads repeated where the plan repeats them; the masked kernels' bias read once per pass);
+  the varlen kernels' CUDA-only ops are stood in for (their outputs made with the right shapes);
+- F.rms_norm: one fused op forward (aten._fused_rms_norm) and one backward, as CUDA runs it (the CPU
+  decomposes it).
+
+Categories: matmul (every op in the FLOP registry but attention), attention (the kernel), loss (the
+chunked cross-entropy outside the matmuls), embedding (the lookup and its backward), and norm/RoPE/
+elementwise (everything else: norms, RoPE, residual adds, SiLU, autocast casts, the attention path's
+layout copies, K/V repeats and masks), by the module the op runs in (torch.utils.module_tracker, which
+follows the backward too).
+
+"before" is the stock model (model_config.build_model) with the masked path (attention.MASKED and the
+block-diagonal mask: transformers repeats K/V and every card computes the full C x C square); "after" is
+the training model (model_config.build_training_model's autocast_elementwise) with the card's plan (the
+memory-efficient varlen kernel under fp16, T4; flash varlen with grouped heads under bf16, sm_80+).
+
+The compiled estimate is a model, not Inductor's metrics (compiling think72 for CPU Inductor and running
+it is not a few minutes on 2 cores; its per-kernel byte metrics cover the generated kernels only):
+every maximal group of non-matmul ops that Inductor could fuse (connected by tensors, with no matmul or
+attention kernel between them, forward and backward apart) reads each of its external inputs once and
+writes each output that leaves it once; matmuls and the attention kernel stay as counted.
+
+Documents: each row of the micro-batch is cut from a stream of documents whose lengths are drawn from a
+lognormal of median 243 tokens and sigma 1.0 (mean 400 tokens), laid end to end as the packed stream lays
+them (a document crossing a row's end continues as a new document in the next row).
+
+The step time (hardware.predict_step, one card's rates from hardware.ROOFLINE_RATES): per micro-step,
+matmul FLOPs at the sustained matmul rate (or their bytes at the bandwidth, whichever is longer),
+attention FLOPs at the attention kernel's rate, every other byte at the bandwidth, plus the host's launch
+time where it exceeds the device's; per step the optimizer (counted here too, on fake tensors: the fp16
+unscale, the gradient norm and clip, fused AdamW on embeddings and norms, muon.Muon with Newton-Schulz in
+the card's dtype on the matrices, zero_grad), the gradient accumulation adds and the DDP all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils.flop_counter import flop_registry  # noqa: E402
+from torch.utils.module_tracker import ModuleTracker  # noqa: E402
+
+import attention  # noqa: E402
+import hardware  # noqa: E402
+import losses  # noqa: E402
+import model_config  # noqa: E402
+
+VOCAB = 33_069
+TOKENS = 1.5e9
+README_SPLIT = {"batch_size": 8, "grad_accum": 4, "world": 2}  # the README's command: 65,536 tokens per step
+MEDIAN_DOCUMENT, DOCUMENT_SIGMA = 243.0, 1.0  # lognormal: mean = 243 x e^(1/2) = 400 tokens
+CATEGORIES = ("matmul", "attention", "elementwise", "loss", "embedding")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CARD_PLANS = {"fp16": hardware.Device("cuda", "T4", (7, 5)), "bf16": hardware.Device("cuda", "A100", (8, 0))}
+# The cards of the per-card table: (key, ranks), each in its --precision auto dtype.
+TABLE_CARDS = [("T4", 2), ("T4", 1), ("L4", 1), ("A100", 1), ("H100", 1), ("H200", 1)]
+
+aten = torch.ops.aten
+FREE = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.detach.default,
+        aten.lift_fresh.default, aten._local_scalar_dense.default, aten._unsafe_view.default, aten.alias.default,
+        aten.new_empty.default, aten.new_empty_strided.default, aten.resize_.default, aten.set_.source_Storage}
+WRITE_ONLY = {aten.zeros.default, aten.zeros_like.default, aten.ones_like.default, aten.full.default,
+              aten.full_like.default, aten.fill_.Scalar, aten.zero_.default, aten.scalar_tensor.default,
+              aten.ones.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+SCATTERS = {"scatter_add_", "scatter_", "index_put_", "index_add_"}
+NOT_KERNELS = {"_record_function_enter_new", "_record_function_exit", "promote_types"}
+STAND_IN = {"_efficient_attention_forward", "_efficient_attention_backward", "_varlen_attn", "_varlen_attn_backward",
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+            "_flash_attention_forward", "_flash_attention_backward"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The documents of a micro-batch.
+
+
+def packed_rows(rows: int, context: int, seed: int = 0, median: float = MEDIAN_DOCUMENT,
+                sigma: float = DOCUMENT_SIGMA) -> tuple[np.ndarray, list[list[int]]]:
+    """(segments (rows, context), each row's document lengths): documents of lognormal lengths laid end
+    to end and cut into rows, a document crossing a row's end continuing as a new one in the next row."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((rows, context), dtype=np.int32)
+    lengths: list[list[int]] = []
+    left = 0  # what remains of the current document
+    for row in range(rows):
+        position, number, row_lengths = 0, 0, []
+        while position < context:
+            if left == 0:
+                left = max(1, int(round(rng.lognormal(math.log(median), sigma))))
+            take = min(left, context - position)
+            segments[row, position:position + take] = number
+            row_lengths.append(take)
+            position, left, number = position + take, left - take, number + 1
+        lengths.append(row_lengths)
+    return segments, lengths
+
+
+# ----------------------------------------------------------------------------------------------
+# The counting mode.
+
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    phase: str  # "forward", "backward" or "optimizer"
+    category: str
+    detail: str
+    flops: float
+    read: float
+    written: float
+    inputs: list  # [(key, view, bytes)] read
+    outputs: list  # [(key, bytes)] written
+    boundary: bool  # a matmul or the attention kernel: never fused
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    found = []
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found.extend(tensors_in(item))
+    elif isinstance(value, dict):
+        for item in value.values():
+            found.extend(tensors_in(item))
+    return found
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Counter(TorchDispatchMode):
+    """Records every op: its FLOPs (flop_registry), its bytes, its category, and which tensor versions it
+    reads and writes (for the fusion model). `kernel_cost(name, args, out)` gives the attention kernel's
+    (flops, read, written) as the card computes them; `stand_in(name, args)` makes the outputs of a
+    CUDA-only kernel."""
+
+    def __init__(self, tracker: ModuleTracker, kernel_cost, stand_in):
+        super().__init__()
+        self.tracker, self.kernel_cost, self.stand_in = tracker, kernel_cost, stand_in
+        self.ops: list[Op] = []
+        self.versions: dict[int, int] = {}
+        self.keep: list = []  # storages stay alive, so an id is never reused while counting
+        self.phase = "forward"
+        self.recording = True
+
+    def key(self, tensor: torch.Tensor) -> tuple[int, int]:
+        storage = tensor.untyped_storage()
+        cdata = storage._cdata
+        if cdata not in self.versions:
+            self.versions[cdata] = 0
+            self.keep.append(storage)
+        return cdata, self.versions[cdata]
+
+    def where(self) -> tuple[str, str]:
+        """(category, detail) of the module the op runs in."""
+        parents = [name for name in self.tracker.parents if name != "Global"]
+        if not parents:  # language_model_loss outside the decoder (model.model)
+            return "loss", "cross-entropy"
+        inner = max(parents, key=len)
+        leaf = inner.rsplit(".", 1)[-1]
+        if leaf == "embed_tokens":
+            return "embedding", "lookup"
+        if leaf.endswith("norm"):
+            return "elementwise", "norms"
+        if leaf == "rotary_emb" or leaf == "self_attn":
+            return "elementwise", "RoPE, attention layout, K/V repeats"
+        if leaf in ("mlp", "act_fn"):
+            return "elementwise", "SiLU and product"
+        if ".layers." in inner and leaf.isdigit():
+            return "elementwise", "residual adds"
+        return "elementwise", "masks, positions"
+
+    active: Counter | None = None
+
+    def __enter__(self):
+        Counter.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        Counter.active = None
+        return super().__exit__(*exc)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def paused():
+        """The active Counter (or None), not recording while the block runs."""
+        counter = Counter.active
+        if counter is not None:
+            counter.recording = False
+        try:
+            yield counter
+        finally:
+            if counter is not None:
+                counter.recording = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        out = self.stand_in(name, args) if name in STAND_IN else None
+        if out is None:
+            out = func(*args, **kwargs)
+        if self.recording:
+            self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func, args, kwargs, out) -> None:
+        name = func.overloadpacket.__name__
+        if func in FREE or getattr(func, "is_view", False) or func.namespace == "prim" or name in NOT_KERNELS:
+            return
+        schema = func._schema
+        mutated = [tensor for argument, value in zip(schema.arguments, args)
+                   if argument.alias_info is not None and argument.alias_info.is_write
+                   for tensor in tensors_in(value)]
+        read_tensors = [] if func in WRITE_ONLY else [t for t in tensors_in((args, kwargs))
+                                                     if not (name == "copy_" and t is args[0])]
+        inputs = [(self.key(t), (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), nbytes(t))
+                  for t in read_tensors]
+        for tensor in mutated:
+            cdata = tensor.untyped_storage()._cdata
+            self.versions[cdata] = self.versions.get(cdata, 0) + 1
+        written = mutated or tensors_in(out)
+        outputs = [(self.key(t), nbytes(t)) for t in written]
+        if name in SCATTERS:  # they touch only the indexed elements of the tensor they update
+            size = nbytes(args[-1]) if isinstance(args[-1], torch.Tensor) else 0
+            inputs = [entry for entry in inputs if entry[0] != outputs[0][0]]
+            outputs = [(outputs[0][0], size)]
+        category, detail = self.where()
+        boundary = False
+        if name in STAND_IN:
+            flops, read, write = self.kernel_cost(name, args, out)
+            category, detail, boundary = "attention", "kernel", True
+        else:
+            flops = 0.0
+            if func.overloadpacket in flop_registry:
+                flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+                category, detail, boundary = "matmul", name, True
+            elif name == "embedding_dense_backward":
+                boundary = True  # a scatter-add over the vocabulary: its own kernel, compiled or not
+            elif name == "_to_copy" and category == "elementwise":
+                detail = "casts"
+            read = sum(size for _, _, size in inputs)
+            write = sum(size for _, size in outputs)
+        self.ops.append(Op(name, self.phase if not self.tracker.is_bw else "backward", category, detail, flops,
+                           read, write, inputs, outputs, boundary))
+
+
+# ----------------------------------------------------------------------------------------------
+# The card's attention kernel, and the stand-ins for the CUDA-only ones.
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    kernel: str  # attention.AttentionPlan.documents ("efficient varlen", "flash varlen") or "masked ..."
+    repeated: bool  # K/V heads repeated to the query heads before the kernel
+    lengths: tuple  # each row's document lengths
+    preset: model_config.Preset
+    context: int
+    element: int  # bytes per element of q, k, v
+
+    def flops(self) -> float:
+        """Forward + backward FLOPs of one layer over the micro-batch (attention.attention_flops per row)."""
+        return sum(attention.attention_flops(self.kernel, list(row), self.context, self.preset.heads,
+                                             self.preset.head_dim) for row in self.lengths)
+
+    def bytes(self, backward: bool) -> tuple[float, float]:
+        """(read, written) by one layer's fused kernel over the micro-batch, each tensor once."""
+        p = self.preset
+        tokens = len(self.lengths) * self.context
+        q = tokens * p.heads * p.head_dim * self.element
+        kv = tokens * (p.heads if self.repeated else p.kv_heads) * p.head_dim * self.element
+        lse = tokens * p.heads * 4
+        bias = len(self.lengths) * self.context * self.context * self.element if self.kernel.startswith(
+            "masked") else 0
+        if not backward:
+            return q + 2 * kv + bias, q + lse
+        # read q, k, v, o, dO, the logsumexp and the row sums dO.O (written by the kernel's first pass)
+        return 3 * q + 2 * kv + 2 * lse + bias + q + q, q + 2 * kv + lse
+
+
+def kernel_costs(plan: KernelPlan):
+    def cost(name: str, args, out) -> tuple[float, float, float]:
+        backward = name.endswith("backward")
+        read, written = plan.bytes(backward)
+        return plan.flops() * (2 / 3 if backward else 1 / 3), read, written
+    return cost
+
+
+def stand_in(name: str, args):
+    """Outputs of the CUDA-only attention kernels with their shapes and dtypes (the CPU ones run)."""
+    if name == "_efficient_attention_forward":
+        query, key, value = args[:3]
+        batch, tokens, heads, dim = query.shape
+        return (query.new_empty(batch, tokens, heads, value.shape[-1]),
+                query.new_empty(batch if args[4] is None else len(args[4]) - 1, heads, tokens, dtype=torch.float32),
+                torch.empty(2, dtype=torch.int64), torch.empty(0, dtype=torch.int64), 0, 0)
+    if name == "_efficient_attention_backward":
+        query, key, value = args[1:4]
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), query.new_empty(0)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# One forward and backward, counted.
+
+
+def fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """F.rms_norm as CUDA runs it: one aten._fused_rms_norm forward, its own backward (the CPU decomposes it)."""
+    return FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight, eps):
+        # on CPU the op decomposes before a dispatch mode sees it: counted as the one op CUDA runs
+        with Counter.paused() as counter:
+            output, rstd = aten._fused_rms_norm(input, list(normalized_shape), weight, eps)
+        if counter is not None:
+            counter.record(aten._fused_rms_norm.default, (input, list(normalized_shape), weight, eps), {},
+                           (output, rstd))
+        ctx.save_for_backward(input, rstd, weight)
+        ctx.normalized_shape = list(normalized_shape)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, rstd, weight = ctx.saved_tensors
+        grad_input, grad_weight = aten._fused_rms_norm_backward(grad, input, ctx.normalized_shape, rstd, weight,
+                                                                [True, weight is not None])
+        return grad_input, None, grad_weight, None
+
+
+@dataclasses.dataclass
+class Side:
+    label: str  # "before" or "after"
+    precision: str
+    kernel: str
+    ops: list
+    tokens: int
+    parameters: int
+    plan: KernelPlan
+
+    def per_token(self, category: str | None = None, field: str = "bytes", phases=("forward", "backward")) -> float:
+        total = 0.0
+        for op in self.ops:
+            if op.phase in phases and (category is None or op.category == category):
+                total += op.flops if field == "flops" else op.read + op.written
+        return total / self.tokens
+
+
+def count_side(label: str, preset: model_config.Preset, precision: str, batch: int, seed: int = 0) -> Side:
+    """One forward + backward through losses.language_model_loss on fake CPU tensors under `precision`
+    autocast: "before" the stock model on the masked path, "after" the training model on the card's plan."""
+    segments, lengths = packed_rows(batch, preset.context, seed)
+    documents = attention.documents_of(segments)
+    card_plan = attention.choose_attention(CARD_PLANS[precision], precision, preset.head_dim)
+    element = 2
+    if label == "before":
+        implementation, kernel, repeated = attention.MASKED, "masked " + card_plan.causal, True
+    else:
+        implementation, kernel = card_plan.implementation, card_plan.documents
+        repeated = implementation == attention.EFFICIENT
+    plan = KernelPlan(kernel, repeated, tuple(tuple(row) for row in lengths), preset, preset.context, element)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        torch.manual_seed(0)
+        model = model_config.build_model(preset, VOCAB)
+        model.config.use_cache = False
+        if label == "after":
+            model_config.autocast_elementwise(model)
+        model.train()
+        inputs = torch.randint(0, VOCAB, (batch, preset.context))
+        targets = torch.randint(0, VOCAB, (batch, preset.context))
+    attention.use_attention(model, implementation)
+    tracker = ModuleTracker()
+    counter = Counter(tracker, kernel_costs(plan), stand_in)
+    rms_norm = torch.nn.functional.rms_norm
+    torch.nn.functional.rms_norm = fused_rms_norm  # the stock model's norms never call it
+    try:
+        with fake, tracker, counter, torch.autocast("cpu", dtype=DTYPES[precision]):
+            loss = losses.language_model_loss(model, inputs, targets, documents=documents)
+            counter.phase = "backward"
+            loss.backward()
+    finally:
+        torch.nn.functional.rms_norm = rms_norm
+    parameters = model_config.parameter_count(preset, VOCAB)
+    return Side(label, precision, kernel, counter.ops, batch * preset.context, parameters, plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer step, counted the same way.
+
+
+def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> list[Op]:
+    """One optimizer step of one rank as train.py runs it (GradScaler's unscale under fp16, the gradient
+    norm and clip, muon.Muon on the hidden matrices with Newton-Schulz in the card's dtype, fused AdamW on
+    the rest, zero_grad in place under DDP), on fake tensors. Under DDP each rank orthogonalizes its share
+    (muon.newton_schulz_owners): counted here for the whole set and scaled to the largest share."""
+    import muon
+    import train
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = model_config.build_model(preset, VOCAB)
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    hidden, rest = train.hidden_matrices(model)
+    card = CARD_PLANS[precision]
+    ns_dtype = hardware.newton_schulz_dtype(card)
+    with fake:  # the first step makes the optimizers' state: not counted
+        optimizers = [muon.Muon(hidden, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True),
+                      torch.optim.AdamW([{"params": rest, "weight_decay": 0.0}], lr=1e-3, fused=True)]
+        for optimizer in optimizers:
+            optimizer.step()
+    tracker = ModuleTracker()
+    counter = Counter(tracker, None, lambda name, args: None)
+    counter.phase = "optimizer"
+    with fake, tracker, counter:
+        grads = [parameter.grad for parameter in model.parameters()]
+        if precision == "fp16":
+            found_inf = torch.zeros(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1))
+        norm = torch.nn.utils.get_total_norm(grads)  # train.clip_gradients, clipping (the costlier case)
+        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, norm)
+        for optimizer in optimizers:
+            optimizer.step()
+        for parameter in model.parameters():
+            parameter.grad.zero_()
+    shapes = [tuple(parameter.shape) for parameter in hidden]
+    owners = muon.newton_schulz_owners(shapes, world)
+    loads = [sum(hardware.newton_schulz_flops(*shape) for shape, owner in zip(shapes, owners) if owner == rank)
+             for rank in range(world)]
+    share = max(loads) / sum(loads)
+    for op in counter.ops:
+        op.category = "newton-schulz" if op.category == "matmul" else "optimizer"
+        if op.category == "newton-schulz":
+            op.flops, op.read, op.written = op.flops * share, op.read * share, op.written * share
+    return counter.ops
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled estimate: fusion groups.
+
+
+def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
+    """({category: bytes} and the kernel count) when every fusable group of non-boundary ops reads its
+    external inputs once and writes what leaves it once (the module docstring's model of Inductor).
+
+    A non-boundary op joins the groups of the non-boundary ops that produced its inputs when they are at
+    its level: the number of boundary ops (matmuls, the attention kernel) on the longest path from the
+    step's inputs, so that no group waits on a matmul that waits on the group itself."""
+    producer: dict = {}  # key -> op index
+    level: dict = {}  # key -> level of the tensor
+    op_level = [0] * len(ops)
+    parent = list(range(len(ops)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    consumers: dict = collections.defaultdict(set)
+    for index, op in enumerate(ops):
+        levels = [level.get(key, 0) for key, _, _ in op.inputs]
+        op_level[index] = max(levels, default=0)
+        for key, _, _ in op.inputs:
+            consumers[key].add(index)
+        if not op.boundary:
+            for key, _, _ in op.inputs:
+                source = producer.get(key)
+                if (source is not None and not ops[source].boundary and ops[source].phase == op.phase
+                        and op_level[source] == op_level[index]):
+                    parent[find(source)] = find(index)
+        for key, _ in op.outputs:
+            producer[key] = index
+            level[key] = op_level[index] + (1 if op.boundary else 0)
+    totals: dict = collections.defaultdict(float)
+    groups: dict = collections.defaultdict(list)
+    for index, op in enumerate(ops):
+        if op.boundary:
+            totals[op.category] += op.read + op.written
+        else:
+            groups[find(index)].append(index)
+    for members in groups.values():
+        inside = set(members)
+        seen_reads, seen_writes = set(), set()
+        for index in members:
+            op = ops[index]
+            for key, view, size in op.inputs:
+                if producer.get(key) in inside and producer[key] < index or (key, view) in seen_reads:
+                    continue
+                seen_reads.add((key, view))
+                totals[op.category] += size
+            for key, size in op.outputs:
+                if key in seen_writes:
+                    continue
+                leaves = not consumers.get(key) or any(find(c) != find(index) or ops[c].boundary
+                                                       for c in consumers[key] if c > index)
+                if leaves or producer.get(key) != index:
+                    seen_writes.add(key)
+                    totals[op.category] += size
+    kernels = sum(1 for op in ops if op.boundary) + len(groups)
+    return dict(totals), kernels
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token figures for hardware.predict_step.
+
+
+def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool) -> hardware.CountedStep:
+    ops = [op for op in side.ops if op.phase in ("forward", "backward")]
+    if compiled:
+        totals, kernels = fused_bytes(ops)
+    else:
+        totals = collections.defaultdict(float)
+        for op in ops:
+            totals[op.category] += op.read + op.written
+        kernels = len(ops)
+    tokens = side.tokens
+    optimizer_bytes = sum(op.read + op.written for op in optimizer_ops)
+    return hardware.CountedStep(
+        micro_batch_tokens=tokens,
+        matmul_flops=side.per_token("matmul", "flops"),
+        matmul_bytes=totals.get("matmul", 0.0) / tokens,
+        attention_flops=side.per_token("attention", "flops"),
+        attention_bytes=totals.get("attention", 0.0) / tokens,
+        other_bytes=sum(value for key, value in totals.items() if key not in ("matmul", "attention")) / tokens,
+        launches=kernels,
+        optimizer_bytes=optimizer_bytes,
+        optimizer_launches=len(optimizer_ops),
+        newton_schulz_flops=sum(op.flops for op in optimizer_ops),
+        gradient_bytes=4 * side.parameters,
+        broadcast_bytes=(world - 1) / world * 2 * sum(a * b for a, b in hardware.muon_matrix_shapes(side.plan.preset))
+        if world > 1 else 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports.
+
+
+def thousands(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def category_table(sides: list[Side], fused: dict) -> list[str]:
+    lines = ["| per token | " + " | ".join(f"{side.label} {side.precision}" for side in sides) + " |",
+             "| --- |" + " ---: |" * len(sides)]
+    rows = [("matmul MFLOP", lambda s: s.per_token("matmul", "flops") / 1e6),
+            ("attention MFLOP (the card's kernel)", lambda s: s.per_token("attention", "flops") / 1e6),
+            ("per-document causal attention MFLOP", lambda s: per_document_flops(s) / 1e6)]
+    for category in CATEGORIES:
+        rows.append((f"{category} KB (eager)", lambda s, c=category: s.per_token(c) / 1e3))
+    rows.append(("outside matmuls KB (eager)", lambda s: outside_matmuls(s) / 1e3))
+    rows.append(("outside matmuls KB (compiled estimate)",
+                 lambda s: sum(v for k, v in fused[id(s)][0].items() if k != "matmul") / s.tokens / 1e3))
+    rows.append(("kernels per micro-step (eager / compiled)",
+                 lambda s: f"{len(s.ops):,} / {fused[id(s)][1]:,}"))
+    for title, value in rows:
+        cells = []
+        for side in sides:
+            figure = value(side)
+            cells.append(figure if isinstance(figure, str) else f"{figure:,.1f}")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def detail_table(sides: list[Side]) -> list[str]:
+    """Bytes per token outside matmuls by what they are (eager)."""
+    details = collections.defaultdict(lambda: collections.defaultdict(float))
+    for side in sides:
+        for op in side.ops:
+            if op.category != "matmul":
+                details[(op.category, op.detail)][id(side)] += (op.read + op.written) / side.tokens
+    lines = ["| bytes per token (eager), KB | " + " | ".join(f"{s.label} {s.precision}" for s in sides) + " |",
+             "| --- |" + " ---: |" * len(sides)]
+    for (category, detail), values in sorted(details.items()):
+        lines.append(f"| {category}: {detail} | " + " | ".join(f"{values[id(s)] / 1e3:,.1f}" for s in sides) + " |")
+    return lines
+
+
+def per_document_flops(side: Side) -> float:
+    plan = dataclasses.replace(side.plan, kernel="per-document varlen")
+    return plan.flops() * side.plan.preset.layers / side.tokens
+
+
+def outside_matmuls(side: Side) -> float:
+    return sum(side.per_token(category) for category in CATEGORIES if category != "matmul")
+
+
+def card_rows(counts: dict, tokens_per_step: int = 65_536, tokens: float = TOKENS) -> list[str]:
+    """The per-card table of docs/training.md: hardware.predict_card over `counts` ({(precision, mode):
+    CountedStep}), eager and compiled (estimate)."""
+    lines = ["| card | precision | matmul / attention TFLOP/s, GB/s (assumed) | step (65,536 tokens) eager | "
+             "of which matmul / attention / other bytes / launch / Newton-Schulz / optimizer / all-reduce | "
+             "tokens/s eager | 1.5B tokens eager | compiled (estimate) |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    cards = {card.key: card for card in hardware.CARDS}
+    for key, world in TABLE_CARDS:
+        card = cards[key]
+        precision = hardware.choose_precision("auto", hardware.Device("cuda", key, card.capability)).value
+        rates = hardware.ROOFLINE_RATES[key]
+        eager = hardware.predict_card(card, counts[(precision, "eager")], world=world, tokens_per_step=tokens_per_step)
+        compiled = hardware.predict_card(card, counts[(precision, "compiled")], world=world,
+                                         tokens_per_step=tokens_per_step)
+        parts = " / ".join(f"{value:.3f}" for value in (eager.matmul_s, eager.attention_s, eager.memory_s,
+                                                        eager.launch_s, eager.newton_schulz_s, eager.optimizer_s,
+                                                        eager.all_reduce_s))
+        lines.append(f"| {key}{f' x{world}' if world > 1 else ''} | {precision} | {rates.matmul_tflops:g} / "
+                     f"{rates.attention_tflops:g}, {rates.bandwidth_gbs:g} | {eager.total_s:.3f} s | {parts} s | "
+                     f"{eager.tokens_per_second:,.0f} | {eager.hours_for(tokens):.1f} h | "
+                     f"{compiled.hours_for(tokens):.1f} h ({compiled.tokens_per_second:,.0f}/s) |")
+    return lines
+
+
+def rates_table() -> list[str]:
+    lines = ["| card | matmul TFLOP/s | attention TFLOP/s | GB/s | launch us | link GB/s | source |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for key, _ in TABLE_CARDS[1:] if TABLE_CARDS[0][0] == TABLE_CARDS[1][0] else TABLE_CARDS:
+        r = hardware.ROOFLINE_RATES[key]
+        lines.append(f"| {key} | {r.matmul_tflops:g} | {r.attention_tflops:g} | {r.bandwidth_gbs:g} | "
+                     f"{r.launch_us:g} | {r.link_gbs:g} | {r.source} |")
+    return lines
+
+
+def final_line(counts: dict, preset_name: str, tokens: float = TOKENS) -> str:
+    card = hardware.card_of(hardware.Device("cuda", "T4", (7, 5)))
+    world, micro = README_SPLIT["world"], README_SPLIT["batch_size"]
+    tokens_per_step = micro * README_SPLIT["grad_accum"] * world * model_config.PRESETS[preset_name].context
+    eager = hardware.predict_card(card, counts[("fp16", "eager")], world=world, tokens_per_step=tokens_per_step)
+    compiled = hardware.predict_card(card, counts[("fp16", "compiled")], world=world, tokens_per_step=tokens_per_step)
+    return (f"{preset_name} on 2x T4: {eager.hours_for(tokens):.1f} h for {tokens / 1e9:g}B tokens (eager, fp16, "
+            f"--batch-size {micro} --grad-accum {README_SPLIT['grad_accum']} on {world} GPUs, "
+            f"{tokens_per_step:,} tokens per step: {eager.total_s:.2f} s, {eager.tokens_per_second:,.0f} tokens/s; "
+            f"--compile estimate {compiled.hours_for(tokens):.1f} h)")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the nano preset at 2 x 256: seconds (the test)")
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--precisions", default="fp16,bf16")
+    parser.add_argument("--json", default=None, help="write the counts here")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    preset_name = args.preset or ("nano" if args.smoke else "think72")
+    preset = model_config.PRESETS[preset_name]
+    batch = args.batch_size or (2 if args.smoke else README_SPLIT["batch_size"])
+    world = README_SPLIT["world"]
+    torch.set_num_threads(1)
+    sides, counts, fused = [], {}, {}
+    for precision in args.precisions.split(","):
+        optimizer_ops = count_optimizer(preset, precision, world)
+        for label in ("before", "after"):
+            started = time.perf_counter()
+            side = count_side(label, preset, precision, batch)
+            fused[id(side)] = fused_bytes([op for op in side.ops if op.phase != "optimizer"])
+            print(f"counted {label} {precision}: {len(side.ops):,} ops in {time.perf_counter() - started:.1f} s",
+                  flush=True)
+            sides.append(side)
+            if label == "after":
+                for mode in ("eager", "compiled"):
+                    counts[(precision, mode)] = counted_step(side, optimizer_ops, world, mode == "compiled")
+    return {"preset": preset_name, "batch": batch, "sides": sides, "counts": counts, "fused": fused}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    sides, counts = result["sides"], result["counts"]
+    preset = model_config.PRESETS[result["preset"]]
+    segments, lengths = packed_rows(result["batch"], preset.context)
+    flat = [length for row in lengths for length in row]
+    print(f"\n{result['preset']}, vocab {VOCAB:,}, micro-batch {result['batch']} x {preset.context}: "
+          f"{len(flat)} documents (lognormal lengths, median {MEDIAN_DOCUMENT:g}, sigma {DOCUMENT_SIGMA:g}, "
+          f"mean 400 tokens; in the rows: mean {np.mean(flat):.0f}, longest {max(flat)})")
+    print("\n" + "\n".join(category_table(sides, result["fused"])))
+    print("\n" + "\n".join(detail_table(sides)))
+    print()
+    for precision in {side.precision for side in sides}:
+        before = next(s for s in sides if s.label == "before" and s.precision == precision)
+        after = next(s for s in sides if s.label == "after" and s.precision == precision)
+        ratio_before = before.per_token("attention", "flops") / per_document_flops(before)
+        ratio_after = after.per_token("attention", "flops") / per_document_flops(after)
+        bytes_ratio = outside_matmuls(before) / outside_matmuls(after)
+        print(f"{precision}: attention FLOPs / per-document causal: before {ratio_before:.2f}x, after "
+              f"{ratio_after:.2f}x ({after.kernel}; target <= 1.1x); bytes outside matmuls before / after: "
+              f"{bytes_ratio:.2f}x eager (target >= 2x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{p} {m}": dataclasses.asdict(c) for (p, m), c in counts.items()},
+                                              indent=1))
+    if set(counts) >= {("fp16", "eager"), ("bf16", "eager")}:
+        print("\ninputs (hardware.ROOFLINE_RATES; assumptions until the GPU command measures them):")
+        print("\n".join(rates_table()))
+        print("\n" + "\n".join(card_rows(counts)))
+        print("\n" + final_line(counts, result["preset"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
