@@ -464,23 +464,25 @@ class CardRates:
 # Assumptions, each with its reason, until bench/bench_gpu.py measures them on the card (its think72 GEMM
 # shapes' TFLOP/s and copy bandwidth): a sustained figure, never the datasheet's (hardware.CARDS).
 ROOFLINE_RATES = {
-    "T4": CardRates(20, 10, 240, 10, PCIE_ALL_REDUCE_GBS, 12,
+    "T4": CardRates(20, 10, 240, 15, PCIE_ALL_REDUCE_GBS, 12,
                     "matmul: ~24 TFLOP/s on a 4096^3 fp16 cuBLAS matmul under the 70 W cap (NVIDIA forum, "
                     "'About GPU peak performance'), less at think72's K=512 shapes; attention: assumed ~0.4 "
                     "of that for the memory-efficient kernel on ~400-token documents; 75% of 320 GB/s; "
-                    "10 us a launch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe all-reduce"),
-    "L4": CardRates(60, 25, 240, 5, 0, 30,
+                    "15 us a kernel of eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe "
+                    "all-reduce (nccl-tests on PCIe pairs without peer-to-peer: 4-6)"),
+    "L4": CardRates(60, 25, 240, 10, 0, 30,
                     "assumed: bf16 121 TFLOP/s dense on paper, the same 72 W cap as the T4 (about half "
-                    "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s"),
-    "A100": CardRates(180, 110, 1700, 5, 0, 90,
+                    "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s; 10 us "
+                    "a kernel of eager PyTorch on a cloud host (L4, A100, H100, H200 alike)"),
+    "A100": CardRates(180, 110, 1700, 10, 0, 90,
                       "assumed: ~270 of 312 TFLOP/s on long bf16 GEMMs, ~2/3 of that on think72's "
                       "8192x512x1536-sized products (few waves); FlashAttention-2 ~0.6 of the matmul rate "
                       "on short documents; ~83% of 2,039 GB/s (A100 80GB)"),
-    "H100": CardRates(350, 180, 3000, 5, 0, 150,
+    "H100": CardRates(350, 180, 3000, 10, 0, 150,
                       "assumed: ~700 of 989 TFLOP/s on long bf16 GEMMs, half of that on think72's small "
                       "shapes; flash (FA2-class) ~0.5 of the matmul rate; ~3,000 of 3,350 GB/s (a measured "
                       "D2D copy reaches ~3,020)"),
-    "H200": CardRates(350, 180, 4300, 5, 0, 150,
+    "H200": CardRates(350, 180, 4300, 10, 0, 150,
                       "as the H100 (the same compute); ~90% of 4,800 GB/s"),
 }
 
@@ -573,7 +575,21 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
 # think72 (vocab 33,069) at micro-batch 8 x 1024, per --precision auto dtype and mode, as
 # `python bench/bench_roofline.py` counts them (the training model on the card's attention plan; the
 # compiled figures are its fusion model, not Inductor's). bench_roofline.py checks that these are its counts.
-ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {}
+def _think72(attention_bytes: float, other_bytes: float, launches: int, optimizer_bytes: float,
+             optimizer_launches: int) -> CountedStep:
+    """think72's counts at 8 x 1024: what the dtypes and modes share (matmuls, attention FLOPs, Muon, gradients)."""
+    return CountedStep(micro_batch_tokens=8192, matmul_flops=4.31889e8, matmul_bytes=1.29959e6,
+                       attention_flops=3.02816e7, attention_bytes=attention_bytes, other_bytes=other_bytes,
+                       launches=launches, optimizer_bytes=optimizer_bytes, optimizer_launches=optimizer_launches,
+                       newton_schulz_flops=3.47624e11, gradient_bytes=2.88e8, broadcast_bytes=5.50502e7)
+
+
+ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
+    ("fp16", "eager"): _think72(403200, 5.03981e6, 1582, 5.86141e9, 2268),
+    ("fp16", "compiled"): _think72(403200, 1.65198e6, 813, 5.86141e9, 2268),
+    ("bf16", "eager"): _think72(317184, 4.83955e6, 1554, 4.95511e9, 2265),
+    ("bf16", "compiled"): _think72(317184, 1.5234e6, 813, 4.95511e9, 2265),
+}
 
 
 def predict_card(card: Card, counts: CountedStep | None = None, *, world: int = 1, tokens_per_step: int = 65_536,

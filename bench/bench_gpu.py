@@ -1378,11 +1378,13 @@ def sdpa_choice(q, k, v, mask, causal: bool, gqa: bool) -> dict:
 
 
 def predicted_step(card, preset, vocab: int, world: int, tokens_per_step: int, micro_batch_tokens: int) -> dict:
-    """hardware's throughput model for `card` (its one call here: the model is being replaced)."""
-    step = hardware.predict_card(card, preset, vocab, world=world, tokens_per_step=tokens_per_step,
-                                 micro_batch_tokens=micro_batch_tokens)
-    return {**dataclasses.asdict(step), "total_s": step.total_s, "tokens_per_second": step.tokens_per_second,
-            "mfu": hardware.ASSUMED_MFU[card.key], "hours_for_1.5B_tokens": step.hours_for(1.5e9)}
+    """hardware's throughput model for `card`: the roofline over think72's counts at micro-batch 8 x 1,024
+    (hardware.ROOFLINE_COUNTS, bench/bench_roofline.py; `preset`, `vocab` and `micro_batch_tokens` are
+    those), for the cards of hardware.ROOFLINE_RATES."""
+    step = hardware.predict_card(card, world=world, tokens_per_step=tokens_per_step)
+    return {**dataclasses.asdict(step), "compute_s": step.compute_s, "total_s": step.total_s,
+            "tokens_per_second": step.tokens_per_second, "mfu": "roofline",
+            "hours_for_1.5B_tokens": step.hours_for(1.5e9)}
 
 
 def machine_facts(info, args: argparse.Namespace) -> dict:
@@ -1424,7 +1426,7 @@ def print_plan(facts: dict, parts: list[str]) -> None:
     print(f"Newton-Schulz dtype -> {facts['newton_schulz_dtype']}")
     if facts.get("prediction"):
         prediction = facts["prediction"]
-        print(f"predicted (hardware.predict_card, MFU {prediction['mfu']} assumed): step "
+        print(f"predicted (hardware.predict_card, {prediction['mfu']}): step "
               f"{prediction['total_s']:.3f} s, {prediction['tokens_per_second']:,.0f} tokens/s")
     print("parts: " + ", ".join(f"{name} (~{part_seconds(name):g} s)" for name in parts), flush=True)
 
@@ -1587,24 +1589,12 @@ PART_LINES = {"versions": versions_lines, "attention:kernels": kernels_lines, "a
 
 
 def prediction_table(vocab: int = THINK72_VOCAB, tokens: float = 1.5e9) -> list[str]:
-    """The think72 rows of docs/training.md's throughput table (hardware.predict_card at ASSUMED_MFU)."""
-    preset = model_config.PRESETS["think72"]
-    rows = [("T4", 2), ("P100", 1), ("V100", 1), ("A10G", 1), ("L4", 1), ("A100", 1), ("H100", 1), ("H200", 1)]
-    cards = {card.key: card for card in hardware.CARDS}
-    lines = ["| card | precision | peak TFLOP/s | assumed MFU | step (65,536 tokens) | of which NS / optimizer / "
-             "all-reduce | tokens/s | 1.5B tokens |",
-             "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |"]
-    for key, world in rows:
-        card = cards[key]
-        device = hardware.Device("cuda", key, card.capability)
-        precision = hardware.choose_precision("auto", device).value
-        step = predicted_step(card, preset, vocab, world, 65_536, 8192)
-        lines.append(f"| {key}{f' x{world}' if world > 1 else ''} | {precision} | "
-                     f"{hardware.peak_tflops(device, precision):g} | {step['mfu']:.2f} | "
-                     f"{step['total_s']:.3f} s | {step['newton_schulz_s']:.3f} / {step['optimizer_s']:.3f} / "
-                     f"{step['all_reduce_s']:.3f} s | {step['tokens_per_second']:,.0f} | "
-                     f"{step['tokens_per_second'] and tokens / step['tokens_per_second'] / 3600:.1f} h |")
-    return lines
+    """The think72 rows of docs/training.md's throughput table (bench/bench_roofline.py's, from the recorded
+    counts hardware.ROOFLINE_COUNTS)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_roofline
+
+    return bench_roofline.card_rows(hardware.ROOFLINE_COUNTS, tokens=tokens)
 
 
 # ----------------------------------------------------------------------------------------------

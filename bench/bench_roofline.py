@@ -453,12 +453,12 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         if precision == "fp16":
             found_inf = torch.zeros(1)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1))
-        norm = torch.nn.utils.get_total_norm(grads)  # train.clip_gradients, clipping (the costlier case)
-        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, norm)
+        # train.clip_gradients, clipping (the costlier case); foreach as on CUDA (one kernel per list)
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, norm, foreach=True)
         for optimizer in optimizers:
             optimizer.step()
-        for parameter in model.parameters():
-            parameter.grad.zero_()
+        torch._foreach_zero_(grads)  # zero_grad(set_to_none=False) under DDP
     shapes = [tuple(parameter.shape) for parameter in hidden]
     owners = muon.newton_schulz_owners(shapes, world)
     loads = [sum(hardware.newton_schulz_flops(*shape) for shape, owner in zip(shapes, owners) if owner == rank)
@@ -551,7 +551,8 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
             totals[op.category] += op.read + op.written
         kernels = len(ops)
     tokens = side.tokens
-    optimizer_bytes = sum(op.read + op.written for op in optimizer_ops)
+    # Newton-Schulz's matmuls are timed by their FLOPs (compute-bound at these shapes), the rest by bytes
+    optimizer_bytes = sum(op.read + op.written for op in optimizer_ops if op.category == "optimizer")
     return hardware.CountedStep(
         micro_batch_tokens=tokens,
         matmul_flops=side.per_token("matmul", "flops"),
@@ -678,6 +679,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--precisions", default="fp16,bf16")
     parser.add_argument("--json", default=None, help="write the counts here")
+    parser.add_argument("--record", action="store_true", help="print the counts as hardware.ROOFLINE_COUNTS' literal")
     return parser.parse_args(argv)
 
 
@@ -686,7 +688,6 @@ def run(args: argparse.Namespace) -> dict:
     preset = model_config.PRESETS[preset_name]
     batch = args.batch_size or (2 if args.smoke else README_SPLIT["batch_size"])
     world = README_SPLIT["world"]
-    torch.set_num_threads(1)
     sides, counts, fused = [], {}, {}
     for precision in args.precisions.split(","):
         optimizer_ops = count_optimizer(preset, precision, world)
@@ -705,6 +706,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(1)  # nothing computes (fake tensors): a second thread would only wait
     result = run(args)
     sides, counts = result["sides"], result["counts"]
     preset = model_config.PRESETS[result["preset"]]
@@ -728,13 +730,38 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({f"{p} {m}": dataclasses.asdict(c) for (p, m), c in counts.items()},
                                               indent=1))
-    if set(counts) >= {("fp16", "eager"), ("bf16", "eager")}:
+    if result["preset"] == "think72" and set(counts) >= {("fp16", "eager"), ("bf16", "eager")}:
         print("\ninputs (hardware.ROOFLINE_RATES; assumptions until the GPU command measures them):")
         print("\n".join(rates_table()))
         print("\n" + "\n".join(card_rows(counts)))
+        print("\n" + recorded_check(counts, args.record))
+        before = next(s for s in sides if s.label == "before" and s.precision == "fp16")
+        optimizer_ops = count_optimizer(preset, "fp16", README_SPLIT["world"])
+        today = {("fp16", "eager"): counted_step(before, optimizer_ops, README_SPLIT["world"], False),
+                 ("fp16", "compiled"): counted_step(before, optimizer_ops, README_SPLIT["world"], True)}
+        print("\nbefore (the stock model on the masked path, by the same count): " + final_line(today, "think72"))
+    elif "fp16" in args.precisions.split(","):
+        print("\n(the per-card table and the recorded counts are think72's; this is a smoke run)")
+    if ("fp16", "eager") in counts:
         print("\n" + final_line(counts, result["preset"]))
     return 0
 
+
+def recorded_check(counts: dict, record: bool) -> str:
+    """Whether hardware.ROOFLINE_COUNTS (what predict_card and docs/training.md use) are these counts."""
+    recorded = hardware.ROOFLINE_COUNTS
+    same = set(recorded) == set(counts) and all(
+        math.isclose(getattr(recorded[key], field.name), getattr(counts[key], field.name), rel_tol=5e-3)
+        for key in counts for field in dataclasses.fields(hardware.CountedStep))
+    if record or not same:
+        rows = []
+        for key, step in sorted(counts.items()):
+            fields = ", ".join(f"{field.name}={getattr(step, field.name):.6g}" for field in dataclasses.fields(step))
+            rows.append(f"    {key!r}: CountedStep({fields}),")
+        literal = "\n".join(rows)
+        return ("hardware.ROOFLINE_COUNTS " + ("is these counts" if same else "differs from these counts (the "
+                "tables above use these)") + "; as a literal:\nROOFLINE_COUNTS = {\n" + literal + "\n}")
+    return "hardware.ROOFLINE_COUNTS (predict_card, docs/training.md) is these counts, to 0.5%"
 
 if __name__ == "__main__":
     sys.exit(main())

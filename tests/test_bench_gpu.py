@@ -287,8 +287,9 @@ def test_the_prediction_table_in_the_docs_is_the_model_s():
         assert line in docs, line
 
 
-def test_predict_only_prints_the_table():
+def test_predict_only_prints_the_table(capsys):
     assert bench_gpu.main(["--predict-only"]) == 0
+    assert "| T4 x2 | fp16 |" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -152,38 +152,54 @@ def test_check_torch_raises_a_user_error(monkeypatch):
 
 # -- the throughput model ------------------------------------------------------------------------
 
-# flops/token, tokens/step, peak, mfu, parameters, GB/s, NS FLOPs, NS peak, accum, world, link GB/s
-# -> compute, Newton-Schulz, optimizer, all-reduce seconds (worked by hand)
+# A counted step and a card's rates (hardware.CountedStep, hardware.CardRates) with round numbers: 1,000-token
+# micro-batches of 1 GFLOP/token of matmuls, 0.1 of attention, 1 MB/token of other bytes, 100 kernels; an
+# optimizer step of 1 GB and 10 kernels, 0.1 TFLOP of Newton-Schulz, 1M parameters (4 MB of gradients).
+COUNTED = dict(micro_batch_tokens=1000, matmul_flops=1e9, matmul_bytes=1e5, attention_flops=1e8, attention_bytes=1e4,
+               other_bytes=1e6, launches=100, optimizer_bytes=1e9, optimizer_launches=10, newton_schulz_flops=1e11,
+               gradient_bytes=4e6, broadcast_bytes=0)
+RATES = dict(matmul_tflops=100, attention_tflops=50, bandwidth_gbs=1000, launch_us=10, link_gbs=5,
+             newton_schulz_tflops=50, source="test")
+
+# changes to COUNTED, tokens per step, world -> matmul, attention, memory, launch, Newton-Schulz, optimizer,
+# all-reduce seconds (worked by hand)
 STEPS = [
-    ((1e9, 1000, 100, 0.5, 10**6, 1000, 0, None, 1, 1, None), (0.02, 0.0, 44e-6, 0.0)),
-    ((1e9, 1000, 100, 0.5, 10**6, 1000, 5e10, 50, 1, 1, None), (0.02, 0.002, 44e-6, 0.0)),
-    ((1e9, 1000, 100, 0.5, 10**6, 1000, 5e10, None, 4, 1, None), (0.02, 0.001, 68e-6, 0.0)),
-    # two ranks: each computes half the tokens; the ring moves 2 x 1/2 x 4 MB of fp32 gradients at 5 GB/s
-    ((1e9, 1000, 100, 0.5, 10**6, 1000, 0, None, 1, 2, 5), (0.01, 0.0, 44e-6, 0.0008)),
-    ((1e9, 1000, 100, 0.5, 10**6, 1000, 0, None, 1, 4, 5), (0.005, 0.0, 44e-6, 0.0012)),
+    ({}, 1000, 1, (0.01, 0.002, 0.001, 0.0, 0.002, 0.001, 0.0)),
+    # 4 micro-steps: each part of the micro-steps x4; 3 gradient accumulations of 12 bytes a parameter
+    ({}, 4000, 1, (0.04, 0.008, 0.004, 0.0, 0.002, 0.001036, 0.0)),
+    # two ranks: each runs half the tokens; the ring moves 2 x 1/2 x 4 MB of fp32 gradients at 5 GB/s
+    ({}, 2000, 2, (0.01, 0.002, 0.001, 0.0, 0.002, 0.001, 0.0008)),
+    ({"broadcast_bytes": 1e6}, 2000, 2, (0.01, 0.002, 0.001, 0.0, 0.002, 0.001, 0.001)),
+    # matmuls bound by their bytes: 1,000 x 100 MB at 1 TB/s
+    ({"matmul_bytes": 1e8}, 1000, 1, (0.1, 0.002, 0.001, 0.0, 0.002, 0.001, 0.0)),
+    # the host launches 10,000 kernels at 10 us (0.1 s) while the device works 0.013 s: 0.087 s waiting on it
+    ({"launches": 10_000}, 1000, 1, (0.01, 0.002, 0.001, 0.087, 0.002, 0.001, 0.0)),
+    # the optimizer bound by its launches: 1,000 x 10 us against 1 ms of bytes
+    ({"optimizer_launches": 1000}, 1000, 1, (0.01, 0.002, 0.001, 0.0, 0.002, 0.01, 0.0)),
 ]
 
 
-@pytest.mark.parametrize("inputs, seconds", STEPS)
-def test_predict_step_seconds(inputs, seconds):
-    flops, tokens, peak, mfu, params, bandwidth, ns, ns_peak, accum, world, link = inputs
-    step = hardware.predict_step_seconds(flops_per_token=flops, tokens_per_step=tokens, peak_tflops=peak, mfu=mfu,
-                                         parameters=params, bandwidth_gbs=bandwidth, newton_schulz_flops=ns,
-                                         newton_schulz_tflops=ns_peak, grad_accum=accum, world=world,
-                                         all_reduce_gbs=link)
-    parts = (step.compute_s, step.newton_schulz_s, step.optimizer_s, step.all_reduce_s)
+@pytest.mark.parametrize("changes, tokens, world, seconds", STEPS)
+def test_predict_step(changes, tokens, world, seconds):
+    counts = hardware.CountedStep(**{**COUNTED, **changes})
+    step = hardware.predict_step(counts, hardware.CardRates(**RATES), tokens_per_step=tokens, world=world)
+    parts = (step.matmul_s, step.attention_s, step.memory_s, step.launch_s, step.newton_schulz_s, step.optimizer_s,
+             step.all_reduce_s)
     assert parts == pytest.approx(seconds)
+    assert step.compute_s == pytest.approx(sum(seconds[:4]))
     assert step.total_s == pytest.approx(sum(seconds))
     assert step.tokens_per_second == pytest.approx(tokens / sum(seconds))
     assert step.hours_for(3.6e6 * tokens) == pytest.approx(1000 * sum(seconds))
 
 
-@pytest.mark.parametrize("change", [{"mfu": 0}, {"mfu": 1.5}, {"peak_tflops": 0}, {"world": 2}])
-def test_predict_step_seconds_refuses_impossible_inputs(change):
-    inputs = {"flops_per_token": 1e9, "tokens_per_step": 1000, "peak_tflops": 100, "mfu": 0.5, "parameters": 10**6,
-              "bandwidth_gbs": 1000, **change}
+@pytest.mark.parametrize("counted, rates, tokens, world", [
+    ({}, {"matmul_tflops": 0}, 1000, 1), ({}, {"bandwidth_gbs": 0}, 1000, 1), ({}, {"attention_tflops": 0}, 1000, 1),
+    ({}, {"link_gbs": 0}, 2000, 2), ({}, {}, 1000, 2), ({}, {}, 500, 1), ({}, {}, 1000, 0),
+])
+def test_predict_step_refuses_impossible_inputs(counted, rates, tokens, world):
     with pytest.raises(ValueError):
-        hardware.predict_step_seconds(**inputs)
+        hardware.predict_step(hardware.CountedStep(**{**COUNTED, **counted}), hardware.CardRates(**{**RATES, **rates}),
+                              tokens_per_step=tokens, world=world)
 
 
 def test_muon_matrices_are_train_hidden_matrices():
@@ -199,22 +215,38 @@ def test_muon_matrices_are_train_hidden_matrices():
 
 
 def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
-    """think72 on 2x T4 at 65,536 tokens/step: fp16 peak, 4 micro-steps per rank, Newton-Schulz at the fp16 peak
-    (not the fp32 rate emulated bf16 would run at), the all-reduce over PCIe."""
-    import model_config
-
+    """think72 on 2x T4 at 65,536 tokens/step: the fp16 counts (memory-efficient varlen attention), 4 micro-steps
+    per rank, Newton-Schulz at the T4's fp16 rate, the all-reduce over PCIe; within the 11 h target."""
     t4 = hardware.card_of(T4)
+    counts = hardware.ROOFLINE_COUNTS[("fp16", "eager")]
+    rates = hardware.ROOFLINE_RATES["T4"]
+    step = hardware.predict_card(t4, world=2)
+    assert step == hardware.predict_step(counts, rates, tokens_per_step=65_536, world=2)
+    assert step.matmul_s == pytest.approx(32_768 * counts.matmul_flops / (rates.matmul_tflops * 1e12))
+    assert step.memory_s == pytest.approx(32_768 * counts.other_bytes / (rates.bandwidth_gbs * 1e9))
+    assert step.all_reduce_s == pytest.approx((288e6 + counts.broadcast_bytes) / 5e9)
+    assert step.hours_for(1.5e9) <= 11
+    assert hardware.predict_card(t4, world=2, mode="compiled").total_s < step.total_s
+    assert hardware.predict_card(t4, world=1).all_reduce_s == 0
+    a100 = hardware.predict_card(hardware.card_of(A100))  # bf16: flash varlen, K/V heads not repeated
+    assert a100 == hardware.predict_step(hardware.ROOFLINE_COUNTS[("bf16", "eager")], hardware.ROOFLINE_RATES["A100"],
+                                         tokens_per_step=65_536)
+
+
+def test_the_recorded_counts_are_think72_s():
+    """hardware.ROOFLINE_COUNTS (bench/bench_roofline.py's think72 counts): matmuls 6N per token within 1% (N:
+    model_config.parameter_count, the tied head's matmul included, the lookup not), attention the per-document
+    triangles (far below the C x C term of model_config.flops_per_token), the gradients 4 bytes a parameter."""
     preset = model_config.PRESETS["think72"]
-    step = hardware.predict_card(t4, preset, 33_069, world=2)
-    flops = model_config.flops_per_token(preset, 33_069)
-    assert step.compute_s == pytest.approx(flops * 32_768 / (65e12 * 0.22))
-    ns = sum(hardware.newton_schulz_flops(*shape) for shape in hardware.muon_matrix_shapes(preset))
-    assert step.newton_schulz_s == pytest.approx(ns / (65e12 * 0.22))
-    params = model_config.parameter_count(preset, 33_069)
-    assert step.optimizer_s == pytest.approx(params * (44 + 8 * 3) / 320e9)
-    assert step.all_reduce_s == pytest.approx(params * 4 / 5e9)
-    assert hardware.predict_card(t4, preset, 33_069, world=2, mfu=0.11).compute_s == pytest.approx(2 * step.compute_s)
-    assert hardware.predict_card(t4, preset, 33_069, world=1).all_reduce_s == 0
+    parameters = model_config.parameter_count(preset, 33_069)
+    square = model_config.flops_per_token(preset, 33_069) - 6 * parameters
+    for counts in hardware.ROOFLINE_COUNTS.values():
+        assert counts.matmul_flops == pytest.approx(6 * parameters, rel=0.01)
+        assert 0 < counts.attention_flops < square / 2
+        assert counts.gradient_bytes == 4 * parameters
+        assert counts.micro_batch_tokens == 8 * preset.context
+    assert (hardware.ROOFLINE_COUNTS[("fp16", "compiled")].other_bytes
+            < hardware.ROOFLINE_COUNTS[("fp16", "eager")].other_bytes / 2)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""bench/bench_roofline.py --smoke: the counts of a small model's step are sane (tests/ runs it in seconds)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_roofline  # noqa: E402
+
+import hardware  # noqa: E402
+import model_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return bench_roofline.run(bench_roofline.parse_args(["--smoke"]))
+
+
+def side(result, label, precision):
+    return next(s for s in result["sides"] if s.label == label and s.precision == precision)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_matmuls_are_6n(smoke, precision):
+    """Matmul FLOPs per token within 5% of model_config.flops_per_token's 6N part, before and after."""
+    preset = model_config.PRESETS[smoke["preset"]]
+    six_n = 6 * model_config.parameter_count(preset, bench_roofline.VOCAB)
+    for label in ("before", "after"):
+        assert side(smoke, label, precision).per_token("matmul", "flops") == pytest.approx(six_n, rel=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_after_computes_and_moves_less(smoke, precision):
+    before, after = side(smoke, "before", precision), side(smoke, "after", precision)
+    per_document = bench_roofline.per_document_flops(after)
+    assert after.per_token("attention", "flops") == pytest.approx(per_document)  # the card's varlen kernel
+    assert before.per_token("attention", "flops") > 2 * per_document  # the masked square (context 256: 2.3x)
+    assert after.per_token("elementwise") < before.per_token("elementwise") / 1.5
+    assert bench_roofline.outside_matmuls(after) < bench_roofline.outside_matmuls(before)
+    assert after.per_token("loss") > 0 and after.per_token("embedding") > 0
+    fused, kernels = smoke["fused"][id(after)]
+    assert sum(v for k, v in fused.items() if k != "matmul") < after.tokens * bench_roofline.outside_matmuls(after)
+    assert kernels < len(after.ops)
+
+
+def test_the_counts_give_a_step_time(smoke):
+    counts = smoke["counts"][("fp16", "eager")]
+    assert counts.newton_schulz_flops > 0 and counts.optimizer_bytes > 0 and counts.launches > 0
+    step = hardware.predict_card(hardware.card_of(hardware.Device("cuda", "Tesla T4", (7, 5))), counts, world=2,
+                                 tokens_per_step=8 * counts.micro_batch_tokens)
+    assert step.total_s > step.matmul_s > 0 and step.all_reduce_s > 0
+
+
+def test_packed_rows_cut_documents_at_row_ends():
+    segments, lengths = bench_roofline.packed_rows(4, 512, seed=1)
+    assert [sum(row) for row in lengths] == [512] * 4
+    for row, row_lengths in zip(segments, lengths):
+        assert row[0] == 0 and list(row[1:] >= row[:-1]).count(False) == 0
+        assert len(set(row.tolist())) == len(row_lengths)
+
+
+def test_smoke_main_ends_with_the_line(capsys):
+    assert bench_roofline.main(["--smoke", "--precisions", "fp16"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("nano on 2x T4: ")
