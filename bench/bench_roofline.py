@@ -145,6 +145,54 @@ class Op:
     boundary: bool  # a matmul or the attention kernel: never fused
 
 
+LABEL = "bench_roofline"
+
+
+def module_label(name: str | None) -> tuple[str, str]:
+    """(category, detail) of an op in the module of qualified name `name` (None: outside the decoder)."""
+    if name is None:  # language_model_loss outside the decoder (model.model)
+        return "loss", "cross-entropy"
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "embed_tokens":
+        return "embedding", "lookup"
+    if leaf.endswith("norm"):
+        return "elementwise", "norms"
+    if leaf == "rotary_emb" or leaf == "self_attn":
+        return "elementwise", "RoPE, attention layout, K/V repeats"
+    if leaf in ("mlp", "act_fn"):
+        return "elementwise", "SiLU and product"
+    if ".layers." in name and leaf.isdigit():
+        return "elementwise", "residual adds"
+    return "elementwise", "decoder (masks, positions; backward: sums of gradients)"
+
+
+def label_backward(names: dict):
+    """Global forward pre-hook and hook: label the autograd nodes a module's forward made (those created
+    since it started: sequence numbers grow) with its module_label, inner modules first (they finish
+    first), so each node carries its innermost module's label, for Counter.where in the backward."""
+    starts: dict = {}
+
+    def pre_hook(module, args):
+        starts.setdefault(id(module), []).append(torch._C._autograd._get_sequence_nr())
+
+    def hook(module, args, output):
+        start = starts[id(module)].pop()
+        name = names.get(id(module))
+        if name is None:
+            return
+        label = module_label(name)
+        stack = [tensor.grad_fn for tensor in tensors_in(output) if tensor.grad_fn is not None]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node._sequence_nr() < start:
+                continue
+            seen.add(node)
+            node.metadata.setdefault(LABEL, label)
+            stack.extend(following for following, _ in node.next_functions)
+    return pre_hook, hook
+
+
 def tensors_in(value) -> list[torch.Tensor]:
     found = []
     if isinstance(value, torch.Tensor):
@@ -186,23 +234,14 @@ class Counter(TorchDispatchMode):
         return cdata, self.versions[cdata]
 
     def where(self) -> tuple[str, str]:
-        """(category, detail) of the module the op runs in."""
+        """(category, detail) of the op: in the forward by the module it runs in (its innermost), in the
+        backward by the module whose forward made the autograd node it runs for (label_backward)."""
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            label = node.metadata.get(LABEL) if node is not None else None
+            return label or ("loss", "cross-entropy")  # nodes no module made: the chunked loss's
         parents = [name for name in self.tracker.parents if name != "Global"]
-        if not parents:  # language_model_loss outside the decoder (model.model)
-            return "loss", "cross-entropy"
-        inner = max(parents, key=len)
-        leaf = inner.rsplit(".", 1)[-1]
-        if leaf == "embed_tokens":
-            return "embedding", "lookup"
-        if leaf.endswith("norm"):
-            return "elementwise", "norms"
-        if leaf == "rotary_emb" or leaf == "self_attn":
-            return "elementwise", "RoPE, attention layout, K/V repeats"
-        if leaf in ("mlp", "act_fn"):
-            return "elementwise", "SiLU and product"
-        if ".layers." in inner and leaf.isdigit():
-            return "elementwise", "residual adds"
-        return "elementwise", "masks, positions"
+        return module_label(max(parents, key=len) if parents else None)
 
     active: Counter | None = None
 
@@ -274,7 +313,7 @@ class Counter(TorchDispatchMode):
                 detail = "casts"
             read = sum(size for _, _, size in inputs)
             write = sum(size for _, size in outputs)
-        self.ops.append(Op(name, self.phase if not self.tracker.is_bw else "backward", category, detail, flops,
+        self.ops.append(Op(name, self.phase, category, detail, flops,
                            read, write, inputs, outputs, boundary))
 
 
@@ -409,6 +448,11 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
     counter = Counter(tracker, kernel_costs(plan), stand_in)
     rms_norm = torch.nn.functional.rms_norm
     torch.nn.functional.rms_norm = fused_rms_norm  # the stock model's norms never call it
+    names = {id(module): f"{type(model.model).__name__}.{name}".rstrip(".")
+             for name, module in model.model.named_modules()}
+    pre_hook, hook = label_backward(names)
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+             torch.nn.modules.module.register_module_forward_hook(hook)]
     try:
         with fake, tracker, counter, torch.autocast("cpu", dtype=DTYPES[precision]):
             loss = losses.language_model_loss(model, inputs, targets, documents=documents)
@@ -416,6 +460,8 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
             loss.backward()
     finally:
         torch.nn.functional.rms_norm = rms_norm
+        for handle in hooks:
+            handle.remove()
     parameters = model_config.parameter_count(preset, VOCAB)
     return Side(label, precision, kernel, counter.ops, batch * preset.context, parameters, plan)
 
