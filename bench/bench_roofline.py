@@ -32,11 +32,13 @@ block-diagonal mask: transformers repeats K/V and every card computes the full C
 the training model (model_config.build_training_model's autocast_elementwise) with the card's plan (the
 memory-efficient varlen kernel under fp16, T4; flash varlen with grouped heads under bf16, sm_80+).
 
-The compiled estimate is a model, not Inductor's metrics (compiling think72 for CPU Inductor and running
-it is not a few minutes on 2 cores; its per-kernel byte metrics cover the generated kernels only):
-every maximal group of non-matmul ops that Inductor could fuse (connected by tensors, with no matmul or
-attention kernel between them, forward and backward apart) reads each of its external inputs once and
-writes each output that leaves it once; matmuls and the attention kernel stay as counted.
+The compiled estimate is a model, not Inductor's metrics (those need the graph compiled and run for CPU:
+nano at 2 x 256 alone took 346 s on this 2-core machine, think72 was not tried; on that nano graph
+Inductor's torch._inductor.metrics.num_bytes_accessed counts 1.64x the model's bytes outside matmuls,
+bench/RESULTS.md "Roofline"): every maximal group of non-matmul ops that Inductor could fuse (connected
+by tensors, with no matmul or attention kernel between them, forward and backward apart) reads each of
+its external inputs once and writes each output that leaves it once; matmuls and the attention kernel
+stay as counted.
 
 Documents: each row of the micro-batch is cut from a stream of documents whose lengths are drawn from a
 lognormal of median 243 tokens and sigma 1.0 (mean 400 tokens), laid end to end as the packed stream lays
