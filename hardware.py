@@ -10,7 +10,8 @@ test fakes a T4, an A100 or a CPU without one. The rules:
 - attention: attention.choose_attention takes a Device from here (the kernels live in attention.py);
 - Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
-- peak FLOP/s and memory bandwidth per card, for MFU and the throughput model in docs/training.md;
+- peak FLOP/s and memory bandwidth per card (for MFU); the throughput model of docs/training.md, a
+  roofline over what bench/bench_roofline.py counts and each card's sustained rates (predict_step);
 - memory: what one step holds (step_memory, checked against a measured step in bench/bench_memory.py),
   and the split of the batch a CUDA out-of-memory error suggests (fitting_split, out_of_memory_advice).
 

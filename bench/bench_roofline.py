@@ -476,7 +476,7 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     """One optimizer step of one rank as train.py runs it (GradScaler's unscale under fp16, the gradient
     norm and clip, muon.Muon on the hidden matrices with Newton-Schulz in the card's dtype, fused AdamW on
     the rest, zero_grad in place under DDP), on fake tensors. Under DDP each rank orthogonalizes its share
-    (muon.newton_schulz_owners): counted here for the whole set and scaled to the largest share."""
+    (muon.newton_schulz_owners): counted here for the whole set, its matmuls scaled to the largest share."""
     import muon
     import train
 
