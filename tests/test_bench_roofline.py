@@ -67,3 +67,28 @@ def test_packed_rows_cut_documents_at_row_ends():
 def test_smoke_main_ends_with_the_line(capsys):
     assert bench_roofline.main(["--smoke", "--precisions", "fp16"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("nano on 2x T4: ")
+
+
+def test_the_fake_count_is_flop_counter_s_on_real_tensors():
+    """The fake-tensor count misses no matmul: FlopCounterMode over a real forward + backward of the same
+    model and batch (the tiny preset, bf16 autocast, the masked path; the CPU attention kernel is not in its
+    registry) gives the matmul FLOPs bench_roofline counts."""
+    import numpy as np
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import attention
+    import losses
+
+    preset = model_config.PRESETS["tiny"]
+    counted = bench_roofline.count_side("before", preset, "bf16", 2)
+    segments, _ = bench_roofline.packed_rows(2, preset.context)
+    torch.manual_seed(0)
+    model = model_config.build_model(preset, bench_roofline.VOCAB)
+    model.config.use_cache = False
+    attention.use_attention(model, attention.MASKED)
+    tokens = torch.randint(0, bench_roofline.VOCAB, (2, preset.context))
+    with FlopCounterMode(display=False) as flops, torch.autocast("cpu", dtype=torch.bfloat16):
+        losses.language_model_loss(model, tokens, tokens, documents=attention.documents_of(np.asarray(segments))
+                                   ).backward()
+    assert counted.per_token("matmul", "flops") * counted.tokens == pytest.approx(flops.get_total_flops(), rel=1e-6)
