@@ -706,6 +706,8 @@ def rates_table() -> list[str]:
 
 
 def final_line(counts: dict, preset_name: str, tokens: float = TOKENS) -> str:
+    """The figure for the README's command: eager, whose bytes are counted op by op (train.py's fallback when
+    compilation fails, as Triton has on sm_75 before), with the compiled estimate (a model, optimistic)."""
     card = hardware.card_of(hardware.Device("cuda", "T4", (7, 5)))
     world, micro = README_SPLIT["world"], README_SPLIT["batch_size"]
     tokens_per_step = micro * README_SPLIT["grad_accum"] * world * model_config.PRESETS[preset_name].context
@@ -714,7 +716,8 @@ def final_line(counts: dict, preset_name: str, tokens: float = TOKENS) -> str:
     return (f"{preset_name} on 2x T4: {eager.hours_for(tokens):.1f} h for {tokens / 1e9:g}B tokens (eager, fp16, "
             f"--batch-size {micro} --grad-accum {README_SPLIT['grad_accum']} on {world} GPUs, "
             f"{tokens_per_step:,} tokens per step: {eager.total_s:.2f} s, {eager.tokens_per_second:,.0f} tokens/s; "
-            f"--compile estimate {compiled.hours_for(tokens):.1f} h)")
+            f"compiled, train.py's default on CUDA where it compiles: {compiled.hours_for(tokens):.1f} h by the "
+            f"fusion estimate)")
 
 
 # ----------------------------------------------------------------------------------------------
