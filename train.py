@@ -300,9 +300,9 @@ class Invocation:
         None, "start a new run from these weights: a checkpoint file, a run folder (its newest verified "
               "checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); fresh optimizer, schedule and data "
               "order; the tokenizer must be the corpus'", PATHS, metavar="SOURCE")
-    resume: str = option("auto", "'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
-                                 "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH",
-                         PATHS)
+    resume: str = option("auto", "'auto' (also --resume alone): the newest checkpoint in OUT whose sha256 verifies "
+                                 "(a fresh start when there is none); 'none': start fresh (refused if OUT has "
+                                 "checkpoints); or a PATH", PATHS, nargs="?")
     export_only: bool = option(False, "no training: export the --resume checkpoint (auto: OUT's newest) to "
                                       "OUT/model", OUTPUT)
     config: str | None = option(None, "read options from this TOML or YAML file (long names as keys; options "
@@ -2006,7 +2006,8 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
     for item in argv:
         if skip:
             skip = False
-            continue
+            if not item.startswith("-"):  # the dropped option's value (--resume alone has none)
+                continue
         if backup_url_next:
             kept.append(shown_backup_url(item))
             backup_url_next = False
