@@ -284,8 +284,8 @@ class SessionSettings:
         None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
     remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
-    remote_keep_every: int = option(10, "also keep every Nth save (by save index) on the remote forever; 0 = off",
-                                    BACKUP)
+    remote_keep_every: int = option(10, "also keep every Nth save on the remote forever: every multiple of N x "
+                                        "--save-every steps (none without --save-every); 0 = off", BACKUP)
     backup_wait_seconds: float = option(600.0, "on stop, wait this long for pending uploads", BACKUP,
                                         checks=(not_negative,))
     backup_max_unbacked: int = option(3, "local checkpoints without a remote copy kept beyond local retention; "
