@@ -8,7 +8,8 @@
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
 top-down: options (each declared once), the recipe, Training (one step counter), the run (main,
-the loop), its lifecycle, and the glue to checkpoint_store.py (which holds the checkpoint rules).
+the loop), its lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint
+rules and writer).
 Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
@@ -669,11 +670,6 @@ def resolve_precision(requested: str, device: hardware.Device) -> hardware.Preci
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ----------------------------------------------------------------------------------------------
-# State that survives a restart besides the model, the optimizers and the RNG of every rank
-# (distributed.RankRNG): the run's metrics.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2034,7 +2030,7 @@ def log(info: distributed.DistInfo, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Store glue: torch.save on a background thread around checkpoint_store's rules; backups; --init-from.
+# Glue: warnings, checkpoint_cloud.py's restore and background backup (rank 0), the console script.
 
 
 def warn(message: str) -> None:
