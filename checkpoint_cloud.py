@@ -40,7 +40,6 @@ import contextlib
 import errno
 import functools
 import hashlib
-import importlib
 import importlib.util
 import itertools
 import json
@@ -60,6 +59,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
 import checkpoint_store as store
+import data
 from checkpoint_store import CHECKPOINT_DIR, NEEDS_RESUME, RUN_FILES
 from common import (
     HASH_CHUNK_BYTES,
@@ -71,11 +71,9 @@ from common import (
     fsync_dir,
     fsync_file,
     os_error_text,
-    read_json,
     read_json_or,
     run_main,
     sha256_file,
-    sha256_tree,
     temporary_name,
     temporary_target,
 )
@@ -835,23 +833,6 @@ class BackupProcess:
         return self._reply(request_id, timeout_s) if self._send(kind, request_id, *args) else None
 
 
-def add_backup_args(parser: argparse.ArgumentParser) -> None:
-    """The backup options train.py offers (one place, so their names and defaults stay in step)."""
-    group = parser.add_argument_group("checkpoint backup (checkpoint_cloud.py)")
-    group.add_argument("--backup-to", default=None, metavar="URL",
-                       help="mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background "
-                            "(alias: THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)")
-    group.add_argument("--remote-keep-recent", type=int, default=3, help="newest remote checkpoints kept")
-    group.add_argument("--remote-keep-every", type=int, default=10,
-                       help="also keep every Nth save on the remote forever: every multiple of N x "
-                            "--save-every steps (none without --save-every); 0 = off")
-    group.add_argument("--backup-wait-seconds", type=float, default=600.0,
-                       help="on stop, wait this long for pending uploads")
-    group.add_argument("--backup-max-unbacked", type=int, default=3,
-                       help="local checkpoints without a remote copy kept beyond local retention; older "
-                            "ones are deleted with a warning")
-
-
 def check_backup_target(url: str) -> None:
     """train.py's --backup-to before anything is restored or trained: a missing bucket or parent
     folder (a typo) is one error, not a new bucket and a run silently restarted from step 0; a
@@ -864,10 +845,6 @@ def check_backup_target(url: str) -> None:
 # The start-up probe's name under the backup root: no checkpoint, record or temporary name looks like
 # it, and nothing lists the root (only checkpoints/ is listed), so a stale one left by a killed run is inert.
 PROBE_PREFIX = ".tinyllm-probe-"
-
-
-def is_probe_name(name: str) -> bool:
-    return name.startswith(PROBE_PREFIX)
 
 
 def probe_writable(fs, root: str, url: str) -> None:
@@ -929,7 +906,7 @@ def printable_backup_url(url: str) -> str | None:
 
 def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
                      log: LogFn = log_line) -> BackupProcess | None:
-    """A BackupProcess for train.py's options (add_backup_args and its --keep-last/--keep-every), or None
+    """A BackupProcess for train.py's backup options (SessionSettings: BACKUP, --keep-last, --keep-every), or None
     when no backup URL is set. --remote-keep-every N keeps every Nth save: every multiple of N x
     save_every steps, the local rule's form (without --save-every, none)."""
     url = backup_url_from_env_or_arg(args.backup_to)
@@ -972,28 +949,8 @@ def remote_tree_sha256(fs, folder: str) -> str:
 
 
 def verify_corpus_folder(folder: Path) -> None:
-    """data.verify_corpus (a list of problems) when data.py has it, else every listed file's sha256.
-
-    Raises UserError naming the first problem.
-    """
-    try:
-        verify = getattr(importlib.import_module("data"), "verify_corpus", None)
-    except ImportError:
-        verify = None
-    if callable(verify):
-        problems = list(verify(folder) or [])
-    else:
-        manifest = read_json(folder / CORPUS_MANIFEST, what="corpus manifest")
-        problems = []
-        for name, (sha, size) in corpus_files(manifest).items():
-            path = folder / name
-            if not path.is_file():
-                problems.append(f"{name}: missing")
-            elif (size is not None and path.stat().st_size != size) or sha256_file(path) != sha:
-                problems.append(f"{name}: sha256 does not match the manifest")
-        tokenizer = folder / "tokenizer"
-        if manifest.get("tokenizer_sha256") and sha256_tree(tokenizer) != manifest["tokenizer_sha256"]:
-            problems.append("tokenizer/: sha256 of the folder does not match the manifest")
+    """data.verify_corpus: UserError naming the first problem."""
+    problems = data.verify_corpus(folder)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UserError(f"corpus check against {CORPUS_MANIFEST} failed: {problems[0]}{more}")

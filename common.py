@@ -447,7 +447,7 @@ def option(default: Any, help: str, group: str, *, checks: tuple = (), choices: 
     `checks`: functions value -> problem text (None: fine), applied in order by check_options.
     `type`: what argparse converts the text with (default: the field's annotated type; a bool is a
     switch). `exclusive`: options with the same name are mutually exclusive. `nargs`: argparse's ("+":
-    one or more values, a list)."""
+    one or more values, a list; "?": the flag alone gives the default)."""
     return dataclasses.field(default=default, metadata={
         "help": help, "group": group, "checks": checks, "choices": choices, "type": type, "flag": flag,
         "metavar": metavar, "exclusive": exclusive, "nargs": nargs})
@@ -490,6 +490,8 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], *kinds) 
             kwargs.update(type=value_type, choices=meta["choices"], metavar=meta["metavar"])
             if meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
+                if meta["nargs"] == "?":
+                    kwargs["const"] = field.default
         target.add_argument(option_flag(field), **kwargs)
 
 

@@ -214,7 +214,7 @@ USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA c
 
 
 def logits_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk of train.language_model_loss (1,014 at think72's vocabulary of 33,069)."""
+    """Tokens per chunk of losses.language_model_loss (1,014 at think72's vocabulary of 33,069)."""
     return max(1, LOGITS_CHUNK_ELEMENTS // vocab)
 
 

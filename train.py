@@ -8,7 +8,8 @@
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
 top-down: options (each declared once), the recipe, Training (one step counter), the run (main,
-the loop), its lifecycle, and the glue to checkpoint_store.py (which holds the checkpoint rules).
+the loop), its lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint
+rules and writer).
 Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
@@ -284,8 +285,8 @@ class SessionSettings:
         None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
     remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
-    remote_keep_every: int = option(10, "also keep every Nth save (by save index) on the remote forever; 0 = off",
-                                    BACKUP)
+    remote_keep_every: int = option(10, "also keep every Nth save on the remote forever: every multiple of N x "
+                                        "--save-every steps (none without --save-every); 0 = off", BACKUP)
     backup_wait_seconds: float = option(600.0, "on stop, wait this long for pending uploads", BACKUP,
                                         checks=(not_negative,))
     backup_max_unbacked: int = option(3, "local checkpoints without a remote copy kept beyond local retention; "
@@ -300,9 +301,9 @@ class Invocation:
         None, "start a new run from these weights: a checkpoint file, a run folder (its newest verified "
               "checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); fresh optimizer, schedule and data "
               "order; the tokenizer must be the corpus'", PATHS, metavar="SOURCE")
-    resume: str = option("auto", "'auto': the newest checkpoint in OUT whose sha256 verifies (a fresh start when "
-                                 "there is none); 'none': start fresh (refused if OUT has checkpoints); or a PATH",
-                         PATHS)
+    resume: str = option("auto", "'auto' (also --resume alone): the newest checkpoint in OUT whose sha256 verifies "
+                                 "(a fresh start when there is none); 'none': start fresh (refused if OUT has "
+                                 "checkpoints); or a PATH", PATHS, nargs="?")
     export_only: bool = option(False, "no training: export the --resume checkpoint (auto: OUT's newest) to "
                                       "OUT/model", OUTPUT)
     config: str | None = option(None, "read options from this TOML or YAML file (long names as keys; options "
@@ -669,11 +670,6 @@ def resolve_precision(requested: str, device: hardware.Device) -> hardware.Preci
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ----------------------------------------------------------------------------------------------
-# State that survives a restart besides the model, the optimizers and the RNG of every rank
-# (distributed.RankRNG): the run's metrics.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2006,7 +2002,8 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
     for item in argv:
         if skip:
             skip = False
-            continue
+            if not item.startswith("-"):  # the dropped option's value (--resume alone has none)
+                continue
         if backup_url_next:
             kept.append(shown_backup_url(item))
             backup_url_next = False
@@ -2033,7 +2030,7 @@ def log(info: distributed.DistInfo, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Store glue: torch.save on a background thread around checkpoint_store's rules; backups; --init-from.
+# Glue: warnings, checkpoint_cloud.py's restore and background backup (rank 0), the console script.
 
 
 def warn(message: str) -> None:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import distributed  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
@@ -130,7 +131,7 @@ def heldout_bpb(training: train.Training, packing: str, batch: int = 16) -> floa
 
 def run_corpus(name: str, args: argparse.Namespace) -> dict:
     corpus = build_corpus(name, args)
-    info = train.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     tokens = args.steps * args.batch_size * args.context
     runs = {}
     for packing in args.only.split(","):

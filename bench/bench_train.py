@@ -181,7 +181,7 @@ class HFSide:
             raise UserError(f"{corpus / 'tokenizer'} has no pad token; the LM collator needs one")
         self.collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm=False)
         self.model = build_like(reference)
-        self.args, self.workdir = args, workdir
+        self.args, self.workdir, self.grad_clip = args, workdir, reference.recipe.grad_clip
 
     def run(self, precision: str, others: dict[str, Callable[[], float]], compiled: bool = False
             ) -> dict[str, list[float]]:
@@ -219,7 +219,7 @@ class HFSide:
             output_dir=str(self.workdir / "hf"), use_cpu=True, report_to="none", save_strategy="no",
             eval_strategy="no", disable_tqdm=True, per_device_train_batch_size=self.args.batch_size,
             gradient_accumulation_steps=self.args.grad_accum, max_steps=warmup + self.args.steps,
-            learning_rate=6e-4, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=train.GRAD_CLIP, warmup_steps=10,
+            learning_rate=6e-4, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=self.grad_clip, warmup_steps=10,
             lr_scheduler_type="cosine", bf16=precision == "bf16", torch_compile=compiled, seed=1337,
         )
         trainer = Trainer(model=self.model, args=options, train_dataset=self.dataset, data_collator=self.collator,

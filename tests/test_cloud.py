@@ -19,7 +19,8 @@ import torch
 
 import checkpoint_cloud as cc
 import checkpoint_store as store
-from common import UserError, append_jsonl, atomic_write_json, sha256_file, sha256_tree, temporary_target
+import data
+from common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
@@ -199,16 +200,15 @@ def test_backup_url_from_arg_or_the_original_env_alias(monkeypatch):
 
 
 def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
-    import argparse
+    import train
+
+    def session(*argv: str):  # train.py's options, declared there once (SessionSettings)
+        return train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *argv]).session
 
     monkeypatch.delenv("THINK72_CLOUD_RESUME", raising=False)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--keep-last", type=int, default=2)  # train.py's local retention
-    parser.add_argument("--keep-every", type=int, default=0)
-    cc.add_backup_args(parser)
-    assert cc.backup_from_args(parser.parse_args([])) is None
-    args = parser.parse_args(["--backup-to", str(tmp_path / "remote"), "--remote-keep-recent", "2",
-                              "--remote-keep-every", "3", "--backup-max-unbacked", "5", "--keep-every", "1000"])
+    assert cc.backup_from_args(session()) is None
+    args = session("--backup-to", str(tmp_path / "remote"), "--remote-keep-recent", "2", "--remote-keep-every", "3",
+                   "--backup-max-unbacked", "5", "--keep-every", "1000")
     backup = cc.backup_from_args(args, save_every=100, log=Log())
     assert isinstance(backup, cc.BackupProcess)  # train.py's backup runs in its own process
     # every 3rd save of --save-every 100: every multiple of 300 steps, the local rule's form
@@ -219,7 +219,7 @@ def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
     assert cc.backup_from_args(args, save_every=None, log=Log()).policy.remote_keep_every == 0  # no save grid
     monkeypatch.setenv("THINK72_CLOUD_RESUME", "1")
     monkeypatch.setenv("THINK72_BACKUP_URL", str(tmp_path / "env-remote"))
-    backup = cc.backup_from_args(parser.parse_args([]), log=Log())
+    backup = cc.backup_from_args(session(), log=Log())
     assert backup.url == str(tmp_path / "env-remote")
     backup.close()
 
@@ -699,30 +699,16 @@ def test_cli_on_a_remote_that_does_not_exist_is_an_error(store, tmp_path, reques
     assert "no checkpoints on the remote" in capsys.readouterr().out
 
 
-def fake_corpus(folder: Path) -> Path:
-    """A corpus folder with a manifest in data.py's layout (shards + other files)."""
-    folder.mkdir(parents=True)
-    (folder / "tokenizer").mkdir()
-    (folder / "tokenizer" / "tokenizer.json").write_text('{"fake": true}')
-    splits = {}
-    for split, count in (("train", 3000), ("validation", 300)):
-        shard = folder / f"{split}-00000.bin"
-        shard.write_bytes(torch.arange(count, dtype=torch.int16).numpy().tobytes())
-        splits[split] = {"files": [{"name": shard.name, "bytes": shard.stat().st_size,
-                                    "sha256": sha256_file(shard), "tokens": count}], "tokens": count}
-    (folder / "DATA_CARD.md").write_text("# fake corpus\n")
-    manifest = {"format_version": 1, "dtype": "uint16", "splits": splits,
-                "tokenizer_sha256": sha256_tree(folder / "tokenizer"),
-                "files": {"DATA_CARD.md": sha256_file(folder / "DATA_CARD.md")}}
-    atomic_write_json(folder / "corpus_manifest.json", manifest)
-    return folder
+def generated_corpus(folder: Path) -> Path:
+    """A small corpus built by data.py: 200 generated documents, a 300-token vocabulary."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    records = [{"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(25))} for i in range(200)]
+    return data.build_corpus([data.Source("generated", "generated", records=records)], folder,
+                             data.BuildSettings(vocab_size=300, val_fraction=0.1, test_fraction=0.1))
 
 
-def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, capsys):
-    import data
-
-    monkeypatch.delattr(data, "verify_corpus", raising=False)  # the fallback check of this module
-    corpus = fake_corpus(tmp_path / "corpus")
+def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, capsys):
+    corpus = generated_corpus(tmp_path / "corpus")
     (tmp_path / "remote").mkdir()  # push creates the last folder only (a typo above it is an error)
     remote = str(tmp_path / "remote" / "corpus")
     assert cc.main(["push", str(corpus), remote]) == 0
@@ -735,8 +721,8 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, 
         assert (pulled / name).read_bytes() == (corpus / name).read_bytes()
 
     shard = Path(remote) / "train-00000.bin"
-    data = shard.read_bytes()
-    shard.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    payload = shard.read_bytes()
+    shard.write_bytes(bytes([payload[0] ^ 0xFF]) + payload[1:])
     assert cc.main(["verify", remote]) == 1
     with pytest.raises(UserError, match="train-00000.bin: sha256 does not match"):
         cc.pull_corpus(remote, tmp_path / "pulled-bad", log=Log())
@@ -744,19 +730,13 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, monkeypatch, 
     assert not [p for p in tmp_path.iterdir() if temporary_target(p.name)]
 
     (Path(remote) / "tokenizer" / "tokenizer.json").write_text('{"fake": false}')
-    shard.write_bytes(data)
+    shard.write_bytes(payload)
     assert cc.main(["verify", remote]) == 1
     assert "tokenizer/: does not match" in capsys.readouterr().out
 
 
 def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
-    data = pytest.importorskip("data")
-    if not hasattr(data, "build_corpus"):
-        pytest.skip("data.py has no build_corpus yet")
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    records = [{"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(25))} for i in range(200)]
-    corpus = data.build_corpus([data.Source("generated", "generated", records=records)], tmp_path / "corpus",
-                               data.BuildSettings(vocab_size=300, val_fraction=0.1, test_fraction=0.1))
+    corpus = generated_corpus(tmp_path / "corpus")
     remote = s3_url.replace("/runs/tiny", "/corpora/small")
     assert cc.main(["push", str(corpus), remote]) == 0
     assert cc.main(["verify", remote]) == 0
@@ -786,9 +766,6 @@ def run_train(args: list[str]) -> str:
 
 @pytest.mark.slow
 def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
-    data = pytest.importorskip("data")
-    if not (ROOT / "train.py").is_file():
-        pytest.skip("train.py is not there yet")
     words = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
     records = [{"text": " ".join(words[(i * 5 + j * 3) % len(words)] for j in range(8 + i % 9)) + "."}
                for i in range(600)]

@@ -98,6 +98,19 @@ def test_the_edges_are_accepted(tmp_path, given):
     train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
 
 
+@pytest.mark.parametrize("given, resume", [
+    ([], "auto"),
+    (["--resume"], "auto"),  # the restart command users are told about: the newest checkpoint of --out
+    (["--resume", "none"], "none"),
+    (["--resume=x.pt"], "x.pt"),
+])
+def test_resume_alone_means_auto(tmp_path, given, resume):
+    for argv in (["--data", str(tmp_path), "--out", "run", *given], [*given, "--data", str(tmp_path), "--out", "run"]):
+        settings = train.parse_args(argv)
+        session = settings.session
+        assert (settings.invocation.resume, session.out, session.data) == (resume, "run", str(tmp_path))
+
+
 def test_data_needs_out():
     with pytest.raises(UserError, match=r"^--data needs --out RUN"):
         train.parse_args(["--data", "corpus/x"])

@@ -1,5 +1,5 @@
 """checkpoint_store: names, records, the resume plan and retention as table tests (milliseconds, no torch),
-plus the few functions that touch a folder and train.py's Checkpointer around them."""
+plus the few functions that touch a folder and the Checkpointer around them."""
 
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def test_best_is_the_lowest_val_loss_of_a_present_checkpoint():
 
 
 # ----------------------------------------------------------------------------------------------
-# The folder edge: list_folder, apply_plan, apply_timeline; and train.py's Checkpointer on top.
+# The folder edge: list_folder, apply_plan, apply_timeline; and the Checkpointer on top.
 
 
 def write_checkpoint(folder: Path, step: int, run_id: str = "r", payload: bytes | None = None,

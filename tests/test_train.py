@@ -495,6 +495,8 @@ def test_resume_command_drops_stop_and_resume_options():
     info = distributed.DistInfo(rank=0, local_rank=0, world=2, device=torch.device("cpu"))
     command = train.resume_command(info, ["--data", "c d", "--stop-after-steps", "5", "--resume=none", "--lr", "1"])
     assert command == "torchrun --nproc_per_node=2 train.py --data 'c d' --lr 1 --resume auto"
+    for given in (["--resume", "--lr", "1"], ["--lr", "1", "--resume"], ["--resume", "x.pt", "--lr", "1"]):
+        assert train.resume_command(info, given) == "torchrun --nproc_per_node=2 train.py --lr 1 --resume auto"
 
 
 def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_the_nodes(monkeypatch, tmp_path):
