@@ -52,7 +52,7 @@ def test_pip_install_never_pulls_torch():
 
 def test_the_dev_requirements_leave_boto3_to_moto():
     """A boto3 line of our own made pip resolve boto3 before aiobotocore's narrow botocore pin and backtrack
-    for 40+ minutes (pip 23, issue 29); moto requires boto3 and s3fs botocore, so both are installed anyway."""
+    for 20 minutes and more (pip 23, issue 29); moto requires boto3 and s3fs botocore, so both are installed anyway."""
     names = requirement_names(ROOT / "requirements-dev.txt")
     assert {"s3fs", "moto"} <= names and not {"boto3", "botocore"} & names, names
 
