@@ -244,8 +244,18 @@ def train_argv(args: argparse.Namespace, corpus: Path, out: Path, seed: int) -> 
             "--log-every", "25", "--peak-tflops", "1", "--no-report"]  # a nominal peak: no matmul measured at start
 
 
+def code_version() -> str:
+    """The checkout's commit (short), "+changes" when tracked files differ from it: what a run ran."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def start_run(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> dict:
-    """One arm's train.py process (its run folder emptied first), its output to RUNS/NAME.log."""
+    """One arm's train.py process (its run folder emptied first), its output to RUNS/NAME.log. A run whose
+    results hold the same command is reused unless --fresh (its `code` says which commit it ran)."""
     runs = Path(args.work) / "runs"
     out = runs / f"{name}-s{seed}-{arm}"
     command = [sys.executable, str(Path(__file__).resolve()), "train-arm", arm] + train_argv(args, corpus, out, seed)
@@ -259,7 +269,8 @@ def start_run(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm:
     print(f"  start {name} seed {seed} {arm}: {' '.join(command[1:])}", flush=True)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return {"process": process, "log": log, "out": out, "command": command[2:], "started": time.time()}
+    return {"process": process, "log": log, "out": out, "command": command[2:], "started": time.time(),
+            "code": code_version()}
 
 
 def finish_run(run: dict) -> dict:
@@ -274,7 +285,7 @@ def finish_run(run: dict) -> dict:
         tail = "\n".join(lines[-15:])
         raise UserError(f"{out.name}: train.py exited with {code}; the end of {out.with_suffix('.log')}:\n{tail}")
     result = parse_run(lines, out / "metrics.jsonl")
-    result.update(command=run["command"], seconds=time.time() - run["started"])
+    result.update(command=run["command"], seconds=time.time() - run["started"], code=run["code"])
     atomic_write_json(out.with_suffix(".json"), result)
     return result
 
@@ -323,8 +334,9 @@ def run_all(args: argparse.Namespace) -> dict:
 
 def table(results: dict) -> list[str]:
     """One row per (text, seed): each arm's held-out bpb, after/before and the 0.5% verdict."""
-    lines = ["| text | seed | tokens | before bpb | after bpb | after / before | within 0.5% |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| text | seed | tokens | before bpb | after bpb | after / before | within 0.5% "
+             "| commit (before, after) |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
     ratios = []
     for name, text in results["texts"].items():
         for seed in results["settings"]["seeds"].split(","):
@@ -335,7 +347,8 @@ def table(results: dict) -> list[str]:
             ratios.append(ratio)
             lines.append(f"| {name} | {seed} | {after['tokens']:,} | {before['test_bits_per_byte']:.4f} | "
                          f"{after['test_bits_per_byte']:.4f} | {ratio:.4f} | "
-                         f"{'yes' if abs(ratio - 1) <= TARGET else 'NO'} |")
+                         f"{'yes' if abs(ratio - 1) <= TARGET else 'NO'} | "
+                         f"{before.get('code', '?')}, {after.get('code', '?')} |")
     if ratios:
         worst = max(ratios, key=lambda ratio: abs(ratio - 1))
         verdict = "MET" if abs(worst - 1) <= TARGET else "NOT MET"
