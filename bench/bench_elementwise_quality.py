@@ -253,18 +253,29 @@ def code_version() -> str:
     return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def start_run(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> dict:
-    """One arm's train.py process (its run folder emptied first), its output to RUNS/NAME.log. A run whose
-    results hold the same command is reused unless --fresh (its `code` says which commit it ran)."""
-    runs = Path(args.work) / "runs"
-    out = runs / f"{name}-s{seed}-{arm}"
-    command = [sys.executable, str(Path(__file__).resolve()), "train-arm", arm] + train_argv(args, corpus, out, seed)
+def arm_command(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> tuple[list[str], Path]:
+    """One arm's command line and run folder (RUNS/NAME-sSEED-ARM)."""
+    out = Path(args.work) / "runs" / f"{name}-s{seed}-{arm}"
+    return [sys.executable, str(Path(__file__).resolve()), "train-arm", arm] + train_argv(args, corpus, out, seed), out
+
+
+def reusable(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> dict | None:
+    """The results of an earlier run of the same command (None: none, or --fresh); its `code` says which
+    commit it ran."""
+    command, out = arm_command(args, corpus, name, seed, arm)
     done = out.with_suffix(".json")
-    if not args.fresh and done.exists() and json.loads(done.read_text()).get("command") == command[2:]:
-        return {"done": json.loads(done.read_text())}
+    if args.fresh or not done.exists():
+        return None
+    result = json.loads(done.read_text())
+    return result if result.get("command") == command[2:] else None
+
+
+def start_run(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> dict:
+    """One arm's train.py process (its run folder emptied first), its output to RUNS/NAME.log."""
+    command, out = arm_command(args, corpus, name, seed, arm)
     if out.exists():
         shutil.rmtree(out)
-    runs.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.with_suffix(".log"), "w", encoding="utf-8")
     print(f"  start {name} seed {seed} {arm}: {' '.join(command[1:])}", flush=True)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -275,8 +286,6 @@ def start_run(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm:
 
 def finish_run(run: dict) -> dict:
     """Wait for a run; its probe line, final line and test record (a UserError when it failed)."""
-    if "done" in run:
-        return run["done"]
     code = run["process"].wait()
     run["log"].close()
     out: Path = run["out"]
@@ -319,17 +328,26 @@ def run_all(args: argparse.Namespace) -> dict:
     for name in texts:
         corpus = build_corpus(name, args, extra)
         results["texts"][name] = {"corpus": str(corpus), "facts": corpus_facts(corpus), "runs": {}}
-    pending = [(name, seed, arm) for name in texts for seed in seeds for arm in arms]
+    pending = []
+    for name, seed, arm in [(name, seed, arm) for name in texts for seed in seeds for arm in arms]:
+        result = reusable(args, Path(results["texts"][name]["corpus"]), name, seed, arm)
+        if result is None:
+            pending.append((name, seed, arm))
+        else:
+            report_run(results, name, seed, arm, result, "reused")
     while pending:
         batch, pending = pending[:max(1, args.jobs)], pending[max(1, args.jobs):]
         started = [(key, start_run(args, Path(results["texts"][key[0]]["corpus"]), *key)) for key in batch]
         for (name, seed, arm), run in started:
-            result = finish_run(run)
-            results["texts"][name]["runs"][f"{seed}-{arm}"] = result
-            print(f"  {name} seed {seed} {arm}: test {result['test_bits_per_byte']:.4f} bits/byte "
-                  f"(norms {result['probe']['norm_dtype']}, RoPE {result['probe']['rope_dtype']}) | "
-                  f"{result['final_line']}", flush=True)
+            report_run(results, name, seed, arm, finish_run(run), "trained")
     return results
+
+
+def report_run(results: dict, name: str, seed: int, arm: str, result: dict, how: str) -> None:
+    results["texts"][name]["runs"][f"{seed}-{arm}"] = result
+    print(f"  {name} seed {seed} {arm} ({how}, {result.get('code', '?')}): test {result['test_bits_per_byte']:.4f} "
+          f"bits/byte (norms {result['probe']['norm_dtype']}, RoPE {result['probe']['rope_dtype']}) | "
+          f"{result['final_line']}", flush=True)
 
 
 def table(results: dict) -> list[str]:
