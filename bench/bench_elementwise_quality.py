@@ -308,7 +308,9 @@ def parse_run(lines: list[str], metrics_path: Path) -> dict:
         raise UserError(f"{metrics_path.parent.name}: expected one probe line, a `complete:` line and a test record "
                         f"(got {len(probes)}, {len(finals)}, {len(tests)})")
     test = tests[-1]
+    evals = [record for record in map(json.loads, metrics_path.read_text().splitlines()) if record["kind"] == "eval"]
     return {"probe": probes[0], "final_line": finals[-1], "test_bits_per_byte": test["test_bits_per_byte"],
+            "val_bits_per_byte": evals[-1]["val_bits_per_byte"] if evals else None,
             "test_loss": test["test_loss"], "test_bytes": test["test_bytes"], "tokens": test["tokens"],
             "step": test["step"]}
 
@@ -350,11 +352,19 @@ def report_run(results: dict, name: str, seed: int, arm: str, result: dict, how:
           f"{result['final_line']}", flush=True)
 
 
+def validation_ratio(before: dict, after: dict) -> str:
+    """after/before of the validation bits per byte at the end (the other held-out split: its spread shows
+    how far two runs that differ only in rounding drift apart); "-" without one."""
+    if not before.get("val_bits_per_byte") or not after.get("val_bits_per_byte"):
+        return "-"
+    return f"{after['val_bits_per_byte'] / before['val_bits_per_byte']:.4f}"
+
+
 def table(results: dict) -> list[str]:
     """One row per (text, seed): each arm's held-out bpb, after/before and the 0.5% verdict."""
     lines = ["| text | seed | tokens | before bpb | after bpb | after / before | within 0.5% "
-             "| commit (before, after) |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
+             "| validation after / before | commit (before, after) |",
+             "|---|---|---:|---:|---:|---:|---|---:|---|"]
     ratios = []
     for name, text in results["texts"].items():
         for seed in results["settings"]["seeds"].split(","):
@@ -365,7 +375,7 @@ def table(results: dict) -> list[str]:
             ratios.append(ratio)
             lines.append(f"| {name} | {seed} | {after['tokens']:,} | {before['test_bits_per_byte']:.4f} | "
                          f"{after['test_bits_per_byte']:.4f} | {ratio:.4f} | "
-                         f"{'yes' if abs(ratio - 1) <= TARGET else 'NO'} | "
+                         f"{'yes' if abs(ratio - 1) <= TARGET else 'NO'} | {validation_ratio(before, after)} | "
                          f"{before.get('code', '?')}, {after.get('code', '?')} |")
     if ratios:
         worst = max(ratios, key=lambda ratio: abs(ratio - 1))
