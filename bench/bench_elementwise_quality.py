@@ -245,12 +245,13 @@ def train_argv(args: argparse.Namespace, corpus: Path, out: Path, seed: int) -> 
 
 
 def code_version() -> str:
-    """The checkout's commit (short), "+changes" when tracked files differ from it: what a run ran."""
+    """The code a run trains with: the last commit that changed the scripts at the repository root
+    (train.py and its siblings; not bench/ or tests/), "+changes" when one of them differs from it."""
     def git(*command: str) -> str:
         return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    commit = git("log", "-1", "--format=%h", "--", ":(glob)*.py") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ":(glob)*.py") else "")
 
 
 def arm_command(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> tuple[list[str], Path]:
@@ -261,7 +262,7 @@ def arm_command(args: argparse.Namespace, corpus: Path, name: str, seed: int, ar
 
 def reusable(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm: str) -> dict | None:
     """The results of an earlier run of the same command (None: none, or --fresh); its `code` says which
-    commit it ran."""
+    code it trained with."""
     command, out = arm_command(args, corpus, name, seed, arm)
     done = out.with_suffix(".json")
     if args.fresh or not done.exists():
@@ -363,7 +364,7 @@ def validation_ratio(before: dict, after: dict) -> str:
 def table(results: dict) -> list[str]:
     """One row per (text, seed): each arm's held-out bpb, after/before and the 0.5% verdict."""
     lines = ["| text | seed | tokens | before bpb | after bpb | after / before | within 0.5% "
-             "| validation after / before | commit (before, after) |",
+             "| validation after / before | code (before, after) |",
              "|---|---|---:|---:|---:|---:|---|---:|---|"]
     ratios = []
     for name, text in results["texts"].items():
