@@ -43,7 +43,7 @@ def test_a_tiny_run_trains_both_arms_and_its_table_parses(tmp_path, capsys):
     source = synthetic_documents(tmp_path / "synthetic.jsonl")
     assert bench.main(["--work", str(tmp_path / "work"), "--corpus", f"synthetic={source}", "--texts", "synthetic",
                        "--seeds", "7", "--preset", "tiny", "--context", "32", "--batch-size", "4", "--steps", "3",
-                       "--vocab-size", "300", "--jobs", "2"]) == 0
+                       "--vocab-size", "300", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "work" / "results.json").read_text())
     runs = results["texts"]["synthetic"]["runs"]
