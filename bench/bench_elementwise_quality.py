@@ -10,7 +10,8 @@ CPU that is the one numerical change of issue 31 (the document attention is the 
 so the comparison is train.py on CPU under `--precision bf16` (autocast bf16), `--packing masked`:
 
 - before: model_config.autocast_elementwise replaced by a no-op in the training process (the stock
-  transformers forwards: norms output fp32, RoPE in fp32), the code as it was before issue 31;
+  transformers forwards: norms output fp32, RoPE in fp32): on CPU the code as it was before issue 31
+  (bit for bit on short documents; bench/RESULTS.md has the check against that commit's own train.py);
 - after: train.py as it is.
 
 Each arm is a train.py process of its own, started by this script as
