@@ -36,7 +36,6 @@ set to cover the whole split), under the arm's autocast. Target (issue 31): afte
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import random
@@ -53,11 +52,13 @@ sys.path.insert(0, str(ROOT))
 
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_packing import changelog_entries  # noqa: E402  (the packing bench's short text)
+
 WORK = ROOT / "bench" / "out" / "elementwise"
 TEXTS = ("manpages", "changelog")
 ARMS = ("before", "after")
 TARGET = 0.005  # issue 31: held-out bpb within 0.5% of the code before it
-ENTRY_START = re.compile(r"^\S+ \([^)]*\) [^;]*; urgency=", re.MULTILINE)
 MAN_SECTIONS = ("man1", "man2", "man3", "man5", "man7", "man8")
 PROBE_PREFIX = "elementwise arm: "
 
@@ -140,20 +141,6 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # The texts.
-
-def changelog_entries(limit_bytes: int, seed: int = 0) -> list[str]:
-    """Debian changelog entries (one per package version), shuffled, at most `limit_bytes` of text."""
-    entries = []
-    for path in sorted(Path("/usr/share/doc").glob("*/changelog.Debian.gz")):
-        text = gzip.open(path, "rt", encoding="utf-8", errors="replace").read()
-        starts = [match.start() for match in ENTRY_START.finditer(text)] + [len(text)]
-        entries += [text[a:b].strip() for a, b in zip(starts, starts[1:]) if text[a:b].strip()]
-    if len(entries) < 1000:
-        raise UserError(f"found only {len(entries)} Debian changelog entries in /usr/share/doc; the short text "
-                        "needs at least 1,000")
-    random.Random(seed).shuffle(entries)
-    return take_bytes(entries, limit_bytes)
-
 
 def man_pages(limit_bytes: int, seed: int = 0) -> list[str]:
     """English man pages rendered to plain text (one per page), in a shuffled order, at most `limit_bytes`."""
