@@ -100,3 +100,16 @@ def test_train_without_torch_is_one_error_line_with_the_install_command(tmp_path
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: torch is not installed: tinyllm needs torch>=2.9") and "pip install" in lines[0]
+
+
+def test_the_dev_constraints_pin_every_requirement_and_leave_torch_out():
+    """constraints-dev.txt (.ci/run installs with it) must cover what the requirements name, or pip resolves those
+    freely again; torch stays out (installed first, from its own index)."""
+    from packaging.utils import canonicalize_name
+
+    lines = [line for line in (ROOT / "constraints-dev.txt").read_text().splitlines() if line and line[0] != "#"]
+    pinned = {canonicalize_name(line.split("==")[0]): line.split("==")[1] for line in lines}
+    required = requirement_names(ROOT / "requirements.txt") | requirement_names(ROOT / "requirements-dev.txt")
+    assert {canonicalize_name(name) for name in required} - set(pinned) == set()
+    assert "torch" not in pinned and all(pinned.values())
+    assert "-c constraints-dev.txt" in (ROOT / ".ci" / "run").read_text()
