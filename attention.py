@@ -330,11 +330,10 @@ def apply_attention_plan(model, plan: AttentionPlan, probe_step) -> tuple:
         probe_step(kernels)
     except (RuntimeError, ValueError, NotImplementedError) as error:
         use_attention(model, MASKED)
-        fallback = AttentionPlan("masked math", "math", MASKED, (), "fallback")
+        cause = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         return (contextlib.nullcontext, f"math fallback (planned: {plan.label()})",
-                f"the planned {plan.documents} / {plan.causal} attention does not take this model "
-                f"({str(error).splitlines()[0][:200] if str(error) else type(error).__name__}); attention uses "
-                f"the slower {fallback.documents} kernel")
+                f"the planned {plan.documents} / {plan.causal} attention does not take this model ({cause}); "
+                "attention uses the slower masked math kernel")
     finally:
         model.zero_grad(set_to_none=True)
     return kernels, plan.label(), None

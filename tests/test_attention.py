@@ -314,3 +314,22 @@ def test_ddp_moves_a_batchs_documents_whole():
     [(inputs, reduction, moved)] = _recursive_to((torch.zeros(2), "mean", documents), torch.device("cpu"), False)
     assert isinstance(moved, attention.Documents) and moved.longest == documents.longest == 32
     assert torch.equal(moved.cu_seqlens, documents.cu_seqlens) and reduction == "mean"
+
+
+def test_a_plan_whose_kernel_refuses_the_model_falls_back_to_the_masked_math_path():
+    plan = attention.choose_attention(H200, "bf16", 128)
+    model = tiny(attention.MASKED)
+
+    def refusing(kernels):
+        raise RuntimeError("No available kernel. Aborting execution.\nmore detail")
+
+    kernels, label, warning = attention.apply_attention_plan(model, plan, refusing)
+    assert model.config._attn_implementation == attention.MASKED and label.startswith("math fallback")
+    assert "flash varlen / flash attention does not take this model (No available kernel. Aborting" in warning
+    assert "\n" not in warning
+    probed = []
+    kernels, label, warning = attention.apply_attention_plan(model, plan, probed.append)
+    assert model.config._attn_implementation == attention.FLASH and warning is None and label == plan.label()
+    assert len(probed) == 1 and probed[0] is kernels  # the probe ran inside the plan's sdpa_kernel restriction
+    cpu = attention.choose_attention(CPU, "fp32", 128)
+    assert attention.apply_attention_plan(model, cpu, refusing)[2] is None  # the CPU plan needs no probe
