@@ -16,8 +16,7 @@ The kernels, by card (`choose_attention`, a pure rule read off torch's dispatch,
   (`aten._efficient_attention_forward`, causal from the top left of each document), its K/V heads repeated
   (the kernel has no grouped heads); without a boundary, SDPA is_causal restricted to memory-efficient;
 - bf16 below sm_80 (emulated, no fused kernel takes it) and CPU: SDPA with the block-diagonal boolean mask
-  (the CPU flash kernel takes a mask; at the CPU's contexts the square costs little, and one SDPA call
-  beats a call per document there).
+  (the CPU flash kernel takes a mask, and at the CPU's contexts, 128-512, the square costs little).
 cuDNN attention is never in a plan: with any mask it returns NaN gradients when the sequence length is
 64 mod 128 (pytorch #196678, since 2.11), its backward is not deterministic, and flash covers the same
 cards. `check_plan` refuses a plan that would hand cuDNN a mask at such a length.
@@ -37,7 +36,6 @@ FLASH = "tinyllm_fa_varlen"  # flash varlen / flash causal, GQA kept
 EFFICIENT = "tinyllm_mem_efficient_varlen"  # memory-efficient varlen / causal, K/V heads repeated
 MASKED = "tinyllm_masked"  # SDPA with the boolean document mask (CPU flash, or math), heads contiguous
 VARLEN_IMPLEMENTATIONS = (FLASH, EFFICIENT)
-SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")  # torch.nn.attention.SDPBackend, by kernel name
 CUDNN_NAN_MODULUS = (128, 64)  # cuDNN + any attn_mask: NaN in grad_q when seq_len % 128 == 64 (pytorch #196678)
 
 
