@@ -866,14 +866,13 @@ def choose_attention(training: Training):
     problem = attention.check_plan(plan, training.context)
     if problem:
         raise UserError(problem)
-    probe = torch.zeros(2, training.context, dtype=torch.long, device=training.device)
-    documents = attention.probe_documents(2, training.context).to(training.device)
+    with_boundary = probe_batch(training, rows=2, documents=True)
 
     def probe_step(kernels):
-        for batch_documents in (documents, None):
+        for batch in (with_boundary, with_boundary._replace(documents=None)):
             with kernels(), training.autocast():
-                hidden = training.model.model(input_ids=probe, **attention.decoder_inputs(training.model,
-                                                                                          batch_documents))
+                hidden = training.model.model(input_ids=batch.inputs, **attention.decoder_inputs(training.model,
+                                                                                                 batch.documents))
                 hidden.last_hidden_state.float().sum().backward()
 
     context, label, warning = attention.apply_attention_plan(training.model, plan, probe_step)
@@ -882,17 +881,22 @@ def choose_attention(training: Training):
     return plan, context, label
 
 
+def probe_batch(training: Training, rows: int, documents: bool) -> data.Batch:
+    """A start-up probe's micro-batch of `rows` x context zeros on the run's device, every row split into
+    two documents when `documents` (the path a --packing masked batch with a boundary takes)."""
+    zeros = torch.zeros(rows, training.context, dtype=torch.long, device=training.device)
+    layout = attention.probe_documents(rows, training.context).to(training.device) if documents else None
+    return data.Batch(zeros, zeros, layout)
+
+
 def compile_at_start(training: Training) -> float | None:
     """Compile the loss module now, on a probe micro-batch of the run's shape (with a document boundary
     under --packing masked): the seconds it took, or None after a failure, when the run goes on eagerly
     with one warning line (Triton has failed on sm_75 cards before, nanoGPT #525). All ranks run it."""
     started = time.perf_counter()
-    rows, context = training.session.batch_size, training.context
-    probe = torch.zeros(rows, context, dtype=torch.long, device=training.device)
-    documents = (attention.probe_documents(rows, context).to(training.device)
-                 if training.run.packing == "masked" else None)
+    probe = probe_batch(training, training.session.batch_size, documents=training.run.packing == "masked")
     try:
-        training.loss_of(data.Batch(probe, probe, documents)).backward()
+        training.loss_of(probe).backward()
     except Exception as error:  # Dynamo's and Inductor's errors have no common base but Exception
         if isinstance(error, torch.OutOfMemoryError):
             raise
@@ -1883,7 +1887,8 @@ def out_of_memory_advice(training: Training) -> str:
     return hardware.out_of_memory_advice(run.preset, training.preset, training.vocab_size, session.batch_size,
                                          session.grad_accum, training.context, training.precision,
                                          training.recipe.optimizer, session.grad_checkpoint, training.hardware,
-                                         training.attention_plan.documents if run.packing == "masked" else "flash")
+                                         training.attention_plan.documents if run.packing == "masked"
+                                         else training.attention_plan.causal)
 
 
 def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,

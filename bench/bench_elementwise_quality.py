@@ -165,16 +165,6 @@ def man_pages(limit_bytes: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def take_bytes(texts: list[str], limit_bytes: int) -> list[str]:
-    kept, size = [], 0
-    for text in texts:
-        if size >= limit_bytes:
-            break
-        kept.append(text)
-        size += len(text.encode("utf-8"))
-    return kept
-
-
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""
     import data

@@ -78,12 +78,17 @@ def changelog_entries(limit_bytes: int, seed: int = 0) -> list[str]:
         raise UserError(f"found only {len(entries)} Debian changelog entries in /usr/share/doc; the short corpus "
                         "needs at least 1,000")
     random.Random(seed).shuffle(entries)
+    return take_bytes(entries, limit_bytes)
+
+
+def take_bytes(texts: list[str], limit_bytes: int) -> list[str]:
+    """The first texts, in order, until `limit_bytes` of UTF-8 are reached (the one that crosses it included)."""
     kept, size = [], 0
-    for entry in entries:
+    for text in texts:
         if size >= limit_bytes:
             break
-        kept.append(entry)
-        size += len(entry.encode("utf-8"))
+        kept.append(text)
+        size += len(text.encode("utf-8"))
     return kept
 
 
