@@ -29,7 +29,6 @@ from common import UserError, atomic_write_json, read_json, utc_now
 from data import EOS, IM_END, IM_START
 
 # Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
-# Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
 DEFAULT_PROMPTS = [
     "What is 12 plus 7?",
     "What is 48 + 35?",
@@ -37,6 +36,10 @@ DEFAULT_PROMPTS = [
     "If a box has 3 rows of 4 apples, how many apples are there?",
     "Say hello in one short sentence.",
 ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a reply stops, and how it is decoded.
 
 
 def unwrap_model(model):
@@ -108,6 +111,23 @@ class Sampling:
 GREEDY = Sampling()
 
 
+def add_sampling_args(parser, prefix: str = "") -> None:
+    """--temperature / --top-p / --top-k / --seed (train.py: --sample-temperature ...), read by sampling_from."""
+    parser.add_argument(f"--{prefix}temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
+    parser.add_argument(f"--{prefix}top-p", type=float, default=1.0, help="nucleus sampling: keep this much "
+                        "probability mass (1: all)")
+    parser.add_argument(f"--{prefix}top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    parser.add_argument(f"--{prefix}seed", type=int, default=0, help="seed of the sampling (reproducible replies)")
+
+
+def sampling_from(values: dict, prefix: str = "") -> Sampling:
+    """The Sampling of add_sampling_args's options in `values` (vars(args) or a settings dict)."""
+    try:
+        return Sampling(*(values[f"{prefix}{name}"] for name in ("temperature", "top_p", "top_k", "seed")))
+    except UserError as error:
+        raise UserError(str(error).replace("--", "--" + prefix.replace("_", "-"), 1)) from None
+
+
 @contextlib.contextmanager
 def seeded_sampling(sampling: Sampling, batch: int, device):
     """Torch's RNG seeded from (seed, batch) inside the block, the caller's RNG state restored after."""
@@ -118,6 +138,10 @@ def seeded_sampling(sampling: Sampling, batch: int, device):
         if sampling.temperature > 0:
             torch.manual_seed(sampling.seed * 1_000_003 + batch)
         yield
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat replies and plain-text continuations: batched, eval mode, the caller's mode and RNG kept.
 
 
 def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
@@ -212,6 +236,10 @@ def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_toke
     return results
 
 
+# ----------------------------------------------------------------------------------------------
+# sample_generations.json: prompts that fit the corpus, replies that never fail the run.
+
+
 def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, opening_tokens: int = 24,
                      documents_read: int = 200) -> tuple[str, list[str]]:
     """("chat" or "text", prompts) that fit a corpus: the first user turns of its held-out chats, or
@@ -280,6 +308,9 @@ def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Seq
     return record
 
 
+# ----------------------------------------------------------------------------------------------
+# The exported model: its generation config, loading it back.
+
 
 def generation_config_for(tokenizer, context: int | None = None):
     """Greedy defaults that stop at <|im_end|> or <eos>, pad 0, bos 1.
@@ -323,20 +354,3 @@ def load_exported(model_dir: str, device: str):
     except (OSError, ValueError) as error:
         raise UserError(f"{model_dir} does not load: {type(error).__name__}: {str(error).splitlines()[0]}") from None
     return model, tokenizer
-
-
-def add_sampling_args(parser, prefix: str = "") -> None:
-    """--temperature / --top-p / --top-k / --seed (train.py: --sample-temperature ...), read by sampling_from."""
-    parser.add_argument(f"--{prefix}temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
-    parser.add_argument(f"--{prefix}top-p", type=float, default=1.0, help="nucleus sampling: keep this much "
-                        "probability mass (1: all)")
-    parser.add_argument(f"--{prefix}top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    parser.add_argument(f"--{prefix}seed", type=int, default=0, help="seed of the sampling (reproducible replies)")
-
-
-def sampling_from(values: dict, prefix: str = "") -> Sampling:
-    """The Sampling of add_sampling_args's options in `values` (vars(args) or a settings dict)."""
-    try:
-        return Sampling(*(values[f"{prefix}{name}"] for name in ("temperature", "top_p", "top_k", "seed")))
-    except UserError as error:
-        raise UserError(str(error).replace("--", "--" + prefix.replace("_", "-"), 1)) from None

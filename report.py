@@ -32,9 +32,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -51,10 +49,8 @@ from common import (
     atomic_folder,
     atomic_open,
     atomic_write_bytes,
-    atomic_write_json,
     human_count,
     json_safe,
-    jsonl_records,
     read_json,
     read_json_or,
     run_main,

@@ -232,8 +232,6 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
 
 
 def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
-    import report
-
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"Which river flows through town number {i}?"},

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from chats import PROMPTS, REPLIES
 
 import generation
 import model_config
-from chats import PROMPTS, REPLIES
 from common import UserError
 
 

@@ -15,7 +15,6 @@ import report
 import trackers
 from common import UserError, remove_temporaries, sha256_file, temporary_name
 
-
 # ----------------------------------------------------------------------------------------------
 # Progress
 
