@@ -1257,7 +1257,7 @@ def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
     assert lengths[specials].tolist() == [0, 0, 0] and lengths[-5:].tolist() == [0] * 5
 
 
-def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
+def test_heldout_loss_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     training = in_process_training(corpus, tmp_path / "run")
     result = train.heldout_loss(training, "test")
     split = training.splits["test"]
