@@ -10,7 +10,8 @@ turned into a local task YAML (the choice follows the context after one space; z
 `acc` picks the choice with the highest summed token log-probability, `acc_norm` divides it by
 the choice's length in characters and `acc_bytes` by its UTF-8 bytes (lm-eval's definitions).
 Exact-match task files ({"prompt", "answer", "task"} a line, e.g. the demo's CORPUS/eval/) are
-the other kind of task: greedy chat replies scored by report.task_accuracy.
+the other kind of task: greedy chat replies (generation.py), the final answer compared as text
+(score_answers); the end of a run scores CORPUS/eval/ the same way (exact_match_accuracy).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import re
 import tempfile
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import data
+import generation
 from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, read_json, sha256_file, utc_now
 
 LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' 'accelerate>=1.1'"  # accelerate: lm-eval's HF model class
@@ -251,22 +255,100 @@ def load_hf_model(hflm, model_dir: str, device: str, batch_size: int):
         raise UserError(f"{model_dir}: the model did not load ({type(error).__name__}: {detail})") from None
 
 
+# ----------------------------------------------------------------------------------------------
+# Exact-match tasks ({"prompt", "answer", "task"} a line): greedy chat replies, the final answer compared as text.
+# The end of a run scores CORPUS/eval/ so (exact_match_accuracy), `report.py evaluate` too (exact_match_scores).
+
+
+def read_eval_examples(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+    """Task examples from a .jsonl file, or from every *.jsonl in a folder (sorted by name).
+
+    Each line: {"prompt": str, "answer": str|number, "task": str}; `task` defaults to the file's
+    stem. Returns the first `limit` examples (all when None).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise UserError(f"eval set not found: {root}")
+    files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
+    if not files:
+        raise UserError(f"eval folder {root} holds no *.jsonl files")
+    examples = []
+    for file in files:
+        for number, item in jsonl_records(file):
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
+                raise UserError(f'{file}:{number}: expected an object with "prompt" (text) and "answer"')
+            examples.append({"prompt": item["prompt"], "answer": str(item["answer"]).strip(),
+                             "task": str(item.get("task", file.stem))})
+            if limit is not None and len(examples) >= limit:
+                return examples
+    if not examples:
+        raise UserError(f"eval set {root} has no examples")
+    return examples
+
+
+def extract_final_answer(completion: str) -> str:
+    """The answer part of a reply: the text after the last </think> when there is one, stripped."""
+    if data.THINK_CLOSE in completion:
+        completion = completion.rsplit(data.THINK_CLOSE, 1)[1]
+    return completion.strip()
+
+
+def score_answers(examples: Sequence[dict], completions: Sequence[str], max_wrong_examples: int = 5) -> dict:
+    """Exact-match accuracy of `completions` against the examples' answers, overall and per task."""
+    by_task: dict[str, dict] = {}
+    wrong = []
+    correct_total = 0
+    for example, completion in zip(examples, completions, strict=True):
+        predicted = extract_final_answer(completion)
+        correct = predicted == example["answer"]
+        correct_total += correct
+        task = by_task.setdefault(example["task"], {"correct": 0, "total": 0})
+        task["correct"] += correct
+        task["total"] += 1
+        if not correct and len(wrong) < max_wrong_examples:
+            wrong.append({**example, "predicted": predicted, "completion": completion})
+    for task in by_task.values():
+        task["accuracy"] = task["correct"] / task["total"]
+    total = len(examples)
+    return {"accuracy": correct_total / total if total else 0.0, "correct": correct_total, "total": total,
+            "by_task": dict(sorted(by_task.items())), "wrong_examples": wrong}
+
+
+def score_replies(model, tokenizer, examples: Sequence[dict], max_new_tokens: int = 96, device=None,
+                  batch_size: int = 16) -> dict:
+    """score_answers of greedy chat replies to the examples' prompts."""
+    completions = generation.generate_chat(model, tokenizer, [example["prompt"] for example in examples],
+                                           max_new_tokens, device, batch_size)
+    return score_answers(examples, completions)
+
+
+def exact_match_accuracy(model, tokenizer, eval_path: str | os.PathLike, device=None, limit: int | None = None,
+                         max_new_tokens: int = 96, batch_size: int = 32) -> dict:
+    """Held-out task accuracy (the end of a run): greedy replies through the chat template, exact match on the
+    answer, over the first `limit` examples.
+
+    Returns {"accuracy", "correct", "total", "by_task": {task: {accuracy, correct, total}},
+    "wrong_examples": [...up to 5], "eval_path", "settings"}.
+    """
+    result = score_replies(model, tokenizer, read_eval_examples(eval_path, limit), max_new_tokens, device,
+                           batch_size)
+    result["eval_path"] = str(eval_path)
+    result["settings"] = {"decoding": "greedy", "max_new_tokens": max_new_tokens, "limit": limit}
+    return result
+
+
 def exact_match_scores(model_dir: str, tasks: list[dict], limit: int | None, device: str, seed: int,
                        max_new_tokens: int) -> dict:
-    """Greedy chat replies against the answers of exact-match task files (report.task_accuracy)."""
-    import report
-
+    """Greedy chat replies against the answers of exact-match task files, over a seeded subsample of `limit`."""
     scores = {}
     if not tasks:
         return scores
-    model, tokenizer = report.load_exported(model_dir, device)
+    model, tokenizer = generation.load_exported(model_dir, device)
     for task in tasks:
-        examples = report.read_eval_examples(task["path"])
+        examples = read_eval_examples(task["path"])
         pick = seeded_subsample(len(examples), limit, seed)
         chosen = examples if pick is None else [examples[index] for index in pick]
-        completions = report.generate_chat(model, tokenizer, [example["prompt"] for example in chosen],
-                                           max_new_tokens, device)
-        result = report.score_answers(chosen, completions)
+        result = score_replies(model, tokenizer, chosen, max_new_tokens, device)
         scores[task["name"]] = {"exact_match": result["accuracy"], "n": result["total"],
                                 "correct": result["correct"], "by_task": result["by_task"]}
     return scores
@@ -384,8 +466,6 @@ def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
     """The demo's held-out problems (data.demo_held_out) as {"context", "choices", "answer"} items: the chat
     prompt and the worked reply up to its last ' = ' as the context; the right result (and answer) among
     three wrong ones near it, at a seeded position. Chance is 0.25."""
-    import data
-
     rng = random.Random(seed)
     prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
                "multiplication": data.APPLE_PROMPTS}

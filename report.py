@@ -1,4 +1,6 @@
-"""What a person sees of a run: progress, the loss curve, samples, task accuracy, the HF export.
+"""What a person sees of a run: progress, metrics.jsonl, the loss curve, the final line, the model card
+and the HF export; and the command line over a run's outputs. Generation (samples) is generation.py's,
+scores are evaluation.py's, uploads publishing.py's; this module calls them, never the other way round.
 
 train.py calls these on rank 0 (Progress and MetricsLog take `enabled=info.is_main`):
 
@@ -7,44 +9,38 @@ train.py calls these on rank 0 (Progress and MetricsLog take `enabled=info.is_ma
     metrics = MetricsLog(RUN / "metrics.jsonl", is_main, trackers.open_trackers(["wandb"], RUN, run_id, config))
     metrics.write("train", step=step, loss=loss)          # metrics.jsonl and each --log-to tracker
     plot_loss_curve(RUN / "metrics.jsonl", RUN / "loss_curve.png")                 # after each eval, at the end
-    generate_samples(model, tokenizer, RUN / "sample_generations.json", step=step)   # never raises
-    accuracy = task_accuracy(model, tokenizer, CORPUS / "eval", device)
-    model_files = export_hf_model(model, tokenizer, RUN / "model", card_info)      # {file: sha256}
+    found = report_run(training, RUN, status, test, settings)   # at the end: the curve, sample_generations.json,
+                                                                # the held-out accuracy, RUN/model; never raises
 
 Nothing runs at import time. The script form redraws a run's pictures or evaluates an
 exported model after the fact:
 
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
     python report.py evaluate runs/demo --tasks corpus/demo/eval arc_easy --limit 200   # evaluation.py
-    python report.py samples runs/demo/model --prompt "What is 12 plus 7?"
-    python report.py publish runs/demo hf://USER/REPO       # or a folder, s3://, gs://: verified
+    python report.py samples runs/demo/model --prompt "What is 12 plus 7?"              # generation.py
+    python report.py publish runs/demo hf://USER/REPO       # or a folder, s3://, gs://: verified (publishing.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import hashlib
 import io
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 import attention
-import checkpoint_cloud
 import checkpoint_store as store
 import evaluation
+import generation
+import publishing
 from common import (
     PROGRESS_WRITERS,
     ArgumentParser,
@@ -53,10 +49,8 @@ from common import (
     atomic_folder,
     atomic_open,
     atomic_write_bytes,
-    atomic_write_json,
     human_count,
     json_safe,
-    jsonl_records,
     read_json,
     read_json_or,
     run_main,
@@ -64,17 +58,6 @@ from common import (
     sha256_file,
     utc_now,
 )
-
-IM_START, IM_END, EOS, THINK_CLOSE = "<|im_start|>", "<|im_end|>", "<eos>", "</think>"  # as data.py's specials
-
-# Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
-DEFAULT_PROMPTS = [
-    "What is 12 plus 7?",
-    "What is 48 + 35?",
-    "What is 75 minus 28?",
-    "If a box has 3 rows of 4 apples, how many apples are there?",
-    "Say hello in one short sentence.",
-]
 
 # ----------------------------------------------------------------------------------------------
 # Progress: a tqdm bar on a terminal, a plain line every `every` steps in a log.
@@ -504,9 +487,9 @@ def card_info(name: str, status: str, preset: str, step: int, total_steps: int, 
 
 def usage_example_from(corpus: Path, tokenizer) -> dict:
     """The model card's usage example from the corpus it was trained on: a held-out chat's first
-    question, or the opening of a held-out text (held_out_prompts); a greeting when none reads."""
+    question, or the opening of a held-out text (generation.held_out_prompts); a greeting when none reads."""
     try:
-        kind, prompts = held_out_prompts(corpus, tokenizer, count=1)
+        kind, prompts = generation.held_out_prompts(corpus, tokenizer, count=1)
     except (UserError, OSError, ValueError, KeyError):
         kind, prompts = "chat", []
     return {"kind": kind, "prompt": prompts[0] if prompts else "Hello!"}
@@ -543,350 +526,10 @@ def final_line(out: Path, status: str, record: dict) -> str:
     return line
 
 
-# ----------------------------------------------------------------------------------------------
-# Greedy chat generation, samples and task accuracy.
-
-
-def unwrap_model(model):
-    """The plain Hugging Face model inside DDP / DataParallel and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif hasattr(model, "module") and hasattr(model.module, "generate"):
-            model = model.module
-        else:
-            return model
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """[id of <|im_end|>, id of <eos>]: where a chat reply ends."""
-    ids = [tokenizer.convert_tokens_to_ids(token) for token in (IM_END, EOS)]
-    if any(token_id is None or token_id == tokenizer.unk_token_id for token_id in ids):
-        raise UserError(f"tokenizer lacks {IM_END} or {EOS}; build the corpus with data.py")
-    return ids
-
-
-def as_messages(prompt: str | Sequence[dict]) -> list[dict]:
-    """A user prompt string, or an already-built message list."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return list(prompt)
-
-
-def cut_at_stop(token_ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
-    """The tokens before the first stop token, and whether there was one."""
-    stops = set(stop_ids)
-    for position, token_id in enumerate(token_ids):
-        if token_id in stops:
-            return token_ids[:position], True
-    return token_ids, False
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How replies are decoded: temperature 0 is greedy; above 0, sampled with top-p / top-k (0: off),
-    reproducibly: the same seed, prompts and batch size give the same replies."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UserError(f"--temperature must be 0 (greedy) or positive, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must not be negative (0: off), got {self.top_k}")
-
-    def generation_options(self) -> dict:
-        """GenerationConfig options: do_sample and, when sampling, temperature / top_p / top_k."""
-        if self.temperature == 0:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or None}
-
-    def describe(self) -> dict:
-        """What sample_generations.json records as its decoding."""
-        if self.temperature == 0:
-            return {"decoding": "greedy"}
-        return {"decoding": "sampled", **dataclasses.asdict(self)}
-
-
-GREEDY = Sampling()
-
-
-@contextlib.contextmanager
-def seeded_sampling(sampling: Sampling, batch: int, device):
-    """Torch's RNG seeded from (seed, batch) inside the block, the caller's RNG state restored after."""
-    import torch
-
-    devices = [device] if getattr(device, "type", None) == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=sampling.temperature > 0):
-        if sampling.temperature > 0:
-            torch.manual_seed(sampling.seed * 1_000_003 + batch)
-        yield
-
-
-def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
-                          device=None, batch_size: int = 16, sampling: Sampling = GREEDY) -> list[dict]:
-    """Replies to `prompts` through the chat template (greedy unless `sampling` says otherwise), as dicts.
-
-    Each dict: completion (text before <|im_end|> / <eos>, special tokens such as <think> kept),
-    stopped (a stop token was produced), new_tokens. Prompts are batched by length with left
-    padding; the result equals one-at-a-time decoding. New tokens are capped so prompt plus reply
-    fit the model's context.
-    """
-    import torch
-    from transformers import GenerationConfig
-
-    model = unwrap_model(model)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    stops = stop_token_ids(tokenizer)
-    context = getattr(model.config, "max_position_embeddings", None)
-    encoded = []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
-        encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    order = sorted(range(len(encoded)), key=lambda index: len(encoded[index]))
-    results: list[dict] = [{}] * len(encoded)
-
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            batch = tokenizer.pad({"input_ids": [encoded[index] for index in chunk]}, padding=True,
-                                  padding_side="left", return_tensors="pt").to(device)
-            prompt_length = batch["input_ids"].shape[1]
-            new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - prompt_length)
-            if new_tokens < 1:
-                raise UserError(f"a prompt of {prompt_length} tokens leaves no room in the model's context {context}")
-            config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=stops,
-                                      pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                      **sampling.generation_options())
-            # the stock "sdpa" attention: the training kernels take no padding mask (attention.exportable)
-            with torch.no_grad(), seeded_sampling(sampling, start, device), attention.exportable(model):
-                output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        generation_config=config)
-            for index, row in zip(chunk, output[:, prompt_length:].tolist()):
-                reply, stopped = cut_at_stop(row, stops)
-                text = tokenizer.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                results[index] = {"completion": text, "stopped": stopped, "new_tokens": len(reply)}
-    finally:
-        model.train(was_training)
-    return results
-
-
-def generate_chat(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
-                  device=None, batch_size: int = 16, sampling: Sampling = GREEDY) -> list[str]:
-    """Replies (text before <|im_end|> / <eos>) to user prompts, through the chat template; greedy by default."""
-    details = generate_chat_details(model, tokenizer, prompts, max_new_tokens, device, batch_size, sampling)
-    return [detail["completion"] for detail in details]
-
-
-def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 64,
-                          device=None, sampling: Sampling = GREEDY) -> list[dict]:
-    """Plain-text continuations of `prompts` (no chat template; greedy unless `sampling` says otherwise),
-    one prompt at a time: dicts {completion, stopped (at <eos>), new_tokens}, like generate_chat_details."""
-    import torch
-    from transformers import GenerationConfig
-
-    model = unwrap_model(model)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    eos = tokenizer.convert_tokens_to_ids(EOS)
-    context = getattr(model.config, "max_position_embeddings", None)
-    results = []
-    was_training = model.training
-    model.eval()
-    try:
-        for number, prompt in enumerate(prompts):
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if context is not None:
-                ids = ids[-(context - 1):]
-            new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(ids))
-            config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=[eos],
-                                      pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                      **sampling.generation_options())
-            with torch.no_grad(), seeded_sampling(sampling, number, device), attention.exportable(model):
-                output = model.generate(input_ids=torch.tensor([ids], device=device),
-                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                        generation_config=config)
-            reply, stopped = cut_at_stop(output[0, len(ids):].tolist(), [eos])
-            text = tokenizer.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            results.append({"completion": text, "stopped": stopped, "new_tokens": len(reply)})
-    finally:
-        model.train(was_training)
-    return results
-
-
-def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, opening_tokens: int = 24,
-                     documents_read: int = 200) -> tuple[str, list[str]]:
-    """("chat" or "text", prompts) that fit a corpus: the first user turns of its held-out chats, or
-    the openings of its held-out texts (its first `opening_tokens` tokens) to be continued. The test
-    split is read first, then validation, then train (a corpus without held-out documents)."""
-    corpus = Path(corpus)
-    manifest = read_json(corpus / "corpus_manifest.json", what="corpus manifest")
-    eos, im_start = (tokenizer.convert_tokens_to_ids(token) for token in (EOS, IM_START))
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-    documents: list[list[int]] = []
-    for split in ("test", "validation", "train"):
-        current: list[int] = []
-        for entry in manifest["splits"].get(split, {}).get("files", []):
-            for token in np.fromfile(corpus / entry["name"], dtype=dtype).tolist():
-                if token != eos:
-                    current.append(token)
-                    continue
-                documents.append(current)
-                current = []
-                if len(documents) >= documents_read:
-                    break
-            if len(documents) >= documents_read:
-                break
-        if documents:
-            break
-    chats = [doc for doc in documents if doc[:1] == [im_start]]
-    if len(chats) * 2 > len(documents):
-        user_turn = re.compile(re.escape(IM_START) + r"user\n(.*?)" + re.escape(IM_END), re.S)
-        found = (user_turn.search(tokenizer.decode(doc, skip_special_tokens=False)) for doc in chats)
-        prompts = [match.group(1).strip() for match in found if match and match.group(1).strip()]
-        return "chat", list(dict.fromkeys(prompts))[:count] or list(DEFAULT_PROMPTS)
-    openings = [tokenizer.decode(doc[:opening_tokens]) for doc in documents if doc and doc[:1] != [im_start]]
-    return "text", list(dict.fromkeys(opening for opening in openings if opening.strip()))[:count]
-
-
-def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
-                     max_new_tokens: int = 96, device=None, step: int | None = None, text: bool = False,
-                     sampling: Sampling = GREEDY) -> dict:
-    """Write sample_generations.json (replies to `prompts`, or with `text` their plain-text
-    continuations; greedy unless `sampling` says otherwise) atomically; never raises.
-
-    Returns what it wrote: {"format_version", "time", "step", "settings", "samples": [{prompt,
-    completion, stopped, new_tokens}], "error"}; a failure (generation or writing) is in "error".
-    """
-    record: dict[str, Any] = {
-        "format_version": 1,
-        "time": utc_now(),
-        "step": step,
-        "settings": {**sampling.describe(), "chat_template": not text, "max_new_tokens": max_new_tokens,
-                     "stop_tokens": [EOS] if text else [IM_END, EOS]},
-        "samples": [],
-        "error": None,
-    }
-    try:
-        generate = generate_text_details if text else generate_chat_details
-        details = generate(model, tokenizer, list(prompts), max_new_tokens, device, sampling=sampling)
-        record["samples"] = [{"prompt": prompt, **detail} for prompt, detail in zip(prompts, details)]
-    except Exception as error:  # samples are a courtesy: a failure must never lose the run
-        record["error"] = f"generation failed: {type(error).__name__}: {error}"
-    try:
-        atomic_write_json(out_path, record)
-    except Exception as error:
-        record["error"] = (record["error"] + "; " if record["error"] else "") + (
-            f"writing {out_path} failed: {type(error).__name__}: {error}"
-        )
-    return record
-
-
-def read_eval_examples(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """Task examples from a .jsonl file, or from every *.jsonl in a folder (sorted by name).
-
-    Each line: {"prompt": str, "answer": str|number, "task": str}; `task` defaults to the file's
-    stem. Returns the first `limit` examples (all when None).
-    """
-    root = Path(path)
-    if not root.exists():
-        raise UserError(f"eval set not found: {root}")
-    files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
-    if not files:
-        raise UserError(f"eval folder {root} holds no *.jsonl files")
-    examples = []
-    for file in files:
-        for number, item in jsonl_records(file):
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
-                raise UserError(f'{file}:{number}: expected an object with "prompt" (text) and "answer"')
-            examples.append({"prompt": item["prompt"], "answer": str(item["answer"]).strip(),
-                             "task": str(item.get("task", file.stem))})
-            if limit is not None and len(examples) >= limit:
-                return examples
-    if not examples:
-        raise UserError(f"eval set {root} has no examples")
-    return examples
-
-
-def extract_final_answer(completion: str) -> str:
-    """The answer part of a reply: the text after the last </think> when there is one, stripped."""
-    if THINK_CLOSE in completion:
-        completion = completion.rsplit(THINK_CLOSE, 1)[1]
-    return completion.strip()
-
-
-def score_answers(examples: Sequence[dict], completions: Sequence[str], max_wrong_examples: int = 5) -> dict:
-    """Exact-match accuracy of `completions` against the examples' answers, overall and per task."""
-    by_task: dict[str, dict] = {}
-    wrong = []
-    correct_total = 0
-    for example, completion in zip(examples, completions, strict=True):
-        predicted = extract_final_answer(completion)
-        correct = predicted == example["answer"]
-        correct_total += correct
-        task = by_task.setdefault(example["task"], {"correct": 0, "total": 0})
-        task["correct"] += correct
-        task["total"] += 1
-        if not correct and len(wrong) < max_wrong_examples:
-            wrong.append({**example, "predicted": predicted, "completion": completion})
-    for task in by_task.values():
-        task["accuracy"] = task["correct"] / task["total"]
-    total = len(examples)
-    return {"accuracy": correct_total / total if total else 0.0, "correct": correct_total, "total": total,
-            "by_task": dict(sorted(by_task.items())), "wrong_examples": wrong}
-
-
-def task_accuracy(model, tokenizer, eval_jsonl: str | os.PathLike, device=None, limit: int | None = None,
-                  max_new_tokens: int = 96, batch_size: int = 32) -> dict:
-    """Held-out task accuracy: greedy replies through the chat template, exact match on the answer.
-
-    Returns {"accuracy", "correct", "total", "by_task": {task: {accuracy, correct, total}},
-    "wrong_examples": [...up to 5], "eval_path", "settings"}.
-    """
-    examples = read_eval_examples(eval_jsonl, limit)
-    completions = generate_chat(model, tokenizer, [example["prompt"] for example in examples], max_new_tokens,
-                                device, batch_size)
-    result = score_answers(examples, completions)
-    result["eval_path"] = str(eval_jsonl)
-    result["settings"] = {"decoding": "greedy", "max_new_tokens": max_new_tokens, "limit": limit}
-    return result
-
 
 # ----------------------------------------------------------------------------------------------
 # The Hugging Face export: RUN/model/, built beside and swapped in.
 
-
-def generation_config_for(tokenizer, context: int | None = None):
-    """Greedy defaults that stop at <|im_end|> or <eos>, pad 0, bos 1.
-
-    max_new_tokens leaves a quarter of the model's context for the prompt (96 of 128), at most 256.
-    """
-    from transformers import GenerationConfig
-
-    max_new_tokens = 256 if context is None else max(1, min(256, context - context // 4))
-    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_token_ids(tokenizer),
-                            pad_token_id=tokenizer.pad_token_id, do_sample=False, num_beams=1,
-                            max_new_tokens=max_new_tokens)
-
-
-@contextlib.contextmanager
-def quiet_transformers_progress():
-    """No "Writing model shards" / "Loading weights" bars from transformers inside the block."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def architecture_of(model) -> dict:
@@ -911,7 +554,7 @@ def _number(value, digits: int = 4) -> str:
 
 
 def _accuracy_line(accuracy) -> str | None:
-    """A demo-accuracy sentence from a task_accuracy() dict or a bare fraction."""
+    """A demo-accuracy sentence from an evaluation.exact_match_accuracy() dict or a bare fraction."""
     if accuracy is None:
         return None
     if isinstance(accuracy, dict):
@@ -1109,13 +752,14 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
     card from `card_info`, see model_card) and training_provenance.json. The folder is built
     beside `out_dir` and swapped in only when complete; a failure leaves the old folder as it was.
     """
-    model = unwrap_model(model)
+    model = generation.unwrap_model(model)
     with atomic_folder(out_dir) as temp:  # safetensors writes owner-only files: atomic_folder makes them plain
         architecture = architecture_of(model)
-        with quiet_transformers_progress():
+        with generation.quiet_transformers_progress():
             model.save_pretrained(temp, max_shard_size="100GB")  # transformers 5 always writes safetensors
         tokenizer.save_pretrained(temp)
-        generation_config_for(tokenizer, getattr(model.config, "max_position_embeddings", None)).save_pretrained(temp)
+        context = getattr(model.config, "max_position_embeddings", None)
+        generation.generation_config_for(tokenizer, context).save_pretrained(temp)
         write_model_card(temp, architecture, card_info)
         write_provenance(temp, architecture, card_info)
         hashes = {path.relative_to(temp).as_posix(): sha256_file(path)
@@ -1146,7 +790,7 @@ def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, dev
     test = previous.get("test") if previous.get("step") == step else None
     accuracy = None
     if (corpus / "eval").is_dir():
-        result = task_accuracy(model, tokenizer, corpus / "eval", device)
+        result = evaluation.exact_match_accuracy(model, tokenizer, corpus / "eval", device)
         accuracy = {key: result[key] for key in ("accuracy", "correct", "total", "by_task")}
         say(accuracy_line(result))
     info_card = card_info(out.name, status, training["preset"], step, total,
@@ -1159,103 +803,6 @@ def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, dev
           + ", ".join(f"{name} {sha[:12]}" for name, sha in model_files.items() if name.endswith(".safetensors")),
           flush=True)
 
-
-# ----------------------------------------------------------------------------------------------
-# Publishing a finished run: the Hub, or any backup URL, with the same flat layout.
-
-PUBLISHED_RUN_FILES = ("training_settings.json", "loss_curve.png")  # beside the model's files and the GGUFs
-
-
-def publish_layout(run: Path) -> dict[str, Path]:
-    """{name in the repository: local file}: RUN/model/'s files at the root (so from_pretrained("USER/REPO")
-    and the Hub's model card work), the GGUF files export_gguf.py wrote beside model/, the run's settings
-    and loss curve."""
-    model = run / "model"
-    if not (model / "config.json").is_file():
-        raise UserError(f"{model} has no exported model (config.json): train.py exports it at the end of a run, "
-                        f"or `python train.py --data CORPUS --out {run} --export-only`")
-    files = {path.relative_to(model).as_posix(): path for path in sorted(model.rglob("*")) if path.is_file()}
-    files.update({path.name: path for path in sorted(run.glob("*.gguf"))})
-    files.update({name: run / name for name in PUBLISHED_RUN_FILES if (run / name).is_file()})
-    return files
-
-
-def git_blob_sha1(path: Path) -> str:
-    """The id git (and so the Hub) gives a file stored without LFS."""
-    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def hub_mismatches(api, repo_id: str, files: dict[str, Path], prefix: str) -> list[str]:
-    """The files whose copy on the Hub is not the local one: the LFS sha256 the Hub computed, or the git
-    blob id of a file stored without LFS."""
-    remote = {info.path: info for info in api.get_paths_info(repo_id, [f"{prefix}{name}" for name in files],
-                                                              repo_type="model")}
-    wrong = []
-    for name, path in files.items():
-        info = remote.get(f"{prefix}{name}")
-        lfs = getattr(info, "lfs", None)
-        if info is None or getattr(info, "size", None) != path.stat().st_size:
-            wrong.append(name)
-        elif (lfs.sha256 if lfs is not None else info.blob_id) != (sha256_file(path) if lfs is not None
-                                                                    else git_blob_sha1(path)):
-            wrong.append(name)
-    return wrong
-
-
-def publish_to_hub(files: dict[str, Path], url: str, public: bool, api=None) -> str:
-    """hf://USER/REPO[/FOLDER]: a model repository (private unless `public`), all files in one commit, then
-    verified. The token comes from HF_TOKEN or `hf auth login` and is never printed."""
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    parts = url.split("://", 1)[1].strip("/").split("/")
-    if len(parts) < 2 or not all(parts[:2]):
-        raise UserError(f"publish: {url} is not hf://USER/REPO")
-    repo_id, prefix = "/".join(parts[:2]), "".join(f"{part}/" for part in parts[2:] if part)
-    api = api or HfApi()
-    try:
-        api.create_repo(repo_id, repo_type="model", private=not public, exist_ok=True)
-        operations = [CommitOperationAdd(path_in_repo=f"{prefix}{name}", path_or_fileobj=str(path))
-                      for name, path in files.items()]
-        api.create_commit(repo_id, operations, commit_message="tinyllm: publish the model", repo_type="model")
-        wrong = hub_mismatches(api, repo_id, files, prefix)
-    except Exception as error:  # huggingface_hub's errors name the repo and the HTTP status, not the token
-        raise UserError(f"publishing to hf://{repo_id} failed: {type(error).__name__}: {error}") from None
-    if wrong:
-        raise UserError(f"publish: the copy on hf://{repo_id} of {', '.join(wrong)} differs from the local file")
-    return f"https://huggingface.co/{repo_id}"
-
-
-def publish_to_store(files: dict[str, Path], url: str) -> str:
-    """A folder, s3:// or gs:// URL: each file uploaded and verified as backups are (checkpoint_cloud)."""
-    fs, root = checkpoint_cloud.open_remote(url)
-    shown = checkpoint_cloud.printable_backup_url(url) or "the publish URL"
-    try:
-        for name, path in files.items():
-            checkpoint_cloud.upload_verified(fs, path, f"{root.rstrip('/')}/{name}")
-    except checkpoint_cloud.VerificationError as error:
-        raise UserError(f"publish to {shown}: {error}") from None
-    except OSError as error:
-        raise UserError(f"publish to {shown} failed: {type(error).__name__}: {error}") from None
-    return shown
-
-
-def publish(run: str | os.PathLike, url: str, public: bool = False, api=None) -> str:
-    """Upload a run's model (see publish_layout) to `url`; returns where it went (printable)."""
-    run = Path(run)
-    files = publish_layout(run)
-    status = read_json_or(run / "run_status.json", {}).get("status")
-    if status != store.COMPLETE:
-        print(f"warning: {run} is {status or 'without a run_status.json'}, not COMPLETE: its model card says so",
-              file=sys.stderr, flush=True)
-    if url.lower().startswith("hf://"):
-        return publish_to_hub(files, url, public, api)
-    if public:
-        raise UserError("publish --public is for hf:// repositories (a store's access is its own setting)")
-    return publish_to_store(files, url)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1283,22 +830,21 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
 
     found = {}
     tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
-    attempt("loss_curve", lambda: plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png",
-                                                         title=out.name))
+    attempt("loss_curve", lambda: plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=out.name))
     accuracy = None
     if status == store.COMPLETE and tokenizer is not None:
         # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
         # chats' first questions, or the openings of its held-out texts to continue
-        kind, prompts = ("chat", DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
-            attempt("sample_prompts", lambda: held_out_prompts(corpus, tokenizer)) or ("chat", [])
-        samples = generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                          prompts=prompts, step=training.step, text=kind == "text",
-                                          sampling=sampling_from(vars(training.session), "sample_"))
+        kind, prompts = ("chat", generation.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
+            attempt("sample_prompts", lambda: generation.held_out_prompts(corpus, tokenizer)) or ("chat", [])
+        samples = generation.generate_samples(training.model, tokenizer, out / "sample_generations.json",
+                                              prompts=prompts, step=training.step, text=kind == "text",
+                                              sampling=generation.sampling_from(vars(training.session), "sample_"))
         if samples["error"]:
             errors["samples"] = samples["error"]
         if (corpus / "eval").is_dir():
-            accuracy = attempt("task_accuracy", lambda: task_accuracy(training.model, tokenizer,
-                                                                             corpus / "eval", training.device))
+            accuracy = attempt("task_accuracy", lambda: evaluation.exact_match_accuracy(
+                training.model, tokenizer, corpus / "eval", training.device))
         if accuracy is not None:
             found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
             say(accuracy_line(accuracy))
@@ -1315,40 +861,6 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
     found["report_errors"] = errors or None
     return found
 
-
-
-def load_exported(model_dir: str, device: str):
-    """An exported RUN/model/ folder as (model, tokenizer), with a clear error when it does not load."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    missing = [name for name in ("config.json", "tokenizer.json") if not (Path(model_dir) / name).is_file()]
-    if missing:
-        raise UserError(f"{model_dir} is not an exported model folder (no {', '.join(missing)}); "
-                        "train.py writes one to RUN/model")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        with quiet_transformers_progress():
-            model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).to(device)
-    except (OSError, ValueError) as error:
-        raise UserError(f"{model_dir} does not load: {type(error).__name__}: {str(error).splitlines()[0]}") from None
-    return model, tokenizer
-
-
-def add_sampling_args(parser, prefix: str = "") -> None:
-    """--temperature / --top-p / --top-k / --seed (train.py: --sample-temperature ...), read by sampling_from."""
-    parser.add_argument(f"--{prefix}temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
-    parser.add_argument(f"--{prefix}top-p", type=float, default=1.0, help="nucleus sampling: keep this much "
-                        "probability mass (1: all)")
-    parser.add_argument(f"--{prefix}top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    parser.add_argument(f"--{prefix}seed", type=int, default=0, help="seed of the sampling (reproducible replies)")
-
-
-def sampling_from(values: dict, prefix: str = "") -> Sampling:
-    """The Sampling of add_sampling_args's options in `values` (vars(args) or a settings dict)."""
-    try:
-        return Sampling(*(values[f"{prefix}{name}"] for name in ("temperature", "top_p", "top_k", "seed")))
-    except UserError as error:
-        raise UserError(str(error).replace("--", "--" + prefix.replace("_", "-"), 1)) from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1378,7 +890,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     samples.add_argument("--text", action="store_true",
                          help="continue each --prompt as plain text (a model trained on plain text, e.g. books)")
     samples.add_argument("--max-new-tokens", type=int, default=96)
-    add_sampling_args(samples)
+    generation.add_sampling_args(samples)
     samples.add_argument("--device", default="cpu")
     publishing = commands.add_parser("publish", help="upload RUN's model, GGUF files, card, settings and loss "
                                      "curve to hf://USER/REPO or a folder, s3:// or gs:// URL, verified",
@@ -1404,23 +916,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"settings: {evaluation.settings_line(result['harness'])}")
         print("wrote " + ", ".join(str(path) for path in written))
     elif args.command == "publish":
-        where = publish(args.run, args.url, args.public)
-        print(f"published {len(publish_layout(Path(args.run)))} files of {args.run} to {where} (verified)")
+        where = publishing.publish(args.run, args.url, args.public)
+        print(f"published {len(publishing.publish_layout(Path(args.run)))} files of {args.run} to {where} (verified)")
     else:
-        if args.text and not args.prompt:
-            raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
-        sampling = sampling_from(vars(args))
-        model, tokenizer = load_exported(args.model, args.device)
-        prompts = args.prompt or DEFAULT_PROMPTS
-        if args.text:
-            for prompt, detail in zip(prompts, generate_text_details(model, tokenizer, prompts, args.max_new_tokens,
-                                                                     args.device, sampling)):
-                print(f"> {prompt}{detail['completion']}\n")
-        else:
-            replies = generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device, sampling=sampling)
-            for prompt, reply in zip(prompts, replies):
-                print(f"> {prompt}\n{reply}\n")
+        print_samples(args)
     return 0
+
+
+def print_samples(args: argparse.Namespace) -> None:
+    """`report.py samples`: each prompt and the exported model's reply (with --text, its continuation)."""
+    if args.text and not args.prompt:
+        raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
+    sampling = generation.sampling_from(vars(args))
+    model, tokenizer = generation.load_exported(args.model, args.device)
+    prompts = args.prompt or generation.DEFAULT_PROMPTS
+    if args.text:
+        details = generation.generate_text_details(model, tokenizer, prompts, args.max_new_tokens, args.device,
+                                                   sampling)
+        for prompt, detail in zip(prompts, details):
+            print(f"> {prompt}{detail['completion']}\n")
+        return
+    replies = generation.generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device, sampling=sampling)
+    for prompt, reply in zip(prompts, replies):
+        print(f"> {prompt}\n{reply}\n")
 
 
 def command() -> None:
@@ -1430,3 +948,4 @@ def command() -> None:
 
 if __name__ == "__main__":
     run_main(main)
+

@@ -54,6 +54,7 @@ import checkpoint_store as store
 import data
 import distributed
 import evaluation
+import generation
 import hardware
 import losses
 import model_config
@@ -394,7 +395,7 @@ def check_settings(settings: Settings) -> None:
     UserError naming its option."""
     run, invocation = settings.run, settings.invocation
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
-    report.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
+    generation.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
     trackers.check_trackers(trackers.tracker_names(settings.session.log_to))
     if run.muon_lr is not None and run.optimizer == "adamw":
         raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
@@ -961,7 +962,7 @@ def source_progress(training: Training, step: int) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(training: Training, split: str) -> dict | None:
+def heldout_loss(training: Training, split: str) -> dict | None:
     """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
 
     The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
@@ -1505,7 +1506,7 @@ def log_train_step(training: Training, metrics: report.MetricsLog, status: store
 
 def run_validation(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> float | None:
     """Validation loss now; returns it when it is the best so far (the save then records it)."""
-    result = evaluate(training, "validation")
+    result = heldout_loss(training, "validation")
     if result is None:
         return None
     step = training.step
@@ -1897,7 +1898,7 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: store.
     (rank 0) the status, the backup, the report; returns the last line ("" on the other ranks, which
     wait for rank 0)."""
     info = training.info
-    test = evaluate(training, "test") if state == store.COMPLETE else None
+    test = heldout_loss(training, "test") if state == store.COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"],

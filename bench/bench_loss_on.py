@@ -6,7 +6,7 @@
 
 Trains the demo's model (the tiny preset, 32 blocks of 128 tokens per step, the default recipe)
 once per mode and seed, in this process, for the same number of steps (the same schedule), and
-every --eval-every steps measures the held-out accuracy (greedy, exact match: report.task_accuracy
+every --eval-every steps measures the held-out accuracy (greedy, exact match: evaluation.exact_match_accuracy
 on the first --limit problems of the demo's eval file, which are additions). Prints, per run, the
 accuracy curve; then per mode the training tokens (all tokens fed, counted by the loss or not) each
 seed took to first reach each threshold, seed by seed whether `assistant` got there first, and the
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import checkpoint_store as store  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
-import report  # noqa: E402
+import evaluation  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, atomic_write_json, run_main  # noqa: E402
 
@@ -83,8 +83,8 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
         training.train_step()
         if training.step % args.eval_every == 0 or training.step == training.total_steps:
             training.model.eval()
-            accuracy = report.task_accuracy(training.model, tokenizer, corpus / data.DEMO_EVAL_FILE,
-                                            limit=args.limit)["accuracy"]
+            accuracy = evaluation.exact_match_accuracy(training.model, tokenizer, corpus / data.DEMO_EVAL_FILE,
+                                                       limit=args.limit)["accuracy"]
             training.model.train()
             point = {"step": training.step, "tokens": training.step * training.tokens_per_step,
                      "accuracy": accuracy, "seconds": round(time.perf_counter() - started, 1)}

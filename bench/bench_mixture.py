@@ -132,7 +132,7 @@ def run_mix(corpora: dict[str, Path], name: str, weights: tuple[float, float], s
     while training.step < training.total_steps:
         training.train_step()
     seconds = time.perf_counter() - started
-    test = train.evaluate(training, "test")
+    test = train.heldout_loss(training, "test")
     read = train.source_progress(training, training.step)
     total = sum(read[f"tokens/{source}"] for source in SOURCES)
     result = {"mix": name, "weights": dict(zip(SOURCES, weights)), "schedule": schedule,

@@ -45,8 +45,8 @@ CORE=(
   "checkpoint_store.xǁCheckpointWriteFailedǁ*" "checkpoint_store.xǁCheckpointerǁapply_retention__*"
   # checkpoint_cloud.py: the bound on checkpoints waiting for their upload
   "checkpoint_cloud.x_beyond_unbacked_bound__*"
-  # report.py: answer scoring
-  "report.x_extract_final_answer__*" "report.x_score_answers__*"
+  # evaluation.py: exact-match answer scoring
+  "evaluation.x_extract_final_answer__*" "evaluation.x_score_answers__*"
   # evaluation.py and train.py: the in-loop --eval-tasks encoding and scoring (lm-eval's rules), and their cadence
   "evaluation.x_encode_pair__*" "evaluation.x_choice_rows__*" "evaluation.x_choice_counts__*"
   "evaluation.x_loop_scores__*" "train.x_evaluations_due__*" "train.x_default_tasks_every__*"

@@ -10,6 +10,20 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """(model, tokenizer): the tiny preset trained until it answers chats.CHATS and then says <|im_end|>; the
+    module using it runs on one thread (a model this small is ~10x faster so on a busy machine)."""
+    from chats import train_chat_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield train_chat_model(tmp_path_factory.mktemp("tokenizer"))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def patch_python_children(monkeypatch, tmp_path):
     """Run `code` at the start of every Python process the test starts (a sitecustomize.py on PYTHONPATH).

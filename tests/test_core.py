@@ -727,26 +727,26 @@ def test_beyond_unbacked_bound(waiting, bound, allowed):
     ("<think>unfinished", "<think>unfinished"),
 ])
 def test_extract_final_answer(completion, answer):
-    assert report.extract_final_answer(completion) == answer
+    assert evaluation.extract_final_answer(completion) == answer
 
 
 def test_score_answers_known_accuracy():
     examples = [{"task": "add", "prompt": "p1", "answer": "3"}, {"task": "add", "prompt": "p2", "answer": "5"},
                 {"task": "sub", "prompt": "p3", "answer": "1"}, {"task": "add", "prompt": "p4", "answer": "8"}]
     completions = ["<think>1+2</think>3", "<think>2+3</think>6", " 1 ", "8 apples"]
-    result = report.score_answers(examples, completions, max_wrong_examples=1)
+    result = evaluation.score_answers(examples, completions, max_wrong_examples=1)
     assert (result["accuracy"], result["correct"], result["total"]) == (0.5, 2, 4)
     assert result["by_task"] == {"add": {"correct": 1, "total": 3, "accuracy": pytest.approx(1 / 3)},
                                  "sub": {"correct": 1, "total": 1, "accuracy": 1.0}}
     assert list(result["by_task"]) == ["add", "sub"]
     assert result["wrong_examples"] == [{**examples[1], "predicted": "6", "completion": "<think>2+3</think>6"}]
-    assert len(report.score_answers(examples, completions)["wrong_examples"]) == 2
-    many = report.score_answers(examples * 3, ["wrong"] * 12)
+    assert len(evaluation.score_answers(examples, completions)["wrong_examples"]) == 2
+    many = evaluation.score_answers(examples * 3, ["wrong"] * 12)
     assert many["accuracy"] == 0.0 and len(many["wrong_examples"]) == 5  # at most 5 by default
-    assert report.score_answers([], []) == {"accuracy": 0.0, "correct": 0, "total": 0, "by_task": {},
+    assert evaluation.score_answers([], []) == {"accuracy": 0.0, "correct": 0, "total": 0, "by_task": {},
                                             "wrong_examples": []}
     with pytest.raises(ValueError):
-        report.score_answers(examples, completions[:3])  # a missing completion is an error, not a skip
+        evaluation.score_answers(examples, completions[:3])  # a missing completion is an error, not a skip
 
 
 def test_pickle_is_what_the_hostile_test_relies_on(tmp_path):

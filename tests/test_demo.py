@@ -20,6 +20,7 @@ import torch
 import data
 import distributed
 import evaluation
+import generation
 import model_config
 import report
 import train
@@ -156,7 +157,7 @@ def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):
     assert picture.shape[:2] == (550, 990) and picture[..., :3].std() > 0.05  # a drawn picture, not a blank one
     samples = json.loads((run / "sample_generations.json").read_text())
     assert samples["error"] is None and samples["step"] == STEPS
-    assert [s["prompt"] for s in samples["samples"]] == report.DEFAULT_PROMPTS
+    assert [s["prompt"] for s in samples["samples"]] == generation.DEFAULT_PROMPTS
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run))

@@ -275,3 +275,47 @@ def test_report_evaluate_faults_are_one_line_worded_as_eval_tasks(exported, tmp_
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [f"error: {said['--tasks', 'dataset']}"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact-match tasks: the final answer of a greedy chat reply
+
+
+def test_extract_final_answer_and_scoring():
+    assert evaluation.extract_final_answer("<think>\n10 + 7 = 17\n</think>\n\n 17 ") == "17"
+    assert evaluation.extract_final_answer("<think>a</think>b</think> 3") == "3"
+    assert evaluation.extract_final_answer(" 42\n") == "42"
+    assert evaluation.extract_final_answer("<think>\nunfinished 17") == "<think>\nunfinished 17"
+    examples = [{"prompt": "a", "answer": "17", "task": "add"}, {"prompt": "b", "answer": "5", "task": "add"},
+                {"prompt": "c", "answer": "9", "task": "mul"}]
+    result = evaluation.score_answers(examples, ["<think>x</think>\n\n17", "5 apples", "9"])
+    assert (result["correct"], result["total"], result["accuracy"]) == (2, 3, 2 / 3)
+    assert result["by_task"] == {"add": {"correct": 1, "total": 2, "accuracy": 0.5},
+                                 "mul": {"correct": 1, "total": 1, "accuracy": 1.0}}
+    assert [(w["prompt"], w["predicted"]) for w in result["wrong_examples"]] == [("b", "5 apples")]
+
+
+def test_exact_match_accuracy_with_a_real_model(chat_model, tmp_path):
+    model, tokenizer = chat_model
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    (folder / "addition.jsonl").write_text(
+        json.dumps({"prompt": "What is 2 plus 3?", "answer": 5, "task": "addition"}) + "\n"
+        + json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n\n")
+    (folder / "words.jsonl").write_text(json.dumps({"prompt": "Name a color.", "answer": "Red"}) + "\n")
+
+    result = evaluation.exact_match_accuracy(model, tokenizer, folder, device="cpu", max_new_tokens=24)
+    assert (result["correct"], result["total"]) == (2, 3)
+    assert result["accuracy"] == pytest.approx(2 / 3)
+    assert result["by_task"]["addition"] == {"correct": 2, "total": 2, "accuracy": 1.0}
+    assert result["by_task"]["words"] == {"correct": 0, "total": 1, "accuracy": 0.0}
+    assert [(w["answer"], w["predicted"]) for w in result["wrong_examples"]] == [("Red", "Blue")]
+
+    limited = evaluation.exact_match_accuracy(model, tokenizer, folder / "addition.jsonl", limit=1, max_new_tokens=24)
+    assert (limited["correct"], limited["total"]) == (1, 1)
+
+    (folder / "words.jsonl").write_text('{"prompt": "Name a color."}\n')
+    with pytest.raises(UserError, match=r"words.jsonl:1: .*answer"):
+        evaluation.exact_match_accuracy(model, tokenizer, folder)
+    with pytest.raises(UserError, match="not found"):
+        evaluation.exact_match_accuracy(model, tokenizer, tmp_path / "nope.jsonl")

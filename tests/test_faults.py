@@ -20,6 +20,7 @@ import checkpoint_store as store
 import common
 import data
 import distributed
+import generation
 import hardware
 import report
 import train
@@ -231,8 +232,6 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
 
 
 def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
-    import report
-
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"Which river flows through town number {i}?"},
@@ -241,7 +240,7 @@ def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
     assert data.main(["--data", str(chats), "--out", str(built), "--vocab-size", "300", "--no-progress",
                       "--val-fraction", "0.2", "--test-fraction", "0.2"]) == 0
     tokenizer = data.load_tokenizer(built / "tokenizer")
-    kind, prompts = report.held_out_prompts(built, tokenizer)
+    kind, prompts = generation.held_out_prompts(built, tokenizer)
     manifest = json.loads((built / "corpus_manifest.json").read_text())
     test_text = tokenizer.decode(np.concatenate([np.fromfile(built / entry["name"], dtype="<u2")
                                                  for entry in manifest["splits"]["test"]["files"]]).tolist())

@@ -1,4 +1,5 @@
-"""report.py publish: a run's model, GGUF files, card, settings and loss curve to a folder, S3 (moto) or the Hub."""
+"""publishing.py (`report.py publish`): a run's model, GGUF files, card, settings and loss curve to a folder, S3
+(moto) or the Hub."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from test_cloud import moto_server, s3_url  # noqa: F401  (pytest fixtures)
 
 import checkpoint_cloud as cc
+import publishing
 import report
 from common import UserError, sha256_file
 
@@ -37,11 +39,11 @@ EXPECTED = {"config.json", "model.safetensors", "tokenizer.json", "README.md", "
 
 def test_the_layout_is_the_model_folder_at_the_root_plus_gguf_settings_and_curve(tmp_path):
     run = fake_run(tmp_path / "run")
-    layout = report.publish_layout(run)
+    layout = publishing.publish_layout(run)
     assert set(layout) == EXPECTED
     assert layout["README.md"] == run / "model" / "README.md"  # the model card is the repository's README
     with pytest.raises(UserError, match="has no exported model"):
-        report.publish_layout(tmp_path / "empty")
+        publishing.publish_layout(tmp_path / "empty")
 
 
 def test_publish_to_a_folder_is_verified_and_complete(tmp_path, capsys):
@@ -49,7 +51,7 @@ def test_publish_to_a_folder_is_verified_and_complete(tmp_path, capsys):
     assert report.main(["publish", str(run), str(tmp_path / "published")]) == 0
     published = {p.relative_to(tmp_path / "published").as_posix(): sha256_file(p)
                  for p in (tmp_path / "published").rglob("*") if p.is_file()}
-    assert published == {name: sha256_file(path) for name, path in report.publish_layout(run).items()}
+    assert published == {name: sha256_file(path) for name, path in publishing.publish_layout(run).items()}
     captured = capsys.readouterr()
     assert "published 7 files" in captured.out and "not COMPLETE" in captured.err
 
@@ -57,7 +59,7 @@ def test_publish_to_a_folder_is_verified_and_complete(tmp_path, capsys):
 def test_publish_to_s3_and_a_corrupted_upload_is_refused(s3_url, tmp_path, monkeypatch):  # noqa: F811
     run = fake_run(tmp_path / "run")
     url = s3_url.replace("/runs/tiny", "/models/tiny")
-    report.publish(run, url)
+    publishing.publish(run, url)
     fs, root = cc.open_remote(url)
     assert {path.rsplit("/", 1)[-1] for path in fs.find(root)} == EXPECTED
     assert fs.cat_file(f"{root}/model.safetensors") == (run / "model" / "model.safetensors").read_bytes()
@@ -71,7 +73,7 @@ def test_publish_to_s3_and_a_corrupted_upload_is_refused(s3_url, tmp_path, monke
 
     monkeypatch.setattr(type(fs), "put_file", corrupting_put)
     with pytest.raises(UserError, match="model.safetensors differs"):
-        report.publish(run, s3_url.replace("/runs/tiny", "/models/again"))
+        publishing.publish(run, s3_url.replace("/runs/tiny", "/models/again"))
 
 
 class FakeHub:
@@ -108,10 +110,10 @@ class FakeHub:
 def test_publish_to_the_hub_is_one_commit_to_a_private_repo_then_verified(tmp_path):
     run = fake_run(tmp_path / "run")
     hub = FakeHub()
-    assert report.publish(run, "hf://someone/tiny-model", api=hub) == "https://huggingface.co/someone/tiny-model"
+    assert publishing.publish(run, "hf://someone/tiny-model", api=hub) == "https://huggingface.co/someone/tiny-model"
     assert hub.repos == {"someone/tiny-model": {"private": True}}
     assert len(hub.commits) == 1 and set(hub.commits[0]) == EXPECTED
-    report.publish(run, "hf://someone/public-one/v1", public=True, api=hub)
+    publishing.publish(run, "hf://someone/public-one/v1", public=True, api=hub)
     assert hub.repos["someone/public-one"] == {"private": False}
     assert set(hub.commits[1]) == {f"v1/{name}" for name in EXPECTED}
 
@@ -120,7 +122,7 @@ def test_publish_to_the_hub_is_one_commit_to_a_private_repo_then_verified(tmp_pa
 def test_a_hub_copy_that_differs_is_an_error(tmp_path, corrupt):
     run = fake_run(tmp_path / "run")
     with pytest.raises(UserError, match=f"hf://someone/m of {corrupt} differs"):
-        report.publish(run, "hf://someone/m", api=FakeHub(corrupt=corrupt))
+        publishing.publish(run, "hf://someone/m", api=FakeHub(corrupt=corrupt))
 
 
 def test_hub_errors_never_show_the_token(tmp_path, monkeypatch):
@@ -132,7 +134,7 @@ def test_hub_errors_never_show_the_token(tmp_path, monkeypatch):
             raise PermissionError("401 Unauthorized for url https://huggingface.co/api/repos/create")
 
     with pytest.raises(UserError) as caught:
-        report.publish(run, "hf://someone/m", api=Refusing())
+        publishing.publish(run, "hf://someone/m", api=Refusing())
     assert "401" in str(caught.value) and "hf_secret" not in str(caught.value)
     with pytest.raises(UserError, match="is not hf://USER/REPO"):
-        report.publish(run, "hf://only-a-user", api=FakeHub())
+        publishing.publish(run, "hf://only-a-user", api=FakeHub())

@@ -1,4 +1,4 @@
-"""report.py: progress lines, the loss curve, TensorBoard, chat generation, task accuracy, HF export."""
+"""report.py: progress lines, the loss curve, TensorBoard, the HF export and its model card."""
 
 import json
 import math
@@ -10,49 +10,10 @@ import pytest
 import torch
 
 import data
-import model_config
+import generation
 import report
 import trackers
 from common import UserError, remove_temporaries, sha256_file, temporary_name
-
-# A tiny model memorizes these replies in a few seconds; generation must reproduce them exactly.
-CHATS = [
-    ("What is 2 plus 3?", data.render_assistant("5")),
-    ("What is 10 plus 7?", data.render_assistant("17", "10 + 7 = 17")),
-    ("Say hello.", "Hello there!"),
-    ("Name a color.", "Blue"),
-]
-PROMPTS = [prompt for prompt, _ in CHATS]
-REPLIES = [reply for _, reply in CHATS]
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    """(model, tokenizer): the tiny preset trained until it answers CHATS and then says <|im_end|>."""
-    conversations = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in CHATS]
-    texts = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n" for q, a in CHATS]
-    tokenizer, _ = data.train_tokenizer(texts * 3, 400, tmp_path_factory.mktemp("tokenizer"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small trains ~10x faster on one thread of a busy machine
-    try:
-        torch.manual_seed(0)
-        model = model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer))
-        rendered = [tokenizer.apply_chat_template(conversation, tokenize=False) for conversation in conversations]
-        batch = tokenizer(rendered, padding=True, add_special_tokens=False, return_tensors="pt")
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model.train()
-        for _ in range(200):
-            loss = model(**batch, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        assert loss.item() < 0.2
-        model.eval()
-        yield model, tokenizer
-    finally:
-        torch.set_num_threads(threads)
-
 
 # ----------------------------------------------------------------------------------------------
 # Progress
@@ -268,120 +229,6 @@ def test_tensorboard_logger_writes_the_scalars(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Generation and task accuracy
-
-
-def test_generate_chat_stops_at_im_end_and_batching_changes_nothing(chat_model):
-    model, tokenizer = chat_model
-    one_by_one = report.generate_chat(model, tokenizer, PROMPTS, max_new_tokens=24, device="cpu", batch_size=1)
-    batched = report.generate_chat(model, tokenizer, PROMPTS, max_new_tokens=24, device="cpu", batch_size=4)
-    assert one_by_one == REPLIES
-    assert batched == REPLIES
-
-    # Without the stop tokens the model would go on past <|im_end|>: stopping is what ends the reply.
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
-    raw = model.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    continued = tokenizer.decode(raw[0, inputs["input_ids"].shape[1]:], skip_special_tokens=False)
-    assert continued.startswith("Hello there!<|im_end|>") and len(continued) > len("Hello there!<|im_end|>")
-
-    details = report.generate_chat_details(model, tokenizer, [[{"role": "user", "content": "Name a color."}]],
-                                           max_new_tokens=24)
-    assert details == [{"completion": "Blue", "stopped": True, "new_tokens": 1}]
-    assert model.training is False
-
-
-def test_generation_restores_train_mode_and_caps_new_tokens(chat_model):
-    model, tokenizer = chat_model
-    model.train()
-    try:
-        details = report.generate_chat_details(model, tokenizer, ["What is 10 plus 7?"], max_new_tokens=3)
-        assert model.training is True
-    finally:
-        model.eval()
-    assert details[0]["stopped"] is False and details[0]["new_tokens"] == 3
-
-
-def test_cut_at_stop_and_unwrap():
-    assert report.cut_at_stop([7, 8, 2, 9, 4], [4, 2]) == ([7, 8], True)
-    assert report.cut_at_stop([7, 8, 4, 2], [4, 2]) == ([7, 8], True)
-    assert report.cut_at_stop([7, 8], [4, 2]) == ([7, 8], False)
-
-    model = model_config.build_model(model_config.PRESETS["tiny"], 64)
-
-    class FakeDDP(torch.nn.Module):
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-    assert report.unwrap_model(FakeDDP(torch.compile(model))) is model
-
-
-def test_generate_samples_records_replies_and_never_raises(chat_model, tmp_path, monkeypatch):
-    model, tokenizer = chat_model
-    out = tmp_path / "sample_generations.json"
-    result = report.generate_samples(model, tokenizer, out, prompts=PROMPTS[2:], max_new_tokens=16, step=200)
-    written = json.loads(out.read_text())
-    assert written == result
-    assert result["error"] is None and result["step"] == 200
-    assert [(s["prompt"], s["completion"], s["stopped"]) for s in written["samples"]] == [
-        ("Say hello.", "Hello there!", True), ("Name a color.", "Blue", True)]
-    assert written["settings"]["decoding"] == "greedy" and written["settings"]["max_new_tokens"] == 16
-
-    def out_of_memory(**kwargs):
-        raise RuntimeError("CUDA out of memory")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(model, "generate", out_of_memory)
-        failed = report.generate_samples(model, tokenizer, out, prompts=["hi"])
-    assert "RuntimeError: CUDA out of memory" in failed["error"] and failed["samples"] == []
-    assert json.loads(out.read_text())["error"] == failed["error"]
-
-    unwritable = report.generate_samples(model, tokenizer, tmp_path, prompts=["Say hello."], max_new_tokens=8)
-    assert "writing" in unwritable["error"] and unwritable["samples"][0]["completion"] == "Hello there!"
-
-
-def test_extract_final_answer_and_scoring():
-    assert report.extract_final_answer("<think>\n10 + 7 = 17\n</think>\n\n 17 ") == "17"
-    assert report.extract_final_answer("<think>a</think>b</think> 3") == "3"
-    assert report.extract_final_answer(" 42\n") == "42"
-    assert report.extract_final_answer("<think>\nunfinished 17") == "<think>\nunfinished 17"
-    examples = [{"prompt": "a", "answer": "17", "task": "add"}, {"prompt": "b", "answer": "5", "task": "add"},
-                {"prompt": "c", "answer": "9", "task": "mul"}]
-    result = report.score_answers(examples, ["<think>x</think>\n\n17", "5 apples", "9"])
-    assert (result["correct"], result["total"], result["accuracy"]) == (2, 3, 2 / 3)
-    assert result["by_task"] == {"add": {"correct": 1, "total": 2, "accuracy": 0.5},
-                                 "mul": {"correct": 1, "total": 1, "accuracy": 1.0}}
-    assert [(w["prompt"], w["predicted"]) for w in result["wrong_examples"]] == [("b", "5 apples")]
-
-
-def test_task_accuracy_with_a_real_model(chat_model, tmp_path):
-    model, tokenizer = chat_model
-    folder = tmp_path / "eval"
-    folder.mkdir()
-    (folder / "addition.jsonl").write_text(
-        json.dumps({"prompt": "What is 2 plus 3?", "answer": 5, "task": "addition"}) + "\n"
-        + json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n\n")
-    (folder / "words.jsonl").write_text(json.dumps({"prompt": "Name a color.", "answer": "Red"}) + "\n")
-
-    result = report.task_accuracy(model, tokenizer, folder, device="cpu", max_new_tokens=24)
-    assert (result["correct"], result["total"]) == (2, 3)
-    assert result["accuracy"] == pytest.approx(2 / 3)
-    assert result["by_task"]["addition"] == {"correct": 2, "total": 2, "accuracy": 1.0}
-    assert result["by_task"]["words"] == {"correct": 0, "total": 1, "accuracy": 0.0}
-    assert [(w["answer"], w["predicted"]) for w in result["wrong_examples"]] == [("Red", "Blue")]
-
-    limited = report.task_accuracy(model, tokenizer, folder / "addition.jsonl", limit=1, max_new_tokens=24)
-    assert (limited["correct"], limited["total"]) == (1, 1)
-
-    (folder / "words.jsonl").write_text('{"prompt": "Name a color."}\n')
-    with pytest.raises(UserError, match=r"words.jsonl:1: .*answer"):
-        report.task_accuracy(model, tokenizer, folder)
-    with pytest.raises(UserError, match="not found"):
-        report.task_accuracy(model, tokenizer, tmp_path / "nope.jsonl")
-
-
-# ----------------------------------------------------------------------------------------------
 # Hugging Face export
 
 CARD_INFO = {
@@ -510,7 +357,7 @@ def test_export_shows_no_transformers_progress_bars_and_restores_the_setting(cha
     hf_logging.enable_progress_bar()  # other tests (datasets, data.py) may have switched the bars off
     try:
         report.export_hf_model(model, tokenizer, tmp_path / "model", CARD_INFO)
-        report.load_exported(str(tmp_path / "model"), "cpu")
+        generation.load_exported(str(tmp_path / "model"), "cpu")
         assert hf_logging.is_progress_bar_enabled()  # only our export is quiet
     finally:
         if not was_enabled:
@@ -551,38 +398,6 @@ def test_smooth_is_centred_so_a_falling_curve_does_not_lag():
     assert report.smooth([]) == [] and report.smooth([2.0]) == [2.0]
 
 
-def test_sampling_is_seeded_reproducible_and_leaves_the_callers_rng_alone(chat_model):
-    model, tokenizer = chat_model
-    greedy = report.generate_chat(model, tokenizer, PROMPTS, max_new_tokens=24)
-    # top-k 1 keeps only the likeliest token: sampling it is greedy decoding
-    assert report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=report.Sampling(1.0, top_k=1)) == greedy
-    hot = report.Sampling(temperature=3.0, top_p=0.95, seed=7)
-    state = torch.random.get_rng_state()
-    first = report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=hot)
-    assert torch.equal(torch.random.get_rng_state(), state)
-    assert report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=hot) == first != greedy
-    other = report.generate_chat(model, tokenizer, PROMPTS, 24, sampling=report.Sampling(3.0, 0.95, seed=8))
-    assert other != first
-    text = report.generate_text_details(model, tokenizer, ["What is"], 8, sampling=hot)
-    assert report.generate_text_details(model, tokenizer, ["What is"], 8, sampling=hot) == text
-    assert report.Sampling().describe() == {"decoding": "greedy"}
-    assert hot.describe() == {"decoding": "sampled", "temperature": 3.0, "top_p": 0.95, "top_k": 0, "seed": 7}
-
-
-@pytest.mark.parametrize("values, message", [
-    ({"temperature": -1.0}, r"--temperature must be 0 \(greedy\) or positive"),
-    ({"top_p": 0.0}, r"--top-p must be in \(0, 1\]"),
-    ({"top_k": -2}, "--top-k must not be negative"),
-])
-def test_bad_sampling_options_name_the_option(values, message):
-    defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
-    with pytest.raises(UserError, match=message):
-        report.sampling_from({**defaults, **values})
-    prefixed = {f"sample_{key}": value for key, value in {**defaults, **values}.items()}
-    with pytest.raises(UserError, match=message.replace("--", "--sample-")):
-        report.sampling_from(prefixed, "sample_")
-
-
 # ----------------------------------------------------------------------------------------------
 # The model card's usage example comes from the corpus
 
@@ -612,7 +427,7 @@ def test_usage_example_from_a_text_corpus_is_a_held_out_opening(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=300)
     tokenizer = data.load_tokenizer(corpus / "tokenizer")
     example = report.usage_example_from(corpus, tokenizer)
-    kind, openings = report.held_out_prompts(corpus, tokenizer, count=1)
+    kind, openings = generation.held_out_prompts(corpus, tokenizer, count=1)
     assert example == {"kind": "text", "prompt": openings[0]} and kind == "text"
     assert " plus " in example["prompt"]  # the corpus's sentences ("12 plus 30 is 42. the cat ..."), not a demo's
     assert report.usage_example_from(tmp_path / "missing", tokenizer) == {"kind": "chat", "prompt": "Hello!"}

@@ -1257,9 +1257,9 @@ def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
     assert lengths[specials].tolist() == [0, 0, 0] and lengths[-5:].tolist() == [0] * 5
 
 
-def test_evaluate_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
+def test_heldout_loss_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     training = in_process_training(corpus, tmp_path / "run")
-    result = train.evaluate(training, "test")
+    result = train.heldout_loss(training, "test")
     split = training.splits["test"]
     count = min(split.blocks, training.run.eval_batches * training.sampler.global_batch)
     order = data.BlockPermutation(split.blocks, training.run.seed, data.EVAL_EPOCH)
@@ -1276,7 +1276,7 @@ def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
     for split in (["--batch-size", "2", "--grad-accum", "2"], ["--batch-size", "4", "--grad-accum", "1"],
                   ["--batch-size", "1", "--grad-accum", "4"]):
         settings = train.parse_args(options(corpus, tmp_path / "run", *split))
-        results.append(train.evaluate(train.build_training(settings, info), "validation"))
+        results.append(train.heldout_loss(train.build_training(settings, info), "validation"))
     assert results[0]["tokens"] == 2 * 4 * 32  # --eval-batches 2 global batches of 4 blocks of 32 tokens
     assert all(result["tokens"] == results[0]["tokens"] for result in results)
     assert all(result["loss"] == pytest.approx(results[0]["loss"], rel=1e-6) for result in results)
@@ -1318,14 +1318,14 @@ def interrupt_twice() -> None:
 def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_records_failed(corpus, tmp_path,
                                                                                                monkeypatch):
     out = tmp_path / "run"
-    original = train.evaluate
+    original = train.heldout_loss
 
-    def evaluate(training, split):
+    def heldout_loss(training, split):
         if split == "test":  # in finish_run, before the status is written
             interrupt_twice()
         return original(training, split)
 
-    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(train, "heldout_loss", heldout_loss)
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, steps=4))
     record = status(out)
