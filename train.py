@@ -7,9 +7,10 @@
     python train.py --export-only --resume PATH --out RUN             # RUN/model/ from any checkpoint
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
-top-down: options (each declared once), the recipe, Training (one step counter), the run (main,
-the loop), its lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint
-rules and writer).
+top-down: options (each declared once), Training (one step counter), the run (main, the loop), its
+lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint rules and
+writer). The optimization (the recipe and its options, the optimizers, clipping, the fp16 scaler) is
+optimization.py's.
 Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
