@@ -13,7 +13,8 @@ test fakes a T4, an A100 or a CPU without one. The rules:
 - peak FLOP/s and memory bandwidth per card (for MFU); the throughput model of docs/training.md, a
   roofline over what bench/bench_roofline.py counts and each card's sustained rates (predict_step);
 - memory: what one step holds (step_memory, checked against a measured step in bench/bench_memory.py),
-  and the split of the batch a CUDA out-of-memory error suggests (fitting_split, out_of_memory_advice).
+  and the split of the batch a CUDA out-of-memory error suggests (fitting_split, out_of_memory_advice);
+  each optimizer's state per parameter is optimization.OPTIMIZERS' (OptimizerState).
 
 Nothing here imports torch at module level: the rules are table-tested on any machine.
 """
@@ -25,7 +26,6 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
-from typing import Any
 
 from common import UserError
 from model_config import Preset, parameter_count
@@ -219,6 +219,14 @@ def logits_chunk_tokens(vocab: int) -> int:
 
 
 @dataclass(frozen=True)
+class OptimizerState:
+    """Bytes of optimizer state per parameter (optimization.OPTIMIZERS gives each optimizer's)."""
+
+    hidden: int  # per parameter of the hidden matrices (attention and MLP projections)
+    rest: int  # per parameter of the embeddings and norms
+
+
+@dataclass(frozen=True)
 class StepMemory:
     """Bytes one rank holds at the peak of a training step, by kind."""
 
@@ -275,8 +283,9 @@ def attention_bytes(kernel: str, preset: Preset, batch_size: int, context: int, 
     return 0
 
 
-def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str, optimizer: str,
-                grad_checkpoint: bool, chunk_tokens: int | None = None, attention: str = "flash") -> StepMemory:
+def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str,
+                optimizer: OptimizerState, grad_checkpoint: bool, chunk_tokens: int | None = None,
+                attention: str = "flash") -> StepMemory:
     """The memory model of one step at micro-batch batch_size x context. An estimate for choosing a split,
     checked against a measured CPU step in bench/bench_memory.py. `chunk_tokens`: the loss's chunk
     (default: logits_chunk_tokens; batch_size * context is the whole batch's logits at once, the loss before
@@ -287,7 +296,7 @@ def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, preci
                                 + 3 * preset.hidden * preset.intermediate)
     half = precision in ("fp16", "bf16")
     weights = 4 * parameters + (2 * parameters if half else 0)
-    optimizer_bytes = 8 * parameters if optimizer == "adamw" else 4 * matrices + 8 * (parameters - matrices)
+    optimizer_bytes = optimizer.hidden * matrices + optimizer.rest * (parameters - matrices)
     tokens = batch_size * context
     per_layer = layer_activation_bytes(preset, precision)
     kept = 4 * preset.hidden * preset.layers + per_layer if grad_checkpoint else per_layer * preset.layers
@@ -315,7 +324,8 @@ def usable_memory_bytes(device: Device) -> int:
 
 
 def fitting_split(preset: Preset, vocab: int, batch_size: int, grad_accum: int, context: int, precision: str,
-                  optimizer: str, grad_checkpoint: bool, device: Device, attention: str = "flash") -> Split | None:
+                  optimizer: OptimizerState, grad_checkpoint: bool, device: Device,
+                  attention: str = "flash") -> Split | None:
     """The first split smaller than batch_size x grad_accum (the same global batch: every step reads the
     same samples) whose step_memory fits `device`, or None. Smaller micro-batches come first (each a
     divisor of batch_size, the largest first), then --grad-checkpoint (a third more compute) from the
@@ -337,7 +347,7 @@ def memory_text(size: int) -> str:
 
 
 def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_size: int, grad_accum: int,
-                         context: int, precision: str, optimizer: str, grad_checkpoint: bool,
+                         context: int, precision: str, optimizer: OptimizerState, grad_checkpoint: bool,
                          device: Device, attention: str = "flash") -> str:
     """What a CUDA out-of-memory error in a step says: the micro-batch, the estimate, a split that fits."""
     now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint,
@@ -611,7 +621,7 @@ def newton_schulz_flops(rows: int, columns: int, steps: int = 5) -> int:
 
 
 def muon_matrix_shapes(preset) -> list[tuple[int, int]]:
-    """The (out, in) shapes of the hidden matrices Muon trains (train.hidden_matrices), for a
+    """The (out, in) shapes of the hidden matrices Muon trains (optimization.hidden_matrices), for a
     model_config.Preset: per layer q, k, v, o and the MLP's gate, up, down."""
     q, kv = preset.heads * preset.head_dim, preset.kv_heads * preset.head_dim
     per_layer = [(q, preset.hidden), (kv, preset.hidden), (kv, preset.hidden), (preset.hidden, q),
@@ -723,57 +733,3 @@ def peak_memory_bytes(device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-# ----------------------------------------------------------------------------------------------
-# fp16: the gradient scaler (choose_precision's fp16 needs one; bf16 and fp32 run it disabled).
-
-
-class LossScaler:
-    """torch.amp.GradScaler (enabled for fp16 only) over the run's optimizers, counting steps skipped for overflow."""
-
-    def __init__(self, device, enabled: bool):
-        import torch
-
-        self.scaler = torch.amp.GradScaler(device.type, enabled=enabled)
-        self.enabled = enabled
-        self.skipped_total = 0
-        self.skipped_in_a_row = 0
-
-    def scale(self, loss: Any) -> Any:
-        return self.scaler.scale(loss)
-
-    def unscale_(self, optimizers: list[Any]) -> None:
-        for optimizer in optimizers:
-            self.scaler.unscale_(optimizer)
-
-    def step(self, optimizers: list[Any], finite: bool = True) -> bool:
-        """Step every optimizer; False when fp16 gradients overflowed (`finite` False) and none stepped.
-
-        GradScaler decides per optimizer; an overflow in one optimizer's gradients (say the embeddings')
-        must skip the others' step too, or the retried step would apply their update twice.
-        """
-        if not self.enabled:
-            for optimizer in optimizers:
-                optimizer.step()
-            return True
-        if finite:
-            for optimizer in optimizers:
-                self.scaler.step(optimizer)
-        self.scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        if not finite:
-            self.skipped_total += 1
-            self.skipped_in_a_row += 1
-            return False
-        self.skipped_in_a_row = 0
-        return True
-
-    def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict(), "skipped_total": self.skipped_total,
-                "skipped_in_a_row": self.skipped_in_a_row}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.skipped_total = int(state["skipped_total"])
-        self.skipped_in_a_row = int(state["skipped_in_a_row"])

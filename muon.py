@@ -11,7 +11,7 @@ CPU its rounding makes a world-size-2 run drift ~1e-3 from the world-size-1 run 
   the results. Every rank still updates every momentum buffer from the all-reduced gradients, so the
   optimizer state, and so a checkpoint's `state_dict()`, is whole and torch's on every rank.
 
-A module of its own, imported inside train.build_optimizers: train.py needs no torch.optim.Muon at import,
+A module of its own, imported inside optimization.build_muon: train.py needs no torch.optim.Muon at import,
 so on a torch older than 2.9 hardware.check_torch still says so in one line.
 """
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import math
 import os
@@ -229,8 +230,19 @@ def smooth(values: list[float], window: int | None = None) -> list[float]:
     return smoothed
 
 
-# metrics.jsonl's learning rates (train records) and their legend labels
-LR_SERIES = {"muon_lr": "Muon lr (hidden matrices)", "adamw_lr": "AdamW lr (embeddings, norms; all under adamw)"}
+LR_SUFFIX = "_lr"  # a train record's NAME_lr: the lr of the param groups named NAME (optimization.Optimizers)
+
+
+def lr_fields(lrs: dict[str, float]) -> dict[str, float]:
+    """A train record's learning rates: {"muon": 0.02, "adamw": 0.05} -> {"muon_lr": 0.02, "adamw_lr": 0.05}."""
+    return {name + LR_SUFFIX: lr for name, lr in lrs.items()}
+
+
+def lr_series(records: list[dict]) -> dict[str, tuple[list, list]]:
+    """Each param group's lr against tokens seen, labelled by the group names the train records hold."""
+    keys = dict.fromkeys(key for record in records if record.get("kind") == "train" for key in record
+                         if key.endswith(LR_SUFFIX))
+    return {f"{key[:-len(LR_SUFFIX)]} lr": _series(records, "train", key) for key in keys}
 
 
 def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike, title: str = "tinyllm") -> bool:
@@ -247,8 +259,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     train_x, train_loss = _series(records, "train", "loss")
     val_x, val_loss = _series(records, "eval", "val_loss")
     test_x, test_loss = _series(records, "test", "test_loss")
-    learning_rates = {label: _series(records, "train", key) for key, label in LR_SERIES.items()}
-    learning_rates = {label: series for label, series in learning_rates.items() if series[1]}
+    learning_rates = {label: series for label, series in lr_series(records).items() if series[1]}
     if not train_loss and not val_loss:
         return False
 
@@ -325,9 +336,9 @@ def _plot_task_scores(axes, records: list[dict]) -> None:
 
 
 def _plot_learning_rates(axes, learning_rates: dict) -> tuple[list, list]:
-    """Each optimizer's learning rate (AdamW's, Muon's) on a second axis; its legend handles and labels."""
+    """Each param group's learning rate on a second axis; its legend handles and labels."""
     lr_axes = axes.twinx()
-    for (label, (lr_x, lr)), style in zip(learning_rates.items(), ("--", ":")):
+    for (label, (lr_x, lr)), style in zip(learning_rates.items(), itertools.cycle(("--", ":", "-."))):
         lr_axes.plot(lr_x, lr, style, color="tab:gray", linewidth=1, label=label)
     lr_axes.set_ylabel("learning rate")
     lr_axes.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))

@@ -7,9 +7,10 @@
     python train.py --export-only --resume PATH --out RUN             # RUN/model/ from any checkpoint
 
 The contracts (data order, run folder, checkpoint contents) are in DESIGN.md. The file reads
-top-down: options (each declared once), the recipe, Training (one step counter), the run (main,
-the loop), its lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint
-rules and writer).
+top-down: options (each declared once), Training (one step counter), the run (main, the loop), its
+lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint rules and
+writer). The optimization (the recipe and its options, the optimizers, clipping, the fp16 scaler) is
+optimization.py's.
 Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
@@ -58,6 +59,7 @@ import generation
 import hardware
 import losses
 import model_config
+import optimization
 import report
 import trackers
 from common import (
@@ -67,11 +69,9 @@ from common import (
     at_least,
     atomic_write_json,
     atomic_write_text,
-    below_one,
     check_options,
     config_argv,
     finite,
-    fraction,
     not_negative,
     option,
     option_fields,
@@ -105,20 +105,12 @@ MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is
 
 LOSS_ON = ("all", "assistant")
 TEXT_LOSS = ("full", "none")
-OPTIMIZERS = ("muon", "adamw")
-SCHEDULES = ("wsd", "cosine")
-DEFAULT_OPTIMIZER = "muon"
-DEFAULT_SCHEDULE = "wsd"
-DEFAULT_DECAY_FRACTION = 0.4
-DEFAULT_FINAL_LR_FRACTION = 0.0
-DEFAULT_BETA2 = 0.95
 
 PATHS, MODEL, BUDGET = "data and run folder", "model (a preset, with any field overridden)", "batch, length and seed"
-RECIPE = "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)"
 LOSS = "which tokens the loss counts (the corpus' mask, see data.py)"
 SAVING, STOPPING, SPEED = "checkpoints and evaluation", "stopping", "hardware and speed"
 OUTPUT, BACKUP = "what a run shows and leaves behind", "checkpoint backup (checkpoint_cloud.py)"
-OPTION_GROUPS = (PATHS, MODEL, BUDGET, RECIPE, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
+OPTION_GROUPS = (PATHS, MODEL, BUDGET, optimization.OPTIONS, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
 
 
 DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
@@ -147,9 +139,10 @@ def token_count(text: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunSettings:
-    """What makes the run this run: a resume must give the same (Training.load compares them with the
-    checkpoint's), except the length (target_tokens, epochs), which may change under extension()'s rule.
+class RunSettings(optimization.RecipeOptions):
+    """What makes the run this run, the recipe's options (optimization.RecipeOptions) included: a resume must
+    give the same (Training.load compares them with the checkpoint's), except the length (target_tokens,
+    epochs), which may change under extension()'s rule.
 
     None: the preset's shape, the recipe rule's value; what they resolve to is recorded beside these
     as model.* and recipe.* (and text_loss as resolved for the corpus)."""
@@ -175,30 +168,6 @@ class RunSettings:
                                             "inside each document; bestfit: rows that start at a document, filled "
                                             "by best fit, no mask; stream: blocks of the stream, attention across "
                                             "documents (docs/training.md)", BUDGET, choices=data.PACKINGS)
-    optimizer: str | None = option(
-        None, f"muon: torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms; adamw: AdamW "
-              f"for everything (None: {DEFAULT_OPTIMIZER})", RECIPE, choices=OPTIMIZERS)
-    lr: float | None = option(None, "AdamW's peak learning rate (under muon: of the embeddings and norms)",
-                              RECIPE, checks=(finite, positive))
-    muon_lr: float | None = option(None, "Muon's peak learning rate (hidden matrices)", RECIPE,
-                                   checks=(finite, positive))
-    schedule: str | None = option(
-        None, "cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay over the last "
-              f"--decay-fraction of the run (None: {DEFAULT_SCHEDULE})", RECIPE, choices=SCHEDULES)
-    warmup_steps: int | None = option(None, "linear warmup steps (None: a fraction of the run, see docs/recipe.md)",
-                                      RECIPE, checks=(not_negative,))
-    decay_fraction: float | None = option(None, f"wsd: share of the run spent decaying (None: "
-                                                f"{DEFAULT_DECAY_FRACTION})", RECIPE, checks=(finite, fraction))
-    final_lr_fraction: float | None = option(
-        None, f"learning rate at the end, as a fraction of the peak (None: {DEFAULT_FINAL_LR_FRACTION})", RECIPE,
-        checks=(finite, fraction))
-    weight_decay: float = option(0.1, "decoupled weight decay of the matrices (AdamW's and Muon's; not "
-                                      "embeddings or norms)", RECIPE, checks=(finite, not_negative))
-    beta1: float = option(0.9, "AdamW beta1", RECIPE, checks=(finite, below_one))
-    beta2: float | None = option(None, f"AdamW beta2 (None: {DEFAULT_BETA2})", RECIPE, checks=(finite, below_one))
-    muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum", RECIPE, checks=(finite, below_one))
-    grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", RECIPE, checks=(finite, not_negative))
-    adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", SPEED, flag="--8bit-adam")
     loss_on: str = option("all", "all: every token; assistant: only the assistants' answers (reasoning included) "
                                  "of chat documents, and plain-text documents as --text-loss says", LOSS,
                           choices=LOSS_ON)
@@ -397,13 +366,7 @@ def check_settings(settings: Settings) -> None:
     checkpoint_cloud.refuse_placeholder(settings.session.backup_to)
     generation.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
     trackers.check_trackers(trackers.tracker_names(settings.session.log_to))
-    if run.muon_lr is not None and run.optimizer == "adamw":
-        raise UserError("--muon-lr needs --optimizer muon (with adamw, --lr sets every learning rate)")
-    if run.decay_fraction is not None and run.schedule == "cosine":
-        raise UserError("--decay-fraction belongs to --schedule wsd (the cosine decays over the whole run)")
-    if run.adam8bit and (run.optimizer or DEFAULT_OPTIMIZER) == "muon":
-        raise UserError("--8bit-adam needs --optimizer adamw: under muon, AdamW only trains the embeddings and "
-                        "norms, and Muon keeps one buffer per matrix (half of AdamW's state) already")
+    optimization.check_recipe_options(run)
     resolve_model_preset(run)  # the shape's own rules (heads a multiple of kv_heads)
     mixture_of(settings)  # the --data mixture's and --mixture-schedule's own rules
     if run.text_loss is not None and run.loss_on != "assistant":
@@ -446,219 +409,7 @@ def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The recipe: optimizer, learning rates and schedule, chosen from the model's width and the run's
-# length by the rules below (measured in bench/bench_recipe.py; the evidence is in docs/recipe.md).
-
-
-MUON_LR = 0.02  # Muon's update is orthogonalized (unit spectral norm), so one lr fits every width
-
-
-# AdamW's peak lr = LR x (WIDTH / hidden) ** EXPONENT, at most CAP: for every parameter under adamw (~1/width, as
-# muP and the GPT-3 table suggest), for the embeddings and norms only under muon (~1/sqrt(width), as nanochat).
-ADAMW_LR_RULE = {"adamw": (1e-3, 256, 1.0, 1e-2), "muon": (0.05, 128, 0.5, 0.1)}  # LR, WIDTH, EXPONENT, CAP
-
-
-WARMUP_FRACTION = {"adamw": 0.05, "muon": 0.02}
-
-
-MAX_WARMUP_STEPS = 1000
-
-
-def adamw_lr_for_width(hidden: int, optimizer: str) -> float:
-    """AdamW's peak lr for a model `hidden` wide (under muon AdamW trains only the embeddings and norms)."""
-    lr, width, exponent, cap = ADAMW_LR_RULE[optimizer]
-    return min(cap, lr * (width / hidden) ** exponent)
-
-
-def default_warmup_steps(optimizer: str, total_steps: int) -> int:
-    """A fixed fraction of the run, at least one step and at most MAX_WARMUP_STEPS."""
-    return min(MAX_WARMUP_STEPS, max(1, round(WARMUP_FRACTION[optimizer] * total_steps)))
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Everything that shapes the optimization, resolved: recorded in training_settings.json and checked on resume."""
-
-    optimizer: str
-    lr: float  # AdamW's peak lr (under muon: embeddings and norms)
-    muon_lr: float | None  # Muon's peak lr for the hidden matrices; None under adamw
-    schedule: str
-    warmup_steps: int
-    decay_steps: int  # the steps of the final decay (cosine: all steps after warmup)
-    final_lr_fraction: float
-    total_steps: int
-    weight_decay: float
-    betas: tuple[float, float]
-    muon_momentum: float | None
-    grad_clip: float
-
-    def lr_multiplier(self, step: int) -> float:
-        """The learning rate of optimizer step `step` (0-based) as a fraction of the peak."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        decay_start = self.total_steps - self.decay_steps
-        if step < decay_start:
-            return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, self.decay_steps))
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
-        return self.final_lr_fraction + (1.0 - self.final_lr_fraction) * shape
-
-    def describe(self) -> str:
-        rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
-            f"Muon lr {self.muon_lr:.3g} (hidden matrices), AdamW lr {self.lr:.3g} (embeddings, norms)"
-        decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
-            f"constant, then linear decay over the last {self.decay_steps} steps"
-        return (f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
-                f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
-                f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}")
-
-
-def choose_recipe(run: RunSettings, hidden: int, total_steps: int) -> tuple[Recipe, list[str]]:
-    """The recipe for a model of width `hidden` and a run of `total_steps`: the options given, the rules for
-    the rest. Also returns why each chosen value was chosen (printed at start)."""
-    optimizer = run.optimizer or DEFAULT_OPTIMIZER
-    schedule = run.schedule or DEFAULT_SCHEDULE
-    why = []
-    lr = run.lr
-    if lr is None:
-        lr = adamw_lr_for_width(hidden, optimizer)
-        base, width, exponent, cap = ADAMW_LR_RULE[optimizer]
-        why.append(f"AdamW lr {lr:.3g} = {base:g} x ({width} / hidden {hidden})^{exponent:g}, at most {cap:g}")
-    muon_lr = None
-    if optimizer == "muon":
-        muon_lr = MUON_LR if run.muon_lr is None else run.muon_lr
-        if run.muon_lr is None:
-            why.append(f"Muon lr {MUON_LR:g} at every width")
-    warmup = run.warmup_steps
-    if warmup is None:
-        warmup = default_warmup_steps(optimizer, total_steps)
-        why.append(f"{warmup} warmup steps = {WARMUP_FRACTION[optimizer]:g} of {total_steps} steps "
-                   f"(at least 1, at most {MAX_WARMUP_STEPS})")
-    if schedule == "cosine":
-        decay = max(0, total_steps - warmup)
-    else:
-        fraction = DEFAULT_DECAY_FRACTION if run.decay_fraction is None else run.decay_fraction
-        decay = min(max(0, total_steps - warmup), round(fraction * total_steps))
-    final = DEFAULT_FINAL_LR_FRACTION if run.final_lr_fraction is None else run.final_lr_fraction
-    beta2 = DEFAULT_BETA2 if run.beta2 is None else run.beta2
-    recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
-                    decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
-                    weight_decay=run.weight_decay, betas=(run.beta1, beta2),
-                    muon_momentum=run.muon_momentum if optimizer == "muon" else None, grad_clip=run.grad_clip)
-    return recipe, why
-
-
-def extension_problem(old: Recipe, new: Recipe, step: int) -> str | None:
-    """Why a run at `step` (steps taken) under recipe `old` cannot go on under `new`, a recipe of another
-    length (None: it can). A pure function of the two recipes and the step."""
-    if old.schedule == "cosine":
-        return ("its schedule is cosine, whose decay spans the whole run: the learning rate of every step "
-                "taken depends on the length, so a longer run is not the same run (start runs you may extend "
-                "with --schedule wsd)")
-    if old.warmup_steps != new.warmup_steps:
-        return f"the warmup would change from {old.warmup_steps} to {new.warmup_steps} steps"
-    old_start, new_start = old.total_steps - old.decay_steps, new.total_steps - new.decay_steps
-    if step > old_start:
-        return (f"its decay began at step {old_start} and it is at step {step}: only a checkpoint of the stable "
-                f"phase (step <= {old_start}) can be extended")
-    if step > new_start:
-        return (f"the new length's decay would start at step {new_start}, before the checkpoint's step {step} "
-                "(ask for more tokens)")
-    return None
-
-
-def recipe_warnings(recipe: Recipe) -> list[str]:
-    """Schedules that cannot train well: warmup that is most of the run, a run of a handful of steps."""
-    warnings = []
-    if recipe.warmup_steps >= recipe.total_steps:
-        warnings.append(f"--warmup-steps {recipe.warmup_steps} >= the run's {recipe.total_steps} steps: the learning "
-                        "rate never reaches its peak nor decays; pass fewer --warmup-steps")
-    elif recipe.warmup_steps > recipe.total_steps // 2:
-        warnings.append(f"{recipe.warmup_steps} of the run's {recipe.total_steps} steps are warmup: most of the run "
-                        "trains below the peak learning rate; pass fewer --warmup-steps or train longer")
-    if recipe.total_steps < 20:
-        warnings.append(f"the run is only {recipe.total_steps} optimizer steps: too few to learn much; train more "
-                        "tokens (--target-tokens, --epochs) or use a smaller --batch-size / --grad-accum")
-    return warnings
-
-
-def hidden_matrices(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(the 2-D weights inside the decoder layers: attention and MLP projections, the rest: embeddings, norms)."""
-    hidden, rest = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (hidden if param.ndim == 2 and ".layers." in name else rest).append(param)
-    return hidden, rest
-
-
-class Optimizers:
-    """The run's optimizers as one: AdamW alone, or Muon for the hidden matrices beside AdamW for the rest.
-
-    Every param group keeps its peak lr in "peak_lr"; set_lr_multiplier(m) sets lr = peak_lr * m.
-    """
-
-    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
-        self.parts = parts
-
-    def set_lr_multiplier(self, multiplier: float) -> None:
-        for optimizer in self.parts.values():
-            for group in optimizer.param_groups:
-                group["lr"] = group["peak_lr"] * multiplier
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """set_to_none=False zeroes in place: under DDP the gradients are views of its all-reduce buckets
-        (gradient_as_bucket_view), and None would make the next backward allocate a second copy. The
-        same result either way, since every parameter gets a gradient in every step (tested)."""
-        for optimizer in self.parts.values():
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {name: optimizer.state_dict() for name, optimizer in self.parts.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if set(state) != set(self.parts):
-            raise UserError(f"the checkpoint's optimizer holds {', '.join(sorted(state))}, this run uses "
-                            f"{', '.join(sorted(self.parts))}")
-        for name, optimizer in self.parts.items():
-            optimizer.load_state_dict(state[name])
-
-
-def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.device, eight_bit: bool = False,
-                     rank: int = 0, world: int = 1) -> Optimizers:
-    """AdamW (fused on CUDA and CPU; bitsandbytes' 8-bit on request) with decay on matrices only, and under
-    muon torch.optim.Muon's rule for the hidden matrices (muon.Muon: Newton-Schulz in the device's dtype,
-    split across the `world` ranks). Embeddings and norms are never decayed."""
-    hidden, rest = hidden_matrices(model)
-    parts = {}
-    if recipe.optimizer == "muon":
-        from muon import Muon  # here, not at import: a torch without Muon gets check_torch's message
-
-        parts["muon"] = Muon(hidden, ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)), rank=rank,
-                             world=world, lr=recipe.muon_lr, weight_decay=recipe.weight_decay,
-                             momentum=recipe.muon_momentum, nesterov=True)
-        adamw_groups = [{"params": rest, "weight_decay": 0.0}]
-    else:
-        adamw_groups = [{"params": hidden, "weight_decay": recipe.weight_decay},
-                        {"params": rest, "weight_decay": 0.0}]
-    if eight_bit:
-        if device.type != "cuda":
-            raise UserError("--8bit-adam needs a CUDA device (bitsandbytes); drop it on CPU")
-        try:
-            import bitsandbytes
-        except ImportError:
-            raise UserError("--8bit-adam needs bitsandbytes: pip install bitsandbytes") from None
-        parts["adamw"] = bitsandbytes.optim.AdamW8bit(adamw_groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8)
-    else:
-        parts["adamw"] = torch.optim.AdamW(adamw_groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8,
-                                           fused=device.type in ("cuda", "cpu"))
-    for optimizer in parts.values():
-        for group in optimizer.param_groups:
-            group["peak_lr"] = group["lr"]
-    return Optimizers(parts)
-
-
-# ----------------------------------------------------------------------------------------------
-# Precision: autocast, and gradient scaling for fp16.
+# Precision: autocast (fp16's gradient scaling: optimization.LossScaler).
 
 
 def resolve_precision(requested: str, device: hardware.Device) -> hardware.Precision:
@@ -677,21 +428,6 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Training: everything a step needs, callable from Python (bench/ times train_step directly).
 
 
-def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_, minus its multiply by 1.0 when the norm is already below max_norm.
-
-    The result is bitwise the same (x * 1.0 == x); the multiply it skips reads and writes every
-    gradient (~1.5% of a `micro` step on CPU). The step reads the norm right after anyway (to stop
-    on a non-finite one), so the comparison adds no device sync.
-    """
-    parameters = [parameter for parameter in parameters if parameter.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([parameter.grad for parameter in parameters])
-    clip_coefficient = max_norm / (total_norm + 1e-6)  # torch's own arithmetic, so the decision matches it
-    if not bool(clip_coefficient >= 1.0):  # NaN clips too (to NaN), as torch does
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
-    return total_norm
-
-
 class NonFiniteLoss(Exception):
     pass
 
@@ -700,8 +436,7 @@ class NonFiniteLoss(Exception):
 class StepResult:
     step: int
     loss: float
-    adamw_lr: float  # AdamW's lr this step (embeddings and norms under Muon; everything under adamw)
-    muon_lr: float | None  # Muon's lr this step (the hidden matrices); None under adamw
+    lrs: dict[str, float]  # each param group's lr this step by its name (Optimizers.apply_schedule)
     grad_norm: float
     seconds: float
     applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
@@ -738,14 +473,14 @@ class Training:
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, self.sampler.blocks, self.sampler.global_batch, self.tokens_per_step)
-        self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
+        self.recipe, self.recipe_reasons = optimization.choose_recipe(run, self.preset.hidden, self.total_steps)
         self.sampler = mixture_sampler(self)  # after the recipe: a mixture's phase may start at its decay
 
         seed_everything(run.seed)
         self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
                                                        self.device, session.grad_checkpoint)
-        self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
-        self.scaler = hardware.LossScaler(self.device, enabled=self.precision == "fp16")
+        self.optimizer = optimization.build_optimizers(self.model, self.recipe, self.device, info.rank, info.world)
+        self.scaler = optimization.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
         self.metrics = report.RunMetrics()
         self.staging = store.StagingBuffers()
@@ -804,15 +539,14 @@ class Training:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
         started = time.perf_counter()
         step = self.step
-        lr_multiplier = self.recipe.lr_multiplier(step)
-        self.optimizer.set_lr_multiplier(lr_multiplier)
+        lrs = self.optimizer.apply_schedule(self.recipe, step)
         batches = [self.splits["train"].batch(indices, self.device)
                    for indices in self.sampler.micro_batches(step, self.info.rank)]
         loss_sum = backward_micro_steps(self, batches)
         optimizers = list(self.optimizer.parts.values())
         self.scaler.unscale_(optimizers)
         # --grad-clip 0 is off: an infinite bound never clips (a bound of 0 would zero every gradient)
-        grad_norm = clip_gradients(self.model.parameters(), self.recipe.grad_clip or math.inf).item()
+        grad_norm = optimization.clip_gradients(self.model.parameters(), self.recipe.grad_clip or math.inf).item()
         mean_loss = distributed.all_reduce_sum(loss_sum, self.info).item() / self.info.world
         if not self.scaler.enabled and not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             raise NonFiniteLoss(f"non-finite loss ({mean_loss}) or gradient norm ({grad_norm}) at step {step + 1}")
@@ -825,9 +559,8 @@ class Training:
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
         self.metrics.train_seconds += seconds
-        muon_lr = None if self.recipe.muon_lr is None else self.recipe.muon_lr * lr_multiplier
-        return StepResult(step=self.step, loss=mean_loss, adamw_lr=self.recipe.lr * lr_multiplier, muon_lr=muon_lr,
-                          grad_norm=grad_norm, seconds=seconds, applied=applied)
+        return StepResult(step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds,
+                          applied=applied)
 
     def snapshot(self) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
@@ -1048,8 +781,7 @@ def recorded_settings(training: Training) -> dict:
         "global_batch_blocks": training.sampler.global_batch,
         "tokens_per_step": training.tokens_per_step,
         "total_steps": training.total_steps,
-        **{f"recipe.{key}": value for key, value in dataclasses.asdict(training.recipe).items()},
-        "recipe.betas": list(training.recipe.betas),  # as JSON and the checkpoint store it
+        **training.recipe.recorded(),
     }
     if training.mixture is not None:  # its sources (each corpus by its manifest) and weights per phase
         compared["mixture"] = training.mixture.recorded()
@@ -1109,12 +841,12 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     """What a resume from `checkpoint` may change, decided before any state is restored: the warmup the rule
     chose for the run's first length is kept, a precision change is noted, any setting but the length
     refuses the resume (store.resume_verdict), and a new length must be a sound extension."""
-    old = checkpoint["settings"]["training"]
+    old = optimization.with_recorded_defaults(checkpoint["settings"]["training"])  # a knob added since: its default
     warmup = old.get("recipe.warmup_steps")
     if training.run.warmup_steps is None and warmup is not None and warmup != training.recipe.warmup_steps:
         # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
         kept = dataclasses.replace(training.run, warmup_steps=int(warmup))
-        recipe, reasons = choose_recipe(kept, training.preset.hidden, training.total_steps)
+        recipe, reasons = optimization.choose_recipe(kept, training.preset.hidden, training.total_steps)
         training.recipe = recipe
         training.recipe_reasons = [*reasons, f"{warmup} warmup steps: the run's, chosen for its first length"]
     runtime = checkpoint["settings"].get("runtime") or {}
@@ -1135,16 +867,15 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     training.extensions = extensions
 
 
-def extension(old: dict, recipe: Recipe, total_steps: int, step: int, path: Path) -> dict:
+def extension(old: dict, recipe: optimization.Recipe, total_steps: int, step: int, path: Path) -> dict:
     """The record of continuing the run recorded in `old` (its training settings) at `step` as a run of
     `total_steps` under `recipe` (the warmup the checkpoint's unless --warmup-steps asks otherwise, the
     decay derived for the new length). Refused (one line saying why) unless every step taken keeps its rate."""
-    recorded = {key[len("recipe."):]: value for key, value in old.items() if key.startswith("recipe.")}
     try:
-        before = Recipe(**{**recorded, "betas": tuple(recorded["betas"])})
+        before = optimization.Recipe.from_recorded(old)
     except (TypeError, KeyError):
         raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
-    problem = extension_problem(before, recipe, step)
+    problem = optimization.extension_problem(before, recipe, step)
     if problem:
         length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
             f"--epochs {old.get('epochs') or 1}"
@@ -1346,7 +1077,7 @@ def describe_run(training: Training) -> None:
     if training.recipe_reasons:
         log(info, "  chosen by the rules (docs/recipe.md): " + "; ".join(training.recipe_reasons))
     if info.is_main:
-        for warning in recipe_warnings(training.recipe):
+        for warning in optimization.recipe_warnings(training.recipe):
             say(warning, warning=True)
 
 def default_eval_every(total_steps: int) -> int:
@@ -1496,7 +1227,7 @@ def log_train_step(training: Training, metrics: report.MetricsLog, status: store
     """A train record in metrics.jsonl and the store.RUNNING status (the progress bar shows the step)."""
     tokens = result.step * training.tokens_per_step
     metrics.write("train", step=result.step, tokens=tokens, loss=result.loss,
-                  adamw_lr=result.adamw_lr, **({} if result.muon_lr is None else {"muon_lr": result.muon_lr}),
+                  **report.lr_fields(result.lrs),
                   grad_norm=result.grad_norm, step_seconds=result.seconds,
                   tokens_per_second=tokens_per_second, mfu=mfu,
                   peak_memory_bytes=hardware.peak_memory_bytes(training.device),
@@ -1887,7 +1618,7 @@ def out_of_memory_advice(training: Training) -> str:
     run, session = training.run, training.session
     return hardware.out_of_memory_advice(run.preset, training.preset, training.vocab_size, session.batch_size,
                                          session.grad_accum, training.context, training.precision,
-                                         training.recipe.optimizer, session.grad_checkpoint, training.hardware,
+                                         training.recipe.rule.state, session.grad_checkpoint, training.hardware,
                                          training.attention_plan.documents if run.packing == "masked"
                                          else training.attention_plan.causal)
 

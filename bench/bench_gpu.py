@@ -610,7 +610,7 @@ def optimizer_ranges(training):
     zero_grad) inside a "tinyllm.optimizer" profiler range, as the roofline counts them."""
     import torch
 
-    import train
+    import optimization
 
     def ranged(function):
         def call(*args, **kwargs):
@@ -618,14 +618,14 @@ def optimizer_ranges(training):
                 return function(*args, **kwargs)
         return call
 
-    clip = train.clip_gradients
-    train.clip_gradients = ranged(clip)
+    clip = optimization.clip_gradients
+    optimization.clip_gradients = ranged(clip)
     training.scaler.unscale_ = ranged(training.scaler.unscale_)
     training.optimizer.zero_grad = ranged(training.optimizer.zero_grad)
     try:
         yield
     finally:
-        train.clip_gradients = clip
+        optimization.clip_gradients = clip
         del training.scaler.unscale_, training.optimizer.zero_grad
 
 
@@ -1152,7 +1152,7 @@ class Bench:
             muon_seconds = muon_timer.seconds()
             peak_memory = torch.cuda.max_memory_allocated(self.info.device) if self.device.is_cuda else None
             estimate = hardware.step_memory(training.preset, training.vocab_size, batch_size, context,
-                                            training.precision, training.recipe.optimizer, False,
+                                            training.precision, training.recipe.rule.state, False,
                                             attention=training.attention_plan.documents)
             profiled = profile_step(training, self.info.device)
             counts = watch.counts() if watch else {}

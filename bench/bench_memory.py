@@ -29,6 +29,7 @@ import attention  # noqa: E402
 import hardware  # noqa: E402
 import losses  # noqa: E402
 import model_config  # noqa: E402
+import optimization  # noqa: E402
 from common import ArgumentParser, UserError, run_main  # noqa: E402
 
 THINK72_VOCAB = 33_069
@@ -104,8 +105,8 @@ def run_child(variant: str, argv: list[str]) -> dict:
 def estimate(args: argparse.Namespace, chunk_tokens: int | None) -> int:
     """hardware.step_memory's gradients + activations + logits for this step (its weights exist before it)."""
     preset = model_config.resolve_preset(args.preset, context=args.context)
-    memory = hardware.step_memory(preset, args.vocab, args.batch_size, args.context, args.precision, "adamw",
-                                  False, chunk_tokens)
+    memory = hardware.step_memory(preset, args.vocab, args.batch_size, args.context, args.precision,
+                                  optimization.OPTIMIZERS["adamw"].state, False, chunk_tokens)
     return memory.gradients + memory.activations + memory.logits
 
 

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 import distributed  # noqa: E402
 import model_config  # noqa: E402
 import muon  # noqa: E402
+import optimization  # noqa: E402
 import train  # noqa: E402
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 from hardware import newton_schulz_flops  # noqa: E402
@@ -162,7 +163,7 @@ def muon_extra_flops(training: train.Training) -> int:
     """Muon's Newton-Schulz FLOPs per optimizer step of this run (0 under adamw)."""
     if training.recipe.optimizer != "muon":
         return 0
-    return sum(newton_schulz_flops(*param.shape) for param in train.hidden_matrices(training.model)[0])
+    return sum(newton_schulz_flops(*param.shape) for param in optimization.hidden_matrices(training.model)[0])
 
 
 def muon_share_on_gpus(preset: model_config.Preset, vocab: int, tokens_per_step: int, world: int) -> float:

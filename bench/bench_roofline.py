@@ -478,14 +478,14 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     the rest, zero_grad in place under DDP), on fake tensors. Under DDP each rank orthogonalizes its share
     (muon.newton_schulz_owners): counted here for the whole set, its matmuls scaled to the largest share."""
     import muon
-    import train
+    import optimization
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model = model_config.build_model(preset, VOCAB)
         for parameter in model.parameters():
             parameter.grad = torch.zeros_like(parameter)
-    hidden, rest = train.hidden_matrices(model)
+    hidden, rest = optimization.hidden_matrices(model)
     card = CARD_PLANS[precision]
     ns_dtype = hardware.newton_schulz_dtype(card)
     with fake:  # the first step makes the optimizers' state: not counted
@@ -501,7 +501,7 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         if precision == "fp16":
             found_inf = torch.zeros(1)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1))
-        # train.clip_gradients, clipping (the costlier case); foreach as on CUDA (one kernel per list)
+        # optimization.clip_gradients, clipping (the costlier case); foreach as on CUDA (one kernel per list)
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, norm, foreach=True)
         for optimizer in optimizers:

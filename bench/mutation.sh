@@ -21,9 +21,9 @@ CORE=(
   # data.py: splits, document hashing, packing into hashed shards, corpus record verification
   "data.x_split_of__*" "data.x_document_hash__*" "data.x_token_dtype__*" "data.x_shard_name__*"
   "data.xǁShardWriterǁ*" "data.x_batches__*" "data.x_verify_files__*" "data.x_check_settings__*"
-  # data.py: the data order; train.py: the loss, gradient clipping, loading a checkpoint, the settings check
+  # data.py: the data order; the loss, gradient clipping (optimization.py), loading a checkpoint, the settings check
   "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
-  "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "train.x_clip_gradients__*"
+  "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "optimization.x_clip_gradients__*"
   "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
   # checkpoint_store.py: names, records, listings, the resume, timeline, retention and mirror plans, the run
   # status (not its I/O glue moved in from train.py, the writer thread, the lock and the checkpoint readers:

@@ -23,6 +23,7 @@ import checkpoint_store as store
 import data
 import evaluation
 import losses
+import optimization
 import report
 import train
 from common import UserError, sha256_file
@@ -531,7 +532,7 @@ def gradients(*values: list[float]) -> list[torch.nn.Parameter]:
 ])
 def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
     parameters = gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
-    total = train.clip_gradients(parameters, max_norm)
+    total = optimization.clip_gradients(parameters, max_norm)
     assert total.item() == pytest.approx(norm)
     after = [p.grad for p in parameters[:-1]]
     if scaled:
@@ -553,7 +554,7 @@ def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
             twin = torch.nn.Parameter(parameter.detach().clone())
             twin.grad = parameter.grad.clone()
             theirs.append(twin)
-        got = train.clip_gradients(ours, 1.0)
+        got = optimization.clip_gradients(ours, 1.0)
         want = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
         assert torch.equal(got, want) or (got.isnan() and want.isnan())
         for mine, twin in zip(ours, theirs):
@@ -562,7 +563,7 @@ def test_clip_gradients_is_bitwise_torchs_clip_grad_norm():
 
 def test_clip_gradients_sets_non_finite_gradients_to_nan():
     parameters = gradients([float("nan"), 1.0])
-    assert math.isnan(train.clip_gradients(parameters, 1.0).item())
+    assert math.isnan(optimization.clip_gradients(parameters, 1.0).item())
     assert torch.isnan(parameters[0].grad).all()
 
 

@@ -22,6 +22,7 @@ import distributed
 import evaluation
 import generation
 import model_config
+import optimization
 import report
 import train
 from common import sha256_file
@@ -139,10 +140,10 @@ def test_the_demo_trains_with_the_default_recipe_and_a_clean_log(demo):
     """No recipe option given: the rules pick Muon, the width's AdamW lr and a warmup that fits 40 steps."""
     work, result = demo
     settings = json.loads((work / "runs" / "demo" / "training_settings.json").read_text())["training"]
-    assert settings["recipe.optimizer"] == train.DEFAULT_OPTIMIZER
-    assert settings["recipe.lr"] == train.adamw_lr_for_width(model_config.PRESETS["tiny"].hidden,
-                                                                train.DEFAULT_OPTIMIZER)
-    assert settings["recipe.warmup_steps"] == train.default_warmup_steps(train.DEFAULT_OPTIMIZER, STEPS) < STEPS // 2
+    rule = optimization.OPTIMIZERS[optimization.DEFAULT_OPTIMIZER]
+    assert settings["recipe.optimizer"] == optimization.DEFAULT_OPTIMIZER
+    assert settings["recipe.lr"] == rule.adamw_lr.at(model_config.PRESETS["tiny"].hidden)
+    assert settings["recipe.warmup_steps"] == rule.warmup_steps(STEPS) < STEPS // 2
     assert "recipe: " in result.stdout and "chosen by the rules" in result.stdout
     assert "warning:" not in result.stderr
     assert "Writing model shards" not in result.stderr and "Loading weights" not in result.stderr

@@ -191,13 +191,13 @@ def test_predict_step_refuses_impossible_inputs(counted, rates, tokens, world):
                               tokens_per_step=tokens, world=world)
 
 
-def test_muon_matrices_are_train_hidden_matrices():
+def test_muon_matrices_are_the_hidden_matrices():
     import model_config
-    import train
+    import optimization
 
     preset = model_config.PRESETS["tiny"]
     model = model_config.build_model(preset, 512)
-    shapes = [tuple(param.shape) for param in train.hidden_matrices(model)[0]]
+    shapes = [tuple(param.shape) for param in optimization.hidden_matrices(model).hidden]
     assert sorted(hardware.muon_matrix_shapes(preset)) == sorted(shapes)
     assert hardware.newton_schulz_flops(64, 192) == hardware.newton_schulz_flops(192, 64) == 5 * (4 * 64**2 * 192
                                                                                                   + 2 * 64**3)
@@ -242,6 +242,7 @@ def test_the_recorded_counts_are_think72_s():
 # The memory model and the split an out-of-memory error suggests (think72's vocabulary, muon).
 
 VOCAB = 33_069
+MUON = hardware.OptimizerState(hidden=4, rest=8)  # optimization.OPTIMIZERS["muon"].state (tests/test_optimization.py)
 MEDIUM_T4_ADVICE = "--batch-size 4 --grad-accum 8 keeps the global batch"
 
 # preset, card, precision, micro-batch 8 x 1024 fits (chunked loss), fitted before the chunked loss,
@@ -261,7 +262,7 @@ MEMORY_TABLE = [
 
 def estimate(preset: str, precision: str = "fp16", batch_size: int = 8, context: int = 1024,
              grad_checkpoint: bool = False, **kwargs) -> hardware.StepMemory:
-    return hardware.step_memory(model_config.PRESETS[preset], VOCAB, batch_size, context, precision, "muon",
+    return hardware.step_memory(model_config.PRESETS[preset], VOCAB, batch_size, context, precision, MUON,
                                 grad_checkpoint, **kwargs)
 
 
@@ -271,7 +272,7 @@ def test_memory_on_every_card(preset, device, precision, fits, fitted_before, of
     usable = hardware.usable_memory_bytes(device)
     assert (estimate(preset, precision).total <= usable) == fits
     assert (estimate(preset, precision, chunk_tokens=8 * 1024).total <= usable) == fitted_before
-    split = hardware.fitting_split(model_config.PRESETS[preset], VOCAB, 8, 4, 1024, precision, "muon", False, device)
+    split = hardware.fitting_split(model_config.PRESETS[preset], VOCAB, 8, 4, 1024, precision, MUON, False, device)
     assert split.options() == offered and split.memory.total <= usable
     assert split.batch_size * split.grad_accum == 8 * 4  # the same global batch
 
@@ -289,7 +290,8 @@ def test_memory_model_parts():
     parameters = 72_000_000
     assert fp32.weights == 4 * parameters and fp16.weights == 6 * parameters  # + the autocast copies
     assert fp16.gradients == fp32.gradients == 4 * parameters
-    adamw = hardware.step_memory(model_config.PRESETS["think72"], VOCAB, 8, 1024, "fp16", "adamw", False)
+    adamw = hardware.step_memory(model_config.PRESETS["think72"], VOCAB, 8, 1024, "fp16",
+                                 hardware.OptimizerState(hidden=8, rest=8), False)
     assert adamw.optimizer == 8 * parameters and parameters * 4 < fp16.optimizer < adamw.optimizer
     assert fp16.activations < fp32.activations
     assert estimate("think72", batch_size=4).activations * 2 == fp16.activations
@@ -305,21 +307,21 @@ def test_memory_model_parts():
 ])
 def test_fitting_split(preset, batch_size, grad_accum, context, grad_checkpoint, device, offered):
     split = hardware.fitting_split(model_config.PRESETS[preset], VOCAB, batch_size, grad_accum, context, "fp16",
-                                   "muon", grad_checkpoint, device)
+                                   MUON, grad_checkpoint, device)
     assert (split and split.options()) == offered
 
 
 def test_out_of_memory_advice():
     medium = model_config.PRESETS["medium350"]
-    text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "fp16", "muon", False, T4)
+    text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "fp16", MUON, False, T4)
     assert text.startswith("CUDA out of memory on Tesla T4 (sm_75) (15.0 GiB): medium350 at micro-batch 8 x 1024 "
                            "tokens (--batch-size 8 --grad-accum 4, fp16) needs about 20.5 GiB")
     assert text.endswith(MEDIUM_T4_ADVICE + " (the same samples every step) and needs about 12.8 GiB")
     assert "should fit" not in text
-    roomy = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", "muon", False, A100)
+    roomy = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", MUON, False, A100)
     assert "should fit: is another process using the card" in roomy and MEDIUM_T4_ADVICE in roomy
     small_card = hardware.Device("cuda", "Tiny GPU", (7, 5), 2 * GIB)
-    stuck = hardware.out_of_memory_advice("medium350", medium, VOCAB, 1, 32, 1024, "fp16", "muon", True, small_card)
+    stuck = hardware.out_of_memory_advice("medium350", medium, VOCAB, 1, 32, 1024, "fp16", MUON, True, small_card)
     assert "no split of this batch fits 1.8 GiB" in stuck and "smaller --preset or --context" in stuck
 
 
@@ -342,7 +344,7 @@ def test_the_attention_paths_own_memory_is_counted():
     math = estimate("think72", precision="bf16", attention="masked math")
     assert math.attention > 10 * masked.attention  # the scores themselves
     medium = model_config.PRESETS["medium350"]
-    text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", "muon", False, L4,
+    text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", MUON, False, L4,
                                          attention="masked math")
     assert "needs about" in text and "no split" not in text
 

@@ -176,11 +176,19 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
     assert smoothed[30] == pytest.approx(sum(losses[29:32]) / 3)  # a centred moving average of 3 (60 points // 25)
     assert drawn["validation loss"] == ([20 * 512, 40 * 512, 60 * 512], [5.5 - 20 / 30, 5.5 - 40 / 30, 5.5 - 2.0])
     assert drawn["test loss 3.250"] == ([61 * 512], [3.25])
-    # both optimizers' learning rates, each named
-    assert drawn["AdamW lr (embeddings, norms; all under adamw)"] == (
-        tokens + [61 * 512], [line["adamw_lr"] for line in train] + [1e-3])
-    assert drawn["Muon lr (hidden matrices)"] == (tokens + [61 * 512], [line["muon_lr"] for line in train] + [2e-2])
+    # each param group's learning rate, named as the records name it (NAME_lr)
+    assert drawn["adamw lr"] == (tokens + [61 * 512], [line["adamw_lr"] for line in train] + [1e-3])
+    assert drawn["muon lr"] == (tokens + [61 * 512], [line["muon_lr"] for line in train] + [2e-2])
     assert not any(label and " acc" in label for label in drawn)  # no --eval-tasks: no second panel
+
+
+def test_the_learning_rates_are_the_param_groups_the_records_name():
+    """A train record's NAME_lr is the lr of the param groups named NAME: any optimizer's groups, no fixed list."""
+    assert report.lr_fields({"muon": 0.02, "adamw": 0.05}) == {"muon_lr": 0.02, "adamw_lr": 0.05}
+    records = [{"kind": "train", "step": 1, "tokens": 64, "loss": 3.0, "matrices_lr": 0.1, "embeddings_lr": 0.2},
+               {"kind": "train", "step": 2, "tokens": 128, "loss": 2.9, "matrices_lr": 0.05},
+               {"kind": "eval", "step": 2, "tokens": 128, "other_lr": 1.0}]
+    assert report.lr_series(records) == {"matrices lr": ([64, 128], [0.1, 0.05]), "embeddings lr": ([64], [0.2])}
 
 
 def test_eval_task_scores_get_a_second_panel(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ import distributed
 import hardware
 import losses
 import model_config
+import optimization
 import report
 import train
 from common import UserError, atomic_write_json, sha256_file, sha256_tree
@@ -153,7 +154,7 @@ def status(out: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Units: data order, schedule, checkpoint files
+# Units: data order, checkpoint files (the schedule: tests/test_optimization.py)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 1000, 4097])
@@ -195,117 +196,6 @@ def test_sampler_visits_every_block_once_per_epoch_and_seeks_in_o1():
     # no state to replay: a step far away is computed from its index alone, the same from any sampler
     assert far.step_blocks(10**8) == data.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
                                                         world=1).step_blocks(10**8)
-
-
-def recipe(**fields) -> train.Recipe:
-    base = dict(optimizer="muon", lr=1.0, muon_lr=0.02, schedule="wsd", warmup_steps=4, decay_steps=8,
-                final_lr_fraction=0.0, total_steps=20, weight_decay=0.1, betas=(0.9, 0.95), muon_momentum=0.95,
-                grad_clip=1.0)
-    return train.Recipe(**{**base, **fields})
-
-
-@pytest.mark.parametrize("schedule, final, expected", [
-    # warmup 4 steps (0-based step s trains at (s+1)/4), then wsd: flat until step 12, linear to `final` at 20
-    ("wsd", 0.0, {0: 0.25, 3: 1.0, 4: 1.0, 11: 1.0, 12: 1.0, 14: 0.75, 16: 0.5, 19: 0.125, 20: 0.0, 99: 0.0}),
-    ("wsd", 0.1, {0: 0.25, 11: 1.0, 16: 0.55, 20: 0.1}),
-    # cosine over all 16 steps after warmup: half way (step 12) at the mean of 1 and the final fraction
-    ("cosine", 0.1, {0: 0.25, 3: 1.0, 4: 1.0, 12: 0.55, 20: 0.1, 99: 0.1}),
-])
-def test_schedule_table(schedule, final, expected):
-    chosen = recipe(schedule=schedule, decay_steps=16 if schedule == "cosine" else 8, final_lr_fraction=final)
-    assert {step: pytest.approx(chosen.lr_multiplier(step)) for step in expected} == expected
-    assert all(chosen.lr_multiplier(s) >= chosen.lr_multiplier(s + 1) for s in range(4, 25))
-
-
-@pytest.mark.parametrize("optimizer, hidden, lr", [
-    # adamw, every parameter: 1e-3 at width 256, ~1/width, at most 1e-2
-    ("adamw", 64, 4e-3), ("adamw", 128, 2e-3), ("adamw", 256, 1e-3), ("adamw", 512, 5e-4), ("adamw", 768, 1e-3 / 3),
-    ("adamw", 1024, 2.5e-4), ("adamw", 384, 1e-3 * 256 / 384), ("adamw", 16, 1e-2),
-    # muon's AdamW, embeddings and norms: 0.05 at width 128, ~1/sqrt(width), at most 0.1
-    ("muon", 128, 0.05), ("muon", 512, 0.025), ("muon", 64, 0.05 * 2 ** 0.5), ("muon", 32, 0.1), ("muon", 8, 0.1),
-])
-def test_adamw_lr_rule_by_width(optimizer, hidden, lr):
-    assert train.adamw_lr_for_width(hidden, optimizer) == pytest.approx(lr)
-
-
-@pytest.mark.parametrize("given, hidden, steps, expected", [
-    # nothing given: Muon at 0.02, AdamW by width, warmup 2% (muon) / 5% (adamw) of the run, wsd decaying 40%
-    ([], 128, 1500, dict(optimizer="muon", muon_lr=0.02, lr=0.05, warmup_steps=30, decay_steps=600)),
-    (["--optimizer", "adamw"], 512, 1500, dict(optimizer="adamw", muon_lr=None, lr=5e-4, warmup_steps=75)),
-    ([], 64, 10, dict(warmup_steps=1, decay_steps=4)),  # at least one warmup step
-    ([], 768, 1_000_000, dict(warmup_steps=1000)),  # at most 1,000
-    (["--schedule", "cosine"], 128, 100, dict(schedule="cosine", warmup_steps=2, decay_steps=98)),
-    (["--lr", "1e-3", "--muon-lr", "0.05", "--warmup-steps", "7", "--decay-fraction", "0.5",
-      "--final-lr-fraction", "0.1", "--beta2", "0.99"], 128, 100,
-     dict(lr=1e-3, muon_lr=0.05, warmup_steps=7, decay_steps=50, final_lr_fraction=0.1)),
-])
-def test_recipe_rule_table(given, hidden, steps, expected, tmp_path):
-    settings = train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *given])
-    chosen, reasons = train.choose_recipe(settings.run, hidden, steps)
-    assert {key: getattr(chosen, key) for key in expected} == pytest.approx(expected)
-    assert chosen.total_steps == steps
-    assert chosen.betas == ((0.9, 0.99) if "--beta2" in given else (0.9, train.DEFAULT_BETA2))
-    assert len(reasons) == sum(option not in given for option in ("--lr", "--muon-lr", "--warmup-steps")) - (
-        chosen.optimizer == "adamw")  # a reason for each value the rules chose
-
-
-def test_a_warmup_of_zero_steps_starts_at_the_peak():
-    assert recipe(warmup_steps=0).lr_multiplier(0) == 1.0
-
-
-def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
-    model = train.model_config.build_model(train.model_config.PRESETS["tiny"], vocab_size=300)
-    names = {id(param): name for name, param in model.named_parameters()}
-    hidden, rest = train.hidden_matrices(model)
-    projections = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    assert sorted(names[id(p)] for p in hidden) == sorted(
-        f"model.layers.{layer}.{projection}.weight" for layer in range(2) for projection in projections)
-    assert sorted(names[id(p)] for p in rest) == sorted(  # the tied embedding is the LM head too
-        ["model.embed_tokens.weight", "model.norm.weight"] + [
-            f"model.layers.{layer}.{norm}.weight" for layer in range(2)
-            for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")])
-    muon = train.build_optimizers(model, recipe(lr=0.004, muon_lr=0.03), torch.device("cpu"))
-    assert isinstance(muon.parts["muon"], torch.optim.Muon) and set(muon.parts) == {"muon", "adamw"}
-    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in muon.parts["muon"].param_groups] == [
-        (0.03, 0.1, 14)]
-    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in muon.parts["adamw"].param_groups] == [
-        (0.004, 0.0, 10)]
-    muon.set_lr_multiplier(0.5)
-    assert [g["lr"] for part in muon.parts.values() for g in part.param_groups] == [0.015, 0.002]
-    adamw = train.build_optimizers(model, recipe(optimizer="adamw", lr=0.004, muon_lr=None), torch.device("cpu"))
-    assert list(adamw.parts) == ["adamw"] and [(g["weight_decay"], len(g["params"]))
-                                                for g in adamw.parts["adamw"].param_groups] == [(0.1, 14), (0.0, 10)]
-    with pytest.raises(UserError, match="the checkpoint's optimizer holds adamw, this run uses adamw, muon"):
-        muon.load_state_dict(adamw.state_dict())
-
-
-def test_loss_scaler_counts_and_skips_overflow_steps():
-    """The fp16 path's bookkeeping (GradScaler runs on CPU too): an inf gradient skips the step of every
-    optimizer, also of one whose own gradients are finite (Muon's beside AdamW's)."""
-    first, second = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
-    optimizers = [torch.optim.AdamW(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
-    scaler = hardware.LossScaler(torch.device("cpu"), enabled=True)
-    before = [first.weight.detach().clone(), second.weight.detach().clone()]
-
-    def backward(inputs: torch.Tensor) -> bool:
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        scaler.scale(second(torch.ones(1, 1)).sum() + first(inputs).sum()).backward()
-        scaler.unscale_(optimizers)
-        return all(torch.isfinite(p.grad).all() for p in [*first.parameters(), *second.parameters()])
-
-    finite = backward(torch.tensor([[1.0, float("inf")]]))  # only the first layer's gradients overflow
-    assert not finite and scaler.step(optimizers, finite) is False
-    assert torch.equal(first.weight, before[0]) and torch.equal(second.weight, before[1])
-    assert scaler.skipped_total == scaler.skipped_in_a_row == 1 and scaler.scaler.get_scale() == 2.0**15
-    finite = backward(torch.ones(1, 2))
-    assert finite and scaler.step(optimizers, finite) is True
-    assert not torch.equal(first.weight, before[0]) and not torch.equal(second.weight, before[1])
-    assert scaler.skipped_total == 1 and scaler.skipped_in_a_row == 0
-    restored = hardware.LossScaler(torch.device("cpu"), enabled=True)
-    restored.load_state_dict(scaler.state_dict())
-    assert restored.state_dict() == scaler.state_dict()
 
 
 def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
@@ -779,6 +669,28 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
 
 
+def test_a_checkpoint_recorded_before_a_recipe_knob_existed_resumes_bit_for_bit(corpus, reference, tmp_path,
+                                                                                monkeypatch):
+    """A knob added since a checkpoint was written (as if --8bit-adam had just become one) reads at its default
+    (optimization.with_recorded_defaults): the resume is the uninterrupted run, not a refusal."""
+    out, recorded = tmp_path / "run", train.recorded_settings
+
+    def before_the_knob(training):
+        settings = recorded(training)
+        settings["training"] = {key: value for key, value in settings["training"].items()
+                                if key not in ("adam8bit", "recipe.adam8bit")}
+        return settings
+
+    monkeypatch.setattr(train, "recorded_settings", before_the_knob)
+    assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
+    assert "recipe.adam8bit" not in final_state(out)["settings"]["training"]
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"settings differ from checkpoint .*recipe\.grad_clip: 1\.0 -> 0\.5"):
+        train.main(options(corpus, out, "--grad-clip", "0.5"))  # a changed value still refuses
+    assert train.main(options(corpus, out)) == 0
+    assert_same_state(final_state(out), final_state(reference))
+
+
 def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, reference, sums_task, tmp_path):
     """--eval-tasks on, stopped and resumed, ends bit for bit where the run without them ends; the scores
     are in metrics.jsonl and the checkpoints, which give back the records metrics.jsonl lost."""
@@ -898,8 +810,8 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
             for param in group["params"]]
     assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
     assert all(param.grad is not None and bool(param.grad.abs().sum() > 0) for param in held)
-    zero_grad = train.Optimizers.zero_grad
-    monkeypatch.setattr(train.Optimizers, "zero_grad", lambda self, set_to_none=True: zero_grad(self, False))
+    zero_grad = optimization.Optimizers.zero_grad
+    monkeypatch.setattr(optimization.Optimizers, "zero_grad", lambda self, set_to_none=True: zero_grad(self, False))
     out = tmp_path / "in-place"
     assert train.main(options(corpus, out, "--stop-after-steps", "4")) == 0
     assert train_losses(out) == {step: loss for step, loss in train_losses(reference).items() if step <= 4}
@@ -938,9 +850,10 @@ def test_muon_state_is_in_the_checkpoint_and_the_recipe_in_the_settings(referenc
     buffers = [entry["momentum_buffer"] for entry in state["optimizer"]["muon"]["state"].values()]
     assert len(buffers) == 14 and all(buffer.abs().sum() > 0 for buffer in buffers)
     settings = json.loads((reference / "training_settings.json").read_text())["training"]
-    assert settings["recipe.optimizer"] == "muon" and settings["recipe.muon_lr"] == train.MUON_LR
+    assert settings["recipe.optimizer"] == "muon"
+    assert settings["recipe.muon_lr"] == optimization.OPTIMIZERS["muon"].muon_lr
     assert settings["recipe.lr"] == 3e-3 and settings["recipe.warmup_steps"] == 3
-    assert settings["recipe.schedule"] == train.DEFAULT_SCHEDULE and settings["recipe.total_steps"] == 12
+    assert settings["recipe.schedule"] == optimization.DEFAULT_SCHEDULE and settings["recipe.total_steps"] == 12
 
 
 def test_grad_clip_0_is_off_not_a_zero_bound(corpus, tmp_path):
@@ -1240,10 +1153,6 @@ def test_warmup_longer_than_the_run_and_a_run_of_few_steps_warn(corpus, tmp_path
     err = capsys.readouterr().err
     assert "warning: --warmup-steps 20 >= the run's 2 steps" in err
     assert "warning: the run is only 2 optimizer steps" in err
-    assert [text for text in train.recipe_warnings(recipe(warmup_steps=12, total_steps=20))] == [
-        "12 of the run's 20 steps are warmup: most of the run trains below the peak learning rate; pass fewer "
-        "--warmup-steps or train longer"]
-    assert train.recipe_warnings(recipe(warmup_steps=10, total_steps=20)) == []
 
 
 def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
@@ -1757,24 +1666,6 @@ def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpu
 
 # ----------------------------------------------------------------------------------------------
 # Extending a run on resume: wsd from the stable phase only; cosine never
-
-
-@pytest.mark.parametrize("old, new, step, problem", [
-    # recipe(): 20 steps, warmup 4, decay over the last 8 (from step 12)
-    (recipe(), recipe(total_steps=40, decay_steps=16), 12, None),  # at the decay's start: nothing decayed yet
-    (recipe(), recipe(total_steps=40, decay_steps=16), 0, None),
-    (recipe(), recipe(total_steps=16, decay_steps=4), 12, None),  # shorter, the decay still ahead
-    (recipe(), recipe(total_steps=40, decay_steps=16), 13, "its decay began at step 12 and it is at step 13"),
-    (recipe(), recipe(total_steps=14, decay_steps=6), 10, "the new length's decay would start at step 8, before"),
-    (recipe(), recipe(total_steps=40, decay_steps=16, warmup_steps=8), 10, "the warmup would change from 4 to 8"),
-    (recipe(schedule="cosine", decay_steps=16), recipe(schedule="cosine", total_steps=40, decay_steps=36), 2,
-     "its schedule is cosine, whose decay spans the whole run"),
-])
-def test_extension_rule_table(old, new, step, problem):
-    got = train.extension_problem(old, new, step)
-    assert got == problem if problem is None else got.startswith(problem)
-    if problem is None:  # sound: every step taken keeps its rate
-        assert [old.lr_multiplier(s) for s in range(step)] == [new.lr_multiplier(s) for s in range(step)]
 
 
 def test_a_wsd_run_extended_in_its_stable_phase_is_the_longer_run_bit_for_bit(corpus, tmp_path):
