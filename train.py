@@ -12,10 +12,11 @@ the loop), its lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.
 rules and writer).
 Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
-(distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
-restart is a small object with state_dict()/load_state_dict(): the data order, the optimizers, the
-loss scaler, the RNG of every rank and the run metrics; the store.Checkpointer writes them on a
-background thread.
+(distributed.py), what observes the run (callbacks.py: the metrics log, the validation, the --eval-tasks,
+the end-of-run report, each a callback whose hooks the loop calls), metrics and the final line (report.py).
+Every piece of state that must survive a restart is a small object with state_dict()/load_state_dict():
+the data order, the optimizers, the loss scaler, the RNG of every rank and each observer's; the
+store.Checkpointer writes them on a background thread.
 At the end, report.py draws the loss curve, samples the model, measures its held-out task
 accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
 checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
