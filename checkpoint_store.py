@@ -72,8 +72,9 @@ RUNNING, NEEDS_RESUME, COMPLETE, FAILED = "RUNNING", "CHECKPOINTED_NEEDS_RESUME"
 
 
 # 4: precision is a session setting (settings["runtime"]["precision"], as resolved on the device that saved):
-# a run may move between cards with and without bf16; 5: metrics.task_history (--eval-tasks records)
-FORMAT_VERSION = 5
+# a run may move between cards with and without bf16; 5: metrics.task_history (--eval-tasks records);
+# 6: "callbacks" holds each observer's state under its key (callbacks.py: train, validation, tasks), not "metrics"
+FORMAT_VERSION = 6
 
 
 def checkpoint_name(step: int) -> str:

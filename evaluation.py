@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -618,6 +619,34 @@ class LoopScorer:
 
         return [choice_counts(items, losses.continuation_log_likelihoods(model, rows, device, token_budget))
                 for items, rows in zip(self.shares, self.rows)]
+
+
+TASKS_COST_SHARE = 0.05  # --eval-tasks-every's default keeps the scoring to about this share of the training
+
+
+def default_tasks_every(validation_every: int, total_steps: int, task_tokens: int, step_tokens: int) -> int:
+    """--eval-tasks-every's default: the validation's cadence, or the smallest multiple of it at which
+    scoring the tasks costs at most TASKS_COST_SHARE of the training in between, counting a scored
+    token (a forward) as a third of a trained one (forward and backward); 0, only at the end, when no
+    multiple within the run fits. `task_tokens` (LoopScorer.tokens) and `step_tokens` are one rank's."""
+    if validation_every == 0:
+        return 0
+    needed = task_tokens / (3 * TASKS_COST_SHARE * step_tokens)
+    every = validation_every * max(1, math.ceil(needed / validation_every))
+    return every if every < total_steps else 0
+
+
+def tasks_cadence_note(validation_every: int, tasks_every: int, task_tokens: int, step_tokens: int) -> str | None:
+    """What the run says at its start when default_tasks_every scores the --eval-tasks later than the validation
+    (every k-th one, or only at the end), and why; None when they go together."""
+    if tasks_every == validation_every or validation_every == 0:
+        return None
+    cost = task_tokens / (3 * validation_every * step_tokens)  # a scored token a third of a trained one
+    when = (f"every {tasks_every} steps (with one validation in {tasks_every // validation_every})" if tasks_every
+            else "only at the end")
+    return (f"note: --eval-tasks are scored {when}, not with each validation (every {validation_every} steps): one "
+            f"scoring reads {task_tokens:,} tokens, about {100 * cost:.0f}% of the training between two validations, "
+            f"and the default keeps it near {100 * TASKS_COST_SHARE:.0f}%; --eval-tasks-every N chooses")
 
 
 def choice_counts(items: Sequence[dict], log_likelihoods: Sequence[float]) -> list[float]:

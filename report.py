@@ -33,7 +33,9 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -414,29 +416,6 @@ class MetricsLog:
             sink.close()
 
 
-class RunMetrics:
-    """Numbers that must survive a restart: best validation loss, the latest evaluation, time trained,
-    and every --eval-tasks record (metrics.jsonl's "tasks" records: a resumed run's curve goes on)."""
-
-    def __init__(self):
-        self.best_val_loss = math.inf
-        self.best_step = 0
-        self.last_eval: dict | None = None
-        self.train_seconds = 0.0
-        self.task_history: list[dict] = []
-
-    def state_dict(self) -> dict:
-        return {"best_val_loss": self.best_val_loss, "best_step": self.best_step, "last_eval": self.last_eval,
-                "train_seconds": self.train_seconds, "task_history": self.task_history}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.best_val_loss = float(state["best_val_loss"])
-        self.best_step = int(state["best_step"])
-        self.last_eval = state["last_eval"]
-        self.train_seconds = float(state["train_seconds"])
-        self.task_history = list(state["task_history"])
-
-
 TASK_METRICS = ("acc", "acc_norm", "acc_bytes", "n", "chance")  # a "tasks" record's fields: NAME/acc, ...
 
 
@@ -806,7 +785,7 @@ def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, dev
         say(accuracy_line(result))
     info_card = card_info(out.name, status, training["preset"], step, total,
                           step * int(training["tokens_per_step"]), recorded,
-                          checkpoint.get("metrics", {}).get("last_eval"), test, accuracy,
+                          checkpoint["callbacks"]["validation"]["last"], test, accuracy,
                           usage_example_from(corpus, tokenizer))
     with attention.exportable(model):
         model_files = export_hf_model(model, tokenizer, out / "model", info_card)
@@ -820,16 +799,38 @@ def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, dev
 # Command line: redraw a run's curve, evaluate or sample an exported model.
 
 
-def report_run(training, out: Path, status: str, test: dict | None, settings: dict) -> dict:
+@dataclass(frozen=True)
+class RunFacts:
+    """What report_run needs of a run besides its model, fixed for a session (train.py builds it)."""
+    out: Path
+    corpus: Path
+    preset: str  # the preset's name (--preset)
+    settings: dict  # the recorded settings (training_settings.json's)
+    sampling: generation.Sampling  # --sample-* for the samples
+    device: Any
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """Where a session leaves its run: what the report, the model card and run_status.json say of it."""
+    status: str  # store.COMPLETE or store.NEEDS_RESUME
+    step: int
+    total_steps: int
+    tokens: int
+    validation: dict | None  # the latest validation ({"step", "loss", ...})
+    test: dict | None  # the test evaluation of a complete run
+
+
+def report_run(model, facts: RunFacts, end: RunEnd) -> dict:
     """Loss curve, samples, held-out accuracy and RUN/model (rank 0). Failures are recorded, never raised.
 
     Samples and accuracy only for a complete run; a resumable stop exports the current weights
-    (the model card says the run is unfinished). `training`: train.Training; `settings`: its recorded ones.
+    (the model card says the run is unfinished).
     """
     import data
 
     errors: dict[str, str] = {}
-    corpus = training.corpus
+    out, corpus = facts.out, facts.corpus
 
     def attempt(name: str, function):
         try:
@@ -843,29 +844,26 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
     tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
     attempt("loss_curve", lambda: plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=out.name))
     accuracy = None
-    if status == store.COMPLETE and tokenizer is not None:
+    if end.status == store.COMPLETE and tokenizer is not None:
         # the demo's arithmetic prompts for the demo; else prompts that fit the corpus: its held-out
         # chats' first questions, or the openings of its held-out texts to continue
         kind, prompts = ("chat", generation.DEFAULT_PROMPTS) if (corpus / "eval").is_dir() else \
             attempt("sample_prompts", lambda: generation.held_out_prompts(corpus, tokenizer)) or ("chat", [])
-        samples = generation.generate_samples(training.model, tokenizer, out / "sample_generations.json",
-                                              prompts=prompts, step=training.step, text=kind == "text",
-                                              sampling=generation.sampling_from(vars(training.session), "sample_"))
+        samples = generation.generate_samples(model, tokenizer, out / "sample_generations.json", prompts=prompts,
+                                              step=end.step, text=kind == "text", sampling=facts.sampling)
         if samples["error"]:
             errors["samples"] = samples["error"]
         if (corpus / "eval").is_dir():
             accuracy = attempt("task_accuracy", lambda: evaluation.exact_match_accuracy(
-                training.model, tokenizer, corpus / "eval", training.device))
+                model, tokenizer, corpus / "eval", facts.device))
         if accuracy is not None:
             found["task_accuracy"] = {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}
             say(accuracy_line(accuracy))
     if tokenizer is not None:
-        info = card_info(out.name, status, training.run.preset, training.step, training.total_steps,
-                         training.step * training.tokens_per_step, settings,
-                         training.metrics.last_eval, test, found.get("task_accuracy"),
-                         usage_example_from(corpus, tokenizer))
-        with attention.exportable(training.model):
-            model_files = attempt("export", lambda: export_hf_model(training.model, tokenizer, out / "model", info))
+        info = card_info(out.name, end.status, facts.preset, end.step, end.total_steps, end.tokens, facts.settings,
+                         end.validation, end.test, found.get("task_accuracy"), usage_example_from(corpus, tokenizer))
+        with attention.exportable(model):
+            model_files = attempt("export", lambda: export_hf_model(model, tokenizer, out / "model", info))
         if model_files is not None:
             found["model_files"] = model_files
             found["model_dir"] = str(out / "model")

@@ -13,10 +13,11 @@ writer). The optimization (the recipe and its options, the optimizers, clipping,
 optimization.py's.
 Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
-(distributed.py), metrics and the final line (report.py). Every piece of state that must survive a
-restart is a small object with state_dict()/load_state_dict(): the data order, the optimizers, the
-loss scaler, the RNG of every rank and the run metrics; the store.Checkpointer writes them on a
-background thread.
+(distributed.py), what observes the run (callbacks.py: the metrics log, the validation, the --eval-tasks,
+the end-of-run report, each a callback whose hooks the loop calls), metrics and the final line (report.py).
+Every piece of state that must survive a restart is a small object with state_dict()/load_state_dict():
+the data order, the optimizers, the loss scaler, the RNG of every rank and each observer's; the
+store.Checkpointer writes them on a background thread.
 At the end, report.py draws the loss curve, samples the model, measures its held-out task
 accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
 checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
@@ -50,6 +51,7 @@ except ModuleNotFoundError as missing:  # no torch at all: one line with this ma
 import torch.distributed as dist
 
 import attention
+import callbacks
 import checkpoint_cloud
 import checkpoint_store as store
 import data
@@ -482,7 +484,6 @@ class Training:
         self.optimizer = optimization.build_optimizers(self.model, self.recipe, self.device, info.rank, info.world)
         self.scaler = optimization.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
-        self.metrics = report.RunMetrics()
         self.staging = store.StagingBuffers()
         self.run_id = uuid.uuid4().hex
         self.lineage: dict | None = None  # where --init-from took the first weights from
@@ -494,7 +495,6 @@ class Training:
                                                            hardware.wrap_order(self.compile, info.world))
         self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
-        self.task_scorer: evaluation.LoopScorer | None = None  # --eval-tasks, read by start_training
 
     @property
     def device(self) -> torch.device:
@@ -513,10 +513,10 @@ class Training:
         return self.sampler.global_batch * self.context
 
     def state_parts(self) -> dict:
-        """The pieces of state a checkpoint holds by name, each with state_dict()/load_state_dict()
-        (besides these: the step, the run id, the RNG of every rank, the settings)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
-                "metrics": self.metrics}
+        """The pieces of the training's state a checkpoint holds by name, each with state_dict()/load_state_dict()
+        (besides these: the step, the run id, the RNG of every rank, the settings, and under "callbacks" the
+        run's observers' states: callbacks.Callbacks)."""
+        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler}
 
     @property
     def precision(self) -> str:
@@ -558,12 +558,12 @@ class Training:
             raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
-        self.metrics.train_seconds += seconds
         return StepResult(step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds,
                           applied=applied)
 
-    def snapshot(self) -> dict | None:
-        """The full state copied to CPU, on rank 0 (None elsewhere). Collective: every rank calls it.
+    def snapshot(self, callbacks: dict | None = None) -> dict | None:
+        """The full state copied to CPU, on rank 0 (None elsewhere), with `callbacks` (the observers' states,
+        callbacks.Callbacks.state_dict) under "callbacks". Collective: every rank calls it.
 
         The copy lives in reused staging buffers: write it out (store.Checkpointer.save) and wait for
         that write (store.Checkpointer.wait) before the next snapshot.
@@ -574,7 +574,7 @@ class Training:
         return self.staging.copy({
             "format_version": store.FORMAT_VERSION, "step": self.step, "run_id": self.run_id,
             **{name: part.state_dict() for name, part in self.state_parts().items()},
-            "rng": rng, "settings": recorded_settings(self), "created": utc_now()})
+            "callbacks": callbacks or {}, "rng": rng, "settings": recorded_settings(self), "created": utc_now()})
 
     def load(self, checkpoint: dict, path: Path) -> None:
         """Restore every piece of state from `checkpoint` (check_resume first: only the run's length may
@@ -755,17 +755,16 @@ def eval_task_scorer(training: Training) -> evaluation.LoopScorer | None:
     return evaluation.LoopScorer(tasks, data.load_tokenizer(training.corpus), info.rank, info.world, training.context)
 
 
-def score_eval_tasks(training: Training) -> dict[str, dict]:
+def score_eval_tasks(training: Training, scorer: evaluation.LoopScorer) -> dict[str, dict]:
     """Every --eval-tasks task scored on the model as it is now, each rank its share, summed over the
     ranks. Reads no data and no random numbers: the training goes on exactly as without it."""
     training.model.eval()
     with training.autocast(), training.sdpa_context():
-        counts = training.task_scorer.counts(training.model, training.device,
-                                            training.session.batch_size * training.context)
+        counts = scorer.counts(training.model, training.device, training.session.batch_size * training.context)
     training.model.train()
     totals = distributed.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=training.device),
                                         training.info)
-    return evaluation.loop_scores(training.task_scorer.tasks, totals.tolist())
+    return evaluation.loop_scores(scorer.tasks, totals.tolist())
 
 
 def recorded_settings(training: Training) -> dict:
@@ -968,50 +967,60 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))
-    training, resume_path = start_training(settings, info, corpus)
+    training, resume_path, observed = start_training(settings, info, corpus)
+    scorer = eval_task_scorer(training)
     note = store.previous_session_note(status.previous, training.step)
     if note:
         log(info, note)
+    recorded = recorded_settings(training)
     sinks = trackers.open_trackers(trackers.tracker_names(session.log_to), out, training.run_id,
-                                   recorded_settings(training)) if info.is_main else []
+                                   recorded) if info.is_main else []
     metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
     checkpointer = store.Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
-    peak = write_run_files(training, settings, checkpointer, metrics, resume_path)
+    peak = write_run_files(training, settings, checkpointer, resume_path, recorded)
     describe_run(training)
 
     compiled = None if training.compile_seconds is None else f"compiled in {training.compile_seconds:.0f} s"
     progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main,
                                first_note=compiled)
+    observers = run_callbacks(training, scorer, metrics, progress, status, recorded)
+    if observed is not None:
+        observers.load_state_dict(observed)
+    observers.on_start(training.step)
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     try:
         status.running(training.step, training.total_steps)  # from here on a signal ends with a checkpoint
         try:
-            state, reason = train_loop(training, checkpointer, metrics, status, stop, peak, process_started,
-                                       progress)
+            state, reason = train_loop(training, checkpointer, observers, stop, peak, process_started, progress)
+            observers.on_loop_end()
         finally:
             progress.close()
         stop.loop_ended = True
-        return finish_run(training, status, checkpointer, metrics, state, reason, stop)
+        return finish_run(training, status, checkpointer, observers, metrics, state, reason, stop)
     except BaseException as error:
         failure = end_failed_run(training, status, checkpointer, stop, error)
         if failure.message is None:
             raise
         raise UserError(failure.message) from None
     finally:
-        metrics.close()
+        observers.close()
         stop.restore()
 
 
-def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path) -> tuple[Training, Path | None]:
-    """The Training, resumed from the checkpoint --resume names or initialized from --init-from."""
+def start_training(settings: Settings, info: distributed.DistInfo,
+                   corpus: Path) -> tuple[Training, Path | None, dict | None]:
+    """The Training, resumed from the checkpoint --resume names or initialized from --init-from; the
+    checkpoint it resumed from, and that checkpoint's observers' states (callbacks.Callbacks; None: a new run)."""
     invocation, out = settings.invocation, Path(settings.session.out)
     training = build_training(settings, info, corpus=corpus)
-    training.task_scorer = eval_task_scorer(training)
     resume_path = distributed.main_decides(lambda: store.tidy_and_find_resume_checkpoint(out, invocation.resume), info)
+    observed = None
     if resume_path is not None:
-        training.load(store.load_checkpoint_file(resume_path), resume_path)
+        checkpoint = store.load_checkpoint_file(resume_path)
+        training.load(checkpoint, resume_path)
+        observed = checkpoint["callbacks"]
         log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
                   + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
         init_from = invocation.init_from
@@ -1023,24 +1032,21 @@ def start_training(settings: Settings, info: distributed.DistInfo, corpus: Path)
         lineage = training.lineage
         log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
                   f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
-    return training, resume_path
+    return training, resume_path, observed
 
 
 def write_run_files(training: Training, settings: Settings, checkpointer: store.Checkpointer | None,
-                    metrics: report.MetricsLog, resume_path: Path | None) -> float | None:
-    """Rank 0: the checkpoint timeline, metrics.jsonl cut at the resumed step, config.toml,
-    training_settings.json and hardware.json; returns the peak FLOP/s the MFU divides by (None on
-    the other ranks)."""
+                    resume_path: Path | None, recorded: dict) -> float | None:
+    """Rank 0: the checkpoint timeline, config.toml, training_settings.json (`recorded`: recorded_settings)
+    and hardware.json; returns the peak FLOP/s the MFU divides by (None on the other ranks)."""
     info, session = training.info, training.session
     if not info.is_main:
         return None
     out = Path(session.out)
     if resume_path is not None:
         checkpointer.start_timeline(resume_path, training.step)
-    metrics.truncate_after(training.step)
-    metrics.restore(training.metrics.task_history, "tasks")
     atomic_write_text(out / "config.toml", config_text(settings))
-    atomic_write_json(out / "training_settings.json", {**recorded_settings(training), "run_id": training.run_id,
+    atomic_write_json(out / "training_settings.json", {**recorded, "run_id": training.run_id,
                                                        "parameters": model_config.parameter_count(
                                                            training.preset, training.vocab_size),
                                                        "flops_per_token": training.flops_per_token})
@@ -1080,74 +1086,59 @@ def describe_run(training: Training) -> None:
         for warning in optimization.recipe_warnings(training.recipe):
             say(warning, warning=True)
 
-def default_eval_every(total_steps: int) -> int:
-    """--eval-every's default: five validations in a run (the last at its end), at most 250 steps apart."""
-    return max(1, min(250, total_steps // 5))
-
-
-TASKS_COST_SHARE = 0.05  # --eval-tasks-every's default keeps the scoring to about this share of the training
-
-
-def default_tasks_every(validation_every: int, total_steps: int, task_tokens: int, step_tokens: int) -> int:
-    """--eval-tasks-every's default: the validation's cadence, or the smallest multiple of it at which
-    scoring the tasks costs at most TASKS_COST_SHARE of the training in between, counting a scored
-    token (a forward) as a third of a trained one (forward and backward); 0, only at the end, when no
-    multiple within the run fits. `task_tokens` and `step_tokens` are one rank's."""
-    if validation_every == 0:
-        return 0
-    needed = task_tokens / (3 * TASKS_COST_SHARE * step_tokens)
-    every = validation_every * max(1, math.ceil(needed / validation_every))
-    return every if every < total_steps else 0
-
-
-def tasks_cadence_note(validation_every: int, tasks_every: int, task_tokens: int, step_tokens: int) -> str | None:
-    """What the run says at its start when default_tasks_every scores the --eval-tasks later than the validation
-    (every k-th one, or only at the end), and why; None when they go together."""
-    if tasks_every == validation_every or validation_every == 0:
-        return None
-    cost = task_tokens / (3 * validation_every * step_tokens)  # a scored token a third of a trained one
-    when = (f"every {tasks_every} steps (with one validation in {tasks_every // validation_every})" if tasks_every
-            else "only at the end")
-    return (f"note: --eval-tasks are scored {when}, not with each validation (every {validation_every} steps): one "
-            f"scoring reads {task_tokens:,} tokens, about {100 * cost:.0f}% of the training between two validations, "
-            f"and the default keeps it near {100 * TASKS_COST_SHARE:.0f}%; --eval-tasks-every N chooses")
-
-
-def evaluation_cadence(training: Training) -> tuple[int, int | None]:
+def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None) -> tuple[int, int | None]:
     """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
     session = training.session
-    validation_every = default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
-    if training.task_scorer is None:
+    validation_every = (callbacks.default_eval_every(training.total_steps) if session.eval_every is None
+                        else session.eval_every)
+    if scorer is None:
         return validation_every, None
     if session.eval_tasks_every is not None:
         return validation_every, session.eval_tasks_every
     step_tokens = training.tokens_per_step // training.info.world
-    tasks_every = default_tasks_every(validation_every, training.total_steps, training.task_scorer.tokens, step_tokens)
-    note = tasks_cadence_note(validation_every, tasks_every, training.task_scorer.tokens, step_tokens)
+    tasks_every = evaluation.default_tasks_every(validation_every, training.total_steps, scorer.tokens, step_tokens)
+    note = evaluation.tasks_cadence_note(validation_every, tasks_every, scorer.tokens, step_tokens)
     if note:
         log(training.info, note)
     return validation_every, tasks_every
 
 
-def evaluations_due(step: int, total_steps: int, validation_every: int, tasks_every: int | None) -> tuple[bool, bool]:
-    """(validate, score the --eval-tasks) after `step`: each every N steps (0: only at the end), both at the
-    last step; tasks_every None: there are none."""
-    validate, score = ((every is not None and ((every > 0 and step % every == 0) or step == total_steps))
-                       for every in (validation_every, tasks_every))
-    return validate, score
+def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metrics: report.MetricsLog,
+                  progress: report.Progress, status: store.RunStatus, recorded: dict) -> callbacks.Callbacks:
+    """The run's observers (callbacks.py), in the order they are called; `recorded`: recorded_settings."""
+    session, out = training.session, Path(training.session.out)
+    validation_every, tasks_every = evaluation_cadence(training, scorer)
+    steps = training.total_steps, training.tokens_per_step
+    observers = [
+        callbacks.TrainLog(lambda step: step_fields(training, step), session.log_every, *steps, metrics, progress,
+                           status),
+        callbacks.Validation(lambda: heldout_loss(training, "validation"), validation_every, *steps, metrics, progress),
+        callbacks.TaskScores(lambda: score_eval_tasks(training, scorer), tasks_every, *steps, metrics, progress),
+    ]
+    if training.info.is_main and session.report:
+        facts = report.RunFacts(out, training.corpus, training.run.preset, recorded,
+                                report.sampling_from(vars(session), "sample_"), training.device)
+        observers += [callbacks.LossCurve(out, progress), callbacks.Report(training.model, facts)]
+    if training.info.is_main:
+        observers.append(callbacks.Samples(out, metrics))
+    return callbacks.Callbacks(observers)
 
 
-def train_loop(training: Training, checkpointer: store.Checkpointer | None, metrics: report.MetricsLog,
-               status: store.RunStatus, stop: StopRequest, peak: float | None, process_started: float,
+def step_fields(training: Training, step: int) -> dict:
+    """A train record's fields besides the step's own: the peak memory, and a mixture's progress per source."""
+    return {"peak_memory_bytes": hardware.peak_memory_bytes(training.device), **source_progress(training, step)}
+
+
+def train_loop(training: Training, checkpointer: store.Checkpointer | None, observers: callbacks.Callbacks,
+               stop: StopRequest, peak: float | None, process_started: float,
                progress: report.Progress) -> tuple[str, str | None]:
-    """Step until done or asked to stop; returns the final (status, reason). Each step: train, log,
-    validate when due, then plan_step_end says whether to save and whether to stop."""
+    """Step until done or asked to stop; returns the final (status, reason). Each step: train, the
+    observers' hooks (log, evaluate when due), then plan_step_end says whether to save and whether to stop."""
     session = training.session
     no_step = no_step_to_take(training, progress)
     if no_step is not None:
         return no_step
     clocks = SessionClocks(process_started)
-    cadence = evaluation_cadence(training)
     flags = StepFlags(training.total_steps, session.save_every, session.save_seconds, session.max_hours,
                       session.stop_after_steps)
     while training.step < training.total_steps:
@@ -1159,21 +1150,26 @@ def train_loop(training: Training, checkpointer: store.Checkpointer | None, metr
             continue
         clocks.stepped(result.seconds)
         peak, tokens_per_second, mfu = step_throughput(training, result, peak)
-        progress.update(result.step, result.loss, tokens_per_second, mfu)
-        logged = result.step % session.log_every == 0 or result.step in (1, training.total_steps)
-        if logged:
-            log_train_step(training, metrics, status, result, tokens_per_second, mfu)
-        best = evaluate_if_due(training, metrics, progress, clocks, cadence)
+        observers.on_step_end(result, callbacks.Speed(tokens_per_second, mfu))
+        best = evaluate_if_due(observers, clocks, result.step)
         clock = agree_clock(clocks.read(stop, checkpointer), training.info)
         end = plan_step_end(result.step, clock, dataclasses.replace(flags, new_best=best is not None))
         if end.save:
-            save_checkpoint(training, checkpointer, best)
+            save_checkpoint(training, checkpointer, best, observers.state_dict())
             clocks.saved()
         if end.stop:
-            if not logged:  # metrics.jsonl ends with the step the run stopped at
-                log_train_step(training, metrics, status, result, tokens_per_second, mfu)
             return store.NEEDS_RESUME, end.why
     return store.COMPLETE, None
+
+
+def evaluate_if_due(observers: callbacks.Callbacks, clocks: SessionClocks, step: int) -> float | None:
+    """The evaluations due after `step` (each observer's cadence), timed for the end-of-step plan; returns
+    the validation loss when it is a new best."""
+    started = time.monotonic()
+    measured = observers.on_eval(step)
+    if measured:
+        clocks.evaluated(time.monotonic() - started)
+    return callbacks.new_best(measured)
 
 
 def no_step_to_take(training: Training, progress: report.Progress) -> tuple[str, str] | None:
@@ -1204,81 +1200,6 @@ def step_throughput(training: Training, result: StepResult, peak: float | None) 
     return peak, tokens_per_second, mfu
 
 
-def evaluate_if_due(training: Training, metrics: report.MetricsLog, progress: report.Progress,
-                    clocks: SessionClocks, cadence: tuple[int, int | None]) -> float | None:
-    """Validation and the --eval-tasks when due (evaluations_due at evaluation_cadence); returns the
-    validation loss when it is a new best."""
-    session = training.session
-    validate, score = evaluations_due(training.step, training.total_steps, *cadence)
-    if not (validate or score):
-        return None
-    started = time.monotonic()
-    best = run_validation(training, metrics, progress) if validate else None
-    if score:
-        run_eval_tasks(training, metrics, progress)
-    if training.info.is_main and session.report:
-        report.draw_loss_curve(Path(session.out), progress)
-    clocks.evaluated(time.monotonic() - started)
-    return best
-
-
-def log_train_step(training: Training, metrics: report.MetricsLog, status: store.RunStatus, result: StepResult,
-                   tokens_per_second: float, mfu: float | None) -> None:
-    """A train record in metrics.jsonl and the store.RUNNING status (the progress bar shows the step)."""
-    tokens = result.step * training.tokens_per_step
-    metrics.write("train", step=result.step, tokens=tokens, loss=result.loss,
-                  **report.lr_fields(result.lrs),
-                  grad_norm=result.grad_norm, step_seconds=result.seconds,
-                  tokens_per_second=tokens_per_second, mfu=mfu,
-                  peak_memory_bytes=hardware.peak_memory_bytes(training.device),
-                  **source_progress(training, result.step))
-    status.running(result.step, training.total_steps, tokens=tokens, loss=result.loss)
-
-
-def run_validation(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> float | None:
-    """Validation loss now; returns it when it is the best so far (the save then records it)."""
-    result = heldout_loss(training, "validation")
-    if result is None:
-        return None
-    step = training.step
-    training.metrics.last_eval = {"step": step, **result}
-    metrics.write("eval", step=step, tokens=step * training.tokens_per_step, val_loss=result["loss"],
-                  val_perplexity=result["perplexity"], val_tokens=result["tokens"],
-                  val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"],
-                  **source_results("val", result))
-    progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-                   f"{report.bits_per_byte_text(result)}"
-                   + "".join(f"; {name} {part['loss']:.4f}" for name, part in result.get("sources", {}).items()
-                             if part))
-    if result["loss"] < training.metrics.best_val_loss:
-        training.metrics.best_val_loss, training.metrics.best_step = result["loss"], step
-        return result["loss"]
-    return None
-
-
-def run_eval_tasks(training: Training, metrics: report.MetricsLog, progress: report.Progress) -> None:
-    """The --eval-tasks scores now: a "tasks" record in metrics.jsonl (and the checkpoints' history), one line."""
-    started = time.monotonic()
-    scores = score_eval_tasks(training)
-    record = {"step": training.step, "tokens": training.step * training.tokens_per_step,
-              **report.task_fields(scores), "seconds": time.monotonic() - started}
-    training.metrics.task_history.append(record)
-    metrics.write("tasks", **record)
-    progress.write(f"step {training.step}: " + "; ".join(
-        f"{name} acc {value['acc']:.3f}, acc_norm {value['acc_norm']:.3f} (n {value['n']}, chance "
-        f"{value['chance']:.3f})" for name, value in scores.items()))
-
-
-def source_results(prefix: str, result: dict) -> dict:
-    """A mixture's loss and bits per byte of each source, as metrics.jsonl fields (`val_loss/web`)."""
-    fields = {}
-    for name, part in (result.get("sources") or {}).items():
-        if part is not None:
-            fields[f"{prefix}_loss/{name}"] = part["loss"]
-            fields[f"{prefix}_bits_per_byte/{name}"] = part["bits_per_byte"]
-    return fields
-
-
 def mixture_summary(training: Training) -> list[str]:
     """The start-up lines of a mixture: each source's size, each phase's weights, tokens and epochs planned."""
     if training.mixture is None:
@@ -1296,15 +1217,17 @@ def mixture_summary(training: Training) -> list[str]:
     return lines
 
 
-def save_checkpoint(training: Training, checkpointer: store.Checkpointer | None, best_val_loss: float | None) -> None:
-    """Snapshot on every rank (RNG is gathered), write on rank 0 in the background. A step already saved
-    is not saved again unless it set a new best; every rank decides alike (saved_step is on every rank),
-    since the snapshot is a collective call."""
+def save_checkpoint(training: Training, checkpointer: store.Checkpointer | None, best_val_loss: float | None,
+                    observed: dict) -> None:
+    """Snapshot on every rank (RNG is gathered), write on rank 0 in the background, with `observed` (the
+    observers' states, callbacks.Callbacks.state_dict). A step already saved is not saved again unless it
+    set a new best; every rank decides alike (saved_step is on every rank), since the snapshot is a
+    collective call."""
     if training.saved_step == training.step and best_val_loss is None:
         return
     if checkpointer is not None:
         checkpointer.wait()  # the staging buffers still feed the previous write until it is done
-    snapshot = training.snapshot()
+    snapshot = training.snapshot(observed)
     if checkpointer is not None:
         checkpointer.save(snapshot, training.step, best_val_loss)
     training.saved_step = training.step
@@ -1624,35 +1547,36 @@ def out_of_memory_advice(training: Training) -> str:
 
 
 def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
-               metrics: report.MetricsLog, state: str, reason: str | None, stop: StopRequest) -> str:
+               observers: callbacks.Callbacks, metrics: report.MetricsLog, state: str, reason: str | None,
+               stop: StopRequest) -> str:
     """The end of a run that stopped resumably or completed: the test evaluation when complete, then
-    (rank 0) the status, the backup, the report; returns the last line ("" on the other ranks, which
-    wait for rank 0)."""
+    (rank 0) the status, the backup, the observers' end-of-run outputs; returns the last line ("" on the
+    other ranks, which wait for rank 0)."""
     info = training.info
     test = heldout_loss(training, "test") if state == store.COMPLETE else None
     if test is not None:
         metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
                       test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"],
-                      **source_results("test", test))
+                      **callbacks.source_results("test", test))
         log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return ""
     try:
-        line = finish_on_main(training, status, checkpointer, state, reason, test, stop)
-        metrics.write_samples(Path(training.session.out) / "sample_generations.json")
-        return line
+        end = report.RunEnd(state, training.step, training.total_steps, training.step * training.tokens_per_step,
+                            observers.summary()["validation"], test)
+        return finish_on_main(training, status, checkpointer, observers, end, reason, stop)
     finally:
         if info.world > 1:
             dist.barrier()
 
 
-def finish_on_main(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer, state: str,
-                   reason: str | None, test: dict | None, stop: StopRequest) -> str:
+def finish_on_main(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer,
+                   observers: callbacks.Callbacks, end: report.RunEnd, reason: str | None, stop: StopRequest) -> str:
     """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
-    and model/ `pending`, with the command that makes them), then the backup, the report (the status
-    again each time); returns the last line.
+    and model/ `pending`, with the command that makes them), then the backup, the observers' on_end (the
+    report, the status again with what it made); returns the last line.
 
     After a signal under torchrun, SIGKILL follows within its grace period: the status naming the
     checkpoint is written first, and the wait for the upload fits what is left (stop_wait_seconds)."""
@@ -1660,35 +1584,34 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
     out = Path(session.out)
     checkpointer.wait()
     command = resume_command(info, training.invocation.argv)
-    record = final_record(training, out, reason, test)
-    status.finished(state, **record, outputs=report_outputs(session.report, None),
-                    report_command=command if session.report else None)
+    status.finished(end.status, **final_record(out, end, reason, observers.summary()),
+                    outputs=report_outputs(session.report, None), report_command=command if session.report else None)
     status.update(backup_complete=wait_for_backup(checkpointer, stop.signalled_at))
+    found = observers.on_end(end)
     if session.report:
-        found = report.report_run(training, out, state, test, recorded_settings(training))
         outputs = report_outputs(True, found)
         status.update(**found, outputs=outputs, report_command=command if "failed" in outputs.values() else None)
     if checkpointer.backup is not None:
         checkpointer.backup.push_run_files(out)  # the final run_status.json too, not the one of the last save
-    return report.final_line(out, state, status.record)
+    return report.final_line(out, end.status, status.record)
 
 
-def final_record(training: Training, out: Path, reason: str | None, test: dict | None) -> dict:
-    """What a finished session's status says of the run: where it stands, its losses, its last checkpoint."""
-    best = training.metrics.best_val_loss
+def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: dict) -> dict:
+    """What a finished session's status says of the run: where it stands, its losses, its last checkpoint;
+    `measured`: the observers' summary (callbacks.Callbacks.summary)."""
     return {
-        "step": training.step,
-        "total_steps": training.total_steps,
-        "tokens": training.step * training.tokens_per_step,
+        "step": end.step,
+        "total_steps": end.total_steps,
+        "tokens": end.tokens,
         "reason": reason,
         "last_checkpoint": store.latest_checkpoint_name(out),
-        "best_val_loss": best if math.isfinite(best) else None,
-        "validation": training.metrics.last_eval,
-        "test": test,
-        "test_loss": test["loss"] if test else None,
+        "best_val_loss": measured["best_val_loss"],
+        "validation": measured["validation"],
+        "test": end.test,
+        "test_loss": end.test["loss"] if end.test else None,
         "train_loss": report.last_train_loss(out),
-        "tasks": report.task_scores(training.metrics.task_history[-1]) if training.metrics.task_history else None,
-        "tasks_step": training.metrics.task_history[-1]["step"] if training.metrics.task_history else None,
+        "tasks": measured["tasks"],
+        "tasks_step": measured["tasks_step"],
         "backup_complete": None,  # null until the upload wait ends (or with no backup)
     }
 

@@ -354,7 +354,7 @@ def background_save(training: train.Training, folder: Path) -> dict:
     """Seconds one train.save_checkpoint blocks the caller, then (untimed) the background write's own seconds."""
     checkpointer = store.Checkpointer(folder, training.run_id, keep_last=1, keep_every=0)
     started = time.perf_counter()
-    train.save_checkpoint(training, checkpointer, None)
+    train.save_checkpoint(training, checkpointer, None, {})
     blocked = time.perf_counter() - started
     checkpointer.wait()
     latest = json.loads((folder / "latest.json").read_text())

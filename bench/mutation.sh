@@ -47,9 +47,10 @@ CORE=(
   "checkpoint_cloud.x_beyond_unbacked_bound__*"
   # evaluation.py: exact-match answer scoring
   "evaluation.x_extract_final_answer__*" "evaluation.x_score_answers__*"
-  # evaluation.py and train.py: the in-loop --eval-tasks encoding and scoring (lm-eval's rules), and their cadence
+  # evaluation.py and callbacks.py: the in-loop --eval-tasks encoding and scoring (lm-eval's rules), and the
+  # evaluations' cadence
   "evaluation.x_encode_pair__*" "evaluation.x_choice_rows__*" "evaluation.x_choice_counts__*"
-  "evaluation.x_loop_scores__*" "train.x_evaluations_due__*" "train.x_default_tasks_every__*"
+  "evaluation.x_loop_scores__*" "callbacks.x_due__*" "evaluation.x_default_tasks_every__*"
   # export_gguf.py: GGUF metadata
   "export_gguf.x_add_metadata__*" "export_gguf.x_model_name__*" "export_gguf.x_is_sha256__*"
   "export_gguf.x_ggml_type_for__*"

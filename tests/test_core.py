@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import callbacks
 import checkpoint_store as store
 import data
 import evaluation
@@ -1072,19 +1073,20 @@ def test_choice_counts_score_by_sum_by_character_and_by_byte():
                                                               "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}}
 
 
-@pytest.mark.parametrize("step, total, validation_every, tasks_every, expected", [
-    (4, 12, 4, 4, (True, True)),
-    (5, 12, 4, 4, (False, False)),
-    (6, 12, 4, 3, (False, True)),       # each its own cadence
-    (8, 12, 4, 3, (True, False)),
-    (12, 12, 5, 0, (True, True)),       # both at the last step, even when off (0) by count
-    (5, 12, 0, 0, (False, False)),
-    (3, 12, 1, 1, (True, True)),        # every step
-    (4, 12, 4, None, (True, False)),    # no tasks
-    (12, 12, 4, None, (True, False)),
+@pytest.mark.parametrize("step, total, every, expected", [
+    (4, 12, 4, True),
+    (5, 12, 4, False),
+    (6, 12, 3, True),
+    (8, 12, 3, False),
+    (12, 12, 5, True),     # at the last step, even when off (0) by count or not a multiple
+    (12, 12, 0, True),
+    (5, 12, 0, False),
+    (3, 12, 1, True),      # every step
+    (4, 12, None, False),  # off: no tasks
+    (12, 12, None, False),
 ])
-def test_evaluations_due_table(step, total, validation_every, tasks_every, expected):
-    assert train.evaluations_due(step, total, validation_every, tasks_every) == expected
+def test_due_table(step, total, every, expected):
+    assert callbacks.due(step, total, every) is expected
 
 
 @pytest.mark.parametrize("validation_every, total, task_tokens, step_tokens, expected", [
@@ -1097,7 +1099,7 @@ def test_evaluations_due_table(step, total, validation_every, tasks_every, expec
 ])
 def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
                                                               expected):
-    assert train.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
+    assert evaluation.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
 
 
 # validation every, tasks every (default_tasks_every's), tokens scored, tokens per step -> the note at the start
@@ -1112,4 +1114,4 @@ def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, 
      "keeps it near 5%; --eval-tasks-every N chooses"),
 ])
 def test_the_tasks_cadence_note_says_when_and_why(validation_every, tasks_every, task_tokens, step_tokens, note):
-    assert train.tasks_cadence_note(validation_every, tasks_every, task_tokens, step_tokens) == note
+    assert evaluation.tasks_cadence_note(validation_every, tasks_every, task_tokens, step_tokens) == note

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import attention
+import callbacks
 import checkpoint_store as store
 import common
 import data
@@ -706,7 +707,7 @@ def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, refere
     records = task_records(out)
     assert [(record["step"], record["local_sums/n"]) for record in records] == [(4, 30), (8, 20), (12, 20)]
     assert all(0 <= record["local_sums/acc"] <= 1 and record["local_sums/chance"] == 0.25 for record in records)
-    history = final_state(out)["metrics"]["task_history"]
+    history = final_state(out)["callbacks"]["tasks"]["history"]
     assert [entry["step"] for entry in history] == [4, 8, 12] and history[-1]["local_sums/acc"] == \
         records[-1]["local_sums/acc"]
     assert f"local_sums acc {records[-1]['local_sums/acc']:.3f} (chance 0.250)" in \
@@ -1729,7 +1730,7 @@ def test_a_signal_after_the_loop_says_training_has_ended(capsys):
 @pytest.mark.parametrize("total_steps, every", [(1, 1), (4, 1), (40, 8), (100, 20), (1250, 250), (1400, 250),
                                                 (100_000, 250)])
 def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps, every):
-    assert train.default_eval_every(total_steps) == every
+    assert callbacks.default_eval_every(total_steps) == every
 
 
 # ----------------------------------------------------------------------------------------------
