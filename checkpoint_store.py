@@ -52,7 +52,7 @@ from common import (
     temporary_target,
     utc_now,
 )
-from data import CORPUS_MANIFEST
+from corpus_format import CORPUS_MANIFEST
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"

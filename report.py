@@ -44,6 +44,7 @@ import numpy as np
 import attention
 import checkpoint_cloud
 import checkpoint_store as store
+import corpus_format
 import evaluation
 from common import (
     PROGRESS_WRITERS,
@@ -64,8 +65,7 @@ from common import (
     sha256_file,
     utc_now,
 )
-
-IM_START, IM_END, EOS, THINK_CLOSE = "<|im_start|>", "<|im_end|>", "<eos>", "</think>"  # as data.py's specials
+from corpus_format import EOS, IM_END, IM_START, THINK_CLOSE
 
 # Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
 DEFAULT_PROMPTS = [
@@ -726,14 +726,13 @@ def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, openi
     the openings of its held-out texts (its first `opening_tokens` tokens) to be continued. The test
     split is read first, then validation, then train (a corpus without held-out documents)."""
     corpus = Path(corpus)
-    manifest = read_json(corpus / "corpus_manifest.json", what="corpus manifest")
+    manifest = corpus_format.load_manifest(corpus)
     eos, im_start = (tokenizer.convert_tokens_to_ids(token) for token in (EOS, IM_START))
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     documents: list[list[int]] = []
     for split in ("test", "validation", "train"):
         current: list[int] = []
-        for entry in manifest["splits"].get(split, {}).get("files", []):
-            for token in np.fromfile(corpus / entry["name"], dtype=dtype).tolist():
+        for entry in manifest.split(split)["files"]:
+            for token in np.fromfile(corpus / entry["name"], dtype=manifest.shard_dtype).tolist():
                 if token != eos:
                     current.append(token)
                     continue
@@ -1126,18 +1125,17 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
 def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, device) -> None:
     """`train.py --export-only`: OUT/model/ from `checkpoint` (read from `path`), trained on `corpus`; the card
     takes the test loss run_status.json has for the same step, and the held-out accuracy is measured."""
-    import data
     import model_config
 
     recorded = checkpoint["settings"]
     training = recorded["training"]
-    manifest = data.load_manifest(corpus)
-    tokenizer = data.load_tokenizer(corpus / "tokenizer")
-    if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
+    manifest = corpus_format.load_manifest(corpus)
+    tokenizer = corpus_format.load_tokenizer(corpus)
+    if manifest.tokenizer_sha256 != training["tokenizer_sha256"]:
         raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
                         "pass that corpus with --data")
     preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
-    model = model_config.build_model(preset, training["vocab_size"], manifest.get("special_tokens", {}))
+    model = model_config.build_model(preset, training["vocab_size"], manifest.special_tokens)
     model.load_state_dict(checkpoint["model"])
     model.to(device).eval()
     step, total = int(checkpoint["step"]), int(training["total_steps"])
@@ -1268,10 +1266,8 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
     Samples and accuracy only for a complete run; a resumable stop exports the current weights
     (the model card says the run is unfinished). `training`: train.Training; `settings`: its recorded ones.
     """
-    import data
-
     errors: dict[str, str] = {}
-    corpus = training.corpus
+    corpus = training.data.corpus
 
     def attempt(name: str, function):
         try:
@@ -1282,7 +1278,7 @@ def report_run(training, out: Path, status: str, test: dict | None, settings: di
             return None
 
     found = {}
-    tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
+    tokenizer = attempt("tokenizer", lambda: corpus_format.load_tokenizer(corpus))
     attempt("loss_curve", lambda: plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png",
                                                          title=out.name))
     accuracy = None
