@@ -27,9 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 import attention
-import checkpoint_cloud
 import corpus_format
-import data as corpus_builder
 from common import UserError, say, script_command
 from corpus_format import CORPUS_MANIFEST, MASK_ASSISTANT, MASK_CLASSES, MASK_TEXT, PAD, SOURCE_NAME, Manifest
 
@@ -91,10 +89,14 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
     corpus = local_corpus_folder(data_option)
     if demo:
         if not (corpus / CORPUS_MANIFEST).is_file():
+            import data  # the corpus builder
+
             say(f"demo: building the demo corpus in {corpus} ({script_command('data')} --demo --out {corpus})")
-            corpus_builder.build_demo_corpus(corpus)
+            data.build_demo_corpus(corpus)
         return corpus
     if is_url(data_option):
+        import checkpoint_cloud  # a corpus URL is pulled as checkpoints are: only a pull needs it
+
         return checkpoint_cloud.pull_corpus(data_option, corpus)
     check_corpus_folder(corpus)
     return corpus
