@@ -701,8 +701,8 @@ class Training:
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, data.train_blocks, data.global_batch, self.tokens_per_step)
         self.recipe, self.recipe_reasons = choose_recipe(run, self.preset.hidden, self.total_steps)
-        data.start_phases(self.recipe.total_steps - self.recipe.decay_steps if self.recipe.schedule == "wsd"
-                          else None)  # after the recipe: a mixture's phase may start at its decay
+        decay_start = self.recipe.total_steps - self.recipe.decay_steps if self.recipe.schedule == "wsd" else None
+        data.start_phases(decay_start)  # after the recipe: a mixture's phase may start at its decay
 
         seed_everything(run.seed)
         self.model = model_config.build_training_model(self.preset, self.vocab_size, data.manifest.special_tokens,

@@ -103,9 +103,13 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
 
 
 def read_manifest(corpus: Path) -> Manifest:
-    """corpus_format.load_manifest, with the --data hint when `corpus` is not a corpus folder."""
+    """corpus_format.load_manifest, with the --data hint when `corpus` is not a corpus folder, and what
+    training needs of it: a train split and the vocabulary size."""
     check_corpus_folder(corpus)
-    return corpus_format.load_manifest(corpus)
+    manifest = corpus_format.load_manifest(corpus)
+    if "train" not in manifest.splits or "vocab_size" not in manifest.record:
+        raise UserError(f"{corpus / CORPUS_MANIFEST} has no train split or no vocab_size")
+    return manifest
 
 
 # ----------------------------------------------------------------------------------------------
