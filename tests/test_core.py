@@ -133,7 +133,7 @@ def test_check_settings_accepts_the_edges(change):
 
 
 # ----------------------------------------------------------------------------------------------
-# Packing: shards and their sha256 (data.py)
+# Sharding: shards and their sha256 (data.py)
 
 
 def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
@@ -234,7 +234,7 @@ def test_batches_send_a_labelled_document_to_its_sources_stream():
 
 
 # ----------------------------------------------------------------------------------------------
-# Corpus record verification (data.py)
+# Corpus record verification (corpus_format.py)
 
 
 def tiny_corpus_files(root: Path) -> dict:
@@ -376,7 +376,7 @@ def test_verify_files_checks_each_labelled_sources_document_index(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data order (train.py)
+# Data order and --packing (train_data.py)
 
 
 def test_mix64_is_splitmix64():
@@ -448,6 +448,47 @@ def test_best_fit_rows(lengths, window, rows):
     assert got == rows
     assert sorted(order.tolist()) == list(range(len(lengths)))  # every piece once
     assert all(sum(lengths[piece] for piece in row) <= 8 for row in got)
+
+
+@pytest.mark.parametrize("packing, rows, spans, pads, documents", [
+    ("stream", 3, [(0, 5), (4, 5), (8, 5)], False, False),  # blocks of the stream, across documents
+    ("masked", 3, [(0, 5), (4, 5), (8, 5)], False, True),  # the same rows, each token with its document
+    ("bestfit", 3, [(8, 5), (3, 5), (0, 3), (12, 2)], True, False),  # pieces (the 6-token one cut), padded
+])
+def test_each_packing_mode_is_one_class_with_one_interface(packing, rows, spans, pads, documents):
+    """Documents of 3, 5 and 6 tokens (ends 3, 8, 14), rows of C + 1 = 5 tokens."""
+    mode = train_data.PACKINGS[packing](np.array([3, 8, 14], dtype=np.uint64), 4)
+    assert mode.rows == rows
+    assert [piece for row in range(mode.rows) for piece in mode.spans(row)] == spans
+    assert (mode.pads, mode.documents, mode.reads_document_index) == (pads, documents, packing != "stream")
+    assert packing in train_data.PACKING_HELP and mode.help in train_data.PACKING_HELP
+    if documents:  # row 0's inputs are tokens 0..3: document 0 ends at 3; row 1's (4..7) are all document 1
+        assert mode.segments(0).tolist() == [0, 0, 0, 1] and mode.segments(1).tolist() == [0, 0, 0, 0]
+    assert train_data.PACKINGS[packing](np.array([0], dtype=np.uint64), 4).rows == 0  # an empty split
+
+
+@pytest.mark.parametrize("blocks, world, count", [(100, 1, 24), (100, 3, 24), (10, 2, 10), (0, 2, 0)])
+def test_evaluation_rows_are_the_fixed_order_shared_between_ranks(blocks, world, count):
+    """--eval-batches 2 global batches of 12 rows: the first `count` rows of the EVAL_EPOCH order, every
+    world-th to each rank, whatever the world size."""
+    options = SimpleNamespace(eval_batches=2, seed=7, world=world)
+    split = SimpleNamespace(blocks=blocks)
+    shares = [train_data.evaluation_rows(split, options, rank, 12) for rank in range(world)]
+    assert all(share.total == count for share in shares)
+    order = train_data.BlockPermutation(blocks, 7, train_data.EVAL_EPOCH) if blocks else None
+    assert sorted(row for share in shares for row in share.rows) == sorted(order(i) for i in range(count))
+    assert shares[-1].rows == [order(i) for i in range(world - 1, count, world)] if blocks else shares[-1].rows == []
+
+
+def test_a_manifest_lists_every_file_it_records(tmp_path):
+    record = tiny_corpus_files(tmp_path)
+    add_masks(tmp_path, record)
+    record["splits"]["train"]["document_index"] = write_document_index(tmp_path, "train.docs", [3, 5])
+    files = corpus_format.Manifest(record, "0" * 64).files()
+    assert sorted(files) == ["eval.jsonl", "train-00000.bin", "train-00000.mask", "train-00001.bin",
+                             "train-00001.mask", "train.docs"]
+    assert files["train.docs"] == (sha256_file(tmp_path / "train.docs"), 16)
+    assert files["eval.jsonl"] == (sha256_file(tmp_path / "eval.jsonl"), None)  # other files: a sha256 alone
 
 
 def test_block_permutation_rejects_an_empty_range():
