@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
 import checkpoint_store as store
-import data
+import corpus_format
 from checkpoint_store import CHECKPOINT_DIR, NEEDS_RESUME, RUN_FILES
 from common import (
     HASH_CHUNK_BYTES,
@@ -77,7 +77,7 @@ from common import (
     temporary_name,
     temporary_target,
 )
-from data import CORPUS_MANIFEST
+from corpus_format import CORPUS_MANIFEST
 
 # The package behind each URL scheme; only the one a URL names has to be installed.
 BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
@@ -923,20 +923,6 @@ def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
 # Corpora: pulled the same way, verified against their manifest.
 
 
-def corpus_files(manifest: dict) -> dict[str, tuple[str, int | None]]:
-    """{relative name: (sha256, bytes or None)} of every single file a corpus manifest lists
-    (the tokenizer folder is covered by one tree hash, see tokenizer_tree_sha256)."""
-    files = {}
-    for split in (manifest.get("splits") or {}).values():
-        for entry in split.get("files", []):
-            files[entry["name"]] = (entry["sha256"], entry.get("bytes"))
-            if "mask" in entry:  # corpus format 2: the assistant mask beside each shard
-                files[entry["mask"]["name"]] = (entry["mask"]["sha256"], entry["mask"].get("bytes"))
-    for name, sha in (manifest.get("files") or {}).items():
-        files[name] = (sha, None)
-    return files
-
-
 def remote_tree_sha256(fs, folder: str) -> str:
     """common.sha256_tree of a remote folder: sorted relative names and file sha256s."""
     _refresh(fs, folder)
@@ -949,8 +935,8 @@ def remote_tree_sha256(fs, folder: str) -> str:
 
 
 def verify_corpus_folder(folder: Path) -> None:
-    """data.verify_corpus: UserError naming the first problem."""
-    problems = data.verify_corpus(folder)
+    """corpus_format.verify_corpus: UserError naming the first problem."""
+    problems = corpus_format.verify_corpus(folder)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UserError(f"corpus check against {CORPUS_MANIFEST} failed: {problems[0]}{more}")
@@ -994,13 +980,6 @@ def corpus_stored(url: str) -> bool:
         return fs.exists(f"{root}/{CORPUS_MANIFEST}")
 
 
-def local_corpus(data: str, cache_dir: str | os.PathLike, log: LogFn = log_line) -> Path:
-    """train.py's --data: a local corpus folder as is, or a corpus URL pulled (once) into `cache_dir`."""
-    if "://" not in data or data.startswith("file://"):
-        return Path(data.removeprefix("file://"))
-    return pull_corpus(data, cache_dir, log)
-
-
 def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:
     """Upload a finished corpus, every file verified, the manifest last (its presence means complete)."""
     verify_corpus_folder(corpus_dir)
@@ -1041,6 +1020,11 @@ def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
                 raise UserError(f"the {scheme}:// bucket does not exist (or these credentials cannot see it)")
 
 
+def remote_manifest(fs, root: str) -> corpus_format.Manifest:
+    """The manifest of the corpus at `root`, read and checked as a local one is."""
+    return corpus_format.parse_manifest(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"), f"{root}/{CORPUS_MANIFEST}")
+
+
 def remote_is_corpus(fs, root: str) -> bool:
     _refresh(fs, root)
     return fs.exists(f"{root}/{CORPUS_MANIFEST}")
@@ -1051,8 +1035,8 @@ def command_list(url: str) -> int:
     require_remote(fs, root, url)
     with remote_errors("listing the remote"):
         if remote_is_corpus(fs, root):
-            manifest = json.loads(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"))
-            for name, (sha, size) in sorted(corpus_files(manifest).items()):
+            manifest = remote_manifest(fs, root)
+            for name, (sha, size) in sorted(manifest.files().items()):
                 print(f"{name:40s} {size if size is not None else '-':>14} {sha[:12]}")
             return 0
         listing = remote_listing(fs, root)
@@ -1135,8 +1119,8 @@ def command_verify(url: str) -> int:
     problems = []
     with remote_errors("verifying the remote"):
         if remote_is_corpus(fs, root):
-            manifest = json.loads(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"))
-            expected = corpus_files(manifest)
+            manifest = remote_manifest(fs, root)
+            expected = manifest.files()
             for name, (sha, size) in sorted(expected.items()):
                 try:
                     got_size, got_sha = remote_digest(fs, f"{root}/{name}")
@@ -1146,9 +1130,9 @@ def command_verify(url: str) -> int:
                 if got_sha != sha or (size is not None and got_size != size):
                     problems.append(f"{name}: does not match {CORPUS_MANIFEST}")
             checked = len(expected)
-            if manifest.get("tokenizer_sha256"):
+            if manifest.tokenizer_sha256:
                 checked += 1
-                if remote_tree_sha256(fs, f"{root}/tokenizer") != manifest["tokenizer_sha256"]:
+                if remote_tree_sha256(fs, f"{root}/{corpus_format.TOKENIZER_DIR}") != manifest.tokenizer_sha256:
                     problems.append(f"tokenizer/: does not match {CORPUS_MANIFEST}")
         else:
             listing = remote_listing(fs, root)

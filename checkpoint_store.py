@@ -52,7 +52,7 @@ from common import (
     temporary_target,
     utc_now,
 )
-from data import CORPUS_MANIFEST
+from corpus_format import CORPUS_MANIFEST
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
@@ -833,7 +833,7 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     import torch
     import transformers
 
-    import data
+    import corpus_format
 
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
@@ -842,7 +842,7 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     if config.model_type != "qwen3":
         raise UserError(f"--init-from {spec}: a {config.model_type!r} model; tinyllm trains Qwen3 models only")
     try:
-        tokenizer = data.load_tokenizer(folder)
+        tokenizer = corpus_format.load_tokenizer(folder)
     except UserError as error:
         raise UserError(f"--init-from {spec}: its tokenizer does not load ({error})") from None
     try:
@@ -855,7 +855,7 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
                "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
                "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
-               "vocabulary_sha256": data.vocabulary_sha256(tokenizer)}
+               "vocabulary_sha256": corpus_format.vocabulary_sha256(tokenizer)}
     return InitSource(model.state_dict(), lineage)
 
 

@@ -376,14 +376,20 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     """Read a JSON file, raising UserError that names the file when it is missing or broken."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}") from None
+    return parse_json(raw, f"{what} {path}")
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """The JSON in `raw` (UTF-8), raising UserError that names `where` ("corpus manifest PATH") when broken."""
+    try:
+        return json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as error:
-        raise UserError(f"{what} {path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+        raise UserError(f"{where} is not valid JSON (line {error.lineno}: {error.msg})") from None
     except UnicodeDecodeError as error:
-        raise UserError(f"{what} {path} is not valid JSON (not UTF-8 at byte {error.start})") from None
+        raise UserError(f"{where} is not valid JSON (not UTF-8 at byte {error.start})") from None
 
 
 def json_safe(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Corpus builder: raw documents -> verified, packed token corpus (see DESIGN.md).
+"""Corpus builder: raw documents -> a verified corpus of token shards (see DESIGN.md; its format: corpus_format.py).
 
     python data.py --demo --out corpus/demo
     python data.py --data docs/ chats.jsonl --out corpus/mine --vocab-size 33069
@@ -21,7 +21,6 @@ import gzip
 import hashlib
 import itertools
 import json
-import math
 import os
 import random
 import re
@@ -34,16 +33,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from dataclasses import replace as dataclass_replace
-from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-if TYPE_CHECKING:  # torch is imported only where a corpus is read for training: data.py builds without it
-    import torch
-
-import attention
 from common import (
     ArgumentParser,
     UserError,
@@ -59,22 +53,48 @@ from common import (
     option,
     os_error_text,
     positive,
-    read_json,
     run_main,
-    script_command,
     sha256_bytes,
     sha256_file,
     sha256_tree,
     stop_on_sigterm,
     utc_now,
 )
+from corpus_format import (
+    BOS,
+    CORPUS_MANIFEST,
+    DATA_CARD,
+    DOCUMENT_INDEX_DTYPE,
+    EOS,
+    FORMAT_VERSION,
+    IM_END,
+    IM_START,
+    MASK_ASSISTANT,
+    MASK_CLASSES,
+    MASK_PROMPT,
+    MASK_TEXT,
+    PAD,
+    SOURCE_MANIFEST,
+    SOURCE_NAME,
+    SPECIAL_TOKENS,
+    SPLITS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOKENIZER_DIR,
+    document_index_name,
+    load_tokenizer,
+    mask_name,
+    shard_name,
+    stream_key,
+    token_dtype,
+    tokenizer_folder,
+    verify_corpus,
+    vocabulary_sha256,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE whose pre-tokenizer llama.cpp reproduces exactly ("qwen2").
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-IM_START, IM_END, THINK_OPEN, THINK_CLOSE = "<|im_start|>", "<|im_end|>", "<think>", "</think>"
-SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END, THINK_OPEN, THINK_CLOSE]
 DEFAULT_VOCAB_SIZE = 33_069
 
 # The Qwen2 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): digits one by one.
@@ -163,226 +183,9 @@ def wrap_tokenizer(tokenizer):
     )
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def tokenizer_folder(folder: str | Path) -> Path:
-    """The folder holding the tokenizer files: `folder` itself, or its `tokenizer/` subfolder (a corpus).
-
-    Checked here because transformers answers a folder without them with a long sentencepiece/tiktoken hint.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"tokenizer folder {folder} does not exist")
-    for candidate in (folder, folder / TOKENIZER_DIR):
-        if any((candidate / name).is_file() for name in TOKENIZER_FILES):
-            return candidate
-    raise UserError(f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} "
-                    f"(nor a {TOKENIZER_DIR}/ subfolder with one)")
-
-
-def load_tokenizer(folder: str | Path):
-    """AutoTokenizer.from_pretrained(folder), with a clear error when it does not load or lacks our specials.
-
-    `folder` is a tokenizer folder, or a corpus folder (its `tokenizer/` subfolder is used).
-    """
-    from transformers import AutoTokenizer
-
-    folder = tokenizer_folder(folder)
-    if not (folder / "tokenizer.json").is_file():  # else transformers' hint about sentencepiece, 5 lines long
-        raise UserError(f"tokenizer folder {folder} has no tokenizer.json (a fast tokenizer's file, which tinyllm's "
-                        "tokenizers are saved as; data.py writes one into CORPUS/tokenizer)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as error:  # transformers raises many types here
-        raise UserError(f"tokenizer folder {folder} does not load: {type(error).__name__}: {error}") from None
-    for position, token in enumerate(SPECIAL_TOKENS):
-        if tokenizer.convert_tokens_to_ids(token) != position:
-            raise UserError(f"tokenizer {folder}: special token {token} must have id {position}")
-    if not tokenizer.chat_template:
-        raise UserError(f"tokenizer {folder} has no chat template")
-    return tokenizer
-
-
-def vocabulary_sha256(tokenizer) -> str:
-    """sha256 of what decides the token ids: the vocabulary (token -> id) and the special tokens.
-
-    Two tokenizers with the same value read and write the same ids whatever their other files say
-    (a corpus' tokenizer/ and the copy an export writes into RUN/model compare equal)."""
-    specials = sorted((index, token.content) for index, token in tokenizer.added_tokens_decoder.items()
-                      if token.special)
-    payload = {"vocabulary": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), "special": specials}
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()
-
-
-# ----------------------------------------------------------------------------------------------
-# Corpus format (DESIGN.md, "Corpus folder").
-
-FORMAT_VERSION = 3  # 2: each shard has a .mask beside it; 3: each split has a .docs (where its documents end)
-SPLITS = ("train", "validation", "test")
-CORPUS_MANIFEST = "corpus_manifest.json"
-SOURCE_MANIFEST = "source_manifest.json"
-DATA_CARD = "DATA_CARD.md"
-TOKENIZER_DIR = "tokenizer"
 DEMO_EVAL_FILE = "eval/arithmetic.jsonl"
 DEMO_VOCAB_SIZE = 512
 DEMO_SEED = 1234  # the demo corpus' generator (data.py --seed)
-
-
-def token_dtype(vocab_size: int) -> str:
-    """uint16 while every id fits, else uint32."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}.bin"
-
-
-# The mask stream: one uint8 per token, in files `{split}-NNNNN.mask` cut exactly like the token
-# shards. It says what each token is, so train.py --loss-on assistant can count only the answers.
-MASK_PROMPT = 0  # a chat's markup, system and user turns, the role header and the document's EOS
-MASK_ASSISTANT = 1  # an assistant's answer: its content (reasoning and <think> markers included) and <|im_end|>
-MASK_TEXT = 2  # a plain-text document (its EOS included)
-MASK_CLASSES = {"prompt": MASK_PROMPT, "assistant": MASK_ASSISTANT, "text": MASK_TEXT}
-
-
-def mask_name(shard: str) -> str:
-    """The mask file beside token shard `shard` (train-00000.bin -> train-00000.mask)."""
-    return shard[:-len(".bin")] + ".mask"
-
-
-# The document index: `{split}.docs`, one little-endian uint64 per document, the offset in the split's
-# stream just past its <eos> (increasing; the last is the split's token count). train.py --packing reads
-# it to start rows at documents and to keep attention inside one (DESIGN.md, "Data order").
-DOCUMENT_INDEX_DTYPE = "<u8"
-
-
-def document_index_name(split: str) -> str:
-    return f"{split}.docs"
-
-
-def load_corpus_manifest(corpus_dir: str | Path) -> dict:
-    """corpus_manifest.json of a finished corpus (UserError when it is missing or unreadable).
-
-    Layout: {"format_version", "dtype", "vocab_size", "special_tokens": {name: id},
-    "tokenizer_sha256", "vocabulary_sha256" (see vocabulary_sha256),
-    "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens",
-    "mask": {"name", "bytes", "sha256"}}], "tokens", "documents", "mask_tokens": {class: count},
-    "document_index": {"name", "bytes", "sha256"} (absent when the split has no document)}},
-    "files": {relative path: sha256} for the other files, ...}.
-    """
-    path = Path(corpus_dir) / CORPUS_MANIFEST
-    if not path.is_file():
-        raise UserError(f"{corpus_dir} is not a finished corpus: {CORPUS_MANIFEST} is missing")
-    manifest = read_json(path, what="corpus manifest")
-    if not isinstance(manifest, dict) or "splits" not in manifest or "dtype" not in manifest:
-        raise UserError(f"corpus manifest {path} lacks 'splits' or 'dtype'")
-    version = manifest.get("format_version")
-    if isinstance(version, int) and version < FORMAT_VERSION:
-        raise UserError(f"corpus {corpus_dir} was built by an older data.py (format_version {version}; this one "
-                        f"reads {FORMAT_VERSION}, which adds the document index train.py --packing needs); rebuild "
-                        "it with the same data.py command (see its source_manifest.json)")
-    if version != FORMAT_VERSION:
-        raise UserError(f"corpus manifest {path} has format_version {version!r}, "
-                        f"this data.py reads {FORMAT_VERSION}")
-    return manifest
-
-
-def verify_corpus(corpus_dir: str | Path) -> list[str]:
-    """Re-hash every shard, the tokenizer folder and the other listed files against the manifest.
-
-    Returns one human-readable problem per mismatch, naming the file (empty list: all good).
-    Raises UserError when the manifest itself is missing or unreadable.
-    """
-    root = Path(corpus_dir)
-    manifest = load_corpus_manifest(root)
-    try:
-        return verify_files(root, manifest)
-    except (KeyError, TypeError, ValueError) as error:
-        raise UserError(f"corpus manifest in {corpus_dir} is malformed ({type(error).__name__}: {error})") from None
-
-
-def verify_files(root: Path, manifest: dict) -> list[str]:
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    problems = []
-    for split, info in manifest["splits"].items():
-        for entry in info["files"]:
-            path = root / entry["name"]
-            if not path.is_file():
-                problems.append(f"{entry['name']}: missing ({split} shard)")
-                continue
-            size = path.stat().st_size
-            if size != entry["bytes"]:
-                problems.append(f"{entry['name']}: {size} bytes, manifest says {entry['bytes']}")
-            elif sha256_file(path) != entry["sha256"]:
-                problems.append(f"{entry['name']}: sha256 does not match the manifest (corrupted or edited)")
-            elif size != entry["tokens"] * itemsize:
-                problems.append(f"{entry['name']}: {size} bytes is not {entry['tokens']} {manifest['dtype']} tokens")
-            if "mask" in entry:
-                problems.extend(verify_mask(root, entry))
-            elif manifest.get("format_version", 0) >= 2:
-                problems.append(f"{entry['name']}: the manifest lists no mask file for it")
-        if sum(entry["tokens"] for entry in info["files"]) != info["tokens"]:
-            problems.append(f"{split}: shard tokens do not add up to the split's {info['tokens']} tokens")
-        for label, part in ({None: info} if "sources" not in info else info["sources"]).items():
-            if "document_index" in part:
-                problems.extend(verify_document_index(root, part))
-            elif manifest.get("format_version", 0) >= 3 and part.get("documents"):
-                stream = stream_key(split, label)  # a labelled source's index is {split}-{label}.docs
-                problems.append(f"{stream}: the manifest lists no document index ({document_index_name(stream)})")
-    tokenizer_dir = root / TOKENIZER_DIR
-    if not tokenizer_dir.is_dir():
-        problems.append(f"{TOKENIZER_DIR}/: missing")
-    elif sha256_tree(tokenizer_dir) != manifest["tokenizer_sha256"]:
-        problems.append(f"{TOKENIZER_DIR}/: sha256 of the folder does not match the manifest")
-    for name, digest in manifest.get("files", {}).items():
-        path = root / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif sha256_file(path) != digest:
-            problems.append(f"{name}: sha256 does not match the manifest")
-    return problems
-
-
-def recorded_file_problem(root: Path, record: dict, what: str) -> str | None:
-    """Whether the file a manifest records ({name, bytes, sha256}) is there with its size and sha256."""
-    path = root / record["name"]
-    if not path.is_file():
-        return f"{record['name']}: missing ({what})"
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        return f"{record['name']}: {size} bytes, manifest says {record['bytes']}"
-    if sha256_file(path) != record["sha256"]:
-        return f"{record['name']}: sha256 does not match the manifest (corrupted or edited)"
-    return None
-
-
-def verify_mask(root: Path, entry: dict) -> list[str]:
-    """Problems with the mask file of shard `entry`: one byte per token, hashed, only known classes."""
-    mask = entry["mask"]
-    problem = recorded_file_problem(root, mask, f"mask of {entry['name']}")
-    if problem:
-        return [problem]
-    size = (root / mask["name"]).stat().st_size
-    if size != entry["tokens"]:
-        return [f"{mask['name']}: {size} bytes for {entry['tokens']} tokens (one per token)"]
-    return []
-
-
-def verify_document_index(root: Path, info: dict) -> list[str]:
-    """Problems with a split's document index: hashed, one uint64 per document, increasing to the split's end."""
-    index = info["document_index"]
-    problem = recorded_file_problem(root, index, "document index")
-    if problem:
-        return [problem]
-    path = root / index["name"]
-    size = path.stat().st_size
-    if size != 8 * info["documents"]:
-        return [f"{index['name']}: {size} bytes for {info['documents']} documents (8 per document)"]
-    ends = np.fromfile(path, dtype=DOCUMENT_INDEX_DTYPE)
-    if len(ends) and (ends[-1] != info["tokens"] or (len(ends) > 1 and np.any(ends[1:] <= ends[:-1]))):
-        return [f"{index['name']}: the document ends do not increase to the split's {info['tokens']} tokens"]
-    return []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,7 +194,6 @@ def verify_document_index(root: Path, info: dict) -> list[str]:
 FILE_KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".json": "json", ".txt": "text", ".md": "text",
               ".parquet": "parquet"}
 MAX_WARNINGS_PER_SOURCE = 5
-SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source label (data.py) and a mixture source's name (train.py)
 
 
 @dataclass
@@ -1093,7 +895,7 @@ def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: P
 
 
 # ----------------------------------------------------------------------------------------------
-# Packing: parallel tokenization, streamed into shards.
+# Sharding: parallel tokenization, streamed into shards.
 
 
 class ShardWriter:
@@ -1174,12 +976,6 @@ class ShardWriter:
         return result
 
 
-def stream_key(split: str, label: str | None) -> str:
-    """Which token stream a document goes to: its split, or with source labels `{split}-{label}`
-    (whose shards are then `{split}-{label}-NNNNN.bin`)."""
-    return split if label is None else f"{split}-{label}"
-
-
 def batches(documents: Iterable[Document], batch_bytes: int) -> Iterator[tuple[list[str], list[list[str]]]]:
     """Group documents into (splits, pieces) lists of about `batch_bytes` characters."""
     splits, pieces, size = [], [], 0
@@ -1224,7 +1020,7 @@ def split_for_encoding(text: str, limit: int = ENCODE_CHUNK_CHARS) -> list[str]:
     """`text` cut into pieces of about `limit` characters that encode to exactly the ids of the whole:
     each cut is before a space that follows a non-space and precedes a letter, where the Qwen2
     pre-tokenizer starts a new word (" word") anyway. Measured on a 10 MB one-line file: a 2.1 GB
-    peak encoded whole, 0.5 GB in chunks (both for training the tokenizer and for packing)."""
+    peak encoded whole, 0.5 GB in chunks (both for training the tokenizer and for sharding)."""
     pieces, start = [], 0
     while len(text) - start > limit:
         cut = WORD_START.search(text, start + limit)
@@ -1311,7 +1107,7 @@ def document_mask(pieces: list[str], piece_ids: list[list[int]], header: list[in
     return mask
 
 
-def pack_documents(documents: Iterable[Document], tokenizer, folder: Path, settings: BuildSettings,
+def write_shards(documents: Iterable[Document], tokenizer, folder: Path, settings: BuildSettings,
                    dtype: str, labels: list[str | None] | None = None) -> dict[str, dict]:
     """Tokenize `documents` into shards; returns the per-split manifest entries. With source `labels`,
     each source of a split is a stream of its own (labelled_split).
@@ -1548,7 +1344,7 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
         stats: dict[str, SourceStats] = {}
         documents = iter_documents(sources, settings, tokenizer.chat_template, stats)
         labels = list(dict.fromkeys(source.label for source in sources))
-        splits = pack_documents(documents, tokenizer, temp, settings, dtype, labels)
+        splits = write_shards(documents, tokenizer, temp, settings, dtype, labels)
         kept = sum(info["documents"] for info in splits.values())
         if kept == 0:
             raise UserError("no documents left after reading and filtering the inputs "
@@ -1840,575 +1636,3 @@ def command() -> None:
 
 if __name__ == "__main__":
     command()
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading a corpus (train.py): the token streams, the loss mask and the data order (DESIGN.md).
-
-
-PULLED_CORPORA = "corpus"  # train.py --data URL is pulled into corpus/<name>-<hash of the URL>
-
-
-def load_manifest(corpus: Path) -> dict:
-    """corpus_manifest.json (load_corpus_manifest checks its layout), with a hint when the corpus is not there."""
-    check_corpus_folder(corpus)
-    manifest = load_corpus_manifest(corpus)
-    if "train" not in manifest["splits"] or "vocab_size" not in manifest:
-        raise UserError(f"{corpus / 'corpus_manifest.json'} has no train split or no vocab_size")
-    return manifest
-
-
-
-def check_corpus_folder(corpus: Path) -> None:
-    """A clear line, and the data.py command that builds one, when `corpus` is not a corpus folder."""
-    if (corpus / CORPUS_MANIFEST).is_file():
-        return
-    if not corpus.exists():
-        raise UserError(f"--data {corpus}: no such corpus folder; build one with: {script_command('data')} --data "
-                        f"YOUR_FILES --out {corpus}")
-    if corpus.name == CORPUS_MANIFEST:
-        raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
-    raise UserError(f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
-                    f"{script_command('data')} --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
-
-
-
-
-
-IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
-
-
-
-def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
-    """Which mask classes (MASK_*) the loss counts, as a lookup table; None: every token."""
-    if loss_on == "all":
-        return None
-    table = np.zeros(len(MASK_CLASSES), dtype=bool)
-    table[MASK_ASSISTANT] = True
-    table[MASK_TEXT] = text_loss == "full"
-    return table
-
-
-
-def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
-    """Each token id's UTF-8 bytes as the byte-level BPE decodes it (int64, `size` ids): one byte per
-    character of a vocabulary token (ByteLevel's alphabet), an added token's text in UTF-8, 0 for a
-    special token and for an id past the tokenizer's vocabulary. Bits per byte divide by their sum."""
-    import torch
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    lengths = [0] * size
-    for token, index in tokenizer.get_vocab(with_added_tokens=False).items():
-        lengths[index] = len(token)
-    for index, added in tokenizer.get_added_tokens_decoder().items():
-        lengths[index] = 0 if added.special else len(added.content.encode("utf-8"))
-    return torch.tensor(lengths, dtype=torch.int64)
-
-
-
-PACKINGS = ("masked", "bestfit", "stream")  # train.py --packing; the first is the default (bench/bench_packing.py)
-BEST_FIT_WINDOW = 1024  # pieces best-fit packing chooses among (nanochat's buffer of documents)
-
-
-class Batch(NamedTuple):
-    """One micro-batch: inputs and targets (B, C); documents (attention.Documents: each token's document and
-    position, the documents' starts) when attention is to stay inside documents (None: plain causal)."""
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    documents: attention.Documents | None = None
-
-
-def document_pieces(ends: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(start, length) of the pieces documents ending at `ends` are cut into: a document of up to
-    `row_tokens` tokens is one piece; a longer one is cut into pieces of `row_tokens`, each starting on
-    the last token of the one before (as stream blocks do), so that every token after its first is a target once."""
-    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-    lengths = ends.astype(np.int64) - starts
-    stride = row_tokens - 1
-    counts = np.maximum(1, -(-(lengths - 1) // stride))  # pieces per document
-    document = np.repeat(np.arange(len(ends)), counts)
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    piece_starts = starts[document] + within * stride
-    return piece_starts, np.minimum(row_tokens, ends[document].astype(np.int64) - piece_starts)
-
-
-def best_fit_rows(lengths: np.ndarray, row_tokens: int, window: int = BEST_FIT_WINDOW) -> tuple[np.ndarray, np.ndarray]:
-    """Pieces (of `lengths` tokens, in stream order) packed into rows of `row_tokens` tokens by best fit:
-    each row starts with the longest of the next `window` pieces and is filled with the longest ones that
-    still fit; what none fills is padding. Returns (the pieces in row order, each row's end in that order).
-    A pure function of its inputs (nanochat's BOS-aligned best fit, with padding instead of cropping)."""
-    import bisect
-
-    pending: list[tuple[int, int]] = []  # (length, piece), sorted
-    order, row_ends, following = [], [], 0
-    while pending or following < len(lengths):
-        while len(pending) < window and following < len(lengths):
-            bisect.insort(pending, (int(lengths[following]), following))
-            following += 1
-        room = row_tokens
-        while pending:
-            fits = bisect.bisect_right(pending, (room, len(lengths))) - 1
-            if fits < 0:
-                break
-            length, piece = pending.pop(fits)
-            order.append(piece)
-            room -= length
-        row_ends.append(len(order))
-    return np.array(order, dtype=np.int64), np.array(row_ends, dtype=np.int64)
-
-
-def document_ends(corpus: Path, entry: dict, split: str, packing: str) -> np.ndarray:
-    """The stream offset just past each document of a split's manifest `entry`: its document index, or for
-    a split of labelled sources (one stream each, in the order of its files) theirs, offset to follow on."""
-    parts = [entry] if "document_index" in entry or "sources" not in entry else list(entry["sources"].values())
-    ends, offset = [], 0
-    for part in parts:
-        if "document_index" not in part:
-            raise UserError(f"{corpus / CORPUS_MANIFEST}: split {split} lists no document index, which "
-                            f"--packing {packing} needs; rebuild the corpus with this data.py")
-        ends.append(np.fromfile(corpus / part["document_index"]["name"], dtype=DOCUMENT_INDEX_DTYPE) + offset)
-        offset += part["tokens"]
-    return np.concatenate(ends).astype(DOCUMENT_INDEX_DTYPE)
-
-
-class TokenSplit:
-    """One split's token stream (memory-mapped shards) cut into rows of C + 1 tokens (inputs and shifted
-    targets), as `packing` says: "stream" and "masked" take block i = tokens [i*C, i*C + C + 1), "masked"
-    with each token's document (Batch.segments); "bestfit" packs whole documents into rows that start at
-    a document (best_fit_rows), padded with IGNORE_INDEX targets. Row i is `spans(i)`: (start, length)
-    pieces of the stream. With `counted` (counted_classes), targets the loss does not count are IGNORE_INDEX.
-    """
-
-    def __init__(self, corpus: Path, manifest: dict, split: str, context: int, counted: np.ndarray | None = None,
-                 packing: str = "stream", source: str | None = None):
-        entry = manifest["splits"].get(split, {"files": []})
-        if source is not None:  # one labelled source's own stream (data.py --source-label)
-            entry = entry.get("sources", {}).get(source, {"files": []})
-        self.name, self.context, self.counted, self.packing = split, context, counted, packing
-        items = [item for item in entry["files"] if item["bytes"] > 0]
-        self.shards = [np.memmap(corpus / item["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"),
-                                 mode="r") for item in items]
-        self.masks = [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items] \
-            if counted is not None else []
-        self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
-        self.tokens = int(self.starts[-1])
-        self.pad_id = int(manifest.get("special_tokens", {}).get(PAD, 0))
-        self.ends = np.array([self.tokens], dtype=np.uint64)  # "stream": one document, as far as rows go
-        if packing != "stream" and self.tokens:
-            self.ends = document_ends(corpus, entry, split, packing)
-        self.blocks = max(0, (self.tokens - 1) // context)
-        if packing == "bestfit" and self.tokens:
-            starts, lengths = document_pieces(self.ends, context + 1)
-            order, self.row_ends = best_fit_rows(lengths, context + 1)
-            self.piece_starts, self.piece_lengths = starts[order], lengths[order]
-            self.blocks = len(self.row_ends)
-
-    def spans(self, index: int) -> list[tuple[int, int]]:
-        """Row `index` as (stream offset, tokens) pieces, C + 1 tokens in all or fewer (then padded)."""
-        if self.packing != "bestfit":
-            return [(index * self.context, self.context + 1)]
-        first = int(self.row_ends[index - 1]) if index else 0
-        return list(zip(self.piece_starts[first: self.row_ends[index]].tolist(),
-                        self.piece_lengths[first: self.row_ends[index]].tolist()))
-
-    def _read(self, streams: list[np.ndarray], start: int, length: int) -> np.ndarray:
-        end = start + length
-        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pieces = []
-        while start < end:
-            offset = start - self.starts[shard]
-            piece = streams[shard][offset: offset + end - start]
-            pieces.append(piece)
-            start += len(piece)
-            shard += 1
-        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-
-    def _row(self, streams: list[np.ndarray], index: int, fill: int) -> np.ndarray:
-        pieces = [np.asarray(self._read(streams, start, length)) for start, length in self.spans(index)]
-        row = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-        return np.pad(row, (0, self.context + 1 - len(row)), constant_values=fill)
-
-    def block(self, index: int) -> np.ndarray:
-        """Tokens of row `index` (C + 1 of them, possibly spanning shards, padding <pad>) as int64."""
-        return self._row(self.shards, index, self.pad_id).astype(np.int64)
-
-    def block_mask(self, index: int) -> np.ndarray:
-        """The mask classes of row `index`'s C + 1 tokens (needs `counted`), len(MASK_CLASSES) for padding."""
-        return self._row(self.masks, index, len(MASK_CLASSES))
-
-    def block_segments(self, index: int) -> np.ndarray:
-        """The document of each of row `index`'s C input tokens, numbered from 0 ("masked" packing)."""
-        start = index * self.context
-        documents = np.searchsorted(self.ends, np.arange(start, start + self.context, dtype=np.uint64), side="right")
-        return (documents - documents[0]).astype(np.int32)
-
-    def row_tokens(self, index: int) -> int:
-        """Tokens of row `index` before its padding (C + 1 but for "bestfit")."""
-        return sum(length for _, length in self.spans(index))
-
-    def batch(self, indices: list[int], device: torch.device) -> Batch:
-        """The Batch of these rows, on `device`; targets not counted (padding too) are IGNORE_INDEX."""
-        return to_batch([(self, index) for index in indices], device)
-
-
-def to_batch(rows: list[tuple[TokenSplit, int]], device: torch.device) -> Batch:
-    """The Batch of these (split, row) pairs on `device` (the splits alike in context, packing and counted
-    classes: one corpus' split, or the sources of a mixture): targets the loss does not count, and a
-    "bestfit" row's padding, are IGNORE_INDEX; "masked" adds the documents (attention.documents_of, on the
-    host: the device never waits to learn where they start)."""
-    import torch
-
-    first = rows[0][0]
-    array = np.stack([split.block(index) for split, index in rows])
-    targets = array[:, 1:].copy()
-    if first.counted is not None:
-        counted = np.append(first.counted, False)  # padding is never counted
-        targets[~counted[np.stack([split.block_mask(index)[1:] for split, index in rows])]] = IGNORE_INDEX
-    elif first.packing == "bestfit":
-        lengths = np.array([split.row_tokens(index) for split, index in rows])
-        targets[np.arange(first.context)[None, :] >= lengths[:, None] - 1] = IGNORE_INDEX
-    tensors = [torch.from_numpy(np.ascontiguousarray(array[:, :-1])), torch.from_numpy(targets)]
-    if first.packing == "masked":
-        tensors.append(attention.documents_of(np.stack([split.block_segments(index) for split, index in rows])))
-    if device.type == "cuda":
-        tensors = [tensor.pin_memory().to(device, non_blocking=True) for tensor in tensors]
-    return Batch(*tensors)
-
-
-
-MASK64 = (1 << 64) - 1
-
-
-
-EVAL_EPOCH = 1 << 40  # evaluation blocks follow their own fixed order, never a training epoch's
-
-
-
-def mix64(value: int) -> int:
-    """splitmix64's finalizer: a fast, well-mixed 64-bit hash."""
-    value = (value + 0x9E3779B97F4A7C15) & MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
-    return value ^ (value >> 31)
-
-
-
-class BlockPermutation:
-    """A stateless pseudo-random bijection of range(n), keyed by (seed, epoch).
-
-    A 4-round Feistel network over the smallest even-width bit domain holding n (fewer than
-    4n values), with cycle-walking: re-encrypt until the value falls inside range(n). Any
-    position is computed on its own, so seeking is O(1).
-    """
-
-    ROUNDS = 4
-
-    def __init__(self, n: int, seed: int, epoch: int):
-        if n <= 0:
-            raise ValueError("a permutation needs at least one element")
-        self.n = n
-        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
-        self.mask = (1 << self.half_bits) - 1
-        base = mix64(mix64(seed & MASK64) ^ epoch)
-        self.keys = [mix64(base + round_index) for round_index in range(self.ROUNDS)]
-
-    def _encrypt(self, value: int) -> int:
-        left, right = value >> self.half_bits, value & self.mask
-        for key in self.keys:
-            left, right = right, left ^ (mix64(right ^ key) & self.mask)
-        return (left << self.half_bits) | right
-
-    def __call__(self, position: int) -> int:
-        value = self._encrypt(position)
-        while value >= self.n:
-            value = self._encrypt(value)
-        return value
-
-
-
-class BlockSampler:
-    """The training data cursor: optimizer step s reads global samples [s*G, (s+1)*G).
-
-    Within a step, sample j goes to micro-step j // (world * batch), rank (j // batch) % world,
-    so the same global batch on any number of ranks reads the same samples per step.
-    """
-
-    def __init__(self, blocks: int, seed: int, batch_size: int, grad_accum: int, world: int):
-        if blocks <= 0:
-            raise UserError("the train split has fewer tokens than one block; use a smaller --context")
-        self.blocks, self.seed = blocks, seed
-        self.batch_size, self.grad_accum, self.world = batch_size, grad_accum, world
-        self.global_batch = batch_size * grad_accum * world
-        self._permutations: dict[int, BlockPermutation] = {}
-
-    def block_of(self, sample: int) -> int:
-        epoch, position = divmod(sample, self.blocks)
-        if epoch not in self._permutations:
-            self._permutations = {epoch: BlockPermutation(self.blocks, self.seed, epoch)}
-        return self._permutations[epoch](position)
-
-    def step_blocks(self, step: int) -> list[int]:
-        """The G blocks of optimizer step `step`, in global order."""
-        start = step * self.global_batch
-        return [self.block_of(sample) for sample in range(start, start + self.global_batch)]
-
-    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
-        """This rank's blocks of `step`, one list per micro-step."""
-        blocks = self.step_blocks(step)
-        per_micro = self.world * self.batch_size
-        starts = [micro * per_micro + rank * self.batch_size for micro in range(self.grad_accum)]
-        return [blocks[start: start + self.batch_size] for start in starts]
-
-    def state_dict(self) -> dict:
-        """What the data order depends on besides the step (which the checkpoint holds once, for all)."""
-        return {"seed": self.seed, "blocks": self.blocks, "global_batch": self.global_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "blocks", "global_batch"):
-            if state[key] != getattr(self, key):
-                raise UserError(f"checkpoint data cursor has {key} {state[key]}, this run has {getattr(self, key)}")
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Mixtures (train.py --data NAME=CORPUS[#LABEL]:WEIGHT ... and --mixture-schedule): which source each
-# global sample reads, a pure function of the sample index (DESIGN.md, "Data order").
-
-
-@dataclass(frozen=True)
-class MixtureSource:
-    name: str
-    corpus: str  # a corpus folder or URL, as given
-    label: str | None  # a labelled source inside that corpus (data.py --source-label); None: all of it
-
-
-@dataclass(frozen=True)
-class MixturePhase:
-    start: str  # "0", a step number, or "decay" (the first step of --schedule wsd's decay)
-    weights: tuple[float, ...]  # one per source, in --data order (0: not read in this phase)
-
-
-@dataclass(frozen=True)
-class Mixture:
-    sources: tuple[MixtureSource, ...]
-    phases: tuple[MixturePhase, ...]  # the first starts at step 0
-
-    @property
-    def names(self) -> list[str]:
-        return [source.name for source in self.sources]
-
-    def recorded(self) -> dict:
-        """What the data order depends on (training_settings.json; a resume must match it)."""
-        return {"sources": [{"name": source.name, "label": source.label} for source in self.sources],
-                "phases": [{"start": phase.start, "weights": dict(zip(self.names, phase.weights))}
-                           for phase in self.phases]}
-
-
-def is_mixture_spec(value: str) -> bool:
-    """`NAME=CORPUS...` (a mixture source) rather than a plain corpus folder or URL."""
-    name, equals, _ = value.partition("=")
-    return bool(equals) and SOURCE_NAME.fullmatch(name) is not None
-
-
-def parse_weight(text: str, where: str) -> float:
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = math.nan
-    if not (math.isfinite(weight) and weight >= 0):
-        raise UserError(f"{where}: the weight {text!r} is not a number >= 0")
-    return weight
-
-
-def parse_mixture_source(spec: str) -> tuple[MixtureSource, float]:
-    """`NAME=CORPUS[#LABEL]:WEIGHT` -> (the source, its weight)."""
-    name, _, rest = spec.partition("=")
-    corpus, colon, weight = rest.rpartition(":")
-    if not colon or not corpus or "/" in weight:
-        raise UserError(f"--data {spec}: a mixture source is NAME=CORPUS:WEIGHT (e.g. web=corpus/web:0.8)")
-    corpus, _, label = corpus.partition("#")
-    return MixtureSource(name, corpus, label or None), parse_weight(weight, f"--data {spec}")
-
-
-def parse_schedule_phase(text: str, names: list[str]) -> MixturePhase:
-    """`START:NAME=WEIGHT,...` (a source not named has weight 0 in this phase)."""
-    start, colon, pairs = text.strip().partition(":")
-    start = start.strip()
-    if not colon or not (start == "decay" or (start.isdigit() and int(start) > 0)):
-        raise UserError(f"--mixture-schedule {text!r}: a phase is START:NAME=WEIGHT,... with START a step "
-                        "number > 0 or 'decay' (e.g. decay:web=0.3,chat=0.7)")
-    weights = dict.fromkeys(names, 0.0)
-    for pair in pairs.split(","):
-        name, _, weight = pair.strip().partition("=")
-        if name not in weights:
-            raise UserError(f"--mixture-schedule {text!r}: {name!r} is not a source of --data "
-                            f"(they are {', '.join(names)})")
-        weights[name] = parse_weight(weight, f"--mixture-schedule {text!r}")
-    return MixturePhase(str(int(start)) if start != "decay" else start, tuple(weights.values()))
-
-
-def parse_mixture(specs: list[str], schedule: str | None = None) -> Mixture | None:
-    """The mixture of `--data` values (None: one plain corpus, read as a whole) and --mixture-schedule."""
-    if len(specs) == 1 and not is_mixture_spec(specs[0]):
-        if schedule:
-            raise UserError("--mixture-schedule needs a mixture: --data NAME=CORPUS:WEIGHT ...")
-        return None
-    if not all(is_mixture_spec(spec) for spec in specs):
-        plain = next(spec for spec in specs if not is_mixture_spec(spec))
-        raise UserError(f"--data {plain}: with several values each is a mixture source NAME=CORPUS:WEIGHT")
-    parsed = [parse_mixture_source(spec) for spec in specs]
-    sources = tuple(source for source, _ in parsed)
-    names = [source.name for source in sources]
-    if len(set(names)) < len(names):
-        raise UserError(f"--data: source names must differ, got {', '.join(names)}")
-    phases = [MixturePhase("0", tuple(weight for _, weight in parsed))]
-    phases += [parse_schedule_phase(text, names) for text in (schedule or "").split(";") if text.strip()]
-    for phase in phases:
-        if sum(phase.weights) <= 0:
-            where = "--data" if phase.start == "0" else f"--mixture-schedule phase {phase.start}"
-            raise UserError(f"{where}: the weights sum to 0; give at least one source a positive weight")
-    return Mixture(sources, tuple(phases))
-
-
-def phase_steps(mixture: Mixture, decay_start: int | None) -> list[int]:
-    """The first step of each phase; UserError when they are not increasing ('decay' needs wsd)."""
-    steps = []
-    for phase in mixture.phases:
-        if phase.start == "decay" and decay_start is None:
-            raise UserError("--mixture-schedule decay:... needs --schedule wsd (a cosine has no decay phase "
-                            "start); give a step number instead")
-        steps.append(decay_start if phase.start == "decay" else int(phase.start))
-    if any(later <= earlier for earlier, later in zip(steps, steps[1:])):
-        starts = ", ".join(f"{phase.start} (step {step})" for phase, step in zip(mixture.phases, steps))
-        raise UserError(f"--mixture-schedule: the phases must start at increasing steps, got {starts}")
-    return steps
-
-
-def integer_weights(weights: tuple[float, ...]) -> tuple[int, ...]:
-    """The weights as integers in the same exact ratio (from their decimal text: 0.8 and 0.2 -> 4 and 1)."""
-    fractions = [Fraction(repr(weight)) for weight in weights]
-    denominator = math.lcm(*(fraction.denominator for fraction in fractions))
-    integers = [int(fraction * denominator) for fraction in fractions]
-    divisor = math.gcd(*integers)
-    return tuple(value // divisor for value in integers)
-
-
-def apportion(weights: tuple[int, ...], count: int) -> list[int]:
-    """How many of a phase's first `count` samples each source reads (Sainte-Lague's divisor method).
-
-    Item j of source i sits at (2j + 1) / weight_i, ties to the lower i; the samples are those items
-    in order. So every prefix's counts are within one sample of count * weight_i / total (two sources),
-    and each count follows in closed form: round(count * share), then at most n/2 items moved."""
-    total = sum(weights)
-    counts = [(2 * count * weight + total) // (2 * total) for weight in weights]
-    while sum(counts) > count:  # drop the last item: the largest position
-        last = max((i for i, c in enumerate(counts) if c), key=lambda i: (Fraction(2 * counts[i] - 1, weights[i]), i))
-        counts[last] -= 1
-    while sum(counts) < count:
-        counts[next_source(weights, counts)] += 1
-    return counts
-
-
-def next_source(weights: tuple[int, ...], counts: list[int]) -> int:
-    """The source of the sample after these counts: its next item has the smallest position."""
-    return min((i for i, weight in enumerate(weights) if weight),
-               key=lambda i: (Fraction(2 * counts[i] + 1, weights[i]), i))
-
-
-def source_seed(seed: int, name: str) -> int:
-    """Each source's block order has its own key, so adding a source changes no other's order."""
-    return (seed ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")) & MASK64
-
-
-class MixtureSampler(BlockSampler):
-    """The data cursor of a mixture: global sample g -> (source, block), a pure function of g.
-
-    Phase p (from step S_p, weights w_p) apportions its samples among the sources in closed form
-    (apportion); source i's m-th sample overall is block perm(source_seed, epoch = m // blocks_i) of
-    its own blocks, so a small source repeats (its epoch counter grows) and a large one is
-    subsampled. Seeking to any step costs O(phases * sources)."""
-
-    def __init__(self, names: list[str], source_blocks: list[int], phases: list[tuple[int, ...]],
-                 starts: list[int], seed: int, batch_size: int, grad_accum: int, world: int):
-        super().__init__(max(1, sum(source_blocks)), seed, batch_size, grad_accum, world)
-        for name, blocks, weights in zip(names, source_blocks, zip(*phases)):
-            if blocks <= 0 and any(weights):
-                raise UserError(f"mixture source {name} has fewer train tokens than one block; use a smaller "
-                                "--context or give it weight 0")
-        self.names, self.source_blocks = list(names), list(source_blocks)
-        self.phases = [integer_weights(weights) for weights in phases]
-        self.starts = list(starts)
-        self._source_permutations: dict[tuple[int, int], BlockPermutation] = {}
-
-    def _phase_of(self, step: int) -> int:
-        return max(index for index, start in enumerate(self.starts) if start <= step)
-
-    def source_counts(self, sample: int) -> list[int]:
-        """How many samples each source has given before global sample `sample` (its epochs: / blocks)."""
-        counts = [0] * len(self.names)
-        for index, weights in enumerate(self.phases):
-            begin = self.starts[index] * self.global_batch
-            end = self.starts[index + 1] * self.global_batch if index + 1 < len(self.starts) else sample
-            if sample <= begin:
-                break
-            taken = apportion(weights, min(sample, end) - begin)
-            counts = [total + part for total, part in zip(counts, taken)]
-        return counts
-
-    def progress(self, step: int, context: int) -> dict[str, float]:
-        """Tokens and epochs each source has given by optimizer step `step` (metrics.jsonl's fields)."""
-        counts = self.source_counts(step * self.global_batch)
-        fields = {}
-        for name, count, blocks in zip(self.names, counts, self.source_blocks):
-            fields[f"tokens/{name}"] = count * context
-            fields[f"epochs/{name}"] = count / blocks if blocks else 0.0
-        return fields
-
-    def source_block(self, source: int, index: int) -> int:
-        """Block of source `source`'s `index`-th sample (its own permutation per source epoch)."""
-        epoch, position = divmod(index, self.source_blocks[source])
-        if (source, epoch) not in self._source_permutations:
-            if len(self._source_permutations) > 4 * len(self.names):
-                self._source_permutations.clear()
-            self._source_permutations[source, epoch] = BlockPermutation(
-                self.source_blocks[source], source_seed(self.seed, self.names[source]), epoch)
-        return self._source_permutations[source, epoch](position)
-
-    def step_blocks(self, step: int) -> list[tuple[int, int]]:
-        """The G (source, block) pairs of optimizer step `step`, in global order."""
-        start = step * self.global_batch
-        phase = self._phase_of(step)
-        weights = self.phases[phase]
-        counts = self.source_counts(start)
-        within = apportion(weights, start - self.starts[phase] * self.global_batch)
-        pairs = []
-        for _ in range(self.global_batch):
-            source = next_source(weights, within)
-            pairs.append((source, self.source_block(source, counts[source])))
-            counts[source] += 1
-            within[source] += 1
-        return pairs
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "sources": dict(zip(self.names, self.source_blocks))}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        theirs = state.get("sources")
-        if theirs != dict(zip(self.names, self.source_blocks)):
-            raise UserError(f"checkpoint data cursor has mixture sources (train blocks) {theirs}, this run has "
-                            f"{dict(zip(self.names, self.source_blocks))}")
-
-
-class MixtureSplit:
-    """One split of every source of a mixture (TokenSplit each); a batch takes (source, block) pairs."""
-
-    def __init__(self, parts: list[TokenSplit]):
-        self.parts = parts
-        self.counted = parts[0].counted
-        self.blocks = sum(part.blocks for part in parts)
-        self.tokens = sum(part.tokens for part in parts)
-
-    def batch(self, pairs: list[tuple[int, int]], device: torch.device) -> Batch:
-        return to_batch([(self.parts[source], index) for source, index in pairs], device)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import corpus_format
 import data
 import generation
 from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, read_json, sha256_file, utc_now
@@ -289,8 +290,8 @@ def read_eval_examples(path: str | os.PathLike, limit: int | None = None) -> lis
 
 def extract_final_answer(completion: str) -> str:
     """The answer part of a reply: the text after the last </think> when there is one, stripped."""
-    if data.THINK_CLOSE in completion:
-        completion = completion.rsplit(data.THINK_CLOSE, 1)[1]
+    if corpus_format.THINK_CLOSE in completion:
+        completion = completion.rsplit(corpus_format.THINK_CLOSE, 1)[1]
     return completion.strip()
 
 

@@ -191,7 +191,8 @@ def token_text(value) -> str | None:
 
 def read_vocab(source: ModelSource) -> Vocab:
     """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
-    from data import IM_END, QWEN2_SPLIT_PATTERN, SPECIAL_TOKENS
+    from corpus_format import IM_END, SPECIAL_TOKENS
+    from data import QWEN2_SPLIT_PATTERN
 
     folder = source.folder
     tokenizer_path = folder / "tokenizer.json"
@@ -234,7 +235,7 @@ def read_vocab(source: ModelSource) -> Vocab:
 
 def token_type(token: str, added: dict | None) -> int:
     """GGUF's type of a token: normal, or for an added one control (special) or user-defined."""
-    from data import THINK_CLOSE, THINK_OPEN
+    from corpus_format import THINK_CLOSE, THINK_OPEN
 
     if added is None:
         return int(gguf.TokenType.NORMAL)
@@ -247,7 +248,7 @@ def token_type(token: str, added: dict | None) -> int:
 
 def role_token_ids(source: ModelSource, tokens: list[str], tokenizer_config: dict) -> dict[str, int]:
     """The bos, eos and pad ids the tokenizer config names, checked against the model's config.json."""
-    from data import BOS, EOS, PAD
+    from corpus_format import BOS, EOS, PAD
 
     folder, ids = source.folder, {}
     for role, default in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
@@ -1011,7 +1012,7 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     from transformers import Qwen3ForCausalLM
     from transformers.utils import logging as transformers_logging
 
-    from data import load_tokenizer
+    from corpus_format import load_tokenizer
 
     transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(folder)
@@ -1087,7 +1088,7 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
         raise VerificationFailed(f"llama.cpp does not stop generating at {not_stop}")
     if llama_cpp.llama_vocab_get_add_bos(vocab):
         raise VerificationFailed("llama.cpp would add a BOS token to every prompt")
-    from data import IM_START, THINK_CLOSE, THINK_OPEN
+    from corpus_format import IM_START, THINK_CLOSE, THINK_OPEN
 
     for token, shown in ((THINK_OPEN, THINK_OPEN), (THINK_CLOSE, THINK_CLOSE), (IM_START, "")):
         printed = llm.detokenize([tokenizer.convert_tokens_to_ids(token)], special=False).decode("utf-8")

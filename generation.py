@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 import attention
-from common import UserError, atomic_write_json, read_json, utc_now
-from data import EOS, IM_END, IM_START
+import corpus_format
+from common import UserError, atomic_write_json, utc_now
+from corpus_format import EOS, IM_END, IM_START
 
 # Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
 DEFAULT_PROMPTS = [
@@ -246,14 +247,13 @@ def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, openi
     the openings of its held-out texts (its first `opening_tokens` tokens) to be continued. The test
     split is read first, then validation, then train (a corpus without held-out documents)."""
     corpus = Path(corpus)
-    manifest = read_json(corpus / "corpus_manifest.json", what="corpus manifest")
+    manifest = corpus_format.load_manifest(corpus)
     eos, im_start = (tokenizer.convert_tokens_to_ids(token) for token in (EOS, IM_START))
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     documents: list[list[int]] = []
     for split in ("test", "validation", "train"):
         current: list[int] = []
-        for entry in manifest["splits"].get(split, {}).get("files", []):
-            for token in np.fromfile(corpus / entry["name"], dtype=dtype).tolist():
+        for entry in manifest.split(split)["files"]:
+            for token in np.fromfile(corpus / entry["name"], dtype=manifest.shard_dtype).tolist():
                 if token != eos:
                     current.append(token)
                     continue

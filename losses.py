@@ -2,7 +2,7 @@
 
 The LM head and the cross-entropy run a chunk of tokens at a time (hardware.logits_chunk_tokens), in a
 custom autograd Function that computes each chunk's gradient in its forward (as Liger's fused linear
-cross-entropy does), so the backward needs no logits either. Targets equal to data.IGNORE_INDEX (a
+cross-entropy does), so the backward needs no logits either. Targets equal to train_data.IGNORE_INDEX (a
 token the corpus' mask does not count) are skipped. Training, evaluation, the compiled and the DDP
 model all go through `language_model_loss`.
 """
@@ -12,20 +12,20 @@ from __future__ import annotations
 import torch
 
 import attention
-import data
 import hardware
+import train_data
 
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                         reduction: str = "mean", chunk_tokens: int | None = None,
                         documents: attention.Documents | None = None) -> torch.Tensor:
     """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits;
-    with `documents` (data.Batch's), attention and positions stay inside each document (attention.py).
+    with `documents` (train_data.Batch's), attention and positions stay inside each document (attention.py).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
-    to data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
+    to train_data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction {reduction!r}: 'mean' or 'sum'")
     hidden = model.model(input_ids=inputs, **attention.decoder_inputs(model, documents)).last_hidden_state
@@ -41,13 +41,13 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
             total = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, dtype)
     if reduction == "sum":
         return total
-    return total / (targets != data.IGNORE_INDEX).sum()
+    return total / (targets != train_data.IGNORE_INDEX).sum()
 
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """F.cross_entropy(logits, targets, reduction="sum") over the counted targets, and each row's logsumexp."""
-    counted = targets != data.IGNORE_INDEX
+    counted = targets != train_data.IGNORE_INDEX
     logsumexp = torch.logsumexp(logits, dim=-1)
     target_logits = logits.gather(1, torch.where(counted, targets, 0)[:, None]).squeeze(1)
     return torch.where(counted, logsumexp - target_logits, 0.0).sum(), logsumexp
@@ -56,7 +56,7 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torc
 
 def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
     """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted."""
-    counted = targets != data.IGNORE_INDEX
+    counted = targets != train_data.IGNORE_INDEX
     gradient = logits.sub_(logsumexp[:, None]).exp_()
     gradient.scatter_add_(1, torch.where(counted, targets, 0)[:, None], torch.full_like(logsumexp[:, None], -1.0))
     return gradient.mul_(counted[:, None])

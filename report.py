@@ -41,6 +41,7 @@ import numpy as np
 
 import attention
 import checkpoint_store as store
+import corpus_format
 import evaluation
 import generation
 import publishing
@@ -760,18 +761,17 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
 def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, device) -> None:
     """`train.py --export-only`: OUT/model/ from `checkpoint` (read from `path`), trained on `corpus`; the card
     takes the test loss run_status.json has for the same step, and the held-out accuracy is measured."""
-    import data
     import model_config
 
     recorded = checkpoint["settings"]
     training = recorded["training"]
-    manifest = data.load_manifest(corpus)
-    tokenizer = data.load_tokenizer(corpus / "tokenizer")
-    if manifest.get("tokenizer_sha256") != training["tokenizer_sha256"]:
+    manifest = corpus_format.load_manifest(corpus)
+    tokenizer = corpus_format.load_tokenizer(corpus)
+    if manifest.tokenizer_sha256 != training["tokenizer_sha256"]:
         raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
                         "pass that corpus with --data")
     preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
-    model = model_config.build_model(preset, training["vocab_size"], manifest.get("special_tokens", {}))
+    model = model_config.build_model(preset, training["vocab_size"], manifest.special_tokens)
     model.load_state_dict(checkpoint["model"])
     model.to(device).eval()
     step, total = int(checkpoint["step"]), int(training["total_steps"])
@@ -827,8 +827,6 @@ def report_run(model, facts: RunFacts, end: RunEnd) -> dict:
     Samples and accuracy only for a complete run; a resumable stop exports the current weights
     (the model card says the run is unfinished).
     """
-    import data
-
     errors: dict[str, str] = {}
     out, corpus = facts.out, facts.corpus
 
@@ -841,7 +839,7 @@ def report_run(model, facts: RunFacts, end: RunEnd) -> dict:
             return None
 
     found = {}
-    tokenizer = attempt("tokenizer", lambda: data.load_tokenizer(corpus / "tokenizer"))
+    tokenizer = attempt("tokenizer", lambda: corpus_format.load_tokenizer(corpus))
     attempt("loss_curve", lambda: plot_loss_curve(out / "metrics.jsonl", out / "loss_curve.png", title=out.name))
     accuracy = None
     if end.status == store.COMPLETE and tokenizer is not None:

@@ -11,7 +11,7 @@ top-down: options (each declared once), Training (one step counter), the run (ma
 lifecycle, and the glue to checkpoint_cloud.py (checkpoint_store.py holds the checkpoint rules and
 writer). The optimization (the recipe and its options, the optimizers, clipping, the fp16 scaler) is
 optimization.py's.
-Its siblings hold the rest: the corpus reader and data order (data.py), the model (model_config.py),
+Its siblings hold the rest: the corpus reader and data order (train_data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
 (distributed.py), what observes the run (callbacks.py: the metrics log, the validation, the --eval-tasks,
 the end-of-run report, each a callback whose hooks the loop calls), metrics and the final line (report.py).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import math
 import os
 import re
@@ -54,7 +53,7 @@ import attention
 import callbacks
 import checkpoint_cloud
 import checkpoint_store as store
-import data
+import corpus_format
 import distributed
 import evaluation
 import generation
@@ -64,6 +63,7 @@ import model_config
 import optimization
 import report
 import trackers
+import train_data
 from common import (
     ArgumentParser,
     UserError,
@@ -83,9 +83,7 @@ from common import (
     remove_temporaries,
     run_main,
     say,
-    script_command,
     seed_everything,
-    sha256_file,
     utc_now,
 )
 
@@ -116,7 +114,7 @@ OPTION_GROUPS = (PATHS, MODEL, BUDGET, optimization.OPTIONS, LOSS, SAVING, STOPP
 
 
 DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
-             f"{data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
+             f"{train_data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
              f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
 
 
@@ -166,10 +164,8 @@ class RunSettings(optimization.RecipeOptions):
                                   checks=(lambda value: None if math.isfinite(value) and value > 0
                                           else "be a positive finite number",), exclusive="length")
     seed: int = option(1337, "model init and data order", BUDGET)
-    packing: str = option(data.PACKINGS[0], "masked: blocks of the token stream, attention and RoPE positions kept "
-                                            "inside each document; bestfit: rows that start at a document, filled "
-                                            "by best fit, no mask; stream: blocks of the stream, attention across "
-                                            "documents (docs/training.md)", BUDGET, choices=data.PACKINGS)
+    packing: str = option(next(iter(train_data.PACKINGS)), train_data.PACKING_HELP, BUDGET,
+                          choices=tuple(train_data.PACKINGS))
     loss_on: str = option("all", "all: every token; assistant: only the assistants' answers (reasoning included) "
                                  "of chat documents, and plain-text documents as --text-loss says", LOSS,
                           choices=LOSS_ON)
@@ -323,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     args = parser.parse_args(config_argv(parser, argv) + argv)
     demo = args.data is None
     if not demo:  # one plain corpus stays a string; a mixture is its values
-        args.data = args.data[0] if len(args.data) == 1 and not data.is_mixture_spec(args.data[0]) \
+        args.data = args.data[0] if len(args.data) == 1 and not train_data.is_mixture_spec(args.data[0]) \
             else tuple(args.data)
     if demo:
         parser.set_defaults(data=DEFAULT_DATA, out=DEFAULT_OUT, **DEMO_DEFAULTS)
@@ -370,7 +366,7 @@ def check_settings(settings: Settings) -> None:
     trackers.check_trackers(trackers.tracker_names(settings.session.log_to))
     optimization.check_recipe_options(run)
     resolve_model_preset(run)  # the shape's own rules (heads a multiple of kv_heads)
-    mixture_of(settings)  # the --data mixture's and --mixture-schedule's own rules
+    train_data.parse_mixture(settings.session.data, run.mixture_schedule)  # the mixture's own rules
     if run.text_loss is not None and run.loss_on != "assistant":
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if invocation.init_from is not None and invocation.resume not in ("auto", "none"):
@@ -381,33 +377,9 @@ def check_settings(settings: Settings) -> None:
                         "verified checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
 
 
-def mixture_of(settings: Settings) -> data.Mixture | None:
-    """The --data mixture (None: one plain corpus, as a whole)."""
-    specs = settings.session.data
-    return data.parse_mixture([specs] if isinstance(specs, str) else list(specs), settings.run.mixture_schedule)
-
-
 def resolve_model_preset(run: RunSettings) -> model_config.Preset:
     overrides = {name: getattr(run, name) for name in model_config.OVERRIDABLE_FIELDS}
     return model_config.resolve_preset(run.preset, **overrides)
-
-
-# ----------------------------------------------------------------------------------------------
-# The corpus' loss mask (data.py reads the corpus: data.TokenSplit, data.BlockSampler).
-
-
-def check_loss_on(run: RunSettings, manifest: dict, corpus: Path) -> str | None:
-    """The --text-loss this run records (None with --loss-on all); UserError when the corpus cannot serve it."""
-    if run.loss_on == "all":
-        return None
-    counts = manifest["splits"]["train"].get("mask_tokens", {})
-    if not counts.get("assistant"):
-        raise UserError(f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
-                        "documents with an assistant turn); use --loss-on all")
-    if counts.get("text") and run.text_loss is None:
-        raise UserError(f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
-                        "documents; say whether they count with --text-loss full or --text-loss none")
-    return run.text_loss or "none"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,33 +425,25 @@ class Training:
         result = training.train_step()          # one optimizer step (all micro-steps)
     """
 
-    def __init__(self, settings: Settings, info: distributed.DistInfo, manifest: dict, corpus: Path):
+    def __init__(self, settings: Settings, info: distributed.DistInfo, data: train_data.TrainData,
+                 vocab_size: int):
         run, session = settings.run, settings.session
         self.run, self.session, self.invocation = run, session, settings.invocation
-        self.info, self.corpus, self.manifest = info, corpus, manifest
+        self.info, self.data, self.vocab_size = info, data, vocab_size
         self.preset = resolve_model_preset(run)
-        self.manifest_sha256 = sha256_file(corpus / "corpus_manifest.json")
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
-        self.mixture = mixture_of(settings)
-        self.text_loss = check_loss_on(run, manifest, corpus)
-        self.counted = data.counted_classes(run.loss_on, self.text_loss)
-        self.splits = {name: data.TokenSplit(corpus, manifest, name, self.context, self.counted, run.packing)
-                       for name in ("train", "validation", "test")}
-        self.source_splits, self.source_manifests = read_mixture(self, manifest)  # ({}, []) without a mixture
-        self.splits.update({name: data.MixtureSplit(parts) for name, parts in self.source_splits.items()})
-        self.token_bytes = data.token_byte_lengths(corpus / data.TOKENIZER_DIR / "tokenizer.json",
-                                                   self.vocab_size).to(self.device)
-        self.sampler = data.BlockSampler(self.splits["train"].blocks, run.seed, session.batch_size,
-                                         session.grad_accum, info.world)
+        self.token_bytes = corpus_format.token_byte_lengths(data.corpus / corpus_format.TOKENIZER_DIR /
+                                                            "tokenizer.json", vocab_size).to(self.device)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
-        self.total_steps = total_steps(run, self.sampler.blocks, self.sampler.global_batch, self.tokens_per_step)
+        self.total_steps = total_steps(run, data.train_blocks, data.global_batch, self.tokens_per_step)
         self.recipe, self.recipe_reasons = optimization.choose_recipe(run, self.preset.hidden, self.total_steps)
-        self.sampler = mixture_sampler(self)  # after the recipe: a mixture's phase may start at its decay
+        decay_start = self.recipe.total_steps - self.recipe.decay_steps if self.recipe.schedule == "wsd" else None
+        data.start_phases(decay_start)  # after the recipe: a mixture's phase may start at its decay
 
         seed_everything(run.seed)
-        self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
+        self.model = model_config.build_training_model(self.preset, self.vocab_size, data.manifest.special_tokens,
                                                        self.device, session.grad_checkpoint)
         self.optimizer = optimization.build_optimizers(self.model, self.recipe, self.device, info.rank, info.world)
         self.scaler = optimization.LossScaler(self.device, enabled=self.precision == "fp16")
@@ -505,18 +469,14 @@ class Training:
         return self.preset.context
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["vocab_size"])
-
-    @property
     def tokens_per_step(self) -> int:
-        return self.sampler.global_batch * self.context
+        return self.data.global_batch * self.context
 
     def state_parts(self) -> dict:
         """The pieces of the training's state a checkpoint holds by name, each with state_dict()/load_state_dict()
         (besides these: the step, the run id, the RNG of every rank, the settings, and under "callbacks" the
         run's observers' states: callbacks.Callbacks)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler}
+        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.data}
 
     @property
     def precision(self) -> str:
@@ -526,7 +486,7 @@ class Training:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 
-    def loss_of(self, batch: data.Batch, model: torch.nn.Module | None = None,
+    def loss_of(self, batch: train_data.Batch, model: torch.nn.Module | None = None,
                 reduction: str = "mean") -> torch.Tensor:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
@@ -540,8 +500,7 @@ class Training:
         started = time.perf_counter()
         step = self.step
         lrs = self.optimizer.apply_schedule(self.recipe, step)
-        batches = [self.splits["train"].batch(indices, self.device)
-                   for indices in self.sampler.micro_batches(step, self.info.rank)]
+        batches = self.data.micro_batches(step, self.info.rank, self.device)
         loss_sum = backward_micro_steps(self, batches)
         optimizers = list(self.optimizer.parts.values())
         self.scaler.unscale_(optimizers)
@@ -615,12 +574,12 @@ def choose_attention(training: Training):
     return plan, context, label
 
 
-def probe_batch(training: Training, rows: int, documents: bool) -> data.Batch:
+def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Batch:
     """A start-up probe's micro-batch of `rows` x context zeros on the run's device, every row split into
     two documents when `documents` (the path a --packing masked batch with a boundary takes)."""
     zeros = torch.zeros(rows, training.context, dtype=torch.long, device=training.device)
     layout = attention.probe_documents(rows, training.context).to(training.device) if documents else None
-    return data.Batch(zeros, zeros, layout)
+    return train_data.Batch(zeros, zeros, layout)
 
 
 def compile_at_start(training: Training) -> float | None:
@@ -628,7 +587,7 @@ def compile_at_start(training: Training) -> float | None:
     under --packing masked): the seconds it took, or None after a failure, when the run goes on eagerly
     with one warning line (Triton has failed on sm_75 cards before, nanoGPT #525). All ranks run it."""
     started = time.perf_counter()
-    probe = probe_batch(training, training.session.batch_size, documents=training.run.packing == "masked")
+    probe = probe_batch(training, training.session.batch_size, documents=training.data.documents)
     try:
         training.loss_of(probe).backward()
     except Exception as error:  # Dynamo's and Inductor's errors have no common base but Exception
@@ -647,53 +606,6 @@ def compile_at_start(training: Training) -> float | None:
     return time.perf_counter() - started
 
 
-def read_mixture(training: Training, manifest: dict) -> tuple[dict[str, list[data.TokenSplit]], list[str]]:
-    """Each mixture source's splits (its corpus, or its label inside it), per split in --data order, and
-    each source's corpus_manifest.json sha256; every corpus must have the run's tokenizer."""
-    mixture, source_splits, manifests = training.mixture, {}, []
-    for source in (mixture.sources if mixture else ()):
-        folder = local_corpus_folder(source.corpus)
-        theirs = data.load_manifest(folder)
-        if theirs.get("tokenizer_sha256") != manifest.get("tokenizer_sha256"):
-            raise UserError(f"--data {source.name}={source.corpus}: its tokenizer (sha256 "
-                            f"{str(theirs.get('tokenizer_sha256'))[:12]}) is not that of the first source "
-                            f"{mixture.sources[0].name} ({str(manifest.get('tokenizer_sha256'))[:12]}): a mixture "
-                            "needs one tokenizer; build the corpora with data.py --tokenizer FIRST_CORPUS")
-        labels = theirs["splits"]["train"].get("sources", {})
-        if source.label is not None and source.label not in labels:
-            raise UserError(f"--data {source.name}={source.corpus}#{source.label}: the corpus has no source "
-                            f"labelled {source.label} (it has: {', '.join(labels) or 'no labels'}; data.py "
-                            "--source-label)")
-        if check_loss_on(training.run, theirs, folder) != training.text_loss:
-            raise UserError(f"--data {source.name}: --loss-on resolves another --text-loss for {folder}")
-        manifests.append(sha256_file(folder / data.CORPUS_MANIFEST))
-        for name in ("train", "validation", "test"):
-            source_splits.setdefault(name, []).append(
-                data.TokenSplit(folder, theirs, name, training.context, training.counted, training.run.packing,
-                                source.label))
-    return source_splits, manifests
-
-
-def mixture_sampler(training: Training) -> data.BlockSampler:
-    """The mixture's data cursor, its phases starting at steps (decay: the recipe's decay start); without a
-    mixture, the plain one as it is."""
-    if training.mixture is None:
-        return training.sampler
-    recipe, session = training.recipe, training.session
-    decay_start = recipe.total_steps - recipe.decay_steps if recipe.schedule == "wsd" else None
-    return data.MixtureSampler(training.mixture.names, [part.blocks for part in training.source_splits["train"]],
-                               [phase.weights for phase in training.mixture.phases],
-                               data.phase_steps(training.mixture, decay_start), training.run.seed,
-                               session.batch_size, session.grad_accum, training.info.world)
-
-
-def source_progress(training: Training, step: int) -> dict[str, float]:
-    """Tokens and epochs each mixture source has given by `step` (empty without a mixture)."""
-    if training.mixture is None:
-        return {}
-    return training.sampler.progress(step, training.context)
-
-
 @torch.no_grad()
 def heldout_loss(training: Training, split: str) -> dict | None:
     """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
@@ -702,29 +614,25 @@ def heldout_loss(training: Training, split: str) -> dict | None:
     batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
     and the best checkpoint stay comparable with those before. A mixture evaluates that many blocks
     of each source: "sources" holds each one's result, the rest is over all of them together."""
-    if training.mixture is None:
-        return eval_result(eval_totals(training, training.splits[split]))
-    totals = {name: eval_totals(training, part)
-              for name, part in zip(training.mixture.names, training.source_splits[split])}
+    totals = {name: eval_totals(training, rows)
+              for name, rows in training.data.evaluation_rows(split, training.info.rank).items()}
+    if None in totals:  # one corpus
+        return eval_result(totals[None])
     result = eval_result(sum(totals.values()))
     if result is not None:
         result["sources"] = {name: eval_result(part) for name, part in totals.items()}
     return result
 
 
-def eval_totals(training: Training, data_split: data.TokenSplit) -> torch.Tensor:
-    """(nats, counted targets, their bytes) over `data_split`'s evaluation blocks, summed over the ranks."""
+def eval_totals(training: Training, rows: train_data.EvaluationRows) -> torch.Tensor:
+    """(nats, counted targets, their bytes) over this rank's evaluation `rows`, summed over the ranks."""
     totals = torch.zeros(3, dtype=torch.float64, device=training.device)
-    if data_split.blocks == 0:
+    if rows.total == 0:
         return totals
-    count = min(data_split.blocks, training.run.eval_batches * training.sampler.global_batch)
-    order = data.BlockPermutation(data_split.blocks, training.run.seed, data.EVAL_EPOCH)
-    mine = [order(i) for i in range(training.info.rank, count, training.info.world)]
     training.model.eval()
-    for start in range(0, len(mine), training.session.batch_size):
-        batch = data_split.batch(mine[start: start + training.session.batch_size], training.device)
+    for batch in rows.batches(training.session.batch_size, training.device):
         targets = batch.targets
-        counted = targets != data.IGNORE_INDEX
+        counted = targets != train_data.IGNORE_INDEX
         totals[0] += training.loss_of(batch, model=training.model, reduction="sum").double()
         totals[1] += counted.sum()
         totals[2] += training.token_bytes[targets[counted]].sum()
@@ -752,7 +660,8 @@ def eval_task_scorer(training: Training) -> evaluation.LoopScorer | None:
     kept = Path(session.out) / evaluation.LOOP_TASKS_DIR
     tasks = distributed.main_decides(lambda: evaluation.load_loop_tasks(session.eval_tasks, session.eval_tasks_limit,
                                                                        kept), info)
-    return evaluation.LoopScorer(tasks, data.load_tokenizer(training.corpus), info.rank, info.world, training.context)
+    return evaluation.LoopScorer(tasks, corpus_format.load_tokenizer(training.data.corpus), info.rank, info.world,
+                                 training.context)
 
 
 def score_eval_tasks(training: Training, scorer: evaluation.LoopScorer) -> dict[str, dict]:
@@ -772,44 +681,35 @@ def recorded_settings(training: Training) -> dict:
     text_loss as resolved, and what they make of this corpus) and what may change ("runtime")."""
     compared = {
         **dataclasses.asdict(training.run),
-        "text_loss": training.text_loss,  # None with --loss-on all
-        "corpus_manifest_sha256": training.manifest_sha256,
-        "tokenizer_sha256": training.manifest.get("tokenizer_sha256"),
+        **training.data.recorded(),  # text_loss (None with --loss-on all), the corpus and a mixture's sources
         "vocab_size": training.vocab_size,
         **{f"model.{name}": getattr(training.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
-        "global_batch_blocks": training.sampler.global_batch,
+        "global_batch_blocks": training.data.global_batch,
         "tokens_per_step": training.tokens_per_step,
         "total_steps": training.total_steps,
         **training.recipe.recorded(),
     }
-    if training.mixture is not None:  # its sources (each corpus by its manifest) and weights per phase
-        compared["mixture"] = training.mixture.recorded()
-        for source, sha256, part in zip(compared["mixture"]["sources"], training.source_manifests,
-                                        training.source_splits["train"]):
-            source.update(corpus_manifest_sha256=sha256, train_blocks=part.blocks)
-    runtime = {**dataclasses.asdict(training.session), "data": str(training.corpus), "world_size": training.info.world,
+    runtime = {**dataclasses.asdict(training.session), **training.data.runtime(), "world_size": training.info.world,
                "precision": training.precision, "device": training.hardware.label()}  # as resolved here
     del runtime["backup_to"]  # a URL may carry credentials
-    if training.mixture is not None:  # where its phases start in this session's length (an extension moves decay)
-        runtime.update(data=list(training.session.data), mixture_phase_steps=list(training.sampler.starts))
     return {"training": compared, "runtime": runtime, "init_from": training.lineage, "extended": training.extensions,
-            "vocabulary_sha256": training.manifest.get("vocabulary_sha256")}
+            "vocabulary_sha256": training.data.manifest.vocabulary_sha256}
 
 
-def backward_micro_steps(training: Training, batches: list[data.Batch]) -> torch.Tensor:
+def backward_micro_steps(training: Training, batches: list[train_data.Batch]) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches of one step (DDP syncs the gradients in the last);
     returns the sum of their losses, each a share of the step's loss (fp64)."""
     info = training.info
     loss_sum = torch.zeros((), dtype=torch.float64, device=training.device)
-    if training.counted is not None:
+    if training.data.counted is not None:
         # the mean over the step's counted targets on all ranks (DDP averages the ranks' gradients)
-        counted = sum((batch.targets != data.IGNORE_INDEX).sum() for batch in batches).double()
+        counted = sum((batch.targets != train_data.IGNORE_INDEX).sum() for batch in batches).double()
         per_rank = distributed.all_reduce_sum(counted, info).clamp(min=1) / info.world
     for micro, batch in enumerate(batches):
         last = micro == len(batches) - 1
         sync = contextlib.nullcontext() if last or info.world == 1 else training.forward_model.no_sync()
         with sync:
-            if training.counted is None:
+            if training.data.counted is None:
                 loss = training.loss_of(batch) / len(batches)
             else:
                 loss = training.loss_of(batch, reduction="sum") / per_rank.to(torch.float32)
@@ -888,24 +788,30 @@ def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: i
                    corpus: Path | None = None) -> Training:
     """A ready-to-step Training from parsed options (no files written, no corpus check).
 
-    `corpus`: the local corpus folder (prepare_corpus'; None: --data as given). `vocab_size` (benchmarks
-    only) builds the model with a larger vocabulary than the corpus tokenizer's, e.g. think72's 33,069
-    over the small demo corpus, whose ids all stay valid."""
-    if corpus is None:  # a mixture's first source gives the tokenizer
-        mixture = mixture_of(settings)
-        corpus = Path(settings.session.data) if mixture is None else local_corpus_folder(mixture.sources[0].corpus)
-    manifest = data.load_manifest(corpus)
-    if vocab_size is not None:
-        if vocab_size < manifest["vocab_size"]:
-            raise UserError(f"vocab_size {vocab_size} is below the corpus' {manifest['vocab_size']}")
-        manifest = dict(manifest, vocab_size=vocab_size)
+    `corpus`: the local folder of a plain corpus (train_data.prepare_corpus'; None: --data's). `vocab_size`
+    (benchmarks only) builds the model with a larger vocabulary than the corpus tokenizer's, e.g. think72's
+    33,069 over the small demo corpus, whose ids all stay valid."""
     if settings.session.threads:
         torch.set_num_threads(settings.session.threads)
     distributed.use_deterministic_kernels(settings.session.deterministic)  # main() did it; for Python callers
+    data = train_data.open_train_data(data_options(settings, info.world), corpus)
+    if vocab_size is not None and vocab_size < data.manifest.vocab_size:
+        raise UserError(f"vocab_size {vocab_size} is below the corpus' {data.manifest.vocab_size}")
+    vocab_size = vocab_size or data.manifest.vocab_size
     try:
-        return Training(settings, info, manifest, corpus)
+        return Training(settings, info, data, vocab_size)
     except torch.OutOfMemoryError:  # the weights, or the attention probe's one block, do not fit
-        raise UserError(start_out_of_memory(settings.run, int(manifest["vocab_size"]), info.device)) from None
+        raise UserError(start_out_of_memory(settings.run, vocab_size, info.device)) from None
+
+
+def data_options(settings: Settings, world: int) -> train_data.DataOptions:
+    """What the run's data depends on, from its options."""
+    run, session = settings.run, settings.session
+    return train_data.DataOptions(data=session.data, mixture_schedule=run.mixture_schedule, packing=run.packing,
+                                  loss_on=run.loss_on, text_loss=run.text_loss,
+                                  context=resolve_model_preset(run).context, seed=run.seed,
+                                  batch_size=session.batch_size, grad_accum=session.grad_accum, world=world,
+                                  eval_batches=run.eval_batches)
 
 
 def start_out_of_memory(run: RunSettings, vocab_size: int, device: torch.device) -> str:
@@ -931,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if invocation.export_only:
             return export_only(settings, info)
-        corpus = distributed.main_decides(lambda: prepare_corpus(settings), info)
+        corpus = distributed.main_decides(lambda: train_data.prepare_corpus(session.data, invocation.demo), info)
         with claim_run_folder(Path(session.out), info):
             backup_url = checkpoint_cloud.backup_url_from_env_or_arg(session.backup_to)
             if backup_url:
@@ -958,10 +864,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     session = settings.session
     out = Path(session.out)
     hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
-    mixture = mixture_of(settings)
-    for folder in [corpus] if mixture is None else [local_corpus_folder(s.corpus) for s in mixture.sources]:
-        data.load_manifest(folder)  # a clear message when the corpus is missing, on every rank
-        problems = distributed.main_decides(lambda: data.verify_corpus(folder), info)  # noqa: B023 (called at once)
+    for folder in train_data.corpus_folders(session.data):
+        train_data.read_manifest(folder)  # a clear message when the corpus is missing, on every rank
+        problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
 
@@ -1068,17 +973,10 @@ def describe_run(training: Training) -> None:
     if training.compile_seconds is not None:
         log(info, f"  torch.compile: the model and its loss compiled in {training.compile_seconds:.1f} s at start "
                   "(--no-compile: eager)")
-    empty = [name for name in ("validation", "test") if training.splits[name].blocks == 0]
-    if empty:
-        say(f"the corpus has no {' or '.join(empty)} blocks of {training.context} tokens: no "
-            f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus with "
-            "more documents or a larger --val-fraction / --test-fraction)", warning=True, main=info.is_main)
-    if training.sampler.global_batch > training.sampler.blocks:
-        say(f"one step reads {training.sampler.global_batch} blocks but the train split has only "
-            f"{training.sampler.blocks} of {training.context} tokens: every step covers more than an epoch "
-            "(use a smaller --batch-size or --grad-accum, or a larger corpus)", warning=True, main=info.is_main)
+    for warning in training.data.warnings():
+        say(warning, warning=True, main=info.is_main)
     log(info, training.recipe.describe())
-    for line in mixture_summary(training):
+    for line in training.data.summary(training.total_steps):
         log(info, line)
     if training.recipe_reasons:
         log(info, "  chosen by the rules (docs/recipe.md): " + "; ".join(training.recipe_reasons))
@@ -1116,8 +1014,8 @@ def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metr
         callbacks.TaskScores(lambda: score_eval_tasks(training, scorer), tasks_every, *steps, metrics, progress),
     ]
     if training.info.is_main and session.report:
-        facts = report.RunFacts(out, training.corpus, training.run.preset, recorded,
-                                report.sampling_from(vars(session), "sample_"), training.device)
+        facts = report.RunFacts(out, training.data.corpus, training.run.preset, recorded,
+                                generation.sampling_from(vars(session), "sample_"), training.device)
         observers += [callbacks.LossCurve(out, progress), callbacks.Report(training.model, facts)]
     if training.info.is_main:
         observers.append(callbacks.Samples(out, metrics))
@@ -1126,7 +1024,7 @@ def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metr
 
 def step_fields(training: Training, step: int) -> dict:
     """A train record's fields besides the step's own: the peak memory, and a mixture's progress per source."""
-    return {"peak_memory_bytes": hardware.peak_memory_bytes(training.device), **source_progress(training, step)}
+    return {"peak_memory_bytes": hardware.peak_memory_bytes(training.device), **training.data.progress(step)}
 
 
 def train_loop(training: Training, checkpointer: store.Checkpointer | None, observers: callbacks.Callbacks,
@@ -1198,23 +1096,6 @@ def step_throughput(training: Training, result: StepResult, peak: float | None) 
         peak, mfu = hardware.plausible_mfu(peak, mfu, training.device, training.precision,
                                            training.session.peak_tflops, record)
     return peak, tokens_per_second, mfu
-
-
-def mixture_summary(training: Training) -> list[str]:
-    """The start-up lines of a mixture: each source's size, each phase's weights, tokens and epochs planned."""
-    if training.mixture is None:
-        return []
-    sampler, context = training.sampler, training.context
-    lines = ["mixture: " + ", ".join(f"{name} {blocks:,} train blocks ({blocks * context:,} tokens)"
-                                     for name, blocks in zip(sampler.names, sampler.source_blocks))]
-    for phase, start in zip(training.mixture.phases, sampler.starts):
-        weights = ", ".join(f"{name} {weight:g}" for name, weight in zip(sampler.names, phase.weights))
-        lines.append(f"  from step {start}" + (" (decay)" if phase.start == "decay" else "") + f": {weights}")
-    planned = source_progress(training, training.total_steps)
-    lines.append("  over the run: " + ", ".join(
-        f"{name} {planned[f'tokens/{name}']:,} tokens ({planned[f'epochs/{name}']:.2f} epochs)"
-        for name in sampler.names))
-    return lines
 
 
 def save_checkpoint(training: Training, checkpointer: store.Checkpointer | None, best_val_loss: float | None,
@@ -1505,44 +1386,13 @@ def claim_run_folder(out: Path, info: distributed.DistInfo):
             store.release_run_folder(out, held["lock"], held["new"])  # a new folder refused before it began goes
 
 
-def prepare_corpus(settings: Settings) -> Path:
-    """The local corpus folder: the demo's, built if missing; a --data URL pulled once; else --data as is.
-    A mixture: every source's corpus so, and the first one's folder (its tokenizer is the run's)."""
-    mixture = mixture_of(settings)
-    if mixture is not None:
-        return [prepare_one_corpus(source.corpus, demo=False) for source in mixture.sources][0]
-    return prepare_one_corpus(settings.session.data, settings.invocation.demo)
-
-
-def local_corpus_folder(data_option: str) -> Path:
-    """Where the corpus of a --data value is read: a URL's pulled copy, else the folder itself."""
-    if "://" in data_option and not data_option.startswith("file://"):
-        url = data_option.rstrip("/")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
-        return Path(data.PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
-    return Path(data_option.removeprefix("file://"))
-
-
-def prepare_one_corpus(data_option: str, demo: bool) -> Path:
-    corpus = local_corpus_folder(data_option)
-    if demo:
-        if not (corpus / data.CORPUS_MANIFEST).is_file():
-            say(f"demo: building the demo corpus in {corpus} ({script_command('data')} --demo --out {corpus})")
-            data.build_demo_corpus(corpus)
-        return corpus
-    if "://" in data_option and not data_option.startswith("file://"):
-        return checkpoint_cloud.local_corpus(data_option, corpus)
-    data.check_corpus_folder(corpus)
-    return corpus
-
-
 def out_of_memory_advice(training: Training) -> str:
     """hardware.out_of_memory_advice for this run: its model, micro-batch, precision and card."""
     run, session = training.run, training.session
     return hardware.out_of_memory_advice(run.preset, training.preset, training.vocab_size, session.batch_size,
                                          session.grad_accum, training.context, training.precision,
                                          training.recipe.rule.state, session.grad_checkpoint, training.hardware,
-                                         training.attention_plan.documents if run.packing == "masked"
+                                         training.attention_plan.documents if training.data.documents
                                          else training.attention_plan.causal)
 
 
@@ -1649,7 +1499,8 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
         raise UserError(f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
                         f"(none in {out / 'checkpoints'})")
     checkpoint = store.load_checkpoint_file(path)
-    corpus = Path(checkpoint["settings"]["runtime"]["data"]) if settings.invocation.demo else prepare_corpus(settings)
+    corpus = Path(checkpoint["settings"]["runtime"]["data"]) if settings.invocation.demo \
+        else train_data.prepare_corpus(settings.session.data, demo=False)
     report.export_checkpoint(checkpoint, path, out, corpus, info.device)
     return 0
 

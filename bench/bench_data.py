@@ -91,14 +91,15 @@ def cpu_seconds() -> float:
 
 
 def method_data_py(args) -> dict:
+    import corpus_format
     import data
 
     workers = args.num_proc if args.method == "data.py-pool" else 0
     settings = data.BuildSettings(tokenizer=args.tokenizer, progress=False, tokenize_workers=workers)
     out = Path(args.out)
     data.build_corpus(data.resolve_inputs([args.input]), out, settings, overwrite=True)
-    manifest = json.loads((out / data.CORPUS_MANIFEST).read_text())
-    return {"tokens": manifest["tokens"], "documents": manifest["documents"],
+    manifest = corpus_format.load_manifest(out)
+    return {"tokens": manifest.tokens, "documents": manifest.documents,
             "disk_mb": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 1e6}
 
 

@@ -167,12 +167,13 @@ def man_pages(limit_bytes: int, seed: int = 0) -> list[str]:
 
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""
+    import corpus_format
     import data
 
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
-    manifest, stamp = corpus / "corpus_manifest.json", corpus / "bench_settings.json"
-    settings = {"format_version": data.FORMAT_VERSION, "vocab_size": args.vocab_size,
+    manifest, stamp = corpus / corpus_format.CORPUS_MANIFEST, corpus / "bench_settings.json"
+    settings = {"format_version": corpus_format.FORMAT_VERSION, "vocab_size": args.vocab_size,
                 "text_bytes": None if name in extra else args.text_bytes,
                 "source": str(extra[name]) if name in extra else name}
     if manifest.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
@@ -197,12 +198,13 @@ def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) ->
 
 def corpus_facts(corpus: Path) -> dict:
     """Documents, tokens and the median document length in tokens of the train and test splits."""
-    import data
+    import corpus_format
+    import train_data
 
-    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
+    manifest = corpus_format.load_manifest(corpus)
     facts = {}
     for split in ("train", "test"):
-        tokens = data.TokenSplit(corpus, manifest, split, 1, None, "masked")
+        tokens = train_data.TokenSplit(corpus, manifest, split, 1, None, "masked")
         ends = [int(end) for end in tokens.ends]
         lengths = [b - a for a, b in zip([0] + ends, ends)]
         facts[split] = {"documents": len(lengths), "tokens": tokens.tokens,

@@ -53,6 +53,7 @@ def timed(command: list[str], cwd: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import corpus_format
     import data
     import evaluation
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(args.corpus, work / "corpus" / "demo")
     else:
         data.build_demo_corpus(work / "corpus" / "demo")
-    tokenizer = data.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(work / "corpus" / "demo")
     items = work / "demo_choices.jsonl"
     items.write_text("".join(json.dumps(item) + "\n" for item in evaluation.demo_choice_items(tokenizer)))
     demo = [str(ROOT / "train.py"), "--target-tokens", str(args.steps * 32 * 128), "--no-report"]

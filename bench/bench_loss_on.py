@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import checkpoint_store as store  # noqa: E402
+import corpus_format  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import evaluation  # noqa: E402
@@ -77,7 +78,7 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
                                     distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
     if args.init_from:  # what train.train does for a new run (build_training leaves it out)
         train.start_from(training, store.read_init_source(args.init_from))
-    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
+    tokenizer = corpus_format.load_tokenizer(corpus)
     curve, started = [], time.perf_counter()
     while training.step < training.total_steps:
         training.train_step()

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_recipe  # noqa: E402
 import torch  # noqa: E402
 
+import corpus_format  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import train  # noqa: E402
@@ -90,7 +91,7 @@ def docstring_documents(max_bytes: int) -> list[str]:
 def build_corpora(args: argparse.Namespace, work: Path) -> dict[str, Path]:
     """prose/ and tech/, both with the tokenizer data.py trains on the two together (joint/)."""
     work.mkdir(parents=True, exist_ok=True)
-    if not args.rebuild and all((work / name / data.CORPUS_MANIFEST).is_file() for name in ("joint", *SOURCES)):
+    if not args.rebuild and all(corpus_format.is_current_corpus(work / name) for name in ("joint", *SOURCES)):
         return {name: work / name for name in SOURCES}
     texts = {"prose": bench_recipe.kjv_documents(), "tech": docstring_documents(args.tech_bytes)}
     for name, documents in texts.items():
@@ -102,7 +103,7 @@ def build_corpora(args: argparse.Namespace, work: Path) -> dict[str, Path]:
     steps = [("joint", [str(work / "prose.jsonl"), str(work / "tech.jsonl")], []),
              *[(name, [str(work / f"{name}.jsonl")], ["--tokenizer", str(work / "joint")]) for name in SOURCES]]
     for name, inputs, extra in steps:
-        if (work / name / data.CORPUS_MANIFEST).is_file() and not args.rebuild:
+        if corpus_format.is_current_corpus(work / name) and not args.rebuild:
             continue
         if data.main(["--data", *inputs, "--out", str(work / name), *common, *extra]):
             raise UserError(f"data.py could not build {work / name}")
@@ -111,7 +112,7 @@ def build_corpora(args: argparse.Namespace, work: Path) -> dict[str, Path]:
 
 def mixes(corpora: dict[str, Path]) -> dict[str, tuple[tuple[float, float], str | None]]:
     """name -> ((prose weight, tech weight), --mixture-schedule)."""
-    tokens = [data.load_corpus_manifest(corpora[name])["splits"]["train"]["tokens"] for name in SOURCES]
+    tokens = [corpus_format.load_manifest(corpora[name]).split("train")["tokens"] for name in SOURCES]
     natural = tuple(round(count / sum(tokens), 4) for count in tokens)
     return {"natural": (natural, None), "balanced": ((0.5, 0.5), None), "prose": ((0.9, 0.1), None),
             "anneal": ((0.9, 0.1), "decay:prose=0.3,tech=0.7")}
@@ -133,10 +134,10 @@ def run_mix(corpora: dict[str, Path], name: str, weights: tuple[float, float], s
         training.train_step()
     seconds = time.perf_counter() - started
     test = train.heldout_loss(training, "test")
-    read = train.source_progress(training, training.step)
+    read = training.data.progress(training.step)
     total = sum(read[f"tokens/{source}"] for source in SOURCES)
     result = {"mix": name, "weights": dict(zip(SOURCES, weights)), "schedule": schedule,
-              "phase_steps": training.sampler.starts, "seconds": round(seconds, 1),
+              "phase_steps": training.data.sampler.starts, "seconds": round(seconds, 1),
               "test_bits_per_byte": test["bits_per_byte"]}
     for source in SOURCES:
         part = test["sources"][source]

@@ -39,9 +39,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
+import corpus_format  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import train  # noqa: E402
+import train_data  # noqa: E402
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "packing"
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", default=str(WORK), help="folder for the corpora and results")
     parser.add_argument("--texts", default="short,long", help=f"comma list of corpora: {', '.join(CORPORA)}")
-    parser.add_argument("--only", default=",".join(data.PACKINGS), help="comma list of packings")
+    parser.add_argument("--only", default=",".join(train_data.PACKINGS), help="comma list of packings")
     parser.add_argument("--preset", default="tiny", help="model preset")
     parser.add_argument("--context", type=int, default=128, help="tokens per row")
     parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step")
@@ -98,8 +100,7 @@ def build_corpus(name: str, args: argparse.Namespace) -> Path:
 
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
-    manifest = corpus / "corpus_manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()).get("format_version") == data.FORMAT_VERSION:
+    if corpus_format.is_current_corpus(corpus):
         return corpus
     if corpus.exists():
         shutil.rmtree(corpus)  # built by an older data.py: the bench's own folder, rebuilt
@@ -123,13 +124,14 @@ def build_corpus(name: str, args: argparse.Namespace) -> Path:
 @torch.no_grad()
 def heldout_bpb(training: train.Training, packing: str, batch: int = 16) -> float:
     """Bits per byte of `training`'s model over every block of the test split cut as `packing` says."""
-    split = data.TokenSplit(training.corpus, training.manifest, "test", training.context, None, packing)
+    split = train_data.TokenSplit(training.data.corpus, training.data.manifest, "test", training.context, None,
+                                  packing)
     nats, text_bytes = 0.0, 0
     training.model.eval()
     for start in range(0, split.blocks, batch):
         rows = split.batch(list(range(start, min(split.blocks, start + batch))), training.device)
         nats += training.loss_of(rows, model=training.model, reduction="sum").item()
-        text_bytes += int(training.token_bytes[rows.targets[rows.targets != data.IGNORE_INDEX]].sum())
+        text_bytes += int(training.token_bytes[rows.targets[rows.targets != train_data.IGNORE_INDEX]].sum())
     training.model.train()
     return nats / math.log(2) / text_bytes
 
@@ -156,7 +158,7 @@ def run_corpus(name: str, args: argparse.Namespace) -> dict:
     for packing, run in runs.items():
         training = run["training"]
         results[packing] = {"seconds": run["seconds"], "tokens_per_second": tokens / run["seconds"],
-                            "rows": training.splits["train"].blocks,
+                            "rows": training.data.splits["train"].blocks,
                             "bpb_alone": heldout_bpb(training, "masked"), "bpb_stream": heldout_bpb(training, "stream")}
         print(f"  {name} {packing}: bpb alone {results[packing]['bpb_alone']:.4f}, stream "
               f"{results[packing]['bpb_stream']:.4f}, {results[packing]['tokens_per_second']:,.0f} tokens/s, "

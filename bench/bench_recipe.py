@@ -115,12 +115,12 @@ def kjv_documents() -> list[str]:
 
 def build_corpus(args: argparse.Namespace, work: Path) -> Path:
     """The real-text corpus (built once per text and reused): 4,096-token BPE, 5% test, 2% validation."""
+    import corpus_format
     import data
 
     source = Path(args.text) if args.text else work / "kjv.jsonl"
     corpus = work / f"corpus-{source.stem}"
-    manifest = corpus / "corpus_manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()).get("format_version") == data.FORMAT_VERSION:
+    if corpus_format.is_current_corpus(corpus):
         return corpus
     if corpus.exists():
         shutil.rmtree(corpus)  # built by an older data.py: the bench's own folder, rebuilt
@@ -140,8 +140,8 @@ def heldout_bytes(training: train.Training) -> int:
     """UTF-8 bytes of the text the test blocks' targets decode to (special tokens are 0 bytes)."""
     from transformers import AutoTokenizer
 
-    split = training.splits["test"]
-    tokenizer = AutoTokenizer.from_pretrained(training.corpus / "tokenizer")
+    split = training.data.splits["test"]
+    tokenizer = AutoTokenizer.from_pretrained(training.data.corpus / "tokenizer")
     ids = [int(token) for index in range(split.blocks) for token in split.block(index)[1:]]
     return len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
 
@@ -149,7 +149,7 @@ def heldout_bytes(training: train.Training) -> int:
 @torch.no_grad()
 def heldout_nats(training: train.Training, batch: int = 16) -> float:
     """Summed next-token cross-entropy (nats) over every block of the test split."""
-    split = training.splits["test"]
+    split = training.data.splits["test"]
     total = 0.0
     training.model.eval()
     for start in range(0, split.blocks, batch):

@@ -173,7 +173,7 @@ class HFSide:
         import numpy as np
         from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
-        split, context = reference.splits["train"], reference.context
+        split, context = reference.data.splits["train"], reference.context
         blocks = np.stack([split.block(index)[:context] for index in range(split.blocks)])
         self.dataset = datasets.Dataset.from_dict({"input_ids": blocks.tolist()})
         tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")

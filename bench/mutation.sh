@@ -2,7 +2,7 @@
 # Mutation testing of tinyllm's core rules with mutmut 3 (configured in pyproject.toml, [tool.mutmut]).
 #
 #   bash bench/mutation.sh                        # the whole core, one worker: 5-10 min on 2 busy cores
-#   bash bench/mutation.sh "data.x_mix64__*"     # only the mutants named (fnmatch patterns)
+#   bash bench/mutation.sh "train_data.x_mix64__*"     # only the mutants named (fnmatch patterns)
 #   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
 #
 # mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
@@ -18,11 +18,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 
 CORE=(
-  # data.py: splits, document hashing, packing into hashed shards, corpus record verification
-  "data.x_split_of__*" "data.x_document_hash__*" "data.x_token_dtype__*" "data.x_shard_name__*"
-  "data.xǁShardWriterǁ*" "data.x_batches__*" "data.x_verify_files__*" "data.x_check_settings__*"
-  # data.py: the data order; the loss, gradient clipping (optimization.py), loading a checkpoint, the settings check
-  "data.x_mix64__*" "data.xǁBlockPermutationǁ*" "data.xǁBlockSamplerǁ*"
+  # data.py and corpus_format.py: splits, document hashing, sharding into hashed shards, corpus record verification
+  "data.x_split_of__*" "data.x_document_hash__*" "corpus_format.x_token_dtype__*" "corpus_format.x_shard_name__*"
+  "data.xǁShardWriterǁ*" "data.x_batches__*" "corpus_format.x_verify_files__*" "data.x_check_settings__*"
+  # train_data.py: the data order; the loss, gradient clipping (optimization.py), loading a checkpoint, the settings check
+  "train_data.x_mix64__*" "train_data.xǁBlockPermutationǁ*" "train_data.xǁBlockSamplerǁ*"
   "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "optimization.x_clip_gradients__*"
   "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
   # checkpoint_store.py: names, records, listings, the resume, timeline, retention and mirror plans, the run

@@ -19,7 +19,9 @@ import torch
 
 import checkpoint_cloud as cc
 import checkpoint_store as store
+import corpus_format
 import data
+import train_data
 from common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -741,9 +743,9 @@ def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
     assert cc.main(["push", str(corpus), remote]) == 0
     assert cc.main(["verify", remote]) == 0
     assert cc.main(["pull", remote, str(tmp_path / "pulled")]) == 0
-    assert data.verify_corpus(tmp_path / "pulled") == []
-    assert cc.local_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
-    assert cc.local_corpus(str(corpus), tmp_path / "unused") == corpus
+    assert corpus_format.verify_corpus(tmp_path / "pulled") == []
+    assert cc.pull_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
+    assert train_data.prepare_one_corpus(str(corpus), demo=False) == corpus  # a local folder: as it is
 
     fs, root = cc.open_remote(remote)
     fs.pipe_file(f"{root}/train-00000.bin", fs.cat_file(f"{root}/train-00000.bin")[:-2])

@@ -21,12 +21,14 @@ import torch
 
 import callbacks
 import checkpoint_store as store
+import corpus_format
 import data
 import evaluation
 import losses
 import optimization
 import report
 import train
+import train_data
 from common import UserError, sha256_file
 
 # each test here takes well under a second: a loop that never ends (a permutation that is not a
@@ -97,7 +99,7 @@ def test_build_defaults_are_sized_to_the_input(size, vocab_size, fraction):
 @pytest.mark.parametrize("vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"),
                                                (200_000, "uint32")])
 def test_token_dtype_holds_every_id(vocab_size, dtype):
-    assert data.token_dtype(vocab_size) == dtype
+    assert corpus_format.token_dtype(vocab_size) == dtype
     assert np.iinfo(dtype).max >= vocab_size - 1  # the largest id fits
 
 
@@ -111,7 +113,8 @@ FRACTIONS = "--val-fraction and --test-fraction must be >= 0 and leave room for 
     ({"val_fraction": 1.0}, FRACTIONS),
     ({"test_fraction": 1.0}, FRACTIONS),
     ({"val_fraction": 0.5, "test_fraction": 0.5}, FRACTIONS),
-    ({"vocab_size": 262}, f"--vocab-size 262 is below 263 (256 bytes + {len(data.SPECIAL_TOKENS)} special tokens)"),
+    ({"vocab_size": 262},
+     f"--vocab-size 262 is below 263 (256 bytes + {len(corpus_format.SPECIAL_TOKENS)} special tokens)"),
     ({"shard_tokens": 0}, "--shard-tokens must be positive, got 0"),  # each option's own check (common.option)
     ({"tokenizer_sample_bytes": 0}, "--tokenizer-sample-bytes must be positive, got 0"),
     ({"batch_bytes": 0}, "--batch-bytes must be positive, got 0"),
@@ -132,7 +135,7 @@ def test_check_settings_accepts_the_edges(change):
 
 
 # ----------------------------------------------------------------------------------------------
-# Packing: shards and their sha256 (data.py)
+# Sharding: shards and their sha256 (data.py)
 
 
 def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
@@ -157,7 +160,7 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
     total = len(stream)
     expected_sizes = [shard_tokens] * (total // shard_tokens) + ([total % shard_tokens] if total % shard_tokens else [])
     assert [entry["tokens"] for entry in result["files"]] == expected_sizes
-    assert [entry["name"] for entry in result["files"]] == [data.shard_name("train", i)
+    assert [entry["name"] for entry in result["files"]] == [corpus_format.shard_name("train", i)
                                                            for i in range(len(expected_sizes))]
     for entry in result["files"]:
         path = tmp_path / entry["name"]
@@ -184,7 +187,7 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
     entry = writer.finish()["files"][0]
     raw = (tmp_path / entry["name"]).read_bytes()
     assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
-    mask = bytes([data.MASK_TEXT]) * 3  # no mask given: plain text
+    mask = bytes([corpus_format.MASK_TEXT]) * 3  # no mask given: plain text
     assert (tmp_path / "validation-00000.mask").read_bytes() == mask
     assert entry == {"name": "validation-00000.bin", "bytes": 12, "sha256": hashlib.sha256(raw).hexdigest(),
                      "tokens": 3, "mask": {"name": "validation-00000.mask", "bytes": 3,
@@ -193,16 +196,17 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
 
 def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
     writer = data.ShardWriter(tmp_path, "train", "uint16", 3)
-    classes = [data.MASK_PROMPT, data.MASK_ASSISTANT, data.MASK_ASSISTANT, data.MASK_TEXT, data.MASK_PROMPT]
+    classes = [corpus_format.MASK_PROMPT, corpus_format.MASK_ASSISTANT, corpus_format.MASK_ASSISTANT,
+               corpus_format.MASK_TEXT, corpus_format.MASK_PROMPT]
     writer.write(np.arange(10, 15, dtype=np.int64), [2, 3], mask=np.array(classes, dtype=np.int64))  # uint8 out
     writer.write(np.array([15], dtype=np.int64), [1])  # no mask: plain text
     with pytest.raises(ValueError, match="^2 mask values and 3 document tokens for 3 tokens$"):
-        writer.write(np.array([1, 2, 3]), [3], mask=np.array([data.MASK_TEXT] * 2))
+        writer.write(np.array([1, 2, 3]), [3], mask=np.array([corpus_format.MASK_TEXT] * 2))
     with pytest.raises(ValueError, match="^3 mask values and 2 document tokens for 3 tokens$"):
         writer.write(np.array([1, 2, 3]), [2])
     result = writer.finish()
     assert (tmp_path / "train-00000.mask").read_bytes() == bytes(classes[:3])
-    assert (tmp_path / "train-00001.mask").read_bytes() == bytes(classes[3:] + [data.MASK_TEXT])
+    assert (tmp_path / "train-00001.mask").read_bytes() == bytes(classes[3:] + [corpus_format.MASK_TEXT])
     assert [entry["mask"] for entry in result["files"]] == [
         {"name": f"train-0000{index}.mask", "bytes": 3,
          "sha256": sha256_file(tmp_path / f"train-0000{index}.mask")} for index in (0, 1)]
@@ -232,98 +236,98 @@ def test_batches_send_a_labelled_document_to_its_sources_stream():
 
 
 # ----------------------------------------------------------------------------------------------
-# Corpus record verification (data.py)
+# Corpus record verification (corpus_format.py)
 
 
 def tiny_corpus_files(root: Path) -> dict:
     """Two shards and a tokenizer folder with a manifest that matches them."""
-    (root / data.TOKENIZER_DIR).mkdir(parents=True)
-    (root / data.TOKENIZER_DIR / "tokenizer.json").write_text("{}")
+    (root / corpus_format.TOKENIZER_DIR).mkdir(parents=True)
+    (root / corpus_format.TOKENIZER_DIR / "tokenizer.json").write_text("{}")
     files = []
     for index, ids in enumerate([[1, 2, 3], [4, 5]]):
         raw = np.array(ids, dtype="<u2").tobytes()
-        name = data.shard_name("train", index)
+        name = corpus_format.shard_name("train", index)
         (root / name).write_bytes(raw)
         files.append({"name": name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(ids)})
     (root / "eval.jsonl").write_text("{}\n")
     from common import sha256_tree
 
     return {"dtype": "uint16", "splits": {"train": {"files": files, "tokens": 5, "documents": 2}},
-            "tokenizer_sha256": sha256_tree(root / data.TOKENIZER_DIR),
+            "tokenizer_sha256": sha256_tree(root / corpus_format.TOKENIZER_DIR),
             "files": {"eval.jsonl": sha256_file(root / "eval.jsonl")}}
 
 
 def test_verify_files_accepts_a_matching_corpus_and_names_each_fault(tmp_path):
     manifest = tiny_corpus_files(tmp_path)
-    assert data.verify_files(tmp_path, manifest) == []
-    first, second = tmp_path / data.shard_name("train", 0), tmp_path / data.shard_name("train", 1)
+    assert corpus_format.verify_files(tmp_path, manifest) == []
+    first, second = tmp_path / corpus_format.shard_name("train", 0), tmp_path / corpus_format.shard_name("train", 1)
 
     raw = bytearray(first.read_bytes())
     raw[0] ^= 1
     first.write_bytes(bytes(raw))  # same size, other bytes
-    assert data.verify_files(tmp_path, manifest) == [
+    assert corpus_format.verify_files(tmp_path, manifest) == [
         "train-00000.bin: sha256 does not match the manifest (corrupted or edited)"]
     raw[0] ^= 1
     first.write_bytes(bytes(raw))
 
     second.write_bytes(second.read_bytes()[:-2])
-    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 2 bytes, manifest says 4"]
+    assert corpus_format.verify_files(tmp_path, manifest) == ["train-00001.bin: 2 bytes, manifest says 4"]
     second.unlink()
-    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: missing (train shard)"]
+    assert corpus_format.verify_files(tmp_path, manifest) == ["train-00001.bin: missing (train shard)"]
 
 
 def test_verify_files_reports_every_missing_shard_and_a_missing_tokenizer(tmp_path):
     manifest = tiny_corpus_files(tmp_path)
     for index in (0, 1):
-        (tmp_path / data.shard_name("train", index)).unlink()
-    (tmp_path / data.TOKENIZER_DIR / "tokenizer.json").unlink()
-    (tmp_path / data.TOKENIZER_DIR).rmdir()
+        (tmp_path / corpus_format.shard_name("train", index)).unlink()
+    (tmp_path / corpus_format.TOKENIZER_DIR / "tokenizer.json").unlink()
+    (tmp_path / corpus_format.TOKENIZER_DIR).rmdir()
     del manifest["files"]  # a manifest without extra files is fine
-    assert data.verify_files(tmp_path, manifest) == ["train-00000.bin: missing (train shard)",
+    assert corpus_format.verify_files(tmp_path, manifest) == ["train-00000.bin: missing (train shard)",
                                                      "train-00001.bin: missing (train shard)",
-                                                     f"{data.TOKENIZER_DIR}/: missing"]
+                                                     f"{corpus_format.TOKENIZER_DIR}/: missing"]
 
 
 def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
     manifest = tiny_corpus_files(tmp_path)
     manifest["splits"]["train"]["files"][1]["tokens"] = 3  # bytes and sha256 fine, the count is not
     manifest["splits"]["train"]["tokens"] = 6
-    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: 4 bytes is not 3 uint16 tokens"]
+    assert corpus_format.verify_files(tmp_path, manifest) == ["train-00001.bin: 4 bytes is not 3 uint16 tokens"]
     manifest["splits"]["train"]["tokens"] = 7
-    assert data.verify_files(tmp_path, manifest)[-1] == \
+    assert corpus_format.verify_files(tmp_path, manifest)[-1] == \
         "train: shard tokens do not add up to the split's 7 tokens"
     manifest = tiny_corpus_files(tmp_path / "again")
-    (tmp_path / "again" / data.TOKENIZER_DIR / "tokenizer.json").write_text('{"edited": 1}')
+    (tmp_path / "again" / corpus_format.TOKENIZER_DIR / "tokenizer.json").write_text('{"edited": 1}')
     (tmp_path / "again" / "eval.jsonl").write_text("{}\n{}\n")
-    assert data.verify_files(tmp_path / "again", manifest) == [
-        f"{data.TOKENIZER_DIR}/: sha256 of the folder does not match the manifest",
+    assert corpus_format.verify_files(tmp_path / "again", manifest) == [
+        f"{corpus_format.TOKENIZER_DIR}/: sha256 of the folder does not match the manifest",
         "eval.jsonl: sha256 does not match the manifest"]
     (tmp_path / "again" / "eval.jsonl").unlink()
-    assert data.verify_files(tmp_path / "again", manifest)[-1] == "eval.jsonl: missing"
+    assert corpus_format.verify_files(tmp_path / "again", manifest)[-1] == "eval.jsonl: missing"
 
 
 def test_verify_files_checks_the_mask_files(tmp_path):
     manifest = tiny_corpus_files(tmp_path)
     manifest["format_version"] = 2  # a mask file for every shard
     for entry, classes in zip(manifest["splits"]["train"]["files"], [[0, 1, 1], [2, 2]]):
-        path = tmp_path / data.mask_name(entry["name"])
+        path = tmp_path / corpus_format.mask_name(entry["name"])
         path.write_bytes(bytes(classes))
         entry["mask"] = {"name": path.name, "bytes": len(classes), "sha256": sha256_file(path)}
-    assert data.verify_files(tmp_path, manifest) == []
+    assert corpus_format.verify_files(tmp_path, manifest) == []
     (tmp_path / "train-00001.mask").write_bytes(bytes([2, 1]))
-    assert data.verify_files(tmp_path, manifest) == [
+    assert corpus_format.verify_files(tmp_path, manifest) == [
         "train-00001.mask: sha256 does not match the manifest (corrupted or edited)"]
     del manifest["splits"]["train"]["files"][1]["mask"]
-    assert data.verify_files(tmp_path, manifest) == ["train-00001.bin: the manifest lists no mask file for it"]
+    assert corpus_format.verify_files(tmp_path, manifest) == ["train-00001.bin: the manifest lists no mask file for it"]
     del manifest["format_version"]  # a corpus from before masks: none expected
-    assert data.verify_files(tmp_path, manifest) == []
+    assert corpus_format.verify_files(tmp_path, manifest) == []
 
 
 def add_masks(root: Path, manifest: dict) -> None:
     """A plain-text mask file for each shard of tiny_corpus_files, as format 2 and later have."""
     for entry in manifest["splits"]["train"]["files"]:
-        path = root / data.mask_name(entry["name"])
-        path.write_bytes(bytes([data.MASK_TEXT]) * entry["tokens"])
+        path = root / corpus_format.mask_name(entry["name"])
+        path.write_bytes(bytes([corpus_format.MASK_TEXT]) * entry["tokens"])
         entry["mask"] = {"name": path.name, "bytes": entry["tokens"], "sha256": sha256_file(path)}
 
 
@@ -340,16 +344,17 @@ def test_verify_files_checks_the_document_index(tmp_path):
     train["document_index"] = write_document_index(tmp_path, "train.docs", [3, 5])
     manifest["splits"]["test"] = {"files": [], "tokens": 0, "documents": 0}  # no document: no index needed
     manifest["format_version"] = 3
-    assert data.verify_files(tmp_path, manifest) == []
+    assert corpus_format.verify_files(tmp_path, manifest) == []
     (tmp_path / "train.docs").write_bytes(np.array([3, 4], dtype="<u8").tobytes())  # same size, other ends
-    assert data.verify_files(tmp_path, manifest) == [
+    assert corpus_format.verify_files(tmp_path, manifest) == [
         "train.docs: sha256 does not match the manifest (corrupted or edited)"]
     del train["document_index"]
-    assert data.verify_files(tmp_path, manifest) == ["train: the manifest lists no document index (train.docs)"]
+    assert corpus_format.verify_files(tmp_path, manifest) == [
+        "train: the manifest lists no document index (train.docs)"]
     manifest["format_version"] = 2  # a corpus from before the index: none expected
-    assert data.verify_files(tmp_path, manifest) == []
+    assert corpus_format.verify_files(tmp_path, manifest) == []
     del manifest["format_version"]
-    assert data.verify_files(tmp_path, manifest) == []
+    assert corpus_format.verify_files(tmp_path, manifest) == []
 
 
 def test_verify_files_checks_each_labelled_sources_document_index(tmp_path):
@@ -363,61 +368,61 @@ def test_verify_files_checks_each_labelled_sources_document_index(tmp_path):
         "code": {"files": train["files"][1:], "tokens": 2, "documents": 1,
                  "document_index": write_document_index(tmp_path, "train-code.docs", [2])}}
     train["documents"] = 3
-    assert data.verify_files(tmp_path, manifest) == []  # the split itself has no index: its sources do
+    assert corpus_format.verify_files(tmp_path, manifest) == []  # the split itself has no index: its sources do
     (tmp_path / "train-code.docs").write_bytes(np.array([1], dtype="<u8").tobytes())
-    assert data.verify_files(tmp_path, manifest) == [
+    assert corpus_format.verify_files(tmp_path, manifest) == [
         "train-code.docs: sha256 does not match the manifest (corrupted or edited)"]
     del train["sources"]["code"]["document_index"]
-    assert data.verify_files(tmp_path, manifest) == [
+    assert corpus_format.verify_files(tmp_path, manifest) == [
         "train-code: the manifest lists no document index (train-code.docs)"]
 
 
 # ----------------------------------------------------------------------------------------------
-# Data order (train.py)
+# Data order and --packing (train_data.py)
 
 
 def test_mix64_is_splitmix64():
     """The first outputs of splitmix64 seeded with 0 (Vigna's reference: state += golden gamma, then mix)."""
     gamma = 0x9E3779B97F4A7C15
-    assert [data.mix64(index * gamma & data.MASK64) for index in range(3)] == [
+    assert [train_data.mix64(index * gamma & train_data.MASK64) for index in range(3)] == [
         0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
-    assert all(0 <= data.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
+    assert all(0 <= train_data.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025])
 def test_block_permutation_is_a_bijection_around_every_domain_size(n):
     for seed, epoch in [(0, 0), (7, 3), (2**70 + 5, 1)]:  # a seed beyond 64 bits is masked, not an error
-        perm = data.BlockPermutation(n, seed, epoch)
+        perm = train_data.BlockPermutation(n, seed, epoch)
         assert sorted(perm(i) for i in range(n)) == list(range(n)), (n, seed, epoch)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 17, 100, 1000])
 def test_block_permutation_walks_a_domain_of_fewer_than_4n_values(n):
     """The Feistel domain is the smallest even bit width holding n: cycle-walking stays short."""
-    perm = data.BlockPermutation(n, 1, 0)
+    perm = train_data.BlockPermutation(n, 1, 0)
     domain = 1 << (2 * perm.half_bits)
     assert n <= domain < 4 * n
     assert perm.mask == (1 << perm.half_bits) - 1
 
 
 def test_block_permutation_encrypt_is_a_bijection_of_its_domain():
-    perm = data.BlockPermutation(1000, 3, 0)  # domain 1024: values 1000..1023 are walked past
+    perm = train_data.BlockPermutation(1000, 3, 0)  # domain 1024: values 1000..1023 are walked past
     domain = 1 << (2 * perm.half_bits)
     assert sorted(perm._encrypt(value) for value in range(domain)) == list(range(domain))
 
 
 def test_block_permutation_is_keyed_and_mixes():
     n = 4096
-    base = [data.BlockPermutation(n, 1, 0)(i) for i in range(n)]
+    base = [train_data.BlockPermutation(n, 1, 0)(i) for i in range(n)]
     for seed, epoch in [(2, 0), (1, 1), (1 << 32, 0), (0, 0)]:
-        other = [data.BlockPermutation(n, seed, epoch)(i) for i in range(n)]
+        other = [train_data.BlockPermutation(n, seed, epoch)(i) for i in range(n)]
         same = sum(a == b for a, b in zip(base, other))
         assert same < 20, (seed, epoch, same)  # ~1 expected by chance
     assert sum(base[i] == i for i in range(n)) < 20  # not near the identity
     # the first half of positions is not sent to the first half (a weak mix would keep halves apart)
     assert 900 < sum(value < n // 2 for value in base[: n // 2]) < 1150  # ~1024 of 2048
-    assert data.BlockPermutation(n, 1, 0).keys == data.BlockPermutation(n, 1, 0).keys
-    assert len(set(data.BlockPermutation(n, 1, 0).keys)) == data.BlockPermutation.ROUNDS
+    assert train_data.BlockPermutation(n, 1, 0).keys == train_data.BlockPermutation(n, 1, 0).keys
+    assert len(set(train_data.BlockPermutation(n, 1, 0).keys)) == train_data.BlockPermutation.ROUNDS
 
 
 @pytest.mark.parametrize("ends, row_tokens, pieces", [
@@ -427,7 +432,7 @@ def test_block_permutation_is_keyed_and_mixes():
     ([4, 6, 13], 4, [(0, 4), (4, 2), (6, 4), (9, 4)]),  # exactly a row; short; 7 tokens = 4 + 4 sharing one
 ])
 def test_document_pieces(ends, row_tokens, pieces):
-    starts, lengths = data.document_pieces(np.array(ends, dtype=np.uint64), row_tokens)
+    starts, lengths = train_data.document_pieces(np.array(ends, dtype=np.uint64), row_tokens)
     assert list(zip(starts.tolist(), lengths.tolist())) == pieces
 
 
@@ -440,26 +445,67 @@ def test_document_pieces(ends, row_tokens, pieces):
     ([], 8, []),
 ])
 def test_best_fit_rows(lengths, window, rows):
-    order, row_ends = data.best_fit_rows(np.array(lengths, dtype=np.int64), 8, window)
+    order, row_ends = train_data.best_fit_rows(np.array(lengths, dtype=np.int64), 8, window)
     got = [order[start:end].tolist() for start, end in zip([0, *row_ends[:-1].tolist()], row_ends.tolist())]
     assert got == rows
     assert sorted(order.tolist()) == list(range(len(lengths)))  # every piece once
     assert all(sum(lengths[piece] for piece in row) <= 8 for row in got)
 
 
+@pytest.mark.parametrize("packing, rows, spans, pads, documents", [
+    ("stream", 3, [(0, 5), (4, 5), (8, 5)], False, False),  # blocks of the stream, across documents
+    ("masked", 3, [(0, 5), (4, 5), (8, 5)], False, True),  # the same rows, each token with its document
+    ("bestfit", 3, [(8, 5), (3, 5), (0, 3), (12, 2)], True, False),  # pieces (the 6-token one cut), padded
+])
+def test_each_packing_mode_is_one_class_with_one_interface(packing, rows, spans, pads, documents):
+    """Documents of 3, 5 and 6 tokens (ends 3, 8, 14), rows of C + 1 = 5 tokens."""
+    mode = train_data.PACKINGS[packing](np.array([3, 8, 14], dtype=np.uint64), 4)
+    assert mode.rows == rows
+    assert [piece for row in range(mode.rows) for piece in mode.spans(row)] == spans
+    assert (mode.pads, mode.documents, mode.reads_document_index) == (pads, documents, packing != "stream")
+    assert packing in train_data.PACKING_HELP and mode.help in train_data.PACKING_HELP
+    if documents:  # row 0's inputs are tokens 0..3: document 0 ends at 3; row 1's (4..7) are all document 1
+        assert mode.segments(0).tolist() == [0, 0, 0, 1] and mode.segments(1).tolist() == [0, 0, 0, 0]
+    assert train_data.PACKINGS[packing](np.array([0], dtype=np.uint64), 4).rows == 0  # an empty split
+
+
+@pytest.mark.parametrize("blocks, world, count", [(100, 1, 24), (100, 3, 24), (10, 2, 10), (0, 2, 0)])
+def test_evaluation_rows_are_the_fixed_order_shared_between_ranks(blocks, world, count):
+    """--eval-batches 2 global batches of 12 rows: the first `count` rows of the EVAL_EPOCH order, every
+    world-th to each rank, whatever the world size."""
+    options = SimpleNamespace(eval_batches=2, seed=7, world=world)
+    split = SimpleNamespace(blocks=blocks)
+    shares = [train_data.evaluation_rows(split, options, rank, 12) for rank in range(world)]
+    assert all(share.total == count for share in shares)
+    order = train_data.BlockPermutation(blocks, 7, train_data.EVAL_EPOCH) if blocks else None
+    assert sorted(row for share in shares for row in share.rows) == sorted(order(i) for i in range(count))
+    assert shares[-1].rows == [order(i) for i in range(world - 1, count, world)] if blocks else shares[-1].rows == []
+
+
+def test_a_manifest_lists_every_file_it_records(tmp_path):
+    record = tiny_corpus_files(tmp_path)
+    add_masks(tmp_path, record)
+    record["splits"]["train"]["document_index"] = write_document_index(tmp_path, "train.docs", [3, 5])
+    files = corpus_format.Manifest(record, "0" * 64).files()
+    assert sorted(files) == ["eval.jsonl", "train-00000.bin", "train-00000.mask", "train-00001.bin",
+                             "train-00001.mask", "train.docs"]
+    assert files["train.docs"] == (sha256_file(tmp_path / "train.docs"), 16)
+    assert files["eval.jsonl"] == (sha256_file(tmp_path / "eval.jsonl"), None)  # other files: a sha256 alone
+
+
 def test_block_permutation_rejects_an_empty_range():
     with pytest.raises(ValueError, match="^a permutation needs at least one element$"):
-        data.BlockPermutation(0, 1, 0)
+        train_data.BlockPermutation(0, 1, 0)
 
 
 @pytest.mark.parametrize("world, accum, batch", [(1, 1, 6), (1, 3, 2), (2, 3, 1), (3, 1, 2), (2, 1, 3)])
 def test_sampler_layout_of_a_step(world, accum, batch):
     """Sample j of a step goes to micro-step j // (world * batch), rank (j // batch) % world."""
-    sampler = data.BlockSampler(blocks=50, seed=4, batch_size=batch, grad_accum=accum, world=world)
+    sampler = train_data.BlockSampler(blocks=50, seed=4, batch_size=batch, grad_accum=accum, world=world)
     assert sampler.global_batch == world * accum * batch == 6
     for step in (0, 3, 9):  # step 9 reads samples 54..59: into epoch 1
         blocks = sampler.step_blocks(step)
-        order0, order1 = data.BlockPermutation(50, 4, 0), data.BlockPermutation(50, 4, 1)
+        order0, order1 = train_data.BlockPermutation(50, 4, 0), train_data.BlockPermutation(50, 4, 1)
         assert blocks == [order0(g) if g < 50 else order1(g - 50) for g in range(step * 6, step * 6 + 6)]
         for rank in range(world):
             expected = [[blocks[j] for j in range(6) if j // (world * batch) == micro and (j // batch) % world == rank]
@@ -468,16 +514,16 @@ def test_sampler_layout_of_a_step(world, accum, batch):
 
 
 def test_sampler_state_dict_and_each_mismatch():
-    sampler = data.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=3, world=1)
+    sampler = train_data.BlockSampler(blocks=50, seed=1, batch_size=2, grad_accum=3, world=1)
     assert sampler.state_dict() == {"seed": 1, "blocks": 50, "global_batch": 6}  # the step is the checkpoint's
     for key, value in [("seed", 2), ("blocks", 49), ("global_batch", 8)]:
         with pytest.raises(UserError, match=f"checkpoint data cursor has {key} {value}"):
             sampler.load_state_dict({**sampler.state_dict(), key: value})
-    other = data.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
+    other = train_data.BlockSampler(blocks=50, seed=1, batch_size=6, grad_accum=1, world=1)
     other.load_state_dict(sampler.state_dict())  # another split of the same global batch
     with pytest.raises(UserError, match="^the train split has fewer tokens than one block; use a smaller --context$"):
-        data.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
-    single = data.BlockSampler(blocks=1, seed=1, batch_size=2, grad_accum=1, world=1)  # one block is enough
+        train_data.BlockSampler(blocks=0, seed=1, batch_size=1, grad_accum=1, world=1)
+    single = train_data.BlockSampler(blocks=1, seed=1, batch_size=2, grad_accum=1, world=1)  # one block is enough
     assert single.step_blocks(0) == [0, 0]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import corpus_format
 import data
 from common import UserError, sha256_file, sha256_tree, temporary_name
 
@@ -45,7 +46,7 @@ def build(sources, out: Path, *extra: str) -> Path:
 
 
 def read_split(corpus: Path, split: str) -> np.ndarray:
-    manifest = json.loads((corpus / data.CORPUS_MANIFEST).read_text())
+    manifest = json.loads((corpus / corpus_format.CORPUS_MANIFEST).read_text())
     parts = [np.fromfile(corpus / entry["name"], dtype=np.dtype(manifest["dtype"]).newbyteorder("<"))
              for entry in manifest["splits"][split]["files"]]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -53,7 +54,7 @@ def read_split(corpus: Path, split: str) -> np.ndarray:
 
 def split_documents(corpus: Path, split: str) -> list[str]:
     """Decode a split back into its documents (cut at <eos>)."""
-    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
+    tokenizer = corpus_format.load_tokenizer(corpus / corpus_format.TOKENIZER_DIR)
     ids = read_split(corpus, split).tolist()
     documents, current = [], []
     for token in ids:
@@ -91,19 +92,19 @@ def demo_corpus(tmp_path_factory) -> Path:
 
 def test_demo_corpus_folder_matches_the_design(demo_corpus):
     manifest = json.loads((demo_corpus / "corpus_manifest.json").read_text())
-    assert manifest["format_version"] == data.FORMAT_VERSION == 3 and manifest["dtype"] == "uint16"
+    assert manifest["format_version"] == corpus_format.FORMAT_VERSION == 3 and manifest["dtype"] == "uint16"
     assert manifest["vocab_size"] <= 512
     assert manifest["special_tokens"] == {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<|im_start|>": 3,
                                           "<|im_end|>": 4, "<think>": 5, "</think>": 6}
     assert manifest["tokenizer_sha256"] == sha256_tree(demo_corpus / "tokenizer")
-    for split in data.SPLITS:
+    for split in corpus_format.SPLITS:
         info = manifest["splits"][split]
         assert info["documents"] > 100 and info["tokens"] == sum(f["tokens"] for f in info["files"])
         assert (demo_corpus / f"{split}-00000.bin").stat().st_size == 2 * info["tokens"]
     assert manifest["splits"]["train"]["tokens"] > 10 * manifest["splits"]["validation"]["tokens"]
     for name in ("source_manifest.json", "DATA_CARD.md", data.DEMO_EVAL_FILE):
         assert name in manifest["files"]
-    assert data.verify_corpus(demo_corpus) == []
+    assert corpus_format.verify_corpus(demo_corpus) == []
     assert sum(f.stat().st_size for f in demo_corpus.rglob("*.bin")) < 5_000_000
 
 
@@ -122,7 +123,7 @@ def test_demo_eval_file_format(demo_corpus):
 
 def test_demo_eval_problems_never_appear_in_any_split(demo_corpus):
     problems = [json.loads(line) for line in (demo_corpus / data.DEMO_EVAL_FILE).read_text().splitlines()]
-    documents = [doc for split in data.SPLITS for doc in split_documents(demo_corpus, split)]
+    documents = [doc for split in corpus_format.SPLITS for doc in split_documents(demo_corpus, split)]
     corpus_text = "\n".join(documents)
     assert len(documents) == json.loads((demo_corpus / "corpus_manifest.json").read_text())["documents"]
     for problem in problems:
@@ -162,7 +163,7 @@ def test_reasoning_is_mechanical_arithmetic():
 
 
 def test_every_demo_document_fits_a_128_token_context(demo_corpus):
-    for split in data.SPLITS:
+    for split in corpus_format.SPLITS:
         stream = read_split(demo_corpus, split)
         ends = np.flatnonzero(stream == 2)
         assert np.diff(np.concatenate([[-1], ends])).max() <= 128
@@ -178,7 +179,7 @@ def test_verify_catches_a_flipped_byte_and_names_the_file(demo_corpus, tmp_path,
     assert data.main(["--verify", str(copy)]) == 0
     shard = copy / "validation-00000.bin"
     flip_byte(shard, 100)
-    problems = data.verify_corpus(copy)
+    problems = corpus_format.verify_corpus(copy)
     assert len(problems) == 1 and "validation-00000.bin" in problems[0]
     assert data.main(["--verify", str(copy)]) == 1
     assert "validation-00000.bin" in capsys.readouterr().out
@@ -192,7 +193,7 @@ def test_verify_catches_tokenizer_and_eval_edits_and_missing_shards(demo_corpus,
     with open(copy / data.DEMO_EVAL_FILE, "a") as handle:
         handle.write("\n")
     (copy / "test-00000.bin").unlink()
-    problems = "\n".join(data.verify_corpus(copy))
+    problems = "\n".join(corpus_format.verify_corpus(copy))
     assert "tokenizer/" in problems and data.DEMO_EVAL_FILE in problems and "test-00000.bin: missing" in problems
 
 
@@ -213,11 +214,11 @@ def expected_answers(record: dict) -> str:
     if "text" in record:
         return ""
     if "prompt" in record:
-        return record["response"] + data.IM_END
+        return record["response"] + corpus_format.IM_END
     answers = []
     for message in record["messages"]:
         if message["role"] == "assistant":
-            answers.append(data.render_assistant(message["content"], message.get("reasoning")) + data.IM_END)
+            answers.append(data.render_assistant(message["content"], message.get("reasoning")) + corpus_format.IM_END)
     return "".join(answers)
 
 
@@ -249,53 +250,54 @@ def test_mask_marks_exactly_the_assistant_answers_across_shard_boundaries(tmp_pa
     ids, mask = read_stream(corpus, "train", ".bin", "<u2"), read_stream(corpus, "train", ".mask", "u1")
     assert len(ids) == len(mask) and set(mask.tolist()) == {0, 1, 2}
     counts = manifest["splits"]["train"]["mask_tokens"]
-    assert counts == {name: int((mask == value).sum()) for name, value in data.MASK_CLASSES.items()}
-    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
+    assert counts == {name: int((mask == value).sum()) for name, value in corpus_format.MASK_CLASSES.items()}
+    tokenizer = corpus_format.load_tokenizer(corpus / corpus_format.TOKENIZER_DIR)
     ends = [0] + [int(i) + 1 for i in np.flatnonzero(ids == 2)]
     assert ends[-1] == len(ids) and len(ends) - 1 == len(records)
     by_text = {}
     for start, end in zip(ends, ends[1:]):
         document, classes = ids[start:end], mask[start:end]
-        answer = tokenizer.decode(document[classes == data.MASK_ASSISTANT].tolist())
+        answer = tokenizer.decode(document[classes == corpus_format.MASK_ASSISTANT].tolist())
         by_text[tokenizer.decode(document[:-1].tolist())] = (answer, classes)
     for record in records:
         kind, text, _, _ = data.to_document(record, data.CHAT_TEMPLATE, True)
         answer, classes = by_text[text]
         assert answer == expected_answers(record), text
         if kind == "text":
-            assert set(classes.tolist()) == {data.MASK_TEXT}
+            assert set(classes.tolist()) == {corpus_format.MASK_TEXT}
         else:
-            assert data.MASK_TEXT not in classes and classes[-1] == data.MASK_PROMPT  # the <eos>
-    assert data.verify_corpus(corpus) == []
+            assert corpus_format.MASK_TEXT not in classes and classes[-1] == corpus_format.MASK_PROMPT  # the <eos>
+    assert corpus_format.verify_corpus(corpus) == []
 
 
 def test_verify_catches_an_edited_or_missing_mask(demo_corpus, tmp_path, flip_byte):
     copy = tmp_path / "copy"
     shutil.copytree(demo_corpus, copy)
     flip_byte(copy / "train-00000.mask", 10)
-    assert data.verify_corpus(copy) == ["train-00000.mask: sha256 does not match the manifest (corrupted or edited)"]
+    assert corpus_format.verify_corpus(copy) == [
+        "train-00000.mask: sha256 does not match the manifest (corrupted or edited)"]
     (copy / "train-00000.mask").unlink()
-    assert data.verify_corpus(copy) == ["train-00000.mask: missing (mask of train-00000.bin)"]
+    assert corpus_format.verify_corpus(copy) == ["train-00000.mask: missing (mask of train-00000.bin)"]
     manifest = json.loads((copy / "corpus_manifest.json").read_text())
     del manifest["splits"]["test"]["files"][0]["mask"]
-    assert data.verify_files(copy, manifest)[-1] == "test-00000.bin: the manifest lists no mask file for it"
+    assert corpus_format.verify_files(copy, manifest)[-1] == "test-00000.bin: the manifest lists no mask file for it"
 
 
 def test_verify_without_manifest_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="corpus_manifest.json is missing"):
-        data.verify_corpus(tmp_path)
+        corpus_format.verify_corpus(tmp_path)
     (tmp_path / "corpus_manifest.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
-        data.verify_corpus(tmp_path)
+        corpus_format.verify_corpus(tmp_path)
     (tmp_path / "corpus_manifest.json").write_text('{"format_version": 3, "dtype": "uint16", "splits": {"x": 1}}')
     with pytest.raises(UserError, match="malformed"):
-        data.verify_corpus(tmp_path)
+        corpus_format.verify_corpus(tmp_path)
     for old in (1, 2):
         manifest = {"format_version": old, "dtype": "uint16", "splits": {}}
         (tmp_path / "corpus_manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(UserError, match=rf"built by an older data.py \(format_version {old}; .*document index.*"
                                             "rebuild it"):
-            data.verify_corpus(tmp_path)
+            corpus_format.verify_corpus(tmp_path)
 
 
 def test_the_document_index_holds_where_each_document_ends_and_verify_checks_it(demo_corpus, tmp_path, flip_byte):
@@ -309,17 +311,17 @@ def test_the_document_index_holds_where_each_document_ends_and_verify_checks_it(
     copy = tmp_path / "copy"
     shutil.copytree(demo_corpus, copy)
     flip_byte(copy / "train.docs", 9)
-    assert data.verify_corpus(copy) == ["train.docs: sha256 does not match the manifest (corrupted or edited)"]
+    assert corpus_format.verify_corpus(copy) == ["train.docs: sha256 does not match the manifest (corrupted or edited)"]
     ends = np.fromfile(demo_corpus / "train.docs", dtype="<u8")
     ends[[3, 4]] = ends[[4, 3]]  # hashed to match, but not increasing
     (copy / "train.docs").write_bytes(ends.astype("<u8").tobytes())
     manifest["splits"]["train"]["document_index"]["sha256"] = sha256_file(copy / "train.docs")
-    assert data.verify_files(copy, manifest) == [
+    assert corpus_format.verify_files(copy, manifest) == [
         f"train.docs: the document ends do not increase to the split's {manifest['splits']['train']['tokens']} tokens"]
     (copy / "train.docs").unlink()
-    assert data.verify_files(copy, manifest) == ["train.docs: missing (document index)"]
+    assert corpus_format.verify_files(copy, manifest) == ["train.docs: missing (document index)"]
     del manifest["splits"]["train"]["document_index"]
-    assert data.verify_files(copy, manifest) == ["train: the manifest lists no document index (train.docs)"]
+    assert corpus_format.verify_files(copy, manifest) == ["train: the manifest lists no document index (train.docs)"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,7 +339,7 @@ ROUND_TRIP_TEXTS = [
 
 
 def test_tokenizer_round_trips_varied_text(demo_corpus):
-    tokenizer = data.load_tokenizer(demo_corpus / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(demo_corpus / "tokenizer")
     for text in ROUND_TRIP_TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert tokenizer.decode(ids) == text
@@ -348,13 +350,13 @@ def test_tokenizer_round_trips_varied_text(demo_corpus):
 def test_trained_tokenizer_round_trips_and_reports_reached_size(tmp_path):
     _, reached = data.train_tokenizer(ROUND_TRIP_TEXTS * 3, 5000, tmp_path / "tok")
     assert 263 <= reached < 5000
-    tokenizer = data.load_tokenizer(tmp_path / "tok")
+    tokenizer = corpus_format.load_tokenizer(tmp_path / "tok")
     for text in ROUND_TRIP_TEXTS:
         assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 def test_chat_template_matches_the_rendered_documents(demo_corpus):
-    tokenizer = data.load_tokenizer(demo_corpus / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(demo_corpus / "tokenizer")
     messages = [{"role": "user", "content": "What is 2 plus 3?"},
                 {"role": "assistant", "content": data.render_assistant("5", "2 + 3 = 5")}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -495,7 +497,7 @@ def test_adding_a_source_never_moves_a_document_to_another_split(tmp_path):
     after = {document.text: document.split
              for document in data.iter_documents(data.resolve_inputs([str(second), str(first)]), settings,
                                                  data.CHAT_TEMPLATE)}
-    assert set(before.values()) == set(data.SPLITS)
+    assert set(before.values()) == set(corpus_format.SPLITS)
     assert all(after[text] == split for text, split in before.items())
     # The same holds in built corpora: every old validation document is still in validation.
     small = build([first], tmp_path / "small")
@@ -537,7 +539,7 @@ def test_every_input_format_through_a_folder(tmp_path):
         "a.jsonl": 5, "b.jsonl.gz": 4, "c.json": 3, "d.txt": 1, "e.md": 1, "f.parquet": 6, "saved": 4}
     assert inputs["saved"]["kind"] == "arrow" and inputs["f.parquet"]["kind"] == "parquet"
     assert all(len(entry["sha256"]) == 64 for entry in inputs.values())
-    documents = [doc for split in data.SPLITS for doc in split_documents(out, split)]
+    documents = [doc for split in corpus_format.SPLITS for doc in split_documents(out, split)]
     assert "A whole text file is one document.\nSecond line." in documents
     assert chat(("user", "Saved 2?"), ("assistant", "Saved answer.")) in documents
 
@@ -587,25 +589,25 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     assert np.array_equal(read_split(one, "train"), read_split(whole, "train"))
     pooled = build([tmp_path / "in"], tmp_path / "pooled", "--tokenizer", str(one / "tokenizer"),
                    "--tokenize-workers", "2", "--batch-bytes", "300")
-    for split in data.SPLITS:
+    for split in corpus_format.SPLITS:
         assert np.array_equal(read_split(whole, split), read_split(pooled, split))
-    assert data.verify_corpus(one) == []
+    assert corpus_format.verify_corpus(one) == []
 
 
 def test_interrupted_build_leaves_nothing_and_keeps_the_old_corpus(tmp_path, monkeypatch):
     source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 20))
     out = tmp_path / "out"
-    monkeypatch.setattr(data, "pack_documents", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(data, "write_shards", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         build([source], out)
     assert no_leftovers(out)
     monkeypatch.undo()
     build([source], out)
     before = (out / "corpus_manifest.json").read_bytes()
-    monkeypatch.setattr(data, "pack_documents", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(data, "write_shards", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         build([source], out, "--overwrite")
-    assert (out / "corpus_manifest.json").read_bytes() == before and data.verify_corpus(out) == []
+    assert (out / "corpus_manifest.json").read_bytes() == before and corpus_format.verify_corpus(out) == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
 
 
@@ -617,7 +619,7 @@ def test_leftovers_of_a_killed_build_are_removed_by_the_next_one(tmp_path):
     other = tmp_path / temporary_name("other")  # another folder's build is not touched
     other.mkdir()
     build([source], tmp_path / "out")
-    assert not stale.exists() and other.is_dir() and data.verify_corpus(tmp_path / "out") == []
+    assert not stale.exists() and other.is_dir() and corpus_format.verify_corpus(tmp_path / "out") == []
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []
 
 
@@ -640,7 +642,7 @@ def test_vocab_beyond_uint16_switches_to_uint32(tmp_path):
     assert manifest["dtype"] == "uint32" and manifest["vocab_size"] == 70_000
     assert (out / "train-00000.bin").stat().st_size == 4 * manifest["splits"]["train"]["tokens"]
     assert "wide document number" in split_documents(out, "train")[0]
-    assert data.token_dtype(65_536) == "uint16" and data.token_dtype(65_537) == "uint32"
+    assert corpus_format.token_dtype(65_536) == "uint16" and corpus_format.token_dtype(65_537) == "uint32"
 
 
 def test_overwrite_replaces_a_corpus_but_never_another_folder(tmp_path):
@@ -649,7 +651,7 @@ def test_overwrite_replaces_a_corpus_but_never_another_folder(tmp_path):
     with pytest.raises(UserError, match="exists and is not empty; pass --overwrite"):
         build([source], out)
     build([source], out, "--overwrite", "--scope", "text")
-    assert data.verify_corpus(out) == []
+    assert corpus_format.verify_corpus(out) == []
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.txt").write_text("do not delete")
@@ -659,7 +661,7 @@ def test_overwrite_replaces_a_corpus_but_never_another_folder(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     build([source], empty)
-    assert data.verify_corpus(empty) == []
+    assert corpus_format.verify_corpus(empty) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -770,33 +772,33 @@ def test_tokenizer_folder_that_does_not_load(tmp_path):
 
 
 def test_load_tokenizer_takes_a_corpus_folder_and_names_a_folder_without_files(demo_corpus, tmp_path):
-    from_corpus = data.load_tokenizer(demo_corpus)
-    direct = data.load_tokenizer(demo_corpus / data.TOKENIZER_DIR)
+    from_corpus = corpus_format.load_tokenizer(demo_corpus)
+    direct = corpus_format.load_tokenizer(demo_corpus / corpus_format.TOKENIZER_DIR)
     assert from_corpus.encode("What is 12 plus 7?") == direct.encode("What is 12 plus 7?")
-    assert from_corpus.name_or_path == str(demo_corpus / data.TOKENIZER_DIR)
+    assert from_corpus.name_or_path == str(demo_corpus / corpus_format.TOKENIZER_DIR)
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "notes.txt").write_text("no tokenizer here")
     with pytest.raises(UserError) as error:
-        data.load_tokenizer(bare)
+        corpus_format.load_tokenizer(bare)
     assert str(error.value) == f"tokenizer folder {bare} has no tokenizer.json or tokenizer_config.json " \
                                "(nor a tokenizer/ subfolder with one)"
     with pytest.raises(UserError, match="does not exist"):
-        data.load_tokenizer(tmp_path / "missing")
+        corpus_format.load_tokenizer(tmp_path / "missing")
 
 
 def test_tokenizer_option_accepts_a_corpus_folder(demo_corpus, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", text_records("ok", 8))
     out = build([source], tmp_path / "out", "--tokenizer", str(demo_corpus))
-    assert sorted(p.name for p in (out / data.TOKENIZER_DIR).iterdir()) == \
-        sorted(p.name for p in (demo_corpus / data.TOKENIZER_DIR).iterdir())
-    assert sha256_tree(out / data.TOKENIZER_DIR) == sha256_tree(demo_corpus / data.TOKENIZER_DIR)
+    assert sorted(p.name for p in (out / corpus_format.TOKENIZER_DIR).iterdir()) == \
+        sorted(p.name for p in (demo_corpus / corpus_format.TOKENIZER_DIR).iterdir())
+    assert sha256_tree(out / corpus_format.TOKENIZER_DIR) == sha256_tree(demo_corpus / corpus_format.TOKENIZER_DIR)
 
 
 def test_empty_held_out_splits_warn_but_build(tmp_path, capsys):
     source = write_jsonl(tmp_path / "few.jsonl", text_records("ok", 3))
     out = build([source], tmp_path / "out", "--val-fraction", "0.001", "--test-fraction", "0")
-    assert (out / data.CORPUS_MANIFEST).exists()
+    assert (out / corpus_format.CORPUS_MANIFEST).exists()
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: the validation split is empty (--val-fraction 0.001 of 3 documents picked none); "
@@ -848,11 +850,11 @@ def test_special_token_strings_in_plain_text_stay_text(tmp_path):
                            {"role": "assistant", "content": f"{i + 1}"}]} for i in range(30)]
     source = write_jsonl(tmp_path / "in" / "mixed.jsonl", [r for pair in zip(texts, chats) for r in pair])
     corpus = build([source], tmp_path / "corpus", "--val-fraction", "0", "--test-fraction", "0")
-    tokenizer = data.load_tokenizer(corpus / data.TOKENIZER_DIR)
-    specials = {tokenizer.convert_tokens_to_ids(token) for token in data.SPECIAL_TOKENS}
+    tokenizer = corpus_format.load_tokenizer(corpus / corpus_format.TOKENIZER_DIR)
+    specials = {tokenizer.convert_tokens_to_ids(token) for token in corpus_format.SPECIAL_TOKENS}
     documents, current = [], []
     for token in read_split(corpus, "train").tolist():
-        if token == tokenizer.convert_tokens_to_ids(data.EOS):
+        if token == tokenizer.convert_tokens_to_ids(corpus_format.EOS):
             documents.append(current)
             current = []
         else:
@@ -862,10 +864,10 @@ def test_special_token_strings_in_plain_text_stay_text(tmp_path):
     assert len(plain) == 30 and len(chatty) == 30
     assert all(not specials & set(ids) for ids in plain)
     assert sorted(tokenizer.decode(ids) for ids in plain) == sorted(record["text"] for record in texts)
-    im_start = tokenizer.convert_tokens_to_ids(data.IM_START)
+    im_start = tokenizer.convert_tokens_to_ids(corpus_format.IM_START)
     assert all(ids.count(im_start) == 2 for ids in chatty)  # the template's user and assistant turns
     pooled = build([source], tmp_path / "pooled", "--val-fraction", "0", "--test-fraction", "0",
-                   "--tokenizer", str(corpus / data.TOKENIZER_DIR), "--tokenize-workers", "1")
+                   "--tokenizer", str(corpus / corpus_format.TOKENIZER_DIR), "--tokenize-workers", "1")
     assert np.array_equal(read_split(pooled, "train"), read_split(corpus, "train"))
 
 
@@ -907,7 +909,7 @@ def test_ordinary_chats_tokenize_exactly_as_their_rendered_text(tmp_path):
     # The check has teeth: encoding the reasoning apart from the template's newlines around it, as a
     # naive message-wise tokenizer would, loses the merge of "Done." with the "\n" after it.
     pieces = documents[0][2]
-    reasoning = pieces[pieces.index(data.THINK_OPEN) + 1]
+    reasoning = pieces[pieces.index(corpus_format.THINK_OPEN) + 1]
     assert reasoning == "\n12 + 30 = 42.\nDone.\n"
     literal = data.literal_tokenizer(backend)
     apart = [token for part in ("\n", reasoning.strip(), "\n") for token in literal.encode(part).ids]
@@ -924,7 +926,7 @@ def test_ordinary_chat_corpus_is_what_the_rendered_text_gives(tmp_path):
     for workers in ("0", "1"):
         corpus = build([source], tmp_path / f"corpus-{workers}", "--val-fraction", "0", "--test-fraction", "0",
                        "--tokenize-workers", workers)
-        tokenizer = data.load_tokenizer(corpus)
+        tokenizer = corpus_format.load_tokenizer(corpus)
         expected = [token for text in texts for token in tokenizer.encode(text, add_special_tokens=False) + [2]]
         assert read_split(corpus, "train").tolist() == expected
 
@@ -960,9 +962,9 @@ def test_hostile_chat_corpus_has_only_the_templates_control_tokens(tmp_path):
              for i in range(10)]
     source = write_jsonl(tmp_path / "in" / "chats.jsonl", chats + text_records("t", 10))
     corpus = build([source], tmp_path / "corpus", "--val-fraction", "0", "--test-fraction", "0")
-    tokenizer = data.load_tokenizer(corpus)
+    tokenizer = corpus_format.load_tokenizer(corpus)
     ids = read_split(corpus, "train").tolist()
-    counts = {token: ids.count(tokenizer.convert_tokens_to_ids(token)) for token in data.SPECIAL_TOKENS}
+    counts = {token: ids.count(tokenizer.convert_tokens_to_ids(token)) for token in corpus_format.SPECIAL_TOKENS}
     assert counts == {"<pad>": 0, "<bos>": 0, "<eos>": 20, "<|im_start|>": 30, "<|im_end|>": 30,
                       "<think>": 10, "</think>": 10}
     rendered = {document.text for document in data.iter_documents(data.resolve_inputs([str(source)]),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import corpus_format
 import data
 import distributed
 import evaluation
@@ -25,6 +26,7 @@ import model_config
 import optimization
 import report
 import train
+import train_data
 from common import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +92,7 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
     ends = np.fromfile(corpus / entry["document_index"]["name"], dtype="<u8")
     count = (len(tokens) - 1) // context
     used = min(count, settings["training"]["eval_batches"] * settings["training"]["global_batch_blocks"])
-    order = data.BlockPermutation(count, settings["training"]["seed"], data.EVAL_EPOCH)
+    order = train_data.BlockPermutation(count, settings["training"]["seed"], train_data.EVAL_EPOCH)
     total, counted = 0.0, 0
     with torch.no_grad():
         for start in sorted(order(position) * context for position in range(used)):
@@ -108,7 +110,7 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
 def test_demo_completes_with_an_accuracy(demo):
     work, result = demo
     run = work / "runs" / "demo"
-    assert data.verify_corpus(work / "corpus" / "demo") == []  # built by train.py itself, and whole
+    assert corpus_format.verify_corpus(work / "corpus" / "demo") == []  # built by train.py itself, and whole
     record = status(run)
     assert record["status"] == "COMPLETE" and record["step"] == STEPS
     assert record["report_errors"] is None
@@ -262,7 +264,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
     work, _ = demo
     run_cli(["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report",
              "--out", "runs/longer"], cwd=work)
-    tokenizer = data.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
     items = evaluation.demo_choice_items(tokenizer)
     assert len(items) == sum(data.DEMO_EVAL_COUNTS.values())
     task = tmp_path / "demo_results.jsonl"

@@ -18,6 +18,7 @@ from test_train import options, write_tiny_corpus
 
 import checkpoint_store as store
 import common
+import corpus_format
 import data
 import distributed
 import generation
@@ -205,7 +206,7 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
     assert train.main([*options(text_corpus, out, steps=4), "--report"]) == 0
     samples = json.loads((out / "sample_generations.json").read_text())
     assert samples["settings"]["chat_template"] is False and samples["samples"] and samples["error"] is None
-    tokenizer = data.load_tokenizer(text_corpus / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(text_corpus / "tokenizer")
     manifest = json.loads((text_corpus / "corpus_manifest.json").read_text())
     first_test = np.fromfile(text_corpus / manifest["splits"]["test"]["files"][0]["name"], dtype="<u2").tolist()
     first_document = first_test[: first_test.index(2)]  # up to its <eos>
@@ -239,7 +240,7 @@ def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
     built = tmp_path / "corpus"
     assert data.main(["--data", str(chats), "--out", str(built), "--vocab-size", "300", "--no-progress",
                       "--val-fraction", "0.2", "--test-fraction", "0.2"]) == 0
-    tokenizer = data.load_tokenizer(built / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(built / "tokenizer")
     kind, prompts = generation.held_out_prompts(built, tokenizer)
     manifest = json.loads((built / "corpus_manifest.json").read_text())
     test_text = tokenizer.decode(np.concatenate([np.fromfile(built / entry["name"], dtype="<u2")
@@ -304,7 +305,7 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
     config_only.mkdir()
     (config_only / "tokenizer_config.json").write_text("{}")
     with pytest.raises(common.UserError, match="has no tokenizer.json") as error:
-        data.load_tokenizer(config_only)
+        corpus_format.load_tokenizer(config_only)
     assert "\n" not in str(error.value) and "sentencepiece" not in str(error.value)
 
     noise = tmp_path / "noise.txt"  # random bytes: the error alone, no note on the vocabulary before it

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import corpus_format
 import data
 import export_gguf
 import model_config
@@ -126,7 +127,7 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
     out = tmp_path / "m.gguf"
     export_gguf.export(model_dir, out, "f16", name="tiny-test", log=lambda *_: None)
     reader = gguf.GGUFReader(str(out))
-    tokenizer = data.load_tokenizer(model_dir)
+    tokenizer = corpus_format.load_tokenizer(model_dir)
     expected = {
         "general.architecture": "qwen3",
         "general.name": "tiny-test",
@@ -144,7 +145,7 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.padding_token_id": 0,
-        "tokenizer.ggml.eot_token_id": tokenizer.convert_tokens_to_ids(data.IM_END),
+        "tokenizer.ggml.eot_token_id": tokenizer.convert_tokens_to_ids(corpus_format.IM_END),
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.ggml.add_eos_token": False,
         "tokenizer.chat_template": data.CHAT_TEMPLATE,
@@ -157,8 +158,9 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
     types = field(reader, "tokenizer.ggml.token_type")
     control = [index for index, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
     # <think> and </think> are printed text (as in Qwen3's GGUFs); the chat-turn markers stay control tokens
-    thinking = [data.SPECIAL_TOKENS.index(token) for token in (data.THINK_OPEN, data.THINK_CLOSE)]
-    assert control == [index for index in range(len(data.SPECIAL_TOKENS)) if index not in thinking]
+    thinking = [corpus_format.SPECIAL_TOKENS.index(token)
+                for token in (corpus_format.THINK_OPEN, corpus_format.THINK_CLOSE)]
+    assert control == [index for index in range(len(corpus_format.SPECIAL_TOKENS)) if index not in thinking]
     assert [types[index] for index in thinking] == [gguf.TokenType.USER_DEFINED] * 2
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     assert field(reader, "tokenizer.ggml.merges") == [" ".join(pair) for pair in spec["model"]["merges"]]
@@ -303,7 +305,7 @@ def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type, monkeyp
     out = tmp_path / f"m-{out_type}.gguf"
     summary = export_gguf.export(model_dir, out, out_type, verify=True, log=lines.append)
     checks = summary["checks"]["llama_cpp"]
-    assert checks["texts"] >= len(export_gguf.VERIFY_TEXTS) + len(data.SPECIAL_TOKENS) + 2
+    assert checks["texts"] >= len(export_gguf.VERIFY_TEXTS) + len(corpus_format.SPECIAL_TOKENS) + 2
     prompts = len(export_gguf.DEMO_PROMPTS) + len(export_gguf.DEMO_QUESTIONS)
     assert checks["greedy_prompts"] == prompts
     assert checks["greedy_ties"] == 0
@@ -337,7 +339,7 @@ def test_folder_written_by_report_export_hf_model(model_dir, tmp_path):
 
     report = pytest.importorskip("report")
     model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    tokenizer = data.load_tokenizer(model_dir)
+    tokenizer = corpus_format.load_tokenizer(model_dir)
     card = {"model_name": "demo", "corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
     folder = tmp_path / "run" / "model"
     report.export_hf_model(model, tokenizer, folder, card)
@@ -355,7 +357,7 @@ def test_llama_cpp_tokenizes_random_text_like_hf(model_dir, tmp_path):
 
     out = tmp_path / "m.gguf"
     export_gguf.export(model_dir, out, "f16", log=lambda *_: None)
-    tokenizer = data.load_tokenizer(model_dir)
+    tokenizer = corpus_format.load_tokenizer(model_dir)
     llm = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
     pools = ["abcXYZ", "0123456789", " \t\n\r", "!?.,;:'\"()[]{}<>/\\|@#$%^&*-_=+`~", "éüßçñ", "日本語中文한국어",
              "русскийΕλληνικά", "🙂🚀👍🏽\u200d", "\u0301\u0308\u200b\u00a0\u3000", "٠١٢३४५", "'s 're 'll 'D 'M"]
@@ -373,7 +375,7 @@ def test_logits_are_far_from_zero(model_dir):
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokenizer = data.load_tokenizer(model_dir)
+    tokenizer = corpus_format.load_tokenizer(model_dir)
     with torch.no_grad():
         logits = model(torch.tensor([tokenizer.encode(export_gguf.VERIFY_TEXTS[0])])).logits
     assert float(logits.std()) > 1.0
@@ -399,13 +401,13 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
     with torch.no_grad():
         model.model.norm.weight.copy_(model.model.norm.weight.flip(0))
     llm = llama_cpp.Llama(str(out), n_ctx=PRESET.context, logits_all=True, verbose=False)
-    ids = data.load_tokenizer(model_dir).encode(export_gguf.VERIFY_TEXTS[2])
+    ids = corpus_format.load_tokenizer(model_dir).encode(export_gguf.VERIFY_TEXTS[2])
     with pytest.raises(export_gguf.VerificationFailed, match="diverges at token .* near-tie threshold 0.001") as error:
         export_gguf.compare_greedy(model, llm, ids, "code", 1e-3, log=lambda *_: None)
     got = export_gguf.llama_greedy(llm, ids, export_gguf.GREEDY_TOKENS)
     expected = export_gguf.hf_greedy(model, ids, export_gguf.GREEDY_TOKENS)
     step = next(index for index, (a, b) in enumerate(zip(got, expected)) if a != b)
-    tokenizer = data.load_tokenizer(model_dir)
+    tokenizer = corpus_format.load_tokenizer(model_dir)
     assert (f"diverges at token {step} of the continuation, where llama.cpp gives {got[step]} "
             f"{tokenizer.decode([got[step]])!r} and HF {expected[step]} {tokenizer.decode([expected[step]])!r}; "
             ) in str(error.value)

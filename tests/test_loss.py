@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import attention
-import data
 import hardware
 import losses
 import model_config
+import train_data
 
 VOCAB, BATCH, CONTEXT, CHUNK = 500, 4, 32, 37  # 128 tokens: 4 chunks, the last one short
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,8 +37,8 @@ def batch(ignored: bool) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=generator)
     targets = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=generator)
     if ignored:  # --loss-on assistant: whole spans not counted, one chunk wholly ignored
-        targets[:, :10] = data.IGNORE_INDEX
-        targets[1, 5:] = data.IGNORE_INDEX
+        targets[:, :10] = train_data.IGNORE_INDEX
+        targets[1, 5:] = train_data.IGNORE_INDEX
     return inputs, targets
 
 
@@ -108,7 +108,7 @@ def test_the_default_reduction_is_the_mean_and_another_name_is_refused():
         mean = losses.language_model_loss(model, inputs, targets)
         module_mean = losses.LanguageModelLoss(model)(inputs, targets)
         total = losses.language_model_loss(model, inputs, targets, "sum")
-    counted = (targets != data.IGNORE_INDEX).sum()
+    counted = (targets != train_data.IGNORE_INDEX).sum()
     assert mean.item() == pytest.approx((total / counted).item(), rel=1e-6) and module_mean.item() == mean.item()
     with pytest.raises(ValueError, match="reduction 'none': 'mean' or 'sum'"):
         losses.language_model_loss(model, inputs, targets, "none")

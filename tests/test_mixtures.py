@@ -10,10 +10,12 @@ import torch
 from test_train import final_state, options, run_cli, train_losses, write_tiny_corpus
 
 import checkpoint_store as store
+import corpus_format
 import data
 import distributed
 import report
 import train
+import train_data
 from common import UserError
 
 CPU = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
@@ -23,13 +25,13 @@ CPU = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("c
 
 
 def test_a_plain_corpus_is_no_mixture_and_sources_parse_with_labels_and_urls():
-    assert data.parse_mixture(["corpus/web"]) is None
-    assert data.parse_mixture(["s3://bucket/year=2024/corpus"]) is None  # '=' inside a path is no source name
-    mixture = data.parse_mixture(["web=corpus/web:0.8", "chat=s3://b/chat#support:0.2"], "decay:web=0.3,chat=0.7")
-    assert mixture.sources == (data.MixtureSource("web", "corpus/web", None),
-                               data.MixtureSource("chat", "s3://b/chat", "support"))
+    assert train_data.parse_mixture(["corpus/web"]) is None
+    assert train_data.parse_mixture(["s3://bucket/year=2024/corpus"]) is None  # '=' inside a path is no source name
+    mixture = train_data.parse_mixture(["web=corpus/web:0.8", "chat=s3://b/chat#support:0.2"], "decay:web=0.3,chat=0.7")
+    assert mixture.sources == (train_data.MixtureSource("web", "corpus/web", None),
+                               train_data.MixtureSource("chat", "s3://b/chat", "support"))
     assert [(phase.start, phase.weights) for phase in mixture.phases] == [("0", (0.8, 0.2)), ("decay", (0.3, 0.7))]
-    later = data.parse_mixture(["a=x:1", "b=y:1"], "100:a=1; 200:b=2")
+    later = train_data.parse_mixture(["a=x:1", "b=y:1"], "100:a=1; 200:b=2")
     assert [(phase.start, phase.weights) for phase in later.phases] == [("0", (1, 1)), ("100", (1, 0)), ("200", (0, 2))]
 
 
@@ -48,16 +50,16 @@ def test_a_plain_corpus_is_no_mixture_and_sources_parse_with_labels_and_urls():
 ])
 def test_bad_mixtures_are_one_clear_error(specs, schedule, message):
     with pytest.raises(UserError, match=message):
-        data.parse_mixture(specs, schedule)
+        train_data.parse_mixture(specs, schedule)
 
 
 def test_phase_steps_resolve_decay_and_must_increase():
-    mixture = data.parse_mixture(["a=x:1", "b=y:1"], "decay:a=1")
-    assert data.phase_steps(mixture, decay_start=90) == [0, 90]
+    mixture = train_data.parse_mixture(["a=x:1", "b=y:1"], "decay:a=1")
+    assert train_data.phase_steps(mixture, decay_start=90) == [0, 90]
     with pytest.raises(UserError, match="needs --schedule wsd"):
-        data.phase_steps(mixture, decay_start=None)
+        train_data.phase_steps(mixture, decay_start=None)
     with pytest.raises(UserError, match="increasing steps"):
-        data.phase_steps(data.parse_mixture(["a=x:1"], "100:a=1;decay:a=2"), decay_start=50)
+        train_data.phase_steps(train_data.parse_mixture(["a=x:1"], "100:a=1;decay:a=2"), decay_start=50)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,24 +69,24 @@ def test_phase_steps_resolve_decay_and_must_increase():
 @pytest.mark.parametrize("weights, expected", [((0.8, 0.2), (4, 1)), ((0.5, 0.5), (1, 1)), ((3, 1, 0), (3, 1, 0)),
                                                ((0.1, 0.25), (2, 5)), ((1 / 3, 2 / 3), (1, 2))])
 def test_integer_weights_keep_the_exact_ratio(weights, expected):
-    assert data.integer_weights(weights) == expected
+    assert train_data.integer_weights(weights) == expected
 
 
 @pytest.mark.parametrize("weights", [(4, 1), (1, 1), (2, 5), (3, 1, 0), (1, 2, 3, 7), (1, 999), (333, 1)])
 def test_apportion_in_closed_form_equals_taking_samples_one_by_one(weights):
     counts = [0] * len(weights)
     for count in range(2000):
-        assert data.apportion(weights, count) == counts
-        counts[data.next_source(weights, counts)] += 1
+        assert train_data.apportion(weights, count) == counts
+        counts[train_data.next_source(weights, counts)] += 1
         if len(weights) == 2:  # Sainte-Lague stays within one sample of the quota at every prefix
             assert all(abs(c - (count + 1) * w / sum(weights)) < 1 for c, w in zip(counts, weights))
-    far = data.apportion(weights, 10**15 + 3)
+    far = train_data.apportion(weights, 10**15 + 3)
     assert sum(far) == 10**15 + 3 and all(abs(c - (10**15 + 3) * w / sum(weights)) < len(weights)
                                           for c, w in zip(far, weights))
 
 
 def sampler(blocks=(100, 10), phases=((0.5, 0.5),), starts=(0,), seed=5, batch=2, accum=2, world=2):
-    return data.MixtureSampler(["big", "small"][:len(blocks)], list(blocks), list(phases), list(starts), seed,
+    return train_data.MixtureSampler(["big", "small"][:len(blocks)], list(blocks), list(phases), list(starts), seed,
                                batch, accum, world)
 
 
@@ -274,8 +276,8 @@ def labelled(tmp_path_factory) -> Path:
 
 
 def test_a_labelled_corpus_keeps_each_source_apart_and_reports_duplicates_across_them(labelled):
-    manifest = data.load_corpus_manifest(labelled)
-    for split, entry in manifest["splits"].items():
+    manifest = corpus_format.load_manifest(labelled)
+    for split, entry in manifest.splits.items():
         parts = entry["sources"]
         assert list(parts) == ["web", "support"]
         assert entry["tokens"] == sum(part["tokens"] for part in parts.values())
@@ -283,21 +285,21 @@ def test_a_labelled_corpus_keeps_each_source_apart_and_reports_duplicates_across
         assert entry["files"] == parts["web"]["files"] + parts["support"]["files"]
         assert all(item["name"].startswith(f"{split}-{label}-") for label, part in parts.items()
                    for item in part["files"])
-    assert data.verify_corpus(labelled) == []
-    inputs = json.loads((labelled / data.SOURCE_MANIFEST).read_text())
+    assert corpus_format.verify_corpus(labelled) == []
+    inputs = json.loads((labelled / corpus_format.SOURCE_MANIFEST).read_text())
     web, chat = inputs["inputs"]
     assert (web["label"], chat["label"]) == ("web", "support")
     assert (web["documents_kept"], chat["documents_kept"]) == (301, 61)  # the shared one in both
     assert chat["dropped"] == {"duplicate": 1} and chat["also_in"] == {"web": 1}
     assert inputs["totals"]["cross_source_duplicates"] == {"web~support": 1}
-    assert "web and support: 1" in (labelled / data.DATA_CARD).read_text()
-    support = data.TokenSplit(labelled, manifest, "train", 16, source="support")
-    assert support.tokens == manifest["splits"]["train"]["sources"]["support"]["tokens"]
-    assert data.TokenSplit(labelled, manifest, "train", 16).tokens == manifest["splits"]["train"]["tokens"]
+    assert "web and support: 1" in (labelled / corpus_format.DATA_CARD).read_text()
+    support = train_data.TokenSplit(labelled, manifest, "train", 16, source="support")
+    assert support.tokens == manifest.splits["train"]["sources"]["support"]["tokens"]
+    assert train_data.TokenSplit(labelled, manifest, "train", 16).tokens == manifest.splits["train"]["tokens"]
 
 
 def test_a_corpus_without_labels_has_no_sources_entry(corpora):
-    assert all("sources" not in entry for entry in data.load_corpus_manifest(corpora[0])["splits"].values())
+    assert all("sources" not in entry for entry in corpus_format.load_manifest(corpora[0]).splits.values())
 
 
 def test_a_mixture_reads_the_labelled_sources_of_one_corpus(labelled, tmp_path):
@@ -305,10 +307,10 @@ def test_a_mixture_reads_the_labelled_sources_of_one_corpus(labelled, tmp_path):
     at = args.index("--data")
     args[at + 1: at + 2] = [f"web={labelled}#web:0.3", f"support={labelled}#support:0.7"]
     training = train.build_training(train.parse_args(args), CPU)
-    manifest = data.load_corpus_manifest(labelled)
-    assert training.sampler.source_blocks == [
-        data.TokenSplit(labelled, manifest, "train", 32, source=label).blocks for label in ("web", "support")]
-    inputs = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], CPU.device).inputs
+    manifest = corpus_format.load_manifest(labelled)
+    assert training.data.sampler.source_blocks == [
+        train_data.TokenSplit(labelled, manifest, "train", 32, source=label).blocks for label in ("web", "support")]
+    inputs = training.data.micro_batches(0, 0, CPU.device)[0].inputs
     assert inputs.shape == (2, 32)
     args[at + 2] = f"support={labelled}#chat:0.7"
     with pytest.raises(UserError, match="has no source labelled chat"):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import corpus_format
 import data
 import generation
 import report
@@ -433,7 +434,7 @@ def test_usage_example_from_a_text_corpus_is_a_held_out_opening(tmp_path):
     from test_train import write_tiny_corpus
 
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=300)
-    tokenizer = data.load_tokenizer(corpus / "tokenizer")
+    tokenizer = corpus_format.load_tokenizer(corpus / "tokenizer")
     example = report.usage_example_from(corpus, tokenizer)
     kind, openings = generation.held_out_prompts(corpus, tokenizer, count=1)
     assert example == {"kind": "text", "prompt": openings[0]} and kind == "text"

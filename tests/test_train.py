@@ -28,6 +28,7 @@ import attention
 import callbacks
 import checkpoint_store as store
 import common
+import corpus_format
 import data
 import distributed
 import hardware
@@ -36,6 +37,7 @@ import model_config
 import optimization
 import report
 import train
+import train_data
 from common import UserError, atomic_write_json, sha256_file, sha256_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +60,7 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
         tokenizer, vocab_size = data.train_tokenizer(texts, 300, folder / "tokenizer")
     else:
         shutil.copytree(tokenizer_from / "tokenizer", folder / "tokenizer")
-        tokenizer = data.load_tokenizer(folder / "tokenizer")
+        tokenizer = corpus_format.load_tokenizer(folder / "tokenizer")
     train_end, validation_end = 800 * documents // 900, 850 * documents // 900
     splits = {"train": texts[:train_end], "validation": texts[train_end:validation_end], "test": texts[validation_end:]}
     manifest_splits = {}
@@ -74,8 +76,8 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
         for index, start in enumerate(range(0, len(tokens), shard_tokens)):
             path = folder / f"{split}-{index:05d}.bin"
             path.write_bytes(tokens[start: start + shard_tokens].tobytes())
-            mask = path.with_suffix(".mask")  # plain text: every token is data.MASK_TEXT
-            mask.write_bytes(bytes([data.MASK_TEXT]) * len(tokens[start: start + shard_tokens]))
+            mask = path.with_suffix(".mask")  # plain text: every token is corpus_format.MASK_TEXT
+            mask.write_bytes(bytes([corpus_format.MASK_TEXT]) * len(tokens[start: start + shard_tokens]))
             files.append({"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
                           "tokens": len(tokens[start: start + shard_tokens]),
                           "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)}})
@@ -85,10 +87,10 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
                                                      "bytes": document_index.stat().st_size,
                                                      "sha256": sha256_file(document_index)}}
     atomic_write_json(folder / "corpus_manifest.json", {
-        "format_version": data.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
+        "format_version": corpus_format.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
         "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
         "tokenizer_sha256": sha256_tree(folder / "tokenizer"), "splits": manifest_splits,
-        "vocabulary_sha256": data.vocabulary_sha256(data.load_tokenizer(folder / "tokenizer")),
+        "vocabulary_sha256": corpus_format.vocabulary_sha256(corpus_format.load_tokenizer(folder / "tokenizer")),
     })
     return folder
 
@@ -160,16 +162,16 @@ def status(out: Path) -> dict:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 1000, 4097])
 def test_block_permutation_is_a_bijection(n):
-    perm = data.BlockPermutation(n, seed=5, epoch=0)
+    perm = train_data.BlockPermutation(n, seed=5, epoch=0)
     assert sorted(perm(i) for i in range(n)) == list(range(n))
 
 
 def test_block_permutation_depends_on_seed_and_epoch_and_is_not_affine():
     n = 1000
-    orders = [[data.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in
+    orders = [[train_data.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in
               [(1, 0), (1, 1), (2, 0)]]
     assert orders[0] != orders[1] and orders[0] != orders[2]
-    assert orders[0] == [data.BlockPermutation(n, 1, 0)(i) for i in range(n)]  # stateless: same again
+    assert orders[0] == [train_data.BlockPermutation(n, 1, 0)(i) for i in range(n)]  # stateless: same again
     steps = {(orders[0][i + 1] - orders[0][i]) % n for i in range(n - 1)}
     assert len(steps) > n // 4  # an affine map a*i+b has one constant step
 
@@ -180,7 +182,7 @@ def test_sampler_same_samples_per_step_whatever_the_split():
     for step in (0, 1, 37, 250):  # 250 crosses into another epoch
         seen = []
         for world, accum, batch in layouts:
-            sampler = data.BlockSampler(blocks=60, seed=3, batch_size=batch, grad_accum=accum, world=world)
+            sampler = train_data.BlockSampler(blocks=60, seed=3, batch_size=batch, grad_accum=accum, world=world)
             samples = [block for rank in range(world) for micro in sampler.micro_batches(step, rank) for block in micro]
             assert len(samples) == 8
             seen.append(sorted(samples))
@@ -189,13 +191,13 @@ def test_sampler_same_samples_per_step_whatever_the_split():
 
 
 def test_sampler_visits_every_block_once_per_epoch_and_seeks_in_o1():
-    sampler = data.BlockSampler(blocks=40, seed=9, batch_size=2, grad_accum=2, world=2)  # 5 steps per epoch
+    sampler = train_data.BlockSampler(blocks=40, seed=9, batch_size=2, grad_accum=2, world=2)  # 5 steps per epoch
     epoch0 = [block for step in range(5) for block in sampler.step_blocks(step)]
     epoch1 = [block for step in range(5, 10) for block in sampler.step_blocks(step)]
     assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1
-    far = data.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
+    far = train_data.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
     # no state to replay: a step far away is computed from its index alone, the same from any sampler
-    assert far.step_blocks(10**8) == data.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
+    assert far.step_blocks(10**8) == train_data.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
                                                         world=1).step_blocks(10**8)
 
 
@@ -244,10 +246,10 @@ def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
     split = in_process_training(corpus, tmp_path / "b", "--batch-size", "1", "--grad-accum", "4",
                                 "--packing", "stream")
     assert store.tensor_differences(whole.model.state_dict(), split.model.state_dict(), "model") == []
-    blocks = whole.sampler.step_blocks(0)
-    assert blocks == split.sampler.step_blocks(0) and len(blocks) == 4
+    blocks = whole.data.sampler.step_blocks(0)
+    assert blocks == split.data.sampler.step_blocks(0) and len(blocks) == 4
     with torch.no_grad():
-        inputs, targets, _ = whole.splits["train"].batch(blocks, torch.device("cpu"))
+        inputs, targets, _ = whole.data.splits["train"].batch(blocks, torch.device("cpu"))
         logits = whole.model(input_ids=inputs).logits
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     first, second = whole.train_step(), split.train_step()
@@ -274,11 +276,11 @@ def test_resume_restores_the_random_number_generators(corpus, tmp_path):
 
 
 def test_token_split_blocks_cross_shard_boundaries(corpus):
-    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
-    split = data.TokenSplit(corpus, manifest, "train", context=32)
-    files = manifest["splits"]["train"]["files"]
+    manifest = corpus_format.load_manifest(corpus)
+    split = train_data.TokenSplit(corpus, manifest, "train", context=32)
+    files = manifest.splits["train"]["files"]
     stream = np.concatenate([np.fromfile(corpus / f["name"], dtype="<u2") for f in files])
-    assert len(manifest["splits"]["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
+    assert len(manifest.splits["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
     for index in (0, 1, 4000 // 32, split.blocks - 1):  # 4000 // 32 spans the first shard boundary
         assert np.array_equal(split.block(index), stream[index * 32: index * 32 + 33].astype(np.int64))
     inputs, targets, documents = split.batch([0, 5], torch.device("cpu"))
@@ -287,7 +289,7 @@ def test_token_split_blocks_cross_shard_boundaries(corpus):
 
 
 def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
-    assert data.verify_corpus(corpus) == []
+    assert corpus_format.verify_corpus(corpus) == []
     broken = tmp_path / "broken"
     broken.mkdir()
     for item in corpus.iterdir():
@@ -296,7 +298,7 @@ def test_corpus_check_names_the_changed_file(corpus, tmp_path, flip_byte):
     (broken / "tokenizer").symlink_to(corpus / "tokenizer")
     shard = broken / "train-00001.bin"
     flip_byte(shard, 10)
-    problems = data.verify_corpus(broken)
+    problems = corpus_format.verify_corpus(broken)
     assert len(problems) == 1 and "train-00001.bin" in problems[0]
     result = run_cli(options(broken, tmp_path / "run"), check=False)
     assert result.returncode == 2 and "train-00001.bin" in result.stderr
@@ -423,7 +425,7 @@ def test_the_resume_command_is_tinyllm_train_when_started_so(monkeypatch):
     assert train.resume_command(single) == "tinyllm-train --lr 1 --resume auto"
     assert common.script_command("data") == "tinyllm-data"  # the commands it suggests too
     with pytest.raises(UserError, match="no such corpus folder; build one with: tinyllm-data --data YOUR_FILES"):
-        data.check_corpus_folder(Path("no-such-corpus"))
+        train_data.check_corpus_folder(Path("no-such-corpus"))
     monkeypatch.setattr(sys, "argv", ["train.py"])
     assert common.script_command("data") == "python data.py"
 
@@ -523,7 +525,7 @@ def test_generation_runs_the_stock_attention_whatever_the_training_one():
 
 def test_length_options_and_hardware_refusals(corpus, tmp_path):
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    blocks = train.build_training(train.parse_args(options(corpus, tmp_path)), info).sampler.blocks
+    blocks = train.build_training(train.parse_args(options(corpus, tmp_path)), info).data.train_blocks
     epoch_args = options(corpus, tmp_path)
     position = epoch_args.index("--target-tokens")
     del epoch_args[position: position + 2]
@@ -805,7 +807,7 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
                                     distributed.init_distributed("cpu"))
     model = training.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
-    batch = training.splits["train"].batch(training.sampler.micro_batches(0, 0)[0], training.device)
+    batch = training.data.micro_batches(0, 0, training.device)[0]
     training.loss_of(batch).backward()
     held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
             for param in group["params"]]
@@ -1157,8 +1159,8 @@ def test_warmup_longer_than_the_run_and_a_run_of_few_steps_warn(corpus, tmp_path
 
 
 def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
-    tokenizer = data.load_tokenizer(corpus)
-    lengths = data.token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", len(tokenizer) + 5)
+    tokenizer = corpus_format.load_tokenizer(corpus)
+    lengths = corpus_format.token_byte_lengths(corpus / "tokenizer" / "tokenizer.json", len(tokenizer) + 5)
     text = "the cat sees 12 birds, café naïve 日本語 — 🙂 and a river."
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) < len(text.encode("utf-8"))  # merges made some tokens longer than a byte
@@ -1170,12 +1172,12 @@ def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text(corpus):
 def test_heldout_loss_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     training = in_process_training(corpus, tmp_path / "run")
     result = train.heldout_loss(training, "test")
-    split = training.splits["test"]
-    count = min(split.blocks, training.run.eval_batches * training.sampler.global_batch)
-    order = data.BlockPermutation(split.blocks, training.run.seed, data.EVAL_EPOCH)
+    split = training.data.splits["test"]
+    count = min(split.blocks, training.run.eval_batches * training.data.global_batch)
+    order = train_data.BlockPermutation(split.blocks, training.run.seed, train_data.EVAL_EPOCH)
     targets = split.batch([order(i) for i in range(count)], torch.device("cpu")).targets
-    scored = targets[targets != data.IGNORE_INDEX].tolist()
-    text = data.load_tokenizer(corpus).decode(scored, skip_special_tokens=True)
+    scored = targets[targets != train_data.IGNORE_INDEX].tolist()
+    text = corpus_format.load_tokenizer(corpus).decode(scored, skip_special_tokens=True)
     assert result["tokens"] == len(scored) and result["bytes"] == len(text.encode("utf-8"))
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
 
@@ -1476,9 +1478,9 @@ def whole_stream(corpus: Path, split: str, mask: bool) -> np.ndarray:
 @pytest.mark.parametrize("text_loss, counted", [("none", {1}), ("full", {1, 2})])
 def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_boundaries(chat_corpus, text_loss,
                                                                                          counted):
-    manifest = json.loads((chat_corpus / "corpus_manifest.json").read_text())
-    table = data.counted_classes("assistant", text_loss)
-    split = data.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
+    manifest = corpus_format.load_manifest(chat_corpus)
+    table = train_data.counted_classes("assistant", text_loss)
+    split = train_data.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
     tokens, mask = whole_stream(chat_corpus, "train", False), whole_stream(chat_corpus, "train", True)
     assert len(split.masks) == len(split.shards) > 20 and len(mask) == len(tokens) == split.tokens
     crossing = [index for index in range(split.blocks) if (index * 64) // 997 != (index * 64 + 64) // 997]
@@ -1494,7 +1496,7 @@ def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_bo
         keep = np.isin(mask[window], list(counted))
         expected = torch.from_numpy(tokens[window][keep].astype(np.int64))
         assert torch.equal(targets[row][torch.from_numpy(keep)], expected)
-        assert (targets[row][torch.from_numpy(~keep)] == data.IGNORE_INDEX).all()
+        assert (targets[row][torch.from_numpy(~keep)] == train_data.IGNORE_INDEX).all()
         assert torch.equal(inputs[row], torch.from_numpy(tokens[index * 64: index * 64 + 64].astype(np.int64)))
     # an <|im_end|> (id 4) that closes an answer is counted; the <eos> (id 2) after a chat is not
     all_targets = torch.cat([split.batch(list(range(start, start + 8)), torch.device("cpu"))[1]
@@ -1512,7 +1514,7 @@ def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
             self.lm_head.weight.data = logits.t().contiguous()
             self.model = lambda input_ids: type("Out", (), {"last_hidden_state": torch.eye(6).reshape(2, 3, 6)})
 
-    targets = torch.tensor([[2, data.IGNORE_INDEX, 0], [data.IGNORE_INDEX, data.IGNORE_INDEX, 1]])
+    targets = torch.tensor([[2, train_data.IGNORE_INDEX, 0], [train_data.IGNORE_INDEX, train_data.IGNORE_INDEX, 1]])
 
     def nll(row: list[float], target: int) -> float:
         return math.log(sum(math.exp(value) for value in row)) - row[target]
@@ -1530,15 +1532,15 @@ def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpu
                                    "--batch-size", "1", "--grad-accum", "4")
     whole = in_process_training(chat_corpus, tmp_path / "b", "--loss-on", "assistant", "--text-loss", "none",
                                 "--batch-size", "4", "--grad-accum", "1")
-    blocks = training.sampler.step_blocks(0)
+    blocks = training.data.sampler.step_blocks(0)
     with torch.no_grad():
-        inputs, targets, documents = training.splits["train"].batch(blocks, torch.device("cpu"))
+        inputs, targets, documents = training.data.splits["train"].batch(blocks, torch.device("cpu"))
         # the default --packing masked
         logits = training.model(input_ids=inputs, **attention.decoder_inputs(training.model, documents)).logits
         per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                                       reduction="none", ignore_index=-100)
-    kept = targets.reshape(-1) != data.IGNORE_INDEX
-    counts = (targets != data.IGNORE_INDEX).sum(dim=1)
+    kept = targets.reshape(-1) != train_data.IGNORE_INDEX
+    counts = (targets != train_data.IGNORE_INDEX).sum(dim=1)
     assert len(set(counts.tolist())) > 1 and 0 < kept.sum() < targets.numel()  # uneven micro-steps, some skipped
     expected = per_token[kept].sum() / kept.sum()
     first, second = training.train_step(), whole.train_step()
@@ -1737,10 +1739,9 @@ def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps
 # Document-aware packing (--packing)
 
 
-def corpus_split(corpus: Path, packing: str, context: int = 32) -> tuple[data.TokenSplit, np.ndarray, np.ndarray]:
+def corpus_split(corpus: Path, packing: str, context: int = 32) -> tuple[train_data.TokenSplit, np.ndarray, np.ndarray]:
     """The train split under `packing`, its whole token stream and its document ends."""
-    manifest = json.loads((corpus / "corpus_manifest.json").read_text())
-    split = data.TokenSplit(corpus, manifest, "train", context, None, packing)
+    split = train_data.TokenSplit(corpus, corpus_format.load_manifest(corpus), "train", context, None, packing)
     return split, whole_stream(corpus, "train", False), np.fromfile(corpus / "train.docs", dtype="<u8")
 
 
@@ -1764,9 +1765,9 @@ def test_bestfit_rows_start_at_documents_and_hold_every_document_once(corpus):
     split, stream, ends = corpus_split(corpus, "bestfit")
     starts = set([0, *ends[:-1].tolist()])
     pieces = [span for index in range(split.blocks) for span in split.spans(index)]
-    assert sorted(pieces) == sorted(zip(*[array.tolist() for array in data.document_pieces(ends, 33)]))
+    assert sorted(pieces) == sorted(zip(*[array.tolist() for array in train_data.document_pieces(ends, 33)]))
     firsts = [split.spans(index)[0][0] for index in range(split.blocks)]
-    later_pieces = set(data.document_pieces(ends, 33)[0].tolist()) - starts  # of documents longer than a row
+    later_pieces = set(train_data.document_pieces(ends, 33)[0].tolist()) - starts  # of documents longer than a row
     assert later_pieces and all(first in starts or first in later_pieces for first in firsts)
     assert sum(first in starts for first in firsts) > 0.9 * len(firsts)
     assert all(sum(length for _, length in split.spans(index)) <= 33 for index in range(split.blocks))
@@ -1777,20 +1778,20 @@ def test_bestfit_rows_start_at_documents_and_hold_every_document_once(corpus):
         expected = np.concatenate([stream[start: start + length] for start, length in split.spans(index)])
         assert batch.inputs[row, : len(expected) - 1].tolist() == expected[:-1].tolist()
         assert batch.targets[row, : len(expected) - 1].tolist() == expected[1:].tolist()
-        assert (batch.targets[row, len(expected) - 1:] == data.IGNORE_INDEX).all()  # padding is never counted
+        assert (batch.targets[row, len(expected) - 1:] == train_data.IGNORE_INDEX).all()  # padding is never counted
         assert (batch.inputs[row, len(expected):] == 0).all()  # <pad>
     padded = sum(33 - sum(length for _, length in split.spans(index)) for index in range(split.blocks))
     assert padded < 0.15 * split.blocks * 33  # best fit leaves little room
 
 
-@pytest.mark.parametrize("packing", data.PACKINGS)
+@pytest.mark.parametrize("packing", train_data.PACKINGS)
 def test_rows_are_a_pure_function_so_a_resume_seeks_to_the_same_samples(corpus, tmp_path, packing):
     """A second Training (as a resumed run builds) reads at step 5 exactly what the first reads there."""
     first = in_process_training(corpus, tmp_path / "a", "--packing", packing)
     second = in_process_training(corpus, tmp_path / "b", "--packing", packing)
-    blocks = first.sampler.micro_batches(5, 0)
-    assert blocks == second.sampler.micro_batches(5, 0)
-    one, other = (training.splits["train"].batch(blocks[0], training.device) for training in (first, second))
+    blocks = first.data.sampler.micro_batches(5, 0)
+    assert blocks == second.data.sampler.micro_batches(5, 0)
+    one, other = (training.data.splits["train"].batch(blocks[0], training.device) for training in (first, second))
     assert torch.equal(one.inputs, other.inputs) and torch.equal(one.targets, other.targets)
     assert (one.documents is None) == (other.documents is None) == (packing != "masked")
     if one.documents is not None:

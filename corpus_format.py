@@ -1,0 +1,371 @@
+"""The corpus format (DESIGN.md, "Corpus folder"): its names and constants, the manifest (`Manifest`, read
+once by `load_manifest`), its verification, and the tokenizer a corpus carries.
+
+data.py writes corpora in this format; train.py (through train_data.py), report.py, checkpoint_cloud.py and
+the benchmarks read them through this module only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from common import UserError, parse_json, sha256_file, sha256_tree
+
+if TYPE_CHECKING:  # torch is imported only where a corpus is read for training: data.py builds without it
+    import torch
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer: byte-level BPE (data.py trains it) with these special tokens at ids 0-6.
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+IM_START, IM_END, THINK_OPEN, THINK_CLOSE = "<|im_start|>", "<|im_end|>", "<think>", "</think>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END, THINK_OPEN, THINK_CLOSE]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tokenizer_folder(folder: str | Path) -> Path:
+    """The folder holding the tokenizer files: `folder` itself, or its `tokenizer/` subfolder (a corpus).
+
+    Checked here because transformers answers a folder without them with a long sentencepiece/tiktoken hint.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"tokenizer folder {folder} does not exist")
+    for candidate in (folder, folder / TOKENIZER_DIR):
+        if any((candidate / name).is_file() for name in TOKENIZER_FILES):
+            return candidate
+    raise UserError(f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} "
+                    f"(nor a {TOKENIZER_DIR}/ subfolder with one)")
+
+
+def load_tokenizer(folder: str | Path):
+    """AutoTokenizer.from_pretrained(folder), with a clear error when it does not load or lacks our specials.
+
+    `folder` is a tokenizer folder, or a corpus folder (its `tokenizer/` subfolder is used).
+    """
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(folder)
+    if not (folder / "tokenizer.json").is_file():  # else transformers' hint about sentencepiece, 5 lines long
+        raise UserError(f"tokenizer folder {folder} has no tokenizer.json (a fast tokenizer's file, which tinyllm's "
+                        "tokenizers are saved as; data.py writes one into CORPUS/tokenizer)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # transformers raises many types here
+        raise UserError(f"tokenizer folder {folder} does not load: {type(error).__name__}: {error}") from None
+    for position, token in enumerate(SPECIAL_TOKENS):
+        if tokenizer.convert_tokens_to_ids(token) != position:
+            raise UserError(f"tokenizer {folder}: special token {token} must have id {position}")
+    if not tokenizer.chat_template:
+        raise UserError(f"tokenizer {folder} has no chat template")
+    return tokenizer
+
+
+def vocabulary_sha256(tokenizer) -> str:
+    """sha256 of what decides the token ids: the vocabulary (token -> id) and the special tokens.
+
+    Two tokenizers with the same value read and write the same ids whatever their other files say
+    (a corpus' tokenizer/ and the copy an export writes into RUN/model compare equal)."""
+    specials = sorted((index, token.content) for index, token in tokenizer.added_tokens_decoder.items()
+                      if token.special)
+    payload = {"vocabulary": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), "special": specials}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+
+def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
+    """Each token id's UTF-8 bytes as the byte-level BPE decodes it (int64, `size` ids): one byte per
+    character of a vocabulary token (ByteLevel's alphabet), an added token's text in UTF-8, 0 for a
+    special token and for an id past the tokenizer's vocabulary. Bits per byte divide by their sum."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    lengths = [0] * size
+    for token, index in tokenizer.get_vocab(with_added_tokens=False).items():
+        lengths[index] = len(token)
+    for index, added in tokenizer.get_added_tokens_decoder().items():
+        lengths[index] = 0 if added.special else len(added.content.encode("utf-8"))
+    return torch.tensor(lengths, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus format (DESIGN.md, "Corpus folder").
+
+FORMAT_VERSION = 3  # 2: each shard has a .mask beside it; 3: each split has a .docs (where its documents end)
+SPLITS = ("train", "validation", "test")
+CORPUS_MANIFEST = "corpus_manifest.json"
+SOURCE_MANIFEST = "source_manifest.json"
+DATA_CARD = "DATA_CARD.md"
+TOKENIZER_DIR = "tokenizer"
+
+
+def token_dtype(vocab_size: int) -> str:
+    """uint16 while every id fits, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+# The mask stream: one uint8 per token, in files `{split}-NNNNN.mask` cut exactly like the token
+# shards. It says what each token is, so train.py --loss-on assistant can count only the answers.
+MASK_PROMPT = 0  # a chat's markup, system and user turns, the role header and the document's EOS
+MASK_ASSISTANT = 1  # an assistant's answer: its content (reasoning and <think> markers included) and <|im_end|>
+MASK_TEXT = 2  # a plain-text document (its EOS included)
+MASK_CLASSES = {"prompt": MASK_PROMPT, "assistant": MASK_ASSISTANT, "text": MASK_TEXT}
+
+
+def mask_name(shard: str) -> str:
+    """The mask file beside token shard `shard` (train-00000.bin -> train-00000.mask)."""
+    return shard[:-len(".bin")] + ".mask"
+
+
+# The document index: `{split}.docs`, one little-endian uint64 per document, the offset in the split's
+# stream just past its <eos> (increasing; the last is the split's token count). train.py --packing reads
+# it to start rows at documents and to keep attention inside one (DESIGN.md, "Data order").
+DOCUMENT_INDEX_DTYPE = "<u8"
+
+
+def document_index_name(split: str) -> str:
+    return f"{split}.docs"
+
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source label (data.py) and a mixture source's name (train.py)
+
+
+def stream_key(split: str, label: str | None) -> str:
+    """Which token stream a document goes to: its split, or with source labels `{split}-{label}`
+    (whose shards are then `{split}-{label}-NNNNN.bin`)."""
+    return split if label is None else f"{split}-{label}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """corpus_manifest.json of a finished corpus, read and checked once (load_manifest, parse_manifest).
+
+    Layout of `record`: {"format_version", "dtype", "vocab_size", "special_tokens": {name: id},
+    "tokenizer_sha256", "vocabulary_sha256" (see vocabulary_sha256),
+    "splits": {split: {"files": [{"name", "bytes", "sha256", "tokens",
+    "mask": {"name", "bytes", "sha256"}}], "tokens", "documents", "mask_tokens": {class: count},
+    "document_index": {"name", "bytes", "sha256"} (absent when the split has no document),
+    "sources": {label: the same, for its own stream} (only with source labels)}},
+    "files": {relative path: sha256} for the other files, ...}.
+    """
+
+    record: dict  # the JSON as data.py wrote it
+    sha256: str  # of the file's bytes: what names the corpus in a run's settings
+
+    @property
+    def shard_dtype(self) -> np.dtype:
+        """The token ids' type in the shards (little-endian)."""
+        return np.dtype(self.record["dtype"]).newbyteorder("<")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.record["vocab_size"])
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return self.record.get("special_tokens", {})
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        return self.record.get("tokenizer_sha256")
+
+    @property
+    def vocabulary_sha256(self) -> str | None:
+        return self.record.get("vocabulary_sha256")
+
+    @property
+    def splits(self) -> dict[str, dict]:
+        return self.record["splits"]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in all splits."""
+        return int(self.record["tokens"])
+
+    @property
+    def documents(self) -> int:
+        """Documents in all splits."""
+        return int(self.record["documents"])
+
+    def split(self, name: str, label: str | None = None) -> dict:
+        """Split `name`'s entry (an empty one when the corpus has none), or labelled source `label`'s in it."""
+        entry = self.splits.get(name, {"files": []})
+        return entry if label is None else entry.get("sources", {}).get(label, {"files": []})
+
+    def labels(self, split: str = "train") -> list[str]:
+        """The source labels of a split (data.py --source-label); none without labels."""
+        return list(self.split(split).get("sources", {}))
+
+    def mask_tokens(self, split: str = "train") -> dict[str, int]:
+        """Tokens per mask class ("prompt", "assistant", "text") in a split."""
+        return self.split(split).get("mask_tokens", {})
+
+    def files(self) -> dict[str, tuple[str, int | None]]:
+        """{relative name: (sha256, bytes or None)} of every single file the manifest lists: shards, masks,
+        document indexes and the other files (the tokenizer folder is covered by one tree hash)."""
+        files = {}
+        for split in self.splits.values():
+            for entry in split.get("files", []):
+                files[entry["name"]] = (entry["sha256"], entry.get("bytes"))
+                if "mask" in entry:
+                    files[entry["mask"]["name"]] = (entry["mask"]["sha256"], entry["mask"].get("bytes"))
+            for part in [split, *split.get("sources", {}).values()]:
+                if "document_index" in part:
+                    index = part["document_index"]
+                    files[index["name"]] = (index["sha256"], index.get("bytes"))
+        for name, sha in self.record.get("files", {}).items():
+            files[name] = (sha, None)
+        return files
+
+
+def load_manifest(corpus_dir: str | Path) -> Manifest:
+    """The manifest of the corpus in `corpus_dir` (UserError when it is missing, unreadable or of another format)."""
+    path = Path(corpus_dir) / CORPUS_MANIFEST
+    if not path.is_file():
+        raise UserError(f"{corpus_dir} is not a finished corpus: {CORPUS_MANIFEST} is missing")
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"corpus manifest {path} cannot be read ({error.strerror or error})") from None
+    return parse_manifest(raw, str(path))
+
+
+def is_current_corpus(folder: Path) -> bool:
+    """Whether `folder` holds a finished corpus this version reads (the benchmarks rebuild theirs when not)."""
+    try:
+        load_manifest(folder)
+    except UserError:
+        return False
+    return True
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """The manifest in `raw` (the bytes of a corpus_manifest.json at `where`, a path or a URL), checked."""
+    record = parse_json(raw, f"corpus manifest {where}")
+    if not isinstance(record, dict) or "splits" not in record or "dtype" not in record:
+        raise UserError(f"corpus manifest {where} lacks 'splits' or 'dtype'")
+    version = record.get("format_version")
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise UserError(f"corpus {where.rsplit('/', 1)[0]} was built by an older data.py (format_version {version}; "
+                        f"this one reads {FORMAT_VERSION}, which adds the document index train.py --packing "
+                        "needs); rebuild it with the same data.py command (see its source_manifest.json)")
+    if version != FORMAT_VERSION:
+        raise UserError(f"corpus manifest {where} has format_version {version!r}, "
+                        f"this data.py reads {FORMAT_VERSION}")
+    return Manifest(record, hashlib.sha256(raw).hexdigest())
+
+
+def verify_corpus(corpus_dir: str | Path) -> list[str]:
+    """Re-hash every shard, the tokenizer folder and the other listed files against the manifest.
+
+    Returns one human-readable problem per mismatch, naming the file (empty list: all good).
+    Raises UserError when the manifest itself is missing or unreadable.
+    """
+    root = Path(corpus_dir)
+    manifest = load_manifest(root)
+    try:
+        return verify_files(root, manifest.record)
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"corpus manifest in {corpus_dir} is malformed ({type(error).__name__}: {error})") from None
+
+
+def verify_files(root: Path, manifest: dict) -> list[str]:
+    """verify_corpus's problems with the files of `manifest` (a Manifest's record) in `root`."""
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    problems = []
+    for split, info in manifest["splits"].items():
+        for entry in info["files"]:
+            path = root / entry["name"]
+            if not path.is_file():
+                problems.append(f"{entry['name']}: missing ({split} shard)")
+                continue
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                problems.append(f"{entry['name']}: {size} bytes, manifest says {entry['bytes']}")
+            elif sha256_file(path) != entry["sha256"]:
+                problems.append(f"{entry['name']}: sha256 does not match the manifest (corrupted or edited)")
+            elif size != entry["tokens"] * itemsize:
+                problems.append(f"{entry['name']}: {size} bytes is not {entry['tokens']} {manifest['dtype']} tokens")
+            if "mask" in entry:
+                problems.extend(verify_mask(root, entry))
+            elif manifest.get("format_version", 0) >= 2:
+                problems.append(f"{entry['name']}: the manifest lists no mask file for it")
+        if sum(entry["tokens"] for entry in info["files"]) != info["tokens"]:
+            problems.append(f"{split}: shard tokens do not add up to the split's {info['tokens']} tokens")
+        for label, part in ({None: info} if "sources" not in info else info["sources"]).items():
+            if "document_index" in part:
+                problems.extend(verify_document_index(root, part))
+            elif manifest.get("format_version", 0) >= 3 and part.get("documents"):
+                stream = stream_key(split, label)  # a labelled source's index is {split}-{label}.docs
+                problems.append(f"{stream}: the manifest lists no document index ({document_index_name(stream)})")
+    tokenizer_dir = root / TOKENIZER_DIR
+    if not tokenizer_dir.is_dir():
+        problems.append(f"{TOKENIZER_DIR}/: missing")
+    elif sha256_tree(tokenizer_dir) != manifest["tokenizer_sha256"]:
+        problems.append(f"{TOKENIZER_DIR}/: sha256 of the folder does not match the manifest")
+    for name, digest in manifest.get("files", {}).items():
+        path = root / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name}: sha256 does not match the manifest")
+    return problems
+
+
+def recorded_file_problem(root: Path, record: dict, what: str) -> str | None:
+    """Whether the file a manifest records ({name, bytes, sha256}) is there with its size and sha256."""
+    path = root / record["name"]
+    if not path.is_file():
+        return f"{record['name']}: missing ({what})"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"{record['name']}: {size} bytes, manifest says {record['bytes']}"
+    if sha256_file(path) != record["sha256"]:
+        return f"{record['name']}: sha256 does not match the manifest (corrupted or edited)"
+    return None
+
+
+def verify_mask(root: Path, entry: dict) -> list[str]:
+    """Problems with the mask file of shard `entry`: one byte per token, hashed, only known classes."""
+    mask = entry["mask"]
+    problem = recorded_file_problem(root, mask, f"mask of {entry['name']}")
+    if problem:
+        return [problem]
+    size = (root / mask["name"]).stat().st_size
+    if size != entry["tokens"]:
+        return [f"{mask['name']}: {size} bytes for {entry['tokens']} tokens (one per token)"]
+    return []
+
+
+def verify_document_index(root: Path, info: dict) -> list[str]:
+    """Problems with a split's document index: hashed, one uint64 per document, increasing to the split's end."""
+    index = info["document_index"]
+    problem = recorded_file_problem(root, index, "document index")
+    if problem:
+        return [problem]
+    path = root / index["name"]
+    size = path.stat().st_size
+    if size != 8 * info["documents"]:
+        return [f"{index['name']}: {size} bytes for {info['documents']} documents (8 per document)"]
+    ends = np.fromfile(path, dtype=DOCUMENT_INDEX_DTYPE)
+    if len(ends) and (ends[-1] != info["tokens"] or (len(ends) > 1 and np.any(ends[1:] <= ends[:-1]))):
+        return [f"{index['name']}: the document ends do not increase to the split's {info['tokens']} tokens"]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
