@@ -40,7 +40,17 @@ import report
 
 if TYPE_CHECKING:
     import checkpoint_store
-    from train import StepResult
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step hands the observers (train.Training.train_step)."""
+    step: int
+    loss: float
+    lrs: dict[str, float]  # each param group's lr this step by its name (Optimizers.apply_schedule)
+    grad_norm: float
+    seconds: float
+    applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
 
 
 @dataclass(frozen=True)

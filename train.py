@@ -406,16 +406,6 @@ class NonFiniteLoss(Exception):
     pass
 
 
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    lrs: dict[str, float]  # each param group's lr this step by its name (Optimizers.apply_schedule)
-    grad_norm: float
-    seconds: float
-    applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
-
-
 class Training:
     """Model, optimizer, data, schedule and scaler of one run on one rank.
 
@@ -495,7 +485,7 @@ class Training:
             return losses.language_model_loss(model, batch.inputs, batch.targets, reduction,
                                               documents=batch.documents)
 
-    def train_step(self) -> StepResult:
+    def train_step(self) -> callbacks.StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
         started = time.perf_counter()
         step = self.step
@@ -517,7 +507,7 @@ class Training:
             raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
                                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
         seconds = time.perf_counter() - started
-        return StepResult(step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds,
+        return callbacks.StepResult(step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds,
                           applied=applied)
 
     def snapshot(self, callbacks: dict | None = None) -> dict | None:
@@ -1086,7 +1076,7 @@ def no_step_to_take(training: Training, progress: report.Progress) -> tuple[str,
     return None
 
 
-def step_throughput(training: Training, result: StepResult, peak: float | None) -> tuple[float | None, float,
+def step_throughput(training: Training, result: callbacks.StepResult, peak: float | None) -> tuple[float | None, float,
                                                                                           float | None]:
     """(peak, tokens/s, MFU) of a step; an MFU above 100% measures the peak again (hardware.plausible_mfu)."""
     tokens_per_second = training.tokens_per_step / result.seconds

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -32,7 +31,7 @@ class Status:
 
 
 def step_result(step: int, loss: float = 2.0):
-    return SimpleNamespace(step=step, loss=loss, adamw_lr=1e-3, muon_lr=None, grad_norm=1.0, seconds=0.5)
+    return callbacks.StepResult(step=step, loss=loss, lrs={"adamw": 1e-3}, grad_norm=1.0, seconds=0.5, applied=True)
 
 
 def outputs(tmp_path: Path) -> tuple[report.MetricsLog, report.Progress]:
