@@ -49,6 +49,7 @@ except ModuleNotFoundError as missing:  # no torch at all: one line with this ma
 import torch.distributed as dist
 
 import attention
+import budget
 import checkpoint_cloud
 import checkpoint_store as store
 import data
@@ -169,6 +170,11 @@ class RunSettings:
     epochs: float | None = option(None, "train this many passes over the train split", BUDGET,
                                   checks=(lambda value: None if math.isfinite(value) and value > 0
                                           else "be a positive finite number",), exclusive="length")
+    budget: str | None = option(
+        None, "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
+              "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
+              "before step 1 and kept by every resume (an explicit --preset or --target-tokens wins; docs/budget.md)",
+        BUDGET, checks=(budget.budget_problem,))
     seed: int = option(1337, "model init and data order", BUDGET)
     packing: str = option(data.PACKINGS[0], "masked: blocks of the token stream, attention and RoPE positions kept "
                                             "inside each document; bestfit: rows that start at a document, filled "
@@ -759,6 +765,7 @@ class Training:
         self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
         self.task_scorer: evaluation.LoopScorer | None = None  # --eval-tasks, read by start_training
+        self.budget_plan: dict | None = None  # --budget's plan (budget.settle), set by train()
 
     @property
     def device(self) -> torch.device:
@@ -1061,7 +1068,7 @@ def recorded_settings(training: Training) -> dict:
     if training.mixture is not None:  # where its phases start in this session's length (an extension moves decay)
         runtime.update(data=list(training.session.data), mixture_phase_steps=list(training.sampler.starts))
     return {"training": compared, "runtime": runtime, "init_from": training.lineage, "extended": training.extensions,
-            "vocabulary_sha256": training.manifest.get("vocabulary_sha256")}
+            "vocabulary_sha256": training.manifest.get("vocabulary_sha256"), "budget": training.budget_plan}
 
 
 def backward_micro_steps(training: Training, batches: list[data.Batch]) -> torch.Tensor:
@@ -1233,10 +1240,12 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         problems = distributed.main_decides(lambda: data.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
+    settings, plan = budget.settle(settings, info)  # --budget: the run's plan, made once (None without)
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path = start_training(settings, info, corpus)
+    training.budget_plan = plan
     note = store.previous_session_note(status.previous, training.step)
     if note:
         log(info, note)
