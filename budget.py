@@ -207,7 +207,7 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
     limit = training_seconds(request) / 3600
     fitting = [outcome for outcome in outcomes if outcome["hours"] <= limit and outcome["tokens"] >= MIN_TOKENS]
     if not fitting:
-        raise UserError(too_small(request, candidates, outcomes))
+        raise UserError(too_small(request, candidates))
     best = min(fitting, key=lambda outcome: outcome["bpb"])
     chosen = next(candidate for candidate in candidates if candidate.preset == best["preset"])
     others = sorted((o for o in fitting if o is not best), key=lambda o: o["bpb"])
@@ -223,7 +223,7 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
                                  for outcome in outcomes))
 
 
-def too_small(request: Request, candidates: list[Candidate], outcomes: list[dict]) -> str:
+def too_small(request: Request, candidates: list[Candidate]) -> str:
     """The one error line of a budget no candidate fits: what the cheapest sensible run would take."""
     fastest = max(candidates, key=lambda candidate: candidate.tokens_per_second)
     tokens = max(request.target_tokens or 0, MIN_TOKENS)
@@ -278,7 +278,8 @@ def probe(settings, info, presets: dict[str, model_config.Preset], micro_batch: 
             last = candidates[-1]
             rate = last.tokens_per_second * model_config.flops_per_token(presets[last.preset], 0) / flops
             cost = (PROBE_STEPS + 1) * micro_batch * preset.context * info.world / rate
-            if not last.probed or time.monotonic() - started + cost > seconds:
+            over = distributed.broadcast_from_main(time.monotonic() - started + cost > seconds, info)  # one verdict
+            if not last.probed or over:
                 candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, False))
                 continue
         rate = distributed.broadcast_from_main(probe_one(settings, info, name, micro_batch), info)

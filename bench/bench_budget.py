@@ -1,6 +1,6 @@
 """--budget's loss model: a sweep of presets x token counts on real text, the fit, and the CPU-budget targets.
 
-    OMP_NUM_THREADS=1 python bench/bench_budget.py                  # sweep (~50 min at 1 thread), fit, targets
+    OMP_NUM_THREADS=1 python bench/bench_budget.py                  # sweep (~30 min of one idle thread), fit, targets
     python bench/bench_budget.py --fit-only                          # fit and targets from the saved results
 
 The text: the King James Bible (Debian's bible-kjv, one document per chapter) and Debian changelog
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", default=str(WORK), help="folder for the corpus and results")
     parser.add_argument("--presets", default="tiny,nano,micro", help="comma list of presets to sweep")
-    parser.add_argument("--minutes", type=float, default=10.0, help="the largest budget, in minutes of training")
+    parser.add_argument("--minutes", type=float, default=5.0, help="the largest budget, in minutes of training")
     parser.add_argument("--fractions", default="0.125,0.25,0.5,1", help="token counts: these shares of it")
     parser.add_argument("--changelog-bytes", type=int, default=4_000_000, help="changelog text beside the KJV")
     parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
