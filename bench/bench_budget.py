@@ -145,16 +145,21 @@ def check_targets(results: dict, model: budget.LossModel) -> list[str]:
     for fraction in sorted({run["fraction"] for run in results["runs"]}):
         seconds = results["minutes"] * 60 * fraction
         request = budget.Request(budget=f"{seconds:g}s", seconds=seconds)
-        plan = budget.choose(request, candidates, model)
+        try:
+            plan = budget.choose(request, candidates, model)
+        except UserError:
+            lines.append(f"| {seconds / 60:g} min | none: below the smallest sensible run | | | | | | |")
+            continue
         fitting = [run for run in results["runs"] if run["fraction"] <= fraction]
         best = min(fitting, key=lambda run: run["bpb"])
         chosen = next(run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens))
         default = next(run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction)
         ratio, against_default = chosen["bpb"] / best["bpb"], chosen["bpb"] / default["bpb"]
+        verdict = "the choice is tiny" if plan.preset == DEFAULT_PRESET else "met" if against_default < 1 else "MISSED"
         lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | {chosen['bpb']:.4f} | "
                      f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | **{ratio:.4f}x** "
                      f"({'met' if ratio <= TARGET_GRID_RATIO else 'MISSED'}) | {default['bpb']:.4f} | "
-                     f"**{against_default:.4f}x** ({'met' if against_default < 1 else 'MISSED'}) |")
+                     f"**{against_default:.4f}x** ({verdict}) |")
     return ["| budget | --budget's choice | its bpb | best fixed choice that fits | its bpb | choice / best "
             "(target <= 1.02) | tiny for the same time | choice / tiny (target < 1) |",
             "|---|---|---:|---|---:|---:|---:|---:|", *lines]
@@ -181,7 +186,8 @@ def sweep(args: argparse.Namespace, work: Path, results: dict, results_path: Pat
         results["probe_seconds"] = time.monotonic() - started
         atomic_write_json(results_path, results)
     done = {(run["preset"], run["fraction"]) for run in results["runs"]}
-    for candidate in map(lambda record: budget.Candidate(**record), results["candidates"]):
+    for candidate in (budget.Candidate(**record) for record in results["candidates"]
+                      if record["preset"] in args.presets.split(",")):
         for fraction in (float(text) for text in args.fractions.split(",")):
             if (candidate.preset, fraction) in done:
                 continue
