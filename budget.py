@@ -117,7 +117,6 @@ class Request:
     seconds: float
     session_hours: float = 0.0  # --max-hours (0: one session)
     world: int = 1
-    micro_batch: int = 8  # --batch-size: blocks per micro-step per rank
     target_tokens: int | None = None  # explicit --target-tokens
     spent_seconds: float = 0.0  # the probe's, already out of the budget
 
@@ -377,7 +376,7 @@ def make_plan(settings, info, given: set[str], micro_batch: int) -> Plan:
     presets = candidate_presets(run, explicit_shape)
     candidates = probe(settings, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds))
     request = Request(budget=run.budget, seconds=seconds, session_hours=session.max_hours, world=info.world,
-                      micro_batch=micro_batch, spent_seconds=time.monotonic() - started,
+                      spent_seconds=time.monotonic() - started,
                       target_tokens=run.target_tokens if "target_tokens" in given else None)
     return choose(request, candidates)
 
