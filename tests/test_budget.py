@@ -213,3 +213,11 @@ def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, t
     assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", False)]
     ratio = model_config.flops_per_token(shapes["tiny"], 0) / model_config.flops_per_token(shapes["nano"], 0)
     assert predicted[1].tokens_per_second == pytest.approx(predicted[0].tokens_per_second * ratio)
+
+
+def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
+    plan = budget.choose(request("30m"), CANDIDATES, MODEL)
+    assert budget.recorded_plan(tmp_path, "30m") is None  # no run folder yet
+    (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
+    assert budget.Plan.from_record(budget.recorded_plan(tmp_path, "30m")) == plan
+    assert budget.recorded_plan(tmp_path, "1h") is None  # another budget plans anew (and the resume refuses it)
