@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--changelog-bytes", type=int, default=4_000_000, help="changelog text beside the KJV")
     parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
     parser.add_argument("--fit-only", action="store_true", help="no training: fit and check the saved results")
+    parser.add_argument("--default-only", action="store_true",
+                        help="train only today's default run, stopped where the default preset's sweep runs stop")
+    parser.add_argument("--fit-min-steps", type=int, default=20,
+                        help="fit only the runs of at least this many steps (shorter ones are mostly warmup)")
     return parser.parse_args(argv)
 
 
@@ -115,6 +119,24 @@ def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
             "bpb": bpb, "steps": training.total_steps}
 
 
+def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[dict]:
+    """Today's default run (the default preset, batch and length: one epoch, no --budget) stopped at each
+    of `marks` tokens (as --max-hours stops it): its held-out bpb there, mid-schedule."""
+    argv = base_argv(corpus, work, seed)[:-2]
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    training = train.build_training(train.parse_args(argv), info)
+    stops = []
+    for mark in sorted(marks):
+        while training.step < training.total_steps and training.step * training.tokens_per_step < mark:
+            training.train_step()
+        stops.append({"tokens": mark, "trained": training.step * training.tokens_per_step,
+                      "steps": training.step, "total_steps": training.total_steps,
+                      "bpb": heldout_bpb(training, training.run.packing)})
+        print(f"default run at {mark:,} tokens: step {training.step}/{training.total_steps}, held-out "
+              f"{stops[-1]['bpb']:.4f} bits/byte", flush=True)
+    return stops
+
+
 def fit(runs: list[dict]) -> tuple[budget.LossModel, float]:
     """L(N, D) = E + A/N^alpha + B/D^beta: (alpha, beta) on a 0.01 grid, E, A, B by least squares (all >= 0)."""
     import numpy as np
@@ -139,30 +161,37 @@ def fit(runs: list[dict]) -> tuple[budget.LossModel, float]:
 
 
 def check_targets(results: dict, model: budget.LossModel) -> list[str]:
-    """For each budget of the sweep: the plan's choice against the best fitting run and the default preset."""
+    """For each budget of the sweep: the plan's choice against the best fitting run, against the default
+    preset planned for the same time, and against today's default run stopped at that time."""
     candidates = [budget.Candidate(**candidate) for candidate in results["candidates"]]
+    stops = {stop["tokens"]: stop for stop in results.get("default_run", [])}
     lines = []
     for fraction in sorted({run["fraction"] for run in results["runs"]}):
         seconds = results["minutes"] * 60 * fraction
-        request = budget.Request(budget=f"{seconds:g}s", seconds=seconds)
         try:
-            plan = budget.choose(request, candidates, model)
+            plan = budget.choose(budget.Request(budget=f"{seconds:g}s", seconds=seconds), candidates, model)
         except UserError:
-            lines.append(f"| {seconds / 60:g} min | none: below the smallest sensible run | | | | | | |")
+            lines.append(f"| {seconds / 60:g} min | none: below the smallest sensible run |" + " |" * 8)
             continue
         fitting = [run for run in results["runs"] if run["fraction"] <= fraction]
         best = min(fitting, key=lambda run: run["bpb"])
         chosen = next(run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens))
-        default = next(run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction)
-        ratio, against_default = chosen["bpb"] / best["bpb"], chosen["bpb"] / default["bpb"]
-        verdict = "the choice is tiny" if plan.preset == DEFAULT_PRESET else "met" if against_default < 1 else "MISSED"
+        tiny = next(run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction)
+        today = stops.get(tiny["tokens"])
         lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | {chosen['bpb']:.4f} | "
-                     f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | **{ratio:.4f}x** "
-                     f"({'met' if ratio <= TARGET_GRID_RATIO else 'MISSED'}) | {default['bpb']:.4f} | "
-                     f"**{against_default:.4f}x** ({verdict}) |")
+                     f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | "
+                     f"{verdict(chosen['bpb'] / best['bpb'], TARGET_GRID_RATIO)} | {tiny['bpb']:.4f} | "
+                     f"{verdict(chosen['bpb'] / tiny['bpb'], 1.0)} | "
+                     + (f"{today['bpb']:.4f} (step {today['steps']}/{today['total_steps']}) | "
+                        f"{verdict(chosen['bpb'] / today['bpb'], 1.0)} |" if today else "not run | |"))
     return ["| budget | --budget's choice | its bpb | best fixed choice that fits | its bpb | choice / best "
-            "(target <= 1.02) | tiny for the same time | choice / tiny (target < 1) |",
-            "|---|---|---:|---|---:|---:|---:|---:|", *lines]
+            "(target <= 1.02) | tiny planned for the same time | choice / it | today's default run stopped "
+            "there | choice / it (target < 1) |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|", *lines]
+
+
+def verdict(ratio: float, limit: float) -> str:
+    return f"**{ratio:.4f}x**" + (" (met)" if ratio <= limit and (limit > 1 or ratio < 1) else
+                                  " (equal)" if ratio == 1 else " (MISSED)")
 
 
 def run_lines(results: dict, model: budget.LossModel) -> list[str]:
@@ -208,10 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("minutes", args.minutes)
     results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1,
                           "torch": torch.__version__}
-    if not args.fit_only:
+    if args.default_only:
+        tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
+        marks = [sweep_point(tiny, results["minutes"] * 60 * float(f))["tokens"] for f in args.fractions.split(",")]
+        results["default_run"] = default_run(build_corpus(work, args.changelog_bytes), work, args.seed, marks)
+        atomic_write_json(results_path, results)
+    elif not args.fit_only:
         sweep(args, work, results, results_path)
-    model, rms = fit(results["runs"])
-    print(f"\nfit over {len(results['runs'])} runs (rms error {rms:.4f} bits/byte):\n"
+    fitted = [run for run in results["runs"] if run["steps"] >= args.fit_min_steps]
+    model, rms = fit(fitted)
+    print(f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
           f"LOSS_MODEL = LossModel(e={model.e:.4f}, a={model.a:.4g}, alpha={model.alpha:.2f}, "
           f"b={model.b:.4g}, beta={model.beta:.2f})\n")
     speeds = ", ".join(f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in results["candidates"])
