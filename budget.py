@@ -83,7 +83,8 @@ class LossModel:
         return self.e + self.a / parameters ** self.alpha + self.b / tokens ** self.beta
 
 
-LOSS_MODEL = LossModel(e=1.0, a=60.0, alpha=0.35, b=200.0, beta=0.35)  # placeholder until the sweep's fit
+# bench/bench_budget.py, 2026-12-02: the 10 runs of at least 40 steps, rms error 0.0125 bits/byte (docs/budget.md)
+LOSS_MODEL = LossModel(e=1.1394, a=2.643e+06, alpha=1.50, b=100.5, beta=0.39)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +96,8 @@ MIN_BATCH_TOKENS = 4096
 MAX_BATCH_TOKENS = 131_072
 MIN_STEPS = 100  # the smallest sensible run: this many steps of the smallest batch
 MIN_TOKENS = MIN_STEPS * MIN_BATCH_TOKENS
+MAX_EPOCHS = 4  # at most this many passes over the train split: repeated tokens are worth less (Muennighoff
+# et al. 2023: up to ~4 epochs nearly as good as new data), which the loss model does not know
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Request:
     world: int = 1
     target_tokens: int | None = None  # explicit --target-tokens
     spent_seconds: float = 0.0  # the probe's, already out of the budget
+    max_tokens: float = math.inf  # MAX_EPOCHS passes over the train split (a mixture: not capped)
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ def training_seconds(request: Request) -> float:
 def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) -> dict:
     """What `candidate` makes of the budget: its tokens (the explicit count, else what fits), steps,
     hours and predicted loss."""
-    tokens = request.target_tokens or candidate.tokens_per_second * training_seconds(request)
+    tokens = request.target_tokens or min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
     blocks = global_blocks(tokens, candidate.context, request.world)
     step_tokens = blocks * candidate.context
     steps = max(1, math.ceil(tokens / step_tokens) if request.target_tokens else int(tokens // step_tokens))
@@ -211,7 +215,9 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
     chosen = next(candidate for candidate in candidates if candidate.preset == best["preset"])
     others = sorted((o for o in fitting if o is not best), key=lambda o: o["bpb"])
     why = (f"lowest predicted loss of {len(fitting)} shape(s) that fit {limit:.2f} h of training"
-           + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others else ""))
+           + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others else "")
+           + (f"; tokens capped at {MAX_EPOCHS} passes over the train split" if best["tokens"] >= request.max_tokens
+              - best["blocks"] * chosen.context else ""))
     sessions = max(1, math.ceil(request.seconds / 3600 / request.session_hours)) if request.session_hours else 1
     return Plan(budget=request.budget, preset=chosen.preset, parameters=chosen.parameters,
                 target_tokens=best["tokens"], global_batch_blocks=best["blocks"],
@@ -340,7 +346,7 @@ def apply(settings, plan: Plan, world: int, micro_batch: int):
     return dataclasses.replace(settings, run=run, session=session)
 
 
-def settle(settings, info) -> tuple[object, dict | None]:
+def settle(settings, info, corpus: Path) -> tuple[object, dict | None]:
     """The settings of this --budget run and its plan's record (settings unchanged and None without
     --budget). A run that has planned keeps its plan; else every rank probes and the plan is made."""
     import distributed
@@ -358,7 +364,7 @@ def settle(settings, info) -> tuple[object, dict | None]:
         plan = Plan.from_record(record)
         say(f"{plan.summary()} (the run's plan, made at its start: kept)", main=info.is_main)
         return apply(settings, plan, info.world, micro_batch), record
-    plan = make_plan(settings, info, given, micro_batch)
+    plan = make_plan(settings, info, given, micro_batch, corpus)
     planned = apply(settings, plan, info.world, micro_batch).run
     recipe, _ = train.choose_recipe(planned, train.resolve_model_preset(planned).hidden, plan.steps)
     plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr)
@@ -367,16 +373,20 @@ def settle(settings, info) -> tuple[object, dict | None]:
     return apply(settings, plan, info.world, micro_batch), plan.as_record()
 
 
-def make_plan(settings, info, given: set[str], micro_batch: int) -> Plan:
+def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path) -> Plan:
     """Probe the candidates (timed against the budget) and choose."""
+    import data
+    import train
+
     run, session = settings.run, settings.session
+    train_tokens = math.inf if train.mixture_of(settings) else data.load_manifest(corpus)["splits"]["train"]["tokens"]
     seconds = budget_seconds(run.budget)
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
     candidates = probe(settings, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds))
     request = Request(budget=run.budget, seconds=seconds, session_hours=session.max_hours, world=info.world,
-                      spent_seconds=time.monotonic() - started,
+                      spent_seconds=time.monotonic() - started, max_tokens=MAX_EPOCHS * train_tokens,
                       target_tokens=run.target_tokens if "target_tokens" in given else None)
     return choose(request, candidates)
 

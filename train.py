@@ -1240,7 +1240,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         problems = distributed.main_decides(lambda: data.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
-    settings, plan = budget.settle(settings, info)  # --budget: the run's plan, made once (None without)
+    settings, plan = budget.settle(settings, info, corpus)  # --budget: the run's plan, made once (None without)
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-only", action="store_true", help="no training: fit and check the saved results")
     parser.add_argument("--default-only", action="store_true",
                         help="train only today's default run, stopped where the default preset's sweep runs stop")
-    parser.add_argument("--fit-min-steps", type=int, default=20,
+    parser.add_argument("--fit-min-steps", type=int, default=40,
                         help="fit only the runs of at least this many steps (shorter ones are mostly warmup)")
     return parser.parse_args(argv)
 

@@ -71,6 +71,7 @@ def request(text: str, **fields) -> budget.Request:
     ("30m", {}, "nano", 12_943_360),  # long enough for nano's parameters to beat tiny's extra tokens
     ("10h", {}, "nano", 259_129_344),
     ("100h", {}, "micro", 647_888_896),
+    ("10h", {"max_tokens": 5_000_000}, "micro", 4_997_120),  # a small corpus: 4 passes, then the largest model
     ("30m", {"target_tokens": 1_000_000}, "micro", 1_000_000),  # explicit tokens: the largest that fits them
     ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 27 minutes
     ("2m", {"spent_seconds": 30.0}, "tiny", 1_556_480),  # the probe's time comes out of the budget
@@ -82,6 +83,7 @@ def test_the_planner_picks_the_lowest_predicted_loss_that_fits(text, fields, pre
     assert plan.predicted_bpb == min(c["bpb"] for c in plan.candidates if c["hours"] <= plan.hours + 1e-9
                                      or c["preset"] == preset)
     assert plan.tokens_per_step * plan.steps == plan.target_tokens or "target_tokens" in fields
+    assert plan.target_tokens <= fields.get("max_tokens", plan.target_tokens)
     assert plan.global_batch_blocks * model_config.PRESETS[preset].context == plan.tokens_per_step
 
 
