@@ -267,21 +267,22 @@ def candidate_presets(run, explicit_shape: bool) -> dict[str, model_config.Prese
     return dict(sorted(presets.items(), key=lambda item: model_config.flops_per_token(item[1], 0)))
 
 
-def probe(settings, info, presets: dict[str, model_config.Preset], micro_batch: int,
-          seconds: float) -> list[Candidate]:
+def probe(settings, info, presets: dict[str, model_config.Preset], micro_batch: int, seconds: float,
+          vocab: int) -> list[Candidate]:
     """Each preset's global tokens/s, smallest first, over PROBE_STEPS timed train.py steps of one
     micro-batch per rank (eager: compile's speed-up is not counted). Once the next probe would overrun
-    `seconds`, the rest are predicted from the last one measured by their FLOPs per token; from the
+    `seconds`, the rest are predicted from the last one measured by their FLOPs per token (the LM head's
+    over the corpus' `vocab` included: it is most of a small preset's work); from the
     first that does not fit the device's memory on, none is a candidate."""
     import distributed
 
     candidates: list[Candidate] = []
     started = time.monotonic()
     for name, preset in presets.items():
-        flops = model_config.flops_per_token(preset, 0)
+        flops = model_config.flops_per_token(preset, vocab)
         if candidates:
             last = candidates[-1]
-            rate = last.tokens_per_second * model_config.flops_per_token(presets[last.preset], 0) / flops
+            rate = last.tokens_per_second * model_config.flops_per_token(presets[last.preset], vocab) / flops
             cost = (PROBE_STEPS + 1) * micro_batch * preset.context * info.world / rate
             over = distributed.broadcast_from_main(time.monotonic() - started + cost > seconds, info)  # one verdict
             if not last.probed or over:
@@ -379,12 +380,14 @@ def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path) -
     import train
 
     run, session = settings.run, settings.session
-    train_tokens = math.inf if train.mixture_of(settings) else data.load_manifest(corpus)["splits"]["train"]["tokens"]
+    manifest = data.load_manifest(corpus)
+    train_tokens = math.inf if train.mixture_of(settings) else manifest["splits"]["train"]["tokens"]
     seconds = budget_seconds(run.budget)
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
-    candidates = probe(settings, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds))
+    candidates = probe(settings, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds),
+                       int(manifest["vocab_size"]))
     request = Request(budget=run.budget, seconds=seconds, session_hours=session.max_hours, world=info.world,
                       spent_seconds=time.monotonic() - started, max_tokens=MAX_EPOCHS * train_tokens,
                       target_tokens=run.target_tokens if "target_tokens" in given else None)

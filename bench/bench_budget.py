@@ -94,7 +94,8 @@ def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> lis
     settings = train.parse_args(base_argv(corpus, work, seed))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     shapes = {name: model_config.PRESETS[name] for name in presets}
-    return budget.probe(settings, info, shapes, settings.session.batch_size, math.inf)
+    vocab = int(data.load_manifest(corpus)["vocab_size"])
+    return budget.probe(settings, info, shapes, settings.session.batch_size, math.inf, vocab)
 
 
 def sweep_point(candidate: budget.Candidate, seconds: float) -> dict:

@@ -151,7 +151,7 @@ def small_runs(monkeypatch):
     monkeypatch.setattr(budget, "MIN_TOKENS", 512)
     speeds = {"tiny": 30.0, "nano": 1.0}
 
-    def probe(settings, info, presets, micro_batch, seconds):
+    def probe(settings, info, presets, micro_batch, seconds, vocab):
         speeds["probed"] = list(presets)
         return [budget.Candidate(name, budget.non_embedding_parameters(presets[name]), presets[name].context,
                                  speeds[name], True) for name in presets if name in speeds]
@@ -208,12 +208,12 @@ def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, t
     settings = train.parse_args(options(corpus, tmp_path / "unused"))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano")}
-    measured = budget.probe(settings, info, shapes, micro_batch=2, seconds=1e9)
+    measured = budget.probe(settings, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
     assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True)]
     assert all(c.tokens_per_second > 0 for c in measured)
-    predicted = budget.probe(settings, info, shapes, micro_batch=2, seconds=0.0)
+    predicted = budget.probe(settings, info, shapes, micro_batch=2, seconds=0.0, vocab=300)
     assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", False)]
-    ratio = model_config.flops_per_token(shapes["tiny"], 0) / model_config.flops_per_token(shapes["nano"], 0)
+    ratio = model_config.flops_per_token(shapes["tiny"], 300) / model_config.flops_per_token(shapes["nano"], 300)
     assert predicted[1].tokens_per_second == pytest.approx(predicted[0].tokens_per_second * ratio)
 
 
