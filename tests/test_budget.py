@@ -223,3 +223,17 @@ def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
     (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
     assert budget.Plan.from_record(budget.recorded_plan(tmp_path, "30m")) == plan
     assert budget.recorded_plan(tmp_path, "1h") is None  # another budget plans anew (and the resume refuses it)
+
+
+def test_the_bench_fit_recovers_a_known_loss_model():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import bench_budget
+
+    truth = budget.LossModel(e=1.2, a=40.0, alpha=0.5, b=150.0, beta=0.4)
+    runs = [{"parameters": n, "tokens": d, "bpb": truth.loss(n, d)}
+            for n in (1e5, 8e5, 5e6) for d in (2e5, 8e5, 3.2e6)]
+    model, rms = bench_budget.fit(runs)
+    assert rms < 1e-6 and (model.alpha, model.beta) == pytest.approx((0.5, 0.4))
+    assert (model.e, model.a, model.b) == pytest.approx((1.2, 40.0, 150.0), rel=1e-4)
