@@ -70,6 +70,11 @@ def resolve_preset(name: str, **overrides) -> Preset:
     return preset
 
 
+def preset_of(run) -> Preset:
+    """The shape a run trains: its --preset with any field it overrides (train.RunSettings' OVERRIDABLE_FIELDS)."""
+    return resolve_preset(run.preset, **{name: getattr(run, name) for name in OVERRIDABLE_FIELDS})
+
+
 def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_token_id: int = 1,
                  eos_token_id: int = 2):
     """A transformers Qwen3Config for `preset` (tied embeddings, SDPA attention)."""

@@ -636,10 +636,18 @@ def _card_provenance(card_info: dict) -> list[str]:
         f"- Tokenizer sha256: `{card_info.get('tokenizer_sha256', 'n/a')}`",
         *_lineage_lines(card_info.get("init_from")),
         *_mixture_lines((card_info.get("settings") or {}).get("training", {}).get("mixture")),
+        *_budget_lines((card_info.get("settings") or {}).get("budget")),
         "- `training_provenance.json` in this folder holds these"
         + (" and the training settings." if "settings" in card_info else "."),
         "",
     ]
+
+
+def _budget_lines(plan: dict | None) -> list[str]:
+    """The --budget plan the run was made by (budget.Plan's record), and why."""
+    if not plan:
+        return []
+    return [f"- Planned by {plan['summary']}; {plan['why']}"]
 
 
 def _card_evaluation(arch: dict, card_info: dict) -> list[str]:

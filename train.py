@@ -32,6 +32,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -50,6 +51,7 @@ except ModuleNotFoundError as missing:  # no torch at all: one line with this ma
 import torch.distributed as dist
 
 import attention
+import budget
 import callbacks
 import checkpoint_cloud
 import checkpoint_store as store
@@ -163,6 +165,11 @@ class RunSettings(optimization.RecipeOptions):
     epochs: float | None = option(None, "train this many passes over the train split", BUDGET,
                                   checks=(lambda value: None if math.isfinite(value) and value > 0
                                           else "be a positive finite number",), exclusive="length")
+    budget: str | None = option(
+        None, "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
+              "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
+              "before step 1 and kept by every resume (an explicit --preset or --target-tokens wins; docs/budget.md)",
+        BUDGET, checks=(budget.budget_problem,))
     seed: int = option(1337, "model init and data order", BUDGET)
     packing: str = option(next(iter(train_data.PACKINGS)), train_data.PACKING_HELP, BUDGET,
                           choices=tuple(train_data.PACKINGS))
@@ -365,7 +372,7 @@ def check_settings(settings: Settings) -> None:
     generation.sampling_from(option_values(settings), "sample_")  # a UserError naming the sampling option that is wrong
     trackers.check_trackers(trackers.tracker_names(settings.session.log_to))
     optimization.check_recipe_options(run)
-    resolve_model_preset(run)  # the shape's own rules (heads a multiple of kv_heads)
+    model_config.preset_of(run)  # the shape's own rules (heads a multiple of kv_heads)
     train_data.parse_mixture(settings.session.data, run.mixture_schedule)  # the mixture's own rules
     if run.text_loss is not None and run.loss_on != "assistant":
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
@@ -375,11 +382,6 @@ def check_settings(settings: Settings) -> None:
             and not Path(invocation.resume).exists():
         raise UserError(f"--resume {invocation.resume}: not a choice and no such file; use auto (the newest "
                         "verified checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
-
-
-def resolve_model_preset(run: RunSettings) -> model_config.Preset:
-    overrides = {name: getattr(run, name) for name in model_config.OVERRIDABLE_FIELDS}
-    return model_config.resolve_preset(run.preset, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,7 +422,7 @@ class Training:
         run, session = settings.run, settings.session
         self.run, self.session, self.invocation = run, session, settings.invocation
         self.info, self.data, self.vocab_size = info, data, vocab_size
-        self.preset = resolve_model_preset(run)
+        self.preset = model_config.preset_of(run)
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
         self.token_bytes = corpus_format.token_byte_lengths(data.corpus / corpus_format.TOKENIZER_DIR /
@@ -449,6 +451,7 @@ class Training:
                                                            hardware.wrap_order(self.compile, info.world))
         self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
+        self.budget_plan: dict | None = None  # --budget's plan (budget.settle), set by train()
 
     @property
     def device(self) -> torch.device:
@@ -572,6 +575,29 @@ def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Ba
     return train_data.Batch(zeros, zeros, layout)
 
 
+def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
+    """--budget's probe: a preset's global tokens/s over budget.PROBE_STEPS timed train steps (after one
+    untimed) at a micro-batch per rank, eager; None when it does not fit the device's memory."""
+    def measure(preset: str, micro_batch: int) -> float | None:
+        run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
+        session = dataclasses.replace(settings.session, batch_size=micro_batch, grad_accum=1, compile=False)
+        try:
+            training = build_training(dataclasses.replace(settings, run=run, session=session), info)
+            times = [training.train_step().seconds for _ in range(budget.PROBE_STEPS + 1)]
+        except torch.OutOfMemoryError:
+            return None
+        except UserError as error:  # build_training's out-of-memory line; any other error is the run's
+            if "out of memory" not in str(error):
+                raise
+            return None
+        finally:
+            training = None  # noqa: F841 (the model's memory goes before the next probe)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return micro_batch * model_config.preset_of(run).context * info.world / statistics.median(times[1:])
+    return measure
+
+
 def compile_at_start(training: Training) -> float | None:
     """Compile the loss module now, on a probe micro-batch of the run's shape (with a document boundary
     under --packing masked): the seconds it took, or None after a failure, when the run goes on eagerly
@@ -683,7 +709,7 @@ def recorded_settings(training: Training) -> dict:
                "precision": training.precision, "device": training.hardware.label()}  # as resolved here
     del runtime["backup_to"]  # a URL may carry credentials
     return {"training": compared, "runtime": runtime, "init_from": training.lineage, "extended": training.extensions,
-            "vocabulary_sha256": training.data.manifest.vocabulary_sha256}
+            "vocabulary_sha256": training.data.manifest.vocabulary_sha256, "budget": training.budget_plan}
 
 
 def backward_micro_steps(training: Training, batches: list[train_data.Batch]) -> torch.Tensor:
@@ -799,14 +825,14 @@ def data_options(settings: Settings, world: int) -> train_data.DataOptions:
     run, session = settings.run, settings.session
     return train_data.DataOptions(data=session.data, mixture_schedule=run.mixture_schedule, packing=run.packing,
                                   loss_on=run.loss_on, text_loss=run.text_loss,
-                                  context=resolve_model_preset(run).context, seed=run.seed,
+                                  context=model_config.preset_of(run).context, seed=run.seed,
                                   batch_size=session.batch_size, grad_accum=session.grad_accum, world=world,
                                   eval_batches=run.eval_batches)
 
 
 def start_out_of_memory(run: RunSettings, vocab_size: int, device: torch.device) -> str:
     """The error of a card that cannot hold the model and one block's forward and backward at start-up."""
-    preset = resolve_model_preset(run)
+    preset = model_config.preset_of(run)
     card = hardware.describe(device)
     return (f"CUDA out of memory on {card.label()} ({hardware.memory_text(card.memory_bytes)}) while building "
             f"--preset {run.preset} ({model_config.parameter_count(preset, vocab_size):,} parameters) and probing "
@@ -859,10 +885,13 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
+    # --budget: the run's plan, made once (None without)
+    settings, plan = budget.settle(settings, info, corpus, build_parser(), measure_speed(settings, info))
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path, observed = start_training(settings, info, corpus)
+    training.budget_plan = plan
     scorer = eval_task_scorer(training)
     note = store.previous_session_note(status.previous, training.step)
     if note:

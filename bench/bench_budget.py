@@ -1,0 +1,261 @@
+"""--budget's loss model: a sweep of presets x token counts on real text, the fit, and the CPU-budget targets.
+
+    OMP_NUM_THREADS=1 python bench/bench_budget.py                  # sweep (~30 min of one idle thread), fit, targets
+    python bench/bench_budget.py --fit-only                          # fit and targets from the saved results
+
+The text: the King James Bible (Debian's bible-kjv, one document per chapter) and Debian changelog
+entries (/usr/share/doc/*/changelog.Debian.gz), --changelog-bytes of them; data.py builds the corpus
+with a 4,096-token BPE and holds out 5% of the documents (the test split).
+
+(a) The sweep. budget.probe measures each preset's tokens/s (train.py steps at one thread); for a
+budget of --minutes, each preset trains the token counts that fit --fractions of it, with the batch
+budget.candidate_outcome gives (the planner's own rule), in-process through train.py's Training, one
+run after another at one thread; the score is held-out bits per byte over every test block.
+(b) The fit: L(N, D) = E + A / N^alpha + B / D^beta over the runs (N: non-embedding parameters, D:
+training tokens); for each (alpha, beta) on a grid, E, A and B are linear least squares (numpy), and
+the (alpha, beta) with the least squared error wins. It prints the LossModel line budget.py holds.
+(c) The targets: for a budget of --minutes and of each fraction of it, budget.choose with the fitted
+model and the probe's speeds picks a (preset, tokens) that is one of the sweep's runs (the same rule
+made both); its held-out bpb against the best run of the sweep that fits that budget (target: within
+2%) and against the default preset (tiny) trained for the same time (target: ahead).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+from bench_packing import changelog_entries, heldout_bpb  # noqa: E402
+from bench_recipe import kjv_documents  # noqa: E402
+
+import budget  # noqa: E402
+import corpus_format  # noqa: E402
+import data  # noqa: E402
+import distributed  # noqa: E402
+import model_config  # noqa: E402
+import train  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+
+WORK = ROOT / "bench" / "out" / "budget"
+TARGET_GRID_RATIO = 1.02  # the plan's bpb at most 2% above the best fixed choice that fits the budget
+DEFAULT_PRESET = train.RunSettings().preset
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--work", default=str(WORK), help="folder for the corpus and results")
+    parser.add_argument("--presets", default="tiny,nano,micro", help="comma list of presets to sweep")
+    parser.add_argument("--minutes", type=float, default=5.0, help="the largest budget, in minutes of training")
+    parser.add_argument("--fractions", default="0.125,0.25,0.5,1", help="token counts: these shares of it")
+    parser.add_argument("--changelog-bytes", type=int, default=4_000_000, help="changelog text beside the KJV")
+    parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
+    parser.add_argument("--fit-only", action="store_true", help="no training: fit and check the saved results")
+    parser.add_argument("--default-only", action="store_true",
+                        help="train only today's default run, stopped where the default preset's sweep runs stop")
+    parser.add_argument("--fit-min-steps", type=int, default=40,
+                        help="fit only the runs of at least this many steps (shorter ones are mostly warmup)")
+    return parser.parse_args(argv)
+
+
+def build_corpus(work: Path, changelog_bytes: int) -> Path:
+    """KJV chapters and changelog entries, one corpus (built once and reused while data.py's format stays)."""
+    corpus, source = work / "corpus-kjv-changelog", work / "kjv-changelog.jsonl"
+    if corpus_format.is_current_corpus(corpus):
+        return corpus
+    work.mkdir(parents=True, exist_ok=True)
+    with open(source, "w", encoding="utf-8") as handle:
+        for text in kjv_documents() + changelog_entries(changelog_bytes):
+            handle.write(json.dumps({"text": text}) + "\n")
+    if data.main(["--data", str(source), "--out", str(corpus), "--vocab-size", "4096", "--val-fraction", "0.02",
+                  "--test-fraction", "0.05", "--no-progress"]):
+        raise UserError(f"data.py could not build {corpus}")
+    return corpus
+
+
+def base_argv(corpus: Path, work: Path, seed: int) -> list[str]:
+    return ["--data", str(corpus), "--out", str(work / "unused"), "--threads", "1", "--seed", str(seed),
+            "--budget", "1h"]
+
+
+def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> list[budget.Candidate]:
+    """budget.probe at one thread, every preset measured (no time limit)."""
+    settings = train.parse_args(base_argv(corpus, work, seed))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    shapes = {name: model_config.PRESETS[name] for name in presets}
+    vocab = corpus_format.load_manifest(corpus).vocab_size
+    return budget.probe(train.measure_speed(settings, info), info, shapes, settings.session.batch_size, math.inf, vocab)
+
+
+def sweep_point(candidate: budget.Candidate, seconds: float) -> dict:
+    """What the planner's rule trains `candidate` on for a budget of `seconds` (no probe time spent)."""
+    request = budget.Request(budget=f"{seconds:g}s", seconds=seconds)
+    return budget.candidate_outcome(candidate, request, budget.LOSS_MODEL)
+
+
+def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
+    """Train one sweep point in-process: its held-out bpb and training seconds."""
+    blocks = point["blocks"]
+    size, accum = budget.split_batch(blocks, 1, 8)
+    argv = base_argv(corpus, work, seed)[:-2] + ["--preset", point["preset"], "--target-tokens", str(point["tokens"]),
+                                                 "--batch-size", str(size), "--grad-accum", str(accum)]
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    training = train.build_training(train.parse_args(argv), info)
+    seconds = 0.0
+    while training.step < training.total_steps:
+        seconds += training.train_step().seconds
+    bpb = heldout_bpb(training, training.run.packing)
+    return {**point, "parameters": budget.non_embedding_parameters(training.preset), "train_seconds": seconds,
+            "bpb": bpb, "steps": training.total_steps}
+
+
+def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[dict]:
+    """Today's default run (the default preset, batch and length: one epoch, no --budget) stopped at each
+    of `marks` tokens (as --max-hours stops it): its held-out bpb there, mid-schedule."""
+    argv = base_argv(corpus, work, seed)[:-2]
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    training = train.build_training(train.parse_args(argv), info)
+    stops = []
+    for mark in sorted(marks):
+        while training.step < training.total_steps and training.step * training.tokens_per_step < mark:
+            training.train_step()
+        stops.append({"tokens": mark, "trained": training.step * training.tokens_per_step,
+                      "steps": training.step, "total_steps": training.total_steps,
+                      "bpb": heldout_bpb(training, training.run.packing)})
+        print(f"default run at {mark:,} tokens: step {training.step}/{training.total_steps}, held-out "
+              f"{stops[-1]['bpb']:.4f} bits/byte", flush=True)
+    return stops
+
+
+def fit(runs: list[dict]) -> tuple[budget.LossModel, float]:
+    """L(N, D) = E + A/N^alpha + B/D^beta: (alpha, beta) on a 0.01 grid, E, A, B by least squares (all >= 0)."""
+    import numpy as np
+
+    n = np.array([run["parameters"] for run in runs], dtype=float)
+    d = np.array([run["tokens"] for run in runs], dtype=float)
+    y = np.array([run["bpb"] for run in runs], dtype=float)
+    best = (math.inf, None)
+    for alpha in np.arange(0.05, 1.51, 0.01):
+        for beta in np.arange(0.05, 1.51, 0.01):
+            design = np.stack([np.ones_like(n), n ** -alpha, d ** -beta], axis=1)
+            coefficients, *_ = np.linalg.lstsq(design, y, rcond=None)
+            if (coefficients < 0).any():
+                continue
+            error = float(((design @ coefficients - y) ** 2).sum())
+            if error < best[0]:
+                best = (error, budget.LossModel(*(float(value) for value in (
+                    coefficients[0], coefficients[1], alpha, coefficients[2], beta))))
+    if best[1] is None:
+        raise UserError("no fit with non-negative E, A and B")
+    return best[1], math.sqrt(best[0] / len(runs))
+
+
+def check_targets(results: dict, model: budget.LossModel) -> list[str]:
+    """For each budget of the sweep: the plan's choice against the best fitting run, against the default
+    preset planned for the same time, and against today's default run stopped at that time."""
+    candidates = [budget.Candidate(**candidate) for candidate in results["candidates"]]
+    stops = {stop["tokens"]: stop for stop in results.get("default_run", [])}
+    lines = []
+    for fraction in sorted({run["fraction"] for run in results["runs"]}):
+        seconds = results["minutes"] * 60 * fraction
+        try:
+            plan = budget.choose(budget.Request(budget=f"{seconds:g}s", seconds=seconds), candidates, model)
+        except UserError:
+            lines.append(f"| {seconds / 60:g} min | none: below the smallest sensible run |" + " |" * 8)
+            continue
+        fitting = [run for run in results["runs"] if run["fraction"] <= fraction]
+        best = min(fitting, key=lambda run: run["bpb"])
+        chosen = next(run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens))
+        tiny = next(run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction)
+        today = stops.get(tiny["tokens"])
+        lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | {chosen['bpb']:.4f} | "
+                     f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | "
+                     f"{verdict(chosen['bpb'] / best['bpb'], TARGET_GRID_RATIO)} | {tiny['bpb']:.4f} | "
+                     f"{verdict(chosen['bpb'] / tiny['bpb'], 1.0)} | "
+                     + (f"{today['bpb']:.4f} (step {today['steps']}/{today['total_steps']}) | "
+                        f"{verdict(chosen['bpb'] / today['bpb'], 1.0)} |" if today else "not run | |"))
+    return ["| budget | --budget's choice | its bpb | best fixed choice that fits | its bpb | choice / best "
+            "(target <= 1.02) | tiny planned for the same time | choice / it | today's default run stopped "
+            "there | choice / it (target < 1) |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|", *lines]
+
+
+def verdict(ratio: float, limit: float) -> str:
+    return f"**{ratio:.4f}x**" + (" (met)" if ratio <= limit and (limit > 1 or ratio < 1) else
+                                  " (equal)" if ratio == 1 else " (MISSED)")
+
+
+def run_lines(results: dict, model: budget.LossModel) -> list[str]:
+    lines = ["| preset | N (non-embedding) | tokens | steps x tokens/step | training s | held-out bpb | fit |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for run in sorted(results["runs"], key=lambda run: (run["parameters"], run["tokens"])):
+        lines.append(f"| {run['preset']} | {run['parameters']:,} | {run['tokens']:,} | {run['steps']} x "
+                     f"{run['tokens'] // run['steps']:,} | {run['train_seconds']:.0f} | {run['bpb']:.4f} | "
+                     f"{model.loss(run['parameters'], run['tokens']):.4f} |")
+    return lines
+
+
+def sweep(args: argparse.Namespace, work: Path, results: dict, results_path: Path) -> None:
+    """Probe, then train every (preset, fraction) not yet in `results` (saved after each run)."""
+    corpus = build_corpus(work, args.changelog_bytes)
+    torch.set_num_threads(1)
+    if not results.get("candidates"):
+        started = time.monotonic()
+        results["candidates"] = [dataclasses.asdict(candidate) for candidate in
+                                 probe_speeds(corpus, work, args.presets.split(","), args.seed)]
+        results["probe_seconds"] = time.monotonic() - started
+        atomic_write_json(results_path, results)
+    done = {(run["preset"], run["fraction"]) for run in results["runs"]}
+    for candidate in (budget.Candidate(**record) for record in results["candidates"]
+                      if record["preset"] in args.presets.split(",")):
+        for fraction in (float(text) for text in args.fractions.split(",")):
+            if (candidate.preset, fraction) in done:
+                continue
+            point = sweep_point(candidate, results["minutes"] * 60 * fraction)
+            run = {**train_point(corpus, work, args.seed, point), "fraction": fraction}
+            print(f"{run['preset']} {run['tokens']:,} tokens ({fraction:g} of {results['minutes']:g} min): "
+                  f"{run['train_seconds']:.0f} s, held-out {run['bpb']:.4f} bits/byte", flush=True)
+            results["runs"].append(run)
+            atomic_write_json(results_path, results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    work = Path(args.work)
+    results_path = work / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {"runs": []}
+    results.setdefault("minutes", args.minutes)
+    results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1,
+                          "torch": torch.__version__}
+    if args.default_only:
+        tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
+        marks = [sweep_point(tiny, results["minutes"] * 60 * float(f))["tokens"] for f in args.fractions.split(",")]
+        results["default_run"] = default_run(build_corpus(work, args.changelog_bytes), work, args.seed, marks)
+        atomic_write_json(results_path, results)
+    elif not args.fit_only:
+        sweep(args, work, results, results_path)
+    fitted = [run for run in results["runs"] if run["steps"] >= args.fit_min_steps]
+    model, rms = fit(fitted)
+    print(f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
+          f"LOSS_MODEL = LossModel(e={model.e:.4f}, a={model.a:.4g}, alpha={model.alpha:.2f}, "
+          f"b={model.b:.4g}, beta={model.beta:.2f})\n")
+    speeds = ", ".join(f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in results["candidates"])
+    print(f"probe (tokens/s at one thread): {speeds}\n")
+    for line in run_lines(results, model) + [""] + check_targets(results, model):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

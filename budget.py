@@ -1,0 +1,381 @@
+"""--budget: the run that minimises the predicted final loss within a time budget (docs/budget.md).
+
+    python train.py --data CORPUS --out RUN --budget 11.5h                 # one session
+    python train.py --data CORPUS --out RUN --budget 30h --max-hours 11.5  # three sessions of one run
+
+Before step 1 every candidate preset's training speed is measured on the run's devices and world size
+(`probe`: a few real train.py steps each; the larger ones, where that costs too much, predicted from
+the largest one measured, and said so), then `choose` (pure, table-tested) picks the preset, the token
+count and the batch whose predicted final loss (`LossModel`, fitted by bench/bench_budget.py on real
+text) is lowest within the budget; the learning rates follow train.py's recipe rule for that model.
+The plan is made once: it is recorded in training_settings.json and a resume reads it back
+(`recorded_plan`), so a faster or slower later session changes how many sessions the run takes, never
+the run. An explicit --preset (or any shape option) or --target-tokens wins over the plan for that choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import model_config
+from common import UserError, read_json_or, say
+
+# ----------------------------------------------------------------------------------------------
+# Budget strings: "11.5h", "30m", "90s", "2d", "1h30m".
+
+UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "min": 60, "s": 1}
+DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(min|d|h|m|s)")
+
+
+def budget_seconds(text: str) -> float:
+    """The seconds of a budget string such as 11.5h, 30m, 90s, 2d or 1h30m; ValueError when it is none."""
+    compact = str(text).strip().lower().replace(" ", "")
+    parts = DURATION_PART.findall(compact)
+    if not compact or "".join(number + unit for number, unit in parts) != compact:
+        raise ValueError(f"not a duration: {text!r} (write e.g. 11.5h, 30m, 90s or 1h30m)")
+    seconds = sum(float(number) * UNIT_SECONDS[unit] for number, unit in parts)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"not a positive duration: {text!r}")
+    return seconds
+
+
+def budget_problem(text: str) -> str | None:
+    """--budget's check (common.option): None when `text` is a duration."""
+    try:
+        budget_seconds(text)
+    except ValueError:
+        return "be a duration such as 11.5h, 30m, 90s or 1h30m"
+    return None
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as --budget takes it, rounded up: 25s, 7.5m, 11.6h."""
+    if seconds < 120:
+        return f"{math.ceil(seconds)}s"
+    if seconds < 7200:
+        return f"{math.ceil(seconds / 6) / 10:g}m"
+    return f"{math.ceil(seconds / 360) / 10:g}h"
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss model: held-out bits per byte after D training tokens of a model with N non-embedding
+# parameters, under train.py's recipe and this module's batch rule. Fitted by bench/bench_budget.py
+# (the data, the fit and the command: docs/budget.md).
+
+
+@dataclass(frozen=True)
+class LossModel:
+    """L(N, D) = E + A / N^alpha + B / D^beta (Chinchilla's form), in bits per byte."""
+
+    e: float
+    a: float
+    alpha: float
+    b: float
+    beta: float
+
+    def loss(self, parameters: float, tokens: float) -> float:
+        return self.e + self.a / parameters ** self.alpha + self.b / tokens ** self.beta
+
+
+# bench/bench_budget.py, 2026-12-02: the 10 runs of at least 40 steps, rms error 0.0125 bits/byte (docs/budget.md)
+LOSS_MODEL = LossModel(e=1.1394, a=2.643e+06, alpha=1.50, b=100.5, beta=0.39)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan (pure).
+
+RESERVE = 0.1  # of the budget, kept for evaluation, saves, start-up and the final report
+STEPS_PER_RUN = 300  # the batch rule aims at about this many optimizer steps (bench_recipe's runs: 150-300)
+MIN_BATCH_TOKENS = 4096
+MAX_BATCH_TOKENS = 131_072
+MIN_STEPS = 100  # the smallest sensible run: this many steps of the smallest batch
+MIN_TOKENS = MIN_STEPS * MIN_BATCH_TOKENS
+MAX_EPOCHS = 4  # at most this many passes over the train split: repeated tokens are worth less (Muennighoff
+# et al. 2023: up to ~4 epochs nearly as good as new data), which the loss model does not know
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One preset as this machine trains it: its non-embedding parameters and the global tokens per
+    second of its steps, measured (`probed`) or predicted from a measured one."""
+
+    preset: str
+    parameters: int
+    context: int
+    tokens_per_second: float
+    probed: bool
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the plan must honour: the budget, the session length, the world size and the explicit options."""
+
+    budget: str
+    seconds: float
+    session_hours: float = 0.0  # --max-hours (0: one session)
+    world: int = 1
+    target_tokens: int | None = None  # explicit --target-tokens
+    spent_seconds: float = 0.0  # the probe's, already out of the budget
+    max_tokens: float = math.inf  # MAX_EPOCHS passes over the train split (a mixture: not capped)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run --budget chose; recorded (as_record) and read back on resume (from_record)."""
+
+    budget: str
+    preset: str
+    parameters: int
+    target_tokens: int
+    global_batch_blocks: int
+    tokens_per_step: int
+    steps: int
+    hours: float  # predicted training hours, the reserve and the probe on top
+    sessions: int
+    predicted_bpb: float
+    why: str
+    candidates: tuple[dict, ...]
+    lr: float | None = None  # the recipe rule's, filled in by settle
+    muon_lr: float | None = None
+
+    def summary(self) -> str:
+        rates = "" if self.lr is None else f", AdamW lr {self.lr:.3g}" + \
+            ("" if self.muon_lr is None else f", Muon lr {self.muon_lr:.3g}")
+        sessions = f" in {self.sessions} sessions" if self.sessions > 1 else ""
+        return (f"--budget {self.budget}: {self.preset} ({self.parameters:,} non-embedding parameters), "
+                f"{self.target_tokens:,} tokens, {self.steps} steps of {self.tokens_per_step:,} tokens{rates}; "
+                f"predicted {self.hours:.2f} h of training{sessions}, held-out {self.predicted_bpb:.3f} bits/byte "
+                f"(on the fit's text)")
+
+    def as_record(self) -> dict:
+        """training_settings.json's "budget" (and the model card's): the fields, and the summary line."""
+        return {**dataclasses.asdict(self), "candidates": list(self.candidates), "summary": self.summary()}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Plan:
+        fields = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{**{key: value for key, value in record.items() if key in fields},
+                      "candidates": tuple(record["candidates"])})
+
+
+def batch_tokens(tokens: float, context: int) -> int:
+    """The global batch in tokens for a run of `tokens`: the power of two nearest below tokens /
+    STEPS_PER_RUN, within [MIN_BATCH_TOKENS, MAX_BATCH_TOKENS], and at least one block."""
+    wanted = max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, tokens / STEPS_PER_RUN))
+    return max(context, 2 ** int(math.floor(math.log2(wanted))))
+
+
+def global_blocks(tokens: float, context: int, world: int) -> int:
+    """The global batch in blocks, a multiple of the world size."""
+    blocks = max(1, batch_tokens(tokens, context) // context)
+    return math.ceil(blocks / world) * world
+
+
+def split_batch(global_batch_blocks: int, world: int, micro_batch: int) -> tuple[int, int]:
+    """(--batch-size, --grad-accum) per rank for a global batch: the micro-batch, or the largest divisor
+    of the rank's share below it."""
+    per_rank = global_batch_blocks // world
+    size = max(divisor for divisor in range(1, min(micro_batch, per_rank) + 1) if per_rank % divisor == 0)
+    return size, per_rank // size
+
+
+def training_seconds(request: Request) -> float:
+    return request.seconds * (1 - RESERVE) - request.spent_seconds
+
+
+def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) -> dict:
+    """What `candidate` makes of the budget: its tokens (the explicit count, else what fits), steps,
+    hours and predicted loss."""
+    tokens = request.target_tokens or min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
+    blocks = global_blocks(tokens, candidate.context, request.world)
+    step_tokens = blocks * candidate.context
+    steps = max(1, math.ceil(tokens / step_tokens) if request.target_tokens else int(tokens // step_tokens))
+    tokens = request.target_tokens or steps * step_tokens
+    return {"preset": candidate.preset, "tokens": int(tokens), "steps": steps, "blocks": blocks,
+            "hours": tokens / candidate.tokens_per_second / 3600, "bpb": model.loss(candidate.parameters, tokens),
+            "tokens_per_second": candidate.tokens_per_second, "probed": candidate.probed}
+
+
+def choose(request: Request, candidates: list[Candidate], model: LossModel = LOSS_MODEL) -> Plan:
+    """The candidate with the lowest predicted loss among those that fit the budget (UserError: none fits)."""
+    if not candidates:
+        raise UserError(f"--budget {request.budget}: no model shape to plan for (none fits this device's memory)")
+    outcomes = [candidate_outcome(candidate, request, model) for candidate in candidates]
+    limit = training_seconds(request) / 3600
+    fitting = [outcome for outcome in outcomes if outcome["hours"] <= limit and outcome["tokens"] >= MIN_TOKENS]
+    if not fitting:
+        raise UserError(too_small(request, candidates))
+    best = min(fitting, key=lambda outcome: outcome["bpb"])
+    chosen = next(candidate for candidate in candidates if candidate.preset == best["preset"])
+    others = sorted((o for o in fitting if o is not best), key=lambda o: o["bpb"])
+    why = (f"lowest predicted loss of {len(fitting)} shape(s) that fit {limit:.2f} h of training"
+           + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others else "")
+           + (f"; tokens capped at {MAX_EPOCHS} passes over the train split" if best["tokens"] >= request.max_tokens
+              - best["blocks"] * chosen.context else ""))
+    sessions = max(1, math.ceil(request.seconds / 3600 / request.session_hours)) if request.session_hours else 1
+    return Plan(budget=request.budget, preset=chosen.preset, parameters=chosen.parameters,
+                target_tokens=best["tokens"], global_batch_blocks=best["blocks"],
+                tokens_per_step=best["blocks"] * chosen.context, steps=best["steps"], hours=best["hours"],
+                sessions=sessions, predicted_bpb=best["bpb"], why=why,
+                candidates=tuple({key: outcome[key] for key in ("preset", "tokens", "hours", "bpb",
+                                                                  "tokens_per_second", "probed")}
+                                 for outcome in outcomes))
+
+
+def too_small(request: Request, candidates: list[Candidate]) -> str:
+    """The one error line of a budget no candidate fits: what the cheapest sensible run would take."""
+    fastest = max(candidates, key=lambda candidate: candidate.tokens_per_second)
+    tokens = max(request.target_tokens or 0, MIN_TOKENS)
+    if request.target_tokens and request.target_tokens < MIN_TOKENS:
+        return (f"--target-tokens {request.target_tokens:,} is below the smallest sensible --budget run "
+                f"({MIN_TOKENS:,} tokens: {MIN_STEPS} steps of {MIN_BATCH_TOKENS:,})")
+    needed = (tokens / fastest.tokens_per_second + request.spent_seconds) / (1 - RESERVE)
+    what = f"--target-tokens {tokens:,}" if request.target_tokens else (
+        f"the smallest sensible run ({fastest.preset}, {MIN_TOKENS:,} tokens: {MIN_STEPS} steps of "
+        f"{MIN_BATCH_TOKENS:,})")
+    return (f"--budget {request.budget} is too small: {what} takes about {duration_text(needed)} here "
+            f"({fastest.tokens_per_second:,.0f} tokens/s, world size {request.world}, with {RESERVE:.0%} kept for "
+            f"evaluation and saving); give --budget {duration_text(needed)} or more")
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe: real train.py steps per candidate on the run's devices (all ranks take part).
+
+PROBE_STEPS = 3  # timed steps after one untimed step
+PROBE_SHARE = 0.02  # of the budget, at most PROBE_MAX_SECONDS, for probing
+PROBE_MAX_SECONDS = 120.0
+Measure = Callable[[str, int], "float | None"]  # (preset, micro-batch) -> global tokens/s; None: out of memory
+
+
+def non_embedding_parameters(preset: model_config.Preset) -> int:
+    return model_config.parameter_count(preset, 0)
+
+
+def candidate_presets(run, explicit_shape: bool) -> dict[str, model_config.Preset]:
+    """The shapes the plan may choose, smallest first: the run's own when the shape is explicit, else
+    every preset (with any --context given)."""
+    if explicit_shape:
+        return {run.preset: model_config.preset_of(run)}
+    presets = {name: model_config.resolve_preset(name, context=run.context) for name in model_config.PRESETS}
+    return dict(sorted(presets.items(), key=lambda item: model_config.flops_per_token(item[1], 0)))
+
+
+def probe(measure: Measure, info, presets: dict[str, model_config.Preset], micro_batch: int, seconds: float,
+          vocab: int) -> list[Candidate]:
+    """Each preset's global tokens/s, smallest first, over PROBE_STEPS timed train.py steps of one
+    micro-batch per rank (eager: compile's speed-up is not counted). Once the next probe would overrun
+    `seconds`, the rest are predicted from the last one measured by their FLOPs per token (the LM head's
+    over the corpus' `vocab` included: it is most of a small preset's work); from the
+    first that does not fit the device's memory on, none is a candidate."""
+    import distributed
+
+    candidates: list[Candidate] = []
+    started = time.monotonic()
+    for name, preset in presets.items():
+        flops = model_config.flops_per_token(preset, vocab)
+        if candidates:
+            last = candidates[-1]
+            rate = last.tokens_per_second * model_config.flops_per_token(presets[last.preset], vocab) / flops
+            cost = (PROBE_STEPS + 1) * micro_batch * preset.context * info.world / rate
+            over = distributed.broadcast_from_main(time.monotonic() - started + cost > seconds, info)  # one verdict
+            if not last.probed or over:
+                candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, False))
+                continue
+        rate = distributed.broadcast_from_main(measure(name, micro_batch), info)
+        if rate is None:
+            break
+        candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, True))
+    return candidates
+
+
+# ----------------------------------------------------------------------------------------------
+# The glue train.py calls: settle the run's plan once, apply it.
+
+
+def given_options(argv: tuple[str, ...], parser) -> set[str]:
+    """The option names (argparse dests) given on the command line or in its --config file."""
+    from common import config_argv
+
+    tokens = config_argv(parser, list(argv)) + list(argv)
+    flags = {flag: action.dest for action in parser._actions for flag in action.option_strings}
+    return {flags[token.split("=", 1)[0]] for token in tokens if token.split("=", 1)[0] in flags}
+
+
+def recorded_plan(out: Path, budget: str) -> dict | None:
+    """The plan OUT/training_settings.json records for this budget (None: the run has not planned yet)."""
+    record = (read_json_or(out / "training_settings.json") or {}).get("budget")
+    return record if record and record.get("budget") == budget else None
+
+
+def apply(settings, plan: Plan, world: int, micro_batch: int):
+    """`settings` with the plan's preset, length and batch split."""
+    batch_size, grad_accum = split_batch(plan.global_batch_blocks, world, micro_batch)
+    run = dataclasses.replace(settings.run, preset=plan.preset, target_tokens=plan.target_tokens, epochs=None)
+    session = dataclasses.replace(settings.session, batch_size=batch_size, grad_accum=grad_accum)
+    return dataclasses.replace(settings, run=run, session=session)
+
+
+def settle(settings, info, corpus: Path, parser, measure: Measure) -> tuple[object, dict | None]:
+    """The settings of this --budget run and its plan's record (settings unchanged and None without
+    --budget). A run that has planned keeps its plan; else every rank probes (`measure`: a preset's global
+    tokens/s at a micro-batch, train.measure_speed) and the plan is made. `parser`: train.py's, to tell
+    which options the command gave."""
+    import distributed
+    import optimization
+
+    run = settings.run
+    if run.budget is None:
+        return settings, None
+    given = given_options(settings.invocation.argv, parser)
+    micro_batch = settings.session.batch_size
+    if run.epochs is not None:
+        raise UserError("--budget chooses the run's length: give --target-tokens (or nothing) instead of --epochs")
+    record = distributed.main_decides(lambda: recorded_plan(Path(settings.session.out), run.budget), info)
+    if record is not None:
+        plan = Plan.from_record(record)
+        say(f"{plan.summary()} (the run's plan, made at its start: kept)", main=info.is_main)
+        return apply(settings, plan, info.world, micro_batch), record
+    plan = make_plan(settings, info, given, micro_batch, corpus, measure)
+    planned = apply(settings, plan, info.world, micro_batch).run
+    recipe, _ = optimization.choose_recipe(planned, model_config.preset_of(planned).hidden, plan.steps)
+    plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr)
+    for line in plan_lines(plan):
+        say(line, main=info.is_main)
+    return apply(settings, plan, info.world, micro_batch), plan.as_record()
+
+
+def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, measure: Measure) -> Plan:
+    """Probe the candidates (timed against the budget) and choose."""
+    import corpus_format
+    import train_data
+
+    run, session = settings.run, settings.session
+    manifest = corpus_format.load_manifest(corpus)
+    mixture = train_data.parse_mixture(session.data, run.mixture_schedule)
+    train_tokens = math.inf if mixture else manifest.split("train")["tokens"]
+    seconds = budget_seconds(run.budget)
+    explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
+    started = time.monotonic()
+    presets = candidate_presets(run, explicit_shape)
+    candidates = probe(measure, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds),
+                       manifest.vocab_size)
+    request = Request(budget=run.budget, seconds=seconds, session_hours=session.max_hours, world=info.world,
+                      spent_seconds=time.monotonic() - started, max_tokens=MAX_EPOCHS * train_tokens,
+                      target_tokens=run.target_tokens if "target_tokens" in given else None)
+    return choose(request, candidates)
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """What the run prints of its plan: the choice, why, and every candidate's prediction."""
+    lines = [plan.summary(), f"  why: {plan.why}; loss model fitted by bench/bench_budget.py (docs/budget.md)"]
+    for outcome in plan.candidates:
+        how = "measured" if outcome["probed"] else "predicted from a smaller one's FLOP/s (not probed)"
+        lines.append(f"  {outcome['preset']}: {outcome['tokens_per_second']:,.0f} tokens/s ({how}): "
+                     f"{outcome['tokens']:,} tokens in {outcome['hours']:.2f} h -> {outcome['bpb']:.3f} bits/byte")
+    return lines
