@@ -111,6 +111,9 @@ DEFAULT_SCHEDULE = "wsd"
 DEFAULT_DECAY_FRACTION = 0.4
 DEFAULT_FINAL_LR_FRACTION = 0.0
 DEFAULT_BETA2 = 0.95
+MUON_COEFFICIENTS = ("torch", "polar-express")  # muon.Muon's Newton-Schulz coefficients
+WEIGHT_DECAY_SCHEDULES = ("constant", "linear")
+MOMENTUM_FLOOR = 0.85  # Muon's momentum at the start of a momentum warmup and the end of a cooldown (modded-nanogpt)
 
 PATHS, MODEL, BUDGET = "data and run folder", "model (a preset, with any field overridden)", "batch, length and seed"
 RECIPE = "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)"
@@ -196,6 +199,18 @@ class RunSettings:
     beta1: float = option(0.9, "AdamW beta1", RECIPE, checks=(finite, below_one))
     beta2: float | None = option(None, f"AdamW beta2 (None: {DEFAULT_BETA2})", RECIPE, checks=(finite, below_one))
     muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum", RECIPE, checks=(finite, below_one))
+    momentum_warmup_steps: int = option(0, f"Muon's momentum rises from {MOMENTUM_FLOOR} over this many first steps",
+                                        RECIPE, checks=(not_negative,))
+    momentum_cooldown_steps: int = option(0, f"Muon's momentum falls back to {MOMENTUM_FLOOR} over this many last "
+                                             "steps", RECIPE, checks=(not_negative,))
+    muon_coefficients: str = option("torch", "Muon's Newton-Schulz coefficients: torch's, or Polar Express's",
+                                    RECIPE, choices=MUON_COEFFICIENTS)
+    normuon_beta2: float = option(0.0, "NorMuon: normalize each neuron's Muon update by its running RMS with "
+                                       "this beta2 (0: off)", RECIPE, checks=(finite, below_one, not_negative))
+    cautious_weight_decay: bool = option(False, "decay only the weights the update also shrinks", RECIPE)
+    weight_decay_schedule: str = option("constant", "linear: the weight decay falls to 0 over the run (besides "
+                                                    "following the lr)", RECIPE, choices=WEIGHT_DECAY_SCHEDULES)
+    zero_init_output: bool = option(False, "start the attention and MLP output projections at zero", MODEL)
     grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", RECIPE, checks=(finite, not_negative))
     adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", SPEED, flag="--8bit-adam")
     loss_on: str = option("all", "all: every token; assistant: only the assistants' answers (reasoning included) "
@@ -490,6 +505,26 @@ class Recipe:
     betas: tuple[float, float]
     muon_momentum: float | None
     grad_clip: float
+    momentum_warmup_steps: int = 0
+    momentum_cooldown_steps: int = 0
+    muon_coefficients: str = "torch"
+    normuon_beta2: float = 0.0
+    cautious_weight_decay: bool = False
+    weight_decay_schedule: str = "constant"
+
+    def momentum_at(self, step: int) -> float | None:
+        """Muon's momentum at optimizer step `step`: MOMENTUM_FLOOR rising to muon_momentum over the warmup
+        steps, falling back over the cooldown steps (None under adamw)."""
+        if self.muon_momentum is None:
+            return None
+        share = min(1.0, (step + 1) / self.momentum_warmup_steps) if self.momentum_warmup_steps else 1.0
+        if self.momentum_cooldown_steps:
+            share = min(share, (self.total_steps - step - 1) / self.momentum_cooldown_steps)
+        return MOMENTUM_FLOOR + (self.muon_momentum - MOMENTUM_FLOOR) * max(0.0, share)
+
+    def weight_decay_multiplier(self, step: int) -> float:
+        """The weight decay at step `step` as a fraction of weight_decay (it is also multiplied by the lr)."""
+        return 1.0 - step / self.total_steps if self.weight_decay_schedule == "linear" else 1.0
 
     def lr_multiplier(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based) as a fraction of the peak."""
@@ -543,7 +578,11 @@ def choose_recipe(run: RunSettings, hidden: int, total_steps: int) -> tuple[Reci
     recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
                     decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
                     weight_decay=run.weight_decay, betas=(run.beta1, beta2),
-                    muon_momentum=run.muon_momentum if optimizer == "muon" else None, grad_clip=run.grad_clip)
+                    muon_momentum=run.muon_momentum if optimizer == "muon" else None, grad_clip=run.grad_clip,
+                    momentum_warmup_steps=run.momentum_warmup_steps,
+                    momentum_cooldown_steps=run.momentum_cooldown_steps,
+                    muon_coefficients=run.muon_coefficients, normuon_beta2=run.normuon_beta2,
+                    cautious_weight_decay=run.cautious_weight_decay, weight_decay_schedule=run.weight_decay_schedule)
     return recipe, why
 
 
@@ -594,15 +633,27 @@ class Optimizers:
     """The run's optimizers as one: AdamW alone, or Muon for the hidden matrices beside AdamW for the rest.
 
     Every param group keeps its peak lr in "peak_lr"; set_lr_multiplier(m) sets lr = peak_lr * m.
+    follow(recipe, step) sets the lr, the weight decay (from each group's at the start) and Muon's momentum
+    of optimizer step `step`.
     """
 
     def __init__(self, parts: dict[str, torch.optim.Optimizer]):
         self.parts = parts
+        self.weight_decays = {name: [group["weight_decay"] for group in optimizer.param_groups]
+                              for name, optimizer in parts.items()}
 
     def set_lr_multiplier(self, multiplier: float) -> None:
         for optimizer in self.parts.values():
             for group in optimizer.param_groups:
                 group["lr"] = group["peak_lr"] * multiplier
+
+    def follow(self, recipe: Recipe, step: int) -> None:
+        self.set_lr_multiplier(recipe.lr_multiplier(step))
+        for name, optimizer in self.parts.items():
+            for group, weight_decay in zip(optimizer.param_groups, self.weight_decays[name]):
+                group["weight_decay"] = weight_decay * recipe.weight_decay_multiplier(step)
+                if name == "muon":
+                    group["momentum"] = recipe.momentum_at(step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """set_to_none=False zeroes in place: under DDP the gradients are views of its all-reduce buckets
@@ -634,7 +685,8 @@ def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.devic
 
         parts["muon"] = Muon(hidden, ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)), rank=rank,
                              world=world, lr=recipe.muon_lr, weight_decay=recipe.weight_decay,
-                             momentum=recipe.muon_momentum, nesterov=True)
+                             momentum=recipe.muon_momentum, nesterov=True, coefficients=recipe.muon_coefficients,
+                             normuon_beta2=recipe.normuon_beta2, cautious_weight_decay=recipe.cautious_weight_decay)
         adamw_groups = [{"params": rest, "weight_decay": 0.0}]
     else:
         adamw_groups = [{"params": hidden, "weight_decay": recipe.weight_decay},
@@ -743,6 +795,8 @@ class Training:
         seed_everything(run.seed)
         self.model = model_config.build_training_model(self.preset, self.vocab_size, manifest.get("special_tokens"),
                                                        self.device, session.grad_checkpoint)
+        if run.zero_init_output:
+            model_config.zero_output_projections(self.model)
         self.optimizer = build_optimizers(self.model, self.recipe, self.device, run.adam8bit, info.rank, info.world)
         self.scaler = hardware.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
@@ -804,7 +858,7 @@ class Training:
         started = time.perf_counter()
         step = self.step
         lr_multiplier = self.recipe.lr_multiplier(step)
-        self.optimizer.set_lr_multiplier(lr_multiplier)
+        self.optimizer.follow(self.recipe, step)
         batches = [self.splits["train"].batch(indices, self.device)
                    for indices in self.sampler.micro_batches(step, self.info.rank)]
         loss_sum = backward_micro_steps(self, batches)

@@ -249,6 +249,63 @@ def test_recipe_rule_table(given, hidden, steps, expected, tmp_path):
         chosen.optimizer == "adamw")  # a reason for each value the rules chose
 
 
+@pytest.mark.parametrize("warmup, cooldown, expected", [
+    (0, 0, {0: 0.95, 10: 0.95, 19: 0.95}),  # off: torch's constant momentum
+    # 0-based step s of a 4-step warmup trains at 0.85 + 0.1 (s + 1) / 4; a 5-step cooldown ends at 0.85 + 0
+    (4, 0, {0: 0.875, 1: 0.9, 3: 0.95, 19: 0.95}),
+    (4, 5, {0: 0.875, 3: 0.95, 14: 0.95, 15: 0.93, 17: 0.89, 19: 0.85, 25: 0.85}),
+])
+def test_muon_momentum_table(warmup, cooldown, expected):
+    chosen = recipe(momentum_warmup_steps=warmup, momentum_cooldown_steps=cooldown)
+    assert {step: pytest.approx(chosen.momentum_at(step)) for step in expected} == expected
+    assert recipe(optimizer="adamw", muon_momentum=None).momentum_at(0) is None
+
+
+@pytest.mark.parametrize("schedule, expected", [("constant", {0: 1.0, 19: 1.0}),
+                                                ("linear", {0: 1.0, 5: 0.75, 19: 0.05})])
+def test_weight_decay_schedule_table(schedule, expected):
+    chosen = recipe(weight_decay_schedule=schedule)
+    assert {step: pytest.approx(chosen.weight_decay_multiplier(step)) for step in expected} == expected
+
+
+def test_the_optimizers_follow_the_recipe_of_each_step():
+    model = train.model_config.build_model(train.model_config.PRESETS["tiny"], vocab_size=300)
+    chosen = recipe(lr=0.004, muon_lr=0.03, momentum_warmup_steps=4, weight_decay_schedule="linear")
+    optimizers = train.build_optimizers(model, chosen, torch.device("cpu"))
+    optimizers.follow(chosen, 1)  # warmup: lr 2/4 of the peak, momentum 0.9, decay 19/20 of 0.1
+    (group,) = optimizers.parts["muon"].param_groups
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == pytest.approx((0.015, 0.9, 0.095))
+    assert [g["weight_decay"] for g in optimizers.parts["adamw"].param_groups] == [0.0]
+    optimizers.follow(chosen, 10)  # from the decays the optimizers started with, not compounded
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == pytest.approx((0.03, 0.95, 0.05))
+
+
+def test_zero_init_output_zeroes_only_the_output_projections(corpus, tmp_path):
+    training = in_process_training(corpus, tmp_path / "run", "--zero-init-output")
+    for name, param in training.model.named_parameters():
+        assert (param.count_nonzero() == 0) == name.endswith(("o_proj.weight", "down_proj.weight")), name
+
+
+ROUND_2 = ("--muon-coefficients", "polar-express", "--normuon-beta2", "0.95", "--cautious-weight-decay",
+           "--momentum-warmup-steps", "4", "--momentum-cooldown-steps", "4", "--weight-decay-schedule", "linear",
+           "--zero-init-output")
+
+
+def test_round_2_recipe_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
+    """Every recipe option of issue 30 on: NorMuon's second moments travel in the checkpoint, the momentum and
+    weight decay schedules are functions of the step."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train.main(options(corpus, full, *ROUND_2, "--save-every", "6", "--eval-every", "0")) == 0
+    assert train.main(options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0",
+                              "--stop-after-steps", "5")) == 0
+    state = final_state(split)["optimizer"]["muon"]["state"]
+    assert state and all("second_moment" in entry for entry in state.values())
+    result = run_cli(options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0", "--resume", "auto"))
+    assert "resumed from" in result.stdout
+    assert_same_state(final_state(split), final_state(full))
+    assert train_losses(split) == train_losses(full)
+
+
 def test_a_warmup_of_zero_steps_starts_at_the_peak():
     assert recipe(warmup_steps=0).lr_multiplier(0) == 1.0
 
