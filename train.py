@@ -210,6 +210,8 @@ class RunSettings:
     cautious_weight_decay: bool = option(False, "decay only the weights the update also shrinks", RECIPE)
     weight_decay_schedule: str = option("constant", "linear: the weight decay falls to 0 over the run (besides "
                                                     "following the lr)", RECIPE, choices=WEIGHT_DECAY_SCHEDULES)
+    z_loss: float = option(0.0, "add this x logsumexp(logits)^2 per token to the training loss (PaLM's z-loss; "
+                                "0: off)", RECIPE, checks=(finite, not_negative))
     zero_init_output: bool = option(False, "start the attention and MLP output projections at zero", MODEL)
     grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", RECIPE, checks=(finite, not_negative))
     adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", SPEED, flag="--8bit-adam")
@@ -808,7 +810,7 @@ class Training:
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
         self.compile = hardware.use_compile(session.compile, self.hardware)
-        self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
+        self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model, run.z_loss), info,
                                                            hardware.wrap_order(self.compile, info.world))
         self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
@@ -955,9 +957,9 @@ def compile_at_start(training: Training) -> float | None:
         if isinstance(error, torch.OutOfMemoryError):
             raise
         training.compile = False
-        training.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(training.model),
-                                                               training.info, hardware.wrap_order(False,
-                                                                                                  training.info.world))
+        training.forward_model = distributed.wrap_for_training(
+            losses.LanguageModelLoss(training.model, training.run.z_loss), training.info,
+            hardware.wrap_order(False, training.info.world))
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         warn(f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
              "goes on eagerly (slower); --no-compile skips the attempt")
