@@ -16,14 +16,18 @@ the blocks take data.Batch's positions and block-diagonal mask as the Qwen3 mode
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-import losses
-import train
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import losses  # noqa: E402
+import train  # noqa: E402
 
 
 class Block(nn.Module):
@@ -73,7 +77,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.model.wte.weight
         for name, param in self.named_parameters():
             if param.ndim == 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc_proj.weight")) else 0.02
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(param, 0.0, std)
 
 
