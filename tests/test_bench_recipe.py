@@ -56,8 +56,9 @@ def test_muon_share_on_gpus_is_a_ranks_share_of_the_matrices_work_over_a_gpus_st
 
 def group(default: list[float], reference: list[float]) -> dict:
     """A (preset, seed) group of two recipes, each curve (seconds, bpb) as [start, middle, end] at 0/5/10 s."""
-    return {name: {"curve": [{"seconds": 5.0 * i, "bpb": bpb} for i, bpb in enumerate(points)], "seconds": 10.0}
-            for name, points in (("default", default), ("nanogpt-muon", reference))}
+    return {name: {"curve": [{"seconds": 5.0 * i, "bpb": bpb} for i, bpb in enumerate(points)], "seconds": 10.0,
+                   "options": options} for name, points, options in (("default", default, ""),
+                                                                     ("nanogpt-muon", reference, "--model nanogpt"))}
 
 
 @pytest.mark.parametrize("seeds, expected", [
