@@ -546,7 +546,19 @@ class Recipe:
             f"constant, then linear decay over the last {self.decay_steps} steps"
         return (f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
                 f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
-                f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}")
+                f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}"
+                + "".join(f"; {extra}" for extra in self.round_2_options()))
+
+    def round_2_options(self) -> list[str]:
+        """The options of issue 30 that are on, in words (describe's tail)."""
+        return [text for on, text in [
+            (self.muon_coefficients != "torch", f"Newton-Schulz coefficients {self.muon_coefficients}"),
+            (self.normuon_beta2 > 0, f"NorMuon beta2 {self.normuon_beta2:g}"),
+            (self.cautious_weight_decay, "cautious weight decay"),
+            (self.weight_decay_schedule != "constant", f"weight decay {self.weight_decay_schedule} to 0"),
+            (self.momentum_warmup_steps or self.momentum_cooldown_steps,
+             f"Muon momentum from {MOMENTUM_FLOOR} over {self.momentum_warmup_steps} steps, back over the last "
+             f"{self.momentum_cooldown_steps}")] if on]
 
 
 def choose_recipe(run: RunSettings, hidden: int, total_steps: int) -> tuple[Recipe, list[str]]:
