@@ -109,7 +109,7 @@ SCHEDULES = ("wsd", "cosine")
 DEFAULT_OPTIMIZER = "muon"
 DEFAULT_SCHEDULE = "wsd"
 DEFAULT_DECAY_FRACTION = 0.4
-DEFAULT_FINAL_LR_FRACTION = 0.0
+DEFAULT_FINAL_LR_FRACTION = 0.1
 DEFAULT_BETA2 = 0.95
 MUON_COEFFICIENTS = ("torch", "polar-express")  # muon.Muon's Newton-Schulz coefficients
 WEIGHT_DECAY_SCHEDULES = ("constant", "linear")
@@ -205,8 +205,9 @@ class RunSettings:
                                              "steps", RECIPE, checks=(not_negative,))
     muon_coefficients: str = option("torch", "Muon's Newton-Schulz coefficients: torch's, or Polar Express's",
                                     RECIPE, choices=MUON_COEFFICIENTS)
-    normuon_beta2: float = option(0.0, "NorMuon: normalize each neuron's Muon update by its running RMS with "
-                                       "this beta2 (0: off)", RECIPE, checks=(finite, below_one, not_negative))
+    normuon_beta2: float = option(0.95, "NorMuon: normalize each neuron's Muon update by its running RMS with "
+                                        "this beta2 (0: off, torch's Muon update)", RECIPE,
+                                  checks=(finite, below_one, not_negative))
     cautious_weight_decay: bool = option(False, "decay only the weights the update also shrinks", RECIPE)
     weight_decay_schedule: str = option("constant", "linear: the weight decay falls to 0 over the run (besides "
                                                     "following the lr)", RECIPE, choices=WEIGHT_DECAY_SCHEDULES)

@@ -65,7 +65,7 @@ NANOGPT = "--model nanogpt"  # in a recipe's options: bench/nanogpt.py's GPT-2 i
 BUILT_IN = {
     "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 "
                 "--schedule cosine",
-    "nanogpt-muon": f"{NANOGPT} --optimizer muon --muon-lr 0.02 --lr 3e-3 --schedule cosine "
+    "nanogpt-muon": f"{NANOGPT} --optimizer muon --muon-lr 0.02 --lr 3e-2 --schedule cosine "
                     "--final-lr-fraction 0.1",
     "default": "",
 }
