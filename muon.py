@@ -13,8 +13,8 @@ CPU its rounding makes a world-size-2 run drift ~1e-3 from the world-size-1 run 
 
 Three options of issue 30 (docs/recipe.md has what each did on real text) change the update itself:
 Polar Express's per-iteration coefficients, NorMuon's per-neuron normalization of the orthogonalized
-update (on by default in train.py; its second moments are one more entry per matrix in the state, on
-every rank), and cautious weight decay. With all three off the update is torch's.
+update (its second moments are one more entry per matrix in the state, on every rank), and cautious
+weight decay. With all three off the update is torch's.
 
 A module of its own, imported inside train.build_optimizers: train.py needs no torch.optim.Muon at import,
 so on a torch older than 2.9 hardware.check_torch still says so in one line.

@@ -205,8 +205,8 @@ class RunSettings:
                                              "steps", RECIPE, checks=(not_negative,))
     muon_coefficients: str = option("torch", "Muon's Newton-Schulz coefficients: torch's, or Polar Express's",
                                     RECIPE, choices=MUON_COEFFICIENTS)
-    normuon_beta2: float = option(0.95, "NorMuon: normalize each neuron's Muon update by its running RMS with "
-                                        "this beta2 (0: off, torch's Muon update)", RECIPE,
+    normuon_beta2: float = option(0.0, "NorMuon: normalize each neuron's Muon update by its running RMS with "
+                                       "this beta2, e.g. 0.95 (0: off, torch's Muon update)", RECIPE,
                                   checks=(finite, below_one, not_negative))
     cautious_weight_decay: bool = option(False, "decay only the weights the update also shrinks", RECIPE)
     weight_decay_schedule: str = option("constant", "linear: the weight decay falls to 0 over the run (besides "
