@@ -18,14 +18,16 @@ import train_data
 
 def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                         reduction: str = "mean", chunk_tokens: int | None = None,
-                        documents: attention.Documents | None = None) -> torch.Tensor:
+                        documents: attention.Documents | None = None, z_loss: float = 0.0) -> torch.Tensor:
     """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits;
     with `documents` (train_data.Batch's), attention and positions stay inside each document (attention.py).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
-    to train_data.IGNORE_INDEX are not counted ("mean" divides by the counted ones)."""
+    to train_data.IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
+    adds z_loss x logsumexp^2 per counted token (PaLM's z-loss: it keeps the logits' normalizer near 1);
+    evaluation never adds it."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction {reduction!r}: 'mean' or 'sum'")
     hidden = model.model(input_ids=inputs, **attention.decoder_inputs(model, documents)).last_hidden_state
@@ -36,7 +38,7 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):  # the chunks cast for themselves
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            total = ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, dtype)
+            total = ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, dtype, z_loss)
         else:
             total = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, dtype)
     if reduction == "sum":
@@ -54,10 +56,14 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torc
 
 
 
-def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
-    """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted."""
+def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor,
+                            z_loss: float = 0.0) -> torch.Tensor:
+    """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted.
+    With `z_loss`, the gradient of z_loss x logsumexp^2 too: 2 z_loss logsumexp softmax."""
     counted = targets != train_data.IGNORE_INDEX
     gradient = logits.sub_(logsumexp[:, None]).exp_()
+    if z_loss:
+        gradient.mul_(1 + 2 * z_loss * logsumexp[:, None])
     gradient.scatter_add_(1, torch.where(counted, targets, 0)[:, None], torch.full_like(logsumexp[:, None], -1.0))
     return gradient.mul_(counted[:, None])
 
@@ -85,7 +91,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     (|softmax - one-hot| <= 1, well inside fp16), and is summed over the chunks in fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, dtype):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, dtype, z_loss=0.0):
         weight_cast = weight.to(dtype)
         # each chunk's hidden gradient is a matmul output in `dtype` already: kept in it when the hidden
         # states come in it (the final norm's output under autocast_elementwise), else in fp32
@@ -99,7 +105,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (chunk @ weight_cast.t()).float()
             loss, logsumexp = cross_entropy_sum(logits, chunk_targets)
             total += loss
-            grad_logits = cross_entropy_gradient_(logits, chunk_targets, logsumexp).to(dtype)
+            if z_loss:
+                total += z_loss * torch.where(chunk_targets != train_data.IGNORE_INDEX, logsumexp.square(), 0.0).sum()
+            grad_logits = cross_entropy_gradient_(logits, chunk_targets, logsumexp, z_loss).to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight += grad_logits.t() @ chunk
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -111,7 +119,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 
@@ -119,13 +127,13 @@ class LanguageModelLoss(torch.nn.Module):
     """The model and its loss as one module: --compile compiles the chunked cross-entropy with the model,
     and DDP wraps both."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, z_loss: float = 0.0):
         super().__init__()
-        self.model = model
+        self.model, self.z_loss = model, z_loss
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
                 documents: attention.Documents | None = None) -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets, reduction, documents=documents)
+        return language_model_loss(self.model, inputs, targets, reduction, documents=documents, z_loss=self.z_loss)
 
 
 @torch.no_grad()

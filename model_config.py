@@ -126,6 +126,17 @@ def build_training_model(preset: Preset, vocab_size: int, special_tokens: dict |
     return model.train()
 
 
+def zero_output_projections(model) -> None:
+    """Each layer's attention output and MLP down projection set to zero (--zero-init-output, as modded-nanogpt
+    starts them): every layer begins as the identity on the residual stream."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def enable_activation_checkpointing(model) -> None:
     """--grad-checkpoint: recompute each layer's activations in the backward (non-reentrant)."""
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x

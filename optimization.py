@@ -33,8 +33,11 @@ DEFAULT_OPTIMIZER = "muon"
 SCHEDULES = ("wsd", "cosine")
 DEFAULT_SCHEDULE = "wsd"
 DEFAULT_DECAY_FRACTION = 0.4
-DEFAULT_FINAL_LR_FRACTION = 0.0
+DEFAULT_FINAL_LR_FRACTION = 0.1  # the WSD floor (issue 30's round 2: docs/recipe.md)
 DEFAULT_BETA2 = 0.95
+MUON_COEFFICIENTS = ("torch", "polar-express")  # muon.Muon's Newton-Schulz coefficients
+WEIGHT_DECAY_SCHEDULES = ("constant", "linear")
+MOMENTUM_FLOOR = 0.85  # Muon's momentum at the start of a momentum warmup and the end of a cooldown (modded-nanogpt)
 MAX_WARMUP_STEPS = 1000
 OPTIONS = "optimizer and schedule (None: the recipe rule for this model and run, printed at start; see docs/recipe.md)"
 
@@ -110,7 +113,9 @@ def build_muon(recipe: Recipe, parameters: Parameters, device: torch.device, ran
 
     muon = Muon(parameters.hidden,
                 ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)), rank=rank, world=world,
-                lr=recipe.muon_lr, weight_decay=recipe.weight_decay, momentum=recipe.muon_momentum, nesterov=True)
+                lr=recipe.muon_lr, weight_decay=recipe.weight_decay, momentum=recipe.muon_momentum, nesterov=True,
+                coefficients=recipe.muon_coefficients, normuon_beta2=recipe.normuon_beta2,
+                cautious_weight_decay=recipe.cautious_weight_decay)
     return {"muon": muon, "adamw": adamw(recipe, [{"params": parameters.rest, "weight_decay": 0.0}], device)}
 
 
@@ -172,6 +177,22 @@ class RecipeOptions:
     muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum", OPTIONS, checks=(finite, below_one))
     grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", OPTIONS, checks=(finite, not_negative))
     adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", OPTIONS, flag="--8bit-adam")
+    # issue 30's round 2 (docs/recipe.md has what each did on real text); each off by default
+    momentum_warmup_steps: int = option(0, f"Muon's momentum rises from {MOMENTUM_FLOOR} over this many first steps",
+                                        OPTIONS, checks=(not_negative,))
+    momentum_cooldown_steps: int = option(0, f"Muon's momentum falls back to {MOMENTUM_FLOOR} over this many last "
+                                             "steps", OPTIONS, checks=(not_negative,))
+    muon_coefficients: str = option("torch", "Muon's Newton-Schulz coefficients: torch's, or Polar Express's",
+                                    OPTIONS, choices=MUON_COEFFICIENTS)
+    normuon_beta2: float = option(0.0, "NorMuon: normalize each neuron's Muon update by its running RMS with "
+                                       "this beta2, e.g. 0.95 (0: off, torch's Muon update)", OPTIONS,
+                                  checks=(finite, below_one, not_negative))
+    cautious_weight_decay: bool = option(False, "Muon decays only the weights its update also shrinks", OPTIONS)
+    weight_decay_schedule: str = option("constant", "linear: the weight decay falls to 0 over the run (besides "
+                                                    "following the lr)", OPTIONS, choices=WEIGHT_DECAY_SCHEDULES)
+    z_loss: float = option(0.0, "add this x logsumexp(logits)^2 per token to the training loss (PaLM's z-loss; "
+                                "0: off)", OPTIONS, checks=(finite, not_negative))
+    zero_init_output: bool = option(False, "start the attention and MLP output projections at zero", OPTIONS)
 
 
 def check_recipe_options(options: RecipeOptions) -> None:
@@ -208,6 +229,12 @@ class Recipe:
     muon_momentum: float | None
     grad_clip: float
     adam8bit: bool = False  # AdamW8bit (bitsandbytes) instead of torch's AdamW
+    momentum_warmup_steps: int = 0
+    momentum_cooldown_steps: int = 0
+    muon_coefficients: str = "torch"
+    normuon_beta2: float = 0.0
+    cautious_weight_decay: bool = False
+    weight_decay_schedule: str = "constant"
 
     @property
     def rule(self) -> OptimizerRule:
@@ -223,6 +250,20 @@ class Recipe:
         progress = min(1.0, (step - decay_start) / max(1, self.decay_steps))
         shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
         return self.final_lr_fraction + (1.0 - self.final_lr_fraction) * shape
+
+    def momentum_at(self, step: int) -> float | None:
+        """Muon's momentum at optimizer step `step`: MOMENTUM_FLOOR rising to muon_momentum over the warmup
+        steps, falling back over the cooldown steps (None under adamw)."""
+        if self.muon_momentum is None:
+            return None
+        share = min(1.0, (step + 1) / self.momentum_warmup_steps) if self.momentum_warmup_steps else 1.0
+        if self.momentum_cooldown_steps:
+            share = min(share, (self.total_steps - step - 1) / self.momentum_cooldown_steps)
+        return MOMENTUM_FLOOR + (self.muon_momentum - MOMENTUM_FLOOR) * max(0.0, share)
+
+    def weight_decay_multiplier(self, step: int) -> float:
+        """The weight decay at step `step` as a fraction of weight_decay (the optimizers also scale it by the lr)."""
+        return 1.0 - step / self.total_steps if self.weight_decay_schedule == "linear" else 1.0
 
     def describe(self) -> str:
         rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
@@ -348,21 +389,28 @@ class Optimizers:
     """The run's optimizers as one (a checkpoint's "optimizer": {part name: its state}).
 
     Every param group keeps its peak lr in "peak_lr"; apply_schedule sets lr = peak_lr x the schedule's
-    multiplier. Each group's name is kept here, not only in the group: a checkpoint's groups replace them.
+    multiplier, and the weight decay and Muon's momentum of the step. Each group's name and first weight
+    decay are kept here, not only in the group: a checkpoint's groups replace them.
     """
 
     def __init__(self, parts: dict[str, torch.optim.Optimizer]):
         self.parts = parts
         self.group_names = [[group.get("name", part) for group in optimizer.param_groups]
                             for part, optimizer in parts.items()]
+        self.weight_decays = [[group["weight_decay"] for group in optimizer.param_groups]
+                              for optimizer in parts.values()]
 
     def apply_schedule(self, recipe: Recipe, step: int) -> dict[str, float]:
-        """Set every param group's lr for optimizer step `step` (0-based); each group's lr by its name
-        (groups of one name share their lr)."""
-        multiplier = recipe.lr_multiplier(step)
-        for optimizer in self.parts.values():
-            for group in optimizer.param_groups:
+        """Set every param group's lr, weight decay and (Muon's) momentum for optimizer step `step` (0-based):
+        pure functions of the step and the recipe, so a resume needs no state for them. Returns each group's
+        lr by its name (groups of one name share their lr)."""
+        multiplier, decay = recipe.lr_multiplier(step), recipe.weight_decay_multiplier(step)
+        for (part, optimizer), weight_decays in zip(self.parts.items(), self.weight_decays):
+            for group, weight_decay in zip(optimizer.param_groups, weight_decays):
                 group["lr"] = group["peak_lr"] * multiplier
+                group["weight_decay"] = weight_decay * decay
+                if part == "muon":
+                    group["momentum"] = recipe.momentum_at(step)
         return {name: group["lr"] for names, optimizer in zip(self.group_names, self.parts.values())
                 for name, group in zip(names, optimizer.param_groups)}
 

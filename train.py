@@ -437,6 +437,8 @@ class Training:
         seed_everything(run.seed)
         self.model = model_config.build_training_model(self.preset, self.vocab_size, data.manifest.special_tokens,
                                                        self.device, session.grad_checkpoint)
+        if run.zero_init_output:
+            model_config.zero_output_projections(self.model)
         self.optimizer = optimization.build_optimizers(self.model, self.recipe, self.device, info.rank, info.world)
         self.scaler = optimization.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
@@ -447,7 +449,7 @@ class Training:
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
         self.compile = hardware.use_compile(session.compile, self.hardware)
-        self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model), info,
+        self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model, run.z_loss), info,
                                                            hardware.wrap_order(self.compile, info.world))
         self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
@@ -610,9 +612,9 @@ def compile_at_start(training: Training) -> float | None:
         if isinstance(error, torch.OutOfMemoryError):
             raise
         training.compile = False
-        training.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(training.model),
-                                                               training.info, hardware.wrap_order(False,
-                                                                                                  training.info.world))
+        training.forward_model = distributed.wrap_for_training(
+            losses.LanguageModelLoss(training.model, training.run.z_loss), training.info,
+            hardware.wrap_order(False, training.info.world))
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         warn(f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
              "goes on eagerly (slower); --no-compile skips the attempt")

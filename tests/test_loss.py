@@ -83,6 +83,31 @@ def test_the_chunked_loss_equals_the_full_logits_one(precision, elementwise, red
     assert abs(loss - exact_loss) <= loss_allowed
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_z_loss_adds_the_squared_log_normalizer_and_its_gradient(reduction):
+    """--z-loss: the chunked loss and gradients equal cross-entropy + z x logsumexp^2 over the counted tokens
+    computed on the full logits; evaluation (no gradients) leaves it out."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+
+    def with_z(model, inputs, targets, reduction):
+        logits = model(input_ids=inputs).logits.float().reshape(-1, VOCAB)
+        counted = targets.reshape(-1) != train_data.IGNORE_INDEX
+        z = 1e-2 * torch.logsumexp(logits, dim=-1)[counted].square().sum()
+        total = F.cross_entropy(logits, targets.reshape(-1), reduction="sum") + z
+        return total / counted.sum() if reduction == "mean" else total
+
+    chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK, z_loss=1e-2)  # noqa: E731
+    expected_loss, expected = loss_and_gradients(with_z, model, inputs, targets, reduction, "fp32")
+    loss, gradients = loss_and_gradients(chunked, model, inputs, targets, reduction, "fp32")
+    plain_loss, _ = loss_and_gradients(full_logits_loss, model, inputs, targets, reduction, "fp32")
+    assert loss == pytest.approx(expected_loss, rel=1e-5) and loss > plain_loss * 1.01
+    for name, gradient in gradients.items():
+        assert (gradient - expected[name]).abs().max() <= FP32_TOLERANCE * expected[name].abs().max(), name
+    with torch.no_grad():
+        evaluated = losses.language_model_loss(model, inputs, targets, reduction, chunk_tokens=CHUNK, z_loss=1e-2)
+    assert evaluated.item() == pytest.approx(plain_loss, rel=1e-5)
+
+
 def test_the_half_precision_error_the_chunked_test_allows_is_real():
     """The bound above is read off this CPU's own half-precision error: under bf16 it must be an error
     (not 0, which would make the bound fp32's) and well under the gradients' size (not noise)."""

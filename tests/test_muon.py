@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 
@@ -178,3 +179,68 @@ def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path)
         per_step = [len(saved["calls"]) // 3 for saved in ranks]
         assert sum(per_step) == len(SHAPES) and min(per_step) >= 1
         assert sorted(ranks[0]["calls"][:per_step[0]] + ranks[1]["calls"][:per_step[1]]) == sorted(SHAPES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Recipe round 2 (issue 30): Polar Express, NorMuon, cautious weight decay
+
+
+def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(matrix.double())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_polar_express_orthogonalizes_closer_than_torchs_coefficients(shape):
+    """Both iterations push the singular values toward 1; Polar Express's per-step coefficients land closer
+    (torch's quintic only reaches roughly [0.7, 1.2])."""
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    express = singular_values(muon.newton_schulz(grad, torch.float32, muon.POLAR_EXPRESS, 5, EPS))
+    stock = singular_values(muon.newton_schulz(grad, torch.float32, COEFFICIENTS, 5, EPS))
+    assert (express - 1).abs().max() < 0.2
+    assert (express - 1).abs().mean() < (stock - 1).abs().mean()
+
+
+def test_polar_express_in_bf16_is_not_torchs_function():
+    """torch's bf16 function takes one (a, b, c): Polar Express runs the module's own loop in bf16."""
+    grad = torch.randn(32, 48, generator=torch.Generator().manual_seed(4))
+    ortho = muon.newton_schulz(grad, torch.bfloat16, muon.POLAR_EXPRESS, 5, EPS)
+    assert ortho.dtype == torch.bfloat16 and (singular_values(ortho) - 1).abs().max() < 0.25
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+def test_normalize_neurons_evens_each_neuron_and_keeps_the_norm(shape):
+    update = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.1, 3, shape[0])[:, None]
+    dim = -1 if shape[0] >= shape[1] else 0
+    second_moment = torch.zeros((shape[0], 1) if dim == -1 else (1, shape[1]))
+    normalized = muon.normalize_neurons(update, second_moment, beta2=0.95)
+    assert normalized.norm() == pytest.approx(update.norm().item(), rel=1e-5)
+    rms = normalized.square().mean(dim=dim).sqrt()  # from a zero state every neuron ends at the same RMS
+    assert rms.max() / rms.min() == pytest.approx(1.0, rel=1e-4)
+    assert torch.equal(second_moment, 0.05 * update.square().mean(dim=dim, keepdim=True))
+
+
+@pytest.mark.parametrize("cautious, expected", [
+    (False, [0.5, -0.5, 0.5, -0.5]),  # every weight decays
+    (True, [0.5, -1.0, 1.0, -0.5]),  # only where update and weight share a sign (the step shrinks it too)
+])
+def test_weight_decay_table(cautious, expected):
+    param = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    muon.decay_(param, torch.tensor([0.3, 0.3, -0.3, -0.3]), 0.5, cautious)
+    assert param.tolist() == expected
+
+
+def test_normuon_state_is_in_the_state_dict_and_a_reload_continues_bitwise():
+    options = dict(lr=0.02, weight_decay=0.1, normuon_beta2=0.95, coefficients="polar-express",
+                   cautious_weight_decay=True, ns_dtype="fp32")
+    params = parameters()
+    optimizer = muon.Muon(params, **options)
+    take_steps(optimizer, params, steps=2)
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    copies = [torch.nn.Parameter(param.detach().clone()) for param in params]
+    resumed = muon.Muon(copies, **options)
+    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
+    assert all(set(entry) == {"momentum_buffer", "second_moment"} for entry in resumed.state_dict()["state"].values())
+    take_steps(optimizer, params, steps=2)
+    take_steps(resumed, copies, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(params, copies))

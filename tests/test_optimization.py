@@ -268,3 +268,34 @@ def test_loss_scaler_counts_and_skips_overflow_steps():
     restored = optimization.LossScaler(torch.device("cpu"), enabled=True)
     restored.load_state_dict(scaler.state_dict())
     assert restored.state_dict() == scaler.state_dict()
+
+
+@pytest.mark.parametrize("warmup, cooldown, expected", [
+    (0, 0, {0: 0.95, 10: 0.95, 19: 0.95}),  # off: torch's constant momentum
+    # 0-based step s of a 4-step warmup trains at 0.85 + 0.1 (s + 1) / 4; a 5-step cooldown ends at 0.85 + 0
+    (4, 0, {0: 0.875, 1: 0.9, 3: 0.95, 19: 0.95}),
+    (4, 5, {0: 0.875, 3: 0.95, 14: 0.95, 15: 0.93, 17: 0.89, 19: 0.85, 25: 0.85}),
+])
+def test_muon_momentum_table(warmup, cooldown, expected):
+    chosen = recipe(momentum_warmup_steps=warmup, momentum_cooldown_steps=cooldown)
+    assert {step: pytest.approx(chosen.momentum_at(step)) for step in expected} == expected
+    assert recipe(optimizer="adamw", muon_momentum=None).momentum_at(0) is None
+
+
+@pytest.mark.parametrize("schedule, expected", [("constant", {0: 1.0, 19: 1.0}),
+                                                ("linear", {0: 1.0, 5: 0.75, 19: 0.05})])
+def test_weight_decay_schedule_table(schedule, expected):
+    chosen = recipe(weight_decay_schedule=schedule)
+    assert {step: pytest.approx(chosen.weight_decay_multiplier(step)) for step in expected} == expected
+
+
+def test_the_optimizers_apply_the_schedule_of_each_step():
+    model = model_config.build_model(model_config.PRESETS["tiny"], vocab_size=300)
+    chosen = recipe(lr=0.004, muon_lr=0.03, momentum_warmup_steps=4, weight_decay_schedule="linear")
+    optimizers = optimization.build_optimizers(model, chosen, torch.device("cpu"))
+    optimizers.apply_schedule(chosen, 1)  # warmup: lr 2/4 of the peak, momentum 0.9, decay 19/20 of 0.1
+    (group,) = optimizers.parts["muon"].param_groups
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == pytest.approx((0.015, 0.9, 0.095))
+    assert [g["weight_decay"] for g in optimizers.parts["adamw"].param_groups] == [0.0]
+    optimizers.apply_schedule(chosen, 10)  # from the decays the optimizers started with, not compounded
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == pytest.approx((0.03, 0.95, 0.05))

@@ -1853,3 +1853,30 @@ def test_bestfit_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
         train.main(options(corpus, out, "--packing", "stream", "--resume", "auto", steps=8))
     assert train.main(options(corpus, out, "--packing", "bestfit", "--resume", "auto", steps=8)) == 0
     assert_same_state(final_state(out), final_state(whole))
+
+
+
+def test_zero_init_output_zeroes_only_the_output_projections(corpus, tmp_path):
+    training = in_process_training(corpus, tmp_path / "run", "--zero-init-output")
+    for name, param in training.model.named_parameters():
+        assert (param.count_nonzero() == 0) == name.endswith(("o_proj.weight", "down_proj.weight")), name
+
+
+ROUND_2 = ("--muon-coefficients", "polar-express", "--normuon-beta2", "0.95", "--cautious-weight-decay",
+           "--momentum-warmup-steps", "4", "--momentum-cooldown-steps", "4", "--weight-decay-schedule", "linear",
+           "--zero-init-output")
+
+
+def test_round_2_recipe_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
+    """Every recipe option of issue 30 on: NorMuon's second moments travel in the checkpoint, the momentum and
+    weight decay schedules are functions of the step."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train.main(options(corpus, full, *ROUND_2, "--save-every", "6", "--eval-every", "0")) == 0
+    assert train.main(options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0",
+                              "--stop-after-steps", "5")) == 0
+    state = final_state(split)["optimizer"]["muon"]["state"]
+    assert state and all("second_moment" in entry for entry in state.values())
+    result = run_cli(options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0", "--resume", "auto"))
+    assert "resumed from" in result.stdout
+    assert_same_state(final_state(split), final_state(full))
+    assert train_losses(split) == train_losses(full)
