@@ -29,6 +29,12 @@ def test_every_script_is_a_module_and_every_command_runs_a_scripts_main():
     assert set(commands) == {"tinyllm-train", "tinyllm-data", "tinyllm-report", "tinyllm-cloud", "tinyllm-gguf"}
 
 
+def test_mutation_testing_copies_every_module():
+    """mutmut runs the tests in a copy of the sources: a module in neither list is missing there."""
+    mutmut = PROJECT["tool"]["mutmut"]
+    assert sorted(mutmut["source_paths"] + mutmut["also_copy"]) == sorted(path.name for path in ROOT.glob("*.py"))
+
+
 def test_the_dependencies_are_requirements_txt():
     assert "dependencies" in PROJECT["project"]["dynamic"]
     assert PROJECT["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
