@@ -19,7 +19,6 @@ import attention  # noqa: E402
 import losses  # noqa: E402
 import model_config  # noqa: E402
 import optimization  # noqa: E402
-import train  # noqa: E402
 
 CURVE = [{"seconds": 0.0, "bpb": 3.0}, {"seconds": 10.0, "bpb": 2.0}, {"seconds": 20.0, "bpb": 1.5},
          {"seconds": 30.0, "bpb": 1.4}]
