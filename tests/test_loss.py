@@ -108,6 +108,16 @@ def test_z_loss_adds_the_squared_log_normalizer_and_its_gradient(reduction):
     assert evaluated.item() == pytest.approx(plain_loss, rel=1e-5)
 
 
+def test_the_training_module_passes_its_z_loss_on():
+    """losses.LanguageModelLoss (what train.py compiles and wraps in DDP) trains with the run's --z-loss."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    expected = losses.language_model_loss(model, inputs, targets, z_loss=1e-2)
+    plain = losses.language_model_loss(model, inputs, targets)
+    assert losses.LanguageModelLoss(model, 1e-2)(inputs, targets).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert expected.item() > plain.item() * 1.001
+    assert losses.LanguageModelLoss(model)(inputs, targets).item() == pytest.approx(plain.item(), rel=1e-6)
+
+
 def test_the_half_precision_error_the_chunked_test_allows_is_real():
     """The bound above is read off this CPU's own half-precision error: under bf16 it must be an error
     (not 0, which would make the bound fp32's) and well under the gradients' size (not noise)."""
