@@ -307,9 +307,15 @@ def given_options(argv: tuple[str, ...], parser) -> set[str]:
     return {flags[token.split("=", 1)[0]] for token in tokens if token.split("=", 1)[0] in flags}
 
 
-def recorded_plan(out: Path, budget: str) -> dict | None:
-    """The plan OUT/training_settings.json records for this budget (None: the run has not planned yet)."""
-    record = (read_json_or(out / "training_settings.json") or {}).get("budget")
+def recorded_plan(out: Path, budget: str, resume: str = "auto") -> dict | None:
+    """The plan recorded for this budget (None: the run has not planned yet): in the checkpoint `resume`
+    names when it names a file (a run continued from another folder), else in OUT/training_settings.json."""
+    if resume in ("auto", "none") or not Path(resume).is_file():
+        record = (read_json_or(out / "training_settings.json") or {}).get("budget")
+    else:
+        import checkpoint_store
+
+        record = checkpoint_store.load_checkpoint_file(Path(resume), "--resume")["settings"].get("budget")
     return record if record and record.get("budget") == budget else None
 
 
@@ -336,7 +342,8 @@ def settle(settings, info, corpus: Path, parser, measure: Measure) -> tuple[obje
     micro_batch = settings.session.batch_size
     if run.epochs is not None:
         raise UserError("--budget chooses the run's length: give --target-tokens (or nothing) instead of --epochs")
-    record = distributed.main_decides(lambda: recorded_plan(Path(settings.session.out), run.budget), info)
+    out, resume = Path(settings.session.out), settings.invocation.resume
+    record = distributed.main_decides(lambda: recorded_plan(out, run.budget, resume), info)
     if record is not None:
         plan = Plan.from_record(record)
         say(f"{plan.summary()} (the run's plan, made at its start: kept)", main=info.is_main)

@@ -188,6 +188,13 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(corpus
     assert store.tensor_differences(ours["optimizer"], theirs["optimizer"], "optimizer") == []
     assert ours["settings"]["budget"] == theirs["settings"]["budget"] == plan
 
+    moved = tmp_path / "moved"  # --resume PATH into another folder: the plan comes with the checkpoint
+    assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(4)))) == 0
+    assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
+    final = torch.load(moved / "checkpoints" / store.checkpoint_name(12), weights_only=True)
+    assert store.tensor_differences(final["model"], theirs["model"], "model") == []
+    assert final["settings"]["budget"] == plan
+
 
 def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, small_runs):
     out = tmp_path / "run"
