@@ -350,7 +350,8 @@ def settle(settings, info, corpus: Path, parser, measure: Measure) -> tuple[obje
         return apply(settings, plan, info.world, micro_batch), record
     plan = make_plan(settings, info, given, micro_batch, corpus, measure)
     planned = apply(settings, plan, info.world, micro_batch).run
-    recipe, _ = optimization.choose_recipe(planned, model_config.preset_of(planned).hidden, plan.steps)
+    shape = model_config.preset_of(planned)
+    recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
     plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr)
     for line in plan_lines(plan):
         say(line, main=info.is_main)

@@ -158,13 +158,14 @@ def read_model_folder(folder: str | Path) -> ModelSource:
         context=int(config["max_position_embeddings"]),
         rope_theta=rope_theta_of(config, config_path),
         rms_norm_eps=float(config["rms_norm_eps"]),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),  # Qwen3Config's default
     )
     bad = nonpositive_field(preset)
     if bad:  # llama.cpp would assert (and abort) on some of these
         raise UserError(f"{config_path}: {bad[0]} must be positive, got {bad[1]}")
     return ModelSource(folder=folder, config=config, weight_files=weight_files(folder), preset=preset,
                        vocab_size=int(config["vocab_size"]),
-                       tied=bool(config.get("tie_word_embeddings", False)))  # Qwen3Config's default
+                       tied=preset.tie_embeddings)
 
 
 def weight_files(folder: Path) -> list[Path]:

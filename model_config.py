@@ -24,12 +24,16 @@ class Preset:
     context: int
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True  # the LM head is the input embedding (False: its own matrix, its own lr)
 
 
 PRESETS: dict[str, Preset] = {
     # For tests and the CPU demo: well under 1M parameters at a demo-sized vocabulary.
     "tiny": Preset(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, context=128),
-    "nano": Preset(layers=4, hidden=128, intermediate=384, heads=4, kv_heads=2, head_dim=32, context=256),
+    # nano: issue 30's round 2 on real text (docs/recipe.md): full multi-head attention at the same matrix
+    # parameters, RoPE base 10,000 for its 256-token context, and an LM head of its own
+    "nano": Preset(layers=4, hidden=128, intermediate=341, heads=4, kv_heads=4, head_dim=32, context=256,
+                   rope_theta=10_000.0, tie_embeddings=False),
     "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512),
     "think72": Preset(layers=14, hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=128, context=1024),
     "small125": Preset(layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=4, head_dim=64, context=1024),
@@ -43,9 +47,11 @@ OVERRIDABLE_FIELDS = [field.name for field in dataclasses.fields(Preset)]
 
 
 def nonpositive_field(preset: Preset) -> tuple[str, float] | None:
-    """(name, value) of the first field that is not a positive finite number (no model has such a shape)."""
+    """(name, value) of the first size that is not a positive finite number (no model has such a shape)."""
     for field in dataclasses.fields(Preset):
         value = getattr(preset, field.name)
+        if isinstance(value, bool):
+            continue
         if not (math.isfinite(value) and value > 0):
             return field.name, value
     return None
@@ -70,6 +76,20 @@ def resolve_preset(name: str, **overrides) -> Preset:
     return preset
 
 
+def recorded_preset(training: dict) -> Preset:
+    """The shape a run's recorded training settings hold (model.NAME); a field recorded before it existed
+    reads at its default (the shape it meant then)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(Preset)
+                if field.default is not dataclasses.MISSING}
+    return Preset(**{name: training.get(f"model.{name}", defaults.get(name)) for name in OVERRIDABLE_FIELDS})
+
+
+def with_recorded_defaults(training: dict) -> dict:
+    """A run's recorded training settings with each shape field it lacks at its default (see recorded_preset)."""
+    return {**{f"model.{name}": value for name, value in dataclasses.asdict(recorded_preset(training)).items()},
+            **training}
+
+
 def preset_of(run) -> Preset:
     """The shape a run trains: its --preset with any field it overrides (train.RunSettings' OVERRIDABLE_FIELDS)."""
     return resolve_preset(run.preset, **{name: getattr(run, name) for name in OVERRIDABLE_FIELDS})
@@ -77,7 +97,7 @@ def preset_of(run) -> Preset:
 
 def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_token_id: int = 1,
                  eos_token_id: int = 2):
-    """A transformers Qwen3Config for `preset` (tied embeddings, SDPA attention)."""
+    """A transformers Qwen3Config for `preset` (SDPA attention)."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -91,7 +111,7 @@ def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_tok
         max_position_embeddings=preset.context,
         rope_theta=preset.rope_theta,
         rms_norm_eps=preset.rms_norm_eps,
-        tie_word_embeddings=True,
+        tie_word_embeddings=preset.tie_embeddings,
         attention_bias=False,
         use_cache=True,
         pad_token_id=pad_token_id,
@@ -146,21 +166,28 @@ def enable_activation_checkpointing(model) -> None:
 
 
 def parameter_count(preset: Preset, vocab_size: int) -> int:
-    """Parameters of the model (tied embedding counted once), computed from the shape alone."""
+    """Parameters of the model (a tied embedding counted once), computed from the shape alone."""
     attention = preset.hidden * preset.head_dim * (2 * preset.heads + 2 * preset.kv_heads)
     mlp = 3 * preset.hidden * preset.intermediate
     norms = 2 * preset.hidden + 2 * preset.head_dim
-    return preset.layers * (attention + mlp + norms) + vocab_size * preset.hidden + preset.hidden
+    embeddings = (1 if preset.tie_embeddings else 2) * vocab_size * preset.hidden
+    return preset.layers * (attention + mlp + norms) + embeddings + preset.hidden
+
+
+def matmul_parameters(preset: Preset, vocab_size: int) -> int:
+    """The parameters a token's forward multiplies by: every one but the input embedding (the LM head is the
+    embedding's size whether tied or not)."""
+    return parameter_count(dataclasses.replace(preset, tie_embeddings=True), vocab_size)
 
 
 def flops_per_token(preset: Preset, vocab_size: int, context: int | None = None) -> int:
     """Training FLOPs per token: 6N plus the attention term (nanoGPT's estimate_mfu).
 
     The attention term is 12 * layers * heads * head_dim * context (scores and weighted sum,
-    forward and backward); N excludes the embedding lookup but includes the tied LM head matmul.
+    forward and backward); N excludes the embedding lookup but includes the LM head matmul.
     """
     context = context or preset.context
-    matmul_params = parameter_count(preset, vocab_size)
+    matmul_params = matmul_parameters(preset, vocab_size)
     attention = 12 * preset.layers * preset.heads * preset.head_dim * context
     return 6 * matmul_params + attention
 

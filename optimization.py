@@ -66,7 +66,8 @@ class Parameters(NamedTuple):
     """The model's trainable parameters as the optimizers split them (hidden_matrices)."""
 
     hidden: list[torch.nn.Parameter]  # the 2-D weights inside the decoder layers: attention and MLP projections
-    rest: list[torch.nn.Parameter]  # embeddings (the tied LM head too) and norms
+    rest: list[torch.nn.Parameter]  # the embedding (a tied LM head too) and norms
+    head: list[torch.nn.Parameter]  # an untied LM head (none when tied)
 
 
 # A builder: (recipe, parameters, device, rank, world) -> {part name: torch optimizer}, each param group
@@ -80,6 +81,7 @@ class OptimizerRule:
 
     help: str  # what --optimizer NAME trains with
     adamw_lr: WidthRule  # --lr's default: AdamW's peak lr for the parameters AdamW takes
+    head_lr: WidthRule | None  # --head-lr's default: an untied LM head's own lr (None: it trains at --lr)
     muon_lr: float | None  # --muon-lr's default (the hidden matrices under Muon); None: no Muon
     warmup_fraction: float  # --warmup-steps' default, a fraction of the run
     state: hardware.OptimizerState  # optimizer state per parameter, for hardware.step_memory
@@ -111,19 +113,22 @@ def build_muon(recipe: Recipe, parameters: Parameters, device: torch.device, ran
     across the `world` ranks), AdamW for the embeddings and norms, never decayed."""
     from muon import Muon  # here, not at import: a torch without Muon gets hardware.check_torch's message
 
+    adamw_groups = [{"params": parameters.rest, "weight_decay": 0.0}]
+    if parameters.head:
+        adamw_groups.append({"params": parameters.head, "weight_decay": 0.0, "lr": recipe.head_lr, "name": "head"})
     muon = Muon(parameters.hidden,
                 ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)), rank=rank, world=world,
                 lr=recipe.muon_lr, weight_decay=recipe.weight_decay, momentum=recipe.muon_momentum, nesterov=True,
                 coefficients=recipe.muon_coefficients, normuon_beta2=recipe.normuon_beta2,
                 cautious_weight_decay=recipe.cautious_weight_decay)
-    return {"muon": muon, "adamw": adamw(recipe, [{"params": parameters.rest, "weight_decay": 0.0}], device)}
+    return {"muon": muon, "adamw": adamw(recipe, adamw_groups, device)}
 
 
 def build_adamw(recipe: Recipe, parameters: Parameters, device: torch.device, rank: int,
                 world: int) -> dict[str, torch.optim.Optimizer]:
     """AdamW for everything, decaying the hidden matrices only."""
     groups = [{"params": parameters.hidden, "weight_decay": recipe.weight_decay},
-              {"params": parameters.rest, "weight_decay": 0.0}]
+              {"params": parameters.rest + parameters.head, "weight_decay": 0.0}]
     return {"adamw": adamw(recipe, groups, device)}
 
 
@@ -133,11 +138,14 @@ def build_adamw(recipe: Recipe, parameters: Parameters, device: torch.device, ra
 OPTIMIZERS = {
     "muon": OptimizerRule(
         help="torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms",
-        adamw_lr=WidthRule(0.05, 128, 0.5, 0.1), muon_lr=0.02, warmup_fraction=0.02,
+        adamw_lr=WidthRule(0.05, 128, 0.5, 0.1), head_lr=WidthRule(0.01, 128, 0.5, 0.1), muon_lr=0.02,
+        warmup_fraction=0.02,
         state=hardware.OptimizerState(hidden=4, rest=8), build=build_muon,
-        own_options={"muon_lr": "it is Muon's, for the hidden matrices (without Muon, --lr sets every learning rate)"}),
+        own_options={"muon_lr": "it is Muon's, for the hidden matrices (without Muon, --lr sets every learning rate)",
+                     "head_lr": "without Muon, --lr sets every learning rate (an untied head's too)"}),
     "adamw": OptimizerRule(
-        help="AdamW for everything", adamw_lr=WidthRule(1e-3, 256, 1.0, 1e-2), muon_lr=None, warmup_fraction=0.05,
+        help="AdamW for everything", adamw_lr=WidthRule(1e-3, 256, 1.0, 1e-2), head_lr=None, muon_lr=None,
+        warmup_fraction=0.05,
         state=hardware.OptimizerState(hidden=8, rest=8), build=build_adamw,
         own_options={"adam8bit": "under muon, AdamW only trains the embeddings and norms, and Muon keeps one "
                                  "buffer per matrix (half of AdamW's state) already"}),
@@ -160,6 +168,8 @@ class RecipeOptions:
                               OPTIONS, checks=(finite, positive))
     muon_lr: float | None = option(None, "Muon's peak learning rate (hidden matrices)", OPTIONS,
                                    checks=(finite, positive))
+    head_lr: float | None = option(None, "AdamW's peak learning rate of an untied LM head (--no-tie-embeddings) "
+                                         "under muon", OPTIONS, checks=(finite, positive))
     schedule: str | None = option(
         None, "cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay over the last "
               f"--decay-fraction of the run (None: {DEFAULT_SCHEDULE})", OPTIONS, choices=SCHEDULES)
@@ -235,6 +245,7 @@ class Recipe:
     normuon_beta2: float = 0.0
     cautious_weight_decay: bool = False
     weight_decay_schedule: str = "constant"
+    head_lr: float | None = None  # an untied LM head's lr under muon (None: tied, or it trains at lr)
 
     @property
     def rule(self) -> OptimizerRule:
@@ -268,10 +279,12 @@ class Recipe:
     def describe(self) -> str:
         rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
             f"Muon lr {self.muon_lr:.3g} (hidden matrices), AdamW lr {self.lr:.3g} (embeddings, norms)"
+        if self.head_lr is not None:
+            rates = rates[:-1] + f"; {self.head_lr:.3g} the untied LM head)"
         decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
             f"constant, then linear decay over the last {self.decay_steps} steps"
         knobs = "".join(f", {field.name} {getattr(self, field.name)}" for field in knobs_of(type(self))
-                        if getattr(self, field.name) != field.default)
+                        if getattr(self, field.name) != field.default and field.name != "head_lr")
         return (f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
                 f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
                 f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}{knobs}")
@@ -303,9 +316,11 @@ def with_recorded_defaults(training: dict) -> dict:
     return {**defaults, **training}
 
 
-def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int) -> tuple[Recipe, list[str]]:
-    """The recipe for a model of width `hidden` and a run of `total_steps`: the options given, the rules of
-    the optimizer's table entry for the rest. Also returns why each chosen value was chosen (printed at start)."""
+def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int,
+                  tied: bool = True) -> tuple[Recipe, list[str]]:
+    """The recipe for a model of width `hidden` (`tied`: its LM head is its input embedding) and a run of
+    `total_steps`: the options given, the rules of the optimizer's table entry for the rest. Also returns why
+    each chosen value was chosen (printed at start)."""
     optimizer = options.optimizer or DEFAULT_OPTIMIZER
     rule, schedule, why = OPTIMIZERS[optimizer], options.schedule or DEFAULT_SCHEDULE, []
     lr = options.lr
@@ -330,6 +345,11 @@ def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int) -> tupl
     final = DEFAULT_FINAL_LR_FRACTION if options.final_lr_fraction is None else options.final_lr_fraction
     beta2 = DEFAULT_BETA2 if options.beta2 is None else options.beta2
     knobs = {field.name: getattr(options, field.name) for field in knobs_of(Recipe)}
+    if tied and options.head_lr is not None:
+        raise UserError("--head-lr is the lr of an untied LM head: add --no-tie-embeddings, or drop it")
+    if not tied and rule.head_lr is not None and options.head_lr is None:
+        knobs["head_lr"] = rule.head_lr.at(hidden)
+        why.append(f"untied LM head lr {knobs['head_lr']:.3g} = {rule.head_lr.explain(hidden)}")
     recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
                     decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
                     weight_decay=options.weight_decay, betas=(options.beta1, beta2),
@@ -377,12 +397,14 @@ def recipe_warnings(recipe: Recipe) -> list[str]:
 
 
 def hidden_matrices(model: torch.nn.Module) -> Parameters:
-    """(the 2-D weights inside the decoder layers: attention and MLP projections, the rest: embeddings, norms)."""
-    hidden, rest = [], []
+    """(the 2-D weights inside the decoder layers: attention and MLP projections; the rest: the embedding and
+    norms; an untied LM head). A tied head is the embedding: named_parameters lists it once, as the embedding."""
+    hidden, rest, head = [], [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (hidden if param.ndim == 2 and ".layers." in name else rest).append(param)
-    return Parameters(hidden, rest)
+            part = head if name == "lm_head.weight" else hidden if param.ndim == 2 and ".layers." in name else rest
+            part.append(param)
+    return Parameters(hidden, rest, head)
 
 
 class Optimizers:

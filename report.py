@@ -778,7 +778,7 @@ def export_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, dev
     if manifest.tokenizer_sha256 != training["tokenizer_sha256"]:
         raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
                         "pass that corpus with --data")
-    preset = model_config.Preset(**{name: training[f"model.{name}"] for name in model_config.OVERRIDABLE_FIELDS})
+    preset = model_config.recorded_preset(training)
     model = model_config.build_model(preset, training["vocab_size"], manifest.special_tokens)
     model.load_state_dict(checkpoint["model"])
     model.to(device).eval()

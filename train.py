@@ -120,11 +120,11 @@ DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf:/
              f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
 
 
-def shape_option(name: str) -> Any:
+def shape_option(name: str, what: str = "") -> Any:
     """A model field's override (None: the preset's; model_config.resolve_preset checks the shape)."""
-    tiny, think72 = model_config.PRESETS["tiny"], model_config.PRESETS["think72"]
-    return option(None, f"None: the preset's (tiny {getattr(tiny, name):g}, think72 {getattr(think72, name):g})",
-                  MODEL)
+    tiny, think72 = (getattr(model_config.PRESETS[preset], name) for preset in ("tiny", "think72"))
+    shown = [("yes" if value else "no") if isinstance(value, bool) else f"{value:g}" for value in (tiny, think72)]
+    return option(None, f"{what}None: the preset's (tiny {shown[0]}, think72 {shown[1]})", MODEL)
 
 
 def token_count(text: str) -> int:
@@ -159,6 +159,8 @@ class RunSettings(optimization.RecipeOptions):
     head_dim: int | None = shape_option("head_dim")
     rope_theta: float | None = shape_option("rope_theta")
     rms_norm_eps: float | None = shape_option("rms_norm_eps")
+    tie_embeddings: bool | None = shape_option("tie_embeddings", "the LM head shares the input embedding (no: its "
+                                               "own matrix, trained at --head-lr under muon). ")
     target_tokens: int | None = option(
         None, "train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)", BUDGET,
         type=token_count, checks=(positive,), exclusive="length")
@@ -430,7 +432,8 @@ class Training:
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, data.train_blocks, data.global_batch, self.tokens_per_step)
-        self.recipe, self.recipe_reasons = optimization.choose_recipe(run, self.preset.hidden, self.total_steps)
+        self.recipe, self.recipe_reasons = optimization.choose_recipe(run, self.preset.hidden, self.total_steps,
+                                                                        self.preset.tie_embeddings)
         decay_start = self.recipe.total_steps - self.recipe.decay_steps if self.recipe.schedule == "wsd" else None
         data.start_phases(decay_start)  # after the recipe: a mixture's phase may start at its decay
 
@@ -758,12 +761,14 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     """What a resume from `checkpoint` may change, decided before any state is restored: the warmup the rule
     chose for the run's first length is kept, a precision change is noted, any setting but the length
     refuses the resume (store.resume_verdict), and a new length must be a sound extension."""
-    old = optimization.with_recorded_defaults(checkpoint["settings"]["training"])  # a knob added since: its default
+    old = model_config.with_recorded_defaults(  # a knob or shape field added since: at its default
+        optimization.with_recorded_defaults(checkpoint["settings"]["training"]))
     warmup = old.get("recipe.warmup_steps")
     if training.run.warmup_steps is None and warmup is not None and warmup != training.recipe.warmup_steps:
         # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
         kept = dataclasses.replace(training.run, warmup_steps=int(warmup))
-        recipe, reasons = optimization.choose_recipe(kept, training.preset.hidden, training.total_steps)
+        recipe, reasons = optimization.choose_recipe(kept, training.preset.hidden, training.total_steps,
+                                                 training.preset.tie_embeddings)
         training.recipe = recipe
         training.recipe_reasons = [*reasons, f"{warmup} warmup steps: the run's, chosen for its first length"]
     runtime = checkpoint["settings"].get("runtime") or {}

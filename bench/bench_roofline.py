@@ -485,7 +485,8 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         model = model_config.build_model(preset, VOCAB)
         for parameter in model.parameters():
             parameter.grad = torch.zeros_like(parameter)
-    hidden, rest = optimization.hidden_matrices(model)
+    hidden, rest, head = optimization.hidden_matrices(model)
+    rest = rest + head
     card = CARD_PLANS[precision]
     ns_dtype = hardware.newton_schulz_dtype(card)
     with fake:  # the first step makes the optimizers' state: not counted

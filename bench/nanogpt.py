@@ -15,6 +15,7 @@ the blocks take train_data.Batch's positions and block-diagonal mask as the Qwen
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -108,5 +109,6 @@ def swap_into(training: train.Training) -> GPT:
     model = GPT(training.vocab_size, preset.context, preset.hidden, preset.layers, preset.heads).to(training.device)
     training.model = model.train()
     training.forward_model = losses.LanguageModelLoss(model)
+    training.recipe = dataclasses.replace(training.recipe, head_lr=None)  # GPT-2 ties its head
     training.optimizer = build_optimizers(model, training.recipe)
     return model

@@ -29,7 +29,7 @@ def side(result, label, precision):
 def test_the_matmuls_are_6n(smoke, precision):
     """Matmul FLOPs per token within 5% of model_config.flops_per_token's 6N part, before and after."""
     preset = model_config.PRESETS[smoke["preset"]]
-    six_n = 6 * model_config.parameter_count(preset, bench_roofline.VOCAB)
+    six_n = 6 * model_config.matmul_parameters(preset, bench_roofline.VOCAB)
     for label in ("before", "after"):
         assert side(smoke, label, precision).per_token("matmul", "flops") == pytest.approx(six_n, rel=0.05)
 

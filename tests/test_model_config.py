@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 import model_config
@@ -12,10 +14,23 @@ def test_think72_has_exactly_72m_parameters():
 
 
 @pytest.mark.parametrize("name", ["tiny", "nano", "micro"])
-def test_parameter_count_matches_the_built_model(name):
-    preset = model_config.PRESETS[name]
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_matches_the_built_model(name, tied):
+    preset = dataclasses.replace(model_config.PRESETS[name], tie_embeddings=tied)
     model = model_config.build_model(preset, 777)
     assert sum(p.numel() for p in model.parameters()) == model_config.parameter_count(preset, 777)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    other = dataclasses.replace(preset, tie_embeddings=not tied)  # the head's matmul costs the same either way
+    assert model_config.flops_per_token(preset, 777) == model_config.flops_per_token(other, 777)
+
+
+def test_a_recorded_shape_without_a_later_field_reads_it_at_its_default():
+    recorded = {f"model.{name}": getattr(model_config.PRESETS["tiny"], name)
+                for name in model_config.OVERRIDABLE_FIELDS if name != "tie_embeddings"}
+    assert model_config.recorded_preset(recorded).tie_embeddings is True  # what every run meant before the field
+    assert model_config.with_recorded_defaults(recorded)["model.tie_embeddings"] is True
+    assert model_config.with_recorded_defaults({**recorded, "model.tie_embeddings": False})[
+        "model.tie_embeddings"] is False
 
 
 def test_tiny_is_well_under_one_million_at_demo_vocab():

@@ -176,7 +176,8 @@ def test_extension_rule_table(old, new, step, problem):
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
     model = tiny_model()
     names = {id(param): name for name, param in model.named_parameters()}
-    hidden, rest = optimization.hidden_matrices(model)
+    hidden, rest, head = optimization.hidden_matrices(model)
+    assert head == []  # tied: the LM head is the embedding
     projections = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     assert sorted(names[id(p)] for p in hidden) == sorted(
@@ -202,6 +203,42 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
         muon.load_state_dict(adamw.state_dict())
 
 
+def test_an_untied_head_is_its_own_adamw_group_at_the_head_lr():
+    model = model_config.build_model(dataclasses.replace(model_config.PRESETS["tiny"], tie_embeddings=False), 300)
+    hidden, rest, head = optimization.hidden_matrices(model)
+    assert head == [model.lm_head.weight] and head[0] is not model.model.embed_tokens.weight
+    assert len(hidden) == 14 and len(rest) == 10
+    muon = optimization.build_optimizers(model, recipe(lr=0.004, head_lr=0.001), torch.device("cpu"))
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in muon.parts["adamw"].param_groups] == [
+        (0.004, 0.0, 10), (0.001, 0.0, 1)]
+    assert muon.apply_schedule(recipe(lr=0.004, head_lr=0.001), 1) == {"muon": 0.01, "adamw": 0.002, "head": 0.0005}
+    adamw = optimization.build_optimizers(model, recipe(optimizer="adamw", lr=0.004, muon_lr=None),
+                                          torch.device("cpu"))
+    assert [(g["lr"], len(g["params"])) for g in adamw.parts["adamw"].param_groups] == [(0.004, 14), (0.004, 11)]
+
+
+@pytest.mark.parametrize("given, tied, head_lr, problem", [
+    ({}, True, None, None),  # tied: no head of its own
+    ({}, False, 0.01, None),  # the rule: 0.01 at width 128 (nanochat's unembedding rule lands there too)
+    ({"head_lr": 0.003}, False, 0.003, None),
+    ({"optimizer": "adamw"}, False, None, None),  # under adamw the head trains at --lr
+    ({"head_lr": 0.003}, True, None, "--head-lr is the lr of an untied LM head: add --no-tie-embeddings"),
+    ({"head_lr": 0.003, "optimizer": "adamw"}, False, None, "--head-lr needs --optimizer muon"),
+])
+def test_head_lr_rule_table(given, tied, head_lr, problem):
+    options = optimization.RecipeOptions(**given)
+    if problem:
+        with pytest.raises(UserError, match=problem):
+            optimization.check_recipe_options(options)
+            optimization.choose_recipe(options, 128, 100, tied)
+        return
+    chosen, reasons = optimization.choose_recipe(options, 128, 100, tied)
+    assert chosen.head_lr == head_lr
+    assert any("untied LM head lr" in reason for reason in reasons) == (not tied and "head_lr" not in given
+                                                                        and head_lr is not None)
+    assert ("the untied LM head" in chosen.describe()) == (head_lr is not None)
+
+
 def state_bytes_per_parameter(optimizers: optimization.Optimizers, parameters: list) -> set[float]:
     """The optimizer state each of `parameters` holds, in bytes per element (its per-element tensors only)."""
     state = {id(param): entry for part in optimizers.parts.values() for param, entry in part.state.items()}
@@ -219,7 +256,7 @@ def test_each_optimizers_memory_rule_is_the_state_it_keeps(name):
         param.grad = torch.ones_like(param)
     for part in optimizers.parts.values():
         part.step()
-    hidden, rest = optimization.hidden_matrices(model)
+    hidden, rest, _ = optimization.hidden_matrices(model)
     rule = optimization.OPTIMIZERS[name]
     assert state_bytes_per_parameter(optimizers, hidden) == {rule.state.hidden}
     assert state_bytes_per_parameter(optimizers, rest) == {rule.state.rest}

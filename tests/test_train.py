@@ -1864,7 +1864,7 @@ def test_zero_init_output_zeroes_only_the_output_projections(corpus, tmp_path):
 
 ROUND_2 = ("--muon-coefficients", "polar-express", "--normuon-beta2", "0.95", "--cautious-weight-decay",
            "--momentum-warmup-steps", "4", "--momentum-cooldown-steps", "4", "--weight-decay-schedule", "linear",
-           "--zero-init-output")
+           "--zero-init-output", "--no-tie-embeddings", "--head-lr", "0.02")
 
 
 def test_round_2_recipe_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
@@ -1876,6 +1876,8 @@ def test_round_2_recipe_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
                               "--stop-after-steps", "5")) == 0
     state = final_state(split)["optimizer"]["muon"]["state"]
     assert state and all("second_moment" in entry for entry in state.values())
+    head = final_state(split)["optimizer"]["adamw"]["param_groups"][-1]  # the untied LM head's own group
+    assert head["peak_lr"] == 0.02 and len(head["params"]) == 1
     result = run_cli(options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0", "--resume", "auto"))
     assert "resumed from" in result.stdout
     assert_same_state(final_state(split), final_state(full))
