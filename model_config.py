@@ -30,8 +30,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # For tests and the CPU demo: well under 1M parameters at a demo-sized vocabulary.
     "tiny": Preset(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, context=128),
-    # nano: issue 30's round 2 on real text (docs/recipe.md): full multi-head attention at the same matrix
-    # parameters, RoPE base 10,000 for its 256-token context, and an LM head of its own
+    # nano: issue 30's round 2 on real text (docs/recipe.md): an LM head of its own, RoPE base 10,000 for its
+    # 256-token context, full multi-head attention at the same matrix parameters
     "nano": Preset(layers=4, hidden=128, intermediate=341, heads=4, kv_heads=4, head_dim=32, context=256,
                    rope_theta=10_000.0, tie_embeddings=False),
     "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512),
