@@ -277,10 +277,9 @@ class Recipe:
         return 1.0 - step / self.total_steps if self.weight_decay_schedule == "linear" else 1.0
 
     def describe(self) -> str:
+        head = "" if self.head_lr is None else f"; {self.head_lr:.3g} the untied LM head"
         rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
-            f"Muon lr {self.muon_lr:.3g} (hidden matrices), AdamW lr {self.lr:.3g} (embeddings, norms)"
-        if self.head_lr is not None:
-            rates = rates[:-1] + f"; {self.head_lr:.3g} the untied LM head)"
+            f"Muon lr {self.muon_lr:.3g} (hidden matrices), AdamW lr {self.lr:.3g} (embeddings, norms{head})"
         decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
             f"constant, then linear decay over the last {self.decay_steps} steps"
         knobs = "".join(f", {field.name} {getattr(self, field.name)}" for field in knobs_of(type(self))
