@@ -181,11 +181,13 @@ def check_first_collective(info: DistInfo, limit_seconds: float = FIRST_COLLECTI
     except RuntimeError as error:  # torch.distributed.DistError is one
         lines = str(error).strip().splitlines()
         failure = f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+        shutdown_distributed()
         raise UserError(first_collective_error(backend, info.world, limit_seconds, failure, environ)) from None
     finally:
         finished.set()
     if low != expected or high != expected:
         failure = f"the sum of {elements:,} values came back between {low:g} and {high:g}, not {expected:g}"
+        shutdown_distributed()  # now, not in the interpreter's teardown: gloo aborts there once the peers are gone
         raise UserError(first_collective_error(backend, info.world, limit_seconds, failure, environ))
 
 
