@@ -114,6 +114,8 @@ def build_muon(recipe: Recipe, parameters: Parameters, device: torch.device, ran
     from muon import Muon  # here, not at import: a torch without Muon gets hardware.check_torch's message
 
     adamw_groups = [{"params": parameters.rest, "weight_decay": 0.0}]
+    if parameters.head and recipe.head_lr is None:
+        raise ValueError("the model has an untied LM head but the recipe no head_lr: choose it with tied=False")
     if parameters.head:
         adamw_groups.append({"params": parameters.head, "weight_decay": 0.0, "lr": recipe.head_lr, "name": "head"})
     muon = Muon(parameters.hidden,

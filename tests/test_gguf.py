@@ -33,8 +33,9 @@ needs_llama_cpp = pytest.mark.skipif(
     not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install -r requirements-dev.txt)"
 )
 
-# head_dim 32 with 4 heads of a 64-wide model: head_dim != hidden/heads, as in think72.
-PRESET = dataclasses.replace(model_config.PRESETS["tiny"], head_dim=32)
+# head_dim 32 with 4 heads of a 64-wide model: head_dim != hidden/heads, as in think72; the LM head tied to the
+# embedding table, as in micro and larger (an untied head, tiny's and nano's: test_untied_output_is_written_and_runs).
+PRESET = dataclasses.replace(model_config.PRESETS["tiny"], head_dim=32, tie_embeddings=True)
 
 
 def sample_texts(count: int = 300) -> list[str]:
@@ -387,7 +388,7 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
     export_gguf.export(model_dir, out, "f32", log=lambda *_: None)
     changed = copy_folder(model_dir, tmp_path / "changed")
     config = json.loads((changed / "config.json").read_text())
-    config["rope_parameters"]["rope_theta"] = 10_000.0
+    config["rope_parameters"]["rope_theta"] = PRESET.rope_theta * 100  # the GGUF keeps the exported base
     (changed / "config.json").write_text(json.dumps(config))
     with pytest.raises(export_gguf.VerificationFailed, match="logits differ"):
         export_gguf.verify_with_llama_cpp(changed, out, "f32", log=lambda *_: None)
@@ -399,7 +400,7 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
 
     model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        model.model.norm.weight.copy_(model.model.norm.weight.flip(0))
+        model.model.norm.weight.neg_()  # every logit negated: HF's top token is llama.cpp's bottom one
     llm = llama_cpp.Llama(str(out), n_ctx=PRESET.context, logits_all=True, verbose=False)
     ids = corpus_format.load_tokenizer(model_dir).encode(export_gguf.VERIFY_TEXTS[2])
     with pytest.raises(export_gguf.VerificationFailed, match="diverges at token .* near-tie threshold 0.001") as error:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,10 @@ FP32_TOLERANCE = 1e-5  # relative to the largest gradient: fp32 rounding of sums
 HALF_ERROR_FACTOR = 2.0
 
 
-def tiny_model(autocast_elementwise: bool = False) -> torch.nn.Module:
+def tiny_model(autocast_elementwise: bool = False, tied: bool = False) -> torch.nn.Module:
+    """`tiny` (its own LM head), or with the head tied to the embedding table (`micro` and larger are)."""
     torch.manual_seed(0)
-    model = model_config.build_model(model_config.PRESETS["tiny"], VOCAB)
+    model = model_config.build_model(dataclasses.replace(model_config.PRESETS["tiny"], tie_embeddings=tied), VOCAB)
     attention.use_attention(model, attention.MASKED)
     if autocast_elementwise:  # as train.py builds it: the hidden states then come in the half type
         model_config.autocast_elementwise(model)
@@ -64,9 +67,11 @@ def largest_difference(gradients: dict, reference: dict) -> dict[str, float]:
 @pytest.mark.parametrize("precision, elementwise", [("fp32", False), ("bf16", False), ("fp16", False),
                                                     ("bf16", True), ("fp16", True)])
 @pytest.mark.parametrize("reduction, ignored", [("mean", False), ("sum", False), ("sum", True), ("mean", True)])
-def test_the_chunked_loss_equals_the_full_logits_one(precision, elementwise, reduction, ignored):
-    model, (inputs, targets) = tiny_model(elementwise), batch(ignored)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the head's gradient adds to the table's
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_chunked_loss_equals_the_full_logits_one(precision, elementwise, reduction, ignored, tied):
+    model, (inputs, targets) = tiny_model(elementwise, tied), batch(ignored)
+    # tied: the head's gradient adds to the table's
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
     exact_loss, exact = loss_and_gradients(full_logits_loss, model, inputs, targets, reduction, "fp32")
     expected_loss, expected = loss_and_gradients(full_logits_loss, model, inputs, targets, reduction, precision)
@@ -233,7 +238,7 @@ def test_the_default_chunk_is_the_logits_budget_over_the_vocabulary_and_evaluati
 def test_a_frozen_head_still_trains_the_decoder_through_the_chunked_function(monkeypatch):
     """A head (here tied to the embedding table) that does not require grad: the hidden states still do,
     so the loss still goes through ChunkedLinearCrossEntropy, and the decoder's gradients are the full logits'."""
-    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    model, (inputs, targets) = tiny_model(tied=True), batch(ignored=True)
     model.lm_head.weight.requires_grad_(False)
     trained = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
     assert trained  # the decoder's layers

@@ -90,7 +90,7 @@ def test_the_optimizer_iterates_in_the_devices_dtype():
     model = model_config.build_model(model_config.PRESETS["tiny"], vocab_size=300)
     recipe = optimization.Recipe(optimizer="muon", lr=1e-3, muon_lr=0.02, schedule="wsd", warmup_steps=1,
                                  decay_steps=1, final_lr_fraction=0.0, total_steps=10, weight_decay=0.1,
-                                 betas=(0.9, 0.95), muon_momentum=0.95, grad_clip=1.0)
+                                 betas=(0.9, 0.95), muon_momentum=0.95, grad_clip=1.0, head_lr=1e-3)
     optimizer = optimization.build_optimizers(model, recipe, torch.device("cpu"), rank=1, world=2).parts["muon"]
     assert isinstance(optimizer, torch.optim.Muon)
     assert (optimizer.ns_dtype, optimizer.rank, optimizer.world) == ("fp32", 1, 2)

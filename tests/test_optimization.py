@@ -22,8 +22,9 @@ def recipe(**fields) -> optimization.Recipe:
     return optimization.Recipe(**{**base, **fields})
 
 
-def tiny_model() -> torch.nn.Module:
-    return model_config.build_model(model_config.PRESETS["tiny"], vocab_size=300)
+def tiny_model(tied: bool = False) -> torch.nn.Module:
+    """`tiny` (its own LM head), or with the head tied to the embedding table (`micro` and larger are)."""
+    return model_config.build_model(dataclasses.replace(model_config.PRESETS["tiny"], tie_embeddings=tied), 300)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_extension_rule_table(old, new, step, problem):
 
 
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
-    model = tiny_model()
+    model = tiny_model(tied=True)
     names = {id(param): name for name, param in model.named_parameters()}
     hidden, rest, head = optimization.hidden_matrices(model)
     assert head == []  # tied: the LM head is the embedding
@@ -204,7 +205,7 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest_undecayed():
 
 
 def test_an_untied_head_is_its_own_adamw_group_at_the_head_lr():
-    model = model_config.build_model(dataclasses.replace(model_config.PRESETS["tiny"], tie_embeddings=False), 300)
+    model = tiny_model()
     hidden, rest, head = optimization.hidden_matrices(model)
     assert head == [model.lm_head.weight] and head[0] is not model.model.embed_tokens.weight
     assert len(hidden) == 14 and len(rest) == 10
@@ -215,6 +216,12 @@ def test_an_untied_head_is_its_own_adamw_group_at_the_head_lr():
     adamw = optimization.build_optimizers(model, recipe(optimizer="adamw", lr=0.004, muon_lr=None),
                                           torch.device("cpu"))
     assert [(g["lr"], len(g["params"])) for g in adamw.parts["adamw"].param_groups] == [(0.004, 14), (0.004, 11)]
+
+
+def test_an_untied_head_without_its_lr_is_refused():
+    """A recipe chosen for a tied model (no head lr) on a model with its own head: a clear error, not a None lr."""
+    with pytest.raises(ValueError, match="untied LM head"):
+        optimization.build_optimizers(tiny_model(), recipe(lr=0.004), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("given, tied, head_lr, problem", [
@@ -250,16 +257,16 @@ def state_bytes_per_parameter(optimizers: optimization.Optimizers, parameters: l
 def test_each_optimizers_memory_rule_is_the_state_it_keeps(name):
     """hardware.step_memory's bytes per parameter (the table's `state`) are what one step leaves behind."""
     model = tiny_model()
-    chosen, _ = optimization.choose_recipe(optimization.RecipeOptions(optimizer=name), 64, 10)
+    chosen, _ = optimization.choose_recipe(optimization.RecipeOptions(optimizer=name), 64, 10, tied=False)
     optimizers = optimization.build_optimizers(model, chosen, torch.device("cpu"))
     for param in model.parameters():
         param.grad = torch.ones_like(param)
     for part in optimizers.parts.values():
         part.step()
-    hidden, rest, _ = optimization.hidden_matrices(model)
+    hidden, rest, head = optimization.hidden_matrices(model)
     rule = optimization.OPTIMIZERS[name]
     assert state_bytes_per_parameter(optimizers, hidden) == {rule.state.hidden}
-    assert state_bytes_per_parameter(optimizers, rest) == {rule.state.rest}
+    assert state_bytes_per_parameter(optimizers, rest + head) == {rule.state.rest}  # an untied head: as the rest
     assert isinstance(rule.state, hardware.OptimizerState)
 
 
@@ -327,7 +334,7 @@ def test_weight_decay_schedule_table(schedule, expected):
 
 
 def test_the_optimizers_apply_the_schedule_of_each_step():
-    model = model_config.build_model(model_config.PRESETS["tiny"], vocab_size=300)
+    model = tiny_model(tied=True)
     chosen = recipe(lr=0.004, muon_lr=0.03, momentum_warmup_steps=4, weight_decay_schedule="linear")
     optimizers = optimization.build_optimizers(model, chosen, torch.device("cpu"))
     optimizers.apply_schedule(chosen, 1)  # warmup: lr 2/4 of the peak, momentum 0.9, decay 19/20 of 0.1

@@ -638,8 +638,8 @@ def test_uninterrupted_run_writes_the_run_folder(reference):
         ".lock", "checkpoints", "config.toml", "hardware.json", "metrics.jsonl", "run_status.json",
         "training_settings.json"]
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    train_keys = {"kind", "step", "tokens", "loss", "adamw_lr", "muon_lr", "grad_norm", "step_seconds",
-                  "tokens_per_second", "mfu", "peak_memory_bytes", "time"}
+    train_keys = {"kind", "step", "tokens", "loss", "adamw_lr", "muon_lr", "head_lr", "grad_norm", "step_seconds",
+                  "tokens_per_second", "mfu", "peak_memory_bytes", "time"}  # head_lr: tiny's LM head is its own
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(set(r) == train_keys for r in records if r["kind"] == "train")
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
@@ -666,8 +666,8 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
     assert status(out)["status"] == "CHECKPOINTED_NEEDS_RESUME" and status(out)["step"] == 5
     result = run_cli(options(corpus, out, "--resume", "auto"))  # a new process
     assert "resumed from" in result.stdout and "step 5/12" in result.stdout
-    assert "recipe: muon: Muon lr 0.02 (hidden matrices), AdamW lr 0.003 (embeddings, norms); 3 warmup steps" \
-        in result.stdout
+    assert ("recipe: muon: Muon lr 0.02 (hidden matrices), AdamW lr 0.003 (embeddings, norms; 0.0141 the untied LM "
+            "head); 3 warmup steps") in result.stdout
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
 
@@ -803,16 +803,18 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
                                                                                   monkeypatch):
     """Under DDP the gradients are zeroed in place (set_to_none=False keeps DDP's bucket views); AdamW and
     Muon treat a zero gradient unlike a missing one, so every parameter must get one in every step."""
-    training = train.build_training(train.parse_args(options(corpus, tmp_path / "unit")),
-                                    distributed.init_distributed("cpu"))
-    model = training.model
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one parameter, two uses
-    batch = training.data.micro_batches(0, 0, training.device)[0]
-    training.loss_of(batch).backward()
-    held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
-            for param in group["params"]]
-    assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
-    assert all(param.grad is not None and bool(param.grad.abs().sum() > 0) for param in held)
+    for tied in (False, True):  # tiny's own LM head; tied (micro and larger): one parameter, two uses
+        extra = ("--tie-embeddings",) if tied else ()
+        training = train.build_training(train.parse_args(options(corpus, tmp_path / f"unit-{tied}", *extra)),
+                                        distributed.init_distributed("cpu"))
+        model = training.model
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        batch = training.data.micro_batches(0, 0, training.device)[0]
+        training.loss_of(batch).backward()
+        held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
+                for param in group["params"]]
+        assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
+        assert all(param.grad is not None and bool(param.grad.abs().sum() > 0) for param in held)
     zero_grad = optimization.Optimizers.zero_grad
     monkeypatch.setattr(optimization.Optimizers, "zero_grad", lambda self, set_to_none=True: zero_grad(self, False))
     out = tmp_path / "in-place"
