@@ -8,9 +8,11 @@ entries (/usr/share/doc/*/changelog.Debian.gz), --changelog-bytes of them; data.
 with a 4,096-token BPE and holds out 5% of the documents (the test split).
 
 (a) The sweep. budget.probe measures each preset's tokens/s (train.py steps at one thread); for a
-budget of --minutes, each preset trains the token counts that fit --fractions of it, with the batch
-budget.candidate_outcome gives (the planner's own rule), in-process through train.py's Training, one
-run after another at one thread; the score is held-out bits per byte over every test block.
+budget of --minutes, each preset trains the token counts that fit --fractions of it (a fraction above 1
+is a longer budget: --fractions 3 of 10 minutes is 30), with the batch budget.candidate_outcome gives
+and at most budget.MAX_EPOCHS passes over the train split (the planner's own rules), in-process through
+train.py's Training, one run after another at one thread; the score is held-out bits per byte over
+every test block.
 (b) The fit: L(N, D) = E + A / N^alpha + B / D^beta over the runs (N: non-embedding parameters, D:
 training tokens); for each (alpha, beta) on a grid, E, A and B are linear least squares (numpy), and
 the (alpha, beta) with the least squared error wins. It prints the LossModel line budget.py holds.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -98,10 +101,19 @@ def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> lis
     return budget.probe(train.measure_speed(settings, info), info, shapes, settings.session.batch_size, math.inf, vocab)
 
 
-def sweep_point(candidate: budget.Candidate, seconds: float) -> dict:
-    """What the planner's rule trains `candidate` on for a budget of `seconds` (no probe time spent)."""
-    request = budget.Request(budget=f"{seconds:g}s", seconds=seconds)
-    return budget.candidate_outcome(candidate, request, budget.LOSS_MODEL)
+def budget_request(seconds: float, train_tokens: float) -> budget.Request:
+    """The planner's request for `seconds` on this corpus (no probe time spent): train.py's, tokens capped at
+    budget.MAX_EPOCHS passes over the train split."""
+    return budget.Request(budget=f"{seconds:g}s", seconds=seconds, max_tokens=budget.MAX_EPOCHS * train_tokens)
+
+
+def sweep_point(candidate: budget.Candidate, seconds: float, train_tokens: float) -> dict:
+    """What the planner's rule trains `candidate` on for a budget of `seconds`."""
+    return budget.candidate_outcome(candidate, budget_request(seconds, train_tokens), budget.LOSS_MODEL)
+
+
+def train_tokens(corpus: Path) -> int:
+    return corpus_format.load_manifest(corpus).split("train")["tokens"]
 
 
 def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
@@ -139,26 +151,33 @@ def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[d
 
 
 def fit(runs: list[dict]) -> tuple[budget.LossModel, float]:
-    """L(N, D) = E + A/N^alpha + B/D^beta: (alpha, beta) on a 0.01 grid, E, A, B by least squares (all >= 0)."""
+    """budget.LossModel's form over the runs by least squares in bits per byte (scipy's trust-region fit of
+    E, log N_c, alpha_N, log D_c, alpha_D, all bounded, from a small grid of starts; the lowest error wins)."""
     import numpy as np
+    from scipy.optimize import least_squares
 
     n = np.array([run["parameters"] for run in runs], dtype=float)
     d = np.array([run["tokens"] for run in runs], dtype=float)
     y = np.array([run["bpb"] for run in runs], dtype=float)
-    best = (math.inf, None)
-    for alpha in np.arange(0.05, 1.51, 0.01):
-        for beta in np.arange(0.05, 1.51, 0.01):
-            design = np.stack([np.ones_like(n), n ** -alpha, d ** -beta], axis=1)
-            coefficients, *_ = np.linalg.lstsq(design, y, rcond=None)
-            if (coefficients < 0).any():
-                continue
-            error = float(((design @ coefficients - y) ** 2).sum())
-            if error < best[0]:
-                best = (error, budget.LossModel(*(float(value) for value in (
-                    coefficients[0], coefficients[1], alpha, coefficients[2], beta))))
-    if best[1] is None:
-        raise UserError("no fit with non-negative E, A and B")
-    return best[1], math.sqrt(best[0] / len(runs))
+
+    def model_of(p) -> budget.LossModel:
+        return budget.LossModel(p[0], math.exp(p[1]), p[2], math.exp(p[3]), p[4])
+
+    def residuals(p):
+        return model_of(p).loss(n, d) - y
+
+    lower, upper = [0.0, -30.0, 0.01, -30.0, 0.01], [float(y.min()), 60.0, 5.0, 60.0, 3.0]
+    best = None
+    starts = itertools.product((0.1, 0.5, 2.0), (0.2, 0.5, 1.0), (1e4, 1e8), (1e5, 1e8))
+    with np.errstate(over="ignore"):  # a start far from the fit overflows the power: that start loses
+        for alpha_n, alpha_d, n_c, d_c in starts:
+            start = [0.5 * float(y.min()), math.log(n_c), alpha_n, math.log(d_c), alpha_d]
+            solution = least_squares(residuals, start, bounds=(lower, upper), x_scale="jac", xtol=1e-12, ftol=1e-12)
+            if np.isfinite(solution.cost) and (best is None or solution.cost < best.cost):
+                best = solution
+    if best is None:
+        raise UserError("no fit of the loss model")
+    return model_of(best.x), math.sqrt(2 * best.cost / len(runs))
 
 
 def check_targets(results: dict, model: budget.LossModel) -> list[str]:
@@ -170,7 +189,7 @@ def check_targets(results: dict, model: budget.LossModel) -> list[str]:
     for fraction in sorted({run["fraction"] for run in results["runs"]}):
         seconds = results["minutes"] * 60 * fraction
         try:
-            plan = budget.choose(budget.Request(budget=f"{seconds:g}s", seconds=seconds), candidates, model)
+            plan = budget.choose(budget_request(seconds, results["train_tokens"]), candidates, model)
         except UserError:
             lines.append(f"| {seconds / 60:g} min | none: below the smallest sensible run |" + " |" * 8)
             continue
@@ -221,7 +240,7 @@ def sweep(args: argparse.Namespace, work: Path, results: dict, results_path: Pat
         for fraction in (float(text) for text in args.fractions.split(",")):
             if (candidate.preset, fraction) in done:
                 continue
-            point = sweep_point(candidate, results["minutes"] * 60 * fraction)
+            point = sweep_point(candidate, results["minutes"] * 60 * fraction, results["train_tokens"])
             run = {**train_point(corpus, work, args.seed, point), "fraction": fraction}
             print(f"{run['preset']} {run['tokens']:,} tokens ({fraction:g} of {results['minutes']:g} min): "
                   f"{run['train_seconds']:.0f} s, held-out {run['bpb']:.4f} bits/byte", flush=True)
@@ -238,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("minutes", args.minutes)
     results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1,
                           "torch": torch.__version__}
+    if not args.fit_only:  # the 4-pass cap (budget.MAX_EPOCHS) is the planner's, so the sweep's and the check's
+        results["train_tokens"] = train_tokens(build_corpus(work, args.changelog_bytes))
     if args.default_only:
         tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
-        marks = [sweep_point(tiny, results["minutes"] * 60 * float(f))["tokens"] for f in args.fractions.split(",")]
+        marks = [sweep_point(tiny, results["minutes"] * 60 * float(f), results["train_tokens"])["tokens"]
+                 for f in args.fractions.split(",")]
         results["default_run"] = default_run(build_corpus(work, args.changelog_bytes), work, args.seed, marks)
         atomic_write_json(results_path, results)
     elif not args.fit_only:
@@ -248,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     fitted = [run for run in results["runs"] if run["steps"] >= args.fit_min_steps]
     model, rms = fit(fitted)
     print(f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
-          f"LOSS_MODEL = LossModel(e={model.e:.4f}, a={model.a:.4g}, alpha={model.alpha:.2f}, "
-          f"b={model.b:.4g}, beta={model.beta:.2f})\n")
+          f"LOSS_MODEL = {model}\n")
     speeds = ", ".join(f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in results["candidates"])
     print(f"probe (tokens/s at one thread): {speeds}\n")
     for line in run_lines(results, model) + [""] + check_targets(results, model):
