@@ -224,9 +224,8 @@ def run_lines(results: dict, model: budget.LossModel) -> list[str]:
     return lines
 
 
-def sweep(args: argparse.Namespace, work: Path, results: dict, results_path: Path) -> None:
+def sweep(args: argparse.Namespace, corpus: Path, work: Path, results: dict, results_path: Path) -> None:
     """Probe, then train every (preset, fraction) not yet in `results` (saved after each run)."""
-    corpus = build_corpus(work, args.changelog_bytes)
     torch.set_num_threads(1)
     if not results.get("candidates"):
         started = time.monotonic()
@@ -258,15 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1,
                           "torch": torch.__version__}
     if not args.fit_only:  # the 4-pass cap (budget.MAX_EPOCHS) is the planner's, so the sweep's and the check's
-        results["train_tokens"] = train_tokens(build_corpus(work, args.changelog_bytes))
+        corpus = build_corpus(work, args.changelog_bytes)
+        results["train_tokens"] = train_tokens(corpus)
     if args.default_only:
         tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
         marks = [sweep_point(tiny, results["minutes"] * 60 * float(f), results["train_tokens"])["tokens"]
                  for f in args.fractions.split(",")]
-        results["default_run"] = default_run(build_corpus(work, args.changelog_bytes), work, args.seed, marks)
+        results["default_run"] = default_run(corpus, work, args.seed, marks)
         atomic_write_json(results_path, results)
     elif not args.fit_only:
-        sweep(args, work, results, results_path)
+        sweep(args, corpus, work, results, results_path)
     fitted = [run for run in results["runs"] if run["steps"] >= args.fit_min_steps]
     model, rms = fit(fitted)
     print(f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
