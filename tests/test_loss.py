@@ -213,11 +213,11 @@ def test_segments_keep_attention_and_positions_inside_each_document():
 def count_chunks(monkeypatch) -> tuple[list[int], list[int]]:
     """Record the rows of each chunk's cross-entropy and of each chunk's gradient (computed only for training)."""
     rows, gradient_rows = [], []
-    cross_entropy_sum, gradient = losses.cross_entropy_sum, losses.cross_entropy_gradient_
+    cross_entropy_sum, gradient = losses.cross_entropy_sum, losses.cross_entropy_and_gradient_
     monkeypatch.setattr(losses, "cross_entropy_sum", lambda logits, *rest: rows.append(logits.size(0)) or
                         cross_entropy_sum(logits, *rest))
-    monkeypatch.setattr(losses, "cross_entropy_gradient_", lambda logits, *rest: gradient_rows.append(logits.size(0))
-                        or gradient(logits, *rest))
+    monkeypatch.setattr(losses, "cross_entropy_and_gradient_",
+                        lambda logits, *rest: gradient_rows.append(logits.size(0)) or gradient(logits, *rest))
     return rows, gradient_rows
 
 
@@ -228,8 +228,8 @@ def test_the_default_chunk_is_the_logits_budget_over_the_vocabulary_and_evaluati
     rows, gradient_rows = count_chunks(monkeypatch)
     model, (inputs, targets) = tiny_model(), batch(ignored=False)
     loss = losses.language_model_loss(model, inputs, targets, "sum")
-    assert rows == gradient_rows == [37, 37, 37, 17]  # training: each chunk's gradient in the forward
-    rows.clear(), gradient_rows.clear()
+    assert (rows, gradient_rows) == ([], [37, 37, 37, 17])  # training: each chunk's loss and gradient in the forward
+    gradient_rows.clear()
     with torch.no_grad():
         assert losses.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(loss.item(), rel=1e-6)
     assert (rows, gradient_rows) == ([37, 37, 37, 17], [])  # evaluation: the same chunks, no gradient
