@@ -247,7 +247,8 @@ class Recipe:
     normuon_beta2: float = 0.0
     cautious_weight_decay: bool = False
     weight_decay_schedule: str = "constant"
-    head_lr: float | None = None  # an untied LM head's lr under muon (None: tied, or it trains at lr)
+    # an untied LM head's lr under muon (None: tied, or it trains at lr); describe() names it with the rates
+    head_lr: float | None = dataclasses.field(default=None, metadata={"with_rates": True})
 
     @property
     def rule(self) -> OptimizerRule:
@@ -285,7 +286,7 @@ class Recipe:
         decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
             f"constant, then linear decay over the last {self.decay_steps} steps"
         knobs = "".join(f", {field.name} {getattr(self, field.name)}" for field in knobs_of(type(self))
-                        if getattr(self, field.name) != field.default and field.name != "head_lr")
+                        if getattr(self, field.name) != field.default and not field.metadata.get("with_rates"))
         return (f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
                 f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
                 f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}{knobs}")

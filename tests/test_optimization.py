@@ -79,6 +79,9 @@ def test_a_knob_is_its_option_and_shows_in_the_description_when_set():
     chosen, _ = optimization.choose_recipe(optimization.RecipeOptions(optimizer="adamw", adam8bit=True), 128, 100)
     assert chosen.adam8bit and chosen.describe().endswith("grad clip 1, adam8bit True")
     assert recipe().describe().endswith("grad clip 1")  # a knob at its default is not mentioned
+    untied, _ = optimization.choose_recipe(optimization.RecipeOptions(normuon_beta2=0.95), 128, 100, tied=False)
+    described = untied.describe()  # the head's lr is named once, with the rates, not again as a knob
+    assert "0.01 the untied LM head" in described and described.endswith("grad clip 1, normuon_beta2 0.95")
 
 
 def test_a_warmup_of_zero_steps_starts_at_the_peak():
