@@ -596,10 +596,10 @@ def _think72(attention_bytes: float, other_bytes: float, launches: int, optimize
 
 
 ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
-    ("fp16", "eager"): _think72(403200, 5.16596e6, 1599, 5.86141e9, 2366),
-    ("fp16", "compiled"): _think72(403200, 1.6499e6, 795, 5.86141e9, 2366),
-    ("bf16", "eager"): _think72(317184, 4.9657e6, 1571, 4.95511e9, 2265),
-    ("bf16", "compiled"): _think72(317184, 1.52133e6, 795, 4.95511e9, 2265),
+    ("fp16", "eager"): _think72(403200, 5.42114e6, 1721, 5.86141e9, 2380),
+    ("fp16", "compiled"): _think72(403200, 1.6499e6, 795, 5.86141e9, 2380),
+    ("bf16", "eager"): _think72(317184, 5.22088e6, 1693, 4.95511e9, 2276),
+    ("bf16", "compiled"): _think72(317184, 1.52133e6, 795, 4.95511e9, 2276),
 }
 
 

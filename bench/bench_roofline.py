@@ -19,7 +19,10 @@ Where the CPU and the card dispatch differently, the count follows the card:
   row sums; K/V heads repeated where the plan repeats them; the masked kernels' bias read once per pass);
   the varlen kernels' CUDA-only ops are stood in for (their outputs made with the right shapes);
 - F.rms_norm: one fused op forward (aten._fused_rms_norm) and one backward, as CUDA runs it (the CPU
-  decomposes it).
+  decomposes it);
+- an op that is one dispatch but several CUDA kernels (below_dispatch, read in torch's CUDA sources): the
+  kernels it launches and the bytes they move beyond reading its inputs and writing its outputs once
+  (eager only: the compiled estimate has its own model).
 
 Categories: matmul (every op in the FLOP registry but attention), attention (the kernel), loss (the
 chunked cross-entropy outside the matmuls), embedding (the lookup and its backward), and norm/RoPE/
@@ -145,6 +148,13 @@ class Op:
     inputs: list  # [(key, view, bytes)] read
     outputs: list  # [(key, bytes)] written
     boundary: bool  # a matmul or the attention kernel: never fused
+    extra: float = 0.0  # bytes its CUDA kernels move beyond read + written (below_dispatch), eager only
+    kernels: int = 1  # CUDA kernels it launches, eager
+
+    @property
+    def moved(self) -> float:
+        """Bytes its eager CUDA kernels read and write."""
+        return self.read + self.written + self.extra
 
 
 LABEL = "bench_roofline"
@@ -315,8 +325,64 @@ class Counter(TorchDispatchMode):
                 detail = "casts"
             read = sum(size for _, _, size in inputs)
             write = sum(size for _, size in outputs)
+        extra, kernels = (0.0, 1) if name in STAND_IN else below_dispatch(name, args, out)
         self.ops.append(Op(name, self.phase, category, detail, flops,
-                           read, write, inputs, outputs, boundary))
+                           read, write, inputs, outputs, boundary, extra, kernels))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops that are one dispatch but several kernels on CUDA, as torch's CUDA sources run them.
+
+CHUNK, MAX_BLOCKS, MAX_TENSORS = 65_536, 320, (110, 64, 48, 36, 30)  # MultiTensorApply.cuh, by depth
+MULTI_TENSOR_DEPTH = {"_amp_foreach_non_finite_check_and_unscale_": 1, "_foreach_norm": 1, "_foreach_mul_": 1,
+                      "_foreach_zero_": 1, "_foreach_add_": 1, "_fused_adamw_": 4}
+EMBEDDING_ROWS_PER_THREAD = 10  # EmbeddingBackwardKernel.cu's NROWS_PER_THREAD
+
+
+def multi_tensor_launches(numels: list[int], depth: int) -> int:
+    """Kernels multi_tensor_apply launches over tensors of these sizes: one per 65,536-element chunk and
+    block, launched when 320 blocks or depth's most tensors are queued, and once at the end."""
+    launches, tensors, blocks = 0, 0, 0
+    for numel in (n for n in numels if n > 0):
+        tensors += 1
+        chunks = -(-numel // CHUNK)
+        for chunk in range(chunks):
+            blocks += 1
+            if (tensors == MAX_TENSORS[depth - 1] and chunk == chunks - 1) or blocks == MAX_BLOCKS:
+                launches, blocks = launches + 1, 0
+                tensors = 0 if chunk == chunks - 1 else 1
+    return launches + (1 if blocks else 0)
+
+
+def below_dispatch(name: str, args, out) -> tuple[float, int]:
+    """(bytes beyond reading each input and writing each output once, kernels) of an op on CUDA."""
+    if name == "slice_backward":  # at::zeros of the input's size, then the gradient copied into its slice
+        return float(nbytes(args[0])), 2
+    if name == "_fused_rms_norm_backward":  # layer_norm_kernel.cu: dX, then dgamma reads dY, X, rstd again
+        grad, input, _, rstd = args[:4]
+        return float(nbytes(grad) + nbytes(input) + nbytes(rstd)), 2
+    if name == "embedding_dense_backward":
+        return embedding_backward(args[0], args[1], args[2])
+    if name in MULTI_TENSOR_DEPTH:
+        launches = multi_tensor_launches([t.numel() for t in args[0]], MULTI_TENSOR_DEPTH[name])
+        return 0.0, launches + (1 if name == "_foreach_norm" else 0)  # its partial norms' cleanup kernel
+    return 0.0, 1
+
+
+def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, rows: int) -> tuple[float, int]:
+    """Embedding.cu: up to 3,072 indices, zeros and one kernel that adds each gradient row into its token's
+    row; beyond, the indices sorted, then EmbeddingBackwardKernel.cu's two-pass path: per-segment partial
+    sums in fp32 (written, then read; at most indices / 10 + min(indices, rows) partials) and the sums
+    scattered into the touched rows. Kernels: zeros, the index sort and the segment scans counted one
+    each (cub launches a few), krn_partials_per_segment, compute_num_of_partial_segments,
+    krn_partial_segment_offset, compute_grad_weight, sum_and_scatter."""
+    tokens, width = indices.numel(), grad.shape[-1]
+    touched = min(tokens, rows) * width * grad.element_size()
+    if tokens <= 3072:
+        return float(touched), 2
+    partials = (tokens // EMBEDDING_ROWS_PER_THREAD + min(tokens, rows)) * width * 4
+    index_passes = 4 * tokens * indices.element_size()  # the sort reads and writes keys and positions
+    return float(2 * partials + touched + index_passes), 10
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +484,7 @@ class Side:
         total = 0.0
         for op in self.ops:
             if op.phase in phases and (category is None or op.category == category):
-                total += op.flops if field == "flops" else op.read + op.written
+                total += op.flops if field == "flops" else op.moved
         return total / self.tokens
 
 
@@ -517,6 +583,7 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         op.category = "newton-schulz" if op.category == "matmul" else "optimizer"
         if op.category == "newton-schulz":
             op.flops, op.read, op.written = op.flops * share, op.read * share, op.written * share
+            op.extra *= share
     return counter.ops
 
 
@@ -597,11 +664,11 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
     else:
         totals = collections.defaultdict(float)
         for op in ops:
-            totals[op.category] += op.read + op.written
-        kernels = len(ops)
+            totals[op.category] += op.moved
+        kernels = sum(op.kernels for op in ops)
     tokens = side.tokens
     # Newton-Schulz's matmuls are timed by their FLOPs (compute-bound at these shapes), the rest by bytes
-    optimizer_bytes = sum(op.read + op.written for op in optimizer_ops if op.category == "optimizer")
+    optimizer_bytes = sum(op.moved for op in optimizer_ops if op.category == "optimizer")
     return hardware.CountedStep(
         micro_batch_tokens=tokens,
         matmul_flops=side.per_token("matmul", "flops"),
@@ -611,7 +678,7 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         other_bytes=sum(value for key, value in totals.items() if key not in ("matmul", "attention")) / tokens,
         launches=kernels,
         optimizer_bytes=optimizer_bytes,
-        optimizer_launches=len(optimizer_ops),
+        optimizer_launches=sum(op.kernels for op in optimizer_ops),
         newton_schulz_flops=sum(op.flops for op in optimizer_ops),
         gradient_bytes=4 * side.parameters,
         broadcast_bytes=(world - 1) / world * 2 * sum(a * b for a, b in hardware.muon_matrix_shapes(side.plan.preset))
@@ -638,7 +705,7 @@ def category_table(sides: list[Side], fused: dict) -> list[str]:
     rows.append(("outside matmuls KB (compiled estimate)",
                  lambda s: sum(v for k, v in fused[id(s)][0].items() if k != "matmul") / s.tokens / 1e3))
     rows.append(("kernels per micro-step (eager / compiled)",
-                 lambda s: f"{len(s.ops):,} / {fused[id(s)][1]:,}"))
+                 lambda s: f"{sum(op.kernels for op in s.ops):,} / {fused[id(s)][1]:,}"))
     for title, value in rows:
         cells = []
         for side in sides:
@@ -654,7 +721,7 @@ def detail_table(sides: list[Side]) -> list[str]:
     for side in sides:
         for op in side.ops:
             if op.category != "matmul":
-                details[(op.category, op.detail)][id(side)] += (op.read + op.written) / side.tokens
+                details[(op.category, op.detail)][id(side)] += op.moved / side.tokens
     lines = ["| bytes per token (eager), KB | " + " | ".join(f"{s.label} {s.precision}" for s in sides) + " |",
              "| --- |" + " ---: |" * len(sides)]
     for (category, detail), values in sorted(details.items()):

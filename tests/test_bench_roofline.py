@@ -92,3 +92,40 @@ def test_the_fake_count_is_flop_counter_s_on_real_tensors():
         losses.language_model_loss(model, tokens, tokens, documents=attention.documents_of(np.asarray(segments))
                                    ).backward()
     assert counted.per_token("matmul", "flops") * counted.tokens == pytest.approx(flops.get_total_flops(), rel=1e-6)
+
+
+@pytest.mark.parametrize("numels, depth, launches", [
+    ([], 1, 0),
+    ([10], 1, 1),
+    ([65_536 * 320], 1, 1),  # exactly 320 blocks: one launch, nothing left over
+    ([65_536 * 320 + 1], 1, 2),  # one more chunk: a second launch
+    ([1] * 110, 1, 1),  # depth 1 holds 110 tensors
+    ([1] * 111, 1, 2),
+    ([1] * 36, 4, 1),  # depth 4 (fused AdamW) holds 36
+    ([1] * 37, 4, 2),
+    ([0, 0, 5], 1, 1),  # empty tensors are skipped
+])
+def test_multi_tensor_launches(numels, depth, launches):
+    assert bench_roofline.multi_tensor_launches(numels, depth) == launches
+
+
+def test_ops_that_are_several_kernels_on_cuda():
+    """slice_backward (zeros, then a copy), the RMSNorm backward (dX, then dgamma rereading dY, X and rstd)
+    and the embedding backward (sorted past 3,072 indices) launch more than one kernel and move more than
+    their inputs and outputs once; an ordinary op launches one and moves nothing more."""
+    import torch
+
+    grad = torch.empty(4, 8, 16)
+    assert bench_roofline.below_dispatch("slice_backward", (grad, [4, 8, 32], 2, 0, 16, 1), None) == (
+        grad.numel() * 4, 2)
+    rstd = torch.empty(4, 8, 1)
+    extra, kernels = bench_roofline.below_dispatch("_fused_rms_norm_backward", (grad, grad, [16], rstd, None), None)
+    assert (extra, kernels) == (2 * grad.numel() * 4 + rstd.numel() * 4, 2)
+    small = bench_roofline.below_dispatch("embedding_dense_backward", (grad, torch.empty(4, 8, dtype=torch.long), 100,
+                                                                       -1, False), None)
+    large = bench_roofline.below_dispatch("embedding_dense_backward", (torch.empty(8, 1024, 16),
+                                                                       torch.empty(8, 1024, dtype=torch.long), 100,
+                                                                       -1, False), None)
+    assert small[1] == 2 and large[1] > small[1] and large[0] > small[0] > 0
+    assert bench_roofline.below_dispatch("mul", (grad, grad), grad) == (0.0, 1)
+    assert bench_roofline.below_dispatch("_foreach_norm", ([grad] * 3, 2), None) == (0.0, 2)
