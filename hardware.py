@@ -6,7 +6,8 @@ test fakes a T4, an A100 or a CPU without one. The rules:
 
 - precision: fp16 + GradScaler below sm_80 (P100, V100, T4 have fp16 tensor cores and no bf16
   ones: `torch.cuda.is_bf16_supported()` says True there because it counts emulation), bf16 from
-  sm_80 (A100, A10, L4, H100), fp32 on CPU;
+  sm_80 (A100, A10, L4, H100); on CPU bf16 where it has bf16 dot-product instructions torch uses
+  (avx512_bf16, AMX: its matmuls run several times faster than fp32's), else fp32;
 - attention: attention.choose_attention takes a Device from here (the kernels live in attention.py);
 - Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
@@ -42,6 +43,7 @@ class Device:
     capability: tuple[int, int] = (0, 0)
     memory_bytes: int = 0
     count: int = 1
+    bf16_instructions: bool = False  # a CPU whose bf16 matmuls torch runs natively (cpu_bf16_instructions)
 
     @property
     def is_cuda(self) -> bool:
@@ -54,18 +56,34 @@ class Device:
 
     def label(self) -> str:
         if not self.is_cuda:
-            return "CPU"
+            return "CPU (bf16 instructions)" if self.bf16_instructions else "CPU"
         return f"{self.name} (sm_{self.capability[0]}{self.capability[1]})"
 
 
 CPU = Device("cpu")
+CPU_BF16 = Device("cpu", bf16_instructions=True)
+ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10_1_512", "ALL")
+
+
+def cpu_bf16_instructions(avx512_bf16: bool, amx: bool, aten_capability: str, onednn_max_isa: str | None) -> bool:
+    """Whether torch runs this CPU's bf16 matmuls and elementwise kernels natively: it has avx512_bf16 or AMX,
+    ATen dispatches its AVX-512 kernels (ATEN_CPU_CAPABILITY not capped below) and oneDNN, which runs the
+    matmuls, is not capped below its bf16 ISAs (ONEDNN_MAX_CPU_ISA). Elsewhere bf16 is emulated: an
+    8192x128 by 128x344 matmul took 528 ms in bf16 against 43 ms in fp32 with both capped at AVX2, 9.6 ms
+    against 36 ms uncapped (bench/RESULTS.md, "bf16 on a CPU with bf16 instructions")."""
+    capped = onednn_max_isa is not None and not onednn_max_isa.upper().startswith(ONEDNN_BF16_ISAS)
+    return (avx512_bf16 or amx) and aten_capability.upper().startswith(("AVX512", "AMX")) and not capped
 
 
 def describe(device) -> Device:
-    """The Device of a torch.device (the one CUDA query of this module)."""
-    if device.type != "cuda":
-        return CPU
+    """The Device of a torch.device (the one CUDA query of this module; on CPU, what torch says of its
+    instructions)."""
     import torch
+
+    if device.type != "cuda":
+        native = cpu_bf16_instructions(torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported(),
+                                       torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+        return CPU_BF16 if native else CPU
 
     props = torch.cuda.get_device_properties(device)
     return Device("cuda", props.name, (props.major, props.minor), int(props.total_memory), torch.cuda.device_count())
@@ -126,8 +144,11 @@ def choose_precision(requested: str, device: Device) -> Precision:
     """--precision auto|fp32|fp16|bf16 on `device`. Explicit choices are kept; a slow one is warned about."""
     where = device.label()
     if requested == "auto":
+        if not device.is_cuda and device.bf16_instructions:
+            return Precision("bf16", "auto: bf16 on a CPU with bf16 instructions (avx512_bf16 or AMX: its "
+                                     "matmuls several times faster than fp32's; --precision fp32 for fp32)")
         if not device.is_cuda:
-            return Precision("fp32", "auto: fp32 on CPU")
+            return Precision("fp32", "auto: fp32 on CPU (no bf16 instructions torch uses)")
         if device.native_bf16:
             return Precision("bf16", f"auto: bf16 on {where} (bf16 tensor cores, no loss scaling)")
         return Precision("fp16", f"auto: fp16 + loss scaling on {where} (no bf16 tensor cores below sm_80)")
@@ -136,6 +157,9 @@ def choose_precision(requested: str, device: Device) -> Precision:
         return Precision("bf16", reason, f"--precision bf16 on {where} runs emulated (no bf16 tensor cores "
                                          "below sm_80: slower than fp32, and attention falls back to the math "
                                          "kernel); --precision auto picks fp16 with loss scaling here")
+    if requested == "bf16" and not device.is_cuda and not device.bf16_instructions:
+        return Precision("bf16", reason, "--precision bf16 on a CPU without bf16 instructions (avx512_bf16, "
+                                         "AMX) runs emulated, many times slower than --precision fp32")
     if requested == "fp16" and not device.is_cuda:
         return Precision("fp16", reason, "--precision fp16 on CPU is slow and meant for testing the fp16 + loss "
                                          "scaling path; bf16 (or fp32) is the CPU choice")

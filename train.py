@@ -232,7 +232,8 @@ class SessionSettings:
     threads: int = option(0, "torch CPU threads per rank (0: torch's default)", SPEED, checks=(not_negative,))
     precision: str = option(  # as asked; what it resolves to on this device is recorded as runtime.precision
         "auto", "auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below (T4, V100, P100), "
-                "fp32 on CPU. May change on resume (a run can move between cards)", SPEED,
+                "on CPU bf16 where it has avx512_bf16 or AMX, else fp32. May change on resume (a run can move between "
+                "cards)", SPEED,
         choices=["auto", "fp32", "fp16", "bf16"])
     compile: bool | None = option(None, "torch.compile the model and its loss (default: on CUDA, off on CPU); "
                                         "compiled at start, where a failure falls back to eager with a warning",

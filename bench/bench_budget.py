@@ -129,7 +129,8 @@ def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
         seconds += training.train_step().seconds
     bpb = heldout_bpb(training, training.run.packing)
     return {**point, "parameters": budget.non_embedding_parameters(training.preset), "train_seconds": seconds,
-            "bpb": bpb, "steps": training.total_steps}
+            "bpb": bpb, "steps": training.total_steps, "precision": training.precision,
+            "tied": training.preset.tie_embeddings}
 
 
 def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[dict]:

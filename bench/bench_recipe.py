@@ -70,6 +70,9 @@ BUILT_IN = {
                     "--final-lr-fraction 0.1",
     "default": "",
 }
+# nanoGPT as its train.py runs on a CPU (no autocast there: fp32 whatever the CPU); nanogpt-muon takes the
+# precision train.py picks for the device, as the default does (bf16 on a CPU with bf16 instructions)
+BUILT_IN["nanogpt-muon-fp32"] = BUILT_IN["nanogpt-muon"] + " --precision fp32"
 TARGETS = {"baseline": (0.95, 0.75), "nanogpt-muon": (0.85, 0.70)}  # (bpb ratio, time ratio) against the classic
 # recipe (issue 11), against nanoGPT + Muon (issue 30: any --model nanogpt reference)
 TEXTS = ("kjv", "manpages", "changelog")

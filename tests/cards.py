@@ -15,4 +15,5 @@ A100 = hardware.Device("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB)
 H100 = hardware.Device("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB)
 H200 = hardware.Device("cuda", "NVIDIA H200", (9, 0), 140 * GIB)
 CPU = hardware.CPU
+CPU_BF16 = hardware.CPU_BF16  # avx512_bf16 or AMX
 CARDS = [P100, V100, T4, A10, L4, A100, H100, H200]

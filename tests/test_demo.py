@@ -132,7 +132,9 @@ def test_demo_completes_with_an_accuracy(demo):
     final = checkpoint_model(run / "checkpoints" / "step-00000040.pt")
     settings = json.loads((run / "training_settings.json").read_text())
     expected = split_loss(final, work / "corpus" / "demo", "test", 128, settings)
-    assert record["test_loss"] == pytest.approx(expected, rel=1e-4)
+    # computed here in fp32; the run evaluates in its precision (bf16 on a CPU with bf16 instructions: its rounding)
+    assert record["test_loss"] == pytest.approx(expected, rel=1e-4 if settings["runtime"]["precision"] == "fp32"
+                                                else 2e-3)
     assert [r["test_loss"] for r in metrics(run) if r["kind"] == "test"] == [record["test_loss"]]
     card = (run / "model" / "README.md").read_text()
     assert "Held-out demo task accuracy" in card and "**COMPLETE**" in card

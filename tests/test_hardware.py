@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cards import A10, A100, CPU, GIB, H100, H200, L4, P100, T4, V100
+from cards import A10, A100, CPU, CPU_BF16, GIB, H100, H200, L4, P100, T4, V100
 
 import hardware
 import model_config
@@ -20,23 +20,42 @@ TABLE = [
     (H100, "bf16", "bf16"),
     (H200, "bf16", "bf16"),
     (CPU, "fp32", "fp32"),
+    (CPU_BF16, "bf16", "fp32"),
 ]
 
 
-@pytest.mark.parametrize("device, precision, newton_schulz", TABLE, ids=[row[0].name or "cpu" for row in TABLE])
+@pytest.mark.parametrize("device, precision, newton_schulz", TABLE,
+                         ids=[row[0].name or row[0].label() for row in TABLE])
 def test_every_card(device, precision, newton_schulz):
     choice = hardware.choose_precision("auto", device)
     assert choice.value == precision and choice.warning is None
     assert hardware.newton_schulz_dtype(device) == newton_schulz
     # the emulation trap: every card "supports" bf16 in torch's default sense; only sm_80+ has it natively
-    assert device.native_bf16 == (precision == "bf16")
+    assert device.native_bf16 == (precision == "bf16" and device.is_cuda)
 
 
 def test_explicit_bf16_below_sm80_is_kept_with_a_warning_and_takes_the_math_kernel():
     choice = hardware.choose_precision("bf16", T4)
     assert choice.value == "bf16" and "emulated" in choice.warning and "fp16" in choice.warning
     assert hardware.choose_precision("bf16", A100).warning is None
-    assert hardware.choose_precision("bf16", CPU).warning is None
+    assert "emulated" in hardware.choose_precision("bf16", CPU).warning
+    assert hardware.choose_precision("bf16", CPU_BF16).warning is None
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, capability, onednn, native", [
+    (True, False, "AVX512", None, True),  # e.g. AMD Zen 4, Intel Cooper Lake
+    (False, True, "AVX512", None, True),  # Intel Sapphire Rapids (AMX; it has avx512_bf16 too)
+    (True, False, "AVX512", "AVX512_CORE_BF16", True),
+    (True, False, "AVX512", "ALL", True),
+    (True, False, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2: ATen's bf16 kernels emulate
+    (True, False, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2: the matmuls emulate
+    (True, False, "AVX512", "AVX512_CORE", False),  # AVX-512 without its bf16 instructions
+    (False, False, "AVX512", None, False),  # Skylake-SP, Ice Lake
+    (False, False, "AVX2", None, False),
+    (False, False, "DEFAULT", None, False),  # ARM and others: torch's bf16 paths are not asked for
+])
+def test_cpu_bf16_instructions(avx512_bf16, amx, capability, onednn, native):
+    assert hardware.cpu_bf16_instructions(avx512_bf16, amx, capability, onednn) == native
 
 
 def test_explicit_choices():

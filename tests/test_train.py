@@ -101,12 +101,14 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
-    """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py)."""
+    """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py). In
+    fp32 on every CPU, so its losses and states are the same whatever the CPU's instructions (auto takes bf16
+    where it has bf16 ones: test_bf16_on_a_cpu_resumes_bit_for_bit)."""
     return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32",
             "--batch-size", "2", "--grad-accum", "2", "--target-tokens", str(steps * 4 * 32),
             "--warmup-steps", "3", "--lr", "3e-3", "--final-lr-fraction", "0.1", "--eval-every", "4",
             "--eval-batches", "2", "--save-every", "4", "--log-every", "1", "--threads", "1", "--peak-tflops", "1",
-            "--keep-last", "10",            "--no-report", *extra]
+            "--keep-last", "10", "--precision", "fp32", "--no-report", *extra]
 
 
 def run_cli(args: list[str], world: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
@@ -803,7 +805,7 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
                                                                                   monkeypatch):
     """Under DDP the gradients are zeroed in place (set_to_none=False keeps DDP's bucket views); AdamW and
     Muon treat a zero gradient unlike a missing one, so every parameter must get one in every step."""
-    for tied in (False, True):  # tiny's own LM head; tied (micro and larger): one parameter, two uses
+    for tied in (False, True):  # tiny's own LM head; tied (think72 and larger): one parameter, two uses
         extra = ("--tie-embeddings",) if tied else ()
         training = train.build_training(train.parse_args(options(corpus, tmp_path / f"unit-{tied}", *extra)),
                                         distributed.init_distributed("cpu"))
@@ -903,7 +905,7 @@ def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
 def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path):
     """training: RunSettings (text_loss resolved) and what they resolve to; runtime: SessionSettings without the
     backup URL (it may carry credentials), precision as resolved on this device."""
-    training = in_process_training(corpus, tmp_path / "run")
+    training = in_process_training(corpus, tmp_path / "run", "--precision", "auto")
     recorded = train.recorded_settings(training)
     run = dataclasses.asdict(training.run)
     assert {key: recorded["training"][key] for key in run} == {**run, "text_loss": None}
@@ -914,7 +916,9 @@ def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path
     session = dataclasses.asdict(training.session)
     assert set(recorded["runtime"]) == set(session) - {"backup_to"} | {"world_size", "device"}
     assert recorded["runtime"]["data"] == str(corpus) and recorded["runtime"]["batch_size"] == 2
-    assert recorded["runtime"]["precision"] == "fp32" and recorded["runtime"]["device"] == "CPU"
+    this_cpu = hardware.describe(torch.device("cpu"))  # bf16 where the CPU has bf16 instructions, else fp32
+    assert recorded["runtime"]["precision"] == hardware.choose_precision("auto", this_cpu).value
+    assert recorded["runtime"]["device"] == this_cpu.label()
 
 
 def test_a_default_length_run_resumes_with_the_same_length_given_as_epochs_1(corpus, tmp_path):
@@ -970,6 +974,23 @@ def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpu
     # to fp32 rounding (Muon iterates in fp32 on CPU; torch's bf16 iteration ended ~1e-3 apart)
     assert train_losses(reference)[12] == pytest.approx(full_losses[12], rel=1e-4)
     assert relative_difference(final_state(reference)["model"], final_state(full)["model"]) < 1e-6
+
+
+def test_bf16_on_a_cpu_resumes_bit_for_bit(corpus, tmp_path):
+    """bf16 autocast on CPU (auto's choice where it has avx512_bf16 or AMX; emulated, slowly, elsewhere): a
+    stopped-and-resumed run ends bit for bit where the uninterrupted one does, and lands near the fp32 one."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    bf16 = ("--precision", "bf16")
+    assert train.main(options(corpus, full, *bf16)) == 0
+    assert train.main(options(corpus, split, *bf16, "--stop-after-steps", "6")) == 0
+    assert train.main(options(corpus, split, *bf16, "--resume", "auto")) == 0
+    assert_same_state(final_state(split), final_state(full))
+    assert train_losses(split) == train_losses(full)
+    assert json.loads((full / "training_settings.json").read_text())["runtime"]["precision"] == "bf16"
+    fp32 = tmp_path / "fp32"
+    assert train.main(options(corpus, fp32)) == 0
+    assert train_losses(full)[12] == pytest.approx(train_losses(fp32)[12], rel=0.02)  # bf16's 8-bit rounding
+    assert train_losses(full)[12] != train_losses(fp32)[12]  # it did run in bf16
 
 
 def torchrun_worker(launcher_pid: int, local_rank: int) -> int:
