@@ -37,9 +37,9 @@ PRESETS: dict[str, Preset] = {
     # of 8, as tensor cores want) rather than 8/3 x 128 = 341: its matmuls and SwiGLU ran 19% faster on CPU
     "nano": Preset(layers=4, hidden=128, intermediate=344, heads=4, kv_heads=4, head_dim=32, context=256,
                    rope_theta=10_000.0, tie_embeddings=False),
-    # micro: its own LM head too, 1.4-2.7% lower bits per byte on both texts and both seeds (docs/recipe.md)
-    "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512,
-                    tie_embeddings=False),
+    # micro keeps its tied head: an own one led by 1-2.7% up to 0.8M tokens, by less with more, and trailed
+    # by 0.7% at 1.9M (docs/recipe.md)
+    "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512),
     "think72": Preset(layers=14, hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=128, context=1024),
     "small125": Preset(layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=4, head_dim=64, context=1024),
     "medium350": Preset(

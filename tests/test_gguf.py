@@ -34,7 +34,7 @@ needs_llama_cpp = pytest.mark.skipif(
 )
 
 # head_dim 32 with 4 heads of a 64-wide model: head_dim != hidden/heads, as in think72; the LM head tied to the
-# embedding table, as in think72 and larger (an untied head, as tiny, nano and micro have:
+# embedding table, as in micro and larger (an untied head, as tiny and nano have:
 # test_untied_output_is_written_and_runs).
 PRESET = dataclasses.replace(model_config.PRESETS["tiny"], head_dim=32, tie_embeddings=True)
 

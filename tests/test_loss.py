@@ -26,7 +26,7 @@ HALF_ERROR_FACTOR = 2.0
 
 
 def tiny_model(autocast_elementwise: bool = False, tied: bool = False) -> torch.nn.Module:
-    """`tiny` (its own LM head), or with the head tied to the embedding table (`think72` and larger are)."""
+    """`tiny` (its own LM head), or with the head tied to the embedding table (`micro` and larger are)."""
     torch.manual_seed(0)
     model = model_config.build_model(dataclasses.replace(model_config.PRESETS["tiny"], tie_embeddings=tied), VOCAB)
     attention.use_attention(model, attention.MASKED)

@@ -23,7 +23,7 @@ def recipe(**fields) -> optimization.Recipe:
 
 
 def tiny_model(tied: bool = False) -> torch.nn.Module:
-    """`tiny` (its own LM head), or with the head tied to the embedding table (`think72` and larger are)."""
+    """`tiny` (its own LM head), or with the head tied to the embedding table (`micro` and larger are)."""
     return model_config.build_model(dataclasses.replace(model_config.PRESETS["tiny"], tie_embeddings=tied), 300)
 
 

@@ -805,7 +805,7 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
                                                                                   monkeypatch):
     """Under DDP the gradients are zeroed in place (set_to_none=False keeps DDP's bucket views); AdamW and
     Muon treat a zero gradient unlike a missing one, so every parameter must get one in every step."""
-    for tied in (False, True):  # tiny's own LM head; tied (think72 and larger): one parameter, two uses
+    for tied in (False, True):  # tiny's own LM head; tied (micro and larger): one parameter, two uses
         extra = ("--tie-embeddings",) if tied else ()
         training = train.build_training(train.parse_args(options(corpus, tmp_path / f"unit-{tied}", *extra)),
                                         distributed.init_distributed("cpu"))
