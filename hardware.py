@@ -81,10 +81,8 @@ def describe(device) -> Device:
     import torch
 
     if device.type != "cuda":
-        asks = [getattr(torch.cpu, name, lambda: False) for name in ("_is_avx512_bf16_supported",
-                                                                     "_is_amx_tile_supported")]  # torch's cpuinfo
-        native = cpu_bf16_instructions(asks[0](), asks[1](), torch.backends.cpu.get_cpu_capability(),
-                                       os.environ.get("ONEDNN_MAX_CPU_ISA"))
+        native = cpu_bf16_instructions(torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported(),
+                                       torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
         return CPU_BF16 if native else CPU
 
     props = torch.cuda.get_device_properties(device)
