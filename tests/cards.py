@@ -17,3 +17,15 @@ H200 = hardware.Device("cuda", "NVIDIA H200", (9, 0), 140 * GIB)
 CPU = hardware.CPU
 CPU_BF16 = hardware.CPU_BF16  # avx512_bf16 or AMX
 CARDS = [P100, V100, T4, A10, L4, A100, H100, H200]
+
+
+def this_cpu() -> hardware.Device:
+    """The CPU the tests run on, as train.py describes it (with or without bf16 instructions)."""
+    import torch
+
+    return hardware.describe(torch.device("cpu"))
+
+
+def this_cpu_precision() -> str:
+    """What --precision auto gives on the CPU the tests run on: bf16 with bf16 instructions, else fp32."""
+    return hardware.choose_precision("auto", this_cpu()).value

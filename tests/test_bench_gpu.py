@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_gpu  # noqa: E402
+from cards import this_cpu_precision  # noqa: E402
 from test_attention import reference_varlen  # noqa: E402
 from test_hardware import CPU, H200, T4  # noqa: E402
 from test_train import write_tiny_corpus  # noqa: E402
@@ -309,7 +310,7 @@ def corpus(tmp_path_factory) -> Path:
 
 # The bench on CPU runs in the CPU's auto precision: fp32, or bf16 where it has bf16 instructions, whose
 # error against the fp32 reference is bf16's 8-bit rounding
-CPU_PRECISION = hardware.choose_precision("auto", hardware.describe(torch.device("cpu"))).value
+CPU_PRECISION = this_cpu_precision()
 CPU_TOLERANCE = 1e-5 if CPU_PRECISION == "fp32" else 2e-2
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cards import this_cpu, this_cpu_precision
 
 import attention
 import callbacks
@@ -916,9 +917,8 @@ def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path
     session = dataclasses.asdict(training.session)
     assert set(recorded["runtime"]) == set(session) - {"backup_to"} | {"world_size", "device"}
     assert recorded["runtime"]["data"] == str(corpus) and recorded["runtime"]["batch_size"] == 2
-    this_cpu = hardware.describe(torch.device("cpu"))  # bf16 where the CPU has bf16 instructions, else fp32
-    assert recorded["runtime"]["precision"] == hardware.choose_precision("auto", this_cpu).value
-    assert recorded["runtime"]["device"] == this_cpu.label()
+    assert recorded["runtime"]["precision"] == this_cpu_precision()
+    assert recorded["runtime"]["device"] == this_cpu().label()
 
 
 def test_a_default_length_run_resumes_with_the_same_length_given_as_epochs_1(corpus, tmp_path):
