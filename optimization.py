@@ -83,6 +83,8 @@ class OptimizerRule:
     adamw_lr: WidthRule  # --lr's default: AdamW's peak lr for the parameters AdamW takes
     head_lr: WidthRule | None  # --head-lr's default: an untied LM head's own lr (None: it trains at --lr)
     muon_lr: float | None  # --muon-lr's default (the hidden matrices under Muon); None: no Muon
+    muon_momentum: float | None  # --muon-momentum's default; None: no Muon
+    beta1: float  # --beta1's default: AdamW's
     warmup_fraction: float  # --warmup-steps' default, a fraction of the run
     state: hardware.OptimizerState  # optimizer state per parameter, for hardware.step_memory
     build: Builder
@@ -141,13 +143,14 @@ OPTIMIZERS = {
     "muon": OptimizerRule(
         help="torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms",
         adamw_lr=WidthRule(0.05, 128, 0.5, 0.1), head_lr=WidthRule(0.01, 128, 0.5, 0.1), muon_lr=0.02,
-        warmup_fraction=0.02,
+        muon_momentum=0.9, beta1=0.6, warmup_fraction=0.02,
         state=hardware.OptimizerState(hidden=4, rest=8), build=build_muon,
         own_options={"muon_lr": "it is Muon's, for the hidden matrices (without Muon, --lr sets every learning rate)",
+                     "muon_momentum": "it is Muon's, for the hidden matrices (AdamW's momentum is --beta1)",
                      "head_lr": "without Muon, --lr sets every learning rate (an untied head's too)"}),
     "adamw": OptimizerRule(
         help="AdamW for everything", adamw_lr=WidthRule(1e-3, 256, 1.0, 1e-2), head_lr=None, muon_lr=None,
-        warmup_fraction=0.05,
+        muon_momentum=None, beta1=0.9, warmup_fraction=0.05,
         state=hardware.OptimizerState(hidden=8, rest=8), build=build_adamw,
         own_options={"adam8bit": "under muon, AdamW only trains the embeddings and norms, and Muon keeps one "
                                  "buffer per matrix (half of AdamW's state) already"}),
@@ -184,9 +187,12 @@ class RecipeOptions:
         checks=(finite, fraction))
     weight_decay: float = option(0.1, "decoupled weight decay of the matrices (AdamW's and Muon's; not "
                                       "embeddings or norms)", OPTIONS, checks=(finite, not_negative))
-    beta1: float = option(0.9, "AdamW beta1", OPTIONS, checks=(finite, below_one))
+    beta1: float | None = option(None, "AdamW beta1 (None: " + ", ".join(
+        f"{rule.beta1:g} under {name}" for name, rule in OPTIMIZERS.items()) + ")", OPTIONS, checks=(finite, below_one))
     beta2: float | None = option(None, f"AdamW beta2 (None: {DEFAULT_BETA2})", OPTIONS, checks=(finite, below_one))
-    muon_momentum: float = option(0.95, "Muon's (Nesterov) momentum", OPTIONS, checks=(finite, below_one))
+    muon_momentum: float | None = option(
+        None, f"Muon's (Nesterov) momentum (None: {OPTIMIZERS['muon'].muon_momentum:g})", OPTIONS,
+        checks=(finite, below_one))
     grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", OPTIONS, checks=(finite, not_negative))
     adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", OPTIONS, flag="--8bit-adam")
     # issue 30's round 2 (docs/recipe.md has what each did on real text); each off by default
@@ -282,7 +288,8 @@ class Recipe:
     def describe(self) -> str:
         head = "" if self.head_lr is None else f"; {self.head_lr:.3g} the untied LM head"
         rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
-            f"Muon lr {self.muon_lr:.3g} (hidden matrices), AdamW lr {self.lr:.3g} (embeddings, norms{head})"
+            f"Muon lr {self.muon_lr:.3g} (hidden matrices, momentum {self.muon_momentum:g}), AdamW lr {self.lr:.3g} " \
+            f"(embeddings, norms{head})"
         decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
             f"constant, then linear decay over the last {self.decay_steps} steps"
         knobs = "".join(f", {field.name} {getattr(self, field.name)}" for field in knobs_of(type(self))
@@ -345,7 +352,9 @@ def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int,
         decay_fraction = DEFAULT_DECAY_FRACTION if options.decay_fraction is None else options.decay_fraction
         decay = min(max(0, total_steps - warmup), round(decay_fraction * total_steps))
     final = DEFAULT_FINAL_LR_FRACTION if options.final_lr_fraction is None else options.final_lr_fraction
+    beta1 = rule.beta1 if options.beta1 is None else options.beta1
     beta2 = DEFAULT_BETA2 if options.beta2 is None else options.beta2
+    momentum = rule.muon_momentum if options.muon_momentum is None else options.muon_momentum
     knobs = {field.name: getattr(options, field.name) for field in knobs_of(Recipe)}
     if tied and options.head_lr is not None:
         raise UserError("--head-lr is the lr of an untied LM head: add --no-tie-embeddings, or drop it")
@@ -354,8 +363,8 @@ def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int,
         why.append(f"untied LM head lr {knobs['head_lr']:.3g} = {rule.head_lr.explain(hidden)}")
     recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
                     decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
-                    weight_decay=options.weight_decay, betas=(options.beta1, beta2),
-                    muon_momentum=options.muon_momentum if muon_lr is not None else None,
+                    weight_decay=options.weight_decay, betas=(beta1, beta2),
+                    muon_momentum=momentum if muon_lr is not None else None,
                     grad_clip=options.grad_clip, **knobs)
     return recipe, why
 

@@ -66,8 +66,9 @@ NANOGPT = "--model nanogpt"  # in a recipe's options: bench/nanogpt.py's GPT-2 i
 BUILT_IN = {
     "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 "
                 "--schedule cosine",
+    # nanoGPT's AdamW betas (0.9, 0.95) and torch.optim.Muon's default momentum, whatever train.py's defaults
     "nanogpt-muon": f"{NANOGPT} --optimizer muon --muon-lr 0.02 --lr 3e-2 --schedule cosine "
-                    "--final-lr-fraction 0.1",
+                    "--final-lr-fraction 0.1 --beta1 0.9 --muon-momentum 0.95",
     "default": "",
 }
 # nanoGPT as its train.py runs on a CPU (no autocast there: fp32 whatever the CPU); nanogpt-muon takes the

@@ -69,8 +69,9 @@ def test_recipe_rule_table(given, hidden, steps, expected):
     chosen, reasons = optimization.choose_recipe(optimization.RecipeOptions(**given), hidden, steps)
     assert {key: getattr(chosen, key) for key in expected} == pytest.approx(expected)
     assert chosen.total_steps == steps and not chosen.adam8bit
-    assert chosen.betas == ((0.9, 0.99) if "beta2" in given else (0.9, optimization.DEFAULT_BETA2))
-    assert chosen.muon_momentum == (None if chosen.optimizer == "adamw" else 0.95)
+    beta1 = 0.9 if chosen.optimizer == "adamw" else 0.6  # AdamW for everything / beside Muon (docs/recipe.md)
+    assert chosen.betas == ((beta1, 0.99) if "beta2" in given else (beta1, optimization.DEFAULT_BETA2))
+    assert chosen.muon_momentum == (None if chosen.optimizer == "adamw" else 0.9)
     assert len(reasons) == sum(option not in given for option in ("lr", "muon_lr", "warmup_steps")) - (
         chosen.optimizer == "adamw")  # a reason for each value the rules chose
 
@@ -97,6 +98,7 @@ def test_recipe_warnings():
 
 @pytest.mark.parametrize("given, message", [
     ({"optimizer": "adamw", "muon_lr": 0.02}, "--muon-lr needs --optimizer muon: it is Muon's"),
+    ({"optimizer": "adamw", "muon_momentum": 0.95}, "--muon-momentum needs --optimizer muon: it is Muon's"),
     ({"adam8bit": True}, "--8bit-adam needs --optimizer adamw: under muon, AdamW only trains the embeddings"),
     ({"optimizer": "muon", "adam8bit": True}, "--8bit-adam needs --optimizer adamw"),
     ({"schedule": "cosine", "decay_fraction": 0.2}, "--decay-fraction belongs to --schedule wsd"),

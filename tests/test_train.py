@@ -669,8 +669,8 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
     assert status(out)["status"] == "CHECKPOINTED_NEEDS_RESUME" and status(out)["step"] == 5
     result = run_cli(options(corpus, out, "--resume", "auto"))  # a new process
     assert "resumed from" in result.stdout and "step 5/12" in result.stdout
-    assert ("recipe: muon: Muon lr 0.02 (hidden matrices), AdamW lr 0.003 (embeddings, norms; 0.0141 the untied LM "
-            "head); 3 warmup steps") in result.stdout
+    assert ("recipe: muon: Muon lr 0.02 (hidden matrices, momentum 0.9), AdamW lr 0.003 (embeddings, norms; 0.0141 "
+            "the untied LM head); 3 warmup steps") in result.stdout
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
 
