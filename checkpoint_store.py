@@ -682,6 +682,15 @@ def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
 
 
 
+def options_to_keep(changes: dict) -> list[str]:
+    """The options that would resume a run as its checkpoint has it where this run leaves them to a default
+    (None) that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed; derived settings (with
+    a dot) and values that are not plain numbers or text are not options to give."""
+    return [f"--{key.replace('_', '-')} {before}" for key, (before, after) in changes.items()
+            if after is None and "." not in key and isinstance(before, (int, float, str))
+            and not isinstance(before, bool)]
+
+
 def latest_checkpoint_name(out: Path) -> str | None:
     return read_json_or(out / "checkpoints" / LATEST, {}).get("path")  # named in fault messages: never raises
 

@@ -779,10 +779,12 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
         say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
+        keep = store.options_to_keep(verdict.others)
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                         + ". A resume keeps every training setting; only the length (--target-tokens or "
                         "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
                         + (" (here the length changed along with other settings)" if verdict.extend else "")
+                        + (f"; the checkpoint's values are kept with {' '.join(keep)}" if keep else "")
                         + f"; for a new run from these weights use a new --out with --init-from {path}")
     extensions = list(checkpoint["settings"].get("extended") or [])
     if verdict.extend:

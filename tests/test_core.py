@@ -651,6 +651,18 @@ def test_resume_verdict(old, new, extend, others):
     assert verdict.extend == extend and verdict.others == others
 
 
+@pytest.mark.parametrize("changes, expected", [
+    # a default that changed since the checkpoint: the option given as the checkpoint had it
+    ({"beta1": (0.9, None), "muon_momentum": (0.95, None), "recipe.betas": ([0.9, 0.95], [0.6, 0.95])},
+     ["--beta1 0.9", "--muon-momentum 0.95"]),
+    ({"lr": (0.001, 0.002)}, []),  # given otherwise on the command line: the message names it already
+    ({"preset": ("nano", None)}, ["--preset nano"]),
+    ({"compile": (True, None), "mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, []),  # not plain values
+])
+def test_options_to_keep(changes, expected):
+    assert store.options_to_keep(changes) == expected
+
+
 # backup wait, signalled, under torchrun, seconds since the signal -> how long the end waits for the upload
 @pytest.mark.parametrize("wait, signalled, torchrun, elapsed, expected", [
     (600, False, False, 0, 600), (600, False, True, 100, 600),  # no signal: --backup-wait-seconds

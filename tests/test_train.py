@@ -697,6 +697,16 @@ def test_a_checkpoint_recorded_before_a_recipe_knob_existed_resumes_bit_for_bit(
     assert_same_state(final_state(out), final_state(reference))
 
 
+def test_a_checkpoint_whose_default_changed_since_says_how_to_keep_it(corpus, tmp_path):
+    """A run that recorded --beta1 0.9 (as every run did before the default under Muon became 0.6), resumed
+    without it: refused, and the message gives the option that resumes it as it was; with it, it resumes."""
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--beta1", "0.9", "--stop-after-steps", "5")) == 0
+    with pytest.raises(UserError, match=r"beta1: 0\.9 -> null.*kept with --beta1 0\.9; for a new run"):
+        train.main(options(corpus, out))
+    assert train.main(options(corpus, out, "--beta1", "0.9")) == 0
+
+
 def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, reference, sums_task, tmp_path):
     """--eval-tasks on, stopped and resumed, ends bit for bit where the run without them ends; the scores
     are in metrics.jsonl and the checkpoints, which give back the records metrics.jsonl lost."""
