@@ -682,12 +682,12 @@ def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
 
 
 
-def options_to_keep(changes: dict) -> list[str]:
-    """The options that would resume a run as its checkpoint has it where this run leaves them to a default
-    (None) that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed; derived settings (with
-    a dot) and values that are not plain numbers or text are not options to give."""
-    return [f"--{key.replace('_', '-')} {before}" for key, (before, after) in changes.items()
-            if after is None and "." not in key and isinstance(before, (int, float, str))
+def options_to_keep(changes: dict, flags: dict[str, str]) -> list[str]:
+    """The options that resume a run as its checkpoint has it where this run leaves them to a default (None)
+    that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed. `flags`: each option's name ->
+    its flag; settings that are no option, and values that are not a plain number or text, are left out."""
+    return [f"{flags[key]} {before}" for key, (before, after) in changes.items()
+            if key in flags and after is None and isinstance(before, (int, float, str))
             and not isinstance(before, bool)]
 
 

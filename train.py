@@ -779,7 +779,8 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
         say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
-        keep = store.options_to_keep(verdict.others)
+        keep = store.options_to_keep(verdict.others, {field.name: option_flag(field)
+                                                      for field in option_fields(RunSettings)})
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                         + ". A resume keeps every training setting; only the length (--target-tokens or "
                         "--epochs) may change, under --schedule wsd from a checkpoint before its decay"

@@ -656,11 +656,13 @@ def test_resume_verdict(old, new, extend, others):
     ({"beta1": (0.9, None), "muon_momentum": (0.95, None), "recipe.betas": ([0.9, 0.95], [0.6, 0.95])},
      ["--beta1 0.9", "--muon-momentum 0.95"]),
     ({"lr": (0.001, 0.002)}, []),  # given otherwise on the command line: the message names it already
-    ({"preset": ("nano", None)}, ["--preset nano"]),
-    ({"compile": (True, None), "mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, []),  # not plain values
+    ({"preset": ("nano", None), "vocab_size": (512, None)}, ["--preset nano"]),  # vocab_size: no option
+    ({"adam8bit": (True, None), "mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, []),  # not plain values
 ])
 def test_options_to_keep(changes, expected):
-    assert store.options_to_keep(changes) == expected
+    flags = {"beta1": "--beta1", "muon_momentum": "--muon-momentum", "lr": "--lr", "preset": "--preset",
+             "adam8bit": "--8bit-adam", "mixture": "--mixture", "seed": "--seed"}
+    assert store.options_to_keep(changes, flags) == expected
 
 
 # backup wait, signalled, under torchrun, seconds since the signal -> how long the end waits for the upload
