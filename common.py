@@ -468,6 +468,11 @@ def option_flag(field: dataclasses.Field) -> str:
     return field.metadata["flag"] or "--" + field.name.replace("_", "-")
 
 
+def option_flags(*kinds) -> dict[str, str]:
+    """Each option of these settings dataclasses: its name -> its flag (e.g. adam8bit -> --8bit-adam)."""
+    return {field.name: option_flag(field) for field in option_fields(*kinds)}
+
+
 def _value_type(field: dataclasses.Field) -> Callable:
     """int, float or str from a field's annotation ("int | None" -> int)."""
     annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "str")

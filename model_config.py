@@ -35,7 +35,7 @@ PRESETS: dict[str, Preset] = {
     # nano: issue 30's round 2 on real text (docs/recipe.md): an LM head of its own, RoPE base 10,000 for its
     # 256-token context, full multi-head attention at about the same matrix parameters; an MLP of 344 (a multiple
     # of 8, as tensor cores want) rather than 8/3 x 128 = 341: its matmuls and SwiGLU ran 19% faster on CPU;
-    # 2 heads of 64 rather than 4 of 32: lower bits per byte on both texts and a 10% faster step on CPU
+    # 2 heads of 64 rather than 4 of 32: lower bits per byte on both texts and a 6-10% faster step on CPU
     "nano": Preset(layers=4, hidden=128, intermediate=344, heads=2, kv_heads=2, head_dim=64, context=256,
                    rope_theta=10_000.0, tie_embeddings=False),
     # micro keeps its tied head: an own one led by 1-2.7% up to 0.8M tokens, by less with more, and trailed

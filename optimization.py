@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 import hardware
-from common import UserError, below_one, finite, fraction, not_negative, option, option_fields, option_flag, positive
+from common import UserError, below_one, finite, fraction, not_negative, option, option_fields, option_flags, positive
 
 DEFAULT_OPTIMIZER = "muon"
 SCHEDULES = ("wsd", "cosine")
@@ -216,7 +216,7 @@ class RecipeOptions:
 def check_recipe_options(options: RecipeOptions) -> None:
     """The rules between the recipe's options, each broken one a UserError naming its option."""
     chosen = OPTIMIZERS[options.optimizer or DEFAULT_OPTIMIZER]
-    flags = {field.name: option_flag(field) for field in option_fields(RecipeOptions)}
+    flags = option_flags(RecipeOptions)
     for name, rule in OPTIMIZERS.items():
         for option_name, why in rule.own_options.items():
             if option_name not in chosen.own_options and getattr(options, option_name) not in (None, False):

@@ -80,6 +80,7 @@ from common import (
     option,
     option_fields,
     option_flag,
+    option_flags,
     os_error_text,
     positive,
     remove_temporaries,
@@ -779,8 +780,7 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
         say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
-        keep = store.options_to_keep(verdict.others, {field.name: option_flag(field)
-                                                      for field in option_fields(RunSettings)})
+        keep = store.options_to_keep(verdict.others, option_flags(RunSettings))
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                         + ". A resume keeps every training setting; only the length (--target-tokens or "
                         "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
