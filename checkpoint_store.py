@@ -675,20 +675,37 @@ class ResumeVerdict:
 def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
     """What a resume does with the checkpoint's training settings `old` under this run's `new`.
 
-    The same length said another way (a default of one epoch resumed with --epochs 1) is no change."""
+    The same length said another way (a default of one epoch resumed with --epochs 1) is no change, nor is
+    the same shape said another way (a preset's heads resumed with --heads 4 after the preset changed)."""
     changes = settings_changes(old, new)
-    others = {key: change for key, change in changes.items() if key not in LENGTH_SETTINGS}
+    others = {key: change for key, change in changes.items()
+              if key not in LENGTH_SETTINGS and not same_shape_said_otherwise(key, old, new)}
     return ResumeVerdict(extend=old.get("total_steps") != new.get("total_steps"), others=others)
 
 
 
-def options_to_keep(changes: dict, flags: dict[str, str]) -> list[str]:
-    """The options that resume a run as its checkpoint has it where this run leaves them to a default (None)
-    that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed. `flags`: each option's name ->
-    its flag; settings that are no option, and values that are not a plain number or text, are left out."""
-    return [f"{flags[key]} {before}" for key, (before, after) in changes.items()
-            if key in flags and after is None and isinstance(before, (int, float, str))
-            and not isinstance(before, bool)]
+def same_shape_said_otherwise(key: str, old: dict, new: dict) -> bool:
+    """Whether `key` is a shape option one run gives and the other leaves to its preset (None), both with the
+    same resulting shape field ("model." + key)."""
+    shape = "model." + key
+    return shape in old and old[shape] == new.get(shape) and None in (old.get(key), new.get(key))
+
+
+def options_to_keep(changes: dict, flags: dict[str, str], unset: set[str]) -> list[str]:
+    """The options that resume a run as its checkpoint has it where this run leaves them to a default or to
+    its preset that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed, ['--heads 4'] after
+    a preset's shape did ("model.heads"). `flags`: each option's name -> its flag; `unset`: the options this
+    run leaves to a default (None). Settings that are no option and values that are not plain are left out."""
+    keep = []
+    for key, (before, _) in changes.items():
+        name = key.removeprefix("model.")
+        if name not in flags or name not in unset:
+            continue
+        if isinstance(before, bool):  # a tri-state option (None: the preset's): --name / --no-name
+            keep.append(flags[name] if before else "--no-" + flags[name].removeprefix("--"))
+        elif isinstance(before, (int, float, str)):
+            keep.append(f"{flags[name]} {before}")
+    return keep
 
 
 def latest_checkpoint_name(out: Path) -> str | None:

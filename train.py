@@ -780,7 +780,8 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
         say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
-        keep = store.options_to_keep(verdict.others, option_flags(RunSettings))
+        unset = {name for name, value in dataclasses.asdict(training.run).items() if value is None}
+        keep = store.options_to_keep(verdict.others, option_flags(RunSettings), unset)
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                         + ". A resume keeps every training setting; only the length (--target-tokens or "
                         "--epochs) may change, under --schedule wsd from a checkpoint before its decay"

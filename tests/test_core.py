@@ -645,24 +645,38 @@ def test_settings_changes_are_described_one_by_one(old, new, expected):
     ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 10}, False, {"lr": (1, 2)}),
     ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 20}, True, {"lr": (1, 2)}),
     ({"seed": 1}, {}, False, {"seed": (1, store.UNSET)}),
+    # a shape option given where the checkpoint took its preset's (or the reverse), the same shape: no change
+    ({"heads": None, "model.heads": 4}, {"heads": 4, "model.heads": 4}, False, {}),
+    ({"heads": 4, "model.heads": 4}, {"heads": None, "model.heads": 4}, False, {}),
+    ({"heads": None, "model.heads": 4}, {"heads": 8, "model.heads": 8}, False,
+     {"heads": (None, 8), "model.heads": (4, 8)}),
+    ({"heads": None, "model.heads": 4}, {"heads": None, "model.heads": 2}, False, {"model.heads": (4, 2)}),
+    ({"lr": None, "recipe.lr": 0.05}, {"lr": 0.05, "recipe.lr": 0.05}, False, {"lr": (None, 0.05)}),  # no shape
 ])
 def test_resume_verdict(old, new, extend, others):
     verdict = store.resume_verdict(old, new)
     assert verdict.extend == extend and verdict.others == others
 
 
-@pytest.mark.parametrize("changes, expected", [
+@pytest.mark.parametrize("changes, unset, expected", [
     # a default that changed since the checkpoint: the option given as the checkpoint had it
     ({"beta1": (0.9, None), "muon_momentum": (0.95, None), "recipe.betas": ([0.9, 0.95], [0.6, 0.95])},
-     ["--beta1 0.9", "--muon-momentum 0.95"]),
-    ({"lr": (0.001, 0.002)}, []),  # given otherwise on the command line: the message names it already
-    ({"preset": ("nano", None), "vocab_size": (512, None)}, ["--preset nano"]),  # vocab_size: no option
-    ({"adam8bit": (True, None), "mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, []),  # not plain values
+     {"beta1", "muon_momentum"}, ["--beta1 0.9", "--muon-momentum 0.95"]),
+    ({"lr": (0.001, 0.002)}, set(), []),  # given otherwise on the command line: the message names it already
+    ({"preset": ("nano", None), "vocab_size": (512, None)}, {"preset"}, ["--preset nano"]),  # vocab_size: no option
+    ({"mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, {"mixture"}, []),  # not plain values
+    # a preset whose shape changed since: the shape options it had, where this run takes the preset's
+    ({"model.heads": (4, 2), "model.head_dim": (32, 64), "model.tie_embeddings": (True, False)},
+     {"heads", "head_dim", "tie_embeddings"}, ["--heads 4", "--head-dim 32", "--tie-embeddings"]),
+    ({"model.tie_embeddings": (False, True)}, {"tie_embeddings"}, ["--no-tie-embeddings"]),
+    ({"model.heads": (4, 8)}, set(), []),  # --heads given: named in the change already
+    ({"model.rope_scaling": (None, "yarn")}, {"rope_scaling"}, []),  # no such option
 ])
-def test_options_to_keep(changes, expected):
+def test_options_to_keep(changes, unset, expected):
     flags = {"beta1": "--beta1", "muon_momentum": "--muon-momentum", "lr": "--lr", "preset": "--preset",
-             "adam8bit": "--8bit-adam", "mixture": "--mixture", "seed": "--seed"}
-    assert store.options_to_keep(changes, flags) == expected
+             "mixture": "--mixture", "seed": "--seed", "heads": "--heads", "head_dim": "--head-dim",
+             "tie_embeddings": "--tie-embeddings"}
+    assert store.options_to_keep(changes, flags, unset) == expected
 
 
 # backup wait, signalled, under torchrun, seconds since the signal -> how long the end waits for the upload

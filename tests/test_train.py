@@ -707,6 +707,18 @@ def test_a_checkpoint_whose_default_changed_since_says_how_to_keep_it(corpus, tm
     assert train.main(options(corpus, out, "--beta1", "0.9")) == 0
 
 
+def test_a_checkpoint_whose_preset_changed_since_says_which_shape_options_keep_it(corpus, tmp_path, monkeypatch):
+    """A run of a preset whose heads changed since (as nano's did: 4 of 32 -> 2 of 64), resumed without shape
+    options: refused, naming the options that give the checkpoint's shape; with them, it resumes."""
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
+    tiny = model_config.PRESETS["tiny"]
+    monkeypatch.setitem(model_config.PRESETS, "tiny", dataclasses.replace(tiny, heads=2, head_dim=32))
+    with pytest.raises(UserError, match=r"kept with --head-dim 16 --heads 4; for a new run"):
+        train.main(options(corpus, out))
+    assert train.main(options(corpus, out, "--heads", "4", "--head-dim", "16")) == 0
+
+
 def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, reference, sums_task, tmp_path):
     """--eval-tasks on, stopped and resumed, ends bit for bit where the run without them ends; the scores
     are in metrics.jsonl and the checkpoints, which give back the records metrics.jsonl lost."""
