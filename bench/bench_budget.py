@@ -196,8 +196,14 @@ def check_targets(results: dict, model: budget.LossModel) -> list[str]:
             continue
         fitting = [run for run in results["runs"] if run["fraction"] <= fraction]
         best = min(fitting, key=lambda run: run["bpb"])
-        chosen = next(run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens))
-        tiny = next(run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction)
+        chosen = next((run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens)),
+                      None)
+        tiny = next((run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction), None)
+        if chosen is None or tiny is None:  # a sweep still under way
+            missing = plan.preset if chosen is None else DEFAULT_PRESET
+            lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | not run yet "
+                         f"(--presets {missing} --fractions {fraction:g}) |" + " |" * 7)
+            continue
         today = stops.get(tiny["tokens"])
         lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | {chosen['bpb']:.4f} | "
                      f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | "
