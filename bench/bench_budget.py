@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-only", action="store_true", help="no training: fit and check the saved results")
     parser.add_argument("--default-only", action="store_true",
                         help="train only today's default run, stopped where the default preset's sweep runs stop")
-    parser.add_argument("--fit-min-steps", type=int, default=40,
-                        help="fit only the runs of at least this many steps (shorter ones are mostly warmup)")
+    parser.add_argument("--fit-min-steps", type=int, default=100,
+                        help="fit only the runs of at least this many steps (shorter ones are the start's transient, "
+                             "off the longer runs' curve; with them the fit ran to alpha_N 3.6: docs/budget.md)")
     return parser.parse_args(argv)
 
 
