@@ -152,6 +152,9 @@ def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[d
     return stops
 
 
+FIT_PARAMETERS = 5  # E, N_c, alpha_N, D_c, alpha_D
+
+
 def fit(runs: list[dict]) -> tuple[budget.LossModel, float]:
     """budget.LossModel's form over the runs by least squares in bits per byte (scipy's trust-region fit of
     E, log N_c, alpha_N, log D_c, alpha_D, all bounded, from a small grid of starts; the lowest error wins)."""
@@ -262,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     results_path = work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"runs": []}
     results.setdefault("minutes", args.minutes)
+    if args.default_only and not results.get("candidates"):
+        raise UserError(f"{results_path} has no probe yet: run the sweep first (without --default-only)")
     results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1,
                           "torch": torch.__version__}
     if not args.fit_only:  # the 4-pass cap (budget.MAX_EPOCHS) is the planner's, so the sweep's and the check's
@@ -276,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.fit_only:
         sweep(args, corpus, work, results, results_path)
     fitted = [run for run in results["runs"] if run["steps"] >= args.fit_min_steps]
+    if len(fitted) <= FIT_PARAMETERS:
+        raise UserError(f"{results_path} holds {len(fitted)} runs of at least {args.fit_min_steps} steps; the fit of "
+                        f"{FIT_PARAMETERS} constants needs more: run the sweep (without --fit-only) or lower "
+                        "--fit-min-steps")
     model, rms = fit(fitted)
     print(f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
           f"LOSS_MODEL = {model}\n")

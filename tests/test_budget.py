@@ -245,3 +245,19 @@ def test_the_bench_fit_recovers_a_known_loss_model():
     model, rms = bench_budget.fit(runs)
     assert rms < 1e-6
     assert dataclasses.astuple(model) == pytest.approx(dataclasses.astuple(truth), rel=1e-3)
+
+
+def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(tmp_path):
+    """bench_budget.py --fit-only on too few runs, or --default-only before the probe: an error line naming
+    the results file, nothing trained."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import bench_budget
+
+    runs = [{"preset": "tiny", "fraction": 1.0, "parameters": 98688, "tokens": 1e6, "bpb": 1.5, "steps": 100}] * 5
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "candidates": []}))
+    with pytest.raises(UserError, match=r"results\.json holds 5 runs of at least 100 steps; the fit of 5 constants"):
+        bench_budget.main(["--work", str(tmp_path), "--fit-only"])
+    with pytest.raises(UserError, match=r"results\.json has no probe yet"):
+        bench_budget.main(["--work", str(tmp_path), "--default-only"])
