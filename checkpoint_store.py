@@ -53,6 +53,7 @@ from common import (
     utc_now,
 )
 from corpus_format import CORPUS_MANIFEST
+from model_config import RECORDED_PREFIX
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
@@ -686,8 +687,8 @@ def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
 
 def same_shape_said_otherwise(key: str, old: dict, new: dict) -> bool:
     """Whether `key` is a shape option one run gives and the other leaves to its preset (None), both with the
-    same resulting shape field ("model." + key)."""
-    shape = "model." + key
+    same resulting shape field (model_config.RECORDED_PREFIX + key)."""
+    shape = RECORDED_PREFIX + key
     return shape in old and old[shape] == new.get(shape) and None in (old.get(key), new.get(key))
 
 
@@ -698,7 +699,7 @@ def options_to_keep(changes: dict, flags: dict[str, str], unset: set[str]) -> li
     run leaves to a default (None). Settings that are no option and values that are not plain are left out."""
     keep = []
     for key, (before, _) in changes.items():
-        name = key.removeprefix("model.")
+        name = key.removeprefix(RECORDED_PREFIX)
         if name not in flags or name not in unset:
             continue
         if isinstance(before, bool):  # a tri-state option (None: the preset's): --name / --no-name
@@ -848,7 +849,7 @@ def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
     lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
                "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
                "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
-    model_settings = {key: value for key, value in training.items() if key.startswith("model.") or
+    model_settings = {key: value for key, value in training.items() if key.startswith(RECORDED_PREFIX) or
                       key == "vocab_size"}
     return InitSource(checkpoint["model"], lineage, model_settings)
 

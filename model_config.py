@@ -50,6 +50,12 @@ PRESETS: dict[str, Preset] = {
 
 # Command-line names of the fields a user may override (--layers 8 --hidden 384 ...).
 OVERRIDABLE_FIELDS = [field.name for field in dataclasses.fields(Preset)]
+RECORDED_PREFIX = "model."  # a shape field's name in training_settings.json: model.hidden, model.heads, ...
+
+
+def recorded_shape(preset: Preset) -> dict:
+    """A shape as training_settings.json records it: {"model.hidden": 128, ...}."""
+    return {RECORDED_PREFIX + name: getattr(preset, name) for name in OVERRIDABLE_FIELDS}
 
 
 def nonpositive_field(preset: Preset) -> tuple[str, float] | None:
@@ -87,13 +93,12 @@ def recorded_preset(training: dict) -> Preset:
     reads at its default (the shape it meant then)."""
     defaults = {field.name: field.default for field in dataclasses.fields(Preset)
                 if field.default is not dataclasses.MISSING}
-    return Preset(**{name: training.get(f"model.{name}", defaults.get(name)) for name in OVERRIDABLE_FIELDS})
+    return Preset(**{name: training.get(RECORDED_PREFIX + name, defaults.get(name)) for name in OVERRIDABLE_FIELDS})
 
 
 def with_recorded_defaults(training: dict) -> dict:
     """A run's recorded training settings with each shape field it lacks at its default (see recorded_preset)."""
-    return {**{f"model.{name}": value for name, value in dataclasses.asdict(recorded_preset(training)).items()},
-            **training}
+    return {**recorded_shape(recorded_preset(training)), **training}
 
 
 def preset_of(run) -> Preset:

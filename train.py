@@ -706,7 +706,7 @@ def recorded_settings(training: Training) -> dict:
         **dataclasses.asdict(training.run),
         **training.data.recorded(),  # text_loss (None with --loss-on all), the corpus and a mixture's sources
         "vocab_size": training.vocab_size,
-        **{f"model.{name}": getattr(training.preset, name) for name in model_config.OVERRIDABLE_FIELDS},
+        **model_config.recorded_shape(training.preset),
         "global_batch_blocks": training.data.global_batch,
         "tokens_per_step": training.tokens_per_step,
         "total_steps": training.total_steps,
