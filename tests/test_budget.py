@@ -233,12 +233,18 @@ def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
     assert budget.recorded_plan(tmp_path, "1h") is None  # another budget plans anew (and the resume refuses it)
 
 
-def test_the_bench_fit_recovers_a_known_loss_model():
+@pytest.fixture
+def bench_budget():
+    """bench/bench_budget.py as a module (bench/ goes on sys.path only for the tests that use it)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import bench_budget
 
+    return bench_budget
+
+
+def test_the_bench_fit_recovers_a_known_loss_model(bench_budget):
     truth = budget.LossModel(e=1.2, n_c=2e5, alpha_n=0.3, d_c=5e5, alpha_d=0.4)
     runs = [{"parameters": n, "tokens": d, "bpb": truth.loss(n, d)}
             for n in (1e5, 8e5, 5e6) for d in (2e5, 8e5, 3.2e6)]
@@ -247,14 +253,9 @@ def test_the_bench_fit_recovers_a_known_loss_model():
     assert dataclasses.astuple(model) == pytest.approx(dataclasses.astuple(truth), rel=1e-3)
 
 
-def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(tmp_path):
+def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(bench_budget, tmp_path):
     """bench_budget.py --fit-only on too few runs, or --default-only before the probe: an error line naming
     the results file, nothing trained."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import bench_budget
-
     runs = [{"preset": "tiny", "fraction": 1.0, "parameters": 98688, "tokens": 1e6, "bpb": 1.5, "steps": 100}] * 5
     (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "candidates": []}))
     with pytest.raises(UserError, match=r"results\.json holds 5 runs of at least 100 steps; the fit of 5 constants"):
