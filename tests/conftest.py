@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most 4 (each imports torch; the end-to-end tests start processes too)."""
+    return min(4, os.cpu_count() or 1)
 
 
 @pytest.fixture(autouse=True)

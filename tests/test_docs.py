@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = sorted([ROOT / "README.md", ROOT / "DESIGN.md", *(ROOT / "docs").glob("*.md")])
-TEST_COMMAND = "python -m pytest -q -n auto"
+TEST_COMMAND = "python -m pytest -q -n auto --dist loadscope"
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
