@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
@@ -234,14 +235,10 @@ def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
 
 
 @pytest.fixture
-def bench_budget():
-    """bench/bench_budget.py as a module (bench/ goes on sys.path only for the tests that use it)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import bench_budget
-
-    return bench_budget
+def bench_budget(monkeypatch):
+    """bench/bench_budget.py as a module (bench/ on sys.path only while the test that uses it runs)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    return importlib.import_module("bench_budget")
 
 
 def test_the_bench_fit_recovers_a_known_loss_model(bench_budget):
