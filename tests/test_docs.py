@@ -3,6 +3,7 @@ file (and, into a markdown file, to an existing heading), and the README gives t
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -67,6 +68,15 @@ def test_the_readme_gives_the_test_command_that_ci_runs():
     ci = ROOT / ".ci" / "run"
     if ci.exists():
         assert TEST_COMMAND in ci.read_text(encoding="utf-8").splitlines(), ".ci/run must run the README's test command"
+
+
+@pytest.mark.parametrize("cores, workers", [(1, 1), (2, 2), (4, 4), (8, 4), (None, 1)])
+def test_the_test_commands_auto_workers_are_one_per_core_at_most_four(monkeypatch, cores, workers):
+    """`-n auto` in TEST_COMMAND asks tests/conftest.py's pytest-xdist hook (os.cpu_count None: unknown)."""
+    import conftest
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert conftest.pytest_xdist_auto_num_workers(config=None) == workers
 
 
 def test_the_link_checker_finds_what_it_should(tmp_path: Path):
