@@ -58,7 +58,6 @@ from common import (
     sha256_file,
     sha256_tree,
     stop_on_sigterm,
-    utc_now,
 )
 from corpus_format import (
     BOS,
@@ -222,9 +221,10 @@ def is_saved_dataset(folder: Path) -> bool:
     )
 
 
-def folder_sources(folder: Path) -> list[Source]:
-    """Every supported file below `folder` (sorted, hidden names skipped); saved datasets as one source."""
-    found = []
+def folder_sources(folder: Path) -> tuple[list[Source], Counter]:
+    """Every supported, non-empty file below `folder` (sorted, hidden names skipped); saved datasets as one
+    source. And the files left out, counted by why: "empty" or their suffix ("no suffix" without one)."""
+    found, skipped = [], Counter()
     for root, dirs, files in os.walk(folder):
         root_path = Path(root)
         if is_saved_dataset(root_path):
@@ -234,9 +234,24 @@ def folder_sources(folder: Path) -> list[Source]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             path = root_path / name
-            if not name.startswith(".") and file_kind(path):
+            if name.startswith("."):
+                continue
+            if not file_kind(path):
+                skipped[path.suffix.lower() or "no suffix"] += 1
+            elif path.is_file() and path.stat().st_size == 0:
+                skipped["empty"] += 1
+            else:
                 found.append(Source(str(path), file_kind(path), path))
-    return sorted(found, key=lambda source: source.name)
+    return sorted(found, key=lambda source: source.name), skipped
+
+
+def skipped_note(folder: Path, skipped: Counter) -> str:
+    """One line naming what a folder input left out (the most common kinds first)."""
+    common = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))[:6]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in common)
+    more = ", ..." if len(skipped) > 6 else ""
+    return (f"note: --data {folder}: {sum(skipped.values())} files skipped ({kinds}{more}); "
+            f"read: non-empty {', '.join(FILE_KINDS)} files")
 
 
 def input_label(spec: str, label_by_stem: bool) -> tuple[str | None, str]:
@@ -251,12 +266,13 @@ def input_label(spec: str, label_by_stem: bool) -> tuple[str | None, str]:
     return stem or "input", spec
 
 
-def resolve_inputs(specs: Iterable[str], label_by_stem: bool = False) -> list[Source]:
-    """Turn --data arguments into sources, failing clearly on anything missing or unsupported."""
+def resolve_inputs(specs: Iterable[str], label_by_stem: bool = False, notes: list[str] | None = None) -> list[Source]:
+    """Turn --data arguments into sources, failing clearly on anything missing or unsupported; a line for each
+    input that left files out (empty or of another type) goes to `notes`."""
     sources = []
     for labelled in specs:
         label, spec = input_label(labelled, label_by_stem)
-        sources.extend(dataclass_replace(source, label=label) for source in resolve_input(spec))
+        sources.extend(dataclass_replace(source, label=label) for source in resolve_input(spec, notes))
     if len({source.label is None for source in sources}) > 1:
         unnamed = next(source.name for source in sources if source.label is None)
         raise UserError(f"--data {unnamed}: with source labels every input needs one (NAME={unnamed}, or "
@@ -273,8 +289,9 @@ def resolve_inputs(specs: Iterable[str], label_by_stem: bool = False) -> list[So
     return unique
 
 
-def resolve_input(spec: str) -> list[Source]:
-    """The sources of one --data value (a folder: every supported file below it)."""
+def resolve_input(spec: str, notes: list[str] | None = None) -> list[Source]:
+    """The sources of one --data value (a folder: every supported, non-empty file below it)."""
+    notes = [] if notes is None else notes
     sources = []
     if spec.startswith("hf:"):
         if not spec[3:]:
@@ -285,16 +302,24 @@ def resolve_input(spec: str) -> list[Source]:
         if not matches:
             raise UserError(f"--data {spec}: no files match this pattern")
         paths = [Path(match) for match in matches]
+        empty = [path for path in paths if path.is_file() and path.stat().st_size == 0]
+        if empty and len(empty) == len(paths):
+            raise UserError(f"--data {spec}: every file this pattern matches is empty")
+        if empty:
+            notes.append(f"note: --data {spec}: {len(empty)} empty files skipped")
+            paths = [path for path in paths if path not in empty]
     else:
         paths = [Path(os.path.expanduser(spec))]
     for path in paths:
         if not path.exists():
             raise UserError(f"input not found: {path}")
         if path.is_dir():
-            found = folder_sources(path)
+            found, skipped = folder_sources(path)
             if not found:
-                raise UserError(f"input folder {path} holds no {', '.join(FILE_KINDS)} files "
+                raise UserError(f"input folder {path} holds no non-empty {', '.join(FILE_KINDS)} files "
                                 "and is not a datasets.save_to_disk folder")
+            if skipped:
+                notes.append(skipped_note(path, skipped))
             sources.extend(found)
         elif file_kind(path) is None:
             raise UserError(f"input {path}: unsupported file type; expected one of {', '.join(FILE_KINDS)}")
@@ -1368,7 +1393,6 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
             "documents": kept,
             "tokens": sum(info["tokens"] for info in splits.values()),
             "settings": settings.recorded(),
-            "created_utc": utc_now(),
         }
         atomic_write_text(temp / DATA_CARD, data_card(corpus, sources_doc))
         listed = [SOURCE_MANIFEST, DATA_CARD, *sorted(extra_files or {})]
@@ -1623,8 +1647,11 @@ def main(argv: list[str] | None = None) -> int:
     if command.demo:
         build_demo_corpus(command.out, overwrite=command.overwrite, seed=command.seed, **asdict(settings))
     else:
-        build_corpus(resolve_inputs(command.data, label_by_stem=command.source_label == "stem"), command.out,
-                     settings, overwrite=command.overwrite)
+        notes = []
+        sources = resolve_inputs(command.data, label_by_stem=command.source_label == "stem", notes=notes)
+        for note in notes:
+            print(note, file=sys.stderr)
+        build_corpus(sources, command.out, settings, overwrite=command.overwrite)
     return 0
 
 

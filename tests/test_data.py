@@ -576,13 +576,10 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     two = build([tmp_path / "in"], tmp_path / "two", "--shard-tokens", "150")
     files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file())
-    for name in files:
-        if name.name != "corpus_manifest.json":
-            assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    for name in files:  # the manifest too: it is the corpus' identity in a run's settings
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
     manifests = [json.loads((corpus / "corpus_manifest.json").read_text()) for corpus in (one, two)]
-    for manifest in manifests:
-        manifest.pop("created_utc")
-    assert manifests[0] == manifests[1]
+    assert corpus_format.load_manifest(one).sha256 == corpus_format.load_manifest(two).sha256  # runs resume
     train = manifests[0]["splits"]["train"]
     assert len(train["files"]) > 2 and all(f["tokens"] == 150 for f in train["files"][:-1])
     whole = build([tmp_path / "in"], tmp_path / "whole", "--tokenizer", str(one / "tokenizer"))
@@ -720,6 +717,28 @@ def test_invalid_utf8_is_counted_or_fatal_with_strict(tmp_path):
     assert no_leftovers(tmp_path / "strict") and no_leftovers(tmp_path / "strict_txt")
 
 
+def test_a_folder_skips_its_empty_and_unsupported_files_and_says_so(tmp_path, capsys):
+    """A named empty file is an error (below); one found in a folder or by a pattern is skipped, with a count."""
+    folder = tmp_path / "docs"
+    write_jsonl(folder / "a.jsonl", text_records("a", 20))
+    (folder / "empty.txt").write_text("")
+    (folder / "notes.html").write_text("<p>x</p>")
+    (folder / "README").write_text("plain")
+    corpus = build([folder], tmp_path / "out")
+    assert corpus_format.load_manifest(corpus).documents == 20
+    assert f"note: --data {folder}: 3 files skipped (1 .html, 1 empty, 1 no suffix); read: " in capsys.readouterr().err
+    (folder / "b.txt").write_text("A plain text document about rivers and hills.\n")
+    build([folder / "*.jsonl", folder / "*.txt"], tmp_path / "globbed")
+    assert f"note: --data {folder / '*.txt'}: 1 empty files skipped" in capsys.readouterr().err
+    (folder / "e.md").write_text("")
+    with pytest.raises(UserError, match="every file this pattern matches is empty"):
+        build([folder / "*.jsonl", folder / "e*"], tmp_path / "none")
+    (folder / "a.jsonl").unlink()
+    (folder / "b.txt").unlink()
+    with pytest.raises(UserError, match="holds no non-empty .jsonl"):
+        build([folder], tmp_path / "none")
+
+
 def test_empty_file_missing_path_bad_glob_and_unsupported_type(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -731,7 +750,7 @@ def test_empty_file_missing_path_bad_glob_and_unsupported_type(tmp_path):
     ]
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "emptydir").mkdir()
-    cases.append(([tmp_path / "emptydir"], "holds no .jsonl"))
+    cases.append(([tmp_path / "emptydir"], "holds no non-empty .jsonl"))
     for sources, message in cases:
         with pytest.raises(UserError, match=message.replace("*", r"\*").replace(".", r"\.")):
             build(sources, tmp_path / "out")
