@@ -692,15 +692,20 @@ def same_shape_said_otherwise(key: str, old: dict, new: dict) -> bool:
     return shape in old and old[shape] == new.get(shape) and None in (old.get(key), new.get(key))
 
 
-def options_to_keep(changes: dict, flags: dict[str, str], unset: set[str]) -> list[str]:
+def options_to_keep(changes: dict, flags: dict[str, str], unset: set[str],
+                    presets: dict[str, dict] | None = None) -> list[str]:
     """The options that resume a run as its checkpoint has it where this run leaves them to a default or to
     its preset that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed, ['--heads 4'] after
-    a preset's shape did ("model.heads"). `flags`: each option's name -> its flag; `unset`: the options this
-    run leaves to a default (None). Settings that are no option and values that are not plain are left out."""
+    a preset's shape did ("model.heads"), ['--preset nano'] when the preset was left out. `flags`: each
+    option's name -> its flag; `unset`: the options this run leaves to their default; `presets`: each
+    preset's shape ({name: {field: value}}), so that a kept --preset does not also list the shape it gives.
+    Settings that are no option and values that are not plain are left out."""
+    kept_preset = changes["preset"][0] if "preset" in changes and "preset" in unset else None
+    shape = (presets or {}).get(kept_preset, {})
     keep = []
     for key, (before, _) in changes.items():
         name = key.removeprefix(RECORDED_PREFIX)
-        if name not in flags or name not in unset:
+        if name not in flags or name not in unset or (key != name and shape.get(name, object()) == before):
             continue
         if isinstance(before, bool):  # a tri-state option (None: the preset's): --name / --no-name
             keep.append(flags[name] if before else "--no-" + flags[name].removeprefix("--"))

@@ -780,8 +780,10 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
         say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
-        unset = {name for name, value in dataclasses.asdict(training.run).items() if value is None}
-        keep = store.options_to_keep(verdict.others, option_flags(RunSettings), unset)
+        unset = {field.name for field in dataclasses.fields(RunSettings)
+                 if getattr(training.run, field.name) in (None, field.default)}
+        shapes = {name: dataclasses.asdict(preset) for name, preset in model_config.PRESETS.items()}
+        keep = store.options_to_keep(verdict.others, option_flags(RunSettings), unset, shapes)
         raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
                         + ". A resume keeps every training setting; only the length (--target-tokens or "
                         "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
@@ -791,6 +793,7 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     extensions = list(checkpoint["settings"].get("extended") or [])
     if verdict.extend:
         extensions.append(extension(old, training.recipe, training.total_steps, int(checkpoint["step"]), path))
+        say(length_change_note(old, training.total_steps), main=training.info.is_main)
     training.extensions = extensions
 
 
@@ -804,12 +807,23 @@ def extension(old: dict, recipe: optimization.Recipe, total_steps: int, step: in
         raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
     problem = optimization.extension_problem(before, recipe, step)
     if problem:
-        length = f"--target-tokens {old['target_tokens']}" if old.get("target_tokens") else \
-            f"--epochs {old.get('epochs') or 1}"
         raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
                         f"{total_steps}: it cannot be extended: {problem}. Resume it with its length "
-                        f"({length}), or start a new run from its weights with --init-from {path}")
+                        f"({length_option(old)}), or start a new run from its weights with --init-from {path}")
     return {"at_step": step, "from_total_steps": int(old["total_steps"]), "to_total_steps": total_steps}
+
+
+def length_option(old: dict) -> str:
+    """The option that gives the run recorded in `old` (its training settings) its length."""
+    if old.get("target_tokens"):
+        return f"--target-tokens {old['target_tokens']}"
+    return f"--epochs {old.get('epochs') or 1}"
+
+
+def length_change_note(old: dict, total_steps: int) -> str:
+    """What a resume that changes the run's length says: a left-out length option changes it too."""
+    return (f"note: this resume changes the run's length from {old['total_steps']} to {total_steps} steps; "
+            f"to keep it, give {length_option(old)}")
 
 
 def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: int | None = None,

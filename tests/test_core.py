@@ -658,6 +658,16 @@ def test_resume_verdict(old, new, extend, others):
     assert verdict.extend == extend and verdict.others == others
 
 
+@pytest.mark.parametrize("old, total, expected", [
+    ({"total_steps": 25, "target_tokens": 200000}, 154,
+     "note: this resume changes the run's length from 25 to 154 steps; to keep it, give --target-tokens 200000"),
+    ({"total_steps": 154, "epochs": 2.5}, 300, "to keep it, give --epochs 2.5"),
+    ({"total_steps": 154, "target_tokens": None, "epochs": None}, 300, "to keep it, give --epochs 1"),
+])
+def test_length_change_note(old, total, expected):
+    assert expected in train.length_change_note(old, total)
+
+
 @pytest.mark.parametrize("changes, unset, expected", [
     # a default that changed since the checkpoint: the option given as the checkpoint had it
     ({"beta1": (0.9, None), "muon_momentum": (0.95, None), "recipe.betas": ([0.9, 0.95], [0.6, 0.95])},
@@ -671,12 +681,19 @@ def test_resume_verdict(old, new, extend, others):
     ({"model.tie_embeddings": (False, True)}, {"tie_embeddings"}, ["--no-tie-embeddings"]),
     ({"model.heads": (4, 8)}, set(), []),  # --heads given: named in the change already
     ({"model.rope_scaling": (None, "yarn")}, {"rope_scaling"}, []),  # no such option
+    # the preset left out (its default, tiny) on a nano run: --preset nano, not the shape nano gives anyway
+    ({"preset": ("nano", "tiny"), "model.heads": (2, 4), "model.head_dim": (64, 16)},
+     {"preset", "heads", "head_dim"}, ["--preset nano"]),
+    # ... but a shape the run had beyond its preset's is kept too
+    ({"preset": ("nano", "tiny"), "model.heads": (8, 4), "model.head_dim": (64, 16)},
+     {"preset", "heads", "head_dim"}, ["--preset nano", "--heads 8"]),
 ])
 def test_options_to_keep(changes, unset, expected):
     flags = {"beta1": "--beta1", "muon_momentum": "--muon-momentum", "lr": "--lr", "preset": "--preset",
              "mixture": "--mixture", "seed": "--seed", "heads": "--heads", "head_dim": "--head-dim",
              "tie_embeddings": "--tie-embeddings"}
-    assert store.options_to_keep(changes, flags, unset) == expected
+    presets = {"nano": {"heads": 2, "head_dim": 64}, "tiny": {"heads": 4, "head_dim": 16}}
+    assert store.options_to_keep(changes, flags, unset, presets) == expected
 
 
 # backup wait, signalled, under torchrun, seconds since the signal -> how long the end waits for the upload
