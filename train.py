@@ -879,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if invocation.export_only:
             return export_only(settings, info)
+        # the hardware gate first: a refused start touches no corpus store, run folder or backup
+        hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
         corpus = distributed.main_decides(lambda: train_data.prepare_corpus(session.data, invocation.demo), info)
         with claim_run_folder(Path(session.out), info):
             backup_url = checkpoint_cloud.backup_url_from_env_or_arg(session.backup_to)
@@ -905,7 +907,6 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     process_started = time.monotonic()
     session = settings.session
     out = Path(session.out)
-    hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
     for folder in train_data.corpus_folders(session.data):
         train_data.read_manifest(folder)  # a clear message when the corpus is missing, on every rank
         problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)

@@ -536,11 +536,15 @@ def test_length_options_and_hardware_refusals(corpus, tmp_path):
     assert by_epochs.total_steps == -(-2 * blocks // 4)  # ceil(2 epochs x blocks / 4 blocks per step)
     for extra, message in [(["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
                            (["--8bit-adam", "--optimizer", "adamw"], "needs a CUDA device"),
-                           (["--require-gpus", "1"], "--require-gpus 1"),
-                           (["--require-gpu-name", "T4"], "--require-gpu-name T4"),
                            (["--preset", "tiny", "--kv-heads", "3"], "multiple of kv_heads")]:
         with pytest.raises(UserError, match=message):
             train.main(options(corpus, tmp_path / "refused", *extra))
+    for extra, message in [(["--require-gpus", "1"], "--require-gpus 1"),
+                           (["--require-gpu-name", "T4"], "--require-gpu-name T4")]:
+        backup = tmp_path / "backup"
+        with pytest.raises(UserError, match=message):  # before the run folder or the backup store is touched
+            train.main(options(corpus, tmp_path / "gated", *extra, "--backup-to", str(backup)))
+        assert not (tmp_path / "gated").exists() and not backup.exists()
 
 
 def test_out_of_memory_while_building_is_one_line_naming_the_preset_and_the_card(corpus, tmp_path, monkeypatch):
