@@ -436,7 +436,20 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {message}{self.suggestion(message)} (see {self.prog} --help)\n")
+
+    def suggestion(self, message: str) -> str:
+        """"; did you mean --epochs?" for an unrecognized option close to one of this parser's."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        import difflib
+
+        flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        for token in message.removeprefix("unrecognized arguments: ").split():
+            close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1) if token.startswith("--") else []
+            if close:
+                return f"; did you mean {close[0]}?"
+        return ""
 
 
 # ----------------------------------------------------------------------------------------------

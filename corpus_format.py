@@ -236,6 +236,8 @@ class Manifest:
 def load_manifest(corpus_dir: str | Path) -> Manifest:
     """The manifest of the corpus in `corpus_dir` (UserError when it is missing, unreadable or of another format)."""
     path = Path(corpus_dir) / CORPUS_MANIFEST
+    if not Path(corpus_dir).is_dir():
+        raise UserError(f"corpus {corpus_dir}: no such folder")
     if not path.is_file():
         raise UserError(f"{corpus_dir} is not a finished corpus: {CORPUS_MANIFEST} is missing")
     try:

@@ -919,6 +919,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "plot":
+        if not Path(args.run).is_dir():
+            raise UserError(f"run {args.run}: no such folder")
         out = args.out or str(Path(args.run) / "loss_curve.png")
         if not plot_loss_curve(Path(args.run) / "metrics.jsonl", out, title=Path(args.run).name):
             raise UserError(f"no loss records in {Path(args.run) / 'metrics.jsonl'}")

@@ -805,9 +805,10 @@ class TrainData:
         empty = [name for name in ("validation", "test") if self.splits[name].blocks == 0]
         context, lines = self.options.context, []
         if empty:
+            fractions = " / ".join({"validation": "--val-fraction", "test": "--test-fraction"}[name] for name in empty)
             lines.append(f"the corpus has no {' or '.join(empty)} blocks of {context} tokens: no "
                          f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus "
-                         "with more documents or a larger --val-fraction / --test-fraction)")
+                         f"with more documents or a larger {fractions})")
         if self.global_batch > self.train_blocks:
             lines.append(f"one step reads {self.global_batch} blocks but the train split has only "
                          f"{self.train_blocks} of {context} tokens: every step covers more than an epoch "

@@ -183,6 +183,10 @@ def test_verify_catches_a_flipped_byte_and_names_the_file(demo_corpus, tmp_path,
     assert len(problems) == 1 and "validation-00000.bin" in problems[0]
     assert data.main(["--verify", str(copy)]) == 1
     assert "validation-00000.bin" in capsys.readouterr().out
+    with pytest.raises(UserError, match=f"corpus {tmp_path / 'nope'}: no such folder"):
+        data.main(["--verify", str(tmp_path / "nope")])
+    with pytest.raises(UserError, match="is not a finished corpus: corpus_manifest.json is missing"):
+        data.main(["--verify", str(tmp_path)])
 
 
 def test_verify_catches_tokenizer_and_eval_edits_and_missing_shards(demo_corpus, tmp_path):

@@ -141,6 +141,8 @@ def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
 
     assert report.main(["plot", str(tmp_path), "--out", str(tmp_path / "cli.png")]) == 0
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(UserError, match=f"run {tmp_path / 'nope'}: no such folder"):
+        report.main(["plot", str(tmp_path / "nope")])
 
 
 def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch):

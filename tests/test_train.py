@@ -443,6 +443,9 @@ def test_bad_options_give_one_clear_line(tmp_path):
         result = run_cli([*typo, "--out", str(tmp_path / "run")], check=False)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith("error: unrecognized arguments: ") and named in result.stderr
+        assert "; did you mean --epochs? (see train.py --help)" in result.stderr  # the option it is closest to
+    result = run_cli(["--zzz", "--out", str(tmp_path / "run")], check=False)
+    assert result.stderr == "error: unrecognized arguments: --zzz (see train.py --help)\n"  # nothing close: no guess
     result = run_cli(["--data", str(tmp_path / "nope")], check=False)  # where would the run go?
     assert result.returncode == 2 and result.stderr.strip() == \
         "error: --data needs --out RUN: the run folder for its checkpoints, metrics and status"
@@ -1452,8 +1455,14 @@ def test_a_corpus_without_held_out_blocks_is_trained_with_a_warning(tmp_path, ca
     assert train.main(options(corpus, tmp_path / "run", steps=2)) == 0
     err = capsys.readouterr().err
     assert ("warning: the corpus has no validation or test blocks of 32 tokens: no validation loss and no test "
-            "loss will be measured") in err
+            "loss will be measured (rebuild the corpus with more documents or a larger --val-fraction / "
+            "--test-fraction)") in err
     assert status(tmp_path / "run")["status"] == "COMPLETE"
+    corpus = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "validated",
+                               data.BuildSettings(vocab_size=300, val_fraction=0.3, test_fraction=0))
+    assert train.main(options(corpus, tmp_path / "validated-run", steps=2)) == 0
+    assert "no test loss will be measured (rebuild the corpus with more documents or a larger --test-fraction)" \
+        in capsys.readouterr().err  # the option of the split that is empty, only
 
 
 def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise(corpus, tmp_path, monkeypatch,
