@@ -307,9 +307,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         fsync_file(temp)
         os.replace(temp, target)
         fsync_dir(target.parent)
+    except OSError as error:
+        if error.filename is not None and Path(error.filename) == temp:
+            error.filename = str(target)  # name the file the user asked for, not its hidden temporary
+        raise
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+        if os.path.lexists(temp):  # (unlinking a missing file on a read-only disk is EROFS, not ENOENT)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
 
 
 @contextlib.contextmanager

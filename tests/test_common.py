@@ -17,6 +17,8 @@ from common import (
     atomic_folder,
     atomic_open,
     atomic_path,
+    atomic_write_text,
+    os_error_text,
     read_json,
     read_json_or,
     remove_temporaries,
@@ -262,6 +264,24 @@ def test_atomic_file_write_failure_leaves_the_target_and_no_temporary(tmp_path, 
     with pytest.raises(RuntimeError, match="boom"):
         write(target, "boom")
     assert target.read_text() == "good" and listing(tmp_path) == ["record.json"]
+
+
+def test_a_failed_atomic_write_names_the_target_not_its_temporary(tmp_path, monkeypatch):
+    """A read-only folder, a full disk: the error names the file the caller asked for (os_error_text's line)."""
+    import errno
+
+    def refuse(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "open", refuse)
+    monkeypatch.setattr(os, "unlink", refuse)  # a read-only disk refuses even to unlink a missing file
+    with pytest.raises(OSError) as caught:
+        atomic_write_text(tmp_path / "loss_curve.png", "x")
+    assert os_error_text(caught.value) == f"{tmp_path / 'loss_curve.png'}: read-only file system"
+    with pytest.raises(OSError) as caught:  # an error about another file keeps its name
+        with atomic_path(tmp_path / "x.bin"):
+            raise OSError(errno.ENOSPC, "No space left on device", "/elsewhere/file")
+    assert caught.value.filename == "/elsewhere/file"
 
 
 def test_atomic_path_when_the_writer_wrote_nothing(tmp_path):
