@@ -1008,7 +1008,8 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     try:
         import llama_cpp
     except ImportError:
-        raise UserError("--verify needs llama-cpp-python: pip install llama-cpp-python (it compiles llama.cpp: minutes)") from None
+        raise UserError("--verify needs llama-cpp-python: pip install llama-cpp-python "
+                        "(it compiles llama.cpp: minutes)") from None
     import torch
     from transformers import Qwen3ForCausalLM
     from transformers.utils import logging as transformers_logging
