@@ -447,14 +447,18 @@ class ArgumentParser(argparse.ArgumentParser):
         """"; did you mean --epochs?" for an unrecognized option close to one of this parser's."""
         if not message.startswith("unrecognized arguments: "):
             return ""
-        import difflib
-
         flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
-        for token in message.removeprefix("unrecognized arguments: ").split():
-            close = difflib.get_close_matches(token.split("=", 1)[0], flags, n=1) if token.startswith("--") else []
-            if close:
-                return f"; did you mean {close[0]}?"
-        return ""
+        tokens = message.removeprefix("unrecognized arguments: ").split()
+        hints = (did_you_mean(token.split("=", 1)[0], flags) for token in tokens if token.startswith("--"))
+        return next((hint for hint in hints if hint), "")
+
+
+def did_you_mean(word: str, candidates: list[str]) -> str:
+    """"; did you mean CANDIDATE?" for the candidate closest to `word` (difflib's), "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, candidates, n=1)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,10 +619,7 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     for key, value in read_config(path).items():
         action = by_name.get(str(key).replace("-", "_"))
         if action is None or action.dest in ("config", "help"):
-            import difflib
-
-            close = difflib.get_close_matches(str(key).replace("-", "_"), list(by_name), n=1)
-            hint = f"; did you mean {close[0].replace('_', '-')}?" if close else ""
+            hint = did_you_mean(str(key).replace("_", "-"), [name.replace("_", "-") for name in by_name])
             raise UserError(f"--config {path}: unknown option {key!r}{hint}")
         if action not in given:
             tokens += config_tokens(action, value, path, key)

@@ -247,8 +247,8 @@ def folder_sources(folder: Path) -> tuple[list[Source], Counter]:
 
 def skipped_note(folder: Path, skipped: Counter) -> str:
     """One line naming what a folder input left out (the most common kinds first)."""
-    common = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))[:6]
-    kinds = ", ".join(f"{count} {kind}" for kind, count in common)
+    commonest = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))[:6]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in commonest)
     more = ", ..." if len(skipped) > 6 else ""
     return (f"note: --data {folder}: {sum(skipped.values())} files skipped ({kinds}{more}); "
             f"read: non-empty {', '.join(FILE_KINDS)} files")
