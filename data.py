@@ -1600,21 +1600,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[DataCommand, BuildSettings, argparse.ArgumentParser]:
-    """(what to do, the corpus' settings, the parser) of this command line: a --config file's options
-    first, then the command line's; the options not given get defaults sized to the --data inputs
-    (sized_build_defaults), or DEMO_BUILD_DEFAULTS with --demo."""
+def parse_args(argv: list[str] | None = None, notes: list[str] | None = None
+               ) -> tuple[DataCommand, BuildSettings, argparse.ArgumentParser, list[Source] | None]:
+    """(what to do, the corpus' settings, the parser, the --data sources) of this command line: a --config
+    file's options first, then the command line's; the options not given get defaults sized to the --data
+    inputs (sized_build_defaults), or DEMO_BUILD_DEFAULTS with --demo. The inputs are resolved here, once
+    (`notes` gets the lines about files left out); sources is None without --data to build."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(config_argv(parser, argv) + argv)
-    if args.demo or (args.data and not args.verify):
-        sized = DEMO_BUILD_DEFAULTS if args.demo else \
-            sized_build_defaults(input_bytes(resolve_inputs(args.data, label_by_stem=args.source_label == "stem")))
-        parser.set_defaults(**sized)
+    sources = None
+    if args.data and not (args.demo or args.verify):
+        sources = resolve_inputs(args.data, label_by_stem=args.source_label == "stem", notes=notes)
+    if args.demo or sources is not None:
+        parser.set_defaults(**(DEMO_BUILD_DEFAULTS if args.demo else sized_build_defaults(input_bytes(sources))))
         args = parser.parse_args(config_argv(parser, argv) + argv)
     values = {**vars(args), "data": tuple(args.data) if args.data else None}
     command = DataCommand(**{field.name: values[field.name] for field in fields(DataCommand)})
-    return command, BuildSettings(**{field.name: values[field.name] for field in fields(BuildSettings)}), parser
+    settings = BuildSettings(**{field.name: values[field.name] for field in fields(BuildSettings)})
+    return command, settings, parser, sources
 
 
 def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
@@ -1629,7 +1633,8 @@ def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    command, settings, parser = parse_args(argv)
+    notes: list[str] = []
+    command, settings, parser, sources = parse_args(argv, notes)
     if sum(bool(x) for x in (command.data, command.demo, command.verify)) != 1:
         parser.error("give exactly one of --data, --demo or --verify")
 
@@ -1647,8 +1652,6 @@ def main(argv: list[str] | None = None) -> int:
     if command.demo:
         build_demo_corpus(command.out, overwrite=command.overwrite, seed=command.seed, **asdict(settings))
     else:
-        notes = []
-        sources = resolve_inputs(command.data, label_by_stem=command.source_label == "stem", notes=notes)
         for note in notes:
             print(note, file=sys.stderr)
         build_corpus(sources, command.out, settings, overwrite=command.overwrite)

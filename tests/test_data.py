@@ -721,15 +721,20 @@ def test_invalid_utf8_is_counted_or_fatal_with_strict(tmp_path):
     assert no_leftovers(tmp_path / "strict") and no_leftovers(tmp_path / "strict_txt")
 
 
-def test_a_folder_skips_its_empty_and_unsupported_files_and_says_so(tmp_path, capsys):
-    """A named empty file is an error (below); one found in a folder or by a pattern is skipped, with a count."""
+def test_a_folder_skips_its_empty_and_unsupported_files_and_says_so(tmp_path, capsys, monkeypatch):
+    """A named empty file is an error (below); one found in a folder or by a pattern is skipped, with a count.
+    The folder is walked once (the defaults are sized from the same sources the build reads)."""
     folder = tmp_path / "docs"
     write_jsonl(folder / "a.jsonl", text_records("a", 20))
     (folder / "empty.txt").write_text("")
     (folder / "notes.html").write_text("<p>x</p>")
     (folder / "README").write_text("plain")
+    walks = []
+    monkeypatch.setattr(data, "folder_sources", lambda *args, real=data.folder_sources: walks.append(args) or
+                        real(*args))
     corpus = build([folder], tmp_path / "out")
-    assert corpus_format.load_manifest(corpus).documents == 20
+    assert corpus_format.load_manifest(corpus).documents == 20 and len(walks) == 1
+    monkeypatch.undo()
     assert f"note: --data {folder}: 3 files skipped (1 .html, 1 empty, 1 no suffix); read: " in capsys.readouterr().err
     (folder / "b.txt").write_text("A plain text document about rivers and hills.\n")
     build([folder / "*.jsonl", folder / "*.txt"], tmp_path / "globbed")
@@ -1110,14 +1115,16 @@ def test_each_data_option_is_declared_once_and_demo_defaults_fill_the_options_no
     command = {field.name for field in fields(data.DataCommand)}
     build = {field.name for field in fields(data.BuildSettings)}
     assert sorted(dests) == sorted(command | build) and not command & build
-    _, settings, _ = data.parse_args(["--data", "hf:user/big", "--out", "corpus"])  # a size not known: large
+    _, settings, _, _ = data.parse_args(["--data", "hf:user/big", "--out", "corpus"])  # a size not known: large
     assert settings == data.BuildSettings()
     small = tmp_path / "small.txt"
     small.write_text("A small corpus of a few thousand bytes. " * 100)
-    _, settings, _ = data.parse_args(["--data", str(small), "--out", "corpus", "--test-fraction", "0"])
+    _, settings, _, _ = data.parse_args(["--data", str(small), "--out", "corpus", "--test-fraction", "0"])
     assert (settings.vocab_size, settings.val_fraction, settings.test_fraction) == (512, 0.05, 0.0)
-    _, settings, _ = data.parse_args(["--data", "hf:user/big", str(small), "--out", "corpus"])
+    _, settings, _, _ = data.parse_args(["--data", "hf:user/big", str(small), "--out", "corpus"])
     assert settings == data.BuildSettings()
-    command_given, settings, _ = data.parse_args(["--demo", "--out", "corpus", "--val-fraction", "0.1", "--seed", "3"])
+    command_given, settings, _, sources = data.parse_args(["--demo", "--out", "corpus", "--val-fraction", "0.1",
+                                                           "--seed", "3"])
+    assert sources is None  # nothing to resolve
     assert (settings.vocab_size, settings.val_fraction, settings.test_fraction) == (512, 0.1, 0.05)
     assert command_given.demo and command_given.seed == 3 and command_given.out == "corpus"
