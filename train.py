@@ -186,7 +186,7 @@ class RunSettings(optimization.RecipeOptions):
            "ranks, --batch-size and --grad-accum)", SAVING, checks=(positive,))
     mixture_schedule: str | None = option(
         None, "later phases of a --data mixture, 'START:NAME=WEIGHT,...;...' with START a step or 'decay' (wsd's "
-              "decay), e.g. 'decay:web=0.3,chat=0.7'; the --data weights hold from step 0", PATHS, metavar="PHASES")
+              "decay), e.g. 'decay:web=0.3,chat=0.7'; the --data weights hold from step 0", BUDGET, metavar="PHASES")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +223,8 @@ class SessionSettings:
                                                                  "subsample; 0: all)", SAVING,
                                    checks=(not_negative,))
     log_every: int = option(10, "progress line and metrics every N steps", SAVING, checks=(positive,))
-    max_hours: float = option(0, "stop (saved, resumable) early enough to save before this budget (0: no limit)",
+    max_hours: float = option(0, "stop (saved, resumable) early enough to save before this many hours (0: no limit, or "
+                              "a --budget run's budget)",
                               STOPPING, checks=(finite, not_negative))
     stop_after_steps: int = option(0, "stop (saved, resumable) once the run reaches step N (0: off)", STOPPING,
                                    checks=(not_negative,))
@@ -1083,8 +1084,9 @@ def train_loop(training: Training, checkpointer: store.Checkpointer | None, obse
     if no_step is not None:
         return no_step
     clocks = SessionClocks(process_started)
-    flags = StepFlags(training.total_steps, session.save_every, session.save_seconds, session.max_hours,
-                      session.stop_after_steps)
+    hours, limit = budget.session_limit(session.max_hours, training.budget_plan)
+    flags = StepFlags(training.total_steps, session.save_every, session.save_seconds, hours,
+                      session.stop_after_steps, time_limit=limit)
     while training.step < training.total_steps:
         if checkpointer is not None:
             checkpointer.check()
@@ -1214,6 +1216,7 @@ class StepFlags:
     max_hours: float = 0.0
     stop_after_steps: int = 0
     new_best: bool = False  # this step's validation set a new best: its record must say so
+    time_limit: str = "--max-hours budget"  # what set max_hours, for the stop's reason (budget.session_limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1228,8 +1231,9 @@ LAST_SAVE_SECONDS = 10  # besides twice the slowest step, evaluation and write: 
 
 def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     """Whether step `step` ends with a save and whether the session stops there, and why. The last
-    step saves and completes, whatever asked to stop. --max-hours stops when another step, evaluation
-    and save (twice the slowest of each, and LAST_SAVE_SECONDS) might not fit the budget."""
+    step saves and completes, whatever asked to stop. The time limit (--max-hours, or a --budget run's
+    budget) stops when another step, evaluation and save (twice the slowest of each, and LAST_SAVE_SECONDS)
+    might not fit it."""
     needed = 2 * (clock.slowest_step + clock.slowest_eval + clock.last_write) + LAST_SAVE_SECONDS
     why = None
     if step >= flags.total_steps:
@@ -1237,7 +1241,7 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     elif clock.signal:
         why = f"stopped by {signal.Signals(clock.signal).name}"
     elif flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600:
-        why = "stopped by --max-hours budget"
+        why = f"stopped by {flags.time_limit}"
     elif flags.stop_after_steps and step >= flags.stop_after_steps:
         why = f"stopped by --stop-after-steps {flags.stop_after_steps}"
     save = (why is not None or step >= flags.total_steps or flags.new_best

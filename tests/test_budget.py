@@ -198,6 +198,35 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(corpus
     assert final["settings"]["budget"] == plan
 
 
+@pytest.mark.parametrize("max_hours, plan, hours, words", [
+    (0, None, 0, "--max-hours budget"),  # no limit
+    (2.5, None, 2.5, "--max-hours budget"),
+    (11.5, {"budget": "30h"}, 11.5, "--max-hours budget"),  # several sessions: each stops at --max-hours
+    (0, {"budget": "3m"}, 0.05, "--budget 3m (this machine ran slower than its probe)"),  # one: at the budget
+])
+def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hours, words):
+    assert budget.session_limit(max_hours, plan) == (pytest.approx(hours), words)
+
+
+def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, monkeypatch,
+                                                                      capsys):
+    """Each step here seems to take 5 s of a 1 m budget planned for 12 steps: the session stops saved once
+    another step and save might not fit (step 10), and the same command finishes the run."""
+    out, read = tmp_path / "run", train.SessionClocks.read
+    steps = iter(range(1, 100))
+
+    def slow(self, *args):
+        return dataclasses.replace(read(self, *args), elapsed=5.0 * next(steps))
+    monkeypatch.setattr(train.SessionClocks, "read", slow)
+    assert train.main(options(corpus, out)) == 0
+    record = json.loads((out / "run_status.json").read_text())
+    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 10, 12)
+    assert record["reason"] == "stopped by --budget 1m (this machine ran slower than its probe)"
+    monkeypatch.setattr(train.SessionClocks, "read", read)
+    assert train.main(options(corpus, out)) == 0
+    assert json.loads((out / "run_status.json").read_text())["status"] == store.COMPLETE
+
+
 def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, small_runs):
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--preset", "tiny", "--stop-after-steps", "1")) == 0

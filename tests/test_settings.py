@@ -30,6 +30,13 @@ def test_every_option_lands_in_exactly_one_group():
     assert DERIVED <= {field.name for field in dataclasses.fields(train.Invocation)}
 
 
+def test_help_opens_with_the_corpus_and_the_run_folder():
+    """--help reads like a command: what to train on and where first, the mixture's phases later."""
+    names = option_names()
+    assert names[:2] == ["data", "out"]
+    assert names.index("mixture_schedule") > names.index("packing")
+
+
 def test_settings_are_built_once_and_never_change(tmp_path):
     settings = train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), "--lr", "1e-3"])
     assert settings.run.lr == 1e-3 and settings.session.out == str(tmp_path / "run")
