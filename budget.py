@@ -11,6 +11,8 @@ text) is lowest within the budget; the learning rates follow train.py's recipe r
 The plan is made once: it is recorded in training_settings.json and a resume reads it back
 (`recorded_plan`), so a faster or slower later session changes how many sessions the run takes, never
 the run. An explicit --preset (or any shape option) or --target-tokens wins over the plan for that choice.
+Without --max-hours the budget is also each session's time limit (`session_limit`): a machine slower than
+its probe stops saved, never past the budget.
 """
 
 from __future__ import annotations
