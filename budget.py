@@ -329,14 +329,15 @@ def recorded_plan(out: Path, budget: str, resume: str = "auto") -> dict | None:
     return record if record and record.get("budget") == budget else None
 
 
+MAX_HOURS_LIMIT = "--max-hours budget"  # a stop's words when --max-hours set the session's time limit
+
+
 def session_limit(max_hours: float, plan_record: dict | None) -> tuple[float, str]:
     """A session's time limit in hours (0: none) and the words its stop gives: --max-hours when given;
     else a --budget run's own budget, so that no session runs past what the user asked for (a machine
     slower than the probe saw stops saved, and the same command finishes the run)."""
-    if max_hours:
-        return max_hours, "--max-hours budget"
-    if plan_record is None:
-        return 0.0, "--max-hours budget"
+    if max_hours or plan_record is None:
+        return max_hours, MAX_HOURS_LIMIT
     text = plan_record["budget"]
     return budget_seconds(text) / 3600, f"--budget {text} (this machine ran slower than its probe)"
 

@@ -1216,7 +1216,7 @@ class StepFlags:
     max_hours: float = 0.0
     stop_after_steps: int = 0
     new_best: bool = False  # this step's validation set a new best: its record must say so
-    time_limit: str = "--max-hours budget"  # what set max_hours, for the stop's reason (budget.session_limit)
+    time_limit: str = budget.MAX_HOURS_LIMIT  # what set max_hours, for the stop's reason (budget.session_limit)
 
 
 @dataclasses.dataclass(frozen=True)
