@@ -10,11 +10,14 @@ keeps its own RNG, gathered into every checkpoint (RankRNG) so a resume continue
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import re
 import shlex
 import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -113,10 +116,48 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
         torch.cuda.set_device(device)
     info = DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
-                                device_id=device if use_cuda else None)
+        init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
+                           device_id=device if use_cuda else None)
         check_first_collective(info)
     return info
+
+
+def init_process_group(backend: str, **options) -> None:
+    """dist.init_process_group; on gloo without the line its C++ writes to stdout when a rank has connected."""
+    with gloo_connected_lines_dropped() if backend == "gloo" else contextlib.nullcontext():
+        dist.init_process_group(backend, **options)
+
+
+# torch 2.10's gloo (std::cout, no setting turns it off; 2.11 and later log it at INFO, which is not shown)
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                            r"Expected number of connected peer ranks is : (\d+)")
+
+
+def is_gloo_all_connected(line: str) -> bool:
+    """gloo's line saying a rank reached every peer: noise beside the run's own lines. One short of its peers is
+    kept (it names the rank that could not connect)."""
+    match = GLOO_CONNECTED.fullmatch(line.strip())
+    return match is not None and match[1] == match[2]
+
+
+@contextlib.contextmanager
+def gloo_connected_lines_dropped():
+    """What the C++ below writes to stdout (file descriptor 1) is held in a file and written out after, less gloo's
+    all-connected lines. Only around gloo's connect: NCCL_DEBUG's lines must come as they are written."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stdout.write("".join(line for line in lines if not is_gloo_all_connected(line)))
+            sys.stdout.flush()
 
 
 # ----------------------------------------------------------------------------------------------

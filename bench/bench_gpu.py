@@ -1613,9 +1613,9 @@ def init_ranks(args: argparse.Namespace):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=args.collective_timeout),
-                                device_id=torch.device("cuda", local_rank) if use_cuda else None)
+        distributed.init_process_group("nccl" if use_cuda else "gloo",
+                                       timeout=datetime.timedelta(seconds=args.collective_timeout),
+                                       device_id=torch.device("cuda", local_rank) if use_cuda else None)
         info = distributed.init_distributed(args.device)
         distributed.check_first_collective(info)
         return info

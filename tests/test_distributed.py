@@ -97,6 +97,23 @@ def test_the_first_collective_passes_on_two_gloo_ranks():
         assert code == 0 and out.strip() == "ready", err[-2000:]
 
 
+GLOO_LINE = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : {}"
+
+
+def test_gloo_s_all_connected_line_is_dropped_and_what_else_the_connect_prints_is_kept(capfd):
+    """torch 2.10's gloo writes its line from C++ (file descriptor 1), as NCCL_DEBUG would: both written there."""
+    print("before", flush=True)
+    with distributed.gloo_connected_lines_dropped():
+        print("from python")
+        os.write(1, (GLOO_LINE.format(0, 1, 1) + "\n").encode())
+        os.write(1, (GLOO_LINE.format(1, 0, 1) + "\nfrom C++\n").encode())
+    print("after")
+    assert capfd.readouterr().out == f"before\nfrom python\n{GLOO_LINE.format(1, 0, 1)}\nfrom C++\nafter\n"
+    assert distributed.is_gloo_all_connected(GLOO_LINE.format(3, 7, 7) + "\n")
+    assert not distributed.is_gloo_all_connected(GLOO_LINE.format(3, 6, 7))
+    assert not distributed.is_gloo_all_connected("ready")
+
+
 def test_a_hung_first_collective_ends_the_rank_in_its_limit_with_one_line():
     ranks = start_ranks("hang")
     started = time.monotonic()
