@@ -76,9 +76,10 @@ def test_a_store_without_credentials_stops_run_all_with_one_error_line(tmp_path,
 
     printed = "\n".join(out.get("text", "") for cell in nbformat.read(tmp_path / "out.ipynb", as_version=4).cells
                         if cell.cell_type == "code" for out in cell.outputs)
-    import torch
+    from importlib.metadata import version
 
-    assert f"torch {torch.__version__} is kept" in printed
+    # what the cell reads without importing torch: PyPI's CUDA wheels say 2.10.0 there, 2.10.0+cu128 in __version__
+    assert f"torch {version('torch')} is kept" in printed
     assert "data options: --vocab-size 512 --val-fraction 0.05 --test-fraction 0.05 --source-label none (sized to " \
            "3,600 bytes of input)" in printed
 

@@ -41,10 +41,13 @@ def test_the_dependencies_are_requirements_txt():
 
 
 def requirement_names(path: Path) -> set[str]:
+    """The packages a requirements file names, those of the files it includes (`-r FILE`) too."""
     from packaging.requirements import Requirement
 
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return {Requirement(line).name.lower() for line in lines if line and not line.startswith("-")}
+    lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+    included = set().union(*(requirement_names(path.parent / line[2:].strip()) for line in lines
+                             if line.startswith("-r ")))
+    return included | {Requirement(line).name.lower() for line in lines if line and not line.startswith("-")}
 
 
 def test_pip_install_never_pulls_torch():
@@ -115,7 +118,9 @@ def test_the_dev_constraints_pin_every_requirement_and_leave_torch_out():
 
     lines = [line for line in (ROOT / "constraints-dev.txt").read_text().splitlines() if line and line[0] != "#"]
     pinned = {canonicalize_name(line.split("==")[0]): line.split("==")[1] for line in lines}
-    required = requirement_names(ROOT / "requirements.txt") | requirement_names(ROOT / "requirements-dev.txt")
-    assert {canonicalize_name(name) for name in required} - set(pinned) == set()
+    required = requirement_names(ROOT / "requirements-dev.txt")
+    assert {"transformers", "pytest", "papermill", "llama-cpp-python"} <= required  # all three files
+    # setuptools: each torch release bounds it (requirements-test.txt), so it is left to torch's
+    assert {canonicalize_name(name) for name in required} - set(pinned) == {"setuptools"}
     assert "torch" not in pinned and all(pinned.values())
     assert "-c constraints-dev.txt" in (ROOT / ".ci" / "run").read_text()
