@@ -65,7 +65,7 @@ class Documents(NamedTuple):
     @property
     def has_boundary(self) -> bool:
         """Whether some row holds more than one document (else plain causal attention is the same)."""
-        return self.count > self.rows
+        return has_boundary(self)
 
     def to(self, device, non_blocking: bool = False) -> Documents:
         return Documents(*(tensor.to(device, non_blocking=non_blocking) for tensor in self[:3]), self.longest)
@@ -92,6 +92,12 @@ def documents_of(segments: np.ndarray) -> Documents:
     return Documents(torch.from_numpy(segments), torch.from_numpy(positions), torch.from_numpy(cu_seqlens), longest)
 
 
+def has_boundary(documents: Documents) -> bool:
+    """Documents.has_boundary as a function of its fields, for code torch.compile traces: torch 2.10's Dynamo cannot
+    read a property of a NamedTuple (a graph break in every layer's attention), 2.11 and later can."""
+    return documents.cu_seqlens.shape[0] - 1 > documents.segments.shape[0]
+
+
 def document_mask(segments):
     """The (B, 1, C, C) boolean mask of document attention: block-diagonal and causal (True: attend)."""
     import torch
@@ -105,7 +111,7 @@ def decoder_inputs(model, documents: Documents | None) -> dict:
     """What `model.model(...)` is given besides the tokens so that attention and positions stay inside
     each document: nothing for a micro-batch without a boundary (plain causal, positions 0..C-1); the
     positions and cu_seqlens for the varlen kernels; the positions and the boolean mask otherwise."""
-    if documents is None or not documents.has_boundary:
+    if documents is None or not has_boundary(documents):
         return {}
     if model.config._attn_implementation in VARLEN_IMPLEMENTATIONS:
         return {"position_ids": documents.positions, "document_starts": documents.cu_seqlens,
