@@ -112,7 +112,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             chunk, chunk_targets = hidden[rows].to(dtype), targets[rows]
             logits = (chunk @ weight_cast.t()).float()
             loss, grad_logits = cross_entropy_and_gradient_(logits, chunk_targets, z_loss)
-            total += loss
+            # not `total += loss`: torch 2.11's Dynamo gives a Function whose output is a tensor made in its
+            # forward and added to in place zero gradients (the compiled model did not train)
+            total = total + loss
             grad_logits = grad_logits.to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight += grad_logits.t() @ chunk

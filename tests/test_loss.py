@@ -88,6 +88,22 @@ def test_the_chunked_loss_equals_the_full_logits_one(precision, elementwise, red
     assert abs(loss - exact_loss) <= loss_allowed
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_the_compiled_chunked_loss_gives_the_eager_gradients(backend):
+    """Dynamo over the chunked Function (train.py --compile; Inductor's kernels aside): torch 2.11's gave zero
+    gradients to a Function whose output was made in its forward and added to in place."""
+    model, (inputs, targets) = tiny_model(), batch(ignored=True)
+    chunked = lambda *args: losses.language_model_loss(*args, chunk_tokens=CHUNK)  # noqa: E731
+    loss, expected = loss_and_gradients(chunked, model, inputs, targets, "mean", "fp32")
+    torch._dynamo.reset()
+    compiled_loss, gradients = loss_and_gradients(torch.compile(chunked, backend=backend), model, inputs, targets,
+                                                  "mean", "fp32")
+    assert compiled_loss == pytest.approx(loss, rel=1e-6)
+    assert min(gradient.abs().max().item() for gradient in expected.values()) > 0
+    for name, error in largest_difference(gradients, expected).items():
+        assert error <= FP32_TOLERANCE * expected[name].abs().max().item(), (name, error)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_z_loss_adds_the_squared_log_normalizer_and_its_gradient(reduction):
     """--z-loss: the chunked loss and gradients equal cross-entropy + z x logsumexp^2 over the counted tokens
