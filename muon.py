@@ -17,7 +17,7 @@ update (its second moments are one more entry per matrix in the state, on every 
 weight decay. With all three off the update is torch's.
 
 A module of its own, imported inside optimization.build_muon: train.py needs no torch.optim.Muon at import,
-so on a torch older than 2.9 hardware.check_torch still says so in one line.
+so on a torch older than hardware.MIN_TORCH hardware.check_torch still says so in one line.
 """
 
 from __future__ import annotations

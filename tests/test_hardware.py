@@ -107,33 +107,34 @@ def test_wrap_order(compile, world, order):
 
 
 @pytest.mark.parametrize("version, ok", [
-    ("2.13.0+cpu", True), ("2.9.0", True), ("3.0.1", True), ("2.8.1+cu126", False), ("2.4.0", False),
+    ("2.13.0+cpu", True), ("2.10.0", True), ("3.0.1", True), ("2.9.1+cu126", False), ("2.4.0", False),
     ("1.13.1", False), ("2.10.0a0+git1234", True),
 ])
 def test_torch_version(version, ok):
     problem = hardware.torch_problem(version)
     assert (problem is None) == ok
     if not ok:
-        assert "torch>=2.9" in problem and version in problem
+        assert "torch>=2.10" in problem and version in problem
 
 
+WHY = "the oldest release its tests run on, Kaggle's"  # hardware.MIN_TORCH_REASON, in words
 CPU_INDEX, CUDA_INDEX = "--index-url https://download.pytorch.org/whl/cpu", "--index-url https://download.pytorch.org/whl/cu"
 
 
 # the torch installed (None: none), the driver's CUDA (None: no NVIDIA driver) -> the one line, or None: install nothing
 @pytest.mark.parametrize("version, driver, problem", [
     ("2.13.0+cpu", None, None),
-    ("2.9.1+cu126", (12, 4), None),  # a working torch is kept, whatever the driver
+    ("2.10.0+cu126", (12, 4), None),  # a working torch is kept, whatever the driver
     ("2.10.0a0+git1234", (12, 8), None),
-    (None, None, "torch is not installed: tinyllm needs torch>=2.9 (torch.optim.Muon); for this machine (no NVIDIA "
-     f"driver: the CPU build): pip install 'torch>=2.9' {CPU_INDEX} (in a notebook, then restart its session)"),
-    ("2.6.0+cu124", (12, 9), "torch 2.6.0+cu124 is too old: tinyllm needs torch>=2.9 (torch.optim.Muon); for this "
-     f"machine (the NVIDIA driver runs CUDA 12.9): pip install 'torch>=2.9' {CUDA_INDEX}128 (in a notebook, then "
-     "restart its session)"),
-    ("2.8.0", (13, 1), f"pip install 'torch>=2.9' {CUDA_INDEX}130"),
-    ("2.8.0", (12, 6), f"pip install 'torch>=2.9' {CUDA_INDEX}126"),
-    (None, (12, 2), "torch is not installed: tinyllm needs torch>=2.9 (torch.optim.Muon), and the NVIDIA driver runs "
-     "CUDA 12.2, older than every build of it (CUDA 12.6 and up): update the driver, or use an image with torch>=2.9"),
+    (None, None, f"torch is not installed: tinyllm needs torch>=2.10 ({WHY}); for this machine (no NVIDIA driver: "
+     f"the CPU build): pip install 'torch>=2.10' {CPU_INDEX} (in a notebook, then restart its session)"),
+    ("2.6.0+cu124", (12, 9), f"torch 2.6.0+cu124 is too old: tinyllm needs torch>=2.10 ({WHY}); for this machine "
+     f"(the NVIDIA driver runs CUDA 12.9): pip install 'torch>=2.10' {CUDA_INDEX}128 (in a notebook, then restart "
+     "its session)"),
+    ("2.8.0", (13, 1), f"pip install 'torch>=2.10' {CUDA_INDEX}130"),
+    ("2.9.1", (12, 6), f"pip install 'torch>=2.10' {CUDA_INDEX}126"),
+    (None, (12, 2), f"torch is not installed: tinyllm needs torch>=2.10 ({WHY}), and the NVIDIA driver runs CUDA 12.2, "
+     "older than every build of it (CUDA 12.6 and up): update the driver, or use an image with torch>=2.10"),
 ])
 def test_the_torch_install_check(version, driver, problem):
     found = hardware.torch_install_problem(version, driver)

@@ -108,7 +108,7 @@ def test_train_without_torch_is_one_error_line_with_the_install_command(tmp_path
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: torch is not installed: tinyllm needs torch>=2.9") and "pip install" in lines[0]
+    assert lines[0].startswith("error: torch is not installed: tinyllm needs torch>=2.10") and "pip install" in lines[0]
 
 
 def test_the_dev_constraints_pin_every_requirement_and_leave_torch_out():
