@@ -93,8 +93,8 @@ def documents_of(segments: np.ndarray) -> Documents:
 
 
 def has_boundary(documents: Documents) -> bool:
-    """Documents.has_boundary as a function of its fields, for code torch.compile traces: torch 2.10's Dynamo cannot
-    read a property of a NamedTuple (a graph break in every layer's attention), 2.11 and later can."""
+    """Documents.has_boundary as a function, for the code torch.compile traces: torch 2.10's Dynamo cannot
+    call a property of a NamedTuple (a graph break: "Data-dependent branching ... has_boundary")."""
     return documents.cu_seqlens.shape[0] - 1 > documents.segments.shape[0]
 
 
