@@ -644,22 +644,41 @@ class Mirror:
 
 def serve_backup(fd: int) -> None:
     """The child: a Mirror stepped on a wake-up (a save), on its retry timer and while a stop waits, until
-    the plan is empty; it exits when its pipe closes (a killed trainer), after the step it is on."""
+    the plan is empty; it exits when its pipe closes (a killed trainer), after the step it is on. Its
+    trainer can die at any moment (kill -9, torchrun tearing the job down): the child then exits saying
+    nothing, whichever message it was reading or sending, so the run's log holds no traceback of it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when the backup stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(10)
     connection = multiprocessing.connection.Connection(fd)
+    with contextlib.suppress(EOFError, OSError):  # the pipe closed: the trainer is gone
+        mirror = start_mirror(connection)
+        if mirror is not None:
+            mirror.look()
+            serve_requests(connection, mirror)
+
+
+def start_mirror(connection) -> Mirror | None:
+    """The child's Mirror from the settings its trainer sends; it answers "ready", or "failed" and None."""
     url, options = connection.recv()
-    try:  # one write per log line: they share train.py's stdout, even unbuffered (python -u)
-        mirror = Mirror(url, **options, log=lambda line: print(f"{line}\n", end="", flush=True))
+    try:
+        mirror = Mirror(url, **options, log=child_log)
     except Exception as error:
         connection.send(("failed", type(error).__name__, str(error) if isinstance(error, UserError) else ""))
-        return
+        return None
     connection.send(("ready",))
-    mirror.look()
-    with contextlib.suppress(EOFError, OSError):
-        serve_requests(connection, mirror)
+    return mirror
+
+
+def child_log(line: str) -> None:
+    """The child's log line, in one write (it shares train.py's stdout, even unbuffered: python -u). A
+    stdout whose reader is gone (the trainer's terminal or notebook) ends the logging, never the child:
+    its later lines, and the interpreter's last flush, go to /dev/null."""
+    try:
+        print(f"{line}\n", end="", flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def serve_requests(connection, mirror: Mirror) -> None:

@@ -86,6 +86,7 @@ from common import (
     remove_temporaries,
     run_main,
     say,
+    say_error,
     seed_everything,
     utc_now,
 )
@@ -955,7 +956,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         failure = end_failed_run(training, status, checkpointer, stop, error)
         if failure.message is None:
             raise
-        raise UserError(failure.message) from None
+        raise UserError(failure.message, said=failure.urgent) from None
     finally:
         observers.close()
         stop.restore()
@@ -1168,6 +1169,7 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self.loop_ended = False  # set once no step is left to take: a signal then only ends the report sooner
+        self.ending_on_error = False  # set once the run ends on an error (end_failed_run): a signal only notes its time
         self.signum = 0  # the first signal's number (0: none yet)
         self.signalled_at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
@@ -1187,6 +1189,8 @@ class StopRequest:
         self.requested = True
         if self.signalled_at is None:
             self.signum, self.signalled_at = int(signum), time.monotonic()
+        if self.ending_on_error:  # its error line says what happened: torchrun's SIGTERM after a lost rank
+            return
         what = ("training has already ended; finishing the run's status and report, then exiting" if self.loop_ended
                 else "finishing this step, saving, then stopping")
         print(f"{signal.Signals(signum).name}: {what}", file=sys.stderr, flush=True)
@@ -1353,7 +1357,7 @@ class Failure:
     reason: str  # its reason
     message: str | None  # the one `error:` line (a UserError); None: the error goes on as it is
     say: str | None = None  # a line for stderr first (a second Ctrl-C: where the run stands)
-    urgent: bool = False  # torchrun tears the job down: the upload wait fits its grace period
+    urgent: bool = False  # torchrun tears the job down: the line is said at once, the upload wait fits its grace
 
 
 def failure_reason(error: BaseException, last_checkpoint: str | None, context: FailureContext) -> Failure:
@@ -1394,6 +1398,7 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
     status at once (before torchrun's SIGKILL, after a lost rank), then waits for the backup."""
     info, session = training.info, training.session
     out = Path(session.out)
+    stop.ending_on_error = True
     if checkpointer is not None:
         with contextlib.suppress(Exception):
             checkpointer.wait()
@@ -1403,8 +1408,11 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
     context = FailureContext(training.step, out / "checkpoints", out / store.STATUS_FILE, command, info.rank,
                              info.world, session.deterministic, advice, status.final)
     failure = failure_reason(error, last, context)
-    if status.failed(failure.status, reason=failure.reason, step=training.step, total_steps=training.total_steps,
-                     last_checkpoint=last, backup_complete=None):
+    recorded = status.failed(failure.status, reason=failure.reason, step=training.step,
+                             total_steps=training.total_steps, last_checkpoint=last, backup_complete=None)
+    if failure.urgent and failure.message:  # now, not at exit: torchrun's SIGTERM may follow at any moment
+        say_error(failure.message)
+    if recorded:
         since = stop.signalled_at or (time.monotonic() if failure.urgent else None)
         with contextlib.suppress(Exception):
             status.update(backup_complete=wait_for_backup(checkpointer, since))

@@ -511,6 +511,71 @@ def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_
     assert wait_until(lambda: not process_alive(child), 30)  # its pipe closed: it leaves on its own
 
 
+# Where the backup child waits, in its own process, for its trainer to be killed (a sitecustomize): each
+# phase of its life at which a kill -9 of the trainer can find it.
+CHILD_PHASES = {  # phase: (what the trainer does, the child's function that waits before it runs)
+    "starting": ("start", "Mirror.__init__"),  # the trainer waits for "ready", which the child has yet to send
+    "ready": ("start", "Mirror.look"),  # "ready" sent; it says what the remote holds
+    "mid-upload": ("submit", "upload_checkpoint"),
+    "closing": ("close", "Connection.send"),  # its answer to "close" not sent yet
+}
+WAIT_FOR_THE_KILL = """
+import os, pathlib, time, checkpoint_cloud, multiprocessing.connection
+if os.environ.get("TEST_BACKUP_CHILD") == "1":  # the child (the trainer sets it after its own start)
+    owner_name, _, name = {where!r}.rpartition(".")
+    owner = {{"": checkpoint_cloud, "Mirror": checkpoint_cloud.Mirror,
+              "Connection": multiprocessing.connection.Connection}}[owner_name]
+    original, trainer = getattr(owner, name), os.getppid()
+    def waits_for_the_kill(*args, **kwargs):
+        if name != "send" or args[1][0] == "reply":
+            pathlib.Path({marker!r}).touch()
+            while os.getppid() == trainer:
+                time.sleep(0.02)
+        return original(*args, **kwargs)
+    setattr(owner, name, waits_for_the_kill)
+"""
+
+
+@pytest.mark.parametrize("phase", [*CHILD_PHASES, "mid-upload, its stdout's reader gone"])
+def test_a_killed_trainer_leaves_no_traceback_from_its_backup_child(tmp_path, phase, patch_python_children):
+    action, where = CHILD_PHASES[phase.split(",")[0]]
+    marker, child_pid, stderr = tmp_path / "in-phase", tmp_path / "child.pid", tmp_path / "stderr.txt"
+    patch_python_children(WAIT_FOR_THE_KILL.format(where=where, marker=str(marker)))
+    checkpoint = save_and_point_latest(tmp_path / "run" / "checkpoints", 3)
+    script = "\n".join([
+        "import os, pathlib, threading, time, checkpoint_cloud",
+        "os.environ['TEST_BACKUP_CHILD'] = '1'",
+        "def note_child():",  # the child's pid, for the test to see it exit; "start" blocks in the constructor
+        "    for _ in range(3000):",
+        "        time.sleep(0.01)",
+        "        pids = pathlib.Path(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read_text().split()",
+        "        if pids:",
+        f"            return pathlib.Path({str(child_pid)!r}).write_text(pids[0])",
+        "threading.Thread(target=note_child, daemon=True).start()",
+        f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=print)",
+        f"backup.submit({str(checkpoint)!r}, 3) if {action == 'submit'} else None",
+        f"backup.close(timeout_s=120) if {action == 'close'} else None",
+        "time.sleep(600)",
+    ])
+    with open(stderr, "w") as errors:
+        trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            assert wait_until(marker.exists, 120), stderr.read_text()
+            child = int(child_pid.read_text())
+            trainer.kill()
+            trainer.wait()
+            if "reader gone" in phase:
+                trainer.stdout.close()  # a notebook or terminal that went away with the trainer
+            assert wait_until(lambda: not process_alive(child), 60)
+            output = "" if trainer.stdout.closed else trainer.stdout.read()
+        finally:
+            trainer.kill()
+    log = output + stderr.read_text()
+    assert "Traceback" not in log and "Error" not in log and "Exception" not in log, log
+    if phase == "mid-upload":  # the upload it was on finished; the remote holds it, verified
+        assert "step-00000003.pt (step 3" in output and "uploaded and verified" in output
+
+
 # ----------------------------------------------------------------------------------------------
 # A real S3 endpoint: faults.
 

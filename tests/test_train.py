@@ -14,6 +14,7 @@ import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1022,35 +1023,75 @@ def test_bf16_on_a_cpu_resumes_bit_for_bit(corpus, tmp_path):
     assert train_losses(full)[12] != train_losses(fp32)[12]  # it did run in bf16
 
 
-def torchrun_worker(launcher_pid: int, local_rank: int) -> int:
-    """The pid of torchrun's worker `local_rank` (Linux: the launcher's children and their environment)."""
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
-    return next(int(pid) for pid in children
-                if f"LOCAL_RANK={local_rank}\0".encode() in Path(f"/proc/{pid}/environ").read_bytes())
+def start_two_ranks(args: list[str], logs: Path) -> list[subprocess.Popen]:
+    """Rank 0 and rank 1 of a gloo run, started as torchrun starts its workers (the same environment) but
+    without its agent, so the only signals they get are the test's: each order of events is driven, not raced."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logs.mkdir()
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
+            ranks.append(subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=out,
+                                          stderr=err, stdin=subprocess.DEVNULL))
+    return ranks
+
+
+# torchrun's agent sends SIGTERM to rank 0 once rank 1 died; rank 0 meanwhile finds its peer gone in a
+# collective. Each moment that signal can land at, made to happen (in rank 0, through a sitecustomize):
+SIGNAL_AT = {  # (module, class or None, function)
+    "recording": ("checkpoint_store", "RunStatus", "failed"),  # the lost peer found; its status being written
+    "exiting": ("distributed", None, "shutdown_distributed"),  # the failure recorded; the group torn down
+}
+SELF_SIGNAL = """
+import importlib, os, signal
+if os.environ.get("RANK") == "0":
+    module, owner_name, name = {where!r}
+    owner = importlib.import_module(module)
+    owner = getattr(owner, owner_name) if owner_name else owner
+    original = getattr(owner, name)
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+    setattr(owner, name, signalled)
+"""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers in /proc")
-def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(corpus, tmp_path):
+@pytest.mark.parametrize("order", ["peer lost, then SIGTERM while recording", "peer lost, then SIGTERM while exiting",
+                                   "SIGTERM, then peer lost"])
+def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(corpus, tmp_path, order,
+                                                                              patch_python_children):
     out, logs = tmp_path / "run", tmp_path / "logs"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "--log-dir", str(logs), "--redirects", "3", "train.py"]  # each rank's output in its own file
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if order.startswith("peer lost"):
+        patch_python_children(SELF_SIGNAL.format(where=SIGNAL_AT[order.split(" while ")[1]]))
     args = options(corpus, out, "--batch-size", "1", "--save-every", "2", steps=5000)  # far longer than the test
-    process = subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    rank0, rank1 = start_two_ranks(args, logs)
     try:
-        while process.poll() is None and not (out / "checkpoints" / store.checkpoint_name(2)).is_file():
+        while rank0.poll() is None and not (out / "checkpoints" / store.checkpoint_name(2)).is_file():
             time.sleep(0.1)
-        os.kill(torchrun_worker(process.pid, local_rank=1), signal.SIGKILL)
-        process.communicate(timeout=60)  # rank 0 exits by itself: blocked in a collective, it would not
+        if order.startswith("SIGTERM"):
+            rank1.send_signal(signal.SIGSTOP)  # rank 0 cannot find it gone before the signal is delivered
+            rank0.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+        rank1.kill()
+        rank0.wait(timeout=120)  # rank 0 exits by itself: blocked in a collective, it would not
     finally:
-        process.kill()
-    rank0 = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
-    errors = [line for line in rank0.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in rank0, rank0
+        rank0.kill(), rank1.kill()
+    stderr = (logs / "0.err").read_text()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
     assert errors[0].startswith("error: rank 1 stopped (") and "peer" in errors[0]  # gloo: connection closed
     assert "; this rank exits too; resume with: torchrun --nproc_per_node=2 train.py " in errors[0]
+    if order.startswith("SIGTERM"):  # what the signal started is said first; the lost peer then ends it
+        assert stderr.index("SIGTERM: finishing this step, saving, then stopping") < stderr.index(errors[0])
+    else:  # the error line says it all: no word of a stop the run will not make
+        assert "SIGTERM:" not in stderr
+    assert rank0.returncode in (2, -signal.SIGTERM)  # killed by the signal only once its line is out
     record = status(out)
     assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and record["reason"].startswith("rank 1 stopped (")
     assert (out / "checkpoints" / record["last_checkpoint"]).is_file() and record["step"] >= 2
