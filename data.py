@@ -26,6 +26,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 import unicodedata
 from collections import Counter, deque
@@ -1028,13 +1029,23 @@ def literal_tokenizer(backend):
     return literal
 
 
-def start_tokenize_worker(tokenizer_json: str) -> None:
-    """Process-pool initializer: a single-threaded Rust tokenizer in each process."""
+def start_tokenize_worker(tokenizer_json: str, builder: int) -> None:
+    """Process-pool initializer: a single-threaded Rust tokenizer in each process, which ends as soon as
+    its data.py (process `builder`) is gone: a kill -9 of the build leaves no worker behind, busy or idle
+    (an idle one would wait forever on a queue whose writing end it holds itself), and no traceback."""
     global _WORKER_TOKENIZER
     from tokenizers import Tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = literal_tokenizer(Tokenizer.from_str(tokenizer_json))
+    threading.Thread(target=exit_without, args=(builder,), name="exit-without-data.py", daemon=True).start()
+
+
+def exit_without(parent: int, every_s: float = 0.5) -> None:
+    """End this process, saying nothing, once `parent` is no longer its parent (it died)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
 
 
 ENCODE_CHUNK_CHARS = 1 << 18  # the Rust tokenizer needs ~100 bytes per character of one text it encodes
@@ -1167,7 +1178,7 @@ def write_shards(documents: Iterable[Document], tokenizer, folder: Path, setting
         from concurrent.futures import ProcessPoolExecutor
 
         pool = ProcessPoolExecutor(settings.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=start_tokenize_worker, initargs=(backend.to_str(),))
+                                   initializer=start_tokenize_worker, initargs=(backend.to_str(), os.getpid()))
         backend, in_flight = None, settings.tokenize_workers + 1
     else:
         pool, in_flight = ThreadPoolExecutor(max_workers=1), 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -593,6 +595,45 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     for split in corpus_format.SPLITS:
         assert np.array_equal(read_split(whole, split), read_split(pooled, split))
     assert corpus_format.verify_corpus(one) == []
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux: /proc)."""
+    with contextlib.suppress(FileNotFoundError):
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def running(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the pool's workers in /proc")
+def test_a_killed_build_leaves_no_tokenizer_worker_and_no_traceback(tmp_path, patch_python_children):
+    """kill -9 of data.py while its --tokenize-workers pool starts: each worker ends by itself, silently (an
+    idle one would otherwise wait forever on its queue, a busy one send its batch to no one)."""
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 400))
+    tokenizer = build([source], tmp_path / "first") / "tokenizer"
+    patch_python_children("import sys, time\nif '--multiprocessing-fork' in sys.argv:\n    time.sleep(3)")
+    command = [sys.executable, "data.py", "--data", str(source), "--out", str(tmp_path / "second"),
+               "--tokenizer", str(tokenizer), "--tokenize-workers", "2", "--batch-bytes", "2000", "--no-progress"]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        builder = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        workers = []
+        while builder.poll() is None and len(workers) < 2:
+            workers = [pid for pid in children(builder.pid)
+                       if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        builder.kill()
+        builder.wait()
+    assert len(workers) == 2, "the pool's workers were not seen"
+    deadline = time.monotonic() + 60
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, workers))
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
 
 
 def test_interrupted_build_leaves_nothing_and_keeps_the_old_corpus(tmp_path, monkeypatch):
