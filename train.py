@@ -63,6 +63,7 @@ import hardware
 import losses
 import model_config
 import optimization
+import remote_store
 import report
 import trackers
 import train_data
@@ -116,7 +117,7 @@ OUTPUT, BACKUP = "what a run shows and leaves behind", "checkpoint backup (check
 OPTION_GROUPS = (PATHS, MODEL, BUDGET, optimization.OPTIONS, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
 
 
-DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
+DATA_HELP = (f"corpus folder built by data.py, or a corpus URL ({remote_store.schemes_text()}, pulled once into "
              f"{train_data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
              f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
 
@@ -262,7 +263,7 @@ class SessionSettings:
                                checks=(not_negative,))
     sample_seed: int = option(0, "sample_generations.json: seed of the sampling (reproducible replies)", OUTPUT)
     backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
-        None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
+        None, f"mirror checkpoints to this folder / {remote_store.schemes_text(' / ')} URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
     remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
     remote_keep_every: int = option(10, "also keep every Nth save on the remote forever: every multiple of N x "
@@ -1582,7 +1583,7 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
 
 
 def shown_backup_url(url: str) -> str:
-    printable = checkpoint_cloud.printable_backup_url(url)
+    printable = remote_store.printable_url(url)
     return checkpoint_cloud.BACKUP_URL_PLACEHOLDER if printable is None else printable
 
 

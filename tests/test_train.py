@@ -1064,13 +1064,14 @@ def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(co
 def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely(corpus, tmp_path, monkeypatch,
                                                                               capsys, patch_python_children):
     import checkpoint_cloud
+    import remote_store
 
     # uploads lag well behind the saves (one every 2 steps); they run in the backup's child process, which
     # also deletes the local checkpoints retention lets go: each deletion is noted with what the remote held
     remote, out, deleted = tmp_path / "remote", tmp_path / "run", tmp_path / "deleted.jsonl"
     patch_python_children("\n".join([
-        "import json, os, time, checkpoint_cloud, checkpoint_store",
-        "upload, delete = checkpoint_cloud.upload_verified, checkpoint_store.delete",
+        "import json, os, time, remote_store, checkpoint_store",
+        "upload, delete = remote_store.upload_verified, checkpoint_store.delete",
         "def slow_upload(*args, **kwargs):",
         "    time.sleep(1.0)",
         "    return upload(*args, **kwargs)",
@@ -1081,14 +1082,14 @@ def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely
         f"            there = os.path.exists(os.path.join({str(remote / 'checkpoints')!r}, name + '.json'))",
         "            notes.write(json.dumps([name, there, len(held)]) + '\\n')",
         "    return delete(folder, names)",
-        "checkpoint_cloud.upload_verified, checkpoint_store.delete = slow_upload, noted_delete",
+        "remote_store.upload_verified, checkpoint_store.delete = slow_upload, noted_delete",
     ]))
     backup = ["--backup-to", str(remote), "--remote-keep-recent", "100", "--backup-max-unbacked", "100"]
     assert train.main(options(corpus, out, "--save-every", "2", "--keep-last", "1", *backup)) == 0
     notes = [json.loads(line) for line in deleted.read_text().splitlines()]
     assert notes and all(there for _, there, _ in notes)  # nothing deleted before its copy was on the remote
     assert max(held for _, _, held in notes) > 2  # retention did meet files still waiting for their upload
-    listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
+    listing = checkpoint_cloud.remote_listing(*remote_store.open_remote(str(remote)))
     assert listing.latest.step == 12 and "step-00000012.pt" in listing.records
     local = {int(p.stem.split("-")[1]) for p in (out / "checkpoints").glob("step-*.pt")}
     remote_steps = {record.step for record in listing.records.values()}
