@@ -77,6 +77,7 @@ from common import (
     check_options,
     config_argv,
     finite,
+    given_options,
     not_negative,
     option,
     option_fields,
@@ -914,13 +915,15 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
-    # --budget: the run's plan, made once (None without)
-    settings, plan = budget.settle(settings, info, corpus, build_parser(), measure_speed(settings, info))
+    # --budget: the run's plan, made once (None without), applied here
+    given = given_options(build_parser(), settings.invocation.argv)
+    plan = budget.settle(settings, info, corpus, given, measure_speed(settings, info))
+    settings = budget.apply(settings, plan, info.world)
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path, observed = start_training(settings, info, corpus)
-    training.budget_plan = plan
+    training.budget_plan = plan.as_record() if plan else None
     scorer = eval_task_scorer(training)
     note = store.previous_session_note(status.previous, training.step)
     if note:
