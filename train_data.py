@@ -28,6 +28,7 @@ import numpy as np
 
 import attention
 import corpus_format
+import data
 import remote_store
 from common import UserError, say, script_command
 from corpus_format import CORPUS_MANIFEST, MASK_ASSISTANT, MASK_CLASSES, MASK_TEXT, PAD, SOURCE_NAME, Manifest
@@ -86,8 +87,6 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
     corpus = local_corpus_folder(data_option)
     if demo:
         if not (corpus / CORPUS_MANIFEST).is_file():
-            import data  # the corpus builder
-
             say(f"demo: building the demo corpus in {corpus} ({script_command('data')} --demo --out {corpus})")
             data.build_demo_corpus(corpus)
         return corpus

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import corpus_format
-import data
 import generation
 import report
 import trackers
@@ -277,7 +276,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
 
     loaded = AutoModelForCausalLM.from_pretrained(out)
     loaded_tokenizer = AutoTokenizer.from_pretrained(out)
-    assert loaded_tokenizer.chat_template == data.CHAT_TEMPLATE
+    assert loaded_tokenizer.chat_template == corpus_format.CHAT_TEMPLATE
     inputs = loaded_tokenizer.apply_chat_template([{"role": "user", "content": "What is 10 plus 7?"}],
                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():

@@ -31,6 +31,7 @@ import checkpoint_store as store
 import common
 import corpus_format
 import data
+import demo_corpus
 import distributed
 import hardware
 import losses
@@ -1521,7 +1522,7 @@ def test_a_run_moves_between_cards_of_another_precision(corpus, tmp_path, capsys
 @pytest.fixture(scope="module")
 def chat_corpus(tmp_path_factory) -> Path:
     """A mixed chat + plain-text corpus built by data.py, its shards cut every 997 tokens."""
-    records = data.demo_data()[0][:1500]
+    records = demo_corpus.demo_data()[0][:1500]
     settings = data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05, shard_tokens=997,
                                   progress=False)
     return data.build_corpus([data.Source("chats", "generated", records=records)],
