@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import corpus_format
 import trackers
 from common import (
     UserError,
@@ -864,8 +865,6 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
     import torch
     import transformers
-
-    import corpus_format
 
     try:
         config = transformers.AutoConfig.from_pretrained(folder)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import write_tiny_corpus
+from tiny_runs import write_tiny_corpus
 
 import budget
 import checkpoint_store as store

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import assert_same_state, final_state, options, write_tiny_corpus
+from tiny_runs import assert_same_state, final_state, options, write_tiny_corpus
 
 import checkpoint_store as store
 import train

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from stores import ACCESS_KEY, SECRET_KEY
+from tiny_runs import options, write_tiny_corpus
 
 import checkpoint_cloud as cc
 import checkpoint_store as store
@@ -26,66 +27,10 @@ import train_data
 from common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
 
 ROOT = Path(__file__).resolve().parent.parent
-ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
-SECRET_KEY = "sEcReT/do-not-print-0123456789abcdef"
 
 
 # ----------------------------------------------------------------------------------------------
 # Fixtures and helpers.
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class MotoServer:
-    """moto's S3 server in a thread; stop() and start() again on the same port keep its data."""
-
-    def __init__(self):
-        from moto.server import ThreadedMotoServer
-
-        self._cls = ThreadedMotoServer
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.server = None
-
-    def start(self):
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self):
-        self.server.stop()
-
-
-@pytest.fixture(scope="module")
-def moto_server():
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = MotoServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3_url(moto_server, monkeypatch, tmp_path):
-    """A fresh bucket; credentials and endpoint only through the usual AWS variables."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast while the server is down
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    bucket = f"bkt-{uuid.uuid4().hex[:10]}"
-    fs, _ = rs.open_remote(f"s3://{bucket}")
-    fs.mkdir(bucket)
-    return f"s3://{bucket}/runs/tiny"
 
 
 class Log(list):
@@ -866,7 +811,6 @@ def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_
 
 def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_training(s3_url, tmp_path):
     """Issue 14.1, through train.py: no bucket made, no 'holds no checkpoint yet', no step 0."""
-    from test_train import options, write_tiny_corpus
 
     import train
 

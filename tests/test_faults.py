@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from faults import fail_os_writes, mount_point, read_only_folder, small_disk
-from test_train import options, write_tiny_corpus
+from tiny_runs import options, write_tiny_corpus
 
 import checkpoint_store as store
 import common

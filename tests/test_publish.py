@@ -9,7 +9,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_cloud import moto_server, s3_url  # noqa: F401  (pytest fixtures)
 
 import publishing
 import remote_store

@@ -432,7 +432,7 @@ def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expect
 
 
 def test_usage_example_from_a_text_corpus_is_a_held_out_opening(tmp_path):
-    from test_train import write_tiny_corpus
+    from tiny_runs import write_tiny_corpus
 
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=300)
     tokenizer = corpus_format.load_tokenizer(corpus / "tokenizer")
