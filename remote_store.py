@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import textwrap
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,10 +108,11 @@ def schemes_text(separator: str = " ", last: str | None = None, without: tuple[s
     return f"{separator.join(shown[:-1])}{last}{shown[-1]}"
 
 
-def backends_text() -> str:
-    """Each store's schemes, package and credentials, one line each (checkpoint_cloud.py --help's epilog)."""
-    return "\n".join(f"{' '.join(f'{scheme}://' for scheme in backend.schemes)}: pip install {backend.package}; "
-                     f"credentials from {backend.credentials}" for backend in BACKENDS)
+def backends_text(width: int = 100) -> str:
+    """Each store's schemes, package and credentials, a paragraph each (checkpoint_cloud.py --help's epilog)."""
+    return "\n".join(textwrap.fill(f"{' '.join(f'{scheme}://' for scheme in backend.schemes)}: pip install "
+                                   f"{backend.package}; credentials from {backend.credentials}", width,
+                                   subsequent_indent="    ") for backend in BACKENDS)
 
 
 # OSErrors that only a local disk raises (a store's errors arrive as other types or errnos)

@@ -156,11 +156,11 @@ def test_demo_generator_is_deterministic_and_seeded():
 
 
 def test_reasoning_is_mechanical_arithmetic():
-    assert data.addition_reasoning(48, 37) == "8 + 7 = 15\n4 + 3 + 1 = 8\n48 + 37 = 85"
-    assert data.addition_reasoning(95, 17).endswith("9 + 1 + 1 = 11\n95 + 17 = 112")
-    assert data.subtraction_reasoning(95, 17) == "15 - 7 = 8\n9 - 1 - 1 = 7\n95 - 17 = 78"
-    assert data.subtraction_reasoning(58, 23) == "8 - 3 = 5\n5 - 2 - 0 = 3\n58 - 23 = 35"
-    assert data.apples_reasoning(3, 4) == "1 row: 4\n2 rows: 4 + 4 = 8\n3 rows: 8 + 4 = 12\n3 x 4 = 12"
+    assert demo.addition_reasoning(48, 37) == "8 + 7 = 15\n4 + 3 + 1 = 8\n48 + 37 = 85"
+    assert demo.addition_reasoning(95, 17).endswith("9 + 1 + 1 = 11\n95 + 17 = 112")
+    assert demo.subtraction_reasoning(95, 17) == "15 - 7 = 8\n9 - 1 - 1 = 7\n95 - 17 = 78"
+    assert demo.subtraction_reasoning(58, 23) == "8 - 3 = 5\n5 - 2 - 0 = 3\n58 - 23 = 35"
+    assert demo.apples_reasoning(3, 4) == "1 row: 4\n2 rows: 4 + 4 = 8\n3 rows: 8 + 4 = 12\n3 x 4 = 12"
 
 
 def test_every_demo_document_fits_a_128_token_context(demo_corpus):
