@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import corpus_format
+import trackers
 from common import (
     UserError,
     atomic_open,
@@ -63,9 +65,8 @@ ABANDONED = "abandoned-{step:08d}"
 CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
-# trackers.json and the TensorBoard events file: trackers.TRACKERS_FILE, trackers.TENSORBOARD_EVENTS.
 RUN_FILES = ("metrics.jsonl", "training_settings.json", "config.toml", "hardware.json", "run_status.json",
-             "trackers.json", "events.out.tfevents.tinyllm")
+             trackers.TRACKERS_FILE, trackers.TENSORBOARD_EVENTS)
 
 
 # run_status.json's status: running, stopped with a checkpoint to continue from, complete, failed
@@ -864,8 +865,6 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
     import torch
     import transformers
-
-    import corpus_format
 
     try:
         config = transformers.AutoConfig.from_pretrained(folder)

@@ -639,6 +639,13 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     return tokens
 
 
+def given_options(parser: argparse.ArgumentParser, argv: list[str] | tuple[str, ...]) -> set[str]:
+    """The option names (argparse dests) `argv` gives, on its command line or in its --config file."""
+    tokens = config_argv(parser, list(argv)) + list(argv)
+    flags = {flag: action.dest for action in parser._actions for flag in action.option_strings}
+    return {flags[token.split("=", 1)[0]] for token in tokens if token.split("=", 1)[0] in flags}
+
+
 def config_tokens(action: argparse.Action, value: Any, path: str, key: str) -> list[str]:
     """One config value as the command-line tokens of its option."""
     flag = next(flag for flag in action.option_strings if flag.startswith("--") and not flag.startswith("--no-"))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import corpus_format
-import data
+import demo_corpus
 import generation
 from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, read_json, sha256_file, utc_now
 
@@ -465,17 +465,17 @@ def record_card_hash(run: str | None, card: Path) -> None:
 
 
 def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
-    """The demo's held-out problems (data.demo_held_out) as {"context", "choices", "answer"} items: the chat
+    """The demo's held-out problems (demo_corpus.demo_held_out) as {"context", "choices", "answer"} items: the chat
     prompt and the worked reply up to its last ' = ' as the context; the right result (and answer) among
     three wrong ones near it, at a seeded position. Chance is 0.25."""
     rng = random.Random(seed)
-    prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
-               "multiplication": data.APPLE_PROMPTS}
+    prompts = {"addition": demo_corpus.ADDITION_PROMPTS, "subtraction": demo_corpus.SUBTRACTION_PROMPTS,
+               "multiplication": demo_corpus.APPLE_PROMPTS}
     items = []
-    for task, pairs in data.demo_held_out(random.Random(data.DEMO_SEED)).items():
+    for task, pairs in demo_corpus.demo_held_out(random.Random(demo_corpus.DEMO_SEED)).items():
         for a, b in sorted(pairs):
-            problem = data.demo_problem(task, a, b, prompts[task][0])
-            reply = data.render_assistant(problem["answer"], problem["reasoning"])
+            problem = demo_corpus.demo_problem(task, a, b, prompts[task][0])
+            reply = corpus_format.render_assistant(problem["answer"], problem["reasoning"])
             cut = reply.rindex(" = ")
             right = int(problem["answer"])
             wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)

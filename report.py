@@ -18,7 +18,7 @@ exported model after the fact:
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
     python report.py evaluate runs/demo --tasks corpus/demo/eval arc_easy --limit 200   # evaluation.py
     python report.py samples runs/demo/model --prompt "What is 12 plus 7?"              # generation.py
-    python report.py publish runs/demo hf://USER/REPO       # or a folder, s3://, gs://: verified (publishing.py)
+    python report.py publish runs/demo hf://USER/REPO       # or a folder or store URL: verified (publishing.py)
 """
 
 from __future__ import annotations
@@ -907,12 +907,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     samples.add_argument("--max-new-tokens", type=int, default=96)
     generation.add_sampling_args(samples)
     samples.add_argument("--device", default="cpu")
-    publishing = commands.add_parser("publish", help="upload RUN's model, GGUF files, card, settings and loss "
-                                     "curve to hf://USER/REPO or a folder, s3:// or gs:// URL, verified",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    publishing.add_argument("run", help="run folder holding model/ (and any GGUF files export_gguf.py wrote)")
-    publishing.add_argument("url", help="hf://USER/REPO (a model repository, created private), a folder, s3://, gs://")
-    publishing.add_argument("--public", action="store_true", help="hf://: create the repository public")
+    publish = commands.add_parser("publish", help="upload RUN's model, GGUF files, card, settings and loss "
+                                  f"curve to hf://USER/REPO or {publishing.STORES_TEXT}, verified",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    publish.add_argument("run", help="run folder holding model/ (and any GGUF files export_gguf.py wrote)")
+    publish.add_argument("url", help="hf://USER/REPO (a model repository, created private), or "
+                                     f"{publishing.STORES_TEXT}")
+    publish.add_argument("--public", action="store_true", help="hf://: create the repository public")
     return parser.parse_args(argv)
 
 

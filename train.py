@@ -63,6 +63,7 @@ import hardware
 import losses
 import model_config
 import optimization
+import remote_store
 import report
 import trackers
 import train_data
@@ -76,6 +77,7 @@ from common import (
     check_options,
     config_argv,
     finite,
+    given_options,
     not_negative,
     option,
     option_fields,
@@ -117,7 +119,7 @@ OUTPUT, BACKUP = "what a run shows and leaves behind", "checkpoint backup (check
 OPTION_GROUPS = (PATHS, MODEL, BUDGET, optimization.OPTIONS, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
 
 
-DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
+DATA_HELP = (f"corpus folder built by data.py, or a corpus URL ({remote_store.schemes_text()}, pulled once into "
              f"{train_data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
              f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
 
@@ -263,7 +265,7 @@ class SessionSettings:
                                checks=(not_negative,))
     sample_seed: int = option(0, "sample_generations.json: seed of the sampling (reproducible replies)", OUTPUT)
     backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
-        None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
+        None, f"mirror checkpoints to this folder / {remote_store.schemes_text(' / ')} URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
     remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
     remote_keep_every: int = option(10, "also keep every Nth save on the remote forever: every multiple of N x "
@@ -914,13 +916,15 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
-    # --budget: the run's plan, made once (None without)
-    settings, plan = budget.settle(settings, info, corpus, build_parser(), measure_speed(settings, info))
+    # --budget: the run's plan, made once (None without), applied here
+    given = given_options(build_parser(), settings.invocation.argv)
+    plan = budget.settle(settings, info, corpus, given, measure_speed(settings, info))
+    settings = budget.apply(settings, plan, info.world)
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path, observed = start_training(settings, info, corpus)
-    training.budget_plan = plan
+    training.budget_plan = plan.as_record() if plan else None
     scorer = eval_task_scorer(training)
     note = store.previous_session_note(status.previous, training.step)
     if note:
@@ -1590,7 +1594,7 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
 
 
 def shown_backup_url(url: str) -> str:
-    printable = checkpoint_cloud.printable_backup_url(url)
+    printable = remote_store.printable_url(url)
     return checkpoint_cloud.BACKUP_URL_PLACEHOLDER if printable is None else printable
 
 

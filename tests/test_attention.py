@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cards import A10, A100, CARDS, CPU, H100, H200, L4, P100, T4, V100
+from references import reference_varlen
 
 import attention
 import hardware
@@ -130,18 +131,6 @@ def test_attention_flops_count_what_each_kernel_computes(kernel, ratio):
 
 VOCAB, BATCH, CONTEXT = 300, 4, 32
 SEGMENTS = np.array([[0] * 12 + [1] * 20, [0] * 32, [0] * 5 + [1] * 5 + [2] * 22, [0] * 31 + [1]])
-
-
-def reference_varlen(query, key, value, cu_seqlens, longest, scale):
-    """What flash_varlen and efficient_varlen compute, one document at a time with SDPA is_causal."""
-    assert longest == int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    groups = query.shape[1] // key.shape[1]
-    pieces = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        q, k, v = (tensor[start:end].transpose(0, 1) for tensor in (query, key, value))
-        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-        pieces.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
-    return torch.cat(pieces)
 
 
 def tiny(implementation: str):

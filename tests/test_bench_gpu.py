@@ -23,12 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_gpu  # noqa: E402
-from cards import this_cpu_precision  # noqa: E402
-from test_attention import reference_varlen  # noqa: E402
-from test_hardware import CPU, H200, T4  # noqa: E402
-from test_train import write_tiny_corpus  # noqa: E402
+from cards import A100, CPU, H200, T4, this_cpu_precision  # noqa: E402
+from references import reference_varlen  # noqa: E402
+from tiny_runs import write_tiny_corpus  # noqa: E402
 
-A100 = hardware.Device("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * 2**30)
 THINK72 = model_config.PRESETS["think72"]
 
 

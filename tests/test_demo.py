@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import corpus_format
-import data
+import demo_corpus
 import distributed
 import evaluation
 import generation
@@ -115,9 +115,9 @@ def test_demo_completes_with_an_accuracy(demo):
     assert record["status"] == "COMPLETE" and record["step"] == STEPS
     assert record["report_errors"] is None
     accuracy = record["task_accuracy"]
-    problems = (work / "corpus" / "demo" / data.DEMO_EVAL_FILE).read_text().splitlines()
+    problems = (work / "corpus" / "demo" / demo_corpus.DEMO_EVAL_FILE).read_text().splitlines()
     assert accuracy["total"] == len(problems)
-    assert {name: task["total"] for name, task in accuracy["by_task"].items()} == data.DEMO_EVAL_COUNTS
+    assert {name: task["total"] for name, task in accuracy["by_task"].items()} == demo_corpus.DEMO_EVAL_COUNTS
     # the overall figure is what the per-task counts add up to (the scoring itself: tests/test_core.py)
     assert accuracy["correct"] == sum(task["correct"] for task in accuracy["by_task"].values())
     assert accuracy["accuracy"] == accuracy["correct"] / accuracy["total"]
@@ -268,7 +268,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
              "--out", "runs/longer"], cwd=work)
     tokenizer = corpus_format.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
     items = evaluation.demo_choice_items(tokenizer)
-    assert len(items) == sum(data.DEMO_EVAL_COUNTS.values())
+    assert len(items) == sum(demo_corpus.DEMO_EVAL_COUNTS.values())
     task = tmp_path / "demo_results.jsonl"
     task.write_text("".join(json.dumps(item) + "\n" for item in items))
     trained = checkpoint_model(work / "runs" / "longer" / "checkpoints" / f"step-{LONGER_STEPS:08d}.pt")

@@ -150,7 +150,7 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
         "tokenizer.ggml.eot_token_id": tokenizer.convert_tokens_to_ids(corpus_format.IM_END),
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.ggml.add_eos_token": False,
-        "tokenizer.chat_template": data.CHAT_TEMPLATE,
+        "tokenizer.chat_template": corpus_format.CHAT_TEMPLATE,
     }
     assert {key: field(reader, key) for key in expected} == expected
     assert field(reader, "qwen3.rope.freq_base") == pytest.approx(PRESET.rope_theta)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import final_state, options, run_cli, train_losses, write_tiny_corpus
+from tiny_runs import final_state, options, run_cli, train_losses, write_tiny_corpus
 
 import checkpoint_store as store
 import corpus_format

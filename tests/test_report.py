@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import corpus_format
-import data
 import generation
 import report
 import trackers
@@ -277,7 +276,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
 
     loaded = AutoModelForCausalLM.from_pretrained(out)
     loaded_tokenizer = AutoTokenizer.from_pretrained(out)
-    assert loaded_tokenizer.chat_template == data.CHAT_TEMPLATE
+    assert loaded_tokenizer.chat_template == corpus_format.CHAT_TEMPLATE
     inputs = loaded_tokenizer.apply_chat_template([{"role": "user", "content": "What is 10 plus 7?"}],
                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
@@ -433,7 +432,7 @@ def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expect
 
 
 def test_usage_example_from_a_text_corpus_is_a_held_out_opening(tmp_path):
-    from test_train import write_tiny_corpus
+    from tiny_runs import write_tiny_corpus
 
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=300)
     tokenizer = corpus_format.load_tokenizer(corpus / "tokenizer")

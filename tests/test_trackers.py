@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import ROOT, options, write_tiny_corpus
+from tiny_runs import ROOT, options, write_tiny_corpus
 
 import checkpoint_cloud
 import report
