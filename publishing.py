@@ -11,11 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+import artifacts
 import checkpoint_cloud
 import checkpoint_store as store
 from common import UserError, read_json_or, sha256_file
 
-PUBLISHED_RUN_FILES = ("training_settings.json", "loss_curve.png")  # beside the model's files and the GGUFs
+# beside the model's files and the GGUFs: the run's settings, and what the end-of-run artifacts declare published
+PUBLISHED_RUN_FILES = ("training_settings.json", *artifacts.published_files())
 
 
 def publish_layout(run: Path) -> dict[str, Path]:

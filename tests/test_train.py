@@ -25,6 +25,7 @@ import pytest
 import torch
 from cards import this_cpu, this_cpu_precision
 
+import artifacts
 import attention
 import callbacks
 import checkpoint_store as store
@@ -34,6 +35,7 @@ import data
 import distributed
 import hardware
 import losses
+import metrics_log
 import model_config
 import optimization
 import report
@@ -631,7 +633,7 @@ def sums_task(tmp_path_factory) -> Path:
 
 
 def task_records(out: Path) -> list[dict]:
-    return [record for record in report.read_metrics(out / "metrics.jsonl") if record["kind"] == "tasks"]
+    return [record for record in metrics_log.read_metrics(out / "metrics.jsonl") if record["kind"] == "tasks"]
 
 
 @pytest.fixture(scope="module")
@@ -1300,8 +1302,8 @@ def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_r
 
 def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    report_run = report.report_run
-    monkeypatch.setattr(report, "report_run", lambda *args: interrupt_twice())
+    make = artifacts.LossCurve.make  # the first artifact made
+    monkeypatch.setattr(artifacts.LossCurve, "make", lambda *args: interrupt_twice())
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, "--report", steps=4))
     record = status(out)
@@ -1311,7 +1313,7 @@ def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp
     assert record["report_command"] == last.split("continue with: ")[1]  # what makes the report and model/
     assert not (out / "model").exists()
 
-    monkeypatch.setattr(report, "report_run", report_run)  # the same command again: no step, the report made
+    monkeypatch.setattr(artifacts.LossCurve, "make", make)  # the same command again: no step, the report made
     assert train.main(options(corpus, out, "--report", steps=4)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "note: the previous session ended before its report was made (run_status.json: COMPLETE, report " \
