@@ -1651,6 +1651,22 @@ def exported_model(run: Path) -> Path:
     return run / "model"
 
 
+def test_export_only_makes_the_end_of_run_artifacts_of_its_checkpoint(corpus, reference, tmp_path, capsys):
+    """--export-only runs the artifacts the run's own end runs (artifacts.ARTIFACTS): a complete checkpoint gets
+    its samples and RUN/model/; the run's history (metrics.jsonl, run_status.json) is neither written nor read
+    into being."""
+    out, checkpoint = tmp_path / "exported", reference / "checkpoints" / "step-00000012.pt"
+    assert train.main(["--data", str(corpus), "--out", str(out), "--resume", str(checkpoint), "--export-only",
+                       "--threads", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"exported {checkpoint} (step 12/12, COMPLETE) to {out / 'model'}: model.safetensors ")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "model", "sample_generations.json"]
+    samples = json.loads((out / "sample_generations.json").read_text())
+    assert samples["step"] == 12 and len(samples["samples"]) == 5 and samples["error"] is None
+    assert "Status: **COMPLETE**" in (out / "model" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("kind", ["checkpoint", "run", "huggingface"])
 def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus, reference, tmp_path, kind):
     source = {"checkpoint": reference / "checkpoints" / "step-00000008.pt", "run": reference,
