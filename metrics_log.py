@@ -85,7 +85,6 @@ class MetricsLog:
             sink.close()
 
 
-
 LR_SUFFIX = "_lr"  # a train record's NAME_lr: the lr of the param groups named NAME (optimization.Optimizers)
 
 
