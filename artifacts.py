@@ -73,8 +73,10 @@ class Ending:
 
 
 class Artifact(callbacks.Callback):
-    """An end-of-run output: `make(end)` returns its run_status.json fields; `attempt` records what fails."""
+    """An end-of-run output: `make(end)` returns its run_status.json fields; what fails in it is recorded
+    under its `name` (or the name `attempt` gives a part of it) in report_errors."""
 
+    name: str  # its name in run_status.json's report_errors
     files: tuple[RunFile, ...] = ()  # what it writes in RUN
 
     def __init__(self, ending: Ending):
@@ -83,7 +85,7 @@ class Artifact(callbacks.Callback):
 
     def on_end(self, end: RunEnd) -> dict:
         self.errors = {}
-        found = self.make(end)
+        found = self.attempt(self.name, lambda: self.make(end)) or {}
         self.ending.found.update(found)
         return {**found, "report_errors": self.errors or None}
 
@@ -111,6 +113,7 @@ class LossCurve(Artifact):
     """RUN/loss_curve.png from metrics.jsonl (metrics_log.plot_loss_curve): redrawn after each step that
     evaluated, a failure then a warning line, and at the end."""
 
+    name = "loss_curve"
     files = (RunFile("loss_curve.png", published=True),)
 
     def on_evaluated(self, step: int, measured: list[callbacks.Measured]) -> None:
@@ -120,7 +123,7 @@ class LossCurve(Artifact):
             self.ending.progress.write(f"warning: {self.files[0].name} not drawn ({type(error).__name__}: {error})")
 
     def make(self, end: RunEnd) -> dict:
-        self.attempt("loss_curve", self.draw)
+        self.draw()
         return {}
 
     def draw(self) -> bool:
@@ -133,6 +136,7 @@ class Samples(Artifact):
     metrics.jsonl's "samples" record (a table in the trackers): the demo's arithmetic prompts for the demo, else
     prompts that fit the corpus (its held-out chats' first questions, or openings of its held-out texts)."""
 
+    name = "samples"
     files = (RunFile("sample_generations.json"),)
 
     def make(self, end: RunEnd) -> dict:
@@ -156,6 +160,8 @@ class HeldOutAccuracy(Artifact):
     """A complete run's exact-match accuracy on CORPUS/eval/ (evaluation.exact_match_accuracy; the demo's
     held-out problems): a line, run_status.json's `task_accuracy` and the model card's."""
 
+    name = "task_accuracy"
+
     def make(self, end: RunEnd) -> dict:
         facts = self.ending.facts
         if end.status != store.COMPLETE or not (facts.corpus / "eval").is_dir():
@@ -163,10 +169,7 @@ class HeldOutAccuracy(Artifact):
         tokenizer = self.tokenizer()
         if tokenizer is None:
             return {}
-        accuracy = self.attempt("task_accuracy", lambda: evaluation.exact_match_accuracy(
-            self.ending.model, tokenizer, facts.corpus / "eval", facts.device))
-        if accuracy is None:
-            return {}
+        accuracy = evaluation.exact_match_accuracy(self.ending.model, tokenizer, facts.corpus / "eval", facts.device)
         say(accuracy_line(accuracy))
         return {"task_accuracy": {key: accuracy[key] for key in ("accuracy", "correct", "total", "by_task")}}
 
@@ -176,6 +179,7 @@ class ModelExport(Artifact):
     the current weights whether the run is complete or stopped resumably (the card says which); the card
     carries what the artifacts before it found. run_status.json's `model_files` ({file: sha256})."""
 
+    name = "export"
     files = (RunFile(export_hf.MODEL_DIR),)  # published as the repository itself (publishing.publish_layout)
 
     def make(self, end: RunEnd) -> dict:
@@ -183,17 +187,12 @@ class ModelExport(Artifact):
         if tokenizer is None:
             return {}
         facts, model = self.ending.facts, self.ending.model
-
-        def export() -> dict[str, str]:
-            info = export_hf.card_info(facts.out.name, end.status, facts.preset, end.step, end.total_steps,
-                                       end.tokens, facts.settings, end.validation, end.test,
-                                       self.ending.found.get("task_accuracy"),
-                                       export_hf.usage_example_from(facts.corpus, tokenizer))
-            with attention.exportable(model):
-                return export_hf.export_hf_model(model, tokenizer, self.path(), info)
-
-        model_files = self.attempt("export", export)
-        return {} if model_files is None else {"model_files": model_files, "model_dir": str(self.path())}
+        info = export_hf.card_info(facts.out.name, end.status, facts.preset, end.step, end.total_steps, end.tokens,
+                                   facts.settings, end.validation, end.test, self.ending.found.get("task_accuracy"),
+                                   export_hf.usage_example_from(facts.corpus, tokenizer))
+        with attention.exportable(model):
+            model_files = export_hf.export_hf_model(model, tokenizer, self.path(), info)
+        return {"model_files": model_files, "model_dir": str(self.path())}
 
 
 ARTIFACTS: tuple[type[Artifact], ...] = (LossCurve, Samples, HeldOutAccuracy, ModelExport)  # made in this order

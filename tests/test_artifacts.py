@@ -128,6 +128,7 @@ def test_one_list_says_what_each_artifact_writes_and_what_is_published():
 
 def test_a_new_artifact_is_one_class_in_the_list(tiny, tmp_path, monkeypatch):
     class Extra(artifacts.Artifact):
+        name = "extra"
         files = (artifacts.RunFile("extra.json", published=True),)
 
         def make(self, end):
@@ -139,3 +140,7 @@ def test_a_new_artifact_is_one_class_in_the_list(tiny, tmp_path, monkeypatch):
     found = end_of(tiny, out, metrics, store.NEEDS_RESUME)
     assert found["extra"] == 4 and json.loads((out / "extra.json").read_text()) == {"step": 4}
     assert artifacts.published_files() == ("loss_curve.png", "extra.json")
+
+    monkeypatch.setattr(Extra, "make", lambda self, end: {}[end.step])  # a fault in an artifact: recorded, not raised
+    found = end_of(tiny, out, metrics, store.NEEDS_RESUME)
+    assert found["report_errors"] == {"extra": "KeyError: 4"} and found["model_files"]
