@@ -581,6 +581,12 @@ class RunStatus:
         if self.record:
             self._write({**self.record, **fields})
 
+    def amend(self, **fields) -> None:
+        """The status the last session left with `fields` changed, outside a session (`report.py evaluate`
+        keeps model/README.md's sha256 true); nothing when there is none."""
+        if self.previous.get("status"):
+            self._write({**{key: value for key, value in self.previous.items() if key != "updated"}, **fields})
+
     def _write(self, record: dict) -> None:
         if self.resume_command is not None:
             record = {**record, "resume_command": self.resume_command}

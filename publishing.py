@@ -11,11 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+import artifacts
 import checkpoint_store as store
 import remote_store
 from common import UserError, read_json_or, sha256_file
 
-PUBLISHED_RUN_FILES = ("training_settings.json", "loss_curve.png")  # beside the model's files and the GGUFs
+# beside the model's files and the GGUFs: the run's settings, and what the end-of-run artifacts declare published
+PUBLISHED_RUN_FILES = ("training_settings.json", *artifacts.published_files())
 HUB_SCHEME = "hf"  # hf://USER/REPO: a model repository, through the Hub's API; any other URL: remote_store
 STORES_TEXT = f"a folder, {remote_store.schemes_text(', ', last=' or ', without=(HUB_SCHEME,))} URL"
 

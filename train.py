@@ -13,13 +13,14 @@ writer). The optimization (the recipe and its options, the optimizers, clipping,
 optimization.py's.
 Its siblings hold the rest: the corpus reader and data order (train_data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
-(distributed.py), what observes the run (callbacks.py: the metrics log, the validation, the --eval-tasks,
-the end-of-run report, each a callback whose hooks the loop calls), metrics and the final line (report.py).
+(distributed.py), what observes the run (callbacks.py: the train log, the validation, the --eval-tasks;
+artifacts.py: the end-of-run outputs; each a callback whose hooks the loop calls), metrics.jsonl
+(metrics_log.py), the progress and the final line (report.py).
 Every piece of state that must survive a restart is a small object with state_dict()/load_state_dict():
 the data order, the optimizers, the loss scaler, the RNG of every rank and each observer's; the
 store.Checkpointer writes them on a background thread.
-At the end, report.py draws the loss curve, samples the model, measures its held-out task
-accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
+At the end, the artifacts (artifacts.py) draw the loss curve, sample the model, measure its held-out task
+accuracy and export RUN/model/ as a Hugging Face folder (export_hf.py); checkpoint_cloud.py mirrors the
 checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
 """
 
@@ -50,6 +51,7 @@ except ModuleNotFoundError as missing:  # no torch at all: one line with this ma
     sys.exit(f"error: {hardware.torch_install_problem(None, hardware.read_driver_cuda())}")
 import torch.distributed as dist
 
+import artifacts
 import attention
 import budget
 import callbacks
@@ -61,6 +63,7 @@ import evaluation
 import generation
 import hardware
 import losses
+import metrics_log
 import model_config
 import optimization
 import remote_store
@@ -932,7 +935,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     recorded = recorded_settings(training)
     sinks = trackers.open_trackers(trackers.tracker_names(session.log_to), out, training.run_id,
                                    recorded) if info.is_main else []
-    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
+    metrics = metrics_log.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
     checkpointer = store.Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     peak = write_run_files(training, settings, checkpointer, resume_path, recorded)
@@ -1053,7 +1056,7 @@ def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None)
     return validation_every, tasks_every
 
 
-def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metrics: report.MetricsLog,
+def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metrics: metrics_log.MetricsLog,
                   progress: report.Progress, status: store.RunStatus, recorded: dict) -> callbacks.Callbacks:
     """The run's observers (callbacks.py), in the order they are called; `recorded`: recorded_settings."""
     session, out = training.session, Path(training.session.out)
@@ -1066,11 +1069,9 @@ def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metr
         callbacks.TaskScores(lambda: score_eval_tasks(training, scorer), tasks_every, *steps, metrics, progress),
     ]
     if training.info.is_main and session.report:
-        facts = report.RunFacts(out, training.data.corpus, training.run.preset, recorded,
-                                generation.sampling_from(vars(session), "sample_"), training.device)
-        observers += [callbacks.LossCurve(out, progress), callbacks.Report(training.model, facts)]
-    if training.info.is_main:
-        observers.append(callbacks.Samples(out, metrics))
+        facts = artifacts.RunFacts(out, training.data.corpus, training.run.preset, recorded,
+                                   generation.sampling_from(vars(session), "sample_"), training.device)
+        observers += artifacts.end_of_run(training.model, facts, metrics, progress)
     return callbacks.Callbacks(observers)
 
 
@@ -1459,7 +1460,7 @@ def out_of_memory_advice(training: Training) -> str:
 
 
 def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
-               observers: callbacks.Callbacks, metrics: report.MetricsLog, state: str, reason: str | None,
+               observers: callbacks.Callbacks, metrics: metrics_log.MetricsLog, state: str, reason: str | None,
                stop: StopRequest) -> str:
     """The end of a run that stopped resumably or completed: the test evaluation when complete, then
     (rank 0) the status, the backup, the observers' end-of-run outputs; returns the last line ("" on the
@@ -1471,13 +1472,14 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: store.
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
                       test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"],
                       **callbacks.source_results("test", test))
-        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
+        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}"
+                  f"{metrics_log.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return ""
     try:
-        end = report.RunEnd(state, training.step, training.total_steps, training.step * training.tokens_per_step,
-                            observers.summary()["validation"], test)
+        end = callbacks.RunEnd(state, training.step, training.total_steps, training.step * training.tokens_per_step,
+                               observers.summary()["validation"], test)
         return finish_on_main(training, status, checkpointer, observers, end, reason, stop)
     finally:
         if info.world > 1:
@@ -1485,7 +1487,7 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: store.
 
 
 def finish_on_main(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer,
-                   observers: callbacks.Callbacks, end: report.RunEnd, reason: str | None, stop: StopRequest) -> str:
+                   observers: callbacks.Callbacks, end: callbacks.RunEnd, reason: str | None, stop: StopRequest) -> str:
     """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
     and model/ `pending`, with the command that makes them), then the backup, the observers' on_end (the
     report, the status again with what it made); returns the last line.
@@ -1508,7 +1510,7 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
     return report.final_line(out, end.status, status.record)
 
 
-def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: dict) -> dict:
+def final_record(out: Path, end: callbacks.RunEnd, reason: str | None, measured: dict) -> dict:
     """What a finished session's status says of the run: where it stands, its losses, its last checkpoint;
     `measured`: the observers' summary (callbacks.Callbacks.summary)."""
     return {
@@ -1521,7 +1523,7 @@ def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: di
         "validation": measured["validation"],
         "test": end.test,
         "test_loss": end.test["loss"] if end.test else None,
-        "train_loss": report.last_train_loss(out),
+        "train_loss": metrics_log.last_train_loss(out),
         "tasks": measured["tasks"],
         "tasks_step": measured["tasks_step"],
         "backup_complete": None,  # null until the upload wait ends (or with no backup)
@@ -1530,7 +1532,7 @@ def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: di
 
 def report_outputs(asked: bool, found: dict | None) -> dict[str, str]:
     """run_status.json's `outputs`: the report and model/ "off" (--no-report), "pending" (not made
-    yet: `found` None), "done" or "failed" (report_run's `report_errors` say why)."""
+    yet: `found` None), "done" or "failed" (the artifacts' `report_errors` say why)."""
     if not asked:
         return {"report": "off", "model": "off"}
     if found is None:
@@ -1548,13 +1550,13 @@ def export_only(settings: Settings, info: distributed.DistInfo) -> int:
     new = not out.exists()
     lock = store.lock_run_folder(out)
     try:
-        return export_checkpoint(settings, info)
+        return export_under_lock(settings, info)
     finally:
         store.release_run_folder(out, lock, new)  # refused: leave no folder behind
 
 
-def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
-    """export_only's work, under the lock."""
+def export_under_lock(settings: Settings, info: distributed.DistInfo) -> int:
+    """export_only's work, under the lock: the end-of-run artifacts of the checkpoint (artifacts.py)."""
     out = Path(settings.session.out)
     path = store.find_resume_checkpoint(out, settings.invocation.resume)
     if path is None:
@@ -1563,7 +1565,8 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
     checkpoint = store.load_checkpoint_file(path)
     corpus = Path(checkpoint["settings"]["runtime"]["data"]) if settings.invocation.demo \
         else train_data.prepare_corpus(settings.session.data, demo=False)
-    report.export_checkpoint(checkpoint, path, out, corpus, info.device)
+    sampling = generation.sampling_from(vars(settings.session), "sample_")  # the samples of a complete checkpoint
+    artifacts.make_from_checkpoint(checkpoint, path, out, corpus, sampling, info.device)
     return 0
 
 

@@ -13,8 +13,8 @@ from tiny_runs import write_tiny_corpus
 
 import budget
 import checkpoint_store as store
+import export_hf
 import model_config
-import report
 import train
 from common import UserError, given_options
 
@@ -145,7 +145,7 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
     plan = budget.choose(request("30m"), CANDIDATES, MODEL)
     record = json.loads(json.dumps(plan.as_record()))
     assert budget.Plan.from_record(record) == plan
-    card = report.model_card({"parameters": 1000, "layers": 2, "hidden": 64, "intermediate": 192, "heads": 4,
+    card = export_hf.model_card({"parameters": 1000, "layers": 2, "hidden": 64, "intermediate": 192, "heads": 4,
                               "kv_heads": 2, "head_dim": 16, "context": 128, "vocab_size": 300},
                              {"status": "COMPLETE", "settings": {"training": {}, "budget": record}})
     assert f"- Planned by {plan.summary()}; {plan.why}" in card

@@ -21,6 +21,7 @@ import corpus_format
 import demo_corpus
 import distributed
 import evaluation
+import export_hf
 import generation
 import model_config
 import optimization
@@ -241,7 +242,7 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch, capsy
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report, "export_hf_model", broken_export)
+    monkeypatch.setattr(export_hf, "export_hf_model", broken_export)
     out = tmp_path / "run"
     assert train.main(["--data", str(work / "corpus" / "demo"), "--out", str(out), "--batch-size", "2",
                        "--target-tokens", str(4 * 2 * 128), "--threads", "1",
@@ -276,7 +277,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
     untrained = model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer)).eval()
     scores = {}
     for name, model in (("trained", trained), ("untrained", untrained)):
-        report.export_hf_model(model, tokenizer, tmp_path / name / "model", {"status": "COMPLETE"})
+        export_hf.export_hf_model(model, tokenizer, tmp_path / name / "model", {"status": "COMPLETE"})
         assert report.main(["evaluate", str(tmp_path / name / "model"), "--tasks", str(task), "--limit", "130",
                             "--json", str(tmp_path / f"{name}.json")]) == 0
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["tasks"]["local_demo_results"]

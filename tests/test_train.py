@@ -35,6 +35,7 @@ from tiny_runs import (
     write_tiny_corpus,
 )
 
+import artifacts
 import attention
 import callbacks
 import checkpoint_store as store
@@ -45,6 +46,7 @@ import demo_corpus
 import distributed
 import hardware
 import losses
+import metrics_log
 import model_config
 import optimization
 import report
@@ -540,7 +542,7 @@ def sums_task(tmp_path_factory) -> Path:
 
 
 def task_records(out: Path) -> list[dict]:
-    return [record for record in report.read_metrics(out / "metrics.jsonl") if record["kind"] == "tasks"]
+    return [record for record in metrics_log.read_metrics(out / "metrics.jsonl") if record["kind"] == "tasks"]
 
 
 @pytest.fixture(scope="module")
@@ -1275,8 +1277,8 @@ def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_r
 
 def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    report_run = report.report_run
-    monkeypatch.setattr(report, "report_run", lambda *args: interrupt_twice())
+    make = artifacts.LossCurve.make  # the first artifact made
+    monkeypatch.setattr(artifacts.LossCurve, "make", lambda *args: interrupt_twice())
     with pytest.raises(KeyboardInterrupt):
         train.main(options(corpus, out, "--report", steps=4))
     record = status(out)
@@ -1286,7 +1288,7 @@ def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp
     assert record["report_command"] == last.split("continue with: ")[1]  # what makes the report and model/
     assert not (out / "model").exists()
 
-    monkeypatch.setattr(report, "report_run", report_run)  # the same command again: no step, the report made
+    monkeypatch.setattr(artifacts.LossCurve, "make", make)  # the same command again: no step, the report made
     assert train.main(options(corpus, out, "--report", steps=4)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "note: the previous session ended before its report was made (run_status.json: COMPLETE, report " \
@@ -1622,6 +1624,22 @@ def exported_model(run: Path) -> Path:
         assert train.main(["--data", json.loads((run / "training_settings.json").read_text())["runtime"]["data"],
                            "--out", str(run), "--export-only", "--threads", "1"]) == 0
     return run / "model"
+
+
+def test_export_only_makes_the_end_of_run_artifacts_of_its_checkpoint(corpus, reference, tmp_path, capsys):
+    """--export-only runs the artifacts the run's own end runs (artifacts.ARTIFACTS): a complete checkpoint gets
+    its samples and RUN/model/; the run's history (metrics.jsonl, run_status.json) is neither written nor read
+    into being."""
+    out, checkpoint = tmp_path / "exported", reference / "checkpoints" / "step-00000012.pt"
+    assert train.main(["--data", str(corpus), "--out", str(out), "--resume", str(checkpoint), "--export-only",
+                       "--threads", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"exported {checkpoint} (step 12/12, COMPLETE) to {out / 'model'}: model.safetensors ")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "model", "sample_generations.json"]
+    samples = json.loads((out / "sample_generations.json").read_text())
+    assert samples["step"] == 12 and len(samples["samples"]) == 5 and samples["error"] is None
+    assert "Status: **COMPLETE**" in (out / "model" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "run", "huggingface"])
