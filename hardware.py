@@ -499,12 +499,17 @@ class CardRates:
 # Assumptions, each with its reason, until bench/bench_gpu.py measures them on the card (its think72 GEMM
 # shapes' TFLOP/s and copy bandwidth): a sustained figure, never the datasheet's (hardware.CARDS).
 ROOFLINE_RATES = {
-    "T4": CardRates(20, 10, 240, 15, PCIE_ALL_REDUCE_GBS, 12,
-                    "matmul: ~24 TFLOP/s on a 4096^3 fp16 cuBLAS matmul under the 70 W cap (NVIDIA forum, "
-                    "'About GPU peak performance'), less at think72's K=512 shapes; attention: assumed ~0.4 "
-                    "of that for the memory-efficient kernel on ~400-token documents; 75% of 320 GB/s; "
-                    "15 us a kernel of eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe "
-                    "all-reduce (nccl-tests on PCIe pairs without peer-to-peer: 4-6)"),
+    "T4": CardRates(17, 7, 200, 15, PCIE_ALL_REDUCE_GBS, 12,
+                    "central: matmul 17 TFLOP/s, 0.7 of the ~24 TFLOP/s a 4096^3 fp16 cuBLAS matmul sustains "
+                    "under the T4's 70 W cap (NVIDIA developer forum, 'About GPU peak performance', 2023; "
+                    "65 TFLOP/s on the datasheet is the boost clock's) at think72's K = 512 products (few "
+                    "waves over 40 SMs); attention 7 TFLOP/s of the FLOPs the sm_75 memory-efficient kernel "
+                    "executes at its tiles (assumed: 0.3 of that cuBLAS rate, its softmax between two MMAs "
+                    "on 32-query tiles, no cp.async on sm_75); 200 GB/s, 62% of the datasheet's 320 GB/s "
+                    "GDDR6 (NVIDIA T4 datasheet) with ECC on as cloud T4s run it (assumed); 15 us a kernel of "
+                    "eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe all-reduce (nccl-tests "
+                    "on PCIe pairs without peer-to-peer: 4-6). bench/bench_gpu.py's roofline:gemm, "
+                    "roofline:copy and attention:bench measure them on the first T4"),
     "L4": CardRates(60, 25, 240, 10, 0, 30,
                     "assumed: bf16 121 TFLOP/s dense on paper, the same 72 W cap as the T4 (about half "
                     "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s; 10 us "
@@ -519,6 +524,19 @@ ROOFLINE_RATES = {
                       "D2D copy reaches ~3,020)"),
     "H200": CardRates(350, 180, 4300, 10, 0, 150,
                       "as the H100 (the same compute); ~90% of 4,800 GB/s"),
+}
+
+
+# The T4's optimistic and pessimistic rates beside the central ones (ROOFLINE_RATES["T4"]): the range of
+# bench/bench_roofline.py's last line.
+T4_RATE_RANGE = {
+    "optimistic": CardRates(20, 10, 240, 15, PCIE_ALL_REDUCE_GBS, 12,
+                            "0.83 of the forum's 24 TFLOP/s on think72's shapes; attention 0.4 of it; 75% of "
+                            "320 GB/s (a streaming copy on GDDR6 without ECC); the link at 5 GB/s"),
+    "pessimistic": CardRates(14, 5, 180, 15, 4.0, 10,
+                             "0.58 of the forum's 24 TFLOP/s (the 70 W cap under a hot, shared host); attention "
+                             "0.2 of it; 56% of 320 GB/s; the link at 4 GB/s, the low end of nccl-tests on PCIe "
+                             "pairs without peer-to-peer"),
 }
 
 

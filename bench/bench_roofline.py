@@ -61,7 +61,9 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import math
 import sys
 import time
@@ -100,6 +102,7 @@ WRITE_ONLY = {aten.zeros.default, aten.zeros_like.default, aten.ones_like.defaul
               aten.full_like.default, aten.fill_.Scalar, aten.zero_.default, aten.scalar_tensor.default,
               aten.ones.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 SCATTERS = {"scatter_add_", "scatter_", "index_put_", "index_add_"}
+GATHERS = {"gather", "embedding", "index_select", "index"}  # read only the rows or elements they pick
 NOT_KERNELS = {"_record_function_enter_new", "_record_function_exit", "promote_types"}
 STAND_IN = {"_efficient_attention_forward", "_efficient_attention_backward", "_varlen_attn", "_varlen_attn_backward",
             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -305,10 +308,8 @@ class Counter(TorchDispatchMode):
             self.versions[cdata] = self.versions.get(cdata, 0) + 1
         written = mutated or tensors_in(out)
         outputs = [(self.key(t), nbytes(t)) for t in written]
-        if name in SCATTERS:  # they touch only the indexed elements of the tensor they update
-            size = nbytes(args[-1]) if isinstance(args[-1], torch.Tensor) else 0
-            inputs = [entry for entry in inputs if entry[0] != outputs[0][0]]
-            outputs = [(outputs[0][0], size)]
+        if name in SCATTERS or name in GATHERS:
+            inputs, outputs = touched(name, args, inputs, outputs, out)
         category, detail = self.where()
         boundary = False
         if name in STAND_IN:
@@ -328,6 +329,33 @@ class Counter(TorchDispatchMode):
         extra, kernels = (0.0, 1) if name in STAND_IN else below_dispatch(name, args, out)
         self.ops.append(Op(name, self.phase, category, detail, flops,
                            read, write, inputs, outputs, boundary, extra, kernels))
+
+
+def touched(name: str, args, inputs: list, outputs: list, out) -> tuple[list, list]:
+    """(inputs, outputs) of a gather or a scatter as what its kernel touches, not the whole tensor it
+    indexes: a gather (gather, embedding, index_select, index) reads of its source only the elements it
+    writes out; a scatter (scatter_add_, scatter_, index_add_, index_put_) reads its index and source and
+    reads and writes only the elements it updates (the source's size in the updated tensor's dtype).
+
+    The indexed tensor is told apart by its storage (an input's key is taken before the op bumps the
+    version, an output's after: comparing keys would exclude nothing)."""
+    source = args[0]
+    storage = source.untyped_storage()._cdata
+    if name in GATHERS:
+        if name == "embedding":  # embedding(weight, indices): the weight is first
+            picked = nbytes(out)
+        else:
+            picked = nbytes(out) if isinstance(out, torch.Tensor) else 0
+        return [(key, view, picked if key[0] == storage else size) for key, view, size in inputs], outputs
+    values = next((a for a in reversed(args) if isinstance(a, torch.Tensor) and a is not source), None)
+    if name == "index_put_":  # index_put_(self, indices, values, accumulate)
+        values = args[2]
+    elements = values.numel() if isinstance(values, torch.Tensor) else 0
+    size = elements * source.element_size()
+    others = [entry for entry in inputs if entry[0][0] != storage]
+    accumulates = name in ("scatter_add_", "index_add_") or (name == "index_put_" and len(args) > 3 and args[3])
+    reads = others + ([((storage, -1), ("touched",), size)] if accumulates else [])
+    return reads, [(outputs[0][0], size)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,19 +417,85 @@ def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, rows: int) -> 
 # The card's attention kernel, and the stand-ins for the CUDA-only ones.
 
 
+# The memory-efficient kernel's tiles on sm_75 at think72's head size 128 (queries x keys), as torch's
+# dispatch picks them (aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernels/generate_kernels.py
+# and the cutlassF.h / cutlassB.h it generates, attention.cu / attention_backward.cu's launchKernel: the first
+# kernel in sort order whose kMaxK holds the head size and whose shared memory fits the card):
+# forward fmha_cutlassF_f16_aligned_32x128_rf_sm75 (64x64 holds head sizes <= 64 only); backward
+# fmha_cutlassB_f16_aligned_64x64_k128_sm75 (the 128x64 k128 kernel sorts first but needs more than the
+# T4's 64 KiB of shared memory per block: "fallback to 64 for GPUs with less shmem (Sm75, Sm86 ...)").
+# Causal from the top left inside each document (kernel_forward.h: a query block computes the key blocks up
+# to its last query; kernel_backward.h getSmallestQueryForKey: a key block computes the query blocks from
+# its first key), every tile whole. FLOPs per computed query-key pair and head dimension: 4 forward (QK^T,
+# PV), 10 backward (QK^T again, dO V^T, dV, dQ, dK).
+EFFICIENT_TILES = {"small": ((64, 64), (64, 64)), "large": ((32, 128), (64, 64))}  # head size <= 64 / <= 128
+POPULATION_ROWS = 4000  # rows of the packer's output the attention is counted over
+
+
+def efficient_tiles(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((forward queries, keys), (backward queries, keys)) of the sm_75 memory-efficient kernel's tiles."""
+    return EFFICIENT_TILES["small" if head_dim <= 64 else "large"]
+
+
+def tiled_pairs(length: int, tile: tuple[int, int], backward: bool) -> int:
+    """Query-key pairs the kernel computes over one document of `length` tokens, causal, whole tiles."""
+    queries, keys = tile
+    if backward:  # each key block: the query blocks from the one holding its first key to the end
+        blocks = -(-length // queries)
+        return sum(blocks - (start // queries) for start in range(0, length, keys)) * queries * keys
+    # each query block: the key blocks up to its last query
+    return sum(-(-min(length, start + queries) // keys) for start in range(0, length, queries)) * queries * keys
+
+
+def executed_attention_flops(kernel: str, lengths: list[int], context: int, heads: int, head_dim: int,
+                             parts: tuple = ("forward", "backward")) -> float:
+    """FLOPs one layer's attention kernel executes over a row of documents (its forward and/or backward):
+    the memory-efficient varlen kernel at its sm_75 tiles (EFFICIENT_TILES); the others as
+    attention.attention_flops counts them, a third forward (the flash kernels' tiles are not read here:
+    their triangle, a lower bound)."""
+    if kernel != "efficient varlen":
+        whole = attention.attention_flops(kernel, lengths, context, heads, head_dim)
+        return whole * (("forward" in parts) / 3 + ("backward" in parts) * 2 / 3)
+    forward_tile, backward_tile = efficient_tiles(head_dim)
+    forward = sum(tiled_pairs(length, forward_tile, False) for length in lengths) if "forward" in parts else 0
+    backward = sum(tiled_pairs(length, backward_tile, True) for length in lengths) if "backward" in parts else 0
+    return heads * head_dim * (4 * forward + 10 * backward)
+
+
+@functools.lru_cache(maxsize=4)
+def population(context: int, rows: int = POPULATION_ROWS, seed: int = 0, median: float = MEDIAN_DOCUMENT,
+               sigma: float = DOCUMENT_SIGMA) -> tuple[tuple[int, ...], ...]:
+    """Each row's document lengths over `rows` rows of the project's own packer (train_data.MaskedPacking,
+    --packing masked) on a stream of documents of lognormal lengths (median, sigma)."""
+    import train_data
+
+    rng = np.random.default_rng(seed)
+    needed = rows * context + 1
+    lengths = []
+    while sum(lengths) < needed:
+        lengths.extend(np.maximum(1, np.round(rng.lognormal(math.log(median), sigma, 4096))).astype(np.int64))
+    packing = train_data.MaskedPacking(np.cumsum(lengths).astype(np.uint64), context)
+    return tuple(tuple(int(n) for n in np.bincount(packing.segments(row))) for row in range(rows))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     kernel: str  # attention.AttentionPlan.documents ("efficient varlen", "flash varlen") or "masked ..."
     repeated: bool  # K/V heads repeated to the query heads before the kernel
-    lengths: tuple  # each row's document lengths
+    lengths: tuple  # each micro-batch row's document lengths (the rows the model is counted on)
     preset: model_config.Preset
     context: int
     element: int  # bytes per element of q, k, v
+    rows_population: tuple = ()  # each row's document lengths over thousands of packed rows (population)
 
-    def flops(self) -> float:
-        """Forward + backward FLOPs of one layer over the micro-batch (attention.attention_flops per row)."""
-        return sum(attention.attention_flops(self.kernel, list(row), self.context, self.preset.heads,
-                                             self.preset.head_dim) for row in self.lengths)
+    def flops(self, per_row=attention.attention_flops) -> float:
+        """Forward + backward FLOPs of one layer over the micro-batch: `per_row` (attention.attention_flops:
+        useful; executed_attention_flops: at the kernel's tiles) averaged over the population of packed
+        rows (the micro-batch's own rows where none is given), times the micro-batch's rows."""
+        rows = self.rows_population or self.lengths
+        total = sum(per_row(self.kernel, list(row), self.context, self.preset.heads, self.preset.head_dim)
+                    for row in rows)
+        return total / len(rows) * len(self.lengths)
 
     def bytes(self, backward: bool) -> tuple[float, float]:
         """(read, written) by one layer's fused kernel over the micro-batch, each tensor once."""
@@ -419,10 +513,14 @@ class KernelPlan:
 
 
 def kernel_costs(plan: KernelPlan):
+    """The attention kernel's (FLOPs executed, read, written) for the Counter: forward or backward."""
+    forward = plan.flops(functools.partial(executed_attention_flops, parts=("forward",)))
+    backward = plan.flops(functools.partial(executed_attention_flops, parts=("backward",)))
+
     def cost(name: str, args, out) -> tuple[float, float, float]:
-        backward = name.endswith("backward")
-        read, written = plan.bytes(backward)
-        return plan.flops() * (2 / 3 if backward else 1 / 3), read, written
+        is_backward = name.endswith("backward")
+        read, written = plan.bytes(is_backward)
+        return backward if is_backward else forward, read, written
     return cost
 
 
@@ -500,7 +598,8 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
     else:
         implementation, kernel = card_plan.implementation, card_plan.documents
         repeated = implementation == attention.EFFICIENT
-    plan = KernelPlan(kernel, repeated, tuple(tuple(row) for row in lengths), preset, preset.context, element)
+    plan = KernelPlan(kernel, repeated, tuple(tuple(row) for row in lengths), preset, preset.context, element,
+                      population(preset.context))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         torch.manual_seed(0)
@@ -654,12 +753,173 @@ def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The compiled bytes: what Inductor itself fuses (its scheduler's kernels and their buffers).
+
+
+_STAND_IN_OPS: list = []
+
+
+def _stand_in_attention_op():
+    """An opaque stand-in for the card's varlen kernel under torch.compile on CPU (torch's meta kernel of
+    _efficient_attention_backward is broken, issue 46): a custom op with its own backward op, so Inductor
+    sees the kernel as one extern node with the real inputs and outputs, as it sees the CUDA kernel.
+    It computes nothing (zeros): only the bytes of Inductor's own kernels around it are measured."""
+    name = "tinyllm_roofline::varlen_stand_in"
+    if _STAND_IN_OPS:
+        return torch.ops.tinyllm_roofline.varlen_stand_in
+
+    @torch.library.custom_op(name, mutates_args=())
+    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(query)
+
+    @forward.register_fake
+    def _(query, key, value, cu_seqlens):
+        return torch.empty_like(query)
+
+    @torch.library.custom_op(name + "_backward", mutates_args=())
+    def backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    output: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    @backward_op.register_fake
+    def _(grad, query, key, value, output, cu_seqlens):
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+    def setup_context(ctx, inputs, output):
+        query, key, value, cu_seqlens = inputs
+        ctx.save_for_backward(query, key, value, output, cu_seqlens)
+
+    def backward(ctx, grad):
+        query, key, value, output, cu_seqlens = ctx.saved_tensors
+        return (*backward_op(grad, query, key, value, output, cu_seqlens), None)
+
+    forward.register_autograd(backward, setup_context=setup_context)
+    _STAND_IN_OPS.extend([forward, backward_op])  # an op's registration lives as long as its definition
+    return torch.ops.tinyllm_roofline.varlen_stand_in
+
+
+def stand_in_efficient_varlen(query, key, value, cu_seqlens, longest, scale):
+    """attention.efficient_varlen's layout work (K/V heads repeated to the query heads) around the stand-in."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return torch.ops.tinyllm_roofline.varlen_stand_in(query, key, value, cu_seqlens)
+
+
+def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> dict:
+    """torch.compile (Inductor, CPU) of losses.LanguageModelLoss over the training model (think72's shape
+    with `layers` layers, vocab 33,069) on the T4 plan's attention path (the K/V repeat of
+    attention.efficient_varlen, the kernel an opaque stand-in), one forward and backward under bf16 autocast
+    on `batch` rows of packed documents; Inductor's own count of each scheduled kernel's buffers
+    (GraphLowering.count_bytes: what torch._inductor.metrics.num_bytes_accessed sums). Returns per graph
+    (forward, backward) the bytes of Inductor's generated kernels, of the extern kernels (matmuls, the
+    attention stand-in), and of the kernels touching a vocabulary-sized buffer (the loss and the LM head)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+    import torch._inductor.graph as inductor_graph
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+    preset = dataclasses.replace(model_config.PRESETS[preset_name], layers=layers)
+    graphs: list[dict] = []
+    count_bytes = inductor_graph.GraphLowering.count_bytes
+
+    def recording_count_bytes(graph):
+        total, node_counts, runtimes = count_bytes(graph)
+        record = {"fused": 0, "extern": 0, "vocabulary": 0, "kernels": 0, "externs": 0, "nodes": []}
+        for node, elements in node_counts:
+            size = elements * 4
+            extern = isinstance(node, ExternKernelSchedulerNode)
+            record["extern" if extern else "fused"] += size
+            record["externs"] += extern
+            if not extern:
+                record["kernels"] += 1
+                origins = [origin for sub in node.get_nodes() if getattr(sub, "node", None) is not None
+                           for origin in sub.node.origins]
+                touches_vocabulary = any(VOCAB in tuple(getattr(origin.meta.get("val"), "shape", ()))
+                                         for origin in origins)
+                names = sorted({origin.name for origin in origins})
+                record["nodes"].append((size, node.get_name(), touches_vocabulary, names[:8]))
+                if touches_vocabulary:
+                    record["vocabulary"] += size
+        graphs.append(record)
+        return total, node_counts, runtimes
+
+    segments, _ = packed_rows(batch, preset.context, seed)
+    documents = attention.documents_of(segments)
+    saved = attention.VARLEN_KERNELS[attention.EFFICIENT]
+    level = compile_fx.inductor_metrics_log.level
+    inductor_graph.GraphLowering.count_bytes = recording_count_bytes
+    compile_fx.inductor_metrics_log.setLevel(logging.INFO)
+    _stand_in_attention_op()  # registered before tracing: Dynamo does not trace torch.library's registration
+    attention.VARLEN_KERNELS[attention.EFFICIENT] = stand_in_efficient_varlen
+    caches = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
+    inductor_config.fx_graph_cache = functorch_config.enable_autograd_cache = False  # a cached graph is not counted
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(seed)
+        model = model_config.build_model(preset, VOCAB)
+        model.config.use_cache = False
+        model_config.autocast_elementwise(model)
+        attention.use_attention(model, attention.EFFICIENT)
+        module = torch.compile(losses.LanguageModelLoss(model.train()))
+        inputs = torch.randint(0, VOCAB, (batch, preset.context))
+        targets = torch.randint(0, VOCAB, (batch, preset.context))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = module(inputs, targets, documents=documents)
+        loss.backward()
+    finally:
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = caches
+        inductor_graph.GraphLowering.count_bytes = count_bytes
+        compile_fx.inductor_metrics_log.setLevel(level)
+        attention.VARLEN_KERNELS[attention.EFFICIENT] = saved
+        torch._dynamo.reset()
+    return {"layers": layers, "batch": batch, "tokens": batch * preset.context, "graphs": graphs}
+
+
+# ----------------------------------------------------------------------------------------------
 # Per-token figures for hardware.predict_step.
+
+
+def inductor_summary(measured: dict) -> dict:
+    """{layers: (bytes of Inductor's own kernels, its kernels, extern kernels, bytes of the kernels that touch
+    a vocabulary-sized tensor)} per micro-step, forward and backward graphs together, from inductor_bytes'
+    results ({layers: result})."""
+    summary = {}
+    for layers, result in measured.items():
+        graphs = result["graphs"]
+        summary[int(layers)] = tuple(sum(graph[field] for graph in graphs)
+                                     for field in ("fused", "kernels", "externs", "vocabulary"))
+    return summary
+
+
+def inductor_micro_step(summary: dict, layers: int) -> tuple[float, float, float, float]:
+    """What Inductor's kernels move per micro-step at `layers` layers, from its counts at 1 and 2 layers
+    (the layers are alike: the second layer's figures are each layer's)."""
+    one, two = summary[1], summary[2]
+    return tuple(a + (layers - 1) * (b - a) for a, b in zip(one, two))
+
+
+def compiled_other(side: Side) -> tuple[float, float, str] | None:
+    """(bytes per micro-step outside matmuls and the attention kernel, kernels per micro-step, source) of the
+    compiled step: Inductor's own count where one is recorded for this shape (INDUCTOR_RECORDED)."""
+    recorded = INDUCTOR_RECORDED.get((side.plan.preset.layers, side.plan.preset.hidden, side.tokens))
+    if recorded is None:
+        return None
+    fused, kernels, externs, _ = inductor_micro_step(recorded, side.plan.preset.layers)
+    return fused, kernels + externs, "Inductor"
 
 
 def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool) -> hardware.CountedStep:
     ops = [op for op in side.ops if op.phase in ("forward", "backward")]
-    if compiled:
+    inductor = compiled_other(side) if compiled else None
+    if inductor is not None:
+        totals = collections.defaultdict(float)
+        for op in ops:
+            if op.boundary and op.category in ("matmul", "attention"):
+                totals[op.category] += op.read + op.written
+        totals["other"], kernels = inductor[0], inductor[1]
+    elif compiled:
         totals, kernels = fused_bytes(ops)
     else:
         totals = collections.defaultdict(float)
