@@ -881,6 +881,12 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
 # Per-token figures for hardware.predict_step.
 
 
+# Inductor's own count (torch 2.13.0+cpu, `python bench/bench_roofline.py --inductor`): {layers: (bytes of
+# its generated kernels, those kernels, extern kernels, bytes of the kernels touching a vocabulary-sized
+# tensor)} per micro-step, forward and backward graphs together, at 1 and 2 layers of the preset's shape.
+INDUCTOR_RECORDED: dict = {}
+
+
 def inductor_summary(measured: dict) -> dict:
     """{layers: (bytes of Inductor's own kernels, its kernels, extern kernels, bytes of the kernels that touch
     a vocabulary-sized tensor)} per micro-step, forward and backward graphs together, from inductor_bytes'
@@ -903,8 +909,8 @@ def inductor_micro_step(summary: dict, layers: int) -> tuple[float, float, float
 def compiled_other(side: Side) -> tuple[float, float, str] | None:
     """(bytes per micro-step outside matmuls and the attention kernel, kernels per micro-step, source) of the
     compiled step: Inductor's own count where one is recorded for this shape (INDUCTOR_RECORDED)."""
-    recorded = INDUCTOR_RECORDED.get((side.plan.preset.layers, side.plan.preset.hidden, side.tokens))
-    if recorded is None:
+    recorded = INDUCTOR_RECORDED.get((side.plan.preset, side.tokens))
+    if recorded is None or side.label != "after":
         return None
     fused, kernels, externs, _ = inductor_micro_step(recorded, side.plan.preset.layers)
     return fused, kernels + externs, "Inductor"
@@ -1033,19 +1039,42 @@ def rates_table() -> list[str]:
     return lines
 
 
-def final_line(counts: dict, preset_name: str, tokens: float = TOKENS) -> str:
-    """The figure for the README's command: eager, whose bytes are counted op by op (train.py's fallback when
-    compilation fails, as Triton has on sm_75 before), with the compiled estimate (a model, optimistic)."""
+def t4_hours(counts: dict, preset_name: str, tokens: float = TOKENS) -> dict:
+    """{(mode, rates): hours for `tokens`} on 2x T4 at the README's command, eager and compiled, at the
+    central rates (hardware.ROOFLINE_RATES["T4"]) and at the optimistic and pessimistic ones
+    (hardware.T4_RATE_RANGE)."""
     card = hardware.card_of(hardware.Device("cuda", "T4", (7, 5)))
     world, micro = README_SPLIT["world"], README_SPLIT["batch_size"]
     tokens_per_step = micro * README_SPLIT["grad_accum"] * world * model_config.PRESETS[preset_name].context
-    eager = hardware.predict_card(card, counts[("fp16", "eager")], world=world, tokens_per_step=tokens_per_step)
-    compiled = hardware.predict_card(card, counts[("fp16", "compiled")], world=world, tokens_per_step=tokens_per_step)
-    return (f"{preset_name} on 2x T4: {eager.hours_for(tokens):.1f} h for {tokens / 1e9:g}B tokens (eager, fp16, "
-            f"--batch-size {micro} --grad-accum {README_SPLIT['grad_accum']} on {world} GPUs, "
-            f"{tokens_per_step:,} tokens per step: {eager.total_s:.2f} s, {eager.tokens_per_second:,.0f} tokens/s; "
-            f"compiled, train.py's default on CUDA where it compiles: {compiled.hours_for(tokens):.1f} h by the "
-            f"fusion estimate)")
+    rates = {"central": hardware.ROOFLINE_RATES["T4"], **hardware.T4_RATE_RANGE}
+    return {(mode, name): hardware.predict_card(card, counts[("fp16", mode)], world=world, rates=card_rates,
+                                                tokens_per_step=tokens_per_step).hours_for(tokens)
+            for mode in ("eager", "compiled") for name, card_rates in rates.items()}
+
+
+def final_line(counts: dict, preset_name: str, tokens: float = TOKENS, compiled_source: str = "Inductor") -> str:
+    """The figure for the README's command: compiled (train.py's default on CUDA) at the central rates, the
+    eager one beside it (train.py's fallback where compilation fails), and the compiled range from the
+    optimistic to the pessimistic rates."""
+    hours = t4_hours(counts, preset_name, tokens)
+    rates = hardware.ROOFLINE_RATES["T4"]
+    return (f"{preset_name} on 2x T4: {hours[('compiled', 'central')]:.1f} h for {tokens / 1e9:g}B tokens (compiled, "
+            f"central rates {rates.matmul_tflops:g} / {rates.attention_tflops:g} TFLOP/s matmul / attention, "
+            f"{rates.bandwidth_gbs:g} GB/s, link {rates.link_gbs:g} GB/s, compiled bytes by {compiled_source}; "
+            f"eager {hours[('eager', 'central')]:.1f} h; range {hours[('compiled', 'optimistic')]:.1f}-"
+            f"{hours[('compiled', 'pessimistic')]:.1f} h)")
+
+
+def range_table(counts: dict, preset_name: str, tokens: float = TOKENS) -> list[str]:
+    hours = t4_hours(counts, preset_name, tokens)
+    rates = {"central": hardware.ROOFLINE_RATES["T4"], **hardware.T4_RATE_RANGE}
+    lines = ["| 2x T4, rates | matmul / attention TFLOP/s, GB/s, link GB/s | eager | compiled |",
+             "| --- | --- | ---: | ---: |"]
+    for name in ("optimistic", "central", "pessimistic"):
+        r = rates[name]
+        lines.append(f"| {name} | {r.matmul_tflops:g} / {r.attention_tflops:g}, {r.bandwidth_gbs:g}, {r.link_gbs:g} | "
+                     f"{hours[('eager', name)]:.1f} h | {hours[('compiled', name)]:.1f} h |")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1059,6 +1088,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp16,bf16")
     parser.add_argument("--json", default=None, help="write the counts here")
     parser.add_argument("--record", action="store_true", help="print the counts as hardware.ROOFLINE_COUNTS' literal")
+    parser.add_argument("--inductor", action="store_true",
+                        help="compile the preset's shape at 1 and 2 layers with Inductor on CPU and print its byte "
+                             "count as INDUCTOR_RECORDED's entry (minutes)")
     return parser.parse_args(argv)
 
 
@@ -1080,11 +1112,40 @@ def run(args: argparse.Namespace) -> dict:
             if label == "after":
                 for mode in ("eager", "compiled"):
                     counts[(precision, mode)] = counted_step(side, optimizer_ops, world, mode == "compiled")
-    return {"preset": preset_name, "batch": batch, "sides": sides, "counts": counts, "fused": fused}
+    after = [side for side in sides if side.label == "after"]
+    source = "Inductor" if after and compiled_other(after[0]) else "the fusion model (no Inductor count recorded)"
+    return {"preset": preset_name, "batch": batch, "sides": sides, "counts": counts, "fused": fused,
+            "compiled_source": source}
+
+
+def measure_inductor(preset_name: str, batch: int) -> dict:
+    """inductor_bytes at 1 and 2 layers, printed per token and as INDUCTOR_RECORDED's entry."""
+    preset = model_config.PRESETS[preset_name]
+    measured = {}
+    for layers in (1, 2):
+        started = time.perf_counter()
+        measured[layers] = inductor_bytes(preset_name, layers, batch)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        print(f"Inductor, {preset_name} with {layers} layer(s) at {batch} x {preset.context}: "
+              f"{len(measured[layers]['graphs'])} graphs, {breaks} graph breaks, "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+    summary = inductor_summary(measured)
+    tokens = batch * preset.context
+    fused, kernels, externs, vocabulary = inductor_micro_step(summary, preset.layers)
+    per_layer = summary[2][0] - summary[1][0]
+    print(f"per token: {fused / tokens / 1e3:,.1f} KB in Inductor's kernels at {preset.layers} layers "
+          f"({per_layer / tokens / 1e3:,.1f} KB a layer; {vocabulary / tokens / 1e3:,.1f} KB in the kernels "
+          f"that touch a vocabulary-sized tensor: the loss, the LM head's and the embedding's), "
+          f"{kernels:.0f} kernels and {externs:.0f} extern kernels a micro-step")
+    print(f"INDUCTOR_RECORDED entry: (model_config.PRESETS[{preset_name!r}], {tokens}): {summary!r}")
+    return summary
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.inductor:
+        measure_inductor(args.preset or "think72", args.batch_size or README_SPLIT["batch_size"])
+        return 0
     torch.set_num_threads(1)  # nothing computes (fake tensors): a second thread would only wait
     result = run(args)
     sides, counts = result["sides"], result["counts"]
@@ -1103,9 +1164,11 @@ def main(argv=None) -> int:
         ratio_before = before.per_token("attention", "flops") / per_document_flops(before)
         ratio_after = after.per_token("attention", "flops") / per_document_flops(after)
         bytes_ratio = outside_matmuls(before) / outside_matmuls(after)
-        print(f"{precision}: attention FLOPs / per-document causal: before {ratio_before:.2f}x, after "
-              f"{ratio_after:.2f}x ({after.kernel}; target <= 1.1x); bytes outside matmuls before / after: "
-              f"{bytes_ratio:.2f}x eager (target >= 2x)")
+        rows = len(after.plan.rows_population)
+        print(f"{precision}: attention FLOPs executed / useful per-document causal (over {rows:,} "
+              f"packed rows): before {ratio_before:.2f}x, after {ratio_after:.2f}x ({after.kernel}"
+              f"{', at its sm_75 tiles' if after.kernel == 'efficient varlen' else ''}); bytes outside matmuls "
+              f"before / after: {bytes_ratio:.2f}x eager")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{p} {m}": dataclasses.asdict(c) for (p, m), c in counts.items()},
                                               indent=1))
@@ -1114,15 +1177,11 @@ def main(argv=None) -> int:
         print("\n".join(rates_table()))
         print("\n" + "\n".join(card_rows(counts)))
         print("\n" + recorded_check(counts, args.record))
-        before = next(s for s in sides if s.label == "before" and s.precision == "fp16")
-        optimizer_ops = count_optimizer(preset, "fp16", README_SPLIT["world"])
-        today = {("fp16", "eager"): counted_step(before, optimizer_ops, README_SPLIT["world"], False),
-                 ("fp16", "compiled"): counted_step(before, optimizer_ops, README_SPLIT["world"], True)}
-        print("\nbefore (the stock model on the masked path, by the same count): " + final_line(today, "think72"))
     elif "fp16" in args.precisions.split(","):
         print("\n(the per-card table and the recorded counts are think72's; this is a smoke run)")
     if ("fp16", "eager") in counts:
-        print("\n" + final_line(counts, result["preset"]))
+        print("\n" + "\n".join(range_table(counts, result["preset"])))
+        print("\n" + final_line(counts, result["preset"], compiled_source=result["compiled_source"]))
     return 0
 
 
