@@ -14,9 +14,10 @@ free; an in-place op reads and writes its tensor (copy_ only writes it).
 
 Where the CPU and the card dispatch differently, the count follows the card:
 - the attention kernel: the op the CPU runs is counted as the card plan's kernel
-  (attention.choose_attention): its FLOPs are attention.attention_flops of that kernel over each row's
-  documents, its bytes a fused kernel's (q, k, v, o, the logsumexp; backward also dO, dQ, dK, dV and the
-  row sums; K/V heads repeated where the plan repeats them; the masked kernels' bias read once per pass);
+  (attention.choose_attention): its FLOPs are those it executes (executed_attention_flops: the T4's kernel
+  at its tiles, the others attention.attention_flops) over the packed rows' documents, its bytes a fused
+  kernel's (q, k, v, o, the logsumexp; backward also dO, dQ, dK, dV and the row sums; K/V heads repeated
+  where the plan repeats them; the masked kernels' bias read once per pass);
   the varlen kernels' CUDA-only ops are stood in for (their outputs made with the right shapes);
 - F.rms_norm: one fused op forward (aten._fused_rms_norm) and one backward, as CUDA runs it (the CPU
   decomposes it);
@@ -35,17 +36,19 @@ block-diagonal mask: transformers repeats K/V and every card computes the full C
 the training model (model_config.build_training_model's autocast_elementwise) with the card's plan (the
 memory-efficient varlen kernel under fp16, T4; flash varlen with grouped heads under bf16, sm_80+).
 
-The compiled estimate is a model, not Inductor's metrics (those need the graph compiled and run for CPU:
-nano at 2 x 256 alone took 346 s on this 2-core machine, think72 was not tried; on that nano graph
-Inductor's torch._inductor.metrics.num_bytes_accessed counts 1.64x the model's bytes outside matmuls,
-bench/RESULTS.md "Roofline"): every maximal group of non-matmul ops that Inductor could fuse (connected
-by tensors, with no matmul or attention kernel between them, forward and backward apart) reads each of
-its external inputs once and writes each output that leaves it once; matmuls and the attention kernel
-stay as counted.
+The compiled step's bytes outside matmuls and the attention kernel are Inductor's own count, not a model
+(inductor_bytes, `--inductor`: think72's shape at 1 and 2 layers compiled by Inductor on CPU on the T4's
+attention path, the bytes of each kernel it generates as its scheduler counts them; recorded in
+INDUCTOR_RECORDED, the second layer's figures taken as each layer's); matmuls and the attention kernel
+stay as counted. For a shape with no Inductor count recorded (the --smoke run) the compiled figure is the
+old fusion model (fused_bytes: every maximal group of non-matmul ops Inductor could fuse reads its
+external inputs once and writes what leaves it once), said so in the last line.
 
 Documents: each row of the micro-batch is cut from a stream of documents whose lengths are drawn from a
 lognormal of median 243 tokens and sigma 1.0 (mean 400 tokens), laid end to end as the packed stream lays
-them (a document crossing a row's end continues as a new document in the next row).
+them (a document crossing a row's end continues as a new document in the next row). The attention's FLOPs
+are averaged over 4,000 rows of the project's own packer (train_data.MaskedPacking) on such a stream
+(population), the T4's memory-efficient kernel at its sm_75 tiles (EFFICIENT_TILES, executed_attention_flops).
 
 The step time (hardware.predict_step, one card's rates from hardware.ROOFLINE_RATES): per micro-step,
 matmul FLOPs at the sustained matmul rate (or their bytes at the bandwidth, whichever is longer),
@@ -973,10 +976,11 @@ def category_table(sides: list[Side], fused: dict) -> list[str]:
     for category in CATEGORIES:
         rows.append((f"{category} KB (eager)", lambda s, c=category: s.per_token(c) / 1e3))
     rows.append(("outside matmuls KB (eager)", lambda s: outside_matmuls(s) / 1e3))
-    rows.append(("outside matmuls KB (compiled estimate)",
-                 lambda s: sum(v for k, v in fused[id(s)][0].items() if k != "matmul") / s.tokens / 1e3))
+    rows.append(("outside matmuls and attention KB (compiled: Inductor's count, else the fusion model)",
+                 lambda s: compiled_outside(s, fused) / s.tokens / 1e3))
     rows.append(("kernels per micro-step (eager / compiled)",
-                 lambda s: f"{sum(op.kernels for op in s.ops):,} / {fused[id(s)][1]:,}"))
+                 lambda s: f"{sum(op.kernels for op in s.ops):,} / "
+                           f"{(compiled_other(s) or (0, fused[id(s)][1]))[1]:,.0f}"))
     for title, value in rows:
         cells = []
         for side in sides:
@@ -984,6 +988,14 @@ def category_table(sides: list[Side], fused: dict) -> list[str]:
             cells.append(figure if isinstance(figure, str) else f"{figure:,.1f}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     return lines
+
+
+def compiled_outside(side: Side, fused: dict) -> float:
+    """Bytes a micro-step outside matmuls and the attention kernel, compiled: Inductor's count where recorded."""
+    inductor = compiled_other(side)
+    if inductor is not None:
+        return inductor[0]
+    return sum(value for key, value in fused[id(side)][0].items() if key not in ("matmul", "attention"))
 
 
 def detail_table(sides: list[Side]) -> list[str]:
@@ -1011,10 +1023,10 @@ def outside_matmuls(side: Side) -> float:
 
 def card_rows(counts: dict, tokens_per_step: int = 65_536, tokens: float = TOKENS) -> list[str]:
     """The per-card table of docs/training.md: hardware.predict_card over `counts` ({(precision, mode):
-    CountedStep}), eager and compiled (estimate)."""
+    CountedStep}), eager and compiled (Inductor's bytes outside matmuls and attention)."""
     lines = ["| card | precision | matmul / attention TFLOP/s, GB/s (assumed) | step (65,536 tokens) eager | "
              "of which matmul / attention / other bytes / launch / Newton-Schulz / optimizer / all-reduce | "
-             "tokens/s eager | 1.5B tokens eager | compiled (estimate) |",
+             "tokens/s eager | 1.5B tokens eager | compiled |",
              "| --- | --- | --- | ---: | --- | ---: | ---: | ---: |"]
     cards = {card.key: card for card in hardware.CARDS}
     for key, world in TABLE_CARDS:
