@@ -8,13 +8,17 @@ built on the host by the data reader (`documents_of`): each token's document, it
 documents' starts in the flattened batch (cu_seqlens, as flash-attention's varlen kernels take them).
 What each kernel computes is only what it keeps: per-document causal attention, never the C x C square.
 
-The kernels, by card (`choose_attention`, a pure rule read off torch's dispatch, sdp_utils.cpp):
-- sm_80+ in fp16/bf16, head_dim <= 256: flash attention over cu_seqlens (`torch.nn.attention.varlen
-  .varlen_attn`, causal window (-1, 0)) with the K/V heads grouped (GQA kept); a micro-batch without a
-  document boundary runs SDPA is_causal restricted to flash, enable_gqa;
-- other CUDA cards (T4, V100, P100) and fp32: the memory-efficient kernel over cu_seqlens
-  (`aten._efficient_attention_forward`, causal from the top left of each document), its K/V heads repeated
-  (the kernel has no grouped heads); without a boundary, SDPA is_causal restricted to memory-efficient;
+The kernels, by card (`choose_attention`, a pure rule of the card, the dtype, the head size and what the
+installed torch offers (`torch_kernels`), read off torch's dispatch, sdp_utils.cpp; one record per kernel in
+`KERNELS`):
+- sm_80+ in fp16/bf16, head_dim <= 256: flash attention over cu_seqlens (the custom op
+  `tinyllm::flash_varlen`, varlen_ops.py, on aten._flash_attention_forward, causal) with the K/V heads
+  grouped (GQA kept); a micro-batch without a document boundary runs SDPA is_causal restricted to flash,
+  enable_gqa;
+- other CUDA cards (T4, V100, P100), fp32, and sm_80+ where torch has no flash varlen: the memory-efficient
+  kernel over cu_seqlens (the custom op `tinyllm::efficient_varlen` on aten._efficient_attention_forward,
+  causal from the top left of each document), its K/V heads repeated (the kernel has no grouped heads);
+  without a boundary, SDPA is_causal restricted to memory-efficient;
 - bf16 below sm_80 (emulated, no fused kernel takes it) and CPU: SDPA with the block-diagonal boolean mask
   (the CPU flash kernel takes a mask, and at the CPU's contexts, 128-512, the square costs little).
 cuDNN attention is never in a plan: with any mask it returns NaN gradients when the sequence length is

@@ -574,7 +574,7 @@ def choose_attention(training: Training):
     context, label, warning = attention.apply_attention_plan(training.model, plan, probe_step)
     if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
-    return plan, context, label
+    return attention.MASKED_FALLBACK if warning else plan, context, label  # the plan in effect
 
 
 def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Batch:
