@@ -285,26 +285,15 @@ def layer_activation_bytes(preset: Preset, precision: str) -> int:
 
 def attention_bytes(kernel: str, preset: Preset, batch_size: int, context: int, precision: str,
                     grad_checkpoint: bool) -> int:
-    """What one step's attention holds beyond layer_activation_bytes, by kernel (attention.AttentionPlan's
-    names), for micro-batches with document boundaries:
-    - the masked kernels: the (B, 1, C, C) boolean mask, and per layer the additive mask SDPA makes of it
-      and keeps for the backward (B C^2 in the compute dtype: 16 MiB at 8 x 1024 in half, measured on CPU);
-      "masked math" also the scores and their softmax (B H C^2, fp32 and the compute dtype);
-    - the varlen kernels: per layer the fp32 logsumexp (H per token), the efficient kernel also its K/V
-      heads repeated to the query heads (kept as its inputs); cu_seqlens is a few bytes.
-    Under --grad-checkpoint only one layer's is held at a time."""
+    """What one step's attention holds beyond layer_activation_bytes for micro-batches with document
+    boundaries, by its kernel's record (attention.kernel(kernel).held_bytes: the masked kernels' mask, the
+    varlen kernels' logsumexp). Under --grad-checkpoint only one layer's is held at a time."""
+    import attention
+
     element = 2 if precision in ("fp16", "bf16") else 4
     layers = 1 if grad_checkpoint else preset.layers
-    tokens = batch_size * context
-    if kernel.startswith("masked"):
-        square = batch_size * context * context
-        per_layer = square * element + (preset.heads * square * (4 + element) if kernel == "masked math" else 0)
-        return square + layers * per_layer
-    if kernel.endswith("varlen"):
-        repeated = 2 * (preset.heads - preset.kv_heads) * preset.head_dim * element if kernel.startswith(
-            "efficient") else 0
-        return layers * tokens * (4 * preset.heads + repeated)
-    return 0
+    return attention.kernel(kernel).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, batch_size, context,
+                                               element, layers)
 
 
 def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str,

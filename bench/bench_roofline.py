@@ -110,7 +110,7 @@ NOT_KERNELS = {"_record_function_enter_new", "_record_function_exit", "promote_t
 STAND_IN = {"_efficient_attention_forward", "_efficient_attention_backward", "_varlen_attn", "_varlen_attn_backward",
             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-            "_flash_attention_forward", "_flash_attention_backward"}
+            "_flash_attention_forward", "_flash_attention_backward", *attention.KERNEL_OPS}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,8 +507,8 @@ class KernelPlan:
         q = tokens * p.heads * p.head_dim * self.element
         kv = tokens * (p.heads if self.repeated else p.kv_heads) * p.head_dim * self.element
         lse = tokens * p.heads * 4
-        bias = len(self.lengths) * self.context * self.context * self.element if self.kernel.startswith(
-            "masked") else 0
+        bias = len(self.lengths) * self.context * self.context * self.element if attention.kernel(
+            self.kernel).masked else 0
         if not backward:
             return q + 2 * kv + bias, q + lse
         # read q, k, v, o, dO, the logsumexp and the row sums dO.O (written by the kernel's first pass)
@@ -1013,7 +1013,7 @@ def detail_table(sides: list[Side]) -> list[str]:
 
 
 def per_document_flops(side: Side) -> float:
-    plan = dataclasses.replace(side.plan, kernel="per-document varlen")
+    plan = dataclasses.replace(side.plan, kernel="flash varlen")
     return plan.flops() * side.plan.preset.layers / side.tokens
 
 
