@@ -759,64 +759,15 @@ def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
 # The compiled bytes: what Inductor itself fuses (its scheduler's kernels and their buffers).
 
 
-_STAND_IN_OPS: list = []
-
-
-def _stand_in_attention_op():
-    """An opaque stand-in for the card's varlen kernel under torch.compile on CPU (torch's meta kernel of
-    _efficient_attention_backward is broken, issue 46): a custom op with its own backward op, so Inductor
-    sees the kernel as one extern node with the real inputs and outputs, as it sees the CUDA kernel.
-    It computes nothing (zeros): only the bytes of Inductor's own kernels around it are measured."""
-    name = "tinyllm_roofline::varlen_stand_in"
-    if _STAND_IN_OPS:
-        return torch.ops.tinyllm_roofline.varlen_stand_in
-
-    @torch.library.custom_op(name, mutates_args=())
-    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(query)
-
-    @forward.register_fake
-    def _(query, key, value, cu_seqlens):
-        return torch.empty_like(query)
-
-    @torch.library.custom_op(name + "_backward", mutates_args=())
-    def backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    output: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-
-    @backward_op.register_fake
-    def _(grad, query, key, value, output, cu_seqlens):
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-
-    def setup_context(ctx, inputs, output):
-        query, key, value, cu_seqlens = inputs
-        ctx.save_for_backward(query, key, value, output, cu_seqlens)
-
-    def backward(ctx, grad):
-        query, key, value, output, cu_seqlens = ctx.saved_tensors
-        return (*backward_op(grad, query, key, value, output, cu_seqlens), None)
-
-    forward.register_autograd(backward, setup_context=setup_context)
-    _STAND_IN_OPS.extend([forward, backward_op])  # an op's registration lives as long as its definition
-    return torch.ops.tinyllm_roofline.varlen_stand_in
-
-
-def stand_in_efficient_varlen(query, key, value, cu_seqlens, longest, scale):
-    """attention.efficient_varlen's layout work (K/V heads repeated to the query heads) around the stand-in."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return torch.ops.tinyllm_roofline.varlen_stand_in(query, key, value, cu_seqlens)
-
-
 def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> dict:
     """torch.compile (Inductor, CPU) of losses.LanguageModelLoss over the training model (think72's shape
-    with `layers` layers, vocab 33,069) on the T4 plan's attention path (the K/V repeat of
-    attention.efficient_varlen, the kernel an opaque stand-in), one forward and backward under bf16 autocast
-    on `batch` rows of packed documents; Inductor's own count of each scheduled kernel's buffers
+    with `layers` layers, vocab 33,069) on the T4 plan's attention path (attention.efficient_varlen: the K/V
+    repeat and the kernel, a custom op Inductor keeps opaque, varlen_ops.py; on CPU it runs each document
+    through SDPA), one forward and backward under bf16 autocast on `batch` rows of packed documents;
+    Inductor's own count of each scheduled kernel's buffers
     (GraphLowering.count_bytes: what torch._inductor.metrics.num_bytes_accessed sums). Returns per graph
     (forward, backward) the bytes of Inductor's generated kernels, of the extern kernels (matmuls, the
-    attention stand-in), and of the kernels touching a vocabulary-sized buffer (the loss and the LM head)."""
+    attention kernel), and of the kernels touching a vocabulary-sized buffer (the loss and the LM head)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
@@ -850,12 +801,9 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
 
     segments, _ = packed_rows(batch, preset.context, seed)
     documents = attention.documents_of(segments)
-    saved = attention.VARLEN_KERNELS[attention.EFFICIENT]
     level = compile_fx.inductor_metrics_log.level
     inductor_graph.GraphLowering.count_bytes = recording_count_bytes
     compile_fx.inductor_metrics_log.setLevel(logging.INFO)
-    _stand_in_attention_op()  # registered before tracing: Dynamo does not trace torch.library's registration
-    attention.VARLEN_KERNELS[attention.EFFICIENT] = stand_in_efficient_varlen
     caches = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
     inductor_config.fx_graph_cache = functorch_config.enable_autograd_cache = False  # a cached graph is not counted
     torch._dynamo.reset()
@@ -875,7 +823,6 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
         inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = caches
         inductor_graph.GraphLowering.count_bytes = count_bytes
         compile_fx.inductor_metrics_log.setLevel(level)
-        attention.VARLEN_KERNELS[attention.EFFICIENT] = saved
         torch._dynamo.reset()
     return {"layers": layers, "batch": batch, "tokens": batch * preset.context, "graphs": graphs}
 
