@@ -35,6 +35,7 @@ import torch
 
 import attention
 import hardware
+import model_config
 
 print("torch", torch.__version__)
 try:
@@ -46,9 +47,10 @@ for name in ("_flash_attention_forward", "_efficient_attention_forward"):
     op = getattr(torch.ops.aten, name, None)
     print(name, [argument.name for argument in op.default._schema.arguments] if op else "none")
 device = hardware.describe(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-offered = {"offered": attention.torch_kernels()} if hasattr(attention, "torch_kernels") else {}
+offered = attention.torch_kernels()
+print("the installed torch offers:", offered)
 for precision in ("fp16", "bf16"):
-    print(precision, "on", device.label(), "->", attention.choose_attention(device, precision, 128, **offered))
+    print(precision, "on", device.label(), "->", attention.choose_attention(device, precision, model_config.PRESETS["think72"].head_dim, offered))
 PLAN
 echo "the torch-capability rule on this card (plan.txt):"; cat "$out/plan.txt"
 echo "GPUs: $gpus; budget $budget s"
