@@ -182,3 +182,22 @@ def test_gathers_and_scatters_count_what_they_touch():
     assert gather.read == 64 * 4 + 64 * 8 and gather.written == 64 * 4  # picked logits + index; output
     assert scatter.read == 64 * 8 + 64 * 4 + 64 * 4 and scatter.written == 64 * 4  # index, source, touched
     assert embedding.read == 8 * 32 * 4 + 8 * 8 and embedding.written == 8 * 32 * 4
+
+
+def test_inductor_counts_its_kernels_and_fuses_the_loss_into_one_a_chunk():
+    """bench_roofline.inductor_bytes (the compiled count's source) on nano at 2 x 256, one layer: Inductor compiles
+    the training loss whole (two graphs, no break), and the loss's softmax, one-hot and cast for the matmuls are
+    one kernel a chunk that reads the half logits and writes the half gradient: about 4 bytes a logit."""
+    import torch
+
+    import hardware
+
+    result = bench_roofline.inductor_bytes("nano", layers=1, batch=2)
+    assert len(result["graphs"]) == 2 and sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    forward = result["graphs"][0]
+    loss_kernels = [size for size, _, vocabulary, names in forward["nodes"] if vocabulary and "amax" in " ".join(names)]
+    chunks = -(-result["tokens"] // hardware.logits_chunk_tokens(bench_roofline.VOCAB))
+    assert len(loss_kernels) == chunks
+    logits = result["tokens"] * bench_roofline.VOCAB
+    assert 4 * logits <= sum(loss_kernels) < 4.2 * logits
+    assert forward["fused"] > 0 and forward["externs"] > 0 and forward["kernels"] > 0
