@@ -76,11 +76,12 @@ def cross_entropy_and_gradient_(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def subtract_one_hot_(gradient: torch.Tensor, rows: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-    """`gradient` less 1 at each counted row's target column (rows: (N, 1) targets). Eagerly a scatter that
-    touches only those N elements; compiled an element-wise select over the row, which Inductor fuses into
-    the kernel that makes the gradient (and its cast for the matmuls): a scatter is a kernel of its own, and
-    the gradient would then be written in fp32, read back and cast in two more passes over the vocabulary
-    (bench/RESULTS.md, "The honest count"). The same arithmetic either way: x + (-1) and x - 1 round alike."""
+    """`gradient` less 1 at each counted row's target column (rows: (N, 1) targets), returned. Eagerly a
+    scatter in place that touches only those N elements; compiled an element-wise select over the row, which
+    Inductor fuses into the kernel that makes the gradient (and its cast for the matmuls): a scatter is a
+    kernel of its own, and the gradient would then be written in fp32, read back and cast in two more passes
+    over the vocabulary (bench/RESULTS.md, "The honest count"). The same arithmetic either way: x + (-1) and
+    x - 1 round alike."""
     ones = counted[:, None].to(gradient.dtype)
     if torch.compiler.is_compiling():
         columns = torch.arange(gradient.size(1), device=gradient.device)
