@@ -837,8 +837,8 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
 # Measured 2026-12-04 on think72 at 8 x 1,024 (bench/RESULTS.md, "The honest count"): 255 KB a token outside the
 # layers (the loss 132, the LM head's and the embedding's 115), 141 KB a token each layer.
 INDUCTOR_RECORDED: dict = {
-    (model_config.PRESETS["think72"], 8192): {1: (3248622720, 67, 54, 2023657520),
-                                              2: (4405416064, 110, 81, 2023657520)},
+    (model_config.PRESETS["think72"], 8192): {1: (3248622720, 67, 55, 2023657520),
+                                              2: (4405416064, 110, 83, 2023657520)},
 }
 
 
