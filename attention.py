@@ -69,7 +69,7 @@ class Documents(NamedTuple):
     @property
     def has_boundary(self) -> bool:
         """Whether some row holds more than one document (else plain causal attention is the same)."""
-        return self.count > self.rows
+        return has_boundary(self)
 
     def to(self, device, non_blocking: bool = False) -> Documents:
         return Documents(*(tensor.to(device, non_blocking=non_blocking) for tensor in self[:3]), self.longest)
@@ -96,6 +96,12 @@ def documents_of(segments: np.ndarray) -> Documents:
     return Documents(torch.from_numpy(segments), torch.from_numpy(positions), torch.from_numpy(cu_seqlens), longest)
 
 
+def has_boundary(documents: Documents) -> bool:
+    """Documents.has_boundary as a function, for the code torch.compile traces: torch 2.10's Dynamo cannot
+    call a property of a NamedTuple (a graph break: "Data-dependent branching ... has_boundary")."""
+    return documents.cu_seqlens.shape[0] - 1 > documents.segments.shape[0]
+
+
 def document_mask(segments):
     """The (B, 1, C, C) boolean mask of document attention: block-diagonal and causal (True: attend)."""
     import torch
@@ -109,7 +115,7 @@ def decoder_inputs(model, documents: Documents | None) -> dict:
     """What `model.model(...)` is given besides the tokens so that attention and positions stay inside
     each document: nothing for a micro-batch without a boundary (plain causal, positions 0..C-1); the
     positions and cu_seqlens for the varlen kernels; the positions and the boolean mask otherwise."""
-    if documents is None or not documents.has_boundary:
+    if documents is None or not has_boundary(documents):
         return {}
     if model.config._attn_implementation in VARLEN_IMPLEMENTATIONS:
         return {"position_ids": documents.positions, "document_starts": documents.cu_seqlens,
@@ -348,29 +354,37 @@ MASKED_FALLBACK = AttentionPlan("masked efficient or math", "efficient or math",
 def choose_attention(device: Device, precision: str, head_dim: int,
                      offered: TorchKernels = CUDA_WHEELS) -> AttentionPlan:
     """The kernels for this device, autocast dtype and head size, from what torch offers (`offered`:
-    torch_kernels() of the installed torch; by default a CUDA wheel's, as a card's own torch has):
-    the first of flash varlen and efficient varlen whose needs hold (their `problem`, torch's dispatch rules
-    in sdp_utils.cpp), else the masked math path. A card of sm_80+ without a usable flash varlen takes the
-    memory-efficient varlen, which runs there too.
+    torch_kernels() of the installed torch; by default a CUDA wheel's, as a card's own torch has): the
+    first of attention_plans.
     Deterministic runs (--deterministic) need nothing else: flash's backward follows
     torch.use_deterministic_algorithms, and the memory-efficient backward then runs with num_splits_key = 1
     (attention_backward.cu); the CPU kernels are deterministic."""
+    return attention_plans(device, precision, head_dim, offered)[0]
+
+
+def attention_plans(device: Device, precision: str, head_dim: int,
+                    offered: TorchKernels = CUDA_WHEELS) -> list[AttentionPlan]:
+    """The plans that may run here, best first: flash varlen and efficient varlen where their needs hold
+    (their `problem`: torch's dispatch rules in sdp_utils.cpp), else the masked math path. A card of sm_80+
+    without a usable flash varlen takes the memory-efficient varlen, which runs there too; the start-up
+    probe tries the next plan when one refuses the model (apply_attention_plan)."""
     if not device.is_cuda:
-        return AttentionPlan("masked cpu flash", "cpu flash", MASKED, (),
-                             "CPU: SDPA's flash kernel, the document mask where a row holds several")
+        return [AttentionPlan("masked cpu flash", "cpu flash", MASKED, (),
+                              "CPU: SDPA's flash kernel, the document mask where a row holds several")]
     where = device.label()
-    problems = []
+    plans, problems = [], []
     for name, causal, backend, how in (("flash varlen", "flash", "flash", "K/V heads grouped"),
                                        ("efficient varlen", "efficient", "efficient", "K/V heads repeated")):
         record = kernel(name)
         problem = record.problem(device, precision, head_dim, offered)
         if problem is None:
             kind = "flash" if record.implementation == FLASH else "memory-efficient"
-            return AttentionPlan(name, causal, record.implementation, (backend,),
-                                 f"{kind} attention over each document, {how} ({precision} on {where})")
+            plans.append(AttentionPlan(name, causal, record.implementation, (backend,),
+                                       f"{kind} attention over each document, {how} ({precision} on {where})"))
         problems.append(problem)
-    return AttentionPlan("masked math", "math", MASKED, ("math",),
-                         f"math attention ({precision} on {where}: no fused kernel takes it: {problems[-1]})")
+    return plans or [AttentionPlan("masked math", "math", MASKED, ("math",),
+                                   f"math attention ({precision} on {where}: no fused kernel takes it: "
+                                   f"{problems[-1]})")]
 
 
 def check_plan(plan: AttentionPlan, context: int) -> str | None:
@@ -482,33 +496,38 @@ def sdpa_backends(plan: AttentionPlan) -> list:
     return [names[name] for name in plan.backends]
 
 
-def apply_attention_plan(model, plan: AttentionPlan, probe_step) -> tuple:
-    """Make `plan` so on `model`: (a context manager factory every forward runs in, the plan's label, a
-    warning or None). A fused plan is probed: `probe_step(kernels)` runs a forward and backward with a
-    document boundary and one without (the real paths); a kernel that refuses the model, whatever it
-    raises (a RuntimeError from the kernel, a TypeError or ImportError from a torch without it), falls back
-    to the masked path restricted to memory-efficient, then math (MASKED_FALLBACK: never cuDNN with a
+def apply_attention_plan(model, plan: AttentionPlan, probe_step, alternatives: list[AttentionPlan] = ()) -> tuple:
+    """Make `plan` so on `model`: (a context manager factory every forward runs in, the label, a warning or
+    None, the plan in effect). A fused plan is probed: `probe_step(kernels)` runs a forward and backward with
+    a document boundary and one without (the real paths). A kernel that refuses the model, whatever it
+    raises (a RuntimeError from the kernel, a TypeError or ImportError from a torch without it), gives way
+    to the next of `alternatives` (attention_plans' others: flash's to the memory-efficient varlen), and the
+    last to the masked path restricted to memory-efficient, then math (MASKED_FALLBACK: never cuDNN with a
     mask), with the warning. Running out of memory is no refusal: it propagates."""
     import torch
 
     use_attention(model, plan.implementation)
     kernels = sdpa_context(plan)
     if not plan.fused:
-        return kernels, plan.label(), None
+        return kernels, plan.label(), None, plan
     try:
         probe_step(kernels)
     except Exception as error:  # noqa: BLE001 - a refusing kernel's error has no common base but Exception
         if isinstance(error, torch.OutOfMemoryError):
             raise
-        use_attention(model, MASKED)
         cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        refused = f"the planned {plan.documents} / {plan.causal} attention does not take this model " \
+                  f"({type(error).__name__}: {cause})"
+        if alternatives:
+            kernels, label, warning, in_effect = apply_attention_plan(model, alternatives[0], probe_step,
+                                                                      alternatives[1:])
+            return kernels, label, f"{refused}; {warning or 'attention uses ' + alternatives[0].documents}", in_effect
+        use_attention(model, MASKED)
         return (sdpa_context(MASKED_FALLBACK), f"{MASKED_FALLBACK.documents} fallback (planned: {plan.label()})",
-                f"the planned {plan.documents} / {plan.causal} attention does not take this model "
-                f"({type(error).__name__}: {cause}); attention uses the slower masked kernels "
-                f"({MASKED_FALLBACK.reason})")
+                f"{refused}; attention uses the slower masked kernels ({MASKED_FALLBACK.reason})", MASKED_FALLBACK)
     finally:
         model.zero_grad(set_to_none=True)
-    return kernels, plan.label(), None
+    return kernels, plan.label(), None, plan
 
 
 def sdpa_context(plan: AttentionPlan):

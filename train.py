@@ -557,8 +557,8 @@ class Training:
 def choose_attention(training: Training):
     """attention.choose_attention's plan for this card and dtype, applied (attention.apply_attention_plan),
     probed on the real paths: a micro-batch with a document boundary and one without."""
-    plan = attention.choose_attention(training.hardware, training.precision, training.preset.head_dim,
-                                      attention.torch_kernels())
+    plan, *alternatives = attention.attention_plans(training.hardware, training.precision, training.preset.head_dim,
+                                                    attention.torch_kernels())
     problem = attention.check_plan(plan, training.context)
     if problem:
         raise UserError(problem)
@@ -571,10 +571,11 @@ def choose_attention(training: Training):
                                                                                                  batch.documents))
                 hidden.last_hidden_state.float().sum().backward()
 
-    context, label, warning = attention.apply_attention_plan(training.model, plan, probe_step)
+    context, label, warning, in_effect = attention.apply_attention_plan(training.model, plan, probe_step,
+                                                                        alternatives)
     if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
-    return attention.MASKED_FALLBACK if warning else plan, context, label  # the plan in effect
+    return in_effect, context, label
 
 
 def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Batch:

@@ -509,8 +509,8 @@ def test_a_plan_whose_kernel_refuses_the_model_falls_back_to_the_named_masked_ke
     def refusing(kernels):
         raise error
 
-    kernels, label, warning = attention.apply_attention_plan(model, plan, refusing)
-    assert model.config._attn_implementation == attention.MASKED
+    kernels, label, warning, in_effect = attention.apply_attention_plan(model, plan, refusing)
+    assert model.config._attn_implementation == attention.MASKED and in_effect == attention.MASKED_FALLBACK
     assert label.startswith("masked efficient or math fallback (planned: documents: flash varlen")
     first = str(error).splitlines()[0]
     assert f"flash varlen / flash attention does not take this model ({type(error).__name__}: {first})" in warning
@@ -519,11 +519,42 @@ def test_a_plan_whose_kernel_refuses_the_model_falls_back_to_the_named_masked_ke
         assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
         assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
     probed = []
-    kernels, label, warning = attention.apply_attention_plan(model, plan, probed.append)
+    kernels, label, warning, in_effect = attention.apply_attention_plan(model, plan, probed.append)
     assert model.config._attn_implementation == attention.FLASH and warning is None and label == plan.label()
+    assert in_effect == plan
     assert len(probed) == 1 and probed[0] is kernels  # the probe ran inside the plan's sdpa_kernel restriction
     cpu = attention.choose_attention(CPU, "fp32", 128)
     assert attention.apply_attention_plan(model, cpu, refusing)[2] is None  # the CPU plan needs no probe
+
+
+def test_a_refused_flash_varlen_gives_way_to_the_memory_efficient_varlen_not_the_square():
+    flash, efficient = attention.attention_plans(A100, "bf16", 128)
+    assert (flash.documents, efficient.documents) == ("flash varlen", "efficient varlen")
+    model = tiny(attention.MASKED)
+    probed = []
+
+    def flash_refuses(kernels):
+        probed.append(model.config._attn_implementation)
+        if model.config._attn_implementation == attention.FLASH:
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    kernels, label, warning, in_effect = attention.apply_attention_plan(model, flash, flash_refuses, [efficient])
+    assert probed == [attention.FLASH, attention.EFFICIENT] and in_effect == efficient
+    assert model.config._attn_implementation == attention.EFFICIENT and label == efficient.label()
+    assert warning == ("the planned flash varlen / flash attention does not take this model (RuntimeError: "
+                       "FlashAttention only supports Ampere GPUs or newer.); attention uses efficient varlen")
+
+    def both_refuse(kernels):
+        raise RuntimeError(f"{model.config._attn_implementation} refuses")
+
+    kernels, label, warning, in_effect = attention.apply_attention_plan(model, flash, both_refuse, [efficient])
+    assert in_effect == attention.MASKED_FALLBACK and model.config._attn_implementation == attention.MASKED
+    assert warning.startswith("the planned flash varlen / flash attention does not take this model (RuntimeError: "
+                              f"{attention.FLASH} refuses); the planned efficient varlen / efficient attention")
+    assert warning.endswith("attention uses the slower masked kernels (SDPA restricted to memory-efficient, then "
+                            "math; never cuDNN with a mask)")
+    assert [plan.documents for plan in attention.attention_plans(T4, "fp16", 128)] == ["efficient varlen"]
+    assert [plan.documents for plan in attention.attention_plans(T4, "bf16", 128)] == ["masked math"]
 
 
 def test_running_out_of_memory_in_the_probe_is_no_refusal():
