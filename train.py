@@ -461,6 +461,7 @@ class Training:
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
         self.compile = hardware.use_compile(session.compile, self.hardware)
+        self.compile_fallback: str | None = None  # why compile_at_start went eager (its first line)
         self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model, run.z_loss), info,
                                                            hardware.wrap_order(self.compile, info.world))
         self.compile_seconds = compile_at_start(self) if self.compile else None
@@ -562,7 +563,8 @@ class Training:
 def choose_attention(training: Training):
     """attention.choose_attention's plan for this card and dtype, applied (attention.apply_attention_plan),
     probed on the real paths: a micro-batch with a document boundary and one without."""
-    plan = attention.choose_attention(training.hardware, training.precision, training.preset.head_dim)
+    plan, *alternatives = attention.attention_plans(training.hardware, training.precision, training.preset.head_dim,
+                                                    attention.torch_kernels())
     problem = attention.check_plan(plan, training.context)
     if problem:
         raise UserError(problem)
@@ -575,10 +577,11 @@ def choose_attention(training: Training):
                                                                                                  batch.documents))
                 hidden.last_hidden_state.float().sum().backward()
 
-    context, label, warning = attention.apply_attention_plan(training.model, plan, probe_step)
+    context, label, warning, in_effect = attention.apply_attention_plan(training.model, plan, probe_step,
+                                                                        alternatives)
     if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
-    return plan, context, label
+    return in_effect, context, label
 
 
 def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Batch:
@@ -628,6 +631,7 @@ def compile_at_start(training: Training) -> float | None:
             losses.LanguageModelLoss(training.model, training.run.z_loss), training.info,
             hardware.wrap_order(False, training.info.world))
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        training.compile_fallback = f"{type(error).__name__}: {first}"
         warn(f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
              "goes on eagerly (slower); --no-compile skips the attempt")
         return None
@@ -1028,6 +1032,8 @@ def describe_run(training: Training) -> None:
     if training.compile_seconds is not None:
         log(info, f"  torch.compile: the model and its loss compiled in {training.compile_seconds:.1f} s at start "
                   "(--no-compile: eager)")
+    elif training.compile_fallback is not None:
+        log(info, f"  torch.compile: fell back to eager at start ({training.compile_fallback})")
     for warning in training.data.warnings():
         say(warning, warning=True, main=info.is_main)
     log(info, training.recipe.describe())

@@ -68,6 +68,9 @@ def test_gpu_check_sh_writes_the_machine_the_json_and_the_log(corpus, tmp_path):
     assert parts["versions"]["status"] == "ok" and "--max-seconds 60" in json.loads((out / "gpu.json").read_text())[
         "command"]
     assert "for bench/RESULTS.md:" in (out / "gpu.log").read_text() and "- versions: cuDNN" in result.stdout
+    plan = (out / "plan.txt").read_text()  # the torch-capability rule's answer on this machine's torch
+    assert plan.startswith("torch ") and "_efficient_attention_forward [" in plan and "fp16 on " in plan, plan
+    assert "Traceback" not in plan and "the torch-capability rule on this card" in result.stdout
 
 
 @pytest.mark.parametrize("elapsed, estimate, budget, starts", [

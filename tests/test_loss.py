@@ -285,3 +285,21 @@ def test_segments_give_the_decoder_positions_restarting_at_each_document():
     expected = [[*range(12), *range(20)], [*range(32)], [*range(5), *range(5), *range(22)], [*range(31), 0]]
     assert kwargs["position_ids"].tolist() == expected
     assert torch.equal(kwargs["attention_mask"], attention.document_mask(segments))
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4])
+def test_the_compiled_gradient_subtracts_the_one_hot_as_the_eager_scatter_does(z_loss):
+    """Compiled, the one-hot is an element-wise select (it fuses with the gradient's kernel); eagerly a
+    scatter: the same loss and the same gradient, bit for bit (traced by Dynamo and AOTAutograd, run eagerly)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(24, VOCAB, generator=generator) * 4
+    targets = torch.randint(0, VOCAB, (24,), generator=generator)
+    targets[::5] = train_data.IGNORE_INDEX
+    eager_loss, eager_gradient = losses.cross_entropy_and_gradient_(logits.clone(), targets, z_loss)
+    compiled = torch.compile(losses.cross_entropy_and_gradient_, backend="aot_eager", fullgraph=True)
+    loss, gradient = compiled(logits.clone(), targets, z_loss)
+    assert torch.equal(loss, eager_loss) and torch.equal(gradient, eager_gradient)
+    counted = targets != train_data.IGNORE_INDEX
+    picked = gradient[counted].gather(1, targets[counted][:, None])
+    assert (picked < 0).all() and (gradient[~counted] == 0).all()  # softmax - 1 at the target; nothing ignored
+    torch._dynamo.reset()

@@ -142,6 +142,9 @@ def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(corpus,
     assert len(warning) == 1 and "TritonMissing" not in warning[0] and "--no-compile" in warning[0]
     assert all(parameter.grad is None for parameter in training.model.parameters())  # the probe left nothing
     assert math.isfinite(training.train_step().loss)
+    train.describe_run(training)  # the start lines say that it went eager, and why
+    assert "  torch.compile: fell back to eager at start (RuntimeError: backend='inductor' raised:)" in \
+        capsys.readouterr().out
 
 
 def test_compile_at_start_keeps_the_first_step(corpus, tmp_path):
