@@ -125,7 +125,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             chunk, chunk_targets = hidden[rows].to(dtype), targets[rows]
             logits = (chunk @ weight_cast.t()).float()
             loss, grad_logits = cross_entropy_and_gradient_(logits, chunk_targets, z_loss)
-            total += loss
+            total = total + loss  # not +=: torch 2.11's compile then zeroes every gradient through the loss
             grad_logits = grad_logits.to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight += grad_logits.t() @ chunk

@@ -147,6 +147,19 @@ def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(corpus,
         capsys.readouterr().out
 
 
+def test_the_t4_document_path_compiles_at_start(corpus, tmp_path, monkeypatch, capsys):
+    """The T4's document kernel (the memory-efficient varlen custom op, its CPU kernel here) under --compile
+    --packing masked: compiled at start with a document boundary, no fallback to eager, and it trains."""
+    plan = attention.AttentionPlan("efficient varlen", "cpu flash", attention.EFFICIENT, (),
+                                   "the T4's document kernel, on CPU")
+    monkeypatch.setattr(attention, "attention_plans", lambda *args: [plan])
+    training = in_process_training(corpus, tmp_path, "--compile", "--packing", "masked")
+    assert training.model.config._attn_implementation == attention.EFFICIENT and training.data.documents
+    assert training.compile and training.compile_seconds is not None and training.compile_fallback is None
+    assert "torch.compile failed" not in capsys.readouterr().err
+    assert math.isfinite(training.train_step().loss)
+
+
 def test_compile_at_start_keeps_the_first_step(corpus, tmp_path):
     """The start-up compile (a probe forward and backward) leaves the run as it was: step 1 the eager one's."""
     eager = in_process_training(corpus, tmp_path / "eager", "--no-compile")
