@@ -8,13 +8,17 @@ built on the host by the data reader (`documents_of`): each token's document, it
 documents' starts in the flattened batch (cu_seqlens, as flash-attention's varlen kernels take them).
 What each kernel computes is only what it keeps: per-document causal attention, never the C x C square.
 
-The kernels, by card (`choose_attention`, a pure rule read off torch's dispatch, sdp_utils.cpp):
-- sm_80+ in fp16/bf16, head_dim <= 256: flash attention over cu_seqlens (`torch.nn.attention.varlen
-  .varlen_attn`, causal window (-1, 0)) with the K/V heads grouped (GQA kept); a micro-batch without a
-  document boundary runs SDPA is_causal restricted to flash, enable_gqa;
-- other CUDA cards (T4, V100, P100) and fp32: the memory-efficient kernel over cu_seqlens
-  (`aten._efficient_attention_forward`, causal from the top left of each document), its K/V heads repeated
-  (the kernel has no grouped heads); without a boundary, SDPA is_causal restricted to memory-efficient;
+The kernels, by card (`choose_attention`, a pure rule of the card, the dtype, the head size and what the
+installed torch offers (`torch_kernels`), read off torch's dispatch, sdp_utils.cpp; one record per kernel in
+`KERNELS`):
+- sm_80+ in fp16/bf16, head_dim <= 256: flash attention over cu_seqlens (the custom op
+  `tinyllm::flash_varlen`, varlen_ops.py, on aten._flash_attention_forward, causal) with the K/V heads
+  grouped (GQA kept); a micro-batch without a document boundary runs SDPA is_causal restricted to flash,
+  enable_gqa;
+- other CUDA cards (T4, V100, P100), fp32, and sm_80+ where torch has no flash varlen: the memory-efficient
+  kernel over cu_seqlens (the custom op `tinyllm::efficient_varlen` on aten._efficient_attention_forward,
+  causal from the top left of each document), its K/V heads repeated (the kernel has no grouped heads);
+  without a boundary, SDPA is_causal restricted to memory-efficient;
 - bf16 below sm_80 (emulated, no fused kernel takes it) and CPU: SDPA with the block-diagonal boolean mask
   (the CPU flash kernel takes a mask, and at the CPU's contexts, 128-512, the square costs little).
 cuDNN attention is never in a plan: with any mask it returns NaN gradients when the sequence length is
@@ -120,7 +124,206 @@ def decoder_inputs(model, documents: Documents | None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which kernel: a pure rule of the device, the dtype and the head size.
+# What the installed torch offers: read once (torch_kernels), taken by the rule as data.
+
+
+@dataclass(frozen=True)
+class TorchKernels:
+    """The per-document kernels the installed torch has. flash_varlen: aten._flash_attention_forward takes
+    cu_seqlens (cum_seq_q) and a scale, and the build has flash attention; efficient_varlen:
+    aten._efficient_attention_forward takes cu_seqlens, a custom_mask_type and a scale. Both hold for the
+    CUDA wheels of 2.9 to 2.13 (their native_functions.yaml, tests/test_attention.py's table)."""
+
+    version: str
+    flash_varlen: bool
+    efficient_varlen: bool
+
+
+def kernels_of(version: str, flash_arguments, efficient_arguments, flash_built: bool) -> TorchKernels:
+    """TorchKernels of a torch release from the argument names of its two forward ops (None: no such op)
+    and whether its build has flash attention (torch.backends.cuda.is_flash_attention_available)."""
+    flash = flash_built and {"cum_seq_q", "cum_seq_k", "scale"} <= set(flash_arguments or ())
+    efficient = {"cu_seqlens_q", "cu_seqlens_k", "custom_mask_type", "scale"} <= set(efficient_arguments or ())
+    return TorchKernels(version, flash, efficient)
+
+
+def torch_kernels() -> TorchKernels:
+    """The installed torch's TorchKernels (on a CPU build flash_varlen is False: no card to run it)."""
+    import torch
+
+    def arguments(name):
+        op = getattr(torch.ops.aten, name, None)
+        return None if op is None else [argument.name for argument in op.default._schema.arguments]
+
+    return kernels_of(torch.__version__.split("+")[0], arguments("_flash_attention_forward"),
+                      arguments("_efficient_attention_forward"), torch.backends.cuda.is_flash_attention_available())
+
+
+CUDA_WHEELS = TorchKernels("2.9-2.13 (CUDA)", flash_varlen=True, efficient_varlen=True)  # a card's own torch
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels: one record each (KERNELS), what it needs, computes and holds.
+
+
+def flash_problem(device: Device, precision: str, head_dim: int, offered: TorchKernels) -> str | None:
+    """Why flash varlen cannot run here (None: it can). check_flash_attention_hardware_support and
+    check_head_dim_size_flash (sdp_utils.cpp): sm_80+, fp16/bf16, head_dim <= 256 and a multiple of 8."""
+    if not offered.flash_varlen:
+        return f"torch {offered.version} has no flash varlen kernel"
+    if not device.is_cuda or device.capability < (8, 0):
+        return f"flash attention needs sm_80+ ({device.label()})"
+    if precision not in ("fp16", "bf16"):
+        return f"flash attention takes fp16/bf16 only ({precision})"
+    if head_dim > 256 or head_dim % 8:
+        return f"flash attention takes head_dim <= 256, a multiple of 8 ({head_dim})"
+    return None
+
+
+def efficient_problem(device: Device, precision: str, head_dim: int, offered: TorchKernels) -> str | None:
+    """Why efficient varlen cannot run here (None: it can): any CUDA card from sm_50, fp16/fp32 (bf16 from
+    sm_80: check_tensor_dtype), head_dim a multiple of 8 (check_head_dim_size_mem_efficient: 4 in fp32)."""
+    if not offered.efficient_varlen:
+        return f"torch {offered.version} has no memory-efficient varlen kernel"
+    if not device.is_cuda:
+        return "the memory-efficient kernel needs CUDA"
+    if precision == "bf16" and not device.native_bf16:
+        return f"the memory-efficient kernel takes bf16 from sm_80 only ({device.label()})"
+    if head_dim % 8:
+        return f"the memory-efficient kernel takes head_dim a multiple of 8 ({head_dim})"
+    return None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One attention kernel. takes: what carries the documents to it ("boundaries": cu_seqlens, "mask": the
+    block-diagonal boolean mask, None: nothing, plain causal); computes: the query-key pairs it computes
+    ("documents": each document's causal triangle, "row": the row's causal triangle, "square": all C x C, the
+    mask zeroes what it computes, it does not skip it); holds: what it keeps for the backward beyond the
+    layer's activations ("logsumexp", "mask", "mask and scores", None); repeats_kv: K/V heads repeated to the
+    query heads before it; needs: what it needs of the card and of torch, in words; problem: the same as a
+    rule (None where it runs); function: the varlen kernel's Python entry."""
+
+    name: str
+    implementation: str
+    takes: str | None
+    computes: str
+    holds: str | None
+    repeats_kv: bool
+    needs: str
+    problem: object = None  # (device, precision, head_dim, TorchKernels) -> str | None
+    function: object = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def boundaries(self) -> bool:
+        return self.takes == "boundaries"
+
+    @property
+    def masked(self) -> bool:
+        return self.takes == "mask"
+
+    @property
+    def exact(self) -> bool:
+        """Whether it computes document attention (not plain causal attention across documents)."""
+        return self.takes is not None
+
+    def pairs(self, lengths: list[int], context: int) -> float:
+        if self.computes == "square":
+            return context * context
+        if self.computes == "documents":
+            return sum(length * (length + 1) / 2 for length in lengths)
+        return context * (context + 1) / 2
+
+    def flops(self, lengths: list[int], context: int, heads: int, head_dim: int) -> float:
+        """Forward + backward FLOPs of one layer over a row of documents of `lengths` tokens (summing to
+        `context`): 4 h d per query-key pair forward, twice that backward (recomputing the scores: 2.5x
+        forward for flash; counted as 2x, FlopCounterMode's rule)."""
+        return 4 * heads * head_dim * 3 * self.pairs(lengths, context)
+
+    def held_bytes(self, heads: int, kv_heads: int, head_dim: int, rows: int, context: int, element: int,
+                   layers: int) -> int:
+        """What a step over `rows` rows holds for it beyond the layers' activations, `layers` layers at a time:
+        the masked kernels the (B, 1, C, C) boolean mask, and per layer the additive mask SDPA makes of it
+        and keeps for the backward (B C^2 in the compute dtype: 16 MiB at 8 x 1024 in half, measured on CPU),
+        math also the scores and their softmax (B H C^2, fp32 and the compute dtype); the varlen kernels per
+        layer the fp32 logsumexp (H per token), and K/V repeated to the query heads where it repeats them."""
+        tokens = rows * context
+        if self.holds in ("mask", "mask and scores"):
+            square = rows * context * context
+            scores = heads * square * (4 + element) if self.holds == "mask and scores" else 0
+            return square + layers * (square * element + scores)
+        if self.holds == "logsumexp":
+            repeated = 2 * (heads - kv_heads) * head_dim * element if self.repeats_kv else 0
+            return layers * tokens * (4 * heads + repeated)
+        return 0
+
+
+def flash_varlen(query, key, value, cu_seqlens, longest: int, scale: float | None):
+    """Causal flash attention inside each document of the flattened batch: query (T, H, D), key and value
+    (T, Hkv, D), grouped heads kept (varlen_ops.flash_varlen). sm_80+, fp16/bf16."""
+    import torch
+
+    import varlen_ops  # noqa: F401 - registers torch.ops.tinyllm
+
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.tinyllm.flash_varlen(query, key, value, cu_seqlens, longest, scale)[0]
+
+
+def efficient_varlen(query, key, value, cu_seqlens, longest: int, scale: float | None):
+    """Causal memory-efficient attention inside each document of the flattened batch (the kernel SDPA
+    uses for nested tensors): query (T, H, D), key and value (T, Hkv, D), repeated to H heads
+    (varlen_ops.efficient_varlen)."""
+    import torch
+
+    import varlen_ops  # noqa: F401 - registers torch.ops.tinyllm
+
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    output, _ = torch.ops.tinyllm.efficient_varlen(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
+                                                   cu_seqlens, longest, scale)
+    return output.squeeze(0)
+
+
+FLASH_NEEDS = "sm_80+, fp16/bf16, head_dim <= 256 (a multiple of 8); torch's flash varlen (aten._flash_attention_*)"
+EFFICIENT_NEEDS = ("CUDA (sm_50+), fp16/fp32 (bf16 from sm_80), head_dim a multiple of 8; torch's memory-efficient "
+                   "varlen (aten._efficient_attention_*)")
+KERNELS = (
+    Kernel("flash varlen", FLASH, "boundaries", "documents", "logsumexp", False, FLASH_NEEDS, flash_problem,
+           flash_varlen),
+    Kernel("efficient varlen", EFFICIENT, "boundaries", "documents", "logsumexp", True, EFFICIENT_NEEDS,
+           efficient_problem, efficient_varlen),
+    Kernel("flash", FLASH, None, "row", None, False, "as flash varlen; SDPA is_causal, flash only",
+           aliases=("causal flash",)),
+    Kernel("efficient", EFFICIENT, None, "row", None, True, "as efficient varlen; SDPA is_causal, memory-efficient "
+           "only", aliases=("causal efficient",)),
+    Kernel("cpu flash", MASKED, None, "row", None, False, "CPU; SDPA is_causal (its CPU flash kernel)"),
+    Kernel("math", MASKED, None, "square", None, True, "anything; SDPA is_causal, math only (the scores in memory)"),
+    Kernel("efficient or math", MASKED, None, "row", None, True, "CUDA; SDPA is_causal, memory-efficient where "
+           "it takes the inputs, else math"),
+    Kernel("masked cpu flash", MASKED, "mask", "square", "mask", False, "CPU; SDPA with the mask (its CPU flash "
+           "kernel takes one)"),
+    Kernel("masked math", MASKED, "mask", "square", "mask and scores", True, "anything; SDPA with the mask, math "
+           "only"),
+    Kernel("masked efficient or math", MASKED, "mask", "square", "mask", True, "CUDA; SDPA with the mask, "
+           "memory-efficient where it takes the inputs, else math (never cuDNN: pytorch #196678)"),
+    Kernel("masked sdpa", MASKED, "mask", "square", "mask", True, "SDPA with the mask, SDPA's own choice "
+           "(the stock model; bench/ only)", aliases=("masked flash", "masked efficient")),
+)
+KERNEL_NAMES = {name: kernel for kernel in KERNELS for name in (kernel.name, *kernel.aliases)}
+VARLEN_KERNELS = {kernel.implementation: kernel.function for kernel in KERNELS if kernel.boundaries}
+KERNEL_OPS = ("flash_varlen", "flash_varlen_backward", "efficient_varlen", "efficient_varlen_backward")
+
+
+def kernel(name: str) -> Kernel:
+    """The record of a kernel by its name (AttentionPlan's documents and causal, bench/'s paths)."""
+    return KERNEL_NAMES[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Which kernel: a pure rule of the device, the dtype, the head size and what torch offers.
 
 
 @dataclass(frozen=True)
@@ -144,32 +347,44 @@ class AttentionPlan:
         return f"documents: {self.documents}; no boundary: {self.causal} ({self.reason})"
 
 
-def choose_attention(device: Device, precision: str, head_dim: int) -> AttentionPlan:
-    """The kernels for this device and autocast dtype (torch's dispatch rules, sdp_utils.cpp):
+MASKED_FALLBACK = AttentionPlan("masked efficient or math", "efficient or math", MASKED, ("efficient", "math"),
+                                "SDPA restricted to memory-efficient, then math; never cuDNN with a mask")
 
-    - flash (check_flash_attention_hardware_support: sm_80+; fp16/bf16; head_dim <= 256, a multiple of 8)
-      takes grouped K/V heads (enable_gqa) and, over cu_seqlens, causal windows per document;
-    - memory-efficient: any CUDA card from sm_50, fp16/fp32 (bf16 from sm_80), head_dim a multiple of 8
-      (4 in fp32); no grouped heads in its varlen entry, so K/V are repeated;
-    - math: anything else (the scores in memory).
+
+def choose_attention(device: Device, precision: str, head_dim: int,
+                     offered: TorchKernels = CUDA_WHEELS) -> AttentionPlan:
+    """The kernels for this device, autocast dtype and head size, from what torch offers (`offered`:
+    torch_kernels() of the installed torch; by default a CUDA wheel's, as a card's own torch has): the
+    first of attention_plans.
     Deterministic runs (--deterministic) need nothing else: flash's backward follows
     torch.use_deterministic_algorithms, and the memory-efficient backward then runs with num_splits_key = 1
-    (attention_backward.cu); the CPU kernels are deterministic.
-    """
+    (attention_backward.cu); the CPU kernels are deterministic."""
+    return attention_plans(device, precision, head_dim, offered)[0]
+
+
+def attention_plans(device: Device, precision: str, head_dim: int,
+                    offered: TorchKernels = CUDA_WHEELS) -> list[AttentionPlan]:
+    """The plans that may run here, best first: flash varlen and efficient varlen where their needs hold
+    (their `problem`: torch's dispatch rules in sdp_utils.cpp), else the masked math path. A card of sm_80+
+    without a usable flash varlen takes the memory-efficient varlen, which runs there too; the start-up
+    probe tries the next plan when one refuses the model (apply_attention_plan)."""
     if not device.is_cuda:
-        return AttentionPlan("masked cpu flash", "cpu flash", MASKED, (),
-                             "CPU: SDPA's flash kernel, the document mask where a row holds several")
+        return [AttentionPlan("masked cpu flash", "cpu flash", MASKED, (),
+                              "CPU: SDPA's flash kernel, the document mask where a row holds several")]
     where = device.label()
-    half = precision in ("fp16", "bf16")
-    if half and device.capability >= (8, 0) and head_dim <= 256 and head_dim % 8 == 0:
-        return AttentionPlan("flash varlen", "flash", FLASH, ("flash",),
-                             f"flash attention over each document, K/V heads grouped ({precision} on {where})")
-    if (precision in ("fp16", "fp32") or device.native_bf16) and head_dim % 8 == 0:
-        return AttentionPlan("efficient varlen", "efficient", EFFICIENT, ("efficient",),
-                             f"memory-efficient attention over each document, K/V heads repeated "
-                             f"({precision} on {where})")
-    return AttentionPlan("masked math", "math", MASKED, ("math",),
-                         f"math attention ({precision} on {where}: no fused kernel takes it)")
+    plans, problems = [], []
+    for name, causal, backend, how in (("flash varlen", "flash", "flash", "K/V heads grouped"),
+                                       ("efficient varlen", "efficient", "efficient", "K/V heads repeated")):
+        record = kernel(name)
+        problem = record.problem(device, precision, head_dim, offered)
+        if problem is None:
+            kind = "flash" if record.implementation == FLASH else "memory-efficient"
+            plans.append(AttentionPlan(name, causal, record.implementation, (backend,),
+                                       f"{kind} attention over each document, {how} ({precision} on {where})"))
+        problems.append(problem)
+    return plans or [AttentionPlan("masked math", "math", MASKED, ("math",),
+                                   f"math attention ({precision} on {where}: no fused kernel takes it: "
+                                   f"{problems[-1]})")]
 
 
 def check_plan(plan: AttentionPlan, context: int) -> str | None:
@@ -183,20 +398,10 @@ def check_plan(plan: AttentionPlan, context: int) -> str | None:
     return None
 
 
-def attention_flops(kernel: str, lengths: list[int], context: int, heads: int, head_dim: int) -> float:
+def attention_flops(name: str, lengths: list[int], context: int, heads: int, head_dim: int) -> float:
     """Forward + backward FLOPs one layer's attention computes over a row of documents of `lengths` tokens
-    (summing to `context`): the per-document kernels the causal triangle of each document, the masked
-    ones the whole C x C square (the mask zeroes what they compute, it does not skip it), the plain
-    causal kernels the row's triangle. Scores and weighted sum: 4 h d per query-key pair forward, twice
-    that backward (recomputing the scores: 2.5x forward for flash; counted as 2x, FlopCounterMode's rule)."""
-    per_pair = 4 * heads * head_dim * 3
-    if kernel.startswith("masked") or kernel == "math":
-        pairs = context * context
-    elif kernel.endswith("varlen"):
-        pairs = sum(length * (length + 1) / 2 for length in lengths)
-    else:
-        pairs = context * (context + 1) / 2
-    return per_pair * pairs
+    (summing to `context`), by the kernel's record (Kernel.flops)."""
+    return kernel(name).flops(lengths, context, heads, head_dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,34 +415,6 @@ def _compute_dtype(query):
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return query.dtype
-
-
-def flash_varlen(query, key, value, cu_seqlens, longest: int, scale: float | None):
-    """Causal flash attention inside each document of the flattened batch: query (T, H, D), key and value
-    (T, Hkv, D), grouped heads kept. sm_80+, fp16/bf16."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale,
-                       window_size=(-1, 0), enable_gqa=True)
-
-
-def efficient_varlen(query, key, value, cu_seqlens, longest: int, scale: float | None):
-    """Causal memory-efficient attention inside each document of the flattened batch (the kernel SDPA
-    uses for nested tensors): query (T, H, D), key and value (T, Hkv, D), repeated to H heads."""
-    import torch
-
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    output = torch.ops.aten._efficient_attention_forward(
-        query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), None, cu_seqlens, cu_seqlens, longest, longest,
-        0.0, 1,  # custom_mask_type 1: causal from the top left, in each sequence of cu_seqlens
-        needs_grad, scale=scale)[0]
-    return output.squeeze(0)
-
-
-VARLEN_KERNELS = {FLASH: flash_varlen, EFFICIENT: efficient_varlen}
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -319,28 +496,46 @@ def sdpa_backends(plan: AttentionPlan) -> list:
     return [names[name] for name in plan.backends]
 
 
-def apply_attention_plan(model, plan: AttentionPlan, probe_step) -> tuple:
-    """Make `plan` so on `model`: (a context manager factory every forward runs in, the plan's label, a
-    warning or None). A fused plan is probed: `probe_step(kernels)` runs a forward and backward with a
-    document boundary and one without (the real paths); a kernel that refuses the model falls back to
-    the masked math path, with the warning."""
-    from torch.nn.attention import sdpa_kernel
+def apply_attention_plan(model, plan: AttentionPlan, probe_step, alternatives: list[AttentionPlan] = ()) -> tuple:
+    """Make `plan` so on `model`: (a context manager factory every forward runs in, the label, a warning or
+    None, the plan in effect). A fused plan is probed: `probe_step(kernels)` runs a forward and backward with
+    a document boundary and one without (the real paths). A kernel that refuses the model, whatever it
+    raises (a RuntimeError from the kernel, a TypeError or ImportError from a torch without it), gives way
+    to the next of `alternatives` (attention_plans' others: flash's to the memory-efficient varlen), and the
+    last to the masked path restricted to memory-efficient, then math (MASKED_FALLBACK: never cuDNN with a
+    mask), with the warning. Running out of memory is no refusal: it propagates."""
+    import torch
 
     use_attention(model, plan.implementation)
-    kernels = (lambda: sdpa_kernel(sdpa_backends(plan))) if plan.backends else contextlib.nullcontext
+    kernels = sdpa_context(plan)
     if not plan.fused:
-        return kernels, plan.label(), None
+        return kernels, plan.label(), None, plan
     try:
         probe_step(kernels)
-    except (RuntimeError, ValueError, NotImplementedError) as error:
+    except Exception as error:  # noqa: BLE001 - a refusing kernel's error has no common base but Exception
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        refused = f"the planned {plan.documents} / {plan.causal} attention does not take this model " \
+                  f"({type(error).__name__}: {cause})"
+        if alternatives:
+            kernels, label, warning, in_effect = apply_attention_plan(model, alternatives[0], probe_step,
+                                                                      alternatives[1:])
+            return kernels, label, f"{refused}; {warning or 'attention uses ' + alternatives[0].documents}", in_effect
         use_attention(model, MASKED)
-        cause = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        return (contextlib.nullcontext, f"math fallback (planned: {plan.label()})",
-                f"the planned {plan.documents} / {plan.causal} attention does not take this model ({cause}); "
-                "attention uses the slower masked math kernel")
+        return (sdpa_context(MASKED_FALLBACK), f"{MASKED_FALLBACK.documents} fallback (planned: {plan.label()})",
+                f"{refused}; attention uses the slower masked kernels ({MASKED_FALLBACK.reason})", MASKED_FALLBACK)
     finally:
         model.zero_grad(set_to_none=True)
-    return kernels, plan.label(), None
+    return kernels, plan.label(), None, plan
+
+
+def sdpa_context(plan: AttentionPlan):
+    """A factory of the context every forward of `plan` runs in: SDPA restricted to the plan's backends
+    (torch.nn.attention.sdpa_kernel, in the order given), or as it is where the plan names none (CPU)."""
+    from torch.nn.attention import sdpa_kernel
+
+    return (lambda: sdpa_kernel(sdpa_backends(plan))) if plan.backends else contextlib.nullcontext
 
 
 def probe_documents(rows: int, context: int) -> Documents:

@@ -25,7 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import checkpoint_store
+import corpus_format
+import distributed
 import model_config
+import optimization
+import train_data
 from common import UserError, read_json_or, say
 
 # ----------------------------------------------------------------------------------------------
@@ -283,8 +288,6 @@ def probe(measure: Measure, info, presets: dict[str, model_config.Preset], micro
     `seconds`, the rest are predicted from the last one measured by their FLOPs per token (the LM head's
     over the corpus' `vocab` included: it is most of a small preset's work); from the
     first that does not fit the device's memory on, none is a candidate."""
-    import distributed
-
     candidates: list[Candidate] = []
     started = time.monotonic()
     for name, preset in presets.items():
@@ -305,16 +308,7 @@ def probe(measure: Measure, info, presets: dict[str, model_config.Preset], micro
 
 
 # ----------------------------------------------------------------------------------------------
-# The glue train.py calls: settle the run's plan once, apply it.
-
-
-def given_options(argv: tuple[str, ...], parser) -> set[str]:
-    """The option names (argparse dests) given on the command line or in its --config file."""
-    from common import config_argv
-
-    tokens = config_argv(parser, list(argv)) + list(argv)
-    flags = {flag: action.dest for action in parser._actions for flag in action.option_strings}
-    return {flags[token.split("=", 1)[0]] for token in tokens if token.split("=", 1)[0] in flags}
+# The glue train.py calls: settle the run's plan once (train.py applies it: `apply`).
 
 
 def recorded_plan(out: Path, budget: str, resume: str = "auto") -> dict | None:
@@ -323,8 +317,6 @@ def recorded_plan(out: Path, budget: str, resume: str = "auto") -> dict | None:
     if resume in ("auto", "none") or not Path(resume).is_file():
         record = (read_json_or(out / "training_settings.json") or {}).get("budget")
     else:
-        import checkpoint_store
-
         record = checkpoint_store.load_checkpoint_file(Path(resume), "--resume")["settings"].get("budget")
     return record if record and record.get("budget") == budget else None
 
@@ -342,27 +334,25 @@ def session_limit(max_hours: float, plan_record: dict | None) -> tuple[float, st
     return budget_seconds(text) / 3600, f"--budget {text} (this machine ran slower than its probe)"
 
 
-def apply(settings, plan: Plan, world: int, micro_batch: int):
-    """`settings` with the plan's preset, length and batch split."""
-    batch_size, grad_accum = split_batch(plan.global_batch_blocks, world, micro_batch)
+def apply(settings, plan: Plan | None, world: int):
+    """`settings` with the plan's preset, length and batch split (the micro-batch: `settings`' own);
+    unchanged without a plan."""
+    if plan is None:
+        return settings
+    batch_size, grad_accum = split_batch(plan.global_batch_blocks, world, settings.session.batch_size)
     run = dataclasses.replace(settings.run, preset=plan.preset, target_tokens=plan.target_tokens, epochs=None)
     session = dataclasses.replace(settings.session, batch_size=batch_size, grad_accum=grad_accum)
     return dataclasses.replace(settings, run=run, session=session)
 
 
-def settle(settings, info, corpus: Path, parser, measure: Measure) -> tuple[object, dict | None]:
-    """The settings of this --budget run and its plan's record (settings unchanged and None without
-    --budget). A run that has planned keeps its plan; else every rank probes (`measure`: a preset's global
-    tokens/s at a micro-batch, train.measure_speed) and the plan is made. `parser`: train.py's, to tell
-    which options the command gave."""
-    import distributed
-    import optimization
-
+def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> Plan | None:
+    """The plan of this --budget run (None without --budget), for train.py to apply (`apply`) and record
+    (`Plan.as_record`). A run that has planned keeps its plan; else every rank probes (`measure`: a preset's
+    global tokens/s at a micro-batch, train.measure_speed) and the plan is made. `given`: the options the
+    command gave (on its command line or in its --config file: common.given_options)."""
     run = settings.run
     if run.budget is None:
-        return settings, None
-    given = given_options(settings.invocation.argv, parser)
-    micro_batch = settings.session.batch_size
+        return None
     if run.epochs is not None:
         raise UserError("--budget chooses the run's length: give --target-tokens (or nothing) instead of --epochs")
     out, resume = Path(settings.session.out), settings.invocation.resume
@@ -370,22 +360,19 @@ def settle(settings, info, corpus: Path, parser, measure: Measure) -> tuple[obje
     if record is not None:
         plan = Plan.from_record(record)
         say(f"{plan.summary()} (the run's plan, made at its start: kept)", main=info.is_main)
-        return apply(settings, plan, info.world, micro_batch), record
-    plan = make_plan(settings, info, given, micro_batch, corpus, measure)
-    planned = apply(settings, plan, info.world, micro_batch).run
+        return plan
+    plan = make_plan(settings, info, given, settings.session.batch_size, corpus, measure)
+    planned = apply(settings, plan, info.world).run
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
     plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr)
     for line in plan_lines(plan):
         say(line, main=info.is_main)
-    return apply(settings, plan, info.world, micro_batch), plan.as_record()
+    return plan
 
 
 def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, measure: Measure) -> Plan:
     """Probe the candidates (timed against the budget) and choose."""
-    import corpus_format
-    import train_data
-
     run, session = settings.run, settings.session
     manifest = corpus_format.load_manifest(corpus)
     mixture = train_data.parse_mixture(session.data, run.mixture_schedule)

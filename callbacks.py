@@ -4,7 +4,7 @@ train.py's loop calls the hooks through `Callbacks`; each observer overrides onl
 owns what must survive a restart (`state_dict()` / `load_state_dict()`, under its own `key` in the
 checkpoint's "callbacks"), so a resumed run logs and evaluates exactly what the uninterrupted run does.
 
-    callbacks = Callbacks([TrainLog(...), Validation(...), TaskScores(...), LossCurve(...), Report(...)])
+    callbacks = Callbacks([TrainLog(...), Validation(...), TaskScores(...), *artifacts.end_of_run(...)])
     callbacks.load_state_dict(checkpoint["callbacks"])       # a resumed run
     callbacks.on_start(step)
     for each step taken: callbacks.on_step_end(result, speed); measured = callbacks.on_eval(step)
@@ -17,12 +17,13 @@ The hooks, in the order a session calls them (every rank calls each one unless i
 - on_eval(step): an evaluator measures when its cadence (`due`) says so and returns what it did (Measured)
 - on_evaluated(step, measured): after a step at which something was measured
 - on_loop_end(): the loop ended (the run completed, or the session stops resumably)
-- on_end(end): rank 0, the last checkpoint on disk: the end-of-run outputs; returns run_status.json fields
+- on_end(end): rank 0, the last checkpoint on disk: the end-of-run outputs (artifacts.py: the loss curve,
+  samples, held-out accuracy, RUN/model/); returns run_status.json fields, what failed in `report_errors`
 - close(): always, however the session ends
 `summary()` is what run_status.json says of what an observer measured (best validation loss, last scores).
 
 The trackers (--log-to, trackers.py) are sinks of the one metrics log every observer writes to
-(report.MetricsLog): TrainLog cuts metrics.jsonl back at the start, which rewinds them, and closes them.
+(metrics_log.MetricsLog): TrainLog cuts metrics.jsonl back at the start, which rewinds them, and closes them.
 Their own state (each one's run id and last step given) is RUN/trackers.json, never a checkpoint: a resume
 from an older checkpoint must not give a tracker a step it was given before.
 """
@@ -33,13 +34,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import report
+import metrics_log
 
 if TYPE_CHECKING:
     import checkpoint_store
+# `progress` below is a report.Progress (its update and write), never imported: report.py's command line
+# reaches the artifacts, which are callbacks.
 
 
 @dataclass
@@ -66,6 +68,18 @@ class Measured:
     (the save then records it as the best checkpoint's)."""
     name: str
     new_best: float | None = None
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """Where a session leaves its run (on_end's argument): what the artifacts, the model card and
+    run_status.json say of it."""
+    status: str  # checkpoint_store.COMPLETE or NEEDS_RESUME
+    step: int
+    total_steps: int
+    tokens: int
+    validation: dict | None  # the latest validation ({"step", "loss", ...}: Validation.summary)
+    test: dict | None  # the test evaluation of a complete run
 
 
 def new_best(measured: Sequence[Measured]) -> float | None:
@@ -104,7 +118,7 @@ class Callback:
     def on_loop_end(self) -> None:
         pass
 
-    def on_end(self, end: report.RunEnd) -> dict:
+    def on_end(self, end: RunEnd) -> dict:
         return {}
 
     def summary(self) -> dict:
@@ -157,12 +171,17 @@ class Callbacks:
         for callback in self.callbacks:
             callback.on_loop_end()
 
-    def on_end(self, end: report.RunEnd) -> dict:
-        """The end-of-run outputs (rank 0); the run_status.json fields they return, merged."""
+    def on_end(self, end: RunEnd) -> dict:
+        """The end-of-run outputs (rank 0); the run_status.json fields they return, merged, and their
+        `report_errors` ({what: why} of what failed) gathered into one."""
         found: dict = {}
+        errors: dict | None = None
         for callback in self.callbacks:
-            found.update(callback.on_end(end))
-        return found
+            made = dict(callback.on_end(end))
+            if "report_errors" in made:
+                errors = {**(errors or {}), **(made.pop("report_errors") or {})}
+            found.update(made)
+        return found if errors is None else {**found, "report_errors": errors or None}
 
     def summary(self) -> dict:
         return {key: value for callback in self.callbacks for key, value in callback.summary().items()}
@@ -181,7 +200,7 @@ class TrainLog(Callback):
     key = "train"
 
     def __init__(self, fields: Callable[[int], dict], every: int, total_steps: int, tokens_per_step: int,
-                 metrics: report.MetricsLog, progress: report.Progress, status: checkpoint_store.RunStatus):
+                 metrics: metrics_log.MetricsLog, progress, status: checkpoint_store.RunStatus):
         self.fields, self.every, self.total_steps, self.tokens_per_step = fields, every, total_steps, tokens_per_step
         self.metrics, self.progress, self.status = metrics, progress, status
         self.train_seconds = 0.0  # the steps' time, summed over the sessions
@@ -204,7 +223,7 @@ class TrainLog(Callback):
     def write(self, result: StepResult, speed: Speed) -> None:
         tokens = result.step * self.tokens_per_step
         self.metrics.write("train", step=result.step, tokens=tokens, loss=result.loss,
-                           **report.lr_fields(result.lrs),
+                           **metrics_log.lr_fields(result.lrs),
                            grad_norm=result.grad_norm, step_seconds=result.seconds,
                            tokens_per_second=speed.tokens_per_second, mfu=speed.mfu, **self.fields(result.step))
         self.status.running(result.step, self.total_steps, tokens=tokens, loss=result.loss)
@@ -228,7 +247,7 @@ class Validation(Callback):
     key = "validation"
 
     def __init__(self, measure: Callable[[], dict | None], every: int, total_steps: int, tokens_per_step: int,
-                 metrics: report.MetricsLog, progress: report.Progress):
+                 metrics: metrics_log.MetricsLog, progress):
         self.measure, self.every, self.total_steps, self.tokens_per_step = measure, every, total_steps, tokens_per_step
         self.metrics, self.progress = metrics, progress
         self.best_loss, self.best_step = math.inf, 0
@@ -246,7 +265,7 @@ class Validation(Callback):
                            val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"],
                            **source_results("val", result))
         self.progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-                            f"{report.bits_per_byte_text(result)}"
+                            f"{metrics_log.bits_per_byte_text(result)}"
                             + "".join(f"; {name} {part['loss']:.4f}"
                                       for name, part in result.get("sources", {}).items() if part))
         if result["loss"] >= self.best_loss:
@@ -256,6 +275,11 @@ class Validation(Callback):
 
     def summary(self) -> dict:
         return {"best_val_loss": self.best_loss if math.isfinite(self.best_loss) else None, "validation": self.last}
+
+    @classmethod
+    def saved(cls, states: dict) -> dict | None:
+        """The latest validation a checkpoint's observers' states hold (--export-only's RunEnd)."""
+        return states[cls.key]["last"]
 
     def state_dict(self) -> dict:
         return {"best_val_loss": self.best_loss, "best_step": self.best_step, "last": self.last}
@@ -284,7 +308,7 @@ class TaskScores(Callback):
     key = "tasks"
 
     def __init__(self, score: Callable[[], dict[str, dict]], every: int | None, total_steps: int,
-                 tokens_per_step: int, metrics: report.MetricsLog, progress: report.Progress):
+                 tokens_per_step: int, metrics: metrics_log.MetricsLog, progress):
         self.score, self.every, self.total_steps, self.tokens_per_step = score, every, total_steps, tokens_per_step
         self.metrics, self.progress = metrics, progress
         self.history: list[dict] = []  # every "tasks" record of the run
@@ -297,7 +321,7 @@ class TaskScores(Callback):
             return None
         started = time.monotonic()
         scores = self.score()
-        record = {"step": step, "tokens": step * self.tokens_per_step, **report.task_fields(scores),
+        record = {"step": step, "tokens": step * self.tokens_per_step, **metrics_log.task_fields(scores),
                   "seconds": time.monotonic() - started}
         self.history.append(record)
         self.metrics.write("tasks", **record)
@@ -308,44 +332,10 @@ class TaskScores(Callback):
 
     def summary(self) -> dict:
         last = self.history[-1] if self.history else None
-        return {"tasks": report.task_scores(last) if last else None, "tasks_step": last["step"] if last else None}
+        return {"tasks": metrics_log.task_scores(last) if last else None, "tasks_step": last["step"] if last else None}
 
     def state_dict(self) -> dict:
         return {"history": list(self.history)}  # a copy: the background write must not see later records
 
     def load_state_dict(self, state: dict) -> None:
         self.history = list(state["history"])
-
-
-class LossCurve(Callback):
-    """RUN/loss_curve.png redrawn after each step that evaluated (--report, rank 0)."""
-
-    def __init__(self, out: Path, progress: report.Progress):
-        self.out, self.progress = out, progress
-
-    def on_evaluated(self, step: int, measured: list[Measured]) -> None:
-        report.draw_loss_curve(self.out, self.progress)
-
-
-class Report(Callback):
-    """The end-of-run report and export (--report, rank 0): report.report_run's loss curve, samples, held-out
-    accuracy and RUN/model; what it made and what failed go into run_status.json."""
-
-    def __init__(self, model, facts: report.RunFacts):
-        self.model, self.facts = model, facts
-
-    def on_end(self, end: report.RunEnd) -> dict:
-        return report.report_run(self.model, self.facts, end)
-
-
-class Samples(Callback):
-    """RUN/sample_generations.json's samples as metrics.jsonl's "samples" record (a table in the trackers),
-    at the end (rank 0)."""
-
-    def __init__(self, out: Path, metrics: report.MetricsLog):
-        self.out, self.metrics = out, metrics
-
-    def on_end(self, end: report.RunEnd) -> dict:
-        self.metrics.write_samples(self.out / "sample_generations.json")
-        return {}
-

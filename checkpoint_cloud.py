@@ -5,28 +5,23 @@
     python checkpoint_cloud.py pull s3://bucket/runs/tiny runs/tiny
     python checkpoint_cloud.py verify s3://bucket/runs/tiny
 
-A URL is anything fsspec opens: a folder (`/content/drive/MyDrive/runs/tiny`, `file://...`),
-`s3://bucket/prefix` (also S3-compatible stores through AWS_ENDPOINT_URL), `gs://bucket/prefix`,
-`hf://user/repo/prefix`. It stands for a RUN folder and mirrors its checkpoints/ folder with the
-names and records of checkpoint_store.py (docs/checkpoints.md): each step-N.pt is uploaded under a
-temporary name, confirmed there (size and sha256), promoted, and only then is its record
-step-N.pt.json (the local one, unchanged) written: a remote file without a record is never
+A URL is a folder (`/content/drive/MyDrive/runs/tiny`, `file://...`) or a store remote_store.py opens
+(remote_store.BACKENDS; `--help` lists them). It stands for a RUN folder and mirrors its checkpoints/ folder
+with the names and records of checkpoint_store.py (docs/checkpoints.md): each step-N.pt is uploaded under a
+temporary name, confirmed there (size and sha256: remote_store.upload_verified), promoted, and only then is
+its record step-N.pt.json (the local one, unchanged) written: a remote file without a record is never
 trusted. latest.json moves last. A checkpoint a restore finds corrupt has its record renamed
 *.json.corrupt, so nothing counts it as a backup again. The run's history (metrics.jsonl,
 training_settings.json, hardware.json, run_status.json) is uploaded the same way after each
 checkpoint, and restored beside checkpoints/ when missing.
 
 A URL may instead hold a corpus folder (DESIGN.md, "Corpus folder"), recognised by its
-corpus_manifest.json; `push`, `pull`, `list` and `verify` then handle the corpus.
+corpus_manifest.json; `push`, `pull`, `list` and `verify` then handle the corpus (remote_store.pull_corpus,
+push_corpus).
 
-How the remote copy is confirmed: the uploaded temporary file is read back and hashed. That is
-the one check that means the same on every store: S3's ETag is an MD5 only for single-part
-uploads, its SHA256 checksums of multipart uploads are checksums of parts, GCS offers MD5/CRC32C.
-The exception is the Hugging Face Hub, whose file info carries the sha256 the Hub computed for
-LFS files; that one is used as is. The read-back costs download bandwidth (egress on clouds
-that bill for it), in the backup's own process, never in the training loop. The sha256 it must
-match is the one train.py recorded in step-N.pt.json as it wrote the checkpoint: the upload is then
-the only read of the local file, and a checkpoint changed on disk since is never published.
+The read-back that confirms an upload happens in the backup's own process, never in the training loop. The
+sha256 it must match is the one train.py recorded in step-N.pt.json as it wrote the checkpoint: the upload is
+then the only read of the local file, and a checkpoint changed on disk since is never published.
 
 train.py's backup is a BackupProcess: a reconcile loop (Mirror: list both sides, plan with
 checkpoint_store.plan_mirror, apply a step) in a child process, so that none of the upload work
@@ -37,12 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
-import functools
-import hashlib
-import importlib.util
 import itertools
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -54,99 +44,19 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
-from collections.abc import Callable, Iterable
-from pathlib import Path, PurePosixPath
+from collections.abc import Iterable
+from pathlib import Path
 
 import checkpoint_store as store
 import corpus_format
+import remote_store
 from checkpoint_store import CHECKPOINT_DIR, NEEDS_RESUME, RUN_FILES
-from common import (
-    HASH_CHUNK_BYTES,
-    ArgumentParser,
-    UserError,
-    atomic_folder,
-    atomic_path,
-    check_writable_folder,
-    fsync_dir,
-    fsync_file,
-    os_error_text,
-    read_json_or,
-    run_main,
-    sha256_file,
-    temporary_name,
-    temporary_target,
-)
+from common import ArgumentParser, UserError, atomic_path, check_writable_folder, read_json_or, run_main
 from corpus_format import CORPUS_MANIFEST
-
-# The package behind each URL scheme; only the one a URL names has to be installed.
-BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub"}
-
-# OSErrors that only a local disk raises (a store's errors arrive as other types or errnos)
-LOCAL_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
-
-LogFn = Callable[[str], None]
-log_line: LogFn = functools.partial(print, flush=True)
-
-
-class VerificationError(Exception):
-    """A remote file does not have the size or sha256 it should have."""
-
-
-class LocalFileChanged(VerificationError):
-    """A local file no longer matches the size or sha256 recorded when it was written: never uploaded."""
-
+from remote_store import LocalFileChanged, LogFn, VerificationError, log_line, remote_errors
 
 # ----------------------------------------------------------------------------------------------
-# Opening a remote and the small operations everything else is made of.
-
-
-# The background backup's S3 client gives up on a request after FAIL_FAST_ATTEMPTS tries (botocore's, and
-# s3fs's own retry loop): the backup's Mirror retries the whole upload itself, so an outage is logged within
-# seconds instead of after ~25 silent connection attempts (tens of training steps later).
-FAIL_FAST_ATTEMPTS = 2
-FAIL_FAST_S3_CONFIG = {"connect_timeout": 10, "retries": {"max_attempts": FAIL_FAST_ATTEMPTS, "mode": "standard"}}
-
-
-def open_remote(url: str, fail_fast: bool = False):
-    """(fs, root) for `url`: a local folder, file://, s3://, gs://, hf:// or any fsspec protocol.
-
-    Nothing is contacted yet. Credentials come from where each library looks for them (for S3:
-    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE / ~/.aws, endpoint AWS_ENDPOINT_URL;
-    for GCS: GOOGLE_APPLICATION_CREDENTIALS; for the Hub: HF_TOKEN or `hf auth login`).
-    Error messages name the scheme, never the URL, which may carry secrets. `fail_fast`: few retries
-    inside the S3 client (see FAIL_FAST_ATTEMPTS).
-    """
-    import fsspec
-
-    if not url or not str(url).strip():
-        raise UserError("the backup URL is empty")
-    url = str(url)
-    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
-    package = BACKEND_PACKAGES.get(scheme)
-    if package and importlib.util.find_spec(package) is None:
-        raise UserError(f"{scheme}:// URLs need the {package} package: pip install {package}")
-    try:
-        options = {"skip_instance_cache": True}
-        if fail_fast and package == "s3fs":  # botocore's retry settings from the environment win
-            options["config_kwargs"] = {key: value for key, value in FAIL_FAST_S3_CONFIG.items()
-                                        if key != "retries" or "AWS_MAX_ATTEMPTS" not in os.environ}
-        fs, root = fsspec.core.url_to_fs(url, **options)
-        if fail_fast and package == "s3fs":
-            fs.retries = FAIL_FAST_ATTEMPTS
-    except ImportError as error:
-        raise UserError(f"{scheme}:// URLs need a package that is not installed ({error.name or error})") from None
-    except ValueError:
-        raise UserError(f"unknown storage protocol {scheme!r} in the backup URL") from None
-    root = root.rstrip("/")
-    if is_local(fs) and not root:
-        root = "/"
-    return fs, root
-
-
-def is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
+# The backup URL.
 
 
 def backup_url_from_env_or_arg(arg: str | None) -> str | None:
@@ -171,126 +81,6 @@ def refuse_placeholder(arg: str | None) -> None:
     if arg == BACKUP_URL_PLACEHOLDER:
         raise UserError(f"--backup-to {BACKUP_URL_PLACEHOLDER} is a placeholder: give the real URL, or leave "
                         "--backup-to out and set THINK72_CLOUD_RESUME=1 and THINK72_BACKUP_URL")
-
-
-def _refresh(fs, path: str) -> None:
-    """Forget listings cached by the file system (s3fs caches them) so we see the store as it is."""
-    with contextlib.suppress(Exception):
-        fs.invalidate_cache(path)
-
-
-def _parent(path: str) -> str:
-    return path.rsplit("/", 1)[0] if "/" in path else ""
-
-
-def _temp_name(path: str) -> str:
-    """A hidden temporary name beside `path`, unique to this upload (common.temporary_name's scheme)."""
-    return f"{_parent(path)}/{temporary_name(path.rsplit('/', 1)[-1])}"
-
-
-def _make_durable(fs, path: str) -> None:
-    """On a local or mounted folder, fsync the file (object stores are durable once a PUT returns)."""
-    if not is_local(fs):
-        return
-    fsync_file(path)
-
-
-def _remove_quietly(fs, path: str) -> None:
-    with contextlib.suppress(Exception):
-        fs.rm_file(path)
-
-
-def _promote(fs, temp: str, final: str) -> None:
-    """Move a verified temporary file to its final name (a rename locally, copy + delete on S3)."""
-    fs.mv(temp, final)
-    if is_local(fs):
-        fsync_dir(_parent(final))
-    _refresh(fs, _parent(final))
-
-
-def _make_parent(fs, path: str) -> None:
-    """Create the folder a remote file goes into, on a local or mounted folder only: object stores have
-    no folders, and s3fs's makedirs would create a missing bucket (a typo must never make one)."""
-    if is_local(fs):
-        fs.makedirs(_parent(path), exist_ok=True)
-
-
-def put_json(fs, path: str, obj) -> None:
-    """Write a small JSON file on the remote through a temporary name and a promotion."""
-    temp = _temp_name(path)
-    _make_parent(fs, path)
-    try:
-        fs.pipe_file(temp, (json.dumps(obj, indent=2) + "\n").encode())
-        _make_durable(fs, temp)
-        _promote(fs, temp, path)
-    except BaseException:
-        _remove_quietly(fs, temp)
-        raise
-
-
-def get_json(fs, path: str):
-    """A remote JSON file, or None when it does not exist. Broken JSON raises VerificationError."""
-    try:
-        data = fs.cat_file(path)
-    except FileNotFoundError:
-        return None
-    try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise VerificationError(f"{path.rsplit('/', 1)[-1]} is not valid JSON") from None
-
-
-def remote_digest(fs, path: str) -> tuple[int, str]:
-    """(size, sha256) of a remote file: the Hub's own LFS sha256 when it gives one, else read back."""
-    _refresh(fs, path)
-    info = fs.info(path)
-    size = int(info["size"])
-    lfs = info.get("lfs")
-    if isinstance(lfs, dict) and lfs.get("sha256"):
-        return size, str(lfs["sha256"])
-    digest = hashlib.sha256()
-    with fs.open(path, "rb", block_size=HASH_CHUNK_BYTES) as handle:
-        while block := handle.read(HASH_CHUNK_BYTES):
-            digest.update(block)
-    return size, digest.hexdigest()
-
-
-def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256: str | None = None,
-                    size: int | None = None) -> dict:
-    """Upload to a temporary name, confirm size and sha256 there, then promote. Returns {sha256, bytes}.
-
-    `sha256` (and `size`): what the local file held when it was written, e.g. train.py's record. The
-    upload is then the only read of the local file (for a think72 checkpoint, 860 MB less to read), and
-    the remote copy is checked against the record itself: bytes that changed on disk since are never
-    promoted (LocalFileChanged). Without them the local file is hashed first, a read of its own.
-    On any failure the temporary file is removed (best effort) and `remote_path` is untouched.
-    """
-    local = Path(local_path)
-    local_size = local.stat().st_size
-    if size is not None and local_size != size:
-        raise LocalFileChanged(f"{local.name} has {local_size} bytes, its record says {size}: it changed on disk "
-                               "after it was written")
-    digest = sha256 or sha256_file(local)
-    temp = _temp_name(remote_path)
-    _make_parent(fs, remote_path)
-    try:
-        fs.put_file(str(local), temp)
-        _make_durable(fs, temp)
-        remote_size, remote_sha = remote_digest(fs, temp)
-        if (remote_size, remote_sha) != (local_size, digest):
-            # Only now read the local file again, to say which side is wrong.
-            if sha256 is not None and sha256_file(local) != sha256:
-                raise LocalFileChanged(f"{local.name} no longer matches the sha256 recorded when it was written: "
-                                       "it changed on disk since")
-            raise VerificationError(f"the uploaded copy of {local.name} differs from the local file")
-        _promote(fs, temp, remote_path)
-    except BaseException:
-        _remove_quietly(fs, temp)
-        raise
-    _refresh(fs, remote_path)
-    if int(fs.info(remote_path)["size"]) != local_size:
-        raise VerificationError(f"{local.name} changed size while it was promoted")
-    return {"sha256": digest, "bytes": local_size}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,8 +112,9 @@ def upload_checkpoint(fs, root: str, local_path: str | os.PathLike) -> store.Rec
     if record is None or record.path != local.name:
         raise LocalFileChanged(f"{local.name} has no record of train.py's ({store.record_name(local.name)}): "
                                "it cannot be verified")
-    upload_verified(fs, local, f"{checkpoint_folder(root)}/{local.name}", sha256=record.sha256, size=record.bytes)
-    put_json(fs, f"{checkpoint_folder(root)}/{store.record_name(local.name)}", record.to_json())
+    remote_store.upload_verified(fs, local, f"{checkpoint_folder(root)}/{local.name}", sha256=record.sha256,
+                                 size=record.bytes)
+    remote_store.put_json(fs, f"{checkpoint_folder(root)}/{store.record_name(local.name)}", record.to_json())
     return record
 
 
@@ -345,7 +136,7 @@ def upload_run_files(fs, root: str, run_dir: Path) -> list[str]:
                 shutil.copyfile(run_dir / name, snapshot)
             except FileNotFoundError:
                 continue
-            upload_verified(fs, snapshot, run_file_path(root, name))
+            remote_store.upload_verified(fs, snapshot, run_file_path(root, name))
             uploaded.append(name)
     return uploaded
 
@@ -358,7 +149,7 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
     `step`: the step of the checkpoint restored. The remote run_status.json describes the run as it
     last uploaded (COMPLETE at a later step, say, with a model/ that is not backed up); unless it
     says the run is to be resumed at exactly this step, it is rewritten to say so."""
-    remote_settings = get_json(fs, run_file_path(root, "training_settings.json")) or {}
+    remote_settings = remote_store.get_json(fs, run_file_path(root, "training_settings.json")) or {}
     remote_run = remote_settings.get("run_id") if isinstance(remote_settings, dict) else None
     if run_id and remote_run and remote_run != run_id:
         log("checkpoint restore: WARNING the remote run files belong to another run (run_id "
@@ -389,14 +180,14 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
 
 
 def write_remote_latest(fs, root: str, record: store.Record) -> None:
-    put_json(fs, f"{checkpoint_folder(root)}/{store.LATEST}", record.to_json())
+    remote_store.put_json(fs, f"{checkpoint_folder(root)}/{store.LATEST}", record.to_json())
 
 
 def remote_listing(fs, root: str) -> store.Listing:
     """What the remote checkpoints folder holds, as the store.Listing a local folder gives (its
     records read; `sha256` is not known there: a remote file is trusted by its record and size)."""
     folder = checkpoint_folder(root)
-    _refresh(fs, folder)
+    remote_store.refresh(fs, folder)
     try:
         entries = fs.ls(folder, detail=True)
     except FileNotFoundError:
@@ -406,13 +197,13 @@ def remote_listing(fs, root: str) -> store.Listing:
     records: dict[str, store.Record | str] = {}
     for name in names.recorded:
         try:
-            records[name] = store.Record.from_json(get_json(fs, f"{folder}/{store.record_name(name)}"))
+            records[name] = store.Record.from_json(remote_store.get_json(fs, f"{folder}/{store.record_name(name)}"))
         except (VerificationError, ValueError, TypeError) as error:
             records[name] = f"its record does not read ({error})"
     latest, latest_error = None, None
     if store.LATEST in sizes:
         try:
-            latest = store.Record.from_json(get_json(fs, f"{folder}/{store.LATEST}"))
+            latest = store.Record.from_json(remote_store.get_json(fs, f"{folder}/{store.LATEST}"))
         except (VerificationError, ValueError, TypeError) as error:
             latest_error = str(error)
     return store.Listing(files={name: sizes[name] for name in names.checkpoints}, records=records,
@@ -434,32 +225,6 @@ def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Recor
                                            store.restore_order(recorded, latest.step if latest else None)]
 
 
-def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> Path:
-    """Download to a temporary name beside `local_path`, check the sha256, then rename into place."""
-    local_path = Path(local_path)
-    if local_path.is_file() and sha256_file(local_path) == sha256:
-        return local_path
-    with atomic_path(local_path) as temp:
-        fs.get_file(remote_path, str(temp))
-        if (size is not None and temp.stat().st_size != size) or sha256_file(temp) != sha256:
-            raise VerificationError(f"{local_path.name} on the remote does not match its recorded sha256")
-    return local_path
-
-
-@contextlib.contextmanager
-def remote_errors(action: str):
-    """Turn a storage failure into one UserError naming the action and the exception type only."""
-    try:
-        yield
-    except (UserError, VerificationError):
-        raise
-    except Exception as error:
-        if isinstance(error, OSError) and error.errno in LOCAL_ERRNOS:  # the local disk: say which file, why
-            raise UserError(f"{action} failed: {os_error_text(error)}") from None
-        raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
-                        "credentials") from None
-
-
 def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None:
     """Rename a corrupt checkpoint's record to NAME.json.corrupt (best effort), so that nothing uses it,
     retention does not count it among the kept ones, and `verify` shows the file as unverified. The
@@ -467,7 +232,7 @@ def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None
     record = f"{folder}/{store.record_name(name)}"
     try:
         fs.mv(record, f"{record}.corrupt")
-        _refresh(fs, folder)
+        remote_store.refresh(fs, folder)
     except Exception as error:
         log(f"checkpoint restore: the record of the corrupt {name} could not be set aside ({type(error).__name__})")
         return
@@ -489,7 +254,7 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
     restored (each said in a log line), so that the run's backup never counts it again; with
     `read_only` (`pull`: the user asked only to download) the remote is left exactly as it is.
     """
-    fs, root = open_remote(url)
+    fs, root = remote_store.open_remote(url)
     local_dir = Path(local_checkpoint_dir)
     folder = checkpoint_folder(root)
     with remote_errors("reading the backup remote"):
@@ -500,7 +265,8 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
         name = record.path
         try:
             with remote_errors(f"downloading {name}"):
-                path = download_verified(fs, f"{folder}/{name}", local_dir / name, record.sha256, record.bytes)
+                path = remote_store.download_verified(fs, f"{folder}/{name}", local_dir / name, record.sha256,
+                                                      record.bytes)
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
             if read_only:
@@ -543,7 +309,7 @@ class Mirror:
 
     def __init__(self, url: str, policy: store.MirrorPolicy, retry_seconds: float = 5.0,
                  max_retry_seconds: float = 300.0, log: LogFn = log_line):
-        self.fs, self.root = open_remote(url, fail_fast=True)
+        self.fs, self.root = remote_store.open_remote(url, fail_fast=True)
         self.policy, self.log = policy, log
         self.retry_seconds, self.max_retry_seconds = retry_seconds, max_retry_seconds
         self.failures, self.last_error, self.doing = 0, None, "the newest checkpoint"
@@ -610,7 +376,7 @@ class Mirror:
             self.fs.rm_file(f"{folder}/{store.record_name(name)}")
             self.fs.rm_file(f"{folder}/{name}")
         if plan.delete_remote:
-            _refresh(self.fs, folder)
+            remote_store.refresh(self.fs, folder)
             self.log(f"checkpoint backup: remote retention removed {', '.join(plan.delete_remote)}")
         if plan.upload:
             self.upload(local_dir / plan.upload[0])
@@ -644,22 +410,41 @@ class Mirror:
 
 def serve_backup(fd: int) -> None:
     """The child: a Mirror stepped on a wake-up (a save), on its retry timer and while a stop waits, until
-    the plan is empty; it exits when its pipe closes (a killed trainer), after the step it is on."""
+    the plan is empty; it exits when its pipe closes (a killed trainer), after the step it is on. Its
+    trainer can die at any moment (kill -9, torchrun tearing the job down): the child then exits saying
+    nothing, whichever message it was reading or sending, so the run's log holds no traceback of it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when the backup stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(10)
     connection = multiprocessing.connection.Connection(fd)
+    with contextlib.suppress(EOFError, OSError):  # the pipe closed: the trainer is gone
+        mirror = start_mirror(connection)
+        if mirror is not None:
+            mirror.look()
+            serve_requests(connection, mirror)
+
+
+def start_mirror(connection) -> Mirror | None:
+    """The child's Mirror from the settings its trainer sends; it answers "ready", or "failed" and None."""
     url, options = connection.recv()
-    try:  # one write per log line: they share train.py's stdout, even unbuffered (python -u)
-        mirror = Mirror(url, **options, log=lambda line: print(f"{line}\n", end="", flush=True))
+    try:
+        mirror = Mirror(url, **options, log=child_log)
     except Exception as error:
         connection.send(("failed", type(error).__name__, str(error) if isinstance(error, UserError) else ""))
-        return
+        return None
     connection.send(("ready",))
-    mirror.look()
-    with contextlib.suppress(EOFError, OSError):
-        serve_requests(connection, mirror)
+    return mirror
+
+
+def child_log(line: str) -> None:
+    """The child's log line, in one write (it shares train.py's stdout, even unbuffered: python -u). A
+    stdout whose reader is gone (the trainer's terminal or notebook) ends the logging, never the child:
+    its later lines, and the interpreter's last flush, go to /dev/null."""
+    try:
+        print(f"{line}\n", end="", flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def serve_requests(connection, mirror: Mirror) -> None:
@@ -837,8 +622,8 @@ def check_backup_target(url: str) -> None:
     """train.py's --backup-to before anything is restored or trained: a missing bucket or parent
     folder (a typo) is one error, not a new bucket and a run silently restarted from step 0; a
     remote that cannot be written, read back or deleted from is one error, not hours of failed uploads."""
-    fs, root = open_remote(url)
-    require_remote(fs, root, url, writing=True)
+    fs, root = remote_store.open_remote(url)
+    remote_store.require_remote(fs, root, url, writing=True)
     probe_writable(fs, root, url)
 
 
@@ -853,55 +638,21 @@ def probe_writable(fs, root: str, url: str) -> None:
     payload = f"tinyllm write probe {secrets.token_hex(8)}\n".encode()
     step = "written"
     try:
-        if is_local(fs):
+        if remote_store.is_local(fs):
             fs.makedirs(root, exist_ok=True)
         fs.pipe_file(path, payload)
         step = "read back"
-        _refresh(fs, path)
+        remote_store.refresh(fs, path)
         same = fs.cat_file(path) == payload
         step = "deleted from"
         fs.rm_file(path)
     except Exception as error:
-        _remove_quietly(fs, path)
-        raise UserError(f"--backup-to: the remote cannot be {step} ({probe_error_text(error, url)}); "
+        remote_store.remove_quietly(fs, path)
+        raise UserError(f"--backup-to: the remote cannot be {step} ({remote_store.probe_error_text(error, url)}); "
                         "no checkpoint would reach it") from None
     if not same:
         raise UserError("--backup-to: the remote returned other bytes than were written to it; "
                         "no checkpoint could be verified there")
-
-
-def probe_error_text(error: Exception, url: str) -> str:
-    """'Read-only file system' / 'PermissionError: Access Denied.': the cause of a failed probe, without
-    the URL (it may carry credentials) nor any credential from the environment."""
-    if isinstance(error, OSError) and error.errno and not is_remote_url(url):
-        return os_error_text(error)
-    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc if "@" in parts.netloc else ""
-    query_values = [value for _, value in urllib.parse.parse_qsl(parts.query)]
-    secrets_seen = [url, netloc, parts.password, parts.query, *query_values,
-                    *(os.environ.get(name) for name in SECRET_VARIABLES)]
-    for secret in sorted(filter(None, secrets_seen), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
-
-
-def is_remote_url(url: str) -> bool:
-    return "://" in url and url.split("://", 1)[0].lower() not in ("file", "local")
-
-
-def printable_backup_url(url: str) -> str | None:
-    """`url` when it may be printed as it is (a local folder, a plain s3:// gs:// hf:// URL); None when
-    it carries credentials (user:password@, a ?query such as a token, a #fragment)."""
-    if "://" not in url:
-        return url
-    parts = urllib.parse.urlsplit(url)
-    if "@" in parts.netloc or parts.query or parts.fragment or "?" in url or "#" in url:
-        return None
-    return url
 
 
 def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
@@ -920,122 +671,15 @@ def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
 
 
 # ----------------------------------------------------------------------------------------------
-# Corpora: pulled the same way, verified against their manifest.
-
-
-def remote_tree_sha256(fs, folder: str) -> str:
-    """common.sha256_tree of a remote folder: sorted relative names and file sha256s."""
-    _refresh(fs, folder)
-    names = sorted((PurePosixPath(p[len(folder) + 1:]) for p in fs.find(folder)), key=lambda p: p.parts)
-    digest = hashlib.sha256()
-    for name in names:
-        digest.update(name.as_posix().encode() + b"\0")
-        digest.update(remote_digest(fs, f"{folder}/{name.as_posix()}")[1].encode() + b"\n")
-    return digest.hexdigest()
-
-
-def verify_corpus_folder(folder: Path) -> None:
-    """corpus_format.verify_corpus: UserError naming the first problem."""
-    problems = corpus_format.verify_corpus(folder)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UserError(f"corpus check against {CORPUS_MANIFEST} failed: {problems[0]}{more}")
-
-
-def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -> Path:
-    """Download the corpus folder at `url` into `local_dir` and verify it against its manifest.
-
-    The download goes to a temporary folder beside `local_dir` that is renamed only once verified.
-    A `local_dir` already holding a verified corpus is kept as is.
-    """
-    target = Path(local_dir)
-    if (target / CORPUS_MANIFEST).is_file():
-        verify_corpus_folder(target)
-        log(f"corpus pull: {target} already holds a verified corpus")
-        return target
-    if target.exists() and any(target.iterdir()):
-        raise UserError(f"{target} exists and is not a finished corpus; remove it or choose another folder")
-    fs, root = open_remote(url)
-    with atomic_folder(target) as temp:
-        with remote_errors("downloading the corpus"):
-            _refresh(fs, root)
-            names = [p[len(root) + 1:] for p in fs.find(root) if p.startswith(root + "/")]
-            if CORPUS_MANIFEST not in names:
-                raise UserError(f"the remote corpus has no {CORPUS_MANIFEST}")
-            for name in names:
-                if temporary_target(name.rsplit("/", 1)[-1]):
-                    continue
-                (temp / name).parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f"{root}/{name}", str(temp / name))
-        verify_corpus_folder(temp)
-    log(f"corpus pull: {len(names)} files verified into {target}")
-    return target
-
-
-def corpus_stored(url: str) -> bool:
-    """Whether a complete corpus (its manifest, uploaded last) is at `url` (the notebook's CORPUS_URL); a store
-    that cannot be looked at (no credentials, no network, no such bucket) is one UserError, not a traceback."""
-    fs, root = open_remote(url)
-    with remote_errors(f"looking for a corpus at {printable_backup_url(url) or 'CORPUS_URL'}"):
-        return fs.exists(f"{root}/{CORPUS_MANIFEST}")
-
-
-def push_corpus(corpus_dir: Path, fs, root: str, log: LogFn = log_line) -> None:
-    """Upload a finished corpus, every file verified, the manifest last (its presence means complete)."""
-    verify_corpus_folder(corpus_dir)
-    files = sorted(p for p in corpus_dir.rglob("*") if p.is_file() and p.name != CORPUS_MANIFEST)
-    for path in [*files, corpus_dir / CORPUS_MANIFEST]:
-        upload_verified(fs, path, f"{root}/{path.relative_to(corpus_dir).as_posix()}")
-    log(f"push: corpus of {len(files) + 1} files uploaded and verified")
-
-
-# ----------------------------------------------------------------------------------------------
 # The command line.
 
 
-BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs")
-
-
-def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
-    """A remote that does not exist (a typo) is an error; an existing empty one is not, and nothing
-    is ever created to make it exist. list / verify / pull: a local folder must exist; push and
-    train.py's backup (`writing`) may create the folder itself, inside an existing parent folder.
-    On S3 / GCS the bucket must exist (a prefix inside it exists once written)."""
-    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
-    with remote_errors("looking at the remote"):
-        _refresh(fs, root)
-        if is_local(fs):
-            if fs.exists(root) and not fs.isdir(root):
-                raise UserError(f"{root} is a file, not a folder")
-            parent = _parent(root) or "/"
-            if writing and not fs.isdir(root) and not fs.isdir(parent):
-                raise UserError(f"no such folder: {parent} (the backup folder is created only inside an "
-                                "existing one)")
-            if not writing and not fs.isdir(root):
-                raise UserError(f"no such folder: {root}")
-        elif scheme in BUCKET_SCHEMES and not fs.exists(root):
-            bucket = root.split("/", 1)[0]
-            _refresh(fs, bucket)
-            if not fs.exists(bucket):
-                raise UserError(f"the {scheme}:// bucket does not exist (or these credentials cannot see it)")
-
-
-def remote_manifest(fs, root: str) -> corpus_format.Manifest:
-    """The manifest of the corpus at `root`, read and checked as a local one is."""
-    return corpus_format.parse_manifest(fs.cat_file(f"{root}/{CORPUS_MANIFEST}"), f"{root}/{CORPUS_MANIFEST}")
-
-
-def remote_is_corpus(fs, root: str) -> bool:
-    _refresh(fs, root)
-    return fs.exists(f"{root}/{CORPUS_MANIFEST}")
-
-
 def command_list(url: str) -> int:
-    fs, root = open_remote(url)
-    require_remote(fs, root, url)
+    fs, root = remote_store.open_remote(url)
+    remote_store.require_remote(fs, root, url)
     with remote_errors("listing the remote"):
-        if remote_is_corpus(fs, root):
-            manifest = remote_manifest(fs, root)
+        if remote_store.remote_is_corpus(fs, root):
+            manifest = remote_store.remote_manifest(fs, root)
             for name, (sha, size) in sorted(manifest.files().items()):
                 print(f"{name:40s} {size if size is not None else '-':>14} {sha[:12]}")
             return 0
@@ -1061,11 +705,11 @@ def command_push(run_dir: str, url: str) -> int:
     source = Path(run_dir)
     if not source.is_dir():
         raise UserError(f"no such folder: {run_dir}")
-    fs, root = open_remote(url)
-    require_remote(fs, root, url, writing=True)
+    fs, root = remote_store.open_remote(url)
+    remote_store.require_remote(fs, root, url, writing=True)
     with remote_errors("pushing"):
         if (source / CORPUS_MANIFEST).is_file():
-            push_corpus(source, fs, root)
+            remote_store.push_corpus(source, fs, root)
             return 0
         local = store.list_folder(source / CHECKPOINT_DIR)
         if not local.files:
@@ -1097,15 +741,15 @@ def command_push(run_dir: str, url: str) -> int:
 
 
 def command_pull(url: str, run_dir: str) -> int:
-    fs, root = open_remote(url)
-    require_remote(fs, root, url)
+    fs, root = remote_store.open_remote(url)
+    remote_store.require_remote(fs, root, url)
     target = Path(run_dir).resolve()
     for folder in (target, target.parent) if target.is_dir() else (target.parent,):
         check_writable_folder(folder, "the local folder")  # before the download, not a network error after it
     with remote_errors("reading the remote"):
-        corpus = remote_is_corpus(fs, root)
+        corpus = remote_store.remote_is_corpus(fs, root)
     if corpus:
-        pull_corpus(url, run_dir)
+        remote_store.pull_corpus(url, run_dir)
         return 0
     path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     if path is None:
@@ -1114,16 +758,16 @@ def command_pull(url: str, run_dir: str) -> int:
 
 
 def command_verify(url: str) -> int:
-    fs, root = open_remote(url)
-    require_remote(fs, root, url)
+    fs, root = remote_store.open_remote(url)
+    remote_store.require_remote(fs, root, url)
     problems = []
     with remote_errors("verifying the remote"):
-        if remote_is_corpus(fs, root):
-            manifest = remote_manifest(fs, root)
+        if remote_store.remote_is_corpus(fs, root):
+            manifest = remote_store.remote_manifest(fs, root)
             expected = manifest.files()
             for name, (sha, size) in sorted(expected.items()):
                 try:
-                    got_size, got_sha = remote_digest(fs, f"{root}/{name}")
+                    got_size, got_sha = remote_store.remote_digest(fs, f"{root}/{name}")
                 except FileNotFoundError:
                     problems.append(f"{name}: missing")
                     continue
@@ -1132,7 +776,8 @@ def command_verify(url: str) -> int:
             checked = len(expected)
             if manifest.tokenizer_sha256:
                 checked += 1
-                if remote_tree_sha256(fs, f"{root}/{corpus_format.TOKENIZER_DIR}") != manifest.tokenizer_sha256:
+                tokenizer = remote_store.remote_tree_sha256(fs, f"{root}/{corpus_format.TOKENIZER_DIR}")
+                if tokenizer != manifest.tokenizer_sha256:
                     problems.append(f"tokenizer/: does not match {CORPUS_MANIFEST}")
         else:
             listing = remote_listing(fs, root)
@@ -1143,7 +788,7 @@ def command_verify(url: str) -> int:
             recorded = [name for name in listing.steps(listing.files) if name in listing.records]
             for name in recorded:
                 record = listing.records[name]
-                got_size, got_sha = remote_digest(fs, f"{folder}/{name}")
+                got_size, got_sha = remote_store.remote_digest(fs, f"{folder}/{name}")
                 if not isinstance(record, store.Record) or (got_sha, got_size) != (record.sha256, record.bytes):
                     problems.append(f"{name}: does not match its recorded sha256 (corrupted)")
                 else:
@@ -1165,9 +810,15 @@ def command_verify(url: str) -> int:
     return 1 if problems else 0
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the epilog's lines (one per store) kept as they are."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=formatter)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                            epilog="A URL is a folder (a path, file://, local://) or one of these stores:\n"
+                                   + remote_store.backends_text())
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="show the remote's checkpoints (or corpus files)",
                                   formatter_class=formatter)

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import corpus_format
+import trackers
 from common import (
     UserError,
     atomic_open,
@@ -63,9 +65,8 @@ ABANDONED = "abandoned-{step:08d}"
 CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
-# trackers.json and the TensorBoard events file: trackers.TRACKERS_FILE, trackers.TENSORBOARD_EVENTS.
 RUN_FILES = ("metrics.jsonl", "training_settings.json", "config.toml", "hardware.json", "run_status.json",
-             "trackers.json", "events.out.tfevents.tinyllm")
+             trackers.TRACKERS_FILE, trackers.TENSORBOARD_EVENTS)
 
 
 # run_status.json's status: running, stopped with a checkpoint to continue from, complete, failed
@@ -580,6 +581,12 @@ class RunStatus:
         if self.record:
             self._write({**self.record, **fields})
 
+    def amend(self, **fields) -> None:
+        """The status the last session left with `fields` changed, outside a session (`report.py evaluate`
+        keeps model/README.md's sha256 true); nothing when there is none."""
+        if self.previous.get("status"):
+            self._write({**{key: value for key, value in self.previous.items() if key != "updated"}, **fields})
+
     def _write(self, record: dict) -> None:
         if self.resume_command is not None:
             record = {**record, "resume_command": self.resume_command}
@@ -864,8 +871,6 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     """A transformers Qwen3 folder (config.json, safetensors weights and the tokenizer)."""
     import torch
     import transformers
-
-    import corpus_format
 
     try:
         config = transformers.AutoConfig.from_pretrained(folder)

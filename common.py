@@ -50,7 +50,12 @@ def say(message: str, *, warning: bool = False, main: bool | None = None) -> Non
 
 class UserError(Exception):
     """A mistake the user can fix (bad input, bad setting): printed as one `error:` line (plus
-    indented detail lines where a tool's own diagnostics help), exit 2."""
+    indented detail lines where a tool's own diagnostics help), exit 2. `said`: the line is already
+    out (say_error), printed where a signal could otherwise cut it off; run_main only exits."""
+
+    def __init__(self, *args, said: bool = False):
+        super().__init__(*args)
+        self.said = said
 
 
 class Terminated(KeyboardInterrupt):
@@ -69,8 +74,14 @@ def stop_on_sigterm() -> None:
 
 def fail(message: str, code: int = 2) -> None:
     """Print one clear `error: ...` line to stderr and exit non-zero."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    say_error(message)
     raise SystemExit(code)
+
+
+def say_error(message: str) -> UserError:
+    """Print the `error: ...` line now; the UserError to raise, which run_main will not print again."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return UserError(message, said=True)
 
 
 def os_error_cause(error: OSError) -> str:
@@ -103,6 +114,8 @@ def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
     try:
         result = main()
     except UserError as error:
+        if error.said:
+            raise SystemExit(2) from None
         fail(str(error))
     except Terminated:
         fail("terminated (SIGTERM); nothing half-written was kept", code=143)
@@ -624,6 +637,13 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         if action not in given:
             tokens += config_tokens(action, value, path, key)
     return tokens
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str] | tuple[str, ...]) -> set[str]:
+    """The option names (argparse dests) `argv` gives, on its command line or in its --config file."""
+    tokens = config_argv(parser, list(argv)) + list(argv)
+    flags = {flag: action.dest for action in parser._actions for flag in action.option_strings}
+    return {flags[token.split("=", 1)[0]] for token in tokens if token.split("=", 1)[0] in flags}
 
 
 def config_tokens(action: argparse.Action, value: Any, path: str, key: str) -> list[str]:

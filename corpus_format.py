@@ -29,6 +29,34 @@ IM_START, IM_END, THINK_OPEN, THINK_CLOSE = "<|im_start|>", "<|im_end|>", "<thin
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END, THINK_OPEN, THINK_CLOSE]
 
 
+# The Qwen2 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): digits one by one.
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# ChatML. Reasoning is part of the assistant's content as "<think>\n...\n</think>\n\n" (see
+# render_assistant), so the template stays the plain ChatML that llama.cpp and ollama know.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def render_assistant(answer: str, reasoning: str | None = None) -> str:
+    """An assistant turn's content, with the optional reasoning inside <think>...</think>."""
+    return "".join(assistant_parts(answer, reasoning))
+
+
+def assistant_parts(answer: str, reasoning: str | None = None) -> list[str]:
+    """render_assistant as parts [text, marker, text, ...]: the <think> markers at odd positions."""
+    if reasoning:
+        return ["", THINK_OPEN, f"\n{reasoning.strip()}\n", THINK_CLOSE, f"\n\n{answer}"]
+    return [answer]
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

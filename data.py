@@ -22,10 +22,10 @@ import hashlib
 import itertools
 import json
 import os
-import random
 import re
 import shutil
 import sys
+import threading
 import time
 import unicodedata
 from collections import Counter, deque
@@ -61,6 +61,7 @@ from common import (
 )
 from corpus_format import (
     BOS,
+    CHAT_TEMPLATE,
     CORPUS_MANIFEST,
     DATA_CARD,
     DOCUMENT_INDEX_DTYPE,
@@ -73,6 +74,7 @@ from corpus_format import (
     MASK_PROMPT,
     MASK_TEXT,
     PAD,
+    QWEN2_SPLIT_PATTERN,
     SOURCE_MANIFEST,
     SOURCE_NAME,
     SPECIAL_TOKENS,
@@ -80,6 +82,7 @@ from corpus_format import (
     THINK_CLOSE,
     THINK_OPEN,
     TOKENIZER_DIR,
+    assistant_parts,
     document_index_name,
     load_tokenizer,
     mask_name,
@@ -90,39 +93,12 @@ from corpus_format import (
     verify_corpus,
     vocabulary_sha256,
 )
+from demo_corpus import DEMO_BUILD_DEFAULTS, DEMO_EVAL_FILE, DEMO_SEED, DEMO_VOCAB_SIZE, demo_data
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE whose pre-tokenizer llama.cpp reproduces exactly ("qwen2").
 
 DEFAULT_VOCAB_SIZE = 33_069
-
-# The Qwen2 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): digits one by one.
-QWEN2_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# ChatML. Reasoning is part of the assistant's content as "<think>\n...\n</think>\n\n" (see
-# render_assistant), so the template stays the plain ChatML that llama.cpp and ollama know.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def render_assistant(answer: str, reasoning: str | None = None) -> str:
-    """An assistant turn's content, with the optional reasoning inside <think>...</think>."""
-    return "".join(assistant_parts(answer, reasoning))
-
-
-def assistant_parts(answer: str, reasoning: str | None = None) -> list[str]:
-    """render_assistant as parts [text, marker, text, ...]: the <think> markers at odd positions."""
-    if reasoning:
-        return ["", THINK_OPEN, f"\n{reasoning.strip()}\n", THINK_CLOSE, f"\n\n{answer}"]
-    return [answer]
-
 
 def new_bpe_tokenizer():
     """An untrained byte-level BPE with the Qwen2 split, ByteLevel bytes and decoder."""
@@ -180,11 +156,6 @@ def wrap_tokenizer(tokenizer):
         add_bos_token=False,
         add_eos_token=False,
     )
-
-
-DEMO_EVAL_FILE = "eval/arithmetic.jsonl"
-DEMO_VOCAB_SIZE = 512
-DEMO_SEED = 1234  # the demo corpus' generator (data.py --seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,7 +654,6 @@ class SourceStats:
 
 
 WHAT, BUILD = "what to do (one of)", "building a corpus"  # data.py's option groups
-DEMO_BUILD_DEFAULTS = {"vocab_size": DEMO_VOCAB_SIZE, "val_fraction": 0.05, "test_fraction": 0.05}
 
 # Defaults sized to the input (sized_build_defaults), a rule of thumb: a small corpus gets a small vocabulary
 # (a tiny model's embeddings stay a modest share of it, and each token is seen often enough to learn) and a larger
@@ -1028,13 +998,23 @@ def literal_tokenizer(backend):
     return literal
 
 
-def start_tokenize_worker(tokenizer_json: str) -> None:
-    """Process-pool initializer: a single-threaded Rust tokenizer in each process."""
+def start_tokenize_worker(tokenizer_json: str, builder: int) -> None:
+    """Process-pool initializer: a single-threaded Rust tokenizer in each process, which ends as soon as
+    its data.py (process `builder`) is gone: a kill -9 of the build leaves no worker behind, busy or idle
+    (an idle one would wait forever on a queue whose writing end it holds itself), and no traceback."""
     global _WORKER_TOKENIZER
     from tokenizers import Tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = literal_tokenizer(Tokenizer.from_str(tokenizer_json))
+    threading.Thread(target=exit_without, args=(builder,), name="exit-without-data.py", daemon=True).start()
+
+
+def exit_without(parent: int, every_s: float = 0.5) -> None:
+    """End this process, saying nothing, once `parent` is no longer its parent (it died)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
 
 
 ENCODE_CHUNK_CHARS = 1 << 18  # the Rust tokenizer needs ~100 bytes per character of one text it encodes
@@ -1167,7 +1147,7 @@ def write_shards(documents: Iterable[Document], tokenizer, folder: Path, setting
         from concurrent.futures import ProcessPoolExecutor
 
         pool = ProcessPoolExecutor(settings.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=start_tokenize_worker, initargs=(backend.to_str(),))
+                                   initializer=start_tokenize_worker, initargs=(backend.to_str(), os.getpid()))
         backend, in_flight = None, settings.tokenize_workers + 1
     else:
         pool, in_flight = ThreadPoolExecutor(max_workers=1), 2
@@ -1447,127 +1427,7 @@ def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], second
 
 
 # ----------------------------------------------------------------------------------------------
-# The embedded demo corpus: arithmetic word problems with short mechanical reasoning (DEMO_SEED: above).
-
-ADDITION_PROMPTS = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}.",
-                    "What do you get when you add {a} and {b}?", "Compute {a} + {b}.",
-                    "What is the sum of {a} and {b}?")
-SUBTRACTION_PROMPTS = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.")
-APPLE_PROMPTS = ("If a box has {a} rows of {b} {thing}, how many {thing} are there?",
-                 "A tray holds {a} rows with {b} {thing} in each row. How many {thing}?",
-                 "There are {a} rows of {thing} and each row has {b} {thing}. How many {thing} in total?",
-                 "A box has {a} rows of {b} {thing}. How many {thing} are in the box?",
-                 "How many {thing} are in {a} rows of {b} {thing}?",
-                 "If there are {a} rows and every row has {b} {thing}, how many {thing} are there?")
-APPLE_THINGS = ("apples", "pears", "eggs", "cups", "coins", "books", "stones", "shells")
-DEMO_ROWS, DEMO_PER_ROW = range(2, 5), range(2, 13)  # at most 4 rows: every document fits 128 tokens
-SENTENCE_PARTS = {
-    "name": ("Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon", "Kai", "Lea"),
-    "verb": ("likes", "reads", "paints", "finds", "draws", "counts", "keeps", "sees"),
-    "thing": ("red apples", "old books", "small boats", "green leaves", "blue stones", "white clouds",
-              "yellow pears", "tiny shells", "round coins", "bright stars"),
-    "place": ("in the garden", "by the river", "at school", "on the hill", "near the shop", "at home",
-              "under the tree", "in the park"),
-}
-DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 10}
-
-
-def addition_reasoning(a: int, b: int) -> str:
-    """Column addition, units first: '8 + 7 = 15' / '4 + 3 + 1 = 8' / '48 + 37 = 85'."""
-    units = a % 10 + b % 10
-    tens = a // 10 + b // 10 + units // 10
-    return f"{a % 10} + {b % 10} = {units}\n{a // 10} + {b // 10} + {units // 10} = {tens}\n{a} + {b} = {a + b}"
-
-
-def subtraction_reasoning(a: int, b: int) -> str:
-    """Column subtraction, units first, borrowing: '15 - 7 = 8' / '9 - 1 - 1 = 7' / '95 - 17 = 78'."""
-    borrow = int(a % 10 < b % 10)
-    units = a % 10 + 10 * borrow
-    tens = a // 10 - b // 10 - borrow
-    return f"{units} - {b % 10} = {units - b % 10}\n{a // 10} - {b // 10} - {borrow} = {tens}\n{a} - {b} = {a - b}"
-
-
-def apples_reasoning(rows: int, per_row: int) -> str:
-    """Repeated addition, rows counted so the model knows when to stop:
-    '1 row: 4' / '2 rows: 4 + 4 = 8' / '3 rows: 8 + 4 = 12' / '3 x 4 = 12'."""
-    lines = [f"1 row: {per_row}"]
-    lines += [f"{row + 1} rows: {per_row * row} + {per_row} = {per_row * (row + 1)}" for row in range(1, rows)]
-    return "\n".join(lines + [f"{rows} x {per_row} = {rows * per_row}"])
-
-
-def demo_problem(task: str, a: int, b: int, prompt: str, thing: str = "apples") -> dict:
-    """{"prompt", "answer", "task", "reasoning"} for one problem."""
-    if task == "addition":
-        answer, reasoning = a + b, addition_reasoning(a, b)
-    elif task == "subtraction":
-        answer, reasoning = a - b, subtraction_reasoning(a, b)
-    else:
-        answer, reasoning = a * b, apples_reasoning(a, b)
-    return {"prompt": prompt.format(a=a, b=b, thing=thing), "answer": str(answer), "task": task, "reasoning": reasoning}
-
-
-def demo_held_out(rng: random.Random) -> dict[str, set]:
-    """The operand pairs kept out of training: two-digit additions (both orders), subtractions, products."""
-    additions = set()
-    while len(additions) < DEMO_EVAL_COUNTS["addition"]:
-        pair = (rng.randint(10, 99), rng.randint(10, 99))
-        if pair not in additions and pair[::-1] not in additions:
-            additions.add(pair)
-    subtractions = set()
-    while len(subtractions) < DEMO_EVAL_COUNTS["subtraction"]:
-        a = rng.randint(10, 99)
-        subtractions.add((a, rng.randint(0, a)))
-    products = set()
-    while len(products) < DEMO_EVAL_COUNTS["multiplication"]:
-        products.add((rng.choice(DEMO_ROWS), rng.choice(DEMO_PER_ROW)))
-    return {"addition": additions, "subtraction": subtractions, "multiplication": products}
-
-
-def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
-    """(training records, held-out eval problems), a pure function of `seed`.
-
-    Every addition a + b with a, b in 0..99 appears twice (the canonical 'What is a plus b?' and
-    one other phrasing) unless the pair is held out in either order; 60% of the subtractions
-    a - b (0 <= b <= a <= 99) appear once; every rows-of-things product (2-4 rows of 2-12) in
-    16 of its phrasings; about a tenth of the records are plain sentences.
-    """
-    rng = random.Random(seed)
-    held = demo_held_out(rng)
-    held_sums = held["addition"] | {pair[::-1] for pair in held["addition"]}
-    eval_problems = []
-    for task, prompts in (("addition", ADDITION_PROMPTS), ("subtraction", SUBTRACTION_PROMPTS),
-                          ("multiplication", APPLE_PROMPTS)):
-        for a, b in sorted(held[task]):
-            problem = demo_problem(task, a, b, prompts[0])
-            eval_problems.append({key: problem[key] for key in ("prompt", "answer", "task")})
-
-    problems = []
-    for a, b in itertools.product(range(100), range(100)):
-        if (a, b) not in held_sums:
-            problems.append(demo_problem("addition", a, b, ADDITION_PROMPTS[0]))
-            problems.append(demo_problem("addition", a, b, rng.choice(ADDITION_PROMPTS[1:])))
-    for a in range(100):
-        for b in range(a + 1):
-            # Skip a - b = c when c + b is a held-out sum: the eval must test generalization.
-            if (a, b) not in held["subtraction"] and (a - b, b) not in held_sums and rng.random() < 0.6:
-                problems.append(demo_problem("subtraction", a, b, rng.choice(SUBTRACTION_PROMPTS)))
-    for a, b in itertools.product(DEMO_ROWS, DEMO_PER_ROW):
-        # The running sums b + b, 2b + b, ... must not spell out a held-out addition either.
-        if (a, b) not in held["multiplication"] and not any((b * row, b) in held_sums for row in range(1, a)):
-            for prompt, thing in rng.sample(list(itertools.product(APPLE_PROMPTS, APPLE_THINGS)), 16):
-                problems.append(demo_problem("multiplication", a, b, prompt, thing))
-    records = [{"messages": [{"role": "user", "content": p["prompt"]},
-                             {"role": "assistant", "content": p["answer"], "reasoning": p["reasoning"]}]}
-               for p in problems]
-    sentences = {f"{name} {verb} {count} {thing} {place}."
-                 for name, verb, thing, place, count in itertools.product(
-                     *SENTENCE_PARTS.values(), ("two", "three", "many", "some"))}
-    sentences = sorted(sentences)
-    rng.shuffle(sentences)
-    for start in range(0, len(records) // 10 * 2, 2):
-        records.append({"text": f"{sentences[start]} {sentences[start + 1]}"})
-    rng.shuffle(records)
-    return records, eval_problems
+# The embedded demo corpus (its problems and held-out set: demo_corpus.py).
 
 
 def build_demo_corpus(out_dir: str | Path, overwrite: bool = False, seed: int = DEMO_SEED, **options) -> Path:

@@ -28,14 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import checkpoint_store as store
 import corpus_format
-import data
+import demo_corpus
+import export_hf
 import generation
-from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, read_json, sha256_file, utc_now
+from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, sha256_file, utc_now
 
 LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' 'accelerate>=1.1'"  # accelerate: lm-eval's HF model class
 CHOICE_METRICS = ("acc", "acc_norm", "acc_bytes")
-CARD_START, CARD_END = "<!-- tinyllm:benchmarks -->", "<!-- /tinyllm:benchmarks -->"
 DEFAULT_SEED = 1234
 
 
@@ -390,42 +391,7 @@ def evaluate(model_or_run: str, task_specs: Sequence[str], limit: int | None = N
 
 
 # ----------------------------------------------------------------------------------------------
-# What a person sees: one table, RUN/eval/*.json, the model card's benchmark section.
-
-
-def _cell(value) -> str:
-    return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
-
-
-def score_table(result: dict) -> str:
-    """A Markdown table: task, kind, n, acc, acc_norm, exact_match."""
-    columns = ("acc", "acc_norm", "exact_match")
-    lines = ["| task | kind | n | " + " | ".join(columns) + " |", "|---|---|---:|" + "---:|" * len(columns)]
-    for name, scores in result["tasks"].items():
-        lines.append(f"| {name} | {scores['kind']} | {scores['n']} | "
-                     + " | ".join(_cell(scores.get(column)) for column in columns) + " |")
-    return "\n".join(lines)
-
-
-def settings_line(harness: dict) -> str:
-    return ", ".join(f"{key} {value}" for key, value in harness.items() if not isinstance(value, dict))
-
-
-def card_section(result: dict) -> str:
-    return "\n".join([CARD_START, "## Benchmark scores", "", score_table(result), "",
-                      f"Zero-shot, `python report.py evaluate` ({result['time']}); settings: "
-                      f"{settings_line(result['harness'])}. Scores from other harnesses or normalisations "
-                      "do not compare with these.", CARD_END, ""])
-
-
-def add_to_card(card: str, result: dict) -> str:
-    """The model card with its benchmark section replaced (or added before 'How to use')."""
-    section = card_section(result)
-    if CARD_START in card and CARD_END in card:
-        head, rest = card.split(CARD_START, 1)
-        return head + section + rest.split(CARD_END, 1)[1].lstrip("\n")
-    marker = "## How to use"
-    return card.replace(marker, section + "\n" + marker, 1) if marker in card else card + "\n" + section
+# What a run keeps of its scores: RUN/eval/*.json, the model card's benchmark section (export_hf).
 
 
 def write_outputs(result: dict, json_out: str | None = None) -> list[Path]:
@@ -441,23 +407,22 @@ def write_outputs(result: dict, json_out: str | None = None) -> list[Path]:
             atomic_write_json(path, {**{key: result[key] for key in result if key != "tasks"},
                                      "task": name, "scores": scores})
             written.append(path)
-    card = Path(result["model"]) / "README.md"
-    if card.is_file():
-        atomic_write_text(card, add_to_card(card.read_text(encoding="utf-8"), result))
+    card = export_hf.write_scores(Path(result["model"]), result)
+    if card is not None:
         written.append(card)
         record_card_hash(result["run"], card)
     return written
 
 
 def record_card_hash(run: str | None, card: Path) -> None:
-    """Keep run_status.json's sha256 of model/README.md true after the card gained its scores."""
-    status_path = Path(run, "run_status.json") if run else None
-    if status_path is None or not status_path.is_file():
+    """Keep run_status.json's sha256 of model/README.md true after the card gained its scores (its one
+    writer, checkpoint_store.RunStatus, amends the finished run's record)."""
+    if run is None:
         return
-    status = read_json(status_path, "run status")
-    if isinstance(status.get("model_files"), dict) and "README.md" in status["model_files"]:
-        status["model_files"]["README.md"] = sha256_file(card)
-        atomic_write_json(status_path, status)
+    status = store.RunStatus(Path(run))
+    model_files = status.previous.get("model_files")
+    if isinstance(model_files, dict) and "README.md" in model_files:
+        status.amend(model_files={**model_files, "README.md": sha256_file(card)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,17 +430,17 @@ def record_card_hash(run: str | None, card: Path) -> None:
 
 
 def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
-    """The demo's held-out problems (data.demo_held_out) as {"context", "choices", "answer"} items: the chat
+    """The demo's held-out problems (demo_corpus.demo_held_out) as {"context", "choices", "answer"} items: the chat
     prompt and the worked reply up to its last ' = ' as the context; the right result (and answer) among
     three wrong ones near it, at a seeded position. Chance is 0.25."""
     rng = random.Random(seed)
-    prompts = {"addition": data.ADDITION_PROMPTS, "subtraction": data.SUBTRACTION_PROMPTS,
-               "multiplication": data.APPLE_PROMPTS}
+    prompts = {"addition": demo_corpus.ADDITION_PROMPTS, "subtraction": demo_corpus.SUBTRACTION_PROMPTS,
+               "multiplication": demo_corpus.APPLE_PROMPTS}
     items = []
-    for task, pairs in data.demo_held_out(random.Random(data.DEMO_SEED)).items():
+    for task, pairs in demo_corpus.demo_held_out(random.Random(demo_corpus.DEMO_SEED)).items():
         for a, b in sorted(pairs):
-            problem = data.demo_problem(task, a, b, prompts[task][0])
-            reply = data.render_assistant(problem["answer"], problem["reasoning"])
+            problem = demo_corpus.demo_problem(task, a, b, prompts[task][0])
+            reply = corpus_format.render_assistant(problem["answer"], problem["reasoning"])
             cut = reply.rindex(" = ")
             right = int(problem["answer"])
             wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)

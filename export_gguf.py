@@ -42,6 +42,18 @@ from common import (
     run_main,
     sha256_file,
 )
+from corpus_format import (
+    BOS,
+    EOS,
+    IM_END,
+    IM_START,
+    PAD,
+    QWEN2_SPLIT_PATTERN,
+    SPECIAL_TOKENS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    load_tokenizer,
+)
 from model_config import Preset, nonpositive_field
 
 GGUF_SUFFIX = ".gguf"
@@ -63,7 +75,7 @@ OUT_TYPES = {
 # The GGUF has eos = <eos> and eot = <|im_end|>; llama.cpp treats both as end-of-generation.
 STOP_TOKENS = ("<|im_end|>", "<eos>")
 
-# ChatML in ollama's Go template syntax, rendering exactly what data.CHAT_TEMPLATE renders with
+# ChatML in ollama's Go template syntax, rendering exactly what corpus_format.CHAT_TEMPLATE renders with
 # add_generation_prompt=True (system messages come through .Messages like any other role).
 OLLAMA_TEMPLATE = (
     "{{- range .Messages }}<|im_start|>{{ .Role }}\n"
@@ -192,8 +204,6 @@ def token_text(value) -> str | None:
 
 def read_vocab(source: ModelSource) -> Vocab:
     """The tokenizer of `source.folder` as GGUF wants it, checked against the model and llama.cpp."""
-    from corpus_format import IM_END, SPECIAL_TOKENS
-    from data import QWEN2_SPLIT_PATTERN
 
     folder = source.folder
     tokenizer_path = folder / "tokenizer.json"
@@ -236,7 +246,6 @@ def read_vocab(source: ModelSource) -> Vocab:
 
 def token_type(token: str, added: dict | None) -> int:
     """GGUF's type of a token: normal, or for an added one control (special) or user-defined."""
-    from corpus_format import THINK_CLOSE, THINK_OPEN
 
     if added is None:
         return int(gguf.TokenType.NORMAL)
@@ -249,7 +258,6 @@ def token_type(token: str, added: dict | None) -> int:
 
 def role_token_ids(source: ModelSource, tokens: list[str], tokenizer_config: dict) -> dict[str, int]:
     """The bos, eos and pad ids the tokenizer config names, checked against the model's config.json."""
-    from corpus_format import BOS, EOS, PAD
 
     folder, ids = source.folder, {}
     for role, default in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
@@ -1014,7 +1022,6 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     from transformers import Qwen3ForCausalLM
     from transformers.utils import logging as transformers_logging
 
-    from corpus_format import load_tokenizer
 
     transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(folder)
@@ -1090,7 +1097,6 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
         raise VerificationFailed(f"llama.cpp does not stop generating at {not_stop}")
     if llama_cpp.llama_vocab_get_add_bos(vocab):
         raise VerificationFailed("llama.cpp would add a BOS token to every prompt")
-    from corpus_format import IM_START, THINK_CLOSE, THINK_OPEN
 
     for token, shown in ((THINK_OPEN, THINK_OPEN), (THINK_CLOSE, THINK_CLOSE), (IM_START, "")):
         printed = llm.detokenize([tokenizer.convert_tokens_to_ids(token)], special=False).decode("utf-8")

@@ -288,26 +288,15 @@ def layer_activation_bytes(preset: Preset, precision: str) -> int:
 
 def attention_bytes(kernel: str, preset: Preset, batch_size: int, context: int, precision: str,
                     grad_checkpoint: bool) -> int:
-    """What one step's attention holds beyond layer_activation_bytes, by kernel (attention.AttentionPlan's
-    names), for micro-batches with document boundaries:
-    - the masked kernels: the (B, 1, C, C) boolean mask, and per layer the additive mask SDPA makes of it
-      and keeps for the backward (B C^2 in the compute dtype: 16 MiB at 8 x 1024 in half, measured on CPU);
-      "masked math" also the scores and their softmax (B H C^2, fp32 and the compute dtype);
-    - the varlen kernels: per layer the fp32 logsumexp (H per token), the efficient kernel also its K/V
-      heads repeated to the query heads (kept as its inputs); cu_seqlens is a few bytes.
-    Under --grad-checkpoint only one layer's is held at a time."""
+    """What one step's attention holds beyond layer_activation_bytes for micro-batches with document
+    boundaries, by its kernel's record (attention.kernel(kernel).held_bytes: the masked kernels' mask, the
+    varlen kernels' logsumexp). Under --grad-checkpoint only one layer's is held at a time."""
+    import attention
+
     element = 2 if precision in ("fp16", "bf16") else 4
     layers = 1 if grad_checkpoint else preset.layers
-    tokens = batch_size * context
-    if kernel.startswith("masked"):
-        square = batch_size * context * context
-        per_layer = square * element + (preset.heads * square * (4 + element) if kernel == "masked math" else 0)
-        return square + layers * per_layer
-    if kernel.endswith("varlen"):
-        repeated = 2 * (preset.heads - preset.kv_heads) * preset.head_dim * element if kernel.startswith(
-            "efficient") else 0
-        return layers * tokens * (4 * preset.heads + repeated)
-    return 0
+    return attention.kernel(kernel).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, batch_size, context,
+                                               element, layers)
 
 
 def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str,
@@ -502,12 +491,17 @@ class CardRates:
 # Assumptions, each with its reason, until bench/bench_gpu.py measures them on the card (its think72 GEMM
 # shapes' TFLOP/s and copy bandwidth): a sustained figure, never the datasheet's (hardware.CARDS).
 ROOFLINE_RATES = {
-    "T4": CardRates(20, 10, 240, 15, PCIE_ALL_REDUCE_GBS, 12,
-                    "matmul: ~24 TFLOP/s on a 4096^3 fp16 cuBLAS matmul under the 70 W cap (NVIDIA forum, "
-                    "'About GPU peak performance'), less at think72's K=512 shapes; attention: assumed ~0.4 "
-                    "of that for the memory-efficient kernel on ~400-token documents; 75% of 320 GB/s; "
-                    "15 us a kernel of eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe "
-                    "all-reduce (nccl-tests on PCIe pairs without peer-to-peer: 4-6)"),
+    "T4": CardRates(17, 7, 200, 15, PCIE_ALL_REDUCE_GBS, 12,
+                    "central: matmul 17 TFLOP/s, 0.7 of the ~24 TFLOP/s a 4096^3 fp16 cuBLAS matmul sustains "
+                    "under the T4's 70 W cap (NVIDIA developer forum, 'About GPU peak performance', 2023; "
+                    "65 TFLOP/s on the datasheet is the boost clock's) at think72's K = 512 products (few "
+                    "waves over 40 SMs); attention 7 TFLOP/s of the FLOPs the sm_75 memory-efficient kernel "
+                    "executes at its tiles (assumed: 0.3 of that cuBLAS rate, its softmax between two MMAs "
+                    "on 32-query tiles, no cp.async on sm_75); 200 GB/s, 62% of the datasheet's 320 GB/s "
+                    "GDDR6 (NVIDIA T4 datasheet) with ECC on as cloud T4s run it (assumed); 15 us a kernel of "
+                    "eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe all-reduce (nccl-tests "
+                    "on PCIe pairs without peer-to-peer: 4-6). bench/bench_gpu.py's roofline:gemm, "
+                    "roofline:copy and attention:bench measure them on the first T4"),
     "L4": CardRates(60, 25, 240, 10, 0, 30,
                     "assumed: bf16 121 TFLOP/s dense on paper, the same 72 W cap as the T4 (about half "
                     "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s; 10 us "
@@ -522,6 +516,19 @@ ROOFLINE_RATES = {
                       "D2D copy reaches ~3,020)"),
     "H200": CardRates(350, 180, 4300, 10, 0, 150,
                       "as the H100 (the same compute); ~90% of 4,800 GB/s"),
+}
+
+
+# The T4's optimistic and pessimistic rates beside the central ones (ROOFLINE_RATES["T4"]): the range of
+# bench/bench_roofline.py's last line.
+T4_RATE_RANGE = {
+    "optimistic": CardRates(20, 10, 240, 15, PCIE_ALL_REDUCE_GBS, 12,
+                            "0.83 of the forum's 24 TFLOP/s on think72's shapes; attention 0.4 of it; 75% of "
+                            "320 GB/s (a streaming copy on GDDR6 without ECC); the link at 5 GB/s"),
+    "pessimistic": CardRates(14, 5, 180, 15, 4.0, 10,
+                             "0.58 of the forum's 24 TFLOP/s (the 70 W cap under a hot, shared host); attention "
+                             "0.2 of it; 56% of 320 GB/s; the link at 4 GB/s, the low end of nccl-tests on PCIe "
+                             "pairs without peer-to-peer"),
 }
 
 
@@ -611,22 +618,24 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
 
 
 # think72 (vocab 33,069) at micro-batch 8 x 1024, per --precision auto dtype and mode, as
-# `python bench/bench_roofline.py` counts them (the training model on the card's attention plan; the
-# compiled figures are its fusion model, not Inductor's). bench_roofline.py checks that these are its counts.
-def _think72(attention_bytes: float, other_bytes: float, launches: int, optimizer_bytes: float,
-             optimizer_launches: int) -> CountedStep:
-    """think72's counts at 8 x 1024: what the dtypes and modes share (matmuls, attention FLOPs, Muon, gradients)."""
+# `python bench/bench_roofline.py` counts them (the training model on the card's attention plan, its FLOPs
+# as the kernel executes them over 4,000 packed rows: the T4's at its sm_75 tiles; the compiled bytes outside
+# matmuls and attention are Inductor's own count, bench_roofline.INDUCTOR_RECORDED). bench_roofline.py checks
+# that these are its counts.
+def _think72(attention_flops: float, attention_bytes: float, other_bytes: float, launches: int,
+             optimizer_bytes: float, optimizer_launches: int) -> CountedStep:
+    """think72's counts at 8 x 1024: what the dtypes and modes share (matmuls, Muon, gradients)."""
     return CountedStep(micro_batch_tokens=8192, matmul_flops=4.31889e8, matmul_bytes=1.29959e6,
-                       attention_flops=3.02816e7, attention_bytes=attention_bytes, other_bytes=other_bytes,
+                       attention_flops=attention_flops, attention_bytes=attention_bytes, other_bytes=other_bytes,
                        launches=launches, optimizer_bytes=optimizer_bytes, optimizer_launches=optimizer_launches,
                        newton_schulz_flops=3.47624e11, gradient_bytes=2.88e8, broadcast_bytes=5.50502e7)
 
 
 ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
-    ("fp16", "eager"): _think72(403200, 5.42114e6, 1721, 5.86141e9, 2380),
-    ("fp16", "compiled"): _think72(403200, 1.6499e6, 795, 5.86141e9, 2380),
-    ("bf16", "eager"): _think72(317184, 5.22088e6, 1693, 4.95511e9, 2276),
-    ("bf16", "compiled"): _think72(317184, 1.52133e6, 795, 4.95511e9, 2276),
+    ("fp16", "eager"): _think72(6.65079e7, 403200, 5.15151e6, 1735, 5.86141e9, 2380),
+    ("fp16", "compiled"): _think72(6.65079e7, 403200, 2.23229e6, 1045, 5.86141e9, 2380),
+    ("bf16", "eager"): _think72(4.48701e7, 317184, 4.95012e6, 1679, 4.95511e9, 2276),
+    ("bf16", "compiled"): _think72(4.48701e7, 317184, 2.23229e6, 1045, 4.95511e9, 2276),
 }
 
 

@@ -72,8 +72,21 @@ def cross_entropy_and_gradient_(logits: torch.Tensor, targets: torch.Tensor,
         per_row = per_row + z_loss * logsumexp.square()
         scale = scale * (1 + 2 * z_loss * logsumexp)
     gradient = exps.mul_(scale[:, None])
-    gradient.scatter_add_(1, rows, -counted[:, None].to(gradient.dtype))
-    return torch.where(counted, per_row, 0.0).sum(), gradient
+    return torch.where(counted, per_row, 0.0).sum(), subtract_one_hot_(gradient, rows, counted)
+
+
+def subtract_one_hot_(gradient: torch.Tensor, rows: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """`gradient` less 1 at each counted row's target column (rows: (N, 1) targets), returned. Eagerly a
+    scatter in place that touches only those N elements; compiled an element-wise select over the row, which
+    Inductor fuses into the kernel that makes the gradient (and its cast for the matmuls): a scatter is a
+    kernel of its own, and the gradient would then be written in fp32, read back and cast in two more passes
+    over the vocabulary (bench/RESULTS.md, "The honest count"). The same arithmetic either way: x + (-1) and
+    x - 1 round alike."""
+    ones = counted[:, None].to(gradient.dtype)
+    if torch.compiler.is_compiling():
+        columns = torch.arange(gradient.size(1), device=gradient.device)
+        return torch.where(columns == rows, gradient - ones, gradient)
+    return gradient.scatter_add_(1, rows, -ones)
 
 
 
@@ -112,9 +125,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             chunk, chunk_targets = hidden[rows].to(dtype), targets[rows]
             logits = (chunk @ weight_cast.t()).float()
             loss, grad_logits = cross_entropy_and_gradient_(logits, chunk_targets, z_loss)
-            # not `total += loss`: torch 2.11's Dynamo gives a Function whose output is a tensor made in its
-            # forward and added to in place zero gradients (the compiled model did not train)
-            total = total + loss
+            total = total + loss  # not +=: torch 2.11's compile then zeroes every gradient through the loss
             grad_logits = grad_logits.to(dtype)
             grad_hidden[rows] = grad_logits @ weight_cast
             grad_weight += grad_logits.t() @ chunk

@@ -1,7 +1,7 @@
 """Publishing a finished run: `python report.py publish RUN URL` uploads its model, GGUF files, settings and
 loss curve, in one flat layout (publish_layout), to a Hugging Face model repository (hf://USER/REPO, private
-unless --public) or any backup store checkpoint_cloud.py reaches (a folder, s3://, gs://), and verifies
-every file after the upload.
+unless --public) or a folder or any other store remote_store.py opens (STORES_TEXT, from remote_store.BACKENDS),
+and verifies every file after the upload.
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ import os
 import sys
 from pathlib import Path
 
-import checkpoint_cloud
+import artifacts
 import checkpoint_store as store
+import remote_store
 from common import UserError, read_json_or, sha256_file
 
-PUBLISHED_RUN_FILES = ("training_settings.json", "loss_curve.png")  # beside the model's files and the GGUFs
+# beside the model's files and the GGUFs: the run's settings, and what the end-of-run artifacts declare published
+PUBLISHED_RUN_FILES = ("training_settings.json", *artifacts.published_files())
+HUB_SCHEME = "hf"  # hf://USER/REPO: a model repository, through the Hub's API; any other URL: remote_store
+STORES_TEXT = f"a folder, {remote_store.schemes_text(', ', last=' or ', without=(HUB_SCHEME,))} URL"
 
 
 def publish_layout(run: Path) -> dict[str, Path]:
@@ -82,13 +86,13 @@ def publish_to_hub(files: dict[str, Path], url: str, public: bool, api=None) -> 
 
 
 def publish_to_store(files: dict[str, Path], url: str) -> str:
-    """A folder, s3:// or gs:// URL: each file uploaded and verified as backups are (checkpoint_cloud)."""
-    fs, root = checkpoint_cloud.open_remote(url)
-    shown = checkpoint_cloud.printable_backup_url(url) or "the publish URL"
+    """STORES_TEXT: each file uploaded and verified as backups are (remote_store.upload_verified)."""
+    fs, root = remote_store.open_remote(url)
+    shown = remote_store.printable_url(url) or "the publish URL"
     try:
         for name, path in files.items():
-            checkpoint_cloud.upload_verified(fs, path, f"{root.rstrip('/')}/{name}")
-    except checkpoint_cloud.VerificationError as error:
+            remote_store.upload_verified(fs, path, f"{root.rstrip('/')}/{name}")
+    except remote_store.VerificationError as error:
         raise UserError(f"publish to {shown}: {error}") from None
     except OSError as error:
         raise UserError(f"publish to {shown} failed: {type(error).__name__}: {error}") from None
@@ -103,8 +107,8 @@ def publish(run: str | os.PathLike, url: str, public: bool = False, api=None) ->
     if status != store.COMPLETE:
         print(f"warning: {run} is {status or 'without a run_status.json'}, not COMPLETE: its model card says so",
               file=sys.stderr, flush=True)
-    if url.lower().startswith("hf://"):
+    if remote_store.scheme_of(url) == HUB_SCHEME:
         return publish_to_hub(files, url, public, api)
     if public:
-        raise UserError("publish --public is for hf:// repositories (a store's access is its own setting)")
+        raise UserError(f"publish --public is for {HUB_SCHEME}:// repositories (a store's access is its own setting)")
     return publish_to_store(files, url)

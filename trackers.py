@@ -1,7 +1,7 @@
-"""Experiment trackers (--log-to): sinks that report.MetricsLog.write feeds with every metrics.jsonl record.
+"""Experiment trackers (--log-to): sinks that metrics_log.MetricsLog.write feeds with every metrics.jsonl record.
 
     sinks = trackers.open_trackers(("tensorboard", "wandb"), RUN, run_id, settings)
-    metrics = report.MetricsLog(RUN / "metrics.jsonl", enabled=True, sinks=sinks)
+    metrics = metrics_log.MetricsLog(RUN / "metrics.jsonl", enabled=True, sinks=sinks)
 
 TensorBoard writes one events file per run (RUN/events.out.tfevents.tinyllm, rewritten from the
 records metrics.jsonl keeps on a resume); W&B and trackio resume their own run (RUN/trackers.json:

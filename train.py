@@ -13,13 +13,14 @@ writer). The optimization (the recipe and its options, the optimizers, clipping,
 optimization.py's.
 Its siblings hold the rest: the corpus reader and data order (train_data.py), the model (model_config.py),
 attention's kernels and their plan (attention.py), per-device rules and measurements (hardware.py), the ranks
-(distributed.py), what observes the run (callbacks.py: the metrics log, the validation, the --eval-tasks,
-the end-of-run report, each a callback whose hooks the loop calls), metrics and the final line (report.py).
+(distributed.py), what observes the run (callbacks.py: the train log, the validation, the --eval-tasks;
+artifacts.py: the end-of-run outputs; each a callback whose hooks the loop calls), metrics.jsonl
+(metrics_log.py), the progress and the final line (report.py).
 Every piece of state that must survive a restart is a small object with state_dict()/load_state_dict():
 the data order, the optimizers, the loss scaler, the RNG of every rank and each observer's; the
 store.Checkpointer writes them on a background thread.
-At the end, report.py draws the loss curve, samples the model, measures its held-out task
-accuracy and exports RUN/model/ as a Hugging Face folder; checkpoint_cloud.py mirrors the
+At the end, the artifacts (artifacts.py) draw the loss curve, sample the model, measure its held-out task
+accuracy and export RUN/model/ as a Hugging Face folder (export_hf.py); checkpoint_cloud.py mirrors the
 checkpoints to remote storage (--backup-to) and restores them on a fresh machine.
 """
 
@@ -50,6 +51,7 @@ except ModuleNotFoundError as missing:  # no torch at all: one line with this ma
     sys.exit(f"error: {hardware.torch_install_problem(None, hardware.read_driver_cuda())}")
 import torch.distributed as dist
 
+import artifacts
 import attention
 import budget
 import callbacks
@@ -61,8 +63,10 @@ import evaluation
 import generation
 import hardware
 import losses
+import metrics_log
 import model_config
 import optimization
+import remote_store
 import report
 import trackers
 import train_data
@@ -76,6 +80,7 @@ from common import (
     check_options,
     config_argv,
     finite,
+    given_options,
     not_negative,
     option,
     option_fields,
@@ -86,6 +91,7 @@ from common import (
     remove_temporaries,
     run_main,
     say,
+    say_error,
     seed_everything,
     utc_now,
 )
@@ -116,7 +122,7 @@ OUTPUT, BACKUP = "what a run shows and leaves behind", "checkpoint backup (check
 OPTION_GROUPS = (PATHS, MODEL, BUDGET, optimization.OPTIONS, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
 
 
-DATA_HELP = (f"corpus folder built by data.py, or a corpus URL (s3:// gs:// hf://, pulled once into "
+DATA_HELP = (f"corpus folder built by data.py, or a corpus URL ({remote_store.schemes_text()}, pulled once into "
              f"{train_data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
              f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
 
@@ -262,7 +268,7 @@ class SessionSettings:
                                checks=(not_negative,))
     sample_seed: int = option(0, "sample_generations.json: seed of the sampling (reproducible replies)", OUTPUT)
     backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
-        None, "mirror checkpoints to this folder / s3:// / gs:// / hf:// URL in the background (alias: "
+        None, f"mirror checkpoints to this folder / {remote_store.schemes_text(' / ')} URL in the background (alias: "
               "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
     remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
     remote_keep_every: int = option(10, "also keep every Nth save on the remote forever: every multiple of N x "
@@ -455,6 +461,7 @@ class Training:
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
         self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
         self.compile = hardware.use_compile(session.compile, self.hardware)
+        self.compile_fallback: str | None = None  # why compile_at_start went eager (its first line)
         self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model, run.z_loss), info,
                                                            hardware.wrap_order(self.compile, info.world))
         self.compile_seconds = compile_at_start(self) if self.compile else None
@@ -556,7 +563,8 @@ class Training:
 def choose_attention(training: Training):
     """attention.choose_attention's plan for this card and dtype, applied (attention.apply_attention_plan),
     probed on the real paths: a micro-batch with a document boundary and one without."""
-    plan = attention.choose_attention(training.hardware, training.precision, training.preset.head_dim)
+    plan, *alternatives = attention.attention_plans(training.hardware, training.precision, training.preset.head_dim,
+                                                    attention.torch_kernels())
     problem = attention.check_plan(plan, training.context)
     if problem:
         raise UserError(problem)
@@ -569,10 +577,11 @@ def choose_attention(training: Training):
                                                                                                  batch.documents))
                 hidden.last_hidden_state.float().sum().backward()
 
-    context, label, warning = attention.apply_attention_plan(training.model, plan, probe_step)
+    context, label, warning, in_effect = attention.apply_attention_plan(training.model, plan, probe_step,
+                                                                        alternatives)
     if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
-    return plan, context, label
+    return in_effect, context, label
 
 
 def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Batch:
@@ -622,6 +631,7 @@ def compile_at_start(training: Training) -> float | None:
             losses.LanguageModelLoss(training.model, training.run.z_loss), training.info,
             hardware.wrap_order(False, training.info.world))
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        training.compile_fallback = f"{type(error).__name__}: {first}"
         warn(f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
              "goes on eagerly (slower); --no-compile skips the attempt")
         return None
@@ -913,13 +923,15 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
-    # --budget: the run's plan, made once (None without)
-    settings, plan = budget.settle(settings, info, corpus, build_parser(), measure_speed(settings, info))
+    # --budget: the run's plan, made once (None without), applied here
+    given = given_options(build_parser(), settings.invocation.argv)
+    plan = budget.settle(settings, info, corpus, given, measure_speed(settings, info))
+    settings = budget.apply(settings, plan, info.world)
 
     status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
                              resume_command=resume_command(info, settings.invocation.argv))
     training, resume_path, observed = start_training(settings, info, corpus)
-    training.budget_plan = plan
+    training.budget_plan = plan.as_record() if plan else None
     scorer = eval_task_scorer(training)
     note = store.previous_session_note(status.previous, training.step)
     if note:
@@ -927,7 +939,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     recorded = recorded_settings(training)
     sinks = trackers.open_trackers(trackers.tracker_names(session.log_to), out, training.run_id,
                                    recorded) if info.is_main else []
-    metrics = report.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
+    metrics = metrics_log.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
     checkpointer = store.Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
                                 backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
     peak = write_run_files(training, settings, checkpointer, resume_path, recorded)
@@ -955,7 +967,7 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         failure = end_failed_run(training, status, checkpointer, stop, error)
         if failure.message is None:
             raise
-        raise UserError(failure.message) from None
+        raise UserError(failure.message, said=failure.urgent) from None
     finally:
         observers.close()
         stop.restore()
@@ -1020,6 +1032,8 @@ def describe_run(training: Training) -> None:
     if training.compile_seconds is not None:
         log(info, f"  torch.compile: the model and its loss compiled in {training.compile_seconds:.1f} s at start "
                   "(--no-compile: eager)")
+    elif training.compile_fallback is not None:
+        log(info, f"  torch.compile: fell back to eager at start ({training.compile_fallback})")
     for warning in training.data.warnings():
         say(warning, warning=True, main=info.is_main)
     log(info, training.recipe.describe())
@@ -1048,7 +1062,7 @@ def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None)
     return validation_every, tasks_every
 
 
-def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metrics: report.MetricsLog,
+def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metrics: metrics_log.MetricsLog,
                   progress: report.Progress, status: store.RunStatus, recorded: dict) -> callbacks.Callbacks:
     """The run's observers (callbacks.py), in the order they are called; `recorded`: recorded_settings."""
     session, out = training.session, Path(training.session.out)
@@ -1061,11 +1075,9 @@ def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metr
         callbacks.TaskScores(lambda: score_eval_tasks(training, scorer), tasks_every, *steps, metrics, progress),
     ]
     if training.info.is_main and session.report:
-        facts = report.RunFacts(out, training.data.corpus, training.run.preset, recorded,
-                                generation.sampling_from(vars(session), "sample_"), training.device)
-        observers += [callbacks.LossCurve(out, progress), callbacks.Report(training.model, facts)]
-    if training.info.is_main:
-        observers.append(callbacks.Samples(out, metrics))
+        facts = artifacts.RunFacts(out, training.data.corpus, training.run.preset, recorded,
+                                   generation.sampling_from(vars(session), "sample_"), training.device)
+        observers += artifacts.end_of_run(training.model, facts, metrics, progress)
     return callbacks.Callbacks(observers)
 
 
@@ -1168,6 +1180,7 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self.loop_ended = False  # set once no step is left to take: a signal then only ends the report sooner
+        self.ending_on_error = False  # set once the run ends on an error (end_failed_run): a signal only notes its time
         self.signum = 0  # the first signal's number (0: none yet)
         self.signalled_at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
@@ -1187,6 +1200,8 @@ class StopRequest:
         self.requested = True
         if self.signalled_at is None:
             self.signum, self.signalled_at = int(signum), time.monotonic()
+        if self.ending_on_error:  # its error line says what happened: torchrun's SIGTERM after a lost rank
+            return
         what = ("training has already ended; finishing the run's status and report, then exiting" if self.loop_ended
                 else "finishing this step, saving, then stopping")
         print(f"{signal.Signals(signum).name}: {what}", file=sys.stderr, flush=True)
@@ -1353,7 +1368,7 @@ class Failure:
     reason: str  # its reason
     message: str | None  # the one `error:` line (a UserError); None: the error goes on as it is
     say: str | None = None  # a line for stderr first (a second Ctrl-C: where the run stands)
-    urgent: bool = False  # torchrun tears the job down: the upload wait fits its grace period
+    urgent: bool = False  # torchrun tears the job down: the line is said at once, the upload wait fits its grace
 
 
 def failure_reason(error: BaseException, last_checkpoint: str | None, context: FailureContext) -> Failure:
@@ -1394,6 +1409,7 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
     status at once (before torchrun's SIGKILL, after a lost rank), then waits for the backup."""
     info, session = training.info, training.session
     out = Path(session.out)
+    stop.ending_on_error = True
     if checkpointer is not None:
         with contextlib.suppress(Exception):
             checkpointer.wait()
@@ -1403,8 +1419,11 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
     context = FailureContext(training.step, out / "checkpoints", out / store.STATUS_FILE, command, info.rank,
                              info.world, session.deterministic, advice, status.final)
     failure = failure_reason(error, last, context)
-    if status.failed(failure.status, reason=failure.reason, step=training.step, total_steps=training.total_steps,
-                     last_checkpoint=last, backup_complete=None):
+    recorded = status.failed(failure.status, reason=failure.reason, step=training.step,
+                             total_steps=training.total_steps, last_checkpoint=last, backup_complete=None)
+    if failure.urgent and failure.message:  # now, not at exit: torchrun's SIGTERM may follow at any moment
+        say_error(failure.message)
+    if recorded:
         since = stop.signalled_at or (time.monotonic() if failure.urgent else None)
         with contextlib.suppress(Exception):
             status.update(backup_complete=wait_for_backup(checkpointer, since))
@@ -1447,7 +1466,7 @@ def out_of_memory_advice(training: Training) -> str:
 
 
 def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
-               observers: callbacks.Callbacks, metrics: report.MetricsLog, state: str, reason: str | None,
+               observers: callbacks.Callbacks, metrics: metrics_log.MetricsLog, state: str, reason: str | None,
                stop: StopRequest) -> str:
     """The end of a run that stopped resumably or completed: the test evaluation when complete, then
     (rank 0) the status, the backup, the observers' end-of-run outputs; returns the last line ("" on the
@@ -1459,13 +1478,14 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: store.
                       test_loss=test["loss"], test_perplexity=test["perplexity"],
                       test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"],
                       **callbacks.source_results("test", test))
-        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{report.bits_per_byte_text(test)}")
+        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}"
+                  f"{metrics_log.bits_per_byte_text(test)}")
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return ""
     try:
-        end = report.RunEnd(state, training.step, training.total_steps, training.step * training.tokens_per_step,
-                            observers.summary()["validation"], test)
+        end = callbacks.RunEnd(state, training.step, training.total_steps, training.step * training.tokens_per_step,
+                               observers.summary()["validation"], test)
         return finish_on_main(training, status, checkpointer, observers, end, reason, stop)
     finally:
         if info.world > 1:
@@ -1473,7 +1493,7 @@ def finish_run(training: Training, status: store.RunStatus, checkpointer: store.
 
 
 def finish_on_main(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer,
-                   observers: callbacks.Callbacks, end: report.RunEnd, reason: str | None, stop: StopRequest) -> str:
+                   observers: callbacks.Callbacks, end: callbacks.RunEnd, reason: str | None, stop: StopRequest) -> str:
     """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
     and model/ `pending`, with the command that makes them), then the backup, the observers' on_end (the
     report, the status again with what it made); returns the last line.
@@ -1496,7 +1516,7 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
     return report.final_line(out, end.status, status.record)
 
 
-def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: dict) -> dict:
+def final_record(out: Path, end: callbacks.RunEnd, reason: str | None, measured: dict) -> dict:
     """What a finished session's status says of the run: where it stands, its losses, its last checkpoint;
     `measured`: the observers' summary (callbacks.Callbacks.summary)."""
     return {
@@ -1509,7 +1529,7 @@ def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: di
         "validation": measured["validation"],
         "test": end.test,
         "test_loss": end.test["loss"] if end.test else None,
-        "train_loss": report.last_train_loss(out),
+        "train_loss": metrics_log.last_train_loss(out),
         "tasks": measured["tasks"],
         "tasks_step": measured["tasks_step"],
         "backup_complete": None,  # null until the upload wait ends (or with no backup)
@@ -1518,7 +1538,7 @@ def final_record(out: Path, end: report.RunEnd, reason: str | None, measured: di
 
 def report_outputs(asked: bool, found: dict | None) -> dict[str, str]:
     """run_status.json's `outputs`: the report and model/ "off" (--no-report), "pending" (not made
-    yet: `found` None), "done" or "failed" (report_run's `report_errors` say why)."""
+    yet: `found` None), "done" or "failed" (the artifacts' `report_errors` say why)."""
     if not asked:
         return {"report": "off", "model": "off"}
     if found is None:
@@ -1536,13 +1556,13 @@ def export_only(settings: Settings, info: distributed.DistInfo) -> int:
     new = not out.exists()
     lock = store.lock_run_folder(out)
     try:
-        return export_checkpoint(settings, info)
+        return export_under_lock(settings, info)
     finally:
         store.release_run_folder(out, lock, new)  # refused: leave no folder behind
 
 
-def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
-    """export_only's work, under the lock."""
+def export_under_lock(settings: Settings, info: distributed.DistInfo) -> int:
+    """export_only's work, under the lock: the end-of-run artifacts of the checkpoint (artifacts.py)."""
     out = Path(settings.session.out)
     path = store.find_resume_checkpoint(out, settings.invocation.resume)
     if path is None:
@@ -1551,7 +1571,8 @@ def export_checkpoint(settings: Settings, info: distributed.DistInfo) -> int:
     checkpoint = store.load_checkpoint_file(path)
     corpus = Path(checkpoint["settings"]["runtime"]["data"]) if settings.invocation.demo \
         else train_data.prepare_corpus(settings.session.data, demo=False)
-    report.export_checkpoint(checkpoint, path, out, corpus, info.device)
+    sampling = generation.sampling_from(vars(settings.session), "sample_")  # the samples of a complete checkpoint
+    artifacts.make_from_checkpoint(checkpoint, path, out, corpus, sampling, info.device)
     return 0
 
 
@@ -1582,7 +1603,7 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
 
 
 def shown_backup_url(url: str) -> str:
-    printable = checkpoint_cloud.printable_backup_url(url)
+    printable = remote_store.printable_url(url)
     return checkpoint_cloud.BACKUP_URL_PLACEHOLDER if printable is None else printable
 
 

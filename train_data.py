@@ -28,6 +28,8 @@ import numpy as np
 
 import attention
 import corpus_format
+import data
+import remote_store
 from common import UserError, say, script_command
 from corpus_format import CORPUS_MANIFEST, MASK_ASSISTANT, MASK_CLASSES, MASK_TEXT, PAD, SOURCE_NAME, Manifest
 
@@ -40,17 +42,13 @@ if TYPE_CHECKING:
 PULLED_CORPORA = "corpus"  # train.py --data URL is pulled into corpus/<name>-<hash of the URL>
 
 
-def is_url(data_option: str) -> bool:
-    return "://" in data_option and not data_option.startswith("file://")
-
-
 def local_corpus_folder(data_option: str) -> Path:
     """Where the corpus of a --data value is read: a URL's pulled copy, else the folder itself."""
-    if is_url(data_option):
+    if remote_store.is_url(data_option):
         url = data_option.rstrip("/")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1]) or "corpus"
         return Path(PULLED_CORPORA) / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
-    return Path(data_option.removeprefix("file://"))
+    return remote_store.local_path(data_option)
 
 
 def corpus_options(data: str | Sequence[str]) -> list[str]:
@@ -89,15 +87,11 @@ def prepare_one_corpus(data_option: str, demo: bool) -> Path:
     corpus = local_corpus_folder(data_option)
     if demo:
         if not (corpus / CORPUS_MANIFEST).is_file():
-            import data  # the corpus builder
-
             say(f"demo: building the demo corpus in {corpus} ({script_command('data')} --demo --out {corpus})")
             data.build_demo_corpus(corpus)
         return corpus
-    if is_url(data_option):
-        import checkpoint_cloud  # a corpus URL is pulled as checkpoints are: only a pull needs it
-
-        return checkpoint_cloud.pull_corpus(data_option, corpus)
+    if remote_store.is_url(data_option):
+        return remote_store.pull_corpus(data_option, corpus)
     check_corpus_folder(corpus)
     return corpus
 

@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from bench_packing import changelog_entries, heldout_bpb  # noqa: E402
-from bench_recipe import kjv_documents  # noqa: E402
+from bench_packing import heldout_bpb  # noqa: E402
+from bench_texts import changelog_entries, kjv_documents  # noqa: E402
 
 import budget  # noqa: E402
 import corpus_format  # noqa: E402

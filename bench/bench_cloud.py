@@ -35,6 +35,7 @@ from s3_server import free_port, start_s3_server  # noqa: E402
 
 import checkpoint_cloud  # noqa: E402
 import checkpoint_store  # noqa: E402
+import remote_store  # noqa: E402
 from common import ArgumentParser, atomic_path, sha256_file, utc_now  # noqa: E402
 
 
@@ -128,7 +129,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as scratch:
             url = f"{scratch}/remote" if args.target == "folder" else "s3://bench/run"
             if args.target == "s3":
-                checkpoint_cloud.open_remote("s3://bench")[0].mkdir("bench")
+                remote_store.open_remote("s3://bench")[0].mkdir("bench")
             backup = checkpoint_cloud.BackupProcess(url, checkpoint_store.MirrorPolicy(keep_last=2),
                                                     log=lines.append)
             training = SyntheticTraining(args, Path(scratch) / "run")

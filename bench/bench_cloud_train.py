@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from s3_server import free_port, start_s3_server  # noqa: E402
 
-import checkpoint_cloud  # noqa: E402  (after the path: the bench runs as a script from anywhere)
+import remote_store  # noqa: E402  (after the path: the bench runs as a script from anywhere)
 from common import ArgumentParser  # noqa: E402
 
 POLL_SECONDS = 0.02
@@ -201,7 +201,7 @@ def main() -> int:
     server = start_s3_server(port, work / "moto.log")
     try:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
-        fs, _ = checkpoint_cloud.open_remote(f"s3://{bucket}")
+        fs, _ = remote_store.open_remote(f"s3://{bucket}")
         fs.mkdir(bucket)
         pairs = []
         server_cpu = 0.0

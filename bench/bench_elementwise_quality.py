@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -53,13 +51,12 @@ sys.path.insert(0, str(ROOT))
 from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_packing import changelog_entries  # noqa: E402  (the packing bench's short text)
+from bench_texts import changelog_entries, man_pages  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "elementwise"
 TEXTS = ("manpages", "changelog")
 ARMS = ("before", "after")
 TARGET = 0.005  # issue 31: held-out bpb within 0.5% of the code before it
-MAN_SECTIONS = ("man1", "man2", "man3", "man5", "man7", "man8")
 PROBE_PREFIX = "elementwise arm: "
 
 
@@ -141,29 +138,6 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # The texts.
-
-def man_pages(limit_bytes: int, seed: int = 0) -> list[str]:
-    """English man pages rendered to plain text (one per page), in a shuffled order, at most `limit_bytes`."""
-    if shutil.which("man") is None or shutil.which("col") is None:
-        raise UserError("the long text needs man and col (Debian's man-db and bsdextrautils)")
-    pages = sorted(path for section in MAN_SECTIONS for path in (Path("/usr/share/man") / section).glob("*")
-                   if not path.name.startswith("gcloud"))
-    random.Random(seed).shuffle(pages)
-    env = {**os.environ, "MANWIDTH": "80", "MAN_KEEP_FORMATTING": "", "LC_ALL": "C.UTF-8"}
-    texts, size = [], 0
-    for page in pages:
-        if size >= limit_bytes:
-            break
-        rendered = subprocess.run(["man", "-l", str(page)], capture_output=True, env=env, stdin=subprocess.DEVNULL)
-        plain = subprocess.run(["col", "-bx"], input=rendered.stdout, capture_output=True, env=env).stdout
-        text = re.sub(r"\n{3,}", "\n\n", plain.decode("utf-8", errors="replace")).strip()
-        if rendered.returncode == 0 and len(text) >= 200:  # a rendered page, not a stub or an error
-            texts.append(text)
-            size += len(text.encode("utf-8"))
-    if size < limit_bytes // 2:
-        raise UserError(f"rendered only {size:,} bytes of man pages from /usr/share/man (wanted {limit_bytes:,})")
-    return texts
-
 
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""

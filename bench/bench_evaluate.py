@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def in_loop(work: Path, demo: list[str], items: Path) -> int:
     """The demo without and with --eval-tasks (defaults): wall times, and the scoring's share of the second."""
-    import report
+    import metrics_log
 
     off = timed([*demo, "--out", "runs/off"], work)
     on = timed([*demo, "--out", "runs/on", "--eval-tasks", str(items)], work)
-    records = [record for record in report.read_metrics(work / "runs" / "on" / "metrics.jsonl")
+    records = [record for record in metrics_log.read_metrics(work / "runs" / "on" / "metrics.jsonl")
                if record["kind"] == "tasks"]
     scoring = sum(record["seconds"] for record in records)
     print(f"demo training, --eval-tasks off: {off:.1f} s; on: {on:.1f} s = {on / off:.3f}x")

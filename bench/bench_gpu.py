@@ -871,7 +871,7 @@ class Bench:
                                               scaling=scale)[0]
         implementation = attention.FLASH if "flash" in path else attention.EFFICIENT
         stub = layer_stub(implementation, groups)
-        if path.endswith("varlen"):
+        if attention.kernel(path).boundaries:
             documents = inputs["documents"]
             return attention.varlen_attention(stub, q, k, v, None, scaling=scale, document_starts=documents.cu_seqlens,
                                               longest_document=documents.longest)[0]
@@ -1006,12 +1006,12 @@ class Bench:
             peak = torch.cuda.max_memory_allocated(self.info.device) - base
         self.attention_step(path, inputs)
         output = self.attention_call(path, inputs).detach()
-        reference = references["causal" if path.startswith("causal") else "documents"]
+        reference = references["documents" if attention.kernel(path).exact else "causal"]
         errors = {"output": relative_difference(reference["output"], output[:checked])}
         for name in ("q", "k", "v"):
             errors[f"grad_{name}"] = relative_difference(reference[name], inputs[name].grad[:checked])
         segments = inputs["segments"]
-        if path == "masked sdpa" or path.endswith("varlen"):  # the data reader's Documents (positions, cu_seqlens)
+        if attention.kernel(path).exact:  # the data reader's Documents (positions, cu_seqlens)
             prepare = host_seconds(lambda: attention.documents_of(segments).to(self.info.device), self.args.repeats)
             prepared = "documents_of on the host + copy"
             if path == "masked sdpa":  # and the mask, built on the device in every forward
@@ -1025,7 +1025,7 @@ class Bench:
                 "max_error": max(errors.values()), "errors": errors, "prepare_ms": 1000 * prepare,
                 "prepared": prepared, "per_micro_batch_ms": 1000 * (preset.layers * seconds + prepare),
                 "useful_tflops": useful / seconds / 1e12, "computed_over_useful": computed / useful,
-                "exact": not path.startswith("causal")}
+                "exact": attention.kernel(path).exact}
 
     def attention_reference(self, inputs: dict, rows: int, kind: str) -> dict:
         """fp64 output and gradients of the first `rows` rows: per-document causal ("documents") or

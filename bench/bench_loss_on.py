@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import checkpoint_store as store  # noqa: E402
 import corpus_format  # noqa: E402
 import data  # noqa: E402
+import demo_corpus  # noqa: E402
 import distributed  # noqa: E402
 import evaluation  # noqa: E402
 import train  # noqa: E402
@@ -84,7 +85,7 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
         training.train_step()
         if training.step % args.eval_every == 0 or training.step == training.total_steps:
             training.model.eval()
-            accuracy = evaluation.exact_match_accuracy(training.model, tokenizer, corpus / data.DEMO_EVAL_FILE,
+            accuracy = evaluation.exact_match_accuracy(training.model, tokenizer, corpus / demo_corpus.DEMO_EVAL_FILE,
                                                        limit=args.limit)["accuracy"]
             training.model.train()
             point = {"step": training.step, "tokens": training.step * training.tokens_per_step,

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_recipe  # noqa: E402
+import bench_texts  # noqa: E402
 import torch  # noqa: E402
 
 import corpus_format  # noqa: E402
@@ -93,7 +93,7 @@ def build_corpora(args: argparse.Namespace, work: Path) -> dict[str, Path]:
     work.mkdir(parents=True, exist_ok=True)
     if not args.rebuild and all(corpus_format.is_current_corpus(work / name) for name in ("joint", *SOURCES)):
         return {name: work / name for name in SOURCES}
-    texts = {"prose": bench_recipe.kjv_documents(), "tech": docstring_documents(args.tech_bytes)}
+    texts = {"prose": bench_texts.kjv_documents(), "tech": docstring_documents(args.tech_bytes)}
     for name, documents in texts.items():
         with open(work / f"{name}.jsonl", "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps({"text": text}) + "\n" for text in documents)

@@ -23,11 +23,9 @@ and `stream` (blocks of the test stream, earlier unrelated documents in the cont
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import random
-import re
 import shutil
 import sys
 import time
@@ -38,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from bench_texts import changelog_entries, kjv_documents  # noqa: E402
 
 import corpus_format  # noqa: E402
 import data  # noqa: E402
@@ -48,7 +47,6 @@ from common import ArgumentParser, UserError, atomic_write_json, run_main  # noq
 
 WORK = ROOT / "bench" / "out" / "packing"
 CORPORA = ("short", "changelog", "long")
-ENTRY_START = re.compile(r"^\S+ \([^)]*\) [^;]*; urgency=", re.MULTILINE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,35 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def changelog_entries(limit_bytes: int, seed: int = 0) -> list[str]:
-    """Debian changelog entries (one per package version), shuffled, at most `limit_bytes` of text."""
-    entries = []
-    for path in sorted(Path("/usr/share/doc").glob("*/changelog.Debian.gz")):
-        text = gzip.open(path, "rt", encoding="utf-8", errors="replace").read()
-        starts = [match.start() for match in ENTRY_START.finditer(text)] + [len(text)]
-        entries += [text[a:b].strip() for a, b in zip(starts, starts[1:]) if text[a:b].strip()]
-    if len(entries) < 1000:
-        raise UserError(f"found only {len(entries)} Debian changelog entries in /usr/share/doc; the short corpus "
-                        "needs at least 1,000")
-    random.Random(seed).shuffle(entries)
-    return take_bytes(entries, limit_bytes)
-
-
-def take_bytes(texts: list[str], limit_bytes: int) -> list[str]:
-    """The first texts, in order, until `limit_bytes` of UTF-8 are reached (the one that crosses it included)."""
-    kept, size = [], 0
-    for text in texts:
-        if size >= limit_bytes:
-            break
-        kept.append(text)
-        size += len(text.encode("utf-8"))
-    return kept
-
-
 def build_corpus(name: str, args: argparse.Namespace) -> Path:
     """The corpus `name` (built once and reused while data.py's format stays the same)."""
-    from bench_recipe import kjv_documents
-
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
     if corpus_format.is_current_corpus(corpus):

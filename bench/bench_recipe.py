@@ -36,13 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import nanogpt  # noqa: E402
 import torch  # noqa: E402
+from bench_texts import TEXTS, text_documents  # noqa: E402
 
 import distributed  # noqa: E402
 import model_config  # noqa: E402
@@ -76,7 +74,6 @@ BUILT_IN = {
 BUILT_IN["nanogpt-muon-fp32"] = BUILT_IN["nanogpt-muon"] + " --precision fp32"
 TARGETS = {"baseline": (0.95, 0.75), "nanogpt-muon": (0.85, 0.70)}  # (bpb ratio, time ratio) against the classic
 # recipe (issue 11), against nanoGPT + Muon (issue 30: any --model nanogpt reference)
-TEXTS = ("kjv", "manpages", "changelog")
 TARGET_NEWTON_SCHULZ = 0.005  # issue 19: fp16 Newton-Schulz held-out bpb within 0.5% of stock bf16
 WORK = ROOT / "bench" / "out" / "recipe"
 
@@ -111,38 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report-only", nargs="+", default=None, metavar="RESULTS",
                         help="print the tables and plot of these results files (merged), no training")
     return parser.parse_args(argv)
-
-
-def kjv_documents() -> list[str]:
-    """The KJV Bible, one document per chapter, from Debian's bible-kjv (installed when missing, as root)."""
-    if shutil.which("bible") is None:
-        if os.geteuid() == 0 and shutil.which("apt-get"):
-            print("installing Debian's bible-kjv (the benchmark's real English text) with apt-get", flush=True)
-            subprocess.run(["apt-get", "install", "-y", "-q", "bible-kjv"], check=False,
-                           stdout=subprocess.DEVNULL)
-        if shutil.which("bible") is None:
-            raise UserError("the benchmark text needs Debian's bible-kjv package: sudo apt-get install bible-kjv "
-                            "(or pass --text FILE.jsonl of real English documents)")
-    dump = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, check=True).stdout
-    chapters: dict[tuple[str, str], list[str]] = {}
-    for line in dump.splitlines():
-        verse = re.match(r"([1-3]?[A-Za-z]+)(\d+):\d+ (.*)", line)
-        if verse:
-            chapters.setdefault((verse[1], verse[2]), []).append(verse[3])
-    if len(chapters) != 1189:
-        raise UserError(f"bible -f printed {len(chapters)} chapters, expected 1189")
-    return ["\n".join(verses) for verses in chapters.values()]
-
-
-def text_documents(name: str, limit_bytes: int) -> list[str]:
-    """The documents of a built-in text, at most `limit_bytes` of them."""
-    from bench_elementwise_quality import man_pages
-    from bench_packing import changelog_entries, take_bytes
-
-    if name == "manpages":
-        return man_pages(limit_bytes)
-    return changelog_entries(limit_bytes) if name == "changelog" else take_bytes(kjv_documents(), limit_bytes)
 
 
 def build_corpus(args: argparse.Namespace, work: Path) -> Path:

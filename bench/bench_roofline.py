@@ -14,9 +14,10 @@ free; an in-place op reads and writes its tensor (copy_ only writes it).
 
 Where the CPU and the card dispatch differently, the count follows the card:
 - the attention kernel: the op the CPU runs is counted as the card plan's kernel
-  (attention.choose_attention): its FLOPs are attention.attention_flops of that kernel over each row's
-  documents, its bytes a fused kernel's (q, k, v, o, the logsumexp; backward also dO, dQ, dK, dV and the
-  row sums; K/V heads repeated where the plan repeats them; the masked kernels' bias read once per pass);
+  (attention.choose_attention): its FLOPs are those it executes (executed_attention_flops: the T4's kernel
+  at its tiles, the others attention.attention_flops) over the packed rows' documents, its bytes a fused
+  kernel's (q, k, v, o, the logsumexp; backward also dO, dQ, dK, dV and the row sums; K/V heads repeated
+  where the plan repeats them; the masked kernels' bias read once per pass);
   the varlen kernels' CUDA-only ops are stood in for (their outputs made with the right shapes);
 - F.rms_norm: one fused op forward (aten._fused_rms_norm) and one backward, as CUDA runs it (the CPU
   decomposes it);
@@ -35,17 +36,19 @@ block-diagonal mask: transformers repeats K/V and every card computes the full C
 the training model (model_config.build_training_model's autocast_elementwise) with the card's plan (the
 memory-efficient varlen kernel under fp16, T4; flash varlen with grouped heads under bf16, sm_80+).
 
-The compiled estimate is a model, not Inductor's metrics (those need the graph compiled and run for CPU:
-nano at 2 x 256 alone took 346 s on this 2-core machine, think72 was not tried; on that nano graph
-Inductor's torch._inductor.metrics.num_bytes_accessed counts 1.64x the model's bytes outside matmuls,
-bench/RESULTS.md "Roofline"): every maximal group of non-matmul ops that Inductor could fuse (connected
-by tensors, with no matmul or attention kernel between them, forward and backward apart) reads each of
-its external inputs once and writes each output that leaves it once; matmuls and the attention kernel
-stay as counted.
+The compiled step's bytes outside matmuls and the attention kernel are Inductor's own count, not a model
+(inductor_bytes, `--inductor`: think72's shape at 1 and 2 layers compiled by Inductor on CPU on the T4's
+attention path, the bytes of each kernel it generates as its scheduler counts them; recorded in
+INDUCTOR_RECORDED, the second layer's figures taken as each layer's); matmuls and the attention kernel
+stay as counted. For a shape with no Inductor count recorded (the --smoke run) the compiled figure is the
+old fusion model (fused_bytes: every maximal group of non-matmul ops Inductor could fuse reads its
+external inputs once and writes what leaves it once), said so in the last line.
 
 Documents: each row of the micro-batch is cut from a stream of documents whose lengths are drawn from a
 lognormal of median 243 tokens and sigma 1.0 (mean 400 tokens), laid end to end as the packed stream lays
-them (a document crossing a row's end continues as a new document in the next row).
+them (a document crossing a row's end continues as a new document in the next row). The attention's FLOPs
+are averaged over 4,000 rows of the project's own packer (train_data.MaskedPacking) on such a stream
+(population), the T4's memory-efficient kernel at its sm_75 tiles (EFFICIENT_TILES, executed_attention_flops).
 
 The step time (hardware.predict_step, one card's rates from hardware.ROOFLINE_RATES): per micro-step,
 matmul FLOPs at the sustained matmul rate (or their bytes at the bandwidth, whichever is longer),
@@ -61,7 +64,9 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import math
 import sys
 import time
@@ -100,11 +105,12 @@ WRITE_ONLY = {aten.zeros.default, aten.zeros_like.default, aten.ones_like.defaul
               aten.full_like.default, aten.fill_.Scalar, aten.zero_.default, aten.scalar_tensor.default,
               aten.ones.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 SCATTERS = {"scatter_add_", "scatter_", "index_put_", "index_add_"}
+GATHERS = {"gather", "embedding", "index_select", "index"}  # read only the rows or elements they pick
 NOT_KERNELS = {"_record_function_enter_new", "_record_function_exit", "promote_types"}
 STAND_IN = {"_efficient_attention_forward", "_efficient_attention_backward", "_varlen_attn", "_varlen_attn_backward",
             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-            "_flash_attention_forward", "_flash_attention_backward"}
+            "_flash_attention_forward", "_flash_attention_backward", *attention.KERNEL_OPS}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,10 +311,8 @@ class Counter(TorchDispatchMode):
             self.versions[cdata] = self.versions.get(cdata, 0) + 1
         written = mutated or tensors_in(out)
         outputs = [(self.key(t), nbytes(t)) for t in written]
-        if name in SCATTERS:  # they touch only the indexed elements of the tensor they update
-            size = nbytes(args[-1]) if isinstance(args[-1], torch.Tensor) else 0
-            inputs = [entry for entry in inputs if entry[0] != outputs[0][0]]
-            outputs = [(outputs[0][0], size)]
+        if name in SCATTERS or name in GATHERS:
+            inputs, outputs = touched(name, args, inputs, outputs, out)
         category, detail = self.where()
         boundary = False
         if name in STAND_IN:
@@ -328,6 +332,33 @@ class Counter(TorchDispatchMode):
         extra, kernels = (0.0, 1) if name in STAND_IN else below_dispatch(name, args, out)
         self.ops.append(Op(name, self.phase, category, detail, flops,
                            read, write, inputs, outputs, boundary, extra, kernels))
+
+
+def touched(name: str, args, inputs: list, outputs: list, out) -> tuple[list, list]:
+    """(inputs, outputs) of a gather or a scatter as what its kernel touches, not the whole tensor it
+    indexes: a gather (gather, embedding, index_select, index) reads of its source only the elements it
+    writes out; a scatter (scatter_add_, scatter_, index_add_, index_put_) reads its index and source and
+    reads and writes only the elements it updates (the source's size in the updated tensor's dtype).
+
+    The indexed tensor is told apart by its storage (an input's key is taken before the op bumps the
+    version, an output's after: comparing keys would exclude nothing)."""
+    source = args[0]
+    storage = source.untyped_storage()._cdata
+    if name in GATHERS:
+        if name == "embedding":  # embedding(weight, indices): the weight is first
+            picked = nbytes(out)
+        else:
+            picked = nbytes(out) if isinstance(out, torch.Tensor) else 0
+        return [(key, view, picked if key[0] == storage else size) for key, view, size in inputs], outputs
+    values = next((a for a in reversed(args) if isinstance(a, torch.Tensor) and a is not source), None)
+    if name == "index_put_":  # index_put_(self, indices, values, accumulate)
+        values = args[2]
+    elements = values.numel() if isinstance(values, torch.Tensor) else 0
+    size = elements * source.element_size()
+    others = [entry for entry in inputs if entry[0][0] != storage]
+    accumulates = name in ("scatter_add_", "index_add_") or (name == "index_put_" and len(args) > 3 and args[3])
+    reads = others + ([((storage, -1), ("touched",), size)] if accumulates else [])
+    return reads, [(outputs[0][0], size)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,19 +420,85 @@ def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, rows: int) -> 
 # The card's attention kernel, and the stand-ins for the CUDA-only ones.
 
 
+# The memory-efficient kernel's tiles on sm_75 at think72's head size 128 (queries x keys), as torch's
+# dispatch picks them (aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernels/generate_kernels.py
+# and the cutlassF.h / cutlassB.h it generates, attention.cu / attention_backward.cu's launchKernel: the first
+# kernel in sort order whose kMaxK holds the head size and whose shared memory fits the card):
+# forward fmha_cutlassF_f16_aligned_32x128_rf_sm75 (64x64 holds head sizes <= 64 only); backward
+# fmha_cutlassB_f16_aligned_64x64_k128_sm75 (the 128x64 k128 kernel sorts first but needs more than the
+# T4's 64 KiB of shared memory per block: "fallback to 64 for GPUs with less shmem (Sm75, Sm86 ...)").
+# Causal from the top left inside each document (kernel_forward.h: a query block computes the key blocks up
+# to its last query; kernel_backward.h getSmallestQueryForKey: a key block computes the query blocks from
+# its first key), every tile whole. FLOPs per computed query-key pair and head dimension: 4 forward (QK^T,
+# PV), 10 backward (QK^T again, dO V^T, dV, dQ, dK).
+EFFICIENT_TILES = {"small": ((64, 64), (64, 64)), "large": ((32, 128), (64, 64))}  # head size <= 64 / <= 128
+POPULATION_ROWS = 4000  # rows of the packer's output the attention is counted over
+
+
+def efficient_tiles(head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((forward queries, keys), (backward queries, keys)) of the sm_75 memory-efficient kernel's tiles."""
+    return EFFICIENT_TILES["small" if head_dim <= 64 else "large"]
+
+
+def tiled_pairs(length: int, tile: tuple[int, int], backward: bool) -> int:
+    """Query-key pairs the kernel computes over one document of `length` tokens, causal, whole tiles."""
+    queries, keys = tile
+    if backward:  # each key block: the query blocks from the one holding its first key to the end
+        blocks = -(-length // queries)
+        return sum(blocks - (start // queries) for start in range(0, length, keys)) * queries * keys
+    # each query block: the key blocks up to its last query
+    return sum(-(-min(length, start + queries) // keys) for start in range(0, length, queries)) * queries * keys
+
+
+def executed_attention_flops(kernel: str, lengths: list[int], context: int, heads: int, head_dim: int,
+                             parts: tuple = ("forward", "backward")) -> float:
+    """FLOPs one layer's attention kernel executes over a row of documents (its forward and/or backward):
+    the memory-efficient varlen kernel at its sm_75 tiles (EFFICIENT_TILES); the others as
+    attention.attention_flops counts them, a third forward (the flash kernels' tiles are not read here:
+    their triangle, a lower bound)."""
+    if kernel != "efficient varlen":
+        whole = attention.attention_flops(kernel, lengths, context, heads, head_dim)
+        return whole * (("forward" in parts) / 3 + ("backward" in parts) * 2 / 3)
+    forward_tile, backward_tile = efficient_tiles(head_dim)
+    forward = sum(tiled_pairs(length, forward_tile, False) for length in lengths) if "forward" in parts else 0
+    backward = sum(tiled_pairs(length, backward_tile, True) for length in lengths) if "backward" in parts else 0
+    return heads * head_dim * (4 * forward + 10 * backward)
+
+
+@functools.lru_cache(maxsize=4)
+def population(context: int, rows: int = POPULATION_ROWS, seed: int = 0, median: float = MEDIAN_DOCUMENT,
+               sigma: float = DOCUMENT_SIGMA) -> tuple[tuple[int, ...], ...]:
+    """Each row's document lengths over `rows` rows of the project's own packer (train_data.MaskedPacking,
+    --packing masked) on a stream of documents of lognormal lengths (median, sigma)."""
+    import train_data
+
+    rng = np.random.default_rng(seed)
+    needed = rows * context + 1
+    lengths = []
+    while sum(lengths) < needed:
+        lengths.extend(np.maximum(1, np.round(rng.lognormal(math.log(median), sigma, 4096))).astype(np.int64))
+    packing = train_data.MaskedPacking(np.cumsum(lengths).astype(np.uint64), context)
+    return tuple(tuple(int(n) for n in np.bincount(packing.segments(row))) for row in range(rows))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     kernel: str  # attention.AttentionPlan.documents ("efficient varlen", "flash varlen") or "masked ..."
     repeated: bool  # K/V heads repeated to the query heads before the kernel
-    lengths: tuple  # each row's document lengths
+    lengths: tuple  # each micro-batch row's document lengths (the rows the model is counted on)
     preset: model_config.Preset
     context: int
     element: int  # bytes per element of q, k, v
+    rows_population: tuple = ()  # each row's document lengths over thousands of packed rows (population)
 
-    def flops(self) -> float:
-        """Forward + backward FLOPs of one layer over the micro-batch (attention.attention_flops per row)."""
-        return sum(attention.attention_flops(self.kernel, list(row), self.context, self.preset.heads,
-                                             self.preset.head_dim) for row in self.lengths)
+    def flops(self, per_row=attention.attention_flops) -> float:
+        """Forward + backward FLOPs of one layer over the micro-batch: `per_row` (attention.attention_flops:
+        useful; executed_attention_flops: at the kernel's tiles) averaged over the population of packed
+        rows (the micro-batch's own rows where none is given), times the micro-batch's rows."""
+        rows = self.rows_population or self.lengths
+        total = sum(per_row(self.kernel, list(row), self.context, self.preset.heads, self.preset.head_dim)
+                    for row in rows)
+        return total / len(rows) * len(self.lengths)
 
     def bytes(self, backward: bool) -> tuple[float, float]:
         """(read, written) by one layer's fused kernel over the micro-batch, each tensor once."""
@@ -410,8 +507,8 @@ class KernelPlan:
         q = tokens * p.heads * p.head_dim * self.element
         kv = tokens * (p.heads if self.repeated else p.kv_heads) * p.head_dim * self.element
         lse = tokens * p.heads * 4
-        bias = len(self.lengths) * self.context * self.context * self.element if self.kernel.startswith(
-            "masked") else 0
+        bias = len(self.lengths) * self.context * self.context * self.element if attention.kernel(
+            self.kernel).masked else 0
         if not backward:
             return q + 2 * kv + bias, q + lse
         # read q, k, v, o, dO, the logsumexp and the row sums dO.O (written by the kernel's first pass)
@@ -419,10 +516,14 @@ class KernelPlan:
 
 
 def kernel_costs(plan: KernelPlan):
+    """The attention kernel's (FLOPs executed, read, written) for the Counter: forward or backward."""
+    forward = plan.flops(functools.partial(executed_attention_flops, parts=("forward",)))
+    backward = plan.flops(functools.partial(executed_attention_flops, parts=("backward",)))
+
     def cost(name: str, args, out) -> tuple[float, float, float]:
-        backward = name.endswith("backward")
-        read, written = plan.bytes(backward)
-        return plan.flops() * (2 / 3 if backward else 1 / 3), read, written
+        is_backward = name.endswith("backward")
+        read, written = plan.bytes(is_backward)
+        return backward if is_backward else forward, read, written
     return cost
 
 
@@ -500,7 +601,8 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
     else:
         implementation, kernel = card_plan.implementation, card_plan.documents
         repeated = implementation == attention.EFFICIENT
-    plan = KernelPlan(kernel, repeated, tuple(tuple(row) for row in lengths), preset, preset.context, element)
+    plan = KernelPlan(kernel, repeated, tuple(tuple(row) for row in lengths), preset, preset.context, element,
+                      population(preset.context))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         torch.manual_seed(0)
@@ -654,12 +756,131 @@ def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The compiled bytes: what Inductor itself fuses (its scheduler's kernels and their buffers).
+
+
+def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> dict:
+    """torch.compile (Inductor, CPU) of losses.LanguageModelLoss over the training model (think72's shape
+    with `layers` layers, vocab 33,069) on the T4 plan's attention path (attention.efficient_varlen: the K/V
+    repeat and the kernel, a custom op Inductor keeps opaque, varlen_ops.py; on CPU it runs each document
+    through SDPA), one forward and backward under bf16 autocast on `batch` rows of packed documents;
+    Inductor's own count of each scheduled kernel's buffers
+    (GraphLowering.count_bytes: what torch._inductor.metrics.num_bytes_accessed sums). Returns per graph
+    (forward, backward) the bytes of Inductor's generated kernels, of the extern kernels (matmuls, the
+    attention kernel), and of the kernels touching a vocabulary-sized buffer (the loss and the LM head)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+    import torch._inductor.graph as inductor_graph
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+    preset = dataclasses.replace(model_config.PRESETS[preset_name], layers=layers)
+    graphs: list[dict] = []
+    count_bytes = inductor_graph.GraphLowering.count_bytes
+
+    def recording_count_bytes(graph):
+        total, node_counts, runtimes = count_bytes(graph)
+        record = {"fused": 0, "extern": 0, "vocabulary": 0, "kernels": 0, "externs": 0, "nodes": []}
+        for node, elements in node_counts:
+            size = elements * 4
+            extern = isinstance(node, ExternKernelSchedulerNode)
+            record["extern" if extern else "fused"] += size
+            record["externs"] += extern
+            if not extern:
+                record["kernels"] += 1
+                origins = [origin for sub in node.get_nodes() if getattr(sub, "node", None) is not None
+                           for origin in sub.node.origins]
+                touches_vocabulary = any(VOCAB in tuple(getattr(origin.meta.get("val"), "shape", ()))
+                                         for origin in origins)
+                names = sorted({origin.name for origin in origins})
+                record["nodes"].append((size, node.get_name(), touches_vocabulary, names[:8]))
+                if touches_vocabulary:
+                    record["vocabulary"] += size
+        graphs.append(record)
+        return total, node_counts, runtimes
+
+    segments, _ = packed_rows(batch, preset.context, seed)
+    documents = attention.documents_of(segments)
+    level = compile_fx.inductor_metrics_log.level
+    inductor_graph.GraphLowering.count_bytes = recording_count_bytes
+    compile_fx.inductor_metrics_log.setLevel(logging.INFO)
+    caches = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
+    inductor_config.fx_graph_cache = functorch_config.enable_autograd_cache = False  # a cached graph is not counted
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(seed)
+        model = model_config.build_model(preset, VOCAB)
+        model.config.use_cache = False
+        model_config.autocast_elementwise(model)
+        attention.use_attention(model, attention.EFFICIENT)
+        module = torch.compile(losses.LanguageModelLoss(model.train()))
+        inputs = torch.randint(0, VOCAB, (batch, preset.context))
+        targets = torch.randint(0, VOCAB, (batch, preset.context))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = module(inputs, targets, documents=documents)
+        loss.backward()
+    finally:
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = caches
+        inductor_graph.GraphLowering.count_bytes = count_bytes
+        compile_fx.inductor_metrics_log.setLevel(level)
+        torch._dynamo.reset()
+    return {"layers": layers, "batch": batch, "tokens": batch * preset.context, "graphs": graphs}
+
+
+# ----------------------------------------------------------------------------------------------
 # Per-token figures for hardware.predict_step.
+
+
+# Inductor's own count (torch 2.13.0+cpu, `python bench/bench_roofline.py --inductor`): {layers: (bytes of
+# its generated kernels, those kernels, extern kernels, bytes of the kernels touching a vocabulary-sized
+# tensor)} per micro-step, forward and backward graphs together, at 1 and 2 layers of the preset's shape.
+# Measured 2026-12-04 on think72 at 8 x 1,024 (bench/RESULTS.md, "The honest count"): 255 KB a token outside the
+# layers (the loss 132, the LM head's and the embedding's 115), 141 KB a token each layer.
+INDUCTOR_RECORDED: dict = {
+    (model_config.PRESETS["think72"], 8192): {1: (3248622720, 67, 55, 2023657520),
+                                              2: (4405416064, 110, 83, 2023657520)},
+}
+
+
+def inductor_summary(measured: dict) -> dict:
+    """{layers: (bytes of Inductor's own kernels, its kernels, extern kernels, bytes of the kernels that touch
+    a vocabulary-sized tensor)} per micro-step, forward and backward graphs together, from inductor_bytes'
+    results ({layers: result})."""
+    summary = {}
+    for layers, result in measured.items():
+        graphs = result["graphs"]
+        summary[int(layers)] = tuple(sum(graph[field] for graph in graphs)
+                                     for field in ("fused", "kernels", "externs", "vocabulary"))
+    return summary
+
+
+def inductor_micro_step(summary: dict, layers: int) -> tuple[float, float, float, float]:
+    """What Inductor's kernels move per micro-step at `layers` layers, from its counts at 1 and 2 layers
+    (the layers are alike: the second layer's figures are each layer's)."""
+    one, two = summary[1], summary[2]
+    return tuple(a + (layers - 1) * (b - a) for a, b in zip(one, two))
+
+
+def compiled_other(side: Side) -> tuple[float, float, str] | None:
+    """(bytes per micro-step outside matmuls and the attention kernel, kernels per micro-step, source) of the
+    compiled step: Inductor's own count where one is recorded for this shape (INDUCTOR_RECORDED)."""
+    recorded = INDUCTOR_RECORDED.get((side.plan.preset, side.tokens))
+    if recorded is None or side.label != "after":
+        return None
+    fused, kernels, externs, _ = inductor_micro_step(recorded, side.plan.preset.layers)
+    return fused, kernels + externs, "Inductor"
 
 
 def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool) -> hardware.CountedStep:
     ops = [op for op in side.ops if op.phase in ("forward", "backward")]
-    if compiled:
+    inductor = compiled_other(side) if compiled else None
+    if inductor is not None:
+        totals = collections.defaultdict(float)
+        for op in ops:
+            if op.boundary and op.category in ("matmul", "attention"):
+                totals[op.category] += op.read + op.written
+        totals["other"], kernels = inductor[0], inductor[1]
+    elif compiled:
         totals, kernels = fused_bytes(ops)
     else:
         totals = collections.defaultdict(float)
@@ -702,10 +923,11 @@ def category_table(sides: list[Side], fused: dict) -> list[str]:
     for category in CATEGORIES:
         rows.append((f"{category} KB (eager)", lambda s, c=category: s.per_token(c) / 1e3))
     rows.append(("outside matmuls KB (eager)", lambda s: outside_matmuls(s) / 1e3))
-    rows.append(("outside matmuls KB (compiled estimate)",
-                 lambda s: sum(v for k, v in fused[id(s)][0].items() if k != "matmul") / s.tokens / 1e3))
+    rows.append(("outside matmuls and attention KB (compiled: Inductor's count, else the fusion model)",
+                 lambda s: compiled_outside(s, fused) / s.tokens / 1e3))
     rows.append(("kernels per micro-step (eager / compiled)",
-                 lambda s: f"{sum(op.kernels for op in s.ops):,} / {fused[id(s)][1]:,}"))
+                 lambda s: f"{sum(op.kernels for op in s.ops):,} / "
+                           f"{(compiled_other(s) or (0, fused[id(s)][1]))[1]:,.0f}"))
     for title, value in rows:
         cells = []
         for side in sides:
@@ -713,6 +935,14 @@ def category_table(sides: list[Side], fused: dict) -> list[str]:
             cells.append(figure if isinstance(figure, str) else f"{figure:,.1f}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     return lines
+
+
+def compiled_outside(side: Side, fused: dict) -> float:
+    """Bytes a micro-step outside matmuls and the attention kernel, compiled: Inductor's count where recorded."""
+    inductor = compiled_other(side)
+    if inductor is not None:
+        return inductor[0]
+    return sum(value for key, value in fused[id(side)][0].items() if key not in ("matmul", "attention"))
 
 
 def detail_table(sides: list[Side]) -> list[str]:
@@ -730,7 +960,7 @@ def detail_table(sides: list[Side]) -> list[str]:
 
 
 def per_document_flops(side: Side) -> float:
-    plan = dataclasses.replace(side.plan, kernel="per-document varlen")
+    plan = dataclasses.replace(side.plan, kernel="flash varlen")
     return plan.flops() * side.plan.preset.layers / side.tokens
 
 
@@ -740,10 +970,10 @@ def outside_matmuls(side: Side) -> float:
 
 def card_rows(counts: dict, tokens_per_step: int = 65_536, tokens: float = TOKENS) -> list[str]:
     """The per-card table of docs/training.md: hardware.predict_card over `counts` ({(precision, mode):
-    CountedStep}), eager and compiled (estimate)."""
+    CountedStep}), eager and compiled (Inductor's bytes outside matmuls and attention)."""
     lines = ["| card | precision | matmul / attention TFLOP/s, GB/s (assumed) | step (65,536 tokens) eager | "
              "of which matmul / attention / other bytes / launch / Newton-Schulz / optimizer / all-reduce | "
-             "tokens/s eager | 1.5B tokens eager | compiled (estimate) |",
+             "tokens/s eager | 1.5B tokens eager | compiled |",
              "| --- | --- | --- | ---: | --- | ---: | ---: | ---: |"]
     cards = {card.key: card for card in hardware.CARDS}
     for key, world in TABLE_CARDS:
@@ -773,19 +1003,42 @@ def rates_table() -> list[str]:
     return lines
 
 
-def final_line(counts: dict, preset_name: str, tokens: float = TOKENS) -> str:
-    """The figure for the README's command: eager, whose bytes are counted op by op (train.py's fallback when
-    compilation fails, as Triton has on sm_75 before), with the compiled estimate (a model, optimistic)."""
+def t4_hours(counts: dict, preset_name: str, tokens: float = TOKENS) -> dict:
+    """{(mode, rates): hours for `tokens`} on 2x T4 at the README's command, eager and compiled, at the
+    central rates (hardware.ROOFLINE_RATES["T4"]) and at the optimistic and pessimistic ones
+    (hardware.T4_RATE_RANGE)."""
     card = hardware.card_of(hardware.Device("cuda", "T4", (7, 5)))
     world, micro = README_SPLIT["world"], README_SPLIT["batch_size"]
     tokens_per_step = micro * README_SPLIT["grad_accum"] * world * model_config.PRESETS[preset_name].context
-    eager = hardware.predict_card(card, counts[("fp16", "eager")], world=world, tokens_per_step=tokens_per_step)
-    compiled = hardware.predict_card(card, counts[("fp16", "compiled")], world=world, tokens_per_step=tokens_per_step)
-    return (f"{preset_name} on 2x T4: {eager.hours_for(tokens):.1f} h for {tokens / 1e9:g}B tokens (eager, fp16, "
-            f"--batch-size {micro} --grad-accum {README_SPLIT['grad_accum']} on {world} GPUs, "
-            f"{tokens_per_step:,} tokens per step: {eager.total_s:.2f} s, {eager.tokens_per_second:,.0f} tokens/s; "
-            f"compiled, train.py's default on CUDA where it compiles: {compiled.hours_for(tokens):.1f} h by the "
-            f"fusion estimate)")
+    rates = {"central": hardware.ROOFLINE_RATES["T4"], **hardware.T4_RATE_RANGE}
+    return {(mode, name): hardware.predict_card(card, counts[("fp16", mode)], world=world, rates=card_rates,
+                                                tokens_per_step=tokens_per_step).hours_for(tokens)
+            for mode in ("eager", "compiled") for name, card_rates in rates.items()}
+
+
+def final_line(counts: dict, preset_name: str, tokens: float = TOKENS, compiled_source: str = "Inductor") -> str:
+    """The figure for the README's command: compiled (train.py's default on CUDA) at the central rates, the
+    eager one beside it (train.py's fallback where compilation fails), and the compiled range from the
+    optimistic to the pessimistic rates."""
+    hours = t4_hours(counts, preset_name, tokens)
+    rates = hardware.ROOFLINE_RATES["T4"]
+    return (f"{preset_name} on 2x T4: {hours[('compiled', 'central')]:.1f} h for {tokens / 1e9:g}B tokens (compiled, "
+            f"central rates {rates.matmul_tflops:g} / {rates.attention_tflops:g} TFLOP/s matmul / attention, "
+            f"{rates.bandwidth_gbs:g} GB/s, link {rates.link_gbs:g} GB/s, compiled bytes by {compiled_source}; "
+            f"eager {hours[('eager', 'central')]:.1f} h; range {hours[('compiled', 'optimistic')]:.1f}-"
+            f"{hours[('compiled', 'pessimistic')]:.1f} h)")
+
+
+def range_table(counts: dict, preset_name: str, tokens: float = TOKENS) -> list[str]:
+    hours = t4_hours(counts, preset_name, tokens)
+    rates = {"central": hardware.ROOFLINE_RATES["T4"], **hardware.T4_RATE_RANGE}
+    lines = ["| 2x T4, rates | matmul / attention TFLOP/s, GB/s, link GB/s | eager | compiled |",
+             "| --- | --- | ---: | ---: |"]
+    for name in ("optimistic", "central", "pessimistic"):
+        r = rates[name]
+        lines.append(f"| {name} | {r.matmul_tflops:g} / {r.attention_tflops:g}, {r.bandwidth_gbs:g}, {r.link_gbs:g} | "
+                     f"{hours[('eager', name)]:.1f} h | {hours[('compiled', name)]:.1f} h |")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -799,6 +1052,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp16,bf16")
     parser.add_argument("--json", default=None, help="write the counts here")
     parser.add_argument("--record", action="store_true", help="print the counts as hardware.ROOFLINE_COUNTS' literal")
+    parser.add_argument("--inductor", action="store_true",
+                        help="compile the preset's shape at 1 and 2 layers with Inductor on CPU and print its byte "
+                             "count as INDUCTOR_RECORDED's entry (minutes)")
     return parser.parse_args(argv)
 
 
@@ -820,11 +1076,40 @@ def run(args: argparse.Namespace) -> dict:
             if label == "after":
                 for mode in ("eager", "compiled"):
                     counts[(precision, mode)] = counted_step(side, optimizer_ops, world, mode == "compiled")
-    return {"preset": preset_name, "batch": batch, "sides": sides, "counts": counts, "fused": fused}
+    after = [side for side in sides if side.label == "after"]
+    source = "Inductor" if after and compiled_other(after[0]) else "the fusion model (no Inductor count recorded)"
+    return {"preset": preset_name, "batch": batch, "sides": sides, "counts": counts, "fused": fused,
+            "compiled_source": source}
+
+
+def measure_inductor(preset_name: str, batch: int) -> dict:
+    """inductor_bytes at 1 and 2 layers, printed per token and as INDUCTOR_RECORDED's entry."""
+    preset = model_config.PRESETS[preset_name]
+    measured = {}
+    for layers in (1, 2):
+        started = time.perf_counter()
+        measured[layers] = inductor_bytes(preset_name, layers, batch)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        print(f"Inductor, {preset_name} with {layers} layer(s) at {batch} x {preset.context}: "
+              f"{len(measured[layers]['graphs'])} graphs, {breaks} graph breaks, "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+    summary = inductor_summary(measured)
+    tokens = batch * preset.context
+    fused, kernels, externs, vocabulary = inductor_micro_step(summary, preset.layers)
+    per_layer = summary[2][0] - summary[1][0]
+    print(f"per token: {fused / tokens / 1e3:,.1f} KB in Inductor's kernels at {preset.layers} layers "
+          f"({per_layer / tokens / 1e3:,.1f} KB a layer; {vocabulary / tokens / 1e3:,.1f} KB in the kernels "
+          f"that touch a vocabulary-sized tensor: the loss, the LM head's and the embedding's), "
+          f"{kernels:.0f} kernels and {externs:.0f} extern kernels a micro-step")
+    print(f"INDUCTOR_RECORDED entry: (model_config.PRESETS[{preset_name!r}], {tokens}): {summary!r}")
+    return summary
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.inductor:
+        measure_inductor(args.preset or "think72", args.batch_size or README_SPLIT["batch_size"])
+        return 0
     torch.set_num_threads(1)  # nothing computes (fake tensors): a second thread would only wait
     result = run(args)
     sides, counts = result["sides"], result["counts"]
@@ -843,9 +1128,11 @@ def main(argv=None) -> int:
         ratio_before = before.per_token("attention", "flops") / per_document_flops(before)
         ratio_after = after.per_token("attention", "flops") / per_document_flops(after)
         bytes_ratio = outside_matmuls(before) / outside_matmuls(after)
-        print(f"{precision}: attention FLOPs / per-document causal: before {ratio_before:.2f}x, after "
-              f"{ratio_after:.2f}x ({after.kernel}; target <= 1.1x); bytes outside matmuls before / after: "
-              f"{bytes_ratio:.2f}x eager (target >= 2x)")
+        rows = len(after.plan.rows_population)
+        print(f"{precision}: attention FLOPs executed / useful per-document causal (over {rows:,} "
+              f"packed rows): before {ratio_before:.2f}x, after {ratio_after:.2f}x ({after.kernel}"
+              f"{', at its sm_75 tiles' if after.kernel == 'efficient varlen' else ''}); bytes outside matmuls "
+              f"before / after: {bytes_ratio:.2f}x eager")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{p} {m}": dataclasses.asdict(c) for (p, m), c in counts.items()},
                                               indent=1))
@@ -854,15 +1141,11 @@ def main(argv=None) -> int:
         print("\n".join(rates_table()))
         print("\n" + "\n".join(card_rows(counts)))
         print("\n" + recorded_check(counts, args.record))
-        before = next(s for s in sides if s.label == "before" and s.precision == "fp16")
-        optimizer_ops = count_optimizer(preset, "fp16", README_SPLIT["world"])
-        today = {("fp16", "eager"): counted_step(before, optimizer_ops, README_SPLIT["world"], False),
-                 ("fp16", "compiled"): counted_step(before, optimizer_ops, README_SPLIT["world"], True)}
-        print("\nbefore (the stock model on the masked path, by the same count): " + final_line(today, "think72"))
     elif "fp16" in args.precisions.split(","):
         print("\n(the per-card table and the recorded counts are think72's; this is a smoke run)")
     if ("fp16", "eager") in counts:
-        print("\n" + final_line(counts, result["preset"]))
+        print("\n" + "\n".join(range_table(counts, result["preset"])))
+        print("\n" + final_line(counts, result["preset"], compiled_source=result["compiled_source"]))
     return 0
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
+import corpus_format
 import data
 import model_config
 
 CHATS = [
-    ("What is 2 plus 3?", data.render_assistant("5")),
-    ("What is 10 plus 7?", data.render_assistant("17", "10 + 7 = 17")),
+    ("What is 2 plus 3?", corpus_format.render_assistant("5")),
+    ("What is 10 plus 7?", corpus_format.render_assistant("17", "10 + 7 = 17")),
     ("Say hello.", "Hello there!"),
     ("Name a color.", "Blue"),
 ]

@@ -64,6 +64,46 @@ def flip_byte():
     return flip
 
 
+@pytest.fixture(scope="module")
+def moto_server():
+    """moto's S3 server (tests/stores.py) for the module's tests; stopped and started again, it keeps its data."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    import logging
+
+    from stores import MotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_server, monkeypatch, tmp_path):
+    """A fresh bucket on `moto_server`; credentials and endpoint only through the usual AWS variables."""
+    import uuid
+
+    from stores import ACCESS_KEY, SECRET_KEY
+
+    import remote_store
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast while the server is down
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    bucket = f"bkt-{uuid.uuid4().hex[:10]}"
+    fs, _ = remote_store.open_remote(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/runs/tiny"
+
+
 def pytest_report_header(config):
     """Which CPU kernels this run's half-precision results come from (they differ between CPUs)."""
     from pathlib import Path

@@ -5,7 +5,7 @@ Real where the machine allows it: a size-limited tmpfs and a read-only bind moun
 user other than root (root writes there anyway), and tests that need the real thing are skipped.
 `fail_os_writes` simulates a full or read-only disk at the OS boundary for code that writes with
 open()/os.open in this process, where no mount is possible. The stand-in S3 server (moto, in
-tests/test_cloud.py) is stopped to make a store vanish.
+tests/stores.py) is stopped to make a store vanish.
 """
 
 from __future__ import annotations

@@ -23,12 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_gpu  # noqa: E402
-from cards import this_cpu_precision  # noqa: E402
-from test_attention import reference_varlen  # noqa: E402
-from test_hardware import CPU, H200, T4  # noqa: E402
-from test_train import write_tiny_corpus  # noqa: E402
+from cards import A100, CPU, H200, T4, this_cpu_precision  # noqa: E402
+from references import reference_varlen  # noqa: E402
+from tiny_runs import write_tiny_corpus  # noqa: E402
 
-A100 = hardware.Device("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 80 * 2**30)
 THINK72 = model_config.PRESETS["think72"]
 
 
@@ -70,6 +68,9 @@ def test_gpu_check_sh_writes_the_machine_the_json_and_the_log(corpus, tmp_path):
     assert parts["versions"]["status"] == "ok" and "--max-seconds 60" in json.loads((out / "gpu.json").read_text())[
         "command"]
     assert "for bench/RESULTS.md:" in (out / "gpu.log").read_text() and "- versions: cuDNN" in result.stdout
+    plan = (out / "plan.txt").read_text()  # the torch-capability rule's answer on this machine's torch
+    assert plan.startswith("torch ") and "_efficient_attention_forward [" in plan and "fp16 on " in plan, plan
+    assert "Traceback" not in plan and "the torch-capability rule on this card" in result.stdout
 
 
 @pytest.mark.parametrize("elapsed, estimate, budget, starts", [

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import write_tiny_corpus
+from tiny_runs import write_tiny_corpus
 
 import budget
 import checkpoint_store as store
+import export_hf
 import model_config
-import report
 import train
-from common import UserError
+from common import UserError, given_options
 
 # A loss model of the fit's form, fixed here so that the tables do not move with budget.LOSS_MODEL.
 MODEL = budget.LossModel(e=1.0, n_c=1e5, alpha_n=0.5, d_c=1e7, alpha_d=0.4)
@@ -102,8 +102,22 @@ def test_options_given_on_the_command_line_or_in_the_config(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('target_tokens = 300000\nseed = 3\n')
     parser = train.build_parser()
-    assert budget.given_options(("--preset", "nano", "--budget=1h"), parser) == {"preset", "budget"}
-    assert budget.given_options(("--config", str(config)), parser) == {"config", "target_tokens", "seed"}
+    assert given_options(parser, ("--preset", "nano", "--budget=1h")) == {"preset", "budget"}
+    assert given_options(parser, ("--config", str(config))) == {"config", "target_tokens", "seed"}
+
+
+@pytest.mark.parametrize("world, micro, batch_size, grad_accum", [(1, 4, 4, 4), (2, 4, 4, 2), (2, 16, 8, 1)])
+def test_train_applies_the_plan_it_is_given(world, micro, batch_size, grad_accum):
+    """settle returns a plan; apply sets the run's preset and length and splits its batch over the ranks."""
+    settings = train.parse_args(["--batch-size", str(micro), "--epochs", "2", "--budget", "1h"])
+    assert budget.apply(settings, None, world) is settings
+    plan = budget.choose(request("30m", world=world), CANDIDATES, MODEL)
+    plan = dataclasses.replace(plan, global_batch_blocks=16)
+    applied = budget.apply(settings, plan, world)
+    run = applied.run
+    assert (run.preset, run.target_tokens, run.epochs) == (plan.preset, plan.target_tokens, None)
+    assert (applied.session.batch_size, applied.session.grad_accum) == (batch_size, grad_accum)
+    assert applied.session.batch_size * applied.session.grad_accum * world == 16
 
 
 def test_multi_session_budget_plans_the_whole_run():
@@ -131,7 +145,7 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
     plan = budget.choose(request("30m"), CANDIDATES, MODEL)
     record = json.loads(json.dumps(plan.as_record()))
     assert budget.Plan.from_record(record) == plan
-    card = report.model_card({"parameters": 1000, "layers": 2, "hidden": 64, "intermediate": 192, "heads": 4,
+    card = export_hf.model_card({"parameters": 1000, "layers": 2, "hidden": 64, "intermediate": 192, "heads": 4,
                               "kv_heads": 2, "head_dim": 16, "context": 128, "vocab_size": 300},
                              {"status": "COMPLETE", "settings": {"training": {}, "budget": record}})
     assert f"- Planned by {plan.summary()}; {plan.why}" in card

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 import callbacks
+import metrics_log
 import report
 
 pytestmark = pytest.mark.timeout(20)
 
 
 def records(path: Path, kind: str) -> list[dict]:
-    return [record for record in report.read_metrics(path) if record["kind"] == kind]
+    return [record for record in metrics_log.read_metrics(path) if record["kind"] == kind]
 
 
 class Status:
@@ -34,8 +35,8 @@ def step_result(step: int, loss: float = 2.0):
     return callbacks.StepResult(step=step, loss=loss, lrs={"adamw": 1e-3}, grad_norm=1.0, seconds=0.5, applied=True)
 
 
-def outputs(tmp_path: Path) -> tuple[report.MetricsLog, report.Progress]:
-    return report.MetricsLog(tmp_path / "metrics.jsonl", True), report.Progress(12, enabled=False)
+def outputs(tmp_path: Path) -> tuple[metrics_log.MetricsLog, report.Progress]:
+    return metrics_log.MetricsLog(tmp_path / "metrics.jsonl", True), report.Progress(12, enabled=False)
 
 
 def validation(tmp_path: Path, losses: list[float | None], every: int = 4) -> callbacks.Validation:
@@ -131,3 +132,29 @@ def test_the_callbacks_keep_each_state_under_its_key_and_call_in_order(tmp_path)
     assert calls == [("a", "eval", 3), ("b", "eval", 3), ("a", "evaluated", ["b"]), ("b", "evaluated", ["b"])]
     with pytest.raises(ValueError, match="one key"):
         callbacks.Callbacks([Probe("a", False), Probe("a", False)])
+
+
+class Ends(callbacks.Callback):
+    def __init__(self, found):
+        self.found = found
+
+    def on_end(self, end):
+        return self.found
+
+
+@pytest.mark.parametrize("founds, expected", [
+    ([{}, {"a": 1}], {"a": 1}),  # no end-of-run outputs: no report_errors
+    ([{"a": 1, "report_errors": None}, {"b": 2, "report_errors": None}], {"a": 1, "b": 2, "report_errors": None}),
+    ([{"report_errors": {"samples": "x"}}, {"b": 2, "report_errors": None}, {"report_errors": {"export": "y"}}],
+     {"b": 2, "report_errors": {"samples": "x", "export": "y"}}),
+])
+def test_on_end_merges_the_fields_and_gathers_every_report_error(founds, expected):
+    end = callbacks.RunEnd("COMPLETE", 4, 4, 400, None, None)
+    assert callbacks.Callbacks([Ends(found) for found in founds]).on_end(end) == expected
+
+
+def test_the_saved_validation_is_the_one_the_observer_kept(tmp_path):
+    observer = validation(tmp_path, [3.0, 2.0])
+    observer.on_eval(4)
+    observer.on_eval(8)
+    assert callbacks.Validation.saved({"validation": observer.state_dict()}) == observer.summary()["validation"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import assert_same_state, final_state, options, write_tiny_corpus
+from tiny_runs import assert_same_state, final_state, options, write_tiny_corpus
 
 import checkpoint_store as store
 import train
@@ -106,16 +106,17 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
 
 def test_a_rewind_points_the_backups_latest_at_the_resumed_checkpoint(corpus, tmp_path, capsys):
     import checkpoint_cloud
+    import remote_store
 
     out, remote = tmp_path / "run", tmp_path / "remote"
     backup = ("--keep-last", "3", "--backup-to", str(remote))
     assert train.main(run_options(corpus, out, *backup, "--stop-after-steps", "8")) == 0
-    listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
+    listing = checkpoint_cloud.remote_listing(*remote_store.open_remote(str(remote)))
     assert listing.latest.step == 8
     # a rewind that stops before its first save: the remote must not keep naming the abandoned step 8
     rewind = ("--resume", str(out / "checkpoints" / "step-00000004.pt"), "--stop-after-steps", "4")
     assert train.main(run_options(corpus, out, *backup, *rewind)) == 0
-    listing = checkpoint_cloud.remote_listing(*checkpoint_cloud.open_remote(str(remote)))
+    listing = checkpoint_cloud.remote_listing(*remote_store.open_remote(str(remote)))
     assert listing.latest.step == 4 and listing.latest.path == "step-00000004.pt"
     fresh = tmp_path / "fresh-disk"
     restored = checkpoint_cloud.restore_latest(str(remote), fresh / "checkpoints", log=lambda line: None)

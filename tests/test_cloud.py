@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -16,75 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from stores import ACCESS_KEY, SECRET_KEY
+from tiny_runs import options, write_tiny_corpus
 
 import checkpoint_cloud as cc
 import checkpoint_store as store
 import corpus_format
 import data
+import remote_store as rs
 import train_data
 from common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
 
 ROOT = Path(__file__).resolve().parent.parent
-ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
-SECRET_KEY = "sEcReT/do-not-print-0123456789abcdef"
 
 
 # ----------------------------------------------------------------------------------------------
 # Fixtures and helpers.
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class MotoServer:
-    """moto's S3 server in a thread; stop() and start() again on the same port keep its data."""
-
-    def __init__(self):
-        from moto.server import ThreadedMotoServer
-
-        self._cls = ThreadedMotoServer
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.server = None
-
-    def start(self):
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self):
-        self.server.stop()
-
-
-@pytest.fixture(scope="module")
-def moto_server():
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = MotoServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3_url(moto_server, monkeypatch, tmp_path):
-    """A fresh bucket; credentials and endpoint only through the usual AWS variables."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast while the server is down
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    bucket = f"bkt-{uuid.uuid4().hex[:10]}"
-    fs, _ = cc.open_remote(f"s3://{bucket}")
-    fs.mkdir(bucket)
-    return f"s3://{bucket}/runs/tiny"
 
 
 class Log(list):
@@ -120,7 +66,7 @@ def save_and_point_latest(folder: Path, step: int, run_id: str = "run-test") -> 
 def remote_state(url: str) -> dict:
     """The remote listing as a few plain facts to compare: verified steps -> names, unverified names,
     partial uploads, and latest.json (its JSON) or None."""
-    listing = cc.remote_listing(*cc.open_remote(url))
+    listing = cc.remote_listing(*rs.open_remote(url))
     return {"verified": {record.step: name for name, record in listing.records.items()
                          if isinstance(record, store.Record)},
             "unverified": [name for name in listing.files if name not in listing.records],
@@ -173,22 +119,6 @@ def assert_no_secrets(text: str, url: str) -> None:
 # URLs, backends, settings.
 
 
-def test_open_remote_local_paths_and_missing_backends(tmp_path, monkeypatch):
-    fs, root = cc.open_remote(str(tmp_path / "a"))
-    assert cc.is_local(fs) and root == (tmp_path / "a").as_posix()
-    fs, root = cc.open_remote(f"file://{tmp_path}/b")
-    assert cc.is_local(fs) and root == (tmp_path / "b").as_posix()
-    with pytest.raises(UserError, match="unknown storage protocol 'nosuch'"):
-        cc.open_remote("nosuch://bucket/x")
-    real_find_spec = cc.importlib.util.find_spec
-    monkeypatch.setattr(cc.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("s3fs", "gcsfs") else real_find_spec(name, *a))
-    with pytest.raises(UserError, match="need the s3fs package: pip install s3fs"):
-        cc.open_remote("s3://bucket/run")
-    with pytest.raises(UserError, match="need the gcsfs package"):
-        cc.open_remote("gs://bucket/run")
-
-
 def test_backup_url_from_arg_or_the_original_env_alias(monkeypatch):
     monkeypatch.delenv("THINK72_CLOUD_RESUME", raising=False)
     monkeypatch.setenv("THINK72_BACKUP_URL", "s3://env/run")
@@ -233,7 +163,7 @@ def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
 def test_local_folder_backup_retention_and_restore(tmp_path):
     remote = tmp_path / "drive" / "run"
     other_run = save_and_point_latest(tmp_path / "other", 5, "other-run")
-    fs, root = cc.open_remote(str(remote))
+    fs, root = rs.open_remote(str(remote))
     cc.upload_checkpoint(fs, root, other_run)  # a file this run did not upload: never deleted
     local = tmp_path / "run" / "checkpoints"
     log = Log()
@@ -265,7 +195,7 @@ def test_remote_retention_spans_sessions_of_the_same_run(store, tmp_path, reques
     """Session 1 saves 10..30, the disk is lost, session 2 (same run_id) goes on to 53: retention
     applies to both sessions' uploads, never to another run's files on the same remote."""
     url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
-    fs, root = cc.open_remote(url)
+    fs, root = rs.open_remote(url)
     for step in (5, 25):  # another run's checkpoints on the same remote
         cc.upload_checkpoint(fs, root, save_and_point_latest(tmp_path / "other" / "checkpoints", step, "other-run"))
 
@@ -304,7 +234,7 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
         assert reconcile(worker, run / "checkpoints").caught_up
     sent = (run / "metrics.jsonl").read_bytes()
     append_jsonl(run / "metrics.jsonl", {"kind": "train", "step": 21})  # after the last checkpoint
-    fs, root = cc.open_remote(remote)
+    fs, root = rs.open_remote(remote)
     assert fs.cat_file(f"{root}/metrics.jsonl") == sent
     assert not [name for name in fs.ls(root, detail=False) if temporary_target(name.rsplit("/", 1)[-1])]
 
@@ -331,7 +261,7 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
 
     # run files of another run on the same remote are not mixed into this one
     atomic_write_json(tmp_path / "settings.json", {"run_id": "run-b"})
-    cc.upload_verified(fs, tmp_path / "settings.json", f"{root}/training_settings.json")
+    rs.upload_verified(fs, tmp_path / "settings.json", f"{root}/training_settings.json")
     other = tmp_path / "machine-3" / "run"
     log = Log()
     cc.restore_latest(remote, other / "checkpoints", log=log)
@@ -352,7 +282,7 @@ def test_an_upload_reads_a_recorded_checkpoint_once(store, tmp_path, request, mo
     import io
 
     url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
-    fs, root = cc.open_remote(url)
+    fs, root = rs.open_remote(url)
     recorded = save_and_point_latest(tmp_path / "run" / "checkpoints", 1, "run-a")
     unrecorded = fake_checkpoint(tmp_path / "old" / "checkpoints", 2)
     local_files = {str(recorded): recorded.name, str(unrecorded): unrecorded.name}
@@ -369,7 +299,7 @@ def test_an_upload_reads_a_recorded_checkpoint_once(store, tmp_path, request, mo
         patch.setattr(io, "open", counting_open)
         first = cc.upload_checkpoint(fs, root, recorded)
         assert opened == [recorded.name]
-        with pytest.raises(cc.LocalFileChanged, match="step-00000002.pt has no record"):
+        with pytest.raises(rs.LocalFileChanged, match="step-00000002.pt has no record"):
             cc.upload_checkpoint(fs, root, unrecorded)
         assert opened == [recorded.name]
     assert first.sha256 == sha256_file(recorded) and first.run_id == "run-a"
@@ -511,6 +441,71 @@ def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_
     assert wait_until(lambda: not process_alive(child), 30)  # its pipe closed: it leaves on its own
 
 
+# Where the backup child waits, in its own process, for its trainer to be killed (a sitecustomize): each
+# phase of its life at which a kill -9 of the trainer can find it.
+CHILD_PHASES = {  # phase: (what the trainer does, the child's function that waits before it runs)
+    "starting": ("start", "Mirror.__init__"),  # the trainer waits for "ready", which the child has yet to send
+    "ready": ("start", "Mirror.look"),  # "ready" sent; it says what the remote holds
+    "mid-upload": ("submit", "upload_checkpoint"),
+    "closing": ("close", "Connection.send"),  # its answer to "close" not sent yet
+}
+WAIT_FOR_THE_KILL = """
+import os, pathlib, time, checkpoint_cloud, multiprocessing.connection
+if os.environ.get("TEST_BACKUP_CHILD") == "1":  # the child (the trainer sets it after its own start)
+    owner_name, _, name = {where!r}.rpartition(".")
+    owner = {{"": checkpoint_cloud, "Mirror": checkpoint_cloud.Mirror,
+              "Connection": multiprocessing.connection.Connection}}[owner_name]
+    original, trainer = getattr(owner, name), os.getppid()
+    def waits_for_the_kill(*args, **kwargs):
+        if name != "send" or args[1][0] == "reply":
+            pathlib.Path({marker!r}).touch()
+            while os.getppid() == trainer:
+                time.sleep(0.02)
+        return original(*args, **kwargs)
+    setattr(owner, name, waits_for_the_kill)
+"""
+
+
+@pytest.mark.parametrize("phase", [*CHILD_PHASES, "mid-upload, its stdout's reader gone"])
+def test_a_killed_trainer_leaves_no_traceback_from_its_backup_child(tmp_path, phase, patch_python_children):
+    action, where = CHILD_PHASES[phase.split(",")[0]]
+    marker, child_pid, stderr = tmp_path / "in-phase", tmp_path / "child.pid", tmp_path / "stderr.txt"
+    patch_python_children(WAIT_FOR_THE_KILL.format(where=where, marker=str(marker)))
+    checkpoint = save_and_point_latest(tmp_path / "run" / "checkpoints", 3)
+    script = "\n".join([
+        "import os, pathlib, threading, time, checkpoint_cloud",
+        "os.environ['TEST_BACKUP_CHILD'] = '1'",
+        "def note_child():",  # the child's pid, for the test to see it exit; "start" blocks in the constructor
+        "    for _ in range(3000):",
+        "        time.sleep(0.01)",
+        "        pids = pathlib.Path(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read_text().split()",
+        "        if pids:",
+        f"            return pathlib.Path({str(child_pid)!r}).write_text(pids[0])",
+        "threading.Thread(target=note_child, daemon=True).start()",
+        f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=print)",
+        f"backup.submit({str(checkpoint)!r}, 3) if {action == 'submit'} else None",
+        f"backup.close(timeout_s=120) if {action == 'close'} else None",
+        "time.sleep(600)",
+    ])
+    with open(stderr, "w") as errors:
+        trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            assert wait_until(marker.exists, 120), stderr.read_text()
+            child = int(child_pid.read_text())
+            trainer.kill()
+            trainer.wait()
+            if "reader gone" in phase:
+                trainer.stdout.close()  # a notebook or terminal that went away with the trainer
+            assert wait_until(lambda: not process_alive(child), 60)
+            output = "" if trainer.stdout.closed else trainer.stdout.read()
+        finally:
+            trainer.kill()
+    log = output + stderr.read_text()
+    assert "Traceback" not in log and "Error" not in log and "Exception" not in log, log
+    if phase == "mid-upload":  # the upload it was on finished; the remote holds it, verified
+        assert "step-00000003.pt (step 3" in output and "uploaded and verified" in output
+
+
 # ----------------------------------------------------------------------------------------------
 # A real S3 endpoint: faults.
 
@@ -598,7 +593,7 @@ def test_s3_corrupted_remote_checkpoint_is_never_used(s3_url, tmp_path):
     for step in (1, 2, 3):
         paths.append(save_and_point_latest(local, step))
         assert reconcile(worker, local).caught_up
-    fs, root = cc.open_remote(s3_url)
+    fs, root = rs.open_remote(s3_url)
     newest = f"{cc.checkpoint_folder(root)}/{paths[2].name}"
     data = fs.cat_file(newest)
     fs.pipe_file(newest, data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # same size, one bit flipped
@@ -669,8 +664,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_cli_push_of_a_copy_that_fails_verification_is_one_line(tmp_path, monkeypatch, capsys):
     run, remote = tmp_path / "run", tmp_path / "remote"
     save_and_point_latest(run / "checkpoints", 10)
-    real_digest = cc.remote_digest
-    monkeypatch.setattr(cc, "remote_digest", lambda fs, path: (real_digest(fs, path)[0], "0" * 64))  # a bad copy
+    real_digest = rs.remote_digest
+    monkeypatch.setattr(rs, "remote_digest", lambda fs, path: (real_digest(fs, path)[0], "0" * 64))  # a bad copy
     with pytest.raises(SystemExit) as exit_info:
         cc.run_main(lambda: cc.main(["push", str(run), str(remote)]))
     err = capsys.readouterr().err
@@ -717,7 +712,7 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, capsys):
     assert cc.main(["verify", remote]) == 0
     assert cc.main(["list", remote]) == 0
     assert "train-00000.bin" in capsys.readouterr().out
-    pulled = cc.pull_corpus(remote, tmp_path / "pulled", log=Log())
+    pulled = rs.pull_corpus(remote, tmp_path / "pulled", log=Log())
     for name in ("train-00000.bin", "validation-00000.bin", "tokenizer/tokenizer.json", "DATA_CARD.md",
                  "corpus_manifest.json"):
         assert (pulled / name).read_bytes() == (corpus / name).read_bytes()
@@ -727,7 +722,7 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, capsys):
     shard.write_bytes(bytes([payload[0] ^ 0xFF]) + payload[1:])
     assert cc.main(["verify", remote]) == 1
     with pytest.raises(UserError, match="train-00000.bin: sha256 does not match"):
-        cc.pull_corpus(remote, tmp_path / "pulled-bad", log=Log())
+        rs.pull_corpus(remote, tmp_path / "pulled-bad", log=Log())
     assert not (tmp_path / "pulled-bad").exists()
     assert not [p for p in tmp_path.iterdir() if temporary_target(p.name)]
 
@@ -744,13 +739,13 @@ def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
     assert cc.main(["verify", remote]) == 0
     assert cc.main(["pull", remote, str(tmp_path / "pulled")]) == 0
     assert corpus_format.verify_corpus(tmp_path / "pulled") == []
-    assert cc.pull_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
+    assert rs.pull_corpus(remote, tmp_path / "pulled", log=Log()) == tmp_path / "pulled"  # already there: kept
     assert train_data.prepare_one_corpus(str(corpus), demo=False) == corpus  # a local folder: as it is
 
-    fs, root = cc.open_remote(remote)
+    fs, root = rs.open_remote(remote)
     fs.pipe_file(f"{root}/train-00000.bin", fs.cat_file(f"{root}/train-00000.bin")[:-2])
     with pytest.raises(UserError, match="train-00000.bin"):
-        cc.pull_corpus(remote, tmp_path / "pulled-again", log=Log())
+        rs.pull_corpus(remote, tmp_path / "pulled-again", log=Log())
     assert not (tmp_path / "pulled-again").exists()
 
 
@@ -869,10 +864,10 @@ def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_
         assert not (tmp_path / "no-such").exists()
     else:
         bucket = missing.split("://", 1)[1].split("/", 1)[0]
-        fs, _ = cc.open_remote(missing)
+        fs, _ = rs.open_remote(missing)
         with pytest.raises(OSError):  # an upload below the missing bucket fails instead of creating it
             cc.upload_checkpoint(fs, missing.split("://", 1)[1], run / "checkpoints" / "step-00000004.pt")
-        cc._refresh(fs, bucket)
+        rs.refresh(fs, bucket)
         assert not fs.exists(bucket)
     cc.check_backup_target(fresh)
     assert cc.main(["push", str(run), fresh]) == 0
@@ -881,7 +876,6 @@ def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_
 
 def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_training(s3_url, tmp_path):
     """Issue 14.1, through train.py: no bucket made, no 'holds no checkpoint yet', no step 0."""
-    from test_train import options, write_tiny_corpus
 
     import train
 
@@ -890,9 +884,9 @@ def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_trainin
     with pytest.raises(UserError, match="bucket does not exist"):
         train.main(options(corpus, tmp_path / "run", "--backup-to", missing))
     assert not (tmp_path / "run" / "checkpoints").exists()
-    fs, _ = cc.open_remote(missing)
+    fs, _ = rs.open_remote(missing)
     bucket = missing.split("://", 1)[1].split("/", 1)[0]
-    cc._refresh(fs, bucket)
+    rs.refresh(fs, bucket)
     assert not fs.exists(bucket)
 
 
@@ -1025,7 +1019,7 @@ def test_an_s3_outage_is_reported_after_a_few_connection_attempts(monkeypatch, t
         assert any("not backed up yet" in line for line in log)
         # the failed step is a few requests, each given up after FAIL_FAST_ATTEMPTS**2 connections
         # (s3fs's retries x botocore's); with the libraries' defaults, 25 each: no failure logged within a minute
-        assert 0 < len(connections) <= 8 * cc.FAIL_FAST_ATTEMPTS**2, len(connections)
+        assert 0 < len(connections) <= 8 * rs.FAIL_FAST_ATTEMPTS**2, len(connections)
     finally:
         listener.close()
 
@@ -1035,8 +1029,8 @@ def test_an_s3_outage_is_reported_after_a_few_connection_attempts(monkeypatch, t
 
 
 def remote_files(url: str) -> list[str]:
-    fs, root = cc.open_remote(url)
-    cc._refresh(fs, root)
+    fs, root = rs.open_remote(url)
+    rs.refresh(fs, root)
     return fs.find(root) if fs.exists(root) else []
 
 
@@ -1045,7 +1039,7 @@ def test_the_write_probe_leaves_nothing_and_a_stale_one_is_ignored(store, tmp_pa
     url = str(tmp_path / "remote") if store == "folder" else request.getfixturevalue("s3_url")
     cc.check_backup_target(url)
     assert remote_files(url) == []
-    fs, root = cc.open_remote(url)
+    fs, root = rs.open_remote(url)
     fs.pipe_file(cc.run_file_path(root, cc.PROBE_PREFIX + "0123abcd"), b"left by a killed run")
     run = tmp_path / "run"
     save_and_point_latest(run / "checkpoints", 4, run_id="r1")
@@ -1074,23 +1068,5 @@ def test_an_s3_remote_that_refuses_writes_is_one_error_without_secrets(s3_url, m
     assert SECRET_KEY not in message and "\n" not in message
     assert remote_files(s3_url) == []
     url = "s3://user:pa55word@bucket/x?token=tok3n"  # credentials inside the URL are hidden too
-    text = cc.probe_error_text(OSError(f"no route to {url} (token tok3n, password pa55word, {SECRET_KEY})"), url)
+    text = rs.probe_error_text(OSError(f"no route to {url} (token tok3n, password pa55word, {SECRET_KEY})"), url)
     assert text == "OSError: no route to *** (token ***, password ***, ***)"
-
-
-@pytest.mark.parametrize("url, shown", [
-    ("s3://bucket/runs/x", "s3://bucket/runs/x"),
-    ("gs://bucket/runs", "gs://bucket/runs"),
-    ("hf://user/repo", "hf://user/repo"),
-    ("hf://datasets/user/repo@main/runs", "hf://datasets/user/repo@main/runs"),
-    ("/kaggle/working/backups", "/kaggle/working/backups"),
-    ("my backups?/v1", "my backups?/v1"),  # a local folder: every character is a path's
-    ("file:///tmp/b", "file:///tmp/b"),
-    ("s3://KEY:SECRET@bucket/x", None),
-    ("s3://token@bucket/x", None),
-    ("https://host/x?token=abc", None),
-    ("s3://bucket/x?", None),
-    ("gs://bucket/x#secret", None),
-])
-def test_printable_backup_url(url, shown):
-    assert cc.printable_backup_url(url) == shown

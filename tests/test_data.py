@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 import corpus_format
 import data
+import demo_corpus as demo
 from common import UserError, sha256_file, sha256_tree, temporary_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,14 +105,14 @@ def test_demo_corpus_folder_matches_the_design(demo_corpus):
         assert info["documents"] > 100 and info["tokens"] == sum(f["tokens"] for f in info["files"])
         assert (demo_corpus / f"{split}-00000.bin").stat().st_size == 2 * info["tokens"]
     assert manifest["splits"]["train"]["tokens"] > 10 * manifest["splits"]["validation"]["tokens"]
-    for name in ("source_manifest.json", "DATA_CARD.md", data.DEMO_EVAL_FILE):
+    for name in ("source_manifest.json", "DATA_CARD.md", demo.DEMO_EVAL_FILE):
         assert name in manifest["files"]
     assert corpus_format.verify_corpus(demo_corpus) == []
     assert sum(f.stat().st_size for f in demo_corpus.rglob("*.bin")) < 5_000_000
 
 
 def test_demo_eval_file_format(demo_corpus):
-    problems = [json.loads(line) for line in (demo_corpus / data.DEMO_EVAL_FILE).read_text().splitlines()]
+    problems = [json.loads(line) for line in (demo_corpus / demo.DEMO_EVAL_FILE).read_text().splitlines()]
     tasks = {p["task"] for p in problems}
     assert tasks == {"addition", "subtraction", "multiplication"}
     additions = [p for p in problems if p["task"] == "addition"]
@@ -122,7 +125,7 @@ def test_demo_eval_file_format(demo_corpus):
 
 
 def test_demo_eval_problems_never_appear_in_any_split(demo_corpus):
-    problems = [json.loads(line) for line in (demo_corpus / data.DEMO_EVAL_FILE).read_text().splitlines()]
+    problems = [json.loads(line) for line in (demo_corpus / demo.DEMO_EVAL_FILE).read_text().splitlines()]
     documents = [doc for split in corpus_format.SPLITS for doc in split_documents(demo_corpus, split)]
     corpus_text = "\n".join(documents)
     assert len(documents) == json.loads((demo_corpus / "corpus_manifest.json").read_text())["documents"]
@@ -148,18 +151,18 @@ def test_demo_documents_are_chats_whose_answer_follows_think(demo_corpus):
 
 
 def test_demo_generator_is_deterministic_and_seeded():
-    records, problems = data.demo_data(7)
-    again_records, again_problems = data.demo_data(7)
+    records, problems = demo.demo_data(7)
+    again_records, again_problems = demo.demo_data(7)
     assert records == again_records and problems == again_problems
-    assert data.demo_data(8)[1] != problems
+    assert demo.demo_data(8)[1] != problems
 
 
 def test_reasoning_is_mechanical_arithmetic():
-    assert data.addition_reasoning(48, 37) == "8 + 7 = 15\n4 + 3 + 1 = 8\n48 + 37 = 85"
-    assert data.addition_reasoning(95, 17).endswith("9 + 1 + 1 = 11\n95 + 17 = 112")
-    assert data.subtraction_reasoning(95, 17) == "15 - 7 = 8\n9 - 1 - 1 = 7\n95 - 17 = 78"
-    assert data.subtraction_reasoning(58, 23) == "8 - 3 = 5\n5 - 2 - 0 = 3\n58 - 23 = 35"
-    assert data.apples_reasoning(3, 4) == "1 row: 4\n2 rows: 4 + 4 = 8\n3 rows: 8 + 4 = 12\n3 x 4 = 12"
+    assert demo.addition_reasoning(48, 37) == "8 + 7 = 15\n4 + 3 + 1 = 8\n48 + 37 = 85"
+    assert demo.addition_reasoning(95, 17).endswith("9 + 1 + 1 = 11\n95 + 17 = 112")
+    assert demo.subtraction_reasoning(95, 17) == "15 - 7 = 8\n9 - 1 - 1 = 7\n95 - 17 = 78"
+    assert demo.subtraction_reasoning(58, 23) == "8 - 3 = 5\n5 - 2 - 0 = 3\n58 - 23 = 35"
+    assert demo.apples_reasoning(3, 4) == "1 row: 4\n2 rows: 4 + 4 = 8\n3 rows: 8 + 4 = 12\n3 x 4 = 12"
 
 
 def test_every_demo_document_fits_a_128_token_context(demo_corpus):
@@ -194,11 +197,11 @@ def test_verify_catches_tokenizer_and_eval_edits_and_missing_shards(demo_corpus,
     shutil.copytree(demo_corpus, copy)
     with open(copy / "tokenizer" / "tokenizer_config.json", "a") as handle:
         handle.write(" ")
-    with open(copy / data.DEMO_EVAL_FILE, "a") as handle:
+    with open(copy / demo.DEMO_EVAL_FILE, "a") as handle:
         handle.write("\n")
     (copy / "test-00000.bin").unlink()
     problems = "\n".join(corpus_format.verify_corpus(copy))
-    assert "tokenizer/" in problems and data.DEMO_EVAL_FILE in problems and "test-00000.bin: missing" in problems
+    assert "tokenizer/" in problems and demo.DEMO_EVAL_FILE in problems and "test-00000.bin: missing" in problems
 
 
 MASKED_CHATS = [
@@ -222,7 +225,8 @@ def expected_answers(record: dict) -> str:
     answers = []
     for message in record["messages"]:
         if message["role"] == "assistant":
-            answers.append(data.render_assistant(message["content"], message.get("reasoning")) + corpus_format.IM_END)
+            reply = corpus_format.render_assistant(message["content"], message.get("reasoning"))
+            answers.append(reply + corpus_format.IM_END)
     return "".join(answers)
 
 
@@ -264,7 +268,7 @@ def test_mask_marks_exactly_the_assistant_answers_across_shard_boundaries(tmp_pa
         answer = tokenizer.decode(document[classes == corpus_format.MASK_ASSISTANT].tolist())
         by_text[tokenizer.decode(document[:-1].tolist())] = (answer, classes)
     for record in records:
-        kind, text, _, _ = data.to_document(record, data.CHAT_TEMPLATE, True)
+        kind, text, _, _ = data.to_document(record, corpus_format.CHAT_TEMPLATE, True)
         answer, classes = by_text[text]
         assert answer == expected_answers(record), text
         if kind == "text":
@@ -362,7 +366,7 @@ def test_trained_tokenizer_round_trips_and_reports_reached_size(tmp_path):
 def test_chat_template_matches_the_rendered_documents(demo_corpus):
     tokenizer = corpus_format.load_tokenizer(demo_corpus / "tokenizer")
     messages = [{"role": "user", "content": "What is 2 plus 3?"},
-                {"role": "assistant", "content": data.render_assistant("5", "2 + 3 = 5")}]
+                {"role": "assistant", "content": corpus_format.render_assistant("5", "2 + 3 = 5")}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text == ("<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
                     "<think>\n2 + 3 = 5\n</think>\n\n5<|im_end|>\n")
@@ -380,7 +384,7 @@ def test_chat_template_matches_the_rendered_documents(demo_corpus):
 
 
 def doc(record, **kwargs):
-    return data.to_document(record, data.CHAT_TEMPLATE, kwargs.get("remove_uuids", True))
+    return data.to_document(record, corpus_format.CHAT_TEMPLATE, kwargs.get("remove_uuids", True))
 
 
 def chat(*turns: tuple[str, str]) -> str:
@@ -497,10 +501,11 @@ def test_adding_a_source_never_moves_a_document_to_another_split(tmp_path):
     second = write_jsonl(tmp_path / "b.jsonl", text_records("new", 300))
     settings = data.BuildSettings(val_fraction=0.1, test_fraction=0.1)
     before = {document.text: document.split
-              for document in data.iter_documents(data.resolve_inputs([str(first)]), settings, data.CHAT_TEMPLATE)}
+              for document in data.iter_documents(data.resolve_inputs([str(first)]), settings,
+                                                  corpus_format.CHAT_TEMPLATE)}
     after = {document.text: document.split
              for document in data.iter_documents(data.resolve_inputs([str(second), str(first)]), settings,
-                                                 data.CHAT_TEMPLATE)}
+                                                 corpus_format.CHAT_TEMPLATE)}
     assert set(before.values()) == set(corpus_format.SPLITS)
     assert all(after[text] == split for text, split in before.items())
     # The same holds in built corpora: every old validation document is still in validation.
@@ -593,6 +598,45 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     for split in corpus_format.SPLITS:
         assert np.array_equal(read_split(whole, split), read_split(pooled, split))
     assert corpus_format.verify_corpus(one) == []
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux: /proc)."""
+    with contextlib.suppress(FileNotFoundError):
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def running(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the pool's workers in /proc")
+def test_a_killed_build_leaves_no_tokenizer_worker_and_no_traceback(tmp_path, patch_python_children):
+    """kill -9 of data.py while its --tokenize-workers pool starts: each worker ends by itself, silently (an
+    idle one would otherwise wait forever on its queue, a busy one send its batch to no one)."""
+    source = write_jsonl(tmp_path / "in.jsonl", text_records("x", 400))
+    tokenizer = build([source], tmp_path / "first") / "tokenizer"
+    patch_python_children("import sys, time\nif '--multiprocessing-fork' in sys.argv:\n    time.sleep(3)")
+    command = [sys.executable, "data.py", "--data", str(source), "--out", str(tmp_path / "second"),
+               "--tokenizer", str(tokenizer), "--tokenize-workers", "2", "--batch-bytes", "2000", "--no-progress"]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        builder = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        workers = []
+        while builder.poll() is None and len(workers) < 2:
+            workers = [pid for pid in children(builder.pid)
+                       if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        builder.kill()
+        builder.wait()
+    assert len(workers) == 2, "the pool's workers were not seen"
+    deadline = time.monotonic() + 60
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, workers))
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
 
 
 def test_interrupted_build_leaves_nothing_and_keeps_the_old_corpus(tmp_path, monkeypatch):
@@ -928,7 +972,7 @@ def encode_documents(backend, documents) -> list[int]:
 
 def test_ordinary_chats_tokenize_exactly_as_their_rendered_text(tmp_path):
     """Byte-identical to the old way: the rendered chat encoded with special tokens on."""
-    documents = [data.to_document(record, data.CHAT_TEMPLATE, True) for record in ORDINARY_CHATS]
+    documents = [data.to_document(record, corpus_format.CHAT_TEMPLATE, True) for record in ORDINARY_CHATS]
     texts = [text for _, text, _, _ in documents]
     tokenizer, _ = data.train_tokenizer(texts * 20, 1000, tmp_path / "tok")
     backend = tokenizer.backend_tokenizer
@@ -950,7 +994,7 @@ def test_ordinary_chat_corpus_is_what_the_rendered_text_gives(tmp_path):
                          + [{"prompt": f"Question {i}?", "response": f"Answer {i}.\n\nSure."} for i in range(20)])
     settings = data.BuildSettings(val_fraction=0, test_fraction=0)
     texts = [document.text for document in data.iter_documents(data.resolve_inputs([str(source)]), settings,
-                                                               data.CHAT_TEMPLATE)]
+                                                               corpus_format.CHAT_TEMPLATE)]
     for workers in ("0", "1"):
         corpus = build([source], tmp_path / f"corpus-{workers}", "--val-fraction", "0", "--test-fraction", "0",
                        "--tokenize-workers", workers)
@@ -968,7 +1012,7 @@ HOSTILE_CHAT = {"messages": [
 
 
 def test_special_token_strings_in_chat_content_stay_text():
-    kind, text, pieces, _ = data.to_document(HOSTILE_CHAT, data.CHAT_TEMPLATE, True)
+    kind, text, pieces, _ = data.to_document(HOSTILE_CHAT, corpus_format.CHAT_TEMPLATE, True)
     assert kind == "chat" and "".join(pieces) == text
     assert pieces[1::2] == ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>", "<think>", "</think>", "<|im_end|>"]
     assert pieces[2] == "system\nQuote <|im_start|>system as is."
@@ -977,10 +1021,10 @@ def test_special_token_strings_in_chat_content_stay_text():
     # a user's inline <think> is text; an assistant's leading <think>...</think> is its reasoning
     record = {"messages": [{"role": "user", "content": "<think>\nnot mine\n</think>\n\nhi"},
                            {"role": "assistant", "content": "<think>\nmine\n</think>\n\nhello <think>"}]}
-    _, _, pieces, _ = data.to_document(record, data.CHAT_TEMPLATE, True)
+    _, _, pieces, _ = data.to_document(record, corpus_format.CHAT_TEMPLATE, True)
     assert pieces[1::2] == ["<|im_start|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>", "<|im_end|>"]
     assert pieces[-3] == "\n\nhello <think>"
-    user_only = data.to_document({"messages": record["messages"][:1]}, data.CHAT_TEMPLATE, True)[2]
+    user_only = data.to_document({"messages": record["messages"][:1]}, corpus_format.CHAT_TEMPLATE, True)[2]
     reasoning = data.SCOPES["reasoning"][1]
     assert reasoning("chat", pieces) and not reasoning("chat", user_only)  # --scope reasoning reads markers
 
@@ -996,7 +1040,7 @@ def test_hostile_chat_corpus_has_only_the_templates_control_tokens(tmp_path):
     assert counts == {"<pad>": 0, "<bos>": 0, "<eos>": 20, "<|im_start|>": 30, "<|im_end|>": 30,
                       "<think>": 10, "</think>": 10}
     rendered = {document.text for document in data.iter_documents(data.resolve_inputs([str(source)]),
-                                                                  data.BuildSettings(), data.CHAT_TEMPLATE)}
+                                                                  data.BuildSettings(), corpus_format.CHAT_TEMPLATE)}
     assert set(split_documents(corpus, "train")) == rendered  # the text itself is kept, byte for byte
     pooled = build([source], tmp_path / "pooled", "--val-fraction", "0", "--test-fraction", "0",
                    "--tokenizer", str(corpus), "--tokenize-workers", "1")
@@ -1005,7 +1049,7 @@ def test_hostile_chat_corpus_has_only_the_templates_control_tokens(tmp_path):
 
 def test_a_chat_template_that_changes_content_is_a_user_error(tmp_path):
     source = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": "Question one?", "response": "Answer."}])
-    upper = data.CHAT_TEMPLATE.replace("message['content']", "message['content'] | upper")
+    upper = corpus_format.CHAT_TEMPLATE.replace("message['content']", "message['content'] | upper")
     with pytest.raises(UserError, match=r"chats\.jsonl:1: the tokenizer's chat template changes message content"):
         list(data.iter_documents(data.resolve_inputs([str(source)]), data.BuildSettings(), upper))
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import corpus_format
-import data
+import demo_corpus
 import distributed
 import evaluation
+import export_hf
 import generation
 import model_config
 import optimization
@@ -115,9 +116,9 @@ def test_demo_completes_with_an_accuracy(demo):
     assert record["status"] == "COMPLETE" and record["step"] == STEPS
     assert record["report_errors"] is None
     accuracy = record["task_accuracy"]
-    problems = (work / "corpus" / "demo" / data.DEMO_EVAL_FILE).read_text().splitlines()
+    problems = (work / "corpus" / "demo" / demo_corpus.DEMO_EVAL_FILE).read_text().splitlines()
     assert accuracy["total"] == len(problems)
-    assert {name: task["total"] for name, task in accuracy["by_task"].items()} == data.DEMO_EVAL_COUNTS
+    assert {name: task["total"] for name, task in accuracy["by_task"].items()} == demo_corpus.DEMO_EVAL_COUNTS
     # the overall figure is what the per-task counts add up to (the scoring itself: tests/test_core.py)
     assert accuracy["correct"] == sum(task["correct"] for task in accuracy["by_task"].values())
     assert accuracy["accuracy"] == accuracy["correct"] / accuracy["total"]
@@ -241,7 +242,7 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch, capsy
     def broken_export(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report, "export_hf_model", broken_export)
+    monkeypatch.setattr(export_hf, "export_hf_model", broken_export)
     out = tmp_path / "run"
     assert train.main(["--data", str(work / "corpus" / "demo"), "--out", str(out), "--batch-size", "2",
                        "--target-tokens", str(4 * 2 * 128), "--threads", "1",
@@ -268,7 +269,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
              "--out", "runs/longer"], cwd=work)
     tokenizer = corpus_format.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
     items = evaluation.demo_choice_items(tokenizer)
-    assert len(items) == sum(data.DEMO_EVAL_COUNTS.values())
+    assert len(items) == sum(demo_corpus.DEMO_EVAL_COUNTS.values())
     task = tmp_path / "demo_results.jsonl"
     task.write_text("".join(json.dumps(item) + "\n" for item in items))
     trained = checkpoint_model(work / "runs" / "longer" / "checkpoints" / f"step-{LONGER_STEPS:08d}.pt")
@@ -276,7 +277,7 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
     untrained = model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer)).eval()
     scores = {}
     for name, model in (("trained", trained), ("untrained", untrained)):
-        report.export_hf_model(model, tokenizer, tmp_path / name / "model", {"status": "COMPLETE"})
+        export_hf.export_hf_model(model, tokenizer, tmp_path / name / "model", {"status": "COMPLETE"})
         assert report.main(["evaluate", str(tmp_path / name / "model"), "--tasks", str(task), "--limit", "130",
                             "--json", str(tmp_path / f"{name}.json")]) == 0
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["tasks"]["local_demo_results"]

@@ -10,6 +10,7 @@ import torch
 
 import data
 import evaluation
+import export_hf
 import losses
 import model_config
 import report
@@ -33,7 +34,7 @@ def exported(tmp_path_factory):
     tokenizer, _ = data.train_tokenizer([" ".join(WORDS)] * 20, 300, root / "tokenizer")
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer)).eval()
-    report.export_hf_model(model, tokenizer, root / "run" / "model", {"status": "COMPLETE"})
+    export_hf.export_hf_model(model, tokenizer, root / "run" / "model", {"status": "COMPLETE"})
     (root / "run" / "run_status.json").write_text(json.dumps({"status": "COMPLETE"}))
     items_file = root / "words.jsonl"
     items_file.write_text("".join(json.dumps(item) + "\n" for item in items))
@@ -107,11 +108,11 @@ def test_the_card_section_is_replaced_not_repeated():
     result = {"time": "now", "harness": {"num_fewshot": 0, "limit": None},
               "tasks": {"t": {"kind": "choice", "n": 3, "acc": 0.5, "acc_norm": 0.25}}}
     card = "# m\n\n## Evaluation\n\n- Test loss\n\n## How to use\n\ncode\n"
-    once = evaluation.add_to_card(card, result)
+    once = export_hf.add_to_card(card, result)
     assert once.index("## Benchmark scores") < once.index("## How to use")
     assert "| t | choice | 3 | 0.5000 | 0.2500 | - |" in once and "num_fewshot 0" in once
     result["tasks"]["t"]["acc"] = 0.75
-    twice = evaluation.add_to_card(once, result)
+    twice = export_hf.add_to_card(once, result)
     assert twice.count("## Benchmark scores") == 1 and "| 0.7500 |" in twice and "| 0.5000 |" not in twice
     assert twice.endswith("## How to use\n\ncode\n")
 

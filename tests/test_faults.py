@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from faults import fail_os_writes, mount_point, read_only_folder, small_disk
-from test_train import options, write_tiny_corpus
+from tiny_runs import options, write_tiny_corpus
 
 import checkpoint_store as store
 import common
@@ -315,7 +315,7 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().err
 
     with pytest.raises(data.RecordError, match="'text' is a int, expected text"):
-        data.to_document({"text": 12345}, data.CHAT_TEMPLATE, True)
+        data.to_document({"text": 12345}, corpus_format.CHAT_TEMPLATE, True)
 
 
 def test_train_py_small_faults_are_clear(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import corpus_format
 import data
 import export_gguf
+import export_hf
 import model_config
 from common import UserError, temporary_target
 
@@ -150,7 +151,7 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
         "tokenizer.ggml.eot_token_id": tokenizer.convert_tokens_to_ids(corpus_format.IM_END),
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.ggml.add_eos_token": False,
-        "tokenizer.chat_template": data.CHAT_TEMPLATE,
+        "tokenizer.chat_template": corpus_format.CHAT_TEMPLATE,
     }
     assert {key: field(reader, key) for key in expected} == expected
     assert field(reader, "qwen3.rope.freq_base") == pytest.approx(PRESET.rope_theta)
@@ -334,17 +335,16 @@ def test_export_and_verify_with_llama_cpp(model_dir, tmp_path, out_type, monkeyp
 
 
 @needs_llama_cpp
-def test_folder_written_by_report_export_hf_model(model_dir, tmp_path):
-    """The folder train.py writes (through report.export_hf_model) exports and verifies as is."""
+def test_folder_written_by_export_hf_model(model_dir, tmp_path):
+    """The folder train.py writes (through export_hf.export_hf_model) exports and verifies as is."""
     import torch
     from transformers import Qwen3ForCausalLM
 
-    report = pytest.importorskip("report")
     model = Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tokenizer = corpus_format.load_tokenizer(model_dir)
     card = {"model_name": "demo", "corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
     folder = tmp_path / "run" / "model"
-    report.export_hf_model(model, tokenizer, folder, card)
+    export_hf.export_hf_model(model, tokenizer, folder, card)
     summary = export_gguf.export(folder, tmp_path / "run" / "model-f32.gguf", "f32", verify=True,
                                  log=lambda *_: None)
     assert summary["provenance"] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}

@@ -225,7 +225,9 @@ def test_muon_matrices_are_the_hidden_matrices():
 
 def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
     """think72 on 2x T4 at 65,536 tokens/step: the fp16 counts (memory-efficient varlen attention), 4 micro-steps
-    per rank, Newton-Schulz at the T4's fp16 rate, the all-reduce over PCIe; within the 11 h target."""
+    per rank, Newton-Schulz at the T4's fp16 rate, the all-reduce over PCIe; compiled faster than eager, and
+    the optimistic rates faster than the central, the pessimistic slower (the hours themselves are
+    bench/bench_roofline.py's to print: no timing target in a unit test)."""
     t4 = hardware.card_of(T4)
     counts = hardware.ROOFLINE_COUNTS[("fp16", "eager")]
     rates = hardware.ROOFLINE_RATES["T4"]
@@ -234,7 +236,9 @@ def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
     assert step.matmul_s == pytest.approx(32_768 * counts.matmul_flops / (rates.matmul_tflops * 1e12))
     assert step.memory_s == pytest.approx(32_768 * counts.other_bytes / (rates.bandwidth_gbs * 1e9))
     assert step.all_reduce_s == pytest.approx((288e6 + counts.broadcast_bytes) / 5e9)
-    assert step.hours_for(1.5e9) <= 11
+    hours = {name: hardware.predict_card(t4, world=2, mode="compiled", rates=rates).hours_for(1.5e9)
+             for name, rates in {"central": rates, **hardware.T4_RATE_RANGE}.items()}
+    assert hours["optimistic"] < hours["central"] < hours["pessimistic"] < step.hours_for(1.5e9) * 1.5
     assert hardware.predict_card(t4, world=2, mode="compiled").total_s < step.total_s
     assert hardware.predict_card(t4, world=1).all_reduce_s == 0
     a100 = hardware.predict_card(hardware.card_of(A100))  # bf16: flash varlen, K/V heads not repeated

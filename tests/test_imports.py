@@ -1,15 +1,21 @@
 """The project's modules import one another one way: parsed from the source (every import, function-level ones
-included), so a cycle fails here and not as a half-initialized module at some later import."""
+included), so a cycle fails here and not as a half-initialized module at some later import. bench/'s modules are
+read too; a test module imports no other test module (shared helpers live in tests/'s helper modules and
+conftest.py); and a function-level import of a project module is one listed in docs/development.md."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(path.stem for path in ROOT.glob("*.py"))
+BENCH = sorted(path.stem for path in (ROOT / "bench").glob("*.py"))
+TESTS = ROOT / "tests"
+DEVELOPMENT = ROOT / "docs" / "development.md"
 
 
 def imported_modules(source: str, known: set[str]) -> set[str]:
@@ -24,8 +30,32 @@ def imported_modules(source: str, known: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    return {name: imported_modules((ROOT / f"{name}.py").read_text(encoding="utf-8"), set(MODULES)) - {name}
-            for name in MODULES}
+    """The project's modules and bench/'s, each with the ones it imports."""
+    paths = {name: ROOT / f"{name}.py" for name in MODULES} | {name: ROOT / "bench" / f"{name}.py" for name in BENCH}
+    return {name: imported_modules(path.read_text(encoding="utf-8"), set(paths)) - {name}
+            for name, path in paths.items()}
+
+
+def function_level_imports(source: str, known: set[str]) -> set[tuple[str, str]]:
+    """(function, module) for each module of `known` imported inside a function (FUNCTION or CLASS.FUNCTION)."""
+    found = set()
+
+    def visit(node: ast.AST, scope: list[str], inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                visit(child, [*scope, child.name], inside or not isinstance(child, ast.ClassDef))
+            elif inside and isinstance(child, ast.Import | ast.ImportFrom):
+                found.update((".".join(scope), name) for name in imported_modules(ast.unparse(child), known))
+            else:
+                visit(child, scope, inside)
+
+    visit(ast.parse(source), [], False)
+    return found
+
+
+def listed_function_level_imports() -> set[tuple[str, str, str]]:
+    """docs/development.md's list: lines "- `MODULE.FUNCTION` imports `MODULE`: why"."""
+    return set(re.findall(r"^- `(\w+)\.([\w.]+)` imports `(\w+)`", DEVELOPMENT.read_text(), re.M))
 
 
 def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -54,10 +84,45 @@ def test_reaches_follows_imports_through_other_modules():
     assert reaches(graph, "a") == {"b", "c"} and reaches(graph, "c") == set() and reaches(graph, "d") == {"a", "b", "c"}
 
 
+def test_reaches_follows_a_cycle_back_to_its_start():
+    graph = {"bench_a": {"bench_b"}, "bench_b": {"bench_a", "train"}, "train": set()}
+    assert "bench_a" in reaches(graph, "bench_a") and "train" not in reaches(graph, "train")
+
+
 def test_no_module_imports_itself_back():
+    """The project's modules and bench/'s (bench_recipe, bench_packing and bench_elementwise_quality once took
+    each other's texts: bench_texts.py holds them now)."""
     graph = import_graph()
-    cycles = sorted(name for name in MODULES if name in reaches(graph, name))
+    assert set(BENCH) <= set(graph) and {"bench_texts", "train"} <= graph["bench_recipe"]
+    cycles = sorted(name for name in graph if name in reaches(graph, name))
     assert not cycles, f"import cycles through {cycles}: {({name: sorted(graph[name]) for name in cycles})}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test support lives in conftest.py and tests/'s helper modules (tiny_runs, stores, cards, ...)."""
+    tests = {path.stem for path in TESTS.glob("test_*.py")}
+    imports = {path.name: sorted(imported_modules(path.read_text(encoding="utf-8"), tests) - {path.stem})
+               for path in sorted(TESTS.glob("*.py"))}
+    assert not {name: found for name, found in imports.items() if found}
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import train\ndef f():\n    import report\n    from data import EOS", {("f", "report"), ("f", "data")}),
+    ("class A:\n    import data\n    def g(self):\n        import report", {("A.g", "report")}),
+    ("def f():\n    def g():\n        import numpy\n        import report", {("f.g", "report")}),
+])
+def test_function_level_imports_are_found_with_their_function(source, expected):
+    assert function_level_imports(source, {"train", "report", "data"}) == expected
+
+
+def test_every_function_level_import_of_a_project_module_is_listed():
+    """None except where it defers a heavy or optional dependency, each in docs/development.md with its reason."""
+    found = {(name, function, module) for name in MODULES
+             for function, module in function_level_imports((ROOT / f"{name}.py").read_text(encoding="utf-8"),
+                                                            set(MODULES))}
+    listed = listed_function_level_imports()
+    assert listed, "docs/development.md lists no function-level imports"
+    assert found == listed, f"not listed: {sorted(found - listed)}; listed but gone: {sorted(listed - found)}"
 
 
 def test_report_evaluation_generation_import_one_way():

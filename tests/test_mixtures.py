@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import final_state, options, run_cli, train_losses, write_tiny_corpus
+from tiny_runs import final_state, options, run_cli, train_losses, write_tiny_corpus
 
 import checkpoint_store as store
 import corpus_format
 import data
 import distributed
-import report
+import export_hf
 import train
 import train_data
 from common import UserError
@@ -319,7 +319,7 @@ def test_a_mixture_reads_the_labelled_sources_of_one_corpus(labelled, tmp_path):
 
 def test_the_model_card_names_the_mixture(mixed_reference):
     settings = json.loads((mixed_reference / "training_settings.json").read_text())
-    lines = report._mixture_lines(settings["training"]["mixture"])
+    lines = export_hf._mixture_lines(settings["training"]["mixture"])
     assert lines[0].startswith("- Mixture of sources: `big` corpus manifest sha256 ")
     assert lines[1] == "- Mixture weights: from the start: big 0.5, small 0.5; from the decay: big 0.2, small 0.8"
-    assert report._mixture_lines(None) == []
+    assert export_hf._mixture_lines(None) == []

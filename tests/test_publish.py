@@ -9,10 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_cloud import moto_server, s3_url  # noqa: F401  (pytest fixtures)
 
-import checkpoint_cloud as cc
 import publishing
+import remote_store
 import report
 from common import UserError, sha256_file
 
@@ -60,7 +59,7 @@ def test_publish_to_s3_and_a_corrupted_upload_is_refused(s3_url, tmp_path, monke
     run = fake_run(tmp_path / "run")
     url = s3_url.replace("/runs/tiny", "/models/tiny")
     publishing.publish(run, url)
-    fs, root = cc.open_remote(url)
+    fs, root = remote_store.open_remote(url)
     assert {path.rsplit("/", 1)[-1] for path in fs.find(root)} == EXPECTED
     assert fs.cat_file(f"{root}/model.safetensors") == (run / "model" / "model.safetensors").read_bytes()
 

@@ -1,4 +1,5 @@
-"""report.py: progress lines, the loss curve, TensorBoard, the HF export and its model card."""
+"""report.py, metrics_log.py and export_hf.py: progress lines, the loss curve, TensorBoard, the HF export and its
+model card."""
 
 import json
 import math
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 import corpus_format
-import data
+import export_hf
 import generation
+import metrics_log
 import report
 import trackers
 from common import UserError, remove_temporaries, sha256_file, temporary_name
@@ -116,10 +118,10 @@ def test_read_metrics_skips_broken_lines_and_keeps_the_last_repeat(tmp_path):
         '{"kind": "train", "step": 3, "loss": 2.4}\n'
         '{"kind": "train", "step": 4, "lo'
     )
-    records = report.read_metrics(path)
+    records = metrics_log.read_metrics(path)
     assert [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in records] == [
         ("train", 1, 3.0), ("train", 2, 2.5), ("eval", 2, 2.7), ("train", 3, 2.4)]
-    assert report.read_metrics(tmp_path / "missing.jsonl") == []
+    assert metrics_log.read_metrics(tmp_path / "missing.jsonl") == []
 
 
 def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
@@ -128,7 +130,7 @@ def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     write_metrics(metrics)
     out = tmp_path / "loss_curve.png"
-    assert report.plot_loss_curve(metrics, out, title="demo") is True
+    assert metrics_log.plot_loss_curve(metrics, out, title="demo") is True
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = imread(out).shape
     assert (width, height) == (990, 550)
@@ -136,7 +138,7 @@ def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"kind": "train", "st')
-    assert report.plot_loss_curve(empty, tmp_path / "none.png") is False
+    assert metrics_log.plot_loss_curve(empty, tmp_path / "none.png") is False
     assert not (tmp_path / "none.png").exists()
 
     assert report.main(["plot", str(tmp_path), "--out", str(tmp_path / "cli.png")]) == 0
@@ -169,7 +171,7 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
                   "muon_lr": 2e-2})  # skipped
     lines.append({"kind": "test", "step": 61, "tokens": 61 * 512, "test_loss": 3.25})
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert report.plot_loss_curve(metrics, tmp_path / "curve.png") is True
+    assert metrics_log.plot_loss_curve(metrics, tmp_path / "curve.png") is True
     train = [line for line in lines if line["kind"] == "train" and line["step"] <= 60]
     tokens = [line["tokens"] for line in train]
     losses = [line["loss"] for line in train]
@@ -187,11 +189,11 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
 
 def test_the_learning_rates_are_the_param_groups_the_records_name():
     """A train record's NAME_lr is the lr of the param groups named NAME: any optimizer's groups, no fixed list."""
-    assert report.lr_fields({"muon": 0.02, "adamw": 0.05}) == {"muon_lr": 0.02, "adamw_lr": 0.05}
+    assert metrics_log.lr_fields({"muon": 0.02, "adamw": 0.05}) == {"muon_lr": 0.02, "adamw_lr": 0.05}
     records = [{"kind": "train", "step": 1, "tokens": 64, "loss": 3.0, "matrices_lr": 0.1, "embeddings_lr": 0.2},
                {"kind": "train", "step": 2, "tokens": 128, "loss": 2.9, "matrices_lr": 0.05},
                {"kind": "eval", "step": 2, "tokens": 128, "other_lr": 1.0}]
-    assert report.lr_series(records) == {"matrices lr": ([64, 128], [0.1, 0.05]), "embeddings lr": ([64], [0.2])}
+    assert metrics_log.lr_series(records) == {"matrices lr": ([64, 128], [0.1, 0.05]), "embeddings lr": ([64], [0.2])}
 
 
 def test_eval_task_scores_get_a_second_panel(tmp_path, monkeypatch):
@@ -215,7 +217,7 @@ def test_eval_task_scores_get_a_second_panel(tmp_path, monkeypatch):
                         "words/chance": 0.5})
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
-    assert report.plot_loss_curve(metrics, tmp_path / "curve.png") is True
+    assert metrics_log.plot_loss_curve(metrics, tmp_path / "curve.png") is True
     assert drawn["sums acc"] == ([400, 800], [0.3, 0.6]) and drawn["sums acc_norm"] == ([400, 800], [0.35, 0.55])
     assert drawn["words acc"] == ([400, 800], [0.5, 0.7]) and drawn["words acc_norm"] == ([400, 800], [0.45, 0.75])
     assert lines_at == [0.25, 0.5]
@@ -267,7 +269,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
 
     model, tokenizer = chat_model
     out = tmp_path / "run" / "model"
-    hashes = report.export_hf_model(model, tokenizer, out, CARD_INFO)
+    hashes = export_hf.export_hf_model(model, tokenizer, out, CARD_INFO)
 
     names = {"config.json", "model.safetensors", "generation_config.json", "README.md", "training_provenance.json",
              "tokenizer.json", "tokenizer_config.json"}
@@ -277,7 +279,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
 
     loaded = AutoModelForCausalLM.from_pretrained(out)
     loaded_tokenizer = AutoTokenizer.from_pretrained(out)
-    assert loaded_tokenizer.chat_template == data.CHAT_TEMPLATE
+    assert loaded_tokenizer.chat_template == corpus_format.CHAT_TEMPLATE
     inputs = loaded_tokenizer.apply_chat_template([{"role": "user", "content": "What is 10 plus 7?"}],
                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
@@ -326,17 +328,17 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
 def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_path, monkeypatch):
     model, tokenizer = chat_model
     out = tmp_path / "model"
-    first = report.export_hf_model(model, tokenizer, out, {**CARD_INFO, "status": "CHECKPOINTED_NEEDS_RESUME"})
+    first = export_hf.export_hf_model(model, tokenizer, out, {**CARD_INFO, "status": "CHECKPOINTED_NEEDS_RESUME"})
 
     def crash(*args, **kwargs):
         raise RuntimeError("killed mid-export")
 
-    monkeypatch.setattr(report, "write_provenance", crash)
+    monkeypatch.setattr(export_hf, "write_provenance", crash)
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)  # the new export would differ
     try:
         with pytest.raises(RuntimeError, match="killed mid-export"):
-            report.export_hf_model(model, tokenizer, out, CARD_INFO)
+            export_hf.export_hf_model(model, tokenizer, out, CARD_INFO)
         assert {p.name: sha256_file(p) for p in out.iterdir()} == first
         assert sorted(os.listdir(tmp_path)) == ["model"]
         assert "training did not finish" in (out / "README.md").read_text()
@@ -351,7 +353,7 @@ def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_pa
         assert {p.name: sha256_file(p) for p in out.iterdir()} == first
         (tmp_path / temporary_name("model")).mkdir()
 
-        second = report.export_hf_model(model, tokenizer, out, CARD_INFO)
+        second = export_hf.export_hf_model(model, tokenizer, out, CARD_INFO)
         assert second["model.safetensors"] != first["model.safetensors"]
         assert {p.name: sha256_file(p) for p in out.iterdir()} == second
         assert sorted(os.listdir(tmp_path)) == ["model"]
@@ -367,7 +369,7 @@ def test_export_shows_no_transformers_progress_bars_and_restores_the_setting(cha
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()  # other tests (datasets, data.py) may have switched the bars off
     try:
-        report.export_hf_model(model, tokenizer, tmp_path / "model", CARD_INFO)
+        export_hf.export_hf_model(model, tokenizer, tmp_path / "model", CARD_INFO)
         generation.load_exported(str(tmp_path / "model"), "cpu")
         assert hf_logging.is_progress_bar_enabled()  # only our export is quiet
     finally:
@@ -396,7 +398,7 @@ def test_loss_curve_shows_the_train_line_in_full_colour_whatever_the_run_length(
     from matplotlib.image import imread
 
     demo_like_metrics(tmp_path / "metrics.jsonl", train_points)
-    assert report.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss_curve.png")
+    assert metrics_log.plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss_curve.png")
     pixels = imread(tmp_path / "loss_curve.png")[..., :3]
     blue = np.abs(pixels - np.array(to_rgb("tab:blue"))).max(axis=-1) < 0.05  # not the pale, see-through line
     assert blue.sum() > 1500, f"only {blue.sum()} pixels of the train line in full colour"
@@ -404,9 +406,9 @@ def test_loss_curve_shows_the_train_line_in_full_colour_whatever_the_run_length(
 
 def test_smooth_is_centred_so_a_falling_curve_does_not_lag():
     falling = [10.0 - index for index in range(10)]
-    assert report.smooth(falling, window=5) == falling  # a moving average that trails would sit above it
-    assert report.smooth([1.0, 5.0, 1.0, 5.0, 1.0], window=3) == [1.0, 7 / 3, 11 / 3, 7 / 3, 1.0]
-    assert report.smooth([]) == [] and report.smooth([2.0]) == [2.0]
+    assert metrics_log.smooth(falling, window=5) == falling  # a moving average that trails would sit above it
+    assert metrics_log.smooth([1.0, 5.0, 1.0, 5.0, 1.0], window=3) == [1.0, 7 / 3, 11 / 3, 7 / 3, 1.0]
+    assert metrics_log.smooth([]) == [] and metrics_log.smooth([2.0]) == [2.0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +427,7 @@ def card_code(card: str) -> str:
 def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expected):
     architecture = {"parameters": 1000, "layers": 1, "hidden": 8, "intermediate": 16, "heads": 2, "kv_heads": 1,
                     "head_dim": 4, "context": 64, "vocab_size": 300}
-    card = report.model_card(architecture, {"usage_example": example, "status": "COMPLETE"})
+    card = export_hf.model_card(architecture, {"usage_example": example, "status": "COMPLETE"})
     code = card_code(card)
     compile(code, "card", "exec")  # a prompt with quotes and newlines still makes valid Python
     assert expected in code and "12 plus 7" not in card
@@ -433,12 +435,12 @@ def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expect
 
 
 def test_usage_example_from_a_text_corpus_is_a_held_out_opening(tmp_path):
-    from test_train import write_tiny_corpus
+    from tiny_runs import write_tiny_corpus
 
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=300)
     tokenizer = corpus_format.load_tokenizer(corpus / "tokenizer")
-    example = report.usage_example_from(corpus, tokenizer)
+    example = export_hf.usage_example_from(corpus, tokenizer)
     kind, openings = generation.held_out_prompts(corpus, tokenizer, count=1)
     assert example == {"kind": "text", "prompt": openings[0]} and kind == "text"
     assert " plus " in example["prompt"]  # the corpus's sentences ("12 plus 30 is 42. the cat ..."), not a demo's
-    assert report.usage_example_from(tmp_path / "missing", tokenizer) == {"kind": "chat", "prompt": "Hello!"}
+    assert export_hf.usage_example_from(tmp_path / "missing", tokenizer) == {"kind": "chat", "prompt": "Hello!"}

@@ -552,3 +552,16 @@ def test_a_bad_mirror_policy_is_a_user_error(settings, problem):
 def test_a_mirror_policy_at_its_edges_is_accepted():
     edges = store.MirrorPolicy(keep_last=1, keep_every=0, remote_keep_last=1, remote_keep_every=0, max_unbacked=0)
     assert (edges.keep_last, edges.remote_keep_last, edges.max_unbacked) == (1, 1, 0)
+
+
+def test_run_status_amends_what_the_last_session_left_and_nothing_else(tmp_path):
+    """`report.py evaluate` keeps model/README.md's sha256 true through RunStatus, run_status.json's one writer."""
+    store.RunStatus(tmp_path).amend(model_files={"README.md": "new"})
+    assert not (tmp_path / "run_status.json").exists()  # no run: nothing to amend
+    store.write_status(tmp_path, "COMPLETE", step=10, model_files={"README.md": "old", "config.json": "c"},
+                       resume_command="python train.py --resume auto")
+    before = store.read_json(tmp_path / "run_status.json")
+    store.RunStatus(tmp_path).amend(model_files={**before["model_files"], "README.md": "new"})
+    after = store.read_json(tmp_path / "run_status.json")
+    assert after == {**before, "model_files": {"README.md": "new", "config.json": "c"}, "updated": after["updated"]}
+    assert list(after) == list(before)  # the same fields in the same order

@@ -1,4 +1,4 @@
-"""--log-to: TensorBoard, W&B (offline) and trackio (local) as sinks of report.MetricsLog.
+"""--log-to: TensorBoard, W&B (offline) and trackio (local) as sinks of metrics_log.MetricsLog.
 
 Nothing here touches the network: WANDB_MODE=offline writes local run files, trackio writes its
 local SQLite database under TRACKIO_DIR, both inside the test's folder. The files are read back.
@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import ROOT, options, write_tiny_corpus
+from tiny_runs import ROOT, options, write_tiny_corpus
 
 import checkpoint_cloud
-import report
+import metrics_log
 import trackers
 from common import UserError
 
@@ -80,7 +80,7 @@ def tensorboard_scalars(run: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def test_tensorboard_rewind_rewrites_the_one_events_file(tmp_path):
-    metrics = report.MetricsLog(tmp_path / "metrics.jsonl", True, [trackers.TensorBoardLogger(tmp_path)])
+    metrics = metrics_log.MetricsLog(tmp_path / "metrics.jsonl", True, [trackers.TensorBoardLogger(tmp_path)])
     metrics.truncate_after(0)  # a fresh run
     for step in range(1, 7):
         metrics.write("train", step=step, loss=10.0 - step, mfu=None)
@@ -88,7 +88,7 @@ def test_tensorboard_rewind_rewrites_the_one_events_file(tmp_path):
     metrics.close()
     assert tensorboard_scalars(tmp_path, "train/loss")[-1] == (6, 4.0)
 
-    resumed = report.MetricsLog(tmp_path / "metrics.jsonl", True, [trackers.TensorBoardLogger(tmp_path)])
+    resumed = metrics_log.MetricsLog(tmp_path / "metrics.jsonl", True, [trackers.TensorBoardLogger(tmp_path)])
     resumed.truncate_after(4)  # the checkpoint of step 4: steps 5 and 6 are done again, differently
     for step in range(5, 9):
         resumed.write("train", step=step, loss=20.0 - step)
