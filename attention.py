@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from hardware import Device
+if TYPE_CHECKING:  # annotations only: hardware.py asks this module's kernel records
+    from hardware import Device
 
 FLASH = "tinyllm_fa_varlen"  # flash varlen / flash causal, GQA kept
 EFFICIENT = "tinyllm_mem_efficient_varlen"  # memory-efficient varlen / causal, K/V heads repeated

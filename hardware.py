@@ -28,6 +28,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+import attention
 from common import UserError
 from model_config import Preset, parameter_count
 
@@ -291,8 +292,6 @@ def attention_bytes(kernel: str, preset: Preset, batch_size: int, context: int, 
     """What one step's attention holds beyond layer_activation_bytes for micro-batches with document
     boundaries, by its kernel's record (attention.kernel(kernel).held_bytes: the masked kernels' mask, the
     varlen kernels' logsumexp). Under --grad-checkpoint only one layer's is held at a time."""
-    import attention
-
     element = 2 if precision in ("fp16", "bf16") else 4
     layers = 1 if grad_checkpoint else preset.layers
     return attention.kernel(kernel).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, batch_size, context,

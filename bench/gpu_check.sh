@@ -6,7 +6,7 @@
 # Installs nothing (requirements.txt only) and runs nothing CPU-only on the GPU's clock. Writes into OUTDIR:
 # machine.txt (nvidia-smi, the versions), then bench_gpu.py on every GPU (torchrun when there are several):
 # gpu.json rewritten after every part (and during the long ones), gpu.events.jsonl, gpu.log. Each part
-# starts only when its estimate fits in what is left of SECONDS (bench_gpu.PART_SECONDS, most important
+# starts only when its estimate fits in what is left of SECONDS (gpu_plan.PART_SECONDS, most important
 # first); a hard stop at SECONDS + 60 ends a hung run, and the lines for bench/RESULTS.md are then printed
 # from what gpu.json kept. 480 s: the whole command stays under 10 minutes (a device machine's limit per
 # command is 600 s). BENCH_GPU_ARGS: more options for bench_gpu.py (tests/test_bench_gpu.py runs the

@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_gpu  # noqa: E402
+import gpu_attention  # noqa: E402
+import gpu_bench  # noqa: E402
+import gpu_plan  # noqa: E402
+import gpu_record  # noqa: E402
+import gpu_report  # noqa: E402
 from cards import A100, CPU, H200, T4, this_cpu_precision  # noqa: E402
 from references import reference_varlen  # noqa: E402
 from tiny_runs import write_tiny_corpus  # noqa: E402
@@ -35,13 +40,13 @@ THINK72 = model_config.PRESETS["think72"]
 
 
 def test_the_parts_run_by_importance():
-    parts = bench_gpu.plan_parts([8, 32], ["eager", "compile"])
+    parts = gpu_plan.plan_parts([8, 32], ["eager", "compile"])
     assert parts == ["versions", "attention:kernels", "attention:nan", "attention:bench", "newton_schulz",
                      "roofline:gemm", "roofline:copy", "step:eager:8", "step:eager:32", "fp16_vs_bf16",
                      "step:compile:8", "step:compile:32", "overflow", "snapshot", "resume"]
-    assert bench_gpu.plan_parts([8], ["eager"], only=["attention", "step"]) == \
+    assert gpu_plan.plan_parts([8], ["eager"], only=["attention", "step"]) == \
         ["attention:kernels", "attention:nan", "attention:bench", "step:eager:8"]
-    assert all(bench_gpu.part_seconds(name) > 0 for name in parts)
+    assert all(gpu_plan.part_seconds(name) > 0 for name in parts)
 
 
 def test_the_default_budget_fits_one_device_command():
@@ -49,9 +54,9 @@ def test_the_default_budget_fits_one_device_command():
     estimates (a T4's pace) the cheap answers and the first compiled step fit in it."""
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
     assert "budget=${2:-480}" in script and "$((budget + 60))" in script and "cpu_smoke" not in script
-    parts = bench_gpu.plan_parts([8, 32], ["eager", "compile"])
+    parts = gpu_plan.plan_parts([8, 32], ["eager", "compile"])
     cheap = parts[:parts.index("step:compile:8")]
-    assert sum(bench_gpu.part_seconds(name) for name in cheap) + bench_gpu.part_seconds("step:compile") <= 480
+    assert sum(gpu_plan.part_seconds(name) for name in cheap) + gpu_plan.part_seconds("step:compile") <= 480
     assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")]).returncode == 0
 
 
@@ -81,7 +86,7 @@ def test_gpu_check_sh_writes_the_machine_the_json_and_the_log(corpus, tmp_path):
     (0, 1, 1e-9, False),
 ])
 def test_a_part_starts_only_when_its_estimate_fits(elapsed, estimate, budget, starts):
-    assert bench_gpu.starts_in_budget(elapsed, estimate, budget) is starts
+    assert gpu_plan.starts_in_budget(elapsed, estimate, budget) is starts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,33 +94,33 @@ def test_a_part_starts_only_when_its_estimate_fits(elapsed, estimate, budget, st
 
 
 @pytest.mark.parametrize("device, precision, runs", [
-    (H200, "bf16", set(bench_gpu.ATTENTION_PATHS)),
-    (A100, "fp16", set(bench_gpu.ATTENTION_PATHS)),
+    (H200, "bf16", set(gpu_plan.ATTENTION_PATHS)),
+    (A100, "fp16", set(gpu_plan.ATTENTION_PATHS)),
     (T4, "fp16", {"masked sdpa", "efficient varlen", "causal efficient"}),
     (T4, "bf16", {"masked sdpa"}),
     (CPU, "fp32", {"masked sdpa", "causal flash"}),
 ])
 def test_which_attention_paths_run_on_which_card(device, precision, runs):
-    problems = {path: bench_gpu.attention_path_problem(path, device, precision, THINK72.head_dim)
-                for path in bench_gpu.ATTENTION_PATHS}
+    problems = {path: gpu_plan.attention_path_problem(path, device, precision, THINK72.head_dim)
+                for path in gpu_plan.ATTENTION_PATHS}
     assert {path for path, problem in problems.items() if problem is None} == runs
     assert all(problem for path, problem in problems.items() if path not in runs)
 
 
 def test_document_lengths_are_a_packed_stream_of_realistic_documents():
-    segments = bench_gpu.sample_segments(16, 2048, seed=3)
+    segments = gpu_plan.sample_segments(16, 2048, seed=3)
     assert segments.shape == (16, 2048) and segments.dtype == np.int32
     assert (segments[:, 0] == 0).all() and set(np.unique(np.diff(segments, axis=1))) <= {0, 1}
-    assert np.array_equal(segments, bench_gpu.sample_segments(16, 2048, seed=3))
-    assert not np.array_equal(segments, bench_gpu.sample_segments(16, 2048, seed=4))
+    assert np.array_equal(segments, gpu_plan.sample_segments(16, 2048, seed=3))
+    assert not np.array_equal(segments, gpu_plan.sample_segments(16, 2048, seed=4))
     documents = attention.documents_of(segments)
     assert documents.has_boundary and documents.longest <= 2048
     # the documents inside a row (not cut by its edges) are log-normal around the median
-    whole = [length for row in bench_gpu.row_lengths(bench_gpu.sample_segments(64, 8192, seed=0))
+    whole = [length for row in gpu_plan.row_lengths(gpu_plan.sample_segments(64, 8192, seed=0))
              for length in row[1:-1]]
     assert 300 < np.median(whole) < 520 and np.mean(whole) > np.median(whole)
-    assert bench_gpu.row_lengths(np.array([[0, 0, 1, 2, 2, 2]])) == [[2, 1, 3]]
-    short = bench_gpu.sample_segments(4, 64, seed=0, median=8)
+    assert gpu_plan.row_lengths(np.array([[0, 0, 1, 2, 2, 2]])) == [[2, 1, 3]]
+    short = gpu_plan.sample_segments(4, 64, seed=0, median=8)
     assert short.max(axis=1).min() >= 2  # several documents in every row
 
 
@@ -145,28 +150,28 @@ def test_document_lengths_are_a_packed_stream_of_realistic_documents():
     ("aten::mul", "elementwise"),
 ])
 def test_kernel_names_by_category(name, category):
-    assert bench_gpu.kernel_category(name) == category
+    assert gpu_plan.kernel_category(name) == category
 
 
 def test_the_time_split_puts_the_optimizer_s_kernels_in_its_own_category():
-    split = bench_gpu.split_by_category([("ampere_fp16_s16816gemm", 2000.0, False),
+    split = gpu_plan.split_by_category([("ampere_fp16_s16816gemm", 2000.0, False),
                                          ("ampere_fp16_s16816gemm", 500.0, True), ("flash_fwd_kernel", 1000.0, False),
                                          ("elementwise_kernel", 250.0, True), ("elementwise_kernel", 750.0, False)])
     assert split == {"matmul": 2.0, "attention": 1.0, "elementwise": 0.75, "optimizer": 0.75, "communication": 0.0}
 
 
 def test_compile_counts_read_recompiles_and_graph_breaks():
-    counts = bench_gpu.compile_counts(
+    counts = gpu_plan.compile_counts(
         ["0/0", "1/0", "0/1", "[0/1]", "1/1_1", "0/2"],
         {"graph_break": {"Failed to trace builtin operator\n  Explanation: print": 3}, "stats": {"unique_graphs": 6}})
     assert counts == {"frames_compiled": 5, "recompiles": 3, "graph_breaks": 3,
                       "graph_break_reasons": ["Failed to trace builtin operator"], "unique_graphs": 6}
-    assert bench_gpu.compile_counts([], {})["recompiles"] == 0
+    assert gpu_plan.compile_counts([], {})["recompiles"] == 0
 
 
 def test_the_gemm_shapes_are_the_step_s_matmuls():
-    tokens, vocab = 8 * 1024, bench_gpu.THINK72_VOCAB
-    shapes = bench_gpu.gemm_shapes(THINK72, vocab, tokens)
+    tokens, vocab = 8 * 1024, gpu_plan.THINK72_VOCAB
+    shapes = gpu_plan.gemm_shapes(THINK72, vocab, tokens)
     flops = {kind: sum(2 * m * k * n * count for name, m, k, n, count in shapes if kind in name)
              for kind in ("forward", "input grad", "weight grad")}
     matrices = sum(rows * columns for rows, columns in hardware.muon_matrix_shapes(THINK72))
@@ -179,11 +184,11 @@ def test_the_gemm_shapes_are_the_step_s_matmuls():
 
 
 def test_loss_curves_side_by_side():
-    same = bench_gpu.curves_close([3.0, 2.5, 2.0, 1.9], [3.0, 2.5, 2.0, 1.9], window=2)
+    same = gpu_plan.curves_close([3.0, 2.5, 2.0, 1.9], [3.0, 2.5, 2.0, 1.9], window=2)
     assert same["close"] and same["last_relative_difference"] == 0 and same["steps"] == 4
-    apart = bench_gpu.curves_close([3.0, 2.0, 1.0, 1.0], [3.0, 2.5, 2.0, 1.5, 1.2], window=2)
+    apart = gpu_plan.curves_close([3.0, 2.0, 1.0, 1.0], [3.0, 2.5, 2.0, 1.5, 1.2], window=2)
     assert not apart["close"] and apart["steps"] == 4 and apart["max_running_mean_difference"] == pytest.approx(0.75)
-    assert bench_gpu.curves_close([], [1.0]) == {"steps": 0, "close": False}
+    assert gpu_plan.curves_close([], [1.0]) == {"steps": 0, "close": False}
 
 
 @pytest.mark.parametrize("names, kinds, matched", [
@@ -196,7 +201,7 @@ def test_loss_curves_side_by_side():
     (["aten::_scaled_dot_product_cudnn_attention", "cudnn_generated_fort_native_sdpa_sm80_flash_fprop"], ["cudnn"], 2),
 ])
 def test_attention_kernels(names, kinds, matched):
-    found = bench_gpu.attention_kernels(names)
+    found = gpu_plan.attention_kernels(names)
     assert found["kinds"] == kinds
     assert len(found["names"]) == matched and set(found["names"]) <= set(names)
 
@@ -246,7 +251,7 @@ def a_record() -> dict:
 
 
 def test_markdown_lines_show_every_part():
-    text = "\n".join(bench_gpu.markdown_lines(a_record()))
+    text = "\n".join(gpu_report.markdown_lines(a_record()))
     assert "### GPU: NVIDIA H200 (sm_90) x1" in text and "(470.0 s)" in text
     assert "SDPA's global priority flash_attention > cudnn_attention > efficient_attention > math" in text
     assert "SDPA ran (profiler): causal, grouped heads: flash, masked, heads repeated: cudnn" in text
@@ -271,7 +276,7 @@ def test_markdown_lines_show_every_part():
 def test_a_part_with_a_figure_missing_is_one_line_not_a_crash():
     record = a_record()
     del record["parts"]["roofline:copy"]["copy_gbs"]
-    text = "\n".join(bench_gpu.markdown_lines(record))
+    text = "\n".join(gpu_report.markdown_lines(record))
     assert "- roofline:copy: ok (not shown: KeyError: 'copy_gbs'; see gpu.json)" in text
     assert "| compile:8 (x8) | 600,000 |" in text
 
@@ -285,7 +290,7 @@ def test_the_markdown_is_printed_again_from_a_saved_json(tmp_path, capsys):
 
 def test_the_prediction_table_in_the_docs_is_the_model_s():
     docs = (ROOT / "docs" / "training.md").read_text()
-    for line in bench_gpu.prediction_table():
+    for line in gpu_report.prediction_table():
         assert line in docs, line
 
 
@@ -327,7 +332,7 @@ def test_every_part_on_cpu_and_a_failing_part_does_not_stop_the_others(corpus, t
     assert bench_gpu.main(smoke_argv(corpus, out, "--inject-failure", "roofline:copy")) == 0
     record = json.loads(out.read_text())
     parts = record["parts"]
-    assert list(parts) == record["plan"] == bench_gpu.plan_parts([2, 4], ["eager"])
+    assert list(parts) == record["plan"] == gpu_plan.plan_parts([2, 4], ["eager"])
     assert {name: part["status"] for name, part in parts.items() if part["status"] != "ok"} == \
         {"attention:nan": "skipped", "roofline:copy": "error"}
     assert parts["attention:nan"]["reason"] == "cuDNN attention needs CUDA"
@@ -380,11 +385,11 @@ def test_the_varlen_paths_run_through_the_bench_s_glue(corpus, tmp_path, monkeyp
     per-document reference (as tests/test_attention.py does), every path allowed."""
     for implementation in attention.VARLEN_IMPLEMENTATIONS:
         monkeypatch.setitem(attention.VARLEN_KERNELS, implementation, reference_varlen)
-    monkeypatch.setattr(bench_gpu, "attention_path_problem", lambda *args: None)
+    monkeypatch.setattr(gpu_attention, "attention_path_problem", lambda *args: None)
     args = bench_gpu.parse_args(smoke_argv(corpus, tmp_path / "gpu.json", "--attention-shapes", "3x48"))
     info = distributed.init_distributed("cpu")
-    recorder = bench_gpu.Recorder(args, info, {"parts": {}})
-    bench = bench_gpu.Bench(args, info, bench_gpu.Corpus(args, info, tmp_path), tmp_path, recorder)
+    recorder = gpu_record.Recorder(args, info, {"parts": {}})
+    bench = bench_gpu.Bench(args, info, gpu_bench.Corpus(args, info, tmp_path), tmp_path, recorder)
     paths = recorder.run("attention:bench", bench.part("attention:bench"))["shapes"]["3x48"]["paths"]
     for path in ("flash varlen", "efficient varlen"):
         assert paths[path]["status"] == "ok" and paths[path]["max_error"] < CPU_TOLERANCE, paths[path]
@@ -413,13 +418,13 @@ def test_two_ranks_under_torchrun_on_gloo(corpus, tmp_path):
     assert {name: part["status"] for name, part in parts.items()} == {"step:eager:2": "ok", "resume": "ok"}, parts
     step = parts["step:eager:2"]
     assert step["world"] == 2 and step["tokens_per_step"] == 256 and step["grad_accum"] == 2
-    assert set(step["split_ms"]) == set(bench_gpu.CATEGORIES)  # (gloo's all-reduce runs in its own thread: 0 here)
+    assert set(step["split_ms"]) == set(gpu_plan.CATEGORIES)  # (gloo's all-reduce runs in its own thread: 0 here)
     assert parts["resume"]["bitwise"] and parts["resume"]["losses_equal"]
 
 
 def test_an_out_of_memory_part_is_recorded_and_the_next_runs(tmp_path):
     args = bench_gpu.parse_args(["--device", "cpu", "--json", str(tmp_path / "gpu.json")])
-    recorder = bench_gpu.Recorder(args, distributed.init_distributed("cpu"), {"parts": {}})
+    recorder = gpu_record.Recorder(args, distributed.init_distributed("cpu"), {"parts": {}})
 
     def too_big():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -434,7 +439,7 @@ def test_an_out_of_memory_part_is_recorded_and_the_next_runs(tmp_path):
     assert [parts[name]["status"] for name in parts] == ["oom", "failed", "ok"]
 
 
-@pytest.mark.parametrize("path", [path for path in bench_gpu.ATTENTION_PATHS if path != "masked sdpa"])
+@pytest.mark.parametrize("path", [path for path in gpu_plan.ATTENTION_PATHS if path != "masked sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_each_attention_path_of_the_bench_traces_on_fake_cuda(path, dtype, monkeypatch):
     """Bench.attention_call on fake "cuda" tensors of think72's heads (no GPU): the layout and dtype each
@@ -452,7 +457,7 @@ def test_each_attention_path_of_the_bench_traces_on_fake_cuda(path, dtype, monke
         return torch.empty_like(args[0])
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    layout = attention.documents_of(bench_gpu.sample_segments(2, 1024, seed=0))
+    layout = attention.documents_of(gpu_plan.sample_segments(2, 1024, seed=0))
     with FakeTensorMode():
         inputs = {name: torch.empty(2, 1024, heads, 128, device="cuda", dtype=dtype)
                   for name, heads in (("q", 8), ("k", 4), ("v", 4))}

@@ -18,10 +18,20 @@ TESTS = ROOT / "tests"
 DEVELOPMENT = ROOT / "docs" / "development.md"
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (annotations only: no import at run time)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            yield from (child for other in node.orelse for child in [other, *runtime_nodes(other)])
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def imported_modules(source: str, known: set[str]) -> set[str]:
-    """The names of `known` that `source` imports anywhere (top level or inside a function)."""
+    """The names of `known` that `source` imports anywhere at run time (top level or inside a function)."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -74,6 +84,7 @@ def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
     ("from data import EOS\nimport checkpoint_store as store", {"data", "checkpoint_store"},
      {"data", "checkpoint_store"}),
     ("from .report import x\nimport reporting", {"report"}, set()),  # relative: not a root module
+    ("if TYPE_CHECKING:\n    import report\nelse:\n    import data", {"report", "data"}, {"data"}),  # annotations
 ])
 def test_imported_modules_finds_every_import_of_a_project_module(source, known, expected):
     assert imported_modules(source, known) == expected
