@@ -38,6 +38,7 @@ from common import UserError, read_json, say
 @dataclass(frozen=True)
 class RunFile:
     """A file (or folder) of RUN an artifact writes; `published`: `report.py publish` uploads it beside model/."""
+
     name: str
     published: bool = False
 
@@ -45,6 +46,7 @@ class RunFile:
 @dataclass(frozen=True)
 class RunFacts:
     """What the artifacts need of a run besides its model, fixed for a session (train.py builds it)."""
+
     out: Path
     corpus: Path
     preset: str  # the preset's name (--preset)
@@ -146,10 +148,21 @@ class Samples(Artifact):
         if tokenizer is None:
             return {}
         facts = self.ending.facts
-        kind, prompts = ("chat", generation.DEFAULT_PROMPTS) if (facts.corpus / "eval").is_dir() else \
-            self.attempt("sample_prompts", lambda: generation.held_out_prompts(facts.corpus, tokenizer)) or ("chat", [])
-        samples = generation.generate_samples(self.ending.model, tokenizer, self.path(), prompts=prompts,
-                                              step=end.step, text=kind == "text", sampling=facts.sampling)
+        kind, prompts = (
+            ("chat", generation.DEFAULT_PROMPTS)
+            if (facts.corpus / "eval").is_dir()
+            else self.attempt("sample_prompts", lambda: generation.held_out_prompts(facts.corpus, tokenizer))
+            or ("chat", [])
+        )
+        samples = generation.generate_samples(
+            self.ending.model,
+            tokenizer,
+            self.path(),
+            prompts=prompts,
+            step=end.step,
+            text=kind == "text",
+            sampling=facts.sampling,
+        )
         if samples["error"]:
             self.errors["samples"] = samples["error"]
         self.ending.metrics.write_samples(samples)
@@ -187,9 +200,19 @@ class ModelExport(Artifact):
         if tokenizer is None:
             return {}
         facts, model = self.ending.facts, self.ending.model
-        info = export_hf.card_info(facts.out.name, end.status, facts.preset, end.step, end.total_steps, end.tokens,
-                                   facts.settings, end.validation, end.test, self.ending.found.get("task_accuracy"),
-                                   export_hf.usage_example_from(facts.corpus, tokenizer))
+        info = export_hf.card_info(
+            facts.out.name,
+            end.status,
+            facts.preset,
+            end.step,
+            end.total_steps,
+            end.tokens,
+            facts.settings,
+            end.validation,
+            end.test,
+            self.ending.found.get("task_accuracy"),
+            export_hf.usage_example_from(facts.corpus, tokenizer),
+        )
         with attention.exportable(model):
             model_files = export_hf.export_hf_model(model, tokenizer, self.path(), info)
         return {"model_files": model_files, "model_dir": str(self.path())}
@@ -210,14 +233,19 @@ def published_files() -> tuple[str, ...]:
 
 
 def accuracy_line(accuracy: dict) -> str:
-    tasks = ", ".join(f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
-                      for name, task in accuracy["by_task"].items())
-    return (f"held-out task accuracy: {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['total']})"
-            f" | {tasks}")
+    tasks = ", ".join(
+        f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
+        for name, task in accuracy["by_task"].items()
+    )
+    return (
+        f"held-out task accuracy: {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['total']})"
+        f" | {tasks}"
+    )
 
 
-def make_from_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, sampling: generation.Sampling,
-                         device) -> None:
+def make_from_checkpoint(
+    checkpoint: dict, path: Path, out: Path, corpus: Path, sampling: generation.Sampling, device
+) -> None:
     """`train.py --export-only`: the artifacts of the run `checkpoint` (read from `path`) ends, made in `out`
     as the run's own end at that step makes them (OUT/model/ always); the test loss is the one run_status.json
     has for the same step. Nothing is logged to metrics.jsonl and run_status.json is not touched."""
@@ -225,24 +253,35 @@ def make_from_checkpoint(checkpoint: dict, path: Path, out: Path, corpus: Path, 
     training = recorded["training"]
     manifest = corpus_format.load_manifest(corpus)
     if manifest.tokenizer_sha256 != training["tokenizer_sha256"]:
-        raise UserError(f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; "
-                        "pass that corpus with --data")
-    model = model_config.build_model(model_config.recorded_preset(training), training["vocab_size"],
-                                     manifest.special_tokens)
+        raise UserError(
+            f"the tokenizer of {corpus} is not the one checkpoint {path} was trained with; pass that corpus with --data"
+        )
+    model = model_config.build_model(
+        model_config.recorded_preset(training), training["vocab_size"], manifest.special_tokens
+    )
     model.load_state_dict(checkpoint["model"])
     model.to(device).eval()
     step, total = int(checkpoint["step"]), int(training["total_steps"])
     status = store.COMPLETE if step >= total else store.NEEDS_RESUME
     previous = read_json(out / store.STATUS_FILE) if (out / store.STATUS_FILE).is_file() else {}
-    end = RunEnd(status, step, total, step * int(training["tokens_per_step"]),
-                 callbacks.Validation.saved(checkpoint["callbacks"]),
-                 previous.get("test") if previous.get("step") == step else None)
+    end = RunEnd(
+        status,
+        step,
+        total,
+        step * int(training["tokens_per_step"]),
+        callbacks.Validation.saved(checkpoint["callbacks"]),
+        previous.get("test") if previous.get("step") == step else None,
+    )
     facts = RunFacts(out, corpus, training["preset"], recorded, sampling, device)
     metrics = metrics_log.MetricsLog(out / "metrics.jsonl", enabled=False)  # the run's history stays as it is
     found = callbacks.Callbacks(end_of_run(model, facts, metrics)).on_end(end)
     if not found.get("model_files"):
         errors = "; ".join(f"{name}: {why}" for name, why in (found.get("report_errors") or {}).items())
         raise UserError(f"--export-only: {out / export_hf.MODEL_DIR} not made ({errors or 'no reason given'})")
-    print(f"exported {path} (step {step}/{total}, {status}) to {out / export_hf.MODEL_DIR}: "
-          + ", ".join(f"{name} {sha[:12]}" for name, sha in found["model_files"].items()
-                      if name.endswith(".safetensors")), flush=True)
+    print(
+        f"exported {path} (step {step}/{total}, {status}) to {out / export_hf.MODEL_DIR}: "
+        + ", ".join(
+            f"{name} {sha[:12]}" for name, sha in found["model_files"].items() if name.endswith(".safetensors")
+        ),
+        flush=True,
+    )

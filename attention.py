@@ -119,8 +119,11 @@ def decoder_inputs(model, documents: Documents | None) -> dict:
     if documents is None or not has_boundary(documents):
         return {}
     if model.config._attn_implementation in VARLEN_IMPLEMENTATIONS:
-        return {"position_ids": documents.positions, "document_starts": documents.cu_seqlens,
-                "longest_document": documents.longest}
+        return {
+            "position_ids": documents.positions,
+            "document_starts": documents.cu_seqlens,
+            "longest_document": documents.longest,
+        }
     return {"position_ids": documents.positions, "attention_mask": document_mask(documents.segments)}
 
 
@@ -156,8 +159,12 @@ def torch_kernels() -> TorchKernels:
         op = getattr(torch.ops.aten, name, None)
         return None if op is None else [argument.name for argument in op.default._schema.arguments]
 
-    return kernels_of(torch.__version__.split("+")[0], arguments("_flash_attention_forward"),
-                      arguments("_efficient_attention_forward"), torch.backends.cuda.is_flash_attention_available())
+    return kernels_of(
+        torch.__version__.split("+")[0],
+        arguments("_flash_attention_forward"),
+        arguments("_efficient_attention_forward"),
+        torch.backends.cuda.is_flash_attention_available(),
+    )
 
 
 CUDA_WHEELS = TorchKernels("2.9-2.13 (CUDA)", flash_varlen=True, efficient_varlen=True)  # a card's own torch
@@ -242,8 +249,9 @@ class Kernel:
         forward for flash; counted as 2x, FlopCounterMode's rule)."""
         return 4 * heads * head_dim * 3 * self.pairs(lengths, context)
 
-    def held_bytes(self, heads: int, kv_heads: int, head_dim: int, rows: int, context: int, element: int,
-                   layers: int) -> int:
+    def held_bytes(
+        self, heads: int, kv_heads: int, head_dim: int, rows: int, context: int, element: int, layers: int
+    ) -> int:
         """What a step over `rows` rows holds for it beyond the layers' activations, `layers` layers at a time:
         the masked kernels the (B, 1, C, C) boolean mask, and per layer the additive mask SDPA makes of it
         and keeps for the backward (B C^2 in the compute dtype: 16 MiB at 8 x 1024 in half, measured on CPU),
@@ -283,35 +291,93 @@ def efficient_varlen(query, key, value, cu_seqlens, longest: int, scale: float |
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    output, _ = torch.ops.tinyllm.efficient_varlen(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-                                                   cu_seqlens, longest, scale)
+    output, _ = torch.ops.tinyllm.efficient_varlen(
+        query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), cu_seqlens, longest, scale
+    )
     return output.squeeze(0)
 
 
 FLASH_NEEDS = "sm_80+, fp16/bf16, head_dim <= 256 (a multiple of 8); torch's flash varlen (aten._flash_attention_*)"
-EFFICIENT_NEEDS = ("CUDA (sm_50+), fp16/fp32 (bf16 from sm_80), head_dim a multiple of 8; torch's memory-efficient "
-                   "varlen (aten._efficient_attention_*)")
+EFFICIENT_NEEDS = (
+    "CUDA (sm_50+), fp16/fp32 (bf16 from sm_80), head_dim a multiple of 8; torch's memory-efficient "
+    "varlen (aten._efficient_attention_*)"
+)
 KERNELS = (
-    Kernel("flash varlen", FLASH, "boundaries", "documents", "logsumexp", False, FLASH_NEEDS, flash_problem,
-           flash_varlen),
-    Kernel("efficient varlen", EFFICIENT, "boundaries", "documents", "logsumexp", True, EFFICIENT_NEEDS,
-           efficient_problem, efficient_varlen),
-    Kernel("flash", FLASH, None, "row", None, False, "as flash varlen; SDPA is_causal, flash only",
-           aliases=("causal flash",)),
-    Kernel("efficient", EFFICIENT, None, "row", None, True, "as efficient varlen; SDPA is_causal, memory-efficient "
-           "only", aliases=("causal efficient",)),
+    Kernel(
+        "flash varlen", FLASH, "boundaries", "documents", "logsumexp", False, FLASH_NEEDS, flash_problem, flash_varlen
+    ),
+    Kernel(
+        "efficient varlen",
+        EFFICIENT,
+        "boundaries",
+        "documents",
+        "logsumexp",
+        True,
+        EFFICIENT_NEEDS,
+        efficient_problem,
+        efficient_varlen,
+    ),
+    Kernel(
+        "flash",
+        FLASH,
+        None,
+        "row",
+        None,
+        False,
+        "as flash varlen; SDPA is_causal, flash only",
+        aliases=("causal flash",),
+    ),
+    Kernel(
+        "efficient",
+        EFFICIENT,
+        None,
+        "row",
+        None,
+        True,
+        "as efficient varlen; SDPA is_causal, memory-efficient only",
+        aliases=("causal efficient",),
+    ),
     Kernel("cpu flash", MASKED, None, "row", None, False, "CPU; SDPA is_causal (its CPU flash kernel)"),
     Kernel("math", MASKED, None, "square", None, True, "anything; SDPA is_causal, math only (the scores in memory)"),
-    Kernel("efficient or math", MASKED, None, "row", None, True, "CUDA; SDPA is_causal, memory-efficient where "
-           "it takes the inputs, else math"),
-    Kernel("masked cpu flash", MASKED, "mask", "square", "mask", False, "CPU; SDPA with the mask (its CPU flash "
-           "kernel takes one)"),
-    Kernel("masked math", MASKED, "mask", "square", "mask and scores", True, "anything; SDPA with the mask, math "
-           "only"),
-    Kernel("masked efficient or math", MASKED, "mask", "square", "mask", True, "CUDA; SDPA with the mask, "
-           "memory-efficient where it takes the inputs, else math (never cuDNN: pytorch #196678)"),
-    Kernel("masked sdpa", MASKED, "mask", "square", "mask", True, "SDPA with the mask, SDPA's own choice "
-           "(the stock model; bench/ only)", aliases=("masked flash", "masked efficient")),
+    Kernel(
+        "efficient or math",
+        MASKED,
+        None,
+        "row",
+        None,
+        True,
+        "CUDA; SDPA is_causal, memory-efficient where it takes the inputs, else math",
+    ),
+    Kernel(
+        "masked cpu flash",
+        MASKED,
+        "mask",
+        "square",
+        "mask",
+        False,
+        "CPU; SDPA with the mask (its CPU flash kernel takes one)",
+    ),
+    Kernel("masked math", MASKED, "mask", "square", "mask and scores", True, "anything; SDPA with the mask, math only"),
+    Kernel(
+        "masked efficient or math",
+        MASKED,
+        "mask",
+        "square",
+        "mask",
+        True,
+        "CUDA; SDPA with the mask, "
+        "memory-efficient where it takes the inputs, else math (never cuDNN: pytorch #196678)",
+    ),
+    Kernel(
+        "masked sdpa",
+        MASKED,
+        "mask",
+        "square",
+        "mask",
+        True,
+        "SDPA with the mask, SDPA's own choice (the stock model; bench/ only)",
+        aliases=("masked flash", "masked efficient"),
+    ),
 )
 KERNEL_NAMES = {name: kernel for kernel in KERNELS for name in (kernel.name, *kernel.aliases)}
 VARLEN_KERNELS = {kernel.implementation: kernel.function for kernel in KERNELS if kernel.boundaries}
@@ -348,12 +414,18 @@ class AttentionPlan:
         return f"documents: {self.documents}; no boundary: {self.causal} ({self.reason})"
 
 
-MASKED_FALLBACK = AttentionPlan("masked efficient or math", "efficient or math", MASKED, ("efficient", "math"),
-                                "SDPA restricted to memory-efficient, then math; never cuDNN with a mask")
+MASKED_FALLBACK = AttentionPlan(
+    "masked efficient or math",
+    "efficient or math",
+    MASKED,
+    ("efficient", "math"),
+    "SDPA restricted to memory-efficient, then math; never cuDNN with a mask",
+)
 
 
-def choose_attention(device: Device, precision: str, head_dim: int,
-                     offered: TorchKernels = CUDA_WHEELS) -> AttentionPlan:
+def choose_attention(
+    device: Device, precision: str, head_dim: int, offered: TorchKernels = CUDA_WHEELS
+) -> AttentionPlan:
     """The kernels for this device, autocast dtype and head size, from what torch offers (`offered`:
     torch_kernels() of the installed torch; by default a CUDA wheel's, as a card's own torch has): the
     first of attention_plans.
@@ -363,29 +435,52 @@ def choose_attention(device: Device, precision: str, head_dim: int,
     return attention_plans(device, precision, head_dim, offered)[0]
 
 
-def attention_plans(device: Device, precision: str, head_dim: int,
-                    offered: TorchKernels = CUDA_WHEELS) -> list[AttentionPlan]:
+def attention_plans(
+    device: Device, precision: str, head_dim: int, offered: TorchKernels = CUDA_WHEELS
+) -> list[AttentionPlan]:
     """The plans that may run here, best first: flash varlen and efficient varlen where their needs hold
     (their `problem`: torch's dispatch rules in sdp_utils.cpp), else the masked math path. A card of sm_80+
     without a usable flash varlen takes the memory-efficient varlen, which runs there too; the start-up
     probe tries the next plan when one refuses the model (apply_attention_plan)."""
     if not device.is_cuda:
-        return [AttentionPlan("masked cpu flash", "cpu flash", MASKED, (),
-                              "CPU: SDPA's flash kernel, the document mask where a row holds several")]
+        return [
+            AttentionPlan(
+                "masked cpu flash",
+                "cpu flash",
+                MASKED,
+                (),
+                "CPU: SDPA's flash kernel, the document mask where a row holds several",
+            )
+        ]
     where = device.label()
     plans, problems = [], []
-    for name, causal, backend, how in (("flash varlen", "flash", "flash", "K/V heads grouped"),
-                                       ("efficient varlen", "efficient", "efficient", "K/V heads repeated")):
+    for name, causal, backend, how in (
+        ("flash varlen", "flash", "flash", "K/V heads grouped"),
+        ("efficient varlen", "efficient", "efficient", "K/V heads repeated"),
+    ):
         record = kernel(name)
         problem = record.problem(device, precision, head_dim, offered)
         if problem is None:
             kind = "flash" if record.implementation == FLASH else "memory-efficient"
-            plans.append(AttentionPlan(name, causal, record.implementation, (backend,),
-                                       f"{kind} attention over each document, {how} ({precision} on {where})"))
+            plans.append(
+                AttentionPlan(
+                    name,
+                    causal,
+                    record.implementation,
+                    (backend,),
+                    f"{kind} attention over each document, {how} ({precision} on {where})",
+                )
+            )
         problems.append(problem)
-    return plans or [AttentionPlan("masked math", "math", MASKED, ("math",),
-                                   f"math attention ({precision} on {where}: no fused kernel takes it: "
-                                   f"{problems[-1]})")]
+    return plans or [
+        AttentionPlan(
+            "masked math",
+            "math",
+            MASKED,
+            ("math",),
+            f"math attention ({precision} on {where}: no fused kernel takes it: {problems[-1]})",
+        )
+    ]
 
 
 def check_plan(plan: AttentionPlan, context: int) -> str | None:
@@ -394,8 +489,10 @@ def check_plan(plan: AttentionPlan, context: int) -> str | None:
     modulus, bad = CUDNN_NAN_MODULUS
     mask_to_cudnn = plan.masked and (not plan.backends or "cudnn" in plan.backends)
     if mask_to_cudnn and plan.documents != "masked cpu flash" and context % modulus == bad:
-        return (f"--context {context}: cuDNN attention with a mask returns NaN gradients at lengths of "
-                f"{bad} mod {modulus} (pytorch issue 196678); use another --context (e.g. {context - bad})")
+        return (
+            f"--context {context}: cuDNN attention with a mask returns NaN gradients at lengths of "
+            f"{bad} mod {modulus} (pytorch issue 196678); use another --context (e.g. {context - bad})"
+        )
     return None
 
 
@@ -418,8 +515,19 @@ def _compute_dtype(query):
     return query.dtype
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     document_starts=None, longest_document=None, **kwargs):
+def varlen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    document_starts=None,
+    longest_document=None,
+    **kwargs,
+):
     """The FLASH and EFFICIENT attention functions: per-document kernels when the batch has
     document_starts (decoder_inputs), else causal SDPA (grouped heads under flash, repeated otherwise).
     query (B, H, C, D), key and value (B, Hkv, C, D) after RoPE; returns (B, C, H, D) as transformers'
@@ -435,12 +543,14 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if not grouped and groups > 1:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
-        output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
-                                                is_causal=tokens > 1, enable_gqa=grouped and groups > 1)
+        output = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scaling, is_causal=tokens > 1, enable_gqa=grouped and groups > 1
+        )
         return output.transpose(1, 2), None  # transformers' reshape after it makes the one copy
     dtype = _compute_dtype(query)
-    flat = [tensor.transpose(1, 2).reshape(batch * tokens, tensor.shape[1], dim).to(dtype)
-            for tensor in (query, key, value)]
+    flat = [
+        tensor.transpose(1, 2).reshape(batch * tokens, tensor.shape[1], dim).to(dtype) for tensor in (query, key, value)
+    ]
     with torch.autocast(query.device.type, enabled=False):
         output = VARLEN_KERNELS[implementation](*flat, document_starts, longest_document, scaling)
     return output.view(batch, tokens, heads, dim), None
@@ -467,9 +577,14 @@ def causal_sdpa_mask(**kwargs):
     import torch
     from transformers.masking_utils import sdpa_mask
 
-    plain_causal = (torch.compiler.is_compiling() and kwargs.get("attention_mask") is None
-                    and kwargs.get("local_size") is None and not kwargs.get("q_offset")
-                    and not kwargs.get("kv_offset") and kwargs["q_length"] == kwargs["kv_length"])
+    plain_causal = (
+        torch.compiler.is_compiling()
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+        and not kwargs.get("q_offset")
+        and not kwargs.get("kv_offset")
+        and kwargs["q_length"] == kwargs["kv_length"]
+    )
     return None if plain_causal else sdpa_mask(**kwargs)
 
 
@@ -492,8 +607,12 @@ def use_attention(model, name: str) -> None:
 def sdpa_backends(plan: AttentionPlan) -> list:
     from torch.nn.attention import SDPBackend
 
-    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    names = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     return [names[name] for name in plan.backends]
 
 
@@ -517,15 +636,22 @@ def apply_attention_plan(model, plan: AttentionPlan, probe_step, alternatives: l
         if isinstance(error, torch.OutOfMemoryError):
             raise
         cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        refused = f"the planned {plan.documents} / {plan.causal} attention does not take this model " \
-                  f"({type(error).__name__}: {cause})"
+        refused = (
+            f"the planned {plan.documents} / {plan.causal} attention does not take this model "
+            f"({type(error).__name__}: {cause})"
+        )
         if alternatives:
-            kernels, label, warning, in_effect = apply_attention_plan(model, alternatives[0], probe_step,
-                                                                      alternatives[1:])
+            kernels, label, warning, in_effect = apply_attention_plan(
+                model, alternatives[0], probe_step, alternatives[1:]
+            )
             return kernels, label, f"{refused}; {warning or 'attention uses ' + alternatives[0].documents}", in_effect
         use_attention(model, MASKED)
-        return (sdpa_context(MASKED_FALLBACK), f"{MASKED_FALLBACK.documents} fallback (planned: {plan.label()})",
-                f"{refused}; attention uses the slower masked kernels ({MASKED_FALLBACK.reason})", MASKED_FALLBACK)
+        return (
+            sdpa_context(MASKED_FALLBACK),
+            f"{MASKED_FALLBACK.documents} fallback (planned: {plan.label()})",
+            f"{refused}; attention uses the slower masked kernels ({MASKED_FALLBACK.reason})",
+            MASKED_FALLBACK,
+        )
     finally:
         model.zero_grad(set_to_none=True)
     return kernels, plan.label(), None, plan
@@ -542,7 +668,7 @@ def sdpa_context(plan: AttentionPlan):
 def probe_documents(rows: int, context: int) -> Documents:
     """A probe batch's Documents: every row split into two documents (a boundary the varlen kernels must take)."""
     segments = np.zeros((rows, context), dtype=np.int32)
-    segments[:, context // 2:] = 1
+    segments[:, context // 2 :] = 1
     return documents_of(segments)
 
 

@@ -93,13 +93,15 @@ class LossModel:
         return self.e + ((self.n_c / parameters) ** (self.alpha_n / self.alpha_d) + self.d_c / tokens) ** self.alpha_d
 
     def __str__(self) -> str:
-        return (f"LossModel(e={self.e:.4f}, n_c={self.n_c:.4g}, alpha_n={self.alpha_n:.3f}, d_c={self.d_c:.4g}, "
-                f"alpha_d={self.alpha_d:.3f})")
+        return (
+            f"LossModel(e={self.e:.4f}, n_c={self.n_c:.4g}, alpha_n={self.alpha_n:.3f}, d_c={self.d_c:.4g}, "
+            f"alpha_d={self.alpha_d:.3f})"
+        )
 
 
 # bench/bench_budget.py, 2026-12-03 (the recipe after round 2's fourth pass): the 12 runs of at least 100 steps,
 # rms error 0.0135 bits/byte (docs/budget.md)
-LOSS_MODEL = LossModel(e=1.0487, n_c=7366, alpha_n=0.428, d_c=1.529e+05, alpha_d=0.415)
+LOSS_MODEL = LossModel(e=1.0487, n_c=7366, alpha_n=0.428, d_c=1.529e05, alpha_d=0.415)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,13 +162,18 @@ class Plan:
     muon_lr: float | None = None
 
     def summary(self) -> str:
-        rates = "" if self.lr is None else f", AdamW lr {self.lr:.3g}" + \
-            ("" if self.muon_lr is None else f", Muon lr {self.muon_lr:.3g}")
+        rates = (
+            ""
+            if self.lr is None
+            else f", AdamW lr {self.lr:.3g}" + ("" if self.muon_lr is None else f", Muon lr {self.muon_lr:.3g}")
+        )
         sessions = f" in {self.sessions} sessions" if self.sessions > 1 else ""
-        return (f"--budget {self.budget}: {self.preset} ({self.parameters:,} non-embedding parameters), "
-                f"{self.target_tokens:,} tokens, {self.steps} steps of {self.tokens_per_step:,} tokens{rates}; "
-                f"predicted {self.hours:.2f} h of training{sessions}, held-out {self.predicted_bpb:.3f} bits/byte "
-                f"(on the fit's text)")
+        return (
+            f"--budget {self.budget}: {self.preset} ({self.parameters:,} non-embedding parameters), "
+            f"{self.target_tokens:,} tokens, {self.steps} steps of {self.tokens_per_step:,} tokens{rates}; "
+            f"predicted {self.hours:.2f} h of training{sessions}, held-out {self.predicted_bpb:.3f} bits/byte "
+            f"(on the fit's text)"
+        )
 
     def as_record(self) -> dict:
         """training_settings.json's "budget" (and the model card's): the fields, and the summary line."""
@@ -175,8 +182,12 @@ class Plan:
     @classmethod
     def from_record(cls, record: dict) -> Plan:
         fields = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{**{key: value for key, value in record.items() if key in fields},
-                      "candidates": tuple(record["candidates"])})
+        return cls(
+            **{
+                **{key: value for key, value in record.items() if key in fields},
+                "candidates": tuple(record["candidates"]),
+            }
+        )
 
 
 def batch_tokens(tokens: float, context: int) -> int:
@@ -212,9 +223,16 @@ def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) 
     step_tokens = blocks * candidate.context
     steps = max(1, math.ceil(tokens / step_tokens) if request.target_tokens else int(tokens // step_tokens))
     tokens = request.target_tokens or steps * step_tokens
-    return {"preset": candidate.preset, "tokens": int(tokens), "steps": steps, "blocks": blocks,
-            "hours": tokens / candidate.tokens_per_second / 3600, "bpb": model.loss(candidate.parameters, tokens),
-            "tokens_per_second": candidate.tokens_per_second, "probed": candidate.probed}
+    return {
+        "preset": candidate.preset,
+        "tokens": int(tokens),
+        "steps": steps,
+        "blocks": blocks,
+        "hours": tokens / candidate.tokens_per_second / 3600,
+        "bpb": model.loss(candidate.parameters, tokens),
+        "tokens_per_second": candidate.tokens_per_second,
+        "probed": candidate.probed,
+    }
 
 
 def choose(request: Request, candidates: list[Candidate], model: LossModel = LOSS_MODEL) -> Plan:
@@ -229,18 +247,33 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
     best = min(fitting, key=lambda outcome: outcome["bpb"])
     chosen = next(candidate for candidate in candidates if candidate.preset == best["preset"])
     others = sorted((o for o in fitting if o is not best), key=lambda o: o["bpb"])
-    why = (f"lowest predicted loss of {len(fitting)} shape(s) that fit {limit:.2f} h of training"
-           + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others else "")
-           + (f"; tokens capped at {MAX_EPOCHS} passes over the train split" if best["tokens"] >= request.max_tokens
-              - best["blocks"] * chosen.context else ""))
+    why = (
+        f"lowest predicted loss of {len(fitting)} shape(s) that fit {limit:.2f} h of training"
+        + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others else "")
+        + (
+            f"; tokens capped at {MAX_EPOCHS} passes over the train split"
+            if best["tokens"] >= request.max_tokens - best["blocks"] * chosen.context
+            else ""
+        )
+    )
     sessions = max(1, math.ceil(request.seconds / 3600 / request.session_hours)) if request.session_hours else 1
-    return Plan(budget=request.budget, preset=chosen.preset, parameters=chosen.parameters,
-                target_tokens=best["tokens"], global_batch_blocks=best["blocks"],
-                tokens_per_step=best["blocks"] * chosen.context, steps=best["steps"], hours=best["hours"],
-                sessions=sessions, predicted_bpb=best["bpb"], why=why,
-                candidates=tuple({key: outcome[key] for key in ("preset", "tokens", "hours", "bpb",
-                                                                  "tokens_per_second", "probed")}
-                                 for outcome in outcomes))
+    return Plan(
+        budget=request.budget,
+        preset=chosen.preset,
+        parameters=chosen.parameters,
+        target_tokens=best["tokens"],
+        global_batch_blocks=best["blocks"],
+        tokens_per_step=best["blocks"] * chosen.context,
+        steps=best["steps"],
+        hours=best["hours"],
+        sessions=sessions,
+        predicted_bpb=best["bpb"],
+        why=why,
+        candidates=tuple(
+            {key: outcome[key] for key in ("preset", "tokens", "hours", "bpb", "tokens_per_second", "probed")}
+            for outcome in outcomes
+        ),
+    )
 
 
 def too_small(request: Request, candidates: list[Candidate]) -> str:
@@ -248,15 +281,24 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
     fastest = max(candidates, key=lambda candidate: candidate.tokens_per_second)
     tokens = max(request.target_tokens or 0, MIN_TOKENS)
     if request.target_tokens and request.target_tokens < MIN_TOKENS:
-        return (f"--target-tokens {request.target_tokens:,} is below the smallest sensible --budget run "
-                f"({MIN_TOKENS:,} tokens: {MIN_STEPS} steps of {MIN_BATCH_TOKENS:,})")
+        return (
+            f"--target-tokens {request.target_tokens:,} is below the smallest sensible --budget run "
+            f"({MIN_TOKENS:,} tokens: {MIN_STEPS} steps of {MIN_BATCH_TOKENS:,})"
+        )
     needed = (tokens / fastest.tokens_per_second + request.spent_seconds) / (1 - RESERVE)
-    what = f"--target-tokens {tokens:,}" if request.target_tokens else (
-        f"the smallest sensible run ({fastest.preset}, {MIN_TOKENS:,} tokens: {MIN_STEPS} steps of "
-        f"{MIN_BATCH_TOKENS:,})")
-    return (f"--budget {request.budget} is too small: {what} takes about {duration_text(needed)} here "
-            f"({fastest.tokens_per_second:,.0f} tokens/s, world size {request.world}, with {RESERVE:.0%} kept for "
-            f"evaluation and saving); give --budget {duration_text(needed)} or more")
+    what = (
+        f"--target-tokens {tokens:,}"
+        if request.target_tokens
+        else (
+            f"the smallest sensible run ({fastest.preset}, {MIN_TOKENS:,} tokens: {MIN_STEPS} steps of "
+            f"{MIN_BATCH_TOKENS:,})"
+        )
+    )
+    return (
+        f"--budget {request.budget} is too small: {what} takes about {duration_text(needed)} here "
+        f"({fastest.tokens_per_second:,.0f} tokens/s, world size {request.world}, with {RESERVE:.0%} kept for "
+        f"evaluation and saving); give --budget {duration_text(needed)} or more"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,8 +323,9 @@ def candidate_presets(run, explicit_shape: bool) -> dict[str, model_config.Prese
     return dict(sorted(presets.items(), key=lambda item: model_config.flops_per_token(item[1], 0)))
 
 
-def probe(measure: Measure, info, presets: dict[str, model_config.Preset], micro_batch: int, seconds: float,
-          vocab: int) -> list[Candidate]:
+def probe(
+    measure: Measure, info, presets: dict[str, model_config.Preset], micro_batch: int, seconds: float, vocab: int
+) -> list[Candidate]:
     """Each preset's global tokens/s, smallest first, over PROBE_STEPS timed train.py steps of one
     micro-batch per rank (eager: compile's speed-up is not counted). Once the next probe would overrun
     `seconds`, the rest are predicted from the last one measured by their FLOPs per token (the LM head's
@@ -381,11 +424,18 @@ def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, m
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
-    candidates = probe(measure, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds),
-                       manifest.vocab_size)
-    request = Request(budget=run.budget, seconds=seconds, session_hours=session.max_hours, world=info.world,
-                      spent_seconds=time.monotonic() - started, max_tokens=MAX_EPOCHS * train_tokens,
-                      target_tokens=run.target_tokens if "target_tokens" in given else None)
+    candidates = probe(
+        measure, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds), manifest.vocab_size
+    )
+    request = Request(
+        budget=run.budget,
+        seconds=seconds,
+        session_hours=session.max_hours,
+        world=info.world,
+        spent_seconds=time.monotonic() - started,
+        max_tokens=MAX_EPOCHS * train_tokens,
+        target_tokens=run.target_tokens if "target_tokens" in given else None,
+    )
     return choose(request, candidates)
 
 
@@ -394,6 +444,8 @@ def plan_lines(plan: Plan) -> list[str]:
     lines = [plan.summary(), f"  why: {plan.why}; loss model fitted by bench/bench_budget.py (docs/budget.md)"]
     for outcome in plan.candidates:
         how = "measured" if outcome["probed"] else "predicted from a smaller one's FLOP/s (not probed)"
-        lines.append(f"  {outcome['preset']}: {outcome['tokens_per_second']:,.0f} tokens/s ({how}): "
-                     f"{outcome['tokens']:,} tokens in {outcome['hours']:.2f} h -> {outcome['bpb']:.3f} bits/byte")
+        lines.append(
+            f"  {outcome['preset']}: {outcome['tokens_per_second']:,.0f} tokens/s ({how}): "
+            f"{outcome['tokens']:,} tokens in {outcome['hours']:.2f} h -> {outcome['bpb']:.3f} bits/byte"
+        )
     return lines

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 @dataclass
 class StepResult:
     """What one optimizer step hands the observers (train.Training.train_step)."""
+
     step: int
     loss: float
     lrs: dict[str, float]  # each param group's lr this step by its name (Optimizers.apply_schedule)
@@ -58,6 +59,7 @@ class StepResult:
 @dataclass(frozen=True)
 class Speed:
     """A step's throughput: tokens per second over all ranks, and the model FLOPs utilization (None: no peak)."""
+
     tokens_per_second: float
     mfu: float | None
 
@@ -66,6 +68,7 @@ class Speed:
 class Measured:
     """An evaluation that ran at a step: its observer's key, and a validation loss lower than any before
     (the save then records it as the best checkpoint's)."""
+
     name: str
     new_best: float | None = None
 
@@ -74,6 +77,7 @@ class Measured:
 class RunEnd:
     """Where a session leaves its run (on_end's argument): what the artifacts, the model card and
     run_status.json say of it."""
+
     status: str  # checkpoint_store.COMPLETE or NEEDS_RESUME
     step: int
     total_steps: int
@@ -199,8 +203,16 @@ class TrainLog(Callback):
 
     key = "train"
 
-    def __init__(self, fields: Callable[[int], dict], every: int, total_steps: int, tokens_per_step: int,
-                 metrics: metrics_log.MetricsLog, progress, status: checkpoint_store.RunStatus):
+    def __init__(
+        self,
+        fields: Callable[[int], dict],
+        every: int,
+        total_steps: int,
+        tokens_per_step: int,
+        metrics: metrics_log.MetricsLog,
+        progress,
+        status: checkpoint_store.RunStatus,
+    ):
         self.fields, self.every, self.total_steps, self.tokens_per_step = fields, every, total_steps, tokens_per_step
         self.metrics, self.progress, self.status = metrics, progress, status
         self.train_seconds = 0.0  # the steps' time, summed over the sessions
@@ -222,10 +234,18 @@ class TrainLog(Callback):
 
     def write(self, result: StepResult, speed: Speed) -> None:
         tokens = result.step * self.tokens_per_step
-        self.metrics.write("train", step=result.step, tokens=tokens, loss=result.loss,
-                           **metrics_log.lr_fields(result.lrs),
-                           grad_norm=result.grad_norm, step_seconds=result.seconds,
-                           tokens_per_second=speed.tokens_per_second, mfu=speed.mfu, **self.fields(result.step))
+        self.metrics.write(
+            "train",
+            step=result.step,
+            tokens=tokens,
+            loss=result.loss,
+            **metrics_log.lr_fields(result.lrs),
+            grad_norm=result.grad_norm,
+            step_seconds=result.seconds,
+            tokens_per_second=speed.tokens_per_second,
+            mfu=speed.mfu,
+            **self.fields(result.step),
+        )
         self.status.running(result.step, self.total_steps, tokens=tokens, loss=result.loss)
         self.unlogged = None
 
@@ -246,8 +266,15 @@ class Validation(Callback):
 
     key = "validation"
 
-    def __init__(self, measure: Callable[[], dict | None], every: int, total_steps: int, tokens_per_step: int,
-                 metrics: metrics_log.MetricsLog, progress):
+    def __init__(
+        self,
+        measure: Callable[[], dict | None],
+        every: int,
+        total_steps: int,
+        tokens_per_step: int,
+        metrics: metrics_log.MetricsLog,
+        progress,
+    ):
         self.measure, self.every, self.total_steps, self.tokens_per_step = measure, every, total_steps, tokens_per_step
         self.metrics, self.progress = metrics, progress
         self.best_loss, self.best_step = math.inf, 0
@@ -260,14 +287,22 @@ class Validation(Callback):
         if result is None:
             return Measured(self.key)
         self.last = {"step": step, **result}
-        self.metrics.write("eval", step=step, tokens=step * self.tokens_per_step, val_loss=result["loss"],
-                           val_perplexity=result["perplexity"], val_tokens=result["tokens"],
-                           val_bits_per_byte=result["bits_per_byte"], val_bytes=result["bytes"],
-                           **source_results("val", result))
-        self.progress.write(f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-                            f"{metrics_log.bits_per_byte_text(result)}"
-                            + "".join(f"; {name} {part['loss']:.4f}"
-                                      for name, part in result.get("sources", {}).items() if part))
+        self.metrics.write(
+            "eval",
+            step=step,
+            tokens=step * self.tokens_per_step,
+            val_loss=result["loss"],
+            val_perplexity=result["perplexity"],
+            val_tokens=result["tokens"],
+            val_bits_per_byte=result["bits_per_byte"],
+            val_bytes=result["bytes"],
+            **source_results("val", result),
+        )
+        self.progress.write(
+            f"step {step}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
+            f"{metrics_log.bits_per_byte_text(result)}"
+            + "".join(f"; {name} {part['loss']:.4f}" for name, part in result.get("sources", {}).items() if part)
+        )
         if result["loss"] >= self.best_loss:
             return Measured(self.key)
         self.best_loss, self.best_step = result["loss"], step
@@ -307,8 +342,15 @@ class TaskScores(Callback):
 
     key = "tasks"
 
-    def __init__(self, score: Callable[[], dict[str, dict]], every: int | None, total_steps: int,
-                 tokens_per_step: int, metrics: metrics_log.MetricsLog, progress):
+    def __init__(
+        self,
+        score: Callable[[], dict[str, dict]],
+        every: int | None,
+        total_steps: int,
+        tokens_per_step: int,
+        metrics: metrics_log.MetricsLog,
+        progress,
+    ):
         self.score, self.every, self.total_steps, self.tokens_per_step = score, every, total_steps, tokens_per_step
         self.metrics, self.progress = metrics, progress
         self.history: list[dict] = []  # every "tasks" record of the run
@@ -321,13 +363,22 @@ class TaskScores(Callback):
             return None
         started = time.monotonic()
         scores = self.score()
-        record = {"step": step, "tokens": step * self.tokens_per_step, **metrics_log.task_fields(scores),
-                  "seconds": time.monotonic() - started}
+        record = {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            **metrics_log.task_fields(scores),
+            "seconds": time.monotonic() - started,
+        }
         self.history.append(record)
         self.metrics.write("tasks", **record)
-        self.progress.write(f"step {step}: " + "; ".join(
-            f"{name} acc {value['acc']:.3f}, acc_norm {value['acc_norm']:.3f} (n {value['n']}, chance "
-            f"{value['chance']:.3f})" for name, value in scores.items()))
+        self.progress.write(
+            f"step {step}: "
+            + "; ".join(
+                f"{name} acc {value['acc']:.3f}, acc_norm {value['acc_norm']:.3f} (n {value['n']}, chance "
+                f"{value['chance']:.3f})"
+                for name, value in scores.items()
+            )
+        )
         return Measured(self.key)
 
     def summary(self) -> dict:

@@ -79,8 +79,10 @@ BACKUP_URL_PLACEHOLDER = "URL"
 def refuse_placeholder(arg: str | None) -> None:
     """A pasted command's `--backup-to URL` must not back up into a local folder named URL."""
     if arg == BACKUP_URL_PLACEHOLDER:
-        raise UserError(f"--backup-to {BACKUP_URL_PLACEHOLDER} is a placeholder: give the real URL, or leave "
-                        "--backup-to out and set THINK72_CLOUD_RESUME=1 and THINK72_BACKUP_URL")
+        raise UserError(
+            f"--backup-to {BACKUP_URL_PLACEHOLDER} is a placeholder: give the real URL, or leave "
+            "--backup-to out and set THINK72_CLOUD_RESUME=1 and THINK72_BACKUP_URL"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,10 +112,12 @@ def upload_checkpoint(fs, root: str, local_path: str | os.PathLike) -> store.Rec
     local = Path(local_path)
     record = local_record(local)
     if record is None or record.path != local.name:
-        raise LocalFileChanged(f"{local.name} has no record of train.py's ({store.record_name(local.name)}): "
-                               "it cannot be verified")
-    remote_store.upload_verified(fs, local, f"{checkpoint_folder(root)}/{local.name}", sha256=record.sha256,
-                                 size=record.bytes)
+        raise LocalFileChanged(
+            f"{local.name} has no record of train.py's ({store.record_name(local.name)}): it cannot be verified"
+        )
+    remote_store.upload_verified(
+        fs, local, f"{checkpoint_folder(root)}/{local.name}", sha256=record.sha256, size=record.bytes
+    )
     remote_store.put_json(fs, f"{checkpoint_folder(root)}/{store.record_name(local.name)}", record.to_json())
     return record
 
@@ -141,8 +145,9 @@ def upload_run_files(fs, root: str, run_dir: Path) -> list[str]:
     return uploaded
 
 
-def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line,
-                      step: int | None = None) -> list[str]:
+def restore_run_files(
+    fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line, step: int | None = None
+) -> list[str]:
     """Download the remote RUN_FILES that `run_dir` lacks (through a temporary name), so a restored run
     keeps its history. Skipped when the remote's training_settings.json names another run_id.
 
@@ -152,8 +157,10 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
     remote_settings = remote_store.get_json(fs, run_file_path(root, "training_settings.json")) or {}
     remote_run = remote_settings.get("run_id") if isinstance(remote_settings, dict) else None
     if run_id and remote_run and remote_run != run_id:
-        log("checkpoint restore: WARNING the remote run files belong to another run (run_id "
-            f"{remote_run}, checkpoint {run_id}); not restored")
+        log(
+            "checkpoint restore: WARNING the remote run files belong to another run (run_id "
+            f"{remote_run}, checkpoint {run_id}); not restored"
+        )
         return []
     restored = []
     for name in RUN_FILES:
@@ -171,11 +178,19 @@ def restore_run_files(fs, root: str, run_dir: Path, run_id: str | None, log: Log
         if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
             was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
             kept = {"resume_command": remote_status["resume_command"]} if remote_status.get("resume_command") else {}
-            store.write_status(run_dir, NEEDS_RESUME, step=step, total_steps=remote_status.get("total_steps"),
-                               reason=f"restored from the backup at step {step} (the backup's run_status.json "
-                                      f"said {was}); continue with train.py --resume auto", **kept)
-            log(f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
-                f"(the backup's said {was})")
+            store.write_status(
+                run_dir,
+                NEEDS_RESUME,
+                step=step,
+                total_steps=remote_status.get("total_steps"),
+                reason=f"restored from the backup at step {step} (the backup's run_status.json "
+                f"said {was}); continue with train.py --resume auto",
+                **kept,
+            )
+            log(
+                f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
+                f"(the backup's said {was})"
+            )
     return restored
 
 
@@ -206,9 +221,14 @@ def remote_listing(fs, root: str) -> store.Listing:
             latest = store.Record.from_json(remote_store.get_json(fs, f"{folder}/{store.LATEST}"))
         except (VerificationError, ValueError, TypeError) as error:
             latest_error = str(error)
-    return store.Listing(files={name: sizes[name] for name in names.checkpoints}, records=records,
-                         temporaries=names.temporaries, corrupt=names.corrupt, latest=latest,
-                         latest_error=latest_error)
+    return store.Listing(
+        files={name: sizes[name] for name in names.checkpoints},
+        records=records,
+        temporaries=names.temporaries,
+        corrupt=names.corrupt,
+        latest=latest,
+        latest_error=latest_error,
+    )
 
 
 def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Record]:
@@ -216,13 +236,19 @@ def restore_candidates(fs, root: str, log: LogFn = log_line) -> list[store.Recor
     (steps after latest.json's belong to a timeline the run left: never restored)."""
     listing = remote_listing(fs, root)
     if listing.latest_error:
-        log(f"checkpoint restore: WARNING the remote {store.LATEST} is unreadable ({listing.latest_error}); "
-            "trying the verified checkpoints instead")
-    recorded = {record.step: record for name, record in listing.records.items()
-                if isinstance(record, store.Record) and record.path == name}
+        log(
+            f"checkpoint restore: WARNING the remote {store.LATEST} is unreadable ({listing.latest_error}); "
+            "trying the verified checkpoints instead"
+        )
+    recorded = {
+        record.step: record
+        for name, record in listing.records.items()
+        if isinstance(record, store.Record) and record.path == name
+    }
     latest = listing.latest
-    return ([latest] if latest else []) + [recorded[step] for step in
-                                           store.restore_order(recorded, latest.step if latest else None)]
+    return ([latest] if latest else []) + [
+        recorded[step] for step in store.restore_order(recorded, latest.step if latest else None)
+    ]
 
 
 def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None:
@@ -236,12 +262,15 @@ def quarantine_record(fs, folder: str, name: str, log: LogFn = log_line) -> None
     except Exception as error:
         log(f"checkpoint restore: the record of the corrupt {name} could not be set aside ({type(error).__name__})")
         return
-    log(f"checkpoint restore: {name} is no longer counted as a verified backup (record renamed to "
-        f"{store.record_name(name)}.corrupt)")
+    log(
+        f"checkpoint restore: {name} is no longer counted as a verified backup (record renamed to "
+        f"{store.record_name(name)}.corrupt)"
+    )
 
 
-def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line,
-                   read_only: bool = False) -> Path | None:
+def restore_latest(
+    url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn = log_line, read_only: bool = False
+) -> Path | None:
     """Download the remote's newest verified checkpoint into `local_checkpoint_dir` and point the local
     latest.json at it, so train.py's `--resume auto` picks it up.
 
@@ -265,13 +294,16 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
         name = record.path
         try:
             with remote_errors(f"downloading {name}"):
-                path = remote_store.download_verified(fs, f"{folder}/{name}", local_dir / name, record.sha256,
-                                                      record.bytes)
+                path = remote_store.download_verified(
+                    fs, f"{folder}/{name}", local_dir / name, record.sha256, record.bytes
+                )
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
             if read_only:
-                log(f"checkpoint restore: the remote is left as it is (pull only reads); "
-                    f"`checkpoint_cloud.py verify` lists {name} as corrupt")
+                log(
+                    f"checkpoint restore: the remote is left as it is (pull only reads); "
+                    f"`checkpoint_cloud.py verify` lists {name} as corrupt"
+                )
             else:
                 quarantine_record(fs, folder, name, log)
             continue
@@ -291,8 +323,10 @@ def restore_latest(url: str, local_checkpoint_dir: str | os.PathLike, log: LogFn
             if history:
                 log(f"checkpoint restore: {', '.join(history)} restored into {local_dir.parent}")
         return path
-    raise UserError(f"no checkpoint on the remote matches its recorded sha256 ({len(candidates)} tried); "
-                    "refusing to start over on top of the backup")
+    raise UserError(
+        f"no checkpoint on the remote matches its recorded sha256 ({len(candidates)} tried); "
+        "refusing to start over on top of the backup"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,8 +341,14 @@ class Mirror:
     failed step is retried after retry_seconds, doubling up to max_retry_seconds (short while a stop
     waits), logged at attempts 1, 2, 4, 8, ... only, with the exception type (never the URL or a key)."""
 
-    def __init__(self, url: str, policy: store.MirrorPolicy, retry_seconds: float = 5.0,
-                 max_retry_seconds: float = 300.0, log: LogFn = log_line):
+    def __init__(
+        self,
+        url: str,
+        policy: store.MirrorPolicy,
+        retry_seconds: float = 5.0,
+        max_retry_seconds: float = 300.0,
+        log: LogFn = log_line,
+    ):
         self.fs, self.root = remote_store.open_remote(url, fail_fast=True)
         self.policy, self.log = policy, log
         self.retry_seconds, self.max_retry_seconds = retry_seconds, max_retry_seconds
@@ -318,15 +358,22 @@ class Mirror:
     def look(self) -> None:
         """Connect once at start (so credential problems show early) and say what the remote holds."""
         try:
-            held = [record for record in remote_listing(self.fs, self.root).records.values()
-                    if isinstance(record, store.Record)]
+            held = [
+                record
+                for record in remote_listing(self.fs, self.root).records.values()
+                if isinstance(record, store.Record)
+            ]
         except Exception as error:
-            return self.log(f"checkpoint backup: the remote is not reachable yet ({type(error).__name__}); "
-                            "uploads will be retried")
-        self.log(f"checkpoint backup: the remote already holds {len(held)} verified checkpoint(s), latest step "
-                 f"{max(record.step for record in held)}; retention deletes only this run's files" if held else
-                 "checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to restore); "
-                 "the first one is uploaded after the first save")
+            return self.log(
+                f"checkpoint backup: the remote is not reachable yet ({type(error).__name__}); uploads will be retried"
+            )
+        self.log(
+            f"checkpoint backup: the remote already holds {len(held)} verified checkpoint(s), latest step "
+            f"{max(record.step for record in held)}; retention deletes only this run's files"
+            if held
+            else "checkpoint backup: the remote is reachable and holds no checkpoint yet (nothing to restore); "
+            "the first one is uploaded after the first save"
+        )
 
     def step(self, local_dir: Path, urgent: bool = False) -> store.MirrorPlan | None:
         """Plan and apply one step; the plan (empty: nothing was left to do), or None when it failed
@@ -348,20 +395,27 @@ class Mirror:
         self.retry_after = min(self.retry_after, self.retry_seconds) if urgent else self.retry_after
         if not self.failures & (self.failures - 1):  # attempts 1, 2, 4, 8, ...: an outage must not flood the log
             attempt = f" (attempt {self.failures})" if self.failures > 1 else ""
-            self.log(f"checkpoint backup: {self.doing} not backed up yet{attempt}: {self.last_error}; "
-                     f"retry in {self.retry_after:.0f}s or at the next checkpoint")
+            self.log(
+                f"checkpoint backup: {self.doing} not backed up yet{attempt}: {self.last_error}; "
+                f"retry in {self.retry_after:.0f}s or at the next checkpoint"
+            )
         return None
 
     def release(self, local_dir: Path, unbacked: list[str], unlisted: str | None = None) -> None:
         """Delete local checkpoints beyond the bound that have no confirmed remote copy, each with a WARNING
         (`unlisted`: the error that kept the remote from being listed)."""
         where = "the remote cannot be listed to confirm a copy" if unlisted else "it never reached the remote"
-        why = (f"uploads are failing ({unlisted or self.last_error}); check the network and the credentials"
-               if self.failures or unlisted else "checkpoints are saved faster than they upload; save less often "
-               "(--save-every) or allow more (--backup-max-unbacked)")
+        why = (
+            f"uploads are failing ({unlisted or self.last_error}); check the network and the credentials"
+            if self.failures or unlisted
+            else "checkpoints are saved faster than they upload; save less often "
+            "(--save-every) or allow more (--backup-max-unbacked)"
+        )
         for name in unbacked:
-            self.log(f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although "
-                     f"{where}: more than {self.policy.max_unbacked} checkpoints are waiting for upload; {why}")
+            self.log(
+                f"checkpoint backup: WARNING deleting local {name} (step {store.step_of(name)}) although "
+                f"{where}: more than {self.policy.max_unbacked} checkpoints are waiting for upload; {why}"
+            )
         store.delete(local_dir, unbacked)
 
     def apply(self, local_dir: Path, plan: store.MirrorPlan) -> None:
@@ -387,14 +441,20 @@ class Mirror:
             record = upload_checkpoint(self.fs, self.root, path)
         except LocalFileChanged as error:  # uploading it again would not help: out of the plan for good
             store.set_aside(path.parent, path.name)
-            self.log(f"checkpoint backup: WARNING {error}; not backed up (set aside as {path.name}"
-                     f"{store.CORRUPT_SUFFIX}, latest.json not moved)")
+            self.log(
+                f"checkpoint backup: WARNING {error}; not backed up (set aside as {path.name}"
+                f"{store.CORRUPT_SUFFIX}, latest.json not moved)"
+            )
             return
-        self.log(f"checkpoint backup: {path.name} (step {record.step}, {record.bytes / 1e6:.1f} MB) uploaded and "
-                 f"verified in {time.monotonic() - started:.1f}s")
+        self.log(
+            f"checkpoint backup: {path.name} (step {record.step}, {record.bytes / 1e6:.1f} MB) uploaded and "
+            f"verified in {time.monotonic() - started:.1f}s"
+        )
         if self.failures:
-            self.log(f"checkpoint backup: the remote works again: {self.doing} is backed up after "
-                     f"{self.failures} failed attempt(s)")
+            self.log(
+                f"checkpoint backup: the remote works again: {self.doing} is backed up after "
+                f"{self.failures} failed attempt(s)"
+            )
         self.failures, self.doing = 0, "the newest checkpoint"
 
     def push_run_files(self, run_dir: str | os.PathLike) -> bool:
@@ -403,8 +463,10 @@ class Mirror:
             upload_run_files(self.fs, self.root, Path(run_dir))
             return True
         except Exception as error:
-            self.log(f"checkpoint backup: the run files (metrics.jsonl, run_status.json, ...) not backed up "
-                     f"this time ({type(error).__name__})")
+            self.log(
+                f"checkpoint backup: the run files (metrics.jsonl, run_status.json, ...) not backed up "
+                f"this time ({type(error).__name__})"
+            )
             return False
 
 
@@ -475,8 +537,10 @@ def serve_requests(connection, mirror: Mirror) -> None:
             waiting = None
 
 
-CHILD_MAIN = ("import sys; sys.path.insert(0, sys.argv[2]); import checkpoint_cloud; "
-              "checkpoint_cloud.serve_backup(int(sys.argv[1]))")
+CHILD_MAIN = (
+    "import sys; sys.path.insert(0, sys.argv[2]); import checkpoint_cloud; "
+    "checkpoint_cloud.serve_backup(int(sys.argv[1]))"
+)
 
 
 class BackupProcess:
@@ -486,8 +550,15 @@ class BackupProcess:
     decides when to stop, then waits with wait()), prints its own log lines and exits when its pipe
     closes. If it dies, the next call starts a new one, which plans again from both listings."""
 
-    def __init__(self, url: str, policy: store.MirrorPolicy = store.MirrorPolicy(), retry_seconds: float = 5.0,
-                 max_retry_seconds: float = 300.0, log: LogFn = log_line, start_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        url: str,
+        policy: store.MirrorPolicy = store.MirrorPolicy(),
+        retry_seconds: float = 5.0,
+        max_retry_seconds: float = 300.0,
+        log: LogFn = log_line,
+        start_timeout_s: float = 120.0,
+    ):
         self.url, self.policy, self.log, self.start_timeout_s = url, policy, log, start_timeout_s
         self.options = {"policy": policy, "retry_seconds": retry_seconds, "max_retry_seconds": max_retry_seconds}
         self._folder: str | None = None  # the local checkpoints folder, once a save named it
@@ -514,8 +585,10 @@ class BackupProcess:
         plan = store.plan_mirror(store.list_folder(folder), store.Listing({}, {}), self.policy)
         released = [folder / name for name in plan.unbacked if folder / name in candidates]
         for path in released:
-            self.log(f"checkpoint backup: WARNING deleting local {path.name} although it never reached the "
-                     "remote: the backup process is not running")
+            self.log(
+                f"checkpoint backup: WARNING deleting local {path.name} although it never reached the "
+                "remote: the backup process is not running"
+            )
         return released
 
     def wait(self, timeout_s: float) -> bool:
@@ -525,15 +598,20 @@ class BackupProcess:
             return True
         head = read_json_or(Path(self._folder) / store.LATEST, {}).get("path", "?")
         ok = bool(self._ensure_running() and self._request("wait", timeout_s, timeout_s=timeout_s + 2))
-        self.log(f"checkpoint backup: the newest checkpoint {head} is on the remote and verified" if ok else
-                 f"checkpoint backup: WARNING the newest checkpoint {head} did NOT reach the remote within "
-                 f"{timeout_s:g}s; it stays on the local disk")
+        self.log(
+            f"checkpoint backup: the newest checkpoint {head} is on the remote and verified"
+            if ok
+            else f"checkpoint backup: WARNING the newest checkpoint {head} did NOT reach the remote within "
+            f"{timeout_s:g}s; it stays on the local disk"
+        )
         return ok
 
     def push_run_files(self, run_dir: str | os.PathLike, timeout_s: float = 60.0) -> bool:
         """Upload the run's history files (RUN_FILES) now, waiting up to `timeout_s`."""
-        return bool(self._ensure_running() and self._request("push_run_files", str(Path(run_dir).resolve()),
-                                                             timeout_s=timeout_s))
+        return bool(
+            self._ensure_running()
+            and self._request("push_run_files", str(Path(run_dir).resolve()), timeout_s=timeout_s)
+        )
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child after the step it is on (up to `timeout_s`). Call wait() first to flush."""
@@ -559,9 +637,11 @@ class BackupProcess:
         """Start a child and hand it the settings; a bad setting raises its UserError here."""
         parent_end, child_end = multiprocessing.Pipe()
         try:
-            process = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(child_end.fileno()),
-                                        str(Path(__file__).resolve().parent)],
-                                       pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                [sys.executable, "-c", CHILD_MAIN, str(child_end.fileno()), str(Path(__file__).resolve().parent)],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             child_end.close()
         parent_end.send((self.url, self.options))
@@ -574,8 +654,11 @@ class BackupProcess:
             process.kill()
         process.wait()
         kind, message = outcome[1:] if outcome else ("no answer", "")
-        raise UserError(message) if kind == "UserError" else RuntimeError(
-            f"the checkpoint backup process could not start ({kind})")
+        raise (
+            UserError(message)
+            if kind == "UserError"
+            else RuntimeError(f"the checkpoint backup process could not start ({kind})")
+        )
 
     def _ensure_running(self) -> bool:
         """True when a child is there to talk to; starts a new one (and wakes it) if the last one died."""
@@ -648,25 +731,33 @@ def probe_writable(fs, root: str, url: str) -> None:
         fs.rm_file(path)
     except Exception as error:
         remote_store.remove_quietly(fs, path)
-        raise UserError(f"--backup-to: the remote cannot be {step} ({remote_store.probe_error_text(error, url)}); "
-                        "no checkpoint would reach it") from None
+        raise UserError(
+            f"--backup-to: the remote cannot be {step} ({remote_store.probe_error_text(error, url)}); "
+            "no checkpoint would reach it"
+        ) from None
     if not same:
-        raise UserError("--backup-to: the remote returned other bytes than were written to it; "
-                        "no checkpoint could be verified there")
+        raise UserError(
+            "--backup-to: the remote returned other bytes than were written to it; "
+            "no checkpoint could be verified there"
+        )
 
 
-def backup_from_args(args: argparse.Namespace, save_every: int | None = None,
-                     log: LogFn = log_line) -> BackupProcess | None:
+def backup_from_args(
+    args: argparse.Namespace, save_every: int | None = None, log: LogFn = log_line
+) -> BackupProcess | None:
     """A BackupProcess for train.py's backup options (SessionSettings: BACKUP, --keep-last, --keep-every), or None
     when no backup URL is set. --remote-keep-every N keeps every Nth save: every multiple of N x
     save_every steps, the local rule's form (without --save-every, none)."""
     url = backup_url_from_env_or_arg(args.backup_to)
     if url is None:
         return None
-    policy = store.MirrorPolicy(keep_last=args.keep_last, keep_every=args.keep_every,
-                                remote_keep_last=args.remote_keep_recent,
-                                remote_keep_every=args.remote_keep_every * (save_every or 0),
-                                max_unbacked=args.backup_max_unbacked)
+    policy = store.MirrorPolicy(
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+        remote_keep_last=args.remote_keep_recent,
+        remote_keep_every=args.remote_keep_every * (save_every or 0),
+        max_unbacked=args.backup_max_unbacked,
+    )
     return BackupProcess(url, policy, log=log)
 
 
@@ -793,8 +884,9 @@ def command_verify(url: str) -> int:
                     problems.append(f"{name}: does not match its recorded sha256 (corrupted)")
                 else:
                     print(f"{name}: ok")
-            problems += [f"{name}: has no record (unverified upload)" for name in listing.files
-                         if name not in listing.records]
+            problems += [
+                f"{name}: has no record (unverified upload)" for name in listing.files if name not in listing.records
+            ]
             if listing.latest_error:
                 problems.append(f"{store.LATEST}: {listing.latest_error}")
             elif listing.latest is None:
@@ -816,23 +908,31 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def parse_args(argv=None) -> argparse.Namespace:
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                            epilog="A URL is a folder (a path, file://, local://) or one of these stores:\n"
-                                   + remote_store.backends_text())
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+        epilog="A URL is a folder (a path, file://, local://) or one of these stores:\n" + remote_store.backends_text(),
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    listing = commands.add_parser("list", help="show the remote's checkpoints (or corpus files)",
-                                  formatter_class=formatter)
+    listing = commands.add_parser(
+        "list", help="show the remote's checkpoints (or corpus files)", formatter_class=formatter
+    )
     listing.add_argument("url", help="remote run (or corpus) URL")
-    push = commands.add_parser("push", help="upload a run's checkpoints (or a corpus folder), verified",
-                               formatter_class=formatter)
+    push = commands.add_parser(
+        "push", help="upload a run's checkpoints (or a corpus folder), verified", formatter_class=formatter
+    )
     push.add_argument("run", help="local RUN folder (its checkpoints/) or CORPUS folder")
     push.add_argument("url", help="remote URL")
-    pull = commands.add_parser("pull", help="download the newest intact checkpoint into RUN/checkpoints "
-                                            "(or the corpus into the folder)", formatter_class=formatter)
+    pull = commands.add_parser(
+        "pull",
+        help="download the newest intact checkpoint into RUN/checkpoints (or the corpus into the folder)",
+        formatter_class=formatter,
+    )
     pull.add_argument("url", help="remote URL")
     pull.add_argument("run", help="local RUN (or CORPUS) folder")
-    verify = commands.add_parser("verify", help="re-hash every remote file against its record; exit 1 on a problem",
-                                 formatter_class=formatter)
+    verify = commands.add_parser(
+        "verify", help="re-hash every remote file against its record; exit 1 on a problem", formatter_class=formatter
+    )
     verify.add_argument("url", help="remote URL")
     return parser.parse_args(argv)
 

@@ -65,8 +65,15 @@ ABANDONED = "abandoned-{step:08d}"
 CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
-RUN_FILES = ("metrics.jsonl", "training_settings.json", "config.toml", "hardware.json", "run_status.json",
-             trackers.TRACKERS_FILE, trackers.TENSORBOARD_EVENTS)
+RUN_FILES = (
+    "metrics.jsonl",
+    "training_settings.json",
+    "config.toml",
+    "hardware.json",
+    "run_status.json",
+    trackers.TRACKERS_FILE,
+    trackers.TENSORBOARD_EVENTS,
+)
 
 
 # run_status.json's status: running, stopped with a checkpoint to continue from, complete, failed
@@ -116,13 +123,16 @@ class Record:
         if not isinstance(obj, dict):
             raise ValueError("not a record")
         fields = {item.name: item for item in dataclasses.fields(cls)}
-        missing = [name for name, item in fields.items()
-                   if name not in obj and item.default is dataclasses.MISSING]
+        missing = [name for name, item in fields.items() if name not in obj and item.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"lacks {', '.join(missing)}")
         record = cls(**{name: obj[name] for name in fields if name in obj})
-        if step_of(str(record.path)) != record.step or not isinstance(record.bytes, int) \
-                or not isinstance(record.sha256, str) or not isinstance(record.run_id, str):
+        if (
+            step_of(str(record.path)) != record.step
+            or not isinstance(record.bytes, int)
+            or not isinstance(record.sha256, str)
+            or not isinstance(record.run_id, str)
+        ):
             raise ValueError("has fields of the wrong kind")
         return record
 
@@ -186,9 +196,15 @@ class Listing:
 
     def best(self, run_id: str | None = None) -> Record | None:
         """The record with the lowest val_loss (of run `run_id` only, when given)."""
-        scored = [record for record in self.records.values() if isinstance(record, Record)
-                  and record.val_loss is not None and math.isfinite(record.val_loss)
-                  and record.path in self.files and run_id in (None, record.run_id)]
+        scored = [
+            record
+            for record in self.records.values()
+            if isinstance(record, Record)
+            and record.val_loss is not None
+            and math.isfinite(record.val_loss)
+            and record.path in self.files
+            and run_id in (None, record.run_id)
+        ]
         return min(scored, key=lambda record: (record.val_loss, record.step), default=None)
 
 
@@ -207,12 +223,17 @@ def sort_names(names: Iterable[str]) -> Names:
     names = set(names)
     checkpoints = sorted(name for name in names if step_of(name) is not None)
     with_records = {name.removesuffix(RECORD_SUFFIX) for name in names if name.endswith(RECORD_SUFFIX)}
-    return Names(checkpoints=checkpoints,
-                 recorded=[name for name in checkpoints if name in with_records],
-                 orphaned=sorted(name for name in with_records if step_of(name) is not None and name not in names),
-                 temporaries=sorted(name for name in names if temporary_target(name)),
-                 corrupt=sorted(name.removesuffix(CORRUPT_SUFFIX) for name in names if name.endswith(CORRUPT_SUFFIX)
-                                and step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None))
+    return Names(
+        checkpoints=checkpoints,
+        recorded=[name for name in checkpoints if name in with_records],
+        orphaned=sorted(name for name in with_records if step_of(name) is not None and name not in names),
+        temporaries=sorted(name for name in names if temporary_target(name)),
+        corrupt=sorted(
+            name.removesuffix(CORRUPT_SUFFIX)
+            for name in names
+            if name.endswith(CORRUPT_SUFFIX) and step_of(name.removesuffix(CORRUPT_SUFFIX)) is not None
+        ),
+    )
 
 
 def list_folder(folder: Path) -> Listing:
@@ -231,10 +252,16 @@ def list_folder(folder: Path) -> Listing:
             latest = read_record(paths[LATEST])
         except UserError as error:
             latest_error = str(error)
-    return Listing(files={name: paths[name].stat().st_size for name in names.checkpoints}, records=records,
-                   temporaries=names.temporaries, corrupt=names.corrupt,
-                   folders={name for name, path in paths.items() if path.is_dir()},
-                   sha256=lambda name: sha256_file(folder / name), latest=latest, latest_error=latest_error)
+    return Listing(
+        files={name: paths[name].stat().st_size for name in names.checkpoints},
+        records=records,
+        temporaries=names.temporaries,
+        corrupt=names.corrupt,
+        folders={name for name, path in paths.items() if path.is_dir()},
+        sha256=lambda name: sha256_file(folder / name),
+        latest=latest,
+        latest_error=latest_error,
+    )
 
 
 @dataclass
@@ -255,12 +282,18 @@ def plan_resume(listing: Listing, resume: str) -> ResumePlan:
     - `auto` takes the newest checkpoint that matches its record; each newer one that does not is set
       aside (kept for inspection, out of resume and retention), one without a record is skipped.
     """
-    plan = ResumePlan(delete=[*listing.temporaries, *(record_name(name) for name in listing.steps(listing.records)
-                                                      if name not in listing.files)])
+    plan = ResumePlan(
+        delete=[
+            *listing.temporaries,
+            *(record_name(name) for name in listing.steps(listing.records) if name not in listing.files),
+        ]
+    )
     if resume == "none":
         if listing.files:
-            plan.error = (f"already has checkpoints ({listing.steps(listing.files)[-1]}); pass --resume auto to "
-                          "continue, or choose a new --out")
+            plan.error = (
+                f"already has checkpoints ({listing.steps(listing.files)[-1]}); pass --resume auto to "
+                "continue, or choose a new --out"
+            )
         return plan
     if resume != "auto" or not (listing.files or listing.corrupt):
         return plan
@@ -271,15 +304,19 @@ def plan_resume(listing: Listing, resume: str) -> ResumePlan:
             break
         if name in listing.records:
             plan.set_aside.append(name)
-            plan.warnings.append(f"{problem}: set aside as {name}{CORRUPT_SUFFIX} ({size_text(listing.files[name])}; "
-                                 "delete it once inspected)")
+            plan.warnings.append(
+                f"{problem}: set aside as {name}{CORRUPT_SUFFIX} ({size_text(listing.files[name])}; "
+                "delete it once inspected)"
+            )
         else:
             plan.warnings.append(f"{problem}: skipped")
     if plan.load is None:
         damaged = [*plan.set_aside, *listing.corrupt]
-        plan.error = ("has checkpoints but none verifies against its sha256"
-                      + (f" (damaged, set aside: {', '.join(damaged)})" if damaged else "")
-                      + "; pass --resume PATH to force one, or choose a new --out")
+        plan.error = (
+            "has checkpoints but none verifies against its sha256"
+            + (f" (damaged, set aside: {', '.join(damaged)})" if damaged else "")
+            + "; pass --resume PATH to force one, or choose a new --out"
+        )
     elif plan.warnings:
         plan.warnings.append(f"falling back to {plan.load}")
     return plan
@@ -308,8 +345,9 @@ def plan_timeline(listing: Listing, resumed: str | None, step: int, run_id: str)
     plan.latest = record if isinstance(record, Record) else None
     newer = [name for name in listing.files if step_of(name) > step]
     plan.rewound = any(name in listing.records for name in newer)
-    other_runs = [name for name in listing.files
-                  if step_of(name) <= step and listing.run_id(name) not in (None, run_id)]
+    other_runs = [
+        name for name in listing.files if step_of(name) <= step and listing.run_id(name) not in (None, run_id)
+    ]
     if not (plan.rewound or other_runs):
         return plan
     plan.abandon = listing.steps([*newer, *other_runs])
@@ -319,9 +357,11 @@ def plan_timeline(listing: Listing, resumed: str | None, step: int, run_id: str)
         copy += 1
         plan.folder = f"{ABANDONED.format(step=step)}-{copy}"
     size = sum(listing.files[name] for name in plan.abandon)
-    plan.warnings.append(f"resuming from step {step} abandons {', '.join(plan.abandon)} ({size_text(size)}; newer "
-                         f"checkpoints, or another run's): moved to {plan.folder}; delete that folder once you no "
-                         "longer need them")
+    plan.warnings.append(
+        f"resuming from step {step} abandons {', '.join(plan.abandon)} ({size_text(size)}; newer "
+        f"checkpoints, or another run's): moved to {plan.folder}; delete that folder once you no "
+        "longer need them"
+    )
     return plan
 
 
@@ -367,8 +407,9 @@ class MirrorPolicy:
 
     def __post_init__(self):
         if self.remote_keep_last < 1 or self.keep_last < 1:
-            raise UserError(f"--remote-keep-recent and --keep-last must be >= 1, got {self.remote_keep_last} "
-                            f"and {self.keep_last}")
+            raise UserError(
+                f"--remote-keep-recent and --keep-last must be >= 1, got {self.remote_keep_last} and {self.keep_last}"
+            )
         if min(self.remote_keep_every, self.keep_every, self.max_unbacked) < 0:
             raise UserError("--remote-keep-every, --keep-every and --backup-max-unbacked must be >= 0")
 
@@ -389,8 +430,12 @@ class MirrorPlan:
 def backed_up(local: Listing, remote: Listing, name: str) -> bool:
     """The remote holds local checkpoint `name` in full, under a record with the same sha256."""
     mine, theirs = local.records.get(name), remote.records.get(name)
-    return isinstance(mine, Record) and isinstance(theirs, Record) and theirs.sha256 == mine.sha256 \
+    return (
+        isinstance(mine, Record)
+        and isinstance(theirs, Record)
+        and theirs.sha256 == mine.sha256
         and remote.files.get(name) == theirs.bytes == mine.bytes
+    )
 
 
 def plan_mirror(local: Listing, remote: Listing, policy: MirrorPolicy) -> MirrorPlan:
@@ -411,15 +456,19 @@ def plan_mirror(local: Listing, remote: Listing, policy: MirrorPolicy) -> Mirror
         return step_of(name) <= head.step and listing.run_id(name) == head.run_id
 
     ours = [name for name in local.files if on_timeline(local, name)]
-    verified = [name for name in remote.files if on_timeline(remote, name) and remote.files[name] ==
-                remote.records[name].bytes and (name not in local.records or backed_up(local, remote, name))]
+    verified = [
+        name
+        for name in remote.files
+        if on_timeline(remote, name)
+        and remote.files[name] == remote.records[name].bytes
+        and (name not in local.records or backed_up(local, remote, name))
+    ]
     records = {**{name: remote.records[name] for name in verified}, **{name: local.records[name] for name in ours}}
 
     def kept(names: Iterable[str]) -> set[str]:
         names = set(names)
         union = Listing(files=dict.fromkeys(names, 0), records={name: records[name] for name in names})
-        return names - set(retention_deletions(union, head.run_id, policy.remote_keep_last,
-                                               policy.remote_keep_every))
+        return names - set(retention_deletions(union, head.run_id, policy.remote_keep_last, policy.remote_keep_every))
 
     wanted = kept([*verified, *ours])
     plan.upload = sorted((name for name in ours if name in wanted and name not in verified), reverse=True)
@@ -519,8 +568,11 @@ def resume_checkpoint(out: Path, resume: str, tidy: bool) -> Path | None:
         path = Path(resume)
         problem = file_mismatch(path)
         if problem:
-            say(f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
-                "file, not against the record)", warning=True)
+            say(
+                f"--resume {path}: {problem}; loading it anyway, as asked (the state is checked against this "
+                "file, not against the record)",
+                warning=True,
+            )
         return path
     return folder / plan.load if plan.load else None
 
@@ -603,14 +655,17 @@ def previous_session_note(previous: dict, resumed_step: int) -> str | None:
     if status == RUNNING and isinstance(step, int):
         died = max(step, resumed_step)  # the status is written at logged steps: the session got at least this far
         where = f"resuming from step {resumed_step}" if resumed_step else "no checkpoint is left: starting at step 0"
-        return (f"note: the previous session died without a word after step {died} ({STATUS_FILE} still said "
-                f"{RUNNING}: killed, out of memory, or its machine went away); {where}; steps done again: "
-                f"{died - resumed_step} or more")
+        return (
+            f"note: the previous session died without a word after step {died} ({STATUS_FILE} still said "
+            f"{RUNNING}: killed, out of memory, or its machine went away); {where}; steps done again: "
+            f"{died - resumed_step} or more"
+        )
     if status in FINAL and (previous.get("outputs") or {}).get("report") == "pending":
-        return (f"note: the previous session ended before its report was made ({STATUS_FILE}: {status}, report "
-                "pending); this session makes it at its end")
+        return (
+            f"note: the previous session ended before its report was made ({STATUS_FILE}: {status}, report "
+            "pending); this session makes it at its end"
+        )
     return None
-
 
 
 class HashingWriter:
@@ -635,16 +690,16 @@ class HashingWriter:
         return self.digest.hexdigest()
 
 
-
 UNSET = "(unset)"
-
 
 
 def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """{name: (old value, new value)} for every setting that differs (UNSET where one side lacks it)."""
-    return {key: (old.get(key, UNSET), new.get(key, UNSET))
-            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
-
+    return {
+        key: (old.get(key, UNSET), new.get(key, UNSET))
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    }
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
@@ -657,20 +712,26 @@ def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
 def leaf_changes(name: str, before: Any, after: Any) -> list[tuple[str, Any, Any]]:
     """(path, before, after) of each differing leaf of two values: dicts by key, lists of one length by index."""
     if isinstance(before, dict) and isinstance(after, dict):
-        return [change for key in sorted(set(before) | set(after), key=str)
-                if before.get(key, UNSET) != after.get(key, UNSET)
-                for change in leaf_changes(f"{name}.{key}", before.get(key, UNSET), after.get(key, UNSET))]
+        return [
+            change
+            for key in sorted(set(before) | set(after), key=str)
+            if before.get(key, UNSET) != after.get(key, UNSET)
+            for change in leaf_changes(f"{name}.{key}", before.get(key, UNSET), after.get(key, UNSET))
+        ]
     if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
-        return [change for index, (old, new) in enumerate(zip(before, after)) if old != new
-                for change in leaf_changes(f"{name}[{index}]", old, new)]
+        return [
+            change
+            for index, (old, new) in enumerate(zip(before, after))
+            if old != new
+            for change in leaf_changes(f"{name}[{index}]", old, new)
+        ]
     return [(name, before, after)]
 
 
 def shown_setting(value: Any, limit: int = 80) -> str:
     """A setting's value as a person reads it: a number or text as it is, anything else as compact JSON, cut."""
     text = value if isinstance(value, str) else json.dumps(value, separators=(", ", ": "), default=str)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -679,17 +740,18 @@ class ResumeVerdict:
     others: dict  # the changes other than the length: any refuses the resume
 
 
-
 def resume_verdict(old: dict, new: dict) -> ResumeVerdict:
     """What a resume does with the checkpoint's training settings `old` under this run's `new`.
 
     The same length said another way (a default of one epoch resumed with --epochs 1) is no change, nor is
     the same shape said another way (a preset's heads resumed with --heads 4 after the preset changed)."""
     changes = settings_changes(old, new)
-    others = {key: change for key, change in changes.items()
-              if key not in LENGTH_SETTINGS and not same_shape_said_otherwise(key, old, new)}
+    others = {
+        key: change
+        for key, change in changes.items()
+        if key not in LENGTH_SETTINGS and not same_shape_said_otherwise(key, old, new)
+    }
     return ResumeVerdict(extend=old.get("total_steps") != new.get("total_steps"), others=others)
-
 
 
 def same_shape_said_otherwise(key: str, old: dict, new: dict) -> bool:
@@ -699,8 +761,9 @@ def same_shape_said_otherwise(key: str, old: dict, new: dict) -> bool:
     return shape in old and old[shape] == new.get(shape) and None in (old.get(key), new.get(key))
 
 
-def options_to_keep(changes: dict, flags: dict[str, str], unset: set[str],
-                    presets: dict[str, dict] | None = None) -> list[str]:
+def options_to_keep(
+    changes: dict, flags: dict[str, str], unset: set[str], presets: dict[str, dict] | None = None
+) -> list[str]:
     """The options that resume a run as its checkpoint has it where this run leaves them to a default or to
     its preset that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed, ['--heads 4'] after
     a preset's shape did ("model.heads"), ['--preset nano'] when the preset was left out. `flags`: each
@@ -730,7 +793,6 @@ def latest_checkpoint_name(out: Path) -> str | None:
 # a checkpoint to resume, the weights --init-from names, and the bitwise check after a load.
 
 
-
 def load_checkpoint_file(path: Path, what: str = "checkpoint") -> dict:
     """A train.py checkpoint of this format_version (UserError naming `what` and the file otherwise)."""
     checkpoint = load_torch_file(path, what)
@@ -738,10 +800,10 @@ def load_checkpoint_file(path: Path, what: str = "checkpoint") -> dict:
         if key not in checkpoint:
             raise UserError(f"{what} {path} lacks {key!r}")
     if checkpoint["format_version"] != FORMAT_VERSION:
-        raise UserError(f"{what} {path} has format_version {checkpoint['format_version']}, "
-                        f"this train.py reads {FORMAT_VERSION}")
+        raise UserError(
+            f"{what} {path} has format_version {checkpoint['format_version']}, this train.py reads {FORMAT_VERSION}"
+        )
     return checkpoint
-
 
 
 def load_torch_file(path: Path, what: str) -> dict:
@@ -757,14 +819,17 @@ def load_torch_file(path: Path, what: str) -> dict:
     return checkpoint
 
 
-
 def tensor_differences(live: Any, stored: Any, where: str) -> list[str]:
     """Names of the entries where `live` differs from `stored` (tensors bitwise, the rest by ==)."""
     import torch
 
     if isinstance(live, torch.Tensor) or isinstance(stored, torch.Tensor):
-        same = (isinstance(live, torch.Tensor) and isinstance(stored, torch.Tensor)
-                and live.dtype == stored.dtype and torch.equal(live.detach().cpu(), stored))
+        same = (
+            isinstance(live, torch.Tensor)
+            and isinstance(stored, torch.Tensor)
+            and live.dtype == stored.dtype
+            and torch.equal(live.detach().cpu(), stored)
+        )
         return [] if same else [where]
     if isinstance(live, dict) and isinstance(stored, dict):
         if set(live) != set(stored):
@@ -773,8 +838,9 @@ def tensor_differences(live: Any, stored: Any, where: str) -> list[str]:
     if isinstance(live, (list, tuple)) and isinstance(stored, (list, tuple)):
         if len(live) != len(stored):
             return [f"{where} length"]
-        return [item for i, (a, b) in enumerate(zip(live, stored))
-                for item in tensor_differences(a, b, f"{where}[{i}]")]
+        return [
+            item for i, (a, b) in enumerate(zip(live, stored)) for item in tensor_differences(a, b, f"{where}[{i}]")
+        ]
     return [] if live == stored else [where]
 
 
@@ -818,7 +884,6 @@ class StagingBuffers:
         return obj
 
 
-
 @dataclass
 class InitSource:
     """Weights to start from and where they came from (`lineage`, recorded with the run)."""
@@ -826,7 +891,6 @@ class InitSource:
     state: dict
     lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
     model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
-
 
 
 def read_init_source(spec: str) -> InitSource:
@@ -840,8 +904,10 @@ def read_init_source(spec: str) -> InitSource:
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         listing = list_folder(folder)
         if not listing.files:
-            raise UserError(f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
-                            "Face model folder (no config.json)")
+            raise UserError(
+                f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
+                "Face model folder (no config.json)"
+            )
         newest = newest_verified(listing)
         if newest is None:
             raise UserError(f"--init-from {spec}: no checkpoint in {folder} verifies against its sha256 record")
@@ -852,19 +918,24 @@ def read_init_source(spec: str) -> InitSource:
     return read_checkpoint_source(spec, path, "checkpoint")
 
 
-
 def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
     checkpoint = load_torch_file(path, f"--init-from {spec}:")
     if not isinstance(checkpoint.get("model"), dict) or "training" not in checkpoint.get("settings", {}):
         raise UserError(f"--init-from {spec}: {path} is not a train.py checkpoint (no model or settings)")
     training = checkpoint["settings"]["training"]
-    lineage = {"source": spec, "kind": kind, "path": str(path), "sha256": sha256_file(path),
-               "step": checkpoint.get("step"), "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
-               "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256")}
-    model_settings = {key: value for key, value in training.items() if key.startswith(RECORDED_PREFIX) or
-                      key == "vocab_size"}
+    lineage = {
+        "source": spec,
+        "kind": kind,
+        "path": str(path),
+        "sha256": sha256_file(path),
+        "step": checkpoint.get("step"),
+        "corpus_manifest_sha256": training.get("corpus_manifest_sha256"),
+        "vocabulary_sha256": checkpoint["settings"].get("vocabulary_sha256"),
+    }
+    model_settings = {
+        key: value for key, value in training.items() if key.startswith(RECORDED_PREFIX) or key == "vocab_size"
+    }
     return InitSource(checkpoint["model"], lineage, model_settings)
-
 
 
 def read_hf_source(spec: str, folder: Path) -> InitSource:
@@ -887,12 +958,18 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
     except Exception as error:
         raise UserError(f"--init-from {spec}: the weights do not load: {type(error).__name__}: {error}") from None
     weights = folder / "model.safetensors"
-    provenance = read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() \
-        else {}
-    lineage = {"source": spec, "kind": "huggingface", "path": str(folder),
-               "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
-               "step": provenance.get("steps"), "corpus_manifest_sha256": provenance.get("corpus_sha256"),
-               "vocabulary_sha256": corpus_format.vocabulary_sha256(tokenizer)}
+    provenance = (
+        read_json(folder / "training_provenance.json") if (folder / "training_provenance.json").is_file() else {}
+    )
+    lineage = {
+        "source": spec,
+        "kind": "huggingface",
+        "path": str(folder),
+        "sha256": sha256_file(weights) if weights.is_file() else sha256_tree(folder),
+        "step": provenance.get("steps"),
+        "corpus_manifest_sha256": provenance.get("corpus_sha256"),
+        "vocabulary_sha256": corpus_format.vocabulary_sha256(tokenizer),
+    }
     return InitSource(model.state_dict(), lineage)
 
 
@@ -901,9 +978,7 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
 # thread around the rules above (the record before the rename; then latest.json, backup, retention).
 
 
-
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
-
 
 
 def check_run_folder(out: Path) -> None:
@@ -913,12 +988,12 @@ def check_run_folder(out: Path) -> None:
     if not out.is_dir():
         return
     if (out / CORPUS_MANIFEST).exists():
-        raise UserError(f"--out {out} is a corpus folder ({CORPUS_MANIFEST}), not a run folder; "
-                        "choose a new --out")
+        raise UserError(f"--out {out} is a corpus folder ({CORPUS_MANIFEST}), not a run folder; choose a new --out")
     if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
-        raise UserError(f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
-                        "run_status.json or checkpoints/); choose a new or empty --out")
-
+        raise UserError(
+            f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
+            "run_status.json or checkpoints/); choose a new or empty --out"
+        )
 
 
 def lock_run_folder(out: Path):
@@ -942,7 +1017,6 @@ def lock_run_folder(out: Path):
     return handle
 
 
-
 def release_run_folder(out: Path, lock, new: bool) -> None:
     """Close the run folder's lock; a folder this command made that holds only the lock is removed."""
     lock.close()
@@ -952,10 +1026,8 @@ def release_run_folder(out: Path, lock, new: bool) -> None:
             out.rmdir()
 
 
-
 class CheckpointWriteFailed(UserError):
     """A checkpoint could not be written (a full disk, a read-only folder): the run stops at once."""
-
 
 
 class Checkpointer:
@@ -968,8 +1040,9 @@ class Checkpointer:
     The names, records and rules are checkpoint_store's; this class adds torch.save and threads.
     """
 
-    def __init__(self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None,
-                 backup_wait_s: float = 600):
+    def __init__(
+        self, folder: Path, run_id: str, keep_last: int, keep_every: int, backup=None, backup_wait_s: float = 600
+    ):
         self.folder, self.run_id = folder, run_id
         self.keep_last, self.keep_every = keep_last, keep_every
         self.backup, self.backup_wait_s = backup, backup_wait_s
@@ -981,8 +1054,9 @@ class Checkpointer:
     def save(self, snapshot: dict, step: int, val_loss: float | None = None) -> None:
         """Queue `snapshot` for writing as step-{step}.pt (`val_loss`: it is the run's best so far)."""
         self.wait()
-        self._thread = threading.Thread(target=self._write, args=(snapshot, step, val_loss),
-                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, step, val_loss), name=f"checkpoint-{step}", daemon=True
+        )
         self._thread.start()
 
     def check(self) -> None:
@@ -1020,8 +1094,15 @@ class Checkpointer:
                 writer = HashingWriter(handle)
                 torch.save(snapshot, writer)
                 handle.flush()
-                record = Record(path=name, step=step, sha256=writer.sha256(), bytes=handle.tell(),
-                                      run_id=self.run_id, created=utc_now(), val_loss=val_loss)
+                record = Record(
+                    path=name,
+                    step=step,
+                    sha256=writer.sha256(),
+                    bytes=handle.tell(),
+                    run_id=self.run_id,
+                    created=utc_now(),
+                    val_loss=val_loss,
+                )
                 # the record goes before the rename: a save killed in between leaves a record without
                 # a checkpoint (the next session removes it), never a checkpoint nobody can verify
                 write_record(self.folder, record)
@@ -1041,8 +1122,7 @@ class Checkpointer:
         """Make the checkpoint this session continues from (at `step`) the newest one of the folder
         (plan_timeline: a rewind moves the newer ones, and other runs', to abandoned-STEP/)."""
         here = resumed_from.parent.resolve() == self.folder.resolve()
-        plan = plan_timeline(list_folder(self.folder), resumed_from.name if here else None, step,
-                                   self.run_id)
+        plan = plan_timeline(list_folder(self.folder), resumed_from.name if here else None, step, self.run_id)
         for message in plan.warnings:
             say(message, warning=True)
         apply_timeline(self.folder, plan)
@@ -1055,13 +1135,13 @@ class Checkpointer:
         """Delete what retention_deletions names, once the backup (if any) lets each go
         (`backup.deletable(paths)`; checkpoint_cloud's loop deletes those the remote holds itself)."""
         listing = list_folder(self.folder)
-        candidates = [self.folder / name for name in
-                      retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)]
+        candidates = [
+            self.folder / name for name in retention_deletions(listing, self.run_id, self.keep_last, self.keep_every)
+        ]
         if self.backup is not None and candidates:
             allowed = {Path(path).resolve() for path in self.backup.deletable(candidates)}
             candidates = [path for path in candidates if path.resolve() in allowed]
         delete(self.folder, [path.name for path in candidates])
-
 
 
 def init_mismatch(source: InitSource, model, settings: dict) -> str | None:
@@ -1070,20 +1150,28 @@ def init_mismatch(source: InitSource, model, settings: dict) -> str | None:
     ours = settings["vocabulary_sha256"]
     if source.lineage["vocabulary_sha256"] != ours:
         theirs = source.lineage["vocabulary_sha256"]
-        return (f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
-                f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
-                "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer")
+        return (
+            f"--init-from {spec}: its tokenizer is not the corpus' (vocabulary and special tokens sha256 "
+            f"{(theirs or 'not recorded')[:12]}, the corpus' {(ours or 'not recorded')[:12]}): the token ids would "
+            "mean other words; build the corpus with data.py --tokenizer on the source's tokenizer"
+        )
     live = model.state_dict()
-    problems = [f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
-                for key, tensor in live.items() if key in source.state and source.state[key].shape != tensor.shape]
+    problems = [
+        f"{key}: {list(source.state[key].shape)} there, {list(tensor.shape)} here"
+        for key, tensor in live.items()
+        if key in source.state and source.state[key].shape != tensor.shape
+    ]
     problems += [f"{key}: missing there" for key in live if key not in source.state]
     problems += [f"{key}: not in this model" for key in source.state if key not in live]
     if not problems:
         return None
     if source.model_settings:
-        changes = settings_changes(source.model_settings,
-                                   {key: value for key, value in training.items() if key in source.model_settings})
+        changes = settings_changes(
+            source.model_settings, {key: value for key, value in training.items() if key in source.model_settings}
+        )
         if changes:
             problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
-    return (f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
-            "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+    return (
+        f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
+        "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
+    )

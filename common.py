@@ -138,8 +138,11 @@ def run_main(main: Callable[[], Any], script: bool | None = None) -> None:
 
 
 # What turns the libraries' progress bars off (lm-eval's and datasets' tqdm bars, the Hub's downloads)
-LIBRARY_PROGRESS_OFF = {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-                        "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+LIBRARY_PROGRESS_OFF = {
+    "TQDM_DISABLE": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
 
 
 def progress_bars_env(is_terminal: bool, environ: dict[str, str]) -> dict[str, str]:
@@ -152,8 +155,13 @@ def progress_bars_env(is_terminal: bool, environ: dict[str, str]) -> dict[str, s
 
 
 # pyproject.toml's [project.scripts]: the command each script is on PATH as after `pip install -e .`
-CONSOLE_SCRIPTS = {"train": "tinyllm-train", "data": "tinyllm-data", "report": "tinyllm-report",
-                   "checkpoint_cloud": "tinyllm-cloud", "export_gguf": "tinyllm-gguf"}
+CONSOLE_SCRIPTS = {
+    "train": "tinyllm-train",
+    "data": "tinyllm-data",
+    "report": "tinyllm-report",
+    "checkpoint_cloud": "tinyllm-cloud",
+    "export_gguf": "tinyllm-gguf",
+}
 
 
 def console_script(script: str, argv0: str) -> str | None:
@@ -457,7 +465,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}{self.suggestion(message)} (see {self.prog} --help)\n")
 
     def suggestion(self, message: str) -> str:
-        """"; did you mean --epochs?" for an unrecognized option close to one of this parser's."""
+        """ "; did you mean --epochs?" for an unrecognized option close to one of this parser's."""
         if not message.startswith("unrecognized arguments: "):
             return ""
         flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
@@ -467,7 +475,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def did_you_mean(word: str, candidates: list[str]) -> str:
-    """"; did you mean CANDIDATE?" for the candidate closest to `word` (difflib's), "" when none is close."""
+    """ "; did you mean CANDIDATE?" for the candidate closest to `word` (difflib's), "" when none is close."""
     import difflib
 
     close = difflib.get_close_matches(word, candidates, n=1)
@@ -480,18 +488,39 @@ def did_you_mean(word: str, candidates: list[str]) -> str:
 # the checks, and `read_config` turns a --config file into the same options.
 
 
-def option(default: Any, help: str, group: str, *, checks: tuple = (), choices: Any = None,
-           type: Callable | None = None, flag: str | None = None, metavar: str | None = None,
-           exclusive: str | None = None, nargs: str | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    group: str,
+    *,
+    checks: tuple = (),
+    choices: Any = None,
+    type: Callable | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    exclusive: str | None = None,
+    nargs: str | None = None,
+) -> Any:
     """A settings field that is a command-line option (`--field-name`, or `flag`) in help `group`.
 
     `checks`: functions value -> problem text (None: fine), applied in order by check_options.
     `type`: what argparse converts the text with (default: the field's annotated type; a bool is a
     switch). `exclusive`: options with the same name are mutually exclusive. `nargs`: argparse's ("+":
     one or more values, a list; "?": the flag alone gives the default)."""
-    return dataclasses.field(default=default, metadata={
-        "help": help, "group": group, "checks": checks, "choices": choices, "type": type, "flag": flag,
-        "metavar": metavar, "exclusive": exclusive, "nargs": nargs})
+    return dataclasses.field(
+        default=default,
+        metadata={
+            "help": help,
+            "group": group,
+            "checks": checks,
+            "choices": choices,
+            "type": type,
+            "flag": flag,
+            "metavar": metavar,
+            "exclusive": exclusive,
+            "nargs": nargs,
+        },
+    )
 
 
 def option_fields(*kinds) -> list[dataclasses.Field]:
@@ -576,6 +605,7 @@ def fraction(value) -> str | None:
 def at_least(lowest: int) -> Callable:
     def check(value) -> str | None:
         return None if value >= lowest else f"be at least {lowest}"
+
     return check
 
 
@@ -607,8 +637,10 @@ def read_config(path: str) -> dict:
 
             values = tomllib.loads(text)
     except Exception as error:  # tomllib.TOMLDecodeError, yaml.YAMLError
-        raise UserError(f"--config {path}: not valid {'YAML' if Path(path).suffix != '.toml' else 'TOML'}: "
-                        f"{str(error).splitlines()[0]}") from None
+        raise UserError(
+            f"--config {path}: not valid {'YAML' if Path(path).suffix != '.toml' else 'TOML'}: "
+            f"{str(error).splitlines()[0]}"
+        ) from None
     if not isinstance(values, dict):
         raise UserError(f"--config {path}: expected a mapping of option names to values")
     return values
@@ -622,12 +654,23 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     path = config_file_in(argv)
     if path is None:
         return []
-    by_name = {flag[2:].replace("-", "_"): action for action in parser._actions
-               for flag in action.option_strings if flag.startswith("--")}
-    given = {by_name[token[2:].split("=", 1)[0].replace("-", "_")] for token in argv
-             if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") in by_name}
-    given |= {other for group in parser._mutually_exclusive_groups if given & set(group._group_actions)
-              for other in group._group_actions}
+    by_name = {
+        flag[2:].replace("-", "_"): action
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--")
+    }
+    given = {
+        by_name[token[2:].split("=", 1)[0].replace("-", "_")]
+        for token in argv
+        if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") in by_name
+    }
+    given |= {
+        other
+        for group in parser._mutually_exclusive_groups
+        if given & set(group._group_actions)
+        for other in group._group_actions
+    }
     tokens: list[str] = []
     for key, value in read_config(path).items():
         action = by_name.get(str(key).replace("-", "_"))
@@ -689,8 +732,11 @@ def check_config_value(action: argparse.Action, value: Any, path: str, key: str)
     command line's own error would name only the option)."""
     problem = config_value_problem(action, str(value).lower() if isinstance(value, bool) else str(value))
     if problem is not None:
-        raise UserError(f"--config {path}: {key} = {value!r} {problem}" if problem.startswith("is ")
-                        else f"--config {path}: {key} = {value!r}: {problem}")
+        raise UserError(
+            f"--config {path}: {key} = {value!r} {problem}"
+            if problem.startswith("is ")
+            else f"--config {path}: {key} = {value!r}: {problem}"
+        )
 
 
 def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

@@ -71,8 +71,9 @@ def tokenizer_folder(folder: str | Path) -> Path:
     for candidate in (folder, folder / TOKENIZER_DIR):
         if any((candidate / name).is_file() for name in TOKENIZER_FILES):
             return candidate
-    raise UserError(f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} "
-                    f"(nor a {TOKENIZER_DIR}/ subfolder with one)")
+    raise UserError(
+        f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} (nor a {TOKENIZER_DIR}/ subfolder with one)"
+    )
 
 
 def load_tokenizer(folder: str | Path):
@@ -84,8 +85,10 @@ def load_tokenizer(folder: str | Path):
 
     folder = tokenizer_folder(folder)
     if not (folder / "tokenizer.json").is_file():  # else transformers' hint about sentencepiece, 5 lines long
-        raise UserError(f"tokenizer folder {folder} has no tokenizer.json (a fast tokenizer's file, which tinyllm's "
-                        "tokenizers are saved as; data.py writes one into CORPUS/tokenizer)")
+        raise UserError(
+            f"tokenizer folder {folder} has no tokenizer.json (a fast tokenizer's file, which tinyllm's "
+            "tokenizers are saved as; data.py writes one into CORPUS/tokenizer)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as error:  # transformers raises many types here
@@ -103,11 +106,11 @@ def vocabulary_sha256(tokenizer) -> str:
 
     Two tokenizers with the same value read and write the same ids whatever their other files say
     (a corpus' tokenizer/ and the copy an export writes into RUN/model compare equal)."""
-    specials = sorted((index, token.content) for index, token in tokenizer.added_tokens_decoder.items()
-                      if token.special)
+    specials = sorted(
+        (index, token.content) for index, token in tokenizer.added_tokens_decoder.items() if token.special
+    )
     payload = {"vocabulary": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), "special": specials}
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()
-
 
 
 def token_byte_lengths(tokenizer_file: Path, size: int) -> torch.Tensor:
@@ -156,7 +159,7 @@ MASK_CLASSES = {"prompt": MASK_PROMPT, "assistant": MASK_ASSISTANT, "text": MASK
 
 def mask_name(shard: str) -> str:
     """The mask file beside token shard `shard` (train-00000.bin -> train-00000.mask)."""
-    return shard[:-len(".bin")] + ".mask"
+    return shard[: -len(".bin")] + ".mask"
 
 
 # The document index: `{split}.docs`, one little-endian uint64 per document, the offset in the split's
@@ -167,7 +170,6 @@ DOCUMENT_INDEX_DTYPE = "<u8"
 
 def document_index_name(split: str) -> str:
     return f"{split}.docs"
-
 
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a source label (data.py) and a mixture source's name (train.py)
@@ -291,12 +293,13 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise UserError(f"corpus manifest {where} lacks 'splits' or 'dtype'")
     version = record.get("format_version")
     if isinstance(version, int) and version < FORMAT_VERSION:
-        raise UserError(f"corpus {where.rsplit('/', 1)[0]} was built by an older data.py (format_version {version}; "
-                        f"this one reads {FORMAT_VERSION}, which adds the document index train.py --packing "
-                        "needs); rebuild it with the same data.py command (see its source_manifest.json)")
+        raise UserError(
+            f"corpus {where.rsplit('/', 1)[0]} was built by an older data.py (format_version {version}; "
+            f"this one reads {FORMAT_VERSION}, which adds the document index train.py --packing "
+            "needs); rebuild it with the same data.py command (see its source_manifest.json)"
+        )
     if version != FORMAT_VERSION:
-        raise UserError(f"corpus manifest {where} has format_version {version!r}, "
-                        f"this data.py reads {FORMAT_VERSION}")
+        raise UserError(f"corpus manifest {where} has format_version {version!r}, this data.py reads {FORMAT_VERSION}")
     return Manifest(record, hashlib.sha256(raw).hexdigest())
 
 

@@ -100,6 +100,7 @@ from demo_corpus import DEMO_BUILD_DEFAULTS, DEMO_EVAL_FILE, DEMO_SEED, DEMO_VOC
 
 DEFAULT_VOCAB_SIZE = 33_069
 
+
 def new_bpe_tokenizer():
     """An untrained byte-level BPE with the Qwen2 split, ByteLevel bytes and decoder."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -161,8 +162,14 @@ def wrap_tokenizer(tokenizer):
 # ----------------------------------------------------------------------------------------------
 # Inputs: files, folders, globs, datasets.save_to_disk folders and hf:NAME[:CONFIG][:SPLIT].
 
-FILE_KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".json": "json", ".txt": "text", ".md": "text",
-              ".parquet": "parquet"}
+FILE_KINDS = {
+    ".jsonl": "jsonl",
+    ".jsonl.gz": "jsonl",
+    ".json": "json",
+    ".txt": "text",
+    ".md": "text",
+    ".parquet": "parquet",
+}
 MAX_WARNINGS_PER_SOURCE = 5
 
 
@@ -221,8 +228,10 @@ def skipped_note(folder: Path, skipped: Counter) -> str:
     commonest = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))[:6]
     kinds = ", ".join(f"{count} {kind}" for kind, count in commonest)
     more = ", ..." if len(skipped) > 6 else ""
-    return (f"note: --data {folder}: {sum(skipped.values())} files skipped ({kinds}{more}); "
-            f"read: non-empty {', '.join(FILE_KINDS)} files")
+    return (
+        f"note: --data {folder}: {sum(skipped.values())} files skipped ({kinds}{more}); "
+        f"read: non-empty {', '.join(FILE_KINDS)} files"
+    )
 
 
 def input_label(spec: str, label_by_stem: bool) -> tuple[str | None, str]:
@@ -246,8 +255,9 @@ def resolve_inputs(specs: Iterable[str], label_by_stem: bool = False, notes: lis
         sources.extend(dataclass_replace(source, label=label) for source in resolve_input(spec, notes))
     if len({source.label is None for source in sources}) > 1:
         unnamed = next(source.name for source in sources if source.label is None)
-        raise UserError(f"--data {unnamed}: with source labels every input needs one (NAME={unnamed}, or "
-                        "--source-label stem)")
+        raise UserError(
+            f"--data {unnamed}: with source labels every input needs one (NAME={unnamed}, or --source-label stem)"
+        )
     unique, seen = [], set()
     for source in sources:
         key = source.path.resolve() if source.path else source.name
@@ -287,8 +297,10 @@ def resolve_input(spec: str, notes: list[str] | None = None) -> list[Source]:
         if path.is_dir():
             found, skipped = folder_sources(path)
             if not found:
-                raise UserError(f"input folder {path} holds no non-empty {', '.join(FILE_KINDS)} files "
-                                "and is not a datasets.save_to_disk folder")
+                raise UserError(
+                    f"input folder {path} holds no non-empty {', '.join(FILE_KINDS)} files "
+                    "and is not a datasets.save_to_disk folder"
+                )
             if skipped:
                 notes.append(skipped_note(path, skipped))
             sources.extend(found)
@@ -353,15 +365,20 @@ def iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        yield f"{path}:{error.lineno}", RecordError("malformed_json", f"{path}:{error.lineno}: malformed JSON "
-                                                                       f"({error.msg})")
+        yield (
+            f"{path}:{error.lineno}",
+            RecordError("malformed_json", f"{path}:{error.lineno}: malformed JSON ({error.msg})"),
+        )
         return
     except RecursionError:
         yield str(path), RecordError("malformed_json", f"{path}: malformed JSON (nested too deeply)")
         return
     if isinstance(data, dict):
-        lists = [value for value in data.values() if isinstance(value, list) and value and
-                 all(isinstance(item, dict) for item in value)]
+        lists = [
+            value
+            for value in data.values()
+            if isinstance(value, list) and value and all(isinstance(item, dict) for item in value)
+        ]
         data = lists[0] if len(lists) == 1 and not looks_like_record(data) else [data]
     for index, record in enumerate(data if isinstance(data, list) else [data]):
         yield f"{path}[{index}]", record
@@ -455,22 +472,44 @@ def source_fingerprint(source: Source) -> str | None:
 # markers (and <think>...</think> around reasoning) become control tokens: content stays text.
 
 ROLE_ALIASES = {
-    "user": "user", "human": "user", "prompter": "user", "customer": "user",
-    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "model": "assistant",
-    "chatgpt": "assistant", "ai": "assistant", "claude": "assistant", "gemini": "assistant",
-    "system": "system", "developer": "system",
-    "tool": "tool", "function": "tool", "ipython": "tool",
+    "user": "user",
+    "human": "user",
+    "prompter": "user",
+    "customer": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "ai": "assistant",
+    "claude": "assistant",
+    "gemini": "assistant",
+    "system": "system",
+    "developer": "system",
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
 }
 REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "think")
-PAIR_SCHEMAS = (("prompt", "response"), ("prompt", "completion"), ("question", "answer"),
-                ("instruction", "output"), ("instruction", "response"), ("query", "response"))
+PAIR_SCHEMAS = (
+    ("prompt", "response"),
+    ("prompt", "completion"),
+    ("question", "answer"),
+    ("instruction", "output"),
+    ("instruction", "response"),
+    ("query", "response"),
+)
 TEXT_KEYS = ("text", "content")
 KNOWN_SHAPES = "text/content, messages, conversations, " + ", ".join(f"{a}/{b}" for a, b in PAIR_SCHEMAS)
 
 
 def looks_like_record(data: dict) -> bool:
-    return ("messages" in data or "conversations" in data or any(key in data for key in TEXT_KEYS)
-            or any(a in data and b in data for a, b in PAIR_SCHEMAS))
+    return (
+        "messages" in data
+        or "conversations" in data
+        or any(key in data for key in TEXT_KEYS)
+        or any(a in data and b in data for a, b in PAIR_SCHEMAS)
+    )
 
 
 def content_text(content: Any) -> str:
@@ -502,8 +541,9 @@ def chat_turns(turns: Any, role_key: str, content_key: str) -> list[dict]:
             raise RecordError("unknown_schema", f"a turn lacks '{role_key}' (saw {keys})")
         role = ROLE_ALIASES.get(str(turn[role_key]).strip().lower())
         if role is None:
-            raise RecordError("unknown_role", f"unknown role {turn[role_key]!r} "
-                                              f"(known: {', '.join(sorted(ROLE_ALIASES))})")
+            raise RecordError(
+                "unknown_role", f"unknown role {turn[role_key]!r} (known: {', '.join(sorted(ROLE_ALIASES))})"
+            )
         content = content_text(turn.get(content_key))
         messages.append({"role": role, "content": content, "reasoning": reasoning_of(turn)})
     return messages
@@ -514,8 +554,9 @@ def record_messages(record: dict) -> list[dict] | None:
     if "messages" in record:
         return chat_turns(record["messages"], "role", "content")
     if "conversations" in record:
-        first = record["conversations"][0] if isinstance(record["conversations"], list) and \
-            record["conversations"] else {}
+        first = (
+            record["conversations"][0] if isinstance(record["conversations"], list) and record["conversations"] else {}
+        )
         role_key = "from" if isinstance(first, dict) and "from" in first else "role"
         content_key = "value" if isinstance(first, dict) and "value" in first else "content"
         return chat_turns(record["conversations"], role_key, content_key)
@@ -524,11 +565,15 @@ def record_messages(record: dict) -> list[dict] | None:
             prompt = content_text(record[prompt_key])
             if isinstance(record.get("input"), str) and record["input"].strip():
                 prompt = f"{prompt}\n\n{record['input']}"
-            messages = [{"role": "system", "content": record["system"], "reasoning": None}] \
-                if isinstance(record.get("system"), str) and record["system"].strip() else []
+            messages = (
+                [{"role": "system", "content": record["system"], "reasoning": None}]
+                if isinstance(record.get("system"), str) and record["system"].strip()
+                else []
+            )
             messages.append({"role": "user", "content": prompt, "reasoning": None})
-            messages.append({"role": "assistant", "content": content_text(record[answer_key]),
-                             "reasoning": reasoning_of(record)})
+            messages.append(
+                {"role": "assistant", "content": content_text(record[answer_key]), "reasoning": reasoning_of(record)}
+            )
             return messages
     return None
 
@@ -542,8 +587,9 @@ def record_text(record: Any) -> str:
     for key in TEXT_KEYS:
         if key in record:
             raise RecordError("unknown_schema", f"'{key}' is a {type(record[key]).__name__}, expected text")
-    raise RecordError("unknown_schema", f"unknown record shape with keys {sorted(record)}; "
-                                        f"expected one of: {KNOWN_SHAPES}")
+    raise RecordError(
+        "unknown_schema", f"unknown record shape with keys {sorted(record)}; expected one of: {KNOWN_SHAPES}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,8 +602,10 @@ SCOPES: dict[str, tuple[str, Callable[[str, list[str]], bool]]] = {
     "full": ("every document", lambda kind, pieces: True),
     "chat": ("conversation-like records only", lambda kind, pieces: kind == "chat"),
     "text": ("plain text only", lambda kind, pieces: kind == "text"),
-    "reasoning": ("conversations with <think> reasoning",
-                  lambda kind, pieces: kind == "chat" and THINK_OPEN in pieces[1::2]),
+    "reasoning": (
+        "conversations with <think> reasoning",
+        lambda kind, pieces: kind == "chat" and THINK_OPEN in pieces[1::2],
+    ),
 }
 
 
@@ -576,8 +624,9 @@ def render_chat(messages: list[dict], chat_template: str, add_generation_prompt:
     """The chat template applied exactly as transformers' apply_chat_template(tokenize=False) does."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=chat_template,
-                                        add_generation_prompt=add_generation_prompt)
+    rendered, _ = render_jinja_template(
+        conversations=[messages], chat_template=chat_template, add_generation_prompt=add_generation_prompt
+    )
     return rendered[0]
 
 
@@ -595,7 +644,7 @@ def think_parts(content: str) -> list[str]:
     already inside the content) keeps its markers; any other special-token string is text."""
     close = content.find(THINK_CLOSE, len(THINK_OPEN))
     if content.startswith(THINK_OPEN) and close >= 0:
-        return ["", THINK_OPEN, content[len(THINK_OPEN):close], THINK_CLOSE, content[close + len(THINK_CLOSE):]]
+        return ["", THINK_OPEN, content[len(THINK_OPEN) : close], THINK_CLOSE, content[close + len(THINK_CLOSE) :]]
     return [content]
 
 
@@ -658,8 +707,12 @@ WHAT, BUILD = "what to do (one of)", "building a corpus"  # data.py's option gro
 # Defaults sized to the input (sized_build_defaults), a rule of thumb: a small corpus gets a small vocabulary
 # (a tiny model's embeddings stay a modest share of it, and each token is seen often enough to learn) and a larger
 # share held out (enough documents to validate on). (input bytes below, vocab_size, val_fraction = test_fraction)
-SIZED_DEFAULTS = ((1_000_000, 512, 0.05), (10_000_000, 2_048, 0.05), (100_000_000, 8_192, 0.02),
-                  (1_000_000_000, 16_384, 0.01))
+SIZED_DEFAULTS = (
+    (1_000_000, 512, 0.05),
+    (10_000_000, 2_048, 0.05),
+    (100_000_000, 8_192, 0.02),
+    (1_000_000_000, 16_384, 0.01),
+)
 
 
 def sized_build_defaults(input_bytes: int | None) -> dict:
@@ -688,18 +741,29 @@ class BuildSettings:
     declared once (common.option: default, help and checks together; check_settings: the rules
     between them). --demo's defaults differ: DEMO_BUILD_DEFAULTS."""
 
-    scope: str = option("full", "document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()), BUILD,
-                        choices=list(SCOPES))
-    vocab_size: int = option(DEFAULT_VOCAB_SIZE, "BPE vocabulary to train; not given, sized to the input (512 under "
-                                                 "1 MB ... 16384 under 1 GB, this above: SIZED_DEFAULTS; "
-                                                 f"{DEMO_VOCAB_SIZE} with --demo)", BUILD)
-    tokenizer: str | None = option(None, "reuse this tokenizer folder (or a corpus folder's tokenizer/)", BUILD,
-                                   metavar="DIR")
-    tokenizer_sample_bytes: int = option(200_000_000, "train the BPE on at most this much text (the first "
-                                                      "documents)", BUILD, checks=(positive,))
+    scope: str = option(
+        "full", "document filter: " + "; ".join(f"{k}: {v[0]}" for k, v in SCOPES.items()), BUILD, choices=list(SCOPES)
+    )
+    vocab_size: int = option(
+        DEFAULT_VOCAB_SIZE,
+        "BPE vocabulary to train; not given, sized to the input (512 under "
+        "1 MB ... 16384 under 1 GB, this above: SIZED_DEFAULTS; "
+        f"{DEMO_VOCAB_SIZE} with --demo)",
+        BUILD,
+    )
+    tokenizer: str | None = option(
+        None, "reuse this tokenizer folder (or a corpus folder's tokenizer/)", BUILD, metavar="DIR"
+    )
+    tokenizer_sample_bytes: int = option(
+        200_000_000, "train the BPE on at most this much text (the first documents)", BUILD, checks=(positive,)
+    )
     min_frequency: int = option(2, "BPE merge min count", BUILD)
-    val_fraction: float = option(0.01, "share of documents in validation; sized to the input when not given (0.05 "
-                                       "under 10 MB and with --demo, 0.02 under 100 MB, this above)", BUILD)
+    val_fraction: float = option(
+        0.01,
+        "share of documents in validation; sized to the input when not given (0.05 "
+        "under 10 MB and with --demo, 0.02 under 100 MB, this above)",
+        BUILD,
+    )
     test_fraction: float = option(0.01, "share of documents in test; sized as --val-fraction", BUILD)
     shard_tokens: int = option(100_000_000, "tokens per shard file", BUILD, checks=(positive,))
     min_chars: int = option(10, "drop documents with fewer characters of content", BUILD, checks=(not_negative,))
@@ -707,8 +771,12 @@ class BuildSettings:
     strict: bool = option(False, "stop at the first malformed record", BUILD)
     skip_unknown: bool = option(False, "drop (and count) records of unknown shape instead of stopping", BUILD)
     batch_bytes: int = option(4_000_000, "characters of text per tokenization batch", BUILD, checks=(positive,))
-    tokenize_workers: int = option(0, "0: the Rust tokenizer threads in this process; N: a pool of N "
-                                      "single-threaded tokenizer processes", BUILD, checks=(not_negative,))
+    tokenize_workers: int = option(
+        0,
+        "0: the Rust tokenizer threads in this process; N: a pool of N single-threaded tokenizer processes",
+        BUILD,
+        checks=(not_negative,),
+    )
     progress: bool = option(True, "progress bar", BUILD)
 
     def recorded(self) -> dict:
@@ -722,19 +790,33 @@ class DataCommand:
     """What this data.py command does, besides the BuildSettings of the corpus it builds."""
 
     data: tuple[str, ...] | None = option(
-        None, "input files, folders, globs (.jsonl .jsonl.gz .json .txt .md .parquet), datasets.save_to_disk "
-              "folders, hf:NAME[:CONFIG][:SPLIT]; LABEL=PATH gives the input a source label (kept apart, for "
-              "train.py mixtures)", WHAT, type=str, nargs="+", metavar="PATH")
+        None,
+        "input files, folders, globs (.jsonl .jsonl.gz .json .txt .md .parquet), datasets.save_to_disk "
+        "folders, hf:NAME[:CONFIG][:SPLIT]; LABEL=PATH gives the input a source label (kept apart, for "
+        "train.py mixtures)",
+        WHAT,
+        type=str,
+        nargs="+",
+        metavar="PATH",
+    )
     demo: bool = option(False, "build the embedded arithmetic chat corpus (no input)", WHAT)
     verify: str | None = option(None, "re-hash a corpus against its manifest and exit", WHAT, metavar="CORPUS")
-    config: str | None = option(None, 'read options from this TOML or YAML file (long names as keys, e.g. data = '
-                                      '["a.jsonl"], vocab-size = 8000); options given on the command line win', WHAT,
-                                metavar="FILE")
+    config: str | None = option(
+        None,
+        "read options from this TOML or YAML file (long names as keys, e.g. data = "
+        '["a.jsonl"], vocab-size = 8000); options given on the command line win',
+        WHAT,
+        metavar="FILE",
+    )
     out: str | None = option(None, "corpus folder to create", BUILD)
     overwrite: bool = option(False, "replace an existing corpus at --out", BUILD)
-    source_label: str = option("none", "stem: label each --data input without a LABEL= by its file or folder name "
-                                       "(kjv.jsonl -> kjv), each label a stream of its own", BUILD,
-                               choices=("none", "stem"))
+    source_label: str = option(
+        "none",
+        "stem: label each --data input without a LABEL= by its file or folder name "
+        "(kjv.jsonl -> kjv), each label a stream of its own",
+        BUILD,
+        choices=("none", "stem"),
+    )
     seed: int = option(DEMO_SEED, "seed of the --demo generator", BUILD)
 
 
@@ -743,12 +825,16 @@ def check_settings(settings: BuildSettings) -> None:
     check_options(settings)
     if settings.scope not in SCOPES:
         raise UserError(f"--scope {settings.scope!r} is unknown; choose one of {', '.join(SCOPES)}")
-    if not 0 <= settings.val_fraction < 1 or not 0 <= settings.test_fraction < 1 or \
-            settings.val_fraction + settings.test_fraction >= 1:
+    if (
+        not 0 <= settings.val_fraction < 1
+        or not 0 <= settings.test_fraction < 1
+        or settings.val_fraction + settings.test_fraction >= 1
+    ):
         raise UserError("--val-fraction and --test-fraction must be >= 0 and leave room for training data")
     if settings.vocab_size < len(SPECIAL_TOKENS) + 256:
-        raise UserError(f"--vocab-size {settings.vocab_size} is below 263 (256 bytes + {len(SPECIAL_TOKENS)} "
-                        "special tokens)")
+        raise UserError(
+            f"--vocab-size {settings.vocab_size} is below 263 (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
 
 
 def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, list[str], int]:
@@ -786,8 +872,11 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     text = render_chat([{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns], chat_template)
     pieces = chat_pieces(turns, chat_template)
     if "".join(pieces) != text:
-        raise RecordError("chat_template", "the tokenizer's chat template changes message content, so its markup "
-                                           "cannot be told from the content; use a template that inserts it as is")
+        raise RecordError(
+            "chat_template",
+            "the tokenizer's chat template changes message content, so its markup "
+            "cannot be told from the content; use a template that inserts it as is",
+        )
     return "chat", text, pieces, characters
 
 
@@ -801,8 +890,13 @@ class Document(NamedTuple):
     source: str | None = None  # its input's source label (None: the corpus has none)
 
 
-def iter_documents(sources: list[Source], settings: BuildSettings, chat_template: str,
-                   stats: dict[str, SourceStats] | None = None, warn: bool = True) -> Iterator[Document]:
+def iter_documents(
+    sources: list[Source],
+    settings: BuildSettings,
+    chat_template: str,
+    stats: dict[str, SourceStats] | None = None,
+    warn: bool = True,
+) -> Iterator[Document]:
     """Every kept document, in input order; counts every drop in `stats`.
 
     A bad record (malformed JSON, invalid UTF-8) is counted and warned about as file:line, or is fatal
@@ -849,11 +943,15 @@ def iter_documents(sources: list[Source], settings: BuildSettings, chat_template
                 counts.also_in[label] += 1
             seen.setdefault(key, []).append(source.label)
             counts.documents_kept += 1
-            yield Document(split_of(position, settings.val_fraction, settings.test_fraction), kind, text, pieces,
-                           source.label)
+            yield Document(
+                split_of(position, settings.val_fraction, settings.test_fraction), kind, text, pieces, source.label
+            )
         if warn and counts.warnings > MAX_WARNINGS_PER_SOURCE:
-            print(f"warning: {source.name}: {counts.warnings - MAX_WARNINGS_PER_SOURCE} more bad records skipped "
-                  "(counted in source_manifest.json)", file=sys.stderr)
+            print(
+                f"warning: {source.name}: {counts.warnings - MAX_WARNINGS_PER_SOURCE} more bad records skipped "
+                "(counted in source_manifest.json)",
+                file=sys.stderr,
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -884,8 +982,11 @@ def prepare_tokenizer(settings: BuildSettings, sources: list[Source], out_dir: P
     documents = iter_documents(sources, settings, CHAT_TEMPLATE, warn=False)
     texts = sample_texts(documents, settings.tokenizer_sample_bytes)
     _, reached = train_tokenizer(texts, settings.vocab_size, out_dir, min_frequency=settings.min_frequency)
-    note = (f"note: the text only supports a vocabulary of {reached} (asked for {settings.vocab_size}); keeping "
-            f"{reached}") if reached < settings.vocab_size else None
+    note = (
+        (f"note: the text only supports a vocabulary of {reached} (asked for {settings.vocab_size}); keeping {reached}")
+        if reached < settings.vocab_size
+        else None
+    )
     return load_tokenizer(out_dir), note
 
 
@@ -914,14 +1015,22 @@ class ShardWriter:
         self.handles = (open(self.folder / name, "wb"), open(self.folder / mask_name(name), "wb"))
         self.digests = (hashlib.sha256(), hashlib.sha256())
         self.in_shard = 0
-        self.files.append({"name": name, "bytes": 0, "sha256": "", "tokens": 0,
-                           "mask": {"name": mask_name(name), "bytes": 0, "sha256": ""}})
+        self.files.append(
+            {
+                "name": name,
+                "bytes": 0,
+                "sha256": "",
+                "tokens": 0,
+                "mask": {"name": mask_name(name), "bytes": 0, "sha256": ""},
+            }
+        )
 
     def _close_shard(self) -> None:
         for handle in self.handles:
             handle.close()  # build_in_place's atomic_folder fsyncs every file before the swap
-        self.files[-1].update(bytes=self.in_shard * self.dtype.itemsize, sha256=self.digests[0].hexdigest(),
-                              tokens=self.in_shard)
+        self.files[-1].update(
+            bytes=self.in_shard * self.dtype.itemsize, sha256=self.digests[0].hexdigest(), tokens=self.in_shard
+        )
         self.files[-1]["mask"].update(bytes=self.in_shard, sha256=self.digests[1].hexdigest())
         self.handles = None
 
@@ -949,8 +1058,11 @@ class ShardWriter:
             if self.handles is None:
                 self._open()
             take = min(len(ids), self.shard_tokens - self.in_shard)
-            for handle, digest, data in zip(self.handles, self.digests, (
-                    ids[:take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes(), mask[:take].tobytes())):
+            for handle, digest, data in zip(
+                self.handles,
+                self.digests,
+                (ids[:take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes(), mask[:take].tobytes()),
+            ):
                 handle.write(data)
                 digest.update(data)
             self.in_shard += take
@@ -961,13 +1073,19 @@ class ShardWriter:
     def finish(self) -> dict:
         if self.handles is not None:
             self._close_shard()
-        result = {"files": self.files, "tokens": sum(entry["tokens"] for entry in self.files),
-                  "documents": self.documents,
-                  "mask_tokens": {name: self.mask_tokens[name] for name in MASK_CLASSES}}
+        result = {
+            "files": self.files,
+            "tokens": sum(entry["tokens"] for entry in self.files),
+            "documents": self.documents,
+            "mask_tokens": {name: self.mask_tokens[name] for name in MASK_CLASSES},
+        }
         if self.index_handle is not None:
             self.index_handle.close()
-            result["document_index"] = {"name": document_index_name(self.split), "bytes": 8 * self.documents,
-                                        "sha256": self.index_digest.hexdigest()}
+            result["document_index"] = {
+                "name": document_index_name(self.split),
+                "bytes": 8 * self.documents,
+                "sha256": self.index_digest.hexdigest(),
+            }
         return result
 
 
@@ -1031,14 +1149,13 @@ def split_for_encoding(text: str, limit: int = ENCODE_CHUNK_CHARS) -> list[str]:
         cut = WORD_START.search(text, start + limit)
         if cut is None:
             break
-        pieces.append(text[start:cut.start()])
+        pieces.append(text[start : cut.start()])
         start = cut.start()
     pieces.append(text[start:])
     return pieces
 
 
-def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
-                 documents: list[list[str]]) -> dict[str, tuple]:
+def encode_batch(backend, eos_id: int, dtype: str, splits: list[str], documents: list[list[str]]) -> dict[str, tuple]:
     """Tokenize one batch (the Rust tokenizer threads it, without the GIL): split -> (ids array, documents).
 
     Each document is its pieces [text, control token, ..., text]: the texts are encoded with
@@ -1050,14 +1167,18 @@ def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
     backend = backend or _WORKER_TOKENIZER
     control_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
     texts = [text for pieces in documents for text in pieces[::2]]
-    short = iter(backend.encode_batch_fast([text for text in texts if len(text) <= ENCODE_CHUNK_CHARS],
-                                           add_special_tokens=False))
+    short = iter(
+        backend.encode_batch_fast([text for text in texts if len(text) <= ENCODE_CHUNK_CHARS], add_special_tokens=False)
+    )
 
     def ids_of(text: str) -> list[int]:
         if len(text) <= ENCODE_CHUNK_CHARS:
             return next(short).ids
-        return [token for chunk in split_for_encoding(text, ENCODE_CHUNK_CHARS)  # one at a time: bounded memory
-                for token in backend.encode(chunk, add_special_tokens=False).ids]
+        return [
+            token
+            for chunk in split_for_encoding(text, ENCODE_CHUNK_CHARS)  # one at a time: bounded memory
+            for token in backend.encode(chunk, add_special_tokens=False).ids
+        ]
 
     encodings = (ids_of(text) for text in texts)
     header = backend.encode(ASSISTANT_HEADER, add_special_tokens=False).ids
@@ -1073,8 +1194,10 @@ def encode_batch(backend, eos_id: int, dtype: str, splits: list[str],
         stream.append(eos_id)
         mask.append(MASK_TEXT if len(pieces) == 1 else MASK_PROMPT)
         lengths.append(len(stream) - before)
-    return {split: (np.array(stream, dtype=dtype), lengths, np.array(mask, dtype=np.uint8))
-            for split, (stream, mask, lengths) in streams.items()}
+    return {
+        split: (np.array(stream, dtype=dtype), lengths, np.array(mask, dtype=np.uint8))
+        for split, (stream, mask, lengths) in streams.items()
+    }
 
 
 ASSISTANT_HEADER = "assistant\n"  # what the chat template puts after <|im_start|> for an assistant turn
@@ -1112,8 +1235,14 @@ def document_mask(pieces: list[str], piece_ids: list[list[int]], header: list[in
     return mask
 
 
-def write_shards(documents: Iterable[Document], tokenizer, folder: Path, settings: BuildSettings,
-                   dtype: str, labels: list[str | None] | None = None) -> dict[str, dict]:
+def write_shards(
+    documents: Iterable[Document],
+    tokenizer,
+    folder: Path,
+    settings: BuildSettings,
+    dtype: str,
+    labels: list[str | None] | None = None,
+) -> dict[str, dict]:
     """Tokenize `documents` into shards; returns the per-split manifest entries. With source `labels`,
     each source of a split is a stream of its own (labelled_split).
 
@@ -1127,8 +1256,11 @@ def write_shards(documents: Iterable[Document], tokenizer, folder: Path, setting
     backend = literal_tokenizer(tokenizer.backend_tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     labels = labels or [None]
-    writers = {stream_key(split, label): ShardWriter(folder, stream_key(split, label), dtype, settings.shard_tokens)
-               for split in SPLITS for label in labels}
+    writers = {
+        stream_key(split, label): ShardWriter(folder, stream_key(split, label), dtype, settings.shard_tokens)
+        for split in SPLITS
+        for label in labels
+    }
     # no bar unless stderr is a terminal: redrawn `\r` lines only clutter a log file
     show = settings.progress and sys.stderr.isatty()
     bar = tqdm(desc="tokenizing", unit=" docs", disable=not show, file=sys.stderr, smoothing=0.1)
@@ -1146,8 +1278,12 @@ def write_shards(documents: Iterable[Document], tokenizer, folder: Path, setting
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        pool = ProcessPoolExecutor(settings.tokenize_workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=start_tokenize_worker, initargs=(backend.to_str(), os.getpid()))
+        pool = ProcessPoolExecutor(
+            settings.tokenize_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=start_tokenize_worker,
+            initargs=(backend.to_str(), os.getpid()),
+        )
         backend, in_flight = None, settings.tokenize_workers + 1
     else:
         pool, in_flight = ThreadPoolExecutor(max_workers=1), 2
@@ -1170,33 +1306,38 @@ def labelled_split(parts: dict[str, dict]) -> dict:
     """A split's manifest entry from its sources' streams: the files of all (the split as one stream),
     the sums, and each source's own entry under "sources"."""
     entries = list(parts.values())
-    return {"files": [item for entry in entries for item in entry["files"]],
-            "tokens": sum(entry["tokens"] for entry in entries),
-            "documents": sum(entry["documents"] for entry in entries),
-            "mask_tokens": {name: sum(entry["mask_tokens"][name] for entry in entries) for name in MASK_CLASSES},
-            "sources": parts}
+    return {
+        "files": [item for entry in entries for item in entry["files"]],
+        "tokens": sum(entry["tokens"] for entry in entries),
+        "documents": sum(entry["documents"] for entry in entries),
+        "mask_tokens": {name: sum(entry["mask_tokens"][name] for entry in entries) for name in MASK_CLASSES},
+        "sources": parts,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Manifests and the data card.
 
 
-def source_manifest(sources: list[Source], stats: dict[str, SourceStats], settings: BuildSettings,
-                    generator: dict | None) -> dict:
+def source_manifest(
+    sources: list[Source], stats: dict[str, SourceStats], settings: BuildSettings, generator: dict | None
+) -> dict:
     inputs, dropped = [], Counter()
     for source in sources:
         counts = stats.get(source.name, SourceStats())
         dropped.update(counts.dropped)
-        inputs.append({
-            "source": source.name,
-            "kind": source.kind,
-            "bytes": (source.path.stat().st_size if source.path and source.path.is_file() else None),
-            "sha256": source_fingerprint(source),
-            "records_read": counts.records_read,
-            "documents_kept": counts.documents_kept,
-            "dropped": dict(sorted(counts.dropped.items())),
-            **({"label": source.label, "also_in": dict(sorted(counts.also_in.items()))} if source.label else {}),
-        })
+        inputs.append(
+            {
+                "source": source.name,
+                "kind": source.kind,
+                "bytes": (source.path.stat().st_size if source.path and source.path.is_file() else None),
+                "sha256": source_fingerprint(source),
+                "records_read": counts.records_read,
+                "documents_kept": counts.documents_kept,
+                "dropped": dict(sorted(counts.dropped.items())),
+                **({"label": source.label, "also_in": dict(sorted(counts.also_in.items()))} if source.label else {}),
+            }
+        )
     duplicates = Counter()  # "first~second" source labels -> documents both kept
     for entry in inputs:
         duplicates.update({f"{other}~{entry['label']}": count for other, count in entry.get("also_in", {}).items()})
@@ -1230,8 +1371,10 @@ def data_card(corpus: dict, sources: dict) -> str:
     for entry in sources["inputs"]:
         drops = ", ".join(f"{reason} {count}" for reason, count in entry["dropped"].items()) or "-"
         digest = (entry["sha256"] or "n/a (streamed)")[:16]
-        lines.append(f"| `{entry['source']}` | {entry['kind']} | `{digest}` | {entry['records_read']} | "
-                     f"{entry['documents_kept']} | {drops} |")
+        lines.append(
+            f"| `{entry['source']}` | {entry['kind']} | `{digest}` | {entry['records_read']} | "
+            f"{entry['documents_kept']} | {drops} |"
+        )
     totals = sources["totals"]
     lines += [
         "",
@@ -1245,8 +1388,10 @@ def data_card(corpus: dict, sources: dict) -> str:
         "|---|---:|---:|---:|",
     ]
     for split, info in corpus["splits"].items():
-        lines.append(f"| {split} | {info['documents']} | {info['tokens']} ({human_count(info['tokens'])}) | "
-                     f"{len(info['files'])} |")
+        lines.append(
+            f"| {split} | {info['documents']} | {info['tokens']} ({human_count(info['tokens'])}) | "
+            f"{len(info['files'])} |"
+        )
     lines += source_label_lines(corpus, sources)
     settings = sources["settings"]
     lines += [
@@ -1259,8 +1404,12 @@ def data_card(corpus: dict, sources: dict) -> str:
         f"- special tokens: {', '.join(f'`{name}`={index}' for name, index in corpus['special_tokens'].items())}",
         f"- scope `{settings['scope']}` ({SCOPES[settings['scope']][0]}); documents shorter than "
         f"{settings['min_chars']} characters dropped; UUIDs {'removed' if settings['remove_uuids'] else 'kept'}; "
-        "unicode NFC; exact duplicates removed " + ("within each source label" if any(
-            entry.get("label") for entry in sources["inputs"]) else "across all inputs"),
+        "unicode NFC; exact duplicates removed "
+        + (
+            "within each source label"
+            if any(entry.get("label") for entry in sources["inputs"])
+            else "across all inputs"
+        ),
         f"- splits by a hash of each document's text: validation {settings['val_fraction']}, "
         f"test {settings['test_fraction']}; every document ends with `<eos>`",
     ]
@@ -1274,16 +1423,26 @@ def source_label_lines(corpus: dict, sources: dict) -> list[str]:
     labels = list(corpus["splits"]["train"].get("sources", {}))
     if not labels:
         return []
-    lines = ["", "## Sources (labels)", "", "| label | " + " | ".join(f"{split} tokens (docs)" for split in SPLITS)
-             + " |", "|---|" + "---:|" * len(SPLITS)]
+    lines = [
+        "",
+        "## Sources (labels)",
+        "",
+        "| label | " + " | ".join(f"{split} tokens (docs)" for split in SPLITS) + " |",
+        "|---|" + "---:|" * len(SPLITS),
+    ]
     for label in labels:
         parts = [corpus["splits"][split]["sources"][label] for split in SPLITS]
-        lines.append(f"| `{label}` | " + " | ".join(f"{part['tokens']:,} ({part['documents']})" for part in parts)
-                     + " |")
+        lines.append(
+            f"| `{label}` | " + " | ".join(f"{part['tokens']:,} ({part['documents']})" for part in parts) + " |"
+        )
     duplicates = sources["totals"].get("cross_source_duplicates", {})
-    lines += ["", "Exact duplicates across sources are kept in each source (one source's weight does not take "
-              "them from another) and counted here: " + (", ".join(
-                  f"{pair.replace('~', ' and ')}: {count}" for pair, count in duplicates.items()) or "none") + "."]
+    lines += [
+        "",
+        "Exact duplicates across sources are kept in each source (one source's weight does not take "
+        "them from another) and counted here: "
+        + (", ".join(f"{pair.replace('~', ' and ')}: {count}" for pair, count in duplicates.items()) or "none")
+        + ".",
+    ]
     return lines
 
 
@@ -1295,8 +1454,10 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse an --out that cannot become the corpus, before any work: the corpus is built in a
     folder beside it (which must be writable) and renamed into place (which a mount point cannot be)."""
     if out.exists() and os.path.ismount(out):
-        raise UserError(f"--out {out} is a mount point: the corpus is built beside it and renamed into place, "
-                        f"which a mount point cannot be; use a folder inside it, e.g. --out {out / 'corpus'}")
+        raise UserError(
+            f"--out {out} is a mount point: the corpus is built beside it and renamed into place, "
+            f"which a mount point cannot be; use a folder inside it, e.g. --out {out / 'corpus'}"
+        )
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -1311,12 +1472,19 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
     if not (out / CORPUS_MANIFEST).is_file():
-        raise UserError(f"--out {out} is not a corpus folder (no {CORPUS_MANIFEST}); refusing to replace it "
-                        "even with --overwrite")
+        raise UserError(
+            f"--out {out} is not a corpus folder (no {CORPUS_MANIFEST}); refusing to replace it even with --overwrite"
+        )
 
 
-def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSettings, overwrite: bool = False,
-                 extra_files: dict[str, bytes] | None = None, generator: dict | None = None) -> Path:
+def build_corpus(
+    sources: list[Source],
+    out_dir: str | Path,
+    settings: BuildSettings,
+    overwrite: bool = False,
+    extra_files: dict[str, bytes] | None = None,
+    generator: dict | None = None,
+) -> Path:
     """Build the corpus folder `out_dir` from `sources` (see the module docstring for the recipe)."""
     out = Path(out_dir)
     if out.name in ("", ".", ".."):
@@ -1329,8 +1497,10 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
     except OSError as error:
         if not error.errno:
             raise
-        raise UserError(f"building {out} failed: {os_error_text(error)}; nothing was written to --out "
-                        "(the partial build was removed)") from None
+        raise UserError(
+            f"building {out} failed: {os_error_text(error)}; nothing was written to --out "
+            "(the partial build was removed)"
+        ) from None
     empty = empty_splits(splits, settings)
     print_summary(out, corpus, stats, time.perf_counter() - started, empty)
     for message in empty.values():
@@ -1338,8 +1508,13 @@ def build_corpus(sources: list[Source], out_dir: str | Path, settings: BuildSett
     return out
 
 
-def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, extra_files: dict[str, bytes] | None,
-                   generator: dict | None) -> tuple[dict, dict, dict]:
+def build_in_place(
+    sources: list[Source],
+    out: Path,
+    settings: BuildSettings,
+    extra_files: dict[str, bytes] | None,
+    generator: dict | None,
+) -> tuple[dict, dict, dict]:
     """build_corpus's work: everything in a temporary folder beside `out`, swapped into place at the end
     (a failure, Ctrl-C or SIGTERM removes it; a build killed outright leaves it to the next build's sweep)."""
     with atomic_folder(out) as temp:
@@ -1352,8 +1527,9 @@ def build_in_place(sources: list[Source], out: Path, settings: BuildSettings, ex
         splits = write_shards(documents, tokenizer, temp, settings, dtype, labels)
         kept = sum(info["documents"] for info in splits.values())
         if kept == 0:
-            raise UserError("no documents left after reading and filtering the inputs "
-                            f"({describe_drops(stats)}); nothing to build")
+            raise UserError(
+                f"no documents left after reading and filtering the inputs ({describe_drops(stats)}); nothing to build"
+            )
         if splits["train"]["tokens"] == 0:
             raise UserError("no documents landed in the train split; lower --val-fraction/--test-fraction")
         if note:
@@ -1388,11 +1564,15 @@ def empty_splits(splits: dict[str, dict], settings: BuildSettings) -> dict[str, 
     """
     kept = sum(info["documents"] for info in splits.values())
     warnings = {}
-    for split, flag, fraction in (("validation", "--val-fraction", settings.val_fraction),
-                                  ("test", "--test-fraction", settings.test_fraction)):
+    for split, flag, fraction in (
+        ("validation", "--val-fraction", settings.val_fraction),
+        ("test", "--test-fraction", settings.test_fraction),
+    ):
         if fraction > 0 and splits[split]["documents"] == 0:
-            warnings[split] = (f"the {split} split is empty ({flag} {fraction} of {kept} documents picked none); "
-                               f"add more documents or raise {flag}")
+            warnings[split] = (
+                f"the {split} split is empty ({flag} {fraction} of {kept} documents picked none); "
+                f"add more documents or raise {flag}"
+            )
     return warnings
 
 
@@ -1403,26 +1583,36 @@ def describe_drops(stats: dict[str, SourceStats]) -> str:
     return f"{read} records read; dropped: {reasons}"
 
 
-def print_summary(out: Path, corpus: dict, stats: dict[str, SourceStats], seconds: float,
-                  empty: Iterable[str] = ()) -> None:
+def print_summary(
+    out: Path, corpus: dict, stats: dict[str, SourceStats], seconds: float, empty: Iterable[str] = ()
+) -> None:
     print(f"corpus ready: {out}")
     print(f"  documents: {corpus['documents']} kept ({describe_drops(stats)})")
     invalid = sum(counts.dropped["invalid_utf8"] for counts in stats.values())
     if invalid:
-        print(f"  {invalid} record(s) dropped for invalid UTF-8; a .txt or .json file is one record, so whole files "
-              "were dropped: convert them to UTF-8 first (e.g. iconv -f latin1 -t utf-8)")
+        print(
+            f"  {invalid} record(s) dropped for invalid UTF-8; a .txt or .json file is one record, so whole files "
+            "were dropped: convert them to UTF-8 first (e.g. iconv -f latin1 -t utf-8)"
+        )
     empty_answers = sum(counts.dropped["empty_answer"] for counts in stats.values())
     if empty_answers:
-        print(f"  {empty_answers} chat(s) dropped whose last assistant turn has no text (a tool call, an image "
-              "only): trained on, they would teach the model to answer nothing")
-    per_split = ", ".join(f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
-                          for split, info in corpus["splits"].items())
+        print(
+            f"  {empty_answers} chat(s) dropped whose last assistant turn has no text (a tool call, an image "
+            "only): trained on, they would teach the model to answer nothing"
+        )
+    per_split = ", ".join(
+        f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
+        for split, info in corpus["splits"].items()
+    )
     print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")
     labelled = corpus["splits"]["train"].get("sources")
     if labelled:
         also = sum(count for counts in stats.values() for count in counts.also_in.values())
-        print("  sources: " + ", ".join(f"{label} {part['tokens']:,} train tokens" for label, part in labelled.items())
-              + f"; {also} exact duplicate(s) across sources, kept in each (source_manifest.json)")
+        print(
+            "  sources: "
+            + ", ".join(f"{label} {part['tokens']:,} train tokens" for label, part in labelled.items())
+            + f"; {also} exact duplicate(s) across sources, kept in each (source_manifest.json)"
+        )
     print(f"  {seconds:.1f} s, {corpus['tokens'] / max(seconds, 1e-9):,.0f} tokens/s overall")
 
 
@@ -1444,10 +1634,20 @@ def build_demo_corpus(out_dir: str | Path, overwrite: bool = False, seed: int = 
     records, eval_problems = demo_data(seed)
     eval_jsonl = "".join(json.dumps(problem, ensure_ascii=False) + "\n" for problem in eval_problems)
     source = Source("demo:arithmetic", "generated", records=records)
-    generator = {"name": "demo:arithmetic", "seed": seed, "records": len(records),
-                 "eval_problems": dict(Counter(problem["task"] for problem in eval_problems))}
-    return build_corpus([source], out_dir, BuildSettings(**options), overwrite=overwrite,
-                        extra_files={DEMO_EVAL_FILE: eval_jsonl.encode()}, generator=generator)
+    generator = {
+        "name": "demo:arithmetic",
+        "seed": seed,
+        "records": len(records),
+        "eval_problems": dict(Counter(problem["task"] for problem in eval_problems)),
+    }
+    return build_corpus(
+        [source],
+        out_dir,
+        BuildSettings(**options),
+        overwrite=overwrite,
+        extra_files={DEMO_EVAL_FILE: eval_jsonl.encode()},
+        generator=generator,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1460,8 +1660,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None, notes: list[str] | None = None
-               ) -> tuple[DataCommand, BuildSettings, argparse.ArgumentParser, list[Source] | None]:
+def parse_args(
+    argv: list[str] | None = None, notes: list[str] | None = None
+) -> tuple[DataCommand, BuildSettings, argparse.ArgumentParser, list[Source] | None]:
     """(what to do, the corpus' settings, the parser, the --data sources) of this command line: a --config
     file's options first, then the command line's; the options not given get defaults sized to the --data
     inputs (sized_build_defaults), or DEMO_BUILD_DEFAULTS with --demo. The inputs are resolved here, once
@@ -1488,8 +1689,11 @@ def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
     except UserError:
         return  # the build says what is wrong with the tokenizer
     if size != vocab_size:
-        print(f"warning: --vocab-size {vocab_size} is not used: --tokenizer {tokenizer} has {size} tokens, and the "
-              "corpus uses them", file=sys.stderr)
+        print(
+            f"warning: --vocab-size {vocab_size} is not used: --tokenizer {tokenizer} has {size} tokens, and the "
+            "corpus uses them",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,25 +14,50 @@ DEMO_SEED = 1234  # the demo corpus' generator (data.py --seed)
 DEMO_BUILD_DEFAULTS = {"vocab_size": DEMO_VOCAB_SIZE, "val_fraction": 0.05, "test_fraction": 0.05}
 
 
-ADDITION_PROMPTS = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}.",
-                    "What do you get when you add {a} and {b}?", "Compute {a} + {b}.",
-                    "What is the sum of {a} and {b}?")
+ADDITION_PROMPTS = (
+    "What is {a} plus {b}?",
+    "What is {a} + {b}?",
+    "Add {a} and {b}.",
+    "What do you get when you add {a} and {b}?",
+    "Compute {a} + {b}.",
+    "What is the sum of {a} and {b}?",
+)
 SUBTRACTION_PROMPTS = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.")
-APPLE_PROMPTS = ("If a box has {a} rows of {b} {thing}, how many {thing} are there?",
-                 "A tray holds {a} rows with {b} {thing} in each row. How many {thing}?",
-                 "There are {a} rows of {thing} and each row has {b} {thing}. How many {thing} in total?",
-                 "A box has {a} rows of {b} {thing}. How many {thing} are in the box?",
-                 "How many {thing} are in {a} rows of {b} {thing}?",
-                 "If there are {a} rows and every row has {b} {thing}, how many {thing} are there?")
+APPLE_PROMPTS = (
+    "If a box has {a} rows of {b} {thing}, how many {thing} are there?",
+    "A tray holds {a} rows with {b} {thing} in each row. How many {thing}?",
+    "There are {a} rows of {thing} and each row has {b} {thing}. How many {thing} in total?",
+    "A box has {a} rows of {b} {thing}. How many {thing} are in the box?",
+    "How many {thing} are in {a} rows of {b} {thing}?",
+    "If there are {a} rows and every row has {b} {thing}, how many {thing} are there?",
+)
 APPLE_THINGS = ("apples", "pears", "eggs", "cups", "coins", "books", "stones", "shells")
 DEMO_ROWS, DEMO_PER_ROW = range(2, 5), range(2, 13)  # at most 4 rows: every document fits 128 tokens
 SENTENCE_PARTS = {
     "name": ("Ada", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivy", "Jon", "Kai", "Lea"),
     "verb": ("likes", "reads", "paints", "finds", "draws", "counts", "keeps", "sees"),
-    "thing": ("red apples", "old books", "small boats", "green leaves", "blue stones", "white clouds",
-              "yellow pears", "tiny shells", "round coins", "bright stars"),
-    "place": ("in the garden", "by the river", "at school", "on the hill", "near the shop", "at home",
-              "under the tree", "in the park"),
+    "thing": (
+        "red apples",
+        "old books",
+        "small boats",
+        "green leaves",
+        "blue stones",
+        "white clouds",
+        "yellow pears",
+        "tiny shells",
+        "round coins",
+        "bright stars",
+    ),
+    "place": (
+        "in the garden",
+        "by the river",
+        "at school",
+        "on the hill",
+        "near the shop",
+        "at home",
+        "under the tree",
+        "in the park",
+    ),
 }
 DEMO_EVAL_COUNTS = {"addition": 200, "subtraction": 50, "multiplication": 10}
 
@@ -100,8 +125,11 @@ def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
     held = demo_held_out(rng)
     held_sums = held["addition"] | {pair[::-1] for pair in held["addition"]}
     eval_problems = []
-    for task, prompts in (("addition", ADDITION_PROMPTS), ("subtraction", SUBTRACTION_PROMPTS),
-                          ("multiplication", APPLE_PROMPTS)):
+    for task, prompts in (
+        ("addition", ADDITION_PROMPTS),
+        ("subtraction", SUBTRACTION_PROMPTS),
+        ("multiplication", APPLE_PROMPTS),
+    ):
         for a, b in sorted(held[task]):
             problem = demo_problem(task, a, b, prompts[0])
             eval_problems.append({key: problem[key] for key in ("prompt", "answer", "task")})
@@ -121,12 +149,21 @@ def demo_data(seed: int = DEMO_SEED) -> tuple[list[dict], list[dict]]:
         if (a, b) not in held["multiplication"] and not any((b * row, b) in held_sums for row in range(1, a)):
             for prompt, thing in rng.sample(list(itertools.product(APPLE_PROMPTS, APPLE_THINGS)), 16):
                 problems.append(demo_problem("multiplication", a, b, prompt, thing))
-    records = [{"messages": [{"role": "user", "content": p["prompt"]},
-                             {"role": "assistant", "content": p["answer"], "reasoning": p["reasoning"]}]}
-               for p in problems]
-    sentences = {f"{name} {verb} {count} {thing} {place}."
-                 for name, verb, thing, place, count in itertools.product(
-                     *SENTENCE_PARTS.values(), ("two", "three", "many", "some"))}
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": p["prompt"]},
+                {"role": "assistant", "content": p["answer"], "reasoning": p["reasoning"]},
+            ]
+        }
+        for p in problems
+    ]
+    sentences = {
+        f"{name} {verb} {count} {thing} {place}."
+        for name, verb, thing, place, count in itertools.product(
+            *SENTENCE_PARTS.values(), ("two", "three", "many", "some")
+        )
+    }
     sentences = sorted(sentences)
     rng.shuffle(sentences)
     for start in range(0, len(records) // 10 * 2, 2):

@@ -37,8 +37,12 @@ def rng_state(device: torch.device) -> dict:
     numpy_state = np.random.get_state()
     state = {
         "python": [version, list(mt_state), gauss],
-        "numpy": {"key": torch.from_numpy(numpy_state[1].astype(np.int64)), "pos": int(numpy_state[2]),
-                  "has_gauss": int(numpy_state[3]), "cached_gaussian": float(numpy_state[4])},
+        "numpy": {
+            "key": torch.from_numpy(numpy_state[1].astype(np.int64)),
+            "pos": int(numpy_state[2]),
+            "has_gauss": int(numpy_state[3]),
+            "cached_gaussian": float(numpy_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -46,17 +50,22 @@ def rng_state(device: torch.device) -> dict:
     return state
 
 
-
 def set_rng_state(state: dict, device: torch.device) -> None:
     version, mt_state, gauss = state["python"]
     random.setstate((version, tuple(mt_state), gauss))
     numpy_state = state["numpy"]
-    np.random.set_state(("MT19937", numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
-                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["key"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"].cpu())
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
 
 
 class RankRNG:
@@ -79,7 +88,6 @@ class RankRNG:
             set_rng_state(states[self.info.rank], self.info.device)
 
 
-
 def agree_max(values: list[float], info: DistInfo) -> list[float]:
     """Each value's largest over the ranks (one all_reduce, in float64): a clock or a flag that says
     stop on any rank says so on all, and every rank decides alike."""
@@ -88,7 +96,6 @@ def agree_max(values: list[float], info: DistInfo) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=info.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
-
 
 
 @dataclass
@@ -103,7 +110,6 @@ class DistInfo:
         return self.rank == 0
 
 
-
 def init_distributed(device_choice: str = "auto") -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -116,8 +122,9 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
         torch.cuda.set_device(device)
     info = DistInfo(rank=rank, local_rank=local_rank, world=world, device=device)
     if world > 1 and not dist.is_initialized():
-        init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30),
-                           device_id=device if use_cuda else None)
+        init_process_group(
+            "nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30), device_id=device if use_cuda else None
+        )
         check_first_collective(info)
     return info
 
@@ -129,8 +136,10 @@ def init_process_group(backend: str, **options) -> None:
 
 
 # torch 2.10's gloo (std::cout, no setting turns it off; 2.11 and later log it at INFO, which is not shown)
-GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                            r"Expected number of connected peer ranks is : (\d+)")
+GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)"
+)
 
 
 def is_gloo_all_connected(line: str) -> bool:
@@ -168,8 +177,9 @@ FIRST_COLLECTIVE_ELEMENTS = 1 << 22  # fp32: 16 MiB, so NCCL's ring sends over i
 LATE_RANK_GRACE_SECONDS = 10.0  # the other ranks' watchdogs wait this much longer: rank 0 says it
 
 
-def first_collective_error(backend: str, world: int, limit_seconds: float, failure: str | None,
-                           environ: Mapping[str, str]) -> str:
+def first_collective_error(
+    backend: str, world: int, limit_seconds: float, failure: str | None, environ: Mapping[str, str]
+) -> str:
     """The `error:` text (without the prefix) of a start-up all-reduce that did not work: `failure` None
     when it hung past `limit_seconds`, else what went wrong (an exception's first line, a wrong sum).
 
@@ -179,23 +189,33 @@ def first_collective_error(backend: str, world: int, limit_seconds: float, failu
     shows the transport NCCL chose and where it stops. gloo: the ranks' network."""
     what = f"did not finish in {limit_seconds:g} s" if failure is None else f"failed ({failure})"
     if backend != "nccl":
-        return (f"the first all-reduce between the {world} ranks {what} ({backend}): check that the ranks reach "
-                "each other (MASTER_ADDR / MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank "
-                "shares)")
+        return (
+            f"the first all-reduce between the {world} ranks {what} ({backend}): check that the ranks reach "
+            "each other (MASTER_ADDR / MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank "
+            "shares)"
+        )
     head = f"the first all-reduce between the {world} GPUs {what} (NCCL)"
     if environ.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0"):
-        return (f"{head}, with NCCL_P2P_DISABLE={environ['NCCL_P2P_DISABLE']} already set: run again with "
-                "NCCL_DEBUG=INFO to see the transport NCCL picks and where it stops (NCCL_SHM_DISABLE=1 "
-                "is the next thing to try)")
-    return (f"{head}: the GPUs' peer-to-peer path does not work on this machine, as on PCIe cloud pairs "
-            "(Kaggle's 2x T4); run again with NCCL_P2P_DISABLE=1 before the command (e.g. "
-            "NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 train.py ...), which sends the traffic through "
-            "host memory")
+        return (
+            f"{head}, with NCCL_P2P_DISABLE={environ['NCCL_P2P_DISABLE']} already set: run again with "
+            "NCCL_DEBUG=INFO to see the transport NCCL picks and where it stops (NCCL_SHM_DISABLE=1 "
+            "is the next thing to try)"
+        )
+    return (
+        f"{head}: the GPUs' peer-to-peer path does not work on this machine, as on PCIe cloud pairs "
+        "(Kaggle's 2x T4); run again with NCCL_P2P_DISABLE=1 before the command (e.g. "
+        "NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 train.py ...), which sends the traffic through "
+        "host memory"
+    )
 
 
-def check_first_collective(info: DistInfo, limit_seconds: float = FIRST_COLLECTIVE_SECONDS,
-                           elements: int = FIRST_COLLECTIVE_ELEMENTS, environ: Mapping[str, str] | None = None,
-                           all_reduce=None) -> None:
+def check_first_collective(
+    info: DistInfo,
+    limit_seconds: float = FIRST_COLLECTIVE_SECONDS,
+    elements: int = FIRST_COLLECTIVE_ELEMENTS,
+    environ: Mapping[str, str] | None = None,
+    all_reduce=None,
+) -> None:
     """One all-reduce of `elements` values (rank r sends r + 1) that must give every rank the sum
     within `limit_seconds`. A watchdog thread ends the process (exit 2, rank 0 printing the one
     `error:` line of first_collective_error) when it hangs: the process group's own timeout is 30
@@ -209,8 +229,11 @@ def check_first_collective(info: DistInfo, limit_seconds: float = FIRST_COLLECTI
         grace = 0.0 if info.is_main else LATE_RANK_GRACE_SECONDS
         if finished.wait(limit_seconds + grace):
             return
-        print(f"error: {first_collective_error(backend, info.world, limit_seconds, None, environ)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: {first_collective_error(backend, info.world, limit_seconds, None, environ)}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(2)  # the main thread is blocked in the collective: nothing else can end it
 
     threading.Thread(target=watchdog, name="first-collective-watchdog", daemon=True).start()
@@ -232,7 +255,6 @@ def check_first_collective(info: DistInfo, limit_seconds: float = FIRST_COLLECTI
         raise UserError(first_collective_error(backend, info.world, limit_seconds, failure, environ))
 
 
-
 def use_deterministic_kernels(on: bool) -> None:
     """--deterministic: torch's deterministic algorithms, with an op that has none an error (warn_only
     would leave flash and memory-efficient attention their nondeterministic backwards), cuBLAS's fixed
@@ -245,11 +267,9 @@ def use_deterministic_kernels(on: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
 
 
 def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
@@ -259,7 +279,6 @@ def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
 
 
 def main_decides(function, info: DistInfo) -> Any:
@@ -274,7 +293,6 @@ def main_decides(function, info: DistInfo) -> Any:
     if kind == "error":
         raise UserError(value)
     return value
-
 
 
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
@@ -299,9 +317,11 @@ def data_parallel(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     device_ids = [info.local_rank] if info.device.type == "cuda" else None
     # The model's only buffers (RoPE frequencies) are the same on every rank: no sync per forward.
     # torch 2.13 renamed the option (and warns on the old name from every rank).
-    no_buffer_sync = {"forward_sync_buffers": False} \
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else {"broadcast_buffers": False}
+    )
     return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
 
 
@@ -329,6 +349,9 @@ def launch_command(info: DistInfo, script: Path, args: list[str]) -> str:
     else:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world))
         nodes = info.world // per_node
-        launcher = "torchrun " + (f"--nnodes={nodes} (with your rendezvous options) " if nodes > 1 else "") \
+        launcher = (
+            "torchrun "
+            + (f"--nnodes={nodes} (with your rendezvous options) " if nodes > 1 else "")
             + f"--nproc_per_node={per_node} {shown}"
+        )
     return " ".join([launcher, *map(shlex.quote, args)])

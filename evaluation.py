@@ -46,8 +46,10 @@ def require_lm_eval():
         import accelerate  # noqa: F401
         import lm_eval
     except ImportError as error:
-        raise UserError(f"multiple-choice and lm-eval tasks need lm-evaluation-harness ({error.name} is not "
-                        f"installed): {LM_EVAL_INSTALL}") from None
+        raise UserError(
+            f"multiple-choice and lm-eval tasks need lm-evaluation-harness ({error.name} is not "
+            f"installed): {LM_EVAL_INSTALL}"
+        ) from None
     return lm_eval
 
 
@@ -57,8 +59,7 @@ def require_lm_eval():
 
 
 def unknown_tasks_text(flag: str, names: Sequence[str]) -> str:
-    return (f"{flag} {', '.join(names)}: neither a task file nor an lm-eval task name (`lm_eval ls tasks` lists "
-            "them)")
+    return f"{flag} {', '.join(names)}: neither a task file nor an lm-eval task name (`lm_eval ls tasks` lists them)"
 
 
 def dataset_failure_text(flag: str, name: str, error: BaseException) -> str:
@@ -112,11 +113,19 @@ def read_choice_items(path: Path) -> list[dict]:
     items = []
     for number, item in jsonl_records(path):
         choices = item.get("choices") if isinstance(item, dict) else None
-        if not (isinstance(item, dict) and isinstance(item.get("context"), str) and isinstance(choices, list)
-                and len(choices) >= 2 and all(isinstance(choice, str) and choice for choice in choices)
-                and isinstance(item.get("answer"), int) and 0 <= item["answer"] < len(choices)):
-            raise UserError(f'{path}:{number}: expected {{"context": text, "choices": [two or more texts], '
-                            f'"answer": index of the right choice}}')
+        if not (
+            isinstance(item, dict)
+            and isinstance(item.get("context"), str)
+            and isinstance(choices, list)
+            and len(choices) >= 2
+            and all(isinstance(choice, str) and choice for choice in choices)
+            and isinstance(item.get("answer"), int)
+            and 0 <= item["answer"] < len(choices)
+        ):
+            raise UserError(
+                f'{path}:{number}: expected {{"context": text, "choices": [two or more texts], '
+                f'"answer": index of the right choice}}'
+            )
         items.append(item)
     if not items:
         raise UserError(f"{path} holds no items")
@@ -135,8 +144,10 @@ def task_kind(path: Path) -> str:
         return "choice"
     if isinstance(item, dict) and "prompt" in item:
         return "exact"
-    raise UserError(f'{path}: neither a multiple-choice file ({{"context", "choices", "answer"}} a line) '
-                    'nor an exact-match one ({"prompt", "answer"} a line)')
+    raise UserError(
+        f'{path}: neither a multiple-choice file ({{"context", "choices", "answer"}} a line) '
+        'nor an exact-match one ({"prompt", "answer"} a line)'
+    )
 
 
 def resolve_tasks(specs: Sequence[str], flag: str = "--tasks") -> list[dict]:
@@ -147,8 +158,14 @@ def resolve_tasks(specs: Sequence[str], flag: str = "--tasks") -> list[dict]:
     for spec in (part for value in specs for part in value.split(",") if part):
         path = Path(spec)
         if path.suffix in (".yaml", ".yml") and path.is_file():  # an lm-eval task config of one's own
-            tasks.append({"name": yaml_task_name(path), "kind": "lm_eval", "path": str(path.resolve()),
-                          "include": str(path.resolve().parent)})
+            tasks.append(
+                {
+                    "name": yaml_task_name(path),
+                    "kind": "lm_eval",
+                    "path": str(path.resolve()),
+                    "include": str(path.resolve().parent),
+                }
+            )
             continue
         if path.is_dir():
             files = sorted(path.glob("*.jsonl"))
@@ -185,12 +202,15 @@ def yaml_task_name(path: Path) -> str:
 
 def task_yaml(name: str, jsonl: str) -> str:
     """An lm-eval task config scoring a {"context", "choices", "answer"} JSONL file, zero-shot."""
-    metrics = "".join(f"  - metric: {metric}\n    aggregation: mean\n    higher_is_better: true\n"
-                      for metric in CHOICE_METRICS)
-    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(jsonl)}\n"
-            "test_split: test\noutput_type: multiple_choice\ntarget_delimiter: \" \"\n"
-            'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
-            f"metric_list:\n{metrics}")
+    metrics = "".join(
+        f"  - metric: {metric}\n    aggregation: mean\n    higher_is_better: true\n" for metric in CHOICE_METRICS
+    )
+    return (
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(jsonl)}\n"
+        'test_split: test\noutput_type: multiple_choice\ntarget_delimiter: " "\n'
+        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        f"metric_list:\n{metrics}"
+    )
 
 
 def seeded_subsample(size: int, limit: int | None, seed: int = DEFAULT_SEED) -> list[int] | None:
@@ -206,8 +226,9 @@ def seeded_subsample(size: int, limit: int | None, seed: int = DEFAULT_SEED) -> 
 # Scoring.
 
 
-def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_size: int, device: str,
-                   seed: int) -> tuple[dict, dict]:
+def lm_eval_scores(
+    model_dir: str, tasks: list[dict], limit: int | None, batch_size: int, device: str, seed: int
+) -> tuple[dict, dict]:
     """lm-eval's scores of the 'lm_eval' and 'choice' tasks: ({name: {acc, acc_norm, ..., n}}, harness info)."""
     lm_eval = require_lm_eval()
     from lm_eval.models.huggingface import HFLM
@@ -221,31 +242,60 @@ def lm_eval_scores(model_dir: str, tasks: list[dict], limit: int | None, batch_s
             sizes[task["name"]] = len(read_choice_items(Path(task["path"])))
             Path(folder, f"{task['name']}.yaml").write_text(task_yaml(task["name"], task["path"]), encoding="utf-8")
         includes = ([folder] if local else []) + sorted({task["include"] for task in tasks if task.get("include")})
-        manager = TaskManager(include_path=includes or None, verbosity="ERROR",
-                              include_defaults=any(task["kind"] == "lm_eval" and not task.get("include")
-                                                   for task in tasks))
+        manager = TaskManager(
+            include_path=includes or None,
+            verbosity="ERROR",
+            include_defaults=any(task["kind"] == "lm_eval" and not task.get("include") for task in tasks),
+        )
         loaded = load_lm_eval_tasks(named, manager, "--tasks")  # a fault is one line before the model loads
         if limit is not None:
-            sizes.update({name: len(task.eval_docs) for name, task in loaded.items()  # a group (mmlu) is scored
-                          if isinstance(name, str) and hasattr(task, "eval_docs")})  # whole: no size of its own
+            sizes.update(
+                {
+                    name: len(task.eval_docs)
+                    for name, task in loaded.items()  # a group (mmlu) is scored
+                    if isinstance(name, str) and hasattr(task, "eval_docs")
+                }
+            )  # whole: no size of its own
         picks = {name: seeded_subsample(size, limit, seed) for name, size in sizes.items()}
         samples = {name: pick for name, pick in picks.items() if pick is not None}
         model = load_hf_model(HFLM, model_dir, device, batch_size)
-        output = lm_eval.simple_evaluate(model=model, tasks=[task["name"] for task in local] + named,
-                                         task_manager=manager, samples=samples or None, num_fewshot=0,
-                                         log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                                         torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+        output = lm_eval.simple_evaluate(
+            model=model,
+            tasks=[task["name"] for task in local] + named,
+            task_manager=manager,
+            samples=samples or None,
+            num_fewshot=0,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            verbosity="ERROR",
+        )
     scores = {}
     for name, values in output["results"].items():
         scores[name] = {metric: values[f"{metric},none"] for metric in CHOICE_METRICS if f"{metric},none" in values}
-        scores[name].update({f"{metric}_stderr": values[f"{metric}_stderr,none"] for metric in CHOICE_METRICS
-                             if isinstance(values.get(f"{metric}_stderr,none"), float)})
+        scores[name].update(
+            {
+                f"{metric}_stderr": values[f"{metric}_stderr,none"]
+                for metric in CHOICE_METRICS
+                if isinstance(values.get(f"{metric}_stderr,none"), float)
+            }
+        )
         scores[name]["n"] = output["n-samples"].get(name, {}).get("effective")
-    harness = {"name": "lm-evaluation-harness", "lm_eval_version": lm_eval.__version__,
-               "transformers_version": output.get("transformers_version"), "num_fewshot": 0,
-               "target_delimiter": " ", "acc_norm": "log-probability per character of the choice",
-               "acc_bytes": "log-probability per UTF-8 byte of the choice", "limit": limit, "seed": seed,
-               "batch_size": batch_size, "device": device}
+    harness = {
+        "name": "lm-evaluation-harness",
+        "lm_eval_version": lm_eval.__version__,
+        "transformers_version": output.get("transformers_version"),
+        "num_fewshot": 0,
+        "target_delimiter": " ",
+        "acc_norm": "log-probability per character of the choice",
+        "acc_bytes": "log-probability per UTF-8 byte of the choice",
+        "limit": limit,
+        "seed": seed,
+        "batch_size": batch_size,
+        "device": device,
+    }
     return scores, harness
 
 
@@ -280,8 +330,13 @@ def read_eval_examples(path: str | os.PathLike, limit: int | None = None) -> lis
         for number, item in jsonl_records(file):
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
                 raise UserError(f'{file}:{number}: expected an object with "prompt" (text) and "answer"')
-            examples.append({"prompt": item["prompt"], "answer": str(item["answer"]).strip(),
-                             "task": str(item.get("task", file.stem))})
+            examples.append(
+                {
+                    "prompt": item["prompt"],
+                    "answer": str(item["answer"]).strip(),
+                    "task": str(item.get("task", file.stem)),
+                }
+            )
             if limit is not None and len(examples) >= limit:
                 return examples
     if not examples:
@@ -313,35 +368,49 @@ def score_answers(examples: Sequence[dict], completions: Sequence[str], max_wron
     for task in by_task.values():
         task["accuracy"] = task["correct"] / task["total"]
     total = len(examples)
-    return {"accuracy": correct_total / total if total else 0.0, "correct": correct_total, "total": total,
-            "by_task": dict(sorted(by_task.items())), "wrong_examples": wrong}
+    return {
+        "accuracy": correct_total / total if total else 0.0,
+        "correct": correct_total,
+        "total": total,
+        "by_task": dict(sorted(by_task.items())),
+        "wrong_examples": wrong,
+    }
 
 
-def score_replies(model, tokenizer, examples: Sequence[dict], max_new_tokens: int = 96, device=None,
-                  batch_size: int = 16) -> dict:
+def score_replies(
+    model, tokenizer, examples: Sequence[dict], max_new_tokens: int = 96, device=None, batch_size: int = 16
+) -> dict:
     """score_answers of greedy chat replies to the examples' prompts."""
-    completions = generation.generate_chat(model, tokenizer, [example["prompt"] for example in examples],
-                                           max_new_tokens, device, batch_size)
+    completions = generation.generate_chat(
+        model, tokenizer, [example["prompt"] for example in examples], max_new_tokens, device, batch_size
+    )
     return score_answers(examples, completions)
 
 
-def exact_match_accuracy(model, tokenizer, eval_path: str | os.PathLike, device=None, limit: int | None = None,
-                         max_new_tokens: int = 96, batch_size: int = 32) -> dict:
+def exact_match_accuracy(
+    model,
+    tokenizer,
+    eval_path: str | os.PathLike,
+    device=None,
+    limit: int | None = None,
+    max_new_tokens: int = 96,
+    batch_size: int = 32,
+) -> dict:
     """Held-out task accuracy (the end of a run): greedy replies through the chat template, exact match on the
     answer, over the first `limit` examples.
 
     Returns {"accuracy", "correct", "total", "by_task": {task: {accuracy, correct, total}},
     "wrong_examples": [...up to 5], "eval_path", "settings"}.
     """
-    result = score_replies(model, tokenizer, read_eval_examples(eval_path, limit), max_new_tokens, device,
-                           batch_size)
+    result = score_replies(model, tokenizer, read_eval_examples(eval_path, limit), max_new_tokens, device, batch_size)
     result["eval_path"] = str(eval_path)
     result["settings"] = {"decoding": "greedy", "max_new_tokens": max_new_tokens, "limit": limit}
     return result
 
 
-def exact_match_scores(model_dir: str, tasks: list[dict], limit: int | None, device: str, seed: int,
-                       max_new_tokens: int) -> dict:
+def exact_match_scores(
+    model_dir: str, tasks: list[dict], limit: int | None, device: str, seed: int, max_new_tokens: int
+) -> dict:
     """Greedy chat replies against the answers of exact-match task files, over a seeded subsample of `limit`."""
     scores = {}
     if not tasks:
@@ -352,8 +421,12 @@ def exact_match_scores(model_dir: str, tasks: list[dict], limit: int | None, dev
         pick = seeded_subsample(len(examples), limit, seed)
         chosen = examples if pick is None else [examples[index] for index in pick]
         result = score_replies(model, tokenizer, chosen, max_new_tokens, device)
-        scores[task["name"]] = {"exact_match": result["accuracy"], "n": result["total"],
-                                "correct": result["correct"], "by_task": result["by_task"]}
+        scores[task["name"]] = {
+            "exact_match": result["accuracy"],
+            "n": result["total"],
+            "correct": result["correct"],
+            "by_task": result["by_task"],
+        }
     return scores
 
 
@@ -369,13 +442,22 @@ def model_and_run(model_or_run: str) -> tuple[Path, Path | None]:
     raise UserError(f"{path} is neither a run folder (with model/) nor an exported model folder (no config.json)")
 
 
-def evaluate(model_or_run: str, task_specs: Sequence[str], limit: int | None = None, batch_size: int = 32,
-             device: str = "cpu", seed: int = DEFAULT_SEED, max_new_tokens: int = 96) -> dict:
+def evaluate(
+    model_or_run: str,
+    task_specs: Sequence[str],
+    limit: int | None = None,
+    batch_size: int = 32,
+    device: str = "cpu",
+    seed: int = DEFAULT_SEED,
+    max_new_tokens: int = 96,
+) -> dict:
     """{"tasks": {name: {...scores, "n", "kind"}}, "model", "run", "harness", "time"}: every task, one record."""
     model_dir, run = model_and_run(model_or_run)
     tasks = resolve_tasks(task_specs)
-    by_kind = {kind: [task for task in tasks if task["kind"] in kinds]
-               for kind, kinds in (("lm_eval", ("lm_eval", "choice")), ("exact", ("exact",)))}
+    by_kind = {
+        kind: [task for task in tasks if task["kind"] in kinds]
+        for kind, kinds in (("lm_eval", ("lm_eval", "choice")), ("exact", ("exact",)))
+    }
     scores, harness = {}, {"limit": limit, "seed": seed, "device": device}
     if by_kind["lm_eval"]:
         scores, harness = lm_eval_scores(str(model_dir), by_kind["lm_eval"], limit, batch_size, device, seed)
@@ -384,10 +466,17 @@ def evaluate(model_or_run: str, task_specs: Sequence[str], limit: int | None = N
         harness["exact_match"] = {"decoding": "greedy", "chat_template": True, "max_new_tokens": max_new_tokens}
     for task in tasks:
         scores[task["name"]].update(kind=task["kind"], source=task["path"] or "lm-eval")
-    return {"format_version": 1, "time": utc_now(), "model": str(model_dir), "run": str(run) if run else None,
-            "model_sha256": sha256_file(model_dir / "model.safetensors")
-            if (model_dir / "model.safetensors").is_file() else None,
-            "tasks": {task["name"]: scores[task["name"]] for task in tasks}, "harness": harness}
+    return {
+        "format_version": 1,
+        "time": utc_now(),
+        "model": str(model_dir),
+        "run": str(run) if run else None,
+        "model_sha256": sha256_file(model_dir / "model.safetensors")
+        if (model_dir / "model.safetensors").is_file()
+        else None,
+        "tasks": {task["name"]: scores[task["name"]] for task in tasks},
+        "harness": harness,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,8 +493,9 @@ def write_outputs(result: dict, json_out: str | None = None) -> list[Path]:
         for name, scores in result["tasks"].items():
             path = Path(result["run"]) / "eval" / f"{name}.json"
             path.parent.mkdir(exist_ok=True)
-            atomic_write_json(path, {**{key: result[key] for key in result if key != "tasks"},
-                                     "task": name, "scores": scores})
+            atomic_write_json(
+                path, {**{key: result[key] for key in result if key != "tasks"}, "task": name, "scores": scores}
+            )
             written.append(path)
     card = export_hf.write_scores(Path(result["model"]), result)
     if card is not None:
@@ -434,8 +524,11 @@ def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
     prompt and the worked reply up to its last ' = ' as the context; the right result (and answer) among
     three wrong ones near it, at a seeded position. Chance is 0.25."""
     rng = random.Random(seed)
-    prompts = {"addition": demo_corpus.ADDITION_PROMPTS, "subtraction": demo_corpus.SUBTRACTION_PROMPTS,
-               "multiplication": demo_corpus.APPLE_PROMPTS}
+    prompts = {
+        "addition": demo_corpus.ADDITION_PROMPTS,
+        "subtraction": demo_corpus.SUBTRACTION_PROMPTS,
+        "multiplication": demo_corpus.APPLE_PROMPTS,
+    }
     items = []
     for task, pairs in demo_corpus.demo_held_out(random.Random(demo_corpus.DEMO_SEED)).items():
         for a, b in sorted(pairs):
@@ -444,11 +537,15 @@ def demo_choice_items(tokenizer, seed: int = 0) -> list[dict]:
             cut = reply.rindex(" = ")
             right = int(problem["answer"])
             wrong = rng.sample([value for value in range(max(0, right - 9), right + 10) if value != right], 3)
-            choices = [reply[cut + 3:].replace(problem["answer"], str(value)) for value in wrong]
+            choices = [reply[cut + 3 :].replace(problem["answer"], str(value)) for value in wrong]
             answer = rng.randint(0, 3)
-            choices.insert(answer, reply[cut + 3:])
-            context = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], tokenize=False,
-                                                    add_generation_prompt=True) + reply[:cut + 2]
+            choices.insert(answer, reply[cut + 3 :])
+            context = (
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": problem["prompt"]}], tokenize=False, add_generation_prompt=True
+                )
+                + reply[: cut + 2]
+            )
             items.append({"context": context, "choices": choices, "answer": answer})
     return items
 
@@ -486,15 +583,19 @@ def lm_eval_items(name: str, include: str | None = None) -> list[dict]:
     except Exception as error:  # noqa: BLE001 - datasets fails many ways: offline, gated, missing, a bad config
         raise UserError(dataset_failure_text("--eval-tasks", name, error)) from None
     if docs is None or task.OUTPUT_TYPE != "multiple_choice" or task.config.target_delimiter != " ":
-        raise UserError(f"--eval-tasks {name}: not one multiple-choice task whose choice follows the context "
-                        "after a space (a group, another output type or delimiter); the loop scores those, "
-                        "`report.py evaluate` scores the rest")
+        raise UserError(
+            f"--eval-tasks {name}: not one multiple-choice task whose choice follows the context "
+            "after a space (a group, another output type or delimiter); the loop scores those, "
+            "`report.py evaluate` scores the rest"
+        )
     items = []
     for doc in docs:
         context, choices, target = task.fewshot_context(doc, 0), task.doc_to_choice(doc), task.doc_to_target(doc)
         if not isinstance(context, str) or isinstance(target, list):
-            raise UserError(f"--eval-tasks {name}: items with several contexts or answers are not scored in the "
-                            "loop (`report.py evaluate` scores them)")
+            raise UserError(
+                f"--eval-tasks {name}: items with several contexts or answers are not scored in the "
+                "loop (`report.py evaluate` scores them)"
+            )
         answer = choices.index(target) if isinstance(target, str) else int(target)
         items.append({"context": context, "choices": list(choices), "answer": answer})
     return items
@@ -507,8 +608,10 @@ def load_loop_tasks(specs: Sequence[str], limit: int, kept: Path | None) -> list
     tasks = []
     for task in resolve_tasks(specs, "--eval-tasks"):
         if task["kind"] == "exact":
-            raise UserError(f"--eval-tasks {task['path']}: an exact-match task (greedy replies) is scored by "
-                            "`report.py evaluate`; the loop scores multiple-choice tasks")
+            raise UserError(
+                f"--eval-tasks {task['path']}: an exact-match task (greedy replies) is scored by "
+                "`report.py evaluate`; the loop scores multiple-choice tasks"
+            )
         if task["kind"] == "choice":
             items = read_choice_items(Path(task["path"]))
         else:
@@ -519,8 +622,10 @@ def load_loop_tasks(specs: Sequence[str], limit: int, kept: Path | None) -> list
     names = [task.name for task in tasks]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise UserError(f"--eval-tasks: more than one task named {', '.join(twice)} (a file's task is named "
-                        "after its stem: rename one)")
+        raise UserError(
+            f"--eval-tasks: more than one task named {', '.join(twice)} (a file's task is named "
+            "after its stem: rename one)"
+        )
     return tasks
 
 
@@ -548,7 +653,7 @@ def encode_pair(context: str, continuation: str, encode, prefix_id: int) -> tupl
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, context_tokens = encode(context + continuation), encode(context)
-    return context_tokens, whole[len(context_tokens):]
+    return context_tokens, whole[len(context_tokens) :]
 
 
 def choice_rows(items: Sequence[dict], encode, prefix_id: int, max_length: int) -> list[tuple[list[int], int]]:
@@ -558,7 +663,7 @@ def choice_rows(items: Sequence[dict], encode, prefix_id: int, max_length: int) 
     for item in items:
         for choice in item["choices"]:
             context, continuation = encode_pair(item["context"], " " + choice, encode, prefix_id)
-            rows.append(((context + continuation)[-(max_length + 1):], len(continuation)))
+            rows.append(((context + continuation)[-(max_length + 1) :], len(continuation)))
     return rows
 
 
@@ -583,8 +688,10 @@ class LoopScorer:
         """choice_counts of this rank's share of each task (sum them over the ranks, then loop_scores)."""
         import losses
 
-        return [choice_counts(items, losses.continuation_log_likelihoods(model, rows, device, token_budget))
-                for items, rows in zip(self.shares, self.rows)]
+        return [
+            choice_counts(items, losses.continuation_log_likelihoods(model, rows, device, token_budget))
+            for items, rows in zip(self.shares, self.rows)
+        ]
 
 
 TASKS_COST_SHARE = 0.05  # --eval-tasks-every's default keeps the scoring to about this share of the training
@@ -608,11 +715,16 @@ def tasks_cadence_note(validation_every: int, tasks_every: int, task_tokens: int
     if tasks_every == validation_every or validation_every == 0:
         return None
     cost = task_tokens / (3 * validation_every * step_tokens)  # a scored token a third of a trained one
-    when = (f"every {tasks_every} steps (with one validation in {tasks_every // validation_every})" if tasks_every
-            else "only at the end")
-    return (f"note: --eval-tasks are scored {when}, not with each validation (every {validation_every} steps): one "
-            f"scoring reads {task_tokens:,} tokens, about {100 * cost:.0f}% of the training between two validations, "
-            f"and the default keeps it near {100 * TASKS_COST_SHARE:.0f}%; --eval-tasks-every N chooses")
+    when = (
+        f"every {tasks_every} steps (with one validation in {tasks_every // validation_every})"
+        if tasks_every
+        else "only at the end"
+    )
+    return (
+        f"note: --eval-tasks are scored {when}, not with each validation (every {validation_every} steps): one "
+        f"scoring reads {task_tokens:,} tokens, about {100 * cost:.0f}% of the training between two validations, "
+        f"and the default keeps it near {100 * TASKS_COST_SHARE:.0f}%; --eval-tasks-every N chooses"
+    )
 
 
 def choice_counts(items: Sequence[dict], log_likelihoods: Sequence[float]) -> list[float]:
@@ -622,7 +734,7 @@ def choice_counts(items: Sequence[dict], log_likelihoods: Sequence[float]) -> li
     counts, at = [0.0, 0.0, 0.0, float(len(items))], 0
     for item in items:
         choices = item["choices"]
-        sums = log_likelihoods[at:at + len(choices)]
+        sums = log_likelihoods[at : at + len(choices)]
         at += len(choices)
         for slot, length in enumerate((lambda choice: 1, len, lambda choice: len(choice.encode("utf-8")))):
             scores = [value / length(choice) for value, choice in zip(sums, choices)]
@@ -634,6 +746,11 @@ def loop_scores(tasks: Sequence[LoopTask], counts: Sequence[Sequence[float]]) ->
     """{name: {acc, acc_norm, acc_bytes, n, chance}} from each task's choice_counts summed over the ranks."""
     scores = {}
     for task, (acc, acc_norm, acc_bytes, n) in zip(tasks, counts):
-        scores[task.name] = {"acc": acc / n, "acc_norm": acc_norm / n, "acc_bytes": acc_bytes / n, "n": int(n),
-                             "chance": task.chance}
+        scores[task.name] = {
+            "acc": acc / n,
+            "acc_norm": acc_norm / n,
+            "acc_bytes": acc_bytes / n,
+            "n": int(n),
+            "chance": task.chance,
+        }
     return scores

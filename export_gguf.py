@@ -78,9 +78,7 @@ STOP_TOKENS = ("<|im_end|>", "<eos>")
 # ChatML in ollama's Go template syntax, rendering exactly what corpus_format.CHAT_TEMPLATE renders with
 # add_generation_prompt=True (system messages come through .Messages like any other role).
 OLLAMA_TEMPLATE = (
-    "{{- range .Messages }}<|im_start|>{{ .Role }}\n"
-    "{{ .Content }}<|im_end|>\n"
-    "{{ end }}<|im_start|>assistant\n"
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
 )
 
 MODELFILE_TEMPLATE = '''# ollama Modelfile written by tinyllm export_gguf.py: `ollama create NAME -f {modelfile}`
@@ -152,9 +150,20 @@ def read_model_folder(folder: str | Path) -> ModelSource:
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
         if config.get(key, expected) != expected:
             raise UserError(f"{config_path}: {key}={config.get(key)!r} is not supported (expected {expected!r})")
-    missing = [key for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                               "num_key_value_heads", "max_position_embeddings", "vocab_size", "rms_norm_eps")
-               if key not in config]
+    missing = [
+        key
+        for key in (
+            "num_hidden_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "vocab_size",
+            "rms_norm_eps",
+        )
+        if key not in config
+    ]
     if missing:
         raise UserError(f"{config_path}: missing {', '.join(missing)}")
     heads = int(config["num_attention_heads"])
@@ -175,9 +184,14 @@ def read_model_folder(folder: str | Path) -> ModelSource:
     bad = nonpositive_field(preset)
     if bad:  # llama.cpp would assert (and abort) on some of these
         raise UserError(f"{config_path}: {bad[0]} must be positive, got {bad[1]}")
-    return ModelSource(folder=folder, config=config, weight_files=weight_files(folder), preset=preset,
-                       vocab_size=int(config["vocab_size"]),
-                       tied=preset.tie_embeddings)
+    return ModelSource(
+        folder=folder,
+        config=config,
+        weight_files=weight_files(folder),
+        preset=preset,
+        vocab_size=int(config["vocab_size"]),
+        tied=preset.tie_embeddings,
+    )
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -308,8 +322,11 @@ def provenance_candidates(folder: Path) -> list[tuple[str, dict]]:
     """(where, {corpus_sha256, tokenizer_sha256}) from every place that may record them, best first."""
     candidates = []
     aliases = {"corpus_manifest_sha256": "corpus_sha256"}
-    for path, section in ((folder / PROVENANCE_FILE, None), (folder / "config.json", "tinyllm"),
-                          (folder.parent / "training_settings.json", None)):
+    for path, section in (
+        (folder / PROVENANCE_FILE, None),
+        (folder / "config.json", "tinyllm"),
+        (folder.parent / "training_settings.json", None),
+    ):
         if path.is_file():
             record = read_json(path)
             record = (record.get(section) or {}) if section else record
@@ -319,8 +336,12 @@ def provenance_candidates(folder: Path) -> list[tuple[str, dict]]:
     manifest = folder.parent / "corpus_manifest.json"
     if manifest.is_file():  # train.py's copy of the corpus manifest: its hash names the corpus
         record = read_json(manifest, "corpus manifest")
-        candidates.append((str(manifest), {"corpus_sha256": sha256_file(manifest),
-                                           "tokenizer_sha256": record.get("tokenizer_sha256")}))
+        candidates.append(
+            (
+                str(manifest),
+                {"corpus_sha256": sha256_file(manifest), "tokenizer_sha256": record.get("tokenizer_sha256")},
+            )
+        )
     return candidates
 
 
@@ -401,8 +422,10 @@ def open_safetensors(path: Path):
         with safe_open(str(path), framework="pt") as handle:
             yield handle
     except SafetensorError as error:
-        raise UserError(f"{path} is not a readable safetensors file, truncated or corrupt ({error}); export "
-                        "the model again (train.py --export-only --out RUN)") from None
+        raise UserError(
+            f"{path} is not a readable safetensors file, truncated or corrupt ({error}); export "
+            "the model again (train.py --export-only --out RUN)"
+        ) from None
 
 
 def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
@@ -425,8 +448,10 @@ def plan_tensors(source: ModelSource, out_type: str) -> list[PlannedTensor]:
         raise UserError(f"{source.folder}: weights lack {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
     for gguf_name, shape in expected.items():
         if plan[gguf_name].shape != shape:
-            raise UserError(f"{source.folder}: {plan[gguf_name].hf_name} has shape {list(plan[gguf_name].shape)}, "
-                            f"config.json says {list(shape)}")
+            raise UserError(
+                f"{source.folder}: {plan[gguf_name].hf_name} has shape {list(plan[gguf_name].shape)}, "
+                f"config.json says {list(shape)}"
+            )
     return list(plan.values())
 
 
@@ -434,10 +459,19 @@ def expected_tensor_shapes(source: ModelSource) -> dict[str, tuple[int, ...]]:
     """The Hugging Face shape ([out, in] for a linear layer) config.json implies for each GGUF tensor."""
     p = source.preset
     query, key_value = p.heads * p.head_dim, p.kv_heads * p.head_dim
-    per_layer = {"attn_norm": (p.hidden,), "attn_q": (query, p.hidden), "attn_k": (key_value, p.hidden),
-                 "attn_v": (key_value, p.hidden), "attn_output": (p.hidden, query), "attn_q_norm": (p.head_dim,),
-                 "attn_k_norm": (p.head_dim,), "ffn_norm": (p.hidden,), "ffn_gate": (p.intermediate, p.hidden),
-                 "ffn_up": (p.intermediate, p.hidden), "ffn_down": (p.hidden, p.intermediate)}
+    per_layer = {
+        "attn_norm": (p.hidden,),
+        "attn_q": (query, p.hidden),
+        "attn_k": (key_value, p.hidden),
+        "attn_v": (key_value, p.hidden),
+        "attn_output": (p.hidden, query),
+        "attn_q_norm": (p.head_dim,),
+        "attn_k_norm": (p.head_dim,),
+        "ffn_norm": (p.hidden,),
+        "ffn_gate": (p.intermediate, p.hidden),
+        "ffn_up": (p.intermediate, p.hidden),
+        "ffn_down": (p.hidden, p.intermediate),
+    }
     shapes = {"token_embd.weight": (source.vocab_size, p.hidden), "output_norm.weight": (p.hidden,)}
     shapes |= {f"blk.{layer}.{part}.weight": shape for layer in range(p.layers) for part, shape in per_layer.items()}
     if not source.tied:
@@ -520,8 +554,15 @@ def model_name(folder: Path) -> str:
     return folder.parent.name if folder.name == "model" else folder.name
 
 
-def add_metadata(writer: gguf.GGUFWriter, source: ModelSource, vocab: Vocab, out_type: str, name: str,
-                 provenance: dict, parameters: int) -> None:
+def add_metadata(
+    writer: gguf.GGUFWriter,
+    source: ModelSource,
+    vocab: Vocab,
+    out_type: str,
+    name: str,
+    provenance: dict,
+    parameters: int,
+) -> None:
     """general.*, provenance, every hyperparameter llama.cpp reads for qwen3, and the tokenizer."""
     file_type = gguf.LlamaFileType[OUT_TYPES[out_type][1]]
     writer.add_type(gguf.GGUFType.MODEL)
@@ -573,8 +614,9 @@ class Conversions:
     written. Only the part of a buffer a tensor fills is ever touched.
     """
 
-    def __init__(self, source: ModelSource, plan: list[PlannedTensor], stack: contextlib.ExitStack,
-                 ahead: int = CONVERT_AHEAD):
+    def __init__(
+        self, source: ModelSource, plan: list[PlannedTensor], stack: contextlib.ExitStack, ahead: int = CONVERT_AHEAD
+    ):
         import torch
 
         self.handles = {path: stack.enter_context(open_safetensors(path)) for path in source.weight_files}
@@ -608,8 +650,16 @@ class Conversions:
                 self.buffers.append(buffer)
 
 
-def write_gguf(path: Path, source: ModelSource, vocab: Vocab, plan: list[PlannedTensor], tensors: Conversions,
-               out_type: str, name: str, provenance: dict) -> dict:
+def write_gguf(
+    path: Path,
+    source: ModelSource,
+    vocab: Vocab,
+    plan: list[PlannedTensor],
+    tensors: Conversions,
+    out_type: str,
+    name: str,
+    provenance: dict,
+) -> dict:
     """Write the GGUF to `path`: metadata, tensor infos, then the tensors as they are converted."""
     writer = BulkArrayWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3])
     add_metadata(writer, source, vocab, out_type, name, provenance, sum(int(np.prod(t.shape)) for t in plan))
@@ -644,8 +694,10 @@ def verify_export(source: ModelSource, temp: Path, out: Path, out_type: str, log
     checks = {}
     try:
         checks["reader"] = verify_tensors(source, temp, out_type)
-        log(f"reader: {checks['reader']['tensors']} tensors match the source "
-            f"(max abs error {checks['reader']['max_abs_error']:.3g})")
+        log(
+            f"reader: {checks['reader']['tensors']} tensors match the source "
+            f"(max abs error {checks['reader']['max_abs_error']:.3g})"
+        )
         checks["llama_cpp"] = verify_with_llama_cpp(source.folder, temp, out_type, log=log)
     except VerificationFailed as error:
         raise VerificationFailed(f"--verify failed, so {out} was not written: {error}") from None
@@ -760,8 +812,10 @@ def verify_tensors(source: ModelSource, gguf_path: Path, out_type: str) -> dict:
         value = None if entry is None else entry.contents()
         if value != expected:
             raise VerificationFailed(f"{gguf_path}: metadata {key} is {value!r}, expected {expected!r}")
-    for key, expected in (("qwen3.rope.freq_base", source.preset.rope_theta),
-                          ("qwen3.attention.layer_norm_rms_epsilon", source.preset.rms_norm_eps)):
+    for key, expected in (
+        ("qwen3.rope.freq_base", source.preset.rope_theta),
+        ("qwen3.attention.layer_norm_rms_epsilon", source.preset.rms_norm_eps),
+    ):
         entry = reader.get_field(key)
         if entry is None or not np.isclose(entry.contents(), expected, rtol=1e-6):
             raise VerificationFailed(f"{gguf_path}: metadata {key} is not {expected}")
@@ -857,7 +911,7 @@ def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
-    return sequence[len(ids):]
+    return sequence[len(ids) :]
 
 
 def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:
@@ -902,8 +956,10 @@ def compare_greedy(model, llm, ids: list[int], prompt: str, tie_tolerance: float
             f"llama.cpp's token is {margin:.3g} below its top (more than the near-tie threshold "
             f"{tie_tolerance:.3g}): llama.cpp {got}, HF {expected}"
         )
-    log(f"greedy {prompt[:30]!r}: diverges at token {step}, where HF's logit for llama.cpp's token is only "
-        f"{margin:.3g} below its top (a near tie within {tie_tolerance:.3g}, accepted)")
+    log(
+        f"greedy {prompt[:30]!r}: diverges at token {step}, where HF's logit for llama.cpp's token is only "
+        f"{margin:.3g} below its top (a near tie within {tie_tolerance:.3g}, accepted)"
+    )
     return margin
 
 
@@ -920,9 +976,11 @@ def verify_passed_line(checks: dict, out_type: str) -> str:
     """--verify's last line: what passed, from export's `checks` (verify_tensors, verify_with_llama_cpp)."""
     reader, llama = checks["reader"], checks["llama_cpp"]
     ties = f", {llama['greedy_ties']} at an accepted near tie" if llama["greedy_ties"] else ""
-    return (f"verify: passed: {reader['tensors']} tensors read back as written; {llama['texts']} texts tokenize "
-            f"identically in llama.cpp and transformers; logits agree to {llama['max_logit_diff']:.3g} ({out_type}); "
-            f"{llama['greedy_prompts']} prompts give the same {GREEDY_TOKENS} greedy tokens{ties}")
+    return (
+        f"verify: passed: {reader['tensors']} tensors read back as written; {llama['texts']} texts tokenize "
+        f"identically in llama.cpp and transformers; logits agree to {llama['max_logit_diff']:.3g} ({out_type}); "
+        f"{llama['greedy_prompts']} prompts give the same {GREEDY_TOKENS} greedy tokens{ties}"
+    )
 
 
 # ggml_log_level in ggml.h (llama-cpp-python's _logger.py still lists the older numbering).
@@ -1001,8 +1059,9 @@ def load_llama(llama_cpp, gguf_path: Path, log: LlamaCppLog, **options):
         raise VerificationFailed(f"llama.cpp cannot load the GGUF; its log says:\n{details}") from None
 
 
-def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=print,
-                          logit_tolerance: float = 1e-3) -> dict:
+def verify_with_llama_cpp(
+    folder: Path, gguf_path: Path, out_type: str, log=print, logit_tolerance: float = 1e-3
+) -> dict:
     """Run the GGUF in llama.cpp and compare tokens, logits and greedy text with the HF model.
 
     The GGUF is loaded once, with the model's own context length: a vocab-only load would still
@@ -1016,12 +1075,12 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
     try:
         import llama_cpp
     except ImportError:
-        raise UserError("--verify needs llama-cpp-python: pip install llama-cpp-python "
-                        "(it compiles llama.cpp: minutes)") from None
+        raise UserError(
+            "--verify needs llama-cpp-python: pip install llama-cpp-python (it compiles llama.cpp: minutes)"
+        ) from None
     import torch
     from transformers import Qwen3ForCausalLM
     from transformers.utils import logging as transformers_logging
-
 
     transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(folder)
@@ -1029,37 +1088,61 @@ def verify_with_llama_cpp(folder: Path, gguf_path: Path, out_type: str, log=prin
         model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     except Exception as error:  # the reference side of the comparison cannot be built
         first_line = (str(error).strip().splitlines() or [""])[0]
-        raise VerificationFailed(f"transformers cannot load {folder} ({type(error).__name__}: {first_line})") \
-            from None
+        raise VerificationFailed(f"transformers cannot load {folder} ({type(error).__name__}: {first_line})") from None
     context = model.config.max_position_embeddings
-    options = dict(n_ctx=context, n_batch=context, logits_all=True, verbose=False, seed=0,
-                   type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
-    with (llama_cpp_log_captured(llama_cpp) as native_log,
-          contextlib.closing(load_llama(llama_cpp, gguf_path, native_log, **options)) as llm):
+    options = dict(
+        n_ctx=context,
+        n_batch=context,
+        logits_all=True,
+        verbose=False,
+        seed=0,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+        flash_attn=False,
+    )
+    with (
+        llama_cpp_log_captured(llama_cpp) as native_log,
+        contextlib.closing(load_llama(llama_cpp, gguf_path, native_log, **options)) as llm,
+    ):
         texts = verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer)
-        log(f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF; "
-            f"its chat template renders as HF's; {', '.join(STOP_TOKENS)} end generation")
+        log(
+            f"llama.cpp tokenizer: {len(texts)} texts tokenize and detokenize exactly as HF; "
+            f"its chat template renders as HF's; {', '.join(STOP_TOKENS)} end generation"
+        )
 
-        worst, largest = logit_differences(model, llm, tokenizer, [VERIFY_TEXTS[0], VERIFY_TEXTS[2], texts[-1]],
-                                           context)
+        worst, largest = logit_differences(
+            model, llm, tokenizer, [VERIFY_TEXTS[0], VERIFY_TEXTS[2], texts[-1]], context
+        )
         log(f"llama.cpp logits: max abs difference {worst:.3g} from HF ({out_type}; largest |logit| {largest:.3g})")
         if out_type == "f32" and worst > logit_tolerance:
             raise VerificationFailed(f"f32 logits differ from HF by {worst:.3g} (> {logit_tolerance})")
 
-        prompts = [*DEMO_PROMPTS, *(tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                                  tokenize=False, add_generation_prompt=True)
-                                    for question in DEMO_QUESTIONS)]
+        prompts = [
+            *DEMO_PROMPTS,
+            *(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+                )
+                for question in DEMO_QUESTIONS
+            ),
+        ]
         tie_tolerance = max(logit_tolerance, 2 * worst)
         tie_margins = []
         for prompt in prompts:
-            ids = tokenizer.encode(prompt, add_special_tokens=False)[-(context - GREEDY_TOKENS):]
+            ids = tokenizer.encode(prompt, add_special_tokens=False)[-(context - GREEDY_TOKENS) :]
             margin = compare_greedy(model, llm, ids, prompt, tie_tolerance, log)
             if margin is not None:
                 tie_margins.append(margin)
     log(greedy_summary(len(prompts), tie_margins, tie_tolerance))
-    return {"texts": len(texts), "max_logit_diff": worst, "max_abs_logit": largest, "greedy_prompts": len(prompts),
-            "greedy_ties": len(tie_margins), "greedy_tie_tolerance": tie_tolerance,
-            "greedy_max_tie_margin": max(tie_margins, default=0.0)}
+    return {
+        "texts": len(texts),
+        "max_logit_diff": worst,
+        "max_abs_logit": largest,
+        "greedy_prompts": len(prompts),
+        "greedy_ties": len(tie_margins),
+        "greedy_tie_tolerance": tie_tolerance,
+        "greedy_max_tie_margin": max(tie_margins, default=0.0),
+    }
 
 
 def logit_differences(model, llm, tokenizer, texts: list[str], context: int) -> tuple[float, float]:
@@ -1091,8 +1174,11 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
     if rendered != tokenizer.apply_chat_template(VERIFY_CHAT, tokenize=False, add_generation_prompt=True):
         raise VerificationFailed(f"llama.cpp's built-in chat template renders the chat differently: {rendered!r}")
     vocab = llm._model.vocab
-    not_stop = [token for token in STOP_TOKENS
-                if not llama_cpp.llama_vocab_is_eog(vocab, tokenizer.convert_tokens_to_ids(token))]
+    not_stop = [
+        token
+        for token in STOP_TOKENS
+        if not llama_cpp.llama_vocab_is_eog(vocab, tokenizer.convert_tokens_to_ids(token))
+    ]
     if not_stop:
         raise VerificationFailed(f"llama.cpp does not stop generating at {not_stop}")
     if llama_cpp.llama_vocab_get_add_bos(vocab):
@@ -1118,8 +1204,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--type", default="f16", help=f"tensor type: {', '.join(OUT_TYPES)}")
     parser.add_argument("--name", default=None, help="general.name; None: the run folder's name")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    parser.add_argument("--verify", action="store_true",
-                        help="check with gguf.GGUFReader and llama.cpp before renaming the output into place")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check with gguf.GGUFReader and llama.cpp before renaming the output into place",
+    )
     parser.add_argument("--no-modelfile", action="store_true", help="do not write the ollama Modelfile")
     parser.add_argument("--corpus-sha256", default=None, help="corpus manifest sha256; None: read from the run")
     parser.add_argument("--tokenizer-sha256", default=None, help="corpus tokenizer sha256; None: read from the run")
@@ -1133,18 +1222,27 @@ def main(argv=None) -> None:
     out = args.out or args.model.parent / f"{args.model.resolve().name}-{args.type}{GGUF_SUFFIX}"
     provenance = {"corpus_sha256": args.corpus_sha256, "tokenizer_sha256": args.tokenizer_sha256}
     summary = export(
-        args.model, out, args.type, overwrite=args.overwrite, name=args.name, provenance=provenance,
-        verify=args.verify, modelfile=not args.no_modelfile,
+        args.model,
+        out,
+        args.type,
+        overwrite=args.overwrite,
+        name=args.name,
+        provenance=provenance,
+        verify=args.verify,
+        modelfile=not args.no_modelfile,
     )
     shown = ", ".join(f"{key}={value[:12]}..." for key, value in summary["provenance"].items()) or "none found"
     print(f"provenance: {shown} (from {', '.join(summary['provenance_sources']) or 'nowhere'})")
-    print(f"wrote {Path(summary['path']).resolve()} ({summary['bytes'] / 1e6:.1f} MB, {args.type}, tensors "
-          f"{summary['tensor_types']}) in {summary['seconds']:.1f}s")
+    print(
+        f"wrote {Path(summary['path']).resolve()} ({summary['bytes'] / 1e6:.1f} MB, {args.type}, tensors "
+        f"{summary['tensor_types']}) in {summary['seconds']:.1f}s"
+    )
     if summary["modelfile"]:
         modelfile = Path(summary["modelfile"]).resolve()
         print(f"wrote {modelfile} (ollama: ollama create {model_name(args.model)} -f {modelfile})")
     if args.verify:
         print(verify_passed_line(summary["checks"], args.type))
+
 
 def command() -> None:
     """The `tinyllm-gguf` console script (pyproject.toml): `python export_gguf.py` from anywhere."""

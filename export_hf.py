@@ -24,21 +24,41 @@ MODEL_DIR = "model"  # RUN/model/: the exported folder (publishing.publish_layou
 # What the card and the provenance say.
 
 
-def card_info(name: str, status: str, preset: str, step: int, total_steps: int, tokens: int, settings: dict,
-              validation: dict | None, test: dict | None, accuracy: dict | None,
-              usage_example: dict | None = None) -> dict:
+def card_info(
+    name: str,
+    status: str,
+    preset: str,
+    step: int,
+    total_steps: int,
+    tokens: int,
+    settings: dict,
+    validation: dict | None,
+    test: dict | None,
+    accuracy: dict | None,
+    usage_example: dict | None = None,
+) -> dict:
     """What export_hf_model writes into the model card and training_provenance.json. `usage_example`:
     {"kind": "chat" or "text", "prompt": ...} from the corpus (usage_example_from), the card's example."""
     training = settings["training"]
-    return {"model_name": name, "status": status, "preset": preset, "steps": step, "total_steps": total_steps,
-            "tokens": tokens, "corpus_sha256": training["corpus_manifest_sha256"],
-            "tokenizer_sha256": training["tokenizer_sha256"],
-            "validation_loss": validation["loss"] if validation else None,
-            "validation_perplexity": validation["perplexity"] if validation else None,
-            "test_loss": test["loss"] if test else None, "test_perplexity": test["perplexity"] if test else None,
-            "test_bits_per_byte": (test or {}).get("bits_per_byte"),
-            "demo_accuracy": accuracy, "init_from": settings.get("init_from"), "settings": settings,
-            "usage_example": usage_example}
+    return {
+        "model_name": name,
+        "status": status,
+        "preset": preset,
+        "steps": step,
+        "total_steps": total_steps,
+        "tokens": tokens,
+        "corpus_sha256": training["corpus_manifest_sha256"],
+        "tokenizer_sha256": training["tokenizer_sha256"],
+        "validation_loss": validation["loss"] if validation else None,
+        "validation_perplexity": validation["perplexity"] if validation else None,
+        "test_loss": test["loss"] if test else None,
+        "test_perplexity": test["perplexity"] if test else None,
+        "test_bits_per_byte": (test or {}).get("bits_per_byte"),
+        "demo_accuracy": accuracy,
+        "init_from": settings.get("init_from"),
+        "settings": settings,
+        "usage_example": usage_example,
+    }
 
 
 def usage_example_from(corpus: Path, tokenizer) -> dict:
@@ -77,8 +97,10 @@ def _accuracy_line(accuracy) -> str | None:
     if accuracy is None:
         return None
     if isinstance(accuracy, dict):
-        tasks = ", ".join(f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
-                          for name, task in accuracy.get("by_task", {}).items())
+        tasks = ", ".join(
+            f"{name} {100 * task['accuracy']:.1f}% ({task['correct']}/{task['total']})"
+            for name, task in accuracy.get("by_task", {}).items()
+        )
         line = f"{100 * accuracy['accuracy']:.1f}% exact match ({accuracy['correct']}/{accuracy['total']})"
         return line + (f"; by task: {tasks}" if tasks else "")
     return f"{100 * float(accuracy):.1f}% exact match"
@@ -88,29 +110,43 @@ def _lineage_lines(lineage: dict | None) -> list[str]:
     """The model card's lines on the weights a run started from (train.py --init-from)."""
     if not lineage:
         return []
-    return [f"- Initialized from: `{lineage.get('source')}` ({lineage.get('kind')}, step {lineage.get('step')}, "
-            f"sha256 `{lineage.get('sha256')}`), itself trained on corpus manifest sha256 "
-            f"`{lineage.get('corpus_manifest_sha256') or 'n/a'}`"]
+    return [
+        f"- Initialized from: `{lineage.get('source')}` ({lineage.get('kind')}, step {lineage.get('step')}, "
+        f"sha256 `{lineage.get('sha256')}`), itself trained on corpus manifest sha256 "
+        f"`{lineage.get('corpus_manifest_sha256') or 'n/a'}`"
+    ]
 
 
 def _mixture_lines(mixture: dict | None) -> list[str]:
     """The model card's lines on a train.py --data mixture: its sources and each phase's weights."""
     if not mixture:
         return []
-    sources = ", ".join(f"`{source['name']}`" + (f" (label `{source['label']}`)" if source.get("label") else "")
-                        + f" corpus manifest sha256 `{source['corpus_manifest_sha256'][:16]}`"
-                        for source in mixture["sources"])
+    sources = ", ".join(
+        f"`{source['name']}`"
+        + (f" (label `{source['label']}`)" if source.get("label") else "")
+        + f" corpus manifest sha256 `{source['corpus_manifest_sha256'][:16]}`"
+        for source in mixture["sources"]
+    )
     starts = {"0": "from the start", "decay": "from the decay"}
-    phases = "; ".join(starts.get(phase["start"], f"from step {phase['start']}")
-                       + ": " + ", ".join(f"{name} {weight:g}" for name, weight in phase["weights"].items())
-                       for phase in mixture["phases"])
+    phases = "; ".join(
+        starts.get(phase["start"], f"from step {phase['start']}")
+        + ": "
+        + ", ".join(f"{name} {weight:g}" for name, weight in phase["weights"].items())
+        for phase in mixture["phases"]
+    )
     return [f"- Mixture of sources: {sources}", f"- Mixture weights: {phases}"]
 
 
 def model_card(architecture: dict, card_info: dict) -> str:
     """README.md for RUN/model/: what the model is, how it was made, how to load it, what it cannot do."""
-    return "\n".join([*_card_header(architecture, card_info), *_card_provenance(card_info),
-                      *_card_evaluation(architecture, card_info), *_card_limitations(architecture, card_info)])
+    return "\n".join(
+        [
+            *_card_header(architecture, card_info),
+            *_card_provenance(card_info),
+            *_card_evaluation(architecture, card_info),
+            *_card_limitations(architecture, card_info),
+        ]
+    )
 
 
 def _card_header(arch: dict, card_info: dict) -> list[str]:
@@ -131,15 +167,18 @@ def _card_header(arch: dict, card_info: dict) -> list[str]:
         f"# {name}",
         "",
         f"A {human_count(arch['parameters'])}-parameter Qwen3-architecture causal language model trained "
-        + ("with tinyllm, starting from the weights named under Data and provenance (its own byte-level BPE "
-           "tokenizer)." if card_info.get("init_from") else
-           "from scratch with tinyllm (random initialization, its own byte-level BPE tokenizer; no pretrained "
-           "weights were loaded)."),
+        + (
+            "with tinyllm, starting from the weights named under Data and provenance (its own byte-level BPE "
+            "tokenizer)."
+            if card_info.get("init_from")
+            else "from scratch with tinyllm (random initialization, its own byte-level BPE tokenizer; no pretrained "
+            "weights were loaded)."
+        ),
         "",
         "## Status",
         "",
-        f"- Status: **{status}**" + ("" if finished else " (training did not finish; this is an intermediate "
-                                     "checkpoint)"),
+        f"- Status: **{status}**"
+        + ("" if finished else " (training did not finish; this is an intermediate checkpoint)"),
         f"- Optimizer steps: {_number(steps)}" + (f" of {total_steps:,}" if isinstance(total_steps, int) else ""),
         f"- Tokens trained on: {f'{tokens:,}' if isinstance(tokens, int) else _number(tokens)}",
         f"- Preset: {card_info.get('preset', 'n/a')}",
@@ -238,22 +277,36 @@ def usage_lines(example: dict) -> list[str]:
     """The card's "How to use" code: the chat template for a chat corpus, plain continuation for text."""
     prompt = str(example.get("prompt", ""))[:USAGE_PROMPT_CHARACTERS]
     literal = json.dumps(prompt, ensure_ascii=False)  # a JSON string is a Python string literal
-    load = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline", "",
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/model")',
-            'model = AutoModelForCausalLM.from_pretrained("path/to/model")']
+    load = [
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline",
+        "",
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/model")',
+        'model = AutoModelForCausalLM.from_pretrained("path/to/model")',
+    ]
     if example.get("kind") == "text":
-        return [*load, f"inputs = tokenizer({literal}, return_tensors=\"pt\")  # an opening from the corpus",
-                "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <eos>",
-                "print(tokenizer.decode(output[0], skip_special_tokens=True))", "",
-                'generate = pipeline("text-generation", model="path/to/model")',
-                f'print(generate({literal}, max_new_tokens=64)[0]["generated_text"])', "```"]
-    return [*load, f'messages = [{{"role": "user", "content": {literal}}}]  # a question from the corpus',
-            "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",",
-            "                                       return_dict=True)",
-            "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <|im_end|> or <eos>",
-            'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))', "",
-            'chat = pipeline("text-generation", model="path/to/model")',
-            'print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])', "```"]
+        return [
+            *load,
+            f'inputs = tokenizer({literal}, return_tensors="pt")  # an opening from the corpus',
+            "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <eos>",
+            "print(tokenizer.decode(output[0], skip_special_tokens=True))",
+            "",
+            'generate = pipeline("text-generation", model="path/to/model")',
+            f'print(generate({literal}, max_new_tokens=64)[0]["generated_text"])',
+            "```",
+        ]
+    return [
+        *load,
+        f'messages = [{{"role": "user", "content": {literal}}}]  # a question from the corpus',
+        'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",',
+        "                                       return_dict=True)",
+        "output = model.generate(**inputs, max_new_tokens=64)  # greedy; stops at <|im_end|> or <eos>",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "",
+        'chat = pipeline("text-generation", model="path/to/model")',
+        'print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])',
+        "```",
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,8 +324,11 @@ def score_table(result: dict) -> str:
     columns = ("acc", "acc_norm", "exact_match")
     lines = ["| task | kind | n | " + " | ".join(columns) + " |", "|---|---|---:|" + "---:|" * len(columns)]
     for name, scores in result["tasks"].items():
-        lines.append(f"| {name} | {scores['kind']} | {scores['n']} | "
-                     + " | ".join(_cell(scores.get(column)) for column in columns) + " |")
+        lines.append(
+            f"| {name} | {scores['kind']} | {scores['n']} | "
+            + " | ".join(_cell(scores.get(column)) for column in columns)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -281,10 +337,20 @@ def settings_line(harness: dict) -> str:
 
 
 def card_section(result: dict) -> str:
-    return "\n".join([CARD_START, "## Benchmark scores", "", score_table(result), "",
-                      f"Zero-shot, `python report.py evaluate` ({result['time']}); settings: "
-                      f"{settings_line(result['harness'])}. Scores from other harnesses or normalisations "
-                      "do not compare with these.", CARD_END, ""])
+    return "\n".join(
+        [
+            CARD_START,
+            "## Benchmark scores",
+            "",
+            score_table(result),
+            "",
+            f"Zero-shot, `python report.py evaluate` ({result['time']}); settings: "
+            f"{settings_line(result['harness'])}. Scores from other harnesses or normalisations "
+            "do not compare with these.",
+            CARD_END,
+            "",
+        ]
+    )
 
 
 def add_to_card(card: str, result: dict) -> str:
@@ -319,9 +385,14 @@ def write_provenance(folder: Path, architecture: dict, card_info: dict) -> None:
     import torch
     import transformers
 
-    provenance = {"format_version": 1, "exported_utc": utc_now(), **json_safe(card_info),
-                  "architecture": architecture, "transformers_version": transformers.__version__,
-                  "torch_version": torch.__version__}
+    provenance = {
+        "format_version": 1,
+        "exported_utc": utc_now(),
+        **json_safe(card_info),
+        "architecture": architecture,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+    }
     (folder / "training_provenance.json").write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
 
 
@@ -343,6 +414,8 @@ def export_hf_model(model, tokenizer, out_dir: str | os.PathLike, card_info: dic
         generation.generation_config_for(tokenizer, context).save_pretrained(temp)
         write_model_card(temp, architecture, card_info)
         write_provenance(temp, architecture, card_info)
-        hashes = {path.relative_to(temp).as_posix(): sha256_file(path)
-                  for path in sorted(p for p in temp.rglob("*") if p.is_file())}
+        hashes = {
+            path.relative_to(temp).as_posix(): sha256_file(path)
+            for path in sorted(p for p in temp.rglob("*") if p.is_file())
+        }
     return hashes

@@ -115,8 +115,9 @@ GREEDY = Sampling()
 def add_sampling_args(parser, prefix: str = "") -> None:
     """--temperature / --top-p / --top-k / --seed (train.py: --sample-temperature ...), read by sampling_from."""
     parser.add_argument(f"--{prefix}temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
-    parser.add_argument(f"--{prefix}top-p", type=float, default=1.0, help="nucleus sampling: keep this much "
-                        "probability mass (1: all)")
+    parser.add_argument(
+        f"--{prefix}top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability mass (1: all)"
+    )
     parser.add_argument(f"--{prefix}top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
     parser.add_argument(f"--{prefix}seed", type=int, default=0, help="seed of the sampling (reproducible replies)")
 
@@ -145,8 +146,15 @@ def seeded_sampling(sampling: Sampling, batch: int, device):
 # Chat replies and plain-text continuations: batched, eval mode, the caller's mode and RNG kept.
 
 
-def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
-                          device=None, batch_size: int = 16, sampling: Sampling = GREEDY) -> list[dict]:
+def generate_chat_details(
+    model,
+    tokenizer,
+    prompts: Sequence[str | Sequence[dict]],
+    max_new_tokens: int = 64,
+    device=None,
+    batch_size: int = 16,
+    sampling: Sampling = GREEDY,
+) -> list[dict]:
     """Replies to `prompts` through the chat template (greedy unless `sampling` says otherwise), as dicts.
 
     Each dict: completion (text before <|im_end|> / <eos>, special tokens such as <think> kept),
@@ -172,20 +180,30 @@ def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dic
     model.eval()
     try:
         for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            batch = tokenizer.pad({"input_ids": [encoded[index] for index in chunk]}, padding=True,
-                                  padding_side="left", return_tensors="pt").to(device)
+            chunk = order[start : start + batch_size]
+            batch = tokenizer.pad(
+                {"input_ids": [encoded[index] for index in chunk]},
+                padding=True,
+                padding_side="left",
+                return_tensors="pt",
+            ).to(device)
             prompt_length = batch["input_ids"].shape[1]
             new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - prompt_length)
             if new_tokens < 1:
                 raise UserError(f"a prompt of {prompt_length} tokens leaves no room in the model's context {context}")
-            config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=stops,
-                                      pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                      **sampling.generation_options())
+            config = GenerationConfig(
+                max_new_tokens=new_tokens,
+                num_beams=1,
+                eos_token_id=stops,
+                pad_token_id=tokenizer.pad_token_id,
+                use_cache=True,
+                **sampling.generation_options(),
+            )
             # the stock "sdpa" attention: the training kernels take no padding mask (attention.exportable)
             with torch.no_grad(), seeded_sampling(sampling, start, device), attention.exportable(model):
-                output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        generation_config=config)
+                output = model.generate(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], generation_config=config
+                )
             for index, row in zip(chunk, output[:, prompt_length:].tolist()):
                 reply, stopped = cut_at_stop(row, stops)
                 text = tokenizer.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -195,15 +213,23 @@ def generate_chat_details(model, tokenizer, prompts: Sequence[str | Sequence[dic
     return results
 
 
-def generate_chat(model, tokenizer, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int = 64,
-                  device=None, batch_size: int = 16, sampling: Sampling = GREEDY) -> list[str]:
+def generate_chat(
+    model,
+    tokenizer,
+    prompts: Sequence[str | Sequence[dict]],
+    max_new_tokens: int = 64,
+    device=None,
+    batch_size: int = 16,
+    sampling: Sampling = GREEDY,
+) -> list[str]:
     """Replies (text before <|im_end|> / <eos>) to user prompts, through the chat template; greedy by default."""
     details = generate_chat_details(model, tokenizer, prompts, max_new_tokens, device, batch_size, sampling)
     return [detail["completion"] for detail in details]
 
 
-def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 64,
-                          device=None, sampling: Sampling = GREEDY) -> list[dict]:
+def generate_text_details(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 64, device=None, sampling: Sampling = GREEDY
+) -> list[dict]:
     """Plain-text continuations of `prompts` (no chat template; greedy unless `sampling` says otherwise),
     one prompt at a time: dicts {completion, stopped (at <eos>), new_tokens}, like generate_chat_details."""
     import torch
@@ -220,16 +246,23 @@ def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_toke
         for number, prompt in enumerate(prompts):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             if context is not None:
-                ids = ids[-(context - 1):]
+                ids = ids[-(context - 1) :]
             new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(ids))
-            config = GenerationConfig(max_new_tokens=new_tokens, num_beams=1, eos_token_id=[eos],
-                                      pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                      **sampling.generation_options())
+            config = GenerationConfig(
+                max_new_tokens=new_tokens,
+                num_beams=1,
+                eos_token_id=[eos],
+                pad_token_id=tokenizer.pad_token_id,
+                use_cache=True,
+                **sampling.generation_options(),
+            )
             with torch.no_grad(), seeded_sampling(sampling, number, device), attention.exportable(model):
-                output = model.generate(input_ids=torch.tensor([ids], device=device),
-                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                        generation_config=config)
-            reply, stopped = cut_at_stop(output[0, len(ids):].tolist(), [eos])
+                output = model.generate(
+                    input_ids=torch.tensor([ids], device=device),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                    generation_config=config,
+                )
+            reply, stopped = cut_at_stop(output[0, len(ids) :].tolist(), [eos])
             text = tokenizer.decode(reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             results.append({"completion": text, "stopped": stopped, "new_tokens": len(reply)})
     finally:
@@ -241,8 +274,9 @@ def generate_text_details(model, tokenizer, prompts: Sequence[str], max_new_toke
 # sample_generations.json: prompts that fit the corpus, replies that never fail the run.
 
 
-def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, opening_tokens: int = 24,
-                     documents_read: int = 200) -> tuple[str, list[str]]:
+def held_out_prompts(
+    corpus: str | os.PathLike, tokenizer, count: int = 5, opening_tokens: int = 24, documents_read: int = 200
+) -> tuple[str, list[str]]:
     """("chat" or "text", prompts) that fit a corpus: the first user turns of its held-out chats, or
     the openings of its held-out texts (its first `opening_tokens` tokens) to be continued. The test
     split is read first, then validation, then train (a corpus without held-out documents)."""
@@ -275,9 +309,17 @@ def held_out_prompts(corpus: str | os.PathLike, tokenizer, count: int = 5, openi
     return "text", list(dict.fromkeys(opening for opening in openings if opening.strip()))[:count]
 
 
-def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
-                     max_new_tokens: int = 96, device=None, step: int | None = None, text: bool = False,
-                     sampling: Sampling = GREEDY) -> dict:
+def generate_samples(
+    model,
+    tokenizer,
+    out_path: str | os.PathLike,
+    prompts: Sequence[str] = tuple(DEFAULT_PROMPTS),
+    max_new_tokens: int = 96,
+    device=None,
+    step: int | None = None,
+    text: bool = False,
+    sampling: Sampling = GREEDY,
+) -> dict:
     """Write sample_generations.json (replies to `prompts`, or with `text` their plain-text
     continuations; greedy unless `sampling` says otherwise) atomically; never raises.
 
@@ -288,8 +330,12 @@ def generate_samples(model, tokenizer, out_path: str | os.PathLike, prompts: Seq
         "format_version": 1,
         "time": utc_now(),
         "step": step,
-        "settings": {**sampling.describe(), "chat_template": not text, "max_new_tokens": max_new_tokens,
-                     "stop_tokens": [EOS] if text else [IM_END, EOS]},
+        "settings": {
+            **sampling.describe(),
+            "chat_template": not text,
+            "max_new_tokens": max_new_tokens,
+            "stop_tokens": [EOS] if text else [IM_END, EOS],
+        },
         "samples": [],
         "error": None,
     }
@@ -320,9 +366,14 @@ def generation_config_for(tokenizer, context: int | None = None):
     from transformers import GenerationConfig
 
     max_new_tokens = 256 if context is None else max(1, min(256, context - context // 4))
-    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_token_ids(tokenizer),
-                            pad_token_id=tokenizer.pad_token_id, do_sample=False, num_beams=1,
-                            max_new_tokens=max_new_tokens)
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=stop_token_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+    )
 
 
 @contextlib.contextmanager
@@ -345,8 +396,9 @@ def load_exported(model_dir: str, device: str):
 
     missing = [name for name in ("config.json", "tokenizer.json") if not (Path(model_dir) / name).is_file()]
     if missing:
-        raise UserError(f"{model_dir} is not an exported model folder (no {', '.join(missing)}); "
-                        "train.py writes one to RUN/model")
+        raise UserError(
+            f"{model_dir} is not an exported model folder (no {', '.join(missing)}); train.py writes one to RUN/model"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         with quiet_transformers_progress():

@@ -85,8 +85,12 @@ def describe(device) -> Device:
     import torch
 
     if device.type != "cuda":
-        native = cpu_bf16_instructions(torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported(),
-                                       torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+        native = cpu_bf16_instructions(
+            torch.cpu._is_avx512_bf16_supported(),
+            torch.cpu._is_amx_tile_supported(),
+            torch.backends.cpu.get_cpu_capability(),
+            os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        )
         return CPU_BF16 if native else CPU
 
     props = torch.cuda.get_device_properties(device)
@@ -149,8 +153,11 @@ def choose_precision(requested: str, device: Device) -> Precision:
     where = device.label()
     if requested == "auto":
         if not device.is_cuda and device.bf16_instructions:
-            return Precision("bf16", "auto: bf16 on a CPU with bf16 instructions (avx512_bf16 or AMX: its "
-                                     "matmuls several times faster than fp32's; --precision fp32 for fp32)")
+            return Precision(
+                "bf16",
+                "auto: bf16 on a CPU with bf16 instructions (avx512_bf16 or AMX: its "
+                "matmuls several times faster than fp32's; --precision fp32 for fp32)",
+            )
         if not device.is_cuda:
             return Precision("fp32", "auto: fp32 on CPU (no bf16 instructions torch uses)")
         if device.native_bf16:
@@ -158,15 +165,27 @@ def choose_precision(requested: str, device: Device) -> Precision:
         return Precision("fp16", f"auto: fp16 + loss scaling on {where} (no bf16 tensor cores below sm_80)")
     reason = f"--precision {requested}"
     if requested == "bf16" and device.is_cuda and not device.native_bf16:
-        return Precision("bf16", reason, f"--precision bf16 on {where} runs emulated (no bf16 tensor cores "
-                                         "below sm_80: slower than fp32, and attention falls back to the math "
-                                         "kernel); --precision auto picks fp16 with loss scaling here")
+        return Precision(
+            "bf16",
+            reason,
+            f"--precision bf16 on {where} runs emulated (no bf16 tensor cores "
+            "below sm_80: slower than fp32, and attention falls back to the math "
+            "kernel); --precision auto picks fp16 with loss scaling here",
+        )
     if requested == "bf16" and not device.is_cuda and not device.bf16_instructions:
-        return Precision("bf16", reason, "--precision bf16 on a CPU without bf16 instructions (avx512_bf16, "
-                                         "AMX) runs emulated, many times slower than --precision fp32")
+        return Precision(
+            "bf16",
+            reason,
+            "--precision bf16 on a CPU without bf16 instructions (avx512_bf16, "
+            "AMX) runs emulated, many times slower than --precision fp32",
+        )
     if requested == "fp16" and not device.is_cuda:
-        return Precision("fp16", reason, "--precision fp16 on CPU is slow and meant for testing the fp16 + loss "
-                                         "scaling path; bf16 (or fp32) is the CPU choice")
+        return Precision(
+            "fp16",
+            reason,
+            "--precision fp16 on CPU is slow and meant for testing the fp16 + loss "
+            "scaling path; bf16 (or fp32) is the CPU choice",
+        )
     return Precision(requested, reason)
 
 
@@ -177,12 +196,19 @@ def precision_change(old: str, new: str, device: Device) -> str | None:
     changes how the matmuls are computed; fp16's loss scale starts afresh (or is dropped under bf16)."""
     if old == new:
         return None
-    scaler = {("fp16", "bf16"): "the loss scaler is dropped", ("fp16", "fp32"): "the loss scaler is dropped",
-              ("bf16", "fp16"): "a fresh loss scaler starts", ("fp32", "fp16"): "a fresh loss scaler starts"}
+    scaler = {
+        ("fp16", "bf16"): "the loss scaler is dropped",
+        ("fp16", "fp32"): "the loss scaler is dropped",
+        ("bf16", "fp16"): "a fresh loss scaler starts",
+        ("fp32", "fp16"): "a fresh loss scaler starts",
+    }
     note = scaler.get((old, new))
-    return (f"precision changes from {old} (the checkpoint's) to {new} on {device.label()}: the run continues "
-            "(weights and optimizer states are fp32 in both)" + (f"; {note}" if note else "")
-            + "; the continuation is not bit-identical to one on the first card")
+    return (
+        f"precision changes from {old} (the checkpoint's) to {new} on {device.label()}: the run continues "
+        "(weights and optimizer states are fp32 in both)"
+        + (f"; {note}" if note else "")
+        + "; the continuation is not bit-identical to one on the first card"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,28 +313,39 @@ def layer_activation_bytes(preset: Preset, precision: str) -> int:
     return norms + attention + 4 * element * i
 
 
-def attention_bytes(kernel: str, preset: Preset, batch_size: int, context: int, precision: str,
-                    grad_checkpoint: bool) -> int:
+def attention_bytes(
+    kernel: str, preset: Preset, batch_size: int, context: int, precision: str, grad_checkpoint: bool
+) -> int:
     """What one step's attention holds beyond layer_activation_bytes for micro-batches with document
     boundaries, by its kernel's record (attention.kernel(kernel).held_bytes: the masked kernels' mask, the
     varlen kernels' logsumexp). Under --grad-checkpoint only one layer's is held at a time."""
     element = 2 if precision in ("fp16", "bf16") else 4
     layers = 1 if grad_checkpoint else preset.layers
-    return attention.kernel(kernel).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, batch_size, context,
-                                               element, layers)
+    return attention.kernel(kernel).held_bytes(
+        preset.heads, preset.kv_heads, preset.head_dim, batch_size, context, element, layers
+    )
 
 
-def step_memory(preset: Preset, vocab: int, batch_size: int, context: int, precision: str,
-                optimizer: OptimizerState, grad_checkpoint: bool, chunk_tokens: int | None = None,
-                attention: str = "flash") -> StepMemory:
+def step_memory(
+    preset: Preset,
+    vocab: int,
+    batch_size: int,
+    context: int,
+    precision: str,
+    optimizer: OptimizerState,
+    grad_checkpoint: bool,
+    chunk_tokens: int | None = None,
+    attention: str = "flash",
+) -> StepMemory:
     """The memory model of one step at micro-batch batch_size x context. An estimate for choosing a split,
     checked against a measured CPU step in bench/bench_memory.py. `chunk_tokens`: the loss's chunk
     (default: logits_chunk_tokens; batch_size * context is the whole batch's logits at once, the loss before
     chunking). Under --grad-checkpoint a layer keeps only its fp32 input, and the backward recomputes one
     layer at a time. `attention`: the kernel of a micro-batch with document boundaries (attention_bytes)."""
     parameters = parameter_count(preset, vocab)
-    matrices = preset.layers * (preset.hidden * preset.head_dim * 2 * (preset.heads + preset.kv_heads)
-                                + 3 * preset.hidden * preset.intermediate)
+    matrices = preset.layers * (
+        preset.hidden * preset.head_dim * 2 * (preset.heads + preset.kv_heads) + 3 * preset.hidden * preset.intermediate
+    )
     half = precision in ("fp16", "bf16")
     weights = 4 * parameters + (2 * parameters if half else 0)
     optimizer_bytes = optimizer.hidden * matrices + optimizer.rest * (parameters - matrices)
@@ -330,21 +367,32 @@ class Split:
     memory: StepMemory
 
     def options(self) -> str:
-        return f"--batch-size {self.batch_size} --grad-accum {self.grad_accum}" + \
-            (" --grad-checkpoint" if self.grad_checkpoint else "")
+        return f"--batch-size {self.batch_size} --grad-accum {self.grad_accum}" + (
+            " --grad-checkpoint" if self.grad_checkpoint else ""
+        )
 
 
 def usable_memory_bytes(device: Device) -> int:
     return int(device.memory_bytes * USABLE_FRACTION)
 
 
-def fitting_split(preset: Preset, vocab: int, batch_size: int, grad_accum: int, context: int, precision: str,
-                  optimizer: OptimizerState, grad_checkpoint: bool, device: Device,
-                  attention: str = "flash") -> Split | None:
+def fitting_split(
+    preset: Preset,
+    vocab: int,
+    batch_size: int,
+    grad_accum: int,
+    context: int,
+    precision: str,
+    optimizer: OptimizerState,
+    grad_checkpoint: bool,
+    device: Device,
+    attention: str = "flash",
+) -> Split | None:
     """The first split smaller than batch_size x grad_accum (the same global batch: every step reads the
     same samples) whose step_memory fits `device`, or None. Smaller micro-batches come first (each a
     divisor of batch_size, the largest first), then --grad-checkpoint (a third more compute) from the
     whole micro-batch down."""
+
     def split(micro: int, checkpoint: bool) -> Split:
         memory = step_memory(preset, vocab, micro, context, precision, optimizer, checkpoint, attention=attention)
         return Split(micro, grad_accum * batch_size // micro, checkpoint, memory)
@@ -361,25 +409,41 @@ def memory_text(size: int) -> str:
     return f"{size / GIB:.1f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
 
 
-def out_of_memory_advice(preset_name: str, preset: Preset, vocab: int, batch_size: int, grad_accum: int,
-                         context: int, precision: str, optimizer: OptimizerState, grad_checkpoint: bool,
-                         device: Device, attention: str = "flash") -> str:
+def out_of_memory_advice(
+    preset_name: str,
+    preset: Preset,
+    vocab: int,
+    batch_size: int,
+    grad_accum: int,
+    context: int,
+    precision: str,
+    optimizer: OptimizerState,
+    grad_checkpoint: bool,
+    device: Device,
+    attention: str = "flash",
+) -> str:
     """What a CUDA out-of-memory error in a step says: the micro-batch, the estimate, a split that fits."""
-    now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint,
-                      attention=attention)
+    now = step_memory(preset, vocab, batch_size, context, precision, optimizer, grad_checkpoint, attention=attention)
     flags = Split(batch_size, grad_accum, grad_checkpoint, now).options()
-    text = (f"CUDA out of memory on {device.label()} ({memory_text(device.memory_bytes)}): {preset_name} at "
-            f"micro-batch {batch_size} x {context} tokens ({flags}, {precision}) needs about "
-            f"{memory_text(now.total)} by hardware.step_memory")
-    split = fitting_split(preset, vocab, batch_size, grad_accum, context, precision, optimizer, grad_checkpoint,
-                          device, attention)
+    text = (
+        f"CUDA out of memory on {device.label()} ({memory_text(device.memory_bytes)}): {preset_name} at "
+        f"micro-batch {batch_size} x {context} tokens ({flags}, {precision}) needs about "
+        f"{memory_text(now.total)} by hardware.step_memory"
+    )
+    split = fitting_split(
+        preset, vocab, batch_size, grad_accum, context, precision, optimizer, grad_checkpoint, device, attention
+    )
     if now.total <= usable_memory_bytes(device):
         text += " (it should fit: is another process using the card? nvidia-smi shows)"
     if split is None:
-        return (text + f"; no split of this batch fits {memory_text(usable_memory_bytes(device))} (even micro-batch 1 "
-                "with --grad-checkpoint): use a smaller --preset or --context, or a larger card")
-    return (text + f"; {split.options()} keeps the global batch (the same samples every step) and needs about "
-            f"{memory_text(split.memory.total)}")
+        return (
+            text + f"; no split of this batch fits {memory_text(usable_memory_bytes(device))} (even micro-batch 1 "
+            "with --grad-checkpoint): use a smaller --preset or --context, or a larger card"
+        )
+    return (
+        text + f"; {split.options()} keeps the global batch (the same samples every step) and needs about "
+        f"{memory_text(split.memory.total)}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,15 +498,22 @@ def torch_install_problem(version: str | None, driver_cuda: tuple[int, int] | No
         return None
     need = ".".join(map(str, MIN_TORCH))
     found = "torch is not installed" if version is None else f"torch {version} is too old"
-    machine = "no NVIDIA driver: the CPU build" if driver_cuda is None else \
-        f"the NVIDIA driver runs CUDA {driver_cuda[0]}.{driver_cuda[1]}"
+    machine = (
+        "no NVIDIA driver: the CPU build"
+        if driver_cuda is None
+        else f"the NVIDIA driver runs CUDA {driver_cuda[0]}.{driver_cuda[1]}"
+    )
     command = torch_install_command(driver_cuda)
     if command is None:
         oldest = ".".join(map(str, TORCH_CUDA_BUILDS[-1]))
-        return (f"{found}: tinyllm needs torch>={need} ({MIN_TORCH_REASON}), and {machine}, older than every build "
-                f"of it (CUDA {oldest} and up): update the driver, or use an image with torch>={need}")
-    return (f"{found}: tinyllm needs torch>={need} ({MIN_TORCH_REASON}); for this machine ({machine}): {command} "
-            "(in a notebook, then restart its session)")
+        return (
+            f"{found}: tinyllm needs torch>={need} ({MIN_TORCH_REASON}), and {machine}, older than every build "
+            f"of it (CUDA {oldest} and up): update the driver, or use an image with torch>={need}"
+        )
+    return (
+        f"{found}: tinyllm needs torch>={need} ({MIN_TORCH_REASON}); for this machine ({machine}): {command} "
+        "(in a notebook, then restart its session)"
+    )
 
 
 def torch_problem(version: str) -> str | None:
@@ -490,44 +561,85 @@ class CardRates:
 # Assumptions, each with its reason, until bench/bench_gpu.py measures them on the card (its think72 GEMM
 # shapes' TFLOP/s and copy bandwidth): a sustained figure, never the datasheet's (hardware.CARDS).
 ROOFLINE_RATES = {
-    "T4": CardRates(17, 7, 200, 15, PCIE_ALL_REDUCE_GBS, 12,
-                    "central: matmul 17 TFLOP/s, 0.7 of the ~24 TFLOP/s a 4096^3 fp16 cuBLAS matmul sustains "
-                    "under the T4's 70 W cap (NVIDIA developer forum, 'About GPU peak performance', 2023; "
-                    "65 TFLOP/s on the datasheet is the boost clock's) at think72's K = 512 products (few "
-                    "waves over 40 SMs); attention 7 TFLOP/s of the FLOPs the sm_75 memory-efficient kernel "
-                    "executes at its tiles (assumed: 0.3 of that cuBLAS rate, its softmax between two MMAs "
-                    "on 32-query tiles, no cp.async on sm_75); 200 GB/s, 62% of the datasheet's 320 GB/s "
-                    "GDDR6 (NVIDIA T4 datasheet) with ECC on as cloud T4s run it (assumed); 15 us a kernel of "
-                    "eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe all-reduce (nccl-tests "
-                    "on PCIe pairs without peer-to-peer: 4-6). bench/bench_gpu.py's roofline:gemm, "
-                    "roofline:copy and attention:bench measure them on the first T4"),
-    "L4": CardRates(60, 25, 240, 10, 0, 30,
-                    "assumed: bf16 121 TFLOP/s dense on paper, the same 72 W cap as the T4 (about half "
-                    "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s; 10 us "
-                    "a kernel of eager PyTorch on a cloud host (L4, A100, H100, H200 alike)"),
-    "A100": CardRates(180, 110, 1700, 10, 0, 90,
-                      "assumed: ~270 of 312 TFLOP/s on long bf16 GEMMs, ~2/3 of that on think72's "
-                      "8192x512x1536-sized products (few waves); FlashAttention-2 ~0.6 of the matmul rate "
-                      "on short documents; ~83% of 2,039 GB/s (A100 80GB)"),
-    "H100": CardRates(350, 180, 3000, 10, 0, 150,
-                      "assumed: ~700 of 989 TFLOP/s on long bf16 GEMMs, half of that on think72's small "
-                      "shapes; flash (FA2-class) ~0.5 of the matmul rate; ~3,000 of 3,350 GB/s (a measured "
-                      "D2D copy reaches ~3,020)"),
-    "H200": CardRates(350, 180, 4300, 10, 0, 150,
-                      "as the H100 (the same compute); ~90% of 4,800 GB/s"),
+    "T4": CardRates(
+        17,
+        7,
+        200,
+        15,
+        PCIE_ALL_REDUCE_GBS,
+        12,
+        "central: matmul 17 TFLOP/s, 0.7 of the ~24 TFLOP/s a 4096^3 fp16 cuBLAS matmul sustains "
+        "under the T4's 70 W cap (NVIDIA developer forum, 'About GPU peak performance', 2023; "
+        "65 TFLOP/s on the datasheet is the boost clock's) at think72's K = 512 products (few "
+        "waves over 40 SMs); attention 7 TFLOP/s of the FLOPs the sm_75 memory-efficient kernel "
+        "executes at its tiles (assumed: 0.3 of that cuBLAS rate, its softmax between two MMAs "
+        "on 32-query tiles, no cp.async on sm_75); 200 GB/s, 62% of the datasheet's 320 GB/s "
+        "GDDR6 (NVIDIA T4 datasheet) with ECC on as cloud T4s run it (assumed); 15 us a kernel of "
+        "eager PyTorch on Kaggle's 4 shared vCPUs (2 ranks); 5 GB/s PCIe all-reduce (nccl-tests "
+        "on PCIe pairs without peer-to-peer: 4-6). bench/bench_gpu.py's roofline:gemm, "
+        "roofline:copy and attention:bench measure them on the first T4",
+    ),
+    "L4": CardRates(
+        60,
+        25,
+        240,
+        10,
+        0,
+        30,
+        "assumed: bf16 121 TFLOP/s dense on paper, the same 72 W cap as the T4 (about half "
+        "sustained); flash ~0.4 of the matmul rate on short documents; 80% of 300 GB/s; 10 us "
+        "a kernel of eager PyTorch on a cloud host (L4, A100, H100, H200 alike)",
+    ),
+    "A100": CardRates(
+        180,
+        110,
+        1700,
+        10,
+        0,
+        90,
+        "assumed: ~270 of 312 TFLOP/s on long bf16 GEMMs, ~2/3 of that on think72's "
+        "8192x512x1536-sized products (few waves); FlashAttention-2 ~0.6 of the matmul rate "
+        "on short documents; ~83% of 2,039 GB/s (A100 80GB)",
+    ),
+    "H100": CardRates(
+        350,
+        180,
+        3000,
+        10,
+        0,
+        150,
+        "assumed: ~700 of 989 TFLOP/s on long bf16 GEMMs, half of that on think72's small "
+        "shapes; flash (FA2-class) ~0.5 of the matmul rate; ~3,000 of 3,350 GB/s (a measured "
+        "D2D copy reaches ~3,020)",
+    ),
+    "H200": CardRates(350, 180, 4300, 10, 0, 150, "as the H100 (the same compute); ~90% of 4,800 GB/s"),
 }
 
 
 # The T4's optimistic and pessimistic rates beside the central ones (ROOFLINE_RATES["T4"]): the range of
 # bench/bench_roofline.py's last line.
 T4_RATE_RANGE = {
-    "optimistic": CardRates(20, 10, 240, 15, PCIE_ALL_REDUCE_GBS, 12,
-                            "0.83 of the forum's 24 TFLOP/s on think72's shapes; attention 0.4 of it; 75% of "
-                            "320 GB/s (a streaming copy on GDDR6 without ECC); the link at 5 GB/s"),
-    "pessimistic": CardRates(14, 5, 180, 15, 4.0, 10,
-                             "0.58 of the forum's 24 TFLOP/s (the 70 W cap under a hot, shared host); attention "
-                             "0.2 of it; 56% of 320 GB/s; the link at 4 GB/s, the low end of nccl-tests on PCIe "
-                             "pairs without peer-to-peer"),
+    "optimistic": CardRates(
+        20,
+        10,
+        240,
+        15,
+        PCIE_ALL_REDUCE_GBS,
+        12,
+        "0.83 of the forum's 24 TFLOP/s on think72's shapes; attention 0.4 of it; 75% of "
+        "320 GB/s (a streaming copy on GDDR6 without ECC); the link at 5 GB/s",
+    ),
+    "pessimistic": CardRates(
+        14,
+        5,
+        180,
+        15,
+        4.0,
+        10,
+        "0.58 of the forum's 24 TFLOP/s (the 70 W cap under a hot, shared host); attention "
+        "0.2 of it; 56% of 320 GB/s; the link at 4 GB/s, the low end of nccl-tests on PCIe "
+        "pairs without peer-to-peer",
+    ),
 }
 
 
@@ -592,8 +704,14 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     launches every kernel at launch_us each while the device runs, so only the excess counts. The ring
     all-reduce moves 2 (world - 1) / world of the gradients at link_gbs (needed when world > 1).
     """
-    if not (rates.matmul_tflops > 0 and rates.attention_tflops > 0 and rates.bandwidth_gbs > 0 and world >= 1
-            and rates.newton_schulz_tflops > 0 and tokens_per_step >= counts.micro_batch_tokens * world > 0):
+    if not (
+        rates.matmul_tflops > 0
+        and rates.attention_tflops > 0
+        and rates.bandwidth_gbs > 0
+        and world >= 1
+        and rates.newton_schulz_tflops > 0
+        and tokens_per_step >= counts.micro_batch_tokens * world > 0
+    ):
         raise ValueError("predict_step needs positive rates and at least one micro-batch per rank")
     if world > 1 and not rates.link_gbs > 0:
         raise ValueError("predict_step: world > 1 needs the card's link_gbs")
@@ -601,15 +719,17 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     micro_steps = tokens / counts.micro_batch_tokens
     bandwidth = rates.bandwidth_gbs * 1e9
     matmul = tokens * max(counts.matmul_flops / (rates.matmul_tflops * 1e12), counts.matmul_bytes / bandwidth)
-    attention = tokens * max(counts.attention_flops / (rates.attention_tflops * 1e12),
-                             counts.attention_bytes / bandwidth)
+    attention = tokens * max(
+        counts.attention_flops / (rates.attention_tflops * 1e12), counts.attention_bytes / bandwidth
+    )
     memory = tokens * counts.other_bytes / bandwidth
     host = counts.launches * micro_steps * rates.launch_us * 1e-6
     launch = max(0.0, host - (matmul + attention + memory))
     newton_schulz = counts.newton_schulz_flops / (rates.newton_schulz_tflops * 1e12)
     accumulate = ACCUMULATE_BYTES_PER_PARAMETER * counts.gradient_bytes / 4 * (micro_steps - 1)
-    optimizer = max((counts.optimizer_bytes + accumulate) / bandwidth,
-                    counts.optimizer_launches * rates.launch_us * 1e-6)
+    optimizer = max(
+        (counts.optimizer_bytes + accumulate) / bandwidth, counts.optimizer_launches * rates.launch_us * 1e-6
+    )
     all_reduce = 0.0
     if world > 1:
         all_reduce = (2 * (world - 1) / world * counts.gradient_bytes + counts.broadcast_bytes) / (rates.link_gbs * 1e9)
@@ -621,13 +741,29 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
 # as the kernel executes them over 4,000 packed rows: the T4's at its sm_75 tiles; the compiled bytes outside
 # matmuls and attention are Inductor's own count, bench_roofline.INDUCTOR_RECORDED). bench_roofline.py checks
 # that these are its counts.
-def _think72(attention_flops: float, attention_bytes: float, other_bytes: float, launches: int,
-             optimizer_bytes: float, optimizer_launches: int) -> CountedStep:
+def _think72(
+    attention_flops: float,
+    attention_bytes: float,
+    other_bytes: float,
+    launches: int,
+    optimizer_bytes: float,
+    optimizer_launches: int,
+) -> CountedStep:
     """think72's counts at 8 x 1024: what the dtypes and modes share (matmuls, Muon, gradients)."""
-    return CountedStep(micro_batch_tokens=8192, matmul_flops=4.31889e8, matmul_bytes=1.29959e6,
-                       attention_flops=attention_flops, attention_bytes=attention_bytes, other_bytes=other_bytes,
-                       launches=launches, optimizer_bytes=optimizer_bytes, optimizer_launches=optimizer_launches,
-                       newton_schulz_flops=3.47624e11, gradient_bytes=2.88e8, broadcast_bytes=5.50502e7)
+    return CountedStep(
+        micro_batch_tokens=8192,
+        matmul_flops=4.31889e8,
+        matmul_bytes=1.29959e6,
+        attention_flops=attention_flops,
+        attention_bytes=attention_bytes,
+        other_bytes=other_bytes,
+        launches=launches,
+        optimizer_bytes=optimizer_bytes,
+        optimizer_launches=optimizer_launches,
+        newton_schulz_flops=3.47624e11,
+        gradient_bytes=2.88e8,
+        broadcast_bytes=5.50502e7,
+    )
 
 
 ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
@@ -638,8 +774,15 @@ ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
 }
 
 
-def predict_card(card: Card, counts: CountedStep | None = None, *, world: int = 1, tokens_per_step: int = 65_536,
-                 mode: str = "eager", rates: CardRates | None = None) -> StepTime:
+def predict_card(
+    card: Card,
+    counts: CountedStep | None = None,
+    *,
+    world: int = 1,
+    tokens_per_step: int = 65_536,
+    mode: str = "eager",
+    rates: CardRates | None = None,
+) -> StepTime:
     """predict_step for `card` in its --precision auto dtype: `counts` (default: the recorded think72 counts
     of that dtype and `mode`, ROOFLINE_COUNTS), at ROOFLINE_RATES unless `rates` is given."""
     device = Device("cuda", card.key, card.capability)
@@ -659,9 +802,15 @@ def muon_matrix_shapes(preset) -> list[tuple[int, int]]:
     """The (out, in) shapes of the hidden matrices Muon trains (optimization.hidden_matrices), for a
     model_config.Preset: per layer q, k, v, o and the MLP's gate, up, down."""
     q, kv = preset.heads * preset.head_dim, preset.kv_heads * preset.head_dim
-    per_layer = [(q, preset.hidden), (kv, preset.hidden), (kv, preset.hidden), (preset.hidden, q),
-                 (preset.intermediate, preset.hidden), (preset.intermediate, preset.hidden),
-                 (preset.hidden, preset.intermediate)]
+    per_layer = [
+        (q, preset.hidden),
+        (kv, preset.hidden),
+        (kv, preset.hidden),
+        (preset.hidden, q),
+        (preset.intermediate, preset.hidden),
+        (preset.intermediate, preset.hidden),
+        (preset.hidden, preset.intermediate),
+    ]
     return per_layer * preset.layers
 
 
@@ -676,16 +825,27 @@ def machine_record(device, world: int, precision: str, sdpa: str) -> dict:
     import torch
     import transformers
 
-    record = {"device": device.type, "world_size": world, "precision": precision, "sdpa_kernels": sdpa,
-              "newton_schulz_dtype": newton_schulz_dtype(describe(device)),  # Muon's iteration
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-              "torch_threads": torch.get_num_threads(), "cuda": torch.version.cuda, "gpus": []}
+    record = {
+        "device": device.type,
+        "world_size": world,
+        "precision": precision,
+        "sdpa_kernels": sdpa,
+        "newton_schulz_dtype": newton_schulz_dtype(describe(device)),  # Muon's iteration
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
     if device.type == "cuda":
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            record["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
-                                   "capability": f"{props.major}.{props.minor}"})
+            record["gpus"].append(
+                {"name": props.name, "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}"}
+            )
     return record
 
 
@@ -693,8 +853,9 @@ def check_required_gpus(require_gpus: int | None, require_gpu_name: str | None, 
     """--require-gpus / --require-gpu-name: a UserError naming the GPUs here when they are not met."""
     import torch
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     if require_gpus and len(gpus) < require_gpus:
         raise UserError(f"--require-gpus {require_gpus}: this machine shows {len(gpus)} GPU(s) {gpus}")
     if require_gpu_name:
@@ -714,8 +875,10 @@ def peak_flops(device, precision: str, given_tflops: float | None) -> tuple[floa
         card = describe(device)
         tflops = peak_tflops(card, precision)
         return (tflops * 1e12 if tflops else None), f"hardware.CARDS ({card.name}, {precision})"
-    return (measure_cpu_matmul_flops(precision),
-            f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run")
+    return (
+        measure_cpu_matmul_flops(precision),
+        f"a {'bf16' if precision == 'bf16' else 'fp32'} CPU matmul measured at the start of the run",
+    )
 
 
 def measure_cpu_matmul_flops(precision: str, size: int = 1024, seconds: float = 0.5, tries: int = 5) -> float:
@@ -739,8 +902,9 @@ def measure_cpu_matmul_flops(precision: str, size: int = 1024, seconds: float = 
     return 2 * size**3 / best
 
 
-def plausible_mfu(peak: float, mfu: float, device, precision: str, given_tflops: float | None,
-                  record=None) -> tuple[float, float | None]:
+def plausible_mfu(
+    peak: float, mfu: float, device, precision: str, given_tflops: float | None, record=None
+) -> tuple[float, float | None]:
     """(peak, mfu) after an MFU above 100%, which only a peak measured too low gives (a CPU matmul timed
     under other load at the start): the peak is measured again and the higher one kept (and written into
     the hardware.json at `record`, when given); an MFU that is still impossible (a wrong --peak-tflops,
@@ -753,9 +917,15 @@ def plausible_mfu(peak: float, mfu: float, device, precision: str, given_tflops:
                 from common import atomic_write_json, read_json
 
                 with contextlib.suppress(UserError, OSError):
-                    atomic_write_json(record, {**read_json(record), "peak_flops": peak,
-                                               "peak_flops_source": "a CPU matmul measured again during the run "
-                                                                    "(the first measurement was slowed by other load)"})
+                    atomic_write_json(
+                        record,
+                        {
+                            **read_json(record),
+                            "peak_flops": peak,
+                            "peak_flops_source": "a CPU matmul measured again during the run "
+                            "(the first measurement was slowed by other load)",
+                        },
+                    )
     return peak, (mfu if mfu <= 1 else None)
 
 

@@ -16,9 +16,15 @@ import hardware
 import train_data
 
 
-def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                        reduction: str = "mean", chunk_tokens: int | None = None,
-                        documents: attention.Documents | None = None, z_loss: float = 0.0) -> torch.Tensor:
+def language_model_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    chunk_tokens: int | None = None,
+    documents: attention.Documents | None = None,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
     """Next-token cross-entropy of `model` on a batch of blocks, never holding the batch's full logits;
     with `documents` (train_data.Batch's), attention and positions stay inside each document (attention.py).
 
@@ -46,15 +52,14 @@ def language_model_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: t
     return total / (targets != train_data.IGNORE_INDEX).sum()
 
 
-
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of the counted targets (evaluation's; training's is cross_entropy_and_gradient_)."""
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=train_data.IGNORE_INDEX, reduction="sum")
 
 
-
-def cross_entropy_and_gradient_(logits: torch.Tensor, targets: torch.Tensor,
-                                z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_and_gradient_(
+    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy_sum(logits, targets) (plus z_loss x logsumexp^2 per counted row) and its gradient with
     respect to the logits, written over `logits`: softmax minus the one-hot target (with z_loss, plus
     2 z_loss logsumexp softmax), 0 where not counted. One exp over the logits serves both the loss and the
@@ -89,9 +94,9 @@ def subtract_one_hot_(gradient: torch.Tensor, rows: torch.Tensor, counted: torch
     return gradient.scatter_add_(1, rows, -ones)
 
 
-
-def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                             dtype: torch.dtype) -> torch.Tensor:
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
     """cross_entropy_sum(hidden @ weight.T, targets), chunk by chunk (evaluation: no gradients)."""
     weight = weight.to(dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -99,7 +104,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         rows = slice(start, start + chunk_tokens)
         total += cross_entropy_sum((hidden[rows].to(dtype) @ weight.t()).float(), targets[rows])
     return total
-
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -116,8 +120,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         weight_cast = weight.to(dtype)
         # each chunk's hidden gradient is a matmul output in `dtype` already: kept in it when the hidden
         # states come in it (the final norm's output under autocast_elementwise), else in fp32
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype if hidden.dtype == dtype else torch.float32,
-                                  device=hidden.device)
+        grad_hidden = torch.empty(
+            hidden.shape, dtype=hidden.dtype if hidden.dtype == dtype else torch.float32, device=hidden.device
+        )
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk_tokens):
@@ -137,9 +142,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),
-                None, None, None, None)
-
+        return (
+            (grad_hidden * grad_total).to(hidden_dtype),
+            (grad_weight * grad_total).to(weight_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class LanguageModelLoss(torch.nn.Module):
@@ -150,14 +160,20 @@ class LanguageModelLoss(torch.nn.Module):
         super().__init__()
         self.model, self.z_loss = model, z_loss
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
-                documents: attention.Documents | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        reduction: str = "mean",
+        documents: attention.Documents | None = None,
+    ) -> torch.Tensor:
         return language_model_loss(self.model, inputs, targets, reduction, documents=documents, z_loss=self.z_loss)
 
 
 @torch.no_grad()
-def continuation_log_likelihoods(model: torch.nn.Module, rows: list[tuple[list[int], int]], device: torch.device,
-                                 token_budget: int) -> list[float]:
+def continuation_log_likelihoods(
+    model: torch.nn.Module, rows: list[tuple[list[int], int]], device: torch.device, token_budget: int
+) -> list[float]:
     """Each row's summed log-probability of its last `n` tokens given the tokens before them, for rows
     (tokens, n) as evaluation.choice_rows makes them: the longest first, in batches of at most
     `token_budget` tokens, padded on the right (causal attention: no real position sees the padding).
@@ -170,7 +186,7 @@ def continuation_log_likelihoods(model: torch.nn.Module, rows: list[tuple[list[i
     start = 0
     while start < len(order):
         width = max(1, len(rows[order[start]][0]) - 1)
-        batch = order[start:start + max(1, token_budget // width)]
+        batch = order[start : start + max(1, token_budget // width)]
         start += len(batch)
         inputs = torch.zeros(len(batch), width, dtype=torch.long)
         picked, targets, owners = [], [], []

@@ -45,8 +45,10 @@ class MetricsLog:
 
     def write_samples(self, written: dict) -> None:
         """The samples generation.generate_samples wrote as a "samples" record (a table in the trackers)."""
-        rows = [{"prompt": str(sample.get("prompt")), "completion": sample.get("completion")}
-                for sample in written.get("samples") or []]
+        rows = [
+            {"prompt": str(sample.get("prompt")), "completion": sample.get("completion")}
+            for sample in written.get("samples") or []
+        ]
         if rows:
             self.write("samples", step=written.get("step"), samples=rows)
 
@@ -112,7 +114,7 @@ def task_scores(record: dict) -> dict[str, dict]:
 
 
 def bits_per_byte_text(result: dict) -> str:
-    """", 1.2345 bits/byte" for an evaluation that has them (older records and status files may not)."""
+    """ ", 1.2345 bits/byte" for an evaluation that has them (older records and status files may not)."""
     value = result.get("bits_per_byte")
     return "" if value is None else f", {value:.4f} bits/byte"
 
@@ -158,8 +160,11 @@ def _parse_record(line: str):
 
 def last_train_loss(out: Path) -> float | None:
     """The loss of the last train record in metrics.jsonl (for the final line of a run without held-out data)."""
-    losses = [record["loss"] for record in read_metrics(out / "metrics.jsonl")
-              if record.get("kind") == "train" and isinstance(record.get("loss"), float)]
+    losses = [
+        record["loss"]
+        for record in read_metrics(out / "metrics.jsonl")
+        if record.get("kind") == "train" and isinstance(record.get("loss"), float)
+    ]
     return losses[-1] if losses else None
 
 
@@ -195,9 +200,10 @@ def smooth(values: list[float], window: int | None = None) -> list[float]:
 
 def lr_series(records: list[dict]) -> dict[str, tuple[list, list]]:
     """Each param group's lr against tokens seen, labelled by the group names the train records hold."""
-    keys = dict.fromkeys(key for record in records if record.get("kind") == "train" for key in record
-                         if key.endswith(LR_SUFFIX))
-    return {f"{key[:-len(LR_SUFFIX)]} lr": _series(records, "train", key) for key in keys}
+    keys = dict.fromkeys(
+        key for record in records if record.get("kind") == "train" for key in record if key.endswith(LR_SUFFIX)
+    )
+    return {f"{key[: -len(LR_SUFFIX)]} lr": _series(records, "train", key) for key in keys}
 
 
 def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike, title: str = "tinyllm") -> bool:
@@ -221,8 +227,9 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     tasks = [record for record in records if record.get("kind") == "tasks"]
     figure = Figure(figsize=(9, 7.5 if tasks else 5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    axes, task_axes = figure.subplots(2, 1, sharex=True, height_ratios=(2, 1)) if tasks else (figure.add_subplot(),
-                                                                                            None)
+    axes, task_axes = (
+        figure.subplots(2, 1, sharex=True, height_ratios=(2, 1)) if tasks else (figure.add_subplot(), None)
+    )
     _plot_losses(axes, (train_x, train_loss), (val_x, val_loss), (test_x, test_loss))
     handles, labels = axes.get_legend_handles_labels()
     if learning_rates:
@@ -231,8 +238,14 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
     if task_axes is not None:
         _plot_task_scores(task_axes, tasks)
         axes.set_xlabel("")
-    figure.legend(handles, labels, loc="outside lower center", ncols=len(labels) if len(labels) <= 4 else 3,
-                  fontsize="small", frameon=False)
+    figure.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=len(labels) if len(labels) <= 4 else 3,
+        fontsize="small",
+        frameon=False,
+    )
     last = records[-1]
     figure.suptitle(f"{title}: step {last['step']:,}, {human_count(last.get('tokens', 0))} tokens")
 
@@ -254,11 +267,22 @@ def _plot_losses(axes, train: tuple, validation: tuple, test: tuple) -> None:
     elif train_loss:
         axes.plot(train_x, train_loss, color="tab:blue", linewidth=2, zorder=4, label="train loss")
     if val_loss:
-        axes.plot(val_x, val_loss, "o-", color="tab:orange", linewidth=1, markersize=7, markerfacecolor="none",
-                  markeredgewidth=1.8, zorder=2, label="validation loss")
+        axes.plot(
+            val_x,
+            val_loss,
+            "o-",
+            color="tab:orange",
+            linewidth=1,
+            markersize=7,
+            markerfacecolor="none",
+            markeredgewidth=1.8,
+            zorder=2,
+            label="validation loss",
+        )
     if test_loss:
-        axes.plot(test_x, test_loss, "*", color="tab:red", markersize=12, zorder=1.5,
-                  label=f"test loss {test_loss[-1]:.3f}")
+        axes.plot(
+            test_x, test_loss, "*", color="tab:red", markersize=12, zorder=1.5, label=f"test loss {test_loss[-1]:.3f}"
+        )
     losses = train_loss + val_loss + test_loss
     if min(losses) > 0 and max(losses) / min(losses) > 4:
         axes.set_yscale("log")

@@ -30,22 +30,38 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # For tests and the CPU demo: well under 1M parameters at a demo-sized vocabulary.
     # tiny too: its own LM head and RoPE base 10,000 measured 4% lower bits per byte (docs/recipe.md)
-    "tiny": Preset(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, context=128,
-                   rope_theta=10_000.0, tie_embeddings=False),
+    "tiny": Preset(
+        layers=2,
+        hidden=64,
+        intermediate=192,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        context=128,
+        rope_theta=10_000.0,
+        tie_embeddings=False,
+    ),
     # nano: issue 30's round 2 on real text (docs/recipe.md): an LM head of its own, RoPE base 10,000 for its
     # 256-token context, full multi-head attention at about the same matrix parameters; an MLP of 344 (a multiple
     # of 8, as tensor cores want) rather than 8/3 x 128 = 341: its matmuls and SwiGLU ran 19% faster on CPU;
     # 2 heads of 64 rather than 4 of 32: lower bits per byte on both texts and a 6-10% faster step on CPU
-    "nano": Preset(layers=4, hidden=128, intermediate=344, heads=2, kv_heads=2, head_dim=64, context=256,
-                   rope_theta=10_000.0, tie_embeddings=False),
+    "nano": Preset(
+        layers=4,
+        hidden=128,
+        intermediate=344,
+        heads=2,
+        kv_heads=2,
+        head_dim=64,
+        context=256,
+        rope_theta=10_000.0,
+        tie_embeddings=False,
+    ),
     # micro keeps its tied head: an own one led by 1-2.7% up to 0.8M tokens, by less with more, and trailed
     # by 0.7% at 1.9M (docs/recipe.md)
     "micro": Preset(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4, head_dim=32, context=512),
     "think72": Preset(layers=14, hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=128, context=1024),
     "small125": Preset(layers=12, hidden=768, intermediate=3072, heads=12, kv_heads=4, head_dim=64, context=1024),
-    "medium350": Preset(
-        layers=24, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, context=1024
-    ),
+    "medium350": Preset(layers=24, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, context=1024),
 }
 
 # Command-line names of the fields a user may override (--layers 8 --hidden 384 ...).
@@ -91,8 +107,9 @@ def resolve_preset(name: str, **overrides) -> Preset:
 def recorded_preset(training: dict) -> Preset:
     """The shape a run's recorded training settings hold (model.NAME); a field recorded before it existed
     reads at its default (the shape it meant then)."""
-    defaults = {field.name: field.default for field in dataclasses.fields(Preset)
-                if field.default is not dataclasses.MISSING}
+    defaults = {
+        field.name: field.default for field in dataclasses.fields(Preset) if field.default is not dataclasses.MISSING
+    }
     return Preset(**{name: training.get(RECORDED_PREFIX + name, defaults.get(name)) for name in OVERRIDABLE_FIELDS})
 
 
@@ -106,8 +123,7 @@ def preset_of(run) -> Preset:
     return resolve_preset(run.preset, **{name: getattr(run, name) for name in OVERRIDABLE_FIELDS})
 
 
-def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_token_id: int = 1,
-                 eos_token_id: int = 2):
+def qwen3_config(preset: Preset, vocab_size: int, pad_token_id: int = 0, bos_token_id: int = 1, eos_token_id: int = 2):
     """A transformers Qwen3Config for `preset` (SDPA attention)."""
     from transformers import Qwen3Config
 
@@ -138,14 +154,19 @@ def build_model(preset: Preset, vocab_size: int, special_tokens: dict | None = N
     from transformers import Qwen3ForCausalLM
 
     if special_tokens is not None:
-        config_kwargs = {"pad_token_id": special_tokens.get("<pad>", 0), "bos_token_id": special_tokens.get("<bos>", 1),
-                         "eos_token_id": special_tokens.get("<eos>", 2), **config_kwargs}
+        config_kwargs = {
+            "pad_token_id": special_tokens.get("<pad>", 0),
+            "bos_token_id": special_tokens.get("<bos>", 1),
+            "eos_token_id": special_tokens.get("<eos>", 2),
+            **config_kwargs,
+        }
     config = qwen3_config(preset, vocab_size, **config_kwargs)
     return Qwen3ForCausalLM(config)
 
 
-def build_training_model(preset: Preset, vocab_size: int, special_tokens: dict | None, device,
-                         activation_checkpointing: bool):
+def build_training_model(
+    preset: Preset, vocab_size: int, special_tokens: dict | None, device, activation_checkpointing: bool
+):
     """build_model on `device`, in training mode: no KV cache (training never generates), norms and RoPE
     in the autocast dtype (autocast_elementwise), and each layer's activations recomputed in the backward
     with `activation_checkpointing` (--grad-checkpoint)."""
@@ -254,6 +275,7 @@ def autocast_elementwise(model) -> None:
         if kind is None or hasattr(stock, "stock_forward"):
             continue
         if stock not in _AUTOCAST_CLASSES:
-            _AUTOCAST_CLASSES[stock] = type(f"Autocast{stock.__name__}", (stock,),
-                                            {"stock_forward": stock.forward, "forward": forwards[kind]})
+            _AUTOCAST_CLASSES[stock] = type(
+                f"Autocast{stock.__name__}", (stock,), {"stock_forward": stock.forward, "forward": forwards[kind]}
+            )
         module.__class__ = _AUTOCAST_CLASSES[stock]

@@ -33,16 +33,17 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, 
 
 # Polar Express (Amsel et al. 2025, arXiv:2505.16932) as modded-nanogpt and nanochat use it: one (a, b, c) per
 # iteration, tuned for a matrix scaled to Frobenius norm 1 / POLAR_EXPRESS_SAFETY.
-POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
-                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
 POLAR_EXPRESS_SAFETY = 1.02
 
 
-def newton_schulz(grad: torch.Tensor, dtype: torch.dtype, coefficients: tuple, steps: int,
-                  eps: float) -> torch.Tensor:
+def newton_schulz(grad: torch.Tensor, dtype: torch.dtype, coefficients: tuple, steps: int, eps: float) -> torch.Tensor:
     """torch.optim.Muon's orthogonalization of `grad` with the iteration in `dtype`; `coefficients` is torch's
     one (a, b, c), or POLAR_EXPRESS (one per iteration, the matrix scaled by POLAR_EXPRESS_SAFETY more).
 
@@ -107,8 +108,17 @@ class Muon(torch.optim.Muon):
     Express's coefficients, NorMuon's per-neuron normalization (`normuon_beta2` > 0; its second moments
     are state, in `state_dict()`) and cautious weight decay; without them the state is torch's."""
 
-    def __init__(self, params, ns_dtype: str = "bf16", rank: int = 0, world: int = 1, coefficients: str = "torch",
-                 normuon_beta2: float = 0.0, cautious_weight_decay: bool = False, **options):
+    def __init__(
+        self,
+        params,
+        ns_dtype: str = "bf16",
+        rank: int = 0,
+        world: int = 1,
+        coefficients: str = "torch",
+        normuon_beta2: float = 0.0,
+        cautious_weight_decay: bool = False,
+        **options,
+    ):
         if coefficients == "polar-express":
             options["ns_coefficients"], options["ns_steps"] = POLAR_EXPRESS[0], len(POLAR_EXPRESS)
         super().__init__(params, **options)
@@ -164,8 +174,11 @@ class Muon(torch.optim.Muon):
             if not indices:
                 continue
             sizes = [updates[i].numel() for i in indices]
-            flat = own if rank == self.rank else torch.empty(sum(sizes), dtype=DTYPES[self.ns_dtype],
-                                                             device=updates[0].device)
+            flat = (
+                own
+                if rank == self.rank
+                else torch.empty(sum(sizes), dtype=DTYPES[self.ns_dtype], device=updates[0].device)
+            )
             dist.broadcast(flat, src=rank)
             for i, piece in zip(indices, flat.split(sizes)):
                 results[i] = piece.view(updates[i].shape)

@@ -98,8 +98,9 @@ class OptimizerRule:
 def adamw(recipe: Recipe, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
     """AdamW at the recipe's lr and betas: fused on CUDA and CPU, bitsandbytes' 8-bit with --8bit-adam."""
     if not recipe.adam8bit:
-        return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8,
-                                 fused=device.type in ("cuda", "cpu"))
+        return torch.optim.AdamW(
+            groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8, fused=device.type in ("cuda", "cpu")
+        )
     if device.type != "cuda":
         raise UserError("--8bit-adam needs a CUDA device (bitsandbytes); drop it on CPU")
     try:
@@ -109,8 +110,9 @@ def adamw(recipe: Recipe, groups: list[dict], device: torch.device) -> torch.opt
     return bitsandbytes.optim.AdamW8bit(groups, lr=recipe.lr, betas=recipe.betas, eps=1e-8)
 
 
-def build_muon(recipe: Recipe, parameters: Parameters, device: torch.device, rank: int,
-               world: int) -> dict[str, torch.optim.Optimizer]:
+def build_muon(
+    recipe: Recipe, parameters: Parameters, device: torch.device, rank: int, world: int
+) -> dict[str, torch.optim.Optimizer]:
     """torch.optim.Muon's rule for the hidden matrices (muon.Muon: Newton-Schulz in the device's dtype, split
     across the `world` ranks), AdamW for the embeddings and norms, never decayed."""
     from muon import Muon  # here, not at import: a torch without Muon gets hardware.check_torch's message
@@ -120,19 +122,30 @@ def build_muon(recipe: Recipe, parameters: Parameters, device: torch.device, ran
         raise ValueError("the model has an untied LM head but the recipe no head_lr: choose it with tied=False")
     if parameters.head:
         adamw_groups.append({"params": parameters.head, "weight_decay": 0.0, "lr": recipe.head_lr, "name": "head"})
-    muon = Muon(parameters.hidden,
-                ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)), rank=rank, world=world,
-                lr=recipe.muon_lr, weight_decay=recipe.weight_decay, momentum=recipe.muon_momentum, nesterov=True,
-                coefficients=recipe.muon_coefficients, normuon_beta2=recipe.normuon_beta2,
-                cautious_weight_decay=recipe.cautious_weight_decay)
+    muon = Muon(
+        parameters.hidden,
+        ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)),
+        rank=rank,
+        world=world,
+        lr=recipe.muon_lr,
+        weight_decay=recipe.weight_decay,
+        momentum=recipe.muon_momentum,
+        nesterov=True,
+        coefficients=recipe.muon_coefficients,
+        normuon_beta2=recipe.normuon_beta2,
+        cautious_weight_decay=recipe.cautious_weight_decay,
+    )
     return {"muon": muon, "adamw": adamw(recipe, adamw_groups, device)}
 
 
-def build_adamw(recipe: Recipe, parameters: Parameters, device: torch.device, rank: int,
-                world: int) -> dict[str, torch.optim.Optimizer]:
+def build_adamw(
+    recipe: Recipe, parameters: Parameters, device: torch.device, rank: int, world: int
+) -> dict[str, torch.optim.Optimizer]:
     """AdamW for everything, decaying the hidden matrices only."""
-    groups = [{"params": parameters.hidden, "weight_decay": recipe.weight_decay},
-              {"params": parameters.rest + parameters.head, "weight_decay": 0.0}]
+    groups = [
+        {"params": parameters.hidden, "weight_decay": recipe.weight_decay},
+        {"params": parameters.rest + parameters.head, "weight_decay": 0.0},
+    ]
     return {"adamw": adamw(recipe, groups, device)}
 
 
@@ -142,18 +155,35 @@ def build_adamw(recipe: Recipe, parameters: Parameters, device: torch.device, ra
 OPTIMIZERS = {
     "muon": OptimizerRule(
         help="torch.optim.Muon for the hidden matrices, AdamW for embeddings and norms",
-        adamw_lr=WidthRule(0.05, 128, 0.5, 0.1), head_lr=WidthRule(0.01, 128, 0.5, 0.1), muon_lr=0.02,
-        muon_momentum=0.9, beta1=0.6, warmup_fraction=0.02,
-        state=hardware.OptimizerState(hidden=4, rest=8), build=build_muon,
-        own_options={"muon_lr": "it is Muon's, for the hidden matrices (without Muon, --lr sets every learning rate)",
-                     "muon_momentum": "it is Muon's, for the hidden matrices (AdamW's momentum is --beta1)",
-                     "head_lr": "without Muon, --lr sets every learning rate (an untied head's too)"}),
+        adamw_lr=WidthRule(0.05, 128, 0.5, 0.1),
+        head_lr=WidthRule(0.01, 128, 0.5, 0.1),
+        muon_lr=0.02,
+        muon_momentum=0.9,
+        beta1=0.6,
+        warmup_fraction=0.02,
+        state=hardware.OptimizerState(hidden=4, rest=8),
+        build=build_muon,
+        own_options={
+            "muon_lr": "it is Muon's, for the hidden matrices (without Muon, --lr sets every learning rate)",
+            "muon_momentum": "it is Muon's, for the hidden matrices (AdamW's momentum is --beta1)",
+            "head_lr": "without Muon, --lr sets every learning rate (an untied head's too)",
+        },
+    ),
     "adamw": OptimizerRule(
-        help="AdamW for everything", adamw_lr=WidthRule(1e-3, 256, 1.0, 1e-2), head_lr=None, muon_lr=None,
-        muon_momentum=None, beta1=0.9, warmup_fraction=0.05,
-        state=hardware.OptimizerState(hidden=8, rest=8), build=build_adamw,
-        own_options={"adam8bit": "under muon, AdamW only trains the embeddings and norms, and Muon keeps one "
-                                 "buffer per matrix (half of AdamW's state) already"}),
+        help="AdamW for everything",
+        adamw_lr=WidthRule(1e-3, 256, 1.0, 1e-2),
+        head_lr=None,
+        muon_lr=None,
+        muon_momentum=None,
+        beta1=0.9,
+        warmup_fraction=0.05,
+        state=hardware.OptimizerState(hidden=8, rest=8),
+        build=build_adamw,
+        own_options={
+            "adam8bit": "under muon, AdamW only trains the embeddings and norms, and Muon keeps one "
+            "buffer per matrix (half of AdamW's state) already"
+        },
+    ),
 }
 
 
@@ -167,49 +197,96 @@ class RecipeOptions:
     inherits them: they are compared on resume, and config.toml holds them."""
 
     optimizer: str | None = option(
-        None, "; ".join(f"{name}: {rule.help}" for name, rule in OPTIMIZERS.items())
-        + f" (None: {DEFAULT_OPTIMIZER})", OPTIONS, choices=list(OPTIMIZERS))
-    lr: float | None = option(None, "AdamW's peak learning rate (under muon: of the embeddings and norms)",
-                              OPTIONS, checks=(finite, positive))
-    muon_lr: float | None = option(None, "Muon's peak learning rate (hidden matrices)", OPTIONS,
-                                   checks=(finite, positive))
-    head_lr: float | None = option(None, "AdamW's peak learning rate of an untied LM head (--no-tie-embeddings) "
-                                         "under muon", OPTIONS, checks=(finite, positive))
+        None,
+        "; ".join(f"{name}: {rule.help}" for name, rule in OPTIMIZERS.items()) + f" (None: {DEFAULT_OPTIMIZER})",
+        OPTIONS,
+        choices=list(OPTIMIZERS),
+    )
+    lr: float | None = option(
+        None, "AdamW's peak learning rate (under muon: of the embeddings and norms)", OPTIONS, checks=(finite, positive)
+    )
+    muon_lr: float | None = option(
+        None, "Muon's peak learning rate (hidden matrices)", OPTIONS, checks=(finite, positive)
+    )
+    head_lr: float | None = option(
+        None,
+        "AdamW's peak learning rate of an untied LM head (--no-tie-embeddings) under muon",
+        OPTIONS,
+        checks=(finite, positive),
+    )
     schedule: str | None = option(
-        None, "cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay over the last "
-              f"--decay-fraction of the run (None: {DEFAULT_SCHEDULE})", OPTIONS, choices=SCHEDULES)
-    warmup_steps: int | None = option(None, "linear warmup steps (None: a fraction of the run, see docs/recipe.md)",
-                                      OPTIONS, checks=(not_negative,))
-    decay_fraction: float | None = option(None, f"wsd: share of the run spent decaying (None: "
-                                                f"{DEFAULT_DECAY_FRACTION})", OPTIONS, checks=(finite, fraction))
+        None,
+        "cosine: warmup, then cosine decay; wsd: warmup, constant, then a linear decay over the last "
+        f"--decay-fraction of the run (None: {DEFAULT_SCHEDULE})",
+        OPTIONS,
+        choices=SCHEDULES,
+    )
+    warmup_steps: int | None = option(
+        None, "linear warmup steps (None: a fraction of the run, see docs/recipe.md)", OPTIONS, checks=(not_negative,)
+    )
+    decay_fraction: float | None = option(
+        None,
+        f"wsd: share of the run spent decaying (None: {DEFAULT_DECAY_FRACTION})",
+        OPTIONS,
+        checks=(finite, fraction),
+    )
     final_lr_fraction: float | None = option(
-        None, f"learning rate at the end, as a fraction of the peak (None: {DEFAULT_FINAL_LR_FRACTION})", OPTIONS,
-        checks=(finite, fraction))
-    weight_decay: float = option(0.1, "decoupled weight decay of the matrices (AdamW's and Muon's; not "
-                                      "embeddings or norms)", OPTIONS, checks=(finite, not_negative))
-    beta1: float | None = option(None, "AdamW beta1 (None: " + ", ".join(
-        f"{rule.beta1:g} under {name}" for name, rule in OPTIMIZERS.items()) + ")", OPTIONS, checks=(finite, below_one))
+        None,
+        f"learning rate at the end, as a fraction of the peak (None: {DEFAULT_FINAL_LR_FRACTION})",
+        OPTIONS,
+        checks=(finite, fraction),
+    )
+    weight_decay: float = option(
+        0.1,
+        "decoupled weight decay of the matrices (AdamW's and Muon's; not embeddings or norms)",
+        OPTIONS,
+        checks=(finite, not_negative),
+    )
+    beta1: float | None = option(
+        None,
+        "AdamW beta1 (None: " + ", ".join(f"{rule.beta1:g} under {name}" for name, rule in OPTIMIZERS.items()) + ")",
+        OPTIONS,
+        checks=(finite, below_one),
+    )
     beta2: float | None = option(None, f"AdamW beta2 (None: {DEFAULT_BETA2})", OPTIONS, checks=(finite, below_one))
     muon_momentum: float | None = option(
-        None, f"Muon's (Nesterov) momentum (None: {OPTIMIZERS['muon'].muon_momentum:g})", OPTIONS,
-        checks=(finite, below_one))
+        None,
+        f"Muon's (Nesterov) momentum (None: {OPTIMIZERS['muon'].muon_momentum:g})",
+        OPTIONS,
+        checks=(finite, below_one),
+    )
     grad_clip: float = option(1.0, "clip the global gradient norm (0: off)", OPTIONS, checks=(finite, not_negative))
     adam8bit: bool = option(False, "bitsandbytes AdamW8bit (CUDA)", OPTIONS, flag="--8bit-adam")
     # issue 30's round 2 (docs/recipe.md has what each did on real text); each off by default
-    momentum_warmup_steps: int = option(0, f"Muon's momentum rises from {MOMENTUM_FLOOR} over this many first steps",
-                                        OPTIONS, checks=(not_negative,))
-    momentum_cooldown_steps: int = option(0, f"Muon's momentum falls back to {MOMENTUM_FLOOR} over this many last "
-                                             "steps", OPTIONS, checks=(not_negative,))
-    muon_coefficients: str = option("torch", "Muon's Newton-Schulz coefficients: torch's, or Polar Express's",
-                                    OPTIONS, choices=MUON_COEFFICIENTS)
-    normuon_beta2: float = option(0.0, "NorMuon: normalize each neuron's Muon update by its running RMS with "
-                                       "this beta2, e.g. 0.95 (0: off, torch's Muon update)", OPTIONS,
-                                  checks=(finite, below_one, not_negative))
+    momentum_warmup_steps: int = option(
+        0, f"Muon's momentum rises from {MOMENTUM_FLOOR} over this many first steps", OPTIONS, checks=(not_negative,)
+    )
+    momentum_cooldown_steps: int = option(
+        0, f"Muon's momentum falls back to {MOMENTUM_FLOOR} over this many last steps", OPTIONS, checks=(not_negative,)
+    )
+    muon_coefficients: str = option(
+        "torch", "Muon's Newton-Schulz coefficients: torch's, or Polar Express's", OPTIONS, choices=MUON_COEFFICIENTS
+    )
+    normuon_beta2: float = option(
+        0.0,
+        "NorMuon: normalize each neuron's Muon update by its running RMS with "
+        "this beta2, e.g. 0.95 (0: off, torch's Muon update)",
+        OPTIONS,
+        checks=(finite, below_one, not_negative),
+    )
     cautious_weight_decay: bool = option(False, "Muon decays only the weights its update also shrinks", OPTIONS)
-    weight_decay_schedule: str = option("constant", "linear: the weight decay falls to 0 over the run (besides "
-                                                    "following the lr)", OPTIONS, choices=WEIGHT_DECAY_SCHEDULES)
-    z_loss: float = option(0.0, "add this x logsumexp(logits)^2 per token to the training loss (PaLM's z-loss; "
-                                "0: off)", OPTIONS, checks=(finite, not_negative))
+    weight_decay_schedule: str = option(
+        "constant",
+        "linear: the weight decay falls to 0 over the run (besides following the lr)",
+        OPTIONS,
+        choices=WEIGHT_DECAY_SCHEDULES,
+    )
+    z_loss: float = option(
+        0.0,
+        "add this x logsumexp(logits)^2 per token to the training loss (PaLM's z-loss; 0: off)",
+        OPTIONS,
+        checks=(finite, not_negative),
+    )
     zero_init_output: bool = option(False, "start the attention and MLP output projections at zero", OPTIONS)
 
 
@@ -287,27 +364,41 @@ class Recipe:
 
     def describe(self) -> str:
         head = "" if self.head_lr is None else f"; {self.head_lr:.3g} the untied LM head"
-        rates = f"AdamW lr {self.lr:.3g}" if self.muon_lr is None else \
-            f"Muon lr {self.muon_lr:.3g} (hidden matrices, momentum {self.muon_momentum:g}), AdamW lr {self.lr:.3g} " \
+        rates = (
+            f"AdamW lr {self.lr:.3g}"
+            if self.muon_lr is None
+            else f"Muon lr {self.muon_lr:.3g} (hidden matrices, momentum {self.muon_momentum:g}), "
+            f"AdamW lr {self.lr:.3g} "
             f"(embeddings, norms{head})"
-        decay = f"cosine over {self.decay_steps} steps" if self.schedule == "cosine" else \
-            f"constant, then linear decay over the last {self.decay_steps} steps"
-        knobs = "".join(f", {field.name} {getattr(self, field.name)}" for field in knobs_of(type(self))
-                        if getattr(self, field.name) != field.default and not field.metadata.get("with_rates"))
-        return (f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
-                f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
-                f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}{knobs}")
+        )
+        decay = (
+            f"cosine over {self.decay_steps} steps"
+            if self.schedule == "cosine"
+            else f"constant, then linear decay over the last {self.decay_steps} steps"
+        )
+        knobs = "".join(
+            f", {field.name} {getattr(self, field.name)}"
+            for field in knobs_of(type(self))
+            if getattr(self, field.name) != field.default and not field.metadata.get("with_rates")
+        )
+        return (
+            f"recipe: {self.optimizer}: {rates}; {self.warmup_steps} warmup steps, {decay} to "
+            f"{self.final_lr_fraction:g}x of {self.total_steps}; betas {self.betas[0]:g}/{self.betas[1]:g}, "
+            f"weight decay {self.weight_decay:g}, grad clip {self.grad_clip:g}{knobs}"
+        )
 
     def recorded(self) -> dict[str, Any]:
         """The recipe as the run's settings record it: recipe.NAME per field, tuples as lists (as JSON has them)."""
-        return {RECORDED + key: list(value) if isinstance(value, tuple) else value
-                for key, value in dataclasses.asdict(self).items()}
+        return {
+            RECORDED + key: list(value) if isinstance(value, tuple) else value
+            for key, value in dataclasses.asdict(self).items()
+        }
 
     @classmethod
     def from_recorded(cls, training: dict) -> Recipe:
         """The recipe recorded in `training` (a run's training settings); a knob added since reads at its default.
         KeyError or TypeError when a field without a default is missing, or one is unknown."""
-        values = {key[len(RECORDED):]: value for key, value in training.items() if key.startswith(RECORDED)}
+        values = {key[len(RECORDED) :]: value for key, value in training.items() if key.startswith(RECORDED)}
         return cls(**{**values, "betas": tuple(values["betas"])})
 
 
@@ -320,13 +411,14 @@ def with_recorded_defaults(training: dict) -> dict:
     """A run's recorded training settings with each recipe option and knob it lacks at its default: what a
     run recorded before that option existed did. So an added knob never refuses an older checkpoint, while a
     value that differs from the checkpoint's still does."""
-    defaults = {**{field.name: field.default for field in option_fields(RecipeOptions)},
-                **{RECORDED + field.name: field.default for field in knobs_of(Recipe)}}
+    defaults = {
+        **{field.name: field.default for field in option_fields(RecipeOptions)},
+        **{RECORDED + field.name: field.default for field in knobs_of(Recipe)},
+    }
     return {**defaults, **training}
 
 
-def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int,
-                  tied: bool = True) -> tuple[Recipe, list[str]]:
+def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int, tied: bool = True) -> tuple[Recipe, list[str]]:
     """The recipe for a model of width `hidden` (`tied`: its LM head is its input embedding) and a run of
     `total_steps`: the options given, the rules of the optimizer's table entry for the rest. Also returns why
     each chosen value was chosen (printed at start)."""
@@ -344,8 +436,10 @@ def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int,
     warmup = options.warmup_steps
     if warmup is None:
         warmup = rule.warmup_steps(total_steps)
-        why.append(f"{warmup} warmup steps = {rule.warmup_fraction:g} of {total_steps} steps "
-                   f"(at least 1, at most {MAX_WARMUP_STEPS})")
+        why.append(
+            f"{warmup} warmup steps = {rule.warmup_fraction:g} of {total_steps} steps "
+            f"(at least 1, at most {MAX_WARMUP_STEPS})"
+        )
     if schedule == "cosine":
         decay = max(0, total_steps - warmup)
     else:
@@ -361,11 +455,21 @@ def choose_recipe(options: RecipeOptions, hidden: int, total_steps: int,
     if not tied and rule.head_lr is not None and options.head_lr is None:
         knobs["head_lr"] = rule.head_lr.at(hidden)
         why.append(f"untied LM head lr {knobs['head_lr']:.3g} = {rule.head_lr.explain(hidden)}")
-    recipe = Recipe(optimizer=optimizer, lr=lr, muon_lr=muon_lr, schedule=schedule, warmup_steps=warmup,
-                    decay_steps=decay, final_lr_fraction=final, total_steps=total_steps,
-                    weight_decay=options.weight_decay, betas=(beta1, beta2),
-                    muon_momentum=momentum if muon_lr is not None else None,
-                    grad_clip=options.grad_clip, **knobs)
+    recipe = Recipe(
+        optimizer=optimizer,
+        lr=lr,
+        muon_lr=muon_lr,
+        schedule=schedule,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        final_lr_fraction=final,
+        total_steps=total_steps,
+        weight_decay=options.weight_decay,
+        betas=(beta1, beta2),
+        muon_momentum=momentum if muon_lr is not None else None,
+        grad_clip=options.grad_clip,
+        **knobs,
+    )
     return recipe, why
 
 
@@ -373,18 +477,24 @@ def extension_problem(old: Recipe, new: Recipe, step: int) -> str | None:
     """Why a run at `step` (steps taken) under recipe `old` cannot go on under `new`, a recipe of another
     length (None: it can). A pure function of the two recipes and the step."""
     if old.schedule == "cosine":
-        return ("its schedule is cosine, whose decay spans the whole run: the learning rate of every step "
-                "taken depends on the length, so a longer run is not the same run (start runs you may extend "
-                "with --schedule wsd)")
+        return (
+            "its schedule is cosine, whose decay spans the whole run: the learning rate of every step "
+            "taken depends on the length, so a longer run is not the same run (start runs you may extend "
+            "with --schedule wsd)"
+        )
     if old.warmup_steps != new.warmup_steps:
         return f"the warmup would change from {old.warmup_steps} to {new.warmup_steps} steps"
     old_start, new_start = old.total_steps - old.decay_steps, new.total_steps - new.decay_steps
     if step > old_start:
-        return (f"its decay began at step {old_start} and it is at step {step}: only a checkpoint of the stable "
-                f"phase (step <= {old_start}) can be extended")
+        return (
+            f"its decay began at step {old_start} and it is at step {step}: only a checkpoint of the stable "
+            f"phase (step <= {old_start}) can be extended"
+        )
     if step > new_start:
-        return (f"the new length's decay would start at step {new_start}, before the checkpoint's step {step} "
-                "(ask for more tokens)")
+        return (
+            f"the new length's decay would start at step {new_start}, before the checkpoint's step {step} "
+            "(ask for more tokens)"
+        )
     return None
 
 
@@ -392,14 +502,20 @@ def recipe_warnings(recipe: Recipe) -> list[str]:
     """Schedules that cannot train well: warmup that is most of the run, a run of a handful of steps."""
     warnings = []
     if recipe.warmup_steps >= recipe.total_steps:
-        warnings.append(f"--warmup-steps {recipe.warmup_steps} >= the run's {recipe.total_steps} steps: the learning "
-                        "rate never reaches its peak nor decays; pass fewer --warmup-steps")
+        warnings.append(
+            f"--warmup-steps {recipe.warmup_steps} >= the run's {recipe.total_steps} steps: the learning "
+            "rate never reaches its peak nor decays; pass fewer --warmup-steps"
+        )
     elif recipe.warmup_steps > recipe.total_steps // 2:
-        warnings.append(f"{recipe.warmup_steps} of the run's {recipe.total_steps} steps are warmup: most of the run "
-                        "trains below the peak learning rate; pass fewer --warmup-steps or train longer")
+        warnings.append(
+            f"{recipe.warmup_steps} of the run's {recipe.total_steps} steps are warmup: most of the run "
+            "trains below the peak learning rate; pass fewer --warmup-steps or train longer"
+        )
     if recipe.total_steps < 20:
-        warnings.append(f"the run is only {recipe.total_steps} optimizer steps: too few to learn much; train more "
-                        "tokens (--target-tokens, --epochs) or use a smaller --batch-size / --grad-accum")
+        warnings.append(
+            f"the run is only {recipe.total_steps} optimizer steps: too few to learn much; train more "
+            "tokens (--target-tokens, --epochs) or use a smaller --batch-size / --grad-accum"
+        )
     return warnings
 
 
@@ -428,10 +544,12 @@ class Optimizers:
 
     def __init__(self, parts: dict[str, torch.optim.Optimizer]):
         self.parts = parts
-        self.group_names = [[group.get("name", part) for group in optimizer.param_groups]
-                            for part, optimizer in parts.items()]
-        self.weight_decays = [[group["weight_decay"] for group in optimizer.param_groups]
-                              for optimizer in parts.values()]
+        self.group_names = [
+            [group.get("name", part) for group in optimizer.param_groups] for part, optimizer in parts.items()
+        ]
+        self.weight_decays = [
+            [group["weight_decay"] for group in optimizer.param_groups] for optimizer in parts.values()
+        ]
 
     def apply_schedule(self, recipe: Recipe, step: int) -> dict[str, float]:
         """Set every param group's lr, weight decay and (Muon's) momentum for optimizer step `step` (0-based):
@@ -444,8 +562,11 @@ class Optimizers:
                 group["weight_decay"] = weight_decay * decay
                 if part == "muon":
                     group["momentum"] = recipe.momentum_at(step)
-        return {name: group["lr"] for names, optimizer in zip(self.group_names, self.parts.values())
-                for name, group in zip(names, optimizer.param_groups)}
+        return {
+            name: group["lr"]
+            for names, optimizer in zip(self.group_names, self.parts.values())
+            for name, group in zip(names, optimizer.param_groups)
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """set_to_none=False zeroes in place: under DDP the gradients are views of its all-reduce buckets
@@ -459,14 +580,17 @@ class Optimizers:
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != set(self.parts):
-            raise UserError(f"the checkpoint's optimizer holds {', '.join(sorted(state))}, this run uses "
-                            f"{', '.join(sorted(self.parts))}")
+            raise UserError(
+                f"the checkpoint's optimizer holds {', '.join(sorted(state))}, this run uses "
+                f"{', '.join(sorted(self.parts))}"
+            )
         for name, optimizer in self.parts.items():
             optimizer.load_state_dict(state[name])
 
 
-def build_optimizers(model: torch.nn.Module, recipe: Recipe, device: torch.device, rank: int = 0,
-                     world: int = 1) -> Optimizers:
+def build_optimizers(
+    model: torch.nn.Module, recipe: Recipe, device: torch.device, rank: int = 0, world: int = 1
+) -> Optimizers:
     """The recipe's optimizers (its OPTIMIZERS entry's builder) over the model's parameters, on `rank` of
     `world`; each param group's peak lr kept as "peak_lr"."""
     parts = recipe.rule.build(recipe, hidden_matrices(model), device, rank, world)
@@ -533,8 +657,11 @@ class LossScaler:
         return True
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict(), "skipped_total": self.skipped_total,
-                "skipped_in_a_row": self.skipped_in_a_row}
+        return {
+            "scaler": self.scaler.state_dict(),
+            "skipped_total": self.skipped_total,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["scaler"]:

@@ -28,8 +28,10 @@ def publish_layout(run: Path) -> dict[str, Path]:
     and loss curve."""
     model = run / "model"
     if not (model / "config.json").is_file():
-        raise UserError(f"{model} has no exported model (config.json): train.py exports it at the end of a run, "
-                        f"or `python train.py --data CORPUS --out {run} --export-only`")
+        raise UserError(
+            f"{model} has no exported model (config.json): train.py exports it at the end of a run, "
+            f"or `python train.py --data CORPUS --out {run} --export-only`"
+        )
     files = {path.relative_to(model).as_posix(): path for path in sorted(model.rglob("*")) if path.is_file()}
     files.update({path.name: path for path in sorted(run.glob("*.gguf"))})
     files.update({name: run / name for name in PUBLISHED_RUN_FILES if (run / name).is_file()})
@@ -48,16 +50,19 @@ def git_blob_sha1(path: Path) -> str:
 def hub_mismatches(api, repo_id: str, files: dict[str, Path], prefix: str) -> list[str]:
     """The files whose copy on the Hub is not the local one: the LFS sha256 the Hub computed, or the git
     blob id of a file stored without LFS."""
-    remote = {info.path: info for info in api.get_paths_info(repo_id, [f"{prefix}{name}" for name in files],
-                                                              repo_type="model")}
+    remote = {
+        info.path: info
+        for info in api.get_paths_info(repo_id, [f"{prefix}{name}" for name in files], repo_type="model")
+    }
     wrong = []
     for name, path in files.items():
         info = remote.get(f"{prefix}{name}")
         lfs = getattr(info, "lfs", None)
         if info is None or getattr(info, "size", None) != path.stat().st_size:
             wrong.append(name)
-        elif (lfs.sha256 if lfs is not None else info.blob_id) != (sha256_file(path) if lfs is not None
-                                                                    else git_blob_sha1(path)):
+        elif (lfs.sha256 if lfs is not None else info.blob_id) != (
+            sha256_file(path) if lfs is not None else git_blob_sha1(path)
+        ):
             wrong.append(name)
     return wrong
 
@@ -74,8 +79,10 @@ def publish_to_hub(files: dict[str, Path], url: str, public: bool, api=None) -> 
     api = api or HfApi()
     try:
         api.create_repo(repo_id, repo_type="model", private=not public, exist_ok=True)
-        operations = [CommitOperationAdd(path_in_repo=f"{prefix}{name}", path_or_fileobj=str(path))
-                      for name, path in files.items()]
+        operations = [
+            CommitOperationAdd(path_in_repo=f"{prefix}{name}", path_or_fileobj=str(path))
+            for name, path in files.items()
+        ]
         api.create_commit(repo_id, operations, commit_message="tinyllm: publish the model", repo_type="model")
         wrong = hub_mismatches(api, repo_id, files, prefix)
     except Exception as error:  # huggingface_hub's errors name the repo and the HTTP status, not the token
@@ -105,8 +112,11 @@ def publish(run: str | os.PathLike, url: str, public: bool = False, api=None) ->
     files = publish_layout(run)
     status = read_json_or(run / "run_status.json", {}).get("status")
     if status != store.COMPLETE:
-        print(f"warning: {run} is {status or 'without a run_status.json'}, not COMPLETE: its model card says so",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {run} is {status or 'without a run_status.json'}, not COMPLETE: its model card says so",
+            file=sys.stderr,
+            flush=True,
+        )
     if remote_store.scheme_of(url) == HUB_SCHEME:
         return publish_to_hub(files, url, public, api)
     if public:

@@ -65,13 +65,30 @@ class Backend:
 
 
 BACKENDS = (
-    Backend(("s3", "s3a"), "s3fs", "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_PROFILE "
-            "or ~/.aws/, region AWS_DEFAULT_REGION; S3-compatible stores (MinIO, R2, B2, Wasabi) through "
-            "AWS_ENDPOINT_URL", secrets=("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"), buckets=True, extra="s3"),
-    Backend(("gs", "gcs"), "gcsfs", "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
-            buckets=True, extra="gcs"),
-    Backend(("hf",), "huggingface_hub", "HF_TOKEN or `hf auth login` (hf://USER/REPO/prefix, a model repo; "
-            "hf://datasets/USER/REPO/prefix, a dataset repo; installed with transformers)", secrets=("HF_TOKEN",)),
+    Backend(
+        ("s3", "s3a"),
+        "s3fs",
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN), AWS_PROFILE "
+        "or ~/.aws/, region AWS_DEFAULT_REGION; S3-compatible stores (MinIO, R2, B2, Wasabi) through "
+        "AWS_ENDPOINT_URL",
+        secrets=("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"),
+        buckets=True,
+        extra="s3",
+    ),
+    Backend(
+        ("gs", "gcs"),
+        "gcsfs",
+        "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
+        buckets=True,
+        extra="gcs",
+    ),
+    Backend(
+        ("hf",),
+        "huggingface_hub",
+        "HF_TOKEN or `hf auth login` (hf://USER/REPO/prefix, a model repo; "
+        "hf://datasets/USER/REPO/prefix, a dataset repo; installed with transformers)",
+        secrets=("HF_TOKEN",),
+    ),
 )
 LOCAL_SCHEMES = ("file", "local")  # fsspec's local file system: a folder, not a remote
 SECRET_VARIABLES = tuple(name for backend in BACKENDS for name in backend.secrets)
@@ -96,7 +113,7 @@ def local_path(text: str) -> Path:
     """The folder a local `text` names (a path, file://PATH or local://PATH)."""
     for scheme in LOCAL_SCHEMES:
         if text.lower().startswith(f"{scheme}://"):
-            return Path(text[len(scheme) + 3:])
+            return Path(text[len(scheme) + 3 :])
     return Path(text)
 
 
@@ -110,9 +127,15 @@ def schemes_text(separator: str = " ", last: str | None = None, without: tuple[s
 
 def backends_text(width: int = 100) -> str:
     """Each store's schemes, package and credentials, a paragraph each (checkpoint_cloud.py --help's epilog)."""
-    return "\n".join(textwrap.fill(f"{' '.join(f'{scheme}://' for scheme in backend.schemes)}: pip install "
-                                   f"{backend.package}; credentials from {backend.credentials}", width,
-                                   subsequent_indent="    ") for backend in BACKENDS)
+    return "\n".join(
+        textwrap.fill(
+            f"{' '.join(f'{scheme}://' for scheme in backend.schemes)}: pip install "
+            f"{backend.package}; credentials from {backend.credentials}",
+            width,
+            subsequent_indent="    ",
+        )
+        for backend in BACKENDS
+    )
 
 
 # OSErrors that only a local disk raises (a store's errors arrive as other types or errnos)
@@ -160,8 +183,11 @@ def open_remote(url: str, fail_fast: bool = False):
     try:
         options = {"skip_instance_cache": True}
         if fail_fast and package == "s3fs":  # botocore's retry settings from the environment win
-            options["config_kwargs"] = {key: value for key, value in FAIL_FAST_S3_CONFIG.items()
-                                        if key != "retries" or "AWS_MAX_ATTEMPTS" not in os.environ}
+            options["config_kwargs"] = {
+                key: value
+                for key, value in FAIL_FAST_S3_CONFIG.items()
+                if key != "retries" or "AWS_MAX_ATTEMPTS" not in os.environ
+            }
         fs, root = fsspec.core.url_to_fs(url, **options)
         if fail_fast and package == "s3fs":
             fs.retries = FAIL_FAST_ATTEMPTS
@@ -262,8 +288,9 @@ def remote_digest(fs, path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256: str | None = None,
-                    size: int | None = None) -> dict:
+def upload_verified(
+    fs, local_path: str | os.PathLike, remote_path: str, sha256: str | None = None, size: int | None = None
+) -> dict:
     """Upload to a temporary name, confirm size and sha256 there, then promote. Returns {sha256, bytes}.
 
     `sha256` (and `size`): what the local file held when it was written, e.g. train.py's record. The
@@ -275,8 +302,9 @@ def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256:
     local = Path(local_path)
     local_size = local.stat().st_size
     if size is not None and local_size != size:
-        raise LocalFileChanged(f"{local.name} has {local_size} bytes, its record says {size}: it changed on disk "
-                               "after it was written")
+        raise LocalFileChanged(
+            f"{local.name} has {local_size} bytes, its record says {size}: it changed on disk after it was written"
+        )
     digest = sha256 or sha256_file(local)
     temp = temp_name(remote_path)
     make_parent(fs, remote_path)
@@ -287,8 +315,9 @@ def upload_verified(fs, local_path: str | os.PathLike, remote_path: str, sha256:
         if (remote_size, remote_sha) != (local_size, digest):
             # Only now read the local file again, to say which side is wrong.
             if sha256 is not None and sha256_file(local) != sha256:
-                raise LocalFileChanged(f"{local.name} no longer matches the sha256 recorded when it was written: "
-                                       "it changed on disk since")
+                raise LocalFileChanged(
+                    f"{local.name} no longer matches the sha256 recorded when it was written: it changed on disk since"
+                )
             raise VerificationError(f"the uploaded copy of {local.name} differs from the local file")
         promote(fs, temp, remote_path)
     except BaseException:
@@ -322,8 +351,9 @@ def remote_errors(action: str):
     except Exception as error:
         if isinstance(error, OSError) and error.errno in LOCAL_ERRNOS:  # the local disk: say which file, why
             raise UserError(f"{action} failed: {os_error_text(error)}") from None
-        raise UserError(f"{action} failed ({type(error).__name__}); check the URL, the network and the "
-                        "credentials") from None
+        raise UserError(
+            f"{action} failed ({type(error).__name__}); check the URL, the network and the credentials"
+        ) from None
 
 
 def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
@@ -339,8 +369,7 @@ def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
                 raise UserError(f"{root} is a file, not a folder")
             parent = parent_of(root) or "/"
             if writing and not fs.isdir(root) and not fs.isdir(parent):
-                raise UserError(f"no such folder: {parent} (the backup folder is created only inside an "
-                                "existing one)")
+                raise UserError(f"no such folder: {parent} (the backup folder is created only inside an existing one)")
             if not writing and not fs.isdir(root):
                 raise UserError(f"no such folder: {root}")
         elif backend is not None and backend.buckets and not fs.exists(root):
@@ -369,8 +398,14 @@ def probe_error_text(error: Exception, url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc if "@" in parts.netloc else ""
     query_values = [value for _, value in urllib.parse.parse_qsl(parts.query)]
-    secrets_seen = [url, netloc, parts.password, parts.query, *query_values,
-                    *(os.environ.get(name) for name in SECRET_VARIABLES)]
+    secrets_seen = [
+        url,
+        netloc,
+        parts.password,
+        parts.query,
+        *query_values,
+        *(os.environ.get(name) for name in SECRET_VARIABLES),
+    ]
     for secret in sorted(filter(None, secrets_seen), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text.splitlines()[0] if text else type(error).__name__
@@ -394,7 +429,7 @@ def printable_url(url: str) -> str | None:
 def remote_tree_sha256(fs, folder: str) -> str:
     """common.sha256_tree of a remote folder: sorted relative names and file sha256s."""
     refresh(fs, folder)
-    names = sorted((PurePosixPath(p[len(folder) + 1:]) for p in fs.find(folder)), key=lambda p: p.parts)
+    names = sorted((PurePosixPath(p[len(folder) + 1 :]) for p in fs.find(folder)), key=lambda p: p.parts)
     digest = hashlib.sha256()
     for name in names:
         digest.update(name.as_posix().encode() + b"\0")
@@ -427,7 +462,7 @@ def pull_corpus(url: str, local_dir: str | os.PathLike, log: LogFn = log_line) -
     with atomic_folder(target) as temp:
         with remote_errors("downloading the corpus"):
             refresh(fs, root)
-            names = [p[len(root) + 1:] for p in fs.find(root) if p.startswith(root + "/")]
+            names = [p[len(root) + 1 :] for p in fs.find(root) if p.startswith(root + "/")]
             if CORPUS_MANIFEST not in names:
                 raise UserError(f"the remote corpus has no {CORPUS_MANIFEST}")
             for name in names:

@@ -54,8 +54,15 @@ class Progress:
     start-up compile time) goes with the first update.
     """
 
-    def __init__(self, total_steps: int, initial_step: int = 0, every: int = 10, enabled: bool = True,
-                 bar: bool | None = None, first_note: str | None = None):
+    def __init__(
+        self,
+        total_steps: int,
+        initial_step: int = 0,
+        every: int = 10,
+        enabled: bool = True,
+        bar: bool | None = None,
+        first_note: str | None = None,
+    ):
         self.total_steps = total_steps
         self.first_note = first_note
         self.initial_step = initial_step
@@ -69,12 +76,18 @@ class Progress:
 
             # A fixed size: tqdm hides the bar on pseudo-terminals that report 0 rows (dynamic_ncols reads them).
             size = shutil.get_terminal_size((100, 24))
-            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", desc="train", file=sys.stderr,
-                             ncols=size.columns, nrows=size.lines)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial_step,
+                unit="step",
+                desc="train",
+                file=sys.stderr,
+                ncols=size.columns,
+                nrows=size.lines,
+            )
             PROGRESS_WRITERS.append(self._write_above_bar)
 
-    def update(self, step: int, loss: float, tokens_per_second: float | None = None,
-               mfu: float | None = None) -> None:
+    def update(self, step: int, loss: float, tokens_per_second: float | None = None, mfu: float | None = None) -> None:
         """Report that optimizer step `step` (1-based count of steps done) finished. `mfu` is a fraction."""
         if not self.enabled:
             return
@@ -166,8 +179,10 @@ def final_line(out: Path, status: str, record: dict) -> str:
     if missing and record.get("report_command"):
         made = "model/ not made" if "model" in missing else "report incomplete"
         failed = ", ".join(record.get("report_errors") or {}) or "not made yet"
-        line += (f" | {made} ({failed}: report_errors in {out / 'run_status.json'}) | make it again with: "
-                 f"{record['report_command']}")
+        line += (
+            f" | {made} ({failed}: report_errors in {out / 'run_status.json'}) | make it again with: "
+            f"{record['report_command']}"
+        )
     return line
 
 
@@ -176,40 +191,60 @@ def final_line(out: Path, status: str, record: dict) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    plot = commands.add_parser("plot", help="redraw RUN/loss_curve.png from RUN/metrics.jsonl",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    plot = commands.add_parser(
+        "plot",
+        help="redraw RUN/loss_curve.png from RUN/metrics.jsonl",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     plot.add_argument("run", help="run folder holding metrics.jsonl")
     plot.add_argument("--out", help="PNG to write (default: RUN/loss_curve.png)")
-    evaluate = commands.add_parser("evaluate", help="benchmark scores of an exported model (lm-eval tasks, "
-                                   "local multiple-choice and exact-match task files)",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="benchmark scores of an exported model (lm-eval tasks, local multiple-choice and exact-match task files)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     evaluate.add_argument("model", help="run folder (RUN, scores go to RUN/eval/ and the model card) or RUN/model")
-    evaluate.add_argument("--tasks", nargs="+", required=True,
-                          help="lm-eval task names (hellaswag, arc_easy, ...), task .jsonl files or folders of them")
+    evaluate.add_argument(
+        "--tasks",
+        nargs="+",
+        required=True,
+        help="lm-eval task names (hellaswag, arc_easy, ...), task .jsonl files or folders of them",
+    )
     evaluate.add_argument("--limit", type=int, help="score a seeded subsample of N items per task")
     evaluate.add_argument("--seed", type=int, default=evaluation.DEFAULT_SEED, help="seed of the --limit subsample")
     evaluate.add_argument("--batch-size", type=int, default=32)
     evaluate.add_argument("--max-new-tokens", type=int, default=96, help="reply length of exact-match tasks")
     evaluate.add_argument("--device", default="cpu")
     evaluate.add_argument("--json", help="also write the scores to this JSON file")
-    samples = commands.add_parser("samples", help="chat replies (or --text continuations) of an exported model",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    samples = commands.add_parser(
+        "samples",
+        help="chat replies (or --text continuations) of an exported model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     samples.add_argument("model", help="exported model folder (RUN/model)")
     samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
-    samples.add_argument("--text", action="store_true",
-                         help="continue each --prompt as plain text (a model trained on plain text, e.g. books)")
+    samples.add_argument(
+        "--text",
+        action="store_true",
+        help="continue each --prompt as plain text (a model trained on plain text, e.g. books)",
+    )
     samples.add_argument("--max-new-tokens", type=int, default=96)
     generation.add_sampling_args(samples)
     samples.add_argument("--device", default="cpu")
-    publish = commands.add_parser("publish", help="upload RUN's model, GGUF files, card, settings and loss "
-                                  f"curve to hf://USER/REPO or {publishing.STORES_TEXT}, verified",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    publish = commands.add_parser(
+        "publish",
+        help="upload RUN's model, GGUF files, card, settings and loss "
+        f"curve to hf://USER/REPO or {publishing.STORES_TEXT}, verified",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     publish.add_argument("run", help="run folder holding model/ (and any GGUF files export_gguf.py wrote)")
-    publish.add_argument("url", help="hf://USER/REPO (a model repository, created private), or "
-                                     f"{publishing.STORES_TEXT}")
+    publish.add_argument(
+        "url", help=f"hf://USER/REPO (a model repository, created private), or {publishing.STORES_TEXT}"
+    )
     publish.add_argument("--public", action="store_true", help="hf://: create the repository public")
     return parser.parse_args(argv)
 
@@ -224,8 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"no loss records in {Path(args.run) / 'metrics.jsonl'}")
         print(f"wrote {out}")
     elif args.command == "evaluate":
-        result = evaluation.evaluate(args.model, args.tasks, args.limit, args.batch_size, args.device, args.seed,
-                                     args.max_new_tokens)
+        result = evaluation.evaluate(
+            args.model, args.tasks, args.limit, args.batch_size, args.device, args.seed, args.max_new_tokens
+        )
         written = evaluation.write_outputs(result, args.json)
         print(export_hf.score_table(result))
         print(f"settings: {export_hf.settings_line(result['harness'])}")
@@ -246,8 +282,9 @@ def print_samples(args: argparse.Namespace) -> None:
     model, tokenizer = generation.load_exported(args.model, args.device)
     prompts = args.prompt or generation.DEFAULT_PROMPTS
     if args.text:
-        details = generation.generate_text_details(model, tokenizer, prompts, args.max_new_tokens, args.device,
-                                                   sampling)
+        details = generation.generate_text_details(
+            model, tokenizer, prompts, args.max_new_tokens, args.device, sampling
+        )
         for prompt, detail in zip(prompts, details):
             print(f"> {prompt}{detail['completion']}\n")
         return
@@ -263,4 +300,3 @@ def command() -> None:
 
 if __name__ == "__main__":
     run_main(main)
-

@@ -39,22 +39,29 @@ def check_trackers(names: Sequence[str]) -> None:
         if name not in TRACKER_PACKAGES:
             raise UserError(f"--log-to: unknown tracker {name!r}; choose from {', '.join(TRACKER_PACKAGES)}")
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            raise UserError(f"--log-to {name} needs the {TRACKER_PACKAGES[name]} package: "
-                            f"pip install {TRACKER_PACKAGES[name]}")
+            raise UserError(
+                f"--log-to {name} needs the {TRACKER_PACKAGES[name]} package: pip install {TRACKER_PACKAGES[name]}"
+            )
 
 
 def scalars(record: dict) -> dict[str, float]:
     """A record's numbers as `kind/key` (e.g. train/loss); booleans, strings and lists are not scalars."""
     kind = record.get("kind", "metrics")
-    return {f"{kind}/{key}": value for key, value in record.items()
-            if key not in SKIPPED_KEYS and isinstance(value, int | float) and not isinstance(value, bool)}
+    return {
+        f"{kind}/{key}": value
+        for key, value in record.items()
+        if key not in SKIPPED_KEYS and isinstance(value, int | float) and not isinstance(value, bool)
+    }
 
 
 def table_rows(record: dict) -> dict[str, list[dict]]:
     """A record's lists of dicts (the samples record's "samples") as `kind/key` -> rows of a table."""
     kind = record.get("kind", "metrics")
-    return {f"{kind}/{key}": value for key, value in record.items()
-            if isinstance(value, list) and value and all(isinstance(row, dict) for row in value)}
+    return {
+        f"{kind}/{key}": value
+        for key, value in record.items()
+        if isinstance(value, list) and value and all(isinstance(row, dict) for row in value)
+    }
 
 
 def tracker_skips(step: int | None, logged_through: int) -> bool:
@@ -98,8 +105,9 @@ class TensorBoardLogger:
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError as error:
-            raise UserError(f"--log-to tensorboard needs the tensorboard package (pip install tensorboard): "
-                            f"{error}") from None
+            raise UserError(
+                f"--log-to tensorboard needs the tensorboard package (pip install tensorboard): {error}"
+            ) from None
         self.path = out / TENSORBOARD_EVENTS
         self._event, self._summary, self._record_writer = event_pb2.Event, summary_pb2.Summary, RecordWriter
         self.handle = None
@@ -171,8 +179,9 @@ class StepTracker:
 
     def table(self, rows: list[dict]):
         columns = list(dict.fromkeys(key for row in rows for key in row))
-        return self.module.Table(columns=columns, data=[[json_safe(row.get(column)) for column in columns]
-                                                         for row in rows])
+        return self.module.Table(
+            columns=columns, data=[[json_safe(row.get(column)) for column in columns] for row in rows]
+        )
 
     def send(self, data: dict, step: int | None) -> None:
         self.run.log(data, step=step)
@@ -196,11 +205,18 @@ class WandbLogger(StepTracker):
         self.module = wandb
         run_id = self.state.get("wandb").get("id") or wandb_run_id(run_id)
         try:
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tinyllm"), name=out.name, id=run_id,
-                                  resume="allow", config=json_safe(config))
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "tinyllm"),
+                name=out.name,
+                id=run_id,
+                resume="allow",
+                config=json_safe(config),
+            )
         except Exception as error:  # no API key, no network in online mode, a bad WANDB_* setting
-            raise UserError(f"--log-to wandb: {type(error).__name__}: {error} (WANDB_MODE=offline logs "
-                            "without an account; `wandb sync` uploads later)") from None
+            raise UserError(
+                f"--log-to wandb: {type(error).__name__}: {error} (WANDB_MODE=offline logs "
+                "without an account; `wandb sync` uploads later)"
+            ) from None
         self.state.update("wandb", id=run_id)
 
 
@@ -216,9 +232,15 @@ class TrackioLogger(StepTracker):
         self.module = trackio
         name = self.state.get("trackio").get("id") or f"{out.name}-{run_id[:8]}"
         try:
-            self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "tinyllm"), name=name,
-                                    config=json_safe(config), resume="allow", embed=False,
-                                    auto_log_cpu=False, auto_log_gpu=False)
+            self.run = trackio.init(
+                project=os.environ.get("TRACKIO_PROJECT", "tinyllm"),
+                name=name,
+                config=json_safe(config),
+                resume="allow",
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
         except Exception as error:
             raise UserError(f"--log-to trackio: {type(error).__name__}: {error}") from None
         self.state.update("trackio", id=name)
@@ -228,8 +250,11 @@ def open_trackers(names: Sequence[str], out: Path, run_id: str, config: dict) ->
     """The --log-to sinks for MetricsLog, in the order given."""
     check_trackers(names)
     state = TrackerState(out / TRACKERS_FILE)
-    kinds = {"tensorboard": lambda: TensorBoardLogger(out), "wandb": lambda: WandbLogger(state, out, run_id, config),
-             "trackio": lambda: TrackioLogger(state, out, run_id, config)}
+    kinds = {
+        "tensorboard": lambda: TensorBoardLogger(out),
+        "wandb": lambda: WandbLogger(state, out, run_id, config),
+        "trackio": lambda: TrackioLogger(state, out, run_id, config),
+    }
     sinks = []
     try:
         for name in names:

@@ -100,8 +100,16 @@ DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
 # defaults of the options not given (measured: >= 90% held-out addition in ~5 min on one CPU thread).
-DEMO_DEFAULTS = {"preset": "tiny", "batch_size": 32, "grad_accum": 1, "target_tokens": 1400 * 32 * 128,
-                 "eval_batches": 8, "save_every": 500, "log_every": 50, "threads": 1}
+DEMO_DEFAULTS = {
+    "preset": "tiny",
+    "batch_size": 32,
+    "grad_accum": 1,
+    "target_tokens": 1400 * 32 * 128,
+    "eval_batches": 8,
+    "save_every": 500,
+    "log_every": 50,
+    "threads": 1,
+}
 
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 
@@ -122,9 +130,11 @@ OUTPUT, BACKUP = "what a run shows and leaves behind", "checkpoint backup (check
 OPTION_GROUPS = (PATHS, MODEL, BUDGET, optimization.OPTIONS, LOSS, SAVING, STOPPING, SPEED, OUTPUT, BACKUP)
 
 
-DATA_HELP = (f"corpus folder built by data.py, or a corpus URL ({remote_store.schemes_text()}, pulled once into "
-             f"{train_data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
-             f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}")
+DATA_HELP = (
+    f"corpus folder built by data.py, or a corpus URL ({remote_store.schemes_text()}, pulled once into "
+    f"{train_data.PULLED_CORPORA}/ and verified); or a mixture of sources NAME=CORPUS[#LABEL]:WEIGHT ... (one "
+    f"tokenizer; docs/training.md#mixtures); None: the demo in {DEFAULT_DATA}"
+)
 
 
 def shape_option(name: str, what: str = "") -> Any:
@@ -166,33 +176,64 @@ class RunSettings(optimization.RecipeOptions):
     head_dim: int | None = shape_option("head_dim")
     rope_theta: float | None = shape_option("rope_theta")
     rms_norm_eps: float | None = shape_option("rms_norm_eps")
-    tie_embeddings: bool | None = shape_option("tie_embeddings", "the LM head shares the input embedding (no: its "
-                                               "own matrix, trained at --head-lr under muon). ")
+    tie_embeddings: bool | None = shape_option(
+        "tie_embeddings",
+        "the LM head shares the input embedding (no: its own matrix, trained at --head-lr under muon). ",
+    )
     target_tokens: int | None = option(
-        None, "train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)", BUDGET,
-        type=token_count, checks=(positive,), exclusive="length")
-    epochs: float | None = option(None, "train this many passes over the train split", BUDGET,
-                                  checks=(lambda value: None if math.isfinite(value) and value > 0
-                                          else "be a positive finite number",), exclusive="length")
+        None,
+        "train this many tokens, e.g. 300000000 or 3e8 (None, and no --epochs: 1 epoch)",
+        BUDGET,
+        type=token_count,
+        checks=(positive,),
+        exclusive="length",
+    )
+    epochs: float | None = option(
+        None,
+        "train this many passes over the train split",
+        BUDGET,
+        checks=(lambda value: None if math.isfinite(value) and value > 0 else "be a positive finite number",),
+        exclusive="length",
+    )
     budget: str | None = option(
-        None, "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
-              "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
-              "before step 1 and kept by every resume (an explicit --preset or --target-tokens wins; docs/budget.md)",
-        BUDGET, checks=(budget.budget_problem,))
+        None,
+        "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
+        "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
+        "before step 1 and kept by every resume (an explicit --preset or --target-tokens wins; docs/budget.md)",
+        BUDGET,
+        checks=(budget.budget_problem,),
+    )
     seed: int = option(1337, "model init and data order", BUDGET)
-    packing: str = option(next(iter(train_data.PACKINGS)), train_data.PACKING_HELP, BUDGET,
-                          choices=tuple(train_data.PACKINGS))
-    loss_on: str = option("all", "all: every token; assistant: only the assistants' answers (reasoning included) "
-                                 "of chat documents, and plain-text documents as --text-loss says", LOSS,
-                          choices=LOSS_ON)
-    text_loss: str | None = option(None, "with --loss-on assistant, plain-text documents count fully or not at "
-                                         "all (needed when the corpus has any)", LOSS, choices=TEXT_LOSS)
+    packing: str = option(
+        next(iter(train_data.PACKINGS)), train_data.PACKING_HELP, BUDGET, choices=tuple(train_data.PACKINGS)
+    )
+    loss_on: str = option(
+        "all",
+        "all: every token; assistant: only the assistants' answers (reasoning included) "
+        "of chat documents, and plain-text documents as --text-loss says",
+        LOSS,
+        choices=LOSS_ON,
+    )
+    text_loss: str | None = option(
+        None,
+        "with --loss-on assistant, plain-text documents count fully or not at all (needed when the corpus has any)",
+        LOSS,
+        choices=TEXT_LOSS,
+    )
     eval_batches: int = option(  # which validation blocks best_val_loss is measured on
-        4, "validation over this many global batches of blocks (the same blocks whatever the split between "
-           "ranks, --batch-size and --grad-accum)", SAVING, checks=(positive,))
+        4,
+        "validation over this many global batches of blocks (the same blocks whatever the split between "
+        "ranks, --batch-size and --grad-accum)",
+        SAVING,
+        checks=(positive,),
+    )
     mixture_schedule: str | None = option(
-        None, "later phases of a --data mixture, 'START:NAME=WEIGHT,...;...' with START a step or 'decay' (wsd's "
-              "decay), e.g. 'decay:web=0.3,chat=0.7'; the --data weights hold from step 0", BUDGET, metavar="PHASES")
+        None,
+        "later phases of a --data mixture, 'START:NAME=WEIGHT,...;...' with START a step or 'decay' (wsd's "
+        "decay), e.g. 'decay:web=0.3,chat=0.7'; the --data weights hold from step 0",
+        BUDGET,
+        metavar="PHASES",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,79 +245,146 @@ class SessionSettings:
 
     data: str | tuple[str, ...] = option(None, DATA_HELP, PATHS, type=str, nargs="+", metavar="CORPUS")
     # one corpus folder or URL; a mixture: its NAME=CORPUS:WEIGHT values (its weights: recorded_settings)
-    out: str = option(None, f"run folder: checkpoints, metrics, status (needed with --data; the demo: "
-                            f"{DEFAULT_OUT})", PATHS)
+    out: str = option(
+        None, f"run folder: checkpoints, metrics, status (needed with --data; the demo: {DEFAULT_OUT})", PATHS
+    )
     batch_size: int = option(8, "blocks per micro-step per rank", BUDGET, checks=(positive,))
     grad_accum: int = option(4, "micro-steps per optimizer step", BUDGET, checks=(positive,))
     save_every: int = option(250, "save every N steps (0: never by count)", SAVING, checks=(not_negative,))
-    save_seconds: float = option(600, "also save when this many seconds have passed since the last save (0: never "
-                                      "by time)", SAVING, checks=(finite, not_negative))
+    save_seconds: float = option(
+        600,
+        "also save when this many seconds have passed since the last save (0: never by time)",
+        SAVING,
+        checks=(finite, not_negative),
+    )
     keep_last: int = option(2, "retention: keep the newest N step checkpoints", SAVING, checks=(at_least(1),))
-    keep_every: int = option(0, "retention: also keep forever every checkpoint whose step is a multiple of N "
-                                "(0: off)", SAVING, checks=(not_negative,))
-    eval_every: int | None = option(None, "validation every N steps (0: only at the end; None: a fifth of the run, "
-                                          "at most 250 steps, so a short run shows a validation curve too)", SAVING,
-                                    checks=(not_negative,))
+    keep_every: int = option(
+        0,
+        "retention: also keep forever every checkpoint whose step is a multiple of N (0: off)",
+        SAVING,
+        checks=(not_negative,),
+    )
+    eval_every: int | None = option(
+        None,
+        "validation every N steps (0: only at the end; None: a fifth of the run, "
+        "at most 250 steps, so a short run shows a validation curve too)",
+        SAVING,
+        checks=(not_negative,),
+    )
     eval_tasks: tuple[str, ...] | None = option(
-        None, "also score these multiple-choice tasks during training (also comma-separated): {context, choices, "
-              "answer} JSONL files or folders, lm-eval task YAML files or lm-eval task names "
-              "(docs/evaluation.md#in-the-loop)", SAVING, type=str, nargs="+", metavar="TASK")
-    eval_tasks_every: int | None = option(None, "score --eval-tasks every N steps (0: only at the end; None: with "
-                                                "each validation, or every k-th one, or only at the end, whichever "
-                                                "keeps the scoring near 5%% of the training: said at the start)",
-                                          SAVING, checks=(not_negative,))
-    eval_tasks_limit: int = option(evaluation.DEFAULT_LOOP_LIMIT, "items per --eval-tasks task (a seeded, fixed "
-                                                                 "subsample; 0: all)", SAVING,
-                                   checks=(not_negative,))
+        None,
+        "also score these multiple-choice tasks during training (also comma-separated): {context, choices, "
+        "answer} JSONL files or folders, lm-eval task YAML files or lm-eval task names "
+        "(docs/evaluation.md#in-the-loop)",
+        SAVING,
+        type=str,
+        nargs="+",
+        metavar="TASK",
+    )
+    eval_tasks_every: int | None = option(
+        None,
+        "score --eval-tasks every N steps (0: only at the end; None: with "
+        "each validation, or every k-th one, or only at the end, whichever "
+        "keeps the scoring near 5%% of the training: said at the start)",
+        SAVING,
+        checks=(not_negative,),
+    )
+    eval_tasks_limit: int = option(
+        evaluation.DEFAULT_LOOP_LIMIT,
+        "items per --eval-tasks task (a seeded, fixed subsample; 0: all)",
+        SAVING,
+        checks=(not_negative,),
+    )
     log_every: int = option(10, "progress line and metrics every N steps", SAVING, checks=(positive,))
-    max_hours: float = option(0, "stop (saved, resumable) early enough to save before this many hours (0: no limit, or "
-                              "a --budget run's budget)",
-                              STOPPING, checks=(finite, not_negative))
-    stop_after_steps: int = option(0, "stop (saved, resumable) once the run reaches step N (0: off)", STOPPING,
-                                   checks=(not_negative,))
-    max_overflow_steps: int = option(32, "fp16: fail after this many optimizer steps in a row skipped for "
-                                         "overflow", STOPPING, checks=(positive,))
+    max_hours: float = option(
+        0,
+        "stop (saved, resumable) early enough to save before this many hours (0: no limit, or a --budget run's budget)",
+        STOPPING,
+        checks=(finite, not_negative),
+    )
+    stop_after_steps: int = option(
+        0, "stop (saved, resumable) once the run reaches step N (0: off)", STOPPING, checks=(not_negative,)
+    )
+    max_overflow_steps: int = option(
+        32, "fp16: fail after this many optimizer steps in a row skipped for overflow", STOPPING, checks=(positive,)
+    )
     device: str = option("auto", "auto: CUDA when torch sees a GPU, else CPU", SPEED, choices=["auto", "cpu", "cuda"])
     threads: int = option(0, "torch CPU threads per rank (0: torch's default)", SPEED, checks=(not_negative,))
     precision: str = option(  # as asked; what it resolves to on this device is recorded as runtime.precision
-        "auto", "auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below (T4, V100, P100), "
-                "on CPU bf16 where it has avx512_bf16 or AMX, else fp32. May change on resume (a run can move between "
-                "cards)", SPEED,
-        choices=["auto", "fp32", "fp16", "bf16"])
-    compile: bool | None = option(None, "torch.compile the model and its loss (default: on CUDA, off on CPU); "
-                                        "compiled at start, where a failure falls back to eager with a warning",
-                                  SPEED)
+        "auto",
+        "auto: bf16 on sm_80+ GPUs (A100, A10, L4, H100), fp16 with loss scaling below (T4, V100, P100), "
+        "on CPU bf16 where it has avx512_bf16 or AMX, else fp32. May change on resume (a run can move between "
+        "cards)",
+        SPEED,
+        choices=["auto", "fp32", "fp16", "bf16"],
+    )
+    compile: bool | None = option(
+        None,
+        "torch.compile the model and its loss (default: on CUDA, off on CPU); "
+        "compiled at start, where a failure falls back to eager with a warning",
+        SPEED,
+    )
     grad_checkpoint: bool = option(False, "recompute activations in backward", SPEED)
     deterministic: bool = option(
-        False, "CUDA: deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS workspace config, no "
-               "cuDNN attention), so a resumed run is bit for bit the uninterrupted one (slower; CPU runs are "
-               "deterministic without it). May change on resume", SPEED)
+        False,
+        "CUDA: deterministic kernels only (torch.use_deterministic_algorithms, cuBLAS workspace config, no "
+        "cuDNN attention), so a resumed run is bit for bit the uninterrupted one (slower; CPU runs are "
+        "deterministic without it). May change on resume",
+        SPEED,
+    )
     require_gpus: int = option(0, "refuse to start with fewer visible GPUs", SPEED, checks=(not_negative,))
     require_gpu_name: str | None = option(None, "refuse to start unless every GPU name has this", SPEED)
-    peak_tflops: float = option(0, "peak FLOP/s per device for MFU (0: GPU table, or an fp32/bf16 matmul measured "
-                                   "on CPU)", SPEED, checks=(finite, not_negative))
-    report: bool = option(True, "loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging "
-                                "Face export RUN/model at the end (--no-report: checkpoints and metrics only)", OUTPUT)
-    log_to: str = option("", "also send the metrics to these experiment trackers, comma-separated, any mix of "
-                             "tensorboard (a file in RUN), wandb, trackio (docs/training.md#trackers)", OUTPUT,
-                         metavar="TRACKERS")
-    sample_temperature: float = option(0.0, "sample_generations.json: 0 greedy; above 0 sampled", OUTPUT,
-                                       checks=(finite, not_negative))
-    sample_top_p: float = option(1.0, "sample_generations.json: nucleus sampling, keep this much probability mass "
-                                      "(1: all)", OUTPUT)
-    sample_top_k: int = option(0, "sample_generations.json: keep the k likeliest tokens (0: all)", OUTPUT,
-                               checks=(not_negative,))
+    peak_tflops: float = option(
+        0,
+        "peak FLOP/s per device for MFU (0: GPU table, or an fp32/bf16 matmul measured on CPU)",
+        SPEED,
+        checks=(finite, not_negative),
+    )
+    report: bool = option(
+        True,
+        "loss_curve.png, sample_generations.json, held-out task accuracy and the Hugging "
+        "Face export RUN/model at the end (--no-report: checkpoints and metrics only)",
+        OUTPUT,
+    )
+    log_to: str = option(
+        "",
+        "also send the metrics to these experiment trackers, comma-separated, any mix of "
+        "tensorboard (a file in RUN), wandb, trackio (docs/training.md#trackers)",
+        OUTPUT,
+        metavar="TRACKERS",
+    )
+    sample_temperature: float = option(
+        0.0, "sample_generations.json: 0 greedy; above 0 sampled", OUTPUT, checks=(finite, not_negative)
+    )
+    sample_top_p: float = option(
+        1.0, "sample_generations.json: nucleus sampling, keep this much probability mass (1: all)", OUTPUT
+    )
+    sample_top_k: int = option(
+        0, "sample_generations.json: keep the k likeliest tokens (0: all)", OUTPUT, checks=(not_negative,)
+    )
     sample_seed: int = option(0, "sample_generations.json: seed of the sampling (reproducible replies)", OUTPUT)
     backup_to: str | None = option(  # a URL may carry credentials: never recorded nor printed
-        None, f"mirror checkpoints to this folder / {remote_store.schemes_text(' / ')} URL in the background (alias: "
-              "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)", BACKUP, metavar="URL")
+        None,
+        f"mirror checkpoints to this folder / {remote_store.schemes_text(' / ')} URL in the background (alias: "
+        "THINK72_CLOUD_RESUME=1 with THINK72_BACKUP_URL)",
+        BACKUP,
+        metavar="URL",
+    )
     remote_keep_recent: int = option(3, "newest remote checkpoints kept", BACKUP)
-    remote_keep_every: int = option(10, "also keep every Nth save on the remote forever: every multiple of N x "
-                                        "--save-every steps (none without --save-every); 0 = off", BACKUP)
-    backup_wait_seconds: float = option(600.0, "on stop, wait this long for pending uploads", BACKUP,
-                                        checks=(not_negative,))
-    backup_max_unbacked: int = option(3, "local checkpoints without a remote copy kept beyond local retention; "
-                                         "older ones are deleted with a warning", BACKUP)
+    remote_keep_every: int = option(
+        10,
+        "also keep every Nth save on the remote forever: every multiple of N x "
+        "--save-every steps (none without --save-every); 0 = off",
+        BACKUP,
+    )
+    backup_wait_seconds: float = option(
+        600.0, "on stop, wait this long for pending uploads", BACKUP, checks=(not_negative,)
+    )
+    backup_max_unbacked: int = option(
+        3,
+        "local checkpoints without a remote copy kept beyond local retention; older ones are deleted with a warning",
+        BACKUP,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,17 +392,31 @@ class Invocation:
     """What this command does, once: not part of the run (an --init-from source is recorded as its lineage)."""
 
     init_from: str | None = option(
-        None, "start a new run from these weights: a checkpoint file, a run folder (its newest verified "
-              "checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); fresh optimizer, schedule and data "
-              "order; the tokenizer must be the corpus'", PATHS, metavar="SOURCE")
-    resume: str = option("auto", "'auto' (also --resume alone): the newest checkpoint in OUT whose sha256 verifies "
-                                 "(a fresh start when there is none); 'none': start fresh (refused if OUT has "
-                                 "checkpoints); or a PATH", PATHS, nargs="?")
-    export_only: bool = option(False, "no training: export the --resume checkpoint (auto: OUT's newest) to "
-                                      "OUT/model", OUTPUT)
-    config: str | None = option(None, "read options from this TOML or YAML file (long names as keys; options "
-                                      "given on the command line win); a run writes RUN/config.toml", PATHS,
-                                metavar="FILE")
+        None,
+        "start a new run from these weights: a checkpoint file, a run folder (its newest verified "
+        "checkpoint) or a Hugging Face Qwen3 folder (e.g. RUN/model); fresh optimizer, schedule and data "
+        "order; the tokenizer must be the corpus'",
+        PATHS,
+        metavar="SOURCE",
+    )
+    resume: str = option(
+        "auto",
+        "'auto' (also --resume alone): the newest checkpoint in OUT whose sha256 verifies "
+        "(a fresh start when there is none); 'none': start fresh (refused if OUT has "
+        "checkpoints); or a PATH",
+        PATHS,
+        nargs="?",
+    )
+    export_only: bool = option(
+        False, "no training: export the --resume checkpoint (auto: OUT's newest) to OUT/model", OUTPUT
+    )
+    config: str | None = option(
+        None,
+        "read options from this TOML or YAML file (long names as keys; options "
+        "given on the command line win); a run writes RUN/config.toml",
+        PATHS,
+        metavar="FILE",
+    )
     demo: bool  # derived: no --data, so the demo and its defaults
     argv: tuple[str, ...]  # derived: the command line, for the resume command
 
@@ -315,18 +437,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO_DEFAULTS.items())
     parser = ArgumentParser(
         description="Pretrain a Qwen3 model on a corpus built by data.py (run under torchrun for DDP). "
-                    "Without --data it runs the demo end to end.",
+        "Without --data it runs the demo end to end.",
         epilog=f"The demo (no --data): builds {DEFAULT_DATA} with `data.py --demo` if it is not there, trains, "
-               f"evaluates the held-out arithmetic problems and exports {DEFAULT_OUT}/model; options not given "
-               f"take the demo defaults instead of those shown above: {demo}.")
+        f"evaluates the held-out arithmetic problems and exports {DEFAULT_OUT}/model; options not given "
+        f"take the demo defaults instead of those shown above: {demo}.",
+    )
     add_options(parser, OPTION_GROUPS, *SETTINGS_GROUPS)
     return parser
 
 
 def option_values(settings: Settings) -> dict:
     """Every setting by its option's name (argparse dest), the three groups together."""
-    return {**dataclasses.asdict(settings.run), **dataclasses.asdict(settings.session),
-            **dataclasses.asdict(settings.invocation)}
+    return {
+        **dataclasses.asdict(settings.run),
+        **dataclasses.asdict(settings.session),
+        **dataclasses.asdict(settings.invocation),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -337,8 +463,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     args = parser.parse_args(config_argv(parser, argv) + argv)
     demo = args.data is None
     if not demo:  # one plain corpus stays a string; a mixture is its values
-        args.data = args.data[0] if len(args.data) == 1 and not train_data.is_mixture_spec(args.data[0]) \
-            else tuple(args.data)
+        args.data = (
+            args.data[0] if len(args.data) == 1 and not train_data.is_mixture_spec(args.data[0]) else tuple(args.data)
+        )
     if demo:
         parser.set_defaults(data=DEFAULT_DATA, out=DEFAULT_OUT, **DEMO_DEFAULTS)
         epochs_given = args.epochs is not None  # --epochs replaces the demo's --target-tokens
@@ -347,8 +474,12 @@ def parse_args(argv: list[str] | None = None) -> Settings:
             args.target_tokens = None
     if args.out is None:
         raise UserError("--data needs --out RUN: the run folder for its checkpoints, metrics and status")
-    values = {**vars(args), "demo": demo, "argv": tuple(argv),
-              "eval_tasks": tuple(args.eval_tasks) if args.eval_tasks else None}
+    values = {
+        **vars(args),
+        "demo": demo,
+        "argv": tuple(argv),
+        "eval_tasks": tuple(args.eval_tasks) if args.eval_tasks else None,
+    }
 
     def group(kind):
         return kind(**{field.name: values[field.name] for field in dataclasses.fields(kind)})
@@ -368,11 +499,16 @@ def config_text(settings: Settings) -> str:
     `train.py --config RUN/config.toml` starts the same run again (--out, --backup-to given anew)."""
     import tomli_w
 
-    values = {option_flag(field)[2:]: getattr(part, field.name)
-              for part in (settings.run, settings.session, settings.invocation)
-              for field in option_fields(type(part)) if field.name not in NOT_IN_CONFIG}
-    return ("# written by train.py: `python train.py --config THIS_FILE --out NEW_RUN` starts this run again\n"
-            + tomli_w.dumps({key: value for key, value in values.items() if value is not None}))
+    values = {
+        option_flag(field)[2:]: getattr(part, field.name)
+        for part in (settings.run, settings.session, settings.invocation)
+        for field in option_fields(type(part))
+        if field.name not in NOT_IN_CONFIG
+    }
+    return (
+        "# written by train.py: `python train.py --config THIS_FILE --out NEW_RUN` starts this run again\n"
+        + tomli_w.dumps({key: value for key, value in values.items() if value is not None})
+    )
 
 
 def check_settings(settings: Settings) -> None:
@@ -389,10 +525,15 @@ def check_settings(settings: Settings) -> None:
         raise UserError("--text-loss needs --loss-on assistant (with --loss-on all every token counts)")
     if invocation.init_from is not None and invocation.resume not in ("auto", "none"):
         raise UserError("--init-from starts a new run and --resume PATH continues one: give one of them")
-    if invocation.resume not in ("auto", "none") and re.fullmatch(r"[A-Za-z]+", invocation.resume) \
-            and not Path(invocation.resume).exists():
-        raise UserError(f"--resume {invocation.resume}: not a choice and no such file; use auto (the newest "
-                        "verified checkpoint in --out), none (start fresh) or the PATH of a checkpoint")
+    if (
+        invocation.resume not in ("auto", "none")
+        and re.fullmatch(r"[A-Za-z]+", invocation.resume)
+        and not Path(invocation.resume).exists()
+    ):
+        raise UserError(
+            f"--resume {invocation.resume}: not a choice and no such file; use auto (the newest "
+            "verified checkpoint in --out), none (start fresh) or the PATH of a checkpoint"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,33 +563,35 @@ class NonFiniteLoss(Exception):
 class Training:
     """Model, optimizer, data, schedule and scaler of one run on one rank.
 
-        settings = train.parse_args(["--data", CORPUS, "--out", RUN, "--preset", "micro", "--threads", "2"])
-        info = distributed.init_distributed(settings.session.device)
-        training = train.build_training(settings, info)
-        result = training.train_step()          # one optimizer step (all micro-steps)
+    settings = train.parse_args(["--data", CORPUS, "--out", RUN, "--preset", "micro", "--threads", "2"])
+    info = distributed.init_distributed(settings.session.device)
+    training = train.build_training(settings, info)
+    result = training.train_step()          # one optimizer step (all micro-steps)
     """
 
-    def __init__(self, settings: Settings, info: distributed.DistInfo, data: train_data.TrainData,
-                 vocab_size: int):
+    def __init__(self, settings: Settings, info: distributed.DistInfo, data: train_data.TrainData, vocab_size: int):
         run, session = settings.run, settings.session
         self.run, self.session, self.invocation = run, session, settings.invocation
         self.info, self.data, self.vocab_size = info, data, vocab_size
         self.preset = model_config.preset_of(run)
         self.hardware = hardware.describe(self.device)
         self.precision_choice = resolve_precision(session.precision, self.hardware)
-        self.token_bytes = corpus_format.token_byte_lengths(data.corpus / corpus_format.TOKENIZER_DIR /
-                                                            "tokenizer.json", vocab_size).to(self.device)
+        self.token_bytes = corpus_format.token_byte_lengths(
+            data.corpus / corpus_format.TOKENIZER_DIR / "tokenizer.json", vocab_size
+        ).to(self.device)
         self.step = 0  # optimizer steps taken: the only counter (data order, lr and checkpoint follow it)
         self.saved_step: int | None = None  # the step of this session's last checkpoint (save_checkpoint)
         self.total_steps = total_steps(run, data.train_blocks, data.global_batch, self.tokens_per_step)
-        self.recipe, self.recipe_reasons = optimization.choose_recipe(run, self.preset.hidden, self.total_steps,
-                                                                        self.preset.tie_embeddings)
+        self.recipe, self.recipe_reasons = optimization.choose_recipe(
+            run, self.preset.hidden, self.total_steps, self.preset.tie_embeddings
+        )
         decay_start = self.recipe.total_steps - self.recipe.decay_steps if self.recipe.schedule == "wsd" else None
         data.start_phases(decay_start)  # after the recipe: a mixture's phase may start at its decay
 
         seed_everything(run.seed)
-        self.model = model_config.build_training_model(self.preset, self.vocab_size, data.manifest.special_tokens,
-                                                       self.device, session.grad_checkpoint)
+        self.model = model_config.build_training_model(
+            self.preset, self.vocab_size, data.manifest.special_tokens, self.device, session.grad_checkpoint
+        )
         if run.zero_init_output:
             model_config.zero_output_projections(self.model)
         self.optimizer = optimization.build_optimizers(self.model, self.recipe, self.device, info.rank, info.world)
@@ -462,8 +605,9 @@ class Training:
         self.attention_plan, self.sdpa_context, self.sdpa = choose_attention(self)
         self.compile = hardware.use_compile(session.compile, self.hardware)
         self.compile_fallback: str | None = None  # why compile_at_start went eager (its first line)
-        self.forward_model = distributed.wrap_for_training(losses.LanguageModelLoss(self.model, run.z_loss), info,
-                                                           hardware.wrap_order(self.compile, info.world))
+        self.forward_model = distributed.wrap_for_training(
+            losses.LanguageModelLoss(self.model, run.z_loss), info, hardware.wrap_order(self.compile, info.world)
+        )
         self.compile_seconds = compile_at_start(self) if self.compile else None
         self.flops_per_token = model_config.flops_per_token(self.preset, self.vocab_size, self.context)
         self.budget_plan: dict | None = None  # --budget's plan (budget.settle), set by train()
@@ -491,17 +635,18 @@ class Training:
         return self.precision_choice.value  # "fp32", "fp16" or "bf16", as resolved on this device
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        )
 
-    def loss_of(self, batch: train_data.Batch, model: torch.nn.Module | None = None,
-                reduction: str = "mean") -> torch.Tensor:
+    def loss_of(
+        self, batch: train_data.Batch, model: torch.nn.Module | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
         """The training loss through forward_model (compiled, DDP), or through `model` as it is (evaluation)."""
         with self.autocast(), self.sdpa_context():
             if model is None:
                 return self.forward_model(batch.inputs, batch.targets, reduction, batch.documents)
-            return losses.language_model_loss(model, batch.inputs, batch.targets, reduction,
-                                              documents=batch.documents)
+            return losses.language_model_loss(model, batch.inputs, batch.targets, reduction, documents=batch.documents)
 
     def train_step(self) -> callbacks.StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
@@ -522,11 +667,14 @@ class Training:
         if applied:
             self.step += 1
         elif self.scaler.skipped_in_a_row >= self.session.max_overflow_steps:
-            raise NonFiniteLoss(f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
-                                f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)")
+            raise NonFiniteLoss(
+                f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
+                f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)"
+            )
         seconds = time.perf_counter() - started
-        return callbacks.StepResult(step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds,
-                          applied=applied)
+        return callbacks.StepResult(
+            step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds, applied=applied
+        )
 
     def snapshot(self, callbacks: dict | None = None) -> dict | None:
         """The full state copied to CPU, on rank 0 (None elsewhere), with `callbacks` (the observers' states,
@@ -538,10 +686,18 @@ class Training:
         rng = self.rng.state_dict()
         if not self.info.is_main:
             return None
-        return self.staging.copy({
-            "format_version": store.FORMAT_VERSION, "step": self.step, "run_id": self.run_id,
-            **{name: part.state_dict() for name, part in self.state_parts().items()},
-            "callbacks": callbacks or {}, "rng": rng, "settings": recorded_settings(self), "created": utc_now()})
+        return self.staging.copy(
+            {
+                "format_version": store.FORMAT_VERSION,
+                "step": self.step,
+                "run_id": self.run_id,
+                **{name: part.state_dict() for name, part in self.state_parts().items()},
+                "callbacks": callbacks or {},
+                "rng": rng,
+                "settings": recorded_settings(self),
+                "created": utc_now(),
+            }
+        )
 
     def load(self, checkpoint: dict, path: Path) -> None:
         """Restore every piece of state from `checkpoint` (check_resume first: only the run's length may
@@ -552,19 +708,22 @@ class Training:
         self.step = int(checkpoint["step"])  # the one counter: the data order and the lr are functions of it
         self.run_id = checkpoint["run_id"]
         self.lineage = checkpoint["settings"].get("init_from")
-        differences = (store.tensor_differences(self.model.state_dict(), checkpoint["model"], "model")
-                       + store.tensor_differences(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer"))
+        differences = store.tensor_differences(
+            self.model.state_dict(), checkpoint["model"], "model"
+        ) + store.tensor_differences(self.optimizer.state_dict(), checkpoint["optimizer"], "optimizer")
         if differences:
-            raise UserError(f"checkpoint {path}: state after loading differs from the file at "
-                            + ", ".join(differences[:5]))
+            raise UserError(
+                f"checkpoint {path}: state after loading differs from the file at " + ", ".join(differences[:5])
+            )
         self.rng.load_state_dict(checkpoint["rng"])
 
 
 def choose_attention(training: Training):
     """attention.choose_attention's plan for this card and dtype, applied (attention.apply_attention_plan),
     probed on the real paths: a micro-batch with a document boundary and one without."""
-    plan, *alternatives = attention.attention_plans(training.hardware, training.precision, training.preset.head_dim,
-                                                    attention.torch_kernels())
+    plan, *alternatives = attention.attention_plans(
+        training.hardware, training.precision, training.preset.head_dim, attention.torch_kernels()
+    )
     problem = attention.check_plan(plan, training.context)
     if problem:
         raise UserError(problem)
@@ -573,12 +732,12 @@ def choose_attention(training: Training):
     def probe_step(kernels):
         for batch in (with_boundary, with_boundary._replace(documents=None)):
             with kernels(), training.autocast():
-                hidden = training.model.model(input_ids=batch.inputs, **attention.decoder_inputs(training.model,
-                                                                                                 batch.documents))
+                hidden = training.model.model(
+                    input_ids=batch.inputs, **attention.decoder_inputs(training.model, batch.documents)
+                )
                 hidden.last_hidden_state.float().sum().backward()
 
-    context, label, warning, in_effect = attention.apply_attention_plan(training.model, plan, probe_step,
-                                                                        alternatives)
+    context, label, warning, in_effect = attention.apply_attention_plan(training.model, plan, probe_step, alternatives)
     if warning or (plan.masked and training.hardware.is_cuda):
         warn(warning or f"{plan.reason}; attention uses the slower math kernel")
     return in_effect, context, label
@@ -595,6 +754,7 @@ def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Ba
 def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
     """--budget's probe: a preset's global tokens/s over budget.PROBE_STEPS timed train steps (after one
     untimed) at a micro-batch per rank, eager; None when it does not fit the device's memory."""
+
     def measure(preset: str, micro_batch: int) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
         session = dataclasses.replace(settings.session, batch_size=micro_batch, grad_accum=1, compile=False)
@@ -612,6 +772,7 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         return micro_batch * model_config.preset_of(run).context * info.world / statistics.median(times[1:])
+
     return measure
 
 
@@ -628,12 +789,16 @@ def compile_at_start(training: Training) -> float | None:
             raise
         training.compile = False
         training.forward_model = distributed.wrap_for_training(
-            losses.LanguageModelLoss(training.model, training.run.z_loss), training.info,
-            hardware.wrap_order(False, training.info.world))
+            losses.LanguageModelLoss(training.model, training.run.z_loss),
+            training.info,
+            hardware.wrap_order(False, training.info.world),
+        )
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         training.compile_fallback = f"{type(error).__name__}: {first}"
-        warn(f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
-             "goes on eagerly (slower); --no-compile skips the attempt")
+        warn(
+            f"torch.compile failed on {training.hardware.label()} ({type(error).__name__}: {first}); the run "
+            "goes on eagerly (slower); --no-compile skips the attempt"
+        )
         return None
     finally:
         training.model.zero_grad(set_to_none=True)
@@ -648,8 +813,10 @@ def heldout_loss(training: Training, split: str) -> dict | None:
     batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
     and the best checkpoint stay comparable with those before. A mixture evaluates that many blocks
     of each source: "sources" holds each one's result, the rest is over all of them together."""
-    totals = {name: eval_totals(training, rows)
-              for name, rows in training.data.evaluation_rows(split, training.info.rank).items()}
+    totals = {
+        name: eval_totals(training, rows)
+        for name, rows in training.data.evaluation_rows(split, training.info.rank).items()
+    }
     if None in totals:  # one corpus
         return eval_result(totals[None])
     result = eval_result(sum(totals.values()))
@@ -681,8 +848,13 @@ def eval_result(totals: torch.Tensor) -> dict | None:
         return None  # no blocks, or --loss-on assistant and no counted token in the evaluation blocks
     loss = nats / tokens
     bits_per_byte = nats / math.log(2) / text_bytes if text_bytes else None  # None: only special tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens),
-            "bits_per_byte": bits_per_byte, "bytes": int(text_bytes)}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "tokens": int(tokens),
+        "bits_per_byte": bits_per_byte,
+        "bytes": int(text_bytes),
+    }
 
 
 def eval_task_scorer(training: Training) -> evaluation.LoopScorer | None:
@@ -692,10 +864,12 @@ def eval_task_scorer(training: Training) -> evaluation.LoopScorer | None:
     if not session.eval_tasks:
         return None
     kept = Path(session.out) / evaluation.LOOP_TASKS_DIR
-    tasks = distributed.main_decides(lambda: evaluation.load_loop_tasks(session.eval_tasks, session.eval_tasks_limit,
-                                                                       kept), info)
-    return evaluation.LoopScorer(tasks, corpus_format.load_tokenizer(training.data.corpus), info.rank, info.world,
-                                 training.context)
+    tasks = distributed.main_decides(
+        lambda: evaluation.load_loop_tasks(session.eval_tasks, session.eval_tasks_limit, kept), info
+    )
+    return evaluation.LoopScorer(
+        tasks, corpus_format.load_tokenizer(training.data.corpus), info.rank, info.world, training.context
+    )
 
 
 def score_eval_tasks(training: Training, scorer: evaluation.LoopScorer) -> dict[str, dict]:
@@ -705,8 +879,9 @@ def score_eval_tasks(training: Training, scorer: evaluation.LoopScorer) -> dict[
     with training.autocast(), training.sdpa_context():
         counts = scorer.counts(training.model, training.device, training.session.batch_size * training.context)
     training.model.train()
-    totals = distributed.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=training.device),
-                                        training.info)
+    totals = distributed.all_reduce_sum(
+        torch.tensor(counts, dtype=torch.float64, device=training.device), training.info
+    )
     return evaluation.loop_scores(scorer.tasks, totals.tolist())
 
 
@@ -723,11 +898,22 @@ def recorded_settings(training: Training) -> dict:
         "total_steps": training.total_steps,
         **training.recipe.recorded(),
     }
-    runtime = {**dataclasses.asdict(training.session), **training.data.runtime(), "world_size": training.info.world,
-               "precision": training.precision, "device": training.hardware.label()}  # as resolved here
+    runtime = {
+        **dataclasses.asdict(training.session),
+        **training.data.runtime(),
+        "world_size": training.info.world,
+        "precision": training.precision,
+        "device": training.hardware.label(),
+    }  # as resolved here
     del runtime["backup_to"]  # a URL may carry credentials
-    return {"training": compared, "runtime": runtime, "init_from": training.lineage, "extended": training.extensions,
-            "vocabulary_sha256": training.data.manifest.vocabulary_sha256, "budget": training.budget_plan}
+    return {
+        "training": compared,
+        "runtime": runtime,
+        "init_from": training.lineage,
+        "extended": training.extensions,
+        "vocabulary_sha256": training.data.manifest.vocabulary_sha256,
+        "budget": training.budget_plan,
+    }
 
 
 def backward_micro_steps(training: Training, batches: list[train_data.Batch]) -> torch.Tensor:
@@ -775,32 +961,41 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     chose for the run's first length is kept, a precision change is noted, any setting but the length
     refuses the resume (store.resume_verdict), and a new length must be a sound extension."""
     old = model_config.with_recorded_defaults(  # a knob or shape field added since: at its default
-        optimization.with_recorded_defaults(checkpoint["settings"]["training"]))
+        optimization.with_recorded_defaults(checkpoint["settings"]["training"])
+    )
     warmup = old.get("recipe.warmup_steps")
     if training.run.warmup_steps is None and warmup is not None and warmup != training.recipe.warmup_steps:
         # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
         kept = dataclasses.replace(training.run, warmup_steps=int(warmup))
-        recipe, reasons = optimization.choose_recipe(kept, training.preset.hidden, training.total_steps,
-                                                 training.preset.tie_embeddings)
+        recipe, reasons = optimization.choose_recipe(
+            kept, training.preset.hidden, training.total_steps, training.preset.tie_embeddings
+        )
         training.recipe = recipe
         training.recipe_reasons = [*reasons, f"{warmup} warmup steps: the run's, chosen for its first length"]
     runtime = checkpoint["settings"].get("runtime") or {}
-    moved = hardware.precision_change(runtime.get("precision", training.precision), training.precision,
-                                      training.hardware)
+    moved = hardware.precision_change(
+        runtime.get("precision", training.precision), training.precision, training.hardware
+    )
     if moved:
         say(f"note: {moved}", main=training.info.is_main)
     verdict = store.resume_verdict(old, recorded_settings(training)["training"])
     if verdict.others:
-        unset = {field.name for field in dataclasses.fields(RunSettings)
-                 if getattr(training.run, field.name) in (None, field.default)}
+        unset = {
+            field.name
+            for field in dataclasses.fields(RunSettings)
+            if getattr(training.run, field.name) in (None, field.default)
+        }
         shapes = {name: dataclasses.asdict(preset) for name, preset in model_config.PRESETS.items()}
         keep = store.options_to_keep(verdict.others, option_flags(RunSettings), unset, shapes)
-        raise UserError(f"settings differ from checkpoint {path}: " + store.describe_changes(verdict.others)
-                        + ". A resume keeps every training setting; only the length (--target-tokens or "
-                        "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
-                        + (" (here the length changed along with other settings)" if verdict.extend else "")
-                        + (f"; the checkpoint's values are kept with {' '.join(keep)}" if keep else "")
-                        + f"; for a new run from these weights use a new --out with --init-from {path}")
+        raise UserError(
+            f"settings differ from checkpoint {path}: "
+            + store.describe_changes(verdict.others)
+            + ". A resume keeps every training setting; only the length (--target-tokens or "
+            "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
+            + (" (here the length changed along with other settings)" if verdict.extend else "")
+            + (f"; the checkpoint's values are kept with {' '.join(keep)}" if keep else "")
+            + f"; for a new run from these weights use a new --out with --init-from {path}"
+        )
     extensions = list(checkpoint["settings"].get("extended") or [])
     if verdict.extend:
         extensions.append(extension(old, training.recipe, training.total_steps, int(checkpoint["step"]), path))
@@ -818,9 +1013,11 @@ def extension(old: dict, recipe: optimization.Recipe, total_steps: int, step: in
         raise UserError(f"checkpoint {path} does not record its recipe; it cannot be extended") from None
     problem = optimization.extension_problem(before, recipe, step)
     if problem:
-        raise UserError(f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
-                        f"{total_steps}: it cannot be extended: {problem}. Resume it with its length "
-                        f"({length_option(old)}), or start a new run from its weights with --init-from {path}")
+        raise UserError(
+            f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
+            f"{total_steps}: it cannot be extended: {problem}. Resume it with its length "
+            f"({length_option(old)}), or start a new run from its weights with --init-from {path}"
+        )
     return {"at_step": step, "from_total_steps": int(old["total_steps"]), "to_total_steps": total_steps}
 
 
@@ -833,12 +1030,15 @@ def length_option(old: dict) -> str:
 
 def length_change_note(old: dict, total_steps: int) -> str:
     """What a resume that changes the run's length says: a left-out length option changes it too."""
-    return (f"note: this resume changes the run's length from {old['total_steps']} to {total_steps} steps; "
-            f"to keep it, give {length_option(old)}")
+    return (
+        f"note: this resume changes the run's length from {old['total_steps']} to {total_steps} steps; "
+        f"to keep it, give {length_option(old)}"
+    )
 
 
-def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: int | None = None,
-                   corpus: Path | None = None) -> Training:
+def build_training(
+    settings: Settings, info: distributed.DistInfo, vocab_size: int | None = None, corpus: Path | None = None
+) -> Training:
     """A ready-to-step Training from parsed options (no files written, no corpus check).
 
     `corpus`: the local folder of a plain corpus (train_data.prepare_corpus'; None: --data's). `vocab_size`
@@ -860,21 +1060,31 @@ def build_training(settings: Settings, info: distributed.DistInfo, vocab_size: i
 def data_options(settings: Settings, world: int) -> train_data.DataOptions:
     """What the run's data depends on, from its options."""
     run, session = settings.run, settings.session
-    return train_data.DataOptions(data=session.data, mixture_schedule=run.mixture_schedule, packing=run.packing,
-                                  loss_on=run.loss_on, text_loss=run.text_loss,
-                                  context=model_config.preset_of(run).context, seed=run.seed,
-                                  batch_size=session.batch_size, grad_accum=session.grad_accum, world=world,
-                                  eval_batches=run.eval_batches)
+    return train_data.DataOptions(
+        data=session.data,
+        mixture_schedule=run.mixture_schedule,
+        packing=run.packing,
+        loss_on=run.loss_on,
+        text_loss=run.text_loss,
+        context=model_config.preset_of(run).context,
+        seed=run.seed,
+        batch_size=session.batch_size,
+        grad_accum=session.grad_accum,
+        world=world,
+        eval_batches=run.eval_batches,
+    )
 
 
 def start_out_of_memory(run: RunSettings, vocab_size: int, device: torch.device) -> str:
     """The error of a card that cannot hold the model and one block's forward and backward at start-up."""
     preset = model_config.preset_of(run)
     card = hardware.describe(device)
-    return (f"CUDA out of memory on {card.label()} ({hardware.memory_text(card.memory_bytes)}) while building "
-            f"--preset {run.preset} ({model_config.parameter_count(preset, vocab_size):,} parameters) and probing "
-            f"attention on one block of {preset.context} tokens: no batch size fits; use a smaller --preset or "
-            "--context, or a larger card (is another process using it? nvidia-smi shows)")
+    return (
+        f"CUDA out of memory on {card.label()} ({hardware.memory_text(card.memory_bytes)}) while building "
+        f"--preset {run.preset} ({model_config.parameter_count(preset, vocab_size):,} parameters) and probing "
+        f"attention on one block of {preset.context} tokens: no batch size fits; use a smaller --preset or "
+        "--context, or a larger card (is another process using it? nvidia-smi shows)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -928,8 +1138,11 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     plan = budget.settle(settings, info, corpus, given, measure_speed(settings, info))
     settings = budget.apply(settings, plan, info.world)
 
-    status = store.RunStatus(out, enabled=info.is_main,  # read before this session writes anything
-                             resume_command=resume_command(info, settings.invocation.argv))
+    status = store.RunStatus(
+        out,
+        enabled=info.is_main,  # read before this session writes anything
+        resume_command=resume_command(info, settings.invocation.argv),
+    )
     training, resume_path, observed = start_training(settings, info, corpus)
     training.budget_plan = plan.as_record() if plan else None
     scorer = eval_task_scorer(training)
@@ -937,17 +1150,31 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     if note:
         log(info, note)
     recorded = recorded_settings(training)
-    sinks = trackers.open_trackers(trackers.tracker_names(session.log_to), out, training.run_id,
-                                   recorded) if info.is_main else []
+    sinks = (
+        trackers.open_trackers(trackers.tracker_names(session.log_to), out, training.run_id, recorded)
+        if info.is_main
+        else []
+    )
     metrics = metrics_log.MetricsLog(out / "metrics.jsonl", enabled=info.is_main, sinks=sinks)
-    checkpointer = store.Checkpointer(out / "checkpoints", training.run_id, session.keep_last, session.keep_every,
-                                backup=backup, backup_wait_s=backup_wait_s) if info.is_main else None
+    checkpointer = (
+        store.Checkpointer(
+            out / "checkpoints",
+            training.run_id,
+            session.keep_last,
+            session.keep_every,
+            backup=backup,
+            backup_wait_s=backup_wait_s,
+        )
+        if info.is_main
+        else None
+    )
     peak = write_run_files(training, settings, checkpointer, resume_path, recorded)
     describe_run(training)
 
     compiled = None if training.compile_seconds is None else f"compiled in {training.compile_seconds:.0f} s"
-    progress = report.Progress(training.total_steps, training.step, session.log_every, enabled=info.is_main,
-                               first_note=compiled)
+    progress = report.Progress(
+        training.total_steps, training.step, session.log_every, enabled=info.is_main, first_note=compiled
+    )
     observers = run_callbacks(training, scorer, metrics, progress, status, recorded)
     if observed is not None:
         observers.load_state_dict(observed)
@@ -973,8 +1200,9 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
         stop.restore()
 
 
-def start_training(settings: Settings, info: distributed.DistInfo,
-                   corpus: Path) -> tuple[Training, Path | None, dict | None]:
+def start_training(
+    settings: Settings, info: distributed.DistInfo, corpus: Path
+) -> tuple[Training, Path | None, dict | None]:
     """The Training, resumed from the checkpoint --resume names or initialized from --init-from; the
     checkpoint it resumed from, and that checkpoint's observers' states (callbacks.Callbacks; None: a new run)."""
     invocation, out = settings.invocation, Path(settings.session.out)
@@ -985,22 +1213,37 @@ def start_training(settings: Settings, info: distributed.DistInfo,
         checkpoint = store.load_checkpoint_file(resume_path)
         training.load(checkpoint, resume_path)
         observed = checkpoint["callbacks"]
-        log(info, f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
-                  + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""))
+        log(
+            info,
+            f"resumed from {resume_path} at step {training.step}/{training.total_steps} (state verified)"
+            + (f"; its weights first came from {training.lineage['source']}" if training.lineage else ""),
+        )
         init_from = invocation.init_from
         if init_from is not None and (training.lineage or {}).get("source") != init_from:
-            say(f"--init-from {init_from} is not used: {out} already holds a run, resumed from {resume_path} "
-                f"(use a new --out to start a run from {init_from})", warning=True, main=info.is_main)
+            say(
+                f"--init-from {init_from} is not used: {out} already holds a run, resumed from {resume_path} "
+                f"(use a new --out to start a run from {init_from})",
+                warning=True,
+                main=info.is_main,
+            )
     elif invocation.init_from is not None:
         start_from(training, store.read_init_source(invocation.init_from))  # every rank reads the same file
         lineage = training.lineage
-        log(info, f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
-                  f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh")
+        log(
+            info,
+            f"initialized from {lineage['source']} ({lineage['kind']}, step {lineage['step']}, sha256 "
+            f"{lineage['sha256'][:12]}); optimizer, schedule and data order start fresh",
+        )
     return training, resume_path, observed
 
 
-def write_run_files(training: Training, settings: Settings, checkpointer: store.Checkpointer | None,
-                    resume_path: Path | None, recorded: dict) -> float | None:
+def write_run_files(
+    training: Training,
+    settings: Settings,
+    checkpointer: store.Checkpointer | None,
+    resume_path: Path | None,
+    recorded: dict,
+) -> float | None:
     """Rank 0: the checkpoint timeline, config.toml, training_settings.json (`recorded`: recorded_settings)
     and hardware.json; returns the peak FLOP/s the MFU divides by (None on the other ranks)."""
     info, session = training.info, training.session
@@ -1010,28 +1253,47 @@ def write_run_files(training: Training, settings: Settings, checkpointer: store.
     if resume_path is not None:
         checkpointer.start_timeline(resume_path, training.step)
     atomic_write_text(out / "config.toml", config_text(settings))
-    atomic_write_json(out / "training_settings.json", {**recorded, "run_id": training.run_id,
-                                                       "parameters": model_config.parameter_count(
-                                                           training.preset, training.vocab_size),
-                                                       "flops_per_token": training.flops_per_token})
+    atomic_write_json(
+        out / "training_settings.json",
+        {
+            **recorded,
+            "run_id": training.run_id,
+            "parameters": model_config.parameter_count(training.preset, training.vocab_size),
+            "flops_per_token": training.flops_per_token,
+        },
+    )
     peak, source = hardware.peak_flops(info.device, training.precision, session.peak_tflops)
-    atomic_write_json(out / "hardware.json", {**hardware.machine_record(info.device, info.world,
-                                                                        training.precision, training.sdpa),
-                                              "peak_flops": peak, "peak_flops_source": source})
+    atomic_write_json(
+        out / "hardware.json",
+        {
+            **hardware.machine_record(info.device, info.world, training.precision, training.sdpa),
+            "peak_flops": peak,
+            "peak_flops_source": source,
+        },
+    )
     return peak
 
 
 def describe_run(training: Training) -> None:
     """The run's shape, precision and recipe, and warnings about its corpus (rank 0 prints)."""
     info = training.info
-    log(info, f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
-              f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
-              f"world size {info.world} on {training.hardware.label()}")
-    log(info, f"  {training.precision_choice.reason}; attention: {training.sdpa}; Muon's Newton-Schulz in "
-              f"{hardware.newton_schulz_dtype(training.hardware)}")
+    log(
+        info,
+        f"{model_config.parameter_count(training.preset, training.vocab_size):,} parameters, "
+        f"{training.tokens_per_step:,} tokens/step, {training.total_steps} steps, {training.precision}, "
+        f"world size {info.world} on {training.hardware.label()}",
+    )
+    log(
+        info,
+        f"  {training.precision_choice.reason}; attention: {training.sdpa}; Muon's Newton-Schulz in "
+        f"{hardware.newton_schulz_dtype(training.hardware)}",
+    )
     if training.compile_seconds is not None:
-        log(info, f"  torch.compile: the model and its loss compiled in {training.compile_seconds:.1f} s at start "
-                  "(--no-compile: eager)")
+        log(
+            info,
+            f"  torch.compile: the model and its loss compiled in {training.compile_seconds:.1f} s at start "
+            "(--no-compile: eager)",
+        )
     elif training.compile_fallback is not None:
         log(info, f"  torch.compile: fell back to eager at start ({training.compile_fallback})")
     for warning in training.data.warnings():
@@ -1045,11 +1307,13 @@ def describe_run(training: Training) -> None:
         for warning in optimization.recipe_warnings(training.recipe):
             say(warning, warning=True)
 
+
 def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None) -> tuple[int, int | None]:
     """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
     session = training.session
-    validation_every = (callbacks.default_eval_every(training.total_steps) if session.eval_every is None
-                        else session.eval_every)
+    validation_every = (
+        callbacks.default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
+    )
     if scorer is None:
         return validation_every, None
     if session.eval_tasks_every is not None:
@@ -1062,21 +1326,34 @@ def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None)
     return validation_every, tasks_every
 
 
-def run_callbacks(training: Training, scorer: evaluation.LoopScorer | None, metrics: metrics_log.MetricsLog,
-                  progress: report.Progress, status: store.RunStatus, recorded: dict) -> callbacks.Callbacks:
+def run_callbacks(
+    training: Training,
+    scorer: evaluation.LoopScorer | None,
+    metrics: metrics_log.MetricsLog,
+    progress: report.Progress,
+    status: store.RunStatus,
+    recorded: dict,
+) -> callbacks.Callbacks:
     """The run's observers (callbacks.py), in the order they are called; `recorded`: recorded_settings."""
     session, out = training.session, Path(training.session.out)
     validation_every, tasks_every = evaluation_cadence(training, scorer)
     steps = training.total_steps, training.tokens_per_step
     observers = [
-        callbacks.TrainLog(lambda step: step_fields(training, step), session.log_every, *steps, metrics, progress,
-                           status),
+        callbacks.TrainLog(
+            lambda step: step_fields(training, step), session.log_every, *steps, metrics, progress, status
+        ),
         callbacks.Validation(lambda: heldout_loss(training, "validation"), validation_every, *steps, metrics, progress),
         callbacks.TaskScores(lambda: score_eval_tasks(training, scorer), tasks_every, *steps, metrics, progress),
     ]
     if training.info.is_main and session.report:
-        facts = artifacts.RunFacts(out, training.data.corpus, training.run.preset, recorded,
-                                   generation.sampling_from(vars(session), "sample_"), training.device)
+        facts = artifacts.RunFacts(
+            out,
+            training.data.corpus,
+            training.run.preset,
+            recorded,
+            generation.sampling_from(vars(session), "sample_"),
+            training.device,
+        )
         observers += artifacts.end_of_run(training.model, facts, metrics, progress)
     return callbacks.Callbacks(observers)
 
@@ -1086,9 +1363,15 @@ def step_fields(training: Training, step: int) -> dict:
     return {"peak_memory_bytes": hardware.peak_memory_bytes(training.device), **training.data.progress(step)}
 
 
-def train_loop(training: Training, checkpointer: store.Checkpointer | None, observers: callbacks.Callbacks,
-               stop: StopRequest, peak: float | None, process_started: float,
-               progress: report.Progress) -> tuple[str, str | None]:
+def train_loop(
+    training: Training,
+    checkpointer: store.Checkpointer | None,
+    observers: callbacks.Callbacks,
+    stop: StopRequest,
+    peak: float | None,
+    process_started: float,
+    progress: report.Progress,
+) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason). Each step: train, the
     observers' hooks (log, evaluate when due), then plan_step_end says whether to save and whether to stop."""
     session = training.session
@@ -1097,8 +1380,14 @@ def train_loop(training: Training, checkpointer: store.Checkpointer | None, obse
         return no_step
     clocks = SessionClocks(process_started)
     hours, limit = budget.session_limit(session.max_hours, training.budget_plan)
-    flags = StepFlags(training.total_steps, session.save_every, session.save_seconds, hours,
-                      session.stop_after_steps, time_limit=limit)
+    flags = StepFlags(
+        training.total_steps,
+        session.save_every,
+        session.save_seconds,
+        hours,
+        session.stop_after_steps,
+        time_limit=limit,
+    )
     while training.step < training.total_steps:
         if checkpointer is not None:
             checkpointer.check()
@@ -1135,31 +1424,38 @@ def no_step_to_take(training: Training, progress: report.Progress) -> tuple[str,
     a run already complete says so and goes on to its test evaluation and report."""
     session = training.session
     if session.stop_after_steps and session.stop_after_steps <= training.step < training.total_steps:
-        reason = (f"the run was already at step {training.step}, at or past --stop-after-steps "
-                  f"{session.stop_after_steps}: no step taken")
+        reason = (
+            f"the run was already at step {training.step}, at or past --stop-after-steps "
+            f"{session.stop_after_steps}: no step taken"
+        )
         progress.write(reason)
         return store.NEEDS_RESUME, reason
     if training.step >= training.total_steps:  # e.g. the same command again after the run completed
-        progress.write(f"the run was already complete at step {training.step}/{training.total_steps}: no step "
-                       "taken; the test evaluation and the report are made again (a longer run: a larger "
-                       "--target-tokens or --epochs, docs/stages.md)")
+        progress.write(
+            f"the run was already complete at step {training.step}/{training.total_steps}: no step "
+            "taken; the test evaluation and the report are made again (a longer run: a larger "
+            "--target-tokens or --epochs, docs/stages.md)"
+        )
     return None
 
 
-def step_throughput(training: Training, result: callbacks.StepResult, peak: float | None) -> tuple[float | None, float,
-                                                                                          float | None]:
+def step_throughput(
+    training: Training, result: callbacks.StepResult, peak: float | None
+) -> tuple[float | None, float, float | None]:
     """(peak, tokens/s, MFU) of a step; an MFU above 100% measures the peak again (hardware.plausible_mfu)."""
     tokens_per_second = training.tokens_per_step / result.seconds
     mfu = training.flops_per_token * tokens_per_second / (peak * training.info.world) if peak else None
     if mfu is not None and mfu > 1:
         record = Path(training.session.out) / "hardware.json" if training.info.is_main else None
-        peak, mfu = hardware.plausible_mfu(peak, mfu, training.device, training.precision,
-                                           training.session.peak_tflops, record)
+        peak, mfu = hardware.plausible_mfu(
+            peak, mfu, training.device, training.precision, training.session.peak_tflops, record
+        )
     return peak, tokens_per_second, mfu
 
 
-def save_checkpoint(training: Training, checkpointer: store.Checkpointer | None, best_val_loss: float | None,
-                    observed: dict) -> None:
+def save_checkpoint(
+    training: Training, checkpointer: store.Checkpointer | None, best_val_loss: float | None, observed: dict
+) -> None:
     """Snapshot on every rank (RNG is gathered), write on rank 0 in the background, with `observed` (the
     observers' states, callbacks.Callbacks.state_dict). A step already saved is not saved again unless it
     set a new best; every rank decides alike (saved_step is on every rank), since the snapshot is a
@@ -1202,8 +1498,11 @@ class StopRequest:
             self.signum, self.signalled_at = int(signum), time.monotonic()
         if self.ending_on_error:  # its error line says what happened: torchrun's SIGTERM after a lost rank
             return
-        what = ("training has already ended; finishing the run's status and report, then exiting" if self.loop_ended
-                else "finishing this step, saving, then stopping")
+        what = (
+            "training has already ended; finishing the run's status and report, then exiting"
+            if self.loop_ended
+            else "finishing this step, saving, then stopping"
+        )
         print(f"{signal.Signals(signum).name}: {what}", file=sys.stderr, flush=True)
 
 
@@ -1214,6 +1513,7 @@ class StopRequest:
 @dataclasses.dataclass(frozen=True)
 class StepClock:
     """What the end of a step reads of the clocks, in seconds; agree_clock makes it the same on every rank."""
+
     elapsed: float = 0.0  # since this session started
     since_save: float = 0.0  # since the last save (or the loop's start)
     slowest_step: float = 0.0
@@ -1225,6 +1525,7 @@ class StepClock:
 @dataclasses.dataclass(frozen=True)
 class StepFlags:
     """The rest the end of a step decides on: the run's length, the save and stop settings, a new best."""
+
     total_steps: int
     save_every: int = 0
     save_seconds: float = 0.0
@@ -1259,9 +1560,13 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
         why = f"stopped by {flags.time_limit}"
     elif flags.stop_after_steps and step >= flags.stop_after_steps:
         why = f"stopped by --stop-after-steps {flags.stop_after_steps}"
-    save = (why is not None or step >= flags.total_steps or flags.new_best
-            or bool(flags.save_every and step % flags.save_every == 0)
-            or bool(flags.save_seconds and clock.since_save >= flags.save_seconds))
+    save = (
+        why is not None
+        or step >= flags.total_steps
+        or flags.new_best
+        or bool(flags.save_every and step % flags.save_every == 0)
+        or bool(flags.save_seconds and clock.since_save >= flags.save_seconds)
+    )
     return StepEnd(save=save, stop=why is not None, why=why)
 
 
@@ -1283,9 +1588,14 @@ class SessionClocks:
 
     def read(self, stop: StopRequest, checkpointer: store.Checkpointer | None) -> StepClock:
         now = time.monotonic()
-        return StepClock(elapsed=now - self.started, since_save=now - self.last_save,
-                         slowest_step=self.slowest_step, slowest_eval=self.slowest_eval,
-                         last_write=checkpointer.last_write_seconds if checkpointer else 0.0, signal=stop.signum)
+        return StepClock(
+            elapsed=now - self.started,
+            since_save=now - self.last_save,
+            slowest_step=self.slowest_step,
+            slowest_eval=self.slowest_eval,
+            last_write=checkpointer.last_write_seconds if checkpointer else 0.0,
+            signal=stop.signum,
+        )
 
 
 def agree_clock(clock: StepClock, info: distributed.DistInfo) -> StepClock:
@@ -1309,8 +1619,13 @@ def torchrun_grace_seconds(environ) -> float:
     return TORCHRUN_GRACE_SECONDS
 
 
-def stop_wait_seconds(backup_wait_seconds: float, signalled: bool, under_torchrun: bool, elapsed: float,
-                      grace: float = TORCHRUN_GRACE_SECONDS) -> float:
+def stop_wait_seconds(
+    backup_wait_seconds: float,
+    signalled: bool,
+    under_torchrun: bool,
+    elapsed: float,
+    grace: float = TORCHRUN_GRACE_SECONDS,
+) -> float:
     """How long the end of a run waits for the last checkpoint's upload (the status naming the
     checkpoint is written before the wait). Under torchrun a signal is followed by SIGKILL `grace`
     seconds later: after one, the wait is what is left of the grace period since the signal (`elapsed`
@@ -1326,8 +1641,13 @@ def wait_for_backup(checkpointer: store.Checkpointer | None, since: float | None
     if checkpointer is None or checkpointer.backup is None:
         return None
     elapsed = 0.0 if since is None else time.monotonic() - since
-    wait = stop_wait_seconds(checkpointer.backup_wait_s, since is not None, "TORCHELASTIC_RUN_ID" in os.environ,
-                             elapsed, torchrun_grace_seconds(os.environ))
+    wait = stop_wait_seconds(
+        checkpointer.backup_wait_s,
+        since is not None,
+        "TORCHELASTIC_RUN_ID" in os.environ,
+        elapsed,
+        torchrun_grace_seconds(os.environ),
+    )
     return checkpointer.close(wait)
 
 
@@ -1351,6 +1671,7 @@ def lost_rank_cause(error: BaseException, world: int) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class FailureContext:
     """What a failure's words name besides the error: where the run stands and how to go on."""
+
     step: int
     checkpoints: Path  # RUN/checkpoints
     status_file: Path
@@ -1374,14 +1695,22 @@ class Failure:
 def failure_reason(error: BaseException, last_checkpoint: str | None, context: FailureContext) -> Failure:
     """How a session that raised `error` ends, `last_checkpoint` (a name, or None) being the newest
     good one: table-tested in tests/test_core.py; end_failed_run records and says it."""
-    kept = (f"the last good checkpoint, {last_checkpoint}, is intact" if last_checkpoint
-            else "no checkpoint had been written yet")
+    kept = (
+        f"the last good checkpoint, {last_checkpoint}, is intact"
+        if last_checkpoint
+        else "no checkpoint had been written yet"
+    )
     tail = f"; {kept} (status {context.recorded or store.FAILED} in {context.status_file})"
     if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C
-        where = (f"the last checkpoint is {context.checkpoints / last_checkpoint}" if last_checkpoint
-                 else "no checkpoint was saved yet")
-        reason = (f"aborted by the user (second interrupt) at step {context.step}; {where}; continue with: "
-                  f"{context.resume_command}")
+        where = (
+            f"the last checkpoint is {context.checkpoints / last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was saved yet"
+        )
+        reason = (
+            f"aborted by the user (second interrupt) at step {context.step}; {where}; continue with: "
+            f"{context.resume_command}"
+        )
         again = f"interrupted again after the run recorded {context.recorded}; continue with: {context.resume_command}"
         return Failure(store.FAILED, reason, None, say=again if context.recorded else reason)
     if isinstance(error, torch.OutOfMemoryError):  # torch.cuda.OutOfMemoryError too
@@ -1394,17 +1723,30 @@ def failure_reason(error: BaseException, last_checkpoint: str | None, context: F
     if cause is not None:
         who = f"rank {1 - context.rank}" if context.world == 2 else "another rank"
         reason = f"{who} stopped ({cause}); this rank exits too"
-        return Failure(store.NEEDS_RESUME if last_checkpoint else store.FAILED, reason,
-                       f"{reason}; resume with: {context.resume_command}", urgent=True)
+        return Failure(
+            store.NEEDS_RESUME if last_checkpoint else store.FAILED,
+            reason,
+            f"{reason}; resume with: {context.resume_command}",
+            urgent=True,
+        )
     if context.deterministic and "does not have a deterministic implementation" in str(error):
         op = str(error).splitlines()[0].split(", but you set")[0]
-        return Failure(store.FAILED, described, f"--deterministic: {op}; this run cannot be deterministic on this "
-                       "device: resume without --deterministic (a session setting)")
+        return Failure(
+            store.FAILED,
+            described,
+            f"--deterministic: {op}; this run cannot be deterministic on this "
+            "device: resume without --deterministic (a session setting)",
+        )
     return Failure(store.FAILED, described, None)
 
 
-def end_failed_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
-                   stop: StopRequest, error: BaseException) -> Failure:
+def end_failed_run(
+    training: Training,
+    status: store.RunStatus,
+    checkpointer: store.Checkpointer | None,
+    stop: StopRequest,
+    error: BaseException,
+) -> Failure:
     """Rank 0 finishes a checkpoint write in flight (it holds good state), records failure_reason's
     status at once (before torchrun's SIGKILL, after a lost rank), then waits for the backup."""
     info, session = training.info, training.session
@@ -1416,11 +1758,26 @@ def end_failed_run(training: Training, status: store.RunStatus, checkpointer: st
     last = store.latest_checkpoint_name(out)
     command = resume_command(info, training.invocation.argv)
     advice = out_of_memory_advice(training) if isinstance(error, torch.OutOfMemoryError) else ""
-    context = FailureContext(training.step, out / "checkpoints", out / store.STATUS_FILE, command, info.rank,
-                             info.world, session.deterministic, advice, status.final)
+    context = FailureContext(
+        training.step,
+        out / "checkpoints",
+        out / store.STATUS_FILE,
+        command,
+        info.rank,
+        info.world,
+        session.deterministic,
+        advice,
+        status.final,
+    )
     failure = failure_reason(error, last, context)
-    recorded = status.failed(failure.status, reason=failure.reason, step=training.step,
-                             total_steps=training.total_steps, last_checkpoint=last, backup_complete=None)
+    recorded = status.failed(
+        failure.status,
+        reason=failure.reason,
+        step=training.step,
+        total_steps=training.total_steps,
+        last_checkpoint=last,
+        backup_complete=None,
+    )
     if failure.urgent and failure.message:  # now, not at exit: torchrun's SIGTERM may follow at any moment
         say_error(failure.message)
     if recorded:
@@ -1458,42 +1815,78 @@ def claim_run_folder(out: Path, info: distributed.DistInfo):
 def out_of_memory_advice(training: Training) -> str:
     """hardware.out_of_memory_advice for this run: its model, micro-batch, precision and card."""
     run, session = training.run, training.session
-    return hardware.out_of_memory_advice(run.preset, training.preset, training.vocab_size, session.batch_size,
-                                         session.grad_accum, training.context, training.precision,
-                                         training.recipe.rule.state, session.grad_checkpoint, training.hardware,
-                                         training.attention_plan.documents if training.data.documents
-                                         else training.attention_plan.causal)
+    return hardware.out_of_memory_advice(
+        run.preset,
+        training.preset,
+        training.vocab_size,
+        session.batch_size,
+        session.grad_accum,
+        training.context,
+        training.precision,
+        training.recipe.rule.state,
+        session.grad_checkpoint,
+        training.hardware,
+        training.attention_plan.documents if training.data.documents else training.attention_plan.causal,
+    )
 
 
-def finish_run(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer | None,
-               observers: callbacks.Callbacks, metrics: metrics_log.MetricsLog, state: str, reason: str | None,
-               stop: StopRequest) -> str:
+def finish_run(
+    training: Training,
+    status: store.RunStatus,
+    checkpointer: store.Checkpointer | None,
+    observers: callbacks.Callbacks,
+    metrics: metrics_log.MetricsLog,
+    state: str,
+    reason: str | None,
+    stop: StopRequest,
+) -> str:
     """The end of a run that stopped resumably or completed: the test evaluation when complete, then
     (rank 0) the status, the backup, the observers' end-of-run outputs; returns the last line ("" on the
     other ranks, which wait for rank 0)."""
     info = training.info
     test = heldout_loss(training, "test") if state == store.COMPLETE else None
     if test is not None:
-        metrics.write("test", step=training.step, tokens=training.step * training.tokens_per_step,
-                      test_loss=test["loss"], test_perplexity=test["perplexity"],
-                      test_bits_per_byte=test["bits_per_byte"], test_bytes=test["bytes"],
-                      **callbacks.source_results("test", test))
-        log(info, f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}"
-                  f"{metrics_log.bits_per_byte_text(test)}")
+        metrics.write(
+            "test",
+            step=training.step,
+            tokens=training.step * training.tokens_per_step,
+            test_loss=test["loss"],
+            test_perplexity=test["perplexity"],
+            test_bits_per_byte=test["bits_per_byte"],
+            test_bytes=test["bytes"],
+            **callbacks.source_results("test", test),
+        )
+        log(
+            info,
+            f"test loss {test['loss']:.4f}, perplexity {test['perplexity']:.2f}{metrics_log.bits_per_byte_text(test)}",
+        )
     if not info.is_main:
         dist.barrier()  # rank 0 writes the status and the report; then all ranks tear down together
         return ""
     try:
-        end = callbacks.RunEnd(state, training.step, training.total_steps, training.step * training.tokens_per_step,
-                               observers.summary()["validation"], test)
+        end = callbacks.RunEnd(
+            state,
+            training.step,
+            training.total_steps,
+            training.step * training.tokens_per_step,
+            observers.summary()["validation"],
+            test,
+        )
         return finish_on_main(training, status, checkpointer, observers, end, reason, stop)
     finally:
         if info.world > 1:
             dist.barrier()
 
 
-def finish_on_main(training: Training, status: store.RunStatus, checkpointer: store.Checkpointer,
-                   observers: callbacks.Callbacks, end: callbacks.RunEnd, reason: str | None, stop: StopRequest) -> str:
+def finish_on_main(
+    training: Training,
+    status: store.RunStatus,
+    checkpointer: store.Checkpointer,
+    observers: callbacks.Callbacks,
+    end: callbacks.RunEnd,
+    reason: str | None,
+    stop: StopRequest,
+) -> str:
     """finish_run's part on rank 0: the status as soon as the last checkpoint is on disk (its report
     and model/ `pending`, with the command that makes them), then the backup, the observers' on_end (the
     report, the status again with what it made); returns the last line.
@@ -1504,8 +1897,12 @@ def finish_on_main(training: Training, status: store.RunStatus, checkpointer: st
     out = Path(session.out)
     checkpointer.wait()
     command = resume_command(info, training.invocation.argv)
-    status.finished(end.status, **final_record(out, end, reason, observers.summary()),
-                    outputs=report_outputs(session.report, None), report_command=command if session.report else None)
+    status.finished(
+        end.status,
+        **final_record(out, end, reason, observers.summary()),
+        outputs=report_outputs(session.report, None),
+        report_command=command if session.report else None,
+    )
     status.update(backup_complete=wait_for_backup(checkpointer, stop.signalled_at))
     found = observers.on_end(end)
     if session.report:
@@ -1543,8 +1940,10 @@ def report_outputs(asked: bool, found: dict | None) -> dict[str, str]:
         return {"report": "off", "model": "off"}
     if found is None:
         return {"report": "pending", "model": "pending"}
-    return {"report": "failed" if found.get("report_errors") else "done",
-            "model": "done" if found.get("model_files") else "failed"}
+    return {
+        "report": "failed" if found.get("report_errors") else "done",
+        "model": "done" if found.get("model_files") else "failed",
+    }
 
 
 def export_only(settings: Settings, info: distributed.DistInfo) -> int:
@@ -1566,11 +1965,16 @@ def export_under_lock(settings: Settings, info: distributed.DistInfo) -> int:
     out = Path(settings.session.out)
     path = store.find_resume_checkpoint(out, settings.invocation.resume)
     if path is None:
-        raise UserError(f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
-                        f"(none in {out / 'checkpoints'})")
+        raise UserError(
+            f"--export-only needs a checkpoint: --resume PATH, or an --out whose checkpoints/ has one "
+            f"(none in {out / 'checkpoints'})"
+        )
     checkpoint = store.load_checkpoint_file(path)
-    corpus = Path(checkpoint["settings"]["runtime"]["data"]) if settings.invocation.demo \
+    corpus = (
+        Path(checkpoint["settings"]["runtime"]["data"])
+        if settings.invocation.demo
         else train_data.prepare_corpus(settings.session.data, demo=False)
+    )
     sampling = generation.sampling_from(vars(settings.session), "sample_")  # the samples of a complete checkpoint
     artifacts.make_from_checkpoint(checkpoint, path, out, corpus, sampling, info.device)
     return 0

@@ -54,8 +54,11 @@ def local_corpus_folder(data_option: str) -> Path:
 def corpus_options(data: str | Sequence[str]) -> list[str]:
     """The corpus of each source of a --data value (one for a plain corpus); the first's tokenizer is the run's."""
     mixture = parse_mixture(data)
-    return [data if isinstance(data, str) else data[0]] if mixture is None else \
-        [source.corpus for source in mixture.sources]
+    return (
+        [data if isinstance(data, str) else data[0]]
+        if mixture is None
+        else [source.corpus for source in mixture.sources]
+    )
 
 
 def corpus_folders(data: str | Sequence[str]) -> list[Path]:
@@ -68,12 +71,16 @@ def check_corpus_folder(corpus: Path) -> None:
     if (corpus / CORPUS_MANIFEST).is_file():
         return
     if not corpus.exists():
-        raise UserError(f"--data {corpus}: no such corpus folder; build one with: {script_command('data')} --data "
-                        f"YOUR_FILES --out {corpus}")
+        raise UserError(
+            f"--data {corpus}: no such corpus folder; build one with: {script_command('data')} --data "
+            f"YOUR_FILES --out {corpus}"
+        )
     if corpus.name == CORPUS_MANIFEST:
         raise UserError(f"--data {corpus} is the manifest; pass its corpus folder: --data {corpus.parent}")
-    raise UserError(f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
-                    f"{script_command('data')} --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}")
+    raise UserError(
+        f"--data {corpus} is not a corpus folder (no {CORPUS_MANIFEST}); build one with: "
+        f"{script_command('data')} --data {corpus} --out {PULLED_CORPORA}/{corpus.stem or 'NAME'}"
+    )
 
 
 def prepare_corpus(data: str | Sequence[str], demo: bool) -> Path:
@@ -118,11 +125,15 @@ def resolve_text_loss(loss_on: str, text_loss: str | None, manifest: Manifest, c
         return None
     counts = manifest.mask_tokens("train")
     if not counts.get("assistant"):
-        raise UserError(f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
-                        "documents with an assistant turn); use --loss-on all")
+        raise UserError(
+            f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
+            "documents with an assistant turn); use --loss-on all"
+        )
     if counts.get("text") and text_loss is None:
-        raise UserError(f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
-                        "documents; say whether they count with --text-loss full or --text-loss none")
+        raise UserError(
+            f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
+            "documents; say whether they count with --text-loss full or --text-loss none"
+        )
     return text_loss or "none"
 
 
@@ -198,8 +209,12 @@ class BestFitPacking:
 
     def spans(self, index: int) -> list[tuple[int, int]]:
         first = int(self.row_ends[index - 1]) if index else 0
-        return list(zip(self.piece_starts[first: self.row_ends[index]].tolist(),
-                        self.piece_lengths[first: self.row_ends[index]].tolist()))
+        return list(
+            zip(
+                self.piece_starts[first : self.row_ends[index]].tolist(),
+                self.piece_lengths[first : self.row_ends[index]].tolist(),
+            )
+        )
 
 
 PACKINGS = {"masked": MaskedPacking, "bestfit": BestFitPacking, "stream": StreamPacking}  # the first: the default
@@ -250,10 +265,13 @@ def document_ends(corpus: Path, entry: dict, split: str, packing: str) -> np.nda
     ends, offset = [], 0
     for part in parts:
         if "document_index" not in part:
-            raise UserError(f"{corpus / CORPUS_MANIFEST}: split {split} lists no document index, which "
-                            f"--packing {packing} needs; rebuild the corpus with this data.py")
-        ends.append(np.fromfile(corpus / part["document_index"]["name"], dtype=corpus_format.DOCUMENT_INDEX_DTYPE)
-                    + offset)
+            raise UserError(
+                f"{corpus / CORPUS_MANIFEST}: split {split} lists no document index, which "
+                f"--packing {packing} needs; rebuild the corpus with this data.py"
+            )
+        ends.append(
+            np.fromfile(corpus / part["document_index"]["name"], dtype=corpus_format.DOCUMENT_INDEX_DTYPE) + offset
+        )
         offset += part["tokens"]
     return np.concatenate(ends).astype(corpus_format.DOCUMENT_INDEX_DTYPE)
 
@@ -265,6 +283,7 @@ def document_ends(corpus: Path, entry: dict, split: str, packing: str) -> np.nda
 class Batch(NamedTuple):
     """One micro-batch: inputs and targets (B, C); documents (attention.Documents: each token's document and
     position, the documents' starts) when attention is to stay inside documents (None: plain causal)."""
+
     inputs: torch.Tensor
     targets: torch.Tensor
     documents: attention.Documents | None = None
@@ -276,14 +295,25 @@ class TokenSplit:
     the stream. With `counted` (counted_classes), targets the loss does not count are IGNORE_INDEX.
     """
 
-    def __init__(self, corpus: Path, manifest: Manifest, split: str, context: int,
-                 counted: np.ndarray | None = None, packing: str = "stream", source: str | None = None):
+    def __init__(
+        self,
+        corpus: Path,
+        manifest: Manifest,
+        split: str,
+        context: int,
+        counted: np.ndarray | None = None,
+        packing: str = "stream",
+        source: str | None = None,
+    ):
         entry = manifest.split(split, source)  # `source`: one labelled source's own stream (data.py --source-label)
         self.name, self.context, self.counted = split, context, counted
         items = [item for item in entry["files"] if item["bytes"] > 0]
         self.shards = [np.memmap(corpus / item["name"], dtype=manifest.shard_dtype, mode="r") for item in items]
-        self.masks = [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items] \
-            if counted is not None else []
+        self.masks = (
+            [np.memmap(corpus / item["mask"]["name"], dtype=np.uint8, mode="r") for item in items]
+            if counted is not None
+            else []
+        )
         self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
         self.tokens = int(self.starts[-1])
         self.pad_id = int(manifest.special_tokens.get(PAD, 0))
@@ -303,7 +333,7 @@ class TokenSplit:
         pieces = []
         while start < end:
             offset = start - self.starts[shard]
-            piece = streams[shard][offset: offset + end - start]
+            piece = streams[shard][offset : offset + end - start]
             pieces.append(piece)
             start += len(piece)
             shard += 1
@@ -446,7 +476,7 @@ class BlockSampler:
         blocks = self.step_blocks(step)
         per_micro = self.world * self.batch_size
         starts = [micro * per_micro + rank * self.batch_size for micro in range(self.grad_accum)]
-        return [blocks[start: start + self.batch_size] for start in starts]
+        return [blocks[start : start + self.batch_size] for start in starts]
 
     def state_dict(self) -> dict:
         """What the data order depends on besides the step (which the checkpoint holds once, for all)."""
@@ -487,9 +517,12 @@ class Mixture:
 
     def recorded(self) -> dict:
         """What the data order depends on (training_settings.json; a resume must match it)."""
-        return {"sources": [{"name": source.name, "label": source.label} for source in self.sources],
-                "phases": [{"start": phase.start, "weights": dict(zip(self.names, phase.weights))}
-                           for phase in self.phases]}
+        return {
+            "sources": [{"name": source.name, "label": source.label} for source in self.sources],
+            "phases": [
+                {"start": phase.start, "weights": dict(zip(self.names, phase.weights))} for phase in self.phases
+            ],
+        }
 
 
 def is_mixture_spec(value: str) -> bool:
@@ -523,14 +556,17 @@ def parse_schedule_phase(text: str, names: list[str]) -> MixturePhase:
     start, colon, pairs = text.strip().partition(":")
     start = start.strip()
     if not colon or not (start == "decay" or (start.isdigit() and int(start) > 0)):
-        raise UserError(f"--mixture-schedule {text!r}: a phase is START:NAME=WEIGHT,... with START a step "
-                        "number > 0 or 'decay' (e.g. decay:web=0.3,chat=0.7)")
+        raise UserError(
+            f"--mixture-schedule {text!r}: a phase is START:NAME=WEIGHT,... with START a step "
+            "number > 0 or 'decay' (e.g. decay:web=0.3,chat=0.7)"
+        )
     weights = dict.fromkeys(names, 0.0)
     for pair in pairs.split(","):
         name, _, weight = pair.strip().partition("=")
         if name not in weights:
-            raise UserError(f"--mixture-schedule {text!r}: {name!r} is not a source of --data "
-                            f"(they are {', '.join(names)})")
+            raise UserError(
+                f"--mixture-schedule {text!r}: {name!r} is not a source of --data (they are {', '.join(names)})"
+            )
         weights[name] = parse_weight(weight, f"--mixture-schedule {text!r}")
     return MixturePhase(str(int(start)) if start != "decay" else start, tuple(weights.values()))
 
@@ -564,8 +600,10 @@ def phase_steps(mixture: Mixture, decay_start: int | None) -> list[int]:
     steps = []
     for phase in mixture.phases:
         if phase.start == "decay" and decay_start is None:
-            raise UserError("--mixture-schedule decay:... needs --schedule wsd (a cosine has no decay phase "
-                            "start); give a step number instead")
+            raise UserError(
+                "--mixture-schedule decay:... needs --schedule wsd (a cosine has no decay phase "
+                "start); give a step number instead"
+            )
         steps.append(decay_start if phase.start == "decay" else int(phase.start))
     if any(later <= earlier for earlier, later in zip(steps, steps[1:])):
         starts = ", ".join(f"{phase.start} (step {step})" for phase, step in zip(mixture.phases, steps))
@@ -600,8 +638,9 @@ def apportion(weights: tuple[int, ...], count: int) -> list[int]:
 
 def next_source(weights: tuple[int, ...], counts: list[int]) -> int:
     """The source of the sample after these counts: its next item has the smallest position."""
-    return min((i for i, weight in enumerate(weights) if weight),
-               key=lambda i: (Fraction(2 * counts[i] + 1, weights[i]), i))
+    return min(
+        (i for i, weight in enumerate(weights) if weight), key=lambda i: (Fraction(2 * counts[i] + 1, weights[i]), i)
+    )
 
 
 def source_seed(seed: int, name: str) -> int:
@@ -617,13 +656,24 @@ class MixtureSampler(BlockSampler):
     its own blocks, so a small source repeats (its epoch counter grows) and a large one is
     subsampled. Seeking to any step costs O(phases * sources)."""
 
-    def __init__(self, names: list[str], source_blocks: list[int], phases: list[tuple[int, ...]],
-                 starts: list[int], seed: int, batch_size: int, grad_accum: int, world: int):
+    def __init__(
+        self,
+        names: list[str],
+        source_blocks: list[int],
+        phases: list[tuple[int, ...]],
+        starts: list[int],
+        seed: int,
+        batch_size: int,
+        grad_accum: int,
+        world: int,
+    ):
         super().__init__(max(1, sum(source_blocks)), seed, batch_size, grad_accum, world)
         for name, blocks, weights in zip(names, source_blocks, zip(*phases)):
             if blocks <= 0 and any(weights):
-                raise UserError(f"mixture source {name} has fewer train tokens than one block; use a smaller "
-                                "--context or give it weight 0")
+                raise UserError(
+                    f"mixture source {name} has fewer train tokens than one block; use a smaller "
+                    "--context or give it weight 0"
+                )
         self.names, self.source_blocks = list(names), list(source_blocks)
         self.phases = [integer_weights(weights) for weights in phases]
         self.starts = list(starts)
@@ -660,7 +710,8 @@ class MixtureSampler(BlockSampler):
             if len(self._source_permutations) > 4 * len(self.names):
                 self._source_permutations.clear()
             self._source_permutations[source, epoch] = BlockPermutation(
-                self.source_blocks[source], source_seed(self.seed, self.names[source]), epoch)
+                self.source_blocks[source], source_seed(self.seed, self.names[source]), epoch
+            )
         return self._source_permutations[source, epoch](position)
 
     def step_blocks(self, step: int) -> list[tuple[int, int]]:
@@ -685,8 +736,10 @@ class MixtureSampler(BlockSampler):
         super().load_state_dict(state)
         theirs = state.get("sources")
         if theirs != dict(zip(self.names, self.source_blocks)):
-            raise UserError(f"checkpoint data cursor has mixture sources (train blocks) {theirs}, this run has "
-                            f"{dict(zip(self.names, self.source_blocks))}")
+            raise UserError(
+                f"checkpoint data cursor has mixture sources (train blocks) {theirs}, this run has "
+                f"{dict(zip(self.names, self.source_blocks))}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -696,6 +749,7 @@ class MixtureSampler(BlockSampler):
 @dataclass(frozen=True)
 class DataOptions:
     """What a run's data depends on (train.py's options, the model's context and the world size)."""
+
     data: str | Sequence[str]  # --data: a corpus folder or URL, or mixture sources NAME=CORPUS[#LABEL]:WEIGHT
     mixture_schedule: str | None
     packing: str  # a PACKINGS name
@@ -713,13 +767,14 @@ class DataOptions:
 class EvaluationRows:
     """This rank's evaluation rows of one split (of one source): the first `total` of the split's fixed
     evaluation order (BlockPermutation at EVAL_EPOCH), every world-th from the rank's own."""
+
     split: TokenSplit
     rows: list[int]
     total: int  # over all ranks: 0 when the split has no rows
 
     def batches(self, batch_size: int, device: torch.device) -> Iterator[Batch]:
         for start in range(0, len(self.rows), batch_size):
-            yield self.split.batch(self.rows[start: start + batch_size], device)
+            yield self.split.batch(self.rows[start : start + batch_size], device)
 
 
 def evaluation_rows(split: TokenSplit, options: DataOptions, rank: int, global_batch: int) -> EvaluationRows:
@@ -741,8 +796,9 @@ class TrainData:
         self.text_loss = resolve_text_loss(options.loss_on, options.text_loss, manifest, corpus)
         self.counted = counted_classes(options.loss_on, self.text_loss)
         self.splits = self.read_splits()
-        self.sampler = BlockSampler(self.splits["train"].blocks, options.seed, options.batch_size, options.grad_accum,
-                                    options.world)
+        self.sampler = BlockSampler(
+            self.splits["train"].blocks, options.seed, options.batch_size, options.grad_accum, options.world
+        )
 
     def read_splits(self) -> dict[str, TokenSplit | MixtureSplit]:
         return {name: self.token_split(self.corpus, self.manifest, name) for name in corpus_format.SPLITS}
@@ -783,8 +839,11 @@ class TrainData:
     def recorded(self) -> dict:
         """What a resumed run must share (training_settings.json's "training"): the --text-loss as resolved and
         the corpus, by its manifest's sha256 and its tokenizer's."""
-        return {"text_loss": self.text_loss, "corpus_manifest_sha256": self.manifest.sha256,
-                "tokenizer_sha256": self.manifest.tokenizer_sha256}
+        return {
+            "text_loss": self.text_loss,
+            "corpus_manifest_sha256": self.manifest.sha256,
+            "tokenizer_sha256": self.manifest.tokenizer_sha256,
+        }
 
     def runtime(self) -> dict:
         """What may change between sessions (training_settings.json's "runtime"): where the corpus was read."""
@@ -800,13 +859,17 @@ class TrainData:
         context, lines = self.options.context, []
         if empty:
             fractions = " / ".join({"validation": "--val-fraction", "test": "--test-fraction"}[name] for name in empty)
-            lines.append(f"the corpus has no {' or '.join(empty)} blocks of {context} tokens: no "
-                         f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus "
-                         f"with more documents or a larger {fractions})")
+            lines.append(
+                f"the corpus has no {' or '.join(empty)} blocks of {context} tokens: no "
+                f"{' and no '.join(f'{name} loss' for name in empty)} will be measured (rebuild the corpus "
+                f"with more documents or a larger {fractions})"
+            )
         if self.global_batch > self.train_blocks:
-            lines.append(f"one step reads {self.global_batch} blocks but the train split has only "
-                         f"{self.train_blocks} of {context} tokens: every step covers more than an epoch "
-                         "(use a smaller --batch-size or --grad-accum, or a larger corpus)")
+            lines.append(
+                f"one step reads {self.global_batch} blocks but the train split has only "
+                f"{self.train_blocks} of {context} tokens: every step covers more than an epoch "
+                "(use a smaller --batch-size or --grad-accum, or a larger corpus)"
+            )
         return lines
 
     def state_dict(self) -> dict:
@@ -840,15 +903,23 @@ class MixtureData(TrainData):
 
     def start_phases(self, decay_start: int | None) -> None:
         options = self.options
-        self.sampler = MixtureSampler(self.mixture.names, [part.blocks for part in self.splits["train"].parts],
-                                      [phase.weights for phase in self.mixture.phases],
-                                      phase_steps(self.mixture, decay_start), options.seed, options.batch_size,
-                                      options.grad_accum, options.world)
+        self.sampler = MixtureSampler(
+            self.mixture.names,
+            [part.blocks for part in self.splits["train"].parts],
+            [phase.weights for phase in self.mixture.phases],
+            phase_steps(self.mixture, decay_start),
+            options.seed,
+            options.batch_size,
+            options.grad_accum,
+            options.world,
+        )
 
     def evaluation_rows(self, split: str, rank: int) -> dict[str | None, EvaluationRows]:
         """Each source's own evaluation rows of `split`, by name (so each gets a loss of its own)."""
-        return {name: evaluation_rows(part, self.options, rank, self.global_batch)
-                for name, part in zip(self.mixture.names, self.splits[split].parts)}
+        return {
+            name: evaluation_rows(part, self.options, rank, self.global_batch)
+            for name, part in zip(self.mixture.names, self.splits[split].parts)
+        }
 
     def progress(self, step: int) -> dict[str, float]:
         return self.sampler.progress(step, self.options.context)
@@ -858,8 +929,9 @@ class MixtureData(TrainData):
         weights per phase."""
         mixture = self.mixture.recorded()
         for source, recorded, part in zip(self.mixture.sources, mixture["sources"], self.splits["train"].parts):
-            recorded.update(corpus_manifest_sha256=self.corpora[local_corpus_folder(source.corpus)].sha256,
-                            train_blocks=part.blocks)
+            recorded.update(
+                corpus_manifest_sha256=self.corpora[local_corpus_folder(source.corpus)].sha256, train_blocks=part.blocks
+            )
         return {**super().recorded(), "mixture": mixture}
 
     def runtime(self) -> dict:
@@ -869,15 +941,24 @@ class MixtureData(TrainData):
     def summary(self, total_steps: int) -> list[str]:
         """Each source's size, each phase's weights, and the tokens and epochs planned over `total_steps`."""
         sampler, context = self.sampler, self.options.context
-        lines = ["mixture: " + ", ".join(f"{name} {blocks:,} train blocks ({blocks * context:,} tokens)"
-                                         for name, blocks in zip(sampler.names, sampler.source_blocks))]
+        lines = [
+            "mixture: "
+            + ", ".join(
+                f"{name} {blocks:,} train blocks ({blocks * context:,} tokens)"
+                for name, blocks in zip(sampler.names, sampler.source_blocks)
+            )
+        ]
         for phase, start in zip(self.mixture.phases, sampler.starts):
             weights = ", ".join(f"{name} {weight:g}" for name, weight in zip(sampler.names, phase.weights))
             lines.append(f"  from step {start}" + (" (decay)" if phase.start == "decay" else "") + f": {weights}")
         planned = self.progress(total_steps)
-        lines.append("  over the run: " + ", ".join(
-            f"{name} {planned[f'tokens/{name}']:,} tokens ({planned[f'epochs/{name}']:.2f} epochs)"
-            for name in sampler.names))
+        lines.append(
+            "  over the run: "
+            + ", ".join(
+                f"{name} {planned[f'tokens/{name}']:,} tokens ({planned[f'epochs/{name}']:.2f} epochs)"
+                for name in sampler.names
+            )
+        )
         return lines
 
 
@@ -885,14 +966,18 @@ def check_source(source: MixtureSource, theirs: Manifest, first_name: str, first
     """A mixture source's corpus has the run's tokenizer (that of the first source's corpus), and the label
     it names."""
     if theirs.tokenizer_sha256 != first.tokenizer_sha256:
-        raise UserError(f"--data {source.name}={source.corpus}: its tokenizer (sha256 "
-                        f"{str(theirs.tokenizer_sha256)[:12]}) is not that of the first source {first_name} "
-                        f"({str(first.tokenizer_sha256)[:12]}): a mixture needs one tokenizer; build the corpora "
-                        "with data.py --tokenizer FIRST_CORPUS")
+        raise UserError(
+            f"--data {source.name}={source.corpus}: its tokenizer (sha256 "
+            f"{str(theirs.tokenizer_sha256)[:12]}) is not that of the first source {first_name} "
+            f"({str(first.tokenizer_sha256)[:12]}): a mixture needs one tokenizer; build the corpora "
+            "with data.py --tokenizer FIRST_CORPUS"
+        )
     labels = theirs.labels("train")
     if source.label is not None and source.label not in labels:
-        raise UserError(f"--data {source.name}={source.corpus}#{source.label}: the corpus has no source labelled "
-                        f"{source.label} (it has: {', '.join(labels) or 'no labels'}; data.py --source-label)")
+        raise UserError(
+            f"--data {source.name}={source.corpus}#{source.label}: the corpus has no source labelled "
+            f"{source.label} (it has: {', '.join(labels) or 'no labels'}; data.py --source-label)"
+        )
 
 
 def open_train_data(options: DataOptions, corpus: Path | None = None) -> TrainData:

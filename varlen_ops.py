@@ -57,8 +57,13 @@ def _cpu_forward(query, key, value, cu_seqlens, scale):
     output, lse = torch.empty_like(query), []
     for start, end in _spans(cu_seqlens):
         out, document_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads_first(query, start, end), _heads_first(key, start, end, groups),
-            _heads_first(value, start, end, groups), 0.0, True, scale=scale)
+            _heads_first(query, start, end),
+            _heads_first(key, start, end, groups),
+            _heads_first(value, start, end, groups),
+            0.0,
+            True,
+            scale=scale,
+        )
         output[start:end] = out[0].transpose(0, 1)
         lse.append(document_lse[0])
     return output, lse
@@ -72,9 +77,16 @@ def _cpu_backward(grad, query, key, value, out, lse_of, cu_seqlens, scale):
     for index, (start, end) in enumerate(_spans(cu_seqlens)):
         lse = lse_of(index, end - start).unsqueeze(0).to(lse_dtype).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _heads_first(grad, start, end).contiguous(), _heads_first(query, start, end),
-            _heads_first(key, start, end, groups), _heads_first(value, start, end, groups),
-            _heads_first(out, start, end).contiguous(), lse, 0.0, True, scale=scale)
+            _heads_first(grad, start, end).contiguous(),
+            _heads_first(query, start, end),
+            _heads_first(key, start, end, groups),
+            _heads_first(value, start, end, groups),
+            _heads_first(out, start, end).contiguous(),
+            lse,
+            0.0,
+            True,
+            scale=scale,
+        )
         for total, piece in zip(grads, (dq, dk, dv)):
             piece = piece[0].transpose(0, 1)  # (L, H, D)
             if total.shape[1] != piece.shape[1]:  # the repeated K/V heads' gradients go to their shared head
@@ -88,8 +100,9 @@ def _cpu_backward(grad, query, key, value, out, lse_of, cu_seqlens, scale):
 
 
 @torch.library.custom_op("tinyllm::flash_varlen", mutates_args=(), device_types="cpu")
-def flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longest: int,
-                 scale: float) -> tuple[Tensor, Tensor]:
+def flash_varlen(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longest: int, scale: float
+) -> tuple[Tensor, Tensor]:
     output, lse = _cpu_forward(query, key, value, cu_seqlens, scale)
     return output, torch.cat(lse, dim=1).float()
 
@@ -97,7 +110,8 @@ def flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, 
 @flash_varlen.register_kernel("cuda")
 def _flash_cuda(query, key, value, cu_seqlens, longest, scale):
     output, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        query, key, value, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale)
+        query, key, value, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale
+    )
     return output, lse
 
 
@@ -107,11 +121,21 @@ def _flash_fake(query, key, value, cu_seqlens, longest, scale):
 
 
 @torch.library.custom_op("tinyllm::flash_varlen_backward", mutates_args=(), device_types="cpu")
-def flash_varlen_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-                          cu_seqlens: Tensor, longest: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def flash_varlen_backward(
+    grad: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    longest: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     starts = cu_seqlens.tolist()
-    return _cpu_backward(grad, query, key, value, out, lambda i, length: lse[:, starts[i]:starts[i] + length],
-                         cu_seqlens, scale)
+    return _cpu_backward(
+        grad, query, key, value, out, lambda i, length: lse[:, starts[i] : starts[i] + length], cu_seqlens, scale
+    )
 
 
 @flash_varlen_backward.register_kernel("cuda")
@@ -120,8 +144,22 @@ def _flash_backward_cuda(grad, query, key, value, out, lse, cu_seqlens, longest,
     rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty(0, device=query.device)
     return torch.ops.aten._flash_attention_backward(
-        grad, query, key, value, out, lse, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, rng_state, unused,
-        scale=scale)
+        grad,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        cu_seqlens,
+        cu_seqlens,
+        longest,
+        longest,
+        0.0,
+        True,
+        rng_state,
+        unused,
+        scale=scale,
+    )
 
 
 @flash_varlen_backward.register_fake
@@ -135,20 +173,21 @@ def _flash_backward_fake(grad, query, key, value, out, lse, cu_seqlens, longest,
 
 
 @torch.library.custom_op("tinyllm::efficient_varlen", mutates_args=(), device_types="cpu")
-def efficient_varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longest: int,
-                     scale: float) -> tuple[Tensor, Tensor]:
+def efficient_varlen(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longest: int, scale: float
+) -> tuple[Tensor, Tensor]:
     output, lse = _cpu_forward(query[0], key[0], value[0], cu_seqlens, scale)
     padded = query.new_zeros((len(lse), query.shape[2], padded_longest(longest)), dtype=torch.float32)
     for index, document_lse in enumerate(lse):
-        padded[index, :, :document_lse.shape[1]] = document_lse
+        padded[index, :, : document_lse.shape[1]] = document_lse
     return output.unsqueeze(0), padded
 
 
 @efficient_varlen.register_kernel("cuda")
 def _efficient_cuda(query, key, value, cu_seqlens, longest, scale):
     output, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
-        query, key, value, None, cu_seqlens, cu_seqlens, longest, longest, 0.0, CAUSAL_FROM_TOP_LEFT, True,
-        scale=scale)
+        query, key, value, None, cu_seqlens, cu_seqlens, longest, longest, 0.0, CAUSAL_FROM_TOP_LEFT, True, scale=scale
+    )
     return output, lse
 
 
@@ -159,10 +198,20 @@ def _efficient_fake(query, key, value, cu_seqlens, longest, scale):
 
 
 @torch.library.custom_op("tinyllm::efficient_varlen_backward", mutates_args=(), device_types="cpu")
-def efficient_varlen_backward(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-                              cu_seqlens: Tensor, longest: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    grads = _cpu_backward(grad[0], query[0], key[0], value[0], out[0], lambda i, length: lse[i, :, :length],
-                          cu_seqlens, scale)
+def efficient_varlen_backward(
+    grad: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    longest: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _cpu_backward(
+        grad[0], query[0], key[0], value[0], out[0], lambda i, length: lse[i, :, :length], cu_seqlens, scale
+    )
     return tuple(piece.unsqueeze(0) for piece in grads)
 
 
@@ -171,8 +220,24 @@ def _efficient_backward_cuda(grad, query, key, value, out, lse, cu_seqlens, long
     # dropout 0: the kernel never reads the philox seed and offset (attention_backward.cu: `if (use_dropout)`)
     seed = offset = torch.empty((), dtype=torch.int64, device=query.device)
     grad_query, grad_key, grad_value, _ = torch.ops.aten._efficient_attention_backward(
-        grad, query, key, value, None, out, cu_seqlens, cu_seqlens, longest, longest, lse, 0.0, seed, offset,
-        CAUSAL_FROM_TOP_LEFT, False, scale=scale)
+        grad,
+        query,
+        key,
+        value,
+        None,
+        out,
+        cu_seqlens,
+        cu_seqlens,
+        longest,
+        longest,
+        lse,
+        0.0,
+        seed,
+        offset,
+        CAUSAL_FROM_TOP_LEFT,
+        False,
+        scale=scale,
+    )
     return grad_query, grad_key, grad_value
 
 
@@ -197,6 +262,7 @@ def _backward_through(backward_op):
         query, key, value, out, lse, cu_seqlens = ctx.saved_tensors
         grads = backward_op(grad.contiguous(), query, key, value, out, lse, cu_seqlens, ctx.longest, ctx.scale)
         return (*grads, None, None, None)
+
     return backward
 
 

@@ -21,6 +21,7 @@ model and the probe's speeds picks a (preset, tokens) that is one of the sweep's
 made both); its held-out bpb against the best run of the sweep that fits that budget (target: within
 2%) and against the default preset (tiny) trained for the same time (target: ahead).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,9 @@ DEFAULT_PRESET = train.RunSettings().preset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(WORK), help="folder for the corpus and results")
     parser.add_argument("--presets", default="tiny,nano,micro", help="comma list of presets to sweep")
     parser.add_argument("--minutes", type=float, default=5.0, help="the largest budget, in minutes of training")
@@ -65,11 +67,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--changelog-bytes", type=int, default=4_000_000, help="changelog text beside the KJV")
     parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
     parser.add_argument("--fit-only", action="store_true", help="no training: fit and check the saved results")
-    parser.add_argument("--default-only", action="store_true",
-                        help="train only today's default run, stopped where the default preset's sweep runs stop")
-    parser.add_argument("--fit-min-steps", type=int, default=100,
-                        help="fit only the runs of at least this many steps (shorter ones are the start's transient, "
-                             "off the longer runs' curve; with them the fit ran to alpha_N 3.6: docs/budget.md)")
+    parser.add_argument(
+        "--default-only",
+        action="store_true",
+        help="train only today's default run, stopped where the default preset's sweep runs stop",
+    )
+    parser.add_argument(
+        "--fit-min-steps",
+        type=int,
+        default=100,
+        help="fit only the runs of at least this many steps (shorter ones are the start's transient, "
+        "off the longer runs' curve; with them the fit ran to alpha_N 3.6: docs/budget.md)",
+    )
     return parser.parse_args(argv)
 
 
@@ -82,15 +91,38 @@ def build_corpus(work: Path, changelog_bytes: int) -> Path:
     with open(source, "w", encoding="utf-8") as handle:
         for text in kjv_documents() + changelog_entries(changelog_bytes):
             handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(["--data", str(source), "--out", str(corpus), "--vocab-size", "4096", "--val-fraction", "0.02",
-                  "--test-fraction", "0.05", "--no-progress"]):
+    if data.main(
+        [
+            "--data",
+            str(source),
+            "--out",
+            str(corpus),
+            "--vocab-size",
+            "4096",
+            "--val-fraction",
+            "0.02",
+            "--test-fraction",
+            "0.05",
+            "--no-progress",
+        ]
+    ):
         raise UserError(f"data.py could not build {corpus}")
     return corpus
 
 
 def base_argv(corpus: Path, work: Path, seed: int) -> list[str]:
-    return ["--data", str(corpus), "--out", str(work / "unused"), "--threads", "1", "--seed", str(seed),
-            "--budget", "1h"]
+    return [
+        "--data",
+        str(corpus),
+        "--out",
+        str(work / "unused"),
+        "--threads",
+        "1",
+        "--seed",
+        str(seed),
+        "--budget",
+        "1h",
+    ]
 
 
 def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> list[budget.Candidate]:
@@ -121,17 +153,31 @@ def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
     """Train one sweep point in-process: its held-out bpb and training seconds."""
     blocks = point["blocks"]
     size, accum = budget.split_batch(blocks, 1, 8)
-    argv = base_argv(corpus, work, seed)[:-2] + ["--preset", point["preset"], "--target-tokens", str(point["tokens"]),
-                                                 "--batch-size", str(size), "--grad-accum", str(accum)]
+    argv = base_argv(corpus, work, seed)[:-2] + [
+        "--preset",
+        point["preset"],
+        "--target-tokens",
+        str(point["tokens"]),
+        "--batch-size",
+        str(size),
+        "--grad-accum",
+        str(accum),
+    ]
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     training = train.build_training(train.parse_args(argv), info)
     seconds = 0.0
     while training.step < training.total_steps:
         seconds += training.train_step().seconds
     bpb = heldout_bpb(training, training.run.packing)
-    return {**point, "parameters": budget.non_embedding_parameters(training.preset), "train_seconds": seconds,
-            "bpb": bpb, "steps": training.total_steps, "precision": training.precision,
-            "tied": training.preset.tie_embeddings}
+    return {
+        **point,
+        "parameters": budget.non_embedding_parameters(training.preset),
+        "train_seconds": seconds,
+        "bpb": bpb,
+        "steps": training.total_steps,
+        "precision": training.precision,
+        "tied": training.preset.tie_embeddings,
+    }
 
 
 def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[dict]:
@@ -144,11 +190,20 @@ def default_run(corpus: Path, work: Path, seed: int, marks: list[int]) -> list[d
     for mark in sorted(marks):
         while training.step < training.total_steps and training.step * training.tokens_per_step < mark:
             training.train_step()
-        stops.append({"tokens": mark, "trained": training.step * training.tokens_per_step,
-                      "steps": training.step, "total_steps": training.total_steps,
-                      "bpb": heldout_bpb(training, training.run.packing)})
-        print(f"default run at {mark:,} tokens: step {training.step}/{training.total_steps}, held-out "
-              f"{stops[-1]['bpb']:.4f} bits/byte", flush=True)
+        stops.append(
+            {
+                "tokens": mark,
+                "trained": training.step * training.tokens_per_step,
+                "steps": training.step,
+                "total_steps": training.total_steps,
+                "bpb": heldout_bpb(training, training.run.packing),
+            }
+        )
+        print(
+            f"default run at {mark:,} tokens: step {training.step}/{training.total_steps}, held-out "
+            f"{stops[-1]['bpb']:.4f} bits/byte",
+            flush=True,
+        )
     return stops
 
 
@@ -200,38 +255,56 @@ def check_targets(results: dict, model: budget.LossModel) -> list[str]:
             continue
         fitting = [run for run in results["runs"] if run["fraction"] <= fraction]
         best = min(fitting, key=lambda run: run["bpb"])
-        chosen = next((run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens)),
-                      None)
+        chosen = next(
+            (run for run in fitting if (run["preset"], run["tokens"]) == (plan.preset, plan.target_tokens)), None
+        )
         tiny = next((run for run in fitting if run["preset"] == DEFAULT_PRESET and run["fraction"] == fraction), None)
         if chosen is None or tiny is None:  # a sweep still under way
             missing = plan.preset if chosen is None else DEFAULT_PRESET
-            lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | not run yet "
-                         f"(--presets {missing} --fractions {fraction:g}) |" + " |" * 7)
+            lines.append(
+                f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | not run yet "
+                f"(--presets {missing} --fractions {fraction:g}) |" + " |" * 7
+            )
             continue
         today = stops.get(tiny["tokens"])
-        lines.append(f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | {chosen['bpb']:.4f} | "
-                     f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | "
-                     f"{verdict(chosen['bpb'] / best['bpb'], TARGET_GRID_RATIO)} | {tiny['bpb']:.4f} | "
-                     f"{verdict(chosen['bpb'] / tiny['bpb'], 1.0)} | "
-                     + (f"{today['bpb']:.4f} (step {today['steps']}/{today['total_steps']}) | "
-                        f"{verdict(chosen['bpb'] / today['bpb'], 1.0)} |" if today else "not run | |"))
-    return ["| budget | --budget's choice | its bpb | best fixed choice that fits | its bpb | choice / best "
-            "(target <= 1.02) | tiny planned for the same time | choice / it | today's default run stopped "
-            "there | choice / it (target < 1) |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|", *lines]
+        lines.append(
+            f"| {seconds / 60:g} min | {plan.preset}, {plan.target_tokens:,} tokens | {chosen['bpb']:.4f} | "
+            f"{best['preset']}, {best['tokens']:,} | {best['bpb']:.4f} | "
+            f"{verdict(chosen['bpb'] / best['bpb'], TARGET_GRID_RATIO)} | {tiny['bpb']:.4f} | "
+            f"{verdict(chosen['bpb'] / tiny['bpb'], 1.0)} | "
+            + (
+                f"{today['bpb']:.4f} (step {today['steps']}/{today['total_steps']}) | "
+                f"{verdict(chosen['bpb'] / today['bpb'], 1.0)} |"
+                if today
+                else "not run | |"
+            )
+        )
+    return [
+        "| budget | --budget's choice | its bpb | best fixed choice that fits | its bpb | choice / best "
+        "(target <= 1.02) | tiny planned for the same time | choice / it | today's default run stopped "
+        "there | choice / it (target < 1) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        *lines,
+    ]
 
 
 def verdict(ratio: float, limit: float) -> str:
-    return f"**{ratio:.4f}x**" + (" (met)" if ratio <= limit and (limit > 1 or ratio < 1) else
-                                  " (equal)" if ratio == 1 else " (MISSED)")
+    return f"**{ratio:.4f}x**" + (
+        " (met)" if ratio <= limit and (limit > 1 or ratio < 1) else " (equal)" if ratio == 1 else " (MISSED)"
+    )
 
 
 def run_lines(results: dict, model: budget.LossModel) -> list[str]:
-    lines = ["| preset | N (non-embedding) | tokens | steps x tokens/step | training s | held-out bpb | fit |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| preset | N (non-embedding) | tokens | steps x tokens/step | training s | held-out bpb | fit |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for run in sorted(results["runs"], key=lambda run: (run["parameters"], run["tokens"])):
-        lines.append(f"| {run['preset']} | {run['parameters']:,} | {run['tokens']:,} | {run['steps']} x "
-                     f"{run['tokens'] // run['steps']:,} | {run['train_seconds']:.0f} | {run['bpb']:.4f} | "
-                     f"{model.loss(run['parameters'], run['tokens']):.4f} |")
+        lines.append(
+            f"| {run['preset']} | {run['parameters']:,} | {run['tokens']:,} | {run['steps']} x "
+            f"{run['tokens'] // run['steps']:,} | {run['train_seconds']:.0f} | {run['bpb']:.4f} | "
+            f"{model.loss(run['parameters'], run['tokens']):.4f} |"
+        )
     return lines
 
 
@@ -240,20 +313,26 @@ def sweep(args: argparse.Namespace, corpus: Path, work: Path, results: dict, res
     torch.set_num_threads(1)
     if not results.get("candidates"):
         started = time.monotonic()
-        results["candidates"] = [dataclasses.asdict(candidate) for candidate in
-                                 probe_speeds(corpus, work, args.presets.split(","), args.seed)]
+        results["candidates"] = [
+            dataclasses.asdict(candidate)
+            for candidate in probe_speeds(corpus, work, args.presets.split(","), args.seed)
+        ]
         results["probe_seconds"] = time.monotonic() - started
         atomic_write_json(results_path, results)
     done = {(run["preset"], run["fraction"]) for run in results["runs"]}
-    for candidate in (budget.Candidate(**record) for record in results["candidates"]
-                      if record["preset"] in args.presets.split(",")):
+    for candidate in (
+        budget.Candidate(**record) for record in results["candidates"] if record["preset"] in args.presets.split(",")
+    ):
         for fraction in (float(text) for text in args.fractions.split(",")):
             if (candidate.preset, fraction) in done:
                 continue
             point = sweep_point(candidate, results["minutes"] * 60 * fraction, results["train_tokens"])
             run = {**train_point(corpus, work, args.seed, point), "fraction": fraction}
-            print(f"{run['preset']} {run['tokens']:,} tokens ({fraction:g} of {results['minutes']:g} min): "
-                  f"{run['train_seconds']:.0f} s, held-out {run['bpb']:.4f} bits/byte", flush=True)
+            print(
+                f"{run['preset']} {run['tokens']:,} tokens ({fraction:g} of {results['minutes']:g} min): "
+                f"{run['train_seconds']:.0f} s, held-out {run['bpb']:.4f} bits/byte",
+                flush=True,
+            )
             results["runs"].append(run)
             atomic_write_json(results_path, results)
 
@@ -267,27 +346,32 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("minutes", args.minutes)
     if args.default_only and not results.get("candidates"):
         raise UserError(f"{results_path} has no probe yet: run the sweep first (without --default-only)")
-    results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1,
-                          "torch": torch.__version__}
+    results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1, "torch": torch.__version__}
     if not args.fit_only:  # the 4-pass cap (budget.MAX_EPOCHS) is the planner's, so the sweep's and the check's
         corpus = build_corpus(work, args.changelog_bytes)
         results["train_tokens"] = train_tokens(corpus)
     if args.default_only:
         tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
-        marks = [sweep_point(tiny, results["minutes"] * 60 * float(f), results["train_tokens"])["tokens"]
-                 for f in args.fractions.split(",")]
+        marks = [
+            sweep_point(tiny, results["minutes"] * 60 * float(f), results["train_tokens"])["tokens"]
+            for f in args.fractions.split(",")
+        ]
         results["default_run"] = default_run(corpus, work, args.seed, marks)
         atomic_write_json(results_path, results)
     elif not args.fit_only:
         sweep(args, corpus, work, results, results_path)
     fitted = [run for run in results["runs"] if run["steps"] >= args.fit_min_steps]
     if len(fitted) <= FIT_PARAMETERS:
-        raise UserError(f"{results_path} holds {len(fitted)} runs of at least {args.fit_min_steps} steps; the fit of "
-                        f"{FIT_PARAMETERS} constants needs more: run the sweep (without --fit-only) or lower "
-                        "--fit-min-steps")
+        raise UserError(
+            f"{results_path} holds {len(fitted)} runs of at least {args.fit_min_steps} steps; the fit of "
+            f"{FIT_PARAMETERS} constants needs more: run the sweep (without --fit-only) or lower "
+            "--fit-min-steps"
+        )
     model, rms = fit(fitted)
-    print(f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
-          f"LOSS_MODEL = {model}\n")
+    print(
+        f"\nfit over the {len(fitted)} runs of at least {args.fit_min_steps} steps (rms error {rms:.4f} bits/byte):\n"
+        f"LOSS_MODEL = {model}\n"
+    )
     speeds = ", ".join(f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in results["candidates"])
     print(f"probe (tokens/s at one thread): {speeds}\n")
     for line in run_lines(results, model) + [""] + check_targets(results, model):

@@ -40,18 +40,26 @@ from common import ArgumentParser, atomic_path, sha256_file, utc_now  # noqa: E4
 
 
 def parse_args() -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--pairs", type=int, default=16, help="checkpoint intervals of each kind, alternating")
     parser.add_argument("--save-every", type=int, default=5, help="optimizer steps per checkpoint interval")
     parser.add_argument("--width", type=int, default=512, help="hidden size of the synthetic model")
     parser.add_argument("--layers", type=int, default=6, help="layers of the synthetic model")
     parser.add_argument("--batch", type=int, default=2048, help="rows (tokens) per step")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
-    parser.add_argument("--target", default="s3", choices=["s3", "folder"],
-                        help="back up to moto's S3 server, or to a local folder (a mounted drive)")
-    parser.add_argument("--pin", action="store_true",
-                        help="pin training to CPU 0 and the S3 server to the others (as if it ran elsewhere)")
+    parser.add_argument(
+        "--target",
+        default="s3",
+        choices=["s3", "folder"],
+        help="back up to moto's S3 server, or to a local folder (a mounted drive)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin training to CPU 0 and the S3 server to the others (as if it ran elsewhere)",
+    )
     return parser.parse_args()
 
 
@@ -59,8 +67,12 @@ def start_s3_store(pin: bool) -> subprocess.Popen:
     """moto's S3 server (bench/s3_server.py), with the AWS variables pointing at it."""
     port = free_port()
     server = start_s3_server(port, pin=pin)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+    )
     return server
 
 
@@ -91,10 +103,24 @@ class SyntheticTraining:
     def save(self, backup: checkpoint_cloud.BackupProcess | None) -> None:
         path = self.folder / checkpoint_store.checkpoint_name(self.step)
         with atomic_path(path) as temp:  # the record before the rename, as train.py writes them
-            torch.save({"format_version": 1, "step": self.step, "model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict(), "settings": {}}, temp)
-            record = checkpoint_store.Record(path=path.name, step=self.step, sha256=sha256_file(temp),
-                                             bytes=temp.stat().st_size, run_id="bench", created=utc_now())
+            torch.save(
+                {
+                    "format_version": 1,
+                    "step": self.step,
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "settings": {},
+                },
+                temp,
+            )
+            record = checkpoint_store.Record(
+                path=path.name,
+                step=self.step,
+                sha256=sha256_file(temp),
+                bytes=temp.stat().st_size,
+                run_id="bench",
+                created=utc_now(),
+            )
             checkpoint_store.write_record(self.folder, record)
         checkpoint_store.write_record(self.folder, record, checkpoint_store.LATEST)
         self.saved.append(path)
@@ -107,8 +133,9 @@ class SyntheticTraining:
         self.saved = [path for path in self.saved if path.name not in gone]
 
 
-def timed_interval(training: SyntheticTraining, save_every: int,
-                   backup: checkpoint_cloud.BackupProcess | None) -> tuple[float, float]:
+def timed_interval(
+    training: SyntheticTraining, save_every: int, backup: checkpoint_cloud.BackupProcess | None
+) -> tuple[float, float]:
     """One checkpoint interval: (wall seconds, process CPU seconds)."""
     wall, cpu = time.perf_counter(), time.process_time()
     training.save(backup)
@@ -130,8 +157,7 @@ def main() -> int:
             url = f"{scratch}/remote" if args.target == "folder" else "s3://bench/run"
             if args.target == "s3":
                 remote_store.open_remote("s3://bench")[0].mkdir("bench")
-            backup = checkpoint_cloud.BackupProcess(url, checkpoint_store.MirrorPolicy(keep_last=2),
-                                                    log=lines.append)
+            backup = checkpoint_cloud.BackupProcess(url, checkpoint_store.MirrorPolicy(keep_last=2), log=lines.append)
             training = SyntheticTraining(args, Path(scratch) / "run")
             training.train_steps(2)  # warm-up, and one backed-up save: the connection set-up is not measured
             training.save(backup)
@@ -151,25 +177,39 @@ def main() -> int:
             server.terminate()
             server.wait(10)
     ratios = [p_wall / b_wall for (p_wall, _), (b_wall, _) in zip(plain, backed)]
-    steps_s = {kind: args.save_every / statistics.median(w for w, _ in runs) for kind, runs in
-               (("plain", plain), ("backup", backed))}
-    cpu_step = {kind: statistics.median(c for _, c in runs) / args.save_every for kind, runs in
-                (("plain", plain), ("backup", backed))}
+    steps_s = {
+        kind: args.save_every / statistics.median(w for w, _ in runs)
+        for kind, runs in (("plain", plain), ("backup", backed))
+    }
+    cpu_step = {
+        kind: statistics.median(c for _, c in runs) / args.save_every
+        for kind, runs in (("plain", plain), ("backup", backed))
+    }
     interval = args.save_every / steps_s["plain"]
     ratio = statistics.median(ratios)
-    print(f"target {args.target}; checkpoint {checkpoint_bytes / 1e6:.1f} MB every {args.save_every} steps "
-          f"(every {interval:.1f}s, {checkpoint_bytes / 1e6 / interval:.1f} MB/s of training); {args.pairs} "
-          f"intervals of each kind; {args.batch} rows/step, {args.threads} torch thread(s)")
-    print(f"median tokens/s: without backup {steps_s['plain'] * args.batch:,.0f}, "
-          f"with backup {steps_s['backup'] * args.batch:,.0f}")
+    print(
+        f"target {args.target}; checkpoint {checkpoint_bytes / 1e6:.1f} MB every {args.save_every} steps "
+        f"(every {interval:.1f}s, {checkpoint_bytes / 1e6 / interval:.1f} MB/s of training); {args.pairs} "
+        f"intervals of each kind; {args.batch} rows/step, {args.threads} torch thread(s)"
+    )
+    print(
+        f"median tokens/s: without backup {steps_s['plain'] * args.batch:,.0f}, "
+        f"with backup {steps_s['backup'] * args.batch:,.0f}"
+    )
     print(f"median process CPU s/step: without {cpu_step['plain']:.3f}, with backup {cpu_step['backup']:.3f}")
-    print(f"wait for the upload after a backed-up interval (not timed): median {statistics.median(waits):.2f}s, "
-          f"max {max(waits):.2f}s; upload failures logged: {sum('not backed up yet' in line for line in lines)}")
+    print(
+        f"wait for the upload after a backed-up interval (not timed): median {statistics.median(waits):.2f}s, "
+        f"max {max(waits):.2f}s; upload failures logged: {sum('not backed up yet' in line for line in lines)}"
+    )
     if server is not None:
-        print(f"S3 server process CPU (a remote machine in real use): {server_cpu / args.pairs:.2f} s "
-              "per checkpoint (start-up included), on this machine")
-    print(f"throughput ratio with backup / without (median of {len(ratios)} paired intervals): {ratio:.3f}x "
-          f"(target >= 0.95x)")
+        print(
+            f"S3 server process CPU (a remote machine in real use): {server_cpu / args.pairs:.2f} s "
+            "per checkpoint (start-up included), on this machine"
+        )
+    print(
+        f"throughput ratio with backup / without (median of {len(ratios)} paired intervals): {ratio:.3f}x "
+        f"(target >= 0.95x)"
+    )
     return 0 if ratio >= 0.95 else 1
 
 

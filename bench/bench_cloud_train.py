@@ -48,10 +48,13 @@ POLL_SECONDS = 0.02
 
 
 def parse_args() -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=None,
-                        help="a corpus built by data.py (None: build the demo corpus in the work folder)")
+    parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="a corpus built by data.py (None: build the demo corpus in the work folder)",
+    )
     parser.add_argument("--work", type=Path, default=None, help="work folder (None: a temporary one, removed)")
     parser.add_argument("--preset", default="nano", help="train.py --preset")
     parser.add_argument("--batch-size", type=int, default=8, help="train.py --batch-size")
@@ -74,11 +77,19 @@ def parse_args() -> argparse.Namespace:
 
 def s3_environment(endpoint: str, work: Path) -> dict[str, str]:
     """The variables s3fs / botocore read: fake credentials, the local endpoint, no user config."""
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")}
-    env.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-               AWS_ENDPOINT_URL=endpoint, AWS_CONFIG_FILE=str(work / "no-aws-config"),
-               AWS_SHARED_CREDENTIALS_FILE=str(work / "no-aws-credentials"))
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")
+    }
+    env.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_CONFIG_FILE=str(work / "no-aws-config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(work / "no-aws-credentials"),
+    )
     return env
 
 
@@ -141,12 +152,35 @@ def read_new_train_lines(path: Path, offset: int, run: Run, pid: int | None) -> 
 
 
 def train_command(args: argparse.Namespace, corpus: Path, out: Path, backup_url: str | None) -> list[str]:
-    command = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), "--out", str(out),
-               "--preset", args.preset, "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
-               "--save-every", str(args.save_every), "--stop-after-steps", str(args.steps),
-               "--target-tokens", str(100 * args.steps * args.batch_size * args.grad_accum * 4096),
-               "--eval-every", "0", "--log-every", "1", "--save-seconds", "100000", "--no-report",
-               "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size),
+        "--grad-accum",
+        str(args.grad_accum),
+        "--save-every",
+        str(args.save_every),
+        "--stop-after-steps",
+        str(args.steps),
+        "--target-tokens",
+        str(100 * args.steps * args.batch_size * args.grad_accum * 4096),
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--save-seconds",
+        "100000",
+        "--no-report",
+        "--threads",
+        str(args.threads),
+    ]
     if backup_url:
         command += ["--backup-to", backup_url]
     return command
@@ -192,8 +226,12 @@ def main() -> int:
         corpus = work / "corpus"
         if not corpus.exists():
             print("building the demo corpus ...", flush=True)
-            subprocess.run([sys.executable, str(ROOT / "data.py"), "--demo", "--out", str(corpus), "--no-progress"],
-                           check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+            subprocess.run(
+                [sys.executable, str(ROOT / "data.py"), "--demo", "--out", str(corpus), "--no-progress"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
 
     port = free_port()
     env = s3_environment(f"http://127.0.0.1:{port}", work)
@@ -207,7 +245,7 @@ def main() -> int:
         server_cpu = 0.0
         for pair in range(args.pairs):
             runs = {}
-            for backed_up in ((False, True) if pair % 2 == 0 else (True, False)):
+            for backed_up in (False, True) if pair % 2 == 0 else (True, False):
                 label = f"pair {pair + 1} {'backup' if backed_up else 'plain '}"
                 out = work / f"run-{pair + 1}-{'backup' if backed_up else 'plain'}"
                 url = f"s3://{bucket}/run-{pair + 1}" if backed_up else None
@@ -219,10 +257,13 @@ def main() -> int:
                     extra = f" | {remote} .pt on the remote"
                 else:
                     extra = ""
-                print(f"{label}: step {run.step_tokens_per_second(args.skip_steps):8.0f} tok/s | wall "
-                      f"{run.wall_tokens_per_second(args.skip_steps):8.0f} tok/s | CPU "
-                      f"{run.cpu_tokens_per_second(args.skip_steps):8.0f} tok/s | process {run.seconds:5.1f} s"
-                      f"{extra}", flush=True)
+                print(
+                    f"{label}: step {run.step_tokens_per_second(args.skip_steps):8.0f} tok/s | wall "
+                    f"{run.wall_tokens_per_second(args.skip_steps):8.0f} tok/s | CPU "
+                    f"{run.cpu_tokens_per_second(args.skip_steps):8.0f} tok/s | process {run.seconds:5.1f} s"
+                    f"{extra}",
+                    flush=True,
+                )
                 runs[backed_up] = run
             pairs.append(runs)
     finally:
@@ -234,26 +275,39 @@ def main() -> int:
     size = f"{checkpoint[-1].stat().st_size / 1e6:.1f} MB" if checkpoint else "?"
     counted = plain.counted_steps(args.skip_steps)
     interval = (plain.arrivals[counted[-1]] - plain.arrivals[counted[0]]) / (counted[-1] - counted[0])
-    print(f"\n{args.preset}: {plain.tokens_per_step} tokens/step, checkpoint {size} every {args.save_every} steps "
-          f"(~{interval * args.save_every:.1f} s apart plain); steps {args.skip_steps + 1}-{args.steps} counted")
-    step_ratios = [p[True].step_tokens_per_second(args.skip_steps) / p[False].step_tokens_per_second(args.skip_steps)
-                   for p in pairs]
-    wall_ratios = [p[True].wall_tokens_per_second(args.skip_steps) / p[False].wall_tokens_per_second(args.skip_steps)
-                   for p in pairs]
-    cpu_ratios = [p[True].cpu_tokens_per_second(args.skip_steps) / p[False].cpu_tokens_per_second(args.skip_steps)
-                  for p in pairs]
+    print(
+        f"\n{args.preset}: {plain.tokens_per_step} tokens/step, checkpoint {size} every {args.save_every} steps "
+        f"(~{interval * args.save_every:.1f} s apart plain); steps {args.skip_steps + 1}-{args.steps} counted"
+    )
+    step_ratios = [
+        p[True].step_tokens_per_second(args.skip_steps) / p[False].step_tokens_per_second(args.skip_steps)
+        for p in pairs
+    ]
+    wall_ratios = [
+        p[True].wall_tokens_per_second(args.skip_steps) / p[False].wall_tokens_per_second(args.skip_steps)
+        for p in pairs
+    ]
+    cpu_ratios = [
+        p[True].cpu_tokens_per_second(args.skip_steps) / p[False].cpu_tokens_per_second(args.skip_steps) for p in pairs
+    ]
     process_ratios = [p[False].seconds / p[True].seconds for p in pairs]
     for pair, (step, wall, cpu, whole) in enumerate(zip(step_ratios, wall_ratios, cpu_ratios, process_ratios), 1):
-        print(f"pair {pair}: backup / plain  wall tok/s {wall:.3f}x | step tok/s {step:.3f}x | CPU tok/s {cpu:.3f}x"
-              f" | process time (plain / backup) {whole:.3f}x")
+        print(
+            f"pair {pair}: backup / plain  wall tok/s {wall:.3f}x | step tok/s {step:.3f}x | CPU tok/s {cpu:.3f}x"
+            f" | process time (plain / backup) {whole:.3f}x"
+        )
     median = statistics.median(wall_ratios)
     verdict = "met" if median >= args.target else "NOT met"
-    print(f"median wall tok/s ratio {median:.3f}x (target >= {args.target:.2f}x: {verdict}); "
-          f"median step tok/s ratio {statistics.median(step_ratios):.3f}x; "
-          f"median CPU tok/s ratio {statistics.median(cpu_ratios):.3f}x")
+    print(
+        f"median wall tok/s ratio {median:.3f}x (target >= {args.target:.2f}x: {verdict}); "
+        f"median step tok/s ratio {statistics.median(step_ratios):.3f}x; "
+        f"median CPU tok/s ratio {statistics.median(cpu_ratios):.3f}x"
+    )
     saves = args.pairs * (args.steps // args.save_every)
-    print(f"moto server (nice 19): {server_cpu:.1f} CPU-s during the backed-up runs, "
-          f"{server_cpu / saves:.2f} CPU-s per checkpoint")
+    print(
+        f"moto server (nice 19): {server_cpu:.1f} CPU-s during the backed-up runs, "
+        f"{server_cpu / saves:.2f} CPU-s per checkpoint"
+    )
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if temporary:
         temporary.cleanup()

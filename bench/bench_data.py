@@ -40,10 +40,68 @@ sys.path.insert(0, str(ROOT))
 
 from common import ArgumentParser  # noqa: E402
 
-SYLLABLES = ["ka", "lo", "mi", "ne", "ra", "to", "su", "vi", "pe", "do", "an", "er", "in", "on", "th", "st",
-             "re", "al", "or", "en", "qu", "sh", "ch", "ly", "ing", "ed", "es", "ti", "ma", "co", "bu", "gra",
-             "fi", "ze", "hu", "wo", "ple", "tion", "ous", "ment", "ab", "ex", "un", "dis", "pro", "com", "ver",
-             "lat", "gen", "mon", "tri", "sol", "cap", "dur", "fer", "nov", "pul", "rad", "sig", "tem"]
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ra",
+    "to",
+    "su",
+    "vi",
+    "pe",
+    "do",
+    "an",
+    "er",
+    "in",
+    "on",
+    "th",
+    "st",
+    "re",
+    "al",
+    "or",
+    "en",
+    "qu",
+    "sh",
+    "ch",
+    "ly",
+    "ing",
+    "ed",
+    "es",
+    "ti",
+    "ma",
+    "co",
+    "bu",
+    "gra",
+    "fi",
+    "ze",
+    "hu",
+    "wo",
+    "ple",
+    "tion",
+    "ous",
+    "ment",
+    "ab",
+    "ex",
+    "un",
+    "dis",
+    "pro",
+    "com",
+    "ver",
+    "lat",
+    "gen",
+    "mon",
+    "tri",
+    "sol",
+    "cap",
+    "dur",
+    "fer",
+    "nov",
+    "pul",
+    "rad",
+    "sig",
+    "tem",
+]
 
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -74,16 +132,20 @@ def peak_rss_mb() -> tuple[float, float]:
     """(peak RSS of this process, of its largest finished child process) in MB."""
     import resource
 
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+    return (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    )
 
 
 def cpu_seconds() -> float:
     """User + system CPU time of this process (all threads) and its finished child processes."""
     import resource
 
-    return sum(usage.ru_utime + usage.ru_stime for usage in (resource.getrusage(resource.RUSAGE_SELF),
-                                                             resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,8 +161,11 @@ def method_data_py(args) -> dict:
     out = Path(args.out)
     data.build_corpus(data.resolve_inputs([args.input]), out, settings, overwrite=True)
     manifest = corpus_format.load_manifest(out)
-    return {"tokens": manifest.tokens, "documents": manifest.documents,
-            "disk_mb": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 1e6}
+    return {
+        "tokens": manifest.tokens,
+        "documents": manifest.documents,
+        "disk_mb": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 1e6,
+    }
 
 
 def read_texts(path: str):
@@ -125,15 +190,19 @@ def method_datasets(args) -> dict:
     def group(batch):
         ids = [token for row in batch["input_ids"] for token in row]
         total = len(ids) // block * block
-        return {"input_ids": [ids[i:i + block] for i in range(0, total, block)]}
+        return {"input_ids": [ids[i : i + block] for i in range(0, total, block)]}
 
     dataset = datasets.Dataset.from_generator(
-        lambda: ({"text": text} for text in read_texts(args.input)), cache_dir=str(cache))
+        lambda: ({"text": text} for text in read_texts(args.input)), cache_dir=str(cache)
+    )
     dataset = dataset.map(tokenize, batched=True, num_proc=args.num_proc, remove_columns=["text"])
     tokens = sum(len(row) for row in dataset["input_ids"])  # counted before grouping drops the tail
     dataset = dataset.map(group, batched=True, num_proc=args.num_proc, remove_columns=dataset.column_names)
-    return {"tokens": tokens, "blocks": len(dataset),
-            "cache_mb": sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) / 1e6}
+    return {
+        "tokens": tokens,
+        "blocks": len(dataset),
+        "cache_mb": sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) / 1e6,
+    }
 
 
 def method_bare(args) -> dict:
@@ -152,17 +221,31 @@ def method_bare(args) -> dict:
             batch, size = [], 0
     if batch:
         tokens += sum(len(e.ids) + 1 for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False))
-    return {"tokens": tokens, "encode_seconds": time.perf_counter() - started,
-            "encode_cpu_seconds": cpu_seconds() - cpu_started}
+    return {
+        "tokens": tokens,
+        "encode_seconds": time.perf_counter() - started,
+        "encode_cpu_seconds": cpu_seconds() - cpu_started,
+    }
 
 
-METHODS = {"data.py": method_data_py, "data.py-pool": method_data_py, "datasets": method_datasets,
-           "bare": method_bare}
+METHODS = {"data.py": method_data_py, "data.py-pool": method_data_py, "datasets": method_datasets, "bare": method_bare}
 
 
 def run_method(name: str, input_path: Path, tokenizer: Path, out: Path, num_proc: int) -> dict:
-    command = [sys.executable, __file__, "--method", name, "--input", str(input_path), "--tokenizer",
-               str(tokenizer), "--out", str(out), "--num-proc", str(num_proc)]
+    command = [
+        sys.executable,
+        __file__,
+        "--method",
+        name,
+        "--input",
+        str(input_path),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(out),
+        "--num-proc",
+        str(num_proc),
+    ]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -171,22 +254,29 @@ def run_method(name: str, input_path: Path, tokenizer: Path, out: Path, num_proc
     report = json.loads(result.stdout.strip().splitlines()[-1])
     seconds = report.get("encode_seconds", wall)
     cpu = report.get("encode_cpu_seconds", report["cpu_seconds"])
-    report.update(method=name, wall_seconds=round(wall, 1), tokens_per_second=report["tokens"] / seconds,
-                  tokens_per_cpu_second=report["tokens"] / cpu)
+    report.update(
+        method=name,
+        wall_seconds=round(wall, 1),
+        tokens_per_second=report["tokens"] / seconds,
+        tokens_per_cpu_second=report["tokens"] / cpu,
+    )
     return report
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--mb", type=float, default=200.0, help="size of the generated JSONL input")
-    parser.add_argument("--scale", type=float, default=0,
-                        help="also run data.py on --mb * SCALE and compare peak RSS (0: skip)")
+    parser.add_argument(
+        "--scale", type=float, default=0, help="also run data.py on --mb * SCALE and compare peak RSS (0: skip)"
+    )
     parser.add_argument("--vocab-size", type=int, default=33_069)
     parser.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="datasets map workers")
     parser.add_argument("--methods", default="bare,data.py,data.py-pool,datasets")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run the methods round-robin this many times and keep each one's best")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the methods round-robin this many times and keep each one's best"
+    )
     parser.add_argument("--workdir", default=None, help="keep files here (default: a temporary folder)")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--input", help=argparse.SUPPRESS)
@@ -209,8 +299,10 @@ def main() -> None:
     if not input_path.exists():
         started = time.perf_counter()
         count = generate_corpus(input_path, args.mb)
-        print(f"generated {input_path} ({input_path.stat().st_size / 1e6:.0f} MB, {count} documents) "
-              f"in {time.perf_counter() - started:.0f} s")
+        print(
+            f"generated {input_path} ({input_path.stat().st_size / 1e6:.0f} MB, {count} documents) "
+            f"in {time.perf_counter() - started:.0f} s"
+        )
     tokenizer = work / "tokenizer"
     if not tokenizer.exists():
         started = time.perf_counter()
@@ -234,12 +326,15 @@ def main() -> None:
     for name, report in reports.items():
         ratio = f"{report['tokens_per_second'] / base['tokens_per_second']:.2f}x bare" if base else ""
         cpu_ratio = f"{report['tokens_per_cpu_second'] / base['tokens_per_cpu_second']:.2f}x" if base else ""
-        extra = (f", datasets cache {report['cache_mb']:.0f} MB" if "cache_mb" in report else "") + \
-                (f", corpus folder {report['disk_mb']:.0f} MB" if "disk_mb" in report else "")
+        extra = (f", datasets cache {report['cache_mb']:.0f} MB" if "cache_mb" in report else "") + (
+            f", corpus folder {report['disk_mb']:.0f} MB" if "disk_mb" in report else ""
+        )
         workers = f" + workers {report['worker_rss_mb']:.0f} MB each" if report["worker_rss_mb"] else ""
-        print(f"{name:12s} {report['tokens_per_second']:>10,.0f} tokens/s  {ratio:>10s}  "
-              f"{report['tokens_per_cpu_second']:>10,.0f} tokens/CPU-s  {cpu_ratio:>6s}  "
-              f"peak RSS {report['peak_rss_mb']:>6.0f} MB{workers}  wall {report['wall_seconds']:.0f} s{extra}")
+        print(
+            f"{name:12s} {report['tokens_per_second']:>10,.0f} tokens/s  {ratio:>10s}  "
+            f"{report['tokens_per_cpu_second']:>10,.0f} tokens/CPU-s  {cpu_ratio:>6s}  "
+            f"peak RSS {report['peak_rss_mb']:>6.0f} MB{workers}  wall {report['wall_seconds']:.0f} s{extra}"
+        )
     for name in ("data.py", "data.py-pool"):
         if name in reports and "datasets" in reports:
             wall = reports[name]["tokens_per_second"] / reports["datasets"]["tokens_per_second"]
@@ -255,8 +350,10 @@ def main() -> None:
         scaled = run_method("data.py", big, tokenizer, out, args.num_proc)
         shutil.rmtree(out, ignore_errors=True)
         small_rss = reports.get("data.py", {}).get("peak_rss_mb")
-        print(f"data.py on {big.stat().st_size / 1e6:.0f} MB ({args.scale:g}x): peak RSS "
-              f"{scaled['peak_rss_mb']:.0f} MB vs {small_rss} MB, {scaled['tokens_per_second']:,.0f} tokens/s")
+        print(
+            f"data.py on {big.stat().st_size / 1e6:.0f} MB ({args.scale:g}x): peak RSS "
+            f"{scaled['peak_rss_mb']:.0f} MB vs {small_rss} MB, {scaled['tokens_per_second']:,.0f} tokens/s"
+        )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -29,10 +29,12 @@ from common import ArgumentParser, UserError, atomic_write_json, run_main  # noq
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work", default=str(ROOT / "bench" / "out" / "demo"),
-                        help="folder the demo runs in (emptied first)")
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work", default=str(ROOT / "bench" / "out" / "demo"), help="folder the demo runs in (emptied first)"
+    )
     parser.add_argument("--corpus", default=None, help="copy this built demo corpus in instead of building it")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
@@ -49,8 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, str(ROOT / "train.py")], cwd=work, env=env, capture_output=True,
-                            text=True, timeout=args.timeout)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     wall = time.perf_counter() - started
     (work / "train_stdout.txt").write_text(result.stdout)
     (work / "train_stderr.txt").write_text(result.stderr)
@@ -59,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     run = work / "runs" / "demo"
     status = json.loads((run / "run_status.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train_seconds = sum(r["step_seconds"] for r in records if r["kind"] == "train") * status["total_steps"] \
+    train_seconds = (
+        sum(r["step_seconds"] for r in records if r["kind"] == "train")
+        * status["total_steps"]
         / max(1, sum(1 for r in records if r["kind"] == "train"))
+    )
     accuracy = status.get("task_accuracy") or {}
     figures = {
         "command": "python train.py",

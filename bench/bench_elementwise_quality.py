@@ -33,6 +33,7 @@ same tokens; they run at the same time (--jobs 2), one torch thread each. Score:
 evaluation at the end (metrics.jsonl's test_bits_per_byte, over every test block: --eval-batches is
 set to cover the whole split), under the arm's autocast. Target (issue 31): after/before within 0.5%.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,9 @@ PROBE_PREFIX = "elementwise arm: "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(WORK), help="folder for the corpora, runs and results")
     parser.add_argument("--texts", default=",".join(TEXTS), help=f"comma list of texts: {', '.join(TEXTS)}")
     parser.add_argument("--seeds", default="1337,1338", help="comma list of seeds (model init and data order)")
@@ -76,16 +78,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="runs at the same time (the two arms of a pair)")
     parser.add_argument("--text-bytes", type=int, default=4_000_000, help="UTF-8 bytes of each text")
     parser.add_argument("--vocab-size", type=int, default=4096, help="data.py's BPE vocabulary")
-    parser.add_argument("--corpus", action="append", default=[], metavar="NAME=JSONL",
-                        help="another text: a JSONL of {'text': ...} documents (repeatable; the tests' tiny one)")
-    parser.add_argument("--fresh", action="store_true", help="train again even where a run with the same command "
-                                                             "has results")
+    parser.add_argument(
+        "--corpus",
+        action="append",
+        default=[],
+        metavar="NAME=JSONL",
+        help="another text: a JSONL of {'text': ...} documents (repeatable; the tests' tiny one)",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="train again even where a run with the same command has results"
+    )
     parser.add_argument("--results", default=None, help="results JSON (None: WORK/results.json)")
     return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------------------------
 # The arms: what runs inside each train.py process.
+
 
 def disable_autocast_elementwise() -> None:
     """The `before` arm: build_training_model leaves the stock RMSNorm and RoPE forwards in place."""
@@ -107,9 +116,12 @@ def probe_elementwise(model, dtype) -> dict:
         norm_out = norms[0](hidden)
         q_out = q_norm(torch.ones(1, 2, q_norm.weight.numel(), dtype=dtype))
         cos, _ = rotary(hidden, torch.arange(2).unsqueeze(0))
-    return {"norm_class": type(norms[0]).__name__, "norm_dtype": str(norm_out.dtype).replace("torch.", ""),
-            "q_norm_dtype": str(q_out.dtype).replace("torch.", ""),
-            "rope_dtype": str(cos.dtype).replace("torch.", "")}
+    return {
+        "norm_class": type(norms[0]).__name__,
+        "norm_dtype": str(norm_out.dtype).replace("torch.", ""),
+        "q_norm_dtype": str(q_out.dtype).replace("torch.", ""),
+        "rope_dtype": str(cos.dtype).replace("torch.", ""),
+    }
 
 
 def run_arm(arm: str, train_argv: list[str]) -> int:
@@ -139,6 +151,7 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
 # ----------------------------------------------------------------------------------------------
 # The texts.
 
+
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""
     import corpus_format
@@ -147,9 +160,12 @@ def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) ->
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
     manifest, stamp = corpus / corpus_format.CORPUS_MANIFEST, corpus / "bench_settings.json"
-    settings = {"format_version": corpus_format.FORMAT_VERSION, "vocab_size": args.vocab_size,
-                "text_bytes": None if name in extra else args.text_bytes,
-                "source": str(extra[name]) if name in extra else name}
+    settings = {
+        "format_version": corpus_format.FORMAT_VERSION,
+        "vocab_size": args.vocab_size,
+        "text_bytes": None if name in extra else args.text_bytes,
+        "source": str(extra[name]) if name in extra else name,
+    }
     if manifest.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
         return corpus
     if corpus.exists():
@@ -163,8 +179,21 @@ def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) ->
         with open(source, "w", encoding="utf-8") as handle:
             for text in texts:
                 handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(["--data", str(source), "--out", str(corpus), "--vocab-size", str(args.vocab_size),
-                  "--val-fraction", "0.02", "--test-fraction", "0.05", "--no-progress"]):
+    if data.main(
+        [
+            "--data",
+            str(source),
+            "--out",
+            str(corpus),
+            "--vocab-size",
+            str(args.vocab_size),
+            "--val-fraction",
+            "0.02",
+            "--test-fraction",
+            "0.05",
+            "--no-progress",
+        ]
+    ):
         raise UserError(f"data.py could not build {corpus}")
     atomic_write_json(stamp, settings)
     return corpus
@@ -181,26 +210,66 @@ def corpus_facts(corpus: Path) -> dict:
         tokens = train_data.TokenSplit(corpus, manifest, split, 1, None, "masked")
         ends = [int(end) for end in tokens.ends]
         lengths = [b - a for a, b in zip([0] + ends, ends)]
-        facts[split] = {"documents": len(lengths), "tokens": tokens.tokens,
-                        "median_document_tokens": int(statistics.median(lengths)) if lengths else 0}
+        facts[split] = {
+            "documents": len(lengths),
+            "tokens": tokens.tokens,
+            "median_document_tokens": int(statistics.median(lengths)) if lengths else 0,
+        }
     return facts
 
 
 # ----------------------------------------------------------------------------------------------
 # The runs.
 
+
 def train_argv(args: argparse.Namespace, corpus: Path, out: Path, seed: int) -> list[str]:
-    return ["--data", str(corpus), "--out", str(out), "--resume", "none", "--preset", args.preset,
-            "--context", str(args.context), "--batch-size", str(args.batch_size), "--grad-accum", "1",
-            "--target-tokens", str(args.steps * args.batch_size * args.context), "--seed", str(seed),
-            "--packing", "masked", "--precision", args.precision, "--device", "cpu", "--threads", str(args.threads),
-            "--eval-every", "0", "--eval-batches", "100000", "--save-every", "0", "--save-seconds", "0",
-            "--log-every", "25", "--peak-tflops", "1", "--no-report"]  # a nominal peak: no matmul measured at start
+    return [
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--resume",
+        "none",
+        "--preset",
+        args.preset,
+        "--context",
+        str(args.context),
+        "--batch-size",
+        str(args.batch_size),
+        "--grad-accum",
+        "1",
+        "--target-tokens",
+        str(args.steps * args.batch_size * args.context),
+        "--seed",
+        str(seed),
+        "--packing",
+        "masked",
+        "--precision",
+        args.precision,
+        "--device",
+        "cpu",
+        "--threads",
+        str(args.threads),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "100000",
+        "--save-every",
+        "0",
+        "--save-seconds",
+        "0",
+        "--log-every",
+        "25",
+        "--peak-tflops",
+        "1",
+        "--no-report",
+    ]  # a nominal peak: no matmul measured at start
 
 
 def code_version() -> str:
     """The code a run trains with: the last commit that changed the scripts at the repository root
     (train.py and its siblings; not bench/ or tests/), "+changes" when one of them differs from it."""
+
     def git(*command: str) -> str:
         return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
@@ -233,10 +302,21 @@ def start_run(args: argparse.Namespace, corpus: Path, name: str, seed: int, arm:
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.with_suffix(".log"), "w", encoding="utf-8")
     print(f"  start {name} seed {seed} {arm}: {' '.join(command[1:])}", flush=True)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return {"process": process, "log": log, "out": out, "command": command[2:], "started": time.time(),
-            "code": code_version()}
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return {
+        "process": process,
+        "log": log,
+        "out": out,
+        "command": command[2:],
+        "started": time.time(),
+        "code": code_version(),
+    }
 
 
 def finish_run(run: dict) -> dict:
@@ -256,18 +336,26 @@ def finish_run(run: dict) -> dict:
 
 def parse_run(lines: list[str], metrics_path: Path) -> dict:
     """The probe, the final line and metrics.jsonl's test record of one finished run."""
-    probes = [json.loads(line[len(PROBE_PREFIX):]) for line in lines if line.startswith(PROBE_PREFIX)]
+    probes = [json.loads(line[len(PROBE_PREFIX) :]) for line in lines if line.startswith(PROBE_PREFIX)]
     finals = [line for line in lines if line.lower().startswith("complete: ")]
     tests = [record for record in map(json.loads, metrics_path.read_text().splitlines()) if record["kind"] == "test"]
     if len(probes) != 1 or not finals or not tests:
-        raise UserError(f"{metrics_path.parent.name}: expected one probe line, a `complete:` line and a test record "
-                        f"(got {len(probes)}, {len(finals)}, {len(tests)})")
+        raise UserError(
+            f"{metrics_path.parent.name}: expected one probe line, a `complete:` line and a test record "
+            f"(got {len(probes)}, {len(finals)}, {len(tests)})"
+        )
     test = tests[-1]
     evals = [record for record in map(json.loads, metrics_path.read_text().splitlines()) if record["kind"] == "eval"]
-    return {"probe": probes[0], "final_line": finals[-1], "test_bits_per_byte": test["test_bits_per_byte"],
-            "val_bits_per_byte": evals[-1]["val_bits_per_byte"] if evals else None,
-            "test_loss": test["test_loss"], "test_bytes": test["test_bytes"], "tokens": test["tokens"],
-            "step": test["step"]}
+    return {
+        "probe": probes[0],
+        "final_line": finals[-1],
+        "test_bits_per_byte": test["test_bits_per_byte"],
+        "val_bits_per_byte": evals[-1]["val_bits_per_byte"] if evals else None,
+        "test_loss": test["test_loss"],
+        "test_bytes": test["test_bytes"],
+        "tokens": test["tokens"],
+        "step": test["step"],
+    }
 
 
 def run_all(args: argparse.Namespace) -> dict:
@@ -293,7 +381,7 @@ def run_all(args: argparse.Namespace) -> dict:
         else:
             report_run(results, name, seed, arm, result, "reused")
     while pending:
-        batch, pending = pending[:max(1, args.jobs)], pending[max(1, args.jobs):]
+        batch, pending = pending[: max(1, args.jobs)], pending[max(1, args.jobs) :]
         started = [(key, start_run(args, Path(results["texts"][key[0]]["corpus"]), *key)) for key in batch]
         for (name, seed, arm), run in started:
             report_run(results, name, seed, arm, finish_run(run), "trained")
@@ -302,9 +390,12 @@ def run_all(args: argparse.Namespace) -> dict:
 
 def report_run(results: dict, name: str, seed: int, arm: str, result: dict, how: str) -> None:
     results["texts"][name]["runs"][f"{seed}-{arm}"] = result
-    print(f"  {name} seed {seed} {arm} ({how}, {result.get('code', '?')}): test {result['test_bits_per_byte']:.4f} "
-          f"bits/byte (norms {result['probe']['norm_dtype']}, RoPE {result['probe']['rope_dtype']}) | "
-          f"{result['final_line']}", flush=True)
+    print(
+        f"  {name} seed {seed} {arm} ({how}, {result.get('code', '?')}): test {result['test_bits_per_byte']:.4f} "
+        f"bits/byte (norms {result['probe']['norm_dtype']}, RoPE {result['probe']['rope_dtype']}) | "
+        f"{result['final_line']}",
+        flush=True,
+    )
 
 
 def validation_ratio(before: dict, after: dict) -> str:
@@ -317,9 +408,11 @@ def validation_ratio(before: dict, after: dict) -> str:
 
 def table(results: dict) -> list[str]:
     """One row per (text, seed): each arm's held-out bpb, after/before and the 0.5% verdict."""
-    lines = ["| text | seed | tokens | before bpb | after bpb | after / before | within 0.5% "
-             "| validation after / before | code (before, after) |",
-             "|---|---|---:|---:|---:|---:|---|---:|---|"]
+    lines = [
+        "| text | seed | tokens | before bpb | after bpb | after / before | within 0.5% "
+        "| validation after / before | code (before, after) |",
+        "|---|---|---:|---:|---:|---:|---|---:|---|",
+    ]
     ratios = []
     for name, text in results["texts"].items():
         for seed in results["settings"]["seeds"].split(","):
@@ -328,15 +421,19 @@ def table(results: dict) -> list[str]:
                 continue
             ratio = after["test_bits_per_byte"] / before["test_bits_per_byte"]
             ratios.append(ratio)
-            lines.append(f"| {name} | {seed} | {after['tokens']:,} | {before['test_bits_per_byte']:.4f} | "
-                         f"{after['test_bits_per_byte']:.4f} | {ratio:.4f} | "
-                         f"{'yes' if abs(ratio - 1) <= TARGET else 'NO'} | {validation_ratio(before, after)} | "
-                         f"{before.get('code', '?')}, {after.get('code', '?')} |")
+            lines.append(
+                f"| {name} | {seed} | {after['tokens']:,} | {before['test_bits_per_byte']:.4f} | "
+                f"{after['test_bits_per_byte']:.4f} | {ratio:.4f} | "
+                f"{'yes' if abs(ratio - 1) <= TARGET else 'NO'} | {validation_ratio(before, after)} | "
+                f"{before.get('code', '?')}, {after.get('code', '?')} |"
+            )
     if ratios:
         worst = max(ratios, key=lambda ratio: abs(ratio - 1))
         verdict = "MET" if abs(worst - 1) <= TARGET else "NOT MET"
-        lines.append(f"\ntarget: after/before within {100 * TARGET:.1f}% in every row: {verdict} "
-                     f"(worst {worst:.4f}, {100 * (worst - 1):+.2f}%)")
+        lines.append(
+            f"\ntarget: after/before within {100 * TARGET:.1f}% in every row: {verdict} "
+            f"(worst {worst:.4f}, {100 * (worst - 1):+.2f}%)"
+        )
     return lines
 
 
@@ -346,11 +443,16 @@ def probes(results: dict) -> list[str]:
     for text in results["texts"].values():
         for run in text["runs"].values():
             probe = run["probe"]
-            seen.setdefault(probe["arm"], set()).add((probe["norm_class"], probe["norm_dtype"],
-                                                      probe["q_norm_dtype"], probe["rope_dtype"]))
-    return [f"{arm}: " + "; ".join(f"{cls}, norm out {norm}, q-norm out {q}, RoPE tables {rope}"
-                                   for cls, norm, q, rope in sorted(found))
-            for arm, found in seen.items()]
+            seen.setdefault(probe["arm"], set()).add(
+                (probe["norm_class"], probe["norm_dtype"], probe["q_norm_dtype"], probe["rope_dtype"])
+            )
+    return [
+        f"{arm}: "
+        + "; ".join(
+            f"{cls}, norm out {norm}, q-norm out {q}, RoPE tables {rope}" for cls, norm, q, rope in sorted(found)
+        )
+        for arm, found in seen.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,9 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(path, results)
     for name, text in results["texts"].items():
         facts = text["facts"]
-        print(f"{name}: train {facts['train']['documents']:,} documents, {facts['train']['tokens']:,} tokens "
-              f"(median {facts['train']['median_document_tokens']:,} per document); test "
-              f"{facts['test']['documents']:,} documents, {facts['test']['tokens']:,} tokens")
+        print(
+            f"{name}: train {facts['train']['documents']:,} documents, {facts['train']['tokens']:,} tokens "
+            f"(median {facts['train']['median_document_tokens']:,} per document); test "
+            f"{facts['test']['documents']:,} documents, {facts['test']['tokens']:,} tokens"
+        )
     print("\n".join(probes(results)))
     print("\n".join(table(results)))
     print(f"results: {path}")

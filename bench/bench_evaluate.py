@@ -34,8 +34,9 @@ from common import ArgumentParser, UserError, run_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(ROOT / "bench" / "out" / "evaluate"), help="folder (emptied first)")
     parser.add_argument("--corpus", default=None, help="copy this built demo corpus in instead of building it")
     parser.add_argument("--steps", type=int, default=150, help="demo training steps")
@@ -75,12 +76,24 @@ def main(argv: list[str] | None = None) -> int:
     timed([str(ROOT / "train.py"), "--export-only"], work)
     print(f"demo training, {args.steps} steps (--no-report): {train_seconds:.1f} s")
     for name, task in (("multiple choice (lm-eval)", items), ("exact match (greedy replies)", "corpus/demo/eval")):
-        seconds = timed([str(ROOT / "report.py"), "evaluate", "runs/demo", "--tasks", str(task),
-                         "--json", str(work / "scores.json")], work)
+        seconds = timed(
+            [
+                str(ROOT / "report.py"),
+                "evaluate",
+                "runs/demo",
+                "--tasks",
+                str(task),
+                "--json",
+                str(work / "scores.json"),
+            ],
+            work,
+        )
         scores = next(iter(json.loads((work / "scores.json").read_text())["tasks"].values()))
         shown = {key: round(value, 4) for key, value in scores.items() if key in ("acc", "acc_norm", "exact_match")}
-        print(f"report.py evaluate, {name}, {scores['n']} items: {seconds:.1f} s = "
-              f"{seconds / train_seconds:.2f}x the training; {shown}")
+        print(
+            f"report.py evaluate, {name}, {scores['n']} items: {seconds:.1f} s = "
+            f"{seconds / train_seconds:.2f}x the training; {shown}"
+        )
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     return 0
 
@@ -91,14 +104,22 @@ def in_loop(work: Path, demo: list[str], items: Path) -> int:
 
     off = timed([*demo, "--out", "runs/off"], work)
     on = timed([*demo, "--out", "runs/on", "--eval-tasks", str(items)], work)
-    records = [record for record in metrics_log.read_metrics(work / "runs" / "on" / "metrics.jsonl")
-               if record["kind"] == "tasks"]
+    records = [
+        record
+        for record in metrics_log.read_metrics(work / "runs" / "on" / "metrics.jsonl")
+        if record["kind"] == "tasks"
+    ]
     scoring = sum(record["seconds"] for record in records)
     print(f"demo training, --eval-tasks off: {off:.1f} s; on: {on:.1f} s = {on / off:.3f}x")
-    print(f"scored at steps {[record['step'] for record in records]}, {records[-1]['local_demo_choices/n']} items "
-          f"each: {scoring:.1f} s in all = {100 * scoring / on:.2f}% of the run with them")
-    print("acc by step: " + ", ".join(f"{record['step']}: {record['local_demo_choices/acc']:.3f}"
-                                      for record in records) + f" (chance {records[-1]['local_demo_choices/chance']})")
+    print(
+        f"scored at steps {[record['step'] for record in records]}, {records[-1]['local_demo_choices/n']} items "
+        f"each: {scoring:.1f} s in all = {100 * scoring / on:.2f}% of the run with them"
+    )
+    print(
+        "acc by step: "
+        + ", ".join(f"{record['step']}: {record['local_demo_choices/acc']:.3f}" for record in records)
+        + f" (chance {records[-1]['local_demo_choices/chance']})"
+    )
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -40,7 +40,7 @@ def generated_texts(words: int, seed: int = 0) -> list[str]:
     lexicon = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 11))) for _ in range(60_000)]
     weights = [1.0 / (rank + 10) for rank in range(len(lexicon))]
     stream = rng.choices(lexicon, weights=weights, k=words)
-    return [" ".join(stream[start:start + 200]) for start in range(0, len(stream), 200)]
+    return [" ".join(stream[start : start + 200]) for start in range(0, len(stream), 200)]
 
 
 def build_folder(folder: Path, preset: str, vocab_size: int, words: int) -> int:
@@ -76,8 +76,7 @@ def timed(run) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "gguf", help="scratch folder")
     parser.add_argument("--preset", default="think72", choices=list(model_config.PRESETS))
     parser.add_argument("--type", default="f16", choices=list(export_gguf.OUT_TYPES))
@@ -95,8 +94,10 @@ def main() -> None:
     params = model_config.parameter_count(model_config.PRESETS[args.preset], source.vocab_size)
     weights = folder / "model.safetensors"
     out = args.work / f"{args.preset}-{args.type}.gguf"
-    print(f"model: {args.preset} shape, {params:,} parameters, vocab {source.vocab_size} "
-          f"(requested {args.vocab_size}), {weights.stat().st_size / 1e6:.0f} MB of f32 safetensors")
+    print(
+        f"model: {args.preset} shape, {params:,} parameters, vocab {source.vocab_size} "
+        f"(requested {args.vocab_size}), {weights.stat().st_size / 1e6:.0f} MB of f32 safetensors"
+    )
 
     export_gguf.export(folder, out, args.type, overwrite=True)  # warm-up: page cache, lazy imports
     out_bytes = out.stat().st_size
@@ -107,13 +108,27 @@ def main() -> None:
     (args.work / "copy.bin").unlink()
 
     started = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "export_gguf.py"), str(folder), "--out", str(out),
-                    "--type", args.type, "--overwrite"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "export_gguf.py"),
+            str(folder),
+            "--out",
+            str(out),
+            "--type",
+            args.type,
+            "--overwrite",
+        ],
+        check=True,
+        capture_output=True,
+    )
     cli = time.perf_counter() - started
 
     def show(label: str, runs: list[tuple[float, float]]) -> None:
-        print(f"{label}: best {min(wall for wall, _ in runs):.2f}s wall, {min(cpu for _, cpu in runs):.2f}s CPU "
-              f"(runs {', '.join(f'{wall:.2f}/{cpu:.2f}' for wall, cpu in runs)})")
+        print(
+            f"{label}: best {min(wall for wall, _ in runs):.2f}s wall, {min(cpu for _, cpu in runs):.2f}s CPU "
+            f"(runs {', '.join(f'{wall:.2f}/{cpu:.2f}' for wall, cpu in runs)})"
+        )
 
     show(f"baseline read {weights.stat().st_size / 1e6:.0f} MB + write {out_bytes / 1e6:.0f} MB", baseline)
     show(f"export {args.type}", exported)
@@ -121,6 +136,7 @@ def main() -> None:
     wall_ratio = min(wall for wall, _ in exported) / min(wall for wall, _ in baseline)
     cpu_ratio = min(cpu for _, cpu in exported) / min(cpu for _, cpu in baseline)
     print(f"ratio export / baseline: {wall_ratio:.2f}x wall (target < 2x), {cpu_ratio:.2f}x CPU time")
+
 
 if __name__ == "__main__":
     main()

@@ -49,6 +49,7 @@ part's outcome, the JSON), gpu_measure.py (timing, profiling), gpu_bench.py (Ben
 needs; the corpus), gpu_attention.py, gpu_roofline.py and gpu_steps.py (the parts by kind), gpu_report.py (the
 facts and plan printed first, the markdown lines, the prediction table).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,59 +82,105 @@ PROCESS_STARTED = time.monotonic()  # the budget counts from here: gpu_check.sh'
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", default=None,
-                        help="corpus folder built by data.py (None: build the demo corpus in a temporary folder)")
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="corpus folder built by data.py (None: build the demo corpus in a temporary folder)",
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the logic")
     parser.add_argument("--preset", default="think72", choices=list(model_config.PRESETS), help="the model")
     parser.add_argument("--vocab", type=int, default=THINK72_VOCAB, help="model vocabulary (0: the corpus tokenizer's)")
     parser.add_argument("--context", type=int, default=None, help="tokens per block (None: the preset's)")
-    parser.add_argument("--attention-shapes", default="8x1024,16x2048",
-                        help="comma list of ROWSxTOKENS for the attention parts")
-    parser.add_argument("--document-median", type=float, default=DOCUMENT_MEDIAN,
-                        help="median document length (tokens) of the attention parts' rows (log-normal)")
-    parser.add_argument("--document-sigma", type=float, default=DOCUMENT_SIGMA,
-                        help="sigma of the log-normal document lengths")
+    parser.add_argument(
+        "--attention-shapes", default="8x1024,16x2048", help="comma list of ROWSxTOKENS for the attention parts"
+    )
+    parser.add_argument(
+        "--document-median",
+        type=float,
+        default=DOCUMENT_MEDIAN,
+        help="median document length (tokens) of the attention parts' rows (log-normal)",
+    )
+    parser.add_argument(
+        "--document-sigma", type=float, default=DOCUMENT_SIGMA, help="sigma of the log-normal document lengths"
+    )
     parser.add_argument("--step-batch-sizes", default="8,32", help="comma list of micro-batch sizes of the steps")
-    parser.add_argument("--step-tokens", type=int, default=65_536,
-                        help="tokens per optimizer step, all ranks (the grad-accum follows)")
+    parser.add_argument(
+        "--step-tokens", type=int, default=65_536, help="tokens per optimizer step, all ranks (the grad-accum follows)"
+    )
     parser.add_argument("--compile-modes", default="eager,compile", help="comma list of eager, compile")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per step part (compilation included)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per step part (median reported)")
     parser.add_argument("--compare-steps", type=int, default=150, help="steps of each run of fp16_vs_bf16")
     parser.add_argument("--compare-batch-size", type=int, default=8, help="micro-batch of fp16_vs_bf16 (grad-accum 1)")
-    parser.add_argument("--gemm-tokens", type=int, default=None,
-                        help="tokens of the GEMMs' micro-batch (None: 8 x the context on cuda, 64 on cpu)")
-    parser.add_argument("--matmul-size", type=int, default=None,
-                        help="side of the square matmul (None: 8192 on cuda, 256 on cpu)")
+    parser.add_argument(
+        "--gemm-tokens",
+        type=int,
+        default=None,
+        help="tokens of the GEMMs' micro-batch (None: 8 x the context on cuda, 64 on cpu)",
+    )
+    parser.add_argument(
+        "--matmul-size", type=int, default=None, help="side of the square matmul (None: 8192 on cuda, 256 on cpu)"
+    )
     parser.add_argument("--copy-mib", type=int, default=None, help="MiB copied (None: 1024 on cuda, 16 on cpu)")
     parser.add_argument("--check-batch-size", type=int, default=2, help="blocks per step of the checks")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each micro-benchmark (median)")
-    parser.add_argument("--peak-tflops", type=float, default=0,
-                        help="the card's dense peak for MFU (0: hardware.CARDS by GPU name)")
-    parser.add_argument("--max-seconds", type=float, default=0,
-                        help="the budget: a part starts only when its estimate fits in what is left (0: none)")
-    parser.add_argument("--collective-timeout", type=float, default=600,
-                        help="seconds a rank waits in a collective before the process ends (torchrun)")
-    parser.add_argument("--json", default=None, help="write every figure here after each part (and events to "
-                                                     "NAME.events.jsonl beside it)")
-    parser.add_argument("--only", default=None, metavar="PARTS",
-                        help="comma list: run only the parts whose names start with one of these "
-                             "(e.g. attention,step:eager)")
-    parser.add_argument("--inject-failure", default=None, metavar="PART",
-                        help="raise in this part, to test that the others still run")
-    parser.add_argument("--markdown-from", default=None, metavar="JSON",
-                        help="print the lines for bench/RESULTS.md from a gpu.json and exit")
-    parser.add_argument("--predict-only", action="store_true",
-                        help="print the throughput prediction table (docs/training.md) and exit")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=0, help="the card's dense peak for MFU (0: hardware.CARDS by GPU name)"
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0,
+        help="the budget: a part starts only when its estimate fits in what is left (0: none)",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600,
+        help="seconds a rank waits in a collective before the process ends (torchrun)",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="write every figure here after each part (and events to NAME.events.jsonl beside it)",
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="PARTS",
+        help="comma list: run only the parts whose names start with one of these (e.g. attention,step:eager)",
+    )
+    parser.add_argument(
+        "--inject-failure", default=None, metavar="PART", help="raise in this part, to test that the others still run"
+    )
+    parser.add_argument(
+        "--markdown-from",
+        default=None,
+        metavar="JSON",
+        help="print the lines for bench/RESULTS.md from a gpu.json and exit",
+    )
+    parser.add_argument(
+        "--predict-only", action="store_true", help="print the throughput prediction table (docs/training.md) and exit"
+    )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     defaults = {"matmul_size": 8192 if cuda else 256, "copy_mib": 1024 if cuda else 16}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("document_median", "document_sigma", "steps", "warmup", "matmul_size", "check_batch_size",
-                 "compare_steps", "compare_batch_size",
-                 "copy_mib", "repeats", "step_tokens"):
+    for name in (
+        "document_median",
+        "document_sigma",
+        "steps",
+        "warmup",
+        "matmul_size",
+        "check_batch_size",
+        "compare_steps",
+        "compare_batch_size",
+        "copy_mib",
+        "repeats",
+        "step_tokens",
+    ):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
     if args.vocab < 0:
@@ -160,11 +207,19 @@ class Bench(AttentionParts, RooflineParts, StepParts, BenchContext):
             _, mode, size = name.split(":")
             function = lambda: self.step(mode == "compile", int(size))  # noqa: E731
         else:
-            function = {"versions": self.versions, "attention:kernels": self.attention_kernels,
-                        "attention:nan": self.attention_nan, "attention:bench": self.attention_bench,
-                        "newton_schulz": self.newton_schulz, "roofline:gemm": self.gemm, "roofline:copy": self.copy,
-                        "fp16_vs_bf16": self.fp16_vs_bf16, "overflow": self.overflow, "snapshot": self.snapshot,
-                        "resume": self.resume}[name]
+            function = {
+                "versions": self.versions,
+                "attention:kernels": self.attention_kernels,
+                "attention:nan": self.attention_nan,
+                "attention:bench": self.attention_bench,
+                "newton_schulz": self.newton_schulz,
+                "roofline:gemm": self.gemm,
+                "roofline:copy": self.copy,
+                "fp16_vs_bf16": self.fp16_vs_bf16,
+                "overflow": self.overflow,
+                "snapshot": self.snapshot,
+                "resume": self.resume,
+            }[name]
 
         def run():
             self.deadline = time.monotonic() + 2 * part_seconds(name)
@@ -173,6 +228,7 @@ class Bench(AttentionParts, RooflineParts, StepParts, BenchContext):
             return function()
 
         return run
+
 
 # ----------------------------------------------------------------------------------------------
 
@@ -190,9 +246,11 @@ def init_ranks(args: argparse.Namespace):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        distributed.init_process_group("nccl" if use_cuda else "gloo",
-                                       timeout=datetime.timedelta(seconds=args.collective_timeout),
-                                       device_id=torch.device("cuda", local_rank) if use_cuda else None)
+        distributed.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(seconds=args.collective_timeout),
+            device_id=torch.device("cuda", local_rank) if use_cuda else None,
+        )
         info = distributed.init_distributed(args.device)
         distributed.check_first_collective(info)
         return info
@@ -215,8 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         parts = plan_parts(args.step_batch_sizes, args.compile_modes, args.only)
         if info.is_main:
             print_plan(facts, parts)
-        command = " ".join([f"torchrun --nproc_per_node={info.world}" if info.world > 1 else "python",
-                            "bench/bench_gpu.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(
+            [
+                f"torchrun --nproc_per_node={info.world}" if info.world > 1 else "python",
+                "bench/bench_gpu.py",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        )
         record = {"machine": facts, "command": command, "plan": parts, "parts": {}}
         recorder = Recorder(args, info, record, PROCESS_STARTED if argv is None else None)
         with tempfile.TemporaryDirectory(prefix="bench_gpu-") as temp:

@@ -49,18 +49,24 @@ def mode_options(mode: str, text_loss: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(ROOT / "bench" / "out" / "loss_on"), help="folder for the corpus")
     parser.add_argument("--corpus", default=None, help="a built demo corpus (default: build one in --work)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per mode (4,096 tokens each)")
     parser.add_argument("--eval-every", type=int, default=25, help="measure the held-out accuracy every N steps")
     parser.add_argument("--limit", type=int, default=100, help="held-out problems per measurement")
     parser.add_argument("--thresholds", default="0.1,0.25,0.5,0.75,0.9,1.0", help="accuracies to report tokens for")
-    parser.add_argument("--seeds", default="1337,1338,1339,1340",
-                        help="train.py --seed values, one run per mode and seed")
-    parser.add_argument("--text-loss", default="none", choices=("none", "full"),
-                        help="the plain-text documents under --loss-on assistant")
+    parser.add_argument(
+        "--seeds", default="1337,1338,1339,1340", help="train.py --seed values, one run per mode and seed"
+    )
+    parser.add_argument(
+        "--text-loss",
+        default="none",
+        choices=("none", "full"),
+        help="the plain-text documents under --loss-on assistant",
+    )
     parser.add_argument("--init-from", default=None, help="both modes start from these weights (train.py --init-from)")
     parser.add_argument("--train-args", default="", help="more train.py options for both modes, e.g. '--muon-lr 0.01'")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -70,13 +76,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> list[dict]:
     """[{step, tokens, accuracy, seconds}] every --eval-every steps of one run."""
-    options = ["--data", str(corpus), "--out", str(Path(args.work) / f"run-{mode}-{seed}"), "--preset", "tiny",
-               "--batch-size", "32", "--grad-accum", "1", "--target-tokens", str(args.steps * 32 * 128),
-               "--threads", str(args.threads), "--eval-batches", "1", "--seed", str(seed),
-               *(["--init-from", args.init_from] if args.init_from else []), *shlex.split(args.train_args),
-               *mode_options(mode, args.text_loss)]
-    training = train.build_training(train.parse_args(options),
-                                    distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    options = [
+        "--data",
+        str(corpus),
+        "--out",
+        str(Path(args.work) / f"run-{mode}-{seed}"),
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "32",
+        "--grad-accum",
+        "1",
+        "--target-tokens",
+        str(args.steps * 32 * 128),
+        "--threads",
+        str(args.threads),
+        "--eval-batches",
+        "1",
+        "--seed",
+        str(seed),
+        *(["--init-from", args.init_from] if args.init_from else []),
+        *shlex.split(args.train_args),
+        *mode_options(mode, args.text_loss),
+    ]
+    training = train.build_training(
+        train.parse_args(options), distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    )
     if args.init_from:  # what train.train does for a new run (build_training leaves it out)
         train.start_from(training, store.read_init_source(args.init_from))
     tokenizer = corpus_format.load_tokenizer(corpus)
@@ -85,14 +110,22 @@ def run_mode(corpus: Path, mode: str, seed: int, args: argparse.Namespace) -> li
         training.train_step()
         if training.step % args.eval_every == 0 or training.step == training.total_steps:
             training.model.eval()
-            accuracy = evaluation.exact_match_accuracy(training.model, tokenizer, corpus / demo_corpus.DEMO_EVAL_FILE,
-                                                       limit=args.limit)["accuracy"]
+            accuracy = evaluation.exact_match_accuracy(
+                training.model, tokenizer, corpus / demo_corpus.DEMO_EVAL_FILE, limit=args.limit
+            )["accuracy"]
             training.model.train()
-            point = {"step": training.step, "tokens": training.step * training.tokens_per_step,
-                     "accuracy": accuracy, "seconds": round(time.perf_counter() - started, 1)}
+            point = {
+                "step": training.step,
+                "tokens": training.step * training.tokens_per_step,
+                "accuracy": accuracy,
+                "seconds": round(time.perf_counter() - started, 1),
+            }
             curve.append(point)
-            print(f"{mode:>9} seed {seed} step {point['step']:5d}  tokens {point['tokens']:>10,}  "
-                  f"accuracy {accuracy:6.1%}  ({point['seconds']:.0f} s)", flush=True)
+            print(
+                f"{mode:>9} seed {seed} step {point['step']:5d}  tokens {point['tokens']:>10,}  "
+                f"accuracy {accuracy:6.1%}  ({point['seconds']:.0f} s)",
+                flush=True,
+            )
     return curve
 
 
@@ -112,8 +145,10 @@ def tokens_cell(curves: list[list[dict]], threshold: float) -> str:
 
 def mean_curve(curves: list[list[dict]]) -> list[dict]:
     """The seeds' mean accuracy at each measurement (every curve measured at the same tokens)."""
-    return [{"tokens": points[0]["tokens"], "accuracy": statistics.fmean(point["accuracy"] for point in points)}
-            for points in zip(*curves)]
+    return [
+        {"tokens": points[0]["tokens"], "accuracy": statistics.fmean(point["accuracy"] for point in points)}
+        for points in zip(*curves)
+    ]
 
 
 def paired(all_curves: list[list[dict]], assistant_curves: list[list[dict]], threshold: float) -> dict:
@@ -134,11 +169,15 @@ def print_tables(curves: dict[str, list[list[dict]]], thresholds: list[float]) -
     print("|---|---|---|---|---|")
     for threshold in thresholds:
         pairs = paired(curves["all"], curves["assistant"], threshold)
-        on_means = " / ".join("not reached" if tokens is None else f"{tokens:,}"
-                              for tokens in (tokens_to(means[mode], threshold) for mode in MODES))
-        print(f"| {threshold:.0%} | {tokens_cell(curves['all'], threshold)} | "
-              f"{tokens_cell(curves['assistant'], threshold)} | {pairs['fewer']} / {pairs['same']} / {pairs['more']} "
-              f"| {on_means} |")
+        on_means = " / ".join(
+            "not reached" if tokens is None else f"{tokens:,}"
+            for tokens in (tokens_to(means[mode], threshold) for mode in MODES)
+        )
+        print(
+            f"| {threshold:.0%} | {tokens_cell(curves['all'], threshold)} | "
+            f"{tokens_cell(curves['assistant'], threshold)} | {pairs['fewer']} / {pairs['same']} / {pairs['more']} "
+            f"| {on_means} |"
+        )
     print("\n| tokens | mean accuracy, --loss-on all | mean accuracy, --loss-on assistant |\n|---|---|---|")
     for first, second in zip(means["all"], means["assistant"]):
         print(f"| {first['tokens']:,} | {first['accuracy']:.1%} | {second['accuracy']:.1%} |")
@@ -154,13 +193,22 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(seed) for seed in args.seeds.split(",")]
     curves = {mode: [run_mode(corpus, mode, seed, args) for seed in seeds] for mode in MODES}
     thresholds = [float(value) for value in args.thresholds.split(",")]
-    print(f"\ntokens to held-out accuracy (first {args.limit} eval problems, measured every {args.eval_every} steps"
-          f" of {args.steps}; seeds {', '.join(map(str, seeds))}; assistant: --text-loss {args.text_loss}):")
+    print(
+        f"\ntokens to held-out accuracy (first {args.limit} eval problems, measured every {args.eval_every} steps"
+        f" of {args.steps}; seeds {', '.join(map(str, seeds))}; assistant: --text-loss {args.text_loss}):"
+    )
     print_tables(curves, thresholds)
     if args.json:
         atomic_write_json(Path(args.json), {"settings": vars(args), "curves": curves})
-    print(json.dumps({f"{mode} {seed}": [(p["tokens"], round(p["accuracy"], 3)) for p in curve]
-                      for mode in MODES for seed, curve in zip(seeds, curves[mode])}))
+    print(
+        json.dumps(
+            {
+                f"{mode} {seed}": [(p["tokens"], round(p["accuracy"], 3)) for p in curve]
+                for mode in MODES
+                for seed, curve in zip(seeds, curves[mode])
+            }
+        )
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ step and its peak (ru_maxrss) after, and the loss and gradient norm. Variants:
 Beside the measured peaks it prints hardware.step_memory's estimate of the same step's gradients,
 activations and logits (no optimizer in this step), to check the memory model on a real step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ GIB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--preset", default="think72", choices=list(model_config.PRESETS), help="model shape")
     parser.add_argument("--vocab", type=int, default=THINK72_VOCAB, help="model vocabulary")
     parser.add_argument("--batch-size", type=int, default=8, help="blocks in the step")
@@ -71,7 +73,6 @@ def run_variant(args: argparse.Namespace) -> dict:
     """One forward and backward in this process; what it held."""
     import torch
 
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     preset = model_config.resolve_preset(args.preset, context=args.context)
@@ -89,14 +90,20 @@ def run_variant(args: argparse.Namespace) -> dict:
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     grad_norm = torch.nn.utils.get_total_norm([parameter.grad for parameter in model.parameters()])
-    return {"variant": args.variant, "loss": loss.item(), "grad_norm": grad_norm.item(), "resident_before": before,
-            "peak": peak}
+    return {
+        "variant": args.variant,
+        "loss": loss.item(),
+        "grad_norm": grad_norm.item(),
+        "resident_before": before,
+        "peak": peak,
+    }
 
 
 def run_child(variant: str, argv: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": argv[argv.index("--threads") + 1], "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, __file__, *argv, "--variant", variant], cwd=ROOT, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, __file__, *argv, "--variant", variant], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     if result.returncode != 0:
         raise UserError(f"the {variant} variant failed (exit {result.returncode}): {result.stderr.strip()[-500:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -105,8 +112,16 @@ def run_child(variant: str, argv: list[str]) -> dict:
 def estimate(args: argparse.Namespace, chunk_tokens: int | None) -> int:
     """hardware.step_memory's gradients + activations + logits for this step (its weights exist before it)."""
     preset = model_config.resolve_preset(args.preset, context=args.context)
-    memory = hardware.step_memory(preset, args.vocab, args.batch_size, args.context, args.precision,
-                                  optimization.OPTIMIZERS["adamw"].state, False, chunk_tokens)
+    memory = hardware.step_memory(
+        preset,
+        args.vocab,
+        args.batch_size,
+        args.context,
+        args.precision,
+        optimization.OPTIMIZERS["adamw"].state,
+        False,
+        chunk_tokens,
+    )
     return memory.gradients + memory.activations + memory.logits
 
 
@@ -115,28 +130,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return 0
-    child_argv = ["--preset", args.preset, "--vocab", str(args.vocab), "--batch-size", str(args.batch_size),
-                  "--context", str(args.context), "--precision", args.precision, "--threads", str(args.threads)]
-    print(f"{args.preset} at vocab {args.vocab:,}, one forward + backward of {args.batch_size} x {args.context} "
-          f"tokens, {args.precision}, {args.threads} threads; each variant in a fresh process", flush=True)
+    child_argv = [
+        "--preset",
+        args.preset,
+        "--vocab",
+        str(args.vocab),
+        "--batch-size",
+        str(args.batch_size),
+        "--context",
+        str(args.context),
+        "--precision",
+        args.precision,
+        "--threads",
+        str(args.threads),
+    ]
+    print(
+        f"{args.preset} at vocab {args.vocab:,}, one forward + backward of {args.batch_size} x {args.context} "
+        f"tokens, {args.precision}, {args.threads} threads; each variant in a fresh process",
+        flush=True,
+    )
     results = {}
     for variant in VARIANTS:
         results[variant] = run_child(variant, child_argv)
         print(f"  {variant}: done", flush=True)
     tokens = args.batch_size * args.context
     models = {"full": estimate(args, tokens), "chunked": estimate(args, None)}
-    print(f"\n{'variant':<9} {'loss':>12} {'grad norm':>12} {'RSS before':>11} {'peak RSS':>9} {'step adds':>10} "
-          f"{'model says':>11}")
+    print(
+        f"\n{'variant':<9} {'loss':>12} {'grad norm':>12} {'RSS before':>11} {'peak RSS':>9} {'step adds':>10} "
+        f"{'model says':>11}"
+    )
     for variant, result in results.items():
         added = result["peak"] - result["resident_before"]
-        print(f"{variant:<9} {result['loss']:>12.7f} {result['grad_norm']:>12.7f} "
-              f"{result['resident_before'] / GIB:>10.2f}G {result['peak'] / GIB:>8.2f}G {added / GIB:>9.2f}G "
-              f"{models[variant] / GIB:>10.2f}G")
+        print(
+            f"{variant:<9} {result['loss']:>12.7f} {result['grad_norm']:>12.7f} "
+            f"{result['resident_before'] / GIB:>10.2f}G {result['peak'] / GIB:>8.2f}G {added / GIB:>9.2f}G "
+            f"{models[variant] / GIB:>10.2f}G"
+        )
     full, chunked = results["full"], results["chunked"]
-    print(f"\npeak: chunked / full = {chunked['peak'] / full['peak']:.3f}, "
-          f"{(full['peak'] - chunked['peak']) / GIB:.2f} GiB lower")
-    print(f"loss: relative difference {abs(chunked['loss'] - full['loss']) / abs(full['loss']):.1e}; "
-          f"gradient norm: {abs(chunked['grad_norm'] - full['grad_norm']) / full['grad_norm']:.1e}")
+    print(
+        f"\npeak: chunked / full = {chunked['peak'] / full['peak']:.3f}, "
+        f"{(full['peak'] - chunked['peak']) / GIB:.2f} GiB lower"
+    )
+    print(
+        f"loss: relative difference {abs(chunked['loss'] - full['loss']) / abs(full['loss']):.1e}; "
+        f"gradient norm: {abs(chunked['grad_norm'] - full['grad_norm']) / full['grad_norm']:.1e}"
+    )
     return 0
 
 

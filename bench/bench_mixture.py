@@ -46,8 +46,9 @@ SOURCES = ("prose", "tech")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(ROOT / "bench" / "out" / "mixture"), help="folder for corpora and runs")
     parser.add_argument("--preset", default="tiny", help="train.py --preset")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per mix")
@@ -66,8 +67,12 @@ def docstring_documents(max_bytes: int) -> list[str]:
     says something (over 200 characters), headed by its qualified name; every k-th of them in a fixed
     order, so that about `max_bytes` are taken from the whole library."""
     documents = []
-    names = sorted(name for name in sys.stdlib_module_names if not name.startswith("_")
-                   and name not in ("antigravity", "this", "idlelib", "turtledemo", "tkinter", "turtle"))
+    names = sorted(
+        name
+        for name in sys.stdlib_module_names
+        if not name.startswith("_")
+        and name not in ("antigravity", "this", "idlelib", "turtledemo", "tkinter", "turtle")
+    )
     for name in names:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -76,12 +81,15 @@ def docstring_documents(max_bytes: int) -> list[str]:
             except Exception:  # noqa: BLE001 (platform-specific or deprecated modules)
                 continue
         for qualified, obj in [(name, module)] + sorted(
-                (f"{name}.{attribute}", getattr(module, attribute)) for attribute in dir(module)
-                if not attribute.startswith("_") and hasattr(module, attribute)):
+            (f"{name}.{attribute}", getattr(module, attribute))
+            for attribute in dir(module)
+            if not attribute.startswith("_") and hasattr(module, attribute)
+        ):
             if qualified != name and getattr(obj, "__module__", None) != name:
                 continue  # re-exported from elsewhere
-            text = inspect.getdoc(obj) if (inspect.isclass(obj) or inspect.isroutine(obj) or qualified == name) \
-                else None
+            text = (
+                inspect.getdoc(obj) if (inspect.isclass(obj) or inspect.isroutine(obj) or qualified == name) else None
+            )
             if text and len(text) > 200:
                 documents.append(f"{qualified}\n\n{text}")
     stride = max(1, round(sum(len(text.encode("utf-8")) for text in documents) / max_bytes))
@@ -98,10 +106,20 @@ def build_corpora(args: argparse.Namespace, work: Path) -> dict[str, Path]:
         with open(work / f"{name}.jsonl", "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps({"text": text}) + "\n" for text in documents)
         print(f"{name}: {len(documents):,} documents, {sum(len(t.encode()) for t in documents):,} bytes", flush=True)
-    common = ["--vocab-size", "4096", "--val-fraction", "0.02", "--test-fraction", "0.05", "--no-progress",
-              "--overwrite"]
-    steps = [("joint", [str(work / "prose.jsonl"), str(work / "tech.jsonl")], []),
-             *[(name, [str(work / f"{name}.jsonl")], ["--tokenizer", str(work / "joint")]) for name in SOURCES]]
+    common = [
+        "--vocab-size",
+        "4096",
+        "--val-fraction",
+        "0.02",
+        "--test-fraction",
+        "0.05",
+        "--no-progress",
+        "--overwrite",
+    ]
+    steps = [
+        ("joint", [str(work / "prose.jsonl"), str(work / "tech.jsonl")], []),
+        *[(name, [str(work / f"{name}.jsonl")], ["--tokenizer", str(work / "joint")]) for name in SOURCES],
+    ]
     for name, inputs, extra in steps:
         if corpus_format.is_current_corpus(work / name) and not args.rebuild:
             continue
@@ -114,21 +132,46 @@ def mixes(corpora: dict[str, Path]) -> dict[str, tuple[tuple[float, float], str 
     """name -> ((prose weight, tech weight), --mixture-schedule)."""
     tokens = [corpus_format.load_manifest(corpora[name]).split("train")["tokens"] for name in SOURCES]
     natural = tuple(round(count / sum(tokens), 4) for count in tokens)
-    return {"natural": (natural, None), "balanced": ((0.5, 0.5), None), "prose": ((0.9, 0.1), None),
-            "anneal": ((0.9, 0.1), "decay:prose=0.3,tech=0.7")}
+    return {
+        "natural": (natural, None),
+        "balanced": ((0.5, 0.5), None),
+        "prose": ((0.9, 0.1), None),
+        "anneal": ((0.9, 0.1), "decay:prose=0.3,tech=0.7"),
+    }
 
 
-def run_mix(corpora: dict[str, Path], name: str, weights: tuple[float, float], schedule: str | None,
-            args: argparse.Namespace) -> dict:
+def run_mix(
+    corpora: dict[str, Path], name: str, weights: tuple[float, float], schedule: str | None, args: argparse.Namespace
+) -> dict:
     """Train one mix; its per-source test losses and the tokens each source gave."""
-    options = ["--data", *(f"{source}={corpora[source]}:{weight}" for source, weight in zip(SOURCES, weights)),
-               "--out", str(Path(args.work) / f"run-{name}"), "--preset", args.preset, "--context", "256",
-               "--batch-size", str(args.batch_size), "--grad-accum", "1", "--seed", str(args.seed),
-               "--target-tokens", str(args.steps * args.batch_size * 256), "--schedule", "wsd",
-               "--threads", str(args.threads), "--eval-batches", "100000",
-               *(["--mixture-schedule", schedule] if schedule else [])]
-    training = train.build_training(train.parse_args(options),
-                                    distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu")))
+    options = [
+        "--data",
+        *(f"{source}={corpora[source]}:{weight}" for source, weight in zip(SOURCES, weights)),
+        "--out",
+        str(Path(args.work) / f"run-{name}"),
+        "--preset",
+        args.preset,
+        "--context",
+        "256",
+        "--batch-size",
+        str(args.batch_size),
+        "--grad-accum",
+        "1",
+        "--seed",
+        str(args.seed),
+        "--target-tokens",
+        str(args.steps * args.batch_size * 256),
+        "--schedule",
+        "wsd",
+        "--threads",
+        str(args.threads),
+        "--eval-batches",
+        "100000",
+        *(["--mixture-schedule", schedule] if schedule else []),
+    ]
+    training = train.build_training(
+        train.parse_args(options), distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    )
     started = time.perf_counter()
     while training.step < training.total_steps:
         training.train_step()
@@ -136,40 +179,67 @@ def run_mix(corpora: dict[str, Path], name: str, weights: tuple[float, float], s
     test = train.heldout_loss(training, "test")
     read = training.data.progress(training.step)
     total = sum(read[f"tokens/{source}"] for source in SOURCES)
-    result = {"mix": name, "weights": dict(zip(SOURCES, weights)), "schedule": schedule,
-              "phase_steps": training.data.sampler.starts, "seconds": round(seconds, 1),
-              "test_bits_per_byte": test["bits_per_byte"]}
+    result = {
+        "mix": name,
+        "weights": dict(zip(SOURCES, weights)),
+        "schedule": schedule,
+        "phase_steps": training.data.sampler.starts,
+        "seconds": round(seconds, 1),
+        "test_bits_per_byte": test["bits_per_byte"],
+    }
     for source in SOURCES:
         part = test["sources"][source]
-        result[source] = {"test_loss": part["loss"], "test_bits_per_byte": part["bits_per_byte"],
-                          "test_tokens": part["tokens"], "tokens_read": read[f"tokens/{source}"],
-                          "share_read": read[f"tokens/{source}"] / total, "epochs": read[f"epochs/{source}"]}
-    print(f"{name}: " + ", ".join(f"{source} {result[source]['test_bits_per_byte']:.4f} bpb "
-                                   f"({100 * result[source]['share_read']:.2f}% of tokens, "
-                                   f"{result[source]['epochs']:.2f} epochs)" for source in SOURCES)
-          + f" | {seconds:.0f} s", flush=True)
+        result[source] = {
+            "test_loss": part["loss"],
+            "test_bits_per_byte": part["bits_per_byte"],
+            "test_tokens": part["tokens"],
+            "tokens_read": read[f"tokens/{source}"],
+            "share_read": read[f"tokens/{source}"] / total,
+            "epochs": read[f"epochs/{source}"],
+        }
+    print(
+        f"{name}: "
+        + ", ".join(
+            f"{source} {result[source]['test_bits_per_byte']:.4f} bpb "
+            f"({100 * result[source]['share_read']:.2f}% of tokens, "
+            f"{result[source]['epochs']:.2f} epochs)"
+            for source in SOURCES
+        )
+        + f" | {seconds:.0f} s",
+        flush=True,
+    )
     return result
 
 
 def print_table(results: list[dict]) -> None:
-    print("\n| mix | weights (prose/tech) | decay phase | prose share read | tech share read | tech epochs "
-          "| prose test bpb | tech test bpb | both test bpb |")
+    print(
+        "\n| mix | weights (prose/tech) | decay phase | prose share read | tech share read | tech epochs "
+        "| prose test bpb | tech test bpb | both test bpb |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         weights = "/".join(f"{r['weights'][source]:g}" for source in SOURCES)
-        print(f"| {r['mix']} | {weights} | {r['schedule'] or '-'} (from step {r['phase_steps'][-1]}) "
-              f"| {100 * r['prose']['share_read']:.2f}% | {100 * r['tech']['share_read']:.2f}% "
-              f"| {r['tech']['epochs']:.2f} | {r['prose']['test_bits_per_byte']:.4f} "
-              f"| {r['tech']['test_bits_per_byte']:.4f} | {r['test_bits_per_byte']:.4f} |")
+        print(
+            f"| {r['mix']} | {weights} | {r['schedule'] or '-'} (from step {r['phase_steps'][-1]}) "
+            f"| {100 * r['prose']['share_read']:.2f}% | {100 * r['tech']['share_read']:.2f}% "
+            f"| {r['tech']['epochs']:.2f} | {r['prose']['test_bits_per_byte']:.4f} "
+            f"| {r['tech']['test_bits_per_byte']:.4f} | {r['test_bits_per_byte']:.4f} |"
+        )
     by_name = {r["mix"]: r for r in results}
-    checks = [("balanced", "natural", "tech", "<"), ("balanced", "natural", "prose", ">"),
-              ("anneal", "prose", "tech", "<"), ("anneal", "prose", "prose", ">")]
+    checks = [
+        ("balanced", "natural", "tech", "<"),
+        ("balanced", "natural", "prose", ">"),
+        ("anneal", "prose", "tech", "<"),
+        ("anneal", "prose", "prose", ">"),
+    ]
     for mix, baseline, source, direction in checks:
         if mix in by_name and baseline in by_name:
             ours, theirs = by_name[mix][source]["test_bits_per_byte"], by_name[baseline][source]["test_bits_per_byte"]
             expected = ours < theirs if direction == "<" else ours > theirs
-            print(f"{source} held-out bpb, {mix} vs {baseline}: {ours:.4f} vs {theirs:.4f} "
-                  f"({ours / theirs:.3f}x; expected {direction}): {'AS EXPECTED' if expected else 'NOT as expected'}")
+            print(
+                f"{source} held-out bpb, {mix} vs {baseline}: {ours:.4f} vs {theirs:.4f} "
+                f"({ours / theirs:.3f}x; expected {direction}): {'AS EXPECTED' if expected else 'NOT as expected'}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,8 +39,9 @@ from common import ArgumentParser, run_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(bench_recipe.WORK), help="bench_recipe's folder (the KJV corpus)")
     parser.add_argument("--preset", default="nano", help="model preset for the error measurement")
     parser.add_argument("--steps", type=int, default=30, help="training steps for the error measurement")
@@ -49,16 +50,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--skip-worlds", action="store_true", help="only the orthogonalization error")
     parser.add_argument("--skip-errors", action="store_true", help="only the world size 1 vs 2 runs")
-    parser.add_argument("--world-runs", default="fp32,fp16,bf16,adamw",
-                        help="world size 1 vs 2 runs: Muon in these dtypes (fp64 too), and adamw")
+    parser.add_argument(
+        "--world-runs",
+        default="fp32,fp16,bf16,adamw",
+        help="world size 1 vs 2 runs: Muon in these dtypes (fp64 too), and adamw",
+    )
     return parser.parse_args(argv)
 
 
 def real_muon_inputs(corpus: Path, args: argparse.Namespace) -> list[tuple[int, str, torch.Tensor]]:
     """(step, matrix name, the matrix Muon orthogonalizes) at step 1 and every --every steps."""
-    argv = ["--data", str(corpus), "--out", str(Path(args.work) / "unused"), "--preset", args.preset,
-            "--context", "256", "--batch-size", "32", "--grad-accum", "1", "--target-tokens", str(300 * 32 * 256),
-            "--threads", str(args.threads)]
+    argv = [
+        "--data",
+        str(corpus),
+        "--out",
+        str(Path(args.work) / "unused"),
+        "--preset",
+        args.preset,
+        "--context",
+        "256",
+        "--batch-size",
+        "32",
+        "--grad-accum",
+        "1",
+        "--target-tokens",
+        str(300 * 32 * 256),
+        "--threads",
+        str(args.threads),
+    ]
     training = train.build_training(train.parse_args(argv), distributed.DistInfo(0, 0, 1, torch.device("cpu")))
     optimizer = training.optimizer.parts["muon"]
     names = {id(param): name for name, param in training.model.named_parameters()}
@@ -86,8 +105,11 @@ def orthogonalization_errors(inputs: list[tuple[int, str, torch.Tensor]]) -> dic
     for _, _, grad in inputs:
         reference = muon.newton_schulz(grad, torch.float64, coefficients, DEFAULT_NS_STEPS, EPS)
         for name, dtype in muon.DTYPES.items():
-            got = reference if dtype == torch.float64 else \
-                muon.newton_schulz(grad, dtype, coefficients, DEFAULT_NS_STEPS, EPS)
+            got = (
+                reference
+                if dtype == torch.float64
+                else muon.newton_schulz(grad, dtype, coefficients, DEFAULT_NS_STEPS, EPS)
+            )
             singular = torch.linalg.svdvals(got.double())
             results[name]["errors"].append(((got.double() - reference).norm() / reference.norm()).item())
             results[name]["low"].append(singular.min().item())
@@ -96,15 +118,37 @@ def orthogonalization_errors(inputs: list[tuple[int, str, torch.Tensor]]) -> dic
 
 
 def world_options(corpus: Path, out: Path, batch_size: int, steps: int, optimizer: str) -> list[str]:
-    return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32",
-            "--batch-size", str(batch_size), "--grad-accum", "2", "--target-tokens", str(steps * 4 * 32),
-            "--warmup-steps", "3", "--optimizer", optimizer, "--threads", "1", "--seed", "7"]
+    return [
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--preset",
+        "tiny",
+        "--context",
+        "32",
+        "--batch-size",
+        str(batch_size),
+        "--grad-accum",
+        "2",
+        "--target-tokens",
+        str(steps * 4 * 32),
+        "--warmup-steps",
+        "3",
+        "--optimizer",
+        optimizer,
+        "--threads",
+        "1",
+        "--seed",
+        "7",
+    ]
 
 
 def train_rank(rank: int, world: int, port: int, argv: list[str], dtype: str | None, steps: int, path: str) -> None:
     """One rank of a gloo run of `steps` steps (Muon's iteration in `dtype`); rank 0 saves the weights."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     info = distributed.init_distributed("cpu")
     try:
         training = train.build_training(train.parse_args(argv), info)
@@ -164,16 +208,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_errors(corpus: Path, args: argparse.Namespace) -> None:
     inputs = real_muon_inputs(corpus, args)
-    print(f"{len(inputs)} matrices from {args.preset} at steps {sorted({step for step, _, _ in inputs})} "
-          f"(shapes {sorted({tuple(grad.shape) for _, _, grad in inputs})})")
+    print(
+        f"{len(inputs)} matrices from {args.preset} at steps {sorted({step for step, _, _ in inputs})} "
+        f"(shapes {sorted({tuple(grad.shape) for _, _, grad in inputs})})"
+    )
     results = orthogonalization_errors(inputs)
     stock = statistics.mean(results["bf16"]["errors"])
     print("| Newton-Schulz in | error vs fp64: mean | max | vs stock bf16 | singular values min..max |")
     print("|---|---:|---:|---:|---|")
     for name, result in results.items():
         mean = statistics.mean(result["errors"])
-        print(f"| {name}{' (stock)' if name == 'bf16' else ''} | {mean:.2e} | {max(result['errors']):.2e} | "
-              f"{mean / stock:.2g}x | {min(result['low']):.3f}..{max(result['high']):.3f} |")
+        print(
+            f"| {name}{' (stock)' if name == 'bf16' else ''} | {mean:.2e} | {max(result['errors']):.2e} | "
+            f"{mean / stock:.2g}x | {min(result['low']):.3f}..{max(result['high']):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ of those targets), scored two ways for every model: `alone` (each document on it
 what an HF user calling the exported model on one document gets; the "masked" split of the test set)
 and `stream` (blocks of the test stream, earlier unrelated documents in the context).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ CORPORA = ("short", "changelog", "long")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", default=str(WORK), help="folder for the corpora and results")
     parser.add_argument("--texts", default="short,long", help=f"comma list of corpora: {', '.join(CORPORA)}")
     parser.add_argument("--only", default=",".join(train_data.PACKINGS), help="comma list of packings")
@@ -86,8 +88,21 @@ def build_corpus(name: str, args: argparse.Namespace) -> Path:
     with open(source, "w", encoding="utf-8") as handle:
         for text in texts:
             handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(["--data", str(source), "--out", str(corpus), "--vocab-size", "4096", "--val-fraction", "0.02",
-                  "--test-fraction", "0.05", "--no-progress"]):
+    if data.main(
+        [
+            "--data",
+            str(source),
+            "--out",
+            str(corpus),
+            "--vocab-size",
+            "4096",
+            "--val-fraction",
+            "0.02",
+            "--test-fraction",
+            "0.05",
+            "--no-progress",
+        ]
+    ):
         raise UserError(f"data.py could not build {corpus}")
     return corpus
 
@@ -95,8 +110,7 @@ def build_corpus(name: str, args: argparse.Namespace) -> Path:
 @torch.no_grad()
 def heldout_bpb(training: train.Training, packing: str, batch: int = 16) -> float:
     """Bits per byte of `training`'s model over every block of the test split cut as `packing` says."""
-    split = train_data.TokenSplit(training.data.corpus, training.data.manifest, "test", training.context, None,
-                                  packing)
+    split = train_data.TokenSplit(training.data.corpus, training.data.manifest, "test", training.context, None, packing)
     nats, text_bytes = 0.0, 0
     training.model.eval()
     for start in range(0, split.blocks, batch):
@@ -113,10 +127,28 @@ def run_corpus(name: str, args: argparse.Namespace) -> dict:
     tokens = args.steps * args.batch_size * args.context
     runs = {}
     for packing in args.only.split(","):
-        argv = ["--data", str(corpus), "--out", str(Path(args.work) / "unused"), "--preset", args.preset,
-                "--context", str(args.context), "--batch-size", str(args.batch_size), "--grad-accum", "1",
-                "--target-tokens", str(tokens), "--seed", str(args.seed), "--threads", str(args.threads),
-                "--packing", packing]
+        argv = [
+            "--data",
+            str(corpus),
+            "--out",
+            str(Path(args.work) / "unused"),
+            "--preset",
+            args.preset,
+            "--context",
+            str(args.context),
+            "--batch-size",
+            str(args.batch_size),
+            "--grad-accum",
+            "1",
+            "--target-tokens",
+            str(tokens),
+            "--seed",
+            str(args.seed),
+            "--threads",
+            str(args.threads),
+            "--packing",
+            packing,
+        ]
         runs[packing] = {"training": train.build_training(train.parse_args(argv), info), "seconds": 0.0}
     while any(run["training"].step < args.steps for run in runs.values()):
         for run in runs.values():
@@ -128,12 +160,19 @@ def run_corpus(name: str, args: argparse.Namespace) -> dict:
     results = {}
     for packing, run in runs.items():
         training = run["training"]
-        results[packing] = {"seconds": run["seconds"], "tokens_per_second": tokens / run["seconds"],
-                            "rows": training.data.splits["train"].blocks,
-                            "bpb_alone": heldout_bpb(training, "masked"), "bpb_stream": heldout_bpb(training, "stream")}
-        print(f"  {name} {packing}: bpb alone {results[packing]['bpb_alone']:.4f}, stream "
-              f"{results[packing]['bpb_stream']:.4f}, {results[packing]['tokens_per_second']:,.0f} tokens/s, "
-              f"{results[packing]['rows']} train rows", flush=True)
+        results[packing] = {
+            "seconds": run["seconds"],
+            "tokens_per_second": tokens / run["seconds"],
+            "rows": training.data.splits["train"].blocks,
+            "bpb_alone": heldout_bpb(training, "masked"),
+            "bpb_stream": heldout_bpb(training, "stream"),
+        }
+        print(
+            f"  {name} {packing}: bpb alone {results[packing]['bpb_alone']:.4f}, stream "
+            f"{results[packing]['bpb_stream']:.4f}, {results[packing]['tokens_per_second']:,.0f} tokens/s, "
+            f"{results[packing]['rows']} train rows",
+            flush=True,
+        )
     return {"tokens": tokens, "packings": results}
 
 
@@ -141,14 +180,19 @@ def table(name: str, result: dict) -> list[str]:
     """The markdown table of one corpus, ratios against `stream` measured in the same run."""
     packings = result["packings"]
     base = packings.get("stream")
-    lines = [f"{name} ({result['tokens']:,} tokens per run)", "",
-             "| packing | held-out bpb, alone | vs stream | bpb, stream eval | tokens/s | vs stream | train rows |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{name} ({result['tokens']:,} tokens per run)",
+        "",
+        "| packing | held-out bpb, alone | vs stream | bpb, stream eval | tokens/s | vs stream | train rows |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for packing, row in packings.items():
         bpb_ratio = f"{row['bpb_alone'] / base['bpb_alone']:.3f}" if base else "-"
         speed_ratio = f"{row['tokens_per_second'] / base['tokens_per_second']:.3f}" if base else "-"
-        lines.append(f"| {packing} | {row['bpb_alone']:.4f} | {bpb_ratio} | {row['bpb_stream']:.4f} | "
-                     f"{row['tokens_per_second']:,.0f} | {speed_ratio} | {row['rows']:,} |")
+        lines.append(
+            f"| {packing} | {row['bpb_alone']:.4f} | {bpb_ratio} | {row['bpb_stream']:.4f} | "
+            f"{row['tokens_per_second']:,.0f} | {speed_ratio} | {row['rows']:,} |"
+        )
     return lines + [""]
 
 

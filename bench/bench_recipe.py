@@ -31,6 +31,7 @@ lr tuned (bench/RESULTS.md). Targets, against --reference: baseline (issue 11), 
 equal tokens and the baseline's final bpb reached in <= 0.75x of its training seconds; nanogpt-muon
 (issue 30), <= 0.85x and <= 0.70x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,11 +63,10 @@ from hardware import newton_schulz_flops  # noqa: E402
 
 NANOGPT = "--model nanogpt"  # in a recipe's options: bench/nanogpt.py's GPT-2 instead of the Qwen3 model
 BUILT_IN = {
-    "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 "
-                "--schedule cosine",
+    "baseline": "--optimizer adamw --lr 1e-3 --final-lr-fraction 0.1 --beta2 0.99 --warmup-steps 100 --schedule cosine",
     # nanoGPT's AdamW betas (0.9, 0.95) and torch.optim.Muon's default momentum, whatever train.py's defaults
     "nanogpt-muon": f"{NANOGPT} --optimizer muon --muon-lr 0.02 --lr 3e-2 --schedule cosine "
-                    "--final-lr-fraction 0.1 --beta1 0.9 --muon-momentum 0.95",
+    "--final-lr-fraction 0.1 --beta1 0.9 --muon-momentum 0.95",
     "default": "",
 }
 # nanoGPT as its train.py runs on a CPU (no autocast there: fp32 whatever the CPU); nanogpt-muon takes the
@@ -79,8 +79,9 @@ WORK = ROOT / "bench" / "out" / "recipe"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--text", default="kjv", help=f"{', '.join(TEXTS)} or a JSONL of {{'text': ...}} documents")
     parser.add_argument("--text-bytes", type=int, default=4_500_000, help="UTF-8 bytes of the text at most")
     parser.add_argument("--reference", default="baseline", help="the recipe the others are compared with")
@@ -91,22 +92,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=256, help="tokens per block")
     parser.add_argument("--batch-size", type=int, default=32, help="blocks per optimizer step")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (equal tokens for all)")
-    parser.add_argument("--micro-steps", type=int, default=None,
-                        help="steps for the micro preset (None: --steps); every recipe still gets the same tokens")
+    parser.add_argument(
+        "--micro-steps",
+        type=int,
+        default=None,
+        help="steps for the micro preset (None: --steps); every recipe still gets the same tokens",
+    )
     parser.add_argument("--eval-every", type=int, default=25, help="held-out bpb every N steps (and at the end)")
     parser.add_argument("--chunk", type=int, default=5, help="steps a recipe runs before the next one takes its turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the same for every recipe)")
-    parser.add_argument("--recipe", action="append", default=[],
-                        help="NAME=train.py options (repeatable), run beside the built-in ones")
-    parser.add_argument("--newton-schulz", action="append", default=[], metavar="NAME=DTYPE",
-                        help="Muon's Newton-Schulz dtype for recipe NAME (repeatable): fp32, fp16 or bf16 (bf16 is "
-                             "stock torch.optim.Muon); recipes not named get hardware.newton_schulz_dtype's")
-    parser.add_argument("--ema", type=float, default=None, metavar="BETA",
-                        help="also score each recipe's running average of the weights (NAME+emaBETA), e.g. 0.99")
+    parser.add_argument(
+        "--recipe", action="append", default=[], help="NAME=train.py options (repeatable), run beside the built-in ones"
+    )
+    parser.add_argument(
+        "--newton-schulz",
+        action="append",
+        default=[],
+        metavar="NAME=DTYPE",
+        help="Muon's Newton-Schulz dtype for recipe NAME (repeatable): fp32, fp16 or bf16 (bf16 is "
+        "stock torch.optim.Muon); recipes not named get hardware.newton_schulz_dtype's",
+    )
+    parser.add_argument(
+        "--ema",
+        type=float,
+        default=None,
+        metavar="BETA",
+        help="also score each recipe's running average of the weights (NAME+emaBETA), e.g. 0.99",
+    )
     parser.add_argument("--only", default=None, help="comma list: run only these recipes (built-in or --recipe)")
     parser.add_argument("--results", default=None, help="results JSON (None: WORK/results.json); runs are merged in")
-    parser.add_argument("--report-only", nargs="+", default=None, metavar="RESULTS",
-                        help="print the tables and plot of these results files (merged), no training")
+    parser.add_argument(
+        "--report-only",
+        nargs="+",
+        default=None,
+        metavar="RESULTS",
+        help="print the tables and plot of these results files (merged), no training",
+    )
     return parser.parse_args(argv)
 
 
@@ -126,8 +147,21 @@ def build_corpus(args: argparse.Namespace, work: Path) -> Path:
         with open(source, "w", encoding="utf-8") as handle:
             for text in text_documents(args.text, args.text_bytes):
                 handle.write(json.dumps({"text": text}) + "\n")
-    code = data.main(["--data", str(source), "--out", str(corpus), "--vocab-size", "4096", "--val-fraction",
-                      "0.02", "--test-fraction", "0.05", "--no-progress"])
+    code = data.main(
+        [
+            "--data",
+            str(source),
+            "--out",
+            str(corpus),
+            "--vocab-size",
+            "4096",
+            "--val-fraction",
+            "0.02",
+            "--test-fraction",
+            "0.05",
+            "--no-progress",
+        ]
+    )
     if code:
         raise UserError(f"data.py could not build {corpus}")
     return corpus
@@ -166,8 +200,12 @@ def muon_extra_flops(training: train.Training) -> int:
 def muon_share_on_gpus(preset: model_config.Preset, vocab: int, tokens_per_step: int, world: int) -> float:
     """Muon's extra FLOPs over a GPU's training FLOPs per step: each rank orthogonalizes 1/world of the matrices
     (muon.newton_schulz_owners balances them to within one matrix)."""
-    attention = [(preset.heads * preset.head_dim, preset.hidden), (preset.kv_heads * preset.head_dim, preset.hidden),
-                 (preset.kv_heads * preset.head_dim, preset.hidden), (preset.hidden, preset.heads * preset.head_dim)]
+    attention = [
+        (preset.heads * preset.head_dim, preset.hidden),
+        (preset.kv_heads * preset.head_dim, preset.hidden),
+        (preset.kv_heads * preset.head_dim, preset.hidden),
+        (preset.hidden, preset.heads * preset.head_dim),
+    ]
     mlp = [(preset.intermediate, preset.hidden)] * 2 + [(preset.hidden, preset.intermediate)]
     extra = preset.layers * sum(newton_schulz_flops(*shape) for shape in attention + mlp)
     return extra / world / (model_config.flops_per_token(preset, vocab) * tokens_per_step / world)
@@ -195,25 +233,53 @@ def set_newton_schulz_dtype(training: train.Training, dtype: str | None) -> str 
     return optimizer.ns_dtype
 
 
-def start_run(preset: str, seed: int, tokens: int, name: str, options: str, corpus: Path,
-              args: argparse.Namespace) -> dict:
+def start_run(
+    preset: str, seed: int, tokens: int, name: str, options: str, corpus: Path, args: argparse.Namespace
+) -> dict:
     """One recipe's Training (bench/nanogpt.py's GPT-2 in place of the model under --model nanogpt)."""
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     words = shlex.split(options)
     gpt2 = NANOGPT.split() == words[:2]
-    argv = ["--data", str(corpus), "--out", str(Path(args.work) / "unused"), "--preset", preset,
-            "--context", str(args.context), "--batch-size", str(args.batch_size), "--grad-accum", "1",
-            "--target-tokens", str(tokens), "--seed", str(seed), "--threads", str(args.threads),
-            *words[2 if gpt2 else 0:]]
+    argv = [
+        "--data",
+        str(corpus),
+        "--out",
+        str(Path(args.work) / "unused"),
+        "--preset",
+        preset,
+        "--context",
+        str(args.context),
+        "--batch-size",
+        str(args.batch_size),
+        "--grad-accum",
+        "1",
+        "--target-tokens",
+        str(tokens),
+        "--seed",
+        str(seed),
+        "--threads",
+        str(args.threads),
+        *words[2 if gpt2 else 0 :],
+    ]
     training = train.build_training(train.parse_args(argv), info)
     if gpt2:
         nanogpt.swap_into(training)
     dtype = None if gpt2 else set_newton_schulz_dtype(training, newton_schulz_dtypes(args.newton_schulz).get(name))
-    print(f"  {name}: {'nanoGPT GPT-2, stock torch.optim.Muon; ' if gpt2 else ''}{training.recipe.describe()}"
-          + (f"; Newton-Schulz in {dtype}" if dtype else ""), flush=True)
+    print(
+        f"  {name}: {'nanoGPT GPT-2, stock torch.optim.Muon; ' if gpt2 else ''}{training.recipe.describe()}"
+        + (f"; Newton-Schulz in {dtype}" if dtype else ""),
+        flush=True,
+    )
     weights = [param.detach().clone() for param in training.model.parameters()] if args.ema else None
-    return {"training": training, "seconds": 0.0, "curve": [], "ema": weights, "ema_curve": [], "options": options,
-            "newton_schulz": dtype}
+    return {
+        "training": training,
+        "seconds": 0.0,
+        "curve": [],
+        "ema": weights,
+        "ema_curve": [],
+        "options": options,
+        "newton_schulz": dtype,
+    }
 
 
 def update_ema(run: dict, beta: float) -> None:
@@ -232,16 +298,20 @@ def ema_nats(training: train.Training, weights: list[torch.Tensor]) -> float:
     return nats
 
 
-def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpus: Path,
-              args: argparse.Namespace) -> dict:
+def run_group(
+    preset: str, seed: int, steps: int, recipes: dict[str, str], corpus: Path, args: argparse.Namespace
+) -> dict:
     """Train every recipe for `steps` steps from the same seed, taking turns; their curves and timings."""
     tokens = steps * args.batch_size * args.context
     runs = {name: start_run(preset, seed, tokens, name, options, corpus, args) for name, options in recipes.items()}
     bytes_ = heldout_bytes(next(iter(runs.values()))["training"])
 
     def evaluate(run: dict) -> None:
-        point = {"step": run["training"].step, "tokens": run["training"].step * args.batch_size * args.context,
-                 "seconds": run["seconds"]}
+        point = {
+            "step": run["training"].step,
+            "tokens": run["training"].step * args.batch_size * args.context,
+            "seconds": run["seconds"],
+        }
         run["curve"].append({**point, "bpb": heldout_nats(run["training"]) / (math.log(2) * bytes_)})
         if run["ema"]:
             run["ema_curve"].append({**point, "bpb": ema_nats(run["training"], run["ema"]) / (math.log(2) * bytes_)})
@@ -261,15 +331,24 @@ def run_group(preset: str, seed: int, steps: int, recipes: dict[str, str], corpu
                     evaluate(run)
             if training.step == steps and "done" not in run:
                 run["done"] = True
-                print(f"  {preset} seed {seed} {name}: step {steps}, held-out bpb {run['curve'][-1]['bpb']:.4f}, "
-                      f"{run['seconds']:.0f} s training, last loss {result.loss:.3f}", flush=True)
+                print(
+                    f"  {preset} seed {seed} {name}: step {steps}, held-out bpb {run['curve'][-1]['bpb']:.4f}, "
+                    f"{run['seconds']:.0f} s training, last loss {result.loss:.3f}",
+                    flush=True,
+                )
     first = next(iter(runs.values()))["training"]
     results = {}
     for name, run in runs.items():
-        common = {"options": run["options"], "recipe": train.dataclasses.asdict(run["training"].recipe),
-                  "newton_schulz": run["newton_schulz"], "seconds": run["seconds"], "tokens": tokens,
-                  "muon_flops_per_step": muon_extra_flops(run["training"]),
-                  "train_flops_per_step": first.flops_per_token * first.tokens_per_step, "heldout_bytes": bytes_}
+        common = {
+            "options": run["options"],
+            "recipe": train.dataclasses.asdict(run["training"].recipe),
+            "newton_schulz": run["newton_schulz"],
+            "seconds": run["seconds"],
+            "tokens": tokens,
+            "muon_flops_per_step": muon_extra_flops(run["training"]),
+            "train_flops_per_step": first.flops_per_token * first.tokens_per_step,
+            "heldout_bytes": bytes_,
+        }
         results[name] = {**common, "curve": run["curve"]}
         if run["ema"]:
             results[f"{name}+ema{args.ema:g}"] = {**common, "curve": run["ema_curve"]}
@@ -293,13 +372,20 @@ def summarize(results: dict, reference: str = "baseline") -> list[str]:
     lines = []
     for preset, seeds in results["groups"].items():
         names = [name for name in next(iter(seeds.values())) if all(name in group for group in seeds.values())]
-        lines.append(f"\n{preset} ({len(seeds)} seed(s), {next(iter(next(iter(seeds.values())).values()))['tokens']:,} "
-                     "tokens per run)")
-        lines.append(f"| recipe | held-out bpb per seed | mean | vs {reference} | training s | "
-                     f"time to {reference}'s final bpb | Muon NS FLOPs / step FLOPs |")
+        lines.append(
+            f"\n{preset} ({len(seeds)} seed(s), {next(iter(next(iter(seeds.values())).values()))['tokens']:,} "
+            "tokens per run)"
+        )
+        lines.append(
+            f"| recipe | held-out bpb per seed | mean | vs {reference} | training s | "
+            f"time to {reference}'s final bpb | Muon NS FLOPs / step FLOPs |"
+        )
         lines.append("|---|---|---:|---:|---:|---:|---:|")
-        base = statistics.mean(group[reference]["curve"][-1]["bpb"] for group in seeds.values()) \
-            if reference in names else None
+        base = (
+            statistics.mean(group[reference]["curve"][-1]["bpb"] for group in seeds.values())
+            if reference in names
+            else None
+        )
         for name in names:
             finals = [group[name]["curve"][-1]["bpb"] for group in seeds.values()]
             seconds = statistics.mean(group[name]["seconds"] for group in seeds.values())
@@ -309,18 +395,22 @@ def summarize(results: dict, reference: str = "baseline") -> list[str]:
                 if reference in group:
                     reached = time_to_reach(group[name]["curve"], group[reference]["curve"][-1]["bpb"])
                     reach.append(None if reached is None else reached / group[reference]["seconds"])
-            reach_text = "-" if not reach else ("never" if None in reach else
-                                                f"{statistics.mean(reach):.2f}x")
-            extra = statistics.mean(group[name]["muon_flops_per_step"] / group[name]["train_flops_per_step"]
-                                    for group in seeds.values())
-            lines.append(f"| {name} | {', '.join(f'{value:.4f}' for value in finals)} | "
-                         f"{statistics.mean(finals):.4f} | {ratio} | {seconds:.0f} | {reach_text} | {extra:.4f} |")
+            reach_text = "-" if not reach else ("never" if None in reach else f"{statistics.mean(reach):.2f}x")
+            extra = statistics.mean(
+                group[name]["muon_flops_per_step"] / group[name]["train_flops_per_step"] for group in seeds.values()
+            )
+            lines.append(
+                f"| {name} | {', '.join(f'{value:.4f}' for value in finals)} | "
+                f"{statistics.mean(finals):.4f} | {ratio} | {seconds:.0f} | {reach_text} | {extra:.4f} |"
+            )
         if base and "default" in names:
             lines.append(target_line(seeds, reference))
         lines.extend(newton_schulz_lines(seeds))
-    lines.append("\nMuon's Newton-Schulz work on GPUs by FLOP accounting (each rank orthogonalizes its share), "
-                 "as a share of a GPU's training FLOPs per step, vocab 33,069, 65,536 tokens/step on 2 GPUs "
-                 "(the Kaggle recipe's global batch); at equal MFU this is the step time it adds:")
+    lines.append(
+        "\nMuon's Newton-Schulz work on GPUs by FLOP accounting (each rank orthogonalizes its share), "
+        "as a share of a GPU's training FLOPs per step, vocab 33,069, 65,536 tokens/step on 2 GPUs "
+        "(the Kaggle recipe's global batch); at equal MFU this is the step time it adds:"
+    )
     for name, preset in model_config.PRESETS.items():
         lines.append(f"  {name}: {muon_share_on_gpus(preset, 33_069, 65_536, 2):.2%}")
     return lines
@@ -333,14 +423,19 @@ def target_line(seeds: dict, reference: str) -> str:
     bpb_target, time_target = TARGETS["nanogpt-muon" if gpt2 else "baseline"]
     ratios = [group["default"]["curve"][-1]["bpb"] / group[reference]["curve"][-1]["bpb"] for group in seeds.values()]
     reach = [time_to_reach(group["default"]["curve"], group[reference]["curve"][-1]["bpb"]) for group in seeds.values()]
-    time_ratio = None if None in reach else statistics.mean(
-        value / group[reference]["seconds"] for value, group in zip(reach, seeds.values()))
+    time_ratio = (
+        None
+        if None in reach
+        else statistics.mean(value / group[reference]["seconds"] for value, group in zip(reach, seeds.values()))
+    )
     bpb_ok = max(ratios) <= bpb_target
     time_ok = time_ratio is not None and time_ratio <= time_target
-    return (f"target bpb: default/{reference} {', '.join(f'{ratio:.3f}' for ratio in ratios)} (per seed) <= "
-            f"{bpb_target}: {'MET' if bpb_ok else 'NOT MET'}; target time: "
-            f"{'never' if time_ratio is None else f'{time_ratio:.2f}'} <= {time_target}: "
-            f"{'MET' if time_ok else 'NOT MET'}")
+    return (
+        f"target bpb: default/{reference} {', '.join(f'{ratio:.3f}' for ratio in ratios)} (per seed) <= "
+        f"{bpb_target}: {'MET' if bpb_ok else 'NOT MET'}; target time: "
+        f"{'never' if time_ratio is None else f'{time_ratio:.2f}'} <= {time_target}: "
+        f"{'MET' if time_ok else 'NOT MET'}"
+    )
 
 
 def newton_schulz_lines(seeds: dict) -> list[str]:
@@ -358,8 +453,10 @@ def newton_schulz_lines(seeds: dict) -> list[str]:
         if name != stock and run.get("newton_schulz"):
             ratio = mean_bpb(name) / mean_bpb(stock)
             met = "MET" if abs(ratio - 1) <= TARGET_NEWTON_SCHULZ else "NOT MET"
-            lines.append(f"Newton-Schulz {run['newton_schulz']} ({name}) / stock bf16 ({stock}): bpb {ratio:.4f}x, "
-                         f"target within {TARGET_NEWTON_SCHULZ:.1%}: {met}")
+            lines.append(
+                f"Newton-Schulz {run['newton_schulz']} ({name}) / stock bf16 ({stock}): bpb {ratio:.4f}x, "
+                f"target within {TARGET_NEWTON_SCHULZ:.1%}: {met}"
+            )
     return lines
 
 
@@ -379,9 +476,14 @@ def plot(results: dict, path: Path) -> None:
                 color = colors.setdefault(name, f"C{len(colors)}")
                 label = name if seed == next(iter(results["groups"][preset])) else None
                 for column, key in enumerate(("tokens", "seconds")):
-                    axes[row][column].plot([point[key] for point in run["curve"][1:]],
-                                           [point["bpb"] for point in run["curve"][1:]], color=color, label=label,
-                                           linewidth=1.5, alpha=0.85)
+                    axes[row][column].plot(
+                        [point[key] for point in run["curve"][1:]],
+                        [point["bpb"] for point in run["curve"][1:]],
+                        color=color,
+                        label=label,
+                        linewidth=1.5,
+                        alpha=0.85,
+                    )
         for column, key in enumerate(("training tokens", "training seconds (CPU)")):
             axis = axes[row][column]
             axis.set_xlabel(key)
@@ -422,13 +524,20 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--newton-schulz names recipes not run: {', '.join(sorted(unknown))}")
         corpus = build_corpus(args, work)
         results = json.loads(results_path.read_text()) if results_path.exists() else {"groups": {}}
-        results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                              "torch": torch.__version__, "corpus": str(corpus)}
+        results["machine"] = {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "corpus": str(corpus),
+        }
         for preset in args.presets.split(","):
             steps = args.micro_steps if preset == "micro" and args.micro_steps else args.steps
             for seed in range(args.first_seed, args.first_seed + args.seeds):
-                print(f"{preset}, seed {seed}: {len(recipes)} recipes x {steps} steps "
-                      f"({model_config.PRESETS[preset].hidden} wide)", flush=True)
+                print(
+                    f"{preset}, seed {seed}: {len(recipes)} recipes x {steps} steps "
+                    f"({model_config.PRESETS[preset].hidden} wide)",
+                    flush=True,
+                )
                 group = run_group(preset, seed, steps, recipes, corpus, args)
                 stored = results["groups"].setdefault(preset, {}).setdefault(str(seed), {})
                 stored.update(group)

@@ -98,27 +98,59 @@ CARD_PLANS = {"fp16": hardware.Device("cuda", "T4", (7, 5)), "bf16": hardware.De
 TABLE_CARDS = [("T4", 2), ("T4", 1), ("L4", 1), ("A100", 1), ("H100", 1), ("H200", 1)]
 
 aten = torch.ops.aten
-FREE = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.detach.default,
-        aten.lift_fresh.default, aten._local_scalar_dense.default, aten._unsafe_view.default, aten.alias.default,
-        aten.new_empty.default, aten.new_empty_strided.default, aten.resize_.default, aten.set_.source_Storage}
-WRITE_ONLY = {aten.zeros.default, aten.zeros_like.default, aten.ones_like.default, aten.full.default,
-              aten.full_like.default, aten.fill_.Scalar, aten.zero_.default, aten.scalar_tensor.default,
-              aten.ones.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+FREE = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.detach.default,
+    aten.lift_fresh.default,
+    aten._local_scalar_dense.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.resize_.default,
+    aten.set_.source_Storage,
+}
+WRITE_ONLY = {
+    aten.zeros.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full.default,
+    aten.full_like.default,
+    aten.fill_.Scalar,
+    aten.zero_.default,
+    aten.scalar_tensor.default,
+    aten.ones.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+}
 SCATTERS = {"scatter_add_", "scatter_", "index_put_", "index_add_"}
 GATHERS = {"gather", "embedding", "index_select", "index"}  # read only the rows or elements they pick
 NOT_KERNELS = {"_record_function_enter_new", "_record_function_exit", "promote_types"}
-STAND_IN = {"_efficient_attention_forward", "_efficient_attention_backward", "_varlen_attn", "_varlen_attn_backward",
-            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-            "_flash_attention_forward", "_flash_attention_backward", *attention.KERNEL_OPS}
+STAND_IN = {
+    "_efficient_attention_forward",
+    "_efficient_attention_backward",
+    "_varlen_attn",
+    "_varlen_attn_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    *attention.KERNEL_OPS,
+}
 
 
 # ----------------------------------------------------------------------------------------------
 # The documents of a micro-batch.
 
 
-def packed_rows(rows: int, context: int, seed: int = 0, median: float = MEDIAN_DOCUMENT,
-                sigma: float = DOCUMENT_SIGMA) -> tuple[np.ndarray, list[list[int]]]:
+def packed_rows(
+    rows: int, context: int, seed: int = 0, median: float = MEDIAN_DOCUMENT, sigma: float = DOCUMENT_SIGMA
+) -> tuple[np.ndarray, list[list[int]]]:
     """(segments (rows, context), each row's document lengths): documents of lognormal lengths laid end
     to end and cut into rows, a document crossing a row's end continuing as a new one in the next row."""
     rng = np.random.default_rng(seed)
@@ -131,7 +163,7 @@ def packed_rows(rows: int, context: int, seed: int = 0, median: float = MEDIAN_D
             if left == 0:
                 left = max(1, int(round(rng.lognormal(math.log(median), sigma))))
             take = min(left, context - position)
-            segments[row, position:position + take] = number
+            segments[row, position : position + take] = number
             row_lengths.append(take)
             position, left, number = position + take, left - take, number + 1
         lengths.append(row_lengths)
@@ -208,6 +240,7 @@ def label_backward(names: dict):
             seen.add(node)
             node.metadata.setdefault(LABEL, label)
             stack.extend(following for following, _ in node.next_functions)
+
     return pre_hook, hook
 
 
@@ -299,13 +332,21 @@ class Counter(TorchDispatchMode):
         if func in FREE or getattr(func, "is_view", False) or func.namespace == "prim" or name in NOT_KERNELS:
             return
         schema = func._schema
-        mutated = [tensor for argument, value in zip(schema.arguments, args)
-                   if argument.alias_info is not None and argument.alias_info.is_write
-                   for tensor in tensors_in(value)]
-        read_tensors = [] if func in WRITE_ONLY else [t for t in tensors_in((args, kwargs))
-                                                     if not (name == "copy_" and t is args[0])]
-        inputs = [(self.key(t), (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), nbytes(t))
-                  for t in read_tensors]
+        mutated = [
+            tensor
+            for argument, value in zip(schema.arguments, args)
+            if argument.alias_info is not None and argument.alias_info.is_write
+            for tensor in tensors_in(value)
+        ]
+        read_tensors = (
+            []
+            if func in WRITE_ONLY
+            else [t for t in tensors_in((args, kwargs)) if not (name == "copy_" and t is args[0])]
+        )
+        inputs = [
+            (self.key(t), (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), nbytes(t))
+            for t in read_tensors
+        ]
         for tensor in mutated:
             cdata = tensor.untyped_storage()._cdata
             self.versions[cdata] = self.versions.get(cdata, 0) + 1
@@ -330,8 +371,9 @@ class Counter(TorchDispatchMode):
             read = sum(size for _, _, size in inputs)
             write = sum(size for _, size in outputs)
         extra, kernels = (0.0, 1) if name in STAND_IN else below_dispatch(name, args, out)
-        self.ops.append(Op(name, self.phase, category, detail, flops,
-                           read, write, inputs, outputs, boundary, extra, kernels))
+        self.ops.append(
+            Op(name, self.phase, category, detail, flops, read, write, inputs, outputs, boundary, extra, kernels)
+        )
 
 
 def touched(name: str, args, inputs: list, outputs: list, out) -> tuple[list, list]:
@@ -365,8 +407,14 @@ def touched(name: str, args, inputs: list, outputs: list, out) -> tuple[list, li
 # Ops that are one dispatch but several kernels on CUDA, as torch's CUDA sources run them.
 
 CHUNK, MAX_BLOCKS, MAX_TENSORS = 65_536, 320, (110, 64, 48, 36, 30)  # MultiTensorApply.cuh, by depth
-MULTI_TENSOR_DEPTH = {"_amp_foreach_non_finite_check_and_unscale_": 1, "_foreach_norm": 1, "_foreach_mul_": 1,
-                      "_foreach_zero_": 1, "_foreach_add_": 1, "_fused_adamw_": 4}
+MULTI_TENSOR_DEPTH = {
+    "_amp_foreach_non_finite_check_and_unscale_": 1,
+    "_foreach_norm": 1,
+    "_foreach_mul_": 1,
+    "_foreach_zero_": 1,
+    "_foreach_add_": 1,
+    "_fused_adamw_": 4,
+}
 EMBEDDING_ROWS_PER_THREAD = 10  # EmbeddingBackwardKernel.cu's NROWS_PER_THREAD
 
 
@@ -450,8 +498,9 @@ def tiled_pairs(length: int, tile: tuple[int, int], backward: bool) -> int:
     return sum(-(-min(length, start + queries) // keys) for start in range(0, length, queries)) * queries * keys
 
 
-def executed_attention_flops(kernel: str, lengths: list[int], context: int, heads: int, head_dim: int,
-                             parts: tuple = ("forward", "backward")) -> float:
+def executed_attention_flops(
+    kernel: str, lengths: list[int], context: int, heads: int, head_dim: int, parts: tuple = ("forward", "backward")
+) -> float:
     """FLOPs one layer's attention kernel executes over a row of documents (its forward and/or backward):
     the memory-efficient varlen kernel at its sm_75 tiles (EFFICIENT_TILES); the others as
     attention.attention_flops counts them, a third forward (the flash kernels' tiles are not read here:
@@ -466,8 +515,13 @@ def executed_attention_flops(kernel: str, lengths: list[int], context: int, head
 
 
 @functools.lru_cache(maxsize=4)
-def population(context: int, rows: int = POPULATION_ROWS, seed: int = 0, median: float = MEDIAN_DOCUMENT,
-               sigma: float = DOCUMENT_SIGMA) -> tuple[tuple[int, ...], ...]:
+def population(
+    context: int,
+    rows: int = POPULATION_ROWS,
+    seed: int = 0,
+    median: float = MEDIAN_DOCUMENT,
+    sigma: float = DOCUMENT_SIGMA,
+) -> tuple[tuple[int, ...], ...]:
     """Each row's document lengths over `rows` rows of the project's own packer (train_data.MaskedPacking,
     --packing masked) on a stream of documents of lognormal lengths (median, sigma)."""
     import train_data
@@ -496,8 +550,9 @@ class KernelPlan:
         useful; executed_attention_flops: at the kernel's tiles) averaged over the population of packed
         rows (the micro-batch's own rows where none is given), times the micro-batch's rows."""
         rows = self.rows_population or self.lengths
-        total = sum(per_row(self.kernel, list(row), self.context, self.preset.heads, self.preset.head_dim)
-                    for row in rows)
+        total = sum(
+            per_row(self.kernel, list(row), self.context, self.preset.heads, self.preset.head_dim) for row in rows
+        )
         return total / len(rows) * len(self.lengths)
 
     def bytes(self, backward: bool) -> tuple[float, float]:
@@ -507,8 +562,11 @@ class KernelPlan:
         q = tokens * p.heads * p.head_dim * self.element
         kv = tokens * (p.heads if self.repeated else p.kv_heads) * p.head_dim * self.element
         lse = tokens * p.heads * 4
-        bias = len(self.lengths) * self.context * self.context * self.element if attention.kernel(
-            self.kernel).masked else 0
+        bias = (
+            len(self.lengths) * self.context * self.context * self.element
+            if attention.kernel(self.kernel).masked
+            else 0
+        )
         if not backward:
             return q + 2 * kv + bias, q + lse
         # read q, k, v, o, dO, the logsumexp and the row sums dO.O (written by the kernel's first pass)
@@ -524,6 +582,7 @@ def kernel_costs(plan: KernelPlan):
         is_backward = name.endswith("backward")
         read, written = plan.bytes(is_backward)
         return backward if is_backward else forward, read, written
+
     return cost
 
 
@@ -532,9 +591,14 @@ def stand_in(name: str, args):
     if name == "_efficient_attention_forward":
         query, key, value = args[:3]
         batch, tokens, heads, dim = query.shape
-        return (query.new_empty(batch, tokens, heads, value.shape[-1]),
-                query.new_empty(batch if args[4] is None else len(args[4]) - 1, heads, tokens, dtype=torch.float32),
-                torch.empty(2, dtype=torch.int64), torch.empty(0, dtype=torch.int64), 0, 0)
+        return (
+            query.new_empty(batch, tokens, heads, value.shape[-1]),
+            query.new_empty(batch if args[4] is None else len(args[4]) - 1, heads, tokens, dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64),
+            torch.empty(0, dtype=torch.int64),
+            0,
+            0,
+        )
     if name == "_efficient_attention_backward":
         query, key, value = args[1:4]
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), query.new_empty(0)
@@ -557,8 +621,9 @@ class FusedRMSNorm(torch.autograd.Function):
         with Counter.paused() as counter:
             output, rstd = aten._fused_rms_norm(input, list(normalized_shape), weight, eps)
         if counter is not None:
-            counter.record(aten._fused_rms_norm.default, (input, list(normalized_shape), weight, eps), {},
-                           (output, rstd))
+            counter.record(
+                aten._fused_rms_norm.default, (input, list(normalized_shape), weight, eps), {}, (output, rstd)
+            )
         ctx.save_for_backward(input, rstd, weight)
         ctx.normalized_shape = list(normalized_shape)
         return output
@@ -566,8 +631,9 @@ class FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         input, rstd, weight = ctx.saved_tensors
-        grad_input, grad_weight = aten._fused_rms_norm_backward(grad, input, ctx.normalized_shape, rstd, weight,
-                                                                [True, weight is not None])
+        grad_input, grad_weight = aten._fused_rms_norm_backward(
+            grad, input, ctx.normalized_shape, rstd, weight, [True, weight is not None]
+        )
         return grad_input, None, grad_weight, None
 
 
@@ -601,8 +667,15 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
     else:
         implementation, kernel = card_plan.implementation, card_plan.documents
         repeated = implementation == attention.EFFICIENT
-    plan = KernelPlan(kernel, repeated, tuple(tuple(row) for row in lengths), preset, preset.context, element,
-                      population(preset.context))
+    plan = KernelPlan(
+        kernel,
+        repeated,
+        tuple(tuple(row) for row in lengths),
+        preset,
+        preset.context,
+        element,
+        population(preset.context),
+    )
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         torch.manual_seed(0)
@@ -618,11 +691,14 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
     counter = Counter(tracker, kernel_costs(plan), stand_in)
     rms_norm = torch.nn.functional.rms_norm
     torch.nn.functional.rms_norm = fused_rms_norm  # the stock model's norms never call it
-    names = {id(module): f"{type(model.model).__name__}.{name}".rstrip(".")
-             for name, module in model.model.named_modules()}
+    names = {
+        id(module): f"{type(model.model).__name__}.{name}".rstrip(".") for name, module in model.model.named_modules()
+    }
     pre_hook, hook = label_backward(names)
-    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
-             torch.nn.modules.module.register_module_forward_hook(hook)]
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+        torch.nn.modules.module.register_module_forward_hook(hook),
+    ]
     try:
         with fake, tracker, counter, torch.autocast("cpu", dtype=DTYPES[precision]):
             loss = losses.language_model_loss(model, inputs, targets, documents=documents)
@@ -658,8 +734,10 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     card = CARD_PLANS[precision]
     ns_dtype = hardware.newton_schulz_dtype(card)
     with fake:  # the first step makes the optimizers' state: not counted
-        optimizers = [muon.Muon(hidden, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True),
-                      torch.optim.AdamW([{"params": rest, "weight_decay": 0.0}], lr=1e-3, fused=True)]
+        optimizers = [
+            muon.Muon(hidden, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True),
+            torch.optim.AdamW([{"params": rest, "weight_decay": 0.0}], lr=1e-3, fused=True),
+        ]
         for optimizer in optimizers:
             optimizer.step()
     tracker = ModuleTracker()
@@ -678,8 +756,10 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         torch._foreach_zero_(grads)  # zero_grad(set_to_none=False) under DDP
     shapes = [tuple(parameter.shape) for parameter in hidden]
     owners = muon.newton_schulz_owners(shapes, world)
-    loads = [sum(hardware.newton_schulz_flops(*shape) for shape, owner in zip(shapes, owners) if owner == rank)
-             for rank in range(world)]
+    loads = [
+        sum(hardware.newton_schulz_flops(*shape) for shape, owner in zip(shapes, owners) if owner == rank)
+        for rank in range(world)
+    ]
     share = max(loads) / sum(loads)
     for op in counter.ops:
         op.category = "newton-schulz" if op.category == "matmul" else "optimizer"
@@ -720,8 +800,12 @@ def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
         if not op.boundary:
             for key, _, _ in op.inputs:
                 source = producer.get(key)
-                if (source is not None and not ops[source].boundary and ops[source].phase == op.phase
-                        and op_level[source] == op_level[index]):
+                if (
+                    source is not None
+                    and not ops[source].boundary
+                    and ops[source].phase == op.phase
+                    and op_level[source] == op_level[index]
+                ):
                     parent[find(source)] = find(index)
         for key, _ in op.outputs:
             producer[key] = index
@@ -746,8 +830,9 @@ def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
             for key, size in op.outputs:
                 if key in seen_writes:
                     continue
-                leaves = not consumers.get(key) or any(find(c) != find(index) or ops[c].boundary
-                                                       for c in consumers[key] if c > index)
+                leaves = not consumers.get(key) or any(
+                    find(c) != find(index) or ops[c].boundary for c in consumers[key] if c > index
+                )
                 if leaves or producer.get(key) != index:
                     seen_writes.add(key)
                     totals[op.category] += size
@@ -788,10 +873,15 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
             record["externs"] += extern
             if not extern:
                 record["kernels"] += 1
-                origins = [origin for sub in node.get_nodes() if getattr(sub, "node", None) is not None
-                           for origin in sub.node.origins]
-                touches_vocabulary = any(VOCAB in tuple(getattr(origin.meta.get("val"), "shape", ()))
-                                         for origin in origins)
+                origins = [
+                    origin
+                    for sub in node.get_nodes()
+                    if getattr(sub, "node", None) is not None
+                    for origin in sub.node.origins
+                ]
+                touches_vocabulary = any(
+                    VOCAB in tuple(getattr(origin.meta.get("val"), "shape", ())) for origin in origins
+                )
                 names = sorted({origin.name for origin in origins})
                 record["nodes"].append((size, node.get_name(), touches_vocabulary, names[:8]))
                 if touches_vocabulary:
@@ -837,8 +927,10 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
 # Measured 2026-12-04 on think72 at 8 x 1,024 (bench/RESULTS.md, "The honest count"): 255 KB a token outside the
 # layers (the loss 132, the LM head's and the embedding's 115), 141 KB a token each layer.
 INDUCTOR_RECORDED: dict = {
-    (model_config.PRESETS["think72"], 8192): {1: (3248622720, 67, 55, 2023657520),
-                                              2: (4405416064, 110, 83, 2023657520)},
+    (model_config.PRESETS["think72"], 8192): {
+        1: (3248622720, 67, 55, 2023657520),
+        2: (4405416064, 110, 83, 2023657520),
+    },
 }
 
 
@@ -849,8 +941,9 @@ def inductor_summary(measured: dict) -> dict:
     summary = {}
     for layers, result in measured.items():
         graphs = result["graphs"]
-        summary[int(layers)] = tuple(sum(graph[field] for graph in graphs)
-                                     for field in ("fused", "kernels", "externs", "vocabulary"))
+        summary[int(layers)] = tuple(
+            sum(graph[field] for graph in graphs) for field in ("fused", "kernels", "externs", "vocabulary")
+        )
     return summary
 
 
@@ -903,7 +996,9 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         newton_schulz_flops=sum(op.flops for op in optimizer_ops),
         gradient_bytes=4 * side.parameters,
         broadcast_bytes=(world - 1) / world * 2 * sum(a * b for a, b in hardware.muon_matrix_shapes(side.plan.preset))
-        if world > 1 else 0.0)
+        if world > 1
+        else 0.0,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -915,19 +1010,30 @@ def thousands(value: float) -> str:
 
 
 def category_table(sides: list[Side], fused: dict) -> list[str]:
-    lines = ["| per token | " + " | ".join(f"{side.label} {side.precision}" for side in sides) + " |",
-             "| --- |" + " ---: |" * len(sides)]
-    rows = [("matmul MFLOP", lambda s: s.per_token("matmul", "flops") / 1e6),
-            ("attention MFLOP (the card's kernel)", lambda s: s.per_token("attention", "flops") / 1e6),
-            ("per-document causal attention MFLOP", lambda s: per_document_flops(s) / 1e6)]
+    lines = [
+        "| per token | " + " | ".join(f"{side.label} {side.precision}" for side in sides) + " |",
+        "| --- |" + " ---: |" * len(sides),
+    ]
+    rows = [
+        ("matmul MFLOP", lambda s: s.per_token("matmul", "flops") / 1e6),
+        ("attention MFLOP (the card's kernel)", lambda s: s.per_token("attention", "flops") / 1e6),
+        ("per-document causal attention MFLOP", lambda s: per_document_flops(s) / 1e6),
+    ]
     for category in CATEGORIES:
         rows.append((f"{category} KB (eager)", lambda s, c=category: s.per_token(c) / 1e3))
     rows.append(("outside matmuls KB (eager)", lambda s: outside_matmuls(s) / 1e3))
-    rows.append(("outside matmuls and attention KB (compiled: Inductor's count, else the fusion model)",
-                 lambda s: compiled_outside(s, fused) / s.tokens / 1e3))
-    rows.append(("kernels per micro-step (eager / compiled)",
-                 lambda s: f"{sum(op.kernels for op in s.ops):,} / "
-                           f"{(compiled_other(s) or (0, fused[id(s)][1]))[1]:,.0f}"))
+    rows.append(
+        (
+            "outside matmuls and attention KB (compiled: Inductor's count, else the fusion model)",
+            lambda s: compiled_outside(s, fused) / s.tokens / 1e3,
+        )
+    )
+    rows.append(
+        (
+            "kernels per micro-step (eager / compiled)",
+            lambda s: f"{sum(op.kernels for op in s.ops):,} / {(compiled_other(s) or (0, fused[id(s)][1]))[1]:,.0f}",
+        )
+    )
     for title, value in rows:
         cells = []
         for side in sides:
@@ -952,8 +1058,10 @@ def detail_table(sides: list[Side]) -> list[str]:
         for op in side.ops:
             if op.category != "matmul":
                 details[(op.category, op.detail)][id(side)] += op.moved / side.tokens
-    lines = ["| bytes per token (eager), KB | " + " | ".join(f"{s.label} {s.precision}" for s in sides) + " |",
-             "| --- |" + " ---: |" * len(sides)]
+    lines = [
+        "| bytes per token (eager), KB | " + " | ".join(f"{s.label} {s.precision}" for s in sides) + " |",
+        "| --- |" + " ---: |" * len(sides),
+    ]
     for (category, detail), values in sorted(details.items()):
         lines.append(f"| {category}: {detail} | " + " | ".join(f"{values[id(s)] / 1e3:,.1f}" for s in sides) + " |")
     return lines
@@ -971,35 +1079,53 @@ def outside_matmuls(side: Side) -> float:
 def card_rows(counts: dict, tokens_per_step: int = 65_536, tokens: float = TOKENS) -> list[str]:
     """The per-card table of docs/training.md: hardware.predict_card over `counts` ({(precision, mode):
     CountedStep}), eager and compiled (Inductor's bytes outside matmuls and attention)."""
-    lines = ["| card | precision | matmul / attention TFLOP/s, GB/s (assumed) | step (65,536 tokens) eager | "
-             "of which matmul / attention / other bytes / launch / Newton-Schulz / optimizer / all-reduce | "
-             "tokens/s eager | 1.5B tokens eager | compiled |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    lines = [
+        "| card | precision | matmul / attention TFLOP/s, GB/s (assumed) | step (65,536 tokens) eager | "
+        "of which matmul / attention / other bytes / launch / Newton-Schulz / optimizer / all-reduce | "
+        "tokens/s eager | 1.5B tokens eager | compiled |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
     cards = {card.key: card for card in hardware.CARDS}
     for key, world in TABLE_CARDS:
         card = cards[key]
         precision = hardware.choose_precision("auto", hardware.Device("cuda", key, card.capability)).value
         rates = hardware.ROOFLINE_RATES[key]
         eager = hardware.predict_card(card, counts[(precision, "eager")], world=world, tokens_per_step=tokens_per_step)
-        compiled = hardware.predict_card(card, counts[(precision, "compiled")], world=world,
-                                         tokens_per_step=tokens_per_step)
-        parts = " / ".join(f"{value:.3f}" for value in (eager.matmul_s, eager.attention_s, eager.memory_s,
-                                                        eager.launch_s, eager.newton_schulz_s, eager.optimizer_s,
-                                                        eager.all_reduce_s))
-        lines.append(f"| {key}{f' x{world}' if world > 1 else ''} | {precision} | {rates.matmul_tflops:g} / "
-                     f"{rates.attention_tflops:g}, {rates.bandwidth_gbs:g} | {eager.total_s:.3f} s | {parts} s | "
-                     f"{eager.tokens_per_second:,.0f} | {eager.hours_for(tokens):.1f} h | "
-                     f"{compiled.hours_for(tokens):.1f} h ({compiled.tokens_per_second:,.0f}/s) |")
+        compiled = hardware.predict_card(
+            card, counts[(precision, "compiled")], world=world, tokens_per_step=tokens_per_step
+        )
+        parts = " / ".join(
+            f"{value:.3f}"
+            for value in (
+                eager.matmul_s,
+                eager.attention_s,
+                eager.memory_s,
+                eager.launch_s,
+                eager.newton_schulz_s,
+                eager.optimizer_s,
+                eager.all_reduce_s,
+            )
+        )
+        lines.append(
+            f"| {key}{f' x{world}' if world > 1 else ''} | {precision} | {rates.matmul_tflops:g} / "
+            f"{rates.attention_tflops:g}, {rates.bandwidth_gbs:g} | {eager.total_s:.3f} s | {parts} s | "
+            f"{eager.tokens_per_second:,.0f} | {eager.hours_for(tokens):.1f} h | "
+            f"{compiled.hours_for(tokens):.1f} h ({compiled.tokens_per_second:,.0f}/s) |"
+        )
     return lines
 
 
 def rates_table() -> list[str]:
-    lines = ["| card | matmul TFLOP/s | attention TFLOP/s | GB/s | launch us | link GB/s | source |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| card | matmul TFLOP/s | attention TFLOP/s | GB/s | launch us | link GB/s | source |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for key, _ in TABLE_CARDS[1:] if TABLE_CARDS[0][0] == TABLE_CARDS[1][0] else TABLE_CARDS:
         r = hardware.ROOFLINE_RATES[key]
-        lines.append(f"| {key} | {r.matmul_tflops:g} | {r.attention_tflops:g} | {r.bandwidth_gbs:g} | "
-                     f"{r.launch_us:g} | {r.link_gbs:g} | {r.source} |")
+        lines.append(
+            f"| {key} | {r.matmul_tflops:g} | {r.attention_tflops:g} | {r.bandwidth_gbs:g} | "
+            f"{r.launch_us:g} | {r.link_gbs:g} | {r.source} |"
+        )
     return lines
 
 
@@ -1011,9 +1137,13 @@ def t4_hours(counts: dict, preset_name: str, tokens: float = TOKENS) -> dict:
     world, micro = README_SPLIT["world"], README_SPLIT["batch_size"]
     tokens_per_step = micro * README_SPLIT["grad_accum"] * world * model_config.PRESETS[preset_name].context
     rates = {"central": hardware.ROOFLINE_RATES["T4"], **hardware.T4_RATE_RANGE}
-    return {(mode, name): hardware.predict_card(card, counts[("fp16", mode)], world=world, rates=card_rates,
-                                                tokens_per_step=tokens_per_step).hours_for(tokens)
-            for mode in ("eager", "compiled") for name, card_rates in rates.items()}
+    return {
+        (mode, name): hardware.predict_card(
+            card, counts[("fp16", mode)], world=world, rates=card_rates, tokens_per_step=tokens_per_step
+        ).hours_for(tokens)
+        for mode in ("eager", "compiled")
+        for name, card_rates in rates.items()
+    }
 
 
 def final_line(counts: dict, preset_name: str, tokens: float = TOKENS, compiled_source: str = "Inductor") -> str:
@@ -1022,22 +1152,28 @@ def final_line(counts: dict, preset_name: str, tokens: float = TOKENS, compiled_
     optimistic to the pessimistic rates."""
     hours = t4_hours(counts, preset_name, tokens)
     rates = hardware.ROOFLINE_RATES["T4"]
-    return (f"{preset_name} on 2x T4: {hours[('compiled', 'central')]:.1f} h for {tokens / 1e9:g}B tokens (compiled, "
-            f"central rates {rates.matmul_tflops:g} / {rates.attention_tflops:g} TFLOP/s matmul / attention, "
-            f"{rates.bandwidth_gbs:g} GB/s, link {rates.link_gbs:g} GB/s, compiled bytes by {compiled_source}; "
-            f"eager {hours[('eager', 'central')]:.1f} h; range {hours[('compiled', 'optimistic')]:.1f}-"
-            f"{hours[('compiled', 'pessimistic')]:.1f} h)")
+    return (
+        f"{preset_name} on 2x T4: {hours[('compiled', 'central')]:.1f} h for {tokens / 1e9:g}B tokens (compiled, "
+        f"central rates {rates.matmul_tflops:g} / {rates.attention_tflops:g} TFLOP/s matmul / attention, "
+        f"{rates.bandwidth_gbs:g} GB/s, link {rates.link_gbs:g} GB/s, compiled bytes by {compiled_source}; "
+        f"eager {hours[('eager', 'central')]:.1f} h; range {hours[('compiled', 'optimistic')]:.1f}-"
+        f"{hours[('compiled', 'pessimistic')]:.1f} h)"
+    )
 
 
 def range_table(counts: dict, preset_name: str, tokens: float = TOKENS) -> list[str]:
     hours = t4_hours(counts, preset_name, tokens)
     rates = {"central": hardware.ROOFLINE_RATES["T4"], **hardware.T4_RATE_RANGE}
-    lines = ["| 2x T4, rates | matmul / attention TFLOP/s, GB/s, link GB/s | eager | compiled |",
-             "| --- | --- | ---: | ---: |"]
+    lines = [
+        "| 2x T4, rates | matmul / attention TFLOP/s, GB/s, link GB/s | eager | compiled |",
+        "| --- | --- | ---: | ---: |",
+    ]
     for name in ("optimistic", "central", "pessimistic"):
         r = rates[name]
-        lines.append(f"| {name} | {r.matmul_tflops:g} / {r.attention_tflops:g}, {r.bandwidth_gbs:g}, {r.link_gbs:g} | "
-                     f"{hours[('eager', name)]:.1f} h | {hours[('compiled', name)]:.1f} h |")
+        lines.append(
+            f"| {name} | {r.matmul_tflops:g} / {r.attention_tflops:g}, {r.bandwidth_gbs:g}, {r.link_gbs:g} | "
+            f"{hours[('eager', name)]:.1f} h | {hours[('compiled', name)]:.1f} h |"
+        )
     return lines
 
 
@@ -1052,9 +1188,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp16,bf16")
     parser.add_argument("--json", default=None, help="write the counts here")
     parser.add_argument("--record", action="store_true", help="print the counts as hardware.ROOFLINE_COUNTS' literal")
-    parser.add_argument("--inductor", action="store_true",
-                        help="compile the preset's shape at 1 and 2 layers with Inductor on CPU and print its byte "
-                             "count as INDUCTOR_RECORDED's entry (minutes)")
+    parser.add_argument(
+        "--inductor",
+        action="store_true",
+        help="compile the preset's shape at 1 and 2 layers with Inductor on CPU and print its byte "
+        "count as INDUCTOR_RECORDED's entry (minutes)",
+    )
     return parser.parse_args(argv)
 
 
@@ -1070,16 +1209,24 @@ def run(args: argparse.Namespace) -> dict:
             started = time.perf_counter()
             side = count_side(label, preset, precision, batch)
             fused[id(side)] = fused_bytes([op for op in side.ops if op.phase != "optimizer"])
-            print(f"counted {label} {precision}: {len(side.ops):,} ops in {time.perf_counter() - started:.1f} s",
-                  flush=True)
+            print(
+                f"counted {label} {precision}: {len(side.ops):,} ops in {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
             sides.append(side)
             if label == "after":
                 for mode in ("eager", "compiled"):
                     counts[(precision, mode)] = counted_step(side, optimizer_ops, world, mode == "compiled")
     after = [side for side in sides if side.label == "after"]
     source = "Inductor" if after and compiled_other(after[0]) else "the fusion model (no Inductor count recorded)"
-    return {"preset": preset_name, "batch": batch, "sides": sides, "counts": counts, "fused": fused,
-            "compiled_source": source}
+    return {
+        "preset": preset_name,
+        "batch": batch,
+        "sides": sides,
+        "counts": counts,
+        "fused": fused,
+        "compiled_source": source,
+    }
 
 
 def measure_inductor(preset_name: str, batch: int) -> dict:
@@ -1090,17 +1237,22 @@ def measure_inductor(preset_name: str, batch: int) -> dict:
         started = time.perf_counter()
         measured[layers] = inductor_bytes(preset_name, layers, batch)
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-        print(f"Inductor, {preset_name} with {layers} layer(s) at {batch} x {preset.context}: "
-              f"{len(measured[layers]['graphs'])} graphs, {breaks} graph breaks, "
-              f"{time.perf_counter() - started:.0f} s", flush=True)
+        print(
+            f"Inductor, {preset_name} with {layers} layer(s) at {batch} x {preset.context}: "
+            f"{len(measured[layers]['graphs'])} graphs, {breaks} graph breaks, "
+            f"{time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
     summary = inductor_summary(measured)
     tokens = batch * preset.context
     fused, kernels, externs, vocabulary = inductor_micro_step(summary, preset.layers)
     per_layer = summary[2][0] - summary[1][0]
-    print(f"per token: {fused / tokens / 1e3:,.1f} KB in Inductor's kernels at {preset.layers} layers "
-          f"({per_layer / tokens / 1e3:,.1f} KB a layer; {vocabulary / tokens / 1e3:,.1f} KB in the kernels "
-          f"that touch a vocabulary-sized tensor: the loss, the LM head's and the embedding's), "
-          f"{kernels:.0f} kernels and {externs:.0f} extern kernels a micro-step")
+    print(
+        f"per token: {fused / tokens / 1e3:,.1f} KB in Inductor's kernels at {preset.layers} layers "
+        f"({per_layer / tokens / 1e3:,.1f} KB a layer; {vocabulary / tokens / 1e3:,.1f} KB in the kernels "
+        f"that touch a vocabulary-sized tensor: the loss, the LM head's and the embedding's), "
+        f"{kernels:.0f} kernels and {externs:.0f} extern kernels a micro-step"
+    )
     print(f"INDUCTOR_RECORDED entry: (model_config.PRESETS[{preset_name!r}], {tokens}): {summary!r}")
     return summary
 
@@ -1116,9 +1268,11 @@ def main(argv=None) -> int:
     preset = model_config.PRESETS[result["preset"]]
     segments, lengths = packed_rows(result["batch"], preset.context)
     flat = [length for row in lengths for length in row]
-    print(f"\n{result['preset']}, vocab {VOCAB:,}, micro-batch {result['batch']} x {preset.context}: "
-          f"{len(flat)} documents (lognormal lengths, median {MEDIAN_DOCUMENT:g}, sigma {DOCUMENT_SIGMA:g}, "
-          f"mean 400 tokens; in the rows: mean {np.mean(flat):.0f}, longest {max(flat)})")
+    print(
+        f"\n{result['preset']}, vocab {VOCAB:,}, micro-batch {result['batch']} x {preset.context}: "
+        f"{len(flat)} documents (lognormal lengths, median {MEDIAN_DOCUMENT:g}, sigma {DOCUMENT_SIGMA:g}, "
+        f"mean 400 tokens; in the rows: mean {np.mean(flat):.0f}, longest {max(flat)})"
+    )
     print("\n" + "\n".join(category_table(sides, result["fused"])))
     print("\n" + "\n".join(detail_table(sides)))
     print()
@@ -1129,13 +1283,16 @@ def main(argv=None) -> int:
         ratio_after = after.per_token("attention", "flops") / per_document_flops(after)
         bytes_ratio = outside_matmuls(before) / outside_matmuls(after)
         rows = len(after.plan.rows_population)
-        print(f"{precision}: attention FLOPs executed / useful per-document causal (over {rows:,} "
-              f"packed rows): before {ratio_before:.2f}x, after {ratio_after:.2f}x ({after.kernel}"
-              f"{', at its sm_75 tiles' if after.kernel == 'efficient varlen' else ''}); bytes outside matmuls "
-              f"before / after: {bytes_ratio:.2f}x eager")
+        print(
+            f"{precision}: attention FLOPs executed / useful per-document causal (over {rows:,} "
+            f"packed rows): before {ratio_before:.2f}x, after {ratio_after:.2f}x ({after.kernel}"
+            f"{', at its sm_75 tiles' if after.kernel == 'efficient varlen' else ''}); bytes outside matmuls "
+            f"before / after: {bytes_ratio:.2f}x eager"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{p} {m}": dataclasses.asdict(c) for (p, m), c in counts.items()},
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps({f"{p} {m}": dataclasses.asdict(c) for (p, m), c in counts.items()}, indent=1)
+        )
     if result["preset"] == "think72" and set(counts) >= {("fp16", "eager"), ("bf16", "eager")}:
         print("\ninputs (hardware.ROOFLINE_RATES; assumptions until the GPU command measures them):")
         print("\n".join(rates_table()))
@@ -1154,16 +1311,24 @@ def recorded_check(counts: dict, record: bool) -> str:
     recorded = hardware.ROOFLINE_COUNTS
     same = set(recorded) == set(counts) and all(
         math.isclose(getattr(recorded[key], field.name), getattr(counts[key], field.name), rel_tol=5e-3)
-        for key in counts for field in dataclasses.fields(hardware.CountedStep))
+        for key in counts
+        for field in dataclasses.fields(hardware.CountedStep)
+    )
     if record or not same:
         rows = []
         for key, step in sorted(counts.items()):
             fields = ", ".join(f"{field.name}={getattr(step, field.name):.6g}" for field in dataclasses.fields(step))
             rows.append(f"    {key!r}: CountedStep({fields}),")
         literal = "\n".join(rows)
-        return ("hardware.ROOFLINE_COUNTS " + ("is these counts" if same else "differs from these counts (the "
-                "tables above use these)") + "; as a literal:\nROOFLINE_COUNTS = {\n" + literal + "\n}")
+        return (
+            "hardware.ROOFLINE_COUNTS "
+            + ("is these counts" if same else "differs from these counts (the tables above use these)")
+            + "; as a literal:\nROOFLINE_COUNTS = {\n"
+            + literal
+            + "\n}"
+        )
     return "hardware.ROOFLINE_COUNTS (predict_card, docs/training.md) is these counts, to 0.5%"
+
 
 if __name__ == "__main__":
     sys.exit(main())

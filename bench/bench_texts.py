@@ -34,13 +34,15 @@ def kjv_documents() -> list[str]:
     if shutil.which("bible") is None:
         if os.geteuid() == 0 and shutil.which("apt-get"):
             print("installing Debian's bible-kjv (the benchmark's real English text) with apt-get", flush=True)
-            subprocess.run(["apt-get", "install", "-y", "-q", "bible-kjv"], check=False,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(["apt-get", "install", "-y", "-q", "bible-kjv"], check=False, stdout=subprocess.DEVNULL)
         if shutil.which("bible") is None:
-            raise UserError("the benchmark text needs Debian's bible-kjv package: sudo apt-get install bible-kjv "
-                            "(or pass --text FILE.jsonl of real English documents)")
-    dump = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, check=True).stdout
+            raise UserError(
+                "the benchmark text needs Debian's bible-kjv package: sudo apt-get install bible-kjv "
+                "(or pass --text FILE.jsonl of real English documents)"
+            )
+    dump = subprocess.run(
+        ["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, stdin=subprocess.DEVNULL, check=True
+    ).stdout
     chapters: dict[tuple[str, str], list[str]] = {}
     for line in dump.splitlines():
         verse = re.match(r"([1-3]?[A-Za-z]+)(\d+):\d+ (.*)", line)
@@ -59,8 +61,10 @@ def changelog_entries(limit_bytes: int, seed: int = 0) -> list[str]:
         starts = [match.start() for match in ENTRY_START.finditer(text)] + [len(text)]
         entries += [text[a:b].strip() for a, b in zip(starts, starts[1:]) if text[a:b].strip()]
     if len(entries) < 1000:
-        raise UserError(f"found only {len(entries)} Debian changelog entries in /usr/share/doc; the short corpus "
-                        "needs at least 1,000")
+        raise UserError(
+            f"found only {len(entries)} Debian changelog entries in /usr/share/doc; the short corpus "
+            "needs at least 1,000"
+        )
     random.Random(seed).shuffle(entries)
     return take_bytes(entries, limit_bytes)
 
@@ -80,8 +84,12 @@ def man_pages(limit_bytes: int, seed: int = 0) -> list[str]:
     """English man pages rendered to plain text (one per page), in a shuffled order, at most `limit_bytes`."""
     if shutil.which("man") is None or shutil.which("col") is None:
         raise UserError("the long text needs man and col (Debian's man-db and bsdextrautils)")
-    pages = sorted(path for section in MAN_SECTIONS for path in (Path("/usr/share/man") / section).glob("*")
-                   if not path.name.startswith("gcloud"))
+    pages = sorted(
+        path
+        for section in MAN_SECTIONS
+        for path in (Path("/usr/share/man") / section).glob("*")
+        if not path.name.startswith("gcloud")
+    )
     random.Random(seed).shuffle(pages)
     env = {**os.environ, "MANWIDTH": "80", "MAN_KEEP_FORMATTING": "", "LC_ALL": "C.UTF-8"}
     texts, size = [], 0

@@ -37,8 +37,24 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
     import train
 
     torch.set_num_threads(threads)
-    settings = train.parse_args(["--data", corpus, "--out", os.devnull, "--preset", preset, "--threads", str(threads),
-                                 "--batch-size", str(batch_size), "--grad-accum", "1", "--target-tokens", str(10 ** 9)])
+    settings = train.parse_args(
+        [
+            "--data",
+            corpus,
+            "--out",
+            os.devnull,
+            "--preset",
+            preset,
+            "--threads",
+            str(threads),
+            "--batch-size",
+            str(batch_size),
+            "--grad-accum",
+            "1",
+            "--target-tokens",
+            str(10**9),
+        ]
+    )
     settings = dataclasses.replace(settings, session=dataclasses.replace(settings.session, compile=False))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     training = train.build_training(settings, info)
@@ -46,10 +62,25 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
 
 
 def run_child(corpus: Path, args, threads: int, passive: bool) -> list[float]:
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if passive else \
-        {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
-    command = [sys.executable, __file__, "--child", str(threads), "--corpus", str(corpus), "--preset", args.preset,
-               "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    env = (
+        {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        if passive
+        else {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    )
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(threads),
+        "--corpus",
+        str(corpus),
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -75,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (corpus / corpus_format.CORPUS_MANIFEST).exists():
         data.build_demo_corpus(corpus)
     cores = len(os.sched_getaffinity(0))
-    configs = [(f"{cores} threads (torch's default)", cores, False),
-               (f"{cores} threads, OMP_WAIT_POLICY=PASSIVE", cores, True), ("1 thread", 1, False)]
+    configs = [
+        (f"{cores} threads (torch's default)", cores, False),
+        (f"{cores} threads, OMP_WAIT_POLICY=PASSIVE", cores, True),
+        ("1 thread", 1, False),
+    ]
     print(f"{args.preset}, {args.steps} steps of {args.batch_size} blocks, {cores} cores")
     print("| load | threads | seconds | vs default | median step | slowest step | steps over 10x the median |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -88,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                 times = run_child(corpus, args, threads, passive)
                 total, median = sum(times), statistics.median(times)
                 base = base or total
-                print(f"| {load} busy | {name} | {total:.2f} | {total / base:.2f}x | {median:.4f} | {max(times):.3f} | "
-                      f"{sum(t > 10 * median for t in times)} |", flush=True)
+                print(
+                    f"| {load} busy | {name} | {total:.2f} | {total / base:.2f}x | {median:.4f} | {max(times):.3f} | "
+                    f"{sum(t > 10 * median for t in times)} |",
+                    flush=True,
+                )
         finally:
             for hog in hogs:
                 hog.kill()

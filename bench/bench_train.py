@@ -24,6 +24,7 @@ is shared, so the sides are interleaved and medians reported:
 
 The corpus is data.py's demo corpus (built in a temporary folder unless --corpus is given).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,14 @@ SECOND_COMPILED = "train.py fp32 compiled (beside the compiled Trainer)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--corpus", default=None,
-                        help="corpus folder built by data.py (None: build the demo corpus in a temporary folder)")
+    parser = ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="corpus folder built by data.py (None: build the demo corpus in a temporary folder)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for every side")
     parser.add_argument("--repeats", type=int, default=5, help="checkpoint stall: alternating repeats per side")
 
@@ -76,23 +81,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--steps", type=int, default=12, help="timed optimizer steps per side (median reported)")
     speed.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     speed.add_argument("--precisions", default="fp32,bf16", help="comma list of fp32, bf16")
-    speed.add_argument("--compile-precisions", default="fp32",
-                       help="precisions also timed with train.py --compile (comma list; '' for none)")
-    speed.add_argument("--trainer-compile", action="store_true",
-                       help="also time the Trainer with torch_compile=True (fp32)")
+    speed.add_argument(
+        "--compile-precisions",
+        default="fp32",
+        help="precisions also timed with train.py --compile (comma list; '' for none)",
+    )
+    speed.add_argument(
+        "--trainer-compile", action="store_true", help="also time the Trainer with torch_compile=True (fp32)"
+    )
     speed.add_argument("--matmul-size", type=int, default=2048, help="side of the square fp32 matmul for the peak")
 
     stall = parser.add_argument_group("3: checkpoint stall")
-    stall.add_argument("--stall-preset", default="think72", choices=list(model_config.PRESETS),
-                       help="model shape whose state is saved")
+    stall.add_argument(
+        "--stall-preset", default="think72", choices=list(model_config.PRESETS), help="model shape whose state is saved"
+    )
     stall.add_argument("--stall-vocab", type=int, default=THINK72_VOCAB, help="vocabulary of the saved model")
-    stall.add_argument("--stall-context", type=int, default=32,
-                       help="context of the steps around the save (the state's size does not depend on it)")
+    stall.add_argument(
+        "--stall-context",
+        type=int,
+        default=32,
+        help="context of the steps around the save (the state's size does not depend on it)",
+    )
     stall.add_argument("--skip-stall", action="store_true", help="skip part 3")
 
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: nano preset at context 128, 2 steps, compile fp32 only, 1 stall repeat "
-                             "on the micro preset")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: nano preset at context 128, 2 steps, compile fp32 only, 1 stall repeat on the micro preset",
+    )
     parser.add_argument("--json", default=None, help="also write every figure to this JSON file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -117,9 +133,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def ours(corpus: Path, args: argparse.Namespace, precision: str, compiled: bool) -> train.Training:
     """train.py's Training, built as train.py builds it (the same seed, so the same initial model)."""
-    argv = ["--data", str(corpus), "--out", "unused", "--device", "cpu", "--preset", args.preset,
-            "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum), "--threads", str(args.threads),
-            "--precision", precision, "--epochs", "1000", "--warmup-steps", "10"]
+    argv = [
+        "--data",
+        str(corpus),
+        "--out",
+        "unused",
+        "--device",
+        "cpu",
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size),
+        "--grad-accum",
+        str(args.grad_accum),
+        "--threads",
+        str(args.threads),
+        "--precision",
+        precision,
+        "--epochs",
+        "1000",
+        "--warmup-steps",
+        "10",
+    ]
     if args.context:
         argv += ["--context", str(args.context)]
     if compiled:
@@ -152,8 +187,9 @@ def matmul_peak(size: int, tries: int = 3) -> tuple[float, float]:
 
 def build_like(reference: train.Training):
     """A Qwen3ForCausalLM of the same shape and initial weights as train.py's model."""
-    model = model_config.build_model(reference.preset, reference.vocab_size, pad_token_id=0, bos_token_id=1,
-                                     eos_token_id=2)
+    model = model_config.build_model(
+        reference.preset, reference.vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     model.load_state_dict(reference.model.state_dict())
     model.config.use_cache = False
     return model
@@ -183,8 +219,9 @@ class HFSide:
         self.model = build_like(reference)
         self.args, self.workdir, self.grad_clip = args, workdir, reference.recipe.grad_clip
 
-    def run(self, precision: str, others: dict[str, Callable[[], float]], compiled: bool = False
-            ) -> dict[str, list[float]]:
+    def run(
+        self, precision: str, others: dict[str, Callable[[], float]], compiled: bool = False
+    ) -> dict[str, list[float]]:
         """Samples per side: seconds per step (Trainer and train.py), FLOP/s for the matmul."""
         import torch
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -216,14 +253,32 @@ class HFSide:
                 self.resumed = time.perf_counter(), time.process_time()
 
         options = TrainingArguments(
-            output_dir=str(self.workdir / "hf"), use_cpu=True, report_to="none", save_strategy="no",
-            eval_strategy="no", disable_tqdm=True, per_device_train_batch_size=self.args.batch_size,
-            gradient_accumulation_steps=self.args.grad_accum, max_steps=warmup + self.args.steps,
-            learning_rate=6e-4, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=self.grad_clip, warmup_steps=10,
-            lr_scheduler_type="cosine", bf16=precision == "bf16", torch_compile=compiled, seed=1337,
+            output_dir=str(self.workdir / "hf"),
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            eval_strategy="no",
+            disable_tqdm=True,
+            per_device_train_batch_size=self.args.batch_size,
+            gradient_accumulation_steps=self.args.grad_accum,
+            max_steps=warmup + self.args.steps,
+            learning_rate=6e-4,
+            weight_decay=0.1,
+            adam_beta2=0.95,
+            max_grad_norm=self.grad_clip,
+            warmup_steps=10,
+            lr_scheduler_type="cosine",
+            bf16=precision == "bf16",
+            torch_compile=compiled,
+            seed=1337,
         )
-        trainer = Trainer(model=self.model, args=options, train_dataset=self.dataset, data_collator=self.collator,
-                          callbacks=[Interleave()])
+        trainer = Trainer(
+            model=self.model,
+            args=options,
+            train_dataset=self.dataset,
+            data_collator=self.collator,
+            callbacks=[Interleave()],
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # the Trainer's closing metrics line
             trainer.train()
         return samples
@@ -242,13 +297,17 @@ def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
             print(f"compiling train.py's model ({precision}) ...", flush=True)
             print(f"  first compiled step: {step_seconds(compiled[precision])[0]:.1f} s", flush=True)
             others[f"train.py {precision} compiled"] = lambda t=compiled[precision]: step_seconds(t)
-        print(f"{precision}: {args.warmup} + {args.steps} Trainer steps, each followed by one step of "
-              f"{', '.join(others)} and a matmul", flush=True)
+        print(
+            f"{precision}: {args.warmup} + {args.steps} Trainer steps, each followed by one step of "
+            f"{', '.join(others)} and a matmul",
+            flush=True,
+        )
         for name, values in hf.run(precision, {**others, **peak}).items():
             samples.setdefault(name, []).extend(values)
     if args.trainer_compile and "fp32" in args.precisions:
-        print("fp32: the Trainer with torch_compile=True, each step followed by one of train.py fp32 compiled",
-              flush=True)
+        print(
+            "fp32: the Trainer with torch_compile=True, each step followed by one of train.py fp32 compiled", flush=True
+        )
         others = {SECOND_COMPILED: lambda: step_seconds(compiled["fp32"])} if "fp32" in compiled else {}
         for name, values in hf.run("fp32", others, compiled=True).items():
             samples.setdefault(name, []).extend(values)
@@ -256,12 +315,12 @@ def run_speed(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
     return summarize_speed(samples, flops, tokens_per_step)
 
 
-def summarize_speed(samples: dict[str, list[tuple[float, float]]], flops: dict[str, int],
-                    tokens_per_step: int) -> dict:
+def summarize_speed(samples: dict[str, list[tuple[float, float]]], flops: dict[str, int], tokens_per_step: int) -> dict:
     """Medians of tokens/s and of the matmul peak, per wall second and per CPU second; step-paired ratios.
 
     Samples are (wall, CPU) seconds per step, or (per wall, per CPU) FLOP/s for the matmul.
     """
+
     def rates(name: str, clock: int) -> list[float]:
         values = [sample[clock] for sample in samples[name]]
         return values if name.startswith("matmul") else [tokens_per_step / value for value in values]
@@ -274,8 +333,15 @@ def summarize_speed(samples: dict[str, list[tuple[float, float]]], flops: dict[s
         if name.startswith("train.py") and name != SECOND_COMPILED:
             trainer = samples[f"trainer {name.split()[1]}"]
             paired[name] = statistics.median(base[0] / ours[0] for base, ours in zip(trainer, values))
-    return {"samples_wall_cpu": samples, "medians": medians, "cpu_medians": cpu_medians, "bests": bests,
-            "paired_ratio_medians": paired, "flops_per_token": flops, "tokens_per_step": tokens_per_step}
+    return {
+        "samples_wall_cpu": samples,
+        "medians": medians,
+        "cpu_medians": cpu_medians,
+        "bests": bests,
+        "paired_ratio_medians": paired,
+        "flops_per_token": flops,
+        "tokens_per_step": tokens_per_step,
+    }
 
 
 def speed_summary(result: dict) -> list[tuple[str, str, str]]:
@@ -291,28 +357,54 @@ def speed_summary(result: dict) -> list[tuple[str, str, str]]:
         ratio = medians[name] / medians[f"trainer {precision}"]
         best = bests[name] / bests[f"trainer {precision}"]
         per_cpu = cpu[name] / cpu[f"trainer {precision}"]
-        target = ("target >= 1.1x: " + ("met" if ratio >= TARGET_VS_TRAINER else "NOT met")) \
-            if precision == "fp32" else "no target"
-        rows.append((f"{name} / trainer {precision} (tokens/s)", f"{ratio:.2f}x",
-                     f"per CPU-s {per_cpu:.2f}x, best-of {best:.2f}x, step-paired {pair:.2f}x; {target}"))
+        target = (
+            ("target >= 1.1x: " + ("met" if ratio >= TARGET_VS_TRAINER else "NOT met"))
+            if precision == "fp32"
+            else "no target"
+        )
+        rows.append(
+            (
+                f"{name} / trainer {precision} (tokens/s)",
+                f"{ratio:.2f}x",
+                f"per CPU-s {per_cpu:.2f}x, best-of {best:.2f}x, step-paired {pair:.2f}x; {target}",
+            )
+        )
     if "trainer fp32 compiled" in medians and SECOND_COMPILED in medians:
         ratio = medians[SECOND_COMPILED] / medians["trainer fp32 compiled"]
         best = bests[SECOND_COMPILED] / bests["trainer fp32 compiled"]
-        pair = statistics.median(base[0] / ours[0] for base, ours in zip(result["samples_wall_cpu"][
-            "trainer fp32 compiled"], result["samples_wall_cpu"][SECOND_COMPILED]))
-        rows.append(("train.py fp32 compiled / trainer fp32 torch_compile", f"{ratio:.2f}x",
-                     f"best-of {best:.2f}x, step-paired {pair:.2f}x; no target"))
+        pair = statistics.median(
+            base[0] / ours[0]
+            for base, ours in zip(
+                result["samples_wall_cpu"]["trainer fp32 compiled"], result["samples_wall_cpu"][SECOND_COMPILED]
+            )
+        )
+        rows.append(
+            (
+                "train.py fp32 compiled / trainer fp32 torch_compile",
+                f"{ratio:.2f}x",
+                f"best-of {best:.2f}x, step-paired {pair:.2f}x; no target",
+            )
+        )
     for name in paired:
         precision = name.split()[1]
         per_token = result["flops_per_token"][precision]
         mfu = per_token * medians[name] / medians["matmul peak fp32"]
         best = per_token * bests[name] / bests["matmul peak fp32"]
         per_cpu = per_token * cpu[name] / cpu["matmul peak fp32"]
-        target = ("target >= 60%: " + ("met" if mfu >= TARGET_MFU else "NOT met")) if precision == "fp32" \
+        target = (
+            ("target >= 60%: " + ("met" if mfu >= TARGET_MFU else "NOT met"))
+            if precision == "fp32"
             else "no target (bf16 work against the fp32 peak)"
-        rows.append((f"MFU {name} (of the fp32 matmul peak)", f"{100 * mfu:.1f}%",
-                     f"per CPU-s {100 * per_cpu:.1f}%, best-of {100 * best:.1f}%; {target}"))
+        )
+        rows.append(
+            (
+                f"MFU {name} (of the fp32 matmul peak)",
+                f"{100 * mfu:.1f}%",
+                f"per CPU-s {100 * per_cpu:.1f}%, best-of {100 * best:.1f}%; {target}",
+            )
+        )
     return rows
+
 
 # ----------------------------------------------------------------------------------------------
 # Part 3: checkpoint stall
@@ -320,9 +412,28 @@ def speed_summary(result: dict) -> list[tuple[str, str, str]]:
 
 def stall_training(corpus: Path, args: argparse.Namespace) -> train.Training:
     """A Training whose model has the stall preset's shape at --stall-vocab, with AdamW state."""
-    argv = ["--data", str(corpus), "--out", "unused", "--device", "cpu", "--preset", args.stall_preset,
-            "--context", str(args.stall_context), "--batch-size", "1", "--grad-accum", "1",
-            "--threads", str(args.threads), "--precision", "fp32", "--epochs", "1000"]
+    argv = [
+        "--data",
+        str(corpus),
+        "--out",
+        "unused",
+        "--device",
+        "cpu",
+        "--preset",
+        args.stall_preset,
+        "--context",
+        str(args.stall_context),
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "1",
+        "--threads",
+        str(args.threads),
+        "--precision",
+        "fp32",
+        "--epochs",
+        "1000",
+    ]
     training = train.build_training(train.parse_args(argv), distributed.init_distributed("cpu"), args.stall_vocab)
     training.train_step()  # AdamW's moments exist from the first step on
     return training
@@ -346,8 +457,14 @@ def synchronous_save(state: dict, path: Path) -> dict:
     hashed = time.perf_counter()
     size = path.stat().st_size
     path.unlink()
-    return {"save_s": saved - started, "fsync_s": synced - saved, "sha256_s": hashed - synced,
-            "seconds": (saved - started) + (hashed - synced), "with_fsync_s": hashed - started, "bytes": size}
+    return {
+        "save_s": saved - started,
+        "fsync_s": synced - saved,
+        "sha256_s": hashed - synced,
+        "seconds": (saved - started) + (hashed - synced),
+        "with_fsync_s": hashed - started,
+        "bytes": size,
+    }
 
 
 def background_save(training: train.Training, folder: Path) -> dict:
@@ -365,29 +482,45 @@ def background_save(training: train.Training, folder: Path) -> dict:
 def run_stall(corpus: Path, args: argparse.Namespace, workdir: Path) -> dict:
     training = stall_training(corpus, args)
     parameters = model_config.parameter_count(training.preset, training.vocab_size)
-    print(f"checkpoint stall: {args.stall_preset} at vocab {args.stall_vocab:,} ({parameters:,} parameters), "
-          f"{args.repeats} alternating repeats", flush=True)
+    print(
+        f"checkpoint stall: {args.stall_preset} at vocab {args.stall_vocab:,} ({parameters:,} parameters), "
+        f"{args.repeats} alternating repeats",
+        flush=True,
+    )
     first = background_save(training, workdir / "checkpoints-first")  # allocates the staging buffers
-    print(f"  first save (staging buffers allocated): blocked {first['blocked_s']:.3f} s, "
-          f"background write {first['write_s']:.2f} s", flush=True)
+    print(
+        f"  first save (staging buffers allocated): blocked {first['blocked_s']:.3f} s, "
+        f"background write {first['write_s']:.2f} s",
+        flush=True,
+    )
     rows: dict[str, list] = {"sync": [], "background": []}
     for repeat in range(args.repeats):
         training.train_step()  # the state changes between saves, as in training
-        sides = [("sync", lambda: synchronous_save(training.snapshot(), workdir / "sync.pt")),
-                 ("background", lambda r=repeat: background_save(training, workdir / f"checkpoints-{r}"))]
+        sides = [
+            ("sync", lambda: synchronous_save(training.snapshot(), workdir / "sync.pt")),
+            ("background", lambda r=repeat: background_save(training, workdir / f"checkpoints-{r}")),
+        ]
         for side, measure in sides if repeat % 2 == 0 else reversed(sides):
             rows[side].append(measure())
         sync, back = rows["sync"][-1], rows["background"][-1]
-        print(f"  repeat {repeat + 1}/{args.repeats}: sync torch.save {sync['save_s']:.2f} s + sha256 "
-              f"{sync['sha256_s']:.2f} s (+ fsync {sync['fsync_s']:.2f} s); train.py blocked {back['blocked_s']:.3f} s "
-              f"(background write {back['write_s']:.2f} s)", flush=True)
+        print(
+            f"  repeat {repeat + 1}/{args.repeats}: sync torch.save {sync['save_s']:.2f} s + sha256 "
+            f"{sync['sha256_s']:.2f} s (+ fsync {sync['fsync_s']:.2f} s); train.py blocked {back['blocked_s']:.3f} s "
+            f"(background write {back['write_s']:.2f} s)",
+            flush=True,
+        )
     median = statistics.median
-    return {"samples": rows, "first_save": first, "parameters": parameters, "bytes": rows["sync"][0]["bytes"],
-            "sync_s": median(item["seconds"] for item in rows["sync"]),
-            "sync_with_fsync_s": median(item["with_fsync_s"] for item in rows["sync"]),
-            "blocked_s": median(item["blocked_s"] for item in rows["background"]),
-            "write_s": median(item["write_s"] for item in rows["background"]),
-            "ratios": [back["blocked_s"] / sync["seconds"] for back, sync in zip(rows["background"], rows["sync"])]}
+    return {
+        "samples": rows,
+        "first_save": first,
+        "parameters": parameters,
+        "bytes": rows["sync"][0]["bytes"],
+        "sync_s": median(item["seconds"] for item in rows["sync"]),
+        "sync_with_fsync_s": median(item["with_fsync_s"] for item in rows["sync"]),
+        "blocked_s": median(item["blocked_s"] for item in rows["background"]),
+        "write_s": median(item["write_s"] for item in rows["background"]),
+        "ratios": [back["blocked_s"] / sync["seconds"] for back, sync in zip(rows["background"], rows["sync"])],
+    }
 
 
 def stall_summary(result: dict) -> list[tuple[str, str, str]]:
@@ -396,14 +529,26 @@ def stall_summary(result: dict) -> list[tuple[str, str, str]]:
     return [
         ("checkpoint size", f"{result['bytes'] / 1e6:,.0f} MB", f"{result['parameters']:,} parameters + AdamW"),
         ("sync torch.save + sha256", f"{result['sync_s']:.2f} s", f"with fsync {result['sync_with_fsync_s']:.2f} s"),
-        ("train.py loop blocked by the first save", f"{result['first_save']['blocked_s']:.3f} s",
-         "allocates the reused staging buffers"),
-        ("train.py loop blocked by a later save", f"{result['blocked_s']:.3f} s",
-         f"then written in the background in {result['write_s']:.2f} s"),
-        ("blocked / sync", f"{100 * ratio:.1f}%", f"repeat-paired {100 * paired:.1f}%; target <= 25%: "
-         + ("met" if ratio <= TARGET_STALL else "NOT met")),
-        ("first save blocked / sync", f"{100 * result['first_save']['blocked_s'] / result['sync_s']:.1f}%",
-         "no target"),
+        (
+            "train.py loop blocked by the first save",
+            f"{result['first_save']['blocked_s']:.3f} s",
+            "allocates the reused staging buffers",
+        ),
+        (
+            "train.py loop blocked by a later save",
+            f"{result['blocked_s']:.3f} s",
+            f"then written in the background in {result['write_s']:.2f} s",
+        ),
+        (
+            "blocked / sync",
+            f"{100 * ratio:.1f}%",
+            f"repeat-paired {100 * paired:.1f}%; target <= 25%: " + ("met" if ratio <= TARGET_STALL else "NOT met"),
+        ),
+        (
+            "first save blocked / sync",
+            f"{100 * result['first_save']['blocked_s'] / result['sync_s']:.1f}%",
+            "no target",
+        ),
     ]
 
 
@@ -415,11 +560,17 @@ def machine_facts(threads: int) -> dict:
     import torch
     import transformers
 
-    return {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": threads,
-            "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "load_average_1min": round(os.getloadavg()[0], 2)}
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
 
 
 def print_rows(title: str, rows: list[tuple[str, str, str]]) -> None:
@@ -446,20 +597,31 @@ def main(argv: list[str] | None = None) -> int:
     facts["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
 
     preset = model_config.resolve_preset(args.preset, context=args.context)
-    print(f"\nmedians of {args.steps} steps per side, interleaved step by step ({args.threads} threads, "
-          f"{args.preset} context {preset.context}, batch {args.batch_size} x grad-accum {args.grad_accum}, "
-          f"{speed['flops_per_token'][args.precisions[0]] / 1e6:.1f} MFLOP/token):")
+    print(
+        f"\nmedians of {args.steps} steps per side, interleaved step by step ({args.threads} threads, "
+        f"{args.preset} context {preset.context}, batch {args.batch_size} x grad-accum {args.grad_accum}, "
+        f"{speed['flops_per_token'][args.precisions[0]] / 1e6:.1f} MFLOP/token):"
+    )
     for name, value in speed["medians"].items():
         best, cpu = speed["bests"][name], speed["cpu_medians"][name]
-        text = f"{value / 1e9:,.1f} GFLOP/s (best {best / 1e9:,.1f}; per CPU-s {cpu / 1e9:,.1f})" \
-            if name.startswith("matmul") else f"{value:,.0f} tok/s (best step {best:,.0f}; per CPU-s {cpu:,.0f})"
+        text = (
+            f"{value / 1e9:,.1f} GFLOP/s (best {best / 1e9:,.1f}; per CPU-s {cpu / 1e9:,.1f})"
+            if name.startswith("matmul")
+            else f"{value:,.0f} tok/s (best step {best:,.0f}; per CPU-s {cpu:,.0f})"
+        )
         print(f"  {name:<28} {text}")
     print_rows("ratios (speed, MFU)", rows)
     if stall:
         print_rows("checkpoint stall (medians)", stall_summary(stall))
     if args.json:
-        record = {"machine": facts, "argv": sys.argv[1:], "speed": speed, "speed_rows": rows,
-                  "stall": stall, "stall_rows": stall_summary(stall) if stall else None}
+        record = {
+            "machine": facts,
+            "argv": sys.argv[1:],
+            "speed": speed,
+            "speed_rows": rows,
+            "stall": stall,
+            "stall_rows": stall_summary(stall) if stall else None,
+        }
         with contextlib.suppress(FileNotFoundError):
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -42,15 +42,43 @@ LAYOUTS = {  # name: (world size 1's batch and accumulation, world size 2's)
 
 
 def options(corpus: Path, out: Path, precision: str, steps: int, batch: int, accum: int) -> list[str]:
-    return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "64",
-            "--batch-size", str(batch), "--grad-accum", str(accum), "--target-tokens", str(steps * GLOBAL_BLOCKS * 64),
-            "--precision", precision, "--threads", "1", "--eval-every", "0", "--save-every", "0", "--log-every", "1",
-            "--no-report", "--seed", "1337"]
+    return [
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--preset",
+        "tiny",
+        "--context",
+        "64",
+        "--batch-size",
+        str(batch),
+        "--grad-accum",
+        str(accum),
+        "--target-tokens",
+        str(steps * GLOBAL_BLOCKS * 64),
+        "--precision",
+        precision,
+        "--threads",
+        "1",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "0",
+        "--log-every",
+        "1",
+        "--no-report",
+        "--seed",
+        "1337",
+    ]
 
 
 def run(args: list[str], world: int) -> None:
-    launcher = [sys.executable, "train.py"] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "train.py"]
+    launcher = (
+        [sys.executable, "train.py"]
+        if world == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "train.py"]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run(launcher + args, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
 
@@ -121,8 +149,11 @@ def replay_step(training: train.Training, step: int, world: int) -> dict[str, li
 
 def parted(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, float]:
     """How many of the tensors differ at all, and the largest relative difference of one."""
-    differing = [(x.double() - y.double()).norm().item() / max(x.double().norm().item(), 1e-30)
-                 for x, y in zip(a, b) if not torch.equal(x, y)]
+    differing = [
+        (x.double() - y.double()).norm().item() / max(x.double().norm().item(), 1e-30)
+        for x, y in zip(a, b)
+        if not torch.equal(x, y)
+    ]
     return len(differing), max(differing, default=0.0)
 
 
@@ -137,21 +168,34 @@ def where_they_part(corpus: Path, work: Path, precision: str, steps: int) -> tup
         if step == 0:
             for stage in first:
                 count, largest = parted(first[stage], second[stage])
-                lines.append(f"  step 1 {stage:>8}: {count:>2} of {len(first[stage])} tensors differ, "
-                             f"largest relative difference {largest:.2e}")
-            flipped = {name: int((a.sign() != b.sign()).sum()) for name, a, b in
-                       zip([name for name, _ in one.model.named_parameters()], first["update"], second["update"])}
-            lines.append("  step 1 elements whose update changed sign: " + ", ".join(
-                f"{name} {count}" for name, count in flipped.items() if count) if any(flipped.values()) else "none")
+                lines.append(
+                    f"  step 1 {stage:>8}: {count:>2} of {len(first[stage])} tensors differ, "
+                    f"largest relative difference {largest:.2e}"
+                )
+            flipped = {
+                name: int((a.sign() != b.sign()).sum())
+                for name, a, b in zip(
+                    [name for name, _ in one.model.named_parameters()], first["update"], second["update"]
+                )
+            }
+            lines.append(
+                "  step 1 elements whose update changed sign: "
+                + ", ".join(f"{name} {count}" for name, count in flipped.items() if count)
+                if any(flipped.values())
+                else "none"
+            )
         growth.append(relative_difference(dict(enumerate(first["weights"])), dict(enumerate(second["weights"]))))
     lines.append("  weights apart after each step: " + " ".join(f"{value:.1e}" for value in growth))
     names = [name for name, _ in one.model.named_parameters()]
-    shares = {name: (a.double() - b.double()).square().sum().item()
-              for name, a, b in zip(names, first["weights"], second["weights"])}
+    shares = {
+        name: (a.double() - b.double()).square().sum().item()
+        for name, a, b in zip(names, first["weights"], second["weights"])
+    }
     total = sum(shares.values()) or 1.0
     top = sorted(shares, key=shares.get, reverse=True)[:3]
-    lines.append("  of the squared difference at the end: " + ", ".join(f"{name} {shares[name] / total:.0%}"
-                                                                    for name in top))
+    lines.append(
+        "  of the squared difference at the end: " + ", ".join(f"{name} {shares[name] / total:.0%}" for name in top)
+    )
     return lines, [{name: p.detach() for name, p in replayed.model.state_dict().items()} for replayed in (one, two)]
 
 
@@ -164,8 +208,9 @@ def main() -> None:
     torch.set_num_threads(1)
     corpus = args.work / "corpus"
     if not corpus.is_dir():
-        subprocess.run([sys.executable, "data.py", "--demo", "--out", str(corpus)], cwd=ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "data.py", "--demo", "--out", str(corpus)], cwd=ROOT, check=True, capture_output=True
+        )
     for precision in args.precisions:
         print(f"{precision}, {args.steps} steps, global batch {GLOBAL_BLOCKS} x 64 tokens")
         for name, value in end_to_end(corpus, args.work, precision, args.steps).items():
@@ -175,8 +220,10 @@ def main() -> None:
         for world, replayed in zip((1, 2), replays):
             real = final_weights(args.work / f"{precision}-same-micro-batch-ws{world}")
             same = all(torch.equal(real[name], replayed[name]) for name in real)
-            print(f"  the replay against the real world size {world} run: {'bitwise equal' if same else 'differs'}"
-                  f" ({relative_difference(real, replayed):.2e})")
+            print(
+                f"  the replay against the real world size {world} run: {'bitwise equal' if same else 'differs'}"
+                f" ({relative_difference(real, replayed):.2e})"
+            )
 
 
 if __name__ == "__main__":

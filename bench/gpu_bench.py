@@ -1,5 +1,6 @@
 """What every part of bench_gpu.py needs (`BenchContext`: the options, the rank, the corpus, the device's
 description, the budget) and the corpus of the step parts, built in its own process while the first parts run."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ class Corpus:
             self.folder = work / "corpus"
             self.log = work / "corpus.log"
             with open(self.log, "w") as log:
-                self.process = subprocess.Popen([sys.executable, str(ROOT / "data.py"), "--demo", "--out",
-                                                 str(self.folder)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                self.process = subprocess.Popen(
+                    [sys.executable, str(ROOT / "data.py"), "--demo", "--out", str(self.folder)],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
 
     def path(self) -> Path:
         if self.ready is None:
@@ -62,19 +67,43 @@ class BenchContext:
         self.precision = hardware.choose_precision("auto", self.device).value
         self.deadline = math.inf
 
-
     def time_up(self) -> bool:
         """Whether this part's deadline has passed (rank 0 decides for every rank)."""
         return distributed.broadcast_from_main(time.monotonic() > self.deadline, self.info)
 
-    def options(self, preset: str, precision: str, compiled: bool = False, batch_size: int = 8,
-                grad_accum: int = 1, out: Path | None = None, extra: list[str] | None = None):
+    def options(
+        self,
+        preset: str,
+        precision: str,
+        compiled: bool = False,
+        batch_size: int = 8,
+        grad_accum: int = 1,
+        out: Path | None = None,
+        extra: list[str] | None = None,
+    ):
         import train
 
-        argv = ["--data", str(self.corpus.path()), "--out", str(out or self.work / "unused"),
-                "--device", self.args.device, "--preset", preset, "--batch-size", str(batch_size),
-                "--grad-accum", str(grad_accum), "--precision", precision, "--epochs", "1000", "--warmup-steps", "10",
-                *(extra or [])]
+        argv = [
+            "--data",
+            str(self.corpus.path()),
+            "--out",
+            str(out or self.work / "unused"),
+            "--device",
+            self.args.device,
+            "--preset",
+            preset,
+            "--batch-size",
+            str(batch_size),
+            "--grad-accum",
+            str(grad_accum),
+            "--precision",
+            precision,
+            "--epochs",
+            "1000",
+            "--warmup-steps",
+            "10",
+            *(extra or []),
+        ]
         if self.args.context:
             argv += ["--context", str(self.args.context)]
         if compiled:

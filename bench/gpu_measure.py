@@ -1,5 +1,6 @@
 """bench_gpu.py's measuring tools: time on the device or the host, the optimizer's own steps, one profiled
 step split by category, Dynamo's compile counts."""
+
 from __future__ import annotations
 
 import contextlib
@@ -125,6 +126,7 @@ def optimizer_ranges(training):
         def call(*args, **kwargs):
             with torch.profiler.record_function("tinyllm.optimizer"):
                 return function(*args, **kwargs)
+
         return call
 
     clip = optimization.clip_gradients
@@ -153,9 +155,13 @@ def profile_step(training, device) -> dict:
     for name, microseconds, _ in items:
         by_name[name] = by_name.get(name, 0.0) + microseconds / 1000
     top = sorted(by_name.items(), key=lambda item: -item[1])[:10]
-    return {"split_ms": split, "unattributed_ms": unclaimed / 1000, "split_of": "kernels" if cuda else "cpu ops",
-            "top_ms": [[name[:120], round(ms, 3)] for name, ms in top],
-            **{f"attention_{key}": value for key, value in attention_kernels(list(by_name)).items()}}
+    return {
+        "split_ms": split,
+        "unattributed_ms": unclaimed / 1000,
+        "split_of": "kernels" if cuda else "cpu ops",
+        "top_ms": [[name[:120], round(ms, 3)] for name, ms in top],
+        **{f"attention_{key}": value for key, value in attention_kernels(list(by_name)).items()},
+    }
 
 
 class CompileWatch:
@@ -177,8 +183,10 @@ class CompileWatch:
     def counts(self) -> dict:
         from torch._dynamo.utils import counters
 
-        return {**compile_counts(self.ids, {key: dict(value) for key, value in counters.items()}),
-                "compile_starts": len(self.ids)}
+        return {
+            **compile_counts(self.ids, {key: dict(value) for key, value in counters.items()}),
+            "compile_starts": len(self.ids),
+        }
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

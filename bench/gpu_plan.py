@@ -1,6 +1,7 @@
 """bench_gpu.py's plan and its pure pieces: the parts and their estimates, the budget, which attention path
 runs on which card, realistic document lengths, kernel names by category, compile counts, GEMM shapes, loss
 curves (table-tested in tests/test_bench_gpu.py)."""
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,21 @@ THINK72_VOCAB = 33_069
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 # Seconds each part is expected to take at most (a T4's pace; an H200 is faster): a part starts only when
 # its estimate fits in what is left of --max-seconds, and its loops stop after twice its estimate.
-PART_SECONDS = {"versions": 5, "attention:kernels": 20, "attention:nan": 10, "attention:bench": 45,
-                "newton_schulz": 10, "roofline:gemm": 20, "roofline:copy": 5, "step:eager": 45,
-                "fp16_vs_bf16": 60, "step:compile": 150, "overflow": 20, "snapshot": 15, "resume": 30}
+PART_SECONDS = {
+    "versions": 5,
+    "attention:kernels": 20,
+    "attention:nan": 10,
+    "attention:bench": 45,
+    "newton_schulz": 10,
+    "roofline:gemm": 20,
+    "roofline:copy": 5,
+    "step:eager": 45,
+    "fp16_vs_bf16": 60,
+    "step:compile": 150,
+    "overflow": 20,
+    "snapshot": 15,
+    "resume": 30,
+}
 ATTENTION_PATHS = ("masked sdpa", "flash varlen", "efficient varlen", "causal flash", "causal efficient")
 # Document lengths of a web-text-like corpus: log-normal, median 400 tokens (mean ~660; most documents
 # shorter than a context, a tail of long ones cut across rows, as --packing masked cuts the stream).
@@ -36,9 +49,14 @@ CATEGORIES = ("matmul", "attention", "elementwise", "optimizer", "communication"
 CATEGORY_PATTERNS = [
     ("communication", re.compile(r"nccl|all_?reduce|allgather|all_gather|broadcast|c10d|gloo")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|_sdp_|mha_")),
-    ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|nvjet|xmma|wgmma|hmma|s1688|s16816|s884|splitk|"
-                          r"triton_tem_fused_(?:addmm|mm|bmm)|^aten::(?:mm|addmm|bmm|baddbmm|matmul|linear|"
-                          r"_addmm_activation)$")),
+    (
+        "matmul",
+        re.compile(
+            r"gemm|gemv|cutlass|cublas|nvjet|xmma|wgmma|hmma|s1688|s16816|s884|splitk|"
+            r"triton_tem_fused_(?:addmm|mm|bmm)|^aten::(?:mm|addmm|bmm|baddbmm|matmul|linear|"
+            r"_addmm_activation)$"
+        ),
+    ),
 ]
 OPTIMIZER_RANGES = ("Optimizer.step", "Optimizer.zero_grad", "tinyllm.optimizer")
 # Substrings of the profiler's op and kernel names that belong to attention (lower case), by kernel.
@@ -68,8 +86,15 @@ def parse_shape(text: str) -> tuple[int, int]:
 def plan_parts(batch_sizes: list[int], modes: list[str], only: list[str] | None = None) -> list[str]:
     """Part names in running order (importance first): the cheap answers, the eager steps, the precision
     comparison, the compiled steps, then the checks. `only`: the names starting with one of these."""
-    parts = ["versions", "attention:kernels", "attention:nan", "attention:bench", "newton_schulz",
-             "roofline:gemm", "roofline:copy"]
+    parts = [
+        "versions",
+        "attention:kernels",
+        "attention:nan",
+        "attention:bench",
+        "newton_schulz",
+        "roofline:gemm",
+        "roofline:copy",
+    ]
     if "eager" in modes:
         parts += [f"step:eager:{size}" for size in batch_sizes]
     parts.append("fp16_vs_bf16")
@@ -105,8 +130,9 @@ def attention_path_problem(path: str, device: hardware.Device, precision: str, h
     return None
 
 
-def sample_segments(rows: int, context: int, seed: int, median: float = DOCUMENT_MEDIAN,
-                    sigma: float = DOCUMENT_SIGMA) -> np.ndarray:
+def sample_segments(
+    rows: int, context: int, seed: int, median: float = DOCUMENT_MEDIAN, sigma: float = DOCUMENT_SIGMA
+) -> np.ndarray:
     """(rows, context) int32 segments as --packing masked's blocks carry them: a stream of documents of
     log-normal lengths (median `median` tokens, at least 1) cut into rows of `context` tokens from a random
     offset into the first, each row's documents numbered from 0."""
@@ -120,7 +146,7 @@ def sample_segments(rows: int, context: int, seed: int, median: float = DOCUMENT
         total += int(drawn.sum())
     lengths_all = np.concatenate(lengths)
     offset = int(rng.integers(0, lengths_all[0]))
-    stream = np.repeat(np.arange(lengths_all.size, dtype=np.int64), lengths_all)[offset:offset + needed]
+    stream = np.repeat(np.arange(lengths_all.size, dtype=np.int64), lengths_all)[offset : offset + needed]
     blocks = stream.reshape(rows, context)
     return (blocks - blocks[:, :1]).astype(np.int32)
 
@@ -159,10 +185,13 @@ def compile_counts(compile_ids: list[str], counters: dict) -> dict:
         if found:
             pairs.add((int(found.group(1)), int(found.group(2))))
     breaks = counters.get("graph_break", {})
-    return {"frames_compiled": len(pairs), "recompiles": sum(1 for _, again in pairs if again > 0),
-            "graph_breaks": int(sum(breaks.values())),
-            "graph_break_reasons": [reason.strip().splitlines()[0][:160] for reason in list(breaks)[:5]],
-            "unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0))}
+    return {
+        "frames_compiled": len(pairs),
+        "recompiles": sum(1 for _, again in pairs if again > 0),
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": [reason.strip().splitlines()[0][:160] for reason in list(breaks)[:5]],
+        "unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+    }
 
 
 def gemm_shapes(preset: model_config.Preset, vocab: int, tokens: int) -> list[tuple[str, int, int, int, int]]:
@@ -171,20 +200,30 @@ def gemm_shapes(preset: model_config.Preset, vocab: int, tokens: int) -> list[tu
     weight gradient (n x tokens x k); q, k, v, o, gate, up, down in every layer, and the LM head over
     one chunk of the loss (hardware.logits_chunk_tokens) as many times as the tokens need."""
     q, kv = preset.heads * preset.head_dim, preset.kv_heads * preset.head_dim
-    linears = [("q", preset.hidden, q, 1), ("k/v", preset.hidden, kv, 2), ("o", q, preset.hidden, 1),
-               ("gate/up", preset.hidden, preset.intermediate, 2), ("down", preset.intermediate, preset.hidden, 1)]
+    linears = [
+        ("q", preset.hidden, q, 1),
+        ("k/v", preset.hidden, kv, 2),
+        ("o", q, preset.hidden, 1),
+        ("gate/up", preset.hidden, preset.intermediate, 2),
+        ("down", preset.intermediate, preset.hidden, 1),
+    ]
     shapes = []
     for name, k, n, count in linears:
         per_step = count * preset.layers
-        shapes += [(f"{name} forward", tokens, k, n, per_step), (f"{name} input grad", tokens, n, k, per_step),
-                   (f"{name} weight grad", n, tokens, k, per_step)]
+        shapes += [
+            (f"{name} forward", tokens, k, n, per_step),
+            (f"{name} input grad", tokens, n, k, per_step),
+            (f"{name} weight grad", n, tokens, k, per_step),
+        ]
     chunk = min(tokens, hardware.logits_chunk_tokens(vocab))
     pieces = [(chunk, tokens // chunk)] + ([(tokens % chunk, 1)] if tokens % chunk else [])
     for rows, count in pieces:
         last = " (last chunk)" if rows != chunk else ""
-        shapes += [(f"lm head forward{last}", rows, preset.hidden, vocab, count),
-                   (f"lm head input grad{last}", rows, vocab, preset.hidden, count),
-                   (f"lm head weight grad{last}", vocab, rows, preset.hidden, count)]
+        shapes += [
+            (f"lm head forward{last}", rows, preset.hidden, vocab, count),
+            (f"lm head input grad{last}", rows, vocab, preset.hidden, count),
+            (f"lm head weight grad{last}", vocab, rows, preset.hidden, count),
+        ]
     return shapes
 
 
@@ -223,6 +262,11 @@ def curves_close(first: list[float], second: list[float], window: int = 10) -> d
     running = np.abs(np.convolve(a, kernel, "valid") - np.convolve(b, kernel, "valid"))
     last_a, last_b = float(a[-window:].mean()), float(b[-window:].mean())
     relative = abs(last_a - last_b) / max(abs(last_a), 1e-12)
-    return {"steps": steps, "last_mean_first": last_a, "last_mean_second": last_b,
-            "last_relative_difference": relative, "max_running_mean_difference": float(running.max()),
-            "close": relative <= 0.02}
+    return {
+        "steps": steps,
+        "last_mean_first": last_a,
+        "last_mean_second": last_b,
+        "last_relative_difference": relative,
+        "max_running_mean_difference": float(running.max()),
+        "close": relative <= 0.02,
+    }

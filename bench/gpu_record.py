@@ -1,5 +1,6 @@
 """bench_gpu.py's record: every part in its own try/except, its outcome in the JSON (rewritten after each part)
 and the events' JSONL, on rank 0."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,14 @@ class Recorder:
 
     def event(self, **fields) -> None:
         if self.events:
-            append_jsonl(self.events, {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                                       "elapsed_seconds": round(self.elapsed(), 1), **fields})
+            append_jsonl(
+                self.events,
+                {
+                    "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    "elapsed_seconds": round(self.elapsed(), 1),
+                    **fields,
+                },
+            )
 
     def log(self, message: str) -> None:
         if self.info.is_main:
@@ -75,9 +82,12 @@ class Recorder:
         parts = self.record["parts"]
         estimate = part_seconds(name)
         if not self.fits(estimate):
-            outcome = {"status": "skipped", "reason": f"--max-seconds {self.args.max_seconds:g}: "
-                                                      f"{max(0.0, self.args.max_seconds - self.elapsed()):.0f} s "
-                                                      f"left, {estimate:g} s estimated"}
+            outcome = {
+                "status": "skipped",
+                "reason": f"--max-seconds {self.args.max_seconds:g}: "
+                f"{max(0.0, self.args.max_seconds - self.elapsed()):.0f} s "
+                f"left, {estimate:g} s estimated",
+            }
             parts[name] = outcome
             self.event(part=name, **outcome)
             self.save()
@@ -132,8 +142,11 @@ class Recorder:
 def summary(outcome: dict) -> str:
     if outcome["status"] in ("error", "oom"):
         return f"{outcome['status']}: {outcome.get('error')} ({outcome.get('seconds')} s)"
-    shown = {key: value for key, value in outcome.items() if isinstance(value, (int, float, str, bool))
-             and key not in ("status",)}
+    shown = {
+        key: value
+        for key, value in outcome.items()
+        if isinstance(value, (int, float, str, bool)) and key not in ("status",)
+    }
     text = ", ".join(f"{key} {format_value(value)}" for key, value in list(shown.items())[:10])
     return f"{outcome['status']}: {text}"
 

@@ -1,5 +1,6 @@
 """bench_gpu.py's roofline parts: the rates the roofline assumes, measured (Newton-Schulz per dtype, the
 preset's GEMMs, a square matmul, copy and add bandwidth)."""
+
 from __future__ import annotations
 
 import statistics
@@ -33,16 +34,26 @@ class RooflineParts:
         generator = torch.Generator(device=self.info.device).manual_seed(0)
         grads = [torch.randn(*shape, device=self.info.device, generator=generator) for shape in shapes]
         references = [muon.newton_schulz(grad, torch.float64, coefficients, DEFAULT_NS_STEPS, EPS) for grad in grads]
-        result = {"preset": self.args.preset, "matrices": len(shapes), "flops_per_step": flops,
-                  "train_dtype": hardware.newton_schulz_dtype(self.device), "dtypes": {}}
+        result = {
+            "preset": self.args.preset,
+            "matrices": len(shapes),
+            "flops_per_step": flops,
+            "train_dtype": hardware.newton_schulz_dtype(self.device),
+            "dtypes": {},
+        }
         for name in ("fp16", "bf16", "fp32"):
             dtype = self.dtype(name)
-            run = lambda dtype=dtype: [muon.newton_schulz(grad, dtype, coefficients, DEFAULT_NS_STEPS, EPS)  # noqa: E731
-                                       for grad in grads]
+            run = lambda dtype=dtype: [  # noqa: E731
+                muon.newton_schulz(grad, dtype, coefficients, DEFAULT_NS_STEPS, EPS) for grad in grads
+            ]
             seconds = time_on_device(run, self.info.device, self.args.repeats)
             errors = [(out.double() - ref).norm().item() / ref.norm().item() for out, ref in zip(run(), references)]
-            result["dtypes"][name] = {"ms": 1000 * seconds, "tflops": flops / seconds / 1e12,
-                                      "max_relative_error": max(errors), "mean_relative_error": statistics.mean(errors)}
+            result["dtypes"][name] = {
+                "ms": 1000 * seconds,
+                "tflops": flops / seconds / 1e12,
+                "max_relative_error": max(errors),
+                "mean_relative_error": statistics.mean(errors),
+            }
             self.recorder.partial(result)
         return result
 
@@ -69,16 +80,26 @@ class RooflineParts:
             flops = 2 * m * k * n
             total_flops += flops * count
             total_seconds += seconds * count
-            result["shapes"].append({"name": name, "m": m, "k": k, "n": n, "count": count, "ms": 1000 * seconds,
-                                     "tflops": flops / seconds / 1e12})
+            result["shapes"].append(
+                {
+                    "name": name,
+                    "m": m,
+                    "k": k,
+                    "n": n,
+                    "count": count,
+                    "ms": 1000 * seconds,
+                    "tflops": flops / seconds / 1e12,
+                }
+            )
             del a, b
         result["weighted_tflops"] = total_flops / total_seconds / 1e12
         result["gemm_ms_per_micro_step"] = 1000 * total_seconds
         size = self.args.matmul_size
         a, b = rand(size, size), rand(size, size)
         result["square_size"] = size
-        result["square_tflops"] = 2 * size**3 / time_on_device(lambda: torch.mm(a, b), self.info.device,
-                                                               self.args.repeats) / 1e12
+        result["square_tflops"] = (
+            2 * size**3 / time_on_device(lambda: torch.mm(a, b), self.info.device, self.args.repeats) / 1e12
+        )
         return result
 
     def copy(self) -> dict:

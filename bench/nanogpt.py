@@ -13,6 +13,7 @@ clipping and the loss (losses.language_model_loss, which reads `model.model(...)
 stay train.py's, so the two models see the same tokens in the same order. Document attention is kept:
 the blocks take train_data.Batch's positions and block-diagonal mask as the Qwen3 model does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,12 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> SimpleNamespace:
         if position_ids is None:
             position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(position_ids)
@@ -88,11 +93,17 @@ def build_optimizers(model: GPT, recipe: optimization.Recipe) -> optimization.Op
     blocks = [param for name, param in model.named_parameters() if ".layers." in name and param.ndim == 2]
     embeddings = [model.model.wte.weight, model.model.wpe.weight]
     norms = [param for name, param in model.named_parameters() if param.ndim == 1]
-    parts = {"muon": torch.optim.Muon(blocks, lr=recipe.muon_lr, weight_decay=recipe.weight_decay,
-                                      momentum=recipe.muon_momentum, nesterov=True),
-             "adamw": torch.optim.AdamW([{"params": embeddings, "weight_decay": recipe.weight_decay},
-                                         {"params": norms, "weight_decay": 0.0}],
-                                        lr=recipe.lr, betas=recipe.betas, eps=1e-8)}
+    parts = {
+        "muon": torch.optim.Muon(
+            blocks, lr=recipe.muon_lr, weight_decay=recipe.weight_decay, momentum=recipe.muon_momentum, nesterov=True
+        ),
+        "adamw": torch.optim.AdamW(
+            [{"params": embeddings, "weight_decay": recipe.weight_decay}, {"params": norms, "weight_decay": 0.0}],
+            lr=recipe.lr,
+            betas=recipe.betas,
+            eps=1e-8,
+        ),
+    }
     for optimizer in parts.values():
         for group in optimizer.param_groups:
             group["peak_lr"] = group["lr"]

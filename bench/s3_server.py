@@ -29,8 +29,12 @@ def start_s3_server(port: int, log_path: Path | None = None, pin: bool = False) 
             os.sched_setaffinity(0, set(range(1, os.cpu_count())))
 
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, preexec_fn=lower_priority)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lower_priority,
+    )
     if log_path:
         log.close()
     deadline = time.monotonic() + 60

@@ -117,5 +117,7 @@ def pytest_report_header(config):
                 break
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
     present = [flag for flag in wanted if flag in flags] or ["none of " + ", ".join(wanted)]
-    return (f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"CPU features: {' '.join(present)}")
+    return (
+        f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"CPU features: {' '.join(present)}"
+    )

@@ -29,8 +29,10 @@ def can_mount() -> bool:
     if os.geteuid() != 0:
         return False
     with tempfile.TemporaryDirectory() as scratch:
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", scratch],
-                          capture_output=True).returncode != 0:
+        if (
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", scratch], capture_output=True).returncode
+            != 0
+        ):
             return False
         subprocess.run(["umount", scratch], capture_output=True)
     return True

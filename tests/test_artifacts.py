@@ -32,9 +32,12 @@ def tiny(tmp_path_factory):
     corpus = tmp_path_factory.mktemp("artifacts") / "corpus"
     tokenizer, _ = data.train_tokenizer([" ".join(WORDS)] * 20, 300, corpus / "tokenizer")
     (corpus / "eval").mkdir()
-    (corpus / "eval" / "addition.jsonl").write_text("".join(
-        json.dumps({"prompt": f"What is {a} plus 2?", "answer": str(a + 2), "task": "addition"}) + "\n"
-        for a in (1, 2)))
+    (corpus / "eval" / "addition.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {a} plus 2?", "answer": str(a + 2), "task": "addition"}) + "\n"
+            for a in (1, 2)
+        )
+    )
     torch.manual_seed(0)
     return model_config.build_model(model_config.PRESETS["tiny"], len(tokenizer)).eval(), corpus
 
@@ -51,8 +54,9 @@ def run_folder(tmp_path: Path) -> tuple[Path, metrics_log.MetricsLog]:
 def end_of(tiny, out: Path, metrics, status: str = store.COMPLETE, corpus: Path | None = None) -> dict:
     model, tiny_corpus = tiny
     facts = artifacts.RunFacts(out, corpus or tiny_corpus, "tiny", SETTINGS, generation.GREEDY, "cpu")
-    end = callbacks.RunEnd(status, 4, 4 if status == store.COMPLETE else 8, 400,
-                           {"step": 4, "loss": 1.5, "perplexity": 4.48}, None)
+    end = callbacks.RunEnd(
+        status, 4, 4 if status == store.COMPLETE else 8, 400, {"step": 4, "loss": 1.5, "perplexity": 4.48}, None
+    )
     return callbacks.Callbacks(artifacts.end_of_run(model, facts, metrics)).on_end(end)
 
 
@@ -84,8 +88,9 @@ def test_a_resumable_stop_draws_the_curve_and_exports_but_neither_samples_nor_sc
     assert not [r for r in metrics_log.read_metrics(out / "metrics.jsonl") if r["kind"] == "samples"]
 
 
-def test_a_failure_is_recorded_under_its_name_and_the_other_artifacts_are_still_made(tiny, tmp_path, monkeypatch,
-                                                                                       capsys):
+def test_a_failure_is_recorded_under_its_name_and_the_other_artifacts_are_still_made(
+    tiny, tmp_path, monkeypatch, capsys
+):
     def broken(*args, **kwargs):
         raise RuntimeError("no canvas")
 
@@ -109,8 +114,11 @@ def test_the_curve_is_redrawn_after_each_evaluation_and_a_failure_is_a_warning_l
     lines = []
     progress = type("Progress", (), {"write": lambda self, message: lines.append(message)})()
     facts = artifacts.RunFacts(out, tiny[1], "tiny", SETTINGS, generation.GREEDY, "cpu")
-    curve = next(item for item in artifacts.end_of_run(tiny[0], facts, metrics, progress)
-                 if isinstance(item, artifacts.LossCurve))
+    curve = next(
+        item
+        for item in artifacts.end_of_run(tiny[0], facts, metrics, progress)
+        if isinstance(item, artifacts.LossCurve)
+    )
     curve.on_evaluated(4, [callbacks.Measured("validation")])
     assert (out / "loss_curve.png").is_file() and lines == []
     monkeypatch.setattr(metrics_log, "plot_loss_curve", lambda *args, **kwargs: 1 / 0)

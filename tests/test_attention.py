@@ -40,18 +40,22 @@ def test_a_batch_of_whole_rows_has_no_boundary():
 
 def test_the_document_mask_is_the_hand_built_block_diagonal_causal_one():
     segments = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
-    first = [[1, 0, 0, 0, 0, 0],
-             [1, 1, 0, 0, 0, 0],
-             [1, 1, 1, 0, 0, 0],
-             [0, 0, 0, 1, 0, 0],
-             [0, 0, 0, 1, 1, 0],
-             [0, 0, 0, 0, 0, 1]]
-    second = [[1, 0, 0, 0, 0, 0],
-              [0, 1, 0, 0, 0, 0],
-              [0, 1, 1, 0, 0, 0],
-              [0, 1, 1, 1, 0, 0],
-              [0, 1, 1, 1, 1, 0],
-              [0, 1, 1, 1, 1, 1]]
+    first = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    second = [
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],
+        [0, 1, 1, 1, 1, 0],
+        [0, 1, 1, 1, 1, 1],
+    ]
     mask = attention.document_mask(segments)
     assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
     assert mask[:, 0].int().tolist() == [first, second]
@@ -84,8 +88,12 @@ PLANS = [
 @pytest.mark.parametrize("device, precision, head_dim, documents, causal, implementation, backends", PLANS)
 def test_the_kernels_of_every_card(device, precision, head_dim, documents, causal, implementation, backends):
     plan = attention.choose_attention(device, precision, head_dim)
-    assert (plan.documents, plan.causal, plan.implementation, plan.backends) == (documents, causal, implementation,
-                                                                                 backends)
+    assert (plan.documents, plan.causal, plan.implementation, plan.backends) == (
+        documents,
+        causal,
+        implementation,
+        backends,
+    )
     assert plan.fused == (implementation != attention.MASKED)
     assert precision in plan.reason or not device.is_cuda
 
@@ -94,28 +102,69 @@ def test_the_kernels_of_every_card(device, precision, head_dim, documents, causa
 # and aten._efficient_attention_forward (torchgen/packaged/ATen/native/native_functions.yaml of torch 2.9.0,
 # 2.10.0, 2.11.0, 2.12.0 and 2.13.0), and the arguments of torch.nn.attention.varlen.varlen_attn
 # (torch/nn/attention/varlen.py), which wraps the flash pair and which the code does not call for that reason.
-FLASH_ARGUMENTS = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
-                   "return_debug_mask", "scale", "window_size_left", "window_size_right", "seqused_k", "alibi_slopes"]
-EFFICIENT_ARGUMENTS = ["query", "key", "value", "bias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                       "dropout_p", "custom_mask_type", "compute_log_sumexp", "scale", "seqlen_k", "window_size"]
+FLASH_ARGUMENTS = [
+    "query",
+    "key",
+    "value",
+    "cum_seq_q",
+    "cum_seq_k",
+    "max_q",
+    "max_k",
+    "dropout_p",
+    "is_causal",
+    "return_debug_mask",
+    "scale",
+    "window_size_left",
+    "window_size_right",
+    "seqused_k",
+    "alibi_slopes",
+]
+EFFICIENT_ARGUMENTS = [
+    "query",
+    "key",
+    "value",
+    "bias",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "dropout_p",
+    "custom_mask_type",
+    "compute_log_sumexp",
+    "scale",
+    "seqlen_k",
+    "window_size",
+]
 VARLEN_ATTN = ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k"]
 RELEASES = {  # release: (flash forward's arguments, efficient forward's, varlen_attn's or None)
     "2.9": (FLASH_ARGUMENTS, EFFICIENT_ARGUMENTS, None),
     "2.10": (FLASH_ARGUMENTS, EFFICIENT_ARGUMENTS, VARLEN_ATTN + ["is_causal", "return_aux"]),
     "2.11": (FLASH_ARGUMENTS, EFFICIENT_ARGUMENTS, VARLEN_ATTN + ["return_aux", "scale", "window_size"]),
-    "2.12": (FLASH_ARGUMENTS + ["block_table", "num_splits"], EFFICIENT_ARGUMENTS,
-             VARLEN_ATTN + ["return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
-                            "num_splits"]),
-    "2.13": (FLASH_ARGUMENTS + ["block_table", "num_splits"], EFFICIENT_ARGUMENTS,
-             VARLEN_ATTN + ["return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table",
-                            "num_splits"]),
+    "2.12": (
+        FLASH_ARGUMENTS + ["block_table", "num_splits"],
+        EFFICIENT_ARGUMENTS,
+        VARLEN_ATTN + ["return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"],
+    ),
+    "2.13": (
+        FLASH_ARGUMENTS + ["block_table", "num_splits"],
+        EFFICIENT_ARGUMENTS,
+        VARLEN_ATTN + ["return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"],
+    ),
 }
 # card, precision, head_dim -> the documents kernel on every release's CUDA wheel
-RELEASE_PLANS = [(T4, "fp16", "efficient varlen"), (V100, "fp16", "efficient varlen"),
-                 (P100, "fp16", "efficient varlen"), (T4, "bf16", "masked math"),
-                 (A10, "bf16", "flash varlen"), (L4, "bf16", "flash varlen"), (A100, "bf16", "flash varlen"),
-                 (A100, "fp16", "flash varlen"), (A100, "fp32", "efficient varlen"), (H100, "bf16", "flash varlen"),
-                 (H200, "bf16", "flash varlen")]
+RELEASE_PLANS = [
+    (T4, "fp16", "efficient varlen"),
+    (V100, "fp16", "efficient varlen"),
+    (P100, "fp16", "efficient varlen"),
+    (T4, "bf16", "masked math"),
+    (A10, "bf16", "flash varlen"),
+    (L4, "bf16", "flash varlen"),
+    (A100, "bf16", "flash varlen"),
+    (A100, "fp16", "flash varlen"),
+    (A100, "fp32", "efficient varlen"),
+    (H100, "bf16", "flash varlen"),
+    (H200, "bf16", "flash varlen"),
+]
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -138,12 +187,17 @@ def test_every_release_of_torch_gets_the_per_document_kernels(release):
 def test_an_sm80_card_without_flash_varlen_takes_the_memory_efficient_one(device):
     """A torch built without flash attention (torch.backends.cuda.is_flash_attention_available() False), or
     one whose flash op took no cu_seqlens: the memory-efficient varlen, which runs on sm_80+, not the square."""
-    for offered in (attention.kernels_of("2.13", FLASH_ARGUMENTS, EFFICIENT_ARGUMENTS, flash_built=False),
-                    attention.kernels_of("old", ["query", "key", "value"], EFFICIENT_ARGUMENTS, flash_built=True)):
+    for offered in (
+        attention.kernels_of("2.13", FLASH_ARGUMENTS, EFFICIENT_ARGUMENTS, flash_built=False),
+        attention.kernels_of("old", ["query", "key", "value"], EFFICIENT_ARGUMENTS, flash_built=True),
+    ):
         assert not offered.flash_varlen and offered.efficient_varlen
         plan = attention.choose_attention(device, "bf16", 128, offered)
-        assert (plan.documents, plan.implementation, plan.backends) == ("efficient varlen", attention.EFFICIENT,
-                                                                       ("efficient",))
+        assert (plan.documents, plan.implementation, plan.backends) == (
+            "efficient varlen",
+            attention.EFFICIENT,
+            ("efficient",),
+        )
     neither = attention.kernels_of("none", None, None, flash_built=False)
     plan = attention.choose_attention(device, "bf16", 128, neither)
     assert plan.documents == "masked math" and plan.backends == ("math",)
@@ -180,8 +234,16 @@ def test_cudnn_is_never_handed_a_mask(device, context):
         assert problem.startswith(f"--context {context}: cuDNN") and "196678" in problem and "\n" not in problem
 
 
-@pytest.mark.parametrize("kernel, ratio", [("flash varlen", 1.0), ("efficient varlen", 1.0),
-                                           ("masked cpu flash", None), ("masked math", None), ("flash", None)])
+@pytest.mark.parametrize(
+    "kernel, ratio",
+    [
+        ("flash varlen", 1.0),
+        ("efficient varlen", 1.0),
+        ("masked cpu flash", None),
+        ("masked math", None),
+        ("flash", None),
+    ],
+)
 def test_attention_flops_count_what_each_kernel_computes(kernel, ratio):
     lengths = [300, 500, 224]
     per_document = attention.attention_flops("flash varlen", lengths, 1024, 8, 128)
@@ -344,10 +406,18 @@ def kernel_calls(calls, names):
     return [(name, args, kwargs) for name, args, kwargs in calls if name in names]
 
 
-ATTENTION_OPS = {"tinyllm.flash_varlen", "tinyllm.efficient_varlen", "torch_attn._varlen_attn",
-                 "aten._efficient_attention_forward", "aten._flash_attention_forward", "F.scaled_dot_product_attention",
-                 "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
-                 "aten._scaled_dot_product_cudnn_attention", "aten.bmm"}
+ATTENTION_OPS = {
+    "tinyllm.flash_varlen",
+    "tinyllm.efficient_varlen",
+    "torch_attn._varlen_attn",
+    "aten._efficient_attention_forward",
+    "aten._flash_attention_forward",
+    "F.scaled_dot_product_attention",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten.bmm",
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -406,7 +476,8 @@ def test_the_flash_op_calls_torchs_flash_varlen_kernel_on_cuda():
         for real, declared in zip((output, lse), fake):  # register_fake says what the kernel returns
             assert (real.shape, real.dtype, real.stride()) == (declared.shape, declared.dtype, declared.stride())
     [(forward, args, kwargs), (backward, back_args, back_kwargs)] = kernel_calls(
-        log.calls, {"aten._flash_attention_forward", "aten._flash_attention_backward"})
+        log.calls, {"aten._flash_attention_forward", "aten._flash_attention_backward"}
+    )
     assert forward == "aten._flash_attention_forward" and args[0] is query and args[1] is key  # grouped heads
     assert args[3] is args[4] is cu_seqlens and args[5:10] == (500, 500, 0.0, True, False)
     assert kwargs == {"scale": 0.125}
@@ -425,13 +496,15 @@ def test_the_efficient_op_calls_torchs_memory_efficient_kernel_on_cuda():
         fake = torch.ops.tinyllm.efficient_varlen(query, key, value, cu_seqlens, longest, 0.125)
         with GlueLog() as log:
             output, lse = varlen_ops._efficient_cuda(query, key, value, cu_seqlens, longest, 0.125)
-            grads = varlen_ops._efficient_backward_cuda(output, query, key, value, output, lse, cu_seqlens, longest,
-                                                        0.125)
+            grads = varlen_ops._efficient_backward_cuda(
+                output, query, key, value, output, lse, cu_seqlens, longest, 0.125
+            )
         for real, declared in zip((output, lse), fake):
             assert (real.shape, real.dtype, real.stride()) == (declared.shape, declared.dtype, declared.stride())
         assert lse.shape == (6, 8, 512)  # documents, heads, the longest (500) padded to a multiple of 32
     [(forward, args, kwargs), (backward, back_args, back_kwargs)] = kernel_calls(
-        log.calls, {"aten._efficient_attention_forward", "aten._efficient_attention_backward"})
+        log.calls, {"aten._efficient_attention_forward", "aten._efficient_attention_backward"}
+    )
     assert forward == "aten._efficient_attention_forward" and args[0] is query and args[3] is None
     assert args[4] is args[5] is cu_seqlens and args[6:11] == (500, 500, 0.0, 1, True)  # 1: causal, top left
     assert kwargs == {"scale": 0.125}
@@ -460,8 +533,11 @@ def test_the_varlen_ops_run_forward_and_backward_on_fake_cuda_tensors(implementa
     names = {name for name, _, _ in log.calls}
     prefix = "tinyllm.flash_varlen" if implementation == attention.FLASH else "tinyllm.efficient_varlen"
     assert {prefix, prefix + "_backward"} <= names
-    assert not {name for name in names if name.startswith("aten._efficient_attention")
-                or name.startswith("aten._flash_attention")}
+    assert not {
+        name
+        for name in names
+        if name.startswith("aten._efficient_attention") or name.startswith("aten._flash_attention")
+    }
 
 
 @pytest.mark.parametrize("implementation, repeated", [(attention.FLASH, False), (attention.EFFICIENT, True)])
@@ -485,10 +561,15 @@ def test_ddp_moves_a_batchs_documents_whole():
     assert torch.equal(moved.cu_seqlens, documents.cu_seqlens) and reduction == "mean"
 
 
-@pytest.mark.parametrize("error", [RuntimeError("No available kernel. Aborting execution.\nmore detail"),
-                                   TypeError("varlen_attn() got an unexpected keyword argument 'scale'"),
-                                   ImportError("No module named 'torch.nn.attention.varlen'")],
-                         ids=["RuntimeError", "TypeError", "ImportError"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("No available kernel. Aborting execution.\nmore detail"),
+        TypeError("varlen_attn() got an unexpected keyword argument 'scale'"),
+        ImportError("No module named 'torch.nn.attention.varlen'"),
+    ],
+    ids=["RuntimeError", "TypeError", "ImportError"],
+)
 def test_a_plan_whose_kernel_refuses_the_model_falls_back_to_the_named_masked_kernels(error):
     """Whatever a refusing kernel raises, the run falls back to the masked path with SDPA restricted to
     memory-efficient, then math: never cuDNN with a mask (pytorch #196678), and the label says so."""
@@ -530,18 +611,24 @@ def test_a_refused_flash_varlen_gives_way_to_the_memory_efficient_varlen_not_the
     kernels, label, warning, in_effect = attention.apply_attention_plan(model, flash, flash_refuses, [efficient])
     assert probed == [attention.FLASH, attention.EFFICIENT] and in_effect == efficient
     assert model.config._attn_implementation == attention.EFFICIENT and label == efficient.label()
-    assert warning == ("the planned flash varlen / flash attention does not take this model (RuntimeError: "
-                       "FlashAttention only supports Ampere GPUs or newer.); attention uses efficient varlen")
+    assert warning == (
+        "the planned flash varlen / flash attention does not take this model (RuntimeError: "
+        "FlashAttention only supports Ampere GPUs or newer.); attention uses efficient varlen"
+    )
 
     def both_refuse(kernels):
         raise RuntimeError(f"{model.config._attn_implementation} refuses")
 
     kernels, label, warning, in_effect = attention.apply_attention_plan(model, flash, both_refuse, [efficient])
     assert in_effect == attention.MASKED_FALLBACK and model.config._attn_implementation == attention.MASKED
-    assert warning.startswith("the planned flash varlen / flash attention does not take this model (RuntimeError: "
-                              f"{attention.FLASH} refuses); the planned efficient varlen / efficient attention")
-    assert warning.endswith("attention uses the slower masked kernels (SDPA restricted to memory-efficient, then "
-                            "math; never cuDNN with a mask)")
+    assert warning.startswith(
+        "the planned flash varlen / flash attention does not take this model (RuntimeError: "
+        f"{attention.FLASH} refuses); the planned efficient varlen / efficient attention"
+    )
+    assert warning.endswith(
+        "attention uses the slower masked kernels (SDPA restricted to memory-efficient, then "
+        "math; never cuDNN with a mask)"
+    )
     assert [plan.documents for plan in attention.attention_plans(T4, "fp16", 128)] == ["efficient varlen"]
     assert [plan.documents for plan in attention.attention_plans(T4, "bf16", 128)] == ["masked math"]
 
@@ -562,8 +649,15 @@ def test_running_out_of_memory_in_the_probe_is_no_refusal():
 
 def test_every_plan_names_kernels_of_the_table():
     """Every label a plan, the fallback or bench/ uses is a kernel record; what it takes and computes."""
-    labels = {attention.MASKED_FALLBACK.documents, attention.MASKED_FALLBACK.causal, "masked sdpa", "masked flash",
-              "masked efficient", "causal flash", "causal efficient"}
+    labels = {
+        attention.MASKED_FALLBACK.documents,
+        attention.MASKED_FALLBACK.causal,
+        "masked sdpa",
+        "masked flash",
+        "masked efficient",
+        "causal flash",
+        "causal efficient",
+    }
     for device in (CPU, *CARDS):
         for precision in ("fp16", "bf16", "fp32"):
             for head_dim in (64, 100, 128, 512):
@@ -583,8 +677,10 @@ def test_every_plan_names_kernels_of_the_table():
 
 def test_the_varlen_records_hold_their_logsumexp_and_the_masked_ones_the_square():
     preset = model_config.PRESETS["think72"]
-    held = {name: attention.kernel(name).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, 8, 1024, 2, 14)
-            for name in ("flash varlen", "efficient varlen", "masked cpu flash", "masked math", "flash")}
+    held = {
+        name: attention.kernel(name).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, 8, 1024, 2, 14)
+        for name in ("flash varlen", "efficient varlen", "masked cpu flash", "masked math", "flash")
+    }
     tokens = 8 * 1024
     assert held["flash varlen"] == 14 * tokens * 4 * 8
     assert held["efficient varlen"] == 14 * tokens * (4 * 8 + 2 * 4 * 128 * 2)  # + K/V repeated to 8 heads

@@ -41,18 +41,48 @@ def synthetic_documents(path: Path, documents: int = 300) -> Path:
 
 def test_a_tiny_run_trains_both_arms_and_its_table_parses(tmp_path, capsys):
     source = synthetic_documents(tmp_path / "synthetic.jsonl")
-    assert bench.main(["--work", str(tmp_path / "work"), "--corpus", f"synthetic={source}", "--texts", "synthetic",
-                       "--seeds", "7", "--preset", "tiny", "--context", "32", "--batch-size", "4", "--steps", "3",
-                       "--vocab-size", "300", "--jobs", "1"]) == 0
+    assert (
+        bench.main(
+            [
+                "--work",
+                str(tmp_path / "work"),
+                "--corpus",
+                f"synthetic={source}",
+                "--texts",
+                "synthetic",
+                "--seeds",
+                "7",
+                "--preset",
+                "tiny",
+                "--context",
+                "32",
+                "--batch-size",
+                "4",
+                "--steps",
+                "3",
+                "--vocab-size",
+                "300",
+                "--jobs",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "work" / "results.json").read_text())
     runs = results["texts"]["synthetic"]["runs"]
-    assert {name: run["probe"]["norm_dtype"] for name, run in runs.items()} == {"7-before": "float32",
-                                                                                 "7-after": "bfloat16"}
+    assert {name: run["probe"]["norm_dtype"] for name, run in runs.items()} == {
+        "7-before": "float32",
+        "7-after": "bfloat16",
+    }
     assert all(run["step"] == 3 and run["tokens"] == 3 * 4 * 32 for run in runs.values())
     assert all(run["final_line"].lower().startswith("complete: step 3/3") for run in runs.values())
-    row = re.search(r"^\| synthetic \| 7 \| 384 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (yes|NO) \| ([\d.]+|-) \| "
-                    r"\S+, \S+ \|$", out, re.MULTILINE)
+    row = re.search(
+        r"^\| synthetic \| 7 \| 384 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (yes|NO) \| ([\d.]+|-) \| "
+        r"\S+, \S+ \|$",
+        out,
+        re.MULTILINE,
+    )
     assert row, out
     before, after, ratio = (float(value) for value in row.groups()[:3])
     assert before == pytest.approx(runs["7-before"]["test_bits_per_byte"], abs=1e-4)

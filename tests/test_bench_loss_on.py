@@ -11,17 +11,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_loss_on  # noqa: E402
 
-CURVE = [{"tokens": 100, "accuracy": 0.0}, {"tokens": 200, "accuracy": 0.6}, {"tokens": 300, "accuracy": 0.5},
-         {"tokens": 400, "accuracy": 0.9}]
+CURVE = [
+    {"tokens": 100, "accuracy": 0.0},
+    {"tokens": 200, "accuracy": 0.6},
+    {"tokens": 300, "accuracy": 0.5},
+    {"tokens": 400, "accuracy": 0.9},
+]
 
 
-@pytest.mark.parametrize("threshold, tokens", [
-    (0.0, 100),  # reached at the first measurement
-    (0.5, 200),
-    (0.6, 200),  # the first measurement at or above it, although the next one dips below
-    (0.7, 400),
-    (0.95, None),  # never
-])
+@pytest.mark.parametrize(
+    "threshold, tokens",
+    [
+        (0.0, 100),  # reached at the first measurement
+        (0.5, 200),
+        (0.6, 200),  # the first measurement at or above it, although the next one dips below
+        (0.7, 400),
+        (0.95, None),  # never
+    ],
+)
 def test_tokens_to_is_the_first_measurement_at_or_above_the_threshold(threshold, tokens):
     assert bench_loss_on.tokens_to(CURVE, threshold) == tokens
 
@@ -41,8 +48,12 @@ def test_the_modes_differ_only_in_the_tokens_the_loss_counts():
 
 
 def test_the_mean_curve_averages_the_seeds_at_each_measurement():
-    other = [{"tokens": 100, "accuracy": 0.2}, {"tokens": 200, "accuracy": 0.2}, {"tokens": 300, "accuracy": 0.5},
-             {"tokens": 400, "accuracy": 1.0}]
+    other = [
+        {"tokens": 100, "accuracy": 0.2},
+        {"tokens": 200, "accuracy": 0.2},
+        {"tokens": 300, "accuracy": 0.5},
+        {"tokens": 400, "accuracy": 1.0},
+    ]
     mean = bench_loss_on.mean_curve([CURVE, other])
     assert [point["tokens"] for point in mean] == [100, 200, 300, 400]
     assert [point["accuracy"] for point in mean] == pytest.approx([0.1, 0.4, 0.5, 0.95])

@@ -54,8 +54,12 @@ def test_after_computes_and_moves_less(smoke, precision):
 def test_the_counts_give_a_step_time(smoke):
     counts = smoke["counts"][("fp16", "eager")]
     assert counts.newton_schulz_flops > 0 and counts.optimizer_bytes > 0 and counts.launches > 0
-    step = hardware.predict_card(hardware.card_of(hardware.Device("cuda", "Tesla T4", (7, 5))), counts, world=2,
-                                 tokens_per_step=8 * counts.micro_batch_tokens)
+    step = hardware.predict_card(
+        hardware.card_of(hardware.Device("cuda", "Tesla T4", (7, 5))),
+        counts,
+        world=2,
+        tokens_per_step=8 * counts.micro_batch_tokens,
+    )
     assert step.total_s > step.matmul_s > 0 and step.all_reduce_s > 0
 
 
@@ -92,22 +96,26 @@ def test_the_fake_count_is_flop_counter_s_on_real_tensors():
     attention.use_attention(model, attention.MASKED)
     tokens = torch.randint(0, bench_roofline.VOCAB, (2, preset.context))
     with FlopCounterMode(display=False) as flops, torch.autocast("cpu", dtype=torch.bfloat16):
-        losses.language_model_loss(model, tokens, tokens, documents=attention.documents_of(np.asarray(segments))
-                                   ).backward()
+        losses.language_model_loss(
+            model, tokens, tokens, documents=attention.documents_of(np.asarray(segments))
+        ).backward()
     assert counted.per_token("matmul", "flops") * counted.tokens == pytest.approx(flops.get_total_flops(), rel=1e-6)
 
 
-@pytest.mark.parametrize("numels, depth, launches", [
-    ([], 1, 0),
-    ([10], 1, 1),
-    ([65_536 * 320], 1, 1),  # exactly 320 blocks: one launch, nothing left over
-    ([65_536 * 320 + 1], 1, 2),  # one more chunk: a second launch
-    ([1] * 110, 1, 1),  # depth 1 holds 110 tensors
-    ([1] * 111, 1, 2),
-    ([1] * 36, 4, 1),  # depth 4 (fused AdamW) holds 36
-    ([1] * 37, 4, 2),
-    ([0, 0, 5], 1, 1),  # empty tensors are skipped
-])
+@pytest.mark.parametrize(
+    "numels, depth, launches",
+    [
+        ([], 1, 0),
+        ([10], 1, 1),
+        ([65_536 * 320], 1, 1),  # exactly 320 blocks: one launch, nothing left over
+        ([65_536 * 320 + 1], 1, 2),  # one more chunk: a second launch
+        ([1] * 110, 1, 1),  # depth 1 holds 110 tensors
+        ([1] * 111, 1, 2),
+        ([1] * 36, 4, 1),  # depth 4 (fused AdamW) holds 36
+        ([1] * 37, 4, 2),
+        ([0, 0, 5], 1, 1),  # empty tensors are skipped
+    ],
+)
 def test_multi_tensor_launches(numels, depth, launches):
     assert bench_roofline.multi_tensor_launches(numels, depth) == launches
 
@@ -120,27 +128,35 @@ def test_ops_that_are_several_kernels_on_cuda():
 
     grad = torch.empty(4, 8, 16)
     assert bench_roofline.below_dispatch("slice_backward", (grad, [4, 8, 32], 2, 0, 16, 1), None) == (
-        grad.numel() * 4, 2)
+        grad.numel() * 4,
+        2,
+    )
     rstd = torch.empty(4, 8, 1)
     extra, kernels = bench_roofline.below_dispatch("_fused_rms_norm_backward", (grad, grad, [16], rstd, None), None)
     assert (extra, kernels) == (2 * grad.numel() * 4 + rstd.numel() * 4, 2)
-    small = bench_roofline.below_dispatch("embedding_dense_backward", (grad, torch.empty(4, 8, dtype=torch.long), 100,
-                                                                       -1, False), None)
-    large = bench_roofline.below_dispatch("embedding_dense_backward", (torch.empty(8, 1024, 16),
-                                                                       torch.empty(8, 1024, dtype=torch.long), 100,
-                                                                       -1, False), None)
+    small = bench_roofline.below_dispatch(
+        "embedding_dense_backward", (grad, torch.empty(4, 8, dtype=torch.long), 100, -1, False), None
+    )
+    large = bench_roofline.below_dispatch(
+        "embedding_dense_backward",
+        (torch.empty(8, 1024, 16), torch.empty(8, 1024, dtype=torch.long), 100, -1, False),
+        None,
+    )
     assert small[1] == 2 and large[1] > small[1] and large[0] > small[0] > 0
     assert bench_roofline.below_dispatch("mul", (grad, grad), grad) == (0.0, 1)
     assert bench_roofline.below_dispatch("_foreach_norm", ([grad] * 3, 2), None) == (0.0, 2)
 
 
-@pytest.mark.parametrize("length, forward, backward", [
-    (1, 1, 1),
-    (100, 4, 3),  # query blocks of 32 each see one 128-key tile; key blocks of 64: 2 + 1 query tiles
-    (128, 4, 3),
-    (129, 4 + 2, 3 + 3),  # a fifth query block (one query) computes two key tiles; a third key block
-    (1024, 144, 136),  # forward: sum of ceil(i / 4) for i in 1..32; backward: 16 + 15 + ... + 1
-])
+@pytest.mark.parametrize(
+    "length, forward, backward",
+    [
+        (1, 1, 1),
+        (100, 4, 3),  # query blocks of 32 each see one 128-key tile; key blocks of 64: 2 + 1 query tiles
+        (128, 4, 3),
+        (129, 4 + 2, 3 + 3),  # a fifth query block (one query) computes two key tiles; a third key block
+        (1024, 144, 136),  # forward: sum of ceil(i / 4) for i in 1..32; backward: 16 + 15 + ... + 1
+    ],
+)
 def test_the_sm75_kernel_computes_whole_tiles(length, forward, backward):
     """The memory-efficient kernel at think72's head size: 32 x 128 forward, 64 x 64 backward tiles, causal."""
     assert bench_roofline.efficient_tiles(128) == ((32, 128), (64, 64))
@@ -177,8 +193,9 @@ def test_gathers_and_scatters_count_what_they_touch():
         logits.scatter_add_(1, rows, torch.ones(64, 1))
         table = torch.empty(1000, 32)
         torch.nn.functional.embedding(torch.zeros(8, dtype=torch.long), table)
-    gather, scatter, embedding = (next(op for op in counter.ops if op.name == name)
-                                  for name in ("gather", "scatter_add_", "embedding"))
+    gather, scatter, embedding = (
+        next(op for op in counter.ops if op.name == name) for name in ("gather", "scatter_add_", "embedding")
+    )
     assert gather.read == 64 * 4 + 64 * 8 and gather.written == 64 * 4  # picked logits + index; output
     assert scatter.read == 64 * 8 + 64 * 4 + 64 * 4 and scatter.written == 64 * 4  # index, source, touched
     assert embedding.read == 8 * 32 * 4 + 8 * 8 and embedding.written == 8 * 32 * 4

@@ -42,8 +42,13 @@ open(target, "w").write(json.dumps(results))
 def helps(tmp_path_factory) -> dict[str, list]:
     """{script name: [exit code or the exception, what --help printed]}."""
     out = tmp_path_factory.mktemp("helps") / "helps.json"
-    done = subprocess.run([sys.executable, "-c", HELP_EACH, str(out), *map(str, SCRIPTS)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_EACH, str(out), *map(str, SCRIPTS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.is_file(), done.stderr[-3000:]
     return {Path(path).name: result for path, result in json.loads(out.read_text()).items()}
 
@@ -66,16 +71,23 @@ def project_names(tree: ast.AST) -> list[tuple[str, str, int]]:
         elif isinstance(node, ast.ImportFrom) and node.module in MODULES:
             names += [(node.module, alias.name, node.lineno) for alias in node.names]
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) \
-                and node.value.id in aliases:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
             names.append((aliases[node.value.id], node.attr, node.lineno))
     return names
 
 
 def missing_names(script: Path) -> list[str]:
     names = project_names(ast.parse(script.read_text(), filename=str(script)))
-    return [f"{script.name}:{line}: {module}.{name}" for module, name, line in sorted(set(names))
-            if not hasattr(importlib.import_module(module), name)]
+    return [
+        f"{script.name}:{line}: {module}.{name}"
+        for module, name, line in sorted(set(names))
+        if not hasattr(importlib.import_module(module), name)
+    ]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
@@ -86,6 +98,8 @@ def test_every_name_a_bench_script_takes_from_the_project_exists(script, monkeyp
 
 def test_a_moved_name_is_caught(tmp_path):
     stale = tmp_path / "bench_stale.py"
-    stale.write_text("import train\nimport checkpoint_store as store\n\n\ndef main():\n"
-                     "    return train.GRAD_CLIP, store.Checkpointer, train.parse_args\n")
+    stale.write_text(
+        "import train\nimport checkpoint_store as store\n\n\ndef main():\n"
+        "    return train.GRAD_CLIP, store.Checkpointer, train.parse_args\n"
+    )
     assert missing_names(stale) == ["bench_stale.py:6: train.GRAD_CLIP"]

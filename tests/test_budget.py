@@ -26,8 +26,19 @@ MICRO = budget.Candidate("micro", 4_700_000, 512, 2_000.0, False)
 CANDIDATES = [TINY, NANO, MICRO]
 
 
-@pytest.mark.parametrize("text, seconds", [("11.5h", 41_400), ("30m", 1_800), ("90s", 90), ("1h30m", 5_400),
-                                           ("2d", 172_800), ("10min", 600), (" 0.5H ", 1_800), (".5m", 30)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("11.5h", 41_400),
+        ("30m", 1_800),
+        ("90s", 90),
+        ("1h30m", 5_400),
+        ("2d", 172_800),
+        ("10min", 600),
+        (" 0.5H ", 1_800),
+        (".5m", 30),
+    ],
+)
 def test_budget_strings(text, seconds):
     assert budget.budget_seconds(text) == seconds
     assert budget.budget_problem(text) is None
@@ -40,25 +51,31 @@ def test_malformed_budget_strings(text):
     assert budget.budget_problem(text) == "be a duration such as 11.5h, 30m, 90s or 1h30m"
 
 
-@pytest.mark.parametrize("seconds, text", [(24.2, "25s"), (119, "119s"), (450, "7.5m"), (7_201, "2.1h"),
-                                           (41_400, "11.5h")])
+@pytest.mark.parametrize(
+    "seconds, text", [(24.2, "25s"), (119, "119s"), (450, "7.5m"), (7_201, "2.1h"), (41_400, "11.5h")]
+)
 def test_duration_text_rounds_up(seconds, text):
     assert budget.duration_text(seconds) == text
     assert budget.budget_seconds(text) >= seconds
 
 
-@pytest.mark.parametrize("tokens, context, expected", [
-    (1e5, 128, 4096),  # the floor
-    (5e6, 256, 16_384),  # 5e6 / 300 = 16,667 -> the power of two below
-    (1e12, 1024, 131_072),  # the ceiling
-    (1e5, 8192, 8192),  # at least one block
-])
+@pytest.mark.parametrize(
+    "tokens, context, expected",
+    [
+        (1e5, 128, 4096),  # the floor
+        (5e6, 256, 16_384),  # 5e6 / 300 = 16,667 -> the power of two below
+        (1e12, 1024, 131_072),  # the ceiling
+        (1e5, 8192, 8192),  # at least one block
+    ],
+)
 def test_batch_rule(tokens, context, expected):
     assert budget.batch_tokens(tokens, context) == expected
 
 
-@pytest.mark.parametrize("blocks, world, micro, expected", [(32, 1, 8, (8, 4)), (32, 2, 8, (8, 2)), (6, 2, 8, (3, 1)),
-                                                            (12, 1, 8, (6, 2)), (4, 1, 8, (4, 1))])
+@pytest.mark.parametrize(
+    "blocks, world, micro, expected",
+    [(32, 1, 8, (8, 4)), (32, 2, 8, (8, 2)), (6, 2, 8, (3, 1)), (12, 1, 8, (6, 2)), (4, 1, 8, (4, 1))],
+)
 def test_split_batch(blocks, world, micro, expected):
     assert budget.split_batch(blocks, world, micro) == expected
     assert budget.global_blocks(1e5, 128, 3) % 3 == 0
@@ -68,22 +85,26 @@ def request(text: str, **fields) -> budget.Request:
     return budget.Request(budget=text, seconds=budget.budget_seconds(text), **fields)
 
 
-@pytest.mark.parametrize("text, fields, preset, tokens", [
-    ("2m", {}, "tiny", 2_158_592),  # 108 s of training: tiny's tokens beat nano's parameters
-    ("30m", {}, "nano", 12_943_360),  # long enough for nano's parameters to beat tiny's extra tokens
-    ("10h", {}, "nano", 259_129_344),
-    ("100h", {}, "micro", 647_888_896),
-    ("10h", {"max_tokens": 5_000_000}, "micro", 4_997_120),  # a small corpus: 4 passes, then the largest model
-    ("30m", {"target_tokens": 1_000_000}, "micro", 1_000_000),  # explicit tokens: the largest that fits them
-    ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 27 minutes
-    ("2m", {"spent_seconds": 30.0}, "tiny", 1_556_480),  # the probe's time comes out of the budget
-])
+@pytest.mark.parametrize(
+    "text, fields, preset, tokens",
+    [
+        ("2m", {}, "tiny", 2_158_592),  # 108 s of training: tiny's tokens beat nano's parameters
+        ("30m", {}, "nano", 12_943_360),  # long enough for nano's parameters to beat tiny's extra tokens
+        ("10h", {}, "nano", 259_129_344),
+        ("100h", {}, "micro", 647_888_896),
+        ("10h", {"max_tokens": 5_000_000}, "micro", 4_997_120),  # a small corpus: 4 passes, then the largest model
+        ("30m", {"target_tokens": 1_000_000}, "micro", 1_000_000),  # explicit tokens: the largest that fits them
+        ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 27 minutes
+        ("2m", {"spent_seconds": 30.0}, "tiny", 1_556_480),  # the probe's time comes out of the budget
+    ],
+)
 def test_the_planner_picks_the_lowest_predicted_loss_that_fits(text, fields, preset, tokens):
     plan = budget.choose(request(text, **fields), CANDIDATES, MODEL)
     assert (plan.preset, plan.target_tokens) == (preset, tokens)
     assert plan.hours <= budget.budget_seconds(text) * (1 - budget.RESERVE) / 3600
-    assert plan.predicted_bpb == min(c["bpb"] for c in plan.candidates if c["hours"] <= plan.hours + 1e-9
-                                     or c["preset"] == preset)
+    assert plan.predicted_bpb == min(
+        c["bpb"] for c in plan.candidates if c["hours"] <= plan.hours + 1e-9 or c["preset"] == preset
+    )
     assert plan.tokens_per_step * plan.steps == plan.target_tokens or "target_tokens" in fields
     assert plan.target_tokens <= fields.get("max_tokens", plan.target_tokens)
     assert plan.global_batch_blocks * model_config.PRESETS[preset].context == plan.tokens_per_step
@@ -100,7 +121,7 @@ def test_an_explicit_preset_is_the_only_candidate():
 
 def test_options_given_on_the_command_line_or_in_the_config(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text('target_tokens = 300000\nseed = 3\n')
+    config.write_text("target_tokens = 300000\nseed = 3\n")
     parser = train.build_parser()
     assert given_options(parser, ("--preset", "nano", "--budget=1h")) == {"preset", "budget"}
     assert given_options(parser, ("--config", str(config))) == {"config", "target_tokens", "seed"}
@@ -145,9 +166,20 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
     plan = budget.choose(request("30m"), CANDIDATES, MODEL)
     record = json.loads(json.dumps(plan.as_record()))
     assert budget.Plan.from_record(record) == plan
-    card = export_hf.model_card({"parameters": 1000, "layers": 2, "hidden": 64, "intermediate": 192, "heads": 4,
-                              "kv_heads": 2, "head_dim": 16, "context": 128, "vocab_size": 300},
-                             {"status": "COMPLETE", "settings": {"training": {}, "budget": record}})
+    card = export_hf.model_card(
+        {
+            "parameters": 1000,
+            "layers": 2,
+            "hidden": 64,
+            "intermediate": 192,
+            "heads": 4,
+            "kv_heads": 2,
+            "head_dim": 16,
+            "context": 128,
+            "vocab_size": 300,
+        },
+        {"status": "COMPLETE", "settings": {"training": {}, "budget": record}},
+    )
     assert f"- Planned by {plan.summary()}; {plan.why}" in card
 
 
@@ -169,20 +201,48 @@ def small_runs(monkeypatch):
 
     def probe(settings, info, presets, micro_batch, seconds, vocab):
         speeds["probed"] = list(presets)
-        return [budget.Candidate(name, budget.non_embedding_parameters(presets[name]), presets[name].context,
-                                 speeds[name], True) for name in presets if name in speeds]
+        return [
+            budget.Candidate(
+                name, budget.non_embedding_parameters(presets[name]), presets[name].context, speeds[name], True
+            )
+            for name in presets
+            if name in speeds
+        ]
+
     monkeypatch.setattr(budget, "probe", probe)
     return speeds
 
 
 def options(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return ["--data", str(corpus), "--out", str(out), "--context", "32", "--budget", "1m", "--eval-every", "4",
-            "--eval-batches", "1", "--save-every", "4", "--log-every", "1", "--threads", "1", "--keep-last", "10",
-            "--no-report", *extra]
+    return [
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--context",
+        "32",
+        "--budget",
+        "1m",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "1",
+        "--save-every",
+        "4",
+        "--log-every",
+        "1",
+        "--threads",
+        "1",
+        "--keep-last",
+        "10",
+        "--no-report",
+        *extra,
+    ]
 
 
-def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(corpus, tmp_path, small_runs,
-                                                                          monkeypatch, capsys):
+def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
+    corpus, tmp_path, small_runs, monkeypatch, capsys
+):
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     recorded = json.loads((reference / "training_settings.json").read_text())
@@ -198,8 +258,9 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(corpus
     monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
     assert train.main(options(corpus, out)) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
-    ours, theirs = (torch.load(folder / "checkpoints" / store.checkpoint_name(12), weights_only=True)
-                    for folder in (out, reference))
+    ours, theirs = (
+        torch.load(folder / "checkpoints" / store.checkpoint_name(12), weights_only=True) for folder in (out, reference)
+    )
     assert store.tensor_differences(ours["model"], theirs["model"], "model") == []
     assert store.tensor_differences(ours["optimizer"], theirs["optimizer"], "optimizer") == []
     assert ours["settings"]["budget"] == theirs["settings"]["budget"] == plan
@@ -212,18 +273,22 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(corpus
     assert final["settings"]["budget"] == plan
 
 
-@pytest.mark.parametrize("max_hours, plan, hours, words", [
-    (0, None, 0, "--max-hours budget"),  # no limit
-    (2.5, None, 2.5, "--max-hours budget"),
-    (11.5, {"budget": "30h"}, 11.5, "--max-hours budget"),  # several sessions: each stops at --max-hours
-    (0, {"budget": "3m"}, 0.05, "--budget 3m (this machine ran slower than its probe)"),  # one: at the budget
-])
+@pytest.mark.parametrize(
+    "max_hours, plan, hours, words",
+    [
+        (0, None, 0, "--max-hours budget"),  # no limit
+        (2.5, None, 2.5, "--max-hours budget"),
+        (11.5, {"budget": "30h"}, 11.5, "--max-hours budget"),  # several sessions: each stops at --max-hours
+        (0, {"budget": "3m"}, 0.05, "--budget 3m (this machine ran slower than its probe)"),  # one: at the budget
+    ],
+)
 def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hours, words):
     assert budget.session_limit(max_hours, plan) == (pytest.approx(hours), words)
 
 
-def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, monkeypatch,
-                                                                      capsys):
+def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(
+    corpus, tmp_path, small_runs, monkeypatch, capsys
+):
     """Each step here seems to take 5 s of a 1 m budget planned for 12 steps: the session stops saved once
     another step and save might not fit (step 10), and the same command finishes the run."""
     out, read = tmp_path / "run", train.SessionClocks.read
@@ -231,6 +296,7 @@ def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tm
 
     def slow(self, *args):
         return dataclasses.replace(read(self, *args), elapsed=5.0 * next(steps))
+
     monkeypatch.setattr(train.SessionClocks, "read", slow)
     assert train.main(options(corpus, out)) == 0
     record = json.loads((out / "run_status.json").read_text())
@@ -286,8 +352,7 @@ def bench_budget(monkeypatch):
 
 def test_the_bench_fit_recovers_a_known_loss_model(bench_budget):
     truth = budget.LossModel(e=1.2, n_c=2e5, alpha_n=0.3, d_c=5e5, alpha_d=0.4)
-    runs = [{"parameters": n, "tokens": d, "bpb": truth.loss(n, d)}
-            for n in (1e5, 8e5, 5e6) for d in (2e5, 8e5, 3.2e6)]
+    runs = [{"parameters": n, "tokens": d, "bpb": truth.loss(n, d)} for n in (1e5, 8e5, 5e6) for d in (2e5, 8e5, 3.2e6)]
     model, rms = bench_budget.fit(runs)
     assert rms < 1e-6
     assert dataclasses.astuple(model) == pytest.approx(dataclasses.astuple(truth), rel=1e-3)

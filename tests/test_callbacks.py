@@ -44,8 +44,11 @@ def validation(tmp_path: Path, losses: list[float | None], every: int = 4) -> ca
 
     def measure():
         loss = next(results)
-        return None if loss is None else {"loss": loss, "perplexity": math.exp(loss), "tokens": 10,
-                                          "bits_per_byte": 1.0, "bytes": 40}
+        return (
+            None
+            if loss is None
+            else {"loss": loss, "perplexity": math.exp(loss), "tokens": 10, "bits_per_byte": 1.0, "bytes": 40}
+        )
 
     return callbacks.Validation(measure, every, 12, 100, *outputs(tmp_path))
 
@@ -56,10 +59,21 @@ def test_validation_runs_at_its_cadence_and_keeps_the_best(tmp_path):
     assert {step for step, item in measured.items() if item is not None} == {4, 8, 12}
     assert [callbacks.new_best([measured[step]]) for step in (4, 8, 12)] == [3.0, 2.0, None]
     assert [(r["step"], r["val_loss"], r["tokens"]) for r in records(tmp_path / "metrics.jsonl", "eval")] == [
-        (4, 3.0, 400), (8, 2.0, 800), (12, 2.5, 1200)]
-    assert observer.summary() == {"best_val_loss": 2.0, "validation": {"step": 12, "loss": 2.5,
-                                                                       "perplexity": math.exp(2.5), "tokens": 10,
-                                                                       "bits_per_byte": 1.0, "bytes": 40}}
+        (4, 3.0, 400),
+        (8, 2.0, 800),
+        (12, 2.5, 1200),
+    ]
+    assert observer.summary() == {
+        "best_val_loss": 2.0,
+        "validation": {
+            "step": 12,
+            "loss": 2.5,
+            "perplexity": math.exp(2.5),
+            "tokens": 10,
+            "bits_per_byte": 1.0,
+            "bytes": 40,
+        },
+    }
 
 
 def test_a_resumed_validation_compares_with_the_best_before_the_restart(tmp_path):
@@ -142,12 +156,17 @@ class Ends(callbacks.Callback):
         return self.found
 
 
-@pytest.mark.parametrize("founds, expected", [
-    ([{}, {"a": 1}], {"a": 1}),  # no end-of-run outputs: no report_errors
-    ([{"a": 1, "report_errors": None}, {"b": 2, "report_errors": None}], {"a": 1, "b": 2, "report_errors": None}),
-    ([{"report_errors": {"samples": "x"}}, {"b": 2, "report_errors": None}, {"report_errors": {"export": "y"}}],
-     {"b": 2, "report_errors": {"samples": "x", "export": "y"}}),
-])
+@pytest.mark.parametrize(
+    "founds, expected",
+    [
+        ([{}, {"a": 1}], {"a": 1}),  # no end-of-run outputs: no report_errors
+        ([{"a": 1, "report_errors": None}, {"b": 2, "report_errors": None}], {"a": 1, "b": 2, "report_errors": None}),
+        (
+            [{"report_errors": {"samples": "x"}}, {"b": 2, "report_errors": None}, {"report_errors": {"export": "y"}}],
+            {"b": 2, "report_errors": {"samples": "x", "export": "y"}},
+        ),
+    ],
+)
 def test_on_end_merges_the_fields_and_gathers_every_report_error(founds, expected):
     end = callbacks.RunEnd("COMPLETE", 4, 4, 400, None, None)
     assert callbacks.Callbacks([Ends(found) for found in founds]).on_end(end) == expected

@@ -42,8 +42,7 @@ def step_files(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.glob("step-*.pt"))
 
 
-def test_a_damaged_checkpoint_is_set_aside_and_never_costs_a_good_one(corpus, reference, tmp_path, capsys,
-                                                                      flip_byte):
+def test_a_damaged_checkpoint_is_set_aside_and_never_costs_a_good_one(corpus, reference, tmp_path, capsys, flip_byte):
     out = tmp_path / "run"
     folder = out / "checkpoints"
     assert train.main(run_options(corpus, out, "--stop-after-steps", "6")) == 0
@@ -95,7 +94,11 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
     assert len(warnings) == 1 and "MB" in warnings[0]
     assert all(name in warnings[0] for name in ("step-00000006.pt", "step-00000008.pt"))
     assert set(os.listdir(folder / "abandoned-00000004")) == {
-        "step-00000006.pt", "step-00000006.pt.json", "step-00000008.pt", "step-00000008.pt.json"}
+        "step-00000006.pt",
+        "step-00000006.pt.json",
+        "step-00000008.pt",
+        "step-00000008.pt.json",
+    }
 
     capsys.readouterr()
     assert train.main(run_options(corpus, out, *keep)) == 0  # the printed command: --resume auto
@@ -131,8 +134,10 @@ def test_resume_path_that_fails_its_record_is_loaded_with_a_warning(corpus, tmp_
     capsys.readouterr()
     assert train.main(run_options(corpus, out, "--resume", str(chosen), "--stop-after-steps", "8")) == 0
     captured = capsys.readouterr()
-    assert f"warning: --resume {chosen}: step-00000008.pt: it does not match the sha256 in its record (corrupt)" \
+    assert (
+        f"warning: --resume {chosen}: step-00000008.pt: it does not match the sha256 in its record (corrupt)"
         in captured.err
+    )
     # already at step 8: said on the terminal, not only in run_status.json
     assert "the run was already at step 8, at or past --stop-after-steps 8: no step taken" in captured.out
 
@@ -148,7 +153,8 @@ def test_resuming_another_runs_checkpoint_sets_this_folders_other_run_aside(corp
     # run b's own 4, 6 and 8 are no ancestors of this timeline: auto must never fall back to them
     assert step_files(run_b / "checkpoints") == ["step-00000005.pt"]
     assert {"step-00000004.pt", "step-00000006.pt", "step-00000008.pt"} <= set(
-        os.listdir(run_b / "checkpoints" / "abandoned-00000004"))
+        os.listdir(run_b / "checkpoints" / "abandoned-00000004")
+    )
     assert "abandoned-00000004" in capsys.readouterr().err
     assert store.find_resume_checkpoint(run_b, "auto").name == "step-00000005.pt"
 
@@ -181,8 +187,13 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_session(corpus, tmp_p
     assert "step-00000020.pt has no sha256 record (not written by a train.py save): skipped" in captured.err
     assert foreign.is_file() and (folder / "notes.txt").is_file()
     # the run went on from step 4 and wrote its own 6 (with its record) and 7
-    assert step_files(folder) == ["step-00000002.pt", "step-00000004.pt", "step-00000006.pt", "step-00000007.pt",
-                                  "step-00000020.pt"]
+    assert step_files(folder) == [
+        "step-00000002.pt",
+        "step-00000004.pt",
+        "step-00000006.pt",
+        "step-00000007.pt",
+        "step-00000020.pt",
+    ]
     assert (folder / "step-00000006.pt.json").is_file()
 
 
@@ -206,8 +217,11 @@ def test_a_save_killed_before_its_rename_leaves_only_its_record(tmp_path, monkey
     # the record came first, so no checkpoint exists that nobody can verify
     assert step_files(folder) == ["step-00000001.pt"] and (folder / "step-00000002.pt.json").is_file()
     assert store.tidy_and_find_resume_checkpoint(tmp_path, "auto").name == "step-00000001.pt"
-    assert sorted(path.name for path in folder.iterdir()) == ["latest.json", "step-00000001.pt",
-                                                               "step-00000001.pt.json"]
+    assert sorted(path.name for path in folder.iterdir()) == [
+        "latest.json",
+        "step-00000001.pt",
+        "step-00000001.pt.json",
+    ]
 
 
 def test_retention_counts_only_this_runs_checkpoints(tmp_path):

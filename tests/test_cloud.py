@@ -48,16 +48,30 @@ def fake_checkpoint(folder: Path, step: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:08d}.pt"
     generator = torch.Generator().manual_seed(step)
-    torch.save({"format_version": 1, "step": step, "model": {"w": torch.randn(60_000, generator=generator)},
-                "optimizer": {}, "settings": {}}, path)
+    torch.save(
+        {
+            "format_version": 1,
+            "step": step,
+            "model": {"w": torch.randn(60_000, generator=generator)},
+            "optimizer": {},
+            "settings": {},
+        },
+        path,
+    )
     return path
 
 
 def save_and_point_latest(folder: Path, step: int, run_id: str = "run-test") -> Path:
     """A checkpoint with its records as train.py writes them: step-N.pt.json, then latest.json."""
     path = fake_checkpoint(folder, step)
-    record = store.Record(path=path.name, step=step, sha256=sha256_file(path), bytes=path.stat().st_size,
-                          run_id=run_id, created=f"2026-01-01T00:00:{step % 60:02d}Z")
+    record = store.Record(
+        path=path.name,
+        step=step,
+        sha256=sha256_file(path),
+        bytes=path.stat().st_size,
+        run_id=run_id,
+        created=f"2026-01-01T00:00:{step % 60:02d}Z",
+    )
     store.write_record(folder, record)
     store.write_record(folder, record, store.LATEST)
     return path
@@ -67,10 +81,12 @@ def remote_state(url: str) -> dict:
     """The remote listing as a few plain facts to compare: verified steps -> names, unverified names,
     partial uploads, and latest.json (its JSON) or None."""
     listing = cc.remote_listing(*rs.open_remote(url))
-    return {"verified": {record.step: name for name, record in listing.records.items()
-                         if isinstance(record, store.Record)},
-            "unverified": [name for name in listing.files if name not in listing.records],
-            "partials": listing.temporaries, "latest": listing.latest.to_json() if listing.latest else None}
+    return {
+        "verified": {record.step: name for name, record in listing.records.items() if isinstance(record, store.Record)},
+        "unverified": [name for name in listing.files if name not in listing.records],
+        "partials": listing.temporaries,
+        "latest": listing.latest.to_json() if listing.latest else None,
+    }
 
 
 def wait_until(predicate, timeout_s: float = 30.0) -> bool:
@@ -85,8 +101,13 @@ def wait_until(predicate, timeout_s: float = 30.0) -> bool:
 def mirror(url: str, log=None, retry_seconds: float = 60, **policy) -> cc.Mirror:
     """The backup loop's worker in this process (the child runs the same), with a Log and a policy
     that keeps every local checkpoint unless told otherwise."""
-    return cc.Mirror(url, store.MirrorPolicy(**{"keep_last": 100, **policy}), retry_seconds=retry_seconds,
-                     max_retry_seconds=retry_seconds, log=log if log is not None else Log())
+    return cc.Mirror(
+        url,
+        store.MirrorPolicy(**{"keep_last": 100, **policy}),
+        retry_seconds=retry_seconds,
+        max_retry_seconds=retry_seconds,
+        log=log if log is not None else Log(),
+    )
 
 
 def reconcile(worker: cc.Mirror, folder: Path) -> store.MirrorPlan | None:
@@ -139,13 +160,24 @@ def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
 
     monkeypatch.delenv("THINK72_CLOUD_RESUME", raising=False)
     assert cc.backup_from_args(session()) is None
-    args = session("--backup-to", str(tmp_path / "remote"), "--remote-keep-recent", "2", "--remote-keep-every", "3",
-                   "--backup-max-unbacked", "5", "--keep-every", "1000")
+    args = session(
+        "--backup-to",
+        str(tmp_path / "remote"),
+        "--remote-keep-recent",
+        "2",
+        "--remote-keep-every",
+        "3",
+        "--backup-max-unbacked",
+        "5",
+        "--keep-every",
+        "1000",
+    )
     backup = cc.backup_from_args(args, save_every=100, log=Log())
     assert isinstance(backup, cc.BackupProcess)  # train.py's backup runs in its own process
     # every 3rd save of --save-every 100: every multiple of 300 steps, the local rule's form
-    assert backup.policy == store.MirrorPolicy(keep_last=2, keep_every=1000, remote_keep_last=2,
-                                               remote_keep_every=300, max_unbacked=5)
+    assert backup.policy == store.MirrorPolicy(
+        keep_last=2, keep_every=1000, remote_keep_last=2, remote_keep_every=300, max_unbacked=5
+    )
     assert backup.wait(1)  # nothing submitted: nothing to wait for
     backup.close()
     assert cc.backup_from_args(args, save_every=None, log=Log()).policy.remote_keep_every == 0  # no save grid
@@ -250,14 +282,18 @@ def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     assert not [path for path in fresh.rglob(".*") if temporary_target(path.name)]
     # the record beside the restored checkpoint is the one written with it: local retention treats it as this run's
     restored = fresh / "checkpoints" / "step-00000020.pt"
-    assert json.loads((fresh / "checkpoints" / "step-00000020.pt.json").read_text()) == \
-        json.loads((fresh / "checkpoints" / "latest.json").read_text()) == \
-        json.loads((run / "checkpoints" / "step-00000020.pt.json").read_text())
+    assert (
+        json.loads((fresh / "checkpoints" / "step-00000020.pt.json").read_text())
+        == json.loads((fresh / "checkpoints" / "latest.json").read_text())
+        == json.loads((run / "checkpoints" / "step-00000020.pt.json").read_text())
+    )
     assert store.newest_verified(store.list_folder(fresh / "checkpoints")) == restored.name
     save_and_point_latest(fresh / "checkpoints", 30, "run-a")
     store.Checkpointer(fresh / "checkpoints", "run-a", keep_last=1, keep_every=0).apply_retention()
-    assert sorted(p.name for p in (fresh / "checkpoints").glob("step-*")) == ["step-00000030.pt",
-                                                                               "step-00000030.pt.json"]
+    assert sorted(p.name for p in (fresh / "checkpoints").glob("step-*")) == [
+        "step-00000030.pt",
+        "step-00000030.pt.json",
+    ]
 
     # run files of another run on the same remote are not mixed into this one
     atomic_write_json(tmp_path / "settings.json", {"run_id": "run-b"})
@@ -419,15 +455,17 @@ def test_backup_process_without_a_child_applies_the_unbacked_bound(tmp_path):
 
 def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_path):
     pid_file = tmp_path / "child.pid"  # not on stdout: the child prints its own lines there
-    script = "\n".join([
-        "import pathlib, sys, time",
-        f"sys.path.insert(0, {str(ROOT)!r})",
-        "import checkpoint_cloud",
-        f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=lambda line: None)",
-        f"pathlib.Path({str(pid_file)!r} + '.tmp').write_text(str(backup.child_pid))",
-        f"pathlib.Path({str(pid_file)!r} + '.tmp').rename({str(pid_file)!r})",
-        "time.sleep(600)",
-    ])
+    script = "\n".join(
+        [
+            "import pathlib, sys, time",
+            f"sys.path.insert(0, {str(ROOT)!r})",
+            "import checkpoint_cloud",
+            f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=lambda line: None)",
+            f"pathlib.Path({str(pid_file)!r} + '.tmp').write_text(str(backup.child_pid))",
+            f"pathlib.Path({str(pid_file)!r} + '.tmp').rename({str(pid_file)!r})",
+            "time.sleep(600)",
+        ]
+    )
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL)
     try:
         assert wait_until(pid_file.exists, 60)
@@ -472,21 +510,23 @@ def test_a_killed_trainer_leaves_no_traceback_from_its_backup_child(tmp_path, ph
     marker, child_pid, stderr = tmp_path / "in-phase", tmp_path / "child.pid", tmp_path / "stderr.txt"
     patch_python_children(WAIT_FOR_THE_KILL.format(where=where, marker=str(marker)))
     checkpoint = save_and_point_latest(tmp_path / "run" / "checkpoints", 3)
-    script = "\n".join([
-        "import os, pathlib, threading, time, checkpoint_cloud",
-        "os.environ['TEST_BACKUP_CHILD'] = '1'",
-        "def note_child():",  # the child's pid, for the test to see it exit; "start" blocks in the constructor
-        "    for _ in range(3000):",
-        "        time.sleep(0.01)",
-        "        pids = pathlib.Path(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read_text().split()",
-        "        if pids:",
-        f"            return pathlib.Path({str(child_pid)!r}).write_text(pids[0])",
-        "threading.Thread(target=note_child, daemon=True).start()",
-        f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=print)",
-        f"backup.submit({str(checkpoint)!r}, 3) if {action == 'submit'} else None",
-        f"backup.close(timeout_s=120) if {action == 'close'} else None",
-        "time.sleep(600)",
-    ])
+    script = "\n".join(
+        [
+            "import os, pathlib, threading, time, checkpoint_cloud",
+            "os.environ['TEST_BACKUP_CHILD'] = '1'",
+            "def note_child():",  # the child's pid, for the test to see it exit; "start" blocks in the constructor
+            "    for _ in range(3000):",
+            "        time.sleep(0.01)",
+            "        pids = pathlib.Path(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read_text().split()",
+            "        if pids:",
+            f"            return pathlib.Path({str(child_pid)!r}).write_text(pids[0])",
+            "threading.Thread(target=note_child, daemon=True).start()",
+            f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=print)",
+            f"backup.submit({str(checkpoint)!r}, 3) if {action == 'submit'} else None",
+            f"backup.close(timeout_s=120) if {action == 'close'} else None",
+            "time.sleep(600)",
+        ]
+    )
     with open(stderr, "w") as errors:
         trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=errors, text=True)
         try:
@@ -513,8 +553,9 @@ def test_a_killed_trainer_leaves_no_traceback_from_its_backup_child(tmp_path, ph
 def test_s3_backup_survives_the_server_going_away(s3_url, moto_server, tmp_path, capfd):
     local = tmp_path / "run" / "checkpoints"
     log = Log()
-    backup = cc.BackupProcess(s3_url, store.MirrorPolicy(remote_keep_last=5), retry_seconds=0.2,
-                              max_retry_seconds=1, log=log)
+    backup = cc.BackupProcess(
+        s3_url, store.MirrorPolicy(remote_keep_last=5), retry_seconds=0.2, max_retry_seconds=1, log=log
+    )
     first = save_and_point_latest(local, 100)
     backup.submit(first, 100)
     assert backup.wait(30)
@@ -579,8 +620,10 @@ def test_s3_upload_interrupted_halfway_keeps_the_previous_latest(s3_url, tmp_pat
 
     worker.fs.put_file = real_put
     assert reconcile(worker, local).caught_up
-    assert any("the remote works again: step-00000020.pt (step 20) is backed up after 2 failed attempt(s)" in line
-               for line in log)
+    assert any(
+        "the remote works again: step-00000020.pt (step 20) is backed up after 2 failed attempt(s)" in line
+        for line in log
+    )
     assert remote_state(s3_url)["latest"]["path"] == interrupted.name
     captured = capsys.readouterr()
     assert_no_secrets(log.text() + captured.out + captured.err, s3_url)
@@ -700,8 +743,11 @@ def generated_corpus(folder: Path) -> Path:
     """A small corpus built by data.py: 200 generated documents, a 300-token vocabulary."""
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     records = [{"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(25))} for i in range(200)]
-    return data.build_corpus([data.Source("generated", "generated", records=records)], folder,
-                             data.BuildSettings(vocab_size=300, val_fraction=0.1, test_fraction=0.1))
+    return data.build_corpus(
+        [data.Source("generated", "generated", records=records)],
+        folder,
+        data.BuildSettings(vocab_size=300, val_fraction=0.1, test_fraction=0.1),
+    )
 
 
 def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, capsys):
@@ -713,8 +759,13 @@ def test_corpus_push_pull_verify_with_the_manifest_check(tmp_path, capsys):
     assert cc.main(["list", remote]) == 0
     assert "train-00000.bin" in capsys.readouterr().out
     pulled = rs.pull_corpus(remote, tmp_path / "pulled", log=Log())
-    for name in ("train-00000.bin", "validation-00000.bin", "tokenizer/tokenizer.json", "DATA_CARD.md",
-                 "corpus_manifest.json"):
+    for name in (
+        "train-00000.bin",
+        "validation-00000.bin",
+        "tokenizer/tokenizer.json",
+        "DATA_CARD.md",
+        "corpus_manifest.json",
+    ):
         assert (pulled / name).read_bytes() == (corpus / name).read_bytes()
 
     shard = Path(remote) / "train-00000.bin"
@@ -755,8 +806,9 @@ def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
 
 def run_train(args: list[str]) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     return result.stdout
 
@@ -764,15 +816,45 @@ def run_train(args: list[str]) -> str:
 @pytest.mark.slow
 def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
     words = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
-    records = [{"text": " ".join(words[(i * 5 + j * 3) % len(words)] for j in range(8 + i % 9)) + "."}
-               for i in range(600)]
-    corpus = data.build_corpus([data.Source("generated", "generated", records=records)], tmp_path / "corpus",
-                               data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05))
+    records = [
+        {"text": " ".join(words[(i * 5 + j * 3) % len(words)] for j in range(8 + i % 9)) + "."} for i in range(600)
+    ]
+    corpus = data.build_corpus(
+        [data.Source("generated", "generated", records=records)],
+        tmp_path / "corpus",
+        data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05),
+    )
 
     def options(out: Path, *extra: str) -> list[str]:
-        return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32", "--batch-size", "2",
-                "--grad-accum", "2", "--target-tokens", str(8 * 4 * 32), "--warmup-steps", "2", "--eval-every", "4",
-                "--eval-batches", "1", "--save-every", "3", "--log-every", "1", "--threads", "1", *extra]
+        return [
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--preset",
+            "tiny",
+            "--context",
+            "32",
+            "--batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--target-tokens",
+            str(8 * 4 * 32),
+            "--warmup-steps",
+            "2",
+            "--eval-every",
+            "4",
+            "--eval-batches",
+            "1",
+            "--save-every",
+            "3",
+            "--log-every",
+            "1",
+            "--threads",
+            "1",
+            *extra,
+        ]
 
     run_train(options(tmp_path / "reference"))
     first = tmp_path / "first-machine"
@@ -784,8 +866,11 @@ def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
     assert restored.name == "step-00000005.pt"
     output = run_train(options(second, "--resume", "auto"))
     assert "resumed from" in output  # it did not quietly start over
-    steps = [json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (second / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # the history came back with the checkpoint
 
     def final(out: Path) -> dict:
@@ -818,8 +903,10 @@ def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
     assert attempts == [1, 2, 4, 8, 16, 32]  # powers of two only
     allow_uploads()
     assert reconcile(worker, local).caught_up
-    assert any(line.startswith("checkpoint backup: step-00000001.pt (step 1,") and "uploaded and verified" in line
-               for line in log)
+    assert any(
+        line.startswith("checkpoint backup: step-00000001.pt (step 1,") and "uploaded and verified" in line
+        for line in log
+    )
     assert "the remote works again: step-00000001.pt (step 1) is backed up after 40 failed attempt(s)" in log[-1]
 
 
@@ -900,8 +987,15 @@ def test_pull_is_read_only_on_the_remote_and_restores_an_honest_run_status(tmp_p
     for step in (10, 20, 30):
         atomic_write_json(run / "run_status.json", {"status": "RUNNING", "step": step, "total_steps": 30})
         if step == 30:
-            atomic_write_json(run / "run_status.json", {"status": "COMPLETE", "step": 30, "total_steps": 30,
-                                                        "resume_command": "python train.py --resume auto"})
+            atomic_write_json(
+                run / "run_status.json",
+                {
+                    "status": "COMPLETE",
+                    "step": 30,
+                    "total_steps": 30,
+                    "resume_command": "python train.py --resume auto",
+                },
+            )
         save_and_point_latest(run / "checkpoints", step, "run-a")
         assert reconcile(worker, run / "checkpoints").caught_up
     flip_byte(remote / "checkpoints" / "step-00000030.pt", 1000)

@@ -39,26 +39,29 @@ def mode(path: Path) -> int:
 # Names
 
 
-@pytest.mark.parametrize("name, target", [
-    (".out.1a2b3c4d.tmp", "out"),
-    (".model.0123abcd.old", "model"),
-    (".step-00000010.pt.deadbeef.tmp", "step-00000010.pt"),
-    (".a.b.json.00000000.tmp", "a.b.json"),
-    (".corpus.12345678.tmp", "corpus"),
-    ("out", None),
-    (".out", None),
-    (".out.tmp", None),
-    ("out.1a2b3c4d.tmp", None),  # not hidden
-    (".out.1a2b3c4.tmp", None),  # 7 hex digits
-    (".out.1A2B3C4D.tmp", None),  # upper case is not what temporary_name writes
-    (".out.1a2b3c4d.bak", None),
-    (".out.1a2b3c4d.tmp.gz", None),
-    (".out.k9x2abcd.tmp", None),  # mkstemp-style random part
-    ("..1a2b3c4d.tmp", None),  # no final name
-    (".out.building-1234", None),  # the old schemes are not swept
-    (".model.partial-998", None),
-    (".model.old-999", None),
-])
+@pytest.mark.parametrize(
+    "name, target",
+    [
+        (".out.1a2b3c4d.tmp", "out"),
+        (".model.0123abcd.old", "model"),
+        (".step-00000010.pt.deadbeef.tmp", "step-00000010.pt"),
+        (".a.b.json.00000000.tmp", "a.b.json"),
+        (".corpus.12345678.tmp", "corpus"),
+        ("out", None),
+        (".out", None),
+        (".out.tmp", None),
+        ("out.1a2b3c4d.tmp", None),  # not hidden
+        (".out.1a2b3c4.tmp", None),  # 7 hex digits
+        (".out.1A2B3C4D.tmp", None),  # upper case is not what temporary_name writes
+        (".out.1a2b3c4d.bak", None),
+        (".out.1a2b3c4d.tmp.gz", None),
+        (".out.k9x2abcd.tmp", None),  # mkstemp-style random part
+        ("..1a2b3c4d.tmp", None),  # no final name
+        (".out.building-1234", None),  # the old schemes are not swept
+        (".model.partial-998", None),
+        (".model.old-999", None),
+    ],
+)
 def test_temporary_target(name, target):
     assert temporary_target(name) == target
 
@@ -88,25 +91,50 @@ def populate(folder: Path, entries: dict[str, str]) -> None:
             path.symlink_to(folder.parent / "outside")
 
 
-@pytest.mark.parametrize("entries, target, removed, left", [
-    # files and folders of every target; others' hidden files and the old schemes stay
-    ({"a": "file", ".a.00000001.tmp": "file", ".b.00000002.tmp": "folder", "b": "folder", ".keep": "file",
-      ".a.building-1": "folder"}, None,
-     [".a.00000001.tmp", ".b.00000002.tmp"], [".a.building-1", ".keep", "a", "b"]),
-    # only the target's
-    ({"a": "file", ".a.00000001.tmp": "file", ".b.00000002.tmp": "folder"}, "a",
-     [".a.00000001.tmp"], [".b.00000002.tmp", "a"]),
-    # a target name that is a prefix of another's is not confused with it
-    ({".a.00000001.tmp": "file", ".ab.00000002.tmp": "file", ".b.a.00000003.tmp": "file"}, "a",
-     [".a.00000001.tmp"], [".ab.00000002.tmp", ".b.a.00000003.tmp"]),
-    # a swap killed between its renames: the old folder is put back when the final name is missing ...
-    ({".model.0000000a.old": "folder", ".model.0000000b.tmp": "folder"}, "model",
-     [".model.0000000b.tmp"], ["model"]),
-    # ... and deleted when the new one is in place
-    ({"model": "folder", ".model.0000000a.old": "folder"}, "model", [".model.0000000a.old"], ["model"]),
-    # a link is removed, never what it points to
-    ({".x.0000000c.tmp": "link"}, None, [".x.0000000c.tmp"], []),
-])
+@pytest.mark.parametrize(
+    "entries, target, removed, left",
+    [
+        # files and folders of every target; others' hidden files and the old schemes stay
+        (
+            {
+                "a": "file",
+                ".a.00000001.tmp": "file",
+                ".b.00000002.tmp": "folder",
+                "b": "folder",
+                ".keep": "file",
+                ".a.building-1": "folder",
+            },
+            None,
+            [".a.00000001.tmp", ".b.00000002.tmp"],
+            [".a.building-1", ".keep", "a", "b"],
+        ),
+        # only the target's
+        (
+            {"a": "file", ".a.00000001.tmp": "file", ".b.00000002.tmp": "folder"},
+            "a",
+            [".a.00000001.tmp"],
+            [".b.00000002.tmp", "a"],
+        ),
+        # a target name that is a prefix of another's is not confused with it
+        (
+            {".a.00000001.tmp": "file", ".ab.00000002.tmp": "file", ".b.a.00000003.tmp": "file"},
+            "a",
+            [".a.00000001.tmp"],
+            [".ab.00000002.tmp", ".b.a.00000003.tmp"],
+        ),
+        # a swap killed between its renames: the old folder is put back when the final name is missing ...
+        (
+            {".model.0000000a.old": "folder", ".model.0000000b.tmp": "folder"},
+            "model",
+            [".model.0000000b.tmp"],
+            ["model"],
+        ),
+        # ... and deleted when the new one is in place
+        ({"model": "folder", ".model.0000000a.old": "folder"}, "model", [".model.0000000a.old"], ["model"]),
+        # a link is removed, never what it points to
+        ({".x.0000000c.tmp": "link"}, None, [".x.0000000c.tmp"], []),
+    ],
+)
 def test_remove_temporaries(tmp_path, entries, target, removed, left):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -295,20 +323,23 @@ def test_atomic_path_when_the_writer_wrote_nothing(tmp_path):
 # JSON readers
 
 
-@pytest.mark.parametrize("content, default, expected", [
-    (None, {}, {}),  # missing
-    (b'{"step": 4}', {}, {"step": 4}),
-    (b'{"step": 4', {}, {}),  # cut short by a kill
-    (b"", {}, {}),
-    (b"\xff\xfe{}", {}, {}),  # not UTF-8
-    (b"[1, 2]", {}, {}),  # not the default's type
-    (b"[1, 2]", [], [1, 2]),
-    (b"[1, 2]", None, [1, 2]),  # no default: any JSON
-    (b"null", {}, {}),
-    (b"3", None, 3),
-    ("folder", {"x": 1}, {"x": 1}),  # a folder where the file should be
-    (b"[" * 100_000, {}, {}),  # nested too deeply
-])
+@pytest.mark.parametrize(
+    "content, default, expected",
+    [
+        (None, {}, {}),  # missing
+        (b'{"step": 4}', {}, {"step": 4}),
+        (b'{"step": 4', {}, {}),  # cut short by a kill
+        (b"", {}, {}),
+        (b"\xff\xfe{}", {}, {}),  # not UTF-8
+        (b"[1, 2]", {}, {}),  # not the default's type
+        (b"[1, 2]", [], [1, 2]),
+        (b"[1, 2]", None, [1, 2]),  # no default: any JSON
+        (b"null", {}, {}),
+        (b"3", None, 3),
+        ("folder", {"x": 1}, {"x": 1}),  # a folder where the file should be
+        (b"[" * 100_000, {}, {}),  # nested too deeply
+    ],
+)
 def test_read_json_or(tmp_path, content, default, expected):
     path = tmp_path / "record.json"
     if content == "folder":
@@ -318,11 +349,14 @@ def test_read_json_or(tmp_path, content, default, expected):
     assert read_json_or(path, default) == expected
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "settings not found: {path}"),
-    (b'{"a": ', "settings {path} is not valid JSON (line 1: Expecting value)"),
-    (b"\xff{}", "settings {path} is not valid JSON (not UTF-8 at byte 0)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "settings not found: {path}"),
+        (b'{"a": ', "settings {path} is not valid JSON (line 1: Expecting value)"),
+        (b"\xff{}", "settings {path} is not valid JSON (not UTF-8 at byte 0)"),
+    ],
+)
 def test_read_json_names_the_file(tmp_path, content, message):
     path = tmp_path / "settings.json"
     if content is not None:
@@ -348,11 +382,14 @@ def test_check_writable_folder_leaves_nothing_and_names_the_folder(tmp_path):
 
 
 # stderr a terminal?, the environment -> what run_main adds to it
-@pytest.mark.parametrize("terminal, environ, added", [
-    (True, {}, {}),  # a terminal: the bars draw in place
-    (False, {}, common.LIBRARY_PROGRESS_OFF),  # a notebook or a log: off
-    (False, {"TQDM_DISABLE": "0"}, {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}),
-])
+@pytest.mark.parametrize(
+    "terminal, environ, added",
+    [
+        (True, {}, {}),  # a terminal: the bars draw in place
+        (False, {}, common.LIBRARY_PROGRESS_OFF),  # a notebook or a log: off
+        (False, {"TQDM_DISABLE": "0"}, {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}),
+    ],
+)
 def test_library_progress_bars_are_off_when_stderr_is_not_a_terminal(terminal, environ, added):
     assert common.progress_bars_env(terminal, environ) == added
 
@@ -367,6 +404,7 @@ def test_run_main_turns_the_bars_off_in_a_log(monkeypatch):
     # a tqdm imported after run_main began (lm-eval's, under report.py evaluate) draws nothing into a log
     code = "import common; common.run_main(lambda: print(__import__('tqdm').tqdm(total=3).disable))"
     environ = {name: value for name, value in os.environ.items() if name not in common.LIBRARY_PROGRESS_OFF}
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(common.__file__).parent, capture_output=True,
-                            text=True, env=environ)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(common.__file__).parent, capture_output=True, text=True, env=environ
+    )
     assert result.stdout.strip() == "True", result.stderr

@@ -39,21 +39,33 @@ pytestmark = pytest.mark.timeout(20)
 # Splits and document hashing (data.py)
 
 
-@pytest.mark.parametrize("position, expected", [
-    (0.0, "validation"), (0.0499, "validation"),  # [0, val)
-    (0.05, "test"), (0.0599, "test"),  # [val, val + test)
-    (0.0601, "train"), (0.5, "train"), (0.999999, "train"),
-])
+@pytest.mark.parametrize(
+    "position, expected",
+    [
+        (0.0, "validation"),
+        (0.0499, "validation"),  # [0, val)
+        (0.05, "test"),
+        (0.0599, "test"),  # [val, val + test)
+        (0.0601, "train"),
+        (0.5, "train"),
+        (0.999999, "train"),
+    ],
+)
 def test_split_of_unequal_fractions(position, expected):
     """--val-fraction 0.05 --test-fraction 0.01: 5% validation, 1% test (unequal, so a swap shows)."""
     assert data.split_of(position, 0.05, 0.01) == expected
 
 
-@pytest.mark.parametrize("val, test, position, expected", [
-    (0.0, 0.0, 0.0, "train"),  # no held-out splits: everything trains
-    (0.0, 0.1, 0.0, "test"), (0.0, 0.1, 0.1, "train"),
-    (0.1, 0.0, 0.0999, "validation"), (0.1, 0.0, 0.1, "train"),
-])
+@pytest.mark.parametrize(
+    "val, test, position, expected",
+    [
+        (0.0, 0.0, 0.0, "train"),  # no held-out splits: everything trains
+        (0.0, 0.1, 0.0, "test"),
+        (0.0, 0.1, 0.1, "train"),
+        (0.1, 0.0, 0.0999, "validation"),
+        (0.1, 0.0, 0.1, "train"),
+    ],
+)
 def test_split_of_empty_splits(val, test, position, expected):
     assert data.split_of(position, val, test) == expected
 
@@ -80,24 +92,31 @@ def test_document_hash_is_blake2b_key_and_position():
 
 
 # bytes of input -> data.py's defaults for the options not given (the notebook shows the same)
-@pytest.mark.parametrize("size, vocab_size, fraction", [
-    (None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
-    (0, 512, 0.05),
-    (999_999, 512, 0.05),
-    (1_000_000, 2_048, 0.05),
-    (9_999_999, 2_048, 0.05),
-    (10_000_000, 8_192, 0.02),
-    (999_999_999, 16_384, 0.01),
-    (1_000_000_000, 33_069, 0.01),
-    (10**12, 33_069, 0.01),
-])
+@pytest.mark.parametrize(
+    "size, vocab_size, fraction",
+    [
+        (None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
+        (0, 512, 0.05),
+        (999_999, 512, 0.05),
+        (1_000_000, 2_048, 0.05),
+        (9_999_999, 2_048, 0.05),
+        (10_000_000, 8_192, 0.02),
+        (999_999_999, 16_384, 0.01),
+        (1_000_000_000, 33_069, 0.01),
+        (10**12, 33_069, 0.01),
+    ],
+)
 def test_build_defaults_are_sized_to_the_input(size, vocab_size, fraction):
-    assert data.sized_build_defaults(size) == {"vocab_size": vocab_size, "val_fraction": fraction,
-                                               "test_fraction": fraction}
+    assert data.sized_build_defaults(size) == {
+        "vocab_size": vocab_size,
+        "val_fraction": fraction,
+        "test_fraction": fraction,
+    }
 
 
-@pytest.mark.parametrize("vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"),
-                                               (200_000, "uint32")])
+@pytest.mark.parametrize(
+    "vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"), (200_000, "uint32")]
+)
 def test_token_dtype_holds_every_id(vocab_size, dtype):
     assert corpus_format.token_dtype(vocab_size) == dtype
     assert np.iinfo(dtype).max >= vocab_size - 1  # the largest id fits
@@ -106,30 +125,48 @@ def test_token_dtype_holds_every_id(vocab_size, dtype):
 FRACTIONS = "--val-fraction and --test-fraction must be >= 0 and leave room for training data"
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"scope": "everything"}, "--scope 'everything' is unknown; choose one of full, chat, text, reasoning"),
-    ({"val_fraction": -0.01}, FRACTIONS),
-    ({"test_fraction": -0.01}, FRACTIONS),
-    ({"val_fraction": 1.0}, FRACTIONS),
-    ({"test_fraction": 1.0}, FRACTIONS),
-    ({"val_fraction": 0.5, "test_fraction": 0.5}, FRACTIONS),
-    ({"vocab_size": 262},
-     f"--vocab-size 262 is below 263 (256 bytes + {len(corpus_format.SPECIAL_TOKENS)} special tokens)"),
-    ({"shard_tokens": 0}, "--shard-tokens must be positive, got 0"),  # each option's own check (common.option)
-    ({"tokenizer_sample_bytes": 0}, "--tokenizer-sample-bytes must be positive, got 0"),
-    ({"batch_bytes": 0}, "--batch-bytes must be positive, got 0"),
-    ({"min_chars": -1}, "--min-chars must not be negative, got -1"),
-    ({"tokenize_workers": -1}, "--tokenize-workers must not be negative, got -1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"scope": "everything"}, "--scope 'everything' is unknown; choose one of full, chat, text, reasoning"),
+        ({"val_fraction": -0.01}, FRACTIONS),
+        ({"test_fraction": -0.01}, FRACTIONS),
+        ({"val_fraction": 1.0}, FRACTIONS),
+        ({"test_fraction": 1.0}, FRACTIONS),
+        ({"val_fraction": 0.5, "test_fraction": 0.5}, FRACTIONS),
+        (
+            {"vocab_size": 262},
+            f"--vocab-size 262 is below 263 (256 bytes + {len(corpus_format.SPECIAL_TOKENS)} special tokens)",
+        ),
+        ({"shard_tokens": 0}, "--shard-tokens must be positive, got 0"),  # each option's own check (common.option)
+        ({"tokenizer_sample_bytes": 0}, "--tokenizer-sample-bytes must be positive, got 0"),
+        ({"batch_bytes": 0}, "--batch-bytes must be positive, got 0"),
+        ({"min_chars": -1}, "--min-chars must not be negative, got -1"),
+        ({"tokenize_workers": -1}, "--tokenize-workers must not be negative, got -1"),
+    ],
+)
 def test_check_settings_refuses_each_bad_value(change, message):
     with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
         data.check_settings(data.BuildSettings(**change))
 
 
-@pytest.mark.parametrize("change", [{}, {"val_fraction": 0.0, "test_fraction": 0.0}, {"val_fraction": 0.49,
-                                    "test_fraction": 0.5}, {"vocab_size": 263, "shard_tokens": 1, "min_chars": 0,
-                                    "tokenizer_sample_bytes": 1, "batch_bytes": 1, "tokenize_workers": 0},
-                                    {"scope": "chat"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"val_fraction": 0.0, "test_fraction": 0.0},
+        {"val_fraction": 0.49, "test_fraction": 0.5},
+        {
+            "vocab_size": 263,
+            "shard_tokens": 1,
+            "min_chars": 0,
+            "tokenizer_sample_bytes": 1,
+            "batch_bytes": 1,
+            "tokenize_workers": 0,
+        },
+        {"scope": "chat"},
+    ],
+)
 def test_check_settings_accepts_the_edges(change):
     data.check_settings(data.BuildSettings(**change))
 
@@ -142,12 +179,15 @@ def read_shards(folder: Path, files: list[dict]) -> np.ndarray:
     return np.concatenate([np.fromfile(folder / entry["name"], dtype="<u2") for entry in files])
 
 
-@pytest.mark.parametrize("shard_tokens, batch_sizes", [
-    (10, [3, 4, 5, 6, 2]),  # several tokenizer batches per shard, one batch across a boundary
-    (5, [5, 5, 5]),  # each batch fills one shard exactly
-    (7, [20]),  # one batch over three shards
-    (100, [1, 1, 1]),  # one shard, three batches
-])
+@pytest.mark.parametrize(
+    "shard_tokens, batch_sizes",
+    [
+        (10, [3, 4, 5, 6, 2]),  # several tokenizer batches per shard, one batch across a boundary
+        (5, [5, 5, 5]),  # each batch fills one shard exactly
+        (7, [20]),  # one batch over three shards
+        (100, [1, 1, 1]),  # one shard, three batches
+    ],
+)
 def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_sizes):
     writer = data.ShardWriter(tmp_path, "train", "uint16", shard_tokens)
     stream, start = [], 1000
@@ -160,8 +200,9 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
     total = len(stream)
     expected_sizes = [shard_tokens] * (total // shard_tokens) + ([total % shard_tokens] if total % shard_tokens else [])
     assert [entry["tokens"] for entry in result["files"]] == expected_sizes
-    assert [entry["name"] for entry in result["files"]] == [corpus_format.shard_name("train", i)
-                                                           for i in range(len(expected_sizes))]
+    assert [entry["name"] for entry in result["files"]] == [
+        corpus_format.shard_name("train", i) for i in range(len(expected_sizes))
+    ]
     for entry in result["files"]:
         path = tmp_path / entry["name"]
         assert entry["sha256"] == sha256_file(path), entry["name"]
@@ -171,13 +212,20 @@ def test_shard_writer_hashes_every_batch_written(tmp_path, shard_tokens, batch_s
     assert result["documents"] == len(batch_sizes)
     ends = np.fromfile(tmp_path / "train.docs", dtype="<u8").tolist()
     assert ends == np.cumsum(batch_sizes).tolist()
-    assert result["document_index"] == {"name": "train.docs", "bytes": 8 * len(batch_sizes),
-                                        "sha256": sha256_file(tmp_path / "train.docs")}
+    assert result["document_index"] == {
+        "name": "train.docs",
+        "bytes": 8 * len(batch_sizes),
+        "sha256": sha256_file(tmp_path / "train.docs"),
+    }
 
 
 def test_shard_writer_with_nothing_written_writes_no_file(tmp_path):
     assert data.ShardWriter(tmp_path, "test", "uint16", 10).finish() == {
-        "files": [], "tokens": 0, "documents": 0, "mask_tokens": {"prompt": 0, "assistant": 0, "text": 0}}
+        "files": [],
+        "tokens": 0,
+        "documents": 0,
+        "mask_tokens": {"prompt": 0, "assistant": 0, "text": 0},
+    }
     assert list(tmp_path.iterdir()) == []
 
 
@@ -189,15 +237,24 @@ def test_shard_writer_writes_little_endian_uint32(tmp_path):
     assert raw == (1).to_bytes(4, "little") + (70_000).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little")
     mask = bytes([corpus_format.MASK_TEXT]) * 3  # no mask given: plain text
     assert (tmp_path / "validation-00000.mask").read_bytes() == mask
-    assert entry == {"name": "validation-00000.bin", "bytes": 12, "sha256": hashlib.sha256(raw).hexdigest(),
-                     "tokens": 3, "mask": {"name": "validation-00000.mask", "bytes": 3,
-                                           "sha256": hashlib.sha256(mask).hexdigest()}}
+    assert entry == {
+        "name": "validation-00000.bin",
+        "bytes": 12,
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "tokens": 3,
+        "mask": {"name": "validation-00000.mask", "bytes": 3, "sha256": hashlib.sha256(mask).hexdigest()},
+    }
 
 
 def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
     writer = data.ShardWriter(tmp_path, "train", "uint16", 3)
-    classes = [corpus_format.MASK_PROMPT, corpus_format.MASK_ASSISTANT, corpus_format.MASK_ASSISTANT,
-               corpus_format.MASK_TEXT, corpus_format.MASK_PROMPT]
+    classes = [
+        corpus_format.MASK_PROMPT,
+        corpus_format.MASK_ASSISTANT,
+        corpus_format.MASK_ASSISTANT,
+        corpus_format.MASK_TEXT,
+        corpus_format.MASK_PROMPT,
+    ]
     writer.write(np.arange(10, 15, dtype=np.int64), [2, 3], mask=np.array(classes, dtype=np.int64))  # uint8 out
     writer.write(np.array([15], dtype=np.int64), [1])  # no mask: plain text
     with pytest.raises(ValueError, match="^2 mask values and 3 document tokens for 3 tokens$"):
@@ -208,30 +265,36 @@ def test_shard_writer_writes_the_mask_given_cut_like_the_shards(tmp_path):
     assert (tmp_path / "train-00000.mask").read_bytes() == bytes(classes[:3])
     assert (tmp_path / "train-00001.mask").read_bytes() == bytes(classes[3:] + [corpus_format.MASK_TEXT])
     assert [entry["mask"] for entry in result["files"]] == [
-        {"name": f"train-0000{index}.mask", "bytes": 3,
-         "sha256": sha256_file(tmp_path / f"train-0000{index}.mask")} for index in (0, 1)]
+        {"name": f"train-0000{index}.mask", "bytes": 3, "sha256": sha256_file(tmp_path / f"train-0000{index}.mask")}
+        for index in (0, 1)
+    ]
     assert result["mask_tokens"] == {"prompt": 2, "assistant": 2, "text": 2}
     assert np.fromfile(tmp_path / "train.docs", dtype="<u8").tolist() == [2, 5, 6] and result["documents"] == 3
     assert read_shards(tmp_path, result["files"]).tolist() == list(range(10, 16))
 
 
 def test_batches_group_documents_by_characters():
-    documents = [data.Document(split=f"s{index}", kind="text", text="x" * size, pieces=[f"p{index}"])
-                 for index, size in enumerate([3, 3, 4, 10, 1])]
+    documents = [
+        data.Document(split=f"s{index}", kind="text", text="x" * size, pieces=[f"p{index}"])
+        for index, size in enumerate([3, 3, 4, 10, 1])
+    ]
     groups = list(data.batches(documents, batch_bytes=6))
     # 3 + 3 reaches 6: a batch; 4 + 10 passes it: a batch; the last 1 is the remainder
     assert groups == [(["s0", "s1"], [["p0"], ["p1"]]), (["s2", "s3"], [["p2"], ["p3"]]), (["s4"], [["p4"]])]
     assert list(data.batches([], batch_bytes=6)) == []
     five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)]) for size in (5, 1, 2)]
     assert [pieces for _, pieces in data.batches(five_one, batch_bytes=6)] == [[["5"], ["1"]], [["2"]]]
-    six_five_one = [data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)])
-                    for size in (6, 5, 1)]
+    six_five_one = [
+        data.Document(split="train", kind="text", text="x" * size, pieces=[str(size)]) for size in (6, 5, 1)
+    ]
     assert [pieces for _, pieces in data.batches(six_five_one, batch_bytes=6)] == [[["6"]], [["5"], ["1"]]]
 
 
 def test_batches_send_a_labelled_document_to_its_sources_stream():
-    documents = [data.Document(split="train", kind="text", text="x", pieces=["a"], source="web"),
-                 data.Document(split="test", kind="text", text="x", pieces=["b"])]
+    documents = [
+        data.Document(split="train", kind="text", text="x", pieces=["a"], source="web"),
+        data.Document(split="test", kind="text", text="x", pieces=["b"]),
+    ]
     assert list(data.batches(documents, batch_bytes=100)) == [(["train-web", "test"], [["a"], ["b"]])]
 
 
@@ -252,9 +315,12 @@ def tiny_corpus_files(root: Path) -> dict:
     (root / "eval.jsonl").write_text("{}\n")
     from common import sha256_tree
 
-    return {"dtype": "uint16", "splits": {"train": {"files": files, "tokens": 5, "documents": 2}},
-            "tokenizer_sha256": sha256_tree(root / corpus_format.TOKENIZER_DIR),
-            "files": {"eval.jsonl": sha256_file(root / "eval.jsonl")}}
+    return {
+        "dtype": "uint16",
+        "splits": {"train": {"files": files, "tokens": 5, "documents": 2}},
+        "tokenizer_sha256": sha256_tree(root / corpus_format.TOKENIZER_DIR),
+        "files": {"eval.jsonl": sha256_file(root / "eval.jsonl")},
+    }
 
 
 def test_verify_files_accepts_a_matching_corpus_and_names_each_fault(tmp_path):
@@ -266,7 +332,8 @@ def test_verify_files_accepts_a_matching_corpus_and_names_each_fault(tmp_path):
     raw[0] ^= 1
     first.write_bytes(bytes(raw))  # same size, other bytes
     assert corpus_format.verify_files(tmp_path, manifest) == [
-        "train-00000.bin: sha256 does not match the manifest (corrupted or edited)"]
+        "train-00000.bin: sha256 does not match the manifest (corrupted or edited)"
+    ]
     raw[0] ^= 1
     first.write_bytes(bytes(raw))
 
@@ -283,9 +350,11 @@ def test_verify_files_reports_every_missing_shard_and_a_missing_tokenizer(tmp_pa
     (tmp_path / corpus_format.TOKENIZER_DIR / "tokenizer.json").unlink()
     (tmp_path / corpus_format.TOKENIZER_DIR).rmdir()
     del manifest["files"]  # a manifest without extra files is fine
-    assert corpus_format.verify_files(tmp_path, manifest) == ["train-00000.bin: missing (train shard)",
-                                                     "train-00001.bin: missing (train shard)",
-                                                     f"{corpus_format.TOKENIZER_DIR}/: missing"]
+    assert corpus_format.verify_files(tmp_path, manifest) == [
+        "train-00000.bin: missing (train shard)",
+        "train-00001.bin: missing (train shard)",
+        f"{corpus_format.TOKENIZER_DIR}/: missing",
+    ]
 
 
 def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
@@ -294,14 +363,17 @@ def test_verify_files_checks_token_counts_tokenizer_and_extra_files(tmp_path):
     manifest["splits"]["train"]["tokens"] = 6
     assert corpus_format.verify_files(tmp_path, manifest) == ["train-00001.bin: 4 bytes is not 3 uint16 tokens"]
     manifest["splits"]["train"]["tokens"] = 7
-    assert corpus_format.verify_files(tmp_path, manifest)[-1] == \
-        "train: shard tokens do not add up to the split's 7 tokens"
+    assert (
+        corpus_format.verify_files(tmp_path, manifest)[-1]
+        == "train: shard tokens do not add up to the split's 7 tokens"
+    )
     manifest = tiny_corpus_files(tmp_path / "again")
     (tmp_path / "again" / corpus_format.TOKENIZER_DIR / "tokenizer.json").write_text('{"edited": 1}')
     (tmp_path / "again" / "eval.jsonl").write_text("{}\n{}\n")
     assert corpus_format.verify_files(tmp_path / "again", manifest) == [
         f"{corpus_format.TOKENIZER_DIR}/: sha256 of the folder does not match the manifest",
-        "eval.jsonl: sha256 does not match the manifest"]
+        "eval.jsonl: sha256 does not match the manifest",
+    ]
     (tmp_path / "again" / "eval.jsonl").unlink()
     assert corpus_format.verify_files(tmp_path / "again", manifest)[-1] == "eval.jsonl: missing"
 
@@ -316,7 +388,8 @@ def test_verify_files_checks_the_mask_files(tmp_path):
     assert corpus_format.verify_files(tmp_path, manifest) == []
     (tmp_path / "train-00001.mask").write_bytes(bytes([2, 1]))
     assert corpus_format.verify_files(tmp_path, manifest) == [
-        "train-00001.mask: sha256 does not match the manifest (corrupted or edited)"]
+        "train-00001.mask: sha256 does not match the manifest (corrupted or edited)"
+    ]
     del manifest["splits"]["train"]["files"][1]["mask"]
     assert corpus_format.verify_files(tmp_path, manifest) == ["train-00001.bin: the manifest lists no mask file for it"]
     del manifest["format_version"]  # a corpus from before masks: none expected
@@ -347,10 +420,12 @@ def test_verify_files_checks_the_document_index(tmp_path):
     assert corpus_format.verify_files(tmp_path, manifest) == []
     (tmp_path / "train.docs").write_bytes(np.array([3, 4], dtype="<u8").tobytes())  # same size, other ends
     assert corpus_format.verify_files(tmp_path, manifest) == [
-        "train.docs: sha256 does not match the manifest (corrupted or edited)"]
+        "train.docs: sha256 does not match the manifest (corrupted or edited)"
+    ]
     del train["document_index"]
     assert corpus_format.verify_files(tmp_path, manifest) == [
-        "train: the manifest lists no document index (train.docs)"]
+        "train: the manifest lists no document index (train.docs)"
+    ]
     manifest["format_version"] = 2  # a corpus from before the index: none expected
     assert corpus_format.verify_files(tmp_path, manifest) == []
     del manifest["format_version"]
@@ -363,18 +438,29 @@ def test_verify_files_checks_each_labelled_sources_document_index(tmp_path):
     manifest["format_version"] = 3
     train = manifest["splits"]["train"]  # one stream per source: web's shard holds 3 tokens, code's 2
     train["sources"] = {
-        "web": {"files": train["files"][:1], "tokens": 3, "documents": 2,
-                "document_index": write_document_index(tmp_path, "train-web.docs", [1, 3])},
-        "code": {"files": train["files"][1:], "tokens": 2, "documents": 1,
-                 "document_index": write_document_index(tmp_path, "train-code.docs", [2])}}
+        "web": {
+            "files": train["files"][:1],
+            "tokens": 3,
+            "documents": 2,
+            "document_index": write_document_index(tmp_path, "train-web.docs", [1, 3]),
+        },
+        "code": {
+            "files": train["files"][1:],
+            "tokens": 2,
+            "documents": 1,
+            "document_index": write_document_index(tmp_path, "train-code.docs", [2]),
+        },
+    }
     train["documents"] = 3
     assert corpus_format.verify_files(tmp_path, manifest) == []  # the split itself has no index: its sources do
     (tmp_path / "train-code.docs").write_bytes(np.array([1], dtype="<u8").tobytes())
     assert corpus_format.verify_files(tmp_path, manifest) == [
-        "train-code.docs: sha256 does not match the manifest (corrupted or edited)"]
+        "train-code.docs: sha256 does not match the manifest (corrupted or edited)"
+    ]
     del train["sources"]["code"]["document_index"]
     assert corpus_format.verify_files(tmp_path, manifest) == [
-        "train-code: the manifest lists no document index (train-code.docs)"]
+        "train-code: the manifest lists no document index (train-code.docs)"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +471,10 @@ def test_mix64_is_splitmix64():
     """The first outputs of splitmix64 seeded with 0 (Vigna's reference: state += golden gamma, then mix)."""
     gamma = 0x9E3779B97F4A7C15
     assert [train_data.mix64(index * gamma & train_data.MASK64) for index in range(3)] == [
-        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+        0xE220A8397B1DCDAF,
+        0x6E789E6AA1B965F4,
+        0x06C45D188009454F,
+    ]
     assert all(0 <= train_data.mix64(value) < 2**64 for value in (0, 1, 2**64 - 1, 12345))
 
 
@@ -425,25 +514,31 @@ def test_block_permutation_is_keyed_and_mixes():
     assert len(set(train_data.BlockPermutation(n, 1, 0).keys)) == train_data.BlockPermutation.ROUNDS
 
 
-@pytest.mark.parametrize("ends, row_tokens, pieces", [
-    ([3, 5, 6], 4, [(0, 3), (3, 2), (5, 1)]),  # documents that fit are one piece each
-    ([10], 4, [(0, 4), (3, 4), (6, 4)]),  # a long one: pieces of 4, each starting on the last token before
-    ([11], 4, [(0, 4), (3, 4), (6, 4), (9, 2)]),  # ... and its remainder
-    ([4, 6, 13], 4, [(0, 4), (4, 2), (6, 4), (9, 4)]),  # exactly a row; short; 7 tokens = 4 + 4 sharing one
-])
+@pytest.mark.parametrize(
+    "ends, row_tokens, pieces",
+    [
+        ([3, 5, 6], 4, [(0, 3), (3, 2), (5, 1)]),  # documents that fit are one piece each
+        ([10], 4, [(0, 4), (3, 4), (6, 4)]),  # a long one: pieces of 4, each starting on the last token before
+        ([11], 4, [(0, 4), (3, 4), (6, 4), (9, 2)]),  # ... and its remainder
+        ([4, 6, 13], 4, [(0, 4), (4, 2), (6, 4), (9, 4)]),  # exactly a row; short; 7 tokens = 4 + 4 sharing one
+    ],
+)
 def test_document_pieces(ends, row_tokens, pieces):
     starts, lengths = train_data.document_pieces(np.array(ends, dtype=np.uint64), row_tokens)
     assert list(zip(starts.tolist(), lengths.tolist())) == pieces
 
 
-@pytest.mark.parametrize("lengths, window, rows", [
-    ([5, 3, 2], 8, [[0, 1], [2]]),  # the longest first (5), then the longest that fits (3); 2 waits
-    ([2, 3, 5], 8, [[2, 1], [0]]),  # the same pieces in another stream order, the same rows
-    ([8, 1, 7], 8, [[0], [2, 1]]),  # a full row; 7 + 1 fill the next exactly
-    ([4, 4, 4], 8, [[2, 1], [0]]),  # ties: the later piece first (deterministic)
-    ([6, 6, 2, 2], 2, [[1], [0, 2], [3]]),  # a window of 2: piece 3 is not yet seen when row 2 closes
-    ([], 8, []),
-])
+@pytest.mark.parametrize(
+    "lengths, window, rows",
+    [
+        ([5, 3, 2], 8, [[0, 1], [2]]),  # the longest first (5), then the longest that fits (3); 2 waits
+        ([2, 3, 5], 8, [[2, 1], [0]]),  # the same pieces in another stream order, the same rows
+        ([8, 1, 7], 8, [[0], [2, 1]]),  # a full row; 7 + 1 fill the next exactly
+        ([4, 4, 4], 8, [[2, 1], [0]]),  # ties: the later piece first (deterministic)
+        ([6, 6, 2, 2], 2, [[1], [0, 2], [3]]),  # a window of 2: piece 3 is not yet seen when row 2 closes
+        ([], 8, []),
+    ],
+)
 def test_best_fit_rows(lengths, window, rows):
     order, row_ends = train_data.best_fit_rows(np.array(lengths, dtype=np.int64), 8, window)
     got = [order[start:end].tolist() for start, end in zip([0, *row_ends[:-1].tolist()], row_ends.tolist())]
@@ -452,11 +547,14 @@ def test_best_fit_rows(lengths, window, rows):
     assert all(sum(lengths[piece] for piece in row) <= 8 for row in got)
 
 
-@pytest.mark.parametrize("packing, rows, spans, pads, documents", [
-    ("stream", 3, [(0, 5), (4, 5), (8, 5)], False, False),  # blocks of the stream, across documents
-    ("masked", 3, [(0, 5), (4, 5), (8, 5)], False, True),  # the same rows, each token with its document
-    ("bestfit", 3, [(8, 5), (3, 5), (0, 3), (12, 2)], True, False),  # pieces (the 6-token one cut), padded
-])
+@pytest.mark.parametrize(
+    "packing, rows, spans, pads, documents",
+    [
+        ("stream", 3, [(0, 5), (4, 5), (8, 5)], False, False),  # blocks of the stream, across documents
+        ("masked", 3, [(0, 5), (4, 5), (8, 5)], False, True),  # the same rows, each token with its document
+        ("bestfit", 3, [(8, 5), (3, 5), (0, 3), (12, 2)], True, False),  # pieces (the 6-token one cut), padded
+    ],
+)
 def test_each_packing_mode_is_one_class_with_one_interface(packing, rows, spans, pads, documents):
     """Documents of 3, 5 and 6 tokens (ends 3, 8, 14), rows of C + 1 = 5 tokens."""
     mode = train_data.PACKINGS[packing](np.array([3, 8, 14], dtype=np.uint64), 4)
@@ -487,8 +585,14 @@ def test_a_manifest_lists_every_file_it_records(tmp_path):
     add_masks(tmp_path, record)
     record["splits"]["train"]["document_index"] = write_document_index(tmp_path, "train.docs", [3, 5])
     files = corpus_format.Manifest(record, "0" * 64).files()
-    assert sorted(files) == ["eval.jsonl", "train-00000.bin", "train-00000.mask", "train-00001.bin",
-                             "train-00001.mask", "train.docs"]
+    assert sorted(files) == [
+        "eval.jsonl",
+        "train-00000.bin",
+        "train-00000.mask",
+        "train-00001.bin",
+        "train-00001.mask",
+        "train.docs",
+    ]
     assert files["train.docs"] == (sha256_file(tmp_path / "train.docs"), 16)
     assert files["eval.jsonl"] == (sha256_file(tmp_path / "eval.jsonl"), None)  # other files: a sha256 alone
 
@@ -508,8 +612,10 @@ def test_sampler_layout_of_a_step(world, accum, batch):
         order0, order1 = train_data.BlockPermutation(50, 4, 0), train_data.BlockPermutation(50, 4, 1)
         assert blocks == [order0(g) if g < 50 else order1(g - 50) for g in range(step * 6, step * 6 + 6)]
         for rank in range(world):
-            expected = [[blocks[j] for j in range(6) if j // (world * batch) == micro and (j // batch) % world == rank]
-                        for micro in range(accum)]
+            expected = [
+                [blocks[j] for j in range(6) if j // (world * batch) == micro and (j // batch) % world == rank]
+                for micro in range(accum)
+            ]
             assert sampler.micro_batches(step, rank) == expected
 
 
@@ -540,7 +646,8 @@ class FixedLogits(torch.nn.Module):
         self.lm_head = torch.nn.Linear(*table.shape, bias=False, dtype=table.dtype)
         self.lm_head.weight.data = table.t().contiguous()
         self.model = lambda input_ids: SimpleNamespace(
-            last_hidden_state=torch.nn.functional.one_hot(input_ids, len(table)).to(table.dtype))
+            last_hidden_state=torch.nn.functional.one_hot(input_ids, len(table)).to(table.dtype)
+        )
 
 
 def test_language_model_loss_is_hand_computed_cross_entropy():
@@ -571,12 +678,15 @@ def gradients(*values: list[float]) -> list[torch.nn.Parameter]:
     return parameters
 
 
-@pytest.mark.parametrize("grads, max_norm, norm, scaled", [
-    ([[3.0], [4.0]], 1.0, 5.0, True),  # norm 5 > 1: scaled to norm 1
-    ([[0.3], [0.4]], 1.0, 0.5, False),  # below: untouched
-    ([[0.6], [0.8]], 1.0, 1.0, True),  # at the limit the coefficient 1/(1 + 1e-6) is < 1: scaled, as torch does
-    ([[0.999999]], 1.0, 0.999999, False),  # norm + 1e-6 rounds to 1.0 in float32: coefficient exactly 1, no clip
-])
+@pytest.mark.parametrize(
+    "grads, max_norm, norm, scaled",
+    [
+        ([[3.0], [4.0]], 1.0, 5.0, True),  # norm 5 > 1: scaled to norm 1
+        ([[0.3], [0.4]], 1.0, 0.5, False),  # below: untouched
+        ([[0.6], [0.8]], 1.0, 1.0, True),  # at the limit the coefficient 1/(1 + 1e-6) is < 1: scaled, as torch does
+        ([[0.999999]], 1.0, 0.999999, False),  # norm + 1e-6 rounds to 1.0 in float32: coefficient exactly 1, no clip
+    ],
+)
 def test_clip_gradients_by_value(grads, max_norm, norm, scaled):
     parameters = gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
     total = optimization.clip_gradients(parameters, max_norm)
@@ -614,96 +724,155 @@ def test_clip_gradients_sets_non_finite_gradients_to_nan():
     assert torch.isnan(parameters[0].grad).all()
 
 
-MIXTURE = {"sources": [{"name": "web", "label": None}, {"name": "chat", "label": "chat"}],
-           "phases": [{"start": 0, "weights": {"web": 0.8, "chat": 0.2}}]}
+MIXTURE = {
+    "sources": [{"name": "web", "label": None}, {"name": "chat", "label": "chat"}],
+    "phases": [{"start": 0, "weights": {"web": 0.8, "chat": 0.2}}],
+}
 
 
-@pytest.mark.parametrize("old, new, expected", [
-    ({"a": 1}, {"a": 1}, []),
-    ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
-    ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
-    ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
-    ({"x": True}, {"x": None}, ["x: true -> null"]),  # JSON's words, not Python's
-    ({"betas": [0.9, 0.95]}, {"betas": [0.9, 0.99]}, ["betas[1]: 0.95 -> 0.99"]),
-    ({"mixture": MIXTURE}, {"mixture": {**MIXTURE, "phases": [{"start": 0, "weights": {"web": 0.7, "chat": 0.3}}]}},
-     ["mixture.phases[0].weights.chat: 0.2 -> 0.3", "mixture.phases[0].weights.web: 0.8 -> 0.7"]),
-    ({"mixture": MIXTURE}, {"mixture": {**MIXTURE, "sources": [{"name": "web", "label": None}]}},
-     ['mixture.sources: [{"name": "web", "label": null}, {"name": "chat", "label": "chat"}] -> '
-      '[{"name": "web", "label": null}]']),
-    ({"s": "x" * 100}, {"s": "y"}, ["s: " + "x" * 77 + "... -> y"]),
-])
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        ({"a": 1}, {"a": 1}, []),
+        ({"a": 1, "b": 2}, {"a": 1, "b": 3}, ["b: 2 -> 3"]),
+        ({"a": 1}, {"b": 2}, ["a: 1 -> (unset)", "b: (unset) -> 2"]),
+        ({"lr": 1e-3, "z": None}, {"lr": 2e-3, "z": None}, ["lr: 0.001 -> 0.002"]),
+        ({"x": True}, {"x": None}, ["x: true -> null"]),  # JSON's words, not Python's
+        ({"betas": [0.9, 0.95]}, {"betas": [0.9, 0.99]}, ["betas[1]: 0.95 -> 0.99"]),
+        (
+            {"mixture": MIXTURE},
+            {"mixture": {**MIXTURE, "phases": [{"start": 0, "weights": {"web": 0.7, "chat": 0.3}}]}},
+            ["mixture.phases[0].weights.chat: 0.2 -> 0.3", "mixture.phases[0].weights.web: 0.8 -> 0.7"],
+        ),
+        (
+            {"mixture": MIXTURE},
+            {"mixture": {**MIXTURE, "sources": [{"name": "web", "label": None}]}},
+            [
+                'mixture.sources: [{"name": "web", "label": null}, {"name": "chat", "label": "chat"}] -> '
+                '[{"name": "web", "label": null}]'
+            ],
+        ),
+        ({"s": "x" * 100}, {"s": "y"}, ["s: " + "x" * 77 + "... -> y"]),
+    ],
+)
 def test_settings_changes_are_described_one_by_one(old, new, expected):
     assert store.describe_changes(store.settings_changes(old, new)) == "; ".join(expected)
 
 
-@pytest.mark.parametrize("old, new, extend, others", [
-    ({"lr": 1, "total_steps": 10}, {"lr": 1, "total_steps": 10}, False, {}),
-    # a default of one epoch resumed with an explicit --epochs 1: the same length said another way
-    ({"epochs": None, "total_steps": 10}, {"epochs": 1.0, "total_steps": 10}, False, {}),
-    ({"target_tokens": 100, "total_steps": 10, "recipe.total_steps": 10},
-     {"target_tokens": 200, "total_steps": 20, "recipe.total_steps": 20}, True, {}),
-    ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 10}, False, {"lr": (1, 2)}),
-    ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 20}, True, {"lr": (1, 2)}),
-    ({"seed": 1}, {}, False, {"seed": (1, store.UNSET)}),
-    # a shape option given where the checkpoint took its preset's (or the reverse), the same shape: no change
-    ({"heads": None, "model.heads": 4}, {"heads": 4, "model.heads": 4}, False, {}),
-    ({"heads": 4, "model.heads": 4}, {"heads": None, "model.heads": 4}, False, {}),
-    ({"heads": None, "model.heads": 4}, {"heads": 8, "model.heads": 8}, False,
-     {"heads": (None, 8), "model.heads": (4, 8)}),
-    ({"heads": None, "model.heads": 4}, {"heads": None, "model.heads": 2}, False, {"model.heads": (4, 2)}),
-    ({"lr": None, "recipe.lr": 0.05}, {"lr": 0.05, "recipe.lr": 0.05}, False, {"lr": (None, 0.05)}),  # no shape
-])
+@pytest.mark.parametrize(
+    "old, new, extend, others",
+    [
+        ({"lr": 1, "total_steps": 10}, {"lr": 1, "total_steps": 10}, False, {}),
+        # a default of one epoch resumed with an explicit --epochs 1: the same length said another way
+        ({"epochs": None, "total_steps": 10}, {"epochs": 1.0, "total_steps": 10}, False, {}),
+        (
+            {"target_tokens": 100, "total_steps": 10, "recipe.total_steps": 10},
+            {"target_tokens": 200, "total_steps": 20, "recipe.total_steps": 20},
+            True,
+            {},
+        ),
+        ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 10}, False, {"lr": (1, 2)}),
+        ({"lr": 1, "total_steps": 10}, {"lr": 2, "total_steps": 20}, True, {"lr": (1, 2)}),
+        ({"seed": 1}, {}, False, {"seed": (1, store.UNSET)}),
+        # a shape option given where the checkpoint took its preset's (or the reverse), the same shape: no change
+        ({"heads": None, "model.heads": 4}, {"heads": 4, "model.heads": 4}, False, {}),
+        ({"heads": 4, "model.heads": 4}, {"heads": None, "model.heads": 4}, False, {}),
+        (
+            {"heads": None, "model.heads": 4},
+            {"heads": 8, "model.heads": 8},
+            False,
+            {"heads": (None, 8), "model.heads": (4, 8)},
+        ),
+        ({"heads": None, "model.heads": 4}, {"heads": None, "model.heads": 2}, False, {"model.heads": (4, 2)}),
+        ({"lr": None, "recipe.lr": 0.05}, {"lr": 0.05, "recipe.lr": 0.05}, False, {"lr": (None, 0.05)}),  # no shape
+    ],
+)
 def test_resume_verdict(old, new, extend, others):
     verdict = store.resume_verdict(old, new)
     assert verdict.extend == extend and verdict.others == others
 
 
-@pytest.mark.parametrize("old, total, expected", [
-    ({"total_steps": 25, "target_tokens": 200000}, 154,
-     "note: this resume changes the run's length from 25 to 154 steps; to keep it, give --target-tokens 200000"),
-    ({"total_steps": 154, "epochs": 2.5}, 300, "to keep it, give --epochs 2.5"),
-    ({"total_steps": 154, "target_tokens": None, "epochs": None}, 300, "to keep it, give --epochs 1"),
-])
+@pytest.mark.parametrize(
+    "old, total, expected",
+    [
+        (
+            {"total_steps": 25, "target_tokens": 200000},
+            154,
+            "note: this resume changes the run's length from 25 to 154 steps; to keep it, give --target-tokens 200000",
+        ),
+        ({"total_steps": 154, "epochs": 2.5}, 300, "to keep it, give --epochs 2.5"),
+        ({"total_steps": 154, "target_tokens": None, "epochs": None}, 300, "to keep it, give --epochs 1"),
+    ],
+)
 def test_length_change_note(old, total, expected):
     assert expected in train.length_change_note(old, total)
 
 
-@pytest.mark.parametrize("changes, unset, expected", [
-    # a default that changed since the checkpoint: the option given as the checkpoint had it
-    ({"beta1": (0.9, None), "muon_momentum": (0.95, None), "recipe.betas": ([0.9, 0.95], [0.6, 0.95])},
-     {"beta1", "muon_momentum"}, ["--beta1 0.9", "--muon-momentum 0.95"]),
-    ({"lr": (0.001, 0.002)}, set(), []),  # given otherwise on the command line: the message names it already
-    ({"preset": ("nano", None), "vocab_size": (512, None)}, {"preset"}, ["--preset nano"]),  # vocab_size: no option
-    ({"mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, {"mixture"}, []),  # not plain values
-    # a preset whose shape changed since: the shape options it had, where this run takes the preset's
-    ({"model.heads": (4, 2), "model.head_dim": (32, 64), "model.tie_embeddings": (True, False)},
-     {"heads", "head_dim", "tie_embeddings"}, ["--heads 4", "--head-dim 32", "--tie-embeddings"]),
-    ({"model.tie_embeddings": (False, True)}, {"tie_embeddings"}, ["--no-tie-embeddings"]),
-    ({"model.heads": (4, 8)}, set(), []),  # --heads given: named in the change already
-    ({"model.rope_scaling": (None, "yarn")}, {"rope_scaling"}, []),  # no such option
-    # the preset left out (its default, tiny) on a nano run: --preset nano, not the shape nano gives anyway
-    ({"preset": ("nano", "tiny"), "model.heads": (2, 4), "model.head_dim": (64, 16)},
-     {"preset", "heads", "head_dim"}, ["--preset nano"]),
-    # ... but a shape the run had beyond its preset's is kept too
-    ({"preset": ("nano", "tiny"), "model.heads": (8, 4), "model.head_dim": (64, 16)},
-     {"preset", "heads", "head_dim"}, ["--preset nano", "--heads 8"]),
-])
+@pytest.mark.parametrize(
+    "changes, unset, expected",
+    [
+        # a default that changed since the checkpoint: the option given as the checkpoint had it
+        (
+            {"beta1": (0.9, None), "muon_momentum": (0.95, None), "recipe.betas": ([0.9, 0.95], [0.6, 0.95])},
+            {"beta1", "muon_momentum"},
+            ["--beta1 0.9", "--muon-momentum 0.95"],
+        ),
+        ({"lr": (0.001, 0.002)}, set(), []),  # given otherwise on the command line: the message names it already
+        ({"preset": ("nano", None), "vocab_size": (512, None)}, {"preset"}, ["--preset nano"]),  # vocab_size: no option
+        ({"mixture": ({"web": 1}, None), "seed": (1, store.UNSET)}, {"mixture"}, []),  # not plain values
+        # a preset whose shape changed since: the shape options it had, where this run takes the preset's
+        (
+            {"model.heads": (4, 2), "model.head_dim": (32, 64), "model.tie_embeddings": (True, False)},
+            {"heads", "head_dim", "tie_embeddings"},
+            ["--heads 4", "--head-dim 32", "--tie-embeddings"],
+        ),
+        ({"model.tie_embeddings": (False, True)}, {"tie_embeddings"}, ["--no-tie-embeddings"]),
+        ({"model.heads": (4, 8)}, set(), []),  # --heads given: named in the change already
+        ({"model.rope_scaling": (None, "yarn")}, {"rope_scaling"}, []),  # no such option
+        # the preset left out (its default, tiny) on a nano run: --preset nano, not the shape nano gives anyway
+        (
+            {"preset": ("nano", "tiny"), "model.heads": (2, 4), "model.head_dim": (64, 16)},
+            {"preset", "heads", "head_dim"},
+            ["--preset nano"],
+        ),
+        # ... but a shape the run had beyond its preset's is kept too
+        (
+            {"preset": ("nano", "tiny"), "model.heads": (8, 4), "model.head_dim": (64, 16)},
+            {"preset", "heads", "head_dim"},
+            ["--preset nano", "--heads 8"],
+        ),
+    ],
+)
 def test_options_to_keep(changes, unset, expected):
-    flags = {"beta1": "--beta1", "muon_momentum": "--muon-momentum", "lr": "--lr", "preset": "--preset",
-             "mixture": "--mixture", "seed": "--seed", "heads": "--heads", "head_dim": "--head-dim",
-             "tie_embeddings": "--tie-embeddings"}
+    flags = {
+        "beta1": "--beta1",
+        "muon_momentum": "--muon-momentum",
+        "lr": "--lr",
+        "preset": "--preset",
+        "mixture": "--mixture",
+        "seed": "--seed",
+        "heads": "--heads",
+        "head_dim": "--head-dim",
+        "tie_embeddings": "--tie-embeddings",
+    }
     presets = {"nano": {"heads": 2, "head_dim": 64}, "tiny": {"heads": 4, "head_dim": 16}}
     assert store.options_to_keep(changes, flags, unset, presets) == expected
 
 
 # backup wait, signalled, under torchrun, seconds since the signal -> how long the end waits for the upload
-@pytest.mark.parametrize("wait, signalled, torchrun, elapsed, expected", [
-    (600, False, False, 0, 600), (600, False, True, 100, 600),  # no signal: --backup-wait-seconds
-    (600, True, False, 3, 600),  # a signal without torchrun: no SIGKILL to fit under
-    (600, True, True, 0, 25), (600, True, True, 10, 15),  # torchrun: 30 s grace, 5 s margin
-    (8, True, True, 10, 8),  # --backup-wait-seconds is still the upper bound
-    (600, True, True, 25, 0), (600, True, True, 40, 0),  # the save took the whole grace: no wait
-])
+@pytest.mark.parametrize(
+    "wait, signalled, torchrun, elapsed, expected",
+    [
+        (600, False, False, 0, 600),
+        (600, False, True, 100, 600),  # no signal: --backup-wait-seconds
+        (600, True, False, 3, 600),  # a signal without torchrun: no SIGKILL to fit under
+        (600, True, True, 0, 25),
+        (600, True, True, 10, 15),  # torchrun: 30 s grace, 5 s margin
+        (8, True, True, 10, 8),  # --backup-wait-seconds is still the upper bound
+        (600, True, True, 25, 0),
+        (600, True, True, 40, 0),  # the save took the whole grace: no wait
+    ],
+)
 def test_stop_wait_seconds(wait, signalled, torchrun, elapsed, expected):
     assert train.stop_wait_seconds(wait, signalled, torchrun, elapsed) == expected
 
@@ -716,29 +885,44 @@ def test_stop_wait_seconds_follows_a_longer_grace_period_from_the_environment():
     assert train.stop_wait_seconds(600, True, True, 10, grace=120) == 105
 
 
-GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-              "[127.0.0.1]:15748: Connection reset by peer. This is typically caused by a remote worker hanging "
-              "or bugs in the application. Check the logs of the remote worker before reporting an error.")
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:15748: Connection reset by peer. This is typically caused by a remote worker hanging "
+    "or bugs in the application. Check the logs of the remote worker before reporting an error."
+)
 
 
-@pytest.mark.parametrize("error, world, cause", [
-    (RuntimeError(GLOO_RESET), 2, "Read error [127.0.0.1]:15748: Connection reset by peer"),  # as gloo raises it
-    (RuntimeError(GLOO_RESET), 1, None),  # no peer to lose
-    (torch.distributed.DistBackendError("NCCL error: remote process exited\nmore"), 4,
-     "NCCL error: remote process exited"),
-    (RuntimeError("CUDA out of memory"), 2, None),  # an error of this rank, not of a peer
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 2, None),
-])
+@pytest.mark.parametrize(
+    "error, world, cause",
+    [
+        (RuntimeError(GLOO_RESET), 2, "Read error [127.0.0.1]:15748: Connection reset by peer"),  # as gloo raises it
+        (RuntimeError(GLOO_RESET), 1, None),  # no peer to lose
+        (
+            torch.distributed.DistBackendError("NCCL error: remote process exited\nmore"),
+            4,
+            "NCCL error: remote process exited",
+        ),
+        (RuntimeError("CUDA out of memory"), 2, None),  # an error of this rank, not of a peer
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 2, None),
+    ],
+)
 def test_lost_rank_cause(error, world, cause):
     assert train.lost_rank_cause(error, world) == cause
 
 
 def test_tensor_differences_names_each_difference():
     stored = {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}
-    assert store.tensor_differences({"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3},
-                                "list": [torch.ones(1)]}, stored, "m") == []
-    live = {"w": torch.tensor([1.0, 1.0 + 2**-20]), "nested": {"b": torch.zeros(1, dtype=torch.float64), "n": 4},
-            "list": [torch.ones(1)]}
+    assert (
+        store.tensor_differences(
+            {"w": torch.ones(2), "nested": {"b": torch.zeros(1), "n": 3}, "list": [torch.ones(1)]}, stored, "m"
+        )
+        == []
+    )
+    live = {
+        "w": torch.tensor([1.0, 1.0 + 2**-20]),
+        "nested": {"b": torch.zeros(1, dtype=torch.float64), "n": 4},
+        "list": [torch.ones(1)],
+    }
     assert store.tensor_differences(live, stored, "m") == ["m.w", "m.nested.b", "m.nested.n"]
     assert store.tensor_differences({**live, "extra": 1}, stored, "m") == ["m keys"]
     assert store.tensor_differences({"list": [torch.ones(1), 2]}, {"list": [torch.ones(1)]}, "m") == ["m.list length"]
@@ -763,8 +947,17 @@ class Hostile:
 def test_a_hostile_checkpoint_is_refused_without_running_its_code(tmp_path):
     marker = tmp_path / "code-ran"
     path = tmp_path / "step-00000001.pt"
-    torch.save({"format_version": store.FORMAT_VERSION, "step": 1, "model": {}, "optimizer": {}, "settings": {},
-                "payload": Hostile(marker)}, path)
+    torch.save(
+        {
+            "format_version": store.FORMAT_VERSION,
+            "step": 1,
+            "model": {},
+            "optimizer": {},
+            "settings": {},
+            "payload": Hostile(marker),
+        },
+        path,
+    )
     with pytest.raises(UserError, match="does not load: UnpicklingError"):
         store.load_checkpoint_file(path)
     assert not marker.exists()
@@ -773,8 +966,13 @@ def test_a_hostile_checkpoint_is_refused_without_running_its_code(tmp_path):
 
 
 def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
-    good = {"format_version": store.FORMAT_VERSION, "step": 3, "model": {"w": torch.ones(1)}, "optimizer": {},
-            "settings": {}}
+    good = {
+        "format_version": store.FORMAT_VERSION,
+        "step": 3,
+        "model": {"w": torch.ones(1)},
+        "optimizer": {},
+        "settings": {},
+    }
     torch.save(good, tmp_path / "good.pt")
     assert store.load_checkpoint_file(tmp_path / "good.pt")["step"] == 3
     for key in ("format_version", "step", "model", "optimizer", "settings"):
@@ -782,8 +980,10 @@ def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
         with pytest.raises(UserError, match=f"^checkpoint {re.escape(str(tmp_path / 'bad.pt'))} lacks '{key}'$"):
             store.load_checkpoint_file(tmp_path / "bad.pt")
     torch.save({**good, "format_version": store.FORMAT_VERSION + 1}, tmp_path / "new.pt")
-    with pytest.raises(UserError, match=f"^checkpoint {re.escape(str(tmp_path / 'new.pt'))} has format_version "
-                                        f"{store.FORMAT_VERSION + 1}, "):
+    with pytest.raises(
+        UserError,
+        match=f"^checkpoint {re.escape(str(tmp_path / 'new.pt'))} has format_version {store.FORMAT_VERSION + 1}, ",
+    ):
         store.load_checkpoint_file(tmp_path / "new.pt")
     (tmp_path / "cut.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:50])
     with pytest.raises(UserError, match=f"^checkpoint {re.escape(str(tmp_path / 'cut.pt'))} does not load: "):
@@ -796,10 +996,17 @@ def test_load_checkpoint_file_checks_keys_and_format_version(tmp_path):
 # The bound on unbacked checkpoints (checkpoint_store.py; the backup's plan is tested in test_store.py)
 
 
-@pytest.mark.parametrize("waiting, bound, allowed", [
-    ([5, 1, 3], 1, [1, 3]), ([5, 1, 3], 3, []), ([5, 1, 3], 0, [1, 3, 5]), ([], 2, []), ([2, 1], 5, []),
-    ([10, 9, 100], 1, [9, 10]),
-])
+@pytest.mark.parametrize(
+    "waiting, bound, allowed",
+    [
+        ([5, 1, 3], 1, [1, 3]),
+        ([5, 1, 3], 3, []),
+        ([5, 1, 3], 0, [1, 3, 5]),
+        ([], 2, []),
+        ([2, 1], 5, []),
+        ([10, 9, 100], 1, [9, 10]),
+    ],
+)
 def test_beyond_unbacked_bound(waiting, bound, allowed):
     assert store.beyond_unbacked_bound(waiting, lambda step: step, bound) == allowed
     # ordered by the step, not by the items themselves
@@ -811,33 +1018,47 @@ def test_beyond_unbacked_bound(waiting, bound, allowed):
 # Answer scoring (report.py)
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("42", "42"),
-    ("  42\n", "42"),
-    ("<think>7 + 5 = 12</think>12", "12"),
-    ("<think>a</think> x <think>b</think>\n 9 ", "9"),  # the text after the last </think>
-    ("no think close 5", "no think close 5"),
-    ("<think>unfinished", "<think>unfinished"),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("42", "42"),
+        ("  42\n", "42"),
+        ("<think>7 + 5 = 12</think>12", "12"),
+        ("<think>a</think> x <think>b</think>\n 9 ", "9"),  # the text after the last </think>
+        ("no think close 5", "no think close 5"),
+        ("<think>unfinished", "<think>unfinished"),
+    ],
+)
 def test_extract_final_answer(completion, answer):
     assert evaluation.extract_final_answer(completion) == answer
 
 
 def test_score_answers_known_accuracy():
-    examples = [{"task": "add", "prompt": "p1", "answer": "3"}, {"task": "add", "prompt": "p2", "answer": "5"},
-                {"task": "sub", "prompt": "p3", "answer": "1"}, {"task": "add", "prompt": "p4", "answer": "8"}]
+    examples = [
+        {"task": "add", "prompt": "p1", "answer": "3"},
+        {"task": "add", "prompt": "p2", "answer": "5"},
+        {"task": "sub", "prompt": "p3", "answer": "1"},
+        {"task": "add", "prompt": "p4", "answer": "8"},
+    ]
     completions = ["<think>1+2</think>3", "<think>2+3</think>6", " 1 ", "8 apples"]
     result = evaluation.score_answers(examples, completions, max_wrong_examples=1)
     assert (result["accuracy"], result["correct"], result["total"]) == (0.5, 2, 4)
-    assert result["by_task"] == {"add": {"correct": 1, "total": 3, "accuracy": pytest.approx(1 / 3)},
-                                 "sub": {"correct": 1, "total": 1, "accuracy": 1.0}}
+    assert result["by_task"] == {
+        "add": {"correct": 1, "total": 3, "accuracy": pytest.approx(1 / 3)},
+        "sub": {"correct": 1, "total": 1, "accuracy": 1.0},
+    }
     assert list(result["by_task"]) == ["add", "sub"]
     assert result["wrong_examples"] == [{**examples[1], "predicted": "6", "completion": "<think>2+3</think>6"}]
     assert len(evaluation.score_answers(examples, completions)["wrong_examples"]) == 2
     many = evaluation.score_answers(examples * 3, ["wrong"] * 12)
     assert many["accuracy"] == 0.0 and len(many["wrong_examples"]) == 5  # at most 5 by default
-    assert evaluation.score_answers([], []) == {"accuracy": 0.0, "correct": 0, "total": 0, "by_task": {},
-                                            "wrong_examples": []}
+    assert evaluation.score_answers([], []) == {
+        "accuracy": 0.0,
+        "correct": 0,
+        "total": 0,
+        "by_task": {},
+        "wrong_examples": [],
+    }
     with pytest.raises(ValueError):
         evaluation.score_answers(examples, completions[:3])  # a missing completion is an error, not a skip
 
@@ -853,24 +1074,40 @@ def test_pickle_is_what_the_hostile_test_relies_on(tmp_path):
 # GGUF metadata (export_gguf.py)
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("0123456789abcdef" * 4, True), ("0123456789ABCDEF" * 4, False), ("a" * 63, False), ("a" * 65, False),
-    ("g" * 64, False), (None, False), (1, False),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("0123456789abcdef" * 4, True),
+        ("0123456789ABCDEF" * 4, False),
+        ("a" * 63, False),
+        ("a" * 65, False),
+        ("g" * 64, False),
+        (None, False),
+        (1, False),
+    ],
+)
 def test_is_sha256(value, expected):
     import export_gguf
 
     assert export_gguf.is_sha256(value) is expected
 
 
-@pytest.mark.parametrize("shape, out_type, expected", [
-    ((64,), "f16", "F32"), ((64,), "q8_0", "F32"),  # vectors (norms) stay f32
-    ((64, 64), "f32", "F32"), ((64, 64), "f16", "F16"), ((64, 64), "bf16", "BF16"), ((64, 64), "q8_0", "Q8_0"),
-    ((64, 48), "q8_0", "F16"),  # rows of 48 are no multiple of q8_0's 32: f16, as llama.cpp's converter does
-    ((48, 64), "q8_0", "Q8_0"),  # only the row length matters
-    ((64, 48), "f16", "F16"), ((64, 48), "bf16", "BF16"),
-    ((2, 64, 48), "q8_0", "F16"),
-])
+@pytest.mark.parametrize(
+    "shape, out_type, expected",
+    [
+        ((64,), "f16", "F32"),
+        ((64,), "q8_0", "F32"),  # vectors (norms) stay f32
+        ((64, 64), "f32", "F32"),
+        ((64, 64), "f16", "F16"),
+        ((64, 64), "bf16", "BF16"),
+        ((64, 64), "q8_0", "Q8_0"),
+        ((64, 48), "q8_0", "F16"),  # rows of 48 are no multiple of q8_0's 32: f16, as llama.cpp's converter does
+        ((48, 64), "q8_0", "Q8_0"),  # only the row length matters
+        ((64, 48), "f16", "F16"),
+        ((64, 48), "bf16", "BF16"),
+        ((2, 64, 48), "q8_0", "F16"),
+    ],
+)
 def test_ggml_type_for(shape, out_type, expected):
     import export_gguf
 
@@ -895,11 +1132,20 @@ def gguf_metadata(tmp_path: Path, out_type: str, provenance: dict, eot_id: int |
     import model_config
 
     preset = model_config.PRESETS["tiny"]
-    source = export_gguf.ModelSource(folder=tmp_path, config={}, weight_files=[], preset=preset, vocab_size=6,
-                                     tied=True)
-    vocab = export_gguf.Vocab(tokens=["<pad>", "<bos>", "<eos>", "a", "b", "ab"], token_types=[3, 3, 3, 1, 1, 1],
-                              merges=["a b"], bos_id=1, eos_id=2, pad_id=0, eot_id=eot_id, chat_template="{{ x }}",
-                              tokenizer_json_sha256="e" * 64)
+    source = export_gguf.ModelSource(
+        folder=tmp_path, config={}, weight_files=[], preset=preset, vocab_size=6, tied=True
+    )
+    vocab = export_gguf.Vocab(
+        tokens=["<pad>", "<bos>", "<eos>", "a", "b", "ab"],
+        token_types=[3, 3, 3, 1, 1, 1],
+        merges=["a b"],
+        bos_id=1,
+        eos_id=2,
+        pad_id=0,
+        eot_id=eot_id,
+        chat_template="{{ x }}",
+        tokenizer_json_sha256="e" * 64,
+    )
     path = tmp_path / f"{out_type}.gguf"
     writer = export_gguf.BulkArrayWriter(str(path), "qwen3")
     export_gguf.add_metadata(writer, source, vocab, out_type, "tiny-run", provenance, parameters=72_000_000)
@@ -919,24 +1165,37 @@ def test_gguf_metadata_holds_every_field_llama_cpp_reads(tmp_path):
     preset = model_config.PRESETS["tiny"]
     fields = gguf_metadata(tmp_path, "f16", {"corpus_sha256": "c" * 64, "tokenizer_sha256": "d" * 64})
     expected = {
-        "general.architecture": "qwen3", "general.type": "model", "general.name": "tiny-run",
+        "general.architecture": "qwen3",
+        "general.type": "model",
+        "general.name": "tiny-run",
         "general.description": "Qwen3 language model pretrained from scratch with tinyllm",
-        "general.size_label": "72M", "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
-        "tinyllm.tokenizer_json_sha256": "e" * 64, "tinyllm.corpus_sha256": "c" * 64,
+        "general.size_label": "72M",
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16),
+        "tinyllm.tokenizer_json_sha256": "e" * 64,
+        "tinyllm.corpus_sha256": "c" * 64,
         "tinyllm.tokenizer_sha256": "d" * 64,
-        "qwen3.context_length": preset.context, "qwen3.embedding_length": preset.hidden,
-        "qwen3.block_count": preset.layers, "qwen3.feed_forward_length": preset.intermediate,
-        "qwen3.attention.head_count": preset.heads, "qwen3.attention.head_count_kv": preset.kv_heads,
-        "qwen3.attention.key_length": preset.head_dim, "qwen3.attention.value_length": preset.head_dim,
+        "qwen3.context_length": preset.context,
+        "qwen3.embedding_length": preset.hidden,
+        "qwen3.block_count": preset.layers,
+        "qwen3.feed_forward_length": preset.intermediate,
+        "qwen3.attention.head_count": preset.heads,
+        "qwen3.attention.head_count_kv": preset.kv_heads,
+        "qwen3.attention.key_length": preset.head_dim,
+        "qwen3.attention.value_length": preset.head_dim,
         "qwen3.rope.freq_base": pytest.approx(preset.rope_theta),
         "qwen3.attention.layer_norm_rms_epsilon": pytest.approx(preset.rms_norm_eps),
         "qwen3.vocab_size": 6,
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
         "tokenizer.ggml.tokens": ["<pad>", "<bos>", "<eos>", "a", "b", "ab"],
-        "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 0,
         "tokenizer.ggml.eot_token_id": 5,
-        "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.ggml.add_eos_token": False,
         "tokenizer.chat_template": "{{ x }}",
     }
     assert fields == expected
@@ -961,26 +1220,54 @@ CLOCK = train.StepClock(elapsed=100, since_save=5, slowest_step=1, slowest_eval=
 
 
 # step, clock, flags -> save, stop, why
-@pytest.mark.parametrize("step, clock, flags, save, stop, why", [
-    (7, CLOCK, FLAGS, False, False, None),  # nothing due
-    (20, CLOCK, FLAGS, True, False, None),  # --save-every
-    (7, train.StepClock(since_save=60), FLAGS, True, False, None),  # --save-seconds
-    (7, train.StepClock(since_save=600), train.StepFlags(100), False, False, None),  # 0: never by time
-    (7, CLOCK, train.StepFlags(100, new_best=True), True, False, None),  # a new best is recorded in a save
-    (7, train.StepClock(signal=15), FLAGS, True, True, "stopped by SIGTERM"),
-    (7, train.StepClock(signal=2, elapsed=3600), FLAGS, True, True, "stopped by SIGINT"),  # the signal is named first
-    # --max-hours 1: 3600 s less twice the slowest step, evaluation and write, less 10 s
-    (7, train.StepClock(elapsed=3600 - 22, slowest_step=1, slowest_eval=2, last_write=3), FLAGS, True, True,
-     "stopped by --max-hours budget"),
-    (7, train.StepClock(elapsed=3600 - 22.5, slowest_step=1, slowest_eval=2, last_write=3), FLAGS, False, False,
-     None),
-    (7, train.StepClock(elapsed=10 ** 6), train.StepFlags(100), False, False, None),  # no --max-hours
-    (30, CLOCK, train.StepFlags(100, stop_after_steps=30), True, True, "stopped by --stop-after-steps 30"),
-    (31, CLOCK, train.StepFlags(100, stop_after_steps=30), True, True, "stopped by --stop-after-steps 30"),
-    (29, CLOCK, train.StepFlags(100, stop_after_steps=30), False, False, None),
-    (100, train.StepClock(signal=15, elapsed=10 ** 6), train.StepFlags(100, stop_after_steps=50), True, False,
-     None),  # the last step completes the run, whatever asked to stop
-])
+@pytest.mark.parametrize(
+    "step, clock, flags, save, stop, why",
+    [
+        (7, CLOCK, FLAGS, False, False, None),  # nothing due
+        (20, CLOCK, FLAGS, True, False, None),  # --save-every
+        (7, train.StepClock(since_save=60), FLAGS, True, False, None),  # --save-seconds
+        (7, train.StepClock(since_save=600), train.StepFlags(100), False, False, None),  # 0: never by time
+        (7, CLOCK, train.StepFlags(100, new_best=True), True, False, None),  # a new best is recorded in a save
+        (7, train.StepClock(signal=15), FLAGS, True, True, "stopped by SIGTERM"),
+        (
+            7,
+            train.StepClock(signal=2, elapsed=3600),
+            FLAGS,
+            True,
+            True,
+            "stopped by SIGINT",
+        ),  # the signal is named first
+        # --max-hours 1: 3600 s less twice the slowest step, evaluation and write, less 10 s
+        (
+            7,
+            train.StepClock(elapsed=3600 - 22, slowest_step=1, slowest_eval=2, last_write=3),
+            FLAGS,
+            True,
+            True,
+            "stopped by --max-hours budget",
+        ),
+        (
+            7,
+            train.StepClock(elapsed=3600 - 22.5, slowest_step=1, slowest_eval=2, last_write=3),
+            FLAGS,
+            False,
+            False,
+            None,
+        ),
+        (7, train.StepClock(elapsed=10**6), train.StepFlags(100), False, False, None),  # no --max-hours
+        (30, CLOCK, train.StepFlags(100, stop_after_steps=30), True, True, "stopped by --stop-after-steps 30"),
+        (31, CLOCK, train.StepFlags(100, stop_after_steps=30), True, True, "stopped by --stop-after-steps 30"),
+        (29, CLOCK, train.StepFlags(100, stop_after_steps=30), False, False, None),
+        (
+            100,
+            train.StepClock(signal=15, elapsed=10**6),
+            train.StepFlags(100, stop_after_steps=50),
+            True,
+            False,
+            None,
+        ),  # the last step completes the run, whatever asked to stop
+    ],
+)
 def test_plan_step_end(step, clock, flags, save, stop, why):
     assert train.plan_step_end(step, clock, flags) == train.StepEnd(save=save, stop=stop, why=why)
 
@@ -989,42 +1276,88 @@ class FakeOSError(OSError):
     pass
 
 
-CONTEXT = train.FailureContext(step=7, checkpoints=Path("run/checkpoints"), status_file=Path("run/run_status.json"),
-                               resume_command="python train.py --resume auto", rank=0, world=2,
-                               out_of_memory_advice="CUDA out of memory on T4: try --batch-size 1 --grad-accum 6")
+CONTEXT = train.FailureContext(
+    step=7,
+    checkpoints=Path("run/checkpoints"),
+    status_file=Path("run/run_status.json"),
+    resume_command="python train.py --resume auto",
+    rank=0,
+    world=2,
+    out_of_memory_advice="CUDA out of memory on T4: try --batch-size 1 --grad-accum 6",
+)
 KEPT = "; the last good checkpoint, step-00000006.pt, is intact (status FAILED in run/run_status.json)"
 NONE_KEPT = "; no checkpoint had been written yet (status FAILED in run/run_status.json)"
 
 
 # error, last checkpoint -> status, reason, the error line (None: the error goes on as it is)
-@pytest.mark.parametrize("error, last, status, reason, message", [
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"), "step-00000006.pt", "FAILED",
-     CONTEXT.out_of_memory_advice, CONTEXT.out_of_memory_advice + KEPT),
-    (store.CheckpointWriteFailed("writing checkpoint run/checkpoints/step-00000007.pt: no space left on device"),
-     "step-00000006.pt", "FAILED", "writing checkpoint run/checkpoints/step-00000007.pt: no space left on device",
-     "training failed: writing checkpoint run/checkpoints/step-00000007.pt: no space left on device" + KEPT),
-    (train.NonFiniteLoss("non-finite loss nan at step 7"), None, "FAILED", "non-finite loss nan at step 7",
-     "training failed: non-finite loss nan at step 7" + NONE_KEPT),
-    (FakeOSError(28, "No space left on device", "run/metrics.jsonl"), "step-00000006.pt", "FAILED",
-     "run/metrics.jsonl: no space left on device",
-     "training failed: run/metrics.jsonl: no space left on device" + KEPT),
-    (OSError("a library's own OSError"), None, "FAILED", "OSError: a library's own OSError", None),  # no errno
-    (RuntimeError(GLOO_RESET), "step-00000006.pt", "CHECKPOINTED_NEEDS_RESUME",
-     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too",
-     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too; resume with: "
-     "python train.py --resume auto"),
-    (RuntimeError(GLOO_RESET), None, "FAILED",  # a lost rank before any checkpoint: nothing to resume from
-     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too",
-     "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too; resume with: "
-     "python train.py --resume auto"),
-    (KeyboardInterrupt(), "step-00000006.pt", "FAILED",
-     "aborted by the user (second interrupt) at step 7; the last checkpoint is "
-     f"{Path('run/checkpoints/step-00000006.pt')}; continue with: python train.py --resume auto", None),
-    (KeyboardInterrupt(), None, "FAILED", "aborted by the user (second interrupt) at step 7; no checkpoint was "
-     "saved yet; continue with: python train.py --resume auto", None),
-    (ValueError("a bug"), "step-00000006.pt", "FAILED", "ValueError: a bug", None),  # the traceback stays
-    (RuntimeError("index out of range"), "step-00000006.pt", "FAILED", "RuntimeError: index out of range", None),
-])
+@pytest.mark.parametrize(
+    "error, last, status, reason, message",
+    [
+        (
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"),
+            "step-00000006.pt",
+            "FAILED",
+            CONTEXT.out_of_memory_advice,
+            CONTEXT.out_of_memory_advice + KEPT,
+        ),
+        (
+            store.CheckpointWriteFailed("writing checkpoint run/checkpoints/step-00000007.pt: no space left on device"),
+            "step-00000006.pt",
+            "FAILED",
+            "writing checkpoint run/checkpoints/step-00000007.pt: no space left on device",
+            "training failed: writing checkpoint run/checkpoints/step-00000007.pt: no space left on device" + KEPT,
+        ),
+        (
+            train.NonFiniteLoss("non-finite loss nan at step 7"),
+            None,
+            "FAILED",
+            "non-finite loss nan at step 7",
+            "training failed: non-finite loss nan at step 7" + NONE_KEPT,
+        ),
+        (
+            FakeOSError(28, "No space left on device", "run/metrics.jsonl"),
+            "step-00000006.pt",
+            "FAILED",
+            "run/metrics.jsonl: no space left on device",
+            "training failed: run/metrics.jsonl: no space left on device" + KEPT,
+        ),
+        (OSError("a library's own OSError"), None, "FAILED", "OSError: a library's own OSError", None),  # no errno
+        (
+            RuntimeError(GLOO_RESET),
+            "step-00000006.pt",
+            "CHECKPOINTED_NEEDS_RESUME",
+            "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too",
+            "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too; "
+            "resume with: python train.py --resume auto",
+        ),
+        (
+            RuntimeError(GLOO_RESET),
+            None,
+            "FAILED",  # a lost rank before any checkpoint: nothing to resume from
+            "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too",
+            "rank 1 stopped (Read error [127.0.0.1]:15748: Connection reset by peer); this rank exits too; "
+            "resume with: python train.py --resume auto",
+        ),
+        (
+            KeyboardInterrupt(),
+            "step-00000006.pt",
+            "FAILED",
+            "aborted by the user (second interrupt) at step 7; the last checkpoint is "
+            f"{Path('run/checkpoints/step-00000006.pt')}; continue with: python train.py --resume auto",
+            None,
+        ),
+        (
+            KeyboardInterrupt(),
+            None,
+            "FAILED",
+            "aborted by the user (second interrupt) at step 7; no checkpoint was "
+            "saved yet; continue with: python train.py --resume auto",
+            None,
+        ),
+        (ValueError("a bug"), "step-00000006.pt", "FAILED", "ValueError: a bug", None),  # the traceback stays
+        (RuntimeError("index out of range"), "step-00000006.pt", "FAILED", "RuntimeError: index out of range", None),
+    ],
+)
 def test_failure_reason(error, last, status, reason, message):
     failure = train.failure_reason(error, last, CONTEXT)
     assert (failure.status, failure.reason, failure.message) == (status, reason, message)
@@ -1035,17 +1368,22 @@ def test_failure_reason(error, last, status, reason, message):
 def test_failure_reason_after_a_final_status_and_under_deterministic():
     context = dataclasses.replace(CONTEXT, recorded="COMPLETE")
     second = train.failure_reason(KeyboardInterrupt(), "step-00000007.pt", context)
-    assert second.say == ("interrupted again after the run recorded COMPLETE; continue with: "
-                          "python train.py --resume auto")
+    assert second.say == (
+        "interrupted again after the run recorded COMPLETE; continue with: python train.py --resume auto"
+    )
     full = train.failure_reason(train.NonFiniteLoss("x"), "step-00000007.pt", context)
     assert full.message.endswith("is intact (status COMPLETE in run/run_status.json)")  # the recorded status stays
-    error = RuntimeError("cumsum_cuda_kernel does not have a deterministic implementation, but you set "
-                         "'torch.use_deterministic_algorithms(True)'. You can ...")
+    error = RuntimeError(
+        "cumsum_cuda_kernel does not have a deterministic implementation, but you set "
+        "'torch.use_deterministic_algorithms(True)'. You can ..."
+    )
     assert train.failure_reason(error, None, CONTEXT).message is None  # without --deterministic: as it is
     failure = train.failure_reason(error, None, dataclasses.replace(CONTEXT, deterministic=True))
-    assert failure.message == ("--deterministic: cumsum_cuda_kernel does not have a deterministic implementation; "
-                               "this run cannot be deterministic on this device: resume without --deterministic "
-                               "(a session setting)")
+    assert failure.message == (
+        "--deterministic: cumsum_cuda_kernel does not have a deterministic implementation; "
+        "this run cannot be deterministic on this device: resume without --deterministic "
+        "(a session setting)"
+    )
     assert failure.reason == f"RuntimeError: {error}"
     four = dataclasses.replace(CONTEXT, world=4)
     assert train.failure_reason(RuntimeError(GLOO_RESET), "s", four).reason.startswith("another rank stopped (")
@@ -1075,63 +1413,111 @@ def test_run_status_keeps_a_final_status_and_writes_only_on_rank_0(tmp_path):
 
 def test_every_run_status_record_carries_the_resume_command(tmp_path):
     status = store.RunStatus(tmp_path, resume_command="python train.py --out run --resume auto")
-    for write in (lambda: status.running(0, 10), lambda: status.running(3, 10, loss=2.5),
-                  lambda: status.failed("FAILED", reason="x", step=3), lambda: status.finished("COMPLETE", step=10),
-                  lambda: status.update(backup_complete=True)):
+    for write in (
+        lambda: status.running(0, 10),
+        lambda: status.running(3, 10, loss=2.5),
+        lambda: status.failed("FAILED", reason="x", step=3),
+        lambda: status.finished("COMPLETE", step=10),
+        lambda: status.update(backup_complete=True),
+    ):
         write()
-        assert store.read_json(tmp_path / "run_status.json")["resume_command"] == \
-            "python train.py --out run --resume auto"
+        assert (
+            store.read_json(tmp_path / "run_status.json")["resume_command"] == "python train.py --out run --resume auto"
+        )
 
 
 # what the last session left, the step this one resumes from -> the note (None: nothing to say)
-@pytest.mark.parametrize("previous, resumed, note", [
-    ({}, 0, None),  # a new run
-    ({"status": "CHECKPOINTED_NEEDS_RESUME", "step": 6}, 6, None),
-    ({"status": "COMPLETE", "step": 12, "outputs": {"report": "done", "model": "done"}}, 12, None),
-    ({"status": "FAILED", "step": 7}, 6, None),  # it said why itself
-    ({"status": "RUNNING", "step": 9}, 8, "note: the previous session died without a word after step 9 "
-     "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); resuming from step 8; "
-     "steps done again: 1 or more"),
-    ({"status": "RUNNING", "step": 5}, 8, "note: the previous session died without a word after step 8 "
-     "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); resuming from step 8; "
-     "steps done again: 0 or more"),  # saved after its last logged step
-    ({"status": "RUNNING", "step": 4}, 0, "note: the previous session died without a word after step 4 "
-     "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); no checkpoint is left: "
-     "starting at step 0; steps done again: 4 or more"),
-    ({"status": "COMPLETE", "step": 12, "outputs": {"report": "pending", "model": "pending"}}, 12,
-     "note: the previous session ended before its report was made (run_status.json: COMPLETE, report pending); "
-     "this session makes it at its end"),
-])
+@pytest.mark.parametrize(
+    "previous, resumed, note",
+    [
+        ({}, 0, None),  # a new run
+        ({"status": "CHECKPOINTED_NEEDS_RESUME", "step": 6}, 6, None),
+        ({"status": "COMPLETE", "step": 12, "outputs": {"report": "done", "model": "done"}}, 12, None),
+        ({"status": "FAILED", "step": 7}, 6, None),  # it said why itself
+        (
+            {"status": "RUNNING", "step": 9},
+            8,
+            "note: the previous session died without a word after step 9 "
+            "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); "
+            "resuming from step 8; "
+            "steps done again: 1 or more",
+        ),
+        (
+            {"status": "RUNNING", "step": 5},
+            8,
+            "note: the previous session died without a word after step 8 "
+            "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); "
+            "resuming from step 8; "
+            "steps done again: 0 or more",
+        ),  # saved after its last logged step
+        (
+            {"status": "RUNNING", "step": 4},
+            0,
+            "note: the previous session died without a word after step 4 "
+            "(run_status.json still said RUNNING: killed, out of memory, or its machine went away); "
+            "no checkpoint is left: "
+            "starting at step 0; steps done again: 4 or more",
+        ),
+        (
+            {"status": "COMPLETE", "step": 12, "outputs": {"report": "pending", "model": "pending"}},
+            12,
+            "note: the previous session ended before its report was made (run_status.json: COMPLETE, report pending); "
+            "this session makes it at its end",
+        ),
+    ],
+)
 def test_previous_session_note(previous, resumed, note):
     assert store.previous_session_note(previous, resumed) == note
 
 
-@pytest.mark.parametrize("asked, found, outputs", [
-    (False, None, {"report": "off", "model": "off"}),
-    (True, None, {"report": "pending", "model": "pending"}),
-    (True, {"report_errors": None, "model_files": {"model.safetensors": "ab"}}, {"report": "done", "model": "done"}),
-    (True, {"report_errors": {"export": "OSError: disk full"}}, {"report": "failed", "model": "failed"}),
-    (True, {"report_errors": {"samples": "x"}, "model_files": {"a": "b"}}, {"report": "failed", "model": "done"}),
-])
+@pytest.mark.parametrize(
+    "asked, found, outputs",
+    [
+        (False, None, {"report": "off", "model": "off"}),
+        (True, None, {"report": "pending", "model": "pending"}),
+        (
+            True,
+            {"report_errors": None, "model_files": {"model.safetensors": "ab"}},
+            {"report": "done", "model": "done"},
+        ),
+        (True, {"report_errors": {"export": "OSError: disk full"}}, {"report": "failed", "model": "failed"}),
+        (True, {"report_errors": {"samples": "x"}, "model_files": {"a": "b"}}, {"report": "failed", "model": "done"}),
+    ],
+)
 def test_report_outputs(asked, found, outputs):
     assert train.report_outputs(asked, found) == outputs
 
 
 def test_the_final_line_says_what_makes_a_missing_model():
-    record = {"step": 12, "total_steps": 12, "test_loss": 1.5, "test": {}, "report_errors": {"export": "OSError: x"},
-              "outputs": {"report": "failed", "model": "failed"}, "report_command": "python train.py --resume auto"}
+    record = {
+        "step": 12,
+        "total_steps": 12,
+        "test_loss": 1.5,
+        "test": {},
+        "report_errors": {"export": "OSError: x"},
+        "outputs": {"report": "failed", "model": "failed"},
+        "report_command": "python train.py --resume auto",
+    }
     assert report.final_line(Path("run"), "COMPLETE", record) == (
         f"COMPLETE: step 12/12 | test loss 1.5000 | model/ not made (export: report_errors in "
-        f"{Path('run/run_status.json')}) | make it again with: python train.py --resume auto")
+        f"{Path('run/run_status.json')}) | make it again with: python train.py --resume auto"
+    )
     record.update(outputs={"report": "done", "model": "done"}, report_command=None, report_errors=None)
     assert report.final_line(Path("run"), "COMPLETE", record) == "COMPLETE: step 12/12 | test loss 1.5000"
 
 
 def test_the_final_line_gives_the_last_task_scores_and_their_step_when_older():
-    record = {"step": 12, "total_steps": 12, "test_loss": 1.5, "test": {}, "tasks_step": 12,
-              "tasks": {"arc": {"acc": 0.31234, "chance": 0.25}, "mine": {"acc": 0.5, "chance": 0.5}}}
+    record = {
+        "step": 12,
+        "total_steps": 12,
+        "test_loss": 1.5,
+        "test": {},
+        "tasks_step": 12,
+        "tasks": {"arc": {"acc": 0.31234, "chance": 0.25}, "mine": {"acc": 0.5, "chance": 0.5}},
+    }
     assert report.final_line(Path("run"), "COMPLETE", record) == (
-        "COMPLETE: step 12/12 | test loss 1.5000 | arc acc 0.312 (chance 0.250) | mine acc 0.500 (chance 0.500)")
+        "COMPLETE: step 12/12 | test loss 1.5000 | arc acc 0.312 (chance 0.250) | mine acc 0.500 (chance 0.500)"
+    )
     record["tasks_step"] = 8  # a resume without --eval-tasks: the scores are the last ones taken
     assert "| arc acc 0.312 at step 8 (chance 0.250) |" in report.final_line(Path("run"), "COMPLETE", record)
 
@@ -1146,63 +1532,98 @@ def test_encode_pair_moves_trailing_spaces_and_prefixes_an_empty_context():
     assert evaluation.encode_pair("ab", " c", encode, 1) == ([97, 98], [32, 99])
     assert evaluation.encode_pair("", " c", encode, 1) == ([1], [32, 99])
     assert evaluation.encode_pair("", "\x01c", encode, 1) == ([1], [99])  # starts with the prefix already
-    rows = evaluation.choice_rows([{"context": "abcdef", "choices": ["x", "yz"], "answer": 0},
-                                   {"context": "", "choices": ["q"], "answer": 0}], encode, 1, 4)
-    assert rows == [([100, 101, 102, 32, 120], 2), ([101, 102, 32, 121, 122], 3),  # cut to max_length + 1
-                    ([1, 32, 113], 2)]  # an empty context: the prefix token
+    rows = evaluation.choice_rows(
+        [{"context": "abcdef", "choices": ["x", "yz"], "answer": 0}, {"context": "", "choices": ["q"], "answer": 0}],
+        encode,
+        1,
+        4,
+    )
+    assert rows == [
+        ([100, 101, 102, 32, 120], 2),
+        ([101, 102, 32, 121, 122], 3),  # cut to max_length + 1
+        ([1, 32, 113], 2),
+    ]  # an empty context: the prefix token
 
 
 def test_choice_counts_score_by_sum_by_character_and_by_byte():
-    items = [{"choices": ["a", "bbbb"], "answer": 1}, {"choices": ["é", "ab"], "answer": 0},
-             {"choices": ["x", "y", "z"], "answer": 2}]
+    items = [
+        {"choices": ["a", "bbbb"], "answer": 1},
+        {"choices": ["é", "ab"], "answer": 0},
+        {"choices": ["x", "y", "z"], "answer": 2},
+    ]
     # item 1: sums pick a, per character bbbb; item 2: per character "é" (-1.5 over 1) loses to "ab"
     # (-2 over 2), per byte it wins (-1.5 over 2 bytes); item 3: a tie goes to the first choice
     counts = evaluation.choice_counts(items, [-1.0, -2.0, -1.5, -2.0, -1.0, -1.0, -1.0])
     assert counts == [1.0, 1.0, 2.0, 3.0]
     tasks = [evaluation.LoopTask("t", tuple(items))]
-    assert evaluation.loop_scores(tasks, [counts]) == {"t": {"acc": 1 / 3, "acc_norm": 1 / 3, "acc_bytes": 2 / 3,
-                                                              "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}}
+    assert evaluation.loop_scores(tasks, [counts]) == {
+        "t": {"acc": 1 / 3, "acc_norm": 1 / 3, "acc_bytes": 2 / 3, "n": 3, "chance": (0.5 + 0.5 + 1 / 3) / 3}
+    }
 
 
-@pytest.mark.parametrize("step, total, every, expected", [
-    (4, 12, 4, True),
-    (5, 12, 4, False),
-    (6, 12, 3, True),
-    (8, 12, 3, False),
-    (12, 12, 5, True),     # at the last step, even when off (0) by count or not a multiple
-    (12, 12, 0, True),
-    (5, 12, 0, False),
-    (3, 12, 1, True),      # every step
-    (4, 12, None, False),  # off: no tasks
-    (12, 12, None, False),
-])
+@pytest.mark.parametrize(
+    "step, total, every, expected",
+    [
+        (4, 12, 4, True),
+        (5, 12, 4, False),
+        (6, 12, 3, True),
+        (8, 12, 3, False),
+        (12, 12, 5, True),  # at the last step, even when off (0) by count or not a multiple
+        (12, 12, 0, True),
+        (5, 12, 0, False),
+        (3, 12, 1, True),  # every step
+        (4, 12, None, False),  # off: no tasks
+        (12, 12, None, False),
+    ],
+)
 def test_due_table(step, total, every, expected):
     assert callbacks.due(step, total, every) is expected
 
 
-@pytest.mark.parametrize("validation_every, total, task_tokens, step_tokens, expected", [
-    (250, 1400, 4096 * 15, 4096, 250),  # 15 steps' tokens scored cost 5 steps: 2% of 250 steps
-    (250, 1400, 4096 * 45, 4096, 500),  # cost 15 steps: 5% of 300 steps, so every second validation
-    (30, 150, 88_000, 4096, 0),         # a short run: only at its end
-    (4, 12, 960, 128, 0),
-    (4, 100, 960, 128, 52),             # 960 / (0.15 * 128) = 50 steps: the next multiple of 4
-    (0, 100, 10, 128, 0),               # validation only at the end: the tasks too
-])
-def test_default_tasks_every_keeps_the_scoring_near_5_percent(validation_every, total, task_tokens, step_tokens,
-                                                              expected):
+@pytest.mark.parametrize(
+    "validation_every, total, task_tokens, step_tokens, expected",
+    [
+        (250, 1400, 4096 * 15, 4096, 250),  # 15 steps' tokens scored cost 5 steps: 2% of 250 steps
+        (250, 1400, 4096 * 45, 4096, 500),  # cost 15 steps: 5% of 300 steps, so every second validation
+        (30, 150, 88_000, 4096, 0),  # a short run: only at its end
+        (4, 12, 960, 128, 0),
+        (4, 100, 960, 128, 52),  # 960 / (0.15 * 128) = 50 steps: the next multiple of 4
+        (0, 100, 10, 128, 0),  # validation only at the end: the tasks too
+    ],
+)
+def test_default_tasks_every_keeps_the_scoring_near_5_percent(
+    validation_every, total, task_tokens, step_tokens, expected
+):
     assert evaluation.default_tasks_every(validation_every, total, task_tokens, step_tokens) == expected
 
 
 # validation every, tasks every (default_tasks_every's), tokens scored, tokens per step -> the note at the start
-@pytest.mark.parametrize("validation_every, tasks_every, task_tokens, step_tokens, note", [
-    (250, 250, 4096 * 15, 4096, None),  # together: nothing to explain
-    (0, 0, 10, 128, None),  # both only at the end
-    (250, 500, 4096 * 45, 4096, "note: --eval-tasks are scored every 500 steps (with one validation in 2), not "
-     "with each validation (every 250 steps): one scoring reads 184,320 tokens, about 6% of the training between "
-     "two validations, and the default keeps it near 5%; --eval-tasks-every N chooses"),
-    (30, 0, 88_000, 4096, "note: --eval-tasks are scored only at the end, not with each validation (every 30 "
-     "steps): one scoring reads 88,000 tokens, about 24% of the training between two validations, and the default "
-     "keeps it near 5%; --eval-tasks-every N chooses"),
-])
+@pytest.mark.parametrize(
+    "validation_every, tasks_every, task_tokens, step_tokens, note",
+    [
+        (250, 250, 4096 * 15, 4096, None),  # together: nothing to explain
+        (0, 0, 10, 128, None),  # both only at the end
+        (
+            250,
+            500,
+            4096 * 45,
+            4096,
+            "note: --eval-tasks are scored every 500 steps (with one validation in 2), not "
+            "with each validation (every 250 steps): one scoring reads 184,320 tokens, "
+            "about 6% of the training between "
+            "two validations, and the default keeps it near 5%; --eval-tasks-every N chooses",
+        ),
+        (
+            30,
+            0,
+            88_000,
+            4096,
+            "note: --eval-tasks are scored only at the end, not with each validation (every 30 "
+            "steps): one scoring reads 88,000 tokens, about 24% of the training between two validations, "
+            "and the default "
+            "keeps it near 5%; --eval-tasks-every N chooses",
+        ),
+    ],
+)
 def test_the_tasks_cadence_note_says_when_and_why(validation_every, tasks_every, task_tokens, step_tokens, note):
     assert evaluation.tasks_cadence_note(validation_every, tasks_every, task_tokens, step_tokens) == note

@@ -37,8 +37,9 @@ SHORT = ["--target-tokens", str(STEPS * 32 * 128), "--eval-every", "20", "--save
 
 def run_cli(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"train.py exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
@@ -88,8 +89,9 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
     shards, each document of a block run alone from position 0 (--packing masked, the default)."""
     manifest = json.loads((corpus / "corpus_manifest.json").read_text())
     entry = manifest["splits"][split]
-    tokens = np.concatenate([np.fromfile(corpus / item["name"], dtype="<u2")
-                             for item in entry["files"]]).astype(np.int64)
+    tokens = np.concatenate([np.fromfile(corpus / item["name"], dtype="<u2") for item in entry["files"]]).astype(
+        np.int64
+    )
     ends = np.fromfile(corpus / entry["document_index"]["name"], dtype="<u8")
     count = (len(tokens) - 1) // context
     used = min(count, settings["training"]["eval_batches"] * settings["training"]["global_batch_blocks"])
@@ -102,8 +104,9 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
                 piece = start + np.flatnonzero(documents == document)
                 inputs = torch.from_numpy(tokens[piece])[None]
                 logits = model(input_ids=inputs).logits[0]
-                total += torch.nn.functional.cross_entropy(logits, torch.from_numpy(tokens[piece + 1]),
-                                                           reduction="sum").item()
+                total += torch.nn.functional.cross_entropy(
+                    logits, torch.from_numpy(tokens[piece + 1]), reduction="sum"
+                ).item()
                 counted += len(piece)
     return total / counted
 
@@ -126,16 +129,19 @@ def test_demo_completes_with_an_accuracy(demo):
         assert task["accuracy"] == task["correct"] / task["total"]
     assert "held-out task accuracy:" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"COMPLETE: step 40/40 | test loss {record['test_loss']:.4f}, "
-                           f"{record['test']['bits_per_byte']:.4f} bits/byte | held-out accuracy "
-                           f"{100 * accuracy['accuracy']:.1f}% | ")
+    assert last.startswith(
+        f"COMPLETE: step 40/40 | test loss {record['test_loss']:.4f}, "
+        f"{record['test']['bits_per_byte']:.4f} bits/byte | held-out accuracy "
+        f"{100 * accuracy['accuracy']:.1f}% | "
+    )
     # the test loss: the final model's mean cross-entropy over the whole test split, computed here from the shards
     final = checkpoint_model(run / "checkpoints" / "step-00000040.pt")
     settings = json.loads((run / "training_settings.json").read_text())
     expected = split_loss(final, work / "corpus" / "demo", "test", 128, settings)
     # computed here in fp32; the run evaluates in its precision (bf16 on a CPU with bf16 instructions: its rounding)
-    assert record["test_loss"] == pytest.approx(expected, rel=1e-4 if settings["runtime"]["precision"] == "fp32"
-                                                else 2e-3)
+    assert record["test_loss"] == pytest.approx(
+        expected, rel=1e-4 if settings["runtime"]["precision"] == "fp32" else 2e-3
+    )
     assert [r["test_loss"] for r in metrics(run) if r["kind"] == "test"] == [record["test_loss"]]
     card = (run / "model" / "README.md").read_text()
     assert "Held-out demo task accuracy" in card and "**COMPLETE**" in card
@@ -169,9 +175,12 @@ def test_demo_leaves_pictures_samples_and_hashed_model_files(demo):
     events = EventAccumulator(str(run))
     events.Reload()
     records = metrics(run)
-    for tag, kind, key in [("train/loss", "train", "loss"), ("train/adamw_lr", "train", "adamw_lr"),
-                           ("train/muon_lr", "train", "muon_lr"),
-                           ("eval/val_loss", "eval", "val_loss")]:
+    for tag, kind, key in [
+        ("train/loss", "train", "loss"),
+        ("train/adamw_lr", "train", "adamw_lr"),
+        ("train/muon_lr", "train", "muon_lr"),
+        ("eval/val_loss", "eval", "val_loss"),
+    ]:
         logged = [(event.step, event.value) for event in events.Scalars(tag)]
         expected = [(r["step"], r[key]) for r in records if r["kind"] == kind]
         assert [step for step, _ in logged] == [step for step, _ in expected] and len(logged) >= 2, tag
@@ -190,8 +199,9 @@ def test_exported_model_loads_with_transformers_and_matches_the_checkpoint(demo)
     model = AutoModelForCausalLM.from_pretrained(run / "model").eval()
     tokenizer = AutoTokenizer.from_pretrained(run / "model")
     reference = checkpoint_model(run / "checkpoints" / "step-00000040.pt")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 7?"}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
@@ -227,11 +237,14 @@ def test_a_resumable_stop_exports_and_prints_the_continue_command(demo):
     run = work / "runs" / "stopped"
     record = status(run)
     assert record["status"] == "CHECKPOINTED_NEEDS_RESUME" and record["step"] == 10
-    expected = (f"{distributed.python_command()} {ROOT / 'train.py'} " + " ".join(SHORT)
-                + " --out runs/stopped --resume auto")
+    expected = (
+        f"{distributed.python_command()} {ROOT / 'train.py'} " + " ".join(SHORT) + " --out runs/stopped --resume auto"
+    )
     assert record["resume_command"] == expected
-    assert result.stdout.strip().splitlines()[-1] == \
-        f"CHECKPOINTED_NEEDS_RESUME: step 10/{STEPS} | stopped by --stop-after-steps 10 | continue with: {expected}"
+    assert (
+        result.stdout.strip().splitlines()[-1]
+        == f"CHECKPOINTED_NEEDS_RESUME: step 10/{STEPS} | stopped by --stop-after-steps 10 | continue with: {expected}"
+    )
     assert "CHECKPOINTED_NEEDS_RESUME" in (run / "model" / "README.md").read_text()
     assert not (run / "sample_generations.json").exists()  # samples and accuracy only for a finished run
 
@@ -244,9 +257,25 @@ def test_a_failing_report_never_loses_the_run(demo, tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(export_hf, "export_hf_model", broken_export)
     out = tmp_path / "run"
-    assert train.main(["--data", str(work / "corpus" / "demo"), "--out", str(out), "--batch-size", "2",
-                       "--target-tokens", str(4 * 2 * 128), "--threads", "1",
-                       "--warmup-steps", "1"]) == 0
+    assert (
+        train.main(
+            [
+                "--data",
+                str(work / "corpus" / "demo"),
+                "--out",
+                str(out),
+                "--batch-size",
+                "2",
+                "--target-tokens",
+                str(4 * 2 * 128),
+                "--threads",
+                "1",
+                "--warmup-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     record = status(out)
     assert record["status"] == "COMPLETE" and "model_files" not in record
     assert record["report_errors"]["export"] == "OSError: disk full"
@@ -265,8 +294,10 @@ LONGER_STEPS = 120  # measured: 0.60 on the items below (40 steps: 0.20 on 100 o
 @pytest.mark.timeout(900)  # a second, longer training run and two lm-eval runs (~9 min on a 2-core machine at load 9)
 def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chance_untrained(demo, tmp_path):
     work, _ = demo
-    run_cli(["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report",
-             "--out", "runs/longer"], cwd=work)
+    run_cli(
+        ["--target-tokens", str(LONGER_STEPS * 32 * 128), "--eval-every", "0", "--no-report", "--out", "runs/longer"],
+        cwd=work,
+    )
     tokenizer = corpus_format.load_tokenizer(work / "corpus" / "demo" / "tokenizer")
     items = evaluation.demo_choice_items(tokenizer)
     assert len(items) == sum(demo_corpus.DEMO_EVAL_COUNTS.values())
@@ -278,8 +309,21 @@ def test_a_multiple_choice_task_on_the_demo_is_above_chance_trained_and_at_chanc
     scores = {}
     for name, model in (("trained", trained), ("untrained", untrained)):
         export_hf.export_hf_model(model, tokenizer, tmp_path / name / "model", {"status": "COMPLETE"})
-        assert report.main(["evaluate", str(tmp_path / name / "model"), "--tasks", str(task), "--limit", "130",
-                            "--json", str(tmp_path / f"{name}.json")]) == 0
+        assert (
+            report.main(
+                [
+                    "evaluate",
+                    str(tmp_path / name / "model"),
+                    "--tasks",
+                    str(task),
+                    "--limit",
+                    "130",
+                    "--json",
+                    str(tmp_path / f"{name}.json"),
+                ]
+            )
+            == 0
+        )
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["tasks"]["local_demo_results"]
         assert scores[name]["n"] == 130  # a seeded half of the items: the suite's time
     # chance is 0.25, with a 0.027 standard error on 260 items; the untrained model (measured: 0.165) leans

@@ -18,16 +18,36 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # backend, environment, failure (None: hung), what the line says, what it must not say
 ERRORS = [
-    ("nccl", {}, None, ["2 GPUs did not finish in 90 s (NCCL)", "Kaggle's 2x T4",
-                        "NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 train.py"], ["NCCL_DEBUG"]),
+    (
+        "nccl",
+        {},
+        None,
+        [
+            "2 GPUs did not finish in 90 s (NCCL)",
+            "Kaggle's 2x T4",
+            "NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 train.py",
+        ],
+        ["NCCL_DEBUG"],
+    ),
     ("nccl", {"NCCL_P2P_DISABLE": "0"}, None, ["run again with NCCL_P2P_DISABLE=1"], ["already set"]),
     ("nccl", {"NCCL_P2P_DISABLE": " "}, None, ["run again with NCCL_P2P_DISABLE=1"], ["already set"]),
-    ("nccl", {}, "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error",
-     ["failed (DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error) (NCCL)",
-      "NCCL_P2P_DISABLE=1"], ["did not finish"]),
-    ("nccl", {"NCCL_P2P_DISABLE": "1"}, None,
-     ["did not finish in 90 s (NCCL), with NCCL_P2P_DISABLE=1 already set", "NCCL_DEBUG=INFO", "NCCL_SHM_DISABLE=1"],
-     ["run again with NCCL_P2P_DISABLE=1"]),
+    (
+        "nccl",
+        {},
+        "DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error",
+        [
+            "failed (DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error) (NCCL)",
+            "NCCL_P2P_DISABLE=1",
+        ],
+        ["did not finish"],
+    ),
+    (
+        "nccl",
+        {"NCCL_P2P_DISABLE": "1"},
+        None,
+        ["did not finish in 90 s (NCCL), with NCCL_P2P_DISABLE=1 already set", "NCCL_DEBUG=INFO", "NCCL_SHM_DISABLE=1"],
+        ["run again with NCCL_P2P_DISABLE=1"],
+    ),
     ("gloo", {}, None, ["2 ranks did not finish in 90 s (gloo)", "GLOO_SOCKET_IFNAME"], ["NCCL"]),
 ]
 
@@ -71,13 +91,29 @@ else:
 
 
 def start_ranks(mode: str) -> list[subprocess.Popen]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    code = "from common import run_main\n" \
-           "def main():\n" + "".join(f"    {line}\n" for line in RANK_SCRIPT.strip().splitlines()) + "run_main(main)\n"
-    return [subprocess.Popen([sys.executable, "-c", code, mode, str(rank)], cwd=ROOT, text=True,
-                             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    code = (
+        "from common import run_main\n"
+        "def main():\n" + "".join(f"    {line}\n" for line in RANK_SCRIPT.strip().splitlines()) + "run_main(main)\n"
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", code, mode, str(rank)],
+            cwd=ROOT,
+            text=True,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
 
 
 def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
@@ -132,6 +168,8 @@ def test_a_wrong_sum_is_one_error_line():
     code, out, err = finish(ranks[0], 120)
     finish(ranks[1], 120)
     assert code == 2 and "ready" not in out
-    assert err.strip().splitlines()[-1] == "error: the first all-reduce between the 2 ranks failed (the sum of 1,000 " \
-        "values came back between 4 and 4, not 3) (gloo): check that the ranks reach each other (MASTER_ADDR / " \
-        "MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank shares)", err[-2000:]
+    assert (
+        err.strip().splitlines()[-1] == "error: the first all-reduce between the 2 ranks failed (the sum of 1,000 "
+        "values came back between 4 and 4, not 3) (gloo): check that the ranks reach each other (MASTER_ADDR / "
+        "MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank shares)"
+    ), err[-2000:]

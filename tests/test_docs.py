@@ -38,8 +38,11 @@ def anchors(text: str) -> set[str]:
 
 
 def relative_links(document: Path) -> list[str]:
-    return [target for target in LINK.findall(prose(document.read_text(encoding="utf-8")))
-            if not re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)]  # http:, https:, mailto: ...
+    return [
+        target
+        for target in LINK.findall(prose(document.read_text(encoding="utf-8")))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)
+    ]  # http:, https:, mailto: ...
 
 
 def test_the_documents_are_found():
@@ -62,8 +65,11 @@ def test_every_relative_link_resolves(document: Path):
 
 def test_the_readme_gives_the_test_command_that_ci_runs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    code_lines = {line.split("  #")[0].strip()  # a command without its comment
-                  for match in FENCE.finditer(readme) for line in match.group(0).splitlines()}
+    code_lines = {
+        line.split("  #")[0].strip()  # a command without its comment
+        for match in FENCE.finditer(readme)
+        for line in match.group(0).splitlines()
+    }
     assert TEST_COMMAND in code_lines, f"README.md must give `{TEST_COMMAND}` on its own line in a code block"
     ci = ROOT / ".ci" / "run"
     if ci.exists():
@@ -81,8 +87,10 @@ def test_the_test_commands_auto_workers_are_one_per_core_at_most_four(monkeypatc
 
 def test_the_link_checker_finds_what_it_should(tmp_path: Path):
     """The checker itself: code is not a link, URLs are not relative, GitHub's ids for headings with code."""
-    text = ("# Building a corpus (`data.py`)\n## Backups (`--backup-to`, `checkpoint_cloud.py`)\n## A\n## A\n"
-            "[x](a.md) `[y](b.md)` [z](https://example.com/c.md)\n```\n[w](d.md)\n# not a heading\n```\n")
+    text = (
+        "# Building a corpus (`data.py`)\n## Backups (`--backup-to`, `checkpoint_cloud.py`)\n## A\n## A\n"
+        "[x](a.md) `[y](b.md)` [z](https://example.com/c.md)\n```\n[w](d.md)\n# not a heading\n```\n"
+    )
     (tmp_path / "doc.md").write_text(text)
     assert relative_links(tmp_path / "doc.md") == ["a.md"]
     assert anchors(text) == {"building-a-corpus-datapy", "backups---backup-to-checkpoint_cloudpy", "a", "a-1"}
@@ -120,7 +128,7 @@ def test_every_backticked_module_name_in_docs_and_docstrings_resolves():
         for match in NAMED.finditer(text):
             reference = match.group(1)
             if reference.rsplit(".", 1)[-1] not in FILE_SUFFIXES and not resolves(reference):
-                stale.append(f"{source.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}: {reference}")
+                stale.append(f"{source.relative_to(ROOT)}:{text[: match.start()].count(chr(10)) + 1}: {reference}")
     assert stale == []
     assert resolves("hardware.step_memory") and resolves("attention.Documents.cu_seqlens")
     assert not resolves("train.Checkpointer") and not resolves("hardware.ASSUMED_MFU")  # what it would catch

@@ -55,8 +55,9 @@ def hand_scores(model_dir, items) -> dict:
             ids = tokenizer(item["context"] + " " + choice)["input_ids"]
             with torch.no_grad():
                 logprobs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].double(), dim=-1)
-            totals.append(sum(logprobs[position - 1, ids[position]].item()
-                              for position in range(len(context_ids), len(ids))))
+            totals.append(
+                sum(logprobs[position - 1, ids[position]].item() for position in range(len(context_ids), len(ids)))
+            )
         right += max(range(len(totals)), key=totals.__getitem__) == item["answer"]
         norm = [total / len(choice) for total, choice in zip(totals, item["choices"])]
         right_norm += max(range(len(norm)), key=norm.__getitem__) == item["answer"]
@@ -79,7 +80,11 @@ def test_tasks_resolve_to_files_folders_and_names(tmp_path):
     (tmp_path / "eval" / "my-words.jsonl").write_text('\n{"context": "a", "choices": ["b", "c"], "answer": 1}\n')
     tasks = evaluation.resolve_tasks([str(tmp_path / "eval"), "hellaswag,arc_easy"])
     assert [(task["name"], task["kind"]) for task in tasks] == [
-        ("local_my_words", "choice"), ("sums", "exact"), ("hellaswag", "lm_eval"), ("arc_easy", "lm_eval")]
+        ("local_my_words", "choice"),
+        ("sums", "exact"),
+        ("hellaswag", "lm_eval"),
+        ("arc_easy", "lm_eval"),
+    ]
     with pytest.raises(UserError, match="no such task file"):
         evaluation.resolve_tasks([str(tmp_path / "missing.jsonl")])
     (tmp_path / "odd.jsonl").write_text('{"question": "?"}\n')
@@ -87,10 +92,16 @@ def test_tasks_resolve_to_files_folders_and_names(tmp_path):
         evaluation.resolve_tasks([str(tmp_path / "odd.jsonl")])
 
 
-@pytest.mark.parametrize("line", ['{"context": "a", "choices": ["b"], "answer": 0}',
-                                  '{"context": "a", "choices": ["b", "c"], "answer": 2}',
-                                  '{"context": "a", "choices": ["b", ""], "answer": 0}',
-                                  '{"context": 1, "choices": ["b", "c"], "answer": 0}', "{not json"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"context": "a", "choices": ["b"], "answer": 0}',
+        '{"context": "a", "choices": ["b", "c"], "answer": 2}',
+        '{"context": "a", "choices": ["b", ""], "answer": 0}',
+        '{"context": 1, "choices": ["b", "c"], "answer": 0}',
+        "{not json",
+    ],
+)
 def test_bad_choice_items_name_the_line(tmp_path, line):
     path = tmp_path / "items.jsonl"
     path.write_text('{"context": "a", "choices": ["b", "c"], "answer": 0}\n' + line + "\n")
@@ -105,8 +116,11 @@ def test_a_missing_lm_eval_is_one_error_line_with_the_install_command(monkeypatc
 
 
 def test_the_card_section_is_replaced_not_repeated():
-    result = {"time": "now", "harness": {"num_fewshot": 0, "limit": None},
-              "tasks": {"t": {"kind": "choice", "n": 3, "acc": 0.5, "acc_norm": 0.25}}}
+    result = {
+        "time": "now",
+        "harness": {"num_fewshot": 0, "limit": None},
+        "tasks": {"t": {"kind": "choice", "n": 3, "acc": 0.5, "acc_norm": 0.25}},
+    }
     card = "# m\n\n## Evaluation\n\n- Test loss\n\n## How to use\n\ncode\n"
     once = export_hf.add_to_card(card, result)
     assert once.index("## Benchmark scores") < once.index("## How to use")
@@ -124,8 +138,12 @@ def test_evaluate_gives_lm_evals_own_numbers_and_the_hand_computed_ones(exported
 
     model_dir, items_file, items = exported
     out = tmp_path / "scores.json"
-    assert report.main(["evaluate", str(model_dir.parent), "--tasks", str(items_file), "--json", str(out),
-                        "--batch-size", "4"]) == 0
+    assert (
+        report.main(
+            ["evaluate", str(model_dir.parent), "--tasks", str(items_file), "--json", str(out), "--batch-size", "4"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     ours = result["tasks"]["local_words"]
@@ -138,11 +156,15 @@ def test_evaluate_gives_lm_evals_own_numbers_and_the_hand_computed_ones(exported
         f"task: direct\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {items_file}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
-        "  - metric: acc_norm\n")
-    direct = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir)}, tasks=["direct"],
-                                     device="cpu",
-                                     task_manager=TaskManager(include_path=str(tmp_path / "tasks"),
-                                                              include_defaults=False))["results"]["direct"]
+        "  - metric: acc_norm\n"
+    )
+    direct = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(model_dir)},
+        tasks=["direct"],
+        device="cpu",
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
+    )["results"]["direct"]
     expected = hand_scores(model_dir, items)
     for metric in ("acc", "acc_norm"):
         assert ours[metric] == pytest.approx(direct[f"{metric},none"], abs=1e-4)
@@ -157,8 +179,9 @@ def test_evaluate_gives_lm_evals_own_numbers_and_the_hand_computed_ones(exported
     assert "num_fewshot 0" in card and "do not compare" in card
 
     # --limit: a seeded subsample, scored on exactly those items
-    assert report.main(["evaluate", str(model_dir), "--tasks", str(items_file), "--limit", "10",
-                        "--json", str(out)]) == 0
+    assert (
+        report.main(["evaluate", str(model_dir), "--tasks", str(items_file), "--limit", "10", "--json", str(out)]) == 0
+    )
     limited = json.loads(out.read_text())["tasks"]["local_words"]
     pick = evaluation.seeded_subsample(len(items), 10)
     assert limited["n"] == 10
@@ -177,8 +200,12 @@ def loop_log_likelihoods(model_dir, items, token_budget: int) -> list[float]:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    rows = evaluation.choice_rows(items, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                                  tokenizer.bos_token_id, model.config.max_position_embeddings)
+    rows = evaluation.choice_rows(
+        items,
+        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        tokenizer.bos_token_id,
+        model.config.max_position_embeddings,
+    )
     return losses.continuation_log_likelihoods(model, rows, torch.device("cpu"), token_budget)
 
 
@@ -191,19 +218,26 @@ def test_the_loops_log_likelihoods_and_scores_are_lm_evals(exported):
     from lm_eval.models.huggingface import HFLM
 
     model_dir, items_file, items = exported
-    edge = [{"context": "", "choices": ["the cat", "blue sky"], "answer": 0},
-            {"context": "the cat sat on ", "choices": ["the mat", "a dog"], "answer": 0},
-            {"context": " ".join(WORDS * 30), "choices": ["one two", "ran far in the park"], "answer": 1}]
+    edge = [
+        {"context": "", "choices": ["the cat", "blue sky"], "answer": 0},
+        {"context": "the cat sat on ", "choices": ["the mat", "a dog"], "answer": 0},
+        {"context": " ".join(WORDS * 30), "choices": ["one two", "ran far in the park"], "answer": 1},
+    ]
     requests = [(item["context"], " " + choice) for item in items + edge for choice in item["choices"]]
     hflm = HFLM(pretrained=str(model_dir), device="cpu", batch_size=5)
-    expected = [value for value, _ in hflm.loglikelihood(
-        [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(requests)], disable_tqdm=True)]
+    expected = [
+        value
+        for value, _ in hflm.loglikelihood(
+            [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(requests)], disable_tqdm=True
+        )
+    ]
     ours = loop_log_likelihoods(model_dir, items + edge, token_budget=300)
     assert len(ours) == len(expected) and max(abs(a - b) for a, b in zip(ours, expected)) < 1e-4
     assert len({round(value, 3) for value in ours}) > len(ours) // 2  # the model tells the choices apart
 
-    lm_eval_scores, _ = evaluation.lm_eval_scores(str(model_dir), evaluation.resolve_tasks([str(items_file)]),
-                                                  None, 8, "cpu", evaluation.DEFAULT_SEED)
+    lm_eval_scores, _ = evaluation.lm_eval_scores(
+        str(model_dir), evaluation.resolve_tasks([str(items_file)]), None, 8, "cpu", evaluation.DEFAULT_SEED
+    )
     counts = evaluation.choice_counts(items, loop_log_likelihoods(model_dir, items, token_budget=10_000))
     loop = evaluation.loop_scores([evaluation.LoopTask("local_words", tuple(items))], [counts])
     for metric in ("acc", "acc_norm", "acc_bytes"):
@@ -251,8 +285,10 @@ def test_report_evaluate_faults_are_one_line_worded_as_eval_tasks(exported, tmp_
     gone = tmp_path / "gone.yaml"  # its dataset cannot be read: what an offline Kaggle session meets
     gone.write_text(evaluation.task_yaml("gone", str(tmp_path / "no-such-items.jsonl")))
     said = {}
-    for flag, call in (("--tasks", lambda spec: report.main(["evaluate", str(model_dir), "--tasks", spec])),
-                       ("--eval-tasks", lambda spec: evaluation.load_loop_tasks([spec], 0, None))):
+    for flag, call in (
+        ("--tasks", lambda spec: report.main(["evaluate", str(model_dir), "--tasks", spec])),
+        ("--eval-tasks", lambda spec: evaluation.load_loop_tasks([spec], 0, None)),
+    ):
         with pytest.raises(UserError) as error:
             call(str(gone))
         said[flag, "dataset"] = str(error.value)
@@ -263,8 +299,9 @@ def test_report_evaluate_faults_are_one_line_worded_as_eval_tasks(exported, tmp_
     for kind in ("dataset", "unknown"):
         assert said["--tasks", kind].replace("--tasks", "--eval-tasks", 1) == said["--eval-tasks", kind]
         assert "\n" not in said["--tasks", kind]
-    assert said["--tasks", "unknown"] == ("--tasks no_such_task_anywhere: neither a task file nor an lm-eval task "
-                                         "name (`lm_eval ls tasks` lists them)")
+    assert said["--tasks", "unknown"] == (
+        "--tasks no_such_task_anywhere: neither a task file nor an lm-eval task name (`lm_eval ls tasks` lists them)"
+    )
     with pytest.raises(UserError, match=r"^\S*nowhere: no such run or model folder$"):
         report.main(["evaluate", str(tmp_path / "nowhere"), "--tasks", "arc_easy"])
     broken = tmp_path / "broken"
@@ -272,8 +309,13 @@ def test_report_evaluate_faults_are_one_line_worded_as_eval_tasks(exported, tmp_
     (broken / "config.json").write_text((model_dir / "config.json").read_text())  # no weights, no tokenizer
     with pytest.raises(UserError, match=r"^\S*broken: the model did not load \(\w+: .*\)$"):
         report.main(["evaluate", str(broken), "--tasks", str(items_file)])
-    result = subprocess.run([sys.executable, "report.py", "evaluate", str(model_dir), "--tasks", str(gone)],
-                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "report.py", "evaluate", str(model_dir), "--tasks", str(gone)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [f"error: {said['--tasks', 'dataset']}"]
 
@@ -287,12 +329,17 @@ def test_extract_final_answer_and_scoring():
     assert evaluation.extract_final_answer("<think>a</think>b</think> 3") == "3"
     assert evaluation.extract_final_answer(" 42\n") == "42"
     assert evaluation.extract_final_answer("<think>\nunfinished 17") == "<think>\nunfinished 17"
-    examples = [{"prompt": "a", "answer": "17", "task": "add"}, {"prompt": "b", "answer": "5", "task": "add"},
-                {"prompt": "c", "answer": "9", "task": "mul"}]
+    examples = [
+        {"prompt": "a", "answer": "17", "task": "add"},
+        {"prompt": "b", "answer": "5", "task": "add"},
+        {"prompt": "c", "answer": "9", "task": "mul"},
+    ]
     result = evaluation.score_answers(examples, ["<think>x</think>\n\n17", "5 apples", "9"])
     assert (result["correct"], result["total"], result["accuracy"]) == (2, 3, 2 / 3)
-    assert result["by_task"] == {"add": {"correct": 1, "total": 2, "accuracy": 0.5},
-                                 "mul": {"correct": 1, "total": 1, "accuracy": 1.0}}
+    assert result["by_task"] == {
+        "add": {"correct": 1, "total": 2, "accuracy": 0.5},
+        "mul": {"correct": 1, "total": 1, "accuracy": 1.0},
+    }
     assert [(w["prompt"], w["predicted"]) for w in result["wrong_examples"]] == [("b", "5 apples")]
 
 
@@ -301,8 +348,11 @@ def test_exact_match_accuracy_with_a_real_model(chat_model, tmp_path):
     folder = tmp_path / "eval"
     folder.mkdir()
     (folder / "addition.jsonl").write_text(
-        json.dumps({"prompt": "What is 2 plus 3?", "answer": 5, "task": "addition"}) + "\n"
-        + json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n\n")
+        json.dumps({"prompt": "What is 2 plus 3?", "answer": 5, "task": "addition"})
+        + "\n"
+        + json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"})
+        + "\n\n"
+    )
     (folder / "words.jsonl").write_text(json.dumps({"prompt": "Name a color.", "answer": "Red"}) + "\n")
 
     result = evaluation.exact_match_accuracy(model, tokenizer, folder, device="cpu", max_new_tokens=24)

@@ -67,8 +67,9 @@ def checkpoint_bytes(corpus, tmp_path_factory) -> int:
     return (out / "checkpoints" / "step-00000004.pt").stat().st_size
 
 
-def test_train_py_on_a_full_disk_stops_at_the_failed_save_and_names_the_last_good_checkpoint(corpus, tmp_path,
-                                                                                              capsys, checkpoint_bytes):
+def test_train_py_on_a_full_disk_stops_at_the_failed_save_and_names_the_last_good_checkpoint(
+    corpus, tmp_path, capsys, checkpoint_bytes
+):
     """A real tmpfs with room for one checkpoint: the second save fails inside torch.save (which
     reports it as `enforce fail at inline_container.cc`); the run stops at once with the cause."""
     with small_disk(tmp_path / "disk", free_bytes=int(checkpoint_bytes * 1.6)) as disk:
@@ -102,8 +103,12 @@ def test_a_checkpoint_that_cannot_be_created_fails_the_run_at_once(corpus, tmp_p
 def test_data_py_on_a_full_disk_is_one_line_and_leaves_nothing(text_folder, tmp_path, capsys):
     with small_disk(tmp_path / "disk", free_bytes=48 * 1024) as disk:
         out = disk / "corpus"
-        code, line = run_main_exit(capsys, lambda: data.main(["--data", str(text_folder), "--out", str(out),
-                                                              "--vocab-size", "300", "--tokenize-workers", "1"]))
+        code, line = run_main_exit(
+            capsys,
+            lambda: data.main(
+                ["--data", str(text_folder), "--out", str(out), "--vocab-size", "300", "--tokenize-workers", "1"]
+            ),
+        )
         assert code == 2 and "no space left on device" in line and f"building {out} failed" in line, line
         assert sorted(p.name for p in disk.iterdir()) == [".filler"]  # no corpus, no temporary build folder
 
@@ -116,8 +121,9 @@ def test_read_only_out_is_refused_before_the_work(corpus, text_folder, tmp_path,
     with read_only_folder(tmp_path / "ro") as folder:
         built = []
         monkeypatch.setattr(data, "build_in_place", lambda *args: built.append(args))
-        code, line = run_main_exit(capsys, lambda: data.main(["--data", str(text_folder), "--out",
-                                                              str(folder / "corpus")]))
+        code, line = run_main_exit(
+            capsys, lambda: data.main(["--data", str(text_folder), "--out", str(folder / "corpus")])
+        )
         assert code == 2 and str(folder) in line and "cannot be written" in line and not built, line
         code, line = run_main_exit(capsys, lambda: train.main(options(corpus, folder / "run")))
         assert code == 2 and f"--out {folder / 'run'} cannot be written" in line, line
@@ -129,8 +135,7 @@ def test_train_py_out_on_a_simulated_read_only_folder_is_one_line(corpus, tmp_pa
     assert code == 2 and "read-only file system" in line and str(tmp_path / "ro" / "run") in line, line
 
 
-def test_an_empty_mount_point_as_data_py_out_is_refused_before_the_work(text_folder, tmp_path, capsys,
-                                                                        monkeypatch):
+def test_an_empty_mount_point_as_data_py_out_is_refused_before_the_work(text_folder, tmp_path, capsys, monkeypatch):
     with mount_point(tmp_path / "drive") as drive:
         built = []
         monkeypatch.setattr(data, "build_in_place", lambda *args: built.append(args))
@@ -224,8 +229,11 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
 
     # no held-out split at all: the last line still shows a loss, the train loss
     texts = [{"text": f"{i} plus {i + 1} is {2 * i + 1}. the cat sees the dog."} for i in range(300)]
-    no_held_out = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "bare",
-                                    data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0))
+    no_held_out = data.build_corpus(
+        [data.Source("generated", "generated", records=texts)],
+        tmp_path / "bare",
+        data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0),
+    )
     out = tmp_path / "no-held-out"
     assert train.main(options(no_held_out, out, steps=2)) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -234,17 +242,47 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
 
 def test_a_chat_corpus_gets_its_held_out_questions_as_sample_prompts(tmp_path):
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"Which river flows through town number {i}?"},
-        {"role": "assistant", "content": f"The river of town {i} is the Blue River."}]}) + "\n" for i in range(60)))
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Which river flows through town number {i}?"},
+                        {"role": "assistant", "content": f"The river of town {i} is the Blue River."},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(60)
+        )
+    )
     built = tmp_path / "corpus"
-    assert data.main(["--data", str(chats), "--out", str(built), "--vocab-size", "300", "--no-progress",
-                      "--val-fraction", "0.2", "--test-fraction", "0.2"]) == 0
+    assert (
+        data.main(
+            [
+                "--data",
+                str(chats),
+                "--out",
+                str(built),
+                "--vocab-size",
+                "300",
+                "--no-progress",
+                "--val-fraction",
+                "0.2",
+                "--test-fraction",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     tokenizer = corpus_format.load_tokenizer(built / "tokenizer")
     kind, prompts = generation.held_out_prompts(built, tokenizer)
     manifest = json.loads((built / "corpus_manifest.json").read_text())
-    test_text = tokenizer.decode(np.concatenate([np.fromfile(built / entry["name"], dtype="<u2")
-                                                 for entry in manifest["splits"]["test"]["files"]]).tolist())
+    test_text = tokenizer.decode(
+        np.concatenate(
+            [np.fromfile(built / entry["name"], dtype="<u2") for entry in manifest["splits"]["test"]["files"]]
+        ).tolist()
+    )
     assert kind == "chat" and prompts and all(p.startswith("Which river flows through town number") for p in prompts)
     assert all(f"user\n{prompt}<|im_end|>" in test_text for prompt in prompts)  # held-out questions
 
@@ -268,8 +306,21 @@ def test_sigterm_during_data_py_says_so_and_leaves_no_build_folder(tmp_path):
     def building() -> bool:  # the build's temporary folder .corpus.<hex>.tmp is there
         return any(common.temporary_target(path.name) == "corpus" for path in tmp_path.iterdir())
 
-    process = subprocess.Popen([sys.executable, str(Path(data.__file__)), "--data", str(texts), "--out", str(out),
-                                "--vocab-size", "2000", "--no-progress"], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(data.__file__)),
+            "--data",
+            str(texts),
+            "--out",
+            str(out),
+            "--vocab-size",
+            "2000",
+            "--no-progress",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while not building() and process.poll() is None:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
@@ -292,13 +343,28 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
     assert data.main(["--data", str(texts), "--out", str(out), "--vocab-size", "300", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "1 record(s) dropped for invalid UTF-8" in printed and "whole files" in printed
-    inputs = {Path(entry["source"]).name: entry
-              for entry in json.loads((out / "source_manifest.json").read_text())["inputs"]}
+    inputs = {
+        Path(entry["source"]).name: entry for entry in json.loads((out / "source_manifest.json").read_text())["inputs"]
+    }
     assert inputs["link.txt"]["documents_kept"] == 1  # a symlinked file is read (documented in docs/TROUBLESHOOTING.md)
 
     # --vocab-size with --tokenizer is not ignored silently
-    assert data.main(["--data", str(texts), "--out", str(tmp_path / "b"), "--tokenizer", str(out), "--vocab-size",
-                      "500", "--no-progress"]) == 0
+    assert (
+        data.main(
+            [
+                "--data",
+                str(texts),
+                "--out",
+                str(tmp_path / "b"),
+                "--tokenizer",
+                str(out),
+                "--vocab-size",
+                "500",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert f"warning: --vocab-size 500 is not used: --tokenizer {out} has 300 tokens" in capsys.readouterr().err
 
     config_only = tmp_path / "tok"
@@ -323,16 +389,24 @@ def test_train_py_small_faults_are_clear(tmp_path):
         train.parse_args(["--target-tokens", "1e30"])
     assert train.parse_args(["--target-tokens", "3e9"]).run.target_tokens == 3_000_000_000
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=train.torch.device("cpu"))
-    command = train.resume_command(info, ["--backup-to", "s3://bucket/runs/x?key=secret", "--lr", "1",
-                                          "--backup-to=gs://user:secret@other/x"])
+    command = train.resume_command(
+        info, ["--backup-to", "s3://bucket/runs/x?key=secret", "--lr", "1", "--backup-to=gs://user:secret@other/x"]
+    )
     assert "secret" not in command and "--backup-to URL" in command and "--backup-to=URL" in command
     command = train.resume_command(info, ["--backup-to", "s3://bucket/runs/x", "--backup-to=/tmp/my backups"])
     assert "--backup-to s3://bucket/runs/x" in command and "'--backup-to=/tmp/my backups'" in command
     with pytest.raises(common.UserError, match="--backup-to URL is a placeholder: give the real URL"):
         train.parse_args(["--backup-to", "URL"])
-    line = report.final_line(tmp_path, store.NEEDS_RESUME, {"step": 5, "total_steps": 12,
-                                                           "reason": "stopped by --max-hours budget",
-                                                           "resume_command": "python train.py --resume auto"})
+    line = report.final_line(
+        tmp_path,
+        store.NEEDS_RESUME,
+        {
+            "step": 5,
+            "total_steps": 12,
+            "reason": "stopped by --max-hours budget",
+            "resume_command": "python train.py --resume auto",
+        },
+    )
     assert "stopped by --max-hours budget" in line and line.endswith("continue with: python train.py --resume auto")
 
 
@@ -361,7 +435,8 @@ def test_a_late_or_wrapped_ctrl_c_is_exit_130_or_ignored_never_a_traceback(tmp_p
         "    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))  # Ctrl-C at exit\n"
         "    return 0\n"
         "if __name__ == '__main__':\n"
-        "    run_main(main)\n")
+        "    run_main(main)\n"
+    )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
 
@@ -372,6 +447,7 @@ def test_a_late_or_wrapped_ctrl_c_is_exit_130_or_ignored_never_a_traceback(tmp_p
 
 def test_a_read_only_backup_folder_is_refused_before_training(corpus, tmp_path, monkeypatch, capsys):
     import checkpoint_cloud
+
     with read_only_folder(tmp_path / "ro-backup") as folder:  # a real read-only mount (skips without one)
         with pytest.raises(common.UserError, match="cannot be written .*read-only file system"):
             checkpoint_cloud.check_backup_target(str(folder / "run"))
@@ -379,8 +455,9 @@ def test_a_read_only_backup_folder_is_refused_before_training(corpus, tmp_path, 
     (tmp_path / "sim-ro").mkdir()
     trained = []
     monkeypatch.setattr(train, "train", lambda *args, **kwargs: trained.append(args))
-    code, line = run_main_exit(capsys, lambda: train.main(options(corpus, tmp_path / "run") +
-                                                          ["--backup-to", str(tmp_path / "sim-ro" / "b")]))
+    code, line = run_main_exit(
+        capsys, lambda: train.main(options(corpus, tmp_path / "run") + ["--backup-to", str(tmp_path / "sim-ro" / "b")])
+    )
     assert code == 2 and not trained, line
     assert line.startswith("error: --backup-to: the remote cannot be written") and "read-only file system" in line
     assert list((tmp_path / "sim-ro").rglob("*")) in ([], [tmp_path / "sim-ro" / "b"]), "the probe left a file"

@@ -20,14 +20,16 @@ def test_generate_chat_stops_at_im_end_and_batching_changes_nothing(chat_model):
     assert batched == REPLIES
 
     # Without the stop tokens the model would go on past <|im_end|>: stopping is what ends the reply.
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     raw = model.generate(**inputs, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    continued = tokenizer.decode(raw[0, inputs["input_ids"].shape[1]:], skip_special_tokens=False)
+    continued = tokenizer.decode(raw[0, inputs["input_ids"].shape[1] :], skip_special_tokens=False)
     assert continued.startswith("Hello there!<|im_end|>") and len(continued) > len("Hello there!<|im_end|>")
 
-    details = generation.generate_chat_details(model, tokenizer, [[{"role": "user", "content": "Name a color."}]],
-                                           max_new_tokens=24)
+    details = generation.generate_chat_details(
+        model, tokenizer, [[{"role": "user", "content": "Name a color."}]], max_new_tokens=24
+    )
     assert details == [{"completion": "Blue", "stopped": True, "new_tokens": 1}]
     assert model.training is False
 
@@ -66,7 +68,9 @@ def test_generate_samples_records_replies_and_never_raises(chat_model, tmp_path,
     assert written == result
     assert result["error"] is None and result["step"] == 200
     assert [(s["prompt"], s["completion"], s["stopped"]) for s in written["samples"]] == [
-        ("Say hello.", "Hello there!", True), ("Name a color.", "Blue", True)]
+        ("Say hello.", "Hello there!", True),
+        ("Name a color.", "Blue", True),
+    ]
     assert written["settings"]["decoding"] == "greedy" and written["settings"]["max_new_tokens"] == 16
 
     def out_of_memory(**kwargs):
@@ -100,11 +104,14 @@ def test_sampling_is_seeded_reproducible_and_leaves_the_callers_rng_alone(chat_m
     assert hot.describe() == {"decoding": "sampled", "temperature": 3.0, "top_p": 0.95, "top_k": 0, "seed": 7}
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"temperature": -1.0}, r"--temperature must be 0 \(greedy\) or positive"),
-    ({"top_p": 0.0}, r"--top-p must be in \(0, 1\]"),
-    ({"top_k": -2}, "--top-k must not be negative"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"temperature": -1.0}, r"--temperature must be 0 \(greedy\) or positive"),
+        ({"top_p": 0.0}, r"--top-p must be in \(0, 1\]"),
+        ({"top_k": -2}, "--top-k must not be negative"),
+    ],
+)
 def test_bad_sampling_options_name_the_option(values, message):
     defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     with pytest.raises(UserError, match=message):
@@ -115,8 +122,9 @@ def test_bad_sampling_options_name_the_option(values, message):
 
 
 @pytest.mark.parametrize("context, max_new_tokens", [(None, 256), (128, 96), (4096, 256), (4, 3), (1, 1)])
-def test_the_exports_generation_config_leaves_a_quarter_of_the_context_to_the_prompt(chat_model, context,
-                                                                                    max_new_tokens):
+def test_the_exports_generation_config_leaves_a_quarter_of_the_context_to_the_prompt(
+    chat_model, context, max_new_tokens
+):
     _, tokenizer = chat_model
     config = generation.generation_config_for(tokenizer, context)
     assert config.max_new_tokens == max_new_tokens

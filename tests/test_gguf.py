@@ -42,8 +42,31 @@ PRESET = dataclasses.replace(model_config.PRESETS["tiny"], head_dim=32, tie_embe
 
 def sample_texts(count: int = 300) -> list[str]:
     rng = random.Random(0)
-    words = ["the", "model", "learns", "tokens", "from", "text", "café", "naïve", "Straße", "日本語", "русский",
-             "🙂", "def", "return", "print(x)", "  ", "\t", "\n", "123", "4.56", "I'm", "don't", "x += 1"]
+    words = [
+        "the",
+        "model",
+        "learns",
+        "tokens",
+        "from",
+        "text",
+        "café",
+        "naïve",
+        "Straße",
+        "日本語",
+        "русский",
+        "🙂",
+        "def",
+        "return",
+        "print(x)",
+        "  ",
+        "\t",
+        "\n",
+        "123",
+        "4.56",
+        "I'm",
+        "don't",
+        "x += 1",
+    ]
     return [" ".join(rng.choice(words) for _ in range(60)) for _ in range(count)]
 
 
@@ -108,8 +131,11 @@ def test_reader_reads_back_every_tensor(model_dir, tmp_path, out_type):
     elif out_type == "f32":
         assert check["max_abs_error"] == 0
     matrices = 7 * PRESET.layers + 1
-    assert summary["tensor_types"] == ({"F32": len(types)} if out_type == "f32" else
-                                       {"F32": len(types) - matrices, types["token_embd.weight"]: matrices})
+    assert summary["tensor_types"] == (
+        {"F32": len(types)}
+        if out_type == "f32"
+        else {"F32": len(types) - matrices, types["token_embd.weight"]: matrices}
+    )
     assert leftovers(tmp_path) == []
 
 
@@ -161,8 +187,9 @@ def test_metadata_hparams_and_tokenizer(model_dir, tmp_path):
     types = field(reader, "tokenizer.ggml.token_type")
     control = [index for index, kind in enumerate(types) if kind == gguf.TokenType.CONTROL]
     # <think> and </think> are printed text (as in Qwen3's GGUFs); the chat-turn markers stay control tokens
-    thinking = [corpus_format.SPECIAL_TOKENS.index(token)
-                for token in (corpus_format.THINK_OPEN, corpus_format.THINK_CLOSE)]
+    thinking = [
+        corpus_format.SPECIAL_TOKENS.index(token) for token in (corpus_format.THINK_OPEN, corpus_format.THINK_CLOSE)
+    ]
     assert control == [index for index in range(len(corpus_format.SPECIAL_TOKENS)) if index not in thinking]
     assert [types[index] for index in thinking] == [gguf.TokenType.USER_DEFINED] * 2
     spec = json.loads((model_dir / "tokenizer.json").read_text())
@@ -188,8 +215,9 @@ def test_provenance_from_folder_and_command_line(model_dir, tmp_path):
     assert field(reader, "tinyllm.tokenizer_json_sha256") == export_gguf.sha256_file(folder / "tokenizer.json")
     assert field(reader, "general.name") == "run"
 
-    summary = export_gguf.export(folder, tmp_path / "q.gguf", "f16", provenance={"corpus_sha256": other},
-                                 log=lambda *_: None)
+    summary = export_gguf.export(
+        folder, tmp_path / "q.gguf", "f16", provenance={"corpus_sha256": other}, log=lambda *_: None
+    )
     assert summary["provenance"]["corpus_sha256"] == other
     (folder / "training_provenance.json").write_text(json.dumps({"corpus_sha256": "n/a"}))
     assert export_gguf.read_provenance(folder)[0]["corpus_sha256"] == other  # "n/a" is skipped
@@ -345,8 +373,7 @@ def test_folder_written_by_export_hf_model(model_dir, tmp_path):
     card = {"model_name": "demo", "corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
     folder = tmp_path / "run" / "model"
     export_hf.export_hf_model(model, tokenizer, folder, card)
-    summary = export_gguf.export(folder, tmp_path / "run" / "model-f32.gguf", "f32", verify=True,
-                                 log=lambda *_: None)
+    summary = export_gguf.export(folder, tmp_path / "run" / "model-f32.gguf", "f32", verify=True, log=lambda *_: None)
     assert summary["provenance"] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
     assert summary["provenance_sources"] == [str(folder / "training_provenance.json")]
     assert summary["checks"]["llama_cpp"]["max_logit_diff"] <= 1e-3
@@ -361,8 +388,19 @@ def test_llama_cpp_tokenizes_random_text_like_hf(model_dir, tmp_path):
     export_gguf.export(model_dir, out, "f16", log=lambda *_: None)
     tokenizer = corpus_format.load_tokenizer(model_dir)
     llm = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
-    pools = ["abcXYZ", "0123456789", " \t\n\r", "!?.,;:'\"()[]{}<>/\\|@#$%^&*-_=+`~", "éüßçñ", "日本語中文한국어",
-             "русскийΕλληνικά", "🙂🚀👍🏽\u200d", "\u0301\u0308\u200b\u00a0\u3000", "٠١٢३४५", "'s 're 'll 'D 'M"]
+    pools = [
+        "abcXYZ",
+        "0123456789",
+        " \t\n\r",
+        "!?.,;:'\"()[]{}<>/\\|@#$%^&*-_=+`~",
+        "éüßçñ",
+        "日本語中文한국어",
+        "русскийΕλληνικά",
+        "🙂🚀👍🏽\u200d",
+        "\u0301\u0308\u200b\u00a0\u3000",
+        "٠١٢३४५",
+        "'s 're 'll 'D 'M",
+    ]
     rng = random.Random(1)
     for _ in range(1000):
         text = "".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 40)))
@@ -410,14 +448,18 @@ def test_verify_catches_a_model_that_differs(model_dir, tmp_path):
     expected = export_gguf.hf_greedy(model, ids, export_gguf.GREEDY_TOKENS)
     step = next(index for index, (a, b) in enumerate(zip(got, expected)) if a != b)
     tokenizer = corpus_format.load_tokenizer(model_dir)
-    assert (f"diverges at token {step} of the continuation, where llama.cpp gives {got[step]} "
-            f"{tokenizer.decode([got[step]])!r} and HF {expected[step]} {tokenizer.decode([expected[step]])!r}; "
-            ) in str(error.value)
+    assert (
+        f"diverges at token {step} of the continuation, where llama.cpp gives {got[step]} "
+        f"{tokenizer.decode([got[step]])!r} and HF {expected[step]} {tokenizer.decode([expected[step]])!r}; "
+    ) in str(error.value)
     lines = []
     margin = export_gguf.compare_greedy(model, llm, ids, "code", 1e9, log=lines.append)
     assert margin > 1e-3
-    assert re.fullmatch(r"greedy 'code': diverges at token \d+, where HF's logit for llama.cpp's token is only "
-                        rf"{margin:.3g} below its top \(a near tie within 1e\+09, accepted\)", lines[-1]), lines
+    assert re.fullmatch(
+        r"greedy 'code': diverges at token \d+, where HF's logit for llama.cpp's token is only "
+        rf"{margin:.3g} below its top \(a near tie within 1e\+09, accepted\)",
+        lines[-1],
+    ), lines
     llm.close()
 
 
@@ -434,14 +476,18 @@ def test_greedy_summary_counts_matches_and_near_ties():
 
 
 def test_verify_passed_line_says_what_passed():
-    checks = {"reader": {"tensors": 30, "max_abs_error": 0.0},
-              "llama_cpp": {"texts": 40, "max_logit_diff": 2.5e-5, "greedy_prompts": 6, "greedy_ties": 0}}
+    checks = {
+        "reader": {"tensors": 30, "max_abs_error": 0.0},
+        "llama_cpp": {"texts": 40, "max_logit_diff": 2.5e-5, "greedy_prompts": 6, "greedy_ties": 0},
+    }
     assert export_gguf.verify_passed_line(checks, "f32") == (
         "verify: passed: 30 tensors read back as written; 40 texts tokenize identically in llama.cpp and "
-        "transformers; logits agree to 2.5e-05 (f32); 6 prompts give the same 16 greedy tokens")
+        "transformers; logits agree to 2.5e-05 (f32); 6 prompts give the same 16 greedy tokens"
+    )
     checks["llama_cpp"]["greedy_ties"] = 1
     assert export_gguf.verify_passed_line(checks, "q8_0").endswith(
-        "(q8_0); 6 prompts give the same 16 greedy tokens, 1 at an accepted near tie")
+        "(q8_0); 6 prompts give the same 16 greedy tokens, 1 at an accepted near tie"
+    )
 
 
 @needs_llama_cpp
@@ -494,9 +540,11 @@ def test_llama_cpp_log_keeps_warnings_and_errors_as_lines():
     log.write(error, b"llama_model_load: error loading model: ")
     log.write(cont, b"key not found in model: qwen3.block_count\n\n")
     log.write(error, b"llama_model_load_from_file_impl: failed to load model")  # no newline yet
-    assert log.reason() == ["load: missing pre-tokenizer type",
-                            "llama_model_load: error loading model: key not found in model: qwen3.block_count",
-                            "llama_model_load_from_file_impl: failed to load model"]
+    assert log.reason() == [
+        "load: missing pre-tokenizer type",
+        "llama_model_load: error loading model: key not found in model: qwen3.block_count",
+        "llama_model_load_from_file_impl: failed to load model",
+    ]
 
 
 @needs_llama_cpp
@@ -535,12 +583,16 @@ def test_cli_load_failure_exits_2_with_llama_cpp_reason(model_dir, tmp_path, pat
     out = tmp_path / "x.gguf"
     result = subprocess.run(
         [sys.executable, str(ROOT / "export_gguf.py"), str(model_dir), "--out", str(out), "--type", "f32", "--verify"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines[0] == (f"error: --verify failed, so {out} was not written: "
-                        "llama.cpp cannot load the GGUF; its log says:")
+    assert lines[0] == (
+        f"error: --verify failed, so {out} was not written: llama.cpp cannot load the GGUF; its log says:"
+    )
     assert "cannot find tokenizer merges in model file" in result.stderr
     assert len(lines) <= 1 + 40 and "print_info" not in result.stderr + result.stdout
     assert not out.exists() and leftovers(tmp_path) == []
@@ -564,16 +616,20 @@ def test_not_a_qwen3_folder(model_dir, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"head_dim": 8}, r"model.layers.0.self_attn.q_proj.weight has shape \[\d+, \d+\], config.json says"),
-    ({"num_key_value_heads": 1}, r"k_proj.weight has shape .*, config.json says"),
-    ({"intermediate_size": 7}, r"mlp.(gate|up)_proj.weight has shape .*, config.json says \[7, "),
-    ({"rms_norm_eps": -1e-6}, r"config.json: rms_norm_eps must be positive, got -1e-06"),
-    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
-     r"config.json: rope_theta must be positive, got 0"),
-])
-def test_a_config_that_disagrees_with_the_weights_or_cannot_run_writes_nothing(model_dir, tmp_path, change,
-                                                                               message):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"head_dim": 8}, r"model.layers.0.self_attn.q_proj.weight has shape \[\d+, \d+\], config.json says"),
+        ({"num_key_value_heads": 1}, r"k_proj.weight has shape .*, config.json says"),
+        ({"intermediate_size": 7}, r"mlp.(gate|up)_proj.weight has shape .*, config.json says \[7, "),
+        ({"rms_norm_eps": -1e-6}, r"config.json: rms_norm_eps must be positive, got -1e-06"),
+        (
+            {"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+            r"config.json: rope_theta must be positive, got 0",
+        ),
+    ],
+)
+def test_a_config_that_disagrees_with_the_weights_or_cannot_run_writes_nothing(model_dir, tmp_path, change, message):
     folder = copy_folder(model_dir, tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     config.update(change)
@@ -649,8 +705,13 @@ def test_gitignore_covers_exported_files():
     """`--out demo.gguf` in the checkout writes demo.gguf and demo.Modelfile there; git must not list them."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    result = subprocess.run(["git", "check-ignore", "--no-index", "demo.gguf", "demo.Modelfile"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=30)
+    result = subprocess.run(
+        ["git", "check-ignore", "--no-index", "demo.gguf", "demo.Modelfile"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     assert result.stdout.split() == ["demo.gguf", "demo.Modelfile"]
 
 
@@ -659,7 +720,10 @@ def test_cli_error_is_one_line_and_exit_2(model_dir, tmp_path):
     out.write_bytes(b"precious")
     result = subprocess.run(
         [sys.executable, str(ROOT / "export_gguf.py"), str(model_dir), "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {out} already exists; pass --overwrite to replace it"]
@@ -672,8 +736,9 @@ def test_a_truncated_or_garbage_safetensors_is_one_line_and_writes_nothing(model
     folder = copy_folder(model_dir, tmp_path / "m")
     weights = folder / "model.safetensors"
     raw = weights.read_bytes()
-    weights.write_bytes({"truncated": raw[:100], "garbage": os.urandom(len(raw)),
-                         "truncated_data": raw[: len(raw) // 2]}[damage])
+    weights.write_bytes(
+        {"truncated": raw[:100], "garbage": os.urandom(len(raw)), "truncated_data": raw[: len(raw) // 2]}[damage]
+    )
     for verify in (False, True):
         with pytest.raises(UserError, match="model.safetensors is not a readable safetensors file"):
             export_gguf.export(folder, tmp_path / "x.gguf", verify=verify)

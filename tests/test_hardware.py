@@ -24,8 +24,9 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("device, precision, newton_schulz", TABLE,
-                         ids=[row[0].name or row[0].label() for row in TABLE])
+@pytest.mark.parametrize(
+    "device, precision, newton_schulz", TABLE, ids=[row[0].name or row[0].label() for row in TABLE]
+)
 def test_every_card(device, precision, newton_schulz):
     choice = hardware.choose_precision("auto", device)
     assert choice.value == precision and choice.warning is None
@@ -42,18 +43,21 @@ def test_explicit_bf16_below_sm80_is_kept_with_a_warning_and_takes_the_math_kern
     assert hardware.choose_precision("bf16", CPU_BF16).warning is None
 
 
-@pytest.mark.parametrize("avx512_bf16, amx, capability, onednn, native", [
-    (True, False, "AVX512", None, True),  # e.g. AMD Zen 4, Intel Cooper Lake
-    (False, True, "AVX512", None, True),  # Intel Sapphire Rapids (AMX; it has avx512_bf16 too)
-    (True, False, "AVX512", "AVX512_CORE_BF16", True),
-    (True, False, "AVX512", "ALL", True),
-    (True, False, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2: ATen's bf16 kernels emulate
-    (True, False, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2: the matmuls emulate
-    (True, False, "AVX512", "AVX512_CORE", False),  # AVX-512 without its bf16 instructions
-    (False, False, "AVX512", None, False),  # Skylake-SP, Ice Lake
-    (False, False, "AVX2", None, False),
-    (False, False, "DEFAULT", None, False),  # ARM and others: torch's bf16 paths are not asked for
-])
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, capability, onednn, native",
+    [
+        (True, False, "AVX512", None, True),  # e.g. AMD Zen 4, Intel Cooper Lake
+        (False, True, "AVX512", None, True),  # Intel Sapphire Rapids (AMX; it has avx512_bf16 too)
+        (True, False, "AVX512", "AVX512_CORE_BF16", True),
+        (True, False, "AVX512", "ALL", True),
+        (True, False, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2: ATen's bf16 kernels emulate
+        (True, False, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2: the matmuls emulate
+        (True, False, "AVX512", "AVX512_CORE", False),  # AVX-512 without its bf16 instructions
+        (False, False, "AVX512", None, False),  # Skylake-SP, Ice Lake
+        (False, False, "AVX2", None, False),
+        (False, False, "DEFAULT", None, False),  # ARM and others: torch's bf16 paths are not asked for
+    ],
+)
 def test_cpu_bf16_instructions(avx512_bf16, amx, capability, onednn, native):
     assert hardware.cpu_bf16_instructions(avx512_bf16, amx, capability, onednn) == native
 
@@ -64,21 +68,33 @@ def test_explicit_choices():
     assert "testing" in hardware.choose_precision("fp16", CPU).warning
 
 
-@pytest.mark.parametrize("old, new, says", [
-    ("fp16", "fp16", None),
-    ("fp16", "bf16", "loss scaler is dropped"),
-    ("bf16", "fp16", "fresh loss scaler"),
-    ("fp32", "bf16", "continues"),
-])
+@pytest.mark.parametrize(
+    "old, new, says",
+    [
+        ("fp16", "fp16", None),
+        ("fp16", "bf16", "loss scaler is dropped"),
+        ("bf16", "fp16", "fresh loss scaler"),
+        ("fp32", "bf16", "continues"),
+    ],
+)
 def test_precision_change_on_another_card(old, new, says):
     text = hardware.precision_change(old, new, A100)
     assert text is None if says is None else says in text
 
 
-@pytest.mark.parametrize("device, precision, peak", [
-    (T4, "fp16", 65), (T4, "bf16", 8.1), (T4, "fp32", 8.1), (A100, "bf16", 312), (A10, "bf16", 125),
-    (H200, "bf16", 989), (CPU, "bf16", None), (hardware.Device("cuda", "Some Future GPU", (12, 0)), "bf16", None),
-])
+@pytest.mark.parametrize(
+    "device, precision, peak",
+    [
+        (T4, "fp16", 65),
+        (T4, "bf16", 8.1),
+        (T4, "fp32", 8.1),
+        (A100, "bf16", 312),
+        (A10, "bf16", 125),
+        (H200, "bf16", 989),
+        (CPU, "bf16", None),
+        (hardware.Device("cuda", "Some Future GPU", (12, 0)), "bf16", None),
+    ],
+)
 def test_peak_tflops(device, precision, peak):
     assert hardware.peak_tflops(device, precision) == peak
 
@@ -98,18 +114,31 @@ def test_card_capabilities_agree_with_the_rules():
         assert device.native_bf16 == (card.bf16_tflops > 0), card.key
 
 
-@pytest.mark.parametrize("compile, world, order", [
-    (False, 1, ["loss"]), (True, 1, ["loss", "compile"]), (False, 2, ["loss", "ddp"]),
-    (True, 2, ["loss", "ddp", "compile"]),
-])
+@pytest.mark.parametrize(
+    "compile, world, order",
+    [
+        (False, 1, ["loss"]),
+        (True, 1, ["loss", "compile"]),
+        (False, 2, ["loss", "ddp"]),
+        (True, 2, ["loss", "ddp", "compile"]),
+    ],
+)
 def test_wrap_order(compile, world, order):
     assert hardware.wrap_order(compile, world) == order
 
 
-@pytest.mark.parametrize("version, ok", [
-    ("2.13.0+cpu", True), ("2.10.0", True), ("3.0.1", True), ("2.9.1+cu126", False), ("2.4.0", False),
-    ("1.13.1", False), ("2.10.0a0+git1234", True),
-])
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("2.13.0+cpu", True),
+        ("2.10.0", True),
+        ("3.0.1", True),
+        ("2.9.1+cu126", False),
+        ("2.4.0", False),
+        ("1.13.1", False),
+        ("2.10.0a0+git1234", True),
+    ],
+)
 def test_torch_version(version, ok):
     problem = hardware.torch_problem(version)
     assert (problem is None) == ok
@@ -118,35 +147,57 @@ def test_torch_version(version, ok):
 
 
 WHY = "the oldest release its tests run on, Kaggle's"  # hardware.MIN_TORCH_REASON, in words
-CPU_INDEX, CUDA_INDEX = "--index-url https://download.pytorch.org/whl/cpu", "--index-url https://download.pytorch.org/whl/cu"
+CPU_INDEX, CUDA_INDEX = (
+    "--index-url https://download.pytorch.org/whl/cpu",
+    "--index-url https://download.pytorch.org/whl/cu",
+)
 
 
 # the torch installed (None: none), the driver's CUDA (None: no NVIDIA driver) -> the one line, or None: install nothing
-@pytest.mark.parametrize("version, driver, problem", [
-    ("2.13.0+cpu", None, None),
-    ("2.10.0+cu126", (12, 4), None),  # a working torch is kept, whatever the driver
-    ("2.10.0a0+git1234", (12, 8), None),
-    (None, None, f"torch is not installed: tinyllm needs torch>=2.10 ({WHY}); for this machine (no NVIDIA driver: "
-     f"the CPU build): pip install 'torch>=2.10' {CPU_INDEX} (in a notebook, then restart its session)"),
-    ("2.6.0+cu124", (12, 9), f"torch 2.6.0+cu124 is too old: tinyllm needs torch>=2.10 ({WHY}); for this machine "
-     f"(the NVIDIA driver runs CUDA 12.9): pip install 'torch>=2.10' {CUDA_INDEX}128 (in a notebook, then restart "
-     "its session)"),
-    ("2.8.0", (13, 1), f"pip install 'torch>=2.10' {CUDA_INDEX}130"),
-    ("2.9.1", (12, 6), f"pip install 'torch>=2.10' {CUDA_INDEX}126"),
-    (None, (12, 2), f"torch is not installed: tinyllm needs torch>=2.10 ({WHY}), and the NVIDIA driver runs CUDA 12.2, "
-     "older than every build of it (CUDA 12.6 and up): update the driver, or use an image with torch>=2.10"),
-])
+@pytest.mark.parametrize(
+    "version, driver, problem",
+    [
+        ("2.13.0+cpu", None, None),
+        ("2.10.0+cu126", (12, 4), None),  # a working torch is kept, whatever the driver
+        ("2.10.0a0+git1234", (12, 8), None),
+        (
+            None,
+            None,
+            f"torch is not installed: tinyllm needs torch>=2.10 ({WHY}); for this machine (no NVIDIA driver: "
+            f"the CPU build): pip install 'torch>=2.10' {CPU_INDEX} (in a notebook, then restart its session)",
+        ),
+        (
+            "2.6.0+cu124",
+            (12, 9),
+            f"torch 2.6.0+cu124 is too old: tinyllm needs torch>=2.10 ({WHY}); for this machine "
+            f"(the NVIDIA driver runs CUDA 12.9): pip install 'torch>=2.10' {CUDA_INDEX}128 "
+            "(in a notebook, then restart "
+            "its session)",
+        ),
+        ("2.8.0", (13, 1), f"pip install 'torch>=2.10' {CUDA_INDEX}130"),
+        ("2.9.1", (12, 6), f"pip install 'torch>=2.10' {CUDA_INDEX}126"),
+        (
+            None,
+            (12, 2),
+            f"torch is not installed: tinyllm needs torch>=2.10 ({WHY}), and the NVIDIA driver runs CUDA 12.2, "
+            "older than every build of it (CUDA 12.6 and up): update the driver, or use an image with torch>=2.10",
+        ),
+    ],
+)
 def test_the_torch_install_check(version, driver, problem):
     found = hardware.torch_install_problem(version, driver)
     assert found == problem if problem is None or problem.startswith("torch") else problem in found
 
 
-@pytest.mark.parametrize("text, cuda", [
-    ("| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |", (12, 4)),
-    ("NVIDIA-SMI 580.65   Driver Version: 580.65   CUDA Version: 13.0", (13, 0)),
-    ("", None),
-    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", None),
-])
+@pytest.mark.parametrize(
+    "text, cuda",
+    [
+        ("| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |", (12, 4)),
+        ("NVIDIA-SMI 580.65   Driver Version: 580.65   CUDA Version: 13.0", (13, 0)),
+        ("", None),
+        ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", None),
+    ],
+)
 def test_the_drivers_cuda_version_is_read_off_nvidia_smi(text, cuda):
     assert hardware.driver_cuda_version(text) == cuda
 
@@ -164,11 +215,29 @@ def test_check_torch_raises_a_user_error(monkeypatch):
 # A counted step and a card's rates (hardware.CountedStep, hardware.CardRates) with round numbers: 1,000-token
 # micro-batches of 1 GFLOP/token of matmuls, 0.1 of attention, 1 MB/token of other bytes, 100 kernels; an
 # optimizer step of 1 GB and 10 kernels, 0.1 TFLOP of Newton-Schulz, 1M parameters (4 MB of gradients).
-COUNTED = dict(micro_batch_tokens=1000, matmul_flops=1e9, matmul_bytes=1e5, attention_flops=1e8, attention_bytes=1e4,
-               other_bytes=1e6, launches=100, optimizer_bytes=1e9, optimizer_launches=10, newton_schulz_flops=1e11,
-               gradient_bytes=4e6, broadcast_bytes=0)
-RATES = dict(matmul_tflops=100, attention_tflops=50, bandwidth_gbs=1000, launch_us=10, link_gbs=5,
-             newton_schulz_tflops=50, source="test")
+COUNTED = dict(
+    micro_batch_tokens=1000,
+    matmul_flops=1e9,
+    matmul_bytes=1e5,
+    attention_flops=1e8,
+    attention_bytes=1e4,
+    other_bytes=1e6,
+    launches=100,
+    optimizer_bytes=1e9,
+    optimizer_launches=10,
+    newton_schulz_flops=1e11,
+    gradient_bytes=4e6,
+    broadcast_bytes=0,
+)
+RATES = dict(
+    matmul_tflops=100,
+    attention_tflops=50,
+    bandwidth_gbs=1000,
+    launch_us=10,
+    link_gbs=5,
+    newton_schulz_tflops=50,
+    source="test",
+)
 
 # changes to COUNTED, tokens per step, world -> matmul, attention, memory, launch, Newton-Schulz, optimizer,
 # all-reduce seconds (worked by hand)
@@ -192,8 +261,15 @@ STEPS = [
 def test_predict_step(changes, tokens, world, seconds):
     counts = hardware.CountedStep(**{**COUNTED, **changes})
     step = hardware.predict_step(counts, hardware.CardRates(**RATES), tokens_per_step=tokens, world=world)
-    parts = (step.matmul_s, step.attention_s, step.memory_s, step.launch_s, step.newton_schulz_s, step.optimizer_s,
-             step.all_reduce_s)
+    parts = (
+        step.matmul_s,
+        step.attention_s,
+        step.memory_s,
+        step.launch_s,
+        step.newton_schulz_s,
+        step.optimizer_s,
+        step.all_reduce_s,
+    )
     assert parts == pytest.approx(seconds)
     assert step.compute_s == pytest.approx(sum(seconds[:4]))
     assert step.total_s == pytest.approx(sum(seconds))
@@ -201,14 +277,26 @@ def test_predict_step(changes, tokens, world, seconds):
     assert step.hours_for(3.6e6 * tokens) == pytest.approx(1000 * sum(seconds))
 
 
-@pytest.mark.parametrize("counted, rates, tokens, world", [
-    ({}, {"matmul_tflops": 0}, 1000, 1), ({}, {"bandwidth_gbs": 0}, 1000, 1), ({}, {"attention_tflops": 0}, 1000, 1),
-    ({}, {"link_gbs": 0}, 2000, 2), ({}, {}, 1000, 2), ({}, {}, 500, 1), ({}, {}, 1000, 0),
-])
+@pytest.mark.parametrize(
+    "counted, rates, tokens, world",
+    [
+        ({}, {"matmul_tflops": 0}, 1000, 1),
+        ({}, {"bandwidth_gbs": 0}, 1000, 1),
+        ({}, {"attention_tflops": 0}, 1000, 1),
+        ({}, {"link_gbs": 0}, 2000, 2),
+        ({}, {}, 1000, 2),
+        ({}, {}, 500, 1),
+        ({}, {}, 1000, 0),
+    ],
+)
 def test_predict_step_refuses_impossible_inputs(counted, rates, tokens, world):
     with pytest.raises(ValueError):
-        hardware.predict_step(hardware.CountedStep(**{**COUNTED, **counted}), hardware.CardRates(**{**RATES, **rates}),
-                              tokens_per_step=tokens, world=world)
+        hardware.predict_step(
+            hardware.CountedStep(**{**COUNTED, **counted}),
+            hardware.CardRates(**{**RATES, **rates}),
+            tokens_per_step=tokens,
+            world=world,
+        )
 
 
 def test_muon_matrices_are_the_hidden_matrices():
@@ -219,8 +307,11 @@ def test_muon_matrices_are_the_hidden_matrices():
     model = model_config.build_model(preset, 512)
     shapes = [tuple(param.shape) for param in optimization.hidden_matrices(model).hidden]
     assert sorted(hardware.muon_matrix_shapes(preset)) == sorted(shapes)
-    assert hardware.newton_schulz_flops(64, 192) == hardware.newton_schulz_flops(192, 64) == 5 * (4 * 64**2 * 192
-                                                                                                  + 2 * 64**3)
+    assert (
+        hardware.newton_schulz_flops(64, 192)
+        == hardware.newton_schulz_flops(192, 64)
+        == 5 * (4 * 64**2 * 192 + 2 * 64**3)
+    )
 
 
 def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
@@ -236,14 +327,17 @@ def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
     assert step.matmul_s == pytest.approx(32_768 * counts.matmul_flops / (rates.matmul_tflops * 1e12))
     assert step.memory_s == pytest.approx(32_768 * counts.other_bytes / (rates.bandwidth_gbs * 1e9))
     assert step.all_reduce_s == pytest.approx((288e6 + counts.broadcast_bytes) / 5e9)
-    hours = {name: hardware.predict_card(t4, world=2, mode="compiled", rates=rates).hours_for(1.5e9)
-             for name, rates in {"central": rates, **hardware.T4_RATE_RANGE}.items()}
+    hours = {
+        name: hardware.predict_card(t4, world=2, mode="compiled", rates=rates).hours_for(1.5e9)
+        for name, rates in {"central": rates, **hardware.T4_RATE_RANGE}.items()
+    }
     assert hours["optimistic"] < hours["central"] < hours["pessimistic"] < step.hours_for(1.5e9) * 1.5
     assert hardware.predict_card(t4, world=2, mode="compiled").total_s < step.total_s
     assert hardware.predict_card(t4, world=1).all_reduce_s == 0
     a100 = hardware.predict_card(hardware.card_of(A100))  # bf16: flash varlen, K/V heads not repeated
-    assert a100 == hardware.predict_step(hardware.ROOFLINE_COUNTS[("bf16", "eager")], hardware.ROOFLINE_RATES["A100"],
-                                         tokens_per_step=65_536)
+    assert a100 == hardware.predict_step(
+        hardware.ROOFLINE_COUNTS[("bf16", "eager")], hardware.ROOFLINE_RATES["A100"], tokens_per_step=65_536
+    )
 
 
 def test_the_recorded_counts_are_think72_s():
@@ -258,8 +352,10 @@ def test_the_recorded_counts_are_think72_s():
         assert 0 < counts.attention_flops < square / 2
         assert counts.gradient_bytes == 4 * parameters
         assert counts.micro_batch_tokens == 8 * preset.context
-    assert (hardware.ROOFLINE_COUNTS[("fp16", "compiled")].other_bytes
-            < hardware.ROOFLINE_COUNTS[("fp16", "eager")].other_bytes / 2)
+    assert (
+        hardware.ROOFLINE_COUNTS[("fp16", "compiled")].other_bytes
+        < hardware.ROOFLINE_COUNTS[("fp16", "eager")].other_bytes / 2
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,14 +380,24 @@ MEMORY_TABLE = [
 ]
 
 
-def estimate(preset: str, precision: str = "fp16", batch_size: int = 8, context: int = 1024,
-             grad_checkpoint: bool = False, **kwargs) -> hardware.StepMemory:
-    return hardware.step_memory(model_config.PRESETS[preset], VOCAB, batch_size, context, precision, MUON,
-                                grad_checkpoint, **kwargs)
+def estimate(
+    preset: str,
+    precision: str = "fp16",
+    batch_size: int = 8,
+    context: int = 1024,
+    grad_checkpoint: bool = False,
+    **kwargs,
+) -> hardware.StepMemory:
+    return hardware.step_memory(
+        model_config.PRESETS[preset], VOCAB, batch_size, context, precision, MUON, grad_checkpoint, **kwargs
+    )
 
 
-@pytest.mark.parametrize("preset, device, precision, fits, fitted_before, offered", MEMORY_TABLE,
-                         ids=[f"{row[0]}-{row[1].name}" for row in MEMORY_TABLE])
+@pytest.mark.parametrize(
+    "preset, device, precision, fits, fitted_before, offered",
+    MEMORY_TABLE,
+    ids=[f"{row[0]}-{row[1].name}" for row in MEMORY_TABLE],
+)
 def test_memory_on_every_card(preset, device, precision, fits, fitted_before, offered):
     usable = hardware.usable_memory_bytes(device)
     assert (estimate(preset, precision).total <= usable) == fits
@@ -314,32 +420,39 @@ def test_memory_model_parts():
     parameters = 72_000_000
     assert fp32.weights == 4 * parameters and fp16.weights == 6 * parameters  # + the autocast copies
     assert fp16.gradients == fp32.gradients == 4 * parameters
-    adamw = hardware.step_memory(model_config.PRESETS["think72"], VOCAB, 8, 1024, "fp16",
-                                 hardware.OptimizerState(hidden=8, rest=8), False)
+    adamw = hardware.step_memory(
+        model_config.PRESETS["think72"], VOCAB, 8, 1024, "fp16", hardware.OptimizerState(hidden=8, rest=8), False
+    )
     assert adamw.optimizer == 8 * parameters and parameters * 4 < fp16.optimizer < adamw.optimizer
     assert fp16.activations < fp32.activations
     assert estimate("think72", batch_size=4).activations * 2 == fp16.activations
     assert estimate("think72", grad_checkpoint=True).activations < fp16.activations / 5
 
 
-@pytest.mark.parametrize("preset, batch_size, grad_accum, context, grad_checkpoint, device, offered", [
-    ("medium350", 8, 4, 2048, False, T4, "--batch-size 2 --grad-accum 16"),
-    ("medium350", 6, 4, 1024, False, L4, "--batch-size 3 --grad-accum 8"),  # divisors, not only halves
-    ("medium350", 1, 8, 1024, False, T4, "--batch-size 1 --grad-accum 8 --grad-checkpoint"),
-    ("medium350", 1, 32, 8192, False, T4, "--batch-size 1 --grad-accum 32 --grad-checkpoint"),
-    ("medium350", 1, 8, 1024, True, T4, None),  # nothing smaller is left
-])
+@pytest.mark.parametrize(
+    "preset, batch_size, grad_accum, context, grad_checkpoint, device, offered",
+    [
+        ("medium350", 8, 4, 2048, False, T4, "--batch-size 2 --grad-accum 16"),
+        ("medium350", 6, 4, 1024, False, L4, "--batch-size 3 --grad-accum 8"),  # divisors, not only halves
+        ("medium350", 1, 8, 1024, False, T4, "--batch-size 1 --grad-accum 8 --grad-checkpoint"),
+        ("medium350", 1, 32, 8192, False, T4, "--batch-size 1 --grad-accum 32 --grad-checkpoint"),
+        ("medium350", 1, 8, 1024, True, T4, None),  # nothing smaller is left
+    ],
+)
 def test_fitting_split(preset, batch_size, grad_accum, context, grad_checkpoint, device, offered):
-    split = hardware.fitting_split(model_config.PRESETS[preset], VOCAB, batch_size, grad_accum, context, "fp16",
-                                   MUON, grad_checkpoint, device)
+    split = hardware.fitting_split(
+        model_config.PRESETS[preset], VOCAB, batch_size, grad_accum, context, "fp16", MUON, grad_checkpoint, device
+    )
     assert (split and split.options()) == offered
 
 
 def test_out_of_memory_advice():
     medium = model_config.PRESETS["medium350"]
     text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "fp16", MUON, False, T4)
-    assert text.startswith("CUDA out of memory on Tesla T4 (sm_75) (15.0 GiB): medium350 at micro-batch 8 x 1024 "
-                           "tokens (--batch-size 8 --grad-accum 4, fp16) needs about 20.5 GiB")
+    assert text.startswith(
+        "CUDA out of memory on Tesla T4 (sm_75) (15.0 GiB): medium350 at micro-batch 8 x 1024 "
+        "tokens (--batch-size 8 --grad-accum 4, fp16) needs about 20.5 GiB"
+    )
     assert text.endswith(MEDIUM_T4_ADVICE + " (the same samples every step) and needs about 12.8 GiB")
     assert "should fit" not in text
     roomy = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", MUON, False, A100)
@@ -368,14 +481,22 @@ def test_the_attention_paths_own_memory_is_counted():
     math = estimate("think72", precision="bf16", attention="masked math")
     assert math.attention > 10 * masked.attention  # the scores themselves
     medium = model_config.PRESETS["medium350"]
-    text = hardware.out_of_memory_advice("medium350", medium, VOCAB, 8, 4, 1024, "bf16", MUON, False, L4,
-                                         attention="masked math")
+    text = hardware.out_of_memory_advice(
+        "medium350", medium, VOCAB, 8, 4, 1024, "bf16", MUON, False, L4, attention="masked math"
+    )
     assert "needs about" in text and "no split" not in text
 
 
-@pytest.mark.parametrize("requested, device, compiled", [
-    (None, T4, True), (None, H200, True), (None, CPU, False),  # the default: on CUDA only
-    (False, T4, False), (True, CPU, True), (True, A100, True),  # --no-compile / --compile win
-])
+@pytest.mark.parametrize(
+    "requested, device, compiled",
+    [
+        (None, T4, True),
+        (None, H200, True),
+        (None, CPU, False),  # the default: on CUDA only
+        (False, T4, False),
+        (True, CPU, True),
+        (True, A100, True),  # --no-compile / --compile win
+    ],
+)
 def test_compile_is_on_by_default_on_cuda(requested, device, compiled):
     assert hardware.use_compile(requested, device) is compiled

@@ -42,8 +42,9 @@ def imported_modules(source: str, known: set[str]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     """The project's modules and bench/'s, each with the ones it imports."""
     paths = {name: ROOT / f"{name}.py" for name in MODULES} | {name: ROOT / "bench" / f"{name}.py" for name in BENCH}
-    return {name: imported_modules(path.read_text(encoding="utf-8"), set(paths)) - {name}
-            for name, path in paths.items()}
+    return {
+        name: imported_modules(path.read_text(encoding="utf-8"), set(paths)) - {name} for name, path in paths.items()
+    }
 
 
 def function_level_imports(source: str, known: set[str]) -> set[tuple[str, str]]:
@@ -78,14 +79,20 @@ def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("source, known, expected", [
-    ("import report\nimport numpy as np", {"report", "data"}, {"report"}),
-    ("def f():\n    import report", {"report"}, {"report"}),
-    ("from data import EOS\nimport checkpoint_store as store", {"data", "checkpoint_store"},
-     {"data", "checkpoint_store"}),
-    ("from .report import x\nimport reporting", {"report"}, set()),  # relative: not a root module
-    ("if TYPE_CHECKING:\n    import report\nelse:\n    import data", {"report", "data"}, {"data"}),  # annotations
-])
+@pytest.mark.parametrize(
+    "source, known, expected",
+    [
+        ("import report\nimport numpy as np", {"report", "data"}, {"report"}),
+        ("def f():\n    import report", {"report"}, {"report"}),
+        (
+            "from data import EOS\nimport checkpoint_store as store",
+            {"data", "checkpoint_store"},
+            {"data", "checkpoint_store"},
+        ),
+        ("from .report import x\nimport reporting", {"report"}, set()),  # relative: not a root module
+        ("if TYPE_CHECKING:\n    import report\nelse:\n    import data", {"report", "data"}, {"data"}),  # annotations
+    ],
+)
 def test_imported_modules_finds_every_import_of_a_project_module(source, known, expected):
     assert imported_modules(source, known) == expected
 
@@ -106,31 +113,38 @@ def test_no_module_imports_itself_back():
     graph = import_graph()
     assert set(BENCH) <= set(graph) and {"bench_texts", "train"} <= graph["bench_recipe"]
     cycles = sorted(name for name in graph if name in reaches(graph, name))
-    assert not cycles, f"import cycles through {cycles}: {({name: sorted(graph[name]) for name in cycles})}"
+    assert not cycles, f"import cycles through {cycles}: { ({name: sorted(graph[name]) for name in cycles}) }"
 
 
 def test_no_test_module_imports_another():
     """Shared test support lives in conftest.py and tests/'s helper modules (tiny_runs, stores, cards, ...)."""
     tests = {path.stem for path in TESTS.glob("test_*.py")}
-    imports = {path.name: sorted(imported_modules(path.read_text(encoding="utf-8"), tests) - {path.stem})
-               for path in sorted(TESTS.glob("*.py"))}
+    imports = {
+        path.name: sorted(imported_modules(path.read_text(encoding="utf-8"), tests) - {path.stem})
+        for path in sorted(TESTS.glob("*.py"))
+    }
     assert not {name: found for name, found in imports.items() if found}
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("import train\ndef f():\n    import report\n    from data import EOS", {("f", "report"), ("f", "data")}),
-    ("class A:\n    import data\n    def g(self):\n        import report", {("A.g", "report")}),
-    ("def f():\n    def g():\n        import numpy\n        import report", {("f.g", "report")}),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import train\ndef f():\n    import report\n    from data import EOS", {("f", "report"), ("f", "data")}),
+        ("class A:\n    import data\n    def g(self):\n        import report", {("A.g", "report")}),
+        ("def f():\n    def g():\n        import numpy\n        import report", {("f.g", "report")}),
+    ],
+)
 def test_function_level_imports_are_found_with_their_function(source, expected):
     assert function_level_imports(source, {"train", "report", "data"}) == expected
 
 
 def test_every_function_level_import_of_a_project_module_is_listed():
     """None except where it defers a heavy or optional dependency, each in docs/development.md with its reason."""
-    found = {(name, function, module) for name in MODULES
-             for function, module in function_level_imports((ROOT / f"{name}.py").read_text(encoding="utf-8"),
-                                                            set(MODULES))}
+    found = {
+        (name, function, module)
+        for name in MODULES
+        for function, module in function_level_imports((ROOT / f"{name}.py").read_text(encoding="utf-8"), set(MODULES))
+    }
     listed = listed_function_level_imports()
     assert listed, "docs/development.md lists no function-level imports"
     assert found == listed, f"not listed: {sorted(found - listed)}; listed but gone: {sorted(listed - found)}"

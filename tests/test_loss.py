@@ -64,8 +64,9 @@ def largest_difference(gradients: dict, reference: dict) -> dict[str, float]:
     return {name: (gradient - reference[name]).abs().max().item() for name, gradient in gradients.items()}
 
 
-@pytest.mark.parametrize("precision, elementwise", [("fp32", False), ("bf16", False), ("fp16", False),
-                                                    ("bf16", True), ("fp16", True)])
+@pytest.mark.parametrize(
+    "precision, elementwise", [("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True), ("fp16", True)]
+)
 @pytest.mark.parametrize("reduction, ignored", [("mean", False), ("sum", False), ("sum", True), ("mean", True)])
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_chunked_loss_equals_the_full_logits_one(precision, elementwise, reduction, ignored, tied):
@@ -137,8 +138,9 @@ def test_evaluation_without_gradients_gives_the_same_loss():
     model, (inputs, targets) = tiny_model(), batch(ignored=True)
     with torch.no_grad():
         expected = full_logits_loss(model, inputs, targets, "sum").item()
-        assert losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item() == \
-            pytest.approx(expected, rel=1e-6)
+        assert losses.language_model_loss(model, inputs, targets, "sum", chunk_tokens=CHUNK).item() == pytest.approx(
+            expected, rel=1e-6
+        )
         assert losses.language_model_loss(model, inputs, targets, "sum").item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -199,12 +201,20 @@ def test_segments_keep_attention_and_positions_inside_each_document():
     module = losses.LanguageModelLoss(model)
     with torch.no_grad():
         masked = losses.language_model_loss(model, inputs, targets, "sum", documents=documents)
-        alone = sum(losses.language_model_loss(model, inputs[row: row + 1, segments[row] == document],
-                                               targets[row: row + 1, segments[row] == document], "sum")
-                    for row in range(BATCH) for document in segments[row].unique())
+        alone = sum(
+            losses.language_model_loss(
+                model,
+                inputs[row : row + 1, segments[row] == document],
+                targets[row : row + 1, segments[row] == document],
+                "sum",
+            )
+            for row in range(BATCH)
+            for document in segments[row].unique()
+        )
         across = losses.language_model_loss(model, inputs, targets, "sum")
-        assert module(inputs, targets, documents=documents).item() == pytest.approx(masked.item() / targets.numel(),
-                                                                                rel=1e-5)
+        assert module(inputs, targets, documents=documents).item() == pytest.approx(
+            masked.item() / targets.numel(), rel=1e-5
+        )
         assert module(inputs, targets).item() == pytest.approx(across.item() / targets.numel(), rel=1e-6)
     assert masked.item() == pytest.approx(alone.item(), rel=1e-5)
     assert abs(masked.item() - across.item()) > 1e-5 * across.item()  # without them the documents see each other
@@ -214,15 +224,20 @@ def count_chunks(monkeypatch) -> tuple[list[int], list[int]]:
     """Record the rows of each chunk's cross-entropy and of each chunk's gradient (computed only for training)."""
     rows, gradient_rows = [], []
     cross_entropy_sum, gradient = losses.cross_entropy_sum, losses.cross_entropy_and_gradient_
-    monkeypatch.setattr(losses, "cross_entropy_sum", lambda logits, *rest: rows.append(logits.size(0)) or
-                        cross_entropy_sum(logits, *rest))
-    monkeypatch.setattr(losses, "cross_entropy_and_gradient_",
-                        lambda logits, *rest: gradient_rows.append(logits.size(0)) or gradient(logits, *rest))
+    monkeypatch.setattr(
+        losses,
+        "cross_entropy_sum",
+        lambda logits, *rest: rows.append(logits.size(0)) or cross_entropy_sum(logits, *rest),
+    )
+    monkeypatch.setattr(
+        losses,
+        "cross_entropy_and_gradient_",
+        lambda logits, *rest: gradient_rows.append(logits.size(0)) or gradient(logits, *rest),
+    )
     return rows, gradient_rows
 
 
-def test_the_default_chunk_is_the_logits_budget_over_the_vocabulary_and_evaluation_computes_no_gradient(
-        monkeypatch):
+def test_the_default_chunk_is_the_logits_budget_over_the_vocabulary_and_evaluation_computes_no_gradient(monkeypatch):
     monkeypatch.setattr(hardware, "LOGITS_CHUNK_ELEMENTS", CHUNK * VOCAB)  # 37 tokens of 500 logits
     assert model_config.PRESETS["tiny"].hidden != VOCAB  # the head's other dimension would give other chunks
     rows, gradient_rows = count_chunks(monkeypatch)

@@ -28,26 +28,31 @@ def test_a_plain_corpus_is_no_mixture_and_sources_parse_with_labels_and_urls():
     assert train_data.parse_mixture(["corpus/web"]) is None
     assert train_data.parse_mixture(["s3://bucket/year=2024/corpus"]) is None  # '=' inside a path is no source name
     mixture = train_data.parse_mixture(["web=corpus/web:0.8", "chat=s3://b/chat#support:0.2"], "decay:web=0.3,chat=0.7")
-    assert mixture.sources == (train_data.MixtureSource("web", "corpus/web", None),
-                               train_data.MixtureSource("chat", "s3://b/chat", "support"))
+    assert mixture.sources == (
+        train_data.MixtureSource("web", "corpus/web", None),
+        train_data.MixtureSource("chat", "s3://b/chat", "support"),
+    )
     assert [(phase.start, phase.weights) for phase in mixture.phases] == [("0", (0.8, 0.2)), ("decay", (0.3, 0.7))]
     later = train_data.parse_mixture(["a=x:1", "b=y:1"], "100:a=1; 200:b=2")
     assert [(phase.start, phase.weights) for phase in later.phases] == [("0", (1, 1)), ("100", (1, 0)), ("200", (0, 2))]
 
 
-@pytest.mark.parametrize("specs, schedule, message", [
-    (["web=corpus/web"], None, "NAME=CORPUS:WEIGHT"),
-    (["web=corpus/web:x"], None, "not a number"),
-    (["web=corpus/web:-1"], None, "not a number >= 0"),
-    (["web=a:1", "corpus/b"], None, "each is a mixture source"),
-    (["web=a:1", "web=b:1"], None, "must differ"),
-    (["web=a:0", "chat=b:0"], None, "sum to 0"),
-    (["corpus/web"], "decay:web=1", "needs a mixture"),
-    (["web=a:1"], "decay:chat=1", "'chat' is not a source"),
-    (["web=a:1"], "soon:web=1", "START a step number"),
-    (["web=a:1"], "0:web=1", "START a step number"),
-    (["web=a:1"], "10:web=0", "sum to 0"),
-])
+@pytest.mark.parametrize(
+    "specs, schedule, message",
+    [
+        (["web=corpus/web"], None, "NAME=CORPUS:WEIGHT"),
+        (["web=corpus/web:x"], None, "not a number"),
+        (["web=corpus/web:-1"], None, "not a number >= 0"),
+        (["web=a:1", "corpus/b"], None, "each is a mixture source"),
+        (["web=a:1", "web=b:1"], None, "must differ"),
+        (["web=a:0", "chat=b:0"], None, "sum to 0"),
+        (["corpus/web"], "decay:web=1", "needs a mixture"),
+        (["web=a:1"], "decay:chat=1", "'chat' is not a source"),
+        (["web=a:1"], "soon:web=1", "START a step number"),
+        (["web=a:1"], "0:web=1", "START a step number"),
+        (["web=a:1"], "10:web=0", "sum to 0"),
+    ],
+)
 def test_bad_mixtures_are_one_clear_error(specs, schedule, message):
     with pytest.raises(UserError, match=message):
         train_data.parse_mixture(specs, schedule)
@@ -66,8 +71,16 @@ def test_phase_steps_resolve_decay_and_must_increase():
 # The sampler: closed-form apportionment, per-source bijections, seeks.
 
 
-@pytest.mark.parametrize("weights, expected", [((0.8, 0.2), (4, 1)), ((0.5, 0.5), (1, 1)), ((3, 1, 0), (3, 1, 0)),
-                                               ((0.1, 0.25), (2, 5)), ((1 / 3, 2 / 3), (1, 2))])
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ((0.8, 0.2), (4, 1)),
+        ((0.5, 0.5), (1, 1)),
+        ((3, 1, 0), (3, 1, 0)),
+        ((0.1, 0.25), (2, 5)),
+        ((1 / 3, 2 / 3), (1, 2)),
+    ],
+)
 def test_integer_weights_keep_the_exact_ratio(weights, expected):
     assert train_data.integer_weights(weights) == expected
 
@@ -81,13 +94,15 @@ def test_apportion_in_closed_form_equals_taking_samples_one_by_one(weights):
         if len(weights) == 2:  # Sainte-Lague stays within one sample of the quota at every prefix
             assert all(abs(c - (count + 1) * w / sum(weights)) < 1 for c, w in zip(counts, weights))
     far = train_data.apportion(weights, 10**15 + 3)
-    assert sum(far) == 10**15 + 3 and all(abs(c - (10**15 + 3) * w / sum(weights)) < len(weights)
-                                          for c, w in zip(far, weights))
+    assert sum(far) == 10**15 + 3 and all(
+        abs(c - (10**15 + 3) * w / sum(weights)) < len(weights) for c, w in zip(far, weights)
+    )
 
 
 def sampler(blocks=(100, 10), phases=((0.5, 0.5),), starts=(0,), seed=5, batch=2, accum=2, world=2):
-    return train_data.MixtureSampler(["big", "small"][:len(blocks)], list(blocks), list(phases), list(starts), seed,
-                               batch, accum, world)
+    return train_data.MixtureSampler(
+        ["big", "small"][: len(blocks)], list(blocks), list(phases), list(starts), seed, batch, accum, world
+    )
 
 
 def test_half_and_half_over_sources_of_ten_to_one_reads_each_half_to_one_percent():
@@ -103,7 +118,7 @@ def test_every_source_epoch_is_a_bijection_of_its_blocks():
     pairs = [pair for step in range(40) for pair in mixed.step_blocks(step)]
     for source, blocks in enumerate((37, 7)):
         order = [block for s, block in pairs if s == source]
-        epochs = [order[start: start + blocks] for start in range(0, len(order) - blocks + 1, blocks)]
+        epochs = [order[start : start + blocks] for start in range(0, len(order) - blocks + 1, blocks)]
         assert len(epochs) >= 3 and all(sorted(epoch) == list(range(blocks)) for epoch in epochs)
         assert epochs[0] != epochs[1]  # a new order each epoch
 
@@ -157,17 +172,27 @@ def test_the_cursor_refuses_another_mixture():
 def corpora(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("mixture")
     big = write_tiny_corpus(root / "big")
-    small = write_tiny_corpus(root / "small", documents=120, words="zebra quantum piano violet ocean lamp".split(),
-                              tokenizer_from=big)
+    small = write_tiny_corpus(
+        root / "small", documents=120, words="zebra quantum piano violet ocean lamp".split(), tokenizer_from=big
+    )
     return big, small
 
 
 def mixture_options(corpora, out: Path, *extra: str, weights=(0.5, 0.5)) -> list[str]:
     big, small = corpora
-    args = options(big, out, "--schedule", "wsd", "--decay-fraction", "0.25", "--mixture-schedule",
-                   "decay:big=0.2,small=0.8", *extra)
+    args = options(
+        big,
+        out,
+        "--schedule",
+        "wsd",
+        "--decay-fraction",
+        "0.25",
+        "--mixture-schedule",
+        "decay:big=0.2,small=0.8",
+        *extra,
+    )
     at = args.index("--data")
-    args[at + 1: at + 2] = [f"big={big}:{weights[0]}", f"small={small}:{weights[1]}"]
+    args[at + 1 : at + 2] = [f"big={big}:{weights[0]}", f"small={small}:{weights[1]}"]
     return args
 
 
@@ -182,8 +207,10 @@ def test_a_mixture_run_records_it_and_logs_tokens_epochs_and_losses_per_source(m
     settings = json.loads((mixed_reference / "training_settings.json").read_text())
     mixture = settings["training"]["mixture"]
     assert [source["name"] for source in mixture["sources"]] == ["big", "small"]
-    assert mixture["phases"] == [{"start": "0", "weights": {"big": 0.5, "small": 0.5}},
-                                 {"start": "decay", "weights": {"big": 0.2, "small": 0.8}}]
+    assert mixture["phases"] == [
+        {"start": "0", "weights": {"big": 0.5, "small": 0.5}},
+        {"start": "decay", "weights": {"big": 0.2, "small": 0.8}},
+    ]
     assert settings["runtime"]["mixture_phase_steps"] == [0, 9]  # 12 steps, the last 3 decay
     records = [json.loads(line) for line in (mixed_reference / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if r["kind"] == "train"][-1]
@@ -192,12 +219,13 @@ def test_a_mixture_run_records_it_and_logs_tokens_epochs_and_losses_per_source(m
     assert last["epochs/small"] == pytest.approx(28 / mixture["sources"][1]["train_blocks"])
     evals = [r for r in records if r["kind"] == "eval"]
     assert all(r["val_loss/big"] > 0 and r["val_loss/small"] > 0 for r in evals)
-    assert all(min(r["val_loss/big"], r["val_loss/small"]) <= r["val_loss"] <= max(r["val_loss/big"],
-                                                                                 r["val_loss/small"]) for r in evals)
+    assert all(
+        min(r["val_loss/big"], r["val_loss/small"]) <= r["val_loss"] <= max(r["val_loss/big"], r["val_loss/small"])
+        for r in evals
+    )
 
 
-def test_a_mixture_stop_then_resume_is_bitwise_identical_across_the_phase_change(corpora, mixed_reference,
-                                                                               tmp_path):
+def test_a_mixture_stop_then_resume_is_bitwise_identical_across_the_phase_change(corpora, mixed_reference, tmp_path):
     out = tmp_path / "run"
     assert train.main(mixture_options(corpora, out, "--stop-after-steps", "7")) == 0  # before the decay phase
     result = run_cli(mixture_options(corpora, out, "--resume", "auto"))
@@ -225,8 +253,9 @@ def test_sources_with_other_tokenizers_are_refused(corpora, tmp_path):
 
 
 @pytest.mark.slow
-def test_world_size_2_mixture_resume_is_bitwise_identical_to_itself_and_close_to_world_1(corpora, mixed_reference,
-                                                                                       tmp_path):
+def test_world_size_2_mixture_resume_is_bitwise_identical_to_itself_and_close_to_world_1(
+    corpora, mixed_reference, tmp_path
+):
     full, split = tmp_path / "full", tmp_path / "split"
     run_cli(mixture_options(corpora, full, "--batch-size", "1"), world=2)
     run_cli(mixture_options(corpora, split, "--batch-size", "1", "--stop-after-steps", "10"), world=2)
@@ -246,8 +275,10 @@ def test_input_labels_come_from_a_name_prefix_or_the_stem(tmp_path):
     assert data.input_label("web=crawl/part-1.jsonl.gz", label_by_stem=False) == ("web", "crawl/part-1.jsonl.gz")
     assert data.input_label("docs/kjv.jsonl", label_by_stem=False) == (None, "docs/kjv.jsonl")
     assert data.input_label("docs/kjv.jsonl", label_by_stem=True) == ("kjv", "docs/kjv.jsonl")
-    assert data.input_label("hf:roneneldan/TinyStories", label_by_stem=True) == ("TinyStories",
-                                                                                 "hf:roneneldan/TinyStories")
+    assert data.input_label("hf:roneneldan/TinyStories", label_by_stem=True) == (
+        "TinyStories",
+        "hf:roneneldan/TinyStories",
+    )
     existing = tmp_path / "year=2024.jsonl"
     existing.write_text('{"text": "a document"}\n')
     assert data.input_label(str(existing), label_by_stem=False) == (None, str(existing))  # a path, not a label
@@ -265,13 +296,35 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 def labelled(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("labelled")
     shared = "one document that both sources hold, word for word"
-    web = write_jsonl(root / "web.jsonl", [f"web page {i}: the cat sees a red bird by the river" for i in range(300)]
-                      + [shared])
-    chat = write_jsonl(root / "chat.jsonl", [f"chat {i}: zebra quantum piano violet ocean lamp" for i in range(60)]
-                       + [shared, shared])  # the second copy is a duplicate within chat
-    assert data.main(["--data", str(web), f"support={chat}", "--source-label", "stem", "--out", str(root / "corpus"),
-                      "--vocab-size", "300", "--val-fraction", "0.1", "--test-fraction", "0.1", "--shard-tokens",
-                      "2000", "--no-progress"]) == 0
+    web = write_jsonl(
+        root / "web.jsonl", [f"web page {i}: the cat sees a red bird by the river" for i in range(300)] + [shared]
+    )
+    chat = write_jsonl(
+        root / "chat.jsonl", [f"chat {i}: zebra quantum piano violet ocean lamp" for i in range(60)] + [shared, shared]
+    )  # the second copy is a duplicate within chat
+    assert (
+        data.main(
+            [
+                "--data",
+                str(web),
+                f"support={chat}",
+                "--source-label",
+                "stem",
+                "--out",
+                str(root / "corpus"),
+                "--vocab-size",
+                "300",
+                "--val-fraction",
+                "0.1",
+                "--test-fraction",
+                "0.1",
+                "--shard-tokens",
+                "2000",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return root / "corpus"
 
 
@@ -283,8 +336,9 @@ def test_a_labelled_corpus_keeps_each_source_apart_and_reports_duplicates_across
         assert entry["tokens"] == sum(part["tokens"] for part in parts.values())
         assert entry["documents"] == sum(part["documents"] for part in parts.values())
         assert entry["files"] == parts["web"]["files"] + parts["support"]["files"]
-        assert all(item["name"].startswith(f"{split}-{label}-") for label, part in parts.items()
-                   for item in part["files"])
+        assert all(
+            item["name"].startswith(f"{split}-{label}-") for label, part in parts.items() for item in part["files"]
+        )
     assert corpus_format.verify_corpus(labelled) == []
     inputs = json.loads((labelled / corpus_format.SOURCE_MANIFEST).read_text())
     web, chat = inputs["inputs"]
@@ -305,11 +359,12 @@ def test_a_corpus_without_labels_has_no_sources_entry(corpora):
 def test_a_mixture_reads_the_labelled_sources_of_one_corpus(labelled, tmp_path):
     args = options(labelled, tmp_path / "run")
     at = args.index("--data")
-    args[at + 1: at + 2] = [f"web={labelled}#web:0.3", f"support={labelled}#support:0.7"]
+    args[at + 1 : at + 2] = [f"web={labelled}#web:0.3", f"support={labelled}#support:0.7"]
     training = train.build_training(train.parse_args(args), CPU)
     manifest = corpus_format.load_manifest(labelled)
     assert training.data.sampler.source_blocks == [
-        train_data.TokenSplit(labelled, manifest, "train", 32, source=label).blocks for label in ("web", "support")]
+        train_data.TokenSplit(labelled, manifest, "train", 32, source=label).blocks for label in ("web", "support")
+    ]
     inputs = training.data.micro_batches(0, 0, CPU.device)[0].inputs
     assert inputs.shape == (2, 32)
     args[at + 2] = f"support={labelled}#chat:0.7"

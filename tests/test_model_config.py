@@ -25,12 +25,17 @@ def test_parameter_count_matches_the_built_model(name, tied):
 
 
 def test_a_recorded_shape_without_a_later_field_reads_it_at_its_default():
-    recorded = {f"model.{name}": getattr(model_config.PRESETS["tiny"], name)
-                for name in model_config.OVERRIDABLE_FIELDS if name != "tie_embeddings"}
+    recorded = {
+        f"model.{name}": getattr(model_config.PRESETS["tiny"], name)
+        for name in model_config.OVERRIDABLE_FIELDS
+        if name != "tie_embeddings"
+    }
     assert model_config.recorded_preset(recorded).tie_embeddings is True  # what every run meant before the field
     assert model_config.with_recorded_defaults(recorded)["model.tie_embeddings"] is True
-    assert model_config.with_recorded_defaults({**recorded, "model.tie_embeddings": False})[
-        "model.tie_embeddings"] is False
+    assert (
+        model_config.with_recorded_defaults({**recorded, "model.tie_embeddings": False})["model.tie_embeddings"]
+        is False
+    )
 
 
 def test_tiny_is_well_under_one_million_at_demo_vocab():

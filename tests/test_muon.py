@@ -46,8 +46,11 @@ def reference_newton_schulz(grad: torch.Tensor) -> torch.Tensor:
     return x.T if tall else x
 
 
-@pytest.mark.parametrize("options", [{}, {"nesterov": False}, {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.9}],
-                         ids=["default", "no-nesterov", "rms-adjusted"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"nesterov": False}, {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.9}],
+    ids=["default", "no-nesterov", "rms-adjusted"],
+)
 def test_bf16_is_bitwise_torch_muon(options):
     """With the iteration in bf16 the update is torch's, bit for bit: momentum, Nesterov, weight decay, lr
     adjustment. The fp32 iteration on the same steps is not (so the comparison can tell them apart)."""
@@ -88,9 +91,21 @@ def test_the_optimizer_iterates_in_the_devices_dtype():
     import optimization
 
     model = model_config.build_model(model_config.PRESETS["tiny"], vocab_size=300)
-    recipe = optimization.Recipe(optimizer="muon", lr=1e-3, muon_lr=0.02, schedule="wsd", warmup_steps=1,
-                                 decay_steps=1, final_lr_fraction=0.0, total_steps=10, weight_decay=0.1,
-                                 betas=(0.9, 0.95), muon_momentum=0.95, grad_clip=1.0, head_lr=1e-3)
+    recipe = optimization.Recipe(
+        optimizer="muon",
+        lr=1e-3,
+        muon_lr=0.02,
+        schedule="wsd",
+        warmup_steps=1,
+        decay_steps=1,
+        final_lr_fraction=0.0,
+        total_steps=10,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        muon_momentum=0.95,
+        grad_clip=1.0,
+        head_lr=1e-3,
+    )
     optimizer = optimization.build_optimizers(model, recipe, torch.device("cpu"), rank=1, world=2).parts["muon"]
     assert isinstance(optimizer, torch.optim.Muon)
     assert (optimizer.ns_dtype, optimizer.rank, optimizer.world) == ("fp32", 1, 2)
@@ -101,15 +116,18 @@ def test_the_optimizer_iterates_in_the_devices_dtype():
 TINY_LAYER = [(64, 64), (32, 64), (32, 64), (64, 64), (192, 64), (192, 64), (64, 192)]  # q k v o gate up down
 
 
-@pytest.mark.parametrize("shapes, world, owners", [
-    ([(64, 64)] * 3, 1, [0, 0, 0]),
-    ([(64, 64)] * 4, 2, [0, 1, 0, 1]),  # equal matrices alternate
-    ([(64, 64), (256, 64), (64, 64), (64, 256)], 2, [0, 0, 1, 1]),  # the two big ones first, one per rank
-    ([(512, 512), (64, 64), (64, 64), (64, 64)], 2, [0, 1, 1, 1]),  # one big matrix outweighs the rest
-    ([(64, 64)] * 2, 3, [0, 1]),  # more ranks than matrices: rank 2 has none
-    (TINY_LAYER, 2, [1, 1, 1, 1, 0, 1, 0]),  # gate, down on rank 0; up and the attention on rank 1
-    (TINY_LAYER, 3, [0, 2, 2, 1, 0, 1, 2]),
-])
+@pytest.mark.parametrize(
+    "shapes, world, owners",
+    [
+        ([(64, 64)] * 3, 1, [0, 0, 0]),
+        ([(64, 64)] * 4, 2, [0, 1, 0, 1]),  # equal matrices alternate
+        ([(64, 64), (256, 64), (64, 64), (64, 256)], 2, [0, 0, 1, 1]),  # the two big ones first, one per rank
+        ([(512, 512), (64, 64), (64, 64), (64, 64)], 2, [0, 1, 1, 1]),  # one big matrix outweighs the rest
+        ([(64, 64)] * 2, 3, [0, 1]),  # more ranks than matrices: rank 2 has none
+        (TINY_LAYER, 2, [1, 1, 1, 1, 0, 1, 0]),  # gate, down on rank 0; up and the attention on rank 1
+        (TINY_LAYER, 3, [0, 2, 2, 1, 0, 1, 2]),
+    ],
+)
 def test_newton_schulz_owners_table(shapes, world, owners):
     assert muon.newton_schulz_owners(shapes, world) == owners
 
@@ -157,8 +175,10 @@ def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
             optimizer = muon.Muon(params, ns_dtype=ns_dtype, rank=rank, world=world, lr=0.02, weight_decay=0.1)
             calls = record_shapes(optimizer)
             take_steps(optimizer, params)
-            torch.save({"params": [p.detach() for p in params], "state": optimizer.state_dict(), "calls": calls},
-                       os.path.join(folder, f"{ns_dtype}-rank{rank}.pt"))
+            torch.save(
+                {"params": [p.detach() for p in params], "state": optimizer.state_dict(), "calls": calls},
+                os.path.join(folder, f"{ns_dtype}-rank{rank}.pt"),
+            )
     finally:
         dist.destroy_process_group()
 
@@ -178,7 +198,7 @@ def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path)
             assert store.tensor_differences(saved["state"], optimizer.state_dict(), "muon") == [], ns_dtype
         per_step = [len(saved["calls"]) // 3 for saved in ranks]
         assert sum(per_step) == len(SHAPES) and min(per_step) >= 1
-        assert sorted(ranks[0]["calls"][:per_step[0]] + ranks[1]["calls"][:per_step[1]]) == sorted(SHAPES)
+        assert sorted(ranks[0]["calls"][: per_step[0]] + ranks[1]["calls"][: per_step[1]]) == sorted(SHAPES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,10 +239,13 @@ def test_normalize_neurons_evens_each_neuron_and_keeps_the_norm(shape):
     assert torch.equal(second_moment, 0.05 * update.square().mean(dim=dim, keepdim=True))
 
 
-@pytest.mark.parametrize("cautious, expected", [
-    (False, [0.5, -0.5, 0.5, -0.5]),  # every weight decays
-    (True, [0.5, -1.0, 1.0, -0.5]),  # only where update and weight share a sign (the step shrinks it too)
-])
+@pytest.mark.parametrize(
+    "cautious, expected",
+    [
+        (False, [0.5, -0.5, 0.5, -0.5]),  # every weight decays
+        (True, [0.5, -1.0, 1.0, -0.5]),  # only where update and weight share a sign (the step shrinks it too)
+    ],
+)
 def test_weight_decay_table(cautious, expected):
     param = torch.tensor([1.0, -1.0, 1.0, -1.0])
     muon.decay_(param, torch.tensor([0.3, 0.3, -0.3, -0.3]), 0.5, cautious)
@@ -230,8 +253,14 @@ def test_weight_decay_table(cautious, expected):
 
 
 def test_normuon_state_is_in_the_state_dict_and_a_reload_continues_bitwise():
-    options = dict(lr=0.02, weight_decay=0.1, normuon_beta2=0.95, coefficients="polar-express",
-                   cautious_weight_decay=True, ns_dtype="fp32")
+    options = dict(
+        lr=0.02,
+        weight_decay=0.1,
+        normuon_beta2=0.95,
+        coefficients="polar-express",
+        cautious_weight_decay=True,
+        ns_dtype="fp32",
+    )
     params = parameters()
     optimizer = muon.Muon(params, **options)
     take_steps(optimizer, params, steps=2)

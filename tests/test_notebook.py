@@ -24,15 +24,26 @@ def run_notebook(work: Path, store: Path, output: Path, train_args: str) -> str:
     papermill = pytest.importorskip("papermill")
     nbformat = pytest.importorskip("nbformat")
     parameters = {
-        "WORK": str(work), "TINYLLM": str(ROOT), "INSTALL": False, "DATA": "demo",
-        "CORPUS_URL": str(store / "corpus"), "BACKUP_TO": str(store / "run"), "RUN": "runs/demo", "PRESET": "tiny",
-        "GPUS": 1, "MAX_HOURS": 1.0, "LOG_TO": "tensorboard", "SECRETS": [], "GGUF_TYPE": "q8_0",
+        "WORK": str(work),
+        "TINYLLM": str(ROOT),
+        "INSTALL": False,
+        "DATA": "demo",
+        "CORPUS_URL": str(store / "corpus"),
+        "BACKUP_TO": str(store / "run"),
+        "RUN": "runs/demo",
+        "PRESET": "tiny",
+        "GPUS": 1,
+        "MAX_HOURS": 1.0,
+        "LOG_TO": "tensorboard",
+        "SECRETS": [],
+        "GGUF_TYPE": "q8_0",
         "PUBLISH_TO": str(store / "published"),
         "TRAIN_ARGS": f"--context 64 --batch-size 4 --grad-accum 1 --target-tokens {STEPS * TOKENS_PER_STEP} "
-                      f"--eval-every 8 --save-every 8 --log-every 4 --eval-batches 1 --threads 1 {train_args}",
+        f"--eval-every 8 --save-every 8 --log-every 4 --eval-batches 1 --threads 1 {train_args}",
     }
-    papermill.execute_notebook(str(NOTEBOOK), str(output), parameters=parameters, kernel_name="python3",
-                               progress_bar=False, cwd=str(ROOT))
+    papermill.execute_notebook(
+        str(NOTEBOOK), str(output), parameters=parameters, kernel_name="python3", progress_bar=False, cwd=str(ROOT)
+    )
     cells = nbformat.read(output, as_version=4).cells
     return "\n".join(out.get("text", "") for cell in cells if cell.cell_type == "code" for out in cell.outputs)
 
@@ -45,8 +56,25 @@ def test_the_parameters_are_one_tagged_cell():
     assert all(not cell.outputs for cell in cells if cell.cell_type == "code")  # committed without outputs
     papermill = pytest.importorskip("papermill")
     assert list(papermill.inspect_notebook(str(NOTEBOOK))) == [  # each one parses, so `-p NAME VALUE` reaches it
-        "WORK", "TINYLLM", "INSTALL", "DATA", "VOCAB_SIZE", "VAL_FRACTION", "SOURCE_LABEL", "CORPUS_URL", "BACKUP_TO",
-        "RUN", "PRESET", "GPUS", "MAX_HOURS", "TRAIN_ARGS", "LOG_TO", "SECRETS", "GGUF_TYPE", "PUBLISH_TO"]
+        "WORK",
+        "TINYLLM",
+        "INSTALL",
+        "DATA",
+        "VOCAB_SIZE",
+        "VAL_FRACTION",
+        "SOURCE_LABEL",
+        "CORPUS_URL",
+        "BACKUP_TO",
+        "RUN",
+        "PRESET",
+        "GPUS",
+        "MAX_HOURS",
+        "TRAIN_ARGS",
+        "LOG_TO",
+        "SECRETS",
+        "GGUF_TYPE",
+        "PUBLISH_TO",
+    ]
 
 
 def test_a_store_without_credentials_stops_run_all_with_one_error_line(tmp_path, monkeypatch):
@@ -64,24 +92,43 @@ def test_a_store_without_credentials_stops_run_all_with_one_error_line(tmp_path,
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "a.txt").write_text("A few words of a very small corpus. " * 100)
-    parameters = {"WORK": str(tmp_path / "work"), "TINYLLM": str(ROOT), "INSTALL": False, "DATA": str(texts),
-                  "CORPUS_URL": "s3://my-bucket/corpora/mine", "SECRETS": []}
+    parameters = {
+        "WORK": str(tmp_path / "work"),
+        "TINYLLM": str(ROOT),
+        "INSTALL": False,
+        "DATA": str(texts),
+        "CORPUS_URL": "s3://my-bucket/corpora/mine",
+        "SECRETS": [],
+    }
     with pytest.raises(papermill.PapermillExecutionError) as error:
-        papermill.execute_notebook(str(NOTEBOOK), str(tmp_path / "out.ipynb"), parameters=parameters,
-                                   kernel_name="python3", progress_bar=False, cwd=str(ROOT))
+        papermill.execute_notebook(
+            str(NOTEBOOK),
+            str(tmp_path / "out.ipynb"),
+            parameters=parameters,
+            kernel_name="python3",
+            progress_bar=False,
+            cwd=str(ROOT),
+        )
     assert [line for line in error.value.traceback if line.strip()] == [
         "error: looking for a corpus at s3://my-bucket/corpora/mine failed (NoCredentialsError); check the URL, "
-        "the network and the credentials"]
+        "the network and the credentials"
+    ]
     import nbformat
 
-    printed = "\n".join(out.get("text", "") for cell in nbformat.read(tmp_path / "out.ipynb", as_version=4).cells
-                        if cell.cell_type == "code" for out in cell.outputs)
+    printed = "\n".join(
+        out.get("text", "")
+        for cell in nbformat.read(tmp_path / "out.ipynb", as_version=4).cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+    )
     from importlib.metadata import version
 
     # what the cell reads without importing torch: PyPI's CUDA wheels say 2.10.0 there, 2.10.0+cu128 in __version__
     assert f"torch {version('torch')} is kept" in printed
-    assert "data options: --vocab-size 512 --val-fraction 0.05 --test-fraction 0.05 --source-label none (sized to " \
-           "3,600 bytes of input)" in printed
+    assert (
+        "data options: --vocab-size 512 --val-fraction 0.05 --test-fraction 0.05 --source-label none (sized to "
+        "3,600 bytes of input)" in printed
+    )
 
 
 @pytest.mark.slow
@@ -112,7 +159,14 @@ def test_two_sessions_of_run_all_train_resume_from_the_backup_and_publish(tmp_pa
     events.Reload()
     assert [event.step for event in events.Scalars("train/loss")] == [1, 4, 8, 12, 16]
     published = {path.name for path in (store / "published").iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "model-q8_0.gguf",
-            "training_settings.json", "loss_curve.png"} <= published
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "model-q8_0.gguf",
+        "training_settings.json",
+        "loss_curve.png",
+    } <= published
     assert (store / "published" / "model-q8_0.gguf").read_bytes() == (run / "model-q8_0.gguf").read_bytes()
     assert "Test loss: " in (store / "published" / "README.md").read_text()

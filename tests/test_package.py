@@ -45,8 +45,9 @@ def requirement_names(path: Path) -> set[str]:
     from packaging.requirements import Requirement
 
     lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
-    included = set().union(*(requirement_names(path.parent / line[2:].strip()) for line in lines
-                             if line.startswith("-r ")))
+    included = set().union(
+        *(requirement_names(path.parent / line[2:].strip()) for line in lines if line.startswith("-r "))
+    )
     return included | {Requirement(line).name.lower() for line in lines if line and not line.startswith("-")}
 
 
@@ -54,8 +55,10 @@ def test_pip_install_never_pulls_torch():
     """requirements.txt (pip install -r, and pyproject's dependencies) names neither torch nor a package that
     requires it: the image's torch is kept; an old or missing one is hardware.torch_install_problem's line."""
     names = requirement_names(ROOT / "requirements.txt") | {
-        name for extra in PROJECT["project"]["optional-dependencies"].values() for name in
-        (re.split(r"[<>=!~\[ ]", spec, maxsplit=1)[0].lower() for spec in extra)}
+        name
+        for extra in PROJECT["project"]["optional-dependencies"].values()
+        for name in (re.split(r"[<>=!~\[ ]", spec, maxsplit=1)[0].lower() for spec in extra)
+    }
     assert names and not names & {"torch", "torchvision", "torchaudio", "accelerate", "lm-eval", "lm_eval"}, names
 
 
@@ -79,20 +82,48 @@ def test_installed_the_commands_and_the_readme_api_work_from_any_folder(tmp_path
     for path in [*ROOT.glob("*.py"), ROOT / "pyproject.toml", ROOT / "requirements.txt", ROOT / "README.md"]:
         shutil.copy(path, source / path.name)
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([str(target / "bin" / "tinyllm-train"), "--preset", "nope"], cwd=elsewhere, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(target / "bin" / "tinyllm-train"), "--preset", "nope"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: argument --preset")
     snippet = readme_api_snippet()
-    result = subprocess.run([sys.executable, "-c", snippet], cwd=elsewhere, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    imported = subprocess.run([sys.executable, "-c", "import train; print(train.__file__)"], cwd=elsewhere, env=env,
-                              capture_output=True, text=True, timeout=120)
+    imported = subprocess.run(
+        [sys.executable, "-c", "import train; print(train.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert Path(imported.stdout.strip()).parent == target  # the installed module, not a checkout's
 
 
@@ -103,8 +134,10 @@ def test_train_without_torch_is_one_error_line_with_the_install_command(tmp_path
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['train.py']; "
-            f"sys.path.insert(0, {str(root)!r}); runpy.run_path({str(root / 'train.py')!r}, run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; sys.argv = ['train.py']; "
+        f"sys.path.insert(0, {str(root)!r}); runpy.run_path({str(root / 'train.py')!r}, run_name='__main__')"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr

@@ -20,8 +20,12 @@ def fake_run(folder: Path, status: str = "COMPLETE") -> Path:
     """The files of a run folder that publish reads (no training needed to test the upload)."""
     model = folder / "model"
     model.mkdir(parents=True)
-    for name, content in {"config.json": b'{"model_type": "qwen3"}', "model.safetensors": bytes(range(256)) * 40,
-                          "tokenizer.json": b"{}", "README.md": b"# run\n\n- Test loss: 1.2345\n"}.items():
+    for name, content in {
+        "config.json": b'{"model_type": "qwen3"}',
+        "model.safetensors": bytes(range(256)) * 40,
+        "tokenizer.json": b"{}",
+        "README.md": b"# run\n\n- Test loss: 1.2345\n",
+    }.items():
         (model / name).write_bytes(content)
     (folder / "model-q8_0.gguf").write_bytes(b"GGUF" + bytes(5000))
     (folder / "training_settings.json").write_text('{"run_id": "abc"}')
@@ -32,8 +36,15 @@ def fake_run(folder: Path, status: str = "COMPLETE") -> Path:
     return folder
 
 
-EXPECTED = {"config.json", "model.safetensors", "tokenizer.json", "README.md", "model-q8_0.gguf",
-            "training_settings.json", "loss_curve.png"}
+EXPECTED = {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "README.md",
+    "model-q8_0.gguf",
+    "training_settings.json",
+    "loss_curve.png",
+}
 
 
 def test_the_layout_is_the_model_folder_at_the_root_plus_gguf_settings_and_curve(tmp_path):
@@ -48,8 +59,11 @@ def test_the_layout_is_the_model_folder_at_the_root_plus_gguf_settings_and_curve
 def test_publish_to_a_folder_is_verified_and_complete(tmp_path, capsys):
     run = fake_run(tmp_path / "run", status="CHECKPOINTED_NEEDS_RESUME")
     assert report.main(["publish", str(run), str(tmp_path / "published")]) == 0
-    published = {p.relative_to(tmp_path / "published").as_posix(): sha256_file(p)
-                 for p in (tmp_path / "published").rglob("*") if p.is_file()}
+    published = {
+        p.relative_to(tmp_path / "published").as_posix(): sha256_file(p)
+        for p in (tmp_path / "published").rglob("*")
+        if p.is_file()
+    }
     assert published == {name: sha256_file(path) for name, path in publishing.publish_layout(run).items()}
     captured = capsys.readouterr()
     assert "published 7 files" in captured.out and "not COMPLETE" in captured.err
@@ -99,8 +113,11 @@ class FakeHub:
             content = self.files.get((repo_id, path))
             if content is None:
                 continue
-            lfs = SimpleNamespace(sha256=hashlib.sha256(content).hexdigest()) \
-                if path.endswith((".safetensors", ".gguf", ".png")) else None
+            lfs = (
+                SimpleNamespace(sha256=hashlib.sha256(content).hexdigest())
+                if path.endswith((".safetensors", ".gguf", ".png"))
+                else None
+            )
             blob = hashlib.sha1(f"blob {len(content)}\0".encode() + content).hexdigest()
             found.append(SimpleNamespace(path=path, size=len(content), lfs=lfs, blob_id=blob))
         return found

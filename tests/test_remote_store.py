@@ -45,8 +45,11 @@ def test_each_stores_extra_in_pyproject_installs_its_package():
     """pyproject.toml's extras are packaging metadata (no code can write them): they are checked against the table."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     packages = {backend.package for backend in remote_store.BACKENDS}
-    stores = {name: re.split(r"[<>=!~\[ ]", specs[0], maxsplit=1)[0].replace("-", "_") for name, specs in
-              extras.items() if len(specs) == 1 and re.split(r"[<>=!~\[ ]", specs[0], maxsplit=1)[0] in packages}
+    stores = {
+        name: re.split(r"[<>=!~\[ ]", specs[0], maxsplit=1)[0].replace("-", "_")
+        for name, specs in extras.items()
+        if len(specs) == 1 and re.split(r"[<>=!~\[ ]", specs[0], maxsplit=1)[0] in packages
+    }
     assert stores == {backend.extra: backend.package for backend in remote_store.BACKENDS if backend.extra}
 
 
@@ -55,18 +58,21 @@ def test_each_stores_extra_in_pyproject_installs_its_package():
 # (train_data.is_url once said local:// was a remote, checkpoint_cloud.is_remote_url that it was not).
 
 
-@pytest.mark.parametrize("text, url, folder", [
-    ("runs/tiny", False, "runs/tiny"),
-    ("/kaggle/working/corpus", False, "/kaggle/working/corpus"),
-    ("file:///tmp/corpus", False, "/tmp/corpus"),
-    ("FILE:///tmp/corpus", False, "/tmp/corpus"),
-    ("local:///tmp/corpus", False, "/tmp/corpus"),
-    ("s3://bucket/corpus", True, None),
-    ("S3://bucket/corpus", True, None),
-    ("gs://bucket/corpus", True, None),
-    ("hf://datasets/user/repo/corpus", True, None),
-    ("memory://corpus", True, None),  # any other fsspec protocol is a remote too
-])
+@pytest.mark.parametrize(
+    "text, url, folder",
+    [
+        ("runs/tiny", False, "runs/tiny"),
+        ("/kaggle/working/corpus", False, "/kaggle/working/corpus"),
+        ("file:///tmp/corpus", False, "/tmp/corpus"),
+        ("FILE:///tmp/corpus", False, "/tmp/corpus"),
+        ("local:///tmp/corpus", False, "/tmp/corpus"),
+        ("s3://bucket/corpus", True, None),
+        ("S3://bucket/corpus", True, None),
+        ("gs://bucket/corpus", True, None),
+        ("hf://datasets/user/repo/corpus", True, None),
+        ("memory://corpus", True, None),  # any other fsspec protocol is a remote too
+    ],
+)
 def test_is_url_and_the_folder_a_local_one_names(text, url, folder):
     assert remote_store.is_url(text) is url
     if folder is not None:
@@ -86,28 +92,34 @@ def test_open_remote_local_paths_and_missing_backends(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="unknown storage protocol 'nosuch'"):
         remote_store.open_remote("nosuch://bucket/x")
     real_find_spec = remote_store.importlib.util.find_spec
-    monkeypatch.setattr(remote_store.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("s3fs", "gcsfs") else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        remote_store.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("s3fs", "gcsfs") else real_find_spec(name, *a),
+    )
     with pytest.raises(UserError, match="need the s3fs package: pip install s3fs"):
         remote_store.open_remote("s3://bucket/run")
     with pytest.raises(UserError, match="need the gcsfs package"):
         remote_store.open_remote("gs://bucket/run")
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("s3://bucket/runs/x", "s3://bucket/runs/x"),
-    ("gs://bucket/runs", "gs://bucket/runs"),
-    ("hf://user/repo", "hf://user/repo"),
-    ("hf://datasets/user/repo@main/runs", "hf://datasets/user/repo@main/runs"),
-    ("/kaggle/working/backups", "/kaggle/working/backups"),
-    ("my backups?/v1", "my backups?/v1"),  # a local folder: every character is a path's
-    ("file:///tmp/b", "file:///tmp/b"),
-    ("s3://KEY:SECRET@bucket/x", None),
-    ("s3://token@bucket/x", None),
-    ("https://host/x?token=abc", None),
-    ("s3://bucket/x?", None),
-    ("gs://bucket/x#secret", None),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("s3://bucket/runs/x", "s3://bucket/runs/x"),
+        ("gs://bucket/runs", "gs://bucket/runs"),
+        ("hf://user/repo", "hf://user/repo"),
+        ("hf://datasets/user/repo@main/runs", "hf://datasets/user/repo@main/runs"),
+        ("/kaggle/working/backups", "/kaggle/working/backups"),
+        ("my backups?/v1", "my backups?/v1"),  # a local folder: every character is a path's
+        ("file:///tmp/b", "file:///tmp/b"),
+        ("s3://KEY:SECRET@bucket/x", None),
+        ("s3://token@bucket/x", None),
+        ("https://host/x?token=abc", None),
+        ("s3://bucket/x?", None),
+        ("gs://bucket/x#secret", None),
+    ],
+)
 def test_printable_url(url, shown):
     assert remote_store.printable_url(url) == shown
 
@@ -140,8 +152,9 @@ def test_schemes_text_joins_the_tables_usual_schemes():
 
 def test_every_help_text_lists_every_store(capsys):
     """train.py --data and --backup-to, report.py publish and checkpoint_cloud.py --help name each store."""
-    backup_help = next(field.metadata["help"] for field in dataclasses.fields(train.SessionSettings)
-                       if field.name == "backup_to")
+    backup_help = next(
+        field.metadata["help"] for field in dataclasses.fields(train.SessionSettings) if field.name == "backup_to"
+    )
     with pytest.raises(SystemExit):
         checkpoint_cloud.parse_args(["--help"])
     cloud_help = capsys.readouterr().out

@@ -93,14 +93,35 @@ def test_progress_bar_keeps_stdout_clean(capsys):
 def write_metrics(path, truncated_tail=True):
     lines = []
     for step in range(1, 31):
-        lines.append({"kind": "train", "step": step, "tokens": step * 512, "loss": 5.0 / step**0.5,
-                      "adamw_lr": 1e-3 * min(1.0, step / 5), "grad_norm": 1.0, "step_seconds": 0.1,
-                      "tokens_per_second": 5120.0, "mfu": None, "peak_memory_bytes": 0, "time": "t"})
+        lines.append(
+            {
+                "kind": "train",
+                "step": step,
+                "tokens": step * 512,
+                "loss": 5.0 / step**0.5,
+                "adamw_lr": 1e-3 * min(1.0, step / 5),
+                "grad_norm": 1.0,
+                "step_seconds": 0.1,
+                "tokens_per_second": 5120.0,
+                "mfu": None,
+                "peak_memory_bytes": 0,
+                "time": "t",
+            }
+        )
         if step % 10 == 0:
-            lines.append({"kind": "eval", "step": step, "tokens": step * 512, "val_loss": 5.5 / step**0.5,
-                          "val_perplexity": 9.0, "time": "t"})
-    lines.append({"kind": "test", "step": 30, "tokens": 30 * 512, "test_loss": 1.05, "test_perplexity": 2.9,
-                  "time": "t"})
+            lines.append(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "tokens": step * 512,
+                    "val_loss": 5.5 / step**0.5,
+                    "val_perplexity": 9.0,
+                    "time": "t",
+                }
+            )
+    lines.append(
+        {"kind": "test", "step": 30, "tokens": 30 * 512, "test_loss": 1.05, "test_perplexity": 2.9, "time": "t"}
+    )
     text = "".join(json.dumps(line) + "\n" for line in lines)
     if truncated_tail:
         text += '{"kind": "train", "step": 31, "tokens": 15872, "lo'
@@ -120,7 +141,11 @@ def test_read_metrics_skips_broken_lines_and_keeps_the_last_repeat(tmp_path):
     )
     records = metrics_log.read_metrics(path)
     assert [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in records] == [
-        ("train", 1, 3.0), ("train", 2, 2.5), ("eval", 2, 2.7), ("train", 3, 2.4)]
+        ("train", 1, 3.0),
+        ("train", 2, 2.5),
+        ("eval", 2, 2.7),
+        ("train", 3, 2.4),
+    ]
     assert metrics_log.read_metrics(tmp_path / "missing.jsonl") == []
 
 
@@ -163,12 +188,21 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
     metrics = tmp_path / "metrics.jsonl"
     lines = []
     for step in range(1, 61):  # 60 train points: the raw series and a smoothed one
-        lines.append({"kind": "train", "step": step, "tokens": step * 512, "loss": 6.0 - step / 20 + (step % 2) / 5,
-                      "adamw_lr": 1e-3 * min(1.0, step / 5), "muon_lr": 2e-2 * min(1.0, step / 5)})
+        lines.append(
+            {
+                "kind": "train",
+                "step": step,
+                "tokens": step * 512,
+                "loss": 6.0 - step / 20 + (step % 2) / 5,
+                "adamw_lr": 1e-3 * min(1.0, step / 5),
+                "muon_lr": 2e-2 * min(1.0, step / 5),
+            }
+        )
         if step % 20 == 0:
             lines.append({"kind": "eval", "step": step, "tokens": step * 512, "val_loss": 5.5 - step / 30})
-    lines.append({"kind": "train", "step": 61, "tokens": 61 * 512, "loss": float("nan"), "adamw_lr": 1e-3,
-                  "muon_lr": 2e-2})  # skipped
+    lines.append(
+        {"kind": "train", "step": 61, "tokens": 61 * 512, "loss": float("nan"), "adamw_lr": 1e-3, "muon_lr": 2e-2}
+    )  # skipped
     lines.append({"kind": "test", "step": 61, "tokens": 61 * 512, "test_loss": 3.25})
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert metrics_log.plot_loss_curve(metrics, tmp_path / "curve.png") is True
@@ -190,9 +224,11 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
 def test_the_learning_rates_are_the_param_groups_the_records_name():
     """A train record's NAME_lr is the lr of the param groups named NAME: any optimizer's groups, no fixed list."""
     assert metrics_log.lr_fields({"muon": 0.02, "adamw": 0.05}) == {"muon_lr": 0.02, "adamw_lr": 0.05}
-    records = [{"kind": "train", "step": 1, "tokens": 64, "loss": 3.0, "matrices_lr": 0.1, "embeddings_lr": 0.2},
-               {"kind": "train", "step": 2, "tokens": 128, "loss": 2.9, "matrices_lr": 0.05},
-               {"kind": "eval", "step": 2, "tokens": 128, "other_lr": 1.0}]
+    records = [
+        {"kind": "train", "step": 1, "tokens": 64, "loss": 3.0, "matrices_lr": 0.1, "embeddings_lr": 0.2},
+        {"kind": "train", "step": 2, "tokens": 128, "loss": 2.9, "matrices_lr": 0.05},
+        {"kind": "eval", "step": 2, "tokens": 128, "other_lr": 1.0},
+    ]
     assert metrics_log.lr_series(records) == {"matrices lr": ([64, 128], [0.1, 0.05]), "embeddings lr": ([64], [0.2])}
 
 
@@ -204,17 +240,28 @@ def test_eval_task_scores_get_a_second_panel(tmp_path, monkeypatch):
 
     drawn, lines_at = {}, []
     plot, axhline = Axes.plot, Axes.axhline
-    monkeypatch.setattr(Axes, "plot", lambda self, x, y, *args, label=None, **kwargs: (
-        drawn.__setitem__(label, (list(x), list(y))), plot(self, x, y, *args, label=label, **kwargs))[1])
-    monkeypatch.setattr(Axes, "axhline", lambda self, y, *args, **kwargs: (
-        lines_at.append(y), axhline(self, y, *args, **kwargs))[1])
+    monkeypatch.setattr(
+        Axes,
+        "plot",
+        lambda self, x, y, *args, label=None, **kwargs: (
+            drawn.__setitem__(label, (list(x), list(y))),
+            plot(self, x, y, *args, label=label, **kwargs),
+        )[1],
+    )
+    monkeypatch.setattr(
+        Axes, "axhline", lambda self, y, *args, **kwargs: (lines_at.append(y), axhline(self, y, *args, **kwargs))[1]
+    )
     records = [{"kind": "train", "step": step, "tokens": 100 * step, "loss": 5.0 - step / 10} for step in range(1, 9)]
     scores = {4: {"sums": (0.3, 0.35), "words": (0.5, 0.45)}, 8: {"sums": (0.6, 0.55), "words": (0.7, 0.75)}}
     for step, by_task in scores.items():
-        fields = {f"{name}/{metric}": value for name, (acc, norm) in by_task.items()
-                  for metric, value in (("acc", acc), ("acc_norm", norm), ("acc_bytes", norm), ("n", 20))}
-        records.append({"kind": "tasks", "step": step, "tokens": 100 * step, **fields, "sums/chance": 0.25,
-                        "words/chance": 0.5})
+        fields = {
+            f"{name}/{metric}": value
+            for name, (acc, norm) in by_task.items()
+            for metric, value in (("acc", acc), ("acc_norm", norm), ("acc_bytes", norm), ("n", 20))
+        }
+        records.append(
+            {"kind": "tasks", "step": step, "tokens": 100 * step, **fields, "sums/chance": 0.25, "words/chance": 0.5}
+        )
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
     assert metrics_log.plot_loss_curve(metrics, tmp_path / "curve.png") is True
@@ -235,8 +282,14 @@ def test_tensorboard_logger_writes_the_scalars(tmp_path):
     logger.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {"train/tokens", "train/loss", "train/lr", "eval/tokens",
-                                             "eval/val_loss", "eval/val_perplexity"}
+    assert set(events.Tags()["scalars"]) == {
+        "train/tokens",
+        "train/loss",
+        "train/lr",
+        "eval/tokens",
+        "eval/val_loss",
+        "eval/val_perplexity",
+    }
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("train/loss")] == [(1, 3.5), (2, 3.0)]
     assert [e.step for e in events.Scalars("eval/val_loss")] == [2]
 
@@ -259,8 +312,12 @@ CARD_INFO = {
     "test_loss": 0.2345,
     "test_perplexity": 1.26,
     "test_bits_per_byte": 0.0812,
-    "demo_accuracy": {"accuracy": 0.925, "correct": 37, "total": 40,
-                      "by_task": {"addition": {"accuracy": 0.925, "correct": 37, "total": 40}}},
+    "demo_accuracy": {
+        "accuracy": 0.925,
+        "correct": 37,
+        "total": 40,
+        "by_task": {"addition": {"accuracy": 0.925, "correct": 37, "total": 40}},
+    },
 }
 
 
@@ -271,8 +328,15 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     out = tmp_path / "run" / "model"
     hashes = export_hf.export_hf_model(model, tokenizer, out, CARD_INFO)
 
-    names = {"config.json", "model.safetensors", "generation_config.json", "README.md", "training_provenance.json",
-             "tokenizer.json", "tokenizer_config.json"}
+    names = {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "README.md",
+        "training_provenance.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     assert names <= set(hashes)
     assert hashes == {p.name: sha256_file(p) for p in out.iterdir()}
     assert [p.name for p in out.parent.iterdir()] == ["model"]
@@ -280,8 +344,12 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     loaded = AutoModelForCausalLM.from_pretrained(out)
     loaded_tokenizer = AutoTokenizer.from_pretrained(out)
     assert loaded_tokenizer.chat_template == corpus_format.CHAT_TEMPLATE
-    inputs = loaded_tokenizer.apply_chat_template([{"role": "user", "content": "What is 10 plus 7?"}],
-                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = loaded_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 10 plus 7?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
 
@@ -298,11 +366,20 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
 
     card = (out / "README.md").read_text()
     parameters = sum(p.numel() for p in model.parameters())
-    for expected in ["Status: **COMPLETE**", "Optimizer steps: 200 of 200", "Tokens trained on: 25,600",
-                     f"Parameters: {parameters:,}", "2 decoder layers", "c0" * 32, "70" * 32, "Validation loss: 0.1234",
-                     "Test loss: 0.2345 (perplexity 1.26, 0.0812 bits per byte)", "92.5% exact match (37/40)",
-                     "AutoModelForCausalLM.from_pretrained",
-                     "## Limitations"]:
+    for expected in [
+        "Status: **COMPLETE**",
+        "Optimizer steps: 200 of 200",
+        "Tokens trained on: 25,600",
+        f"Parameters: {parameters:,}",
+        "2 decoder layers",
+        "c0" * 32,
+        "70" * 32,
+        "Validation loss: 0.1234",
+        "Test loss: 0.2345 (perplexity 1.26, 0.0812 bits per byte)",
+        "92.5% exact match (37/40)",
+        "AutoModelForCausalLM.from_pretrained",
+        "## Limitations",
+    ]:
         assert expected in card, expected
     provenance = json.loads((out / "training_provenance.json").read_text())
     assert (provenance["corpus_sha256"], provenance["tokenizer_sha256"]) == ("c0" * 32, "70" * 32)
@@ -419,14 +496,28 @@ def card_code(card: str) -> str:
     return card.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.parametrize("example, expected", [
-    ({"kind": "chat", "prompt": 'What does "tiny" mean?\nSay it.'},
-     'messages = [{"role": "user", "content": "What does \\"tiny\\" mean?\\nSay it."}]'),
-    ({"kind": "text", "prompt": "Once upon a time, a small"}, 'inputs = tokenizer("Once upon a time, a small"'),
-])
+@pytest.mark.parametrize(
+    "example, expected",
+    [
+        (
+            {"kind": "chat", "prompt": 'What does "tiny" mean?\nSay it.'},
+            'messages = [{"role": "user", "content": "What does \\"tiny\\" mean?\\nSay it."}]',
+        ),
+        ({"kind": "text", "prompt": "Once upon a time, a small"}, 'inputs = tokenizer("Once upon a time, a small"'),
+    ],
+)
 def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expected):
-    architecture = {"parameters": 1000, "layers": 1, "hidden": 8, "intermediate": 16, "heads": 2, "kv_heads": 1,
-                    "head_dim": 4, "context": 64, "vocab_size": 300}
+    architecture = {
+        "parameters": 1000,
+        "layers": 1,
+        "hidden": 8,
+        "intermediate": 16,
+        "heads": 2,
+        "kv_heads": 1,
+        "head_dim": 4,
+        "context": 64,
+        "vocab_size": 300,
+    }
     card = export_hf.model_card(architecture, {"usage_example": example, "status": "COMPLETE"})
     code = card_code(card)
     compile(code, "card", "exec")  # a prompt with quotes and newlines still makes valid Python

@@ -14,8 +14,15 @@ from common import UserError, sha256_file
 
 
 def record(step: int, run_id: str = "r", size: int = 10, val_loss: float | None = None) -> store.Record:
-    return store.Record(path=store.checkpoint_name(step), step=step, sha256=f"sha-{step}", bytes=size,
-                        run_id=run_id, created="2026-11-30T00:00:00Z", val_loss=val_loss)
+    return store.Record(
+        path=store.checkpoint_name(step),
+        step=step,
+        sha256=f"sha-{step}",
+        bytes=size,
+        run_id=run_id,
+        created="2026-11-30T00:00:00Z",
+        val_loss=val_loss,
+    )
 
 
 def listing(*entries, temporaries=(), folders=(), damaged=()) -> store.Listing:
@@ -31,34 +38,50 @@ def listing(*entries, temporaries=(), folders=(), damaged=()) -> store.Listing:
         elif run_id is not None:
             records[name] = record(step, run_id)
     digests = {name: "bad" if store.step_of(name) in damaged else f"sha-{store.step_of(name)}" for name in files}
-    return store.Listing(files=files, records=records, temporaries=list(temporaries), folders=set(folders),
-                         sha256=digests.__getitem__)
+    return store.Listing(
+        files=files, records=records, temporaries=list(temporaries), folders=set(folders), sha256=digests.__getitem__
+    )
 
 
 def test_names():
     assert store.checkpoint_name(42) == "step-00000042.pt"
     assert store.record_name("step-00000042.pt") == "step-00000042.pt.json"
-    for name, step in [("step-00000003.pt", 3), ("step-3.pt", None), ("step-00000003.pt.corrupt", None),
-                       ("step-000000031.pt", None), ("latest.json", None), ("step-00000003.pt.json", None)]:
+    for name, step in [
+        ("step-00000003.pt", 3),
+        ("step-3.pt", None),
+        ("step-00000003.pt.corrupt", None),
+        ("step-000000031.pt", None),
+        ("latest.json", None),
+        ("step-00000003.pt.json", None),
+    ]:
         assert store.step_of(name) == step, name
 
 
-@pytest.mark.parametrize("size, text", [
-    (0, "0 bytes"), (99_999, "99,999 bytes"), (100_000, "0.1 MB"), (1_050_000, "1.1 MB"),
-    (10**12, "1,000,000.0 MB"),
-])
+@pytest.mark.parametrize(
+    "size, text",
+    [
+        (0, "0 bytes"),
+        (99_999, "99,999 bytes"),
+        (100_000, "0.1 MB"),
+        (1_050_000, "1.1 MB"),
+        (10**12, "1,000,000.0 MB"),
+    ],
+)
 def test_size_text(size, text):
     assert store.size_text(size) == text
 
 
-@pytest.mark.parametrize("change, problem", [
-    ({}, None),
-    ({"step": 4}, "^has fields of the wrong kind$"),  # the step is the file name's
-    ({"bytes": "10"}, "^has fields of the wrong kind$"),
-    ({"run_id": None}, "^has fields of the wrong kind$"),
-    ({"sha256": None}, "^lacks sha256$"),
-    ({"created": None}, "^lacks created$"),
-])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({}, None),
+        ({"step": 4}, "^has fields of the wrong kind$"),  # the step is the file name's
+        ({"bytes": "10"}, "^has fields of the wrong kind$"),
+        ({"run_id": None}, "^has fields of the wrong kind$"),
+        ({"sha256": None}, "^lacks sha256$"),
+        ({"created": None}, "^lacks created$"),
+    ],
+)
 def test_record_from_json(change, problem):
     obj = {**record(3).to_json(), **change}
     obj = {key: value for key, value in obj.items() if not (value is None and key in ("sha256", "created"))}
@@ -80,41 +103,135 @@ def test_record_json_round_trip_keeps_val_loss_only_when_set():
 RESUME = [
     ("fresh folder, auto", listing(), "auto", None, [], [], [], None),
     ("fresh folder, none", listing(), "none", None, [], [], [], None),
-    ("none with checkpoints", listing(2, 6, 4), "none", None, [], [], [],
-     "already has checkpoints (step-00000006.pt); pass --resume auto to continue, or choose a new --out"),
+    (
+        "none with checkpoints",
+        listing(2, 6, 4),
+        "none",
+        None,
+        [],
+        [],
+        [],
+        "already has checkpoints (step-00000006.pt); pass --resume auto to continue, or choose a new --out",
+    ),
     ("the newest verifies", listing(2, 4), "auto", "step-00000004.pt", [], [], [], None),
-    ("a damaged newest is set aside", listing(2, 4, damaged=[4]), "auto", "step-00000002.pt", ["step-00000004.pt"],
-     [], ["step-00000004.pt: it does not match the sha256 in its record (corrupt): set aside as "
-          "step-00000004.pt.corrupt (10 bytes; delete it once inspected)", "falling back to step-00000002.pt"], None),
-    ("a file without a record is skipped, not touched", listing(2, (4, None)), "auto", "step-00000002.pt", [], [],
-     ["step-00000004.pt has no sha256 record (not written by a train.py save): skipped",
-      "falling back to step-00000002.pt"], None),
-    ("an unreadable record is a damaged checkpoint", listing(2, (4, "broken")), "auto", "step-00000002.pt",
-     ["step-00000004.pt"], [], ["step-00000004.pt: is not valid JSON: set aside as step-00000004.pt.corrupt "
-                                "(10 bytes; delete it once inspected)", "falling back to step-00000002.pt"], None),
-    ("nothing verifies", listing(2, 4, damaged=[2, 4]), "auto", None, ["step-00000004.pt", "step-00000002.pt"], [],
-     None, "has checkpoints but none verifies against its sha256 (damaged, set aside: step-00000004.pt, "
-           "step-00000002.pt); pass --resume PATH to force one, or choose a new --out"),
-    ("only record-less files", listing((3, None)), "auto", None, [], [], None,
-     "has checkpoints but none verifies against its sha256; pass --resume PATH to force one, or choose a new --out"),
-    ("only damaged ones set aside earlier: never a fresh start on top",
-     store.Listing({}, {}, corrupt=["step-00000003.pt"]),
-     "auto", None, [], [], [], "none verifies against its sha256 (damaged, set aside: step-00000003.pt)"),
-    ("another run's newest is still the newest", listing(2, (4, "other")), "auto", "step-00000004.pt", [], [], [],
-     None),
-    ("a save killed mid-write: its temporary and a record of nothing go",
-     listing(2, temporaries=[".step-00000004.pt.0a1b2c3d.tmp"]), "auto", "step-00000002.pt", [],
-     [".step-00000004.pt.0a1b2c3d.tmp"], [], None),
-    ("a restore killed mid-download leaves a temporary too",
-     listing(temporaries=[".step-00000009.pt.deadbeef.tmp"]), "auto", None, [], [".step-00000009.pt.deadbeef.tmp"],
-     [], None),
-    ("a PATH is the caller's; the tidying still happens", listing(2, temporaries=[".latest.json.0a1b2c3d.tmp"]),
-     "/elsewhere/step-00000001.pt", None, [], [".latest.json.0a1b2c3d.tmp"], [], None),
+    (
+        "a damaged newest is set aside",
+        listing(2, 4, damaged=[4]),
+        "auto",
+        "step-00000002.pt",
+        ["step-00000004.pt"],
+        [],
+        [
+            "step-00000004.pt: it does not match the sha256 in its record (corrupt): set aside as "
+            "step-00000004.pt.corrupt (10 bytes; delete it once inspected)",
+            "falling back to step-00000002.pt",
+        ],
+        None,
+    ),
+    (
+        "a file without a record is skipped, not touched",
+        listing(2, (4, None)),
+        "auto",
+        "step-00000002.pt",
+        [],
+        [],
+        [
+            "step-00000004.pt has no sha256 record (not written by a train.py save): skipped",
+            "falling back to step-00000002.pt",
+        ],
+        None,
+    ),
+    (
+        "an unreadable record is a damaged checkpoint",
+        listing(2, (4, "broken")),
+        "auto",
+        "step-00000002.pt",
+        ["step-00000004.pt"],
+        [],
+        [
+            "step-00000004.pt: is not valid JSON: set aside as step-00000004.pt.corrupt "
+            "(10 bytes; delete it once inspected)",
+            "falling back to step-00000002.pt",
+        ],
+        None,
+    ),
+    (
+        "nothing verifies",
+        listing(2, 4, damaged=[2, 4]),
+        "auto",
+        None,
+        ["step-00000004.pt", "step-00000002.pt"],
+        [],
+        None,
+        "has checkpoints but none verifies against its sha256 (damaged, set aside: step-00000004.pt, "
+        "step-00000002.pt); pass --resume PATH to force one, or choose a new --out",
+    ),
+    (
+        "only record-less files",
+        listing((3, None)),
+        "auto",
+        None,
+        [],
+        [],
+        None,
+        "has checkpoints but none verifies against its sha256; pass --resume PATH to force one, or choose a new --out",
+    ),
+    (
+        "only damaged ones set aside earlier: never a fresh start on top",
+        store.Listing({}, {}, corrupt=["step-00000003.pt"]),
+        "auto",
+        None,
+        [],
+        [],
+        [],
+        "none verifies against its sha256 (damaged, set aside: step-00000003.pt)",
+    ),
+    (
+        "another run's newest is still the newest",
+        listing(2, (4, "other")),
+        "auto",
+        "step-00000004.pt",
+        [],
+        [],
+        [],
+        None,
+    ),
+    (
+        "a save killed mid-write: its temporary and a record of nothing go",
+        listing(2, temporaries=[".step-00000004.pt.0a1b2c3d.tmp"]),
+        "auto",
+        "step-00000002.pt",
+        [],
+        [".step-00000004.pt.0a1b2c3d.tmp"],
+        [],
+        None,
+    ),
+    (
+        "a restore killed mid-download leaves a temporary too",
+        listing(temporaries=[".step-00000009.pt.deadbeef.tmp"]),
+        "auto",
+        None,
+        [],
+        [".step-00000009.pt.deadbeef.tmp"],
+        [],
+        None,
+    ),
+    (
+        "a PATH is the caller's; the tidying still happens",
+        listing(2, temporaries=[".latest.json.0a1b2c3d.tmp"]),
+        "/elsewhere/step-00000001.pt",
+        None,
+        [],
+        [".latest.json.0a1b2c3d.tmp"],
+        [],
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize("case, folder, resume, load, set_aside, deleted, warnings, error", RESUME,
-                         ids=[case[0] for case in RESUME])
+@pytest.mark.parametrize(
+    "case, folder, resume, load, set_aside, deleted, warnings, error", RESUME, ids=[case[0] for case in RESUME]
+)
 def test_plan_resume(case, folder, resume, load, set_aside, deleted, warnings, error):
     plan = store.plan_resume(folder, resume)
     assert plan.load == load
@@ -140,27 +257,93 @@ def test_plan_resume_deletes_records_of_checkpoints_that_are_gone():
 # (listing, resumed, step, run_id) -> (abandoned, folder, latest step, rewound)
 TIMELINE = [
     ("continuing from the newest", listing(2, 4), "step-00000004.pt", 4, "r", [], None, 4, False),
-    ("a rewind abandons the newer ones", listing(2, 4, 6), "step-00000002.pt", 2, "r",
-     ["step-00000004.pt", "step-00000006.pt"], "abandoned-00000002", 2, True),
-    ("a second rewind to the same step gets its own folder", listing(2, 4), "step-00000002.pt", 2, "r",
-     ["step-00000004.pt"], "abandoned-00000002-2", 2, True),
-    ("newer files without records are no timeline", listing(2, (4, None)), "step-00000002.pt", 2, "r", [], None, 2,
-     False),
-    ("another run's checkpoints are no ancestors", listing((2, "other"), 4, (6, "other")), "step-00000004.pt", 4,
-     "r", ["step-00000002.pt", "step-00000006.pt"], "abandoned-00000004", 4, True),
-    ("from a file elsewhere: the folder's other run moves, latest.json waits for the next save",
-     listing((2, "other")), None, 3, "r", ["step-00000002.pt"], "abandoned-00000003", None, False),
+    (
+        "a rewind abandons the newer ones",
+        listing(2, 4, 6),
+        "step-00000002.pt",
+        2,
+        "r",
+        ["step-00000004.pt", "step-00000006.pt"],
+        "abandoned-00000002",
+        2,
+        True,
+    ),
+    (
+        "a second rewind to the same step gets its own folder",
+        listing(2, 4),
+        "step-00000002.pt",
+        2,
+        "r",
+        ["step-00000004.pt"],
+        "abandoned-00000002-2",
+        2,
+        True,
+    ),
+    (
+        "newer files without records are no timeline",
+        listing(2, (4, None)),
+        "step-00000002.pt",
+        2,
+        "r",
+        [],
+        None,
+        2,
+        False,
+    ),
+    (
+        "another run's checkpoints are no ancestors",
+        listing((2, "other"), 4, (6, "other")),
+        "step-00000004.pt",
+        4,
+        "r",
+        ["step-00000002.pt", "step-00000006.pt"],
+        "abandoned-00000004",
+        4,
+        True,
+    ),
+    (
+        "from a file elsewhere: the folder's other run moves, latest.json waits for the next save",
+        listing((2, "other")),
+        None,
+        3,
+        "r",
+        ["step-00000002.pt"],
+        "abandoned-00000003",
+        None,
+        False,
+    ),
     ("from a file elsewhere of this run", listing(2), None, 3, "r", [], None, None, False),
-    ("from a file elsewhere at the step of another run's checkpoint here", listing(2, (3, "other")), None, 3, "r",
-     ["step-00000003.pt"], "abandoned-00000003", None, False),
-    ("a file here whose record does not read: latest.json waits for the next save", listing(2, (4, "broken")),
-     "step-00000004.pt", 4, "r", [], None, None, False),
+    (
+        "from a file elsewhere at the step of another run's checkpoint here",
+        listing(2, (3, "other")),
+        None,
+        3,
+        "r",
+        ["step-00000003.pt"],
+        "abandoned-00000003",
+        None,
+        False,
+    ),
+    (
+        "a file here whose record does not read: latest.json waits for the next save",
+        listing(2, (4, "broken")),
+        "step-00000004.pt",
+        4,
+        "r",
+        [],
+        None,
+        None,
+        False,
+    ),
     ("a file here without a record", listing(2, (4, None)), "step-00000004.pt", 4, "r", [], None, None, False),
 ]
 
 
-@pytest.mark.parametrize("case, folder, resumed, step, run_id, abandoned, into, latest, rewound", TIMELINE,
-                         ids=[case[0] for case in TIMELINE])
+@pytest.mark.parametrize(
+    "case, folder, resumed, step, run_id, abandoned, into, latest, rewound",
+    TIMELINE,
+    ids=[case[0] for case in TIMELINE],
+)
 def test_plan_timeline(case, folder, resumed, step, run_id, abandoned, into, latest, rewound):
     if into == "abandoned-00000002-2":
         folder.folders.add("abandoned-00000002")
@@ -175,13 +358,16 @@ def test_plan_timeline(case, folder, resumed, step, run_id, abandoned, into, lat
         assert plan.warnings[0].endswith(f"moved to {into}; delete that folder once you no longer need them")
 
 
-@pytest.mark.parametrize("folder, newest", [
-    (listing(), None),
-    (listing(2, 6, 4), "step-00000006.pt"),
-    (listing(2, 4, (6, None), (8, "broken"), damaged=[4]), "step-00000002.pt"),  # never the newest unverified
-    (listing(2, damaged=[2]), None),
-    (listing(2, (4, "other")), "step-00000004.pt"),  # any run's: the caller asks whether anything resumes
-])
+@pytest.mark.parametrize(
+    "folder, newest",
+    [
+        (listing(), None),
+        (listing(2, 6, 4), "step-00000006.pt"),
+        (listing(2, 4, (6, None), (8, "broken"), damaged=[4]), "step-00000002.pt"),  # never the newest unverified
+        (listing(2, damaged=[2]), None),
+        (listing(2, (4, "other")), "step-00000004.pt"),  # any run's: the caller asks whether anything resumes
+    ],
+)
 def test_newest_verified(folder, newest):
     assert store.newest_verified(folder) == newest
 
@@ -203,10 +389,12 @@ def test_retention_deletions(steps, keep_last, keep_every, best, deleted):
     folder = listing(*steps, (7, "another run"), (11, None))  # never ours: neither counted nor deleted
     folder.records["step-00000007.pt"] = record(7, "another run", val_loss=0.5)  # nor its best ours
     for step in steps:
-        folder.records[store.checkpoint_name(step)] = record(step, val_loss=1.0 if step == best else
-                                                             (2.0 + step if best else None))
-    assert store.retention_deletions(folder, "r", keep_last, keep_every) == \
-        [store.checkpoint_name(step) for step in deleted]
+        folder.records[store.checkpoint_name(step)] = record(
+            step, val_loss=1.0 if step == best else (2.0 + step if best else None)
+        )
+    assert store.retention_deletions(folder, "r", keep_last, keep_every) == [
+        store.checkpoint_name(step) for step in deleted
+    ]
 
 
 def test_best_is_the_lowest_val_loss_of_a_present_checkpoint():
@@ -224,14 +412,24 @@ def test_best_is_the_lowest_val_loss_of_a_present_checkpoint():
 # The folder edge: list_folder, apply_plan, apply_timeline; and the Checkpointer on top.
 
 
-def write_checkpoint(folder: Path, step: int, run_id: str = "r", payload: bytes | None = None,
-                     with_record: bool = True) -> Path:
+def write_checkpoint(
+    folder: Path, step: int, run_id: str = "r", payload: bytes | None = None, with_record: bool = True
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / store.checkpoint_name(step)
     path.write_bytes(payload if payload is not None else f"checkpoint {step}".encode())
     if with_record:
-        store.write_record(folder, store.Record(path=path.name, step=step, sha256=sha256_file(path),
-                                                bytes=path.stat().st_size, run_id=run_id, created="now"))
+        store.write_record(
+            folder,
+            store.Record(
+                path=path.name,
+                step=step,
+                sha256=sha256_file(path),
+                bytes=path.stat().st_size,
+                run_id=run_id,
+                created="now",
+            ),
+        )
     return path
 
 
@@ -256,8 +454,9 @@ def test_list_folder_reads_what_a_folder_holds(tmp_path):
     assert store.list_folder(tmp_path).corrupt == ["step-00000000.pt"]
     assert found.mismatch("step-00000001.pt") is None
     (tmp_path / "step-00000001.pt").write_bytes(b"checkpoint 9")  # same size, other bytes: the hash tells
-    assert found.mismatch("step-00000001.pt") == "step-00000001.pt: it does not match the sha256 in its record " \
-                                                 "(corrupt)"
+    assert (
+        found.mismatch("step-00000001.pt") == "step-00000001.pt: it does not match the sha256 in its record (corrupt)"
+    )
     assert store.list_folder(tmp_path / "missing").files == {}
 
 
@@ -271,8 +470,9 @@ def test_list_folder_reads_latest_json_or_says_why_it_does_not_read(tmp_path):
     (tmp_path / store.LATEST).write_text('{"path": "step-00000001.pt"}')
     found = store.list_folder(tmp_path)
     assert found.latest is None
-    assert found.latest_error == f"checkpoint record {tmp_path / store.LATEST} lacks step, sha256, bytes, run_id, " \
-                                 "created"
+    assert (
+        found.latest_error == f"checkpoint record {tmp_path / store.LATEST} lacks step, sha256, bytes, run_id, created"
+    )
 
 
 def test_list_folder_lists_checkpoints_set_aside(tmp_path):
@@ -282,8 +482,10 @@ def test_list_folder_lists_checkpoints_set_aside(tmp_path):
     found = store.list_folder(tmp_path)
     assert (found.files, found.records, found.corrupt) == ({}, {}, ["step-00000003.pt"])
     plan = store.plan_resume(found, "auto")
-    assert plan.error == ("has checkpoints but none verifies against its sha256 (damaged, set aside: "
-                          "step-00000003.pt); pass --resume PATH to force one, or choose a new --out")
+    assert plan.error == (
+        "has checkpoints but none verifies against its sha256 (damaged, set aside: "
+        "step-00000003.pt); pass --resume PATH to force one, or choose a new --out"
+    )
 
 
 def test_applying_a_resume_plan(tmp_path):
@@ -296,7 +498,11 @@ def test_applying_a_resume_plan(tmp_path):
     store.apply_plan(tmp_path, plan)
     assert plan.load == "step-00000001.pt"
     assert sorted(path.name for path in tmp_path.iterdir()) == [
-        "step-00000001.pt", "step-00000001.pt.json", "step-00000002.pt.corrupt", "step-00000002.pt.json.corrupt"]
+        "step-00000001.pt",
+        "step-00000001.pt.json",
+        "step-00000002.pt.corrupt",
+        "step-00000002.pt.json.corrupt",
+    ]
 
 
 def test_applying_a_resume_plan_removes_folders_and_tolerates_what_is_gone(tmp_path):
@@ -335,7 +541,11 @@ def test_applying_a_timeline_moves_files_with_their_records(tmp_path):
     plan = store.plan_timeline(store.list_folder(tmp_path), "step-00000002.pt", 2, "r")
     store.apply_timeline(tmp_path, plan)
     assert sorted(path.name for path in (tmp_path / "abandoned-00000002").iterdir()) == [
-        "step-00000004.pt", "step-00000004.pt.json", "step-00000006.pt", "step-00000006.pt.json"]
+        "step-00000004.pt",
+        "step-00000004.pt.json",
+        "step-00000006.pt",
+        "step-00000006.pt.json",
+    ]
     assert json.loads((tmp_path / "latest.json").read_text())["path"] == "step-00000002.pt"
 
 
@@ -360,8 +570,10 @@ def test_read_record_names_the_file(tmp_path):
     path.write_text("{broken")
     with pytest.raises(UserError) as error:
         store.read_record(path)
-    assert str(error.value) == f"checkpoint record {path} is not valid JSON (line 1: Expecting property name " \
-                               "enclosed in double quotes)"
+    assert (
+        str(error.value) == f"checkpoint record {path} is not valid JSON (line 1: Expecting property name "
+        "enclosed in double quotes)"
+    )
     path.unlink()
     with pytest.raises(UserError) as error:
         store.read_record(path)
@@ -373,7 +585,8 @@ def test_retention_without_a_backup_deletes_what_the_rules_name(tmp_path):
         write_checkpoint(tmp_path, step)
     store.Checkpointer(tmp_path, "r", keep_last=1, keep_every=2).apply_retention()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"step-0000000{step}.pt{suffix}" for step in (2, 4, 6) for suffix in ("", ".json")]
+        f"step-0000000{step}.pt{suffix}" for step in (2, 4, 6) for suffix in ("", ".json")
+    ]
 
 
 def test_retention_deletes_only_what_the_backup_confirmed(tmp_path):
@@ -401,7 +614,8 @@ def test_retention_asks_a_backup_with_deletable_and_only_that(tmp_path):
     store.Checkpointer(tmp_path, "r", keep_last=2, keep_every=0, backup=Backup()).apply_retention()
     assert asked == [[store.checkpoint_name(step) for step in (1, 2, 3)]]  # oldest first
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"step-0000000{step}.pt{suffix}" for step in (3, 4, 5) for suffix in ("", ".json")]
+        f"step-0000000{step}.pt{suffix}" for step in (3, 4, 5) for suffix in ("", ".json")
+    ]
 
 
 def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tmp_path):
@@ -426,24 +640,42 @@ def test_closing_waits_for_the_backup_as_long_as_asked_then_applies_retention(tm
     assert store.Checkpointer(tmp_path / "none", "r", keep_last=1, keep_every=0).close() is None
 
 
-@pytest.mark.parametrize("recorded, latest, order", [
-    ([10, 20, 30], 30, [20, 10]),  # latest.json's own is tried first, by the caller
-    ([10, 20, 30, 40], 20, [10]),  # 30, 40: past latest.json, an abandoned timeline: never restored
-    ([10, 20], None, [20, 10]),  # no readable latest.json: the newest recorded first
-    ([], 5, []),
-])
+@pytest.mark.parametrize(
+    "recorded, latest, order",
+    [
+        ([10, 20, 30], 30, [20, 10]),  # latest.json's own is tried first, by the caller
+        ([10, 20, 30, 40], 20, [10]),  # 30, 40: past latest.json, an abandoned timeline: never restored
+        ([10, 20], None, [20, 10]),  # no readable latest.json: the newest recorded first
+        ([], 5, []),
+    ],
+)
 def test_restore_order(recorded, latest, order):
     assert store.restore_order(recorded, latest) == order
 
 
 def test_sort_names_is_the_one_naming_rule_for_folders_and_remotes():
-    names = store.sort_names(["step-00000001.pt", "step-00000001.pt.json", "step-00000002.pt", "step-00000003.pt.json",
-                              ".step-00000004.pt.0a1b2c3d.tmp", "step-00000005.pt.corrupt",
-                              "step-00000005.pt.json.corrupt", "latest.json", "notes.txt", "step-6.pt",
-                              "abandoned-00000001"])
-    assert names == store.Names(checkpoints=["step-00000001.pt", "step-00000002.pt"], recorded=["step-00000001.pt"],
-                                orphaned=["step-00000003.pt"], temporaries=[".step-00000004.pt.0a1b2c3d.tmp"],
-                                corrupt=["step-00000005.pt"])
+    names = store.sort_names(
+        [
+            "step-00000001.pt",
+            "step-00000001.pt.json",
+            "step-00000002.pt",
+            "step-00000003.pt.json",
+            ".step-00000004.pt.0a1b2c3d.tmp",
+            "step-00000005.pt.corrupt",
+            "step-00000005.pt.json.corrupt",
+            "latest.json",
+            "notes.txt",
+            "step-6.pt",
+            "abandoned-00000001",
+        ]
+    )
+    assert names == store.Names(
+        checkpoints=["step-00000001.pt", "step-00000002.pt"],
+        recorded=["step-00000001.pt"],
+        orphaned=["step-00000003.pt"],
+        temporaries=[".step-00000004.pt.0a1b2c3d.tmp"],
+        corrupt=["step-00000005.pt"],
+    )
     assert store.sort_names([]) == store.Names([], [], [], [], [])
 
 
@@ -475,31 +707,134 @@ MIRROR = [  # case, local (entries, latest), remote (entries, latest, changed), 
     ("the first save", ([10], 10), ([], None, ()), POLICY, names(10), [], None, [], [], False),
     ("uploaded: latest moves", ([10], 10), ([10], None, ()), POLICY, [], [], 10, [], [], False),
     ("in step", ([10], 10), ([10], 10, ()), POLICY, [], [], None, [], [], True),
-    ("newest first; nothing deleted before it is there", ([10, 20, 30], 30), ([10], 10, ()), POLICY,
-     names(30, 20), [], None, names(10), [], False),
-    ("retention counts what the remote verified", ([30], 30), ([10, 20, 30], 20, ()), POLICY,
-     [], names(10), 30, [], [], False),
-    ("local goes once the remote holds it", ([10, 20], 20), ([10, 20], 20, ()), POLICY,
-     [], [], None, names(10), [], True),
-    ("one the remote would not keep, once a newer one is there", ([10, 20, 30, 40], 40), ([40], 40, ()),
-     POLICY, names(30), [], None, names(10, 20), [], True),
-    ("an outage: the oldest beyond max_unbacked go", ([10, 20, 30, 40, 50], 50), ([], None, ()), POLICY,
-     names(50, 40), [], None, names(10, 20), names(10, 20), False),
-    ("every multiple of the step, on both sides", ([20, 30, 40], 40), ([10, 20, 30, 40], 40, ()),
-     dataclasses.replace(POLICY, keep_every=20, remote_keep_every=20), [], names(10), None, names(30), [], True),
-    ("another run's files are never counted nor deleted", ([30, 40], 40), ([(10, "x"), (20, "x"), 30, 40], 40, ()),
-     POLICY, [], [], None, names(30), [], True),
-    ("a rewind: latest goes back; the timeline left is neither counted nor deleted", ([10, 20], 20),
-     ([10, 20, 30, 40], 40, ()), POLICY, [], [], 20, names(10), [], False),
-    ("a stale copy of a timeline left is overwritten", ([10, 20], 20), ([10, 20, 30], 30, (20,)), POLICY,
-     names(20), [], 10, names(10), [], False),
-    ("what the remote latest.json names stays until it has moved", ([10, 20, 30], 30), ([10, 20, 30], 10, ()),
-     POLICY, [], [], 30, names(10, 20), [], False),
+    (
+        "newest first; nothing deleted before it is there",
+        ([10, 20, 30], 30),
+        ([10], 10, ()),
+        POLICY,
+        names(30, 20),
+        [],
+        None,
+        names(10),
+        [],
+        False,
+    ),
+    (
+        "retention counts what the remote verified",
+        ([30], 30),
+        ([10, 20, 30], 20, ()),
+        POLICY,
+        [],
+        names(10),
+        30,
+        [],
+        [],
+        False,
+    ),
+    (
+        "local goes once the remote holds it",
+        ([10, 20], 20),
+        ([10, 20], 20, ()),
+        POLICY,
+        [],
+        [],
+        None,
+        names(10),
+        [],
+        True,
+    ),
+    (
+        "one the remote would not keep, once a newer one is there",
+        ([10, 20, 30, 40], 40),
+        ([40], 40, ()),
+        POLICY,
+        names(30),
+        [],
+        None,
+        names(10, 20),
+        [],
+        True,
+    ),
+    (
+        "an outage: the oldest beyond max_unbacked go",
+        ([10, 20, 30, 40, 50], 50),
+        ([], None, ()),
+        POLICY,
+        names(50, 40),
+        [],
+        None,
+        names(10, 20),
+        names(10, 20),
+        False,
+    ),
+    (
+        "every multiple of the step, on both sides",
+        ([20, 30, 40], 40),
+        ([10, 20, 30, 40], 40, ()),
+        dataclasses.replace(POLICY, keep_every=20, remote_keep_every=20),
+        [],
+        names(10),
+        None,
+        names(30),
+        [],
+        True,
+    ),
+    (
+        "another run's files are never counted nor deleted",
+        ([30, 40], 40),
+        ([(10, "x"), (20, "x"), 30, 40], 40, ()),
+        POLICY,
+        [],
+        [],
+        None,
+        names(30),
+        [],
+        True,
+    ),
+    (
+        "a rewind: latest goes back; the timeline left is neither counted nor deleted",
+        ([10, 20], 20),
+        ([10, 20, 30, 40], 40, ()),
+        POLICY,
+        [],
+        [],
+        20,
+        names(10),
+        [],
+        False,
+    ),
+    (
+        "a stale copy of a timeline left is overwritten",
+        ([10, 20], 20),
+        ([10, 20, 30], 30, (20,)),
+        POLICY,
+        names(20),
+        [],
+        10,
+        names(10),
+        [],
+        False,
+    ),
+    (
+        "what the remote latest.json names stays until it has moved",
+        ([10, 20, 30], 30),
+        ([10, 20, 30], 10, ()),
+        POLICY,
+        [],
+        [],
+        30,
+        names(10, 20),
+        [],
+        False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("case, local, remote, policy, upload, delete_remote, latest, delete_local, unbacked, "
-                         "caught_up", MIRROR, ids=[row[0] for row in MIRROR])
+@pytest.mark.parametrize(
+    "case, local, remote, policy, upload, delete_remote, latest, delete_local, unbacked, caught_up",
+    MIRROR,
+    ids=[row[0] for row in MIRROR],
+)
 def test_plan_mirror(case, local, remote, policy, upload, delete_remote, latest, delete_local, unbacked, caught_up):
     plan = store.plan_mirror(mirror_listing(*local), mirror_listing(*remote), policy)
     assert plan.upload == upload
@@ -538,11 +873,16 @@ KEEP_LAST = "--remote-keep-recent and --keep-last must be >= 1, got {} and {}"
 NOT_NEGATIVE = "--remote-keep-every, --keep-every and --backup-max-unbacked must be >= 0"
 
 
-@pytest.mark.parametrize("settings, problem", [
-    ({"remote_keep_last": 0}, KEEP_LAST.format(0, 2)), ({"keep_last": 0}, KEEP_LAST.format(3, 0)),
-    ({"remote_keep_every": -1}, NOT_NEGATIVE), ({"keep_every": -1}, NOT_NEGATIVE),
-    ({"max_unbacked": -1}, NOT_NEGATIVE),
-])
+@pytest.mark.parametrize(
+    "settings, problem",
+    [
+        ({"remote_keep_last": 0}, KEEP_LAST.format(0, 2)),
+        ({"keep_last": 0}, KEEP_LAST.format(3, 0)),
+        ({"remote_keep_every": -1}, NOT_NEGATIVE),
+        ({"keep_every": -1}, NOT_NEGATIVE),
+        ({"max_unbacked": -1}, NOT_NEGATIVE),
+    ],
+)
 def test_a_bad_mirror_policy_is_a_user_error(settings, problem):
     with pytest.raises(UserError) as error:
         store.MirrorPolicy(**settings)
@@ -558,8 +898,13 @@ def test_run_status_amends_what_the_last_session_left_and_nothing_else(tmp_path)
     """`report.py evaluate` keeps model/README.md's sha256 true through RunStatus, run_status.json's one writer."""
     store.RunStatus(tmp_path).amend(model_files={"README.md": "new"})
     assert not (tmp_path / "run_status.json").exists()  # no run: nothing to amend
-    store.write_status(tmp_path, "COMPLETE", step=10, model_files={"README.md": "old", "config.json": "c"},
-                       resume_command="python train.py --resume auto")
+    store.write_status(
+        tmp_path,
+        "COMPLETE",
+        step=10,
+        model_files={"README.md": "old", "config.json": "c"},
+        resume_command="python train.py --resume auto",
+    )
     before = store.read_json(tmp_path / "run_status.json")
     store.RunStatus(tmp_path).amend(model_files={**before["model_files"], "README.md": "new"})
     after = store.read_json(tmp_path / "run_status.json")

@@ -23,12 +23,15 @@ import trackers
 from common import UserError
 
 
-@pytest.mark.parametrize("text, names", [
-    ("wandb", ("wandb",)),
-    ("tensorboard, wandb,trackio", ("tensorboard", "wandb", "trackio")),
-    ("wandb,wandb,", ("wandb",)),
-    ("", ()),
-])
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ("wandb", ("wandb",)),
+        ("tensorboard, wandb,trackio", ("tensorboard", "wandb", "trackio")),
+        ("wandb,wandb,", ("wandb",)),
+        ("", ()),
+    ],
+)
 def test_tracker_names(text, names):
     assert trackers.tracker_names(text) == names
 
@@ -38,21 +41,32 @@ def test_an_unknown_tracker_is_one_error_line():
         trackers.check_trackers(trackers.tracker_names("wandb,mlflow"))
 
 
-@pytest.mark.parametrize("step, logged_through, skipped", [
-    (5, -1, False),   # a tracker that never logged anything takes every step, step 0 included
-    (0, -1, False),
-    (5, 6, True),     # after a rewind to 4: steps 5 and 6 were logged by the abandoned timeline
-    (6, 6, True),
-    (7, 6, False),
-    (None, 6, False),  # a record without a step (none today) is not dropped
-])
+@pytest.mark.parametrize(
+    "step, logged_through, skipped",
+    [
+        (5, -1, False),  # a tracker that never logged anything takes every step, step 0 included
+        (0, -1, False),
+        (5, 6, True),  # after a rewind to 4: steps 5 and 6 were logged by the abandoned timeline
+        (6, 6, True),
+        (7, 6, False),
+        (None, 6, False),  # a record without a step (none today) is not dropped
+    ],
+)
 def test_tracker_skips(step, logged_through, skipped):
     assert trackers.tracker_skips(step, logged_through) is skipped
 
 
 def test_scalars_and_tables_of_a_record():
-    record = {"kind": "train", "step": 3, "time": "t", "loss": 2.5, "mfu": None, "ok": True, "note": "x",
-              "samples": [{"prompt": "a", "completion": "b"}]}
+    record = {
+        "kind": "train",
+        "step": 3,
+        "time": "t",
+        "loss": 2.5,
+        "mfu": None,
+        "ok": True,
+        "note": "x",
+        "samples": [{"prompt": "a", "completion": "b"}],
+    }
     assert trackers.scalars(record) == {"train/loss": 2.5}
     assert trackers.table_rows(record) == {"train/samples": [{"prompt": "a", "completion": "b"}]}
 
@@ -94,8 +108,16 @@ def test_tensorboard_rewind_rewrites_the_one_events_file(tmp_path):
         resumed.write("train", step=step, loss=20.0 - step)
     resumed.close()
     assert sorted(tmp_path.glob("*tfevents*")) == [tmp_path / trackers.TENSORBOARD_EVENTS]
-    assert tensorboard_scalars(tmp_path, "train/loss") == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0),
-                                                           (6, 14.0), (7, 13.0), (8, 12.0)]
+    assert tensorboard_scalars(tmp_path, "train/loss") == [
+        (1, 9.0),
+        (2, 8.0),
+        (3, 7.0),
+        (4, 6.0),
+        (5, 15.0),
+        (6, 14.0),
+        (7, 13.0),
+        (8, 12.0),
+    ]
     assert tensorboard_scalars(tmp_path, "eval/val_loss") == [(4, 3.0)]
 
 
@@ -151,8 +173,8 @@ def wandb_records(path: Path):
         if block - position % block < 7:  # a block's tail too short for a header is padding
             position += block - position % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", raw[position:position + 7])
-        pending += raw[position + 7:position + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", raw[position : position + 7])
+        pending += raw[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
@@ -169,14 +191,16 @@ def wandb_history(wandb_dir: Path) -> tuple[set[str], list[dict]]:
             if record.WhichOneof("record_type") == "run":
                 ids.add(record.run.run_id)
             elif record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return ids, rows
 
 
 def train_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, f"train.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -187,14 +211,23 @@ def test_three_resumes_are_one_curve_in_every_tracker(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("trackio")
     corpus = write_tiny_corpus(tmp_path / "corpus")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline",
-           "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-           "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb"),
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+        "HF_HUB_OFFLINE": "1",
+        "GRADIO_ANALYTICS_ENABLED": "False",
+    }
     (tmp_path / "wandb").mkdir()
     run, backup = tmp_path / "run", tmp_path / "backup"
     args = options(corpus, run, "--log-to", "tensorboard,wandb,trackio", steps=14)
 
-    train_cli([*args, "--stop-after-steps", "6"], env)   # saves at 4 and 6
+    train_cli([*args, "--stop-after-steps", "6"], env)  # saves at 4 and 6
     for name in ("step-00000006.pt", "step-00000006.pt.json"):  # lost: the next session rewinds to step 4
         (run / "checkpoints" / name).unlink()
     (run / "checkpoints" / "latest.json").unlink()

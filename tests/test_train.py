@@ -82,8 +82,9 @@ def test_block_permutation_is_a_bijection(n):
 
 def test_block_permutation_depends_on_seed_and_epoch_and_is_not_affine():
     n = 1000
-    orders = [[train_data.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in
-              [(1, 0), (1, 1), (2, 0)]]
+    orders = [
+        [train_data.BlockPermutation(n, seed, epoch)(i) for i in range(n)] for seed, epoch in [(1, 0), (1, 1), (2, 0)]
+    ]
     assert orders[0] != orders[1] and orders[0] != orders[2]
     assert orders[0] == [train_data.BlockPermutation(n, 1, 0)(i) for i in range(n)]  # stateless: same again
     steps = {(orders[0][i + 1] - orders[0][i]) % n for i in range(n - 1)}
@@ -111,14 +112,16 @@ def test_sampler_visits_every_block_once_per_epoch_and_seeks_in_o1():
     assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1
     far = train_data.BlockSampler(blocks=10**9, seed=9, batch_size=2, grad_accum=2, world=2)
     # no state to replay: a step far away is computed from its index alone, the same from any sampler
-    assert far.step_blocks(10**8) == train_data.BlockSampler(blocks=10**9, seed=9, batch_size=8, grad_accum=1,
-                                                        world=1).step_blocks(10**8)
+    assert far.step_blocks(10**8) == train_data.BlockSampler(
+        blocks=10**9, seed=9, batch_size=8, grad_accum=1, world=1
+    ).step_blocks(10**8)
 
 
 def in_process_training(corpus: Path, out: Path, *extra: str) -> train.Training:
     settings = train.parse_args(options(corpus, out, *extra))
-    return train.build_training(settings, distributed.DistInfo(rank=0, local_rank=0, world=1,
-                                                               device=torch.device("cpu")))
+    return train.build_training(
+        settings, distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    )
 
 
 def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(corpus, tmp_path, monkeypatch, capsys):
@@ -143,15 +146,18 @@ def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(corpus,
     assert all(parameter.grad is None for parameter in training.model.parameters())  # the probe left nothing
     assert math.isfinite(training.train_step().loss)
     train.describe_run(training)  # the start lines say that it went eager, and why
-    assert "  torch.compile: fell back to eager at start (RuntimeError: backend='inductor' raised:)" in \
-        capsys.readouterr().out
+    assert (
+        "  torch.compile: fell back to eager at start (RuntimeError: backend='inductor' raised:)"
+        in capsys.readouterr().out
+    )
 
 
 def test_the_t4_document_path_compiles_at_start(corpus, tmp_path, monkeypatch, capsys):
     """The T4's document kernel (the memory-efficient varlen custom op, its CPU kernel here) under --compile
     --packing masked: compiled at start with a document boundary, no fallback to eager, and it trains."""
-    plan = attention.AttentionPlan("efficient varlen", "cpu flash", attention.EFFICIENT, (),
-                                   "the T4's document kernel, on CPU")
+    plan = attention.AttentionPlan(
+        "efficient varlen", "cpu flash", attention.EFFICIENT, (), "the T4's document kernel, on CPU"
+    )
     monkeypatch.setattr(attention, "attention_plans", lambda *args: [plan])
     training = in_process_training(corpus, tmp_path, "--compile", "--packing", "masked")
     assert training.model.config._attn_implementation == attention.EFFICIENT and training.data.documents
@@ -171,10 +177,8 @@ def test_compile_at_start_keeps_the_first_step(corpus, tmp_path):
 def test_a_step_is_the_same_whatever_the_batch_is_split_into(corpus, tmp_path):
     """Batch 4 x accumulation 1 and batch 1 x accumulation 4 read the same 4 blocks: the same loss and gradient
     norm. The loss is the mean over the step's blocks, computed here by hand from the model before the step."""
-    whole = in_process_training(corpus, tmp_path / "a", "--batch-size", "4", "--grad-accum", "1",
-                                "--packing", "stream")
-    split = in_process_training(corpus, tmp_path / "b", "--batch-size", "1", "--grad-accum", "4",
-                                "--packing", "stream")
+    whole = in_process_training(corpus, tmp_path / "a", "--batch-size", "4", "--grad-accum", "1", "--packing", "stream")
+    split = in_process_training(corpus, tmp_path / "b", "--batch-size", "1", "--grad-accum", "4", "--packing", "stream")
     assert store.tensor_differences(whole.model.state_dict(), split.model.state_dict(), "model") == []
     blocks = whole.data.sampler.step_blocks(0)
     assert blocks == split.data.sampler.step_blocks(0) and len(blocks) == 4
@@ -212,7 +216,7 @@ def test_token_split_blocks_cross_shard_boundaries(corpus):
     stream = np.concatenate([np.fromfile(corpus / f["name"], dtype="<u2") for f in files])
     assert len(manifest.splits["train"]["files"]) > 1 and split.blocks == (len(stream) - 1) // 32
     for index in (0, 1, 4000 // 32, split.blocks - 1):  # 4000 // 32 spans the first shard boundary
-        assert np.array_equal(split.block(index), stream[index * 32: index * 32 + 33].astype(np.int64))
+        assert np.array_equal(split.block(index), stream[index * 32 : index * 32 + 33].astype(np.int64))
     inputs, targets, documents = split.batch([0, 5], torch.device("cpu"))
     assert inputs.shape == targets.shape == (2, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
     assert documents is None  # "stream": attention across documents
@@ -257,8 +261,11 @@ def test_checkpointer_retention_and_backup_seam(tmp_path):
     for step in range(2, 9):
         if step == 7:
             backup.confirmed = {store.checkpoint_name(s) for s in range(2, 6)}
-        saver.save({"format_version": 1, "step": step, "x": torch.full((3,), step)}, step,
-                   val_loss=1.0 / step if step == 5 else None)
+        saver.save(
+            {"format_version": 1, "step": step, "x": torch.full((3,), step)},
+            step,
+            val_loss=1.0 / step if step == 5 else None,
+        )
     saver.close()
     names = sorted(p.name for p in folder.glob("step-*.pt"))
     # kept: foreign 1; 4 and 8 (keep-every); 5 (the best); 7, 8 (keep-last); 6 (not yet backed up when 7, 8 were saved)
@@ -267,8 +274,12 @@ def test_checkpointer_retention_and_backup_seam(tmp_path):
     latest = json.loads((folder / "latest.json").read_text())
     assert latest == json.loads((folder / "step-00000008.pt.json").read_text())
     assert {key: latest[key] for key in ("path", "step", "sha256", "bytes", "run_id")} == {
-        "path": "step-00000008.pt", "step": 8, "sha256": sha256_file(folder / latest["path"]),
-        "bytes": (folder / latest["path"]).stat().st_size, "run_id": "r1"}
+        "path": "step-00000008.pt",
+        "step": 8,
+        "sha256": sha256_file(folder / latest["path"]),
+        "bytes": (folder / latest["path"]).stat().st_size,
+        "run_id": "r1",
+    }
     assert json.loads((folder / "step-00000005.pt.json").read_text())["val_loss"] == 0.2
     assert store.list_folder(folder).best().step == 5
 
@@ -332,19 +343,24 @@ def test_resume_command_names_the_script_as_run_from_here_the_interpreter_and_th
     assert train.resume_command(single, []) == f"{sys.executable} {script} --resume auto"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 processes
     four = distributed.DistInfo(rank=0, local_rank=0, world=4, device=torch.device("cpu"))
-    assert train.resume_command(four, []) == \
-        f"torchrun --nnodes=2 (with your rendezvous options) --nproc_per_node=2 {script} --resume auto"
+    assert (
+        train.resume_command(four, [])
+        == f"torchrun --nnodes=2 (with your rendezvous options) --nproc_per_node=2 {script} --resume auto"
+    )
 
 
 # sys.argv[0] -> the console script a command is printed as (None: python SCRIPT)
-@pytest.mark.parametrize("argv0, shown", [
-    ("/venv/bin/tinyllm-train", "tinyllm-train"),  # started through pyproject.toml's [project.scripts]
-    ("tinyllm-train", "tinyllm-train"),
-    ("train.py", None),
-    ("/work/tinyllm/train.py", None),
-    ("/venv/bin/tinyllm-data", None),  # another script's command
-    ("", None),  # python -c
-])
+@pytest.mark.parametrize(
+    "argv0, shown",
+    [
+        ("/venv/bin/tinyllm-train", "tinyllm-train"),  # started through pyproject.toml's [project.scripts]
+        ("tinyllm-train", "tinyllm-train"),
+        ("train.py", None),
+        ("/work/tinyllm/train.py", None),
+        ("/venv/bin/tinyllm-data", None),  # another script's command
+        ("", None),  # python -c
+    ],
+)
 def test_console_script_is_read_off_argv0(argv0, shown):
     assert common.console_script("train", argv0) == shown
 
@@ -374,26 +390,32 @@ def test_bad_options_give_one_clear_line(tmp_path):
     result = run_cli(["--zzz", "--out", str(tmp_path / "run")], check=False)
     assert result.stderr == "error: unrecognized arguments: --zzz (see train.py --help)\n"  # nothing close: no guess
     result = run_cli(["--data", str(tmp_path / "nope")], check=False)  # where would the run go?
-    assert result.returncode == 2 and result.stderr.strip() == \
-        "error: --data needs --out RUN: the run folder for its checkpoints, metrics and status"
+    assert (
+        result.returncode == 2
+        and result.stderr.strip()
+        == "error: --data needs --out RUN: the run folder for its checkpoints, metrics and status"
+    )
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["--heads", "0"], "heads (--heads) must be positive, got 0"),
-    (["--hidden", "0"], "hidden (--hidden) must be positive, got 0"),
-    (["--rms-norm-eps", "-1"], "rms_norm_eps (--rms-norm-eps) must be positive, got -1.0"),
-    (["--rope-theta", "nan"], "rope_theta (--rope-theta) must be positive, got nan"),
-    (["--lr", "nan"], "--lr must be a finite number, got nan"),
-    (["--lr", "inf"], "--lr must be a finite number, got inf"),
-    (["--final-lr-fraction", "1.5"], "--final-lr-fraction must be in [0, 1], got 1.5"),
-    (["--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
-    (["--muon-lr", "0"], "--muon-lr must be positive, got 0.0"),
-    (["--optimizer", "adamw", "--muon-lr", "0.02"], "--muon-lr needs --optimizer muon"),
-    (["--schedule", "cosine", "--decay-fraction", "0.2"], "--decay-fraction belongs to --schedule wsd"),
-    (["--epochs", "inf"], "--epochs must be a positive finite number, got inf"),
-    (["--target-tokens", "1.5x"], "argument --target-tokens: not a number: '1.5x'"),
-    (["--target-tokens", "1.5"], "argument --target-tokens: not a whole number of tokens: '1.5'"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--heads", "0"], "heads (--heads) must be positive, got 0"),
+        (["--hidden", "0"], "hidden (--hidden) must be positive, got 0"),
+        (["--rms-norm-eps", "-1"], "rms_norm_eps (--rms-norm-eps) must be positive, got -1.0"),
+        (["--rope-theta", "nan"], "rope_theta (--rope-theta) must be positive, got nan"),
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--final-lr-fraction", "1.5"], "--final-lr-fraction must be in [0, 1], got 1.5"),
+        (["--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
+        (["--muon-lr", "0"], "--muon-lr must be positive, got 0.0"),
+        (["--optimizer", "adamw", "--muon-lr", "0.02"], "--muon-lr needs --optimizer muon"),
+        (["--schedule", "cosine", "--decay-fraction", "0.2"], "--decay-fraction belongs to --schedule wsd"),
+        (["--epochs", "inf"], "--epochs must be a positive finite number, got inf"),
+        (["--target-tokens", "1.5x"], "argument --target-tokens: not a number: '1.5x'"),
+        (["--target-tokens", "1.5"], "argument --target-tokens: not a whole number of tokens: '1.5'"),
+    ],
+)
 def test_bad_model_and_schedule_values_are_one_line_errors(corpus, tmp_path, bad, message, capsys):
     with pytest.raises((UserError, SystemExit)) as error:
         train.main(["--data", str(corpus), "--out", str(tmp_path / "run"), *bad])
@@ -461,16 +483,20 @@ def test_length_options_and_hardware_refusals(corpus, tmp_path):
     blocks = train.build_training(train.parse_args(options(corpus, tmp_path)), info).data.train_blocks
     epoch_args = options(corpus, tmp_path)
     position = epoch_args.index("--target-tokens")
-    del epoch_args[position: position + 2]
+    del epoch_args[position : position + 2]
     by_epochs = train.build_training(train.parse_args([*epoch_args, "--epochs", "2"]), info)
     assert by_epochs.total_steps == -(-2 * blocks // 4)  # ceil(2 epochs x blocks / 4 blocks per step)
-    for extra, message in [(["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
-                           (["--8bit-adam", "--optimizer", "adamw"], "needs a CUDA device"),
-                           (["--preset", "tiny", "--kv-heads", "3"], "multiple of kv_heads")]:
+    for extra, message in [
+        (["--8bit-adam"], "--8bit-adam needs --optimizer adamw"),
+        (["--8bit-adam", "--optimizer", "adamw"], "needs a CUDA device"),
+        (["--preset", "tiny", "--kv-heads", "3"], "multiple of kv_heads"),
+    ]:
         with pytest.raises(UserError, match=message):
             train.main(options(corpus, tmp_path / "refused", *extra))
-    for extra, message in [(["--require-gpus", "1"], "--require-gpus 1"),
-                           (["--require-gpu-name", "T4"], "--require-gpu-name T4")]:
+    for extra, message in [
+        (["--require-gpus", "1"], "--require-gpus 1"),
+        (["--require-gpu-name", "T4"], "--require-gpu-name T4"),
+    ]:
         backup = tmp_path / "backup"
         with pytest.raises(UserError, match=message):  # before the run folder or the backup store is touched
             train.main(options(corpus, tmp_path / "gated", *extra, "--backup-to", str(backup)))
@@ -482,8 +508,11 @@ def test_out_of_memory_while_building_is_one_line_naming_the_preset_and_the_card
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(model_config, "build_training_model", no_room)
-    with pytest.raises(UserError, match=r"CUDA out of memory on .* while building --preset tiny \([\d,]+ parameters\) "
-                                        r"and probing attention on one block of 32 tokens: .*smaller --preset"):
+    with pytest.raises(
+        UserError,
+        match=r"CUDA out of memory on .* while building --preset tiny \([\d,]+ parameters\) "
+        r"and probing attention on one block of 32 tokens: .*smaller --preset",
+    ):
         train.main(options(corpus, tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # nothing left behind
 
@@ -550,8 +579,9 @@ def sums_task(tmp_path_factory) -> Path:
         a, b = rng.randrange(100), rng.randrange(100)
         choices = [f"{a + b + offset}." for offset in (0, *rng.sample([-10, -1, 1, 10, 11], 3))]
         rng.shuffle(choices)
-        lines.append(json.dumps({"context": f"{a} plus {b} is", "choices": choices,
-                                 "answer": choices.index(f"{a + b}.")}) + "\n")
+        lines.append(
+            json.dumps({"context": f"{a} plus {b} is", "choices": choices, "answer": choices.index(f"{a + b}.")}) + "\n"
+        )
     path = tmp_path_factory.mktemp("tasks") / "sums.jsonl"
     path.write_text("".join(lines))
     return path
@@ -584,21 +614,62 @@ def reference(references) -> Path:
 def test_uninterrupted_run_writes_the_run_folder(reference):
     assert status(reference)["status"] == "COMPLETE"
     assert sorted(p.name for p in reference.iterdir()) == [  # .lock: the pid of the last train.py to run here
-        ".lock", "checkpoints", "config.toml", "hardware.json", "metrics.jsonl", "run_status.json",
-        "training_settings.json"]
+        ".lock",
+        "checkpoints",
+        "config.toml",
+        "hardware.json",
+        "metrics.jsonl",
+        "run_status.json",
+        "training_settings.json",
+    ]
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
-    train_keys = {"kind", "step", "tokens", "loss", "adamw_lr", "muon_lr", "head_lr", "grad_norm", "step_seconds",
-                  "tokens_per_second", "mfu", "peak_memory_bytes", "time"}  # head_lr: tiny's LM head is its own
+    train_keys = {
+        "kind",
+        "step",
+        "tokens",
+        "loss",
+        "adamw_lr",
+        "muon_lr",
+        "head_lr",
+        "grad_norm",
+        "step_seconds",
+        "tokens_per_second",
+        "mfu",
+        "peak_memory_bytes",
+        "time",
+    }  # head_lr: tiny's LM head is its own
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
     assert all(set(r) == train_keys for r in records if r["kind"] == "train")
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8, 12]
-    assert all(set(r) == {"kind", "step", "tokens", "val_loss", "val_perplexity", "val_tokens", "val_bits_per_byte",
-                          "val_bytes", "time"} for r in records if r["kind"] == "eval")
+    assert all(
+        set(r)
+        == {
+            "kind",
+            "step",
+            "tokens",
+            "val_loss",
+            "val_perplexity",
+            "val_tokens",
+            "val_bits_per_byte",
+            "val_bytes",
+            "time",
+        }
+        for r in records
+        if r["kind"] == "eval"
+    )
     assert all(r["val_bits_per_byte"] > 0 and r["val_bytes"] > r["val_tokens"] for r in records if r["kind"] == "eval")
     assert {r["val_tokens"] for r in records if r["kind"] == "eval"} == {2 * 4 * 32}  # 2 global batches of 4 x 32
     tests = [r for r in records if r["kind"] == "test"]
-    assert len(tests) == 1 and set(tests[0]) == {"kind", "step", "tokens", "test_loss", "test_perplexity",
-                                                 "test_bits_per_byte", "test_bytes", "time"}
+    assert len(tests) == 1 and set(tests[0]) == {
+        "kind",
+        "step",
+        "tokens",
+        "test_loss",
+        "test_perplexity",
+        "test_bits_per_byte",
+        "test_bytes",
+        "time",
+    }
     test = status(reference)["test"]
     assert test["bits_per_byte"] == tests[0]["test_bits_per_byte"]
     assert test["bits_per_byte"] == pytest.approx(test["loss"] * test["tokens"] / math.log(2) / test["bytes"])
@@ -615,22 +686,26 @@ def test_stop_then_resume_is_bitwise_identical(corpus, reference, tmp_path):
     assert status(out)["status"] == "CHECKPOINTED_NEEDS_RESUME" and status(out)["step"] == 5
     result = run_cli(options(corpus, out, "--resume", "auto"))  # a new process
     assert "resumed from" in result.stdout and "step 5/12" in result.stdout
-    assert ("recipe: muon: Muon lr 0.02 (hidden matrices, momentum 0.9), AdamW lr 0.003 (embeddings, norms; 0.0141 "
-            "the untied LM head); 3 warmup steps") in result.stdout
+    assert (
+        "recipe: muon: Muon lr 0.02 (hidden matrices, momentum 0.9), AdamW lr 0.003 (embeddings, norms; 0.0141 "
+        "the untied LM head); 3 warmup steps"
+    ) in result.stdout
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == train_losses(reference)  # the metrics log continues without duplicates
 
 
-def test_a_checkpoint_recorded_before_a_recipe_knob_existed_resumes_bit_for_bit(corpus, reference, tmp_path,
-                                                                                monkeypatch):
+def test_a_checkpoint_recorded_before_a_recipe_knob_existed_resumes_bit_for_bit(
+    corpus, reference, tmp_path, monkeypatch
+):
     """A knob added since a checkpoint was written (as if --8bit-adam had just become one) reads at its default
     (optimization.with_recorded_defaults): the resume is the uninterrupted run, not a refusal."""
     out, recorded = tmp_path / "run", train.recorded_settings
 
     def before_the_knob(training):
         settings = recorded(training)
-        settings["training"] = {key: value for key, value in settings["training"].items()
-                                if key not in ("adam8bit", "recipe.adam8bit")}
+        settings["training"] = {
+            key: value for key, value in settings["training"].items() if key not in ("adam8bit", "recipe.adam8bit")
+        }
         return settings
 
     monkeypatch.setattr(train, "recorded_settings", before_the_knob)
@@ -681,10 +756,12 @@ def test_eval_tasks_change_no_step_and_a_resume_keeps_their_curve(corpus, refere
     assert [(record["step"], record["local_sums/n"]) for record in records] == [(4, 30), (8, 20), (12, 20)]
     assert all(0 <= record["local_sums/acc"] <= 1 and record["local_sums/chance"] == 0.25 for record in records)
     history = final_state(out)["callbacks"]["tasks"]["history"]
-    assert [entry["step"] for entry in history] == [4, 8, 12] and history[-1]["local_sums/acc"] == \
-        records[-1]["local_sums/acc"]
-    assert f"local_sums acc {records[-1]['local_sums/acc']:.3f} (chance 0.250)" in \
-        report.final_line(out, "COMPLETE", status(out))
+    assert [entry["step"] for entry in history] == [4, 8, 12] and history[-1]["local_sums/acc"] == records[-1][
+        "local_sums/acc"
+    ]
+    assert f"local_sums acc {records[-1]['local_sums/acc']:.3f} (chance 0.250)" in report.final_line(
+        out, "COMPLETE", status(out)
+    )
 
 
 def test_the_config_a_run_writes_starts_the_same_run_again(corpus, reference, tmp_path):
@@ -711,8 +788,14 @@ def test_truncated_newest_checkpoint_falls_back_and_still_matches(corpus, refere
 
 def start_cli(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_line(process: subprocess.Popen, prefix: str) -> None:
@@ -731,8 +814,10 @@ def test_kill_9_mid_save_and_at_a_random_moment_then_resume_matches(corpus, refe
     caught = None
     while process.poll() is None and caught is None:
         names = os.listdir(folder) if folder.is_dir() else []
-        caught = next((name for name in names if name.startswith(".step-") and name.endswith(".tmp")
-                       and int(name[6:14]) >= 4), None)
+        caught = next(
+            (name for name in names if name.startswith(".step-") and name.endswith(".tmp") and int(name[6:14]) >= 4),
+            None,
+        )
     process.kill()
     process.wait()
     assert caught, "no checkpoint write was caught in flight"
@@ -772,20 +857,26 @@ def test_sigterm_saves_and_exits_0_then_resume_matches(corpus, references, tmp_p
     assert_same_state(final_state(out), final_state(references(precision)))
 
 
-def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same(corpus, reference, tmp_path,
-                                                                                  monkeypatch):
+def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same(
+    corpus, reference, tmp_path, monkeypatch
+):
     """Under DDP the gradients are zeroed in place (set_to_none=False keeps DDP's bucket views); AdamW and
     Muon treat a zero gradient unlike a missing one, so every parameter must get one in every step."""
     for tied in (False, True):  # tiny's own LM head; tied (micro and larger): one parameter, two uses
         extra = ("--tie-embeddings",) if tied else ()
-        training = train.build_training(train.parse_args(options(corpus, tmp_path / f"unit-{tied}", *extra)),
-                                        distributed.init_distributed("cpu"))
+        training = train.build_training(
+            train.parse_args(options(corpus, tmp_path / f"unit-{tied}", *extra)), distributed.init_distributed("cpu")
+        )
         model = training.model
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
         batch = training.data.micro_batches(0, 0, training.device)[0]
         training.loss_of(batch).backward()
-        held = [param for optimizer in training.optimizer.parts.values() for group in optimizer.param_groups
-                for param in group["params"]]
+        held = [
+            param
+            for optimizer in training.optimizer.parts.values()
+            for group in optimizer.param_groups
+            for param in group["params"]
+        ]
         assert len(held) == len(list(model.parameters())) == len({id(param) for param in held})
         assert all(param.grad is not None and bool(param.grad.abs().sum() > 0) for param in held)
     zero_grad = optimization.Optimizers.zero_grad
@@ -793,8 +884,9 @@ def test_every_parameter_gets_a_gradient_so_zeroing_in_place_is_bitwise_the_same
     out = tmp_path / "in-place"
     assert train.main(options(corpus, out, "--stop-after-steps", "4")) == 0
     assert train_losses(out) == {step: loss for step, loss in train_losses(reference).items() if step <= 4}
-    assert_same_state(final_state(out), torch.load(reference / "checkpoints" / store.checkpoint_name(4),
-                                                   weights_only=True))
+    assert_same_state(
+        final_state(out), torch.load(reference / "checkpoints" / store.checkpoint_name(4), weights_only=True)
+    )
 
 
 def test_deterministic_is_a_session_setting_and_cpu_stays_bit_for_bit(corpus, reference, tmp_path):
@@ -810,15 +902,19 @@ def test_deterministic_is_a_session_setting_and_cpu_stays_bit_for_bit(corpus, re
 
 def test_an_op_without_a_deterministic_kernel_is_one_line_naming_deterministic(corpus, tmp_path, monkeypatch):
     def strict_step(self):  # what torch raises for such an op under use_deterministic_algorithms(True)
-        raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
-                           "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this "
-                           "operation, or you can use the 'warn_only=True' option, if that's acceptable")
+        raise RuntimeError(
+            "index_add_cuda_ does not have a deterministic implementation, but you set "
+            "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this "
+            "operation, or you can use the 'warn_only=True' option, if that's acceptable"
+        )
 
     monkeypatch.setattr(train.Training, "train_step", strict_step)
     with pytest.raises(UserError) as error:
         train.main(options(corpus, tmp_path / "run", "--deterministic"))
-    assert str(error.value).startswith("--deterministic: index_add_cuda_ does not have a deterministic "
-                                       "implementation; this run cannot be deterministic on this device")
+    assert str(error.value).startswith(
+        "--deterministic: index_add_cuda_ does not have a deterministic "
+        "implementation; this run cannot be deterministic on this device"
+    )
     assert status(tmp_path / "run")["status"] == "FAILED"
 
 
@@ -845,8 +941,23 @@ def test_grad_clip_0_is_off_not_a_zero_bound(corpus, tmp_path):
 def test_adamw_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     assert train.main(options(corpus, full, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0")) == 0
-    assert train.main(options(corpus, split, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0",
-                              "--stop-after-steps", "5")) == 0
+    assert (
+        train.main(
+            options(
+                corpus,
+                split,
+                "--optimizer",
+                "adamw",
+                "--save-every",
+                "6",
+                "--eval-every",
+                "0",
+                "--stop-after-steps",
+                "5",
+            )
+        )
+        == 0
+    )
     assert train.main(options(corpus, split, "--optimizer", "adamw", "--save-every", "6", "--eval-every", "0")) == 0
     assert set(final_state(full)["optimizer"]) == {"adamw"}
     assert_same_state(final_state(split), final_state(full))
@@ -882,8 +993,13 @@ def test_the_recorded_settings_are_the_run_and_session_settings(corpus, tmp_path
     assert {key: recorded["training"][key] for key in run} == {**run, "text_loss": None}
     derived = set(recorded["training"]) - set(run)
     assert {key for key in derived if not key.startswith(("model.", "recipe."))} == {
-        "corpus_manifest_sha256", "tokenizer_sha256", "vocab_size", "global_batch_blocks", "tokens_per_step",
-        "total_steps"}
+        "corpus_manifest_sha256",
+        "tokenizer_sha256",
+        "vocab_size",
+        "global_batch_blocks",
+        "tokens_per_step",
+        "total_steps",
+    }
     session = dataclasses.asdict(training.session)
     assert set(recorded["runtime"]) == set(session) - {"backup_to"} | {"world_size", "device"}
     assert recorded["runtime"]["data"] == str(corpus) and recorded["runtime"]["batch_size"] == 2
@@ -896,7 +1012,7 @@ def test_a_default_length_run_resumes_with_the_same_length_given_as_epochs_1(cor
     out = tmp_path / "run"
     default_length = options(corpus, out)
     at = default_length.index("--target-tokens")
-    del default_length[at:at + 2]
+    del default_length[at : at + 2]
     assert train.main([*default_length, "--stop-after-steps", "2"]) == 0
     assert train.main([*default_length, "--epochs", "1", "--stop-after-steps", "3"]) == 0
     assert status(out)["step"] == 3
@@ -931,8 +1047,9 @@ WORLD_SIZES_APART = {"fp32": (1e-4, 1e-6), "bf16": (2e-3, 2e-2)}  # bf16 measure
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", USER_PRECISIONS)
-def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(corpus, references, sums_task, tmp_path,
-                                                                           precision):
+def test_world_size_2_stop_resume_is_bitwise_identical_and_2_to_1_is_close(
+    corpus, references, sums_task, tmp_path, precision
+):
     full, split, moved = tmp_path / "full", tmp_path / "split", tmp_path / "moved"
     user = ("--precision", precision)
     run_cli(options(corpus, full, "--batch-size", "1", "--report", *user), world=2)  # rank 1 waits for the report
@@ -983,12 +1100,28 @@ def start_two_ranks(args: list[str], logs: Path) -> list[subprocess.Popen]:
     logs.mkdir()
     ranks = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
-            ranks.append(subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=out,
-                                          stderr=err, stdin=subprocess.DEVNULL))
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "train.py", *args],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
     return ranks
 
 
@@ -1013,10 +1146,13 @@ if os.environ.get("RANK") == "0":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("order", ["peer lost, then SIGTERM while recording", "peer lost, then SIGTERM while exiting",
-                                   "SIGTERM, then peer lost"])
-def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(corpus, tmp_path, order,
-                                                                              patch_python_children):
+@pytest.mark.parametrize(
+    "order",
+    ["peer lost, then SIGTERM while recording", "peer lost, then SIGTERM while exiting", "SIGTERM, then peer lost"],
+)
+def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(
+    corpus, tmp_path, order, patch_python_children
+):
     out, logs = tmp_path / "run", tmp_path / "logs"
     if order.startswith("peer lost"):
         patch_python_children(SELF_SIGNAL.format(where=SIGNAL_AT[order.split(" while ")[1]]))
@@ -1053,29 +1189,34 @@ def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(co
 # The cloud backup wired in (checkpoint_cloud.py against a local folder)
 
 
-def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely(corpus, tmp_path, monkeypatch,
-                                                                              capsys, patch_python_children):
+def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely(
+    corpus, tmp_path, monkeypatch, capsys, patch_python_children
+):
     import checkpoint_cloud
     import remote_store
 
     # uploads lag well behind the saves (one every 2 steps); they run in the backup's child process, which
     # also deletes the local checkpoints retention lets go: each deletion is noted with what the remote held
     remote, out, deleted = tmp_path / "remote", tmp_path / "run", tmp_path / "deleted.jsonl"
-    patch_python_children("\n".join([
-        "import json, os, time, remote_store, checkpoint_store",
-        "upload, delete = remote_store.upload_verified, checkpoint_store.delete",
-        "def slow_upload(*args, **kwargs):",
-        "    time.sleep(1.0)",
-        "    return upload(*args, **kwargs)",
-        "def noted_delete(folder, names):",
-        "    held = [n for n in os.listdir(folder) if n.endswith('.pt')]",
-        f"    with open({str(deleted)!r}, 'a') as notes:",
-        "        for name in names:",
-        f"            there = os.path.exists(os.path.join({str(remote / 'checkpoints')!r}, name + '.json'))",
-        "            notes.write(json.dumps([name, there, len(held)]) + '\\n')",
-        "    return delete(folder, names)",
-        "remote_store.upload_verified, checkpoint_store.delete = slow_upload, noted_delete",
-    ]))
+    patch_python_children(
+        "\n".join(
+            [
+                "import json, os, time, remote_store, checkpoint_store",
+                "upload, delete = remote_store.upload_verified, checkpoint_store.delete",
+                "def slow_upload(*args, **kwargs):",
+                "    time.sleep(1.0)",
+                "    return upload(*args, **kwargs)",
+                "def noted_delete(folder, names):",
+                "    held = [n for n in os.listdir(folder) if n.endswith('.pt')]",
+                f"    with open({str(deleted)!r}, 'a') as notes:",
+                "        for name in names:",
+                f"            there = os.path.exists(os.path.join({str(remote / 'checkpoints')!r}, name + '.json'))",
+                "            notes.write(json.dumps([name, there, len(held)]) + '\\n')",
+                "    return delete(folder, names)",
+                "remote_store.upload_verified, checkpoint_store.delete = slow_upload, noted_delete",
+            ]
+        )
+    )
     backup = ["--backup-to", str(remote), "--remote-keep-recent", "100", "--backup-max-unbacked", "100"]
     assert train.main(options(corpus, out, "--save-every", "2", "--keep-last", "1", *backup)) == 0
     notes = [json.loads(line) for line in deleted.read_text().splitlines()]
@@ -1104,8 +1245,9 @@ def test_resume_auto_restores_from_the_backup_on_a_fresh_disk(corpus, reference,
     assert_same_state(final_state(second), final_state(reference))
 
 
-def test_a_signal_under_torchrun_records_the_resumable_status_before_a_wait_that_fits_the_grace(corpus, tmp_path,
-                                                                                                monkeypatch):
+def test_a_signal_under_torchrun_records_the_resumable_status_before_a_wait_that_fits_the_grace(
+    corpus, tmp_path, monkeypatch
+):
     out, remote = tmp_path / "run", tmp_path / "remote"
     waits = []
     close = store.Checkpointer.close
@@ -1125,7 +1267,7 @@ def test_a_signal_under_torchrun_records_the_resumable_status_before_a_wait_that
     monkeypatch.setattr(train.Training, "train_step", signalled_step)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as under torchrun: SIGKILL 30 s after the signal
     assert train.main(options(corpus, out, "--backup-to", str(remote))) == 0
-    (before, wait), = waits
+    ((before, wait),) = waits
     assert before["status"] == "CHECKPOINTED_NEEDS_RESUME" and before["last_checkpoint"] == store.checkpoint_name(3)
     assert before["backup_complete"] is None and before["resume_command"].endswith("--resume auto")
     assert 0 <= wait <= train.TORCHRUN_GRACE_SECONDS - train.STOP_MARGIN_SECONDS  # not --backup-wait-seconds 600
@@ -1184,8 +1326,10 @@ def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corp
     for path in (jsonl, tmp_path):
         with pytest.raises(UserError) as error:
             train.main(["--data", str(path), "--out", str(tmp_path / "run"), "--no-report"])
-        assert str(error.value) == (f"--data {path} is not a corpus folder (no corpus_manifest.json); build one "
-                                    f"with: python data.py --data {path} --out corpus/{path.stem}")
+        assert str(error.value) == (
+            f"--data {path} is not a corpus folder (no corpus_manifest.json); build one "
+            f"with: python data.py --data {path} --out corpus/{path.stem}"
+        )
     with pytest.raises(UserError, match=f"is the manifest; pass its corpus folder: --data {corpus}$"):
         train.main(["--data", str(corpus / "corpus_manifest.json"), "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
@@ -1230,8 +1374,11 @@ def test_heldout_loss_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
 def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     results = []
-    for split in (["--batch-size", "2", "--grad-accum", "2"], ["--batch-size", "4", "--grad-accum", "1"],
-                  ["--batch-size", "1", "--grad-accum", "4"]):
+    for split in (
+        ["--batch-size", "2", "--grad-accum", "2"],
+        ["--batch-size", "4", "--grad-accum", "1"],
+        ["--batch-size", "1", "--grad-accum", "4"],
+    ):
         settings = train.parse_args(options(corpus, tmp_path / "run", *split))
         results.append(train.heldout_loss(train.build_training(settings, info), "validation"))
     assert results[0]["tokens"] == 2 * 4 * 32  # --eval-batches 2 global batches of 4 blocks of 32 tokens
@@ -1260,10 +1407,13 @@ def test_a_second_ctrl_c_records_an_honest_reason_and_the_continue_command(corpu
         train.main(options(corpus, out, "--save-every", "2"))
     record = status(out)
     assert record["status"] == "FAILED" and record["step"] == 3
-    assert record["reason"] == (f"aborted by the user (second interrupt) at step 3; the last checkpoint is "
-                                f"{out / 'checkpoints' / 'step-00000002.pt'}; continue with: "
-                                + train.resume_command(distributed.DistInfo(0, 0, 1, torch.device("cpu")),
-                                                       options(corpus, out, "--save-every", "2")))
+    assert record["reason"] == (
+        f"aborted by the user (second interrupt) at step 3; the last checkpoint is "
+        f"{out / 'checkpoints' / 'step-00000002.pt'}; continue with: "
+        + train.resume_command(
+            distributed.DistInfo(0, 0, 1, torch.device("cpu")), options(corpus, out, "--save-every", "2")
+        )
+    )
     assert f"--data {corpus}" in record["reason"]  # from main's argv, not pytest's sys.argv
 
 
@@ -1272,8 +1422,9 @@ def interrupt_twice() -> None:
     signal.raise_signal(signal.SIGINT)  # the second: abort now
 
 
-def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_records_failed(corpus, tmp_path,
-                                                                                               monkeypatch):
+def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_records_failed(
+    corpus, tmp_path, monkeypatch
+):
     out = tmp_path / "run"
     original = train.heldout_loss
 
@@ -1288,7 +1439,8 @@ def test_a_second_ctrl_c_after_the_last_step_but_before_the_final_status_still_r
     record = status(out)
     last = out / "checkpoints" / "step-00000004.pt"
     assert record["status"] == "FAILED" and record["reason"].startswith(
-        f"aborted by the user (second interrupt) at step 4; the last checkpoint is {last}; continue with: ")
+        f"aborted by the user (second interrupt) at step 4; the last checkpoint is {last}; continue with: "
+    )
 
 
 def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp_path, monkeypatch, capsys):
@@ -1307,8 +1459,10 @@ def test_a_second_ctrl_c_during_the_report_keeps_the_complete_status(corpus, tmp
     monkeypatch.setattr(artifacts.LossCurve, "make", make)  # the same command again: no step, the report made
     assert train.main(options(corpus, out, "--report", steps=4)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "note: the previous session ended before its report was made (run_status.json: COMPLETE, report " \
-           "pending); this session makes it at its end" in lines
+    assert (
+        "note: the previous session ended before its report was made (run_status.json: COMPLETE, report "
+        "pending); this session makes it at its end" in lines
+    )
     record = status(out)
     assert record["outputs"] == {"report": "done", "model": "done"} and record["report_command"] is None
     assert (out / "model" / "model.safetensors").is_file() and lines[-1].startswith("COMPLETE: step 4/4 | ")
@@ -1320,9 +1474,10 @@ def test_a_start_after_a_silent_death_says_so_and_how_many_steps_are_done_again(
     store.write_status(out, store.RUNNING, step=7, total_steps=12)  # what a session killed after step 7 leaves
     capsys.readouterr()
     assert train.main(options(corpus, out, "--stop-after-steps", "8")) == 0
-    assert ("note: the previous session died without a word after step 7 (run_status.json still said RUNNING: "
-            "killed, out of memory, or its machine went away); resuming from step 5; steps done again: 2 or more"
-            ) in capsys.readouterr().out.splitlines()
+    assert (
+        "note: the previous session died without a word after step 7 (run_status.json still said RUNNING: "
+        "killed, out of memory, or its machine went away); resuming from step 5; steps done again: 2 or more"
+    ) in capsys.readouterr().out.splitlines()
     assert status(out)["status"] == store.NEEDS_RESUME and status(out)["step"] == 8
     assert train.main(options(corpus, out, "--stop-after-steps", "9")) == 0
     assert "note:" not in capsys.readouterr().out  # a stop that said so: nothing to note
@@ -1346,8 +1501,10 @@ def test_cuda_out_of_memory_in_a_step_is_one_line_with_a_split_that_fits(corpus,
         common.run_main(lambda: train.main(options(corpus, out, "--grad-accum", "3")))
     assert exit_status.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("error: CUDA out of memory on Tesla T4 (sm_75) (2.7 MiB): tiny at micro-batch 2 x 32 "
-                                "tokens (--batch-size 2 --grad-accum 3, fp32) needs about ")
+    assert lines[-1].startswith(
+        "error: CUDA out of memory on Tesla T4 (sm_75) (2.7 MiB): tiny at micro-batch 2 x 32 "
+        "tokens (--batch-size 2 --grad-accum 3, fp32) needs about "
+    )
     assert "MiB by hardware.step_memory; --batch-size 1 --grad-accum 6 keeps the global batch" in lines[-1]
     assert "the last good checkpoint, step-00000004.pt, is intact" in lines[-1]
     assert not any("Traceback" in line for line in lines)
@@ -1408,9 +1565,12 @@ def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
     def backend(graph_module, example_inputs):
         for node in graph_module.graph.nodes:
             if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-                calls.append({"attn_mask": node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3
-                                                           else None),
-                              "is_causal": node.kwargs.get("is_causal", False)})
+                calls.append(
+                    {
+                        "attn_mask": node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None),
+                        "is_causal": node.kwargs.get("is_causal", False),
+                    }
+                )
         return graph_module.forward
 
     torch._dynamo.reset()
@@ -1443,23 +1603,32 @@ def model_config_tiny_layers() -> int:
 
 def test_a_corpus_without_held_out_blocks_is_trained_with_a_warning(tmp_path, capsys):
     texts = [{"text": f"{i} plus {i + 1} is {2 * i + 1}. the cat sees the dog."} for i in range(300)]
-    corpus = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "corpus",
-                               data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0))
+    corpus = data.build_corpus(
+        [data.Source("generated", "generated", records=texts)],
+        tmp_path / "corpus",
+        data.BuildSettings(vocab_size=300, val_fraction=0, test_fraction=0),
+    )
     assert train.main(options(corpus, tmp_path / "run", steps=2)) == 0
     err = capsys.readouterr().err
-    assert ("warning: the corpus has no validation or test blocks of 32 tokens: no validation loss and no test "
-            "loss will be measured (rebuild the corpus with more documents or a larger --val-fraction / "
-            "--test-fraction)") in err
+    assert (
+        "warning: the corpus has no validation or test blocks of 32 tokens: no validation loss and no test "
+        "loss will be measured (rebuild the corpus with more documents or a larger --val-fraction / "
+        "--test-fraction)"
+    ) in err
     assert status(tmp_path / "run")["status"] == "COMPLETE"
-    corpus = data.build_corpus([data.Source("generated", "generated", records=texts)], tmp_path / "validated",
-                               data.BuildSettings(vocab_size=300, val_fraction=0.3, test_fraction=0))
+    corpus = data.build_corpus(
+        [data.Source("generated", "generated", records=texts)],
+        tmp_path / "validated",
+        data.BuildSettings(vocab_size=300, val_fraction=0.3, test_fraction=0),
+    )
     assert train.main(options(corpus, tmp_path / "validated-run", steps=2)) == 0
-    assert "no test loss will be measured (rebuild the corpus with more documents or a larger --test-fraction)" \
-        in capsys.readouterr().err  # the option of the split that is empty, only
+    assert (
+        "no test loss will be measured (rebuild the corpus with more documents or a larger --test-fraction)"
+        in capsys.readouterr().err
+    )  # the option of the split that is empty, only
 
 
-def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise(corpus, tmp_path, monkeypatch,
-                                                                                 capsys):
+def test_fp16_autocast_and_loss_scaling_run_on_cpu_end_to_end_and_resume_bitwise(corpus, tmp_path, monkeypatch, capsys):
     """Issue 14.14: the T4 path (fp16 autocast + GradScaler) on CPU: overflow steps are skipped and
     retried, the scaler's state is in the checkpoint, and a stop + resume matches an uninterrupted run."""
     import functools
@@ -1494,8 +1663,9 @@ def test_a_run_moves_between_cards_of_another_precision(corpus, tmp_path, capsys
     saved = final_state(out)
     capsys.readouterr()
     settings = train.parse_args(options(corpus, out, "--precision", then, steps=6))
-    training = train.build_training(settings, distributed.DistInfo(rank=0, local_rank=0, world=1,
-                                                                   device=torch.device("cpu")))
+    training = train.build_training(
+        settings, distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    )
     training.load(saved, out / "checkpoints" / "step-00000003.pt")
     assert f"precision changes from {first} (the checkpoint's) to {then}" in capsys.readouterr().out
     assert training.step == 3 and training.scaler.enabled == (then == "fp16")
@@ -1514,21 +1684,25 @@ def test_a_run_moves_between_cards_of_another_precision(corpus, tmp_path, capsys
 def chat_corpus(tmp_path_factory) -> Path:
     """A mixed chat + plain-text corpus built by data.py, its shards cut every 997 tokens."""
     records = demo_corpus.demo_data()[0][:1500]
-    settings = data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05, shard_tokens=997,
-                                  progress=False)
-    return data.build_corpus([data.Source("chats", "generated", records=records)],
-                             tmp_path_factory.mktemp("chats") / "corpus", settings)
+    settings = data.BuildSettings(
+        vocab_size=300, val_fraction=0.05, test_fraction=0.05, shard_tokens=997, progress=False
+    )
+    return data.build_corpus(
+        [data.Source("chats", "generated", records=records)], tmp_path_factory.mktemp("chats") / "corpus", settings
+    )
 
 
 def whole_stream(corpus: Path, split: str, mask: bool) -> np.ndarray:
     files = json.loads((corpus / "corpus_manifest.json").read_text())["splits"][split]["files"]
-    return np.concatenate([np.fromfile(corpus / (f["mask"]["name"] if mask else f["name"]),
-                                       dtype="u1" if mask else "<u2") for f in files])
+    return np.concatenate(
+        [np.fromfile(corpus / (f["mask"]["name"] if mask else f["name"]), dtype="u1" if mask else "<u2") for f in files]
+    )
 
 
 @pytest.mark.parametrize("text_loss, counted", [("none", {1}), ("full", {1, 2})])
-def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_boundaries(chat_corpus, text_loss,
-                                                                                         counted):
+def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_boundaries(
+    chat_corpus, text_loss, counted
+):
     manifest = corpus_format.load_manifest(chat_corpus)
     table = train_data.counted_classes("assistant", text_loss)
     split = train_data.TokenSplit(chat_corpus, manifest, "train", context=64, counted=table)
@@ -1548,10 +1722,11 @@ def test_the_mask_stream_stays_aligned_with_the_tokens_across_shard_and_block_bo
         expected = torch.from_numpy(tokens[window][keep].astype(np.int64))
         assert torch.equal(targets[row][torch.from_numpy(keep)], expected)
         assert (targets[row][torch.from_numpy(~keep)] == train_data.IGNORE_INDEX).all()
-        assert torch.equal(inputs[row], torch.from_numpy(tokens[index * 64: index * 64 + 64].astype(np.int64)))
+        assert torch.equal(inputs[row], torch.from_numpy(tokens[index * 64 : index * 64 + 64].astype(np.int64)))
     # an <|im_end|> (id 4) that closes an answer is counted; the <eos> (id 2) after a chat is not
-    all_targets = torch.cat([split.batch(list(range(start, start + 8)), torch.device("cpu"))[1]
-                             for start in range(0, 64, 8)])
+    all_targets = torch.cat(
+        [split.batch(list(range(start, start + 8)), torch.device("cpu"))[1] for start in range(0, 64, 8)]
+    )
     assert (all_targets == 4).any() and (all_targets == 2).any() == (text_loss == "full")
 
 
@@ -1559,8 +1734,9 @@ def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
     class Fixed(torch.nn.Module):  # a "model" whose logits are given: one-hot hidden states of the position
         def __init__(self):
             super().__init__()
-            logits = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.5, 0.5, -1.0],
-                                   [3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.0]])
+            logits = torch.tensor(
+                [[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.5, 0.5, -1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2.0, 1.0, 0.0]]
+            )
             self.lm_head = torch.nn.Linear(6, 3, bias=False)
             self.lm_head.weight.data = logits.t().contiguous()
             self.model = lambda input_ids: type("Out", (), {"last_hidden_state": torch.eye(6).reshape(2, 3, 6)})
@@ -1579,17 +1755,38 @@ def test_a_masked_loss_equals_the_hand_computed_one_on_a_tiny_batch():
 def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpus, tmp_path):
     """With accumulation, the step's loss is the mean over all its counted targets (not a mean of the
     micro-steps' means, whose counts differ); computed here by hand from the model before the step."""
-    training = in_process_training(chat_corpus, tmp_path / "a", "--loss-on", "assistant", "--text-loss", "none",
-                                   "--batch-size", "1", "--grad-accum", "4")
-    whole = in_process_training(chat_corpus, tmp_path / "b", "--loss-on", "assistant", "--text-loss", "none",
-                                "--batch-size", "4", "--grad-accum", "1")
+    training = in_process_training(
+        chat_corpus,
+        tmp_path / "a",
+        "--loss-on",
+        "assistant",
+        "--text-loss",
+        "none",
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "4",
+    )
+    whole = in_process_training(
+        chat_corpus,
+        tmp_path / "b",
+        "--loss-on",
+        "assistant",
+        "--text-loss",
+        "none",
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "1",
+    )
     blocks = training.data.sampler.step_blocks(0)
     with torch.no_grad():
         inputs, targets, documents = training.data.splits["train"].batch(blocks, torch.device("cpu"))
         # the default --packing masked
         logits = training.model(input_ids=inputs, **attention.decoder_inputs(training.model, documents)).logits
-        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                                      reduction="none", ignore_index=-100)
+        per_token = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none", ignore_index=-100
+        )
     kept = targets.reshape(-1) != train_data.IGNORE_INDEX
     counts = (targets != train_data.IGNORE_INDEX).sum(dim=1)
     assert len(set(counts.tolist())) > 1 and 0 < kept.sum() < targets.numel()  # uneven micro-steps, some skipped
@@ -1603,8 +1800,11 @@ def test_an_assistant_step_is_the_mean_over_the_steps_counted_targets(chat_corpu
 def test_loss_on_assistant_refusals_are_one_clear_line(corpus, chat_corpus, tmp_path):
     with pytest.raises(UserError, match="--text-loss needs --loss-on assistant"):
         train.parse_args(options(chat_corpus, tmp_path / "a", "--text-loss", "full"))
-    with pytest.raises(UserError, match=r"--loss-on assistant: .* also has [\d,]+ tokens of plain-text documents; "
-                                        "say whether they count with --text-loss full or --text-loss none"):
+    with pytest.raises(
+        UserError,
+        match=r"--loss-on assistant: .* also has [\d,]+ tokens of plain-text documents; "
+        "say whether they count with --text-loss full or --text-loss none",
+    ):
         train.main(options(chat_corpus, tmp_path / "b", "--loss-on", "assistant"))
     with pytest.raises(UserError, match="--loss-on assistant: the train split of .* has no assistant tokens"):
         train.main(options(corpus, tmp_path / "c", "--loss-on", "assistant"))
@@ -1637,8 +1837,20 @@ def test_an_assistant_loss_run_resumes_bitwise_and_refuses_another_loss_on(chat_
 def exported_model(run: Path) -> Path:
     """RUN/model of a finished run, exported from its last checkpoint (--export-only)."""
     if not (run / "model").is_dir():
-        assert train.main(["--data", json.loads((run / "training_settings.json").read_text())["runtime"]["data"],
-                           "--out", str(run), "--export-only", "--threads", "1"]) == 0
+        assert (
+            train.main(
+                [
+                    "--data",
+                    json.loads((run / "training_settings.json").read_text())["runtime"]["data"],
+                    "--out",
+                    str(run),
+                    "--export-only",
+                    "--threads",
+                    "1",
+                ]
+            )
+            == 0
+        )
     return run / "model"
 
 
@@ -1647,12 +1859,18 @@ def test_export_only_makes_the_end_of_run_artifacts_of_its_checkpoint(corpus, re
     its samples and RUN/model/; the run's history (metrics.jsonl, run_status.json) is neither written nor read
     into being."""
     out, checkpoint = tmp_path / "exported", reference / "checkpoints" / "step-00000012.pt"
-    assert train.main(["--data", str(corpus), "--out", str(out), "--resume", str(checkpoint), "--export-only",
-                       "--threads", "1"]) == 0
+    assert (
+        train.main(
+            ["--data", str(corpus), "--out", str(out), "--resume", str(checkpoint), "--export-only", "--threads", "1"]
+        )
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"exported {checkpoint} (step 12/12, COMPLETE) to {out / 'model'}: model.safetensors ")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
-        "model", "sample_generations.json"]
+        "model",
+        "sample_generations.json",
+    ]
     samples = json.loads((out / "sample_generations.json").read_text())
     assert samples["step"] == 12 and len(samples["samples"]) == 5 and samples["error"] is None
     assert "Status: **COMPLETE**" in (out / "model" / "README.md").read_text()
@@ -1660,8 +1878,11 @@ def test_export_only_makes_the_end_of_run_artifacts_of_its_checkpoint(corpus, re
 
 @pytest.mark.parametrize("kind", ["checkpoint", "run", "huggingface"])
 def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus, reference, tmp_path, kind):
-    source = {"checkpoint": reference / "checkpoints" / "step-00000008.pt", "run": reference,
-              "huggingface": exported_model(reference)}[kind]
+    source = {
+        "checkpoint": reference / "checkpoints" / "step-00000008.pt",
+        "run": reference,
+        "huggingface": exported_model(reference),
+    }[kind]
     training = in_process_training(corpus, tmp_path / "new", "--init-from", str(source), "--seed", "5")
     fresh = training.model.state_dict()["model.embed_tokens.weight"].clone()
     train.start_from(training, store.read_init_source(str(source)))
@@ -1673,8 +1894,7 @@ def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus
     lineage = training.lineage
     assert lineage["kind"] == kind and lineage["source"] == str(source) and lineage["step"] == step
     assert lineage["corpus_manifest_sha256"] == sha256_file(corpus / "corpus_manifest.json")
-    file = source / "model.safetensors" if kind == "huggingface" else \
-        reference / "checkpoints" / f"step-{step:08d}.pt"
+    file = source / "model.safetensors" if kind == "huggingface" else reference / "checkpoints" / f"step-{step:08d}.pt"
     assert lineage["sha256"] == sha256_file(file)
 
 
@@ -1686,8 +1906,10 @@ def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, re
     assert settings["init_from"]["path"] == str(source) and settings["init_from"]["step"] == 12
     assert settings["init_from"]["sha256"] == sha256_file(source)
     assert train_losses(whole)[1] < train_losses(reference)[1] - 0.5  # it starts from trained weights
-    assert train.main(options(corpus, out, "--init-from", str(source), "--seed", "3", "--stop-after-steps", "5",
-                              steps=8)) == 0
+    assert (
+        train.main(options(corpus, out, "--init-from", str(source), "--seed", "3", "--stop-after-steps", "5", steps=8))
+        == 0
+    )
     result = run_cli(options(corpus, out, "--init-from", str(source), "--seed", "3", steps=8))  # the same command
     assert "resumed from" in result.stdout and f"its weights first came from {source}" in result.stdout
     assert_same_state(final_state(out), final_state(whole))
@@ -1706,20 +1928,36 @@ def test_an_init_from_run_records_its_lineage_and_resumes_bit_for_bit(corpus, re
     assert final_state(out)["settings"]["init_from"] == settings["init_from"]
 
 
-def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpus, chat_corpus, reference,
-                                                                           tmp_path):
+def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpus, chat_corpus, reference, tmp_path):
     checkpoint = reference / "checkpoints" / "step-00000008.pt"
     for source in (checkpoint, exported_model(reference)):
-        with pytest.raises(UserError, match=rf"--init-from {source}: its tokenizer is not the corpus' "
-                                            r"\(vocabulary and special tokens sha256 \w+, the corpus' \w+\)"):
+        with pytest.raises(
+            UserError,
+            match=rf"--init-from {source}: its tokenizer is not the corpus' "
+            r"\(vocabulary and special tokens sha256 \w+, the corpus' \w+\)",
+        ):
             train.main(options(chat_corpus, tmp_path / "a", "--init-from", str(source)))
-    with pytest.raises(UserError, match=rf"--init-from {checkpoint}: its shapes do not fit this run's model .*"
-                                        "model.hidden: 64 there, 32 here"):
+    with pytest.raises(
+        UserError,
+        match=rf"--init-from {checkpoint}: its shapes do not fit this run's model .*"
+        "model.hidden: 64 there, 32 here",
+    ):
         train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--hidden", "32"))
-    with pytest.raises(UserError, match=r"its shapes do not fit .*model.layers.2.self_attn.q_proj.weight: missing "
-                                        "there"):
-        train.main(options(corpus, tmp_path / "c", "--init-from", str(exported_model(reference)),
-                           "--layers", str(train.model_config.PRESETS["tiny"].layers + 1)))
+    with pytest.raises(
+        UserError,
+        match=r"its shapes do not fit .*model.layers.2.self_attn.q_proj.weight: missing "
+        "there",
+    ):
+        train.main(
+            options(
+                corpus,
+                tmp_path / "c",
+                "--init-from",
+                str(exported_model(reference)),
+                "--layers",
+                str(train.model_config.PRESETS["tiny"].layers + 1),
+            )
+        )
     with pytest.raises(UserError, match="no such file or folder"):
         train.main(options(corpus, tmp_path / "d", "--init-from", str(tmp_path / "nothing")))
     with pytest.raises(UserError, match="not a checkpoint, a run folder with checkpoints/ or a Hugging Face"):
@@ -1758,10 +1996,13 @@ def test_a_wsd_run_extended_in_its_stable_phase_is_the_longer_run_bit_for_bit(co
 def test_extension_is_refused_after_the_decay_began_and_with_cosine(corpus, tmp_path):
     wsd, cosine = tmp_path / "wsd", tmp_path / "cosine"
     assert train.main(options(corpus, wsd, "--stop-after-steps", "9", steps=12)) == 0
-    with pytest.raises(UserError, match=r"is a run of 12 steps and this one asks for 20: it cannot be extended: its "
-                                        r"decay began at step 7 and it is at step 9: .* Resume it with its length "
-                                        r"\(--target-tokens 1536\), or start a new run from its weights with "
-                                        "--init-from"):
+    with pytest.raises(
+        UserError,
+        match=r"is a run of 12 steps and this one asks for 20: it cannot be extended: its "
+        r"decay began at step 7 and it is at step 9: .* Resume it with its length "
+        r"\(--target-tokens 1536\), or start a new run from its weights with "
+        "--init-from",
+    ):
         train.main(options(corpus, wsd, steps=20))
     assert train.main(options(corpus, cosine, "--schedule", "cosine", "--stop-after-steps", "5", steps=12)) == 0
     with pytest.raises(UserError, match="it cannot be extended: its schedule is cosine, whose decay spans the whole"):
@@ -1773,8 +2014,9 @@ def test_extension_is_refused_after_the_decay_began_and_with_cosine(corpus, tmp_
 
 def test_an_extension_keeps_the_warmup_the_rule_chose_for_the_first_length(corpus, tmp_path):
     out = tmp_path / "run"
-    first = [arg for arg in options(corpus, out, "--optimizer", "adamw", steps=20) if arg not in ("--warmup-steps",
-                                                                                                  "3")]
+    first = [
+        arg for arg in options(corpus, out, "--optimizer", "adamw", steps=20) if arg not in ("--warmup-steps", "3")
+    ]
     assert train.main([*first, "--stop-after-steps", "5"]) == 0  # the rule: 0.05 x 20 = 1 warmup step
     assert json.loads((out / "training_settings.json").read_text())["training"]["recipe.warmup_steps"] == 1
     longer = [arg if arg != str(20 * 4 * 32) else str(60 * 4 * 32) for arg in first]  # the rule would say 3
@@ -1796,8 +2038,9 @@ def test_a_signal_after_the_loop_says_training_has_ended(capsys):
     assert stop.requested
 
 
-@pytest.mark.parametrize("total_steps, every", [(1, 1), (4, 1), (40, 8), (100, 20), (1250, 250), (1400, 250),
-                                                (100_000, 250)])
+@pytest.mark.parametrize(
+    "total_steps, every", [(1, 1), (4, 1), (40, 8), (100, 20), (1250, 250), (1400, 250), (100_000, 250)]
+)
 def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps, every):
     assert callbacks.default_eval_every(total_steps) == every
 
@@ -1842,11 +2085,11 @@ def test_bestfit_rows_start_at_documents_and_hold_every_document_once(corpus):
     batch = split.batch(rows, torch.device("cpu"))
     assert batch.documents is None
     for row, index in enumerate(rows):
-        expected = np.concatenate([stream[start: start + length] for start, length in split.spans(index)])
+        expected = np.concatenate([stream[start : start + length] for start, length in split.spans(index)])
         assert batch.inputs[row, : len(expected) - 1].tolist() == expected[:-1].tolist()
         assert batch.targets[row, : len(expected) - 1].tolist() == expected[1:].tolist()
-        assert (batch.targets[row, len(expected) - 1:] == train_data.IGNORE_INDEX).all()  # padding is never counted
-        assert (batch.inputs[row, len(expected):] == 0).all()  # <pad>
+        assert (batch.targets[row, len(expected) - 1 :] == train_data.IGNORE_INDEX).all()  # padding is never counted
+        assert (batch.inputs[row, len(expected) :] == 0).all()  # <pad>
     padded = sum(33 - sum(length for _, length in split.spans(index)) for index in range(split.blocks))
     assert padded < 0.15 * split.blocks * 33  # best fit leaves little room
 
@@ -1877,8 +2120,9 @@ def test_the_masked_loss_equals_running_each_document_alone(corpus):
         for row in range(2):
             for document in segments[row].unique():
                 tokens = (segments[row] == document).nonzero().flatten()
-                alone += losses.language_model_loss(model, batch.inputs[row: row + 1, tokens],
-                                                   batch.targets[row: row + 1, tokens], reduction="sum")
+                alone += losses.language_model_loss(
+                    model, batch.inputs[row : row + 1, tokens], batch.targets[row : row + 1, tokens], reduction="sum"
+                )
         across = losses.language_model_loss(model, *batch[:2], reduction="sum")
     assert masked.item() == pytest.approx(alone.item(), rel=1e-5)
     assert abs(across.item() - alone.item()) > 1e-3 * alone.item()  # without the mask they see each other
@@ -1897,8 +2141,12 @@ def test_the_document_mask_reaches_sdpa_under_compile():
     def backend(graph_module, example_inputs):
         for node in graph_module.graph.nodes:
             if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-                masks.append((node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None),
-                              node.kwargs.get("is_causal", False)))
+                masks.append(
+                    (
+                        node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None),
+                        node.kwargs.get("is_causal", False),
+                    )
+                )
         return graph_module.forward
 
     def loss(inputs, targets, documents):
@@ -1922,16 +2170,29 @@ def test_bestfit_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
     assert_same_state(final_state(out), final_state(whole))
 
 
-
 def test_zero_init_output_zeroes_only_the_output_projections(corpus, tmp_path):
     training = in_process_training(corpus, tmp_path / "run", "--zero-init-output")
     for name, param in training.model.named_parameters():
         assert (param.count_nonzero() == 0) == name.endswith(("o_proj.weight", "down_proj.weight")), name
 
 
-ROUND_2 = ("--muon-coefficients", "polar-express", "--normuon-beta2", "0.95", "--cautious-weight-decay",
-           "--momentum-warmup-steps", "4", "--momentum-cooldown-steps", "4", "--weight-decay-schedule", "linear",
-           "--zero-init-output", "--no-tie-embeddings", "--head-lr", "0.02")
+ROUND_2 = (
+    "--muon-coefficients",
+    "polar-express",
+    "--normuon-beta2",
+    "0.95",
+    "--cautious-weight-decay",
+    "--momentum-warmup-steps",
+    "4",
+    "--momentum-cooldown-steps",
+    "4",
+    "--weight-decay-schedule",
+    "linear",
+    "--zero-init-output",
+    "--no-tie-embeddings",
+    "--head-lr",
+    "0.02",
+)
 
 
 def test_round_2_recipe_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
@@ -1939,8 +2200,12 @@ def test_round_2_recipe_stop_then_resume_is_bitwise_identical(corpus, tmp_path):
     weight decay schedules are functions of the step."""
     full, split = tmp_path / "full", tmp_path / "split"
     assert train.main(options(corpus, full, *ROUND_2, "--save-every", "6", "--eval-every", "0")) == 0
-    assert train.main(options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0",
-                              "--stop-after-steps", "5")) == 0
+    assert (
+        train.main(
+            options(corpus, split, *ROUND_2, "--save-every", "6", "--eval-every", "0", "--stop-after-steps", "5")
+        )
+        == 0
+    )
     state = final_state(split)["optimizer"]["muon"]["state"]
     assert state and all("second_moment" in entry for entry in state.values())
     head = final_state(split)["optimizer"]["adamw"]["param_groups"][-1]  # the untied LM head's own group

@@ -28,8 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
 
 
-def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 4000, words: list[str] = WORDS,
-                      tokenizer_from: Path | None = None) -> Path:
+def write_tiny_corpus(
+    folder: Path,
+    documents: int = 900,
+    shard_tokens: int = 4000,
+    words: list[str] = WORDS,
+    tokenizer_from: Path | None = None,
+) -> Path:
     """A small corpus in the DESIGN.md format: BPE tokenizer, uint16 shards, corpus_manifest.json.
 
     `tokenizer_from`: a corpus whose tokenizer this one reuses (a mixture's sources share one)."""
@@ -59,23 +64,41 @@ def write_tiny_corpus(folder: Path, documents: int = 900, shard_tokens: int = 40
         files = []
         for index, start in enumerate(range(0, len(tokens), shard_tokens)):
             path = folder / f"{split}-{index:05d}.bin"
-            path.write_bytes(tokens[start: start + shard_tokens].tobytes())
+            path.write_bytes(tokens[start : start + shard_tokens].tobytes())
             mask = path.with_suffix(".mask")  # plain text: every token is corpus_format.MASK_TEXT
-            mask.write_bytes(bytes([corpus_format.MASK_TEXT]) * len(tokens[start: start + shard_tokens]))
-            files.append({"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-                          "tokens": len(tokens[start: start + shard_tokens]),
-                          "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)}})
-        manifest_splits[split] = {"files": files, "tokens": len(tokens), "documents": len(docs),
-                                  "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)},
-                                  "document_index": {"name": document_index.name,
-                                                     "bytes": document_index.stat().st_size,
-                                                     "sha256": sha256_file(document_index)}}
-    atomic_write_json(folder / "corpus_manifest.json", {
-        "format_version": corpus_format.FORMAT_VERSION, "dtype": "uint16", "vocab_size": len(tokenizer),
-        "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
-        "tokenizer_sha256": sha256_tree(folder / "tokenizer"), "splits": manifest_splits,
-        "vocabulary_sha256": corpus_format.vocabulary_sha256(corpus_format.load_tokenizer(folder / "tokenizer")),
-    })
+            mask.write_bytes(bytes([corpus_format.MASK_TEXT]) * len(tokens[start : start + shard_tokens]))
+            files.append(
+                {
+                    "name": path.name,
+                    "bytes": path.stat().st_size,
+                    "sha256": sha256_file(path),
+                    "tokens": len(tokens[start : start + shard_tokens]),
+                    "mask": {"name": mask.name, "bytes": mask.stat().st_size, "sha256": sha256_file(mask)},
+                }
+            )
+        manifest_splits[split] = {
+            "files": files,
+            "tokens": len(tokens),
+            "documents": len(docs),
+            "mask_tokens": {"prompt": 0, "assistant": 0, "text": len(tokens)},
+            "document_index": {
+                "name": document_index.name,
+                "bytes": document_index.stat().st_size,
+                "sha256": sha256_file(document_index),
+            },
+        }
+    atomic_write_json(
+        folder / "corpus_manifest.json",
+        {
+            "format_version": corpus_format.FORMAT_VERSION,
+            "dtype": "uint16",
+            "vocab_size": len(tokenizer),
+            "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2},
+            "tokenizer_sha256": sha256_tree(folder / "tokenizer"),
+            "splits": manifest_splits,
+            "vocabulary_sha256": corpus_format.vocabulary_sha256(corpus_format.load_tokenizer(folder / "tokenizer")),
+        },
+    )
     return folder
 
 
@@ -89,28 +112,72 @@ def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
     """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py). In
     fp32 on every CPU, so its losses and states are the same whatever the CPU's instructions; the tests of a
     user's run give `--precision` from USER_PRECISIONS in `extra` (the last one given wins)."""
-    return ["--data", str(corpus), "--out", str(out), "--preset", "tiny", "--context", "32",
-            "--batch-size", "2", "--grad-accum", "2", "--target-tokens", str(steps * 4 * 32),
-            "--warmup-steps", "3", "--lr", "3e-3", "--final-lr-fraction", "0.1", "--eval-every", "4",
-            "--eval-batches", "2", "--save-every", "4", "--log-every", "1", "--threads", "1", "--peak-tflops", "1",
-            "--keep-last", "10", "--precision", "fp32", "--no-report", *extra]
+    return [
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--preset",
+        "tiny",
+        "--context",
+        "32",
+        "--batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--target-tokens",
+        str(steps * 4 * 32),
+        "--warmup-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--final-lr-fraction",
+        "0.1",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "2",
+        "--save-every",
+        "4",
+        "--log-every",
+        "1",
+        "--threads",
+        "1",
+        "--peak-tflops",
+        "1",
+        "--keep-last",
+        "10",
+        "--precision",
+        "fp32",
+        "--no-report",
+        *extra,
+    ]
 
 
 def run_cli(args: list[str], world: int = 1, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "train.py"] if world == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "train.py"]
+    launcher = (
+        [sys.executable, "train.py"]
+        if world == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "train.py"]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                            **kwargs)
+    result = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kwargs)
     if world > 1 and check and result.returncode != 0 and "error: " not in result.stderr:
         # A launch that failed outside train.py (gloo/rendezvous on a busy machine) gets one more try;
         # a real failure of train.py repeats. What went wrong is kept in the test report either way.
-        clues = [line for line in result.stderr.splitlines()
-                 if any(word in line for word in ("terminate", "what()", "Error", "error", "Abort"))][:12]
-        warnings.warn(f"torchrun failed once, retrying:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}\n"
-                      "clues from the whole stderr:\n" + "\n".join(clues), stacklevel=2)
-        result = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                                **kwargs)
+        clues = [
+            line
+            for line in result.stderr.splitlines()
+            if any(word in line for word in ("terminate", "what()", "Error", "error", "Abort"))
+        ][:12]
+        warnings.warn(
+            f"torchrun failed once, retrying:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}\n"
+            "clues from the whole stderr:\n" + "\n".join(clues),
+            stacklevel=2,
+        )
+        result = subprocess.run(
+            launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kwargs
+        )
     if check and result.returncode != 0:
         raise AssertionError(f"train.py exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
