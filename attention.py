@@ -515,45 +515,87 @@ def _compute_dtype(query):
     return query.dtype
 
 
-def varlen_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout=0.0,
-    scaling=None,
-    is_causal=None,
-    document_starts=None,
-    longest_document=None,
-    **kwargs,
-):
-    """The FLASH and EFFICIENT attention functions: per-document kernels when the batch has
-    document_starts (decoder_inputs), else causal SDPA (grouped heads under flash, repeated otherwise).
-    query (B, H, C, D), key and value (B, Hkv, C, D) after RoPE; returns (B, C, H, D) as transformers'
-    attention functions do."""
-    import torch
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The FLASH and EFFICIENT attention functions for a micro-batch without a document boundary: causal SDPA
+    (grouped heads under flash, repeated otherwise). query (B, H, C, D), key and value (B, Hkv, C, D) after
+    RoPE; returns (B, C, H, D) as transformers' attention functions do. A micro-batch with boundaries never
+    gets here: the layer's own forward (document_attention_forward) takes it to the kernel."""
     import torch.nn.functional as F
 
-    implementation = module.config._attn_implementation
+    if kwargs.get("document_starts") is not None:
+        raise ValueError("varlen_attention has no document boundaries: use_attention gives the layer its forward")
     batch, heads, tokens, dim = query.shape
-    if document_starts is None:
-        groups = heads // key.shape[1]
-        grouped = implementation == FLASH
-        if not grouped and groups > 1:
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
-        output = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, scale=scaling, is_causal=tokens > 1, enable_gqa=grouped and groups > 1
-        )
-        return output.transpose(1, 2), None  # transformers' reshape after it makes the one copy
+    groups = heads // key.shape[1]
+    grouped = module.config._attn_implementation == FLASH
+    if not grouped and groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    output = F.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=tokens > 1, enable_gqa=grouped and groups > 1
+    )
+    return output.transpose(1, 2), None  # transformers' reshape after it makes the one copy
+
+
+def document_attention(implementation: str, query, key, value, cu_seqlens, longest: int, scale: float | None):
+    """The varlen kernel of `implementation` over the documents of a flattened batch: query (T, H, D), key and
+    value (T, Hkv, D), in the layout the kernels take; cast to the autocast dtype, the kernel outside autocast."""
+    import torch
+
     dtype = _compute_dtype(query)
-    flat = [
-        tensor.transpose(1, 2).reshape(batch * tokens, tensor.shape[1], dim).to(dtype) for tensor in (query, key, value)
-    ]
     with torch.autocast(query.device.type, enabled=False):
-        output = VARLEN_KERNELS[implementation](*flat, document_starts, longest_document, scaling)
-    return output.view(batch, tokens, heads, dim), None
+        return VARLEN_KERNELS[implementation](
+            query.to(dtype), key.to(dtype), value.to(dtype), cu_seqlens, longest, scale
+        )
+
+
+def signed_sin(sin):
+    """RoPE's sin table with its first half negated, for rotate."""
+    import torch
+
+    columns = torch.arange(sin.shape[-1], device=sin.device)
+    return torch.where(columns < sin.shape[-1] // 2, -sin, sin)
+
+
+def rotate(x, cos, sin_signed):
+    """RoPE as transformers' apply_rotary_pos_emb computes it, x cos + rotate_half(x) sin with rotate_half(x) =
+    cat(-x2, x1), written as x cos + roll(x) sin' with sin' = signed_sin(sin) = cat(-sin1, sin2): (-a) b and
+    a (-b) are the same number, so the values and gradients are transformers' bit for bit. Why not cat: Inductor
+    on CPU (where the count measures it) makes every cat a buffer of its own (lowering.py: pointwise_cat
+    "disabled" on CPU), which CUDA's Inductor fuses; roll is an index into x, fused on both."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def document_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """A decoder layer's attention (transformers' Qwen3Attention.forward) in the varlen kernels' layout: the
+    projections viewed as (tokens, heads, dim), the q/k norms and RoPE in that layout, the kernel on it and its
+    output straight into o_proj: no transpose on the way. transformers' forward transposes q, k and v to
+    (B, H, C, D) before RoPE, which Inductor then writes in that layout, and the kernels' (T, H, D) made a copy
+    of each (bench/RESULTS.md, "Fewer bytes in the layer"). The same arithmetic, op for op. A micro-batch
+    without boundaries, or another attention (an export's "sdpa"): transformers' forward. A KV cache is not
+    filled here (documents are a training batch's; generation runs "sdpa", exportable)."""
+    implementation = self.config._attn_implementation
+    starts = kwargs.get("document_starts")
+    if starts is None or implementation not in VARLEN_IMPLEMENTATIONS:
+        return type(self).stock_forward(
+            self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
+        )
+    batch, tokens, _ = hidden_states.shape
+    flat = (batch * tokens, -1, self.head_dim)
+    query = self.q_norm(self.q_proj(hidden_states).view(flat))
+    key = self.k_norm(self.k_proj(hidden_states).view(flat))
+    value = self.v_proj(hidden_states).view(flat)
+    cos, sin = (table.reshape(batch * tokens, 1, self.head_dim) for table in position_embeddings)
+    sin = signed_sin(sin)
+    output = document_attention(
+        implementation,
+        rotate(query, cos, sin),
+        rotate(key, cos, sin),
+        value,
+        starts,
+        kwargs["longest_document"],
+        self.scaling,
+    )
+    return self.o_proj(output.view(batch, tokens, -1)), None
 
 
 def masked_attention(module, query, key, value, *args, **kwargs):
@@ -602,6 +644,28 @@ def use_attention(model, name: str) -> None:
     if name == MASKED:
         AttentionMaskInterface.register(name, causal_sdpa_mask)
     model.set_attn_implementation(name)
+    document_layers(model)
+
+
+_DOCUMENT_CLASSES: dict[type, type] = {}
+
+
+def document_layers(model) -> None:
+    """Give `model`'s attention modules document_attention_forward: a subclass of each stock class, so the
+    modules, parameters and state_dict stay the stock ones (as model_config.autocast_elementwise does)."""
+    for module in model.modules():
+        stock = type(module)
+        if stock in _DOCUMENT_CLASSES.values() or not all(
+            hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        ):
+            continue
+        if stock not in _DOCUMENT_CLASSES:
+            _DOCUMENT_CLASSES[stock] = type(
+                f"Document{stock.__name__}",
+                (stock,),
+                {"stock_forward": stock.forward, "forward": document_attention_forward},
+            )
+        module.__class__ = _DOCUMENT_CLASSES[stock]
 
 
 def sdpa_backends(plan: AttentionPlan) -> list:

@@ -924,12 +924,13 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
 # Inductor's own count (torch 2.13.0+cpu, `python bench/bench_roofline.py --inductor`): {layers: (bytes of
 # its generated kernels, those kernels, extern kernels, bytes of the kernels touching a vocabulary-sized
 # tensor)} per micro-step, forward and backward graphs together, at 1 and 2 layers of the preset's shape.
-# Measured 2026-12-04 on think72 at 8 x 1,024 (bench/RESULTS.md, "The honest count"): 255 KB a token outside the
-# layers (the loss 132, the LM head's and the embedding's 115), 141 KB a token each layer.
+# Measured 2026-12-05 on think72 at 8 x 1,024 with the layer's attention in the kernels' layout
+# (attention.document_attention_forward; bench/RESULTS.md, "Fewer bytes in the layer"): 128 KB a token each
+# layer (was 141), 253 KB outside the layers (the loss 131, the LM head's and the embedding's 122).
 INDUCTOR_RECORDED: dict = {
     (model_config.PRESETS["think72"], 8192): {
-        1: (3248622720, 67, 55, 2023657520),
-        2: (4405416064, 110, 83, 2023657520),
+        1: (3122138496, 62, 55, 2023657520),
+        2: (4169486720, 100, 83, 2023657520),
     },
 }
 

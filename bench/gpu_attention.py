@@ -137,23 +137,21 @@ class AttentionParts:
             return attention.masked_attention(
                 layer_stub(attention.MASKED, groups), q, k, v, inputs["mask"], scaling=scale
             )[0]
-        implementation = attention.FLASH if "flash" in path else attention.EFFICIENT
-        stub = layer_stub(implementation, groups)
-        if attention.kernel(path).boundaries:
+        record = attention.kernel(path)
+        if record.boundaries:  # as the layer's forward hands them to the kernel: (tokens, heads, dim)
             documents = inputs["documents"]
-            return attention.varlen_attention(
-                stub,
-                q,
-                k,
-                v,
-                None,
-                scaling=scale,
-                document_starts=documents.cu_seqlens,
-                longest_document=documents.longest,
-            )[0]
-        backend = SDPBackend.FLASH_ATTENTION if "flash" in path else SDPBackend.EFFICIENT_ATTENTION
+            flat = [inputs[name].flatten(0, 1) for name in ("q", "k", "v")]
+            output = attention.document_attention(
+                record.implementation, *flat, documents.cu_seqlens, documents.longest, scale
+            )
+            return output.view(inputs["q"].shape)
+        backend = (
+            SDPBackend.FLASH_ATTENTION if record.implementation == attention.FLASH else SDPBackend.EFFICIENT_ATTENTION
+        )
         with sdpa_kernel([backend]):
-            return attention.varlen_attention(stub, q, k, v, None, scaling=scale)[0]
+            return attention.varlen_attention(layer_stub(record.implementation, groups), q, k, v, None, scaling=scale)[
+                0
+            ]
 
     def attention_step(self, path: str, inputs: dict) -> None:
         for name in ("q", "k", "v"):

@@ -335,23 +335,22 @@ def test_a_batch_without_a_boundary_is_plain_causal_attention(monkeypatch, imple
 def test_varlen_models_get_no_mask_from_transformers(monkeypatch):
     """No mask function is registered for the varlen implementations: transformers builds no mask (and
     does not look for packed sequences in the position ids) - the kernels take cu_seqlens instead."""
-    seen = []
+    seen, calls = [], []
     model = tiny(attention.FLASH)
 
     def kernel(*args):
+        calls.append(args[3])
         return reference_varlen(*args)
 
-    original = attention.varlen_attention
-
-    def spy(module, query, key, value, attention_mask, *args, **kwargs):
-        seen.append(attention_mask)
-        return original(module, query, key, value, attention_mask, *args, **kwargs)
+    def spy(module, args, kwargs):
+        seen.append(kwargs.get("attention_mask"))
 
     monkeypatch.setitem(attention.VARLEN_KERNELS, attention.FLASH, kernel)
-    monkeypatch.setitem(attention.ATTENTION_FUNCTIONS, attention.FLASH, spy)
-    attention.use_attention(model, attention.FLASH)
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(spy, with_kwargs=True)
     loss_and_gradients(model, attention.documents_of(SEGMENTS))
     assert seen == [None] * model_config.PRESETS["tiny"].layers
+    assert len(calls) == model_config.PRESETS["tiny"].layers
 
 
 def test_probe_documents_split_every_row():
@@ -374,8 +373,10 @@ class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def traced(implementation, dtype, documents: bool, monkeypatch):
-    """The calls varlen_attention makes on fake "cuda" tensors. SDPA is recorded at its Python entry (a CPU
-    build of torch would decompose it into math ops under fake CUDA, which is not what a card dispatches)."""
+    """The calls a think72 layer's attention makes on fake "cuda" tensors: with documents, the layer's own
+    forward (document_attention_forward) from the hidden states; without, varlen_attention on (B, H, C, D).
+    SDPA is recorded at its Python entry (a CPU build of torch would decompose it into math ops under fake
+    CUDA, which is not what a card dispatches)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     batch, heads, kv_heads, context, dim = 2, 8, 4, 1024, 128
@@ -389,17 +390,48 @@ def traced(implementation, dtype, documents: bool, monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
     with FakeTensorMode():
+        if documents:
+            layer = fake_cuda_layer(implementation, dtype)
+            hidden = torch.empty(batch, context, 512, device="cuda", dtype=dtype)
+            tables = [torch.empty(batch, context, dim, device="cuda", dtype=dtype) for _ in range(2)]
+            starts = torch.tensor(layout.cu_seqlens.tolist(), dtype=torch.int32, device="cuda")
+            with OpLog() as log:
+                output, _ = layer(
+                    hidden_states=hidden,
+                    position_embeddings=tables,
+                    attention_mask=None,
+                    document_starts=starts,
+                    longest_document=layout.longest,
+                )
+            assert output.shape == hidden.shape and output.dtype == dtype and output.device.type == "cuda"
+            return log.calls
         query = torch.empty(batch, heads, context, dim, device="cuda", dtype=dtype)
         key = torch.empty(batch, kv_heads, context, dim, device="cuda", dtype=dtype)
         value = torch.empty(batch, kv_heads, context, dim, device="cuda", dtype=dtype)
-        kwargs = {}
-        if documents:
-            starts = torch.tensor(layout.cu_seqlens.tolist(), dtype=torch.int32, device="cuda")
-            kwargs = {"document_starts": starts, "longest_document": layout.longest}
         with OpLog() as log:
-            output, _ = attention.varlen_attention(module, query, key, value, None, scaling=dim**-0.5, **kwargs)
+            output, _ = attention.varlen_attention(module, query, key, value, None, scaling=dim**-0.5)
         assert output.shape == (batch, context, heads, dim) and output.dtype == dtype and output.device.type == "cuda"
     return log.calls + sdpa_calls
+
+
+def fake_cuda_layer(implementation, dtype):
+    """A think72 layer's attention module (transformers' Qwen3Attention, as use_attention leaves it) on fake
+    "cuda", in `dtype` (call inside FakeTensorMode)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    config = model_config.qwen3_config(model_config.PRESETS["think72"], VOCAB)
+    config._attn_implementation = implementation
+    with torch.device("meta"):  # no random init on fake "cuda" (a CPU build has no CUDA generator)
+        layer = Qwen3Attention(config, 0)
+    for module in layer.modules():  # its parameters made again on fake "cuda"
+        for name, parameter in module.named_parameters(recurse=False):
+            weight = torch.empty(parameter.shape, device="cuda", dtype=dtype)
+            # no autograd graph: a CPU build's autograd engine aborts on "cuda" tensors, fake or not
+            module._parameters[name] = torch.nn.Parameter(weight, requires_grad=False)
+    wrapper = torch.nn.Module()
+    wrapper.layer = layer
+    attention.document_layers(wrapper)
+    return layer
 
 
 def kernel_calls(calls, names):
@@ -759,3 +791,80 @@ def test_the_varlen_plans_trace_whole_with_the_kernels_as_opaque_ops(implementat
 def test_the_varlen_plans_compile_with_inductor_like_eager(implementation):
     eager, compiled = compiled_against_eager(implementation, "inductor")
     assert_equal_to_eager(eager, compiled)
+
+
+COPIES = {"aten.clone", "aten.contiguous", "aten.transpose", "aten.permute", "aten._to_copy", "aten.copy_", "aten.cat"}
+
+
+@pytest.mark.parametrize("implementation, copies", [(attention.FLASH, 0), (attention.EFFICIENT, 2)])
+def test_the_layer_hands_the_kernel_its_layout_without_a_copy(implementation, copies, monkeypatch):
+    """From the projections to the kernel, q, k and v stay in the (tokens, heads, dim) layout the kernels take:
+    no transpose, no layout copy, no cat in RoPE; the memory-efficient kernel's two K/V repeats the only copies
+    (it has no grouped heads: kernel_forward.h offsets each head by head_id * strideH, no stride repeats one)."""
+    calls = traced(implementation, torch.float16, True, monkeypatch)
+    names = [name for name, _, _ in calls]
+    kernel = next(index for index, name in enumerate(names) if name in ATTENTION_OPS)
+    query, key, value = calls[kernel][1][:3]
+    assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+    moved = [
+        (name, args[0].shape)
+        for name, args, kwargs in calls[:kernel]
+        if name in COPIES and args[0].dim() > 2 and kwargs.get("dtype", args[0].dtype) == args[0].dtype  # not a cast
+    ]
+    assert len(moved) == copies, moved
+
+
+def transposing_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The varlen path before the layer had its own forward: transformers' (B, H, C, D) q, k and v after RoPE
+    flattened to the kernels' (T, H, D), a copy of each."""
+    batch, heads, tokens, dim = query.shape
+    flat = [tensor.transpose(1, 2).reshape(batch * tokens, tensor.shape[1], dim) for tensor in (query, key, value)]
+    implementation = module.config._attn_implementation
+    starts, longest = kwargs["document_starts"], kwargs["longest_document"]
+    output = attention.document_attention(implementation, *flat, starts, longest, scaling)
+    return output.view(batch, tokens, heads, dim), None
+
+
+@pytest.mark.parametrize("precision", [torch.bfloat16, None])
+@pytest.mark.parametrize("implementation", attention.VARLEN_IMPLEMENTATIONS)
+def test_the_layers_own_forward_is_transformers_arithmetic(implementation, precision, monkeypatch):
+    """document_attention_forward against transformers' Qwen3Attention.forward with the transposing path, under
+    autocast (training's) and in fp32: the same loss and gradients bit for bit, but the q/k norms' weights',
+    whose sums over the tokens and heads run in another order in the other layout (within 1e-4)."""
+    documents = attention.documents_of(SEGMENTS)
+    model = tiny(implementation)
+    model_config.autocast_elementwise(model)
+    loss, gradients = loss_and_gradients(model, documents, precision)
+    assert {type(module).__name__ for module in model.modules()} >= {"DocumentQwen3Attention"}
+    monkeypatch.setitem(attention.ATTENTION_FUNCTIONS, implementation, transposing_attention)
+    try:
+        attention.use_attention(model, implementation)
+        for module in model.modules():
+            if type(module).__name__ == "DocumentQwen3Attention":
+                module.__class__ = type(module).__mro__[1]  # transformers' own forward
+        expected_loss, expected = loss_and_gradients(model, documents, precision)
+    finally:
+        monkeypatch.undo()
+        attention.use_attention(tiny(implementation), implementation)  # the attention function registered again
+    assert loss == expected_loss
+    for name, gradient in gradients.items():
+        if "_norm" in name and "self_attn" in name:  # measured: 2e-5 (bf16), 2e-7 (fp32) of the largest
+            assert (gradient - expected[name]).abs().max() <= 1e-4 * expected[name].abs().max(), name
+        else:
+            assert torch.equal(gradient, expected[name]), name
+
+
+def test_rope_without_cat_is_transformers_bit_for_bit():
+    """rotate(x, cos, signed_sin(sin)) against transformers' apply_rotary_pos_emb: values and gradients equal."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(5)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = torch.randn(2, 4, 32, 16, generator=generator).to(dtype).requires_grad_()  # (B, H, C, D)
+        angles = torch.randn(2, 32, 8, generator=generator).repeat(1, 1, 2)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        grad = torch.randn(2, 4, 32, 16, generator=generator).to(dtype)
+        expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
+        found = attention.rotate(x, cos[:, None], attention.signed_sin(sin)[:, None])
+        assert torch.equal(found, expected), dtype
+        assert torch.equal(*(torch.autograd.grad(y, x, grad)[0] for y in (found, expected))), dtype
