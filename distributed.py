@@ -325,6 +325,21 @@ def data_parallel(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
 
 
+def last_bucket_bytes(module: torch.nn.Module, bucket_mib: int = 25) -> int:
+    """Bytes of the gradients in DDP's last bucket for `module` (its parameters may be on "meta"): the bucket
+    all-reduced only when the backward has ended. DDP rebuilds its buckets after the first step in the order the
+    gradients became ready (a 1 MiB first bucket, then `bucket_mib` MiB ones: its defaults, which
+    data_parallel keeps); taken here as the parameters' reverse order of registration, the tied embedding last
+    (its gradient is complete only with the lookup's, the backward's last op), which the backward follows but
+    for a few norms inside a layer (tests/test_distributed.py: within one of a layer's matrices). The buckets
+    as torch's own assignment (the Reducer's) makes them."""
+    ready = [parameter for parameter in reversed(list(module.parameters())) if parameter.requires_grad]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_mib * 1024 * 1024]
+    buckets, _ = dist._compute_bucket_assignment_by_size(ready, limits, [False] * len(ready))
+    last = next(bucket for bucket in buckets if len(ready) - 1 in bucket)
+    return sum(ready[index].numel() * ready[index].element_size() for index in last)
+
+
 def python_command() -> str:
     """`python` when that is this interpreter on PATH, else this interpreter's path (a venv's python
     started by its path: the `python` on PATH may have no torch)."""

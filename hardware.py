@@ -648,7 +648,8 @@ class CountedStep:
     """What bench/bench_roofline.py counts for one model, micro-batch and card path. Per token of a
     micro-step (forward + backward): FLOPs and bytes by part; per micro-step: kernels launched; per
     optimizer step of one rank: the optimizer's bytes, kernels and Newton-Schulz FLOPs (its share of the
-    matrices under DDP), the fp32 gradients the all-reduce moves and Muon's broadcast of the others'
+    matrices under DDP), the fp32 gradients the all-reduce moves (and of them DDP's last bucket, the one
+    reduced after the backward: distributed.last_bucket_bytes) and Muon's broadcast of the others'
     orthogonalized shares."""
 
     micro_batch_tokens: int
@@ -663,6 +664,13 @@ class CountedStep:
     newton_schulz_flops: float
     gradient_bytes: float
     broadcast_bytes: float
+    last_bucket_bytes: float
+
+
+# The share of a micro-step's forward and backward that is its backward, over which DDP's all-reduce of
+# every bucket but the last runs: the backward's matmuls are two products for the forward's one (the
+# attention kernel's 2.5, the elementwise bytes ~1.5: 2/3 is the matmuls', the largest part).
+BACKWARD_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -675,7 +683,7 @@ class StepTime:
     launch_s: float  # the host's launch time beyond the device's (eager PyTorch's per-op cost)
     newton_schulz_s: float  # Muon's orthogonalization of this rank's share
     optimizer_s: float  # unscale, norm, clip, optimizer updates, zero_grad, gradient accumulation: bytes
-    all_reduce_s: float  # DDP's gradient all-reduce and Muon's broadcast, counted as not overlapped
+    all_reduce_s: float  # what the backward does not hide of DDP's all-reduce, and Muon's broadcast
     tokens_per_step: int
 
     @property
@@ -702,7 +710,15 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     micro-steps of counts.micro_batch_tokens. Device time of the micro-steps: matmuls max(FLOPs / rate,
     bytes / bandwidth), attention likewise at its kernel's rate, the other bytes at the bandwidth; the host
     launches every kernel at launch_us each while the device runs, so only the excess counts. The ring
-    all-reduce moves 2 (world - 1) / world of the gradients at link_gbs (needed when world > 1).
+    all-reduce moves 2 (world - 1) / world of the gradients at link_gbs (needed when world > 1), and what of
+    it the step waits for is what train.py's loop leaves exposed: the micro-steps but the last run under
+    DDP's no_sync (nothing to reduce); in the last, DDP all-reduces each bucket as soon as its gradients are
+    all in, while the backward goes on (compiled: DDPOptimizer splits the graph at the buckets, hardware.
+    wrap_order), so the backward (BACKWARD_SHARE of the micro-step) hides every bucket but the last, whose
+    gradients are complete only when the backward ends (the tied embedding's takes the lookup's, the last
+    op); if the others take longer than the backward, the rest shows too. Muon's broadcast follows
+    Newton-Schulz: not hidden. Not counted: the SMs NCCL's copies take from the backward meanwhile (a
+    channel or two of the T4's 40 SMs for the ~40 ms of think72's buckets: ~2 ms).
     """
     if not (
         rates.matmul_tflops > 0
@@ -732,7 +748,13 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     )
     all_reduce = 0.0
     if world > 1:
-        all_reduce = (2 * (world - 1) / world * counts.gradient_bytes + counts.broadcast_bytes) / (rates.link_gbs * 1e9)
+        link = rates.link_gbs * 1e9
+        ring = 2 * (world - 1) / world / link  # seconds a byte of gradients
+        backward = BACKWARD_SHARE * (matmul + attention + memory) / micro_steps
+        hidden_buckets = ring * (counts.gradient_bytes - counts.last_bucket_bytes)
+        all_reduce = (
+            ring * counts.last_bucket_bytes + max(0.0, hidden_buckets - backward) + counts.broadcast_bytes / link
+        )
     return StepTime(matmul, attention, memory, launch, newton_schulz, optimizer, all_reduce, tokens_per_step)
 
 
@@ -763,6 +785,7 @@ def _think72(
         newton_schulz_flops=3.47624e11,
         gradient_bytes=2.88e8,
         broadcast_bytes=5.50502e7,
+        last_bucket_bytes=9.28973e7,
     )
 
 

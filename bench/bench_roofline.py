@@ -55,7 +55,8 @@ matmul FLOPs at the sustained matmul rate (or their bytes at the bandwidth, whic
 attention FLOPs at the attention kernel's rate, every other byte at the bandwidth, plus the host's launch
 time where it exceeds the device's; per step the optimizer (counted here too, on fake tensors: the fp16
 unscale, the gradient norm and clip, fused AdamW on embeddings and norms, muon.Muon with Newton-Schulz in
-the card's dtype on the matrices, zero_grad), the gradient accumulation adds and the DDP all-reduce.
+the card's dtype on the matrices, zero_grad), the gradient accumulation adds and what the backward leaves
+exposed of the DDP all-reduce (DDP's last bucket, distributed.last_bucket_bytes; hardware.predict_step).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from torch.utils.flop_counter import flop_registry  # noqa: E402
 from torch.utils.module_tracker import ModuleTracker  # noqa: E402
 
 import attention  # noqa: E402
+import distributed  # noqa: E402
 import hardware  # noqa: E402
 import losses  # noqa: E402
 import model_config  # noqa: E402
@@ -999,7 +1001,16 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         broadcast_bytes=(world - 1) / world * 2 * sum(a * b for a, b in hardware.muon_matrix_shapes(side.plan.preset))
         if world > 1
         else 0.0,
+        last_bucket_bytes=ddp_last_bucket(side.plan.preset),
     )
+
+
+@functools.cache
+def ddp_last_bucket(preset: model_config.Preset) -> int:
+    """Bytes of DDP's last bucket of gradients for the model (distributed.last_bucket_bytes; built on "meta")."""
+    with torch.device("meta"):
+        model = model_config.build_model(preset, VOCAB)
+    return distributed.last_bucket_bytes(model)
 
 
 # ----------------------------------------------------------------------------------------------

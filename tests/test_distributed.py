@@ -173,3 +173,43 @@ def test_a_wrong_sum_is_one_error_line():
         "values came back between 4 and 4, not 3) (gloo): check that the ranks reach each other (MASTER_ADDR / "
         "MASTER_PORT, and GLOO_SOCKET_IFNAME naming an interface every rank shares)"
     ), err[-2000:]
+
+
+def test_the_last_bucket_is_the_one_ddp_reduces_last(monkeypatch):
+    """distributed.last_bucket_bytes against the buckets DDP itself rebuilds after the first backward, in the
+    order the gradients came (a real Reducer, gloo at world size 1): think72's shape at 2 layers (its 67.7 MB
+    tied embedding) in train.py's wrapping, its last bucket the embedding and what came just before it (up to
+    DDP's 25 MiB)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    import losses
+    import model_config
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = model_config.build_model(dataclasses.replace(model_config.PRESETS["think72"], layers=2), 33_069)
+        model.config.use_cache = False
+        info = distributed.DistInfo(0, 0, 1, torch.device("cpu"))
+        ddp = distributed.data_parallel(losses.LanguageModelLoss(model), info)
+        tokens = torch.randint(0, 33_069, (1, 16))
+        for _ in range(3):  # the first backward records the order, the second forward rebuilds, the log follows
+            ddp(tokens, tokens).backward()
+        logged = ddp._get_ddp_logging_data()
+    finally:
+        dist.destroy_process_group()
+    parameters = list(ddp.module.parameters())
+    last = [int(index) for index in logged["rebuilt_per_bucket_param_indices"].split(", ")[-1].split()]
+    assert logged["has_rebuilt_buckets"] == 1 and 0 in last  # the embedding, registered first, in the last
+    real = sum(parameters[index].numel() * 4 for index in last)
+    # the rule takes each layer's parameters in reverse registration; the backward readies a few norms
+    # otherwise (measured: the last bucket's cut moves by a q_norm and an input_layernorm, 2.5 KB): within one
+    # of the layer's matrices
+    largest = max(parameter.numel() * 4 for parameter in model.model.layers[0].parameters())
+    assert abs(distributed.last_bucket_bytes(model) - real) <= largest
+    assert 33_069 * 512 * 4 < real < 33_069 * 512 * 4 + 26 * 2**20
