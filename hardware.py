@@ -538,8 +538,13 @@ def check_torch() -> None:
 # x16 is 15.8 GB/s each way on paper; without peer-to-peer NCCL goes through host memory, and
 # nccl-tests on such pairs typically show 4-6 GB/s). An assumption: the first 2-GPU run measures it.
 PCIE_ALL_REDUCE_GBS = 5.0
-# Each micro-step after the first adds its fp32 gradient into .grad: read both, write one.
+# A micro-step adds its fp32 gradient into .grad (AccumulateGrad: read both, write one): every micro-step
+# after the first on one card (train.py zero_grad(set_to_none=True): the first gradient is kept as made),
+# every micro-step under DDP (train.py zeroes the gradients in place, DDP's bucket views, so even the first adds).
 ACCUMULATE_BYTES_PER_PARAMETER = 12
+# DDP divides each fp32 gradient by the world size in place before its all-reduce (Reducer::
+# mark_variable_ready_dense: bucket_view.div_(div_factor_) when no comm hook is registered): read and write.
+DDP_DIVIDE_BYTES_PER_PARAMETER = 8
 
 
 @dataclass(frozen=True)
@@ -682,7 +687,7 @@ class StepTime:
     memory_s: float  # every other byte at the bandwidth
     launch_s: float  # the host's launch time beyond the device's (eager PyTorch's per-op cost)
     newton_schulz_s: float  # Muon's orthogonalization of this rank's share
-    optimizer_s: float  # unscale, norm, clip, optimizer updates, zero_grad, gradient accumulation: bytes
+    optimizer_s: float  # unscale, norm, clip, optimizer updates, zero_grad, gradient accumulation, DDP's divide
     all_reduce_s: float  # what the backward does not hide of DDP's all-reduce, and Muon's broadcast
     tokens_per_step: int
 
@@ -742,9 +747,11 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     host = counts.launches * micro_steps * rates.launch_us * 1e-6
     launch = max(0.0, host - (matmul + attention + memory))
     newton_schulz = counts.newton_schulz_flops / (rates.newton_schulz_tflops * 1e12)
-    accumulate = ACCUMULATE_BYTES_PER_PARAMETER * counts.gradient_bytes / 4 * (micro_steps - 1)
+    parameters = counts.gradient_bytes / 4
+    accumulate = ACCUMULATE_BYTES_PER_PARAMETER * parameters * (micro_steps if world > 1 else micro_steps - 1)
+    divide = DDP_DIVIDE_BYTES_PER_PARAMETER * parameters if world > 1 else 0.0
     optimizer = max(
-        (counts.optimizer_bytes + accumulate) / bandwidth, counts.optimizer_launches * rates.launch_us * 1e-6
+        (counts.optimizer_bytes + accumulate + divide) / bandwidth, counts.optimizer_launches * rates.launch_us * 1e-6
     )
     all_reduce = 0.0
     if world > 1:
