@@ -668,8 +668,9 @@ class CountedStep:
     optimizer_launches: float
     newton_schulz_flops: float
     gradient_bytes: float
-    broadcast_bytes: float
+    broadcast_bytes: float  # Muon's exchange: every rank's orthogonalized matrices, each over the link once
     last_bucket_bytes: float
+    last_broadcast_bytes: float  # the matrix exchanged last (muon.exchange_order)
 
 
 # The share of a micro-step's forward and backward that is its backward, over which DDP's all-reduce of
@@ -721,9 +722,12 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     all in, while the backward goes on (compiled: DDPOptimizer splits the graph at the buckets, hardware.
     wrap_order), so the backward (BACKWARD_SHARE of the micro-step) hides every bucket but the last, whose
     gradients are complete only when the backward ends (the tied embedding's takes the lookup's, the last
-    op); if the others take longer than the backward, the rest shows too. Muon's broadcast follows
-    Newton-Schulz: not hidden. Not counted: the SMs NCCL's copies take from the backward meanwhile (a
-    channel or two of the T4's 40 SMs for the ~40 ms of think72's buckets: ~2 ms).
+    op); if the others take longer than the backward, the rest shows too. Muon's exchange: each matrix is
+    broadcast as soon as its owner has orthogonalized it (muon.Muon.orthogonalize), the broadcasts one after
+    another on the link while the iterations go on, so the step waits for the last matrix's transfer, and
+    for whatever of the transfers outlasts Newton-Schulz. Not counted: the SMs NCCL's copies take from the
+    backward and from Newton-Schulz meanwhile (a channel or two of the T4's 40 SMs for the ~40 ms of
+    think72's buckets and the ~22 ms of its exchange: ~3 ms).
     """
     if not (
         rates.matmul_tflops > 0
@@ -758,10 +762,9 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
         link = rates.link_gbs * 1e9
         ring = 2 * (world - 1) / world / link  # seconds a byte of gradients
         backward = BACKWARD_SHARE * (matmul + attention + memory) / micro_steps
-        hidden_buckets = ring * (counts.gradient_bytes - counts.last_bucket_bytes)
-        all_reduce = (
-            ring * counts.last_bucket_bytes + max(0.0, hidden_buckets - backward) + counts.broadcast_bytes / link
-        )
+        others = ring * (counts.gradient_bytes - counts.last_bucket_bytes)
+        exchange = counts.last_broadcast_bytes / link + max(0.0, counts.broadcast_bytes / link - newton_schulz)
+        all_reduce = ring * counts.last_bucket_bytes + max(0.0, others - backward) + exchange
     return StepTime(matmul, attention, memory, launch, newton_schulz, optimizer, all_reduce, tokens_per_step)
 
 
@@ -791,8 +794,9 @@ def _think72(
         optimizer_launches=optimizer_launches,
         newton_schulz_flops=3.47624e11,
         gradient_bytes=2.88e8,
-        broadcast_bytes=5.50502e7,
+        broadcast_bytes=1.1010e8,
         last_bucket_bytes=9.28973e7,
+        last_broadcast_bytes=1.57286e6,
     )
 
 

@@ -8,8 +8,9 @@ CPU its rounding makes a world-size-2 run drift ~1e-3 from the world-size-1 run 
 - the dtype of the iteration (hardware.newton_schulz_dtype): fp32 on CPU, fp16 below sm_80 (normalized
   in fp32, iterated in fp16), bf16 from sm_80, where it is bitwise torch.optim.Muon;
 - under DDP each rank orthogonalizes its share of the matrices (`newton_schulz_owners`) and broadcasts
-  the results. Every rank still updates every momentum buffer from the all-reduced gradients, so the
-  optimizer state, and so a checkpoint's `state_dict()`, is whole and torch's on every rank.
+  each result as soon as it has it (`exchange_order`). Every rank still updates every momentum buffer from
+  the all-reduced gradients, so the optimizer state, and so a checkpoint's `state_dict()`, is whole and
+  torch's on every rank.
 
 Three options of issue 30 (docs/recipe.md has what each did on real text) change the update itself:
 Polar Express's per-iteration coefficients, NorMuon's per-neuron normalization of the orthogonalized
@@ -161,25 +162,32 @@ class Muon(torch.optim.Muon):
         return newton_schulz(update, DTYPES[self.ns_dtype], coefficients, group["ns_steps"], group["eps"])
 
     def orthogonalize(self, updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """Every update orthogonalized. Under DDP each rank first computes its own share, then each owner
-        broadcasts its share as one flat tensor (in the iteration's dtype: nothing is rounded on the way)."""
+        """Every update orthogonalized. Under DDP each rank computes its own share, and each matrix goes to the
+        other ranks as soon as its owner has it (an asynchronous broadcast, in the iteration's dtype: nothing is
+        rounded on the way), in exchange_order, the same on every rank: on a card the transfers run while the
+        Newton-Schulz iterations of the next matrices go on, so the step waits for the last matrix's only
+        (hardware.predict_step)."""
         if self.world == 1:
             return [self.newton_schulz(update, group) for update in updates]
         owners = newton_schulz_owners([tuple(update.shape) for update in updates], self.world)
-        mine = [i for i, owner in enumerate(owners) if owner == self.rank]
-        own = torch.cat([self.newton_schulz(updates[i], group).flatten() for i in mine]) if mine else None
         results: list[torch.Tensor | None] = [None] * len(updates)
-        for rank in range(self.world):
-            indices = [i for i, owner in enumerate(owners) if owner == rank]
-            if not indices:
-                continue
-            sizes = [updates[i].numel() for i in indices]
-            flat = (
-                own
-                if rank == self.rank
-                else torch.empty(sum(sizes), dtype=DTYPES[self.ns_dtype], device=updates[0].device)
-            )
-            dist.broadcast(flat, src=rank)
-            for i, piece in zip(indices, flat.split(sizes)):
-                results[i] = piece.view(updates[i].shape)
+        transfers = []
+        for index in exchange_order(owners, self.world):
+            update = updates[index]
+            if owners[index] == self.rank:
+                result = self.newton_schulz(update, group).contiguous()
+            else:
+                result = torch.empty(update.shape, dtype=DTYPES[self.ns_dtype], device=update.device)
+            transfers.append(dist.broadcast(result, src=owners[index], async_op=True))
+            results[index] = result
+        for transfer in transfers:
+            transfer.wait()
         return results
+
+
+def exchange_order(owners: list[int], world: int) -> list[int]:
+    """The order the ranks broadcast their orthogonalized matrices in: the ranks' shares interleaved (each
+    rank's first, then each rank's second, ...), so that every rank's iterations and the transfers go on
+    together. A pure function of the owners: every rank issues the same collectives in the same order."""
+    shares = [[index for index, owner in enumerate(owners) if owner == rank] for rank in range(world)]
+    return [share[turn] for turn in range(max(map(len, shares), default=0)) for share in shares if turn < len(share)]

@@ -985,7 +985,11 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         kernels = sum(op.kernels for op in ops)
     tokens = side.tokens
     # Newton-Schulz's matmuls are timed by their FLOPs (compute-bound at these shapes), the rest by bytes
+    import muon
+
     optimizer_bytes = sum(op.moved for op in optimizer_ops if op.category == "optimizer")
+    shapes = hardware.muon_matrix_shapes(side.plan.preset)
+    exchange = muon.exchange_order(muon.newton_schulz_owners(shapes, world), world)
     return hardware.CountedStep(
         micro_batch_tokens=tokens,
         matmul_flops=side.per_token("matmul", "flops"),
@@ -998,10 +1002,9 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         optimizer_launches=sum(op.kernels for op in optimizer_ops),
         newton_schulz_flops=sum(op.flops for op in optimizer_ops),
         gradient_bytes=4 * side.parameters,
-        broadcast_bytes=(world - 1) / world * 2 * sum(a * b for a, b in hardware.muon_matrix_shapes(side.plan.preset))
-        if world > 1
-        else 0.0,
+        broadcast_bytes=2 * sum(a * b for a, b in shapes) if world > 1 else 0.0,  # fp16 / bf16 on a card
         last_bucket_bytes=ddp_last_bucket(side.plan.preset),
+        last_broadcast_bytes=2 * math.prod(shapes[exchange[-1]]) if world > 1 and exchange else 0.0,
     )
 
 

@@ -273,3 +273,17 @@ def test_normuon_state_is_in_the_state_dict_and_a_reload_continues_bitwise():
     take_steps(optimizer, params, steps=2)
     take_steps(resumed, copies, steps=2)
     assert all(torch.equal(a, b) for a, b in zip(params, copies))
+
+
+@pytest.mark.parametrize(
+    "owners, world, order",
+    [
+        ([0, 1, 0, 1], 2, [0, 1, 2, 3]),
+        ([0, 0, 1, 1, 0], 2, [0, 2, 1, 3, 4]),  # each rank's first, then each rank's second, then what is left
+        ([1, 1, 1], 2, [0, 1, 2]),
+        ([2, 0, 1, 0], 3, [1, 2, 0, 3]),
+        ([], 2, []),
+    ],
+)
+def test_the_exchange_interleaves_the_ranks_shares(owners, world, order):
+    assert muon.exchange_order(owners, world) == order
