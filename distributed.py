@@ -322,22 +322,43 @@ def data_parallel(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else {"broadcast_buffers": False}
     )
-    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
+    return DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=bucket_mib(module),
+        **no_buffer_sync,
+    )
 
 
-def last_bucket_bytes(module: torch.nn.Module, bucket_mib: int = 25) -> int:
-    """Bytes of the gradients in DDP's last bucket for `module` (its parameters may be on "meta"): the bucket
-    all-reduced only when the backward has ended. DDP rebuilds its buckets after the first step in the order the
-    gradients became ready (a 1 MiB first bucket, then `bucket_mib` MiB ones: its defaults, which
-    data_parallel keeps); taken here as the parameters' reverse order of registration, the tied embedding last
-    (its gradient is complete only with the lookup's, the backward's last op), which the backward follows but
-    for a few norms inside a layer (tests/test_distributed.py: within one of a layer's matrices). The buckets
-    as torch's own assignment (the Reducer's) makes them."""
+BUCKET_MIB = range(25, 41)  # DDP's bucket sizes bucket_mib chooses from: its default 25 MiB and up (no more splits)
+
+
+def bucket_mib(module: torch.nn.Module) -> int:
+    """DDP's bucket size for `module`, in MiB: of BUCKET_MIB, the one whose last bucket is the smallest (the larger
+    of equals: fewer buckets). Why: the step waits for the last bucket's all-reduce, the tied embedding's
+    gradient (complete only when the backward ends) with whatever came just before it up to the size; at DDP's
+    default (a 1 MiB first bucket, then 25 MiB) think72's holds 25 MB of its first layers beside the embedding's
+    67.7 MB, at 34 MiB the embedding alone; and compiled, DDPOptimizer splits the graph at every bucket (each
+    split costs bytes: bench/RESULTS.md, "The step waits for less"), 7 buckets at 34 MiB, 9 at DDP's default."""
+    sizes = {mib: bucket_bytes(module, mib) for mib in BUCKET_MIB}
+    return min(BUCKET_MIB, key=lambda mib: (sizes[mib][-1], -mib))
+
+
+def bucket_bytes(module: torch.nn.Module, mib: int | None = None) -> list[int]:
+    """Bytes of the gradients in each of DDP's buckets for `module` (its parameters may be on "meta") at `mib`
+    MiB a bucket (default: bucket_mib's), in the order they are reduced: the last is all-reduced only when the
+    backward has ended. DDP rebuilds its buckets after the first step in the order the gradients became ready,
+    each of the size given (DDP keeps its 1 MiB first bucket for its default size only); taken here as the
+    parameters' reverse order of registration, the tied embedding last (its gradient is complete only with the
+    lookup's, the backward's last op), which the backward follows but for a few norms inside a layer
+    (tests/test_distributed.py: within one of a layer's matrices). The buckets as torch's own assignment (the
+    Reducer's) makes them."""
+    mib = bucket_mib(module) if mib is None else mib
     ready = [parameter for parameter in reversed(list(module.parameters())) if parameter.requires_grad]
-    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_mib * 1024 * 1024]
-    buckets, _ = dist._compute_bucket_assignment_by_size(ready, limits, [False] * len(ready))
-    last = next(bucket for bucket in buckets if len(ready) - 1 in bucket)
-    return sum(ready[index].numel() * ready[index].element_size() for index in last)
+    buckets, _ = dist._compute_bucket_assignment_by_size(ready, [mib * 1024 * 1024], [False] * len(ready))
+    buckets = sorted(buckets, key=min)
+    return [sum(ready[index].numel() * ready[index].element_size() for index in bucket) for bucket in buckets]
 
 
 def python_command() -> str:

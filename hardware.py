@@ -653,9 +653,8 @@ class CountedStep:
     """What bench/bench_roofline.py counts for one model, micro-batch and card path. Per token of a
     micro-step (forward + backward): FLOPs and bytes by part; per micro-step: kernels launched; per
     optimizer step of one rank: the optimizer's bytes, kernels and Newton-Schulz FLOPs (its share of the
-    matrices under DDP), the fp32 gradients the all-reduce moves (and of them DDP's last bucket, the one
-    reduced after the backward: distributed.last_bucket_bytes) and Muon's broadcast of the others'
-    orthogonalized shares."""
+    matrices under DDP), the fp32 gradients the all-reduce moves (DDP's buckets of them in the order they are
+    reduced: distributed.bucket_bytes) and Muon's broadcast of the others' orthogonalized shares."""
 
     micro_batch_tokens: int
     matmul_flops: float
@@ -663,13 +662,14 @@ class CountedStep:
     attention_flops: float
     attention_bytes: float
     other_bytes: float  # outside matmuls and the attention kernel: norms, RoPE, casts, the loss, the embedding
+    ddp_split_bytes: float  # what compiling under DDP adds to them (DDPOptimizer's graph splits; 0 eager)
     launches: float
     optimizer_bytes: float
     optimizer_launches: float
     newton_schulz_flops: float
     gradient_bytes: float
     broadcast_bytes: float  # Muon's exchange: every rank's orthogonalized matrices, each over the link once
-    last_bucket_bytes: float
+    bucket_bytes: tuple[float, ...]  # DDP's buckets, reduced in this order; the last waits for the backward's end
     last_broadcast_bytes: float  # the matrix exchanged last (muon.exchange_order)
 
 
@@ -709,6 +709,22 @@ class StepTime:
         return tokens / self.tokens_per_second / 3600
 
 
+def exposed_all_reduce(buckets, seconds_a_byte: float, backward: float) -> float:
+    """Seconds the step waits for DDP's all-reduce after a `backward` of that many seconds: each bucket is
+    ready when the backward has made its gradients (taken as proportional to the parameters before it: the
+    matmuls' work is), the last when the backward ends; the link reduces them one after another, each as soon
+    as it is ready and the link is free."""
+    if not buckets:
+        return 0.0
+    before_last = sum(buckets[:-1])
+    free = made = 0.0
+    for index, size in enumerate(buckets):
+        made += size
+        ready = backward if index == len(buckets) - 1 or not before_last else backward * made / before_last
+        free = max(free, ready) + size * seconds_a_byte
+    return free - backward
+
+
 def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int, world: int = 1) -> StepTime:
     """A step's time from counted work and a card's rates (a roofline, each part at its own limit).
 
@@ -720,9 +736,9 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     it the step waits for is what train.py's loop leaves exposed: the micro-steps but the last run under
     DDP's no_sync (nothing to reduce); in the last, DDP all-reduces each bucket as soon as its gradients are
     all in, while the backward goes on (compiled: DDPOptimizer splits the graph at the buckets, hardware.
-    wrap_order), so the backward (BACKWARD_SHARE of the micro-step) hides every bucket but the last, whose
-    gradients are complete only when the backward ends (the tied embedding's takes the lookup's, the last
-    op); if the others take longer than the backward, the rest shows too. Muon's exchange: each matrix is
+    wrap_order), so the backward (BACKWARD_SHARE of the micro-step) hides what it can of them
+    (exposed_all_reduce), never the last, whose gradients are complete only when the backward ends (the tied
+    embedding's takes the lookup's, the last op). Muon's exchange: each matrix is
     broadcast as soon as its owner has orthogonalized it (muon.Muon.orthogonalize), the broadcasts one after
     another on the link while the iterations go on, so the step waits for the last matrix's transfer, and
     for whatever of the transfers outlasts Newton-Schulz. Not counted: the SMs NCCL's copies take from the
@@ -747,7 +763,7 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
     attention = tokens * max(
         counts.attention_flops / (rates.attention_tflops * 1e12), counts.attention_bytes / bandwidth
     )
-    memory = tokens * counts.other_bytes / bandwidth
+    memory = tokens * (counts.other_bytes + (counts.ddp_split_bytes if world > 1 else 0.0)) / bandwidth
     host = counts.launches * micro_steps * rates.launch_us * 1e-6
     launch = max(0.0, host - (matmul + attention + memory))
     newton_schulz = counts.newton_schulz_flops / (rates.newton_schulz_tflops * 1e12)
@@ -762,9 +778,8 @@ def predict_step(counts: CountedStep, rates: CardRates, *, tokens_per_step: int,
         link = rates.link_gbs * 1e9
         ring = 2 * (world - 1) / world / link  # seconds a byte of gradients
         backward = BACKWARD_SHARE * (matmul + attention + memory) / micro_steps
-        others = ring * (counts.gradient_bytes - counts.last_bucket_bytes)
         exchange = counts.last_broadcast_bytes / link + max(0.0, counts.broadcast_bytes / link - newton_schulz)
-        all_reduce = ring * counts.last_bucket_bytes + max(0.0, others - backward) + exchange
+        all_reduce = exposed_all_reduce(counts.bucket_bytes, ring, backward) + exchange
     return StepTime(matmul, attention, memory, launch, newton_schulz, optimizer, all_reduce, tokens_per_step)
 
 
@@ -777,6 +792,7 @@ def _think72(
     attention_flops: float,
     attention_bytes: float,
     other_bytes: float,
+    ddp_split_bytes: float,
     launches: int,
     optimizer_bytes: float,
     optimizer_launches: int,
@@ -789,22 +805,23 @@ def _think72(
         attention_flops=attention_flops,
         attention_bytes=attention_bytes,
         other_bytes=other_bytes,
+        ddp_split_bytes=ddp_split_bytes,
         launches=launches,
         optimizer_bytes=optimizer_bytes,
         optimizer_launches=optimizer_launches,
         newton_schulz_flops=3.47624e11,
         gradient_bytes=2.88e8,
         broadcast_bytes=1.1010e8,
-        last_bucket_bytes=9.28973e7,
+        bucket_bytes=(37765120, 36711424, 35661824, 37763072, 36711424, 35661824, 67725312),
         last_broadcast_bytes=1.57286e6,
     )
 
 
 ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
-    ("fp16", "eager"): _think72(6.65079e7, 403200, 4.86837e6, 1623, 5.86141e9, 2380),
-    ("fp16", "compiled"): _think72(6.65079e7, 403200, 2.04317e6, 975, 5.86141e9, 2380),
-    ("bf16", "eager"): _think72(4.48701e7, 317184, 4.66699e6, 1567, 4.95511e9, 2276),
-    ("bf16", "compiled"): _think72(4.48701e7, 317184, 2.04317e6, 975, 4.95511e9, 2276),
+    ("fp16", "eager"): _think72(6.65079e7, 403200, 4.86837e6, 0.0, 1623, 5.86141e9, 2380),
+    ("fp16", "compiled"): _think72(6.65079e7, 403200, 2.04317e6, 44230, 975, 5.86141e9, 2380),
+    ("bf16", "eager"): _think72(4.48701e7, 317184, 4.66699e6, 0.0, 1567, 4.95511e9, 2276),
+    ("bf16", "compiled"): _think72(4.48701e7, 317184, 2.04317e6, 44230, 975, 4.95511e9, 2276),
 }
 
 

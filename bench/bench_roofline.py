@@ -56,7 +56,7 @@ attention FLOPs at the attention kernel's rate, every other byte at the bandwidt
 time where it exceeds the device's; per step the optimizer (counted here too, on fake tensors: the fp16
 unscale, the gradient norm and clip, fused AdamW on embeddings and norms, muon.Muon with Newton-Schulz in
 the card's dtype on the matrices, zero_grad), the gradient accumulation adds and what the backward leaves
-exposed of the DDP all-reduce (DDP's last bucket, distributed.last_bucket_bytes; hardware.predict_step).
+exposed of the DDP all-reduce (DDP's buckets, distributed.bucket_bytes; hardware.exposed_all_reduce).
 """
 
 from __future__ import annotations
@@ -722,7 +722,8 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     """One optimizer step of one rank as train.py runs it (GradScaler's unscale under fp16, the gradient
     norm and clip, muon.Muon on the hidden matrices with Newton-Schulz in the card's dtype, fused AdamW on
     the rest, zero_grad in place under DDP), on fake tensors. Under DDP each rank orthogonalizes its share
-    (muon.newton_schulz_owners): counted here for the whole set, its matmuls scaled to the largest share."""
+    (muon.newton_schulz_owners) and receives the others' (muon.Muon.orthogonalize): counted here for the rank
+    with the largest share, its iterations' every op (the matmuls and the casts and norms around them)."""
     import muon
     import optimization
 
@@ -735,6 +736,13 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     rest = rest + head
     card = CARD_PLANS[precision]
     ns_dtype = hardware.newton_schulz_dtype(card)
+    shapes = [tuple(parameter.shape) for parameter in hidden]
+    owners = muon.newton_schulz_owners(shapes, world)
+    loads = [
+        sum(hardware.newton_schulz_flops(*shape) for shape, owner in zip(shapes, owners) if owner == rank)
+        for rank in range(world)
+    ]
+    rank = loads.index(max(loads))
     with fake:  # the first step makes the optimizers' state: not counted
         optimizers = [
             muon.Muon(hidden, ns_dtype=ns_dtype, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True),
@@ -742,6 +750,17 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         ]
         for optimizer in optimizers:
             optimizer.step()
+    own_share = optimizers[0]
+
+    def orthogonalize(updates, group):  # this rank's share; the others' arrive over the link (not device work)
+        return [
+            own_share.newton_schulz(update, group)
+            if owner == rank
+            else torch.empty(update.shape, dtype=muon.DTYPES[ns_dtype], device=update.device)
+            for update, owner in zip(updates, owners)
+        ]
+
+    own_share.orthogonalize = orthogonalize
     tracker = ModuleTracker()
     counter = Counter(tracker, None, lambda name, args: None)
     counter.phase = "optimizer"
@@ -756,18 +775,8 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
         for optimizer in optimizers:
             optimizer.step()
         torch._foreach_zero_(grads)  # zero_grad(set_to_none=False) under DDP
-    shapes = [tuple(parameter.shape) for parameter in hidden]
-    owners = muon.newton_schulz_owners(shapes, world)
-    loads = [
-        sum(hardware.newton_schulz_flops(*shape) for shape, owner in zip(shapes, owners) if owner == rank)
-        for rank in range(world)
-    ]
-    share = max(loads) / sum(loads)
     for op in counter.ops:
         op.category = "newton-schulz" if op.category == "matmul" else "optimizer"
-        if op.category == "newton-schulz":
-            op.flops, op.read, op.written = op.flops * share, op.read * share, op.written * share
-            op.extra *= share
     return counter.ops
 
 
@@ -846,7 +855,7 @@ def fused_bytes(ops: list[Op]) -> tuple[dict, int]:
 # The compiled bytes: what Inductor itself fuses (its scheduler's kernels and their buffers).
 
 
-def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> dict:
+def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0, ddp: bool = False) -> dict:
     """torch.compile (Inductor, CPU) of losses.LanguageModelLoss over the training model (think72's shape
     with `layers` layers, vocab 33,069) on the T4 plan's attention path (attention.efficient_varlen: the K/V
     repeat and the kernel, a custom op Inductor keeps opaque, varlen_ops.py; on CPU it runs each document
@@ -854,7 +863,10 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
     Inductor's own count of each scheduled kernel's buffers
     (GraphLowering.count_bytes: what torch._inductor.metrics.num_bytes_accessed sums). Returns per graph
     (forward, backward) the bytes of Inductor's generated kernels, of the extern kernels (matmuls, the
-    attention kernel), and of the kernels touching a vocabulary-sized buffer (the loss and the LM head)."""
+    attention kernel), and of the kernels touching a vocabulary-sized buffer (the loss and the LM head).
+    `ddp`: the module wrapped as train.py wraps it on 2 cards (distributed.data_parallel inside torch.compile:
+    Dynamo's DDPOptimizer splits the graph at DDP's buckets, and Inductor fuses nothing across a split), in a
+    gloo group of one process."""
     import torch._functorch.config as functorch_config
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
@@ -899,24 +911,46 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0) -> 
     caches = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
     inductor_config.fx_graph_cache = functorch_config.enable_autograd_cache = False  # a cached graph is not counted
     torch._dynamo.reset()
-    try:
-        torch.manual_seed(seed)
-        model = model_config.build_model(preset, VOCAB)
-        model.config.use_cache = False
-        model_config.autocast_elementwise(model)
-        attention.use_attention(model, attention.EFFICIENT)
-        module = torch.compile(losses.LanguageModelLoss(model.train()))
-        inputs = torch.randint(0, VOCAB, (batch, preset.context))
-        targets = torch.randint(0, VOCAB, (batch, preset.context))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = module(inputs, targets, documents=documents)
-        loss.backward()
-    finally:
-        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = caches
-        inductor_graph.GraphLowering.count_bytes = count_bytes
-        compile_fx.inductor_metrics_log.setLevel(level)
-        torch._dynamo.reset()
+    with ddp_group() if ddp else contextlib.nullcontext():
+        try:
+            torch.manual_seed(seed)
+            model = model_config.build_model(preset, VOCAB)
+            model.config.use_cache = False
+            model_config.autocast_elementwise(model)
+            attention.use_attention(model, attention.EFFICIENT)
+            module = losses.LanguageModelLoss(model.train())
+            if ddp:
+                module = distributed.data_parallel(module, distributed.DistInfo(0, 0, 1, torch.device("cpu")))
+            module = torch.compile(module)
+            inputs = torch.randint(0, VOCAB, (batch, preset.context))
+            targets = torch.randint(0, VOCAB, (batch, preset.context))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module(inputs, targets, documents=documents)
+            loss.backward()
+            del module  # DDP's reducer, before its process group goes
+        finally:
+            inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = caches
+            inductor_graph.GraphLowering.count_bytes = count_bytes
+            compile_fx.inductor_metrics_log.setLevel(level)
+            torch._dynamo.reset()
     return {"layers": layers, "batch": batch, "tokens": batch * preset.context, "graphs": graphs}
+
+
+@contextlib.contextmanager
+def ddp_group():
+    """A gloo process group of one (this process), for DDP on CPU."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -944,7 +978,7 @@ def inductor_summary(measured: dict) -> dict:
     summary = {}
     for layers, result in measured.items():
         graphs = result["graphs"]
-        summary[int(layers)] = tuple(
+        summary[layers if layers == "ddp" else int(layers)] = tuple(
             sum(graph[field] for graph in graphs) for field in ("fused", "kernels", "externs", "vocabulary")
         )
     return summary
@@ -957,25 +991,28 @@ def inductor_micro_step(summary: dict, layers: int) -> tuple[float, float, float
     return tuple(a + (layers - 1) * (b - a) for a, b in zip(one, two))
 
 
-def compiled_other(side: Side) -> tuple[float, float, str] | None:
-    """(bytes per micro-step outside matmuls and the attention kernel, kernels per micro-step, source) of the
-    compiled step: Inductor's own count where one is recorded for this shape (INDUCTOR_RECORDED)."""
+def compiled_other(side: Side) -> tuple[float, float, float, str] | None:
+    """(bytes per micro-step outside matmuls and the attention kernel, what DDP's graph splits add to them,
+    kernels per micro-step, source) of the compiled step: Inductor's own count where one is recorded for this
+    shape (INDUCTOR_RECORDED)."""
     recorded = INDUCTOR_RECORDED.get((side.plan.preset, side.tokens))
     if recorded is None or side.label != "after":
         return None
     fused, kernels, externs, _ = inductor_micro_step(recorded, side.plan.preset.layers)
-    return fused, kernels + externs, "Inductor"
+    split = recorded["ddp"][0] - fused if "ddp" in recorded else 0.0
+    return fused, split, kernels + externs, "Inductor"
 
 
 def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool) -> hardware.CountedStep:
     ops = [op for op in side.ops if op.phase in ("forward", "backward")]
     inductor = compiled_other(side) if compiled else None
+    split = 0.0
     if inductor is not None:
         totals = collections.defaultdict(float)
         for op in ops:
             if op.boundary and op.category in ("matmul", "attention"):
                 totals[op.category] += op.read + op.written
-        totals["other"], kernels = inductor[0], inductor[1]
+        totals["other"], split, kernels = inductor[0], inductor[1], inductor[2]
     elif compiled:
         totals, kernels = fused_bytes(ops)
     else:
@@ -997,23 +1034,25 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         attention_flops=side.per_token("attention", "flops"),
         attention_bytes=totals.get("attention", 0.0) / tokens,
         other_bytes=sum(value for key, value in totals.items() if key not in ("matmul", "attention")) / tokens,
+        ddp_split_bytes=split / tokens,
         launches=kernels,
         optimizer_bytes=optimizer_bytes,
         optimizer_launches=sum(op.kernels for op in optimizer_ops),
         newton_schulz_flops=sum(op.flops for op in optimizer_ops),
         gradient_bytes=4 * side.parameters,
         broadcast_bytes=2 * sum(a * b for a, b in shapes) if world > 1 else 0.0,  # fp16 / bf16 on a card
-        last_bucket_bytes=ddp_last_bucket(side.plan.preset),
+        bucket_bytes=ddp_buckets(side.plan.preset),
         last_broadcast_bytes=2 * math.prod(shapes[exchange[-1]]) if world > 1 and exchange else 0.0,
     )
 
 
 @functools.cache
-def ddp_last_bucket(preset: model_config.Preset) -> int:
-    """Bytes of DDP's last bucket of gradients for the model (distributed.last_bucket_bytes; built on "meta")."""
+def ddp_buckets(preset: model_config.Preset) -> tuple[int, ...]:
+    """Bytes of DDP's buckets of gradients for the model, in the order reduced (distributed.bucket_bytes; the
+    model built on "meta")."""
     with torch.device("meta"):
         model = model_config.build_model(preset, VOCAB)
-    return distributed.last_bucket_bytes(model)
+    return tuple(distributed.bucket_bytes(model))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1046,7 +1085,7 @@ def category_table(sides: list[Side], fused: dict) -> list[str]:
     rows.append(
         (
             "kernels per micro-step (eager / compiled)",
-            lambda s: f"{sum(op.kernels for op in s.ops):,} / {(compiled_other(s) or (0, fused[id(s)][1]))[1]:,.0f}",
+            lambda s: f"{sum(op.kernels for op in s.ops):,} / {(compiled_other(s) or (0, 0, fused[id(s)][1]))[2]:,.0f}",
         )
     )
     for title, value in rows:
@@ -1245,16 +1284,18 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def measure_inductor(preset_name: str, batch: int) -> dict:
-    """inductor_bytes at 1 and 2 layers, printed per token and as INDUCTOR_RECORDED's entry."""
+    """inductor_bytes at 1 and 2 layers, and at the preset's depth under DDP (DDPOptimizer's splits), printed per
+    token and as INDUCTOR_RECORDED's entry."""
     preset = model_config.PRESETS[preset_name]
     measured = {}
-    for layers in (1, 2):
+    for layers, ddp in ((1, False), (2, False), (preset.layers, True)):
         started = time.perf_counter()
-        measured[layers] = inductor_bytes(preset_name, layers, batch)
+        torch._dynamo.utils.counters.clear()
+        measured["ddp" if ddp else layers] = inductor_bytes(preset_name, layers, batch, ddp=ddp)
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         print(
-            f"Inductor, {preset_name} with {layers} layer(s) at {batch} x {preset.context}: "
-            f"{len(measured[layers]['graphs'])} graphs, {breaks} graph breaks, "
+            f"Inductor, {preset_name} with {layers} layer(s){' under DDP' if ddp else ''} at {batch} x "
+            f"{preset.context}: {len(measured['ddp' if ddp else layers]['graphs'])} graphs, {breaks} graph breaks, "
             f"{time.perf_counter() - started:.0f} s",
             flush=True,
         )
@@ -1266,7 +1307,9 @@ def measure_inductor(preset_name: str, batch: int) -> dict:
         f"per token: {fused / tokens / 1e3:,.1f} KB in Inductor's kernels at {preset.layers} layers "
         f"({per_layer / tokens / 1e3:,.1f} KB a layer; {vocabulary / tokens / 1e3:,.1f} KB in the kernels "
         f"that touch a vocabulary-sized tensor: the loss, the LM head's and the embedding's), "
-        f"{kernels:.0f} kernels and {externs:.0f} extern kernels a micro-step"
+        f"{kernels:.0f} kernels and {externs:.0f} extern kernels a micro-step; under DDP "
+        f"{summary['ddp'][0] / tokens / 1e3:,.1f} KB ({(summary['ddp'][0] - fused) / tokens / 1e3:+,.1f} KB: "
+        f"its graph splits)"
     )
     print(f"INDUCTOR_RECORDED entry: (model_config.PRESETS[{preset_name!r}], {tokens}): {summary!r}")
     return summary
@@ -1324,15 +1367,26 @@ def main(argv=None) -> int:
 def recorded_check(counts: dict, record: bool) -> str:
     """Whether hardware.ROOFLINE_COUNTS (what predict_card and docs/training.md use) are these counts."""
     recorded = hardware.ROOFLINE_COUNTS
+
+    def close(a, b) -> bool:
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+        return math.isclose(a, b, rel_tol=5e-3)
+
+    def literal_of(value) -> str:
+        return repr(tuple(int(x) for x in value)) if isinstance(value, tuple) else f"{value:.6g}"
+
     same = set(recorded) == set(counts) and all(
-        math.isclose(getattr(recorded[key], field.name), getattr(counts[key], field.name), rel_tol=5e-3)
+        close(getattr(recorded[key], field.name), getattr(counts[key], field.name))
         for key in counts
         for field in dataclasses.fields(hardware.CountedStep)
     )
     if record or not same:
         rows = []
         for key, step in sorted(counts.items()):
-            fields = ", ".join(f"{field.name}={getattr(step, field.name):.6g}" for field in dataclasses.fields(step))
+            fields = ", ".join(
+                f"{field.name}={literal_of(getattr(step, field.name))}" for field in dataclasses.fields(step)
+            )
             rows.append(f"    {key!r}: CountedStep({fields}),")
         literal = "\n".join(rows)
         return (

@@ -175,11 +175,10 @@ def test_a_wrong_sum_is_one_error_line():
     ), err[-2000:]
 
 
-def test_the_last_bucket_is_the_one_ddp_reduces_last(monkeypatch):
-    """distributed.last_bucket_bytes against the buckets DDP itself rebuilds after the first backward, in the
-    order the gradients came (a real Reducer, gloo at world size 1): think72's shape at 2 layers (its 67.7 MB
-    tied embedding) in train.py's wrapping, its last bucket the embedding and what came just before it (up to
-    DDP's 25 MiB)."""
+def test_the_buckets_are_the_ones_ddp_reduces(monkeypatch):
+    """distributed.bucket_bytes against the buckets DDP itself rebuilds after the first backward, in the order the
+    gradients came (a real Reducer, gloo at world size 1, at data_parallel's bucket_mib): think72's shape at 2
+    layers (its 67.7 MB tied embedding) in train.py's wrapping, the embedding in the last bucket."""
     import dataclasses
 
     import torch
@@ -204,12 +203,38 @@ def test_the_last_bucket_is_the_one_ddp_reduces_last(monkeypatch):
     finally:
         dist.destroy_process_group()
     parameters = list(ddp.module.parameters())
-    last = [int(index) for index in logged["rebuilt_per_bucket_param_indices"].split(", ")[-1].split()]
-    assert logged["has_rebuilt_buckets"] == 1 and 0 in last  # the embedding, registered first, in the last
-    real = sum(parameters[index].numel() * 4 for index in last)
-    # the rule takes each layer's parameters in reverse registration; the backward readies a few norms
-    # otherwise (measured: the last bucket's cut moves by a q_norm and an input_layernorm, 2.5 KB): within one
-    # of the layer's matrices
+    real = [
+        [int(index) for index in bucket.split()] for bucket in logged["rebuilt_per_bucket_param_indices"].split(", ")
+    ]
+    assert logged["has_rebuilt_buckets"] == 1 and 0 in real[-1]  # the embedding, registered first, in the last
+    assert logged["bucket_cap_bytes"] == distributed.bucket_mib(model) * 2**20
+    real_bytes = [sum(parameters[index].numel() * 4 for index in bucket) for bucket in real]
+    counted = distributed.bucket_bytes(model)
+    # the rule takes each layer's parameters in reverse registration; the backward readies a few norms otherwise
+    # (measured at DDP's default size: a cut moved by a q_norm and an input_layernorm, 2.5 KB): within one of
+    # the layer's matrices
     largest = max(parameter.numel() * 4 for parameter in model.model.layers[0].parameters())
-    assert abs(distributed.last_bucket_bytes(model) - real) <= largest
-    assert 33_069 * 512 * 4 < real < 33_069 * 512 * 4 + 26 * 2**20
+    assert len(counted) == len(real_bytes)
+    assert all(abs(a - b) <= largest for a, b in zip(counted, real_bytes)), (counted, real_bytes)
+
+
+@pytest.mark.parametrize(
+    "preset, mib, buckets, last",
+    [
+        ("think72", 34, 7, 33_069 * 512 * 4),  # the embedding alone in the last bucket (DDP's default: 92.9 MB)
+        ("nano", 40, 1, None),  # smaller than a bucket: one
+    ],
+)
+def test_the_bucket_size_leaves_the_embedding_the_least_company(preset, mib, buckets, last):
+    import torch
+
+    import model_config
+
+    with torch.device("meta"):
+        model = model_config.build_model(model_config.PRESETS[preset], 33_069)
+    sizes = distributed.bucket_bytes(model)
+    assert distributed.bucket_mib(model) == mib and len(sizes) == buckets
+    assert sum(sizes) == 4 * model_config.parameter_count(model_config.PRESETS[preset], 33_069)
+    if last is not None:
+        assert sizes[-1] == last
+        assert all(distributed.bucket_bytes(model, other)[-1] >= last for other in distributed.BUCKET_MIB)

@@ -222,13 +222,14 @@ COUNTED = dict(
     attention_flops=1e8,
     attention_bytes=1e4,
     other_bytes=1e6,
+    ddp_split_bytes=0,
     launches=100,
     optimizer_bytes=1e9,
     optimizer_launches=10,
     newton_schulz_flops=1e11,
     gradient_bytes=4e6,
     broadcast_bytes=0,
-    last_bucket_bytes=1e6,
+    bucket_bytes=(2e6, 1e6, 1e6),
     last_broadcast_bytes=0,
 )
 RATES = dict(
@@ -247,31 +248,41 @@ STEPS = [
     ({}, 1000, 1, (0.01, 0.002, 0.001, 0.0, 0.002, 0.001, 0.0)),
     # 4 micro-steps: each part of the micro-steps x4; 3 gradient accumulations of 12 bytes a parameter
     ({}, 4000, 1, (0.04, 0.008, 0.004, 0.0, 0.002, 0.001036, 0.0)),
-    # two ranks: each runs half the tokens; the ring moves 2 x 1/2 x 4 MB of fp32 gradients at 5 GB/s, of
-    # which the last bucket's 1 MB (0.2 ms) waits for the backward's end; the other 3 MB (0.6 ms) run during
-    # the backward (2/3 of the micro-step's 13 ms). The gradients zeroed in place: the one micro-step adds
-    # into them (12 MB), and DDP divides them by 2 (8 MB): 20 us more of optimizer bytes
-    ({}, 2000, 2, (0.01, 0.002, 0.001, 0.0, 0.002, 0.00102, 0.0002)),
+    # two ranks: each runs half the tokens; the ring moves 2 x 1/2 x 4 MB of fp32 gradients at 5 GB/s in 3
+    # buckets (2, 1, 1 MB): the first is reduced during the backward (2/3 of the micro-step's 13 ms), the second
+    # is ready with the backward's last layer gradients (its end), the last after it: 0.2 + 0.2 ms wait. The
+    # gradients zeroed in place: the one micro-step adds into them (12 MB), and DDP divides them by 2 (8 MB):
+    # 20 us more of optimizer bytes
+    ({}, 2000, 2, (0.01, 0.002, 0.001, 0.0, 0.002, 0.00102, 0.0004)),
     # Muon's exchange runs during Newton-Schulz (2 ms): the last matrix's 0.1 MB (20 us) shows; 20 MB (4 ms)
     # would show 2 ms more
     (
         {"broadcast_bytes": 1e6, "last_broadcast_bytes": 1e5},
         2000,
         2,
-        (0.01, 0.002, 0.001, 0.0, 0.002, 0.00102, 0.00022),
+        (0.01, 0.002, 0.001, 0.0, 0.002, 0.00102, 0.00042),
     ),
     (
         {"broadcast_bytes": 2e7, "last_broadcast_bytes": 1e5},
         2000,
         2,
-        (0.01, 0.002, 0.001, 0.0, 0.002, 0.00102, 0.00222),
+        (0.01, 0.002, 0.001, 0.0, 0.002, 0.00102, 0.00242),
     ),
-    # 100 MB of gradients: the 99 MB before the last bucket take 19.8 ms, 11.13 ms more than the backward's 8.67
+    # 100 MB of gradients, 98 MB in the first bucket: ready at 98/99 of the backward, reduced in 19.6 ms, then
+    # 0.2 + 0.2 ms: 20 ms after it was ready, the backward's last 1/99 hidden
     (
-        {"gradient_bytes": 1e8},
+        {"gradient_bytes": 1e8, "bucket_bytes": (9.8e7, 1e6, 1e6)},
         2000,
         2,
-        (0.01, 0.002, 0.001, 0.0, 0.002, 0.001 + 0.0005, 0.0002 + 0.0198 - 0.013 * 2 / 3),
+        (
+            0.01,
+            0.002,
+            0.001,
+            0.0,
+            0.002,
+            0.001 + 0.0005,
+            0.02 - 0.013 * 2 / 3 / 99,
+        ),
     ),
     # matmuls bound by their bytes: 1,000 x 100 MB at 1 TB/s
     ({"matmul_bytes": 1e8}, 1000, 1, (0.1, 0.002, 0.001, 0.0, 0.002, 0.001, 0.0)),
@@ -280,6 +291,32 @@ STEPS = [
     # the optimizer bound by its launches: 1,000 x 10 us against 1 ms of bytes
     ({"optimizer_launches": 1000}, 1000, 1, (0.01, 0.002, 0.001, 0.0, 0.002, 0.01, 0.0)),
 ]
+
+
+@pytest.mark.parametrize(
+    "buckets, backward, exposed",
+    [
+        ((), 1.0, 0.0),
+        ((10,), 1.0, 10.0),  # one bucket: ready at the backward's end
+        # ready at 50 and at 100 (the bytes made before each, of the 20 before the last): done at 60, then 100-110,
+        # the last 110-115
+        ((10, 10, 5), 100.0, 15.0),
+        ((60, 40, 5), 100.0, 65.0),  # the first done at 120, the second 120-160, the last 160-165
+        ((60, 40, 5), 10.0, 101.0),  # a short backward: ready at 6 and 10, the link the limit: 6-66, 66-106, 106-111
+    ],
+)
+def test_exposed_all_reduce(buckets, backward, exposed):
+    """What the step waits for of DDP's all-reduce (1 second a byte here): each bucket ready as the backward has
+    made the bytes before it (the last at the end), the link reducing them one after another."""
+    assert hardware.exposed_all_reduce(buckets, 1.0, backward) == pytest.approx(exposed)
+
+
+def test_ddp_splits_cost_bytes_on_two_cards_only():
+    counts = hardware.CountedStep(**{**COUNTED, "ddp_split_bytes": 1e6})
+    rates = hardware.CardRates(**RATES)
+    one = hardware.predict_step(counts, rates, tokens_per_step=1000, world=1)
+    two = hardware.predict_step(counts, rates, tokens_per_step=2000, world=2)
+    assert one.memory_s == pytest.approx(0.001) and two.memory_s == pytest.approx(0.002)
 
 
 @pytest.mark.parametrize("changes, tokens, world, seconds", STEPS)
@@ -351,12 +388,12 @@ def test_the_kaggle_prediction_uses_the_readme_split_and_the_t4_rules():
     assert step == hardware.predict_step(counts, rates, tokens_per_step=65_536, world=2)
     assert step.matmul_s == pytest.approx(32_768 * counts.matmul_flops / (rates.matmul_tflops * 1e12))
     assert step.memory_s == pytest.approx(32_768 * counts.other_bytes / (rates.bandwidth_gbs * 1e9))
-    # the last bucket (the tied embedding and what came just before it) after the backward, the rest hidden by it
-    # and Muon's exchange during Newton-Schulz, but for its last matrix
-    exposed = counts.last_bucket_bytes + counts.last_broadcast_bytes
+    # the last two buckets after the backward (layer 0's gradients are the last the layers make, the tied
+    # embedding's after them), the others hidden by it; Muon's exchange but for its last matrix hidden
+    exposed = counts.bucket_bytes[-2] + counts.bucket_bytes[-1] + counts.last_broadcast_bytes
     assert counts.broadcast_bytes / 5e9 < step.newton_schulz_s
     assert step.all_reduce_s == pytest.approx(exposed / 5e9)
-    assert 33_069 * 512 * 4 < counts.last_bucket_bytes < 33_069 * 512 * 4 + 26 * 2**20
+    assert counts.bucket_bytes[-1] == 33_069 * 512 * 4 and sum(counts.bucket_bytes) == counts.gradient_bytes
     hours = {
         name: hardware.predict_card(t4, world=2, mode="compiled", rates=rates).hours_for(1.5e9)
         for name, rates in {"central": rates, **hardware.T4_RATE_RANGE}.items()
