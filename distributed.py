@@ -305,8 +305,15 @@ def wrap_for_training(module: torch.nn.Module, info: DistInfo, order: list[str])
     """`module` wrapped in DDP and torch.compile in hardware.wrap_order's `order` (its first entry is
     the module itself)."""
     for wrapper in order[1:]:
-        module = torch.compile(module) if wrapper == "compile" else data_parallel(module, info)
+        module = compiled(module) if wrapper == "compile" else data_parallel(module, info)
     return module
+
+
+def compiled(module: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile of `module` with the training step's Inductor options (hardware.INDUCTOR_OPTIONS)."""
+    import hardware
+
+    return torch.compile(module, options=dict(hardware.INDUCTOR_OPTIONS))
 
 
 def data_parallel(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:

@@ -230,6 +230,16 @@ def use_compile(requested: bool | None, device: Device) -> bool:
     return device.is_cuda if requested is None else requested
 
 
+# Inductor's options for the training step (torch.compile(options=...)). realize_reads_threshold: a value
+# used by several kernels is written to memory once (realized) when its expression reads more than this many
+# buffers, else each user recomputes it. At Inductor's default (4), RoPE's backward (the gradient read twice,
+# itself and rolled, and the cos/sin tables) was written in fp32 and read back by the q/k norms' two
+# reductions; at 10 each recomputes it from the half-precision gradient: the same fp32 expression, 190 KB a
+# token fewer for think72 by Inductor's count (bench/RESULTS.md, "The step waits for less"; 8 gives 1,910,
+# 10 and 16 alike 1,853 KB a token).
+INDUCTOR_OPTIONS = {"realize_reads_threshold": 10}
+
+
 def wrap_order(compile: bool, world: int) -> list[str]:
     """How the loss module is wrapped, innermost first. DDP goes inside torch.compile: compiling the
     DDP module lets Dynamo split the graph at DDP's buckets (DDPOptimizer), so each bucket's
@@ -818,10 +828,10 @@ def _think72(
 
 
 ROOFLINE_COUNTS: dict[tuple[str, str], CountedStep] = {
-    ("fp16", "eager"): _think72(6.65079e7, 403200, 4.86837e6, 0.0, 1623, 5.86141e9, 2380),
-    ("fp16", "compiled"): _think72(6.65079e7, 403200, 2.04317e6, 44230, 975, 5.86141e9, 2380),
-    ("bf16", "eager"): _think72(4.48701e7, 317184, 4.66699e6, 0.0, 1567, 4.95511e9, 2276),
-    ("bf16", "compiled"): _think72(4.48701e7, 317184, 2.04317e6, 44230, 975, 4.95511e9, 2276),
+    ("fp16", "eager"): _think72(6.65079e7, 403200, 4.86837e6, 0.0, 1623, 5.36596e9, 1400),
+    ("fp16", "compiled"): _think72(6.65079e7, 403200, 1.85288e6, 51390.8, 908, 5.36596e9, 1400),
+    ("bf16", "eager"): _think72(4.48701e7, 317184, 4.66699e6, 0.0, 1567, 4.62481e9, 1345),
+    ("bf16", "compiled"): _think72(4.48701e7, 317184, 1.85288e6, 51390.8, 908, 4.62481e9, 1345),
 }
 
 

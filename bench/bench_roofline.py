@@ -921,7 +921,7 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0, ddp
             module = losses.LanguageModelLoss(model.train())
             if ddp:
                 module = distributed.data_parallel(module, distributed.DistInfo(0, 0, 1, torch.device("cpu")))
-            module = torch.compile(module)
+            module = distributed.compiled(module)  # as train.py compiles it
             inputs = torch.randint(0, VOCAB, (batch, preset.context))
             targets = torch.randint(0, VOCAB, (batch, preset.context))
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -959,14 +959,16 @@ def ddp_group():
 
 # Inductor's own count (torch 2.13.0+cpu, `python bench/bench_roofline.py --inductor`): {layers: (bytes of
 # its generated kernels, those kernels, extern kernels, bytes of the kernels touching a vocabulary-sized
-# tensor)} per micro-step, forward and backward graphs together, at 1 and 2 layers of the preset's shape.
-# Measured 2026-12-05 on think72 at 8 x 1,024 with the layer's attention in the kernels' layout
-# (attention.document_attention_forward; bench/RESULTS.md, "Fewer bytes in the layer"): 128 KB a token each
-# layer (was 141), 253 KB outside the layers (the loss 131, the LM head's and the embedding's 122).
+# tensor)} per micro-step, forward and backward graphs together, at 1 and 2 layers of the preset's shape, and
+# ("ddp") at its full depth compiled under DDP as train.py runs it on 2 cards (DDPOptimizer's graph splits).
+# Measured 2026-12-05 on think72 at 8 x 1,024 with train.py's Inductor options (hardware.INDUCTOR_OPTIONS) and
+# the layer's attention in the kernels' layout (bench/RESULTS.md, "The step waits for less"): 114.6 KB a token
+# each layer (was 141.2), 249 KB outside the layers; under DDP 51.4 KB a token more.
 INDUCTOR_RECORDED: dict = {
     (model_config.PRESETS["think72"], 8192): {
-        1: (3122138496, 62, 55, 2023657520),
-        2: (4169486720, 100, 83, 2023657520),
+        1: (2979681804, 60, 55, 2023657520),
+        2: (3918077964, 93, 83, 2023657520),
+        "ddp": (15599825012, 515, 419, 1939154992),
     },
 }
 

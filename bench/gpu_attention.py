@@ -159,8 +159,11 @@ class AttentionParts:
         self.attention_call(path, inputs).backward(inputs["grad"])
 
     def runnable_paths(self) -> dict[str, str | None]:
+        import attention
+
+        offered = attention.torch_kernels() if self.device.is_cuda else None  # the card's own torch
         return {
-            path: attention_path_problem(path, self.device, self.precision, self.preset.head_dim)
+            path: attention_path_problem(path, self.device, self.precision, self.preset.head_dim, offered)
             for path in ATTENTION_PATHS
         }
 

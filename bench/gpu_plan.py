@@ -14,6 +14,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import attention  # noqa: E402
 import hardware  # noqa: E402
 import model_config  # noqa: E402
 from common import UserError  # noqa: E402
@@ -114,20 +115,20 @@ def starts_in_budget(elapsed: float, estimate: float, budget: float) -> bool:
     return not budget or elapsed + estimate <= budget
 
 
-def attention_path_problem(path: str, device: hardware.Device, precision: str, head_dim: int) -> str | None:
-    """Why `path` cannot run on `device` in `precision` (None: it can), by torch's dispatch rules."""
-    if path == "masked sdpa":
+def attention_path_problem(
+    path: str, device: hardware.Device, precision: str, head_dim: int, offered: attention.TorchKernels | None = None
+) -> str | None:
+    """Why `path` cannot run on `device` in `precision` (None: it can): its kernel's needs as attention.KERNELS
+    records them (the varlen kernel's `problem`: torch's dispatch rules, with what `offered` torch has; default
+    a card's own wheel's). A causal path needs what its varlen kernel does, SDPA taking cu_seqlens' place, and
+    flash's runs on CPU too (SDPA's CPU flash kernel); the masked path runs anywhere (SDPA's own choice)."""
+    record = attention.kernel(path)
+    if record.masked or (record.implementation == attention.FLASH and not device.is_cuda and not record.boundaries):
         return None
-    if not device.is_cuda and path != "causal flash":
-        return f"{path} needs CUDA (the CPU has SDPA's flash and math kernels only)"
-    if "flash" in path and device.is_cuda:
-        if device.capability < (8, 0):
-            return f"flash attention needs sm_80+ ({device.label()})"
-        if precision not in ("fp16", "bf16") or head_dim > 256 or head_dim % 8:
-            return f"flash attention takes fp16/bf16 with head_dim <= 256, a multiple of 8 ({precision}, {head_dim})"
-    if "efficient" in path and precision == "bf16" and not device.native_bf16:
-        return f"the memory-efficient kernel takes bf16 from sm_80 only ({device.label()})"
-    return None
+    varlen = next(
+        kernel for kernel in attention.KERNELS if kernel.boundaries and kernel.implementation == record.implementation
+    )
+    return varlen.problem(device, precision, head_dim, offered or attention.CUDA_WHEELS)
 
 
 def sample_segments(

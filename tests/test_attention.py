@@ -748,7 +748,8 @@ def compiled_against_eager(implementation: str, backend):
         return loss.item(), {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
     torch._dynamo.reset()
-    return run(module), run(torch.compile(module, backend=backend, fullgraph=True))
+    options = {"options": dict(hardware.INDUCTOR_OPTIONS)} if backend == "inductor" else {}  # train.py's
+    return run(module), run(torch.compile(module, backend=backend, fullgraph=True, **options))
 
 
 def graph_recorder(graphs: list):

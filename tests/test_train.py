@@ -129,7 +129,7 @@ def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(corpus,
     calls = []
 
     class Broken(torch.nn.Module):
-        def __init__(self, module):
+        def __init__(self, module, options=None):
             super().__init__()
             self.module = module
 
