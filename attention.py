@@ -358,12 +358,12 @@ KERNELS = (
         "CPU; SDPA with the mask (its CPU flash kernel takes one)",
     ),
     Kernel("masked math", MASKED, "mask", "square", "mask and scores", True, "anything; SDPA with the mask, math only"),
-    Kernel(
+    Kernel(  # holds as math: SDPA takes math wherever the memory-efficient kernel refuses the inputs
         "masked efficient or math",
         MASKED,
         "mask",
         "square",
-        "mask",
+        "mask and scores",
         True,
         "CUDA; SDPA with the mask, "
         "memory-efficient where it takes the inputs, else math (never cuDNN: pytorch #196678)",

@@ -711,13 +711,22 @@ def test_the_varlen_records_hold_their_logsumexp_and_the_masked_ones_the_square(
     preset = model_config.PRESETS["think72"]
     held = {
         name: attention.kernel(name).held_bytes(preset.heads, preset.kv_heads, preset.head_dim, 8, 1024, 2, 14)
-        for name in ("flash varlen", "efficient varlen", "masked cpu flash", "masked math", "flash")
+        for name in (
+            "flash varlen",
+            "efficient varlen",
+            "masked cpu flash",
+            "masked math",
+            "flash",
+            "masked efficient or math",
+        )
     }
     tokens = 8 * 1024
     assert held["flash varlen"] == 14 * tokens * 4 * 8
     assert held["efficient varlen"] == 14 * tokens * (4 * 8 + 2 * 4 * 128 * 2)  # + K/V repeated to 8 heads
     assert held["masked cpu flash"] == 8 * 1024**2 * (1 + 14 * 2)
     assert held["masked math"] > 8 * held["masked cpu flash"] and held["flash"] == 0
+    # the fallback's memory is planned for the worse of its two backends: math's scores beside the mask
+    assert held["masked efficient or math"] == held["masked math"]
 
 
 # ----------------------------------------------------------------------------------------------
