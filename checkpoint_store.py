@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import corpus_format
-import trackers
 from common import (
     UserError,
     atomic_open,
@@ -63,6 +62,8 @@ LATEST = "latest.json"
 CORRUPT_SUFFIX = ".corrupt"
 ABANDONED = "abandoned-{step:08d}"
 CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
+TRACKERS_FILE = "trackers.json"  # trackers.py: per tracker, its run id and the last step it was given
+TENSORBOARD_EVENTS = "events.out.tfevents.tinyllm"  # trackers.py: one file per run, rebuilt on resume
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
 RUN_FILES = (
@@ -71,8 +72,8 @@ RUN_FILES = (
     "config.toml",
     "hardware.json",
     "run_status.json",
-    trackers.TRACKERS_FILE,
-    trackers.TENSORBOARD_EVENTS,
+    TRACKERS_FILE,
+    TENSORBOARD_EVENTS,
 )
 
 
