@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common import UserError, parse_json, sha256_file, sha256_tree
+from tinyllm.common import UserError, parse_json, sha256_file, sha256_tree
 
 if TYPE_CHECKING:  # torch is imported only where a corpus is read for training: data.py builds without it
     import torch

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-import attention
-import hardware
-from corpus_format import IGNORE_INDEX
+from tinyllm.data.corpus_format import IGNORE_INDEX
+from tinyllm.model import attention, hardware
 
 
 def language_model_loss(

@@ -26,12 +26,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-import attention
-import corpus_format
-import data
-import remote_store
-from common import UserError, say, script_command
-from corpus_format import (
+from tinyllm.common import UserError, say, script_command
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import (
     CORPUS_MANIFEST,
     IGNORE_INDEX,
     MASK_ASSISTANT,
@@ -41,6 +39,8 @@ from corpus_format import (
     SOURCE_NAME,
     Manifest,
 )
+from tinyllm.model import attention
+from tinyllm.store import remote_store
 
 if TYPE_CHECKING:
     import torch

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from checkpoint_store import TENSORBOARD_EVENTS, TRACKERS_FILE  # run files: the store backs them up
-from common import UserError, atomic_open, atomic_write_json, json_safe, read_json_or
+from tinyllm.common import UserError, atomic_open, atomic_write_json, json_safe, read_json_or
+from tinyllm.store.checkpoint_store import TENSORBOARD_EVENTS, TRACKERS_FILE  # run files: the store backs them up
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 SKIPPED_KEYS = {"kind", "step", "time"}

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import corpus_format
-from common import (
+from tinyllm.common import (
     UserError,
     atomic_open,
     atomic_write_json,
@@ -53,8 +52,9 @@ from common import (
     temporary_target,
     utc_now,
 )
-from corpus_format import CORPUS_MANIFEST
-from model_config import RECORDED_PREFIX
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import CORPUS_MANIFEST
+from tinyllm.model.config import RECORDED_PREFIX
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
