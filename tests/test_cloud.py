@@ -513,7 +513,8 @@ def test_a_killed_trainer_leaves_no_traceback_from_its_backup_child(tmp_path, ph
     checkpoint = save_and_point_latest(tmp_path / "run" / "checkpoints", 3)
     script = "\n".join(
         [
-            "import os, pathlib, threading, time, checkpoint_cloud",
+            "import os, pathlib, threading, time",
+            "from tinyllm.store import checkpoint_cloud",
             "os.environ['TEST_BACKUP_CHILD'] = '1'",
             "def note_child():",  # the child's pid, for the test to see it exit; "start" blocks in the constructor
             "    for _ in range(3000):",
