@@ -233,11 +233,10 @@ def test_function_level_imports_are_found_with_their_function(source, expected):
 
 def test_every_function_level_import_of_a_project_module_is_listed():
     """None except where it defers a heavy or optional dependency, each in docs/development.md with its reason:
-    tinyllm's modules and bench/gpu_*.py's (what a lent GPU runs first)."""
-    checked = {name: path for name, path in SOURCES.items() if name in MODULES or name.startswith("gpu_")}
+    tinyllm's modules and bench's."""
     found = {
         (short(name), function, short(module))
-        for name, path in checked.items()
+        for name, path in SOURCES.items()
         for function, module in function_level_imports(path.read_text(encoding="utf-8"), set(SOURCES))
     }
     listed = listed_function_level_imports()
