@@ -33,7 +33,6 @@ import math
 import os
 import re
 import signal
-import statistics
 import sys
 import time
 import uuid
@@ -752,15 +751,23 @@ def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Ba
 
 
 def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
-    """--budget's probe: a preset's global tokens/s over budget.PROBE_STEPS timed train steps (after one
-    untimed) at a micro-batch per rank, eager; None when it does not fit the device's memory."""
+    """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from timed train steps
+    after budget.PROBE_WARMUP_STEPS untimed ones, until budget.steady_step_seconds has its step time (more
+    steps while they disagree, within the `seconds` the probe may take); None when it does not fit the
+    device's memory. Every rank steps alike: rank 0's verdict ends the timing."""
 
-    def measure(preset: str, micro_batch: int) -> float | None:
+    def measure(preset: str, micro_batch: int, seconds: float) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
         session = dataclasses.replace(settings.session, batch_size=micro_batch, grad_accum=1, compile=False)
         try:
             training = build_training(dataclasses.replace(settings, run=run, session=session), info)
-            times = [training.train_step().seconds for _ in range(budget.PROBE_STEPS + 1)]
+            for _ in range(budget.PROBE_WARMUP_STEPS):
+                training.train_step()
+            started, times, step_seconds = time.monotonic(), [], None
+            while step_seconds is None:
+                times.append(training.train_step().seconds)
+                out_of_time = time.monotonic() - started >= seconds
+                step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
         except torch.OutOfMemoryError:
             return None
         except UserError as error:  # build_training's out-of-memory line; any other error is the run's
@@ -771,7 +778,7 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
             training = None  # noqa: F841 (the model's memory goes before the next probe)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        return micro_batch * model_config.preset_of(run).context * info.world / statistics.median(times[1:])
+        return micro_batch * model_config.preset_of(run).context * info.world / step_seconds
 
     return measure
 
@@ -1178,13 +1185,14 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     observers = run_callbacks(training, scorer, metrics, progress, status, recorded)
     if observed is not None:
         observers.load_state_dict(observed)
+    check = BudgetCheck(training, scorer, observers, progress, recorded) if resume_path is None else None
     observers.on_start(training.step)
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     try:
         status.running(training.step, training.total_steps)  # from here on a signal ends with a checkpoint
         try:
-            state, reason = train_loop(training, checkpointer, observers, stop, peak, process_started, progress)
+            state, reason = train_loop(training, checkpointer, observers, stop, peak, process_started, progress, check)
             observers.on_loop_end()
         finally:
             progress.close()
@@ -1253,15 +1261,7 @@ def write_run_files(
     if resume_path is not None:
         checkpointer.start_timeline(resume_path, training.step)
     atomic_write_text(out / "config.toml", config_text(settings))
-    atomic_write_json(
-        out / "training_settings.json",
-        {
-            **recorded,
-            "run_id": training.run_id,
-            "parameters": model_config.parameter_count(training.preset, training.vocab_size),
-            "flops_per_token": training.flops_per_token,
-        },
-    )
+    write_settings_file(training, recorded)
     peak, source = hardware.peak_flops(info.device, training.precision, session.peak_tflops)
     atomic_write_json(
         out / "hardware.json",
@@ -1272,6 +1272,20 @@ def write_run_files(
         },
     )
     return peak
+
+
+def write_settings_file(training: Training, recorded: dict) -> None:
+    """Rank 0: RUN/training_settings.json (`recorded`: recorded_settings), at the start and after a --budget
+    re-plan (BudgetCheck)."""
+    atomic_write_json(
+        Path(training.session.out) / "training_settings.json",
+        {
+            **recorded,
+            "run_id": training.run_id,
+            "parameters": model_config.parameter_count(training.preset, training.vocab_size),
+            "flops_per_token": training.flops_per_token,
+        },
+    )
 
 
 def describe_run(training: Training) -> None:
@@ -1371,9 +1385,11 @@ def train_loop(
     peak: float | None,
     process_started: float,
     progress: report.Progress,
+    check: BudgetCheck | None = None,
 ) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason). Each step: train, the
-    observers' hooks (log, evaluate when due), then plan_step_end says whether to save and whether to stop."""
+    observers' hooks (log, evaluate when due), --budget's check of its plan (`check`: once, in the session
+    that started the run), then plan_step_end says whether to save and whether to stop."""
     session = training.session
     no_step = no_step_to_take(training, progress)
     if no_step is not None:
@@ -1400,13 +1416,94 @@ def train_loop(
         observers.on_step_end(result, callbacks.Speed(tokens_per_second, mfu))
         best = evaluate_if_due(observers, clocks, result.step)
         clock = agree_clock(clocks.read(stop, checkpointer), training.info)
-        end = plan_step_end(result.step, clock, dataclasses.replace(flags, new_best=best is not None))
+        replanned = check is not None and check.after_step(clock.elapsed, clocks.step_times)
+        flags = dataclasses.replace(flags, total_steps=training.total_steps)
+        end = plan_step_end(
+            result.step, clock, dataclasses.replace(flags, new_best=best is not None, save_now=replanned)
+        )
         if end.save:
             save_checkpoint(training, checkpointer, best, observers.state_dict())
             clocks.saved()
         if end.stop:
             return store.NEEDS_RESUME, end.why
     return store.COMPLETE, None
+
+
+class BudgetCheck:
+    """--budget's check of its plan against the run's own steps (budget.check_due, budget.check_plan): once,
+    in the session that started the run. A re-plan changes the run's length as an extension would (the
+    warmup kept, the decay moved, nothing taken changed), is recorded where the plan is (training_settings.json,
+    and the checkpoint saved at this step), and printed as one line; a resume reads it back and checks no more."""
+
+    def __init__(self, training: Training, scorer, observers: callbacks.Callbacks, progress, recorded: dict):
+        self.training, self.scorer, self.observers, self.progress, self.recorded = (
+            training,
+            scorer,
+            observers,
+            progress,
+            recorded,
+        )
+
+    def after_step(self, elapsed: float, step_times: list[float]) -> bool:
+        """Check the plan when due (`elapsed`: the session's seconds, agreed over the ranks); whether the
+        run's length changed."""
+        training = self.training
+        if training.budget_plan is None:
+            return False
+        plan = budget.Plan.from_record(training.budget_plan)
+        if not budget.check_due(plan, training.step, elapsed, len(step_times)):
+            return False
+        step_seconds = distributed.agree_max([budget.recent_step_seconds(step_times)], training.info)[0]
+        seen = budget.Seen(training.step, elapsed, step_seconds)
+        max_tokens = budget.max_run_tokens(training, training.data.corpus)
+        checked = budget.check_plan(plan, seen, decay_start_rule(training), max_tokens)
+        training.budget_plan = checked.as_record()
+        self.progress.write(f"--budget {plan.budget}: {budget.check_text(checked.check)}")
+        if checked.check["replanned"]:
+            self.apply(checked)
+        self.recorded.update(recorded_settings(training))
+        if training.info.is_main:
+            write_settings_file(training, self.recorded)
+        return checked.check["replanned"]
+
+    def apply(self, plan: budget.Plan) -> None:
+        """The run's length, schedule, evaluation cadence and progress as the re-plan has them."""
+        training = self.training
+        training.run = dataclasses.replace(training.run, target_tokens=plan.target_tokens)
+        training.total_steps = total_steps(
+            training.run, training.data.train_blocks, training.data.global_batch, training.tokens_per_step
+        )
+        training.recipe, reasons = recipe_of_length(training, training.total_steps)
+        training.recipe_reasons = [*reasons, f"{training.recipe.warmup_steps} warmup steps: the run's, kept"]
+        decay = training.recipe.total_steps - training.recipe.decay_steps
+        training.data.start_phases(decay if training.recipe.schedule == "wsd" else None)
+        validation_every, tasks_every = evaluation_cadence(training, self.scorer)
+        cadence = {"validation": validation_every, "tasks": tasks_every}
+        for observer in self.observers.callbacks:
+            if hasattr(observer, "total_steps"):
+                observer.total_steps = training.total_steps
+            if observer.key in cadence:
+                observer.every = cadence[observer.key]
+        self.progress.set_total(training.total_steps)
+
+
+def recipe_of_length(training: Training, steps: int) -> tuple[optimization.Recipe, list[str]]:
+    """The run's recipe for a length of `steps`, its warmup kept (as an extension keeps it)."""
+    kept = dataclasses.replace(training.run, warmup_steps=training.recipe.warmup_steps)
+    return optimization.choose_recipe(kept, training.preset.hidden, steps, training.preset.tie_embeddings)
+
+
+def decay_start_rule(training: Training):
+    """A length's first decaying step under the run's recipe (its warmup kept), for budget.replan; None
+    when a length cannot change without changing the steps taken (a cosine decays over the whole run)."""
+    if training.recipe.schedule != "wsd":
+        return None
+
+    def decay_start(steps: int) -> int:
+        recipe, _ = recipe_of_length(training, steps)
+        return recipe.total_steps - recipe.decay_steps
+
+    return decay_start
 
 
 def evaluate_if_due(observers: callbacks.Callbacks, clocks: SessionClocks, step: int) -> float | None:
@@ -1532,6 +1629,7 @@ class StepFlags:
     max_hours: float = 0.0
     stop_after_steps: int = 0
     new_best: bool = False  # this step's validation set a new best: its record must say so
+    save_now: bool = False  # the run's length changed at this step (a --budget re-plan): saved with it
     time_limit: str = budget.MAX_HOURS_LIMIT  # what set max_hours, for the stop's reason (budget.session_limit)
 
 
@@ -1564,6 +1662,7 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
         why is not None
         or step >= flags.total_steps
         or flags.new_best
+        or flags.save_now
         or bool(flags.save_every and step % flags.save_every == 0)
         or bool(flags.save_seconds and clock.since_save >= flags.save_seconds)
     )
@@ -1576,9 +1675,11 @@ class SessionClocks:
     def __init__(self, started: float):
         self.started, self.last_save = started, time.monotonic()
         self.slowest_step = self.slowest_eval = 0.0
+        self.step_times: list[float] = []  # this session's, for --budget's check (BudgetCheck)
 
     def stepped(self, seconds: float) -> None:
         self.slowest_step = max(self.slowest_step, seconds)
+        self.step_times.append(seconds)
 
     def evaluated(self, seconds: float) -> None:
         self.slowest_eval = max(self.slowest_eval, seconds)

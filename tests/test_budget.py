@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,169 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
         {"status": "COMPLETE", "settings": {"training": {}, "budget": record}},
     )
     assert f"- Planned by {plan.summary()}; {plan.why}" in card
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe's rules and the check of the plan against the run's own steps (pure; table tests)
+
+
+@pytest.mark.parametrize(
+    "times, out_of_time, expected",
+    [
+        ([], False, None),
+        ([1.0] * 4, False, None),  # fewer than PROBE_STEPS timed
+        ([1.0, 1.1, 0.95, 1.0, 1.15], False, 1.0),  # steady (within 25%): the median
+        ([4.0, 4.0, 1.0, 1.0, 1.0], False, None),  # a burst that ended inside the probe: time more
+        ([4.0, 4.0, 1.0, 1.0, 1.0, 1.0], False, None),
+        ([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0], False, 1.0),  # the burst left behind
+        ([1.0, 2.0] * 7 + [1.0], False, 1.0),  # PROBE_MAX_STEPS reached: the last window's median
+        ([4.0, 1.0], True, 2.5),  # out of time: what there is
+    ],
+)
+def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
+    assert budget.steady_step_seconds(times, out_of_time) == expected
+
+
+PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro")}
+
+
+def fake_measure(rates: dict[str, list[float]]):
+    """A budget.Measure whose successive calls for a preset return `rates[preset]` in turn; records the calls."""
+    calls: list[str] = []
+
+    def measure(preset, micro_batch, seconds):
+        calls.append(preset)
+        return rates[preset][sum(call == preset for call in calls) - 1]
+
+    return measure, calls
+
+
+@pytest.mark.parametrize(
+    "tiny, nano_share, calls, tiny_rate, nano_ratio",
+    [
+        ([100.0], [1.1], ["tiny", "nano"], 100.0, 1.1),  # quiet: the pair agrees with its FLOP/s prediction
+        ([25.0, 100.0], [1.0, 1.0], ["tiny", "nano", "tiny", "nano"], 100.0, 1.0),  # a burst over tiny's probe
+        ([100.0, 90.0], [0.25, 1.0], ["tiny", "nano", "tiny", "nano"], 100.0, 1.0),  # a burst over nano's
+        ([100.0, 100.0], [3.0, 3.0], ["tiny", "nano", "tiny", "nano"], 100.0, 3.0),  # really off: said, kept
+    ],
+)
+def test_a_measured_pair_that_disagrees_with_its_prediction_is_measured_again(
+    tiny, nano_share, calls, tiny_rate, nano_ratio
+):
+    """nano's rates are given as shares of its prediction from tiny's quiet 100 tokens/s; each preset keeps
+    its fastest measurement; micro is predicted from nano (seconds: enough for two presets only)."""
+    import distributed
+
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    quiet = budget.Candidate("tiny", 1, 32, 100.0, True)
+    nano = [share * budget.predicted_rate(quiet, PROBE_SHAPES, "nano", 300) for share in nano_share]
+    measure, made = fake_measure({"tiny": tiny, "nano": nano})
+    shapes = dict(list(PROBE_SHAPES.items())[:2])
+    found = budget.probe(measure, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
+    assert made == calls
+    assert found[0].tokens_per_second == tiny_rate and found[0].pair_ratio is None
+    assert found[1].pair_ratio == pytest.approx(nano_ratio)
+    assert found[1].tokens_per_second == pytest.approx(max(nano))
+
+
+def planned(steps: int = 100, seconds: str = "1000s", **fields) -> budget.Plan:
+    """A plan of `steps` steps of 1,000 tokens filling `seconds` less the reserve: 9 s a step at 1000s."""
+    hours = budget.budget_seconds(seconds) * (1 - budget.RESERVE) / 3600
+    values = dict(
+        budget=seconds,
+        preset="tiny",
+        parameters=100_000,
+        target_tokens=steps * 1000,
+        global_batch_blocks=8,
+        tokens_per_step=1000,
+        steps=steps,
+        hours=hours,
+        sessions=1,
+        predicted_bpb=1.5,
+        why="",
+        candidates=(),
+    )
+    return budget.Plan(**{**values, **fields})
+
+
+@pytest.mark.parametrize(
+    "plan, step, elapsed, timed, due",
+    [
+        (planned(), 10, 100.0, 10, False),  # neither 15% of the budget nor 25% of the steps yet
+        (planned(), 10, 150.0, 10, True),  # 15% of the budget
+        (planned(), 25, 10.0, 25, True),  # 25% of the steps
+        (planned(), 25, 10.0, 3, False),  # too few steps timed in this session
+        (planned(check={"at_step": 20}), 25, 500.0, 25, False),  # checked once: never again
+        (planned(length_given=True), 25, 500.0, 25, False),  # the user's --target-tokens
+        (planned(sessions=3), 25, 500.0, 25, False),  # a run over several sessions keeps its plan
+    ],
+)
+def test_the_plan_is_checked_once_early_in_the_run(plan, step, elapsed, timed, due):
+    assert budget.check_due(plan, step, elapsed, timed) is due
+
+
+def wsd(total: int) -> int:
+    """The default WSD's first decaying step: 40% of the run decays."""
+    return total - round(0.4 * total)
+
+
+@pytest.mark.parametrize(
+    "seen, decay_start, max_tokens, steps",
+    [
+        ((25, 225.0, 9.0), wsd, math.inf, None),  # as planned: ends at 900 s
+        ((25, 225.0, 9.1), wsd, math.inf, None),  # 1% slower: within the 2% tolerance
+        ((25, 112.5, 4.5), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
+        ((25, 450.0, 18.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
+        ((25, 300.0, 9.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
+        ((25, 112.5, 4.5), wsd, 150_000, 150),  # at most MAX_EPOCHS passes
+        ((25, 850.0, 18.0), wsd, math.inf, 41),  # very late: at least enough steps for the decay to start after
+        ((25, 112.5, 4.5), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
+    ],
+)
+def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start, max_tokens, steps):
+    plan = planned()
+    new = budget.replan(plan, budget.Seen(*seen), decay_start, max_tokens)
+    if steps is None:
+        assert new is None
+        return
+    assert (new.steps, new.target_tokens) == (steps, steps * 1000)
+    assert (new.preset, new.global_batch_blocks, new.tokens_per_step) == (plan.preset, 8, 1000)
+    assert wsd(new.steps) >= seen[0]  # every step taken keeps its learning rate
+
+
+def test_a_check_is_recorded_with_its_verdict_and_one_line():
+    plan = planned()
+    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0), wsd)
+    assert (kept.steps, kept.predicted_bpb, kept.check["replanned"]) == (100, 1.5, False)
+    assert budget.check_text(kept.check).endswith("as planned: kept")
+    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5), wsd, loss=MODEL)
+    assert moved.check == {
+        "at_step": 25,
+        "elapsed_seconds": 112.5,
+        "step_seconds": 4.5,
+        "planned_step_seconds": pytest.approx(9.0),
+        "projected_end_seconds": 450.0,
+        "target_end_seconds": 900.0,
+        "replanned": True,
+        "from_tokens": 100_000,
+        "from_steps": 100,
+        "to_tokens": 200_000,
+        "to_steps": 200,
+    }
+    assert moved.predicted_bpb == MODEL.loss(plan.parameters, 200_000)
+    line = budget.check_text(moved.check)
+    assert "\n" not in line and "2.00x the probe's speed" in line
+    assert line.endswith("re-planned from 100,000 tokens (100 steps) to 200,000 (200 steps)")
+    assert budget.Plan.from_record(json.loads(json.dumps(moved.as_record()))) == moved
+    assert line in moved.summary()
+
+
+@pytest.mark.parametrize(
+    "times, expected",
+    [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 2.0), ([9.0, 1.0, 2.0], 2.0)],
+)
+def test_the_speed_now_is_the_later_half_of_the_steps(times, expected):
+    assert budget.recent_step_seconds(times) == expected
 
 
 # ----------------------------------------------------------------------------------------------
