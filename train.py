@@ -1669,16 +1669,24 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     return StepEnd(save=save, stop=why is not None, why=why)
 
 
+RECENT_STEPS = 16  # the time limit's stop plans with the slowest of this many recent steps
+
+
 class SessionClocks:
     """The loop's clocks: since the session started and the last save, the slowest step and evaluation."""
 
     def __init__(self, started: float):
         self.started, self.last_save = started, time.monotonic()
-        self.slowest_step = self.slowest_eval = 0.0
+        self.slowest_eval = 0.0
         self.step_times: list[float] = []  # this session's, for --budget's check (BudgetCheck)
 
+    @property
+    def slowest_step(self) -> float:
+        """The slowest of the last RECENT_STEPS steps: a burst of load long past (at the start, say) does
+        not stop a session under a time limit early."""
+        return max(self.step_times[-RECENT_STEPS:], default=0.0)
+
     def stepped(self, seconds: float) -> None:
-        self.slowest_step = max(self.slowest_step, seconds)
         self.step_times.append(seconds)
 
     def evaluated(self, seconds: float) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_runs import write_tiny_corpus
+from tiny_runs import assert_same_state, write_tiny_corpus
 
 import budget
 import checkpoint_store as store
@@ -341,7 +341,7 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
 
 @pytest.mark.parametrize(
     "times, expected",
-    [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 2.0), ([9.0, 1.0, 2.0], 2.0)],
+    [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 2.0), ([9.0, 1.0, 2.0], 1.5)],
 )
 def test_the_speed_now_is_the_later_half_of_the_steps(times, expected):
     assert budget.recent_step_seconds(times) == expected
@@ -356,12 +356,50 @@ def corpus(tmp_path_factory) -> Path:
     return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+class FakeMachine:
+    """A machine whose train steps take `per_token[preset]` seconds a token (train.Training.train_step's
+    seconds, the probe's and the loop's), `burst` times that for the first `burst_steps` steps (a busy
+    moment), and whose session clock reads the sum of its steps (train.SessionClocks.read's elapsed):
+    the timing the probe and the check see, without the tests depending on this machine's speed."""
+
+    def __init__(self, per_token: dict[str, float], burst: float = 1.0, burst_steps: int = 0):
+        self.per_token, self.burst, self.burst_steps = per_token, burst, burst_steps
+        self.steps = 0
+
+    def seconds(self, training) -> float:
+        self.steps += 1
+        slower = self.burst if self.steps <= self.burst_steps else 1.0
+        return training.tokens_per_step * self.per_token[training.run.preset] * slower
+
+
 @pytest.fixture
-def small_runs(monkeypatch):
-    """A planner for test-sized runs, with a probe that returns fixed speeds (the probe itself: below)."""
+def machine(monkeypatch) -> FakeMachine:
+    fake = FakeMachine({"tiny": 1 / 3, "nano": 10.0})  # tiny: 3 tokens/s, as small_runs' probe says
+    train_step, read = train.Training.train_step, train.SessionClocks.read
+
+    def timed_step(self):
+        return dataclasses.replace(train_step(self), seconds=fake.seconds(self))
+
+    def clock(self, *args):
+        return dataclasses.replace(read(self, *args), elapsed=sum(self.step_times))
+
+    monkeypatch.setattr(train.Training, "train_step", timed_step)
+    monkeypatch.setattr(train.SessionClocks, "read", clock)
+    return fake
+
+
+@pytest.fixture
+def planner(monkeypatch):
+    """The planner's floors at test size (a run of a few 128-token steps is sensible here)."""
     monkeypatch.setattr(budget, "MIN_BATCH_TOKENS", 128)
     monkeypatch.setattr(budget, "MIN_TOKENS", 512)
-    speeds = {"tiny": 30.0, "nano": 1.0}
+
+
+@pytest.fixture
+def small_runs(monkeypatch, planner, machine):
+    """A planner for test-sized runs, with a probe that returns fixed speeds (the probe itself: below) and a
+    machine that runs at them."""
+    speeds = {"tiny": 3.0, "nano": 0.1}
 
     def probe(settings, info, presets, micro_batch, seconds, vocab):
         speeds["probed"] = list(presets)
@@ -386,7 +424,7 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
         "--context",
         "32",
         "--budget",
-        "1m",
+        "10m",
         "--eval-every",
         "4",
         "--eval-batches",
@@ -410,15 +448,17 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     recorded = json.loads((reference / "training_settings.json").read_text())
-    plan = recorded["budget"]  # 54 s at 30 tokens/s: 1,620 tokens, 12 steps of 4 blocks of 32
+    plan = recorded["budget"]  # 540 s at 3 tokens/s: 1,620 tokens, 12 steps of 4 blocks of 32
     assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1536, 12, 4)
-    assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "1m"
+    assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "10m"
     assert recorded["runtime"]["batch_size"] * recorded["runtime"]["grad_accum"] == 4
-    assert "--budget 1m: tiny" in capsys.readouterr().out
+    assert plan["check"]["at_step"] == 4 and not plan["check"]["replanned"]  # this machine is as fast as its probe
+    printed = capsys.readouterr().out
+    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 4" in printed
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
-    small_runs["tiny"] = 300.0  # a faster machine now: a new plan would differ, the run must not
+    small_runs["tiny"] = 30.0  # a faster machine now: a new plan would differ, the run must not
     monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
     assert train.main(options(corpus, out)) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
@@ -450,25 +490,106 @@ def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hou
     assert budget.session_limit(max_hours, plan) == (pytest.approx(hours), words)
 
 
-def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(
-    corpus, tmp_path, small_runs, monkeypatch, capsys
-):
-    """Each step here seems to take 5 s of a 1 m budget planned for 12 steps: the session stops saved once
-    another step and save might not fit (step 10), and the same command finishes the run."""
-    out, read = tmp_path / "run", train.SessionClocks.read
-    steps = iter(range(1, 100))
-
-    def slow(self, *args):
-        return dataclasses.replace(read(self, *args), elapsed=5.0 * next(steps))
-
-    monkeypatch.setattr(train.SessionClocks, "read", slow)
+def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, machine):
+    """Planned for 12 steps of 42.7 s in 10 m: the first 4 steps keep the plan's pace (its check at step 4
+    keeps it), then the machine is 3x slower: the session stops saved once another step and save might not
+    fit (step 6), and the same command finishes the run."""
+    out = tmp_path / "run"
+    machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1.0}, 1 / 3, 4
     assert train.main(options(corpus, out)) == 0
+    plan = json.loads((out / "training_settings.json").read_text())["budget"]
+    assert not plan["check"]["replanned"]
     record = json.loads((out / "run_status.json").read_text())
-    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 10, 12)
-    assert record["reason"] == "stopped by --budget 1m (this machine ran slower than its probe)"
-    monkeypatch.setattr(train.SessionClocks, "read", read)
+    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 12)
+    assert record["reason"] == "stopped by --budget 10m (this machine ran slower than its probe)"
+    machine.per_token = {"tiny": 1 / 3}
     assert train.main(options(corpus, out)) == 0
     assert json.loads((out / "run_status.json").read_text())["status"] == store.COMPLETE
+
+
+def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit(
+    corpus, tmp_path, small_runs, machine, monkeypatch, capsys
+):
+    """The machine runs twice as fast as its probe said: the check at step 4 (a quarter of the 12 planned
+    steps) re-plans the length to fill the budget (25 steps), records it where the plan is (training_settings.json
+    and the checkpoint saved at that step) and prints it; a session stopped after it and resumed on another
+    machine keeps the re-plan, checks no more, and ends bit for bit where the uninterrupted run does."""
+    machine.per_token = {"tiny": 1 / 6}
+    reference = tmp_path / "reference"
+    assert train.main(options(corpus, reference)) == 0
+    printed = capsys.readouterr().out
+    line = "re-planned from 1,536 tokens (12 steps) to 3,200 (25 steps)"  # 4 + (540 - 85.3 s) / 21.3 s
+    assert "--budget 10m: checked at step 4 (85 s in): steps at 2.00x the probe's speed" in printed
+    assert line in printed
+    recorded = json.loads((reference / "training_settings.json").read_text())
+    plan = recorded["budget"]
+    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3200, 25, 12)
+    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3200, 25)
+    assert recorded["training"]["recipe.warmup_steps"] == 1  # the warmup the rule chose for 12 steps, kept
+    assert recorded["training"]["recipe.decay_steps"] == 10  # the decay of 25 steps
+    status = json.loads((reference / "run_status.json").read_text())
+    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 25, 25)
+    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(4), weights_only=True)
+    assert at_check["settings"]["budget"] == plan and at_check["settings"]["training"]["total_steps"] == 25
+
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--stop-after-steps", "6")) == 0
+    machine.per_token = {"tiny": 1 / 30}  # ten times the probe's speed now: a check would re-plan anew
+    monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
+    capsys.readouterr()
+    assert train.main(options(corpus, out)) == 0
+    printed = capsys.readouterr().out
+    assert "(the run's plan, made at its start: kept)" in printed and line in printed
+    assert "--budget 10m: checked" not in printed
+    ours, theirs = (
+        torch.load(folder / "checkpoints" / store.checkpoint_name(25), weights_only=True) for folder in (out, reference)
+    )
+    assert_same_state(ours, theirs)
+    assert ours["settings"]["budget"] == theirs["settings"]["budget"] == plan
+    assert ours["settings"]["extended"] == theirs["settings"]["extended"] == []
+
+    moved = tmp_path / "moved"  # --resume PATH from the check's own checkpoint: the re-plan comes with it
+    at_four = reference / "checkpoints" / store.checkpoint_name(4)
+    assert train.main(options(corpus, moved, "--resume", str(at_four))) == 0
+    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(25), weights_only=True), theirs)
+
+
+@pytest.mark.parametrize(
+    "burst, burst_steps, replanned",
+    [
+        (4.0, 3, False),  # the probe's warm-up and first two timed steps: it times on until its steps agree
+        (2.0, 6, True),  # the whole probe (6 steps): the check at step 4 re-plans the length
+    ],
+)
+def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
+    corpus, tmp_path, planner, machine, burst, burst_steps, replanned
+):
+    """The real probe (train.measure_speed) on a machine `burst` times slower for its first `burst_steps`
+    steps: the plan comes out as a quiet probe's, or the check corrects its length; the run's steps fill the
+    budget's training time either way (540 s of 600 less the check's tolerance and a step)."""
+    machine.per_token = {"tiny": 1 / 3}
+    quiet = tmp_path / "quiet"
+    assert train.main(options(corpus, quiet, "--preset", "tiny")) == 0
+    expected = json.loads((quiet / "training_settings.json").read_text())["budget"]
+    assert not expected["check"]["replanned"]
+    machine.burst, machine.burst_steps, machine.steps = burst, burst_steps, 0
+    out = tmp_path / "busy"
+    assert train.main(options(corpus, out, "--preset", "tiny")) == 0
+    plan = json.loads((out / "training_settings.json").read_text())["budget"]
+    assert plan["check"]["replanned"] is replanned
+    if not replanned:
+        assert plan["candidates"] == expected["candidates"] and plan["steps"] == expected["steps"]
+    else:
+        assert plan["candidates"][0]["tokens_per_second"] == pytest.approx(
+            expected["candidates"][0]["tokens_per_second"] / burst
+        )
+        assert plan["check"]["from_steps"] == expected["steps"] // 2 and plan["steps"] == expected["steps"]
+    seconds = sum(step["step_seconds"] for step in read_metrics(out) if step["kind"] == "train")
+    assert seconds == pytest.approx(540 * 1.0, rel=0.1)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, small_runs):
@@ -478,7 +599,7 @@ def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, 
     assert small_runs["probed"] == ["tiny"]
     with pytest.raises(UserError, match="--budget must be a duration such as 11.5h, 30m, 90s or 1h30m, got 3 hours"):
         train.parse_args(options(corpus, out, "--budget", "3 hours"))
-    with pytest.raises(UserError, match=r"^--budget 1s is too small: .* give --budget \d+s or more$"):
+    with pytest.raises(UserError, match=r"^--budget 1s is too small: .* give --budget [\d.]+[sm] or more$"):
         train.main(options(corpus, tmp_path / "small", "--budget", "1s"))
     with pytest.raises(UserError, match="instead of --epochs"):
         train.main(options(corpus, tmp_path / "epochs", "--epochs", "1"))
