@@ -435,6 +435,16 @@ def session_limit(max_hours: float, plan_record: dict | None) -> tuple[float, st
     return budget_seconds(text) / 3600, f"--budget {text} (this machine ran slower than its probe)"
 
 
+FINISH_GRACE = 0.03  # of the budget: a --budget run late near its end finishes when its end fits this far past
+
+
+def finish_grace(max_hours: float, plan_record: dict | None) -> float:
+    """How far past a session's time limit a run may go to finish instead of stopping saved: FINISH_GRACE
+    when the limit is a --budget's (the user's wish: a complete run a little late beats an unfinished one on
+    time), none under --max-hours (a platform's session ends hard there)."""
+    return FINISH_GRACE if session_limit(max_hours, plan_record)[1] != MAX_HOURS_LIMIT else 0.0
+
+
 def apply(settings, plan: Plan | None, world: int):
     """`settings` with the plan's preset, length and batch split (the micro-batch: `settings`' own);
     unchanged without a plan."""
@@ -518,21 +528,26 @@ def plan_lines(plan: Plan) -> list[str]:
 # The check of the plan against the run's own steps, and its one re-plan of the token count (pure rules;
 # train.py times the steps and applies a re-plan: train.check_budget_plan).
 
-CHECK_SHARE = 0.15  # of the budget: the plan is checked once this much of it has passed since the start,
-CHECK_STEP_SHARE = 0.25  # or once this share of the planned steps is taken, whichever comes first,
+CHECK_SHARE = 0.3  # of the budget: the plan is checked once this much of it has passed since the start,
+CHECK_STEP_SHARE = 0.4  # or once this share of the planned steps is taken, whichever comes first (late enough
+# that a burst of load at the start is behind it and less of the run is left to drift; early enough that the
+# default WSD's decay, the last 40% of the steps, has not begun), or at the last step before the decay
 MIN_CHECK_STEPS = 4  # and not before this many steps of this session are timed
-CHECK_TOLERANCE = 0.02  # of the budget: a projected end of training this far from the plan's re-plans
+CHECK_TOLERANCE = 0.02  # of the budget: a projected end this far from the target re-plans; the target is
+# this much before the budget less the run's end (`Seen.end_seconds`), a cushion for a machine that slows
 
 
 @dataclass(frozen=True)
 class Seen:
     """What the run has seen of itself at the check: the steps taken, this session's seconds since it
-    started (the probe, start-up and evaluations included: what the budget counts) and the time of a
-    step now (`recent_step_seconds`)."""
+    started (the probe, start-up and evaluations included: what the budget counts), the time of a step
+    now (`recent_step_seconds`) and what the run's end after its last step takes (its last validation and
+    the test evaluation, each as long as the slowest validation so far, and the last checkpoint's write)."""
 
     step: int
     elapsed: float
     step_seconds: float
+    end_seconds: float = 0.0
 
 
 def recent_step_seconds(times: list[float]) -> float:
@@ -541,13 +556,30 @@ def recent_step_seconds(times: list[float]) -> float:
     return statistics.median(times[len(times) // 2 :])
 
 
-def check_due(plan: Plan, step: int, elapsed: float, timed_steps: int) -> bool:
+def check_due(
+    plan: Plan, step: int, elapsed: float, timed_steps: int, decay_start: Callable[[int], int] | None
+) -> bool:
     """Whether the plan is checked after `step`: once per run (a check made is recorded: `plan.check`),
-    for a plan of one session whose length is the plan's, after MIN_CHECK_STEPS timed steps, once
-    CHECK_SHARE of the budget or CHECK_STEP_SHARE of the planned steps has passed."""
-    if plan.check is not None or plan.length_given or plan.sessions > 1 or timed_steps < MIN_CHECK_STEPS:
+    for a plan of one session whose length is the plan's and can change (`decay_start`, the first decaying
+    step of a length; None: a cosine schedule), after MIN_CHECK_STEPS timed steps and before the decay
+    begins, once CHECK_SHARE of the budget or CHECK_STEP_SHARE of the planned steps has passed (or at the
+    last step before the decay)."""
+    if plan.check is not None or plan.length_given or plan.sessions > 1 or decay_start is None:
         return False
-    return elapsed >= CHECK_SHARE * budget_seconds(plan.budget) or step >= CHECK_STEP_SHARE * plan.steps
+    last_chance = decay_start(plan.steps) - 1
+    if timed_steps < MIN_CHECK_STEPS or step > last_chance:
+        return False
+    return (
+        elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
+        or step >= CHECK_STEP_SHARE * plan.steps
+        or step == last_chance
+    )
+
+
+def target_end_seconds(plan: Plan, seen: Seen) -> float:
+    """When the check wants training to end: the budget less the run's end and CHECK_TOLERANCE of it."""
+    seconds = budget_seconds(plan.budget)
+    return seconds * (1 - CHECK_TOLERANCE) - seen.end_seconds
 
 
 def earliest_total(step: int, decay_start: Callable[[int], int]) -> int:
@@ -566,13 +598,14 @@ def replan(
     max_tokens: float = math.inf,
 ) -> Plan | None:
     """The plan with its token count made anew from the run's own speed (`seen`), or None when it stands:
-    its projected end of training within CHECK_TOLERANCE of the budget's (the budget less RESERVE, as
-    `choose` plans it), or a schedule that cannot change its length (`decay_start` None: a cosine decays
-    over the whole run). The new length fills the budget's training time at the speed seen, at most
-    `max_tokens` (MAX_EPOCHS passes) and at least `earliest_total` (the decay must not have begun). The
-    preset, the batch and the learning rates stay: only the length (and so the decay's start) moves."""
+    its projected end of training within CHECK_TOLERANCE of the budget of the target (`target_end_seconds`:
+    the budget less the run's end and a cushion; `choose`'s RESERVE was a guess at them), or a schedule
+    that cannot change its length (`decay_start` None: a cosine decays over the whole run). The new length
+    fills the time to the target at the speed seen, at most `max_tokens` (MAX_EPOCHS passes) and at least
+    `earliest_total` (the decay must not have begun). The preset, the batch and the learning rates stay: only
+    the length (and so the decay's start) moves."""
     seconds = budget_seconds(plan.budget)
-    target = seconds * (1 - RESERVE)
+    target = target_end_seconds(plan, seen)
     projected = seen.elapsed + (plan.steps - seen.step) * seen.step_seconds
     if abs(projected - target) <= CHECK_TOLERANCE * seconds or decay_start is None:
         return None
@@ -597,7 +630,6 @@ def check_plan(
     """The plan after its check (`replan`), with the check recorded (`Plan.check`, kept on resume so that
     the run is checked once): the speed seen against the plan's, the projected end, and the length before
     and after."""
-    seconds = budget_seconds(plan.budget)
     planned_step_seconds = plan.hours * 3600 / plan.steps
     new = replan(plan, seen, decay_start, max_tokens) or plan
     record = {
@@ -606,7 +638,8 @@ def check_plan(
         "step_seconds": seen.step_seconds,
         "planned_step_seconds": planned_step_seconds,
         "projected_end_seconds": seen.elapsed + (plan.steps - seen.step) * seen.step_seconds,
-        "target_end_seconds": seconds * (1 - RESERVE),
+        "target_end_seconds": target_end_seconds(plan, seen),
+        "end_seconds": seen.end_seconds,
         "replanned": new is not plan,
         "from_tokens": plan.target_tokens,
         "from_steps": plan.steps,

@@ -1403,6 +1403,7 @@ def train_loop(
         hours,
         session.stop_after_steps,
         time_limit=limit,
+        finish_grace=budget.finish_grace(session.max_hours, training.budget_plan),
     )
     while training.step < training.total_steps:
         if checkpointer is not None:
@@ -1416,7 +1417,7 @@ def train_loop(
         observers.on_step_end(result, callbacks.Speed(tokens_per_second, mfu))
         best = evaluate_if_due(observers, clocks, result.step)
         clock = agree_clock(clocks.read(stop, checkpointer), training.info)
-        replanned = check is not None and check.after_step(clock.elapsed, clocks.step_times)
+        replanned = check is not None and check.after_step(clock, clocks.step_times)
         flags = dataclasses.replace(flags, total_steps=training.total_steps)
         end = plan_step_end(
             result.step, clock, dataclasses.replace(flags, new_best=best is not None, save_now=replanned)
@@ -1444,19 +1445,19 @@ class BudgetCheck:
             recorded,
         )
 
-    def after_step(self, elapsed: float, step_times: list[float]) -> bool:
-        """Check the plan when due (`elapsed`: the session's seconds, agreed over the ranks); whether the
-        run's length changed."""
+    def after_step(self, clock: StepClock, step_times: list[float]) -> bool:
+        """Check the plan when due (`clock`: agreed over the ranks); whether the run's length changed."""
         training = self.training
         if training.budget_plan is None:
             return False
-        plan = budget.Plan.from_record(training.budget_plan)
-        if not budget.check_due(plan, training.step, elapsed, len(step_times)):
+        plan, decay_start = budget.Plan.from_record(training.budget_plan), decay_start_rule(training)
+        if not budget.check_due(plan, training.step, clock.elapsed, len(step_times), decay_start):
             return False
         step_seconds = distributed.agree_max([budget.recent_step_seconds(step_times)], training.info)[0]
-        seen = budget.Seen(training.step, elapsed, step_seconds)
+        end_seconds = 2 * clock.slowest_eval + clock.last_write  # the last validation, the test, the last save
+        seen = budget.Seen(training.step, clock.elapsed, step_seconds, end_seconds)
         max_tokens = budget.max_run_tokens(training, training.data.corpus)
-        checked = budget.check_plan(plan, seen, decay_start_rule(training), max_tokens)
+        checked = budget.check_plan(plan, seen, decay_start, max_tokens)
         training.budget_plan = checked.as_record()
         self.progress.write(f"--budget {plan.budget}: {budget.check_text(checked.check)}")
         if checked.check["replanned"]:
@@ -1631,6 +1632,7 @@ class StepFlags:
     new_best: bool = False  # this step's validation set a new best: its record must say so
     save_now: bool = False  # the run's length changed at this step (a --budget re-plan): saved with it
     time_limit: str = budget.MAX_HOURS_LIMIT  # what set max_hours, for the stop's reason (budget.session_limit)
+    finish_grace: float = 0.0  # of max_hours: a run whose remaining steps and end fit this far past it finishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1647,14 +1649,19 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     """Whether step `step` ends with a save and whether the session stops there, and why. The last
     step saves and completes, whatever asked to stop. The time limit (--max-hours, or a --budget run's
     budget) stops when another step, evaluation and save (twice the slowest of each, and LAST_SAVE_SECONDS)
-    might not fit it."""
+    might not fit it, unless the rest of the run (its steps at the slowest recent step's time, a last
+    validation and the test evaluation, a save) fits it and its finish_grace."""
     needed = 2 * (clock.slowest_step + clock.slowest_eval + clock.last_write) + LAST_SAVE_SECONDS
+    finishing = (flags.total_steps - step) * clock.slowest_step + 2 * clock.slowest_eval + clock.last_write
+    late = flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600
+    if late and clock.elapsed + finishing < flags.max_hours * 3600 * (1 + flags.finish_grace):
+        late = False  # the rest of the run and its end fit the limit (and its grace): it finishes
     why = None
     if step >= flags.total_steps:
         pass
     elif clock.signal:
         why = f"stopped by {signal.Signals(clock.signal).name}"
-    elif flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600:
+    elif late:
         why = f"stopped by {flags.time_limit}"
     elif flags.stop_after_steps and step >= flags.stop_after_steps:
         why = f"stopped by --stop-after-steps {flags.stop_after_steps}"

@@ -267,38 +267,42 @@ def planned(steps: int = 100, seconds: str = "1000s", **fields) -> budget.Plan:
     return budget.Plan(**{**values, **fields})
 
 
-@pytest.mark.parametrize(
-    "plan, step, elapsed, timed, due",
-    [
-        (planned(), 10, 100.0, 10, False),  # neither 15% of the budget nor 25% of the steps yet
-        (planned(), 10, 150.0, 10, True),  # 15% of the budget
-        (planned(), 25, 10.0, 25, True),  # 25% of the steps
-        (planned(), 25, 10.0, 3, False),  # too few steps timed in this session
-        (planned(check={"at_step": 20}), 25, 500.0, 25, False),  # checked once: never again
-        (planned(length_given=True), 25, 500.0, 25, False),  # the user's --target-tokens
-        (planned(sessions=3), 25, 500.0, 25, False),  # a run over several sessions keeps its plan
-    ],
-)
-def test_the_plan_is_checked_once_early_in_the_run(plan, step, elapsed, timed, due):
-    assert budget.check_due(plan, step, elapsed, timed) is due
-
-
 def wsd(total: int) -> int:
     """The default WSD's first decaying step: 40% of the run decays."""
     return total - round(0.4 * total)
 
 
 @pytest.mark.parametrize(
+    "plan, step, elapsed, timed, decay_start, due",
+    [
+        (planned(), 10, 200.0, 10, wsd, False),  # neither 30% of the budget nor 40% of the steps yet
+        (planned(), 10, 300.0, 10, wsd, True),  # 30% of the budget
+        (planned(), 40, 10.0, 40, wsd, True),  # 40% of the steps
+        (planned(), 40, 10.0, 3, wsd, False),  # too few steps timed in this session
+        (planned(), 29, 10.0, 29, lambda total: 30, True),  # the last step before an early decay
+        (planned(), 31, 10.0, 31, lambda total: 30, False),  # the decay has begun: too late to change the length
+        (planned(), 40, 500.0, 40, None, False),  # a cosine schedule: its length is every step's lr
+        (planned(check={"at_step": 20}), 40, 500.0, 40, wsd, False),  # checked once: never again
+        (planned(length_given=True), 40, 500.0, 40, wsd, False),  # the user's --target-tokens
+        (planned(sessions=3), 40, 500.0, 40, wsd, False),  # a run over several sessions keeps its plan
+    ],
+)
+def test_the_plan_is_checked_once_before_its_decay(plan, step, elapsed, timed, decay_start, due):
+    assert budget.check_due(plan, step, elapsed, timed, decay_start) is due
+
+
+@pytest.mark.parametrize(
     "seen, decay_start, max_tokens, steps",
     [
-        ((25, 225.0, 9.0), wsd, math.inf, None),  # as planned: ends at 900 s
-        ((25, 225.0, 9.1), wsd, math.inf, None),  # 1% slower: within the 2% tolerance
-        ((25, 112.5, 4.5), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
-        ((25, 450.0, 18.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
-        ((25, 300.0, 9.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
-        ((25, 112.5, 4.5), wsd, 150_000, 150),  # at most MAX_EPOCHS passes
-        ((25, 850.0, 18.0), wsd, math.inf, 41),  # very late: at least enough steps for the decay to start after
-        ((25, 112.5, 4.5), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
+        ((25, 225.0, 9.0, 80.0), wsd, math.inf, None),  # as planned: ends at 900 s = 980 less its end's 80 s
+        ((25, 225.0, 9.1, 80.0), wsd, math.inf, None),  # 1% slower: within the 2% tolerance
+        ((25, 225.0, 9.0, 0.0), wsd, math.inf, 108),  # an end that takes no time: 980 s, not the plan's 900 s
+        ((25, 112.5, 4.5, 80.0), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
+        ((25, 450.0, 18.0, 80.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
+        ((25, 300.0, 9.0, 80.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
+        ((25, 112.5, 4.5, 80.0), wsd, 150_000, 150),  # at most MAX_EPOCHS passes
+        ((25, 850.0, 18.0, 80.0), wsd, math.inf, 41),  # very late: enough steps for the decay to start after
+        ((25, 112.5, 4.5, 80.0), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
     ],
 )
 def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start, max_tokens, steps):
@@ -314,10 +318,10 @@ def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start
 
 def test_a_check_is_recorded_with_its_verdict_and_one_line():
     plan = planned()
-    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0), wsd)
+    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0, 80.0), wsd)
     assert (kept.steps, kept.predicted_bpb, kept.check["replanned"]) == (100, 1.5, False)
     assert budget.check_text(kept.check).endswith("as planned: kept")
-    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5), wsd, loss=MODEL)
+    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5, 80.0), wsd, loss=MODEL)
     assert moved.check == {
         "at_step": 25,
         "elapsed_seconds": 112.5,
@@ -325,6 +329,7 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
         "planned_step_seconds": pytest.approx(9.0),
         "projected_end_seconds": 450.0,
         "target_end_seconds": 900.0,
+        "end_seconds": 80.0,
         "replanned": True,
         "from_tokens": 100_000,
         "from_steps": 100,
@@ -443,8 +448,9 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
-    corpus, tmp_path, small_runs, monkeypatch, capsys
+    corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
+    machine.per_token = {"tiny": 49 / 128}  # 49 s a step: 12 steps end at 588 s (the check's target): kept
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     recorded = json.loads((reference / "training_settings.json").read_text())
@@ -452,7 +458,7 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1536, 12, 4)
     assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "10m"
     assert recorded["runtime"]["batch_size"] * recorded["runtime"]["grad_accum"] == 4
-    assert plan["check"]["at_step"] == 4 and not plan["check"]["replanned"]  # this machine is as fast as its probe
+    assert plan["check"]["at_step"] == 4 and not plan["check"]["replanned"]  # 30% of the budget at step 4
     printed = capsys.readouterr().out
     assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 4" in printed
 
@@ -467,14 +473,27 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     )
     assert store.tensor_differences(ours["model"], theirs["model"], "model") == []
     assert store.tensor_differences(ours["optimizer"], theirs["optimizer"], "optimizer") == []
-    assert ours["settings"]["budget"] == theirs["settings"]["budget"] == plan
+    assert theirs["settings"]["budget"] == plan
+    assert ours["settings"]["budget"] == json.loads((out / "training_settings.json").read_text())["budget"]
+    assert same_decisions(ours["settings"]["budget"], plan)  # (the check's timings are each run's own)
 
     moved = tmp_path / "moved"  # --resume PATH into another folder: the plan comes with the checkpoint
     assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(4)))) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
     final = torch.load(moved / "checkpoints" / store.checkpoint_name(12), weights_only=True)
     assert store.tensor_differences(final["model"], theirs["model"], "model") == []
-    assert final["settings"]["budget"] == plan
+    assert same_decisions(final["settings"]["budget"], plan)
+
+
+def same_decisions(plan: dict, other: dict) -> bool:
+    """Whether two plan records decided alike: the same fields, the check's timings (each run's) aside."""
+    timings = ("elapsed_seconds", "step_seconds", "projected_end_seconds", "target_end_seconds", "end_seconds")
+
+    def decisions(record: dict) -> dict:
+        check = {key: value for key, value in (record["check"] or {}).items() if key not in timings}
+        return {**record, "check": check, "summary": None}
+
+    return decisions(plan) == decisions(other)
 
 
 @pytest.mark.parametrize(
@@ -510,27 +529,27 @@ def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tm
 def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit(
     corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
-    """The machine runs twice as fast as its probe said: the check at step 4 (a quarter of the 12 planned
-    steps) re-plans the length to fill the budget (25 steps), records it where the plan is (training_settings.json
+    """The machine runs twice as fast as its probe said: the check at step 5 (40% of the 12 planned steps)
+    re-plans the length to fill the budget (27 steps), records it where the plan is (training_settings.json
     and the checkpoint saved at that step) and prints it; a session stopped after it and resumed on another
     machine keeps the re-plan, checks no more, and ends bit for bit where the uninterrupted run does."""
     machine.per_token = {"tiny": 1 / 6}
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     printed = capsys.readouterr().out
-    line = "re-planned from 1,536 tokens (12 steps) to 3,200 (25 steps)"  # 4 + (540 - 85.3 s) / 21.3 s
-    assert "--budget 10m: checked at step 4 (85 s in): steps at 2.00x the probe's speed" in printed
+    line = "re-planned from 1,536 tokens (12 steps) to 3,456 (27 steps)"  # 5 + (588 - 106.7 s) / 21.3 s
+    assert "--budget 10m: checked at step 5 (107 s in): steps at 2.00x the probe's speed" in printed
     assert line in printed
     recorded = json.loads((reference / "training_settings.json").read_text())
     plan = recorded["budget"]
-    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3200, 25, 12)
-    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3200, 25)
+    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3456, 27, 12)
+    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3456, 27)
     assert recorded["training"]["recipe.warmup_steps"] == 1  # the warmup the rule chose for 12 steps, kept
-    assert recorded["training"]["recipe.decay_steps"] == 10  # the decay of 25 steps
+    assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 27 steps
     status = json.loads((reference / "run_status.json").read_text())
-    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 25, 25)
-    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(4), weights_only=True)
-    assert at_check["settings"]["budget"] == plan and at_check["settings"]["training"]["total_steps"] == 25
+    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 27, 27)
+    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(5), weights_only=True)  # saved with it
+    assert at_check["settings"]["budget"] == plan and at_check["settings"]["training"]["total_steps"] == 27
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "6")) == 0
@@ -542,50 +561,46 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     assert "(the run's plan, made at its start: kept)" in printed and line in printed
     assert "--budget 10m: checked" not in printed
     ours, theirs = (
-        torch.load(folder / "checkpoints" / store.checkpoint_name(25), weights_only=True) for folder in (out, reference)
+        torch.load(folder / "checkpoints" / store.checkpoint_name(27), weights_only=True) for folder in (out, reference)
     )
     assert_same_state(ours, theirs)
-    assert ours["settings"]["budget"] == theirs["settings"]["budget"] == plan
+    assert same_decisions(ours["settings"]["budget"], theirs["settings"]["budget"])
     assert ours["settings"]["extended"] == theirs["settings"]["extended"] == []
 
     moved = tmp_path / "moved"  # --resume PATH from the check's own checkpoint: the re-plan comes with it
-    at_four = reference / "checkpoints" / store.checkpoint_name(4)
-    assert train.main(options(corpus, moved, "--resume", str(at_four))) == 0
-    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(25), weights_only=True), theirs)
+    assert (
+        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(5)))) == 0
+    )
+    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(27), weights_only=True), theirs)
 
 
 @pytest.mark.parametrize(
-    "burst, burst_steps, replanned",
+    "burst, burst_steps, replanned_from",
     [
-        (4.0, 3, False),  # the probe's warm-up and first two timed steps: it times on until its steps agree
-        (2.0, 6, True),  # the whole probe (6 steps): the check at step 4 re-plans the length
+        (4.0, 3, 25),  # the probe's warm-up and first two timed steps: it times on until its steps agree
+        (2.0, 6, 12),  # the whole probe (6 steps): a plan for half the tokens, which the check re-plans
     ],
 )
 def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
-    corpus, tmp_path, planner, machine, burst, burst_steps, replanned
+    corpus, tmp_path, planner, machine, burst, burst_steps, replanned_from
 ):
-    """The real probe (train.measure_speed) on a machine `burst` times slower for its first `burst_steps`
-    steps: the plan comes out as a quiet probe's, or the check corrects its length; the run's steps fill the
-    budget's training time either way (540 s of 600 less the check's tolerance and a step)."""
-    machine.per_token = {"tiny": 1 / 3}
+    """The real probe (train.measure_speed) on a machine of 6 tokens/s, `burst` times slower for its first
+    `burst_steps` steps: the plan comes out as a quiet probe's, or the check at 40% of its steps corrects its
+    length; the run trains what the quiet one does (27 steps: 588 s of 600 less the end's)."""
+    machine.per_token = {"tiny": 1 / 6}
     quiet = tmp_path / "quiet"
     assert train.main(options(corpus, quiet, "--preset", "tiny")) == 0
     expected = json.loads((quiet / "training_settings.json").read_text())["budget"]
-    assert not expected["check"]["replanned"]
+    assert (expected["check"]["from_steps"], expected["steps"]) == (25, 27)  # the check's end, not the reserve's
     machine.burst, machine.burst_steps, machine.steps = burst, burst_steps, 0
     out = tmp_path / "busy"
     assert train.main(options(corpus, out, "--preset", "tiny")) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert plan["check"]["replanned"] is replanned
-    if not replanned:
-        assert plan["candidates"] == expected["candidates"] and plan["steps"] == expected["steps"]
-    else:
-        assert plan["candidates"][0]["tokens_per_second"] == pytest.approx(
-            expected["candidates"][0]["tokens_per_second"] / burst
-        )
-        assert plan["check"]["from_steps"] == expected["steps"] // 2 and plan["steps"] == expected["steps"]
-    seconds = sum(step["step_seconds"] for step in read_metrics(out) if step["kind"] == "train")
-    assert seconds == pytest.approx(540 * 1.0, rel=0.1)
+    assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 27)
+    speed = plan["candidates"][0]["tokens_per_second"]
+    assert speed == pytest.approx(expected["candidates"][0]["tokens_per_second"] / (burst if burst_steps == 6 else 1))
+    status = json.loads((out / "run_status.json").read_text())
+    assert (status["status"], status["step"]) == (store.COMPLETE, 27)
 
 
 def read_metrics(out: Path) -> list[dict]:
