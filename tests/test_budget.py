@@ -667,3 +667,19 @@ def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(be
         bench_budget.main(["--work", str(tmp_path), "--fit-only"])
     with pytest.raises(UserError, match=r"results\.json has no probe yet"):
         bench_budget.main(["--work", str(tmp_path), "--default-only"])
+
+
+@pytest.mark.parametrize(
+    "grace, step, stop",
+    [
+        (0.03, 25, False),  # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write) end at 603 s of 618
+        (0.0, 25, True),  # --max-hours: no grace, the session stops saved
+        (0.03, 22, True),  # 5 steps left: 663 s, past the grace too
+    ],
+)
+def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, stop):
+    clock = train.StepClock(elapsed=560.0, slowest_step=20.0, slowest_eval=1.0, last_write=1.0)
+    flags = train.StepFlags(total_steps=27, max_hours=600 / 3600, finish_grace=grace)
+    end = train.plan_step_end(step, clock, flags)
+    assert end.stop is stop and end.save is stop
+    assert budget.finish_grace(0, {"budget": "10m"}) == budget.FINISH_GRACE and budget.finish_grace(1.0, None) == 0
