@@ -129,7 +129,7 @@ class Candidate:
     tokens_per_second: float
     probed: bool
     # measured after a smaller measured preset: its speed over the one predicted from that preset's FLOP/s
-    # (the check of the prediction the larger ones are made by; None: not a measured pair)
+    # (the pair's gain; None: not a measured pair); predicted: the gain its prediction carries (None: none)
     pair_ratio: float | None = None
 
 
@@ -318,8 +318,13 @@ PROBE_WARMUP_STEPS = 1  # untimed steps first (allocation, caches, the first ker
 PROBE_STEPS = 5  # timed steps at least: the window whose median is the step's time
 PROBE_MAX_STEPS = 15  # timed steps at most, while the window's steps disagree
 PROBE_AGREEMENT = 0.25  # the window is steady when its slowest step is at most this much over its fastest
-PAIR_TOLERANCE = 1.5  # a measured pair off its FLOP/s prediction by more than this factor: re-measured once
+# A larger preset runs more FLOP/s than a smaller one (larger matmuls): on this project's AMD EPYC at one thread,
+# nano measured 2.6x its prediction from tiny's FLOP/s and micro 2.4x its prediction from nano's. A first pair
+# outside this range (the larger less efficient, or far more: a burst of load over one of the two) is measured
+# once more; inside it, its ratio (the pair's gain) scales the prediction of the next preset
+PAIR_RANGE = (0.8, 4.0)
 PROBE_SHARE = 0.02  # of the budget, at most PROBE_MAX_SECONDS, for probing
+PAIR_SHARE = 0.05  # of the budget, at most PROBE_MAX_SECONDS: the first pair is measured within this much
 PROBE_MAX_SECONDS = 120.0
 # (preset, micro-batch, seconds it may take) -> global tokens/s; None: out of memory
 Measure = Callable[[str, int, float], "float | None"]
@@ -339,15 +344,26 @@ def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float 
     return None
 
 
-def predicted_rate(measured: Candidate, presets: dict[str, model_config.Preset], name: str, vocab: int) -> float:
-    """`name`'s tokens/s predicted from a measured preset's FLOP/s (the LM head over `vocab` included)."""
+def predicted_rate(
+    measured: Candidate, presets: dict[str, model_config.Preset], name: str, vocab: int, gain: float = 1.0
+) -> float:
+    """`name`'s tokens/s predicted from another preset's FLOP/s (the LM head over `vocab` included), times
+    `gain` (a measured pair's: a larger preset's matmuls run more FLOP/s)."""
     flops = model_config.flops_per_token(presets[measured.preset], vocab)
-    return measured.tokens_per_second * flops / model_config.flops_per_token(presets[name], vocab)
+    return gain * measured.tokens_per_second * flops / model_config.flops_per_token(presets[name], vocab)
 
 
 def pair_disagrees(ratio: float | None) -> bool:
-    """Whether a measured pair is off its FLOP/s prediction by more than PAIR_TOLERANCE either way."""
-    return ratio is not None and not (1 / PAIR_TOLERANCE <= ratio <= PAIR_TOLERANCE)
+    """Whether a measured pair's ratio to its FLOP/s prediction is outside PAIR_RANGE."""
+    return ratio is not None and not (PAIR_RANGE[0] <= ratio <= PAIR_RANGE[1])
+
+
+def pair_gain(candidates: list[Candidate]) -> float:
+    """The gain the next prediction carries: the first measured pair's ratio within PAIR_RANGE and at least
+    1 (after a predicted preset: 1, its FLOP/s carried over)."""
+    if not candidates or not candidates[-1].probed or candidates[-1].pair_ratio is None:
+        return 1.0
+    return min(PAIR_RANGE[1], max(1.0, candidates[-1].pair_ratio))
 
 
 def non_embedding_parameters(preset: model_config.Preset) -> int:
@@ -364,32 +380,43 @@ def candidate_presets(run, explicit_shape: bool) -> dict[str, model_config.Prese
 
 
 def probe(
-    measure: Measure, info, presets: dict[str, model_config.Preset], micro_batch: int, seconds: float, vocab: int
+    measure: Measure,
+    info,
+    presets: dict[str, model_config.Preset],
+    micro_batch: int,
+    seconds: float,
+    vocab: int,
+    pair_seconds: float | None = None,
 ) -> list[Candidate]:
     """Each preset's global tokens/s, smallest first, from timed train.py steps of one micro-batch per rank
-    (`steady_step_seconds`; eager: compile's speed-up is not counted). Once the next probe would overrun
-    `seconds`, the rest are predicted from the last one measured by their FLOPs per token (the LM head's
-    over the corpus' `vocab` included: it is most of a small preset's work). The first measured pair checks
-    that prediction (`Candidate.pair_ratio`): off by more than PAIR_TOLERANCE (a burst of load during one
-    of the two), both are measured once more and each keeps its faster measurement (as timeit keeps the
-    fastest: the slower ones are interference). From the first preset that does not fit the device's
-    memory on, none is a candidate."""
+    (`steady_step_seconds`; eager: compile's speed-up is not counted). The first two are measured within
+    `pair_seconds` (default `seconds`), the rest within `seconds`; once the next probe would overrun its
+    time, the rest are predicted from the last one by their FLOPs per token (the LM head's over the corpus'
+    `vocab` included: it is most of a small preset's work), the first after the measured pair times the
+    pair's gain (`pair_gain`). The pair checks that prediction (`Candidate.pair_ratio`): outside PAIR_RANGE
+    (a burst of load during one of the two), both are measured once more and each keeps its faster
+    measurement (as timeit keeps the fastest: the slower ones are interference). From the first preset
+    that does not fit the device's memory on, none is a candidate."""
     candidates: list[Candidate] = []
     started = time.monotonic()
 
     def left() -> float:
-        return distributed.broadcast_from_main(max(0.0, seconds - (time.monotonic() - started)), info)
+        allowed = seconds if len(candidates) >= 2 or pair_seconds is None else pair_seconds
+        return distributed.broadcast_from_main(max(0.0, allowed - (time.monotonic() - started)), info)
 
     def measured(name: str) -> float | None:
         return distributed.broadcast_from_main(measure(name, micro_batch, left()), info)
 
     for name, preset in presets.items():
         if candidates:
-            last = candidates[-1]
-            rate = predicted_rate(last, presets, name, vocab)
+            last, gain = candidates[-1], pair_gain(candidates)
+            rate = predicted_rate(last, presets, name, vocab, gain)
             cost = (PROBE_WARMUP_STEPS + PROBE_STEPS) * micro_batch * preset.context * info.world / rate
             if not last.probed or cost > left():  # one verdict (left() is rank 0's)
-                candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, False))
+                carried = gain if gain != 1.0 else None
+                candidates.append(
+                    Candidate(name, non_embedding_parameters(preset), preset.context, rate, False, carried)
+                )
                 continue
         rate = measured(name)
         if rate is None:
@@ -490,7 +517,8 @@ def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, m
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
     vocab = corpus_format.load_manifest(corpus).vocab_size
-    candidates = probe(measure, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds), vocab)
+    probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
+    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
     request = Request(
         budget=run.budget,
         seconds=seconds,
@@ -515,8 +543,13 @@ def plan_lines(plan: Plan) -> list[str]:
     lines = [plan.summary(), f"  why: {plan.why}; loss model fitted by bench/bench_budget.py (docs/budget.md)"]
     for outcome in plan.candidates:
         how = "measured" if outcome["probed"] else "predicted from a smaller one's FLOP/s (not probed)"
-        if outcome.get("pair_ratio") is not None:
-            how += f", {outcome['pair_ratio']:.2f}x its prediction from the smaller one's FLOP/s"
+        ratio = outcome.get("pair_ratio")
+        if ratio is not None:
+            how += (
+                f", {ratio:.2f}x its prediction from the smaller one's FLOP/s"
+                if outcome["probed"]
+                else f", x {ratio:.2f}: the measured pair's gain"
+            )
         lines.append(
             f"  {outcome['preset']}: {outcome['tokens_per_second']:,.0f} tokens/s ({how}): "
             f"{outcome['tokens']:,} tokens in {outcome['hours']:.2f} h -> {outcome['bpb']:.3f} bits/byte"
@@ -528,10 +561,10 @@ def plan_lines(plan: Plan) -> list[str]:
 # The check of the plan against the run's own steps, and its one re-plan of the token count (pure rules;
 # train.py times the steps and applies a re-plan: train.check_budget_plan).
 
-CHECK_SHARE = 0.3  # of the budget: the plan is checked once this much of it has passed since the start,
-CHECK_STEP_SHARE = 0.4  # or once this share of the planned steps is taken, whichever comes first (late enough
-# that a burst of load at the start is behind it and less of the run is left to drift; early enough that the
-# default WSD's decay, the last 40% of the steps, has not begun), or at the last step before the decay
+CHECK_SHARE = 0.5  # of the budget: the plan is checked once this much of it has passed since the start, or
+# at the last step before the decay begins, whichever comes first: as late as the schedule allows (a burst of
+# load at the start long behind it, less of the run left to drift), and at half the budget at the latest (a
+# machine slower than the plan still has steps to give back before its decay)
 MIN_CHECK_STEPS = 4  # and not before this many steps of this session are timed
 CHECK_TOLERANCE = 0.02  # of the budget: a projected end this far from the target re-plans; the target is
 # this much before the budget less the run's end (`Seen.end_seconds`), a cushion for a machine that slows
@@ -561,19 +594,14 @@ def check_due(
 ) -> bool:
     """Whether the plan is checked after `step`: once per run (a check made is recorded: `plan.check`),
     for a plan of one session whose length is the plan's and can change (`decay_start`, the first decaying
-    step of a length; None: a cosine schedule), after MIN_CHECK_STEPS timed steps and before the decay
-    begins, once CHECK_SHARE of the budget or CHECK_STEP_SHARE of the planned steps has passed (or at the
-    last step before the decay)."""
+    step of a length; None: a cosine schedule), after MIN_CHECK_STEPS timed steps, at the last step before
+    the decay begins or once CHECK_SHARE of the budget has passed, whichever comes first."""
     if plan.check is not None or plan.length_given or plan.sessions > 1 or decay_start is None:
         return False
     last_chance = decay_start(plan.steps) - 1
     if timed_steps < MIN_CHECK_STEPS or step > last_chance:
         return False
-    return (
-        elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
-        or step >= CHECK_STEP_SHARE * plan.steps
-        or step == last_chance
-    )
+    return step == last_chance or elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
 
 
 def target_end_seconds(plan: Plan, seen: Seen) -> float:

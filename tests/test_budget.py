@@ -205,7 +205,7 @@ def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
     assert budget.steady_step_seconds(times, out_of_time) == expected
 
 
-PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro")}
+PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro", "think72")}
 
 
 def fake_measure(rates: dict[str, list[float]]):
@@ -222,29 +222,36 @@ def fake_measure(rates: dict[str, list[float]]):
 @pytest.mark.parametrize(
     "tiny, nano_share, calls, tiny_rate, nano_ratio",
     [
-        ([100.0], [1.1], ["tiny", "nano"], 100.0, 1.1),  # quiet: the pair agrees with its FLOP/s prediction
-        ([25.0, 100.0], [1.0, 1.0], ["tiny", "nano", "tiny", "nano"], 100.0, 1.0),  # a burst over tiny's probe
-        ([100.0, 90.0], [0.25, 1.0], ["tiny", "nano", "tiny", "nano"], 100.0, 1.0),  # a burst over nano's
-        ([100.0, 100.0], [3.0, 3.0], ["tiny", "nano", "tiny", "nano"], 100.0, 3.0),  # really off: said, kept
+        ([100.0], [2.5], ["tiny", "nano"], 100.0, 2.5),  # quiet: nano 2.5x its FLOP/s prediction (as measured)
+        ([20.0, 100.0], [2.5, 2.5], ["tiny", "nano", "tiny", "nano"], 100.0, 2.5),  # a burst over tiny's probe
+        ([100.0, 90.0], [0.5, 2.5], ["tiny", "nano", "tiny", "nano"], 100.0, 2.5),  # a burst over nano's
+        ([100.0, 100.0], [5.0, 5.0], ["tiny", "nano", "tiny", "nano"], 100.0, 5.0),  # really off: said, kept
     ],
 )
 def test_a_measured_pair_that_disagrees_with_its_prediction_is_measured_again(
     tiny, nano_share, calls, tiny_rate, nano_ratio
 ):
     """nano's rates are given as shares of its prediction from tiny's quiet 100 tokens/s; each preset keeps
-    its fastest measurement; micro is predicted from nano (seconds: enough for two presets only)."""
+    its fastest measurement; the next preset (micro) is predicted from nano's FLOP/s times the pair's gain
+    (within PAIR_RANGE), the one after (think72) from micro's without it (the probe's time after the pair: 0)."""
     import distributed
 
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     quiet = budget.Candidate("tiny", 1, 32, 100.0, True)
     nano = [share * budget.predicted_rate(quiet, PROBE_SHAPES, "nano", 300) for share in nano_share]
     measure, made = fake_measure({"tiny": tiny, "nano": nano})
-    shapes = dict(list(PROBE_SHAPES.items())[:2])
-    found = budget.probe(measure, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
+    found = budget.probe(measure, info, PROBE_SHAPES, micro_batch=2, seconds=0.0, vocab=300, pair_seconds=1e9)
     assert made == calls
     assert found[0].tokens_per_second == tiny_rate and found[0].pair_ratio is None
     assert found[1].pair_ratio == pytest.approx(nano_ratio)
     assert found[1].tokens_per_second == pytest.approx(max(nano))
+    gain = min(budget.PAIR_RANGE[1], nano_ratio)
+    assert (found[2].probed, found[2].pair_ratio) == (False, pytest.approx(gain))
+    assert found[2].tokens_per_second == pytest.approx(
+        budget.predicted_rate(found[1], PROBE_SHAPES, "micro", 300, gain)
+    )
+    assert (found[3].probed, found[3].pair_ratio) == (False, None)
+    assert found[3].tokens_per_second == pytest.approx(budget.predicted_rate(found[2], PROBE_SHAPES, "think72", 300))
 
 
 def planned(steps: int = 100, seconds: str = "1000s", **fields) -> budget.Plan:
@@ -275,12 +282,12 @@ def wsd(total: int) -> int:
 @pytest.mark.parametrize(
     "plan, step, elapsed, timed, decay_start, due",
     [
-        (planned(), 10, 200.0, 10, wsd, False),  # neither 30% of the budget nor 40% of the steps yet
-        (planned(), 10, 300.0, 10, wsd, True),  # 30% of the budget
-        (planned(), 40, 10.0, 40, wsd, True),  # 40% of the steps
-        (planned(), 40, 10.0, 3, wsd, False),  # too few steps timed in this session
-        (planned(), 29, 10.0, 29, lambda total: 30, True),  # the last step before an early decay
-        (planned(), 31, 10.0, 31, lambda total: 30, False),  # the decay has begun: too late to change the length
+        (planned(), 40, 400.0, 40, wsd, False),  # neither half the budget nor the last step before the decay
+        (planned(), 40, 500.0, 40, wsd, True),  # half the budget (a machine slower than planned)
+        (planned(), 59, 10.0, 59, wsd, True),  # the last step before the decay (step 60 of 100)
+        (planned(), 59, 10.0, 3, wsd, False),  # too few steps timed in this session
+        (planned(), 61, 600.0, 61, wsd, False),  # the decay has begun: too late to change the length
+        (planned(), 29, 10.0, 29, lambda total: 30, True),  # an early decay (--decay-fraction 0.7)
         (planned(), 40, 500.0, 40, None, False),  # a cosine schedule: its length is every step's lr
         (planned(check={"at_step": 20}), 40, 500.0, 40, wsd, False),  # checked once: never again
         (planned(length_given=True), 40, 500.0, 40, wsd, False),  # the user's --target-tokens
@@ -406,7 +413,7 @@ def small_runs(monkeypatch, planner, machine):
     machine that runs at them."""
     speeds = {"tiny": 3.0, "nano": 0.1}
 
-    def probe(settings, info, presets, micro_batch, seconds, vocab):
+    def probe(settings, info, presets, micro_batch, seconds, vocab, pair_seconds=None):
         speeds["probed"] = list(presets)
         return [
             budget.Candidate(
@@ -458,12 +465,12 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1536, 12, 4)
     assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "10m"
     assert recorded["runtime"]["batch_size"] * recorded["runtime"]["grad_accum"] == 4
-    assert plan["check"]["at_step"] == 4 and not plan["check"]["replanned"]  # 30% of the budget at step 4
+    assert plan["check"]["at_step"] == 6 and not plan["check"]["replanned"]  # the last step before the decay
     printed = capsys.readouterr().out
-    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 4" in printed
+    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 6" in printed
 
     out = tmp_path / "run"
-    assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
+    assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
     small_runs["tiny"] = 30.0  # a faster machine now: a new plan would differ, the run must not
     monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
     assert train.main(options(corpus, out)) == 0
@@ -478,7 +485,7 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     assert same_decisions(ours["settings"]["budget"], plan)  # (the check's timings are each run's own)
 
     moved = tmp_path / "moved"  # --resume PATH into another folder: the plan comes with the checkpoint
-    assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(4)))) == 0
+    assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(8)))) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
     final = torch.load(moved / "checkpoints" / store.checkpoint_name(12), weights_only=True)
     assert store.tensor_differences(final["model"], theirs["model"], "model") == []
@@ -510,16 +517,17 @@ def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hou
 
 
 def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, machine):
-    """Planned for 12 steps of 42.7 s in 10 m: the first 4 steps keep the plan's pace (its check at step 4
-    keeps it), then the machine is 3x slower: the session stops saved once another step and save might not
-    fit (step 6), and the same command finishes the run."""
+    """Planned for 12 steps of 42.7 s in 10 m: the first 4 steps keep the plan's pace, then the machine is 3x
+    slower: the check at step 6 (the last before the decay) shrinks the run to the fewest steps its schedule
+    allows (10), the session stops saved once another step and save might not fit (step 6), and the same
+    command finishes the run."""
     out = tmp_path / "run"
     machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1.0}, 1 / 3, 4
     assert train.main(options(corpus, out)) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert not plan["check"]["replanned"]
+    assert (plan["check"]["at_step"], plan["check"]["replanned"], plan["steps"]) == (6, True, 10)
     record = json.loads((out / "run_status.json").read_text())
-    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 12)
+    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 10)
     assert record["reason"] == "stopped by --budget 10m (this machine ran slower than its probe)"
     machine.per_token = {"tiny": 1 / 3}
     assert train.main(options(corpus, out)) == 0
@@ -529,7 +537,7 @@ def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tm
 def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit(
     corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
-    """The machine runs twice as fast as its probe said: the check at step 5 (40% of the 12 planned steps)
+    """The machine runs twice as fast as its probe said: the check at step 6 (the last before the decay)
     re-plans the length to fill the budget (27 steps), records it where the plan is (training_settings.json
     and the checkpoint saved at that step) and prints it; a session stopped after it and resumed on another
     machine keeps the re-plan, checks no more, and ends bit for bit where the uninterrupted run does."""
@@ -537,8 +545,8 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     printed = capsys.readouterr().out
-    line = "re-planned from 1,536 tokens (12 steps) to 3,456 (27 steps)"  # 5 + (588 - 106.7 s) / 21.3 s
-    assert "--budget 10m: checked at step 5 (107 s in): steps at 2.00x the probe's speed" in printed
+    line = "re-planned from 1,536 tokens (12 steps) to 3,456 (27 steps)"  # 6 + (588 - 128 s) / 21.3 s
+    assert "--budget 10m: checked at step 6 (128 s in): steps at 2.00x the probe's speed" in printed
     assert line in printed
     recorded = json.loads((reference / "training_settings.json").read_text())
     plan = recorded["budget"]
@@ -548,11 +556,11 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 27 steps
     status = json.loads((reference / "run_status.json").read_text())
     assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 27, 27)
-    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(5), weights_only=True)  # saved with it
+    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(6), weights_only=True)  # saved with it
     assert at_check["settings"]["budget"] == plan and at_check["settings"]["training"]["total_steps"] == 27
 
     out = tmp_path / "run"
-    assert train.main(options(corpus, out, "--stop-after-steps", "6")) == 0
+    assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
     machine.per_token = {"tiny": 1 / 30}  # ten times the probe's speed now: a check would re-plan anew
     monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
     capsys.readouterr()
@@ -569,7 +577,7 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
 
     moved = tmp_path / "moved"  # --resume PATH from the check's own checkpoint: the re-plan comes with it
     assert (
-        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(5)))) == 0
+        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(6)))) == 0
     )
     assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(27), weights_only=True), theirs)
 
@@ -585,7 +593,7 @@ def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
     corpus, tmp_path, planner, machine, burst, burst_steps, replanned_from
 ):
     """The real probe (train.measure_speed) on a machine of 6 tokens/s, `burst` times slower for its first
-    `burst_steps` steps: the plan comes out as a quiet probe's, or the check at 40% of its steps corrects its
+    `burst_steps` steps: the plan comes out as a quiet probe's, or the check before its decay corrects its
     length; the run trains what the quiet one does (27 steps: 588 s of 600 less the end's)."""
     machine.per_token = {"tiny": 1 / 6}
     quiet = tmp_path / "quiet"
