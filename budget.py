@@ -389,14 +389,15 @@ def probe(
     pair_seconds: float | None = None,
 ) -> list[Candidate]:
     """Each preset's global tokens/s, smallest first, from timed train.py steps of one micro-batch per rank
-    (`steady_step_seconds`; eager: compile's speed-up is not counted). The first two are measured within
-    `pair_seconds` (default `seconds`), the rest within `seconds`; once the next probe would overrun its
-    time, the rest are predicted from the last one by their FLOPs per token (the LM head's over the corpus'
-    `vocab` included: it is most of a small preset's work), the first after the measured pair times the
-    pair's gain (`pair_gain`). The pair checks that prediction (`Candidate.pair_ratio`): outside PAIR_RANGE
-    (a burst of load during one of the two), both are measured once more and each keeps its faster
-    measurement (as timeit keeps the fastest: the slower ones are interference). From the first preset
-    that does not fit the device's memory on, none is a candidate."""
+    (`steady_step_seconds`; eager: compile's speed-up is not counted). The first two (the pair) are
+    measured within `pair_seconds` (default `seconds`; fewer steps when it runs short), the rest while
+    their probe fits `seconds`; the others are predicted from the last one by their FLOPs per token (the
+    LM head's over the corpus' `vocab` included: it is most of a small preset's work), the first after
+    the measured pair times the pair's gain (`pair_gain`). The pair checks that prediction
+    (`Candidate.pair_ratio`): outside PAIR_RANGE (a burst of load during one of the two), both are
+    measured once more and each keeps its faster measurement (as timeit keeps the fastest: the slower
+    ones are interference). From the first preset that does not fit the device's memory on, none is a
+    candidate."""
     candidates: list[Candidate] = []
     started = time.monotonic()
 
@@ -412,7 +413,8 @@ def probe(
             last, gain = candidates[-1], pair_gain(candidates)
             rate = predicted_rate(last, presets, name, vocab, gain)
             cost = (PROBE_WARMUP_STEPS + PROBE_STEPS) * micro_batch * preset.context * info.world / rate
-            if not last.probed or cost > left():  # one verdict (left() is rank 0's)
+            pair = len(candidates) == 1  # the pair is measured in whatever time is left (fewer steps when short)
+            if not last.probed or (not pair and cost > left()):  # one verdict (left() is rank 0's)
                 carried = gain if gain != 1.0 else None
                 candidates.append(
                     Candidate(name, non_embedding_parameters(preset), preset.context, rate, False, carried)

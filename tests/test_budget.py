@@ -629,18 +629,23 @@ def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, 
 
 
 def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, tmp_path):
+    """Real train.py steps (no time limit: all measured); with none left after the pair, micro is predicted
+    from nano's FLOP/s times the pair's gain."""
     import distributed
 
     settings = train.parse_args(options(corpus, tmp_path / "unused"))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano")}
-    measured = budget.probe(train.measure_speed(settings, info), info, shapes, micro_batch=2, seconds=1e9, vocab=300)
-    assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True)]
-    assert all(c.tokens_per_second > 0 for c in measured)
-    predicted = budget.probe(train.measure_speed(settings, info), info, shapes, micro_batch=2, seconds=0.0, vocab=300)
-    assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", False)]
-    ratio = model_config.flops_per_token(shapes["tiny"], 300) / model_config.flops_per_token(shapes["nano"], 300)
-    assert predicted[1].tokens_per_second == pytest.approx(predicted[0].tokens_per_second * ratio)
+    shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro")}
+    measure = train.measure_speed(settings, info)
+    measured = budget.probe(measure, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
+    assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True), ("micro", True)]
+    assert all(c.tokens_per_second > 0 for c in measured) and measured[1].pair_ratio > 0
+    predicted = budget.probe(measure, info, shapes, micro_batch=2, seconds=0.0, vocab=300)
+    assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", True), ("micro", False)]
+    gain = budget.pair_gain(predicted[:2])
+    assert predicted[2].tokens_per_second == pytest.approx(
+        budget.predicted_rate(predicted[1], shapes, "micro", 300, gain)
+    )
 
 
 def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
