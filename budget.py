@@ -576,7 +576,7 @@ CHECK_TOLERANCE = 0.02  # of the budget: a projected end this far from the targe
 class Seen:
     """What the run has seen of itself at the check: the steps taken, this session's seconds since it
     started (the probe, start-up and evaluations included: what the budget counts), the time of a step
-    now (`recent_step_seconds`) and what the run's end after its last step takes (its last validation and
+    now (`typical_step_seconds`) and what the run's end after its last step takes (its last validation and
     the test evaluation, each as long as the slowest validation so far, and the last checkpoint's write)."""
 
     step: int
@@ -585,10 +585,13 @@ class Seen:
     end_seconds: float = 0.0
 
 
-def recent_step_seconds(times: list[float]) -> float:
-    """The time of a step now: the median of the later half of this session's step times (a burst of
-    load at the start, during the probe and the first steps, is left behind)."""
-    return statistics.median(times[len(times) // 2 :])
+def typical_step_seconds(times: list[float]) -> float:
+    """The time of a step for the rest of the run: the median of this session's step times. At the check
+    (half the budget, or 60% of the steps) a burst of load at the start, during the probe and the first
+    steps, is far less than half of them; and on a machine whose load comes and goes (this shared one's
+    step times moved by a third within minutes) the whole session is a better guess at the rest than its
+    latest steps, which made the first re-plans here overshoot."""
+    return statistics.median(times)
 
 
 def check_due(

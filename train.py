@@ -1453,7 +1453,7 @@ class BudgetCheck:
         plan, decay_start = budget.Plan.from_record(training.budget_plan), decay_start_rule(training)
         if not budget.check_due(plan, training.step, clock.elapsed, len(step_times), decay_start):
             return False
-        step_seconds = distributed.agree_max([budget.recent_step_seconds(step_times)], training.info)[0]
+        step_seconds = distributed.agree_max([budget.typical_step_seconds(step_times)], training.info)[0]
         end_seconds = 2 * clock.slowest_eval + clock.last_write  # the last validation, the test, the last save
         seen = budget.Seen(training.step, clock.elapsed, step_seconds, end_seconds)
         max_tokens = budget.max_run_tokens(training, training.data.corpus)

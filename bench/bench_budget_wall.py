@@ -89,14 +89,15 @@ def timed_run(corpus: Path, out: Path, extra: list[str], burst: float) -> dict:
     if result.returncode != 0:
         raise UserError(f"train.py failed ({out}): {result.stderr[-2000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    test = next(record for record in records if "test_bits_per_byte" in record)
+    test = next((record for record in records if "test_bits_per_byte" in record), {})  # none: stopped saved
     settings = json.loads((out / "training_settings.json").read_text())
     status = json.loads((out / "run_status.json").read_text())
     return {
         "seconds": seconds,
-        "bpb": test["test_bits_per_byte"],
+        "bpb": test.get("test_bits_per_byte"),
         "status": status["status"],
         "steps": status["step"],
+        "total_steps": status["total_steps"],
         "tokens": settings["training"]["total_steps"] * settings["training"]["tokens_per_step"],
         "preset": settings["training"]["preset"],
         "plan": settings.get("budget"),
@@ -109,12 +110,9 @@ def row(text: str, mode: str, run: dict, fixed: dict) -> str:
     plan = run.get("plan")
     ratio = run["seconds"] / fixed["seconds"]
     within = "" if plan is None else (" (met)" if abs(ratio - 1) <= END_TOLERANCE else " (MISSED)")
-    bpb = run["bpb"] / fixed["bpb"]
-    check = "" if not plan or not plan.get("check") else plan["check"]
-    probed = (
-        ""
-        if not plan
-        else ", ".join(f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in plan["candidates"] if c["probed"])
+    check = (plan or {}).get("check")
+    probed = ", ".join(
+        f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in (plan or {}).get("candidates", []) if c["probed"]
     )
     how = (
         "-"
@@ -122,10 +120,15 @@ def row(text: str, mode: str, run: dict, fixed: dict) -> str:
         else f"step {check['at_step']}: "
         + (f"{check['from_steps']} -> {check['to_steps']} steps" if check["replanned"] else "kept")
     )
+    if run["bpb"] is None:
+        bpb_text = f"none: stopped at step {run['steps']}/{run['total_steps']} | (MISSED)"
+    else:
+        bpb = run["bpb"] / fixed["bpb"]
+        verdict = "" if plan is None else (" (met)" if bpb <= 1 else " (MISSED)")
+        bpb_text = f"{run['bpb']:.4f} | **{bpb:.4f}x**{verdict}"
     return (
         f"| {text} | {mode} | {run['preset']}, {run['tokens']:,} tokens ({run['steps']} steps, {run['status']}) | "
-        f"{probed or '-'} | {how} | {run['seconds']:.0f} s | **{ratio:.3f}x**{within} | {run['bpb']:.4f} | "
-        f"**{bpb:.4f}x**{'' if plan is None else (' (met)' if bpb <= 1 else ' (MISSED)')} | "
+        f"{probed or '-'} | {how} | {run['seconds']:.0f} s | **{ratio:.3f}x**{within} | {bpb_text} | "
         f"{run['load'][0]:.1f} / {run['load'][1]:.1f} |"
     )
 

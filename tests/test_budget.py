@@ -353,10 +353,10 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
 
 @pytest.mark.parametrize(
     "times, expected",
-    [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 2.0), ([9.0, 1.0, 2.0], 1.5)],
+    [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 6.0), ([9.0, 1.0, 2.0], 2.0)],
 )
-def test_the_speed_now_is_the_later_half_of_the_steps(times, expected):
-    assert budget.recent_step_seconds(times) == expected
+def test_the_time_of_a_step_is_the_sessions_median(times, expected):
+    assert budget.typical_step_seconds(times) == expected
 
 
 # ----------------------------------------------------------------------------------------------
