@@ -43,13 +43,15 @@ import torch  # noqa: E402
 from bench_packing import heldout_bpb  # noqa: E402
 from bench_texts import changelog_entries, kjv_documents  # noqa: E402
 
-import budget  # noqa: E402
-import corpus_format  # noqa: E402
-import data  # noqa: E402
-import distributed  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    budget,
+    distributed,
+    train,
+)
 
 WORK = ROOT / "bench" / "out" / "budget"
 TARGET_GRID_RATIO = 1.02  # the plan's bpb at most 2% above the best fixed choice that fits the budget

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_texts import text_documents  # noqa: E402
 
-import data  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
 
 END_TOLERANCE = 0.05  # the target: the budget run ends within 5% of W
 

@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgumentParser  # noqa: E402
+from tinyllm.common import ArgumentParser  # noqa: E402
 
 SYLLABLES = [
     "ka",
@@ -153,8 +153,8 @@ def cpu_seconds() -> float:
 
 
 def method_data_py(args) -> dict:
-    import corpus_format
-    import data
+    from tinyllm.data import build as data
+    from tinyllm.data import corpus_format
 
     workers = args.num_proc if args.method == "data.py-pool" else 0
     settings = data.BuildSettings(tokenizer=args.tokenizer, progress=False, tokenize_workers=workers)
@@ -291,7 +291,7 @@ def main() -> None:
         print(json.dumps(report))
         return
 
-    import data
+    from tinyllm.data import build as data
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_data_"))
     work.mkdir(parents=True, exist_ok=True)

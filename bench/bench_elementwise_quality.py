@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_texts import changelog_entries, man_pages  # noqa: E402
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def disable_autocast_elementwise() -> None:
     """The `before` arm: build_training_model leaves the stock RMSNorm and RoPE forwards in place."""
-    import model_config
+    from tinyllm.model import config as model_config
 
     model_config.autocast_elementwise = lambda model: None
 
@@ -131,8 +131,8 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
         raise UserError(f"train-arm {arm}: choose from {', '.join(ARMS)}")
     import torch
 
-    import model_config
-    import train
+    from tinyllm.model import config as model_config
+    from tinyllm.training import train
 
     if arm == "before":
         disable_autocast_elementwise()
@@ -154,8 +154,8 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
 
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""
-    import corpus_format
-    import data
+    from tinyllm.data import build as data
+    from tinyllm.data import corpus_format
 
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
@@ -201,8 +201,8 @@ def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) ->
 
 def corpus_facts(corpus: Path) -> dict:
     """Documents, tokens and the median document length in tokens of the train and test splits."""
-    import corpus_format
-    import train_data
+    from tinyllm.data import corpus_format
+    from tinyllm.training import train_data
 
     manifest = corpus_format.load_manifest(corpus)
     facts = {}

@@ -39,12 +39,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from bench_texts import changelog_entries, kjv_documents  # noqa: E402
 
-import corpus_format  # noqa: E402
-import data  # noqa: E402
-import distributed  # noqa: E402
-import train  # noqa: E402
-import train_data  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+    train_data,
+)
 
 WORK = ROOT / "bench" / "out" / "packing"
 CORPORA = ("short", "changelog", "long")

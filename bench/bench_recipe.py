@@ -53,13 +53,15 @@ import nanogpt  # noqa: E402
 import torch  # noqa: E402
 from bench_texts import TEXTS, text_documents  # noqa: E402
 
-import distributed  # noqa: E402
-import model_config  # noqa: E402
-import muon  # noqa: E402
-import optimization  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
-from hardware import newton_schulz_flops  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model.hardware import newton_schulz_flops  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    muon,
+    optimization,
+    train,
+)
 
 NANOGPT = "--model nanogpt"  # in a recipe's options: bench/nanogpt.py's GPT-2 instead of the Qwen3 model
 BUILT_IN = {
@@ -133,8 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_corpus(args: argparse.Namespace, work: Path) -> Path:
     """The real-text corpus (built once per text and size, then reused): 4,096-token BPE, 5% test, 2% validation."""
-    import corpus_format
-    import data
+    from tinyllm.data import build as data
+    from tinyllm.data import corpus_format
 
     source = work / f"{args.text}.jsonl" if args.text in TEXTS else Path(args.text)
     corpus = work / f"corpus-{source.stem}-{args.text_bytes}"

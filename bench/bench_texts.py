@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import UserError  # noqa: E402
+from tinyllm.common import UserError  # noqa: E402
 
 TEXTS = ("kjv", "manpages", "changelog")
 ENTRY_START = re.compile(r"^\S+ \([^)]*\) [^;]*; urgency=", re.MULTILINE)  # a Debian changelog entry's first line

@@ -33,8 +33,7 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
 
     import torch
 
-    import distributed
-    import train
+    from tinyllm.training import distributed, train
 
     torch.set_num_threads(threads)
     settings = train.parse_args(
@@ -99,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(time_steps(args.corpus, args.preset, args.child, args.batch_size, args.steps)))
         return 0
 
-    import corpus_format
-    import data
+    from tinyllm.data import build as data
+    from tinyllm.data import corpus_format
 
     corpus = args.work / "corpus"
     if not (corpus / corpus_format.CORPUS_MANIFEST).exists():

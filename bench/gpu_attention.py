@@ -92,7 +92,7 @@ class AttentionParts:
         segments of realistic documents, their mask and Documents, on the device."""
         import torch
 
-        import attention
+        from tinyllm.model import attention
 
         preset = self.preset
         generator = torch.Generator(device=self.info.device).manual_seed(seed)
@@ -129,7 +129,7 @@ class AttentionParts:
         """One layer's attention by `path`, as training calls it: (B, C, H, D)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        import attention
+        from tinyllm.model import attention
 
         q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
         groups, scale = self.preset.heads // self.preset.kv_heads, self.preset.head_dim**-0.5
@@ -199,7 +199,7 @@ class AttentionParts:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        import attention
+        from tinyllm.model import attention
 
         self.needs_cuda("cuDNN attention")
         preset, result = self.preset, {"precision": self.precision, "lengths": {}}
@@ -235,7 +235,7 @@ class AttentionParts:
         """Every path at every --attention-shapes: forward + backward, memory, error, prepare time."""
         import torch
 
-        import attention
+        from tinyllm.model import attention
 
         preset, result = (
             self.preset,
@@ -289,7 +289,7 @@ class AttentionParts:
     ) -> dict:
         import torch
 
-        import attention
+        from tinyllm.model import attention
 
         preset = self.preset
         rows, tokens = inputs["segments"].shape

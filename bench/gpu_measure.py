@@ -120,7 +120,7 @@ def optimizer_ranges(training):
     zero_grad) inside a "tinyllm.optimizer" profiler range, as the roofline counts them."""
     import torch
 
-    import optimization
+    from tinyllm.training import optimization
 
     def ranged(function):
         def call(*args, **kwargs):

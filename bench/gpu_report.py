@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 from gpu_plan import CATEGORIES, THINK72_VOCAB, part_seconds  # noqa: E402
 from gpu_record import first_line  # noqa: E402
 
-import hardware  # noqa: E402
-import model_config  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
 
 
 def predicted_step(card, preset, vocab: int, world: int, tokens_per_step: int, micro_batch_tokens: int) -> dict:
@@ -40,7 +40,7 @@ def machine_facts(info, args: argparse.Namespace) -> dict:
     import torch
     import transformers
 
-    import attention
+    from tinyllm.model import attention
 
     device = hardware.describe(info.device)
     preset = model_config.resolve_preset(args.preset, context=args.context)

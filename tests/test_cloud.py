@@ -18,13 +18,13 @@ import torch
 from stores import ACCESS_KEY, SECRET_KEY
 from tiny_runs import options, write_tiny_corpus
 
-import checkpoint_cloud as cc
-import checkpoint_store as store
-import corpus_format
-import data
-import remote_store as rs
-import train_data
-from common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
+from tinyllm.common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.store import checkpoint_cloud as cc
+from tinyllm.store import checkpoint_store as store
+from tinyllm.store import remote_store as rs
+from tinyllm.training import train_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_backup_url_from_arg_or_the_original_env_alias(monkeypatch):
 
 
 def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
-    import train
+    from tinyllm.training import train
 
     def session(*argv: str):  # train.py's options, declared there once (SessionSettings)
         return train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *argv]).session
@@ -459,7 +459,7 @@ def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_
         [
             "import pathlib, sys, time",
             f"sys.path.insert(0, {str(ROOT)!r})",
-            "import checkpoint_cloud",
+            "from tinyllm.store import checkpoint_cloud",
             f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=lambda line: None)",
             f"pathlib.Path({str(pid_file)!r} + '.tmp').write_text(str(backup.child_pid))",
             f"pathlib.Path({str(pid_file)!r} + '.tmp').rename({str(pid_file)!r})",
@@ -488,7 +488,8 @@ CHILD_PHASES = {  # phase: (what the trainer does, the child's function that wai
     "closing": ("close", "Connection.send"),  # its answer to "close" not sent yet
 }
 WAIT_FOR_THE_KILL = """
-import os, pathlib, time, checkpoint_cloud, multiprocessing.connection
+import os, pathlib, time, multiprocessing.connection
+from tinyllm.store import checkpoint_cloud
 if os.environ.get("TEST_BACKUP_CHILD") == "1":  # the child (the trainer sets it after its own start)
     owner_name, _, name = {where!r}.rpartition(".")
     owner = {{"": checkpoint_cloud, "Mirror": checkpoint_cloud.Mirror,
@@ -964,7 +965,7 @@ def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_
 def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_training(s3_url, tmp_path):
     """Issue 14.1, through train.py: no bucket made, no 'holds no checkpoint yet', no step 0."""
 
-    import train
+    from tinyllm.training import train
 
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=200)
     missing = f"s3://typobucket-{uuid.uuid4().hex[:8]}/runs/x"

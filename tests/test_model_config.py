@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-import model_config
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.model import config as model_config
 
 
 def test_think72_has_exactly_72m_parameters():

@@ -10,13 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import corpus_format
-import export_hf
-import generation
-import metrics_log
-import report
-import trackers
-from common import UserError, remove_temporaries, sha256_file, temporary_name
+from tinyllm.common import UserError, remove_temporaries, sha256_file, temporary_name
+from tinyllm.data import corpus_format
+from tinyllm.model import generation
+from tinyllm.outputs import export_hf, metrics_log, report, trackers
 
 # ----------------------------------------------------------------------------------------------
 # Progress

@@ -33,7 +33,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from common import (
+from tinyllm.common import (
     ArgumentParser,
     UserError,
     atomic_path,
@@ -42,7 +42,7 @@ from common import (
     run_main,
     sha256_file,
 )
-from corpus_format import (
+from tinyllm.data.corpus_format import (
     BOS,
     EOS,
     IM_END,
@@ -54,7 +54,7 @@ from corpus_format import (
     THINK_OPEN,
     load_tokenizer,
 )
-from model_config import Preset, nonpositive_field
+from tinyllm.model.config import Preset, nonpositive_field
 
 GGUF_SUFFIX = ".gguf"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")

@@ -47,13 +47,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import checkpoint_store as store
-import corpus_format
-import remote_store
-from checkpoint_store import CHECKPOINT_DIR, NEEDS_RESUME, RUN_FILES
-from common import ArgumentParser, UserError, atomic_path, check_writable_folder, read_json_or, run_main
-from corpus_format import CORPUS_MANIFEST
-from remote_store import LocalFileChanged, LogFn, VerificationError, log_line, remote_errors
+from tinyllm.common import ArgumentParser, UserError, atomic_path, check_writable_folder, read_json_or, run_main
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import CORPUS_MANIFEST
+from tinyllm.store import checkpoint_store as store
+from tinyllm.store import remote_store
+from tinyllm.store.checkpoint_store import CHECKPOINT_DIR, NEEDS_RESUME, RUN_FILES
+from tinyllm.store.remote_store import LocalFileChanged, LogFn, VerificationError, log_line, remote_errors
 
 # ----------------------------------------------------------------------------------------------
 # The backup URL.
@@ -537,8 +537,9 @@ def serve_requests(connection, mirror: Mirror) -> None:
             waiting = None
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds tinyllm/
 CHILD_MAIN = (
-    "import sys; sys.path.insert(0, sys.argv[2]); import checkpoint_cloud; "
+    "import sys; sys.path.insert(0, sys.argv[2]); from tinyllm.store import checkpoint_cloud; "
     "checkpoint_cloud.serve_backup(int(sys.argv[1]))"
 )
 
@@ -638,7 +639,7 @@ class BackupProcess:
         parent_end, child_end = multiprocessing.Pipe()
         try:
             process = subprocess.Popen(
-                [sys.executable, "-c", CHILD_MAIN, str(child_end.fileno()), str(Path(__file__).resolve().parent)],
+                [sys.executable, "-c", CHILD_MAIN, str(child_end.fileno()), str(PACKAGE_ROOT)],
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
             )

@@ -45,31 +45,12 @@ try:
 except ModuleNotFoundError as missing:  # no torch at all: one line with this machine's install command
     if missing.name != "torch":
         raise
-    import hardware
+    from tinyllm.model import hardware
 
     sys.exit(f"error: {hardware.torch_install_problem(None, hardware.read_driver_cuda())}")
 import torch.distributed as dist
 
-import artifacts
-import attention
-import budget
-import callbacks
-import checkpoint_cloud
-import checkpoint_store as store
-import corpus_format
-import distributed
-import evaluation
-import generation
-import hardware
-import losses
-import metrics_log
-import model_config
-import optimization
-import remote_store
-import report
-import trackers
-import train_data
-from common import (
+from tinyllm.common import (
     ArgumentParser,
     UserError,
     add_options,
@@ -94,7 +75,15 @@ from common import (
     seed_everything,
     utc_now,
 )
+from tinyllm.data import corpus_format
+from tinyllm.model import attention, generation, hardware, losses
+from tinyllm.model import config as model_config
+from tinyllm.outputs import artifacts, callbacks, evaluation, metrics_log, report, trackers
+from tinyllm.store import checkpoint_cloud, remote_store
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import budget, distributed, optimization, train_data
 
+SCRIPT = Path(__file__).resolve().parents[2] / "train.py"  # the script a clone runs (resume commands name it)
 DEFAULT_DATA = "corpus/demo"  # relative to the current folder
 DEFAULT_OUT = "runs/demo"
 # Without --data, `python train.py` is the demo: DEFAULT_DATA is built if missing and these replace the
@@ -2119,7 +2108,7 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
             continue
         if not item.startswith(("--resume=", "--stop-after-steps=")):
             kept.append(item)
-    return distributed.launch_command(info, Path(__file__), [*kept, "--resume", "auto"])
+    return distributed.launch_command(info, SCRIPT, [*kept, "--resume", "auto"])
 
 
 def shown_backup_url(url: str) -> str:

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from common import (
+from tinyllm.common import (
     ArgumentParser,
     UserError,
     add_options,
@@ -59,7 +59,7 @@ from common import (
     sha256_tree,
     stop_on_sigterm,
 )
-from corpus_format import (
+from tinyllm.data.corpus_format import (
     BOS,
     CHAT_TEMPLATE,
     CORPUS_MANIFEST,
@@ -93,7 +93,7 @@ from corpus_format import (
     verify_corpus,
     vocabulary_sha256,
 )
-from demo_corpus import DEMO_BUILD_DEFAULTS, DEMO_EVAL_FILE, DEMO_SEED, DEMO_VOCAB_SIZE, demo_data
+from tinyllm.data.demo_corpus import DEMO_BUILD_DEFAULTS, DEMO_EVAL_FILE, DEMO_SEED, DEMO_VOCAB_SIZE, demo_data
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE whose pre-tokenizer llama.cpp reproduces exactly ("qwen2").

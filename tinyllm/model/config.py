@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from common import UserError
+from tinyllm.common import UserError
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import checkpoint_store as store
-import evaluation
-import export_hf
-import generation
-import metrics_log
-import publishing
-from common import PROGRESS_WRITERS, ArgumentParser, UserError, human_count, run_main, say
+from tinyllm.common import PROGRESS_WRITERS, ArgumentParser, UserError, human_count, run_main, say
+from tinyllm.model import generation
+from tinyllm.outputs import evaluation, export_hf, metrics_log, publishing
+from tinyllm.store import checkpoint_store as store
 
 # ----------------------------------------------------------------------------------------------
 # Progress: a tqdm bar on a terminal, a plain line every `every` steps in a log.
