@@ -50,9 +50,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_texts import changelog_entries, man_pages  # noqa: E402
+from bench_texts import changelog_entries, make_corpus, man_pages, write_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "elementwise"
 TEXTS = ("manpages", "changelog")
@@ -154,8 +155,6 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
 
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""
-    from tinyllm.data import build as data
-    from tinyllm.data import corpus_format
 
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
@@ -176,32 +175,14 @@ def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) ->
     else:
         print(f"{name}: gathering {args.text_bytes:,} bytes of text", flush=True)
         texts = man_pages(args.text_bytes) if name == "manpages" else changelog_entries(args.text_bytes)
-        with open(source, "w", encoding="utf-8") as handle:
-            for text in texts:
-                handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(
-        [
-            "--data",
-            str(source),
-            "--out",
-            str(corpus),
-            "--vocab-size",
-            str(args.vocab_size),
-            "--val-fraction",
-            "0.02",
-            "--test-fraction",
-            "0.05",
-            "--no-progress",
-        ]
-    ):
-        raise UserError(f"data.py could not build {corpus}")
+        write_jsonl(source, texts)
+    make_corpus([source], corpus, vocab_size=args.vocab_size)
     atomic_write_json(stamp, settings)
     return corpus
 
 
 def corpus_facts(corpus: Path) -> dict:
     """Documents, tokens and the median document length in tokens of the train and test splits."""
-    from tinyllm.data import corpus_format
     from tinyllm.training import train_data
 
     manifest = corpus_format.load_manifest(corpus)

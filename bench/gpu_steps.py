@@ -20,7 +20,10 @@ from gpu_record import NotHere, free_memory  # noqa: E402
 
 from tinyllm.model import hardware  # noqa: E402
 from tinyllm.store import checkpoint_store as store  # noqa: E402
-from tinyllm.training import distributed  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+)
 
 
 class StepParts:
@@ -221,7 +224,6 @@ class StepParts:
     # -- save, resume, continue: equal to the uninterrupted run ------------------------------
 
     def resume(self) -> dict:
-        from tinyllm.training import train
 
         deterministic = "--deterministic" in train.build_parser()._option_string_actions
         out = Path(distributed.broadcast_from_main(tempfile.mkdtemp(prefix="resume-", dir=self.work), self.info))

@@ -408,3 +408,16 @@ def test_run_main_turns_the_bars_off_in_a_log(monkeypatch):
         [sys.executable, "-c", code], cwd=Path(common.__file__).parents[1], capture_output=True, text=True, env=environ
     )
     assert result.stdout.strip() == "True", result.stderr
+
+
+def test_python_common_py_lists_every_command_and_the_layers(capsys):
+    """`python common.py`: each root script with its console script and its module's file, then the layers."""
+    root = Path(common.__file__).parents[1]
+    text = common.layout_text()
+    for script, module in common.SCRIPT_MODULES.items():
+        path = module.replace(".", "/") + ".py"
+        line = next(line for line in text.splitlines() if line.split()[:2] == ["python", f"{script}.py"])
+        assert line.split()[-1] == path and (root / path).is_file() and (root / f"{script}.py").is_file()
+        assert line.split()[2] == common.CONSOLE_SCRIPTS.get(script, "-")
+    assert all(f"{layer}/" in text for layer in ("data", "model", "store", "outputs", "training"))
+    assert common.main([]) == 0 and capsys.readouterr().out == text + "\n"

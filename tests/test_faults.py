@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from faults import fail_os_writes, mount_point, read_only_folder, small_disk
+from project import ROOT
 from tiny_runs import options, write_tiny_corpus
 
 from tinyllm import common
@@ -307,7 +308,7 @@ def test_sigterm_during_data_py_says_so_and_leaves_no_build_folder(tmp_path):
     process = subprocess.Popen(
         [
             sys.executable,
-            str(Path(data.__file__)),
+            str(ROOT / "data.py"),
             "--data",
             str(texts),
             "--out",

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import tinyllm
 
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
@@ -161,6 +164,17 @@ CONSOLE_SCRIPTS = {
     "report": "tinyllm-report",
     "checkpoint_cloud": "tinyllm-cloud",
     "export_gguf": "tinyllm-gguf",
+}
+# The scripts at a clone's root (`python train.py`), each calling its module's `command`, as the console
+# scripts do; tests/test_package.py checks both against pyproject.toml and the scripts.
+SCRIPT_MODULES = {
+    "train": "tinyllm.training.train",
+    "data": "tinyllm.data.build",
+    "report": "tinyllm.outputs.report",
+    "export_gguf": "tinyllm.outputs.export_gguf",
+    "checkpoint_cloud": "tinyllm.store.checkpoint_cloud",
+    "model_config": "tinyllm.model.config",
+    "common": "tinyllm.common",
 }
 
 
@@ -750,3 +764,36 @@ def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 yield number, json.loads(line)
             except json.JSONDecodeError as error:
                 raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# `python common.py`: the commands and the layers.
+
+
+def layout_text() -> str:
+    """The commands (a clone's script, its console script, its code) and the layers (tinyllm/__init__.py)."""
+    rows = [
+        (f"python {script}.py", CONSOLE_SCRIPTS.get(script, "-"), module.replace(".", "/") + ".py")
+        for script, module in SCRIPT_MODULES.items()
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    lines = [f"  {script:<{widths[0]}}  {console:<{widths[1]}}  {code}" for script, console, code in rows]
+    return "\n".join(
+        [
+            "The commands (`--help` on each), their console scripts, their code:",
+            *lines,
+            "",
+            inspect.cleandoc(tinyllm.__doc__),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ArgumentParser(description="tinyllm's commands and where the code of each layer lives.").parse_args(argv)
+    print(layout_text())
+    return 0
+
+
+def command() -> None:
+    """`python common.py` at a clone's root."""
+    run_main(main, script=True)

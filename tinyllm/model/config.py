@@ -10,7 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tinyllm.common import UserError
+from tinyllm.common import ArgumentParser, UserError, run_main
+from tinyllm.data.build import DEFAULT_VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -279,3 +280,52 @@ def autocast_elementwise(model) -> None:
                 f"Autocast{stock.__name__}", (stock,), {"stock_forward": stock.forward, "forward": forwards[kind]}
             )
         module.__class__ = _AUTOCAST_CLASSES[stock]
+
+
+# ----------------------------------------------------------------------------------------------
+# `python model_config.py`: the presets and their sizes.
+
+
+def presets_table(vocab_size: int) -> str:
+    """One line per preset: its shape, its LM head and its parameters at `vocab_size` (all of them, and the
+    ones a token's forward multiplies by: matmul_parameters, what flops_per_token counts)."""
+    header = ("preset", "layers", "hidden", "mlp", "heads", "kv", "head_dim", "context", "head", "parameters", "matmul")
+    rows = [header] + [
+        (
+            name,
+            *map(str, (p.layers, p.hidden, p.intermediate, p.heads, p.kv_heads, p.head_dim, p.context)),
+            "tied" if p.tie_embeddings else "own",
+            f"{parameter_count(p, vocab_size):,}",
+            f"{matmul_parameters(p, vocab_size):,}",
+        )
+        for name, p in PRESETS.items()
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(width) if not column else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(row, widths))
+        )
+        for row in rows
+    ]
+    return "\n".join([f"The presets at a vocabulary of {vocab_size:,} tokens (train.py --preset NAME):", *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(
+        description="The model presets (train.py --preset NAME; --layers, --hidden, ... override a field): "
+        "their shapes and parameter counts at a vocabulary size."
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="the corpus' vocabulary (data.py --vocab-size)"
+    )
+    args = parser.parse_args(argv)
+    if args.vocab_size < 1:
+        raise UserError(f"--vocab-size {args.vocab_size}: give a positive number of tokens")
+    print(presets_table(args.vocab_size))
+    return 0
+
+
+def command() -> None:
+    """`python model_config.py` at a clone's root."""
+    run_main(main, script=True)

@@ -28,7 +28,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from tinyllm.common import UserError
+from tinyllm.common import UserError, atomic_write_json, read_json
 from tinyllm.model import attention
 from tinyllm.model.config import Preset, parameter_count
 
@@ -914,8 +914,6 @@ def plausible_mfu(
         if measured > peak:
             mfu, peak = mfu * peak / measured, measured
             if record is not None:
-                from tinyllm.common import atomic_write_json, read_json
-
                 with contextlib.suppress(UserError, OSError):
                     atomic_write_json(
                         record,
