@@ -695,3 +695,12 @@ def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, s
     end = train.plan_step_end(step, clock, flags)
     assert end.stop is stop and end.save is stop
     assert budget.finish_grace(0, {"budget": "10m"}) == budget.FINISH_GRACE and budget.finish_grace(1.0, None) == 0
+
+
+def test_a_session_limit_counts_from_the_process_launch():
+    """The command line's clock starts at the process's launch (its imports included), before main() runs."""
+    import time
+
+    launched = train.process_launch()
+    assert launched <= time.monotonic() - 0.1  # this process started (and imported torch) before the test
+    assert time.monotonic() - launched < 24 * 3600

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -1087,7 +1088,9 @@ def start_out_of_memory(run: RunSettings, vocab_size: int, device: torch.device)
 # The run: main() reads top-down; the loop; stopping on signals and the time budget.
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launched: float | None = None) -> int:
+    """`launched`: time.monotonic() at the process's launch (`process_launch`, from the command line), from
+    which a session's time limit counts; None (a caller in Python): from the start of training."""
     hardware.check_torch()
     settings = parse_args(argv)
     session, invocation = settings.session, settings.invocation
@@ -1107,7 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
             backup = start_backup(session, info)
             try:
-                last_line = train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
+                last_line = train(
+                    settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds, started=launched
+                )
             finally:
                 if backup is not None:
                     backup.close()  # the one close: its last messages come before the run's last line
@@ -1117,11 +1122,19 @@ def main(argv: list[str] | None = None) -> int:
         distributed.shutdown_distributed()
 
 
-def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> str:
+def train(
+    settings: Settings,
+    info: distributed.DistInfo,
+    corpus: Path,
+    backup=None,
+    backup_wait_s: float = 600,
+    started: float | None = None,
+) -> str:
     """The training run on the local `corpus` folder; returns its last line (report.final_line; rank 0).
     `backup` (rank 0; checkpoint_cloud.BackupProcess) gets every checkpoint. Every way it ends goes
-    through one place: finish_run, or end_failed_run."""
-    process_started = time.monotonic()
+    through one place: finish_run, or end_failed_run. `started`: the time.monotonic() the session's time
+    limit counts from (None: now)."""
+    process_started = time.monotonic() if started is None else started
     session = settings.session
     out = Path(session.out)
     for folder in train_data.corpus_folders(session.data):
@@ -2147,10 +2160,19 @@ def start_backup(session: SessionSettings, info: distributed.DistInfo):
     return started.get("backup")
 
 
+def process_launch() -> float:
+    """time.monotonic() at this process's launch (psutil's create time): a session's time limit (--max-hours,
+    --budget) counts the interpreter's start and the imports too, seconds of them on a busy CPU (7.5 s at
+    load 6 on this project's 2 cores: 3% of a 4-minute --budget)."""
+    import psutil
+
+    return time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
+
+
 def command() -> None:
     """The `tinyllm-train` console script (pyproject.toml): `python train.py` from anywhere."""
-    run_main(main, script=True)
+    run_main(functools.partial(main, launched=process_launch()), script=True)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    command()
