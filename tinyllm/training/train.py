@@ -188,7 +188,8 @@ class RunSettings(optimization.RecipeOptions):
         None,
         "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
         "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
-        "before step 1 and kept by every resume (an explicit --preset or --target-tokens wins; docs/budget.md)",
+        "before step 1, its tokens checked once against the run's own steps, kept by every resume (an explicit "
+        "--preset or --target-tokens wins; docs/budget.md)",
         BUDGET,
         checks=(budget.budget_problem,),
     )
