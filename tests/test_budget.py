@@ -684,9 +684,9 @@ def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(be
 @pytest.mark.parametrize(
     "grace, step, stop",
     [
-        (0.03, 25, False),  # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write) end at 603 s of 618
+        (0.03, 25, False),  # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write, 10 s): 613 s of 618
         (0.0, 25, True),  # --max-hours: no grace, the session stops saved
-        (0.03, 22, True),  # 5 steps left: 663 s, past the grace too
+        (0.03, 22, True),  # 5 steps left: 673 s, past the grace too
     ],
 )
 def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, stop):

@@ -1653,9 +1653,10 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     step saves and completes, whatever asked to stop. The time limit (--max-hours, or a --budget run's
     budget) stops when another step, evaluation and save (twice the slowest of each, and LAST_SAVE_SECONDS)
     might not fit it, unless the rest of the run (its steps at the slowest recent step's time, a last
-    validation and the test evaluation, a save) fits it and its finish_grace."""
+    validation and the test evaluation, a save and LAST_SAVE_SECONDS) fits it and its finish_grace."""
     needed = 2 * (clock.slowest_step + clock.slowest_eval + clock.last_write) + LAST_SAVE_SECONDS
-    finishing = (flags.total_steps - step) * clock.slowest_step + 2 * clock.slowest_eval + clock.last_write
+    rest = (flags.total_steps - step) * clock.slowest_step
+    finishing = rest + 2 * clock.slowest_eval + clock.last_write + LAST_SAVE_SECONDS
     late = flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600
     if late and clock.elapsed + finishing < flags.max_hours * 3600 * (1 + flags.finish_grace):
         late = False  # the rest of the run and its end fit the limit (and its grace): it finishes
