@@ -105,6 +105,13 @@ class Progress:
             line = f"step {step:>{width}}/{self.total_steps} ({percent:5.1f}%) | {stats} | ETA {self.eta(step)}"
             print(line, flush=True)
 
+    def set_total(self, total_steps: int) -> None:
+        """The run's length changed under way (a --budget re-plan: budget.check_plan)."""
+        self.total_steps = total_steps
+        if self._bar is not None:
+            self._bar.total = total_steps
+            self._bar.refresh()
+
     def eta(self, step: int) -> str:
         """Time left at the average pace since the first update (tqdm's own format); "?" until a second one.
 

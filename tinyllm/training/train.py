@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
 import signal
-import statistics
 import sys
 import time
 import uuid
@@ -188,7 +188,8 @@ class RunSettings(optimization.RecipeOptions):
         None,
         "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
         "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
-        "before step 1 and kept by every resume (an explicit --preset or --target-tokens wins; docs/budget.md)",
+        "before step 1, its tokens checked once against the run's own steps, kept by every resume (an explicit "
+        "--preset or --target-tokens wins; docs/budget.md)",
         BUDGET,
         checks=(budget.budget_problem,),
     )
@@ -741,15 +742,23 @@ def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Ba
 
 
 def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
-    """--budget's probe: a preset's global tokens/s over budget.PROBE_STEPS timed train steps (after one
-    untimed) at a micro-batch per rank, eager; None when it does not fit the device's memory."""
+    """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from timed train steps
+    after budget.PROBE_WARMUP_STEPS untimed ones, until budget.steady_step_seconds has its step time (more
+    steps while they disagree, within the `seconds` the probe may take); None when it does not fit the
+    device's memory. Every rank steps alike: rank 0's verdict ends the timing."""
 
-    def measure(preset: str, micro_batch: int) -> float | None:
+    def measure(preset: str, micro_batch: int, seconds: float) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
         session = dataclasses.replace(settings.session, batch_size=micro_batch, grad_accum=1, compile=False)
         try:
             training = build_training(dataclasses.replace(settings, run=run, session=session), info)
-            times = [training.train_step().seconds for _ in range(budget.PROBE_STEPS + 1)]
+            for _ in range(budget.PROBE_WARMUP_STEPS):
+                training.train_step()
+            started, times, step_seconds = time.monotonic(), [], None
+            while step_seconds is None:
+                times.append(training.train_step().seconds)
+                out_of_time = time.monotonic() - started >= seconds
+                step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
         except torch.OutOfMemoryError:
             return None
         except UserError as error:  # build_training's out-of-memory line; any other error is the run's
@@ -760,7 +769,7 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
             training = None  # noqa: F841 (the model's memory goes before the next probe)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        return micro_batch * model_config.preset_of(run).context * info.world / statistics.median(times[1:])
+        return micro_batch * model_config.preset_of(run).context * info.world / step_seconds
 
     return measure
 
@@ -1080,7 +1089,9 @@ def start_out_of_memory(run: RunSettings, vocab_size: int, device: torch.device)
 # The run: main() reads top-down; the loop; stopping on signals and the time budget.
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launched: float | None = None) -> int:
+    """`launched`: time.monotonic() at the process's launch (`process_launch`, from the command line), from
+    which a session's time limit counts; None (a caller in Python): from the start of training."""
     hardware.check_torch()
     settings = parse_args(argv)
     session, invocation = settings.session, settings.invocation
@@ -1100,7 +1111,9 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.main_decides(lambda: restore_from_backup(backup_url, Path(session.out)), info)
             backup = start_backup(session, info)
             try:
-                last_line = train(settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds)
+                last_line = train(
+                    settings, info, corpus, backup=backup, backup_wait_s=session.backup_wait_seconds, started=launched
+                )
             finally:
                 if backup is not None:
                     backup.close()  # the one close: its last messages come before the run's last line
@@ -1110,11 +1123,19 @@ def main(argv: list[str] | None = None) -> int:
         distributed.shutdown_distributed()
 
 
-def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=None, backup_wait_s: float = 600) -> str:
+def train(
+    settings: Settings,
+    info: distributed.DistInfo,
+    corpus: Path,
+    backup=None,
+    backup_wait_s: float = 600,
+    started: float | None = None,
+) -> str:
     """The training run on the local `corpus` folder; returns its last line (report.final_line; rank 0).
     `backup` (rank 0; checkpoint_cloud.BackupProcess) gets every checkpoint. Every way it ends goes
-    through one place: finish_run, or end_failed_run."""
-    process_started = time.monotonic()
+    through one place: finish_run, or end_failed_run. `started`: the time.monotonic() the session's time
+    limit counts from (None: now)."""
+    process_started = time.monotonic() if started is None else started
     session = settings.session
     out = Path(session.out)
     for folder in train_data.corpus_folders(session.data):
@@ -1167,13 +1188,14 @@ def train(settings: Settings, info: distributed.DistInfo, corpus: Path, backup=N
     observers = run_callbacks(training, scorer, metrics, progress, status, recorded)
     if observed is not None:
         observers.load_state_dict(observed)
+    check = BudgetCheck(training, scorer, observers, progress, recorded) if resume_path is None else None
     observers.on_start(training.step)
     stop = StopRequest()
     stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     try:
         status.running(training.step, training.total_steps)  # from here on a signal ends with a checkpoint
         try:
-            state, reason = train_loop(training, checkpointer, observers, stop, peak, process_started, progress)
+            state, reason = train_loop(training, checkpointer, observers, stop, peak, process_started, progress, check)
             observers.on_loop_end()
         finally:
             progress.close()
@@ -1242,15 +1264,7 @@ def write_run_files(
     if resume_path is not None:
         checkpointer.start_timeline(resume_path, training.step)
     atomic_write_text(out / "config.toml", config_text(settings))
-    atomic_write_json(
-        out / "training_settings.json",
-        {
-            **recorded,
-            "run_id": training.run_id,
-            "parameters": model_config.parameter_count(training.preset, training.vocab_size),
-            "flops_per_token": training.flops_per_token,
-        },
-    )
+    write_settings_file(training, recorded)
     peak, source = hardware.peak_flops(info.device, training.precision, session.peak_tflops)
     atomic_write_json(
         out / "hardware.json",
@@ -1261,6 +1275,20 @@ def write_run_files(
         },
     )
     return peak
+
+
+def write_settings_file(training: Training, recorded: dict) -> None:
+    """Rank 0: RUN/training_settings.json (`recorded`: recorded_settings), at the start and after a --budget
+    re-plan (BudgetCheck)."""
+    atomic_write_json(
+        Path(training.session.out) / "training_settings.json",
+        {
+            **recorded,
+            "run_id": training.run_id,
+            "parameters": model_config.parameter_count(training.preset, training.vocab_size),
+            "flops_per_token": training.flops_per_token,
+        },
+    )
 
 
 def describe_run(training: Training) -> None:
@@ -1360,9 +1388,11 @@ def train_loop(
     peak: float | None,
     process_started: float,
     progress: report.Progress,
+    check: BudgetCheck | None = None,
 ) -> tuple[str, str | None]:
     """Step until done or asked to stop; returns the final (status, reason). Each step: train, the
-    observers' hooks (log, evaluate when due), then plan_step_end says whether to save and whether to stop."""
+    observers' hooks (log, evaluate when due), --budget's check of its plan (`check`: once, in the session
+    that started the run), then plan_step_end says whether to save and whether to stop."""
     session = training.session
     no_step = no_step_to_take(training, progress)
     if no_step is not None:
@@ -1376,6 +1406,7 @@ def train_loop(
         hours,
         session.stop_after_steps,
         time_limit=limit,
+        finish_grace=budget.finish_grace(session.max_hours, training.budget_plan),
     )
     while training.step < training.total_steps:
         if checkpointer is not None:
@@ -1389,13 +1420,94 @@ def train_loop(
         observers.on_step_end(result, callbacks.Speed(tokens_per_second, mfu))
         best = evaluate_if_due(observers, clocks, result.step)
         clock = agree_clock(clocks.read(stop, checkpointer), training.info)
-        end = plan_step_end(result.step, clock, dataclasses.replace(flags, new_best=best is not None))
+        replanned = check is not None and check.after_step(clock, clocks.step_times)
+        flags = dataclasses.replace(flags, total_steps=training.total_steps)
+        end = plan_step_end(
+            result.step, clock, dataclasses.replace(flags, new_best=best is not None, save_now=replanned)
+        )
         if end.save:
             save_checkpoint(training, checkpointer, best, observers.state_dict())
             clocks.saved()
         if end.stop:
             return store.NEEDS_RESUME, end.why
     return store.COMPLETE, None
+
+
+class BudgetCheck:
+    """--budget's check of its plan against the run's own steps (budget.check_due, budget.check_plan): once,
+    in the session that started the run. A re-plan changes the run's length as an extension would (the
+    warmup kept, the decay moved, nothing taken changed), is recorded where the plan is (training_settings.json,
+    and the checkpoint saved at this step), and printed as one line; a resume reads it back and checks no more."""
+
+    def __init__(self, training: Training, scorer, observers: callbacks.Callbacks, progress, recorded: dict):
+        self.training, self.scorer, self.observers, self.progress, self.recorded = (
+            training,
+            scorer,
+            observers,
+            progress,
+            recorded,
+        )
+
+    def after_step(self, clock: StepClock, step_times: list[float]) -> bool:
+        """Check the plan when due (`clock`: agreed over the ranks); whether the run's length changed."""
+        training = self.training
+        if training.budget_plan is None:
+            return False
+        plan, decay_start = budget.Plan.from_record(training.budget_plan), decay_start_rule(training)
+        if not budget.check_due(plan, training.step, clock.elapsed, len(step_times), decay_start):
+            return False
+        step_seconds = distributed.agree_max([budget.typical_step_seconds(step_times)], training.info)[0]
+        end_seconds = 2 * clock.slowest_eval + clock.last_write  # the last validation, the test, the last save
+        seen = budget.Seen(training.step, clock.elapsed, step_seconds, end_seconds)
+        max_tokens = budget.max_run_tokens(training, training.data.corpus)
+        checked = budget.check_plan(plan, seen, decay_start, max_tokens)
+        training.budget_plan = checked.as_record()
+        self.progress.write(f"--budget {plan.budget}: {budget.check_text(checked.check)}")
+        if checked.check["replanned"]:
+            self.apply(checked)
+        self.recorded.update(recorded_settings(training))
+        if training.info.is_main:
+            write_settings_file(training, self.recorded)
+        return checked.check["replanned"]
+
+    def apply(self, plan: budget.Plan) -> None:
+        """The run's length, schedule, evaluation cadence and progress as the re-plan has them."""
+        training = self.training
+        training.run = dataclasses.replace(training.run, target_tokens=plan.target_tokens)
+        training.total_steps = total_steps(
+            training.run, training.data.train_blocks, training.data.global_batch, training.tokens_per_step
+        )
+        training.recipe, reasons = recipe_of_length(training, training.total_steps)
+        training.recipe_reasons = [*reasons, f"{training.recipe.warmup_steps} warmup steps: the run's, kept"]
+        decay = training.recipe.total_steps - training.recipe.decay_steps
+        training.data.start_phases(decay if training.recipe.schedule == "wsd" else None)
+        validation_every, tasks_every = evaluation_cadence(training, self.scorer)
+        cadence = {"validation": validation_every, "tasks": tasks_every}
+        for observer in self.observers.callbacks:
+            if hasattr(observer, "total_steps"):
+                observer.total_steps = training.total_steps
+            if observer.key in cadence:
+                observer.every = cadence[observer.key]
+        self.progress.set_total(training.total_steps)
+
+
+def recipe_of_length(training: Training, steps: int) -> tuple[optimization.Recipe, list[str]]:
+    """The run's recipe for a length of `steps`, its warmup kept (as an extension keeps it)."""
+    kept = dataclasses.replace(training.run, warmup_steps=training.recipe.warmup_steps)
+    return optimization.choose_recipe(kept, training.preset.hidden, steps, training.preset.tie_embeddings)
+
+
+def decay_start_rule(training: Training):
+    """A length's first decaying step under the run's recipe (its warmup kept), for budget.replan; None
+    when a length cannot change without changing the steps taken (a cosine decays over the whole run)."""
+    if training.recipe.schedule != "wsd":
+        return None
+
+    def decay_start(steps: int) -> int:
+        recipe, _ = recipe_of_length(training, steps)
+        return recipe.total_steps - recipe.decay_steps
+
+    return decay_start
 
 
 def evaluate_if_due(observers: callbacks.Callbacks, clocks: SessionClocks, step: int) -> float | None:
@@ -1521,7 +1633,9 @@ class StepFlags:
     max_hours: float = 0.0
     stop_after_steps: int = 0
     new_best: bool = False  # this step's validation set a new best: its record must say so
+    save_now: bool = False  # the run's length changed at this step (a --budget re-plan): saved with it
     time_limit: str = budget.MAX_HOURS_LIMIT  # what set max_hours, for the stop's reason (budget.session_limit)
+    finish_grace: float = 0.0  # of max_hours: a run whose remaining steps and end fit this far past it finishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1538,14 +1652,20 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     """Whether step `step` ends with a save and whether the session stops there, and why. The last
     step saves and completes, whatever asked to stop. The time limit (--max-hours, or a --budget run's
     budget) stops when another step, evaluation and save (twice the slowest of each, and LAST_SAVE_SECONDS)
-    might not fit it."""
+    might not fit it, unless the rest of the run (its steps at the slowest recent step's time, a last
+    validation and the test evaluation, a save and LAST_SAVE_SECONDS) fits it and its finish_grace."""
     needed = 2 * (clock.slowest_step + clock.slowest_eval + clock.last_write) + LAST_SAVE_SECONDS
+    rest = (flags.total_steps - step) * clock.slowest_step
+    finishing = rest + 2 * clock.slowest_eval + clock.last_write + LAST_SAVE_SECONDS
+    late = flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600
+    if late and clock.elapsed + finishing < flags.max_hours * 3600 * (1 + flags.finish_grace):
+        late = False  # the rest of the run and its end fit the limit (and its grace): it finishes
     why = None
     if step >= flags.total_steps:
         pass
     elif clock.signal:
         why = f"stopped by {signal.Signals(clock.signal).name}"
-    elif flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600:
+    elif late:
         why = f"stopped by {flags.time_limit}"
     elif flags.stop_after_steps and step >= flags.stop_after_steps:
         why = f"stopped by --stop-after-steps {flags.stop_after_steps}"
@@ -1553,10 +1673,14 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
         why is not None
         or step >= flags.total_steps
         or flags.new_best
+        or flags.save_now
         or bool(flags.save_every and step % flags.save_every == 0)
         or bool(flags.save_seconds and clock.since_save >= flags.save_seconds)
     )
     return StepEnd(save=save, stop=why is not None, why=why)
+
+
+RECENT_STEPS = 16  # the time limit's stop plans with the slowest of this many recent steps
 
 
 class SessionClocks:
@@ -1564,10 +1688,17 @@ class SessionClocks:
 
     def __init__(self, started: float):
         self.started, self.last_save = started, time.monotonic()
-        self.slowest_step = self.slowest_eval = 0.0
+        self.slowest_eval = 0.0
+        self.step_times: list[float] = []  # this session's, for --budget's check (BudgetCheck)
+
+    @property
+    def slowest_step(self) -> float:
+        """The slowest of the last RECENT_STEPS steps: a burst of load long past (at the start, say) does
+        not stop a session under a time limit early."""
+        return max(self.step_times[-RECENT_STEPS:], default=0.0)
 
     def stepped(self, seconds: float) -> None:
-        self.slowest_step = max(self.slowest_step, seconds)
+        self.step_times.append(seconds)
 
     def evaluated(self, seconds: float) -> None:
         self.slowest_eval = max(self.slowest_eval, seconds)
@@ -2031,10 +2162,19 @@ def start_backup(session: SessionSettings, info: distributed.DistInfo):
     return started.get("backup")
 
 
+def process_launch() -> float:
+    """time.monotonic() at this process's launch (psutil's create time): a session's time limit (--max-hours,
+    --budget) counts the interpreter's start and the imports too, seconds of them on a busy CPU (7.5 s at
+    load 6 on this project's 2 cores: 3% of a 4-minute --budget)."""
+    import psutil
+
+    return time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())
+
+
 def command() -> None:
     """The `tinyllm-train` console script (pyproject.toml): `python train.py` from anywhere."""
-    run_main(main, script=True)
+    run_main(functools.partial(main, launched=process_launch()), script=True)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    command()
