@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_elementwise_quality as elementwise  # noqa: E402
 
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "compile_quality"
 ARMS = ("default", "options")
@@ -68,9 +68,8 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
     Inductor's defaults for `default`."""
     if arm not in ARMS:
         raise UserError(f"train-arm {arm}: choose from {', '.join(ARMS)}")
-    import attention
-    import hardware
-    import train
+    from tinyllm.model import attention, hardware
+    from tinyllm.training import train
 
     if arm == "default":
         hardware.INDUCTOR_OPTIONS = {}

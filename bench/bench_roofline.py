@@ -83,11 +83,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import flop_registry  # noqa: E402
 from torch.utils.module_tracker import ModuleTracker  # noqa: E402
 
-import attention  # noqa: E402
-import distributed  # noqa: E402
-import hardware  # noqa: E402
-import losses  # noqa: E402
-import model_config  # noqa: E402
+from tinyllm.model import (  # noqa: E402
+    attention,
+    hardware,
+    losses,
+)
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import distributed, muon, optimization, train_data  # noqa: E402
 
 VOCAB = 33_069
 TOKENS = 1.5e9
@@ -526,7 +528,6 @@ def population(
 ) -> tuple[tuple[int, ...], ...]:
     """Each row's document lengths over `rows` rows of the project's own packer (train_data.MaskedPacking,
     --packing masked) on a stream of documents of lognormal lengths (median, sigma)."""
-    import train_data
 
     rng = np.random.default_rng(seed)
     needed = rows * context + 1
@@ -724,8 +725,6 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     the rest, zero_grad in place under DDP), on fake tensors. Under DDP each rank orthogonalizes its share
     (muon.newton_schulz_owners) and receives the others' (muon.Muon.orthogonalize): counted here for the rank
     with the largest share, its iterations' every op (the matmuls and the casts and norms around them)."""
-    import muon
-    import optimization
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -1024,8 +1023,6 @@ def counted_step(side: Side, optimizer_ops: list[Op], world: int, compiled: bool
         kernels = sum(op.kernels for op in ops)
     tokens = side.tokens
     # Newton-Schulz's matmuls are timed by their FLOPs (compute-bound at these shapes), the rest by bytes
-    import muon
-
     optimizer_bytes = sum(op.moved for op in optimizer_ops if op.category == "optimizer")
     shapes = hardware.muon_matrix_shapes(side.plan.preset)
     exchange = muon.exchange_order(muon.newton_schulz_owners(shapes, world), world)

@@ -5,18 +5,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_runs import write_tiny_corpus
+from tiny_runs import assert_same_state, write_tiny_corpus
 
-import budget
-import checkpoint_store as store
-import export_hf
-import model_config
-import train
-from common import UserError, given_options
+from tinyllm.common import UserError, given_options
+from tinyllm.model import config as model_config
+from tinyllm.outputs import export_hf
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import budget, train
 
 # A loss model of the fit's form, fixed here so that the tables do not move with budget.LOSS_MODEL.
 MODEL = budget.LossModel(e=1.0, n_c=1e5, alpha_n=0.5, d_c=1e7, alpha_d=0.4)
@@ -184,6 +184,181 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
 
 
 # ----------------------------------------------------------------------------------------------
+# The probe's rules and the check of the plan against the run's own steps (pure; table tests)
+
+
+@pytest.mark.parametrize(
+    "times, out_of_time, expected",
+    [
+        ([], False, None),
+        ([1.0] * 4, False, None),  # fewer than PROBE_STEPS timed
+        ([1.0, 1.1, 0.95, 1.0, 1.15], False, 1.0),  # steady (within 25%): the median
+        ([4.0, 4.0, 1.0, 1.0, 1.0], False, None),  # a burst that ended inside the probe: time more
+        ([4.0, 4.0, 1.0, 1.0, 1.0, 1.0], False, None),
+        ([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0], False, 1.0),  # the burst left behind
+        ([1.0, 2.0] * 7 + [1.0], False, 1.0),  # PROBE_MAX_STEPS reached: the last window's median
+        ([4.0, 1.0], True, 2.5),  # out of time: what there is
+    ],
+)
+def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
+    assert budget.steady_step_seconds(times, out_of_time) == expected
+
+
+PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro", "think72")}
+
+
+def fake_measure(rates: dict[str, list[float]]):
+    """A budget.Measure whose successive calls for a preset return `rates[preset]` in turn; records the calls."""
+    calls: list[str] = []
+
+    def measure(preset, micro_batch, seconds):
+        calls.append(preset)
+        return rates[preset][sum(call == preset for call in calls) - 1]
+
+    return measure, calls
+
+
+@pytest.mark.parametrize(
+    "tiny, nano_share, calls, tiny_rate, nano_ratio",
+    [
+        ([100.0], [2.5], ["tiny", "nano"], 100.0, 2.5),  # quiet: nano 2.5x its FLOP/s prediction (as measured)
+        ([20.0, 100.0], [2.5, 2.5], ["tiny", "nano", "tiny", "nano"], 100.0, 2.5),  # a burst over tiny's probe
+        ([100.0, 90.0], [0.5, 2.5], ["tiny", "nano", "tiny", "nano"], 100.0, 2.5),  # a burst over nano's
+        ([100.0, 100.0], [5.0, 5.0], ["tiny", "nano", "tiny", "nano"], 100.0, 5.0),  # really off: said, kept
+    ],
+)
+def test_a_measured_pair_that_disagrees_with_its_prediction_is_measured_again(
+    tiny, nano_share, calls, tiny_rate, nano_ratio
+):
+    """nano's rates are given as shares of its prediction from tiny's quiet 100 tokens/s; each preset keeps
+    its fastest measurement; the next preset (micro) is predicted from nano's FLOP/s times the pair's gain
+    (within PAIR_RANGE), the one after (think72) from micro's without it (the probe's time after the pair: 0)."""
+    from tinyllm.training import distributed
+
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    quiet = budget.Candidate("tiny", 1, 32, 100.0, True)
+    nano = [share * budget.predicted_rate(quiet, PROBE_SHAPES, "nano", 300) for share in nano_share]
+    measure, made = fake_measure({"tiny": tiny, "nano": nano})
+    found = budget.probe(measure, info, PROBE_SHAPES, micro_batch=2, seconds=0.0, vocab=300, pair_seconds=1e9)
+    assert made == calls
+    assert found[0].tokens_per_second == tiny_rate and found[0].pair_ratio is None
+    assert found[1].pair_ratio == pytest.approx(nano_ratio)
+    assert found[1].tokens_per_second == pytest.approx(max(nano))
+    gain = min(budget.PAIR_RANGE[1], nano_ratio)
+    assert (found[2].probed, found[2].pair_ratio) == (False, pytest.approx(gain))
+    assert found[2].tokens_per_second == pytest.approx(
+        budget.predicted_rate(found[1], PROBE_SHAPES, "micro", 300, gain)
+    )
+    assert (found[3].probed, found[3].pair_ratio) == (False, None)
+    assert found[3].tokens_per_second == pytest.approx(budget.predicted_rate(found[2], PROBE_SHAPES, "think72", 300))
+
+
+def planned(steps: int = 100, seconds: str = "1000s", **fields) -> budget.Plan:
+    """A plan of `steps` steps of 1,000 tokens filling `seconds` less the reserve: 9 s a step at 1000s."""
+    hours = budget.budget_seconds(seconds) * (1 - budget.RESERVE) / 3600
+    values = dict(
+        budget=seconds,
+        preset="tiny",
+        parameters=100_000,
+        target_tokens=steps * 1000,
+        global_batch_blocks=8,
+        tokens_per_step=1000,
+        steps=steps,
+        hours=hours,
+        sessions=1,
+        predicted_bpb=1.5,
+        why="",
+        candidates=(),
+    )
+    return budget.Plan(**{**values, **fields})
+
+
+def wsd(total: int) -> int:
+    """The default WSD's first decaying step: 40% of the run decays."""
+    return total - round(0.4 * total)
+
+
+@pytest.mark.parametrize(
+    "plan, step, elapsed, timed, decay_start, due",
+    [
+        (planned(), 40, 400.0, 40, wsd, False),  # neither half the budget nor the last step before the decay
+        (planned(), 40, 500.0, 40, wsd, True),  # half the budget (a machine slower than planned)
+        (planned(), 59, 10.0, 59, wsd, True),  # the last step before the decay (step 60 of 100)
+        (planned(), 59, 10.0, 3, wsd, False),  # too few steps timed in this session
+        (planned(), 61, 600.0, 61, wsd, False),  # the decay has begun: too late to change the length
+        (planned(), 29, 10.0, 29, lambda total: 30, True),  # an early decay (--decay-fraction 0.7)
+        (planned(), 40, 500.0, 40, None, False),  # a cosine schedule: its length is every step's lr
+        (planned(check={"at_step": 20}), 40, 500.0, 40, wsd, False),  # checked once: never again
+        (planned(length_given=True), 40, 500.0, 40, wsd, False),  # the user's --target-tokens
+        (planned(sessions=3), 40, 500.0, 40, wsd, False),  # a run over several sessions keeps its plan
+    ],
+)
+def test_the_plan_is_checked_once_before_its_decay(plan, step, elapsed, timed, decay_start, due):
+    assert budget.check_due(plan, step, elapsed, timed, decay_start) is due
+
+
+@pytest.mark.parametrize(
+    "seen, decay_start, max_tokens, steps",
+    [
+        ((25, 225.0, 9.0, 80.0), wsd, math.inf, None),  # as planned: ends at 900 s = 980 less its end's 80 s
+        ((25, 225.0, 9.1, 80.0), wsd, math.inf, None),  # 1% slower: within the 2% tolerance
+        ((25, 225.0, 9.0, 0.0), wsd, math.inf, 108),  # an end that takes no time: 980 s, not the plan's 900 s
+        ((25, 112.5, 4.5, 80.0), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
+        ((25, 450.0, 18.0, 80.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
+        ((25, 300.0, 9.0, 80.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
+        ((25, 112.5, 4.5, 80.0), wsd, 150_000, 150),  # at most MAX_EPOCHS passes
+        ((25, 850.0, 18.0, 80.0), wsd, math.inf, 41),  # very late: enough steps for the decay to start after
+        ((25, 112.5, 4.5, 80.0), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
+    ],
+)
+def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start, max_tokens, steps):
+    plan = planned()
+    new = budget.replan(plan, budget.Seen(*seen), decay_start, max_tokens)
+    if steps is None:
+        assert new is None
+        return
+    assert (new.steps, new.target_tokens) == (steps, steps * 1000)
+    assert (new.preset, new.global_batch_blocks, new.tokens_per_step) == (plan.preset, 8, 1000)
+    assert wsd(new.steps) >= seen[0]  # every step taken keeps its learning rate
+
+
+def test_a_check_is_recorded_with_its_verdict_and_one_line():
+    plan = planned()
+    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0, 80.0), wsd)
+    assert (kept.steps, kept.predicted_bpb, kept.check["replanned"]) == (100, 1.5, False)
+    assert budget.check_text(kept.check).endswith("as planned: kept")
+    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5, 80.0), wsd, loss=MODEL)
+    assert moved.check == {
+        "at_step": 25,
+        "elapsed_seconds": 112.5,
+        "step_seconds": 4.5,
+        "planned_step_seconds": pytest.approx(9.0),
+        "projected_end_seconds": 450.0,
+        "target_end_seconds": 900.0,
+        "end_seconds": 80.0,
+        "replanned": True,
+        "from_tokens": 100_000,
+        "from_steps": 100,
+        "to_tokens": 200_000,
+        "to_steps": 200,
+    }
+    assert moved.predicted_bpb == MODEL.loss(plan.parameters, 200_000)
+    line = budget.check_text(moved.check)
+    assert "\n" not in line and "2.00x the probe's speed" in line
+    assert line.endswith("re-planned from 100,000 tokens (100 steps) to 200,000 (200 steps)")
+    assert budget.Plan.from_record(json.loads(json.dumps(moved.as_record()))) == moved
+    assert line in moved.summary()
+
+
+@pytest.mark.parametrize(
+    "times, expected",
+    [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 6.0), ([9.0, 1.0, 2.0], 2.0)],
+)
+def test_the_time_of_a_step_is_the_sessions_median(times, expected):
+    assert budget.typical_step_seconds(times) == expected
+
+
+# ----------------------------------------------------------------------------------------------
 # train.py --budget: the plan applied, recorded and kept; a resumed run bit for bit the uninterrupted one
 
 
@@ -192,14 +367,52 @@ def corpus(tmp_path_factory) -> Path:
     return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+class FakeMachine:
+    """A machine whose train steps take `per_token[preset]` seconds a token (train.Training.train_step's
+    seconds, the probe's and the loop's), `burst` times that for the first `burst_steps` steps (a busy
+    moment), and whose session clock reads the sum of its steps (train.SessionClocks.read's elapsed):
+    the timing the probe and the check see, without the tests depending on this machine's speed."""
+
+    def __init__(self, per_token: dict[str, float], burst: float = 1.0, burst_steps: int = 0):
+        self.per_token, self.burst, self.burst_steps = per_token, burst, burst_steps
+        self.steps = 0
+
+    def seconds(self, training) -> float:
+        self.steps += 1
+        slower = self.burst if self.steps <= self.burst_steps else 1.0
+        return training.tokens_per_step * self.per_token[training.run.preset] * slower
+
+
 @pytest.fixture
-def small_runs(monkeypatch):
-    """A planner for test-sized runs, with a probe that returns fixed speeds (the probe itself: below)."""
+def machine(monkeypatch) -> FakeMachine:
+    fake = FakeMachine({"tiny": 1 / 3, "nano": 10.0})  # tiny: 3 tokens/s, as small_runs' probe says
+    train_step, read = train.Training.train_step, train.SessionClocks.read
+
+    def timed_step(self):
+        return dataclasses.replace(train_step(self), seconds=fake.seconds(self))
+
+    def clock(self, *args):
+        return dataclasses.replace(read(self, *args), elapsed=sum(self.step_times))
+
+    monkeypatch.setattr(train.Training, "train_step", timed_step)
+    monkeypatch.setattr(train.SessionClocks, "read", clock)
+    return fake
+
+
+@pytest.fixture
+def planner(monkeypatch):
+    """The planner's floors at test size (a run of a few 128-token steps is sensible here)."""
     monkeypatch.setattr(budget, "MIN_BATCH_TOKENS", 128)
     monkeypatch.setattr(budget, "MIN_TOKENS", 512)
-    speeds = {"tiny": 30.0, "nano": 1.0}
 
-    def probe(settings, info, presets, micro_batch, seconds, vocab):
+
+@pytest.fixture
+def small_runs(monkeypatch, planner, machine):
+    """A planner for test-sized runs, with a probe that returns fixed speeds (the probe itself: below) and a
+    machine that runs at them."""
+    speeds = {"tiny": 3.0, "nano": 0.1}
+
+    def probe(settings, info, presets, micro_batch, seconds, vocab, pair_seconds=None):
         speeds["probed"] = list(presets)
         return [
             budget.Candidate(
@@ -222,7 +435,7 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
         "--context",
         "32",
         "--budget",
-        "1m",
+        "10m",
         "--eval-every",
         "4",
         "--eval-batches",
@@ -241,20 +454,23 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
-    corpus, tmp_path, small_runs, monkeypatch, capsys
+    corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
+    machine.per_token = {"tiny": 49 / 128}  # 49 s a step: 12 steps end at 588 s (the check's target): kept
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     recorded = json.loads((reference / "training_settings.json").read_text())
-    plan = recorded["budget"]  # 54 s at 30 tokens/s: 1,620 tokens, 12 steps of 4 blocks of 32
+    plan = recorded["budget"]  # 540 s at 3 tokens/s: 1,620 tokens, 12 steps of 4 blocks of 32
     assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1536, 12, 4)
-    assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "1m"
+    assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "10m"
     assert recorded["runtime"]["batch_size"] * recorded["runtime"]["grad_accum"] == 4
-    assert "--budget 1m: tiny" in capsys.readouterr().out
+    assert plan["check"]["at_step"] == 6 and not plan["check"]["replanned"]  # the last step before the decay
+    printed = capsys.readouterr().out
+    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 6" in printed
 
     out = tmp_path / "run"
-    assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
-    small_runs["tiny"] = 300.0  # a faster machine now: a new plan would differ, the run must not
+    assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
+    small_runs["tiny"] = 30.0  # a faster machine now: a new plan would differ, the run must not
     monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
     assert train.main(options(corpus, out)) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
@@ -263,14 +479,27 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     )
     assert store.tensor_differences(ours["model"], theirs["model"], "model") == []
     assert store.tensor_differences(ours["optimizer"], theirs["optimizer"], "optimizer") == []
-    assert ours["settings"]["budget"] == theirs["settings"]["budget"] == plan
+    assert theirs["settings"]["budget"] == plan
+    assert ours["settings"]["budget"] == json.loads((out / "training_settings.json").read_text())["budget"]
+    assert same_decisions(ours["settings"]["budget"], plan)  # (the check's timings are each run's own)
 
     moved = tmp_path / "moved"  # --resume PATH into another folder: the plan comes with the checkpoint
-    assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(4)))) == 0
+    assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(8)))) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
     final = torch.load(moved / "checkpoints" / store.checkpoint_name(12), weights_only=True)
     assert store.tensor_differences(final["model"], theirs["model"], "model") == []
-    assert final["settings"]["budget"] == plan
+    assert same_decisions(final["settings"]["budget"], plan)
+
+
+def same_decisions(plan: dict, other: dict) -> bool:
+    """Whether two plan records decided alike: the same fields, the check's timings (each run's) aside."""
+    timings = ("elapsed_seconds", "step_seconds", "projected_end_seconds", "target_end_seconds", "end_seconds")
+
+    def decisions(record: dict) -> dict:
+        check = {key: value for key, value in (record["check"] or {}).items() if key not in timings}
+        return {**record, "check": check, "summary": None}
+
+    return decisions(plan) == decisions(other)
 
 
 @pytest.mark.parametrize(
@@ -286,25 +515,103 @@ def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hou
     assert budget.session_limit(max_hours, plan) == (pytest.approx(hours), words)
 
 
-def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(
-    corpus, tmp_path, small_runs, monkeypatch, capsys
-):
-    """Each step here seems to take 5 s of a 1 m budget planned for 12 steps: the session stops saved once
-    another step and save might not fit (step 10), and the same command finishes the run."""
-    out, read = tmp_path / "run", train.SessionClocks.read
-    steps = iter(range(1, 100))
-
-    def slow(self, *args):
-        return dataclasses.replace(read(self, *args), elapsed=5.0 * next(steps))
-
-    monkeypatch.setattr(train.SessionClocks, "read", slow)
+def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, machine):
+    """Planned for 12 steps of 42.7 s in 10 m: the first 4 steps keep the plan's pace, then the machine is 3x
+    slower: the check at step 6 (the last before the decay) shrinks the run to the fewest steps its schedule
+    allows (10), the session stops saved once another step and save might not fit (step 6), and the same
+    command finishes the run."""
+    out = tmp_path / "run"
+    machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1.0}, 1 / 3, 4
     assert train.main(options(corpus, out)) == 0
+    plan = json.loads((out / "training_settings.json").read_text())["budget"]
+    assert (plan["check"]["at_step"], plan["check"]["replanned"], plan["steps"]) == (6, True, 10)
     record = json.loads((out / "run_status.json").read_text())
-    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 10, 12)
-    assert record["reason"] == "stopped by --budget 1m (this machine ran slower than its probe)"
-    monkeypatch.setattr(train.SessionClocks, "read", read)
+    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 10)
+    assert record["reason"] == "stopped by --budget 10m (this machine ran slower than its probe)"
+    machine.per_token = {"tiny": 1 / 3}
     assert train.main(options(corpus, out)) == 0
     assert json.loads((out / "run_status.json").read_text())["status"] == store.COMPLETE
+
+
+def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit(
+    corpus, tmp_path, small_runs, machine, monkeypatch, capsys
+):
+    """The machine runs twice as fast as its probe said: the check at step 6 (the last before the decay)
+    re-plans the length to fill the budget (27 steps), records it where the plan is (training_settings.json
+    and the checkpoint saved at that step) and prints it; a session stopped after it and resumed on another
+    machine keeps the re-plan, checks no more, and ends bit for bit where the uninterrupted run does."""
+    machine.per_token = {"tiny": 1 / 6}
+    reference = tmp_path / "reference"
+    assert train.main(options(corpus, reference)) == 0
+    printed = capsys.readouterr().out
+    line = "re-planned from 1,536 tokens (12 steps) to 3,456 (27 steps)"  # 6 + (588 - 128 s) / 21.3 s
+    assert "--budget 10m: checked at step 6 (128 s in): steps at 2.00x the probe's speed" in printed
+    assert line in printed
+    recorded = json.loads((reference / "training_settings.json").read_text())
+    plan = recorded["budget"]
+    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3456, 27, 12)
+    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3456, 27)
+    assert recorded["training"]["recipe.warmup_steps"] == 1  # the warmup the rule chose for 12 steps, kept
+    assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 27 steps
+    status = json.loads((reference / "run_status.json").read_text())
+    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 27, 27)
+    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(6), weights_only=True)  # saved with it
+    assert at_check["settings"]["budget"] == plan and at_check["settings"]["training"]["total_steps"] == 27
+
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
+    machine.per_token = {"tiny": 1 / 30}  # ten times the probe's speed now: a check would re-plan anew
+    monkeypatch.setattr(budget, "probe", lambda *args: pytest.fail("a resume must not probe or re-plan"))
+    capsys.readouterr()
+    assert train.main(options(corpus, out)) == 0
+    printed = capsys.readouterr().out
+    assert "(the run's plan, made at its start: kept)" in printed and line in printed
+    assert "--budget 10m: checked" not in printed
+    ours, theirs = (
+        torch.load(folder / "checkpoints" / store.checkpoint_name(27), weights_only=True) for folder in (out, reference)
+    )
+    assert_same_state(ours, theirs)
+    assert same_decisions(ours["settings"]["budget"], theirs["settings"]["budget"])
+    assert ours["settings"]["extended"] == theirs["settings"]["extended"] == []
+
+    moved = tmp_path / "moved"  # --resume PATH from the check's own checkpoint: the re-plan comes with it
+    assert (
+        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(6)))) == 0
+    )
+    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(27), weights_only=True), theirs)
+
+
+@pytest.mark.parametrize(
+    "burst, burst_steps, replanned_from",
+    [
+        (4.0, 3, 25),  # the probe's warm-up and first two timed steps: it times on until its steps agree
+        (2.0, 6, 12),  # the whole probe (6 steps): a plan for half the tokens, which the check re-plans
+    ],
+)
+def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
+    corpus, tmp_path, planner, machine, burst, burst_steps, replanned_from
+):
+    """The real probe (train.measure_speed) on a machine of 6 tokens/s, `burst` times slower for its first
+    `burst_steps` steps: the plan comes out as a quiet probe's, or the check before its decay corrects its
+    length; the run trains what the quiet one does (27 steps: 588 s of 600 less the end's)."""
+    machine.per_token = {"tiny": 1 / 6}
+    quiet = tmp_path / "quiet"
+    assert train.main(options(corpus, quiet, "--preset", "tiny")) == 0
+    expected = json.loads((quiet / "training_settings.json").read_text())["budget"]
+    assert (expected["check"]["from_steps"], expected["steps"]) == (25, 27)  # the check's end, not the reserve's
+    machine.burst, machine.burst_steps, machine.steps = burst, burst_steps, 0
+    out = tmp_path / "busy"
+    assert train.main(options(corpus, out, "--preset", "tiny")) == 0
+    plan = json.loads((out / "training_settings.json").read_text())["budget"]
+    assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 27)
+    speed = plan["candidates"][0]["tokens_per_second"]
+    assert speed == pytest.approx(expected["candidates"][0]["tokens_per_second"] / (burst if burst_steps == 6 else 1))
+    status = json.loads((out / "run_status.json").read_text())
+    assert (status["status"], status["step"]) == (store.COMPLETE, 27)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, small_runs):
@@ -314,25 +621,30 @@ def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, 
     assert small_runs["probed"] == ["tiny"]
     with pytest.raises(UserError, match="--budget must be a duration such as 11.5h, 30m, 90s or 1h30m, got 3 hours"):
         train.parse_args(options(corpus, out, "--budget", "3 hours"))
-    with pytest.raises(UserError, match=r"^--budget 1s is too small: .* give --budget \d+s or more$"):
+    with pytest.raises(UserError, match=r"^--budget 1s is too small: .* give --budget [\d.]+[sm] or more$"):
         train.main(options(corpus, tmp_path / "small", "--budget", "1s"))
     with pytest.raises(UserError, match="instead of --epochs"):
         train.main(options(corpus, tmp_path / "epochs", "--epochs", "1"))
 
 
 def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, tmp_path):
-    import distributed
+    """Real train.py steps (no time limit: all measured); with none left after the pair, micro is predicted
+    from nano's FLOP/s times the pair's gain."""
+    from tinyllm.training import distributed
 
     settings = train.parse_args(options(corpus, tmp_path / "unused"))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano")}
-    measured = budget.probe(train.measure_speed(settings, info), info, shapes, micro_batch=2, seconds=1e9, vocab=300)
-    assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True)]
-    assert all(c.tokens_per_second > 0 for c in measured)
-    predicted = budget.probe(train.measure_speed(settings, info), info, shapes, micro_batch=2, seconds=0.0, vocab=300)
-    assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", False)]
-    ratio = model_config.flops_per_token(shapes["tiny"], 300) / model_config.flops_per_token(shapes["nano"], 300)
-    assert predicted[1].tokens_per_second == pytest.approx(predicted[0].tokens_per_second * ratio)
+    shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro")}
+    measure = train.measure_speed(settings, info)
+    measured = budget.probe(measure, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
+    assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True), ("micro", True)]
+    assert all(c.tokens_per_second > 0 for c in measured) and measured[1].pair_ratio > 0
+    predicted = budget.probe(measure, info, shapes, micro_batch=2, seconds=0.0, vocab=300)
+    assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", True), ("micro", False)]
+    gain = budget.pair_gain(predicted[:2])
+    assert predicted[2].tokens_per_second == pytest.approx(
+        budget.predicted_rate(predicted[1], shapes, "micro", 300, gain)
+    )
 
 
 def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
@@ -367,3 +679,28 @@ def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(be
         bench_budget.main(["--work", str(tmp_path), "--fit-only"])
     with pytest.raises(UserError, match=r"results\.json has no probe yet"):
         bench_budget.main(["--work", str(tmp_path), "--default-only"])
+
+
+@pytest.mark.parametrize(
+    "grace, step, stop",
+    [
+        (0.03, 25, False),  # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write, 10 s): 613 s of 618
+        (0.0, 25, True),  # --max-hours: no grace, the session stops saved
+        (0.03, 22, True),  # 5 steps left: 673 s, past the grace too
+    ],
+)
+def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, stop):
+    clock = train.StepClock(elapsed=560.0, slowest_step=20.0, slowest_eval=1.0, last_write=1.0)
+    flags = train.StepFlags(total_steps=27, max_hours=600 / 3600, finish_grace=grace)
+    end = train.plan_step_end(step, clock, flags)
+    assert end.stop is stop and end.save is stop
+    assert budget.finish_grace(0, {"budget": "10m"}) == budget.FINISH_GRACE and budget.finish_grace(1.0, None) == 0
+
+
+def test_a_session_limit_counts_from_the_process_launch():
+    """The command line's clock starts at the process's launch (its imports included), before main() runs."""
+    import time
+
+    launched = train.process_launch()
+    assert launched <= time.monotonic() - 0.1  # this process started (and imported torch) before the test
+    assert time.monotonic() - launched < 24 * 3600

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import distributed
+from tinyllm.training import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,7 @@ def free_port() -> int:
 RANK_SCRIPT = """
 import sys, time
 import torch
-import distributed
+from tinyllm.training import distributed
 mode, rank = sys.argv[1], int(sys.argv[2])
 if mode == "ok":
     info = distributed.init_distributed("cpu")  # init_process_group, then check_first_collective
@@ -100,7 +100,7 @@ def start_ranks(mode: str) -> list[subprocess.Popen]:
         "MASTER_PORT": str(free_port()),
     }
     code = (
-        "from common import run_main\n"
+        "from tinyllm.common import run_main\n"
         "def main():\n" + "".join(f"    {line}\n" for line in RANK_SCRIPT.strip().splitlines()) + "run_main(main)\n"
     )
     return [
@@ -184,8 +184,8 @@ def test_the_buckets_are_the_ones_ddp_reduces(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    import losses
-    import model_config
+    from tinyllm.model import config as model_config
+    from tinyllm.model import losses
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -228,7 +228,7 @@ def test_the_buckets_are_the_ones_ddp_reduces(monkeypatch):
 def test_the_bucket_size_leaves_the_embedding_the_least_company(preset, mib, buckets, last):
     import torch
 
-    import model_config
+    from tinyllm.model import config as model_config
 
     with torch.device("meta"):
         model = model_config.build_model(model_config.PRESETS[preset], 33_069)

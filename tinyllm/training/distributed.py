@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import UserError, console_script
+from tinyllm.common import UserError, console_script
+from tinyllm.model import hardware
 
 
 def rng_state(device: torch.device) -> dict:
@@ -311,8 +312,6 @@ def wrap_for_training(module: torch.nn.Module, info: DistInfo, order: list[str])
 
 def compiled(module: torch.nn.Module) -> torch.nn.Module:
     """torch.compile of `module` with the training step's Inductor options (hardware.INDUCTOR_OPTIONS)."""
-    import hardware
-
     return torch.compile(module, options=dict(hardware.INDUCTOR_OPTIONS))
 
 

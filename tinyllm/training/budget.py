@@ -20,18 +20,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import checkpoint_store
-import corpus_format
-import distributed
-import model_config
-import optimization
-import train_data
-from common import UserError, read_json_or, say
+from tinyllm.common import UserError, read_json_or, say
+from tinyllm.data import corpus_format
+from tinyllm.model import config as model_config
+from tinyllm.store import checkpoint_store
+from tinyllm.training import distributed, optimization, train_data
 
 # ----------------------------------------------------------------------------------------------
 # Budget strings: "11.5h", "30m", "90s", "2d", "1h30m".
@@ -127,6 +126,9 @@ class Candidate:
     context: int
     tokens_per_second: float
     probed: bool
+    # measured after a smaller measured preset: its speed over the one predicted from that preset's FLOP/s
+    # (the pair's gain; None: not a measured pair); predicted: the gain its prediction carries (None: none)
+    pair_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class Plan:
     candidates: tuple[dict, ...]
     lr: float | None = None  # the recipe rule's, filled in by settle
     muon_lr: float | None = None
+    length_given: bool = False  # --target-tokens was given: the length is the user's, never re-planned
+    check: dict | None = None  # the check against the run's own steps (check_plan), once made: kept
 
     def summary(self) -> str:
         rates = (
@@ -172,7 +176,7 @@ class Plan:
             f"--budget {self.budget}: {self.preset} ({self.parameters:,} non-embedding parameters), "
             f"{self.target_tokens:,} tokens, {self.steps} steps of {self.tokens_per_step:,} tokens{rates}; "
             f"predicted {self.hours:.2f} h of training{sessions}, held-out {self.predicted_bpb:.3f} bits/byte "
-            f"(on the fit's text)"
+            f"(on the fit's text)" + (f"; {check_text(self.check)}" if self.check else "")
         )
 
     def as_record(self) -> dict:
@@ -232,6 +236,7 @@ def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) 
         "bpb": model.loss(candidate.parameters, tokens),
         "tokens_per_second": candidate.tokens_per_second,
         "probed": candidate.probed,
+        "pair_ratio": candidate.pair_ratio,
     }
 
 
@@ -270,7 +275,10 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
         predicted_bpb=best["bpb"],
         why=why,
         candidates=tuple(
-            {key: outcome[key] for key in ("preset", "tokens", "hours", "bpb", "tokens_per_second", "probed")}
+            {
+                key: outcome[key]
+                for key in ("preset", "tokens", "hours", "bpb", "tokens_per_second", "probed", "pair_ratio")
+            }
             for outcome in outcomes
         ),
     )
@@ -304,10 +312,56 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
 # ----------------------------------------------------------------------------------------------
 # The probe: real train.py steps per candidate on the run's devices (all ranks take part).
 
-PROBE_STEPS = 3  # timed steps after one untimed step
+PROBE_WARMUP_STEPS = 1  # untimed steps first (allocation, caches, the first kernel launches)
+PROBE_STEPS = 5  # timed steps at least: the window whose median is the step's time
+PROBE_MAX_STEPS = 15  # timed steps at most, while the window's steps disagree
+PROBE_AGREEMENT = 0.25  # the window is steady when its slowest step is at most this much over its fastest
+# A larger preset runs more FLOP/s than a smaller one (larger matmuls): on this project's AMD EPYC at one thread,
+# nano measured 2.6x its prediction from tiny's FLOP/s and micro 2.4x its prediction from nano's. A first pair
+# outside this range (the larger less efficient, or far more: a burst of load over one of the two) is measured
+# once more; inside it, its ratio (the pair's gain) scales the prediction of the next preset
+PAIR_RANGE = (0.8, 4.0)
 PROBE_SHARE = 0.02  # of the budget, at most PROBE_MAX_SECONDS, for probing
+PAIR_SHARE = 0.05  # of the budget, at most PROBE_MAX_SECONDS: the first pair is measured within this much
 PROBE_MAX_SECONDS = 120.0
-Measure = Callable[[str, int], "float | None"]  # (preset, micro-batch) -> global tokens/s; None: out of memory
+# (preset, micro-batch, seconds it may take) -> global tokens/s; None: out of memory
+Measure = Callable[[str, int, float], "float | None"]
+
+
+def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float | None:
+    """A probe's step time from its timed steps so far, or None to time another: the median of the last
+    PROBE_STEPS once they agree within PROBE_AGREEMENT (a burst of load that ends inside the probe leaves
+    slow steps before fast ones, which disagree), or once PROBE_MAX_STEPS are timed or the time is up."""
+    window = times[-PROBE_STEPS:]
+    if not window:
+        return None
+    full = len(window) == PROBE_STEPS
+    steady = full and max(window) <= (1 + PROBE_AGREEMENT) * min(window)
+    if steady or out_of_time or len(times) >= PROBE_MAX_STEPS:
+        return statistics.median(window)
+    return None
+
+
+def predicted_rate(
+    measured: Candidate, presets: dict[str, model_config.Preset], name: str, vocab: int, gain: float = 1.0
+) -> float:
+    """`name`'s tokens/s predicted from another preset's FLOP/s (the LM head over `vocab` included), times
+    `gain` (a measured pair's: a larger preset's matmuls run more FLOP/s)."""
+    flops = model_config.flops_per_token(presets[measured.preset], vocab)
+    return gain * measured.tokens_per_second * flops / model_config.flops_per_token(presets[name], vocab)
+
+
+def pair_disagrees(ratio: float | None) -> bool:
+    """Whether a measured pair's ratio to its FLOP/s prediction is outside PAIR_RANGE."""
+    return ratio is not None and not (PAIR_RANGE[0] <= ratio <= PAIR_RANGE[1])
+
+
+def pair_gain(candidates: list[Candidate]) -> float:
+    """The gain the next prediction carries: the first measured pair's ratio within PAIR_RANGE and at least
+    1 (after a predicted preset: 1, its FLOP/s carried over)."""
+    if not candidates or not candidates[-1].probed or candidates[-1].pair_ratio is None:
+        return 1.0
+    return min(PAIR_RANGE[1], max(1.0, candidates[-1].pair_ratio))
 
 
 def non_embedding_parameters(preset: model_config.Preset) -> int:
@@ -324,29 +378,60 @@ def candidate_presets(run, explicit_shape: bool) -> dict[str, model_config.Prese
 
 
 def probe(
-    measure: Measure, info, presets: dict[str, model_config.Preset], micro_batch: int, seconds: float, vocab: int
+    measure: Measure,
+    info,
+    presets: dict[str, model_config.Preset],
+    micro_batch: int,
+    seconds: float,
+    vocab: int,
+    pair_seconds: float | None = None,
 ) -> list[Candidate]:
-    """Each preset's global tokens/s, smallest first, over PROBE_STEPS timed train.py steps of one
-    micro-batch per rank (eager: compile's speed-up is not counted). Once the next probe would overrun
-    `seconds`, the rest are predicted from the last one measured by their FLOPs per token (the LM head's
-    over the corpus' `vocab` included: it is most of a small preset's work); from the
-    first that does not fit the device's memory on, none is a candidate."""
+    """Each preset's global tokens/s, smallest first, from timed train.py steps of one micro-batch per rank
+    (`steady_step_seconds`; eager: compile's speed-up is not counted). The first two (the pair) are
+    measured within `pair_seconds` (default `seconds`; fewer steps when it runs short), the rest while
+    their probe fits `seconds`; the others are predicted from the last one by their FLOPs per token (the
+    LM head's over the corpus' `vocab` included: it is most of a small preset's work), the first after
+    the measured pair times the pair's gain (`pair_gain`). The pair checks that prediction
+    (`Candidate.pair_ratio`): outside PAIR_RANGE (a burst of load during one of the two), both are
+    measured once more and each keeps its faster measurement (as timeit keeps the fastest: the slower
+    ones are interference). From the first preset that does not fit the device's memory on, none is a
+    candidate."""
     candidates: list[Candidate] = []
     started = time.monotonic()
+
+    def left() -> float:
+        allowed = seconds if len(candidates) >= 2 or pair_seconds is None else pair_seconds
+        return distributed.broadcast_from_main(max(0.0, allowed - (time.monotonic() - started)), info)
+
+    def measured(name: str) -> float | None:
+        return distributed.broadcast_from_main(measure(name, micro_batch, left()), info)
+
     for name, preset in presets.items():
-        flops = model_config.flops_per_token(preset, vocab)
         if candidates:
-            last = candidates[-1]
-            rate = last.tokens_per_second * model_config.flops_per_token(presets[last.preset], vocab) / flops
-            cost = (PROBE_STEPS + 1) * micro_batch * preset.context * info.world / rate
-            over = distributed.broadcast_from_main(time.monotonic() - started + cost > seconds, info)  # one verdict
-            if not last.probed or over:
-                candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, False))
+            last, gain = candidates[-1], pair_gain(candidates)
+            rate = predicted_rate(last, presets, name, vocab, gain)
+            cost = (PROBE_WARMUP_STEPS + PROBE_STEPS) * micro_batch * preset.context * info.world / rate
+            pair = len(candidates) == 1  # the pair is measured in whatever time is left (fewer steps when short)
+            if not last.probed or (not pair and cost > left()):  # one verdict (left() is rank 0's)
+                carried = gain if gain != 1.0 else None
+                candidates.append(
+                    Candidate(name, non_embedding_parameters(preset), preset.context, rate, False, carried)
+                )
                 continue
-        rate = distributed.broadcast_from_main(measure(name, micro_batch), info)
+        rate = measured(name)
         if rate is None:
             break
-        candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, True))
+        ratio = None
+        if candidates:
+            ratio = rate / predicted_rate(candidates[-1], presets, name, vocab)
+            if pair_disagrees(ratio) and len(candidates) == 1:  # the first pair: measured once more
+                smaller = candidates[-1]
+                again = measured(smaller.preset)
+                smaller = dataclasses.replace(smaller, tokens_per_second=max(smaller.tokens_per_second, again or 0))
+                rate = max(rate, measured(name) or 0)
+                candidates[-1] = smaller
+                ratio = rate / predicted_rate(smaller, presets, name, vocab)
+        candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, True, ratio))
     return candidates
 
 
@@ -375,6 +460,16 @@ def session_limit(max_hours: float, plan_record: dict | None) -> tuple[float, st
         return max_hours, MAX_HOURS_LIMIT
     text = plan_record["budget"]
     return budget_seconds(text) / 3600, f"--budget {text} (this machine ran slower than its probe)"
+
+
+FINISH_GRACE = 0.03  # of the budget: a --budget run late near its end finishes when its end fits this far past
+
+
+def finish_grace(max_hours: float, plan_record: dict | None) -> float:
+    """How far past a session's time limit a run may go to finish instead of stopping saved: FINISH_GRACE
+    when the limit is a --budget's (the user's wish: a complete run a little late beats an unfinished one on
+    time), none under --max-hours (a platform's session ends hard there)."""
+    return FINISH_GRACE if session_limit(max_hours, plan_record)[1] != MAX_HOURS_LIMIT else 0.0
 
 
 def apply(settings, plan: Plan | None, world: int):
@@ -408,7 +503,7 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
     planned = apply(settings, plan, info.world).run
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
-    plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr)
+    plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr, length_given="target_tokens" in given)
     for line in plan_lines(plan):
         say(line, main=info.is_main)
     return plan
@@ -416,27 +511,31 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
 
 def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, measure: Measure) -> Plan:
     """Probe the candidates (timed against the budget) and choose."""
-    run, session = settings.run, settings.session
-    manifest = corpus_format.load_manifest(corpus)
-    mixture = train_data.parse_mixture(session.data, run.mixture_schedule)
-    train_tokens = math.inf if mixture else manifest.split("train")["tokens"]
+    run = settings.run
     seconds = budget_seconds(run.budget)
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
-    candidates = probe(
-        measure, info, presets, micro_batch, min(PROBE_MAX_SECONDS, PROBE_SHARE * seconds), manifest.vocab_size
-    )
+    vocab = corpus_format.load_manifest(corpus).vocab_size
+    probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
+    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
     request = Request(
         budget=run.budget,
         seconds=seconds,
-        session_hours=session.max_hours,
+        session_hours=settings.session.max_hours,
         world=info.world,
         spent_seconds=time.monotonic() - started,
-        max_tokens=MAX_EPOCHS * train_tokens,
+        max_tokens=max_run_tokens(settings, corpus),
         target_tokens=run.target_tokens if "target_tokens" in given else None,
     )
     return choose(request, candidates)
+
+
+def max_run_tokens(settings, corpus: Path) -> float:
+    """The most tokens a plan may train: MAX_EPOCHS passes over the train split (a mixture: not capped)."""
+    if train_data.parse_mixture(settings.session.data, settings.run.mixture_schedule):
+        return math.inf
+    return MAX_EPOCHS * corpus_format.load_manifest(corpus).split("train")["tokens"]
 
 
 def plan_lines(plan: Plan) -> list[str]:
@@ -444,8 +543,155 @@ def plan_lines(plan: Plan) -> list[str]:
     lines = [plan.summary(), f"  why: {plan.why}; loss model fitted by bench/bench_budget.py (docs/budget.md)"]
     for outcome in plan.candidates:
         how = "measured" if outcome["probed"] else "predicted from a smaller one's FLOP/s (not probed)"
+        ratio = outcome.get("pair_ratio")
+        if ratio is not None:
+            how += (
+                f", {ratio:.2f}x its prediction from the smaller one's FLOP/s"
+                if outcome["probed"]
+                else f", x {ratio:.2f}: the measured pair's gain"
+            )
         lines.append(
             f"  {outcome['preset']}: {outcome['tokens_per_second']:,.0f} tokens/s ({how}): "
             f"{outcome['tokens']:,} tokens in {outcome['hours']:.2f} h -> {outcome['bpb']:.3f} bits/byte"
         )
     return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# The check of the plan against the run's own steps, and its one re-plan of the token count (pure rules;
+# train.py times the steps and applies a re-plan: train.check_budget_plan).
+
+CHECK_SHARE = 0.5  # of the budget: the plan is checked once this much of it has passed since the start, or
+# at the last step before the decay begins, whichever comes first: as late as the schedule allows (a burst of
+# load at the start long behind it, less of the run left to drift), and at half the budget at the latest (a
+# machine slower than the plan still has steps to give back before its decay)
+MIN_CHECK_STEPS = 4  # and not before this many steps of this session are timed
+CHECK_TOLERANCE = 0.02  # of the budget: a projected end this far from the target re-plans; the target is
+# this much before the budget less the run's end (`Seen.end_seconds`), a cushion for a machine that slows
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the run has seen of itself at the check: the steps taken, this session's seconds since it
+    started (the probe, start-up and evaluations included: what the budget counts), the time of a step
+    now (`typical_step_seconds`) and what the run's end after its last step takes (its last validation and
+    the test evaluation, each as long as the slowest validation so far, and the last checkpoint's write)."""
+
+    step: int
+    elapsed: float
+    step_seconds: float
+    end_seconds: float = 0.0
+
+
+def typical_step_seconds(times: list[float]) -> float:
+    """The time of a step for the rest of the run: the median of this session's step times. At the check
+    (half the budget, or 60% of the steps) a burst of load at the start, during the probe and the first
+    steps, is far less than half of them; and on a machine whose load comes and goes (this shared one's
+    step times moved by a third within minutes) the whole session is a better guess at the rest than its
+    latest steps, which made the first re-plans here overshoot."""
+    return statistics.median(times)
+
+
+def check_due(
+    plan: Plan, step: int, elapsed: float, timed_steps: int, decay_start: Callable[[int], int] | None
+) -> bool:
+    """Whether the plan is checked after `step`: once per run (a check made is recorded: `plan.check`),
+    for a plan of one session whose length is the plan's and can change (`decay_start`, the first decaying
+    step of a length; None: a cosine schedule), after MIN_CHECK_STEPS timed steps, at the last step before
+    the decay begins or once CHECK_SHARE of the budget has passed, whichever comes first."""
+    if plan.check is not None or plan.length_given or plan.sessions > 1 or decay_start is None:
+        return False
+    last_chance = decay_start(plan.steps) - 1
+    if timed_steps < MIN_CHECK_STEPS or step > last_chance:
+        return False
+    return step == last_chance or elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
+
+
+def target_end_seconds(plan: Plan, seen: Seen) -> float:
+    """When the check wants training to end: the budget less the run's end and CHECK_TOLERANCE of it."""
+    seconds = budget_seconds(plan.budget)
+    return seconds * (1 - CHECK_TOLERANCE) - seen.end_seconds
+
+
+def earliest_total(step: int, decay_start: Callable[[int], int]) -> int:
+    """The fewest total steps whose schedule (decay_start: a length's first decaying step) keeps every step
+    up to `step` in its warmup or stable phase, so that the steps taken keep their learning rates."""
+    total = step + 1
+    while decay_start(total) < step:
+        total += 1
+    return total
+
+
+def replan(
+    plan: Plan,
+    seen: Seen,
+    decay_start: Callable[[int], int] | None,
+    max_tokens: float = math.inf,
+) -> Plan | None:
+    """The plan with its token count made anew from the run's own speed (`seen`), or None when it stands:
+    its projected end of training within CHECK_TOLERANCE of the budget of the target (`target_end_seconds`:
+    the budget less the run's end and a cushion; `choose`'s RESERVE was a guess at them), or a schedule
+    that cannot change its length (`decay_start` None: a cosine decays over the whole run). The new length
+    fills the time to the target at the speed seen, at most `max_tokens` (MAX_EPOCHS passes) and at least
+    `earliest_total` (the decay must not have begun). The preset, the batch and the learning rates stay: only
+    the length (and so the decay's start) moves."""
+    seconds = budget_seconds(plan.budget)
+    target = target_end_seconds(plan, seen)
+    projected = seen.elapsed + (plan.steps - seen.step) * seen.step_seconds
+    if abs(projected - target) <= CHECK_TOLERANCE * seconds or decay_start is None:
+        return None
+    fitting = seen.step + max(0, int((target - seen.elapsed) // seen.step_seconds))
+    steps = fitting if math.isinf(max_tokens) else min(fitting, int(max_tokens // plan.tokens_per_step))
+    steps = max(steps, earliest_total(seen.step, decay_start))
+    if steps == plan.steps:
+        return None
+    tokens = steps * plan.tokens_per_step
+    return dataclasses.replace(
+        plan, target_tokens=tokens, steps=steps, hours=steps * seen.step_seconds / 3600, predicted_bpb=math.nan
+    )
+
+
+def check_plan(
+    plan: Plan,
+    seen: Seen,
+    decay_start: Callable[[int], int] | None,
+    max_tokens: float = math.inf,
+    loss: LossModel = LOSS_MODEL,
+) -> Plan:
+    """The plan after its check (`replan`), with the check recorded (`Plan.check`, kept on resume so that
+    the run is checked once): the speed seen against the plan's, the projected end, and the length before
+    and after."""
+    planned_step_seconds = plan.hours * 3600 / plan.steps
+    new = replan(plan, seen, decay_start, max_tokens) or plan
+    record = {
+        "at_step": seen.step,
+        "elapsed_seconds": round(seen.elapsed, 3),
+        "step_seconds": seen.step_seconds,
+        "planned_step_seconds": planned_step_seconds,
+        "projected_end_seconds": seen.elapsed + (plan.steps - seen.step) * seen.step_seconds,
+        "target_end_seconds": target_end_seconds(plan, seen),
+        "end_seconds": seen.end_seconds,
+        "replanned": new is not plan,
+        "from_tokens": plan.target_tokens,
+        "from_steps": plan.steps,
+        "to_tokens": new.target_tokens,
+        "to_steps": new.steps,
+    }
+    predicted = plan.predicted_bpb if new is plan else loss.loss(plan.parameters, new.target_tokens)
+    return dataclasses.replace(new, predicted_bpb=predicted, check=record)
+
+
+def check_text(check: dict) -> str:
+    """The check's one line (printed when it is made, and in the plan's summary after it)."""
+    speed = check["planned_step_seconds"] / check["step_seconds"]
+    seen = (
+        f"checked at step {check['at_step']} ({check['elapsed_seconds']:.0f} s in): steps at {speed:.2f}x the "
+        f"probe's speed"
+    )
+    if not check["replanned"]:
+        return f"{seen}, training ends within {CHECK_TOLERANCE:.0%} of the budget's time as planned: kept"
+    return (
+        f"{seen}, training would end at {check['projected_end_seconds']:.0f} s of {check['target_end_seconds']:.0f}"
+        f": re-planned from {check['from_tokens']:,} tokens ({check['from_steps']} steps) to "
+        f"{check['to_tokens']:,} ({check['to_steps']} steps)"
+    )
