@@ -12,17 +12,16 @@ no --vocab-size (today's rule, whatever data.py's default is when it runs), the 
 is scored on the same text. Everything runs as a subprocess of the CLI (`python data.py`, `python train.py`),
 one torch thread each, at most --jobs at once.
 
-Equal wall time on a shared machine: the absolute speed of a busy CPU says nothing, the ratio between two
-configurations measured at the same moment does. (1) The timing: every (text, preset, vocabulary) trains
---timing-steps train.py steps of the planner's smallest batch (budget.MIN_BATCH_TOKENS) in --rounds
-interleaved rounds (the second in reverse order); its tokens/s is the median step's. (2) A preset's reference
-speed is the fastest round of its --reference-vocab; a configuration's speed is that times the median over the
-rounds of its ratio to the reference vocabulary's speed in the same round and text. (3) Each configuration
-trains the tokens its speed buys in --reference-seconds (at most budget.MAX_EPOCHS passes over its train split)
-with --budget's batch rule (budget.global_blocks) and train.py's recipe: equal wall time on the machine the
-reference speed describes, however busy this one is while the runs train. The score is held-out bits per byte
-over every block of the test split (--eval-batches past the split's size). --equal-tokens adds runs of every
-vocabulary at the reference vocabulary's tokens (equal tokens, not equal time).
+Equal wall time on a shared machine: a busy CPU's wall-clock speed says how busy it was, not what a
+configuration costs. (1) The timing (time_group): for each (text, preset), every vocabulary's train.py Training
+is built in one process at one torch thread and they take turns, one step each per round, --rounds rounds
+after two untimed ones, every other round in reverse order; a configuration's speed is tokens per CPU-second
+of its median step (a step on a busy machine waits for a core, not for more work: the speed of a quiet one),
+tokens per wall-second beside it. (2) Each configuration trains the tokens its speed buys in
+--reference-seconds (at most budget.MAX_EPOCHS passes over its train split) with --budget's batch rule
+(budget.global_blocks) and train.py's recipe: equal wall time on a quiet machine, however busy this one is
+while the runs train. The score is held-out bits per byte over every block of the test split (--eval-batches
+past the split's size). --equal-tokens adds runs of every vocabulary at the tokens of --reference-vocab's.
 """
 
 from __future__ import annotations
@@ -72,8 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="1337,1338", help="comma list of seeds (model init and data order)")
     parser.add_argument("--reference-vocab", type=int, default=4096, help="the vocabulary the speeds are taken at")
     parser.add_argument("--reference-seconds", type=float, default=120.0, help="the wall time every run is given")
-    parser.add_argument("--timing-steps", type=int, default=8, help="train.py steps per timing run (2 untimed)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
+    parser.add_argument("--rounds", type=int, default=8, help="timed steps of each configuration, taken in turns")
     parser.add_argument("--jobs", type=int, default=2, help="subprocesses at once")
     parser.add_argument("--equal-tokens", action="store_true", help="also every vocabulary at the reference's tokens")
     parser.add_argument("--report-only", action="store_true", help="print the tables of the saved results")
@@ -81,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.texts, args.vocabs, args.presets, args.seeds = "smoke", "300,400", "tiny", "1337"
-        args.reference_vocab, args.reference_seconds, args.timing_steps, args.rounds = 300, 4.0, 4, 1
+        args.reference_vocab, args.reference_seconds, args.rounds = 300, 4.0, 3
     return args
 
 
@@ -204,18 +202,45 @@ def timing_blocks(preset: str) -> int:
     return budget.global_blocks(budget.MIN_BATCH_TOKENS, model_config.PRESETS[preset].context, 1)
 
 
-def time_config(corpus: Path, preset: str, steps: int, out: Path) -> dict:
-    """tokens/s of `preset` on `corpus`: the median of `steps` logged train.py steps, the first two left out."""
-    blocks = timing_blocks(preset)
-    step_tokens = blocks * model_config.PRESETS[preset].context
-    command = train_command(corpus, out, preset, 1337, 1000 * step_tokens, blocks)
-    command += ["--stop-after-steps", str(steps), "--log-every", "1", "--eval-batches", "1"]
+WARMUP_STEPS = 2  # untimed steps of each configuration before the timed rounds
+
+
+def time_group(corpora: dict[int, Path], preset: str, rounds: int, out: Path) -> dict[int, dict]:
+    """Each vocabulary's training speed for `preset`, its train.py Training built in this process (one torch
+    thread) and stepped in turns, one step each per round (every other round in reverse order), so that what
+    the machine does meanwhile falls on all of them alike. The speed is tokens per CPU-second of the process
+    (its median step): on a busy machine a step waits for a core, not for more work, so this is the speed
+    of a quiet machine; tokens per wall-second beside it."""
+    import torch
+
+    import distributed
+    import train
+
+    torch.set_num_threads(1)
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    size, accum = budget.split_batch(timing_blocks(preset), 1, 8)
+    trainings = {}
+    for vocab, corpus in corpora.items():
+        argv = ["--data", str(corpus), "--out", str(out), "--preset", preset, "--threads", "1", "--seed", "1337"]
+        argv += ["--batch-size", str(size), "--grad-accum", str(accum), "--target-tokens", str(10**9)]
+        trainings[vocab] = train.build_training(train.parse_args(argv), info)
+    samples: dict[int, list[tuple[float, float]]] = {vocab: [] for vocab in trainings}
     load = os.getloadavg()[0]
-    records, seconds = run_train(command, out)
-    timed = [record["step_seconds"] for record in records if record["kind"] == "train" and record["step"] > 2]
-    if not timed:
-        raise UserError(f"train.py logged no step past the second on {corpus} ({preset})")
-    return {"tokens_per_second": step_tokens / statistics.median(timed), "load": load, "seconds": seconds}
+    for number in range(WARMUP_STEPS + rounds):
+        for vocab in list(trainings) if number % 2 == 0 else list(trainings)[::-1]:
+            cpu, wall = time.process_time(), time.perf_counter()
+            trainings[vocab].train_step()
+            if number >= WARMUP_STEPS:
+                samples[vocab].append((time.process_time() - cpu, time.perf_counter() - wall))
+    return {
+        vocab: {
+            "tokens_per_second": trainings[vocab].tokens_per_step / statistics.median(c for c, _ in steps),
+            "tokens_per_wall_second": trainings[vocab].tokens_per_step / statistics.median(w for _, w in steps),
+            "steps": len(steps),
+            "load": [load, os.getloadavg()[0]],
+        }
+        for vocab, steps in samples.items()
+    }
 
 
 def planned_tokens(tokens: float, preset: str, train_tokens: int) -> tuple[int, int]:
@@ -254,24 +279,9 @@ def key(*parts) -> str:
     return "/".join(str(part) for part in parts)
 
 
-def speeds(timing: list[dict], reference_vocab: int) -> dict[str, float]:
-    """{text/preset/vocab: tokens/s}: the preset's fastest round at the reference vocabulary (over the texts) times
-    the median over rounds of the configuration's ratio to the reference vocabulary's speed in that round and text."""
-    measured = {key(t["text"], t["preset"], t["vocab"], t["round"]): t["tokens_per_second"] for t in timing}
-    fastest: dict[str, float] = {}
-    for t in timing:
-        if t["vocab"] == reference_vocab:
-            fastest[t["preset"]] = max(fastest.get(t["preset"], 0.0), t["tokens_per_second"])
-    ratios: dict[str, list[float]] = {}
-    for t in timing:
-        reference = measured.get(key(t["text"], t["preset"], reference_vocab, t["round"]))
-        if reference:
-            ratios.setdefault(key(t["text"], t["preset"], t["vocab"]), []).append(t["tokens_per_second"] / reference)
-    return {
-        name: fastest[name.split("/")[1]] * statistics.median(values)
-        for name, values in ratios.items()
-        if name.split("/")[1] in fastest
-    }
+def speeds(timing: list[dict]) -> dict[str, float]:
+    """{text/preset/vocab: tokens per CPU-second}."""
+    return {key(t["text"], t["preset"], t["vocab"]): t["tokens_per_second"] for t in timing}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,37 +347,27 @@ def distinct_vocabs(data: dict, text: str, vocabs: list[str]) -> list[int]:
 
 
 def measure_speeds(args: argparse.Namespace, work: Path, results: Results) -> None:
-    """The interleaved timing rounds not yet in the results."""
-    configs = [
-        (text, preset, vocab)
-        for text in map(text_name, listed(args.texts))
-        for preset in listed(args.presets)
-        for vocab in distinct_vocabs(results.data, text, [*listed(args.vocabs), str(args.reference_vocab)])
-    ]
-    done = {key(t["text"], t["preset"], t["vocab"], t["round"]) for t in results.data["timing"]}
-    for number in range(args.rounds):
-        order = configs if number % 2 == 0 else configs[::-1]
-        todo = [config for config in order if key(*config, number) not in done]
-
-        def timed(config, number=number):
-            text, preset, vocab = config
-            corpus = Path(results.data["corpora"][key(text, vocab)]["path"])
-            slot = work / "runs" / f"timing-{threading.get_ident()}"
-            outcome = time_config(corpus, preset, args.timing_steps, slot)
-            record = {"text": text, "preset": preset, "vocab": vocab, "round": number, **outcome}
-            results.add("timing", record)
-            print(
-                f"timing round {number}: {text} {preset} vocab {vocab}: {outcome['tokens_per_second']:,.0f} "
-                f"tokens/s (load {outcome['load']:.2f})",
-                flush=True,
-            )
-
-        pool(args.jobs, todo, timed)
+    """The timing of every (text, preset) not yet in the results (time_group), one group after another."""
+    done = {key(t["text"], t["preset"]) for t in results.data["timing"]}
+    for text in map(text_name, listed(args.texts)):
+        for preset in listed(args.presets):
+            if key(text, preset) in done:
+                continue
+            vocabs = distinct_vocabs(results.data, text, [*listed(args.vocabs), str(args.reference_vocab)])
+            corpora = {vocab: Path(results.data["corpora"][key(text, vocab)]["path"]) for vocab in vocabs}
+            for vocab, outcome in time_group(corpora, preset, args.rounds, work / "runs" / "timing").items():
+                results.add("timing", {"text": text, "preset": preset, "vocab": vocab, **outcome})
+                print(
+                    f"timing: {text} {preset} vocab {vocab}: {outcome['tokens_per_second']:,.0f} tokens per "
+                    f"CPU-second ({outcome['tokens_per_wall_second']:,.0f} per wall-second, load "
+                    f"{outcome['load'][0]:.2f}-{outcome['load'][1]:.2f})",
+                    flush=True,
+                )
 
 
 def run_plan(args: argparse.Namespace, results: Results) -> list[dict]:
     """Every run of the sweep: seed by seed, each text, preset and vocabulary (today's rule's included)."""
-    rates = speeds(results.data["timing"], args.reference_vocab)
+    rates = speeds(results.data["timing"])
     plan = []
     for seed in map(int, listed(args.seeds)):
         for text in map(text_name, listed(args.texts)):
