@@ -453,10 +453,56 @@ def report(data: dict, mode: str = "time") -> list[str]:
     return lines
 
 
+def summary(data: dict, planned: dict[str, int]) -> list[str]:
+    """Per text, preset and seed at equal wall time: the best vocabulary measured, today's rule (the corpus data.py
+    built with no --vocab-size when the sweep began) and `planned` (text: the vocabulary data.py's rule gives it
+    now) against it, with the issue's targets."""
+    lines = [
+        "| text | preset | seed | best measured | today's rule | / best | planned | / best (target <= 1.01) "
+        "| planned / today's (target <= 0.98 where today's > 1.02) |",
+        "|---|---|---:|---|---|---:|---|---:|---:|",
+    ]
+    runs = [r for r in data["runs"] if r["mode"] == "time"]
+    for text, preset, seed in sorted({(r["text"], r["preset"], r["seed"]) for r in runs}):
+        bpb = {r["vocab"]: r["bpb"] for r in runs if (r["text"], r["preset"], r["seed"]) == (text, preset, seed)}
+        best = min(bpb, key=bpb.get)
+        today = next(
+            (v for v in bpb if data["corpora"][key(text, v)]["vocab"] == data["texts"][text]["today_vocab"]), None
+        )
+        plan = planned.get(text)
+
+        gain_limit = TARGET_GAIN if today in bpb and bpb[today] / bpb[best] > 1.02 else None
+        lines.append(
+            f"| {text} | {preset} | {seed} | {cell(data, text, bpb, best)} | {cell(data, text, bpb, today)} | "
+            f"{ratio(bpb, today, best)} | {cell(data, text, bpb, plan)} | {ratio(bpb, plan, best, TARGET_BEST)} | "
+            f"{ratio(bpb, plan, today, gain_limit)} |"
+        )
+    return lines
+
+
 def actual_vocab(data: dict, text: str, vocab: int) -> str:
     """A vocabulary as the report names it: the requested size, and the corpus' own where BPE stopped early."""
     actual = data["corpora"][key(text, vocab)]["vocab"]
     return f"{vocab:,}" if actual == vocab else f"{vocab:,} ({actual:,} built)"
+
+
+def cell(data: dict, text: str, bpb: dict[int, float], vocab: int | None) -> str:
+    return f"{actual_vocab(data, text, vocab)}: {bpb[vocab]:.4f}" if vocab in bpb else "not run"
+
+
+def ratio(bpb: dict[int, float], vocab: int | None, against: int | None, limit: float | None = None) -> str:
+    """bpb[vocab] / bpb[against], and whether it is at most `limit` (none: no target)."""
+    if vocab not in bpb or against not in bpb:
+        return "-"
+    value = bpb[vocab] / bpb[against]
+    return f"{value:.4f}" + ("" if limit is None else " (met)" if value <= limit else " (MISSED)")
+
+
+def planned_vocab(text_bytes: int) -> int:
+    """The vocabulary data.py gives a text of `text_bytes` today (data.sized_build_defaults)."""
+    import data
+
+    return data.sized_build_defaults(text_bytes)["vocab_size"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     if not results.data["runs"]:
         raise UserError(f"{results.path} holds no runs yet: run the sweep (without --report-only)")
     for line in report(results.data) + report(results.data, "tokens"):
+        print(line)
+    planned = {text: planned_vocab(facts["bytes"]) for text, facts in results.data["texts"].items()}
+    for line in ["", *summary(results.data, planned)]:
         print(line)
     return 0
 
