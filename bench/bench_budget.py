@@ -41,15 +41,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 from bench_packing import heldout_bpb  # noqa: E402
-from bench_texts import changelog_entries, kjv_documents  # noqa: E402
+from bench_texts import changelog_entries, kjv_documents, make_corpus, write_jsonl  # noqa: E402
 
-import budget  # noqa: E402
-import corpus_format  # noqa: E402
-import data  # noqa: E402
-import distributed  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    budget,
+    distributed,
+    train,
+)
 
 WORK = ROOT / "bench" / "out" / "budget"
 TARGET_GRID_RATIO = 1.02  # the plan's bpb at most 2% above the best fixed choice that fits the budget
@@ -88,26 +89,7 @@ def build_corpus(work: Path, changelog_bytes: int) -> Path:
     if corpus_format.is_current_corpus(corpus):
         return corpus
     work.mkdir(parents=True, exist_ok=True)
-    with open(source, "w", encoding="utf-8") as handle:
-        for text in kjv_documents() + changelog_entries(changelog_bytes):
-            handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(
-        [
-            "--data",
-            str(source),
-            "--out",
-            str(corpus),
-            "--vocab-size",
-            "4096",
-            "--val-fraction",
-            "0.02",
-            "--test-fraction",
-            "0.05",
-            "--no-progress",
-        ]
-    ):
-        raise UserError(f"data.py could not build {corpus}")
-    return corpus
+    return make_corpus([write_jsonl(source, kjv_documents() + changelog_entries(changelog_bytes))], corpus)
 
 
 def base_argv(corpus: Path, work: Path, seed: int) -> list[str]:

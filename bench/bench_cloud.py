@@ -33,10 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from s3_server import free_port, start_s3_server  # noqa: E402
 
-import checkpoint_cloud  # noqa: E402
-import checkpoint_store  # noqa: E402
-import remote_store  # noqa: E402
-from common import ArgumentParser, atomic_path, sha256_file, utc_now  # noqa: E402
+from tinyllm.common import ArgumentParser, atomic_path, sha256_file, utc_now  # noqa: E402
+from tinyllm.store import (
+    checkpoint_cloud,  # noqa: E402
+    checkpoint_store,  # noqa: E402
+    remote_store,  # noqa: E402
+)
 
 
 def parse_args() -> argparse.Namespace:

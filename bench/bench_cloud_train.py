@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from s3_server import free_port, start_s3_server  # noqa: E402
 
-import remote_store  # noqa: E402  (after the path: the bench runs as a script from anywhere)
-from common import ArgumentParser  # noqa: E402
+from tinyllm.common import ArgumentParser  # noqa: E402
+from tinyllm.store import remote_store  # noqa: E402  (after the path: the bench runs as a script from anywhere)
 
 POLL_SECONDS = 0.02
 

@@ -38,7 +38,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgumentParser  # noqa: E402
+from tinyllm.common import ArgumentParser  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
 
 SYLLABLES = [
     "ka",
@@ -153,8 +155,6 @@ def cpu_seconds() -> float:
 
 
 def method_data_py(args) -> dict:
-    import corpus_format
-    import data
 
     workers = args.num_proc if args.method == "data.py-pool" else 0
     settings = data.BuildSettings(tokenizer=args.tokenizer, progress=False, tokenize_workers=workers)
@@ -290,8 +290,6 @@ def main() -> None:
         report.update(peak_rss_mb=round(own, 1), worker_rss_mb=round(worker, 1), cpu_seconds=cpu_seconds())
         print(json.dumps(report))
         return
-
-    import data
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_data_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

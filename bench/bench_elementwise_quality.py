@@ -49,10 +49,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_texts import changelog_entries, man_pages  # noqa: E402
+from bench_texts import changelog_entries, make_corpus, man_pages, write_jsonl  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "elementwise"
 TEXTS = ("manpages", "changelog")
@@ -98,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def disable_autocast_elementwise() -> None:
     """The `before` arm: build_training_model leaves the stock RMSNorm and RoPE forwards in place."""
-    import model_config
+    from tinyllm.model import config as model_config
 
     model_config.autocast_elementwise = lambda model: None
 
@@ -131,8 +132,8 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
         raise UserError(f"train-arm {arm}: choose from {', '.join(ARMS)}")
     import torch
 
-    import model_config
-    import train
+    from tinyllm.model import config as model_config
+    from tinyllm.training import train
 
     if arm == "before":
         disable_autocast_elementwise()
@@ -154,8 +155,6 @@ def run_arm(arm: str, train_argv: list[str]) -> int:
 
 def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) -> Path:
     """The corpus of text `name` (built once and reused while data.py's format and the settings stay)."""
-    import corpus_format
-    import data
 
     work = Path(args.work)
     corpus, source = work / f"corpus-{name}", work / f"{name}.jsonl"
@@ -176,33 +175,15 @@ def build_corpus(name: str, args: argparse.Namespace, extra: dict[str, Path]) ->
     else:
         print(f"{name}: gathering {args.text_bytes:,} bytes of text", flush=True)
         texts = man_pages(args.text_bytes) if name == "manpages" else changelog_entries(args.text_bytes)
-        with open(source, "w", encoding="utf-8") as handle:
-            for text in texts:
-                handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(
-        [
-            "--data",
-            str(source),
-            "--out",
-            str(corpus),
-            "--vocab-size",
-            str(args.vocab_size),
-            "--val-fraction",
-            "0.02",
-            "--test-fraction",
-            "0.05",
-            "--no-progress",
-        ]
-    ):
-        raise UserError(f"data.py could not build {corpus}")
+        write_jsonl(source, texts)
+    make_corpus([source], corpus, vocab_size=args.vocab_size)
     atomic_write_json(stamp, settings)
     return corpus
 
 
 def corpus_facts(corpus: Path) -> dict:
     """Documents, tokens and the median document length in tokens of the train and test splits."""
-    import corpus_format
-    import train_data
+    from tinyllm.training import train_data
 
     manifest = corpus_format.load_manifest(corpus)
     facts = {}

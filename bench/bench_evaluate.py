@@ -30,7 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.outputs import evaluation, metrics_log  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,9 +57,6 @@ def timed(command: list[str], cwd: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import corpus_format
-    import data
-    import evaluation
 
     args = parse_args(argv)
     work = Path(args.work)
@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def in_loop(work: Path, demo: list[str], items: Path) -> int:
     """The demo without and with --eval-tasks (defaults): wall times, and the scoring's share of the second."""
-    import metrics_log
 
     off = timed([*demo, "--out", "runs/off"], work)
     on = timed([*demo, "--out", "runs/on", "--eval-tasks", str(items)], work)

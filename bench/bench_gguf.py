@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import data  # noqa: E402
-import export_gguf  # noqa: E402
-import model_config  # noqa: E402
-from common import ArgumentParser  # noqa: E402
+from tinyllm.common import ArgumentParser  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.outputs import export_gguf  # noqa: E402
 
 CHUNK = 8 * 1024 * 1024
 

@@ -72,10 +72,10 @@ from gpu_report import machine_facts, markdown_lines, prediction_table, print_pl
 from gpu_roofline import RooflineParts  # noqa: E402
 from gpu_steps import StepParts  # noqa: E402
 
-import distributed  # noqa: E402
-import hardware  # noqa: E402
-import model_config  # noqa: E402
-from common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
+from tinyllm.training import distributed  # noqa: E402
 
 PROCESS_STARTED = time.monotonic()  # the budget counts from here: gpu_check.sh's hard stop counts from the start
 

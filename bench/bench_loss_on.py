@@ -32,14 +32,18 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import checkpoint_store as store  # noqa: E402
-import corpus_format  # noqa: E402
-import data  # noqa: E402
-import demo_corpus  # noqa: E402
-import distributed  # noqa: E402
-import evaluation  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import (  # noqa: E402
+    corpus_format,
+    demo_corpus,
+)
+from tinyllm.outputs import evaluation  # noqa: E402
+from tinyllm.store import checkpoint_store as store  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+)
 
 MODES = ("all", "assistant")
 

@@ -26,12 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import attention  # noqa: E402
-import hardware  # noqa: E402
-import losses  # noqa: E402
-import model_config  # noqa: E402
-import optimization  # noqa: E402
-from common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.model import (  # noqa: E402
+    attention,
+    hardware,
+    losses,
+)
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import optimization  # noqa: E402
 
 THINK72_VOCAB = 33_069
 VARIANTS = ["full", "chunked"]

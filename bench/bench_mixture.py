@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 import time
 import warnings
@@ -35,12 +34,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_texts  # noqa: E402
 import torch  # noqa: E402
+from bench_texts import make_corpus, write_jsonl  # noqa: E402
 
-import corpus_format  # noqa: E402
-import data  # noqa: E402
-import distributed  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+)
 
 SOURCES = ("prose", "tech")
 
@@ -103,28 +104,16 @@ def build_corpora(args: argparse.Namespace, work: Path) -> dict[str, Path]:
         return {name: work / name for name in SOURCES}
     texts = {"prose": bench_texts.kjv_documents(), "tech": docstring_documents(args.tech_bytes)}
     for name, documents in texts.items():
-        with open(work / f"{name}.jsonl", "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+        write_jsonl(work / f"{name}.jsonl", documents)
         print(f"{name}: {len(documents):,} documents, {sum(len(t.encode()) for t in documents):,} bytes", flush=True)
-    common = [
-        "--vocab-size",
-        "4096",
-        "--val-fraction",
-        "0.02",
-        "--test-fraction",
-        "0.05",
-        "--no-progress",
-        "--overwrite",
-    ]
     steps = [
-        ("joint", [str(work / "prose.jsonl"), str(work / "tech.jsonl")], []),
-        *[(name, [str(work / f"{name}.jsonl")], ["--tokenizer", str(work / "joint")]) for name in SOURCES],
+        ("joint", [work / "prose.jsonl", work / "tech.jsonl"], []),
+        *[(name, [work / f"{name}.jsonl"], ["--tokenizer", str(work / "joint")]) for name in SOURCES],
     ]
     for name, inputs, extra in steps:
         if corpus_format.is_current_corpus(work / name) and not args.rebuild:
             continue
-        if data.main(["--data", *inputs, "--out", str(work / name), *common, *extra]):
-            raise UserError(f"data.py could not build {work / name}")
+        make_corpus(inputs, work / name, "--overwrite", *extra)
     return {name: work / name for name in SOURCES}
 
 

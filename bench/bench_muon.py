@@ -32,10 +32,12 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS  # noqa: E402
 
-import distributed  # noqa: E402
-import muon  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, run_main  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    muon,
+    train,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

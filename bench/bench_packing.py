@@ -24,7 +24,6 @@ and `stream` (blocks of the test stream, earlier unrelated documents in the cont
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shutil
@@ -37,14 +36,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from bench_texts import changelog_entries, kjv_documents  # noqa: E402
+from bench_texts import changelog_entries, kjv_documents, make_corpus, write_jsonl  # noqa: E402
 
-import corpus_format  # noqa: E402
-import data  # noqa: E402
-import distributed  # noqa: E402
-import train  # noqa: E402
-import train_data  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+    train_data,
+)
 
 WORK = ROOT / "bench" / "out" / "packing"
 CORPORA = ("short", "changelog", "long")
@@ -85,26 +85,7 @@ def build_corpus(name: str, args: argparse.Namespace) -> Path:
         random.Random(0).shuffle(texts)
     else:
         texts = kjv_documents()
-    with open(source, "w", encoding="utf-8") as handle:
-        for text in texts:
-            handle.write(json.dumps({"text": text}) + "\n")
-    if data.main(
-        [
-            "--data",
-            str(source),
-            "--out",
-            str(corpus),
-            "--vocab-size",
-            "4096",
-            "--val-fraction",
-            "0.02",
-            "--test-fraction",
-            "0.05",
-            "--no-progress",
-        ]
-    ):
-        raise UserError(f"data.py could not build {corpus}")
-    return corpus
+    return make_corpus([write_jsonl(source, texts)], corpus)
 
 
 @torch.no_grad()

@@ -51,15 +51,18 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import nanogpt  # noqa: E402
 import torch  # noqa: E402
-from bench_texts import TEXTS, text_documents  # noqa: E402
+from bench_texts import TEXTS, make_corpus, text_documents, write_jsonl  # noqa: E402
 
-import distributed  # noqa: E402
-import model_config  # noqa: E402
-import muon  # noqa: E402
-import optimization  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
-from hardware import newton_schulz_flops  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model.hardware import newton_schulz_flops  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    muon,
+    optimization,
+    train,
+)
 
 NANOGPT = "--model nanogpt"  # in a recipe's options: bench/nanogpt.py's GPT-2 instead of the Qwen3 model
 BUILT_IN = {
@@ -133,8 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_corpus(args: argparse.Namespace, work: Path) -> Path:
     """The real-text corpus (built once per text and size, then reused): 4,096-token BPE, 5% test, 2% validation."""
-    import corpus_format
-    import data
 
     source = work / f"{args.text}.jsonl" if args.text in TEXTS else Path(args.text)
     corpus = work / f"corpus-{source.stem}-{args.text_bytes}"
@@ -144,27 +145,8 @@ def build_corpus(args: argparse.Namespace, work: Path) -> Path:
         shutil.rmtree(corpus)  # built by an older data.py: the bench's own folder, rebuilt
     work.mkdir(parents=True, exist_ok=True)
     if args.text in TEXTS:
-        with open(source, "w", encoding="utf-8") as handle:
-            for text in text_documents(args.text, args.text_bytes):
-                handle.write(json.dumps({"text": text}) + "\n")
-    code = data.main(
-        [
-            "--data",
-            str(source),
-            "--out",
-            str(corpus),
-            "--vocab-size",
-            "4096",
-            "--val-fraction",
-            "0.02",
-            "--test-fraction",
-            "0.05",
-            "--no-progress",
-        ]
-    )
-    if code:
-        raise UserError(f"data.py could not build {corpus}")
-    return corpus
+        write_jsonl(source, text_documents(args.text, args.text_bytes))
+    return make_corpus([source], corpus)
 
 
 def heldout_bytes(training: train.Training) -> int:

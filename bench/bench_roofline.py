@@ -82,10 +82,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import flop_registry  # noqa: E402
 from torch.utils.module_tracker import ModuleTracker  # noqa: E402
 
-import attention  # noqa: E402
-import hardware  # noqa: E402
-import losses  # noqa: E402
-import model_config  # noqa: E402
+from tinyllm.model import (  # noqa: E402
+    attention,
+    hardware,
+    losses,
+)
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import muon, optimization, train_data  # noqa: E402
 
 VOCAB = 33_069
 TOKENS = 1.5e9
@@ -524,7 +527,6 @@ def population(
 ) -> tuple[tuple[int, ...], ...]:
     """Each row's document lengths over `rows` rows of the project's own packer (train_data.MaskedPacking,
     --packing masked) on a stream of documents of lognormal lengths (median, sigma)."""
-    import train_data
 
     rng = np.random.default_rng(seed)
     needed = rows * context + 1
@@ -721,8 +723,6 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     norm and clip, muon.Muon on the hidden matrices with Newton-Schulz in the card's dtype, fused AdamW on
     the rest, zero_grad in place under DDP), on fake tensors. Under DDP each rank orthogonalizes its share
     (muon.newton_schulz_owners): counted here for the whole set, its matmuls scaled to the largest share."""
-    import muon
-    import optimization
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:

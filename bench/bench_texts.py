@@ -1,10 +1,12 @@
 """The real texts the benches train on, read from this machine (no download): the King James Bible
 (Debian's bible-kjv), Debian changelog entries, English man pages. One module: bench_recipe.py,
-bench_packing.py, bench_elementwise_quality.py, bench_budget.py and bench_mixture.py take them from here."""
+bench_packing.py, bench_elementwise_quality.py, bench_budget.py and bench_mixture.py take them from here, and
+build their corpora with `make_corpus` (the same splits everywhere)."""
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import random
 import re
@@ -15,9 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import UserError  # noqa: E402
+from tinyllm.common import UserError  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
 
 TEXTS = ("kjv", "manpages", "changelog")
+# The benches' held-out documents: 2% validation, 5% test (held-out bits per byte is measured on the test split).
+SPLITS = ("--val-fraction", "0.02", "--test-fraction", "0.05")
 ENTRY_START = re.compile(r"^\S+ \([^)]*\) [^;]*; urgency=", re.MULTILINE)  # a Debian changelog entry's first line
 MAN_SECTIONS = ("man1", "man2", "man3", "man5", "man7", "man8")
 
@@ -105,3 +110,20 @@ def man_pages(limit_bytes: int, seed: int = 0) -> list[str]:
     if size < limit_bytes // 2:
         raise UserError(f"rendered only {size:,} bytes of man pages from /usr/share/man (wanted {limit_bytes:,})")
     return texts
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    """One {"text": ...} record a line: what data.py reads."""
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+    return path
+
+
+def make_corpus(sources: list[Path], corpus: Path, *options: str, vocab_size: int = 4096) -> Path:
+    """data.py over the JSONL `sources` into `corpus`, with the benches' splits (SPLITS) and a `vocab_size` BPE;
+    `options`: more of data.py's options (e.g. --tokenizer, --overwrite)."""
+    inputs = [str(source) for source in sources]
+    vocab = ["--vocab-size", str(vocab_size)]
+    if data.main(["--data", *inputs, "--out", str(corpus), *vocab, *SPLITS, "--no-progress", *options]):
+        raise UserError(f"data.py could not build {corpus}")
+    return corpus

@@ -24,6 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+
 BUSY = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a @ a\n"
 
 
@@ -33,8 +36,7 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
 
     import torch
 
-    import distributed
-    import train
+    from tinyllm.training import distributed, train
 
     torch.set_num_threads(threads)
     settings = train.parse_args(
@@ -98,9 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(time_steps(args.corpus, args.preset, args.child, args.batch_size, args.steps)))
         return 0
-
-    import corpus_format
-    import data
 
     corpus = args.work / "corpus"
     if not (corpus / corpus_format.CORPUS_MANIFEST).exists():

@@ -47,12 +47,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import checkpoint_store as store  # noqa: E402
-import data  # noqa: E402
-import distributed  # noqa: E402
-import model_config  # noqa: E402
-import train  # noqa: E402
-from common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.store import checkpoint_store as store  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+)
 
 TARGET_VS_TRAINER = 1.1
 TARGET_MFU = 0.60

@@ -30,9 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import distributed  # noqa: E402
-import optimization  # noqa: E402
-import train  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    optimization,
+    train,
+)
 
 GLOBAL_BLOCKS = 8
 LAYOUTS = {  # name: (world size 1's batch and accumulation, world size 2's)

@@ -25,6 +25,8 @@ from gpu_plan import (  # noqa: E402
 )
 from gpu_record import first_line, free_memory  # noqa: E402
 
+from tinyllm.model import attention  # noqa: E402
+
 
 def layer_stub(implementation: str, groups: int):
     """What attention.py's and transformers' attention functions read of a decoder layer."""
@@ -92,8 +94,6 @@ class AttentionParts:
         segments of realistic documents, their mask and Documents, on the device."""
         import torch
 
-        import attention
-
         preset = self.preset
         generator = torch.Generator(device=self.info.device).manual_seed(seed)
         make = lambda heads: (  # noqa: E731
@@ -128,8 +128,6 @@ class AttentionParts:
     def attention_call(self, path: str, inputs: dict):
         """One layer's attention by `path`, as training calls it: (B, C, H, D)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        import attention
 
         q, k, v = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
         groups, scale = self.preset.heads // self.preset.kv_heads, self.preset.head_dim**-0.5
@@ -199,8 +197,6 @@ class AttentionParts:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        import attention
-
         self.needs_cuda("cuDNN attention")
         preset, result = self.preset, {"precision": self.precision, "lengths": {}}
         for length, precision in [
@@ -234,8 +230,6 @@ class AttentionParts:
     def attention_bench(self) -> dict:
         """Every path at every --attention-shapes: forward + backward, memory, error, prepare time."""
         import torch
-
-        import attention
 
         preset, result = (
             self.preset,
@@ -288,8 +282,6 @@ class AttentionParts:
         self, path: str, inputs: dict, references: dict, checked: int, useful: float, lengths: list[list[int]]
     ) -> dict:
         import torch
-
-        import attention
 
         preset = self.preset
         rows, tokens = inputs["segments"].shape

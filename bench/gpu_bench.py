@@ -16,10 +16,13 @@ sys.path.insert(0, str(ROOT))
 from gpu_plan import DTYPES  # noqa: E402
 from gpu_record import NotHere, Recorder  # noqa: E402
 
-import distributed  # noqa: E402
-import hardware  # noqa: E402
-import model_config  # noqa: E402
-from common import UserError  # noqa: E402
+from tinyllm.common import UserError  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+)
 
 
 class Corpus:
@@ -81,7 +84,6 @@ class BenchContext:
         out: Path | None = None,
         extra: list[str] | None = None,
     ):
-        import train
 
         argv = [
             "--data",
@@ -113,7 +115,6 @@ class BenchContext:
         return train.parse_args(argv)
 
     def build(self, options):
-        import train
 
         return train.build_training(options, self.info, self.vocab)
 

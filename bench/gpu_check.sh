@@ -33,9 +33,8 @@ import inspect
 
 import torch
 
-import attention
-import hardware
-import model_config
+from tinyllm.model import attention, hardware
+from tinyllm.model import config as model_config
 
 print("torch", torch.__version__)
 try:

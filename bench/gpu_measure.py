@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_plan import OPTIMIZER_RANGES, attention_kernels, compile_counts, split_by_category  # noqa: E402
 
+from tinyllm.training import optimization  # noqa: E402
+
 
 def time_on_device(function, device, repeats: int = 5, warmup: int = 2) -> float:
     """Median seconds of `function()` after `warmup` untimed calls: CUDA events on a GPU, perf_counter on CPU."""
@@ -119,8 +121,6 @@ def optimizer_ranges(training):
     """The optimizer's part of train_step outside optimizer.step (the unscale, the gradient norm and clip,
     zero_grad) inside a "tinyllm.optimizer" profiler range, as the roofline counts them."""
     import torch
-
-    import optimization
 
     def ranged(function):
         def call(*args, **kwargs):

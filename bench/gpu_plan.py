@@ -14,9 +14,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import hardware  # noqa: E402
-import model_config  # noqa: E402
-from common import UserError  # noqa: E402
+from tinyllm.common import UserError  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
 
 THINK72_VOCAB = 33_069
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_plan import part_seconds, starts_in_budget  # noqa: E402
 
-import distributed  # noqa: E402
-from common import append_jsonl, atomic_write_json  # noqa: E402
+from tinyllm.common import append_jsonl, atomic_write_json  # noqa: E402
+from tinyllm.training import distributed  # noqa: E402
 
 
 def first_line(error: BaseException) -> str:

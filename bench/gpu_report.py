@@ -14,11 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import bench_roofline  # noqa: E402
 from gpu_plan import CATEGORIES, THINK72_VOCAB, part_seconds  # noqa: E402
 from gpu_record import first_line  # noqa: E402
 
-import hardware  # noqa: E402
-import model_config  # noqa: E402
+from tinyllm.model import (  # noqa: E402
+    attention,
+    hardware,
+)
+from tinyllm.model import config as model_config  # noqa: E402
 
 
 def predicted_step(card, preset, vocab: int, world: int, tokens_per_step: int, micro_batch_tokens: int) -> dict:
@@ -39,8 +43,6 @@ def predicted_step(card, preset, vocab: int, world: int, tokens_per_step: int, m
 def machine_facts(info, args: argparse.Namespace) -> dict:
     import torch
     import transformers
-
-    import attention
 
     device = hardware.describe(info.device)
     preset = model_config.resolve_preset(args.preset, context=args.context)
@@ -307,7 +309,4 @@ PART_LINES = {
 def prediction_table(vocab: int = THINK72_VOCAB, tokens: float = 1.5e9) -> list[str]:
     """The think72 rows of docs/training.md's throughput table (bench/bench_roofline.py's, from the recorded
     counts hardware.ROOFLINE_COUNTS)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_roofline
-
     return bench_roofline.card_rows(hardware.ROOFLINE_COUNTS, tokens=tokens)

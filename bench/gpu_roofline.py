@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 from gpu_measure import time_on_device  # noqa: E402
 from gpu_plan import THINK72_VOCAB, gemm_shapes  # noqa: E402
 
-import hardware  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
 
 
 class RooflineParts:
@@ -26,7 +26,7 @@ class RooflineParts:
         import torch
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS
 
-        import muon
+        from tinyllm.training import muon
 
         coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
         shapes = hardware.muon_matrix_shapes(self.preset)

@@ -18,9 +18,12 @@ from gpu_measure import CompileWatch, OptimizerTimer, profile_step  # noqa: E402
 from gpu_plan import curves_close, relative_difference  # noqa: E402
 from gpu_record import NotHere, free_memory  # noqa: E402
 
-import checkpoint_store as store  # noqa: E402
-import distributed  # noqa: E402
-import hardware  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
+from tinyllm.store import checkpoint_store as store  # noqa: E402
+from tinyllm.training import (  # noqa: E402
+    distributed,
+    train,
+)
 
 
 class StepParts:
@@ -221,7 +224,6 @@ class StepParts:
     # -- save, resume, continue: equal to the uninterrupted run ------------------------------
 
     def resume(self) -> dict:
-        import train
 
         deterministic = "--deterministic" in train.build_parser()._option_string_actions
         out = Path(distributed.broadcast_from_main(tempfile.mkdtemp(prefix="resume-", dir=self.work), self.info))

@@ -2,7 +2,7 @@
 # Mutation testing of tinyllm's core rules with mutmut 3 (configured in pyproject.toml, [tool.mutmut]).
 #
 #   bash bench/mutation.sh                        # the whole core, one worker: 5-10 min on 2 busy cores
-#   bash bench/mutation.sh "train_data.x_mix64__*"     # only the mutants named (fnmatch patterns)
+#   bash bench/mutation.sh "tinyllm.training.train_data.x_mix64__*"     # only the mutants named (fnmatch patterns)
 #   PYTHON=.venv/bin/python JOBS=2 bash bench/mutation.sh
 #
 # mutmut copies the sources to mutants/, makes every mutant of the files listed in pyproject.toml
@@ -19,41 +19,58 @@ PYTHON=${PYTHON:-python}
 
 CORE=(
   # data.py and corpus_format.py: splits, document hashing, sharding into hashed shards, corpus record verification
-  "data.x_split_of__*" "data.x_document_hash__*" "corpus_format.x_token_dtype__*" "corpus_format.x_shard_name__*"
-  "data.xǁShardWriterǁ*" "data.x_batches__*" "corpus_format.x_verify_files__*" "data.x_check_settings__*"
+  "tinyllm.data.build.x_split_of__*" "tinyllm.data.build.x_document_hash__*"
+  "tinyllm.data.corpus_format.x_token_dtype__*" "tinyllm.data.corpus_format.x_shard_name__*"
+  "tinyllm.data.build.xǁShardWriterǁ*" "tinyllm.data.build.x_batches__*"
+  "tinyllm.data.corpus_format.x_verify_files__*" "tinyllm.data.build.x_check_settings__*"
   # train_data.py: the data order; the loss, gradient clipping (optimization.py), loading a checkpoint, the settings check
-  "train_data.x_mix64__*" "train_data.xǁBlockPermutationǁ*" "train_data.xǁBlockSamplerǁ*"
-  "losses.x_language_model_loss__*" "losses.xǁLanguageModelLossǁforward__*" "optimization.x_clip_gradients__*"
-  "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_settings_changes__*"
+  "tinyllm.training.train_data.x_mix64__*" "tinyllm.training.train_data.xǁBlockPermutationǁ*"
+  "tinyllm.training.train_data.xǁBlockSamplerǁ*"
+  "tinyllm.model.losses.x_language_model_loss__*" "tinyllm.model.losses.xǁLanguageModelLossǁforward__*"
+  "tinyllm.training.optimization.x_clip_gradients__*"
+  "tinyllm.store.checkpoint_store.x_load_checkpoint_file__*" "tinyllm.store.checkpoint_store.x_settings_changes__*"
   # checkpoint_store.py: names, records, listings, the resume, timeline, retention and mirror plans, the run
   # status (not its I/O glue moved in from train.py, the writer thread, the lock and the checkpoint readers:
   # tests/test_train.py and tests/test_checkpoints.py cover those, too slow to run per mutant)
-  "checkpoint_store.x_checkpoint_name__*" "checkpoint_store.x_step_of__*" "checkpoint_store.x_record_name__*"
-  "checkpoint_store.x_size_text__*" "checkpoint_store.xǁRecordǁ*" "checkpoint_store.x_read_record__*"
-  "checkpoint_store.x_write_record__*" "checkpoint_store.xǁListingǁ*" "checkpoint_store.xǁNamesǁ*"
-  "checkpoint_store.x_sort_names__*" "checkpoint_store.x_list_folder__*" "checkpoint_store.xǁResumePlanǁ*"
-  "checkpoint_store.x_plan_resume__*" "checkpoint_store.xǁTimelinePlanǁ*" "checkpoint_store.x_plan_timeline__*"
-  "checkpoint_store.x_newest_verified__*" "checkpoint_store.x_file_mismatch__*"
-  "checkpoint_store.x_retention_deletions__*" "checkpoint_store.x_beyond_unbacked_bound__*"
-  "checkpoint_store.xǁMirrorPolicyǁ*" "checkpoint_store.xǁMirrorPlanǁ*" "checkpoint_store.x_backed_up__*"
-  "checkpoint_store.x_plan_mirror__*" "checkpoint_store.x_restore_order__*" "checkpoint_store.x_set_aside__*"
-  "checkpoint_store.x_delete__*" "checkpoint_store.x_apply_plan__*" "checkpoint_store.x_apply_timeline__*"
-  "checkpoint_store.x_write_status__*" "checkpoint_store.xǁRunStatusǁ*" "checkpoint_store.x_previous_session_note__*"
-  "checkpoint_store.x_settings_changes__*" "checkpoint_store.x_describe_changes__*"
-  "checkpoint_store.xǁResumeVerdictǁ*" "checkpoint_store.x_resume_verdict__*"
-  "checkpoint_store.x_load_checkpoint_file__*" "checkpoint_store.x_tensor_differences__*"
-  "checkpoint_store.xǁCheckpointWriteFailedǁ*" "checkpoint_store.xǁCheckpointerǁapply_retention__*"
+  "tinyllm.store.checkpoint_store.x_checkpoint_name__*" "tinyllm.store.checkpoint_store.x_step_of__*"
+  "tinyllm.store.checkpoint_store.x_record_name__*"
+  "tinyllm.store.checkpoint_store.x_size_text__*" "tinyllm.store.checkpoint_store.xǁRecordǁ*"
+  "tinyllm.store.checkpoint_store.x_read_record__*"
+  "tinyllm.store.checkpoint_store.x_write_record__*" "tinyllm.store.checkpoint_store.xǁListingǁ*"
+  "tinyllm.store.checkpoint_store.xǁNamesǁ*"
+  "tinyllm.store.checkpoint_store.x_sort_names__*" "tinyllm.store.checkpoint_store.x_list_folder__*"
+  "tinyllm.store.checkpoint_store.xǁResumePlanǁ*"
+  "tinyllm.store.checkpoint_store.x_plan_resume__*" "tinyllm.store.checkpoint_store.xǁTimelinePlanǁ*"
+  "tinyllm.store.checkpoint_store.x_plan_timeline__*"
+  "tinyllm.store.checkpoint_store.x_newest_verified__*" "tinyllm.store.checkpoint_store.x_file_mismatch__*"
+  "tinyllm.store.checkpoint_store.x_retention_deletions__*" "tinyllm.store.checkpoint_store.x_beyond_unbacked_bound__*"
+  "tinyllm.store.checkpoint_store.xǁMirrorPolicyǁ*" "tinyllm.store.checkpoint_store.xǁMirrorPlanǁ*"
+  "tinyllm.store.checkpoint_store.x_backed_up__*"
+  "tinyllm.store.checkpoint_store.x_plan_mirror__*" "tinyllm.store.checkpoint_store.x_restore_order__*"
+  "tinyllm.store.checkpoint_store.x_set_aside__*"
+  "tinyllm.store.checkpoint_store.x_delete__*" "tinyllm.store.checkpoint_store.x_apply_plan__*"
+  "tinyllm.store.checkpoint_store.x_apply_timeline__*"
+  "tinyllm.store.checkpoint_store.x_write_status__*" "tinyllm.store.checkpoint_store.xǁRunStatusǁ*"
+  "tinyllm.store.checkpoint_store.x_previous_session_note__*"
+  "tinyllm.store.checkpoint_store.x_settings_changes__*" "tinyllm.store.checkpoint_store.x_describe_changes__*"
+  "tinyllm.store.checkpoint_store.xǁResumeVerdictǁ*" "tinyllm.store.checkpoint_store.x_resume_verdict__*"
+  "tinyllm.store.checkpoint_store.x_load_checkpoint_file__*" "tinyllm.store.checkpoint_store.x_tensor_differences__*"
+  "tinyllm.store.checkpoint_store.xǁCheckpointWriteFailedǁ*"
+  "tinyllm.store.checkpoint_store.xǁCheckpointerǁapply_retention__*"
   # checkpoint_cloud.py: the bound on checkpoints waiting for their upload
-  "checkpoint_cloud.x_beyond_unbacked_bound__*"
+  "tinyllm.store.checkpoint_cloud.x_beyond_unbacked_bound__*"
   # evaluation.py: exact-match answer scoring
-  "evaluation.x_extract_final_answer__*" "evaluation.x_score_answers__*"
+  "tinyllm.outputs.evaluation.x_extract_final_answer__*" "tinyllm.outputs.evaluation.x_score_answers__*"
   # evaluation.py and callbacks.py: the in-loop --eval-tasks encoding and scoring (lm-eval's rules), and the
   # evaluations' cadence
-  "evaluation.x_encode_pair__*" "evaluation.x_choice_rows__*" "evaluation.x_choice_counts__*"
-  "evaluation.x_loop_scores__*" "callbacks.x_due__*" "evaluation.x_default_tasks_every__*"
+  "tinyllm.outputs.evaluation.x_encode_pair__*" "tinyllm.outputs.evaluation.x_choice_rows__*"
+  "tinyllm.outputs.evaluation.x_choice_counts__*"
+  "tinyllm.outputs.evaluation.x_loop_scores__*" "tinyllm.outputs.callbacks.x_due__*"
+  "tinyllm.outputs.evaluation.x_default_tasks_every__*"
   # export_gguf.py: GGUF metadata
-  "export_gguf.x_add_metadata__*" "export_gguf.x_model_name__*" "export_gguf.x_is_sha256__*"
-  "export_gguf.x_ggml_type_for__*"
+  "tinyllm.outputs.export_gguf.x_add_metadata__*" "tinyllm.outputs.export_gguf.x_model_name__*"
+  "tinyllm.outputs.export_gguf.x_is_sha256__*"
+  "tinyllm.outputs.export_gguf.x_ggml_type_for__*"
 )
 if [ $# -gt 0 ]; then CORE=("$@"); fi
 

@@ -28,9 +28,11 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import losses  # noqa: E402
-import optimization  # noqa: E402
-import train  # noqa: E402
+from tinyllm.model import losses  # noqa: E402
+from tinyllm.training import (
+    optimization,  # noqa: E402
+    train,  # noqa: E402
+)
 
 
 class Block(nn.Module):

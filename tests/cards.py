@@ -3,7 +3,7 @@ capability and memory as torch.cuda.get_device_properties reports them."""
 
 from __future__ import annotations
 
-import hardware
+from tinyllm.model import hardware
 
 GIB = 1024**3
 P100 = hardware.Device("cuda", "Tesla P100-PCIE-16GB", (6, 0), 16 * GIB)

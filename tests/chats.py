@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-import corpus_format
-import data
-import model_config
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.model import config as model_config
 
 CHATS = [
     ("What is 2 plus 3?", corpus_format.render_assistant("5")),

@@ -87,7 +87,7 @@ def s3_url(moto_server, monkeypatch, tmp_path):
 
     from stores import ACCESS_KEY, SECRET_KEY
 
-    import remote_store
+    from tinyllm.store import remote_store
 
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)

@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import artifacts
-import callbacks
-import checkpoint_store as store
-import data
-import generation
-import metrics_log
-import model_config
-import publishing
+from tinyllm.data import build as data
+from tinyllm.model import config as model_config
+from tinyllm.model import generation
+from tinyllm.outputs import artifacts, callbacks, metrics_log, publishing
+from tinyllm.store import checkpoint_store as store
 
 SETTINGS = {"training": {"corpus_manifest_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}}
 WORDS = ["What is 1 plus 2?", "3", "What is 2 plus 2?", "4", "the cat sat on the mat"]

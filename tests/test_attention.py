@@ -13,10 +13,8 @@ import torch.nn.functional as F
 from cards import A10, A100, CARDS, CPU, H100, H200, L4, P100, T4, V100
 from references import reference_varlen
 
-import attention
-import hardware
-import losses
-import model_config
+from tinyllm.model import attention, hardware, losses
+from tinyllm.model import config as model_config
 
 # ----------------------------------------------------------------------------------------------
 # The layout.
@@ -465,7 +463,7 @@ def glue_inputs(repeated: bool, dtype=torch.float16):
 def test_the_flash_op_calls_torchs_flash_varlen_kernel_on_cuda():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import varlen_ops
+    from tinyllm.model import varlen_ops
 
     with FakeTensorMode():
         query, key, value, cu_seqlens, longest = glue_inputs(repeated=False)
@@ -489,7 +487,7 @@ def test_the_flash_op_calls_torchs_flash_varlen_kernel_on_cuda():
 def test_the_efficient_op_calls_torchs_memory_efficient_kernel_on_cuda():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import varlen_ops
+    from tinyllm.model import varlen_ops
 
     with FakeTensorMode():
         query, key, value, cu_seqlens, longest = glue_inputs(repeated=True)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_elementwise_quality as bench  # noqa: E402
 
-import model_config  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
 
 
 @pytest.mark.parametrize("arm, dtype", [("before", "float32"), ("after", "bfloat16")])

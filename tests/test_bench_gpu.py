@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import attention
-import distributed
-import hardware
-import model_config
+from tinyllm.model import attention, hardware
+from tinyllm.model import config as model_config
+from tinyllm.training import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))

@@ -15,10 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import bench_recipe  # noqa: E402
 import nanogpt  # noqa: E402
 
-import attention  # noqa: E402
-import losses  # noqa: E402
-import model_config  # noqa: E402
-import optimization  # noqa: E402
+from tinyllm.model import (
+    attention,  # noqa: E402
+    losses,  # noqa: E402
+)
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import optimization  # noqa: E402
 
 CURVE = [
     {"seconds": 0.0, "bpb": 3.0},

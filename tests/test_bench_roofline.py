@@ -12,8 +12,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_roofline  # noqa: E402
 
-import hardware  # noqa: E402
-import model_config  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.model import hardware  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,7 @@ def test_the_fake_count_is_flop_counter_s_on_real_tensors():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    import attention
-    import losses
+    from tinyllm.model import attention, losses
 
     preset = model_config.PRESETS["tiny"]
     counted = bench_roofline.count_side("before", preset, "bf16", 2)
@@ -207,7 +206,7 @@ def test_inductor_counts_its_kernels_and_fuses_the_loss_into_one_a_chunk():
     one kernel a chunk that reads the half logits and writes the half gradient: about 4 bytes a logit."""
     import torch
 
-    import hardware
+    from tinyllm.model import hardware
 
     result = bench_roofline.inductor_bytes("nano", layers=1, batch=2)
     assert len(result["graphs"]) == 2 and sum(torch._dynamo.utils.counters["graph_break"].values()) == 0

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from project import BENCH, MODULES, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
-MODULES = {path.stem for path in [*ROOT.glob("*.py"), *SCRIPTS]}  # train, data, ..., bench_recipe, s3_server
+SCRIPTS = sorted(BENCH.values())
+KNOWN = {*MODULES, *BENCH}  # tinyllm.training.train, ..., bench_recipe, s3_server
 
 # Each script as `python bench/NAME.py --help` runs it: as __main__, its own folder first on sys.path.
 HELP_EACH = """
@@ -63,13 +63,18 @@ def test_each_bench_script_imports_and_answers_help(helps, script):
 
 def project_names(tree: ast.AST) -> list[tuple[str, str, int]]:
     """(module, name, line) of each `from MODULE import name` and each `ALIAS.name` read, where MODULE is
-    a project module (ALIAS: the name a script imports it as, `store` for checkpoint_store)."""
+    a project module (ALIAS: the name a script imports it as: `train` for `from tinyllm.training import train`,
+    `store` for checkpoint_store)."""
     aliases, names = {}, []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases.update({alias.asname or alias.name: alias.name for alias in node.names if alias.name in MODULES})
-        elif isinstance(node, ast.ImportFrom) and node.module in MODULES:
-            names += [(node.module, alias.name, node.lineno) for alias in node.names]
+            aliases.update({alias.asname or alias.name: alias.name for alias in node.names if alias.name in KNOWN})
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in KNOWN:  # a module of a package
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                elif node.module in KNOWN:
+                    names.append((node.module, alias.name, node.lineno))
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
@@ -99,7 +104,11 @@ def test_every_name_a_bench_script_takes_from_the_project_exists(script, monkeyp
 def test_a_moved_name_is_caught(tmp_path):
     stale = tmp_path / "bench_stale.py"
     stale.write_text(
-        "import train\nimport checkpoint_store as store\n\n\ndef main():\n"
+        "from tinyllm.training import train\nfrom tinyllm.store import checkpoint_store as store\n"
+        "from tinyllm.model.config import PRESETS, PRESET_NAMES\n\n\ndef main():\n"
         "    return train.GRAD_CLIP, store.Checkpointer, train.parse_args\n"
     )
-    assert missing_names(stale) == ["bench_stale.py:6: train.GRAD_CLIP"]
+    assert missing_names(stale) == [
+        "bench_stale.py:3: tinyllm.model.config.PRESET_NAMES",
+        "bench_stale.py:7: tinyllm.training.train.GRAD_CLIP",
+    ]

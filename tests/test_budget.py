@@ -11,12 +11,11 @@ import pytest
 import torch
 from tiny_runs import write_tiny_corpus
 
-import budget
-import checkpoint_store as store
-import export_hf
-import model_config
-import train
-from common import UserError, given_options
+from tinyllm.common import UserError, given_options
+from tinyllm.model import config as model_config
+from tinyllm.outputs import export_hf
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import budget, train
 
 # A loss model of the fit's form, fixed here so that the tables do not move with budget.LOSS_MODEL.
 MODEL = budget.LossModel(e=1.0, n_c=1e5, alpha_n=0.5, d_c=1e7, alpha_d=0.4)
@@ -321,7 +320,7 @@ def test_an_explicit_preset_wins_and_bad_budgets_are_one_line(corpus, tmp_path, 
 
 
 def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, tmp_path):
-    import distributed
+    from tinyllm.training import distributed
 
     settings = train.parse_args(options(corpus, tmp_path / "unused"))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))

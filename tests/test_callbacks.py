@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import callbacks
-import metrics_log
-import report
+from tinyllm.outputs import callbacks, metrics_log, report
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from tiny_runs import assert_same_state, final_state, options, write_tiny_corpus
 
-import checkpoint_store as store
-import train
-from common import UserError, atomic_write_json
+from tinyllm.common import UserError, atomic_write_json
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import train
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,7 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(corpus, reference, t
 
 
 def test_a_rewind_points_the_backups_latest_at_the_resumed_checkpoint(corpus, tmp_path, capsys):
-    import checkpoint_cloud
-    import remote_store
+    from tinyllm.store import checkpoint_cloud, remote_store
 
     out, remote = tmp_path / "run", tmp_path / "remote"
     backup = ("--keep-last", "3", "--backup-to", str(remote))

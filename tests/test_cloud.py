@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 from stores import ACCESS_KEY, SECRET_KEY
-from tiny_runs import options, write_tiny_corpus
+from tiny_runs import assert_same_state, final_state, options, run_cli, train_losses, write_tiny_corpus
 
-import checkpoint_cloud as cc
-import checkpoint_store as store
-import corpus_format
-import data
-import remote_store as rs
-import train_data
-from common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
+from tinyllm.common import UserError, append_jsonl, atomic_write_json, sha256_file, temporary_target
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.store import checkpoint_cloud as cc
+from tinyllm.store import checkpoint_store as store
+from tinyllm.store import remote_store as rs
+from tinyllm.training import train_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_backup_url_from_arg_or_the_original_env_alias(monkeypatch):
 
 
 def test_train_py_options_build_the_backup(tmp_path, monkeypatch):
-    import train
+    from tinyllm.training import train
 
     def session(*argv: str):  # train.py's options, declared there once (SessionSettings)
         return train.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "run"), *argv]).session
@@ -459,7 +459,7 @@ def test_backup_child_ignores_sigterm_and_leaves_when_the_trainer_is_killed(tmp_
         [
             "import pathlib, sys, time",
             f"sys.path.insert(0, {str(ROOT)!r})",
-            "import checkpoint_cloud",
+            "from tinyllm.store import checkpoint_cloud",
             f"backup = checkpoint_cloud.BackupProcess({str(tmp_path / 'remote')!r}, log=lambda line: None)",
             f"pathlib.Path({str(pid_file)!r} + '.tmp').write_text(str(backup.child_pid))",
             f"pathlib.Path({str(pid_file)!r} + '.tmp').rename({str(pid_file)!r})",
@@ -488,7 +488,8 @@ CHILD_PHASES = {  # phase: (what the trainer does, the child's function that wai
     "closing": ("close", "Connection.send"),  # its answer to "close" not sent yet
 }
 WAIT_FOR_THE_KILL = """
-import os, pathlib, time, checkpoint_cloud, multiprocessing.connection
+import os, pathlib, time, multiprocessing.connection
+from tinyllm.store import checkpoint_cloud
 if os.environ.get("TEST_BACKUP_CHILD") == "1":  # the child (the trainer sets it after its own start)
     owner_name, _, name = {where!r}.rpartition(".")
     owner = {{"": checkpoint_cloud, "Mirror": checkpoint_cloud.Mirror,
@@ -512,7 +513,8 @@ def test_a_killed_trainer_leaves_no_traceback_from_its_backup_child(tmp_path, ph
     checkpoint = save_and_point_latest(tmp_path / "run" / "checkpoints", 3)
     script = "\n".join(
         [
-            "import os, pathlib, threading, time, checkpoint_cloud",
+            "import os, pathlib, threading, time",
+            "from tinyllm.store import checkpoint_cloud",
             "os.environ['TEST_BACKUP_CHILD'] = '1'",
             "def note_child():",  # the child's pid, for the test to see it exit; "start" blocks in the constructor
             "    for _ in range(3000):",
@@ -804,90 +806,27 @@ def test_real_corpus_from_data_py_pulled_from_s3(s3_url, tmp_path):
 # End to end with train.py (run as a subprocess, unchanged): back up, lose the disk, resume.
 
 
-def run_train(args: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, f"train.py failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-    return result.stdout
-
-
 @pytest.mark.slow
 def test_fresh_folder_resumes_from_the_remote_bit_for_bit(s3_url, tmp_path):
-    words = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()
-    records = [
-        {"text": " ".join(words[(i * 5 + j * 3) % len(words)] for j in range(8 + i % 9)) + "."} for i in range(600)
-    ]
-    corpus = data.build_corpus(
-        [data.Source("generated", "generated", records=records)],
-        tmp_path / "corpus",
-        data.BuildSettings(vocab_size=300, val_fraction=0.05, test_fraction=0.05),
-    )
+    corpus = write_tiny_corpus(tmp_path / "corpus")
 
-    def options(out: Path, *extra: str) -> list[str]:
-        return [
-            "--data",
-            str(corpus),
-            "--out",
-            str(out),
-            "--preset",
-            "tiny",
-            "--context",
-            "32",
-            "--batch-size",
-            "2",
-            "--grad-accum",
-            "2",
-            "--target-tokens",
-            str(8 * 4 * 32),
-            "--warmup-steps",
-            "2",
-            "--eval-every",
-            "4",
-            "--eval-batches",
-            "1",
-            "--save-every",
-            "3",
-            "--log-every",
-            "1",
-            "--threads",
-            "1",
-            *extra,
-        ]
+    def run(out: Path, *extra: str) -> list[str]:
+        return options(corpus, out, "--save-every", "3", *extra, steps=8)
 
-    run_train(options(tmp_path / "reference"))
+    run_cli(run(tmp_path / "reference"))
     first = tmp_path / "first-machine"
-    run_train(options(first, "--stop-after-steps", "5"))  # saves at 3 and 5
+    run_cli(run(first, "--stop-after-steps", "5"))  # saves at 3 and 5
     assert reconcile(mirror(s3_url), first / "checkpoints").caught_up
 
     second = tmp_path / "second-machine"  # a fresh disk: only the remote survives
     restored = cc.restore_latest(s3_url, second / "checkpoints", log=Log())
     assert restored.name == "step-00000005.pt"
-    output = run_train(options(second, "--resume", "auto"))
+    output = run_cli(run(second, "--resume", "auto")).stdout
     assert "resumed from" in output  # it did not quietly start over
-    steps = [
-        json.loads(line)["step"]
-        for line in (second / "metrics.jsonl").read_text().splitlines()
-        if json.loads(line)["kind"] == "train"
-    ]
-    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # the history came back with the checkpoint
-
-    def final(out: Path) -> dict:
-        latest = json.loads((out / "checkpoints" / "latest.json").read_text())
-        return torch.load(out / "checkpoints" / latest["path"], map_location="cpu", weights_only=True)
-
-    got, want = final(second), final(tmp_path / "reference")
+    assert list(train_losses(second)) == [1, 2, 3, 4, 5, 6, 7, 8]  # the history came back too
+    got, want = final_state(second), final_state(tmp_path / "reference")
     assert got["step"] == want["step"] == 8
-    for key in want["model"]:
-        assert torch.equal(got["model"][key], want["model"][key]), key
-    assert got["optimizer"].keys() == want["optimizer"].keys()  # {"adamw": ..., "muon": ...}
-    for part in want["optimizer"]:
-        got_opt, want_opt = got["optimizer"][part]["state"], want["optimizer"][part]["state"]
-        assert got_opt.keys() == want_opt.keys()
-        for index in want_opt:
-            for name, value in want_opt[index].items():
-                assert torch.equal(torch.as_tensor(got_opt[index][name]), torch.as_tensor(value)), (part, index, name)
+    assert_same_state(got, want)
 
 
 def test_a_long_outage_is_logged_sparingly_and_a_success_is_announced(tmp_path):
@@ -964,7 +903,7 @@ def test_push_and_the_backup_never_create_a_missing_bucket_or_folder(store, tmp_
 def test_train_py_with_a_backup_url_whose_bucket_is_missing_stops_before_training(s3_url, tmp_path):
     """Issue 14.1, through train.py: no bucket made, no 'holds no checkpoint yet', no step 0."""
 
-    import train
+    from tinyllm.training import train
 
     corpus = write_tiny_corpus(tmp_path / "corpus", documents=200)
     missing = f"s3://typobucket-{uuid.uuid4().hex[:8]}/runs/x"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import common
-from common import (
+from tinyllm import common
+from tinyllm.common import (
     PLAIN_FILE_MODE,
     PLAIN_FOLDER_MODE,
     UserError,
@@ -402,9 +402,22 @@ def test_run_main_turns_the_bars_off_in_a_log(monkeypatch):
     common.run_main(lambda: seen.update(os.environ), script=False)  # stderr is pytest's capture, not a terminal
     assert {name: seen.get(name) for name in common.LIBRARY_PROGRESS_OFF} == common.LIBRARY_PROGRESS_OFF
     # a tqdm imported after run_main began (lm-eval's, under report.py evaluate) draws nothing into a log
-    code = "import common; common.run_main(lambda: print(__import__('tqdm').tqdm(total=3).disable))"
+    code = "from tinyllm import common; common.run_main(lambda: print(__import__('tqdm').tqdm(total=3).disable))"
     environ = {name: value for name, value in os.environ.items() if name not in common.LIBRARY_PROGRESS_OFF}
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=Path(common.__file__).parent, capture_output=True, text=True, env=environ
+        [sys.executable, "-c", code], cwd=Path(common.__file__).parents[1], capture_output=True, text=True, env=environ
     )
     assert result.stdout.strip() == "True", result.stderr
+
+
+def test_python_common_py_lists_every_command_and_the_layers(capsys):
+    """`python common.py`: each root script with its console script and its module's file, then the layers."""
+    root = Path(common.__file__).parents[1]
+    text = common.layout_text()
+    for script, module in common.SCRIPT_MODULES.items():
+        path = module.replace(".", "/") + ".py"
+        line = next(line for line in text.splitlines() if line.split()[:2] == ["python", f"{script}.py"])
+        assert line.split()[-1] == path and (root / path).is_file() and (root / f"{script}.py").is_file()
+        assert line.split()[2] == common.CONSOLE_SCRIPTS.get(script, "-")
+    assert all(f"{layer}/" in text for layer in ("data", "model", "store", "outputs", "training"))
+    assert common.main([]) == 0 and capsys.readouterr().out == text + "\n"

@@ -19,17 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-import callbacks
-import checkpoint_store as store
-import corpus_format
-import data
-import evaluation
-import losses
-import optimization
-import report
-import train
-import train_data
-from common import UserError, sha256_file
+from tinyllm.common import UserError, sha256_file
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.model import losses
+from tinyllm.outputs import callbacks, evaluation, report
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import optimization, train, train_data
 
 # each test here takes well under a second: a loop that never ends (a permutation that is not a
 # bijection cycle-walks forever) fails by name within seconds
@@ -313,7 +309,7 @@ def tiny_corpus_files(root: Path) -> dict:
         (root / name).write_bytes(raw)
         files.append({"name": name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(ids)})
     (root / "eval.jsonl").write_text("{}\n")
-    from common import sha256_tree
+    from tinyllm.common import sha256_tree
 
     return {
         "dtype": "uint16",
@@ -1087,7 +1083,7 @@ def test_pickle_is_what_the_hostile_test_relies_on(tmp_path):
     ],
 )
 def test_is_sha256(value, expected):
-    import export_gguf
+    from tinyllm.outputs import export_gguf
 
     assert export_gguf.is_sha256(value) is expected
 
@@ -1109,13 +1105,13 @@ def test_is_sha256(value, expected):
     ],
 )
 def test_ggml_type_for(shape, out_type, expected):
-    import export_gguf
+    from tinyllm.outputs import export_gguf
 
     assert export_gguf.ggml_type_for(shape, out_type).name == expected
 
 
 def test_model_name_is_the_run_folder_for_a_model_subfolder(tmp_path, monkeypatch):
-    import export_gguf
+    from tinyllm.outputs import export_gguf
 
     assert export_gguf.model_name(tmp_path / "my-run" / "model") == "my-run"
     assert export_gguf.model_name(tmp_path / "exported") == "exported"
@@ -1128,8 +1124,8 @@ def gguf_metadata(tmp_path: Path, out_type: str, provenance: dict, eot_id: int |
     """add_metadata written to a GGUF without tensors, read back by gguf's own reader."""
     import gguf
 
-    import export_gguf
-    import model_config
+    from tinyllm.model import config as model_config
+    from tinyllm.outputs import export_gguf
 
     preset = model_config.PRESETS["tiny"]
     source = export_gguf.ModelSource(
@@ -1160,7 +1156,7 @@ def gguf_metadata(tmp_path: Path, out_type: str, provenance: dict, eot_id: int |
 def test_gguf_metadata_holds_every_field_llama_cpp_reads(tmp_path):
     import gguf
 
-    import model_config
+    from tinyllm.model import config as model_config
 
     preset = model_config.PRESETS["tiny"]
     fields = gguf_metadata(tmp_path, "f16", {"corpus_sha256": "c" * 64, "tokenizer_sha256": "d" * 64})

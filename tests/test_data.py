@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import corpus_format
-import data
-import demo_corpus as demo
-from common import UserError, sha256_file, sha256_tree, temporary_name
+from tinyllm.common import UserError, sha256_file, sha256_tree, temporary_name
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.data import demo_corpus as demo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -782,7 +782,7 @@ def test_leftovers_of_a_killed_build_are_removed_by_the_next_one(tmp_path):
 def test_vocab_beyond_uint16_switches_to_uint32(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from data import SPECIAL_TOKENS
+    from tinyllm.data.build import SPECIAL_TOKENS
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(alphabet))}

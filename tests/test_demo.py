@@ -17,18 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-import corpus_format
-import demo_corpus
-import distributed
-import evaluation
-import export_hf
-import generation
-import model_config
-import optimization
-import report
-import train
-import train_data
-from common import sha256_file
+from tinyllm.common import sha256_file
+from tinyllm.data import corpus_format, demo_corpus
+from tinyllm.model import config as model_config
+from tinyllm.model import generation
+from tinyllm.outputs import evaluation, export_hf, report
+from tinyllm.training import distributed, optimization, train, train_data
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 40

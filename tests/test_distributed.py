@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import distributed
+from tinyllm.training import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,7 @@ def free_port() -> int:
 RANK_SCRIPT = """
 import sys, time
 import torch
-import distributed
+from tinyllm.training import distributed
 mode, rank = sys.argv[1], int(sys.argv[2])
 if mode == "ok":
     info = distributed.init_distributed("cpu")  # init_process_group, then check_first_collective
@@ -100,7 +100,7 @@ def start_ranks(mode: str) -> list[subprocess.Popen]:
         "MASTER_PORT": str(free_port()),
     }
     code = (
-        "from common import run_main\n"
+        "from tinyllm.common import run_main\n"
         "def main():\n" + "".join(f"    {line}\n" for line in RANK_SCRIPT.strip().splitlines()) + "run_main(main)\n"
     )
     return [

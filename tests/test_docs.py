@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+from project import MODULES, ROOT, SCRIPTS
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = sorted([ROOT / "README.md", ROOT / "DESIGN.md", *(ROOT / "docs").glob("*.md")])
 TEST_COMMAND = "python -m pytest -q -n auto --dist loadscope"
 
@@ -96,9 +96,16 @@ def test_the_link_checker_finds_what_it_should(tmp_path: Path):
     assert anchors(text) == {"building-a-corpus-datapy", "backups---backup-to-checkpoint_cloudpy", "a", "a-1"}
 
 
-MODULES = sorted(path.stem for path in ROOT.glob("*.py"))
-ALIASES = {"store": "checkpoint_store"}  # `import checkpoint_store as store`, as the scripts write it
-NAMED = re.compile(r"`((?:" + "|".join(map(re.escape, [*MODULES, *ALIASES])) + r")(?:\.[A-Za-z_]\w*)+)")
+# A module by its last name (`hardware.step_memory`: tinyllm.model.hardware), or by the name the code imports it
+# under: `store` (checkpoint_store), `data` (tinyllm/data/build.py: data.py's), `model_config` (tinyllm/model/config.py)
+SHORT = {name.rsplit(".", 1)[-1]: name for name, path in MODULES.items() if path.stem != "__init__"}
+ALIASES = {
+    **SHORT,
+    "store": "tinyllm.store.checkpoint_store",
+    "data": "tinyllm.data.build",
+    "model_config": "tinyllm.model.config",
+}
+NAMED = re.compile(r"`((?:" + "|".join(map(re.escape, ALIASES)) + r")(?:\.[A-Za-z_]\w*)+)")
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "toml", "txt", "ipynb", "sh", "pt", "gguf"}
 
 
@@ -108,7 +115,7 @@ def resolves(reference: str) -> bool:
     import importlib
 
     parts = reference.split(".")
-    target = importlib.import_module(ALIASES.get(parts[0], parts[0]))
+    target = importlib.import_module(ALIASES[parts[0]])
     for name in parts[1:]:
         if hasattr(target, name):
             target = getattr(target, name)
@@ -121,7 +128,7 @@ def resolves(reference: str) -> bool:
 def test_every_backticked_module_name_in_docs_and_docstrings_resolves():
     """`hardware.step_memory` in a document or a docstring names a function that exists: a rename or a move
     fails here, not in a reader's hands."""
-    sources = [*DOCUMENTS, *ROOT.glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    sources = [*DOCUMENTS, *SCRIPTS, *MODULES.values(), *(ROOT / "bench").glob("*.py")]
     stale = []
     for source in sources:
         text = source.read_text(encoding="utf-8")

@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
-import evaluation
-import export_hf
-import losses
-import model_config
-import report
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.data import build as data
+from tinyllm.model import config as model_config
+from tinyllm.model import losses
+from tinyllm.outputs import evaluation, export_hf, report
 
 WORDS = ["the cat", "a dog", "sat on", "the mat", "ran far", "in the park", "blue sky", "green tree", "one two"]
 

@@ -14,17 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from faults import fail_os_writes, mount_point, read_only_folder, small_disk
+from project import ROOT
 from tiny_runs import options, write_tiny_corpus
 
-import checkpoint_store as store
-import common
-import corpus_format
-import data
-import distributed
-import generation
-import hardware
-import report
-import train
+from tinyllm import common
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.model import generation, hardware
+from tinyllm.outputs import report
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import distributed, train
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +219,7 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
     assert "| test loss " in capsys.readouterr().out
     modes = {path.name: path.stat().st_mode & 0o777 for path in (out / "model").iterdir()}
     assert set(modes.values()) == {common.PLAIN_FILE_MODE}, modes  # model.safetensors too, not 0600
-    import report  # report.py samples continues plain text too
+    from tinyllm.outputs import report  # report.py samples continues plain text too
 
     assert report.main(["samples", str(out / "model"), "--text", "--prompt", "99 plus", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("> 99 plus")
@@ -309,7 +308,7 @@ def test_sigterm_during_data_py_says_so_and_leaves_no_build_folder(tmp_path):
     process = subprocess.Popen(
         [
             sys.executable,
-            str(Path(data.__file__)),
+            str(ROOT / "data.py"),
             "--data",
             str(texts),
             "--out",
@@ -428,8 +427,8 @@ def test_a_late_or_wrapped_ctrl_c_is_exit_130_or_ignored_never_a_traceback(tmp_p
     script = tmp_path / "late.py"
     script.write_text(
         "import atexit, os, signal, sys, time\n"
-        f"sys.path.insert(0, {str(Path(common.__file__).parent)!r})\n"
-        "from common import run_main\n"
+        f"sys.path.insert(0, {str(Path(common.__file__).parents[1])!r})\n"
+        "from tinyllm.common import run_main\n"
         "def main():\n"
         "    print('done', flush=True)\n"
         "    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))  # Ctrl-C at exit\n"
@@ -446,7 +445,7 @@ def test_a_late_or_wrapped_ctrl_c_is_exit_130_or_ignored_never_a_traceback(tmp_p
 
 
 def test_a_read_only_backup_folder_is_refused_before_training(corpus, tmp_path, monkeypatch, capsys):
-    import checkpoint_cloud
+    from tinyllm.store import checkpoint_cloud
 
     with read_only_folder(tmp_path / "ro-backup") as folder:  # a real read-only mount (skips without one)
         with pytest.raises(common.UserError, match="cannot be written .*read-only file system"):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from chats import PROMPTS, REPLIES
 
-import generation
-import model_config
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.model import config as model_config
+from tinyllm.model import generation
 
 
 def test_generate_chat_stops_at_im_end_and_batching_changes_nothing(chat_model):

@@ -15,12 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import corpus_format
-import data
-import export_gguf
-import export_hf
-import model_config
-from common import UserError, temporary_target
+from tinyllm.common import UserError, temporary_target
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.model import config as model_config
+from tinyllm.outputs import export_gguf, export_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 

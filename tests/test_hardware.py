@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from cards import A10, A100, CPU, CPU_BF16, GIB, H100, H200, L4, P100, T4, V100
 
-import hardware
-import model_config
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.model import config as model_config
+from tinyllm.model import hardware
 
 # device, auto precision, Newton-Schulz dtype (attention's kernels: tests/test_attention.py)
 TABLE = [
@@ -300,8 +300,8 @@ def test_predict_step_refuses_impossible_inputs(counted, rates, tokens, world):
 
 
 def test_muon_matrices_are_the_hidden_matrices():
-    import model_config
-    import optimization
+    from tinyllm.model import config as model_config
+    from tinyllm.training import optimization
 
     preset = model_config.PRESETS["tiny"]
     model = model_config.build_model(preset, 512)

@@ -9,11 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attention
-import hardware
-import losses
-import model_config
-import train_data
+from tinyllm.model import attention, hardware, losses
+from tinyllm.model import config as model_config
+from tinyllm.training import train_data
 
 VOCAB, BATCH, CONTEXT, CHUNK = 500, 4, 32, 37  # 128 tokens: 4 chunks, the last one short
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

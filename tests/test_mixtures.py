@@ -9,14 +9,12 @@ import pytest
 import torch
 from tiny_runs import final_state, options, run_cli, train_losses, write_tiny_corpus
 
-import checkpoint_store as store
-import corpus_format
-import data
-import distributed
-import export_hf
-import train
-import train_data
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.outputs import export_hf
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import distributed, train, train_data
 
 CPU = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
 

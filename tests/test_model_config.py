@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-import model_config
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.model import config as model_config
 
 
 def test_think72_has_exactly_72m_parameters():
@@ -129,3 +129,24 @@ def test_under_autocast_norms_and_rope_run_in_the_half_type_as_accurately_as_the
         scale = gradient.abs().max().item()
         stock_error = (stock_half[name] - gradient).abs().max().item()
         assert (fast_half[name] - gradient).abs().max().item() <= 2 * stock_error + 1e-2 * scale, name
+
+
+def test_the_presets_table_gives_each_presets_shape_and_parameters(capsys):
+    """`python model_config.py`: a line per preset, its parameters at the vocabulary asked for."""
+    lines = model_config.presets_table(33_069).splitlines()
+    assert lines[0].startswith("The presets at a vocabulary of 33,069 tokens") and len(lines) == 2 + len(
+        model_config.PRESETS
+    )
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == set(model_config.PRESETS)
+    assert rows["think72"][1:3] == ["14", "512"] and rows["think72"][-2:] == ["72,000,000", "72,000,000"]
+    tiny = model_config.PRESETS["tiny"]
+    assert rows["tiny"][-3:] == [
+        "own",
+        f"{model_config.parameter_count(tiny, 33_069):,}",
+        f"{model_config.matmul_parameters(tiny, 33_069):,}",
+    ]
+    assert model_config.main(["--vocab-size", "512"]) == 0
+    assert "vocabulary of 512 tokens" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--vocab-size 0: give a positive number"):
+        model_config.main(["--vocab-size", "0"])

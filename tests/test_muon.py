@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkpoint_store as store
-import hardware
-import muon
+from tinyllm.model import hardware
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import muon
 
 SHAPES = [(48, 32), (32, 48), (40, 40), (64, 16), (16, 16)]  # wide, tall, square: both branches of the transpose
 COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
@@ -87,8 +87,8 @@ def test_newton_schulz_against_a_float64_reference(dtype, bound):
 
 
 def test_the_optimizer_iterates_in_the_devices_dtype():
-    import model_config
-    import optimization
+    from tinyllm.model import config as model_config
+    from tinyllm.training import optimization
 
     model = model_config.build_model(model_config.PRESETS["tiny"], vocab_size=300)
     recipe = optimization.Recipe(

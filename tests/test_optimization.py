@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-import checkpoint_store as store
-import hardware
-import model_config
-import optimization
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.model import config as model_config
+from tinyllm.model import hardware
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import optimization
 
 
 def recipe(**fields) -> optimization.Recipe:

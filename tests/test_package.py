@@ -1,4 +1,5 @@
-"""pyproject.toml: the flat scripts install as modules and as commands on PATH that are the scripts."""
+"""pyproject.toml: the package tinyllm installs as one top-level name, with commands on PATH that are the root
+scripts (each calls the same module's `command`)."""
 
 from __future__ import annotations
 
@@ -12,27 +13,39 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from project import MODULES, ROOT, SCRIPTS
 
-ROOT = Path(__file__).resolve().parent.parent
+from tinyllm.common import CONSOLE_SCRIPTS, SCRIPT_MODULES
+
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def test_every_script_is_a_module_and_every_command_runs_a_scripts_main():
-    modules = PROJECT["tool"]["setuptools"]["py-modules"]
-    assert sorted(modules) == sorted(path.stem for path in ROOT.glob("*.py"))  # a new script is not forgotten
+def test_the_package_is_found_whole_and_alone():
+    """setuptools finds tinyllm and its sub-packages (a new module needs no edit here); the root scripts stay out."""
+    assert PROJECT["tool"]["setuptools"]["packages"]["find"] == {"include": ["tinyllm*"]}
+    assert "py-modules" not in PROJECT["tool"].get("setuptools", {})
+
+
+def test_every_root_script_and_every_command_runs_its_modules_command():
+    """train.py and tinyllm-train both call tinyllm.training.train.command, ... (common.SCRIPT_MODULES)."""
+    assert sorted(SCRIPT_MODULES) == sorted(path.stem for path in SCRIPTS)  # a new script is declared
+    for script in SCRIPTS:
+        assert f"from {SCRIPT_MODULES[script.stem]} import command\n" in script.read_text(), script.name
     commands = PROJECT["project"]["scripts"]
-    for command, target in commands.items():
-        module_name, attribute = target.split(":")
+    assert commands == {console: f"{SCRIPT_MODULES[script]}:command" for script, console in CONSOLE_SCRIPTS.items()}
+    for module_name in SCRIPT_MODULES.values():
         module = importlib.import_module(module_name)
-        assert getattr(module, attribute).__module__ == module_name and callable(module.main), command
-        assert "run_main(main, script=True)" in (ROOT / f"{module_name}.py").read_text()
+        assert module.command.__module__ == module_name and callable(module.main), module_name
+        assert "run_main(main, script=True)" in MODULES[module_name].read_text()
     assert set(commands) == {"tinyllm-train", "tinyllm-data", "tinyllm-report", "tinyllm-cloud", "tinyllm-gguf"}
 
 
 def test_mutation_testing_copies_every_module():
-    """mutmut runs the tests in a copy of the sources: a module in neither list is missing there."""
+    """mutmut runs the tests in a copy of the sources: all of tinyllm/, the root scripts beside it."""
     mutmut = PROJECT["tool"]["mutmut"]
-    assert sorted(mutmut["source_paths"] + mutmut["also_copy"]) == sorted(path.name for path in ROOT.glob("*.py"))
+    assert mutmut["source_paths"] == ["tinyllm/"]
+    assert sorted(mutmut["also_copy"]) == sorted(path.name for path in SCRIPTS)
+    assert mutmut["only_mutate"] and all((ROOT / path).is_file() for path in mutmut["only_mutate"])
 
 
 def test_the_dependencies_are_requirements_txt():
@@ -75,12 +88,25 @@ def readme_api_snippet() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+def installed_names(site: Path) -> set[str]:
+    """The importable top-level names an install put in `site` (its metadata and bin/ are not)."""
+    return {
+        path.stem if path.suffix == ".py" else path.name
+        for path in site.iterdir()
+        if path.name != "bin" and not path.name.endswith((".dist-info", ".egg-info")) and path.name != "__pycache__"
+    }
+
+
 @pytest.mark.slow
 def test_installed_the_commands_and_the_readme_api_work_from_any_folder(tmp_path):
+    """One top-level name (tinyllm) beside the console scripts; a module added to the package is installed with
+    it (no pyproject.toml edit); the commands and the README's Python API run from another folder."""
     source = tmp_path / "source"  # a copy: the build leaves build/ behind
     source.mkdir()
-    for path in [*ROOT.glob("*.py"), ROOT / "pyproject.toml", ROOT / "requirements.txt", ROOT / "README.md"]:
+    for path in [*SCRIPTS, ROOT / "pyproject.toml", ROOT / "requirements.txt", ROOT / "README.md"]:
         shutil.copy(path, source / path.name)
+    shutil.copytree(ROOT / "tinyllm", source / "tinyllm", ignore=shutil.ignore_patterns("__pycache__"))
+    (source / "tinyllm" / "outputs" / "added_module.py").write_text('"""A module added since."""\n')
     target = tmp_path / "site"
     subprocess.run(
         [
@@ -99,6 +125,9 @@ def test_installed_the_commands_and_the_readme_api_work_from_any_folder(tmp_path
         capture_output=True,
         timeout=300,
     )
+    assert installed_names(target) == {"tinyllm"}
+    assert (target / "tinyllm" / "outputs" / "added_module.py").is_file()
+    assert {path.name for path in (target / "bin").iterdir()} == set(PROJECT["project"]["scripts"])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
@@ -117,14 +146,14 @@ def test_installed_the_commands_and_the_readme_api_work_from_any_folder(tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     imported = subprocess.run(
-        [sys.executable, "-c", "import train; print(train.__file__)"],
+        [sys.executable, "-c", "from tinyllm.training import train; print(train.__file__)"],
         cwd=elsewhere,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert Path(imported.stdout.strip()).parent == target  # the installed module, not a checkout's
+    assert Path(imported.stdout.strip()) == target / "tinyllm" / "training" / "train.py"  # not a checkout's
 
 
 def test_train_without_torch_is_one_error_line_with_the_install_command(tmp_path):

@@ -10,10 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import publishing
-import remote_store
-import report
-from common import UserError, sha256_file
+from tinyllm.common import UserError, sha256_file
+from tinyllm.outputs import publishing, report
+from tinyllm.store import remote_store
 
 
 def fake_run(folder: Path, status: str = "COMPLETE") -> Path:

@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import tomllib
 
-import checkpoint_cloud
-import publishing
-import remote_store
-import train
-import train_data
-from common import UserError
-from remote_store import Backend
+from tinyllm.common import UserError
+from tinyllm.outputs import publishing
+from tinyllm.store import checkpoint_cloud, remote_store
+from tinyllm.store.remote_store import Backend
+from tinyllm.training import train, train_data
 
 ROOT = Path(__file__).resolve().parent.parent
 

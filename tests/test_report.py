@@ -10,13 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import corpus_format
-import export_hf
-import generation
-import metrics_log
-import report
-import trackers
-from common import UserError, remove_temporaries, sha256_file, temporary_name
+from tinyllm.common import UserError, remove_temporaries, sha256_file, temporary_name
+from tinyllm.data import corpus_format
+from tinyllm.model import generation
+from tinyllm.outputs import export_hf, metrics_log, report, trackers
 
 # ----------------------------------------------------------------------------------------------
 # Progress
@@ -386,7 +383,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     assert (provenance["steps"], provenance["tokens"]) == (200, 25_600)
     assert provenance["architecture"]["parameters"] == parameters
     assert provenance["settings"] == CARD_INFO["settings"] and "and the training settings" in card
-    export_gguf = pytest.importorskip("export_gguf")  # the GGUF exporter reads the same provenance
+    export_gguf = pytest.importorskip("tinyllm.outputs.export_gguf")  # the GGUF exporter reads the same provenance
     assert export_gguf.read_provenance(out)[0] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
 
     assert report.main(["samples", str(out), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import model_config
-import train
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.model import config as model_config
+from tinyllm.training import train
 
 GROUPS = (train.RunSettings, train.SessionSettings, train.Invocation)
 DERIVED = {"demo", "argv"}  # Invocation's fields that no option sets (parse_args derives them)

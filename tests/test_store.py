@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint_store as store
-from common import UserError, sha256_file
+from tinyllm.common import UserError, sha256_file
+from tinyllm.store import checkpoint_store as store
 
 
 def record(step: int, run_id: str = "r", size: int = 10, val_loss: float | None = None) -> store.Record:

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 from tiny_runs import ROOT, options, write_tiny_corpus
 
-import checkpoint_cloud
-import metrics_log
-import trackers
-from common import UserError
+from tinyllm.common import UserError
+from tinyllm.outputs import metrics_log, trackers
+from tinyllm.store import checkpoint_cloud
 
 
 @pytest.mark.parametrize(

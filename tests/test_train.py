@@ -35,24 +35,15 @@ from tiny_runs import (
     write_tiny_corpus,
 )
 
-import artifacts
-import attention
-import callbacks
-import checkpoint_store as store
-import common
-import corpus_format
-import data
-import demo_corpus
-import distributed
-import hardware
-import losses
-import metrics_log
-import model_config
-import optimization
-import report
-import train
-import train_data
-from common import UserError, sha256_file
+from tinyllm import common
+from tinyllm.common import UserError, sha256_file
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format, demo_corpus
+from tinyllm.model import attention, hardware, losses
+from tinyllm.model import config as model_config
+from tinyllm.outputs import artifacts, callbacks, metrics_log, report
+from tinyllm.store import checkpoint_store as store
+from tinyllm.training import distributed, optimization, train, train_data
 
 
 @pytest.fixture(scope="module")
@@ -432,8 +423,8 @@ def test_token_counts_may_be_written_in_exponent_form(corpus, tmp_path):
 def test_the_training_attentions_match_sdpa_with_gradients(monkeypatch):
     """Every attention train.py plans, on whole blocks (no documents): transformers' "sdpa" logits and
     gradients. The masked one (CPU) also takes a padding mask, as generation passes one."""
-    import attention
-    import model_config
+    from tinyllm.model import attention
+    from tinyllm.model import config as model_config
 
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
@@ -464,8 +455,8 @@ def test_the_training_attentions_match_sdpa_with_gradients(monkeypatch):
 
 def test_generation_runs_the_stock_attention_whatever_the_training_one():
     """The varlen attentions take no padding mask; generation switches to "sdpa" (attention.exportable)."""
-    import attention
-    import model_config
+    from tinyllm.model import attention
+    from tinyllm.model import config as model_config
 
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
     attention.use_attention(model, attention.FLASH)
@@ -1128,8 +1119,9 @@ def start_two_ranks(args: list[str], logs: Path) -> list[subprocess.Popen]:
 # torchrun's agent sends SIGTERM to rank 0 once rank 1 died; rank 0 meanwhile finds its peer gone in a
 # collective. Each moment that signal can land at, made to happen (in rank 0, through a sitecustomize):
 SIGNAL_AT = {  # (module, class or None, function)
-    "recording": ("checkpoint_store", "RunStatus", "failed"),  # the lost peer found; its status being written
-    "exiting": ("distributed", None, "shutdown_distributed"),  # the failure recorded; the group torn down
+    # the lost peer found; its status being written
+    "recording": ("tinyllm.store.checkpoint_store", "RunStatus", "failed"),
+    "exiting": ("tinyllm.training.distributed", None, "shutdown_distributed"),  # the failure recorded; group torn down
 }
 SELF_SIGNAL = """
 import importlib, os, signal
@@ -1192,8 +1184,7 @@ def test_a_rank_that_dies_ends_the_other_with_one_line_and_a_resumable_status(
 def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely(
     corpus, tmp_path, monkeypatch, capsys, patch_python_children
 ):
-    import checkpoint_cloud
-    import remote_store
+    from tinyllm.store import checkpoint_cloud, remote_store
 
     # uploads lag well behind the saves (one every 2 steps); they run in the backup's child process, which
     # also deletes the local checkpoints retention lets go: each deletion is noted with what the remote held
@@ -1201,7 +1192,8 @@ def test_backup_to_a_folder_keeps_every_checkpoint_until_it_is_verified_remotely
     patch_python_children(
         "\n".join(
             [
-                "import json, os, time, remote_store, checkpoint_store",
+                "import json, os, time",
+                "from tinyllm.store import checkpoint_store, remote_store",
                 "upload, delete = remote_store.upload_verified, checkpoint_store.delete",
                 "def slow_upload(*args, **kwargs):",
                 "    time.sleep(1.0)",
@@ -1553,7 +1545,7 @@ def test_compiled_plain_causal_blocks_skip_the_full_mask(monkeypatch):
 def sdpa_calls_when_compiled(implementation: str) -> list[dict]:
     """The keyword arguments of every scaled_dot_product_attention call in the graph torch.compile
     traces for a tiny model under `implementation` (None: transformers' stock "sdpa")."""
-    import model_config
+    from tinyllm.model import config as model_config
 
     torch.manual_seed(0)
     model = model_config.build_model(model_config.PRESETS["tiny"], 300)
@@ -1596,7 +1588,7 @@ def test_stock_sdpa_gets_a_dense_mask_under_compile():
 
 
 def model_config_tiny_layers() -> int:
-    import model_config
+    from tinyllm.model import config as model_config
 
     return model_config.PRESETS["tiny"].layers
 

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from cards import this_cpu_precision
 
-import checkpoint_store as store
-import corpus_format
-import data
-from common import atomic_write_json, sha256_file, sha256_tree
+from tinyllm.common import atomic_write_json, sha256_file, sha256_tree
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.store import checkpoint_store as store
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the a cat dog sees runs over under big small red blue tree river stone bird sings and".split()

@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import metrics_log
+from tinyllm.outputs import metrics_log
 
 if TYPE_CHECKING:
-    import checkpoint_store
+    from tinyllm.store import checkpoint_store
 # `progress` below is a report.Progress (its update and write), never imported: report.py's command line
 # reaches the artifacts, which are callbacks.
 

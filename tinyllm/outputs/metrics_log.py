@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import append_jsonl, atomic_open, atomic_write_bytes, human_count, utc_now
+from tinyllm.common import append_jsonl, atomic_open, atomic_write_bytes, human_count, utc_now
 
 # ----------------------------------------------------------------------------------------------
 # Writing metrics.jsonl (rank 0) and its records' fields.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common import UserError, parse_json, sha256_file, sha256_tree
+from tinyllm.common import UserError, parse_json, sha256_file, sha256_tree
 
 if TYPE_CHECKING:  # torch is imported only where a corpus is read for training: data.py builds without it
     import torch
@@ -155,6 +155,7 @@ MASK_PROMPT = 0  # a chat's markup, system and user turns, the role header and t
 MASK_ASSISTANT = 1  # an assistant's answer: its content (reasoning and <think> markers included) and <|im_end|>
 MASK_TEXT = 2  # a plain-text document (its EOS included)
 MASK_CLASSES = {"prompt": MASK_PROMPT, "assistant": MASK_ASSISTANT, "text": MASK_TEXT}
+IGNORE_INDEX = -100  # a target the loss skips (F.cross_entropy's default ignore_index): the tokens not counted
 
 
 def mask_name(shard: str) -> str:

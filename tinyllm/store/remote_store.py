@@ -32,8 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import corpus_format
-from common import (
+from tinyllm.common import (
     HASH_CHUNK_BYTES,
     UserError,
     atomic_folder,
@@ -45,7 +44,8 @@ from common import (
     temporary_name,
     temporary_target,
 )
-from corpus_format import CORPUS_MANIFEST
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import CORPUS_MANIFEST
 
 # ----------------------------------------------------------------------------------------------
 # The stores: one table. A new cloud backend is one Backend here (and, when its package is an extra,

@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-import artifacts
-import checkpoint_store as store
-import remote_store
-from common import UserError, read_json_or, sha256_file
+from tinyllm.common import UserError, read_json_or, sha256_file
+from tinyllm.outputs import artifacts
+from tinyllm.store import checkpoint_store as store
+from tinyllm.store import remote_store
 
 # beside the model's files and the GGUFs: the run's settings, and what the end-of-run artifacts declare published
 PUBLISHED_RUN_FILES = ("training_settings.json", *artifacts.published_files())

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import UserError, console_script
+from tinyllm.common import UserError, console_script
 
 
 def rng_state(device: torch.device) -> dict:

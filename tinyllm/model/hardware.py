@@ -28,9 +28,9 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-import attention
-from common import UserError
-from model_config import Preset, parameter_count
+from tinyllm.common import UserError, atomic_write_json, read_json
+from tinyllm.model import attention
+from tinyllm.model.config import Preset, parameter_count
 
 # The oldest torch the suite runs on (.ci/run: Kaggle's 2.10; Colab's 2.11 and 2.13 too). 2.9 has what the code
 # calls (torch.optim.Muon) but no run of the suite: its Dynamo, gloo and varlen differ from 2.10's (issue 46).
@@ -914,8 +914,6 @@ def plausible_mfu(
         if measured > peak:
             mfu, peak = mfu * peak / measured, measured
             if record is not None:
-                from common import atomic_write_json, read_json
-
                 with contextlib.suppress(UserError, OSError):
                     atomic_write_json(
                         record,

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only: hardware.py asks this module's kernel records
-    from hardware import Device
+    from tinyllm.model.hardware import Device
 
 FLASH = "tinyllm_fa_varlen"  # flash varlen / flash causal, GQA kept
 EFFICIENT = "tinyllm_mem_efficient_varlen"  # memory-efficient varlen / causal, K/V heads repeated
@@ -273,7 +273,7 @@ def flash_varlen(query, key, value, cu_seqlens, longest: int, scale: float | Non
     (T, Hkv, D), grouped heads kept (varlen_ops.flash_varlen). sm_80+, fp16/bf16."""
     import torch
 
-    import varlen_ops  # noqa: F401 - registers torch.ops.tinyllm
+    from tinyllm.model import varlen_ops  # noqa: F401 - registers torch.ops.tinyllm
 
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     return torch.ops.tinyllm.flash_varlen(query, key, value, cu_seqlens, longest, scale)[0]
@@ -285,7 +285,7 @@ def efficient_varlen(query, key, value, cu_seqlens, longest: int, scale: float |
     (varlen_ops.efficient_varlen)."""
     import torch
 
-    import varlen_ops  # noqa: F401 - registers torch.ops.tinyllm
+    from tinyllm.model import varlen_ops  # noqa: F401 - registers torch.ops.tinyllm
 
     groups = query.shape[1] // key.shape[1]
     if groups > 1:

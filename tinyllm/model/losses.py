@@ -2,7 +2,7 @@
 
 The LM head and the cross-entropy run a chunk of tokens at a time (hardware.logits_chunk_tokens), in a
 custom autograd Function that computes each chunk's gradient in its forward (as Liger's fused linear
-cross-entropy does), so the backward needs no logits either. Targets equal to train_data.IGNORE_INDEX (a
+cross-entropy does), so the backward needs no logits either. Targets equal to corpus_format.IGNORE_INDEX (a
 token the corpus' mask does not count) are skipped. Training, evaluation, the compiled and the DDP
 model all go through `language_model_loss`.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-import attention
-import hardware
-import train_data
+from tinyllm.data.corpus_format import IGNORE_INDEX
+from tinyllm.model import attention, hardware
 
 
 def language_model_loss(
@@ -31,7 +30,7 @@ def language_model_loss(
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
     time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
     dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
-    to train_data.IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
+    to IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
     adds z_loss x logsumexp^2 per counted token (PaLM's z-loss: it keeps the logits' normalizer near 1);
     evaluation never adds it."""
     if reduction not in ("mean", "sum"):
@@ -49,12 +48,12 @@ def language_model_loss(
             total = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens, dtype)
     if reduction == "sum":
         return total
-    return total / (targets != train_data.IGNORE_INDEX).sum()
+    return total / (targets != IGNORE_INDEX).sum()
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of the counted targets (evaluation's; training's is cross_entropy_and_gradient_)."""
-    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=train_data.IGNORE_INDEX, reduction="sum")
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def cross_entropy_and_gradient_(
@@ -64,7 +63,7 @@ def cross_entropy_and_gradient_(
     respect to the logits, written over `logits`: softmax minus the one-hot target (with z_loss, plus
     2 z_loss logsumexp softmax), 0 where not counted. One exp over the logits serves both the loss and the
     gradient: on the card, this elementwise work over the chunk's logits is a large share of the step."""
-    counted = targets != train_data.IGNORE_INDEX
+    counted = targets != IGNORE_INDEX
     rows = torch.where(counted, targets, 0)[:, None]
     target_logits = logits.gather(1, rows).squeeze(1)
     maxes = logits.amax(dim=-1)

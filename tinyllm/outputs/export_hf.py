@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
-import generation
-from common import UserError, atomic_folder, atomic_write_text, human_count, json_safe, sha256_file, utc_now
+from tinyllm.common import UserError, atomic_folder, atomic_write_text, human_count, json_safe, sha256_file, utc_now
+from tinyllm.model import generation
 
 MODEL_DIR = "model"  # RUN/model/: the exported folder (publishing.publish_layout puts its files at the root)
 

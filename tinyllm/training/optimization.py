@@ -26,8 +26,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-import hardware
-from common import UserError, below_one, finite, fraction, not_negative, option, option_fields, option_flags, positive
+from tinyllm.common import (
+    UserError,
+    below_one,
+    finite,
+    fraction,
+    not_negative,
+    option,
+    option_fields,
+    option_flags,
+    positive,
+)
+from tinyllm.model import hardware
 
 DEFAULT_OPTIMIZER = "muon"
 SCHEDULES = ("wsd", "cosine")
@@ -115,7 +125,8 @@ def build_muon(
 ) -> dict[str, torch.optim.Optimizer]:
     """torch.optim.Muon's rule for the hidden matrices (muon.Muon: Newton-Schulz in the device's dtype, split
     across the `world` ranks), AdamW for the embeddings and norms, never decayed."""
-    from muon import Muon  # here, not at import: a torch without Muon gets hardware.check_torch's message
+    # here, not at import: a torch without Muon gets hardware.check_torch's message
+    from tinyllm.training.muon import Muon
 
     adamw_groups = [{"params": parameters.rest, "weight_decay": 0.0}]
     if parameters.head and recipe.head_lr is None:

@@ -26,12 +26,21 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-import attention
-import corpus_format
-import data
-import remote_store
-from common import UserError, say, script_command
-from corpus_format import CORPUS_MANIFEST, MASK_ASSISTANT, MASK_CLASSES, MASK_TEXT, PAD, SOURCE_NAME, Manifest
+from tinyllm.common import UserError, say, script_command
+from tinyllm.data import build as data
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import (
+    CORPUS_MANIFEST,
+    IGNORE_INDEX,
+    MASK_ASSISTANT,
+    MASK_CLASSES,
+    MASK_TEXT,
+    PAD,
+    SOURCE_NAME,
+    Manifest,
+)
+from tinyllm.model import attention
+from tinyllm.store import remote_store
 
 if TYPE_CHECKING:
     import torch
@@ -115,8 +124,6 @@ def read_manifest(corpus: Path) -> Manifest:
 
 # ----------------------------------------------------------------------------------------------
 # The loss mask: which tokens' targets count (--loss-on, --text-loss).
-
-IGNORE_INDEX = -100  # a target the cross-entropy skips (F.cross_entropy's default ignore_index)
 
 
 def resolve_text_loss(loss_on: str, text_loss: str | None, manifest: Manifest, corpus: Path) -> str | None:

@@ -25,13 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import checkpoint_store
-import corpus_format
-import distributed
-import model_config
-import optimization
-import train_data
-from common import UserError, read_json_or, say
+from tinyllm.common import UserError, read_json_or, say
+from tinyllm.data import corpus_format
+from tinyllm.model import config as model_config
+from tinyllm.store import checkpoint_store
+from tinyllm.training import distributed, optimization, train_data
 
 # ----------------------------------------------------------------------------------------------
 # Budget strings: "11.5h", "30m", "90s", "2d", "1h30m".

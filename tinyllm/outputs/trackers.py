@@ -18,11 +18,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common import UserError, atomic_open, atomic_write_json, json_safe, read_json_or
+from tinyllm.common import UserError, atomic_open, atomic_write_json, json_safe, read_json_or
+from tinyllm.store.checkpoint_store import TENSORBOARD_EVENTS, TRACKERS_FILE  # run files: the store backs them up
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-TRACKERS_FILE = "trackers.json"  # per tracker: its run id and the last step it was given (a run file)
-TENSORBOARD_EVENTS = "events.out.tfevents.tinyllm"  # one file per run (`tensorboard --logdir runs/`), rebuilt on resume
 SKIPPED_KEYS = {"kind", "step", "time"}
 
 

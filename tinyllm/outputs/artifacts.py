@@ -22,17 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import attention
-import callbacks
-import checkpoint_store as store
-import corpus_format
-import evaluation
-import export_hf
-import generation
-import metrics_log
-import model_config
-from callbacks import RunEnd
-from common import UserError, read_json, say
+from tinyllm.common import UserError, read_json, say
+from tinyllm.data import corpus_format
+from tinyllm.model import attention, generation
+from tinyllm.model import config as model_config
+from tinyllm.outputs import callbacks, evaluation, export_hf, metrics_log
+from tinyllm.outputs.callbacks import RunEnd
+from tinyllm.store import checkpoint_store as store
 
 
 @dataclass(frozen=True)

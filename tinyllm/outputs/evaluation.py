@@ -28,12 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import checkpoint_store as store
-import corpus_format
-import demo_corpus
-import export_hf
-import generation
-from common import UserError, atomic_write_json, atomic_write_text, jsonl_records, sha256_file, utc_now
+from tinyllm.common import UserError, atomic_write_json, atomic_write_text, jsonl_records, sha256_file, utc_now
+from tinyllm.data import corpus_format, demo_corpus
+from tinyllm.model import generation
+from tinyllm.outputs import export_hf
+from tinyllm.store import checkpoint_store as store
 
 LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4.13,<0.5' 'accelerate>=1.1'"  # accelerate: lm-eval's HF model class
 CHOICE_METRICS = ("acc", "acc_norm", "acc_bytes")
@@ -686,7 +685,7 @@ class LoopScorer:
 
     def counts(self, model, device, token_budget: int) -> list[list[float]]:
         """choice_counts of this rank's share of each task (sum them over the ranks, then loop_scores)."""
-        import losses
+        from tinyllm.model import losses
 
         return [
             choice_counts(items, losses.continuation_log_likelihoods(model, rows, device, token_budget))

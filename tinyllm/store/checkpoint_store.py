@@ -38,9 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import corpus_format
-import trackers
-from common import (
+from tinyllm.common import (
     UserError,
     atomic_open,
     atomic_write_json,
@@ -54,8 +52,9 @@ from common import (
     temporary_target,
     utc_now,
 )
-from corpus_format import CORPUS_MANIFEST
-from model_config import RECORDED_PREFIX
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import CORPUS_MANIFEST
+from tinyllm.model.config import RECORDED_PREFIX
 
 CHECKPOINT = re.compile(r"step-(\d{8})\.pt")
 RECORD_SUFFIX = ".json"
@@ -63,6 +62,8 @@ LATEST = "latest.json"
 CORRUPT_SUFFIX = ".corrupt"
 ABANDONED = "abandoned-{step:08d}"
 CHECKPOINT_DIR = "checkpoints"  # a RUN folder's checkpoints, locally and on a backup remote
+TRACKERS_FILE = "trackers.json"  # trackers.py: per tracker, its run id and the last step it was given
+TENSORBOARD_EVENTS = "events.out.tfevents.tinyllm"  # trackers.py: one file per run, rebuilt on resume
 # The small files of a RUN folder that carry its history; backed up beside checkpoints/ and
 # restored when missing (train.py truncates metrics.jsonl after the step it resumes from).
 RUN_FILES = (
@@ -71,8 +72,8 @@ RUN_FILES = (
     "config.toml",
     "hardware.json",
     "run_status.json",
-    trackers.TRACKERS_FILE,
-    trackers.TENSORBOARD_EVENTS,
+    TRACKERS_FILE,
+    TENSORBOARD_EVENTS,
 )
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.optim.optimizer import _to_scalar
 
-import hardware
+from tinyllm.model import hardware
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: benches
 

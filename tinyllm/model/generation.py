@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-import attention
-import corpus_format
-from common import UserError, atomic_write_json, utc_now
-from corpus_format import EOS, IM_END, IM_START
+from tinyllm.common import UserError, atomic_write_json, utc_now
+from tinyllm.data import corpus_format
+from tinyllm.data.corpus_format import EOS, IM_END, IM_START
+from tinyllm.model import attention
 
 # Shaped like the demo corpus's problems (data.py --demo), plus one it never saw.
 DEFAULT_PROMPTS = [

@@ -1,0 +1,1 @@
+"""The corpus: its format, the demo corpus and the builder (data.py)."""
