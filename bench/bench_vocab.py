@@ -45,12 +45,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import torch  # noqa: E402
 from bench_texts import TEXTS, text_documents  # noqa: E402
 
-import budget  # noqa: E402
-import corpus_format  # noqa: E402
-import model_config  # noqa: E402
-from common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.data import build as data  # noqa: E402
+from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import budget, distributed, train  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "vocab"
 DEFAULT = "default"  # the corpus data.py builds with no --vocab-size: today's rule
@@ -211,11 +213,6 @@ def time_group(corpora: dict[int, Path], preset: str, rounds: int, out: Path) ->
     the machine does meanwhile falls on all of them alike. The speed is tokens per CPU-second of the process
     (its median step): on a busy machine a step waits for a core, not for more work, so this is the speed
     of a quiet machine; tokens per wall-second beside it."""
-    import torch
-
-    import distributed
-    import train
-
     torch.set_num_threads(1)
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     size, accum = budget.split_batch(timing_blocks(preset), 1, 8)
@@ -500,8 +497,6 @@ def ratio(bpb: dict[int, float], vocab: int | None, against: int | None, limit: 
 
 def planned_vocab(text_bytes: int) -> int:
     """The vocabulary data.py gives a text of `text_bytes` today (data.sized_build_defaults)."""
-    import data
-
     return data.sized_build_defaults(text_bytes)["vocab_size"]
 
 

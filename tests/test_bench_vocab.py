@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_vocab  # noqa: E402
 
-import budget  # noqa: E402
-import model_config  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
+from tinyllm.training import budget  # noqa: E402
 
 
 @pytest.mark.parametrize(
