@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from bench_texts import TEXTS, text_documents  # noqa: E402
+from bench_texts import SPLITS, TEXTS, text_documents  # noqa: E402
 
 from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
 from tinyllm.data import build as data  # noqa: E402
@@ -127,7 +127,7 @@ def build_corpus(source: Path, vocab: str, work: Path) -> Path:
     if corpus.exists():
         shutil.rmtree(corpus)  # half-built, or by an older data.py: the bench's own folder
     command = [sys.executable, str(ROOT / "data.py"), "--data", str(source), "--out", str(corpus), "--no-progress"]
-    command += ["--val-fraction", "0.02", "--test-fraction", "0.05"]
+    command += list(SPLITS)  # the benches' splits: the same held-out documents at every vocabulary
     command += [] if vocab == DEFAULT else ["--vocab-size", vocab]
     done = subprocess.run(command, capture_output=True, text=True, env=one_thread())
     if done.returncode:
