@@ -1,7 +1,8 @@
 """The real texts the benches train on, read from this machine (no download): the King James Bible
 (Debian's bible-kjv), Debian changelog entries, English man pages. One module: bench_recipe.py,
 bench_packing.py, bench_elementwise_quality.py, bench_budget.py and bench_mixture.py take them from here, and
-build their corpora with `make_corpus` (the same splits everywhere)."""
+build their corpora with `make_corpus` (the same splits everywhere); bench_vocab.py takes them and SPLITS, and
+builds with `python data.py` itself (the command line is what it measures)."""
 
 from __future__ import annotations
 

@@ -94,8 +94,10 @@ def test_document_hash_is_blake2b_key_and_position():
         (None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
         (0, 512, 0.05),
         (999_999, 512, 0.05),
-        (1_000_000, 2_048, 0.05),
-        (9_999_999, 2_048, 0.05),
+        (1_000_000, 8_192, 0.05),  # bench/bench_vocab.py's optimum at ~4 MB (docs/data.md#the-vocabulary)
+        (4_182_031, 8_192, 0.05),  # its KJV text
+        (4_690_780, 8_192, 0.05),  # its changelog entries
+        (9_999_999, 8_192, 0.05),
         (10_000_000, 8_192, 0.02),
         (999_999_999, 16_384, 0.01),
         (1_000_000_000, 33_069, 0.01),
