@@ -1,16 +1,16 @@
-"""Held-out bits per byte against the vocabulary size, at equal wall time (issue 49): the data the vocabulary rule
-(data.py's default, --budget's count) is read off.
+"""Held-out bits per byte against the vocabulary size, at equal wall time (issue 49): the data data.py's default
+vocabulary (data.sized_build_defaults) is read off.
 
     nice -n 10 python bench/bench_vocab.py                     # kjv + changelog, tiny + nano, 2 seeds (~100 CPU-min)
-    nice -n 10 python bench/bench_vocab.py --presets micro --seeds 1337 --vocabs 2048,4096,8192
+    nice -n 10 python bench/bench_vocab.py --texts kjv --presets micro --seeds 1337 --reference-seconds 300
     python bench/bench_vocab.py --report-only                  # the tables from the saved results
     python bench/bench_vocab.py --smoke --work /tmp/bv         # a small generated text, seconds (the test's)
 
 For each text (bench_texts.py's, or FILE.jsonl) data.py builds one corpus per vocabulary of --vocabs and one with
 no --vocab-size (today's rule, whatever data.py's default is when it runs), the same --val-fraction and
 --test-fraction for all: data.py's hash rule holds out the same documents whatever the vocabulary, so every run
-is scored on the same text. Everything runs as a subprocess of the CLI (`python data.py`, `python train.py`),
-one torch thread each, at most --jobs at once.
+is scored on the same text. The builds and the training runs are subprocesses of the CLI (`python data.py`,
+`python train.py`), one torch thread each, at most --jobs at once; the timing runs in this process (below).
 
 Equal wall time on a shared machine: a busy CPU's wall-clock speed says how busy it was, not what a
 configuration costs. (1) The timing (time_group): for each (text, preset), every vocabulary's train.py Training
