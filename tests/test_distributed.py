@@ -77,6 +77,9 @@ mode, rank = sys.argv[1], int(sys.argv[2])
 if mode == "ok":
     info = distributed.init_distributed("cpu")  # init_process_group, then check_first_collective
     print("ready", flush=True)
+    # as train.main does: a gloo group left to the interpreter's teardown can abort the process
+    # ("terminate called without an active exception", pytorch #190489; seen on torch 2.10)
+    distributed.shutdown_distributed()
 else:
     import torch.distributed as dist
     from datetime import timedelta
