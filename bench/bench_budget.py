@@ -219,7 +219,8 @@ def fit(runs: list[dict]) -> tuple[budget.LossModel, float]:
                 best = solution
     if best is None:
         raise UserError("no fit of the loss model")
-    return model_of(best.x), math.sqrt(2 * best.cost / len(runs))
+    rms = math.sqrt(2 * best.cost / len(runs))
+    return dataclasses.replace(model_of(best.x), error=rms), rms
 
 
 def check_targets(results: dict, model: budget.LossModel) -> list[str]:

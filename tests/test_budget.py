@@ -110,6 +110,22 @@ def test_the_planner_picks_the_lowest_predicted_loss_that_fits(text, fields, pre
     assert plan.global_batch_blocks * model_config.PRESETS[preset].context == plan.tokens_per_step
 
 
+@pytest.mark.parametrize("text", ["2m", "5m"])
+def test_a_tie_within_the_loss_model_s_error_goes_to_the_larger_model(text):
+    """tiny's lowest predicted loss wins by its margin over nano; within TIE_ERRORS of the model's error of it,
+    nano, the larger, is chosen (and says why); micro, further off, stays out."""
+    alone = budget.choose(request(text), CANDIDATES, MODEL)
+    predicted = {c["preset"]: c["bpb"] for c in alone.candidates}
+    margin = predicted["nano"] - predicted["tiny"]
+    assert alone.preset == "tiny" and margin > 0
+    error = margin / budget.TIE_ERRORS
+    below = budget.choose(request(text), CANDIDATES, dataclasses.replace(MODEL, error=error * 0.99))
+    assert below.preset == "tiny" and below.why.startswith("lowest predicted loss")
+    tied = budget.choose(request(text), CANDIDATES, dataclasses.replace(MODEL, error=error * 1.01))
+    assert tied.preset == "nano" and tied.predicted_bpb == predicted["nano"]
+    assert "the largest of" in tied.why and "(next: tiny at" in tied.why
+
+
 def test_an_explicit_preset_is_the_only_candidate():
     run = train.RunSettings(preset="nano", context=64)
     assert list(budget.candidate_presets(run, explicit_shape=True)) == ["nano"]
