@@ -259,9 +259,7 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
         raise UserError(too_small(request, candidates))
     lowest = min(fitting, key=lambda outcome: outcome["bpb"])
     tie = TIE_ERRORS * model.error
-    best = max(
-        (outcome for outcome in fitting if outcome["bpb"] <= lowest["bpb"] + tie), key=lambda o: o["parameters"]
-    )
+    best = max((outcome for outcome in fitting if outcome["bpb"] <= lowest["bpb"] + tie), key=lambda o: o["parameters"])
     chosen = next(candidate for candidate in candidates if candidate.preset == best["preset"])
     others = sorted((o for o in fitting if o is not best), key=lambda o: o["bpb"])
     why = (
