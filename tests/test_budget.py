@@ -698,19 +698,44 @@ def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(be
 
 
 @pytest.mark.parametrize(
-    "grace, step, stop",
+    "grace, step, clock, stop",
     [
-        (0.03, 25, False),  # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write, 10 s): 613 s of 618
-        (0.0, 25, True),  # --max-hours: no grace, the session stops saved
-        (0.03, 22, True),  # 5 steps left: 673 s, past the grace too
+        (0.03, 25, (560.0, 20.0, 20.0), False),  # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write): 603 s
+        (0.0, 25, (560.0, 20.0, 20.0), True),  # --max-hours: no grace; its hard end also keeps 10 s: 613 s of 600
+        (0.03, 22, (560.0, 20.0, 20.0), True),  # 5 steps left: 663 s, past the grace too
+        # bench_budget_wall's 123 s budget (2026-12-05): 49 steps of 0.21 s typical (0.30 the slowest) at 112.6 s:
+        # 123.4 s at the steps' median, within the grace (126.7 s); at the slowest and 10 s more it stopped there
+        (0.03, 486, (112.6, 0.30, 0.21), False),
+        (0.03, 465, (112.6, 0.30, 0.21), True),  # 70 steps left: 127.8 s, past the grace
     ],
 )
-def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, stop):
-    clock = train.StepClock(elapsed=560.0, slowest_step=20.0, slowest_eval=1.0, last_write=1.0)
-    flags = train.StepFlags(total_steps=27, max_hours=600 / 3600, finish_grace=grace)
+def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, clock, stop):
+    elapsed, slowest, typical = clock
+    total, budget_seconds, evaluation, write = (27, 600, 1.0, 1.0) if slowest == 20 else (535, 123, 0.2, 0.1)
+    clock = train.StepClock(
+        elapsed=elapsed, slowest_step=slowest, typical_step=typical, slowest_eval=evaluation, last_write=write
+    )
+    flags = train.StepFlags(total_steps=total, max_hours=budget_seconds / 3600, finish_grace=grace)
     end = train.plan_step_end(step, clock, flags)
     assert end.stop is stop and end.save is stop
     assert budget.finish_grace(0, {"budget": "10m"}) == budget.FINISH_GRACE and budget.finish_grace(1.0, None) == 0
+
+
+@pytest.mark.parametrize(
+    "steps, typical",
+    [
+        ([], 0.0),
+        ([0.2] * 20 + [0.3], 0.2),  # one slow step is not a pace
+        ([0.2] * 20 + [0.6, 0.6], 0.6),  # two are: the machine has slowed down
+        ([0.6] * 10 + [0.2] * 3, 0.6),  # a brief fast moment is not either
+        ([9.0] * 20 + [0.2] * 16, 0.2),  # the steps before the last 16 do not count
+    ],
+)
+def test_a_budget_s_finish_is_planned_at_the_recent_pace(steps, typical):
+    clocks = train.SessionClocks(started=0.0)
+    for seconds in steps:
+        clocks.stepped(seconds)
+    assert clocks.typical_step == pytest.approx(typical)
 
 
 def test_a_session_limit_counts_from_the_process_launch():

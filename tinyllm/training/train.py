@@ -34,6 +34,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -1618,6 +1619,7 @@ class StepClock:
     elapsed: float = 0.0  # since this session started
     since_save: float = 0.0  # since the last save (or the loop's start)
     slowest_step: float = 0.0
+    typical_step: float = 0.0  # SessionClocks.typical_step
     slowest_eval: float = 0.0
     last_write: float = 0.0  # the last checkpoint write
     signal: int = 0  # the signal that asked to stop (0: none)
@@ -1652,14 +1654,20 @@ def plan_step_end(step: int, clock: StepClock, flags: StepFlags) -> StepEnd:
     """Whether step `step` ends with a save and whether the session stops there, and why. The last
     step saves and completes, whatever asked to stop. The time limit (--max-hours, or a --budget run's
     budget) stops when another step, evaluation and save (twice the slowest of each, and LAST_SAVE_SECONDS)
-    might not fit it, unless the rest of the run (its steps at the slowest recent step's time, a last
-    validation and the test evaluation, a save and LAST_SAVE_SECONDS) fits it and its finish_grace."""
+    might not fit it, unless the rest of the run fits: under a hard limit (--max-hours: a platform ends the
+    session there) its steps at the slowest recent step's time, a last validation and the test evaluation, a
+    save and LAST_SAVE_SECONDS; under a budget's (finish_grace: the user's wish, the check aimed the end at
+    the budget less the run's measured end) its steps at the recent steps' median and that end, within the
+    grace past it."""
+    limit = flags.max_hours * 3600
     needed = 2 * (clock.slowest_step + clock.slowest_eval + clock.last_write) + LAST_SAVE_SECONDS
-    rest = (flags.total_steps - step) * clock.slowest_step
-    finishing = rest + 2 * clock.slowest_eval + clock.last_write + LAST_SAVE_SECONDS
-    late = flags.max_hours and clock.elapsed + needed >= flags.max_hours * 3600
-    if late and clock.elapsed + finishing < flags.max_hours * 3600 * (1 + flags.finish_grace):
-        late = False  # the rest of the run and its end fit the limit (and its grace): it finishes
+    end = 2 * clock.slowest_eval + clock.last_write  # a last validation, the test evaluation, the last save
+    steps_left = flags.total_steps - step
+    fits_hard = clock.elapsed + steps_left * clock.slowest_step + end + LAST_SAVE_SECONDS < limit
+    fits_grace = flags.finish_grace and clock.elapsed + steps_left * clock.typical_step + end < limit * (
+        1 + flags.finish_grace
+    )
+    late = flags.max_hours and clock.elapsed + needed >= limit and not (fits_hard or fits_grace)
     why = None
     if step >= flags.total_steps:
         pass
@@ -1697,6 +1705,13 @@ class SessionClocks:
         not stop a session under a time limit early."""
         return max(self.step_times[-RECENT_STEPS:], default=0.0)
 
+    @property
+    def typical_step(self) -> float:
+        """The pace a budget's finish is planned at: the median of the recent steps, or of the last 3 when they
+        are slower (a machine that has just slowed down stays slow; one slow step is not a pace)."""
+        recent = self.step_times[-RECENT_STEPS:]
+        return max(statistics.median(recent), statistics.median(recent[-3:])) if recent else 0.0
+
     def stepped(self, seconds: float) -> None:
         self.step_times.append(seconds)
 
@@ -1712,6 +1727,7 @@ class SessionClocks:
             elapsed=now - self.started,
             since_save=now - self.last_save,
             slowest_step=self.slowest_step,
+            typical_step=self.typical_step,
             slowest_eval=self.slowest_eval,
             last_write=checkpointer.last_write_seconds if checkpointer else 0.0,
             signal=stop.signum,
