@@ -123,7 +123,7 @@ def test_a_tie_within_the_loss_model_s_error_goes_to_the_larger_model(text):
     assert below.preset == "tiny" and below.why.startswith("lowest predicted loss")
     tied = budget.choose(request(text), CANDIDATES, dataclasses.replace(MODEL, error=error * 1.01))
     assert tied.preset == "nano" and tied.predicted_bpb == predicted["nano"]
-    assert "the largest of" in tied.why and "(next: tiny at" in tied.why
+    assert f"of the lowest predicted loss, tiny's {predicted['tiny']:.3f}" in tied.why and "next" not in tied.why
 
 
 def test_an_explicit_preset_is_the_only_candidate():

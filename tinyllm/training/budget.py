@@ -267,9 +267,10 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
             f"lowest predicted loss of {len(fitting)} shape(s) that fit {limit:.2f} h of training"
             if best is lowest
             else f"the largest of {len(fitting)} shape(s) that fit {limit:.2f} h of training within {tie:.3f} "
-            f"bits/byte ({TIE_ERRORS:g}x the loss model's error) of the lowest predicted loss"
+            f"bits/byte ({TIE_ERRORS:g}x the loss model's error) of the lowest predicted loss, "
+            f"{lowest['preset']}'s {lowest['bpb']:.3f}"
         )
-        + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others else "")
+        + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others and best is lowest else "")
         + (
             f"; tokens capped at {MAX_EPOCHS} passes over the train split"
             if best["tokens"] >= request.max_tokens - best["blocks"] * chosen.context
