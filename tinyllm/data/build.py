@@ -1130,6 +1130,23 @@ def start_tokenize_worker(tokenizer_json: str, builder: int) -> None:
     threading.Thread(target=exit_without, args=(builder,), name="exit-without-data.py", daemon=True).start()
 
 
+def start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the process that unlinks the pool's semaphores once data.py is
+    gone) with its stderr on /dev/null: after a kill -9 of the build it would print, to the user's terminal,
+    that it found them leaked ("resource_tracker: There appear to be 5 leaked semaphore objects")."""
+    from multiprocessing import resource_tracker
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        resource_tracker.ensure_running()  # inherits fd 2 as it is now; started once per process
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def exit_without(parent: int, every_s: float = 0.5) -> None:
     """End this process, saying nothing, once `parent` is no longer its parent (it died)."""
     while os.getppid() == parent:
@@ -1280,6 +1297,7 @@ def write_shards(
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        start_quiet_resource_tracker()
         pool = ProcessPoolExecutor(
             settings.tokenize_workers,
             mp_context=multiprocessing.get_context("spawn"),
