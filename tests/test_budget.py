@@ -387,16 +387,21 @@ class FakeMachine:
     """A machine whose train steps take `per_token[preset]` seconds a token (train.Training.train_step's
     seconds, the probe's and the loop's), `burst` times that for the first `burst_steps` steps (a busy
     moment), and whose session clock reads the sum of its steps (train.SessionClocks.read's elapsed):
-    the timing the probe and the check see, without the tests depending on this machine's speed."""
+    the timing the probe and the check see, without the tests depending on this machine's speed. A step
+    spends `per_token` CPU seconds a token on each torch thread, burst or not (`cpu_burst`: times that too:
+    other load that costs the process CPU time, not only waiting for a core)."""
 
     def __init__(self, per_token: dict[str, float], burst: float = 1.0, burst_steps: int = 0):
         self.per_token, self.burst, self.burst_steps = per_token, burst, burst_steps
+        self.cpu_burst = False
         self.steps = 0
 
-    def seconds(self, training) -> float:
+    def step(self, training) -> dict:
         self.steps += 1
         slower = self.burst if self.steps <= self.burst_steps else 1.0
-        return training.tokens_per_step * self.per_token[training.run.preset] * slower
+        quiet = training.tokens_per_step * self.per_token[training.run.preset]
+        cpu = quiet * (slower if self.cpu_burst else 1.0) * torch.get_num_threads()
+        return {"seconds": quiet * slower, "cpu_seconds": cpu}
 
 
 @pytest.fixture
@@ -405,7 +410,7 @@ def machine(monkeypatch) -> FakeMachine:
     train_step, read = train.Training.train_step, train.SessionClocks.read
 
     def timed_step(self):
-        return dataclasses.replace(train_step(self), seconds=fake.seconds(self))
+        return dataclasses.replace(train_step(self), **fake.step(self))
 
     def clock(self, *args):
         return dataclasses.replace(read(self, *args), elapsed=sum(self.step_times))
@@ -598,14 +603,15 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
 
 
 @pytest.mark.parametrize(
-    "burst, burst_steps, replanned_from",
+    "burst, burst_steps, cpu_burst, replanned_from",
     [
-        (4.0, 3, 25),  # the probe's warm-up and first two timed steps: it times on until its steps agree
-        (2.0, 6, 12),  # the whole probe (6 steps): a plan for half the tokens, which the check re-plans
+        (2.0, 6, False, 25),  # the whole probe (6 steps) waits for a core: its CPU time is a quiet probe's
+        (4.0, 3, True, 25),  # the warm-up and first two timed steps, CPU time too: it times on until they agree
+        (2.0, 6, True, 12),  # the whole probe, CPU time too: a plan for half the tokens, which the check re-plans
     ],
 )
 def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
-    corpus, tmp_path, planner, machine, burst, burst_steps, replanned_from
+    corpus, tmp_path, planner, machine, burst, burst_steps, cpu_burst, replanned_from
 ):
     """The real probe (train.measure_speed) on a machine of 6 tokens/s, `burst` times slower for its first
     `burst_steps` steps: the plan comes out as a quiet probe's, or the check before its decay corrects its
@@ -615,15 +621,42 @@ def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
     assert train.main(options(corpus, quiet, "--preset", "tiny")) == 0
     expected = json.loads((quiet / "training_settings.json").read_text())["budget"]
     assert (expected["check"]["from_steps"], expected["steps"]) == (25, 27)  # the check's end, not the reserve's
-    machine.burst, machine.burst_steps, machine.steps = burst, burst_steps, 0
+    machine.burst, machine.burst_steps, machine.cpu_burst, machine.steps = burst, burst_steps, cpu_burst, 0
     out = tmp_path / "busy"
     assert train.main(options(corpus, out, "--preset", "tiny")) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
     assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 27)
-    speed = plan["candidates"][0]["tokens_per_second"]
-    assert speed == pytest.approx(expected["candidates"][0]["tokens_per_second"] / (burst if burst_steps == 6 else 1))
+    slower = burst if replanned_from == 12 else 1.0
+    assert plan["candidates"][0]["tokens_per_second"] == pytest.approx(
+        expected["candidates"][0]["tokens_per_second"] / slower
+    )
     status = json.loads((out / "run_status.json").read_text())
     assert (status["status"], status["step"]) == (store.COMPLETE, 27)
+
+
+@pytest.mark.parametrize(
+    "wall, cpu, threads, seconds",
+    [
+        (2.0, 2.0, 1, 2.0),  # a quiet core: the wall time
+        (2.0, 1.0, 1, 1.0),  # half the time waiting for a core (a busy loop beside it): the CPU time
+        (2.0, 3.0, 2, 1.5),  # two threads, a busy machine: the CPU time over the threads
+        (2.0, 5.0, 2, 2.0),  # more CPU time than the threads spend in a wall time (other threads): the wall
+        (2.0, 0.5, 0, 0.5),  # no thread count: one
+    ],
+)
+def test_a_cpu_probe_step_counts_the_time_the_process_works(wall, cpu, threads, seconds):
+    assert budget.unloaded_step_seconds(wall, cpu, threads) == seconds
+
+
+@pytest.mark.parametrize("device, seconds", [("cpu", 1.5), ("cuda", 4.0), ("mps", 4.0)])
+def test_the_probe_reads_cpu_time_on_a_cpu_only(monkeypatch, device, seconds):
+    """On an accelerator the host's CPU time is not the device's: the probe keeps the wall time."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    step = SimpleNamespace(seconds=4.0, cpu_seconds=3.0)
+    training = SimpleNamespace(device=torch.device(device), train_step=lambda: step)
+    assert train.probe_step_seconds(training) == seconds
 
 
 def read_metrics(out: Path) -> list[dict]:

@@ -54,6 +54,7 @@ class StepResult:
     grad_norm: float
     seconds: float
     applied: bool  # False when fp16 skipped the step for overflow (the step is then retried)
+    cpu_seconds: float = 0.0  # this process' CPU time over the step, all its threads (--budget's probe)
 
 
 @dataclass(frozen=True)

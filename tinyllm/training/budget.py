@@ -358,6 +358,14 @@ def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float 
     return None
 
 
+def unloaded_step_seconds(wall: float, cpu: float, threads: int) -> float:
+    """A CPU probe step's time on a machine that gives the process its cores: the process' CPU seconds over
+    its torch threads, at most the wall time. A step on a busy CPU waits for a core, not for more work:
+    one busy loop per core (the issue's burst) took tiny's wall time to 1.7x here, its CPU time hardly moved
+    (docs/budget.md). CPU seconds the threads spent waiting (an idle thread, a slow read) keep the wall's."""
+    return min(wall, cpu / max(1, threads))
+
+
 def predicted_rate(
     measured: Candidate, presets: dict[str, model_config.Preset], name: str, vocab: int, gain: float = 1.0
 ) -> float:

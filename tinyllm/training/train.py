@@ -641,7 +641,7 @@ class Training:
 
     def train_step(self) -> callbacks.StepResult:
         """One optimizer step over all micro-steps; all ranks take part. Raises NonFiniteLoss."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         step = self.step
         lrs = self.optimizer.apply_schedule(self.recipe, step)
         batches = self.data.micro_batches(step, self.info.rank, self.device)
@@ -662,9 +662,14 @@ class Training:
                 f"fp16: {self.scaler.skipped_in_a_row} optimizer steps in a row overflowed "
                 f"at step {step + 1} (try --precision bf16 or fp32, or a lower --lr)"
             )
-        seconds = time.perf_counter() - started
         return callbacks.StepResult(
-            step=self.step, loss=mean_loss, lrs=lrs, grad_norm=grad_norm, seconds=seconds, applied=applied
+            step=self.step,
+            loss=mean_loss,
+            lrs=lrs,
+            grad_norm=grad_norm,
+            seconds=time.perf_counter() - started,
+            applied=applied,
+            cpu_seconds=time.process_time() - cpu_started,
         )
 
     def snapshot(self, callbacks: dict | None = None) -> dict | None:
@@ -742,6 +747,16 @@ def probe_batch(training: Training, rows: int, documents: bool) -> train_data.Ba
     return train_data.Batch(zeros, zeros, layout)
 
 
+def probe_step_seconds(training: Training) -> float:
+    """One train step, its time for the probe: on a CPU, as if the machine gave the process its cores
+    (budget.unloaded_step_seconds: a burst of other load does not make a preset look slower); on an
+    accelerator, the wall time (the host's CPU time does not measure the device's)."""
+    result = training.train_step()
+    if training.device.type != "cpu":
+        return result.seconds
+    return budget.unloaded_step_seconds(result.seconds, result.cpu_seconds, torch.get_num_threads())
+
+
 def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
     """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from timed train steps
     after budget.PROBE_WARMUP_STEPS untimed ones, until budget.steady_step_seconds has its step time (more
@@ -757,7 +772,7 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
                 training.train_step()
             started, times, step_seconds = time.monotonic(), [], None
             while step_seconds is None:
-                times.append(training.train_step().seconds)
+                times.append(probe_step_seconds(training))
                 out_of_time = time.monotonic() - started >= seconds
                 step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
         except torch.OutOfMemoryError:
