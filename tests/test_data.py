@@ -666,7 +666,7 @@ def test_hub_dataset_that_cannot_be_opened_is_a_user_error(tmp_path):
 # Packing, determinism, atomicity
 
 
-def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
+def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path, monkeypatch):
     make_every_format(tmp_path / "in")
     one = build([tmp_path / "in"], tmp_path / "one", "--shard-tokens", "150")
     two = build([tmp_path / "in"], tmp_path / "two", "--shard-tokens", "150")
@@ -680,6 +680,17 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     assert len(train["files"]) > 2 and all(f["tokens"] == 150 for f in train["files"][:-1])
     whole = build([tmp_path / "in"], tmp_path / "whole", "--tokenizer", str(one / "tokenizer"))
     assert np.array_equal(read_split(one, "train"), read_split(whole, "train"))
+    import concurrent.futures
+    import pickle
+
+    started_with = []
+
+    class RecordedPool(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            started_with.append(kwargs["initargs"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", RecordedPool)
     pooled = build(
         [tmp_path / "in"],
         tmp_path / "pooled",
@@ -692,6 +703,10 @@ def test_rebuilds_are_byte_identical_and_shards_split_the_stream(tmp_path):
     )
     for split in corpus_format.SPLITS:
         assert np.array_equal(read_split(whole, split), read_split(pooled, split))
+    # a worker's start-up data names the tokenizer's file (a few hundred bytes, whatever the vocabulary: it
+    # fits the pipe at once), and the file is gone with the pool
+    assert len(started_with) == 1 and len(pickle.dumps(started_with[0])) < 1000
+    assert not (pooled / data.WORKER_TOKENIZER_FILE).exists()
     assert corpus_format.verify_corpus(one) == []
 
 

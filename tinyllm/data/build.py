@@ -1118,15 +1118,20 @@ def literal_tokenizer(backend):
     return literal
 
 
-def start_tokenize_worker(tokenizer_json: str, builder: int) -> None:
+WORKER_TOKENIZER_FILE = "worker-tokenizer.json"  # in the build's temporary folder while the workers run
+
+
+def start_tokenize_worker(tokenizer_file: str, builder: int) -> None:
     """Process-pool initializer: a single-threaded Rust tokenizer in each process, which ends as soon as
     its data.py (process `builder`) is gone: a kill -9 of the build leaves no worker behind, busy or idle
-    (an idle one would wait forever on a queue whose writing end it holds itself), and no traceback."""
+    (an idle one would wait forever on a queue whose writing end it holds itself), and no traceback. The
+    tokenizer comes as a file: a worker's start-up data then fits the pipe at once, where a large
+    tokenizer's (MBs) kept data.py writing it for a second, and a kill then left the worker a traceback."""
     global _WORKER_TOKENIZER
     from tokenizers import Tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER_TOKENIZER = literal_tokenizer(Tokenizer.from_str(tokenizer_json))
+    _WORKER_TOKENIZER = literal_tokenizer(Tokenizer.from_file(tokenizer_file))
     threading.Thread(target=exit_without, args=(builder,), name="exit-without-data.py", daemon=True).start()
 
 
@@ -1298,11 +1303,13 @@ def write_shards(
         from concurrent.futures import ProcessPoolExecutor
 
         start_quiet_resource_tracker()
+        worker_tokenizer = folder / WORKER_TOKENIZER_FILE
+        backend.save(str(worker_tokenizer))
         pool = ProcessPoolExecutor(
             settings.tokenize_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=start_tokenize_worker,
-            initargs=(backend.to_str(), os.getpid()),
+            initargs=(str(worker_tokenizer), os.getpid()),
         )
         backend, in_flight = None, settings.tokenize_workers + 1
     else:
@@ -1315,6 +1322,8 @@ def write_shards(
                 write(pending.popleft().result())
         while pending:
             write(pending.popleft().result())
+    if settings.tokenize_workers > 0:
+        worker_tokenizer.unlink()
     bar.close()
     finished = {key: writer.finish() for key, writer in writers.items()}
     if labels == [None]:
