@@ -126,6 +126,25 @@ def test_a_tie_within_the_loss_model_s_error_goes_to_the_larger_model(text):
     assert f"of the lowest predicted loss, tiny's {predicted['tiny']:.3f}" in tied.why and "next" not in tied.why
 
 
+@pytest.mark.parametrize(
+    "tiny_tokens, nano_tokens, tie",
+    [
+        (2_154_496, 917_504, True),  # bench_budget_wall, KJV, 2 min: predicted tiny by 0.043, measured tiny by 0.015
+        (1_986_560, 917_504, True),  # the same with a burst: 0.035 / 0.009
+        (2_318_336, 974_848, True),  # changelog, 2 min: predicted tiny by 0.038, measured nano by 0.014
+        (1_232_896, 778_240, True),  # bench_vocab KJV 8,192: 0.013 / nano by 0.022
+        (3_637_248, 1_118_208, False),  # the budget sweep's 5 minutes: predicted tiny by 0.047, measured tiny by 0.041
+        (1_818_624, 557_056, False),  # its 2.5 minutes: 0.133 / 0.099
+    ],
+)
+def test_the_tie_s_width_lies_between_the_measured_pairs(tiny_tokens, nano_tokens, tie):
+    """TIE_ERRORS x LOSS_MODEL.error against the pairs of tiny and nano measured at equal time (docs/budget.md
+    "Ties"): those measured a tie or nano's are within it, those tiny won clearly outside it."""
+    tiny, nano = (budget.non_embedding_parameters(model_config.PRESETS[name]) for name in ("tiny", "nano"))
+    gap = budget.LOSS_MODEL.loss(nano, nano_tokens) - budget.LOSS_MODEL.loss(tiny, tiny_tokens)
+    assert gap > 0 and (gap <= budget.TIE_ERRORS * budget.LOSS_MODEL.error) is tie
+
+
 def test_an_explicit_preset_is_the_only_candidate():
     run = train.RunSettings(preset="nano", context=64)
     assert list(budget.candidate_presets(run, explicit_shape=True)) == ["nano"]
