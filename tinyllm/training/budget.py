@@ -361,9 +361,10 @@ def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float 
 
 def unloaded_step_seconds(wall: float, cpu: float, threads: int) -> float:
     """A CPU probe step's time on a machine that gives the process its cores: the process' CPU seconds over
-    its torch threads, at most the wall time. A step on a busy CPU waits for a core, not for more work:
-    one busy loop per core (the issue's burst) took tiny's wall time to 1.7x here, its CPU time hardly moved
-    (docs/budget.md). CPU seconds the threads spent waiting (an idle thread, a slow read) keep the wall's."""
+    its torch threads, at most the wall time. A step on a busy CPU waits for a core, not for more work: one
+    busy loop per core (the issue's burst) cut tiny's probe to 0.53x in wall time, to 0.999x in CPU time
+    (docs/budget.md). Where the threads wait (an idle thread, a slow read), the CPU time is short of the
+    wall's and the step's time is taken too short: the run's check measures the wall clock."""
     return min(wall, cpu / max(1, threads))
 
 
