@@ -707,8 +707,9 @@ WHAT, BUILD = "what to do (one of)", "building a corpus"  # data.py's option gro
 # Defaults sized to the input (sized_build_defaults): a larger share held out of a small corpus (enough documents
 # to validate on), and the vocabulary bench/bench_vocab.py measured best (docs/data.md#the-vocabulary): from 1 MB to
 # 100 MB 8,192, within 1% of the best of 1,024-32,768 for tiny and nano at equal wall time on two texts of ~4 MB
-# (2,048, the rule before, 3-7% behind); under 1 MB (not measured) and from 100 MB as before. BPE stops early where
-# the text supports fewer. (input bytes below, vocab_size, val_fraction = test_fraction)
+# (2,048, the rule before, 3-7% behind); under 1 MB 512, the best for nano at 0.6 MB (the model such a corpus trains
+# best; tiny would take 2,048-8,192), and from 100 MB as before. BPE stops early where the text supports fewer.
+# (input bytes below, vocab_size, val_fraction = test_fraction)
 SIZED_DEFAULTS = (
     (1_000_000, 512, 0.05),
     (10_000_000, 8_192, 0.05),
