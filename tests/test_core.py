@@ -1625,3 +1625,20 @@ def test_default_tasks_every_keeps_the_scoring_near_5_percent(
 )
 def test_the_tasks_cadence_note_says_when_and_why(validation_every, tasks_every, task_tokens, step_tokens, note):
     assert evaluation.tasks_cadence_note(validation_every, tasks_every, task_tokens, step_tokens) == note
+
+
+def test_a_file_descriptor_points_at_a_file_for_a_block_and_back(tmp_path):
+    """What a child process writes to fd 2 inside the block lands in the file (as the resource tracker's
+    warning does); after it, fd 2 is what it was."""
+    import os
+    import subprocess
+    import sys
+
+    from tinyllm.common import file_descriptor_to
+
+    before = os.fstat(2)
+    with open(tmp_path / "err", "wb") as target, file_descriptor_to(2, target):
+        subprocess.run([sys.executable, "-c", "import os; os.write(2, b'to the file')"], check=True)
+    after = os.fstat(2)
+    assert (tmp_path / "err").read_bytes() == b"to the file"
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)

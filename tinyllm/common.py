@@ -297,6 +297,24 @@ def remove_temporaries(folder: str | os.PathLike, target: str | None = None) -> 
     return removed
 
 
+@contextlib.contextmanager
+def file_descriptor_to(fd: int, target) -> Iterator[None]:
+    """Point file descriptor `fd` (1: stdout, 2: stderr) at the open file `target` while the block runs, so
+    that what C code and child processes started meanwhile write there goes to it; Python's own buffered
+    stdout and stderr are flushed on the way in and out, so their lines land where they were written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        os.dup2(target.fileno(), fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 def fsync_file(path: str | os.PathLike) -> None:
     """Flush a written file's bytes to disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -48,6 +48,7 @@ from tinyllm.common import (
     atomic_write_text,
     check_options,
     config_argv,
+    file_descriptor_to,
     human_count,
     not_negative,
     option,
@@ -1142,15 +1143,8 @@ def start_quiet_resource_tracker() -> None:
     that it found them leaked ("resource_tracker: There appear to be 5 leaked semaphore objects")."""
     from multiprocessing import resource_tracker
 
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
+    with open(os.devnull, "wb") as null, file_descriptor_to(2, null):
         resource_tracker.ensure_running()  # inherits fd 2 as it is now; started once per process
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def exit_without(parent: int, every_s: float = 0.5) -> None:

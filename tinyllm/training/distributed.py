@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tinyllm.common import UserError, console_script
+from tinyllm.common import UserError, console_script, file_descriptor_to
 from tinyllm.model import hardware
 
 
@@ -154,16 +154,11 @@ def is_gloo_all_connected(line: str) -> bool:
 def gloo_connected_lines_dropped():
     """What the C++ below writes to stdout (file descriptor 1) is held in a file and written out after, less gloo's
     all-connected lines. Only around gloo's connect: NCCL_DEBUG's lines must come as they are written."""
-    sys.stdout.flush()
-    saved = os.dup(1)
     with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 1)
         try:
-            yield
+            with file_descriptor_to(1, held):
+                yield
         finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
             held.seek(0)
             lines = held.read().decode(errors="replace").splitlines(keepends=True)
             sys.stdout.write("".join(line for line in lines if not is_gloo_all_connected(line)))
