@@ -10,7 +10,7 @@ with a 4,096-token BPE and holds out 5% of the documents (the test split).
 (a) The sweep. budget.probe measures each preset's tokens/s (train.py steps at one thread); for a
 budget of --minutes, each preset trains the token counts that fit --fractions of it (a fraction above 1
 is a longer budget: --fractions 3 of 10 minutes is 30), with the batch budget.candidate_outcome gives
-and at most budget.MAX_EPOCHS passes over the train split (the planner's own rules), in-process through
+and at most budget.max_passes over the train split (the planner's own rules), in-process through
 train.py's Training, one run after another at one thread; the score is held-out bits per byte over
 every test block.
 (b) The fit: L(N, D) = E + A / N^alpha + B / D^beta over the runs (N: non-embedding parameters, D:
@@ -116,19 +116,23 @@ def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> lis
     return budget.probe(train.measure_speed(settings, info), info, shapes, settings.session.batch_size, math.inf, vocab)
 
 
-def budget_request(seconds: float, train_tokens: float) -> budget.Request:
+def budget_request(seconds: float, results: dict) -> budget.Request:
     """The planner's request for `seconds` on this corpus (no probe time spent): train.py's, tokens capped at
-    budget.MAX_EPOCHS passes over the train split."""
-    return budget.Request(budget=f"{seconds:g}s", seconds=seconds, max_tokens=budget.MAX_EPOCHS * train_tokens)
+    budget.max_passes over the train split."""
+    tokens, passes = results["train_tokens"], results["max_passes"]
+    return budget.Request(budget=f"{seconds:g}s", seconds=seconds, train_tokens=tokens, max_passes=passes)
 
 
-def sweep_point(candidate: budget.Candidate, seconds: float, train_tokens: float) -> dict:
+def sweep_point(candidate: budget.Candidate, seconds: float, results: dict) -> dict:
     """What the planner's rule trains `candidate` on for a budget of `seconds`."""
-    return budget.candidate_outcome(candidate, budget_request(seconds, train_tokens), budget.LOSS_MODEL)
+    return budget.candidate_outcome(candidate, budget_request(seconds, results), budget.LOSS_MODEL)
 
 
-def train_tokens(corpus: Path) -> int:
-    return corpus_format.load_manifest(corpus).split("train")["tokens"]
+def split_limits(corpus: Path) -> dict:
+    """The train split's tokens and the passes over it the planner allows (budget.max_passes)."""
+    manifest = corpus_format.load_manifest(corpus)
+    tokens = manifest.split("train")["tokens"]
+    return {"train_tokens": tokens, "max_passes": budget.max_passes(tokens, manifest.vocab_size)}
 
 
 def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
@@ -232,7 +236,7 @@ def check_targets(results: dict, model: budget.LossModel) -> list[str]:
     for fraction in sorted({run["fraction"] for run in results["runs"]}):
         seconds = results["minutes"] * 60 * fraction
         try:
-            plan = budget.choose(budget_request(seconds, results["train_tokens"]), candidates, model)
+            plan = budget.choose(budget_request(seconds, results), candidates, model)
         except UserError:
             lines.append(f"| {seconds / 60:g} min | none: below the smallest sensible run |" + " |" * 8)
             continue
@@ -309,7 +313,7 @@ def sweep(args: argparse.Namespace, corpus: Path, work: Path, results: dict, res
         for fraction in (float(text) for text in args.fractions.split(",")):
             if (candidate.preset, fraction) in done:
                 continue
-            point = sweep_point(candidate, results["minutes"] * 60 * fraction, results["train_tokens"])
+            point = sweep_point(candidate, results["minutes"] * 60 * fraction, results)
             run = {**train_point(corpus, work, args.seed, point), "fraction": fraction}
             print(
                 f"{run['preset']} {run['tokens']:,} tokens ({fraction:g} of {results['minutes']:g} min): "
@@ -330,14 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.default_only and not results.get("candidates"):
         raise UserError(f"{results_path} has no probe yet: run the sweep first (without --default-only)")
     results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1, "torch": torch.__version__}
-    if not args.fit_only:  # the 4-pass cap (budget.MAX_EPOCHS) is the planner's, so the sweep's and the check's
+    if not args.fit_only:  # the pass cap (budget.max_passes) is the planner's, so the sweep's and the check's
         corpus = build_corpus(work, args.changelog_bytes)
-        results["train_tokens"] = train_tokens(corpus)
+        results.update(split_limits(corpus))
     if args.default_only:
         tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
         marks = [
-            sweep_point(tiny, results["minutes"] * 60 * float(f), results["train_tokens"])["tokens"]
-            for f in args.fractions.split(",")
+            sweep_point(tiny, results["minutes"] * 60 * float(f), results)["tokens"] for f in args.fractions.split(",")
         ]
         results["default_run"] = default_run(corpus, work, args.seed, marks)
         atomic_write_json(results_path, results)

@@ -18,7 +18,7 @@ is built in one process at one torch thread and they take turns, one step each p
 after two untimed ones, every other round in reverse order; a configuration's speed is tokens per CPU-second
 of its median step (a step on a busy machine waits for a core, not for more work: the speed of a quiet one),
 tokens per wall-second beside it. (2) Each configuration trains the tokens its speed buys in
---reference-seconds (at most budget.MAX_EPOCHS passes over its train split) with --budget's batch rule
+--reference-seconds (at most budget.max_passes over its train split) with --budget's batch rule
 (budget.global_blocks) and train.py's recipe: equal wall time on a quiet machine, however busy this one is
 while the runs train. The score is held-out bits per byte over every block of the test split (--eval-batches
 past the split's size). --equal-tokens adds runs of every vocabulary at the tokens of --reference-vocab's.
@@ -240,11 +240,11 @@ def time_group(corpora: dict[int, Path], preset: str, rounds: int, out: Path) ->
     }
 
 
-def planned_tokens(tokens: float, preset: str, train_tokens: int) -> tuple[int, int]:
+def planned_tokens(tokens: float, preset: str, train_tokens: int, vocab: int) -> tuple[int, int]:
     """(tokens, global batch blocks) as --budget's batch rule trains about `tokens`: whole steps of
-    budget.global_blocks, at most budget.MAX_EPOCHS passes over the train split."""
+    budget.global_blocks, at most budget.max_passes over the train split (of a `vocab` corpus)."""
     context = model_config.PRESETS[preset].context
-    tokens = min(tokens, budget.MAX_EPOCHS * train_tokens)
+    tokens = min(tokens, budget.max_passes(train_tokens, vocab) * train_tokens)
     blocks = budget.global_blocks(tokens, context, 1)
     steps = max(1, int(tokens // (blocks * context)))
     return steps * blocks * context, blocks
@@ -373,12 +373,14 @@ def run_plan(args: argparse.Namespace, results: Results) -> list[dict]:
                 for vocab in distinct_vocabs(results.data, text, listed(args.vocabs)):
                     corpus = results.data["corpora"][key(text, vocab)]
                     rate = rates[key(text, preset, vocab)]
-                    tokens, blocks = planned_tokens(rate * args.reference_seconds, preset, corpus["train_tokens"])
+                    tokens, blocks = planned_tokens(
+                        rate * args.reference_seconds, preset, corpus["train_tokens"], corpus["vocab"]
+                    )
                     run = {"text": text, "preset": preset, "vocab": vocab, "seed": seed, "mode": "time"}
                     plan.append({**run, "tokens": tokens, "blocks": blocks, "rate": rate})
                     if args.equal_tokens and vocab != args.reference_vocab:
                         tokens, blocks = planned_tokens(
-                            reference * args.reference_seconds, preset, corpus["train_tokens"]
+                            reference * args.reference_seconds, preset, corpus["train_tokens"], corpus["vocab"]
                         )
                         plan.append({**run, "mode": "tokens", "tokens": tokens, "blocks": blocks, "rate": rate})
     return plan

@@ -19,20 +19,21 @@ from tinyllm.training import budget  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "tokens, preset, train_tokens, expected",
+    "tokens, preset, train_tokens, vocab, expected",
     [
-        (1_000_000, "tiny", 10**8, (999_424, 32)),  # 244 whole steps of 4,096 tokens (32 blocks of 128)
-        (4_000_000, "tiny", 10**8, (3_997_696, 64)),  # past 300 x 8,192: the batch rule doubles the batch
-        (4_000_000, "tiny", 500_000, (1_998_848, 32)),  # at most MAX_EPOCHS passes over the train split
-        (100, "nano", 10**8, (4_096, 16)),  # at least one step
+        (1_000_000, "tiny", 10**8, 4096, (999_424, 32)),  # 244 whole steps of 4,096 tokens (32 blocks of 128)
+        (4_000_000, "tiny", 10**8, 4096, (3_997_696, 64)),  # past 300 x 8,192: the batch rule doubles the batch
+        (4_000_000, "tiny", 500_000, 4096, (1_998_848, 32)),  # at most 4 passes over the train split
+        (4_000_000, "tiny", 500_000, 8192, (999_424, 32)),  # 2 at 61 tokens a vocabulary entry
+        (100, "nano", 10**8, 4096, (4_096, 16)),  # at least one step
     ],
 )
-def test_the_tokens_a_speed_buys_follow_the_budget_batch_rule(tokens, preset, train_tokens, expected):
-    assert bench_vocab.planned_tokens(tokens, preset, train_tokens) == expected
+def test_the_tokens_a_speed_buys_follow_the_budget_batch_rule(tokens, preset, train_tokens, vocab, expected):
+    assert bench_vocab.planned_tokens(tokens, preset, train_tokens, vocab) == expected
     planned, blocks = expected
     step = blocks * model_config.PRESETS[preset].context
     assert planned % step == 0 and planned <= max(tokens, step)
-    assert planned <= budget.MAX_EPOCHS * train_tokens or planned == step
+    assert planned <= budget.max_passes(train_tokens, vocab) * train_tokens or planned == step
 
 
 def test_a_vocabulary_the_text_cannot_support_is_measured_once():

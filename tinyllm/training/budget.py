@@ -120,7 +120,19 @@ MAX_BATCH_TOKENS = 131_072
 MIN_STEPS = 100  # the smallest sensible run: this many steps of the smallest batch
 MIN_TOKENS = MIN_STEPS * MIN_BATCH_TOKENS
 MAX_EPOCHS = 4  # at most this many passes over the train split: repeated tokens are worth less (Muennighoff
-# et al. 2023: up to ~4 epochs nearly as good as new data), which the loss model does not know
+# et al. 2023: up to ~4 epochs nearly as good as new data), which the loss model does not know ...
+SMALL_CORPUS_EPOCHS = 2  # ... and on a train split of few tokens per vocabulary entry, this many: more overfit
+TOKENS_PER_VOCAB_ENTRY = 100  # the line between them (measured on both sides: docs/budget.md "Repeated tokens")
+
+
+def max_passes(train_tokens: float, vocab: int) -> int:
+    """How many passes over a train split of `train_tokens` a plan may train, for a corpus of `vocab` tokens:
+    MAX_EPOCHS, or SMALL_CORPUS_EPOCHS where the split holds fewer than TOKENS_PER_VOCAB_ENTRY tokens a
+    vocabulary entry. Measured: at 38-48 tokens an entry (1.5 MB texts at 8,192) tiny and nano gained nothing
+    past 2 passes and nano lost 0.04-0.09 bits/byte at 4; at 222-595 (0.6 MB at 512, the budget sweep's
+    corpus at 4,096) runs still gained at 3.4-4 passes. The embedding and the head are what memorise:
+    few tokens a row, and a repeated pass fits the train split's rare tokens instead of the text."""
+    return MAX_EPOCHS if train_tokens >= TOKENS_PER_VOCAB_ENTRY * vocab else SMALL_CORPUS_EPOCHS
 
 
 @dataclass(frozen=True)
@@ -148,7 +160,8 @@ class Request:
     world: int = 1
     target_tokens: int | None = None  # explicit --target-tokens
     spent_seconds: float = 0.0  # the probe's, already out of the budget
-    max_tokens: float = math.inf  # MAX_EPOCHS passes over the train split (a mixture: not capped)
+    train_tokens: float = math.inf  # the train split's tokens (a mixture: inf, not capped) ...
+    max_passes: int = MAX_EPOCHS  # ... over which the plan trains at most this many passes (max_passes)
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,8 @@ def training_seconds(request: Request) -> float:
 def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) -> dict:
     """What `candidate` makes of the budget: its tokens (the explicit count, else what fits), steps,
     hours and predicted loss."""
-    tokens = request.target_tokens or min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
+    most = request.max_passes * request.train_tokens
+    tokens = request.target_tokens or min(most, candidate.tokens_per_second * training_seconds(request))
     blocks = global_blocks(tokens, candidate.context, request.world)
     step_tokens = blocks * candidate.context
     steps = max(1, math.ceil(tokens / step_tokens) if request.target_tokens else int(tokens // step_tokens))
@@ -273,8 +287,8 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
         )
         + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others and best is lowest else "")
         + (
-            f"; tokens capped at {MAX_EPOCHS} passes over the train split"
-            if best["tokens"] >= request.max_tokens - best["blocks"] * chosen.context
+            f"; tokens capped at {request.max_passes} passes over the train split"
+            if best["tokens"] >= request.max_passes * request.train_tokens - best["blocks"] * chosen.context
             else ""
         )
     )
@@ -545,23 +559,31 @@ def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, m
     vocab = corpus_format.load_manifest(corpus).vocab_size
     probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
     candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
+    train_tokens = train_split_tokens(settings, corpus)
     request = Request(
         budget=run.budget,
         seconds=seconds,
         session_hours=settings.session.max_hours,
         world=info.world,
         spent_seconds=time.monotonic() - started,
-        max_tokens=max_run_tokens(settings, corpus),
+        train_tokens=train_tokens,
+        max_passes=max_passes(train_tokens, vocab),
         target_tokens=run.target_tokens if "target_tokens" in given else None,
     )
     return choose(request, candidates)
 
 
-def max_run_tokens(settings, corpus: Path) -> float:
-    """The most tokens a plan may train: MAX_EPOCHS passes over the train split (a mixture: not capped)."""
+def train_split_tokens(settings, corpus: Path) -> float:
+    """The train split's tokens (a mixture: inf, not capped by passes)."""
     if train_data.parse_mixture(settings.session.data, settings.run.mixture_schedule):
         return math.inf
-    return MAX_EPOCHS * corpus_format.load_manifest(corpus).split("train")["tokens"]
+    return corpus_format.load_manifest(corpus).split("train")["tokens"]
+
+
+def max_run_tokens(settings, corpus: Path) -> float:
+    """The most tokens a plan may train: max_passes over the train split (a mixture: not capped)."""
+    tokens = train_split_tokens(settings, corpus)
+    return max_passes(tokens, corpus_format.load_manifest(corpus).vocab_size) * tokens
 
 
 def plan_lines(plan: Plan) -> list[str]:
@@ -658,7 +680,7 @@ def replan(
     its projected end of training within CHECK_TOLERANCE of the budget of the target (`target_end_seconds`:
     the budget less the run's end and a cushion; `choose`'s RESERVE was a guess at them), or a schedule
     that cannot change its length (`decay_start` None: a cosine decays over the whole run). The new length
-    fills the time to the target at the speed seen, at most `max_tokens` (MAX_EPOCHS passes) and at least
+    fills the time to the target at the speed seen, at most `max_tokens` (max_run_tokens) and at least
     `earliest_total` (the decay must not have begun). The preset, the batch and the learning rates stay: only
     the length (and so the decay's start) moves."""
     seconds = budget_seconds(plan.budget)
