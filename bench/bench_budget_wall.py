@@ -4,7 +4,7 @@ with a burst of load during its probe?
 
     OMP_NUM_THREADS=1 python bench/bench_budget_wall.py --work W --texts kjv,changelog
 
-For each text (bench_texts.py: one corpus each, data.py with --vocab-size 4096), three train.py processes
+For each text (bench_texts.py: one corpus each, data.py's default vocabulary or --vocab-size), three train.py processes
 at one thread, one after another: the fixed choice (`--preset nano`, its defaults: one epoch), timed
 from launch to exit (W); `--budget W` alone; `--budget W` with one busy-loop process per core for the
 first --burst-seconds after its launch (the probe's whole time and the first steps). Each row: the run's
@@ -45,10 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burst-seconds", type=float, default=20.0, help="busy loops this long after launch")
     parser.add_argument("--modes", default="fixed,quiet,burst", help="which runs (a rerun skips those done)")
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--vocab-size", type=int, help="the corpora's BPE vocabulary (default: data.py's rule)")
     return parser.parse_args(argv)
 
 
-def build_corpus(work: Path, text: str, limit_bytes: int) -> Path:
+def build_corpus(work: Path, text: str, limit_bytes: int, vocab_size: int | None) -> Path:
     corpus, source = work / f"corpus-{text}", work / f"{text}.jsonl"
     if (corpus / "corpus_manifest.json").exists():
         return corpus
@@ -56,7 +57,8 @@ def build_corpus(work: Path, text: str, limit_bytes: int) -> Path:
     with open(source, "w", encoding="utf-8") as handle:
         for document in text_documents(text, limit_bytes):
             handle.write(json.dumps({"text": document}) + "\n")
-    argv = ["--data", str(source), "--out", str(corpus), "--vocab-size", "4096", "--no-progress"]
+    argv = ["--data", str(source), "--out", str(corpus), "--no-progress"]
+    argv += ["--vocab-size", str(vocab_size)] if vocab_size else []
     if data.main(argv):
         raise UserError(f"data.py could not build {corpus}")
     return corpus
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     modes = args.modes.split(",")
     for text in args.texts.split(","):
-        corpus = build_corpus(work, text, args.text_bytes)
+        corpus = build_corpus(work, text, args.text_bytes, args.vocab_size)
         runs = results.setdefault(text, {})
         if "fixed" in modes and "fixed" not in runs:
             runs["fixed"] = timed_run(
