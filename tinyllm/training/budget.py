@@ -129,9 +129,10 @@ def max_passes(train_tokens: float, vocab: int) -> int:
     """How many passes over a train split of `train_tokens` a plan may train, for a corpus of `vocab` tokens:
     MAX_EPOCHS, or SMALL_CORPUS_EPOCHS where the split holds fewer than TOKENS_PER_VOCAB_ENTRY tokens a
     vocabulary entry. Measured: at 38-48 tokens an entry (1.5 MB texts at 8,192) tiny and nano gained nothing
-    past 2 passes and nano lost 0.04-0.09 bits/byte at 4; at 222-595 (0.6 MB at 512, the budget sweep's
-    corpus at 4,096) runs still gained at 3.4-4 passes. The embedding and the head are what memorise:
-    few tokens a row, and a repeated pass fits the train split's rare tokens instead of the text."""
+    past 2 passes and nano lost 3-7% at 4; at 443-595 (0.6 MB at 512) and 478 (the budget sweep's corpus) runs
+    gained up to 4 passes; at 107-112 (4 MB at 8,192) the passes 3 and 4 were about even (-1.2% to +1.2%).
+    The embedding and the head are what memorise: few tokens a row, and a repeated pass fits the train
+    split's rare tokens instead of the text."""
     return MAX_EPOCHS if train_tokens >= TOKENS_PER_VOCAB_ENTRY * vocab else SMALL_CORPUS_EPOCHS
 
 
