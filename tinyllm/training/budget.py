@@ -164,6 +164,10 @@ class Request:
     train_tokens: float = math.inf  # the train split's tokens (a mixture: inf, not capped) ...
     max_passes: int = MAX_EPOCHS  # ... over which the plan trains at most this many passes (max_passes)
 
+    @property
+    def max_tokens(self) -> float:
+        return self.max_passes * self.train_tokens
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -243,8 +247,7 @@ def training_seconds(request: Request) -> float:
 def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) -> dict:
     """What `candidate` makes of the budget: its tokens (the explicit count, else what fits), steps,
     hours and predicted loss."""
-    most = request.max_passes * request.train_tokens
-    tokens = request.target_tokens or min(most, candidate.tokens_per_second * training_seconds(request))
+    tokens = request.target_tokens or min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
     blocks = global_blocks(tokens, candidate.context, request.world)
     step_tokens = blocks * candidate.context
     steps = max(1, math.ceil(tokens / step_tokens) if request.target_tokens else int(tokens // step_tokens))
@@ -289,7 +292,7 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
         + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others and best is lowest else "")
         + (
             f"; tokens capped at {request.max_passes} passes over the train split"
-            if best["tokens"] >= request.max_passes * request.train_tokens - best["blocks"] * chosen.context
+            if best["tokens"] >= request.max_tokens - best["blocks"] * chosen.context
             else ""
         )
     )
