@@ -45,9 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_tokens(passes: float, preset: str, train_tokens: int) -> tuple[int, int]:
     """(tokens, global batch blocks): whole steps of --budget's batch rule nearest `passes` over the split."""
     context = model_config.PRESETS[preset].context
-    wanted = passes * train_tokens
-    blocks = budget.global_blocks(wanted, context, 1)
-    steps = max(1, round(wanted / (blocks * context)))
+    steps, blocks = budget.whole_steps(passes * train_tokens, context, 1, round)
     return steps * blocks * context, blocks
 
 

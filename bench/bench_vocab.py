@@ -244,9 +244,7 @@ def planned_tokens(tokens: float, preset: str, train_tokens: int, vocab: int) ->
     """(tokens, global batch blocks) as --budget's batch rule trains about `tokens`: whole steps of
     budget.global_blocks, at most budget.max_passes over the train split (of a `vocab` corpus)."""
     context = model_config.PRESETS[preset].context
-    tokens = min(tokens, budget.max_passes(train_tokens, vocab) * train_tokens)
-    blocks = budget.global_blocks(tokens, context, 1)
-    steps = max(1, int(tokens // (blocks * context)))
+    steps, blocks = budget.whole_steps(min(tokens, budget.max_passes(train_tokens, vocab) * train_tokens), context, 1)
     return steps * blocks * context, blocks
 
 

@@ -81,6 +81,22 @@ def test_split_batch(blocks, world, micro, expected):
     assert budget.global_blocks(1e5, 128, 3) % 3 == 0
 
 
+@pytest.mark.parametrize(
+    "tokens, world, rounding, expected",
+    [
+        (1_000_000, 1, math.floor, (244, 16)),  # 4,096-token steps (1e6 / 300 -> 2,048, at least 4,096): 244.1
+        (1_000_000, 1, math.ceil, (245, 16)),
+        (1_000_000, 1, round, (244, 16)),
+        (999_000, 1, round, (244, 16)),  # 243.9
+        (40_000_000, 1, math.floor, (305, 512)),  # 131,072-token steps: 305.2
+        (40_000_000, 3, math.floor, (304, 513)),  # a multiple of the world size
+        (1000, 1, math.floor, (1, 16)),  # at least one step
+    ],
+)
+def test_whole_steps(tokens, world, rounding, expected):
+    assert budget.whole_steps(tokens, 256, world, rounding) == expected
+
+
 def request(text: str, **fields) -> budget.Request:
     return budget.Request(budget=text, seconds=budget.budget_seconds(text), **fields)
 

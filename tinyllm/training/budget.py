@@ -232,6 +232,15 @@ def global_blocks(tokens: float, context: int, world: int) -> int:
     return math.ceil(blocks / world) * world
 
 
+def whole_steps(
+    tokens: float, context: int, world: int, rounding: Callable[[float], int] = math.floor
+) -> tuple[int, int]:
+    """(steps, global batch blocks) of the batch rule for a run of about `tokens`: `rounding` (floor: at most
+    `tokens`; ceil: at least; round: nearest) of whole steps, at least one."""
+    blocks = global_blocks(tokens, context, world)
+    return max(1, int(rounding(tokens / (blocks * context)))), blocks
+
+
 def split_batch(global_batch_blocks: int, world: int, micro_batch: int) -> tuple[int, int]:
     """(--batch-size, --grad-accum) per rank for a global batch: the micro-batch, or the largest divisor
     of the rank's share below it."""
@@ -248,10 +257,9 @@ def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) 
     """What `candidate` makes of the budget: its tokens (the explicit count, else what fits), steps,
     hours and predicted loss."""
     tokens = request.target_tokens or min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
-    blocks = global_blocks(tokens, candidate.context, request.world)
-    step_tokens = blocks * candidate.context
-    steps = max(1, math.ceil(tokens / step_tokens) if request.target_tokens else int(tokens // step_tokens))
-    tokens = request.target_tokens or steps * step_tokens
+    rounding = math.ceil if request.target_tokens else math.floor
+    steps, blocks = whole_steps(tokens, candidate.context, request.world, rounding)
+    tokens = request.target_tokens or steps * blocks * candidate.context
     return {
         "preset": candidate.preset,
         "tokens": int(tokens),
@@ -560,10 +568,11 @@ def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, m
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
-    vocab = corpus_format.load_manifest(corpus).vocab_size
+    manifest = corpus_format.load_manifest(corpus)
+    vocab = manifest.vocab_size
     probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
     candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
-    train_tokens = train_split_tokens(settings, corpus)
+    train_tokens, passes = split_limits(settings, manifest)
     request = Request(
         budget=run.budget,
         seconds=seconds,
@@ -571,23 +580,24 @@ def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, m
         world=info.world,
         spent_seconds=time.monotonic() - started,
         train_tokens=train_tokens,
-        max_passes=max_passes(train_tokens, vocab),
+        max_passes=passes,
         target_tokens=run.target_tokens if "target_tokens" in given else None,
     )
     return choose(request, candidates)
 
 
-def train_split_tokens(settings, corpus: Path) -> float:
-    """The train split's tokens (a mixture: inf, not capped by passes)."""
-    if train_data.parse_mixture(settings.session.data, settings.run.mixture_schedule):
-        return math.inf
-    return corpus_format.load_manifest(corpus).split("train")["tokens"]
+def split_limits(settings, manifest: corpus_format.Manifest) -> tuple[float, int]:
+    """(the train split's tokens, the most passes a plan may make over it): a mixture's split is inf, never
+    capped by passes."""
+    mixture = train_data.parse_mixture(settings.session.data, settings.run.mixture_schedule)
+    tokens = math.inf if mixture else manifest.split("train")["tokens"]
+    return tokens, max_passes(tokens, manifest.vocab_size)
 
 
 def max_run_tokens(settings, corpus: Path) -> float:
     """The most tokens a plan may train: max_passes over the train split (a mixture: not capped)."""
-    tokens = train_split_tokens(settings, corpus)
-    return max_passes(tokens, corpus_format.load_manifest(corpus).vocab_size) * tokens
+    tokens, passes = split_limits(settings, corpus_format.load_manifest(corpus))
+    return passes * tokens
 
 
 def plan_lines(plan: Plan) -> list[str]:

@@ -1,0 +1,25 @@
+"""bench/bench_budget_wall.py: its corpora get data.py's default vocabulary, or --vocab-size's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_budget_wall  # noqa: E402
+
+
+@pytest.mark.parametrize("given, expected", [([], []), (["--vocab-size", "8192"], ["--vocab-size", "8192"])])
+def test_the_corpus_is_built_with_data_py_s_vocabulary_unless_one_is_given(tmp_path, monkeypatch, given, expected):
+    calls = []
+    monkeypatch.setattr(bench_budget_wall, "text_documents", lambda text, limit: [f"{text} one", f"{text} two"])
+    monkeypatch.setattr(bench_budget_wall.data, "main", lambda argv: calls.append(argv) or 0)
+    args = bench_budget_wall.parse_args(["--work", str(tmp_path), *given])
+    corpus = bench_budget_wall.build_corpus(tmp_path, "kjv", args.text_bytes, args.vocab_size)
+    source = tmp_path / "kjv.jsonl"
+    assert calls == [["--data", str(source), "--out", str(corpus), "--no-progress", *expected]]
+    assert [json.loads(line)["text"] for line in source.read_text().splitlines()] == ["kjv one", "kjv two"]
