@@ -189,8 +189,8 @@ def leave_without_teardown() -> None:
     """Exit 0 now, skipping the interpreter's teardown. On torch 2.10 and 2.11 a gloo worker thread frees a
     finished collective's tensors after wait() has returned, and takes the GIL to do so: if the interpreter is
     shutting down by then, the thread aborts the process ("terminate called without an active exception",
-    pytorch #190489; 5 of 20 runs of sharded_steps on torch 2.11, none on 2.13). destroy_process_group does not
-    join those threads. Everything this rank had to do is done and saved."""
+    pytorch #190489; 5 of 20 runs of sharded_steps on torch 2.11, 3 of 20 on 2.10, none on 2.13).
+    destroy_process_group does not join those threads. Everything this rank had to do is done and saved."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
