@@ -129,7 +129,7 @@ def max_passes(train_tokens: float, vocab: int) -> int:
     """How many passes over a train split of `train_tokens` a plan may train, for a corpus of `vocab` tokens:
     MAX_EPOCHS, or SMALL_CORPUS_EPOCHS where the split holds fewer than TOKENS_PER_VOCAB_ENTRY tokens a
     vocabulary entry. Measured (nano, 4 passes against 2): at 38-48 tokens an entry (1.5 MB texts at 8,192)
-    3-7% worse, at 65-75 (2.5 MB) 0.6-3.5% worse; at 107-112 (4 MB) about even (-1.2% to +1.2%); at 443-595
+    3-7% worse, at 65-75 (2.5 MB) 0.6-3.5% worse; at 107-112 (4 MB) about even (-1.2% to +1.4%); at 443-595
     (0.6 MB at 512) 4-6% better, and the budget sweep's corpus (478) gained up to 4 passes. The embedding and
     the head are what memorise: few tokens a row, and a repeated pass fits the train split's rare tokens
     instead of the text."""
