@@ -4,13 +4,14 @@ with a burst of load during its probe?
 
     OMP_NUM_THREADS=1 python bench/bench_budget_wall.py --work W --texts kjv,changelog
 
-For each text (bench_texts.py: one corpus each, data.py's default vocabulary or --vocab-size), three train.py processes
-at one thread, one after another: the fixed choice (`--preset nano`, its defaults: one epoch), timed
-from launch to exit (W); `--budget W` alone; `--budget W` with one busy-loop process per core for the
-first --burst-seconds after its launch (the probe's whole time and the first steps). Each row: the run's
-wall time against W, its held-out (test) bits per byte against the fixed choice's, the plan and its check
-(from training_settings.json), and the load average (1 min) at its start and end: this machine is
-shared, so "quiet" is only as quiet as the other users let it be.
+For each text (bench_texts.py: one corpus each, data.py's default vocabulary or --vocab-size), three
+train.py processes at --threads torch threads (1: one core of a shared machine), one after another: the
+fixed choice (`--preset nano`, its defaults: one epoch), timed from launch to exit (W); `--budget W`
+alone; `--budget W` with one busy-loop process per core for the first --burst-seconds after its launch
+(the probe's whole time and the first steps). Each row: the run's wall time against W, its held-out
+(test) bits per byte against the fixed choice's, the plan and its check (from training_settings.json),
+and the load average (1 min) at its start and end: this machine is shared, so "quiet" is only as quiet
+as the other users let it be.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default="fixed,quiet,burst", help="which runs (a rerun skips those done)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--vocab-size", type=int, help="the corpora's BPE vocabulary (default: data.py's rule)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of every train.py run")
     return parser.parse_args(argv)
 
 
@@ -74,16 +76,21 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def timed_run(corpus: Path, out: Path, extra: list[str], burst: float) -> dict:
+def train_command(corpus: Path, out: Path, threads: int, extra: list[str]) -> tuple[list[str], dict]:
+    """train.py's command line and environment for one run at `threads` torch threads."""
+    argv = [sys.executable, "train.py", "--data", str(corpus), "--out", str(out), "--threads", str(threads)]
+    return argv + ["--no-report", *extra], {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+def timed_run(corpus: Path, out: Path, threads: int, extra: list[str], burst: float) -> dict:
     """train.py in a process, from launch to exit; `burst` seconds of one busy loop per core from launch."""
-    argv = [sys.executable, "train.py", "--data", str(corpus), "--out", str(out), "--threads", "1", "--no-report"]
+    argv, env = train_command(corpus, out, threads, extra)
     loads = [load_average()]
     loops = [multiprocessing.Process(target=busy_loop, args=(burst,)) for _ in range(os.cpu_count() if burst else 0)]
     started = time.monotonic()
     for loop in loops:
         loop.start()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(argv + extra, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - started
     for loop in loops:
         loop.join()
@@ -146,17 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         corpus = build_corpus(work, text, args.text_bytes, args.vocab_size)
         runs = results.setdefault(text, {})
         if "fixed" in modes and "fixed" not in runs:
-            runs["fixed"] = timed_run(
-                corpus, work / f"{text}-fixed", ["--preset", args.preset, "--seed", str(args.seed)], 0
-            )
+            fixed = ["--preset", args.preset, "--seed", str(args.seed)]
+            runs["fixed"] = timed_run(corpus, work / f"{text}-fixed", args.threads, fixed, 0)
             atomic_write_json(results_path, results)
         budget = f"{runs['fixed']['seconds']:.0f}s"
         for mode in ("quiet", "burst"):
             if mode in modes and mode not in runs:
                 burst = args.burst_seconds if mode == "burst" else 0
-                runs[mode] = timed_run(
-                    corpus, work / f"{text}-{mode}", ["--budget", budget, "--seed", str(args.seed)], burst
-                )
+                planned = ["--budget", budget, "--seed", str(args.seed)]
+                runs[mode] = timed_run(corpus, work / f"{text}-{mode}", args.threads, planned, burst)
                 atomic_write_json(results_path, results)
             print(f"{text} {mode}: {runs.get(mode, {}).get('last_lines')}", flush=True)
     print(

@@ -23,3 +23,11 @@ def test_the_corpus_is_built_with_data_py_s_vocabulary_unless_one_is_given(tmp_p
     source = tmp_path / "kjv.jsonl"
     assert calls == [["--data", str(source), "--out", str(corpus), "--no-progress", *expected]]
     assert [json.loads(line)["text"] for line in source.read_text().splitlines()] == ["kjv one", "kjv two"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_run_trains_at_the_threads_given(tmp_path, threads):
+    args = bench_budget_wall.parse_args(["--work", str(tmp_path)] + (["--threads", "2"] if threads == 2 else []))
+    argv, env = bench_budget_wall.train_command(tmp_path / "c", tmp_path / "r", args.threads, ["--budget", "60s"])
+    assert argv[argv.index("--threads") + 1] == str(threads) and env["OMP_NUM_THREADS"] == str(threads)
+    assert argv[-3:] == ["--no-report", "--budget", "60s"]

@@ -285,8 +285,11 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
         ([4.0, 4.0, 1.0, 1.0, 1.0], False, None),  # a burst that ended inside the probe: time more
         ([4.0, 4.0, 1.0, 1.0, 1.0, 1.0], False, None),
         ([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0], False, 1.0),  # the burst left behind
-        ([1.0, 2.0] * 7 + [1.0], False, 1.0),  # PROBE_MAX_STEPS reached: the last window's median
-        ([4.0, 1.0], True, 2.5),  # out of time: what there is
+        ([1.0, 2.0] * 7 + [1.0], False, 1.0),  # PROBE_MAX_STEPS reached, still disagreeing: the window's fastest
+        ([2.0, 1.0] * 7 + [2.0], False, 1.0),
+        ([0.04, 0.085] * 7 + [0.087], False, 0.04),  # two threads under a burst: spin doubles some steps
+        ([1.0, 1.0, 1.0, 1.0, 1.2], True, 1.0),  # out of time and steady: the median
+        ([4.0, 1.0], True, 1.0),  # out of time: the fastest of what there is
     ],
 )
 def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
