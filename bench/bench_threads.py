@@ -8,7 +8,8 @@ OMP_WAIT_POLICY=PASSIVE, and at one thread, alone and beside busy one-thread pro
 Each configuration is a child process (the wait policy is read when torch loads) that times `--steps`
 train steps of `--preset` at micro-batch `--batch-size` on the demo corpus, built by build_training as
 train.py and --budget's probe build it; the table gives each one's time against the default's in the
-same load.
+same load, and the step time --budget's probe takes from those steps (CPU time over the threads, its
+window rule) against the same configuration's when no busy process runs.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ sys.path.insert(0, str(ROOT))
 
 from tinyllm.data import build as data  # noqa: E402
 from tinyllm.data import corpus_format  # noqa: E402
+from tinyllm.training import budget  # noqa: E402
 
 BUSY = "import torch\ntorch.set_num_threads(1)\na = torch.randn(256, 256)\nwhile True:\n    a @ a\n"
 
 
-def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: int) -> list[float]:
-    """Seconds of each train step after one untimed (the child's work)."""
+def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: int) -> list[list[float]]:
+    """[wall seconds, the probe's seconds] of each train step after one untimed (the child's work); the
+    probe's is its CPU time over the threads, at most the wall time (budget.unloaded_step_seconds)."""
     import dataclasses
 
     import torch
@@ -60,10 +63,21 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
     settings = dataclasses.replace(settings, session=dataclasses.replace(settings.session, compile=False))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     training = train.build_training(settings, info)
-    return [training.train_step().seconds for _ in range(steps + 1)][1:]
+    results = [training.train_step() for _ in range(steps + 1)][1:]
+    return [[r.seconds, budget.unloaded_step_seconds(r.seconds, r.cpu_seconds, threads)] for r in results]
 
 
-def run_child(corpus: Path, args, threads: int, passive: bool) -> list[float]:
+def probe_seconds(unloaded: list[float]) -> float:
+    """What --budget's probe takes for the step's time from these steps: budget.steady_step_seconds on
+    them one by one, as budget.probe times them (out of steps: the last window's)."""
+    for count in range(1, len(unloaded) + 1):
+        seconds = budget.steady_step_seconds(unloaded[:count])
+        if seconds is not None:
+            return seconds
+    return budget.steady_step_seconds(unloaded, out_of_time=True)
+
+
+def run_child(corpus: Path, args, threads: int, passive: bool) -> list[list[float]]:
     env = (
         {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         if passive
@@ -111,19 +125,26 @@ def main(argv: list[str] | None = None) -> int:
         ("1 thread", 1, False),
     ]
     print(f"{args.preset}, {args.steps} steps of {args.batch_size} blocks, {cores} cores")
-    print("| load | threads | seconds | vs default | median step | slowest step | steps over 10x the median |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| load | threads | seconds | vs default | median step | slowest step | steps over 10x the median | "
+        "probe's step | probe / quiet probe |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    quiet_probe = {}
     for load in sorted({0, args.busy}):
         hogs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
         try:
             base = None
             for name, threads, passive in configs:
-                times = run_child(corpus, args, threads, passive)
+                steps = run_child(corpus, args, threads, passive)
+                times = [wall for wall, _ in steps]
                 total, median = sum(times), statistics.median(times)
                 base = base or total
+                probe = probe_seconds([unloaded for _, unloaded in steps])
+                quiet = quiet_probe.setdefault(name, probe)
                 print(
                     f"| {load} busy | {name} | {total:.2f} | {total / base:.2f}x | {median:.4f} | {max(times):.3f} | "
-                    f"{sum(t > 10 * median for t in times)} |",
+                    f"{sum(t > 10 * median for t in times)} | {probe:.4f} | {probe / quiet:.2f}x |",
                     flush=True,
                 )
         finally:

@@ -443,6 +443,14 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
 
 
 @pytest.mark.parametrize(
+    "step, validation, every, expected",
+    [(0.25, 0.5, 50, 0.26), (0.25, 0.5, 0, 0.25), (2.0, 30.0, 10, 5.0), (1.0, 0.0, 10, 1.0)],
+)
+def test_the_rest_of_the_run_counts_its_share_of_the_validations(step, validation, every, expected):
+    assert budget.rest_step_seconds(step, validation, every) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
     "times, expected",
     [([1.0], 1.0), ([5.0, 5.0, 1.0, 1.0, 1.0], 1.0), ([9.0, 9.0, 9.0, 1.0, 2.0, 3.0], 6.0), ([9.0, 1.0, 2.0], 2.0)],
 )
@@ -488,8 +496,8 @@ def machine(monkeypatch) -> FakeMachine:
     def timed_step(self):
         return dataclasses.replace(train_step(self), **fake.step(self))
 
-    def clock(self, *args):
-        return dataclasses.replace(read(self, *args), elapsed=sum(self.step_times))
+    def clock(self, *args):  # its evaluations take no time, as its elapsed time counts steps only
+        return dataclasses.replace(read(self, *args), elapsed=sum(self.step_times), slowest_eval=0.0)
 
     monkeypatch.setattr(train.Training, "train_step", timed_step)
     monkeypatch.setattr(train.SessionClocks, "read", clock)

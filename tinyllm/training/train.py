@@ -1472,8 +1472,10 @@ class BudgetCheck:
         plan, decay_start = budget.Plan.from_record(training.budget_plan), decay_start_rule(training)
         if not budget.check_due(plan, training.step, clock.elapsed, len(step_times), decay_start):
             return False
-        step_seconds = distributed.agree_max([budget.typical_step_seconds(step_times)], training.info)[0]
-        end_seconds = 2 * clock.slowest_eval + clock.last_write  # the last validation, the test, the last save
+        every = next((observer.every for observer in self.observers.callbacks if observer.key == "validation"), 0)
+        step_seconds = budget.rest_step_seconds(budget.typical_step_seconds(step_times), clock.slowest_eval, every)
+        step_seconds = distributed.agree_max([step_seconds], training.info)[0]
+        end_seconds = 2 * clock.slowest_eval + 2 * clock.last_write  # the re-plan's save, last validation, test, save
         seen = budget.Seen(training.step, clock.elapsed, step_seconds, end_seconds)
         max_tokens = budget.max_run_tokens(training, training.data.corpus)
         checked = budget.check_plan(plan, seen, decay_start, max_tokens)
