@@ -3,16 +3,10 @@ are conftest.py's), and the fake credentials no output may show."""
 
 from __future__ import annotations
 
-import socket
+from ports import free_port
 
 ACCESS_KEY = "AKIAFAKE0TEST0KEY0ID"
 SECRET_KEY = "sEcReT/do-not-print-0123456789abcdef"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MotoServer:

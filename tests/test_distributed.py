@@ -4,13 +4,13 @@ world size 2 (passing, hanging, and returning a wrong sum)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from tinyllm.training import distributed
 
@@ -60,12 +60,6 @@ def test_the_first_collective_s_error_names_the_likely_fix(backend, environ, fai
         assert words in text, (words, text)
     for words in never:
         assert words not in text, (words, text)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Each rank of a 2-rank gloo group (the ranks started by hand, as torchrun would).

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 from tinyllm.model import hardware
 from tinyllm.store import checkpoint_store as store
@@ -141,12 +141,6 @@ def test_newton_schulz_owners_balance_a_model():
     load = [sum(flops(*s) for s, owner in zip(shapes, owners) if owner == rank) for rank in (0, 1)]
     assert abs(load[0] - load[1]) <= max(hardware.newton_schulz_flops(*s) for s in shapes)
     assert load[0] == load[1]  # two identical layers split evenly
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 SPLIT_DTYPES = ("fp32", "fp16", "bf16")
