@@ -181,6 +181,27 @@ def test_a_corpus_of_few_tokens_a_vocabulary_entry_is_trained_over_two_passes(tr
     assert budget.max_passes(train_tokens, vocab) == passes
 
 
+@pytest.mark.parametrize(
+    "preset, vocab, noted",
+    [
+        ("micro", 8192, True),  # measured: 16,384 0.1-1.8% better, 27,569 2.4% on the changelogs
+        ("micro", 8489, True),  # what a 1.5 MB text supports at "16,384": still under it
+        ("micro", 16384, False),  # the vocabulary micro measured best at
+        ("micro", 33069, False),
+        ("micro", 512, False),  # a corpus under 1 MB: not measured for micro
+        ("think72", 8192, True),  # larger than micro: the same (not measured)
+        ("nano", 8192, False),  # tiny and nano measured best at 8,192
+        ("tiny", 8192, False),
+    ],
+)
+def test_a_plan_of_micro_or_larger_says_when_the_corpus_vocabulary_is_under_what_micro_measured_best(
+    preset, vocab, noted
+):
+    note = budget.vocabulary_note(budget.non_embedding_parameters(model_config.PRESETS[preset]), vocab)
+    assert (note is not None) is noted
+    assert note is None or f"this corpus has {vocab:,} tokens" in note and "--vocab-size 16384" in note
+
+
 def test_on_1_5_mb_of_changelogs_two_minutes_plan_nano():
     """bench_vocab's 1.5 MB changelog corpus (397,093 train tokens, vocabulary 8,192) at its measured speeds
     (tiny 10,613, nano 5,673 tokens/s): at 4 passes the loss model put tiny's 1.27M tokens ahead (measured
