@@ -786,8 +786,8 @@ def check_text(check: dict) -> str:
     """The check's one line (printed when it is made, and in the plan's summary after it)."""
     speed = check["planned_step_seconds"] / check["step_seconds"]
     seen = (
-        f"checked at step {check['at_step']} ({check['elapsed_seconds']:.0f} s in): steps at {speed:.2f}x the "
-        f"probe's speed"
+        f"checked at step {check['at_step']} ({check['elapsed_seconds']:.0f} s in): steps with their validations "
+        f"at {speed:.2f}x the probe's speed"
     )
     if not check["replanned"]:
         return f"{seen}, training ends within {CHECK_TOLERANCE:.0%} of the budget's time as planned: kept"
