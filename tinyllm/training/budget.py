@@ -578,26 +578,27 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
         plan = Plan.from_record(record)
         say(f"{plan.summary()} (the run's plan, made at its start: kept)", main=info.is_main)
         return plan
-    plan = make_plan(settings, info, given, settings.session.batch_size, corpus, measure)
+    manifest = corpus_format.load_manifest(corpus)
+    plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure)
     planned = apply(settings, plan, info.world).run
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
     plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr, length_given="target_tokens" in given)
-    vocab = corpus_format.load_manifest(corpus).vocab_size
-    for line in [*plan_lines(plan), vocabulary_note(plan.parameters, vocab)]:
+    for line in [*plan_lines(plan), vocabulary_note(plan.parameters, manifest.vocab_size)]:
         if line:
             say(line, main=info.is_main)
     return plan
 
 
-def make_plan(settings, info, given: set[str], micro_batch: int, corpus: Path, measure: Measure) -> Plan:
-    """Probe the candidates (timed against the budget) and choose."""
+def make_plan(
+    settings, info, given: set[str], micro_batch: int, manifest: corpus_format.Manifest, measure: Measure
+) -> Plan:
+    """Probe the candidates (timed against the budget) and choose, for the corpus of `manifest`."""
     run = settings.run
     seconds = budget_seconds(run.budget)
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
     started = time.monotonic()
     presets = candidate_presets(run, explicit_shape)
-    manifest = corpus_format.load_manifest(corpus)
     vocab = manifest.vocab_size
     probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
     candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
