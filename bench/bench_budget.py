@@ -5,7 +5,7 @@
 
 The text: the King James Bible (Debian's bible-kjv, one document per chapter) and Debian changelog
 entries (/usr/share/doc/*/changelog.Debian.gz), --changelog-bytes of them; data.py builds the corpus
-with a 4,096-token BPE and holds out 5% of the documents (the test split).
+with a --vocab-size BPE (4,096 unless given) and holds out 5% of the documents (the test split).
 
 (a) The sweep. budget.probe measures each preset's tokens/s (train.py steps at one thread); for a
 budget of --minutes, each preset trains the token counts that fit --fractions of it (a fraction above 1
@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=5.0, help="the largest budget, in minutes of training")
     parser.add_argument("--fractions", default="0.125,0.25,0.5,1", help="token counts: these shares of it")
     parser.add_argument("--changelog-bytes", type=int, default=4_000_000, help="changelog text beside the KJV")
+    parser.add_argument(
+        "--vocab-size", type=int, default=4096, help="the corpus' BPE vocabulary (data.py's rule gives 8,192 here)"
+    )
     parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
     parser.add_argument("--fit-only", action="store_true", help="no training: fit and check the saved results")
     parser.add_argument(
@@ -83,13 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_corpus(work: Path, changelog_bytes: int) -> Path:
+def build_corpus(work: Path, changelog_bytes: int, vocab_size: int) -> Path:
     """KJV chapters and changelog entries, one corpus (built once and reused while data.py's format stays)."""
-    corpus, source = work / "corpus-kjv-changelog", work / "kjv-changelog.jsonl"
+    corpus, source = work / f"corpus-kjv-changelog-{vocab_size}", work / "kjv-changelog.jsonl"
     if corpus_format.is_current_corpus(corpus):
         return corpus
     work.mkdir(parents=True, exist_ok=True)
-    return make_corpus([write_jsonl(source, kjv_documents() + changelog_entries(changelog_bytes))], corpus)
+    documents = kjv_documents() + changelog_entries(changelog_bytes)
+    return make_corpus([write_jsonl(source, documents)], corpus, vocab_size=vocab_size)
 
 
 def base_argv(corpus: Path, work: Path, seed: int) -> list[str]:
@@ -132,7 +136,8 @@ def split_limits(corpus: Path) -> dict:
     """The train split's tokens and the passes over it the planner allows (budget.max_passes)."""
     manifest = corpus_format.load_manifest(corpus)
     tokens = manifest.split("train")["tokens"]
-    return {"train_tokens": tokens, "max_passes": budget.max_passes(tokens, manifest.vocab_size)}
+    passes = budget.max_passes(tokens, manifest.vocab_size)
+    return {"train_tokens": tokens, "max_passes": passes, "vocab_size": manifest.vocab_size}
 
 
 def train_point(corpus: Path, work: Path, seed: int, point: dict) -> dict:
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{results_path} has no probe yet: run the sweep first (without --default-only)")
     results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": 1, "torch": torch.__version__}
     if not args.fit_only:  # the pass cap (budget.max_passes) is the planner's, so the sweep's and the check's
-        corpus = build_corpus(work, args.changelog_bytes)
+        corpus = build_corpus(work, args.changelog_bytes, args.vocab_size)
         results.update(split_limits(corpus))
     if args.default_only:
         tiny = next(budget.Candidate(**c) for c in results["candidates"] if c["preset"] == DEFAULT_PRESET)
