@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -752,6 +753,87 @@ def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
 )
 def test_a_cpu_probe_step_counts_the_time_the_process_works(wall, cpu, threads, seconds):
     assert budget.unloaded_step_seconds(wall, cpu, threads) == seconds
+
+
+@pytest.mark.parametrize(
+    "busy, own, wall, others",
+    [(4.0, 2.0, 1.0, 2.0), (2.0, 2.0, 1.0, 0.0), (1.0, 2.0, 1.0, 0.0), (3.0, 0.0, 2.0, 1.5), (1.0, 0.0, 0.0, 0.0)],
+)
+def test_the_load_beside_the_run_is_the_machines_busy_time_less_its_own(busy, own, wall, others):
+    assert budget.others_cores(busy, own, wall) == others
+
+
+@pytest.mark.parametrize(
+    "others, cores, threads, busy",
+    [
+        (0.3, 2, 2, False),  # a background daemon: within the margin
+        (0.6, 2, 2, True),
+        (2.0, 2, 2, True),  # the issue's burst: one busy loop per core
+        (2.0, 2, 1, True),
+        (1.4, 2, 1, False),  # one core left free by a one-thread run, and most of it taken
+        (5.0, 8, 2, False),  # six cores free
+        (6.6, 8, 2, True),
+    ],
+)
+def test_the_probe_is_beside_load_when_others_take_the_runs_cores(others, cores, threads, busy):
+    assert budget.busy_beside(others, cores, threads) is busy
+
+
+@pytest.mark.parametrize(
+    "on_cpu, threads, world, waits",
+    [(True, 2, 1, True), (True, 8, 1, True), (True, 1, 1, False), (False, 2, 1, False), (True, 2, 2, False)],
+)
+def test_only_a_cpu_probe_at_several_threads_waits_for_quiet(on_cpu, threads, world, waits):
+    assert budget.waits_for_quiet(on_cpu, threads, world) is waits
+
+
+@pytest.mark.parametrize("seconds, wait", [(60.0, 6.0), (300.0, 30.0), (3600.0, 60.0), (0.0, 0.0)])
+def test_the_probes_wait_for_quiet_is_a_share_of_the_budget(seconds, wait):
+    assert budget.quiet_wait_seconds(seconds) == wait
+
+
+@pytest.mark.parametrize(
+    "loads, threads, rate, said",
+    [
+        ([True, True, False], 2, 3.0, "measured again after"),  # busy beside the window, then quiet: measured again
+        ([True] * 1000, 2, 0.75, "stayed busy for the 0 s"),  # never quiet within the wait: the first measure
+        ([False], 2, 0.75, None),  # a slow machine, not a busy one: nothing to wait for
+        ([True], 1, 0.75, None),  # one thread: its CPU time is its work; no wait (this fake spins, a real one not)
+    ],
+)
+def test_a_probe_beside_load_waits_for_quiet_and_measures_again(
+    corpus, tmp_path, machine, monkeypatch, capsys, loads, threads, rate, said
+):
+    """The real probe (train.measure_speed) at 3 tokens/s, 4x slower (CPU time too: OpenMP's threads spin)
+    for its warm-up and first window of 5 steps, with /proc/stat's verdicts (`loads`: whether other load
+    took the run's cores, one per look) faked."""
+    from tinyllm.training import distributed
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(budget, "QUIET_POLL_SECONDS", 0.001)
+    verdicts = iter(loads)
+    monkeypatch.setattr(train, "beside_load", lambda work: (work(), next(verdicts)))
+    machine.per_token = {"tiny": 1 / 3}
+    machine.burst, machine.burst_steps, machine.cpu_burst = 4.0, 6, True
+    settings = train.parse_args(options(corpus, tmp_path / "unused", "--budget", "1s"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    capsys.readouterr()
+    assert train.measure_speed(settings, info)("tiny", 2, 1e9) == pytest.approx(rate)
+    printed = capsys.readouterr().out
+    assert (said in printed) if said else "--budget: tiny's probe" not in printed
+
+
+def test_the_load_beside_work_is_read_around_it(monkeypatch):
+    """train.beside_load: /proc/stat before and after the work; its own CPU time is not other load."""
+    from tinyllm.model import hardware
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for busy_after, beside in ((0.0, False), (1.0, True)):
+        reads = iter([hardware.CpuTimes(10.0, 2), hardware.CpuTimes(10.0 + busy_after, 2)])
+        monkeypatch.setattr(hardware, "read_cpu_times", reads.__next__)
+        assert train.beside_load(lambda: time.sleep(0.05) or "done") == ("done", beside)
+    monkeypatch.setattr(hardware, "read_cpu_times", lambda: None)  # no /proc/stat: never beside load
+    assert train.beside_load(lambda: 7) == (7, False)
 
 
 @pytest.mark.parametrize("device, seconds", [("cpu", 1.5), ("cuda", 4.0), ("mps", 4.0)])

@@ -567,3 +567,26 @@ def test_the_attention_paths_own_memory_is_counted():
 )
 def test_compile_is_on_by_default_on_cuda(requested, device, compiled):
     assert hardware.use_compile(requested, device) is compiled
+
+
+STAT = """cpu  5795333 1112131 1170320 2122143 27373 0 11819 22060 0 0
+cpu0 2521875 558049 521719 1509305 4839 0 1635 10920 0 0
+cpu1 3273457 554081 648601 612837 22534 0 10184 11140 0 0
+intr 38278957 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    "stat, busy, cores",
+    [
+        (STAT, (5795333 + 1112131 + 1170320 + 0 + 11819 + 22060) / 100, 2),  # idle and iowait left out
+        ("cpu  1 2 3 4 5 6 7 8\ncpu0 1 2 3 4 5 6 7 8\n", (1 + 2 + 3 + 6 + 7 + 8) / 100, 1),  # no guest columns
+        ("cpu  1 2 3\n", None, None),  # too few columns
+        ("intr 1 2 3 4 5 6 7 8 9\n", None, None),  # not /proc/stat
+        ("cpu  1 2 x 4 5 6 7 8\n", None, None),
+        ("", None, None),
+    ],
+)
+def test_the_machines_cpu_times_are_read_from_proc_stat(stat, busy, cores):
+    times = hardware.cpu_times(stat, 100)
+    assert (times.busy, times.cores) == (pytest.approx(busy), cores) if busy is not None else times is None

@@ -997,3 +997,38 @@ def peak_memory_bytes(device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine's CPU load beside a run (Linux's /proc/stat): what --budget's probe waits out.
+
+PROC_STAT = "/proc/stat"
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The machine's CPU seconds since boot, all cores together: `busy` (user, nice, system, irq, softirq,
+    steal; guests are in user) and `cores` (the cpuN lines)."""
+
+    busy: float
+    cores: int
+
+
+def cpu_times(stat: str, ticks_per_second: int) -> CpuTimes | None:
+    """/proc/stat's text as CpuTimes (None: not that format)."""
+    lines = stat.splitlines()
+    fields = lines[0].split() if lines else []
+    if len(fields) < 9 or fields[0] != "cpu" or not all(field.isdigit() for field in fields[1:]):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(field) for field in fields[1:9])
+    cores = sum(1 for line in lines if re.match(r"cpu\d+ ", line))
+    return CpuTimes((user + nice + system + irq + softirq + steal) / ticks_per_second, max(1, cores))
+
+
+def read_cpu_times() -> CpuTimes | None:
+    """This machine's CpuTimes now; None where there is no /proc/stat (macOS, Windows)."""
+    try:
+        with open(PROC_STAT) as stat:
+            return cpu_times(stat.read(), os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -421,6 +421,40 @@ def unloaded_step_seconds(wall: float, cpu: float, threads: int) -> float:
     return min(wall, cpu / max(1, threads))
 
 
+QUIET_MARGIN = 0.5  # of a core: other load beyond the cores a CPU run leaves free that its probe waits out
+QUIET_WAIT_SHARE = 0.1  # of the budget, at most QUIET_WAIT_MAX_SECONDS: the probe's whole wait for a quiet machine
+QUIET_WAIT_MAX_SECONDS = 60.0
+QUIET_POLL_SECONDS = 0.5  # how often a waiting probe looks at the machine's load
+
+
+def others_cores(machine_busy: float, own_cpu: float, wall: float) -> float:
+    """The cores other processes kept busy over `wall` seconds: the machine's busy CPU seconds (all cores,
+    /proc/stat) less this process' own CPU seconds, over the wall time."""
+    return max(0.0, machine_busy - own_cpu) / wall if wall > 0 else 0.0
+
+
+def busy_beside(others: float, cores: int, threads: int) -> bool:
+    """Whether other load took cores a run of `threads` threads needs: more of them busy than the cores
+    it leaves free, by QUIET_MARGIN."""
+    return others > max(0, cores - threads) + QUIET_MARGIN
+
+
+def waits_for_quiet(on_cpu: bool, threads: int, world: int) -> bool:
+    """Whether the probe waits out other load: a CPU run of one process at two or more threads, whose
+    probe steps read slow beside it (OpenMP's threads spin at each barrier while a partner waits for a
+    core: under one busy loop per core, nano's probe step read 2.17x a quiet one at 2 threads, 0.98-1.00x
+    at 1 thread, where a step's CPU time is its work; bench/RESULTS.md). An accelerator's step is the
+    device's; the ranks of a CPU run on one machine are each other's load."""
+    return on_cpu and threads >= 2 and world == 1
+
+
+def quiet_wait_seconds(budget: float) -> float:
+    """How long the whole probe may wait for a quiet machine: QUIET_WAIT_SHARE of the budget, at most
+    QUIET_WAIT_MAX_SECONDS. The wait costs little: beside the load, a run's steps spin as much as they work
+    (a 20 s burst of one busy loop per core cost nano's fixed run 15-16 s at 2 threads)."""
+    return min(QUIET_WAIT_MAX_SECONDS, QUIET_WAIT_SHARE * budget)
+
+
 def predicted_rate(
     measured: Candidate, presets: dict[str, model_config.Preset], name: str, vocab: int, gain: float = 1.0
 ) -> float:

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -757,11 +758,82 @@ def probe_step_seconds(training: Training) -> float:
     return budget.unloaded_step_seconds(result.seconds, result.cpu_seconds, torch.get_num_threads())
 
 
+@dataclass
+class QuietWait:
+    """What is left of the probe's wait for a quiet machine (budget.quiet_wait_seconds), spent as it waits."""
+
+    seconds: float
+
+    def until_quiet(self) -> float | None:
+        """Wait while other load takes the run's cores, within what is left: the seconds waited once the
+        machine is quiet (budget.busy_beside over QUIET_POLL_SECONDS), None if it never was."""
+        waited = 0.0
+        while self.seconds > 0:
+            started = time.monotonic()
+            _, busy = beside_load(lambda: time.sleep(min(budget.QUIET_POLL_SECONDS, self.seconds)))
+            spent = time.monotonic() - started
+            self.seconds, waited = self.seconds - spent, waited + spent
+            if not busy:
+                return waited
+        return None
+
+
+def beside_load(work: Callable[[], Any]) -> tuple[Any, bool]:
+    """`work()`'s result, and whether other processes' load took cores this run's threads needed meanwhile
+    (budget.busy_beside, from /proc/stat; False where there is none)."""
+    before, cpu_before, started = hardware.read_cpu_times(), time.process_time(), time.monotonic()
+    result = work()
+    after = hardware.read_cpu_times()
+    if before is None or after is None:
+        return result, False
+    own, wall = time.process_time() - cpu_before, time.monotonic() - started
+    others = budget.others_cores(after.busy - before.busy, own, wall)
+    return result, budget.busy_beside(others, after.cores, torch.get_num_threads())
+
+
+def steady_window(training: Training, seconds: float, info: distributed.DistInfo) -> float:
+    """The probe's step time from timed steps, until budget.steady_step_seconds has it (more steps while
+    they disagree, within `seconds`). Every rank steps alike: rank 0's verdict ends the timing."""
+    started, times, step_seconds = time.monotonic(), [], None
+    while step_seconds is None:
+        times.append(probe_step_seconds(training))
+        out_of_time = time.monotonic() - started >= seconds
+        step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
+    return step_seconds
+
+
+def measured_again(
+    training: Training, info: distributed.DistInfo, preset: str, step_seconds: float, took: float, wait: QuietWait
+) -> float:
+    """A probe window that ran beside other load, measured again once the machine is quiet (given as long
+    as the first took) and the faster kept; the first kept if it is not quiet within what is left of
+    `wait`. Either way one line says so."""
+    budgeted = wait.seconds
+    waited = wait.until_quiet()
+    if waited is None:
+        log(
+            info,
+            f"--budget: {preset}'s probe ran beside other load, and the machine stayed busy for the "
+            f"{budgeted:.0f} s the probe may wait: planned at the speed measured beside it",
+        )
+        return step_seconds
+    again = steady_window(training, took, info)
+    log(
+        info,
+        f"--budget: {preset}'s probe ran beside other load; measured again after {waited:.0f} s of "
+        f"waiting for a quiet machine: {step_seconds / again:.2f}x the first measure's speed",
+    )
+    return min(step_seconds, again)
+
+
 def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
-    """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from timed train steps
-    after budget.PROBE_WARMUP_STEPS untimed ones, until budget.steady_step_seconds has its step time (more
-    steps while they disagree, within the `seconds` the probe may take); None when it does not fit the
-    device's memory. Every rank steps alike: rank 0's verdict ends the timing."""
+    """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from a steady window
+    of timed train steps after budget.PROBE_WARMUP_STEPS untimed ones; None when it does not fit the
+    device's memory. Where the probe waits out other load (budget.waits_for_quiet), a window that ran
+    beside it is measured again once the machine is quiet, within what is left of the probe's QuietWait,
+    and the faster of the two is kept (timeit's rule)."""
+    waits = budget.waits_for_quiet(info.device.type == "cpu", torch.get_num_threads(), info.world)
+    wait = QuietWait(budget.quiet_wait_seconds(budget.budget_seconds(settings.run.budget)) if waits else 0.0)
 
     def measure(preset: str, micro_batch: int, seconds: float) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
@@ -770,11 +842,11 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
             training = build_training(dataclasses.replace(settings, run=run, session=session), info)
             for _ in range(budget.PROBE_WARMUP_STEPS):
                 training.train_step()
-            started, times, step_seconds = time.monotonic(), [], None
-            while step_seconds is None:
-                times.append(probe_step_seconds(training))
-                out_of_time = time.monotonic() - started >= seconds
-                step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
+            started = time.monotonic()
+            step_seconds, busy = beside_load(lambda: steady_window(training, seconds, info))
+            took = time.monotonic() - started
+            if busy and wait.seconds > 0:
+                step_seconds = measured_again(training, info, preset, step_seconds, took, wait)
         except torch.OutOfMemoryError:
             return None
         except UserError as error:  # build_training's out-of-memory line; any other error is the run's
