@@ -823,6 +823,16 @@ def test_a_probe_beside_load_waits_for_quiet_and_measures_again(
     assert (said in printed) if said else "--budget: tiny's probe" not in printed
 
 
+def test_a_run_without_a_budget_at_two_threads_has_no_probe_to_wait(corpus, tmp_path, monkeypatch):
+    """train.train builds the probe's measure before it knows there is no --budget: at two threads too."""
+    from tinyllm.training import distributed
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    settings = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run")])
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    assert settings.run.budget is None and callable(train.measure_speed(settings, info))
+
+
 def test_the_load_beside_work_is_read_around_it(monkeypatch):
     """train.beside_load: /proc/stat before and after the work; its own CPU time is not other load."""
     from tinyllm.model import hardware

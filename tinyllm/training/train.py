@@ -833,7 +833,8 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
     beside it is measured again once the machine is quiet, within what is left of the probe's QuietWait,
     and the faster of the two is kept (timeit's rule)."""
     waits = budget.waits_for_quiet(info.device.type == "cpu", torch.get_num_threads(), info.world)
-    wait = QuietWait(budget.quiet_wait_seconds(budget.budget_seconds(settings.run.budget)) if waits else 0.0)
+    given = settings.run.budget  # None: no --budget, no probe (train.train builds this measure either way)
+    wait = QuietWait(budget.quiet_wait_seconds(budget.budget_seconds(given)) if waits and given else 0.0)
 
     def measure(preset: str, micro_batch: int, seconds: float) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
