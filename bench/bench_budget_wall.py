@@ -117,6 +117,7 @@ def timed_run(corpus: Path, out: Path, threads: int, extra: list[str], burst: fl
         "plan": settings.get("budget"),
         "load": loads,
         "last_lines": result.stdout.splitlines()[-3:],
+        "probe_lines": [line for line in result.stdout.splitlines() if line.startswith("--budget: ")],
     }
 
 
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 planned = ["--budget", budget, "--seed", str(args.seed)]
                 runs[mode] = timed_run(corpus, work / f"{text}-{mode}", args.threads, planned, burst)
                 atomic_write_json(results_path, results)
-            print(f"{text} {mode}: {runs.get(mode, {}).get('last_lines')}", flush=True)
+            done = runs.get(mode, {})
+            print(f"{text} {mode}: {done.get('probe_lines', [])} {done.get('last_lines')}", flush=True)
     print(
         "\n| text | run | what it trained | probe (tokens/s) | check | wall | / W (target 0.95-1.05) | test bpb | "
         "/ fixed (target <= 1) | load avg start / end |\n|---|---|---|---|---|---:|---:|---:|---:|---|"
