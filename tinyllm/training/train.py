@@ -767,14 +767,13 @@ class QuietWait:
     def until_quiet(self) -> float | None:
         """Wait while other load takes the run's cores, within what is left: the seconds waited once the
         machine is quiet (budget.busy_beside over QUIET_POLL_SECONDS), None if it never was."""
-        waited = 0.0
+        allowed = self.seconds
         while self.seconds > 0:
             started = time.monotonic()
             _, busy = beside_load(lambda: time.sleep(min(budget.QUIET_POLL_SECONDS, self.seconds)))
-            spent = time.monotonic() - started
-            self.seconds, waited = self.seconds - spent, waited + spent
+            self.seconds -= time.monotonic() - started
             if not busy:
-                return waited
+                return allowed - self.seconds
         return None
 
 
@@ -844,7 +843,8 @@ def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Meas
             for _ in range(budget.PROBE_WARMUP_STEPS):
                 training.train_step()
             started = time.monotonic()
-            step_seconds, busy = beside_load(lambda: steady_window(training, seconds, info))
+            window = functools.partial(steady_window, training, seconds, info)
+            step_seconds, busy = beside_load(window) if wait.seconds > 0 else (window(), False)  # no wait: no reads
             took = time.monotonic() - started
             if busy and wait.seconds > 0:
                 step_seconds = measured_again(training, info, preset, step_seconds, took, wait)
