@@ -280,6 +280,7 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
     card = export_hf.model_card(
         {
             "parameters": 1000,
+            "tied_embeddings": False,
             "layers": 2,
             "hidden": 64,
             "intermediate": 192,
@@ -693,7 +694,7 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     capsys.readouterr()
     assert train.main(options(corpus, out)) == 0
     printed = capsys.readouterr().out
-    assert "(the run's plan, made at its start: kept)" in printed and line in printed
+    assert "(the run's plan, made at its start and re-planned at its check: kept)" in printed and line in printed
     assert "--budget 10m: checked" not in printed
     ours, theirs = (
         torch.load(folder / "checkpoints" / store.checkpoint_name(27), weights_only=True) for folder in (out, reference)

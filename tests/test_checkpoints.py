@@ -16,7 +16,7 @@ import pytest
 import torch
 from tiny_runs import assert_same_state, final_state, options, write_tiny_corpus
 
-from tinyllm.common import UserError, atomic_write_json
+from tinyllm.common import UserError, atomic_write_json, sha256_file
 from tinyllm.store import checkpoint_store as store
 from tinyllm.training import train
 
@@ -242,3 +242,29 @@ def test_the_same_command_after_the_run_completed_says_so(corpus, reference, tmp
     printed = "".join(capsys.readouterr())
     assert "the run was already complete at step 12/12: no step taken" in printed
     assert "COMPLETE: step 12/12" in printed and step_files(out / "checkpoints") == before
+
+
+def test_the_same_command_after_an_evaluation_keeps_the_card_s_scores_of_these_weights(corpus, tmp_path):
+    """`report.py evaluate` wrote RUN/eval/*.json and the card's scores; the model exported again from the same
+    weights keeps them (run_status.json's card hash with it), scores of other weights are not carried."""
+    out = tmp_path / "run"
+    command = options(corpus, out, "--report", steps=4)
+    assert train.main(command) == 0
+    weights = sha256_file(out / "model" / "model.safetensors")
+    scores = {"exact_match": 0.75, "n": 4, "kind": "exact", "source": "tasks.jsonl"}
+    result = {"format_version": 1, "model": str(out / "model"), "run": str(out), "harness": {"limit": None}}
+    for name, digest, time in (("arith", weights, "2026-12-05T21:00:00Z"), ("older", weights, "2026-12-05T20:00:00Z")):
+        atomic_write_json(
+            out / "eval" / f"{name}.json",
+            {**result, "time": time, "model_sha256": digest, "task": name, "scores": scores},
+        )
+    atomic_write_json(
+        out / "eval" / "other.json",
+        {**result, "time": "2026-12-05T22:00:00Z", "model_sha256": "0" * 64, "task": "other", "scores": scores},
+    )
+    assert train.main(command) == 0
+    card = (out / "model" / "README.md").read_text()
+    assert "## Benchmark scores" in card and "| arith | exact | 4 | - | - | 0.7500 |" in card
+    assert "| older |" not in card and "| other |" not in card  # an earlier evaluation; other weights
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["model_files"]["README.md"] == sha256_file(out / "model" / "README.md")

@@ -251,6 +251,28 @@ def test_remote_retention_spans_sessions_of_the_same_run(store, tmp_path, reques
     assert json.loads(record)["run_id"] == "run-a"
 
 
+@pytest.mark.parametrize(
+    "remote_status, says",
+    [
+        (
+            {"status": store.COMPLETE, "step": 103},
+            "the backed-up run finished at step 103; `train.py --resume auto` makes its end again from that step",
+        ),
+        (
+            {"status": store.COMPLETE, "step": 110},  # the backup's newest checkpoint is older than its status
+            "the run resumes from step 103, the newest checkpoint in the backup (its run_status.json said "
+            "COMPLETE at step 110)",
+        ),
+        (
+            {},
+            "the run resumes from step 103, the newest checkpoint in the backup (its run_status.json said ? at step ?)",
+        ),
+    ],
+)
+def test_a_restore_says_what_the_run_does_from_the_step_restored(remote_status, says):
+    assert cc.restore_note(103, remote_status).startswith(f"checkpoint restore: {says}")
+
+
 def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     """metrics.jsonl and the other small RUN files travel with the checkpoints, so a restored run keeps its history."""
     run = tmp_path / "machine-1" / "run"

@@ -833,6 +833,8 @@ def test_length_change_note(old, total, expected):
             {"preset", "heads", "head_dim"},
             ["--preset nano"],
         ),
+        # --preset given otherwise: the change names it; the shape the checkpoint's preset gave is not listed
+        ({"preset": ("tiny", "nano"), "model.heads": (4, 2), "model.head_dim": (16, 64)}, {"heads", "head_dim"}, []),
         # ... but a shape the run had beyond its preset's is kept too
         (
             {"preset": ("nano", "tiny"), "model.heads": (8, 4), "model.head_dim": (64, 16)},

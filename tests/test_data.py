@@ -212,6 +212,12 @@ def test_verify_catches_a_flipped_byte_and_names_the_file(demo_corpus, tmp_path,
         data.main(["--verify", str(tmp_path / "nope")])
     with pytest.raises(UserError, match="is not a finished corpus: corpus_manifest.json is missing"):
         data.main(["--verify", str(tmp_path)])
+    manifest = copy / corpus_format.CORPUS_MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:-40])  # a damaged manifest fails the check, as a damaged shard
+    capsys.readouterr()
+    assert data.main(["--verify", str(copy)]) == 1
+    printed = capsys.readouterr().out
+    assert f"MISMATCH corpus manifest {manifest} is not valid JSON" in printed and "FAILED, 1 problem(s)" in printed
 
 
 def test_verify_catches_tokenizer_and_eval_edits_and_missing_shards(demo_corpus, tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tinyllm import common
 from tinyllm.common import UserError
 from tinyllm.data import build as data
 from tinyllm.model import config as model_config
@@ -186,6 +187,21 @@ def test_evaluate_gives_lm_evals_own_numbers_and_the_hand_computed_ones(exported
     assert limited["acc"] == pytest.approx(hand_scores(model_dir, [items[i] for i in pick])["acc"], abs=1e-4)
     with pytest.raises(UserError, match="no_such_task"):
         report.main(["evaluate", str(model_dir), "--tasks", "no_such_task"])
+
+
+def test_report_evaluate_off_a_terminal_prints_no_library_noise(exported, tmp_path, monkeypatch, capfd):
+    """A log file gets the table and the files written, not lm-eval's request bars (it passes tqdm disable=False
+    itself), its few-shot warning, or git's 'fatal: not a git repository' from outside a repository."""
+    model_dir, items_file, _ = exported
+    monkeypatch.chdir(tmp_path)  # no git repository here
+    for name, value in common.LIBRARY_PROGRESS_OFF.items():  # as run_main sets them where stderr is not a terminal
+        monkeypatch.setenv(name, value)
+    capfd.readouterr()
+    assert report.main(["evaluate", str(model_dir), "--tasks", str(items_file), "--limit", "4"]) == 0
+    printed = capfd.readouterr()
+    assert "| local_words | choice | 4 |" in printed.out
+    for noise in ("fatal:", "Running loglikelihood requests", "Tokenizing inputs", "Overwriting default num_fewshot"):
+        assert noise not in printed.err, printed.err
 
 
 # ----------------------------------------------------------------------------------------------

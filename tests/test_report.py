@@ -201,8 +201,12 @@ def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch)
         {"kind": "train", "step": 61, "tokens": 61 * 512, "loss": float("nan"), "adamw_lr": 1e-3, "muon_lr": 2e-2}
     )  # skipped
     lines.append({"kind": "test", "step": 61, "tokens": 61 * 512, "test_loss": 3.25})
+    lines.append({"kind": "samples", "step": 61, "samples": []})  # the run's last record carries no tokens
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    titles = []
+    monkeypatch.setattr("matplotlib.figure.Figure.suptitle", lambda self, text, **kwargs: titles.append(text))
     assert metrics_log.plot_loss_curve(metrics, tmp_path / "curve.png") is True
+    assert titles == ["tinyllm: step 61, 31.2K tokens"]
     train = [line for line in lines if line["kind"] == "train" and line["step"] <= 60]
     tokens = [line["tokens"] for line in train]
     losses = [line["loss"] for line in train]
@@ -367,7 +371,7 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
         "Status: **COMPLETE**",
         "Optimizer steps: 200 of 200",
         "Tokens trained on: 25,600",
-        f"Parameters: {parameters:,}",
+        export_hf.parameters_line(export_hf.architecture_of(model)),
         "2 decoder layers",
         "c0" * 32,
         "70" * 32,
@@ -397,6 +401,19 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     assert "## Benchmark scores" in (out / "README.md").read_text()
     with pytest.raises(UserError, match="neither a run folder"):
         report.main(["evaluate", str(tmp_path), "--tasks", str(eval_file)])
+
+
+@pytest.mark.parametrize(
+    "tied, says",
+    [
+        (True, "(the input embedding and the LM head one tied matrix, counted once)"),
+        (False, "(the input embedding and the LM head separate matrices, both counted)"),
+    ],
+)
+def test_the_card_says_whether_the_embedding_and_the_head_are_one_matrix(tied, says):
+    assert (
+        export_hf.parameters_line({"parameters": 164_224, "tied_embeddings": tied}) == f"- Parameters: 164,224 {says}"
+    )
 
 
 def test_interrupted_export_leaves_the_previous_folder_intact(chat_model, tmp_path, monkeypatch):
@@ -506,6 +523,7 @@ def card_code(card: str) -> str:
 def test_the_card_example_is_valid_python_with_the_corpus_prompt(example, expected):
     architecture = {
         "parameters": 1000,
+        "tied_embeddings": True,
         "layers": 1,
         "hidden": 8,
         "intermediate": 16,

@@ -1706,6 +1706,21 @@ def parse_args(
     return command, settings, parser, sources
 
 
+def verify(corpus: str) -> int:
+    """--verify: every file against the manifest, each bad one a line, exit 1 (a manifest that is there but
+    damaged too: the corpus failed its check); a folder without a corpus at all is an error line, exit 2."""
+    try:
+        problems = verify_corpus(corpus)
+    except UserError as error:
+        if not (Path(corpus) / CORPUS_MANIFEST).is_file():
+            raise
+        problems = [str(error)]
+    for problem in problems:
+        print(f"MISMATCH {problem}")
+    print(f"{corpus}: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'OK'}")
+    return 1 if problems else 0
+
+
 def warn_unused_vocab_size(tokenizer: str, vocab_size: int) -> None:
     """--vocab-size with --tokenizer: the tokenizer's vocabulary is used; say so when they differ."""
     try:
@@ -1727,11 +1742,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give exactly one of --data, --demo or --verify")
 
     if command.verify:
-        problems = verify_corpus(command.verify)
-        for problem in problems:
-            print(f"MISMATCH {problem}")
-        print(f"{command.verify}: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'OK'}")
-        return 1 if problems else 0
+        return verify(command.verify)
 
     if not command.out:
         parser.error("--out is required to build a corpus")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinyllm.common import UserError, read_json, say
+from tinyllm.common import UserError, read_json, say, sha256_file
 from tinyllm.data import corpus_format
 from tinyllm.model import attention, generation
 from tinyllm.model import config as model_config
@@ -211,6 +211,10 @@ class ModelExport(Artifact):
         )
         with attention.exportable(model):
             model_files = export_hf.export_hf_model(model, tokenizer, self.path(), info)
+        scores = evaluation.kept_scores(facts.out, self.path())
+        if scores is not None:
+            card = export_hf.write_scores(self.path(), scores)
+            model_files = {**model_files, "README.md": sha256_file(card)}
         return {"model_files": model_files, "model_dir": str(self.path())}
 
 

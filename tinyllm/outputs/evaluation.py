@@ -206,7 +206,7 @@ def task_yaml(name: str, jsonl: str) -> str:
     )
     return (
         f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(jsonl)}\n"
-        'test_split: test\noutput_type: multiple_choice\ntarget_delimiter: " "\n'
+        'test_split: test\noutput_type: multiple_choice\ntarget_delimiter: " "\nnum_fewshot: 0\n'
         'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
         f"metric_list:\n{metrics}"
     )
@@ -230,6 +230,7 @@ def lm_eval_scores(
 ) -> tuple[dict, dict]:
     """lm-eval's scores of the 'lm_eval' and 'choice' tasks: ({name: {acc, acc_norm, ..., n}}, harness info)."""
     lm_eval = require_lm_eval()
+    from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
@@ -258,19 +259,20 @@ def lm_eval_scores(
         picks = {name: seeded_subsample(size, limit, seed) for name, size in sizes.items()}
         samples = {name: pick for name, pick in picks.items() if pick is not None}
         model = load_hf_model(HFLM, model_dir, device, batch_size)
-        output = lm_eval.simple_evaluate(
-            model=model,
-            tasks=[task["name"] for task in local] + named,
-            task_manager=manager,
-            samples=samples or None,
-            num_fewshot=0,
-            log_samples=False,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-            verbosity="ERROR",
-        )
+        with no_git_lookup(evaluator):
+            output = lm_eval.simple_evaluate(
+                model=model,
+                tasks=[task["name"] for task in local] + named,
+                task_manager=manager,
+                samples=samples or None,
+                num_fewshot=0,
+                log_samples=False,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+                verbosity="ERROR",
+            )
     scores = {}
     for name, values in output["results"].items():
         scores[name] = {metric: values[f"{metric},none"] for metric in CHOICE_METRICS if f"{metric},none" in values}
@@ -298,10 +300,44 @@ def lm_eval_scores(
     return scores, harness
 
 
+def bars_off() -> bool:
+    """Whether progress bars are off: TQDM_DISABLE, as run_main sets it where stderr is not a terminal (or the user)."""
+    return os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes", "on")
+
+
+def quiet_hflm(hflm):
+    """lm-eval's HFLM whose request bars follow TQDM_DISABLE: lm-eval passes tqdm `disable=False` itself, which
+    outranks the variable, so a log file got a carriage-return bar per task."""
+
+    class QuietHFLM(hflm):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm or bars_off())
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or bars_off())
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return super().generate_until(requests, disable_tqdm=disable_tqdm or bars_off())
+
+    return QuietHFLM
+
+
+@contextlib.contextmanager
+def no_git_lookup(evaluator):
+    """simple_evaluate asks `git describe` for the working folder's commit, for its own log (not ours): outside
+    a repository git prints 'fatal: not a git repository' to stderr. The scores do not depend on it: skipped."""
+    lookup = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = lookup
+
+
 def load_hf_model(hflm, model_dir: str, device: str, batch_size: int):
     """lm-eval's HFLM of `model_dir`, or one UserError when the folder does not load (weights missing, broken)."""
     try:
-        return hflm(pretrained=model_dir, device=device, batch_size=batch_size)
+        return quiet_hflm(hflm)(pretrained=model_dir, device=device, batch_size=batch_size)
     except (OSError, ValueError, RuntimeError) as error:
         detail = (str(error).strip().splitlines() or [""])[0][:300]
         raise UserError(f"{model_dir}: the model did not load ({type(error).__name__}: {detail})") from None
@@ -501,6 +537,30 @@ def write_outputs(result: dict, json_out: str | None = None) -> list[Path]:
         written.append(card)
         record_card_hash(result["run"], card)
     return written
+
+
+def kept_scores(run: Path, model_dir: Path) -> dict | None:
+    """The newest evaluation that RUN/eval/*.json holds of the weights now in `model_dir` (its model_sha256
+    theirs), as one result for the card's benchmark section; None: none of these weights. An export made again
+    (the same command after the run completed, --export-only) keeps the scores the card had; new weights lose them."""
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        return None
+    digest = sha256_file(weights)
+    records = []
+    for path in sorted((run / "eval").glob("*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # not ours to judge: the card keeps what it can read
+        if isinstance(record, dict) and record.get("model_sha256") == digest and isinstance(record.get("scores"), dict):
+            records.append(record)
+    if not records:
+        return None
+    newest = max(record.get("time", "") for record in records)
+    evaluation = [record for record in records if record.get("time", "") == newest]
+    meta = {key: value for key, value in evaluation[0].items() if key not in ("task", "scores")}
+    return {**meta, "tasks": {record["task"]: record["scores"] for record in evaluation}}
 
 
 def record_card_hash(run: str | None, card: Path) -> None:

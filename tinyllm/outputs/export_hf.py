@@ -88,6 +88,16 @@ def architecture_of(model) -> dict:
     }
 
 
+def parameters_line(arch: dict) -> str:
+    """The card's parameter count, saying how the input embedding and the LM head are in it."""
+    embedding = (
+        "the input embedding and the LM head one tied matrix, counted once"
+        if arch["tied_embeddings"]
+        else "the input embedding and the LM head separate matrices, both counted"
+    )
+    return f"- Parameters: {arch['parameters']:,} ({embedding})"
+
+
 def _number(value, digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
@@ -186,7 +196,7 @@ def _card_header(arch: dict, card_info: dict) -> list[str]:
         "",
         "## Architecture",
         "",
-        f"- Parameters: {arch['parameters']:,} (tied input/output embedding counted once)",
+        parameters_line(arch),
         f"- {arch['layers']} decoder layers, hidden size {arch['hidden']}, MLP (SwiGLU) size {arch['intermediate']}",
         f"- {arch['heads']} query heads and {arch['kv_heads']} key/value heads of dimension {arch['head_dim']}, "
         "Q/K RMSNorm, RoPE",

@@ -246,7 +246,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike,
         fontsize="small",
         frameon=False,
     )
-    last = records[-1]
+    last = next((record for record in reversed(records) if "tokens" in record), records[-1])  # not a samples record
     figure.suptitle(f"{title}: step {last['step']:,}, {human_count(last.get('tokens', 0))} tokens")
 
     buffer = io.BytesIO()

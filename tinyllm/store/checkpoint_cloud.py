@@ -187,11 +187,22 @@ def restore_run_files(
                 f"said {was}); continue with train.py --resume auto",
                 **kept,
             )
-            log(
-                f"checkpoint restore: run_status.json says {NEEDS_RESUME} at step {step}, the step restored "
-                f"(the backup's said {was})"
-            )
+            log(restore_note(step, remote_status))
     return restored
+
+
+def restore_note(step: int, remote_status: dict) -> str:
+    """The line a restore prints when the backup's run_status.json does not say 'resume from the step restored'."""
+    status, at = remote_status.get("status", "?"), remote_status.get("step", "?")
+    if (status, at) == (store.COMPLETE, step):
+        return (
+            f"checkpoint restore: the backed-up run finished at step {step}; `train.py --resume auto` makes its "
+            "end again from that step (the test, the model folder, the report)"
+        )
+    return (
+        f"checkpoint restore: the run resumes from step {step}, the newest checkpoint in the backup (its "
+        f"run_status.json said {status} at step {at})"
+    )
 
 
 def write_remote_latest(fs, root: str, record: store.Record) -> None:

@@ -769,10 +769,10 @@ def options_to_keep(
     its preset that now resolves otherwise, e.g. ['--beta1 0.9'] after a default changed, ['--heads 4'] after
     a preset's shape did ("model.heads"), ['--preset nano'] when the preset was left out. `flags`: each
     option's name -> its flag; `unset`: the options this run leaves to their default; `presets`: each
-    preset's shape ({name: {field: value}}), so that a kept --preset does not also list the shape it gives.
-    Settings that are no option and values that are not plain are left out."""
-    kept_preset = changes["preset"][0] if "preset" in changes and "preset" in unset else None
-    shape = (presets or {}).get(kept_preset, {})
+    preset's shape ({name: {field: value}}), so that a changed --preset (kept, or given and named in the
+    change) does not also list the shape it gives. Settings that are no option and values that are not plain
+    are left out."""
+    shape = (presets or {}).get(changes["preset"][0], {}) if "preset" in changes else {}
     keep = []
     for key, (before, _) in changes.items():
         name = key.removeprefix(RECORDED_PREFIX)

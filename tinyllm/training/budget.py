@@ -612,7 +612,7 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
     record = distributed.main_decides(lambda: recorded_plan(out, run.budget, resume), info)
     if record is not None:
         plan = Plan.from_record(record)
-        say(f"{plan.summary()} (the run's plan, made at its start: kept)", main=info.is_main)
+        say(f"{plan.summary()} ({kept_plan_words(plan)})", main=info.is_main)
         return plan
     manifest = corpus_format.load_manifest(corpus)
     plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure)
@@ -624,6 +624,12 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
         if line:
             say(line, main=info.is_main)
     return plan
+
+
+def kept_plan_words(plan: Plan) -> str:
+    """What a resumed run says of the plan it keeps: the one made at its start, or that plan after its check."""
+    replanned = bool(plan.check and plan.check.get("replanned"))
+    return "the run's plan, made at its start" + (" and re-planned at its check" if replanned else "") + ": kept"
 
 
 def make_plan(

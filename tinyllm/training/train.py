@@ -1079,7 +1079,7 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
             + store.describe_changes(verdict.others)
             + ". A resume keeps every training setting; only the length (--target-tokens or "
             "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
-            + (" (here the length changed along with other settings)" if verdict.extend else "")
+            + (" (here its length in steps differs too)" if verdict.extend else "")
             + (f"; the checkpoint's values are kept with {' '.join(keep)}" if keep else "")
             + f"; for a new run from these weights use a new --out with --init-from {path}"
         )
