@@ -558,9 +558,9 @@ def kept_scores(run: Path, model_dir: Path) -> dict | None:
     if not records:
         return None
     newest = max(record.get("time", "") for record in records)
-    evaluation = [record for record in records if record.get("time", "") == newest]
-    meta = {key: value for key, value in evaluation[0].items() if key not in ("task", "scores")}
-    return {**meta, "tasks": {record["task"]: record["scores"] for record in evaluation}}
+    latest = [record for record in records if record.get("time", "") == newest]  # one evaluation's tasks
+    meta = {key: value for key, value in latest[0].items() if key not in ("task", "scores")}
+    return {**meta, "tasks": {record["task"]: record["scores"] for record in latest}}
 
 
 def record_card_hash(run: str | None, card: Path) -> None:
