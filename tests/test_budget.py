@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -524,6 +525,9 @@ def machine(monkeypatch) -> FakeMachine:
 
     monkeypatch.setattr(train.Training, "train_step", timed_step)
     monkeypatch.setattr(train.SessionClocks, "read", clock)
+    # ... and the probe's own time neither: a plan's length does not move with this machine's load (the probe's
+    # building and real steps took up to a minute of a 600 s budget on a busy CI machine, 3 steps of 21 s)
+    monkeypatch.setattr(budget, "time", types.SimpleNamespace(monotonic=lambda: 0.0))
     return fake
 
 
