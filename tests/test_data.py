@@ -666,6 +666,12 @@ def test_hub_dataset_that_cannot_be_opened_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="hf:.*could not open the dataset"):
         data.main(["--data", f"hf:{tmp_path}/no_such_dataset_here", "--out", str(tmp_path / "out"), "--no-progress"])
     assert no_leftovers(tmp_path / "out")
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": "Saved."}]).save_to_disk(str(saved))
+    with pytest.raises(UserError, match=f"a datasets.save_to_disk folder is read without hf: \\(--data {saved}\\)"):
+        data.main(["--data", f"hf:{saved}", "--out", str(tmp_path / "out"), "--no-progress"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -178,6 +178,7 @@ def test_a_yaml_config_reads_the_same(tmp_path):
         ("lr = 'fast'\n", "lr = 'fast' is not a number"),
         ("target_tokens = 'lots'\n", "target_tokens = 'lots': not a number: 'lots'"),
         ("precision = 'fp8'\n", "precision = 'fp8' is not one of "),
+        ("epochs = 1\ntarget-tokens = 5\n", "'epochs' and 'target-tokens' exclude each other; keep one"),
     ],
 )
 def test_each_bad_config_is_one_error_naming_the_file_and_key(tmp_path, text, message):

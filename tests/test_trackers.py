@@ -235,6 +235,7 @@ def test_three_resumes_are_one_curve_in_every_tracker(tmp_path, monkeypatch):
     shutil.rmtree(run)  # an empty folder: only the backup survives
     output = train_cli([*args, "--backup-to", str(backup)], env).stdout
     assert "resumed from" in output
+    assert output.strip().splitlines()[-1].startswith("COMPLETE: step 14/14")  # the status last, trackers closed
     restored = next(line for line in output.splitlines() if "restored into" in line)
     assert "trackers.json" in restored and trackers.TENSORBOARD_EVENTS in restored  # the backup carried them
 

@@ -1324,6 +1324,13 @@ def test_a_data_file_or_plain_folder_gets_the_data_py_command_that_builds_a_corp
         )
     with pytest.raises(UserError, match=f"is the manifest; pass its corpus folder: --data {corpus}$"):
         train.main(["--data", str(corpus / "corpus_manifest.json"), "--out", str(tmp_path / "run")])
+    with pytest.raises(UserError) as error:  # one stream of a labelled corpus, outside the mixture form
+        train.main(["--data", f"{corpus}#prose", "--out", str(tmp_path / "run")])
+    assert str(error.value) == (
+        f"--data {corpus}#prose: a source label picks a stream of a corpus within a mixture: "
+        f"NAME=CORPUS#LABEL:WEIGHT (e.g. --data prose={corpus}#prose:1, or several such); --data {corpus} trains on "
+        "the whole corpus"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -2028,6 +2035,9 @@ def test_a_signal_after_the_loop_says_training_has_ended(capsys):
     stop._handle(signal.SIGTERM, None)
     assert capsys.readouterr().err.startswith("SIGTERM: training has already ended; finishing the run's status")
     assert stop.requested
+    other_rank = train.StopRequest(is_main=False)  # under torchrun every rank gets the signal: one says so
+    other_rank._handle(signal.SIGTERM, None)
+    assert other_rank.requested and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(

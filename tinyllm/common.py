@@ -704,14 +704,28 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         for other in group._group_actions
     }
     tokens: list[str] = []
+    taken: dict[argparse.Action, str] = {}  # the file's options, each by its key: two of one exclusive group clash
     for key, value in read_config(path).items():
         action = by_name.get(str(key).replace("-", "_"))
         if action is None or action.dest in ("config", "help"):
             hint = did_you_mean(str(key).replace("_", "-"), [name.replace("_", "-") for name in by_name])
             raise UserError(f"--config {path}: unknown option {key!r}{hint}")
+        check_exclusive(parser, action, taken, path, key)
+        taken[action] = str(key)
         if action not in given:
             tokens += config_tokens(action, value, path, key)
     return tokens
+
+
+def check_exclusive(
+    parser: argparse.ArgumentParser, action: argparse.Action, taken: dict[argparse.Action, str], path: str, key: str
+) -> None:
+    """One UserError naming the file when `action` (its `key`) and an option the file already gave are exclusive."""
+    for group in parser._mutually_exclusive_groups:
+        if action in group._group_actions:
+            for other in group._group_actions:
+                if other is not action and other in taken:
+                    raise UserError(f"--config {path}: {taken[other]!r} and {key!r} exclude each other; keep one")
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str] | tuple[str, ...]) -> set[str]:

@@ -432,6 +432,8 @@ def iter_hub_dataset(spec: str) -> Iterator[tuple[str, Any]]:
     import datasets
 
     name, config, split = parse_hf_spec(spec)
+    if is_saved_dataset(Path(name)):
+        raise UserError(f"--data {spec}: a datasets.save_to_disk folder is read without hf: (--data {name})")
     try:
         streamed = datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as error:  # offline, missing, gated, bad config...

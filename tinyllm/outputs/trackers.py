@@ -244,6 +244,11 @@ class TrackioLogger(StepTracker):
             raise UserError(f"--log-to trackio: {type(error).__name__}: {error}") from None
         self.state.update("trackio", id=name)
 
+    def close(self) -> None:
+        if self.run is not None:
+            self.module.finish()  # trackio's own: it forgets the run, which its exit hook would finish (and
+            self.run = None  # announce) again after the run's last line
+
 
 def open_trackers(names: Sequence[str], out: Path, run_id: str, config: dict) -> list:
     """The --log-to sinks for MetricsLog, in the order given."""

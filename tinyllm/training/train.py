@@ -1279,7 +1279,7 @@ def train(
         observers.load_state_dict(observed)
     check = BudgetCheck(training, scorer, observers, progress, recorded) if resume_path is None else None
     observers.on_start(training.step)
-    stop = StopRequest()
+    stop = StopRequest(training.info.is_main)
     stop.install()  # until the final status is written: a second Ctrl-C then still records store.FAILED
     try:
         status.running(training.step, training.total_steps)  # from here on a signal ends with a checkpoint
@@ -1665,7 +1665,8 @@ def save_checkpoint(
 class StopRequest:
     """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and stops. A second SIGINT aborts."""
 
-    def __init__(self):
+    def __init__(self, is_main: bool = True):
+        self.is_main = is_main  # the rank that says what a signal does (under torchrun every rank gets it)
         self.requested = False
         self.loop_ended = False  # set once no step is left to take: a signal then only ends the report sooner
         self.ending_on_error = False  # set once the run ends on an error (end_failed_run): a signal only notes its time
@@ -1688,7 +1689,7 @@ class StopRequest:
         self.requested = True
         if self.signalled_at is None:
             self.signum, self.signalled_at = int(signum), time.monotonic()
-        if self.ending_on_error:  # its error line says what happened: torchrun's SIGTERM after a lost rank
+        if self.ending_on_error or not self.is_main:  # an error line says what happened; one rank speaks
             return
         what = (
             "training has already ended; finishing the run's status and report, then exiting"

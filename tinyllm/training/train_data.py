@@ -79,6 +79,12 @@ def check_corpus_folder(corpus: Path) -> None:
     """A clear line, and the data.py command that builds one, when `corpus` is not a corpus folder."""
     if (corpus / CORPUS_MANIFEST).is_file():
         return
+    folder, hash_sign, label = str(corpus).rpartition("#")
+    if hash_sign and (Path(folder) / CORPUS_MANIFEST).is_file():  # one stream of a labelled corpus
+        raise UserError(
+            f"--data {corpus}: a source label picks a stream of a corpus within a mixture: NAME=CORPUS#LABEL:WEIGHT "
+            f"(e.g. --data {label}={corpus}:1, or several such); --data {folder} trains on the whole corpus"
+        )
     if not corpus.exists():
         raise UserError(
             f"--data {corpus}: no such corpus folder; build one with: {script_command('data')} --data "
