@@ -273,6 +273,37 @@ def test_a_restore_says_what_the_run_does_from_the_step_restored(remote_status, 
     assert cc.restore_note(103, remote_status).startswith(f"checkpoint restore: {says}")
 
 
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        ("python train.py --data c --out runs/a --resume auto", "python train.py --data c --out /new/b --resume auto"),
+        ("tinyllm-train --out=runs/a --resume auto", "tinyllm-train --out=/new/b --resume auto"),
+        ("python train.py --data 'my corpus' --resume auto", "python train.py --data 'my corpus' --resume auto"),
+    ],
+)
+def test_a_command_continues_the_folder_it_was_pulled_into(command, expected):
+    assert cc.command_for_folder(command, Path("/new/b")) == expected
+
+
+def test_a_pull_into_another_folder_resumes_that_folder_and_says_what_it_did_not_download(tmp_path):
+    run, remote = tmp_path / "run", str(tmp_path / "remote")
+    worker = mirror(remote)
+    atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
+    command = f"python train.py --data corpus --out {run} --resume auto"
+    store.write_status(run, store.NEEDS_RESUME, step=10, total_steps=20, resume_command=command)
+    save_and_point_latest(run / "checkpoints", 10, "run-a")
+    assert reconcile(worker, run / "checkpoints").caught_up
+    fresh, log = tmp_path / "pulled", Log()
+    fresh.mkdir()
+    cc.restore_latest(remote, fresh / "checkpoints", log=log, read_only=True)
+    status = json.loads((fresh / "run_status.json").read_text())
+    assert status["resume_command"] == f"python train.py --data corpus --out {fresh} --resume auto"
+    assert "restored from the remote and verified" in log.text()
+    again = Log()  # the same pull again: the checkpoint is here already, the remote copy not read
+    cc.restore_latest(remote, fresh / "checkpoints", log=again, read_only=True)
+    assert "step-00000010.pt (step 10) already here, matching the backup's record (not downloaded" in again.text()
+
+
 def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
     """metrics.jsonl and the other small RUN files travel with the checkpoints, so a restored run keeps its history."""
     run = tmp_path / "machine-1" / "run"

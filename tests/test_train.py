@@ -1997,14 +1997,14 @@ def test_extension_is_refused_after_the_decay_began_and_with_cosine(corpus, tmp_
     assert train.main(options(corpus, wsd, "--stop-after-steps", "9", steps=12)) == 0
     with pytest.raises(
         UserError,
-        match=r"is a run of 12 steps and this one asks for 20: it cannot be extended: its "
+        match=r"is a run of 12 steps and this one asks for 20: its length cannot change: its "
         r"decay began at step 7 and it is at step 9: .* Resume it with its length "
         r"\(--target-tokens 1536\), or start a new run from its weights with "
         "--init-from",
     ):
         train.main(options(corpus, wsd, steps=20))
     assert train.main(options(corpus, cosine, "--schedule", "cosine", "--stop-after-steps", "5", steps=12)) == 0
-    with pytest.raises(UserError, match="it cannot be extended: its schedule is cosine, whose decay spans the whole"):
+    with pytest.raises(UserError, match="its length cannot change: its schedule is cosine, whose decay spans"):
         train.main(options(corpus, cosine, "--schedule", "cosine", steps=20))
     with pytest.raises(UserError, match=r"settings differ from checkpoint .*seed: 1337 -> 4.*only the length"):
         train.main(options(corpus, wsd, "--seed", "4", steps=20))  # the length with another setting: no extension

@@ -37,6 +37,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -188,7 +189,24 @@ def restore_run_files(
                 **kept,
             )
             log(restore_note(step, remote_status))
+    if "run_status.json" in restored:
+        moved = read_json_or(run_dir / "run_status.json", {})
+        commands = {key: moved[key] for key in ("resume_command", "report_command") if isinstance(moved.get(key), str)}
+        here = {key: command_for_folder(command, run_dir) for key, command in commands.items()}
+        if here != commands:  # pulled into another folder than the backed-up run's: the commands continue this one
+            store.RunStatus(run_dir).amend(**here)
     return restored
+
+
+def command_for_folder(command: str, out: Path) -> str:
+    """`command` (a train.py command line) with its --out naming `out` (as it was where none is given)."""
+    tokens = shlex.split(command)
+    for index, token in enumerate(tokens):
+        if token == "--out" and index + 1 < len(tokens):
+            tokens[index + 1] = str(out)
+        elif token.startswith("--out="):
+            tokens[index] = f"--out={out}"
+    return shlex.join(tokens)
 
 
 def restore_note(step: int, remote_status: dict) -> str:
@@ -305,7 +323,7 @@ def restore_latest(
         name = record.path
         try:
             with remote_errors(f"downloading {name}"):
-                path = remote_store.download_verified(
+                downloaded = remote_store.download_verified(
                     fs, f"{folder}/{name}", local_dir / name, record.sha256, record.bytes
                 )
         except VerificationError as error:
@@ -320,7 +338,15 @@ def restore_latest(
             continue
         store.write_record(local_dir, record)
         store.write_record(local_dir, record, store.LATEST)
-        log(f"checkpoint restore: {name} (step {record.step}) restored from the remote and verified")
+        log(
+            f"checkpoint restore: {name} (step {record.step}) "
+            + (
+                "already here, matching the backup's record (not downloaded; `checkpoint_cloud.py verify` re-hashes "
+                "the remote copy)"
+                if not downloaded
+                else "restored from the remote and verified"
+            )
+        )
         if record is not candidates[0] and not read_only:  # the remote latest.json named a corrupt one
             with contextlib.suppress(Exception):
                 write_remote_latest(fs, root, record)
@@ -333,7 +359,7 @@ def restore_latest(
         else:
             if history:
                 log(f"checkpoint restore: {', '.join(history)} restored into {local_dir.parent}")
-        return path
+        return local_dir / name
     raise UserError(
         f"no checkpoint on the remote matches its recorded sha256 ({len(candidates)} tried); "
         "refusing to start over on top of the backup"

@@ -329,16 +329,17 @@ def upload_verified(
     return {"sha256": digest, "bytes": local_size}
 
 
-def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> Path:
-    """Download to a temporary name beside `local_path`, check the sha256, then rename into place."""
+def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> bool:
+    """Download to a temporary name beside `local_path`, check the sha256, then rename into place; False: a
+    local file of that sha256 was there already (nothing read from the remote)."""
     local_path = Path(local_path)
     if local_path.is_file() and sha256_file(local_path) == sha256:
-        return local_path
+        return False
     with atomic_path(local_path) as temp:
         fs.get_file(remote_path, str(temp))
         if (size is not None and temp.stat().st_size != size) or sha256_file(temp) != sha256:
             raise VerificationError(f"{local_path.name} on the remote does not match its recorded sha256")
-    return local_path
+    return True
 
 
 @contextlib.contextmanager

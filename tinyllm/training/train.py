@@ -1102,7 +1102,7 @@ def extension(old: dict, recipe: optimization.Recipe, total_steps: int, step: in
     if problem:
         raise UserError(
             f"checkpoint {path} is a run of {old['total_steps']} steps and this one asks for "
-            f"{total_steps}: it cannot be extended: {problem}. Resume it with its length "
+            f"{total_steps}: its length cannot change: {problem}. Resume it with its length "
             f"({length_option(old)}), or start a new run from its weights with --init-from {path}"
         )
     return {"at_step": step, "from_total_steps": int(old["total_steps"]), "to_total_steps": total_steps}
