@@ -1874,6 +1874,14 @@ def test_export_only_makes_the_end_of_run_artifacts_of_its_checkpoint(corpus, re
     assert samples["step"] == 12 and len(samples["samples"]) == 5 and samples["error"] is None
     assert "Status: **COMPLETE**" in (out / "model" / "README.md").read_text()
 
+    run = tmp_path / "run"  # an older step exported into the complete run's own folder
+    shutil.copytree(reference, run)
+    older = run / "checkpoints" / "step-00000008.pt"
+    assert train.main(["--data", str(corpus), "--out", str(run), "--resume", str(older), "--export-only"]) == 0
+    status = json.loads((run / "run_status.json").read_text())
+    assert (status["status"], status["step"]) == (store.COMPLETE, 12)  # the run's status stays the run's
+    assert status["model_files"] == {p.name: sha256_file(p) for p in (run / "model").iterdir() if p.is_file()}
+
 
 @pytest.mark.parametrize("kind", ["checkpoint", "run", "huggingface"])
 def test_init_from_each_kind_of_source_loads_its_weights_and_starts_fresh(corpus, reference, tmp_path, kind):

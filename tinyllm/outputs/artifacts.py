@@ -248,7 +248,8 @@ def make_from_checkpoint(
 ) -> None:
     """`train.py --export-only`: the artifacts of the run `checkpoint` (read from `path`) ends, made in `out`
     as the run's own end at that step makes them (OUT/model/ always); the test loss is the one run_status.json
-    has for the same step. Nothing is logged to metrics.jsonl and run_status.json is not touched."""
+    has for the same step. Nothing is logged to metrics.jsonl; run_status.json keeps its status, its
+    `model_files` follow the folder made (another step's export must not leave the old hashes standing)."""
     recorded = checkpoint["settings"]
     training = recorded["training"]
     manifest = corpus_format.load_manifest(corpus)
@@ -278,6 +279,7 @@ def make_from_checkpoint(
     if not found.get("model_files"):
         errors = "; ".join(f"{name}: {why}" for name, why in (found.get("report_errors") or {}).items())
         raise UserError(f"--export-only: {out / export_hf.MODEL_DIR} not made ({errors or 'no reason given'})")
+    store.RunStatus(out).amend(model_files=found["model_files"])  # nothing where the folder has no status
     print(
         f"exported {path} (step {step}/{total}, {status}) to {out / export_hf.MODEL_DIR}: "
         + ", ".join(
