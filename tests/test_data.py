@@ -1004,8 +1004,11 @@ def test_load_tokenizer_takes_a_corpus_folder_and_names_a_folder_without_files(d
         corpus_format.load_tokenizer(bare)
     assert (
         str(error.value) == f"tokenizer folder {bare} has no tokenizer.json or tokenizer_config.json "
-        "(nor a tokenizer/ subfolder with one)"
+        "(nor a tokenizer/ or model/ subfolder with one)"
     )
+    run = tmp_path / "run"  # a run folder: its exported model's tokenizer
+    shutil.copytree(demo_corpus / corpus_format.TOKENIZER_DIR, run / "model")
+    assert corpus_format.load_tokenizer(run).encode("What is 12 plus 7?") == direct.encode("What is 12 plus 7?")
     with pytest.raises(UserError, match="does not exist"):
         corpus_format.load_tokenizer(tmp_path / "missing")
 

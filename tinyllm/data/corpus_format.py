@@ -61,18 +61,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def tokenizer_folder(folder: str | Path) -> Path:
-    """The folder holding the tokenizer files: `folder` itself, or its `tokenizer/` subfolder (a corpus).
+    """The folder holding the tokenizer files: `folder` itself, its `tokenizer/` subfolder (a corpus) or its
+    `model/` subfolder (a run: the exported model's tokenizer).
 
     Checked here because transformers answers a folder without them with a long sentencepiece/tiktoken hint.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"tokenizer folder {folder} does not exist")
-    for candidate in (folder, folder / TOKENIZER_DIR):
+    for candidate in (folder, folder / TOKENIZER_DIR, folder / "model"):
         if any((candidate / name).is_file() for name in TOKENIZER_FILES):
             return candidate
     raise UserError(
-        f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} (nor a {TOKENIZER_DIR}/ subfolder with one)"
+        f"tokenizer folder {folder} has no {' or '.join(TOKENIZER_FILES)} (nor a {TOKENIZER_DIR}/ or model/ "
+        "subfolder with one)"
     )
 
 
