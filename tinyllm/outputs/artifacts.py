@@ -211,7 +211,7 @@ class ModelExport(Artifact):
         )
         with attention.exportable(model):
             model_files = export_hf.export_hf_model(model, tokenizer, self.path(), info)
-        scores = evaluation.kept_scores(facts.out, self.path())
+        scores = evaluation.kept_scores(facts.out, model_files.get("model.safetensors"))  # hashed by the export
         if scores is not None:
             card = export_hf.write_scores(self.path(), scores)
             model_files = {**model_files, "README.md": sha256_file(card)}

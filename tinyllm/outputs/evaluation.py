@@ -539,21 +539,24 @@ def write_outputs(result: dict, json_out: str | None = None) -> list[Path]:
     return written
 
 
-def kept_scores(run: Path, model_dir: Path) -> dict | None:
-    """The newest evaluation that RUN/eval/*.json holds of the weights now in `model_dir` (its model_sha256
-    theirs), as one result for the card's benchmark section; None: none of these weights. An export made again
-    (the same command after the run completed, --export-only) keeps the scores the card had; new weights lose them."""
-    weights = model_dir / "model.safetensors"
-    if not weights.is_file():
+def kept_scores(run: Path, weights_sha256: str | None) -> dict | None:
+    """The newest evaluation that RUN/eval/*.json holds of the weights of `weights_sha256` (model.safetensors'
+    digest, as the export hashed it), as one result for the card's benchmark section; None: none of these
+    weights. An export made again (the same command after the run completed, --export-only) keeps the scores the
+    card had; new weights lose them."""
+    if weights_sha256 is None:
         return None
-    digest = sha256_file(weights)
     records = []
     for path in sorted((run / "eval").glob("*.json")):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue  # not ours to judge: the card keeps what it can read
-        if isinstance(record, dict) and record.get("model_sha256") == digest and isinstance(record.get("scores"), dict):
+        if (
+            isinstance(record, dict)
+            and record.get("model_sha256") == weights_sha256
+            and isinstance(record.get("scores"), dict)
+        ):
             records.append(record)
     if not records:
         return None
