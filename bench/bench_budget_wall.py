@@ -8,7 +8,9 @@ For each text (bench_texts.py: one corpus each, data.py's default vocabulary or 
 train.py processes at --threads torch threads (1: one core of a shared machine), one after another: the
 fixed choice (`--preset nano`, its defaults: one epoch), timed from launch to exit (W); `--budget W`
 alone; `--budget W` with one busy-loop process per core for the first --burst-seconds after its launch
-(the probe's whole time and the first steps). Each row: the run's wall time against W, its held-out
+(the probe's whole time and the first steps); with --modes ...,fixed-burst,burst-wb also the fixed choice
+with the same burst (its wall time W_b) and `--budget W_b` with it: both runs under the same load. Each row:
+the run's wall time against its budget (W or W_b), its held-out
 (test) bits per byte against the fixed choice's, the plan and its check (from training_settings.json),
 and the load average (1 min) at its start and end: this machine is shared, so "quiet" is only as quiet
 as the other users let it be.
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--modes",
         default="fixed,quiet,burst",
         help="which runs (a rerun skips those done); fixed-burst: the fixed choice with the burst, its wall time "
-        "what the burst costs",
+        "what the burst costs; burst-wb: --budget that wall time, with the burst (both runs under the same load)",
     )
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--vocab-size", type=int, help="the corpora's BPE vocabulary (default: data.py's rule)")
@@ -121,9 +123,19 @@ def timed_run(corpus: Path, out: Path, threads: int, extra: list[str], burst: fl
     }
 
 
-def row(text: str, mode: str, run: dict, fixed: dict) -> str:
+BUDGET_MODES = ("quiet", "burst", "burst-wb")
+
+
+def given_wall(mode: str) -> str:
+    """The fixed run whose wall time a mode's --budget is: burst-wb's is the fixed run's under the same burst."""
+    return "fixed-burst" if mode == "burst-wb" else "fixed"
+
+
+def row(text: str, mode: str, run: dict, fixed: dict, given: dict) -> str:
+    """A run's table row: its wall time against the `given` run's (its budget), its bits per byte against
+    the `fixed` run's."""
     plan = run.get("plan")
-    ratio = run["seconds"] / fixed["seconds"]
+    ratio = run["seconds"] / given["seconds"]
     within = "" if plan is None else (" (met)" if abs(ratio - 1) <= END_TOLERANCE else " (MISSED)")
     check = (plan or {}).get("check")
     probed = ", ".join(
@@ -164,23 +176,22 @@ def main(argv: list[str] | None = None) -> int:
                 burst = args.burst_seconds if mode == "fixed-burst" else 0
                 runs[mode] = timed_run(corpus, work / f"{text}-{mode}", args.threads, fixed, burst)
                 atomic_write_json(results_path, results)
-        budget = f"{runs['fixed']['seconds']:.0f}s"
-        for mode in ("quiet", "burst"):
+        for mode in BUDGET_MODES:
             if mode in modes and mode not in runs:
-                burst = args.burst_seconds if mode == "burst" else 0
-                planned = ["--budget", budget, "--seed", str(args.seed)]
+                burst = args.burst_seconds if mode != "quiet" else 0
+                planned = ["--budget", f"{runs[given_wall(mode)]['seconds']:.0f}s", "--seed", str(args.seed)]
                 runs[mode] = timed_run(corpus, work / f"{text}-{mode}", args.threads, planned, burst)
                 atomic_write_json(results_path, results)
             done = runs.get(mode, {})
             print(f"{text} {mode}: {done.get('probe_lines', [])} {done.get('last_lines')}", flush=True)
     print(
-        "\n| text | run | what it trained | probe (tokens/s) | check | wall | / W (target 0.95-1.05) | test bpb | "
-        "/ fixed (target <= 1) | load avg start / end |\n|---|---|---|---|---|---:|---:|---:|---:|---|"
+        "\n| text | run | what it trained | probe (tokens/s) | check | wall | / its budget (target 0.95-1.05) | "
+        "test bpb | / fixed (target <= 1) | load avg start / end |\n|---|---|---|---|---|---:|---:|---:|---:|---|"
     )
     for text, runs in results.items():
-        for mode in ("fixed", "fixed-burst", "quiet", "burst"):
+        for mode in ("fixed", "fixed-burst", *BUDGET_MODES):
             if mode in runs:
-                print(row(text, mode, runs[mode], runs["fixed"]))
+                print(row(text, mode, runs[mode], runs["fixed"], runs[given_wall(mode)]))
     return 0
 
 

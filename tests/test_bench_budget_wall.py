@@ -31,3 +31,25 @@ def test_every_run_trains_at_the_threads_given(tmp_path, threads):
     argv, env = bench_budget_wall.train_command(tmp_path / "c", tmp_path / "r", args.threads, ["--budget", "60s"])
     assert argv[argv.index("--threads") + 1] == str(threads) and env["OMP_NUM_THREADS"] == str(threads)
     assert argv[-3:] == ["--no-report", "--budget", "60s"]
+
+
+def run_record(seconds: float, bpb: float, plan: dict | None = None) -> dict:
+    record = {"seconds": seconds, "bpb": bpb, "status": "COMPLETE", "steps": 10, "total_steps": 10}
+    return record | {"tokens": 40_960, "preset": "tiny", "plan": plan, "load": [0.1, 2.0]}
+
+
+@pytest.mark.parametrize(
+    "mode, wall, expected",
+    [
+        ("quiet", 70.0, "**0.875x** (MISSED)"),  # 70 s of W = 80 s
+        ("burst", 78.0, "**0.975x** (met)"),
+        ("burst-wb", 96.0, "**0.960x** (met)"),  # its budget is the fixed run's under the same burst: 100 s
+        ("burst-wb", 80.0, "**0.800x** (MISSED)"),  # within 5% of W, not of its own budget
+    ],
+)
+def test_a_budget_run_s_wall_time_is_judged_against_the_run_that_gave_its_budget(mode, wall, expected):
+    runs = {"fixed": run_record(80.0, 1.30), "fixed-burst": run_record(100.0, 1.30)}
+    line = bench_budget_wall.row(
+        "kjv", mode, run_record(wall, 1.27, {"candidates": []}), runs["fixed"], runs[bench_budget_wall.given_wall(mode)]
+    )
+    assert expected in line and "**0.9769x** (met)" in line  # bits per byte: against the fixed run's, always
