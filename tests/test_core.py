@@ -751,6 +751,23 @@ MIXTURE = {
             ],
         ),
         ({"s": "x" * 100}, {"s": "y"}, ["s: " + "x" * 77 + "... -> y"]),
+        # an option and its resolved value: one change, the resolved values under the option's name
+        ({"lr": None, "recipe.lr": 0.002}, {"lr": 0.003, "recipe.lr": 0.003}, ["lr: 0.002 -> 0.003"]),
+        ({"heads": None, "model.heads": 4}, {"heads": 8, "model.heads": 8}, ["heads: 4 -> 8"]),
+        ({"lr": None, "recipe.lr": 0.002}, {"lr": 0.002, "recipe.lr": 0.002}, ["lr: null -> 0.002"]),
+        ({"recipe.lr": 0.002}, {"recipe.lr": 0.003}, ["recipe.lr: 0.002 -> 0.003"]),  # a default that moved
+        # a derived setting beside what it derives from: once
+        (
+            {"global_batch_blocks": 8, "tokens_per_step": 1024},
+            {"global_batch_blocks": 16, "tokens_per_step": 2048},
+            ["global_batch_blocks: 8 -> 16"],
+        ),
+        (
+            {"context": None, "model.context": 128, "tokens_per_step": 1024},
+            {"context": 256, "model.context": 256, "tokens_per_step": 2048},
+            ["context: 128 -> 256"],
+        ),
+        ({"tokens_per_step": 1024}, {"tokens_per_step": 2048}, ["tokens_per_step: 1024 -> 2048"]),
     ],
 )
 def test_settings_changes_are_described_one_by_one(old, new, expected):

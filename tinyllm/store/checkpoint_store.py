@@ -703,10 +703,30 @@ def settings_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     }
 
 
+RESOLVED_PREFIXES = (RECORDED_PREFIX, "recipe.")  # an option's resolved value: model.heads, recipe.lr
+DERIVED_SETTINGS = {"tokens_per_step": ("global_batch_blocks", RECORDED_PREFIX + "context")}  # and what makes it
+
+
+def merged_changes(changes: dict[str, tuple[Any, Any]]) -> dict[str, tuple[Any, Any]]:
+    """The changes as one change each: an option that changed with its resolved value (lr and recipe.lr,
+    heads and model.heads) under the option's name with the resolved values; a derived setting
+    (tokens_per_step) not beside what it derives from."""
+    resolved = {key: prefix + key for key in changes for prefix in RESOLVED_PREFIXES if prefix + key in changes}
+    merged = {}
+    for key, change in changes.items():
+        if key in resolved.values() or any(source in changes for source in DERIVED_SETTINGS.get(key, ())):
+            continue
+        merged[key] = changes[resolved[key]] if key in resolved else change
+    return merged
+
+
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
     """'lr: 0.001 -> 0.002; mixture.phases[0].weights.web: 0.8 -> 0.7': each changed leaf of a nested
-    setting (a mixture's sources and weights) on its own, never a whole dict."""
-    leaves = [leaf for key, (before, after) in changes.items() for leaf in leaf_changes(key, before, after)]
+    setting (a mixture's sources and weights) on its own, never a whole dict; an option and its resolved
+    value once (merged_changes)."""
+    leaves = [
+        leaf for key, (before, after) in merged_changes(changes).items() for leaf in leaf_changes(key, before, after)
+    ]
     return "; ".join(f"{name}: {shown_setting(before)} -> {shown_setting(after)}" for name, before, after in leaves)
 
 
