@@ -285,6 +285,28 @@ def test_a_command_continues_the_folder_it_was_pulled_into(command, expected):
     assert cc.command_for_folder(command, Path("/new/b")) == expected
 
 
+def test_a_finished_run_pulled_into_another_folder_gets_one_status_to_resume_there(tmp_path, monkeypatch):
+    run, remote = tmp_path / "run", str(tmp_path / "remote")
+    worker = mirror(remote)
+    atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
+    command = f"python train.py --data corpus --out {run} --resume auto"
+    store.write_status(run, store.COMPLETE, step=10, total_steps=10, resume_command=command)
+    save_and_point_latest(run / "checkpoints", 10, "run-a")
+    assert reconcile(worker, run / "checkpoints").caught_up
+    writes, write_status = [], store.write_status
+    monkeypatch.setattr(
+        store, "write_status", lambda *args, **fields: writes.append(fields) or write_status(*args, **fields)
+    )
+    monkeypatch.setattr(store.RunStatus, "amend", lambda *args, **fields: writes.append(fields))
+    fresh = tmp_path / "pulled"
+    fresh.mkdir()
+    cc.restore_latest(remote, fresh / "checkpoints", log=Log(), read_only=True)
+    status = json.loads((fresh / "run_status.json").read_text())
+    assert status["status"] == store.NEEDS_RESUME and "COMPLETE at step 10" in status["reason"]
+    assert status["resume_command"] == f"python train.py --data corpus --out {fresh} --resume auto"
+    assert len(writes) == 1  # the status to resume, naming the folder pulled into, written once
+
+
 def test_a_pull_into_another_folder_resumes_that_folder_and_says_what_it_did_not_download(tmp_path):
     run, remote = tmp_path / "run", str(tmp_path / "remote")
     worker = mirror(remote)

@@ -174,28 +174,32 @@ def restore_run_files(
             restored.append(name)
         except FileNotFoundError:
             continue
-    if "run_status.json" in restored and step is not None:
-        remote_status = read_json_or(run_dir / "run_status.json", {})
-        if (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
-            was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
-            kept = {"resume_command": remote_status["resume_command"]} if remote_status.get("resume_command") else {}
-            store.write_status(
-                run_dir,
-                NEEDS_RESUME,
-                step=step,
-                total_steps=remote_status.get("total_steps"),
-                reason=f"restored from the backup at step {step} (the backup's run_status.json "
-                f"said {was}); continue with train.py --resume auto",
-                **kept,
-            )
-            log(restore_note(step, remote_status))
     if "run_status.json" in restored:
-        moved = read_json_or(run_dir / "run_status.json", {})
-        commands = {key: moved[key] for key in ("resume_command", "report_command") if isinstance(moved.get(key), str)}
-        here = {key: command_for_folder(command, run_dir) for key, command in commands.items()}
-        if here != commands:  # pulled into another folder than the backed-up run's: the commands continue this one
-            store.RunStatus(run_dir).amend(**here)
+        settle_restored_status(run_dir, step, log)
     return restored
+
+
+def settle_restored_status(run_dir: Path, step: int | None, log: LogFn) -> None:
+    """The restored run_status.json, written once: the run to be resumed at `step` (the checkpoint restored)
+    unless it says so already, its commands naming `run_dir` (a pull into another folder than the run's)."""
+    remote_status = read_json_or(run_dir / "run_status.json", {})
+    commands = {key: remote_status.get(key) for key in ("resume_command", "report_command")}
+    commands = {key: command for key, command in commands.items() if isinstance(command, str)}
+    here = {key: command_for_folder(command, run_dir) for key, command in commands.items()}
+    if step is not None and (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
+        was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
+        store.write_status(
+            run_dir,
+            NEEDS_RESUME,
+            step=step,
+            total_steps=remote_status.get("total_steps"),
+            reason=f"restored from the backup at step {step} (the backup's run_status.json "
+            f"said {was}); continue with train.py --resume auto",
+            **{key: command for key, command in here.items() if key == "resume_command"},
+        )
+        log(restore_note(step, remote_status))
+    elif here != commands:
+        store.RunStatus(run_dir).amend(**here)
 
 
 def command_for_folder(command: str, out: Path) -> str:
