@@ -136,6 +136,11 @@ FRACTIONS = "--val-fraction and --test-fraction must be >= 0 and leave room for 
             {"vocab_size": 262},
             f"--vocab-size 262 is below 263 (256 bytes + {len(corpus_format.SPECIAL_TOKENS)} special tokens)",
         ),
+        (
+            {"vocab_size": 10**9},
+            "--vocab-size 1,000,000,000 is above 1,048,576: the BPE trainer would reserve memory for that many "
+            "entries (the largest vocabularies in use hold about 262,144)",
+        ),
         ({"shard_tokens": 0}, "--shard-tokens must be positive, got 0"),  # each option's own check (common.option)
         ({"tokenizer_sample_bytes": 0}, "--tokenizer-sample-bytes must be positive, got 0"),
         ({"batch_bytes": 0}, "--batch-bytes must be positive, got 0"),
@@ -163,6 +168,7 @@ def test_check_settings_refuses_each_bad_value(change, message):
             "tokenize_workers": 0,
         },
         {"scope": "chat"},
+        {"vocab_size": 1 << 20},
     ],
 )
 def test_check_settings_accepts_the_edges(change):

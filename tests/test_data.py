@@ -885,6 +885,28 @@ def test_truncated_json_line_names_the_real_cause(tmp_path, capsys, ending):
     assert str(error.value) == expected
 
 
+@pytest.mark.parametrize("damage", ["cut short", "not gzip"])
+def test_an_unreadable_gzip_file_is_one_error_naming_it(tmp_path, damage):
+    """A .jsonl.gz cut short (an interrupted download) or not gzip at all: one line naming the file, no corpus."""
+    import gzip
+
+    source = tmp_path / "logs.jsonl.gz"
+    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in text_records("ok", 2000)).encode())
+    source.write_bytes(whole[: len(whole) // 2] if damage == "cut short" else b'{"text": "plain"}\n')
+    with pytest.raises(UserError, match=f"^input {source} is not a readable gzip file: "):
+        build([source], tmp_path / "out")
+    assert no_leftovers(tmp_path / "out")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):
+    """Windows tools write a UTF-8 BOM at a file's start: the first record is read, not skipped as malformed."""
+    jsonl, text = tmp_path / "bom.jsonl", tmp_path / "bom.txt"
+    jsonl.write_bytes("\ufeff".encode() + "".join(json.dumps(r) + "\n" for r in text_records("ok", 3)).encode())
+    text.write_bytes("\ufeffa plain text file".encode())
+    assert [record for _, record in data.iter_jsonl(jsonl)] == text_records("ok", 3)
+    assert data.read_utf8(text) == "a plain text file"
+
+
 def test_json_error_reads_as_one_clause():
     for text, message in (
         ('{"text": }', "Expecting value at column 10"),

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import unicodedata
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -320,27 +321,44 @@ class RecordError(Exception):
         self.reason = reason
 
 
+BOM = "\ufeff"  # a byte order mark some Windows tools write at a UTF-8 file's start: not part of the text
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     """(file:line, record or RecordError) for each non-blank line; never stops at a bad line."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            location = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield location, RecordError("invalid_utf8", f"{location}: invalid UTF-8 (byte {error.start})")
-                continue
-            line = line.rstrip("\r\n")  # else an unterminated string is reported as a bad control character
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                record = RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
-            except RecursionError:
-                record = RecordError("malformed_json", f"{location}: malformed JSON (nested too deeply)")
-            yield location, record
+    for number, raw in enumerate(jsonl_lines(path), start=1):
+        location = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            yield location, RecordError("invalid_utf8", f"{location}: invalid UTF-8 (byte {error.start})")
+            continue
+        if number == 1:
+            line = line.removeprefix(BOM)
+        line = line.rstrip("\r\n")  # else an unterminated string is reported as a bad control character
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            record = RecordError("malformed_json", f"{location}: malformed JSON ({json_error(error)})")
+        except RecursionError:
+            record = RecordError("malformed_json", f"{location}: malformed JSON (nested too deeply)")
+        yield location, record
+
+
+def jsonl_lines(path: Path) -> Iterator[bytes]:
+    """The raw lines of a JSONL file, gunzipped where its name ends in .gz; a compressed file that cannot be read
+    to its end (cut short by an interrupted download, or not gzip at all) is one UserError naming it."""
+    if not path.name.lower().endswith(".gz"):
+        with open(path, "rb") as handle:
+            yield from handle
+        return
+    try:
+        with gzip.open(path, "rb") as handle:
+            yield from handle
+    except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+        raise UserError(f"input {path} is not a readable gzip file: {error}") from None
 
 
 def json_error(error: json.JSONDecodeError) -> str:
@@ -352,7 +370,7 @@ def json_error(error: json.JSONDecodeError) -> str:
 def read_utf8(path: Path) -> str | RecordError:
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix(BOM)
     except UnicodeDecodeError as error:
         return RecordError("invalid_utf8", f"{path}: invalid UTF-8 at byte {error.start}")
 
@@ -826,6 +844,9 @@ class DataCommand:
     seed: int = option(DEMO_SEED, "seed of the --demo generator", BUILD)
 
 
+MAX_VOCAB_SIZE = 1 << 20  # a typo guard: --vocab-size 1000000000 made the BPE trainer ask for 70 GB and abort
+
+
 def check_settings(settings: BuildSettings) -> None:
     """Each option's own checks (check_options), then the rules between them: one UserError line."""
     check_options(settings)
@@ -840,6 +861,11 @@ def check_settings(settings: BuildSettings) -> None:
     if settings.vocab_size < len(SPECIAL_TOKENS) + 256:
         raise UserError(
             f"--vocab-size {settings.vocab_size} is below 263 (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
+    if settings.vocab_size > MAX_VOCAB_SIZE:
+        raise UserError(
+            f"--vocab-size {settings.vocab_size:,} is above {MAX_VOCAB_SIZE:,}: the BPE trainer would reserve memory "
+            "for that many entries (the largest vocabularies in use hold about 262,144)"
         )
 
 
