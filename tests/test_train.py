@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -1389,7 +1390,32 @@ def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
 
 def test_a_step_larger_than_the_train_split_warns(corpus, tmp_path, capsys):
     assert train.main(options(corpus, tmp_path / "run", "--batch-size", "1000", "--eval-every", "0", steps=1)) == 0
-    assert "warning: one step reads 2000 blocks but the train split has only" in capsys.readouterr().err
+    assert re.search(
+        r"warning: one step reads 2000 blocks but the train split has only \d+ blocks of 32 tokens",
+        capsys.readouterr().err,
+    )
+
+
+@pytest.mark.parametrize(
+    "batch_size, grad_accum, world, context, expected",
+    [
+        (8, 4, 2, 1024, None),
+        (65_536, 1, 1, 256, None),  # 16,777,216 tokens: the largest micro-batch
+        (65_537, 1, 1, 256, "--batch-size 65,537: a micro-batch of 16,777,472 tokens (65,537 blocks of 256) is more"),
+        (10**9, 1, 1, 128, "--batch-size 1,000,000,000: a micro-batch of 128,000,000,000 tokens"),
+        (4096, 1024, 1, 256, None),  # 2**30 tokens a step: the largest
+        (4096, 1024, 2, 256, "--batch-size 4,096 x --grad-accum 1,024 x 2 rank(s): a step of 2,147,483,648 tokens"),
+    ],
+)
+def test_a_batch_no_run_takes_is_a_typo(batch_size, grad_accum, world, context, expected):
+    problem = train.batch_problem(batch_size, grad_accum, world, context)
+    assert problem == expected if expected is None else problem.startswith(expected)
+
+
+def test_an_absurd_batch_stops_at_once_with_one_line(corpus, tmp_path):
+    with pytest.raises(UserError, match="^--batch-size 1,000,000,000: a micro-batch of 32,000,000,000 tokens"):
+        train.main(options(corpus, tmp_path / "run", "--batch-size", "1000000000"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_second_ctrl_c_records_an_honest_reason_and_the_continue_command(corpus, tmp_path, monkeypatch):

@@ -103,6 +103,8 @@ DEMO_DEFAULTS = {
 }
 
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
+MAX_MICRO_BATCH_TOKENS = 1 << 24  # a micro-batch no device holds (its logits alone: 16M x the vocabulary)
+MAX_STEP_TOKENS = 1 << 30  # 300x the largest batches of open pretraining runs (~3-4M tokens a step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1123,6 +1125,23 @@ def length_change_note(old: dict, total_steps: int) -> str:
     )
 
 
+def batch_problem(batch_size: int, grad_accum: int, world: int, context: int) -> str | None:
+    """Why a batch is a typo rather than a run (a micro-batch or a step of more tokens than any run takes), or
+    None. --batch-size 1000000000 otherwise spent minutes gathering blocks before its first step, deaf to SIGTERM."""
+    micro, step = batch_size * context, batch_size * grad_accum * world * context
+    if micro > MAX_MICRO_BATCH_TOKENS:
+        return (
+            f"--batch-size {batch_size:,}: a micro-batch of {micro:,} tokens ({batch_size:,} blocks of {context}) is "
+            f"more than any device holds (at most {MAX_MICRO_BATCH_TOKENS:,} tokens)"
+        )
+    if step > MAX_STEP_TOKENS:
+        return (
+            f"--batch-size {batch_size:,} x --grad-accum {grad_accum:,} x {world} rank(s): a step of {step:,} tokens "
+            f"is more than any run takes (at most {MAX_STEP_TOKENS:,})"
+        )
+    return None
+
+
 def build_training(
     settings: Settings, info: distributed.DistInfo, vocab_size: int | None = None, corpus: Path | None = None
 ) -> Training:
@@ -1131,6 +1150,12 @@ def build_training(
     `corpus`: the local folder of a plain corpus (train_data.prepare_corpus'; None: --data's). `vocab_size`
     (benchmarks only) builds the model with a larger vocabulary than the corpus tokenizer's, e.g. think72's
     33,069 over the small demo corpus, whose ids all stay valid."""
+    session = settings.session
+    problem = batch_problem(
+        session.batch_size, session.grad_accum, info.world, model_config.preset_of(settings.run).context
+    )
+    if problem:
+        raise UserError(problem)
     if settings.session.threads:
         torch.set_num_threads(settings.session.threads)
     distributed.use_deterministic_kernels(settings.session.deterministic)  # main() did it; for Python callers

@@ -880,7 +880,7 @@ class TrainData:
         if self.global_batch > self.train_blocks:
             lines.append(
                 f"one step reads {self.global_batch} blocks but the train split has only "
-                f"{self.train_blocks} of {context} tokens: every step covers more than an epoch "
+                f"{self.train_blocks} blocks of {context} tokens: every step covers more than an epoch "
                 "(use a smaller --batch-size or --grad-accum, or a larger corpus)"
             )
         return lines
