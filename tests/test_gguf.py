@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -238,6 +239,26 @@ def test_provenance_from_corpus_manifest_never_from_the_model_card(model_dir, tm
         f"# Card\nExact corpus manifest SHA-256: {'E' * 64}. Exact tokenizer SHA-256: {'f' * 64}.\n"
     )
     assert export_gguf.read_provenance(folder) == ({}, [])  # prose is no record
+
+
+@pytest.mark.parametrize(
+    "error, cause",
+    [
+        (OSError("26048 requested and 23416 written"), "26048 requested and 23416 written (a short write: no space"),
+        (OSError(errno.ENOSPC, "No space left on device"), "no space left on device; nothing was written"),
+    ],
+)
+def test_a_full_disk_is_one_line_and_no_file(model_dir, tmp_path, monkeypatch, error, cause):
+    """gguf's writer reports a short write without an errno (a traceback before): one line naming the file."""
+
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(export_gguf, "write_gguf", full)
+    out = tmp_path / "full.gguf"
+    with pytest.raises(UserError, match=f"^writing {re.escape(str(out))}: {re.escape(cause)}"):
+        export_gguf.export(model_dir, out, "f16", log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sharded_bf16_weights(model_dir, tmp_path):

@@ -38,6 +38,7 @@ from tinyllm.common import (
     UserError,
     atomic_path,
     atomic_write_text,
+    os_error_cause,
     read_json,
     run_main,
     sha256_file,
@@ -704,6 +705,17 @@ def verify_export(source: ModelSource, temp: Path, out: Path, out_type: str, log
     return checks
 
 
+@contextlib.contextmanager
+def written_or_one_line(out: Path):
+    """A failed write of the GGUF `out` as one UserError naming it: the cause of an OSError, and gguf's own
+    short-write error ('26048 requested and 23416 written', no errno) as the full disk it is."""
+    try:
+        yield
+    except OSError as error:
+        cause = os_error_cause(error) if error.errno else f"{error} (a short write: no space left on the device?)"
+        raise UserError(f"writing {out}: {cause}; nothing was written") from None
+
+
 def export(
     folder: str | Path,
     out: str | Path,
@@ -735,7 +747,7 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
 
     with atomic_path(out) as temp:
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack, written_or_one_line(out):
             tensors = Conversions(source, plan, stack)  # converting starts now, in the background
             vocab = read_vocab(source)
             values, sources = read_provenance(source.folder, provenance)
