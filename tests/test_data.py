@@ -907,6 +907,20 @@ def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path, capsys):
     assert data.read_utf8(text) == "a plain text file"
 
 
+def test_an_empty_train_split_says_where_the_documents_went(tmp_path):
+    splits = {"train": {"documents": 0, "tokens": 0}, "validation": {"documents": 1}, "test": {"documents": 0}}
+    assert data.train_split_empty(splits).startswith(
+        "no documents landed in the train split (of 1 kept: 1 in validation)"
+    )
+    source = tmp_path / "one.jsonl"  # one long document: its hash picks a held-out split at these fractions
+    source.write_text(json.dumps({"text": "one long book " * 2000}) + "\n")
+    with pytest.raises(
+        UserError, match=r"^no documents landed in the train split \(of 1 kept: 1 in (validation|test)\)"
+    ):
+        build([source], tmp_path / "out", "--val-fraction", "0.5", "--test-fraction", "0.499")
+    assert no_leftovers(tmp_path / "out")
+
+
 def test_json_error_reads_as_one_clause():
     for text, message in (
         ('{"text": }', "Expecting value at column 10"),

@@ -748,6 +748,18 @@ def sized_build_defaults(input_bytes: int | None) -> dict:
     return {"vocab_size": DEFAULT_VOCAB_SIZE, "val_fraction": 0.01, "test_fraction": 0.01}
 
 
+def train_split_empty(splits: dict[str, dict]) -> str:
+    """Why a build left nothing to train on: every document went to a held-out split, which a document's hash
+    picks (a corpus of a document or two can lose them all), or the fractions asked for it."""
+    held_out = {name: info["documents"] for name, info in splits.items() if name != "train" and info["documents"]}
+    where = " and ".join(f"{count:,} in {name}" for name, count in held_out.items())
+    return (
+        f"no documents landed in the train split (of {sum(held_out.values()):,} kept: {where}); each document goes "
+        "to one split by its hash, so a corpus of few documents needs more of them (split a long text into "
+        "several records), or a lower --val-fraction / --test-fraction"
+    )
+
+
 def input_bytes(sources: Iterable[Source]) -> int | None:
     """The bytes on disk of the inputs (compressed files as stored); None when one is a Hub dataset."""
     total = 0
@@ -1583,7 +1595,7 @@ def build_in_place(
                 f"no documents left after reading and filtering the inputs ({describe_drops(stats)}); nothing to build"
             )
         if splits["train"]["tokens"] == 0:
-            raise UserError("no documents landed in the train split; lower --val-fraction/--test-fraction")
+            raise UserError(train_split_empty(splits))
         if note:
             print(note, file=sys.stderr)
         for name, data in (extra_files or {}).items():
