@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -379,8 +380,16 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
         data.main(["--data", str(noise), "--out", str(tmp_path / "noise"), "--no-progress"])
     assert "note:" not in capsys.readouterr().err
 
-    with pytest.raises(data.RecordError, match="'text' is a int, expected text"):
-        data.to_document({"text": 12345}, corpus_format.CHAT_TEMPLATE, True)
+    for record, message in (
+        ({"text": 12345}, "'text' is a number, expected text"),  # JSON's words, not Python's ('a int')
+        ({"text": None}, "'text' is null, expected text"),
+        ({"text": {"a": 1}}, "'text' is an object, expected text"),
+        (None, "record is null, expected an object or text"),
+        ([1, 2], "record is a list, expected an object or text"),
+        ({"messages": [{"role": "user", "content": 3.5}]}, "message content is a number, expected text"),
+    ):
+        with pytest.raises(data.RecordError, match=f"^{re.escape(message)}$"):
+            data.to_document(record, corpus_format.CHAT_TEMPLATE, True)
 
 
 def test_train_py_small_faults_are_clear(tmp_path):

@@ -361,6 +361,14 @@ def jsonl_lines(path: Path) -> Iterator[bytes]:
         raise UserError(f"input {path} is not a readable gzip file: {error}") from None
 
 
+JSON_KINDS = {dict: "an object", list: "a list", str: "text", bool: "true or false", int: "a number", float: "a number"}
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is in JSON's words ('a number', 'null'), for messages about a record's shape."""
+    return "null" if value is None else JSON_KINDS.get(type(value), f"a {type(value).__name__}")
+
+
 def json_error(error: json.JSONDecodeError) -> str:
     """'Unterminated string starting at column 10', 'Expecting value at column 1' (one line, no char offset)."""
     where = "column" if error.msg.endswith(" at") else "at column"
@@ -541,7 +549,7 @@ def content_text(content: Any) -> str:
         return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
     if content is None:
         return ""
-    raise RecordError("unknown_schema", f"message content is a {type(content).__name__}, expected text")
+    raise RecordError("unknown_schema", f"message content is {json_kind(content)}, expected text")
 
 
 def reasoning_of(mapping: dict) -> str | None:
@@ -607,7 +615,7 @@ def record_text(record: Any) -> str:
             return record[key]
     for key in TEXT_KEYS:
         if key in record:
-            raise RecordError("unknown_schema", f"'{key}' is a {type(record[key]).__name__}, expected text")
+            raise RecordError("unknown_schema", f"'{key}' is {json_kind(record[key])}, expected text")
     raise RecordError(
         "unknown_schema", f"unknown record shape with keys {sorted(record)}; expected one of: {KNOWN_SHAPES}"
     )
@@ -890,7 +898,7 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     if isinstance(record, RecordError):
         raise record
     if not isinstance(record, (dict, str)):
-        raise RecordError("unknown_schema", f"record is a {type(record).__name__}, expected an object or text")
+        raise RecordError("unknown_schema", f"record is {json_kind(record)}, expected an object or text")
     messages = record_messages(record) if isinstance(record, dict) else None
     if messages is None:
         text = clean_text(record_text(record), remove_uuids)
