@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -421,3 +422,43 @@ def test_python_common_py_lists_every_command_and_the_layers(capsys):
         assert line.split()[2] == common.CONSOLE_SCRIPTS.get(script, "-")
     assert all(f"{layer}/" in text for layer in ("data", "model", "store", "outputs", "training"))
     assert common.main([]) == 0 and capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.parametrize(
+    "text, value, says",
+    [
+        ("3", 3, None),
+        ("0", None, "must be positive, got 0"),
+        ("-5", None, "must be positive, got -5"),
+    ],
+)
+def test_checked_type_applies_the_option_checks_at_parse_time(text, value, says):
+    count = common.checked_type(int, common.positive)
+    if says is None:
+        assert count(text) == value
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^{says}$"):
+            count(text)
+
+
+def test_a_checked_type_names_its_conversion_in_argparse_errors(capsys):
+    parser = common.ArgumentParser(prog="tool")
+    parser.add_argument("--steps", type=common.checked_type(int, common.positive))
+    for given, says in (("x", "invalid int value: 'x'"), ("0", "must be positive, got 0")):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["--steps", given])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == f"error: argument --steps: {says} (see tool --help)\n"
+
+
+@pytest.mark.parametrize(
+    "help, default, shown",
+    [
+        ("PNG to write (default: RUN/loss_curve.png)", None, "PNG to write (default: RUN/loss_curve.png)"),
+        ("tokens per step", 8, "tokens per step (default: 8)"),
+    ],
+)
+def test_help_says_an_options_default_once(help, default, shown):
+    parser = common.ArgumentParser(prog="tool")
+    parser.add_argument("--value", default=default, help=help)
+    assert " ".join(parser.format_help().split()).endswith(f"--value VALUE {shown}")

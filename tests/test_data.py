@@ -932,6 +932,24 @@ def test_json_error_reads_as_one_clause():
         assert data.json_error(error.value) == message
 
 
+@pytest.mark.parametrize(
+    "raw, records",
+    [
+        (b'[{"text": "a"}, {"text": "b"}]', ["[0]", "[1]"]),  # an array: one record per object
+        (b'{"data": [{"text": "a"}, {"text": "b"}]}', ["[0]", "[1]"]),  # a wrapper around one
+        (b'{"text": "a"}', ["[0]"]),  # one object: one record
+        (b'[{"text": "caf\xe9"}, {"text": "b"}]', [""]),  # invalid UTF-8: the whole file, one dropped record
+    ],
+)
+def test_a_json_file_is_a_record_per_object_but_decoded_whole(tmp_path, raw, records):
+    """docs/TROUBLESHOOTING.md's "dropped for invalid UTF-8"."""
+    path = tmp_path / "in.json"
+    path.write_bytes(raw)
+    read = list(data.iter_json(path))
+    assert [location.removeprefix(str(path)) for location, _ in read] == records
+    assert all(isinstance(record, data.RecordError) for _, record in read) == (records == [""])
+
+
 def test_invalid_utf8_is_counted_or_fatal_with_strict(tmp_path):
     source = tmp_path / "latin1.jsonl"
     source.write_bytes(

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from ports import free_port
 
+from tinyllm.common import UserError
 from tinyllm.training import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,3 +238,9 @@ def test_the_bucket_size_leaves_the_embedding_the_least_company(preset, mib, buc
     if last is not None:
         assert sizes[-1] == last
         assert all(distributed.bucket_bytes(model, other)[-1] >= last for other in distributed.BUCKET_MIB)
+
+
+def test_training_on_a_cuda_device_torch_does_not_see_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="^--device cuda, but torch sees no CUDA device$"):
+        distributed.init_distributed("cuda")

@@ -3,6 +3,7 @@ file (and, into a markdown file, to an existing heading), and the README gives t
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from pathlib import Path
@@ -139,3 +140,28 @@ def test_every_backticked_module_name_in_docs_and_docstrings_resolves():
     assert stale == []
     assert resolves("hardware.step_memory") and resolves("attention.Documents.cu_seqlens")
     assert not resolves("train.Checkpointer") and not resolves("hardware.ASSUMED_MFU")  # what it would catch
+
+
+def documented_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The command lines whose every option the docs name: export_gguf.py's, report.py samples' and evaluate's."""
+    from tinyllm.outputs import export_gguf, report
+
+    commands = next(action for action in report.build_parser()._actions if action.choices).choices
+    return {
+        "export_gguf.py": export_gguf.build_parser(),
+        "report.py samples": commands["samples"],
+        "report.py evaluate": commands["evaluate"],
+    }
+
+
+@pytest.mark.parametrize("command", documented_parsers())
+def test_every_option_of_these_commands_is_in_the_docs(command):
+    text = "\n".join(document.read_text(encoding="utf-8") for document in DOCUMENTS)
+    flags = [flag for action in documented_parsers()[command]._actions for flag in action.option_strings]
+    missing = [flag for flag in flags if flag.startswith("--") and flag != "--help" and not named(flag, text)]
+    assert not missing, f"{command}: {missing} in its --help but nowhere in README.md or docs/"
+
+
+def named(flag: str, text: str) -> bool:
+    """Whether `text` names `flag` itself (`--name`, not only `--name-of-something`)."""
+    return re.search(re.escape(flag) + r"(?![\w-])", text) is not None

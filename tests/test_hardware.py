@@ -210,6 +210,30 @@ def test_check_torch_raises_a_user_error(monkeypatch):
         hardware.check_torch()
 
 
+@pytest.mark.parametrize(
+    "choice, available, problem",
+    [
+        ("cuda", False, "--device cuda, but torch sees no CUDA device"),
+        ("mps", False, "--device mps, but torch sees no MPS device"),
+        ("cuda", True, None),
+        ("mps", True, None),
+        ("cpu", False, None),
+        ("auto", False, None),  # train.py's: CUDA when torch sees it, else CPU
+    ],
+)
+def test_a_device_torch_does_not_see_is_refused(choice, available, problem):
+    assert hardware.device_problem(choice, available) == problem
+
+
+def test_check_device_asks_torch(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="^--device cuda, but torch sees no CUDA device$"):
+        hardware.check_device("cuda")
+    hardware.check_device("cpu")
+
+
 # -- the throughput model ------------------------------------------------------------------------
 
 # A counted step and a card's rates (hardware.CountedStep, hardware.CardRates) with round numbers: 1,000-token

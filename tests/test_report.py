@@ -1,6 +1,7 @@
 """report.py, metrics_log.py and export_hf.py: progress lines, the loss curve, TensorBoard, the HF export and its
 model card."""
 
+import argparse
 import json
 import math
 import os
@@ -167,6 +168,56 @@ def test_plot_loss_curve_writes_a_png_atomically(tmp_path):
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(UserError, match=f"run {tmp_path / 'nope'}: no such folder"):
         report.main(["plot", str(tmp_path / "nope")])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["samples", "RUN/model", "--device", "cuda", "--prompt", "hi"],
+        ["evaluate", "RUN", "--tasks", "t.jsonl", "--device", "cuda"],
+    ],
+)
+def test_report_refuses_a_device_torch_does_not_see_as_train_py_does(argv, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [str(tmp_path / arg) if arg.startswith("RUN") else arg for arg in argv]
+    with pytest.raises(UserError, match="^--device cuda, but torch sees no CUDA device$"):
+        report.main(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["samples", "RUN/model", "--device", "banana"], "argument --device: invalid choice: 'banana'"),
+        (["evaluate", "RUN", "--tasks", "t.jsonl", "--device", "banana"], "argument --device: invalid choice"),
+        (["samples", "RUN/model", "--max-new-tokens", "0"], "argument --max-new-tokens: must be positive, got 0"),
+        (["samples", "RUN/model", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be positive, got -5"),
+        (["evaluate", "RUN", "--tasks", "t.jsonl", "--max-new-tokens", "0"], "must be positive, got 0"),
+        (["evaluate", "RUN", "--tasks", "t.jsonl", "--batch-size", "0"], "argument --batch-size: must be positive"),
+    ],
+)
+def test_report_refuses_bad_options_at_parse_time_in_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as exited:
+        report.parse_args(argv)
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and error.startswith("error: ") and says in error and error.count("\n") == 1
+
+
+def subcommand_options() -> dict[str, tuple[argparse.ArgumentParser, argparse.Action]]:
+    """ "samples --device" -> (its subcommand's parser, the option) for every option of report.py but --help."""
+    commands = next(action for action in report.build_parser()._actions if action.choices)
+    return {
+        f"{name} {action.option_strings[0]}": (parser, action)
+        for name, parser in commands.choices.items()
+        for action in parser._actions
+        if action.option_strings and action.dest != "help"
+    }
+
+
+@pytest.mark.parametrize("option", subcommand_options())
+def test_every_report_option_has_help_that_says_its_default_once(option):
+    parser, action = subcommand_options()[option]
+    shown = parser._get_formatter()._expand_help(action)
+    assert action.help and shown.count("default") <= 1, shown
 
 
 def test_the_loss_curve_plots_the_series_of_metrics_jsonl(tmp_path, monkeypatch):

@@ -483,6 +483,16 @@ def human_count(value: float) -> str:
     return f"{value:.0f}"
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after an option's help, unless the help says its default itself
+    ("PNG to write (default: RUN/loss_curve.png)": a default worked out later, the option's own is None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the house rules for every script: a bad option is one `error:` line (exit 2)
     instead of the whole usage text, and options are spelled out: `--epoch` is refused, not read
@@ -490,7 +500,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -639,6 +649,21 @@ def at_least(lowest: int) -> Callable:
         return None if value >= lowest else f"be at least {lowest}"
 
     return check
+
+
+def checked_type(convert: Callable, *checks: Callable) -> Callable:
+    """An argparse `type` for an option that is no settings field: `convert` the text, then apply `checks`
+    (positive, ...) as check_options does: `error: argument --N: must be positive, got 0` at parse time."""
+
+    def parse(text: str):
+        value = convert(text)
+        problem = next(filter(None, (check(value) for check in checks)), None)
+        if problem:
+            raise argparse.ArgumentTypeError(f"must {problem}, got {value}")
+        return value
+
+    parse.__name__ = convert.__name__  # argparse's "invalid int value: 'x'" names the conversion
+    return parse
 
 
 def config_file_in(argv: list[str]) -> str | None:

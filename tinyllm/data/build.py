@@ -1663,7 +1663,7 @@ def print_summary(
     invalid = sum(counts.dropped["invalid_utf8"] for counts in stats.values())
     if invalid:
         print(
-            f"  {invalid} record(s) dropped for invalid UTF-8; a .txt or .json file is one record, so whole files "
+            f"  {invalid} record(s) dropped for invalid UTF-8; a .txt or .json file is decoded whole, so whole files "
             "were dropped: convert them to UTF-8 first (e.g. iconv -f latin1 -t utf-8)"
         )
     empty_answers = sum(counts.dropped["empty_answer"] for counts in stats.values())

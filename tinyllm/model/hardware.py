@@ -539,6 +539,34 @@ def check_torch() -> None:
         raise UserError(problem)
 
 
+ACCELERATORS = {"cuda": "CUDA", "mps": "MPS"}  # --device values that need torch to see such a device
+
+
+def device_problem(choice: str, available: bool) -> str | None:
+    """Why `--device CHOICE` cannot run (None: it can): an accelerator torch does not see (`available`)."""
+    if choice in ACCELERATORS and not available:
+        return f"--device {choice}, but torch sees no {ACCELERATORS[choice]} device"
+    return None
+
+
+def accelerator_available(choice: str) -> bool:
+    """Whether torch sees a device of kind `choice` (cpu: always)."""
+    import torch
+
+    if choice == "cuda":
+        return torch.cuda.is_available()
+    if choice == "mps":
+        return torch.backends.mps.is_available()
+    return True
+
+
+def check_device(choice: str) -> None:
+    """--device (train.py, report.py): a UserError when torch cannot use the device asked for."""
+    problem = device_problem(choice, accelerator_available(choice))
+    if problem:
+        raise UserError(problem)
+
+
 # ----------------------------------------------------------------------------------------------
 # Throughput model: what a training step should take on a card before any GPU has run it, a roofline over
 # what bench/bench_roofline.py counts (docs/training.md, "Throughput on GPUs"; bench/bench_gpu.py prints

@@ -1207,6 +1207,10 @@ def verify_llama_cpp_tokenizer(llama_cpp, llm, tokenizer) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         description="Export a tinyllm Hugging Face Qwen3 folder to GGUF (llama.cpp, ollama).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -1224,7 +1228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-modelfile", action="store_true", help="do not write the ollama Modelfile")
     parser.add_argument("--corpus-sha256", default=None, help="corpus manifest sha256; None: read from the run")
     parser.add_argument("--tokenizer-sha256", default=None, help="corpus tokenizer sha256; None: read from the run")
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv=None) -> None:

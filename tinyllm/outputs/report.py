@@ -28,8 +28,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tinyllm.common import PROGRESS_WRITERS, ArgumentParser, UserError, human_count, run_main, say
-from tinyllm.model import generation
+from tinyllm.common import (
+    PROGRESS_WRITERS,
+    ArgumentParser,
+    UserError,
+    checked_type,
+    human_count,
+    positive,
+    run_main,
+    say,
+)
+from tinyllm.model import generation, hardware
 from tinyllm.outputs import evaluation, export_hf, metrics_log, publishing
 from tinyllm.store import checkpoint_store as store
 
@@ -193,23 +202,33 @@ def final_line(out: Path, status: str, record: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # Command line: redraw a run's curve, evaluate, sample or publish an exported model.
 
+count = checked_type(int, positive)  # --max-new-tokens, --batch-size: 0 is refused at parse time
+
+
+DEVICES = ["cpu", "cuda", "mps"]
+
+
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """--device of evaluate and samples: torch must see it (main checks, as train.py does)."""
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help="where the model runs")
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plot = commands.add_parser(
         "plot",
         help="redraw RUN/loss_curve.png from RUN/metrics.jsonl",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     plot.add_argument("run", help="run folder holding metrics.jsonl")
     plot.add_argument("--out", help="PNG to write (default: RUN/loss_curve.png)")
     evaluate = commands.add_parser(
         "evaluate",
         help="benchmark scores of an exported model (lm-eval tasks, local multiple-choice and exact-match task files)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     evaluate.add_argument("model", help="run folder (RUN, scores go to RUN/eval/ and the model card) or RUN/model")
     evaluate.add_argument(
@@ -220,14 +239,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     evaluate.add_argument("--limit", type=int, help="score a seeded subsample of N items per task")
     evaluate.add_argument("--seed", type=int, default=evaluation.DEFAULT_SEED, help="seed of the --limit subsample")
-    evaluate.add_argument("--batch-size", type=int, default=32)
-    evaluate.add_argument("--max-new-tokens", type=int, default=96, help="reply length of exact-match tasks")
-    evaluate.add_argument("--device", default="cpu")
+    evaluate.add_argument("--batch-size", type=count, default=32, help="items scored at once")
+    evaluate.add_argument("--max-new-tokens", type=count, default=96, help="reply length of exact-match tasks")
+    add_device_arg(evaluate)
     evaluate.add_argument("--json", help="also write the scores to this JSON file")
     samples = commands.add_parser(
         "samples",
         help="chat replies (or --text continuations) of an exported model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     samples.add_argument("model", help="exported model folder (RUN/model)")
     samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
@@ -236,21 +254,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="continue each --prompt as plain text (a model trained on plain text, e.g. books)",
     )
-    samples.add_argument("--max-new-tokens", type=int, default=96)
+    samples.add_argument("--max-new-tokens", type=count, default=96, help="longest reply, in tokens")
     generation.add_sampling_args(samples)
-    samples.add_argument("--device", default="cpu")
+    add_device_arg(samples)
     publish = commands.add_parser(
         "publish",
         help="upload RUN's model, GGUF files, card, settings and loss "
         f"curve to hf://USER/REPO or {publishing.STORES_TEXT}, verified",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     publish.add_argument("run", help="run folder holding model/ (and any GGUF files export_gguf.py wrote)")
     publish.add_argument(
         "url", help=f"hf://USER/REPO (a model repository, created private), or {publishing.STORES_TEXT}"
     )
     publish.add_argument("--public", action="store_true", help="hf://: create the repository public")
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(f"no loss records in {Path(args.run) / 'metrics.jsonl'}")
         print(f"wrote {out}")
     elif args.command == "evaluate":
+        hardware.check_device(args.device)
         result = evaluation.evaluate(
             args.model, args.tasks, args.limit, args.batch_size, args.device, args.seed, args.max_new_tokens
         )
@@ -283,6 +301,7 @@ def print_samples(args: argparse.Namespace) -> None:
     if args.text and not args.prompt:
         raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
     sampling = generation.sampling_from(vars(args))
+    hardware.check_device(args.device)
     model, tokenizer = generation.load_exported(args.model, args.device)
     prompts = args.prompt or generation.DEFAULT_PROMPTS
     if args.text:

@@ -115,8 +115,7 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but torch sees no CUDA device")
+    hardware.check_device(device_choice)
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
