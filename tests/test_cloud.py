@@ -285,14 +285,21 @@ def test_a_command_continues_the_folder_it_was_pulled_into(command, expected):
     assert cc.command_for_folder(command, Path("/new/b")) == expected
 
 
-def test_a_finished_run_pulled_into_another_folder_gets_one_status_to_resume_there(tmp_path, monkeypatch):
+def backed_up_run(tmp_path: Path, status: str, total_steps: int) -> str:
+    """tmp_path/run backed up to tmp_path/remote at step 10, its run_status.json `status` with a resume command
+    naming tmp_path/run; returns the remote."""
     run, remote = tmp_path / "run", str(tmp_path / "remote")
     worker = mirror(remote)
     atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
     command = f"python train.py --data corpus --out {run} --resume auto"
-    store.write_status(run, store.COMPLETE, step=10, total_steps=10, resume_command=command)
+    store.write_status(run, status, step=10, total_steps=total_steps, resume_command=command)
     save_and_point_latest(run / "checkpoints", 10, "run-a")
     assert reconcile(worker, run / "checkpoints").caught_up
+    return remote
+
+
+def test_a_finished_run_pulled_into_another_folder_gets_one_status_to_resume_there(tmp_path, monkeypatch):
+    remote = backed_up_run(tmp_path, store.COMPLETE, total_steps=10)
     writes, write_status = [], store.write_status
     monkeypatch.setattr(
         store, "write_status", lambda *args, **fields: writes.append(fields) or write_status(*args, **fields)
@@ -308,13 +315,7 @@ def test_a_finished_run_pulled_into_another_folder_gets_one_status_to_resume_the
 
 
 def test_a_pull_into_another_folder_resumes_that_folder_and_says_what_it_did_not_download(tmp_path):
-    run, remote = tmp_path / "run", str(tmp_path / "remote")
-    worker = mirror(remote)
-    atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
-    command = f"python train.py --data corpus --out {run} --resume auto"
-    store.write_status(run, store.NEEDS_RESUME, step=10, total_steps=20, resume_command=command)
-    save_and_point_latest(run / "checkpoints", 10, "run-a")
-    assert reconcile(worker, run / "checkpoints").caught_up
+    remote = backed_up_run(tmp_path, store.NEEDS_RESUME, total_steps=20)
     fresh, log = tmp_path / "pulled", Log()
     fresh.mkdir()
     cc.restore_latest(remote, fresh / "checkpoints", log=log, read_only=True)
