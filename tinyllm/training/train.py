@@ -1156,9 +1156,9 @@ def build_training(
     )
     if problem:
         raise UserError(problem)
-    if settings.session.threads:
-        torch.set_num_threads(settings.session.threads)
-    distributed.use_deterministic_kernels(settings.session.deterministic)  # main() did it; for Python callers
+    if session.threads:
+        torch.set_num_threads(session.threads)
+    distributed.use_deterministic_kernels(session.deterministic)  # main() did it; for Python callers
     data = train_data.open_train_data(data_options(settings, info.world), corpus)
     if vocab_size is not None and vocab_size < data.manifest.vocab_size:
         raise UserError(f"vocab_size {vocab_size} is below the corpus' {data.manifest.vocab_size}")
