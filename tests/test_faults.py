@@ -224,8 +224,10 @@ def test_a_text_corpus_gets_continuations_of_held_out_openings_and_a_final_loss(
 
     assert report.main(["samples", str(out / "model"), "--text", "--prompt", "99 plus", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("> 99 plus")
-    with pytest.raises(common.UserError, match="--text continues the text you give"):
-        report.main(["samples", str(out / "model"), "--text"])
+    assert report.main(["samples", str(out / "model"), "--max-new-tokens", "4"]) == 0  # no --prompt: the run's
+    shown = capsys.readouterr().out
+    assert shown.startswith("prompts: the text openings of the run's")
+    assert f"> {samples['samples'][0]['prompt']}" in shown
 
     # no held-out split at all: the last line still shows a loss, the train loss
     texts = [{"text": f"{i} plus {i + 1} is {2 * i + 1}. the cat sees the dog."} for i in range(300)]

@@ -135,3 +135,35 @@ def test_loading_a_folder_that_is_no_export_names_what_it_lacks(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserError, match=r"is not an exported model folder \(no tokenizer.json\)"):
         generation.load_exported(str(tmp_path), "cpu")
+
+
+@pytest.mark.parametrize(
+    "given, text, recorded, expected",
+    [
+        (["Hi"], False, (True, ["Once"]), (False, ["Hi"])),  # prompts given: those
+        (["Once upon"], True, None, (True, ["Once upon"])),
+        (None, False, (False, ["What is tea?"]), (False, ["What is tea?"])),  # the run's held-out questions
+        (None, False, (True, ["The river"]), (True, ["The river"])),  # the run's text openings, continued
+        (None, True, (True, ["The river"]), (True, ["The river"])),
+        (None, False, None, (False, generation.DEFAULT_PROMPTS)),  # no run beside the model: built-in
+    ],
+)
+def test_samples_without_prompts_take_the_run_s_own(given, text, recorded, expected):
+    assert generation.sample_prompts(given, text, recorded) == expected
+
+
+def test_samples_text_needs_text_to_continue():
+    for recorded in (None, (False, ["What is tea?"])):
+        with pytest.raises(UserError, match="samples --text continues the text you give"):
+            generation.sample_prompts(None, True, recorded)
+
+
+def test_the_run_s_recorded_prompts_are_read_with_their_kind(tmp_path):
+    samples = tmp_path / "sample_generations.json"
+    assert generation.recorded_prompts(samples) is None  # no run beside the model
+    for chat, expected in ((True, False), (False, True)):
+        record = {"settings": {"chat_template": chat}, "samples": [{"prompt": "a", "completion": "b"}, {"x": 1}]}
+        samples.write_text(json.dumps(record))
+        assert generation.recorded_prompts(samples) == (expected, ["a"])
+    samples.write_text(json.dumps({"samples": [], "error": "generation failed"}))
+    assert generation.recorded_prompts(samples) is None

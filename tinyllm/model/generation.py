@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tinyllm.common import UserError, atomic_write_json, utc_now
+from tinyllm.common import UserError, atomic_write_json, read_json_or, utc_now
 from tinyllm.data import corpus_format
 from tinyllm.data.corpus_format import EOS, IM_END, IM_START
 from tinyllm.model import attention
@@ -307,6 +307,32 @@ def held_out_prompts(
         return "chat", list(dict.fromkeys(prompts))[:count] or list(DEFAULT_PROMPTS)
     openings = [tokenizer.decode(doc[:opening_tokens]) for doc in documents if doc and doc[:1] != [im_start]]
     return "text", list(dict.fromkeys(opening for opening in openings if opening.strip()))[:count]
+
+
+def recorded_prompts(samples_file: str | os.PathLike) -> tuple[bool, list[str]] | None:
+    """(text, prompts) of a run's sample_generations.json: the prompts that fit its corpus, and whether they
+    are text openings to continue (not chats); None where there is no such record (no file, or no prompts)."""
+    record = read_json_or(Path(samples_file), {})
+    samples = record.get("samples") if isinstance(record, dict) else None
+    prompts = [sample["prompt"] for sample in samples or [] if isinstance(sample, dict) and sample.get("prompt")]
+    if not prompts:
+        return None
+    return not record.get("settings", {}).get("chat_template", True), prompts
+
+
+def sample_prompts(
+    given: Sequence[str] | None, text: bool, recorded: tuple[bool, list[str]] | None
+) -> tuple[bool, list[str]]:
+    """(text, prompts) for `report.py samples`: the prompts given; else the run's recorded ones (a run's
+    text openings are continued, its chats answered), unless --text asks to continue the run's chats; else
+    the built-in chat prompts. --text needs text: the given or the run's."""
+    if given:
+        return text, list(given)
+    if recorded is not None and (recorded[0] or not text):
+        return recorded
+    if text:
+        raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
+    return False, list(DEFAULT_PROMPTS)
 
 
 def generate_samples(

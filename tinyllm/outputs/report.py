@@ -248,7 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat replies (or --text continuations) of an exported model",
     )
     samples.add_argument("model", help="exported model folder (RUN/model)")
-    samples.add_argument("--prompt", action="append", help="a user prompt (repeatable; default: built-in prompts)")
+    samples.add_argument(
+        "--prompt",
+        action="append",
+        help="a user prompt (repeatable; default: the prompts of the run's sample_generations.json beside the "
+        "model folder, held out from its corpus, else built-in ones)",
+    )
     samples.add_argument(
         "--text",
         action="store_true",
@@ -298,13 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_samples(args: argparse.Namespace) -> None:
     """`report.py samples`: each prompt and the exported model's reply (with --text, its continuation)."""
-    if args.text and not args.prompt:
-        raise UserError("samples --text continues the text you give: pass --prompt TEXT (repeatable)")
+    samples_file = Path(args.model).parent / "sample_generations.json"  # RUN/model's run: prompts of its corpus
+    recorded = None if args.prompt else generation.recorded_prompts(samples_file)
+    text, prompts = generation.sample_prompts(args.prompt, args.text, recorded)
     sampling = generation.sampling_from(vars(args))
     hardware.check_device(args.device)
     model, tokenizer = generation.load_exported(args.model, args.device)
-    prompts = args.prompt or generation.DEFAULT_PROMPTS
-    if args.text:
+    if recorded is not None:
+        print(f"prompts: the {'text openings' if text else 'questions'} of the run's {samples_file} (its corpus')\n")
+    if text:
         details = generation.generate_text_details(
             model, tokenizer, prompts, args.max_new_tokens, args.device, sampling
         )
