@@ -205,7 +205,7 @@ def final_line(out: Path, status: str, record: dict) -> str:
 count = checked_type(int, positive)  # --max-new-tokens, --batch-size: 0 is refused at parse time
 
 
-DEVICES = ["cpu", "cuda", "mps"]
+DEVICES = ["cpu", *hardware.ACCELERATORS]  # the accelerators check_device knows
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
