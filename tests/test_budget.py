@@ -187,24 +187,27 @@ def test_a_corpus_of_few_tokens_a_vocabulary_entry_is_trained_over_two_passes(tr
 
 
 @pytest.mark.parametrize(
-    "preset, vocab, noted",
+    "preset, vocab, asked, noted",
     [
-        ("micro", 8192, True),  # measured: 16,384 0.1-1.8% better, 27,569 2.4% on the changelogs
-        ("micro", 8489, True),  # what a 1.5 MB text supports at "16,384": still under it
-        ("micro", 16384, False),  # the vocabulary micro measured best at
-        ("micro", 33069, False),
-        ("micro", 512, False),  # a corpus under 1 MB: not measured for micro
-        ("think72", 8192, True),  # larger than micro: the same (not measured)
-        ("nano", 8192, False),  # tiny and nano measured best at 8,192
-        ("tiny", 8192, False),
+        ("micro", 8192, 8192, True),  # measured: 16,384 0.1-1.8% better, 27,569 2.4% on the changelogs
+        ("micro", 10_000, 10_000, True),  # a user's vocabulary under it
+        ("micro", 8489, 16_384, False),  # a 1.5 MB text supports no more than this at 16,384: nothing to rebuild
+        ("micro", 16384, 16384, False),  # the vocabulary micro measured best at
+        ("micro", 33069, 33069, False),
+        ("micro", 512, 512, False),  # a corpus under 1 MB: not measured for micro
+        ("think72", 8192, 8192, True),  # larger than micro: the same (not measured)
+        ("nano", 8192, 8192, False),  # tiny and nano measured best at 8,192
+        ("tiny", 8192, 8192, False),
     ],
 )
 def test_a_plan_of_micro_or_larger_says_when_the_corpus_vocabulary_is_under_what_micro_measured_best(
-    preset, vocab, noted
+    preset, vocab, asked, noted
 ):
-    note = budget.vocabulary_note(budget.non_embedding_parameters(model_config.PRESETS[preset]), vocab)
+    note = budget.vocabulary_note(preset, budget.non_embedding_parameters(model_config.PRESETS[preset]), vocab, asked)
     assert (note is not None) is noted
-    assert note is None or f"this corpus has {vocab:,} tokens" in note and "--vocab-size 16384" in note
+    assert note is None or (
+        f"this corpus has {vocab:,} tokens" in note and f"data.py --preset {preset}`, or `--vocab-size 16384`" in note
+    )
 
 
 def test_on_1_5_mb_of_changelogs_two_minutes_plan_nano():

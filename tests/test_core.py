@@ -87,25 +87,35 @@ def test_document_hash_is_blake2b_key_and_position():
     assert data.document_hash("hello") != data.document_hash("hello ")
 
 
-# bytes of input -> data.py's defaults for the options not given (the notebook shows the same)
+# bytes of input and the preset the corpus is for -> data.py's defaults for the options not given (the notebook
+# shows the same)
 @pytest.mark.parametrize(
-    "size, vocab_size, fraction",
+    "size, preset, vocab_size, fraction",
     [
-        (None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
-        (0, 512, 0.05),
-        (999_999, 512, 0.05),
-        (1_000_000, 8_192, 0.05),  # bench/bench_vocab.py's optimum at ~4 MB (docs/data.md#the-vocabulary)
-        (4_182_031, 8_192, 0.05),  # its KJV text
-        (4_690_780, 8_192, 0.05),  # its changelog entries
-        (9_999_999, 8_192, 0.05),
-        (10_000_000, 8_192, 0.02),
-        (999_999_999, 16_384, 0.01),
-        (1_000_000_000, 33_069, 0.01),
-        (10**12, 33_069, 0.01),
+        (None, None, 33_069, 0.01),  # not known (a Hub dataset): a large corpus's
+        (None, "micro", 33_069, 0.01),
+        (0, None, 512, 0.05),
+        (999_999, None, 512, 0.05),
+        (999_999, "micro", 512, 0.05),  # under 1 MB: not measured for micro
+        (1_000_000, None, 8_192, 0.05),  # bench/bench_vocab.py's optimum at ~4 MB (docs/data.md#the-vocabulary)
+        (4_182_031, None, 8_192, 0.05),  # its KJV text
+        (4_182_031, "tiny", 8_192, 0.05),  # tiny and nano: best at 8,192 on both texts
+        (4_182_031, "nano", 8_192, 0.05),
+        (4_182_031, "micro", 16_384, 0.05),  # micro: best at 16,384 or more (8,192 0.1-2.4% behind)
+        (4_690_780, None, 8_192, 0.05),  # its changelog entries
+        (4_690_780, "micro", 16_384, 0.05),
+        (9_999_999, None, 8_192, 0.05),
+        (10_000_000, None, 8_192, 0.02),
+        (10_000_000, "think72", 16_384, 0.02),  # larger than micro: micro's (not measured)
+        (999_999_999, None, 16_384, 0.01),
+        (999_999_999, "medium350", 16_384, 0.01),
+        (1_000_000_000, None, 33_069, 0.01),
+        (1_000_000_000, "micro", 33_069, 0.01),  # never smaller for a larger model
+        (10**12, None, 33_069, 0.01),
     ],
 )
-def test_build_defaults_are_sized_to_the_input(size, vocab_size, fraction):
-    assert data.sized_build_defaults(size) == {
+def test_build_defaults_are_sized_to_the_input_and_the_model(size, preset, vocab_size, fraction):
+    assert data.sized_build_defaults(size, preset) == {
         "vocab_size": vocab_size,
         "val_fraction": fraction,
         "test_fraction": fraction,

@@ -1492,6 +1492,14 @@ def test_each_data_option_is_declared_once_and_demo_defaults_fill_the_options_no
     assert (settings.vocab_size, settings.val_fraction, settings.test_fraction) == (512, 0.05, 0.0)
     _, settings, _, _ = data.parse_args(["--data", "hf:user/big", str(small), "--out", "corpus"])
     assert settings == data.BuildSettings()
+    large = tmp_path / "large.txt"
+    large.write_bytes(b"x" * 1_000_000)
+    for preset, vocab_size in (("nano", 8_192), ("micro", 16_384)):  # the model the corpus is for
+        _, settings, _, _ = data.parse_args(["--data", str(large), "--out", "corpus", "--preset", preset])
+        assert settings.vocab_size == vocab_size
+    given = ["--preset", "micro", "--vocab-size", "300"]
+    _, settings, _, _ = data.parse_args(["--data", str(large), "--out", "corpus", *given])
+    assert settings.vocab_size == 300  # a given one wins
     command_given, settings, _, sources = data.parse_args(
         ["--demo", "--out", "corpus", "--val-fraction", "0.1", "--seed", "3"]
     )

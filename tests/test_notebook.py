@@ -127,7 +127,7 @@ def test_a_store_without_credentials_stops_run_all_with_one_error_line(tmp_path,
     assert f"torch {version('torch')} is kept" in printed
     assert (
         "data options: --vocab-size 512 --val-fraction 0.05 --test-fraction 0.05 --source-label none (sized to "
-        "3,600 bytes of input)" in printed
+        "3,600 bytes of input, for think72)" in printed
     )
 
 

@@ -96,11 +96,11 @@ from tinyllm.data.corpus_format import (
     vocabulary_sha256,
 )
 from tinyllm.data.demo_corpus import DEMO_BUILD_DEFAULTS, DEMO_EVAL_FILE, DEMO_SEED, DEMO_VOCAB_SIZE, demo_data
+from tinyllm.model import config as model_config
+from tinyllm.model.config import DEFAULT_VOCAB_SIZE
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE whose pre-tokenizer llama.cpp reproduces exactly ("qwen2").
-
-DEFAULT_VOCAB_SIZE = 33_069
 
 
 def new_bpe_tokenizer():
@@ -747,11 +747,31 @@ SIZED_DEFAULTS = (
 )
 
 
-def sized_build_defaults(input_bytes: int | None) -> dict:
+# The vocabulary a model measured best at, at equal wall time (bench/bench_vocab.py, two texts of about 4 MB, two
+# seeds; docs/data.md#the-vocabulary): tiny and nano at 8,192 (SIZED_DEFAULTS' from 1 MB), micro (4.7M
+# non-embedding parameters) at 16,384 or more (8,192 0.1-2.4% behind, 16,384 within 0.6% of the best). Larger
+# presets take micro's (not measured: the optimum grew with the model, as its head became a smaller part of its step).
+LARGE_MODEL_PARAMETERS = 4_722_304  # micro's non-embedding parameters, the smallest model measured to want more
+LARGE_MODEL_VOCAB = 16_384
+
+
+def model_vocab_size(vocab_size: int, non_embedding_parameters: int) -> int:
+    """The vocabulary for a model of `non_embedding_parameters` where a corpus' size gave `vocab_size`: micro and
+    larger take LARGE_MODEL_VOCAB over 8,192 up to it (what was measured); otherwise `vocab_size` as it is."""
+    if non_embedding_parameters >= LARGE_MODEL_PARAMETERS and 8_192 <= vocab_size < LARGE_MODEL_VOCAB:
+        return LARGE_MODEL_VOCAB
+    return vocab_size
+
+
+def sized_build_defaults(input_bytes: int | None, preset: str | None = None) -> dict:
     """--vocab-size, --val-fraction and --test-fraction for about `input_bytes` of input (None: unknown, e.g. a Hub
-    dataset: the defaults of a large corpus). data.py uses them for the options not given; so does the notebook."""
+    dataset: the defaults of a large corpus), for the model `preset` will train (None: not said, tiny's and nano's
+    rule). data.py uses them for the options not given; so does the notebook."""
     for below, vocab_size, fraction in SIZED_DEFAULTS if input_bytes is not None else ():
         if input_bytes < below:
+            if preset is not None:
+                parameters = model_config.parameter_count(model_config.resolve_preset(preset), 0)
+                vocab_size = model_vocab_size(vocab_size, parameters)
             return {"vocab_size": vocab_size, "val_fraction": fraction, "test_fraction": fraction}
     return {"vocab_size": DEFAULT_VOCAB_SIZE, "val_fraction": 0.01, "test_fraction": 0.01}
 
@@ -791,7 +811,8 @@ class BuildSettings:
     vocab_size: int = option(
         DEFAULT_VOCAB_SIZE,
         "BPE vocabulary to train; not given, sized to the input (512 under "
-        "1 MB, 8192 under 100 MB, 16384 under 1 GB, this above: SIZED_DEFAULTS; "
+        "1 MB, 8192 under 100 MB (16384 for a --preset of micro or larger), 16384 under 1 GB, this above: "
+        "SIZED_DEFAULTS; "
         f"{DEMO_VOCAB_SIZE} with --demo)",
         BUILD,
     )
@@ -862,6 +883,14 @@ class DataCommand:
         choices=("none", "stem"),
     )
     seed: int = option(DEMO_SEED, "seed of the --demo generator", BUILD)
+    preset: str | None = option(
+        None,
+        "the model this corpus is for (train.py --preset): a --vocab-size not given is the one that model "
+        f"measured best at: {LARGE_MODEL_VOCAB} for micro and larger where the input's size gives 8192; "
+        "not given: tiny's and nano's (the size's)",
+        BUILD,
+        choices=list(model_config.PRESETS),
+    )
 
 
 MAX_VOCAB_SIZE = 1 << 20  # a typo guard: --vocab-size 1000000000 made the BPE trainer ask for 70 GB and abort
@@ -1746,7 +1775,8 @@ def parse_args(
     if args.data and not (args.demo or args.verify):
         sources = resolve_inputs(args.data, label_by_stem=args.source_label == "stem", notes=notes)
     if args.demo or sources is not None:
-        parser.set_defaults(**(DEMO_BUILD_DEFAULTS if args.demo else sized_build_defaults(input_bytes(sources))))
+        sized = DEMO_BUILD_DEFAULTS if args.demo else sized_build_defaults(input_bytes(sources), args.preset)
+        parser.set_defaults(**sized)
         args = parser.parse_args(config_argv(parser, argv) + argv)
     values = {**vars(args), "data": tuple(args.data) if args.data else None}
     command = DataCommand(**{field.name: values[field.name] for field in fields(DataCommand)})

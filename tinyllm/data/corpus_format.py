@@ -210,6 +210,11 @@ class Manifest:
         return int(self.record["vocab_size"])
 
     @property
+    def asked_vocab_size(self) -> int:
+        """The --vocab-size data.py was given or chose; more than vocab_size where the text supported fewer."""
+        return int(self.record.get("settings", {}).get("vocab_size", self.vocab_size))
+
+    @property
     def special_tokens(self) -> dict[str, int]:
         return self.record.get("special_tokens", {})
 

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 
 from tinyllm.common import ArgumentParser, UserError, run_main
-from tinyllm.data.build import DEFAULT_VOCAB_SIZE
+
+DEFAULT_VOCAB_SIZE = 33_069  # data.py's vocabulary for a large corpus: think72 is then exactly 72,000,000 parameters
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyllm.common import UserError, read_json_or, say
+from tinyllm.data import build as data
 from tinyllm.data import corpus_format
 from tinyllm.model import config as model_config
 from tinyllm.store import checkpoint_store
@@ -137,24 +138,18 @@ def max_passes(train_tokens: float, vocab: int) -> int:
     return MAX_EPOCHS if train_tokens >= TOKENS_PER_VOCAB_ENTRY * vocab else SMALL_CORPUS_EPOCHS
 
 
-# The vocabulary a plan's model trains best at, measured at equal time (bench/bench_vocab.py, two texts of about
-# 4 MB, two seeds): tiny and nano at 8,192 (data.py's rule from 1 MB), micro (4.7M non-embedding parameters)
-# at 16,384 or more (8,192 0.1-2.4% behind). A plan of a model this large on a corpus of a smaller vocabulary
-# (8,192 up to LARGE_MODEL_VOCAB) says so: the corpus, built before the plan, cannot change under it.
-LARGE_MODEL_PARAMETERS = 4_722_304  # micro's non-embedding parameters, the smallest model measured to want more
-LARGE_MODEL_VOCAB = 16_384
-
-
-def vocabulary_note(parameters: int, vocab: int) -> str | None:
-    """One line for a plan whose model (`parameters`, non-embedding) measured better on a larger vocabulary than
-    the corpus' `vocab`; None where the corpus' is what it measured best at, or the comparison was not made
-    (a vocabulary under 8,192: a corpus under 1 MB, or the user's choice)."""
-    if parameters < LARGE_MODEL_PARAMETERS or not 8_192 <= vocab < LARGE_MODEL_VOCAB:
+def vocabulary_note(preset: str, parameters: int, vocab: int, asked: int) -> str | None:
+    """One line for a plan whose model (`preset`, `parameters` non-embedding) measured better on a larger vocabulary
+    than the corpus' `vocab` (data.model_vocab_size); None where the corpus' is what it measured best at, where the
+    comparison was not made, or where data.py was `asked` for as many (the text supports no more). The corpus,
+    built before the plan, cannot change under it."""
+    better = data.model_vocab_size(vocab, parameters)
+    if max(vocab, asked) >= better:
         return None
     return (
         f"  vocabulary: this corpus has {vocab:,} tokens; micro (4.7M non-embedding parameters) measured 0.1-2.4% "
-        f"better at {LARGE_MODEL_VOCAB:,} or more than at 8,192 in the same time (tiny and nano: best at 8,192), so "
-        f"a corpus built with `data.py --vocab-size {LARGE_MODEL_VOCAB}` may train this model better "
+        f"better at {better:,} or more than at 8,192 in the same time (tiny and nano: best at 8,192), so a corpus "
+        f"built for it (`data.py --preset {preset}`, or `--vocab-size {better}`) may train this model better "
         "(docs/data.md#the-vocabulary)"
     )
 
@@ -621,7 +616,8 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
     plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr, length_given="target_tokens" in given)
-    for line in [*plan_lines(plan), vocabulary_note(plan.parameters, manifest.vocab_size)]:
+    note = vocabulary_note(plan.preset, plan.parameters, manifest.vocab_size, manifest.asked_vocab_size)
+    for line in [*plan_lines(plan), note]:
         if line:
             say(line, main=info.is_main)
     return plan
