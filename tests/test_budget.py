@@ -324,6 +324,20 @@ def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
     assert budget.steady_step_seconds(times, out_of_time) == expected
 
 
+@pytest.mark.parametrize(
+    "steps, time_for, expected, taken",
+    [
+        ([3.0, 1.0, 1.1, 1.0, 1.2, 1.0, 5.0, 1.0], 99, 1.0, 6),  # steps 2-6 agree: no seventh
+        ([1.0, 2.0] * 10, 99, 1.0, 15),  # PROBE_MAX_STEPS, still disagreeing: the fastest
+        ([4.0, 1.0, 2.0, 1.0], 3, 1.0, 3),  # out of time after the third step: the fastest so far
+    ],
+)
+def test_the_probe_steps_until_its_window_is_steady_or_its_time_is_up(steps, time_for, expected, taken):
+    left = steps[::-1]
+    assert budget.time_until_steady(left.pop, lambda: len(steps) - len(left) >= time_for) == expected
+    assert len(steps) - len(left) == taken
+
+
 PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro", "think72")}
 
 

@@ -413,6 +413,21 @@ def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float 
     return None
 
 
+def time_until_steady(
+    step: Callable[[], float], out_of_time: Callable[[], bool], info: distributed.DistInfo | None = None
+) -> float:
+    """The probe's step time: `step()` (one timed step's seconds) again until steady_step_seconds has it,
+    `out_of_time()` asked after each step. With `info`, every rank steps alike and rank 0's verdict ends
+    the timing."""
+    times: list[float] = []
+    step_seconds = None
+    while step_seconds is None:
+        times.append(step())
+        verdict = steady_step_seconds(times, out_of_time())
+        step_seconds = distributed.broadcast_from_main(verdict, info) if info else verdict
+    return step_seconds
+
+
 def unloaded_step_seconds(wall: float, cpu: float, threads: int) -> float:
     """A CPU probe step's time on a machine that gives the process its cores: the process' CPU seconds over
     its torch threads, at most the wall time. A step on a busy CPU waits for a core, not for more work: one

@@ -795,12 +795,10 @@ def beside_load(work: Callable[[], Any]) -> tuple[Any, bool]:
 def steady_window(training: Training, seconds: float, info: distributed.DistInfo) -> float:
     """The probe's step time from timed steps, until budget.steady_step_seconds has it (more steps while
     they disagree, within `seconds`). Every rank steps alike: rank 0's verdict ends the timing."""
-    started, times, step_seconds = time.monotonic(), [], None
-    while step_seconds is None:
-        times.append(probe_step_seconds(training))
-        out_of_time = time.monotonic() - started >= seconds
-        step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
-    return step_seconds
+    started = time.monotonic()
+    return budget.time_until_steady(
+        lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, info
+    )
 
 
 def measured_again(
