@@ -117,7 +117,8 @@ def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> lis
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     shapes = {name: model_config.PRESETS[name] for name in presets}
     vocab = corpus_format.load_manifest(corpus).vocab_size
-    return budget.probe(train.measure_speed(settings, info), info, shapes, settings.session.batch_size, math.inf, vocab)
+    measure = train.measure_speed(settings, info, quiet_wait=0.0)  # one thread: no wait (budget.waits_for_quiet)
+    return budget.probe(measure, info, shapes, settings.session.batch_size, math.inf, vocab)
 
 
 def budget_request(seconds: float, results: dict) -> budget.Request:

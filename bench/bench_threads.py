@@ -68,13 +68,10 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
 
 
 def probe_seconds(unloaded: list[float]) -> float:
-    """What --budget's probe takes for the step's time from these steps: budget.steady_step_seconds on
-    them one by one, as budget.probe times them (out of steps: the last window's)."""
-    for count in range(1, len(unloaded) + 1):
-        seconds = budget.steady_step_seconds(unloaded[:count])
-        if seconds is not None:
-            return seconds
-    return budget.steady_step_seconds(unloaded, out_of_time=True)
+    """What --budget's probe takes for the step's time from these steps: budget.time_until_steady on them
+    one by one, as the probe times them (out of time at the last step)."""
+    left = unloaded[::-1]
+    return budget.time_until_steady(left.pop, lambda: not left)
 
 
 def run_child(corpus: Path, args, threads: int, passive: bool) -> list[list[float]]:

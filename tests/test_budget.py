@@ -327,6 +327,20 @@ def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
     assert budget.steady_step_seconds(times, out_of_time) == expected
 
 
+@pytest.mark.parametrize(
+    "steps, time_for, expected, taken",
+    [
+        ([3.0, 1.0, 1.1, 1.0, 1.2, 1.0, 5.0, 1.0], 99, 1.0, 6),  # steps 2-6 agree: no seventh
+        ([1.0, 2.0] * 10, 99, 1.0, 15),  # PROBE_MAX_STEPS, still disagreeing: the fastest
+        ([4.0, 1.0, 2.0, 1.0], 3, 1.0, 3),  # out of time after the third step: the fastest so far
+    ],
+)
+def test_the_probe_steps_until_its_window_is_steady_or_its_time_is_up(steps, time_for, expected, taken):
+    left = steps[::-1]
+    assert budget.time_until_steady(left.pop, lambda: len(steps) - len(left) >= time_for) == expected
+    assert len(steps) - len(left) == taken
+
+
 PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro", "think72")}
 
 
@@ -830,19 +844,19 @@ def test_a_probe_beside_load_waits_for_quiet_and_measures_again(
     settings = train.parse_args(options(corpus, tmp_path / "unused", "--budget", "1s"))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     capsys.readouterr()
-    assert train.measure_speed(settings, info)("tiny", 2, 1e9) == pytest.approx(rate)
+    measure = train.measure_speed(settings, info, budget.quiet_wait_seconds(1.0))  # --budget 1s's
+    assert measure("tiny", 2, 1e9) == pytest.approx(rate)
     printed = capsys.readouterr().out
     assert (said in printed) if said else "--budget: tiny's probe" not in printed
 
 
-def test_a_run_without_a_budget_at_two_threads_has_no_probe_to_wait(corpus, tmp_path, monkeypatch):
-    """train.train builds the probe's measure before it knows there is no --budget: at two threads too."""
+def test_a_run_without_a_budget_builds_no_probe(corpus, tmp_path):
+    """budget.settle without --budget: no plan, and the probe's measure (of the budget's wait) is never built."""
     from tinyllm.training import distributed
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     settings = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run")])
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    assert settings.run.budget is None and callable(train.measure_speed(settings, info))
+    assert budget.settle(settings, info, corpus, set(), lambda quiet_wait: pytest.fail("probed")) is None
 
 
 def test_the_load_beside_work_is_read_around_it(monkeypatch):
@@ -894,7 +908,7 @@ def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, t
     settings = train.parse_args(options(corpus, tmp_path / "unused"))
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro")}
-    measure = train.measure_speed(settings, info)
+    measure = train.measure_speed(settings, info, budget.quiet_wait_seconds(600.0))  # --budget 10m's
     measured = budget.probe(measure, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
     assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True), ("micro", True)]
     assert all(c.tokens_per_second > 0 for c in measured) and measured[1].pair_ratio > 0

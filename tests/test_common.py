@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -462,3 +463,33 @@ def test_help_says_an_options_default_once(help, default, shown):
     parser = common.ArgumentParser(prog="tool")
     parser.add_argument("--value", default=default, help=help)
     assert " ".join(parser.format_help().split()).endswith(f"--value VALUE {shown}")
+
+
+@dataclasses.dataclass
+class Lengths:
+    epochs: int | None = common.option(None, "passes over the data", "length", exclusive="length")
+    steps: int | None = common.option(None, "optimizer steps", "length", exclusive="length")
+    lr: float = common.option(0.001, "learning rate", "length")
+
+
+@pytest.mark.parametrize(
+    "text, argv, tokens",
+    [
+        ("epochs = 2\nlr = 0.5\n", [], ["--epochs", "2", "--lr", "0.5"]),
+        ("epochs = 2\n", ["--steps", "9"], []),  # the command line's option replaces the file's exclusive one
+        ("epochs = 2\n", ["--epochs", "3"], []),
+        ("epochs = 2\nsteps = 9\n", [], "'epochs' and 'steps' exclude each other; keep one"),
+        ("steps = 9\nlr = 0.5\nepochs = 2\n", ["--lr", "1"], "'steps' and 'epochs' exclude each other; keep one"),
+    ],
+)
+def test_a_config_files_exclusive_options(tmp_path, text, argv, tokens):
+    parser = common.ArgumentParser(prog="tool")
+    common.add_options(parser, ["length"], Lengths)
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    argv = ["--config", str(config), *argv]
+    if isinstance(tokens, list):
+        assert common.config_argv(parser, argv) == tokens
+    else:
+        with pytest.raises(UserError, match=f"^--config {config}: {tokens}$"):
+            common.config_argv(parser, argv)

@@ -502,6 +502,7 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+        self.exclusive_groups: dict[str, list[argparse.Action]] = {}  # add_options' `exclusive` names -> options
 
     def error(self, message: str):
         self.exit(2, f"error: {message}{self.suggestion(message)} (see {self.prog} --help)\n")
@@ -586,8 +587,9 @@ def _value_type(field: dataclasses.Field) -> Callable:
     return {"int": int, "float": float, "bool": bool}.get(names[0] if names else "str", str)
 
 
-def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], *kinds) -> None:
-    """One argparse option per option field of `kinds`, under its group (`groups` gives their order)."""
+def add_options(parser: ArgumentParser, groups: Iterable[str], *kinds) -> None:
+    """One argparse option per option field of `kinds`, under its group (`groups` gives their order); the
+    options of one `exclusive` name are also recorded in `parser.exclusive_groups`."""
     sections = {title: parser.add_argument_group(title) for title in groups}
     order = list(sections)
     exclusive: dict[str, Any] = {}
@@ -609,7 +611,9 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], *kinds) 
                 kwargs["nargs"] = meta["nargs"]
                 if meta["nargs"] == "?":
                     kwargs["const"] = field.default
-        target.add_argument(option_flag(field), **kwargs)
+        action = target.add_argument(option_flag(field), **kwargs)
+        if meta["exclusive"]:
+            parser.exclusive_groups.setdefault(meta["exclusive"], []).append(action)
 
 
 def check_options(settings: Any) -> None:
@@ -703,7 +707,7 @@ def read_config(path: str) -> dict:
     return values
 
 
-def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+def config_argv(parser: ArgumentParser, argv: list[str]) -> list[str]:
     """The options of the --config file named in `argv` as command-line tokens, to go before `argv` (so
     the command line wins). A key is an option's long name (dashes or underscores); an unknown key is one
     UserError naming it and the closest option; a key whose option (or a mutually exclusive one) the
@@ -722,12 +726,7 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         for token in argv
         if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") in by_name
     }
-    given |= {
-        other
-        for group in parser._mutually_exclusive_groups
-        if given & set(group._group_actions)
-        for other in group._group_actions
-    }
+    given |= {other for group in parser.exclusive_groups.values() if given & set(group) for other in group}
     tokens: list[str] = []
     taken: dict[argparse.Action, str] = {}  # the file's options, each by its key: two of one exclusive group clash
     for key, value in read_config(path).items():
@@ -743,17 +742,17 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 
 def check_exclusive(
-    parser: argparse.ArgumentParser, action: argparse.Action, taken: dict[argparse.Action, str], path: str, key: str
+    parser: ArgumentParser, action: argparse.Action, taken: dict[argparse.Action, str], path: str, key: str
 ) -> None:
     """One UserError naming the file when `action` (its `key`) and an option the file already gave are exclusive."""
-    for group in parser._mutually_exclusive_groups:
-        if action in group._group_actions:
-            for other in group._group_actions:
+    for group in parser.exclusive_groups.values():
+        if action in group:
+            for other in group:
                 if other is not action and other in taken:
                     raise UserError(f"--config {path}: {taken[other]!r} and {key!r} exclude each other; keep one")
 
 
-def given_options(parser: argparse.ArgumentParser, argv: list[str] | tuple[str, ...]) -> set[str]:
+def given_options(parser: ArgumentParser, argv: list[str] | tuple[str, ...]) -> set[str]:
     """The option names (argparse dests) `argv` gives, on its command line or in its --config file."""
     tokens = config_argv(parser, list(argv)) + list(argv)
     flags = {flag: action.dest for action in parser._actions for flag in action.option_strings}

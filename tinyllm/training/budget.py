@@ -387,6 +387,8 @@ PAIR_SHARE = 0.05  # of the budget, at most PROBE_MAX_SECONDS: the first pair is
 PROBE_MAX_SECONDS = 120.0
 # (preset, micro-batch, seconds it may take) -> global tokens/s; None: out of memory
 Measure = Callable[[str, int, float], "float | None"]
+# the seconds the whole probe may wait for a quiet machine (quiet_wait_seconds) -> its Measure (train.measure_speed)
+MeasureFor = Callable[[float], Measure]
 
 
 def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float | None:
@@ -406,6 +408,21 @@ def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float 
     if out_of_time or len(times) >= PROBE_MAX_STEPS:
         return min(window)
     return None
+
+
+def time_until_steady(
+    step: Callable[[], float], out_of_time: Callable[[], bool], info: distributed.DistInfo | None = None
+) -> float:
+    """The probe's step time: `step()` (one timed step's seconds) again until steady_step_seconds has it,
+    `out_of_time()` asked after each step. With `info`, every rank steps alike and rank 0's verdict ends
+    the timing."""
+    times: list[float] = []
+    step_seconds = None
+    while step_seconds is None:
+        times.append(step())
+        verdict = steady_step_seconds(times, out_of_time())
+        step_seconds = distributed.broadcast_from_main(verdict, info) if info else verdict
+    return step_seconds
 
 
 def unloaded_step_seconds(wall: float, cpu: float, threads: int) -> float:
@@ -594,11 +611,11 @@ def apply(settings, plan: Plan | None, world: int):
     return dataclasses.replace(settings, run=run, session=session)
 
 
-def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> Plan | None:
+def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFor) -> Plan | None:
     """The plan of this --budget run (None without --budget), for train.py to apply (`apply`) and record
-    (`Plan.as_record`). A run that has planned keeps its plan; else every rank probes (`measure`: a preset's
-    global tokens/s at a micro-batch, train.measure_speed) and the plan is made. `given`: the options the
-    command gave (on its command line or in its --config file: common.given_options)."""
+    (`Plan.as_record`). A run that has planned keeps its plan; else every rank probes (`measure_for`: the
+    measure of a preset's global tokens/s at a micro-batch, train.measure_speed) and the plan is made.
+    `given`: the options the command gave (on its command line or in its --config file: common.given_options)."""
     run = settings.run
     if run.budget is None:
         return None
@@ -611,7 +628,7 @@ def settle(settings, info, corpus: Path, given: set[str], measure: Measure) -> P
         say(f"{plan.summary()} ({kept_plan_words(plan)})", main=info.is_main)
         return plan
     manifest = corpus_format.load_manifest(corpus)
-    plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure)
+    plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure_for)
     planned = apply(settings, plan, info.world).run
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
@@ -630,9 +647,10 @@ def kept_plan_words(plan: Plan) -> str:
 
 
 def make_plan(
-    settings, info, given: set[str], micro_batch: int, manifest: corpus_format.Manifest, measure: Measure
+    settings, info, given: set[str], micro_batch: int, manifest: corpus_format.Manifest, measure_for: MeasureFor
 ) -> Plan:
-    """Probe the candidates (timed against the budget) and choose, for the corpus of `manifest`."""
+    """Probe the candidates (timed against the budget, which gives the probe's times and its wait for a quiet
+    machine) and choose, for the corpus of `manifest`."""
     run = settings.run
     seconds = budget_seconds(run.budget)
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
@@ -640,6 +658,7 @@ def make_plan(
     presets = candidate_presets(run, explicit_shape)
     vocab = manifest.vocab_size
     probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
+    measure = measure_for(quiet_wait_seconds(seconds))
     candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
     train_tokens, passes = split_limits(settings, manifest)
     request = Request(

@@ -795,12 +795,10 @@ def beside_load(work: Callable[[], Any]) -> tuple[Any, bool]:
 def steady_window(training: Training, seconds: float, info: distributed.DistInfo) -> float:
     """The probe's step time from timed steps, until budget.steady_step_seconds has it (more steps while
     they disagree, within `seconds`). Every rank steps alike: rank 0's verdict ends the timing."""
-    started, times, step_seconds = time.monotonic(), [], None
-    while step_seconds is None:
-        times.append(probe_step_seconds(training))
-        out_of_time = time.monotonic() - started >= seconds
-        step_seconds = distributed.broadcast_from_main(budget.steady_step_seconds(times, out_of_time), info)
-    return step_seconds
+    started = time.monotonic()
+    return budget.time_until_steady(
+        lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, info
+    )
 
 
 def measured_again(
@@ -827,15 +825,14 @@ def measured_again(
     return min(step_seconds, again)
 
 
-def measure_speed(settings: Settings, info: distributed.DistInfo) -> budget.Measure:
+def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: float) -> budget.Measure:
     """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from a steady window
     of timed train steps after budget.PROBE_WARMUP_STEPS untimed ones; None when it does not fit the
     device's memory. Where the probe waits out other load (budget.waits_for_quiet), a window that ran
-    beside it is measured again once the machine is quiet, within what is left of the probe's QuietWait,
-    and the faster of the two is kept (timeit's rule)."""
+    beside it is measured again once the machine is quiet, within what is left of the probe's QuietWait
+    (`quiet_wait` seconds in all, budget.make_plan's), and the faster of the two is kept (timeit's rule)."""
     waits = budget.waits_for_quiet(info.device.type == "cpu", torch.get_num_threads(), info.world)
-    given = settings.run.budget  # None: no --budget, no probe (train.train builds this measure either way)
-    wait = QuietWait(budget.quiet_wait_seconds(budget.budget_seconds(given)) if waits and given else 0.0)
+    wait = QuietWait(quiet_wait if waits else 0.0)
 
     def measure(preset: str, micro_batch: int, seconds: float) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
@@ -1259,7 +1256,7 @@ def train(
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
     # --budget: the run's plan, made once (None without), applied here
     given = given_options(build_parser(), settings.invocation.argv)
-    plan = budget.settle(settings, info, corpus, given, measure_speed(settings, info))
+    plan = budget.settle(settings, info, corpus, given, functools.partial(measure_speed, settings, info))
     settings = budget.apply(settings, plan, info.world)
 
     status = store.RunStatus(
