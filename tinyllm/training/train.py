@@ -76,6 +76,7 @@ from tinyllm.common import (
     say,
     say_error,
     seed_everything,
+    stop_on_sigterm,
     utc_now,
 )
 from tinyllm.data import corpus_format
@@ -2319,6 +2320,7 @@ def process_launch() -> float:
 
 def command() -> None:
     """The `tinyllm-train` console script (pyproject.toml): `python train.py` from anywhere."""
+    stop_on_sigterm()  # before the loop (its StopRequest saves): one `error:` line, a restore's download removed
     run_main(functools.partial(main, launched=process_launch()), script=True)
 
 
