@@ -18,7 +18,7 @@ from tinyllm.common import UserError, given_options
 from tinyllm.model import config as model_config
 from tinyllm.outputs import export_hf
 from tinyllm.store import checkpoint_store as store
-from tinyllm.training import budget, train
+from tinyllm.training import budget, distributed, train
 
 # A loss model of the fit's form, fixed here so that the tables do not move with budget.LOSS_MODEL.
 MODEL = budget.LossModel(e=1.0, n_c=1e5, alpha_n=0.5, d_c=1e7, alpha_d=0.4)
@@ -926,6 +926,38 @@ def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
     (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
     assert budget.Plan.from_record(budget.recorded_plan(tmp_path, "30m")) == plan
     assert budget.recorded_plan(tmp_path, "1h") is None  # another budget plans anew (and the resume refuses it)
+
+
+@pytest.mark.parametrize(
+    "argv, differences",
+    [
+        ([], []),  # the plan applies
+        (["--preset", "nano", "--target-tokens", "12943360"], []),  # the plan's own values (RUN/config.toml's)
+        (["--preset", "micro"], ["preset: nano -> micro"]),
+        (["--target-tokens", "2e6"], ["target_tokens: 12943360 -> 2000000"]),
+        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 12943360 -> 1"]),
+        (["--layers", "8"], []),  # not the plan's: the checkpoint's comparison names it
+    ],
+)
+def test_a_resume_names_the_planned_options_it_would_drop(argv, differences):
+    plan = budget.choose(request("30m"), CANDIDATES, MODEL)  # nano, 12,943,360 tokens
+    settings = train.parse_args(["--budget", "30m", *argv])
+    assert budget.plan_differences(plan, settings.run, given_options(train.build_parser(), argv)) == differences
+
+
+def test_a_resumed_budget_run_refuses_another_preset_in_one_line(tmp_path):
+    """The kept plan is applied over --preset / --target-tokens: given otherwise, the resume stops naming them
+    (it used to continue with the plan's and write the ignored option into resume_command)."""
+    plan = budget.choose(request("30m"), CANDIDATES, MODEL)
+    (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
+    argv = ["--budget", "30m", "--preset", "micro", "--out", str(tmp_path)]
+    settings = train.parse_args(argv)
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    given = given_options(train.build_parser(), argv)
+    with pytest.raises(UserError) as caught:
+        budget.settle(settings, info, tmp_path, given, lambda *args: pytest.fail("a resume must not probe"))
+    message = str(caught.value)
+    assert "\n" not in message and "preset: nano -> micro" in message and "--budget 30m plan" in message
 
 
 @pytest.fixture

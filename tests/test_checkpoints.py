@@ -18,7 +18,7 @@ from tiny_runs import assert_same_state, final_state, options, write_tiny_corpus
 
 from tinyllm.common import UserError, atomic_write_json, sha256_file
 from tinyllm.store import checkpoint_store as store
-from tinyllm.training import train
+from tinyllm.training import optimization, train
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,28 @@ def test_the_same_command_after_the_run_completed_says_so(corpus, reference, tmp
     assert train.main(run_options(corpus, out)) == 0
     printed = "".join(capsys.readouterr())
     assert "the run was already complete at step 12/12: no step taken" in printed
+    assert f"a longer run: a new --out with --init-from {out}, or --resume PATH of a checkpoint at step" in printed
     assert "COMPLETE: step 12/12" in printed and step_files(out / "checkpoints") == before
+
+
+@pytest.mark.parametrize(
+    "schedule, budget, words",
+    [
+        (
+            "wsd",
+            None,
+            "a longer run: a new --out with --init-from RUN, or --resume PATH of a checkpoint at step 60 or before"
+            " (its decay's start) with a larger --target-tokens or --epochs",
+        ),
+        ("cosine", None, "a longer run: a new --out with --init-from RUN"),  # every step's rate depends on the length
+        ("wsd", "90s", "a longer run: a new --out with --init-from RUN"),  # a --budget run keeps its plan's length
+    ],
+)
+def test_a_complete_run_says_how_it_is_made_longer(schedule, budget, words):
+    """The completed run's last checkpoint has decayed: a larger --target-tokens from it is refused, so the
+    line names what works (it used to say "a larger --target-tokens or --epochs")."""
+    recipe, _ = optimization.choose_recipe(optimization.RecipeOptions(schedule=schedule), 128, 100)
+    assert train.longer_run_words(recipe, budget, "RUN") == words
 
 
 def test_the_same_command_after_an_evaluation_keeps_the_card_s_scores_of_these_weights(corpus, tmp_path):

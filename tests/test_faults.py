@@ -332,6 +332,27 @@ def test_sigterm_during_data_py_says_so_and_leaves_no_build_folder(tmp_path):
     assert not list(tmp_path.glob(".corpus.*")) and not out.exists()
 
 
+def test_sigterm_before_train_py_s_loop_is_one_error_line(tmp_path):
+    """A SIGTERM while train.py starts (a --budget probe, a restore from the backup: no checkpoint to save
+    yet; here from hardware.check_torch, train.main's first call) ends in one line, exit 143, and `finally`
+    blocks run; it used to kill the process without a word."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tinyllm.model import hardware\n"
+        "from tinyllm.training import train\n"
+        "hardware.check_torch = lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))\n"
+        f"sys.argv = ['train.py', '--data', {str(tmp_path / 'corpus')!r}, '--out', {str(tmp_path / 'run')!r}]\n"
+        "train.command()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.strip().splitlines() == ["error: terminated (SIGTERM); nothing half-written was kept"]
+
+
 def test_data_py_small_faults_are_clear(tmp_path, capsys):
     texts = tmp_path / "texts"
     texts.mkdir()

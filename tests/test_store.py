@@ -505,6 +505,22 @@ def test_applying_a_resume_plan(tmp_path):
     ]
 
 
+@pytest.mark.parametrize(
+    "resume, message",
+    [
+        ("run", "--resume {path} is a folder: name a checkpoint file (RUN/checkpoints/step-N.pt), or give the run"),
+        ("run/checkpoints", "--resume {path} is a folder: name a checkpoint file"),  # was: no such checkpoint file
+        ("run/checkpoints/step-00000009.pt", "--resume {path}: no such checkpoint file"),
+    ],
+)
+def test_resume_path_that_is_no_checkpoint_file_says_what_it_is(tmp_path, resume, message):
+    write_checkpoint(tmp_path / "run" / store.CHECKPOINT_DIR, 2)
+    path = tmp_path / resume
+    with pytest.raises(UserError) as caught:
+        store.find_resume_checkpoint(tmp_path / "run", str(path))
+    assert str(caught.value).startswith(message.format(path=path)) and "\n" not in str(caught.value)
+
+
 def test_applying_a_resume_plan_removes_folders_and_tolerates_what_is_gone(tmp_path):
     (tmp_path / ".run.0a1b2c3d.tmp").mkdir()  # a folder write killed midway (common.atomic_folder)
     (tmp_path / ".run.0a1b2c3d.tmp" / "config.json").write_text("{}")

@@ -554,6 +554,11 @@ def tidy_and_find_resume_checkpoint(out: Path, resume: str) -> Path | None:
 def resume_checkpoint(out: Path, resume: str, tidy: bool) -> Path | None:
     """--resume's checkpoint in the run folder `out` by plan_resume; with `tidy` the plan is carried out."""
     folder = out / CHECKPOINT_DIR
+    if resume not in ("auto", "none") and Path(resume).is_dir():
+        raise UserError(
+            f"--resume {resume} is a folder: name a checkpoint file (RUN/checkpoints/step-N.pt), or give the run "
+            "folder as --out with --resume auto (its newest verified checkpoint)"
+        )
     if resume not in ("auto", "none") and not Path(resume).is_file():
         raise UserError(f"--resume {resume}: no such checkpoint file")
     plan = plan_resume(list_folder(folder), resume)

@@ -575,6 +575,19 @@ def recorded_plan(out: Path, budget: str, resume: str = "auto") -> dict | None:
     return record if record and record.get("budget") == budget else None
 
 
+PLANNED_OPTIONS = ("preset", "target_tokens")  # the options a plan sets (apply), the rest stay the command's
+
+
+def plan_differences(plan: Plan, run, given: set[str]) -> list[str]:
+    """The options of PLANNED_OPTIONS this command gave (`given`) with another value than the kept plan's, as
+    `name: plan's -> given`: a resume applies the plan, so such an option would be dropped without a word."""
+    return [
+        f"{name}: {getattr(plan, name)} -> {getattr(run, name)}"
+        for name in PLANNED_OPTIONS
+        if name in given and getattr(run, name) != getattr(plan, name)
+    ]
+
+
 MAX_HOURS_LIMIT = "--max-hours budget"  # a stop's words when --max-hours set the session's time limit
 
 
@@ -626,6 +639,14 @@ def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFo
     if record is not None:
         plan = Plan.from_record(record)
         say(f"{plan.summary()} ({kept_plan_words(plan)})", main=info.is_main)
+        differences = plan_differences(plan, run, given)
+        if differences:
+            raise UserError(
+                f"settings differ from the --budget {run.budget} plan this run made at its start: "
+                + "; ".join(differences)
+                + ". A resume keeps the plan's preset and length: leave out --preset and --target-tokens (or give"
+                f" the plan's); for a new run from these weights use a new --out with --init-from {out}"
+            )
         return plan
     manifest = corpus_format.load_manifest(corpus)
     plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure_for)

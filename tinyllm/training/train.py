@@ -76,6 +76,7 @@ from tinyllm.common import (
     say,
     say_error,
     seed_everything,
+    stop_on_sigterm,
     utc_now,
 )
 from tinyllm.data import corpus_format
@@ -1647,10 +1648,24 @@ def no_step_to_take(training: Training, progress: report.Progress) -> tuple[str,
     if training.step >= training.total_steps:  # e.g. the same command again after the run completed
         progress.write(
             f"the run was already complete at step {training.step}/{training.total_steps}: no step "
-            "taken; the test evaluation and the report are made again (a longer run: a larger "
-            "--target-tokens or --epochs, docs/stages.md)"
+            f"taken; the test evaluation and the report are made again "
+            f"({longer_run_words(training.recipe, training.run.budget, session.out)}, docs/stages.md)"
         )
     return None
+
+
+def longer_run_words(recipe: optimization.Recipe, budget_text: str | None, out: str) -> str:
+    """How a complete run is made longer (docs/stages.md): its last checkpoint has decayed, so a larger
+    --target-tokens resumes a checkpoint of its stable phase (wsd only, and never a --budget run, whose plan
+    is kept); else a new run from its weights."""
+    new_run = f"a new --out with --init-from {out}"
+    if budget_text is not None or recipe.schedule != "wsd":
+        return f"a longer run: {new_run}"
+    stable = recipe.total_steps - recipe.decay_steps
+    return (
+        f"a longer run: {new_run}, or --resume PATH of a checkpoint at step {stable} or before (its decay's "
+        "start) with a larger --target-tokens or --epochs"
+    )
 
 
 def step_throughput(
@@ -2302,6 +2317,7 @@ def process_launch() -> float:
 
 def command() -> None:
     """The `tinyllm-train` console script (pyproject.toml): `python train.py` from anywhere."""
+    stop_on_sigterm()  # before the loop (its StopRequest saves): one `error:` line, a restore's download removed
     run_main(functools.partial(main, launched=process_launch()), script=True)
 
 
