@@ -260,12 +260,12 @@ def test_remote_retention_spans_sessions_of_the_same_run(store, tmp_path, reques
         ),
         (
             {"status": store.COMPLETE, "step": 110},  # the backup's newest checkpoint is older than its status
-            "the run resumes from step 103, the newest checkpoint in the backup (its run_status.json said "
+            "the run resumes from step 103, the newest verified checkpoint in the backup (its run_status.json said "
             "COMPLETE at step 110)",
         ),
         (
             {},
-            "the run resumes from step 103, the newest checkpoint in the backup (its run_status.json said ? at step ?)",
+            "the run resumes from step 103, the newest verified checkpoint in the backup (its run_status.json said ? at step ?)",
         ),
     ],
 )

@@ -194,7 +194,7 @@ def settle_restored_status(run_dir: Path, step: int | None, log: LogFn) -> None:
             step=step,
             total_steps=remote_status.get("total_steps"),
             reason=f"restored from the backup at step {step} (the backup's run_status.json "
-            f"said {was}); continue with train.py --resume auto",
+            f"said {was}); continue with its resume_command",
             **{key: command for key, command in here.items() if key == "resume_command"},
         )
         log(restore_note(step, remote_status))
@@ -222,7 +222,7 @@ def restore_note(step: int, remote_status: dict) -> str:
             "end again from that step (the test, the model folder, the report)"
         )
     return (
-        f"checkpoint restore: the run resumes from step {step}, the newest checkpoint in the backup (its "
+        f"checkpoint restore: the run resumes from step {step}, the newest verified checkpoint in the backup (its "
         f"run_status.json said {status} at step {at})"
     )
 
