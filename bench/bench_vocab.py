@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -450,10 +451,10 @@ def report(data: dict, mode: str = "time") -> list[str]:
     return lines
 
 
-def summary(data: dict, planned: dict[str, int]) -> list[str]:
+def summary(data: dict, planned: Callable[[str, str], int]) -> list[str]:
     """Per text, preset and seed at equal wall time: the best vocabulary measured, today's rule (the corpus data.py
-    built with no --vocab-size when the sweep began) and `planned` (text: the vocabulary data.py's rule gives it
-    now) against it, with the issue's targets."""
+    built with no --vocab-size when the sweep began) and `planned` ((text, preset): the vocabulary data.py's rule
+    gives the text for that preset now) against it, with the issue's targets."""
     lines = [
         "| text | preset | seed | best measured | today's rule | / best | planned | / best (target <= 1.01) "
         "| planned / today's (target <= 0.98 where today's > 1.02) |",
@@ -466,8 +467,7 @@ def summary(data: dict, planned: dict[str, int]) -> list[str]:
         today = next(
             (v for v in bpb if data["corpora"][key(text, v)]["vocab"] == data["texts"][text]["today_vocab"]), None
         )
-        plan = planned.get(text)
-
+        plan = planned(text, preset)
         gain_limit = TARGET_GAIN if today in bpb and bpb[today] / bpb[best] > 1.02 else None
         lines.append(
             f"| {text} | {preset} | {seed} | {cell(data, text, bpb, best)} | {cell(data, text, bpb, today)} | "
@@ -495,9 +495,9 @@ def ratio(bpb: dict[int, float], vocab: int | None, against: int | None, limit: 
     return f"{value:.4f}" + ("" if limit is None else " (met)" if value <= limit else " (MISSED)")
 
 
-def planned_vocab(text_bytes: int) -> int:
-    """The vocabulary data.py gives a text of `text_bytes` today (data.sized_build_defaults)."""
-    return data.sized_build_defaults(text_bytes)["vocab_size"]
+def planned_vocab(text_bytes: int, preset: str) -> int:
+    """The vocabulary `data.py --preset PRESET` gives a text of `text_bytes` today (data.sized_build_defaults)."""
+    return data.sized_build_defaults(text_bytes, preset)["vocab_size"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -518,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{results.path} holds no runs yet: run the sweep (without --report-only)")
     for line in report(results.data) + report(results.data, "tokens"):
         print(line)
-    planned = {text: planned_vocab(facts["bytes"]) for text, facts in results.data["texts"].items()}
-    for line in ["", *summary(results.data, planned)]:
+    texts = results.data["texts"]
+    for line in ["", *summary(results.data, lambda text, preset: planned_vocab(texts[text]["bytes"], preset))]:
         print(line)
     return 0
 
