@@ -920,12 +920,34 @@ def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, t
     )
 
 
-def test_only_a_plan_for_the_same_budget_is_read_back(tmp_path):
+@pytest.mark.parametrize(
+    "asked, resumes, outcome",
+    [
+        ("30m", True, "kept"),  # the plan made for this budget
+        ("30m", False, "kept"),
+        ("1h", False, "anew"),  # no checkpoint to continue (a run stopped before its first save): plans anew
+        ("1h", True, "refused"),  # a resume under another budget: one line, before any probe
+    ],
+)
+def test_only_a_plan_for_the_same_budget_is_kept_and_a_resume_under_another_is_refused(
+    tmp_path, monkeypatch, asked, resumes, outcome
+):
     plan = budget.choose(request("30m"), CANDIDATES, MODEL)
-    assert budget.recorded_plan(tmp_path, "30m") is None  # no run folder yet
+    monkeypatch.setattr(budget, "resumes_checkpoint", lambda out, resume: resumes)
+    assert budget.kept_plan(tmp_path, "auto", asked) is None  # no run folder yet
     (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
-    assert budget.Plan.from_record(budget.recorded_plan(tmp_path, "30m")) == plan
-    assert budget.recorded_plan(tmp_path, "1h") is None  # another budget plans anew (and the resume refuses it)
+    if outcome == "refused":
+        with pytest.raises(UserError, match=r"^settings differ from the --budget 30m plan .*: budget: 30m -> 1h\. "):
+            budget.kept_plan(tmp_path, "auto", asked)
+    else:
+        kept = budget.kept_plan(tmp_path, "auto", asked)
+        assert (budget.Plan.from_record(kept) if kept else None) == (plan if outcome == "kept" else None)
+
+
+def test_a_run_resumes_a_checkpoint_with_a_path_or_auto_in_a_folder_that_holds_one(tmp_path):
+    assert not budget.resumes_checkpoint(tmp_path, "auto")  # no checkpoints/ yet
+    assert not budget.resumes_checkpoint(tmp_path, "none")
+    assert budget.resumes_checkpoint(tmp_path, str(tmp_path / "elsewhere" / "step-10.pt"))
 
 
 @pytest.mark.parametrize(
@@ -958,6 +980,19 @@ def test_a_resumed_budget_run_refuses_another_preset_in_one_line(tmp_path):
         budget.settle(settings, info, tmp_path, given, lambda *args: pytest.fail("a resume must not probe"))
     message = str(caught.value)
     assert "\n" not in message and "preset: nano -> micro" in message and "--budget 30m plan" in message
+
+
+def test_a_resume_under_another_budget_is_refused_before_the_probe(tmp_path, monkeypatch):
+    """--budget 1h on a run planned for 30m that has a checkpoint: refused at once, not after minutes of
+    probing (the resume's settings check used to refuse it only after a new plan was made)."""
+    plan = budget.choose(request("30m"), CANDIDATES, MODEL)
+    (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
+    monkeypatch.setattr(budget, "resumes_checkpoint", lambda out, resume: True)
+    argv = ["--budget", "1h", "--out", str(tmp_path)]
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    given = given_options(train.build_parser(), argv)
+    with pytest.raises(UserError, match=r"budget: 30m -> 1h\. A resume keeps the plan's budget"):
+        budget.settle(train.parse_args(argv), info, tmp_path, given, lambda *args: pytest.fail("no probe"))
 
 
 @pytest.fixture

@@ -265,7 +265,8 @@ def test_remote_retention_spans_sessions_of_the_same_run(store, tmp_path, reques
         ),
         (
             {},
-            "the run resumes from step 103, the newest verified checkpoint in the backup (its run_status.json said ? at step ?)",
+            "the run resumes from step 103, the newest verified checkpoint in the backup (its run_status.json said "
+            "? at step ?)",
         ),
     ],
 )

@@ -565,14 +565,42 @@ def probe(
 # The glue train.py calls: settle the run's plan once (train.py applies it: `apply`).
 
 
-def recorded_plan(out: Path, budget: str, resume: str = "auto") -> dict | None:
-    """The plan recorded for this budget (None: the run has not planned yet): in the checkpoint `resume`
-    names when it names a file (a run continued from another folder), else in OUT/training_settings.json."""
+def recorded_plan(out: Path, resume: str = "auto") -> dict | None:
+    """The plan the run recorded (None: it has not planned yet): in the checkpoint `resume` names when it names
+    a file (a run continued from another folder), else in OUT/training_settings.json."""
     if resume in ("auto", "none") or not Path(resume).is_file():
-        record = (read_json_or(out / "training_settings.json") or {}).get("budget")
-    else:
-        record = checkpoint_store.load_checkpoint_file(Path(resume), "--resume")["settings"].get("budget")
-    return record if record and record.get("budget") == budget else None
+        return (read_json_or(out / "training_settings.json") or {}).get("budget")
+    return checkpoint_store.load_checkpoint_file(Path(resume), "--resume")["settings"].get("budget")
+
+
+def resumes_checkpoint(out: Path, resume: str) -> bool:
+    """Whether this command continues a checkpoint: --resume PATH, or auto in a run folder that holds one."""
+    if resume in ("auto", "none"):
+        listing = checkpoint_store.list_folder(out / checkpoint_store.CHECKPOINT_DIR)
+        return resume == "auto" and checkpoint_store.plan_resume(listing, "auto").load is not None
+    return True
+
+
+def kept_plan(out: Path, resume: str, budget: str) -> dict | None:
+    """The recorded plan this run keeps: the one made for its budget (None: plan anew, e.g. a run that stopped
+    before its first checkpoint); a resume under another budget is refused here, before any probe."""
+    record = recorded_plan(out, resume)
+    if record is None or record.get("budget") == budget:
+        return record
+    if resumes_checkpoint(out, resume):
+        raise plan_refusal(record["budget"], [f"budget: {record['budget']} -> {budget}"], out)
+    return None
+
+
+def plan_refusal(budget: str, differences: list[str], out: Path) -> UserError:
+    """The line of a resume whose command contradicts the --budget plan its run made (plan_differences)."""
+    return UserError(
+        f"settings differ from the --budget {budget} plan this run made at its start: "
+        + "; ".join(differences)
+        + ". A resume keeps the plan's budget, preset and length: give the run's --budget and leave out --preset "
+        "and --target-tokens (or give the plan's); for a new run from its weights use a new --out with "
+        f"--init-from {out}"
+    )
 
 
 PLANNED_OPTIONS = ("preset", "target_tokens")  # the options a plan sets (apply), the rest stay the command's
@@ -635,18 +663,13 @@ def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFo
     if run.epochs is not None:
         raise UserError("--budget chooses the run's length: give --target-tokens (or nothing) instead of --epochs")
     out, resume = Path(settings.session.out), settings.invocation.resume
-    record = distributed.main_decides(lambda: recorded_plan(out, run.budget, resume), info)
+    record = distributed.main_decides(lambda: kept_plan(out, resume, run.budget), info)
     if record is not None:
         plan = Plan.from_record(record)
         say(f"{plan.summary()} ({kept_plan_words(plan)})", main=info.is_main)
         differences = plan_differences(plan, run, given)
         if differences:
-            raise UserError(
-                f"settings differ from the --budget {run.budget} plan this run made at its start: "
-                + "; ".join(differences)
-                + ". A resume keeps the plan's preset and length: leave out --preset and --target-tokens (or give"
-                f" the plan's); for a new run from these weights use a new --out with --init-from {out}"
-            )
+            raise plan_refusal(run.budget, differences, out)
         return plan
     manifest = corpus_format.load_manifest(corpus)
     plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure_for)
