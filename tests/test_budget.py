@@ -15,6 +15,7 @@ import torch
 from tiny_runs import assert_same_state, write_tiny_corpus
 
 from tinyllm.common import UserError, given_options
+from tinyllm.data import corpus_format
 from tinyllm.model import config as model_config
 from tinyllm.outputs import export_hf
 from tinyllm.store import checkpoint_store as store
@@ -279,6 +280,14 @@ def test_a_budget_too_small_is_one_line_saying_what_it_would_take():
         budget.choose(request("1h", target_tokens=90_000_000), CANDIDATES, MODEL)
     with pytest.raises(UserError, match="no model shape"):
         budget.choose(request("1h"), [], MODEL)
+    short = request("1h", train_tokens=100_000, max_passes=4)  # 400,000 tokens at most: no budget is enough
+    with pytest.raises(UserError) as caught:
+        budget.choose(short, CANDIDATES, MODEL)
+    assert str(caught.value) == (
+        "--budget 1h: the corpus is too small to plan a run on: 4 passes over its train split of 100,000 tokens "
+        "are 400,000, under the smallest sensible run (409,600 tokens: 100 steps of 4,096); train it without "
+        "--budget (e.g. --epochs 4), or build the corpus from more text"
+    )
 
 
 def test_the_plan_record_reads_back_and_shows_on_the_card():
@@ -857,6 +866,20 @@ def test_a_run_without_a_budget_builds_no_probe(corpus, tmp_path):
     settings = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run")])
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     assert budget.settle(settings, info, corpus, set(), lambda quiet_wait: pytest.fail("probed")) is None
+
+
+def test_a_corpus_too_short_for_any_budget_is_refused_before_the_probe(tmp_path):
+    """A train split whose passes hold fewer than MIN_TOKENS: no budget is enough, so the line says so (it said
+    "--budget 40s is too small ... give --budget 24s or more") and comes before the probe's seconds."""
+    from tinyllm.training import distributed
+
+    corpus = write_tiny_corpus(tmp_path / "corpus")
+    train_tokens = corpus_format.load_manifest(corpus).split("train")["tokens"]
+    assert train_tokens * budget.MAX_EPOCHS < budget.MIN_TOKENS
+    settings = train.parse_args(["--data", str(corpus), "--out", str(tmp_path / "run"), "--budget", "1h"])
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    with pytest.raises(UserError, match=rf"^--budget 1h: the corpus is too small .* train split of {train_tokens:,} "):
+        budget.settle(settings, info, corpus, {"budget"}, lambda quiet_wait: pytest.fail("probed"))
 
 
 def test_the_load_beside_work_is_read_around_it(monkeypatch):

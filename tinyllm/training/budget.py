@@ -345,6 +345,18 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
     )
 
 
+def short_corpus(request: Request) -> str | None:
+    """The error line of a corpus no budget is enough for: its passes' tokens under MIN_TOKENS (None: not so)."""
+    if request.target_tokens or request.max_tokens >= MIN_TOKENS:
+        return None
+    return (
+        f"--budget {request.budget}: the corpus is too small to plan a run on: {request.max_passes} passes over "
+        f"its train split of {request.train_tokens:,.0f} tokens are {request.max_tokens:,.0f}, under the "
+        f"smallest sensible run ({MIN_TOKENS:,} tokens: {MIN_STEPS} steps of {MIN_BATCH_TOKENS:,}); train "
+        f"it without --budget (e.g. --epochs {request.max_passes}), or build the corpus from more text"
+    )
+
+
 def too_small(request: Request, candidates: list[Candidate]) -> str:
     """The one error line of a budget no candidate fits: what the cheapest sensible run would take."""
     fastest = max(candidates, key=lambda candidate: candidate.tokens_per_second)
@@ -354,6 +366,8 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
             f"--target-tokens {request.target_tokens:,} is below the smallest sensible --budget run "
             f"({MIN_TOKENS:,} tokens: {MIN_STEPS} steps of {MIN_BATCH_TOKENS:,})"
         )
+    if short_corpus(request):
+        return short_corpus(request)
     needed = (tokens / fastest.tokens_per_second + request.spent_seconds) / (1 - RESERVE)
     what = (
         f"--target-tokens {tokens:,}"
@@ -702,20 +716,21 @@ def make_plan(
     presets = candidate_presets(run, explicit_shape)
     vocab = manifest.vocab_size
     probe_seconds, pair_seconds = (min(PROBE_MAX_SECONDS, share * seconds) for share in (PROBE_SHARE, PAIR_SHARE))
-    measure = measure_for(quiet_wait_seconds(seconds))
-    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
     train_tokens, passes = split_limits(settings, manifest)
     request = Request(
         budget=run.budget,
         seconds=seconds,
         session_hours=settings.session.max_hours,
         world=info.world,
-        spent_seconds=time.monotonic() - started,
         train_tokens=train_tokens,
         max_passes=passes,
         target_tokens=run.target_tokens if "target_tokens" in given else None,
     )
-    return choose(request, candidates)
+    if short_corpus(request):  # before the probe: its minutes cannot help
+        raise UserError(short_corpus(request))
+    measure = measure_for(quiet_wait_seconds(seconds))
+    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
+    return choose(dataclasses.replace(request, spent_seconds=time.monotonic() - started), candidates)
 
 
 def split_limits(settings, manifest: corpus_format.Manifest) -> tuple[float, int]:
