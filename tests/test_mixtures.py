@@ -162,6 +162,36 @@ def test_the_cursor_refuses_another_mixture():
         sampler(blocks=(100, 10)).load_state_dict(sampler(blocks=(10, 100)).state_dict())  # the same total
 
 
+CHAT = {"prompt": 30, "assistant": 20, "text": 0}
+TEXT = {"prompt": 0, "assistant": 0, "text": 50}
+BOTH = {"prompt": 30, "assistant": 20, "text": 50}
+
+
+@pytest.mark.parametrize(
+    "loss_on, text_loss, sources, resolved",
+    [
+        ("all", None, {"web": TEXT}, None),
+        ("assistant", None, {"chat": CHAT}, "none"),
+        ("assistant", "full", {"chat": CHAT}, "full"),
+        ("assistant", "none", {"mixed": BOTH}, "none"),
+        ("assistant", "full", {"web": TEXT, "chat": CHAT}, "full"),  # a text source first: its text counts
+        ("assistant", "full", {"chat": CHAT, "web": TEXT}, "full"),
+        ("assistant", None, {"web": TEXT}, "has no assistant tokens"),
+        ("assistant", "full", {"web": TEXT, "web2": TEXT}, "web or web2 has no assistant tokens"),
+        ("assistant", None, {"mixed": BOTH}, "mixed also has 50 tokens of plain-text"),
+        ("assistant", None, {"chat": CHAT, "web": TEXT}, "web also has 50 tokens of plain-text"),
+        ("assistant", "none", {"chat": CHAT, "web": TEXT}, "of web has no assistant tokens and its plain text"),
+        ("assistant", "full", {"chat": CHAT, "empty": {}}, "of empty has no assistant tokens, so it would be"),
+    ],
+)
+def test_text_loss_resolves_over_every_source_and_each_must_count_tokens(loss_on, text_loss, sources, resolved):
+    if resolved in (None, "none", "full"):
+        assert train_data.resolve_text_loss(loss_on, text_loss, sources) == resolved
+    else:
+        with pytest.raises(UserError, match=resolved):
+            train_data.resolve_text_loss(loss_on, text_loss, sources)
+
+
 # ----------------------------------------------------------------------------------------------
 # Training on a mixture.
 
@@ -345,6 +375,8 @@ def test_a_labelled_corpus_keeps_each_source_apart_and_reports_duplicates_across
     assert chat["dropped"] == {"duplicate": 1} and chat["also_in"] == {"web": 1}
     assert inputs["totals"]["cross_source_duplicates"] == {"web~support": 1}
     assert "web and support: 1" in (labelled / corpus_format.DATA_CARD).read_text()
+    for label, part in manifest.splits["train"]["sources"].items():
+        assert manifest.mask_tokens("train", label) == part["mask_tokens"] != manifest.mask_tokens("train")
     support = train_data.TokenSplit(labelled, manifest, "train", 16, source="support")
     assert support.tokens == manifest.splits["train"]["sources"]["support"]["tokens"]
     assert train_data.TokenSplit(labelled, manifest, "train", 16).tokens == manifest.splits["train"]["tokens"]

@@ -249,9 +249,9 @@ class Manifest:
         """The source labels of a split (data.py --source-label); none without labels."""
         return list(self.split(split).get("sources", {}))
 
-    def mask_tokens(self, split: str = "train") -> dict[str, int]:
-        """Tokens per mask class ("prompt", "assistant", "text") in a split."""
-        return self.split(split).get("mask_tokens", {})
+    def mask_tokens(self, split: str = "train", label: str | None = None) -> dict[str, int]:
+        """Tokens per mask class ("prompt", "assistant", "text") in a split, or in its labelled source `label`."""
+        return self.split(split, label).get("mask_tokens", {})
 
     def files(self) -> dict[str, tuple[str, int | None]]:
         """{relative name: (sha256, bytes or None)} of every single file the manifest lists: shards, masks,

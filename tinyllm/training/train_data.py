@@ -132,22 +132,34 @@ def read_manifest(corpus: Path) -> Manifest:
 # The loss mask: which tokens' targets count (--loss-on, --text-loss).
 
 
-def resolve_text_loss(loss_on: str, text_loss: str | None, manifest: Manifest, corpus: Path) -> str | None:
-    """The --text-loss a run records (None with --loss-on all); UserError when the corpus cannot serve it."""
+def resolve_text_loss(loss_on: str, text_loss: str | None, sources: dict[str, dict[str, int]]) -> str | None:
+    """The --text-loss a run records (None with --loss-on all); UserError when its data cannot serve it.
+    `sources`: each source's train tokens per mask class, by the name an error gives it (a plain corpus:
+    its folder; a mixture: each --data source). Some source must have assistant tokens, --text-loss is
+    required where any has plain text, and every source must have tokens that count."""
     if loss_on == "all":
         return None
-    counts = manifest.mask_tokens("train")
-    if not counts.get("assistant"):
+    if not any(counts.get("assistant") for counts in sources.values()):
         raise UserError(
-            f"--loss-on assistant: the train split of {corpus} has no assistant tokens (no chat "
+            f"--loss-on assistant: the train split of {' or '.join(sources)} has no assistant tokens (no chat "
             "documents with an assistant turn); use --loss-on all"
         )
-    if counts.get("text") and text_loss is None:
+    texts = {name: counts["text"] for name, counts in sources.items() if counts.get("text")}
+    if texts and text_loss is None:
+        name, tokens = next(iter(texts.items()))
         raise UserError(
-            f"--loss-on assistant: {corpus} also has {counts['text']:,} tokens of plain-text "
+            f"--loss-on assistant: {name} also has {tokens:,} tokens of plain-text "
             "documents; say whether they count with --text-loss full or --text-loss none"
         )
-    return text_loss or "none"
+    text_loss = text_loss or "none"
+    for name, counts in sources.items():
+        if not counts.get("assistant") and not (text_loss == "full" and counts.get("text")):
+            raise UserError(
+                f"--loss-on assistant --text-loss {text_loss}: the train split of {name} has no assistant "
+                f"tokens{' and its plain text is not counted' if counts.get('text') else ''}, so it would be "
+                "read and never trained on; count its text with --text-loss full, or leave it out of --data"
+            )
+    return text_loss
 
 
 def counted_classes(loss_on: str, text_loss: str | None) -> np.ndarray | None:
@@ -806,12 +818,16 @@ class TrainData:
 
     def __init__(self, options: DataOptions, corpus: Path, manifest: Manifest):
         self.options, self.corpus, self.manifest = options, corpus, manifest
-        self.text_loss = resolve_text_loss(options.loss_on, options.text_loss, manifest, corpus)
+        self.text_loss = resolve_text_loss(options.loss_on, options.text_loss, self.mask_tokens())
         self.counted = counted_classes(options.loss_on, self.text_loss)
         self.splits = self.read_splits()
         self.sampler = BlockSampler(
             self.splits["train"].blocks, options.seed, options.batch_size, options.grad_accum, options.world
         )
+
+    def mask_tokens(self) -> dict[str, dict[str, int]]:
+        """Each source's train tokens per mask class, by the name an error gives it (resolve_text_loss)."""
+        return {str(self.corpus): self.manifest.mask_tokens("train")}
 
     def read_splits(self) -> dict[str, TokenSplit | MixtureSplit]:
         return {name: self.token_split(self.corpus, self.manifest, name) for name in corpus_format.SPLITS}
@@ -900,16 +916,22 @@ class MixtureData(TrainData):
     def __init__(self, options: DataOptions, mixture: Mixture, corpora: dict[Path, Manifest]):
         self.mixture, self.corpora = mixture, corpora
         corpus, manifest = next(iter(corpora.items()))  # its tokenizer is the run's
+        for source in mixture.sources:
+            check_source(source, corpora[local_corpus_folder(source.corpus)], mixture.sources[0].name, manifest)
         super().__init__(options, corpus, manifest)  # until start_phases, the sampler of all sources' blocks
+
+    def mask_tokens(self) -> dict[str, dict[str, int]]:
+        """Each source's own train tokens per mask class (a labelled source's, not its whole corpus')."""
+        return {
+            f"--data {source.name}": self.corpora[local_corpus_folder(source.corpus)].mask_tokens("train", source.label)
+            for source in self.mixture.sources
+        }
 
     def read_splits(self) -> dict[str, MixtureSplit]:
         parts = {name: [] for name in corpus_format.SPLITS}
         for source in self.mixture.sources:
             folder = local_corpus_folder(source.corpus)
             theirs = self.corpora[folder]
-            check_source(source, theirs, self.mixture.sources[0].name, self.manifest)
-            if resolve_text_loss(self.options.loss_on, self.options.text_loss, theirs, folder) != self.text_loss:
-                raise UserError(f"--data {source.name}: --loss-on resolves another --text-loss for {folder}")
             for name, split_parts in parts.items():
                 split_parts.append(self.token_split(folder, theirs, name, source.label))
         return {name: MixtureSplit(split_parts) for name, split_parts in parts.items()}
