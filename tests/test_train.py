@@ -1978,6 +1978,11 @@ def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpu
         "model.hidden: 64 there, 32 here",
     ):
         train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--hidden", "32"))
+    # tiny's own LM head into a tied model: loading both into the one matrix would drop the trained embedding
+    with pytest.raises(UserError, match=r"its shapes do not fit .*model.tie_embeddings: False there, True here"):
+        train.main(options(corpus, tmp_path / "t", "--init-from", str(checkpoint), "--tie-embeddings"))
+    with pytest.raises(UserError, match="lm_head.weight: its own matrix there, tied to model.embed_tokens.weight here"):
+        train.main(options(corpus, tmp_path / "t", "--init-from", str(exported_model(reference)), "--tie-embeddings"))
     with pytest.raises(
         UserError,
         match=r"its shapes do not fit .*model.layers.2.self_attn.q_proj.weight: missing "

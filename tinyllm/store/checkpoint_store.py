@@ -1189,6 +1189,12 @@ def init_mismatch(source: InitSource, model, settings: dict) -> str | None:
     ]
     problems += [f"{key}: missing there" for key in live if key not in source.state]
     problems += [f"{key}: not in this model" for key in source.state if key not in live]
+    head, embedding = source.state.get("lm_head.weight"), source.state.get("model.embed_tokens.weight")
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    own_head = head is not None and embedding is not None and head.shape == embedding.shape
+    if tied and own_head and not head.equal(embedding):
+        # loading both into the one tied matrix would keep the head and silently drop the trained embedding
+        problems.append("lm_head.weight: its own matrix there, tied to model.embed_tokens.weight here")
     if not problems:
         return None
     if source.model_settings:
