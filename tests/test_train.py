@@ -2002,6 +2002,10 @@ def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpu
         train.main(options(corpus, tmp_path / "d", "--init-from", str(tmp_path / "nothing")))
     with pytest.raises(UserError, match="not a checkpoint, a run folder with checkpoints/ or a Hugging Face"):
         train.main(options(corpus, tmp_path / "e", "--init-from", str(corpus)))
+    exported = tmp_path / "exported-run"  # a run folder kept without its checkpoints
+    shutil.copytree(exported_model(reference), exported / "model")
+    with pytest.raises(UserError, match=f"a run folder without checkpoints; .*: --init-from {exported / 'model'}$"):
+        train.main(options(corpus, tmp_path / "e", "--init-from", str(exported)))
     with pytest.raises(UserError, match="give one of them"):
         train.main(options(corpus, tmp_path / "f", "--init-from", str(checkpoint), "--resume", str(checkpoint)))
     gpt2 = tmp_path / "gpt2"

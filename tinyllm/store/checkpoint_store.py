@@ -929,6 +929,11 @@ def read_init_source(spec: str) -> InitSource:
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         listing = list_folder(folder)
+        if not listing.files and (path / "model" / "config.json").is_file():
+            raise UserError(
+                f"--init-from {spec}: a run folder without checkpoints; start from its exported model: "
+                f"--init-from {path / 'model'}"
+            )
         if not listing.files:
             raise UserError(
                 f"--init-from {spec}: not a checkpoint, a run folder with checkpoints/ or a Hugging "
