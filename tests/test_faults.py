@@ -383,12 +383,16 @@ def test_data_py_small_faults_are_clear(tmp_path, capsys):
                 str(out),
                 "--vocab-size",
                 "500",
+                "--preset",
+                "micro",
                 "--no-progress",
             ]
         )
         == 0
     )
-    assert f"warning: --vocab-size 500 is not used: --tokenizer {out} has 300 tokens" in capsys.readouterr().err
+    printed = capsys.readouterr().err
+    assert f"warning: --vocab-size 500 is not used: --tokenizer {out} has 300 tokens" in printed
+    assert "warning: --preset micro is not used: --tokenizer's vocabulary is the corpus'" in printed
 
     config_only = tmp_path / "tok"
     config_only.mkdir()

@@ -1826,6 +1826,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required to build a corpus")
     if settings.tokenizer and settings.vocab_size != parser.get_default("vocab_size"):
         warn_unused_vocab_size(settings.tokenizer, settings.vocab_size)
+    if settings.tokenizer and command.preset:
+        print(
+            f"warning: --preset {command.preset} is not used: --tokenizer's vocabulary is the corpus'", file=sys.stderr
+        )
     if command.demo:
         build_demo_corpus(command.out, overwrite=command.overwrite, seed=command.seed, **asdict(settings))
     else:
