@@ -442,6 +442,11 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     assert export_gguf.read_provenance(out)[0] == {"corpus_sha256": "c0" * 32, "tokenizer_sha256": "70" * 32}
 
     assert report.main(["samples", str(out), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0
+    capsys.readouterr()  # the run folder names its model/, as evaluate's does
+    assert report.main(["samples", str(out.parent), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0
+    assert "> Name a color." in capsys.readouterr().out
+    with pytest.raises(UserError, match="neither a run folder"):
+        report.main(["samples", str(tmp_path), "--prompt", "hi"])
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text(json.dumps({"prompt": "What is 10 plus 7?", "answer": "17", "task": "addition"}) + "\n")
     capsys.readouterr()

@@ -747,10 +747,10 @@ SIZED_DEFAULTS = (
 )
 
 
-# The vocabulary a model measured best at, at equal wall time (bench/bench_vocab.py, two texts of about 4 MB, two
-# seeds; docs/data.md#the-vocabulary): tiny and nano at 8,192 (SIZED_DEFAULTS' from 1 MB), micro (4.7M
-# non-embedding parameters) at 16,384 or more (8,192 0.1-2.4% behind, 16,384 within 0.6% of the best). Larger
-# presets take micro's (not measured: the optimum grew with the model, as its head became a smaller part of its step).
+# The vocabulary a model measured best at, at equal wall time (bench/bench_vocab.py, three texts of 4-4.8 MB, two
+# seeds; docs/data.md#the-vocabulary): tiny and nano at 8,192 (SIZED_DEFAULTS' from 1 MB; within 1% of the best),
+# micro (4.7M non-embedding parameters) at 16,384 or more (8,192 0.1-2.5% behind, 16,384 within 0.6% of the best).
+# Larger presets take micro's (not measured: the optimum grew with the model, its head a smaller part of its step).
 LARGE_MODEL_PARAMETERS = 4_722_304  # micro's non-embedding parameters, the smallest model measured to want more
 LARGE_MODEL_VOCAB = 16_384
 

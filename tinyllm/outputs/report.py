@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "samples",
         help="chat replies (or --text continuations) of an exported model",
     )
-    samples.add_argument("model", help="exported model folder (RUN/model)")
+    samples.add_argument("model", help="run folder (RUN) or its exported model folder (RUN/model)")
     samples.add_argument(
         "--prompt",
         action="append",
@@ -303,12 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_samples(args: argparse.Namespace) -> None:
     """`report.py samples`: each prompt and the exported model's reply (with --text, its continuation)."""
-    samples_file = Path(args.model).parent / "sample_generations.json"  # RUN/model's run: prompts of its corpus
+    hardware.check_device(args.device)
+    model_dir, run = evaluation.model_and_run(args.model)
+    samples_file = (run or model_dir.parent) / "sample_generations.json"  # the run's: prompts of its corpus
     recorded = None if args.prompt else generation.recorded_prompts(samples_file)
     text, prompts = generation.sample_prompts(args.prompt, args.text, recorded)
     sampling = generation.sampling_from(vars(args))
-    hardware.check_device(args.device)
-    model, tokenizer = generation.load_exported(args.model, args.device)
+    model, tokenizer = generation.load_exported(str(model_dir), args.device)
     if recorded is not None:
         print(f"prompts: the {'text openings' if text else 'questions'} of the run's {samples_file} (its corpus')\n")
     if text:

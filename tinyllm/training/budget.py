@@ -147,7 +147,7 @@ def vocabulary_note(preset: str, parameters: int, vocab: int, asked: int) -> str
     if max(vocab, asked) >= better:
         return None
     return (
-        f"  vocabulary: this corpus has {vocab:,} tokens; micro (4.7M non-embedding parameters) measured 0.1-2.4% "
+        f"  vocabulary: this corpus has {vocab:,} tokens; micro (4.7M non-embedding parameters) measured 0.1-2.5% "
         f"better at {better:,} or more than at 8,192 in the same time (tiny and nano: best at 8,192), so a corpus "
         f"built for it (`data.py --preset {preset}`, or `--vocab-size {better}`) may train this model better "
         "(docs/data.md#the-vocabulary)"
