@@ -204,7 +204,7 @@ def test_a_corpus_of_few_tokens_a_vocabulary_entry_is_trained_over_two_passes(tr
 def test_a_plan_of_micro_or_larger_says_when_the_corpus_vocabulary_is_under_what_micro_measured_best(
     preset, vocab, asked, noted
 ):
-    note = budget.vocabulary_note(preset, budget.non_embedding_parameters(model_config.PRESETS[preset]), vocab, asked)
+    note = budget.vocabulary_note(preset, vocab, asked)
     assert (note is not None) is noted
     assert note is None or (
         f"this corpus has {vocab:,} tokens" in note and f"data.py --preset {preset}`, or `--vocab-size 16384`" in note

@@ -122,6 +122,20 @@ def test_build_defaults_are_sized_to_the_input_and_the_model(size, preset, vocab
     }
 
 
+def test_the_data_layer_names_the_presets_as_the_model_layer_does():
+    """data.py's --preset names (the data layer imports no model) are model_config.PRESETS', smallest first, and
+    the ones given the larger vocabulary are those at least micro's size (the smallest measured to want it)."""
+    from tinyllm.model import config as model_config
+
+    assert data.PRESET_NAMES == tuple(model_config.PRESETS)
+    sizes = [model_config.parameter_count(model_config.PRESETS[name], 0) for name in data.PRESET_NAMES]
+    assert sizes == sorted(sizes)
+    micro = model_config.parameter_count(model_config.PRESETS["micro"], 0)
+    assert data.LARGE_VOCAB_PRESETS == tuple(name for name, size in zip(data.PRESET_NAMES, sizes) if size >= micro)
+    with pytest.raises(UserError, match="unknown preset 'huge'; choose one of tiny, nano, micro"):
+        data.sized_build_defaults(4_000_000, "huge")
+
+
 @pytest.mark.parametrize(
     "vocab_size, dtype", [(263, "uint16"), (65_536, "uint16"), (65_537, "uint32"), (200_000, "uint32")]
 )

@@ -96,11 +96,11 @@ from tinyllm.data.corpus_format import (
     vocabulary_sha256,
 )
 from tinyllm.data.demo_corpus import DEMO_BUILD_DEFAULTS, DEMO_EVAL_FILE, DEMO_SEED, DEMO_VOCAB_SIZE, demo_data
-from tinyllm.model import config as model_config
-from tinyllm.model.config import DEFAULT_VOCAB_SIZE
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE whose pre-tokenizer llama.cpp reproduces exactly ("qwen2").
+
+DEFAULT_VOCAB_SIZE = 33_069  # a large corpus's: think72 is then exactly 72,000,000 parameters
 
 
 def new_bpe_tokenizer():
@@ -751,14 +751,17 @@ SIZED_DEFAULTS = (
 # seeds; docs/data.md#the-vocabulary): tiny and nano at 8,192 (SIZED_DEFAULTS' from 1 MB; within 1% of the best),
 # micro (4.7M non-embedding parameters) at 16,384 or more (8,192 0.1-2.5% behind, 16,384 within 0.6% of the best).
 # Larger presets take micro's (not measured: the optimum grew with the model, its head a smaller part of its step).
-LARGE_MODEL_PARAMETERS = 4_722_304  # micro's non-embedding parameters, the smallest model measured to want more
+# The presets by name, smallest first: tinyllm.model.config.PRESETS' (a test keeps them so; data imports no model).
+PRESET_NAMES = ("tiny", "nano", "micro", "think72", "small125", "medium350")
+LARGE_VOCAB_PRESETS = PRESET_NAMES[PRESET_NAMES.index("micro") :]
 LARGE_MODEL_VOCAB = 16_384
 
 
-def model_vocab_size(vocab_size: int, non_embedding_parameters: int) -> int:
-    """The vocabulary for a model of `non_embedding_parameters` where a corpus' size gave `vocab_size`: micro and
-    larger take LARGE_MODEL_VOCAB over 8,192 up to it (what was measured); otherwise `vocab_size` as it is."""
-    if non_embedding_parameters >= LARGE_MODEL_PARAMETERS and 8_192 <= vocab_size < LARGE_MODEL_VOCAB:
+def model_vocab_size(vocab_size: int, preset: str | None) -> int:
+    """The vocabulary for a corpus the model `preset` will train (None: not said) where its size gave
+    `vocab_size`: micro and larger take LARGE_MODEL_VOCAB over 8,192 up to it (what was measured); otherwise
+    `vocab_size` as it is."""
+    if preset in LARGE_VOCAB_PRESETS and 8_192 <= vocab_size < LARGE_MODEL_VOCAB:
         return LARGE_MODEL_VOCAB
     return vocab_size
 
@@ -769,9 +772,9 @@ def sized_build_defaults(input_bytes: int | None, preset: str | None = None) -> 
     rule). data.py uses them for the options not given; so does the notebook."""
     for below, vocab_size, fraction in SIZED_DEFAULTS if input_bytes is not None else ():
         if input_bytes < below:
-            if preset is not None:
-                parameters = model_config.parameter_count(model_config.resolve_preset(preset), 0)
-                vocab_size = model_vocab_size(vocab_size, parameters)
+            if preset is not None and preset not in PRESET_NAMES:
+                raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+            vocab_size = model_vocab_size(vocab_size, preset)
             return {"vocab_size": vocab_size, "val_fraction": fraction, "test_fraction": fraction}
     return {"vocab_size": DEFAULT_VOCAB_SIZE, "val_fraction": 0.01, "test_fraction": 0.01}
 
@@ -889,7 +892,7 @@ class DataCommand:
         f"measured best at: {LARGE_MODEL_VOCAB} for micro and larger where the input's size gives 8192; "
         "not given: tiny's and nano's (the size's)",
         BUILD,
-        choices=list(model_config.PRESETS),
+        choices=PRESET_NAMES,
     )
 
 

@@ -11,8 +11,7 @@ import math
 from dataclasses import dataclass
 
 from tinyllm.common import ArgumentParser, UserError, run_main
-
-DEFAULT_VOCAB_SIZE = 33_069  # data.py's vocabulary for a large corpus: think72 is then exactly 72,000,000 parameters
+from tinyllm.data.build import DEFAULT_VOCAB_SIZE
 
 
 @dataclass(frozen=True)

@@ -138,12 +138,12 @@ def max_passes(train_tokens: float, vocab: int) -> int:
     return MAX_EPOCHS if train_tokens >= TOKENS_PER_VOCAB_ENTRY * vocab else SMALL_CORPUS_EPOCHS
 
 
-def vocabulary_note(preset: str, parameters: int, vocab: int, asked: int) -> str | None:
-    """One line for a plan whose model (`preset`, `parameters` non-embedding) measured better on a larger vocabulary
-    than the corpus' `vocab` (data.model_vocab_size); None where the corpus' is what it measured best at, where the
-    comparison was not made, or where data.py was `asked` for as many (the text supports no more). The corpus,
-    built before the plan, cannot change under it."""
-    better = data.model_vocab_size(vocab, parameters)
+def vocabulary_note(preset: str, vocab: int, asked: int) -> str | None:
+    """One line for a plan whose model `preset` measured better on a larger vocabulary than the corpus' `vocab`
+    (data.model_vocab_size); None where the corpus' is what it measured best at, where the comparison was not
+    made, or where data.py was `asked` for as many (the text supports no more). The corpus, built before the
+    plan, cannot change under it."""
+    better = data.model_vocab_size(vocab, preset)
     if max(vocab, asked) >= better:
         return None
     return (
@@ -691,7 +691,7 @@ def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFo
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
     plan = dataclasses.replace(plan, lr=recipe.lr, muon_lr=recipe.muon_lr, length_given="target_tokens" in given)
-    note = vocabulary_note(plan.preset, plan.parameters, manifest.vocab_size, manifest.asked_vocab_size)
+    note = vocabulary_note(plan.preset, manifest.vocab_size, manifest.asked_vocab_size)
     for line in [*plan_lines(plan), note]:
         if line:
             say(line, main=info.is_main)

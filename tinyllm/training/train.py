@@ -1716,8 +1716,10 @@ class StopRequest:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def restore(self) -> None:
+        """The handlers from before; SIGTERM's the default: the run's status is written, so a kill while the
+        process exits needs no word (the start-up's `error: terminated` would say nothing was kept)."""
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else handler)
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
