@@ -65,6 +65,26 @@ def test_phase_steps_resolve_decay_and_must_increase():
         train_data.phase_steps(train_data.parse_mixture(["a=x:1"], "100:a=1;decay:a=2"), decay_start=50)
 
 
+@pytest.mark.parametrize(
+    "schedule, total_steps, warned",
+    [
+        ("100:a=1", 101, None),  # its phase trains step 100, the last
+        ("100:a=1", 100, "100"),  # the run ends at step 99: never reached
+        ("100:a=1;200:b=1", 150, "200"),
+        ("100:a=1;200:b=1", 5, "100, 200"),
+    ],
+)
+def test_a_phase_the_run_never_reaches_is_warned(schedule, total_steps, warned):
+    mixture = train_data.parse_mixture(["a=x:1", "b=y:1"], schedule)
+    message = train_data.unreached_phases(mixture, train_data.phase_steps(mixture, None), total_steps)
+    assert message == (
+        None
+        if warned is None
+        else f"--mixture-schedule: the phase(s) starting at step {warned} come after the run's last step "
+        f"({total_steps - 1}): never trained in this run"
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # The sampler: closed-form apportionment, per-source bijections, seeks.
 

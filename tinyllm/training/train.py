@@ -582,6 +582,8 @@ class Training:
         )
         decay_start = self.recipe.total_steps - self.recipe.decay_steps if self.recipe.schedule == "wsd" else None
         data.start_phases(decay_start)  # after the recipe: a mixture's phase may start at its decay
+        if unreached := data.unreached_phases(self.total_steps):
+            say(unreached, warning=True, main=info.is_main)
 
         seed_everything(run.seed)
         self.model = model_config.build_training_model(

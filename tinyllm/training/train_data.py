@@ -636,6 +636,18 @@ def phase_steps(mixture: Mixture, decay_start: int | None) -> list[int]:
     return steps
 
 
+def unreached_phases(mixture: Mixture, steps: list[int], total_steps: int) -> str | None:
+    """The warning for the phases that start at or after the run's last step (`steps`: phase_steps'), which
+    it never trains (an extended run may reach them); None when every phase is reached."""
+    late = [f"{phase.start}" for phase, step in zip(mixture.phases, steps) if step >= total_steps]
+    if not late:
+        return None
+    return (
+        f"--mixture-schedule: the phase(s) starting at step {', '.join(late)} come after the run's last step "
+        f"({total_steps - 1}): never trained in this run"
+    )
+
+
 def integer_weights(weights: tuple[float, ...]) -> tuple[int, ...]:
     """The weights as integers in the same exact ratio (from their decimal text: 0.8 and 0.2 -> 4 and 1)."""
     fractions = [Fraction(repr(weight)) for weight in weights]
@@ -839,6 +851,10 @@ class TrainData:
         """Where a mixture's phases start ('decay': the recipe's decay start, known once the run's length
         is, which needs `train_blocks`); a plain corpus has one phase."""
 
+    def unreached_phases(self, total_steps: int) -> str | None:
+        """The warning for a mixture's phases a run of `total_steps` never reaches (a plain corpus: none)."""
+        return None
+
     @property
     def train_blocks(self) -> int:
         return self.sampler.blocks
@@ -938,16 +954,20 @@ class MixtureData(TrainData):
 
     def start_phases(self, decay_start: int | None) -> None:
         options = self.options
+        self.phase_steps = phase_steps(self.mixture, decay_start)
         self.sampler = MixtureSampler(
             self.mixture.names,
             [part.blocks for part in self.splits["train"].parts],
             [phase.weights for phase in self.mixture.phases],
-            phase_steps(self.mixture, decay_start),
+            self.phase_steps,
             options.seed,
             options.batch_size,
             options.grad_accum,
             options.world,
         )
+
+    def unreached_phases(self, total_steps: int) -> str | None:
+        return unreached_phases(self.mixture, self.phase_steps, total_steps)
 
     def evaluation_rows(self, split: str, rank: int) -> dict[str | None, EvaluationRows]:
         """Each source's own evaluation rows of `split`, by name (so each gets a loss of its own)."""
