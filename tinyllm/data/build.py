@@ -56,6 +56,7 @@ from tinyllm.common import (
     os_error_text,
     positive,
     run_main,
+    say,
     sha256_bytes,
     sha256_file,
     sha256_tree,
@@ -770,10 +771,10 @@ def sized_build_defaults(input_bytes: int | None, preset: str | None = None) -> 
     """--vocab-size, --val-fraction and --test-fraction for about `input_bytes` of input (None: unknown, e.g. a Hub
     dataset: the defaults of a large corpus), for the model `preset` will train (None: not said, tiny's and nano's
     rule). data.py uses them for the options not given; so does the notebook."""
+    if preset is not None and preset not in PRESET_NAMES:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
     for below, vocab_size, fraction in SIZED_DEFAULTS if input_bytes is not None else ():
         if input_bytes < below:
-            if preset is not None and preset not in PRESET_NAMES:
-                raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
             vocab_size = model_vocab_size(vocab_size, preset)
             return {"vocab_size": vocab_size, "val_fraction": fraction, "test_fraction": fraction}
     return {"vocab_size": DEFAULT_VOCAB_SIZE, "val_fraction": 0.01, "test_fraction": 0.01}
@@ -1830,9 +1831,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.tokenizer and settings.vocab_size != parser.get_default("vocab_size"):
         warn_unused_vocab_size(settings.tokenizer, settings.vocab_size)
     if settings.tokenizer and command.preset:
-        print(
-            f"warning: --preset {command.preset} is not used: --tokenizer's vocabulary is the corpus'", file=sys.stderr
-        )
+        say(f"--preset {command.preset} is not used: --tokenizer's vocabulary is the corpus'", warning=True)
     if command.demo:
         build_demo_corpus(command.out, overwrite=command.overwrite, seed=command.seed, **asdict(settings))
     else:

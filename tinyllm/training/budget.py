@@ -366,8 +366,8 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
             f"--target-tokens {request.target_tokens:,} is below the smallest sensible --budget run "
             f"({MIN_TOKENS:,} tokens: {MIN_STEPS} steps of {MIN_BATCH_TOKENS:,})"
         )
-    if short_corpus(request):
-        return short_corpus(request)
+    if problem := short_corpus(request):
+        return problem
     needed = (tokens / fastest.tokens_per_second + request.spent_seconds) / (1 - RESERVE)
     what = (
         f"--target-tokens {tokens:,}"
@@ -726,8 +726,8 @@ def make_plan(
         max_passes=passes,
         target_tokens=run.target_tokens if "target_tokens" in given else None,
     )
-    if short_corpus(request):  # before the probe: its minutes cannot help
-        raise UserError(short_corpus(request))
+    if problem := short_corpus(request):  # before the probe: its minutes cannot help
+        raise UserError(problem)
     measure = measure_for(quiet_wait_seconds(seconds))
     candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
     return choose(dataclasses.replace(request, spent_seconds=time.monotonic() - started), candidates)

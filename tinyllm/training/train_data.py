@@ -954,12 +954,11 @@ class MixtureData(TrainData):
 
     def start_phases(self, decay_start: int | None) -> None:
         options = self.options
-        self.phase_steps = phase_steps(self.mixture, decay_start)
         self.sampler = MixtureSampler(
             self.mixture.names,
             [part.blocks for part in self.splits["train"].parts],
             [phase.weights for phase in self.mixture.phases],
-            self.phase_steps,
+            phase_steps(self.mixture, decay_start),
             options.seed,
             options.batch_size,
             options.grad_accum,
@@ -967,7 +966,7 @@ class MixtureData(TrainData):
         )
 
     def unreached_phases(self, total_steps: int) -> str | None:
-        return unreached_phases(self.mixture, self.phase_steps, total_steps)
+        return unreached_phases(self.mixture, self.sampler.starts, total_steps)
 
     def evaluation_rows(self, split: str, rank: int) -> dict[str | None, EvaluationRows]:
         """Each source's own evaluation rows of `split`, by name (so each gets a loss of its own)."""
