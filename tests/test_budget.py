@@ -446,15 +446,16 @@ def test_the_plan_is_checked_once_before_its_decay(plan, step, elapsed, timed, d
 @pytest.mark.parametrize(
     "seen, decay_start, max_tokens, steps",
     [
-        ((25, 225.0, 9.0, 80.0), wsd, math.inf, None),  # as planned: ends at 900 s = 980 less its end's 80 s
-        ((25, 225.0, 9.1, 80.0), wsd, math.inf, None),  # 1% slower: within the 2% tolerance
-        ((25, 225.0, 9.0, 0.0), wsd, math.inf, 108),  # an end that takes no time: 980 s, not the plan's 900 s
-        ((25, 112.5, 4.5, 80.0), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
-        ((25, 450.0, 18.0, 80.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
-        ((25, 300.0, 9.0, 80.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
-        ((25, 112.5, 4.5, 80.0), wsd, 150_000, 150),  # at most max_run_tokens
-        ((25, 850.0, 18.0, 80.0), wsd, math.inf, 41),  # very late: enough steps for the decay to start after
-        ((25, 112.5, 4.5, 80.0), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
+        ((25, 225.0, 9.0, 90.0), wsd, math.inf, None),  # as planned: ends at 900 s = 990 less its end's 90 s
+        ((25, 225.0, 9.1, 90.0), wsd, math.inf, None),  # 1% slower: within the 1% tolerance
+        ((25, 225.0, 9.2, 90.0), wsd, math.inf, 98),  # 2% slower: re-planned to 25 + 675 s / 9.2 s
+        ((25, 225.0, 9.0, 0.0), wsd, math.inf, 110),  # an end that takes no time: 990 s, not the plan's 900 s
+        ((25, 112.5, 4.5, 90.0), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
+        ((25, 450.0, 18.0, 90.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
+        ((25, 300.0, 9.0, 90.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
+        ((25, 112.5, 4.5, 90.0), wsd, 150_000, 150),  # at most max_run_tokens
+        ((25, 850.0, 18.0, 90.0), wsd, math.inf, 41),  # very late: enough steps for the decay to start after
+        ((25, 112.5, 4.5, 90.0), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
     ],
 )
 def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start, max_tokens, steps):
@@ -470,10 +471,10 @@ def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start
 
 def test_a_check_is_recorded_with_its_verdict_and_one_line():
     plan = planned()
-    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0, 80.0), wsd)
+    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0, 90.0), wsd)
     assert (kept.steps, kept.predicted_bpb, kept.check["replanned"]) == (100, 1.5, False)
     assert budget.check_text(kept.check).endswith("as planned: kept")
-    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5, 80.0), wsd, loss=MODEL)
+    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5, 90.0), wsd, loss=MODEL)
     assert moved.check == {
         "at_step": 25,
         "elapsed_seconds": 112.5,
@@ -481,7 +482,7 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
         "planned_step_seconds": pytest.approx(9.0),
         "projected_end_seconds": 450.0,
         "target_end_seconds": 900.0,
-        "end_seconds": 80.0,
+        "end_seconds": 90.0,
         "replanned": True,
         "from_tokens": 100_000,
         "from_steps": 100,
