@@ -274,45 +274,96 @@ def test_a_restore_says_what_the_run_does_from_the_step_restored(remote_status, 
     assert cc.restore_note(103, remote_status).startswith(f"checkpoint restore: {says}")
 
 
+OLD_STORE, NEW_STORE = "s3://old-bucket/run", "s3://new-bucket/run"
+
+
 @pytest.mark.parametrize(
-    "command, expected",
+    "command, url, expected",
     [
-        ("python train.py --data c --out runs/a --resume auto", "python train.py --data c --out /new/b --resume auto"),
-        ("tinyllm-train --out=runs/a --resume auto", "tinyllm-train --out=/new/b --resume auto"),
-        ("python train.py --data 'my corpus' --resume auto", "python train.py --data 'my corpus' --resume auto"),
+        (
+            "python train.py --data c --out runs/a --resume auto",
+            NEW_STORE,
+            "python train.py --data c --out /new/b --resume auto",
+        ),
+        ("tinyllm-train --out=runs/a --resume auto", NEW_STORE, "tinyllm-train --out=/new/b --resume auto"),
+        (
+            "python train.py --data 'my corpus' --resume auto",
+            NEW_STORE,
+            "python train.py --data 'my corpus' --resume auto",
+        ),
+        (  # the store was copied: the command backs up to the one pulled from, not to the old one
+            f"python train.py --out runs/a --backup-to {OLD_STORE} --resume auto",
+            NEW_STORE,
+            f"python train.py --out /new/b --backup-to {NEW_STORE} --resume auto",
+        ),
+        (
+            f"tinyllm-train --backup-to={OLD_STORE} --out runs/a --resume auto",
+            "/mnt/drive/run",
+            "tinyllm-train --backup-to=/mnt/drive/run --out /new/b --resume auto",
+        ),
+        (  # the same store: the same command
+            f"python train.py --out /new/b --backup-to {NEW_STORE} --resume auto",
+            NEW_STORE,
+            f"python train.py --out /new/b --backup-to {NEW_STORE} --resume auto",
+        ),
+        (  # credentials in the URL pulled from: the placeholder, which train.py refuses
+            f"python train.py --out runs/a --backup-to {OLD_STORE} --resume auto",
+            "s3://KEY:SECRET@new-bucket/run",
+            "python train.py --out /new/b --backup-to URL --resume auto",
+        ),
+        (  # the run's URL had credentials (the placeholder): the one pulled from, which has none
+            "python train.py --out runs/a --backup-to URL --resume auto",
+            NEW_STORE,
+            f"python train.py --out /new/b --backup-to {NEW_STORE} --resume auto",
+        ),
+        (  # no backup (pushed by hand, or THINK72_BACKUP_URL): a restore adds no place to write to
+            "python train.py --out runs/a --resume auto",
+            NEW_STORE,
+            "python train.py --out /new/b --resume auto",
+        ),
     ],
 )
-def test_a_command_continues_the_folder_it_was_pulled_into(command, expected):
-    assert cc.command_for_folder(command, Path("/new/b")) == expected
+def test_a_restored_command_continues_the_folder_and_backs_up_to_the_store_pulled_from(command, url, expected):
+    assert cc.command_after_restore(command, Path("/new/b"), url) == expected
 
 
-def backed_up_run(tmp_path: Path, status: str, total_steps: int) -> str:
+@pytest.mark.parametrize(
+    "before, after, says",
+    [
+        (NEW_STORE, NEW_STORE, None),
+        (None, None, None),
+        (OLD_STORE, NEW_STORE, f"now backs up to {NEW_STORE}, the store restored from, not to {OLD_STORE}"),
+        (OLD_STORE, "URL", "URL stands for the URL pulled from, which carries credentials: type it in"),
+    ],
+)
+def test_a_restore_says_when_its_command_backs_up_elsewhere(before, after, says):
+    note = cc.backup_change_note(before, after)
+    assert note is None if says is None else says in note
+
+
+def backed_up_run(tmp_path: Path, status: str, total_steps: int, backup_to: str = "") -> str:
     """tmp_path/run backed up to tmp_path/remote at step 10, its run_status.json `status` with a resume command
-    naming tmp_path/run; returns the remote."""
+    naming tmp_path/run (and `backup_to`'s --backup-to, when given); returns the remote."""
     run, remote = tmp_path / "run", str(tmp_path / "remote")
     worker = mirror(remote)
     atomic_write_json(run / "training_settings.json", {"run_id": "run-a"})
-    command = f"python train.py --data corpus --out {run} --resume auto"
+    backup = f" --backup-to {backup_to}" if backup_to else ""
+    command = f"python train.py --data corpus --out {run}{backup} --resume auto"
     store.write_status(run, status, step=10, total_steps=total_steps, resume_command=command)
     save_and_point_latest(run / "checkpoints", 10, "run-a")
     assert reconcile(worker, run / "checkpoints").caught_up
     return remote
 
 
-def test_a_finished_run_pulled_into_another_folder_gets_one_status_to_resume_there(tmp_path, monkeypatch):
+def test_a_finished_run_pulled_into_another_folder_gets_one_status_to_resume_there(tmp_path):
     remote = backed_up_run(tmp_path, store.COMPLETE, total_steps=10)
-    writes, write_status = [], store.write_status
-    monkeypatch.setattr(
-        store, "write_status", lambda *args, **fields: writes.append(fields) or write_status(*args, **fields)
-    )
-    monkeypatch.setattr(store.RunStatus, "amend", lambda *args, **fields: writes.append(fields))
     fresh = tmp_path / "pulled"
     fresh.mkdir()
     cc.restore_latest(remote, fresh / "checkpoints", log=Log(), read_only=True)
     status = json.loads((fresh / "run_status.json").read_text())
     assert status["status"] == store.NEEDS_RESUME and "COMPLETE at step 10" in status["reason"]
     assert status["resume_command"] == f"python train.py --data corpus --out {fresh} --resume auto"
-    assert len(writes) == 1  # the status to resume, naming the folder pulled into, written once
+    assert [path.name for path in fresh.iterdir() if temporary_target(path.name)] == []
 
 
 def test_a_pull_into_another_folder_resumes_that_folder_and_says_what_it_did_not_download(tmp_path):
@@ -326,6 +377,32 @@ def test_a_pull_into_another_folder_resumes_that_folder_and_says_what_it_did_not
     again = Log()  # the same pull again: the checkpoint is here already, the remote copy not read
     cc.restore_latest(remote, fresh / "checkpoints", log=again, read_only=True)
     assert "step-00000010.pt (step 10) already here, matching the backup's record (not downloaded" in again.text()
+
+
+def test_a_run_pulled_from_a_copy_of_its_backup_backs_up_to_the_copy(tmp_path, capsys):
+    """The store was moved (A copied to B): `pull B RUN` prints, and RUN/run_status.json keeps, a command that
+    backs up to B, saying so; a run_status.json that was in RUN before the pull is kept, with a warning."""
+    old = tmp_path / "remote"
+    backed_up_run(tmp_path, store.NEEDS_RESUME, total_steps=20, backup_to=str(old))
+    moved = tmp_path / "moved"
+    old.rename(moved)
+    fresh = tmp_path / "pulled"
+    assert cc.main(["pull", str(moved), str(fresh)]) == 0
+    expected = f"python train.py --data corpus --out {fresh} --backup-to {moved} --resume auto"
+    assert json.loads((fresh / "run_status.json").read_text())["resume_command"] == expected
+    out = capsys.readouterr().out
+    assert f"now backs up to {moved}, the store restored from, not to {old}" in out
+    assert out.splitlines()[-1] == f"continue with: {expected}" and "WARNING" not in out
+
+    kept = tmp_path / "run"  # the original folder, its run_status.json naming the old store, its checkpoint lost
+    (kept / "checkpoints" / "step-00000010.pt").unlink()
+    assert cc.main(["pull", str(moved), str(kept)]) == 0
+    out = capsys.readouterr().out
+    assert f"backs up to {old}, not to the store pulled from" in out.splitlines()[-2]
+    assert (
+        out.splitlines()[-1]
+        == f"continue with: python train.py --data corpus --out {kept} --backup-to {old} --resume auto"
+    )
 
 
 def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
@@ -794,6 +871,95 @@ def test_cli_push_of_a_copy_that_fails_verification_is_one_line(tmp_path, monkey
     assert exit_info.value.code == 2 and err.strip().count("\n") == 0, err
     assert "step-00000010.pt" in err and "differs from the local file" in err
     assert not list(remote.rglob("step-*.pt*"))  # nothing published, no temporary left
+
+
+# A checkpoint_cloud.py command run as the script does, SIGTERMed by itself at a chosen moment: as `which`
+# (a function of remote_store) is called on a temporary name, i.e. mid-download or mid-upload.
+SIGTERM_AT = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from tinyllm.common import temporary_target
+from tinyllm.store import checkpoint_cloud, remote_store
+real = getattr(remote_store, {which!r})
+def terminated_here(*args):
+    if temporary_target(str(args[-1]).rsplit("/", 1)[-1]):  # its bytes are all there, not yet checked
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    return real(*args)
+setattr(remote_store, {which!r}, terminated_here)
+sys.argv = ["checkpoint_cloud.py", *{argv!r}]
+checkpoint_cloud.command()
+"""
+
+
+def terminated_cli(which: str, *argv: str) -> None:
+    """Run `checkpoint_cloud.py ARGV` SIGTERMed as remote_store.`which` checks a temporary: one error line, 143."""
+    script = SIGTERM_AT.format(root=str(ROOT), which=which, argv=list(argv))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.splitlines() == ["error: terminated (SIGTERM); nothing half-written was kept"]
+
+
+def test_a_pull_terminated_mid_download_leaves_nothing_and_the_next_pull_restores(tmp_path, capsys):
+    run, remote, pulled = tmp_path / "run", tmp_path / "remote", tmp_path / "pulled"
+    atomic_write_json(run / "training_settings.json", {"run_id": "run-test"})
+    save_and_point_latest(run / "checkpoints", 10)
+    assert cc.main(["push", str(run), str(remote)]) == 0
+    terminated_cli("sha256_file", "pull", str(remote), str(pulled))
+    assert [path.name for path in pulled.rglob("*")] == ["checkpoints"]  # no temporary, no record, no run file
+    assert cc.main(["pull", str(remote), str(pulled)]) == 0
+    assert "restored from the remote and verified" in capsys.readouterr().out
+    assert store.newest_verified(store.list_folder(pulled / "checkpoints")) == "step-00000010.pt"
+
+
+def test_a_pull_killed_as_it_renames_leaves_a_record_the_next_session_deletes(tmp_path, monkeypatch):
+    """The record goes in before the checkpoint (train.py's order): a kill between the two leaves a record
+    without its checkpoint, which plan_resume deletes and a second pull writes again, never a checkpoint
+    without its record, which `--resume auto` would refuse."""
+    from tinyllm.common import Terminated
+
+    run, remote, pulled = tmp_path / "run", tmp_path / "remote", tmp_path / "pulled"
+    save_and_point_latest(run / "checkpoints", 10)
+    assert cc.main(["push", str(run), str(remote)]) == 0
+    real_replace = os.replace
+
+    def killed_at_the_rename(source, target):
+        if str(target).endswith(".pt"):
+            raise Terminated()
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_rename)
+    with pytest.raises(Terminated):
+        cc.main(["pull", str(remote), str(pulled)])
+    monkeypatch.setattr(os, "replace", real_replace)
+    folder = pulled / "checkpoints"
+    assert sorted(path.name for path in folder.iterdir()) == ["step-00000010.pt.json"]
+    assert store.plan_resume(store.list_folder(folder), "auto").delete == ["step-00000010.pt.json"]
+    assert cc.main(["pull", str(remote), str(pulled)]) == 0
+    assert store.newest_verified(store.list_folder(folder)) == "step-00000010.pt"
+
+
+def test_a_push_terminated_mid_upload_publishes_nothing_and_a_pull_takes_the_last_verified(tmp_path, capsys):
+    run, remote = tmp_path / "run", tmp_path / "remote"
+    save_and_point_latest(run / "checkpoints", 10)
+    assert cc.main(["push", str(run), str(remote)]) == 0
+    step_20 = save_and_point_latest(run / "checkpoints", 20)
+    terminated_cli("remote_digest", "push", str(run), str(remote))
+    state = remote_state(str(remote))
+    assert (state["verified"], state["unverified"], state["partials"]) == ({10: "step-00000010.pt"}, [], [])
+    assert state["latest"]["step"] == 10
+
+    # what a kill -9 mid-push can leave: a partial upload, and a promoted copy whose record never came
+    folder = remote / "checkpoints"
+    (folder / Path(rs.temp_name(f"{folder}/{step_20.name}")).name).write_bytes(step_20.read_bytes()[:1000])
+    (folder / step_20.name).write_bytes(step_20.read_bytes())
+    assert cc.main(["pull", str(remote), str(tmp_path / "pulled")]) == 0
+    assert "step-00000010.pt (step 10) restored from the remote and verified" in capsys.readouterr().out
+    assert sorted(path.name for path in (tmp_path / "pulled" / "checkpoints").iterdir()) == [
+        "latest.json",
+        "step-00000010.pt",
+        "step-00000010.pt.json",
+    ]
 
 
 @pytest.mark.parametrize("store", ["folder", "s3"])

@@ -13,7 +13,9 @@ its record step-N.pt.json (the local one, unchanged) written: a remote file with
 trusted. latest.json moves last. A checkpoint a restore finds corrupt has its record renamed
 *.json.corrupt, so nothing counts it as a backup again. The run's history (metrics.jsonl,
 training_settings.json, hardware.json, run_status.json) is uploaded the same way after each
-checkpoint, and restored beside checkpoints/ when missing.
+checkpoint, and restored beside checkpoints/ when missing; a restored run_status.json's commands continue
+the folder restored into and back up to the store restored from (settled_status, command_after_restore).
+A restore writes a checkpoint's record before the checkpoint (download_checkpoint), as train.py does.
 
 A URL may instead hold a corpus folder (DESIGN.md, "Corpus folder"), recognised by its
 corpus_manifest.json; `push`, `pull`, `list` and `verify` then handle the corpus (remote_store.pull_corpus,
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -48,7 +51,16 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from tinyllm.common import ArgumentParser, UserError, atomic_path, check_writable_folder, read_json_or, run_main
+from tinyllm.common import (
+    ArgumentParser,
+    UserError,
+    atomic_path,
+    check_writable_folder,
+    read_json_or,
+    run_main,
+    stop_on_sigterm,
+    utc_now,
+)
 from tinyllm.data import corpus_format
 from tinyllm.data.corpus_format import CORPUS_MANIFEST
 from tinyllm.store import checkpoint_store as store
@@ -84,6 +96,57 @@ def refuse_placeholder(arg: str | None) -> None:
             f"--backup-to {BACKUP_URL_PLACEHOLDER} is a placeholder: give the real URL, or leave "
             "--backup-to out and set THINK72_CLOUD_RESUME=1 and THINK72_BACKUP_URL"
         )
+
+
+def shown_backup_url(url: str) -> str:
+    """`url` as a printed command shows it: as it is, or BACKUP_URL_PLACEHOLDER when it carries credentials."""
+    printable = remote_store.printable_url(url)
+    return BACKUP_URL_PLACEHOLDER if printable is None else printable
+
+
+def command_after_restore(command: str, out: Path, url: str) -> str:
+    """`command` (a train.py command line of a restored run_status.json) for the folder `out` it was restored
+    into from the store at `url`: its --out names `out` and its --backup-to names `url` (shown_backup_url).
+
+    A run pulled from a copy of its backup (the store moved, a bucket copied) then backs up to the store the
+    user named, never silently to the one it was copied from. A command without --backup-to gets none: a
+    restore never adds a place to write to (the THINK72_BACKUP_URL alias, where set, still applies).
+    """
+    tokens = shlex.split(command)
+    values = {"--out": str(out), "--backup-to": shown_backup_url(url)}
+    for index, token in enumerate(tokens):
+        flag, equals, _ = token.partition("=")
+        if equals and flag in values:
+            tokens[index] = f"{flag}={values[flag]}"
+        elif token in values and index + 1 < len(tokens):
+            tokens[index + 1] = values[token]
+    return shlex.join(tokens)
+
+
+def backup_target(command: str) -> str | None:
+    """The --backup-to value of a train.py command line (None: it has none)."""
+    tokens = shlex.split(command)
+    for index, token in enumerate(tokens):
+        if token.startswith("--backup-to="):
+            return token.split("=", 1)[1]
+        if token == "--backup-to" and index + 1 < len(tokens):
+            return tokens[index + 1]
+    return None
+
+
+def backup_change_note(before: str | None, after: str | None) -> str | None:
+    """The line a restore prints when its resume_command's --backup-to changed (command_after_restore)."""
+    if before == after:
+        return None
+    typed = (
+        f" ({BACKUP_URL_PLACEHOLDER} stands for the URL pulled from, which carries credentials: type it in)"
+        if after == BACKUP_URL_PLACEHOLDER
+        else ""
+    )
+    return (
+        f"checkpoint restore: the resume_command now backs up to {after}, the store restored from{typed}, "
+        f"not to {before}, where the run was backed up"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,14 +210,14 @@ def upload_run_files(fs, root: str, run_dir: Path) -> list[str]:
 
 
 def restore_run_files(
-    fs, root: str, run_dir: Path, run_id: str | None, log: LogFn = log_line, step: int | None = None
+    fs, root: str, run_dir: Path, run_id: str | None, url: str, log: LogFn = log_line, step: int | None = None
 ) -> list[str]:
     """Download the remote RUN_FILES that `run_dir` lacks (through a temporary name), so a restored run
     keeps its history. Skipped when the remote's training_settings.json names another run_id.
 
-    `step`: the step of the checkpoint restored. The remote run_status.json describes the run as it
-    last uploaded (COMPLETE at a later step, say, with a model/ that is not backed up); unless it
-    says the run is to be resumed at exactly this step, it is rewritten to say so."""
+    `step`: the step of the checkpoint restored; `url`: the store restored from. run_status.json is settled
+    (settled_status) before it is renamed into place, so a restore killed at any moment leaves either
+    none or the settled one."""
     remote_settings = remote_store.get_json(fs, run_file_path(root, "training_settings.json")) or {}
     remote_run = remote_settings.get("run_id") if isinstance(remote_settings, dict) else None
     if run_id and remote_run and remote_run != run_id:
@@ -171,46 +234,54 @@ def restore_run_files(
         try:
             with atomic_path(target) as temp:
                 fs.get_file(run_file_path(root, name), str(temp))
+                if name == store.STATUS_FILE:
+                    settle_restored_status(temp, run_dir, step, url, log)
             restored.append(name)
         except FileNotFoundError:
             continue
-    if "run_status.json" in restored:
-        settle_restored_status(run_dir, step, log)
     return restored
 
 
-def settle_restored_status(run_dir: Path, step: int | None, log: LogFn) -> None:
-    """The restored run_status.json, written once: the run to be resumed at `step` (the checkpoint restored)
-    unless it says so already, its commands naming `run_dir` (a pull into another folder than the run's)."""
-    remote_status = read_json_or(run_dir / "run_status.json", {})
-    commands = {key: remote_status.get(key) for key in ("resume_command", "report_command")}
-    commands = {key: command for key, command in commands.items() if isinstance(command, str)}
-    here = {key: command_for_folder(command, run_dir) for key, command in commands.items()}
-    if step is not None and (remote_status.get("status"), remote_status.get("step")) != (NEEDS_RESUME, step):
-        was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
-        store.write_status(
-            run_dir,
-            NEEDS_RESUME,
-            step=step,
-            total_steps=remote_status.get("total_steps"),
-            reason=f"restored from the backup at step {step} (the backup's run_status.json "
-            f"said {was}); continue with its resume_command",
-            **{key: command for key, command in here.items() if key == "resume_command"},
-        )
+def settle_restored_status(path: Path, run_dir: Path, step: int | None, url: str, log: LogFn) -> None:
+    """Rewrite the downloaded run_status.json at `path` (a temporary name) as settled_status says, saying why."""
+    remote_status = read_json_or(path, {})
+    settled = settled_status(remote_status, run_dir, step, url)
+    if settled == remote_status:
+        return
+    path.write_text(json.dumps({**settled, "updated": utc_now()}, indent=2, ensure_ascii=False) + "\n")
+    if settled.get("status") != remote_status.get("status") or settled.get("step") != remote_status.get("step"):
         log(restore_note(step, remote_status))
-    elif here != commands:
-        store.RunStatus(run_dir).amend(**here)
+    commands = [status.get("resume_command") for status in (remote_status, settled)]
+    if all(isinstance(command, str) for command in commands):
+        note = backup_change_note(*map(backup_target, commands))
+        if note:
+            log(note)
 
 
-def command_for_folder(command: str, out: Path) -> str:
-    """`command` (a train.py command line) with its --out naming `out` (as it was where none is given)."""
-    tokens = shlex.split(command)
-    for index, token in enumerate(tokens):
-        if token == "--out" and index + 1 < len(tokens):
-            tokens[index + 1] = str(out)
-        elif token.startswith("--out="):
-            tokens[index] = f"--out={out}"
-    return shlex.join(tokens)
+RESTORED_COMMANDS = ("resume_command", "report_command")
+
+
+def settled_status(remote_status: dict, run_dir: Path, step: int | None, url: str) -> dict:
+    """The run_status.json a restore into `run_dir` from `url` leaves, from the backup's `remote_status`
+    (which describes the run as it last uploaded: COMPLETE at a later step, say, with a model/ that is not
+    backed up): its commands for `run_dir` and `url` (command_after_restore), and the run to be resumed at
+    `step` (the checkpoint restored) unless it says so already."""
+    commands = {
+        key: command_after_restore(command, run_dir, url)
+        for key in RESTORED_COMMANDS
+        if isinstance(command := remote_status.get(key), str)
+    }
+    if step is None or (remote_status.get("status"), remote_status.get("step")) == (NEEDS_RESUME, step):
+        return {**remote_status, **commands}
+    was = f"{remote_status.get('status', '?')} at step {remote_status.get('step', '?')}"
+    return {
+        "status": NEEDS_RESUME,
+        "step": step,
+        "total_steps": remote_status.get("total_steps"),
+        "reason": f"restored from the backup at step {step} (the backup's run_status.json said {was}); "
+        "continue with its resume_command",
+        **{key: command for key, command in commands.items() if key == "resume_command"},
+    }
 
 
 def restore_note(step: int, remote_status: dict) -> str:
@@ -326,10 +397,7 @@ def restore_latest(
     for record in candidates:
         name = record.path
         try:
-            with remote_errors(f"downloading {name}"):
-                downloaded = remote_store.download_verified(
-                    fs, f"{folder}/{name}", local_dir / name, record.sha256, record.bytes
-                )
+            downloaded = download_checkpoint(fs, folder, local_dir, record)
         except VerificationError as error:
             log(f"checkpoint restore: WARNING {error}; trying the next older one")
             if read_only:
@@ -340,7 +408,6 @@ def restore_latest(
             else:
                 quarantine_record(fs, folder, name, log)
             continue
-        store.write_record(local_dir, record)
         store.write_record(local_dir, record, store.LATEST)
         log(
             f"checkpoint restore: {name} (step {record.step}) "
@@ -357,7 +424,7 @@ def restore_latest(
                 log(f"checkpoint restore: the remote {store.LATEST} now names {name}")
         try:
             with remote_errors("downloading the run files"):
-                history = restore_run_files(fs, root, local_dir.parent, record.run_id, log, step=record.step)
+                history = restore_run_files(fs, root, local_dir.parent, record.run_id, url, log, step=record.step)
         except (UserError, VerificationError) as error:
             log(f"checkpoint restore: WARNING the run files (metrics.jsonl, ...) were not restored: {error}")
         else:
@@ -368,6 +435,22 @@ def restore_latest(
         f"no checkpoint on the remote matches its recorded sha256 ({len(candidates)} tried); "
         "refusing to start over on top of the backup"
     )
+
+
+def download_checkpoint(fs, folder: str, local_dir: Path, record: store.Record) -> bool:
+    """Download `record`'s checkpoint from the remote `folder` into `local_dir`, verified, in train.py's order:
+    its record is written before the file is renamed into place, so a restore killed at any moment leaves a
+    temporary or a record without its checkpoint (both removed by the next session, and the next restore
+    downloads it again), never a checkpoint without its record. False: a verified copy was here already."""
+    with remote_errors(f"downloading {record.path}"):
+        return remote_store.download_verified(
+            fs,
+            f"{folder}/{record.path}",
+            local_dir / record.path,
+            record.sha256,
+            record.bytes,
+            on_verified=lambda: store.write_record(local_dir, record),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -887,7 +970,24 @@ def command_pull(url: str, run_dir: str) -> int:
     path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     if path is None:
         raise UserError("the remote holds no checkpoint to pull")
+    say_how_to_continue(Path(run_dir), url)
     return 0
+
+
+def say_how_to_continue(run_dir: Path, url: str) -> None:
+    """pull's last line: the command in `run_dir`'s run_status.json that continues the run; first a warning when
+    it backs up elsewhere than `url`, the store pulled from (a run_status.json that was here before the pull
+    is kept as it is: settled_status rewrites only the one restored)."""
+    command = read_json_or(run_dir / store.STATUS_FILE, {}).get("resume_command")
+    if not isinstance(command, str):
+        return
+    target = backup_target(command)
+    if target not in (None, shown_backup_url(url)):
+        print(
+            f"WARNING {run_dir / store.STATUS_FILE} was here before the pull and is kept: its resume_command "
+            f"backs up to {target}, not to the store pulled from; give --backup-to the URL to back up to"
+        )
+    print(f"continue with: {command}")
 
 
 def command_verify(url: str) -> int:
@@ -992,8 +1092,9 @@ def main(argv=None) -> int:
 
 def command() -> None:
     """The `tinyllm-cloud` console script (pyproject.toml): `python checkpoint_cloud.py` from anywhere."""
+    stop_on_sigterm()  # one `error: terminated` line; a push or pull in flight removes its temporary first
     run_main(main, script=True)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    command()

@@ -329,16 +329,26 @@ def upload_verified(
     return {"sha256": digest, "bytes": local_size}
 
 
-def download_verified(fs, remote_path: str, local_path: Path, sha256: str, size: int | None = None) -> bool:
-    """Download to a temporary name beside `local_path`, check the sha256, then rename into place; False: a
-    local file of that sha256 was there already (nothing read from the remote)."""
+def download_verified(
+    fs,
+    remote_path: str,
+    local_path: Path,
+    sha256: str,
+    size: int | None = None,
+    on_verified: Callable[[], None] = lambda: None,
+) -> bool:
+    """Download to a temporary name beside `local_path`, check the sha256, call `on_verified` (e.g. write the
+    file's record), then rename into place; False: a local file of that sha256 was there already (nothing
+    read from the remote; `on_verified` is called all the same). A failure or a signal leaves no temporary."""
     local_path = Path(local_path)
     if local_path.is_file() and sha256_file(local_path) == sha256:
+        on_verified()
         return False
     with atomic_path(local_path) as temp:
         fs.get_file(remote_path, str(temp))
         if (size is not None and temp.stat().st_size != size) or sha256_file(temp) != sha256:
             raise VerificationError(f"{local_path.name} on the remote does not match its recorded sha256")
+        on_verified()
     return True
 
 

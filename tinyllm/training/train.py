@@ -2259,24 +2259,19 @@ def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) ->
             if not item.startswith("-"):  # the dropped option's value (--resume alone has none)
                 continue
         if backup_url_next:
-            kept.append(shown_backup_url(item))
+            kept.append(checkpoint_cloud.shown_backup_url(item))
             backup_url_next = False
             continue
         if item == "--backup-to":
             backup_url_next = True
         elif item.startswith("--backup-to="):
-            item = "--backup-to=" + shown_backup_url(item.split("=", 1)[1])
+            item = "--backup-to=" + checkpoint_cloud.shown_backup_url(item.split("=", 1)[1])
         if item in ("--resume", "--stop-after-steps"):
             skip = True
             continue
         if not item.startswith(("--resume=", "--stop-after-steps=")):
             kept.append(item)
     return distributed.launch_command(info, SCRIPT, [*kept, "--resume", "auto"])
-
-
-def shown_backup_url(url: str) -> str:
-    printable = remote_store.printable_url(url)
-    return checkpoint_cloud.BACKUP_URL_PLACEHOLDER if printable is None else printable
 
 
 def log(info: distributed.DistInfo, message: str) -> None:
