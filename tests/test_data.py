@@ -429,6 +429,25 @@ def test_chat_template_matches_the_rendered_documents(demo_corpus):
     assert kind == "chat" and document == text == "".join(pieces)
 
 
+def test_a_tokenizer_saved_with_the_plain_chat_template_loads_with_the_one_that_reads_reasoning(tmp_path):
+    """The template before CHAT_TEMPLATE (no reasoning field) renders every chat without one as CHAT_TEMPLATE
+    does, so a corpus or model saved with it loads with CHAT_TEMPLATE (and an export carries that)."""
+    tokenizer, _ = data.train_tokenizer(ROUND_TRIP_TEXTS, 300, tmp_path / "tok")
+    tokenizer.chat_template = corpus_format.PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "old")
+    assert corpus_format.load_tokenizer(tmp_path / "old").chat_template == corpus_format.CHAT_TEMPLATE
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 12 * 7?"},
+        {"role": "assistant", "content": corpus_format.render_assistant("84", "12 * 7 = 84.")},
+        {"role": "user", "content": "And 13 * 7?"},
+    ]
+    for prompt in (False, True):
+        plain = data.render_chat(chat, corpus_format.PLAIN_CHAT_TEMPLATE, add_generation_prompt=prompt)
+        assert data.render_chat(chat, corpus_format.CHAT_TEMPLATE, add_generation_prompt=prompt) == plain
+    assert corpus_format.current_chat_template("{{ x }}") == "{{ x }}"  # a template of one's own is kept
+
+
 # ----------------------------------------------------------------------------------------------
 # Record schemas and relabeling
 

@@ -297,6 +297,39 @@ def test_untied_output_is_written_and_runs(model_dir, tmp_path):
     assert summary["checks"]["llama_cpp"]["max_logit_diff"] <= 1e-3
 
 
+def test_the_gguf_chat_template_renders_reasoning_as_training_did(model_dir, tmp_path):
+    """The GGUF's template, rendered by jinja2 as llama-cpp-python's chat formatter does (trim_blocks,
+    lstrip_blocks) and as transformers does, gives the chat data.py trained on: each reply's reasoning
+    field (`reasoning_content`, or any name data.py reads) in <think> before it."""
+    import gguf
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    out = tmp_path / "m.gguf"
+    export_gguf.export(model_dir, out, "f32", log=lambda *_: None)
+    template = field(gguf.GGUFReader(str(out)), "tokenizer.chat_template")
+    chat = [
+        {"role": "system", "content": "Answer with the number."},
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "assistant", "content": "5", "reasoning_content": "2 + 3 = 5"},
+        {"role": "user", "content": "And 10 plus 7?"},
+        {"role": "assistant", "content": "17", "thinking": "10 + 7 = 17"},
+    ]
+    _, trained, _, _ = data.to_document({"messages": chat}, corpus_format.CHAT_TEMPLATE, True)
+    assert trained.count("<think>\n") == 2
+    for blocks in (False, True):
+        environment = ImmutableSandboxedEnvironment(trim_blocks=blocks, lstrip_blocks=blocks)
+        assert environment.from_string(template).render(messages=chat, add_generation_prompt=False) == trained
+
+
+def test_a_folder_with_the_plain_chat_template_exports_the_one_that_reads_reasoning(tmp_path):
+    config = {"chat_template": corpus_format.PLAIN_CHAT_TEMPLATE}
+    assert export_gguf.read_chat_template(tmp_path, config) == corpus_format.CHAT_TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text(corpus_format.PLAIN_CHAT_TEMPLATE)
+    assert export_gguf.read_chat_template(tmp_path, {}) == corpus_format.CHAT_TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text("{{ mine }}")
+    assert export_gguf.read_chat_template(tmp_path, config) == "{{ mine }}"
+
+
 def test_reader_check_detects_a_corrupted_tensor(model_dir, tmp_path):
     import gguf
 

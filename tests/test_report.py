@@ -6,12 +6,14 @@ import json
 import math
 import os
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from tinyllm.common import UserError, remove_temporaries, sha256_file, temporary_name
+from tinyllm.data import build as data
 from tinyllm.data import corpus_format
 from tinyllm.model import generation
 from tinyllm.outputs import export_hf, metrics_log, report, trackers
@@ -445,6 +447,10 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     capsys.readouterr()  # the run folder names its model/, as evaluate's does
     assert report.main(["samples", str(out.parent), "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0
     assert "> Name a color." in capsys.readouterr().out
+    assert report.main(["samples", str(out), "--system", "Be brief.", "--prompt", "Say hello."]) == 0
+    assert capsys.readouterr().out.startswith("system: Be brief.\n\n> Say hello.\n")
+    with pytest.raises(UserError, match="^samples --system is a chat model's system turn, but these prompts"):
+        report.main(["samples", str(out), "--text", "--system", "Be brief.", "--prompt", "Once"])
     with pytest.raises(UserError, match="neither a run folder"):
         report.main(["samples", str(tmp_path), "--prompt", "hi"])
     eval_file = tmp_path / "eval.jsonl"
@@ -457,6 +463,89 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
     assert "## Benchmark scores" in (out / "README.md").read_text()
     with pytest.raises(UserError, match="neither a run folder"):
         report.main(["evaluate", str(tmp_path), "--tasks", str(eval_file)])
+
+
+# A conversation as data.py reads it: a system turn, then replies whose reasoning sits in a field of the message.
+REASONING_CHAT = [
+    {"role": "system", "content": "Answer with the number."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": "5", "reasoning_content": "2 + 3 = 5"},
+    {"role": "user", "content": "And 10 plus 7?"},
+    {"role": "assistant", "content": "17", "reasoning": "\n10 + 7 = 17\n"},
+]
+
+
+def training_render(messages: list[dict]) -> str:
+    """The document data.py trains on for `messages`."""
+    kind, text, _, _ = data.to_document({"messages": messages}, corpus_format.CHAT_TEMPLATE, True)
+    assert kind == "chat"
+    return text
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"system": "Answer in one word.", "prompt": "Name a color.", "response": "Blue"},
+        {"messages": [{"role": "system", "content": " Answer in one word.\n"}, {"role": "user", "content": "Hi"}]},
+    ],
+)
+def test_samples_system_turn_renders_as_the_training_chat(record):
+    """`samples --system S --prompt P` gives the model what data.py renders for that conversation, up to the reply."""
+    tokenizer = SimpleNamespace(chat_template=corpus_format.CHAT_TEMPLATE)
+    system, prompt = (
+        (record["system"], record["prompt"]) if "system" in record else (m["content"] for m in record["messages"])
+    )
+    [conversation] = report.sample_conversations([prompt], system, text=False)
+    rendered = generation.chat_prompt(tokenizer, conversation)
+    reply = {"role": "assistant", "content": "Blue"}
+    messages = data.record_messages(record)
+    assert rendered + "Blue<|im_end|>\n" == training_render([*messages[:2], reply])
+    assert rendered.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>\n<|im_start|>user\n")
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_prompts_render_earlier_replies_with_their_reasoning_as_training_did():
+    tokenizer = SimpleNamespace(chat_template=corpus_format.CHAT_TEMPLATE)
+    rendered = generation.chat_prompt(tokenizer, REASONING_CHAT[:-1])
+    assert rendered + "<think>\n10 + 7 = 17\n</think>\n\n17<|im_end|>\n" == training_render(REASONING_CHAT)
+    assert "<think>\n2 + 3 = 5\n</think>\n\n5<|im_end|>" in rendered
+
+
+@pytest.mark.parametrize(
+    "system, text, says",
+    [
+        (
+            "Be brief.",
+            True,
+            "^samples --system is a chat model's system turn, but these prompts are continued as plain",
+        ),
+        (" \n", False, "^samples --system is empty; leave it out"),
+    ],
+)
+def test_samples_refuses_a_system_turn_it_cannot_give(system, text, says):
+    with pytest.raises(UserError, match=says):
+        report.sample_conversations(["Once upon a time"], system, text)
+    assert report.sample_conversations(["hi"], None, text) == [[{"role": "user", "content": "hi"}]]
+
+
+def test_the_exported_chat_template_renders_reasoning_as_training_did(chat_model, tmp_path):
+    """A client's messages with their reasoning (`reasoning_content` as Qwen3's template names it, or any name
+    data.py reads) render through the exported folder's template exactly as data.py rendered them for training:
+    every reply's reasoning in place."""
+    from transformers import AutoTokenizer
+
+    model, tokenizer = chat_model
+    out = tmp_path / "model"
+    export_hf.export_hf_model(model, tokenizer, out, CARD_INFO)
+    exported = AutoTokenizer.from_pretrained(out)
+    rendered = exported.apply_chat_template(REASONING_CHAT, tokenize=False)
+    assert rendered == training_render(REASONING_CHAT)
+    assert rendered.count("<think>\n") == 2 and "<think>\n10 + 7 = 17\n</think>\n\n17<|im_end|>" in rendered
+    for key in corpus_format.REASONING_KEYS:
+        messages = [*REASONING_CHAT[:2], {"role": "assistant", "content": "5", key: "2 + 3 = 5"}]
+        assert exported.apply_chat_template(messages, tokenize=False) == training_render(messages), key
+    prompt = exported.apply_chat_template(REASONING_CHAT[:-1], tokenize=False, add_generation_prompt=True)
+    assert prompt == generation.chat_prompt(exported, REASONING_CHAT[:-1])
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,7 @@ from tinyllm.data.corpus_format import (
     MASK_TEXT,
     PAD,
     QWEN2_SPLIT_PATTERN,
+    REASONING_KEYS,
     SOURCE_MANIFEST,
     SOURCE_NAME,
     SPECIAL_TOKENS,
@@ -520,7 +521,6 @@ ROLE_ALIASES = {
     "function": "tool",
     "ipython": "tool",
 }
-REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "think")
 PAIR_SCHEMAS = (
     ("prompt", "response"),
     ("prompt", "completion"),
@@ -922,6 +922,38 @@ def check_settings(settings: BuildSettings) -> None:
         )
 
 
+def message_turns(messages: list[dict], remove_uuids: bool) -> list[dict]:
+    """Messages ({"role", "content"}, reasoning under a REASONING_KEYS name) as the turns a chat is rendered from:
+    {"role", "parts"}, the content cleaned, an assistant's reasoning in <think> (parts: [text, marker, text, ...])."""
+    turns = []
+    for message in messages:
+        content = clean_text(message["content"], remove_uuids)
+        reasoning = reasoning_of(message)
+        reasoning = reasoning and clean_text(reasoning, remove_uuids)
+        if message["role"] != "assistant":
+            parts = [content]
+        elif reasoning and not content.startswith(THINK_OPEN):
+            parts = assistant_parts(content, reasoning)
+        else:
+            parts = think_parts(content)
+        turns.append({"role": message["role"], "parts": parts})
+    return turns
+
+
+def render_turns(turns: list[dict], chat_template: str, add_generation_prompt: bool = False) -> str:
+    """message_turns' turns through the chat template: a training document, or with `add_generation_prompt` a
+    prompt that ends in the assistant's header."""
+    messages = [{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns]
+    return render_chat(messages, chat_template, add_generation_prompt)
+
+
+def render_prompt(messages: list[dict], chat_template: str) -> str:
+    """The prompt for a reply to `messages` (a system turn, user turns, earlier replies): rendered as a training
+    document is (to_document), then the assistant's header. Content is cleaned as data.py cleans it; the UUIDs
+    are kept, being the user's."""
+    return render_turns(message_turns(messages, remove_uuids=False), chat_template, add_generation_prompt=True)
+
+
 def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, list[str], int]:
     """(kind, document text, pieces, characters of content) for one record; raises RecordError.
 
@@ -936,17 +968,7 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     if messages is None:
         text = clean_text(record_text(record), remove_uuids)
         return "text", text, [text], len(text)
-    turns = []
-    for message in messages:
-        content = clean_text(message["content"], remove_uuids)
-        reasoning = message["reasoning"] and clean_text(message["reasoning"], remove_uuids)
-        if message["role"] != "assistant":
-            parts = [content]
-        elif reasoning and not content.startswith(THINK_OPEN):
-            parts = assistant_parts(content, reasoning)
-        else:
-            parts = think_parts(content)
-        turns.append({"role": message["role"], "parts": parts})
+    turns = message_turns(messages, remove_uuids)
     characters = sum(len(part) for turn in turns for part in turn["parts"])
     if not characters:
         return "chat", "", [""], 0
@@ -954,7 +976,7 @@ def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[st
     if answers and not clean_text(answers[-1]["content"], remove_uuids).strip():
         # "content": null (a tool call), or only an image part: training on it teaches answering nothing
         raise RecordError("empty_answer", "the last assistant turn has no text")
-    text = render_chat([{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns], chat_template)
+    text = render_turns(turns, chat_template)
     pieces = chat_pieces(turns, chat_template)
     if "".join(pieces) != text:
         raise RecordError(

@@ -35,14 +35,48 @@ QWEN2_SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# ChatML. Reasoning is part of the assistant's content as "<think>\n...\n</think>\n\n" (see
-# render_assistant), so the template stays the plain ChatML that llama.cpp and ollama know.
+# The message fields a conversation's reasoning is read from, first non-empty one wins: data.py reads them from
+# its input records, and the chat template from the messages a client passes (transformers' and llama.cpp's
+# `reasoning_content`, as Qwen3's template names it; ollama's `thinking`).
+REASONING_KEYS = ("reasoning", "reasoning_content", "thinking", "think")
+
+# ChatML. Reasoning is part of the assistant's content as "<think>\n...\n</think>\n\n" (render_assistant), so
+# the template is the plain ChatML that llama.cpp and ollama know, plus that render of an assistant message's
+# reasoning field (REASONING_KEYS): every turn's, in place, as data.py renders a training document (Qwen3's own
+# template drops the reasoning of turns before the last user message; a tinyllm model was trained on all of it).
+# A field is ignored where the content opens with its own <think> block, as data.py ignores it.
 CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and not content.startswith('<think>') %}"
+    "{%- set found = namespace(reasoning='') %}"
+    "{%- for key in " + json.dumps(list(REASONING_KEYS)) + " %}"
+    "{%- if not found.reasoning and message[key] is string and message[key].strip() %}"
+    "{%- set found.reasoning = message[key].strip() %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if found.reasoning %}"
+    "{%- set content = '<think>\\n' + found.reasoning + '\\n</think>\\n\\n' + content %}"
+    "{%- endif %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# The template data.py wrote before CHAT_TEMPLATE read a reasoning field: it renders every message without one
+# the same, so a tokenizer that carries it loads with CHAT_TEMPLATE (load_tokenizer, export_gguf.py).
+PLAIN_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+def current_chat_template(template: str) -> str:
+    """CHAT_TEMPLATE for the template it replaced (PLAIN_CHAT_TEMPLATE), any other template as it is."""
+    return CHAT_TEMPLATE if template == PLAIN_CHAT_TEMPLATE else template
 
 
 def render_assistant(answer: str, reasoning: str | None = None) -> str:
@@ -79,7 +113,8 @@ def tokenizer_folder(folder: str | Path) -> Path:
 
 
 def load_tokenizer(folder: str | Path):
-    """AutoTokenizer.from_pretrained(folder), with a clear error when it does not load or lacks our specials.
+    """AutoTokenizer.from_pretrained(folder), with a clear error when it does not load or lacks our specials;
+    the chat template data.py wrote before CHAT_TEMPLATE is read as CHAT_TEMPLATE (current_chat_template).
 
     `folder` is a tokenizer folder, or a corpus folder (its `tokenizer/` subfolder is used).
     """
@@ -100,6 +135,7 @@ def load_tokenizer(folder: str | Path):
             raise UserError(f"tokenizer {folder}: special token {token} must have id {position}")
     if not tokenizer.chat_template:
         raise UserError(f"tokenizer {folder} has no chat template")
+    tokenizer.chat_template = current_chat_template(tokenizer.chat_template)
     return tokenizer
 
 

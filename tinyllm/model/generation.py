@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from tinyllm.common import UserError, atomic_write_json, read_json_or, utc_now
+from tinyllm.data import build as data
 from tinyllm.data import corpus_format
 from tinyllm.data.corpus_format import EOS, IM_END, IM_START
 from tinyllm.model import attention
@@ -67,6 +68,12 @@ def as_messages(prompt: str | Sequence[dict]) -> list[dict]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     return list(prompt)
+
+
+def chat_prompt(tokenizer, prompt: str | Sequence[dict]) -> str:
+    """The text a reply to `prompt` (a user prompt or a message list) continues: rendered with the tokenizer's
+    chat template as data.py renders a training chat (build.render_prompt), so the two cannot drift apart."""
+    return data.render_prompt(as_messages(prompt), tokenizer.chat_template)
 
 
 def cut_at_stop(token_ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
@@ -171,8 +178,7 @@ def generate_chat_details(
     context = getattr(model.config, "max_position_embeddings", None)
     encoded = []
     for prompt in prompts:
-        text = tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
-        encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        encoded.append(tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
     order = sorted(range(len(encoded)), key=lambda index: len(encoded[index]))
     results: list[dict] = [{}] * len(encoded)
 

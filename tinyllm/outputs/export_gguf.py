@@ -53,6 +53,7 @@ from tinyllm.data.corpus_format import (
     SPECIAL_TOKENS,
     THINK_CLOSE,
     THINK_OPEN,
+    current_chat_template,
     load_tokenizer,
 )
 from tinyllm.model.config import Preset, nonpositive_field
@@ -309,13 +310,14 @@ def check_tokenizer_is_qwen2_bpe(spec: dict, path: Path, split_pattern: str) -> 
 
 
 def read_chat_template(folder: Path, tokenizer_config: dict) -> str:
-    """transformers 5 saves chat_template.jinja; older versions put it in tokenizer_config.json."""
+    """transformers 5 saves chat_template.jinja; older versions put it in tokenizer_config.json. The template
+    data.py wrote before it read a reasoning field is written as the one that does (current_chat_template)."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return current_chat_template(jinja.read_text(encoding="utf-8"))
     template = tokenizer_config.get("chat_template")
     if isinstance(template, str) and template:
-        return template
+        return current_chat_template(template)
     raise UserError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
 
 

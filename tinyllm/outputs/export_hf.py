@@ -253,7 +253,8 @@ def _card_evaluation(arch: dict, card_info: dict) -> list[str]:
         *usage_lines(card_info.get("usage_example") or {"kind": "chat", "prompt": "Hello!"}),
         "",
         "The chat template is ChatML (`<|im_start|>role ... <|im_end|>`); optional reasoning appears "
-        f"inside `<think> ... </think>` before the answer. Keep prompt plus reply within {arch['context']} tokens.",
+        "inside `<think> ... </think>` before the answer, and an earlier reply's `reasoning_content` is rendered "
+        f"there as in training. Keep prompt plus reply within {arch['context']} tokens.",
         "",
     ]
 

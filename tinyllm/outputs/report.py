@@ -16,6 +16,7 @@ exported model after the fact:
     python report.py plot runs/demo                      # runs/demo/loss_curve.png from metrics.jsonl
     python report.py evaluate runs/demo --tasks corpus/demo/eval arc_easy --limit 200   # evaluation.py
     python report.py samples runs/demo/model --prompt "What is 12 plus 7?"              # generation.py
+    python report.py samples runs/chat --system "Answer in one word." --prompt "Name a color."
     python report.py publish runs/demo hf://USER/REPO       # or a folder or store URL: verified (publishing.py)
 """
 
@@ -259,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue each --prompt as plain text (a model trained on plain text, e.g. books)",
     )
+    samples.add_argument(
+        "--system",
+        help="a system turn put before each prompt, rendered as data.py renders a training chat's (not with --text)",
+    )
     samples.add_argument("--max-new-tokens", type=count, default=96, help="longest reply, in tokens")
     generation.add_sampling_args(samples)
     add_device_arg(samples)
@@ -308,6 +313,7 @@ def print_samples(args: argparse.Namespace) -> None:
     samples_file = (run or model_dir.parent) / "sample_generations.json"  # the run's: prompts of its corpus
     recorded = None if args.prompt else generation.recorded_prompts(samples_file)
     text, prompts = generation.sample_prompts(args.prompt, args.text, recorded)
+    conversations = sample_conversations(prompts, args.system, text)
     sampling = generation.sampling_from(vars(args))
     model, tokenizer = generation.load_exported(str(model_dir), args.device)
     if recorded is not None:
@@ -319,9 +325,30 @@ def print_samples(args: argparse.Namespace) -> None:
         for prompt, detail in zip(prompts, details):
             print(f"> {prompt}{detail['completion']}\n")
         return
-    replies = generation.generate_chat(model, tokenizer, prompts, args.max_new_tokens, args.device, sampling=sampling)
+    if args.system is not None:
+        print(f"system: {args.system}\n")
+    replies = generation.generate_chat(
+        model, tokenizer, conversations, args.max_new_tokens, args.device, sampling=sampling
+    )
     for prompt, reply in zip(prompts, replies):
         print(f"> {prompt}\n{reply}\n")
+
+
+def sample_conversations(prompts: list[str], system: str | None, text: bool) -> list[list[dict]]:
+    """Each prompt as the conversation `samples` answers: a user turn, after the --system turn where one is given.
+
+    --system has no meaning where the prompts are continued as plain text (--text, or a run trained on plain
+    text), nor empty."""
+    if system is None:
+        return [generation.as_messages(prompt) for prompt in prompts]
+    if text:
+        raise UserError(
+            "samples --system is a chat model's system turn, but these prompts are continued as plain text "
+            "(--text, or a run whose sample_generations.json holds text openings); leave out --system"
+        )
+    if not system.strip():
+        raise UserError("samples --system is empty; leave it out for prompts without a system turn")
+    return [[{"role": "system", "content": system}, *generation.as_messages(prompt)] for prompt in prompts]
 
 
 def command() -> None:
