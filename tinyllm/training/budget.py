@@ -117,9 +117,9 @@ TIE_ERRORS = 6.0
 
 RESERVE = 0.1  # of the budget, kept for evaluation, saves, start-up and the final report
 STEPS_PER_RUN = 300  # the batch rule aims at about this many optimizer steps (bench_recipe's runs: 150-300)
-MIN_BATCH_TOKENS = 2048  # at equal tokens on two texts and two seeds (one thread), 2,048 tokens a step beat
-# 4,096 in all 6 pairs (nano 0.970-0.992x, tiny 0.984-0.985x); 1,024 was worse than 2,048 in 5 of 6 (up to 1.11x)
-# (bench/RESULTS.md "The smallest batch")
+MIN_BATCH_TOKENS = 2048  # at equal tokens (one thread, two seeds), 2,048 tokens a step against 4,096: KJV and
+# changelogs 0.970-0.992x (nano, tiny: 6 of 6), man pages 1.009-1.011x (nano); 1,024 was worse than 2,048 in 5 of
+# 6, up to 1.11x (bench/RESULTS.md "The smallest batch")
 MAX_BATCH_TOKENS = 131_072
 MIN_STEPS = 200  # the smallest sensible run: this many steps of the smallest batch (409,600 tokens)
 MIN_TOKENS = MIN_STEPS * MIN_BATCH_TOKENS
