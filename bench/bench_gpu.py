@@ -303,3 +303,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     run_main(main)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank whose record is written
+        distributed.leave_without_teardown()

@@ -74,9 +74,7 @@ if mode == "ok":
     info = distributed.init_distributed("cpu")  # init_process_group, then check_first_collective
     print("ready", flush=True)
     distributed.shutdown_distributed()
-    # the gloo worker threads outlive the group on torch 2.10 and 2.11 and can abort the interpreter's
-    # teardown (test_muon.leave_without_teardown): everything is done, leave without it
-    os._exit(0)
+    distributed.leave_without_teardown()  # the gloo threads outlive the group on torch 2.10 and 2.11
 else:
     import torch.distributed as dist
     from datetime import timedelta

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from ports import free_port
 
 from tinyllm.model import hardware
 from tinyllm.store import checkpoint_store as store
-from tinyllm.training import muon
+from tinyllm.training import distributed, muon
 
 SHAPES = [(48, 32), (32, 48), (40, 40), (64, 16), (16, 16)]  # wide, tall, square: both branches of the transpose
 COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
@@ -176,18 +175,7 @@ def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
             )
     finally:
         dist.destroy_process_group()
-    leave_without_teardown()
-
-
-def leave_without_teardown() -> None:
-    """Exit 0 now, skipping the interpreter's teardown. On torch 2.10 and 2.11 a gloo worker thread frees a
-    finished collective's tensors after wait() has returned, and takes the GIL to do so: if the interpreter is
-    shutting down by then, the thread aborts the process ("terminate called without an active exception",
-    pytorch #190489; 5 of 20 runs of sharded_steps on torch 2.11, 3 of 20 on 2.10, none on 2.13).
-    destroy_process_group does not join those threads. Everything this rank had to do is done and saved."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    distributed.leave_without_teardown()  # pytorch #190489: the gloo threads outlive the group
 
 
 def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path):
