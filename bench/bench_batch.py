@@ -51,6 +51,14 @@ def batch_split(batch_tokens: int, context: int) -> tuple[int, int, int]:
     return blocks, micro, blocks // micro
 
 
+def run_spec(spec: str) -> tuple[str, str, int]:
+    """(text, preset, tokens) of one --runs item, TEXT:PRESET:TOKENS."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[1] not in model_config.PRESETS or not parts[2].isdigit():
+        raise UserError(f"--runs: {spec!r} is not TEXT:PRESET:TOKENS (presets: {', '.join(model_config.PRESETS)})")
+    return parts[0], parts[1], int(parts[2])
+
+
 def train(work: Path, text: str, preset: str, tokens: int, batch: int, seed: int) -> dict:
     """One run's {"bpb", "steps", "seconds"}: trained unless its folder holds a COMPLETE run already."""
     blocks, micro, accum = batch_split(batch, model_config.PRESETS[preset].context)
@@ -95,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     runs = []
     for spec in args.runs.split(","):
-        text, preset, tokens = spec.split(":")
+        text, preset, tokens = run_spec(spec)
         for batch in (int(value) for value in args.batches.split(",")):
             for seed in (int(value) for value in args.seeds.split(",")):
-                run = train(work, text, preset, int(tokens), batch, seed)
+                run = train(work, text, preset, tokens, batch, seed)
                 runs.append(
                     {"text": text, "preset": preset, "tokens": int(tokens), "batch": batch, "seed": seed, **run}
                 )

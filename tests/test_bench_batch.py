@@ -33,6 +33,13 @@ def test_a_batch_that_is_no_whole_micro_steps_is_refused(batch, context):
         bench_batch.batch_split(batch, context)
 
 
+@pytest.mark.parametrize("spec", ["kjv:nano", "kjv:huge:1000", "kjv:nano:many", "kjv:nano:1:2"])
+def test_a_run_that_is_not_text_preset_tokens_is_refused(spec):
+    with pytest.raises(UserError, match="--runs"):
+        bench_batch.run_spec(spec)
+    assert bench_batch.run_spec("kjv:nano:471040") == ("kjv", "nano", 471_040)
+
+
 def test_each_run_is_against_the_baseline_batch_of_its_text_preset_and_seed():
     def run(batch, seed, bpb, text="kjv"):
         return {
