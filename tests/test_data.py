@@ -420,7 +420,7 @@ def test_chat_template_matches_the_rendered_documents(demo_corpus):
         "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
         "<think>\n2 + 3 = 5\n</think>\n\n5<|im_end|>\n"
     )
-    assert data.render_chat(messages, tokenizer.chat_template) == text
+    assert corpus_format.render_chat(messages, tokenizer.chat_template) == text
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
     ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_dict=False)
@@ -443,8 +443,8 @@ def test_a_tokenizer_saved_with_the_plain_chat_template_loads_with_the_one_that_
         {"role": "user", "content": "And 13 * 7?"},
     ]
     for prompt in (False, True):
-        plain = data.render_chat(chat, corpus_format.PLAIN_CHAT_TEMPLATE, add_generation_prompt=prompt)
-        assert data.render_chat(chat, corpus_format.CHAT_TEMPLATE, add_generation_prompt=prompt) == plain
+        plain = corpus_format.render_chat(chat, corpus_format.PLAIN_CHAT_TEMPLATE, add_generation_prompt=prompt)
+        assert corpus_format.render_chat(chat, corpus_format.CHAT_TEMPLATE, add_generation_prompt=prompt) == plain
     assert corpus_format.current_chat_template("{{ x }}") == "{{ x }}"  # a template of one's own is kept
 
 
@@ -541,10 +541,10 @@ def test_unknown_shapes_list_the_keys_they_saw():
 
 def test_uuid_removal_unicode_and_newlines():
     uuid = "123e4567-e89b-12d3-a456-426614174000"
-    assert data.clean_text(f"id {uuid} done") == "id  done"
-    assert data.clean_text(f"id {uuid.upper()}") == "id"
-    assert data.clean_text(f"id {uuid}", remove_uuids=False) == f"id {uuid}"
-    assert data.clean_text("cafe\u0301\r\nline\rend") == "caf\u00e9\nline\nend"
+    assert corpus_format.clean_text(f"id {uuid} done") == "id  done"
+    assert corpus_format.clean_text(f"id {uuid.upper()}") == "id"
+    assert corpus_format.clean_text(f"id {uuid}", remove_uuids=False) == f"id {uuid}"
+    assert corpus_format.clean_text("cafe\u0301\r\nline\rend") == "caf\u00e9\nline\nend"
 
 
 def test_uuids_are_removed_from_chats_and_can_be_kept(tmp_path):

@@ -250,5 +250,7 @@ def test_report_evaluation_generation_import_one_way():
     report, evaluation, generation = "tinyllm.outputs.report", "tinyllm.outputs.evaluation", "tinyllm.model.generation"
     assert {evaluation, generation} <= graph[report] and generation in graph[evaluation]
     assert not {report, evaluation} & reaches(graph, generation)
+    # a chat prompt is rendered by corpus_format's chat render, as a training chat is: not through the builder
+    assert "tinyllm.data.build" not in reaches(graph, generation)
     assert report not in reaches(graph, evaluation)
     assert report not in reaches(graph, "tinyllm.outputs.publishing")

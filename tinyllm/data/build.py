@@ -27,7 +27,6 @@ import shutil
 import sys
 import threading
 import time
-import unicodedata
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -78,7 +77,6 @@ from tinyllm.data.corpus_format import (
     MASK_TEXT,
     PAD,
     QWEN2_SPLIT_PATTERN,
-    REASONING_KEYS,
     SOURCE_MANIFEST,
     SOURCE_NAME,
     SPECIAL_TOKENS,
@@ -86,10 +84,14 @@ from tinyllm.data.corpus_format import (
     THINK_CLOSE,
     THINK_OPEN,
     TOKENIZER_DIR,
-    assistant_parts,
+    clean_text,
     document_index_name,
     load_tokenizer,
     mask_name,
+    message_turns,
+    reasoning_of,
+    render_chat,
+    render_turns,
     shard_name,
     stream_key,
     token_dtype,
@@ -499,8 +501,9 @@ def source_fingerprint(source: Source) -> str | None:
 
 # ----------------------------------------------------------------------------------------------
 # Record schemas -> documents, each a chat or plain text; chats are rendered with the tokenizer's
-# chat template so training text and inference prompts match exactly. Only the template's own
-# markers (and <think>...</think> around reasoning) become control tokens: content stays text.
+# chat template by corpus_format's chat render, which inference prompts share, so the two match
+# exactly. Only the template's own markers (and <think>...</think> around reasoning) become control
+# tokens: content stays text.
 
 ROLE_ALIASES = {
     "user": "user",
@@ -551,13 +554,6 @@ def content_text(content: Any) -> str:
     if content is None:
         return ""
     raise RecordError("unknown_schema", f"message content is {json_kind(content)}, expected text")
-
-
-def reasoning_of(mapping: dict) -> str | None:
-    for key in REASONING_KEYS:
-        if isinstance(mapping.get(key), str) and mapping[key].strip():
-            return mapping[key]
-    return None
 
 
 def chat_turns(turns: Any, role_key: str, content_key: str) -> list[dict]:
@@ -623,9 +619,7 @@ def record_text(record: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Cleaning, scopes, de-duplication and split assignment.
-
-UUID_PATTERN = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
+# Scopes, de-duplication and split assignment (the cleaning and the chat render: corpus_format.py).
 
 # Named document filters (--scope): name -> (what it keeps, predicate on (kind, pieces)).
 SCOPES: dict[str, tuple[str, Callable[[str, list[str]], bool]]] = {
@@ -639,27 +633,6 @@ SCOPES: dict[str, tuple[str, Callable[[str, list[str]], bool]]] = {
 }
 
 
-def clean_text(text: str, remove_uuids: bool = True) -> str:
-    """NFC unicode, \\n newlines, UUIDs removed (they are noise to a language model), ends stripped."""
-    if not unicodedata.is_normalized("NFC", text):
-        text = unicodedata.normalize("NFC", text)
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if remove_uuids and "-" in text:
-        text = UUID_PATTERN.sub("", text)
-    return text.strip()
-
-
-def render_chat(messages: list[dict], chat_template: str, add_generation_prompt: bool = False) -> str:
-    """The chat template applied exactly as transformers' apply_chat_template(tokenize=False) does."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    rendered, _ = render_jinja_template(
-        conversations=[messages], chat_template=chat_template, add_generation_prompt=add_generation_prompt
-    )
-    return rendered[0]
-
-
 # Message-wise tokenization (as torchtune and axolotl do): the template is rendered around numbered
 # placeholders, so every special-token string in that skeleton is the template's own markup; the
 # content that fills the placeholders is tokenized as text, whatever it contains. Private-use code
@@ -667,15 +640,6 @@ def render_chat(messages: list[dict], chat_template: str, add_generation_prompt:
 PLACEHOLDER = "\ue000{}\ue001"
 PLACEHOLDER_PATTERN = re.compile("\ue000([0-9]+)\ue001")
 CONTROL_TOKEN_PATTERN = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
-
-
-def think_parts(content: str) -> list[str]:
-    """Assistant content as parts [text, marker, text, ...]: a leading <think>...</think> (reasoning
-    already inside the content) keeps its markers; any other special-token string is text."""
-    close = content.find(THINK_CLOSE, len(THINK_OPEN))
-    if content.startswith(THINK_OPEN) and close >= 0:
-        return ["", THINK_OPEN, content[len(THINK_OPEN) : close], THINK_CLOSE, content[close + len(THINK_CLOSE) :]]
-    return [content]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -920,38 +884,6 @@ def check_settings(settings: BuildSettings) -> None:
             f"--vocab-size {settings.vocab_size:,} is above {MAX_VOCAB_SIZE:,}: the BPE trainer would reserve memory "
             "for that many entries (the largest vocabularies in use hold about 262,144)"
         )
-
-
-def message_turns(messages: list[dict], remove_uuids: bool) -> list[dict]:
-    """Messages ({"role", "content"}, reasoning under a REASONING_KEYS name) as the turns a chat is rendered from:
-    {"role", "parts"}, the content cleaned, an assistant's reasoning in <think> (parts: [text, marker, text, ...])."""
-    turns = []
-    for message in messages:
-        content = clean_text(message["content"], remove_uuids)
-        reasoning = reasoning_of(message)
-        reasoning = reasoning and clean_text(reasoning, remove_uuids)
-        if message["role"] != "assistant":
-            parts = [content]
-        elif reasoning and not content.startswith(THINK_OPEN):
-            parts = assistant_parts(content, reasoning)
-        else:
-            parts = think_parts(content)
-        turns.append({"role": message["role"], "parts": parts})
-    return turns
-
-
-def render_turns(turns: list[dict], chat_template: str, add_generation_prompt: bool = False) -> str:
-    """message_turns' turns through the chat template: a training document, or with `add_generation_prompt` a
-    prompt that ends in the assistant's header."""
-    messages = [{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns]
-    return render_chat(messages, chat_template, add_generation_prompt)
-
-
-def render_prompt(messages: list[dict], chat_template: str) -> str:
-    """The prompt for a reply to `messages` (a system turn, user turns, earlier replies): rendered as a training
-    document is (to_document), then the assistant's header. Content is cleaned as data.py cleans it; the UUIDs
-    are kept, being the user's."""
-    return render_turns(message_turns(messages, remove_uuids=False), chat_template, add_generation_prompt=True)
 
 
 def to_document(record: Any, chat_template: str, remove_uuids: bool) -> tuple[str, str, list[str], int]:

@@ -1,8 +1,9 @@
-"""The corpus format (DESIGN.md, "Corpus folder"): its names and constants, the manifest (`Manifest`, read
-once by `load_manifest`), its verification, and the tokenizer a corpus carries.
+"""The corpus format (DESIGN.md, "Corpus folder"): its names and constants, the chat render (a conversation's
+messages as the text a model is trained on and prompted with), the manifest (`Manifest`, read once by
+`load_manifest`), its verification, and the tokenizer a corpus carries.
 
 data.py writes corpora in this format; train.py (through train_data.py), report.py, checkpoint_cloud.py and
-the benchmarks read them through this module only.
+the benchmarks read them through this module only; generation.py renders its chat prompts with its chat render.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,6 +91,83 @@ def assistant_parts(answer: str, reasoning: str | None = None) -> list[str]:
     if reasoning:
         return ["", THINK_OPEN, f"\n{reasoning.strip()}\n", THINK_CLOSE, f"\n\n{answer}"]
     return [answer]
+
+
+# ----------------------------------------------------------------------------------------------
+# The chat render: how a conversation's messages become the text a model is trained on (data.py's
+# to_document) and prompted with (generation.chat_prompt), one function for both so the two cannot drift.
+
+UUID_PATTERN = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
+
+
+def clean_text(text: str, remove_uuids: bool = True) -> str:
+    """NFC unicode, \\n newlines, UUIDs removed (they are noise to a language model), ends stripped."""
+    if not unicodedata.is_normalized("NFC", text):
+        text = unicodedata.normalize("NFC", text)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if remove_uuids and "-" in text:
+        text = UUID_PATTERN.sub("", text)
+    return text.strip()
+
+
+def reasoning_of(mapping: dict) -> str | None:
+    """The first non-empty reasoning field (REASONING_KEYS) of a message or record, else None."""
+    for key in REASONING_KEYS:
+        if isinstance(mapping.get(key), str) and mapping[key].strip():
+            return mapping[key]
+    return None
+
+
+def think_parts(content: str) -> list[str]:
+    """Assistant content as parts [text, marker, text, ...]: a leading <think>...</think> (reasoning
+    already inside the content) keeps its markers; any other special-token string is text."""
+    close = content.find(THINK_CLOSE, len(THINK_OPEN))
+    if content.startswith(THINK_OPEN) and close >= 0:
+        return ["", THINK_OPEN, content[len(THINK_OPEN) : close], THINK_CLOSE, content[close + len(THINK_CLOSE) :]]
+    return [content]
+
+
+def render_chat(messages: list[dict], chat_template: str, add_generation_prompt: bool = False) -> str:
+    """The chat template applied exactly as transformers' apply_chat_template(tokenize=False) does."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages], chat_template=chat_template, add_generation_prompt=add_generation_prompt
+    )
+    return rendered[0]
+
+
+def message_turns(messages: list[dict], remove_uuids: bool) -> list[dict]:
+    """Messages ({"role", "content"}, reasoning under a REASONING_KEYS name) as the turns a chat is rendered from:
+    {"role", "parts"}, the content cleaned, an assistant's reasoning in <think> (parts: [text, marker, text, ...])."""
+    turns = []
+    for message in messages:
+        content = clean_text(message["content"], remove_uuids)
+        reasoning = reasoning_of(message)
+        reasoning = reasoning and clean_text(reasoning, remove_uuids)
+        if message["role"] != "assistant":
+            parts = [content]
+        elif reasoning and not content.startswith(THINK_OPEN):
+            parts = assistant_parts(content, reasoning)
+        else:
+            parts = think_parts(content)
+        turns.append({"role": message["role"], "parts": parts})
+    return turns
+
+
+def render_turns(turns: list[dict], chat_template: str, add_generation_prompt: bool = False) -> str:
+    """message_turns' turns through the chat template: a training document, or with `add_generation_prompt` a
+    prompt that ends in the assistant's header."""
+    messages = [{"role": turn["role"], "content": "".join(turn["parts"])} for turn in turns]
+    return render_chat(messages, chat_template, add_generation_prompt)
+
+
+def render_prompt(messages: list[dict], chat_template: str) -> str:
+    """The prompt for a reply to `messages` (a system turn, user turns, earlier replies): rendered as a training
+    document is (data.py's to_document), then the assistant's header. Content is cleaned as data.py cleans it;
+    the UUIDs are kept, being the user's."""
+    return render_turns(message_turns(messages, remove_uuids=False), chat_template, add_generation_prompt=True)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

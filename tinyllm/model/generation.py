@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from tinyllm.common import UserError, atomic_write_json, read_json_or, utc_now
-from tinyllm.data import build as data
 from tinyllm.data import corpus_format
 from tinyllm.data.corpus_format import EOS, IM_END, IM_START
 from tinyllm.model import attention
@@ -72,8 +71,8 @@ def as_messages(prompt: str | Sequence[dict]) -> list[dict]:
 
 def chat_prompt(tokenizer, prompt: str | Sequence[dict]) -> str:
     """The text a reply to `prompt` (a user prompt or a message list) continues: rendered with the tokenizer's
-    chat template as data.py renders a training chat (build.render_prompt), so the two cannot drift apart."""
-    return data.render_prompt(as_messages(prompt), tokenizer.chat_template)
+    chat template as data.py renders a training chat (corpus_format.render_prompt), so the two cannot drift apart."""
+    return corpus_format.render_prompt(as_messages(prompt), tokenizer.chat_template)
 
 
 def cut_at_stop(token_ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
