@@ -137,15 +137,14 @@ def row(text: str, mode: str, run: dict, fixed: dict, given: dict) -> str:
     plan = run.get("plan")
     ratio = run["seconds"] / given["seconds"]
     within = "" if plan is None else (" (met)" if abs(ratio - 1) <= END_TOLERANCE else " (MISSED)")
-    check = (plan or {}).get("check")
     probed = ", ".join(
         f"{c['preset']} {c['tokens_per_second']:,.0f}" for c in (plan or {}).get("candidates", []) if c["probed"]
     )
-    how = (
-        "-"
-        if not check
-        else f"step {check['at_step']}: "
+    checks = [check for check in ((plan or {}).get("check"), (plan or {}).get("late_check")) if check]
+    how = "; ".join(
+        f"step {check['at_step']}: "
         + (f"{check['from_steps']} -> {check['to_steps']} steps" if check["replanned"] else "kept")
+        for check in checks
     )
     if run["bpb"] is None:
         bpb_text = f"none: stopped at step {run['steps']}/{run['total_steps']} | (MISSED)"
@@ -155,7 +154,7 @@ def row(text: str, mode: str, run: dict, fixed: dict, given: dict) -> str:
         bpb_text = f"{run['bpb']:.4f} | **{bpb:.4f}x**{verdict}"
     return (
         f"| {text} | {mode} | {run['preset']}, {run['tokens']:,} tokens ({run['steps']} steps, {run['status']}) | "
-        f"{probed or '-'} | {how} | {run['seconds']:.0f} s | **{ratio:.3f}x**{within} | {bpb_text} | "
+        f"{probed or '-'} | {how or '-'} | {run['seconds']:.0f} s | **{ratio:.3f}x**{within} | {bpb_text} | "
         f"{run['load'][0]:.1f} / {run['load'][1]:.1f} |"
     )
 

@@ -53,3 +53,23 @@ def test_a_budget_run_s_wall_time_is_judged_against_the_run_that_gave_its_budget
         "kjv", mode, run_record(wall, 1.27, {"candidates": []}), runs["fixed"], runs[bench_budget_wall.given_wall(mode)]
     )
     assert expected in line and "**0.9769x** (met)" in line  # bits per byte: against the fixed run's, always
+
+
+@pytest.mark.parametrize(
+    "checks, expected",
+    [
+        ({}, "| - |"),  # never checked
+        ({"check": {"at_step": 9, "replanned": False}}, "| step 9: kept |"),
+        (
+            {
+                "check": {"at_step": 9, "replanned": True, "from_steps": 40, "to_steps": 36},
+                "late_check": {"at_step": 21, "replanned": True, "from_steps": 36, "to_steps": 39},
+            },
+            "| step 9: 40 -> 36 steps; step 21: 36 -> 39 steps |",
+        ),
+    ],
+)
+def test_a_run_s_row_shows_its_check_and_its_late_check(checks, expected):
+    fixed = run_record(80.0, 1.30)
+    line = bench_budget_wall.row("kjv", "quiet", run_record(80.0, 1.27, {"candidates": [], **checks}), fixed, fixed)
+    assert expected in line

@@ -436,12 +436,19 @@ def wsd(total: int) -> int:
         (planned(), 61, 600.0, 61, wsd, False),  # the decay has begun: too late to change the length
         (planned(), 29, 10.0, 29, lambda total: 30, True),  # an early decay (--decay-fraction 0.7)
         (planned(), 40, 500.0, 40, None, False),  # a cosine schedule: its length is every step's lr
-        (planned(check={"at_step": 20}), 40, 500.0, 40, wsd, False),  # checked once: never again
+        (planned(check={"at_step": 20}), 40, 500.0, 40, wsd, False),  # checked: only the late check is left
+        (planned(check={"at_step": 20}), 59, 600.0, 59, wsd, True),  # the late check, before the decay
+        (planned(check={"at_step": 20}), 59, 600.0, 4, wsd, True),  # (timing its own steps since the check)
+        (planned(check={"at_step": 56}), 59, 600.0, 59, wsd, False),  # the check was too near: no late one
+        (planned(check={"at_step": 59}), 59, 600.0, 59, wsd, False),  # the check was the last step before
+        (planned(check={"at_step": 20}, late_check={"at_step": 59}), 59, 600.0, 59, wsd, False),  # once each
+        (planned(check={"at_step": 20}), 61, 600.0, 61, wsd, False),  # the decay has begun
+        (planned(check={"at_step": 20}, sessions=3), 59, 600.0, 59, wsd, False),
         (planned(length_given=True), 40, 500.0, 40, wsd, False),  # the user's --target-tokens
         (planned(sessions=3), 40, 500.0, 40, wsd, False),  # a run over several sessions keeps its plan
     ],
 )
-def test_the_plan_is_checked_once_before_its_decay(plan, step, elapsed, timed, decay_start, due):
+def test_the_plan_is_checked_once_and_once_more_before_its_decay(plan, step, elapsed, timed, decay_start, due):
     assert budget.check_due(plan, step, elapsed, timed, decay_start) is due
 
 
@@ -497,6 +504,25 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
     assert line.endswith("re-planned from 100,000 tokens (100 steps) to 200,000 (200 steps)")
     assert budget.Plan.from_record(json.loads(json.dumps(moved.as_record()))) == moved
     assert line in moved.summary()
+
+
+def test_the_late_check_is_recorded_beside_the_check_and_extends_a_run_the_machine_sped_up():
+    """Checked at step 25 (kept), then at step 59, the last before the decay: 531 s in, the steps since the
+    check at 7.2 s where the plan had 9 s: re-planned to fill the target (990 s less the end's 90 s)."""
+    checked = budget.check_plan(planned(), budget.Seen(25, 225.0, 9.0, 90.0), wsd)
+    assert checked.check["at_step"] == 25 and checked.late_check is None
+    late = budget.check_plan(checked, budget.Seen(59, 531.0, 7.2, 90.0), wsd, loss=MODEL)
+    assert late.check == checked.check
+    assert (late.late_check["at_step"], late.late_check["replanned"], late.steps) == (59, True, 59 + 369 // 7.2)
+    assert wsd(late.steps) > 59  # the step taken keeps its learning rate
+    line = budget.check_text(late.late_check, again=True)
+    assert line.startswith("checked again at step 59 (531 s in): steps with their validations at 1.25x the plan's")
+    assert line.endswith(f"re-planned from 100,000 tokens (100 steps) to {late.target_tokens:,} ({late.steps} steps)")
+    assert budget.check_text(checked.check) in late.summary() and line in late.summary()
+    assert budget.Plan.from_record(json.loads(json.dumps(late.as_record()))) == late
+    assert budget.kept_plan_words(late).endswith("and re-planned at its checks: kept")
+    slower = budget.check_plan(checked, budget.Seen(59, 531.0, 11.0, 90.0), wsd)  # late: as short as it may be
+    assert (slower.steps, slower.late_check["replanned"]) == (budget.earliest_total(59, wsd), True) == (98, True)
 
 
 @pytest.mark.parametrize(
@@ -657,12 +683,14 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
 
 
 def same_decisions(plan: dict, other: dict) -> bool:
-    """Whether two plan records decided alike: the same fields, the check's timings (each run's) aside."""
+    """Whether two plan records decided alike: the same fields, the check's timings (each run's) aside, and a
+    late check that kept the plan (a resumed session checks no more) as none."""
     timings = ("elapsed_seconds", "step_seconds", "projected_end_seconds", "target_end_seconds", "end_seconds")
 
     def decisions(record: dict) -> dict:
         check = {key: value for key, value in (record["check"] or {}).items() if key not in timings}
-        return {**record, "check": check, "summary": None}
+        late = record["late_check"] if (record["late_check"] or {}).get("replanned") else None
+        return {**record, "check": check, "late_check": late, "summary": None}
 
     return decisions(plan) == decisions(other)
 
@@ -721,8 +749,12 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 27 steps
     status = json.loads((reference / "run_status.json").read_text())
     assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 27, 27)
+    assert (plan["late_check"]["at_step"], plan["late_check"]["replanned"]) == (15, False)  # 27 - 11 - 1: kept
+    assert "--budget 10m: checked again at step 15" in printed
     at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(6), weights_only=True)  # saved with it
-    assert at_check["settings"]["budget"] == plan and at_check["settings"]["training"]["total_steps"] == 27
+    saved = at_check["settings"]["budget"]
+    assert (saved["check"], saved["steps"], saved["late_check"]) == (plan["check"], 27, None)
+    assert at_check["settings"]["training"]["total_steps"] == 27
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
@@ -731,7 +763,7 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     capsys.readouterr()
     assert train.main(options(corpus, out)) == 0
     printed = capsys.readouterr().out
-    assert "(the run's plan, made at its start and re-planned at its check: kept)" in printed and line in printed
+    assert "(the run's plan, made at its start and re-planned at its checks: kept)" in printed and line in printed
     assert "--budget 10m: checked" not in printed
     ours, theirs = (
         torch.load(folder / "checkpoints" / store.checkpoint_name(27), weights_only=True) for folder in (out, reference)

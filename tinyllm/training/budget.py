@@ -209,6 +209,7 @@ class Plan:
     muon_lr: float | None = None
     length_given: bool = False  # --target-tokens was given: the length is the user's, never re-planned
     check: dict | None = None  # the check against the run's own steps (check_plan), once made: kept
+    late_check: dict | None = None  # the check again at the last step before the decay (check_due): kept
 
     def summary(self) -> str:
         rates = (
@@ -221,7 +222,9 @@ class Plan:
             f"--budget {self.budget}: {self.preset} ({self.parameters:,} non-embedding parameters), "
             f"{self.target_tokens:,} tokens, {self.steps} steps of {self.tokens_per_step:,} tokens{rates}; "
             f"predicted {self.hours:.2f} h of training{sessions}, held-out {self.predicted_bpb:.3f} bits/byte "
-            f"(on the fit's text)" + (f"; {check_text(self.check)}" if self.check else "")
+            f"(on the fit's text)"
+            + (f"; {check_text(self.check)}" if self.check else "")
+            + (f"; {check_text(self.late_check, again=True)}" if self.late_check else "")
         )
 
     def as_record(self) -> dict:
@@ -701,9 +704,9 @@ def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFo
 
 
 def kept_plan_words(plan: Plan) -> str:
-    """What a resumed run says of the plan it keeps: the one made at its start, or that plan after its check."""
-    replanned = bool(plan.check and plan.check.get("replanned"))
-    return "the run's plan, made at its start" + (" and re-planned at its check" if replanned else "") + ": kept"
+    """What a resumed run says of the plan it keeps: the one made at its start, or that plan after its checks."""
+    replanned = any(check and check.get("replanned") for check in (plan.check, plan.late_check))
+    return "the run's plan, made at its start" + (" and re-planned at its checks" if replanned else "") + ": kept"
 
 
 def make_plan(
@@ -769,8 +772,8 @@ def plan_lines(plan: Plan) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The check of the plan against the run's own steps, and its one re-plan of the token count (pure rules;
-# train.py times the steps and applies a re-plan: train.check_budget_plan).
+# The checks of the plan against the run's own steps, each a re-plan of the token count (pure rules;
+# train.py times the steps and applies a re-plan: train.BudgetCheck).
 
 CHECK_SHARE = 0.5  # of the budget: the plan is checked once this much of it has passed since the start, or
 # at the last step before the decay begins, whichever comes first: as late as the schedule allows (a burst of
@@ -820,14 +823,20 @@ def typical_step_seconds(times: list[float]) -> float:
 def check_due(
     plan: Plan, step: int, elapsed: float, timed_steps: int, decay_start: Callable[[int], int] | None
 ) -> bool:
-    """Whether the plan is checked after `step`: once per run (a check made is recorded: `plan.check`),
-    for a plan of one session whose length is the plan's and can change (`decay_start`, the first decaying
-    step of a length; None: a cosine schedule), after MIN_CHECK_STEPS timed steps, at the last step before
-    the decay begins or once CHECK_SHARE of the budget has passed, whichever comes first."""
-    if plan.check is not None or plan.length_given or plan.sessions > 1 or decay_start is None:
+    """Whether the plan is checked after `step`, for a plan of one session whose length is the plan's and
+    can change (`decay_start`, the first decaying step of a length; None: a cosine schedule). The check
+    (`plan.check`), after MIN_CHECK_STEPS timed steps, at the last step before the decay begins or once
+    CHECK_SHARE of the budget has passed, whichever comes first; and, when that was earlier by
+    MIN_CHECK_STEPS steps or more, the late check (`plan.late_check`) at the last step before the decay of
+    the length it left. Each is made once (recorded in the plan)."""
+    if plan.late_check is not None or plan.length_given or plan.sessions > 1 or decay_start is None:
         return False
     last_chance = decay_start(plan.steps) - 1
-    if timed_steps < MIN_CHECK_STEPS or step > last_chance:
+    if step > last_chance:
+        return False
+    if plan.check is not None:
+        return step == last_chance and step - plan.check["at_step"] >= MIN_CHECK_STEPS
+    if timed_steps < MIN_CHECK_STEPS:
         return False
     return step == last_chance or elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
 
@@ -883,9 +892,9 @@ def check_plan(
     max_tokens: float = math.inf,
     loss: LossModel = LOSS_MODEL,
 ) -> Plan:
-    """The plan after its check (`replan`), with the check recorded (`Plan.check`, kept on resume so that
-    the run is checked once): the speed seen against the plan's, the projected end, and the length before
-    and after."""
+    """The plan after its check (`replan`), with the check recorded (`Plan.check`, or `Plan.late_check`
+    when the check was made: kept on resume, so that each is made once): the speed seen against the plan's,
+    the projected end, and the length before and after."""
     planned_step_seconds = plan.hours * 3600 / plan.steps
     new = replan(plan, seen, decay_start, max_tokens) or plan
     record = {
@@ -903,15 +912,16 @@ def check_plan(
         "to_steps": new.steps,
     }
     predicted = plan.predicted_bpb if new is plan else loss.loss(plan.parameters, new.target_tokens)
-    return dataclasses.replace(new, predicted_bpb=predicted, check=record)
+    which = "check" if plan.check is None else "late_check"
+    return dataclasses.replace(new, predicted_bpb=predicted, **{which: record})
 
 
-def check_text(check: dict) -> str:
-    """The check's one line (printed when it is made, and in the plan's summary after it)."""
+def check_text(check: dict, again: bool = False) -> str:
+    """A check's one line (printed when it is made, and in the plan's summary after it); `again`: the late one."""
     speed = check["planned_step_seconds"] / check["step_seconds"]
     seen = (
-        f"checked at step {check['at_step']} ({check['elapsed_seconds']:.0f} s in): steps with their validations "
-        f"at {speed:.2f}x the probe's speed"
+        f"checked {'again ' if again else ''}at step {check['at_step']} ({check['elapsed_seconds']:.0f} s in): "
+        f"steps with their validations at {speed:.2f}x the {'plan' if again else 'probe'}'s speed"
     )
     if not check["replanned"]:
         return f"{seen}, training ends within {CHECK_TOLERANCE:.0%} of the budget's time as planned: kept"

@@ -193,7 +193,7 @@ class RunSettings(optimization.RecipeOptions):
         None,
         "plan the run for this much training time, e.g. 11.5h, 30m, or 30h over several --max-hours sessions: "
         "the preset, --target-tokens and the batch with the lowest predicted loss, measured on these devices "
-        "before step 1, its tokens checked once against the run's own steps, kept by every resume (an explicit "
+        "before step 1, its tokens checked against the run's own steps, kept by every resume (an explicit "
         "--preset or --target-tokens wins; docs/budget.md)",
         BUDGET,
         checks=(budget.budget_problem,),
@@ -1548,10 +1548,11 @@ def train_loop(
 
 
 class BudgetCheck:
-    """--budget's check of its plan against the run's own steps (budget.check_due, budget.check_plan): once,
-    in the session that started the run. A re-plan changes the run's length as an extension would (the
-    warmup kept, the decay moved, nothing taken changed), is recorded where the plan is (training_settings.json,
-    and the checkpoint saved at this step), and printed as one line; a resume reads it back and checks no more."""
+    """--budget's checks of its plan against the run's own steps (budget.check_due, budget.check_plan), in
+    the session that started the run: the check, and the late check at the last step before the decay, which
+    times the steps since the check. A re-plan changes the run's length as an extension would (the warmup
+    kept, the decay moved, nothing taken changed), is recorded where the plan is (training_settings.json, and
+    the checkpoint saved at this step), and printed as one line; a resume reads it back and checks no more."""
 
     def __init__(self, training: Training, scorer, observers: callbacks.Callbacks, progress, recorded: dict):
         self.training, self.scorer, self.observers, self.progress, self.recorded = (
@@ -1561,6 +1562,7 @@ class BudgetCheck:
             progress,
             recorded,
         )
+        self.checked_after = 0  # the steps this session had timed at the check: the late check times the rest
 
     def after_step(self, clock: StepClock, step_times: list[float]) -> bool:
         """Check the plan when due (`clock`: agreed over the ranks); whether the run's length changed."""
@@ -1571,20 +1573,24 @@ class BudgetCheck:
         if not budget.check_due(plan, training.step, clock.elapsed, len(step_times), decay_start):
             return False
         every = next((observer.every for observer in self.observers.callbacks if observer.key == "validation"), 0)
-        step_seconds = budget.rest_step_seconds(budget.typical_step_seconds(step_times), clock.slowest_eval, every)
+        late = plan.check is not None
+        times = step_times[self.checked_after :] if late else step_times
+        self.checked_after = len(step_times)
+        step_seconds = budget.rest_step_seconds(budget.typical_step_seconds(times), clock.slowest_eval, every)
         step_seconds = distributed.agree_max([step_seconds], training.info)[0]
         end_seconds = 2 * clock.slowest_eval + 2 * clock.last_write  # the re-plan's save, last validation, test, save
         seen = budget.Seen(training.step, clock.elapsed, step_seconds, end_seconds)
         max_tokens = budget.max_run_tokens(training, training.data.corpus)
         checked = budget.check_plan(plan, seen, decay_start, max_tokens)
         training.budget_plan = checked.as_record()
-        self.progress.write(f"--budget {plan.budget}: {budget.check_text(checked.check)}")
-        if checked.check["replanned"]:
+        record = checked.late_check if late else checked.check
+        self.progress.write(f"--budget {plan.budget}: {budget.check_text(record, again=late)}")
+        if record["replanned"]:
             self.apply(checked)
         self.recorded.update(recorded_settings(training))
         if training.info.is_main:
             write_settings_file(training, self.recorded)
-        return checked.check["replanned"]
+        return record["replanned"]
 
     def apply(self, plan: budget.Plan) -> None:
         """The run's length, schedule, evaluation cadence and progress as the re-plan has them."""
