@@ -991,7 +991,7 @@ def test_only_a_plan_for_the_same_budget_is_kept_and_a_resume_under_another_is_r
     tmp_path, monkeypatch, asked, resumes, outcome
 ):
     plan = budget.choose(request("30m"), CANDIDATES, MODEL)
-    monkeypatch.setattr(budget, "resumes_checkpoint", lambda out, resume: resumes)
+    monkeypatch.setattr(store, "continues_checkpoint", lambda out, resume: resumes)
     assert budget.kept_plan(tmp_path, "auto", asked) is None  # no run folder yet
     (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
     if outcome == "refused":
@@ -1000,12 +1000,6 @@ def test_only_a_plan_for_the_same_budget_is_kept_and_a_resume_under_another_is_r
     else:
         kept = budget.kept_plan(tmp_path, "auto", asked)
         assert (budget.Plan.from_record(kept) if kept else None) == (plan if outcome == "kept" else None)
-
-
-def test_a_run_resumes_a_checkpoint_with_a_path_or_auto_in_a_folder_that_holds_one(tmp_path):
-    assert not budget.resumes_checkpoint(tmp_path, "auto")  # no checkpoints/ yet
-    assert not budget.resumes_checkpoint(tmp_path, "none")
-    assert budget.resumes_checkpoint(tmp_path, str(tmp_path / "elsewhere" / "step-10.pt"))
 
 
 @pytest.mark.parametrize(
@@ -1045,7 +1039,7 @@ def test_a_resume_under_another_budget_is_refused_before_the_probe(tmp_path, mon
     probing (the resume's settings check used to refuse it only after a new plan was made)."""
     plan = budget.choose(request("30m"), CANDIDATES, MODEL)
     (tmp_path / "training_settings.json").write_text(json.dumps({"budget": plan.as_record()}))
-    monkeypatch.setattr(budget, "resumes_checkpoint", lambda out, resume: True)
+    monkeypatch.setattr(store, "continues_checkpoint", lambda out, resume: True)
     argv = ["--budget", "1h", "--out", str(tmp_path)]
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     given = given_options(train.build_parser(), argv)

@@ -493,3 +493,81 @@ def test_a_config_files_exclusive_options(tmp_path, text, argv, tokens):
     else:
         with pytest.raises(UserError, match=f"^--config {config}: {tokens}$"):
             common.config_argv(parser, argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# A recorded command line: option_value, with_option_values, without_options
+
+
+@pytest.mark.parametrize(
+    "tokens, value",
+    [
+        (["--lr", "1", "--backup-to", "s3://b/run", "--out", "o"], "s3://b/run"),
+        (["--lr", "1", "--backup-to=s3://b/run"], "s3://b/run"),
+        (["--lr", "1", "--out", "o"], None),  # absent
+        (["--lr", "1", "--backup-to"], None),  # last, without its value
+        (["--backup-to=s3://b/run?k=a=b"], "s3://b/run?k=a=b"),  # an = inside the value is the value's
+        (["--backup-to", "s3://b/run?k=a=b"], "s3://b/run?k=a=b"),
+        (["--backup-to=", "--lr", "1"], ""),  # given, empty
+        (["--backup-to", "a", "--backup-to=b"], "a"),  # the first
+        (["--backup-to-x", "s3://b/run", "--backup-to-x=c"], None),  # a longer option is another one
+    ],
+)
+def test_option_value_reads_both_spellings(tokens, value):
+    assert common.option_value(tokens, "--backup-to") == value
+
+
+@pytest.mark.parametrize(
+    "tokens, changed",
+    [
+        (["--out", "o", "--backup-to", "S3://B"], ["--out", "NEW", "--backup-to", "s3://b"]),
+        (["--out=o", "--backup-to=S3://B"], ["--out=NEW", "--backup-to=s3://b"]),
+        (["--backup-to=S3://B?K=A=B"], ["--backup-to=s3://b?k=a=b"]),  # the whole value, = and all
+        (["--lr", "1"], ["--lr", "1"]),  # absent: nothing added
+        (["--lr", "1", "--out"], ["--lr", "1", "--out"]),  # last, without its value: left as it is
+        (["--out", "a", "--out=b"], ["--out", "NEW", "--out=NEW"]),  # every occurrence
+        (["--out", "--backup-to", "X"], ["--out", "NEW", "X"]),  # the token after a bare option is its value
+        (["--backup-to", "--OUT", "o"], ["--backup-to", "--out", "o"]),  # a changed value is not read again
+        (["--output", "o", "--out-dir=o"], ["--output", "o", "--out-dir=o"]),  # longer options are others
+    ],
+)
+def test_with_option_values_changes_each_value_in_its_spelling(tokens, changed):
+    change = {"--out": lambda _: "NEW", "--backup-to": str.lower}
+    assert common.with_option_values(tokens, change) == changed
+    assert common.with_option_values(tuple(tokens), change) == changed  # any sequence; a new list
+
+
+@pytest.mark.parametrize(
+    "tokens, kept",
+    [
+        (["--data", "c d", "--stop-after-steps", "5", "--lr", "1"], ["--data", "c d", "--lr", "1"]),
+        (["--stop-after-steps=5", "--lr", "1"], ["--lr", "1"]),
+        (["--resume", "x.pt", "--lr", "1"], ["--lr", "1"]),
+        (["--resume", "--lr", "1"], ["--lr", "1"]),  # its value left out: the next option stays
+        (["--lr", "1", "--resume"], ["--lr", "1"]),  # last, without its value
+        (["--resume=a=b.pt", "--lr", "1"], ["--lr", "1"]),  # an = inside the value
+        (["--resume", "x.pt", "--stop-after-steps=5", "--resume=none"], []),  # every occurrence
+        (["--lr", "1"], ["--lr", "1"]),  # absent
+        (["--resumes", "x", "--resume-from=y"], ["--resumes", "x", "--resume-from=y"]),  # others
+    ],
+)
+def test_without_options_drops_each_with_its_value(tokens, kept):
+    assert common.without_options(tokens, ("--resume", "--stop-after-steps")) == kept
+
+
+@pytest.mark.parametrize(
+    "argv, path",
+    [
+        (["--lr", "1", "--config", "c.toml"], "c.toml"),
+        (["--config=c.yaml", "--lr", "1"], "c.yaml"),
+        (["--lr", "1"], None),
+        (["--config=a.toml", "--config"], "a.toml"),  # the first one names the file
+    ],
+)
+def test_config_file_in(argv, path):
+    assert common.config_file_in(argv) == path
+
+
+def test_config_file_in_refuses_a_config_without_its_file():
+    with pytest.raises(UserError, match=r"^--config needs a FILE \(TOML or YAML\)$"):
+        common.config_file_in(["--lr", "1", "--config"])

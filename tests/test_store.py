@@ -521,6 +521,31 @@ def test_resume_path_that_is_no_checkpoint_file_says_what_it_is(tmp_path, resume
     assert str(caught.value).startswith(message.format(path=path)) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "checkpoint, resume, continues",
+    [
+        (None, "auto", False),  # no checkpoints/ yet: a fresh start
+        ("verified", "auto", True),
+        ("corrupt", "auto", False),  # none that verifies: plan_resume loads nothing (resume_checkpoint refuses)
+        ("unrecorded", "auto", False),  # skipped: it has no record to verify against
+        (None, "none", False),
+        ("verified", "none", False),  # refused by resume_checkpoint, never continued
+        (None, "elsewhere/step-00000010.pt", True),  # a PATH, wherever it is; resume_checkpoint checks it
+        ("verified", "run/checkpoints/step-00000002.pt", True),
+    ],
+)
+def test_a_resume_continues_a_checkpoint_with_a_path_or_auto_in_a_folder_that_holds_a_verified_one(
+    tmp_path, checkpoint, resume, continues
+):
+    folder = tmp_path / "run" / store.CHECKPOINT_DIR
+    if checkpoint is not None:
+        path = write_checkpoint(folder, 2, with_record=checkpoint != "unrecorded")
+        if checkpoint == "corrupt":
+            path.write_bytes(b"checkpoint 9")  # same size, other bytes: its sha256 tells
+    given = resume if resume in ("auto", "none") else str(tmp_path / resume)
+    assert store.continues_checkpoint(tmp_path / "run", given) is continues
+
+
 def test_applying_a_resume_plan_removes_folders_and_tolerates_what_is_gone(tmp_path):
     (tmp_path / ".run.0a1b2c3d.tmp").mkdir()  # a folder write killed midway (common.atomic_folder)
     (tmp_path / ".run.0a1b2c3d.tmp" / "config.json").write_text("{}")

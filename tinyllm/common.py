@@ -22,7 +22,7 @@ import secrets
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -526,6 +526,53 @@ def did_you_mean(word: str, candidates: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# A recorded command line (its argv tokens: a run's resume_command, a --config lookup): an option's
+# value read, changed or dropped, in both spellings, `--out DIR` and `--out=DIR`.
+
+
+def option_value(tokens: Sequence[str], option: str) -> str | None:
+    """The value of the first `option` ("--out") in `tokens`; None when it has none (absent, or last)."""
+    for index, token in enumerate(tokens):
+        if token.startswith(option + "="):
+            return token[len(option) + 1 :]
+        if token == option and index + 1 < len(tokens):
+            return tokens[index + 1]
+    return None
+
+
+def with_option_values(tokens: Sequence[str], change: Mapping[str, Callable[[str], str]]) -> list[str]:
+    """`tokens` with the value of every occurrence of each option in `change` replaced by change[option](value);
+    a value is never read as an option itself, and a bare option last (no value) stays as it is."""
+    changed, index = list(tokens), 0
+    while index < len(changed):
+        flag, equals, value = changed[index].partition("=")
+        if flag in change and equals:
+            changed[index] = f"{flag}={change[flag](value)}"
+        elif flag in change and index + 1 < len(changed):
+            index += 1
+            changed[index] = change[flag](changed[index])
+        index += 1
+    return changed
+
+
+def without_options(tokens: Sequence[str], options: Collection[str]) -> list[str]:
+    """`tokens` without any of `options`, in either spelling. A bare one takes the token after it along unless
+    that is an option itself (starts with "-"): the value may be left out, as `--resume` alone leaves it."""
+    spelled_with_value = tuple(option + "=" for option in options)
+    kept, value_next = [], False
+    for token in tokens:
+        if value_next:
+            value_next = False
+            if not token.startswith("-"):
+                continue
+        if token in options:
+            value_next = True
+        elif not token.startswith(spelled_with_value):
+            kept.append(token)
+    return kept
+
+
+# ----------------------------------------------------------------------------------------------
 # Options declared once: a settings dataclass field carries its default, help, group and checks
 # (`option`); `add_options` builds the argparse options from the fields, `check_options` applies
 # the checks, and `read_config` turns a --config file into the same options.
@@ -672,14 +719,10 @@ def checked_type(convert: Callable, *checks: Callable) -> Callable:
 
 def config_file_in(argv: list[str]) -> str | None:
     """The FILE of `--config FILE` (or `--config=FILE`) in a command line, None without one."""
-    for index, token in enumerate(argv):
-        if token == "--config":
-            if index + 1 >= len(argv):
-                raise UserError("--config needs a FILE (TOML or YAML)")
-            return argv[index + 1]
-        if token.startswith("--config="):
-            return token.split("=", 1)[1]
-    return None
+    path = option_value(argv, "--config")
+    if path is None and argv[-1:] == ["--config"]:
+        raise UserError("--config needs a FILE (TOML or YAML)")
+    return path
 
 
 def read_config(path: str) -> dict:

@@ -56,10 +56,12 @@ from tinyllm.common import (
     UserError,
     atomic_path,
     check_writable_folder,
+    option_value,
     read_json_or,
     run_main,
     stop_on_sigterm,
     utc_now,
+    with_option_values,
 )
 from tinyllm.data import corpus_format
 from tinyllm.data.corpus_format import CORPUS_MANIFEST
@@ -112,26 +114,14 @@ def command_after_restore(command: str, out: Path, url: str) -> str:
     user named, never silently to the one it was copied from. A command without --backup-to gets none: a
     restore never adds a place to write to (the THINK72_BACKUP_URL alias, where set, still applies).
     """
-    tokens = shlex.split(command)
-    values = {"--out": str(out), "--backup-to": shown_backup_url(url)}
-    for index, token in enumerate(tokens):
-        flag, equals, _ = token.partition("=")
-        if equals and flag in values:
-            tokens[index] = f"{flag}={values[flag]}"
-        elif token in values and index + 1 < len(tokens):
-            tokens[index + 1] = values[token]
-    return shlex.join(tokens)
+    shown_url = shown_backup_url(url)
+    change = {"--out": lambda _: str(out), "--backup-to": lambda _: shown_url}
+    return shlex.join(with_option_values(shlex.split(command), change))
 
 
 def backup_target(command: str) -> str | None:
     """The --backup-to value of a train.py command line (None: it has none)."""
-    tokens = shlex.split(command)
-    for index, token in enumerate(tokens):
-        if token.startswith("--backup-to="):
-            return token.split("=", 1)[1]
-        if token == "--backup-to" and index + 1 < len(tokens):
-            return tokens[index + 1]
-    return None
+    return option_value(shlex.split(command), "--backup-to")
 
 
 def backup_change_note(before: str | None, after: str | None) -> str | None:

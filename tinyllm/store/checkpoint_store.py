@@ -551,6 +551,15 @@ def tidy_and_find_resume_checkpoint(out: Path, resume: str) -> Path | None:
     return resume_checkpoint(out, resume, tidy=True)
 
 
+def continues_checkpoint(out: Path, resume: str) -> bool:
+    """Whether `--resume auto|none|PATH` continues a checkpoint rather than starting the run folder `out` afresh:
+    a PATH always, auto when plan_resume finds a verified one in `out`, none never. Reads only: nothing is
+    tidied, and a PATH is not checked (resume_checkpoint does both)."""
+    if resume == "none":
+        return False
+    return resume != "auto" or plan_resume(list_folder(out / CHECKPOINT_DIR), "auto").load is not None
+
+
 def resume_checkpoint(out: Path, resume: str, tidy: bool) -> Path | None:
     """--resume's checkpoint in the run folder `out` by plan_resume; with `tidy` the plan is carried out."""
     folder = out / CHECKPOINT_DIR

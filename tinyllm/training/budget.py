@@ -592,21 +592,13 @@ def recorded_plan(out: Path, resume: str = "auto") -> dict | None:
     return checkpoint_store.load_checkpoint_file(Path(resume), "--resume")["settings"].get("budget")
 
 
-def resumes_checkpoint(out: Path, resume: str) -> bool:
-    """Whether this command continues a checkpoint: --resume PATH, or auto in a run folder that holds one."""
-    if resume in ("auto", "none"):
-        listing = checkpoint_store.list_folder(out / checkpoint_store.CHECKPOINT_DIR)
-        return resume == "auto" and checkpoint_store.plan_resume(listing, "auto").load is not None
-    return True
-
-
 def kept_plan(out: Path, resume: str, budget: str) -> dict | None:
     """The recorded plan this run keeps: the one made for its budget (None: plan anew, e.g. a run that stopped
     before its first checkpoint); a resume under another budget is refused here, before any probe."""
     record = recorded_plan(out, resume)
     if record is None or record.get("budget") == budget:
         return record
-    if resumes_checkpoint(out, resume):
+    if checkpoint_store.continues_checkpoint(out, resume):
         raise plan_refusal(record["budget"], [f"budget: {record['budget']} -> {budget}"], out)
     return None
 

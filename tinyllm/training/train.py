@@ -78,6 +78,8 @@ from tinyllm.common import (
     seed_everything,
     stop_on_sigterm,
     utc_now,
+    with_option_values,
+    without_options,
 )
 from tinyllm.data import corpus_format
 from tinyllm.model import attention, generation, hardware, losses
@@ -2257,26 +2259,9 @@ def export_under_lock(settings: Settings, info: distributed.DistInfo) -> int:
 def resume_command(info: distributed.DistInfo, argv: list[str] | None = None) -> str:
     """This run's command line with `--resume auto` and without `--stop-after-steps`; a --backup-to URL
     is shown as it is, unless it carries credentials: then as URL (which parse_args refuses)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    kept, skip, backup_url_next = [], False, False
-    for item in argv:
-        if skip:
-            skip = False
-            if not item.startswith("-"):  # the dropped option's value (--resume alone has none)
-                continue
-        if backup_url_next:
-            kept.append(checkpoint_cloud.shown_backup_url(item))
-            backup_url_next = False
-            continue
-        if item == "--backup-to":
-            backup_url_next = True
-        elif item.startswith("--backup-to="):
-            item = "--backup-to=" + checkpoint_cloud.shown_backup_url(item.split("=", 1)[1])
-        if item in ("--resume", "--stop-after-steps"):
-            skip = True
-            continue
-        if not item.startswith(("--resume=", "--stop-after-steps=")):
-            kept.append(item)
+    argv = sys.argv[1:] if argv is None else argv
+    shown = with_option_values(argv, {"--backup-to": checkpoint_cloud.shown_backup_url})
+    kept = without_options(shown, ("--resume", "--stop-after-steps"))
     return distributed.launch_command(info, SCRIPT, [*kept, "--resume", "auto"])
 
 
