@@ -1079,15 +1079,24 @@ def test_the_bench_refuses_a_fit_or_a_default_run_without_a_sweep_in_one_line(be
         # 2 steps of 20 s and the end (2 x 1 s evaluations, a 1 s write): 603 s of 600
         (0.03, 25, (560.0, 20.0, 20.0), (27, 600, 1.0, 1.0), False),
         (0.0, 25, (560.0, 20.0, 20.0), (27, 600, 1.0, 1.0), True),  # --max-hours: no grace; its hard end keeps 10 s
-        (0.03, 22, (560.0, 20.0, 20.0), (27, 600, 1.0, 1.0), True),  # 5 steps left: 663 s, past the grace too
+        # 5 steps left: 663 s, past the grace (618 s); another step and save (44 s) still fit before it: steps on
+        (0.03, 22, (560.0, 20.0, 20.0), (27, 600, 1.0, 1.0), False),
+        (0.03, 22, (580.0, 20.0, 20.0), (27, 600, 1.0, 1.0), True),  # they no longer do: stopped saved
         # bench_budget_wall's 123 s budget (2026-12-05): 49 steps of 0.21 s typical (0.30 the slowest) at 112.6 s:
         # 123.4 s at the steps' median, within the grace (126.7 s); at the slowest and 10 s more it stopped there
         (0.03, 486, (112.6, 0.30, 0.21), (535, 123, 0.2, 0.1), False),
-        (0.03, 465, (112.6, 0.30, 0.21), (535, 123, 0.2, 0.1), True),  # 70 steps left: 127.8 s, past the grace
+        (0.03, 465, (125.6, 0.30, 0.21), (535, 123, 0.2, 0.1), True),  # 70 steps left: 140.8 s, past the grace
         # its 67 s budget at two threads (2026-12-05 19:10): 46 steps of 0.275 s at 55.6 s and a 1 s end: 69.25 s,
-        # 3.4% past: stopped saved at 3%, finishes at 5%
-        (0.03, 165, (55.6, 0.294, 0.275), (211, 67, 0.45, 0.1), True),
+        # 3.4% past: at 3% it steps on while a step and save fit before 69.0 s; at 5% it finishes
+        (0.03, 165, (55.6, 0.294, 0.275), (211, 67, 0.45, 0.1), False),
+        (0.03, 165, (67.5, 0.294, 0.275), (211, 67, 0.45, 0.1), True),
         (0.05, 165, (55.6, 0.294, 0.275), (211, 67, 0.45, 0.1), False),
+        # an 89 s budget (2026-12-06 08:18): two steps of 1.1 s among 0.28 s ones at 77 s, 42 steps left: 123 s at
+        # that pace, past the grace (93.5 s); it stopped saved there while the 10 s exit reserve counted, and
+        # now steps on to see whether the burst passes (a step and save: 3.1 s)
+        (0.05, 188, (77.0, 1.133, 1.1), (230, 89, 0.3, 0.1), False),
+        (0.05, 188, (77.0, 1.133, 0.28), (230, 89, 0.3, 0.1), False),  # it passed: 89.6 s, it finishes
+        (0.05, 200, (90.5, 1.133, 1.1), (230, 89, 0.3, 0.1), True),  # it did not: stopped saved at 1.02x
     ],
 )
 def test_a_budget_run_late_near_its_end_finishes_within_its_grace(grace, step, clock, run, stop):
