@@ -715,7 +715,7 @@ def test_a_checkpoint_whose_default_changed_since_says_how_to_keep_it(corpus, tm
     without it: refused, and the message gives the option that resumes it as it was; with it, it resumes."""
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--beta1", "0.9", "--stop-after-steps", "5")) == 0
-    with pytest.raises(UserError, match=r"beta1: 0\.9 -> null.*kept with --beta1 0\.9; for a new run"):
+    with pytest.raises(UserError, match=r"beta1: 0\.9 -> null.*values, add --beta1 0\.9; for a new run"):
         train.main(options(corpus, out))
     assert train.main(options(corpus, out, "--beta1", "0.9")) == 0
 
@@ -727,7 +727,7 @@ def test_a_checkpoint_whose_preset_changed_since_says_which_shape_options_keep_i
     assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
     tiny = model_config.PRESETS["tiny"]
     monkeypatch.setitem(model_config.PRESETS, "tiny", dataclasses.replace(tiny, heads=2, head_dim=32))
-    with pytest.raises(UserError, match=r"kept with --head-dim 16 --heads 4; for a new run"):
+    with pytest.raises(UserError, match=r"values, add --head-dim 16 --heads 4; for a new run"):
         train.main(options(corpus, out))
     assert train.main(options(corpus, out, "--heads", "4", "--head-dim", "16")) == 0
 
