@@ -967,6 +967,9 @@ def command_pull(url: str, run_dir: str) -> int:
     if corpus:
         remote_store.pull_corpus(url, run_dir)
         return 0
+    problem = store.run_folder_problem(Path(run_dir))  # a swapped argument never writes a run into your data
+    if problem:
+        raise UserError(f"pull: {run_dir} {problem}; pull a run into a new or empty folder, or into its run folder")
     path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     if path is None:
         raise UserError("the remote holds no checkpoint to pull")

@@ -1012,19 +1012,28 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 
 
+def run_folder_problem(out: Path) -> str | None:
+    """Why `out` cannot hold a run: a file, a corpus, or a folder of other files; None for a new or empty folder
+    or a run folder (train.py's --out and checkpoint_cloud.py pull's RUN)."""
+    if out.exists() and not out.is_dir():
+        return "is a file, not a run folder"
+    if not out.is_dir():
+        return None
+    if (out / CORPUS_MANIFEST).exists():
+        return f"is a corpus folder ({CORPUS_MANIFEST}), not a run folder"
+    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
+        return (
+            "holds files but is not a tinyllm run folder (no training_settings.json, run_status.json or checkpoints/)"
+        )
+    return None
+
+
 def check_run_folder(out: Path) -> None:
     """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
-    if not out.is_dir():
-        return
-    if (out / CORPUS_MANIFEST).exists():
-        raise UserError(f"--out {out} is a corpus folder ({CORPUS_MANIFEST}), not a run folder; choose a new --out")
-    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
-        raise UserError(
-            f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
-            "run_status.json or checkpoints/); choose a new or empty --out"
-        )
+    problem = run_folder_problem(out)
+    if problem:
+        choose = "a new or empty" if problem.startswith("holds files") else "a new"
+        raise UserError(f"--out {out} {problem}; choose {choose} --out")
 
 
 def lock_run_folder(out: Path):
