@@ -1978,6 +1978,12 @@ def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpu
         "model.hidden: 64 there, 32 here",
     ):
         train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--hidden", "32"))
+    with pytest.raises(  # another preset (a --budget run's, say): the message names the source's
+        UserError,
+        match=rf"--init-from {checkpoint}: its shapes do not fit this run's model \(the source is --preset tiny, "
+        r"this run nano: give --preset tiny\): model.head_dim: 16 there, 64 here",
+    ):
+        train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--preset", "nano"))
     # tiny's own LM head into a tied model: loading both into the one matrix would drop the trained embedding
     with pytest.raises(UserError, match=r"its shapes do not fit .*model.tie_embeddings: False there, True here"):
         train.main(options(corpus, tmp_path / "t", "--init-from", str(checkpoint), "--tie-embeddings"))

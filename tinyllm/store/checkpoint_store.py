@@ -917,6 +917,7 @@ class InitSource:
     state: dict
     lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
     model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
+    preset: str | None = None  # a checkpoint's --preset, named by that message when this run's differs
 
 
 def read_init_source(spec: str) -> InitSource:
@@ -966,7 +967,7 @@ def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
     model_settings = {
         key: value for key, value in training.items() if key.startswith(RECORDED_PREFIX) or key == "vocab_size"
     }
-    return InitSource(checkpoint["model"], lineage, model_settings)
+    return InitSource(checkpoint["model"], lineage, model_settings, training.get("preset"))
 
 
 def read_hf_source(spec: str, folder: Path) -> InitSource:
@@ -1217,7 +1218,14 @@ def init_mismatch(source: InitSource, model, settings: dict) -> str | None:
         )
         if changes:
             problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
+    if source.preset and source.preset != training.get("preset"):
+        choose = (
+            f"the source is --preset {source.preset}, this run {training.get('preset')}: give --preset {source.preset}"
+        )
+    else:
+        choose = "choose the source's --preset and model options"
     return (
-        f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
-        "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
+        f"--init-from {spec}: its shapes do not fit this run's model ({choose}): "
+        + "; ".join(problems[:6])
+        + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
     )
