@@ -880,6 +880,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         cc.run_main(lambda: cc.main(["push", str(tmp_path / "missing"), str(tmp_path / "remote")]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+    texts = tmp_path / "texts"  # a folder of data, neither a run nor a corpus
+    texts.mkdir()
+    (texts / "a.txt").write_text("a text")
+    with pytest.raises(UserError, match=f"^{texts} is neither a run folder \\(no checkpoints/\\) nor a corpus"):
+        cc.main(["push", str(texts), str(tmp_path / "remote")])
+    (texts / "checkpoints").mkdir()
+    with pytest.raises(UserError, match=f"^{texts / 'checkpoints'} holds no step-\\*.pt checkpoints$"):
+        cc.main(["push", str(texts), str(tmp_path / "remote")])
     (tmp_path / "empty-remote").mkdir()
     with pytest.raises(UserError, match="no checkpoint to pull"):
         cc.main(["pull", str(tmp_path / "empty-remote"), str(tmp_path / "run")])

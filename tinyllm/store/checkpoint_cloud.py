@@ -927,6 +927,11 @@ def command_push(run_dir: str, url: str) -> int:
         if (source / CORPUS_MANIFEST).is_file():
             remote_store.push_corpus(source, fs, root)
             return 0
+        if not (source / CHECKPOINT_DIR).is_dir():
+            raise UserError(
+                f"{run_dir} is neither a run folder (no {CHECKPOINT_DIR}/) nor a corpus ({CORPUS_MANIFEST}): "
+                "push a train.py --out folder or a data.py corpus"
+            )
         local = store.list_folder(source / CHECKPOINT_DIR)
         if not local.files:
             raise UserError(f"{source / CHECKPOINT_DIR} holds no step-*.pt checkpoints")
