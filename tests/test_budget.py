@@ -501,7 +501,10 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
     assert moved.predicted_bpb == MODEL.loss(plan.parameters, 200_000)
     line = budget.check_text(moved.check)
     assert "\n" not in line and "2.00x the probe's speed" in line
-    assert line.endswith("re-planned from 100,000 tokens (100 steps) to 200,000 (200 steps)")
+    assert line.endswith(
+        "training would end at 450 s, not at its target 900 s: "
+        "re-planned from 100,000 tokens (100 steps) to 200,000 (200 steps)"
+    )
     assert budget.Plan.from_record(json.loads(json.dumps(moved.as_record()))) == moved
     assert line in moved.summary()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -403,6 +404,30 @@ def test_a_run_pulled_from_a_copy_of_its_backup_backs_up_to_the_copy(tmp_path, c
         out.splitlines()[-1]
         == f"continue with: python train.py --data corpus --out {kept} --backup-to {old} --resume auto"
     )
+
+
+def test_a_run_is_never_pulled_into_a_corpus_or_a_folder_of_other_files(tmp_path):
+    """`pull RUN_URL corpus/mine` (the arguments of a corpus pull, or a typo): refused before anything is read,
+    as train.py refuses such an --out, so a run's checkpoints and files never land in your data."""
+    remote = backed_up_run(tmp_path, store.NEEDS_RESUME, total_steps=20)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "corpus_manifest.json").write_text("{}")
+    data = tmp_path / "texts"
+    data.mkdir()
+    (data / "a.txt").write_text("a text")
+    for target, problem in (
+        (corpus, "is a corpus folder (corpus_manifest.json), not a run folder"),
+        (data, "holds files but is not a tinyllm run folder"),
+        (data / "a.txt", "is a file, not a run folder"),
+    ):
+        before = sorted(path.name for path in target.parent.iterdir())
+        with pytest.raises(UserError, match=f"^pull: {re.escape(str(target))} {re.escape(problem)}"):
+            cc.main(["pull", str(remote), str(target)])
+        assert sorted(path.name for path in target.parent.iterdir()) == before
+    assert sorted(path.name for path in corpus.iterdir()) == ["corpus_manifest.json"]
+    assert sorted(path.name for path in data.iterdir()) == ["a.txt"]
+    assert cc.main(["pull", str(remote), str(tmp_path / "pulled")]) == 0  # a new folder: pulled
 
 
 def test_run_files_are_backed_up_and_restored_when_missing(tmp_path):
@@ -855,6 +880,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         cc.run_main(lambda: cc.main(["push", str(tmp_path / "missing"), str(tmp_path / "remote")]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+    texts = tmp_path / "texts"  # a folder of data, neither a run nor a corpus
+    texts.mkdir()
+    (texts / "a.txt").write_text("a text")
+    with pytest.raises(UserError, match=f"^{texts} is neither a run folder \\(no checkpoints/\\) nor a corpus"):
+        cc.main(["push", str(texts), str(tmp_path / "remote")])
+    (texts / "checkpoints").mkdir()
+    with pytest.raises(UserError, match=f"^{texts / 'checkpoints'} holds no step-\\*.pt checkpoints$"):
+        cc.main(["push", str(texts), str(tmp_path / "remote")])
     (tmp_path / "empty-remote").mkdir()
     with pytest.raises(UserError, match="no checkpoint to pull"):
         cc.main(["pull", str(tmp_path / "empty-remote"), str(tmp_path / "run")])

@@ -453,6 +453,34 @@ def test_a_checked_type_names_its_conversion_in_argparse_errors(capsys):
 
 
 @pytest.mark.parametrize(
+    "given, hint",
+    [
+        ("--max-steps", "; a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it"),
+        ("--max_steps", "; a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it"),
+        ("--output-dir", "; did you mean --out?"),
+        ("--epohcs", "; did you mean --epochs?"),  # a typo: the closest spelling
+    ],
+)
+def test_another_trainers_option_name_points_at_this_ones(capsys, given, hint):
+    """`--max-steps` (HF Trainer's) is closest in spelling to `--warmup-steps`, the wrong option: the names
+    newcomers bring from other trainers get the option they need instead."""
+    parser = common.ArgumentParser(prog="tool")
+    for flag in ("--warmup-steps", "--stop-after-steps", "--target-tokens", "--epochs", "--out"):
+        parser.add_argument(flag)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([given, "5"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: unrecognized arguments: {given} 5{hint}") and err.count("\n") == 1, err
+    assert "--warmup-steps" not in err
+    bare = common.ArgumentParser(prog="tool")  # a parser without the option it names: no such hint
+    bare.add_argument("--seed")
+    with pytest.raises(SystemExit):
+        bare.parse_args(["--max-steps", "5"])
+    assert capsys.readouterr().err == "error: unrecognized arguments: --max-steps 5 (see tool --help)\n"
+
+
+@pytest.mark.parametrize(
     "help, default, shown",
     [
         ("PNG to write (default: RUN/loss_curve.png)", None, "PNG to write (default: RUN/loss_curve.png)"),

@@ -1026,10 +1026,22 @@ def test_empty_file_missing_path_bad_glob_and_unsupported_type(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "emptydir").mkdir()
     cases.append(([tmp_path / "emptydir"], "holds no non-empty .jsonl"))
+    licenses = tmp_path / "licenses"  # plain text without suffixes, as /usr/share/common-licenses has it
+    licenses.mkdir()
+    for name in ("GPL-3", "Apache-2.0"):  # Apache-2.0's suffix is ".0"
+        (licenses / name).write_text("Everyone is permitted to copy and distribute verbatim copies.\n")
+    cases.append(([licenses / "GPL-3"], "unsupported file type; expected one of .jsonl, "))
+    cases.append(([licenses / "GPL-3"], "; a plain-text file without a suffix (LICENSE, COPYING) is read when named"))
+    cases.append(([licenses], "holds no non-empty .jsonl"))
+    cases.append(([licenses], "save_to_disk folder; 2 files skipped (1 .0, 1 no suffix); a plain-text file without"))
+    cases.append(([licenses / "Apache-2.0"], "; a plain-text file without a suffix (LICENSE, COPYING) is read when"))
     for sources, message in cases:
-        with pytest.raises(UserError, match=message.replace("*", r"\*").replace(".", r"\.")):
+        with pytest.raises(UserError, match=re.escape(message)):
             build(sources, tmp_path / "out")
         assert no_leftovers(tmp_path / "out")
+    with pytest.raises(UserError) as raised:  # a suffix of another type: no plain-text hint
+        build([tmp_path / "x.csv"], tmp_path / "out")
+    assert "without a suffix" not in str(raised.value)
 
 
 def test_no_documents_left_after_filtering(tmp_path):

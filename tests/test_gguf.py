@@ -666,6 +666,15 @@ def test_not_a_qwen3_folder(model_dir, tmp_path):
         export_gguf.export(folder, tmp_path / "x.gguf")
     with pytest.raises(UserError, match="model folder not found"):
         export_gguf.export(tmp_path / "absent", tmp_path / "x.gguf")
+    run = tmp_path / "run"  # the run folder, or a file of the model folder: the message names the folder to give
+    copy_folder(model_dir, run / "model")
+    with pytest.raises(
+        UserError, match=f"^{re.escape(str(run))} is a run folder, .*; give {re.escape(str(run / 'model'))}$"
+    ):
+        export_gguf.export(run, tmp_path / "x.gguf")
+    weights = run / "model" / "model.safetensors"
+    with pytest.raises(UserError, match=f"^{re.escape(str(weights))} is a file; give its model folder: "):
+        export_gguf.export(weights, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
 
 

@@ -161,3 +161,18 @@ def test_every_help_text_lists_every_store(capsys):
         assert scheme in train.DATA_HELP and scheme in backup_help and scheme in cloud_help
         assert f"pip install {backend.package}" in cloud_help
         assert (scheme in publishing.STORES_TEXT) is (backend.schemes[0] != publishing.HUB_SCHEME)
+
+
+def test_a_backup_folder_whose_parent_is_missing_says_how_to_make_it(tmp_path):
+    """push into file:///store/runs/mine when /store/runs does not exist: one line naming the missing folder and the
+    mkdir that makes it (only the last folder is made, so an unmounted drive is never filled in its place)."""
+    parent = tmp_path / "store" / "runs"
+    url = f"file://{parent}/mine"
+    fs, root = remote_store.open_remote(url)
+    with pytest.raises(UserError) as raised:
+        remote_store.require_remote(fs, root, url, writing=True)
+    message = str(raised.value)
+    assert message.startswith(f"no such folder: {parent} (") and message.endswith(f"mkdir -p {parent})")
+    assert "\n" not in message and not parent.exists()
+    parent.mkdir(parents=True)
+    remote_store.require_remote(fs, root, url, writing=True)  # the parent exists: the folder itself may be new

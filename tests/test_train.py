@@ -715,7 +715,7 @@ def test_a_checkpoint_whose_default_changed_since_says_how_to_keep_it(corpus, tm
     without it: refused, and the message gives the option that resumes it as it was; with it, it resumes."""
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--beta1", "0.9", "--stop-after-steps", "5")) == 0
-    with pytest.raises(UserError, match=r"beta1: 0\.9 -> null.*kept with --beta1 0\.9; for a new run"):
+    with pytest.raises(UserError, match=r"beta1: 0\.9 -> null.*values, add --beta1 0\.9; for a new run"):
         train.main(options(corpus, out))
     assert train.main(options(corpus, out, "--beta1", "0.9")) == 0
 
@@ -727,7 +727,7 @@ def test_a_checkpoint_whose_preset_changed_since_says_which_shape_options_keep_i
     assert train.main(options(corpus, out, "--stop-after-steps", "5")) == 0
     tiny = model_config.PRESETS["tiny"]
     monkeypatch.setitem(model_config.PRESETS, "tiny", dataclasses.replace(tiny, heads=2, head_dim=32))
-    with pytest.raises(UserError, match=r"kept with --head-dim 16 --heads 4; for a new run"):
+    with pytest.raises(UserError, match=r"values, add --head-dim 16 --heads 4; for a new run"):
         train.main(options(corpus, out))
     assert train.main(options(corpus, out, "--heads", "4", "--head-dim", "16")) == 0
 
@@ -1978,6 +1978,12 @@ def test_init_from_refuses_another_tokenizer_another_shape_and_non_sources(corpu
         "model.hidden: 64 there, 32 here",
     ):
         train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--hidden", "32"))
+    with pytest.raises(  # another preset (a --budget run's, say): the message names the source's
+        UserError,
+        match=rf"--init-from {checkpoint}: its shapes do not fit this run's model \(the source is --preset tiny, "
+        r"this run nano: give --preset tiny\): model.head_dim: 16 there, 64 here",
+    ):
+        train.main(options(corpus, tmp_path / "b", "--init-from", str(checkpoint), "--preset", "nano"))
     # tiny's own LM head into a tied model: loading both into the one matrix would drop the trained embedding
     with pytest.raises(UserError, match=r"its shapes do not fit .*model.tie_embeddings: False there, True here"):
         train.main(options(corpus, tmp_path / "t", "--init-from", str(checkpoint), "--tie-embeddings"))

@@ -513,8 +513,34 @@ class ArgumentParser(argparse.ArgumentParser):
             return ""
         flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
         tokens = message.removeprefix("unrecognized arguments: ").split()
-        hints = (did_you_mean(token.split("=", 1)[0], flags) for token in tokens if token.startswith("--"))
+        hints = (self.other_name(token.split("=", 1)[0], flags) for token in tokens if token.startswith("--"))
         return next((hint for hint in hints if hint), "")
+
+    @staticmethod
+    def other_name(word: str, flags: list[str]) -> str:
+        """The hint for one unrecognized option: another tool's name for one of this parser's (OTHER_NAMES),
+        else the closest spelling."""
+        known = OTHER_NAMES.get(word.replace("_", "-"))
+        if known and known[0] in flags:
+            return f"; {known[1]}"
+        return did_you_mean(word, flags)
+
+
+# Options a newcomer brings from other trainers (HF Trainer, nanoGPT), whose closest spelling here is the
+# wrong option (`--max-steps` is closest to `--warmup-steps`): the option it needs, then the hint.
+OTHER_NAMES = {
+    "--max-steps": (
+        "--stop-after-steps",
+        "a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it resumably",
+    ),
+    "--max-iters": (
+        "--stop-after-steps",
+        "a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it resumably",
+    ),
+    "--num-train-epochs": ("--epochs", "did you mean --epochs?"),
+    "--output-dir": ("--out", "did you mean --out?"),
+    "--learning-rate": ("--lr", "did you mean --lr (AdamW's) or --muon-lr (Muon's)?"),
+}
 
 
 def did_you_mean(word: str, candidates: list[str]) -> str:

@@ -229,15 +229,21 @@ def folder_sources(folder: Path) -> tuple[list[Source], Counter]:
     return sorted(found, key=lambda source: source.name), skipped
 
 
-def skipped_note(folder: Path, skipped: Counter) -> str:
-    """One line naming what a folder input left out (the most common kinds first)."""
+# A file's kind is its suffix: plain text without one (LICENSE, COPYING, /usr/share/common-licenses/*) is not guessed.
+NO_SUFFIX_HINT = "a plain-text file without a suffix (LICENSE, COPYING) is read when named NAME.txt (a copy or a link)"
+
+
+def skipped_text(skipped: Counter) -> str:
+    """ "3 files skipped (1 .html, 1 empty, 1 no suffix)": what a folder input left out, the commonest first."""
     commonest = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))[:6]
     kinds = ", ".join(f"{count} {kind}" for kind, count in commonest)
     more = ", ..." if len(skipped) > 6 else ""
-    return (
-        f"note: --data {folder}: {sum(skipped.values())} files skipped ({kinds}{more}); "
-        f"read: non-empty {', '.join(FILE_KINDS)} files"
-    )
+    return f"{sum(skipped.values())} files skipped ({kinds}{more})"
+
+
+def skipped_note(folder: Path, skipped: Counter) -> str:
+    """One line naming what a folder input left out (the most common kinds first)."""
+    return f"note: --data {folder}: {skipped_text(skipped)}; read: non-empty {', '.join(FILE_KINDS)} files"
 
 
 def input_label(spec: str, label_by_stem: bool) -> tuple[str | None, str]:
@@ -306,12 +312,19 @@ def resolve_input(spec: str, notes: list[str] | None = None) -> list[Source]:
                 raise UserError(
                     f"input folder {path} holds no non-empty {', '.join(FILE_KINDS)} files "
                     "and is not a datasets.save_to_disk folder"
+                    + (f"; {skipped_text(skipped)}" if skipped else "")
+                    + (f"; {NO_SUFFIX_HINT}" if skipped.get("no suffix") else "")
                 )
             if skipped:
                 notes.append(skipped_note(path, skipped))
             sources.extend(found)
         elif file_kind(path) is None:
-            raise UserError(f"input {path}: unsupported file type; expected one of {', '.join(FILE_KINDS)}")
+            raise UserError(
+                f"input {path}: unsupported file type; expected one of {', '.join(FILE_KINDS)}"
+                + (
+                    f"; {NO_SUFFIX_HINT}" if not path.suffix[1:] or path.suffix[1:].isdigit() else ""
+                )  # GPL-3, Apache-2.0
+            )
         else:
             sources.append(Source(str(path), file_kind(path), path))
     return sources

@@ -137,9 +137,13 @@ def rope_theta_of(config: dict, config_path: Path) -> float:
 def read_model_folder(folder: str | Path) -> ModelSource:
     """Validate that `folder` holds a Qwen3ForCausalLM we can export, and read its shape."""
     folder = Path(folder)
+    if folder.is_file() and (folder.parent / "config.json").is_file():  # a file of the folder: model.safetensors
+        raise UserError(f"{folder} is a file; give its model folder: {folder.parent}")
     if not folder.is_dir():
         raise UserError(f"model folder not found: {folder}")
     config_path = folder / "config.json"
+    if not config_path.is_file() and (folder / "model" / "config.json").is_file():  # a run folder
+        raise UserError(f"{folder} is a run folder, not its Hugging Face model folder; give {folder / 'model'}")
     if not config_path.is_file():
         raise UserError(f"{folder} is not a Hugging Face model folder (no config.json)")
     config = read_json(config_path, "config")

@@ -917,6 +917,11 @@ def command_push(run_dir: str, url: str) -> int:
         if (source / CORPUS_MANIFEST).is_file():
             remote_store.push_corpus(source, fs, root)
             return 0
+        if not (source / CHECKPOINT_DIR).is_dir():
+            raise UserError(
+                f"{run_dir} is neither a run folder (no {CHECKPOINT_DIR}/) nor a corpus ({CORPUS_MANIFEST}): "
+                "push a train.py --out folder or a data.py corpus"
+            )
         local = store.list_folder(source / CHECKPOINT_DIR)
         if not local.files:
             raise UserError(f"{source / CHECKPOINT_DIR} holds no step-*.pt checkpoints")
@@ -957,6 +962,9 @@ def command_pull(url: str, run_dir: str) -> int:
     if corpus:
         remote_store.pull_corpus(url, run_dir)
         return 0
+    problem = store.run_folder_problem(Path(run_dir))  # a swapped argument never writes a run into your data
+    if problem:
+        raise UserError(f"pull: {run_dir} {problem}; pull a run into a new or empty folder, or into its run folder")
     path = restore_latest(url, Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     if path is None:
         raise UserError("the remote holds no checkpoint to pull")

@@ -926,6 +926,7 @@ class InitSource:
     state: dict
     lineage: dict  # {"source", "kind", "path", "sha256", "step", "corpus_manifest_sha256", "vocabulary_sha256"}
     model_settings: dict | None = None  # a checkpoint's model.* settings, for the message on a shape mismatch
+    preset: str | None = None  # a checkpoint's --preset, named by that message when this run's differs
 
 
 def read_init_source(spec: str) -> InitSource:
@@ -975,7 +976,7 @@ def read_checkpoint_source(spec: str, path: Path, kind: str) -> InitSource:
     model_settings = {
         key: value for key, value in training.items() if key.startswith(RECORDED_PREFIX) or key == "vocab_size"
     }
-    return InitSource(checkpoint["model"], lineage, model_settings)
+    return InitSource(checkpoint["model"], lineage, model_settings, training.get("preset"))
 
 
 def read_hf_source(spec: str, folder: Path) -> InitSource:
@@ -1021,19 +1022,28 @@ def read_hf_source(spec: str, folder: Path) -> InitSource:
 RUN_FOLDER_MARKERS = ("training_settings.json", "run_status.json", "checkpoints", ".lock")  # what --out may hold
 
 
+def run_folder_problem(out: Path) -> str | None:
+    """Why `out` cannot hold a run: a file, a corpus, or a folder of other files; None for a new or empty folder
+    or a run folder (train.py's --out and checkpoint_cloud.py pull's RUN)."""
+    if out.exists() and not out.is_dir():
+        return "is a file, not a run folder"
+    if not out.is_dir():
+        return None
+    if (out / CORPUS_MANIFEST).exists():
+        return f"is a corpus folder ({CORPUS_MANIFEST}), not a run folder"
+    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
+        return (
+            "holds files but is not a tinyllm run folder (no training_settings.json, run_status.json or checkpoints/)"
+        )
+    return None
+
+
 def check_run_folder(out: Path) -> None:
     """Refuse an --out that is a corpus, a file, or a folder of other files (an empty or new folder is fine)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a run folder; choose a new --out")
-    if not out.is_dir():
-        return
-    if (out / CORPUS_MANIFEST).exists():
-        raise UserError(f"--out {out} is a corpus folder ({CORPUS_MANIFEST}), not a run folder; choose a new --out")
-    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FOLDER_MARKERS):
-        raise UserError(
-            f"--out {out} holds files but is not a tinyllm run folder (no training_settings.json, "
-            "run_status.json or checkpoints/); choose a new or empty --out"
-        )
+    problem = run_folder_problem(out)
+    if problem:
+        choose = "a new or empty" if problem.startswith("holds files") else "a new"
+        raise UserError(f"--out {out} {problem}; choose {choose} --out")
 
 
 def lock_run_folder(out: Path):
@@ -1217,7 +1227,14 @@ def init_mismatch(source: InitSource, model, settings: dict) -> str | None:
         )
         if changes:
             problems = [f"{key}: {theirs} there, {ours} here" for key, (theirs, ours) in changes.items()]
+    if source.preset and source.preset != training.get("preset"):
+        choose = (
+            f"the source is --preset {source.preset}, this run {training.get('preset')}: give --preset {source.preset}"
+        )
+    else:
+        choose = "choose the source's --preset and model options"
     return (
-        f"--init-from {spec}: its shapes do not fit this run's model (choose the source's --preset and model "
-        "options): " + "; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
+        f"--init-from {spec}: its shapes do not fit this run's model ({choose}): "
+        + "; ".join(problems[:6])
+        + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else "")
     )

@@ -380,7 +380,10 @@ def require_remote(fs, root: str, url: str, writing: bool = False) -> None:
                 raise UserError(f"{root} is a file, not a folder")
             parent = parent_of(root) or "/"
             if writing and not fs.isdir(root) and not fs.isdir(parent):
-                raise UserError(f"no such folder: {parent} (the backup folder is created only inside an existing one)")
+                raise UserError(
+                    f"no such folder: {parent} (the backup folder is created only inside an existing one, so a drive"
+                    f" that is not mounted is never filled in its place; if this is the place: mkdir -p {parent})"
+                )
             if not writing and not fs.isdir(root):
                 raise UserError(f"no such folder: {root}")
         elif backend is not None and backend.buckets and not fs.exists(root):

@@ -918,7 +918,8 @@ def check_text(check: dict, again: bool = False) -> str:
     if not check["replanned"]:
         return f"{seen}, training ends within {CHECK_TOLERANCE:.0%} of the budget's time as planned: kept"
     return (
-        f"{seen}, training would end at {check['projected_end_seconds']:.0f} s of {check['target_end_seconds']:.0f}"
+        f"{seen}, training would end at {check['projected_end_seconds']:.0f} s, not at its target "
+        f"{check['target_end_seconds']:.0f} s"
         f": re-planned from {check['from_tokens']:,} tokens ({check['from_steps']} steps) to "
         f"{check['to_tokens']:,} ({check['to_steps']} steps)"
     )

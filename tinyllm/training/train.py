@@ -1084,7 +1084,7 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
             + ". A resume keeps every training setting; only the length (--target-tokens or "
             "--epochs) may change, under --schedule wsd from a checkpoint before its decay"
             + (" (here its length in steps differs too)" if verdict.extend else "")
-            + (f"; the checkpoint's values are kept with {' '.join(keep)}" if keep else "")
+            + (f"; to resume with the checkpoint's values, add {' '.join(keep)}" if keep else "")
             + f"; for a new run from these weights use a new --out with --init-from {path}"
         )
     extensions = list(checkpoint["settings"].get("extended") or [])
