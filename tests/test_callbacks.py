@@ -175,3 +175,20 @@ def test_the_saved_validation_is_the_one_the_observer_kept(tmp_path):
     observer.on_eval(4)
     observer.on_eval(8)
     assert callbacks.Validation.saved({"validation": observer.state_dict()}) == observer.summary()["validation"]
+
+
+@pytest.mark.parametrize(
+    "total, every, steps",
+    [
+        (356, 71, [71, 142, 213, 284, 356]),  # the default five of 356 steps: not at 355 as well
+        (355, 71, [71, 142, 213, 284, 355]),  # the fifth multiple is the last step: once
+        (1020, 100, [100, 200, 300, 400, 500, 600, 700, 800, 900, 1020]),  # 20 steps before it: left to it
+        (1030, 100, [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1030]),  # 30 steps (a quarter: 25)
+        (13, 4, [4, 8, 12, 13]),  # one step of a one-step gap: kept
+        (5, 1, [1, 2, 3, 4, 5]),
+        (12, 0, [12]),  # 0: at the end only
+        (12, None, []),  # off
+    ],
+)
+def test_an_evaluation_is_due_at_each_multiple_and_the_last_step_not_just_before_it(total, every, steps):
+    assert [step for step in range(1, total + 1) if callbacks.due(step, total, every)] == steps
