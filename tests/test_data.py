@@ -1118,6 +1118,9 @@ def test_empty_held_out_splits_warn_but_build(tmp_path, capsys):
         "add more documents or raise --val-fraction"
     ]  # none for test: it was not asked for
     assert "validation 0 (0 docs, EMPTY)" in captured.out and "test 0 (0 docs);" in captured.out
+    assert "(3 records read; none dropped)" in captured.out and "train " in captured.out
+    build([source], tmp_path / "one", "--val-fraction", "0.34", "--test-fraction", "0")
+    assert "validation 22 (1 doc), " in capsys.readouterr().out
     build([source], tmp_path / "none", "--val-fraction", "0", "--test-fraction", "0")
     assert "warning:" not in capsys.readouterr().err
 

@@ -1651,8 +1651,8 @@ def empty_splits(splits: dict[str, dict], settings: BuildSettings) -> dict[str, 
 def describe_drops(stats: dict[str, SourceStats]) -> str:
     read = sum(counts.records_read for counts in stats.values())
     dropped = sum((counts.dropped for counts in stats.values()), Counter())
-    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items())) or "none dropped"
-    return f"{read} records read; dropped: {reasons}"
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items()))
+    return f"{read} records read; " + (f"dropped: {reasons}" if reasons else "none dropped")
 
 
 def print_summary(
@@ -1673,7 +1673,8 @@ def print_summary(
             "only): trained on, they would teach the model to answer nothing"
         )
     per_split = ", ".join(
-        f"{split} {info['tokens']:,} ({info['documents']} docs{', EMPTY' if split in empty else ''})"
+        f"{split} {info['tokens']:,} ({info['documents']} doc{'' if info['documents'] == 1 else 's'}"
+        f"{', EMPTY' if split in empty else ''})"
         for split, info in corpus["splits"].items()
     )
     print(f"  tokens: {per_split}; vocab {corpus['vocab_size']} as {corpus['dtype']}")
