@@ -139,6 +139,12 @@ def test_demo_completes_with_an_accuracy(demo):
     assert [r["test_loss"] for r in metrics(run) if r["kind"] == "test"] == [record["test_loss"]]
     card = (run / "model" / "README.md").read_text()
     assert "Held-out demo task accuracy" in card and "**COMPLETE**" in card
+    for split in ("validation", "test"):  # each with its bits per byte and the tokens they were measured on
+        held_out = record[split]
+        assert (
+            f"- {split.capitalize()} loss: {held_out['loss']:.4f} (perplexity {held_out['perplexity']:.2f}, "
+            f"{held_out['bits_per_byte']:.4f} bits per byte) on {held_out['tokens']:,} held-out tokens\n"
+        ) in card
 
 
 def test_the_demo_trains_with_the_default_recipe_and_a_clean_log(demo):

@@ -363,6 +363,7 @@ CARD_INFO = {
     "settings": {"training": {"preset": "tiny", "lr": 0.01}},
     "validation_loss": 0.1234,
     "validation_perplexity": 1.13,
+    "validation_tokens": 8_192,
     "test_loss": 0.2345,
     "test_perplexity": 1.26,
     "test_bits_per_byte": 0.0812,
@@ -428,8 +429,8 @@ def test_export_reloads_with_transformers_and_matches_the_training_model(chat_mo
         "2 decoder layers",
         "c0" * 32,
         "70" * 32,
-        "Validation loss: 0.1234",
-        "Test loss: 0.2345 (perplexity 1.26, 0.0812 bits per byte)",
+        "Validation loss: 0.1234 (perplexity 1.13) on 8,192 held-out tokens",  # no bits per byte recorded
+        "Test loss: 0.2345 (perplexity 1.26, 0.0812 bits per byte)\n",  # nor its tokens
         "92.5% exact match (37/40)",
         "AutoModelForCausalLM.from_pretrained",
         "## Limitations",

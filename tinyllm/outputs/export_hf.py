@@ -51,9 +51,12 @@ def card_info(
         "tokenizer_sha256": training["tokenizer_sha256"],
         "validation_loss": validation["loss"] if validation else None,
         "validation_perplexity": validation["perplexity"] if validation else None,
+        "validation_bits_per_byte": (validation or {}).get("bits_per_byte"),
+        "validation_tokens": (validation or {}).get("tokens"),
         "test_loss": test["loss"] if test else None,
         "test_perplexity": test["perplexity"] if test else None,
         "test_bits_per_byte": (test or {}).get("bits_per_byte"),
+        "test_tokens": (test or {}).get("tokens"),
         "demo_accuracy": accuracy,
         "init_from": settings.get("init_from"),
         "settings": settings,
@@ -227,18 +230,24 @@ def _budget_lines(plan: dict | None) -> list[str]:
     return [f"- Planned by {plan['summary']}; {plan['why']}"]
 
 
+def _held_out_line(split: str, card_info: dict) -> str:
+    """A held-out split's loss, perplexity and bits per byte, and how many tokens they were measured on (a
+    split of a few documents scores far from the next run's: the count says how far to trust it)."""
+    key = split.lower()
+    bpb, tokens = card_info.get(f"{key}_bits_per_byte"), card_info.get(f"{key}_tokens")
+    return (
+        f"- {split} loss: {_number(card_info.get(f'{key}_loss'))} "
+        f"(perplexity {_number(card_info.get(f'{key}_perplexity'), 2)}"
+        + (f", {_number(bpb)} bits per byte" if bpb is not None else "")
+        + ")"
+        + (f" on {tokens:,} held-out tokens" if isinstance(tokens, int) else "")
+    )
+
+
 def _card_evaluation(arch: dict, card_info: dict) -> list[str]:
     """The held-out losses (and the demo's accuracy), then how to use the model."""
     accuracy = _accuracy_line(card_info.get("demo_accuracy"))
-    lines = [
-        "## Evaluation",
-        "",
-        f"- Validation loss: {_number(card_info.get('validation_loss'))} "
-        f"(perplexity {_number(card_info.get('validation_perplexity'), 2)})",
-        f"- Test loss: {_number(card_info.get('test_loss'))} "
-        f"(perplexity {_number(card_info.get('test_perplexity'), 2)}, "
-        f"{_number(card_info.get('test_bits_per_byte'))} bits per byte)",
-    ]
+    lines = ["## Evaluation", "", _held_out_line("Validation", card_info), _held_out_line("Test", card_info)]
     if accuracy:
         lines.append(f"- Held-out demo task accuracy (greedy, chat template): {accuracy}")
     return lines + [
