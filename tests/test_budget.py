@@ -282,12 +282,12 @@ def test_a_budget_too_small_is_one_line_saying_what_it_would_take():
         budget.choose(request("1h", target_tokens=90_000_000), CANDIDATES, MODEL)
     with pytest.raises(UserError, match="no model shape"):
         budget.choose(request("1h"), [], MODEL)
-    short = request("1h", train_tokens=100_000, max_passes=4)  # 400,000 tokens at most: no budget is enough
+    short = request("1h", train_tokens=80_000, max_passes=4)  # 320,000 tokens at most: no budget is enough
     with pytest.raises(UserError) as caught:
         budget.choose(short, CANDIDATES, MODEL)
     assert str(caught.value) == (
-        "--budget 1h: the corpus is too small to plan a run on: 4 passes over its train split of 100,000 tokens "
-        "are 400,000, under the smallest sensible run (409,600 tokens: 200 steps of 2,048); train it without "
+        "--budget 1h: the corpus is too small to plan a run on: 4 passes over its train split of 80,000 tokens "
+        "are 320,000, under the smallest sensible run (327,680 tokens: 160 steps of 2,048); train it without "
         "--budget (e.g. --epochs 4), or build the corpus from more text"
     )
 

@@ -121,7 +121,10 @@ MIN_BATCH_TOKENS = 2048  # at equal tokens (one thread, two seeds), 2,048 tokens
 # changelogs 0.970-0.992x (nano, tiny: 6 of 6), man pages 1.009-1.011x (nano); 1,024 was worse than 2,048 in 5 of
 # 6, up to 1.11x (bench/RESULTS.md "The smallest batch")
 MAX_BATCH_TOKENS = 131_072
-MIN_STEPS = 200  # the smallest sensible run: this many steps of the smallest batch (409,600 tokens)
+MIN_STEPS = 160  # the smallest sensible run: this many steps of the smallest batch (327,680 tokens). Between the
+# measured sides: the 4 plans whose nano candidate fell at 335,872-403,456 tokens (a burst's) became tiny under 200
+# (409,600) and ended 0.5-5% behind the fixed nano, nano at 409,600 was 0.9705x; at 1.5 MB tiny beat nano's
+# 151,552-196,608 tokens by 1.1-8.2% (bench/RESULTS.md "The smallest sensible run")
 MIN_TOKENS = MIN_STEPS * MIN_BATCH_TOKENS
 MAX_EPOCHS = 4  # at most this many passes over the train split: repeated tokens are worth less (Muennighoff
 # et al. 2023: up to ~4 epochs nearly as good as new data), which the loss model does not know ...
