@@ -528,15 +528,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 # Options a newcomer brings from other trainers (HF Trainer, nanoGPT), whose closest spelling here is the
 # wrong option (`--max-steps` is closest to `--warmup-steps`): the option it needs, then the hint.
+LENGTH_HINT = "a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it resumably"
 OTHER_NAMES = {
-    "--max-steps": (
-        "--stop-after-steps",
-        "a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it resumably",
-    ),
-    "--max-iters": (
-        "--stop-after-steps",
-        "a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it resumably",
-    ),
+    "--max-steps": ("--stop-after-steps", LENGTH_HINT),
+    "--max-iters": ("--stop-after-steps", LENGTH_HINT),
     "--num-train-epochs": ("--epochs", "did you mean --epochs?"),
     "--output-dir": ("--out", "did you mean --out?"),
     "--learning-rate": ("--lr", "did you mean --lr (AdamW's) or --muon-lr (Muon's)?"),

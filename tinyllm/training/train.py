@@ -1564,7 +1564,6 @@ class BudgetCheck:
             progress,
             recorded,
         )
-        self.checked_after = 0  # the steps this session had timed at the check: the late check times the rest
 
     def after_step(self, clock: StepClock, step_times: list[float]) -> bool:
         """Check the plan when due (`clock`: agreed over the ranks); whether the run's length changed."""
@@ -1575,9 +1574,8 @@ class BudgetCheck:
         if not budget.check_due(plan, training.step, clock.elapsed, len(step_times), decay_start):
             return False
         every = next((observer.every for observer in self.observers.callbacks if observer.key == "validation"), 0)
-        late = plan.check is not None
-        times = step_times[self.checked_after :] if late else step_times
-        self.checked_after = len(step_times)
+        late = plan.check is not None  # the late check times the steps since the check, one time each
+        times = step_times[len(step_times) - (training.step - plan.check["at_step"]) :] if late else step_times
         step_seconds = budget.rest_step_seconds(budget.typical_step_seconds(times), clock.slowest_eval, every)
         step_seconds = distributed.agree_max([step_seconds], training.info)[0]
         end_seconds = 2 * clock.slowest_eval + 2 * clock.last_write  # the re-plan's save, last validation, test, save
