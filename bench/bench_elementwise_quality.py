@@ -30,7 +30,7 @@ Two real texts found offline on a Debian machine, built into corpora by data.py 
 
 Both arms of a (text, seed) pair train the same model (same initial weights, same data order) on the
 same tokens; they run at the same time (--jobs 2), one torch thread each. Score: train.py's own test
-evaluation at the end (metrics.jsonl's test_bits_per_byte, over every test block: --eval-batches is
+evaluation at the end (metrics.jsonl's test_bits_per_byte, over every test block: --eval-tokens is
 set to cover the whole split), under the arm's autocast. Target (issue 31): after/before within 0.5%.
 """
 
@@ -233,8 +233,8 @@ def train_argv(args: argparse.Namespace, corpus: Path, out: Path, seed: int) -> 
         str(args.threads),
         "--eval-every",
         "0",
-        "--eval-batches",
-        "100000",
+        "--eval-tokens",
+        str(10**9),
         "--save-every",
         "0",
         "--save-seconds",

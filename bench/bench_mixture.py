@@ -154,8 +154,8 @@ def run_mix(
         "wsd",
         "--threads",
         str(args.threads),
-        "--eval-batches",
-        "100000",
+        "--eval-tokens",
+        str(10**9),  # every block
         *(["--mixture-schedule", schedule] if schedule else []),
     ]
     training = train.build_training(

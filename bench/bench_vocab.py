@@ -20,7 +20,7 @@ of its median step (a step on a busy machine waits for a core, not for more work
 tokens per wall-second beside it. (2) Each configuration trains the tokens its speed buys in
 --reference-seconds (at most budget.max_passes over its train split) with --budget's batch rule
 (budget.global_blocks) and train.py's recipe: equal wall time on a quiet machine, however busy this one is
-while the runs train. The score is held-out bits per byte over every block of the test split (--eval-batches
+while the runs train. The score is held-out bits per byte over every block of the test split (--eval-tokens
 past the split's size). --equal-tokens adds runs of every vocabulary at the tokens of --reference-vocab's.
 """
 
@@ -177,8 +177,8 @@ def train_command(corpus: Path, out: Path, preset: str, seed: int, tokens: int, 
         str(accum),
         "--eval-every",
         "0",
-        "--eval-batches",
-        "1000000",  # every block of the validation and test splits
+        "--eval-tokens",
+        str(10**9),  # every block of the validation and test splits
         "--save-every",
         "0",
         "--save-seconds",

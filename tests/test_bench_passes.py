@@ -15,10 +15,10 @@ import bench_passes  # noqa: E402
 @pytest.mark.parametrize(
     "passes, preset, train_tokens, expected",
     [
-        (1, "tiny", 397_093, (397_312, 16)),  # 194 whole steps of 2,048 tokens, the nearest to one pass
+        (1, "tiny", 397_093, (397_312, 32)),  # 97 whole steps of 4,096 tokens, the nearest to one pass
         (4, "tiny", 397_093, (1_589_248, 32)),  # 388 steps
         (4, "nano", 10_000_000, (39_976_960, 512)),  # 305 steps of the largest batch, 131,072 tokens
-        (0.001, "nano", 10_000, (2_048, 8)),  # at least one step
+        (0.001, "nano", 10_000, (4_096, 16)),  # at least one step
     ],
 )
 def test_the_tokens_of_a_number_of_passes_are_whole_steps_of_the_batch_rule(passes, preset, train_tokens, expected):

@@ -65,9 +65,10 @@ def test_duration_text_rounds_up(seconds, text):
 @pytest.mark.parametrize(
     "tokens, context, expected",
     [
-        (1e5, 128, 2048),  # the floor
-        (471_040, 256, 2048),  # 1,570 -> the floor: nano's 100 s run at one thread, 230 steps
+        (1e5, 128, 4096),  # the floor
+        (471_040, 256, 4096),  # 1,570 -> the floor: nano's 100 s run at one thread, 115 steps
         (1.3e6, 256, 4096),  # 4,333 -> 4,096
+        (2.6e6, 256, 8192),  # 8,667 -> 8,192
         (5e6, 256, 16_384),  # 5e6 / 300 = 16,667 -> the power of two below
         (1e12, 1024, 131_072),  # the ceiling
         (1e5, 8192, 8192),  # at least one block
@@ -89,13 +90,13 @@ def test_split_batch(blocks, world, micro, expected):
 @pytest.mark.parametrize(
     "tokens, world, rounding, expected",
     [
-        (1_000_000, 1, math.floor, (488, 8)),  # 2,048-token steps (1e6 / 300 = 3,333 -> 2,048): 488.3
-        (1_000_000, 1, math.ceil, (489, 8)),
-        (1_000_000, 1, round, (488, 8)),
-        (999_000, 1, round, (488, 8)),  # 487.8
+        (1_000_000, 1, math.floor, (244, 16)),  # 4,096-token steps (1e6 / 300 = 3,333 -> the floor): 244.1
+        (1_000_000, 1, math.ceil, (245, 16)),
+        (1_000_000, 1, round, (244, 16)),
+        (997_000, 1, round, (243, 16)),  # 243.4
         (40_000_000, 1, math.floor, (305, 512)),  # 131,072-token steps: 305.2
         (40_000_000, 3, math.floor, (304, 513)),  # a multiple of the world size
-        (1000, 1, math.floor, (1, 8)),  # at least one step
+        (1000, 1, math.floor, (1, 16)),  # at least one step
     ],
 )
 def test_whole_steps(tokens, world, rounding, expected):
@@ -287,7 +288,7 @@ def test_a_budget_too_small_is_one_line_saying_what_it_would_take():
         budget.choose(short, CANDIDATES, MODEL)
     assert str(caught.value) == (
         "--budget 1h: the corpus is too small to plan a run on: 4 passes over its train split of 80,000 tokens "
-        "are 320,000, under the smallest sensible run (327,680 tokens: 160 steps of 2,048); train it without "
+        "are 320,000, under the smallest sensible run (327,680 tokens: 80 steps of 4,096); train it without "
         "--budget (e.g. --epochs 4), or build the corpus from more text"
     )
 
@@ -632,8 +633,8 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
         "10m",
         "--eval-every",
         "4",
-        "--eval-batches",
-        "1",
+        "--eval-tokens",
+        "2048",
         "--save-every",
         "4",
         "--log-every",

@@ -597,13 +597,14 @@ def test_each_packing_mode_is_one_class_with_one_interface(packing, rows, spans,
 
 @pytest.mark.parametrize("blocks, world, count", [(100, 1, 24), (100, 3, 24), (10, 2, 10), (0, 2, 0)])
 def test_evaluation_rows_are_the_fixed_order_shared_between_ranks(blocks, world, count):
-    """--eval-batches 2 global batches of 12 rows: the first `count` rows of the EVAL_EPOCH order, every
-    world-th to each rank, whatever the world size."""
-    options = SimpleNamespace(eval_batches=2, seed=7, world=world)
+    """--eval-tokens 760 of blocks of 32 tokens: 24 rows (a part block's tokens take a block), the first `count`
+    of the EVAL_EPOCH order keyed by EVAL_SEED (not the run's --seed), every world-th to each rank, whatever the
+    world size."""
+    options = SimpleNamespace(eval_tokens=760, context=32, seed=7, world=world)
     split = SimpleNamespace(blocks=blocks)
-    shares = [train_data.evaluation_rows(split, options, rank, 12) for rank in range(world)]
+    shares = [train_data.evaluation_rows(split, options, rank) for rank in range(world)]
     assert all(share.total == count for share in shares)
-    order = train_data.BlockPermutation(blocks, 7, train_data.EVAL_EPOCH) if blocks else None
+    order = train_data.BlockPermutation(blocks, train_data.EVAL_SEED, train_data.EVAL_EPOCH) if blocks else None
     assert sorted(row for share in shares for row in share.rows) == sorted(order(i) for i in range(count))
     assert shares[-1].rows == [order(i) for i in range(world - 1, count, world)] if blocks else shares[-1].rows == []
 

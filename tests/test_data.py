@@ -1107,6 +1107,25 @@ def test_tokenizer_option_accepts_a_corpus_folder(demo_corpus, tmp_path):
     assert sha256_tree(out / corpus_format.TOKENIZER_DIR) == sha256_tree(demo_corpus / corpus_format.TOKENIZER_DIR)
 
 
+@pytest.mark.parametrize(
+    "validation, test, warned",
+    [
+        ((0, 0), (0, 0), []),  # empty: empty_splits' warning, not this one
+        ((16_384, 40), (16_383, 2), ["test"]),
+        ((100, 1), (20_000, 9), ["validation"]),
+        ((26_624, 39), (28_206, 36), []),  # KJV's 2.5 MB
+    ],
+)
+def test_small_held_out_splits_warn_that_their_scores_are_rough(validation, test, warned):
+    splits = {
+        "validation": {"tokens": validation[0], "documents": validation[1]},
+        "test": {"tokens": test[0], "documents": test[1]},
+    }
+    warnings = data.small_splits(splits, data.BuildSettings(val_fraction=0.05, test_fraction=0.05))
+    assert list(warnings) == warned
+    assert all(f"--{'val' if split == 'validation' else 'test'}-fraction" in warnings[split] for split in warned)
+
+
 def test_empty_held_out_splits_warn_but_build(tmp_path, capsys):
     source = write_jsonl(tmp_path / "few.jsonl", text_records("ok", 3))
     out = build([source], tmp_path / "out", "--val-fraction", "0.001", "--test-fraction", "0")
@@ -1120,7 +1139,12 @@ def test_empty_held_out_splits_warn_but_build(tmp_path, capsys):
     assert "validation 0 (0 docs, EMPTY)" in captured.out and "test 0 (0 docs);" in captured.out
     assert "(3 records read; none dropped)" in captured.out and "train " in captured.out
     build([source], tmp_path / "one", "--val-fraction", "0.34", "--test-fraction", "0")
-    assert "validation 22 (1 doc), " in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "validation 22 (1 doc), " in captured.out
+    assert captured.err.splitlines() == [
+        "warning: the validation split holds 22 tokens (1 doc): its bits per byte compare runs only roughly (a few "
+        "percent) under 16,384; raise --val-fraction (now 0.34) or add documents"
+    ]
     build([source], tmp_path / "none", "--val-fraction", "0", "--test-fraction", "0")
     assert "warning:" not in capsys.readouterr().err
 

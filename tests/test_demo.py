@@ -8,6 +8,7 @@ back with transformers, --export-only, and the message of a resumable stop.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def metrics(run: Path) -> list[dict]:
 
 def split_loss(model, corpus: Path, split: str, context: int, settings: dict) -> float:
     """Mean next-token cross-entropy over a split's evaluation blocks (DESIGN.md: block i is tokens
-    [i*C, i*C + C + 1); --eval-batches global batches of them in the fixed evaluation order), read from the
+    [i*C, i*C + C + 1); --eval-tokens' worth of them in the fixed evaluation order), read from the
     shards, each document of a block run alone from position 0 (--packing masked, the default)."""
     manifest = json.loads((corpus / "corpus_manifest.json").read_text())
     entry = manifest["splits"][split]
@@ -88,8 +89,8 @@ def split_loss(model, corpus: Path, split: str, context: int, settings: dict) ->
     )
     ends = np.fromfile(corpus / entry["document_index"]["name"], dtype="<u8")
     count = (len(tokens) - 1) // context
-    used = min(count, settings["training"]["eval_batches"] * settings["training"]["global_batch_blocks"])
-    order = train_data.BlockPermutation(count, settings["training"]["seed"], train_data.EVAL_EPOCH)
+    used = min(count, math.ceil(settings["training"]["eval_tokens"] / context))
+    order = train_data.BlockPermutation(count, train_data.EVAL_SEED, train_data.EVAL_EPOCH)
     total, counted = 0.0, 0
     with torch.no_grad():
         for start in sorted(order(position) * context for position in range(used)):

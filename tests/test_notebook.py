@@ -39,7 +39,7 @@ def run_notebook(work: Path, store: Path, output: Path, train_args: str) -> str:
         "GGUF_TYPE": "q8_0",
         "PUBLISH_TO": str(store / "published"),
         "TRAIN_ARGS": f"--context 64 --batch-size 4 --grad-accum 1 --target-tokens {STEPS * TOKENS_PER_STEP} "
-        f"--eval-every 8 --save-every 8 --log-every 4 --eval-batches 1 --threads 1 {train_args}",
+        f"--eval-every 8 --save-every 8 --log-every 4 --eval-tokens 256 --threads 1 {train_args}",
     }
     papermill.execute_notebook(
         str(NOTEBOOK), str(output), parameters=parameters, kernel_name="python3", progress_bar=False, cwd=str(ROOT)

@@ -51,7 +51,7 @@ def test_settings_are_built_once_and_never_change(tmp_path):
     [
         (["--batch-size", "0"], "--batch-size must be positive, got 0"),
         (["--grad-accum", "-1"], "--grad-accum must be positive, got -1"),
-        (["--eval-batches", "0"], "--eval-batches must be positive, got 0"),
+        (["--eval-tokens", "0"], "--eval-tokens must be positive, got 0"),
         (["--log-every", "0"], "--log-every must be positive, got 0"),
         (["--max-overflow-steps", "0"], "--max-overflow-steps must be positive, got 0"),
         (["--warmup-steps", "-1"], "--warmup-steps must not be negative, got -1"),

@@ -968,12 +968,12 @@ def test_changed_settings_are_listed_old_to_new(corpus, reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", out / "checkpoints")
     with pytest.raises(UserError) as error:
-        train.main(options(corpus, out, "--lr", "1e-3", "--seed", "7", "--eval-batches", "3", "--resume", "auto"))
+        train.main(options(corpus, out, "--lr", "1e-3", "--seed", "7", "--eval-tokens", "512", "--resume", "auto"))
     message = str(error.value)
     assert message.startswith("settings differ from checkpoint")
     assert "lr: 0.003 -> 0.001" in message and "seed: 1337 -> 7" in message
     assert "recipe.lr" not in message and "lr: null" not in message  # the option and its resolved value: once
-    assert "eval_batches: 2 -> 3" in message  # the blocks best_val_loss is measured on
+    assert "eval_tokens: 256 -> 512" in message  # the blocks best_val_loss is measured on
     # another world-size split of the same global batch is not a change
     assert train.main(options(corpus, out, "--batch-size", "1", "--grad-accum", "4")) == 0
 
@@ -1017,6 +1017,21 @@ def test_resume_from_a_path_into_a_new_run_folder(corpus, reference, tmp_path):
     assert train.main(options(corpus, out, "--resume", str(reference / "checkpoints" / "step-00000008.pt"))) == 0
     assert_same_state(final_state(out), final_state(reference))
     assert train_losses(out) == {step: loss for step, loss in train_losses(reference).items() if step > 8}
+
+
+def test_a_run_recorded_with_eval_batches_resumes_with_a_note(corpus, reference, tmp_path, capsys):
+    """A checkpoint of tinyllm before 2026-12-06 records --eval-batches: it resumes, scored on --eval-tokens'
+    blocks from then on, and says its validation losses before and after do not compare; the steps are the same."""
+    checkpoint = torch.load(reference / "checkpoints" / "step-00000008.pt", weights_only=True)
+    recorded = checkpoint["settings"]["training"]
+    recorded["eval_batches"] = 2
+    del recorded["eval_tokens"]
+    older = tmp_path / "older.pt"
+    torch.save(checkpoint, older)
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--resume", str(older))) == 0
+    assert train.EVAL_BLOCKS_CHANGE in capsys.readouterr().out
+    assert_same_state(final_state(out), final_state(reference))
 
 
 def test_non_finite_loss_fails_and_keeps_the_last_checkpoint(corpus, tmp_path):
@@ -1364,8 +1379,8 @@ def test_heldout_loss_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     training = in_process_training(corpus, tmp_path / "run")
     result = train.heldout_loss(training, "test")
     split = training.data.splits["test"]
-    count = min(split.blocks, training.run.eval_batches * training.data.global_batch)
-    order = train_data.BlockPermutation(split.blocks, training.run.seed, train_data.EVAL_EPOCH)
+    count = min(split.blocks, math.ceil(training.run.eval_tokens / split.context))
+    order = train_data.BlockPermutation(split.blocks, train_data.EVAL_SEED, train_data.EVAL_EPOCH)
     targets = split.batch([order(i) for i in range(count)], torch.device("cpu")).targets
     scored = targets[targets != train_data.IGNORE_INDEX].tolist()
     text = corpus_format.load_tokenizer(corpus).decode(scored, skip_special_tokens=True)
@@ -1373,19 +1388,28 @@ def test_heldout_loss_gives_bits_per_byte_of_the_scored_text(corpus, tmp_path):
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
 
 
-def test_validation_reads_the_same_blocks_whatever_the_split(corpus, tmp_path):
+def test_validation_reads_the_same_blocks_whatever_the_batch_split_and_seed(corpus, tmp_path):
+    """Held-out scores compare between runs on one corpus: a run at a quarter of another's batch scored a
+    quarter of its blocks until 2026-12-06 (--eval-batches); --eval-tokens counts them in tokens."""
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
-    results = []
+    results, rows = [], []
     for split in (
         ["--batch-size", "2", "--grad-accum", "2"],
         ["--batch-size", "4", "--grad-accum", "1"],
         ["--batch-size", "1", "--grad-accum", "4"],
+        ["--batch-size", "1", "--grad-accum", "1"],  # another global batch
+        ["--batch-size", "8", "--grad-accum", "2"],
     ):
         settings = train.parse_args(options(corpus, tmp_path / "run", *split))
-        results.append(train.heldout_loss(train.build_training(settings, info), "validation"))
-    assert results[0]["tokens"] == 2 * 4 * 32  # --eval-batches 2 global batches of 4 blocks of 32 tokens
+        training = train.build_training(settings, info)
+        results.append(train.heldout_loss(training, "validation"))
+        rows.append(training.data.evaluation_rows("validation", 0)[None].rows)
+    assert results[0]["tokens"] == 8 * 32  # --eval-tokens 256 of blocks of 32 tokens
     assert all(result["tokens"] == results[0]["tokens"] for result in results)
     assert all(result["loss"] == pytest.approx(results[0]["loss"], rel=1e-6) for result in results)
+    other_seed = train.build_training(train.parse_args(options(corpus, tmp_path / "run", "--seed", "7")), info)
+    assert all(these == rows[0] for these in [*rows, other_seed.data.evaluation_rows("validation", 0)[None].rows])
+    assert len(rows[0]) == 8 < other_seed.data.splits["validation"].blocks  # a part of the split: the order decides
 
 
 def test_a_step_larger_than_the_train_split_warns(corpus, tmp_path, capsys):

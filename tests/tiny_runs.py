@@ -109,7 +109,7 @@ USER_PRECISIONS = tuple(dict.fromkeys([this_cpu_precision(), "bf16"]))
 
 
 def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
-    """A tiny, fast run: 8 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py). In
+    """A tiny, fast run: 4 blocks of 32 tokens per step, `steps` steps (the report: tests/test_demo.py). In
     fp32 on every CPU, so its losses and states are the same whatever the CPU's instructions; the tests of a
     user's run give `--precision` from USER_PRECISIONS in `extra` (the last one given wins)."""
     return [
@@ -135,8 +135,8 @@ def options(corpus: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
         "0.1",
         "--eval-every",
         "4",
-        "--eval-batches",
-        "2",
+        "--eval-tokens",
+        "256",
         "--save-every",
         "4",
         "--log-every",

@@ -527,7 +527,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 # Options a newcomer brings from other trainers (HF Trainer, nanoGPT), whose closest spelling here is the
-# wrong option (`--max-steps` is closest to `--warmup-steps`): the option it needs, then the hint.
+# wrong option (`--max-steps` is closest to `--warmup-steps`), and tinyllm's own former names: the option it
+# needs, then the hint.
 LENGTH_HINT = "a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it resumably"
 OTHER_NAMES = {
     "--max-steps": ("--stop-after-steps", LENGTH_HINT),
@@ -535,6 +536,10 @@ OTHER_NAMES = {
     "--num-train-epochs": ("--epochs", "did you mean --epochs?"),
     "--output-dir": ("--out", "did you mean --out?"),
     "--learning-rate": ("--lr", "did you mean --lr (AdamW's) or --muon-lr (Muon's)?"),
+    "--eval-batches": (
+        "--eval-tokens",
+        "held-out scores are over --eval-tokens N tokens' blocks (tinyllm before 2026-12-06: --eval-batches)",
+    ),
 }
 
 

@@ -117,15 +117,17 @@ TIE_ERRORS = 6.0
 
 RESERVE = 0.1  # of the budget, kept for evaluation, saves, start-up and the final report
 STEPS_PER_RUN = 300  # the batch rule aims at about this many optimizer steps (bench_recipe's runs: 150-300)
-MIN_BATCH_TOKENS = 2048  # at equal tokens (one thread, two seeds), 2,048 tokens a step against 4,096: KJV and
-# changelogs 0.970-0.992x (nano, tiny: 6 of 6), man pages 1.009-1.011x (nano); 1,024 was worse than 2,048 in 5 of
-# 6, up to 1.11x (bench/RESULTS.md "The smallest batch")
+MIN_BATCH_TOKENS = 4096  # at equal tokens over every held-out block (one thread, two seeds), 2,048 tokens a step
+# against 4,096: KJV 0.990-0.997x (nano), 0.996-0.998x (tiny), changelogs 1.004-1.006x, man pages 1.002-1.009x (nano):
+# 1.0001x on the mean, one optimizer step more per 4,096 tokens; 1,024 worse than 2,048 by 1.0-2.7% in 6 of 6. (2,048
+# from 2026-12-06 05:30 to 12:00, read off a quarter of the test blocks: bench/RESULTS.md "Held-out scores over the
+# same blocks")
 MAX_BATCH_TOKENS = 131_072
-MIN_STEPS = 160  # the smallest sensible run: this many steps of the smallest batch (327,680 tokens). Between the
-# measured sides: the 4 plans whose nano candidate fell at 335,872-403,456 tokens (a burst's) became tiny under 200
-# (409,600) and ended 0.5-5% behind the fixed nano, nano at 409,600 was 0.9705x; at 1.5 MB tiny beat nano's
-# 151,552-196,608 tokens by 1.1-8.2% (bench/RESULTS.md "The smallest sensible run")
-MIN_TOKENS = MIN_STEPS * MIN_BATCH_TOKENS
+MIN_TOKENS = 327_680  # the smallest sensible run (80 steps of 4,096). Between the measured sides: the 4 plans whose
+# nano candidate fell at 335,872-403,456 tokens (a burst's) became tiny under 409,600 and ended 0.5-5% behind the fixed
+# nano, nano at 409,600 was 0.9705x; at 1.5 MB tiny beat nano's 151,552-196,608 tokens by 1.1-8.2% (bench/RESULTS.md
+# "The smallest sensible run")
+MIN_STEPS = MIN_TOKENS // MIN_BATCH_TOKENS
 MAX_EPOCHS = 4  # at most this many passes over the train split: repeated tokens are worth less (Muennighoff
 # et al. 2023: up to ~4 epochs nearly as good as new data), which the loss model does not know ...
 SMALL_CORPUS_EPOCHS = 2  # ... and on a train split of few tokens per vocabulary entry, this many: more overfit

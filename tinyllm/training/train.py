@@ -99,12 +99,14 @@ DEMO_DEFAULTS = {
     "batch_size": 32,
     "grad_accum": 1,
     "target_tokens": 1400 * 32 * 128,
-    "eval_batches": 8,
+    "eval_tokens": 8 * 32 * 128,
     "save_every": 500,
     "log_every": 50,
     "threads": 1,
 }
 
+EVAL_TOKENS = 1 << 19  # held-out tokens scored at each validation and at the test: the whole splits of a corpus
+# of data.py's under ~100 MB (2-5% each), a forward's cost: about a third of as many training tokens'
 MAX_TOKENS = 1e15  # 1,000x the largest open pretraining runs: a larger count is a typo (1e30)
 MAX_MICRO_BATCH_TOKENS = 1 << 24  # a micro-batch no device holds (its logits alone: 16M x the vocabulary)
 MAX_STEP_TOKENS = 1 << 30  # 300x the largest batches of open pretraining runs (~3-4M tokens a step)
@@ -217,10 +219,11 @@ class RunSettings(optimization.RecipeOptions):
         LOSS,
         choices=TEXT_LOSS,
     )
-    eval_batches: int = option(  # which validation blocks best_val_loss is measured on
-        4,
-        "validation over this many global batches of blocks (the same blocks whatever the split between "
-        "ranks, --batch-size and --grad-accum)",
+    eval_tokens: int = option(  # which held-out blocks every score (best_val_loss too) is measured on
+        EVAL_TOKENS,
+        "validation and test over this many tokens of blocks of each split, in a fixed order (the whole split "
+        "when it is smaller): the same blocks whatever the batch, the split between ranks and --seed, so runs on "
+        "one corpus compare",
         SAVING,
         checks=(positive,),
     )
@@ -900,9 +903,9 @@ def compile_at_start(training: Training) -> float | None:
 def heldout_loss(training: Training, split: str) -> dict | None:
     """Mean loss and perplexity over the first eval blocks of `split` (a fixed order), over all ranks.
 
-    The blocks are --eval-batches global batches' worth: a resume with another split between ranks,
-    batch size and accumulation (the same global batch) evaluates the same blocks, so its losses
-    and the best checkpoint stay comparable with those before. A mixture evaluates that many blocks
+    The blocks are --eval-tokens' worth (train_data.evaluation_rows): every run on the corpus, whatever its
+    batch, split between ranks and seed, evaluates the same blocks, so its losses, the best checkpoint's and
+    other runs' compare. A mixture evaluates that many tokens' blocks
     of each source: "sources" holds each one's result, the rest is over all of them together."""
     totals = {
         name: eval_totals(training, rows)
@@ -1047,6 +1050,12 @@ def start_from(training: Training, source: store.InitSource) -> None:
     training.lineage = source.lineage
 
 
+EVAL_BLOCKS_CHANGE = (
+    "this run was validated on --eval-batches global batches of blocks (tinyllm before 2026-12-06); from here on "
+    "on --eval-tokens' worth, other blocks: its validation losses before and after do not compare"
+)
+
+
 def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     """What a resume from `checkpoint` may change, decided before any state is restored: the warmup the rule
     chose for the run's first length is kept, a precision change is noted, any setting but the length
@@ -1054,6 +1063,10 @@ def check_resume(training: Training, checkpoint: dict, path: Path) -> None:
     old = model_config.with_recorded_defaults(  # a knob or shape field added since: at its default
         optimization.with_recorded_defaults(checkpoint["settings"]["training"])
     )
+    if "eval_batches" in old:  # recorded before --eval-tokens: scored from here on as this session asks
+        old = {key: value for key, value in old.items() if key != "eval_batches"}
+        old["eval_tokens"] = training.run.eval_tokens
+        say(f"note: {EVAL_BLOCKS_CHANGE}", main=training.info.is_main)
     warmup = old.get("recipe.warmup_steps")
     if training.run.warmup_steps is None and warmup is not None and warmup != training.recipe.warmup_steps:
         # the rule chose it for the run's first length: an extended run keeps it (extension_problem)
@@ -1185,7 +1198,7 @@ def data_options(settings: Settings, world: int) -> train_data.DataOptions:
         batch_size=session.batch_size,
         grad_accum=session.grad_accum,
         world=world,
-        eval_batches=run.eval_batches,
+        eval_tokens=run.eval_tokens,
     )
 
 

@@ -428,6 +428,7 @@ class MixtureSplit:
 
 MASK64 = (1 << 64) - 1
 EVAL_EPOCH = 1 << 40  # evaluation blocks follow their own fixed order, never a training epoch's
+EVAL_SEED = 0  # ... keyed alike for every run: the same blocks whatever the run's --seed
 
 
 def mix64(value: int) -> int:
@@ -797,7 +798,7 @@ class DataOptions:
     batch_size: int
     grad_accum: int
     world: int
-    eval_batches: int  # global batches' worth of evaluation rows
+    eval_tokens: int  # tokens' worth of evaluation rows (--eval-tokens)
 
 
 @dataclass(frozen=True)
@@ -814,13 +815,15 @@ class EvaluationRows:
             yield self.split.batch(self.rows[start : start + batch_size], device)
 
 
-def evaluation_rows(split: TokenSplit, options: DataOptions, rank: int, global_batch: int) -> EvaluationRows:
-    """--eval-batches global batches' worth of a split's rows in their fixed order, this rank's share: the
-    same rows whatever the split between ranks, batch size and accumulation (the same global batch)."""
+def evaluation_rows(split: TokenSplit, options: DataOptions, rank: int) -> EvaluationRows:
+    """--eval-tokens' worth of a split's rows (the whole split when it is smaller) in their fixed order, this
+    rank's share: the same rows whatever the batch, the split between ranks and the run's --seed, so the held-out
+    scores of runs on one corpus compare (until 2026-12-06 they were --eval-batches global batches: a run at a
+    quarter of another's batch scored a quarter of its blocks)."""
     if split.blocks == 0:
         return EvaluationRows(split, [], 0)
-    count = min(split.blocks, options.eval_batches * global_batch)
-    order = BlockPermutation(split.blocks, options.seed, EVAL_EPOCH)
+    count = min(split.blocks, math.ceil(options.eval_tokens / options.context))
+    order = BlockPermutation(split.blocks, EVAL_SEED, EVAL_EPOCH)
     return EvaluationRows(split, [order(i) for i in range(rank, count, options.world)], count)
 
 
@@ -875,7 +878,7 @@ class TrainData:
 
     def evaluation_rows(self, split: str, rank: int) -> dict[str | None, EvaluationRows]:
         """{None: this rank's evaluation rows of `split`} (a mixture: one entry per source, by name)."""
-        return {None: evaluation_rows(self.splits[split], self.options, rank, self.global_batch)}
+        return {None: evaluation_rows(self.splits[split], self.options, rank)}
 
     def progress(self, step: int) -> dict[str, float]:
         """metrics.jsonl's fields of what each source has given by `step` (a mixture's; none here)."""
@@ -971,7 +974,7 @@ class MixtureData(TrainData):
     def evaluation_rows(self, split: str, rank: int) -> dict[str | None, EvaluationRows]:
         """Each source's own evaluation rows of `split`, by name (so each gets a loss of its own)."""
         return {
-            name: evaluation_rows(part, self.options, rank, self.global_batch)
+            name: evaluation_rows(part, self.options, rank)
             for name, part in zip(self.mixture.names, self.splits[split].parts)
         }
 
