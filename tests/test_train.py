@@ -2122,6 +2122,21 @@ def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps
     assert callbacks.default_eval_every(total_steps) == every
 
 
+@pytest.mark.parametrize(
+    "total_steps, validation_tokens, step_tokens, every",
+    [
+        (116, 28_160, 4096, 46),  # KJV's whole validation split: 28,160 / (3 x 0.05 x 4,096) = 45.8 steps
+        (63, 28_160, 8192, 23),  # the fixed nano's one epoch: 22.9
+        (1_000, 28_160, 8192, 200),  # a fifth of the run is cheaper
+        (40, 28_160, 4096, 0),  # no cadence within the run: only at the end
+        (12, 256, 128, 0),  # 13.3 steps
+        (11_000, 524_288, 131_072, 250),  # a T4's run: 26.7 steps; at most 250 apart
+    ],
+)
+def test_the_default_eval_every_keeps_validation_near_its_share(total_steps, validation_tokens, step_tokens, every):
+    assert callbacks.default_eval_every(total_steps, validation_tokens, step_tokens) == every
+
+
 # ----------------------------------------------------------------------------------------------
 # Document-aware packing (--packing)
 

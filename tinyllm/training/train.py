@@ -266,8 +266,8 @@ class SessionSettings:
     )
     eval_every: int | None = option(
         None,
-        "validation every N steps (0: only at the end; None: a fifth of the run, "
-        "at most 250 steps, so a short run shows a validation curve too)",
+        "validation every N steps (0: only at the end; None: a fifth of the run, at most 250 steps, so a short "
+        "run shows a validation curve too, and no more often than costs a twentieth of the training)",
         SAVING,
         checks=(not_negative,),
     )
@@ -1454,22 +1454,32 @@ def describe_run(training: Training) -> None:
             say(warning, warning=True)
 
 
-def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None) -> tuple[int, int | None]:
-    """(validate every N steps, score the --eval-tasks every N steps; None without tasks), 0: at the end only."""
-    session = training.session
-    validation_every = (
-        callbacks.default_eval_every(training.total_steps) if session.eval_every is None else session.eval_every
-    )
+def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None) -> tuple[int, int | None, list[str]]:
+    """(validate every N steps, score the --eval-tasks every N steps; None without tasks; 0: at the end only),
+    and the notes that say why a default moved from its usual cadence (the start-up prints them)."""
+    session, notes = training.session, []
+    validation_every = session.eval_every
+    if validation_every is None:
+        rows = training.data.evaluation_rows("validation", 0).values()
+        validation_tokens = sum(part.total for part in rows) * training.preset.context
+        validation_every = callbacks.default_eval_every(
+            training.total_steps, validation_tokens, training.tokens_per_step
+        )
+        if validation_every != callbacks.default_eval_every(training.total_steps):
+            when = f"every {validation_every} steps" if validation_every else "only at the end"
+            notes.append(
+                f"note: validation {when}, not every fifth of the run: one reads {validation_tokens:,} tokens, and "
+                f"the default keeps validating near {100 * callbacks.VALIDATION_COST_SHARE:.0f}% of the training; "
+                "--eval-every N chooses"
+            )
     if scorer is None:
-        return validation_every, None
+        return validation_every, None, notes
     if session.eval_tasks_every is not None:
-        return validation_every, session.eval_tasks_every
+        return validation_every, session.eval_tasks_every, notes
     step_tokens = training.tokens_per_step // training.info.world
     tasks_every = evaluation.default_tasks_every(validation_every, training.total_steps, scorer.tokens, step_tokens)
     note = evaluation.tasks_cadence_note(validation_every, tasks_every, scorer.tokens, step_tokens)
-    if note:
-        log(training.info, note)
-    return validation_every, tasks_every
+    return validation_every, tasks_every, [*notes, *([note] if note else [])]
 
 
 def run_callbacks(
@@ -1482,7 +1492,9 @@ def run_callbacks(
 ) -> callbacks.Callbacks:
     """The run's observers (callbacks.py), in the order they are called; `recorded`: recorded_settings."""
     session, out = training.session, Path(training.session.out)
-    validation_every, tasks_every = evaluation_cadence(training, scorer)
+    validation_every, tasks_every, notes = evaluation_cadence(training, scorer)
+    for note in notes:
+        log(training.info, note)
     steps = training.total_steps, training.tokens_per_step
     observers = [
         callbacks.TrainLog(
@@ -1616,7 +1628,7 @@ class BudgetCheck:
         training.recipe_reasons = [*reasons, f"{training.recipe.warmup_steps} warmup steps: the run's, kept"]
         decay = training.recipe.total_steps - training.recipe.decay_steps
         training.data.start_phases(decay if training.recipe.schedule == "wsd" else None)
-        validation_every, tasks_every = evaluation_cadence(training, self.scorer)
+        validation_every, tasks_every, _ = evaluation_cadence(training, self.scorer)  # said at the start
         cadence = {"validation": validation_every, "tasks": tasks_every}
         for observer in self.observers.callbacks:
             if hasattr(observer, "total_steps"):
