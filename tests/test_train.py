@@ -2122,6 +2122,21 @@ def test_the_default_eval_every_gives_a_short_run_a_validation_curve(total_steps
     assert callbacks.default_eval_every(total_steps) == every
 
 
+def test_the_default_cadence_keeps_validation_near_its_share_and_says_so(corpus, tmp_path, capsys):
+    """12 steps of 128 tokens and a validation of 256: 13.3 steps of training would pay for one, so the run
+    validates only at its end (a fifth of it: every 2 steps), and the start-up says why."""
+    out, argv = tmp_path / "run", options(corpus, tmp_path / "run")
+    at = argv.index("--eval-every")
+    del argv[at : at + 2]
+    assert train.main(argv) == 0
+    assert (
+        "note: validation only at the end, not every fifth of the run: one reads 256 tokens, and the default keeps "
+        "validating near 5% of the training; --eval-every N chooses"
+    ) in capsys.readouterr().out
+    records = metrics_log.read_metrics(out / "metrics.jsonl")
+    assert [record["step"] for record in records if record["kind"] == "eval"] == [12]
+
+
 @pytest.mark.parametrize(
     "total_steps, validation_tokens, step_tokens, every",
     [

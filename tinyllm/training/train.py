@@ -1454,28 +1454,32 @@ def describe_run(training: Training) -> None:
             say(warning, warning=True)
 
 
+def validation_cadence(training: Training) -> tuple[int, str | None]:
+    """--eval-every, or its default for this run's length, step and validation split
+    (callbacks.default_eval_every), and the note that says why the default moved from a fifth of the run."""
+    if training.session.eval_every is not None:
+        return training.session.eval_every, None
+    rows = training.data.evaluation_rows("validation", 0).values()
+    validation_tokens = sum(part.total for part in rows) * training.preset.context
+    every = callbacks.default_eval_every(training.total_steps, validation_tokens, training.tokens_per_step)
+    if every == callbacks.default_eval_every(training.total_steps):
+        return every, None
+    return every, (
+        f"note: validation {f'every {every} steps' if every else 'only at the end'}, not every fifth of the run: "
+        f"one reads {validation_tokens:,} tokens, and the default keeps validating near "
+        f"{100 * callbacks.VALIDATION_COST_SHARE:.0f}% of the training; --eval-every N chooses"
+    )
+
+
 def evaluation_cadence(training: Training, scorer: evaluation.LoopScorer | None) -> tuple[int, int | None, list[str]]:
     """(validate every N steps, score the --eval-tasks every N steps; None without tasks; 0: at the end only),
     and the notes that say why a default moved from its usual cadence (the start-up prints them)."""
-    session, notes = training.session, []
-    validation_every = session.eval_every
-    if validation_every is None:
-        rows = training.data.evaluation_rows("validation", 0).values()
-        validation_tokens = sum(part.total for part in rows) * training.preset.context
-        validation_every = callbacks.default_eval_every(
-            training.total_steps, validation_tokens, training.tokens_per_step
-        )
-        if validation_every != callbacks.default_eval_every(training.total_steps):
-            when = f"every {validation_every} steps" if validation_every else "only at the end"
-            notes.append(
-                f"note: validation {when}, not every fifth of the run: one reads {validation_tokens:,} tokens, and "
-                f"the default keeps validating near {100 * callbacks.VALIDATION_COST_SHARE:.0f}% of the training; "
-                "--eval-every N chooses"
-            )
+    validation_every, note = validation_cadence(training)
+    notes = [note] if note else []
     if scorer is None:
         return validation_every, None, notes
-    if session.eval_tasks_every is not None:
-        return validation_every, session.eval_tasks_every, notes
+    if training.session.eval_tasks_every is not None:
+        return validation_every, training.session.eval_tasks_every, notes
     step_tokens = training.tokens_per_step // training.info.world
     tasks_every = evaluation.default_tasks_every(validation_every, training.total_steps, scorer.tokens, step_tokens)
     note = evaluation.tasks_cadence_note(validation_every, tasks_every, scorer.tokens, step_tokens)
