@@ -459,13 +459,14 @@ def test_a_checked_type_names_its_conversion_in_argparse_errors(capsys):
         ("--max_steps", "; a run's length is --target-tokens or --epochs (or --budget); --stop-after-steps N stops it"),
         ("--output-dir", "; did you mean --out?"),
         ("--epohcs", "; did you mean --epochs?"),  # a typo: the closest spelling
+        ("--eval-batches", "; held-out scores are over --eval-tokens N tokens' blocks (tinyllm before 2026-12-06"),
     ],
 )
 def test_another_trainers_option_name_points_at_this_ones(capsys, given, hint):
     """`--max-steps` (HF Trainer's) is closest in spelling to `--warmup-steps`, the wrong option: the names
     newcomers bring from other trainers get the option they need instead."""
     parser = common.ArgumentParser(prog="tool")
-    for flag in ("--warmup-steps", "--stop-after-steps", "--target-tokens", "--epochs", "--out"):
+    for flag in ("--warmup-steps", "--stop-after-steps", "--target-tokens", "--epochs", "--out", "--eval-tokens"):
         parser.add_argument(flag)
     with pytest.raises(SystemExit) as exited:
         parser.parse_args([given, "5"])
