@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tinyllm.common import ArgumentParser, UserError, atomic_write_json, run_main  # noqa: E402
+from tinyllm.common import ArgumentParser, UserError, atomic_write_json, option_flags, run_main  # noqa: E402
 from tinyllm.model import config as model_config  # noqa: E402
 from tinyllm.store import checkpoint_store as store  # noqa: E402
 from tinyllm.training import distributed, train  # noqa: E402
@@ -42,14 +42,14 @@ def run_options(recorded: dict) -> list[str]:
     """train.py's options for scoring a run as it scored itself, from its training_settings.json: its preset with
     every shape field, packing, loss and precision."""
     training, precision = recorded["training"], recorded["runtime"]["precision"]
-    shape = model_config.recorded_preset(training)
+    shape, flags = model_config.recorded_preset(training), option_flags(train.RunSettings)
     options = ["--preset", training["preset"], "--packing", training["packing"], "--loss-on", training["loss_on"]]
     for name in model_config.OVERRIDABLE_FIELDS:
         value = getattr(shape, name)
-        if isinstance(value, bool):
-            options.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+        if isinstance(value, bool):  # a tri-state option: --name / --no-name
+            options.append(flags[name] if value else "--no-" + flags[name].removeprefix("--"))
         else:
-            options += [f"--{name.replace('_', '-')}", str(value)]
+            options += [flags[name], str(value)]
     options += ["--text-loss", training["text_loss"]] if training.get("text_loss") else []
     return options + ["--precision", precision]
 
