@@ -432,14 +432,18 @@ def wsd(total: int) -> int:
     [
         (planned(), 40, 400.0, 40, wsd, False),  # neither half the budget nor the last step before the decay
         (planned(), 40, 500.0, 40, wsd, True),  # half the budget (a machine slower than planned)
+        (planned(), 53, 10.0, 53, wsd, True),  # the last step from which the run may end 10% sooner (90 steps)
+        (planned(), 52, 10.0, 52, wsd, False),  # (that room is all the check needs)
         (planned(), 59, 10.0, 59, wsd, True),  # the last step before the decay (step 60 of 100)
         (planned(), 59, 10.0, 3, wsd, False),  # too few steps timed in this session
-        (planned(), 61, 600.0, 61, wsd, False),  # the decay has begun: too late to change the length
+        (planned(), 60, 600.0, 60, wsd, False),  # the decay has begun: too late to change the length
         (planned(), 29, 10.0, 29, lambda total: 30, True),  # an early decay (--decay-fraction 0.7)
         (planned(), 40, 500.0, 40, None, False),  # a cosine schedule: its length is every step's lr
         (planned(check={"at_step": 20}), 40, 500.0, 40, wsd, False),  # checked: only the late check is left
-        (planned(check={"at_step": 20}), 59, 600.0, 59, wsd, True),  # the late check, before the decay
-        (planned(check={"at_step": 20}), 59, 600.0, 4, wsd, True),  # (timing its own steps since the check)
+        (planned(check={"at_step": 20}), 53, 600.0, 53, wsd, True),  # the late check, with room to shorten
+        (planned(check={"at_step": 20}), 52, 600.0, 52, wsd, False),
+        (planned(check={"at_step": 20}), 53, 600.0, 4, wsd, True),  # (timing its own steps since the check)
+        (planned(check={"at_step": 50}), 54, 600.0, 54, wsd, True),  # 4 steps after a check at 50
         (planned(check={"at_step": 56}), 59, 600.0, 59, wsd, False),  # the check was too near: no late one
         (planned(check={"at_step": 59}), 59, 600.0, 59, wsd, False),  # the check was the last step before
         (planned(check={"at_step": 20}, late_check={"at_step": 59}), 59, 600.0, 59, wsd, False),  # once each
@@ -456,16 +460,17 @@ def test_the_plan_is_checked_once_and_once_more_before_its_decay(plan, step, ela
 @pytest.mark.parametrize(
     "seen, decay_start, max_tokens, steps",
     [
-        ((25, 225.0, 9.0, 90.0), wsd, math.inf, None),  # as planned: ends at 900 s = 990 less its end's 90 s
-        ((25, 225.0, 9.1, 90.0), wsd, math.inf, None),  # 1% slower: within the 1% tolerance
-        ((25, 225.0, 9.2, 90.0), wsd, math.inf, 98),  # 2% slower: re-planned to 25 + 675 s / 9.2 s
-        ((25, 225.0, 9.0, 0.0), wsd, math.inf, 110),  # an end that takes no time: 990 s, not the plan's 900 s
-        ((25, 112.5, 4.5, 90.0), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
-        ((25, 450.0, 18.0, 90.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
-        ((25, 300.0, 9.0, 90.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
-        ((25, 112.5, 4.5, 90.0), wsd, 150_000, 150),  # at most max_run_tokens
-        ((25, 850.0, 18.0, 90.0), wsd, math.inf, 41),  # very late: enough steps for the decay to start after
-        ((25, 112.5, 4.5, 90.0), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
+        ((25, 225.0, 9.0, 100.0), wsd, math.inf, None),  # as planned: ends at 900 s = 1,000 less its end's 100 s
+        ((25, 225.0, 9.05, 100.0), wsd, math.inf, None),  # 3.75 s late: within the 0.5% tolerance
+        ((25, 225.0, 9.1, 100.0), wsd, math.inf, 99),  # 7.5 s late: re-planned to 25 + 675 s / 9.1 s
+        ((25, 225.0, 9.2, 100.0), wsd, math.inf, 98),  # 2% slower: re-planned to 25 + 675 s / 9.2 s
+        ((25, 225.0, 9.0, 0.0), wsd, math.inf, 111),  # an end that takes no time: the whole 1,000 s
+        ((25, 112.5, 4.5, 100.0), wsd, math.inf, 200),  # twice as fast: 25 + 787.5 s / 4.5 s
+        ((25, 450.0, 18.0, 100.0), wsd, math.inf, 50),  # twice as slow (a busy machine): 25 + 450 s / 18 s
+        ((25, 300.0, 9.0, 100.0), wsd, math.inf, 91),  # a slow start (the probe's burst), then the planned speed
+        ((25, 112.5, 4.5, 100.0), wsd, 150_000, 150),  # at most max_run_tokens
+        ((25, 850.0, 18.0, 100.0), wsd, math.inf, 41),  # very late: enough steps for the decay to start after
+        ((25, 112.5, 4.5, 100.0), None, math.inf, None),  # a cosine schedule's length is every step's lr: kept
     ],
 )
 def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start, max_tokens, steps):
@@ -481,10 +486,10 @@ def test_the_replan_fills_the_budget_at_the_speed_the_run_sees(seen, decay_start
 
 def test_a_check_is_recorded_with_its_verdict_and_one_line():
     plan = planned()
-    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0, 90.0), wsd)
+    kept = budget.check_plan(plan, budget.Seen(25, 225.0, 9.0, 100.0), wsd)
     assert (kept.steps, kept.predicted_bpb, kept.check["replanned"]) == (100, 1.5, False)
     assert budget.check_text(kept.check).endswith("as planned: kept")
-    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5, 90.0), wsd, loss=MODEL)
+    moved = budget.check_plan(plan, budget.Seen(25, 112.5, 4.5, 100.0), wsd, loss=MODEL)
     assert moved.check == {
         "at_step": 25,
         "elapsed_seconds": 112.5,
@@ -492,7 +497,7 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
         "planned_step_seconds": pytest.approx(9.0),
         "projected_end_seconds": 450.0,
         "target_end_seconds": 900.0,
-        "end_seconds": 90.0,
+        "end_seconds": 100.0,
         "replanned": True,
         "from_tokens": 100_000,
         "from_steps": 100,
@@ -510,23 +515,27 @@ def test_a_check_is_recorded_with_its_verdict_and_one_line():
     assert line in moved.summary()
 
 
-def test_the_late_check_is_recorded_beside_the_check_and_extends_a_run_the_machine_sped_up():
-    """Checked at step 25 (kept), then at step 59, the last before the decay: 531 s in, the steps since the
-    check at 7.2 s where the plan had 9 s: re-planned to fill the target (990 s less the end's 90 s)."""
-    checked = budget.check_plan(planned(), budget.Seen(25, 225.0, 9.0, 90.0), wsd)
+def test_the_late_check_is_recorded_beside_the_check_and_moves_the_end_either_way():
+    """Checked at step 25 (kept), then at step 53, the last from which the run may end 10% sooner: 477 s in,
+    the steps since the check at 7.2 s where the plan had 9 s: re-planned to fill the target (1,000 s less
+    the end's 100 s); at 11 s a step, shortened, as far as the decay allows and no further."""
+    checked = budget.check_plan(planned(), budget.Seen(25, 225.0, 9.0, 100.0), wsd)
     assert checked.check["at_step"] == 25 and checked.late_check is None
-    late = budget.check_plan(checked, budget.Seen(59, 531.0, 7.2, 90.0), wsd, loss=MODEL)
+    late = budget.check_plan(checked, budget.Seen(53, 477.0, 7.2, 100.0), wsd, loss=MODEL)
     assert late.check == checked.check
-    assert (late.late_check["at_step"], late.late_check["replanned"], late.steps) == (59, True, 59 + 369 // 7.2)
-    assert wsd(late.steps) > 59  # the step taken keeps its learning rate
+    assert (late.late_check["at_step"], late.late_check["replanned"], late.steps) == (53, True, 53 + 423 // 7.2)
+    assert wsd(late.steps) > 53  # the step taken keeps its learning rate
     line = budget.check_text(late.late_check, again=True)
-    assert line.startswith("checked again at step 59 (531 s in): steps with their validations at 1.25x the plan's")
+    assert line.startswith("checked again at step 53 (477 s in): steps with their validations at 1.25x the plan's")
     assert line.endswith(f"re-planned from 100,000 tokens (100 steps) to {late.target_tokens:,} ({late.steps} steps)")
     assert budget.check_text(checked.check) in late.summary() and line in late.summary()
     assert budget.Plan.from_record(json.loads(json.dumps(late.as_record()))) == late
     assert budget.kept_plan_words(late).endswith("and re-planned at its checks: kept")
-    slower = budget.check_plan(checked, budget.Seen(59, 531.0, 11.0, 90.0), wsd)  # late: as short as it may be
-    assert (slower.steps, slower.late_check["replanned"]) == (budget.earliest_total(59, wsd), True) == (98, True)
+    slower = budget.check_plan(checked, budget.Seen(53, 477.0, 11.0, 100.0), wsd)  # 53 + 423 s / 11 s
+    assert (slower.steps, slower.late_check["replanned"]) == (91, True)
+    slowest = budget.check_plan(checked, budget.Seen(53, 477.0, 15.0, 100.0), wsd)  # would be 81: no sooner than 88
+    assert (slowest.steps, budget.earliest_total(53, wsd)) == (88, 88)
+    assert budget.room_step(checked, wsd) == 53 and budget.room_step(slowest, wsd) < 53
 
 
 @pytest.mark.parametrize(
@@ -651,7 +660,7 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
 def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
-    machine.per_token = {"tiny": 49 / 128}  # 49 s a step: 12 steps end at 588 s (the check's target): kept
+    machine.per_token = {"tiny": 49 / 128}  # 49 s a step: 12 steps end at 588 s, and 13 past 600 s: kept
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     recorded = json.loads((reference / "training_settings.json").read_text())
@@ -659,9 +668,9 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1536, 12, 4)
     assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "10m"
     assert recorded["runtime"]["batch_size"] * recorded["runtime"]["grad_accum"] == 4
-    assert plan["check"]["at_step"] == 6 and not plan["check"]["replanned"]  # the last step before the decay
+    assert plan["check"]["at_step"] == 5 and not plan["check"]["replanned"]  # the last that may end 10% sooner
     printed = capsys.readouterr().out
-    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 6" in printed
+    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 5" in printed
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
@@ -714,16 +723,16 @@ def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hou
 
 def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, machine):
     """Planned for 12 steps of 42.7 s in 10 m: the first 4 steps keep the plan's pace, then the machine is 3x
-    slower: the check at step 6 (the last before the decay) shrinks the run to the fewest steps its schedule
-    allows (10), the session stops saved once another step and save might not fit (step 6), and the same
-    command finishes the run."""
+    slower: the check at step 5 (the last from which the run may end 10% sooner) sees the session's median step
+    at the plan's pace and keeps the plan, the session stops saved once the rest at the recent steps' pace cannot
+    end within the budget's grace (step 6), and the same command finishes the run."""
     out = tmp_path / "run"
     machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1.0}, 1 / 3, 4
     assert train.main(options(corpus, out)) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert (plan["check"]["at_step"], plan["check"]["replanned"], plan["steps"]) == (6, True, 10)
+    assert (plan["check"]["at_step"], plan["check"]["replanned"], plan["steps"]) == (5, False, 12)
     record = json.loads((out / "run_status.json").read_text())
-    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 10)
+    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 12)
     assert record["reason"] == "stopped by --budget 10m (this machine ran slower than its probe)"
     machine.per_token = {"tiny": 1 / 3}
     assert train.main(options(corpus, out)) == 0
@@ -733,32 +742,33 @@ def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tm
 def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit(
     corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
-    """The machine runs twice as fast as its probe said: the check at step 6 (the last before the decay)
-    re-plans the length to fill the budget (27 steps), records it where the plan is (training_settings.json
-    and the checkpoint saved at that step) and prints it; a session stopped after it and resumed on another
-    machine keeps the re-plan, checks no more, and ends bit for bit where the uninterrupted run does."""
+    """The machine runs twice as fast as its probe said: the check at step 5 (the last from which the run may
+    end 10% sooner) re-plans the length to fill the budget (28 steps), records it where the plan is
+    (training_settings.json and the checkpoint saved at that step) and prints it; a session stopped after it
+    and resumed on another machine keeps the re-plan, checks no more, and ends bit for bit where the
+    uninterrupted run does."""
     machine.per_token = {"tiny": 1 / 6}
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     printed = capsys.readouterr().out
-    line = "re-planned from 1,536 tokens (12 steps) to 3,456 (27 steps)"  # 6 + (588 - 128 s) / 21.3 s
-    checked = "--budget 10m: checked at step 6 (128 s in): steps with their validations at 2.00x the probe's speed"
+    line = "re-planned from 1,536 tokens (12 steps) to 3,584 (28 steps)"  # 5 + (600 - 107 s) / 21.3 s
+    checked = "--budget 10m: checked at step 5 (107 s in): steps with their validations at 2.00x the probe's speed"
     assert checked in printed
     assert line in printed
     recorded = json.loads((reference / "training_settings.json").read_text())
     plan = recorded["budget"]
-    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3456, 27, 12)
-    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3456, 27)
+    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3584, 28, 12)
+    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3584, 28)
     assert recorded["training"]["recipe.warmup_steps"] == 1  # the warmup the rule chose for 12 steps, kept
-    assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 27 steps
+    assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 28 steps
     status = json.loads((reference / "run_status.json").read_text())
-    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 27, 27)
-    assert (plan["late_check"]["at_step"], plan["late_check"]["replanned"]) == (15, False)  # 27 - 11 - 1: kept
-    assert "--budget 10m: checked again at step 15" in printed
-    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(6), weights_only=True)  # saved with it
+    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 28, 28)
+    assert (plan["late_check"]["at_step"], plan["late_check"]["replanned"]) == (14, False)  # room_step(28): kept
+    assert "--budget 10m: checked again at step 14" in printed
+    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(5), weights_only=True)  # saved with it
     saved = at_check["settings"]["budget"]
-    assert (saved["check"], saved["steps"], saved["late_check"]) == (plan["check"], 27, None)
-    assert at_check["settings"]["training"]["total_steps"] == 27
+    assert (saved["check"], saved["steps"], saved["late_check"]) == (plan["check"], 28, None)
+    assert at_check["settings"]["training"]["total_steps"] == 28
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
@@ -770,7 +780,7 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     assert "(the run's plan, made at its start and re-planned at its checks: kept)" in printed and line in printed
     assert "--budget 10m: checked" not in printed
     ours, theirs = (
-        torch.load(folder / "checkpoints" / store.checkpoint_name(27), weights_only=True) for folder in (out, reference)
+        torch.load(folder / "checkpoints" / store.checkpoint_name(28), weights_only=True) for folder in (out, reference)
     )
     assert_same_state(ours, theirs)
     assert same_decisions(ours["settings"]["budget"], theirs["settings"]["budget"])
@@ -778,9 +788,30 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
 
     moved = tmp_path / "moved"  # --resume PATH from the check's own checkpoint: the re-plan comes with it
     assert (
-        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(6)))) == 0
+        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(5)))) == 0
     )
-    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(27), weights_only=True), theirs)
+    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(28), weights_only=True), theirs)
+
+
+def test_a_run_that_slows_after_its_check_shortens_at_the_late_check_and_completes(
+    corpus, tmp_path, small_runs, machine
+):
+    """A 50-step plan (10.7 s a step) on a machine that steps in 9.5 s for 20 steps, then in 11.9 s: the check at
+    step 26 sees the fast steps' median and lengthens the run to 61 steps; the late check, 5 steps later, times
+    the slow ones and shortens it to 54, which it may (the decay of 52 steps or more starts after step 31), and
+    the run completes within the budget. With the checks at the last step before the decay (29, then 35 of 60)
+    it could not go below 58 steps, and stopped saved at step 56 of 58."""
+    small_runs["tiny"] = 12.0
+    machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1 / 10.8}, 0.8, 20
+    out = tmp_path / "run"
+    assert train.main(options(corpus, out, "--eval-every", "0")) == 0
+    plan = json.loads((out / "training_settings.json").read_text())["budget"]
+    assert (plan["check"]["at_step"], plan["check"]["from_steps"], plan["check"]["to_steps"]) == (26, 50, 61)
+    late = plan["late_check"]
+    assert (late["at_step"], late["from_steps"], late["to_steps"], plan["steps"]) == (31, 61, 54, 54)
+    status = json.loads((out / "run_status.json").read_text())
+    assert (status["status"], status["step"]) == (store.COMPLETE, 54)
+    assert 20 * 128 / 10.8 * 0.8 + 34 * 128 / 10.8 <= 600  # its steps' time: within the budget
 
 
 @pytest.mark.parametrize(
@@ -796,23 +827,23 @@ def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
 ):
     """The real probe (train.measure_speed) on a machine of 6 tokens/s, `burst` times slower for its first
     `burst_steps` steps: the plan comes out as a quiet probe's, or the check before its decay corrects its
-    length; the run trains what the quiet one does (27 steps: 588 s of 600 less the end's)."""
+    length; the run trains what the quiet one does (28 steps: 597 s of 600 less the end's)."""
     machine.per_token = {"tiny": 1 / 6}
     quiet = tmp_path / "quiet"
     assert train.main(options(corpus, quiet, "--preset", "tiny")) == 0
     expected = json.loads((quiet / "training_settings.json").read_text())["budget"]
-    assert (expected["check"]["from_steps"], expected["steps"]) == (25, 27)  # the check's end, not the reserve's
+    assert (expected["check"]["from_steps"], expected["steps"]) == (25, 28)  # the check's end, not the reserve's
     machine.burst, machine.burst_steps, machine.cpu_burst, machine.steps = burst, burst_steps, cpu_burst, 0
     out = tmp_path / "busy"
     assert train.main(options(corpus, out, "--preset", "tiny")) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 27)
+    assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 28)
     slower = burst if replanned_from == 12 else 1.0
     assert plan["candidates"][0]["tokens_per_second"] == pytest.approx(
         expected["candidates"][0]["tokens_per_second"] / slower
     )
     status = json.loads((out / "run_status.json").read_text())
-    assert (status["status"], status["step"]) == (store.COMPLETE, 27)
+    assert (status["status"], status["step"]) == (store.COMPLETE, 28)
 
 
 @pytest.mark.parametrize(

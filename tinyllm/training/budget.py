@@ -773,16 +773,19 @@ def plan_lines(plan: Plan) -> list[str]:
 # train.py times the steps and applies a re-plan: train.BudgetCheck).
 
 CHECK_SHARE = 0.5  # of the budget: the plan is checked once this much of it has passed since the start, or
-# at the last step before the decay begins, whichever comes first: as late as the schedule allows (a burst of
-# load at the start long behind it, less of the run left to drift), and at half the budget at the latest (a
-# machine slower than the plan still has steps to give back before its decay)
+# at the last step with room to shorten the run (`room_step`), whichever comes first: as late as the schedule allows
+# (a burst of load at the start long behind it, less of the run left to drift), and at half the budget at the latest
+# (a machine slower than the plan still has steps to give back before its decay)
 MIN_CHECK_STEPS = 4  # and not before this many steps of this session are timed
-CHECK_TOLERANCE = 0.01  # of the budget: a projected end this far from the target re-plans
-END_CUSHION = 0.01  # of the budget: the target is this much before the budget less the run's end
-# (`Seen.end_seconds`). Over 41 checked runs of bench_budget_wall (44-117 s budgets, one and two threads,
-# quiet and burst) the process ended at 0.958-1.036x its check's projection (mean 1.000, sd 0.015): at 2% and
-# 2% the runs ended at 0.933-1.015x the budget, mean 0.980x, 2% of the user's time left unused; at 1% and 1%
-# the projection lands in 0.98-1.0x and two sds of that spread in 0.95-1.03x (FINISH_GRACE: 1.05x)
+SHORTEN_ROOM = 0.1  # of the steps: a check comes while the run may still end this much sooner. At the last step
+# before the decay a check could shorten a run by a step or two: a 60 s budget whose first check (step 41) saw
+# 7.3-7.7K tokens/s and lengthened the run to 92 steps ran at 6.8-6.9K after it; its late check (step 54)
+# wanted 81 steps, could not go below 90, and the run stopped saved at step 86 of 90, 4 steps from its end
+CHECK_TOLERANCE = 0.005  # of the budget: a projected end this far from the target re-plans
+# The target is the budget less the run's end (`Seen.end_seconds`), with no cushion before it: over 41 checked runs
+# of bench_budget_wall (44-117 s budgets, one and two threads, quiet and burst) the process ended at 0.958-1.036x
+# its check's projection (mean 1.000, sd 0.015), inside FINISH_GRACE's 1.05x; a cushion of 1% and a tolerance of 1%
+# ended 8 one-thread runs at 0.967-1.006x the budget (mean 0.982x): 2% of the user's time unused
 
 
 @dataclass(frozen=True)
@@ -817,31 +820,36 @@ def typical_step_seconds(times: list[float]) -> float:
     return statistics.median(times)
 
 
+def room_step(plan: Plan, decay_start: Callable[[int], int]) -> int:
+    """The last step at which a check may still shorten the run by SHORTEN_ROOM: the step before the decay of
+    a run that much shorter (the decay of a length's re-plan must not have begun: `earliest_total`)."""
+    return decay_start(max(1, math.floor((1 - SHORTEN_ROOM) * plan.steps))) - 1
+
+
 def check_due(
     plan: Plan, step: int, elapsed: float, timed_steps: int, decay_start: Callable[[int], int] | None
 ) -> bool:
     """Whether the plan is checked after `step`, for a plan of one session whose length is the plan's and
     can change (`decay_start`, the first decaying step of a length; None: a cosine schedule). The check
-    (`plan.check`), after MIN_CHECK_STEPS timed steps, at the last step before the decay begins or once
-    CHECK_SHARE of the budget has passed, whichever comes first; and, when that was earlier by
-    MIN_CHECK_STEPS steps or more, the late check (`plan.late_check`) at the last step before the decay of
-    the length it left. Each is made once (recorded in the plan)."""
+    (`plan.check`), after MIN_CHECK_STEPS timed steps, at `room_step` or once CHECK_SHARE of the budget has
+    passed, whichever comes first; and, when that was earlier by MIN_CHECK_STEPS steps or more, the late check
+    (`plan.late_check`) at the `room_step` of the length it left. Each is made once (recorded in the plan),
+    and neither once the decay has begun."""
     if plan.late_check is not None or plan.length_given or plan.sessions > 1 or decay_start is None:
         return False
-    last_chance = decay_start(plan.steps) - 1
-    if step > last_chance:
+    if step >= decay_start(plan.steps):
         return False
+    due = step >= room_step(plan, decay_start)
     if plan.check is not None:
-        return step == last_chance and step - plan.check["at_step"] >= MIN_CHECK_STEPS
+        return due and step - plan.check["at_step"] >= MIN_CHECK_STEPS
     if timed_steps < MIN_CHECK_STEPS:
         return False
-    return step == last_chance or elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
+    return due or elapsed >= CHECK_SHARE * budget_seconds(plan.budget)
 
 
 def target_end_seconds(plan: Plan, seen: Seen) -> float:
-    """When the check wants training to end: the budget less the run's end and END_CUSHION of it."""
-    seconds = budget_seconds(plan.budget)
-    return seconds * (1 - END_CUSHION) - seen.end_seconds
+    """When the check wants training to end: the budget less the run's end."""
+    return budget_seconds(plan.budget) - seen.end_seconds
 
 
 def earliest_total(step: int, decay_start: Callable[[int], int]) -> int:
@@ -861,7 +869,7 @@ def replan(
 ) -> Plan | None:
     """The plan with its token count made anew from the run's own speed (`seen`), or None when it stands:
     its projected end of training within CHECK_TOLERANCE of the budget of the target (`target_end_seconds`:
-    the budget less the run's end and a cushion; `choose`'s RESERVE was a guess at them), or a schedule
+    the budget less the run's end; `choose`'s RESERVE was a guess at it), or a schedule
     that cannot change its length (`decay_start` None: a cosine decays over the whole run). The new length
     fills the time to the target at the speed seen, at most `max_tokens` (max_run_tokens) and at least
     `earliest_total` (the decay must not have begun). The preset, the batch and the learning rates stay: only
@@ -921,7 +929,7 @@ def check_text(check: dict, again: bool = False) -> str:
         f"steps with their validations at {speed:.2f}x the {'plan' if again else 'probe'}'s speed"
     )
     if not check["replanned"]:
-        return f"{seen}, training ends within {CHECK_TOLERANCE:.0%} of the budget's time as planned: kept"
+        return f"{seen}, training ends within {CHECK_TOLERANCE:.1%} of the budget's time as planned: kept"
     return (
         f"{seen}, training would end at {check['projected_end_seconds']:.0f} s, not at its target "
         f"{check['target_end_seconds']:.0f} s"
