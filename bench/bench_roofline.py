@@ -92,6 +92,7 @@ from tinyllm.model import config as model_config  # noqa: E402
 from tinyllm.training import distributed, muon, optimization, train_data  # noqa: E402
 
 VOCAB = 33_069
+CARD_CHUNK = hardware.logits_chunk_tokens(VOCAB, "cuda")  # the loss's chunk on a card, counted here on CPU
 TOKENS = 1.5e9
 README_SPLIT = {"batch_size": 8, "grad_accum": 4, "world": 2}  # the README's command: 65,536 tokens per step
 MEDIAN_DOCUMENT, DOCUMENT_SIGMA = 243.0, 1.0  # lognormal: mean = 243 x e^(1/2) = 400 tokens
@@ -704,7 +705,7 @@ def count_side(label: str, preset: model_config.Preset, precision: str, batch: i
     ]
     try:
         with fake, tracker, counter, torch.autocast("cpu", dtype=DTYPES[precision]):
-            loss = losses.language_model_loss(model, inputs, targets, documents=documents)
+            loss = losses.language_model_loss(model, inputs, targets, chunk_tokens=CARD_CHUNK, documents=documents)
             counter.phase = "backward"
             loss.backward()
     finally:
@@ -917,7 +918,7 @@ def inductor_bytes(preset_name: str, layers: int, batch: int, seed: int = 0, ddp
             model.config.use_cache = False
             model_config.autocast_elementwise(model)
             attention.use_attention(model, attention.EFFICIENT)
-            module = losses.LanguageModelLoss(model.train())
+            module = losses.LanguageModelLoss(model.train(), chunk_tokens=CARD_CHUNK)
             if ddp:
                 module = distributed.data_parallel(module, distributed.DistInfo(0, 0, 1, torch.device("cpu")))
             module = distributed.compiled(module)  # as train.py compiles it

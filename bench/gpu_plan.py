@@ -215,7 +215,7 @@ def gemm_shapes(preset: model_config.Preset, vocab: int, tokens: int) -> list[tu
             (f"{name} input grad", tokens, n, k, per_step),
             (f"{name} weight grad", n, tokens, k, per_step),
         ]
-    chunk = min(tokens, hardware.logits_chunk_tokens(vocab))
+    chunk = min(tokens, hardware.logits_chunk_tokens(vocab, "cuda"))
     pieces = [(chunk, tokens // chunk)] + ([(tokens % chunk, 1)] if tokens % chunk else [])
     for rows, count in pieces:
         last = " (last chunk)" if rows != chunk else ""

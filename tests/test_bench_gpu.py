@@ -226,7 +226,7 @@ def test_the_gemm_shapes_are_the_step_s_matmuls():
     matrices = sum(rows * columns for rows, columns in hardware.muon_matrix_shapes(THINK72))
     assert flops["forward"] == 2 * tokens * (matrices + vocab * THINK72.hidden)  # 2 N per token, the head included
     assert flops["input grad"] == flops["forward"] == flops["weight grad"]
-    chunk = hardware.logits_chunk_tokens(vocab)
+    chunk = hardware.logits_chunk_tokens(vocab, "cuda")
     assert ("lm head forward", chunk, 512, vocab, tokens // chunk) in shapes
     assert ("lm head forward (last chunk)", tokens % chunk, 512, vocab, 1) in shapes
     assert ("gate/up weight grad", 1536, tokens, 512, 28) in shapes

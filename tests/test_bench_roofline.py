@@ -212,7 +212,7 @@ def test_inductor_counts_its_kernels_and_fuses_the_loss_into_one_a_chunk():
     assert len(result["graphs"]) == 2 and sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
     forward = result["graphs"][0]
     loss_kernels = [size for size, _, vocabulary, names in forward["nodes"] if vocabulary and "amax" in " ".join(names)]
-    chunks = -(-result["tokens"] // hardware.logits_chunk_tokens(bench_roofline.VOCAB))
+    chunks = -(-result["tokens"] // hardware.logits_chunk_tokens(bench_roofline.VOCAB, "cuda"))
     assert len(loss_kernels) == chunks
     logits = result["tokens"] * bench_roofline.VOCAB
     assert 4 * logits <= sum(loss_kernels) < 4.2 * logits

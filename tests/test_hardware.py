@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from cards import A10, A100, CPU, CPU_BF16, GIB, H100, H200, L4, P100, T4, V100
 
 from tinyllm.common import UserError
 from tinyllm.model import config as model_config
 from tinyllm.model import hardware
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # device, auto precision, Newton-Schulz dtype (attention's kernels: tests/test_attention.py)
 TABLE = [
@@ -500,7 +507,7 @@ def test_memory_on_every_card(preset, device, precision, fits, fitted_before, of
 
 def test_the_chunked_loss_takes_the_full_logits_out_of_the_estimate():
     before, after = estimate("medium350", chunk_tokens=8 * 1024), estimate("medium350")
-    assert hardware.logits_chunk_tokens(VOCAB) == 1014
+    assert hardware.logits_chunk_tokens(VOCAB, "cuda") == 1014
     assert before.logits - after.logits == (8 * 1024 - 1014) * VOCAB * 12  # bf16 + fp32 logits, softmax, gradient
     assert 21 * GIB < before.total < 24 * GIB and after.total < 21 * GIB  # the issue estimated ~21.5 GiB before
     assert before.activations == after.activations and before.weights == after.weights
@@ -614,3 +621,33 @@ intr 38278957 0 0
 def test_the_machines_cpu_times_are_read_from_proc_stat(stat, busy, cores):
     times = hardware.cpu_times(stat, 100)
     assert (times.busy, times.cores) == (pytest.approx(busy), cores) if busy is not None else times is None
+
+
+@pytest.mark.parametrize(
+    "device_type, system, libc, options",
+    [
+        ("cpu", "Linux", "glibc", ((-3, 32 * 1024**2), (-1, 2**31 - 1))),  # the heap keeps blocks up to 32 MiB
+        ("cuda", "Linux", "glibc", ()),  # the card's memory is the card's allocator's
+        ("mps", "Darwin", "", ()),
+        ("cpu", "Darwin", "", ()),  # macOS' allocator: not glibc's, not measured
+        ("cpu", "Linux", "", ()),  # musl (Alpine)
+    ],
+)
+def test_a_cpu_run_under_glibc_keeps_the_memory_it_frees(device_type, system, libc, options):
+    assert hardware.malloc_options(device_type, system, libc) == options
+
+
+def test_the_allocator_settings_take_on_this_machine_in_a_process_of_their_own():
+    """The ctypes glue: mallopt accepts both settings here (glibc), and an accelerator's run sets nothing."""
+    code = "from tinyllm.model import hardware as h; print(h.keep_freed_memory('cpu'), h.keep_freed_memory('cuda'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert done.stdout.split() == [str(glibc), "False"]
+
+
+@pytest.mark.parametrize(
+    "vocab, device_type, tokens",
+    [(8192, "cpu", 256), (8192, "cuda", 4096), (33_069, "cuda", 1014), (33_069, "cpu", 63), (2**22, "cpu", 1)],
+)
+def test_the_losss_chunk_fits_a_cards_memory_and_a_cpus_cache(vocab, device_type, tokens):
+    assert hardware.logits_chunk_tokens(vocab, device_type) == tokens

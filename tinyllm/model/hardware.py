@@ -15,7 +15,8 @@ test fakes a T4, an A100 or a CPU without one. The rules:
   roofline over what bench/bench_roofline.py counts and each card's sustained rates (predict_step);
 - memory: what one step holds (step_memory, checked against a measured step in bench/bench_memory.py),
   and the split of the batch a CUDA out-of-memory error suggests (fitting_split, out_of_memory_advice);
-  each optimizer's state per parameter is optimization.OPTIMIZERS' (OptimizerState).
+  each optimizer's state per parameter is optimization.OPTIMIZERS' (OptimizerState); the loss's chunk
+  (logits_chunk_tokens: a card's memory, a CPU's cache); a CPU run's allocator (malloc_options).
 
 Nothing here imports torch at module level: the rules are table-tested on any machine.
 """
@@ -273,13 +274,53 @@ def peak_tflops(device: Device, precision: str) -> float | None:
 # Memory: what one training step holds on a card, and a split of the batch that fits.
 
 GIB = 1024**3
-LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss: 128 MiB of fp32 logits
+LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss on an accelerator: 128 MiB of fp32 logits
+# ... and on a CPU: 8 MiB. The chunk's elementwise passes (the exp, the casts, the gradient) run from the cache when
+# it is small: nano at vocabulary 8,192, one thread, 2,048-token micro-batches, 7.1-7.4K tokens/s at 2^25 elements
+# (one chunk of 2,048 tokens), 8.5K at 2^22, 9.3K at 2^21, 9.0K at 2^20 (with `malloc_options`: 7.6-7.8K, 9.3K,
+# 9.5-9.7K, 9.5K; bench/bench_cpu_step.py)
+CPU_LOGITS_CHUNK_ELEMENTS = 2**21
 USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA context, cuBLAS, fragmentation
 
 
-def logits_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk of losses.language_model_loss (1,014 at think72's vocabulary of 33,069)."""
-    return max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+def logits_chunk_tokens(vocab: int, device_type: str) -> int:
+    """Tokens per chunk of losses.language_model_loss on a device of `device_type` ("cuda", "cpu", ...): 1,014 on
+    a card at think72's vocabulary of 33,069, 256 on a CPU at 8,192."""
+    elements = CPU_LOGITS_CHUNK_ELEMENTS if device_type == "cpu" else LOGITS_CHUNK_ELEMENTS
+    return max(1, elements // vocab)
+
+
+# The host's allocator. glibc's malloc, as it comes, returns a freed block above its mmap threshold to the kernel (the
+# threshold follows the largest block freed, up to 32 MiB) and trims its heap's top, so a training step, which frees
+# and takes the same blocks every micro-step, gets them back as fresh pages, faulted in and zeroed each time. On a CPU
+# run that is measurable: nano, one thread, 7.1-7.4K tokens/s as glibc comes, 7.6-7.8K with these (+5-8%), and 9.3K
+# against 9.5-9.7K at a CPU's chunk of the loss; and 2-7% slower steps after the first validation as it comes (whose
+# blocks move the threshold), none with them (bench/bench_cpu_step.py).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD_MAX = 32 * 1024**2  # the largest glibc takes on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX)
+KEEP_ALL = 2**31 - 1  # mallopt takes an int: a heap whose free top stays below 2 GiB is never trimmed
+
+
+def malloc_options(device_type: str, system: str, libc: str) -> tuple[tuple[int, int], ...]:
+    """The (mallopt parameter, value) pairs a run on `device_type` sets under `system` (platform.system())
+    and its C library (platform.libc_ver()'s name): on a CPU under glibc, blocks up to 32 MiB from the heap and
+    a heap that keeps what is freed (the process holds its peak, which every step reaches anyway); none on an
+    accelerator (its memory is the card's) or another C library (macOS, musl: not measured)."""
+    if device_type != "cpu" or system != "Linux" or libc != "glibc":
+        return ()
+    return ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, KEEP_ALL))
+
+
+def keep_freed_memory(device_type: str) -> bool:
+    """This process' allocator set as malloc_options says (glibc's mallopt, through ctypes); whether it was."""
+    import ctypes
+    import platform
+
+    options = malloc_options(device_type, platform.system(), platform.libc_ver()[0])
+    if not options:
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    return all(mallopt(parameter, value) == 1 for parameter, value in options)
 
 
 @dataclass(frozen=True)
@@ -349,7 +390,7 @@ def step_memory(
 ) -> StepMemory:
     """The memory model of one step at micro-batch batch_size x context. An estimate for choosing a split,
     checked against a measured CPU step in bench/bench_memory.py. `chunk_tokens`: the loss's chunk
-    (default: logits_chunk_tokens; batch_size * context is the whole batch's logits at once, the loss before
+    (default: a card's logits_chunk_tokens; batch_size * context is the whole batch's logits at once, the loss before
     chunking). Under --grad-checkpoint a layer keeps only its fp32 input, and the backward recomputes one
     layer at a time. `attention`: the kernel of a micro-batch with document boundaries (attention_bytes)."""
     parameters = parameter_count(preset, vocab)
@@ -363,7 +404,7 @@ def step_memory(
     per_layer = layer_activation_bytes(preset, precision)
     kept = 4 * preset.hidden * preset.layers + per_layer if grad_checkpoint else per_layer * preset.layers
     activations = tokens * (kept + 16 * preset.hidden)  # + the embedding, the final norm, the loss's gradient
-    chunk = min(tokens, chunk_tokens or logits_chunk_tokens(vocab))
+    chunk = min(tokens, chunk_tokens or logits_chunk_tokens(vocab, "cuda"))
     logits = chunk * vocab * (12 if half else 8) + vocab * preset.hidden * 4  # + the head's fp32 gradient
     attention_held = attention_bytes(attention, preset, batch_size, context, precision, grad_checkpoint)
     return StepMemory(weights, 4 * parameters, optimizer_bytes, activations, logits, attention_held)

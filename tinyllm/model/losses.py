@@ -28,9 +28,9 @@ def language_model_loss(
     with `documents` (train_data.Batch's), attention and positions stay inside each document (attention.py).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
-    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits), each chunk's logits made in the autocast
-    dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch would. Targets equal
-    to IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
+    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits on a card, 8 MiB on a CPU), each chunk's
+    logits made in the autocast dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch
+    would. Targets equal to IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
     adds z_loss x logsumexp^2 per counted token (PaLM's z-loss: it keeps the logits' normalizer near 1);
     evaluation never adds it."""
     if reduction not in ("mean", "sum"):
@@ -38,8 +38,8 @@ def language_model_loss(
     hidden = model.model(input_ids=inputs, **attention.decoder_inputs(model, documents)).last_hidden_state
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     weight = model.lm_head.weight
-    chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0))
     device_type = hidden.device.type
+    chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0), device_type)
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):  # the chunks cast for themselves
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
@@ -153,11 +153,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 class LanguageModelLoss(torch.nn.Module):
     """The model and its loss as one module: --compile compiles the chunked cross-entropy with the model,
-    and DDP wraps both."""
+    and DDP wraps both. `chunk_tokens`: the loss's chunk (None: the device's, hardware.logits_chunk_tokens;
+    bench/bench_roofline.py counts a card's step on CPU with the card's)."""
 
-    def __init__(self, model: torch.nn.Module, z_loss: float = 0.0):
+    def __init__(self, model: torch.nn.Module, z_loss: float = 0.0, chunk_tokens: int | None = None):
         super().__init__()
-        self.model, self.z_loss = model, z_loss
+        self.model, self.z_loss, self.chunk_tokens = model, z_loss, chunk_tokens
 
     def forward(
         self,
@@ -166,7 +167,9 @@ class LanguageModelLoss(torch.nn.Module):
         reduction: str = "mean",
         documents: attention.Documents | None = None,
     ) -> torch.Tensor:
-        return language_model_loss(self.model, inputs, targets, reduction, documents=documents, z_loss=self.z_loss)
+        return language_model_loss(
+            self.model, inputs, targets, reduction, self.chunk_tokens, documents=documents, z_loss=self.z_loss
+        )
 
 
 @torch.no_grad()

@@ -1229,6 +1229,7 @@ def main(argv: list[str] | None = None, launched: float | None = None) -> int:
     try:
         if invocation.export_only:
             return export_only(settings, info)
+        hardware.keep_freed_memory(info.device.type)  # before the probe and the run: both step with it
         # the hardware gate first: a refused start touches no corpus store, run folder or backup
         hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
         corpus = distributed.main_decides(lambda: train_data.prepare_corpus(session.data, invocation.demo), info)
