@@ -277,8 +277,8 @@ GIB = 1024**3
 LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss on an accelerator: 128 MiB of fp32 logits
 # ... and on a CPU: 8 MiB. The chunk's elementwise passes (the exp, the casts, the gradient) run from the cache when
 # it is small: nano at vocabulary 8,192, one thread, 2,048-token micro-batches, 7.1-7.4K tokens/s at 2^25 elements
-# (one chunk of 2,048 tokens), 8.5K at 2^22, 9.3K at 2^21, 9.0K at 2^20 (with `malloc_options`: 7.6-7.8K, 9.3K,
-# 9.5-9.7K, 9.5K; bench/bench_cpu_step.py)
+# (one chunk of 2,048 tokens), 8.5K at 2^22, 9.3K at 2^21, 9.0K at 2^20 (one run each; with `malloc_options`:
+# 7.6-7.8K, 9.3K, 9.5-9.7K, 9.5K; bench/RESULTS.md "A CPU's step"). Measured at vocabulary 8,192 only
 CPU_LOGITS_CHUNK_ELEMENTS = 2**21
 USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA context, cuBLAS, fragmentation
 
@@ -293,9 +293,8 @@ def logits_chunk_tokens(vocab: int, device_type: str) -> int:
 # The host's allocator. glibc's malloc, as it comes, returns a freed block above its mmap threshold to the kernel (the
 # threshold follows the largest block freed, up to 32 MiB) and trims its heap's top, so a training step, which frees
 # and takes the same blocks every micro-step, gets them back as fresh pages, faulted in and zeroed each time. On a CPU
-# run that is measurable: nano, one thread, 7.1-7.4K tokens/s as glibc comes, 7.6-7.8K with these (+5-8%), and 9.3K
-# against 9.5-9.7K at a CPU's chunk of the loss; and 2-7% slower steps after the first validation as it comes (whose
-# blocks move the threshold), none with them (bench/bench_cpu_step.py).
+# run that is measurable: nano, one thread, 1.05-1.10x the tokens/s with these at a card's chunk of the loss, and
+# 1.32-1.38x (against 1.17-1.22x without them) at a CPU's (bench/bench_cpu_step.py, bench/RESULTS.md).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD_MAX = 32 * 1024**2  # the largest glibc takes on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX)
 KEEP_ALL = 2**31 - 1  # mallopt takes an int: a heap whose free top stays below 2 GiB is never trimmed
