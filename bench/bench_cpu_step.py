@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tinyllm.common import ArgumentParser, UserError, run_main  # noqa: E402
+from tinyllm.model import config as model_config  # noqa: E402
 from tinyllm.model import hardware  # noqa: E402
 
 CARD_CHUNK = hardware.LOGITS_CHUNK_ELEMENTS
@@ -63,8 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_argv(args: argparse.Namespace, out: Path) -> list[str]:
-    from tinyllm.model import config as model_config
-
     context = model_config.PRESETS[args.preset].context
     tokens = args.steps * 2 * args.batch_size * context
     return [
