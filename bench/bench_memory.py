@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         results[variant] = run_child(variant, child_argv)
         print(f"  {variant}: done", flush=True)
     tokens = args.batch_size * args.context
-    chunk = hardware.logits_chunk_tokens(args.vocab, "cpu")  # the chunked variant runs on CPU
+    hidden = model_config.resolve_preset(args.preset, context=args.context).hidden
+    chunk = hardware.logits_chunk_tokens(args.vocab, "cpu", hidden)  # the chunked variant runs on CPU
     models = {"full": estimate(args, tokens), "chunked": estimate(args, chunk)}
     print(
         f"\n{'variant':<9} {'loss':>12} {'grad norm':>12} {'RSS before':>11} {'peak RSS':>9} {'step adds':>10} "

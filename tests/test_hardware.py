@@ -646,8 +646,16 @@ def test_the_allocator_settings_take_on_this_machine_in_a_process_of_their_own()
 
 
 @pytest.mark.parametrize(
-    "vocab, device_type, tokens",
-    [(8192, "cpu", 256), (8192, "cuda", 4096), (33_069, "cuda", 1014), (33_069, "cpu", 63), (2**22, "cpu", 1)],
+    "vocab, device_type, hidden, tokens",
+    [
+        (8192, "cpu", 128, 256),  # nano: 8 MiB of fp32 logits
+        (8192, "cpu", 256, 512),  # micro: twice its hidden size (the head's reads and gradient a chunk)
+        (33_069, "cpu", 512, 1024),  # think72: twice its hidden size, where 8 MiB would be 63 tokens
+        (512, "cpu", 64, 4096),  # the demo's vocabulary: 8 MiB
+        (8192, "cuda", 128, 4096),  # a card: 128 MiB of fp32 logits, whatever the hidden size
+        (33_069, "cuda", 512, 1014),
+        (2**26, "cuda", 64, 1),
+    ],
 )
-def test_the_losss_chunk_fits_a_cards_memory_and_a_cpus_cache(vocab, device_type, tokens):
-    assert hardware.logits_chunk_tokens(vocab, device_type) == tokens
+def test_the_losss_chunk_fits_a_cards_memory_and_a_cpus_cache(vocab, device_type, hidden, tokens):
+    assert hardware.logits_chunk_tokens(vocab, device_type, hidden) == tokens

@@ -28,7 +28,7 @@ def language_model_loss(
     with `documents` (train_data.Batch's), attention and positions stay inside each document (attention.py).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
-    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits on a card, 8 MiB on a CPU), each chunk's
+    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits on a card, ~8 MiB on a CPU), each chunk's
     logits made in the autocast dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch
     would. Targets equal to IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
     adds z_loss x logsumexp^2 per counted token (PaLM's z-loss: it keeps the logits' normalizer near 1);
@@ -39,7 +39,7 @@ def language_model_loss(
     hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     weight = model.lm_head.weight
     device_type = hidden.device.type
-    chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0), device_type)
+    chunk_tokens = chunk_tokens or hardware.logits_chunk_tokens(weight.size(0), device_type, weight.size(1))
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):  # the chunks cast for themselves
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
