@@ -41,3 +41,16 @@ def test_each_variant_trains_in_a_process_of_its_own_with_its_chunk_and_allocato
     for run in ("before-1", "both-1"):
         status = json.loads((tmp_path / "w" / run / "run_status.json").read_text())
         assert (status["status"], status["step"]) == ("COMPLETE", 8)
+
+
+def test_the_loss_alone_is_timed_at_each_chunk_and_the_cpus_own(capsys):
+    assert bench_cpu_step.main(["--heads", "65536x64:256", "--chunks", "64,256", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 65,536 x 64 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["64", "128", "256"]  # the CPU's: twice the hidden size
+    assert rows[1].endswith("| yes |") and all(float(row.split(" | ")[3]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("spec", ["512x64", "512:256", "ax64:256"])
+def test_a_head_that_is_not_vocab_x_hidden_tokens_is_refused(spec):
+    with pytest.raises(UserError, match="--heads"):
+        bench_cpu_step.head_spec(spec)
