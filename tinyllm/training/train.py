@@ -1229,9 +1229,9 @@ def main(argv: list[str] | None = None, launched: float | None = None) -> int:
     try:
         if invocation.export_only:
             return export_only(settings, info)
-        hardware.keep_freed_memory(info.device.type)  # before the probe and the run: both step with it
         # the hardware gate first: a refused start touches no corpus store, run folder or backup
         hardware.check_required_gpus(session.require_gpus, session.require_gpu_name, info.device.type)
+        hardware.keep_freed_memory(info.device.type)  # before the probe and the run: both step with it
         corpus = distributed.main_decides(lambda: train_data.prepare_corpus(session.data, invocation.demo), info)
         with claim_run_folder(Path(session.out), info):
             backup_url = checkpoint_cloud.backup_url_from_env_or_arg(session.backup_to)
