@@ -45,12 +45,13 @@ VARIANTS = {
 }
 CHILD = """import sys
 sys.path.insert(0, {root!r})
+from tinyllm.common import run_main
 from tinyllm.model import hardware
 from tinyllm.training import train
 hardware.CPU_LOGITS_CHUNK_ELEMENTS = {chunk}
 if not {allocator}:
     hardware.keep_freed_memory = lambda device_type: False
-sys.exit(train.main({argv!r}))
+run_main(lambda: train.main({argv!r}), script=True)
 """
 
 
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UserError(f"--variants: unknown {sorted(unknown)}" if unknown else "--steps: at least 8")
     if not args.heads and not (args.data and args.work):
         raise UserError("give --data and --work (train.py's steps), or --heads (the loss alone)")
+    args.heads = [head_spec(spec) for spec in args.heads.split(",")] if args.heads else None
     return args
 
 
@@ -109,7 +111,7 @@ def time_heads(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     hardware.keep_freed_memory("cpu")
     print("| head (vocab x hidden) | tokens | chunk | ms | the CPU's chunk |\n|---|---:|---:|---:|---:|")
-    for vocab, hidden, tokens in map(head_spec, args.heads.split(",")):
+    for vocab, hidden, tokens in args.heads:
         rule = min(tokens, hardware.logits_chunk_tokens(vocab, "cpu", hidden))
         for chunk in sorted({int(c) for c in args.chunks.split(",")} | {rule}):
             ms = 1000 * loss_seconds(vocab, hidden, tokens, chunk, args.repeats)
