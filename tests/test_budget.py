@@ -340,6 +340,33 @@ def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
 
 
 @pytest.mark.parametrize(
+    "times, expected",
+    [
+        ([1.0, 1.1], None),  # fewer than CPU_TIME_PROBE_STEPS timed
+        ([1.0, 1.1, 0.95], 1.0),  # three that agree: their median
+        ([4.0, 1.0, 1.1], None),  # they disagree: time more
+        ([4.0, 1.0, 1.1, 1.0], 1.0),
+    ],
+)
+def test_a_one_thread_cpu_probe_needs_three_agreeing_steps(times, expected):
+    assert budget.steady_step_seconds(times, window=budget.CPU_TIME_PROBE_STEPS) == expected
+
+
+@pytest.mark.parametrize(
+    "device_type, threads, expected",
+    [
+        ("cpu", 1, budget.CPU_TIME_PROBE_STEPS),  # a step's CPU time is its work: load does not move it
+        ("cpu", 2, budget.PROBE_STEPS),  # OpenMP's spinning threads: the CPU time moves with load
+        ("cpu", 16, budget.PROBE_STEPS),
+        ("cuda", 1, budget.PROBE_STEPS),  # the device's time, on the wall clock
+        ("mps", 1, budget.PROBE_STEPS),
+    ],
+)
+def test_the_probe_window_is_shorter_where_a_step_is_timed_by_its_cpu_time(device_type, threads, expected):
+    assert budget.probe_window(device_type, threads) == expected
+
+
+@pytest.mark.parametrize(
     "steps, time_for, expected, taken",
     [
         ([3.0, 1.0, 1.1, 1.0, 1.2, 1.0, 5.0, 1.0], 99, 1.0, 6),  # steps 2-6 agree: no seventh
@@ -351,6 +378,13 @@ def test_the_probe_steps_until_its_window_is_steady_or_its_time_is_up(steps, tim
     left = steps[::-1]
     assert budget.time_until_steady(left.pop, lambda: len(steps) - len(left) >= time_for) == expected
     assert len(steps) - len(left) == taken
+
+
+def test_a_one_thread_cpu_probe_stops_after_three_agreeing_steps():
+    steps = [3.0, 1.0, 1.1, 1.0, 9.0]
+    left = steps[::-1]
+    assert budget.time_until_steady(left.pop, lambda: False, window=budget.CPU_TIME_PROBE_STEPS) == 1.0
+    assert left == [9.0]
 
 
 PROBE_SHAPES = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro", "think72")}
@@ -400,6 +434,25 @@ def test_a_measured_pair_that_disagrees_with_its_prediction_is_measured_again(
     )
     assert (found[3].probed, found[3].pair_ratio) == (False, None)
     assert found[3].tokens_per_second == pytest.approx(budget.predicted_rate(found[2], PROBE_SHAPES, "think72", 300))
+
+
+@pytest.mark.parametrize("window, probed", [(budget.CPU_TIME_PROBE_STEPS, True), (budget.PROBE_STEPS, False)])
+def test_a_preset_after_the_pair_is_probed_when_its_window_fits_the_time_left(window, probed):
+    """micro's probe costs its warmup and `window` steps at its predicted rate; the time left is between the
+    cost of the short window and the long one's."""
+    from tinyllm.training import distributed
+
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    tiny = budget.Candidate("tiny", 1, 32, 100.0, True)
+    nano = budget.Candidate("nano", 1, 32, 2.0 * budget.predicted_rate(tiny, PROBE_SHAPES, "nano", 300), True, 2.0)
+    micro_rate = budget.predicted_rate(nano, PROBE_SHAPES, "micro", 300, 2.0)
+    tokens = 2 * PROBE_SHAPES["micro"].context  # a probe step's: one micro-batch of 2 blocks
+    seconds = (budget.PROBE_WARMUP_STEPS + 4) * tokens / micro_rate  # fits 1 + 3 steps, not 1 + 5
+    measure, made = fake_measure({"tiny": [100.0], "nano": [nano.tokens_per_second], "micro": [micro_rate]})
+    shapes = {name: PROBE_SHAPES[name] for name in ("tiny", "nano", "micro")}
+    found = budget.probe(measure, info, shapes, 2, seconds, vocab=300, pair_seconds=1e9, window=window)
+    assert (made == ["tiny", "nano", "micro"]) == probed
+    assert found[2].probed == probed
 
 
 def planned(steps: int = 100, seconds: str = "1000s", **fields) -> budget.Plan:
@@ -616,7 +669,7 @@ def small_runs(monkeypatch, planner, machine):
     machine that runs at them."""
     speeds = {"tiny": 3.0, "nano": 0.1}
 
-    def probe(settings, info, presets, micro_batch, seconds, vocab, pair_seconds=None):
+    def probe(settings, info, presets, micro_batch, seconds, vocab, pair_seconds=None, window=budget.PROBE_STEPS):
         speeds["probed"] = list(presets)
         return [
             budget.Candidate(
@@ -814,12 +867,15 @@ def test_a_run_that_slows_after_its_check_shortens_at_the_late_check_and_complet
     assert 20 * 128 / 10.8 * 0.8 + 34 * 128 / 10.8 <= 600  # its steps' time: within the budget
 
 
+WHOLE_PROBE = budget.PROBE_WARMUP_STEPS + budget.CPU_TIME_PROBE_STEPS  # its steps at one thread
+
+
 @pytest.mark.parametrize(
     "burst, burst_steps, cpu_burst, replanned_from",
     [
-        (2.0, 6, False, 25),  # the whole probe (6 steps) waits for a core: its CPU time is a quiet probe's
+        (2.0, WHOLE_PROBE, False, 25),  # the whole probe waits for a core: its CPU time is a quiet probe's
         (4.0, 3, True, 25),  # the warm-up and first two timed steps, CPU time too: it times on until they agree
-        (2.0, 6, True, 12),  # the whole probe, CPU time too: a plan for half the tokens, which the check re-plans
+        (2.0, WHOLE_PROBE, True, 12),  # the whole probe, CPU time too: a plan for half the tokens, re-planned
     ],
 )
 def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(

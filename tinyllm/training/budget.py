@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tinyllm.common import UserError, read_json_or, say
 from tinyllm.data import build as data
 from tinyllm.data import corpus_format
@@ -399,6 +401,9 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
 
 PROBE_WARMUP_STEPS = 1  # untimed steps first (allocation, caches, the first kernel launches)
 PROBE_STEPS = 5  # timed steps at least: the window whose median is the step's time
+CPU_TIME_PROBE_STEPS = 3  # the window of a one-thread CPU probe, timed in CPU time (unloaded_step_seconds): its
+# steps' times are their work, which load does not change (nano under one busy loop per core: 0.98-1.00x its quiet
+# step), so two more steps buy no steadiness and cost 0.6 s of a minute's budget (tiny's 0.07 s, nano's 0.22 s each)
 PROBE_MAX_STEPS = 15  # timed steps at most, while the window's steps disagree
 PROBE_AGREEMENT = 0.25  # the window is steady when its slowest step is at most this much over its fastest
 # A larger preset runs more FLOP/s than a smaller one (larger matmuls): on this project's AMD EPYC at one thread,
@@ -415,36 +420,44 @@ Measure = Callable[[str, int, float], "float | None"]
 MeasureFor = Callable[[float], Measure]
 
 
-def steady_step_seconds(times: list[float], out_of_time: bool = False) -> float | None:
+def probe_window(device_type: str, threads: int) -> int:
+    """How many agreeing timed steps make a probe's step time: CPU_TIME_PROBE_STEPS where a step is timed by
+    its CPU time (a CPU at one thread), else PROBE_STEPS (a wall clock, which load moves)."""
+    return CPU_TIME_PROBE_STEPS if device_type == "cpu" and threads == 1 else PROBE_STEPS
+
+
+def steady_step_seconds(times: list[float], out_of_time: bool = False, window: int = PROBE_STEPS) -> float | None:
     """A probe's step time from its timed steps so far, or None to time another: the median of the last
-    PROBE_STEPS once they agree within PROBE_AGREEMENT (a burst of load that ends inside the probe leaves
+    `window` (probe_window) once they agree within PROBE_AGREEMENT (a burst of load that ends inside the probe leaves
     slow steps before fast ones, which disagree); once PROBE_MAX_STEPS are timed or the time is up and they
     still disagree, the fastest of them (timeit's rule: load only ever slows a step). Under a burst at two
     or more threads the steps' CPU time disagrees by 2x: OpenMP's threads spin at each barrier while their
     partner waits for a core, and whether the scheduler runs the pair together changes from step to step
     (tiny at two threads under one busy loop per core: 0.040-0.087 s a step, quiet 0.044; docs/budget.md)."""
-    window = times[-PROBE_STEPS:]
-    if not window:
+    last = times[-window:]
+    if not last:
         return None
-    full = len(window) == PROBE_STEPS
-    if full and max(window) <= (1 + PROBE_AGREEMENT) * min(window):
-        return statistics.median(window)
+    if len(last) == window and max(last) <= (1 + PROBE_AGREEMENT) * min(last):
+        return statistics.median(last)
     if out_of_time or len(times) >= PROBE_MAX_STEPS:
-        return min(window)
+        return min(last)
     return None
 
 
 def time_until_steady(
-    step: Callable[[], float], out_of_time: Callable[[], bool], info: distributed.DistInfo | None = None
+    step: Callable[[], float],
+    out_of_time: Callable[[], bool],
+    info: distributed.DistInfo | None = None,
+    window: int = PROBE_STEPS,
 ) -> float:
-    """The probe's step time: `step()` (one timed step's seconds) again until steady_step_seconds has it,
-    `out_of_time()` asked after each step. With `info`, every rank steps alike and rank 0's verdict ends
-    the timing."""
+    """The probe's step time: `step()` (one timed step's seconds) again until steady_step_seconds has it
+    over `window` steps, `out_of_time()` asked after each step. With `info`, every rank steps alike and rank
+    0's verdict ends the timing."""
     times: list[float] = []
     step_seconds = None
     while step_seconds is None:
         times.append(step())
-        verdict = steady_step_seconds(times, out_of_time())
+        verdict = steady_step_seconds(times, out_of_time(), window)
         step_seconds = distributed.broadcast_from_main(verdict, info) if info else verdict
     return step_seconds
 
@@ -535,6 +548,7 @@ def probe(
     seconds: float,
     vocab: int,
     pair_seconds: float | None = None,
+    window: int = PROBE_STEPS,
 ) -> list[Candidate]:
     """Each preset's global tokens/s, smallest first, from timed train.py steps of one micro-batch per rank
     (`steady_step_seconds`; eager: compile's speed-up is not counted). The first two (the pair) are
@@ -560,7 +574,7 @@ def probe(
         if candidates:
             last, gain = candidates[-1], pair_gain(candidates)
             rate = predicted_rate(last, presets, name, vocab, gain)
-            cost = (PROBE_WARMUP_STEPS + PROBE_STEPS) * micro_batch * preset.context * info.world / rate
+            cost = (PROBE_WARMUP_STEPS + window) * micro_batch * preset.context * info.world / rate
             pair = len(candidates) == 1  # the pair is measured in whatever time is left (fewer steps when short)
             if not last.probed or (not pair and cost > left()):  # one verdict (left() is rank 0's)
                 carried = gain if gain != 1.0 else None
@@ -731,7 +745,8 @@ def make_plan(
     if problem := short_corpus(request):  # before the probe: its minutes cannot help
         raise UserError(problem)
     measure = measure_for(quiet_wait_seconds(seconds))
-    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds)
+    window = probe_window(info.device.type, torch.get_num_threads())
+    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds, window)
     return choose(dataclasses.replace(request, spent_seconds=time.monotonic() - started), candidates)
 
 

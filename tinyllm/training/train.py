@@ -804,8 +804,9 @@ def steady_window(training: Training, seconds: float, info: distributed.DistInfo
     """The probe's step time from timed steps, until budget.steady_step_seconds has it (more steps while
     they disagree, within `seconds`). Every rank steps alike: rank 0's verdict ends the timing."""
     started = time.monotonic()
+    window = budget.probe_window(training.device.type, torch.get_num_threads())
     return budget.time_until_steady(
-        lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, info
+        lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, info, window
     )
 
 
