@@ -282,9 +282,9 @@ LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss on an accelerator: 128 Mi
 # reads and writes its fp32 gradient (vocab x hidden), which small chunks repeat, and a wider head's matmul outweighs
 # the cache's gain sooner: the loss alone at think72's head (33,069 x 512, 4,096 tokens) took 2.07 s at 256-token
 # chunks, 1.69 s at 1,024, 1.61 s at 2,048; at 16,384 x 256, 277 ms at 128, 215-220 ms at 256-512, 254 ms at 1,024; at
-# 8,192 x 256, 82 ms at 256, 91 at 512, 104 at 1,024; and think72's whole step at 8,192 x 512 ran 0.94-0.96x as fast
-# at 1,024-token chunks as at one chunk of 2,048 (bench/RESULTS.md "A CPU's step"): the best chunk grows as the
-# square of the hidden size (128: 256, the 8 MiB rule's; 256: 256-512; 512: 2,048)
+# 8,192 x 256, 82 ms at 256, 91 at 512, 104 at 1,024 (bench/RESULTS.md "A CPU's step"): the best chunk grows as the
+# square of the hidden size (128: 256, the 8 MiB rule's; 256: 256-512; 512: 2,048). think72's whole train.py step at
+# one thread moved by up to 40% between runs of the same settings here, too much to see the chunk's 5% in
 CPU_LOGITS_CHUNK_ELEMENTS = 2**21
 CPU_CHUNK_HIDDEN_SCALE = 128
 USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA context, cuBLAS, fragmentation
