@@ -118,7 +118,9 @@ def probe_speeds(corpus: Path, work: Path, presets: list[str], seed: int) -> lis
     shapes = {name: model_config.PRESETS[name] for name in presets}
     vocab = corpus_format.load_manifest(corpus).vocab_size
     measure = train.measure_speed(settings, info, quiet_wait=0.0)  # one thread: no wait (budget.waits_for_quiet)
-    return budget.probe(measure, info, shapes, settings.session.batch_size, math.inf, vocab)
+    return budget.probe(
+        measure, info, shapes, settings.session.batch_size, math.inf, vocab, budget.probe_window("cpu", 1)
+    )
 
 
 def budget_request(seconds: float, results: dict) -> budget.Request:

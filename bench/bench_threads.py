@@ -67,11 +67,12 @@ def time_steps(corpus: str, preset: str, threads: int, batch_size: int, steps: i
     return [[r.seconds, budget.unloaded_step_seconds(r.seconds, r.cpu_seconds, threads)] for r in results]
 
 
-def probe_seconds(unloaded: list[float]) -> float:
-    """What --budget's probe takes for the step's time from these steps: budget.time_until_steady on them
-    one by one, as the probe times them (out of time at the last step)."""
+def probe_seconds(unloaded: list[float], threads: int) -> float:
+    """What --budget's probe takes for the step's time from these steps at `threads` threads:
+    budget.time_until_steady on them one by one over its window, as the probe times them (out of time at the
+    last step)."""
     left = unloaded[::-1]
-    return budget.time_until_steady(left.pop, lambda: not left)
+    return budget.time_until_steady(left.pop, lambda: not left, budget.probe_window("cpu", threads))
 
 
 def run_child(corpus: Path, args, threads: int, passive: bool) -> list[list[float]]:
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 times = [wall for wall, _ in steps]
                 total, median = sum(times), statistics.median(times)
                 base = base or total
-                probe = probe_seconds([unloaded for _, unloaded in steps])
+                probe = probe_seconds([unloaded for _, unloaded in steps], threads)
                 quiet = quiet_probe.setdefault(name, probe)
                 print(
                     f"| {load} busy | {name} | {total:.2f} | {total / base:.2f}x | {median:.4f} | {max(times):.3f} | "

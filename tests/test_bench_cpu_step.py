@@ -44,9 +44,9 @@ def test_each_variant_trains_in_a_process_of_its_own_with_its_chunk_and_allocato
 
 
 def test_the_loss_alone_is_timed_at_each_chunk_and_the_cpus_own(capsys):
-    assert bench_cpu_step.main(["--heads", "16384x128:256", "--chunks", "64,256", "--repeats", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16,384 x 128 |")]
-    assert [row.split(" | ")[2] for row in rows] == ["64", "128", "256"]  # the CPU's: 8 MiB of logits
+    assert bench_cpu_step.main(["--heads", "65536x64:256", "--chunks", "64,256", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 65,536 x 64 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["64", "128", "256"]  # the CPU's: twice the hidden size
     assert rows[1].endswith("| yes |") and all(float(row.split(" | ")[3]) > 0 for row in rows)
 
 

@@ -336,7 +336,7 @@ def test_the_plan_record_reads_back_and_shows_on_the_card():
     ],
 )
 def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
-    assert budget.steady_step_seconds(times, out_of_time) == expected
+    assert budget.steady_step_seconds(times, budget.PROBE_STEPS, out_of_time) == expected
 
 
 @pytest.mark.parametrize(
@@ -349,7 +349,7 @@ def test_the_probe_times_steps_until_they_agree(times, out_of_time, expected):
     ],
 )
 def test_a_one_thread_cpu_probe_needs_three_agreeing_steps(times, expected):
-    assert budget.steady_step_seconds(times, window=budget.CPU_TIME_PROBE_STEPS) == expected
+    assert budget.steady_step_seconds(times, budget.CPU_TIME_PROBE_STEPS) == expected
 
 
 @pytest.mark.parametrize(
@@ -376,14 +376,16 @@ def test_the_probe_window_is_shorter_where_a_step_is_timed_by_its_cpu_time(devic
 )
 def test_the_probe_steps_until_its_window_is_steady_or_its_time_is_up(steps, time_for, expected, taken):
     left = steps[::-1]
-    assert budget.time_until_steady(left.pop, lambda: len(steps) - len(left) >= time_for) == expected
+    assert (
+        budget.time_until_steady(left.pop, lambda: len(steps) - len(left) >= time_for, budget.PROBE_STEPS) == expected
+    )
     assert len(steps) - len(left) == taken
 
 
 def test_a_one_thread_cpu_probe_stops_after_three_agreeing_steps():
     steps = [3.0, 1.0, 1.1, 1.0, 9.0]
     left = steps[::-1]
-    assert budget.time_until_steady(left.pop, lambda: False, window=budget.CPU_TIME_PROBE_STEPS) == 1.0
+    assert budget.time_until_steady(left.pop, lambda: False, budget.CPU_TIME_PROBE_STEPS) == 1.0
     assert left == [9.0]
 
 
@@ -422,7 +424,7 @@ def test_a_measured_pair_that_disagrees_with_its_prediction_is_measured_again(
     quiet = budget.Candidate("tiny", 1, 32, 100.0, True)
     nano = [share * budget.predicted_rate(quiet, PROBE_SHAPES, "nano", 300) for share in nano_share]
     measure, made = fake_measure({"tiny": tiny, "nano": nano})
-    found = budget.probe(measure, info, PROBE_SHAPES, micro_batch=2, seconds=0.0, vocab=300, pair_seconds=1e9)
+    found = budget.probe(measure, info, PROBE_SHAPES, 2, 0.0, 300, budget.PROBE_STEPS, pair_seconds=1e9)
     assert made == calls
     assert found[0].tokens_per_second == tiny_rate and found[0].pair_ratio is None
     assert found[1].pair_ratio == pytest.approx(nano_ratio)
@@ -450,7 +452,7 @@ def test_a_preset_after_the_pair_is_probed_when_its_window_fits_the_time_left(wi
     seconds = (budget.PROBE_WARMUP_STEPS + 4) * tokens / micro_rate  # fits 1 + 3 steps, not 1 + 5
     measure, made = fake_measure({"tiny": [100.0], "nano": [nano.tokens_per_second], "micro": [micro_rate]})
     shapes = {name: PROBE_SHAPES[name] for name in ("tiny", "nano", "micro")}
-    found = budget.probe(measure, info, shapes, 2, seconds, vocab=300, pair_seconds=1e9, window=window)
+    found = budget.probe(measure, info, shapes, 2, seconds, 300, window, pair_seconds=1e9)
     assert (made == ["tiny", "nano", "micro"]) == probed
     assert found[2].probed == probed
 
@@ -669,7 +671,8 @@ def small_runs(monkeypatch, planner, machine):
     machine that runs at them."""
     speeds = {"tiny": 3.0, "nano": 0.1}
 
-    def probe(settings, info, presets, micro_batch, seconds, vocab, pair_seconds=None, window=budget.PROBE_STEPS):
+    def probe(settings, info, presets, micro_batch, seconds, vocab, window, pair_seconds=None):
+        speeds["window"] = window
         speeds["probed"] = list(presets)
         return [
             budget.Candidate(
@@ -708,6 +711,20 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
         "--no-report",
         *extra,
     ]
+
+
+@pytest.mark.parametrize("threads, window", [(1, budget.CPU_TIME_PROBE_STEPS), (2, budget.PROBE_STEPS)])
+def test_the_probe_window_follows_the_runs_threads_not_the_process_default(
+    corpus, tmp_path, small_runs, threads, window
+):
+    """--threads is torch's before the probe: a process started at the other count probes with this one's window."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3 - threads)
+    try:
+        assert train.main(options(corpus, tmp_path / "run", "--threads", str(threads))) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert small_runs["window"] == window
 
 
 def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
@@ -966,8 +983,8 @@ def test_a_probe_beside_load_waits_for_quiet_and_measures_again(
     corpus, tmp_path, machine, monkeypatch, capsys, loads, threads, rate, said
 ):
     """The real probe (train.measure_speed) at 3 tokens/s, 4x slower (CPU time too: OpenMP's threads spin)
-    for its warm-up and first window of 5 steps, with /proc/stat's verdicts (`loads`: whether other load
-    took the run's cores, one per look) faked."""
+    for its warm-up and first 5 timed steps (at one thread: its whole first window of 3), with /proc/stat's
+    verdicts (`loads`: whether other load took the run's cores, one per look) faked."""
     from tinyllm.training import distributed
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -1058,10 +1075,10 @@ def test_the_probe_times_real_steps_and_predicts_what_it_cannot_afford(corpus, t
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     shapes = {name: model_config.resolve_preset(name, context=32) for name in ("tiny", "nano", "micro")}
     measure = train.measure_speed(settings, info, budget.quiet_wait_seconds(600.0))  # --budget 10m's
-    measured = budget.probe(measure, info, shapes, micro_batch=2, seconds=1e9, vocab=300)
+    measured = budget.probe(measure, info, shapes, 2, 1e9, 300, budget.PROBE_STEPS)
     assert [(c.preset, c.probed) for c in measured] == [("tiny", True), ("nano", True), ("micro", True)]
     assert all(c.tokens_per_second > 0 for c in measured) and measured[1].pair_ratio > 0
-    predicted = budget.probe(measure, info, shapes, micro_batch=2, seconds=0.0, vocab=300)
+    predicted = budget.probe(measure, info, shapes, 2, 0.0, 300, budget.PROBE_STEPS)
     assert [(c.preset, c.probed) for c in predicted] == [("tiny", True), ("nano", True), ("micro", False)]
     gain = budget.pair_gain(predicted[:2])
     assert predicted[2].tokens_per_second == pytest.approx(

@@ -649,9 +649,8 @@ def test_the_allocator_settings_take_on_this_machine_in_a_process_of_their_own()
     "vocab, device_type, hidden, tokens",
     [
         (8192, "cpu", 128, 256),  # nano: 8 MiB of fp32 logits
-        (8192, "cpu", 256, 512),  # micro: hidden^2 / 128 (the head's reads and gradient a chunk)
-        (33_069, "cpu", 512, 2048),  # think72: hidden^2 / 128, where 8 MiB would be 63 tokens
-        (8192, "cpu", 512, 2048),  # think72 at nano's vocabulary: a 2,048-token micro-batch in one chunk
+        (8192, "cpu", 256, 512),  # micro: twice its hidden size (the head's reads and gradient a chunk)
+        (33_069, "cpu", 512, 1024),  # think72: twice its hidden size, where 8 MiB would be 63 tokens
         (512, "cpu", 64, 4096),  # the demo's vocabulary: 8 MiB
         (8192, "cuda", 128, 4096),  # a card: 128 MiB of fp32 logits, whatever the hidden size
         (33_069, "cuda", 512, 1014),

@@ -237,7 +237,7 @@ def count_chunks(monkeypatch) -> tuple[list[int], list[int]]:
 
 def test_the_default_chunk_is_the_logits_budget_over_the_vocabulary_and_evaluation_computes_no_gradient(monkeypatch):
     monkeypatch.setattr(hardware, "CPU_LOGITS_CHUNK_ELEMENTS", CHUNK * VOCAB)  # 37 tokens of 500 logits (on CPU)
-    monkeypatch.setattr(hardware, "CPU_CHUNK_HIDDEN_SCALE", 10**9)  # (tiny's head would ask for more)
+    monkeypatch.setattr(hardware, "CPU_CHUNK_HIDDEN_MULTIPLE", 0)  # (tiny's head would ask for 128 at least)
     assert model_config.PRESETS["tiny"].hidden != VOCAB  # the head's other dimension would give other chunks
     rows, gradient_rows = count_chunks(monkeypatch)
     model, (inputs, targets) = tiny_model(), batch(ignored=False)

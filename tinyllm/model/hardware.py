@@ -275,28 +275,25 @@ def peak_tflops(device: Device, precision: str) -> float | None:
 
 GIB = 1024**3
 LOGITS_CHUNK_ELEMENTS = 2**25  # one chunk of the loss on an accelerator: 128 MiB of fp32 logits
-# ... and on a CPU: 8 MiB, and at least hidden^2 / CPU_CHUNK_HIDDEN_SCALE tokens. The chunk's elementwise passes (the
+# ... and on a CPU: 8 MiB, and at least CPU_CHUNK_HIDDEN_MULTIPLE x hidden tokens. The chunk's elementwise passes (the
 # exp, the casts, the gradient) run from the cache when it is small: nano at vocabulary 8,192, one thread, 2,048-token
 # micro-batches, 7.1-7.4K tokens/s at 2^25 elements (one chunk of 2,048 tokens), 8.5K at 2^22, 9.3K at 2^21, 9.0K at
 # 2^20 (one run each; with `malloc_options`: 7.6-7.8K, 9.3K, 9.5-9.7K, 9.5K). But each chunk also reads the head and
-# reads and writes its fp32 gradient (vocab x hidden), which small chunks repeat, and a wider head's matmul outweighs
-# the cache's gain sooner: the loss alone at think72's head (33,069 x 512, 4,096 tokens) took 2.07 s at 256-token
-# chunks, 1.69 s at 1,024, 1.61 s at 2,048; at 16,384 x 256, 277 ms at 128, 215-220 ms at 256-512, 254 ms at 1,024; at
-# 8,192 x 256, 82 ms at 256, 91 at 512, 104 at 1,024 (bench/RESULTS.md "A CPU's step"): the best chunk grows as the
-# square of the hidden size (128: 256, the 8 MiB rule's; 256: 256-512; 512: 2,048). think72's whole train.py step at
-# one thread moved by up to 40% between runs of the same settings here, too much to see the chunk's 5% in
+# reads and writes its fp32 gradient (vocab x hidden), which small chunks repeat: the loss alone at think72's head
+# (33,069 x 512, 4,096 tokens) took 2.07 s at 256-token chunks, 1.69 s at 1,024, 1.61 s at 2,048; at 16,384 x 256,
+# 277 ms at 128, 215-220 ms at 256-512, 254 ms at 1,024 (bench/RESULTS.md "A CPU's step")
 CPU_LOGITS_CHUNK_ELEMENTS = 2**21
-CPU_CHUNK_HIDDEN_SCALE = 128
+CPU_CHUNK_HIDDEN_MULTIPLE = 2
 USABLE_FRACTION = 0.9  # of a card's memory (a margin, not measured): the CUDA context, cuBLAS, fragmentation
 
 
 def logits_chunk_tokens(vocab: int, device_type: str, hidden: int = 0) -> int:
     """Tokens per chunk of losses.language_model_loss on a device of `device_type` ("cuda", "cpu", ...), for an LM
     head of `vocab` x `hidden`: 1,014 on a card at think72's vocabulary of 33,069; on a CPU 256 at nano's 8,192 x
-    128, 512 at micro's 8,192 x 256, 2,048 at think72's."""
+    128, 512 at micro's 8,192 x 256, 1,024 at think72's."""
     if device_type != "cpu":
         return max(1, LOGITS_CHUNK_ELEMENTS // vocab)
-    return max(1, CPU_LOGITS_CHUNK_ELEMENTS // vocab, hidden * hidden // CPU_CHUNK_HIDDEN_SCALE)
+    return max(1, CPU_LOGITS_CHUNK_ELEMENTS // vocab, CPU_CHUNK_HIDDEN_MULTIPLE * hidden)
 
 
 # The host's allocator. glibc's malloc, as it comes, returns a freed block above its mmap threshold to the kernel (the

@@ -28,7 +28,7 @@ def language_model_loss(
     with `documents` (train_data.Batch's), attention and positions stay inside each document (attention.py).
 
     The decoder gives the hidden states; the LM head and the cross-entropy run `chunk_tokens` tokens at a
-    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits on a card, ~8 MiB on a CPU), each chunk's
+    time (hardware.logits_chunk_tokens: 128 MiB of fp32 logits on a card, 8 MiB or more on a CPU), each chunk's
     logits made in the autocast dtype and taken to fp32, as F.cross_entropy(logits.float()) on the whole batch
     would. Targets equal to IGNORE_INDEX are not counted ("mean" divides by the counted ones). With gradients, `z_loss`
     adds z_loss x logsumexp^2 per counted token (PaLM's z-loss: it keeps the logits' normalizer near 1);

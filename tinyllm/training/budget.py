@@ -402,8 +402,10 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
 PROBE_WARMUP_STEPS = 1  # untimed steps first (allocation, caches, the first kernel launches)
 PROBE_STEPS = 5  # timed steps at least: the window whose median is the step's time
 CPU_TIME_PROBE_STEPS = 3  # the window of a one-thread CPU probe, timed in CPU time (unloaded_step_seconds): its
-# steps' times are their work, which load does not change (nano under one busy loop per core: 0.98-1.00x its quiet
-# step), so two more steps buy no steadiness and cost 0.6 s of a minute's budget (tiny's 0.07 s, nano's 0.22 s each)
+# steps' times are their work, which load moves far less than the wall clock (nano's probe step under one busy loop per
+# core: 0.98-1.00x a quiet one's; whole probes under an 8 s burst 0.85-1.02x the quiet run's, the machine's own drift
+# included), and its steps agree at once, so two more steps buy no steadiness: the probe of a 60 s budget took 2.73 s
+# where it took 3.18 (tiny's steps 0.07 s, nano's 0.22 s; bench/RESULTS.md "A shorter probe at one thread")
 PROBE_MAX_STEPS = 15  # timed steps at most, while the window's steps disagree
 PROBE_AGREEMENT = 0.25  # the window is steady when its slowest step is at most this much over its fastest
 # A larger preset runs more FLOP/s than a smaller one (larger matmuls): on this project's AMD EPYC at one thread,
@@ -426,7 +428,7 @@ def probe_window(device_type: str, threads: int) -> int:
     return CPU_TIME_PROBE_STEPS if device_type == "cpu" and threads == 1 else PROBE_STEPS
 
 
-def steady_step_seconds(times: list[float], out_of_time: bool = False, window: int = PROBE_STEPS) -> float | None:
+def steady_step_seconds(times: list[float], window: int, out_of_time: bool = False) -> float | None:
     """A probe's step time from its timed steps so far, or None to time another: the median of the last
     `window` (probe_window) once they agree within PROBE_AGREEMENT (a burst of load that ends inside the probe leaves
     slow steps before fast ones, which disagree); once PROBE_MAX_STEPS are timed or the time is up and they
@@ -447,8 +449,8 @@ def steady_step_seconds(times: list[float], out_of_time: bool = False, window: i
 def time_until_steady(
     step: Callable[[], float],
     out_of_time: Callable[[], bool],
+    window: int,
     info: distributed.DistInfo | None = None,
-    window: int = PROBE_STEPS,
 ) -> float:
     """The probe's step time: `step()` (one timed step's seconds) again until steady_step_seconds has it
     over `window` steps, `out_of_time()` asked after each step. With `info`, every rank steps alike and rank
@@ -457,7 +459,7 @@ def time_until_steady(
     step_seconds = None
     while step_seconds is None:
         times.append(step())
-        verdict = steady_step_seconds(times, out_of_time(), window)
+        verdict = steady_step_seconds(times, window, out_of_time())
         step_seconds = distributed.broadcast_from_main(verdict, info) if info else verdict
     return step_seconds
 
@@ -547,8 +549,8 @@ def probe(
     micro_batch: int,
     seconds: float,
     vocab: int,
+    window: int,
     pair_seconds: float | None = None,
-    window: int = PROBE_STEPS,
 ) -> list[Candidate]:
     """Each preset's global tokens/s, smallest first, from timed train.py steps of one micro-batch per rank
     (`steady_step_seconds`; eager: compile's speed-up is not counted). The first two (the pair) are
@@ -746,7 +748,7 @@ def make_plan(
         raise UserError(problem)
     measure = measure_for(quiet_wait_seconds(seconds))
     window = probe_window(info.device.type, torch.get_num_threads())
-    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, pair_seconds, window)
+    candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, window, pair_seconds)
     return choose(dataclasses.replace(request, spent_seconds=time.monotonic() - started), candidates)
 
 

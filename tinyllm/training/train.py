@@ -806,7 +806,7 @@ def steady_window(training: Training, seconds: float, info: distributed.DistInfo
     started = time.monotonic()
     window = budget.probe_window(training.device.type, torch.get_num_threads())
     return budget.time_until_steady(
-        lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, info, window
+        lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, window, info
     )
 
 
@@ -832,6 +832,12 @@ def measured_again(
         f"waiting for a quiet machine: {step_seconds / again:.2f}x the first measure's speed",
     )
     return min(step_seconds, again)
+
+
+def use_threads(threads: int | None) -> None:
+    """--threads: torch's threads in this process (None or 0: torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: float) -> budget.Measure:
@@ -1172,8 +1178,7 @@ def build_training(
     )
     if problem:
         raise UserError(problem)
-    if session.threads:
-        torch.set_num_threads(session.threads)
+    use_threads(session.threads)  # train() did it before the probe; for Python callers
     distributed.use_deterministic_kernels(session.deterministic)  # main() did it; for Python callers
     data = train_data.open_train_data(data_options(settings, info.world), corpus)
     if vocab_size is not None and vocab_size < data.manifest.vocab_size:
@@ -1274,7 +1279,8 @@ def train(
         problems = distributed.main_decides(lambda: corpus_format.verify_corpus(folder), info)  # noqa: B023 (called at once)
         if problems:
             raise UserError(f"corpus {folder} does not match its manifest: " + "; ".join(problems))
-    # --budget: the run's plan, made once (None without), applied here
+    # --budget: the run's plan, made once (None without), applied here; its probe reads the threads
+    use_threads(session.threads)
     given = given_options(build_parser(), settings.invocation.argv)
     plan = budget.settle(settings, info, corpus, given, functools.partial(measure_speed, settings, info))
     settings = budget.apply(settings, plan, info.world)
