@@ -355,7 +355,7 @@ def test_a_one_thread_cpu_probe_needs_three_agreeing_steps(times, expected):
 @pytest.mark.parametrize(
     "device_type, threads, expected",
     [
-        ("cpu", 1, budget.CPU_TIME_PROBE_STEPS),  # a step's CPU time is its work: load does not move it
+        ("cpu", 1, budget.CPU_TIME_PROBE_STEPS),  # a step's CPU time is its work: load moves it far less
         ("cpu", 2, budget.PROBE_STEPS),  # OpenMP's spinning threads: the CPU time moves with load
         ("cpu", 16, budget.PROBE_STEPS),
         ("cuda", 1, budget.PROBE_STEPS),  # the device's time, on the wall clock
@@ -396,7 +396,7 @@ def fake_measure(rates: dict[str, list[float]]):
     """A budget.Measure whose successive calls for a preset return `rates[preset]` in turn; records the calls."""
     calls: list[str] = []
 
-    def measure(preset, micro_batch, seconds):
+    def measure(preset, micro_batch, seconds, window):
         calls.append(preset)
         return rates[preset][sum(call == preset for call in calls) - 1]
 
@@ -997,7 +997,7 @@ def test_a_probe_beside_load_waits_for_quiet_and_measures_again(
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     capsys.readouterr()
     measure = train.measure_speed(settings, info, budget.quiet_wait_seconds(1.0))  # --budget 1s's
-    assert measure("tiny", 2, 1e9) == pytest.approx(rate)
+    assert measure("tiny", 2, 1e9, budget.probe_window("cpu", threads)) == pytest.approx(rate)
     printed = capsys.readouterr().out
     assert (said in printed) if said else "--budget: tiny's probe" not in printed
 

@@ -416,8 +416,8 @@ PAIR_RANGE = (0.8, 4.0)
 PROBE_SHARE = 0.02  # of the budget, at most PROBE_MAX_SECONDS, for probing
 PAIR_SHARE = 0.05  # of the budget, at most PROBE_MAX_SECONDS: the first pair is measured within this much
 PROBE_MAX_SECONDS = 120.0
-# (preset, micro-batch, seconds it may take) -> global tokens/s; None: out of memory
-Measure = Callable[[str, int, float], "float | None"]
+# (preset, micro-batch, seconds it may take, its window of agreeing steps) -> global tokens/s; None: out of memory
+Measure = Callable[[str, int, float, int], "float | None"]
 # the seconds the whole probe may wait for a quiet machine (quiet_wait_seconds) -> its Measure (train.measure_speed)
 MeasureFor = Callable[[float], Measure]
 
@@ -570,7 +570,7 @@ def probe(
         return distributed.broadcast_from_main(max(0.0, allowed - (time.monotonic() - started)), info)
 
     def measured(name: str) -> float | None:
-        return distributed.broadcast_from_main(measure(name, micro_batch, left()), info)
+        return distributed.broadcast_from_main(measure(name, micro_batch, left(), window), info)
 
     for name, preset in presets.items():
         if candidates:

@@ -800,18 +800,24 @@ def beside_load(work: Callable[[], Any]) -> tuple[Any, bool]:
     return result, budget.busy_beside(others, after.cores, torch.get_num_threads())
 
 
-def steady_window(training: Training, seconds: float, info: distributed.DistInfo) -> float:
-    """The probe's step time from timed steps, until budget.steady_step_seconds has it (more steps while
-    they disagree, within `seconds`). Every rank steps alike: rank 0's verdict ends the timing."""
+def steady_window(training: Training, seconds: float, window: int, info: distributed.DistInfo) -> float:
+    """The probe's step time from timed steps, until budget.steady_step_seconds has it over `window` steps
+    (more steps while they disagree, within `seconds`). Every rank steps alike: rank 0's verdict ends the
+    timing."""
     started = time.monotonic()
-    window = budget.probe_window(training.device.type, torch.get_num_threads())
     return budget.time_until_steady(
         lambda: probe_step_seconds(training), lambda: time.monotonic() - started >= seconds, window, info
     )
 
 
 def measured_again(
-    training: Training, info: distributed.DistInfo, preset: str, step_seconds: float, took: float, wait: QuietWait
+    training: Training,
+    info: distributed.DistInfo,
+    preset: str,
+    step_seconds: float,
+    took: float,
+    wait: QuietWait,
+    window: int,
 ) -> float:
     """A probe window that ran beside other load, measured again once the machine is quiet (given as long
     as the first took) and the faster kept; the first kept if it is not quiet within what is left of
@@ -825,7 +831,7 @@ def measured_again(
             f"{budgeted:.0f} s the probe may wait: planned at the speed measured beside it",
         )
         return step_seconds
-    again = steady_window(training, took, info)
+    again = steady_window(training, took, window, info)
     log(
         info,
         f"--budget: {preset}'s probe ran beside other load; measured again after {waited:.0f} s of "
@@ -849,7 +855,7 @@ def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: fl
     waits = budget.waits_for_quiet(info.device.type == "cpu", torch.get_num_threads(), info.world)
     wait = QuietWait(quiet_wait if waits else 0.0)
 
-    def measure(preset: str, micro_batch: int, seconds: float) -> float | None:
+    def measure(preset: str, micro_batch: int, seconds: float, window: int) -> float | None:
         run = dataclasses.replace(settings.run, preset=preset, target_tokens=10**9, epochs=None)
         session = dataclasses.replace(settings.session, batch_size=micro_batch, grad_accum=1, compile=False)
         try:
@@ -857,11 +863,11 @@ def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: fl
             for _ in range(budget.PROBE_WARMUP_STEPS):
                 training.train_step()
             started = time.monotonic()
-            window = functools.partial(steady_window, training, seconds, info)
-            step_seconds, busy = beside_load(window) if wait.seconds > 0 else (window(), False)  # no wait: no reads
+            timed = functools.partial(steady_window, training, seconds, window, info)
+            step_seconds, busy = beside_load(timed) if wait.seconds > 0 else (timed(), False)  # no wait: no reads
             took = time.monotonic() - started
             if busy and wait.seconds > 0:
-                step_seconds = measured_again(training, info, preset, step_seconds, took, wait)
+                step_seconds = measured_again(training, info, preset, step_seconds, took, wait, window)
         except torch.OutOfMemoryError:
             return None
         except UserError as error:  # build_training's out-of-memory line; any other error is the run's
