@@ -735,7 +735,7 @@ def count_optimizer(preset: model_config.Preset, precision: str, world: int) -> 
     hidden, rest, head = optimization.hidden_matrices(model)
     rest = rest + head
     card = CARD_PLANS[precision]
-    ns_dtype = hardware.newton_schulz_dtype(card)
+    ns_dtype = hardware.newton_schulz_dtype(card, precision)
     shapes = [tuple(parameter.shape) for parameter in hidden]
     owners = muon.newton_schulz_owners(shapes, world)
     loads = [

@@ -63,7 +63,7 @@ def machine_facts(info, args: argparse.Namespace) -> dict:
         "precision_reason": precision.reason,
         "attention_kernel": plan.label(),
         "attention_reason": plan.reason,
-        "newton_schulz_dtype": hardware.newton_schulz_dtype(device),
+        "newton_schulz_dtype": hardware.newton_schulz_dtype(device, precision.value),
         "card": dataclasses.asdict(card) if card else None,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),

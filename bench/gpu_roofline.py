@@ -38,7 +38,9 @@ class RooflineParts:
             "preset": self.args.preset,
             "matrices": len(shapes),
             "flops_per_step": flops,
-            "train_dtype": hardware.newton_schulz_dtype(self.device),
+            "train_dtype": hardware.newton_schulz_dtype(
+                self.device, hardware.choose_precision("auto", self.device).value
+            ),
             "dtypes": {},
         }
         for name in ("fp16", "bf16", "fp32"):

@@ -27,7 +27,7 @@ TABLE = [
     (H100, "bf16", "bf16"),
     (H200, "bf16", "bf16"),
     (CPU, "fp32", "fp32"),
-    (CPU_BF16, "bf16", "fp32"),
+    (CPU_BF16, "bf16", "bf16"),
 ]
 
 
@@ -37,9 +37,21 @@ TABLE = [
 def test_every_card(device, precision, newton_schulz):
     choice = hardware.choose_precision("auto", device)
     assert choice.value == precision and choice.warning is None
-    assert hardware.newton_schulz_dtype(device) == newton_schulz
+    assert hardware.newton_schulz_dtype(device, precision) == newton_schulz
     # the emulation trap: every card "supports" bf16 in torch's default sense; only sm_80+ has it natively
     assert device.native_bf16 == (precision == "bf16" and device.is_cuda)
+
+
+@pytest.mark.parametrize(
+    "device, precision, newton_schulz",
+    [(CPU_BF16, "fp32", "fp32"), (CPU, "bf16", "fp32"), (T4, "fp32", "fp16"), (A100, "fp32", "bf16")],
+    ids=["bf16 CPU, --precision fp32", "CPU, bf16 emulated", "T4, fp32", "A100, fp32"],
+)
+def test_a_cpu_orthogonalizes_in_the_runs_precision_where_bf16_is_native_a_card_in_its_own(
+    device, precision, newton_schulz
+):
+    # an fp32 run keeps fp32 (world size 1 and 2 equal to fp32 rounding); a card's half type is its own
+    assert hardware.newton_schulz_dtype(device, precision) == newton_schulz
 
 
 def test_explicit_bf16_below_sm80_is_kept_with_a_warning_and_takes_the_math_kernel():

@@ -86,7 +86,7 @@ def test_newton_schulz_against_a_float64_reference(dtype, bound):
         assert singular.max() < 1.5 and ((singular > 0.5).double().mean() > 0.9)
 
 
-def test_the_optimizer_iterates_in_the_devices_dtype():
+def tiny_muon(rank: int = 0, world: int = 1, precision: str = "fp32") -> torch.optim.Optimizer:
     from tinyllm.model import config as model_config
     from tinyllm.training import optimization
 
@@ -106,11 +106,27 @@ def test_the_optimizer_iterates_in_the_devices_dtype():
         grad_clip=1.0,
         head_lr=1e-3,
     )
-    optimizer = optimization.build_optimizers(model, recipe, torch.device("cpu"), rank=1, world=2).parts["muon"]
+    return optimization.build_optimizers(model, recipe, torch.device("cpu"), rank, world, precision).parts["muon"]
+
+
+def test_the_optimizer_iterates_in_the_devices_dtype():
+    optimizer = tiny_muon(rank=1, world=2)
     assert isinstance(optimizer, torch.optim.Muon)
     assert (optimizer.ns_dtype, optimizer.rank, optimizer.world) == ("fp32", 1, 2)
     assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.95
     assert hardware.machine_record(torch.device("cpu"), 1, "fp32", "cpu flash")["newton_schulz_dtype"] == "fp32"
+
+
+@pytest.mark.parametrize(
+    "cpu, precision, newton_schulz",
+    [(hardware.CPU_BF16, "bf16", "bf16"), (hardware.CPU_BF16, "fp32", "fp32"), (hardware.CPU, "bf16", "fp32")],
+)
+def test_the_runs_precision_reaches_muons_iteration(monkeypatch, cpu, precision, newton_schulz):
+    # a bf16 run on a CPU with bf16 instructions iterates in bf16; an fp32 run, or bf16 emulated, in fp32
+    monkeypatch.setattr(hardware, "describe", lambda device: cpu)
+    assert tiny_muon(precision=precision).ns_dtype == newton_schulz
+    record = hardware.machine_record(torch.device("cpu"), 1, precision, "cpu flash")
+    assert record["newton_schulz_dtype"] == newton_schulz
 
 
 TINY_LAYER = [(64, 64), (32, 64), (32, 64), (64, 64), (192, 64), (192, 64), (64, 192)]  # q k v o gate up down

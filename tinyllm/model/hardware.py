@@ -9,7 +9,8 @@ test fakes a T4, an A100 or a CPU without one. The rules:
   sm_80 (A100, A10, L4, H100); on CPU bf16 where it has bf16 dot-product instructions torch uses
   (avx512_bf16, AMX: its matmuls run several times faster than fp32's), else fp32;
 - attention: attention.choose_attention takes a Device from here (the kernels live in attention.py);
-- Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80; fp32 on CPU);
+- Newton-Schulz (Muon): the card's fast half type (fp16 below sm_80, bf16 from sm_80); on CPU the run's
+  precision (bf16 where native, else fp32);
 - the wrapping order (DDP around the compiled model or the compiled DDP model);
 - peak FLOP/s and memory bandwidth per card (for MFU); the throughput model of docs/training.md, a
   roofline over what bench/bench_roofline.py counts and each card's sustained rates (predict_step);
@@ -216,11 +217,15 @@ def precision_change(old: str, new: str, device: Device) -> str | None:
 # Muon's Newton-Schulz iteration, and the order of torch.compile and DDP.
 
 
-def newton_schulz_dtype(device: Device) -> str:
-    """The dtype Muon orthogonalizes in: the card's fast half type; fp32 on CPU (cheap there, and
-    world size 1 and 2 then stay equal to fp32 rounding)."""
+def newton_schulz_dtype(device: Device, precision: str) -> str:
+    """The dtype Muon orthogonalizes in: the card's fast half type; on CPU the run's `precision` where its
+    bf16 is native, else fp32. A bf16 run on a CPU with bf16 instructions iterates in bf16 as torch.optim.Muon
+    does: nano's 28 matrices at one thread 12.6 against 27.1 ms, its 4,096-token steps 0.95x the time, held-out
+    bits per byte within 0.1% at equal steps (bench/RESULTS.md "Muon's Newton-Schulz in bf16 on a CPU"). An
+    fp32 run keeps fp32, where world size 1 and 2 stay equal to fp32 rounding (bf16 amplifies the gradients'
+    reduction-order difference 3,500x)."""
     if not device.is_cuda:
-        return "fp32"
+        return "bf16" if device.bf16_instructions and precision == "bf16" else "fp32"
     return "bf16" if device.native_bf16 else "fp16"
 
 
@@ -965,7 +970,7 @@ def machine_record(device, world: int, precision: str, sdpa: str) -> dict:
         "world_size": world,
         "precision": precision,
         "sdpa_kernels": sdpa,
-        "newton_schulz_dtype": newton_schulz_dtype(describe(device)),  # Muon's iteration
+        "newton_schulz_dtype": newton_schulz_dtype(describe(device), precision),  # Muon's iteration
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -80,9 +80,9 @@ class Parameters(NamedTuple):
     head: list[torch.nn.Parameter]  # an untied LM head (none when tied)
 
 
-# A builder: (recipe, parameters, device, rank, world) -> {part name: torch optimizer}, each param group
-# named by its "name" (the part's name when it has none); the part names are the checkpoint's keys.
-Builder = Callable[["Recipe", Parameters, torch.device, int, int], dict[str, torch.optim.Optimizer]]
+# A builder: (recipe, parameters, device, rank, world, precision) -> {part name: torch optimizer}, each param
+# group named by its "name" (the part's name when it has none); the part names are the checkpoint's keys.
+Builder = Callable[["Recipe", Parameters, torch.device, int, int, str], dict[str, torch.optim.Optimizer]]
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,10 @@ def adamw(recipe: Recipe, groups: list[dict], device: torch.device) -> torch.opt
 
 
 def build_muon(
-    recipe: Recipe, parameters: Parameters, device: torch.device, rank: int, world: int
+    recipe: Recipe, parameters: Parameters, device: torch.device, rank: int, world: int, precision: str
 ) -> dict[str, torch.optim.Optimizer]:
-    """torch.optim.Muon's rule for the hidden matrices (muon.Muon: Newton-Schulz in the device's dtype, split
-    across the `world` ranks), AdamW for the embeddings and norms, never decayed."""
+    """torch.optim.Muon's rule for the hidden matrices (muon.Muon: Newton-Schulz in the dtype of the device and
+    the run's `precision`, split across the `world` ranks), AdamW for the embeddings and norms, never decayed."""
     # here, not at import: a torch without Muon gets hardware.check_torch's message
     from tinyllm.training.muon import Muon
 
@@ -135,7 +135,7 @@ def build_muon(
         adamw_groups.append({"params": parameters.head, "weight_decay": 0.0, "lr": recipe.head_lr, "name": "head"})
     muon = Muon(
         parameters.hidden,
-        ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device)),
+        ns_dtype=hardware.newton_schulz_dtype(hardware.describe(device), precision),
         rank=rank,
         world=world,
         lr=recipe.muon_lr,
@@ -150,7 +150,7 @@ def build_muon(
 
 
 def build_adamw(
-    recipe: Recipe, parameters: Parameters, device: torch.device, rank: int, world: int
+    recipe: Recipe, parameters: Parameters, device: torch.device, rank: int, world: int, precision: str
 ) -> dict[str, torch.optim.Optimizer]:
     """AdamW for everything, decaying the hidden matrices only."""
     groups = [
@@ -600,11 +600,11 @@ class Optimizers:
 
 
 def build_optimizers(
-    model: torch.nn.Module, recipe: Recipe, device: torch.device, rank: int = 0, world: int = 1
+    model: torch.nn.Module, recipe: Recipe, device: torch.device, rank: int = 0, world: int = 1, precision: str = "fp32"
 ) -> Optimizers:
     """The recipe's optimizers (its OPTIMIZERS entry's builder) over the model's parameters, on `rank` of
-    `world`; each param group's peak lr kept as "peak_lr"."""
-    parts = recipe.rule.build(recipe, hidden_matrices(model), device, rank, world)
+    `world`, for a run in `precision`; each param group's peak lr kept as "peak_lr"."""
+    parts = recipe.rule.build(recipe, hidden_matrices(model), device, rank, world, precision)
     for optimizer in parts.values():
         for group in optimizer.param_groups:
             group["peak_lr"] = group["lr"]

@@ -596,7 +596,9 @@ class Training:
         )
         if run.zero_init_output:
             model_config.zero_output_projections(self.model)
-        self.optimizer = optimization.build_optimizers(self.model, self.recipe, self.device, info.rank, info.world)
+        self.optimizer = optimization.build_optimizers(
+            self.model, self.recipe, self.device, info.rank, info.world, self.precision
+        )
         self.scaler = optimization.LossScaler(self.device, enabled=self.precision == "fp16")
         self.rng = distributed.RankRNG(info)
         self.staging = store.StagingBuffers()
@@ -1446,7 +1448,7 @@ def describe_run(training: Training) -> None:
     log(
         info,
         f"  {training.precision_choice.reason}; attention: {training.sdpa}; Muon's Newton-Schulz in "
-        f"{hardware.newton_schulz_dtype(training.hardware)}",
+        f"{hardware.newton_schulz_dtype(training.hardware, training.precision)}",
     )
     if training.compile_seconds is not None:
         log(
