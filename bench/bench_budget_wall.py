@@ -6,7 +6,7 @@ with a burst of load during its probe?
 
 For each text (bench_texts.py: one corpus each, data.py's default vocabulary or --vocab-size), three
 train.py processes at --threads torch threads (1: one core of a shared machine), one after another: the
-fixed choice (`--preset nano`, its defaults: one epoch), timed from launch to exit (W); `--budget W`
+fixed choice (`--preset nano`, its defaults: one epoch, or --fixed-tokens), timed from launch to exit (W); `--budget W`
 alone; `--budget W` with one busy-loop process per core for the first --burst-seconds after its launch
 (the probe's whole time and the first steps); with --modes ...,fixed-burst,burst-wb also the fixed choice
 with the same burst (its wall time W_b) and `--budget W_b` with it: both runs under the same load. Each row:
@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="which runs (a rerun skips those done); fixed-burst: the fixed choice with the burst, its wall time "
         "what the burst costs; burst-wb: --budget that wall time, with the burst (both runs under the same load)",
     )
+    parser.add_argument(
+        "--fixed-tokens",
+        type=int,
+        help="the fixed choice's --target-tokens (default: its one epoch; the issue's example: 2457600)",
+    )
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--vocab-size", type=int, help="the corpora's BPE vocabulary (default: data.py's rule)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of every train.py run")
@@ -71,6 +76,12 @@ def build_corpus(work: Path, text: str, limit_bytes: int, vocab_size: int | None
     if data.main(argv):
         raise UserError(f"data.py could not build {corpus}")
     return corpus
+
+
+def fixed_options(args: argparse.Namespace) -> list[str]:
+    """train.py's options for the fixed choice: --preset, its seed and, with --fixed-tokens, its length."""
+    length = ["--target-tokens", str(args.fixed_tokens)] if args.fixed_tokens else []
+    return ["--preset", args.preset, "--seed", str(args.seed), *length]
 
 
 def busy_loop(seconds: float) -> None:
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.texts.split(","):
         corpus = build_corpus(work, text, args.text_bytes, args.vocab_size)
         runs = results.setdefault(text, {})
-        fixed = ["--preset", args.preset, "--seed", str(args.seed)]
+        fixed = fixed_options(args)
         for mode in ("fixed", "fixed-burst"):
             if mode in modes and mode not in runs:
                 burst = args.burst_seconds if mode == "fixed-burst" else 0

@@ -73,3 +73,9 @@ def test_a_run_s_row_shows_its_check_and_its_late_check(checks, expected):
     fixed = run_record(80.0, 1.30)
     line = bench_budget_wall.row("kjv", "quiet", run_record(80.0, 1.27, {"candidates": [], **checks}), fixed, fixed)
     assert expected in line
+
+
+@pytest.mark.parametrize("given, length", [([], []), (["--fixed-tokens", "2457600"], ["--target-tokens", "2457600"])])
+def test_the_fixed_choice_trains_one_epoch_or_the_tokens_given(tmp_path, given, length):
+    args = bench_budget_wall.parse_args(["--work", str(tmp_path), "--seed", "7", *given])
+    assert bench_budget_wall.fixed_options(args) == ["--preset", "nano", "--seed", "7", *length]
