@@ -5,8 +5,9 @@ CPU its rounding makes a world-size-2 run drift ~1e-3 from the world-size-1 run 
 `Muon` here keeps torch's update rule (its `_init_group`, momentum and Nesterov, decoupled weight decay,
 `_adjust_lr`, and torch's own `_zeropower_via_newtonschulz` for bf16) and changes two things only:
 
-- the dtype of the iteration (hardware.newton_schulz_dtype): fp32 on CPU, fp16 below sm_80 (normalized
-  in fp32, iterated in fp16), bf16 from sm_80, where it is bitwise torch.optim.Muon;
+- the dtype of the iteration (hardware.newton_schulz_dtype): fp16 below sm_80 (normalized in fp32, iterated
+  in fp16), bf16 from sm_80, where it is bitwise torch.optim.Muon; on CPU fp32, or bf16 in a bf16 run where
+  the CPU's bf16 is native;
 - under DDP each rank orthogonalizes its share of the matrices (`newton_schulz_owners`) and broadcasts
   each result as soon as it has it (`exchange_order`). Every rank still updates every momentum buffer from
   the all-reduced gradients, so the optimizer state, and so a checkpoint's `state_dict()`, is whole and
