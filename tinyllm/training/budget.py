@@ -306,7 +306,9 @@ def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) 
 
 def choose(request: Request, candidates: list[Candidate], model: LossModel = LOSS_MODEL) -> Plan:
     """The candidate with the lowest predicted loss among those that fit the budget, the largest of those within
-    TIE_ERRORS of the loss model's error of it (UserError: none fits)."""
+    TIE_ERRORS of the loss model's error of it whose speed was measured (UserError: none fits). A predicted one
+    wins only outright: its speed carries the pair's gain, which on another CPU and precision was 2x off
+    (bench/RESULTS.md "The issue's own length"), and the tie is the loss model's error alone."""
     if not candidates:
         raise UserError(f"--budget {request.budget}: no model shape to plan for (none fits this device's memory)")
     outcomes = [candidate_outcome(candidate, request, model) for candidate in candidates]
@@ -316,7 +318,9 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
         raise UserError(too_small(request, candidates))
     lowest = min(fitting, key=lambda outcome: outcome["bpb"])
     tie = TIE_ERRORS * model.error
-    best = max((outcome for outcome in fitting if outcome["bpb"] <= lowest["bpb"] + tie), key=lambda o: o["parameters"])
+    within = [o for o in fitting if o["bpb"] <= lowest["bpb"] + tie]
+    best = max((o for o in within if o["probed"] or o is lowest), key=lambda o: o["parameters"])
+    passed_over = [o["preset"] for o in within if o["parameters"] > best["parameters"]]
     chosen = next(candidate for candidate in candidates if candidate.preset == best["preset"])
     others = sorted((o for o in fitting if o is not best), key=lambda o: o["bpb"])
     why = (
@@ -328,6 +332,11 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
             f"{lowest['preset']}'s {lowest['bpb']:.3f}"
         )
         + (f" (next: {others[0]['preset']} at {others[0]['bpb']:.3f})" if others and best is lowest else "")
+        + (
+            f"; {', '.join(passed_over)} within {tie:.3f} bits/byte of it but its speed predicted, not measured"
+            if passed_over
+            else ""
+        )
         + (
             f"; tokens capped at {request.max_passes} passes over the train split"
             if best["tokens"] >= request.max_tokens - best["blocks"] * chosen.context
