@@ -307,8 +307,9 @@ def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) 
 def choose(request: Request, candidates: list[Candidate], model: LossModel = LOSS_MODEL) -> Plan:
     """The candidate with the lowest predicted loss among those that fit the budget, the largest of those within
     TIE_ERRORS of the loss model's error of it whose speed was measured (UserError: none fits). A predicted one
-    wins only outright: its speed carries the pair's gain, which on another CPU and precision was 2x off
-    (bench/RESULTS.md "The issue's own length"), and the tie is the loss model's error alone."""
+    wins only outright: its speed carries the pair's gain, which carried on one CPU in fp32 (docs/budget.md) and
+    was 2.1x too fast on another in bf16 (bench/RESULTS.md "The issue's own length"), and the tie is the loss
+    model's error alone."""
     if not candidates:
         raise UserError(f"--budget {request.budget}: no model shape to plan for (none fits this device's memory)")
     outcomes = [candidate_outcome(candidate, request, model) for candidate in candidates]
