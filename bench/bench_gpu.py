@@ -302,6 +302,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank whose record is written
-        distributed.leave_without_teardown()
+    run_main(main)  # a torchrun rank leaves without the interpreter's teardown (common.leave_without_teardown)

@@ -412,6 +412,54 @@ def test_run_main_turns_the_bars_off_in_a_log(monkeypatch):
     assert result.stdout.strip() == "True", result.stderr
 
 
+# SystemExit's code -> the exit status
+@pytest.mark.parametrize("code, status", [(None, 0), (0, 0), (2, 2), (143, 143), ("a message", 1)])
+def test_exit_code_is_what_system_exit_would_exit_with(code, status):
+    assert common.exit_code(code) == status
+
+
+@pytest.mark.parametrize("environ, rank", [({}, False), ({"WORLD_SIZE": "1"}, False), ({"WORLD_SIZE": "2"}, True)])
+def test_a_rank_of_a_group_of_two_or_more_is_launched_as_one(environ, rank):
+    assert common.launched_as_rank(environ) is rank
+
+
+# A script's main that returns or raises `outcome`, with an exit hook that says it ran (the teardown)
+RANK_MAIN = """
+import atexit, sys
+from tinyllm import common
+atexit.register(lambda: print("teardown", flush=True))
+def main():
+    print("work done", flush=True)
+    if sys.argv[1] == "error":
+        raise common.UserError("the corpus is empty")
+    return int(sys.argv[1])
+common.run_main(main)
+"""
+
+
+@pytest.mark.parametrize(
+    "world, outcome, status, stderr",
+    [
+        ("2", "0", 0, ""),  # a torchrun rank: its status, no teardown
+        ("2", "3", 3, ""),
+        ("2", "error", 2, "error: the corpus is empty"),
+        ("1", "3", 3, ""),  # one process: the usual exit, with its teardown
+    ],
+)
+def test_a_torchrun_rank_leaves_without_the_teardown_once_its_exit_code_is_decided(world, outcome, status, stderr):
+    """pytorch #190489: gloo's threads abort an interpreter's teardown; a rank whose outcome is written skips it."""
+    result = subprocess.run(
+        [sys.executable, "-c", RANK_MAIN, outcome],
+        cwd=Path(common.__file__).parents[1],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WORLD_SIZE": world},
+    )
+    assert result.returncode == status, result.stderr
+    assert result.stdout.split() == (["work", "done"] if world == "2" else ["work", "done", "teardown"])
+    assert result.stderr.strip() == stderr
+
+
 def test_python_common_py_lists_every_command_and_the_layers(capsys):
     """`python common.py`: each root script with its console script and its module's file, then the layers."""
     root = Path(common.__file__).parents[1]

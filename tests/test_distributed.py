@@ -73,8 +73,7 @@ mode, rank = sys.argv[1], int(sys.argv[2])
 if mode == "ok":
     info = distributed.init_distributed("cpu")  # init_process_group, then check_first_collective
     print("ready", flush=True)
-    distributed.shutdown_distributed()
-    distributed.leave_without_teardown()  # the gloo threads outlive the group on torch 2.10 and 2.11
+    distributed.shutdown_distributed()  # then run_main leaves without the teardown (the gloo threads outlive the group)
 else:
     import torch.distributed as dist
     from datetime import timedelta

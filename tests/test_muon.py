@@ -11,9 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
 
+from tinyllm import common
 from tinyllm.model import hardware
 from tinyllm.store import checkpoint_store as store
-from tinyllm.training import distributed, muon
+from tinyllm.training import muon
 
 SHAPES = [(48, 32), (32, 48), (40, 40), (64, 16), (16, 16)]  # wide, tall, square: both branches of the transpose
 COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7
@@ -191,7 +192,7 @@ def sharded_steps(rank: int, world: int, port: int, folder: str) -> None:
             )
     finally:
         dist.destroy_process_group()
-    distributed.leave_without_teardown()  # pytorch #190489: the gloo threads outlive the group
+    common.leave_without_teardown()  # pytorch #190489: the gloo threads outlive the group
 
 
 def test_world_size_2_splits_the_work_and_matches_world_size_1_bitwise(tmp_path):

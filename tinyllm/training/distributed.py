@@ -267,18 +267,6 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def leave_without_teardown(code: int = 0) -> None:
-    """Exit with `code` now, skipping the interpreter's teardown: for a rank whose work is done and saved. On
-    torch 2.10 and 2.11 a gloo worker thread frees a finished collective's tensors after wait() has returned
-    and takes the GIL to do so; if the interpreter is shutting down by then, the thread aborts the process
-    ("terminate called without an active exception", pytorch #190489). destroy_process_group does not join
-    those threads. Measured on torch 2.11: a world-size-2 child aborted in 5 of 20 runs, 3 of 50 with a
-    barrier before the teardown, 0 of 40 leaving this way (docs/development.md)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def broadcast_from_main(obj: Any, info: DistInfo) -> Any:
     """Rank 0's `obj` on every rank (so all ranks take the same decision)."""
     if info.world == 1:
