@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_batch  # noqa: E402
+from tiny_runs import write_tiny_corpus  # noqa: E402
 
 from tinyllm.common import UserError  # noqa: E402
 
@@ -56,3 +57,45 @@ def test_each_run_is_against_the_baseline_batch_of_its_text_preset_and_seed():
     runs = [run(4096, 1, 1.2), run(2048, 1, 1.08), run(4096, 2, 1.5), run(2048, 2, 1.5), run(2048, 1, 1.0, "other")]
     rows = bench_batch.report(runs, baseline=4096)[2:]
     assert [row.split(" | ")[7] for row in rows] == ["1.0000x", "0.9000x", "1.0000x", "1.0000x", "-"]
+
+
+@pytest.mark.parametrize(
+    "batches, rounds, expected",
+    [
+        ([4096, 8192], 2, [(4096, 2), (8192, 1), (8192, 1), (4096, 2)]),  # equal tokens each turn, the order reversed
+        ([2048, 4096, 8192], 1, [(2048, 4), (4096, 2), (8192, 1)]),
+    ],
+)
+def test_step_time_takes_equal_tokens_of_each_batch_in_turns(batches, rounds, expected):
+    assert bench_batch.turns(batches, rounds) == expected
+
+
+def test_step_time_times_every_batch_in_one_process_against_the_baseline(tmp_path, capsys):
+    """--step-time end to end on a tiny corpus: a row per batch, the baseline's ratios 1, the others' measured."""
+    write_tiny_corpus(tmp_path / "corpus-tiny")
+    assert (
+        bench_batch.main(
+            [
+                "--work",
+                str(tmp_path),
+                "--runs",
+                "tiny:tiny:0",
+                "--batches",
+                "128,256",
+                "--baseline",
+                "256",
+                "--step-time",
+                "2",
+            ]
+        )
+        == 0
+    )
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |")]
+    assert [row[3].strip() for row in rows] == ["128", "256"]
+    assert rows[1][5].strip() == "1.0000x" and rows[1][7].strip() == "1.0000x"
+    assert float(rows[0][4]) > 0 and rows[0][5].strip().endswith("x")
+
+
+def test_step_time_needs_the_baseline_among_the_batches():
+    with pytest.raises(UserError, match="--baseline 4096"):
+        bench_batch.step_time_report("kjv", "nano", {8192: {"wall": 1.0, "cpu": 1.0}}, 4096)

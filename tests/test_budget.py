@@ -66,10 +66,10 @@ def test_duration_text_rounds_up(seconds, text):
     "tokens, context, expected",
     [
         (1e5, 128, 4096),  # the floor
-        (471_040, 256, 4096),  # 1,570 -> the floor: nano's 100 s run at one thread, 115 steps
-        (1.3e6, 256, 4096),  # 4,333 -> 4,096
-        (2.6e6, 256, 8192),  # 8,667 -> 8,192
-        (5e6, 256, 16_384),  # 5e6 / 300 = 16,667 -> the power of two below
+        (471_040, 256, 4096),  # 3,140 -> the floor: nano's 100 s run at one thread, 115 steps
+        (1.2e6, 256, 4096),  # 8,000 -> 4,096
+        (2.35e6, 256, 8192),  # 15,667 -> 8,192: nano's 2,457,600-token default, less a budget's probe
+        (5e6, 256, 32_768),  # 5e6 / 150 = 33,333 -> the power of two below
         (1e12, 1024, 131_072),  # the ceiling
         (1e5, 8192, 8192),  # at least one block
     ],
@@ -110,12 +110,12 @@ def request(text: str, **fields) -> budget.Request:
 @pytest.mark.parametrize(
     "text, fields, preset, tokens",
     [
-        ("2m", {}, "tiny", 2_158_592),  # 108 s of training: tiny's tokens beat nano's parameters
-        ("30m", {}, "nano", 12_943_360),  # long enough for nano's parameters to beat tiny's extra tokens
+        ("2m", {}, "tiny", 2_154_496),  # 108 s of training: tiny's tokens beat nano's parameters
+        ("30m", {}, "nano", 12_910_592),  # long enough for nano's parameters to beat tiny's extra tokens
         ("10h", {}, "nano", 259_129_344),
         ("100h", {}, "micro", 647_888_896),
-        ("10h", {"train_tokens": 1_250_000}, "micro", 4_997_120),  # a small corpus: 4 passes, then the largest model
-        ("10h", {"train_tokens": 1_250_000, "max_passes": 2}, "micro", 2_498_560),  # one of few tokens an entry: 2
+        ("10h", {"train_tokens": 1_250_000}, "micro", 4_980_736),  # a small corpus: 4 passes, then the largest model
+        ("10h", {"train_tokens": 1_250_000, "max_passes": 2}, "micro", 2_490_368),  # one of few tokens an entry: 2
         ("30m", {"target_tokens": 1_000_000}, "micro", 1_000_000),  # explicit tokens: the largest that fits them
         ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 27 minutes
         ("2m", {"spent_seconds": 30.0}, "tiny", 1_556_480),  # the probe's time comes out of the budget
@@ -1138,10 +1138,10 @@ def test_only_a_plan_for_the_same_budget_is_kept_and_a_resume_under_another_is_r
     "argv, differences",
     [
         ([], []),  # the plan applies
-        (["--preset", "nano", "--target-tokens", "12943360"], []),  # the plan's own values (RUN/config.toml's)
+        (["--preset", "nano", "--target-tokens", "12910592"], []),  # the plan's own values (RUN/config.toml's)
         (["--preset", "micro"], ["preset: nano -> micro"]),
-        (["--target-tokens", "2e6"], ["target_tokens: 12943360 -> 2000000"]),
-        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 12943360 -> 1"]),
+        (["--target-tokens", "2e6"], ["target_tokens: 12910592 -> 2000000"]),
+        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 12910592 -> 1"]),
         (["--layers", "8"], []),  # not the plan's: the checkpoint's comparison names it
     ],
 )

@@ -118,7 +118,9 @@ TIE_ERRORS = 6.0
 # The plan (pure).
 
 RESERVE = 0.1  # of the budget, kept for evaluation, saves, start-up and the final report
-STEPS_PER_RUN = 300  # the batch rule aims at about this many optimizer steps (bench_recipe's runs: 150-300)
+STEPS_PER_RUN = 150  # the batch rule aims at this many optimizer steps or more (up to twice): at equal tokens 115 steps
+# matched 230 (0.5M tokens) and 300 matched 600 (2.46M), while each step's optimizer costs a CPU's nano 1.4-3.3% of the
+# time of 4,096 tokens (bench/RESULTS.md "Fewer, larger steps"; 300 until 2026-12-06)
 MIN_BATCH_TOKENS = 4096  # at equal tokens over every held-out block (one thread, two seeds), 2,048 tokens a step
 # against 4,096: KJV 0.990-0.997x (nano), 0.996-0.998x (tiny), changelogs 1.004-1.006x, man pages 1.002-1.009x (nano):
 # 1.0001x on the mean, one optimizer step more per 4,096 tokens; 1,024 worse than 2,048 by 1.0-2.7% in 6 of 6. (2,048
@@ -251,7 +253,8 @@ class Plan:
 
 def batch_tokens(tokens: float, context: int) -> int:
     """The global batch in tokens for a run of `tokens`: the power of two nearest below tokens /
-    STEPS_PER_RUN, within [MIN_BATCH_TOKENS, MAX_BATCH_TOKENS], and at least one block."""
+    STEPS_PER_RUN (so STEPS_PER_RUN to twice that many steps), within [MIN_BATCH_TOKENS, MAX_BATCH_TOKENS],
+    and at least one block."""
     wanted = max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, tokens / STEPS_PER_RUN))
     return max(context, 2 ** int(math.floor(math.log2(wanted))))
 
