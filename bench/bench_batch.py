@@ -152,10 +152,15 @@ def step_times(work: Path, text: str, preset: str, batches: list[int], rounds: i
     return {batch: {kind: statistics.median(seen) for kind, seen in kinds.items()} for batch, kinds in times.items()}
 
 
+def require_baseline(batches: list[int], baseline: int) -> None:
+    """--step-time compares each batch with the baseline's steps: one of the batches timed."""
+    if baseline not in batches:
+        raise UserError(f"--baseline {baseline} is not one of --batches")
+
+
 def step_time_report(text: str, preset: str, times: dict[int, dict], baseline: int) -> list[str]:
     """--step-time's table: each batch's milliseconds per 4,096 tokens and their ratio to the baseline batch's."""
-    if baseline not in times:
-        raise UserError(f"--baseline {baseline} is not one of --batches")
+    require_baseline(list(times), baseline)
     lines = [
         "| text | preset | batch | ms per 4,096 tokens (wall) | / baseline | (CPU) | / baseline |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     batches = [int(value) for value in args.batches.split(",")]
     if args.step_time:
+        require_baseline(batches, args.baseline)  # before minutes of timed steps
         for spec in args.runs.split(","):
             text, preset, _ = run_spec(spec)
             times = step_times(work, text, preset, batches, args.step_time)

@@ -99,3 +99,9 @@ def test_step_time_times_every_batch_in_one_process_against_the_baseline(tmp_pat
 def test_step_time_needs_the_baseline_among_the_batches():
     with pytest.raises(UserError, match="--baseline 4096"):
         bench_batch.step_time_report("kjv", "nano", {8192: {"wall": 1.0, "cpu": 1.0}}, 4096)
+
+
+def test_step_time_refuses_a_baseline_it_does_not_time_before_timing_anything(tmp_path):
+    """No corpus is read (there is none here): the refusal comes before minutes of timed steps."""
+    with pytest.raises(UserError, match="--baseline 2048"):
+        bench_batch.main(["--work", str(tmp_path), "--runs", "kjv:nano:0", "--baseline", "2048", "--step-time", "1"])
