@@ -103,5 +103,5 @@ def test_step_time_needs_the_baseline_among_the_batches():
 
 def test_step_time_refuses_a_baseline_it_does_not_time_before_timing_anything(tmp_path):
     """No corpus is read (there is none here): the refusal comes before minutes of timed steps."""
-    with pytest.raises(UserError, match="--baseline 2048"):
-        bench_batch.main(["--work", str(tmp_path), "--runs", "kjv:nano:0", "--baseline", "2048", "--step-time", "1"])
+    with pytest.raises(UserError, match="--baseline 1024"):
+        bench_batch.main(["--work", str(tmp_path), "--runs", "kjv:nano:0", "--baseline", "1024", "--step-time", "1"])
