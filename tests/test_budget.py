@@ -17,7 +17,7 @@ from tiny_runs import assert_same_state, write_tiny_corpus
 from tinyllm.common import UserError, given_options
 from tinyllm.data import corpus_format
 from tinyllm.model import config as model_config
-from tinyllm.outputs import export_hf
+from tinyllm.outputs import callbacks, export_hf
 from tinyllm.store import checkpoint_store as store
 from tinyllm.training import budget, distributed, train
 
@@ -110,21 +110,21 @@ def request(text: str, **fields) -> budget.Request:
 @pytest.mark.parametrize(
     "text, fields, preset, tokens",
     [
-        ("2m", {}, "tiny", 2_154_496),  # 108 s of training: tiny's tokens beat nano's parameters
-        ("30m", {}, "nano", 12_910_592),  # long enough for nano's parameters to beat tiny's extra tokens
-        ("10h", {}, "nano", 259_129_344),
-        ("100h", {}, "micro", 647_888_896),
+        ("2m", {}, "tiny", 2_351_104),  # 117.6 s of training: tiny's tokens beat nano's parameters
+        ("30m", {}, "nano", 14_090_240),  # long enough for nano's parameters to beat tiny's extra tokens
+        ("10h", {}, "nano", 282_198_016),
+        ("100h", {}, "micro", 705_560_576),
         ("10h", {"train_tokens": 1_250_000}, "micro", 4_980_736),  # a small corpus: 4 passes, then the largest model
         ("10h", {"train_tokens": 1_250_000, "max_passes": 2}, "micro", 2_490_368),  # one of few tokens an entry: 2
         ("30m", {"target_tokens": 1_000_000}, "micro", 1_000_000),  # explicit tokens: the largest that fits them
-        ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 27 minutes
-        ("2m", {"spent_seconds": 30.0}, "tiny", 1_556_480),  # the probe's time comes out of the budget
+        ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 29.4 minutes
+        ("2m", {"spent_seconds": 30.0}, "tiny", 1_744_896),  # the probe's time comes out of the budget
     ],
 )
 def test_the_planner_picks_the_lowest_predicted_loss_that_fits(text, fields, preset, tokens):
     plan = budget.choose(request(text, **fields), CANDIDATES, MODEL)
     assert (plan.preset, plan.target_tokens) == (preset, tokens)
-    assert plan.hours <= budget.budget_seconds(text) * (1 - budget.RESERVE) / 3600
+    assert plan.hours <= budget.training_seconds(request(text, **fields)) / 3600
     assert plan.predicted_bpb == min(
         c["bpb"] for c in plan.candidates if c["hours"] <= plan.hours + 1e-9 or c["preset"] == preset
     )
@@ -171,6 +171,93 @@ def test_a_predicted_preset_wins_outright_or_not_at_all(micro_measured):
     # a predicted preset whose predicted loss is the lowest outright is still planned
     faster = dataclasses.replace(candidates[2], tokens_per_second=20_000.0, probed=False)
     assert budget.choose(asked, [*candidates[:2], faster]).preset == "micro"
+
+
+@pytest.mark.parametrize(
+    "tokens_per_step, optimizer, seconds",
+    [
+        (1000, 0.0, 0.05),  # 20,000 tokens/s
+        (1000, 0.01, 0.06),  # an optimizer step of 10 ms ...
+        (4000, 0.01, 0.21),  # ... once per step, whatever its micro-batches
+    ],
+)
+def test_a_step_takes_its_micro_batches_and_one_optimizer_step(tokens_per_step, optimizer, seconds):
+    candidate = dataclasses.replace(TINY, optimizer_seconds=optimizer)
+    assert budget.step_seconds(candidate, tokens_per_step) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "steps, every, count",
+    [
+        (100, 20, 5),  # 20, 40, ..., 100: the last is a multiple
+        (100, 30, 4),  # 30, 60, 90 and the last
+        (100, 0, 1),  # at the end only
+        (356, 71, 5),  # 71, ..., 284 and 356: the multiple at 355 is left to the last (callbacks.due's LAST_GAP)
+        (3, 4, 1),
+    ],
+)
+def test_the_plan_counts_the_validations_the_run_makes(steps, every, count):
+    assert budget.validation_count(steps, every) == count
+    assert count == sum(callbacks.due(step, steps, every) for step in range(1, steps + 1))
+
+
+def test_a_run_counts_its_steps_validations_and_test():
+    """10 steps of 1,000 tokens at 20,000 tokens/s and 10 ms (0.6 s), a validation of 3,000 tokens every 5 steps
+    (2, 0.05 s each: a scored token a third of a trained one) and the test's 6,000 (0.1 s); the default cadence
+    for that length (at most 5% of the training: validating 3,000 tokens every 30 steps or more)."""
+    candidate = dataclasses.replace(TINY, optimizer_seconds=0.01)
+    asked = request("1m", validation_tokens=3000, test_tokens=6000, eval_every=5)
+    assert budget.run_seconds(candidate, asked, 10, 1000) == pytest.approx(0.6 + 0.1 + 0.1)
+    default = dataclasses.replace(asked, eval_every=None)
+    assert callbacks.default_eval_every(10, 3000, 1000) == 0  # cheaper at the end only
+    assert budget.run_seconds(candidate, default, 10, 1000) == pytest.approx(0.6 + 0.05 + 0.1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"validation_tokens": 40_000, "test_tokens": 40_000},
+        {"validation_tokens": 40_000, "test_tokens": 40_000, "eval_every": 10, "spent_seconds": 7.0},
+        {"train_tokens": 300_000},  # capped at 4 passes
+    ],
+)
+def test_the_plan_is_the_longest_run_that_fits(fields):
+    """The planned steps' run (steps, validations, test) fits training_seconds and one step more would not
+    (or the passes cap it)."""
+    candidate = dataclasses.replace(NANO, optimizer_seconds=0.02)
+    asked = request("5m", **fields)
+    steps, blocks = budget.fitted_length(candidate, asked)
+    tokens_per_step = blocks * candidate.context
+    assert blocks == budget.global_blocks(steps * tokens_per_step, candidate.context, 1)
+    available = budget.training_seconds(asked)
+    assert budget.run_seconds(candidate, asked, steps, tokens_per_step) <= available
+    capped = (steps + 1) * tokens_per_step > asked.max_tokens
+    assert capped or budget.run_seconds(candidate, asked, steps + 1, tokens_per_step) > available
+
+
+@pytest.mark.parametrize(
+    "fields, seconds",
+    [
+        ({}, 980.0),  # 1,000 s less UNCOUNTED_SHARE
+        ({"spent_seconds": 30.0}, 950.0),  # this session's start-up and probe
+        ({"spent_seconds": 30.0, "start_seconds": 20.0, "session_hours": 0.1}, 910.0),  # 3 sessions: 2 more starts
+    ],
+)
+def test_the_plan_trains_the_budget_less_what_it_does_not_count(fields, seconds):
+    assert budget.training_seconds(request("1000s", **fields)) == pytest.approx(seconds)
+
+
+def test_a_predicted_preset_s_optimizer_step_scales_with_its_newton_schulz_flops():
+    from tinyllm.model import hardware
+
+    measured = budget.Candidate("nano", 1, 32, 100.0, True, optimizer_seconds=0.01)
+    flops = {
+        name: sum(hardware.newton_schulz_flops(*shape) for shape in hardware.muon_matrix_shapes(PROBE_SHAPES[name]))
+        for name in ("nano", "micro")
+    }
+    predicted = budget.predicted_optimizer_seconds(measured, PROBE_SHAPES, "micro")
+    assert predicted == pytest.approx(0.01 * flops["micro"] / flops["nano"]) and predicted > 0.01
 
 
 @pytest.mark.parametrize(
@@ -422,7 +509,7 @@ def fake_measure(rates: dict[str, list[float]]):
 
     def measure(preset, micro_batch, seconds, window):
         calls.append(preset)
-        return rates[preset][sum(call == preset for call in calls) - 1]
+        return budget.ProbeSpeed(rates[preset][sum(call == preset for call in calls) - 1])
 
     return measure, calls
 
@@ -462,6 +549,35 @@ def test_a_measured_pair_that_disagrees_with_its_prediction_is_measured_again(
     assert found[3].tokens_per_second == pytest.approx(budget.predicted_rate(found[2], PROBE_SHAPES, "think72", 300))
 
 
+def test_the_probe_keeps_each_preset_s_optimizer_step_and_predicts_the_next_one_s():
+    from tinyllm.training import distributed
+
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    quiet = budget.Candidate("tiny", 1, 32, 100.0, True)
+    nano = 2.5 * budget.predicted_rate(quiet, PROBE_SHAPES, "nano", 300)
+    speeds = {"tiny": budget.ProbeSpeed(100.0, 0.001), "nano": budget.ProbeSpeed(nano, 0.004)}
+    found = budget.probe(lambda name, *args: speeds[name], info, PROBE_SHAPES, 2, 0.0, 300, 3, pair_seconds=1e9)
+    assert [c.optimizer_seconds for c in found[:2]] == [0.001, 0.004]
+    assert found[2].optimizer_seconds == budget.predicted_optimizer_seconds(found[1], PROBE_SHAPES, "micro")
+
+
+@pytest.mark.parametrize(
+    "first, again, kept",
+    [
+        ((100.0, 0.02), (120.0, 0.03), (120.0, 0.02)),  # each part's faster: load only ever slows either
+        ((100.0, 0.02), None, (100.0, 0.02)),  # out of memory the second time: the first
+    ],
+)
+def test_a_preset_measured_twice_keeps_each_part_s_faster(first, again, kept):
+    speed = budget.faster_speed(budget.ProbeSpeed(*first), again and budget.ProbeSpeed(*again))
+    assert (speed.tokens_per_second, speed.optimizer_seconds) == kept
+    candidate = budget.faster(
+        budget.Candidate("tiny", 1, 32, *first[:1], True, optimizer_seconds=first[1]),
+        again and budget.ProbeSpeed(*again),
+    )
+    assert (candidate.tokens_per_second, candidate.optimizer_seconds) == kept
+
+
 @pytest.mark.parametrize("window, probed", [(budget.CPU_TIME_PROBE_STEPS, True), (budget.PROBE_STEPS, False)])
 def test_a_preset_after_the_pair_is_probed_when_its_window_fits_the_time_left(window, probed):
     """micro's probe costs its warmup and `window` steps at its predicted rate; the time left is between the
@@ -482,8 +598,8 @@ def test_a_preset_after_the_pair_is_probed_when_its_window_fits_the_time_left(wi
 
 
 def planned(steps: int = 100, seconds: str = "1000s", **fields) -> budget.Plan:
-    """A plan of `steps` steps of 1,000 tokens filling `seconds` less the reserve: 9 s a step at 1000s."""
-    hours = budget.budget_seconds(seconds) * (1 - budget.RESERVE) / 3600
+    """A plan of `steps` steps of 1,000 tokens filling 90% of `seconds`: 9 s a step at 1000s."""
+    hours = budget.budget_seconds(seconds) * 0.9 / 3600
     values = dict(
         budget=seconds,
         preset="tiny",
@@ -645,15 +761,24 @@ def corpus(tmp_path_factory) -> Path:
 class FakeMachine:
     """A machine whose train steps take `per_token[preset]` seconds a token (train.Training.train_step's
     seconds, the probe's and the loop's), `burst` times that for the first `burst_steps` steps (a busy
-    moment), and whose session clock reads the sum of its steps (train.SessionClocks.read's elapsed):
-    the timing the probe and the check see, without the tests depending on this machine's speed. A step
-    spends `per_token` CPU seconds a token on each torch thread, burst or not (`cpu_burst`: times that too:
-    other load that costs the process CPU time, not only waiting for a core)."""
+    moment), whose optimizer step takes no time of its own, whose evaluations take a third of that a scored
+    token (as the plan counts them), and whose session clock reads the sum of its steps and evaluations
+    (train.SessionClocks.read's elapsed): the timing the probe and the check see, without the tests
+    depending on this machine's speed. A step spends `per_token` CPU seconds a token on each torch thread,
+    burst or not (`cpu_burst`: times that too: other load that costs the process CPU time, not only
+    waiting for a core)."""
 
     def __init__(self, per_token: dict[str, float], burst: float = 1.0, burst_steps: int = 0):
         self.per_token, self.burst, self.burst_steps = per_token, burst, burst_steps
         self.cpu_burst = False
         self.steps = 0
+        self.evaluations: list[float] = []  # each evaluation's seconds, in order
+
+    def evaluated(self, training, split: str) -> None:
+        """An evaluation after the last step, at that step's pace."""
+        slower = self.burst if self.steps <= self.burst_steps else 1.0
+        rows = sum(part.total for part in training.data.evaluation_rows(split, 0).values())
+        self.evaluations.append(rows * training.context * self.per_token[training.run.preset] * slower / 3)
 
     def step(self, training) -> dict:
         self.steps += 1
@@ -666,15 +791,33 @@ class FakeMachine:
 @pytest.fixture
 def machine(monkeypatch) -> FakeMachine:
     fake = FakeMachine({"tiny": 1 / 3, "nano": 10.0})  # tiny: 3 tokens/s, as small_runs' probe says
-    train_step, read = train.Training.train_step, train.SessionClocks.read
+    train_step, read, clocks_init, heldout = (
+        train.Training.train_step,
+        train.SessionClocks.read,
+        train.SessionClocks.__init__,
+        train.heldout_loss,
+    )
 
     def timed_step(self):
         return dataclasses.replace(train_step(self), **fake.step(self))
 
-    def clock(self, *args):  # its evaluations take no time, as its elapsed time counts steps only
-        return dataclasses.replace(read(self, *args), elapsed=sum(self.step_times), slowest_eval=0.0)
+    def timed_heldout(training, split):
+        fake.evaluated(training, split)
+        return heldout(training, split)
+
+    def session_clocks(self, started):
+        clocks_init(self, started)
+        self.first_evaluation = len(fake.evaluations)  # this session's evaluations: from here on
+
+    def clock(self, *args):
+        evaluations = fake.evaluations[self.first_evaluation :]
+        elapsed = sum(self.step_times) + sum(evaluations)
+        return dataclasses.replace(read(self, *args), elapsed=elapsed, slowest_eval=max(evaluations, default=0.0))
 
     monkeypatch.setattr(train.Training, "train_step", timed_step)
+    monkeypatch.setattr(train, "heldout_loss", timed_heldout)
+    monkeypatch.setattr(train, "optimizer_step_seconds", lambda training: 0.0)
+    monkeypatch.setattr(train.SessionClocks, "__init__", session_clocks)
     monkeypatch.setattr(train.SessionClocks, "read", clock)
     # ... and the probe's own time neither: a plan's length does not move with this machine's load (the probe's
     # building and real steps took up to a minute of a 600 s budget on a busy CI machine, 3 steps of 21 s)
@@ -723,7 +866,7 @@ def options(corpus: Path, out: Path, *extra: str) -> list[str]:
         "--eval-every",
         "4",
         "--eval-tokens",
-        "2048",
+        "32",  # one block: a validation a twenty-seventh of a step's time (the fake machine's, the plan's)
         "--save-every",
         "4",
         "--log-every",
@@ -754,17 +897,16 @@ def test_the_probe_window_follows_the_runs_threads_not_the_process_default(
 def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
-    machine.per_token = {"tiny": 49 / 128}  # 49 s a step: 12 steps end at 588 s, and 13 past 600 s: kept
-    reference = tmp_path / "reference"
+    reference = tmp_path / "reference"  # the machine at the probe's pace: 42.7 s a step, 3.6 s a validation
     assert train.main(options(corpus, reference)) == 0
     recorded = json.loads((reference / "training_settings.json").read_text())
-    plan = recorded["budget"]  # 540 s at 3 tokens/s: 1,620 tokens, 12 steps of 4 blocks of 32
-    assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1536, 12, 4)
-    assert recorded["training"]["target_tokens"] == 1536 and recorded["training"]["budget"] == "10m"
+    plan = recorded["budget"]  # 588 s (10 m less 2%): 13 steps of 4 blocks of 32 and 4 validations and the test
+    assert (plan["preset"], plan["target_tokens"], plan["steps"], plan["global_batch_blocks"]) == ("tiny", 1664, 13, 4)
+    assert recorded["training"]["target_tokens"] == 1664 and recorded["training"]["budget"] == "10m"
     assert recorded["runtime"]["batch_size"] * recorded["runtime"]["grad_accum"] == 4
-    assert plan["check"]["at_step"] == 5 and not plan["check"]["replanned"]  # the last that may end 10% sooner
+    assert plan["check"]["at_step"] == 6 and not plan["check"]["replanned"]  # the last that may end 10% sooner
     printed = capsys.readouterr().out
-    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 5" in printed
+    assert "--budget 10m: tiny" in printed and "--budget 10m: checked at step 6" in printed
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
@@ -773,7 +915,7 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     assert train.main(options(corpus, out)) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
     ours, theirs = (
-        torch.load(folder / "checkpoints" / store.checkpoint_name(12), weights_only=True) for folder in (out, reference)
+        torch.load(folder / "checkpoints" / store.checkpoint_name(13), weights_only=True) for folder in (out, reference)
     )
     assert store.tensor_differences(ours["model"], theirs["model"], "model") == []
     assert store.tensor_differences(ours["optimizer"], theirs["optimizer"], "optimizer") == []
@@ -784,7 +926,7 @@ def test_a_resumed_budget_run_keeps_its_plan_and_is_the_uninterrupted_one(
     moved = tmp_path / "moved"  # --resume PATH into another folder: the plan comes with the checkpoint
     assert train.main(options(corpus, moved, "--resume", str(out / "checkpoints" / store.checkpoint_name(8)))) == 0
     assert "(the run's plan, made at its start: kept)" in capsys.readouterr().out
-    final = torch.load(moved / "checkpoints" / store.checkpoint_name(12), weights_only=True)
+    final = torch.load(moved / "checkpoints" / store.checkpoint_name(13), weights_only=True)
     assert store.tensor_differences(final["model"], theirs["model"], "model") == []
     assert same_decisions(final["settings"]["budget"], plan)
 
@@ -816,17 +958,17 @@ def test_a_session_stops_at_max_hours_or_else_at_its_budget(max_hours, plan, hou
 
 
 def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tmp_path, small_runs, machine):
-    """Planned for 12 steps of 42.7 s in 10 m: the first 4 steps keep the plan's pace, then the machine is 3x
-    slower: the check at step 5 (the last from which the run may end 10% sooner) sees the session's median step
-    at the plan's pace and keeps the plan, the session stops saved once the rest at the recent steps' pace cannot
-    end within the budget's grace (step 6), and the same command finishes the run."""
+    """Planned for 13 steps of 42.7 s in 10 m: the first 6 steps keep the plan's pace, then the machine is 3x
+    slower: the check at step 6 (the last from which the run may end 10% sooner) sees the session's steps at the
+    plan's pace and keeps the plan, the session stops saved once the rest at the recent steps' pace cannot end
+    within the budget's grace (step 7), and the same command finishes the run."""
     out = tmp_path / "run"
-    machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1.0}, 1 / 3, 4
+    machine.per_token, machine.burst, machine.burst_steps = {"tiny": 1.0}, 1 / 3, 6
     assert train.main(options(corpus, out)) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert (plan["check"]["at_step"], plan["check"]["replanned"], plan["steps"]) == (5, False, 12)
+    assert (plan["check"]["at_step"], plan["check"]["replanned"], plan["steps"]) == (6, False, 13)
     record = json.loads((out / "run_status.json").read_text())
-    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 6, 12)
+    assert (record["status"], record["step"], record["total_steps"]) == (store.NEEDS_RESUME, 7, 13)
     assert record["reason"] == "stopped by --budget 10m (this machine ran slower than its probe)"
     machine.per_token = {"tiny": 1 / 3}
     assert train.main(options(corpus, out)) == 0
@@ -836,8 +978,8 @@ def test_a_budget_run_slower_than_its_probe_stops_saved_at_the_budget(corpus, tm
 def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit(
     corpus, tmp_path, small_runs, machine, monkeypatch, capsys
 ):
-    """The machine runs twice as fast as its probe said: the check at step 5 (the last from which the run may
-    end 10% sooner) re-plans the length to fill the budget (28 steps), records it where the plan is
+    """The machine runs twice as fast as its probe said: the check at step 6 (the last from which the run may
+    end 10% sooner) re-plans the length to fill the budget (27 steps), records it where the plan is
     (training_settings.json and the checkpoint saved at that step) and prints it; a session stopped after it
     and resumed on another machine keeps the re-plan, checks no more, and ends bit for bit where the
     uninterrupted run does."""
@@ -845,24 +987,24 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     reference = tmp_path / "reference"
     assert train.main(options(corpus, reference)) == 0
     printed = capsys.readouterr().out
-    line = "re-planned from 1,536 tokens (12 steps) to 3,584 (28 steps)"  # 5 + (600 - 107 s) / 21.3 s
-    checked = "--budget 10m: checked at step 5 (107 s in): steps with their validations at 2.00x the probe's speed"
+    line = "re-planned from 1,664 tokens (13 steps) to 3,456 (27 steps)"  # 6 + (596 - 130 s) / 21.8 s
+    checked = "--budget 10m: checked at step 6 (130 s in): steps with their validations at 2.02x the probe's speed"
     assert checked in printed
     assert line in printed
     recorded = json.loads((reference / "training_settings.json").read_text())
     plan = recorded["budget"]
-    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3584, 28, 12)
-    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3584, 28)
-    assert recorded["training"]["recipe.warmup_steps"] == 1  # the warmup the rule chose for 12 steps, kept
-    assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 28 steps
+    assert (plan["target_tokens"], plan["steps"], plan["check"]["from_steps"]) == (3456, 27, 13)
+    assert (recorded["training"]["target_tokens"], recorded["training"]["total_steps"]) == (3456, 27)
+    assert recorded["training"]["recipe.warmup_steps"] == 1  # the warmup the rule chose for 13 steps, kept
+    assert recorded["training"]["recipe.decay_steps"] == 11  # the decay of 27 steps
     status = json.loads((reference / "run_status.json").read_text())
-    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 28, 28)
-    assert (plan["late_check"]["at_step"], plan["late_check"]["replanned"]) == (14, False)  # room_step(28): kept
-    assert "--budget 10m: checked again at step 14" in printed
-    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(5), weights_only=True)  # saved with it
+    assert (status["status"], status["step"], status["total_steps"]) == (store.COMPLETE, 27, 27)
+    assert (plan["late_check"]["at_step"], plan["late_check"]["replanned"]) == (13, False)  # room_step(27): kept
+    assert "--budget 10m: checked again at step 13" in printed
+    at_check = torch.load(reference / "checkpoints" / store.checkpoint_name(6), weights_only=True)  # saved with it
     saved = at_check["settings"]["budget"]
-    assert (saved["check"], saved["steps"], saved["late_check"]) == (plan["check"], 28, None)
-    assert at_check["settings"]["training"]["total_steps"] == 28
+    assert (saved["check"], saved["steps"], saved["late_check"]) == (plan["check"], 27, None)
+    assert at_check["settings"]["training"]["total_steps"] == 27
 
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--stop-after-steps", "7")) == 0
@@ -874,7 +1016,7 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
     assert "(the run's plan, made at its start and re-planned at its checks: kept)" in printed and line in printed
     assert "--budget 10m: checked" not in printed
     ours, theirs = (
-        torch.load(folder / "checkpoints" / store.checkpoint_name(28), weights_only=True) for folder in (out, reference)
+        torch.load(folder / "checkpoints" / store.checkpoint_name(27), weights_only=True) for folder in (out, reference)
     )
     assert_same_state(ours, theirs)
     assert same_decisions(ours["settings"]["budget"], theirs["settings"]["budget"])
@@ -882,17 +1024,17 @@ def test_a_budget_run_faster_than_its_probe_replans_once_and_resumes_bit_for_bit
 
     moved = tmp_path / "moved"  # --resume PATH from the check's own checkpoint: the re-plan comes with it
     assert (
-        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(5)))) == 0
+        train.main(options(corpus, moved, "--resume", str(reference / "checkpoints" / store.checkpoint_name(6)))) == 0
     )
-    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(28), weights_only=True), theirs)
+    assert_same_state(torch.load(moved / "checkpoints" / store.checkpoint_name(27), weights_only=True), theirs)
 
 
 def test_a_run_that_slows_after_its_check_shortens_at_the_late_check_and_completes(
     corpus, tmp_path, small_runs, machine
 ):
-    """A 50-step plan (10.7 s a step) on a machine that steps in 9.5 s for 20 steps, then in 11.9 s: the check at
-    step 26 sees the fast steps' median and lengthens the run to 61 steps; the late check, 5 steps later, times
-    the slow ones and shortens it to 54, which it may (the decay of 52 steps or more starts after step 31), and
+    """A 54-step plan (10.7 s a step) on a machine that steps in 9.5 s for 20 steps, then in 11.9 s: the check at
+    step 28 sees the fast steps' median and lengthens the run to 61 steps; the late check, 4 steps later, times
+    the slow ones and shortens it to 54, which it may (the decay of 54 steps starts after step 32), and
     the run completes within the budget. With the checks at the last step before the decay (29, then 35 of 60)
     it could not go below 58 steps, and stopped saved at step 56 of 58."""
     small_runs["tiny"] = 12.0
@@ -900,9 +1042,9 @@ def test_a_run_that_slows_after_its_check_shortens_at_the_late_check_and_complet
     out = tmp_path / "run"
     assert train.main(options(corpus, out, "--eval-every", "0")) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert (plan["check"]["at_step"], plan["check"]["from_steps"], plan["check"]["to_steps"]) == (26, 50, 61)
+    assert (plan["check"]["at_step"], plan["check"]["from_steps"], plan["check"]["to_steps"]) == (28, 54, 61)
     late = plan["late_check"]
-    assert (late["at_step"], late["from_steps"], late["to_steps"], plan["steps"]) == (31, 61, 54, 54)
+    assert (late["at_step"], late["from_steps"], late["to_steps"], plan["steps"]) == (32, 61, 54, 54)
     status = json.loads((out / "run_status.json").read_text())
     assert (status["status"], status["step"]) == (store.COMPLETE, 54)
     assert 20 * 128 / 10.8 * 0.8 + 34 * 128 / 10.8 <= 600  # its steps' time: within the budget
@@ -914,9 +1056,9 @@ WHOLE_PROBE = budget.PROBE_WARMUP_STEPS + budget.CPU_TIME_PROBE_STEPS  # its ste
 @pytest.mark.parametrize(
     "burst, burst_steps, cpu_burst, replanned_from",
     [
-        (2.0, WHOLE_PROBE, False, 25),  # the whole probe waits for a core: its CPU time is a quiet probe's
-        (4.0, 3, True, 25),  # the warm-up and first two timed steps, CPU time too: it times on until they agree
-        (2.0, WHOLE_PROBE, True, 12),  # the whole probe, CPU time too: a plan for half the tokens, re-planned
+        (2.0, WHOLE_PROBE, False, 26),  # the whole probe waits for a core: its CPU time is a quiet probe's
+        (4.0, 3, True, 26),  # the warm-up and first two timed steps, CPU time too: it times on until they agree
+        (2.0, WHOLE_PROBE, True, 13),  # the whole probe, CPU time too: a plan for half the tokens, re-planned
     ],
 )
 def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
@@ -924,23 +1066,24 @@ def test_a_burst_of_load_during_the_probe_does_not_shorten_the_run(
 ):
     """The real probe (train.measure_speed) on a machine of 6 tokens/s, `burst` times slower for its first
     `burst_steps` steps: the plan comes out as a quiet probe's, or the check before its decay corrects its
-    length; the run trains what the quiet one does (28 steps: 597 s of 600 less the end's)."""
+    length; the run trains what the quiet one does (27 steps of 21.3 s and 7 validations of 1.8 s: 589 s of 600
+    less the end's 3.6 s; the first plan 26, UNCOUNTED_SHARE short of it)."""
     machine.per_token = {"tiny": 1 / 6}
     quiet = tmp_path / "quiet"
     assert train.main(options(corpus, quiet, "--preset", "tiny")) == 0
     expected = json.loads((quiet / "training_settings.json").read_text())["budget"]
-    assert (expected["check"]["from_steps"], expected["steps"]) == (25, 28)  # the check's end, not the reserve's
+    assert (expected["check"]["from_steps"], expected["steps"]) == (26, 27)  # the check's end, not the cushion's
     machine.burst, machine.burst_steps, machine.cpu_burst, machine.steps = burst, burst_steps, cpu_burst, 0
     out = tmp_path / "busy"
     assert train.main(options(corpus, out, "--preset", "tiny")) == 0
     plan = json.loads((out / "training_settings.json").read_text())["budget"]
-    assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 28)
-    slower = burst if replanned_from == 12 else 1.0
+    assert (plan["check"]["from_steps"], plan["steps"]) == (replanned_from, 27)
+    slower = burst if replanned_from == 13 else 1.0
     assert plan["candidates"][0]["tokens_per_second"] == pytest.approx(
         expected["candidates"][0]["tokens_per_second"] / slower
     )
     status = json.loads((out / "run_status.json").read_text())
-    assert (status["status"], status["step"]) == (store.COMPLETE, 28)
+    assert (status["status"], status["step"]) == (store.COMPLETE, 27)
 
 
 @pytest.mark.parametrize(
@@ -1021,9 +1164,56 @@ def test_a_probe_beside_load_waits_for_quiet_and_measures_again(
     info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
     capsys.readouterr()
     measure = train.measure_speed(settings, info, budget.quiet_wait_seconds(1.0))  # --budget 1s's
-    assert measure("tiny", 2, 1e9, budget.probe_window("cpu", threads)) == pytest.approx(rate)
+    assert measure("tiny", 2, 1e9, budget.probe_window("cpu", threads)).tokens_per_second == pytest.approx(rate)
     printed = capsys.readouterr().out
     assert (said in printed) if said else "--budget: tiny's probe" not in printed
+
+
+@pytest.mark.parametrize("optimizer, kept", [(16 / 3, 16 / 3), (15.0, 32 / 3)])
+def test_the_probe_s_micro_batches_are_its_steps_less_the_optimizer_s(
+    corpus, tmp_path, machine, monkeypatch, optimizer, kept
+):
+    """A probe step of 64 tokens at 3 tokens/s (21.3 s) less its optimizer step timed alone (at most half the
+    step): the micro-batches' speed."""
+    from tinyllm.training import distributed
+
+    monkeypatch.setattr(train, "optimizer_step_seconds", lambda training: optimizer)
+    settings = train.parse_args(options(corpus, tmp_path / "unused"))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    speed = train.measure_speed(settings, info, 0.0)("tiny", 2, 1e9, budget.CPU_TIME_PROBE_STEPS)
+    assert speed.optimizer_seconds == pytest.approx(kept)
+    assert speed.tokens_per_second == pytest.approx(64 / (64 / 3 - kept))
+
+
+def test_an_optimizer_step_is_timed_alone_on_real_gradients(corpus, tmp_path):
+    """train.optimizer_step_seconds on a real tiny run: the optimizers step (the weights move), the time is
+    positive, and the gradients it made are gone after."""
+    from tinyllm.training import distributed
+
+    settings = train.parse_args([*options(corpus, tmp_path / "unused"), "--preset", "tiny", "--target-tokens", "4096"])
+    settings = dataclasses.replace(settings, run=dataclasses.replace(settings.run, budget=None))
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    training = train.build_training(settings, info)
+    before = [parameter.detach().clone() for parameter in training.model.parameters()]
+    seconds = train.optimizer_step_seconds(training)
+    assert seconds > 0
+    assert any(not torch.equal(old, new) for old, new in zip(before, training.model.parameters()))
+    assert all(parameter.grad is None for parameter in training.model.parameters())
+
+
+def test_the_plan_counts_the_session_s_seconds_before_it(corpus, tmp_path, small_runs):
+    """A session that spent 60 s before its probe (start-up, the corpus' check) plans 60 s less of training
+    (budget.time reads 0 here: the session started at -60)."""
+    from tinyllm.training import distributed
+
+    argv = options(corpus, tmp_path / "run", "--preset", "tiny", "--eval-every", "0")
+    settings = train.parse_args(argv)
+    info = distributed.DistInfo(rank=0, local_rank=0, world=1, device=torch.device("cpu"))
+    given = given_options(train.build_parser(), argv)
+    plans = [budget.settle(settings, info, corpus, given, lambda wait: None, started) for started in (0.0, -60.0)]
+    available = 600 * (1 - budget.UNCOUNTED_SHARE)  # the run's steps, validation and test fit this, less 60 s
+    assert plans[1].hours * 3600 <= available - 60 < plans[0].hours * 3600 <= available
+    assert plans[1].steps < plans[0].steps
 
 
 def test_a_run_without_a_budget_builds_no_probe(corpus, tmp_path):
@@ -1138,15 +1328,15 @@ def test_only_a_plan_for_the_same_budget_is_kept_and_a_resume_under_another_is_r
     "argv, differences",
     [
         ([], []),  # the plan applies
-        (["--preset", "nano", "--target-tokens", "12910592"], []),  # the plan's own values (RUN/config.toml's)
+        (["--preset", "nano", "--target-tokens", "14090240"], []),  # the plan's own values (RUN/config.toml's)
         (["--preset", "micro"], ["preset: nano -> micro"]),
-        (["--target-tokens", "2e6"], ["target_tokens: 12910592 -> 2000000"]),
-        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 12910592 -> 1"]),
+        (["--target-tokens", "2e6"], ["target_tokens: 14090240 -> 2000000"]),
+        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 14090240 -> 1"]),
         (["--layers", "8"], []),  # not the plan's: the checkpoint's comparison names it
     ],
 )
 def test_a_resume_names_the_planned_options_it_would_drop(argv, differences):
-    plan = budget.choose(request("30m"), CANDIDATES, MODEL)  # nano, 12,943,360 tokens
+    plan = budget.choose(request("30m"), CANDIDATES, MODEL)  # nano, 14,090,240 tokens
     settings = train.parse_args(["--budget", "30m", *argv])
     assert budget.plan_differences(plan, settings.run, given_options(train.build_parser(), argv)) == differences
 

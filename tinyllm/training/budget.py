@@ -32,6 +32,8 @@ from tinyllm.common import UserError, read_json_or, say
 from tinyllm.data import build as data
 from tinyllm.data import corpus_format
 from tinyllm.model import config as model_config
+from tinyllm.model import hardware
+from tinyllm.outputs import callbacks
 from tinyllm.store import checkpoint_store
 from tinyllm.training import distributed, optimization, train_data
 
@@ -117,7 +119,10 @@ TIE_ERRORS = 6.0
 # ----------------------------------------------------------------------------------------------
 # The plan (pure).
 
-RESERVE = 0.1  # of the budget, kept for evaluation, saves, start-up and the final report
+UNCOUNTED_SHARE = 0.02  # of the budget, kept for what the plan does not count: checkpoint writes, the report, a
+# compile, --eval-tasks in the loop (the steps, validations, test, start-up and probe are counted: run_seconds). A flat
+# 10% until 2026-12-07 planned the first length 8-16% short of what the check found fitted (docs/budget.md "The
+# first plan counted")
 STEPS_PER_RUN = 150  # the batch rule aims at this many optimizer steps or more (up to twice): at equal tokens 115 steps
 # matched 230 (0.5M tokens) and 300 matched 600 (2.46M), while each step's optimizer costs a CPU's nano 1.4-3.3% of the
 # time of 4,096 tokens (bench/RESULTS.md "Fewer, larger steps"; 300 until 2026-12-06)
@@ -173,11 +178,21 @@ class Candidate:
     preset: str
     parameters: int
     context: int
-    tokens_per_second: float
+    tokens_per_second: float  # of its micro-batches' forwards and backwards, the optimizer's step apart
     probed: bool
     # measured after a smaller measured preset: its speed over the one predicted from that preset's FLOP/s
     # (the pair's gain; None: not a measured pair); predicted: the gain its prediction carries (None: none)
     pair_ratio: float | None = None
+    optimizer_seconds: float = 0.0  # one optimizer step's (once per step, whatever the batch)
+
+
+@dataclass(frozen=True)
+class ProbeSpeed:
+    """A probe's measure of one preset: the global tokens/s of its micro-batches (forward and backward) and
+    the seconds of one optimizer step, which a step of many micro-batches takes once."""
+
+    tokens_per_second: float
+    optimizer_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -189,7 +204,11 @@ class Request:
     session_hours: float = 0.0  # --max-hours (0: one session)
     world: int = 1
     target_tokens: int | None = None  # explicit --target-tokens
-    spent_seconds: float = 0.0  # the probe's, already out of the budget
+    spent_seconds: float = 0.0  # this session's before its plan (start-up and the probe), out of the budget
+    start_seconds: float = 0.0  # a session's start-up before its probe, which each later session takes again
+    validation_tokens: int = 0  # the tokens one validation scores ...
+    test_tokens: int = 0  # ... and the test evaluation at the end
+    eval_every: int | None = None  # --eval-every (None: its default, callbacks.default_eval_every)
     train_tokens: float = math.inf  # the train split's tokens (a mixture: inf, not capped) ...
     max_passes: int = MAX_EPOCHS  # ... over which the plan trains at most this many passes (max_passes)
 
@@ -209,7 +228,7 @@ class Plan:
     global_batch_blocks: int
     tokens_per_step: int
     steps: int
-    hours: float  # predicted training hours, the reserve and the probe on top
+    hours: float  # predicted hours of training and evaluation; start-up, probe and UNCOUNTED_SHARE on top
     sessions: int
     predicted_bpb: float
     why: str
@@ -282,28 +301,94 @@ def split_batch(global_batch_blocks: int, world: int, micro_batch: int) -> tuple
     return size, per_rank // size
 
 
+def sessions_of(request: Request) -> int:
+    """How many sessions of --max-hours the budget takes (1 without)."""
+    return max(1, math.ceil(request.seconds / 3600 / request.session_hours)) if request.session_hours else 1
+
+
 def training_seconds(request: Request) -> float:
-    return request.seconds * (1 - RESERVE) - request.spent_seconds
+    """The seconds the plan's steps and evaluations may take (run_seconds): the budget less UNCOUNTED_SHARE,
+    what this session spent before its plan, and each later session's start-up."""
+    later_starts = (sessions_of(request) - 1) * request.start_seconds
+    return request.seconds * (1 - UNCOUNTED_SHARE) - request.spent_seconds - later_starts
+
+
+def step_seconds(candidate: Candidate, tokens_per_step: int) -> float:
+    """A step's seconds: its micro-batches at the candidate's speed, and its one optimizer step."""
+    return tokens_per_step / candidate.tokens_per_second + candidate.optimizer_seconds
+
+
+def validation_count(steps: int, every: int) -> int:
+    """The validations of a run of `steps` at a cadence of `every` (0: at the end only), by callbacks.due."""
+    points = set(range(every, steps + 1, every)) if every else set()
+    return sum(callbacks.due(step, steps, every) for step in points | {steps})
+
+
+def run_seconds(candidate: Candidate, request: Request, steps: int, tokens_per_step: int) -> float:
+    """A run's seconds of training and evaluation: its steps, its validations (--eval-every or the default
+    cadence for this length) and the test evaluation, a scored token a third of a trained one (a forward
+    against a forward and a backward, as callbacks.default_eval_every counts)."""
+    every = request.eval_every
+    if every is None:
+        every = callbacks.default_eval_every(steps, request.validation_tokens, tokens_per_step)
+    scored = validation_count(steps, every) * request.validation_tokens + request.test_tokens
+    return steps * step_seconds(candidate, tokens_per_step) + scored / (3 * candidate.tokens_per_second)
+
+
+def fitting_steps(candidate: Candidate, request: Request, blocks: int) -> int:
+    """The most steps of `blocks` whose run (run_seconds) fits training_seconds (0: none)."""
+    tokens_per_step, seconds = blocks * candidate.context, training_seconds(request)
+    low, high = 0, max(1, int(seconds / step_seconds(candidate, tokens_per_step)) + 1)
+    while low < high:  # the last step count that fits: run_seconds grows with the steps
+        middle = (low + high + 1) // 2
+        low, high = (
+            (middle, high) if run_seconds(candidate, request, middle, tokens_per_step) <= seconds else (low, middle - 1)
+        )
+    return low
+
+
+def fitted_length(candidate: Candidate, request: Request) -> tuple[int, int]:
+    """(steps, global batch blocks) of the longest run that fits, the batch the batch rule's for its tokens
+    and at most max_tokens: from the micro-batches' speed alone, then again at the batch that gave (a batch
+    settles in one or two rounds; the last is kept)."""
+    tokens = min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
+    steps, blocks = whole_steps(tokens, candidate.context, request.world)
+    for _ in range(3):
+        cap = int(request.max_tokens // (blocks * candidate.context)) if math.isfinite(request.max_tokens) else None
+        steps = max(
+            1,
+            fitting_steps(candidate, request, blocks)
+            if cap is None
+            else min(cap, fitting_steps(candidate, request, blocks)),
+        )
+        again = global_blocks(steps * blocks * candidate.context, candidate.context, request.world)
+        if again == blocks:
+            break
+        blocks = again
+    return steps, blocks
 
 
 def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) -> dict:
     """What `candidate` makes of the budget: its tokens (the explicit count, else what fits), steps,
-    hours and predicted loss."""
-    tokens = request.target_tokens or min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
-    rounding = math.ceil if request.target_tokens else math.floor
-    steps, blocks = whole_steps(tokens, candidate.context, request.world, rounding)
-    tokens = request.target_tokens or steps * blocks * candidate.context
+    hours (of training and evaluation) and predicted loss."""
+    if request.target_tokens:
+        steps, blocks = whole_steps(request.target_tokens, candidate.context, request.world, math.ceil)
+        tokens = request.target_tokens
+    else:
+        steps, blocks = fitted_length(candidate, request)
+        tokens = steps * blocks * candidate.context
     return {
         "preset": candidate.preset,
         "tokens": int(tokens),
         "steps": steps,
         "blocks": blocks,
-        "hours": tokens / candidate.tokens_per_second / 3600,
+        "hours": run_seconds(candidate, request, steps, blocks * candidate.context) / 3600,
         "bpb": model.loss(candidate.parameters, tokens),
         "parameters": candidate.parameters,
         "tokens_per_second": candidate.tokens_per_second,
         "probed": candidate.probed,
         "pair_ratio": candidate.pair_ratio,
+        "optimizer_seconds": candidate.optimizer_seconds,
     }
 
 
@@ -347,7 +432,7 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
             else ""
         )
     )
-    sessions = max(1, math.ceil(request.seconds / 3600 / request.session_hours)) if request.session_hours else 1
+    sessions = sessions_of(request)
     return Plan(
         budget=request.budget,
         preset=chosen.preset,
@@ -363,7 +448,16 @@ def choose(request: Request, candidates: list[Candidate], model: LossModel = LOS
         candidates=tuple(
             {
                 key: outcome[key]
-                for key in ("preset", "tokens", "hours", "bpb", "tokens_per_second", "probed", "pair_ratio")
+                for key in (
+                    "preset",
+                    "tokens",
+                    "hours",
+                    "bpb",
+                    "tokens_per_second",
+                    "probed",
+                    "pair_ratio",
+                    "optimizer_seconds",
+                )
             }
             for outcome in outcomes
         ),
@@ -393,7 +487,9 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
         )
     if problem := short_corpus(request):
         return problem
-    needed = (tokens / fastest.tokens_per_second + request.spent_seconds) / (1 - RESERVE)
+    steps, blocks = whole_steps(tokens, fastest.context, request.world, math.ceil)
+    counted = run_seconds(fastest, request, steps, blocks * fastest.context)
+    needed = (counted + request.seconds * (1 - UNCOUNTED_SHARE) - training_seconds(request)) / (1 - UNCOUNTED_SHARE)
     what = (
         f"--target-tokens {tokens:,}"
         if request.target_tokens
@@ -404,8 +500,9 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
     )
     return (
         f"--budget {request.budget} is too small: {what} takes about {duration_text(needed)} here "
-        f"({fastest.tokens_per_second:,.0f} tokens/s, world size {request.world}, with {RESERVE:.0%} kept for "
-        f"evaluation and saving); give --budget {duration_text(needed)} or more"
+        f"({fastest.tokens_per_second:,.0f} tokens/s, world size {request.world}, with its evaluations, the "
+        f"start-up and the probe, and {UNCOUNTED_SHARE:.0%} kept for saving); give --budget {duration_text(needed)} "
+        "or more"
     )
 
 
@@ -429,8 +526,8 @@ PAIR_RANGE = (0.8, 4.0)
 PROBE_SHARE = 0.02  # of the budget, at most PROBE_MAX_SECONDS, for probing
 PAIR_SHARE = 0.05  # of the budget, at most PROBE_MAX_SECONDS: the first pair is measured within this much
 PROBE_MAX_SECONDS = 120.0
-# (preset, micro-batch, seconds it may take, its window of agreeing steps) -> global tokens/s; None: out of memory
-Measure = Callable[[str, int, float, int], "float | None"]
+# (preset, micro-batch, seconds it may take, its window of agreeing steps) -> its speed; None: out of memory
+Measure = Callable[[str, int, float, int], "ProbeSpeed | None"]
 # the seconds the whole probe may wait for a quiet machine (quiet_wait_seconds) -> its Measure (train.measure_speed)
 MeasureFor = Callable[[float], Measure]
 
@@ -529,6 +626,16 @@ def predicted_rate(
     return gain * measured.tokens_per_second * flops / model_config.flops_per_token(presets[name], vocab)
 
 
+def predicted_optimizer_seconds(measured: Candidate, presets: dict[str, model_config.Preset], name: str) -> float:
+    """`name`'s optimizer step predicted from a measured preset's by their Muon matrices' Newton-Schulz FLOPs
+    (most of the step: on a CPU's nano 15.5 of 17.3 ms, bench/RESULTS.md "Fewer, larger steps")."""
+
+    def flops(preset: model_config.Preset) -> int:
+        return sum(hardware.newton_schulz_flops(*shape) for shape in hardware.muon_matrix_shapes(preset))
+
+    return measured.optimizer_seconds * flops(presets[name]) / flops(presets[measured.preset])
+
+
 def pair_disagrees(ratio: float | None) -> bool:
     """Whether a measured pair's ratio to its FLOP/s prediction is outside PAIR_RANGE."""
     return ratio is not None and not (PAIR_RANGE[0] <= ratio <= PAIR_RANGE[1])
@@ -582,7 +689,7 @@ def probe(
         allowed = seconds if len(candidates) >= 2 or pair_seconds is None else pair_seconds
         return distributed.broadcast_from_main(max(0.0, allowed - (time.monotonic() - started)), info)
 
-    def measured(name: str) -> float | None:
+    def measured(name: str) -> ProbeSpeed | None:
         return distributed.broadcast_from_main(measure(name, micro_batch, left(), window), info)
 
     for name, preset in presets.items():
@@ -593,25 +700,42 @@ def probe(
             pair = len(candidates) == 1  # the pair is measured in whatever time is left (fewer steps when short)
             if not last.probed or (not pair and cost > left()):  # one verdict (left() is rank 0's)
                 carried = gain if gain != 1.0 else None
-                candidates.append(
-                    Candidate(name, non_embedding_parameters(preset), preset.context, rate, False, carried)
-                )
+                optimizer = predicted_optimizer_seconds(last, presets, name)
+                parameters = non_embedding_parameters(preset)
+                candidates.append(Candidate(name, parameters, preset.context, rate, False, carried, optimizer))
                 continue
-        rate = measured(name)
-        if rate is None:
+        speed = measured(name)
+        if speed is None:
             break
         ratio = None
         if candidates:
-            ratio = rate / predicted_rate(candidates[-1], presets, name, vocab)
+            ratio = speed.tokens_per_second / predicted_rate(candidates[-1], presets, name, vocab)
             if pair_disagrees(ratio) and len(candidates) == 1:  # the first pair: measured once more
-                smaller = candidates[-1]
-                again = measured(smaller.preset)
-                smaller = dataclasses.replace(smaller, tokens_per_second=max(smaller.tokens_per_second, again or 0))
-                rate = max(rate, measured(name) or 0)
-                candidates[-1] = smaller
-                ratio = rate / predicted_rate(smaller, presets, name, vocab)
-        candidates.append(Candidate(name, non_embedding_parameters(preset), preset.context, rate, True, ratio))
+                candidates[-1] = faster(candidates[-1], measured(candidates[-1].preset))
+                speed = faster_speed(speed, measured(name))
+                ratio = speed.tokens_per_second / predicted_rate(candidates[-1], presets, name, vocab)
+        parameters = non_embedding_parameters(preset)
+        candidates.append(
+            Candidate(name, parameters, preset.context, speed.tokens_per_second, True, ratio, speed.optimizer_seconds)
+        )
     return candidates
+
+
+def faster_speed(first: ProbeSpeed, again: ProbeSpeed | None) -> ProbeSpeed:
+    """Of two measures of one preset, each part's faster (timeit's rule: the slower is interference)."""
+    if again is None:
+        return first
+    return ProbeSpeed(
+        max(first.tokens_per_second, again.tokens_per_second), min(first.optimizer_seconds, again.optimizer_seconds)
+    )
+
+
+def faster(candidate: Candidate, again: ProbeSpeed | None) -> Candidate:
+    """`candidate` with the faster of its measure and `again` (faster_speed)."""
+    speed = faster_speed(ProbeSpeed(candidate.tokens_per_second, candidate.optimizer_seconds), again)
+    return dataclasses.replace(
+        candidate, tokens_per_second=speed.tokens_per_second, optimizer_seconds=speed.optimizer_seconds
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -697,11 +821,14 @@ def apply(settings, plan: Plan | None, world: int):
     return dataclasses.replace(settings, run=run, session=session)
 
 
-def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFor) -> Plan | None:
+def settle(
+    settings, info, corpus: Path, given: set[str], measure_for: MeasureFor, started: float | None = None
+) -> Plan | None:
     """The plan of this --budget run (None without --budget), for train.py to apply (`apply`) and record
     (`Plan.as_record`). A run that has planned keeps its plan; else every rank probes (`measure_for`: the
     measure of a preset's global tokens/s at a micro-batch, train.measure_speed) and the plan is made.
-    `given`: the options the command gave (on its command line or in its --config file: common.given_options)."""
+    `given`: the options the command gave (on its command line or in its --config file: common.given_options);
+    `started`: the time.monotonic() the session started at (None: now), whose time before the plan the plan counts."""
     run = settings.run
     if run.budget is None:
         return None
@@ -717,7 +844,8 @@ def settle(settings, info, corpus: Path, given: set[str], measure_for: MeasureFo
             raise plan_refusal(run.budget, differences, out)
         return plan
     manifest = corpus_format.load_manifest(corpus)
-    plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure_for)
+    started = time.monotonic() if started is None else started
+    plan = make_plan(settings, info, given, settings.session.batch_size, manifest, measure_for, started)
     planned = apply(settings, plan, info.world).run
     shape = model_config.preset_of(planned)
     recipe, _ = optimization.choose_recipe(planned, shape.hidden, plan.steps, shape.tie_embeddings)
@@ -736,10 +864,17 @@ def kept_plan_words(plan: Plan) -> str:
 
 
 def make_plan(
-    settings, info, given: set[str], micro_batch: int, manifest: corpus_format.Manifest, measure_for: MeasureFor
+    settings,
+    info,
+    given: set[str],
+    micro_batch: int,
+    manifest: corpus_format.Manifest,
+    measure_for: MeasureFor,
+    session_started: float,
 ) -> Plan:
     """Probe the candidates (timed against the budget, which gives the probe's times and its wait for a quiet
-    machine) and choose, for the corpus of `manifest`."""
+    machine) and choose, for the corpus of `manifest`, counting the session's seconds since `session_started`
+    (time.monotonic())."""
     run = settings.run
     seconds = budget_seconds(run.budget)
     explicit_shape = bool(given & ({"preset"} | set(model_config.OVERRIDABLE_FIELDS) - {"context"}))
@@ -756,13 +891,26 @@ def make_plan(
         train_tokens=train_tokens,
         max_passes=passes,
         target_tokens=run.target_tokens if "target_tokens" in given else None,
+        start_seconds=max(0.0, started - session_started),
+        validation_tokens=evaluated_tokens(settings, manifest, "validation"),
+        test_tokens=evaluated_tokens(settings, manifest, "test"),
+        eval_every=settings.session.eval_every,
     )
     if problem := short_corpus(request):  # before the probe: its minutes cannot help
         raise UserError(problem)
     measure = measure_for(quiet_wait_seconds(seconds))
     window = probe_window(info.device.type, torch.get_num_threads())
     candidates = probe(measure, info, presets, micro_batch, probe_seconds, vocab, window, pair_seconds)
-    return choose(dataclasses.replace(request, spent_seconds=time.monotonic() - started), candidates)
+    return choose(dataclasses.replace(request, spent_seconds=max(0.0, time.monotonic() - session_started)), candidates)
+
+
+def evaluated_tokens(settings, manifest: corpus_format.Manifest, split: str) -> int:
+    """About the tokens an evaluation of `split` scores (train_data.evaluation_rows): --eval-tokens' worth, or
+    the split when smaller; a mixture's each source --eval-tokens' worth."""
+    mixture = train_data.parse_mixture(settings.session.data, settings.run.mixture_schedule)
+    if mixture:
+        return len(mixture.sources) * settings.run.eval_tokens
+    return min(settings.run.eval_tokens, manifest.split(split).get("tokens", 0))
 
 
 def split_limits(settings, manifest: corpus_format.Manifest) -> tuple[float, int]:
@@ -899,7 +1047,7 @@ def replan(
 ) -> Plan | None:
     """The plan with its token count made anew from the run's own speed (`seen`), or None when it stands:
     its projected end of training within CHECK_TOLERANCE of the budget of the target (`target_end_seconds`:
-    the budget less the run's end; `choose`'s RESERVE was a guess at it), or a schedule
+    the budget less the run's end; `choose` counted it before any step), or a schedule
     that cannot change its length (`decay_start` None: a cosine decays over the whole run). The new length
     fills the time to the target at the speed seen, at most `max_tokens` (max_run_tokens) and at least
     `earliest_total` (the decay must not have begun). The preset, the batch and the learning rates stay: only

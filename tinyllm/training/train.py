@@ -770,6 +770,36 @@ def probe_step_seconds(training: Training) -> float:
     return budget.unloaded_step_seconds(result.seconds, result.cpu_seconds, torch.get_num_threads())
 
 
+OPTIMIZER_PROBE_STEPS = 3  # optimizer steps timed alone after a probe's window: the fastest is its time
+
+
+def optimizer_step_seconds(training: Training) -> float:
+    """One optimizer step's time alone, for the probe (budget.ProbeSpeed: a step of many micro-batches takes
+    it once): the fastest of OPTIMIZER_PROBE_STEPS steps on the gradients of one untimed micro-batch (the
+    probe's model is thrown away), each timed as probe_step_seconds times a step; on a card between two
+    synchronizations (its kernels run after the host has moved on)."""
+    batch = probe_batch(training, training.session.batch_size, documents=training.data.documents)
+    training.loss_of(batch).backward()
+    times = []
+    for _ in range(OPTIMIZER_PROBE_STEPS):
+        synchronize(training.device)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        for optimizer in training.optimizer.parts.values():
+            optimizer.step()
+        synchronize(training.device)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        on_cpu = training.device.type == "cpu"
+        times.append(budget.unloaded_step_seconds(wall, cpu, torch.get_num_threads()) if on_cpu else wall)
+    training.model.zero_grad(set_to_none=True)
+    return min(times)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for a card's queued kernels (nothing on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class QuietWait:
     """What is left of the probe's wait for a quiet machine (budget.quiet_wait_seconds), spent as it waits."""
@@ -849,8 +879,10 @@ def use_threads(threads: int | None) -> None:
 
 
 def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: float) -> budget.Measure:
-    """--budget's probe: a preset's global tokens/s at a micro-batch per rank, eager, from a steady window
-    of timed train steps after budget.PROBE_WARMUP_STEPS untimed ones; None when it does not fit the
+    """--budget's probe: a preset's speed at a micro-batch per rank, eager (budget.ProbeSpeed: its
+    micro-batches' global tokens/s, the optimizer's step apart), from a steady window of timed train steps
+    after budget.PROBE_WARMUP_STEPS untimed ones, less an optimizer step timed alone (optimizer_step_seconds,
+    at most half the step); None when it does not fit the
     device's memory. Where the probe waits out other load (budget.waits_for_quiet), a window that ran
     beside it is measured again once the machine is quiet, within what is left of the probe's QuietWait
     (`quiet_wait` seconds in all, budget.make_plan's), and the faster of the two is kept (timeit's rule)."""
@@ -870,6 +902,7 @@ def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: fl
             took = time.monotonic() - started
             if busy and wait.seconds > 0:
                 step_seconds = measured_again(training, info, preset, step_seconds, took, wait, window)
+            optimizer_seconds = min(optimizer_step_seconds(training), step_seconds / 2)
         except torch.OutOfMemoryError:
             return None
         except UserError as error:  # build_training's out-of-memory line; any other error is the run's
@@ -880,7 +913,8 @@ def measure_speed(settings: Settings, info: distributed.DistInfo, quiet_wait: fl
             training = None  # noqa: F841 (the model's memory goes before the next probe)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        return micro_batch * model_config.preset_of(run).context * info.world / step_seconds
+        tokens = micro_batch * model_config.preset_of(run).context * info.world
+        return budget.ProbeSpeed(tokens / (step_seconds - optimizer_seconds), optimizer_seconds)
 
     return measure
 
@@ -1290,7 +1324,9 @@ def train(
     # --budget: the run's plan, made once (None without), applied here; its probe reads the threads
     use_threads(session.threads)
     given = given_options(build_parser(), settings.invocation.argv)
-    plan = budget.settle(settings, info, corpus, given, functools.partial(measure_speed, settings, info))
+    plan = budget.settle(
+        settings, info, corpus, given, functools.partial(measure_speed, settings, info), process_started
+    )
     settings = budget.apply(settings, plan, info.world)
 
     status = store.RunStatus(
