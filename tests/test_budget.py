@@ -258,6 +258,8 @@ def test_a_predicted_preset_s_optimizer_step_scales_with_its_newton_schulz_flops
     }
     predicted = budget.predicted_optimizer_seconds(measured, PROBE_SHAPES, "micro")
     assert predicted == pytest.approx(0.01 * flops["micro"] / flops["nano"]) and predicted > 0.01
+    faster = budget.predicted_optimizer_seconds(measured, PROBE_SHAPES, "micro", 2.0)  # the pair's gain
+    assert faster == pytest.approx(predicted / 2)
 
 
 @pytest.mark.parametrize(
@@ -558,7 +560,7 @@ def test_the_probe_keeps_each_preset_s_optimizer_step_and_predicts_the_next_one_
     speeds = {"tiny": budget.ProbeSpeed(100.0, 0.001), "nano": budget.ProbeSpeed(nano, 0.004)}
     found = budget.probe(lambda name, *args: speeds[name], info, PROBE_SHAPES, 2, 0.0, 300, 3, pair_seconds=1e9)
     assert [c.optimizer_seconds for c in found[:2]] == [0.001, 0.004]
-    assert found[2].optimizer_seconds == budget.predicted_optimizer_seconds(found[1], PROBE_SHAPES, "micro")
+    assert found[2].optimizer_seconds == budget.predicted_optimizer_seconds(found[1], PROBE_SHAPES, "micro", 2.5)
 
 
 @pytest.mark.parametrize(
@@ -1199,6 +1201,30 @@ def test_an_optimizer_step_is_timed_alone_on_real_gradients(corpus, tmp_path):
     assert seconds > 0
     assert any(not torch.equal(old, new) for old, new in zip(before, training.model.parameters()))
     assert all(parameter.grad is None for parameter in training.model.parameters())
+
+
+def test_a_card_s_optimizer_step_is_timed_between_two_synchronizations(monkeypatch):
+    """On a card the optimizer's kernels run after the host has queued them: each timed step is fenced by
+    torch.cuda.synchronize on both sides, and its time is the wall clock's (the host's CPU time is not the card's)."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(("synchronize", str(device))))
+    monkeypatch.setattr(train, "probe_batch", lambda training, rows, documents: None)
+    weight = torch.ones(2, requires_grad=True)
+    optimizer = SimpleNamespace(step=lambda: calls.append("step"))
+    training = SimpleNamespace(
+        device=torch.device("cuda", 0),
+        session=SimpleNamespace(batch_size=2),
+        data=SimpleNamespace(documents=False),
+        loss_of=lambda batch: (weight * 2).sum(),
+        optimizer=SimpleNamespace(parts={"muon": optimizer, "adamw": optimizer}),
+        model=SimpleNamespace(zero_grad=lambda set_to_none: calls.append("zero_grad")),
+    )
+    assert train.optimizer_step_seconds(training) >= 0
+    fenced = [("synchronize", "cuda:0"), "step", "step", ("synchronize", "cuda:0")]
+    assert calls == fenced * train.OPTIMIZER_PROBE_STEPS + ["zero_grad"]
+    assert weight.grad is not None  # one backward, its gradients stepped on
 
 
 def test_the_plan_counts_the_session_s_seconds_before_it(corpus, tmp_path, small_runs):

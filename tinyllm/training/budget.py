@@ -306,11 +306,16 @@ def sessions_of(request: Request) -> int:
     return max(1, math.ceil(request.seconds / 3600 / request.session_hours)) if request.session_hours else 1
 
 
+def seconds_before_steps(request: Request) -> float:
+    """What the run's sessions spend before their first steps: this one's start-up and probe, and each later
+    session's start-up."""
+    return request.spent_seconds + (sessions_of(request) - 1) * request.start_seconds
+
+
 def training_seconds(request: Request) -> float:
-    """The seconds the plan's steps and evaluations may take (run_seconds): the budget less UNCOUNTED_SHARE,
-    what this session spent before its plan, and each later session's start-up."""
-    later_starts = (sessions_of(request) - 1) * request.start_seconds
-    return request.seconds * (1 - UNCOUNTED_SHARE) - request.spent_seconds - later_starts
+    """The seconds the plan's steps and evaluations may take (run_seconds): the budget less UNCOUNTED_SHARE
+    and seconds_before_steps."""
+    return request.seconds * (1 - UNCOUNTED_SHARE) - seconds_before_steps(request)
 
 
 def step_seconds(candidate: Candidate, tokens_per_step: int) -> float:
@@ -336,36 +341,32 @@ def run_seconds(candidate: Candidate, request: Request, steps: int, tokens_per_s
 
 
 def fitting_steps(candidate: Candidate, request: Request, blocks: int) -> int:
-    """The most steps of `blocks` whose run (run_seconds) fits training_seconds (0: none)."""
+    """The most steps of `blocks` whose run (run_seconds) fits training_seconds, within max_tokens (0: none)."""
     tokens_per_step, seconds = blocks * candidate.context, training_seconds(request)
-    low, high = 0, max(1, int(seconds / step_seconds(candidate, tokens_per_step)) + 1)
+    high = max(0, int(seconds / step_seconds(candidate, tokens_per_step)))  # the steps alone: an upper bound
+    if math.isfinite(request.max_tokens):
+        high = min(high, int(request.max_tokens // tokens_per_step))
+    low = 0
     while low < high:  # the last step count that fits: run_seconds grows with the steps
         middle = (low + high + 1) // 2
-        low, high = (
-            (middle, high) if run_seconds(candidate, request, middle, tokens_per_step) <= seconds else (low, middle - 1)
-        )
+        fits = run_seconds(candidate, request, middle, tokens_per_step) <= seconds
+        low, high = (middle, high) if fits else (low, middle - 1)
     return low
 
 
 def fitted_length(candidate: Candidate, request: Request) -> tuple[int, int]:
-    """(steps, global batch blocks) of the longest run that fits, the batch the batch rule's for its tokens
-    and at most max_tokens: from the micro-batches' speed alone, then again at the batch that gave (a batch
-    settles in one or two rounds; the last is kept)."""
+    """(steps, global batch blocks) of the longest run that fits (at least one step), its batch the batch
+    rule's for its tokens: first the batch of the tokens the micro-batches' speed alone fits, then the batch
+    of the run that batch gave, until they agree (a round or two; after three, the last batch's run)."""
     tokens = min(request.max_tokens, candidate.tokens_per_second * training_seconds(request))
-    steps, blocks = whole_steps(tokens, candidate.context, request.world)
+    blocks = global_blocks(tokens, candidate.context, request.world)
     for _ in range(3):
-        cap = int(request.max_tokens // (blocks * candidate.context)) if math.isfinite(request.max_tokens) else None
-        steps = max(
-            1,
-            fitting_steps(candidate, request, blocks)
-            if cap is None
-            else min(cap, fitting_steps(candidate, request, blocks)),
-        )
+        steps = max(1, fitting_steps(candidate, request, blocks))
         again = global_blocks(steps * blocks * candidate.context, candidate.context, request.world)
         if again == blocks:
-            break
+            return steps, blocks
         blocks = again
-    return steps, blocks
+    return max(1, fitting_steps(candidate, request, blocks)), blocks
 
 
 def candidate_outcome(candidate: Candidate, request: Request, model: LossModel) -> dict:
@@ -489,7 +490,7 @@ def too_small(request: Request, candidates: list[Candidate]) -> str:
         return problem
     steps, blocks = whole_steps(tokens, fastest.context, request.world, math.ceil)
     counted = run_seconds(fastest, request, steps, blocks * fastest.context)
-    needed = (counted + request.seconds * (1 - UNCOUNTED_SHARE) - training_seconds(request)) / (1 - UNCOUNTED_SHARE)
+    needed = (counted + seconds_before_steps(request)) / (1 - UNCOUNTED_SHARE)
     what = (
         f"--target-tokens {tokens:,}"
         if request.target_tokens
@@ -626,14 +627,18 @@ def predicted_rate(
     return gain * measured.tokens_per_second * flops / model_config.flops_per_token(presets[name], vocab)
 
 
-def predicted_optimizer_seconds(measured: Candidate, presets: dict[str, model_config.Preset], name: str) -> float:
+def predicted_optimizer_seconds(
+    measured: Candidate, presets: dict[str, model_config.Preset], name: str, gain: float = 1.0
+) -> float:
     """`name`'s optimizer step predicted from a measured preset's by their Muon matrices' Newton-Schulz FLOPs
-    (most of the step: on a CPU's nano 15.5 of 17.3 ms, bench/RESULTS.md "Fewer, larger steps")."""
+    (most of the step: on a CPU's nano 15.5 of 17.3 ms, bench/RESULTS.md "Fewer, larger steps"), over `gain`
+    (the measured pair's, as predicted_rate: larger matmuls run more FLOP/s). On this project's CPU micro's
+    iteration took 5.7x nano's for 10.9x the FLOPs (bf16, one thread)."""
 
     def flops(preset: model_config.Preset) -> int:
         return sum(hardware.newton_schulz_flops(*shape) for shape in hardware.muon_matrix_shapes(preset))
 
-    return measured.optimizer_seconds * flops(presets[name]) / flops(presets[measured.preset])
+    return measured.optimizer_seconds * flops(presets[name]) / flops(presets[measured.preset]) / gain
 
 
 def pair_disagrees(ratio: float | None) -> bool:
@@ -700,7 +705,7 @@ def probe(
             pair = len(candidates) == 1  # the pair is measured in whatever time is left (fewer steps when short)
             if not last.probed or (not pair and cost > left()):  # one verdict (left() is rank 0's)
                 carried = gain if gain != 1.0 else None
-                optimizer = predicted_optimizer_seconds(last, presets, name)
+                optimizer = predicted_optimizer_seconds(last, presets, name, gain)
                 parameters = non_embedding_parameters(preset)
                 candidates.append(Candidate(name, parameters, preset.context, rate, False, carried, optimizer))
                 continue
