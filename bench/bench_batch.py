@@ -5,8 +5,8 @@
 
 W holds one corpus folder per text, W/corpus-TEXT (e.g. bench_budget_wall.py's). Each (text, preset, tokens,
 batch, seed) is one `train.py --preset P --target-tokens T --batch-size B --grad-accum A --seed S --threads 1
---no-report` in W/TEXT-PRESET-bBLOCKS-sSEED (a run already COMPLETE there is read, not trained again), timed from
-launch to exit; the table gives each run's test bits per byte against the same (text, preset, seed) at the
+--no-report` in W/TEXT-PRESET-tTOKENS-bBLOCKS-sSEED (a run already COMPLETE there is read, not trained again),
+timed from launch to exit; the table gives each run's test bits per byte against the same (text, preset, seed) at the
 baseline batch (--baseline, 4,096 tokens: the batch --budget's rule gave these runs before).
 
 What a batch costs per token, without the machine's drift (budget.STEPS_PER_RUN is read off it too):
@@ -80,7 +80,7 @@ def run_spec(spec: str) -> tuple[str, str, int]:
 def train(work: Path, text: str, preset: str, tokens: int, batch: int, seed: int) -> dict:
     """One run's {"bpb", "steps", "seconds"}: trained unless its folder holds a COMPLETE run already."""
     blocks, micro, accum = batch_split(batch, model_config.PRESETS[preset].context)
-    out = work / f"{text}-{preset}-b{blocks}-s{seed}"
+    out = work / f"{text}-{preset}-t{tokens}-b{blocks}-s{seed}"
     status_path, seconds_path = out / "run_status.json", out.with_suffix(".seconds")
     status = json.loads(status_path.read_text()) if status_path.exists() else {}
     if status.get("status") != "COMPLETE":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,6 +59,25 @@ def test_each_run_is_against_the_baseline_batch_of_its_text_preset_and_seed():
     runs = [run(4096, 1, 1.2), run(2048, 1, 1.08), run(4096, 2, 1.5), run(2048, 2, 1.5), run(2048, 1, 1.0, "other")]
     rows = bench_batch.report(runs, baseline=4096)[2:]
     assert [row.split(" | ")[7] for row in rows] == ["1.0000x", "0.9000x", "1.0000x", "1.0000x", "-"]
+
+
+def test_a_run_of_other_tokens_is_trained_not_read_from_a_complete_one(tmp_path, monkeypatch):
+    """The folder a run is read back from names its tokens: a COMPLETE run at 2,621,440 tokens was read as the
+    run at 3,276,800 (the same text, preset, batch and seed) when the name left them out."""
+    trained = []
+
+    def fake_train(command, **kwargs):
+        out = Path(command[command.index("--out") + 1])
+        trained.append(int(command[command.index("--target-tokens") + 1]))
+        out.mkdir(parents=True)
+        status = {"status": "COMPLETE", "step": trained[-1] // 8192, "test": {"bits_per_byte": 1.0 + len(trained)}}
+        (out / "run_status.json").write_text(json.dumps(status))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(bench_batch.subprocess, "run", fake_train)
+    runs = [bench_batch.train(tmp_path, "kjv", "nano", tokens, 8192, 1337) for tokens in (2621440, 3276800, 2621440)]
+    assert trained == [2621440, 3276800]  # the third is the first, read back
+    assert [run["steps"] for run in runs] == [320, 400, 320] and runs[0]["bpb"] == runs[2]["bpb"] != runs[1]["bpb"]
 
 
 @pytest.mark.parametrize(
