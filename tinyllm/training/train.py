@@ -765,9 +765,15 @@ def probe_step_seconds(training: Training) -> float:
     (budget.unloaded_step_seconds: a burst of other load does not make a preset look slower); on an
     accelerator, the wall time (the host's CPU time does not measure the device's)."""
     result = training.train_step()
-    if training.device.type != "cpu":
-        return result.seconds
-    return budget.unloaded_step_seconds(result.seconds, result.cpu_seconds, torch.get_num_threads())
+    return probe_seconds(training.device, result.seconds, result.cpu_seconds)
+
+
+def probe_seconds(device: torch.device, wall: float, cpu: float) -> float:
+    """A probe's timing of some work: on a CPU its CPU seconds over the threads, at most the wall time
+    (budget.unloaded_step_seconds); on an accelerator the wall time."""
+    if device.type != "cpu":
+        return wall
+    return budget.unloaded_step_seconds(wall, cpu, torch.get_num_threads())
 
 
 OPTIMIZER_PROBE_STEPS = 3  # optimizer steps timed alone after a probe's window: the fastest is its time
@@ -787,9 +793,7 @@ def optimizer_step_seconds(training: Training) -> float:
         for optimizer in training.optimizer.parts.values():
             optimizer.step()
         synchronize(training.device)
-        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-        on_cpu = training.device.type == "cpu"
-        times.append(budget.unloaded_step_seconds(wall, cpu, torch.get_num_threads()) if on_cpu else wall)
+        times.append(probe_seconds(training.device, time.perf_counter() - started, time.process_time() - cpu_started))
     training.model.zero_grad(set_to_none=True)
     return min(times)
 
