@@ -22,8 +22,8 @@ from tinyllm.training import budget  # noqa: E402
     "tokens, preset, train_tokens, vocab, expected",
     [
         (1_000_000, "tiny", 10**8, 4096, (999_424, 32)),  # 244 whole steps of 4,096 tokens (32 blocks of 128)
-        (4_000_000, "tiny", 10**8, 4096, (3_997_696, 128)),  # past 150 x 16,384: the batch rule's 16,384
-        (4_000_000, "tiny", 500_000, 4096, (1_998_848, 64)),  # at most 4 passes over the train split (8,192 a step)
+        (4_000_000, "tiny", 10**8, 4096, (3_997_696, 64)),  # under 250 x 16,384: the batch rule's 8,192
+        (4_000_000, "tiny", 500_000, 4096, (1_998_848, 32)),  # at most 4 passes over the train split (4,096 a step)
         (4_000_000, "tiny", 500_000, 8192, (999_424, 32)),  # 2 at 61 tokens a vocabulary entry
         (100, "nano", 10**8, 4096, (4_096, 16)),  # at least one step
     ],

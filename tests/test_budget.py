@@ -67,9 +67,12 @@ def test_duration_text_rounds_up(seconds, text):
     [
         (1e5, 128, 4096),  # the floor
         (471_040, 256, 4096),  # 3,140 -> the floor: nano's 100 s run at one thread, 115 steps
-        (1.2e6, 256, 4096),  # 8,000 -> 4,096
-        (2.35e6, 256, 8192),  # 15,667 -> 8,192: nano's 2,457,600-token default, less a budget's probe
-        (5e6, 256, 32_768),  # 5e6 / 150 = 33,333 -> the power of two below
+        (1.2e6, 256, 4096),  # 4,800 -> 4,096
+        (2.0e6, 256, 4096),  # 8,000 -> 4,096: 500 steps of 4,096 matched 250 of 8,192
+        (2.35e6, 256, 8192),  # 9,400 -> 8,192: nano's 2,457,600-token default, less a budget's probe
+        (2.62e6, 256, 8192),  # 10,486 -> 8,192: 320 steps of 8,192 beat 160 of 16,384 (0.3-1.2%)
+        (3.3e6, 256, 8192),  # 13,200 -> 8,192: 400 steps of 8,192 beat 200 of 16,384 (0.2-0.8%)
+        (5e6, 256, 16_384),  # 5e6 / 250 = 20,000 -> the power of two below
         (1e12, 1024, 131_072),  # the ceiling
         (1e5, 8192, 8192),  # at least one block
     ],
@@ -90,7 +93,7 @@ def test_split_batch(blocks, world, micro, expected):
 @pytest.mark.parametrize(
     "tokens, world, rounding, expected",
     [
-        (1_000_000, 1, math.floor, (244, 16)),  # 4,096-token steps (1e6 / 300 = 3,333 -> the floor): 244.1
+        (1_000_000, 1, math.floor, (244, 16)),  # 4,096-token steps (1e6 / 250 = 4,000 -> the floor): 244.1
         (1_000_000, 1, math.ceil, (245, 16)),
         (1_000_000, 1, round, (244, 16)),
         (997_000, 1, round, (243, 16)),  # 243.4
@@ -114,11 +117,11 @@ def request(text: str, **fields) -> budget.Request:
         ("30m", {}, "nano", 14_090_240),  # long enough for nano's parameters to beat tiny's extra tokens
         ("10h", {}, "nano", 282_198_016),
         ("100h", {}, "micro", 705_560_576),
-        ("10h", {"train_tokens": 1_250_000}, "micro", 4_980_736),  # a small corpus: 4 passes, then the largest model
-        ("10h", {"train_tokens": 1_250_000, "max_passes": 2}, "micro", 2_490_368),  # one of few tokens an entry: 2
+        ("10h", {"train_tokens": 1_250_000}, "micro", 4_997_120),  # a small corpus: 4 passes, then the largest model
+        ("10h", {"train_tokens": 1_250_000, "max_passes": 2}, "micro", 2_498_560),  # one of few tokens an entry: 2
         ("30m", {"target_tokens": 1_000_000}, "micro", 1_000_000),  # explicit tokens: the largest that fits them
         ("30m", {"target_tokens": 20_000_000}, "tiny", 20_000_000),  # only tiny trains 20M tokens in 29.4 minutes
-        ("2m", {"spent_seconds": 30.0}, "tiny", 1_744_896),  # the probe's time comes out of the budget
+        ("2m", {"spent_seconds": 30.0}, "tiny", 1_748_992),  # the probe's time comes out of the budget
     ],
 )
 def test_the_planner_picks_the_lowest_predicted_loss_that_fits(text, fields, preset, tokens):
