@@ -2,6 +2,7 @@
 after it?
 
     python bench/bench_check.py W1 W2 ...
+    python bench/bench_check.py --late W1 W2 ...
 
 Each W is a bench/bench_budget_wall.py work folder (its results.json, and TEXT-MODE/metrics.jsonl per run).
 For every run whose plan was checked, each estimate (`ESTIMATES`) is taken over the train rows logged up to
@@ -11,6 +12,11 @@ one in a hundred of the check's times, one in ten of the rows. The check's own r
 `budget.typical_step_seconds`, the session's median; the others are what a check that weighs a burst's slow
 first steps less would use. A ratio above 1: the estimate was slower than the rest, the run re-planned too
 short.
+
+With --late, the runs whose plan had a late check (`Plan.late_check`, which times the steps since the check):
+the session's median and the median of the rows since the check, each at the late check against the median of
+the rows after it; and each run's end against its budget with the late check's re-plan and without it
+(estimated: the end less the steps it added, or plus those it took, at the step time it measured).
 """
 
 from __future__ import annotations
@@ -40,21 +46,26 @@ MIN_ROWS_AFTER = 3  # a run with fewer rows after its check is left out: too few
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("works", nargs="+", help="bench_budget_wall.py work folders")
+    parser.add_argument("--late", action="store_true", help="replay the late checks, and their runs' ends")
     return parser.parse_args(argv)
 
 
-def checked_runs(work: Path) -> list[tuple[str, str, dict]]:
-    """(text, mode, check record) of each run in `work` whose plan was checked."""
+def planned_runs(work: Path) -> list[tuple[str, str, dict]]:
+    """(text, mode, run record) of each run in `work` with a --budget plan."""
     path = work / "results.json"
     if not path.is_file():
         raise UserError(f"{work}: no results.json (not a bench_budget_wall.py work folder)")
     runs = []
     for text, modes in json.loads(path.read_text()).items():
         for mode, run in modes.items() if isinstance(modes, dict) else ():
-            check = ((run if isinstance(run, dict) else {}).get("plan") or {}).get("check")
-            if check:
-                runs.append((text, mode, check))
+            if isinstance(run, dict) and run.get("plan"):
+                runs.append((text, mode, run))
     return runs
+
+
+def checked_runs(work: Path) -> list[tuple[str, str, dict]]:
+    """(text, mode, check record) of each run in `work` whose plan was checked."""
+    return [(text, mode, run["plan"]["check"]) for text, mode, run in planned_runs(work) if run["plan"].get("check")]
 
 
 def replay(rows: list[dict], at_step: int) -> dict[str, float] | None:
@@ -70,9 +81,64 @@ def replay(rows: list[dict], at_step: int) -> dict[str, float] | None:
 
 
 def summary(ratios: list[float]) -> str:
-    """The mean ratio and the root mean square of its distance from 1."""
+    """The mean ratio and the root mean square of its distance from 1 (a NaN, no estimate, left out)."""
+    ratios = [ratio for ratio in ratios if not math.isnan(ratio)]
     rms = math.sqrt(statistics.fmean((ratio - 1) ** 2 for ratio in ratios))
     return f"{statistics.fmean(ratios):.4f} ({rms:.4f})"
+
+
+def replay_late(rows: list[dict], check_step: int, late_step: int) -> dict[str, float] | None:
+    """At the late check: the session's median and the median of the rows since the check (NaN: none logged)
+    / the median of the rows after it (None: too few after)."""
+    train = [(row["step"], row["step_seconds"]) for row in rows if row.get("kind") == "train" and row["step"] > 1]
+    since = [seconds for step, seconds in train if check_step < step <= late_step]
+    ratios = replay(rows, late_step)
+    if ratios is None:
+        return None
+    rest = statistics.median(seconds for step, seconds in train if step > late_step)
+    return {
+        "session median": ratios["session median"],
+        "rows since the check": statistics.median(since) / rest if since else math.nan,
+    }
+
+
+def late_check_ends(plan: dict, seconds: float) -> tuple[float, float]:
+    """The run's end / its budget, and that end had its late check not re-planned: the steps the late check
+    added (or took), at the step time it measured, taken off (or added)."""
+    budget_seconds = budget.budget_seconds(plan["budget"])
+    late = plan["late_check"]
+    moved = (late["to_steps"] - late["from_steps"]) * late["step_seconds"]
+    return seconds / budget_seconds, (seconds - moved) / budget_seconds
+
+
+def report_late(replayed: list[tuple[str, str, str, dict, dict[str, float] | None, tuple[float, float]]]) -> list[str]:
+    """One row per run with a late check, then the estimates' mean (rms error) and the ends with and without."""
+    lines = [
+        "| work | text | mode | check | late check | session median | rows since the check | end / budget | "
+        "without its re-plan |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for work, text, mode, plan, ratios, ends in replayed:
+        check, late = plan["check"], plan["late_check"]
+        cells = [f"{ratios[name]:.3f}" if ratios else "-" for name in ("session median", "rows since the check")]
+        lines.append(
+            f"| {work} | {text} | {mode} | step {check['at_step']}: {check['from_steps']} -> {check['to_steps']} | "
+            f"step {late['at_step']}: {late['from_steps']} -> {late['to_steps']} | {cells[0]} | {cells[1]} | "
+            f"{ends[0]:.3f} | {ends[1]:.3f} |"
+        )
+    estimated = [ratios for *_, ratios, _ in replayed if ratios]
+    if estimated:
+        cells = [summary([ratios[name] for ratios in estimated]) for name in ("session median", "rows since the check")]
+        lines.append(f"| estimates: mean (rms error) | {len(estimated)} runs | | | | {cells[0]} | {cells[1]} | | |")
+    for index, label in ((0, "with the late check"), (1, "without its re-plan")):
+        ends = [run[-1][index] for run in replayed]
+        rms = math.sqrt(statistics.fmean((end - 1) ** 2 for end in ends))
+        outside = sum(abs(end - 1) > 0.05 for end in ends)
+        lines.append(
+            f"ends {label}: {min(ends):.3f}-{max(ends):.3f}x the budget, rms distance from 1 {rms:.4f}, "
+            f"{outside} of {len(ends)} outside 5%"
+        )
+    return lines
 
 
 def report(replayed: list[tuple[str, str, str, dict[str, float]]]) -> list[str]:
@@ -90,6 +156,8 @@ def report(replayed: list[tuple[str, str, str, dict[str, float]]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.late:
+        return main_late(args.works)
     replayed = []
     for work in map(Path, args.works):
         for text, mode, check in checked_runs(work):
@@ -99,6 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     if not replayed:
         raise UserError("no checked run with rows after its check in " + ", ".join(args.works))
     print("\n".join(report(replayed)))
+    return 0
+
+
+def main_late(works: list[str]) -> int:
+    replayed = []
+    for work in map(Path, works):
+        for text, mode, run in planned_runs(work):
+            plan = run["plan"]
+            if plan.get("late_check") and run.get("seconds"):
+                rows = metrics_log.read_metrics(work / f"{text}-{mode}" / "metrics.jsonl")
+                ratios = replay_late(rows, plan["check"]["at_step"], plan["late_check"]["at_step"])
+                replayed.append((work.name, text, mode, plan, ratios, late_check_ends(plan, run["seconds"])))
+    if not replayed:
+        raise UserError("no run with a late check in " + ", ".join(works))
+    print("\n".join(report_late(replayed)))
     return 0
 
 
