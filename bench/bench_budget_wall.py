@@ -95,9 +95,10 @@ def load_average() -> float:
 
 
 def train_command(corpus: Path, out: Path, threads: int, extra: list[str]) -> tuple[list[str], dict]:
-    """train.py's command line and environment for one run at `threads` torch threads."""
+    """train.py's command line and environment for one run at `threads` torch threads. Every step's time is
+    logged (--log-every 1), so that bench_check.py replays a check over the very steps it timed."""
     argv = [sys.executable, "train.py", "--data", str(corpus), "--out", str(out), "--threads", str(threads)]
-    return argv + ["--no-report", *extra], {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return argv + ["--log-every", "1", "--no-report", *extra], {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def timed_run(corpus: Path, out: Path, threads: int, extra: list[str], burst: float) -> dict:

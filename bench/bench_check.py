@@ -7,7 +7,8 @@ after it?
 Each W is a bench/bench_budget_wall.py work folder (its results.json, and TEXT-MODE/metrics.jsonl per run).
 For every run whose plan was checked, each estimate (`ESTIMATES`) is taken over the train rows logged up to
 the check's step and set against the median of the rows logged after it, the steps it stands for. A row is one
-step's time, logged every few steps: a sample of the steps the check saw. The first step is left out: it is
+step's time, logged every few steps (every step since bench_budget_wall.py gives --log-every 1, 2026-12-07): a
+sample of the steps the check saw. The first step is left out: it is
 one in a hundred of the check's times, one in ten of the rows. The check's own rule is
 `budget.typical_step_seconds`, the session's median; the others are what a check that weighs a burst's slow
 first steps less would use. A ratio above 1: the estimate was slower than the rest, the run re-planned too

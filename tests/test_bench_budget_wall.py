@@ -30,7 +30,7 @@ def test_every_run_trains_at_the_threads_given(tmp_path, threads):
     args = bench_budget_wall.parse_args(["--work", str(tmp_path)] + (["--threads", "2"] if threads == 2 else []))
     argv, env = bench_budget_wall.train_command(tmp_path / "c", tmp_path / "r", args.threads, ["--budget", "60s"])
     assert argv[argv.index("--threads") + 1] == str(threads) and env["OMP_NUM_THREADS"] == str(threads)
-    assert argv[-3:] == ["--no-report", "--budget", "60s"]
+    assert argv[-5:] == ["--log-every", "1", "--no-report", "--budget", "60s"]  # every step's time in metrics.jsonl
 
 
 def run_record(seconds: float, bpb: float, plan: dict | None = None) -> dict:
