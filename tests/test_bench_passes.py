@@ -16,7 +16,7 @@ import bench_passes  # noqa: E402
     "passes, preset, train_tokens, expected",
     [
         (1, "tiny", 397_093, (397_312, 32)),  # 97 whole steps of 4,096 tokens, the nearest to one pass
-        (4, "tiny", 397_093, (1_589_248, 64)),  # 194 steps of 8,192 (the rule: 1.59M / 150 -> 8,192)
+        (4, "tiny", 397_093, (1_589_248, 32)),  # 388 steps of 4,096 (the rule: 1.59M / 250 -> 4,096)
         (4, "nano", 10_000_000, (39_976_960, 512)),  # 305 steps of the largest batch, 131,072 tokens
         (0.001, "nano", 10_000, (4_096, 16)),  # at least one step
     ],
