@@ -124,10 +124,11 @@ UNCOUNTED_SHARE = 0.02  # of the budget, kept for what the plan does not count: 
 # 10% until 2026-12-07 planned the first length 8-16% short of what the check found fitted (docs/budget.md "The
 # first plan counted")
 STEPS_PER_RUN = 250  # the batch rule aims at this many optimizer steps or more (up to twice). At equal tokens 250
-# steps matched 500 (2.05M tokens), 300 matched 600 (2.46M) and 115 matched 230 (0.5M), while 160 lost 0.3-1.2% to 320
-# (2.62M) and 200 lost 0.2-0.8% to 400 (3.28M), 8 of 8: more than the larger step saves in optimizer time (a CPU's
-# nano: 1.3% at 16,384 tokens a step). bench/RESULTS.md "The batch rule at 250 steps"; 300 until 2026-12-06, 150 until
-# 2026-12-07
+# steps of 8,192 matched 500 (2.05M tokens), 300 matched 600 (2.46M) and 115 matched 230 (0.5M), while 160 lost
+# 0.3-1.2% to 320 (1.31M, 2.62M) and 200 lost 0.2-0.8% to 400 (3.28M), 12 of 12: more than the larger step saves in
+# optimizer time (a CPU's nano: 4.5% at 8,192 tokens a step, 1.3% at 16,384). 250 of 16,384 still lost 0.3% to 500 of
+# 8,192 (4.1M): above 8,192 the line is higher, unmeasured. bench/RESULTS.md "The batch rule at 250 steps"; 300 until
+# 2026-12-06, 150 until 2026-12-07
 MIN_BATCH_TOKENS = 4096  # at equal tokens over every held-out block (one thread, two seeds), 2,048 tokens a step
 # against 4,096: KJV 0.990-0.997x (nano), 0.996-0.998x (tiny), changelogs 1.004-1.006x, man pages 1.002-1.009x (nano):
 # 1.0001x on the mean, one optimizer step more per 4,096 tokens; 1,024 worse than 2,048 by 1.0-2.7% in 6 of 6. (2,048
