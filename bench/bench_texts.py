@@ -1,5 +1,6 @@
 """The real texts the benches train on, read from this machine (no download): the King James Bible
-(Debian's bible-kjv), Debian changelog entries, English man pages. One module: bench_recipe.py,
+(Debian's bible-kjv), Debian changelog entries, English man pages, Linux's documentation (Debian's
+linux-doc-6.1: long documents, prose and reStructuredText). One module: bench_recipe.py,
 bench_packing.py, bench_elementwise_quality.py, bench_budget.py and bench_mixture.py take them from here, and
 build their corpora with `make_corpus` (the same splits everywhere); bench_vocab.py takes them and SPLITS, and
 builds with `python data.py` itself (the command line is what it measures)."""
@@ -21,17 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tinyllm.common import UserError  # noqa: E402
 from tinyllm.data import build as data  # noqa: E402
 
-TEXTS = ("kjv", "manpages", "changelog")
+TEXTS = ("kjv", "manpages", "changelog", "linuxdoc")
 # The benches' held-out documents: 2% validation, 5% test (held-out bits per byte is measured on the test split).
 SPLITS = ("--val-fraction", "0.02", "--test-fraction", "0.05")
 ENTRY_START = re.compile(r"^\S+ \([^)]*\) [^;]*; urgency=", re.MULTILINE)  # a Debian changelog entry's first line
 MAN_SECTIONS = ("man1", "man2", "man3", "man5", "man7", "man8")
+LINUX_DOCS = Path("/usr/share/doc/linux-doc-6.1/Documentation")
 
 
 def text_documents(name: str, limit_bytes: int) -> list[str]:
     """The documents of a built-in text, at most `limit_bytes` of them."""
     if name == "manpages":
         return man_pages(limit_bytes)
+    if name == "linuxdoc":
+        return linux_documentation(limit_bytes)
     return changelog_entries(limit_bytes) if name == "changelog" else take_bytes(kjv_documents(), limit_bytes)
 
 
@@ -73,6 +77,22 @@ def changelog_entries(limit_bytes: int, seed: int = 0) -> list[str]:
         )
     random.Random(seed).shuffle(entries)
     return take_bytes(entries, limit_bytes)
+
+
+def linux_documentation(limit_bytes: int, seed: int = 0, root: Path = LINUX_DOCS) -> list[str]:
+    """Linux's documentation, one document per reStructuredText file (translations left out), shuffled, at most
+    `limit_bytes` of text: Debian's linux-doc-6.1 (installed when missing, as root), 21 MB in all."""
+    if not root.is_dir() and os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing Debian's linux-doc-6.1 (a benchmark text of long documents) with apt-get", flush=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "linux-doc-6.1"], check=False, stdout=subprocess.DEVNULL)
+    paths = sorted(
+        (path for path in root.rglob("*.rst.gz") if "translations" not in path.relative_to(root).parts), key=str
+    )
+    if not paths:
+        raise UserError(f"no Linux documentation under {root}: sudo apt-get install linux-doc-6.1")
+    random.Random(seed).shuffle(paths)
+    texts = (gzip.open(path, "rt", encoding="utf-8", errors="replace").read() for path in paths)
+    return take_bytes([text for text in texts if len(text) >= 200], limit_bytes)
 
 
 def take_bytes(texts: list[str], limit_bytes: int) -> list[str]:

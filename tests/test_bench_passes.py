@@ -17,7 +17,7 @@ import bench_passes  # noqa: E402
     [
         (1, "tiny", 397_093, (397_312, 32)),  # 97 whole steps of 4,096 tokens, the nearest to one pass
         (4, "tiny", 397_093, (1_589_248, 32)),  # 388 steps of 4,096 (the rule: 1.59M / 250 -> 4,096)
-        (4, "nano", 10_000_000, (39_976_960, 512)),  # 305 steps of the largest batch, 131,072 tokens
+        (4, "nano", 10_000_000, (40_009_728, 128)),  # 1,221 steps of 32,768 (the root of 40M x 8,192 / 250: 36,204)
         (0.001, "nano", 10_000, (4_096, 16)),  # at least one step
     ],
 )

@@ -72,7 +72,12 @@ def test_duration_text_rounds_up(seconds, text):
         (2.35e6, 256, 8192),  # 9,400 -> 8,192: nano's 2,457,600-token default, less a budget's probe
         (2.62e6, 256, 8192),  # 10,486 -> 8,192: 320 steps of 8,192 beat 160 of 16,384 (0.3-1.2%)
         (3.3e6, 256, 8192),  # 13,200 -> 8,192: 400 steps of 8,192 beat 200 of 16,384 (0.2-0.8%)
-        (5e6, 256, 16_384),  # 5e6 / 250 = 20,000 -> the power of two below
+        (4.1e6, 256, 8192),  # the root of 4.1e6 x 8,192 / 250 = 11,591: 500 steps of 8,192 beat 250 of 16,384
+        (5e6, 256, 8192),  # 12,800 (the old rule's 5e6 / 250 = 20,000 gave 16,384: 305 steps)
+        (8.192e6, 256, 16_384),  # exactly 16,384: 500 steps of 16,384 matched 1,000 of 8,192
+        (3.3e7, 1024, 32_768),  # 32,885: 1,007 steps (the old rule's ceiling from 32.8M)
+        (5.2e8, 1024, 65_536),  # 130,538: under the ceiling
+        (524_288_000, 1024, 131_072),  # the ceiling's first run: 4,000 steps
         (1e12, 1024, 131_072),  # the ceiling
         (1e5, 8192, 8192),  # at least one block
     ],
@@ -97,8 +102,8 @@ def test_split_batch(blocks, world, micro, expected):
         (1_000_000, 1, math.ceil, (245, 16)),
         (1_000_000, 1, round, (244, 16)),
         (997_000, 1, round, (243, 16)),  # 243.4
-        (40_000_000, 1, math.floor, (305, 512)),  # 131,072-token steps: 305.2
-        (40_000_000, 3, math.floor, (304, 513)),  # a multiple of the world size
+        (40_000_000, 1, math.floor, (1220, 128)),  # 32,768-token steps (the root of 40e6 x 8,192 / 250): 1,220.7
+        (40_000_000, 3, math.floor, (1211, 129)),  # a multiple of the world size
         (1000, 1, math.floor, (1, 16)),  # at least one step
     ],
 )
@@ -114,7 +119,7 @@ def request(text: str, **fields) -> budget.Request:
     "text, fields, preset, tokens",
     [
         ("2m", {}, "tiny", 2_351_104),  # 117.6 s of training: tiny's tokens beat nano's parameters
-        ("30m", {}, "nano", 14_090_240),  # long enough for nano's parameters to beat tiny's extra tokens
+        ("30m", {}, "nano", 14_106_624),  # long enough for nano's parameters to beat tiny's extra tokens
         ("10h", {}, "nano", 282_198_016),
         ("100h", {}, "micro", 705_560_576),
         ("10h", {"train_tokens": 1_250_000}, "micro", 4_997_120),  # a small corpus: 4 passes, then the largest model
@@ -1357,10 +1362,10 @@ def test_only_a_plan_for_the_same_budget_is_kept_and_a_resume_under_another_is_r
     "argv, differences",
     [
         ([], []),  # the plan applies
-        (["--preset", "nano", "--target-tokens", "14090240"], []),  # the plan's own values (RUN/config.toml's)
+        (["--preset", "nano", "--target-tokens", "14106624"], []),  # the plan's own values (RUN/config.toml's)
         (["--preset", "micro"], ["preset: nano -> micro"]),
-        (["--target-tokens", "2e6"], ["target_tokens: 14090240 -> 2000000"]),
-        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 14090240 -> 1"]),
+        (["--target-tokens", "2e6"], ["target_tokens: 14106624 -> 2000000"]),
+        (["--preset", "tiny", "--target-tokens", "1"], ["preset: nano -> tiny", "target_tokens: 14106624 -> 1"]),
         (["--layers", "8"], []),  # not the plan's: the checkpoint's comparison names it
     ],
 )

@@ -123,12 +123,16 @@ UNCOUNTED_SHARE = 0.02  # of the budget, kept for what the plan does not count: 
 # compile, --eval-tasks in the loop (the steps, validations, test, start-up and probe are counted: run_seconds). A flat
 # 10% until 2026-12-07 planned the first length 8-16% short of what the check found fitted (docs/budget.md "The
 # first plan counted")
-STEPS_PER_RUN = 250  # the batch rule aims at this many optimizer steps or more (up to twice). At equal tokens 250
-# steps of 8,192 matched 500 (2.05M tokens), 300 matched 600 (2.46M) and 115 matched 230 (0.5M), while 160 lost
-# 0.3-1.2% to 320 (1.31M, 2.62M) and 200 lost 0.2-0.8% to 400 (3.28M), 12 of 12: more than the larger step saves in
-# optimizer time (a CPU's nano: 4.5% at 8,192 tokens a step, 1.3% at 16,384). 250 of 16,384 still lost 0.3% to 500 of
-# 8,192 (4.1M): above 8,192 the line is higher, unmeasured. bench/RESULTS.md "The batch rule at 250 steps"; 300 until
-# 2026-12-06, 150 until 2026-12-07
+STEPS_PER_RUN = 250  # the batch rule aims at this many optimizer steps or more (up to twice), up to STEPS_KNEE_BATCH.
+# At equal tokens 250 steps of 8,192 matched 500 (2.05M tokens), 300 matched 600 (2.46M) and 115 matched 230 (0.5M),
+# while 160 lost 0.3-1.2% to 320 (1.31M, 2.62M) and 200 lost 0.2-0.8% to 400 (3.28M), 12 of 12: more than the larger
+# step saves in optimizer time (a CPU's nano: 4.5% at 8,192 tokens a step, 1.3% at 16,384). bench/RESULTS.md "The
+# batch rule at 250 steps"; 300 until 2026-12-06, 150 until 2026-12-07
+STEPS_KNEE_BATCH = 8192  # above this batch (tokens a step) a batch needs STEPS_PER_RUN x batch / STEPS_KNEE_BATCH
+# steps, so the batch grows as the root of the tokens: 250 steps of 16,384 lost 0.3% to 500 of 8,192 at 4.1M tokens
+# (12 MB changelogs), 250 of 32,768 lost 1.2-3.3% to 500 of 16,384 at 8.2M (4 of 4: the changelogs and 21 MB of
+# Linux's documentation), where 500 of 16,384 matched 1,000 of 8,192 (0.9998x, 0.9992x). bench/RESULTS.md "The
+# batch grows as the root of the tokens"
 MIN_BATCH_TOKENS = 4096  # at equal tokens over every held-out block (one thread, two seeds), 2,048 tokens a step
 # against 4,096: KJV 0.990-0.997x (nano), 0.996-0.998x (tiny), changelogs 1.004-1.006x, man pages 1.002-1.009x (nano):
 # 1.0001x on the mean, one optimizer step more per 4,096 tokens; 1,024 worse than 2,048 by 1.0-2.7% in 6 of 6. (2,048
@@ -274,10 +278,14 @@ class Plan:
 
 
 def batch_tokens(tokens: float, context: int) -> int:
-    """The global batch in tokens for a run of `tokens`: the power of two nearest below tokens /
-    STEPS_PER_RUN (so STEPS_PER_RUN to twice that many steps), within [MIN_BATCH_TOKENS, MAX_BATCH_TOKENS],
-    and at least one block."""
-    wanted = max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, tokens / STEPS_PER_RUN))
+    """The global batch in tokens for a run of `tokens`: the largest power of two with at least STEPS_PER_RUN
+    steps (up to STEPS_KNEE_BATCH tokens a step; above it STEPS_PER_RUN x batch / STEPS_KNEE_BATCH steps, a batch
+    of the root of tokens x STEPS_KNEE_BATCH / STEPS_PER_RUN), within [MIN_BATCH_TOKENS, MAX_BATCH_TOKENS], and
+    at least one block."""
+    wanted = tokens / STEPS_PER_RUN
+    if wanted > STEPS_KNEE_BATCH:
+        wanted = math.sqrt(tokens * STEPS_KNEE_BATCH / STEPS_PER_RUN)
+    wanted = max(MIN_BATCH_TOKENS, min(MAX_BATCH_TOKENS, wanted))
     return max(context, 2 ** int(math.floor(math.log2(wanted))))
 
 
