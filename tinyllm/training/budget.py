@@ -131,8 +131,8 @@ STEPS_PER_RUN = 250  # the batch rule aims at this many optimizer steps or more 
 STEPS_KNEE_BATCH = 8192  # above this batch (tokens a step) a batch needs STEPS_PER_RUN x batch / STEPS_KNEE_BATCH
 # steps, so the batch grows as the root of the tokens: 250 steps of 16,384 lost 0.3% to 500 of 8,192 at 4.1M tokens
 # (12 MB changelogs), 250 of 32,768 lost 1.2-3.3% to 500 of 16,384 at 8.2M (4 of 4: the changelogs and 21 MB of
-# Linux's documentation), where 500 of 16,384 matched 1,000 of 8,192 (0.9998x, 0.9992x). bench/RESULTS.md "The
-# batch grows as the root of the tokens"
+# Linux's documentation), where 500 of 16,384 matched 1,000 of 8,192 (0.9998x, 0.9992x); 500 of 32,768 lost 0.66% to
+# 1,000 of 16,384 at 16.4M (one seed). bench/RESULTS.md "The batch grows as the root of the tokens"
 MIN_BATCH_TOKENS = 4096  # at equal tokens over every held-out block (one thread, two seeds), 2,048 tokens a step
 # against 4,096: KJV 0.990-0.997x (nano), 0.996-0.998x (tiny), changelogs 1.004-1.006x, man pages 1.002-1.009x (nano):
 # 1.0001x on the mean, one optimizer step more per 4,096 tokens; 1,024 worse than 2,048 by 1.0-2.7% in 6 of 6. (2,048
