@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,12 +40,17 @@ def text_documents(name: str, limit_bytes: int) -> list[str]:
     return changelog_entries(limit_bytes) if name == "changelog" else take_bytes(kjv_documents(), limit_bytes)
 
 
+def install_package(package: str, why: str) -> None:
+    """Debian's `package`, installed with apt-get where this runs as root (else left to the caller's message)."""
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print(f"installing Debian's {package} ({why}) with apt-get", flush=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", package], check=False, stdout=subprocess.DEVNULL)
+
+
 def kjv_documents() -> list[str]:
     """The KJV Bible, one document per chapter, from Debian's bible-kjv (installed when missing, as root)."""
     if shutil.which("bible") is None:
-        if os.geteuid() == 0 and shutil.which("apt-get"):
-            print("installing Debian's bible-kjv (the benchmark's real English text) with apt-get", flush=True)
-            subprocess.run(["apt-get", "install", "-y", "-q", "bible-kjv"], check=False, stdout=subprocess.DEVNULL)
+        install_package("bible-kjv", "the benchmark's real English text")
         if shutil.which("bible") is None:
             raise UserError(
                 "the benchmark text needs Debian's bible-kjv package: sudo apt-get install bible-kjv "
@@ -82,9 +88,8 @@ def changelog_entries(limit_bytes: int, seed: int = 0) -> list[str]:
 def linux_documentation(limit_bytes: int, seed: int = 0, root: Path = LINUX_DOCS) -> list[str]:
     """Linux's documentation, one document per reStructuredText file (translations left out), shuffled, at most
     `limit_bytes` of text: Debian's linux-doc-6.1 (installed when missing, as root), 21 MB in all."""
-    if not root.is_dir() and os.geteuid() == 0 and shutil.which("apt-get"):
-        print("installing Debian's linux-doc-6.1 (a benchmark text of long documents) with apt-get", flush=True)
-        subprocess.run(["apt-get", "install", "-y", "-q", "linux-doc-6.1"], check=False, stdout=subprocess.DEVNULL)
+    if not root.is_dir():
+        install_package("linux-doc-6.1", "a benchmark text of long documents")
     paths = sorted(
         (path for path in root.rglob("*.rst.gz") if "translations" not in path.relative_to(root).parts), key=str
     )
@@ -92,10 +97,10 @@ def linux_documentation(limit_bytes: int, seed: int = 0, root: Path = LINUX_DOCS
         raise UserError(f"no Linux documentation under {root}: sudo apt-get install linux-doc-6.1")
     random.Random(seed).shuffle(paths)
     texts = (gzip.open(path, "rt", encoding="utf-8", errors="replace").read() for path in paths)
-    return take_bytes([text for text in texts if len(text) >= 200], limit_bytes)
+    return take_bytes((text for text in texts if len(text) >= 200), limit_bytes)  # read only as many as kept
 
 
-def take_bytes(texts: list[str], limit_bytes: int) -> list[str]:
+def take_bytes(texts: Iterable[str], limit_bytes: int) -> list[str]:
     """The first texts, in order, until `limit_bytes` of UTF-8 are reached (the one that crosses it included)."""
     kept, size = [], 0
     for text in texts:
